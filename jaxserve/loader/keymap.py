@@ -1,0 +1,171 @@
+"""The explicit map from checkpoint tensor names to jaxserve parameters.
+
+HF names are canonical; GGUF names are translated to them first. Every tensor is checked
+against the parameter declaration: unknown, missing, duplicated or misshapen tensors are
+refused with a message that names them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.params import Params, declare_params, from_param_paths, param_paths
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model it claims to be."""
+
+
+@dataclass(frozen=True)
+class Target:
+    path: str  # e.g. "layers.wq"
+    layer: int | None  # index on the stacked layer axis
+    transform: Callable[[np.ndarray], np.ndarray]
+    hf_shape: tuple[int, ...]
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Names some checkpoints carry that hold no parameters of ours.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
+    E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
+
+    def proj_in(heads: int) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda w: w.T.reshape(E, heads, D)
+
+    def bias(heads: int) -> Callable[[np.ndarray], np.ndarray]:
+        return lambda b: b.reshape(heads, D)
+
+    ident = lambda w: w  # noqa: E731
+    t: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]] = {
+        "input_layernorm.weight": ("layers.attn_norm", ident, (E,)),
+        "self_attn.q_proj.weight": ("layers.wq", proj_in(Hq), (Hq * D, E)),
+        "self_attn.k_proj.weight": ("layers.wk", proj_in(Hkv), (Hkv * D, E)),
+        "self_attn.v_proj.weight": ("layers.wv", proj_in(Hkv), (Hkv * D, E)),
+        "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
+        "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
+        "mlp.gate_proj.weight": ("layers.w_gate", lambda w: w.T, (F, E)),
+        "mlp.up_proj.weight": ("layers.w_up", lambda w: w.T, (F, E)),
+        "mlp.down_proj.weight": ("layers.w_down", lambda w: w.T, (E, F)),
+    }
+    if cfg.attention_bias:
+        t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq), (Hq * D,))
+        t["self_attn.k_proj.bias"] = ("layers.bk", bias(Hkv), (Hkv * D,))
+        t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
+        if cfg.family != "qwen2":
+            t["self_attn.o_proj.bias"] = ("layers.bo", ident, (E,))
+    if cfg.qk_norm:
+        t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
+        t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
+    if cfg.mlp_bias:
+        t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
+        t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
+        t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
+    return t
+
+
+def hf_target(name: str, cfg: ModelConfig) -> Target | None:
+    """Where HF tensor `name` goes; None for names that carry no parameter (e.g. inv_freq)."""
+    if _IGNORED.search(name):
+        return None
+    E, V = cfg.hidden_size, cfg.vocab_size
+    if name == "model.embed_tokens.weight":
+        return Target("embed", None, lambda w: w, (V, E))
+    if name == "model.norm.weight":
+        return Target("final_norm", None, lambda w: w, (E,))
+    if name == "lm_head.weight":
+        return Target("lm_head", None, lambda w: w.T, (V, E))
+    m = _LAYER_RE.match(name)
+    if m:
+        layer, rest = int(m.group(1)), m.group(2)
+        if layer >= cfg.num_layers:
+            raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
+        spec = _layer_targets(cfg).get(rest)
+        if spec is not None:
+            path, transform, shape = spec
+            return Target(path, layer, transform, shape)
+    raise CheckpointError(f"unknown tensor {name!r} for a {cfg.family} model")
+
+
+def hf_names(cfg: ModelConfig) -> list[str]:
+    """Every HF tensor name a checkpoint of `cfg` must hold (the inverse of `hf_target`)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg))
+    return names
+
+
+def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:
+    """The HF-layout tensor for `name` from our (host) parameters; inverse of the load transform."""
+    target = hf_target(name, cfg)
+    assert target is not None
+    value = params_flat[target.path]
+    if target.layer is not None:
+        value = value[target.layer]
+    if target.path in ("layers.wq", "layers.wk", "layers.wv"):
+        return value.reshape(value.shape[0], -1).T
+    if target.path == "layers.wo":
+        return value.reshape(-1, value.shape[-1]).T
+    if target.path in ("layers.w_gate", "layers.w_up", "layers.w_down", "lm_head"):
+        return value.T
+    return value.reshape(-1) if target.path in ("layers.bq", "layers.bk", "layers.bv") else value
+
+
+class WeightAssembler:
+    """Collects checkpoint tensors into host arrays of the declared shapes, checking each one."""
+
+    def __init__(self, cfg: ModelConfig, dtype: np.dtype):
+        self.cfg = cfg
+        self.dtype = np.dtype(dtype)
+        self._decl = param_paths(declare_params(cfg))
+        self._arrays: dict[str, np.ndarray] = {}
+        self._seen: set[str] = set()
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes."""
+        target = hf_target(name, self.cfg)
+        if target is None:
+            return
+        if target.path == "lm_head" and self.cfg.tie_word_embeddings:
+            return  # tied checkpoints may still carry a copy of the embedding
+        if name in self._seen:
+            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+        if tuple(tensor.shape) != target.hf_shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.hf_shape} for this config"
+            )
+        self._seen.add(name)
+        value = np.asarray(target.transform(tensor)).astype(self.dtype, copy=False)
+        info = self._decl[target.path]
+        if target.path not in self._arrays:
+            self._arrays[target.path] = np.empty(info.shape, self.dtype)
+        if target.layer is None:
+            self._arrays[target.path][...] = value
+        else:
+            self._arrays[target.path][target.layer] = value
+
+    def missing(self) -> list[str]:
+        return [n for n in hf_names(self.cfg) if n not in self._seen]
+
+    def finish(self, place: Callable[[str, np.ndarray], object] | None = None) -> Params:
+        """The parameter tree; `place(path, host_array)` moves each array to its device(s)."""
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        flat = {}
+        for path in list(self._arrays):
+            host = self._arrays.pop(path)  # drop our reference so host memory is freed as we go
+            flat[path] = place(path, host) if place else host
+        return from_param_paths(self.cfg, flat)

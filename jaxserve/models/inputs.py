@@ -1,0 +1,120 @@
+"""The device-side inputs of one model step and the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """The page pool of every layer.
+
+    `k` and `v` are `[num_layers, num_pages, page_size, num_kv_heads, head_dim]`. Page 0 is
+    reserved: padding tokens write there and no sequence reads it. Inside the forward pass the
+    layer and page axes are merged (`[num_layers * num_pages, ...]`, a free reshape), so one
+    layer's pages are addressed as `layer * num_pages + page` and no layer is ever copied out.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> KVCache:
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
+        return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ModelInputs:
+    """A ragged batch: `T` token slots packed by sequence, `S` sequence slots, `P` pages each.
+
+    Sequence `s` owns tokens `query_start_loc[s]:query_start_loc[s + 1]`; those are its newest
+    tokens, so token `i` of it sits at position `seq_lens[s] - q_len[s] + i`. Token slots past
+    `query_start_loc[S]` are padding: they write to page 0 and their outputs are ignored.
+    """
+
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32, page * page_size + offset
+    block_tables: jax.Array  # [S, P] int32
+    seq_lens: jax.Array  # [S] int32, KV length including this step's tokens
+    query_start_loc: jax.Array  # [S + 1] int32
+    logits_indices: jax.Array  # [R] int32, the token slots whose logits are returned
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[tuple[list[int], int, list[int]]],
+        page_size: int,
+        num_tokens: int | None = None,
+        num_seqs: int | None = None,
+        pages_per_seq: int | None = None,
+        all_logits: bool = False,
+    ) -> ModelInputs:
+        """Host-side builder from `(new_token_ids, start_position, page_table)` per sequence.
+
+        Pads to the given bucket sizes; returns the last token's logits per sequence, or every
+        token's with `all_logits`.
+        """
+        real_tokens = sum(len(t) for t, _, _ in seqs)
+        T = num_tokens or real_tokens
+        S = num_seqs or len(seqs)
+        P = pages_per_seq or max(1, max(len(p) for _, _, p in seqs))
+        if real_tokens > T or len(seqs) > S:
+            raise ValueError(f"batch of {len(seqs)} seqs / {real_tokens} tokens exceeds bucket {S} / {T}")
+        token_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slots = np.zeros(T, np.int32)
+        tables = np.zeros((S, P), np.int32)
+        seq_lens = np.zeros(S, np.int32)
+        qsl = np.zeros(S + 1, np.int32)
+        last = np.zeros(S, np.int32)
+        t = 0
+        for s, (toks, start, pages) in enumerate(seqs):
+            n = len(toks)
+            end = start + n
+            if -(-end // page_size) > len(pages):
+                raise ValueError(f"sequence {s} needs {-(-end // page_size)} pages, has {len(pages)}")
+            if len(pages) > P:
+                raise ValueError(f"sequence {s} has {len(pages)} pages, bucket allows {P}")
+            pos = np.arange(start, end)
+            token_ids[t:t + n] = toks
+            positions[t:t + n] = pos
+            slots[t:t + n] = np.asarray(pages, np.int64)[pos // page_size] * page_size + pos % page_size
+            tables[s, : len(pages)] = pages
+            seq_lens[s] = end
+            qsl[s + 1] = t + n
+            last[s] = t + n - 1
+            t += n
+        qsl[len(seqs) + 1:] = t
+        logits_indices = np.arange(T, dtype=np.int32) if all_logits else last
+        return cls(
+            token_ids=jnp.asarray(token_ids),
+            positions=jnp.asarray(positions),
+            slot_mapping=jnp.asarray(slots),
+            block_tables=jnp.asarray(tables),
+            seq_lens=jnp.asarray(seq_lens),
+            query_start_loc=jnp.asarray(qsl),
+            logits_indices=jnp.asarray(logits_indices),
+        )

@@ -1,0 +1,125 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) as pure functions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
+from jaxserve.models.attention import AttentionBackend, paged_attention
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.params import LayerParams, Params
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in x's dtype (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, [T, head_dim], for the half-split (rotate_half) rotary layout."""
+    inv_freq, attention_factor = rope_inv_freq_and_scale(cfg)
+    inv = jnp.asarray(np.asarray(inv_freq, np.float32))
+    angles = positions.astype(jnp.float32)[:, None] * inv[None, :]  # [T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
+    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x ([T, H, D]) by position; computed in float32."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+def _layer(
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    inputs: ModelInputs,
+    cos: jax.Array,
+    sin: jax.Array,
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+    xs: tuple[LayerParams, jax.Array],
+):
+    x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
+    lp, layer = xs
+    num_pages = k_all.shape[0] // cfg.num_layers
+    page_size = k_all.shape[1]
+
+    with jax.named_scope("attention"):
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, Hq, D]
+        k = jnp.einsum("te,ehd->thd", h, lp.wk)  # [T, Hkv, D]
+        v = jnp.einsum("te,ehd->thd", h, lp.wv)  # [T, Hkv, D]
+        if lp.bq is not None:
+            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+        if lp.q_norm is not None:
+            q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        n_flat, _, hkv, d = k_all.shape
+        slots = inputs.slot_mapping + layer * (num_pages * page_size)
+        k_all = k_all.reshape(n_flat * page_size, hkv, d).at[slots].set(k.astype(k_all.dtype))
+        v_all = v_all.reshape(n_flat * page_size, hkv, d).at[slots].set(v.astype(v_all.dtype))
+        k_all = k_all.reshape(n_flat, page_size, hkv, d)
+        v_all = v_all.reshape(n_flat, page_size, hkv, d)
+
+        attn = paged_attention(
+            backend, q, k_all, v_all,
+            inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
+            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+        )  # [T, Hq, D]
+        out = jnp.einsum("thd,hde->te", attn, lp.wo)
+        if lp.bo is not None:
+            out = out + lp.bo
+        x = x + out
+
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        gate = h @ lp.w_gate  # [T, F]
+        up = h @ lp.w_up
+        if lp.b_gate is not None:
+            gate, up = gate + lp.b_gate, up + lp.b_up
+        down = (jax.nn.silu(gate) * up) @ lp.w_down
+        if lp.b_down is not None:
+            down = down + lp.b_down
+        x = x + down
+    return (x, k_all, v_all), None
+
+
+def forward(
+    params: Params,
+    kv: KVCache,
+    inputs: ModelInputs,
+    cfg: ModelConfig,
+    backend: AttentionBackend = "xla",
+) -> tuple[jax.Array, KVCache]:
+    """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
+    and the KV cache with this step's keys and values written into their pages."""
+    L, N, page_size, hkv, d = kv.k.shape
+    with jax.named_scope("embed"):
+        x = params.embed[inputs.token_ids]  # [T, E]
+    cos, sin = rope_tables(cfg, inputs.positions)
+    k_all = kv.k.reshape(L * N, page_size, hkv, d)
+    v_all = kv.v.reshape(L * N, page_size, hkv, d)
+
+    def step(carry, xs):
+        return _layer(cfg, backend, inputs, cos, sin, carry, xs)
+
+    (x, k_all, v_all), _ = jax.lax.scan(
+        step, (x, k_all, v_all), (params.layers, jnp.arange(L, dtype=jnp.int32))
+    )
+    with jax.named_scope("lm_head"):
+        x = x[inputs.logits_indices]  # [R, E]
+        x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+        if params.lm_head is None:
+            logits = jnp.einsum("re,ve->rv", x, params.embed, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+    return logits, KVCache(k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))

@@ -1,0 +1,169 @@
+"""Parameters of a Llama-family model, declared once abstractly.
+
+Every parameter is declared by a `ParamInfo` (shape, logical axis names, initializer).
+From that single declaration come random initialization for tests, the loader's target
+shapes, abstract `ShapeDtypeStruct`s, and the logical axes that sharding rules map to a mesh.
+Per-layer parameters are stacked on a leading `layers` axis so the forward pass scans them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+
+Init = Literal["normal", "ones", "zeros"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Abstract description of one parameter array (a pytree leaf)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: Init = "normal"
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LayerParams:
+    """Decoder layer parameters, each stacked on a leading `layers` axis."""
+
+    attn_norm: Any  # [L, E]
+    wq: Any  # [L, E, Hq, D]
+    wk: Any  # [L, E, Hkv, D]
+    wv: Any  # [L, E, Hkv, D]
+    wo: Any  # [L, Hq, D, E]
+    mlp_norm: Any  # [L, E]
+    w_gate: Any  # [L, E, F]
+    w_up: Any  # [L, E, F]
+    w_down: Any  # [L, F, E]
+    bq: Any = None  # [L, Hq, D]
+    bk: Any = None  # [L, Hkv, D]
+    bv: Any = None  # [L, Hkv, D]
+    bo: Any = None  # [L, E]
+    q_norm: Any = None  # [L, D]
+    k_norm: Any = None  # [L, D]
+    b_gate: Any = None  # [L, F]
+    b_up: Any = None  # [L, F]
+    b_down: Any = None  # [L, E]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Params:
+    """All parameters of a Llama-family model."""
+
+    embed: Any  # [V, E]
+    layers: LayerParams
+    final_norm: Any  # [E]
+    lm_head: Any = None  # [E, V]; None when tied to `embed`
+
+
+def declare_params(cfg: ModelConfig) -> Params:
+    """The abstract parameter tree of `cfg` (leaves are `ParamInfo`)."""
+    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    Hq, Hkv, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+
+    def p(shape: tuple[int, ...], axes: tuple[str | None, ...], init: Init = "normal") -> ParamInfo:
+        return ParamInfo(shape, axes, init)
+
+    layers = LayerParams(
+        attn_norm=p((L, E), ("layers", "embed"), "ones"),
+        wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
+        wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
+        wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
+        wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
+        mlp_norm=p((L, E), ("layers", "embed"), "ones"),
+        w_gate=p((L, E, F), ("layers", "embed", "mlp")),
+        w_up=p((L, E, F), ("layers", "embed", "mlp")),
+        w_down=p((L, F, E), ("layers", "mlp", "embed")),
+    )
+    if cfg.attention_bias:
+        layers.bq = p((L, Hq, D), ("layers", "q_heads", "head_dim"), "zeros")
+        layers.bk = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
+        layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
+    if cfg.qk_norm:
+        layers.q_norm = p((L, D), ("layers", "head_dim"), "ones")
+        layers.k_norm = p((L, D), ("layers", "head_dim"), "ones")
+    if cfg.mlp_bias:
+        layers.b_gate = p((L, F), ("layers", "mlp"), "zeros")
+        layers.b_up = p((L, F), ("layers", "mlp"), "zeros")
+        layers.b_down = p((L, E), ("layers", "embed"), "zeros")
+    return Params(
+        embed=p((V, E), ("vocab", "embed")),
+        layers=layers,
+        final_norm=p((E,), ("embed",), "ones"),
+        lm_head=None if cfg.tie_word_embeddings else p((E, V), ("embed", "vocab")),
+    )
+
+
+def _is_info(x: Any) -> bool:
+    return isinstance(x, ParamInfo)
+
+
+def abstract_params(cfg: ModelConfig, dtype: jnp.dtype) -> Params:
+    """`ShapeDtypeStruct` leaves, for lowering without materializing weights."""
+    return jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, dtype), declare_params(cfg), is_leaf=_is_info)
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """The logical axis names of every parameter (tuples as leaves)."""
+    return jax.tree.map(lambda i: i.axes, declare_params(cfg), is_leaf=_is_info)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, scale: float = 0.02) -> Params:
+    """Random parameters for tests: normal(0, scale) matrices, unit norms, zero biases."""
+    infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
+    keys = jax.random.split(key, len(infos))
+    leaves = []
+    for k, info in zip(keys, infos, strict=True):
+        if info.init == "ones":
+            leaves.append(jnp.ones(info.shape, dtype))
+        elif info.init == "zeros":
+            leaves.append(jnp.zeros(info.shape, dtype))
+        else:
+            leaves.append((scale * jax.random.normal(k, info.shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def param_paths(tree: Params) -> dict[str, Any]:
+    """Flatten a parameter tree to {"layers.wq": leaf, ...} (None fields omitted)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(tree):
+        value = getattr(tree, f.name)
+        if value is None:
+            continue
+        if isinstance(value, LayerParams):
+            for g in dataclasses.fields(value):
+                sub = getattr(value, g.name)
+                if sub is not None:
+                    out[f"layers.{g.name}"] = sub
+        else:
+            out[f.name] = value
+    return out
+
+
+def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
+    """Inverse of `param_paths` for the declaration of `cfg`."""
+    decl = declare_params(cfg)
+    layer_kwargs = {
+        g.name: flat[f"layers.{g.name}"]
+        for g in dataclasses.fields(decl.layers)
+        if getattr(decl.layers, g.name) is not None
+    }
+    return Params(
+        embed=flat["embed"],
+        layers=LayerParams(**layer_kwargs),
+        final_norm=flat["final_norm"],
+        lm_head=flat.get("lm_head"),
+    )
