@@ -1,0 +1,80 @@
+"""What the engine hands back for a request, shaped as vLLM's `RequestOutput`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclasses.dataclass
+class Logprob:
+    """The log probability of one token, its rank (1 = most likely) and its text once decoded."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+"""The logprobs reported for one generated position: the sampled token and the top ones."""
+
+SampleLogprobs = list[TokenLogprobs]
+"""One `TokenLogprobs` per generated token."""
+
+
+def token_logprobs(
+    token_id: int,
+    logprob: float,
+    rank: int,
+    top_ids: Sequence[int],
+    top_logprobs: Sequence[float],
+) -> TokenLogprobs:
+    """Build one position's logprobs: the sampled token first, then the top tokens by rank."""
+    entries: TokenLogprobs = {int(token_id): Logprob(float(logprob), int(rank))}
+    for i, (tid, lp) in enumerate(zip(top_ids, top_logprobs, strict=True)):
+        entries.setdefault(int(tid), Logprob(float(lp), i + 1))
+    return entries
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One completion of a request (one of its n), as generated so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: FinishReason | None = None
+    # The stop string or stop token id that ended the completion; None for EOS or length.
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Whether this completion has ended."""
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (seconds, `time.time()`) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """A request's state as reported to the caller: its prompt and its completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,82 @@
+"""SamplingParams: defaults, normalization and the validation messages."""
+
+import dataclasses
+
+import pytest
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+BAD = [
+    (dict(n=0), "n must be at least 1, got 0"),
+    (dict(n=1.5), "n must be an integer"),
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(top_k=-2), "top_k must be -1 or 0 (disabled) or at least 1, got -2"),
+    (dict(top_k=True), "top_k must be an integer"),
+    (dict(min_p=-0.1), "min_p must be in [0, 1], got -0.1"),
+    (dict(min_p=1.1), "min_p must be in [0, 1], got 1.1"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0, got 0.0"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2], got 2.5"),
+    (dict(frequency_penalty=-3), "frequency_penalty must be in [-2, 2], got -3"),
+    (dict(seed="7"), "seed must be an integer"),
+    (dict(stop=["ok", ""]), "stop must not contain an empty string"),
+    (dict(stop=[3]), "stop must be a string or a list of strings"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be >= 0, got -1"),
+    (dict(max_tokens=0), "max_tokens must be at least 1 (or None), got 0"),
+    (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens must be <= max_tokens (10), got 20"),
+    (dict(logprobs=-1), f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got -1"),
+    (dict(logprobs=MAX_LOGPROBS + 1), f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got 21"),
+    (dict(prompt_logprobs=1), "prompt_logprobs is not supported"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[str(k) for k, _ in BAD])
+def test_bad_values_name_the_field_and_range(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert message in str(info.value)
+
+
+def test_defaults_follow_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert p.max_tokens == 16 and p.min_tokens == 0 and p.logprobs is None
+    assert p.stop == [] and p.stop_token_ids == [] and p.skip_special_tokens
+    assert not p.is_greedy
+
+
+def test_edges_of_the_ranges_are_accepted():
+    SamplingParams(temperature=0, top_p=1.0, top_k=1, min_p=1.0, repetition_penalty=1e-3,
+                   presence_penalty=-2, frequency_penalty=2, logprobs=0, max_tokens=None, min_tokens=5)
+    SamplingParams(logprobs=MAX_LOGPROBS, min_tokens=3, max_tokens=3, seed=-5)
+
+
+def test_normalization():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(5, 6)).stop_token_ids == [5, 6]
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_greedy_threshold():
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
+
+
+def test_stop_token_ids_include_eos_unless_ignored():
+    p = SamplingParams(stop_token_ids=[7, 2])
+    assert p.all_stop_token_ids([2, 9]) == [7, 2, 9]
+    assert SamplingParams(stop_token_ids=[7], ignore_eos=True).all_stop_token_ids([2]) == [7]
+
+
+def test_frozen_and_replace_revalidates():
+    p = SamplingParams(temperature=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = 1.0  # type: ignore[misc]
+    assert dataclasses.replace(p, seed=3).seed == 3
+    with pytest.raises(ValueError, match="top_p"):
+        dataclasses.replace(p, top_p=2.0)
