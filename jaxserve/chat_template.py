@@ -1,0 +1,171 @@
+"""Rendering a model's Jinja chat template the way HF transformers renders it.
+
+Chat templates ship with models and are written against transformers' Jinja environment, so ours
+matches it: a sandbox that cannot modify its inputs, `trim_blocks` and `lstrip_blocks`, the loop
+controls extension, a `tojson` that does not escape HTML and keeps key order, and the globals
+`raise_exception` and `strftime_now`. `{% generation %}` blocks (used by transformers for assistant
+masks) render their body. Templates are compiled once per distinct text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import jinja2.utils
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the conversation, or could not be compiled or rendered."""
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of `messages` ready for a template: None-valued keys dropped, text parts joined.
+
+    OpenAI clients send `content` either as a string or as a list of parts; only `{"type": "text"}`
+    parts are understood, and they are joined with newlines into one string so every template, even
+    one that concatenates `message['content']`, can render it.
+    """
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(
+                f"message {index} must be a mapping with 'role' and 'content', got {type(message).__name__}"
+            )
+        # Clients send `content: null` on tool-call messages; templates handle a missing key, not None.
+        plain = {k: v for k, v in message.items() if v is not None}
+        content = plain.get("content")
+        if isinstance(content, list):
+            plain["content"] = "\n".join(_text_of_part(index, part) for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"message {index} content must be a string or a list of parts, got {type(content).__name__}"
+            )
+        out.append(plain)
+    return out
+
+
+def _text_of_part(index: int, part: Any) -> str:
+    if not isinstance(part, Mapping):
+        raise ValueError(f"message {index} has a content part that is not an object: {part!r}")
+    kind = part.get("type")
+    if kind != "text":
+        raise ValueError(
+            f"message {index} has a content part of type {kind!r}; only 'text' parts are supported"
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"message {index} has a text part without a string 'text'")
+    return text
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    **variables: Any,
+) -> str:
+    """Render `template` over `messages`; `variables` (e.g. `bos_token`, `enable_thinking`) reach the template."""
+    if not messages:
+        raise ValueError("cannot apply a chat template to an empty conversation")
+    if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+        raise ValueError("tools must be JSON schema objects")
+    compiled = compile_chat_template(template)
+    try:
+        return compiled.render(
+            messages=normalize_messages(messages),
+            tools=None if tools is None else [dict(t) for t in tools],
+            documents=None if documents is None else [dict(d) for d in documents],
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.TemplateError as e:
+        # `raise_exception(...)` in a template lands here: the conversation is one the model cannot take.
+        raise ChatTemplateError(f"chat template error: {e.message or e}") from e
+
+
+@functools.lru_cache(maxsize=32)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """The compiled template (cached by its text)."""
+    try:
+        return _environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template does not compile (line {e.lineno}): {e.message}") from e
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks assistant text for training masks; renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore attributes, which could reach Python internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates may not set namespace attribute {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own `tojson` escapes <, >, & and ' for HTML and sorts keys; templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return dict(*args, **kwargs)
+
+
+@functools.cache
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    # The builtin type itself would expose its classmethods; a plain function does not.
+    env.globals["dict"] = _make_dict
+    return env

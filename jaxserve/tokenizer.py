@@ -1,0 +1,485 @@
+"""The model's tokenizer: text to token ids and back, its special tokens and its chat template.
+
+A `Tokenizer` wraps a HF `tokenizers.Tokenizer` (the Rust BPE) and adds what serving needs on top:
+the BOS/EOS/pad ids, every id that ends generation, and the chat template. It is built either from a
+GGUF file's metadata (`from_gguf`) or from a HF tokenizer directory (`from_hf_dir`), never from the
+network, and can be written back as a HF directory (`save_hf`) that `transformers` loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from jaxserve.chat_template import render_chat_template
+
+if TYPE_CHECKING:
+    import gguf
+
+# llama.cpp's token kinds (`tokenizer.ggml.token_type`).
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+# transformers writes this for "no limit"; anything this large is not a real context length.
+_NO_LIMIT = 10**12
+
+# Split patterns of the byte-level BPE families we support, keyed by their llama.cpp `tokenizer.ggml.pre`.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SUPPORTED_GGUF_PRE = ("gpt-2", "llama-bpe", "llama3", "llama-v3", "qwen2", "smollm")
+
+
+@functools.cache
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies are spelled in."""
+    # Printable Latin-1 bytes stand for themselves; the rest are moved past 255 so no byte is whitespace.
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in kept}
+    moved = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + moved)
+            moved += 1
+    return table
+
+
+def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
+    """`(normalizer, pre_tokenizer, ignore_merges)` of the byte-level BPE named by GGUF `tokenizer.ggml.pre`."""
+    if pre == "smollm":
+        # SmolLM's merges were learned on single digits, so digits are split before the GPT-2 regex.
+        pre_tok = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+        return None, pre_tok, False
+    if pre == "gpt-2":
+        return (
+            None,
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            False,
+        )
+    if pre in ("llama-bpe", "llama3", "llama-v3"):
+        # Llama 3's own tokenizer.json looks whole words up in the vocabulary before merging.
+        return None, _split_then_bytes(_LLAMA3_SPLIT), True
+    if pre == "qwen2":
+        return normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT), False
+    raise ValueError(
+        f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; jaxserve supports {list(SUPPORTED_GGUF_PRE)}"
+    )
+
+
+def _split_then_bytes(pattern: str) -> Any:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+
+
+def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _template_processing(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None) -> Any:
+    """A post-processor that adds BOS and/or EOS around each sequence."""
+    head = [bos] if bos is not None else []
+    tail = [eos] if eos is not None else []
+    special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
+    return processors.TemplateProcessing(
+        single=[*head, "$A", *tail],
+        pair=[*head, "$A", *tail, *head, "$B:1", *tail],
+        special_tokens=special,
+    )
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with `content`."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"cannot read a special token from {value!r}")
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its special token ids and chat template."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        chat_templates: Mapping[str, str] | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        model_max_length: int | None = None,
+        vocab_size: int | None = None,
+    ):
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        # Order is kept (the first is "the" EOS), duplicates dropped.
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_templates: dict[str, str] = dict(chat_templates or {})
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+        self.model_max_length = model_max_length
+        self._vocab_size = (
+            vocab_size if vocab_size is not None else backend.get_vocab_size(with_added_tokens=True)
+        )
+        for name, tid in (("bos", bos_token_id), ("pad", pad_token_id), ("unk", unk_token_id)):
+            if tid is not None and not 0 <= tid < self._vocab_size:
+                raise ValueError(f"{name}_token_id={tid} is outside the vocabulary of {self._vocab_size}")
+        for tid in self.eos_token_ids:
+            if not 0 <= tid < self._vocab_size:
+                raise ValueError(f"eos token id {tid} is outside the vocabulary of {self._vocab_size}")
+
+    # ----- construction -----
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata (byte-level BPE only)."""
+        import gguf  # imported here: it is only needed for GGUF files
+
+        reader = path_or_reader
+        if not isinstance(reader, gguf.GGUFReader):
+            if not Path(reader).is_file():
+                raise FileNotFoundError(f"GGUF file not found: {reader}")
+            reader = gguf.GGUFReader(reader)
+
+        model = _gguf_value(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
+                "(byte-level BPE)"
+            )
+        pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
+        normalizer, pre_tokenizer, ignore_merges = _byte_level_stages(pre)
+
+        tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
+        merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
+        if tokens is None or merges is None:
+            raise ValueError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+        token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
+
+        alphabet = frozenset(byte_alphabet().values())
+        spell = byte_alphabet()
+        vocab: dict[str, int] = {}
+        for i, (tok, kind) in enumerate(zip(tokens, token_types, strict=True)):
+            if kind == _NORMAL and not alphabet.issuperset(tok):
+                # A plain token written as raw text: respell it in the byte alphabet so BPE can reach it.
+                tok = "".join(spell[b] for b in tok.encode("utf-8"))
+            vocab.setdefault(tok, i)
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+
+        backend = tokenizers.Tokenizer(
+            models.BPE(
+                vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
+            )
+        )
+        if normalizer is not None:
+            backend.normalizer = normalizer
+        backend.pre_tokenizer = pre_tokenizer
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens stay whole and count as special; user-defined ones stay whole but are ordinary text.
+        backend.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, k in zip(tokens, token_types, strict=True)
+                if k == _CONTROL
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, k in zip(tokens, token_types, strict=True)
+                if k == _USER_DEFINED
+            ]
+        )
+
+        def token_id(key: str) -> int | None:
+            value = _gguf_value(reader, f"tokenizer.ggml.{key}")
+            return None if value is None else int(value)
+
+        bos_id, eos_id, pad_id, unk_id = (
+            token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+        )
+        # llama.cpp also ends generation at end-of-turn / end-of-message tokens when a file names them.
+        eos_ids = [i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
+        add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False))
+        if (add_bos and bos_id is not None) or (add_eos and eos_id is not None):
+            backend.post_processor = _template_processing(
+                tokens[bos_id] if add_bos and bos_id is not None else None,
+                bos_id,
+                tokens[eos_id] if add_eos and eos_id is not None else None,
+                eos_id,
+            )
+
+        templates: dict[str, str] = {}
+        if (default := _gguf_value(reader, "tokenizer.chat_template")) is not None:
+            templates["default"] = default
+        for name in _gguf_value(reader, "tokenizer.chat_templates") or []:
+            if (named := _gguf_value(reader, f"tokenizer.chat_template.{name}")) is not None:
+                templates[name] = named
+
+        arch = _gguf_value(reader, "general.architecture")
+        context = _gguf_value(reader, f"{arch}.context_length") if arch else None
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            pad_token_id=pad_id,
+            unk_token_id=unk_id,
+            chat_templates=templates,
+            add_bos_token=add_bos,
+            add_eos_token=add_eos,
+            model_max_length=int(context) if context is not None else None,
+            vocab_size=len(tokens),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load `tokenizer.json` + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`)."""
+        root = Path(path)
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        config = _read_json(root / "tokenizer_config.json")
+        gen_file = root / "generation_config.json"
+        generation = _read_json(gen_file) if gen_file.is_file() else {}
+
+        def id_of(name: str) -> int | None:
+            content = _token_content(config.get(name))
+            if content is None:
+                return None
+            tid = backend.token_to_id(content)
+            if tid is None:
+                raise ValueError(
+                    f"{name} {content!r} of {root / 'tokenizer_config.json'} is not in the vocabulary"
+                )
+            return tid
+
+        bos_id = id_of("bos_token")
+        if bos_id is None:
+            bos_id = next(iter(_ids(generation.get("bos_token_id"))), None)
+        eos_ids = [i for i in [id_of("eos_token")] if i is not None] + _ids(generation.get("eos_token_id"))
+        pad_id = id_of("pad_token")
+        if pad_id is None:
+            pad_id = next(iter(_ids(generation.get("pad_token_id"))), None)
+
+        templates: dict[str, str] = {}
+        raw = config.get("chat_template")
+        if isinstance(raw, str):
+            templates["default"] = raw
+        elif isinstance(raw, list):  # older files: a list of {"name", "template"}
+            templates.update({t["name"]: t["template"] for t in raw})
+        if (jinja_file := root / "chat_template.jinja").is_file():
+            # transformers prefers the standalone file over the config entry; so do we.
+            templates["default"] = jinja_file.read_text(encoding="utf-8")
+
+        max_len = config.get("model_max_length")
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            pad_token_id=pad_id,
+            unk_token_id=id_of("unk_token"),
+            chat_templates=templates,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
+            model_max_length=int(max_len)
+            if isinstance(max_len, int | float) and max_len < _NO_LIMIT
+            else None,
+        )
+
+    # ----- ids and text -----
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying HF `tokenizers.Tokenizer`."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token text in it is matched as special tokens, as in transformers."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; bytes that do not form a whole UTF-8 character come out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry (in the byte alphabet for byte-level BPE) of `token_id`, None if unknown."""
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry, None if absent."""
+        return self._backend.token_to_id(token)
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text."""
+        return None if self.bos_token_id is None else self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The (first) EOS token's text."""
+        return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+    @property
+    def pad_token(self) -> str | None:
+        """The padding token's text."""
+        return None if self.pad_token_id is None else self.id_to_token(self.pad_token_id)
+
+    @property
+    def unk_token(self) -> str | None:
+        """The unknown token's text."""
+        return None if self.unk_token_id is None else self.id_to_token(self.unk_token_id)
+
+    @functools.cached_property
+    def all_special_ids(self) -> tuple[int, ...]:
+        """Every special id: BOS, EOS, pad, unk and every added token marked special, sorted."""
+        named = {self.bos_token_id, self.pad_token_id, self.unk_token_id, *self.eos_token_ids}
+        added = {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        return tuple(sorted((named | added) - {None}))
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens as text, as chat templates see them (`bos_token`, `eos_token`, ...)."""
+        named = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "pad_token": self.pad_token,
+        }
+        return {k: v for k, v in named.items() if v is not None}
+
+    # ----- chat -----
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template, None if the model has none."""
+        return self.chat_templates.get("default")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the model's chat template, as transformers' `apply_chat_template` does."""
+        template = (self.chat_templates.get("tool_use") if tools else None) or self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template; send a plain completion prompt instead")
+        return render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **{**self.special_tokens_map, **kwargs},
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template writes its own special tokens, so none are added."""
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
+        return self.encode(text, add_special_tokens=False)
+
+    # ----- saving -----
+
+    def save_hf(self, directory: str | os.PathLike[str]) -> Path:
+        """Write `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json` for `transformers`."""
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(root / "tokenizer.json"))
+        named = self.special_tokens_map
+        extra = [
+            t.content
+            for i, t in sorted(self._backend.get_added_tokens_decoder().items())
+            if t.special and t.content not in named.values()
+        ]
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **named,
+            "additional_special_tokens": extra,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            if len(self.chat_templates) == 1:
+                config["chat_template"] = self.chat_template
+            else:
+                config["chat_template"] = [{"name": n, "template": t} for n, t in self.chat_templates.items()]
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        _write_json(root / "tokenizer_config.json", config)
+        _write_json(root / "special_tokens_map.json", {**named, "additional_special_tokens": extra})
+        if len(self.eos_token_ids) > 1:
+            # The only standard place for more than one EOS id; keep whatever else a model directory has there.
+            gen_file = root / "generation_config.json"
+            generation = _read_json(gen_file) if gen_file.is_file() else {}
+            generation["eos_token_id"] = list(self.eos_token_ids)
+            _write_json(gen_file, generation)
+        return root
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos_ids={self.eos_token_ids}, "
+            f"pad={self.pad_token!r}, chat_template={'yes' if self.chat_template else 'no'})"
+        )
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False, indent=2)
+        f.write("\n")

@@ -1,0 +1,307 @@
+"""The tokenizer and chat template against transformers on the bundled SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from jaxserve.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
+from jaxserve.tokenizer import Tokenizer, byte_alphabet
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)  # slow\n",
+    "Pi is 3.14159, e is 2.71828; 1,000,000 + 12345678 = 13345678 (0x1F, 1e-9)",
+    "你好，世界！机器学习很有趣。日本語のテキストも。한국어 문장입니다.",
+    "Emoji: 😀 👍🏽 🇫🇷 👨‍👩‍👧 ❤️ ✨🚀",
+    "  leading spaces,\ttabs\t\tand\n\n\nnewlines \r\n trailing   ",
+    "Ünïcödé naïve café — «quotes» ‘single’ “double” …",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>\n",
+    "",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three prime numbers."},
+    ],
+    [
+        {"role": "user", "content": "Explain photosynthesis in one sentence."},
+        {"role": "assistant", "content": "Plants turn light, water and CO2 into sugar and oxygen."},
+        {"role": "user", "content": "And chlorophyll? 🌿 叶绿素"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def ours(smollm_path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm_path)
+
+
+@pytest.fixture(scope="module")
+def hf(smollm_path):
+    transformers = pytest.importorskip("transformers")
+    d, f = os.path.split(smollm_path)
+    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="module")
+def saved_dir(ours, tmp_path_factory):
+    return ours.save_hf(tmp_path_factory.mktemp("smollm_tokenizer"))
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+def test_encode_decode_match_transformers(ours, hf, text):
+    ids = ours.encode(text)
+    assert ids == hf(text, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_digits_are_split_one_by_one(ours):
+    # SmolLM's pre-tokenizer: each digit is its own token and a space before a number stands alone.
+    assert _pieces(ours, "year 2024!") == ["year", "Ġ", "2", "0", "2", "4", "!"]
+    ids = ours.encode("year 2024")
+    assert [ours.id_to_token(i) for i in ids] == ["year", "Ġ", "2", "0", "2", "4"]
+
+
+def test_special_tokens(ours, hf):
+    assert ours.vocab_size == len(hf) == 49152
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.pad_token_id) == (1, (2,), 2)
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (hf.bos_token, hf.eos_token, hf.pad_token)
+    assert ours.model_max_length == 8192
+    hf_special = {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    assert set(ours.all_special_ids) == hf_special
+    assert ours.encode("<|im_start|>") == [1]
+    assert ours.token_to_id("<|im_end|>") == 2 and ours.id_to_token(2) == "<|im_end|>"
+    assert ours.decode([1, 2]) == ""
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["user", "system", "multi_turn"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, hf, conversation, add_generation_prompt):
+    text = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    expected = hf.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert text == expected
+    hf_ids = hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
+    hf_ids = hf_ids["input_ids"] if hasattr(hf_ids, "keys") else hf_ids
+    assert ours.encode_chat(conversation, add_generation_prompt=add_generation_prompt) == list(hf_ids)
+
+
+def test_content_parts_are_joined(ours, hf):
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second."}],
+        },
+    ]
+    plain = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "First part.\nSecond."},
+    ]
+    assert ours.apply_chat_template(parts) == hf.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_unsupported_content_part_is_refused(ours):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(ValueError, match="image_url"):
+        ours.apply_chat_template(image)
+
+
+# Exercises what differs between a plain Jinja environment and transformers': whitespace trimming,
+# tojson (no HTML escaping, key order kept, non-ASCII kept), namespace, loop controls, {% generation %}.
+RICH_TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(n=0) %}
+{% if tools %}
+    Tools: {{ tools | tojson }}
+    Indented: {{ tools[0] | tojson(indent=2) }}
+{% endif %}
+{% for m in messages %}
+    {% if m.role == 'skip' %}{% continue %}{% endif %}
+    {% set ns.n = ns.n + 1 %}
+    {% if m.role == 'assistant' %}
+        {% generation %}<a>{{ m.content }}{{ eos_token }}</a>{% endgeneration %}
+    {% else %}
+        <{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>
+    {% endif %}
+    {% if ns.n >= 4 %}{% break %}{% endif %}
+{% endfor %}
+count={{ ns.n }} {{ dict(a=1) | tojson }} {{ custom_flag }}
+{% if add_generation_prompt %}<a>{% endif %}"""
+
+
+def test_rich_template_matches_transformers(ours, hf):
+    messages = [
+        {"role": "user", "content": "  <b>&</b> 'quoted' 中文  "},
+        {"role": "skip", "content": "never shown"},
+        {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "cut by break"},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Wetter <heute> & morgen",
+                "parameters": {"z": 1, "a": "é"},
+            },
+        }
+    ]
+    ours_text = render_chat_template(
+        RICH_TEMPLATE, messages, tools=tools, custom_flag=True, **ours.special_tokens_map
+    )
+    hf_text = hf.apply_chat_template(
+        messages,
+        chat_template=RICH_TEMPLATE,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+        custom_flag=True,
+    )
+    assert ours_text == hf_text
+    assert "<heute> & morgen" in ours_text and '"z": 1, "a": "é"' in ours_text
+    assert "cut by break" not in ours_text and "never shown" not in ours_text
+
+
+def test_template_helpers_and_errors():
+    assert render_chat_template("{{ strftime_now('%Y') | length }}", [{"role": "user", "content": ""}]) == "4"
+    refusing = (
+        "{% if messages[0].role != 'system' %}{{ raise_exception('need a system message') }}{% endif %}"
+    )
+    with pytest.raises(ChatTemplateError, match="need a system message"):
+        render_chat_template(refusing, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ChatTemplateError, match="compile"):
+        render_chat_template("{% for %}", [{"role": "user", "content": "hi"}])
+    with pytest.raises(ChatTemplateError):  # the sandbox keeps templates away from Python internals
+        render_chat_template(
+            "{% set ns = namespace() %}{% set ns.__class__ = 1 %}", [{"role": "user", "content": ""}]
+        )
+    with pytest.raises(ValueError, match="empty"):
+        render_chat_template("x", [])
+    # Compiled once per distinct text.
+    assert compile_chat_template(RICH_TEMPLATE) is compile_chat_template(RICH_TEMPLATE)
+
+
+def test_none_content_is_dropped_like_transformers(ours, hf):
+    messages = [{"role": "user", "content": "hi", "name": None}]
+    template = "{% for m in messages %}{{ m.name is defined }}{{ m.content }}{% endfor %}"
+    assert render_chat_template(template, messages) == "Falsehi"
+    assert hf.apply_chat_template(messages, chat_template=template, tokenize=False) == "Falsehi"
+
+
+def test_save_hf_loads_in_transformers(ours, saved_dir):
+    transformers = pytest.importorskip("transformers")
+    names = set(os.listdir(saved_dir))
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= names
+    config = json.loads((saved_dir / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == ours.chat_template and config["model_max_length"] == 8192
+
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(saved_dir))
+    for text in TEXTS:
+        for add_special in (False, True):
+            ids = ours.encode(text, add_special_tokens=add_special)
+            assert reloaded(text, add_special_tokens=add_special)["input_ids"] == ids
+            assert reloaded.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+    assert (reloaded.bos_token_id, reloaded.eos_token_id, reloaded.pad_token_id) == (1, 2, 2)
+    for conversation in CONVERSATIONS:
+        assert reloaded.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == (
+            ours.apply_chat_template(conversation)
+        )
+
+
+def test_from_hf_dir_round_trip(ours, saved_dir, tmp_path):
+    loaded = Tokenizer.from_hf_dir(saved_dir)
+    for text in TEXTS:
+        assert loaded.encode(text) == ours.encode(text)
+    assert loaded.vocab_size == ours.vocab_size
+    assert (loaded.bos_token_id, loaded.eos_token_ids, loaded.pad_token_id) == (1, (2,), 2)
+    assert loaded.all_special_ids == ours.all_special_ids
+    assert loaded.chat_template == ours.chat_template and loaded.model_max_length == 8192
+
+    # Extra end-of-generation ids come from generation_config.json and survive save_hf.
+    (saved_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 0], "temperature": 0.2})
+    )
+    try:
+        with_gen = Tokenizer.from_hf_dir(saved_dir)
+    finally:
+        (saved_dir / "generation_config.json").unlink()
+    assert with_gen.eos_token_ids == (2, 0)
+    again = Tokenizer.from_hf_dir(with_gen.save_hf(tmp_path / "again"))
+    assert again.eos_token_ids == (2, 0)
+
+    # A standalone chat_template.jinja wins over the config entry, as in transformers.
+    (tmp_path / "again" / "chat_template.jinja").write_text("{{ messages[0].content }}!")
+    assert (
+        Tokenizer.from_hf_dir(tmp_path / "again").apply_chat_template([{"role": "user", "content": "x"}])
+        == "x!"
+    )
+
+
+def test_missing_files_are_named(saved_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "tokenizer.json")):
+        Tokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((saved_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        Tokenizer.from_gguf(tmp_path / "nope.gguf")
+
+
+def _tiny_gguf(path, *, model="gpt2", pre="llama-bpe", add_bos=False):
+    """A GGUF holding only a tokenizer: the 256 byte tokens, two merges and two control tokens."""
+    gguf = pytest.importorskip("gguf")
+    tokens = [byte_alphabet()[b] for b in range(256)] + ["Ġo", "Ġok", "<s>", "</s>"]
+    types = [1] * 258 + [3, 3]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["Ġ o", "Ġo k"])
+    writer.add_bos_token_id(258)
+    writer.add_eos_token_id(259)
+    writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _pieces(tok: Tokenizer, text: str) -> list[str]:
+    return [piece for piece, _ in tok.backend.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_llama3_and_qwen2_pre_tokenizers(tmp_path):
+    import gguf
+
+    llama = Tokenizer.from_gguf(
+        gguf.GGUFReader(_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe", add_bos=True))
+    )
+    assert _pieces(llama, "I'm 12345 ok\n\nyes") == ["I", "'m", "Ġ", "123", "45", "Ġok", "ĊĊ", "yes"]
+    assert llama.encode(" ok") == [257] and llama.encode(" ok", add_special_tokens=True) == [258, 257]
+    assert llama.decode([258, 257, 259], skip_special_tokens=False) == "<s> ok</s>"
+    assert llama.all_special_ids == (258, 259)
+
+    qwen = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "q.gguf", pre="qwen2"))
+    assert _pieces(qwen, "I'm 12345 ok") == ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]
+    assert qwen.encode("e\u0301") == qwen.encode("\u00e9")  # NFC, as Qwen2's tokenizer.json has
+    assert qwen.encode(" ok", add_special_tokens=True) == [257]
+
+
+def test_unsupported_gguf_tokenizers_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'deepseek-coder'"):
+        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "p.gguf", pre="deepseek-coder"))
+    with pytest.raises(ValueError, match="'llama'"):
+        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "m.gguf", model="llama"))
