@@ -1,0 +1,22 @@
+"""L7 kernels: ragged paged attention and the paged KV write, with their references and a backend switch."""
+
+from pallas_kernels.backend import AttentionBackend, attention_backend
+from pallas_kernels.kv_write import write_kv, write_kv_reference
+from pallas_kernels.kv_write_triton import triton_available, write_kv_triton
+from pallas_kernels.ragged_paged_attention import (
+    AttentionTuning,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionTuning",
+    "attention_backend",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "triton_available",
+    "write_kv",
+    "write_kv_reference",
+    "write_kv_triton",
+]

@@ -1,0 +1,436 @@
+"""Ragged paged attention: prefill chunks and decode tokens of many sequences in one call.
+
+The KV cache of one layer is a pool of pages `[num_pages, page_size, num_kv_heads, head_dim]`; page 0 is a
+reserved scratch page. Query tokens are packed by sequence. Query token `i` of sequence `s` sits at position
+`seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own (the last `sliding_window`
+positions, its own included, when a window is given). Softmax runs in float32.
+
+This file holds the plain `jax.numpy` reference, the Pallas kernel (generic Pallas with a plain grid, so it
+runs with `interpret=True` on the CPU and lowers for NVIDIA GPUs through Triton) and the validating wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# Running max starts finite so that fully masked blocks give exp(-inf - m) = 0 instead of NaN.
+_M_INIT = -1e30
+# Hopper SM count: the split heuristic aims at a couple of programs per SM.
+_TARGET_PROGRAMS = 2 * 132
+_MMA_MIN_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTuning:
+    """Static block sizes of the Pallas kernel; `None` picks a default from the input shapes."""
+
+    block_q: int | None = None  # query tokens per program (power of two)
+    block_kv: int | None = None  # KV tokens per inner step (power of two, independent of page size)
+    num_kv_splits: int | None = None  # flash-decoding partitions of the KV length
+    pad_rows_to_mma: bool = False  # pad tiny head groups to 16 rows and use tensor-core dots
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "num_kv_splits"):
+            v = getattr(self, name)
+            if v is not None and (v < 1 or v & (v - 1)):
+                raise ValueError(f"AttentionTuning.{name} must be a positive power of two, got {v}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def check_attention_args(
+    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+) -> None:
+    """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim], got {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from v_pages dtype {v_pages.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q must be floating point, got {q.dtype}")
+    if k_pages.dtype != q.dtype:
+        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
+    _, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) differs from head_dim of the pages ({kv_head_dim})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if num_pages < 1:
+        raise ValueError("k_pages must hold at least the scratch page 0")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [num_seqs, pages_per_seq], got shape {block_tables.shape}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}] (one per block_tables row), got {seq_lens.shape}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [{num_seqs + 1}] (num_seqs + 1), got {query_start_loc.shape}"
+        )
+    for name, a in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if a.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {a.dtype}")
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference
+
+
+def _token_metadata(seq_lens, query_start_loc, num_tokens):
+    """Per token: its sequence, its position, and whether it is a real token (not padding)."""
+    num_seqs = seq_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    tok_seq = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    tok_seq = jnp.minimum(tok_seq, num_seqs - 1)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    pos = seq_lens[tok_seq] - q_lens[tok_seq] + (t - query_start_loc[tok_seq])
+    valid = t < query_start_loc[num_seqs]
+    return tok_seq, pos, valid
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+def ragged_paged_attention_reference(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """Plain `jax.numpy` ragged paged attention; the `xla` backend and the kernels' oracle."""
+    check_attention_args(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    kv_len = pages_per_seq * page_size
+
+    tok_seq, pos, valid = _token_metadata(seq_lens, query_start_loc, num_tokens)
+    k_seq = k_pages[block_tables].reshape(num_seqs, kv_len, num_kv_heads, head_dim)  # [S, L, KVH, D]
+    v_seq = v_pages[block_tables].reshape(num_seqs, kv_len, num_kv_heads, head_dim)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, KVH, G, D]
+
+    kv_pos = jnp.arange(kv_len, dtype=jnp.int32)
+    # Rows past a sequence's length may come from stale or scratch pages; zero V there so that
+    # 0 * garbage cannot reach the output.
+    v_seq = jnp.where(
+        (kv_pos[None, :] < seq_lens[:, None])[..., None, None], v_seq, jnp.zeros((), v_seq.dtype)
+    )
+    mask = valid[:, None] & (kv_pos[None, :] <= pos[:, None])  # [T, L]
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > pos[:, None] - sliding_window
+
+    def finish(logits):
+        logits = logits * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        return logits
+
+    # Two equivalent formulations; take the one with the smaller intermediate. Gathering each token's own
+    # sequence costs T*L*KVH*D; scoring every token against every sequence and masking costs T*QH*S*L.
+    if num_seqs * group < head_dim:
+        logits = jnp.einsum("tkgd,slkd->tkgsl", qg, k_seq, preferred_element_type=jnp.float32)
+        logits = finish(logits)
+        full_mask = (tok_seq[:, None] == jnp.arange(num_seqs)[None, :])[:, :, None] & mask[
+            :, None, :
+        ]  # [T,S,L]
+        logits = jnp.where(full_mask[:, None, None], logits, _M_INIT)
+        shape = logits.shape
+        probs = jax.nn.softmax(logits.reshape(*shape[:3], -1), axis=-1).reshape(shape)
+        out = jnp.einsum("tkgsl,slkd->tkgd", probs, v_seq.astype(jnp.float32))
+    else:
+        k_tok = k_seq[tok_seq]  # [T, L, KVH, D]
+        v_tok = v_seq[tok_seq]
+        logits = jnp.einsum("tkgd,tlkd->tkgl", qg, k_tok, preferred_element_type=jnp.float32)
+        logits = finish(logits)
+        logits = jnp.where(mask[:, None, None, :], logits, _M_INIT)
+        probs = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("tkgl,tlkd->tkgd", probs, v_tok.astype(jnp.float32))
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas kernel
+
+
+def _attention_kernel(
+    meta_ref,
+    block_tables_ref,
+    q_ref,
+    k_pages_ref,
+    v_pages_ref,
+    *out_refs,
+    group: int,
+    block_kv: int,
+    page_size: int,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    num_splits: int,
+    use_mma: bool,
+):
+    """One program: one block of query tokens of one sequence, one KV head with its whole query-head group."""
+    b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_pages = k_pages_ref.shape[0]
+    pages_per_seq = block_tables_ref.shape[1]
+    rows, head_dim = q_ref.shape
+    seq = meta_ref[b, 0]
+    pos0 = meta_ref[b, 1]  # position of the block's first query token
+    num_q = meta_ref[b, 2]  # real query tokens in this block (0: an unused block)
+
+    # Row r holds query token r // group, head r % group of the group; rows past block_q * group are padding.
+    row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
+    row_pos = pos0 + row_q  # [rows]
+    row_valid = row_q < num_q
+
+    kv_hi = jnp.where(num_q > 0, pos0 + num_q, 0)  # the last real query sees KV positions < kv_hi
+    kv_lo = jnp.int32(0)
+    if sliding_window is not None:
+        kv_lo = jnp.minimum(jnp.maximum(pos0 - sliding_window + 1, 0), kv_hi)
+    blk_lo = kv_lo // block_kv
+    num_blocks = pl.cdiv(kv_hi, block_kv) - blk_lo
+    per_split = pl.cdiv(num_blocks, num_splits)
+    start = blk_lo + split * per_split
+    stop = jnp.minimum(blk_lo + num_blocks, start + per_split)
+
+    q = q_ref[...]  # [rows, D]
+    if not use_mma:
+        q = q.astype(jnp.float32)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        kv_pos = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)  # [block_kv]
+        slot = jnp.minimum(kv_pos // page_size, pages_per_seq - 1)
+        page = jnp.clip(block_tables_ref[seq, slot], 0, num_pages - 1)  # page ids read from the table
+        offset = kv_pos % page_size
+        k = k_pages_ref[page, offset, kv_head, :]  # [block_kv, D]
+        v = v_pages_ref[page, offset, kv_head, :]
+        # Stale pages may hold anything; zero V past the sequence so 0 * garbage cannot poison the sum.
+        v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))
+        if use_mma:
+            logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+        logits = logits * sm_scale  # [rows, block_kv]
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        mask = row_valid[:, None] & (kv_pos[None, :] <= row_pos[:, None])
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+        logits = jnp.where(mask, logits, -jnp.inf)
+        m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        if use_mma:
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+        return acc * alpha[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _M_INIT, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m, denom = lax.fori_loop(start, stop, body, init)
+
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
+
+
+def _block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
+    """Cut each sequence's query tokens into blocks of `block_q`; returns per-block and per-token maps."""
+    num_seqs = seq_lens.shape[0]
+    # Every non-empty block holds a token, and each sequence wastes at most one partial block.
+    num_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + (num_seqs if block_q > 1 else 0))
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    blocks_per_seq = (q_lens + block_q - 1) // block_q
+    blk_end = jnp.cumsum(blocks_per_seq).astype(jnp.int32)  # [S]
+    blk_start = blk_end - blocks_per_seq
+
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    b_seq = jnp.minimum(jnp.searchsorted(blk_end, b, side="right").astype(jnp.int32), num_seqs - 1)
+    q_off = (b - blk_start[b_seq]) * block_q  # first query index of the block within its sequence
+    num_q = jnp.clip(q_lens[b_seq] - q_off, 0, block_q)
+    pos0 = seq_lens[b_seq] - q_lens[b_seq] + q_off
+    meta = jnp.stack([b_seq, pos0, num_q, jnp.zeros_like(b)], axis=1)  # [NB, 4]
+
+    r = jnp.arange(block_q, dtype=jnp.int32)
+    gather_tok = jnp.clip(query_start_loc[b_seq][:, None] + q_off[:, None] + r[None, :], 0, num_tokens - 1)
+
+    tok_seq, _, tok_valid = _token_metadata(seq_lens, query_start_loc, num_tokens)
+    i = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[tok_seq]
+    tok_block = jnp.clip(blk_start[tok_seq] + i // block_q, 0, num_blocks - 1)
+    tok_row = i % block_q
+    return num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid
+
+
+def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads, group, kv_capacity):
+    block_q = tuning.block_q
+    if block_q is None:
+        # About the mean query length: 1 for decode batches, up to 16 tokens for prefill chunks.
+        block_q = min(16, _next_pow2(pl.cdiv(num_tokens, num_seqs)))
+    rows = _next_pow2(block_q * group)
+    use_mma = rows >= _MMA_MIN_ROWS or tuning.pad_rows_to_mma
+    if use_mma:
+        rows = max(rows, _MMA_MIN_ROWS)
+    block_kv = tuning.block_kv or (64 if use_mma else 32)
+    num_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + (num_seqs if block_q > 1 else 0))
+    splits = tuning.num_kv_splits
+    if splits is None:
+        programs = num_blocks * num_kv_heads
+        max_useful = max(1, kv_capacity // (4 * block_kv))  # keep at least ~4 KV blocks per split
+        splits = 1
+        while splits * 2 <= min(32, max_useful) and programs * splits < _TARGET_PROGRAMS:
+            splits *= 2
+    num_warps = tuning.num_warps or (8 if rows * block_kv >= 128 * 64 else 4)
+    return block_q, rows, use_mma, block_kv, splits, num_warps
+
+
+def _triton_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as pl_triton
+
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "tuning"))
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    tuning: AttentionTuning = AttentionTuning(),
+) -> jax.Array:
+    """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype."""
+    check_attention_args(
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"the Pallas kernel needs a power-of-two head_dim, got {head_dim}")
+    if num_tokens == 0:
+        return jnp.zeros_like(q)
+
+    block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
+        tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
+    )
+    num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid = _block_layout(
+        seq_lens, query_start_loc, num_tokens, block_q
+    )
+
+    # Lay q out as one [rows, D] tile per (block, kv head): query-major, then the heads of the group.
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)[gather_tok]  # [NB, BQ, KVH, G, D]
+    qb = qg.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, block_q * group, head_dim)
+    qb = jnp.pad(qb, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))  # [NB, KVH, rows, D]
+
+    kernel = functools.partial(
+        _attention_kernel,
+        group=group,
+        block_kv=block_kv,
+        page_size=page_size,
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        num_splits=splits,
+        use_mma=use_mma,
+    )
+    # Metadata, block tables and the page pools are whole-array refs: pages are gathered inside the kernel.
+    in_specs = [
+        pl.BlockSpec(meta.shape, lambda b, h, k: (0, 0)),
+        pl.BlockSpec(block_tables.shape, lambda b, h, k: (0, 0)),
+        pl.BlockSpec((None, None, rows, head_dim), lambda b, h, k: (b, h, 0, 0)),
+        pl.BlockSpec(k_pages.shape, lambda b, h, k: (0, 0, 0, 0)),
+        pl.BlockSpec(v_pages.shape, lambda b, h, k: (0, 0, 0, 0)),
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, k: (b, h, 0, 0))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, rows), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, k: (k, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, k: (k, b, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, k: (k, b, h, 0)),
+        )
+    result = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, num_kv_heads, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=None if interpret else _triton_params(num_warps, tuning.num_stages),
+        name=f"ragged_paged_attention_bq{block_q}_bkv{block_kv}_s{splits}",
+    )(meta, block_tables, qb, k_pages, v_pages)
+
+    if splits == 1:
+        ob = result
+    else:
+        acc, m, denom = result  # [NS, NB, KVH, rows, D], [NS, NB, KVH, rows] x2
+        m_max = jnp.max(m, axis=0)
+        w = jnp.exp(m - m_max[None])
+        l_sum = jnp.sum(w * denom, axis=0)
+        ob = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+
+    ob = ob[:, :, : block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
+    out = ob[tok_block, :, tok_row]  # [T, KVH, G, D]
+    out = jnp.where(tok_valid[:, None, None, None], out, jnp.zeros((), out.dtype))
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,52 @@
+"""Deviceless sm_90 compile tests: skipped unless JAX's CUDA plugin is importable (see .ci/gpu_compile.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: 132  fpus_per_core: 128
+  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000  l2_cache_size: 62914560  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+}
+runtime_version: { major: 12 minor: 8 patch: 0 }
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+device_description_str: "NVIDIA H200"
+"""
+
+
+def _h200_spec_factory():
+    """Return `spec(shape, dtype)` making ShapeDtypeStructs placed on a deviceless one-GPU H200 mesh."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    topo = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1")
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    sharding = NamedSharding(mesh, P())
+    return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    """`spec(shape, dtype)`: a ShapeDtypeStruct on a deviceless one-GPU H200 mesh."""
+    return _h200_spec_factory()
+
+
+def pytest_collection_modifyitems(config, items):
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+        return
+    skip = pytest.mark.skip(reason="needs jax[cuda12] (jax_cuda12_plugin); run .ci/gpu_compile.sh")
+    for item in items:
+        if "gpu_compile" in item.keywords:
+            item.add_marker(skip)

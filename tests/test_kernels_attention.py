@@ -1,0 +1,234 @@
+"""Ragged paged attention: the Pallas kernel (interpret mode) against the reference, and the reference
+against a naive per-token oracle."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from pallas_kernels import AttentionTuning, ragged_paged_attention, ragged_paged_attention_reference
+
+try:  # tests/ as a package, or tests/ itself on sys.path (pytest's rootdir-less layout)
+    from tests.test_kernels_cases import make_batch, naive_attention, standard_seqs
+except ImportError:
+    from test_kernels_cases import make_batch, naive_attention, standard_seqs
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+
+
+def _check(batch, dtype, **kwargs):
+    tuning = kwargs.pop("tuning", AttentionTuning())
+    ref = ragged_paged_attention_reference(
+        batch.q,
+        batch.k_pages,
+        batch.v_pages,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        **kwargs,
+    )
+    out = ragged_paged_attention(
+        batch.q,
+        batch.k_pages,
+        batch.v_pages,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        interpret=True,
+        tuning=tuning,
+        **kwargs,
+    )
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    # The interpreter fills kernel outputs with NaN, so a tile the kernel never wrote fails here.
+    assert np.isfinite(out).all(), "non-finite output (unwritten tile or NaN from the scratch page)"
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(out[:n], ref[:n], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# Pairwise cover of page size x head dim x GQA group x dtype, each with a tuning that exercises another path:
+# decode rows without tensor-core padding, padded rows, several query blocks per sequence, KV splits.
+SWEEP = [
+    # page_size, head_dim, group, kv_heads, dtype, tuning, soft_cap, sliding_window
+    (8, 64, 1, 2, jnp.float32, AttentionTuning(), None, None),
+    (16, 64, 3, 1, jnp.bfloat16, AttentionTuning(), None, None),
+    (32, 128, 4, 1, jnp.float32, AttentionTuning(block_q=8, block_kv=32), None, 37),
+    (8, 128, 8, 1, jnp.bfloat16, AttentionTuning(block_q=2, num_kv_splits=2), None, None),
+    (16, 128, 1, 2, jnp.bfloat16, AttentionTuning(block_q=1), 2.0, None),
+    (32, 64, 8, 1, jnp.float32, AttentionTuning(block_q=4, num_kv_splits=4, block_kv=16), None, None),
+    (8, 64, 3, 2, jnp.float32, AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8), 2.0, 11),
+    (16, 64, 4, 2, jnp.float32, AttentionTuning(block_q=1, pad_rows_to_mma=True, block_kv=16), None, 5),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,group,kv_heads,dtype,tuning,soft_cap,sliding_window", SWEEP)
+def test_kernel_matches_reference(
+    page_size, head_dim, group, kv_heads, dtype, tuning, soft_cap, sliding_window
+):
+    rng = np.random.default_rng(page_size * 1000 + head_dim + group)
+    pages_per_seq = 4
+    batch = make_batch(
+        rng,
+        page_size=page_size,
+        head_dim=head_dim,
+        group=group,
+        num_kv_heads=kv_heads,
+        dtype=dtype,
+        seqs=standard_seqs(page_size, pages_per_seq),
+        pages_per_seq=pages_per_seq,
+    )
+    # With a soft cap, a large scale pushes the logits into the cap's non-linear range.
+    sm_scale = 0.5 if soft_cap else head_dim**-0.5
+    _check(batch, dtype, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, tuning=tuning)
+
+
+def test_decode_batch_default_tuning():
+    """T == S (a decode bucket): one query per program, rows not padded to 16; sequences share pages."""
+    rng = np.random.default_rng(3)
+    seqs = [(1, n) for n in (1, 7, 8, 9, 16, 17, 31, 32)]
+    batch = make_batch(
+        rng,
+        page_size=8,
+        head_dim=64,
+        group=3,
+        num_kv_heads=3,
+        dtype=jnp.bfloat16,
+        seqs=seqs,
+        pages_per_seq=4,
+        num_pages=6,
+        pad_tokens=1,
+        pad_seqs=1,
+    )
+    tables = np.asarray(batch.block_tables)
+    assert len(np.unique(tables[tables > 0])) < np.count_nonzero(tables)  # some pages are shared
+    _check(batch, jnp.bfloat16, sm_scale=0.125)
+
+
+def test_long_decode_splits_by_default():
+    """One sequence, long context: the default tuning splits the KV length (flash decoding)."""
+    rng = np.random.default_rng(4)
+    batch = make_batch(
+        rng,
+        page_size=16,
+        head_dim=64,
+        group=4,
+        num_kv_heads=2,
+        dtype=jnp.float32,
+        seqs=[(1, 16 * 64 - 3)],
+        pages_per_seq=64,
+        num_pages=70,
+        pad_tokens=0,
+        pad_seqs=0,
+    )
+    from pallas_kernels.ragged_paged_attention import _resolve_tuning
+
+    *_, splits, _ = _resolve_tuning(AttentionTuning(), 1, 1, 2, 4, 16 * 64)
+    assert splits > 1
+    _check(batch, jnp.float32, sm_scale=0.125)
+
+
+@pytest.mark.parametrize("soft_cap,sliding_window", [(None, None), (3.0, 6)])
+def test_reference_matches_naive_oracle(soft_cap, sliding_window):
+    rng = np.random.default_rng(11)
+    # Few sequences and many heads take the reference's dense path; many sequences take the gather path.
+    for seqs, group in ((standard_seqs(8, 4), 1), ([(2, 9), (1, 3)], 2)):
+        batch = make_batch(
+            rng,
+            page_size=8,
+            head_dim=16,
+            group=group,
+            num_kv_heads=2,
+            dtype=jnp.float32,
+            seqs=seqs,
+            pages_per_seq=4,
+        )
+        ref = ragged_paged_attention_reference(
+            batch.q,
+            batch.k_pages,
+            batch.v_pages,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            sm_scale=0.3,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+        )
+        want = naive_attention(batch, sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
+        n = batch.num_real_tokens
+        np.testing.assert_allclose(np.asarray(ref)[:n], want[:n], atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(np.asarray(ref)[n:], 0.0)
+
+
+def test_interpreter_poisons_unwritten_outputs():
+    """The poison the kernel tests rely on: an output tile the kernel skips reads back as NaN."""
+
+    def kernel(o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+    out = pl.pallas_call(
+        kernel,
+        grid=(2,),
+        out_specs=pl.BlockSpec((4,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct((8,), jnp.float32),
+        interpret=True,
+    )()
+    assert np.all(np.asarray(out[:4]) == 0) and np.all(np.isnan(np.asarray(out[4:])))
+
+
+def _args(T=4, QH=4, D=64, NP=3, PS=8, KVH=2, S=2, P=2, dtype=jnp.float32):
+    return [
+        jnp.zeros((T, QH, D), dtype),
+        jnp.zeros((NP, PS, KVH, D), dtype),
+        jnp.zeros((NP, PS, KVH, D), dtype),
+        jnp.zeros((S, P), jnp.int32),
+        jnp.zeros((S,), jnp.int32),
+        jnp.zeros((S + 1,), jnp.int32),
+    ]
+
+
+@pytest.mark.parametrize(
+    "fn", [ragged_paged_attention_reference, functools.partial(ragged_paged_attention, interpret=True)]
+)
+@pytest.mark.parametrize(
+    "mutate,error,match",
+    [
+        (lambda a: a.__setitem__(0, a[0][None]), ValueError, "q must be"),
+        (lambda a: a.__setitem__(2, a[2][:, :4]), ValueError, "v_pages shape"),
+        (lambda a: a.__setitem__(0, jnp.zeros((4, 3, 64))), ValueError, "multiple of num_kv_heads"),
+        (lambda a: a.__setitem__(0, jnp.zeros((4, 4, 32))), ValueError, "head_dim of q"),
+        (lambda a: a.__setitem__(4, jnp.zeros((3,), jnp.int32)), ValueError, "seq_lens must be"),
+        (lambda a: a.__setitem__(5, jnp.zeros((2,), jnp.int32)), ValueError, "query_start_loc must be"),
+        (
+            lambda a: a.__setitem__(
+                3, jnp.zeros((2, 2), jnp.int64 if jax.config.x64_enabled else jnp.uint32)
+            ),
+            TypeError,
+            "block_tables must be int32",
+        ),
+        (lambda a: a.__setitem__(1, a[1].astype(jnp.bfloat16)), TypeError, "dtype"),
+    ],
+)
+def test_validation_messages(fn, mutate, error, match):
+    args = _args()
+    mutate(args)
+    with pytest.raises(error, match=match):
+        fn(*args, sm_scale=0.125)
+
+
+def test_validation_of_options():
+    with pytest.raises(ValueError, match="sliding_window"):
+        ragged_paged_attention_reference(*_args(), sm_scale=0.1, sliding_window=0)
+    with pytest.raises(ValueError, match="soft_cap"):
+        ragged_paged_attention_reference(*_args(), sm_scale=0.1, soft_cap=-1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        AttentionTuning(block_q=3)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        ragged_paged_attention(*_args(D=48), sm_scale=0.1, interpret=True)

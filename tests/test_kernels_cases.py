@@ -1,0 +1,111 @@
+"""Helpers for the kernel tests (no tests here): random ragged batches and a naive numpy oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass
+class Batch:
+    """Inputs of one ragged paged attention call, plus what the tests need to check it."""
+
+    q: jnp.ndarray  # [T, QH, D]
+    k_pages: jnp.ndarray  # [num_pages, page_size, KVH, D]
+    v_pages: jnp.ndarray
+    block_tables: jnp.ndarray  # [S, P] int32
+    seq_lens: jnp.ndarray  # [S] int32
+    query_start_loc: jnp.ndarray  # [S + 1] int32
+    num_real_tokens: int
+
+
+def make_batch(
+    rng,
+    *,
+    page_size,
+    head_dim,
+    group,
+    num_kv_heads,
+    dtype,
+    seqs,
+    pages_per_seq,
+    num_pages=None,
+    pad_tokens=3,
+    pad_seqs=1,
+) -> Batch:
+    """`seqs` is [(q_len, kv_len)]; pages are drawn with replacement so sequences share pages.
+
+    Page 0 (scratch) is filled with NaN and every table entry past a sequence's pages points at it, so a
+    kernel that reads a KV row it should not use produces NaN.
+    """
+    seqs = list(seqs) + [(0, 0)] * pad_seqs
+    num_pages = num_pages or max(4, len(seqs) * pages_per_seq // 2)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    k[0] = np.nan
+    v[0] = np.nan
+    tables = np.zeros((len(seqs), pages_per_seq), np.int32)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        assert q_len <= kv_len <= pages_per_seq * page_size, (q_len, kv_len)
+        used = -(-kv_len // page_size)
+        tables[s, :used] = rng.integers(1, num_pages, used)
+    q_lens = np.array([q for q, _ in seqs], np.int32)
+    total = int(q_lens.sum())
+    q = rng.standard_normal((total + pad_tokens, num_kv_heads * group, head_dim)).astype(np.float32)
+    return Batch(
+        q=jnp.asarray(q, dtype),
+        k_pages=jnp.asarray(k, dtype),
+        v_pages=jnp.asarray(v, dtype),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
+        num_real_tokens=total,
+    )
+
+
+def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None) -> np.ndarray:
+    """Loop-per-token float64 attention straight from the contract; independent of the library's reference."""
+    q = np.asarray(b.q, np.float64)
+    k = np.asarray(b.k_pages, np.float64)
+    v = np.asarray(b.v_pages, np.float64)
+    tables = np.asarray(b.block_tables)
+    seq_lens = np.asarray(b.seq_lens)
+    qsl = np.asarray(b.query_start_loc)
+    page_size, num_kv_heads = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = np.zeros_like(q)
+    for s in range(len(seq_lens)):
+        q_len = qsl[s + 1] - qsl[s]
+        for i in range(q_len):
+            t = qsl[s] + i
+            pos = seq_lens[s] - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            kv = np.arange(lo, pos + 1)
+            pages = tables[s, kv // page_size]
+            for h in range(q.shape[1]):
+                kh = h // group
+                logits = k[pages, kv % page_size, kh] @ q[t, h] * sm_scale
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
+                p = np.exp(logits - logits.max())
+                out[t, h] = (p / p.sum()) @ v[pages, kv % page_size, kh]
+    return out
+
+
+def standard_seqs(page_size: int, pages_per_seq: int):
+    """Query/KV lengths at and around page boundaries, prefill and decode mixed, plus a full page table."""
+    ps = page_size
+    full = pages_per_seq * ps
+    return [
+        (1, ps - 1),
+        (1, ps),
+        (1, ps + 1),  # decode across a page boundary
+        (2 * ps + 1, 2 * ps + 1),  # whole prompt, several pages
+        (ps, 3 * ps),  # a prefill chunk after cached context
+        (1, 1),  # first token
+        (3, full),  # full page table
+        (ps - 1, 2 * ps - 1),
+    ]
