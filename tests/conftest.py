@@ -1,0 +1,70 @@
+"""Shared fixtures: the bundled SmolLM2 (ours and HF's), tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+# Compiled executables are reused across test runs (and across processes) on this machine.
+jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+    [{"role": "user", "content": "Explain photosynthesis in one sentence."},
+     {"role": "assistant", "content": "Plants turn light, water and CO2 into sugar and oxygen."},
+     {"role": "user", "content": "And what is chlorophyll?"}],
+    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\nWhat does this Python code do?"}],
+    [{"role": "user", "content": "How many legs does a spider have? Answer with a number: 8 or 6?"}],
+    [{"role": "user", "content": "Give me a short motivational quote 🚀 about learning."}],
+]
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    from jaxserve.loader import bundled_model_path
+
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm_f32(smollm_path):
+    """(config, float32 params) of the bundled model."""
+    import jax.numpy as jnp
+
+    from jaxserve.loader import load_params, open_checkpoint
+
+    ckpt = open_checkpoint(smollm_path)
+    cfg = ckpt.config()
+    return cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' model and tokenizer on the same GGUF, dequantized to float32."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.set_num_threads(2)
+    d, f = os.path.split(smollm_path)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model.eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(hf_smollm) -> list[list[int]]:
+    _, tok = hf_smollm
+    out = []
+    for conv in CHAT_PROMPTS:
+        ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out

@@ -1,0 +1,54 @@
+"""Small drivers of the model forward for tests (no engine): whole prompts, chunks, greedy loops."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.llama import forward
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(backend: str = "xla"):
+    return jax.jit(forward, static_argnums=(3, 4), static_argnames=("backend",), donate_argnums=(1,))
+
+
+def pages_for(seq_index: int, num_tokens: int, page_size: int, stride: int = 64) -> list[int]:
+    """Distinct, non-contiguous page ids for a sequence (never page 0)."""
+    n = -(-num_tokens // page_size)
+    return [1 + seq_index + stride * i for i in range(n)][::-1]
+
+
+def run_chunks(cfg, params, kv, seqs, page_size, all_logits=True, backend="xla", **bucket):
+    """One step over `(new_ids, start, pages)` per sequence; returns (logits as numpy, kv)."""
+    inputs = ModelInputs.build(seqs, page_size, all_logits=all_logits, **bucket)
+    logits, kv = jitted(backend)(params, kv, inputs, cfg, backend)
+    return np.asarray(logits), kv
+
+
+def prompt_logits(cfg, params, ids, page_size=16, num_pages=256, dtype=jnp.float32, backend="xla"):
+    """Logits at every position of one prompt, computed in one step on a fresh page pool."""
+    kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
+    pages = pages_for(0, len(ids), page_size, stride=max(1, (num_pages - 1) // max(1, -(-len(ids) // page_size))))
+    logits, _ = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, backend=backend)
+    return logits[: len(ids)]
+
+
+def greedy(cfg, params, ids, max_new, page_size=16, num_pages=64, dtype=jnp.float32):
+    """Greedy continuation: one prefill step, then one decode step per token."""
+    kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
+    total = len(ids) + max_new
+    pages = pages_for(0, total, page_size, stride=1)
+    logits, kv = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, all_logits=False,
+                            num_seqs=1, pages_per_seq=len(pages))
+    out = [int(logits[0].argmax())]
+    while len(out) < max_new:
+        pos = len(ids) + len(out) - 1
+        logits, kv = run_chunks(cfg, params, kv, [([out[-1]], pos, pages)], page_size, all_logits=False,
+                                num_seqs=1, pages_per_seq=len(pages))
+        out.append(int(logits[0].argmax()))
+    return out
