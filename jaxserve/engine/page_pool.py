@@ -1,0 +1,163 @@
+"""The KV page pool: host-side, reference-counted ownership of a fixed set of pages."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+
+NULL_PAGE = 0
+"""Page id reserved for padding: the device writes padded tokens' KV here, so it is never handed out."""
+
+
+class OutOfPages(RuntimeError):
+    """Raised by ``PagePool.allocate`` when fewer pages are free than requested (nothing is allocated)."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"asked for {requested} KV pages but only {free} are free")
+        self.requested = requested
+        self.free = free
+
+
+class IntegrityError(AssertionError):
+    """A host-side KV bookkeeping invariant does not hold (a bug, never a user error)."""
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    """Number of pages that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // page_size)
+
+
+class PagePool:
+    """A fixed pool of ``num_pages`` KV pages of ``page_size`` tokens, with reference counts.
+
+    Invariants (``check_integrity`` verifies them):
+      - page ``NULL_PAGE`` (0) is never allocated, referenced or freed;
+      - every other page is either free (refcount 0, in the free list exactly
+        once) or in use (refcount >= 1, not in the free list);
+      - a page's refcount equals the number of its owners: each request whose
+        page table holds it and each radix-cache node that stores it.
+
+    ``allocate`` hands out pages with refcount 1, ``incref`` adds an owner,
+    ``decref`` drops one and returns the page to the free list at zero. Freed
+    pages are reused last (FIFO), which makes a stale page id more likely to be
+    caught by the cache-content checks in the tests than silently reused.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 16) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        self._num_pages = num_pages
+        self._page_size = page_size
+        self._refcount = [0] * num_pages
+        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
+
+    @property
+    def num_pages(self) -> int:
+        """Total pages, the reserved page 0 included."""
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages that can ever be handed out (all but page 0)."""
+        return self._num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        """Pages free now."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Pages with at least one owner."""
+        return self.num_usable_pages - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable pages in use, in [0, 1]."""
+        return self.num_used / self.num_usable_pages
+
+    def refcount(self, page: int) -> int:
+        """Number of owners of ``page``."""
+        return self._refcount[page]
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``allocate(n)`` would succeed now."""
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free pages, each with refcount 1; raises ``OutOfPages`` (taking none) if short."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self._free):
+            raise OutOfPages(n, len(self._free))
+        pages = [self._free.popleft() for _ in range(n)]
+        for page in pages:
+            self._refcount[page] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        """Add one owner to each page (a page listed twice gains two); each must be in use."""
+        pages = list(pages)
+        for page in pages:
+            self._check_in_use(page, 1, "incref")
+        for page in pages:
+            self._refcount[page] += 1
+
+    def decref(self, pages: Iterable[int]) -> list[int]:
+        """Drop one owner from each page; returns the pages that became free, in order."""
+        counts = collections.Counter(pages)
+        # Validate everything before touching anything, so a double free leaves the pool intact.
+        for page, count in counts.items():
+            self._check_in_use(page, count, "decref")
+        freed = []
+        for page, count in counts.items():
+            self._refcount[page] -= count
+            if self._refcount[page] == 0:
+                self._free.append(page)
+                freed.append(page)
+        return freed
+
+    free = decref
+
+    def _check_in_use(self, page: int, count: int, what: str) -> None:
+        if not 0 < page < self._num_pages:
+            raise ValueError(f"{what}: page {page} is not a usable page id (1..{self._num_pages - 1})")
+        if self._refcount[page] < count:
+            raise ValueError(f"{what}: page {page} has refcount {self._refcount[page]}, needs >= {count}")
+
+    def check_integrity(self, owners: Iterable[Iterable[int]]) -> None:
+        """Raise ``IntegrityError`` unless refcounts equal the owner counts and free/used partition the pool.
+
+        ``owners`` holds one page list per owner (each request's page table and
+        each cache node's pages); a page must not appear twice in one owner.
+        """
+        expected = [0] * self._num_pages
+        for pages in owners:
+            pages = list(pages)
+            if len(set(pages)) != len(pages):
+                raise IntegrityError(f"an owner holds a page twice: {pages}")
+            for page in pages:
+                if not 0 < page < self._num_pages:
+                    raise IntegrityError(f"owner holds invalid page {page}")
+                expected[page] += 1
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise IntegrityError("a page is in the free list twice")
+        if NULL_PAGE in free or self._refcount[NULL_PAGE] != 0:
+            raise IntegrityError("the reserved page 0 was handed out or freed")
+        for page in range(1, self._num_pages):
+            if self._refcount[page] != expected[page]:
+                raise IntegrityError(
+                    f"page {page}: refcount {self._refcount[page]} but {expected[page]} owners"
+                    + (" (leaked)" if expected[page] == 0 else "")
+                )
+            if (page in free) != (expected[page] == 0):
+                state = "free" if page in free else "not free"
+                raise IntegrityError(f"page {page} is {state} with {expected[page]} owners")
