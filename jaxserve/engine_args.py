@@ -1,0 +1,105 @@
+"""Engine arguments: one typed, validated configuration, with its command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+DType = Literal["auto", "float32", "bfloat16"]
+BackendChoice = Literal["auto", "xla", "pallas", "pallas_interpret"]
+Policy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes an engine; names follow vLLM's flags where they exist."""
+
+    model: str | None = None  # a GGUF file or HF directory; None = the bundled SmolLM2
+    dtype: DType = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    page_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_scheduler_steps: int = 8
+    scheduling_policy: Policy = "fcfs"
+    attention_backend: BackendChoice = "auto"
+    seed: int = 0
+    strict_compile: bool = False
+    warmup: bool = True
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_scheduler_steps"):
+            positive(name)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.kv_cache_memory_bytes is not None:
+            positive("kv_cache_memory_bytes")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "xla", "pallas", "pallas_interpret"):
+            raise ValueError(f"attention_backend must be auto, xla, pallas or pallas_interpret, "
+                             f"got {self.attention_backend!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+
+    def replace(self, **changes) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> argparse.ArgumentParser:
+        """Add the engine's flags to `parser` (the model as an optional positional)."""
+        d = EngineArgs()
+        if with_model:
+            parser.add_argument("model", nargs="?", default=None,
+                                help="a GGUF file or an HF model directory (default: the bundled SmolLM2-135M-Instruct)")
+        g = parser.add_argument_group("engine")
+        g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
+                       help="weight and activation dtype; auto = float32 on the CPU, bfloat16 on GPUs")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's context length, "
+                            "capped by the KV cache)")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="most sequences running at once")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one step (prefill chunks are cut to fit)")
+        g.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=d.page_size,
+                       help="tokens per KV page (a power of two)")
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="bytes of KV cache (default: a fraction of device memory, or 1 GiB on the CPU)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="fraction of accelerator memory jaxserve may use for weights and KV cache")
+        g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="turn the radix-tree prefix cache off")
+        g.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                       help="decode steps run on the device per host round trip")
+        g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
+                       help="fcfs, or priority (lower value first, FCFS within a priority)")
+        g.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "pallas_interpret"],
+                       default=d.attention_backend,
+                       help="auto = pallas kernels on GPUs, plain XLA on the CPU")
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+        g.add_argument("--strict-compile", action="store_true",
+                       help="raise if anything compiles after warmup")
+        g.add_argument("--no-warmup", dest="warmup", action="store_false",
+                       help="skip compiling every shape bucket at start (first requests compile instead)")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
