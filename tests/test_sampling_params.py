@@ -49,8 +49,18 @@ def test_defaults_follow_vllm():
 
 
 def test_edges_of_the_ranges_are_accepted():
-    SamplingParams(temperature=0, top_p=1.0, top_k=1, min_p=1.0, repetition_penalty=1e-3,
-                   presence_penalty=-2, frequency_penalty=2, logprobs=0, max_tokens=None, min_tokens=5)
+    SamplingParams(
+        temperature=0,
+        top_p=1.0,
+        top_k=1,
+        min_p=1.0,
+        repetition_penalty=1e-3,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logprobs=0,
+        max_tokens=None,
+        min_tokens=5,
+    )
     SamplingParams(logprobs=MAX_LOGPROBS, min_tokens=3, max_tokens=3, seed=-5)
 
 
