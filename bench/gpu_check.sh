@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU check of the L7 kernels, for a machine with one NVIDIA GPU and no network (JAX with its CUDA
+# plugin and pytest already installed): the kernel tests compiled for the GPU (not interpreted), then the
+# kernel timings. Runs from the repository root without installing the package. Under 8 minutes.
+# Output also goes to $OUT/gpu_check.log (or bench/results/) so it survives the session.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG_DIR=${OUT:-bench/results}
+mkdir -p "$LOG_DIR"
+LOG="$LOG_DIR/gpu_check.log"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+
+{
+  echo "== environment"
+  "$PY" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+
+  echo "== kernel tests, compiled for the GPU"
+  # float32 references at full precision: the default lets XLA use TF32, far outside the tests' tolerance.
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 170 "$PY" -m pytest -q -x --no-header -p no:cacheprovider \
+    tests/test_kernels_attention.py tests/test_kernels_kv_write.py
+  echo "tests exit code: $? ($(( $(date +%s) - start )) s)"
+
+  echo "== kernel timings"
+  timeout 300 "$PY" bench/gpu_kernels.py --budget-s 240
+  echo "bench exit code: $? ($(( $(date +%s) - start )) s total)"
+} 2>&1 | tee "$LOG"

@@ -1,0 +1,250 @@
+"""Time the L7 kernels on one GPU against the XLA reference and cuDNN attention, as achieved bytes/s.
+
+Decode: batch 1/32/256 x context 1k/8k/32k; prefill: 2k/8k tokens of one sequence. Both for SmolLM2 heads
+(9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
+rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
+printed against a copy bandwidth measured in the same run. Usage: `python bench/gpu_kernels.py [--budget-s N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (
+    AttentionTuning,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    write_kv,
+    write_kv_reference,
+)
+
+PAGE_SIZE = 16
+DTYPE = jnp.bfloat16
+MIN_POOL_BYTES = 512 << 20  # pages scattered over a pool well past the 60 MiB L2
+NUM_SETS = 3
+# The reference materializes per-token KV and logits; skip it (and cuDNN's dense copy) past this.
+REF_LIMIT_BYTES = 24 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """Attention head shape of a model."""
+
+    name: str
+    q: int
+    kv: int
+    dim: int
+
+
+MODELS = (Heads("smollm2", 9, 3, 64), Heads("llama3-8b", 32, 8, 128))
+
+
+def timeit(fn, arg_sets, rounds=5, min_calls=3, target_s=0.05) -> float:
+    """Median seconds per call: warm, then rounds of back-to-back calls cycling through the input sets."""
+    for args in arg_sets:
+        jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    one = max(time.perf_counter() - t0, 1e-6)
+    calls = max(min_calls, min(200, int(target_s / one)))
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(num_elements: int = 1 << 30) -> float:
+    """Read+write bytes/s of an elementwise pass over `num_elements` bfloat16 (2 GiB by default)."""
+    x = jnp.ones((num_elements,), DTYPE)
+    f = jax.jit(lambda a: a + jnp.asarray(1, DTYPE))
+    sec = timeit(f, [(x,)], rounds=5, min_calls=5)
+    return 2 * x.nbytes / sec
+
+
+def decode_case(
+    rng,
+    heads: Heads,
+    batch: int,
+    ctx: int,
+    num_tokens: int | None = None,
+    min_pool_bytes: int = MIN_POOL_BYTES,
+):
+    """Input sets for `batch` sequences of KV length `ctx` with `num_tokens // batch` new tokens each."""
+    q_len = 1 if num_tokens is None else num_tokens // batch
+    pages_per_seq = -(-ctx // PAGE_SIZE)
+    needed = batch * pages_per_seq
+    page_bytes = PAGE_SIZE * heads.kv * heads.dim * 2
+    num_pages = max(needed + 1, min_pool_bytes // (2 * page_bytes))
+    shape = (num_pages, PAGE_SIZE, heads.kv, heads.dim)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    kk, kv, kq = jax.random.split(key, 3)
+    k_pages = jax.random.normal(kk, shape, DTYPE)
+    v_pages = jax.random.normal(kv, shape, DTYPE)
+    seq_lens = jnp.full((batch,), ctx, jnp.int32)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
+    sets = []
+    for i in range(NUM_SETS):
+        pages = rng.choice(np.arange(1, num_pages), needed, replace=needed > num_pages - 1)
+        tables = jnp.asarray(pages.reshape(batch, pages_per_seq), jnp.int32)
+        q = jax.random.normal(jax.random.fold_in(kq, i), (batch * q_len, heads.q, heads.dim), DTYPE)
+        sets.append((q, k_pages, v_pages, tables, seq_lens, qsl))
+    kv_bytes = 2 * batch * ctx * heads.kv * heads.dim * 2
+    io_bytes = 2 * batch * q_len * heads.q * heads.dim * 2
+    flops = 4 * batch * heads.q * heads.dim * (q_len * ctx - q_len * (q_len - 1) / 2)
+    return sets, kv_bytes + io_bytes, flops
+
+
+def dense_sets(sets, heads: Heads, batch: int, ctx: int):
+    """The same attention with dense KV `[B, L, KVH, D]` for cuDNN (gathered once, outside the timing)."""
+    out = []
+    for q, k_pages, v_pages, tables, _, _ in sets:
+        k = k_pages[tables].reshape(batch, -1, heads.kv, heads.dim)[:, :ctx]
+        v = v_pages[tables].reshape(batch, -1, heads.kv, heads.dim)[:, :ctx]
+        out.append((q.reshape(batch, -1, heads.q, heads.dim), k, v))
+    return out
+
+
+def run_row(label, fns, sets, nbytes, flops, dense, copy_bw):
+    cells = [label]
+    for impl, fn in fns:
+        args = dense if impl == "cudnn" else sets
+        if args is None:
+            cells.append(f"{impl}: skip")
+            continue
+        try:
+            sec = timeit(fn, args)
+        except Exception as e:  # one failing implementation must not end the run
+            cells.append(f"{impl}: FAIL {type(e).__name__}")
+            print(f"  [{label} {impl}] {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+            continue
+        bw = nbytes / sec
+        cells.append(
+            f"{impl}: {sec * 1e6:9.1f} us {bw / 1e9:7.0f} GB/s ({100 * bw / copy_bw:5.1f}%) "
+            f"{flops / sec / 1e12:7.1f} TFLOP/s"
+        )
+    print(" | ".join(cells), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=390.0, help="stop starting new rows after this")
+    parser.add_argument(
+        "--quick", action="store_true", help="one small row per table, small pools (smoke test)"
+    )
+    args = parser.parse_args()
+    start = time.perf_counter()
+    print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
+    copy_bw = copy_bandwidth(1 << 24 if args.quick else 1 << 30)
+    pool_bytes = 1 << 20 if args.quick else MIN_POOL_BYTES
+    print(f"copy bandwidth (read+write): {copy_bw / 1e12:.2f} TB/s", flush=True)
+
+    rng = np.random.default_rng(0)
+    decode_grid = [(b, c) for b in (1, 32, 256) for c in (1024, 8192, 32768)]
+    prefill_grid = [2048, 8192]
+    if args.quick:
+        decode_grid, prefill_grid = [(32, 1024)], [2048]
+
+    for heads in MODELS:
+        scale = heads.dim**-0.5
+        pallas = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale))
+        pallas_mma = jax.jit(
+            functools.partial(
+                ragged_paged_attention, sm_scale=scale, tuning=AttentionTuning(pad_rows_to_mma=True)
+            )
+        )
+        xla = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
+        print(
+            f"\n== {heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}), {jnp.dtype(DTYPE).name}, page {PAGE_SIZE}"
+        )
+        print("decode: bytes = K+V read + q/out; % of copy bandwidth")
+        for batch, ctx in decode_grid:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"decode b={batch} ctx={ctx}: skipped (time budget)")
+                continue
+            sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
+            big = nbytes * 3 > REF_LIMIT_BYTES
+            dense = None if big else dense_sets(sets, heads, batch, ctx)
+            cudnn = jax.jit(
+                lambda q, k, v, scale=scale: jax.nn.dot_product_attention(
+                    q, k, v, scale=scale, implementation="cudnn"
+                )
+            )
+            fns = [
+                ("pallas", pallas),
+                ("pallas_mma", pallas_mma),
+                ("xla", None if big else xla),
+                ("cudnn", cudnn),
+            ]
+            run_row(
+                f"decode b={batch:3d} ctx={ctx:5d}",
+                [(n, f) for n, f in fns if f is not None],
+                sets,
+                nbytes,
+                flops,
+                dense,
+                copy_bw,
+            )
+            del sets, dense
+        print("prefill (one sequence, causal): bytes = K+V + q/out")
+        for tokens in prefill_grid:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"prefill {tokens}: skipped (time budget)")
+                continue
+            sets, nbytes, flops = decode_case(
+                rng, heads, 1, tokens, num_tokens=tokens, min_pool_bytes=pool_bytes
+            )
+            dense = dense_sets(sets, heads, 1, tokens)
+            cudnn = jax.jit(
+                lambda q, k, v, scale=scale: jax.nn.dot_product_attention(
+                    q, k, v, scale=scale, is_causal=True, implementation="cudnn"
+                )
+            )
+            fns = [("pallas", pallas), ("xla", xla), ("cudnn", cudnn)]
+            run_row(f"prefill T={tokens:5d}", fns, sets, nbytes, flops, dense, copy_bw)
+
+    print("\n== KV write (256 tokens, llama3-8b heads): bytes = 2 x new K/V rows read and written")
+    try:
+        heads = MODELS[1]
+        num_pages = 4096
+        shape = (num_pages, PAGE_SIZE, heads.kv, heads.dim)
+        new = jnp.ones((256, heads.kv, heads.dim), DTYPE)
+        slots = jnp.asarray(
+            rng.choice(np.arange(PAGE_SIZE, num_pages * PAGE_SIZE), 256, replace=False), jnp.int32
+        )
+        nbytes = 2 * 2 * new.nbytes
+        # Both donate the pages, so each call updates the pool in place instead of copying it.
+        for name, fn in (("pallas", write_kv), ("xla", jax.jit(write_kv_reference, donate_argnums=(0, 1)))):
+            state = [jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE)]
+            state = list(fn(state[0], state[1], new, new, slots))  # compile
+            samples = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    state = list(fn(state[0], state[1], new, new, slots))  # donated, updated in place
+                jax.block_until_ready(state)
+                samples.append((time.perf_counter() - t0) / 20)
+            sec = statistics.median(samples)
+            print(f"write_kv {name}: {sec * 1e6:.1f} us, {nbytes / sec / 1e9:.1f} GB/s", flush=True)
+    except Exception:
+        traceback.print_exc()
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
