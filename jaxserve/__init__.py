@@ -1,0 +1,22 @@
+"""jaxserve: an LLM serving engine written in JAX."""
+
+from jaxserve.engine_args import EngineArgs
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # The engine classes pull in JAX; import them on first use only.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    if name == "AsyncEngine":
+        from jaxserve.engine.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -1,0 +1,426 @@
+"""The synchronous engine core: requests in, one scheduler iteration per `step()`, outputs out.
+
+`LLMEngine` is the thin imperative shell of DESIGN.md: it runs the scheduler, the device step and
+sampling, then detokenizes and checks stops on the host. `AsyncEngine` runs it in a thread; `LLM`
+drives it to completion for offline batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.engine.model_loading import LoadedModel, kv_cache_pages, load_model, params_bytes
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, ModelRunner, RunnerConfig, StepOutput
+from jaxserve.engine.sampler import SamplingTensors
+from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine_args import EngineArgs
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics and health."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_pages: int
+    page_size: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    compilations_after_warmup: int
+    step_time_s: float
+    num_steps: int
+
+
+@dataclass
+class _Seq:
+    """Host state of one completion (one of a request's n)."""
+
+    engine_id: str
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    stop_ids: tuple[int, ...]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Group:
+    """A user request: its prompt and its n completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[_Seq]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index, text=s.text, token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+            )
+            for s in self.seqs
+        ]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs, self.finished,
+                             dataclasses.replace(self.metrics))
+
+
+class LLMEngine:
+    """Continuous batching over the paged KV cache of one model."""
+
+    def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, progress: bool = True):
+        self.args = args = args or EngineArgs()
+        self.model = loaded or load_model(args, progress=progress)
+        self.tokenizer = self.model.tokenizer
+        cfg = self.model.config
+        num_pages = kv_cache_pages(args, cfg, self.model.dtype, params_bytes(self.model.params))
+        usable_tokens = (num_pages - 1) * args.page_size
+        max_model_len = args.max_model_len or min(cfg.max_position_embeddings, usable_tokens)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
+            )
+        if max_model_len > usable_tokens:
+            raise ValueError(
+                f"max_model_len {max_model_len} needs more KV cache than the {usable_tokens} tokens of the pool; "
+                "raise --kv-cache-memory-bytes or lower --max-model-len"
+            )
+        self.max_model_len = max_model_len
+        max_seqs = args.max_num_seqs
+        batched = max(args.max_num_batched_tokens, max_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
+                page_size=args.page_size, policy=args.scheduling_policy,
+                enable_prefix_caching=args.enable_prefix_caching,
+            ),
+            num_pages,
+        )
+        backend = args.attention_backend
+        if backend == "auto":
+            import jax
+
+            backend = "xla" if jax.default_backend() == "cpu" else "pallas"
+        self.runner = ModelRunner(
+            cfg, self.model.params, KVCache.allocate(cfg, num_pages, args.page_size, self.model.dtype),
+            RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
+                         page_size=args.page_size, num_pages=num_pages,
+                         num_scheduler_steps=args.num_scheduler_steps, backend=backend,
+                         max_logprobs=args.max_logprobs),
+        )
+        self.warmup_seconds = 0.0
+        if args.warmup:
+            self.warmup_seconds = self.runner.warmup(progress=progress)
+        self.runner.strict = args.strict_compile
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+        self._seq: dict[str, _Seq] = {}
+        self._counter = 0
+        self.num_preemptions = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.eos_ids = tuple(self.tokenizer.eos_token_ids)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize_prompt(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, leaving no room to generate"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} (total {len(prompt_ids) + max_tokens})"
+            )
+        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.args.max_logprobs}, got {params.logprobs}")
+        stop_ids = tuple(params.all_stop_token_ids(self.eos_ids))
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} stop_token_ids are supported")
+        now = arrival_time if arrival_time is not None else time.time()
+        group = _Group(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now))
+        stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else None
+            child = dataclasses.replace(params, n=1, seed=seed)
+            engine_id = request_id if params.n == 1 else f"{request_id}-{i}"
+            seq = _Seq(engine_id, i, child,
+                       IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                       StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
+                       logprobs=[] if params.logprobs is not None else None)
+            group.seqs.append(seq)
+        for seq in group.seqs:
+            self.scheduler.add_request(Request(
+                request_id=seq.engine_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
+                sampling_params=seq.params, priority=priority, arrival_time=now, cache_salt=cache_salt,
+            ))
+            self._seq[seq.engine_id] = seq
+            self._seq_group[seq.engine_id] = group
+            seq.counter = self._counter  # type: ignore[attr-defined]
+            self._counter += 1
+        self._groups[request_id] = group
+        self.prompt_tokens += len(prompt_ids) * params.n
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request wherever it is, freeing its pages; returns its final output if it was live."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for seq in group.seqs:
+            self.scheduler.abort(seq.engine_id)
+            self._forget(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        group.metrics.finished_time = time.time()
+        return group.output()
+
+    def _forget(self, seq: _Seq) -> None:
+        self._seq.pop(seq.engine_id, None)
+        self._seq_group.pop(seq.engine_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._groups)
+
+    # -- one iteration -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler iteration; returns the outputs of requests that progressed."""
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted_ids)
+        if plan.is_empty:
+            return []
+        now = time.time()
+        for s in plan.scheduled:
+            group = self._seq_group.get(s.request_id)
+            if group is not None and group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        if all(s.is_decode for s in plan.scheduled):
+            sampled = self._run_decode_loop(plan)
+        else:
+            sampled = self._run_mixed(plan)
+        return self._process(plan, sampled)
+
+    def _sampling(self, scheduled: list[ScheduledRequest], S: int) -> tuple[SamplingTensors, bool, object]:
+        seqs = [self._seq[s.request_id] for s in scheduled]
+        params = [q.params for q in seqs]
+        tensors = SamplingTensors.from_params(
+            params, [len(q.token_ids) for q in seqs], S, self.model.config.vocab_size, self.eos_ids,
+            request_counters=[q.counter for q in seqs], engine_seed=self.args.seed,  # type: ignore[attr-defined]
+        )
+        want_top = any(p.logprobs for p in params)
+        penalties = None
+        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+            group_of = self._seq_group
+            rows = [(group_of[s.request_id].prompt_ids, self._seq[s.request_id].token_ids) for s in scheduled]
+            penalties = self.runner.penalty_inputs(S, rows)
+        return tensors, want_top, penalties
+
+    def _run_mixed(self, plan: SchedulerOutput) -> dict[str, StepOutput]:
+        rcfg = self.runner.cfg
+        T = rcfg.token_bucket(plan.num_batched_tokens)
+        S = min(T, rcfg.max_num_seqs)
+        scheduled = list(plan.scheduled)
+        inputs = ModelInputs.build(
+            [(list(s.token_ids), s.start_position, list(s.page_table)) for s in scheduled],
+            rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
+        )
+        tensors, want_top, penalties = self._sampling(scheduled, S)
+        out = self.runner.run_mixed(inputs, tensors, penalties, want_top)
+        return {s.request_id: _row(out, i, 1) for i, s in enumerate(scheduled) if s.sample}
+
+    def _run_decode_loop(self, plan: SchedulerOutput) -> dict[str, StepOutput]:
+        rcfg = self.runner.cfg
+        scheduled = list(plan.scheduled)
+        S = rcfg.seq_bucket(len(scheduled))
+        n = rcfg.num_scheduler_steps
+        P = rcfg.pages_per_seq
+        tokens = np.zeros(S, np.int32)
+        positions = np.zeros(S, np.int32)
+        tables = np.zeros((S, P), np.int32)
+        max_steps = np.zeros(S, np.int32)
+        stop_ids = np.full((S, MAX_STOP_IDS), -1, np.int32)
+        min_left = np.zeros(S, np.int32)
+        for i, s in enumerate(scheduled):
+            seq = self._seq[s.request_id]
+            steps = self.scheduler.reserve_decode_pages(s.request_id, n) if n > 1 else 1
+            pages = self.scheduler.get_request(s.request_id).pages
+            tokens[i] = s.token_ids[0]
+            positions[i] = s.start_position
+            tables[i, : len(pages)] = pages
+            max_steps[i] = max(1, steps)
+            stop_ids[i, : len(seq.stop_ids)] = seq.stop_ids
+            min_left[i] = max(0, seq.params.min_tokens - len(seq.token_ids))
+        st = DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)))
+        tensors, want_top, penalties = self._sampling(scheduled, S)
+        out = self.runner.run_decode(st, tensors, penalties, want_top)
+        return {s.request_id: _row(out, i, int(out.num_generated[i])) for i, s in enumerate(scheduled)}
+
+    # -- host side of a step -----------------------------------------------------------------------
+
+    def _process(self, plan: SchedulerOutput, sampled: dict[str, StepOutput]) -> list[RequestOutput]:
+        now = time.time()
+        accepted: dict[str, list[int]] = {}
+        stopped: list[str] = []
+        touched: dict[str, _Group] = {}
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            seq = self._seq.get(s.request_id)
+            request = self.scheduler.get_request(s.request_id)
+            if seq is None or request is None:
+                continue
+            out = sampled[s.request_id]
+            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
+            toks: list[int] = []
+            for j in range(min(len(out.token_ids), room)):
+                tok = int(out.token_ids[j])
+                toks.append(tok)
+                stop = self._append(seq, tok, out, j)
+                if stop:
+                    stopped.append(s.request_id)
+                    break
+            accepted[s.request_id] = toks
+            group = self._seq_group[s.request_id]
+            if group.metrics.first_token_time is None and toks:
+                group.metrics.first_token_time = now
+            touched[group.request_id] = group
+        self.generation_tokens += sum(len(t) for t in accepted.values())
+        finished = self.scheduler.update_after_step(plan, accepted, stopped)
+        for request in finished:
+            seq = self._seq[request.request_id]
+            group = self._seq_group[request.request_id]
+            if request.status is RequestStatus.FINISHED_LENGTH and seq.finish_reason is None:
+                seq.text += seq.detok.flush()
+                seq.text += seq.stops.flush()
+                seq.finish_reason = "length"
+            group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, request.num_cached_tokens)
+            self._forget(seq)
+        outputs = []
+        for group in touched.values():
+            for seq in group.seqs:
+                r = self.scheduler.get_request(seq.engine_id)
+                if r is not None:
+                    group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, r.num_cached_tokens)
+            if group.finished:
+                group.metrics.finished_time = now
+                self._groups.pop(group.request_id, None)
+            outputs.append(group.output())
+        return outputs
+
+    def _append(self, seq: _Seq, tok: int, out: StepOutput, j: int) -> bool:
+        """Add one sampled token to a completion; True if it ends the completion (stop id or string)."""
+        seq.token_ids.append(tok)
+        if seq.logprobs is not None:
+            lp = float(out.logprobs[j])
+            seq.cumulative_logprob += lp
+            k = seq.params.logprobs or 0
+            entry = token_logprobs(tok, lp, int(out.ranks[j]), out.top_ids[j][:k].tolist(),
+                                   out.top_logprobs[j][:k].tolist())
+            for tid, item in entry.items():
+                item.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+            seq.logprobs.append(entry)
+        if tok in seq.stop_ids and len(seq.token_ids) > seq.params.min_tokens - 1:
+            # As vLLM: the stop token stays in token_ids, its text is left out of the output text.
+            seq.text += seq.stops.add(seq.detok.flush()).text + seq.stops.flush()
+            seq.finish_reason = "stop"
+            seq.stop_reason = tok if tok in (seq.params.stop_token_ids or ()) else None
+            return True
+        delta = seq.stops.add(seq.detok.add(tok))
+        seq.text += delta.text
+        if delta.stop_str is not None:
+            seq.finish_reason = "stop"
+            seq.stop_reason = delta.stop_str
+            return True
+        return False
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        cache = sched.cache
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.pool.usage,
+            num_pages=sched.pool.num_pages, page_size=sched.pool.page_size,
+            prefix_cache_queries=cache.query_tokens if cache else 0,
+            prefix_cache_hits=cache.hit_tokens if cache else 0,
+            num_preemptions=self.num_preemptions, prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            compilations_after_warmup=self.runner.compilations_after_warmup,
+            step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.cache.reset() if self.scheduler.cache else True
+
+
+def _row(out: StepOutput, i: int, n: int) -> StepOutput:
+    """Row i of a step's output as per-token arrays of length n."""
+    if out.token_ids.ndim == 1:
+        return StepOutput(out.token_ids[i:i + 1], out.logprobs[i:i + 1], out.ranks[i:i + 1],
+                          out.top_ids[i:i + 1], out.top_logprobs[i:i + 1], np.int32(1))
+    return StepOutput(out.token_ids[:n, i], out.logprobs[:n, i], out.ranks[:n, i], out.top_ids[:n, i],
+                      out.top_logprobs[:n, i], np.int32(n))

@@ -1,0 +1,325 @@
+"""The model runner (L5-L6): scheduler output to padded device arrays, jitted steps, warmup.
+
+Two jitted device functions serve every step:
+- `mixed_step`: one forward over a ragged batch of prefill chunks and decodes, then sampling.
+  Shapes come from token buckets `T`; the sequence axis is `min(T, max_num_seqs)`.
+- `decode_loop`: up to `n` decode steps for every running sequence in one call, on the
+  device: sample, append, check stop ids and length, derive the next positions and slots from
+  the page tables, and stop early when every row is done. Sequence buckets `S`.
+All buckets compile at warmup; `compilations_after_warmup` counts any compile after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.sampler import SamplingTensors, sample, update_counts
+from jaxserve.models.attention import AttentionBackend
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.llama import forward
+from jaxserve.models.params import Params
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_IDS = 8  # stop token ids checked on the device per row (EOS ids + stop_token_ids)
+
+
+class CompileAfterWarmupError(RuntimeError):
+    """Strict mode: a shape was compiled while serving."""
+
+
+def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Static shapes of the runner."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    page_size: int
+    num_pages: int
+    num_scheduler_steps: int
+    backend: AttentionBackend
+    max_logprobs: int = 20
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return _pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b in (1, 4, 16, 64, 256) if b < self.max_num_seqs) + (self.max_num_seqs,)
+
+    def token_bucket(self, n: int) -> int:
+        for b in self.token_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} tokens exceed max_num_batched_tokens {self.max_num_batched_tokens}")
+
+    def seq_bucket(self, n: int) -> int:
+        for b in self.seq_buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} sequences exceed max_num_seqs {self.max_num_seqs}")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PenaltyInputs:
+    """Token history for repetition/presence/frequency penalties (all -1 when no row uses them)."""
+
+    history: jax.Array  # [S, H] int32: prompt then output ids, -1 padded
+    num_prompt: jax.Array  # [S] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepOutput:
+    token_ids: jax.Array  # [S] or [n, S] int32
+    logprobs: jax.Array  # [S] or [n, S] f32
+    ranks: jax.Array  # [S] or [n, S] int32
+    top_ids: jax.Array  # [S, K] or [n, S, K] int32
+    top_logprobs: jax.Array  # [S, K] or [n, S, K] f32
+    num_generated: jax.Array  # [S] int32 (decode loop: tokens produced per row)
+
+
+def _penalty_arrays(pen: PenaltyInputs, t: SamplingTensors, vocab: int):
+    """counts [S, V] of output ids and mask [S, V] of prompt ids, built only when a row needs them."""
+    S, H = pen.history.shape
+    wants = jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0))
+
+    def build(_):
+        idx = jnp.arange(H)[None, :]
+        ids = jnp.where(pen.history < 0, vocab, pen.history)
+        is_prompt = idx < pen.num_prompt[:, None]
+        rows = jnp.broadcast_to(jnp.arange(S)[:, None], (S, H))
+        counts = jnp.zeros((S, vocab), jnp.int32).at[rows, jnp.where(is_prompt, vocab, ids)].add(1, mode="drop")
+        mask = jnp.zeros((S, vocab), bool).at[rows, jnp.where(is_prompt, ids, vocab)].set(True, mode="drop")
+        return counts, mask
+
+    def empty(_):
+        return jnp.zeros((S, vocab), jnp.int32), jnp.zeros((S, vocab), bool)
+
+    return jax.lax.cond(wants, build, empty, None)
+
+
+def _top_logprobs(logits: jax.Array, want: jax.Array, k: int):
+    def compute(x):
+        vals, ids = jax.lax.top_k(x, k)
+        return ids.astype(jnp.int32), vals - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+
+    def skip(x):
+        return jnp.zeros((x.shape[0], k), jnp.int32), jnp.zeros((x.shape[0], k), jnp.float32)
+
+    return jax.lax.cond(want, compute, skip, logits)
+
+
+def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
+               want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int):
+    """Forward over a ragged batch and sample one token per sequence row."""
+    logits, kv = forward(params, kv, inputs, cfg, backend)  # [S, V]
+    counts, mask = _penalty_arrays(pen, sampling, cfg.vocab_size)
+    out = sample(logits, sampling, counts, mask)
+    top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
+    return StepOutput(out.token_ids, out.logprobs, out.ranks, top_ids, top_lp,
+                      jnp.ones_like(out.token_ids)), kv
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeState:
+    """Host-prepared state of a decode loop over S rows."""
+
+    tokens: jax.Array  # [S] int32, each row's last token (not yet in the KV)
+    positions: jax.Array  # [S] int32, that token's position
+    block_tables: jax.Array  # [S, P] int32
+    max_steps: jax.Array  # [S] int32, tokens the row may produce in this loop (0 = padding row)
+    stop_ids: jax.Array  # [S, M] int32, ids that end the row (-1 pads)
+    min_tokens_left: jax.Array  # [S] int32, stop ids do not end the row before this many tokens
+    num_steps: jax.Array  # [] int32, most steps of this loop
+
+
+def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
+                want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, n_max: int):
+    """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done."""
+    S, P = st.block_tables.shape
+    page_size = kv.k.shape[2]
+    counts0, mask = _penalty_arrays(pen, sampling, cfg.vocab_size)
+    qsl = jnp.arange(S + 1, dtype=jnp.int32)
+    rows = jnp.arange(S)
+
+    def cond(c):
+        i, _, _, _, _, done, _, _ = c
+        return (i < st.num_steps) & ~jnp.all(done)
+
+    def body(c):
+        i, kv, tokens, pos, samp, done, counts, out = c
+        page = st.block_tables[rows, jnp.clip(pos // page_size, 0, P - 1)]
+        slots = jnp.where(done, 0, page * page_size + pos % page_size)
+        inputs = ModelInputs(
+            token_ids=tokens, positions=pos, slot_mapping=slots,
+            block_tables=jnp.where(done[:, None], 0, st.block_tables),
+            seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
+        )
+        logits, kv = forward(params, kv, inputs, cfg, backend)
+        s = sample(logits, samp, counts, mask)
+        top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
+        new = jnp.where(done, -1, s.token_ids)
+        produced = out.num_generated + (~done)
+        hit_stop = jnp.any(new[:, None] == st.stop_ids, axis=-1) & (produced >= st.min_tokens_left)
+        out = StepOutput(
+            out.token_ids.at[i].set(new), out.logprobs.at[i].set(s.logprobs), out.ranks.at[i].set(s.ranks),
+            out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp), produced,
+        )
+        done = done | hit_stop | (produced >= st.max_steps)
+        counts = update_counts(counts, new)
+        return i + 1, kv, jnp.where(done, tokens, new), pos + 1, samp.advance(), done, counts, out
+
+    out0 = StepOutput(
+        jnp.full((n_max, S), -1, jnp.int32), jnp.zeros((n_max, S), jnp.float32), jnp.zeros((n_max, S), jnp.int32),
+        jnp.zeros((n_max, S, top_k), jnp.int32), jnp.zeros((n_max, S, top_k), jnp.float32),
+        jnp.zeros((S,), jnp.int32),
+    )
+    done0 = st.max_steps <= 0
+    c = (jnp.int32(0), kv, st.tokens, st.positions, sampling, done0, counts0, out0)
+    _, kv, _, _, _, _, _, out = jax.lax.while_loop(cond, body, c)
+    return out, kv
+
+
+class ModelRunner:
+    """Holds the parameters and the page pool on the device and runs the jitted steps."""
+
+    def __init__(self, model_cfg: ModelConfig, params: Params, kv: KVCache, cfg: RunnerConfig):
+        self.model_cfg = model_cfg
+        self.params = params
+        self.kv = kv
+        self.cfg = cfg
+        top_k = cfg.max_logprobs
+        self._mixed = jax.jit(
+            functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k), donate_argnums=(1,)
+        )
+        self._decode = jax.jit(
+            functools.partial(decode_loop, cfg=model_cfg, backend=cfg.backend, top_k=top_k,
+                              n_max=cfg.num_scheduler_steps),
+            donate_argnums=(1,),
+        )
+        self._no_penalty: dict[int, PenaltyInputs] = {}
+        self._baseline_compiles: int | None = None
+        self.strict = False
+        self.num_steps = 0
+        self.last_step_time = 0.0
+
+    # -- compile accounting ------------------------------------------------------------------------
+
+    def num_compilations(self) -> int:
+        return self._mixed._cache_size() + self._decode._cache_size()
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        if self._baseline_compiles is None:
+            return 0
+        return self.num_compilations() - self._baseline_compiles
+
+    def _check_compiles(self) -> None:
+        if self.strict and self.compilations_after_warmup > 0:
+            raise CompileAfterWarmupError(
+                f"{self.compilations_after_warmup} compilation(s) after warmup (strict mode)"
+            )
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket of both step functions; returns the seconds it took."""
+        t0 = time.perf_counter()
+        shapes = [("mixed", t) for t in self.cfg.token_buckets] + [("decode", s) for s in self.cfg.seq_buckets]
+        it = shapes
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(shapes, desc="Compiling shape buckets", unit="bucket", leave=False)
+        for kind, size in it:
+            if kind == "mixed":
+                S = min(size, self.cfg.max_num_seqs)
+                seqs = [([0], 0, [0])]  # one token into the reserved page
+                inputs = ModelInputs.build(seqs, self.cfg.page_size, num_tokens=size, num_seqs=S,
+                                           pages_per_seq=self.cfg.pages_per_seq)
+                self.run_mixed(inputs, self._inert_sampling(S), None, want_top=False)
+            else:
+                st = self._inert_decode_state(size)
+                self.run_decode(st, self._inert_sampling(size), None, want_top=False)
+        self._baseline_compiles = self.num_compilations()
+        return time.perf_counter() - t0
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _inert_sampling(self, S: int) -> SamplingTensors:
+        return SamplingTensors.from_params([], [], S, self.model_cfg.vocab_size, [])
+
+    def _inert_decode_state(self, S: int) -> DecodeState:
+        P = self.cfg.pages_per_seq
+        return DecodeState(
+            tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32), block_tables=np.zeros((S, P), np.int32),
+            max_steps=np.zeros(S, np.int32), stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
+            min_tokens_left=np.zeros(S, np.int32), num_steps=np.int32(0),
+        )
+
+    def penalty_inputs(self, S: int, rows: list[tuple[list[int], list[int]]] | None) -> PenaltyInputs:
+        """History arrays for rows (prompt ids, output ids); a cached inert array when None."""
+        H = self.cfg.max_model_len
+        if rows is None:
+            if S not in self._no_penalty:
+                self._no_penalty[S] = PenaltyInputs(jnp.full((S, H), -1, jnp.int32), jnp.zeros((S,), jnp.int32))
+            return self._no_penalty[S]
+        hist = np.full((S, H), -1, np.int32)
+        num_prompt = np.zeros(S, np.int32)
+        for i, (p, o) in enumerate(rows):
+            ids = (list(p) + list(o))[:H]
+            hist[i, : len(ids)] = ids
+            num_prompt[i] = len(p)
+        return PenaltyInputs(hist, num_prompt)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def run_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
+        S = inputs.block_tables.shape[0]
+        pen = penalties if penalties is not None else self.penalty_inputs(S, None)
+        t0 = time.perf_counter()
+        out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, np.bool_(want_top))
+        out = jax.device_get(out)
+        self.last_step_time = time.perf_counter() - t0
+        self.num_steps += 1
+        self._check_compiles()
+        return out
+
+    def run_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
+        S = st.tokens.shape[0]
+        pen = penalties if penalties is not None else self.penalty_inputs(S, None)
+        t0 = time.perf_counter()
+        out, self.kv = self._decode(self.params, self.kv, st, sampling, pen, np.bool_(want_top))
+        out = jax.device_get(out)
+        self.last_step_time = time.perf_counter() - t0
+        self.num_steps += 1
+        self._check_compiles()
+        return out
+
+    def replace_config(self, **changes) -> None:
+        self.cfg = dataclasses.replace(self.cfg, **changes)

@@ -1,0 +1,102 @@
+"""`LLM`: offline batch generation, as vLLM's `LLM` class offers it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine_args import EngineArgs
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model once and generate for many prompts at a time.
+
+    `model=None` serves the bundled SmolLM2-135M-Instruct; other keyword arguments are
+    `EngineArgs` fields (`max_num_seqs`, `max_model_len`, `dtype`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        progress = engine_args.pop("progress", True)
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args), progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template and generate its reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [
+            tok.encode_chat(conv, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {}))
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
