@@ -1,0 +1,174 @@
+"""The Starlette application: routes, error handlers, and the middleware around them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server.config import ServerConfig
+from server.errors import ApiError
+from server.middleware import ApiMiddleware
+from server.protocol import check_messages, get_bool, get_str
+from server.serving import handle_generate, read_json
+from server.state import ServerState
+
+logger = logging.getLogger("jaxserve.server")
+VERSION = "0.1.0"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def health(request: Request) -> Response:
+    """Alive: the process answers HTTP."""
+    return Response(status_code=200)
+
+
+async def ready(request: Request) -> Response:
+    """200 once weights are loaded and warmup is done, 503 before that and while draining."""
+    state = _state(request)
+    if state.draining:
+        status = "draining"
+    elif not state.engine.is_ready:
+        status = "loading"
+    else:
+        return JSONResponse({"status": "ready"})
+    return JSONResponse({"status": status}, status_code=503,
+                        headers={"Retry-After": str(state.config.retry_after_s)})
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request) -> Response:
+    """The server's version."""
+    return JSONResponse({"version": VERSION})
+
+
+async def models(request: Request) -> Response:
+    """`GET /v1/models`: every served name of the one loaded model."""
+    state = _state(request)
+    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in state.served_names]})
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{model}`."""
+    state = _state(request)
+    name = request.path_params["model"]
+    state.check_model(name)
+    return JSONResponse(_model_card(state, name))
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+            "root": state.engine.model_name, "parent": None, "max_model_len": state.engine.max_model_len}
+
+
+async def chat_completions(request: Request) -> Response:
+    """`POST /v1/chat/completions`."""
+    return await handle_generate(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    """`POST /v1/completions`."""
+    return await handle_generate(request, "completion")
+
+
+async def tokenize(request: Request) -> Response:
+    """`POST /tokenize`: a prompt or a chat (`messages`) to token ids, as vLLM answers it."""
+    state = _state(request)
+    state.check_serving()
+    body = await read_json(request, state.config.max_request_body_bytes)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    state.check_model(get_str(body, "model"))
+    tok = state.engine.tokenizer
+    if "messages" in body:
+        messages = check_messages(body["messages"])
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=get_bool(body, "add_generation_prompt",
+                                                                                    True))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
+        ids = tok.encode(text, add_special_tokens=get_bool(body, "add_special_tokens", False))
+    else:
+        prompt = get_str(body, "prompt")
+        if prompt is None:
+            raise ApiError(400, "'prompt' or 'messages' is required", param="prompt",
+                           code="missing_required_parameter")
+        ids = tok.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+    if get_bool(body, "return_token_strs", False):
+        out["token_strs"] = [tok.id_to_token(i) for i in ids]
+    return JSONResponse(out)
+
+
+async def detokenize(request: Request) -> Response:
+    """`POST /detokenize`: token ids back to text."""
+    state = _state(request)
+    state.check_serving()
+    body = await read_json(request, state.config.max_request_body_bytes)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    state.check_model(get_str(body, "model"))
+    ids = body.get("tokens")
+    tok = state.engine.tokenizer
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+    bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})",
+                       param="tokens", code="invalid_value")
+    return JSONResponse({"prompt": tok.decode(ids, skip_special_tokens=False)})
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}",
+               405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None,
+                    headers=dict(exc.headers or {})).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("internal error on %s", request.url.path, exc_info=exc)
+    return ApiError(500, f"internal server error: {type(exc).__name__}", code="internal_error").response()
+
+
+def build_app(engine: Any, config: ServerConfig | None = None, state: ServerState | None = None) -> Starlette:
+    """The OpenAI-compatible app over `engine` (anything with `AsyncEngine`'s interface)."""
+    config = config or ServerConfig()
+    state = state or ServerState(engine, config)
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                                                       Exception: _internal_error})
+    app.state.server = state
+    app.add_middleware(ApiMiddleware, state=state)
+    return app

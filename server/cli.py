@@ -1,0 +1,80 @@
+"""`jaxserve serve`: the flags and the entry point (dispatched to by the top-level `jaxserve` command)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from jaxserve.engine_args import EngineArgs
+from server.config import ServerConfig
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine's flags and the server's to `parser`."""
+    EngineArgs.add_cli_args(parser)
+    d = ServerConfig()
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=d.port, help="TCP port (0 picks a free one)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on the API routes (health, ready and "
+                        "metrics stay open)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may send as 'model' (the first is reported); default: the "
+                        "model's own name")
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="past this many requests waiting for the engine, new ones get 429 with Retry-After")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies are refused with 413")
+    g.add_argument("--log-level", default=d.log_level,
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="level of the server's logs (one access-log line per request at info)")
+    return parser
+
+
+def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
+    """The `ServerConfig` the parsed flags describe."""
+    return ServerConfig(host=ns.host, port=ns.port, api_key=ns.api_key,
+                        served_model_names=tuple(ns.served_model_name or ()),
+                        shutdown_timeout=ns.shutdown_timeout, max_waiting_requests=ns.max_waiting_requests,
+                        max_request_body_bytes=ns.max_request_body_bytes, log_level=ns.log_level)
+
+
+def setup_logging(level: str) -> None:
+    """Plain one-line records on stderr for jaxserve's loggers."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxserve").setLevel(level.upper())
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, and return the exit code."""
+    from jaxserve.loader import model_display_name, resolve_model
+    from server.runner import run_server
+    from server.state import LoadingEngine
+
+    config = server_config_from_args(ns)
+    setup_logging(config.log_level)
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        path = resolve_model(args.model)
+    except FileNotFoundError as e:
+        logging.getLogger("jaxserve.server").error("%s", e)
+        return 2
+
+    def load():
+        from jaxserve.engine.async_engine import AsyncEngine
+
+        return AsyncEngine.from_engine_args(args)
+
+    placeholder = LoadingEngine(model_display_name(path), args.max_model_len or 0)
+    return run_server(config, load, placeholder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m server`: the same as `jaxserve serve`."""
+    parser = argparse.ArgumentParser(prog="jaxserve serve",
+                                     description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_serve_args(parser)
+    return run_serve(parser.parse_args(argv))

@@ -1,0 +1,57 @@
+"""The HTTP server's configuration: one frozen dataclass, checked when built."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the OpenAI-compatible frontend listens, admits and shuts down.
+
+    Attributes:
+      host, port: where Hypercorn listens (port 0 picks a free one).
+      api_key: when set, every route except /health, /ready, /metrics and /version needs
+        `Authorization: Bearer <api_key>`.
+      served_model_names: names clients may put in `model`; the first is reported. Empty means the
+        engine's own model name.
+      shutdown_timeout: seconds in-flight requests get to finish after SIGTERM before they are aborted.
+      max_waiting_requests: past this many requests waiting for the engine, new ones get 429.
+      max_request_body_bytes: larger request bodies get 413.
+      max_request_id_length: longest `X-Request-Id` accepted.
+      log_level: level of the server's loggers (access log included).
+      retry_after_s: the `Retry-After` sent with 429 and 503.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    shutdown_timeout: float = 30.0
+    max_waiting_requests: int = 256
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_request_id_length: int = 256
+    log_level: str = "info"
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset to turn auth off)")
+        object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if any(not n for n in self.served_model_names):
+            raise ValueError("served_model_names must not contain an empty name")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("max_waiting_requests", "max_request_body_bytes", "max_request_id_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"log_level must be critical, error, warning, info or debug, got {self.log_level!r}")
+
+    def replace(self, **changes) -> ServerConfig:
+        """A copy with `changes` applied (and checked)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,320 @@
+"""L0 -> L1: the OpenAI request JSON, checked field by field and normalized.
+
+`parse_chat` and `parse_completion` turn a decoded JSON body into a `ChatRequest` or
+`CompletionRequest`, raising `ApiError(400)` that names the offending field (`param`) for anything
+malformed, out of range or unsupported. Sampling fields (OpenAI's and vLLM's extras) become one
+`SamplingParams`. Tokenizing and length checks need the model, so they happen later (serving.py).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.errors import ApiError
+
+MAX_N = 128
+_UNSET = object()
+# Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
+_REFUSED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+            "prompt_logprobs", "audio", "prediction", "functions", "function_call", "prompt_embeds")
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _get(body: Mapping[str, Any], name: str) -> Any:
+    return body.get(name, _UNSET)
+
+
+def get_int(body: Mapping[str, Any], name: str, default: Any, lo: int | None = None,
+            hi: int | None = None) -> Any:
+    """An optional integer field (integral floats accepted), range-checked; null gives `default`."""
+    v = _get(body, name)
+    if v is _UNSET or v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise _bad(name, f"'{name}' must be an integer, got {v!r}", "invalid_type")
+    if lo is not None and v < lo:
+        raise _bad(name, f"'{name}' must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise _bad(name, f"'{name}' must be <= {hi}, got {v}")
+    return int(v)
+
+
+def get_number(body: Mapping[str, Any], name: str, default: Any) -> Any:
+    """An optional finite number field; null gives `default`."""
+    v = _get(body, name)
+    if v is _UNSET or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise _bad(name, f"'{name}' must be a finite number, got {v!r}", "invalid_type")
+    return float(v)
+
+
+def get_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """An optional boolean field; null gives `default`."""
+    v = _get(body, name)
+    if v is _UNSET or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"'{name}' must be a boolean, got {v!r}", "invalid_type")
+    return v
+
+
+def get_str(body: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """An optional string field; null gives `default`."""
+    v = _get(body, name)
+    if v is _UNSET or v is None:
+        return default
+    if not isinstance(v, str):
+        raise _bad(name, f"'{name}' must be a string, got {type(v).__name__}", "invalid_type")
+    return v
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    v = _get(body, "stop")
+    if v is _UNSET or v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise _bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    if any(not s for s in v):
+        raise _bad("stop", "'stop' must not contain an empty string")
+    return v
+
+
+def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
+    v = _get(body, name)
+    if v is _UNSET or v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise _bad(name, f"'{name}' must be a list of non-negative integers", "invalid_type")
+    return v
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """`stream_options`: a final usage chunk, and (vLLM) usage on every chunk."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@dataclass(frozen=True)
+class CommonFields:
+    """What chat and completions requests share once checked."""
+
+    model: str | None
+    params: SamplingParams
+    max_tokens_given: bool
+    stream: bool
+    stream_options: StreamOptions
+    priority: int
+    cache_salt: str | None
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A checked `/v1/chat/completions` body."""
+
+    common: CommonFields
+    messages: list[dict[str, Any]]
+    logprobs: bool
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A checked `/v1/completions` body; `prompts` holds strings or token id lists."""
+
+    common: CommonFields
+    prompts: list[str | list[int]]
+    echo: bool
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for name in _REFUSED:
+        if body.get(name) not in (None, _UNSET):
+            raise _bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "'logit_bias' is not supported by this server", "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
+        raise _bad("response_format", "only response_format {'type': 'text'} is supported",
+                   "unsupported_parameter")
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise _bad("tools", "tool calling is not supported by this server (send tool_choice 'none' to "
+                            "only show the tools to the model)", "unsupported_parameter")
+    suffix = body.get("suffix")
+    if suffix:
+        raise _bad("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
+
+
+def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
+            max_tokens_default: int | None) -> CommonFields:
+    _refuse_unsupported(body)
+    model = get_str(body, "model")
+    n = get_int(body, "n", 1, 1, MAX_N)
+    best_of = get_int(body, "best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", "'best_of' other than n is not supported by this server", "unsupported_parameter")
+    max_tokens, given = max_tokens_default, False
+    for name in max_tokens_names:  # the first one given wins (max_completion_tokens over max_tokens)
+        value = get_int(body, name, None, 1)
+        if value is not None:
+            max_tokens, given = value, True
+            break
+    top_k = get_int(body, "top_k", 0, -1)
+    min_tokens = get_int(body, "min_tokens", 0, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise _bad("min_tokens", f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})")
+    ranges = {"temperature": (0.0, None), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
+              "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+    defaults = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    floats = {}
+    for name, (lo, hi) in ranges.items():
+        v = get_number(body, name, defaults[name])
+        if v < lo or (hi is not None and v > hi) or (name == "top_p" and v == 0):
+            bounds = "(0, 1]" if name == "top_p" else f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise _bad(name, f"'{name}' must be in {bounds}, got {v}")
+        floats[name] = v
+    rep = get_number(body, "repetition_penalty", 1.0)
+    if rep <= 0:
+        raise _bad("repetition_penalty", f"'repetition_penalty' must be > 0, got {rep}")
+    seed = get_int(body, "seed", None, -(2**63), 2**64 - 1)
+    stream = get_bool(body, "stream", False)
+    opts = _get(body, "stream_options")
+    options = StreamOptions()
+    if opts is not _UNSET and opts is not None:
+        if not stream:
+            raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        if not isinstance(opts, Mapping):
+            raise _bad("stream_options", "'stream_options' must be an object", "invalid_type")
+        options = StreamOptions(get_bool(opts, "include_usage", False),
+                                get_bool(opts, "continuous_usage_stats", False))
+    try:
+        params = SamplingParams(
+            n=n, temperature=floats["temperature"], top_p=floats["top_p"], top_k=top_k, min_p=floats["min_p"],
+            repetition_penalty=rep, presence_penalty=floats["presence_penalty"],
+            frequency_penalty=floats["frequency_penalty"], seed=seed, stop=_stop(body),
+            stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=get_bool(body, "ignore_eos", False),
+            max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False))
+    except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
+        raise _bad(str(e).split(" ", 1)[0], str(e)) from e
+    return CommonFields(
+        model=model, params=params, max_tokens_given=given, stream=stream, stream_options=options,
+        priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
+        add_special_tokens=get_bool(body, "add_special_tokens", False))
+
+
+def _check_body(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    return body
+
+
+def check_messages(value: Any) -> list[dict[str, Any]]:
+    """The `messages` list: non-empty, objects with a string role and text content."""
+    if value is _UNSET or value is None:
+        raise _bad("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", "'messages' must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise _bad(where, f"{where} must be an object with 'role' and 'content'", "invalid_type")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise _bad(f"{where}.role", f"{where}.role must be a non-empty string", "invalid_type")
+        content = m.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                pw = f"{where}.content[{j}]"
+                if not isinstance(part, Mapping):
+                    raise _bad(pw, f"{pw} must be a content part object", "invalid_type")
+                if part.get("type") != "text":
+                    raise _bad(f"{pw}.type", f"{pw} has type {part.get('type')!r}; only 'text' content parts "
+                                             "are supported by this model", "unsupported_content")
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"{pw}.text", f"{pw}.text must be a string", "invalid_type")
+        elif content is not None and not isinstance(content, str):
+            raise _bad(f"{where}.content", f"{where}.content must be a string or a list of content parts",
+                       "invalid_type")
+        out.append(dict(m))
+    return out
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """Check a `/v1/chat/completions` body."""
+    body = _check_body(body)
+    messages = check_messages(_get(body, "messages"))
+    want = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want:
+        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+    common = _common(body, logprobs=(top or 0) if want else None,
+                     max_tokens_names=("max_completion_tokens", "max_tokens"), max_tokens_default=None)
+    kwargs = _get(body, "chat_template_kwargs")
+    if kwargs is _UNSET or kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    cont = get_bool(body, "continue_final_message", False)
+    if add_gen and cont and "add_generation_prompt" in body:
+        raise _bad("continue_final_message",
+                   "'continue_final_message' and 'add_generation_prompt' cannot both be true")
+    if cont and messages[-1].get("role") != "assistant":
+        raise _bad("continue_final_message", "'continue_final_message' needs a final assistant message")
+    return ChatRequest(common=common, messages=messages, logprobs=want, add_generation_prompt=add_gen and not cont,
+                       continue_final_message=cont, chat_template_kwargs=dict(kwargs))
+
+
+def _check_prompt(value: Any) -> list[str | list[int]]:
+    if value is _UNSET or value is None:
+        raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
+
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str):
+        prompts: list = [value]
+    elif ids(value):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
+        prompts = value
+    else:
+        raise _bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a "
+                             "list of token id lists, and not empty", "invalid_type")
+    if any(p == "" for p in prompts):
+        raise _bad("prompt", "'prompt' must not be empty")
+    return prompts
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    """Check a `/v1/completions` body."""
+    body = _check_body(body)
+    prompts = _check_prompt(_get(body, "prompt"))
+    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = get_bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise _bad("echo", "'echo' together with 'logprobs' needs prompt logprobs, which are not supported",
+                   "unsupported_parameter")
+    common = _common(body, logprobs=logprobs, max_tokens_names=("max_tokens",), max_tokens_default=16)
+    # vLLM adds the model's BOS for completions by default; keep that unless the client says otherwise.
+    common = CommonFields(**{**common.__dict__, "add_special_tokens": get_bool(body, "add_special_tokens", True)})
+    return CompletionRequest(common=common, prompts=prompts, echo=echo)

@@ -1,0 +1,335 @@
+"""The generation endpoints: `/v1/chat/completions` and `/v1/completions`, streaming and not.
+
+Each request goes: admission (ready, not draining) -> JSON checked (protocol.py) -> model name ->
+prompt rendered and tokenized, lengths checked against the context -> queue limit (429) -> engine.
+The first engine output is awaited before the response starts, so a request the engine refuses still
+gets a JSON 400; after that, errors travel inside the SSE stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from server.errors import ApiError, sse_error
+from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
+from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from server.responses import (
+    SSE_DONE,
+    ChoiceCursor,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    usage,
+)
+from server.state import ServerState
+
+logger = logging.getLogger("jaxserve.server")
+# Rendering and tokenizing prompts longer than this many characters moves off the event loop.
+_OFFLOAD_CHARS = 20_000
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The request body as JSON; 413 past `max_bytes`, 400 if it is not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise ApiError(413, f"the request body is {length} bytes; the limit is {max_bytes}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"the request body exceeds the limit of {max_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _log(request: Request) -> dict[str, Any]:
+    return request.scope.setdefault("state", {}).setdefault("access", {})
+
+
+def _request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+async def _offload(fn: Any, *args: Any, big: bool) -> Any:
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
+
+def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *, max_tokens_given: bool,
+                   prompt_param: str) -> SamplingParams:
+    """`params` with max_tokens set to fit the context; 400 with the numbers if the request cannot fit."""
+    n = len(ids)
+    if n >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                            f"prompt has {n} tokens, which leaves no room for the completion.",
+                       param=prompt_param, code="context_length_exceeded")
+    room = max_model_len - n
+    want = params.max_tokens
+    if want is not None and want > room and max_tokens_given:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {n + want} tokens ({n} in the prompt, {want} for the completion). "
+                            f"Reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    if want is None or want > room:
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except ValueError as e:  # min_tokens no longer fits
+            raise ApiError(400, f"min_tokens does not fit the context: {e}", param="min_tokens") from e
+    return params
+
+
+def _chat_prompt(tokenizer: Any, req: ChatRequest) -> tuple[str, list[int]]:
+    try:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                             **req.chat_template_kwargs)
+    except TypeError as e:
+        raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
+    except ValueError as e:  # ChatTemplateError included: the template refused the conversation
+        raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
+    if req.continue_final_message:
+        # Cut the end-of-turn the template wrote after the last message, so the model continues it.
+        last = req.messages[-1].get("content") or ""
+        if isinstance(last, list):
+            last = "\n".join(p["text"] for p in last)
+        at = text.rfind(last) if last else -1
+        if at >= 0:
+            text = text[: at + len(last)]
+    return text, tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
+
+
+async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
+    engine = state.engine
+    size = sum(len(str(m.get("content") or "")) for m in req.messages)
+    text, ids = await _offload(_chat_prompt, engine.tokenizer, req, big=size > _OFFLOAD_CHARS)
+    params = fit_to_context(engine.max_model_len, ids, req.common.params,
+                            max_tokens_given=req.common.max_tokens_given, prompt_param="messages")
+    return [Job(state.engine_id(request_id), ids, text, params)]
+
+
+async def _completion_jobs(state: ServerState, req: CompletionRequest, request_id: str) -> list[Job]:
+    engine = state.engine
+    tok = engine.tokenizer
+    jobs = []
+    for i, prompt in enumerate(req.prompts):
+        if isinstance(prompt, str):
+            ids = await _offload(tok.encode, prompt, req.common.add_special_tokens,
+                                 big=len(prompt) > _OFFLOAD_CHARS)
+            text = prompt
+        else:
+            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
+            if bad:
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})",
+                               param="prompt", code="invalid_value")
+            ids, text = list(prompt), None
+        params = fit_to_context(engine.max_model_len, ids, req.common.params,
+                                max_tokens_given=req.common.max_tokens_given, prompt_param="prompt")
+        engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
+        jobs.append(Job(state.engine_id(engine_id), ids, text, params))
+    return jobs
+
+
+class EventStream(Response):
+    """An SSE response that stops its producer (and so aborts the request) when the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, producer: AsyncIterator[bytes]):
+        # Not Response.__init__: it would announce `content-length: 0`.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self._producer = producer
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not pump.done():
+                pump.cancel()
+            await asyncio.gather(pump, watcher, return_exceptions=True)
+
+    async def _pump(self, send: Any) -> None:
+        try:
+            async for chunk in self._producer:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self._producer.aclose()
+
+
+Kind = Literal["chat", "completion"]
+
+
+async def handle_generate(request: Request, kind: Kind) -> Response:
+    """The shared body of both generation endpoints."""
+    state = _state(request)
+    state.check_serving()
+    arrival = time.time()
+    body = await read_json(request, state.config.max_request_body_bytes)
+    req = parse_chat(body) if kind == "chat" else parse_completion(body)
+    state.check_model(req.common.model)
+    request_id = _request_id(request)
+    jobs = await (_chat_jobs(state, req, request_id) if kind == "chat"
+                  else _completion_jobs(state, req, request_id))
+    state.admit(len(jobs))
+    log = _log(request)
+    gen = Generation(state, jobs, priority=req.common.priority, cache_salt=req.common.cache_salt,
+                     arrival=arrival, log=log)
+    fmt = _Formatter(state, req, kind, request_id, jobs)
+    try:
+        first = await race_disconnect(request.receive, gen.first())
+        if req.common.stream:
+            producer = _stream(gen, fmt, first)
+            gen = None  # the stream owns it now
+            return EventStream(producer)
+        await race_disconnect(request.receive, gen.collect())
+        return JSONResponse(fmt.full(gen))
+    except ValueError as e:  # the engine refused the request before generating
+        raise ApiError(400, str(e), code="invalid_request") from e
+    except ClientDisconnected:
+        log["disconnected"] = True
+        return Response(status_code=499)
+    finally:
+        if gen is not None:
+            await gen.close()
+
+
+async def _stream(gen: Generation, fmt: _Formatter, first: tuple[int, RequestOutput]) -> AsyncIterator[bytes]:
+    try:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            for chunk in fmt.deltas(*item, gen):
+                yield chunk
+            try:
+                item = await gen.next()
+            except ValueError as e:
+                yield sse_error(400, str(e), "invalid_request")
+                break
+            except Exception as e:
+                logger.exception("request %s failed in the engine", fmt.request_id)
+                yield sse_error(500, f"the engine failed while generating: {e}", "engine_error")
+                break
+        else:
+            if fmt.req.common.stream_options.include_usage:
+                yield fmt.usage_chunk(gen)
+        yield SSE_DONE
+    finally:
+        await gen.close()
+
+
+class _Formatter:
+    """Builds the response objects of one request in the chat or completions shape."""
+
+    def __init__(self, state: ServerState, req: ChatRequest | CompletionRequest, kind: Kind, request_id: str,
+                 jobs: list[Job]):
+        self.req, self.kind, self.request_id, self.jobs = req, kind, request_id, jobs
+        self.model = state.model_name
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.n = req.common.params.n
+        self.top_n = req.common.params.logprobs or 0
+        self.want_logprobs = req.common.params.logprobs is not None
+        self.text_of = TokenText(state.engine.tokenizer)
+        self.cursors: dict[int, ChoiceCursor] = {}
+        opts = req.common.stream_options
+        self.usage_field = opts.include_usage or opts.continuous_usage_stats
+        self.echo = isinstance(req, CompletionRequest) and req.echo
+
+    def _envelope(self, choices: list[dict], gen: Generation | None = None) -> dict:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if self.usage_field:
+            opts = self.req.common.stream_options
+            obj["usage"] = usage(*gen.usage_counts()) if opts.continuous_usage_stats and gen else None
+        return obj
+
+    def deltas(self, job: int, out: RequestOutput, gen: Generation) -> list[bytes]:
+        """The SSE chunks for what `out` added to job `job`'s completions."""
+        chunks = []
+        for c in out.outputs:
+            index = job * self.n + c.index
+            cursor = self.cursors.setdefault(index, ChoiceCursor())
+            first = not cursor.started
+            if first and self.kind == "chat":
+                cursor.started = True
+                chunks.append(sse(self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}], gen)))
+            d = cursor.advance(c)
+            if d is None:
+                continue
+            if self.kind == "chat":
+                choice: dict[str, Any] = {"index": index, "delta": {"content": d.text} if d.text else {},
+                                          "logprobs": None, "finish_reason": d.finish_reason}
+                if self.want_logprobs:
+                    choice["logprobs"] = {"content": chat_logprobs(self.text_of, d.token_ids, d.logprobs,
+                                                                   self.top_n)}
+            else:
+                text = d.text
+                if first and self.echo:
+                    cursor.started = True
+                    text = (self.jobs[job].prompt_text or "") + text
+                cursor.started = True
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
+                if self.want_logprobs:
+                    choice["logprobs"], cursor.text_offset = completion_logprobs(
+                        self.text_of, d.token_ids, d.logprobs, self.top_n, cursor.text_offset)
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            chunks.append(sse(self._envelope([choice], gen)))
+        return chunks
+
+    def usage_chunk(self, gen: Generation) -> bytes:
+        """The final `choices: []` chunk with the request's usage."""
+        obj = self._envelope([], gen)
+        obj["usage"] = usage(*gen.usage_counts())
+        return sse(obj)
+
+    def full(self, gen: Generation) -> dict:
+        """The non-streaming response."""
+        choices = []
+        for job, out in enumerate(gen.latest):
+            assert out is not None
+            for c in out.outputs:
+                choice: dict[str, Any] = {"index": job * self.n + c.index}
+                lp = None
+                if self.kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                    if self.want_logprobs:
+                        lp = {"content": chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n)}
+                else:
+                    choice["text"] = ((self.jobs[job].prompt_text or "") if self.echo else "") + c.text
+                    if self.want_logprobs:
+                        lp, _ = completion_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n, 0)
+                choice.update(logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(*gen.usage_counts())}

@@ -1,0 +1,246 @@
+"""The OpenAI API over a real Hypercorn server on 127.0.0.1, on the fake engine (outputs known by hand)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from server.config import ServerConfig
+from server.fake_engine import WORDS, FakeAsyncEngine
+from server.runner import serve_in_thread
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = FakeAsyncEngine(step_delay=0.001)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serve_in_thread(engine, ServerConfig(port=0, served_model_names=("fake-model", "alias"))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def sse_events(server, path, body, headers=None):
+    """The parsed `data:` payloads of a streaming request (`[DONE]` kept as the string)."""
+    events = []
+    with httpx.stream("POST", server.url + path, json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    assert raw.endswith("data: [DONE]\n\n")
+    for block in raw.split("\n\n"):
+        if block:
+            assert block.startswith("data: ")
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_chat_greedy_text_is_the_fake_words(client):
+    r = client.chat.completions.create(model="fake-model", messages=MSG, temperature=0, max_tokens=5)
+    assert r.choices[0].message.content == "one two three four five"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 5 and r.usage.total_tokens == r.usage.prompt_tokens + 5
+    assert r.object == "chat.completion" and r.model == "fake-model"
+
+
+def test_chat_without_max_tokens_runs_to_eos(client):
+    r = client.chat.completions.create(model="alias", messages=MSG, temperature=0)
+    assert r.choices[0].message.content == " ".join(WORDS)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(WORDS) + 1
+
+
+def test_completion_with_stop_and_n(client):
+    r = client.completions.create(model="fake-model", prompt="hello world", temperature=0, max_tokens=6, n=2,
+                                  stop=["four"])
+    texts = sorted((c.index, c.text, c.finish_reason) for c in r.choices)
+    assert texts == [(0, "one two three ", "stop"), (1, "two three ", "stop")]
+    r = client.completions.create(model="fake-model", prompt="hello", temperature=0, max_tokens=6,
+                                  stop=["four"], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == "one two three four"
+
+
+def test_chat_stream_chunk_sequence_is_well_formed(server):
+    body = {"model": "fake-model", "messages": MSG, "temperature": 0, "max_tokens": 4, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(server, "/v1/chat/completions", body, headers={"X-Request-Id": "my id/1"})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"] == "chatcmpl-my id/1"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    for index, expected in ((0, "one two three four"), (1, "two three four five")):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(ch["delta"].get("content", "") for ch in mine) == expected
+        assert [ch["finish_reason"] for ch in mine][-1] == "length"
+        assert all(ch["finish_reason"] is None for ch in mine[:-1])
+        assert all("role" not in ch["delta"] for ch in mine[1:])
+
+
+def test_completion_stream_and_usage(server):
+    body = {"prompt": "hello", "temperature": 0, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(server, "/v1/completions", body)
+    chunks = events[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "one two three"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_openai_client_stream(client):
+    stream = client.chat.completions.create(model="fake-model", messages=MSG, temperature=0, max_tokens=3,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == "one two three"
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="fake-model", messages=MSG, temperature=0, max_tokens=2,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [t.token for t in content] == ["one", "two"]
+    assert [t.logprob for t in content] == [-0.25, -0.25]
+    assert [[(x.token, x.logprob) for x in t.top_logprobs] for t in content] == [
+        [("one", -0.25), ("two", -1.25)], [("two", -0.25), ("three", -1.25)]]
+    assert content[0].bytes == list(b"one")
+
+
+def test_completion_logprobs_and_echo(client):
+    r = client.completions.create(model="fake-model", prompt="hello", temperature=0, max_tokens=3, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["one", "two", "three"] and lp.token_logprobs == [-0.25] * 3
+    assert lp.top_logprobs == [{"one": -0.25}, {"two": -0.25}, {"three": -0.25}]
+    assert lp.text_offset == [0, 3, 6]
+    r = client.completions.create(model="fake-model", prompt="hello", temperature=0, max_tokens=2, echo=True)
+    assert r.choices[0].text == "helloone two"
+
+
+def test_batched_completion_prompts(client):
+    r = client.completions.create(model="fake-model", prompt=["hello", [3, 4]], temperature=0, max_tokens=2)
+    assert sorted((c.index, c.text) for c in r.choices) == [(0, "one two"), (1, "one two")]
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 4
+
+
+def test_seed_reproducible(client):
+    def text(seed):
+        return client.completions.create(model="fake-model", prompt="hello", temperature=1.0, seed=seed,
+                                         max_tokens=4).choices[0].text
+
+    a = text(1234)
+    assert a == text(1234)
+    assert len({text(s) for s in range(6)}) > 1, "different seeds should not all agree"
+
+
+def test_cached_tokens_reported_on_repeat(client, engine):
+    prompt = " ".join(["hello"] * 40)
+    first = client.completions.create(model="fake-model", prompt=prompt, temperature=0, max_tokens=1)
+    second = client.completions.create(model="fake-model", prompt=prompt, temperature=0, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32  # whole 16-token pages, last token excluded
+
+
+def test_sampling_extras_reach_the_engine(client, engine):
+    client.chat.completions.create(
+        model="fake-model", messages=MSG, temperature=0.3, max_tokens=3, seed=5,
+        extra_body={"top_k": 4, "min_p": 0.2, "repetition_penalty": 1.2, "stop_token_ids": [9], "min_tokens": 1,
+                    "ignore_eos": True, "skip_special_tokens": False, "priority": 3, "cache_salt": "tenant-a"},
+        extra_headers={"X-Request-Id": "extras-1"})
+    rid, _, params, priority, salt = next(s for s in engine.submitted if s[0] == "extras-1")
+    assert (params.top_k, params.min_p, params.repetition_penalty, params.stop_token_ids) == (4, 0.2, 1.2, [9])
+    assert (params.min_tokens, params.ignore_eos, params.skip_special_tokens, params.seed) == (1, True, False, 5)
+    assert (priority, salt, params.temperature, params.max_tokens) == (3, "tenant-a", 0.3, 3)
+
+
+def test_content_parts_are_joined(client, engine):
+    r = client.chat.completions.create(
+        model="fake-model", temperature=0, max_tokens=1,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}])
+    assert r.choices[0].message.content == "one"
+    prompt_ids = engine.submitted[-1][1]
+    assert engine.tokenizer.decode(prompt_ids, skip_special_tokens=False).count("hello world") == 1
+
+
+def test_request_id_echoed(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1},
+                   headers={"X-Request-Id": "client-chosen-id-"})
+    assert r.headers["x-request-id"] == "client-chosen-id-"
+    assert r.json()["id"] == "cmpl-client-chosen-id-"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1})
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_models_tokenize_detokenize(server):
+    data = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["fake-model", "alias"] and data[0]["max_model_len"] == 256
+    assert httpx.get(server.url + "/v1/models/alias").json()["id"] == "alias"
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "one two"}).json()
+    assert tok["tokens"] == [3, 4] and tok["count"] == 2 and tok["max_model_len"] == 256
+    chat = httpx.post(server.url + "/tokenize", json={"messages": MSG}).json()
+    assert chat["tokens"][0] == 1 and chat["count"] == len(chat["tokens"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [3, 4]}).json() == {"prompt": "one two"}
+
+
+def test_health_ready_and_h2c(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ready").json() == {"status": "ready"}
+    with httpx.Client(http1=False, http2=True) as h2:
+        r = h2.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
+        assert r.http_version == "HTTP/2" and r.json()["choices"][0]["text"] == "one two"
+
+
+def test_32_concurrent_streams(server):
+    async def one(client, i):
+        body = {"prompt": "hello", "max_tokens": 8 + i % 5, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        text, usage = "", None
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    usage = chunk.get("usage") or usage
+        return i, text, usage
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    for i, text, usage in asyncio.run(main()):
+        n = 8 + i % 5
+        assert text == " ".join(WORDS[:n]) and usage["completion_tokens"] == n
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model="fake-model", prompt="hello", max_tokens=2, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:cache_config_info", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_queue_time_seconds_sum", "jaxserve:compilations_after_warmup_total",
+                 "jaxserve:step_time_seconds"):
+        assert f'\n{name}{{' in text, name
+    assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in text
+    assert 'block_size="16"' in text and 'num_gpu_blocks="256"' in text

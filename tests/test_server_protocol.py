@@ -1,0 +1,142 @@
+"""Unit tests of the server's request checking, response shaping and the fake engine (no HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxserve.outputs import CompletionOutput
+from jaxserve.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.errors import ApiError
+from server.fake_engine import WORDS, FakeAsyncEngine
+from server.protocol import parse_chat, parse_completion
+from server.responses import ChoiceCursor
+from server.serving import fit_to_context
+
+MSG = [{"role": "user", "content": "hello"}]
+
+
+def test_chat_maps_every_sampling_field():
+    req = parse_chat({
+        "model": "m", "messages": MSG, "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 7,
+        "stop": "x", "stop_token_ids": [3], "ignore_eos": True, "max_completion_tokens": 9, "max_tokens": 4,
+        "min_tokens": 2, "logprobs": True, "top_logprobs": 3, "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "priority": -1, "cache_salt": "s",
+        "stream": True, "stream_options": {"include_usage": True},
+    })
+    p = req.common.params
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (2, 0.5, 0.9, 5, 0.1)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.seed) == (1.1, 0.5, -0.5, 7)
+    assert p.stop == ["x"] and p.stop_token_ids == [3] and p.ignore_eos
+    assert p.max_tokens == 9, "max_completion_tokens wins over max_tokens"
+    assert (p.min_tokens, p.logprobs, p.skip_special_tokens, p.include_stop_str_in_output) == (2, 3, False, True)
+    assert (req.common.priority, req.common.cache_salt, req.common.stream) == (-1, "s", True)
+    assert req.common.stream_options.include_usage and req.logprobs
+
+
+def test_chat_defaults_follow_openai():
+    req = parse_chat({"messages": MSG})
+    p = req.common.params
+    assert p.temperature == 1.0 and p.max_tokens is None and p.logprobs is None and p.n == 1
+    assert not req.common.max_tokens_given and req.add_generation_prompt
+
+
+def test_completion_prompt_forms_and_defaults():
+    assert parse_completion({"prompt": "hi"}).prompts == ["hi"]
+    assert parse_completion({"prompt": [1, 2]}).prompts == [[1, 2]]
+    assert parse_completion({"prompt": ["a", [3]]}).prompts == ["a", [3]]
+    req = parse_completion({"prompt": "hi", "logprobs": 0})
+    assert req.common.params.max_tokens == 16 and req.common.params.logprobs == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MSG, "temperature": "hot"}, "temperature"),
+    ({"messages": MSG, "temperature": -1}, "temperature"),
+    ({"messages": MSG, "top_p": 0}, "top_p"),
+    ({"messages": MSG, "n": 0}, "n"),
+    ({"messages": MSG, "n": True}, "n"),
+    ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"messages": MSG, "stop": ["a", 3]}, "stop"),
+    ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MSG, "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+])
+def test_bad_fields_are_named(body, param):
+    parse = parse_chat if "messages" in body else parse_completion
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_fit_to_context_fills_the_room_or_names_the_numbers():
+    p = SamplingParams(max_tokens=None)
+    assert fit_to_context(10, [1, 2, 3], p, max_tokens_given=False, prompt_param="prompt").max_tokens == 7
+    # A default (not client-given) max_tokens larger than the room is clamped, not refused.
+    assert fit_to_context(10, [1] * 8, SamplingParams(max_tokens=16), max_tokens_given=False,
+                          prompt_param="prompt").max_tokens == 2
+    with pytest.raises(ApiError) as info:
+        fit_to_context(10, [1] * 8, SamplingParams(max_tokens=5), max_tokens_given=True, prompt_param="prompt")
+    assert info.value.param == "max_tokens" and "13" in info.value.message and "10" in info.value.message
+    with pytest.raises(ApiError) as info:
+        fit_to_context(10, [1] * 10, p, max_tokens_given=False, prompt_param="messages")
+    assert info.value.param == "messages" and info.value.code == "context_length_exceeded"
+
+
+def test_choice_cursor_emits_only_what_is_new():
+    cur = ChoiceCursor()
+    d = cur.advance(CompletionOutput(0, "one", [3], None, None))
+    assert d.text == "one" and d.finish_reason is None
+    assert cur.advance(CompletionOutput(0, "one", [3], None, None)) is None
+    d = cur.advance(CompletionOutput(0, "one two", [3, 4, 2], None, None, "stop"))
+    assert d.text == " two" and d.finish_reason == "stop"
+    assert cur.advance(CompletionOutput(0, "one two", [3, 4, 2], None, None, "stop")) is None
+
+
+def test_server_config_checks():
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        ServerConfig(max_waiting_requests=0)
+    assert ServerConfig(served_model_names=["a", "b"]).served_model_names == ("a", "b")
+
+
+def _run(engine, prompt, params, rid="r"):
+    async def go():
+        return [out async for out in engine.generate(prompt, params, rid)]
+
+    return asyncio.run(go())
+
+
+def test_fake_engine_outputs_are_the_documented_words():
+    eng = FakeAsyncEngine(step_delay=0)
+    try:
+        outs = _run(eng, "hello", SamplingParams(temperature=0, max_tokens=3, n=2, logprobs=1))
+        last = outs[-1]
+        assert last.finished and [c.text for c in last.outputs] == ["one two three", "two three four"]
+        assert all(c.finish_reason == "length" for c in last.outputs)
+        assert [o.outputs[0].text for o in outs] == ["one", "one two", "one two three"]
+        assert last.outputs[0].logprobs[1][last.outputs[0].token_ids[1]].logprob == -0.25
+        full = _run(eng, "hello", SamplingParams(temperature=0, max_tokens=100))[-1].outputs[0]
+        assert full.text == " ".join(WORDS) and full.finish_reason == "stop" and len(full.token_ids) == 17
+        assert _run(eng, "hello", SamplingParams(temperature=0, max_tokens=100))[-1].metrics.num_cached_tokens == 0
+        stop = _run(eng, "hello", SamplingParams(temperature=0, stop=["three f"], max_tokens=10))
+        assert [o.outputs[0].text for o in stop][-1] == "one two "
+        assert all("three" not in o.outputs[0].text for o in stop), "a possible stop string is held back"
+        with pytest.raises(ValueError, match="256"):
+            _run(eng, "hello", SamplingParams(max_tokens=256))
+    finally:
+        eng.shutdown()
