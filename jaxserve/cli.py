@@ -1,0 +1,133 @@
+"""The `jaxserve` command line: serve, generate, chat, convert."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxserve.engine_args import EngineArgs
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None, help="seed of the sampling")
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from jaxserve.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          seed=ns.sample_seed)
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from jaxserve.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    outs = llm.generate(ns.prompt, _sampling_params(ns), use_tqdm=False)
+    for out in outs:
+        print(out.outputs[0].text)
+    return 0
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    from jaxserve.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
+    params = _sampling_params(ns)
+    conversation: list[dict[str, str]] = []
+    if ns.system:
+        conversation.append({"role": "system", "content": ns.system})
+    messages = ns.message or []
+    interactive = not messages
+    while True:
+        if interactive:
+            try:
+                text = input("> ")
+            except EOFError:
+                return 0
+            if not text.strip():
+                continue
+        else:
+            if not messages:
+                return 0
+            text = messages.pop(0)
+        conversation.append({"role": "user", "content": text})
+        reply = llm.chat([conversation], params, use_tqdm=False)[0].outputs[0].text
+        conversation.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
+def _cmd_convert(ns: argparse.Namespace) -> int:
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.loader.export import export_hf
+
+    loaded = load_model(EngineArgs(model=ns.model, dtype="float32"))
+    files = export_hf(ns.to_hf, loaded.config, loaded.params, loaded.tokenizer, dtype=ns.dtype)
+    print(f"wrote {len(files)} weight/config files and the tokenizer to {ns.to_hf}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve",
+        description="jaxserve: serve large language models on JAX (OpenAI-compatible HTTP, Python API, "
+                    "paged KV cache with prefix caching). Without a MODEL argument the bundled "
+                    "SmolLM2-135M-Instruct is used.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Serve MODEL over an OpenAI-compatible HTTP API with SSE streaming.")
+    try:
+        from server.cli import add_serve_args
+    except ImportError:  # the server package is not installed
+        add_serve_args = None
+    if add_serve_args is not None:
+        add_serve_args(serve)
+
+    gen = sub.add_parser("generate", help="complete a prompt and print the text",
+                         description="Generate a completion of PROMPT (raw text, no chat template).")
+    EngineArgs.add_cli_args(gen, with_model=False)
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--model", default=None, help="a GGUF file or HF directory (default: bundled SmolLM2)")
+    _sampling_args(gen)
+
+    chat = sub.add_parser("chat", help="chat with the model in the terminal",
+                          description="Chat using the model's chat template; interactive unless --message is given.")
+    EngineArgs.add_cli_args(chat, with_model=False)
+    chat.add_argument("--model", default=None, help="a GGUF file or HF directory (default: bundled SmolLM2)")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument("-m", "--message", action="append", help="a user message (repeat for several turns)")
+    _sampling_args(chat)
+
+    conv = sub.add_parser("convert", help="write the served weights as an HF model directory",
+                          description="Convert MODEL (GGUF or HF) to an HF directory: config.json, safetensors, "
+                                      "tokenizer and chat template, with the weights jaxserve serves.")
+    conv.add_argument("model", nargs="?", default=None, help="a GGUF file or HF directory (default: bundled)")
+    conv.add_argument("--to-hf", required=True, metavar="DIR", help="output directory")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                      help="dtype of the written weights")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return 2
+    if ns.command == "serve":
+        from server.cli import run_serve
+
+        return run_serve(ns)
+    handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "convert": _cmd_convert}
+    return handlers[ns.command](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""`jaxserve convert`: write the very weights jaxserve serves as an HF model directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.keymap import hf_names, to_hf_tensor
+from jaxserve.models.params import Params, param_paths
+
+MAX_SHARD_BYTES = 2 << 30
+
+
+def export_hf(out_dir: str, cfg: ModelConfig, params: Params, tokenizer: Any, dtype: str = "float32") -> list[str]:
+    """Write config.json, safetensors (sharded past 2 GiB, with an index), tokenizer files and
+    the chat template to `out_dir`; returns the files written."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    os.makedirs(out_dir, exist_ok=True)
+    flat = {k: np.asarray(v) for k, v in param_paths(params).items()}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in hf_names(cfg):
+        t = np.ascontiguousarray(to_hf_tensor(name, cfg, flat).astype(np_dtype))
+        if size and size + t.nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    written = []
+    if len(shards) == 1:
+        path = os.path.join(out_dir, "model.safetensors")
+        save_file(shards[0], path, metadata={"format": "pt"})
+        written.append(path)
+    else:
+        weight_map = {}
+        total = 0
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            written.append(os.path.join(out_dir, fname))
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.nbytes
+        index = os.path.join(out_dir, "model.safetensors.index.json")
+        with open(index, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append(index)
+    config = cfg.to_hf()
+    config["torch_dtype"] = dtype
+    config["bos_token_id"] = tokenizer.bos_token_id
+    eos = list(tokenizer.eos_token_ids)
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    written.append(os.path.join(out_dir, "config.json"))
+    gen_path = os.path.join(out_dir, "generation_config.json")
+    if not os.path.exists(gen_path):
+        with open(gen_path, "w") as f:
+            json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": config["eos_token_id"]}, f, indent=2)
+    tokenizer.save_hf(out_dir)
+    return written
