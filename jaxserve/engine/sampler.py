@@ -262,9 +262,11 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     e = jnp.exp(z - z_max[:, None])  # [S, V] unnormalized probabilities
     total = jnp.sum(e, axis=-1)  # [S]
     filters = ~t.greedy & ((t.top_k > 0) | (t.top_p < 1) | (t.min_p > 0))
+    # The branch takes the logits, not z or e: [S, V] operands of a cond are materialized,
+    # which would cost the common unfiltered step two extra passes over memory.
     threshold = lax.cond(
         jnp.any(filters),
-        lambda: _thresholds(z, z_max, e, total, t),
+        lambda: _thresholds(logits, z_max, total, t),
         lambda: jnp.full(z_max.shape, -jnp.inf),
     )
     keep = z >= threshold[:, None]
@@ -272,10 +274,9 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.argmax(jnp.where(keep, e, 0.0) / noise, axis=-1).astype(jnp.int32)
 
 
-def _thresholds(
-    z: jax.Array, z_max: jax.Array, e: jax.Array, total: jax.Array, t: SamplingTensors
-) -> jax.Array:
+def _thresholds(logits: jax.Array, z_max: jax.Array, total: jax.Array, t: SamplingTensors) -> jax.Array:
     """Per row, the smallest scaled logit that survives top-k, top-p and min-p: [S]."""
+    z = logits / t.temperature[:, None]  # [S, V], as in _sample_random
     S, V = z.shape
     K = min(TOP_K_CAP, V)
     cand_z, _ = lax.top_k(z, K)  # [S, K], descending
@@ -295,6 +296,7 @@ def _thresholds(
 
     def full(t_k: jax.Array, t_p: jax.Array) -> tuple[jax.Array, jax.Array]:
         zkey = _order_key(z)  # [S, V]
+        e = jnp.exp(z - z_max[:, None])  # [S, V]
         lo = jnp.min(zkey, axis=-1)
         hi = _order_key(cand_z[:, K - 1])
         kth = _bisect_max(lambda v: jnp.sum(zkey >= v[:, None], axis=-1) >= t.top_k, lo, hi)
