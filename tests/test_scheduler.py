@@ -275,6 +275,24 @@ def test_preemption_picks_lowest_priority_then_newest(policy, victim):
     assert sched.cache.reset() and sched.pool.num_free == sched.pool.num_usable_pages
 
 
+def test_preempting_a_scheduled_decode_returns_its_budget():
+    cfg = config(max_num_seqs=2, max_num_batched_tokens=8, policy="priority", enable_prefix_caching=False)
+    sched = Scheduler(cfg, num_pages=5)  # 4 usable pages
+    model = FakeModel(sched)
+    sched.add_request(Request("low", [1, 1, 1, 1], max_tokens=12, priority=5))
+    run_step(sched, model)
+    sched.add_request(Request("high", list(range(1, 17)), max_tokens=1, priority=0))
+    out, _ = run_step(sched, model)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("low", 1), ("high", 7)]
+    # "low" is scheduled first (decodes go first), then "high" needs its 3rd and 4th pages:
+    # "low" is preempted and its decode token goes back to "high".
+    out, _ = run_step(sched, model)
+    assert out.preempted_ids == ("low",)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("high", 8)]
+    _, finished = run_to_completion(sched, model)
+    assert {r.request_id for r in finished} == {"low", "high"}
+
+
 def test_chunked_prefill_interleaves_with_decodes():
     sched = Scheduler(config(max_num_batched_tokens=16, long_prefill_token_threshold=8), num_pages=64)
     model = FakeModel(sched, vocab=1000)

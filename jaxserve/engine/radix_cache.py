@@ -102,7 +102,7 @@ class RadixCache:
         ``lock_ref``; a node with ``lock_ref > 0`` (locked or an ancestor of a
         locked node) is never evicted;
       - each cache salt has its own root, so requests with different salts
-        never match each other's pages.
+        never match each other's pages; a root with no children is dropped.
 
     Ownership: the cache never takes or drops a caller's page references. A
     caller that matched pages and wants to keep using them increfs them in the
@@ -210,11 +210,8 @@ class RadixCache:
         return [tuple(token_ids[i : i + ps]) for i in range(0, len(token_ids) - ps + 1, ps)]
 
     def _root(self, salt: str | None) -> RadixNode:
-        root = self._roots.get(salt)
-        if root is None:
-            root = RadixNode(next(self._ids), [], [], [], None, salt)
-            self._roots[salt] = root
-        return root
+        # An unknown salt gets a fresh root, registered only once it gets a child.
+        return self._roots.get(salt) or RadixNode(next(self._ids), [], [], [], None, salt)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -260,9 +257,7 @@ class RadixCache:
         counters alone (for lookups that may be retried; see ``record_lookup``).
         """
         now = self._tick()
-        # An unknown salt gets a detached empty root, so lookups never grow the tree.
-        root = self._roots.get(salt) or RadixNode(next(self._ids), [], [], [], None, salt)
-        node, num_pages = self._descend(root, self._page_keys(token_ids), now)
+        node, num_pages = self._descend(self._root(salt), self._page_keys(token_ids), now)
         if record:
             self.record_lookup(len(token_ids), num_pages * self._page_size)
         return MatchResult(tuple(self.path_pages(node)), num_pages * self._page_size, node)
@@ -286,8 +281,7 @@ class RadixCache:
         if len(pages) < len(keys):
             raise ValueError(f"{len(keys)} full pages of tokens but only {len(pages)} pages given")
         now = self._tick()
-        root = self._root(salt)
-        node, i = self._descend(root, keys, now)
+        node, i = self._descend(self._root(salt), keys, now)
         cached = self.path_pages(node)
         redundant = tuple(mine for mine, theirs in zip(pages[:i], cached, strict=True) if mine != theirs)
         if i < len(keys):
@@ -301,6 +295,8 @@ class RadixCache:
             child = RadixNode(next(self._ids), keys[i:], new_pages, hashes, node, salt)
             child.last_access = now
             node.children[keys[i]] = child
+            if node.is_root:
+                self._roots[salt] = node
             self._num_evictable += len(new_pages)
             token_run = tuple(t for key in keys[i:] for t in key)
             self._emit(BlockStored(tuple(hashes), parent_hash, token_run, self._page_size))
@@ -389,8 +385,10 @@ class RadixCache:
         seen_pages: set[int] = set()
         evictable = locked = 0
         for salt, root in self._roots.items():
-            if root.salt != salt or root.pages or root.keys or root.hashes:
+            if root.salt != salt or root.pages or root.keys or root.hashes or root.parent is not None:
                 raise IntegrityError(f"bad root for salt {salt!r}")
+            if not root.children:
+                raise IntegrityError(f"empty root kept for salt {salt!r}")  # would grow with every tenant
         for node in self.nodes():
             n = len(node.pages)
             if n == 0 or len(node.keys) != n or len(node.hashes) != n:

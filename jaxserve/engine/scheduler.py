@@ -304,10 +304,13 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            n = min(request.num_uncomputed_tokens, chunk, budget)
-            need = pages_needed(request.num_computed_tokens + n, cfg.page_size) - len(request.pages)
-            while need > 0 and not self._can_allocate(need):
+            while True:
+                n = min(request.num_uncomputed_tokens, chunk, budget)
+                need = pages_needed(request.num_computed_tokens + n, cfg.page_size) - len(request.pages)
+                if need <= 0 or self._can_allocate(need):
+                    break
                 victim = max(self.running, key=self._order_key)
+                # A victim scheduled earlier in this loop gives its tokens back.
                 budget += num_new.pop(victim.request_id, 0)
                 self._preempt(victim)
                 preempted.append(victim)
