@@ -21,6 +21,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int | None = None
     page_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -32,6 +33,7 @@ class EngineArgs:
     strict_compile: bool = False
     warmup: bool = True
     max_logprobs: int = 20
+    compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -77,6 +79,10 @@ class EngineArgs:
                        help="most sequences running at once")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one step (prefill chunks are cut to fit)")
+        g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="largest prefill chunk one request gets per step (default: the token budget)")
+        g.add_argument("--compile-cache-dir", default=d.compile_cache_dir,
+                       help="where compiled executables are kept between runs ('' turns it off)")
         g.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=d.page_size,
                        help="tokens per KV page (a power of two)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,

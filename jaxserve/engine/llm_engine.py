@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxserve.engine.model_loading import LoadedModel, kv_cache_pages, load_model, params_bytes
+from jaxserve.engine.model_loading import (
+    LoadedModel,
+    enable_compile_cache,
+    kv_cache_pages,
+    load_model,
+    params_bytes,
+)
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, ModelRunner, RunnerConfig, StepOutput
 from jaxserve.engine.sampler import SamplingTensors
@@ -98,6 +104,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, progress: bool = True):
         self.args = args = args or EngineArgs()
+        enable_compile_cache(args.compile_cache_dir)
         self.model = loaded or load_model(args, progress=progress)
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
@@ -120,6 +127,7 @@ class LLMEngine:
             SchedulerConfig(
                 max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 page_size=args.page_size, policy=args.scheduling_policy,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
             num_pages,
@@ -135,6 +143,7 @@ class LLMEngine:
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs),
+            model_fn=self.model.forward_fn,
         )
         self.warmup_seconds = 0.0
         if args.warmup:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,6 +16,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine_args import EngineArgs
 from jaxserve.loader import GGUFFile, load_params, model_display_name, open_checkpoint, resolve_model
 from jaxserve.models.inputs import KVCache
+from jaxserve.models.llama import forward
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
 
@@ -31,6 +34,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: Any
     load_seconds: float
+    forward_fn: Callable = forward
+    """The model step `forward(params, kv, inputs, cfg, backend) -> (logits, kv)`."""
 
 
 def resolve_dtype(args: EngineArgs) -> Any:
@@ -39,6 +44,14 @@ def resolve_dtype(args: EngineArgs) -> Any:
     if args.dtype == "bfloat16":
         return jnp.bfloat16
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def enable_compile_cache(path: str | None) -> None:
+    """Keep compiled executables on disk so later starts skip most of the warmup compile."""
+    if not path or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:

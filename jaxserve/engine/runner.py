@@ -136,9 +136,9 @@ def _top_logprobs(logits: jax.Array, want: jax.Array, k: int):
 
 
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
-               want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int):
+               want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, model_fn=forward):
     """Forward over a ragged batch and sample one token per sequence row."""
-    logits, kv = forward(params, kv, inputs, cfg, backend)  # [S, V]
+    logits, kv = model_fn(params, kv, inputs, cfg, backend)  # [S, V]
     counts, mask = _penalty_arrays(pen, sampling, cfg.vocab_size)
     out = sample(logits, sampling, counts, mask)
     top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
@@ -161,7 +161,8 @@ class DecodeState:
 
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
-                want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, n_max: int):
+                want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, n_max: int,
+                model_fn=forward):
     """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done."""
     S, P = st.block_tables.shape
     page_size = kv.k.shape[2]
@@ -182,7 +183,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             block_tables=jnp.where(done[:, None], 0, st.block_tables),
             seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
         )
-        logits, kv = forward(params, kv, inputs, cfg, backend)
+        logits, kv = model_fn(params, kv, inputs, cfg, backend)
         s = sample(logits, samp, counts, mask)
         top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
         new = jnp.where(done, -1, s.token_ids)
@@ -210,18 +211,19 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
 class ModelRunner:
     """Holds the parameters and the page pool on the device and runs the jitted steps."""
 
-    def __init__(self, model_cfg: ModelConfig, params: Params, kv: KVCache, cfg: RunnerConfig):
+    def __init__(self, model_cfg: ModelConfig, params: Params, kv: KVCache, cfg: RunnerConfig, model_fn=forward):
         self.model_cfg = model_cfg
         self.params = params
         self.kv = kv
         self.cfg = cfg
         top_k = cfg.max_logprobs
         self._mixed = jax.jit(
-            functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k), donate_argnums=(1,)
+            functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k, model_fn=model_fn),
+            donate_argnums=(1,),
         )
         self._decode = jax.jit(
             functools.partial(decode_loop, cfg=model_cfg, backend=cfg.backend, top_k=top_k,
-                              n_max=cfg.num_scheduler_steps),
+                              n_max=cfg.num_scheduler_steps, model_fn=model_fn),
             donate_argnums=(1,),
         )
         self._no_penalty: dict[int, PenaltyInputs] = {}

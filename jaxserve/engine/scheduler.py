@@ -72,6 +72,7 @@ class ScheduledRequest:
     """True when the step feeds the request's last known token, so the logits of that token are
     sampled: every decode, and the chunk that completes a prefill."""
     is_decode: bool
+    """True for a running request's one-token decode step (these come first in the step)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,9 @@ class Scheduler:
 
         decodes = sorted((r for r in self.running if r.is_decoding), key=self._order_key)
         prefills = sorted((r for r in self.running if not r.is_decoding), key=self._order_key)
+        # Fixed here: a request admitted below may also need just one token (a cache hit up to its
+        # last token), but it is placed, and reported, as a prefill.
+        decode_ids = {r.request_id for r in decodes}
         for request in decodes + prefills:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -345,7 +349,7 @@ class Scheduler:
                     token_ids=tuple(request.token_ids_in(start, start + n)),
                     page_table=tuple(request.pages),
                     sample=start + n == request.num_tokens,
-                    is_decode=request.is_decoding,
+                    is_decode=request_id in decode_ids,
                 )
             )
         output = SchedulerOutput(

@@ -1,0 +1,180 @@
+"""The engine loop on a hand-checkable model: stops, lengths, n > 1, aborts, multi-step decode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine_args import EngineArgs
+from jaxserve.sampling_params import SamplingParams
+from tests.fake_model import EOS, VOCAB, fake_loaded_model, text
+
+ARGS = EngineArgs(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, page_size=8,
+                  kv_cache_memory_bytes=64 * 2 * 8 * 4 * 4, num_scheduler_steps=4, compile_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return fake_loaded_model()
+
+
+def make_engine(loaded, **changes) -> LLMEngine:
+    return LLMEngine(ARGS.replace(**changes), loaded=loaded, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    return make_engine(loaded)
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    final = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in final, "a request finished twice"
+                final[out.request_id] = out
+        steps += 1
+        assert steps < 500
+    engine.check_integrity()
+    assert engine.scheduler.pool.num_free + (engine.scheduler.cache.num_cached_pages if engine.scheduler.cache else 0) \
+        == engine.scheduler.pool.num_usable_pages
+    return final
+
+
+def test_counts_up_and_stops_at_max_tokens(engine):
+    out = run(engine, {"a": ([5, 6], SamplingParams(temperature=0, max_tokens=7))})["a"]
+    c = out.outputs[0]
+    assert c.token_ids == [7, 8, 9, 10, 11, 12, 13]
+    assert c.text == text(c.token_ids)
+    assert c.finish_reason == "length"
+    assert engine.stats().compilations_after_warmup == 0
+
+
+def test_eos_stops_and_wraps_vocab(engine):
+    # VOCAB-2 -> VOCAB-1 -> 0 -> 1 (EOS): EOS ends the completion, kept in token_ids, not in text.
+    out = run(engine, {"a": ([VOCAB - 3], SamplingParams(temperature=0, max_tokens=20))})["a"].outputs[0]
+    assert out.token_ids == [VOCAB - 2, VOCAB - 1, 0, EOS]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert "<eos>" not in out.text
+
+
+def test_ignore_eos_and_min_tokens(engine):
+    out = run(engine, {"a": ([VOCAB - 2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))})
+    assert out["a"].outputs[0].token_ids == [VOCAB - 1, 0, 1, 2, 3]
+    assert out["a"].outputs[0].finish_reason == "length"
+
+
+def test_stop_token_ids_and_stop_strings(engine):
+    outs = run(engine, {
+        "ids": ([10], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[14])),
+        "str": ([20], SamplingParams(temperature=0, max_tokens=20, stop=["t24 t25"])),
+        "incl": ([30], SamplingParams(temperature=0, max_tokens=20, stop=["t33"], include_stop_str_in_output=True)),
+    })
+    ids = outs["ids"].outputs[0]
+    assert ids.token_ids == [11, 12, 13, 14] and ids.stop_reason == 14 and ids.finish_reason == "stop"
+    assert ids.text == " t11 t12 t13"
+    s = outs["str"].outputs[0]
+    assert s.finish_reason == "stop" and s.stop_reason == "t24 t25"
+    assert s.text == " t21 t22 t23 "
+    assert s.token_ids == [21, 22, 23, 24, 25]
+    inc = outs["incl"].outputs[0]
+    assert inc.text == " t31 t32 t33" and inc.token_ids == [31, 32, 33]
+
+
+@pytest.mark.parametrize("steps", [1, 3, 8])
+def test_outputs_identical_for_every_num_scheduler_steps(loaded, steps):
+    eng = make_engine(loaded, num_scheduler_steps=steps)
+    reqs = {f"r{i}": ([2 + i], SamplingParams(temperature=0, max_tokens=3 + i, stop=["t7"] if i == 2 else None))
+            for i in range(6)}
+    outs = run(eng, reqs)
+    for i in range(6):
+        expect = [5, 6, 7] if i == 2 else list(range(3 + i, 3 + i + 3 + i))
+        assert outs[f"r{i}"].outputs[0].token_ids == expect, i
+    assert outs["r2"].outputs[0].text == " t5 t6 "
+    assert eng.stats().compilations_after_warmup == 0
+
+
+def test_n_completions(engine):
+    out = run(engine, {"a": ([3], SamplingParams(n=3, temperature=0, max_tokens=2))})["a"]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == [4, 5] for c in out.outputs)
+
+
+def test_logprobs_reported(engine):
+    out = run(engine, {"a": ([3], SamplingParams(temperature=0, max_tokens=2, logprobs=2))})["a"].outputs[0]
+    assert len(out.logprobs) == 2
+    first = out.logprobs[0]
+    assert 4 in first and first[4].rank == 1 and first[4].logprob > -1e-3
+    assert len(first) == 2
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)))
+
+
+def test_invalid_requests_are_refused_with_reasons(engine):
+    with pytest.raises(ValueError, match="maximum context length is 128"):
+        engine.add_request("long", list(range(2, 60)) * 3, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("big", [3], SamplingParams(max_tokens=500))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("vocab", [3, VOCAB + 5], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_frees_pages_midway(engine):
+    engine.add_request("keep", [3], SamplingParams(temperature=0, max_tokens=30))
+    engine.add_request("drop", [3], SamplingParams(temperature=0, max_tokens=30))
+    engine.step()
+    engine.step()
+    out = engine.abort_request("drop")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    final = run(engine, {})
+    assert final["keep"].outputs[0].token_ids == list(range(4, 34))
+
+
+def test_async_engine_streams_and_aborts(loaded):
+    async def main():
+        eng = AsyncEngine(make_engine(loaded))
+        try:
+            seen = []
+            async for out in eng.generate([5], SamplingParams(temperature=0, max_tokens=10), "s1"):
+                seen.append(list(out.outputs[0].token_ids))
+            assert seen[-1] == list(range(6, 16))
+            assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))
+            # Closing the stream early aborts the request.
+            gen = eng.generate([5], SamplingParams(temperature=0, max_tokens=100), "s2")
+            await gen.__anext__()
+            await gen.aclose()
+            with pytest.raises(ValueError, match="context length"):
+                async for _ in eng.generate([3] * 200, SamplingParams(max_tokens=4), "bad"):
+                    pass
+            results = await asyncio.gather(*[
+                _collect(eng.generate([2 + i], SamplingParams(temperature=0, max_tokens=5), f"c{i}"))
+                for i in range(12)
+            ])
+            for i, toks in enumerate(results):
+                assert toks == list(range(3 + i, 8 + i))
+            for _ in range(100):
+                if eng.stats().num_running == 0 and eng.stats().num_waiting == 0:
+                    break
+                await asyncio.sleep(0.02)
+            eng.check_integrity()
+            assert eng.stats().num_running == 0
+        finally:
+            eng.shutdown()
+
+    asyncio.run(main())
+
+
+async def _collect(gen):
+    last = None
+    async for out in gen:
+        last = out
+    return last.outputs[0].token_ids
