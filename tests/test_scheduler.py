@@ -275,6 +275,21 @@ def test_preemption_picks_lowest_priority_then_newest(policy, victim):
     assert sched.cache.reset() and sched.pool.num_free == sched.pool.num_usable_pages
 
 
+def test_preempted_request_recomputes_from_the_cache():
+    sched = Scheduler(config(), num_pages=7)  # 6 usable pages
+    model = FakeModel(sched)
+    sched.add_request(Request("old", [1] * 8, max_tokens=8))
+    sched.add_request(Request("new", [2] * 8, max_tokens=12))
+    outputs, finished = run_to_completion(sched, model)
+    (preempt_step,) = [i for i, out in enumerate(outputs) if out.preempted_ids == ("new",)]
+    # "new" had 12 tokens of KV (3 pages) when preempted; "old" took the deepest one, the rest stayed cached.
+    resumed = next(s for out in outputs[preempt_step + 1 :] for s in out.scheduled if s.request_id == "new")
+    assert resumed.start_position == 8
+    by_id = {r.request_id: r for r in finished}
+    assert by_id["new"].output_token_ids == expected_output(by_id["new"], 128, model.vocab)
+    assert by_id["new"].num_cached_tokens == 0  # reported for the first admission only
+
+
 def test_preempting_a_scheduled_decode_returns_its_budget():
     cfg = config(max_num_seqs=2, max_num_batched_tokens=8, policy="priority", enable_prefix_caching=False)
     sched = Scheduler(cfg, num_pages=5)  # 4 usable pages
@@ -488,8 +503,10 @@ def test_random_workloads_keep_invariants(workload):
                 ends.setdefault(req.request_id, []).append("abort")
         if step > 12 and not sched.has_unfinished_requests():
             break
+        decoding = {r.request_id for r in sched.running if r.is_decoding}
         out = sched.schedule()
         check_output(sched, out, cfg)
+        assert {s.request_id for s in out.scheduled if s.is_decode} <= decoding
         if out.preempted_ids:
             event("preempted")
         sched.check_integrity()

@@ -347,7 +347,7 @@ class RadixCache:
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
             keep = len(node.pages) - (num_pages - len(freed))
-            if False:
+            if keep > 0:
                 self._split(node, keep)  # node keeps its deepest pages: those go
             parent = node.parent
             del parent.children[node.keys[0]]
