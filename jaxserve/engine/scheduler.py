@@ -103,7 +103,8 @@ class Scheduler:
     ``schedule()`` is a deterministic function of the scheduler's state (no
     clocks, no randomness, no ``hash``): replaying the same calls gives the same
     outputs. The loop around it is: ``out = schedule()``; run the model on
-    ``out``; ``update_after_step(out, sampled, stopped)``.
+    ``out``; ``update_after_step(out, sampled, stopped)``. One thread drives it
+    (no locking inside).
 
     Policy of one step:
       1. Running requests, decodes first then unfinished prefills, each in
@@ -112,7 +113,8 @@ class Scheduler:
          A request that needs a page when none is free (after evicting the
          prefix cache) preempts the least important running request (under
          ``"priority"`` the largest priority value, then the newest; under
-         ``"fcfs"`` the newest), possibly itself. A preempted request frees its
+         ``"fcfs"`` the newest), possibly itself, possibly one scheduled
+         earlier in the step (which gives its tokens back). A preempted request frees its
          pages (its computed full pages go to the prefix cache first, so the
          recompute usually hits them) and goes back to the waiting queue ahead
          of later arrivals.
