@@ -48,9 +48,17 @@ class RopeScaling:
             raise UnsupportedModelError(
                 f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
             )
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={d['partial_rotary_factor']})"
+                                        " are not supported")
+        if rope_type == "yarn" and d.get("truncate", True) is False:
+            raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_type" and v is not None}
         kwargs.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if rope_type == "yarn" and d.get("factor") is None:
+            # HF derives a missing yarn factor from how far the context was extended.
+            kwargs["factor"] = max_position_embeddings / kwargs["original_max_position_embeddings"]
         return cls(rope_type=rope_type, **kwargs)
 
 
@@ -126,13 +134,21 @@ class ModelConfig:
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
         max_pos = d.get("max_position_embeddings", 4096)
-        sliding = None
-        if family == "mistral" or (family in ("qwen2", "qwen3") and d.get("use_sliding_window")):
-            sliding = d.get("sliding_window")
-        if family in ("qwen2", "qwen3") and d.get("use_sliding_window") and d.get("max_window_layers", 0) < d[
-            "num_hidden_layers"
-        ]:
-            raise UnsupportedModelError("per-layer sliding windows (max_window_layers) are not supported")
+        sliding = d.get("sliding_window") if family == "mistral" else None
+        if family in ("qwen2", "qwen3") and d.get("use_sliding_window") and d.get("sliding_window"):
+            # HF Qwen windows only the layers from `max_window_layers` on (or as `layer_types` lists them).
+            num_layers = d["num_hidden_layers"]
+            layer_types = d.get("layer_types") or [
+                "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+                for i in range(num_layers)
+            ]
+            if set(layer_types) == {"sliding_attention"}:
+                sliding = d["sliding_window"]
+            elif set(layer_types) != {"full_attention"}:
+                raise UnsupportedModelError(
+                    "per-layer sliding windows (some layers windowed, some not: max_window_layers / layer_types) "
+                    "are not supported"
+                )
         rope_params = d.get("rope_scaling") or d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
         if rope_theta is None and isinstance(rope_params, dict):
@@ -151,8 +167,9 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", family == "qwen2")),
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
+            attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(d.get("attention_bias"))),
+            mlp_bias=family == "llama" and bool(d.get("mlp_bias")),
             qk_norm=family == "qwen3",
             sliding_window=sliding,
             hidden_act=d.get("hidden_act", "silu"),
@@ -186,7 +203,7 @@ class ModelConfig:
             d["sliding_window"] = self.sliding_window
             if self.family != "mistral":
                 d["use_sliding_window"] = True
-                d["max_window_layers"] = self.num_layers
+                d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
         rs = self.rope_scaling
         if rs.rope_type != "default":
             scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}
@@ -196,6 +213,9 @@ class ModelConfig:
             if rs.rope_type == "yarn":
                 scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
                                original_max_position_embeddings=rs.original_max_position_embeddings)
+                for key in ("mscale", "mscale_all_dim", "attention_factor"):
+                    if getattr(rs, key) is not None:
+                        scaling[key] = getattr(rs, key)
             d["rope_scaling"] = scaling
         return d
 

@@ -92,6 +92,8 @@ def declare_params(cfg: ModelConfig) -> Params:
         layers.bq = p((L, Hq, D), ("layers", "q_heads", "head_dim"), "zeros")
         layers.bk = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
+        if cfg.family != "qwen2":  # HF Qwen2 biases q/k/v only; Llama and Qwen3 bias the output too
+            layers.bo = p((L, E), ("layers", "embed"), "zeros")
     if cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), "ones")
         layers.k_norm = p((L, D), ("layers", "head_dim"), "ones")

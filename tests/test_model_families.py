@@ -1,0 +1,154 @@
+"""Tiny random-weight models of every supported family against HF transformers.
+
+Each model is built locally from a transformers config class (never downloaded), saved
+with `save_pretrained`, read back through our safetensors loader and compared logit for logit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from jaxserve.loader import HFDirectory, load_params, open_checkpoint  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+
+VOCAB = 160
+PROMPT_LEN = 40
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+REL_TOL = 1e-4
+
+
+def save_tiny_hf(config_cls: str, path, dtype: str = "float32", max_shard_size: str | None = None,
+                 seed: int = 0, **overrides):
+    """Build a random model of `transformers.<config_cls>` (TINY shape + overrides), save it to
+    `path` as safetensors and return the float32 torch model holding the very saved weights."""
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        # HF's init leaves norms at one and biases at zero, which would hide a misplaced norm or bias.
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return model.float().eval()
+
+
+def random_prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def ours_logits(path, ids: list[int]) -> tuple[np.ndarray, object]:
+    ckpt = open_checkpoint(str(path))
+    assert isinstance(ckpt, HFDirectory)
+    cfg = ckpt.config()
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    return prompt_logits(cfg, params, ids), cfg
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+# Each entry compiles its own forward (the config is static under jit), so the list stays short;
+# the other tests below reuse these configs and hit the same compiled function.
+FAMILIES = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama_untied_bias": ("LlamaConfig", {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True}),
+    "llama3_rope": ("LlamaConfig", {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    "llama_yarn_rope": ("LlamaConfig", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        "max_position_embeddings": 64}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24}),
+    "mistral": ("MistralConfig", {"sliding_window": 8}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_logits_match_transformers(family, tmp_path):
+    config_cls, overrides = FAMILIES[family]
+    model = save_tiny_hf(config_cls, tmp_path, **overrides)
+    ids = random_prompt()
+    ours, cfg = ours_logits(tmp_path, ids)
+    ref = hf_logits(model, ids)
+    rel = rel_err(ours, ref)
+    print(f"{family}: max relative error {rel:.2e}")
+    assert rel < REL_TOL, f"{family}: relative error {rel:.2e}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    # The config must describe what HF built, or a lucky match would hide a parsing bug.
+    hf = model.config
+    assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert cfg.sliding_window == getattr(hf, "sliding_window", None)
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+
+
+def test_sliding_window_changes_logits(tmp_path):
+    """The Mistral window is in force: the same weights without it give other logits past the window."""
+    model = save_tiny_hf("MistralConfig", tmp_path, **FAMILIES["mistral"][1])
+    ids = random_prompt()
+    ours, cfg = ours_logits(tmp_path, ids)
+    assert cfg.sliding_window == 8
+    model.config.sliding_window = None
+    full = hf_logits(model, ids)
+    assert rel_err(ours[:8], full[:8]) < REL_TOL  # inside the window nothing differs
+    assert rel_err(ours[8:], full[8:]) > 1e-2
+
+
+def test_qwen2_window_off_below_max_window_layers(tmp_path):
+    """HF Qwen windows only layers >= max_window_layers; with that past the depth, attention is full."""
+    model = save_tiny_hf("Qwen2Config", tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=28)
+    ids = random_prompt()
+    ours, cfg = ours_logits(tmp_path, ids)
+    assert cfg.sliding_window is None
+    assert rel_err(ours, hf_logits(model, ids)) < REL_TOL
+
+
+def test_sharded_checkpoint(tmp_path):
+    model = save_tiny_hf("LlamaConfig", tmp_path, max_shard_size="40KB", **FAMILIES["llama"][1])
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    ids = random_prompt()
+    ours, _ = ours_logits(tmp_path, ids)
+    assert rel_err(ours, hf_logits(model, ids)) < REL_TOL
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    """bfloat16 safetensors load (upcast to float32) to the very weights HF holds."""
+    model = save_tiny_hf("Qwen3Config", tmp_path, dtype="bfloat16", **FAMILIES["qwen3"][1])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
+        assert str(f.get_tensor("model.embed_tokens.weight").dtype) == "bfloat16"
+    # HF's own float32 load of the file: casting the live model down and up would also round its
+    # rotary frequencies, which a checkpoint never stores.
+    del model
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, attn_implementation="eager").eval()
+    ids = random_prompt()
+    ours, _ = ours_logits(tmp_path, ids)
+    ref = hf_logits(ref_model, ids)
+    assert rel_err(ours, ref) < REL_TOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
