@@ -1,0 +1,100 @@
+"""The server over the real engine on the bundled SmolLM2: HTTP greedy text equals `LLM.generate`'s."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxserve.sampling_params import SamplingParams
+from server.config import ServerConfig
+from server.runner import serve_in_thread
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+PROMPT = "The three primary colors are"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def real():
+    """(reference texts from LLM.generate, a server over an AsyncEngine on the same engine)."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.llm import LLM
+
+    llm = LLM(None, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=4,
+              kv_cache_memory_bytes=48 * 1024 * 1024, progress=False)
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = [tok.encode_chat(c) for c in CHATS] + [PROMPT]
+    reference = [out.outputs[0].text for out in llm.generate(prompts, greedy, use_tqdm=False)]
+    llm.engine.reset_prefix_cache()
+    engine = AsyncEngine(llm.engine)
+    with serve_in_thread(engine, ServerConfig(port=0)) as srv:
+        yield reference, srv, engine
+    engine.shutdown()
+
+
+def test_greedy_text_over_http_equals_llm_generate(real):
+    reference, srv, _ = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    for chat, expected in zip(CHATS, reference[:2], strict=True):
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                           max_tokens=MAX_TOKENS)
+        assert r.choices[0].message.content == expected
+        streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                                  max_tokens=MAX_TOKENS, stream=True,
+                                                  stream_options={"include_usage": True})
+        chunks = list(streamed)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        # The same prompt again: its whole pages come from the prefix cache.
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, temperature=0,
+                                  max_tokens=MAX_TOKENS)
+    assert r.choices[0].text == reference[2]
+
+
+def _metric(srv, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(name)
+
+
+def test_disconnect_frees_the_pages(real):
+    _, srv, engine = real
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    # The pool counts pages the prefix cache keeps; an aborted request may leave its full pages there.
+    usage_before = _metric(srv, "vllm:kv_cache_usage_perc")
+    generated_before = _metric(srv, "vllm:generation_tokens_total")
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                assert json.loads(line[6:])["choices"]
+                break
+        assert _metric(srv, "vllm:num_requests_running") == 1
+        assert _metric(srv, "vllm:kv_cache_usage_perc") > usage_before
+    deadline = time.monotonic() + 20
+    while srv.state.active:
+        assert time.monotonic() < deadline, "the server did not abort the request of the client that left"
+        time.sleep(0.05)
+    # AsyncEngine refreshes its stats snapshot after a step, not after an abort: one small request steps it.
+    httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 1, "stream": False}, timeout=60)
+    assert _metric(srv, "vllm:num_requests_running") == 0
+    assert not srv.state.active
+    generated = _metric(srv, "vllm:generation_tokens_total") - generated_before
+    assert 0 < generated < 200, "aborted before the end"
+    num_pages = engine.stats().num_pages - 1  # page 0 is never handed out
+    cached_pages = (engine.tokenizer.encode(body["prompt"]).__len__() + generated) // 16
+    held = round((_metric(srv, "vllm:kv_cache_usage_perc") - usage_before) * num_pages)
+    assert held <= cached_pages, f"{held} pages still held, at most {cached_pages} may stay cached"
+    engine.check_integrity()
+    assert _metric(srv, "jaxserve:compilations_after_warmup_total") == 0
