@@ -53,12 +53,12 @@ class RopeScaling:
                                         " are not supported")
         if rope_type == "yarn" and d.get("truncate", True) is False:
             raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
+        if rope_type == "default":
+            # One canonical form, so equal models give equal (jit-static) configs whichever way HF wrote them.
+            return cls()
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_type" and v is not None}
         kwargs.setdefault("original_max_position_embeddings", max_position_embeddings)
-        if rope_type == "yarn" and d.get("factor") is None:
-            # HF derives a missing yarn factor from how far the context was extended.
-            kwargs["factor"] = max_position_embeddings / kwargs["original_max_position_embeddings"]
         return cls(rope_type=rope_type, **kwargs)
 
 
