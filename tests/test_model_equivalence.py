@@ -8,6 +8,7 @@ bfloat16. Every step is padded to one bucket shape per page size, so each case c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ CFG = ModelConfig(
     family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
 )
-NUM_PAGES = 48
+NUM_PAGES = 64
 BUCKET = dict(num_tokens=64, num_seqs=4, pages_per_seq=8)
 
 
@@ -131,7 +132,7 @@ def test_chunked_prefill_then_decode_equals_whole(cfg, params32):
     pages = random_pages(5, np.random.default_rng(1), set())
     whole = stacked(run_schedule(cfg, params32, [[("a", ids, 0, pages)]], 8)["a"])
     cuts = [0, 5, 16, 30]
-    steps = [[("a", ids[s:e], s, pages)] for s, e in zip(cuts, cuts[1:])]
+    steps = [[("a", ids[s:e], s, pages)] for s, e in itertools.pairwise(cuts)]
     steps += [[("a", [ids[p]], p, pages)] for p in range(30, len(ids))]
     chunked = stacked(run_schedule(cfg, params32, steps, 8)["a"])
     assert rel(chunked, whole) < 1e-5, rel(chunked, whole)
@@ -178,6 +179,30 @@ def test_page_boundaries(page_size, params32):
         ref = dense_logits(CFG, params32, ids)
         assert rel(got, ref) < 1e-5, f"prompt length {n}, page size {page_size}: {rel(got, ref):.2e}"
         assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_long_sequence_spans_several_kv_blocks(params32):
+    """150 tokens on 8-token pages fill 19 of 20 table slots: the xla backend's online softmax runs
+    over three blocks of pages (the last padded), beside a short neighbour; chunked then decoded."""
+    rng = np.random.default_rng(11)
+    taken: set[int] = set()
+    long_ids, short_ids = prompt(150, seed=12), prompt(6, seed=13)
+    pl, ps = random_pages(19, rng, taken), random_pages(1, rng, taken)
+    bucket = dict(num_tokens=160, num_seqs=2, pages_per_seq=20)
+    kv = KVCache.allocate(CFG, NUM_PAGES, 8, jnp.float32)
+    got = {}
+    for start, end in [(0, 70), (70, 148), (148, 149), (149, 150)]:
+        seqs = [(long_ids[start:end], start, pl)]
+        if start == 0:
+            seqs.append((short_ids, 0, ps))
+        logits, kv = run_chunks(CFG, params32, kv, seqs, 8, **bucket)
+        got.update({start + i: logits[i] for i in range(end - start)})
+        if start == 0:
+            short = logits[70:76]
+    ref = dense_logits(CFG, params32, long_ids)
+    err = rel(stacked(got), ref)
+    assert err < 1e-5, err
+    assert rel(short, dense_logits(CFG, params32, short_ids)) < 1e-5
 
 
 def test_bfloat16_runs_close_to_float32(params32):
