@@ -6,7 +6,6 @@ import json
 import os
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,8 +13,7 @@ from safetensors.numpy import save_file
 
 from jaxserve.config import ModelConfig, UnsupportedModelError
 from jaxserve.loader import CheckpointError, load_params, open_checkpoint, resolve_model
-from jaxserve.loader.keymap import hf_names, to_hf_tensor
-from jaxserve.models.params import init_params, param_paths
+from jaxserve.loader.keymap import hf_names, hf_target
 
 CFG = ModelConfig(
     family="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -24,9 +22,9 @@ CFG = ModelConfig(
 
 
 def hf_tensors(cfg: ModelConfig = CFG) -> dict[str, np.ndarray]:
-    """A complete, valid set of HF-named tensors for `cfg`."""
-    flat = {k: np.asarray(v) for k, v in param_paths(init_params(cfg, jax.random.key(0))).items()}
-    return {name: np.ascontiguousarray(to_hf_tensor(name, cfg, flat)) for name in hf_names(cfg)}
+    """A complete, valid set of HF-named random tensors for `cfg` (shapes from the key map)."""
+    rng = np.random.default_rng(0)
+    return {name: rng.standard_normal(hf_target(name, cfg).hf_shape).astype(np.float32) for name in hf_names(cfg)}
 
 
 def write_hf_dir(path, shards: list[dict[str, np.ndarray]], config: dict | None = None) -> str:
