@@ -211,6 +211,7 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             self._drain_inbox(block=not engine.has_unfinished_requests())
+            self._stats = engine.stats()  # aborts and admissions change it even without a step
             if self._stop.is_set():
                 break
             if not engine.has_unfinished_requests():

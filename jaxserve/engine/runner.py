@@ -297,7 +297,8 @@ class ModelRunner:
             ids = (list(p) + list(o))[:H]
             hist[i, : len(ids)] = ids
             num_prompt[i] = len(p)
-        return PenaltyInputs(hist, num_prompt)
+        # Device arrays, as the inert ones are, so both hit the same compiled executable.
+        return PenaltyInputs(jnp.asarray(hist), jnp.asarray(num_prompt))
 
     # -- steps -------------------------------------------------------------------------------------
 
