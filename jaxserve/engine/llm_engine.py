@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import jax
 import numpy as np
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
@@ -63,6 +66,7 @@ class _Seq:
     detok: IncrementalDetokenizer
     stops: StopChecker
     stop_ids: tuple[int, ...]
+    counter: int = 0  # the engine's request counter: a distinct random stream for unseeded sampling
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
@@ -157,6 +161,13 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
+        self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
+        """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
+
+    def _trace(self, engine_id: str, layer: str, event: str, **data: Any) -> None:
+        group = self._seq_group.get(engine_id)
+        if self.trace is not None:
+            self.trace(group.request_id if group is not None else engine_id, layer, event, data)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -222,10 +233,14 @@ class LLMEngine:
             ))
             self._seq[seq.engine_id] = seq
             self._seq_group[seq.engine_id] = group
-            seq.counter = self._counter  # type: ignore[attr-defined]
+            seq.counter = self._counter
             self._counter += 1
         self._groups[request_id] = group
         self.prompt_tokens += len(prompt_ids) * params.n
+        if self.trace is not None:
+            self.trace(request_id, "L4", "queued", {"prompt_tokens": len(prompt_ids), "max_tokens": max_tokens,
+                                                     "n": params.n, "priority": priority,
+                                                     "waiting": self.scheduler.num_waiting})
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request wherever it is, freeing its pages; returns its final output if it was live."""
@@ -260,22 +275,54 @@ class LLMEngine:
         if plan.is_empty:
             return []
         now = time.time()
+        step_id = self.runner.num_steps
         for s in plan.scheduled:
             group = self._seq_group.get(s.request_id)
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        if all(s.is_decode for s in plan.scheduled):
-            sampled = self._run_decode_loop(plan)
-        else:
-            sampled = self._run_mixed(plan)
+        if self.trace is not None:
+            self._trace_plan(plan, step_id)
+        # Named by step id, so a device profile lines up with the request traces.
+        with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
+            if all(s.is_decode for s in plan.scheduled):
+                sampled = self._run_decode_loop(plan)
+            else:
+                sampled = self._run_mixed(plan)
         return self._process(plan, sampled)
+
+    def _trace_plan(self, plan: SchedulerOutput, step_id: int) -> None:
+        """L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel shapes."""
+        rcfg, mcfg = self.runner.cfg, self.model.config
+        decode = all(s.is_decode for s in plan.scheduled)
+        if decode:
+            S = rcfg.seq_bucket(len(plan.scheduled))
+            bucket = {"kind": "decode", "num_seqs": S, "pages_per_seq": rcfg.pages_per_seq,
+                      "num_scheduler_steps": rcfg.num_scheduler_steps}
+            q_tokens = S
+        else:
+            T = rcfg.token_bucket(plan.num_batched_tokens)
+            bucket = {"kind": "mixed", "num_tokens": T, "num_seqs": min(T, rcfg.max_num_seqs),
+                      "pages_per_seq": rcfg.pages_per_seq}
+            q_tokens = T
+        kernel = {"backend": rcfg.backend, "q": [q_tokens, mcfg.num_heads, mcfg.head_dim],
+                  "kv_pages": [mcfg.num_layers, rcfg.num_pages, rcfg.page_size, mcfg.num_kv_heads, mcfg.head_dim]}
+        for rid in plan.preempted_ids:
+            self._trace(rid, "L4", "preempted", step=step_id)
+        for s in plan.scheduled:
+            r = self.scheduler.get_request(s.request_id)
+            self._trace(s.request_id, "L4", "scheduled", step=step_id, decode=s.is_decode,
+                        tokens=s.num_new_tokens, start_position=s.start_position, pages=len(s.page_table),
+                        prefix_hit_tokens=r.num_cached_tokens if r is not None else 0,
+                        batch_tokens=plan.num_batched_tokens, batch_seqs=len(plan.scheduled))
+            self._trace(s.request_id, "L6", "bucket", step=step_id, **bucket)
+            self._trace(s.request_id, "L7", "kernel", step=step_id, **kernel)
 
     def _sampling(self, scheduled: list[ScheduledRequest], S: int) -> tuple[SamplingTensors, bool, object]:
         seqs = [self._seq[s.request_id] for s in scheduled]
         params = [q.params for q in seqs]
         tensors = SamplingTensors.from_params(
             params, [len(q.token_ids) for q in seqs], S, self.model.config.vocab_size, self.eos_ids,
-            request_counters=[q.counter for q in seqs], engine_seed=self.args.seed,  # type: ignore[attr-defined]
+            request_counters=[q.counter for q in seqs], engine_seed=self.args.seed,
         )
         want_top = any(p.logprobs for p in params)
         penalties = None
@@ -350,6 +397,8 @@ class LLMEngine:
                     stopped.append(s.request_id)
                     break
             accepted[s.request_id] = toks
+            if self.trace is not None and toks:
+                self._trace(s.request_id, "L5", "tokens", step=self.runner.num_steps - 1, token_ids=toks)
             group = self._seq_group[s.request_id]
             if group.metrics.first_token_time is None and toks:
                 group.metrics.first_token_time = now
@@ -374,6 +423,10 @@ class LLMEngine:
             if group.finished:
                 group.metrics.finished_time = now
                 self._groups.pop(group.request_id, None)
+                if self.trace is not None:
+                    self.trace(group.request_id, "L4", "finished",
+                               {"finish_reasons": [q.finish_reason for q in group.seqs],
+                                "output_tokens": sum(len(q.token_ids) for q in group.seqs)})
             outputs.append(group.output())
         return outputs
 
