@@ -34,6 +34,12 @@ class EngineArgs:
     warmup: bool = True
     max_logprobs: int = 20
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    tensor_parallel_size: int = 1  # devices that split heads, MLP width and vocabulary
+    expert_parallel_size: int = 1  # devices that split the experts of a MoE model
+    data_parallel_size: int = 1  # engine replicas, each on its own tensor x expert slice of the devices
+    coordinator_address: str | None = None  # host:port of process 0, for a multi-host cluster
+    num_processes: int = 1  # processes (hosts) in the cluster
+    process_id: int = 0  # this process's rank in the cluster
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -41,8 +47,13 @@ class EngineArgs:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_scheduler_steps",
+                     "tensor_parallel_size", "expert_parallel_size", "data_parallel_size", "num_processes"):
             positive(name)
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), got {self.process_id}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_model_len is not None:
@@ -86,7 +97,7 @@ class EngineArgs:
         g.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=d.page_size,
                        help="tokens per KV page (a power of two)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                       help="bytes of KV cache (default: a fraction of device memory, or 1 GiB on the CPU)")
+                       help="bytes of KV cache (default: a fraction of device memory, or 2 GiB on the CPU)")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="fraction of accelerator memory jaxserve may use for weights and KV cache")
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -103,6 +114,18 @@ class EngineArgs:
                        help="raise if anything compiles after warmup")
         g.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="skip compiling every shape bucket at start (first requests compile instead)")
+        p = parser.add_argument_group("parallelism")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="devices that split attention heads, MLP width and vocabulary")
+        p.add_argument("--expert-parallel-size", "-ep", type=int, default=d.expert_parallel_size,
+                       help="devices that split the experts of a mixture-of-experts model")
+        p.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                       help="engine replicas, each on its own tensor x expert slice of the devices")
+        p.add_argument("--coordinator-address", default=None,
+                       help="host:port of process 0 when several hosts form one cluster (jax.distributed)")
+        p.add_argument("--num-processes", type=int, default=d.num_processes,
+                       help="number of processes (hosts) in the cluster")
+        p.add_argument("--process-id", type=int, default=d.process_id, help="this process's rank in the cluster")
         return parser
 
     @classmethod
