@@ -1,4 +1,4 @@
-"""The `jaxserve` command line: serve, generate, chat, convert."""
+"""The `jaxserve` command line: serve, generate, chat, convert, bench."""
 
 from __future__ import annotations
 
@@ -90,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_args is not None:
         add_serve_args(serve)
 
+    try:
+        from router.cli import add_router_args, add_trace_args
+    except ImportError:  # the router package is not installed
+        add_router_args = add_trace_args = None
+    if add_router_args is not None:
+        add_router_args(sub.add_parser(
+            "router", help="route requests over several workers (prefix- and load-aware, P/D)",
+            description="An OpenAI-compatible front that picks a `jaxserve serve` worker per request."))
+        add_trace_args(sub.add_parser(
+            "trace", help="print a request's trace as a timeline",
+            description="Fetch GET /v1/requests/ID/trace from a router or worker and print it."))
+
     gen = sub.add_parser("generate", help="complete a prompt and print the text",
                          description="Generate a completion of PROMPT (raw text, no chat template).")
     EngineArgs.add_cli_args(gen, with_model=False)
@@ -112,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to-hf", required=True, metavar="DIR", help="output directory")
     conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="dtype of the written weights")
+    bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, comparisons",
+                           description="Benchmark the engine offline, load any OpenAI-compatible server on "
+                                       "this machine, or compare result files.")
+    try:
+        from bench.cli import add_bench_args
+    except ImportError:  # the bench package is not installed
+        add_bench_args = None
+    if add_bench_args is not None:
+        add_bench_args(bench)
     return parser
 
 
@@ -125,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         from server.cli import run_serve
 
         return run_serve(ns)
+    if ns.command in ("router", "trace"):
+        from router.cli import run_router, run_trace
+
+        return run_router(ns) if ns.command == "router" else run_trace(ns)
+    if ns.command == "bench":
+        from bench.cli import run_bench
+
+        return run_bench(ns)
     handlers = {"generate": _cmd_generate, "chat": _cmd_chat, "convert": _cmd_convert}
     return handlers[ns.command](ns)
 

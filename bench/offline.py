@@ -1,0 +1,322 @@
+"""`jaxserve bench offline`: engine throughput and batch-1 decode against the memory-bandwidth floor.
+
+On one engine, in one process:
+- batch 1: one chat request, its decode step time (device time of the runner's decode loop per
+  token) next to the floor: the bytes a decode step must read (the weights, and the KV of the context)
+  divided by the memory bandwidth numpy reaches in the same run;
+- for each concurrency N: N chat requests of the fixed prompts added at once, `output_len` tokens each
+  (EOS ignored), output tokens/s over the wall time from the first request in to the last out;
+- the host share of each run: (engine.step wall time - the runner call's time) / engine.step wall time;
+- compilations after warmup (should be 0: every shape bucket compiles at warmup).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.machine import Bandwidth, machine_info, measure_bandwidth
+from bench.workloads import DEFAULT_PROMPTS, fixed_requests
+
+# The targets of the offline benchmark on a 2-core CPU (see the benchmark issue).
+TARGET_FLOOR_RATIO = 1.5
+TARGET_SPEEDUP_32 = 10.0
+TARGET_HOST_SHARE = 0.10
+
+
+@dataclass(frozen=True)
+class OfflineConfig:
+    """What `run_offline` measures."""
+
+    concurrency: tuple[int, ...] = (32, 256)
+    output_len: int = 128
+    dataset_path: str = str(DEFAULT_PROMPTS)
+    bandwidth_bytes: int = 512 << 20
+    skip_batch1: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency values must be >= 1, got {self.concurrency}")
+        if self.output_len < 2:
+            raise ValueError(f"output_len must be >= 2, got {self.output_len}")
+
+
+@dataclass
+class _Call:
+    kind: str  # "decode" or "mixed"
+    seconds: float  # the runner call: dispatch, device work, and the copy of the outputs to the host
+    steps: int  # decode steps run on the device in the call (1 for a mixed step)
+    rows: int
+
+
+class StepProbe:
+    """Records each runner call of an engine (kind, time, decode steps), to split step time host/device."""
+
+    def __init__(self, runner: Any):
+        self.calls: list[_Call] = []
+        mixed, decode = runner.run_mixed, runner.run_decode
+
+        def run_mixed(inputs, *a, **k):
+            out = mixed(inputs, *a, **k)
+            self.calls.append(_Call("mixed", runner.last_step_time, 1, int(inputs.block_tables.shape[0])))
+            return out
+
+        def run_decode(st, *a, **k):
+            out = decode(st, *a, **k)
+            self.calls.append(_Call("decode", runner.last_step_time, int(np.max(out.num_generated)),
+                                    int(np.sum(np.asarray(st.max_steps) > 0))))
+            return out
+
+        runner.run_mixed, runner.run_decode = run_mixed, run_decode
+
+    def take(self) -> list[_Call]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+@dataclass
+class RunStats:
+    """One batch of requests driven to completion."""
+
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    step_wall_s: float = 0.0  # sum of engine.step wall times
+    runner_s: float = 0.0  # sum of the runner calls' times
+    decode_s: float = 0.0  # runner time of decode-only calls
+    decode_steps: int = 0  # device decode steps in those calls
+    decode_calls: int = 0
+    mixed_calls: int = 0
+    engine_steps: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def host_share(self) -> float:
+        return 1.0 - self.runner_s / self.step_wall_s if self.step_wall_s else float("nan")
+
+    @property
+    def decode_step_s(self) -> float:
+        """Runner time per device decode step (all rows advance one token per step)."""
+        return self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("ttft_s")
+        d.update(output_tok_s=self.output_tok_s, host_share=self.host_share, decode_step_s=self.decode_step_s,
+                 mean_ttft_s=float(np.mean(self.ttft_s)) if self.ttft_s else None)
+        return d
+
+
+def drive(engine: Any, probe: StepProbe, prompts: Sequence[list[int]], params: Any, tag: str) -> RunStats:
+    """Add every prompt at once and step the engine until all finish, timing each step."""
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", ids, params)
+    stats = RunStats(len(prompts), sum(len(p) for p in prompts), 0, 0.0)
+    probe.take()
+    seen: set[str] = set()
+    while engine.has_unfinished_requests():
+        s0 = time.perf_counter()
+        outs = engine.step()
+        s1 = time.perf_counter()
+        stats.engine_steps += 1
+        stats.step_wall_s += s1 - s0
+        for c in probe.take():
+            stats.runner_s += c.seconds
+            if c.kind == "decode":
+                stats.decode_calls += 1
+                stats.decode_s += c.seconds
+                stats.decode_steps += c.steps
+            else:
+                stats.mixed_calls += 1
+        for out in outs:
+            if out.request_id not in seen and out.outputs[0].token_ids:
+                seen.add(out.request_id)
+                stats.ttft_s.append(s1 - t0)
+            if out.finished:
+                stats.output_tokens += len(out.outputs[0].token_ids)
+    stats.wall_s = time.perf_counter() - t0
+    return stats
+
+
+def decode_bytes_per_step(engine: Any, context_lens: Sequence[float]) -> tuple[int, float]:
+    """(weight bytes, mean KV bytes) one decode step reads at batch 1, over the given context lengths.
+
+    The weights are read once per step: every parameter, except an untied embedding table, of which a
+    step reads one row. The KV read is K and V of every layer for every token of the context.
+    """
+    import jax
+
+    from jaxserve.models.inputs import KVCache
+
+    params = engine.model.params
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if getattr(params, "lm_head", None) is not None:
+        weights -= params.embed.size * params.embed.dtype.itemsize
+    cfg = engine.model.config
+    per_token = KVCache.bytes_per_page(cfg, 1, engine.model.dtype)
+    return int(weights), float(np.mean(context_lens)) * per_token
+
+
+def kv_budget_for(loaded: Any, args: Any, num_seqs: int, max_len: int) -> int:
+    """KV bytes that hold `num_seqs` sequences of `max_len` tokens at once, with a little slack."""
+    from jaxserve.models.inputs import KVCache
+
+    pages_per_seq = -(-max_len // args.page_size) + 1
+    per_page = KVCache.bytes_per_page(loaded.config, args.page_size, loaded.dtype)
+    return int((num_seqs * pages_per_seq + 16) * per_page)
+
+
+def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
+                log=print) -> dict:
+    """Run the whole offline benchmark; returns the result document (see the module docstring)."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import enable_compile_cache, load_model
+    from jaxserve.sampling_params import SamplingParams
+
+    log("measuring memory bandwidth ...")
+    bw = measure_bandwidth(cfg.bandwidth_bytes)
+    enable_compile_cache(engine_args.compile_cache_dir)
+    loaded = load_model(engine_args, progress=progress)
+    top = max(cfg.concurrency)
+    requests = fixed_requests(loaded.tokenizer, top, cfg.output_len, cfg.dataset_path)
+    longest = max(r.prompt_len for r in requests) + cfg.output_len
+    changes: dict[str, Any] = {}
+    if engine_args.kv_cache_memory_bytes is None:
+        changes["kv_cache_memory_bytes"] = kv_budget_for(loaded, engine_args, top, longest)
+    engine_args = engine_args.replace(**changes)
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_args, loaded=loaded, progress=progress)
+    log(f"engine ready: warmup {engine.warmup_seconds:.1f} s ({time.perf_counter() - t0:.1f} s with setup)")
+    probe = StepProbe(engine.runner)
+    tok = engine.tokenizer
+    prompts = [tok.encode_chat(list(r.messages)) for r in requests]
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.output_len, ignore_eos=True)
+
+    # A short untimed run: first-call costs (allocation, caches) stay out of the figures.
+    drive(engine, probe, prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "warm")
+    engine.reset_prefix_cache()
+
+    result: dict[str, Any] = {
+        "kind": "offline",
+        "system": "jaxserve",
+        "machine": machine_info(),
+        "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items()},
+        "settings": dataclasses.asdict(cfg),
+        "bandwidth": bw.to_dict(),
+        "model": {"name": loaded.name, "path": loaded.path, "dtype": str(np.dtype(loaded.dtype))},
+        "warmup_s": engine.warmup_seconds,
+        "runs": [],
+    }
+    batch1 = None
+    if not cfg.skip_batch1:
+        log("batch 1 ...")
+        batch1 = drive(engine, probe, prompts[:1], params, "b1")
+        engine.reset_prefix_cache()
+        ctx = [len(prompts[0]) + i for i in range(1, cfg.output_len)]
+        w_bytes, kv_bytes = decode_bytes_per_step(engine, ctx)
+        floor = (w_bytes + kv_bytes) / bw.best
+        result["batch1"] = {**batch1.to_dict(), "weight_bytes": w_bytes, "kv_bytes_mean": kv_bytes,
+                            "floor_step_s": floor, "floor_ratio": batch1.decode_step_s / floor}
+    for n in cfg.concurrency:
+        log(f"{n} concurrent requests ...")
+        stats = drive(engine, probe, prompts[:n], params, f"c{n}")
+        engine.reset_prefix_cache()
+        result["runs"].append({"concurrency": n, **stats.to_dict()})
+    result["compilations_after_warmup"] = engine.stats().compilations_after_warmup
+    result["num_preemptions"] = engine.num_preemptions
+    result["targets"] = evaluate_targets(result)
+    return result
+
+
+def evaluate_targets(result: dict) -> dict[str, dict]:
+    """Each target of the issue: its value, its limit, and whether it is met (None: not measured)."""
+    out: dict[str, dict] = {}
+    b1 = result.get("batch1")
+    runs = {r["concurrency"]: r for r in result["runs"]}
+    if b1:
+        out["batch1_floor_ratio"] = {"value": b1["floor_ratio"], "limit": f"<= {TARGET_FLOOR_RATIO}",
+                                     "met": b1["floor_ratio"] <= TARGET_FLOOR_RATIO}
+    if b1 and 32 in runs:
+        speedup = runs[32]["output_tok_s"] / b1["output_tok_s"]
+        out["speedup_32_over_batch1"] = {"value": speedup, "limit": f">= {TARGET_SPEEDUP_32}",
+                                         "met": speedup >= TARGET_SPEEDUP_32}
+    if 32 in runs:
+        share = runs[32]["host_share"]
+        out["host_share_32"] = {"value": share, "limit": f"<= {TARGET_HOST_SHARE}", "met": share <= TARGET_HOST_SHARE}
+    c = result["compilations_after_warmup"]
+    out["compilations_after_warmup"] = {"value": c, "limit": "== 0", "met": c == 0}
+    return out
+
+
+def format_report(result: dict) -> str:
+    """The human-readable table of a result."""
+    bw: dict = result["bandwidth"]
+    lines = [
+        f"model {result['model']['name']} ({result['model']['dtype']}), "
+        f"{result['machine']['usable_cores']} cores: {result['machine']['cpu']}",
+        f"memory bandwidth: read {bw['read_1thread'] / 1e9:.1f} GB/s (1 thread), "
+        f"{bw['read_all_threads'] / 1e9:.1f} GB/s ({bw['threads']} threads), copy {bw['copy_1thread'] / 1e9:.1f} GB/s "
+        f"(read+write); floor uses {bw['best'] / 1e9:.1f} GB/s",
+        "",
+        f"{'run':>12} {'reqs':>5} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} {'decode step ms':>15} "
+        f"{'host share':>11} {'mean TTFT s':>12}",
+    ]
+
+    def row(name: str, r: dict) -> str:
+        ttft = r.get("mean_ttft_s")
+        return (f"{name:>12} {r['num_requests']:>5} {r['output_tokens']:>8} {r['wall_s']:>8.2f} "
+                f"{r['output_tok_s']:>10.1f} {r['decode_step_s'] * 1e3:>15.2f} {r['host_share'] * 100:>10.1f}% "
+                f"{ttft if ttft is not None else float('nan'):>12.2f}")
+
+    b1 = result.get("batch1")
+    if b1:
+        lines.append(row("batch 1", b1))
+    for r in result["runs"]:
+        lines.append(row(f"{r['concurrency']} conc.", r))
+    if b1:
+        lines += [
+            "",
+            f"batch-1 decode step {b1['decode_step_s'] * 1e3:.2f} ms; floor {b1['floor_step_s'] * 1e3:.2f} ms "
+            f"= ({b1['weight_bytes'] / 1e6:.1f} MB weights + {b1['kv_bytes_mean'] / 1e6:.2f} MB KV) / "
+            f"{bw['best'] / 1e9:.1f} GB/s; ratio {b1['floor_ratio']:.2f}",
+        ]
+    lines.append(f"compilations after warmup: {result['compilations_after_warmup']}; "
+                 f"preemptions: {result['num_preemptions']}")
+    lines.append("")
+    for name, t in result["targets"].items():
+        v = t["value"]
+        lines.append(f"target {name}: {v:.3g} (want {t['limit']}) {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def write_result(result: dict, path: str | Path | None, prefix: str) -> Path:
+    """Write `result` as JSON to `path` (default: bench/results/{prefix}-{time}.json); returns the path."""
+    if path is None:
+        path = Path("bench") / "results" / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=_json_default))
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    if isinstance(o, Bandwidth):
+        return o.to_dict()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
