@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -14,10 +15,12 @@ from starlette.routing import Route
 
 from server.config import ServerConfig
 from server.errors import ApiError
+from server.kv_feed import KVEventFeed, kv_events
 from server.middleware import ApiMiddleware
 from server.protocol import check_messages, get_bool, get_str
 from server.serving import handle_generate, read_json
 from server.state import ServerState
+from server.trace import TraceStore, attach_tracer, request_trace, summarize_request
 
 logger = logging.getLogger("jaxserve.server")
 VERSION = "0.1.0"
@@ -74,14 +77,27 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
             "root": state.engine.model_name, "parent": None, "max_model_len": state.engine.max_model_len}
 
 
+async def _traced_generate(request: Request, kind: str) -> Response:
+    """Record the request's L1 view in its trace, then serve it."""
+    state = _state(request)
+    state.check_serving()
+    # Read (and size-check) the body once here; handle_generate reads the cached copy.
+    body = await read_json(request, state.config.max_request_body_bytes)
+    request._body = json.dumps(body).encode()
+    store: TraceStore = request.app.state.trace
+    attach_tracer(store, state.engine)
+    store.record(request.scope["state"]["request_id"], "L1", "received", summarize_request(kind, body))
+    return await handle_generate(request, kind)
+
+
 async def chat_completions(request: Request) -> Response:
     """`POST /v1/chat/completions`."""
-    return await handle_generate(request, "chat")
+    return await _traced_generate(request, "chat")
 
 
 async def completions(request: Request) -> Response:
     """`POST /v1/completions`."""
-    return await handle_generate(request, "completion")
+    return await _traced_generate(request, "completion")
 
 
 async def tokenize(request: Request) -> Response:
@@ -166,9 +182,13 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/kv_events", kv_events, methods=["GET"]),
+        Route("/v1/requests/{request_id:path}/trace", request_trace, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                                                        Exception: _internal_error})
     app.state.server = state
+    app.state.trace = TraceStore("worker")
+    app.state.kv_feed = KVEventFeed()
     app.add_middleware(ApiMiddleware, state=state)
     return app

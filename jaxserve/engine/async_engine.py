@@ -13,8 +13,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import EngineStats, LLMEngine
@@ -39,6 +40,12 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: queue.Queue
 
 
 class _Sink:
@@ -154,6 +161,47 @@ class AsyncEngine:
         """The latest snapshot (updated by the engine thread after every step)."""
         return self._stats
 
+    def call_on_engine(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
+        """Run `fn(engine)` on the engine thread between two steps and return its result (blocking).
+
+        The scheduler, page pool and KV pages belong to the engine thread; this is the one way
+        other threads touch them (KV export/import, event subscriptions, trace hooks).
+        """
+        done: queue.Queue = queue.Queue()
+        self._inbox.put(_Call(fn, done))
+        ok, value = done.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    async def run_on_engine(self, fn: Callable[[LLMEngine], Any], timeout: float = 60.0) -> Any:
+        """`call_on_engine` for asyncio callers: the event loop is not blocked while it waits."""
+        return await asyncio.to_thread(self.call_on_engine, fn, timeout)
+
+    def subscribe_kv_events(self, callback: Callable[[Any], None]) -> bool:
+        """Send the prefix cache's KV events to `callback` (on the engine thread); False without a cache.
+
+        The cache's current pages come first, as one `BlockStored` per cached page chain, so a
+        subscriber that joins late still sees everything the cache holds.
+        """
+        def subscribe(engine: LLMEngine) -> bool:
+            cache = engine.scheduler.cache
+            if cache is None:
+                return False
+            from jaxserve.engine.kv_events import BlockStored
+
+            hashes = tuple(cache.block_hashes())
+            if hashes:
+                callback(BlockStored(hashes, None, (), cache.page_size))
+            cache.subscribe(callback)
+            return True
+
+        return self.call_on_engine(subscribe)
+
+    def set_tracer(self, callback: Callable[[str, str, str, dict], None] | None) -> None:
+        """Record every request's engine-side layers through `callback(request_id, layer, event, data)`."""
+        self.engine.trace = callback
+
     def check_integrity(self) -> None:
         """Run the page pool/cache checks on the engine thread and wait for the answer."""
         done: queue.Queue = queue.Queue()
@@ -177,6 +225,11 @@ class AsyncEngine:
                 self._add(item)
             elif isinstance(item, _Abort):
                 self._abort(item.request_id)
+            elif isinstance(item, _Call):
+                try:
+                    item.done.put((True, item.fn(self.engine)))
+                except BaseException as e:  # noqa: BLE001 - reported to the caller
+                    item.done.put((False, e))
             elif isinstance(item, tuple) and item[0] == "check":
                 try:
                     self.engine.check_integrity()

@@ -1,0 +1,1 @@
+"""jaxserve's router (L2): one OpenAI-compatible front over several `jaxserve serve` workers."""

@@ -1,0 +1,319 @@
+"""The router over fake-engine workers on 127.0.0.1: policies, prefix locality from KV events, load
+shedding, dead workers, runtime registration, pass-through of streams and errors, traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from jaxserve.engine.kv_events import BlockStored, hash_token_pages
+from router.app import build_router_app
+from router.config import CostWeights, RouterConfig
+from router.timeline import format_timeline
+from router.workers import parse_metrics
+from server.config import ServerConfig
+from server.fake_engine import FakeAsyncEngine
+from server.runner import ServerThread, serve_in_thread
+
+# 40 words: two full pages of 16 tokens once the chat template's tokens are added.
+SYSTEM = " ".join(["hello world one two three four five six seven eight"] * 4)
+
+
+class EventFakeEngine(FakeAsyncEngine):
+    """The fake engine plus a prefix cache's KV events: each prompt's full pages are stored on arrival."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self._subscribers = []
+        self._stored: set[int] = set()
+        self._tracer = None
+
+    def subscribe_kv_events(self, callback) -> bool:
+        self._subscribers.append(callback)
+        return True
+
+    def set_tracer(self, callback) -> None:
+        self._tracer = callback
+
+    def clear_cache(self) -> None:
+        from jaxserve.engine.kv_events import AllBlocksCleared
+
+        self._stored.clear()
+        for cb in self._subscribers:
+            cb(AllBlocksCleared())
+
+    async def generate(self, prompt, sampling_params, request_id, *, priority=0, cache_salt=None):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        hashes = tuple(hash_token_pages(ids[:-1], self._page_size, cache_salt))
+        if hashes and not set(hashes) <= self._stored:
+            self._stored.update(hashes)
+            for cb in self._subscribers:
+                cb(BlockStored(hashes, None, (), self._page_size))
+        if self._tracer is not None:
+            self._tracer(request_id, "L4", "queued", {"prompt_tokens": len(ids)})
+        async for out in super().generate(prompt, sampling_params, request_id, priority=priority,
+                                          cache_salt=cache_salt):
+            yield out
+
+
+def _chat(user: str, system: str = SYSTEM, **extra) -> dict:
+    return {"model": "fake-model", "messages": [{"role": "system", "content": system},
+                                                {"role": "user", "content": user}], "max_tokens": 3, "temperature": 0, **extra}
+
+
+class Cluster:
+    """Fake-engine workers in threads and a router in a thread."""
+
+    def __init__(self, n: int = 2, engine_cls=EventFakeEngine, **router_kw):
+        self.engines = [engine_cls(step_delay=0.001) for _ in range(n)]
+        self.servers = [serve_in_thread(e, ServerConfig(port=0)) for e in self.engines]
+        cfg = RouterConfig(port=0, workers=tuple(s.url for s in self.servers), probe_interval_s=0.05,
+                           **router_kw)
+        self.app = build_router_app(cfg)
+        self.router = ServerThread(self.app, "127.0.0.1", 0).start()
+        self.url = self.router.url
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+        _wait(lambda: len(self.client.get("/workers").json()["workers"]) == n
+              and all(w["healthy"] for w in self.client.get("/workers").json()["workers"]))
+
+    def worker_of(self, resp: httpx.Response) -> int:
+        return [s.url for s in self.servers].index(resp.headers["x-jaxserve-worker"])
+
+    def close(self) -> None:
+        self.client.close()
+        self.router.stop()
+        for s, e in zip(self.servers, self.engines, strict=True):
+            s.stop()
+            e.shutdown()
+
+
+def _wait(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def cluster(request):
+    kw = getattr(request, "param", {})
+    c = Cluster(**kw)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "prefix"}], indirect=True)
+def test_shared_system_prompt_lands_on_the_worker_holding_it(cluster):
+    first = cluster.client.post("/v1/chat/completions", json=_chat("one"))
+    assert first.status_code == 200
+    home = cluster.worker_of(first)
+    # Wait until the router has the worker's KV events (not just its routing-time guess).
+    router = cluster.app.state.router
+    _wait(lambda: router.index.num_exact(cluster.servers[home].url) >= 2)
+    router.index._approx.clear()  # only the events may explain the picks below
+    picks = []
+    for i, user in enumerate(["two", "three", "four", "five", "six"]):
+        r = cluster.client.post("/v1/chat/completions", json=_chat(user), headers={"x-request-id": f"shared-{i}"})
+        assert r.status_code == 200
+        picks.append(cluster.worker_of(r))
+    assert picks == [home] * 5
+    # The trace says why: the pick saw the cached pages in the exact index.
+    trace = cluster.client.get("/v1/requests/shared-0/trace").json()["records"]
+    pick = next(r for r in trace if r["event"] == "picked")["data"]
+    mine = next(c for c in pick["candidates"] if c["url"] == cluster.servers[home].url)
+    other = next(c for c in pick["candidates"] if c["url"] != cluster.servers[home].url)
+    assert mine["matched_pages"] >= 2 and mine["index"] == "exact" and other["matched_pages"] == 0
+    # A different system prompt is free to go elsewhere: the unloaded tie is broken by turn.
+    others = {cluster.worker_of(cluster.client.post("/v1/chat/completions", json=_chat("x", system=f"system {w}")))
+              for w in ("one two three", "four five six", "seven eight nine", "ten eleven twelve")}
+    assert others == {0, 1}
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "prefix", "engine_cls": FakeAsyncEngine}], indirect=True)
+def test_cold_index_falls_back_to_routing_time_guess(cluster):
+    # Plain fake engines publish no KV events: the approximate index alone keeps the prefix together.
+    assert cluster.client.get(cluster.servers[0].url + "/v1/kv_events").status_code == 404
+    picks = [cluster.worker_of(cluster.client.post("/v1/chat/completions", json=_chat(u)))
+             for u in ("one", "two", "three", "four")]
+    assert len(set(picks)) == 1
+    trace_id = "cold-1"
+    cluster.client.post("/v1/chat/completions", json=_chat("five"), headers={"x-request-id": trace_id})
+    pick = next(r for r in cluster.client.get(f"/v1/requests/{trace_id}/trace").json()["records"]
+                if r["event"] == "picked")["data"]
+    assert {c["index"] for c in pick["candidates"]} == {"approx", ""}
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "prefix", "weights": CostWeights(hotspot_threshold=2)}],
+                         indirect=True)
+def test_overloaded_worker_sheds_its_prefix_traffic(cluster):
+    first = cluster.client.post("/v1/chat/completions", json=_chat("one"))
+    home = cluster.worker_of(first)
+    cluster.engines[home].pause()  # its queue grows while requests wait
+    with ThreadPoolExecutor(8) as pool:
+        futures = []
+        for i in range(6):
+            futures.append(pool.submit(cluster.client.post, "/v1/chat/completions", json=_chat(f"q{i}")))
+            time.sleep(0.05)  # one at a time, so each pick sees the previous ones in flight
+        time.sleep(0.2)
+        cluster.engines[home].resume()
+        results = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in results)
+    picks = [cluster.worker_of(r) for r in results]
+    # The home worker takes the prefix until its queue exceeds the other's by more than 2.
+    assert picks[:3] == [home] * 3
+    assert picks.count(1 - home) >= 2
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "least-load"}], indirect=True)
+def test_killed_worker_fails_no_new_request_and_stops_getting_traffic(cluster):
+    dead = cluster.servers[1]
+    errors, picks = [], []
+    stop = threading.Event()
+
+    def client_loop():
+        with httpx.Client(base_url=cluster.url, timeout=30) as c:
+            while not stop.is_set():
+                r = c.post("/v1/chat/completions", json=_chat("go"))
+                (picks if r.status_code == 200 else errors).append(r.headers.get("x-jaxserve-worker", r.text))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    dead.stop()  # the process's HTTP server is gone: connections are refused
+    killed_at = len(picks)
+    time.sleep(0.6)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(picks) > killed_at + 5
+    workers = {w["url"]: w for w in cluster.client.get("/workers").json()["workers"]}
+    assert workers[dead.url]["healthy"] is False
+    # After the probe noticed, nothing more went to it.
+    assert dead.url not in picks[killed_at + 3:]
+    assert cluster.client.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "round-robin"}], indirect=True)
+def test_round_robin_streams_pass_through_chunk_by_chunk(cluster):
+    picks = [cluster.worker_of(cluster.client.post("/v1/completions", json={"prompt": "one", "max_tokens": 2}))
+             for _ in range(4)]
+    assert picks in ([0, 1, 0, 1], [1, 0, 1, 0])
+    body = {"prompt": "one two", "max_tokens": 5, "stream": True, "temperature": 0}
+
+    def stream_texts(client, url):
+        with client.stream("POST", url, json=body) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        return [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+
+    via_router = stream_texts(cluster.client, "/v1/completions")
+    direct = stream_texts(cluster.client, cluster.servers[0].url + "/v1/completions")
+    assert via_router == direct and len(via_router) == 5  # one chunk per token, not buffered into one
+    # Errors come back with the worker's status and JSON.
+    bad = cluster.client.post("/v1/completions", json={"prompt": "one", "max_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert cluster.client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+
+
+@pytest.mark.parametrize("cluster", [{"policy": "session"}], indirect=True)
+def test_session_policy_is_sticky(cluster):
+    for session in ("alice", "bob", "carol", "dave"):
+        picks = {cluster.worker_of(cluster.client.post("/v1/completions", json={"prompt": "one", "max_tokens": 1},
+                                                       headers={"x-session-id": session})) for _ in range(3)}
+        assert len(picks) == 1
+
+
+def test_workers_register_and_deregister_at_run_time():
+    engine = EventFakeEngine()
+    with serve_in_thread(engine, ServerConfig(port=0)) as extra:
+        c = Cluster(1, policy="round-robin")
+        try:
+            r = c.client.post("/workers", json={"url": extra.url})
+            assert r.status_code == 200 and r.json()["registered"]["healthy"] is True
+            picks = {c.client.post("/v1/completions", json={"prompt": "one", "max_tokens": 1})
+                     .headers["x-jaxserve-worker"] for _ in range(4)}
+            assert picks == {c.servers[0].url, extra.url}
+            assert c.client.request("DELETE", "/workers", json={"url": extra.url}).status_code == 200
+            picks = {c.client.post("/v1/completions", json={"prompt": "one", "max_tokens": 1})
+                     .headers["x-jaxserve-worker"] for _ in range(3)}
+            assert picks == {c.servers[0].url}
+            assert c.client.request("DELETE", "/workers", json={"url": extra.url}).status_code == 404
+            assert c.client.post("/workers", json={"url": "not-a-url"}).status_code == 400
+        finally:
+            c.close()
+    engine.shutdown()
+
+
+def test_worker_kv_event_feed_numbers_events_and_restarts_with_a_new_epoch():
+    engine = EventFakeEngine()
+    with serve_in_thread(engine, ServerConfig(port=0)) as srv, httpx.Client(base_url=srv.url) as c:
+        feed = c.get("/v1/kv_events", params={"since": 0}).json()
+        assert feed["events"] == [] and feed["next"] == 0 and not feed["truncated"]
+        c.post("/v1/chat/completions", json=_chat("one"))
+        c.post("/v1/chat/completions", json=_chat("two"))  # same system pages: nothing new stored
+        feed = c.get("/v1/kv_events", params={"since": 0}).json()
+        assert [e["type"] for e in feed["events"]] == ["BlockStored"] * feed["next"]
+        assert feed["next"] >= 1
+        expected = hash_token_pages(engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template(_chat("one")["messages"], add_generation_prompt=True))[:-1], 16)
+        assert feed["events"][0]["block_hashes"] == expected
+        later = c.get("/v1/kv_events", params={"since": feed["next"]}).json()
+        assert later["events"] == [] and later["epoch"] == feed["epoch"]
+        assert c.get("/v1/kv_events", params={"since": "x"}).status_code == 400
+    engine.shutdown()
+
+
+def test_parse_metrics_reads_the_vllm_gauges():
+    text = ('# HELP x\nvllm:num_requests_running{model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{model_name="m"} 7.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="32",model_name="m",num_gpu_blocks="100"} 1.0\n')
+    assert parse_metrics(text) == {"num_running": 3.0, "num_waiting": 7.0, "kv_usage": 0.25, "page_size": 32}
+
+
+def test_router_process_end_to_end_with_joined_trace():
+    engines = [EventFakeEngine(step_delay=0.001) for _ in range(2)]
+    servers = [serve_in_thread(e, ServerConfig(port=0)) for e in engines]
+    cmd = [sys.executable, "-m", "router", "--port", "0", "--policy", "prefix", "--probe-interval", "0.05",
+           "--log-level", "warning"]
+    for s in servers:
+        cmd += ["--worker", s.url]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, proc.stderr.read()
+        url = line.split()[-1]
+        with httpx.Client(base_url=url, timeout=30) as c:
+            _wait(lambda: c.get("/ready").status_code == 200)
+            r = c.post("/v1/chat/completions", json=_chat("one"), headers={"x-request-id": "proc-1"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "proc-1"
+            assert r.json()["choices"][0]["message"]["content"] == "one two three"
+            records = c.get("/v1/requests/proc-1/trace").json()["records"]
+        events = [(rec["layer"], rec["event"]) for rec in records]
+        assert events[:2] == [("L2", "received"), ("L2", "picked")]
+        assert ("L1", "received") in events and ("L4", "queued") in events
+        assert events.index(("L2", "picked")) < events.index(("L1", "received")) < events.index(("L4", "queued"))
+        times = [rec["t"] for rec in records]
+        assert times == sorted(times)
+        worker_side = {rec["where"] for rec in records if rec["layer"] in ("L1", "L4")}
+        assert worker_side == {r.headers["x-jaxserve-worker"]}
+        text = format_timeline("proc-1", records)
+        assert "picked" in text and "candidate" in text and text.count("\n") >= len(records)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for s, e in zip(servers, engines, strict=True):
+            s.stop()
+            e.shutdown()
