@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
@@ -15,8 +15,13 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                                      "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
 _GGUF_ARCHITECTURES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 
@@ -84,6 +89,14 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     hidden_act: str = "silu"
+    # Mixture of experts (0 experts = a dense MLP): top-k routing over `num_experts` MLPs of width
+    # `moe_intermediate_size`; `norm_topk_prob` renormalizes the k routing weights to sum to one;
+    # a shared expert of width `shared_expert_intermediate_size` (0 = none) sees every token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -101,6 +114,12 @@ class ModelConfig:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise UnsupportedModelError(
+                f"a MoE model needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                f"({self.num_experts}) and a positive moe_intermediate_size ({self.moe_intermediate_size})"
+            )
 
     @property
     def q_per_kv(self) -> int:
@@ -110,7 +129,11 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
+        mlp = 3 * h * i
+        if self.num_experts:
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+            mlp += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+        per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -134,7 +157,26 @@ class ModelConfig:
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
         max_pos = d.get("max_position_embeddings", 4096)
-        sliding = d.get("sliding_window") if family == "mistral" else None
+        sliding = d.get("sliding_window") if family in ("mistral", "mixtral") else None
+        if family in ("qwen2_moe", "qwen3_moe"):
+            if d.get("use_sliding_window"):
+                raise UnsupportedModelError(f"{family} with use_sliding_window is not supported")
+            if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+                raise UnsupportedModelError(
+                    f"{family} with dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
+                    "is not supported"
+                )
+        moe: dict[str, Any] = {}
+        if family in MOE_FAMILIES:
+            moe = dict(
+                num_experts=d.get("num_local_experts") or d.get("num_experts") or 0,
+                num_experts_per_tok=d.get("num_experts_per_tok", 2),
+                # Mixtral's experts have the dense MLP's width; Qwen MoE declares theirs apart.
+                moe_intermediate_size=d["intermediate_size"] if family == "mixtral" else d["moe_intermediate_size"],
+                norm_topk_prob=True if family == "mixtral" else bool(d.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
+                if family == "qwen2_moe" else 0,
+            )
         if family in ("qwen2", "qwen3") and d.get("use_sliding_window") and d.get("sliding_window"):
             # HF Qwen windows only the layers from `max_window_layers` on (or as `layer_types` lists them).
             num_layers = d["num_hidden_layers"]
@@ -168,11 +210,13 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
-            attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(d.get("attention_bias"))),
+            attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
+            or (family in ("llama", "qwen3", "qwen3_moe") and bool(d.get("attention_bias"))),
             mlp_bias=family == "llama" and bool(d.get("mlp_bias")),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             hidden_act=d.get("hidden_act", "silu"),
+            **moe,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -195,13 +239,24 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
+        if self.family == "qwen2_moe":
+            d["qkv_bias"] = self.attention_bias
+        if self.num_experts:
+            d.update(num_experts_per_tok=self.num_experts_per_tok)
+            if self.family == "mixtral":
+                d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
+            else:
+                d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                         norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+            if self.family == "qwen2_moe":
+                d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if self.family == "llama":
             d["mlp_bias"] = self.mlp_bias
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
-            if self.family != "mistral":
+            if self.family not in ("mistral", "mixtral"):
                 d["use_sliding_window"] = True
                 d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
         rs = self.rope_scaling

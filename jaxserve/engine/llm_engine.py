@@ -23,6 +23,7 @@ from jaxserve.engine.model_loading import (
     enable_compile_cache,
     kv_cache_pages,
     load_model,
+    shard_model,
     params_bytes,
 )
 from jaxserve.engine.request import Request, RequestStatus
@@ -109,7 +110,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, progress: bool = True):
         self.args = args = args or EngineArgs()
         enable_compile_cache(args.compile_cache_dir)
-        self.model = loaded or load_model(args, progress=progress)
+        # A model spanning several devices carries its sharding plan; one device needs none.
+        self.model = shard_model(loaded or load_model(args, progress=progress), args)
+        plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
         num_pages = kv_cache_pages(args, cfg, self.model.dtype, params_bytes(self.model.params))
@@ -142,12 +145,14 @@ class LLMEngine:
 
             backend = "xla" if jax.default_backend() == "cpu" else "pallas"
         self.runner = ModelRunner(
-            cfg, self.model.params, KVCache.allocate(cfg, num_pages, args.page_size, self.model.dtype),
+            cfg, self.model.params,
+            plan.allocate_kv(num_pages, args.page_size, self.model.dtype) if plan
+            else KVCache.allocate(cfg, num_pages, args.page_size, self.model.dtype),
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs),
-            model_fn=self.model.forward_fn,
+            model_fn=self.model.forward_fn, shardings=plan.step_shardings() if plan else None,
         )
         self.warmup_seconds = 0.0
         if args.warmup:

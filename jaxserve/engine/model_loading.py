@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import time
@@ -36,6 +38,8 @@ class LoadedModel:
     load_seconds: float
     forward_fn: Callable = forward
     """The model step `forward(params, kv, inputs, cfg, backend) -> (logits, kv)`."""
+    plan: Any = None
+    """The `sharding.ShardingPlan` when the model spans several devices (None on one device)."""
 
 
 def resolve_dtype(args: EngineArgs) -> Any:
@@ -57,6 +61,10 @@ def enable_compile_cache(path: str | None) -> None:
 def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     """Read the checkpoint named by `args.model` (None = bundled SmolLM2) onto the default device."""
     t0 = time.perf_counter()
+    if args.num_processes > 1:
+        from sharding.distributed import initialize_distributed
+
+        initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     path = resolve_model(args.model)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config()
@@ -65,8 +73,41 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf(ckpt.reader)
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
-    params = load_params(ckpt, cfg, dtype, progress=progress)
-    return LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0)
+    plan = _parallel_plan(args, cfg)
+    # On several devices each weight goes straight from the host into its shards.
+    params = load_params(ckpt, cfg, dtype, place=plan.place if plan else None, progress=progress)
+    loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0)
+    return _with_plan(loaded, plan) if plan else loaded
+
+
+def _parallel_plan(args: EngineArgs, cfg: ModelConfig, mesh: Any = None) -> Any:
+    if mesh is None and args.tensor_parallel_size * args.expert_parallel_size == 1:
+        return None
+    from sharding import ParallelConfig, make_mesh, make_plan
+
+    if mesh is None:
+        mesh = make_mesh(ParallelConfig(args.tensor_parallel_size, args.expert_parallel_size))
+    plan = make_plan(cfg, mesh)
+    logger.info("sharding: %s", plan.describe())
+    return plan
+
+
+def _with_plan(loaded: LoadedModel, plan: Any) -> LoadedModel:
+    forward_fn = loaded.forward_fn
+    if plan.source_cfg.num_experts:
+        forward_fn = functools.partial(forward_fn, expert_layout=plan.expert_layout())
+    return dataclasses.replace(loaded, config=plan.model_cfg, forward_fn=forward_fn, plan=plan)
+
+
+def shard_model(loaded: LoadedModel, args: EngineArgs, mesh: Any = None) -> LoadedModel:
+    """Lay a loaded single-device (or host) model out over `mesh` (default: from the parallel sizes in
+    `args`); returns `loaded` itself when it already has a plan or one device is asked for."""
+    if loaded.plan is not None:
+        return loaded
+    plan = _parallel_plan(args, loaded.config, mesh)
+    if plan is None:
+        return loaded
+    return _with_plan(dataclasses.replace(loaded, params=plan.shard_params(loaded.params)), plan)
 
 
 def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes: int) -> int:

@@ -211,20 +211,28 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
 class ModelRunner:
     """Holds the parameters and the page pool on the device and runs the jitted steps."""
 
-    def __init__(self, model_cfg: ModelConfig, params: Params, kv: KVCache, cfg: RunnerConfig, model_fn=forward):
+    def __init__(self, model_cfg: ModelConfig, params: Params, kv: KVCache, cfg: RunnerConfig, model_fn=forward,
+                 shardings=None):
+        """`shardings` (a `sharding.StepShardings`) pins the layouts of a model spread over a mesh."""
         self.model_cfg = model_cfg
         self.params = params
         self.kv = kv
         self.cfg = cfg
         top_k = cfg.max_logprobs
+        layout = {}
+        if shardings is not None:
+            # Fixed layouts for every argument, so warmup and serving hit the same executables.
+            rep = shardings.replicated
+            layout = dict(in_shardings=(shardings.params, shardings.kv, rep, rep, rep, rep),
+                          out_shardings=(rep, shardings.kv))
         self._mixed = jax.jit(
             functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k, model_fn=model_fn),
-            donate_argnums=(1,),
+            donate_argnums=(1,), **layout,
         )
         self._decode = jax.jit(
             functools.partial(decode_loop, cfg=model_cfg, backend=cfg.backend, top_k=top_k,
                               n_max=cfg.num_scheduler_steps, model_fn=model_fn),
-            donate_argnums=(1,),
+            donate_argnums=(1,), **layout,
         )
         self._no_penalty: dict[int, PenaltyInputs] = {}
         self._baseline_compiles: int | None = None

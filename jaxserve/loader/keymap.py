@@ -27,9 +27,11 @@ class Target:
     layer: int | None  # index on the stacked layer axis
     transform: Callable[[np.ndarray], np.ndarray]
     hf_shape: tuple[int, ...]
+    expert: int | None = None  # index on the experts axis (MoE expert tensors)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 
 # Names some checkpoints carry that hold no parameters of ours.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -53,15 +55,25 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         "self_attn.v_proj.weight": ("layers.wv", proj_in(Hkv), (Hkv * D, E)),
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
         "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
-        "mlp.gate_proj.weight": ("layers.w_gate", lambda w: w.T, (F, E)),
-        "mlp.up_proj.weight": ("layers.w_up", lambda w: w.T, (F, E)),
-        "mlp.down_proj.weight": ("layers.w_down", lambda w: w.T, (E, F)),
     }
+    if cfg.num_experts:
+        X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
+        moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+        t[f"{moe}.gate.weight"] = ("layers.router", lambda w: w.T, (X, E))
+        if Fs:
+            t["mlp.shared_expert.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
+            t["mlp.shared_expert.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
+            t["mlp.shared_expert.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
+            t["mlp.shared_expert_gate.weight"] = ("layers.ws_mix", lambda w: w.reshape(E), (1, E))
+    else:
+        t["mlp.gate_proj.weight"] = ("layers.w_gate", lambda w: w.T, (F, E))
+        t["mlp.up_proj.weight"] = ("layers.w_up", lambda w: w.T, (F, E))
+        t["mlp.down_proj.weight"] = ("layers.w_down", lambda w: w.T, (E, F))
     if cfg.attention_bias:
         t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq), (Hq * D,))
         t["self_attn.k_proj.bias"] = ("layers.bk", bias(Hkv), (Hkv * D,))
         t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
-        if cfg.family != "qwen2":
+        if cfg.family not in ("qwen2", "qwen2_moe"):
             t["self_attn.o_proj.bias"] = ("layers.bo", ident, (E,))
     if cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
@@ -71,6 +83,15 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
         t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
     return t
+
+
+def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Per-expert MLP tensor names (after `...experts.{j}.`) to our stacked parameters; HF layout [out, in]."""
+    E, Fe = cfg.hidden_size, cfg.moe_intermediate_size
+    if cfg.family == "mixtral":
+        return {"w1": ("layers.we_gate", (Fe, E)), "w3": ("layers.we_up", (Fe, E)), "w2": ("layers.we_down", (E, Fe))}
+    return {"gate_proj": ("layers.we_gate", (Fe, E)), "up_proj": ("layers.we_up", (Fe, E)),
+            "down_proj": ("layers.we_down", (E, Fe))}
 
 
 def hf_target(name: str, cfg: ModelConfig) -> Target | None:
@@ -93,6 +114,15 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         if spec is not None:
             path, transform, shape = spec
             return Target(path, layer, transform, shape)
+        e = _EXPERT_RE.match(rest) if cfg.num_experts else None
+        if e and e.group(1) == ("block_sparse_moe" if cfg.family == "mixtral" else "mlp"):
+            expert, kind = int(e.group(2)), e.group(3)
+            if expert >= cfg.num_experts:
+                raise CheckpointError(f"tensor {name!r} names expert {expert}, but the model has "
+                                      f"{cfg.num_experts} experts")
+            if kind in _expert_targets(cfg):
+                path, shape = _expert_targets(cfg)[kind]
+                return Target(path, layer, lambda w: w.T, shape, expert)
     raise CheckpointError(f"unknown tensor {name!r} for a {cfg.family} model")
 
 
@@ -103,6 +133,9 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg))
+        moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+        for j in range(cfg.num_experts):
+            names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}.weight" for kind in _expert_targets(cfg))
     return names
 
 
@@ -113,11 +146,16 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     value = params_flat[target.path]
     if target.layer is not None:
         value = value[target.layer]
+    if target.expert is not None:
+        return value[target.expert].T
+    if target.path == "layers.ws_mix":
+        return value.reshape(1, -1)
     if target.path in ("layers.wq", "layers.wk", "layers.wv"):
         return value.reshape(value.shape[0], -1).T
     if target.path == "layers.wo":
         return value.reshape(-1, value.shape[-1]).T
-    if target.path in ("layers.w_gate", "layers.w_up", "layers.w_down", "lm_head"):
+    if target.path in ("layers.w_gate", "layers.w_up", "layers.w_down", "lm_head", "layers.router",
+                       "layers.ws_gate", "layers.ws_up", "layers.ws_down"):
         return value.T
     return value.reshape(-1) if target.path in ("layers.bq", "layers.bk", "layers.bv") else value
 
@@ -152,8 +190,10 @@ class WeightAssembler:
             self._arrays[target.path] = np.empty(info.shape, self.dtype)
         if target.layer is None:
             self._arrays[target.path][...] = value
-        else:
+        elif target.expert is None:
             self._arrays[target.path][target.layer] = value
+        else:
+            self._arrays[target.path][target.layer, target.expert] = value
 
     def missing(self) -> list[str]:
         return [n for n in hf_names(self.cfg) if n not in self._seen]

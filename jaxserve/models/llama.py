@@ -9,6 +9,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
 from jaxserve.models.attention import AttentionBackend, paged_attention
 from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
 
 
@@ -44,6 +45,7 @@ def _layer(
     sin: jax.Array,
     carry: tuple[jax.Array, jax.Array, jax.Array],
     xs: tuple[LayerParams, jax.Array],
+    expert_layout=None,
 ):
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
     lp, layer = xs
@@ -80,6 +82,11 @@ def _layer(
             out = out + lp.bo
         x = x + out
 
+    if lp.router is not None:
+        with jax.named_scope("moe"):
+            h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+            return (x + moe_mlp(h, lp, cfg, expert_layout), k_all, v_all), None
+
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         gate = h @ lp.w_gate  # [T, F]
@@ -99,9 +106,12 @@ def forward(
     inputs: ModelInputs,
     cfg: ModelConfig,
     backend: AttentionBackend = "xla",
+    expert_layout=None,
 ) -> tuple[jax.Array, KVCache]:
     """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
-    and the KV cache with this step's keys and values written into their pages."""
+    and the KV cache with this step's keys and values written into their pages.
+
+    `expert_layout` (a `sharding.ExpertLayout`, MoE models only) places the experts on a mesh."""
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x = params.embed[inputs.token_ids]  # [T, E]
@@ -110,7 +120,7 @@ def forward(
     v_all = kv.v.reshape(L * N, page_size, hkv, d)
 
     def step(carry, xs):
-        return _layer(cfg, backend, inputs, cos, sin, carry, xs)
+        return _layer(cfg, backend, inputs, cos, sin, carry, xs, expert_layout)
 
     (x, k_all, v_all), _ = jax.lax.scan(
         step, (x, k_all, v_all), (params.layers, jnp.arange(L, dtype=jnp.int32))

@@ -44,9 +44,9 @@ class LayerParams:
     wv: Any  # [L, E, Hkv, D]
     wo: Any  # [L, Hq, D, E]
     mlp_norm: Any  # [L, E]
-    w_gate: Any  # [L, E, F]
-    w_up: Any  # [L, E, F]
-    w_down: Any  # [L, F, E]
+    w_gate: Any = None  # [L, E, F]; None in a MoE model
+    w_up: Any = None  # [L, E, F]
+    w_down: Any = None  # [L, F, E]
     bq: Any = None  # [L, Hq, D]
     bk: Any = None  # [L, Hkv, D]
     bv: Any = None  # [L, Hkv, D]
@@ -56,6 +56,14 @@ class LayerParams:
     b_gate: Any = None  # [L, F]
     b_up: Any = None  # [L, F]
     b_down: Any = None  # [L, E]
+    router: Any = None  # [L, E, X]: MoE routing logits per expert
+    we_gate: Any = None  # [L, X, E, Fe]: the X experts' MLPs
+    we_up: Any = None  # [L, X, E, Fe]
+    we_down: Any = None  # [L, X, Fe, E]
+    ws_gate: Any = None  # [L, E, Fs]: the shared expert (Qwen2-MoE)
+    ws_up: Any = None  # [L, E, Fs]
+    ws_down: Any = None  # [L, Fs, E]
+    ws_mix: Any = None  # [L, E]: the shared expert's sigmoid gate
 
 
 @jax.tree_util.register_dataclass
@@ -84,15 +92,27 @@ def declare_params(cfg: ModelConfig) -> Params:
         wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
         mlp_norm=p((L, E), ("layers", "embed"), "ones"),
-        w_gate=p((L, E, F), ("layers", "embed", "mlp")),
-        w_up=p((L, E, F), ("layers", "embed", "mlp")),
-        w_down=p((L, F, E), ("layers", "mlp", "embed")),
     )
+    if cfg.num_experts:
+        X, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        layers.router = p((L, E, X), ("layers", "embed", None))
+        layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
+        layers.we_up = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
+        layers.we_down = p((L, X, Fe, E), ("layers", "experts", "expert_mlp", "embed"))
+        if Fs:
+            layers.ws_gate = p((L, E, Fs), ("layers", "embed", "mlp"))
+            layers.ws_up = p((L, E, Fs), ("layers", "embed", "mlp"))
+            layers.ws_down = p((L, Fs, E), ("layers", "mlp", "embed"))
+            layers.ws_mix = p((L, E), ("layers", "embed"))
+    else:
+        layers.w_gate = p((L, E, F), ("layers", "embed", "mlp"))
+        layers.w_up = p((L, E, F), ("layers", "embed", "mlp"))
+        layers.w_down = p((L, F, E), ("layers", "mlp", "embed"))
     if cfg.attention_bias:
         layers.bq = p((L, Hq, D), ("layers", "q_heads", "head_dim"), "zeros")
         layers.bk = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
-        if cfg.family != "qwen2":  # HF Qwen2 biases q/k/v only; Llama and Qwen3 bias the output too
+        if cfg.family not in ("qwen2", "qwen2_moe"):  # HF Qwen2 biases q/k/v only; Llama and Qwen3 the output too
             layers.bo = p((L, E), ("layers", "embed"), "zeros")
     if cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), "ones")

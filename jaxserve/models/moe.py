@@ -1,0 +1,85 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): top-k routing, grouped expert matmuls.
+
+Tokens are sorted by the expert they were routed to and each expert multiplies only its own
+rows (`jax.lax.ragged_dot`), so no token is ever dropped and no capacity factor is needed.
+With experts split over devices (`ExpertLayout`), every device runs the same dispatch over the
+experts it holds, writes their weighted outputs back into token order, and one all-reduce over
+the expert and model axes combines them: activations stay replicated, expert weights never do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+
+
+def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts per token and their weights: softmax over all experts (in float32), then the k
+    largest, renormalized to sum to one when the family does so. Returns ([T, k] in h's dtype, [T, k] int32)."""
+    logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(h.dtype), experts.astype(jnp.int32)
+
+
+def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate: jax.Array, we_up: jax.Array,
+                  we_down: jax.Array, first_expert: jax.Array | int) -> jax.Array:
+    """The weighted output ([T, E]) of experts `first_expert .. first_expert + X_local` for every token.
+
+    h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E].
+    The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
+    outside every group, and get weight zero.
+    """
+    T, k = experts.shape
+    x_local = we_gate.shape[0]
+    flat = experts.reshape(T * k) - first_expert  # [T * k]
+    is_local = (flat >= 0) & (flat < x_local)
+    key = jnp.where(is_local, flat, x_local)
+    order = jnp.argsort(key, stable=True)  # [T * k]
+    token = order // k  # the token of each sorted pair
+    group_sizes = jnp.bincount(key, length=x_local + 1)[:x_local].astype(jnp.int32)  # [X_local]
+    xs = h[token]  # [T * k, E]
+    gate = jax.lax.ragged_dot(xs, we_gate, group_sizes)  # [T * k, Fe]
+    up = jax.lax.ragged_dot(xs, we_up, group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, we_down, group_sizes)  # [T * k, E]
+    w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
+    return jnp.zeros_like(h).at[token].add(ys * w[:, None])
+
+
+def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, expert_layout: Any = None) -> jax.Array:
+    """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
+    router, experts and optional shared expert. `expert_layout` (a `sharding.ExpertLayout`) says
+    which mesh axes split the experts and their width; None = every expert on this device."""
+    weights, experts = route(h, lp.router, cfg)
+    if expert_layout is None:
+        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0)
+    else:
+        out = _sharded_experts(h, weights, experts, lp, expert_layout)
+    if lp.ws_gate is not None:
+        shared = (jax.nn.silu(h @ lp.ws_gate) * (h @ lp.ws_up)) @ lp.ws_down  # [T, E]
+        out = out + jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared
+    return out
+
+
+def _sharded_experts(h, weights, experts, lp, layout) -> jax.Array:
+    ea, ma = layout.expert_axis, layout.model_axis
+    reduce_axes = tuple(a for a in (ea, ma) if a is not None)
+
+    def per_device(h, weights, experts, wg, wu, wd):
+        first = jax.lax.axis_index(ea) * wg.shape[0] if ea is not None else 0
+        y = local_experts(h, weights, experts, wg, wu, wd, first)
+        # Each device holds some experts and a slice of their width: its output is a partial sum.
+        return jax.lax.psum(y, reduce_axes) if reduce_axes else y
+
+    up_spec, down_spec = P(ea, None, ma), P(ea, ma, None)
+    return jax.shard_map(
+        per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec), out_specs=P(),
+        check_vma=False,
+    )(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down)

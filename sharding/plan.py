@@ -1,0 +1,183 @@
+"""A sharding plan: one model on one mesh, from logical axes to device placements.
+
+The plan checks the layout (head counts divisible, axes not colliding), widens the KV heads
+when there are fewer of them than tensor-parallel devices (each device then holds a copy of
+the KV head its query heads use, as vLLM does), and places weights straight into their
+shards: each device receives only its slice of each host tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.inputs import KVCache
+from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
+from sharding.mesh import EXPERT, MODEL
+from sharding.rules import ShardingError, ShardingRules
+
+logger = logging.getLogger(__name__)
+
+KV_AXES: tuple[str | None, ...] = ("layers", None, None, "kv_heads", "head_dim")  # [L, N, page, Hkv, D]
+
+_AXIS_NAMES = {
+    "q_heads": "num_heads (attention heads)",
+    "kv_heads": "num_kv_heads (KV heads)",
+    "mlp": "intermediate_size (MLP width)",
+    "vocab": "vocab_size",
+    "experts": "num_experts",
+    "expert_mlp": "moe_intermediate_size (expert MLP width)",
+}
+
+
+def logical_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The size of every logical axis the model's parameters use."""
+    sizes: dict[str, int] = {}
+    for info in param_paths(declare_params(cfg)).values():
+        for name, n in zip(info.axes, info.shape, strict=True):
+            if name is not None:
+                sizes[name] = n
+    return sizes
+
+
+@dataclass(frozen=True)
+class StepShardings:
+    """The shardings a jitted step takes and returns: parameters, KV pool, everything else replicated."""
+
+    params: Params  # NamedSharding leaves
+    kv: KVCache  # NamedSharding leaves
+    replicated: NamedSharding
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where the MoE block finds its experts: the mesh and the axes it splits experts and their width over."""
+
+    mesh: Mesh
+    expert_axis: str | None
+    model_axis: str | None
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """One model laid out on one mesh; `model_cfg` is the config the sharded model runs with."""
+
+    mesh: Mesh
+    rules: ShardingRules
+    source_cfg: ModelConfig
+    model_cfg: ModelConfig
+    kv_repeat: int  # copies of each KV head (1 unless KV heads < tensor-parallel size)
+
+    # -- layouts -------------------------------------------------------------------------------------
+
+    def sharding(self, axes: tuple[str | None, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec(axes))
+
+    def param_shardings(self) -> Params:
+        decl = declare_params(self.model_cfg)
+        return jax.tree.map(lambda i: self.sharding(i.axes), decl, is_leaf=lambda x: isinstance(x, ParamInfo))
+
+    def kv_sharding(self) -> NamedSharding:
+        return self.sharding(KV_AXES)
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def step_shardings(self) -> StepShardings:
+        kv = self.kv_sharding()
+        return StepShardings(self.param_shardings(), KVCache(k=kv, v=kv), self.replicated())
+
+    def expert_layout(self) -> ExpertLayout:
+        return ExpertLayout(self.mesh, self.rules.mesh_axis("experts"), self.rules.mesh_axis("expert_mlp"))
+
+    # -- placement -----------------------------------------------------------------------------------
+
+    def place(self, path: str, host: np.ndarray) -> jax.Array:
+        """Put one host parameter (source layout, e.g. "layers.wk") into its shards on the mesh."""
+        info = param_paths(declare_params(self.source_cfg))[path]
+        if tuple(host.shape) != info.shape:
+            raise ShardingError(f"parameter {path} has shape {host.shape}, declared {info.shape}")
+        if self.kv_repeat > 1 and "kv_heads" in info.axes:
+            host = np.repeat(host, self.kv_repeat, axis=info.axes.index("kv_heads"))
+        sharding = self.sharding(info.axes)
+        # Each device (and each process) reads only its own slice of the host array.
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def shard_params(self, params: Params) -> Params:
+        """Lay out a source-config parameter tree (host or single-device arrays) on the mesh."""
+        flat = {path: self.place(path, np.asarray(value)) for path, value in param_paths(params).items()}
+        return from_param_paths(self.model_cfg, flat)
+
+    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any) -> KVCache:
+        """A zeroed page pool created directly in its shards (split by KV head)."""
+        sh = self.kv_sharding()
+        make = jax.jit(lambda: KVCache.allocate(self.model_cfg, num_pages, page_size, dtype),
+                       out_shardings=KVCache(k=sh, v=sh))
+        return make()
+
+    def describe(self) -> str:
+        shape = dict(self.mesh.shape)
+        return (f"mesh {shape} over {self.mesh.devices.size} {self.mesh.devices.flat[0].platform} device(s); "
+                f"rules {dict(self.rules.mapping)}")
+
+
+def make_plan(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> ShardingPlan:
+    """Check that `cfg` can be laid out on `mesh` under `rules` and build the plan.
+
+    Refuses, naming the numbers: head counts, MLP widths or expert counts not divisible by the
+    mesh axis they split over, and arrays whose logical axes collide on one mesh axis. Widens the
+    KV heads when the tensor-parallel size is a multiple of their number; replicates the
+    vocabulary when it does not divide (both logged).
+    """
+    rules = rules or ShardingRules()
+    sizes = logical_sizes(cfg)
+    if sizes.get("experts") is None and mesh.shape.get(EXPERT, 1) > 1:
+        raise ShardingError(f"expert_parallel_size {mesh.shape[EXPERT]} needs a mixture-of-experts model; "
+                            f"{cfg.family} is dense")
+    kv_repeat = 1
+    for logical, n in sizes.items():
+        mesh_axis = rules.mesh_axis(logical)
+        if mesh_axis is None:
+            continue
+        ways = mesh.shape[mesh_axis]
+        if n % ways == 0:
+            continue
+        what = _AXIS_NAMES.get(logical, logical)
+        if logical == "kv_heads" and ways % n == 0:
+            kv_repeat = ways // n
+            logger.info("num_kv_heads %d < %s size %d: replicating each KV head %d times so every device holds "
+                        "the KV head its query heads use", n, mesh_axis, ways, kv_repeat)
+        elif logical == "vocab":
+            logger.info("vocab_size %d is not divisible by %s size %d: the embedding and LM head are replicated",
+                        n, mesh_axis, ways)
+            rules = rules.replace(vocab=None)
+        elif logical == "kv_heads":
+            raise ShardingError(
+                f"{what} = {n} cannot be split over {ways} devices of mesh axis {mesh_axis!r}: it must divide "
+                f"by {ways}, or {ways} must be a multiple of it (then KV heads are replicated)"
+            )
+        else:
+            size_name = {MODEL: "tensor_parallel_size", EXPERT: "expert_parallel_size"}.get(mesh_axis, mesh_axis)
+            raise ShardingError(f"{what} = {n} is not divisible by {size_name} = {ways}")
+    model_cfg = cfg
+    if kv_repeat > 1:
+        model_cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_repeat)
+    rules.check_tree(jax.tree.map(lambda i: i.axes, declare_params(model_cfg),
+                                  is_leaf=lambda x: isinstance(x, ParamInfo)))
+    rules.spec(KV_AXES)
+    return ShardingPlan(mesh, rules, cfg, model_cfg, kv_repeat)
+
+
+def replicated_array(mesh: Mesh, value: Any) -> jax.Array:
+    """A host value as a replicated array on `mesh` (works across processes)."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, PartitionSpec()), lambda i: host[i])
+
+

@@ -1,0 +1,131 @@
+"""Tensor parallelism: the rules object's refusals (in process) and, on 8 simulated CPU devices in a
+child process, sharded logits against unsharded for TP 1, 2, 4, 8 and greedy generation through the
+engine at TP=2 with no compilation after warmup."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
+from jaxserve.engine_args import EngineArgs
+from sharding import MESH_AXES, ParallelConfig, ShardingError, ShardingRules, make_plan
+from tests.test_sharding_worker import PROMPTS, dense_config, moe_config, run_cases
+
+REL_TOL = 1e-5
+
+
+def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
+    return AbstractMesh((1, ep, tp), MESH_AXES)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_cases("dense", "engine")
+
+
+# -- rules, in process --------------------------------------------------------------------------------
+
+def test_rules_map_logical_axes_to_mesh_axes():
+    rules = ShardingRules()
+    assert rules.spec(("layers", "embed", "q_heads", "head_dim")) == PartitionSpec(None, None, "model", None)
+    assert rules.spec(("vocab", "embed")) == PartitionSpec("model", None)
+    assert rules.spec(("layers", "experts", "embed", "expert_mlp")) == PartitionSpec(None, "expert", None, "model")
+
+
+def test_rules_refuse_two_logical_axes_on_one_mesh_axis():
+    rules = ShardingRules().replace(embed="model")
+    with pytest.raises(ShardingError, match=r"'embed' and 'q_heads' of one array both map to mesh axis 'model'"):
+        rules.spec(("layers", "embed", "q_heads", "head_dim"))
+    with pytest.raises(ShardingError, match="both map to mesh axis 'model'"):
+        make_plan(dense_config(), mesh(tp=2), rules)
+
+
+def test_rules_refuse_unknown_mesh_axis_and_unknown_logical_axis():
+    with pytest.raises(ShardingError, match="unknown mesh axes"):
+        ShardingRules().replace(q_heads="tensor")
+    with pytest.raises(ShardingError, match="no sharding rule for logical axis 'heads'"):
+        ShardingRules().spec(("heads",))
+
+
+def test_plan_refuses_heads_not_divisible():
+    cfg = dataclasses.replace(dense_config(), num_heads=6, num_kv_heads=2)
+    with pytest.raises(ShardingError, match=r"num_heads \(attention heads\) = 6 is not divisible by "
+                                            r"tensor_parallel_size = 4"):
+        make_plan(cfg, mesh(tp=4))
+
+
+def test_plan_refuses_kv_heads_neither_dividing_nor_divided():
+    cfg = dataclasses.replace(dense_config(), num_heads=12, num_kv_heads=3)
+    with pytest.raises(ShardingError, match=r"num_kv_heads \(KV heads\) = 3 cannot be split over 2 devices"):
+        make_plan(cfg, mesh(tp=2))
+
+
+def test_plan_refuses_mlp_not_divisible_and_experts_not_divisible():
+    with pytest.raises(ShardingError, match=r"intermediate_size \(MLP width\) = 100 is not divisible"):
+        make_plan(dataclasses.replace(dense_config(), intermediate_size=100), mesh(tp=8))
+    with pytest.raises(ShardingError, match=r"num_experts = 8 is not divisible by expert_parallel_size = 3"):
+        make_plan(moe_config(), mesh(ep=3))
+    with pytest.raises(ShardingError, match="expert_parallel_size 2 needs a mixture-of-experts model"):
+        make_plan(dense_config(), mesh(ep=2))
+
+
+def test_plan_replicates_kv_heads_below_tp_and_logs_it(caplog):
+    with caplog.at_level(logging.INFO, logger="sharding.plan"):
+        plan = make_plan(dense_config(), mesh(tp=8))
+    assert plan.kv_repeat == 4
+    assert plan.model_cfg.num_kv_heads == 8 and plan.source_cfg.num_kv_heads == 2
+    assert any("replicating each KV head 4 times" in r.message for r in caplog.records)
+    assert make_plan(dense_config(), mesh(tp=2)).kv_repeat == 1
+
+
+def test_plan_replicates_an_indivisible_vocabulary(caplog):
+    with caplog.at_level(logging.INFO, logger="sharding.plan"):
+        plan = make_plan(dataclasses.replace(dense_config(), vocab_size=66), mesh(tp=4))
+    assert plan.rules.spec(("vocab", "embed")) == PartitionSpec(None, None)
+    assert any("vocab_size 66 is not divisible" in r.message for r in caplog.records)
+
+
+def test_parallel_sizes_are_engine_args_and_validated():
+    args = EngineArgs(tensor_parallel_size=2, expert_parallel_size=2, data_parallel_size=2)
+    pc = ParallelConfig(args.tensor_parallel_size, args.expert_parallel_size, args.data_parallel_size)
+    assert pc.world_size == 8 and pc.devices_per_replica == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="needs coordinator_address"):
+        EngineArgs(num_processes=2, process_id=1)
+
+
+def test_cli_flags_reach_engine_args():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--tensor-parallel-size", "4", "-ep", "2", "--data-parallel-size", "2"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.tensor_parallel_size, args.expert_parallel_size, args.data_parallel_size) == (4, 2, 2)
+
+
+# -- 8 simulated devices, in a child process --------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_logits_equal_unsharded(results, tp):
+    r = results["dense"][f"tp{tp}_ep1"]
+    assert r["num_devices"] == tp
+    assert r["rel_prefill"] < REL_TOL and r["rel_decode"] < REL_TOL
+    assert r["argmax_equal"]
+    # The layout really splits: query heads, the vocabulary and the KV pool per device.
+    assert r["wq_shard_heads"] == 8 // tp
+    assert r["embed_shard_vocab"] == 64 // tp
+    assert r["kv_repeat"] == max(1, tp // 2)
+    assert r["kv_shard_heads"] == max(1, 2 // tp)
+
+
+def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
+    r = results["engine"]
+    assert r["tp2_devices"] == 2
+    assert len(r["ref"]) == len(PROMPTS) and all(len(t) == 12 for t in r["ref"])
+    assert r["tp2"] == r["ref"]
+    assert r["compiles_after_warmup"] == 0
+    assert r["single_compiles_after_warmup"] == 0

@@ -1,0 +1,212 @@
+"""Multi-device cases run in a child process with 8 simulated CPU devices (see `run_cases`).
+
+The device count is fixed when JAX starts, and the rest of the suite runs on one device, so
+these cases run as `python -m tests.test_sharding_worker CASE...` and print their findings as
+JSON. Nothing here runs at import; pytest collects no tests from this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+RESULT_PREFIX = "RESULT:"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cases(*cases: str, devices: int = 8, timeout: float = 300.0) -> dict:
+    """Run the named cases in a fresh process with `devices` CPU devices; returns {case: findings}."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_worker", *cases], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"worker {cases} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+# -- helpers used inside the child --------------------------------------------------------------------
+
+def dense_config():
+    from jaxserve.config import ModelConfig
+
+    # 8 query heads and 2 KV heads: TP 1 and 2 split KV heads, TP 4 and 8 replicate them.
+    return ModelConfig(family="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=8, num_kv_heads=2, head_dim=16, attention_bias=True, max_position_embeddings=512)
+
+
+def moe_config(family: str = "qwen2_moe"):
+    from jaxserve.config import ModelConfig
+
+    return ModelConfig(family=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=family == "qwen2_moe",
+                       qk_norm=family == "qwen3_moe", max_position_embeddings=512, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=family != "qwen2_moe",
+                       shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
+
+
+def _steps(page_size: int = 8):
+    """Two steps over two sequences: a prefill of 13 and 7 tokens, then one decode token each."""
+    from jaxserve.models.inputs import ModelInputs
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 64, 13).tolist(), rng.integers(0, 64, 7).tolist()
+    pages_a, pages_b = [5, 2, 9], [7, 3]
+    prefill = ModelInputs.build([(a, 0, pages_a), (b, 0, pages_b)], page_size, num_tokens=32, num_seqs=4,
+                                pages_per_seq=4, all_logits=True)
+    # The same bucket as the prefill, so both steps share one executable.
+    decode = ModelInputs.build([([11], 13, pages_a), ([12], 7, pages_b)], page_size, num_tokens=32, num_seqs=4,
+                               pages_per_seq=4, all_logits=True)
+    return prefill, decode
+
+
+def _run_steps(cfg, params, kv, plan=None):
+    import functools
+
+    import jax
+    import numpy as np
+
+    from jaxserve.models.llama import forward
+
+    fn = functools.partial(forward, cfg=cfg, backend="xla",
+                           **({"expert_layout": plan.expert_layout()} if plan and cfg.num_experts else {}))
+    kw = {}
+    if plan is not None:
+        sh = plan.step_shardings()
+        kw = dict(in_shardings=(sh.params, sh.kv, sh.replicated), out_shardings=(sh.replicated, sh.kv))
+    step = jax.jit(fn, donate_argnums=(1,), **kw)
+    out = []
+    for inputs in _steps():
+        inputs = jax.tree.map(np.asarray, inputs)
+        logits, kv = step(params, kv, inputs)
+        out.append(np.asarray(logits)[: int(inputs.query_start_loc[-1])])  # the real tokens' rows
+    return out
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _sweep(cfg, layouts):
+    """Logits of the two steps unsharded and under each (tp, ep) layout; relative errors and shard shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models.inputs import KVCache
+    from jaxserve.models.params import init_params
+    from sharding import ParallelConfig, make_mesh, make_plan
+
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    ref = _run_steps(cfg, params, KVCache.allocate(cfg, 16, 8, jnp.float32))
+    found = {}
+    for tp, ep in layouts:
+        plan = make_plan(cfg, make_mesh(ParallelConfig(tp, ep)))
+        sp = plan.shard_params(params)
+        kv = plan.allocate_kv(16, 8, jnp.float32)
+        kv_shard_heads = kv.k.addressable_shards[0].data.shape[3]  # read before the steps donate it
+        got = _run_steps(plan.model_cfg, sp, kv, plan)
+        entry = {
+            "rel_prefill": _rel(got[0], ref[0]), "rel_decode": _rel(got[1], ref[1]),
+            "argmax_equal": bool((got[0].argmax(-1) == ref[0].argmax(-1)).all()),
+            "kv_repeat": plan.kv_repeat,
+            "kv_shard_heads": kv_shard_heads,
+            "wq_shard_heads": sp.layers.wq.addressable_shards[0].data.shape[2],
+            "embed_shard_vocab": sp.embed.addressable_shards[0].data.shape[0],
+            "num_devices": len(sp.layers.wq.sharding.device_set),
+        }
+        if cfg.num_experts:
+            entry["experts_per_device"] = sp.layers.we_gate.addressable_shards[0].data.shape[1]
+            entry["expert_width_per_device"] = sp.layers.we_gate.addressable_shards[0].data.shape[3]
+        found[f"tp{tp}_ep{ep}"] = entry
+    return found
+
+
+def case_dense() -> dict:
+    return _sweep(dense_config(), [(1, 1), (2, 1), (4, 1), (8, 1)])
+
+
+def case_moe() -> dict:
+    out = _sweep(moe_config("qwen2_moe"), [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)])
+    out.update({f"qwen3_{k}": v for k, v in _sweep(moe_config("qwen3_moe"), [(1, 4)]).items()})
+    return out
+
+
+def _tiny_loaded(cfg):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.models.params import init_params
+    from tests.fake_model import fake_tokenizer
+
+    return LoadedModel("tiny", "tiny", cfg, init_params(cfg, jax.random.PRNGKey(0), scale=0.1), fake_tokenizer(),
+                       jnp.float32, 0.0)
+
+
+ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                   kv_cache_memory_bytes=2 * 2 * 64 * 8 * 2 * 16 * 4, num_scheduler_steps=4, compile_cache_dir=None)
+PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 7, 30, 31, 32, 33, 34, 35, 36, 37], [50, 2, 40]]
+
+
+def _generate(engine, prompts, max_tokens: int = 12) -> list[list[int]]:
+    from jaxserve.sampling_params import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    engine.check_integrity()
+    return [final[str(i)] for i in range(len(prompts))]
+
+
+def case_engine() -> dict:
+    """Greedy generation through the engine, one device vs TP=2, with compile counts after warmup."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+
+    loaded = _tiny_loaded(dense_config())
+    single = LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=loaded, progress=False)
+    ref = _generate(single, PROMPTS)
+    t0 = time.perf_counter()
+    sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, strict_compile=True), loaded=loaded,
+                        progress=False)
+    warm = time.perf_counter() - t0
+    got = _generate(sharded, PROMPTS)
+    return {
+        "ref": ref, "tp2": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
+        "single_compiles_after_warmup": single.stats().compilations_after_warmup,
+        "tp2_devices": len(sharded.runner.kv.k.sharding.device_set), "tp2_warmup_s": warm,
+    }
+
+
+CASES = {"dense": case_dense, "moe": case_moe, "engine": case_engine}
+
+
+def main(argv: list[str]) -> None:
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    results = {}
+    for name in argv:
+        t0 = time.perf_counter()
+        results[name] = CASES[name]()
+        results[name + "_seconds"] = time.perf_counter() - t0
+    print(RESULT_PREFIX + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
