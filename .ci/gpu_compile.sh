@@ -33,6 +33,6 @@ echo "gpu_compile: venv ready in $((installed - start)) s (jax ${JAX_VERSION})"
 
 # The constraints check compares the CUDA runtime against a driver; there is no driver here.
 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu \
-  "$VENV/bin/python" -m pytest -q -m gpu_compile tests/gpu_compile -p no:cacheprovider "$@"
+  "$VENV/bin/python" -m pytest -q -m gpu_compile tests/gpu_compile -p no:cacheprovider --durations=25 "$@"
 
 echo "gpu_compile: total $(( $(date +%s) - start )) s"

@@ -1,0 +1,119 @@
+"""Compile the engine's jitted steps for an H200 (sm_90) without a GPU: SmolLM2 shapes, bfloat16, the
+Pallas attention, every shape bucket of the default `EngineArgs()`.
+
+This is the whole device program a GPU server runs (30-layer scan, Pallas attention per layer, KV write,
+LM head, sampling, the on-device decode loop), so shared-memory overflows, unsupported primitives and
+non-power-of-two tiles anywhere in it fail here, on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.runner import (
+    MAX_STOP_IDS,
+    DecodeState,
+    PenaltyInputs,
+    RunnerConfig,
+    decode_loop,
+    mixed_step,
+)
+from jaxserve.engine.sampler import SamplingTensors
+from jaxserve.engine_args import EngineArgs
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.params import abstract_params
+
+# SmolLM2-135M-Instruct as `ModelConfig.from_gguf_metadata` reads it from the bundled GGUF (the second venv
+# that runs the compile has no gguf reader; tests/test_engine_pallas.py keeps these in step with the file).
+SMOLLM2 = ModelConfig(
+    family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rms_norm_eps=9.999999747378752e-06, rope_theta=100000.0,
+    max_position_embeddings=8192, tie_word_embeddings=True,
+)
+DTYPE = jnp.bfloat16
+H200_MEMORY_BYTES = 150754820096
+# XLA's allocator takes 75% of device memory by default; the engine then keeps gpu_memory_utilization of
+# that, less the weights, and 90% of the rest for the KV pool (`kv_cache_pages`).
+XLA_MEM_FRACTION = 0.75
+
+
+def h200_num_pages(args: EngineArgs, cfg: ModelConfig) -> int:
+    """The KV pool the engine would size on an H200: ~245k pages of 16 tokens for SmolLM2 in bfloat16."""
+    weights = sum(int(np.prod(x.shape)) * 2 for x in jax.tree.leaves(abstract_params(cfg, DTYPE)))
+    budget = int(H200_MEMORY_BYTES * XLA_MEM_FRACTION * args.gpu_memory_utilization) - weights
+    return int(budget * 0.9) // KVCache.bytes_per_page(cfg, args.page_size, DTYPE)
+
+
+def runner_config() -> RunnerConfig:
+    """The runner shapes `LLMEngine` builds from the default `EngineArgs()` on an H200, backend `pallas`."""
+    args = EngineArgs()
+    max_model_len = args.max_model_len or SMOLLM2.max_position_embeddings
+    return RunnerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        max_model_len=max_model_len, page_size=args.page_size, num_pages=h200_num_pages(args, SMOLLM2),
+        num_scheduler_steps=args.num_scheduler_steps, backend="pallas", max_logprobs=args.max_logprobs,
+    )
+
+
+RC = runner_config()
+
+
+def _abstract(spec, tree):
+    """The same pytree with every leaf a ShapeDtypeStruct on the deviceless H200."""
+    return jax.tree.map(lambda x: spec(np.shape(x), np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype),
+                        tree)
+
+
+def _common(spec, S: int):
+    params = _abstract(spec, abstract_params(SMOLLM2, DTYPE))
+    shape = (SMOLLM2.num_layers, RC.num_pages, RC.page_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
+    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, SMOLLM2.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    return params, kv, sampling, pen, spec((), jnp.bool_)
+
+
+def _compile(fn, *args) -> float:
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=(1,)).trace(*args).lower().compile()
+    seconds = time.perf_counter() - t0
+    text = compiled.as_text()
+    assert "triton" in text.lower(), "the attention did not go through the Pallas Triton lowering"
+    return seconds
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("T", RC.token_buckets)
+def test_mixed_step_compiles_for_sm90(spec, T):
+    S = min(T, RC.max_num_seqs)
+    params, kv, sampling, pen, want_top = _common(spec, S)
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
+    inputs = _abstract(spec, host)
+    step = functools.partial(mixed_step, cfg=SMOLLM2, backend=RC.backend, top_k=RC.max_logprobs)
+    seconds = _compile(step, params, kv, inputs, sampling, pen, want_top)
+    print(f"mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("S", RC.seq_buckets)
+def test_decode_loop_compiles_for_sm90(spec, S):
+    params, kv, sampling, pen, want_top = _common(spec, S)
+    P = RC.pages_per_seq
+    st = DecodeState(
+        tokens=spec((S,), jnp.int32), positions=spec((S,), jnp.int32), block_tables=spec((S, P), jnp.int32),
+        max_steps=spec((S,), jnp.int32), stop_ids=spec((S, MAX_STOP_IDS), jnp.int32),
+        min_tokens_left=spec((S,), jnp.int32), num_steps=spec((), jnp.int32),
+    )
+    loop = functools.partial(decode_loop, cfg=SMOLLM2, backend=RC.backend, top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps)
+    seconds = _compile(loop, params, kv, st, sampling, pen, want_top)
+    print(f"decode_loop S={S} n={RC.num_scheduler_steps}: compiled for sm_90 in {seconds:.1f} s")
+
