@@ -1,0 +1,136 @@
+"""The whole engine on the Pallas attention kernel (interpret mode on the CPU) against the `xla` backend.
+
+A tiny random-weight Llama served by `LLMEngine` twice, once per backend: chunked prefills, a prefill that
+reuses cached prefix pages, mixed prefill + decode steps and on-device decode loops must give the same
+greedy tokens. Also keeps the SmolLM2 shapes of the deviceless sm_90 engine compile in step with the
+bundled GGUF.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.model_loading import LoadedModel
+from jaxserve.engine_args import EngineArgs
+from jaxserve.models.inputs import KVCache
+from jaxserve.models.params import ParamInfo, Params, declare_params
+from jaxserve.sampling_params import SamplingParams
+from tests.fake_model import VOCAB, fake_tokenizer
+from tests.gpu_compile.test_compile_engine import RC, SMOLLM2
+
+# Power-of-two head_dim (the Pallas kernel's requirement), GQA group 2, two layers so the layer offset into
+# the merged page pool is exercised.
+CFG = ModelConfig(
+    family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+PAGE_SIZE = 8
+NUM_PAGES = 40
+ARGS = EngineArgs(
+    max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=PAGE_SIZE,
+    kv_cache_memory_bytes=NUM_PAGES * KVCache.bytes_per_page(CFG, PAGE_SIZE, jnp.float32),
+    num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None,
+)
+
+
+def numpy_params(cfg: ModelConfig, seed: int, scale: float) -> Params:
+    """Random weights from the parameter declaration, drawn by numpy (no XLA compile for the init)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(info: ParamInfo) -> jax.Array:
+        if info.init == "normal":
+            return jnp.asarray(rng.normal(0.0, scale, info.shape).astype(np.float32))
+        return jnp.full(info.shape, 1.0 if info.init == "ones" else 0.0, jnp.float32)
+
+    return jax.tree.map(draw, declare_params(cfg), is_leaf=lambda x: isinstance(x, ParamInfo))
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    # A larger scale than a trained model's keeps the logits peaked, so greedy picks are not near-ties.
+    params = numpy_params(CFG, seed=3, scale=0.3)
+    return LoadedModel("tiny", "tiny-llama", CFG, params, fake_tokenizer(), jnp.float32, 0.0)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, VOCAB, n).tolist()
+
+
+def serve(loaded: LoadedModel, backend: str) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """Greedy outputs per request, and (prefill rows, decode rows) of every step the engine ran."""
+    engine = LLMEngine(ARGS.replace(attention_backend=backend), loaded=loaded, progress=False)
+    assert engine.runner.cfg.backend == backend
+    steps: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        decodes = sum(s.is_decode for s in plan.scheduled)
+        steps.append((len(plan.scheduled) - decodes, decodes))
+        return plan
+
+    engine.scheduler.schedule = recording_schedule
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    shared = _prompt(19, 0)  # two full pages that a later request finds in the prefix cache
+    first = {
+        "a": (shared, 9),  # a 19-token prompt: chunked over two 16-token steps
+        "b": (_prompt(5, 1), 12),
+        "c": (_prompt(2, 2), 7),
+    }
+    later = {
+        "d": (shared[:16] + _prompt(6, 3), 6),  # prefill after a cached 16-token prefix
+        "e": (_prompt(11, 4), 5),  # joins while the others decode: a mixed prefill + decode step
+    }
+    for rid, (prompt, n) in first.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=n, **greedy))
+    final: dict[str, list[int]] = {}
+    for i in range(200):
+        if i == 4:
+            for rid, (prompt, n) in later.items():
+                engine.add_request(rid, prompt, SamplingParams(max_tokens=n, **greedy))
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        if i >= 4 and not engine.has_unfinished_requests():
+            break
+    engine.check_integrity()
+    assert {rid: len(t) for rid, t in final.items()} == {
+        rid: n for rid, (_, n) in (first | later).items()
+    }
+    return final, steps
+
+
+def test_pallas_interpret_engine_matches_xla(loaded):
+    ref, ref_steps = serve(loaded, "xla")
+    got, steps = serve(loaded, "pallas_interpret")
+    assert steps == ref_steps, "the schedule depends only on host state; it must not differ by backend"
+    assert any(p and d for p, d in steps), f"no mixed prefill + decode step in {steps}"
+    assert any(p == 0 and d > 1 for p, d in steps), f"no batched decode step in {steps}"
+    for rid in ref:
+        assert got[rid] == ref[rid], f"request {rid}: pallas {got[rid]} != xla {ref[rid]}"
+
+
+def test_smollm2_compile_shapes_match_bundled_gguf():
+    """The SmolLM2 config compiled by tests/gpu_compile/test_compile_engine.py is the bundled model's."""
+    pytest.importorskip("gguf")
+    from jaxserve.loader import bundled_model_path, open_checkpoint
+
+    try:
+        path = bundled_model_path()
+    except FileNotFoundError:
+        pytest.skip("the bundled SmolLM2 is not installed")
+    assert open_checkpoint(path).config() == SMOLLM2
+
+
+def test_compiled_runner_config_is_the_engine_default():
+    """The deviceless compile covers the default engine's buckets: tokens 16..512, sequences 1..64."""
+    assert RC.token_buckets == (16, 32, 64, 128, 256, 512)
+    assert RC.seq_buckets == (1, 4, 16, 64)
+    assert RC.pages_per_seq == 512 and RC.backend == "pallas"
+    assert 200_000 < RC.num_pages < 300_000  # ~90 GB of bfloat16 KV on an H200
