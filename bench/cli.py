@@ -45,16 +45,152 @@ def _run_offline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from bench.workloads import DEFAULT_PROMPTS, WORKLOADS, WorkloadSpec
+
+    d = WorkloadSpec()
+    p = sub.add_parser("serve", help="load an OpenAI-compatible server on this machine",
+                       description="Send a workload to an OpenAI-compatible server on 127.0.0.1 (streaming, "
+                                   "output lengths forced with ignore_eos/min_tokens) and report TTFT, TPOT, "
+                                   "ITL, E2EL, throughput and goodput as `vllm bench serve` defines them.")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=None, help="sent as a bearer token")
+    g.add_argument("--tokenizer", default=None,
+                   help="GGUF file or HF directory whose tokenizer builds and counts the prompts "
+                        "(default: the bundled SmolLM2)")
+    g.add_argument("--label", default="", help="name of the system in reports (default: the model name)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default=d.name)
+    w.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help="requests (multi-turn: conversations); shared-prefix uses groups x prompts per group")
+    w.add_argument("--seed", type=int, default=d.seed)
+    w.add_argument("--output-len", type=int, default=d.output_len, help="tokens generated per request (forced)")
+    w.add_argument("--dataset-path", default=None, help=f"fixed: JSONL of chat prompts (default {DEFAULT_PROMPTS})")
+    w.add_argument("--random-input-len", type=int, default=d.random_input_len)
+    w.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
+                   help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    w.add_argument("--gsp-num-groups", type=int, default=d.gsp_num_groups)
+    w.add_argument("--gsp-prompts-per-group", type=int, default=d.gsp_prompts_per_group)
+    w.add_argument("--gsp-system-prompt-len", type=int, default=d.gsp_system_prompt_len)
+    w.add_argument("--gsp-question-len", type=int, default=d.gsp_question_len)
+    w.add_argument("--multi-turn-num-turns", type=int, default=d.multi_turn_num_turns)
+    w.add_argument("--multi-turn-input-len", type=int, default=d.multi_turn_input_len,
+                   help="multi-turn: tokens of each user message")
+    ld = p.add_argument_group("load")
+    ld.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second (inf: all at once)")
+    ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson")
+    ld.add_argument("--max-concurrency", type=int, nargs="+", default=None,
+                    help="most requests in flight; several values run one after the other (a sweep)")
+    ld.add_argument("--max-duration", type=float, default=None, help="seconds after which no request is sent")
+    ld.add_argument("--drain-timeout", type=float, default=600.0,
+                    help="seconds requests in flight get after --max-duration before they are cancelled")
+    ld.add_argument("--timeout", type=float, default=600.0, help="per-request HTTP timeout (s)")
+    ld.add_argument("--warmup-requests", type=int, default=1, help="short untimed requests sent first")
+    ld.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    o = p.add_argument_group("report")
+    o.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    o.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles")
+    o.add_argument("--result-file", default=None, help="where to write the JSON (default bench/results/)")
+    o.add_argument("--no-save-requests", action="store_true", help="leave per-request timings out of the JSON")
+    o.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts there (needs matplotlib)")
+
+
+def _run_serve(ns: argparse.Namespace) -> int:
+    import json
+
+    from bench.client import check_loopback
+    from bench.metrics import parse_slos
+    from bench.offline import write_result
+    from bench.serve import LoadConfig, ServeBenchConfig, format_serve_report, run_serve_benchmark
+    from bench.workloads import WorkloadSpec
+
+    check_loopback(ns.base_url)
+    spec = WorkloadSpec(
+        name=ns.workload, num_prompts=ns.num_prompts, seed=ns.seed, dataset_path=ns.dataset_path,
+        output_len=ns.output_len, random_input_len=ns.random_input_len, random_range_ratio=ns.random_range_ratio,
+        gsp_num_groups=ns.gsp_num_groups, gsp_prompts_per_group=ns.gsp_prompts_per_group,
+        gsp_system_prompt_len=ns.gsp_system_prompt_len, gsp_question_len=ns.gsp_question_len,
+        multi_turn_num_turns=ns.multi_turn_num_turns, multi_turn_input_len=ns.multi_turn_input_len,
+    )
+    percentiles = tuple(float(x) for x in ns.percentiles.split(",") if x.strip())
+    load = LoadConfig(request_rate=ns.request_rate, burstiness=ns.burstiness, max_duration_s=ns.max_duration,
+                      drain_timeout_s=ns.drain_timeout, timeout_s=ns.timeout, seed=ns.seed,
+                      extra_body=json.loads(ns.extra_body) if ns.extra_body else {})
+    cfg = ServeBenchConfig(base_url=ns.base_url, model=ns.model, api_key=ns.api_key, label=ns.label,
+                           concurrencies=tuple(ns.max_concurrency or [None]), load=load,
+                           slos_ms=parse_slos(ns.goodput), percentiles=percentiles,
+                           warmup_requests=ns.warmup_requests, save_requests=not ns.no_save_requests)
+    tokenizer = _tokenizer(ns.tokenizer)
+    result = run_serve_benchmark(cfg, spec, tokenizer, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_serve_report(result, percentiles))
+    path = write_result(result, ns.result_file, f"serve-{spec.name}")
+    print(f"wrote {path}")
+    if ns.plot:
+        _plot([result], ns.plot)
+    return 0 if all(r["metrics"]["completed"] for r in result["runs"]) else 1
+
+
+def _tokenizer(path: str | None):
+    from jaxserve.loader import resolve_model
+    from jaxserve.tokenizer import Tokenizer
+
+    path = resolve_model(path)
+    return Tokenizer.from_gguf(path) if str(path).endswith(".gguf") else Tokenizer.from_hf_dir(path)
+
+
+def _plot(results: list, outdir: str, names=None) -> None:
+    from bench.plots import have_matplotlib, plot_results
+
+    if not have_matplotlib():
+        print("--plot: matplotlib is not installed (pip install matplotlib); no charts written", file=sys.stderr)
+        return
+    for path in plot_results(results, outdir, names):
+        print(f"wrote {path}")
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser("compare", help="result files side by side, with ratios to the first",
+                       description="Print the metrics of bench result files side by side; ratios are to the "
+                                   "first file. Rows match on workload, concurrency and rate.")
+    p.add_argument("results", nargs="+", help="JSON files written by bench serve or bench offline")
+    p.add_argument("--names", nargs="+", default=None, help="column names (default: each file's system)")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts there (needs matplotlib)")
+    p.add_argument("--output", default=None, help="also write the table to this file")
+
+
+def _run_compare(ns: argparse.Namespace) -> int:
+    from bench.compare import compare_table, load_result
+
+    results = [load_result(p) for p in ns.results]
+    if ns.names and len(ns.names) != len(results):
+        print(f"--names: {len(ns.names)} names for {len(results)} files", file=sys.stderr)
+        return 2
+    table = compare_table(results, ns.names)
+    print(table)
+    if ns.output:
+        with open(ns.output, "w") as f:
+            f.write(table + "\n")
+    if ns.plot:
+        _plot(results, ns.plot, ns.names)
+    return 0
+
+
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `bench` subcommands to `parser` (the `jaxserve bench` parser)."""
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     _add_offline(sub)
+    _add_serve(sub)
+    _add_compare(sub)
     return parser
 
 
 def run_bench(ns: argparse.Namespace) -> int:
     """Dispatch a parsed `jaxserve bench ...` command line."""
-    handlers = {"offline": _run_offline}
+    handlers = {"offline": _run_offline, "serve": _run_serve, "compare": _run_compare}
     if ns.bench_command is None:
         print("usage: jaxserve bench {" + ",".join(handlers) + "} ...", file=sys.stderr)
         return 2

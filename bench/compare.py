@@ -1,0 +1,93 @@
+"""`jaxserve bench compare a.json b.json ...`: result files side by side, with ratios to the first."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+# (key in a serve run's metrics, label, higher is better)
+SERVE_METRICS = (
+    ("output_throughput", "output tok/s", True),
+    ("request_throughput", "req/s", True),
+    ("median_ttft_ms", "TTFT p50 ms", False),
+    ("p99_ttft_ms", "TTFT p99 ms", False),
+    ("median_itl_ms", "ITL p50 ms", False),
+    ("p99_itl_ms", "ITL p99 ms", False),
+    ("median_tpot_ms", "TPOT p50 ms", False),
+    ("median_e2el_ms", "E2EL p50 ms", False),
+    ("failed", "failed", False),
+)
+OFFLINE_METRICS = (
+    ("output_tok_s", "output tok/s", True),
+    ("decode_step_s", "decode step s", False),
+    ("host_share", "host share", False),
+)
+
+
+def load_result(path: str | Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def entries(result: dict) -> dict[str, dict[str, float]]:
+    """The comparable rows of one result: a key naming the conditions -> metric values."""
+    out: dict[str, dict[str, float]] = {}
+    if result.get("kind") == "serve":
+        wl = result["workload"]["name"]
+        for run in result["runs"]:
+            key = f"{wl} | conc {run['max_concurrency'] or 'inf'} | rate {run['request_rate']}"
+            out[key] = {k: run["metrics"].get(k) for k, _, _ in SERVE_METRICS}
+    elif result.get("kind") == "offline":
+        if result.get("batch1"):
+            out["offline | batch 1"] = {k: result["batch1"].get(k) for k, _, _ in OFFLINE_METRICS}
+        for run in result["runs"]:
+            out[f"offline | conc {run['concurrency']}"] = {k: run.get(k) for k, _, _ in OFFLINE_METRICS}
+    else:
+        raise ValueError(f"not a bench result (kind {result.get('kind')!r})")
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    if v is None or v != v:
+        return "-"
+    if isinstance(v, int) or float(v).is_integer() and abs(v) >= 1:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if abs(v) < 1 else f"{v:,.1f}"
+
+
+def compare_table(results: Sequence[dict], names: Sequence[str] | None = None) -> str:
+    """A text table: one block per condition, one row per metric, one column per result with its ratio
+    to the first result (>1 means more of the metric; the better direction is marked per metric)."""
+    names = list(names or [r.get("system") or f"#{i}" for i, r in enumerate(results)])
+    per = [entries(r) for r in results]
+    keys: list[str] = []
+    for e in per:
+        keys += [k for k in e if k not in keys]
+    metric_defs = {k: (label, hi) for k, label, hi in SERVE_METRICS + OFFLINE_METRICS}
+    width = max(14, *(len(n) + 10 for n in names))
+    lines = []
+    for key in keys:
+        lines.append(f"\n{key}")
+        lines.append(f"{'metric':<16}" + "".join(f"{n:>{width}}" for n in names))
+        metric_keys: list[str] = []
+        for e in per:
+            metric_keys += [m for m in e.get(key, {}) if m not in metric_keys]
+        for m in metric_keys:
+            label, higher = metric_defs[m]
+            base = per[0].get(key, {}).get(m)
+            cells = []
+            for i, e in enumerate(per):
+                v = e.get(key, {}).get(m)
+                cell = _fmt(v)
+                if i and v is not None and base not in (None, 0) and v == v and base == base:
+                    cell += f" ({v / base:.2f}x)"
+                cells.append(f"{cell:>{width}}")
+            arrow = "^" if higher else "v"
+            lines.append(f"{label + ' ' + arrow:<16}" + "".join(cells))
+    settings = []
+    for n, r in zip(names, results):
+        mach = r.get("machine", {})
+        settings.append(f"{n}: {mach.get('usable_cores')} cores, threads env {mach.get('threads_env') or {}}, "
+                        f"load avg {mach.get('load_average')}")
+    return "\n".join(lines[1:] if lines and not lines[0].strip() else lines) + "\n\n" + "\n".join(settings)
