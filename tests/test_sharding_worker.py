@@ -136,7 +136,7 @@ def case_dense() -> dict:
 
 
 def case_moe() -> dict:
-    out = _sweep(moe_config("qwen2_moe"), [(1, 1), (1, 2), (1, 4), (2, 2), (2, 4)])
+    out = _sweep(moe_config("qwen2_moe"), [(1, 1), (1, 2), (1, 4), (2, 2)])
     out.update({f"qwen3_{k}": v for k, v in _sweep(moe_config("qwen3_moe"), [(1, 4)]).items()})
     return out
 

@@ -1,0 +1,138 @@
+"""Mixture-of-experts families against HF transformers (tiny random models made locally), the key
+map's refusals for expert tensors, and expert parallelism on 8 simulated CPU devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.loader import CheckpointError, HFDirectory, load_params  # noqa: E402
+from jaxserve.loader.keymap import WeightAssembler  # noqa: E402
+from jaxserve.models.moe import local_experts, route  # noqa: E402
+from tests.test_model_families import hf_logits, ours_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_sharding_worker import moe_config, run_cases  # noqa: E402
+
+REL_TOL = 1e-4
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {
+    # Mixtral: softmax, top-2, renormalized; experts as wide as the dense MLP.
+    "mixtral": ("MixtralConfig", {**MOE, "num_local_experts": 4, "intermediate_size": 48}),
+    # Qwen2-MoE: no renormalization, plus a sigmoid-gated shared expert; q/k/v biases.
+    "qwen2_moe": ("Qwen2MoeConfig", {**MOE, "num_experts": 8, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 40, "norm_topk_prob": False}),
+    # Qwen3-MoE: renormalized top-k, q/k norms, no shared expert.
+    "qwen3_moe": ("Qwen3MoeConfig", {**MOE, "num_experts": 8, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "head_dim": 16}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny_moe(request, tmp_path_factory):
+    cls, overrides = FAMILIES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_hf(cls, path, **overrides)
+    return request.param, path, model
+
+
+def test_moe_logits_match_transformers(tiny_moe):
+    family, path, model = tiny_moe
+    ids = random_prompt()
+    ours, cfg = ours_logits(path, ids)
+    assert cfg.family == family and cfg.num_experts == FAMILIES[family][1].get(
+        "num_local_experts", FAMILIES[family][1].get("num_experts"))
+    ref = hf_logits(model, ids)
+    assert rel_err(ours, ref) < REL_TOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
+
+
+def test_moe_config_parsing_per_family(tiny_moe):
+    family, path, _ = tiny_moe
+    cfg = HFDirectory(path).config()
+    assert cfg.norm_topk_prob is (family != "qwen2_moe")
+    assert (cfg.shared_expert_intermediate_size > 0) is (family == "qwen2_moe")
+    assert cfg.moe_intermediate_size == (48 if family == "mixtral" else 32)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_moe_refuses_dense_layers_between_moe_layers():
+    d = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 16, "decoder_sparse_step": 2}
+    with pytest.raises(UnsupportedModelError, match="dense layers between the MoE layers"):
+        ModelConfig.from_hf(d)
+
+
+def test_keymap_refuses_out_of_range_expert_and_missing_experts():
+    cfg = moe_config("qwen3_moe")
+    asm = WeightAssembler(cfg, np.float32)
+    with pytest.raises(CheckpointError, match="names expert 8, but the model has 8 experts"):
+        asm.add("model.layers.0.mlp.experts.8.up_proj.weight", np.zeros((32, 64), np.float32))
+    with pytest.raises(CheckpointError, match=r"shape \(64, 32\), expected \(32, 64\)"):
+        asm.add("model.layers.0.mlp.experts.1.up_proj.weight", np.zeros((64, 32), np.float32))
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in asm.missing()
+
+
+def test_dispatch_equals_dense_computation_and_drops_no_token():
+    """Every token reaches its k experts, even when all tokens pick the same ones (no capacity limit)."""
+    cfg = moe_config("qwen3_moe")
+    key = jax.random.PRNGKey(3)
+    T, E, X, Fe = 24, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    ks = jax.random.split(key, 5)
+    h = jax.random.normal(ks[0], (T, E))
+    router = jax.random.normal(ks[1], (E, X)).at[:, :2].add(50.0)  # every token prefers experts 0 and 1
+    wg, wu = (0.1 * jax.random.normal(k, (X, E, Fe)) for k in ks[2:4])
+    wd = 0.1 * jax.random.normal(ks[4], (X, Fe, E))
+    weights, experts = route(h, router, cfg)
+    got = np.asarray(local_experts(h, weights, experts, wg, wu, wd, 0))
+    dense = np.zeros((T, E))
+    for t in range(T):
+        for j in range(cfg.num_experts_per_tok):
+            x = int(experts[t, j])
+            y = (jax.nn.silu(h[t] @ wg[x]) * (h[t] @ wu[x])) @ wd[x]
+            dense[t] += float(weights[t, j]) * np.asarray(y)
+    assert np.allclose(got, dense, rtol=1e-5, atol=1e-5)
+    # Split over 4 "devices" of 2 experts each, the partial outputs sum to the whole.
+    parts = sum(np.asarray(local_experts(h, weights, experts, wg[i:i + 2], wu[i:i + 2], wd[i:i + 2], i))
+                for i in range(0, X, 2))
+    assert np.allclose(parts, got, rtol=1e-5, atol=1e-5)
+
+
+def test_loaded_moe_params_have_experts_stacked(tiny_moe):
+    family, path, model = tiny_moe
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    assert params.layers.w_gate is None
+    assert params.layers.we_gate.shape == (cfg.num_layers, cfg.num_experts, cfg.hidden_size,
+                                           cfg.moe_intermediate_size)
+    assert (params.layers.ws_gate is not None) is (family == "qwen2_moe")
+
+
+# -- expert parallel on 8 simulated devices --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ep_results() -> dict:
+    return run_cases("moe")["moe"]
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
+def test_ep_logits_equal_unsharded(ep_results, tp, ep):
+    r = ep_results[f"tp{tp}_ep{ep}"]
+    assert r["num_devices"] == tp * ep
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5
+    assert r["argmax_equal"]
+    # Each device holds only its experts, and only its slice of their width.
+    assert r["experts_per_device"] == 8 // ep
+    assert r["expert_width_per_device"] == 32 // tp
+
+
+def test_ep_qwen3_moe_equals_unsharded(ep_results):
+    r = ep_results["qwen3_tp1_ep4"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["experts_per_device"] == 2
