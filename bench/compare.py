@@ -86,7 +86,7 @@ def compare_table(results: Sequence[dict], names: Sequence[str] | None = None) -
             arrow = "^" if higher else "v"
             lines.append(f"{label + ' ' + arrow:<16}" + "".join(cells))
     settings = []
-    for n, r in zip(names, results):
+    for n, r in zip(names, results, strict=True):
         mach = r.get("machine", {})
         settings.append(f"{n}: {mach.get('usable_cores')} cores, threads env {mach.get('threads_env') or {}}, "
                         f"load avg {mach.get('load_average')}")

@@ -36,7 +36,7 @@ def plot_results(results: Sequence[dict], outdir: str | Path, names: Sequence[st
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     names = list(names or [r.get("system") or f"#{i}" for i, r in enumerate(results)])
-    serve = [(n, r) for n, r in zip(names, results) if r.get("kind") == "serve"]
+    serve = [(n, r) for n, r in zip(names, results, strict=True) if r.get("kind") == "serve"]
     written: list[Path] = []
     workloads = sorted({r["workload"]["name"] for _, r in serve})
     for wl in workloads:
@@ -67,7 +67,7 @@ def plot_results(results: Sequence[dict], outdir: str | Path, names: Sequence[st
             runs = sorted(r["runs"], key=lambda x: x["max_concurrency"] or 1 << 30)
             xs = [x["max_concurrency"] or x["metrics"]["max_concurrent_requests"] for x in runs]
             for ax, (k, label) in zip(axes, (("output_throughput", "output tokens/s"),
-                                             ("median_ttft_ms", "TTFT p50 (ms)"), ("median_itl_ms", "ITL p50 (ms)"))):
+                                             ("median_ttft_ms", "TTFT p50 (ms)"), ("median_itl_ms", "ITL p50 (ms)")), strict=True):
                 ax.plot(xs, [x["metrics"][k] for x in runs], marker="o", label=n)
                 ax.set_xlabel("max concurrency")
                 ax.set_ylabel(label)

@@ -112,7 +112,7 @@ async def run_load(base_url: str, workload: Workload, load: LoadConfig, *, model
         deadline = t_zero + load.max_duration_s if load.max_duration_s is not None else None
         tasks: list[asyncio.Task] = []
         not_sent = 0
-        for i, (item, at) in enumerate(zip(workload, offsets)):
+        for i, (item, at) in enumerate(zip(workload, offsets, strict=True)):
             if deadline is not None and t_zero + at > deadline:
                 not_sent = len(workload) - i
                 break

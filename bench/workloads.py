@@ -100,7 +100,7 @@ def random_requests(tokenizer: Tokenizer, num: int, input_len: int, output_len: 
     words = words or WordTokens(tokenizer)
     ins = _lengths(input_len, range_ratio, num, rng)
     outs = _lengths(output_len, range_ratio, num, rng)
-    return [BenchRequest(prompt_len=i, output_len=o, prompt=words.text(i, rng)) for i, o in zip(ins, outs)]
+    return [BenchRequest(prompt_len=i, output_len=o, prompt=words.text(i, rng)) for i, o in zip(ins, outs, strict=True)]
 
 
 # -- fixed prompts ------------------------------------------------------------------------------------------
