@@ -1,0 +1,66 @@
+"""Two processes on 127.0.0.1 form one CPU cluster (jax.distributed, gloo collectives): a TP=2 model
+split across them gives the single-process logits, and process 0's step message reaches both."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.inputs import KVCache
+from jaxserve.models.params import init_params
+from tests.test_multihost_worker import RESULT_PREFIX
+from tests.test_sharding_worker import ROOT, _rel, _run_steps, dense_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> list[dict]:
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost_worker", str(i), str(port)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
+            assert p.returncode == 0 and lines, f"process failed (rc {p.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
+            outs.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
+def test_two_processes_form_one_cluster(cluster):
+    assert [r["process_index"] for r in cluster] == [0, 1]
+    assert all(r["process_count"] == 2 and r["global_devices"] == 2 and r["local_devices"] == 1 for r in cluster)
+    assert all(r["wq_local_shards"] == 1 for r in cluster)  # each host holds only its half of the heads
+
+
+def test_tp2_across_processes_gives_single_process_logits(cluster):
+    cfg = dense_config()
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    ref = _run_steps(cfg, params, KVCache.allocate(cfg, 16, 8, jnp.float32))
+    for r in cluster:
+        for got, want in zip(r["logits"], ref, strict=True):
+            assert _rel(np.asarray(got, np.float32), want) < 1e-5
+
+
+def test_step_message_is_broadcast_from_process_0(cluster):
+    assert [r["broadcast"] for r in cluster] == [{"from": 0, "work": [1, 2, 3]}] * 2

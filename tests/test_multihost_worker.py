@@ -1,0 +1,63 @@
+"""One process of a 2-process CPU cluster on 127.0.0.1 (see tests/test_multihost.py).
+
+Run as `python -m tests.test_multihost_worker PROCESS_ID PORT`; prints its findings as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+RESULT_PREFIX = "RESULT:"
+
+
+def main(process_id: int, port: int) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models.params import init_params
+    from sharding import ParallelConfig, make_mesh, make_plan
+    from sharding.distributed import broadcast_message, host_value, initialize_distributed
+    from tests.test_sharding_worker import _steps, dense_config
+
+    import os
+    import time
+
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    t0 = time.perf_counter()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    t_init = time.perf_counter() - t0
+    cfg = dense_config()
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=2))
+    plan = make_plan(cfg, mesh)
+    # Same seed on both hosts; each one reads only the slices its own device holds.
+    params = plan.shard_params(init_params(cfg, jax.random.PRNGKey(0), scale=0.1))
+    kv = plan.allocate_kv(16, 8, jnp.float32)
+    import functools
+
+    from jaxserve.models.llama import forward
+
+    sh = plan.step_shardings()
+    step = jax.jit(functools.partial(forward, cfg=plan.model_cfg, backend="xla"), donate_argnums=(1,),
+                   in_shardings=(sh.params, sh.kv, sh.replicated), out_shardings=(sh.replicated, sh.kv))
+    logits = []
+    for inputs in _steps():
+        inputs = jax.tree.map(np.asarray, inputs)
+        out, kv = step(params, kv, inputs)
+        logits.append(host_value(out)[: int(inputs.query_start_loc[-1])].tolist())
+    message = broadcast_message({"from": process_id, "work": [1, 2, 3]})
+    found = {
+        "process_index": jax.process_index(), "process_count": jax.process_count(),
+        "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
+        "wq_local_shards": len(params.layers.wq.addressable_shards),
+        "logits": logits, "broadcast": message, "init_s": t_init, "total_s": time.perf_counter() - t0,
+    }
+    print(RESULT_PREFIX + json.dumps(found), flush=True)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
