@@ -16,6 +16,7 @@ from starlette.routing import Route
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
+from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
 from server.middleware import ApiMiddleware
 from server.protocol import check_messages, get_bool, get_str
 from server.serving import handle_generate, read_json
@@ -86,8 +87,15 @@ async def _traced_generate(request: Request, kind: str) -> Response:
     request._body = json.dumps(body).encode()
     store: TraceStore = request.app.state.trace
     attach_tracer(store, state.engine)
-    store.record(request.scope["state"]["request_id"], "L1", "received", summarize_request(kind, body))
-    return await handle_generate(request, kind)
+    request_id = request.scope["state"]["request_id"]
+    store.record(request_id, "L1", "received", summarize_request(kind, body))
+    pd: PDWorker = request.app.state.pd
+    imported = await pd.import_for(request, request_id)  # a disaggregated request's prompt KV
+    try:
+        return await handle_generate(request, kind)
+    finally:
+        if imported is not None:
+            await pd.release_import(imported)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -184,11 +192,16 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/kv_events", kv_events, methods=["GET"]),
         Route("/v1/requests/{request_id:path}/trace", request_trace, methods=["GET"]),
+        Route("/v1/pd/info", pd_info, methods=["GET"]),
+        Route("/v1/pd/prefill", pd_prefill, methods=["POST"]),
+        Route("/v1/pd/kv/{transfer_id}", pd_send_kv, methods=["GET"]),
+        Route("/v1/pd/kv/{transfer_id}", pd_ack_kv, methods=["DELETE"]),
     ]
     app = Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
                                                        Exception: _internal_error})
     app.state.server = state
     app.state.trace = TraceStore("worker")
     app.state.kv_feed = KVEventFeed()
+    app.state.pd = PDWorker(state, app.state.trace)
     app.add_middleware(ApiMiddleware, state=state)
     return app

@@ -31,6 +31,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level,
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="level of the server's logs (one access-log line per request at info)")
+    g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
+                   help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
+                        "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
     return parser
 
 
@@ -66,7 +69,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     def load():
         from jaxserve.engine.async_engine import AsyncEngine
 
-        return AsyncEngine.from_engine_args(args)
+        engine = AsyncEngine.from_engine_args(args)
+        engine.pd_role = ns.role  # read by the worker's P/D endpoints (server/pd.py)
+        return engine
 
     placeholder = LoadingEngine(model_display_name(path), args.max_model_len or 0)
     return run_server(config, load, placeholder)
