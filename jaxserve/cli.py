@@ -102,18 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
             "trace", help="print a request's trace as a timeline",
             description="Fetch GET /v1/requests/ID/trace from a router or worker and print it."))
 
-    try:
-        from router.cli import add_router_args, add_trace_args
-    except ImportError:  # the router package is not installed
-        add_router_args = add_trace_args = None
-    if add_router_args is not None:
-        add_router_args(sub.add_parser(
-            "router", help="route requests over several workers (prefix- and load-aware, P/D)",
-            description="An OpenAI-compatible front that picks a `jaxserve serve` worker per request."))
-        add_trace_args(sub.add_parser(
-            "trace", help="print a request's trace as a timeline",
-            description="Fetch GET /v1/requests/ID/trace from a router or worker and print it."))
-
     gen = sub.add_parser("generate", help="complete a prompt and print the text",
                          description="Generate a completion of PROMPT (raw text, no chat template).")
     EngineArgs.add_cli_args(gen, with_model=False)
@@ -158,10 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         from server.cli import run_serve
 
         return run_serve(ns)
-    if ns.command in ("router", "trace"):
-        from router.cli import run_router, run_trace
-
-        return run_router(ns) if ns.command == "router" else run_trace(ns)
     if ns.command in ("router", "trace"):
         from router.cli import run_router, run_trace
 
