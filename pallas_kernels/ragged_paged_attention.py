@@ -36,12 +36,17 @@ class AttentionTuning:
     pad_rows_to_mma: bool = False  # pad tiny head groups to 16 rows and use tensor-core dots
     num_warps: int | None = None
     num_stages: int = 2
+    # "mosaic": batches of one query token per sequence go to the Mosaic GPU decode kernel
+    # (paged_decode_mosaic.py) when it supports the shapes; everything else stays on this kernel.
+    decode_lowering: str = "triton"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_kv_splits"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"AttentionTuning.{name} must be a positive power of two, got {v}")
+        if self.decode_lowering not in ("triton", "mosaic"):
+            raise ValueError(f"AttentionTuning.decode_lowering must be 'triton' or 'mosaic', got {self.decode_lowering!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -364,6 +369,12 @@ def ragged_paged_attention(
         raise ValueError(f"the Pallas kernel needs a power-of-two head_dim, got {head_dim}")
     if num_tokens == 0:
         return jnp.zeros_like(q)
+    if tuning.decode_lowering == "mosaic" and soft_cap is None and sliding_window is None:
+        from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
+
+        if mosaic_decode_supported(q.dtype, head_dim, page_size, group) is None:
+            return _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                                     sm_scale=sm_scale, interpret=interpret, tuning=tuning)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
         tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
@@ -434,3 +445,26 @@ def ragged_paged_attention(
     out = ob[tok_block, :, tok_row]  # [T, KVH, G, D]
     out = jnp.where(tok_valid[:, None, None, None], out, jnp.zeros((), out.dtype))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, interpret, tuning):
+    """The Mosaic GPU decode kernel when every sequence has at most one query token, else this file's kernel."""
+    from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
+
+    num_tokens = q.shape[0]
+    general_tuning = dataclasses.replace(tuning, decode_lowering="triton")
+
+    def general():
+        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                                      sm_scale=sm_scale, interpret=interpret, tuning=general_tuning)
+
+    def decode():
+        first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)  # each sequence's only query token
+        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, seq_lens,
+                                          sm_scale=sm_scale, num_splits=tuning.num_kv_splits,
+                                          interpret=interpret)  # [S, QH, D]
+        tok_seq, _, valid = _token_metadata(seq_lens, query_start_loc, num_tokens)
+        return jnp.where(valid[:, None, None], o[tok_seq], jnp.zeros((), o.dtype))
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    return lax.cond(jnp.all(q_lens <= 1), decode, general)

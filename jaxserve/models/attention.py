@@ -12,8 +12,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-AttentionBackend = Literal["xla", "pallas", "pallas_interpret"]
-ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret")
+AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
+# pallas_mosaic: the pallas kernels, with decode-only batches on the Mosaic GPU decode kernel (Hopper).
+ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic")
 
 
 def token_layout(seq_lens: jax.Array, query_start_loc: jax.Array, num_tokens: int):
@@ -122,11 +123,12 @@ def paged_attention(
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, **kwargs)
-    if backend in ("pallas", "pallas_interpret"):
-        from pallas_kernels import ragged_paged_attention
+    if backend in ("pallas", "pallas_interpret", "pallas_mosaic"):
+        from pallas_kernels import AttentionTuning, ragged_paged_attention
 
+        tuning = AttentionTuning(decode_lowering="mosaic" if backend == "pallas_mosaic" else "triton")
         return ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-            interpret=backend == "pallas_interpret", **kwargs,
+            interpret=backend == "pallas_interpret", tuning=tuning, **kwargs,
         )
     raise ValueError(f"unknown attention backend {backend!r} (choose from {', '.join(ATTENTION_BACKENDS)})")

@@ -81,30 +81,34 @@ def _common(spec, S: int):
     return params, kv, sampling, pen, spec((), jnp.bool_)
 
 
-def _compile(fn, *args) -> float:
+def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple[int, ...] = (1,)) -> float:
+    """Compile for sm_90; check which Pallas lowerings the executable holds. Returns the seconds taken."""
     t0 = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=(1,)).trace(*args).lower().compile()
+    compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower().compile()
     seconds = time.perf_counter() - t0
     text = compiled.as_text()
-    assert "triton" in text.lower(), "the attention did not go through the Pallas Triton lowering"
+    if triton:
+        assert "triton" in text.lower(), "no Pallas Triton kernel in the compiled step"
+    if mosaic:
+        assert 'custom_call_target="mosaic_gpu' in text, "no Mosaic GPU kernel in the compiled step"
     return seconds
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("T", RC.token_buckets)
-def test_mixed_step_compiles_for_sm90(spec, T):
+@pytest.mark.parametrize("T,backend", [(t, "pallas") for t in RC.token_buckets] + [(64, "pallas_mosaic")])
+def test_mixed_step_compiles_for_sm90(spec, T, backend):
     S = min(T, RC.max_num_seqs)
     params, kv, sampling, pen, want_top = _common(spec, S)
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
     inputs = _abstract(spec, host)
-    step = functools.partial(mixed_step, cfg=SMOLLM2, backend=RC.backend, top_k=RC.max_logprobs)
-    seconds = _compile(step, params, kv, inputs, sampling, pen, want_top)
-    print(f"mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+    step = functools.partial(mixed_step, cfg=SMOLLM2, backend=backend, top_k=RC.max_logprobs)
+    seconds = _compile(step, params, kv, inputs, sampling, pen, want_top, mosaic=backend == "pallas_mosaic")
+    print(f"mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("S", RC.seq_buckets)
-def test_decode_loop_compiles_for_sm90(spec, S):
+@pytest.mark.parametrize("S,backend", [(s, "pallas") for s in RC.seq_buckets] + [(64, "pallas_mosaic")])
+def test_decode_loop_compiles_for_sm90(spec, S, backend):
     params, kv, sampling, pen, want_top = _common(spec, S)
     P = RC.pages_per_seq
     st = DecodeState(
@@ -112,8 +116,25 @@ def test_decode_loop_compiles_for_sm90(spec, S):
         max_steps=spec((S,), jnp.int32), stop_ids=spec((S, MAX_STOP_IDS), jnp.int32),
         min_tokens_left=spec((S,), jnp.int32), num_steps=spec((), jnp.int32),
     )
-    loop = functools.partial(decode_loop, cfg=SMOLLM2, backend=RC.backend, top_k=RC.max_logprobs,
+    loop = functools.partial(decode_loop, cfg=SMOLLM2, backend=backend, top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
-    seconds = _compile(loop, params, kv, st, sampling, pen, want_top)
-    print(f"decode_loop S={S} n={RC.num_scheduler_steps}: compiled for sm_90 in {seconds:.1f} s")
+    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic")
+    print(f"decode_loop S={S} n={RC.num_scheduler_steps} {backend}: compiled for sm_90 in {seconds:.1f} s")
+
+
+# The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence
+# (flash-decoding splits), the largest batch of the benchmark.
+MOSAIC_CASES = [(64, 512, 3, 3, 64), (1, 2048, 8, 4, 128), (256, 512, 8, 4, 128)]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("S,P,kvh,group,d", MOSAIC_CASES)
+def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d):
+    from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
+
+    pages = spec((65536, RC.page_size, kvh, d), DTYPE)
+    fn = functools.partial(paged_decode_attention_mosaic, sm_scale=d**-0.5)
+    args = (spec((S, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32))
+    seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
+    print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d}: compiled for sm_90 in {seconds:.1f} s")
 

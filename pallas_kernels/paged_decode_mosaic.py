@@ -1,0 +1,319 @@
+"""Paged decode attention written for Mosaic GPU (`plgpu`): one query token per sequence, Hopper only.
+
+One program (one warpgroup) serves one sequence and one KV head, optionally one of several partitions of
+the KV length (flash decoding). The head group's query rows are padded to the 64 rows of a WGMMA tile; KV
+arrives `block_kv` tokens at a time by TMA, one copy per page (each page a `[page_size, head_dim]` strided
+box of the pool), double-buffered so the next block's pages are in flight while this one is multiplied.
+QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32.
+
+Rows past a sequence's length are masked to zero probability. Table entries past the sequence's last page
+are never read (the block re-reads the last real page instead); the rows of that last page past the length
+still enter the PV product as `0 * v`, so they must be finite, as they are in the engine, whose pools start
+zeroed and only ever hold written K/V. Mosaic GPU has no CPU interpreter on
+this path, so the kernel is checked by compiling it for sm_90 (tests/gpu_compile) and against the
+reference on a GPU (bench/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
+
+
+def _plgpu():
+    """The Mosaic GPU Pallas module, imported when a kernel is built (it pulls in the CUDA lowering)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _decode_kernel(*gmem, scratch: tuple, grid: tuple[int, int, int], interpret: bool, **params):
+    """Runs the program of this grid point with its SMEM buffers and barriers allocated in the body.
+
+    Mosaic GPU's CPU interpreter runs only the first program of a grid, so under it one program walks the
+    whole grid in order.
+    """
+
+    def program(seq, kv_head, split):
+        pl.run_scoped(
+            lambda *smem: _decode_body(*gmem, *smem, seq=seq, kv_head=kv_head, split=split,
+                                       interpret=interpret, **params),
+            *scratch,
+        )
+
+    if not interpret:
+        program(pl.program_id(0), pl.program_id(1), pl.program_id(2))
+        return
+    _, heads, splits = grid
+
+    def one(i, carry):
+        program(i // (heads * splits), (i // splits) % heads, i % splits)
+        return carry
+
+    lax.fori_loop(0, math.prod(grid), one, 0)
+
+
+def _decode_body(
+    seq_lens_ref,
+    block_tables_ref,
+    q_ref,
+    k_pages_ref,
+    v_pages_ref,
+    *refs,
+    page_size: int,
+    block_kv: int,
+    sm_scale: float,
+    num_splits: int,
+    interpret: bool,
+    seq: jax.Array,
+    kv_head: jax.Array,
+    split: jax.Array,
+):
+    """One (sequence, KV head, split): online softmax over the split's KV blocks, tensor-core dots."""
+    plgpu = _plgpu()
+    # Register layouts are hints for the GPU lowering; the interpreter has no rule for them.
+    if interpret:
+        def layout_cast(x, layout):
+            return x
+
+        def iota(dtype, shape, dim, layout):
+            return lax.broadcasted_iota(dtype, shape, dim)
+    else:
+        layout_cast, iota = plgpu.layout_cast, plgpu.broadcasted_iota
+
+    if num_splits == 1:
+        (o_ref, q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar) = refs
+    else:
+        (o_ref, m_ref, l_ref, q_smem, o_smem, m_smem, l_smem, k_smem, v_smem, q_bar, k_bar, v_bar) = refs
+    num_pages = k_pages_ref.shape[0]
+    pages_per_seq = block_tables_ref.shape[1]
+    pages_per_block = block_kv // page_size
+    head_dim = q_smem.shape[-1]
+
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, q_bar.at[0])
+    kv_len = seq_lens_ref[seq]
+    num_blocks = pl.cdiv(kv_len, block_kv)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    start = split * per_split
+    stop = jnp.minimum(num_blocks, start + per_split)
+
+    # Table entries past the sequence's last page may name the scratch page, which holds anything; a block
+    # reaching past the end re-reads the last real page instead, so the buffer holds only finite K/V.
+    last_page = jnp.clip(pl.cdiv(kv_len, page_size) - 1, 0, pages_per_seq - 1)
+
+    def issue(j, slot):
+        """Start the TMA copies of block j's pages into buffer `slot`."""
+        for i in range(pages_per_block):
+            idx = jnp.minimum(j * pages_per_block + i, last_page)
+            page = jnp.clip(block_tables_ref[seq, idx], 0, num_pages - 1)
+            rows = pl.ds(i * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_pages_ref.at[page, :, kv_head, :], k_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_pages_ref.at[page, :, kv_head, :], v_smem.at[slot, rows], v_bar.at[slot])
+
+    @pl.when(start < stop)
+    def _():
+        issue(start, 0)
+
+    plgpu.barrier_wait(q_bar.at[0])
+
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+    m0 = layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
+    l0 = layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_rows)
+    acc0 = layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        slot = lax.rem(j - start, 2)
+
+        @pl.when(j + 1 < stop)
+        def _():
+            issue(j + 1, 1 - slot)  # the other buffer was consumed by block j - 1's dots, already awaited
+
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        # The interpreter's WGMMA takes neither a transposed SMEM operand nor a register one: under it, the
+        # same products are plain dots.
+        if interpret:
+            s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        else:
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
+        s = s * sm_scale  # [ROWS, block_kv]
+        col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(j * block_kv + col < kv_len, s, -jnp.inf)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        # A row's running max is finite after its first block (that block holds KV position 0 or the split's
+        # first real row), so exp(-inf - m) below is 0, never NaN.
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+        l_next = l_prev * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        if interpret:  # nor a register operand
+            pv = jnp.dot(p.astype(v_smem.dtype), v_smem[slot], preferred_element_type=jnp.float32)
+        else:
+            def pv_scope(acc_ref):
+                plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+                return acc_ref[...]
+
+            pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        # A fresh accumulator then an add, rather than accumulating onto `acc` in place (`run_state`, which
+        # the interpreter lacks): one register add per block.
+        acc = acc + pv
+        return acc, m_next, l_next
+
+    acc, m, denom = lax.fori_loop(start, stop, body, (acc0, m0, l0))
+    if num_splits == 1:
+        safe = jnp.where(denom == 0.0, 1.0, denom)
+        o_smem[...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, kv_head])
+    else:
+        # Partial results for the combine: the unnormalized accumulator, its row max and row sum. An empty
+        # split keeps m = -inf; clamp it so the combine's exp(m - max) is 0, not NaN.
+        o_smem[...] = acc
+        m_smem[...] = jnp.maximum(m, -1e30)
+        l_smem[...] = denom
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, seq, kv_head])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, seq, kv_head])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, seq, kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def mosaic_decode_supported(dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64) -> str | None:
+    """None when the kernel takes these shapes, else the reason it does not."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"the Mosaic GPU decode kernel takes bfloat16 or float16, got {jnp.dtype(dtype).name}"
+    if group > ROWS:
+        return f"a head group of {group} query heads exceeds the {ROWS} rows of a WGMMA tile"
+    if head_dim % 64:
+        return f"the Mosaic GPU decode kernel needs head_dim a multiple of 64, got {head_dim}"
+    if page_size % 8:
+        return f"the Mosaic GPU decode kernel needs page_size a multiple of 8, got {page_size}"
+    if block_kv % page_size or block_kv % 64 or block_kv > 256:
+        return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
+    return None
+
+
+def _swizzled(dtype, head_dim: int):
+    """SMEM transforms that make a `[rows, head_dim]` tile a WGMMA operand."""
+    plgpu = _plgpu()
+    bits = jnp.finfo(dtype).bits
+    swizzle = plgpu.find_swizzle(head_dim * bits)
+    return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
+    programs = num_seqs * num_kv_heads
+    max_useful = max(1, kv_capacity // (4 * block_kv))
+    splits = 1
+    while splits * 2 <= min(32, max_useful) and programs * splits < 2 * 132:
+        splits *= 2
+    return splits
+
+
+def _interpret_params():
+    """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers); a private path in JAX 0.10."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(uninitialized_memory="zero")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits", "interpret"))
+def paged_decode_attention_mosaic(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    seq_lens,
+    *,
+    sm_scale: float,
+    block_kv: int = 64,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU)."""
+    plgpu = _plgpu()
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape[3] != q.shape[2] or v_pages.shape != k_pages.shape:
+        raise ValueError(f"expected q [S, QH, D] and pages [N, page_size, KVH, D], got {q.shape}, {k_pages.shape}")
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"block_tables {block_tables.shape} and seq_lens {seq_lens.shape} must have {num_seqs} rows")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if k_pages.dtype != q.dtype:
+        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
+    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv)
+    if reason is not None:
+        raise ValueError(reason)
+    splits = num_splits or _default_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size, block_kv)
+
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [S, KVH, ROWS, D]
+    tile = () if interpret else _swizzled(q.dtype, head_dim)
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block
+    # table, and plain refs keep the kernel runnable in Mosaic GPU's CPU interpreter.
+    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile)]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, ROWS, head_dim), q.dtype)
+        out_specs = gmem
+        scratch.append(plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile))
+    else:
+        rows = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS), jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS, head_dim), jnp.float32), rows, rows)
+        out_specs = (gmem, gmem, gmem)
+        scratch += [
+            plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else _swizzled(jnp.float32, head_dim)),
+            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((ROWS,), jnp.float32),
+        ]
+    scratch += [
+        plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=tile),
+        plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=tile),
+        plgpu.Barrier(num_arrivals=1),
+        # One arrival per page copy: the block is ready when all of its pages have landed.
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
+    ]
+    grid = (num_seqs, num_kv_heads, splits)
+    kernel = functools.partial(
+        _decode_kernel, scratch=tuple(scratch), grid=grid, page_size=page_size, block_kv=block_kv,
+        sm_scale=float(sm_scale), num_splits=splits, interpret=interpret,
+    )
+    result = pl.pallas_call(
+        kernel,
+        grid=(1, 1, 1) if interpret else grid,
+        in_specs=[gmem] * 5,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(dimension_semantics=["parallel"] * 3),
+        interpret=_interpret_params() if interpret else False,
+        name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}",
+    )(seq_lens, block_tables, qg, k_pages, v_pages)
+
+    if splits == 1:
+        ob = result.astype(jnp.float32)
+    else:
+        acc, m, denom = result  # [NS, S, KVH, ROWS, D], [NS, S, KVH, ROWS] x2
+        m_max = jnp.max(m, axis=0)
+        w = jnp.exp(m - m_max[None])
+        l_sum = jnp.sum(w * denom, axis=0)
+        ob = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    return ob[:, :, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,85 @@
+"""The Mosaic GPU decode kernel in Mosaic GPU's CPU interpreter against the float64 oracle, its dispatch from
+`ragged_paged_attention` (decode batches to Mosaic GPU, anything else to the generic kernel), and its refusals.
+
+The interpreter simulates SMEM, the TMA page copies and the barriers, but runs the two products as plain dots
+(its WGMMA takes no transposed or register operand); the WGMMA path itself is compiled for sm_90 in
+tests/gpu_compile and run on the GPU by bench/gpu_check.sh. On a GPU these tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import AttentionTuning, ragged_paged_attention
+from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported, paged_decode_attention_mosaic
+from tests.test_kernels_cases import make_batch, naive_attention
+
+TOL = 3e-2  # bfloat16 inputs and probabilities
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _check(out, batch, sm_scale):
+    ref = naive_attention(batch, sm_scale=sm_scale)
+    out = np.asarray(out.astype(jnp.float32))
+    n = batch.num_real_tokens
+    assert np.isfinite(out[:n]).all(), "non-finite output: a scratch-page row reached the products"
+    np.testing.assert_allclose(out[:n], ref[:n], atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,group,kv_heads,kv_lens,splits",
+    [
+        # SmolLM2 heads; lengths at, just past and short of a 64-token block and of a page; one block and many.
+        (16, 64, 3, 3, [64, 65, 15, 130], 1),
+        # Llama-3-8B heads, 8-token pages (8 copies per block), flash-decoding splits including empty ones.
+        (8, 128, 4, 2, [200, 1, 64], 4),
+    ],
+)
+def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits):
+    rng = np.random.default_rng(page_size + head_dim)
+    pages_per_seq = -(-max(kv_lens) // page_size) + 1
+    batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
+                       dtype=jnp.bfloat16, seqs=[(1, n) for n in kv_lens], pages_per_seq=pages_per_seq,
+                       pad_tokens=0, pad_seqs=0)
+    out = paged_decode_attention_mosaic(
+        batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
+        sm_scale=head_dim**-0.5, num_splits=splits, interpret=_interpret(),
+    )
+    assert out.shape == batch.q.shape and out.dtype == jnp.bfloat16
+    _check(out, batch, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("seqs", [[(1, 40), (0, 0), (1, 17)], [(1, 40), (5, 21), (1, 17)]], ids=["decode", "mixed"])
+def test_decode_lowering_mosaic_dispatch(seqs):
+    """Decode batches (padding sequences included) take the Mosaic kernel; a prefill chunk sends the whole
+    call to the generic kernel. Both agree with the oracle, padding tokens come back zero."""
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
+                       seqs=seqs, pages_per_seq=4)
+    out = ragged_paged_attention(
+        batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        sm_scale=0.125, interpret=_interpret(), tuning=AttentionTuning(decode_lowering="mosaic"),
+    )
+    _check(out, batch, 0.125)
+    assert not np.asarray(out[batch.num_real_tokens:], np.float32).any(), "padding tokens must be zero"
+
+
+def test_mosaic_refusals():
+    assert mosaic_decode_supported(jnp.bfloat16, 64, 16, 3) is None
+    assert "bfloat16" in mosaic_decode_supported(jnp.float32, 64, 16, 3)
+    assert "head_dim" in mosaic_decode_supported(jnp.bfloat16, 96, 16, 3)
+    assert "page_size" in mosaic_decode_supported(jnp.bfloat16, 64, 4, 3)
+    assert "WGMMA" in mosaic_decode_supported(jnp.bfloat16, 64, 16, 65)
+    with pytest.raises(ValueError, match="decode_lowering"):
+        AttentionTuning(decode_lowering="cuda")
+    q = jnp.zeros((2, 6, 64), jnp.float32)
+    pages = jnp.zeros((4, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        paged_decode_attention_mosaic(q, pages, pages, jnp.zeros((2, 2), jnp.int32), jnp.ones(2, jnp.int32),
+                                      sm_scale=0.125, interpret=True)
