@@ -119,7 +119,8 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
 
 @pytest.fixture(scope="module")
 def ep_results() -> dict:
-    return run_cases("moe")["moe"]
+    r = run_cases("moe", "engine_moe")
+    return {**r["moe"], "engine": r["engine_moe"]}
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
@@ -136,3 +137,11 @@ def test_ep_logits_equal_unsharded(ep_results, tp, ep):
 def test_ep_qwen3_moe_equals_unsharded(ep_results):
     r = ep_results["qwen3_tp1_ep4"]
     assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["experts_per_device"] == 2
+
+
+def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_results):
+    r = ep_results["engine"]
+    assert r["devices"] == 4
+    assert all(len(t) == 12 for t in r["ref"])
+    assert r["ep"] == r["ref"]
+    assert r["compiles_after_warmup"] == 0

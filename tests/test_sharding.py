@@ -1,6 +1,6 @@
 """Tensor parallelism: the rules object's refusals (in process) and, on 8 simulated CPU devices in a
-child process, sharded logits against unsharded for TP 1, 2, 4, 8 and greedy generation through the
-engine at TP=2 with no compilation after warmup."""
+child process, sharded logits against unsharded for TP 1, 2, 4, 8, greedy generation through the
+engine at TP=2 with no compilation after warmup, and two TP=2 replicas behind the data-parallel facade."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine")
+    return run_cases("dense", "engine", "dp")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -129,3 +129,14 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     assert r["tp2"] == r["ref"]
     assert r["compiles_after_warmup"] == 0
     assert r["single_compiles_after_warmup"] == 0
+
+
+def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(results):
+    r = results["dp"]
+    assert r["devices"] == [[0, 1], [2, 3]]  # each replica on its own slice of the mesh
+    assert r["placed"] == [0, 1, 0, 1]  # four requests at once alternate to the least-loaded replica
+    assert r["dp"] == r["ref"]
+    assert r["in_flight_after"] == [0, 0]
+    assert r["compiles_after_warmup"] == 0
+    # Each replica saw only its own requests' prompts (5 + 3 tokens, 11 + 4 tokens).
+    assert r["per_replica_prompt_tokens"] == [8, 15]

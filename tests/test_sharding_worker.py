@@ -192,7 +192,61 @@ def case_engine() -> dict:
     }
 
 
-CASES = {"dense": case_dense, "moe": case_moe, "engine": case_engine}
+def case_dp() -> dict:
+    """Two TP=2 replicas behind the data-parallel facade: placement, tokens, devices, compiles."""
+    import asyncio
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from sharding import DataParallelEngine
+
+    loaded = _tiny_loaded(dense_config())
+    prompts = PROMPTS + [[1, 2, 3, 4]]
+    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=loaded, progress=False), prompts)
+    args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, data_parallel_size=2, strict_compile=True)
+    dp = DataParallelEngine.from_engine_args(args, loaded=loaded, progress=False)
+    placed: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+
+    async def one(i: int, prompt: list[int]) -> None:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        async for out in dp.generate(prompt, params, f"r{i}"):
+            placed.setdefault(i, dp.replica_of(f"r{i}"))
+            if out.finished:
+                tokens[i] = out.outputs[0].token_ids
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    asyncio.run(main())
+    dp.check_integrity()
+    devices = [sorted(d.id for d in r.engine.runner.kv.k.sharding.device_set) for r in dp.replicas]
+    found = {
+        "ref": ref, "dp": [tokens[i] for i in range(len(prompts))], "placed": [placed[i] for i in range(len(prompts))],
+        "devices": devices, "in_flight_after": dp.in_flight(),
+        "compiles_after_warmup": dp.stats().compilations_after_warmup,
+        "per_replica_prompt_tokens": [r.stats().prompt_tokens for r in dp.replicas],
+    }
+    dp.shutdown()
+    return found
+
+
+def case_engine_moe() -> dict:
+    """Greedy generation of a Qwen2-MoE model through the engine, one device vs EP=2 x TP=2."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+
+    loaded = _tiny_loaded(moe_config("qwen2_moe"))
+    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=loaded, progress=False), PROMPTS)
+    sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, expert_parallel_size=2,
+                                   strict_compile=True), loaded=loaded, progress=False)
+    got = _generate(sharded, PROMPTS)
+    return {"ref": ref, "ep": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
+            "devices": len(sharded.runner.kv.k.sharding.device_set)}
+
+
+CASES = {"dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
 
 
 def main(argv: list[str]) -> None:
