@@ -16,8 +16,8 @@ from starlette.routing import Route
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
-from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
 from server.middleware import ApiMiddleware
+from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
 from server.protocol import check_messages, get_bool, get_str
 from server.serving import handle_generate, read_json
 from server.state import ServerState

@@ -166,11 +166,14 @@ def test_pinned_pages_are_freed_on_ack_on_timeout_and_when_the_client_leaves(pd)
     _assert_pools_full(pe)
 
     pd_worker = pre.app.state.pd
-    pd_worker.config = PDConfig(pin_timeout_s=0.3)
+    pd_worker.config = PDConfig(pin_timeout_s=2.0)
     try:
         meta = httpx.post(pre.url + "/v1/pd/prefill", json=body, timeout=120).json()
         assert httpx.get(pre.url + "/v1/pd/info").json()["pinned_pages"] == len(meta["page_ids"])
-        time.sleep(0.6)
+        deadline = time.monotonic() + 10
+        while httpx.get(pre.url + "/v1/pd/info").json()["pinned_pages"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert time.time() >= meta["expires_at"] - 0.1  # freed by the timeout, not before it
         assert httpx.get(pre.url + "/v1/pd/info").json()["pinned_pages"] == 0
     finally:
         pd_worker.config = PDConfig()
@@ -187,4 +190,40 @@ def test_pinned_pages_are_freed_on_ack_on_timeout_and_when_the_client_leaves(pd)
     time.sleep(0.3)
     assert "imported" in {x["event"] for x in _events(client, "leaver")}
     assert httpx.get(pre.url + "/v1/pd/info").json()["pinned_pages"] == 0
+    _assert_pools_full(pe, de)
+
+
+def _prefix_hits(url: str) -> float:
+    from router.workers import parse_metrics  # noqa: F401 - same scrape as the router's
+
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total") or line.startswith("vllm:prefix_cache_hits{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:prefix_cache_hits in /metrics")
+
+
+def test_aggregated_prefix_routing_hits_the_cache_of_the_worker_holding_the_prompt(pd):
+    _, pre, dec, pe, de = pd
+    app = build_router_app(RouterConfig(port=0, workers=(pre.url, dec.url), probe_interval_s=0.05))
+    router = app.state.router
+    system = ("You are the archivist of a small museum of maritime history. Answer visitors briefly, "
+              "mention one exhibit by name, and never invent dates that are not on the labels.")
+    with ServerThread(app, "127.0.0.1", 0).start() as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        first = c.post("/v1/chat/completions", json={**_chat("Hello!", system), "max_tokens": 1})
+        home = first.headers["x-jaxserve-worker"]
+        other = dec.url if home == pre.url else pre.url
+        deadline = time.monotonic() + 10
+        while router.index.num_exact(home) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the worker's KV events reach the router
+        router.index._approx.clear()  # only the events may explain the picks below
+        before = {home: _prefix_hits(home), other: _prefix_hits(other)}
+        for i, user in enumerate(["Where is the oldest ship?", "Is there a lighthouse lens?"]):
+            r = c.post("/v1/chat/completions", json={**_chat(user, system), "max_tokens": 1},
+                       headers={"x-request-id": f"agg-{i}"})
+            assert r.status_code == 200 and r.headers["x-jaxserve-worker"] == home
+            pick = next(x for x in router.trace.get(f"agg-{i}") if x["event"] == "picked")["data"]
+            row = next(x for x in pick["candidates"] if x["url"] == home)
+            assert row["index"] == "exact" and row["matched_pages"] >= 2
+        assert _prefix_hits(home) - before[home] >= 2 * 2 * 16  # both requests reused the system prompt's pages
+        assert _prefix_hits(other) == before[other]
     _assert_pools_full(pe, de)
