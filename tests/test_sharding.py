@@ -140,3 +140,18 @@ def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(resul
     assert r["compiles_after_warmup"] == 0
     # Each replica saw only its own requests' prompts (5 + 3 tokens, 11 + 4 tokens).
     assert r["per_replica_prompt_tokens"] == [8, 15]
+
+
+def test_communication_model_counts_the_layout_collectives():
+    from sharding.comm import step_collective_bytes
+
+    cfg = dense_config()  # E = 64, L = 2, V = 64
+    act = 16 * 64 * 4  # 16 tokens of [E] float32
+    c = step_collective_bytes(cfg, tp=4, ep=1, num_tokens=16, num_logits=2)
+    ring = 2 * 3 / 4
+    assert c.embed == ring * act and c.attention == 2 * ring * act and c.mlp == 2 * ring * act
+    assert c.lm_head == 3 / 4 * 2 * 64 * 4
+    assert step_collective_bytes(cfg, tp=1, ep=1, num_tokens=16, num_logits=2).total == 0
+    moe = step_collective_bytes(moe_config("qwen3_moe"), tp=1, ep=4, num_tokens=16, num_logits=2)
+    # Expert parallel alone: attention is replicated, the MoE output is all-reduced over the 4 devices.
+    assert moe.attention == 0 and moe.embed == 0 and moe.mlp == 2 * ring * act
