@@ -30,11 +30,17 @@ def run_chunks(cfg, params, kv, seqs, page_size, all_logits=True, backend="xla",
     return np.asarray(logits), kv
 
 
+def bucket(n: int, step: int = 64) -> int:
+    """Round a token count up so that prompts of similar length share one compiled shape."""
+    return -(-n // step) * step
+
+
 def prompt_logits(cfg, params, ids, page_size=16, num_pages=256, dtype=jnp.float32, backend="xla"):
     """Logits at every position of one prompt, computed in one step on a fresh page pool."""
     kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
     pages = pages_for(0, len(ids), page_size, stride=max(1, (num_pages - 1) // max(1, -(-len(ids) // page_size))))
-    logits, _ = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, backend=backend)
+    logits, _ = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, backend=backend,
+                           num_tokens=bucket(len(ids)), num_seqs=1, pages_per_seq=bucket(len(pages), 16))
     return logits[: len(ids)]
 
 
@@ -43,12 +49,13 @@ def greedy(cfg, params, ids, max_new, page_size=16, num_pages=64, dtype=jnp.floa
     kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
     total = len(ids) + max_new
     pages = pages_for(0, total, page_size, stride=1)
+    P = bucket(len(pages), 16)
     logits, kv = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, all_logits=False,
-                            num_seqs=1, pages_per_seq=len(pages))
+                            num_tokens=bucket(len(ids)), num_seqs=1, pages_per_seq=P)
     out = [int(logits[0].argmax())]
     while len(out) < max_new:
         pos = len(ids) + len(out) - 1
         logits, kv = run_chunks(cfg, params, kv, [([out[-1]], pos, pages)], page_size, all_logits=False,
-                                num_seqs=1, pages_per_seq=len(pages))
+                                num_seqs=1, pages_per_seq=P)
         out.append(int(logits[0].argmax()))
     return out

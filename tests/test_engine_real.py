@@ -41,13 +41,19 @@ def engine(smollm_f32) -> LLMEngine:
     import jax.numpy as jnp
 
     loaded = LoadedModel(path, "SmolLM2-135M-Instruct", cfg, params, Tokenizer.from_gguf(path), jnp.float32, 0.0)
-    pages = 16  # small on purpose: 64 requests served together must preempt
-    args = EngineArgs(max_num_seqs=32, max_num_batched_tokens=128, max_model_len=224, num_scheduler_steps=4,
+    pages = 64
+    args = EngineArgs(max_num_seqs=32, max_num_batched_tokens=128, max_model_len=256, num_scheduler_steps=4,
                       kv_cache_memory_bytes=pages * KVCache.bytes_per_page(cfg, 16, jnp.float32))
     return LLMEngine(args, loaded=loaded, progress=False)
 
 
-def serve(engine: LLMEngine, prompts, params) -> list[list[int]]:
+def serve(engine: LLMEngine, prompts, params) -> list:
+    outs = serve_unchecked(engine, prompts, params)
+    engine.check_integrity()
+    return outs
+
+
+def serve_unchecked(engine: LLMEngine, prompts, params) -> list:
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     ids = [f"q{random.random()}" for _ in prompts]
@@ -58,7 +64,6 @@ def serve(engine: LLMEngine, prompts, params) -> list[list[int]]:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    engine.check_integrity()
     return [done[rid] for rid in ids]
 
 
@@ -93,15 +98,22 @@ def test_batched_equals_alone(engine, alone):
 
 def test_preemption_equals_alone(engine, alone):
     prompts, _ = alone
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    subset = prompts[::8]
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    subset = prompts[::11]
     expected = []
     for p in subset:
         engine.reset_prefix_cache()
         expected.append(serve(engine, [p], long)[0].outputs[0].token_ids)
-    before = engine.num_preemptions
-    got = [o.outputs[0].token_ids for o in serve(engine, subset, long)]
-    assert engine.num_preemptions > before, "the 16-page pool should have forced preemptions"
+    engine.reset_prefix_cache()
+    # Memory pressure: hold all but 15 pages, so 6 requests needing ~4 pages each must preempt.
+    pool = engine.scheduler.pool
+    held = pool.allocate(pool.num_free - 15)
+    try:
+        before = engine.num_preemptions
+        got = [o.outputs[0].token_ids for o in serve_unchecked(engine, subset, long)]
+    finally:
+        pool.decref(held)
+    assert engine.num_preemptions > before, "the 15 free pages should have forced preemptions"
     assert got == expected
     assert pool_is_full(engine)
 
@@ -144,7 +156,7 @@ def test_seeded_sampling_same_alone_and_batched(engine, alone):
 def test_no_compilation_on_a_random_workload(engine):
     rng = random.Random(7)
     vocab = engine.model.config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([1, 15, 16, 17, 60, 130, 200]))]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([1, 15, 16, 17, 60, 130, 240]))]
                for _ in range(20)]
     params = [SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 9),
                              logprobs=rng.choice([None, 3]), repetition_penalty=rng.choice([1.0, 1.2]))

@@ -30,7 +30,7 @@ def test_greedy_32_tokens_match_transformers_generate(smollm_f32, hf_smollm, cha
 
     cfg, params = smollm_f32
     model, tok = hf_smollm
-    for ids in chat_prompt_ids[:3]:
+    for ids in chat_prompt_ids[:2]:
         ours = greedy(cfg, params, ids, 32)
         with torch.no_grad():
             ref = model.generate(
