@@ -12,7 +12,7 @@ from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def jitted(backend: str = "xla"):
     return jax.jit(forward, static_argnums=(3, 4), static_argnames=("backend",), donate_argnums=(1,))
 

@@ -113,7 +113,7 @@ def test_logprobs_reported(engine):
     first = out.logprobs[0]
     assert 4 in first and first[4].rank == 1 and first[4].logprob > -1e-3
     assert len(first) == 2
-    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)))
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=False)))
 
 
 def test_invalid_requests_are_refused_with_reasons(engine):
@@ -147,7 +147,7 @@ def test_async_engine_streams_and_aborts(loaded):
             async for out in eng.generate([5], SamplingParams(temperature=0, max_tokens=10), "s1"):
                 seen.append(list(out.outputs[0].token_ids))
             assert seen[-1] == list(range(6, 16))
-            assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))
+            assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:], strict=False))
             # Closing the stream early aborts the request.
             gen = eng.generate([5], SamplingParams(temperature=0, max_tokens=100), "s2")
             await gen.__anext__()

@@ -57,7 +57,7 @@ def serve_unchecked(engine: LLMEngine, prompts, params) -> list:
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     ids = [f"q{random.random()}" for _ in prompts]
-    for rid, p, sp in zip(ids, prompts, params):
+    for rid, p, sp in zip(ids, prompts, params, strict=False):
         engine.add_request(rid, p, sp)
     done = {}
     while engine.has_unfinished_requests():
@@ -90,7 +90,7 @@ def alone(engine):
 def test_batched_equals_alone(engine, alone):
     prompts, expected = alone
     got = [o.outputs[0].token_ids for o in serve(engine, prompts, GREEDY)]
-    mismatches = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+    mismatches = [i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b]
     assert not mismatches, f"{len(mismatches)} of 64 differ, e.g. #{mismatches[0]}"
     assert engine.stats().compilations_after_warmup == 0
     assert pool_is_full(engine)

@@ -23,8 +23,8 @@ from jaxserve.engine.model_loading import (
     enable_compile_cache,
     kv_cache_pages,
     load_model,
-    shard_model,
     params_bytes,
+    shard_model,
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, ModelRunner, RunnerConfig, StepOutput

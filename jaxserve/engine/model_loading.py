@@ -7,8 +7,8 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax

@@ -66,7 +66,7 @@ def xla_ragged_paged_attention(
     num_blocks = jnp.minimum((max_len + J - 1) // J, num_blocks_max)
 
     def body(j, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [T, B]
         k = k_pages[pages].reshape(T, J, Hkv, D).astype(jnp.float32)
         v = v_pages[pages].reshape(T, J, Hkv, D).astype(jnp.float32)
@@ -82,17 +82,17 @@ def xla_ragged_paged_attention(
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
-        l = l * alpha + p.sum(axis=-1)
+        denom = denom * alpha + p.sum(axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("tkgj,tjkd->tkgd", p, v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     init = (
         jnp.full((T, Hkv, G), -jnp.inf, jnp.float32),
         jnp.zeros((T, Hkv, G), jnp.float32),
         jnp.zeros((T, Hkv, G, D), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(T, Hq, D).astype(q.dtype)
 
 
