@@ -11,7 +11,6 @@ tokens, as `jaxserve bench offline` forces them. Writes a result in the offline 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
