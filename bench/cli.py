@@ -9,10 +9,9 @@ from jaxserve.engine_args import EngineArgs
 
 
 def _add_offline(sub) -> None:
-    from bench.workloads import DEFAULT_PROMPTS
-
     p = sub.add_parser("offline", help="engine throughput, batch-1 decode against the bandwidth floor",
-                       description="Offline benchmark of the engine on the fixed chat prompts: output tokens/s "
+                       description="Offline benchmark of the engine on a workload (the fixed chat prompts by "
+                                   "default): output tokens/s "
                                    "at each concurrency, batch-1 decode step time next to the memory-bandwidth "
                                    "floor, host share of step time, compilations after warmup.")
     EngineArgs.add_cli_args(p)
@@ -20,8 +19,7 @@ def _add_offline(sub) -> None:
     p.set_defaults(max_num_seqs=256)
     g = p.add_argument_group("benchmark")
     g.add_argument("--concurrency", type=int, nargs="+", default=[32, 256], help="requests sent at once, per run")
-    g.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
-    g.add_argument("--dataset-path", default=str(DEFAULT_PROMPTS), help="JSONL of chat prompts")
+    _workload_args(p, offline=True)
     g.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth measurement")
     g.add_argument("--skip-batch1", action="store_true", help="leave out the batch-1 run (and the floor)")
     g.add_argument("--result-file", default=None, help="where to write the JSON (default bench/results/)")
@@ -35,7 +33,7 @@ def _run_offline(ns: argparse.Namespace) -> int:
     if args.max_num_seqs < max(ns.concurrency):
         print(f"note: max_num_seqs {args.max_num_seqs} < concurrency {max(ns.concurrency)}: "
               "the rest of the requests wait", file=sys.stderr)
-    cfg = OfflineConfig(concurrency=tuple(ns.concurrency), output_len=ns.output_len, dataset_path=ns.dataset_path,
+    cfg = OfflineConfig(concurrency=tuple(ns.concurrency), workload=_workload_spec(ns),
                         bandwidth_bytes=ns.bandwidth_mib << 20, skip_batch1=ns.skip_batch1)
     result = run_offline(args, cfg, progress=not ns.quiet,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -45,10 +43,49 @@ def _run_offline(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(sub) -> None:
+def _workload_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
     from bench.workloads import DEFAULT_PROMPTS, WORKLOADS, WorkloadSpec
 
     d = WorkloadSpec()
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=[x for x in WORKLOADS if not (offline and x == "multi-turn")],
+                   default=d.name)
+    if not offline:
+        w.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                       help="requests (multi-turn: conversations); shared-prefix uses groups x prompts per group")
+    if not offline:  # offline: the engine's --seed seeds the workload too
+        w.add_argument("--seed", type=int, default=d.seed)
+    w.add_argument("--output-len", type=int, default=d.output_len, help="tokens generated per request (forced)")
+    w.add_argument("--dataset-path", default=None, help=f"fixed: JSONL of chat prompts (default {DEFAULT_PROMPTS})")
+    w.add_argument("--random-input-len", type=int, default=d.random_input_len)
+    w.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
+                   help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    w.add_argument("--gsp-num-groups", type=int, default=d.gsp_num_groups)
+    w.add_argument("--gsp-prompts-per-group", type=int, default=d.gsp_prompts_per_group)
+    w.add_argument("--gsp-system-prompt-len", type=int, default=d.gsp_system_prompt_len)
+    w.add_argument("--gsp-question-len", type=int, default=d.gsp_question_len)
+    if not offline:
+        w.add_argument("--multi-turn-num-turns", type=int, default=d.multi_turn_num_turns)
+        w.add_argument("--multi-turn-input-len", type=int, default=d.multi_turn_input_len,
+                       help="multi-turn: tokens of each user message")
+
+
+def _workload_spec(ns: argparse.Namespace):
+    from bench.workloads import WorkloadSpec
+
+    d = WorkloadSpec()
+    return WorkloadSpec(
+        name=ns.workload, num_prompts=getattr(ns, "num_prompts", d.num_prompts), seed=ns.seed,
+        dataset_path=ns.dataset_path, output_len=ns.output_len, random_input_len=ns.random_input_len,
+        random_range_ratio=ns.random_range_ratio, gsp_num_groups=ns.gsp_num_groups,
+        gsp_prompts_per_group=ns.gsp_prompts_per_group, gsp_system_prompt_len=ns.gsp_system_prompt_len,
+        gsp_question_len=ns.gsp_question_len,
+        multi_turn_num_turns=getattr(ns, "multi_turn_num_turns", d.multi_turn_num_turns),
+        multi_turn_input_len=getattr(ns, "multi_turn_input_len", d.multi_turn_input_len),
+    )
+
+
+def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="load an OpenAI-compatible server on this machine",
                        description="Send a workload to an OpenAI-compatible server on 127.0.0.1 (streaming, "
                                    "output lengths forced with ignore_eos/min_tokens) and report TTFT, TPOT, "
@@ -61,23 +98,7 @@ def _add_serve(sub) -> None:
                    help="GGUF file or HF directory whose tokenizer builds and counts the prompts "
                         "(default: the bundled SmolLM2)")
     g.add_argument("--label", default="", help="name of the system in reports (default: the model name)")
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default=d.name)
-    w.add_argument("--num-prompts", type=int, default=d.num_prompts,
-                   help="requests (multi-turn: conversations); shared-prefix uses groups x prompts per group")
-    w.add_argument("--seed", type=int, default=d.seed)
-    w.add_argument("--output-len", type=int, default=d.output_len, help="tokens generated per request (forced)")
-    w.add_argument("--dataset-path", default=None, help=f"fixed: JSONL of chat prompts (default {DEFAULT_PROMPTS})")
-    w.add_argument("--random-input-len", type=int, default=d.random_input_len)
-    w.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)]")
-    w.add_argument("--gsp-num-groups", type=int, default=d.gsp_num_groups)
-    w.add_argument("--gsp-prompts-per-group", type=int, default=d.gsp_prompts_per_group)
-    w.add_argument("--gsp-system-prompt-len", type=int, default=d.gsp_system_prompt_len)
-    w.add_argument("--gsp-question-len", type=int, default=d.gsp_question_len)
-    w.add_argument("--multi-turn-num-turns", type=int, default=d.multi_turn_num_turns)
-    w.add_argument("--multi-turn-input-len", type=int, default=d.multi_turn_input_len,
-                   help="multi-turn: tokens of each user message")
+    _workload_args(p)
     ld = p.add_argument_group("load")
     ld.add_argument("--request-rate", type=float, default=float("inf"),
                     help="requests per second (inf: all at once)")
@@ -106,16 +127,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
     from bench.metrics import parse_slos
     from bench.offline import write_result
     from bench.serve import LoadConfig, ServeBenchConfig, format_serve_report, run_serve_benchmark
-    from bench.workloads import WorkloadSpec
 
     check_loopback(ns.base_url)
-    spec = WorkloadSpec(
-        name=ns.workload, num_prompts=ns.num_prompts, seed=ns.seed, dataset_path=ns.dataset_path,
-        output_len=ns.output_len, random_input_len=ns.random_input_len, random_range_ratio=ns.random_range_ratio,
-        gsp_num_groups=ns.gsp_num_groups, gsp_prompts_per_group=ns.gsp_prompts_per_group,
-        gsp_system_prompt_len=ns.gsp_system_prompt_len, gsp_question_len=ns.gsp_question_len,
-        multi_turn_num_turns=ns.multi_turn_num_turns, multi_turn_input_len=ns.multi_turn_input_len,
-    )
+    spec = _workload_spec(ns)
     percentiles = tuple(float(x) for x in ns.percentiles.split(",") if x.strip())
     load = LoadConfig(request_rate=ns.request_rate, burstiness=ns.burstiness, max_duration_s=ns.max_duration,
                       drain_timeout_s=ns.drain_timeout, timeout_s=ns.timeout, seed=ns.seed,

@@ -4,8 +4,9 @@ On one engine, in one process:
 - batch 1: one chat request, its decode step time (device time of the runner's decode loop per
   token) next to the floor: the bytes a decode step must read (the weights, and the KV of the context)
   divided by the memory bandwidth numpy reaches in the same run;
-- for each concurrency N: N chat requests of the fixed prompts added at once, `output_len` tokens each
-  (EOS ignored), output tokens/s over the wall time from the first request in to the last out;
+- for each concurrency N: the first N requests of the workload (the fixed chat prompts by default)
+  added at once, their output lengths forced (EOS ignored), output tokens/s over the wall time from
+  the first request in to the last out;
 - the host share of each run: (engine.step wall time - the runner call's time) / engine.step wall time;
 - compilations after warmup (should be 0: every shape bucket compiles at warmup).
 """
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.machine import Bandwidth, machine_info, measure_bandwidth
-from bench.workloads import DEFAULT_PROMPTS, fixed_requests
+from bench.workloads import BenchRequest, WorkloadSpec
 
 # The targets of the offline benchmark on a 2-core CPU (see the benchmark issue).
 TARGET_FLOOR_RATIO = 1.5
@@ -36,16 +37,17 @@ class OfflineConfig:
     """What `run_offline` measures."""
 
     concurrency: tuple[int, ...] = (32, 256)
-    output_len: int = 128
-    dataset_path: str = str(DEFAULT_PROMPTS)
+    workload: WorkloadSpec = WorkloadSpec(name="fixed", output_len=128)  # num_prompts is set per run
     bandwidth_bytes: int = 512 << 20
     skip_batch1: bool = False
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency values must be >= 1, got {self.concurrency}")
-        if self.output_len < 2:
-            raise ValueError(f"output_len must be >= 2, got {self.output_len}")
+        if self.workload.output_len < 2:
+            raise ValueError(f"output_len must be >= 2, got {self.workload.output_len}")
+        if self.workload.name == "multi-turn":
+            raise ValueError("the offline benchmark runs single-turn workloads (random, fixed, shared-prefix)")
 
 
 @dataclass
@@ -120,10 +122,14 @@ class RunStats:
 
 
 def drive(engine: Any, probe: StepProbe, prompts: Sequence[list[int]], params: Any, tag: str) -> RunStats:
-    """Add every prompt at once and step the engine until all finish, timing each step."""
+    """Add every prompt at once (with its own params when `params` is a sequence) and step the engine
+    until all finish, timing each step."""
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", ids, params)
+    per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    if len(per) != len(prompts):
+        raise ValueError(f"{len(per)} sampling params for {len(prompts)} prompts")
+    for i, (ids, p) in enumerate(zip(prompts, per, strict=True)):
+        engine.add_request(f"{tag}-{i}", ids, p)
     stats = RunStats(len(prompts), sum(len(p) for p in prompts), 0, 0.0)
     probe.take()
     seen: set[str] = set()
@@ -191,8 +197,14 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
     enable_compile_cache(engine_args.compile_cache_dir)
     loaded = load_model(engine_args, progress=progress)
     top = max(cfg.concurrency)
-    requests = fixed_requests(loaded.tokenizer, top, cfg.output_len, cfg.dataset_path)
-    longest = max(r.prompt_len for r in requests) + cfg.output_len
+    spec = dataclasses.replace(cfg.workload, num_prompts=top)
+    if spec.name == "shared-prefix":
+        groups = -(-top // spec.gsp_prompts_per_group)
+        spec = dataclasses.replace(spec, gsp_num_groups=max(spec.gsp_num_groups, groups))
+    requests: list[BenchRequest] = list(spec.build(loaded.tokenizer))[:top]
+    if len(requests) < top:
+        raise ValueError(f"the workload has {len(requests)} requests; the largest run needs {top}")
+    longest = max(r.prompt_len + r.output_len for r in requests)
     changes: dict[str, Any] = {}
     if engine_args.kv_cache_memory_bytes is None:
         changes["kv_cache_memory_bytes"] = kv_budget_for(loaded, engine_args, top, longest)
@@ -202,8 +214,8 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
     log(f"engine ready: warmup {engine.warmup_seconds:.1f} s ({time.perf_counter() - t0:.1f} s with setup)")
     probe = StepProbe(engine.runner)
     tok = engine.tokenizer
-    prompts = [tok.encode_chat(list(r.messages)) for r in requests]
-    params = SamplingParams(temperature=0.0, max_tokens=cfg.output_len, ignore_eos=True)
+    prompts = [tok.encode_chat(list(r.messages)) if r.is_chat else tok.encode(r.prompt) for r in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
 
     # A short untimed run: first-call costs (allocation, caches) stay out of the figures.
     drive(engine, probe, prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), "warm")
@@ -214,7 +226,7 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
         "system": "jaxserve",
         "machine": machine_info(),
         "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items()},
-        "settings": dataclasses.asdict(cfg),
+        "settings": {**dataclasses.asdict(cfg), "workload": spec.to_dict()},
         "bandwidth": bw.to_dict(),
         "model": {"name": loaded.name, "path": loaded.path, "dtype": str(np.dtype(loaded.dtype))},
         "warmup_s": engine.warmup_seconds,
@@ -223,16 +235,16 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
     batch1 = None
     if not cfg.skip_batch1:
         log("batch 1 ...")
-        batch1 = drive(engine, probe, prompts[:1], params, "b1")
+        batch1 = drive(engine, probe, prompts[:1], params[:1], "b1")
         engine.reset_prefix_cache()
-        ctx = [len(prompts[0]) + i for i in range(1, cfg.output_len)]
+        ctx = [len(prompts[0]) + i for i in range(1, requests[0].output_len)]
         w_bytes, kv_bytes = decode_bytes_per_step(engine, ctx)
         floor = (w_bytes + kv_bytes) / bw.best
         result["batch1"] = {**batch1.to_dict(), "weight_bytes": w_bytes, "kv_bytes_mean": kv_bytes,
                             "floor_step_s": floor, "floor_ratio": batch1.decode_step_s / floor}
     for n in cfg.concurrency:
         log(f"{n} concurrent requests ...")
-        stats = drive(engine, probe, prompts[:n], params, f"c{n}")
+        stats = drive(engine, probe, prompts[:n], params[:n], f"c{n}")
         engine.reset_prefix_cache()
         result["runs"].append({"concurrency": n, **stats.to_dict()})
     result["compilations_after_warmup"] = engine.stats().compilations_after_warmup

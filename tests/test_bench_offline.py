@@ -74,3 +74,13 @@ def test_bandwidth_measurement_is_plausible():
     assert 1e8 < bw.best < 1e12  # between 0.1 GB/s and 1 TB/s
     assert bw.best == max(bw.read_1thread, bw.read_all_threads, bw.copy_1thread)
     assert np.isfinite(bw.read_all_threads)
+
+
+def test_drive_takes_params_per_request(engine):
+    probe = StepProbe(engine.runner)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6)]
+    st = drive(engine, probe, [[5, 6], [7, 8, 9]], params, "per")
+    assert st.output_tokens == 9
+    with pytest.raises(ValueError):
+        drive(engine, probe, [[5, 6]], params, "bad")
+    assert not engine.has_unfinished_requests()
