@@ -1,6 +1,7 @@
 """Time the L7 kernels on one GPU against the XLA reference and cuDNN attention, as achieved bytes/s.
 
-Decode: batch 1/32/256 x context 1k/8k/32k; prefill: 2k/8k tokens of one sequence. Both for SmolLM2 heads
+Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
+the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence. Both for SmolLM2 heads
 (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth measured in the same run. Usage: `python bench/gpu_kernels.py [--budget-s N]`.
@@ -22,6 +23,7 @@ import numpy as np
 
 from pallas_kernels import (
     AttentionTuning,
+    paged_decode_attention_mosaic,
     ragged_paged_attention,
     ragged_paged_attention_reference,
     write_kv,
@@ -168,6 +170,15 @@ def main() -> int:
             )
         )
         xla = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
+        # The Mosaic GPU kernel takes one query token per sequence: q [S, QH, D] is the decode batch as is.
+        def mosaic_decode(block_kv, scale=scale):
+            return jax.jit(
+                lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
+                    q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv
+                )
+            )
+
+        mosaic, mosaic128 = mosaic_decode(64), mosaic_decode(128)
         print(
             f"\n== {heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}), {jnp.dtype(DTYPE).name}, page {PAGE_SIZE}"
         )
@@ -187,6 +198,8 @@ def main() -> int:
             fns = [
                 ("pallas", pallas),
                 ("pallas_mma", pallas_mma),
+                ("mosaic", mosaic),
+                ("mosaic_bkv128", mosaic128),
                 ("xla", None if big else xla),
                 ("cudnn", cudnn),
             ]

@@ -15,7 +15,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
 )
 
-BackendName = Literal["xla", "pallas", "pallas_interpret"]
+BackendName = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
 KVWriteImpl = Literal["auto", "xla", "pallas", "triton"]
 
 
@@ -47,17 +47,23 @@ def attention_backend(
             functools.partial(ragged_paged_attention, interpret=False, tuning=tuning),
             False,
         )
+    elif name == "pallas_mosaic":
+        tuning = dataclasses.replace(tuning, decode_lowering="mosaic")
+        attention, interpret = (
+            functools.partial(ragged_paged_attention, interpret=False, tuning=tuning),
+            False,
+        )
     elif name == "pallas_interpret":
         attention, interpret = functools.partial(ragged_paged_attention, interpret=True, tuning=tuning), True
     else:
         raise ValueError(
-            f"unknown attention backend {name!r}; expected 'xla', 'pallas' or 'pallas_interpret'"
+            f"unknown attention backend {name!r}; expected 'xla', 'pallas', 'pallas_interpret' or 'pallas_mosaic'"
         )
 
     if kv_write == "auto":
         kv_write = (
             "triton"
-            if name == "pallas" and triton_available()
+            if name in ("pallas", "pallas_mosaic") and triton_available()
             else ("pallas" if name == "pallas_interpret" else "xla")
         )
     if kv_write == "xla":

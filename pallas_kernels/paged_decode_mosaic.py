@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
+SMEM_BYTES = 232448  # opt-in shared memory per block on H100/H200
 
 
 def _plgpu():
@@ -206,7 +207,17 @@ def mosaic_decode_supported(dtype, head_dim: int, page_size: int, group: int, bl
         return f"the Mosaic GPU decode kernel needs page_size a multiple of 8, got {page_size}"
     if block_kv % page_size or block_kv % 64 or block_kv > 256:
         return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
+    smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv)
+    if smem > SMEM_BYTES:
+        return f"block_kv {block_kv} x head_dim {head_dim} needs {smem} bytes of shared memory, over {SMEM_BYTES}"
     return None
+
+
+def smem_bytes(itemsize: int, head_dim: int, block_kv: int) -> int:
+    """Shared memory of one program: double-buffered K and V blocks, q and output tiles, split partials."""
+    kv = 2 * 2 * block_kv * head_dim * itemsize
+    tiles = 2 * ROWS * head_dim * itemsize + ROWS * head_dim * 4 + 2 * ROWS * 4
+    return kv + tiles + 1024  # barriers and alignment
 
 
 def _swizzled(dtype, head_dim: int):

@@ -76,6 +76,9 @@ def test_mosaic_refusals():
     assert "head_dim" in mosaic_decode_supported(jnp.bfloat16, 96, 16, 3)
     assert "page_size" in mosaic_decode_supported(jnp.bfloat16, 64, 4, 3)
     assert "WGMMA" in mosaic_decode_supported(jnp.bfloat16, 64, 16, 65)
+    # 256-token blocks of 128-wide heads overflow Hopper's shared memory (the sm_90 compile says 315432 bytes).
+    assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=128) is None
+    assert "shared memory" in mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=256)
     with pytest.raises(ValueError, match="decode_lowering"):
         AttentionTuning(decode_lowering="cuda")
     q = jnp.zeros((2, 6, 64), jnp.float32)
