@@ -59,3 +59,53 @@ def host_value(x: Any) -> np.ndarray:
     if getattr(x, "is_fully_addressable", True):
         return np.asarray(x)
     return np.asarray(x.addressable_data(0))
+
+
+class LockstepEngine:
+    """An `LLMEngine` run by every process of a cluster in lock-step.
+
+    Process 0 takes the requests. Before each step it broadcasts what arrived (and whether to stop);
+    every process adds the same requests in the same order and steps, so the deterministic scheduler
+    makes the same decisions everywhere and every process enters the same collectives.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self._pending: list[dict] = []
+        self._aborts: list[str] = []
+
+    def add_request(self, request_id: str, prompt: list[int] | str, params: Any) -> None:
+        """Queue a request for the next step (only process 0's requests count)."""
+        import dataclasses
+
+        self._pending.append({"id": request_id, "prompt": prompt, "params": dataclasses.asdict(params)})
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def step(self) -> tuple[list[Any], bool]:
+        """One lock-step iteration: (this step's outputs, whether process 0 has work left)."""
+        from jaxserve.sampling_params import SamplingParams
+
+        busy = bool(self._pending) or self.engine.has_unfinished_requests()
+        msg = broadcast_message({"add": self._pending, "abort": self._aborts, "busy": busy})
+        self._pending, self._aborts = [], []
+        for r in msg["add"]:
+            params = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in r["params"].items()})
+            self.engine.add_request(r["id"], r["prompt"], params)
+        for rid in msg["abort"]:
+            self.engine.abort_request(rid)
+        if not msg["busy"]:
+            return [], False
+        return self.engine.step(), True
+
+    def run_until_idle(self) -> dict[str, Any]:
+        """Step until process 0 has nothing left; returns the finished outputs by request id."""
+        finished = {}
+        while True:
+            outs, busy = self.step()
+            for out in outs:
+                if out.finished:
+                    finished[out.request_id] = out
+            if not busy:
+                return finished

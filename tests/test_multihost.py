@@ -1,5 +1,6 @@
 """Two processes on 127.0.0.1 form one CPU cluster (jax.distributed, gloo collectives): a TP=2 model
-split across them gives the single-process logits, and process 0's step message reaches both."""
+split across them gives the single-process logits, process 0's step message reaches both, and a
+lock-step TP=2 engine across them serves requests with the single-device engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def cluster() -> list[dict]:
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=240)
+            out, err = p.communicate(timeout=300)
             lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
             assert p.returncode == 0 and lines, f"process failed (rc {p.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
             outs.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
@@ -64,3 +65,15 @@ def test_tp2_across_processes_gives_single_process_logits(cluster):
 
 def test_step_message_is_broadcast_from_process_0(cluster):
     assert [r["broadcast"] for r in cluster] == [{"from": 0, "work": [1, 2, 3]}] * 2
+
+
+def test_lockstep_engine_across_processes_serves_single_device_tokens(cluster):
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _generate, _tiny_loaded
+
+    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=_tiny_loaded(dense_config()), progress=False),
+                    PROMPTS[:2])
+    # Only process 0 received the requests; both processes produced them, step for step.
+    assert [r["tokens"] for r in cluster] == [ref, ref]
+    assert all(r["engine_compiles_after_warmup"] == 0 for r in cluster)

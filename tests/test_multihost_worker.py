@@ -53,10 +53,30 @@ def main(process_id: int, port: int) -> None:
         "process_index": jax.process_index(), "process_count": jax.process_count(),
         "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
         "wq_local_shards": len(params.layers.wq.addressable_shards),
-        "logits": logits, "broadcast": message, "init_s": t_init, "total_s": time.perf_counter() - t0,
+        "logits": logits, "broadcast": message, "init_s": t_init,
     }
+    found.update(serve(process_id))
+    found["total_s"] = time.perf_counter() - t0
     print(RESULT_PREFIX + json.dumps(found), flush=True)
     jax.distributed.shutdown()
+
+
+def serve(process_id: int) -> dict:
+    """Both processes run a TP=2 engine over the 2-process mesh in lock-step; process 0 takes the requests."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from sharding.distributed import LockstepEngine
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, dense_config
+
+    args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, strict_compile=True)
+    engine = LockstepEngine(LLMEngine(args, loaded=_tiny_loaded(dense_config()), progress=False))
+    if process_id == 0:
+        for i, p in enumerate(PROMPTS[:2]):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    finished = engine.run_until_idle()
+    return {"tokens": [finished[str(i)].outputs[0].token_ids for i in range(2)] if finished else [],
+            "engine_compiles_after_warmup": engine.engine.stats().compilations_after_warmup}
 
 
 if __name__ == "__main__":

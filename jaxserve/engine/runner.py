@@ -208,6 +208,13 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
     return out, kv
 
 
+def _fetch(out):
+    """Step outputs on the host; on a multi-process mesh they are replicated, so the local copy serves."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(out)):
+        return jax.device_get(out)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
+
+
 class ModelRunner:
     """Holds the parameters and the page pool on the device and runs the jitted steps."""
 
@@ -315,7 +322,7 @@ class ModelRunner:
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
         t0 = time.perf_counter()
         out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, np.bool_(want_top))
-        out = jax.device_get(out)
+        out = _fetch(out)
         self.last_step_time = time.perf_counter() - t0
         self.num_steps += 1
         self._check_compiles()
@@ -326,7 +333,7 @@ class ModelRunner:
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
         t0 = time.perf_counter()
         out, self.kv = self._decode(self.params, self.kv, st, sampling, pen, np.bool_(want_top))
-        out = jax.device_get(out)
+        out = _fetch(out)
         self.last_step_time = time.perf_counter() - t0
         self.num_steps += 1
         self._check_compiles()
