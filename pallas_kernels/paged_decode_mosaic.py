@@ -9,9 +9,12 @@ QK^T and PV run on the tensor cores in float32 accumulators; the softmax is onli
 Rows past a sequence's length are masked to zero probability. Table entries past the sequence's last page
 are never read (the block re-reads the last real page instead); the rows of that last page past the length
 still enter the PV product as `0 * v`, so they must be finite, as they are in the engine, whose pools start
-zeroed and only ever hold written K/V. Mosaic GPU has no CPU interpreter on
-this path, so the kernel is checked by compiling it for sm_90 (tests/gpu_compile) and against the
-reference on a GPU (bench/gpu_check.sh).
+zeroed and only ever hold written K/V.
+
+Checked three ways: with `interpret=True` in Mosaic GPU's CPU interpreter (simulated SMEM, TMA copies and
+barriers; the two products as plain dots, since the interpreter's WGMMA takes neither a transposed nor a
+register operand), compiled for sm_90 without a GPU (tests/gpu_compile), and compiled on a GPU
+(bench/gpu_check.sh).
 """
 
 from __future__ import annotations
