@@ -2,7 +2,14 @@
 
 from sharding.data_parallel import DataParallelEngine
 from sharding.mesh import DATA, EXPERT, MESH_AXES, MODEL, ParallelConfig, make_mesh, replica_meshes
-from sharding.plan import ExpertLayout, ShardingPlan, StepShardings, logical_sizes, make_plan, replicated_array
+from sharding.plan import (
+    ExpertLayout,
+    ShardingPlan,
+    StepShardings,
+    logical_sizes,
+    make_plan,
+    replicated_array,
+)
 from sharding.rules import DEFAULT_RULES, ShardingError, ShardingRules
 
 __all__ = [

@@ -12,6 +12,9 @@ RESULT_PREFIX = "RESULT:"
 
 
 def main(process_id: int, port: int) -> None:
+    import os
+    import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -20,9 +23,6 @@ def main(process_id: int, port: int) -> None:
     from sharding import ParallelConfig, make_mesh, make_plan
     from sharding.distributed import broadcast_message, host_value, initialize_distributed
     from tests.test_sharding_worker import _steps, dense_config
-
-    import os
-    import time
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

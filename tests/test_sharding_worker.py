@@ -53,9 +53,9 @@ def moe_config(family: str = "qwen2_moe"):
 
 def _steps(page_size: int = 8):
     """Two steps over two sequences: a prefill of 13 and 7 tokens, then one decode token each."""
-    from jaxserve.models.inputs import ModelInputs
-
     import numpy as np
+
+    from jaxserve.models.inputs import ModelInputs
 
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 64, 13).tolist(), rng.integers(0, 64, 7).tolist()
