@@ -81,11 +81,24 @@ def _common(spec, S: int):
     return params, kv, sampling, pen, spec((), jnp.bool_)
 
 
+def _kv_pool_bytes() -> int:
+    """K and V of every layer: ~91 GB."""
+    return RC.num_pages * KVCache.bytes_per_page(SMOLLM2, RC.page_size, DTYPE)
+
+
 def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple[int, ...] = (1,)) -> float:
-    """Compile for sm_90; check which Pallas lowerings the executable holds. Returns the seconds taken."""
+    """Compile for sm_90; check which Pallas lowerings the executable holds. Returns the seconds taken.
+
+    For an engine step (the pool donated), also check that the ~90 GB pool is updated in place: aliased to
+    the output, never copied into a temporary.
+    """
     t0 = time.perf_counter()
     compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower().compile()
     seconds = time.perf_counter() - t0
+    if donate:
+        mem = compiled.memory_analysis()
+        assert mem.alias_size_in_bytes >= _kv_pool_bytes(), "the KV pool is not updated in place"
+        assert mem.temp_size_in_bytes < (1 << 30), f"{mem.temp_size_in_bytes / 1e9:.1f} GB of temporaries"
     text = compiled.as_text()
     if triton:
         assert "triton" in text.lower(), "no Pallas Triton kernel in the compiled step"
