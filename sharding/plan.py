@@ -94,6 +94,12 @@ class ShardingPlan:
         kv = self.kv_sharding()
         return StepShardings(self.param_shardings(), KVCache(k=kv, v=kv), self.replicated())
 
+    @property
+    def kv_shards(self) -> int:
+        """Devices each KV page is split over (its KV heads' mesh axis)."""
+        axis = self.rules.mesh_axis("kv_heads")
+        return self.mesh.shape[axis] if axis is not None else 1
+
     def expert_layout(self) -> ExpertLayout:
         return ExpertLayout(self.mesh, self.rules.mesh_axis("experts"), self.rules.mesh_axis("expert_mlp"))
 

@@ -246,7 +246,44 @@ def case_engine_moe() -> dict:
             "devices": len(sharded.runner.kv.k.sharding.device_set)}
 
 
-CASES = {"dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
+def case_checkpoint() -> dict:
+    """Save TP=2 parameters with orbax; restore them at TP=2 and on one device; a TP=8 plan is refused."""
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.models.params import init_params, param_paths
+    from sharding import ParallelConfig, make_mesh, make_plan
+    from sharding.checkpoint import restore_params, save_params
+
+    cfg = dense_config()
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    tp2 = make_plan(cfg, make_mesh(ParallelConfig(2)))
+    one = make_plan(cfg, make_mesh(ParallelConfig(1)))
+    saved = tp2.shard_params(params)
+    path = tempfile.mkdtemp()
+    save_params(path, saved, tp2.model_cfg)
+    found = {}
+    for name, plan in (("tp2", tp2), ("one", one)):
+        got = param_paths(restore_params(path, plan, jnp.float32))
+        want = param_paths(saved)
+        found[name] = {
+            "equal": all(np.array_equal(np.asarray(got[k]), np.asarray(want[k])) for k in want),
+            "same_keys": sorted(got) == sorted(want),
+            "wq_devices": len(got["layers.wq"].sharding.device_set),
+            "wq_shard_heads": got["layers.wq"].addressable_shards[0].data.shape[2],
+        }
+    try:
+        restore_params(path, make_plan(cfg, make_mesh(ParallelConfig(8))), jnp.float32)
+        found["tp8_refused"] = ""
+    except ValueError as e:
+        found["tp8_refused"] = str(e)
+    return found
+
+
+CASES = {"checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
 
 
 def main(argv: list[str]) -> None:

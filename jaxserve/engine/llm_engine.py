@@ -115,7 +115,8 @@ class LLMEngine:
         plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
-        num_pages = kv_cache_pages(args, cfg, self.model.dtype, params_bytes(self.model.params))
+        num_pages = kv_cache_pages(args, cfg, self.model.dtype, params_bytes(self.model.params),
+                                   kv_shards=plan.kv_shards if plan else 1)
         usable_tokens = (num_pages - 1) * args.page_size
         max_model_len = args.max_model_len or min(cfg.max_position_embeddings, usable_tokens)
         if max_model_len > cfg.max_position_embeddings:

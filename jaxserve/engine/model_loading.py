@@ -110,8 +110,9 @@ def shard_model(loaded: LoadedModel, args: EngineArgs, mesh: Any = None) -> Load
     return _with_plan(dataclasses.replace(loaded, params=plan.shard_params(loaded.params)), plan)
 
 
-def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes: int) -> int:
-    """Pages that fit the KV budget: `kv_cache_memory_bytes`, else a share of device memory."""
+def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes: int, kv_shards: int = 1) -> int:
+    """Pages that fit the KV budget: `kv_cache_memory_bytes` (all devices together), else a share of
+    one device's memory; `weight_bytes` is one device's weights, `kv_shards` the devices a page is split over."""
     per_page = KVCache.bytes_per_page(cfg, args.page_size, dtype)
     budget = args.kv_cache_memory_bytes
     if budget is None:
@@ -120,7 +121,7 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
         if stats and "bytes_limit" in stats:
             budget = int(stats["bytes_limit"] * args.gpu_memory_utilization) - weight_bytes
             # Activations and sampling buffers need room too.
-            budget = int(budget * 0.9)
+            budget = int(budget * 0.9) * kv_shards  # every device holds 1 / kv_shards of each page
         else:
             budget = CPU_DEFAULT_KV_BYTES
     pages = budget // per_page
@@ -133,4 +134,6 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
 
 
 def params_bytes(params: Params) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    """Bytes of weights on one device (all of them on a single device; one shard of each when sharded)."""
+    return sum(x.addressable_shards[0].data.nbytes if hasattr(x, "addressable_shards") else x.size * x.dtype.itemsize
+               for x in jax.tree.leaves(params))
