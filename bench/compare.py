@@ -68,7 +68,9 @@ def compare_table(results: Sequence[dict], names: Sequence[str] | None = None) -
     width = max(14, *(len(n) + 10 for n in names))
     lines = []
     for key in keys:
-        lines.append(f"\n{key}")
+        if lines:
+            lines.append("")
+        lines.append(key)
         lines.append(f"{'metric':<16}" + "".join(f"{n:>{width}}" for n in names))
         metric_keys: list[str] = []
         for e in per:
@@ -90,4 +92,4 @@ def compare_table(results: Sequence[dict], names: Sequence[str] | None = None) -
         mach = r.get("machine", {})
         settings.append(f"{n}: {mach.get('usable_cores')} cores, threads env {mach.get('threads_env') or {}}, "
                         f"load avg {mach.get('load_average')}")
-    return "\n".join(lines[1:] if lines and not lines[0].strip() else lines) + "\n\n" + "\n".join(settings)
+    return "\n".join(lines) + "\n\n" + "\n".join(settings)
