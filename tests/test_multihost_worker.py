@@ -69,7 +69,8 @@ def serve(process_id: int) -> dict:
     from sharding.distributed import LockstepEngine
     from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, dense_config
 
-    args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, strict_compile=True)
+    # One sequence at a time: fewer shape buckets for each process to compile at warmup.
+    args = EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 1}, tensor_parallel_size=2, strict_compile=True)
     engine = LockstepEngine(LLMEngine(args, loaded=_tiny_loaded(dense_config()), progress=False))
     if process_id == 0:
         for i, p in enumerate(PROMPTS[:2]):
