@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 DType = Literal["auto", "float32", "bfloat16"]
-BackendChoice = Literal["auto", "xla", "pallas", "pallas_interpret"]
+BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret"]
+BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret")
 Policy = Literal["fcfs", "priority"]
 
 
@@ -64,8 +65,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "xla", "pallas", "pallas_interpret"):
-            raise ValueError(f"attention_backend must be auto, xla, pallas or pallas_interpret, "
+        if self.attention_backend not in BACKEND_CHOICES:
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
@@ -106,9 +107,10 @@ class EngineArgs:
                        help="decode steps run on the device per host round trip")
         g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
                        help="fcfs, or priority (lower value first, FCFS within a priority)")
-        g.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "pallas_interpret"],
+        g.add_argument("--attention-backend", choices=list(BACKEND_CHOICES),
                        default=d.attention_backend,
-                       help="auto = pallas kernels on GPUs, plain XLA on the CPU")
+                       help="auto = pallas kernels on GPUs, plain XLA on the CPU; pallas_mosaic uses the Mosaic GPU "
+                            "decode kernel")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--strict-compile", action="store_true",
                        help="raise if anything compiles after warmup")
