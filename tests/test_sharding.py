@@ -23,7 +23,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -164,3 +164,13 @@ def test_orbax_checkpoint_restores_into_each_layout(results):
         assert r[name]["wq_devices"] == devices and r[name]["wq_shard_heads"] == heads
     # TP=8 repeats the KV heads: the saved TP=2 weights do not fit that plan, and restore says so.
     assert "not for the planned" in r["tp8_refused"]
+
+
+def test_load_model_places_hf_weights_into_their_shards(results):
+    dense, moe = results["load"]["dense"], results["load"]["moe"]
+    assert dense["equal"] and moe["equal"]
+    assert dense["devices"] == 4 and moe["devices"] == 4
+    assert dense["kv_repeat"] == 2 and dense["num_kv_heads"] == 4  # 2 KV heads widened for TP=4
+    assert moe["kv_repeat"] == 1 and moe["has_expert_layout"] and not dense["has_expert_layout"]
+    # Every split parameter holds at most half of itself on any one device.
+    assert dense["max_shard_fraction"] <= 0.5 and moe["max_shard_fraction"] <= 0.5

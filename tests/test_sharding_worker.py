@@ -283,7 +283,40 @@ def case_checkpoint() -> dict:
     return found
 
 
-CASES = {"checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
+def case_load() -> dict:
+    """`load_model` places an HF checkpoint straight into its shards (dense at TP=4, MoE at TP=2 x EP=2)."""
+    import tempfile
+
+    import numpy as np
+
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+    from jaxserve.models.params import param_paths
+
+    found = {}
+    for name, cfg, tp, ep in (("dense", dense_config(), 4, 1), ("moe", moe_config("qwen2_moe"), 2, 2)):
+        tiny = _tiny_loaded(cfg)
+        path = tempfile.mkdtemp()
+        export_hf(path, cfg, tiny.params, tiny.tokenizer)
+        loaded = load_model(EngineArgs(model=path, tensor_parallel_size=tp, expert_parallel_size=ep,
+                                       dtype="float32"), progress=False)
+        got, want = param_paths(loaded.params), param_paths(tiny.params)
+        repeat = loaded.plan.kv_repeat
+        axis = {"layers.wk": 2, "layers.wv": 2, "layers.bk": 1, "layers.bv": 1}
+        equal = all(np.allclose(np.asarray(got[k]), np.repeat(np.asarray(want[k]), repeat, axis=axis[k])
+                                if k in axis else np.asarray(want[k])) for k in want)
+        found[name] = {
+            "equal": equal, "kv_repeat": repeat, "num_kv_heads": loaded.config.num_kv_heads,
+            "devices": len(got["layers.wq"].sharding.device_set),
+            "max_shard_fraction": max(x.addressable_shards[0].data.size / x.size for x in got.values()
+                                      if x.sharding.spec != () and any(a is not None for a in x.sharding.spec)),
+            "has_expert_layout": "expert_layout" in getattr(loaded.forward_fn, "keywords", {}),
+        }
+    return found
+
+
+CASES = {"load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
 
 
 def main(argv: list[str]) -> None:
