@@ -67,9 +67,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         return 2
 
     def load():
-        from jaxserve.engine.async_engine import AsyncEngine
+        if args.data_parallel_size > 1:
+            from sharding.data_parallel import DataParallelEngine
 
-        engine = AsyncEngine.from_engine_args(args)
+            engine = DataParallelEngine.from_engine_args(args)
+        else:
+            from jaxserve.engine.async_engine import AsyncEngine
+
+            engine = AsyncEngine.from_engine_args(args)
         engine.pd_role = ns.role  # read by the worker's P/D endpoints (server/pd.py)
         return engine
 
