@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -214,6 +215,18 @@ class Router:
             self.trace.record(request_id, "L2", "done", {"worker": w.url, "status": resp.status_code})
             return Response(body, resp.status_code, media_type=media, headers=headers)
 
+        closed = False
+
+        async def close() -> None:
+            # From the stream's end, or as the response's background task when the client left
+            # before the stream started (then the generator's `finally` never runs).
+            nonlocal closed
+            if not closed:
+                closed = True
+                await resp.aclose()
+                w.in_flight -= 1
+                self.trace.record(request_id, "L2", "done", {"worker": w.url, "status": resp.status_code})
+
         async def chunks() -> AsyncIterator[bytes]:
             try:
                 async for chunk in resp.aiter_raw():
@@ -223,12 +236,11 @@ class Router:
                 yield sse_error(502, f"the worker failed mid-stream: {type(e).__name__}", "worker_failed")
                 yield b"data: [DONE]\n\n"
             finally:
-                await resp.aclose()
-                w.in_flight -= 1
-                self.trace.record(request_id, "L2", "done", {"worker": w.url, "status": resp.status_code})
+                await close()
 
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        return StreamingResponse(chunks(), status_code=200, media_type=media, headers=headers)
+        return StreamingResponse(chunks(), status_code=200, media_type=media, headers=headers,
+                                 background=BackgroundTask(close))
 
     async def generate(self, request: Request, kind: str) -> Response:
         """A generation request: pick (or disaggregate) and proxy."""

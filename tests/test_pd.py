@@ -93,6 +93,9 @@ def test_disaggregated_outputs_equal_an_aggregated_worker_and_the_trace_shows_ev
         # The decode worker's admission found the imported pages: a prefix hit of the whole pages.
         first = next(r for r in records if r["event"] == "scheduled" and r["where"] == dec.url)["data"]
         assert first["prefix_hit_tokens"] == imported[0]["data"]["tokens"] and first["tokens"] < 16
+        # Its first token (from the last prompt token, recomputed there) is the one the prefill sampled.
+        tokens = next(r for r in records if r["event"] == "tokens" and r["where"] == dec.url)["data"]
+        assert tokens["token_ids"][0] == imported[0]["data"]["prefill_first_token"]
     _assert_pools_full(pe, de)
     # Every layer, in order of first appearance, with non-decreasing times.
     records = _events(client, "pd-0")

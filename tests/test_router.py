@@ -221,6 +221,11 @@ def test_round_robin_streams_pass_through_chunk_by_chunk(cluster):
     via_router = stream_texts(cluster.client, "/v1/completions")
     direct = stream_texts(cluster.client, cluster.servers[0].url + "/v1/completions")
     assert via_router == direct and len(via_router) == 5  # one chunk per token, not buffered into one
+    # A client that leaves mid-stream: the worker's request is aborted and the router's count drops back.
+    with cluster.client.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "ignore_eos": True}) as r:
+        next(r.iter_lines())
+    _wait(lambda: all(w["in_flight"] == 0 for w in cluster.client.get("/workers").json()["workers"]))
+    _wait(lambda: sum(len(e.aborted) for e in cluster.engines) == 1)
     # Errors come back with the worker's status and JSON.
     bad = cluster.client.post("/v1/completions", json={"prompt": "one", "max_tokens": -1})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
@@ -309,6 +314,9 @@ def test_router_process_end_to_end_with_joined_trace():
         assert times == sorted(times)
         worker_side = {rec["where"] for rec in records if rec["layer"] in ("L1", "L4")}
         assert worker_side == {r.headers["x-jaxserve-worker"]}
+        metrics = httpx.get(url + "/metrics").text
+        assert f'jaxserve_router:requests_routed_total{{policy="prefix",worker="{r.headers["x-jaxserve-worker"]}"}} 1.0' \
+            in metrics
         text = format_timeline("proc-1", records)
         assert "picked" in text and "candidate" in text and text.count("\n") >= len(records)
     finally:
