@@ -132,10 +132,13 @@ def test_shared_system_prompt_lands_on_the_worker_holding_it(cluster):
     mine = next(c for c in pick["candidates"] if c["url"] == cluster.servers[home].url)
     other = next(c for c in pick["candidates"] if c["url"] != cluster.servers[home].url)
     assert mine["matched_pages"] >= 2 and mine["index"] == "exact" and other["matched_pages"] == 0
-    # A different system prompt is free to go elsewhere: the unloaded tie is broken by turn.
-    others = {cluster.worker_of(cluster.client.post("/v1/chat/completions", json=_chat("x", system=f"system {w}")))
-              for w in ("one two three", "four five six", "seven eight nine", "ten eleven twelve")}
-    assert others == {0, 1}
+    # A different system prompt matches no worker's pages, so nothing pins it to the prefix's home.
+    r = cluster.client.post("/v1/chat/completions", json=_chat("x", system="system one two three"),
+                            headers={"x-request-id": "other-0"})
+    assert r.status_code == 200
+    trace = cluster.client.get("/v1/requests/other-0/trace").json()["records"]
+    pick = next(r for r in trace if r["event"] == "picked")["data"]
+    assert [c["matched_pages"] for c in pick["candidates"]] == [0, 0]
 
 
 @pytest.mark.parametrize("cluster", [{"policy": "prefix", "engine_cls": FakeAsyncEngine}], indirect=True)

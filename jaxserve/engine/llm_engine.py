@@ -468,7 +468,7 @@ class LLMEngine:
         sched = self.scheduler
         cache = sched.cache
         return EngineStats(
-            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.pool.usage,
+            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=self._kv_usage(),
             num_pages=sched.pool.num_pages, page_size=sched.pool.page_size,
             prefix_cache_queries=cache.query_tokens if cache else 0,
             prefix_cache_hits=cache.hit_tokens if cache else 0,
@@ -477,6 +477,13 @@ class LLMEngine:
             compilations_after_warmup=self.runner.compilations_after_warmup,
             step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
         )
+
+    def _kv_usage(self) -> float:
+        """Share of pages held by requests; pages only the prefix cache keeps count as free (they are
+        evicted on demand), as vLLM reports `kv_cache_usage_perc`."""
+        pool, cache = self.scheduler.pool, self.scheduler.cache
+        held = pool.num_used - (cache.num_evictable_pages if cache is not None else 0)
+        return held / pool.num_usable_pages
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
