@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -27,81 +26,16 @@ from jaxserve.engine.model_loading import (
     shard_model,
 )
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
 from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, ModelRunner, RunnerConfig, StepOutput
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
+from jaxserve.outputs import RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine for metrics and health."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_pages: int
-    page_size: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    prompt_tokens: int
-    generation_tokens: int
-    compilations_after_warmup: int
-    step_time_s: float
-    num_steps: int
-
-
-@dataclass
-class _Seq:
-    """Host state of one completion (one of a request's n)."""
-
-    engine_id: str
-    index: int
-    params: SamplingParams
-    detok: IncrementalDetokenizer
-    stops: StopChecker
-    stop_ids: tuple[int, ...]
-    counter: int = 0  # the engine's request counter: a distinct random stream for unseeded sampling
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class _Group:
-    """A user request: its prompt and its n completions."""
-
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    seqs: list[_Seq]
-    metrics: RequestMetrics
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
-
-    def output(self) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=s.index, text=s.text, token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            )
-            for s in self.seqs
-        ]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs, self.finished,
-                             dataclasses.replace(self.metrics))
 
 
 class LLMEngine:
@@ -159,9 +93,9 @@ class LLMEngine:
         if args.warmup:
             self.warmup_seconds = self.runner.warmup(progress=progress)
         self.runner.strict = args.strict_compile
-        self._groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, _Group] = {}
-        self._seq: dict[str, _Seq] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._seq_group: dict[str, RequestGroup] = {}
+        self._seq: dict[str, SeqState] = {}
         self._counter = 0
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -221,13 +155,13 @@ class LLMEngine:
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} stop_token_ids are supported")
         now = arrival_time if arrival_time is not None else time.time()
-        group = _Group(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now))
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now))
         stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else None
             child = dataclasses.replace(params, n=1, seed=seed)
             engine_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            seq = _Seq(engine_id, i, child,
+            seq = SeqState(engine_id, i, child,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                        StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
                        logprobs=[] if params.logprobs is not None else None)
@@ -261,7 +195,7 @@ class LLMEngine:
         group.metrics.finished_time = time.time()
         return group.output()
 
-    def _forget(self, seq: _Seq) -> None:
+    def _forget(self, seq: SeqState) -> None:
         self._seq.pop(seq.engine_id, None)
         self._seq_group.pop(seq.engine_id, None)
 
@@ -384,7 +318,7 @@ class LLMEngine:
         now = time.time()
         accepted: dict[str, list[int]] = {}
         stopped: list[str] = []
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for s in plan.scheduled:
             if not s.sample:
                 continue
@@ -436,7 +370,7 @@ class LLMEngine:
             outputs.append(group.output())
         return outputs
 
-    def _append(self, seq: _Seq, tok: int, out: StepOutput, j: int) -> bool:
+    def _append(self, seq: SeqState, tok: int, out: StepOutput, j: int) -> bool:
         """Add one sampled token to a completion; True if it ends the completion (stop id or string)."""
         seq.token_ids.append(tok)
         if seq.logprobs is not None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
-from jaxserve.models.attention import AttentionBackend, paged_attention
+from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
@@ -65,12 +65,8 @@ def _layer(
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
-        n_flat, _, hkv, d = k_all.shape
         slots = inputs.slot_mapping + layer * (num_pages * page_size)
-        k_all = k_all.reshape(n_flat * page_size, hkv, d).at[slots].set(k.astype(k_all.dtype))
-        v_all = v_all.reshape(n_flat * page_size, hkv, d).at[slots].set(v.astype(v_all.dtype))
-        k_all = k_all.reshape(n_flat, page_size, hkv, d)
-        v_all = v_all.reshape(n_flat, page_size, hkv, d)
+        k_all, v_all = write_kv(k_all, v_all, k, v, slots)
 
         attn = paged_attention(
             backend, q, k_all, v_all,
