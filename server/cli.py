@@ -59,18 +59,35 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     config = server_config_from_args(ns)
     setup_logging(config.log_level)
+    log = logging.getLogger("jaxserve.server")
     args = EngineArgs.from_cli_args(ns)
     try:
         path = resolve_model(args.model)
     except FileNotFoundError as e:
-        logging.getLogger("jaxserve.server").error("%s", e)
+        log.error("%s", e)
         return 2
+    if args.num_processes > 1 and (args.data_parallel_size > 1 or ns.role != "both"):
+        log.error("several processes serve one lock-step engine: --data-parallel-size and --role are not "
+                  "supported with --num-processes > 1")
+        return 2
+    if args.num_processes > 1 and args.process_id != 0:
+        # Process 0 serves HTTP and decides every step; the others replay its steps on their devices.
+        from sharding.distributed import run_follower
+
+        return run_follower(args)
+
+    lockstep = []
 
     def load():
         if args.data_parallel_size > 1:
             from sharding.data_parallel import DataParallelEngine
 
             engine = DataParallelEngine.from_engine_args(args)
+        elif args.num_processes > 1:
+            from sharding.distributed import LockstepAsyncEngine
+
+            engine = LockstepAsyncEngine.from_engine_args(args)
+            lockstep.append(engine.engine)
         else:
             from jaxserve.engine.async_engine import AsyncEngine
 
@@ -79,7 +96,14 @@ def run_serve(ns: argparse.Namespace) -> int:
         return engine
 
     placeholder = LoadingEngine(model_display_name(path), args.max_model_len or 0)
-    return run_server(config, load, placeholder)
+    code = run_server(config, load, placeholder)
+    if lockstep and lockstep[0].stopped:
+        from sharding.distributed import shutdown_distributed
+
+        # The engine thread has told the followers to stop; leave the cluster with them. (Without an
+        # engine that stopped them, the followers notice the coordinator is gone and exit on their own.)
+        shutdown_distributed()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

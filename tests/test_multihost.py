@@ -65,6 +65,7 @@ def test_tp2_across_processes_gives_single_process_logits(cluster):
 
 def test_step_message_is_broadcast_from_process_0(cluster):
     assert [r["broadcast"] for r in cluster] == [{"from": 0, "work": [1, 2, 3]}] * 2
+    assert [r["big_broadcast"] for r in cluster] == [[0, 200_000, "abab"]] * 2
 
 
 def test_lockstep_engine_across_processes_serves_single_device_tokens(cluster):

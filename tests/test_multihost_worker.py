@@ -49,11 +49,14 @@ def main(process_id: int, port: int) -> None:
         out, kv = step(params, kv, inputs)
         logits.append(host_value(out)[: int(inputs.query_start_loc[-1])].tolist())
     message = broadcast_message({"from": process_id, "work": [1, 2, 3]})
+    # Longer than one chunk: it takes several collectives, and arrives whole.
+    big = broadcast_message({"from": process_id, "blob": "ab" * 100_000} if process_id == 0 else None)
     found = {
         "process_index": jax.process_index(), "process_count": jax.process_count(),
         "global_devices": jax.device_count(), "local_devices": jax.local_device_count(),
         "wq_local_shards": len(params.layers.wq.addressable_shards),
         "logits": logits, "broadcast": message, "init_s": t_init,
+        "big_broadcast": [big["from"], len(big["blob"]), big["blob"][:4]],
     }
     found.update(serve(process_id))
     found["total_s"] = time.perf_counter() - t0
@@ -63,7 +66,6 @@ def main(process_id: int, port: int) -> None:
 
 def serve(process_id: int) -> dict:
     """Both processes run a TP=2 engine over the 2-process mesh in lock-step; process 0 takes the requests."""
-    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine_args import EngineArgs
     from jaxserve.sampling_params import SamplingParams
     from sharding.distributed import LockstepEngine
@@ -71,13 +73,13 @@ def serve(process_id: int) -> dict:
 
     # One sequence at a time: fewer shape buckets for each process to compile at warmup.
     args = EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 1}, tensor_parallel_size=2, strict_compile=True)
-    engine = LockstepEngine(LLMEngine(args, loaded=_tiny_loaded(dense_config()), progress=False))
+    engine = LockstepEngine(args, loaded=_tiny_loaded(dense_config()), progress=False)
     if process_id == 0:
         for i, p in enumerate(PROMPTS[:2]):
             engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     finished = engine.run_until_idle()
     return {"tokens": [finished[str(i)].outputs[0].token_ids for i in range(2)] if finished else [],
-            "engine_compiles_after_warmup": engine.engine.stats().compilations_after_warmup}
+            "engine_compiles_after_warmup": engine.stats().compilations_after_warmup}
 
 
 if __name__ == "__main__":

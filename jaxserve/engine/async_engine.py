@@ -65,6 +65,9 @@ class _Sink:
 class AsyncEngine:
     """An `LLMEngine` driven by a background thread, for servers and asyncio programs."""
 
+    idle_wait_s: float | None = None
+    """How long the idle engine thread waits for work before asking the engine again (None: until work arrives)."""
+
     def __init__(self, engine: LLMEngine, start: bool = True):
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -215,7 +218,7 @@ class AsyncEngine:
     def _drain_inbox(self, block: bool) -> None:
         while True:
             try:
-                item = self._inbox.get(block=block, timeout=None)
+                item = self._inbox.get(block=block, timeout=self.idle_wait_s)
             except queue.Empty:
                 return
             block = False
