@@ -4,132 +4,36 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 from jaxserve.engine.page_pool import IntegrityError, PagePool, pages_needed
-from jaxserve.engine.radix_cache import RadixCache
+from jaxserve.engine.radix_cache import MatchResult, RadixCache
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.schedule import PageAction, Planner, SchedulerConfig
+from jaxserve.engine.schedule_snapshot import locked_pages, snapshot
+from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
-Policy = Literal["fcfs", "priority"]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits and policy of the scheduler."""
-
-    max_num_seqs: int = 256
-    """Most requests running at once (each running request is scheduled every step)."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step: decode tokens plus prefill chunk tokens."""
-    max_model_len: int = 8192
-    """Most tokens (prompt plus output) a request may reach."""
-    page_size: int = 16
-    """Tokens per KV page, a power of two."""
-    long_prefill_token_threshold: int | None = None
-    """Largest prefill chunk one request gets per step (None: only the token budget limits it)."""
-    policy: Policy = "fcfs"
-    """``"fcfs"``: arrival order; ``"priority"``: lower ``Request.priority`` first, arrival order within one."""
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Otherwise a full batch of decodes would not fit in one step's budget.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
-            )
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"
-            )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
-
-    @property
-    def prefill_chunk_size(self) -> int:
-        """The most prefill tokens one request is given in one step."""
-        return self.long_prefill_token_threshold or self.max_num_batched_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step: feed ``token_ids`` at positions ``start_position`` onwards."""
-
-    request_id: str
-    num_new_tokens: int
-    start_position: int
-    """Tokens already computed (their KV is in the pages): the position of ``token_ids[0]``."""
-    token_ids: tuple[int, ...]
-    page_table: tuple[int, ...]
-    """The request's KV pages, covering at least ``start_position + num_new_tokens`` positions."""
-    sample: bool
-    """True when the step feeds the request's last known token, so the logits of that token are
-    sampled: every decode, and the chunk that completes a prefill."""
-    is_decode: bool
-    """True for a running request's one-token decode step (these come first in the step)."""
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan; ``scheduled`` lists decodes first, then prefill chunks."""
-
-    step: int
-    scheduled: tuple[ScheduledRequest, ...]
-    preempted_ids: tuple[str, ...]
-    """Requests preempted in this step (their pages are freed; they will recompute)."""
-    finished_ids: tuple[str, ...]
-    """Requests finished or aborted since the previous step (a runner drops their state)."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens fed in this step."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """Whether nothing runs in this step."""
-        return not self.scheduled
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 
 class Scheduler:
-    """Continuous batching over a paged KV pool with a radix prefix cache, in plain Python.
+    """Continuous batching over a paged KV pool with a radix prefix cache: the shell around ``schedule``.
 
-    ``schedule()`` is a deterministic function of the scheduler's state (no
-    clocks, no randomness, no ``hash``): replaying the same calls gives the same
+    ``schedule()`` snapshots the queues and page counts into a
+    ``SchedulerState``, lets the pure planner (``jaxserve.engine.schedule``,
+    which states the policy) decide the step, then applies the plan's page
+    actions to the pool and the cache. Nothing here reads a clock, draws a
+    random number or uses ``hash``: replaying the same calls gives the same
     outputs. The loop around it is: ``out = schedule()``; run the model on
     ``out``; ``update_after_step(out, sampled, stopped)``. One thread drives it
     (no locking inside).
-
-    Policy of one step:
-      1. Running requests, decodes first then unfinished prefills, each in
-         policy order: one token per decode, a chunk of at most
-         ``prefill_chunk_size`` tokens per prefill, within the token budget.
-         A request that needs a page when none is free (after evicting the
-         prefix cache) preempts the least important running request (under
-         ``"priority"`` the largest priority value, then the newest; under
-         ``"fcfs"`` the newest), possibly itself, possibly one scheduled
-         earlier in the step (which gives its tokens back). A preempted request frees its
-         pages (its computed full pages go to the prefix cache first, so the
-         recompute usually hits them) and goes back to the waiting queue ahead
-         of later arrivals.
-      2. If nothing was preempted, waiting requests in policy order while the
-         budget and ``max_num_seqs`` allow: each reuses its longest cached
-         prefix, leaving at least one token to compute so the model yields
-         logits, and takes pages for its first chunk. Admission stops at the
-         first request that does not fit (no skipping, so no starvation);
-         admission never preempts.
 
     Pages: every page in a request's page table carries one pool reference for
     that request; cached pages carry one more for the cache. A request's
     full computed pages enter the prefix cache when its prefill completes (so
     concurrent requests with the same prefix share them), when it finishes,
-    is preempted or aborted.
+    is preempted (so its recompute usually hits them) or aborted. An admitted
+    request reuses its longest cached prefix, leaving at least one token to
+    compute so the model yields logits.
     """
 
     def __init__(self, config: SchedulerConfig, num_pages: int) -> None:
@@ -166,9 +70,7 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def _order_key(self, request: Request) -> tuple[int, int]:
-        """Smaller runs first and is preempted last."""
-        priority = request.priority if self.config.policy == "priority" else 0
-        return (priority, request.arrival_index)
+        return self.config.order_key(request.priority, request.arrival_index)
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -211,12 +113,6 @@ class Scheduler:
         return True
 
     # -- pages -----------------------------------------------------------------------------------
-
-    def _can_allocate(self, n: int) -> bool:
-        # Unlocked cached pages are held by the cache alone (check_integrity verifies it), so
-        # evicting them frees them.
-        evictable = self.cache.num_evictable_pages if self.cache is not None else 0
-        return n <= self.pool.num_free + evictable
 
     def _allocate(self, n: int) -> list[int]:
         if self.pool.num_free < n and self.cache is not None:
@@ -293,108 +189,89 @@ class Scheduler:
     # -- one step --------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step (see the class docstring for the policy)."""
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        chunk = cfg.prefill_chunk_size
-        num_new: dict[str, int] = {}  # insertion order is the output order
-        preempted: list[Request] = []
-
-        decodes = sorted((r for r in self.running if r.is_decoding), key=self._order_key)
-        prefills = sorted((r for r in self.running if not r.is_decoding), key=self._order_key)
-        # Fixed here: a request admitted below may also need just one token (a cache hit up to its
-        # last token), but it is placed, and reported, as a prefill.
-        decode_ids = {r.request_id for r in decodes}
-        for request in decodes + prefills:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if budget == 0:
+        """Plan the next step with the pure planner, applying its page actions as it goes."""
+        state = snapshot(
+            self.config,
+            self.running,
+            self.waiting,
+            self.pool,
+            self.cache,
+            step=self._step,
+            finished_ids=self._finished_ids,
+        )
+        planner = Planner(state, self.config)
+        lookups: dict[str, MatchResult] = {}
+        num_applied = 0
+        while True:
+            lookup_id = planner.advance()
+            self._apply(planner.actions[num_applied:], lookups)
+            num_applied = len(planner.actions)
+            if lookup_id is None:
                 break
-            while True:
-                n = min(request.num_uncomputed_tokens, chunk, budget)
-                need = pages_needed(request.num_computed_tokens + n, cfg.page_size) - len(request.pages)
-                if need <= 0 or self._can_allocate(need):
-                    break
-                victim = max(self.running, key=self._order_key)
-                # A victim scheduled earlier in this loop gives its tokens back.
-                budget += num_new.pop(victim.request_id, 0)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            if need > 0:
-                request.pages.extend(self._allocate(need))
-            num_new[request.request_id] = n
-            budget -= n
-
-        # Preemption means memory is short: admitting now would only thrash.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            n = self._admit(self.waiting[0], min(chunk, budget))
-            if n == 0:
-                break
-            request = self.waiting.pop(0)
-            self.running.append(request)
-            num_new[request.request_id] = n
-            budget -= n
-
+            # Looked up only now, after the allocations planned before it (which may evict), and
+            # only for requests admission reaches: a lookup refreshes the prefix's LRU age.
+            request = self._requests[lookup_id]
+            match = self.cache.match_prefix(
+                request.token_ids_in(0, request.num_tokens - 1), request.cache_salt, record=False
+            )
+            lookups[lookup_id] = match
+            planner.provide_prefix(lookup_id, match.pages, locked_pages(match.last_node))
+        _, plan = planner.result()
         scheduled = []
-        for request_id, n in num_new.items():
-            request = self._requests[request_id]
-            start = request.num_computed_tokens
+        for s in plan.scheduled:
+            request = self._requests[s.request_id]
+            token_ids = tuple(request.token_ids_in(s.start_position, s.start_position + s.num_new_tokens))
             scheduled.append(
                 ScheduledRequest(
-                    request_id=request_id,
-                    num_new_tokens=n,
-                    start_position=start,
-                    token_ids=tuple(request.token_ids_in(start, start + n)),
-                    page_table=tuple(request.pages),
-                    sample=start + n == request.num_tokens,
-                    is_decode=request_id in decode_ids,
+                    s.request_id,
+                    s.num_new_tokens,
+                    s.start_position,
+                    token_ids,
+                    tuple(request.pages),
+                    s.sample,
+                    s.is_decode,
                 )
             )
         output = SchedulerOutput(
             step=self._step,
             scheduled=tuple(scheduled),
-            preempted_ids=tuple(r.request_id for r in preempted),
+            preempted_ids=plan.preempted_ids,
             finished_ids=tuple(self._finished_ids),
         )
         self._finished_ids = []
         self._step += 1
         return output
 
-    def _admit(self, request: Request, max_tokens: int) -> int:
-        """Give a waiting request its cached prefix and pages for its first chunk; returns the chunk (0: no room)."""
-        ps = self.config.page_size
+    def _apply(self, actions: Iterable[PageAction], lookups: Mapping[str, MatchResult]) -> None:
+        """Carry out planned page actions on the queues, the pool and the cache."""
+        for action in actions:
+            request = self._requests[action.request_id]
+            if action.kind == "preempt":
+                self._preempt(request)
+            elif action.kind == "grow":
+                request.pages.extend(self._allocate(action.num_pages))
+            else:
+                self._admit(request, lookups.get(action.request_id), action.num_pages)
+
+    def _admit(self, request: Request, match: MatchResult | None, num_new_pages: int) -> None:
+        """Move the head of the waiting queue to running, on its cached prefix plus new pages."""
+        if self.waiting[0] is not request:
+            raise IntegrityError(f"admitting {request.request_id!r} out of policy order")
         cached_pages: list[int] = []
         num_cached = 0
-        node = None
-        if self.cache is not None:
-            # Match all but the last token: at least one token must be computed to get logits.
-            match = self.cache.match_prefix(
-                request.token_ids_in(0, request.num_tokens - 1), request.cache_salt, record=False
-            )
+        if match is not None and not match.last_node.is_root:
             cached_pages, num_cached = list(match.pages), match.num_tokens
-            if not match.last_node.is_root:
-                node = match.last_node
-                self.cache.lock(node)  # before evicting for our new pages, which must not take these
-        n = min(request.num_tokens - num_cached, max_tokens)
-        need = pages_needed(num_cached + n, ps) - len(cached_pages)
-        if not self._can_allocate(need):
-            if node is not None:
-                self.cache.unlock(node)
-            return 0
+            self.cache.lock(match.last_node)  # before allocating, which may evict: not these
+            request.cache_node = match.last_node
         self.pool.incref(cached_pages)
-        request.pages = cached_pages + self._allocate(need)
-        request.cache_node = node
+        request.pages = cached_pages + self._allocate(num_new_pages)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
+        self.running.append(self.waiting.pop(0))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
             if self.cache is not None:
                 self.cache.record_lookup(request.num_prompt_tokens, num_cached)
-        return n
 
     def update_after_step(
         self,
