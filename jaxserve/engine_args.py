@@ -41,6 +41,7 @@ class EngineArgs:
     coordinator_address: str | None = None  # host:port of process 0, for a multi-host cluster
     num_processes: int = 1  # processes (hosts) in the cluster
     process_id: int = 0  # this process's rank in the cluster
+    converted_checkpoint_dir: str | None = None  # converted weights: saved by the first start, restored by later ones
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -95,6 +96,9 @@ class EngineArgs:
                        help="largest prefill chunk one request gets per step (default: the token budget)")
         g.add_argument("--compile-cache-dir", default=d.compile_cache_dir,
                        help="where compiled executables are kept between runs ('' turns it off)")
+        g.add_argument("--converted-checkpoint-dir", default=None, metavar="PATH",
+                       help="keep the converted weights here: the first start converts the checkpoint and saves "
+                            "them, later starts restore them straight into each device's shards (orbax)")
         g.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=d.page_size,
                        help="tokens per KV page (a power of two)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,

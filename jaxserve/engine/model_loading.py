@@ -74,10 +74,52 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
     plan = _parallel_plan(args, cfg)
-    # On several devices each weight goes straight from the host into its shards.
-    params = load_params(ckpt, cfg, dtype, place=plan.place if plan else None, progress=progress)
+    if args.converted_checkpoint_dir:
+        params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)
+    else:
+        params = _convert(ckpt, cfg, plan, dtype, progress)
     loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0)
     return _with_plan(loaded, plan) if plan else loaded
+
+
+def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:
+    # On several devices each weight goes straight from the host into its shards.
+    return load_params(ckpt, cfg, dtype, place=plan.place if plan else None, progress=progress)
+
+
+def checkpoint_source(path: str) -> dict[str, Any]:
+    """What identifies an original checkpoint to a converted copy of it: its name and its weights' bytes."""
+    path = os.path.normpath(path)
+    if os.path.isdir(path):
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    else:
+        size = os.path.getsize(path)
+    return {"name": os.path.basename(path), "bytes": size}
+
+
+def _converted_params(directory: str, path: str, ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any,
+                      progress: bool) -> Params:
+    """Restore the converted weights saved in `directory`, or convert the checkpoint and save them there."""
+    from sharding.checkpoint import restore_params, save_params, saved_info
+    from sharding.distributed import broadcast_message
+
+    directory = os.path.abspath(os.path.expanduser(directory))
+    run_cfg = plan.model_cfg if plan else cfg
+    source = checkpoint_source(path)
+    # Every process must take the same path (both enter collectives): process 0's directory decides.
+    saved = broadcast_message(saved_info(directory) is not None)
+    t0 = time.perf_counter()
+    if saved:
+        params = restore_params(directory, plan, dtype, cfg=run_cfg, source=source)
+        logger.info("restored converted weights from %s in %.2f s (conversion of %s skipped)", directory,
+                    time.perf_counter() - t0, path)
+        return params
+    params = _convert(ckpt, cfg, plan, dtype, progress)
+    t1 = time.perf_counter()
+    save_params(directory, params, run_cfg, source=source)
+    logger.info("converted %s in %.2f s and saved the converted weights to %s in %.2f s", path, t1 - t0,
+                directory, time.perf_counter() - t1)
+    return params
 
 
 def _parallel_plan(args: EngineArgs, cfg: ModelConfig, mesh: Any = None) -> Any:
