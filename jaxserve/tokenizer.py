@@ -16,96 +16,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from jaxserve.chat_template import render_chat_template
+from jaxserve.tokenizer_gguf import SUPPORTED_GGUF_PRE, byte_alphabet, read_gguf_tokenizer
 
 if TYPE_CHECKING:
     import gguf
 
-# llama.cpp's token kinds (`tokenizer.ggml.token_type`).
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+# Re-exported: callers import the byte alphabet and the supported GGUF families from here.
+__all__ = ["SUPPORTED_GGUF_PRE", "Tokenizer", "byte_alphabet"]
 
 # transformers writes this for "no limit"; anything this large is not a real context length.
 _NO_LIMIT = 10**12
-
-# Split patterns of the byte-level BPE families we support, keyed by their llama.cpp `tokenizer.ggml.pre`.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SUPPORTED_GGUF_PRE = ("gpt-2", "llama-bpe", "llama3", "llama-v3", "qwen2", "smollm")
-
-
-@functools.cache
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map that byte-level BPE vocabularies are spelled in."""
-    # Printable Latin-1 bytes stand for themselves; the rest are moved past 255 so no byte is whitespace.
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in kept}
-    moved = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + moved)
-            moved += 1
-    return table
-
-
-def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
-    """`(normalizer, pre_tokenizer, ignore_merges)` of the byte-level BPE named by GGUF `tokenizer.ggml.pre`."""
-    if pre == "smollm":
-        # SmolLM's merges were learned on single digits, so digits are split before the GPT-2 regex.
-        pre_tok = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-            ]
-        )
-        return None, pre_tok, False
-    if pre == "gpt-2":
-        return (
-            None,
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-            False,
-        )
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
-        # Llama 3's own tokenizer.json looks whole words up in the vocabulary before merging.
-        return None, _split_then_bytes(_LLAMA3_SPLIT), True
-    if pre == "qwen2":
-        return normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT), False
-    raise ValueError(
-        f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; jaxserve supports {list(SUPPORTED_GGUF_PRE)}"
-    )
-
-
-def _split_then_bytes(pattern: str) -> Any:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ]
-    )
-
-
-def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _template_processing(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None) -> Any:
-    """A post-processor that adds BOS and/or EOS around each sequence."""
-    head = [bos] if bos is not None else []
-    tail = [eos] if eos is not None else []
-    special = [(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None]
-    return processors.TemplateProcessing(
-        single=[*head, "$A", *tail],
-        pair=[*head, "$A", *tail, *head, "$B:1", *tail],
-        special_tokens=special,
-    )
 
 
 def _token_content(value: Any) -> str | None:
@@ -172,105 +94,18 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata (byte-level BPE only)."""
-        import gguf  # imported here: it is only needed for GGUF files
-
-        reader = path_or_reader
-        if not isinstance(reader, gguf.GGUFReader):
-            if not Path(reader).is_file():
-                raise FileNotFoundError(f"GGUF file not found: {reader}")
-            reader = gguf.GGUFReader(reader)
-
-        model = _gguf_value(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
-                "(byte-level BPE)"
-            )
-        pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
-        normalizer, pre_tokenizer, ignore_merges = _byte_level_stages(pre)
-
-        tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
-        merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
-        if tokens is None or merges is None:
-            raise ValueError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-        if len(token_types) != len(tokens):
-            raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
-
-        alphabet = frozenset(byte_alphabet().values())
-        spell = byte_alphabet()
-        vocab: dict[str, int] = {}
-        for i, (tok, kind) in enumerate(zip(tokens, token_types, strict=True)):
-            if kind == _NORMAL and not alphabet.issuperset(tok):
-                # A plain token written as raw text: respell it in the byte alphabet so BPE can reach it.
-                tok = "".join(spell[b] for b in tok.encode("utf-8"))
-            vocab.setdefault(tok, i)
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-
-        backend = tokenizers.Tokenizer(
-            models.BPE(
-                vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges
-            )
-        )
-        if normalizer is not None:
-            backend.normalizer = normalizer
-        backend.pre_tokenizer = pre_tokenizer
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens stay whole and count as special; user-defined ones stay whole but are ordinary text.
-        backend.add_special_tokens(
-            [
-                AddedToken(t, special=True, normalized=False)
-                for t, k in zip(tokens, token_types, strict=True)
-                if k == _CONTROL
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(t, special=False, normalized=False)
-                for t, k in zip(tokens, token_types, strict=True)
-                if k == _USER_DEFINED
-            ]
-        )
-
-        def token_id(key: str) -> int | None:
-            value = _gguf_value(reader, f"tokenizer.ggml.{key}")
-            return None if value is None else int(value)
-
-        bos_id, eos_id, pad_id, unk_id = (
-            token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
-        )
-        # llama.cpp also ends generation at end-of-turn / end-of-message tokens when a file names them.
-        eos_ids = [i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
-        add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
-        add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False))
-        if (add_bos and bos_id is not None) or (add_eos and eos_id is not None):
-            backend.post_processor = _template_processing(
-                tokens[bos_id] if add_bos and bos_id is not None else None,
-                bos_id,
-                tokens[eos_id] if add_eos and eos_id is not None else None,
-                eos_id,
-            )
-
-        templates: dict[str, str] = {}
-        if (default := _gguf_value(reader, "tokenizer.chat_template")) is not None:
-            templates["default"] = default
-        for name in _gguf_value(reader, "tokenizer.chat_templates") or []:
-            if (named := _gguf_value(reader, f"tokenizer.chat_template.{name}")) is not None:
-                templates[name] = named
-
-        arch = _gguf_value(reader, "general.architecture")
-        context = _gguf_value(reader, f"{arch}.context_length") if arch else None
+        spec = read_gguf_tokenizer(path_or_reader)
         return cls(
-            backend,
-            bos_token_id=bos_id,
-            eos_token_ids=eos_ids,
-            pad_token_id=pad_id,
-            unk_token_id=unk_id,
-            chat_templates=templates,
-            add_bos_token=add_bos,
-            add_eos_token=add_eos,
-            model_max_length=int(context) if context is not None else None,
-            vocab_size=len(tokens),
+            spec.backend,
+            bos_token_id=spec.bos_token_id,
+            eos_token_ids=spec.eos_token_ids,
+            pad_token_id=spec.pad_token_id,
+            unk_token_id=spec.unk_token_id,
+            chat_templates=spec.chat_templates,
+            add_bos_token=spec.add_bos_token,
+            add_eos_token=spec.add_eos_token,
+            model_max_length=spec.model_max_length,
+            vocab_size=spec.vocab_size,
         )
 
     @classmethod
