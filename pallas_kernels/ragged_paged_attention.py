@@ -5,8 +5,9 @@ reserved scratch page. Query tokens are packed by sequence. Query token `i` of s
 `seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own (the last `sliding_window`
 positions, its own included, when a window is given). Softmax runs in float32.
 
-This file holds the plain `jax.numpy` reference, the Pallas kernel (generic Pallas with a plain grid, so it
-runs with `interpret=True` on the CPU and lowers for NVIDIA GPUs through Triton) and the validating wrapper.
+This file holds the Pallas kernel (generic Pallas with a plain grid, so it runs with `interpret=True` on the
+CPU and lowers for NVIDIA GPUs through Triton), its tuning and the wrapper; the argument checks are in
+`ragged_attention_args.py` and the plain `jax.numpy` reference in `ragged_attention_reference.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.ragged_attention_args import check_attention_args, token_metadata
+from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
+
+# Re-exported: the backend switch and the tests import the reference and the checks from here.
+__all__ = [
+    "AttentionTuning",
+    "check_attention_args",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+]
 
 # Running max starts finite so that fully masked blocks give exp(-inf - m) = 0 instead of NaN.
 _M_INIT = -1e30
@@ -51,144 +63,6 @@ class AttentionTuning:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Validation
-
-
-def check_attention_args(
-    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
-) -> None:
-    """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim], got {k_pages.shape}"
-        )
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
-    if k_pages.dtype != v_pages.dtype:
-        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from v_pages dtype {v_pages.dtype}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"q must be floating point, got {q.dtype}")
-    if k_pages.dtype != q.dtype:
-        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
-    _, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, kv_head_dim = k_pages.shape
-    if kv_head_dim != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) differs from head_dim of the pages ({kv_head_dim})")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if num_pages < 1:
-        raise ValueError("k_pages must hold at least the scratch page 0")
-    if block_tables.ndim != 2:
-        raise ValueError(f"block_tables must be [num_seqs, pages_per_seq], got shape {block_tables.shape}")
-    num_seqs = block_tables.shape[0]
-    if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens must be [{num_seqs}] (one per block_tables row), got {seq_lens.shape}")
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"query_start_loc must be [{num_seqs + 1}] (num_seqs + 1), got {query_start_loc.shape}"
-        )
-    for name, a in (
-        ("block_tables", block_tables),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        if a.dtype != jnp.int32:
-            raise TypeError(f"{name} must be int32, got {a.dtype}")
-    if not sm_scale > 0:
-        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reference
-
-
-def _token_metadata(seq_lens, query_start_loc, num_tokens):
-    """Per token: its sequence, its position, and whether it is a real token (not padding)."""
-    num_seqs = seq_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    tok_seq = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
-    tok_seq = jnp.minimum(tok_seq, num_seqs - 1)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    pos = seq_lens[tok_seq] - q_lens[tok_seq] + (t - query_start_loc[tok_seq])
-    valid = t < query_start_loc[num_seqs]
-    return tok_seq, pos, valid
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
-def ragged_paged_attention_reference(
-    q,
-    k_pages,
-    v_pages,
-    block_tables,
-    seq_lens,
-    query_start_loc,
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-) -> jax.Array:
-    """Plain `jax.numpy` ragged paged attention; the `xla` backend and the kernels' oracle."""
-    check_attention_args(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
-    )
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs, pages_per_seq = block_tables.shape
-    group = num_q_heads // num_kv_heads
-    kv_len = pages_per_seq * page_size
-
-    tok_seq, pos, valid = _token_metadata(seq_lens, query_start_loc, num_tokens)
-    k_seq = k_pages[block_tables].reshape(num_seqs, kv_len, num_kv_heads, head_dim)  # [S, L, KVH, D]
-    v_seq = v_pages[block_tables].reshape(num_seqs, kv_len, num_kv_heads, head_dim)
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, KVH, G, D]
-
-    kv_pos = jnp.arange(kv_len, dtype=jnp.int32)
-    # Rows past a sequence's length may come from stale or scratch pages; zero V there so that
-    # 0 * garbage cannot reach the output.
-    v_seq = jnp.where(
-        (kv_pos[None, :] < seq_lens[:, None])[..., None, None], v_seq, jnp.zeros((), v_seq.dtype)
-    )
-    mask = valid[:, None] & (kv_pos[None, :] <= pos[:, None])  # [T, L]
-    if sliding_window is not None:
-        mask &= kv_pos[None, :] > pos[:, None] - sliding_window
-
-    def finish(logits):
-        logits = logits * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        return logits
-
-    # Two equivalent formulations; take the one with the smaller intermediate. Gathering each token's own
-    # sequence costs T*L*KVH*D; scoring every token against every sequence and masking costs T*QH*S*L.
-    if num_seqs * group < head_dim:
-        logits = jnp.einsum("tkgd,slkd->tkgsl", qg, k_seq, preferred_element_type=jnp.float32)
-        logits = finish(logits)
-        full_mask = (tok_seq[:, None] == jnp.arange(num_seqs)[None, :])[:, :, None] & mask[
-            :, None, :
-        ]  # [T,S,L]
-        logits = jnp.where(full_mask[:, None, None], logits, _M_INIT)
-        shape = logits.shape
-        probs = jax.nn.softmax(logits.reshape(*shape[:3], -1), axis=-1).reshape(shape)
-        out = jnp.einsum("tkgsl,slkd->tkgd", probs, v_seq.astype(jnp.float32))
-    else:
-        k_tok = k_seq[tok_seq]  # [T, L, KVH, D]
-        v_tok = v_seq[tok_seq]
-        logits = jnp.einsum("tkgd,tlkd->tkgl", qg, k_tok, preferred_element_type=jnp.float32)
-        logits = finish(logits)
-        logits = jnp.where(mask[:, None, None, :], logits, _M_INIT)
-        probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("tkgl,tlkd->tkgd", probs, v_tok.astype(jnp.float32))
-    out = jnp.where(valid[:, None, None, None], out, 0.0)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -307,7 +181,7 @@ def _block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
     r = jnp.arange(block_q, dtype=jnp.int32)
     gather_tok = jnp.clip(query_start_loc[b_seq][:, None] + q_off[:, None] + r[None, :], 0, num_tokens - 1)
 
-    tok_seq, _, tok_valid = _token_metadata(seq_lens, query_start_loc, num_tokens)
+    tok_seq, _, tok_valid = token_metadata(seq_lens, query_start_loc, num_tokens)
     i = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[tok_seq]
     tok_block = jnp.clip(blk_start[tok_seq] + i // block_q, 0, num_blocks - 1)
     tok_row = i % block_q
@@ -463,7 +337,7 @@ def _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_l
         o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, seq_lens,
                                           sm_scale=sm_scale, num_splits=tuning.num_kv_splits,
                                           interpret=interpret)  # [S, QH, D]
-        tok_seq, _, valid = _token_metadata(seq_lens, query_start_loc, num_tokens)
+        tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
         return jnp.where(valid[:, None, None], o[tok_seq], jnp.zeros((), o.dtype))
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]

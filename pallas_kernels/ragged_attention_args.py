@@ -1,0 +1,80 @@
+"""The argument contract of ragged paged attention, shared by the reference and the kernels.
+
+Query tokens `q [num_tokens, num_q_heads, head_dim]` are packed by sequence: sequence `s` owns tokens
+`query_start_loc[s] : query_start_loc[s + 1]`, and its KV lives in the pages `block_tables[s]` of the pools
+`[num_pages, page_size, num_kv_heads, head_dim]` up to `seq_lens[s]`. Tokens past `query_start_loc[-1]` are
+padding. `check_attention_args` refuses arguments that break this contract; `token_metadata` maps each
+packed token back to its sequence and position.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_attention_args(
+    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+) -> None:
+    """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4:
+        raise ValueError(
+            f"k_pages must be [num_pages, page_size, num_kv_heads, head_dim], got {k_pages.shape}"
+        )
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} differs from k_pages shape {k_pages.shape}")
+    if k_pages.dtype != v_pages.dtype:
+        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from v_pages dtype {v_pages.dtype}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"q must be floating point, got {q.dtype}")
+    if k_pages.dtype != q.dtype:
+        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
+    _, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, kv_head_dim = k_pages.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) differs from head_dim of the pages ({kv_head_dim})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if num_pages < 1:
+        raise ValueError("k_pages must hold at least the scratch page 0")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [num_seqs, pages_per_seq], got shape {block_tables.shape}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}] (one per block_tables row), got {seq_lens.shape}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [{num_seqs + 1}] (num_seqs + 1), got {query_start_loc.shape}"
+        )
+    for name, a in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if a.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {a.dtype}")
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be positive, got {sm_scale}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
+    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+
+
+def token_metadata(
+    seq_lens: jax.Array, query_start_loc: jax.Array, num_tokens: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per packed query token: its sequence, its position, and whether it is a real token (not padding).
+
+    Each result is `[num_tokens]` int32 / int32 / bool; a padding token is filed under the last sequence.
+    """
+    num_seqs = seq_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    tok_seq = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    tok_seq = jnp.minimum(tok_seq, num_seqs - 1)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    pos = seq_lens[tok_seq] - q_lens[tok_seq] + (t - query_start_loc[tok_seq])
+    valid = t < query_start_loc[num_seqs]
+    return tok_seq, pos, valid
