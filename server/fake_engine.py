@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 import tokenizers
 from tokenizers import AddedToken, models, pre_tokenizers
 
+from jaxserve.engine.request_state import EngineStats
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -61,23 +62,28 @@ def _engine_error(message: str) -> RuntimeError:
     return EngineError(message)
 
 
-@dataclasses.dataclass
-class FakeEngineStats:
-    """The same fields as the real engine's `EngineStats`."""
+def zero_engine_stats(*, num_pages: int = 0, page_size: int = 0) -> EngineStats:
+    """The real engine's `EngineStats` with every counter at zero, for a pool of `num_pages` pages."""
+    # Every field named: a new EngineStats field without a default must be given its fake value here.
+    return EngineStats(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        num_pages=num_pages,
+        page_size=page_size,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+        compilations_after_warmup=0,
+        step_time_s=0.0,
+        num_steps=0,
+    )
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_pages: int = 0
-    page_size: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    compilations_after_warmup: int = 0
-    step_time_s: float = 0.0
-    num_steps: int = 0
+
+# The old name, still imported by the loading placeholder in server/state.py.
+FakeEngineStats = zero_engine_stats
 
 
 @dataclasses.dataclass
@@ -125,7 +131,7 @@ class FakeAsyncEngine:
         self._paused = False
         self._stop = False
         self._seen_prompts: set[tuple[int, ...]] = set()
-        self._stats = FakeEngineStats(num_pages=num_pages, page_size=page_size)
+        self._stats = zero_engine_stats(num_pages=num_pages, page_size=page_size)
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._thread.start()
 
@@ -200,14 +206,16 @@ class FakeAsyncEngine:
                         queue.remove(req)
                         self.aborted.append(request_id)
 
-    def stats(self) -> FakeEngineStats:
+    def stats(self) -> EngineStats:
         """A snapshot of the counters."""
         with self._cond:
-            s = dataclasses.replace(self._stats)
-            s.num_running, s.num_waiting = len(self._running), len(self._waiting)
             used = sum(self._pages(r) for r in self._running)
-            s.kv_cache_usage = used / self._num_pages
-            return s
+            return dataclasses.replace(
+                self._stats,
+                num_running=len(self._running),
+                num_waiting=len(self._waiting),
+                kv_cache_usage=used / self._num_pages,
+            )
 
     def shutdown(self) -> None:
         """Stop the loop thread."""
