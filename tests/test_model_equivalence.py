@@ -17,7 +17,7 @@ import pytest
 
 from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
 from jaxserve.models.inputs import KVCache
-from jaxserve.models.params import Params, init_params
+from jaxserve.models.params import Params, init_params, unstack_layers
 from tests.modelrun import run_chunks
 
 CFG = ModelConfig(
@@ -215,3 +215,28 @@ def test_bfloat16_runs_close_to_float32(params32):
     err = rel(got, ref)
     assert 0 < err < 3e-2, err  # nonzero: the bfloat16 path really ran in bfloat16
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["per_layer", "fused"])
+def test_unrolled_layers_equal_scanned(fuse, params32):
+    """Per-layer weights (the CPU runner's layout, optionally with fused q/k/v and gate/up) give the
+    scanned stack's logits, for a prefill chunk and for one-token decode steps (one-row KV writes)."""
+    flat = unstack_layers(params32, fuse=fuse)
+    assert isinstance(flat.layers, tuple) and len(flat.layers) == CFG.num_layers
+    assert (flat.layers[0].wqkv is not None) == fuse and (flat.layers[0].wq is None) == fuse
+    ids = prompt(19, seed=8)
+    pages = random_pages(3, np.random.default_rng(8), set())
+
+    def run(params):
+        kv = KVCache.allocate(CFG, NUM_PAGES, 8, jnp.float32)
+        logits, kv = run_chunks(CFG, params, kv, [(ids[:16], 0, pages)], 8, **BUCKET)
+        rows = list(logits[:16])
+        for p in range(16, len(ids)):  # unpadded decode steps: one token, one sequence
+            logits, kv = run_chunks(CFG, params, kv, [([ids[p]], p, pages)], 8, num_tokens=1, num_seqs=1,
+                                    pages_per_seq=8)
+            rows.append(logits[0])
+        return np.stack(rows)
+
+    scanned, unrolled = run(params32), run(flat)
+    assert rel(unrolled, scanned) < 1e-5, rel(unrolled, scanned)
+    assert rel(scanned, dense_logits(CFG, params32, ids)) < 1e-5

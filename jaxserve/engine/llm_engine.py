@@ -27,7 +27,14 @@ from jaxserve.engine.model_loading import (
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
-from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, ModelRunner, RunnerConfig, StepOutput
+from jaxserve.engine.runner import (
+    MAX_STOP_IDS,
+    DecodeState,
+    ModelRunner,
+    RunnerConfig,
+    StepOutput,
+    default_layer_loop,
+)
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine_args import EngineArgs
@@ -86,9 +93,11 @@ class LLMEngine:
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
-                         max_logprobs=args.max_logprobs),
+                         max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend)),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings() if plan else None,
         )
+        # The runner may hold the weights in another layout (per layer); keep one copy.
+        self.model = dataclasses.replace(self.model, params=self.runner.params)
         self.warmup_seconds = 0.0
         if args.warmup:
             self.warmup_seconds = self.runner.warmup(progress=progress)

@@ -101,6 +101,12 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V ([T, Hkv, D]) into their slots (page * page_size + offset)."""
     n, page_size, hkv, d = k_pages.shape
+    if k.shape[0] == 1:
+        # XLA turns a one-row scatter into a dynamic-update-slice, which XLA:CPU does not always do
+        # in place in an unrolled layer loop (it copied the whole pool per layer); a second row
+        # aimed at slot 0 of the reserved padding page keeps it a scatter.
+        k, v = jnp.pad(k, ((0, 1), (0, 0), (0, 0))), jnp.pad(v, ((0, 1), (0, 0), (0, 0)))
+        slot_mapping = jnp.pad(slot_mapping, (0, 1))
     k_flat = k_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(k.astype(k_pages.dtype))
     v_flat = v_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(v.astype(v_pages.dtype))
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)

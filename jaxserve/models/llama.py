@@ -54,9 +54,16 @@ def _layer(
 
     with jax.named_scope("attention"):
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, Hq, D]
-        k = jnp.einsum("te,ehd->thd", h, lp.wk)  # [T, Hkv, D]
-        v = jnp.einsum("te,ehd->thd", h, lp.wv)  # [T, Hkv, D]
+        if lp.wqkv is not None:
+            T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            qkv = h @ lp.wqkv  # [T, (Hq + 2 * Hkv) * D]
+            q = qkv[:, : Hq * D].reshape(T, Hq, D)
+            k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
+            v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+        else:
+            q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, Hq, D]
+            k = jnp.einsum("te,ehd->thd", h, lp.wk)  # [T, Hkv, D]
+            v = jnp.einsum("te,ehd->thd", h, lp.wv)  # [T, Hkv, D]
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
         if lp.q_norm is not None:
@@ -73,7 +80,8 @@ def _layer(
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
             sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         )  # [T, Hq, D]
-        out = jnp.einsum("thd,hde->te", attn, lp.wo)
+        # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
+        out = attn.reshape(attn.shape[0], -1) @ lp.wo.reshape(-1, lp.wo.shape[-1])
         if lp.bo is not None:
             out = out + lp.bo
         x = x + out
@@ -85,8 +93,11 @@ def _layer(
 
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate = h @ lp.w_gate  # [T, F]
-        up = h @ lp.w_up
+        if lp.w_gate_up is not None:
+            gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)  # [T, F] each
+        else:
+            gate = h @ lp.w_gate  # [T, F]
+            up = h @ lp.w_up
         if lp.b_gate is not None:
             gate, up = gate + lp.b_gate, up + lp.b_up
         down = (jax.nn.silu(gate) * up) @ lp.w_down
@@ -118,9 +129,13 @@ def forward(
     def step(carry, xs):
         return _layer(cfg, backend, inputs, cos, sin, carry, xs, expert_layout)
 
-    (x, k_all, v_all), _ = jax.lax.scan(
-        step, (x, k_all, v_all), (params.layers, jnp.arange(L, dtype=jnp.int32))
-    )
+    carry = (x, k_all, v_all)
+    if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
+        for layer, lp in enumerate(params.layers):
+            carry, _ = step(carry, (lp, layer))
+    else:
+        carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
+    x, k_all, v_all = carry
     with jax.named_scope("lm_head"):
         x = x[inputs.logits_indices]  # [R, E]
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)

@@ -64,15 +64,24 @@ class LayerParams:
     ws_up: Any = None  # [L, E, Fs]
     ws_down: Any = None  # [L, Fs, E]
     ws_mix: Any = None  # [L, E]: the shared expert's sigmoid gate
+    # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then
+    # leave wq/wk/wv and w_gate/w_up None: fewer, larger matmuls per layer.
+    wqkv: Any = None  # [E, (Hq + 2 * Hkv) * D]: q, k and v projections side by side
+    w_gate_up: Any = None  # [E, 2 * F]: gate and up projections side by side
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class Params:
-    """All parameters of a Llama-family model."""
+    """All parameters of a Llama-family model.
+
+    `layers` is one `LayerParams` stacked on a leading `layers` axis (how checkpoints load, shard
+    and save), or a tuple of per-layer `LayerParams` (`unstack_layers`), which the forward pass runs
+    as an unrolled loop: XLA:CPU copies a layer's weights out of a stacked array before every
+    matmul, so on the CPU the unstacked form reads each weight once per step instead of twice."""
 
     embed: Any  # [V, E]
-    layers: LayerParams
+    layers: LayerParams | tuple[LayerParams, ...]
     final_norm: Any  # [E]
     lm_head: Any = None  # [E, V]; None when tied to `embed`
 
@@ -127,6 +136,44 @@ def declare_params(cfg: ModelConfig) -> Params:
         final_norm=p((E,), ("embed",), "ones"),
         lm_head=None if cfg.tie_word_embeddings else p((E, V), ("embed", "vocab")),
     )
+
+
+def unstack_layers(params: Params, fuse: bool = False) -> Params:
+    """`params` with its stacked layers split into a tuple of per-layer `LayerParams` (new arrays).
+
+    A layer slice keeps the stacked array's sharding of its other axes. With `fuse` (dense models on
+    one device), each layer's q/k/v and gate/up projections become one matrix each (`wqkv`,
+    `w_gate_up`). Anything else (unstacked params, another model's tree) passes through."""
+    if not isinstance(params, Params) or isinstance(params.layers, tuple):
+        return params
+    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
+    fuse = fuse and params.layers.w_gate is not None
+
+    def layer_sharding(a: Any) -> Any:
+        s = getattr(a, "sharding", None)
+        if isinstance(s, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]))
+        return None
+
+    def one_layer(layers: LayerParams, i: int) -> LayerParams:
+        lp = jax.tree.map(lambda a: a[i], layers)
+        if not fuse:
+            return lp
+        E = lp.wq.shape[0]
+        wqkv = jnp.concatenate([lp.wq.reshape(E, -1), lp.wk.reshape(E, -1), lp.wv.reshape(E, -1)], axis=1)
+        w_gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=1)
+        return dataclasses.replace(lp, wq=None, wk=None, wv=None, w_gate=None, w_up=None, wqkv=wqkv,
+                                   w_gate_up=w_gate_up)
+
+    def split(layers: LayerParams) -> tuple[LayerParams, ...]:
+        return tuple(one_layer(layers, i) for i in range(num_layers))
+
+    out_shardings = None
+    if not fuse:
+        out_shardings = tuple(jax.tree.map(layer_sharding, params.layers) for _ in range(num_layers))
+        if all(s is None for s in jax.tree.leaves(out_shardings)):
+            out_shardings = None
+    return dataclasses.replace(params, layers=jax.jit(split, out_shardings=out_shardings)(params.layers))
 
 
 def _is_info(x: Any) -> bool:
