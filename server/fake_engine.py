@@ -82,9 +82,6 @@ def zero_engine_stats(*, num_pages: int = 0, page_size: int = 0) -> EngineStats:
     )
 
 
-# The old name, still imported by the loading placeholder in server/state.py.
-FakeEngineStats = zero_engine_stats
-
 
 @dataclasses.dataclass
 class _Seq:

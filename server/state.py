@@ -23,9 +23,9 @@ class LoadingEngine:
         self.max_model_len = max_model_len
 
     def stats(self) -> Any:
-        from server.fake_engine import FakeEngineStats  # the same fields as the engine's stats, all zero
+        from server.fake_engine import zero_engine_stats
 
-        return FakeEngineStats()
+        return zero_engine_stats()
 
     async def abort(self, request_id: str) -> None:
         """Nothing to abort before the engine exists."""

@@ -244,3 +244,15 @@ def test_metrics_names(server, client):
         assert f'\n{name}{{' in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in text
     assert 'block_size="16"' in text and 'num_gpu_blocks="256"' in text
+
+
+def test_fake_and_loading_engines_report_the_real_stats_type():
+    """The fake engine and the loading placeholder answer with the engine's own `EngineStats`, so
+    the metrics code never sees fields the real engine lacks (or misses ones it has)."""
+    from jaxserve.engine.request_state import EngineStats
+    from server.state import LoadingEngine
+
+    stats = FakeAsyncEngine().stats()
+    assert type(stats) is EngineStats and stats.num_pages > 0
+    loading = LoadingEngine("m").stats()
+    assert type(loading) is EngineStats and loading.num_running == 0
