@@ -252,7 +252,11 @@ def test_fake_and_loading_engines_report_the_real_stats_type():
     from jaxserve.engine.request_state import EngineStats
     from server.state import LoadingEngine
 
-    stats = FakeAsyncEngine().stats()
+    fake = FakeAsyncEngine()
+    try:
+        stats = fake.stats()
+    finally:
+        fake.shutdown()
     assert type(stats) is EngineStats and stats.num_pages > 0
     loading = LoadingEngine("m").stats()
     assert type(loading) is EngineStats and loading.num_running == 0
