@@ -35,8 +35,9 @@ def entries(result: dict) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     if result.get("kind") == "serve":
         wl = result["workload"]["name"]
+        size = _workload_size(result["workload"])
         for run in result["runs"]:
-            key = f"{wl} | conc {run['max_concurrency'] or 'inf'} | rate {run['request_rate']}"
+            key = f"{wl} | conc {run['max_concurrency'] or 'inf'} | rate {run['request_rate']}{size}"
             out[key] = {k: run["metrics"].get(k) for k, _, _ in SERVE_METRICS}
     elif result.get("kind") == "offline":
         if result.get("batch1"):
@@ -48,6 +49,32 @@ def entries(result: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def _workload_size(wl: dict) -> str:
+    """' | N requests x M tokens' when the workload says so: runs of different sizes never share a row."""
+    n = wl.get("num_prompts")
+    if wl.get("name") == "shared-prefix" and "gsp_num_groups" in wl:
+        n = wl["gsp_num_groups"] * wl["gsp_prompts_per_group"]
+    if n is None or wl.get("output_len") is None:
+        return ""
+    return f" | {n} requests x {wl['output_len']} tokens"
+
+
+def merged_entries(results: Sequence[dict], names: Sequence[str]) -> tuple[list[str], list[dict]]:
+    """Entries per distinct name, in first-seen order: results that share a name form one column (for
+    example one concurrency per file). Two results of one name with the same condition are refused."""
+    cols: list[str] = []
+    per: dict[str, dict[str, dict[str, float]]] = {}
+    for name, result in zip(names, results, strict=True):
+        if name not in per:
+            cols.append(name)
+            per[name] = {}
+        for key, row in entries(result).items():
+            if key in per[name]:
+                raise ValueError(f"{name}: two results for {key!r}; give them different --names")
+            per[name][key] = row
+    return cols, [per[c] for c in cols]
+
+
 def _fmt(v: float | None) -> str:
     if v is None or v != v:
         return "-"
@@ -57,10 +84,14 @@ def _fmt(v: float | None) -> str:
 
 
 def compare_table(results: Sequence[dict], names: Sequence[str] | None = None) -> str:
-    """A text table: one block per condition, one row per metric, one column per result with its ratio
-    to the first result (>1 means more of the metric; the better direction is marked per metric)."""
+    """A text table: one block per condition, one row per metric, one column per name (results that
+    share a name are merged) with its ratio to the first column (>1 means more of the metric; the better
+    direction is marked per metric)."""
     names = list(names or [r.get("system") or f"#{i}" for i, r in enumerate(results)])
-    per = [entries(r) for r in results]
+    first_result = {}
+    for n, r in zip(names, results, strict=True):
+        first_result.setdefault(n, r)
+    names, per = merged_entries(results, names)
     keys: list[str] = []
     for e in per:
         keys += [k for k in e if k not in keys]
@@ -88,8 +119,11 @@ def compare_table(results: Sequence[dict], names: Sequence[str] | None = None) -
             arrow = "^" if higher else "v"
             lines.append(f"{label + ' ' + arrow:<16}" + "".join(cells))
     settings = []
-    for n, r in zip(names, results, strict=True):
+    for n in names:
+        r = first_result[n]
         mach = r.get("machine", {})
+        load = mach.get("load_average")
+        load = " ".join(f"{x:.1f}" for x in load) if load else load
         settings.append(f"{n}: {mach.get('usable_cores')} cores, threads env {mach.get('threads_env') or {}}, "
-                        f"load avg {mach.get('load_average')}")
+                        f"load avg (1/5/15 min) {load}")
     return "\n".join(lines) + "\n\n" + "\n".join(settings)

@@ -128,3 +128,24 @@ def test_compare_table_ratios_to_the_first():
     assert "(0.50x)" in line
     with pytest.raises(ValueError):
         compare_table([{"kind": "other"}])
+
+
+def test_compare_table_merges_results_of_one_name_and_shows_sizes():
+    def result(system: str, conc: int, n: int, tput: float) -> dict:
+        r = _serve_result(system, tput, 10.0)
+        r["workload"] = {"name": "fixed", "num_prompts": n, "output_len": 128}
+        r["runs"][0]["max_concurrency"] = conc
+        return r
+
+    # Concurrency 1 with 8 requests and concurrency 8 with 32, one file each, per side.
+    files = [result("a", 1, 8, 10.0), result("a", 8, 32, 80.0), result("b", 1, 8, 20.0), result("b", 8, 32, 40.0)]
+    table = compare_table(files, ["a", "a", "b", "b"])
+    header = [ln for ln in table.splitlines() if ln.startswith("metric")]
+    assert len(header) == 2 and all(ln.split() == ["metric", "a", "b"] for ln in header)
+    blocks = table.split("\n\n")
+    assert blocks[0].startswith("fixed | conc 1 | rate inf | 8 requests x 128 tokens")
+    assert blocks[1].startswith("fixed | conc 8 | rate inf | 32 requests x 128 tokens")
+    tput = [ln for ln in table.splitlines() if ln.startswith("output tok/s")]
+    assert "20 (2.00x)" in tput[0] and "40 (0.50x)" in tput[1]
+    with pytest.raises(ValueError, match="two results"):
+        compare_table([files[0], files[0]], ["a", "a"])

