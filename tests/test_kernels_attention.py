@@ -238,3 +238,21 @@ def test_validation_of_options():
         AttentionTuning(block_q=3)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         ragged_paged_attention(*_args(D=48), sm_scale=0.1, interpret=True)
+
+
+@pytest.mark.parametrize("soft_cap,sliding_window", [(None, None), (3.0, 6)])
+def test_engine_xla_backend_matches_reference(soft_cap, sliding_window):
+    """The engine's CPU attention (blocks of pages, online softmax) equals the kernels' oracle, with
+    sequences longer than one block of pages and padding tokens and sequences."""
+    from jaxserve.models.attention import xla_ragged_paged_attention
+
+    rng = np.random.default_rng(12)
+    batch = make_batch(rng, page_size=8, head_dim=16, group=3, num_kv_heads=2, dtype=jnp.float32,
+                       seqs=[(1, 37), (5, 20), (1, 1), (9, 9)], pages_per_seq=6)
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    got = np.asarray(xla_ragged_paged_attention(*args, **kw, pages_per_block=2))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got[n:], 0.0)

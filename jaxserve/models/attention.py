@@ -1,8 +1,11 @@
 """Paged attention over the KV page pool, dispatched by backend.
 
-The `xla` backend here is plain `jax.numpy` and is the reference for the Pallas kernels in
-`pallas_kernels/`. All backends share one contract (see `ModelInputs`): queries packed by
-sequence, KV read through each sequence's page table, causal within the sequence.
+All backends share one contract (`pallas_kernels.ragged_attention_args`, see also `ModelInputs`):
+queries packed by sequence, KV read through each sequence's page table, causal within the sequence.
+The `xla` backend here is plain `jax.numpy` and is what the CPU serves with: it walks blocks of pages
+with an online softmax, so its memory stays bounded by a block whatever the context. The kernels'
+oracle (`pallas_kernels.ragged_paged_attention_reference`) gathers whole sequences instead; a test
+holds the two equal.
 """
 
 from __future__ import annotations
@@ -15,19 +18,6 @@ import jax.numpy as jnp
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
 # pallas_mosaic: the pallas kernels, with decode-only batches on the Mosaic GPU decode kernel (Hopper).
 ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic")
-
-
-def token_layout(seq_lens: jax.Array, query_start_loc: jax.Array, num_tokens: int):
-    """Per token slot: its sequence, its position, and whether it is a real token."""
-    num_seqs = seq_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
-    valid = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    q_start = query_start_loc[seq]
-    q_len = query_start_loc[seq + 1] - q_start
-    pos = seq_lens[seq] - q_len + (t - q_start)
-    return seq, jnp.where(valid, pos, -1), valid
 
 
 def xla_ragged_paged_attention(
@@ -59,7 +49,10 @@ def xla_ragged_paged_attention(
         block_tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks_max * B - P)))
     J = B * page_size
 
-    seq, pos, valid = token_layout(seq_lens, query_start_loc, T)
+    from pallas_kernels.ragged_attention_args import token_metadata  # the contract shared with the kernels
+
+    seq, pos, valid = token_metadata(seq_lens, query_start_loc, T)
+    pos = jnp.where(valid, pos, -1)  # a padding token sees no key, so its output is zero
     tables = block_tables[seq]  # [T, num_blocks_max * B]
     qf = q.astype(jnp.float32).reshape(T, Hkv, G, D) * sm_scale
     max_len = jnp.max(jnp.where(valid, pos + 1, 0))
@@ -83,6 +76,8 @@ def xla_ragged_paged_attention(
         p = jnp.exp(s - m_safe[..., None])
         alpha = jnp.exp(m - m_safe)
         denom = denom * alpha + p.sum(axis=-1)
+        # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
+        v = jnp.where(mask[:, :, None, None], v, 0.0)
         acc = acc * alpha[..., None] + jnp.einsum("tkgj,tjkd->tkgd", p, v)
         return m_new, denom, acc
 
