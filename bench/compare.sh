@@ -80,7 +80,7 @@ bench_serve() {  # side round
 }
 
 PID=""
-cleanup() { [[ -n "$PID" ]] && stop_pid "$PID"; }
+cleanup() { if [[ -n "${PID:-}" ]]; then stop_pid "$PID"; fi; }  # a plain && would make the exit status 1
 trap cleanup EXIT
 
 export_hf_dir
