@@ -1,4 +1,4 @@
-"""Plain `jax.numpy` ragged paged attention: the `xla` backend and the oracle of the kernels.
+"""Plain `jax.numpy` ragged paged attention: the oracle of the kernels.
 
 It computes what `ragged_paged_attention` computes (see that module for the semantics) by gathering each
 sequence's pages whole, with no blocking and no online softmax.
@@ -31,7 +31,8 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
 ) -> jax.Array:
-    """Plain `jax.numpy` ragged paged attention; the `xla` backend and the kernels' oracle."""
+    """Plain `jax.numpy` ragged paged attention, the kernels' oracle (the engine's `xla` backend computes
+    the same in blocks of pages; a test holds the two equal)."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
     )
