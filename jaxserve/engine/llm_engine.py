@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.model_loading import (
@@ -29,7 +28,6 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
 from jaxserve.engine.runner import (
     MAX_STOP_IDS,
-    DecodeState,
     ModelRunner,
     RunnerConfig,
     StepOutput,
@@ -37,8 +35,9 @@ from jaxserve.engine.runner import (
 )
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine.step_batch import decode_state, mixed_inputs, row, step_shapes
 from jaxserve.engine_args import EngineArgs
-from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.inputs import KVCache
 from jaxserve.outputs import RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 
@@ -241,20 +240,7 @@ class LLMEngine:
 
     def _trace_plan(self, plan: SchedulerOutput, step_id: int) -> None:
         """L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel shapes."""
-        rcfg, mcfg = self.runner.cfg, self.model.config
-        decode = all(s.is_decode for s in plan.scheduled)
-        if decode:
-            S = rcfg.seq_bucket(len(plan.scheduled))
-            bucket = {"kind": "decode", "num_seqs": S, "pages_per_seq": rcfg.pages_per_seq,
-                      "num_scheduler_steps": rcfg.num_scheduler_steps}
-            q_tokens = S
-        else:
-            T = rcfg.token_bucket(plan.num_batched_tokens)
-            bucket = {"kind": "mixed", "num_tokens": T, "num_seqs": min(T, rcfg.max_num_seqs),
-                      "pages_per_seq": rcfg.pages_per_seq}
-            q_tokens = T
-        kernel = {"backend": rcfg.backend, "q": [q_tokens, mcfg.num_heads, mcfg.head_dim],
-                  "kv_pages": [mcfg.num_layers, rcfg.num_pages, rcfg.page_size, mcfg.num_kv_heads, mcfg.head_dim]}
+        bucket, kernel = step_shapes(plan, self.runner.cfg, self.model.config)
         for rid in plan.preempted_ids:
             self._trace(rid, "L4", "preempted", step=step_id)
         for s in plan.scheduled:
@@ -282,44 +268,19 @@ class LLMEngine:
         return tensors, want_top, penalties
 
     def _run_mixed(self, plan: SchedulerOutput) -> dict[str, StepOutput]:
-        rcfg = self.runner.cfg
-        T = rcfg.token_bucket(plan.num_batched_tokens)
-        S = min(T, rcfg.max_num_seqs)
         scheduled = list(plan.scheduled)
-        inputs = ModelInputs.build(
-            [(list(s.token_ids), s.start_position, list(s.page_table)) for s in scheduled],
-            rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
-        )
+        inputs, S = mixed_inputs(scheduled, self.runner.cfg)
         tensors, want_top, penalties = self._sampling(scheduled, S)
         out = self.runner.run_mixed(inputs, tensors, penalties, want_top)
-        return {s.request_id: _row(out, i, 1) for i, s in enumerate(scheduled) if s.sample}
+        return {s.request_id: row(out, i, 1) for i, s in enumerate(scheduled) if s.sample}
 
     def _run_decode_loop(self, plan: SchedulerOutput) -> dict[str, StepOutput]:
-        rcfg = self.runner.cfg
         scheduled = list(plan.scheduled)
-        S = rcfg.seq_bucket(len(scheduled))
-        n = rcfg.num_scheduler_steps
-        P = rcfg.pages_per_seq
-        tokens = np.zeros(S, np.int32)
-        positions = np.zeros(S, np.int32)
-        tables = np.zeros((S, P), np.int32)
-        max_steps = np.zeros(S, np.int32)
-        stop_ids = np.full((S, MAX_STOP_IDS), -1, np.int32)
-        min_left = np.zeros(S, np.int32)
-        for i, s in enumerate(scheduled):
-            seq = self._seq[s.request_id]
-            steps = self.scheduler.reserve_decode_pages(s.request_id, n) if n > 1 else 1
-            pages = self.scheduler.get_request(s.request_id).pages
-            tokens[i] = s.token_ids[0]
-            positions[i] = s.start_position
-            tables[i, : len(pages)] = pages
-            max_steps[i] = max(1, steps)
-            stop_ids[i, : len(seq.stop_ids)] = seq.stop_ids
-            min_left[i] = max(0, seq.params.min_tokens - len(seq.token_ids))
-        st = DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)))
-        tensors, want_top, penalties = self._sampling(scheduled, S)
+        st = decode_state(scheduled, [self._seq[s.request_id] for s in scheduled], self.runner.cfg,
+                          self.scheduler.reserve_decode_pages, lambda rid: self.scheduler.get_request(rid).pages)
+        tensors, want_top, penalties = self._sampling(scheduled, st.tokens.shape[0])
         out = self.runner.run_decode(st, tensors, penalties, want_top)
-        return {s.request_id: _row(out, i, int(out.num_generated[i])) for i, s in enumerate(scheduled)}
+        return {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(scheduled)}
 
     # -- host side of a step -----------------------------------------------------------------------
 
@@ -434,11 +395,3 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.cache.reset() if self.scheduler.cache else True
 
-
-def _row(out: StepOutput, i: int, n: int) -> StepOutput:
-    """Row i of a step's output as per-token arrays of length n."""
-    if out.token_ids.ndim == 1:
-        return StepOutput(out.token_ids[i:i + 1], out.logprobs[i:i + 1], out.ranks[i:i + 1],
-                          out.top_ids[i:i + 1], out.top_logprobs[i:i + 1], np.int32(1))
-    return StepOutput(out.token_ids[:n, i], out.logprobs[:n, i], out.ranks[:n, i], out.top_ids[:n, i],
-                      out.top_logprobs[:n, i], np.int32(n))
