@@ -27,6 +27,14 @@ wait_http() {
   log "timed out after ${timeout}s waiting for $url"; return 1
 }
 
+# started PID URL TIMEOUT_S: wait for a server just started in the background to answer URL, then print
+# its PID; stop it and exit 1 if it does not.
+started() {
+  local pid="$1"
+  wait_http "$2" "$3" "$pid" || { stop_pid "$pid"; exit 1; }
+  echo "$pid"
+}
+
 # stop_pid PID: SIGTERM, then SIGKILL after 20 s; only the process we started.
 stop_pid() {
   local pid="$1" t=0

@@ -20,9 +20,7 @@ start() {
   log "starting the HF baseline on 127.0.0.1:$port ($threads threads, $PEER_DTYPE), log $logf"
   $(cpu_prefix) "$JAXSERVE_PY" "$HERE/hf_server.py" --model "$HF_DIR" --port "$port" --served-model-name smollm2 \
     --dtype "$PEER_DTYPE" --threads "$threads" --max-batch-size "${HF_MAX_BATCH:-32}" >"$logf" 2>&1 &
-  local pid=$!
-  wait_http "http://127.0.0.1:$port/health" "${START_TIMEOUT:-300}" "$pid" || { stop_pid "$pid"; exit 1; }
-  echo "$pid"
+  started $! "http://127.0.0.1:$port/health" "${START_TIMEOUT:-300}"
 }
 
 case "${1:-}" in

@@ -19,10 +19,8 @@ start() {
   (cd "$BENCH_ROOT" && exec $(cpu_prefix) "$JAXSERVE_PY" -m jaxserve.cli serve --host 127.0.0.1 --port "$port" \
     --served-model-name smollm2 --dtype "$PEER_DTYPE" --max-num-seqs "${MAX_NUM_SEQS:-256}" \
     --max-model-len "${MAX_MODEL_LEN:-4096}" ${JAXSERVE_ARGS:-}) >"$logf" 2>&1 &
-  local pid=$!
   # Warmup compiles every shape bucket (minutes on 2 busy cores the first time, cached afterwards).
-  wait_http "http://127.0.0.1:$port/ready" "${START_TIMEOUT:-900}" "$pid" || { stop_pid "$pid"; exit 1; }
-  echo "$pid"
+  started $! "http://127.0.0.1:$port/ready" "${START_TIMEOUT:-900}"
 }
 
 case "${1:-}" in

@@ -30,9 +30,7 @@ start() {
   mkdir -p "$(dirname "$logf")"
   $(cpu_prefix) "$LLAMA_VENV/bin/python" -m llama_cpp.server --model "$gguf" --host 127.0.0.1 --port "$port" \
     --model_alias smollm2 --n_threads "$threads" --n_ctx "${LLAMA_CTX:-16384}" >"$logf" 2>&1 &
-  local pid=$!
-  wait_http "http://127.0.0.1:$port/v1/models" "${START_TIMEOUT:-300}" "$pid" || { stop_pid "$pid"; exit 1; }
-  echo "$pid"
+  started $! "http://127.0.0.1:$port/v1/models" "${START_TIMEOUT:-300}"
 }
 
 case "${1:-}" in

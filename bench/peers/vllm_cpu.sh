@@ -92,10 +92,8 @@ start() {
     $(cpu_prefix) "$VLLM_VENV/bin/vllm" serve "$HF_DIR" --host 127.0.0.1 --port "$port" \
       --served-model-name smollm2 --dtype "$PEER_DTYPE" --max-num-seqs "${MAX_NUM_SEQS:-256}" \
       --max-model-len "${MAX_MODEL_LEN:-4096}" "${eager[@]}" >"$logf" 2>&1 &
-  local pid=$!
   # Unless eager, every start compiles for several minutes (see the header).
-  wait_http "http://127.0.0.1:$port/health" "${START_TIMEOUT:-900}" "$pid" || { stop_pid "$pid"; exit 1; }
-  echo "$pid"
+  started $! "http://127.0.0.1:$port/health" "${START_TIMEOUT:-900}"
 }
 
 case "${1:-}" in
