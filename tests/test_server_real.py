@@ -76,16 +76,17 @@ def test_disconnect_frees_the_pages(real):
     usage_before = _metric(srv, "vllm:kv_cache_usage_perc")
     generated_before = _metric(srv, "vllm:generation_tokens_total")
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # held, so the stream stays open until the block ends (a dropped iterator closes it)
+        for line in lines:
             if line.startswith("data: "):
                 assert json.loads(line[6:])["choices"]
                 break
         # The engine thread publishes its stats snapshot once per loop, so it may trail the first chunk.
         deadline = time.monotonic() + 10
-        while _metric(srv, "vllm:num_requests_running") != 1:
-            assert time.monotonic() < deadline, "the running request never showed in the metrics"
+        while not (_metric(srv, "vllm:num_requests_running") == 1
+                   and _metric(srv, "vllm:kv_cache_usage_perc") > usage_before):
+            assert time.monotonic() < deadline, "the running request and its pages never showed in the metrics"
             time.sleep(0.05)
-        assert _metric(srv, "vllm:kv_cache_usage_perc") > usage_before
     deadline = time.monotonic() + 20
     while srv.state.active:
         assert time.monotonic() < deadline, "the server did not abort the request of the client that left"
