@@ -241,18 +241,26 @@ def test_validation_of_options():
 
 
 @pytest.mark.parametrize("soft_cap,sliding_window", [(None, None), (3.0, 6)])
-def test_engine_xla_backend_matches_reference(soft_cap, sliding_window):
-    """The engine's CPU attention (blocks of pages, online softmax) equals the kernels' oracle, with
-    sequences longer than one block of pages and padding tokens and sequences."""
+@pytest.mark.parametrize("seqs,query_block", [
+    # a mixed batch: prompt chunks of several tiles (partial last tiles, one after a cached prefix) and decodes
+    ([(1, 37), (9, 20), (1, 1), (13, 16), (6, 8), (1, 12)], 4),
+    ([(1, 37), (5, 20), (1, 1), (9, 9)], 32),
+    ([(1, 37), (1, 20), (1, 1), (1, 9)], 4),  # decoding only: every token reads its own pages
+])
+def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block):
+    """The engine's CPU attention (blocks of pages, online softmax; prompt chunks in query tiles)
+    equals the kernels' oracle, with sequences longer than one block of pages, padding tokens and
+    sequences, and NaN in the scratch page that masked keys point at."""
     from jaxserve.models.attention import xla_ragged_paged_attention
 
     rng = np.random.default_rng(12)
     batch = make_batch(rng, page_size=8, head_dim=16, group=3, num_kv_heads=2, dtype=jnp.float32,
-                       seqs=[(1, 37), (5, 20), (1, 1), (9, 9)], pages_per_seq=6)
+                       seqs=seqs, pages_per_seq=6)
     args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw))
-    got = np.asarray(xla_ragged_paged_attention(*args, **kw, pages_per_block=2))
+    got = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, pages_per_block=2,
+                                               query_block=query_block))(*args))
     n = batch.num_real_tokens
     np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(got[n:], 0.0)

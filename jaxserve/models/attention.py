@@ -32,63 +32,182 @@ def xla_ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     pages_per_block: int = 8,
+    query_block: int = 32,
 ) -> jax.Array:
     """Ragged paged attention in plain JAX, with an online softmax over blocks of pages.
 
     q: [T, Hq, D]; k_pages, v_pages: [N, page_size, Hkv, D]; block_tables: [S, P];
-    seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype. The loop over
-    KV blocks runs only as far as the longest sequence in the batch.
+    seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
+
+    Two forms, chosen on the device: when every sequence has at most one query token (decoding),
+    each token reads its own sequence's pages, all tokens at once; otherwise each sequence's queries
+    go in tiles of `query_block` tokens that share one read of the sequence's pages, so a prompt
+    chunk reads its context once per tile instead of once per token. Both walk the KV in blocks of
+    `pages_per_block` pages, only as far as the keys the queries can see.
     """
-    T, Hq, D = q.shape
-    _, page_size, Hkv, _ = k_pages.shape
     S, P = block_tables.shape
-    G = Hq // Hkv
     B = min(pages_per_block, P)
     num_blocks_max = -(-P // B)
     if num_blocks_max * B != P:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks_max * B - P)))
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=B)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    return jax.lax.cond(
+        jnp.all(q_lens <= 1),
+        lambda a: _per_token_attention(*a, **kw),
+        lambda a: _tiled_attention(*a, query_block=query_block, **kw),
+        args,
+    )
+
+
+def _cap(s: jax.Array, soft_cap: float | None) -> jax.Array:
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _online_softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
+    """Fold one block of keys into (max, denominator, accumulator). s: scores [R, Hkv, G, J];
+    mask [R, J]: the keys each query row sees; pv(p): the probabilities times the block's values."""
+    m, denom, acc = carry
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    denom = denom * alpha + p.sum(axis=-1)
+    return m_new, denom, acc * alpha[..., None] + pv(p)
+
+
+def _key_mask(kpos: jax.Array, pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, within the window)."""
+    mask = kpos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask &= kpos[None, :] > pos[:, None] - sliding_window
+    return mask
+
+
+def _init(R: int, Hkv: int, G: int, D: int):
+    return (jnp.full((R, Hkv, G), -jnp.inf, jnp.float32), jnp.zeros((R, Hkv, G), jnp.float32),
+            jnp.zeros((R, Hkv, G, D), jnp.float32))
+
+
+def _finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(out.shape[0], -1, out.shape[-1])
+
+
+def _rows_attention(qf, pos, tables, k_pages, v_pages, *, soft_cap, sliding_window, pages_per_block):
+    """Each query row against its own pages. qf: [R, Hkv, G, D] f32, scaled; pos: [R] (-1: sees no
+    key); tables: [R, num_blocks * B]. Returns [R, Hq, D] f32 (zero for a row that sees no key)."""
+    R, Hkv, G, D = qf.shape
+    page_size = k_pages.shape[1]
+    B = pages_per_block
     J = B * page_size
-
-    from pallas_kernels.ragged_attention_args import token_metadata  # the contract shared with the kernels
-
-    seq, pos, valid = token_metadata(seq_lens, query_start_loc, T)
-    pos = jnp.where(valid, pos, -1)  # a padding token sees no key, so its output is zero
-    tables = block_tables[seq]  # [T, num_blocks_max * B]
-    qf = q.astype(jnp.float32).reshape(T, Hkv, G, D) * sm_scale
-    max_len = jnp.max(jnp.where(valid, pos + 1, 0))
-    num_blocks = jnp.minimum((max_len + J - 1) // J, num_blocks_max)
+    num_blocks = jnp.minimum((jnp.max(pos) + J) // J, tables.shape[1] // B)
 
     def body(j, carry):
-        m, denom, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [T, B]
-        k = k_pages[pages].reshape(T, J, Hkv, D).astype(jnp.float32)
-        v = v_pages[pages].reshape(T, J, Hkv, D).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tjkd->tkgj", qf, k)  # [T, Hkv, G, J]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        kpos = j * J + jnp.arange(J, dtype=jnp.int32)
-        mask = kpos[None, :] <= pos[:, None]  # [T, J]
-        if sliding_window is not None:
-            mask &= kpos[None, :] > pos[:, None] - sliding_window
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        denom = denom * alpha + p.sum(axis=-1)
+        pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [R, B]
+        k = k_pages[pages].reshape(R, J, Hkv, D).astype(jnp.float32)
+        v = v_pages[pages].reshape(R, J, Hkv, D).astype(jnp.float32)
+        mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, sliding_window)
         # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgj,tjkd->tkgd", p, v)
-        return m_new, denom, acc
+        s = _cap(jnp.einsum("tkgd,tjkd->tkgj", qf, k), soft_cap)
+        return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("tkgj,tjkd->tkgd", p, v))
 
-    init = (
-        jnp.full((T, Hkv, G), -jnp.inf, jnp.float32),
-        jnp.zeros((T, Hkv, G), jnp.float32),
-        jnp.zeros((T, Hkv, G, D), jnp.float32),
-    )
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(T, Hq, D).astype(q.dtype)
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, _init(R, Hkv, G, D))
+    return _finish(denom, acc)
+
+
+def _token_rows(seq_lens, query_start_loc, num_tokens: int):
+    """Per packed token: its sequence, its position (-1 for padding) and whether it is real."""
+    from pallas_kernels.ragged_attention_args import token_metadata  # the contract shared with the kernels
+
+    seq, pos, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
+    return seq, jnp.where(valid, pos, -1), valid  # a padding token sees no key, so its output is zero
+
+
+def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                         sm_scale, soft_cap, sliding_window, pages_per_block):
+    """Every token gathers its own sequence's pages, one block at a time, all tokens at once."""
+    T, Hq, D = q.shape
+    Hkv = k_pages.shape[2]
+    seq, pos, _ = _token_rows(seq_lens, query_start_loc, T)
+    qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
+    out = _rows_attention(qf, pos, block_tables[seq], k_pages, v_pages, soft_cap=soft_cap,
+                          sliding_window=sliding_window, pages_per_block=pages_per_block)
+    return out.astype(q.dtype)
+
+
+def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                     sm_scale, soft_cap, sliding_window, pages_per_block, query_block):
+    """A mixed batch. Each prompt chunk (a sequence with several query tokens) goes in tiles of
+    `query_block` tokens; a tile reads each block of its sequence's pages once for all its tokens.
+    Decode tokens (one query token in their sequence) go `query_block` at a time, each reading its own
+    pages. Loops run over the real tiles and chunks, and over the blocks of keys they can see."""
+    T, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_pages.shape
+    S = block_tables.shape[0]
+    G, B, Bq = Hq // Hkv, pages_per_block, query_block
+    J = B * page_size
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
+    # would shift it back instead); row T is where decode chunks park their unused rows.
+    qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
+    rows = jnp.arange(Bq, dtype=jnp.int32)
+    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=B)
+
+    # Decode tokens, compacted to the front, a chunk of Bq per iteration.
+    seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
+    decode = valid & (q_lens[seq] == 1)
+    num_decode = jnp.sum(decode)
+    order = jnp.pad(jnp.argsort(~decode, stable=True).astype(jnp.int32), (0, Bq), constant_values=T)
+
+    def decode_chunk(c, out):
+        idx = jax.lax.dynamic_slice_in_dim(order, c * Bq, Bq)
+        real = c * Bq + rows < num_decode
+        idx = jnp.where(real, idx, T)
+        tok = jnp.minimum(idx, T - 1)
+        o = _rows_attention(qf[idx], jnp.where(real, pos[tok], -1), block_tables[seq[tok]], k_pages, v_pages, **kw)
+        return out.at[idx].set(o)
+
+    out = jax.lax.fori_loop(0, (num_decode + Bq - 1) // Bq, decode_chunk, jnp.zeros((T + Bq, Hq, D), jnp.float32))
+
+    # Prompt chunks, in tiles.
+    tiles = jnp.where(q_lens > 1, (q_lens + Bq - 1) // Bq, 0)  # [S]
+    ends = jnp.cumsum(tiles)
+    i = jnp.arange(-(-T // Bq) + S, dtype=jnp.int32)  # at most one partial tile per sequence
+    tile_seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), S - 1).astype(jnp.int32)
+    tile_q0 = (i - (ends - tiles)[tile_seq]) * Bq  # the tile's first query, within its sequence
+
+    def tile(t, out):
+        s, q0 = tile_seq[t], tile_q0[t]
+        start = query_start_loc[s] + q0
+        ctx = seq_lens[s] - q_lens[s]  # tokens before this step's queries
+        real = q0 + rows < q_lens[s]
+        pos = jnp.where(real, ctx + q0 + rows, -1)  # [Bq]
+        qt = jax.lax.dynamic_slice_in_dim(qf, start, Bq)
+        last = ctx + jnp.minimum(q0 + Bq, q_lens[s])  # keys [first, last) are all the tile can see
+        first = 0 if sliding_window is None else jnp.maximum(ctx + q0 - sliding_window + 1, 0)
+        table = block_tables[s]
+
+        def block(j, carry):
+            pages = jax.lax.dynamic_slice_in_dim(table, j * B, B)  # [B]
+            k = k_pages[pages].reshape(J, Hkv, D).astype(jnp.float32)
+            v = v_pages[pages].reshape(J, Hkv, D).astype(jnp.float32)
+            kpos = j * J + jnp.arange(J, dtype=jnp.int32)
+            # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
+            v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
+            s = _cap(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap)
+            mask = _key_mask(kpos, pos, sliding_window)
+            return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
+
+        _, denom, acc = jax.lax.fori_loop(first // J, (last + J - 1) // J, block, _init(Bq, Hkv, G, D))
+        new = jnp.where(real[:, None, None], _finish(denom, acc), jax.lax.dynamic_slice_in_dim(out, start, Bq))
+        return jax.lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
+
+    out = jax.lax.fori_loop(0, ends[-1], tile, out)
+    return out[:T].astype(q.dtype)
 
 
 def write_kv(

@@ -37,6 +37,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+def _dot_out_major(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] times an out-major weight w [N, K]: [T, N]."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
 def _layer(
     cfg: ModelConfig,
     backend: AttentionBackend,
@@ -56,7 +61,7 @@ def _layer(
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         if lp.wqkv is not None:
             T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            qkv = h @ lp.wqkv  # [T, (Hq + 2 * Hkv) * D]
+            qkv = _dot_out_major(h, lp.wqkv)  # [T, (Hq + 2 * Hkv) * D]
             q = qkv[:, : Hq * D].reshape(T, Hq, D)
             k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
             v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
@@ -81,7 +86,8 @@ def _layer(
             sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
         )  # [T, Hq, D]
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
-        out = attn.reshape(attn.shape[0], -1) @ lp.wo.reshape(-1, lp.wo.shape[-1])
+        attn = attn.reshape(attn.shape[0], -1)
+        out = _dot_out_major(attn, lp.wo_t) if lp.wo_t is not None else attn @ lp.wo.reshape(-1, lp.wo.shape[-1])
         if lp.bo is not None:
             out = out + lp.bo
         x = x + out
@@ -94,13 +100,14 @@ def _layer(
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         if lp.w_gate_up is not None:
-            gate, up = jnp.split(h @ lp.w_gate_up, 2, axis=-1)  # [T, F] each
+            gate, up = jnp.split(_dot_out_major(h, lp.w_gate_up), 2, axis=-1)  # [T, F] each
         else:
             gate = h @ lp.w_gate  # [T, F]
             up = h @ lp.w_up
         if lp.b_gate is not None:
             gate, up = gate + lp.b_gate, up + lp.b_up
-        down = (jax.nn.silu(gate) * up) @ lp.w_down
+        act = jax.nn.silu(gate) * up
+        down = _dot_out_major(act, lp.w_down_t) if lp.w_down_t is not None else act @ lp.w_down
         if lp.b_down is not None:
             down = down + lp.b_down
         x = x + down

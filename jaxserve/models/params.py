@@ -65,9 +65,12 @@ class LayerParams:
     ws_down: Any = None  # [L, Fs, E]
     ws_mix: Any = None  # [L, E]: the shared expert's sigmoid gate
     # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then
-    # leave wq/wk/wv and w_gate/w_up None: fewer, larger matmuls per layer.
-    wqkv: Any = None  # [E, (Hq + 2 * Hkv) * D]: q, k and v projections side by side
-    w_gate_up: Any = None  # [E, 2 * F]: gate and up projections side by side
+    # leave wq/wk/wv, wo, w_gate/w_up and w_down None: fewer, larger matmuls per layer, each matrix
+    # out-major ([out, in], the checkpoints' own order), which XLA:CPU's dots read fastest.
+    wqkv: Any = None  # [(Hq + 2 * Hkv) * D, E]: q, k and v projections stacked
+    w_gate_up: Any = None  # [2 * F, E]: gate and up projections stacked
+    wo_t: Any = None  # [E, Hq * D]
+    w_down_t: Any = None  # [E, F]
 
 
 @jax.tree_util.register_dataclass
@@ -143,7 +146,9 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
 
     A layer slice keeps the stacked array's sharding of its other axes. With `fuse` (dense models on
     one device), each layer's q/k/v and gate/up projections become one matrix each (`wqkv`,
-    `w_gate_up`). Anything else (unstacked params, another model's tree) passes through."""
+    `w_gate_up`), and every projection is stored out-major (`wo_t`, `w_down_t`): a matrix-vector
+    product then streams whole rows, which on XLA:CPU reads the weights ~10% faster at batch 1 to 32.
+    Anything else (unstacked params, another model's tree) passes through."""
     if not isinstance(params, Params) or isinstance(params.layers, tuple):
         return params
     num_layers = jax.tree.leaves(params.layers)[0].shape[0]
@@ -160,10 +165,10 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
         if not fuse:
             return lp
         E = lp.wq.shape[0]
-        wqkv = jnp.concatenate([lp.wq.reshape(E, -1), lp.wk.reshape(E, -1), lp.wv.reshape(E, -1)], axis=1)
-        w_gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=1)
-        return dataclasses.replace(lp, wq=None, wk=None, wv=None, w_gate=None, w_up=None, wqkv=wqkv,
-                                   w_gate_up=w_gate_up)
+        wqkv = jnp.concatenate([lp.wq.reshape(E, -1), lp.wk.reshape(E, -1), lp.wv.reshape(E, -1)], axis=1).T
+        w_gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=1).T
+        return dataclasses.replace(lp, wq=None, wk=None, wv=None, wo=None, w_gate=None, w_up=None, w_down=None,
+                                   wqkv=wqkv, w_gate_up=w_gate_up, wo_t=lp.wo.reshape(-1, E).T, w_down_t=lp.w_down.T)
 
     def split(layers: LayerParams) -> tuple[LayerParams, ...]:
         return tuple(one_layer(layers, i) for i in range(num_layers))
