@@ -7,7 +7,8 @@ On one engine, in one process:
 - for each concurrency N: the first N requests of the workload (the fixed chat prompts by default)
   added at once, their output lengths forced (EOS ignored), output tokens/s over the wall time from
   the first request in to the last out;
-- the host share of each run: (engine.step wall time - the runner call's time) / engine.step wall time;
+- the host share of each run: the part of engine.step wall time with no step on the device (dispatched
+  and not yet fetched); with async scheduling a step is in flight while the host detokenizes;
 - compilations after warmup (should be 0: every shape bucket compiles at warmup).
 """
 
@@ -53,30 +54,26 @@ class OfflineConfig:
 @dataclass
 class _Call:
     kind: str  # "decode" or "mixed"
-    seconds: float  # the runner call: dispatch, device work, and the copy of the outputs to the host
+    seconds: float  # dispatch to outputs on the host: device work and the copy of the outputs
     steps: int  # decode steps run on the device in the call (1 for a mixed step)
     rows: int
 
 
 class StepProbe:
-    """Records each runner call of an engine (kind, time, decode steps), to split step time host/device."""
+    """Records each runner step of an engine (kind, dispatch-to-outputs time, decode steps), to split
+    step time host/device."""
 
     def __init__(self, runner: Any):
         self.calls: list[_Call] = []
-        mixed, decode = runner.run_mixed, runner.run_decode
+        fetch = runner.fetch
 
-        def run_mixed(inputs, *a, **k):
-            out = mixed(inputs, *a, **k)
-            self.calls.append(_Call("mixed", runner.last_step_time, 1, int(inputs.block_tables.shape[0])))
+        def probed_fetch(step, *a, **k):
+            out = fetch(step, *a, **k)
+            steps = int(np.max(out.num_generated)) if step.kind == "decode" else 1
+            self.calls.append(_Call(step.kind, runner.last_step_time, steps, step.rows))
             return out
 
-        def run_decode(st, *a, **k):
-            out = decode(st, *a, **k)
-            self.calls.append(_Call("decode", runner.last_step_time, int(np.max(out.num_generated)),
-                                    int(np.sum(np.asarray(st.max_steps) > 0))))
-            return out
-
-        runner.run_mixed, runner.run_decode = run_mixed, run_decode
+        runner.fetch = probed_fetch
 
     def take(self) -> list[_Call]:
         calls, self.calls = self.calls, []
@@ -106,7 +103,7 @@ class RunStats:
 
     @property
     def host_share(self) -> float:
-        return 1.0 - self.runner_s / self.step_wall_s if self.step_wall_s else float("nan")
+        return max(0.0, 1.0 - self.runner_s / self.step_wall_s) if self.step_wall_s else float("nan")
 
     @property
     def decode_step_s(self) -> float:

@@ -30,6 +30,9 @@ class EngineArgs:
     # Decode tokens per host round trip. On this project's 2-core CPU, 8 saved 5% of a batch-1 step and
     # nothing at 32 (bench/offline.py), while streaming in bursts of 8 tokens; 1 streams every token.
     num_scheduler_steps: int = 1
+    # Schedule and dispatch step N+1 before step N's outputs are detokenized, so the host's text work
+    # overlaps the device (outputs are identical either way).
+    async_scheduling: bool = True
     scheduling_policy: Policy = "fcfs"
     attention_backend: BackendChoice = "auto"
     seed: int = 0
@@ -112,6 +115,9 @@ class EngineArgs:
         g.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
                        help="decode steps run on the device per host round trip (tokens stream in "
                             "bursts of this size; raise it where the host step costs more than the device step)")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                       help="dispatch the next step before detokenizing this one's outputs (host work overlaps "
+                            "the device; outputs are identical either way)")
         g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d.scheduling_policy,
                        help="fcfs, or priority (lower value first, FCFS within a priority)")
         g.add_argument("--attention-backend", choices=list(BACKEND_CHOICES),

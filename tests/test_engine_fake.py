@@ -101,6 +101,68 @@ def test_outputs_identical_for_every_num_scheduler_steps(loaded, steps):
     assert eng.stats().compilations_after_warmup == 0
 
 
+def _summary(out):
+    return [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+             None if c.logprobs is None else [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()}
+                                             for e in c.logprobs]) for c in out.outputs]
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_async_scheduling_outputs_identical(loaded, steps):
+    """Dispatching step N+1 before step N is detokenized changes no output: stop ids and strings,
+    lengths, min_tokens, n > 1, logprobs, more requests than sequence slots."""
+    reqs = {}
+    for i in range(14):
+        p = dict(temperature=0, max_tokens=4 + (i * 5) % 17)
+        if i % 4 == 1:
+            p["stop"] = [f"t{8 + i}"]
+        if i % 4 == 2:
+            p.update(stop_token_ids=[10 + i], min_tokens=2)
+        if i % 5 == 3:
+            p.update(n=2, logprobs=2)
+        reqs[f"r{i}"] = ([2 + 3 * i], SamplingParams(**p))
+    sync = make_engine(loaded, num_scheduler_steps=steps, async_scheduling=False)
+    eager = make_engine(loaded, num_scheduler_steps=steps)
+    want, got = run(sync, reqs), run(eager, reqs)
+    assert sorted(got) == sorted(want) == sorted(reqs)
+    for rid in reqs:
+        assert _summary(got[rid]) == _summary(want[rid]), rid
+    assert {c.finish_reason for o in got.values() for c in o.outputs} == {"stop", "length"}
+
+
+def test_async_scheduling_keeps_a_step_in_flight_and_aborts_cleanly(loaded):
+    eng = make_engine(loaded, num_scheduler_steps=1)
+    eng.add_request("keep", [3], SamplingParams(temperature=0, max_tokens=12))
+    eng.add_request("drop", [40], SamplingParams(temperature=0, max_tokens=12))
+    first = eng.step()
+    assert eng._inflight is not None, "the next step is on the device when step() returns"
+    assert [o.outputs[0].token_ids for o in first] == [[4], [41]]
+    out = eng.abort_request("drop")  # it is in the step in flight
+    assert out.finished and out.outputs[0].token_ids == [41]
+    final = run(eng, {})
+    assert list(final) == ["keep"] and final["keep"].outputs[0].token_ids == list(range(4, 16))
+    assert eng._inflight is None
+
+
+def test_async_scheduling_failed_dispatch_surfaces_after_the_outputs(loaded):
+    eng = make_engine(loaded, num_scheduler_steps=1)
+    eng.add_request("a", [3], SamplingParams(temperature=0, max_tokens=5))
+    dispatch = eng.runner.dispatch_decode
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    eng.runner.dispatch_decode = fail
+    outs = eng.step()  # the prefill's token goes out; dispatching the next step failed
+    assert [o.outputs[0].token_ids for o in outs] == [[4]]
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    eng.runner.dispatch_decode = dispatch
+    assert eng.abort_request("a").outputs[0].finish_reason == "abort"
+    assert not eng.has_unfinished_requests()
+    eng.check_integrity()
+
+
 def test_n_completions(engine):
     out = run(engine, {"a": ([3], SamplingParams(n=3, temperature=0, max_tokens=2))})["a"]
     assert [c.index for c in out.outputs] == [0, 1, 2]

@@ -241,13 +241,15 @@ def test_validation_of_options():
 
 
 @pytest.mark.parametrize("soft_cap,sliding_window", [(None, None), (3.0, 6)])
-@pytest.mark.parametrize("seqs,query_block", [
+@pytest.mark.parametrize("seqs,query_block,decode", [
     # a mixed batch: prompt chunks of several tiles (partial last tiles, one after a cached prefix) and decodes
-    ([(1, 37), (9, 20), (1, 1), (13, 16), (6, 8), (1, 12)], 4),
-    ([(1, 37), (5, 20), (1, 1), (9, 9)], 32),
-    ([(1, 37), (1, 20), (1, 1), (1, 9)], 4),  # decoding only: every token reads its own pages
+    ([(1, 37), (9, 20), (1, 1), (13, 16), (6, 8), (1, 12)], 4, False),
+    ([(1, 37), (5, 20), (1, 1), (9, 9)], 32, False),
+    # decoding only: every token reads its own pages, all at once (decode) or a chunk at a time
+    ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 4, True),
+    ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 2, False),
 ])
-def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block):
+def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block, decode):
     """The engine's CPU attention (blocks of pages, online softmax; prompt chunks in query tiles)
     equals the kernels' oracle, with sequences longer than one block of pages, padding tokens and
     sequences, and NaN in the scratch page that masked keys point at."""
@@ -260,7 +262,7 @@ def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, qu
     kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw))
     got = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, pages_per_block=2,
-                                               query_block=query_block))(*args))
+                                               query_block=query_block, decode=decode))(*args))
     n = batch.num_real_tokens
     np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(got[n:], 0.0)

@@ -28,6 +28,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
 from jaxserve.engine.runner import (
     MAX_STOP_IDS,
+    InFlightStep,
     ModelRunner,
     RunnerConfig,
     StepOutput,
@@ -38,7 +39,7 @@ from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConf
 from jaxserve.engine.step_batch import decode_state, mixed_inputs, row, step_shapes
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
-from jaxserve.outputs import RequestMetrics, RequestOutput, token_logprobs
+from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class LLMEngine:
         self._seq_group: dict[str, RequestGroup] = {}
         self._seq: dict[str, SeqState] = {}
         self._counter = 0
+        self._inflight: tuple[SchedulerOutput, InFlightStep] | None = None  # dispatched, outputs not fetched
+        self._launch_error: Exception | None = None
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -208,7 +211,7 @@ class LLMEngine:
         self._seq_group.pop(seq.engine_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._launch_error is not None
 
     @property
     def num_requests(self) -> int:
@@ -217,11 +220,41 @@ class LLMEngine:
     # -- one iteration -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler iteration; returns the outputs of requests that progressed."""
+        """Run one scheduler iteration; returns the outputs of requests that progressed.
+
+        With `async_scheduling`, a step ends with the next one already on the device: it waits for the
+        step in flight, applies its tokens (what the scheduler needs), schedules and dispatches the next,
+        and detokenizes while the device works."""
+        if self._launch_error is not None:  # the last step's outputs went out; its dispatch of this one failed
+            error, self._launch_error = self._launch_error, None
+            raise error
+        try:
+            launched = self._inflight or self._launch()
+            self._inflight = None
+            if launched is None:
+                return []
+            plan, pending = launched
+            out = self.runner.fetch(pending)
+            sampled = ({s.request_id: row(out, i, 1) for i, s in enumerate(plan.scheduled) if s.sample}
+                       if pending.kind == "mixed" else
+                       {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(plan.scheduled)})
+            touched = self._accept(plan, sampled)
+        except BaseException:
+            self._inflight = None
+            raise
+        if self.args.async_scheduling:
+            try:
+                self._inflight = self._launch()
+            except Exception as e:  # noqa: BLE001 - raised by the next step(), once these outputs are out
+                self._launch_error = e
+        return self._emit(touched)
+
+    def _launch(self) -> tuple[SchedulerOutput, InFlightStep] | None:
+        """Schedule a step and dispatch it to the device (None when there is nothing to run)."""
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_ids)
         if plan.is_empty:
-            return []
+            return None
         now = time.time()
         step_id = self.runner.num_steps
         for s in plan.scheduled:
@@ -232,11 +265,16 @@ class LLMEngine:
             self._trace_plan(plan, step_id)
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
-            if all(s.is_decode for s in plan.scheduled):
-                sampled = self._run_decode_loop(plan)
-            else:
-                sampled = self._run_mixed(plan)
-        return self._process(plan, sampled)
+            scheduled = list(plan.scheduled)
+            if all(s.is_decode for s in scheduled):
+                st = decode_state(scheduled, [self._seq[s.request_id] for s in scheduled], self.runner.cfg,
+                                  self.scheduler.reserve_decode_pages,
+                                  lambda rid: self.scheduler.get_request(rid).pages)
+                tensors, want_top, penalties = self._sampling(scheduled, st.tokens.shape[0])
+                return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top)
+            inputs, S = mixed_inputs(scheduled, self.runner.cfg)
+            tensors, want_top, penalties = self._sampling(scheduled, S)
+            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top)
 
     def _trace_plan(self, plan: SchedulerOutput, step_id: int) -> None:
         """L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel shapes."""
@@ -267,43 +305,26 @@ class LLMEngine:
             penalties = self.runner.penalty_inputs(S, rows)
         return tensors, want_top, penalties
 
-    def _run_mixed(self, plan: SchedulerOutput) -> dict[str, StepOutput]:
-        scheduled = list(plan.scheduled)
-        inputs, S = mixed_inputs(scheduled, self.runner.cfg)
-        tensors, want_top, penalties = self._sampling(scheduled, S)
-        out = self.runner.run_mixed(inputs, tensors, penalties, want_top)
-        return {s.request_id: row(out, i, 1) for i, s in enumerate(scheduled) if s.sample}
-
-    def _run_decode_loop(self, plan: SchedulerOutput) -> dict[str, StepOutput]:
-        scheduled = list(plan.scheduled)
-        st = decode_state(scheduled, [self._seq[s.request_id] for s in scheduled], self.runner.cfg,
-                          self.scheduler.reserve_decode_pages, lambda rid: self.scheduler.get_request(rid).pages)
-        tensors, want_top, penalties = self._sampling(scheduled, st.tokens.shape[0])
-        out = self.runner.run_decode(st, tensors, penalties, want_top)
-        return {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(scheduled)}
-
     # -- host side of a step -----------------------------------------------------------------------
 
-    def _process(self, plan: SchedulerOutput, sampled: dict[str, StepOutput]) -> list[RequestOutput]:
+    def _accept(self, plan: SchedulerOutput, sampled: dict[str, StepOutput]) -> dict[str, RequestGroup]:
+        """A step's tokens into its requests and the scheduler (stops, lengths, finished requests, freed
+        pages); returns the requests that progressed. Text waits for `_emit`."""
         now = time.time()
         accepted: dict[str, list[int]] = {}
         stopped: list[str] = []
         touched: dict[str, RequestGroup] = {}
         for s in plan.scheduled:
-            if not s.sample:
-                continue
             seq = self._seq.get(s.request_id)
             request = self.scheduler.get_request(s.request_id)
-            if seq is None or request is None:
+            if not s.sample or seq is None or request is None:
                 continue
             out = sampled[s.request_id]
             room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
             toks: list[int] = []
             for j in range(min(len(out.token_ids), room)):
-                tok = int(out.token_ids[j])
-                toks.append(tok)
-                stop = self._append(seq, tok, out, j)
-                if stop:
+                toks.append(int(out.token_ids[j]))
+                if seq.accept(toks[-1], out, j, self.tokenizer):
                     stopped.append(s.request_id)
                     break
             accepted[s.request_id] = toks
@@ -314,17 +335,13 @@ class LLMEngine:
                 group.metrics.first_token_time = now
             touched[group.request_id] = group
         self.generation_tokens += sum(len(t) for t in accepted.values())
-        finished = self.scheduler.update_after_step(plan, accepted, stopped)
-        for request in finished:
+        for request in self.scheduler.update_after_step(plan, accepted, stopped):
             seq = self._seq[request.request_id]
             group = self._seq_group[request.request_id]
             if request.status is RequestStatus.FINISHED_LENGTH and seq.finish_reason is None:
-                seq.text += seq.detok.flush()
-                seq.text += seq.stops.flush()
                 seq.finish_reason = "length"
             group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, request.num_cached_tokens)
             self._forget(seq)
-        outputs = []
         for group in touched.values():
             for seq in group.seqs:
                 r = self.scheduler.get_request(seq.engine_id)
@@ -333,38 +350,20 @@ class LLMEngine:
             if group.finished:
                 group.metrics.finished_time = now
                 self._groups.pop(group.request_id, None)
-                if self.trace is not None:
-                    self.trace(group.request_id, "L4", "finished",
-                               {"finish_reasons": [q.finish_reason for q in group.seqs],
-                                "output_tokens": sum(len(q.token_ids) for q in group.seqs)})
+        return touched
+
+    def _emit(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
+        """Detokenize what `_accept` took and build the outputs of the requests that progressed."""
+        outputs = []
+        for group in touched.values():
+            for seq in group.seqs:
+                seq.decode(self.tokenizer)
+            if group.finished and self.trace is not None:
+                self.trace(group.request_id, "L4", "finished",
+                           {"finish_reasons": [q.finish_reason for q in group.seqs],
+                            "output_tokens": sum(len(q.token_ids) for q in group.seqs)})
             outputs.append(group.output())
         return outputs
-
-    def _append(self, seq: SeqState, tok: int, out: StepOutput, j: int) -> bool:
-        """Add one sampled token to a completion; True if it ends the completion (stop id or string)."""
-        seq.token_ids.append(tok)
-        if seq.logprobs is not None:
-            lp = float(out.logprobs[j])
-            seq.cumulative_logprob += lp
-            k = seq.params.logprobs or 0
-            entry = token_logprobs(tok, lp, int(out.ranks[j]), out.top_ids[j][:k].tolist(),
-                                   out.top_logprobs[j][:k].tolist())
-            for tid, item in entry.items():
-                item.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
-            seq.logprobs.append(entry)
-        if tok in seq.stop_ids and len(seq.token_ids) > seq.params.min_tokens - 1:
-            # As vLLM: the stop token stays in token_ids, its text is left out of the output text.
-            seq.text += seq.stops.add(seq.detok.flush()).text + seq.stops.flush()
-            seq.finish_reason = "stop"
-            seq.stop_reason = tok if tok in (seq.params.stop_token_ids or ()) else None
-            return True
-        delta = seq.stops.add(seq.detok.add(tok))
-        seq.text += delta.text
-        if delta.stop_str is not None:
-            seq.finish_reason = "stop"
-            seq.stop_reason = delta.stop_str
-            return True
-        return False
 
     # -- introspection -----------------------------------------------------------------------------
 

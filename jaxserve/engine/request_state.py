@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "RequestGroup", "SeqState"]
@@ -48,6 +49,54 @@ class SeqState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Accepted tokens not yet detokenized: (token, step output row, index in it, ends by a stop id).
+    undecoded: list[tuple[int, Any, int, bool]] = field(default_factory=list)
+    flushed: bool = False  # the held-back text went out at the length limit
+
+    def accept(self, tok: int, out: Any, j: int, tokenizer: Any) -> bool:
+        """Take a sampled token (index j of a step output row); True if it ends the completion.
+
+        What the scheduler needs, decided at once: a stop id ends it (as vLLM: the id stays in
+        token_ids, its text is left out). Its text and logprobs wait for `decode`, unless a stop string
+        could end the completion, which only its text tells: such a completion is decoded now.
+        """
+        self.token_ids.append(tok)
+        by_id = tok in self.stop_ids and len(self.token_ids) > self.params.min_tokens - 1
+        if by_id:
+            self.finish_reason = "stop"
+            self.stop_reason = tok if tok in (self.params.stop_token_ids or ()) else None
+        self.undecoded.append((tok, out, j, by_id))
+        if self.stops.stop:
+            self.decode(tokenizer)
+        return self.finish_reason is not None
+
+    def decode(self, tokenizer: Any) -> None:
+        """Detokenize the accepted tokens (text, stop strings, logprob entries); once the completion has
+        reached its length limit, flush the held-back text."""
+        for tok, out, j, by_id in self.undecoded:
+            if self.logprobs is not None:
+                lp = float(out.logprobs[j])
+                self.cumulative_logprob += lp
+                k = self.params.logprobs or 0
+                entry = token_logprobs(tok, lp, int(out.ranks[j]), out.top_ids[j][:k].tolist(),
+                                       out.top_logprobs[j][:k].tolist())
+                for tid, item in entry.items():
+                    item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
+                self.logprobs.append(entry)
+            if by_id:
+                self.text += self.stops.add(self.detok.flush()).text + self.stops.flush()
+                break
+            delta = self.stops.add(self.detok.add(tok))
+            self.text += delta.text
+            if delta.stop_str is not None:
+                self.finish_reason = "stop"
+                self.stop_reason = delta.stop_str
+                break
+        self.undecoded.clear()
+        if self.finish_reason == "length" and not self.flushed:
+            self.text += self.detok.flush()
+            self.text += self.stops.flush()
+            self.flushed = True
 
 
 @dataclass

@@ -193,6 +193,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             token_ids=tokens, positions=pos, slot_mapping=slots,
             block_tables=jnp.where(done[:, None], 0, st.block_tables),
             seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
+            decode=True,
         )
         logits, kv = model_fn(params, kv, inputs, cfg, backend)
         s = sample(logits, samp, counts, mask)
@@ -217,6 +218,16 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
     c = (jnp.int32(0), kv, st.tokens, st.positions, sampling, done0, counts0, out0)
     _, kv, _, _, _, _, _, out = jax.lax.while_loop(cond, body, c)
     return out, kv
+
+
+@dataclass
+class InFlightStep:
+    """A step dispatched to the device whose outputs are not yet on the host."""
+
+    kind: Literal["mixed", "decode"]
+    outputs: StepOutput  # device arrays
+    dispatched_at: float  # perf_counter
+    rows: int  # sequence rows in use (decode: rows with steps to run; mixed: the bucket's rows)
 
 
 def _fetch(out):
@@ -333,23 +344,34 @@ class ModelRunner:
     # -- steps -------------------------------------------------------------------------------------
 
     def run_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
+        return self.fetch(self.dispatch_mixed(inputs, sampling, penalties, want_top))
+
+    def run_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
+        return self.fetch(self.dispatch_decode(st, sampling, penalties, want_top))
+
+    def dispatch_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties,
+                       want_top: bool) -> InFlightStep:
+        """Start a mixed step on the device and return at once; `fetch` waits for its outputs."""
         S = inputs.block_tables.shape[0]
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
         t0 = time.perf_counter()
         out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, np.bool_(want_top))
-        out = _fetch(out)
-        self.last_step_time = time.perf_counter() - t0
-        self.num_steps += 1
-        self._check_compiles()
-        return out
+        return InFlightStep("mixed", out, t0, S)
 
-    def run_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
+    def dispatch_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> InFlightStep:
+        """Start a decode loop on the device and return at once; `fetch` waits for its outputs."""
         S = st.tokens.shape[0]
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
         t0 = time.perf_counter()
         out, self.kv = self._decode(self.params, self.kv, st, sampling, pen, np.bool_(want_top))
-        out = _fetch(out)
-        self.last_step_time = time.perf_counter() - t0
+        return InFlightStep("decode", out, t0, int(np.sum(np.asarray(st.max_steps) > 0)))
+
+    def fetch(self, step: InFlightStep) -> StepOutput:
+        """The step's outputs on the host (the one device-to-host transfer of a step).
+
+        `last_step_time` is the time from dispatch to outputs on the host: the device's share of a step."""
+        out = _fetch(step.outputs)
+        self.last_step_time = time.perf_counter() - step.dispatched_at
         self.num_steps += 1
         self._check_compiles()
         return out

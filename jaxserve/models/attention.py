@@ -33,17 +33,18 @@ def xla_ragged_paged_attention(
     sliding_window: int | None = None,
     pages_per_block: int = 8,
     query_block: int = 32,
+    decode: bool = False,
 ) -> jax.Array:
     """Ragged paged attention in plain JAX, with an online softmax over blocks of pages.
 
     q: [T, Hq, D]; k_pages, v_pages: [N, page_size, Hkv, D]; block_tables: [S, P];
     seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
 
-    Two forms, chosen on the device: when every sequence has at most one query token (decoding),
-    each token reads its own sequence's pages, all tokens at once; otherwise each sequence's queries
-    go in tiles of `query_block` tokens that share one read of the sequence's pages, so a prompt
-    chunk reads its context once per tile instead of once per token. Both walk the KV in blocks of
-    `pages_per_block` pages, only as far as the keys the queries can see.
+    Two forms. With `decode` (static: every sequence has at most one query token), each token reads
+    its own sequence's pages, all tokens at once. Otherwise each prompt chunk's queries go in tiles of
+    `query_block` tokens that share one read of the sequence's pages, so a chunk reads its context
+    once per tile instead of once per token, and decode tokens go `query_block` at a time. Both walk
+    the KV in blocks of `pages_per_block` pages, only as far as the keys the queries can see.
     """
     S, P = block_tables.shape
     B = min(pages_per_block, P)
@@ -51,14 +52,10 @@ def xla_ragged_paged_attention(
     if num_blocks_max * B != P:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks_max * B - P)))
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=B)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
-    return jax.lax.cond(
-        jnp.all(q_lens <= 1),
-        lambda a: _per_token_attention(*a, **kw),
-        lambda a: _tiled_attention(*a, query_block=query_block, **kw),
-        args,
-    )
+    if decode:
+        return _per_token_attention(*args, **kw)
+    return _tiled_attention(*args, query_block=query_block, **kw)
 
 
 def _cap(s: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -159,9 +156,9 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
 
     # Decode tokens, compacted to the front, a chunk of Bq per iteration.
     seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
-    decode = valid & (q_lens[seq] == 1)
-    num_decode = jnp.sum(decode)
-    order = jnp.pad(jnp.argsort(~decode, stable=True).astype(jnp.int32), (0, Bq), constant_values=T)
+    is_decode = valid & (q_lens[seq] == 1)
+    num_decode = jnp.sum(is_decode)
+    order = jnp.pad(jnp.argsort(~is_decode, stable=True).astype(jnp.int32), (0, Bq), constant_values=T)
 
     def decode_chunk(c, out):
         idx = jax.lax.dynamic_slice_in_dim(order, c * Bq, Bq)
@@ -238,11 +235,14 @@ def paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    decode: bool = False,
 ) -> jax.Array:
-    """Dispatch to the chosen attention backend (all share the xla backend's contract)."""
+    """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
+    (static) promises at most one query token per sequence."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
-        return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, **kwargs)
+        return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                                          decode=decode, **kwargs)
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
 

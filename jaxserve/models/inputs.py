@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -61,6 +61,8 @@ class ModelInputs:
     seq_lens: jax.Array  # [S] int32, KV length including this step's tokens
     query_start_loc: jax.Array  # [S + 1] int32
     logits_indices: jax.Array  # [R] int32, the token slots whose logits are returned
+    decode: bool = field(default=False, metadata=dict(static=True))
+    """Static: every sequence has at most one query token (the decode loop's batches)."""
 
     @classmethod
     def build(

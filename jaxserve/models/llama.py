@@ -83,7 +83,7 @@ def _layer(
         attn = paged_attention(
             backend, q, k_all, v_all,
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
-            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, decode=inputs.decode,
         )  # [T, Hq, D]
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
         attn = attn.reshape(attn.shape[0], -1)
