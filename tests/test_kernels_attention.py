@@ -247,7 +247,9 @@ def test_validation_of_options():
     ([(1, 37), (5, 20), (1, 1), (9, 9)], 32, False),
     # decoding only: every token reads its own pages, all at once (decode) or a chunk at a time
     ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 4, True),
+    ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 32, True),
     ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 2, False),
+    ([(1, 37)], 32, True),  # one row
 ])
 def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block, decode):
     """The engine's CPU attention (blocks of pages, online softmax; prompt chunks in query tiles)
@@ -256,8 +258,9 @@ def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, qu
     from jaxserve.models.attention import xla_ragged_paged_attention
 
     rng = np.random.default_rng(12)
+    pad = dict(pad_tokens=0, pad_seqs=0) if len(seqs) == 1 else {}
     batch = make_batch(rng, page_size=8, head_dim=16, group=3, num_kv_heads=2, dtype=jnp.float32,
-                       seqs=seqs, pages_per_seq=6)
+                       seqs=seqs, pages_per_seq=6, **pad)
     args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw))

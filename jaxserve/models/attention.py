@@ -41,21 +41,24 @@ def xla_ragged_paged_attention(
     seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
 
     Two forms. With `decode` (static: every sequence has at most one query token), each token reads
-    its own sequence's pages, all tokens at once. Otherwise each prompt chunk's queries go in tiles of
-    `query_block` tokens that share one read of the sequence's pages, so a chunk reads its context
-    once per tile instead of once per token, and decode tokens go `query_block` at a time. Both walk
-    the KV in blocks of `pages_per_block` pages, only as far as the keys the queries can see.
+    its own sequence's pages: all tokens at once, or `query_block` real tokens at a time when there
+    are more rows than that (padding and finished rows cost nothing). Otherwise each prompt chunk's
+    queries go in tiles of `query_block` tokens that share one read of the sequence's pages, so a
+    chunk reads its context once per tile instead of once per token, and decode tokens go
+    `query_block` at a time. Both walk the KV in blocks of `pages_per_block` pages, only as far as
+    the keys the queries can see.
     """
     S, P = block_tables.shape
     B = min(pages_per_block, P)
     num_blocks_max = -(-P // B)
     if num_blocks_max * B != P:
         block_tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks_max * B - P)))
-    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=B)
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=B,
+              query_block=query_block)
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
     if decode:
         return _per_token_attention(*args, **kw)
-    return _tiled_attention(*args, query_block=query_block, **kw)
+    return _tiled_attention(*args, **kw)
 
 
 def _cap(s: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -125,15 +128,42 @@ def _token_rows(seq_lens, query_start_loc, num_tokens: int):
 
 
 def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-                         sm_scale, soft_cap, sliding_window, pages_per_block):
-    """Every token gathers its own sequence's pages, one block at a time, all tokens at once."""
+                         sm_scale, soft_cap, sliding_window, pages_per_block, query_block):
+    """Every token gathers its own sequence's pages, one block at a time: all tokens at once when
+    they fit in one chunk of `query_block`, else the real tokens a chunk at a time."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
-    seq, pos, _ = _token_rows(seq_lens, query_start_loc, T)
-    qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
-    out = _rows_attention(qf, pos, block_tables[seq], k_pages, v_pages, soft_cap=soft_cap,
-                          sliding_window=sliding_window, pages_per_block=pages_per_block)
-    return out.astype(q.dtype)
+    seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
+    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block)
+    if T <= query_block:
+        qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
+        return _rows_attention(qf, pos, block_tables[seq], k_pages, v_pages, **kw).astype(q.dtype)
+    qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, 1), (0, 0), (0, 0))).reshape(T + 1, Hkv, Hq // Hkv, D)
+    # A row whose table starts at the reserved page 0 is padding, or finished in the decode loop.
+    live = valid & (block_tables[seq, 0] != 0)
+    out = _row_chunks(qf, seq, pos, live, block_tables, k_pages, v_pages, jnp.zeros((T + 1, Hq, D), jnp.float32),
+                      query_block, **kw)
+    return out[:T].astype(q.dtype)
+
+
+def _row_chunks(qf, seq, pos, select, block_tables, k_pages, v_pages, out, chunk, **kw):
+    """`_rows_attention` over the selected tokens only, compacted, `chunk` per loop iteration.
+
+    qf: [T + pad, Hkv, G, D] with at least one row of padding; seq, pos, select: [T]; out: [T + pad,
+    Hq, D], returned with the selected rows written (row T takes a chunk's unused rows)."""
+    T = seq.shape[0]
+    count = jnp.sum(select)
+    order = jnp.pad(jnp.argsort(~select, stable=True).astype(jnp.int32), (0, chunk), constant_values=T)
+    rows = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(c, out):
+        real = c * chunk + rows < count
+        idx = jnp.where(real, jax.lax.dynamic_slice_in_dim(order, c * chunk, chunk), T)
+        tok = jnp.minimum(idx, T - 1)
+        o = _rows_attention(qf[idx], jnp.where(real, pos[tok], -1), block_tables[seq[tok]], k_pages, v_pages, **kw)
+        return out.at[idx].set(o)
+
+    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, out)
 
 
 def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
@@ -154,21 +184,10 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     rows = jnp.arange(Bq, dtype=jnp.int32)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=B)
 
-    # Decode tokens, compacted to the front, a chunk of Bq per iteration.
+    # Decode tokens, compacted, a chunk of Bq per iteration.
     seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
-    is_decode = valid & (q_lens[seq] == 1)
-    num_decode = jnp.sum(is_decode)
-    order = jnp.pad(jnp.argsort(~is_decode, stable=True).astype(jnp.int32), (0, Bq), constant_values=T)
-
-    def decode_chunk(c, out):
-        idx = jax.lax.dynamic_slice_in_dim(order, c * Bq, Bq)
-        real = c * Bq + rows < num_decode
-        idx = jnp.where(real, idx, T)
-        tok = jnp.minimum(idx, T - 1)
-        o = _rows_attention(qf[idx], jnp.where(real, pos[tok], -1), block_tables[seq[tok]], k_pages, v_pages, **kw)
-        return out.at[idx].set(o)
-
-    out = jax.lax.fori_loop(0, (num_decode + Bq - 1) // Bq, decode_chunk, jnp.zeros((T + Bq, Hq, D), jnp.float32))
+    out = _row_chunks(qf, seq, pos, valid & (q_lens[seq] == 1), block_tables, k_pages, v_pages,
+                      jnp.zeros((T + Bq, Hq, D), jnp.float32), Bq, **kw)
 
     # Prompt chunks, in tiles.
     tiles = jnp.where(q_lens > 1, (q_lens + Bq - 1) // Bq, 0)  # [S]
