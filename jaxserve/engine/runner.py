@@ -80,7 +80,7 @@ class RunnerConfig:
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:
-        return tuple(b for b in (1, 4, 16, 64, 256) if b < self.max_num_seqs) + (self.max_num_seqs,)
+        return tuple(b for b in (1, 4, 16, 32, 64, 128, 256) if b < self.max_num_seqs) + (self.max_num_seqs,)
 
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:
