@@ -36,7 +36,7 @@ from jaxserve.engine.runner import (
 )
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.step_batch import decode_state, mixed_inputs, row, step_shapes
+from jaxserve.engine.step_batch import decode_state, mixed_inputs, sampled_rows, step_shapes
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
 from jaxserve.outputs import RequestMetrics, RequestOutput
@@ -234,11 +234,7 @@ class LLMEngine:
             if launched is None:
                 return []
             plan, pending = launched
-            out = self.runner.fetch(pending)
-            sampled = ({s.request_id: row(out, i, 1) for i, s in enumerate(plan.scheduled) if s.sample}
-                       if pending.kind == "mixed" else
-                       {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(plan.scheduled)})
-            touched = self._accept(plan, sampled)
+            touched = self._accept(plan, sampled_rows(plan, pending.kind, self.runner.fetch(pending)))
         except BaseException:
             self._inflight = None
             raise

@@ -59,6 +59,14 @@ def row(out: StepOutput, i: int, n: int) -> StepOutput:
                       out.top_logprobs[:n, i], np.int32(n))
 
 
+def sampled_rows(plan: SchedulerOutput, kind: str, out: StepOutput) -> dict[str, StepOutput]:
+    """A fetched step's outputs per request: one token per sampling row of a mixed step, or each
+    row's `num_generated` tokens of a decode loop."""
+    if kind == "mixed":
+        return {s.request_id: row(out, i, 1) for i, s in enumerate(plan.scheduled) if s.sample}
+    return {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(plan.scheduled)}
+
+
 def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any) -> tuple[dict, dict]:
     """What a plan runs as, for traces: the bucket (L6) and the attention kernel's shapes (L7)."""
     if all(s.is_decode for s in plan.scheduled):
