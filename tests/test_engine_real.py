@@ -11,6 +11,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
 from jaxserve.sampling_params import SamplingParams
+from tests.conftest import REAL_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +42,8 @@ def engine(smollm_f32) -> LLMEngine:
     import jax.numpy as jnp
 
     loaded = LoadedModel(path, "SmolLM2-135M-Instruct", cfg, params, Tokenizer.from_gguf(path), jnp.float32, 0.0)
-    pages = 64
-    args = EngineArgs(max_num_seqs=32, max_num_batched_tokens=128, max_model_len=256, num_scheduler_steps=4,
-                      kv_cache_memory_bytes=pages * KVCache.bytes_per_page(cfg, 16, jnp.float32))
+    args = EngineArgs(**REAL_ENGINE_ARGS)
+    assert args.kv_cache_memory_bytes == 64 * KVCache.bytes_per_page(cfg, 16, jnp.float32)
     return LLMEngine(args, loaded=loaded, progress=False)
 
 

@@ -19,6 +19,7 @@ from router.config import RouterConfig
 from server.config import ServerConfig
 from server.pd import HttpKVTransport, PDConfig
 from server.runner import ServerThread, serve_in_thread
+from tests.conftest import REAL_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,7 @@ def pd():
     from jaxserve.engine.model_loading import load_model
     from jaxserve.engine_args import EngineArgs
 
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
-                      kv_cache_memory_bytes=24 * 1024 * 1024)
+    args = EngineArgs(**REAL_ENGINE_ARGS)
     loaded = load_model(args, progress=False)
     engines = [AsyncEngine(LLMEngine(args, loaded=loaded, progress=False)) for _ in range(2)]
     servers = [serve_in_thread(e, ServerConfig(port=0)) for e in engines]

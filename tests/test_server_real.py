@@ -12,6 +12,7 @@ import pytest
 from jaxserve.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.runner import serve_in_thread
+from tests.conftest import REAL_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +30,7 @@ def real():
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.llm import LLM
 
-    llm = LLM(None, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_scheduler_steps=4,
-              kv_cache_memory_bytes=48 * 1024 * 1024, progress=False)
+    llm = LLM(None, **REAL_ENGINE_ARGS, progress=False)
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     prompts = [tok.encode_chat(c) for c in CHATS] + [PROMPT]

@@ -114,6 +114,11 @@ def _layer(
     return (x, k_all, v_all), None
 
 
+# The unrolled loop calls one traced layer: every layer has the same shapes, so the layer is traced
+# and lowered once and called L times (XLA inlines the calls), instead of traced L times.
+_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7))
+
+
 def forward(
     params: Params,
     kv: KVCache,
@@ -139,7 +144,7 @@ def forward(
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
-            carry, _ = step(carry, (lp, layer))
+            carry, _ = _layer_once(cfg, backend, inputs, cos, sin, carry, (lp, jnp.int32(layer)), expert_layout)
     else:
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
     x, k_all, v_all = carry
