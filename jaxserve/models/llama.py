@@ -37,9 +37,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def _dot_out_major(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [T, K] times an out-major weight w [N, K]: [T, N]."""
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+def _dot_out_major(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [T, K] times an out-major weight w [N, K]: [T, N] (accumulated and returned in `out_dtype`
+    if given).
+
+    On the CPU, for 2 to 64 rows, as (w · xᵀ)ᵀ: XLA:CPU's matmul of a few rows against a wide weight
+    runs 1.3-2.4x faster with the operands swapped (SmolLM2's LM head at 4 rows: 23 -> 10 ms, its
+    gate/up projection at 16 rows: 2.8 -> 1.4 ms). The barrier keeps XLA from folding the transpose
+    back into the matmul."""
+    dims = (((1,), (1,)), ((), ()))
+    if _SWAP_ROWS[0] <= x.shape[0] <= _SWAP_ROWS[1] and jax.default_backend() == "cpu":
+        return jax.lax.optimization_barrier(jax.lax.dot_general(w, x, dims, preferred_element_type=out_dtype)).T
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
+
+
+_SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
 
 
 def _layer(
@@ -152,7 +164,7 @@ def forward(
         x = x[inputs.logits_indices]  # [R, E]
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
         if params.lm_head is None:
-            logits = jnp.einsum("re,ve->rv", x, params.embed, preferred_element_type=jnp.float32)
+            logits = _dot_out_major(x, params.embed, jnp.float32)
         else:
             logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
     return logits, KVCache(k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
