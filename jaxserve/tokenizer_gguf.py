@@ -73,7 +73,9 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
     if not isinstance(reader, gguf.GGUFReader):
         if not Path(reader).is_file():
             raise FileNotFoundError(f"GGUF file not found: {reader}")
-        reader = gguf.GGUFReader(reader)
+        from jaxserve.loader.gguf_file import gguf_reader
+
+        reader = gguf_reader(reader)
 
     model = _gguf_value(reader, "tokenizer.ggml.model")
     if model != "gpt2":

@@ -42,10 +42,8 @@ def ours(smollm_path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf(smollm_path):
-    transformers = pytest.importorskip("transformers")
-    d, f = os.path.split(smollm_path)
-    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+def hf(hf_smollm):
+    return hf_smollm[1]  # the session's transformers tokenizer on the same GGUF (loading one takes ~15 s)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -54,17 +55,32 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_reader(path: str | os.PathLike) -> Any:
+    """The `gguf.GGUFReader` of the file at `path`, parsed once per process while the file is unchanged
+    (same size and modification time): the gguf package takes ~7 s to parse SmolLM2's metadata (its
+    49k-token vocabulary and merges), and the config, the tokenizer and every engine on the same file
+    read it."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return _parsed_reader(real, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_reader(path: str, size: int, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)  # read-only memory map; nothing here writes to it
+
+
 class GGUFFile:
     """A GGUF file opened for reading (memory-mapped; nothing is dequantized until asked)."""
 
     def __init__(self, path: str | os.PathLike):
-        import gguf
-
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            self.reader = gguf_reader(self.path)
         except Exception as e:  # the gguf package raises assorted errors on damaged files
             raise CheckpointError(f"{self.path} is not a readable GGUF file (truncated or damaged?): {e}") from e
         size = os.path.getsize(self.path)
