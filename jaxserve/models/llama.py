@@ -37,6 +37,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
+_SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
+
+
 def _dot_out_major(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """x [T, K] times an out-major weight w [N, K]: [T, N] (accumulated and returned in `out_dtype`
     if given).
@@ -49,9 +52,6 @@ def _dot_out_major(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     if _SWAP_ROWS[0] <= x.shape[0] <= _SWAP_ROWS[1] and jax.default_backend() == "cpu":
         return jax.lax.optimization_barrier(jax.lax.dot_general(w, x, dims, preferred_element_type=out_dtype)).T
     return jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
-
-
-_SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
 
 
 def _layer(
