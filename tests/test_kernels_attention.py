@@ -229,6 +229,37 @@ def test_validation_messages(fn, mutate, error, match):
         fn(*args, sm_scale=0.125)
 
 
+def test_row_pages_per_block():
+    """A row's block of keys stays within 32 KiB: SmolLM2's float32 pages (16 x 3 x 64) go 2 at a time,
+    bfloat16 ones 4, pages of 8 x 128 heads one at a time, tiny test heads 16."""
+    from jaxserve.models.attention import row_pages_per_block
+
+    assert row_pages_per_block(16, 3, 64, 4) == 2
+    assert row_pages_per_block(16, 3, 64, 2) == 4
+    assert row_pages_per_block(16, 8, 128, 4) == 1
+    assert row_pages_per_block(32, 8, 128, 2) == 1
+    assert row_pages_per_block(8, 2, 16, 4) == 16
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_xla_backend_row_blocks_not_dividing_the_table(decode):
+    """Rows that read 4 pages at a time (8 KiB pages) from tables of 6 pages: the last block is
+    padded with masked keys, and the output still equals the oracle."""
+    from jaxserve.models.attention import row_pages_per_block, xla_ragged_paged_attention
+
+    assert row_pages_per_block(8, 4, 64, 4) == 4
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, page_size=8, head_dim=64, group=2, num_kv_heads=4, dtype=jnp.float32,
+                       seqs=[(1, 47), (1, 33), (1, 1), (1, 30)], pages_per_seq=6)
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    ref = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.2))
+    got = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, sm_scale=0.2, decode=decode,
+                                               query_block=2))(*args))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got[n:], 0.0)
+
+
 def test_validation_of_options():
     with pytest.raises(ValueError, match="sliding_window"):
         ragged_paged_attention_reference(*_args(), sm_scale=0.1, sliding_window=0)
@@ -240,6 +271,7 @@ def test_validation_of_options():
         ragged_paged_attention(*_args(D=48), sm_scale=0.1, interpret=True)
 
 
+@pytest.mark.parametrize("pages_per_block", [2, None])  # None: tiles of 6 pages, each row's pages 6 at a time
 @pytest.mark.parametrize("soft_cap,sliding_window", [(None, None), (3.0, 6)])
 @pytest.mark.parametrize("seqs,query_block,decode", [
     # a mixed batch: prompt chunks of several tiles (partial last tiles, one after a cached prefix) and decodes
@@ -251,7 +283,7 @@ def test_validation_of_options():
     ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 2, False),
     ([(1, 37)], 32, True),  # one row
 ])
-def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block, decode):
+def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block, decode, pages_per_block):
     """The engine's CPU attention (blocks of pages, online softmax; prompt chunks in query tiles)
     equals the kernels' oracle, with sequences longer than one block of pages, padding tokens and
     sequences, and NaN in the scratch page that masked keys point at."""
@@ -264,7 +296,7 @@ def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, qu
     args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
     kw = dict(sm_scale=0.3, soft_cap=soft_cap, sliding_window=sliding_window)
     ref = np.asarray(ragged_paged_attention_reference(*args, **kw))
-    got = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, pages_per_block=2,
+    got = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, pages_per_block=pages_per_block,
                                                query_block=query_block, decode=decode))(*args))
     n = batch.num_real_tokens
     np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
