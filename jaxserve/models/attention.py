@@ -70,11 +70,11 @@ _ROW_BLOCK_BYTES = 32 << 10
 
 
 def row_pages_per_block(page_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Pages per block when every query row reads its own pages (decode): the most pages, a power
-    of two up to 16, whose keys of one row fit in 32 KiB. Measured per layer on the CPU, 32 rows at
-    contexts of 240-900 keys in random pages: SmolLM2's heads (3 x 64, float32, 12 KiB per page of 16)
-    take 2 pages, 1.3-1.8x faster than 8; heads of 8 x 128 (64 KiB per page) take 1, 2.6-3.3x faster
-    than 8. Larger blocks gather more than the cache holds before the matmuls read it."""
+    """Pages per block when every query row reads its own pages (decode): the most pages (a power of
+    two, at most 16) whose keys for one row fit in 32 KiB, and at least one. Measured per layer on the
+    CPU, 32 rows at contexts of 240-900 keys in random pages: SmolLM2's heads (3 x 64, float32, 12 KiB
+    per page of 16) take 2 pages, 1.3-1.8x faster than 8; heads of 8 x 128 (64 KiB per page) take 1,
+    2.6-3.3x faster than 8."""
     page_bytes = page_size * num_kv_heads * head_dim * itemsize
     b = 1
     while b < 16 and 2 * b * page_bytes <= _ROW_BLOCK_BYTES:
