@@ -30,7 +30,7 @@ from starlette.responses import Response
 from router.policy import RouteRequest
 
 if TYPE_CHECKING:
-    from router.app import Router
+    from router.router import Router
 
 
 class Disaggregator:
