@@ -131,6 +131,6 @@ def test_smollm2_compile_shapes_match_bundled_gguf():
 def test_compiled_runner_config_is_the_engine_default():
     """The deviceless compile covers the default engine's buckets: tokens 16..512, sequences 1..64."""
     assert RC.token_buckets == (16, 32, 64, 128, 256, 512)
-    assert RC.seq_buckets == (1, 4, 16, 32, 64)
+    assert RC.seq_buckets == (1, 4, 8, 16, 32, 64)
     assert RC.pages_per_seq == 512 and RC.backend == "pallas"
     assert 200_000 < RC.num_pages < 300_000  # ~90 GB of bfloat16 KV on an H200

@@ -80,7 +80,9 @@ class RunnerConfig:
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:
-        return tuple(b for b in (1, 4, 16, 32, 64, 128, 256) if b < self.max_num_seqs) + (self.max_num_seqs,)
+        # 8: five to eight decoding requests step in 95-103 ms instead of 143 ms in the 16-row bucket
+        # (SmolLM2 on the CPU, context 250).
+        return tuple(b for b in (1, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs) + (self.max_num_seqs,)
 
     def token_bucket(self, n: int) -> int:
         for b in self.token_buckets:
