@@ -49,17 +49,21 @@ def xla_ragged_paged_attention(
     the keys the queries can see; by default (None) a prompt tile reads `TILE_PAGES_PER_BLOCK` pages
     at a time and a token reading its own pages `row_pages_per_block(...)`.
     """
-    S, P = block_tables.shape
-    B = min(pages_per_block or TILE_PAGES_PER_BLOCK, P)
-    num_blocks_max = -(-P // B)
-    if num_blocks_max * B != P:
-        block_tables = jnp.pad(block_tables, ((0, 0), (0, num_blocks_max * B - P)))
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block,
               query_block=query_block)
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
     if decode:
         return _per_token_attention(*args, **kw)
     return _tiled_attention(*args, **kw)
+
+
+def _pad_to_blocks(tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
+    """Page tables [S, P] padded with page 0 to whole blocks (its keys lie past every position, so
+    they are masked), and the block size: at most P pages."""
+    B = min(pages_per_block, tables.shape[1])
+    if tables.shape[1] % B:
+        tables = jnp.pad(tables, ((0, 0), (0, B - tables.shape[1] % B)))
+    return tables, B
 
 
 # A prompt tile reads its sequence's pages 4 at a time. Measured per layer on the CPU, two 64-token
@@ -123,10 +127,7 @@ def _rows_attention(qf, pos, tables, k_pages, v_pages, *, soft_cap, sliding_wind
     f32 (zero for a row that sees no key)."""
     R, Hkv, G, D = qf.shape
     page_size = k_pages.shape[1]
-    B = pages_per_block or row_pages_per_block(page_size, Hkv, D, k_pages.dtype.itemsize)
-    B = min(B, tables.shape[1])
-    if tables.shape[1] % B:
-        tables = jnp.pad(tables, ((0, 0), (0, B - tables.shape[1] % B)))  # page 0: masked keys
+    tables, B = _pad_to_blocks(tables, pages_per_block or row_pages_per_block(page_size, Hkv, D, k_pages.dtype.itemsize))
     J = B * page_size
     num_blocks = jnp.minimum((jnp.max(pos) + J) // J, tables.shape[1] // B)
 
@@ -201,7 +202,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     _, page_size, Hkv, _ = k_pages.shape
     S = block_tables.shape[0]
     G, Bq = Hq // Hkv, query_block
-    B = min(pages_per_block or TILE_PAGES_PER_BLOCK, block_tables.shape[1])
+    block_tables, B = _pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)
     J = B * page_size
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
