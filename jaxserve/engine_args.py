@@ -11,6 +11,7 @@ DType = Literal["auto", "float32", "bfloat16"]
 BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret"]
 BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret")
 Policy = Literal["fcfs", "priority"]
+LoadFormat = Literal["auto", "dummy"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class EngineArgs:
     num_processes: int = 1  # processes (hosts) in the cluster
     process_id: int = 0  # this process's rank in the cluster
     converted_checkpoint_dir: str | None = None  # converted weights: saved by the first start, restored by later ones
+    # "dummy": random weights of the model's shapes (config and tokenizer still read from `model`), for
+    # benchmarks and checks where the real weights are not at hand; an HF directory then needs no weight files.
+    load_format: LoadFormat = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -74,6 +78,11 @@ class EngineArgs:
         if self.attention_backend not in BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.converted_checkpoint_dir:
+            raise ValueError("load_format 'dummy' makes random weights; it cannot be combined with "
+                             "converted_checkpoint_dir, which saves or restores real ones")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
@@ -104,6 +113,9 @@ class EngineArgs:
         g.add_argument("--converted-checkpoint-dir", default=None, metavar="PATH",
                        help="keep the converted weights here: the first start converts the checkpoint and saves "
                             "them, later starts restore them straight into each device's shards (orbax)")
+        g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
+                       help="auto = the model's weights; dummy = random weights of its shapes (config and "
+                            "tokenizer from the model, which then needs no weight files): for benchmarks")
         g.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=d.page_size,
                        help="tokens per KV page (a power of two)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,

@@ -19,7 +19,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.loader import GGUFFile, load_params, model_display_name, open_checkpoint, resolve_model
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
-from jaxserve.models.params import Params
+from jaxserve.models.params import Params, random_params
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     path = resolve_model(args.model)
-    ckpt = open_checkpoint(path)
+    dummy = args.load_format == "dummy"
+    ckpt = open_checkpoint(path, weights=not dummy)
     cfg = ckpt.config()
     dtype = resolve_dtype(args)
     if isinstance(ckpt, GGUFFile):
@@ -74,7 +75,11 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     else:
         tokenizer = Tokenizer.from_hf_dir(path)
     plan = _parallel_plan(args, cfg)
-    if args.converted_checkpoint_dir:
+    if dummy:
+        params = random_params(plan.model_cfg if plan else cfg, dtype, seed=args.seed,
+                               shardings=plan.param_shardings() if plan else None)
+        logger.info("random weights (--load-format dummy) of %s's shapes", path)
+    elif args.converted_checkpoint_dir:
         params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)
     else:
         params = _convert(ckpt, cfg, plan, dtype, progress)

@@ -58,10 +58,11 @@ def model_display_name(path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
-def open_checkpoint(path: str) -> GGUFFile | HFDirectory:
-    """Open a GGUF file or an HF directory for reading."""
+def open_checkpoint(path: str, weights: bool = True) -> GGUFFile | HFDirectory:
+    """Open a GGUF file or an HF directory for reading; `weights=False` lets an HF directory hold only
+    its config and tokenizer (for random weights)."""
     if os.path.isdir(path):
-        return HFDirectory(path)
+        return HFDirectory(path, weights=weights)
     if path.endswith(".gguf") or os.path.isfile(path):
         return GGUFFile(path)
     raise FileNotFoundError(f"model {path!r} is neither a GGUF file nor an HF directory")

@@ -15,14 +15,15 @@ from jaxserve.loader.keymap import CheckpointError
 class HFDirectory:
     """An HF-format model directory opened for reading."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, weights: bool = True):
+        """`weights=False` reads the config alone (a directory with no weight files is then accepted)."""
         self.path = os.fspath(path)
         config_path = os.path.join(self.path, "config.json")
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"no config.json in {self.path}")
         with open(config_path) as f:
             self.hf_config = json.load(f)
-        self.files = self._weight_files()
+        self.files = self._weight_files() if weights else []
 
     def _weight_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")

@@ -210,6 +210,28 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
     return jax.tree.unflatten(treedef, leaves)
 
 
+def random_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, shardings: Params | None = None,
+                  scale: float = 0.02) -> Params:
+    """Random weights of `cfg`'s shapes, made on the device(s) in `dtype` (for `--load-format dummy`):
+    normal(0, scale) matrices, unit norms, zero biases, leaf i drawn from fold_in(key(seed), i).
+
+    With `shardings` (a tree of `NamedSharding`s, as `ShardingPlan.param_shardings`), each leaf is
+    created directly in its shards, so no device ever holds a whole weight it does not keep."""
+    infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
+    targets = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(infos)
+    key = jax.random.key(seed)
+    leaves = []
+    for i, (info, target) in enumerate(zip(infos, targets, strict=True)):
+        if info.init == "normal":
+            def make(k, shape=info.shape):
+                return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        else:
+            def make(k, shape=info.shape, value=1.0 if info.init == "ones" else 0.0):
+                return jnp.full(shape, value, dtype)
+        leaves.append(jax.jit(make, out_shardings=target)(jax.random.fold_in(key, i)))
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def param_paths(tree: Params) -> dict[str, Any]:
     """Flatten a parameter tree to {"layers.wq": leaf, ...} (None fields omitted)."""
     out: dict[str, Any] = {}
