@@ -66,6 +66,14 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
     from jaxserve.engine.model_loading import load_model
     from jaxserve.loader.export import export_hf
 
+    if ns.config_only:
+        from jaxserve.loader import checkpoint_tokenizer, open_checkpoint, resolve_model
+
+        path = resolve_model(ns.model)
+        ckpt = open_checkpoint(path, weights=False)
+        export_hf(ns.to_hf, ckpt.config(), None, checkpoint_tokenizer(path, ckpt), dtype=ns.dtype)
+        print(f"wrote the config and the tokenizer (no weights) to {ns.to_hf}")
+        return 0
     loaded = load_model(EngineArgs(model=ns.model, dtype="float32"))
     files = export_hf(ns.to_hf, loaded.config, loaded.params, loaded.tokenizer, dtype=ns.dtype)
     print(f"wrote {len(files)} weight/config files and the tokenizer to {ns.to_hf}")
@@ -124,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to-hf", required=True, metavar="DIR", help="output directory")
     conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                       help="dtype of the written weights")
+    conv.add_argument("--config-only", action="store_true",
+                      help="write config.json and the tokenizer but no weights: a small directory that "
+                           "`--load-format dummy` serves with random weights of the model's shapes")
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, comparisons",
                            description="Benchmark the engine offline, load any OpenAI-compatible server on "
                                        "this machine, or compare result files.")

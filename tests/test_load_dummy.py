@@ -23,11 +23,12 @@ from tests.test_sharding_worker import ROOT, dense_config
 
 
 def _config_only(path: str) -> str:
-    """An HF directory of `dense_config()` with its weight files removed (config and tokenizer kept)."""
-    _export(path, dense_config())
-    for f in os.listdir(path):
-        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
-            os.remove(os.path.join(path, f))
+    """`jaxserve convert --config-only` of an HF directory of `dense_config()`: its config and tokenizer."""
+    from jaxserve import cli
+
+    source = _export(path + "-source", dense_config())
+    assert cli.main(["convert", source, "--to-hf", path, "--config-only"]) == 0
+    assert not [f for f in os.listdir(path) if "safetensors" in f]
     return path
 
 
@@ -97,6 +98,26 @@ def test_engine_serves_dummy_weights(config_dir):
             break
     engine.check_integrity()
     assert {k: len(v) for k, v in finished.items()} == {"r0": 6, "r1": 6, "r2": 6}
+
+
+def test_config_only_export_of_the_bundled_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from jaxserve import cli
+    from jaxserve.loader import bundled_model_path, checkpoint_tokenizer, open_checkpoint
+
+    try:
+        gguf_path = bundled_model_path()
+    except FileNotFoundError:
+        pytest.skip("the bundled SmolLM2 is not installed")
+    out = str(tmp_path / "smollm2-config")
+    assert cli.main(["convert", gguf_path, "--to-hf", out, "--config-only"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "special_tokens_map.json",
+                                       "tokenizer.json", "tokenizer_config.json"]
+    source = open_checkpoint(gguf_path)
+    assert open_checkpoint(out, weights=False).config() == source.config()
+    ours, theirs = checkpoint_tokenizer(out, open_checkpoint(out, weights=False)), checkpoint_tokenizer(gguf_path, source)
+    conv = [{"role": "user", "content": "What is the capital of France? 東京 🚀"}]
+    assert ours.encode_chat(conv, add_generation_prompt=True) == theirs.encode_chat(conv, add_generation_prompt=True)
 
 
 def test_flag_and_validation():

@@ -16,7 +16,13 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine_args import EngineArgs
-from jaxserve.loader import GGUFFile, load_params, model_display_name, open_checkpoint, resolve_model
+from jaxserve.loader import (
+    checkpoint_tokenizer,
+    load_params,
+    model_display_name,
+    open_checkpoint,
+    resolve_model,
+)
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
 from jaxserve.models.params import Params, random_params
@@ -70,10 +76,7 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     ckpt = open_checkpoint(path, weights=not dummy)
     cfg = ckpt.config()
     dtype = resolve_dtype(args)
-    if isinstance(ckpt, GGUFFile):
-        tokenizer = Tokenizer.from_gguf(ckpt.reader)
-    else:
-        tokenizer = Tokenizer.from_hf_dir(path)
+    tokenizer = checkpoint_tokenizer(path, ckpt)
     plan = _parallel_plan(args, cfg)
     if dummy:
         params = random_params(plan.model_cfg if plan else cfg, dtype, seed=args.seed,

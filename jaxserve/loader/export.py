@@ -15,14 +15,34 @@ from jaxserve.models.params import Params, param_paths
 MAX_SHARD_BYTES = 2 << 30
 
 
-def export_hf(out_dir: str, cfg: ModelConfig, params: Params, tokenizer: Any, dtype: str = "float32") -> list[str]:
+def export_hf(out_dir: str, cfg: ModelConfig, params: Params | None, tokenizer: Any,
+              dtype: str = "float32") -> list[str]:
     """Write config.json, safetensors (sharded past 2 GiB, with an index), tokenizer files and
-    the chat template to `out_dir`; returns the files written."""
+    the chat template to `out_dir`; returns the files written (tokenizer files aside). Without
+    `params`, no weights: a directory for `--load-format dummy`."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = [] if params is None else _write_weights(out_dir, cfg, params, dtype)
+    config = cfg.to_hf()
+    config["torch_dtype"] = dtype
+    config["bos_token_id"] = tokenizer.bos_token_id
+    eos = list(tokenizer.eos_token_ids)
+    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    written.append(os.path.join(out_dir, "config.json"))
+    gen_path = os.path.join(out_dir, "generation_config.json")
+    if not os.path.exists(gen_path):
+        with open(gen_path, "w") as f:
+            json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": config["eos_token_id"]}, f, indent=2)
+    tokenizer.save_hf(out_dir)
+    return written
+
+
+def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str) -> list[str]:
     import ml_dtypes
     from safetensors.numpy import save_file
 
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    os.makedirs(out_dir, exist_ok=True)
     flat = {k: np.asarray(v) for k, v in param_paths(params).items()}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -52,17 +72,4 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params, tokenizer: Any, dt
         with open(index, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         written.append(index)
-    config = cfg.to_hf()
-    config["torch_dtype"] = dtype
-    config["bos_token_id"] = tokenizer.bos_token_id
-    eos = list(tokenizer.eos_token_ids)
-    config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    written.append(os.path.join(out_dir, "config.json"))
-    gen_path = os.path.join(out_dir, "generation_config.json")
-    if not os.path.exists(gen_path):
-        with open(gen_path, "w") as f:
-            json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": config["eos_token_id"]}, f, indent=2)
-    tokenizer.save_hf(out_dir)
     return written
