@@ -67,6 +67,7 @@ class Bandwidth:
     copy_1thread: float  # counts the bytes read plus the bytes written
     threads: int
     buffer_bytes: int
+    memory: str = "host"  # "host" (numpy threads), or the accelerator whose memory was measured ("gpu")
 
     @property
     def best(self) -> float:
@@ -87,6 +88,21 @@ def _best(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def measure_device_bandwidth(buffer_bytes: int = 1 << 30, repeats: int = 5) -> Bandwidth:
+    """Read (a max over the buffer) and copy (read + write of a new buffer) rates of the default JAX
+    device's memory, for an engine whose weights and KV cache live there (a GPU's HBM)."""
+    import jax
+    import jax.numpy as jnp
+
+    src = jnp.ones((buffer_bytes // 4,), jnp.float32)  # [n]
+    read = jax.jit(jnp.max)
+    copy = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready((read(src), copy(src)))
+    read_rate = src.nbytes / _best(lambda: jax.block_until_ready(read(src)), repeats)
+    copy_rate = 2 * src.nbytes / _best(lambda: jax.block_until_ready(copy(src)), repeats)
+    return Bandwidth(read_rate, read_rate, copy_rate, 1, int(src.nbytes), memory=jax.default_backend())
 
 
 def measure_bandwidth(buffer_bytes: int = 512 << 20, repeats: int = 5, threads: int | None = None) -> Bandwidth:

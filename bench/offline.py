@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.machine import Bandwidth, machine_info, measure_bandwidth
+from bench.machine import Bandwidth, machine_info, measure_bandwidth, measure_device_bandwidth
 from bench.workloads import BenchRequest, WorkloadSpec
 
 # The targets of the offline benchmark on a 2-core CPU (see the benchmark issue).
@@ -185,12 +185,17 @@ def kv_budget_for(loaded: Any, args: Any, num_seqs: int, max_len: int) -> int:
 def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
                 log=print) -> dict:
     """Run the whole offline benchmark; returns the result document (see the module docstring)."""
+    import jax
+
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.model_loading import enable_compile_cache, load_model
     from jaxserve.sampling_params import SamplingParams
 
     log("measuring memory bandwidth ...")
-    bw = measure_bandwidth(cfg.bandwidth_bytes)
+    # The floor is set by the memory the weights and the KV cache are read from: the host's on the CPU,
+    # the accelerator's otherwise.
+    bw = (measure_bandwidth(cfg.bandwidth_bytes) if jax.default_backend() == "cpu"
+          else measure_device_bandwidth(max(cfg.bandwidth_bytes, 1 << 30)))
     enable_compile_cache(engine_args.compile_cache_dir)
     loaded = load_model(engine_args, progress=progress)
     top = max(cfg.concurrency)
@@ -222,6 +227,7 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
         "kind": "offline",
         "system": "jaxserve",
         "machine": machine_info(),
+        "device": jax.devices()[0].device_kind,
         "engine_args": {k: v for k, v in dataclasses.asdict(engine_args).items()},
         "settings": {**dataclasses.asdict(cfg), "workload": spec.to_dict()},
         "bandwidth": bw.to_dict(),
@@ -270,15 +276,23 @@ def evaluate_targets(result: dict) -> dict[str, dict]:
     return out
 
 
+def _bandwidth_line(bw: dict) -> str:
+    if bw.get("memory", "host") != "host":
+        return (f"{bw['memory']} memory bandwidth: read {bw['read_1thread'] / 1e9:.0f} GB/s, copy "
+                f"{bw['copy_1thread'] / 1e9:.0f} GB/s (read+write); floor uses {bw['best'] / 1e9:.0f} GB/s")
+    return (f"memory bandwidth: read {bw['read_1thread'] / 1e9:.1f} GB/s (1 thread), "
+            f"{bw['read_all_threads'] / 1e9:.1f} GB/s ({bw['threads']} threads), copy {bw['copy_1thread'] / 1e9:.1f} "
+            f"GB/s (read+write); floor uses {bw['best'] / 1e9:.1f} GB/s")
+
+
 def format_report(result: dict) -> str:
     """The human-readable table of a result."""
     bw: dict = result["bandwidth"]
     lines = [
         f"model {result['model']['name']} ({result['model']['dtype']}), "
-        f"{result['machine']['usable_cores']} cores: {result['machine']['cpu']}",
-        f"memory bandwidth: read {bw['read_1thread'] / 1e9:.1f} GB/s (1 thread), "
-        f"{bw['read_all_threads'] / 1e9:.1f} GB/s ({bw['threads']} threads), copy {bw['copy_1thread'] / 1e9:.1f} GB/s "
-        f"(read+write); floor uses {bw['best'] / 1e9:.1f} GB/s",
+        f"{result['machine']['usable_cores']} cores: {result['machine']['cpu']}"
+        + (f"; device {result['device']}" if result.get("bandwidth", {}).get("memory", "host") != "host" else ""),
+        _bandwidth_line(bw),
         "",
         f"{'run':>12} {'reqs':>5} {'out tok':>8} {'wall s':>8} {'out tok/s':>10} {'decode step ms':>15} "
         f"{'host share':>11} {'mean TTFT s':>12}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.machine import Bandwidth, measure_bandwidth
+from bench.machine import Bandwidth, measure_bandwidth, measure_device_bandwidth
 from bench.offline import StepProbe, decode_bytes_per_step, drive, evaluate_targets, format_report
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
@@ -48,10 +48,10 @@ def test_decode_bytes_follow_the_params_and_the_kv_layout(engine):
     assert kv == pytest.approx(20 * per_token)
 
 
-def test_targets_and_report():
-    result = {
+def _result_with(bandwidth: dict) -> dict:
+    return {
         "model": {"name": "m", "dtype": "float32"}, "machine": {"usable_cores": 2, "cpu": "cpu"},
-        "bandwidth": Bandwidth(10e9, 12e9, 16e9, 2, 1 << 20).to_dict(),
+        "bandwidth": bandwidth,
         "batch1": {"num_requests": 1, "output_tokens": 128, "wall_s": 4.0, "output_tok_s": 32.0,
                    "decode_step_s": 0.03, "host_share": 0.02, "mean_ttft_s": 0.1, "weight_bytes": 400e6,
                    "kv_bytes_mean": 8e6, "floor_step_s": 0.0255, "floor_ratio": 0.03 / 0.0255},
@@ -59,6 +59,10 @@ def test_targets_and_report():
                   "output_tok_s": 409.6, "decode_step_s": 0.05, "host_share": 0.12, "mean_ttft_s": 1.0}],
         "compilations_after_warmup": 0, "num_preemptions": 0,
     }
+
+
+def test_targets_and_report():
+    result = _result_with(Bandwidth(10e9, 12e9, 16e9, 2, 1 << 20).to_dict())
     t = evaluate_targets(result)
     assert t["batch1_floor_ratio"]["met"] and t["compilations_after_warmup"]["met"]
     assert t["speedup_32_over_batch1"]["value"] == pytest.approx(12.8) and t["speedup_32_over_batch1"]["met"]
@@ -74,6 +78,18 @@ def test_bandwidth_measurement_is_plausible():
     assert 1e8 < bw.best < 1e12  # between 0.1 GB/s and 1 TB/s
     assert bw.best == max(bw.read_1thread, bw.read_all_threads, bw.copy_1thread)
     assert np.isfinite(bw.read_all_threads)
+
+
+def test_device_bandwidth_and_its_report_line():
+    bw = measure_device_bandwidth(16 << 20, repeats=2)
+    assert bw.memory == "cpu" and bw.buffer_bytes == 16 << 20
+    assert 1e8 < bw.best < 1e13 and bw.best == max(bw.read_1thread, bw.copy_1thread)
+    gpu = Bandwidth(4.0e12, 4.0e12, 4.3e12, 1, 1 << 30, memory="gpu").to_dict()
+    result = {**_result_with(gpu), "device": "NVIDIA H200"}
+    result["targets"] = evaluate_targets(result)
+    line = format_report(result).splitlines()
+    assert "device NVIDIA H200" in line[0]
+    assert line[1] == "gpu memory bandwidth: read 4000 GB/s, copy 4300 GB/s (read+write); floor uses 4300 GB/s"
 
 
 def test_drive_takes_params_per_request(engine):

@@ -1,12 +1,16 @@
-"""The whole engine on the Pallas attention kernel (interpret mode on the CPU) against the `xla` backend.
+"""The whole engine on the Pallas attention kernels against the `xla` backend.
 
 A tiny random-weight Llama served by `LLMEngine` twice, once per backend: chunked prefills, a prefill that
 reuses cached prefix pages, mixed prefill + decode steps and on-device decode loops must give the same
-greedy tokens. Also keeps the SmolLM2 shapes of the deviceless sm_90 engine compile in step with the
-bundled GGUF.
+greedy tokens. On the CPU the kernels run in interpret mode; on a GPU (bench/gpu_engine.sh) they are
+compiled, through the Triton lowering (`pallas`) and with the Mosaic GPU decode kernel (`pallas_mosaic`,
+in bfloat16 with 64-wide heads, the shapes it takes). Also keeps the SmolLM2 shapes of the deviceless
+sm_90 engine compile in step with the bundled GGUF.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +43,13 @@ ARGS = EngineArgs(
 )
 
 
+GPU = jax.default_backend() == "gpu"
+# The Mosaic GPU decode kernel's shapes: bfloat16, head_dim a multiple of 64.
+CFG_BF16 = dataclasses.replace(CFG, head_dim=64)
+ARGS_BF16 = ARGS.replace(dtype="bfloat16", kv_cache_memory_bytes=NUM_PAGES * KVCache.bytes_per_page(
+    CFG_BF16, PAGE_SIZE, jnp.bfloat16))
+
+
 def numpy_params(cfg: ModelConfig, seed: int, scale: float) -> Params:
     """Random weights from the parameter declaration, drawn by numpy (no XLA compile for the init)."""
     rng = np.random.default_rng(seed)
@@ -62,9 +73,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, VOCAB, n).tolist()
 
 
-def serve(loaded: LoadedModel, backend: str) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+def serve(loaded: LoadedModel, backend: str, args: EngineArgs = ARGS) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
     """Greedy outputs per request, and (prefill rows, decode rows) of every step the engine ran."""
-    engine = LLMEngine(ARGS.replace(attention_backend=backend), loaded=loaded, progress=False)
+    engine = LLMEngine(args.replace(attention_backend=backend), loaded=loaded, progress=False)
     assert engine.runner.cfg.backend == backend
     steps: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
@@ -106,14 +117,26 @@ def serve(loaded: LoadedModel, backend: str) -> tuple[dict[str, list[int]], list
     return final, steps
 
 
-def test_pallas_interpret_engine_matches_xla(loaded):
-    ref, ref_steps = serve(loaded, "xla")
-    got, steps = serve(loaded, "pallas_interpret")
+def assert_same_outputs(loaded: LoadedModel, backend: str, args: EngineArgs = ARGS) -> None:
+    ref, ref_steps = serve(loaded, "xla", args)
+    got, steps = serve(loaded, backend, args)
     assert steps == ref_steps, "the schedule depends only on host state; it must not differ by backend"
     assert any(p and d for p, d in steps), f"no mixed prefill + decode step in {steps}"
     assert any(p == 0 and d > 1 for p, d in steps), f"no batched decode step in {steps}"
     for rid in ref:
-        assert got[rid] == ref[rid], f"request {rid}: pallas {got[rid]} != xla {ref[rid]}"
+        assert got[rid] == ref[rid], f"request {rid}: {backend} {got[rid]} != xla {ref[rid]}"
+
+
+@pytest.mark.parametrize("backend", ["pallas"] if GPU else ["pallas_interpret"])
+def test_pallas_engine_matches_xla(loaded, backend):
+    assert_same_outputs(loaded, backend)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"] if GPU else ["pallas_interpret"])
+def test_pallas_engine_matches_xla_bfloat16(backend):
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), numpy_params(CFG_BF16, seed=3, scale=0.3))
+    loaded = LoadedModel("tiny", "tiny-llama", CFG_BF16, params, fake_tokenizer(), jnp.bfloat16, 0.0)
+    assert_same_outputs(loaded, backend, ARGS_BF16)
 
 
 def test_smollm2_compile_shapes_match_bundled_gguf():

@@ -9,6 +9,7 @@ Per-layer parameters are stacked on a leading `layers` axis so the forward pass 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -220,16 +221,20 @@ def random_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, shardings: 
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
     targets = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(infos)
     key = jax.random.key(seed)
-    leaves = []
-    for i, (info, target) in enumerate(zip(infos, targets, strict=True)):
-        if info.init == "normal":
-            def make(k, shape=info.shape):
-                return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-        else:
-            def make(k, shape=info.shape, value=1.0 if info.init == "ones" else 0.0):
-                return jnp.full(shape, value, dtype)
-        leaves.append(jax.jit(make, out_shardings=target)(jax.random.fold_in(key, i)))
+    leaves = [_random_leaf(info.shape, info.init, jnp.dtype(dtype), scale, target)(jax.random.fold_in(key, i))
+              for i, (info, target) in enumerate(zip(infos, targets, strict=True))]
     return jax.tree.unflatten(treedef, leaves)
+
+
+@functools.lru_cache(maxsize=256)
+def _random_leaf(shape: tuple[int, ...], init: Init, dtype: jnp.dtype, scale: float, target: Any) -> Any:
+    """The jitted maker of one random leaf (cached: a second model of the same shapes compiles nothing)."""
+    def make(key: jax.Array) -> jax.Array:
+        if init == "normal":
+            return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return jnp.full(shape, 1.0 if init == "ones" else 0.0, dtype)
+
+    return jax.jit(make, out_shardings=target)
 
 
 def param_paths(tree: Params) -> dict[str, Any]:
