@@ -165,10 +165,10 @@ def decode_bytes_per_step(engine: Any, context_lens: Sequence[float]) -> tuple[i
     from jaxserve.models.inputs import KVCache
 
     params = engine.model.params
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    if getattr(params, "lm_head", None) is not None:
-        weights -= params.embed.size * params.embed.dtype.itemsize
     cfg = engine.model.config
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if not cfg.tie_word_embeddings:
+        weights -= params.embed.size * params.embed.dtype.itemsize
     per_token = KVCache.bytes_per_page(cfg, 1, engine.model.dtype)
     return int(weights), float(np.mean(context_lens)) * per_token
 

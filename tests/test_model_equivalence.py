@@ -87,7 +87,7 @@ def dense_logits(cfg: ModelConfig, params: Params, ids: list[int]) -> np.ndarray
         gate = h @ lp.w_gate
         x = x + (gate / (1 + np.exp(-gate)) * (h @ lp.w_up)) @ lp.w_down
     x = _np_rms_norm(x, f64.final_norm, eps)
-    return x @ f64.embed.T
+    return x @ (f64.embed.T if f64.lm_head is None else f64.lm_head)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -217,13 +217,20 @@ def test_bfloat16_runs_close_to_float32(params32):
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["per_layer", "fused"])
-def test_unrolled_layers_equal_scanned(fuse, params32):
-    """Per-layer weights (the CPU runner's layout, optionally with fused q/k/v and gate/up) give the
-    scanned stack's logits, for a prefill chunk and for one-token decode steps (one-row KV writes)."""
+def test_unrolled_layers_equal_scanned(fuse, tied, params32):
+    """Per-layer weights (the CPU runner's layout, optionally with fused q/k/v and gate/up, and an untied
+    head stored out-major) give the scanned stack's logits, for a prefill chunk and for one-token decode
+    steps (one-row KV writes)."""
+    cfg = CFG if tied else dataclasses.replace(CFG, tie_word_embeddings=False)
+    if not tied:
+        head = jax.random.normal(jax.random.key(9), (CFG.hidden_size, CFG.vocab_size), jnp.float32) * 0.15
+        params32 = dataclasses.replace(params32, lm_head=head)
     flat = unstack_layers(params32, fuse=fuse)
     assert isinstance(flat.layers, tuple) and len(flat.layers) == CFG.num_layers
     assert (flat.layers[0].wqkv is not None) == fuse and (flat.layers[0].wq is None) == fuse
+    assert (flat.lm_head_t is not None) == (fuse and not tied)
     ids = prompt(19, seed=8)
     pages = random_pages(3, np.random.default_rng(8), set())
 
@@ -239,4 +246,4 @@ def test_unrolled_layers_equal_scanned(fuse, params32):
 
     scanned, unrolled = run(params32), run(flat)
     assert rel(unrolled, scanned) < 1e-5, rel(unrolled, scanned)
-    assert rel(scanned, dense_logits(CFG, params32, ids)) < 1e-5
+    assert rel(scanned, dense_logits(cfg, params32, ids)) < 1e-5

@@ -163,7 +163,9 @@ def forward(
     with jax.named_scope("lm_head"):
         x = x[inputs.logits_indices]  # [R, E]
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-        if params.lm_head is None:
+        if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
+            logits = _dot_out_major(x, params.lm_head_t, jnp.float32)
+        elif params.lm_head is None:
             logits = _dot_out_major(x, params.embed, jnp.float32)
         else:
             logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)

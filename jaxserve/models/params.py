@@ -88,6 +88,9 @@ class Params:
     layers: LayerParams | tuple[LayerParams, ...]
     final_norm: Any  # [E]
     lm_head: Any = None  # [E, V]; None when tied to `embed`
+    # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
+    # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
+    lm_head_t: Any = None  # [V, E]
 
 
 def declare_params(cfg: ModelConfig) -> Params:
@@ -147,7 +150,8 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
 
     A layer slice keeps the stacked array's sharding of its other axes. With `fuse` (dense models on
     one device), each layer's q/k/v and gate/up projections become one matrix each (`wqkv`,
-    `w_gate_up`), and every projection is stored out-major (`wo_t`, `w_down_t`): a matrix-vector
+    `w_gate_up`), and every projection is stored out-major (`wo_t`, `w_down_t`, an untied head as
+    `lm_head_t`): a matrix-vector
     product then streams whole rows, which on XLA:CPU reads the weights ~10% faster at batch 1 to 32.
     Anything else (unstacked params, another model's tree) passes through."""
     if not isinstance(params, Params) or isinstance(params.layers, tuple):
@@ -179,7 +183,10 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
         out_shardings = tuple(jax.tree.map(layer_sharding, params.layers) for _ in range(num_layers))
         if all(s is None for s in jax.tree.leaves(out_shardings)):
             out_shardings = None
-    return dataclasses.replace(params, layers=jax.jit(split, out_shardings=out_shardings)(params.layers))
+    params = dataclasses.replace(params, layers=jax.jit(split, out_shardings=out_shardings)(params.layers))
+    if fuse and params.lm_head is not None:
+        params = dataclasses.replace(params, lm_head=None, lm_head_t=jax.jit(jnp.transpose)(params.lm_head))
+    return params
 
 
 def _is_info(x: Any) -> bool:
