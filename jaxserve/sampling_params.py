@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 MAX_LOGPROBS = 20
 """The most top logprobs a request may ask for per generated token."""
+
+MAX_LOGIT_BIAS = 128
+"""The most `logit_bias` entries a request may give (the sampler's fixed width on the device)."""
 
 GREEDY_EPS = 1e-5
 """Temperatures below this are greedy (argmax), as in vLLM."""
@@ -39,6 +42,9 @@ class SamplingParams:
       prompt_logprobs: not supported; must be None.
       skip_special_tokens: leave special tokens out of the detokenized text.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
+      logit_bias: {token id: bias} added to the logits before any penalty or filter; biases
+        are clamped to [-100, 100] (OpenAI's range): -100 bans a token, +100 all but forces it.
+        At most MAX_LOGIT_BIAS entries.
     """
 
     n: int = 1
@@ -59,6 +65,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Normalize first so that the checks and every later reader see one form.
@@ -73,6 +80,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         self._check()
 
     def _check(self) -> None:
@@ -139,6 +147,24 @@ class SamplingParams:
         if not self.ignore_eos:
             ids.extend(t for t in eos_token_ids if t not in ids)
         return ids
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """`logit_bias` checked and normalized: int ids, float biases clamped to [-100, 100]."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {value!r}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} are supported")
+    out = {}
+    for tid, bias in value.items():
+        _check_int("logit_bias token id", tid)
+        if tid < 0:
+            raise ValueError(f"logit_bias token id must be >= 0, got {tid}")
+        _check_float(f"logit_bias[{tid}]", bias)
+        out[int(tid)] = min(100.0, max(-100.0, float(bias)))
+    return out
 
 
 def _check_int(name: str, value: object) -> None:

@@ -148,8 +148,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
             raise _bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", "'logit_bias' is not supported by this server", "unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
         raise _bad("response_format", "only response_format {'type': 'text'} is supported",
@@ -160,6 +158,24 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     suffix = body.get("suffix")
     if suffix:
         raise _bad("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: an object from token ids (JSON keys are strings) to biases in [-100, 100]."""
+    value = _get(body, "logit_bias")
+    if value is _UNSET or value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _bad("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise _bad("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias):
+            raise _bad("logit_bias", f"'logit_bias' values must be finite numbers, got {bias!r} for {key}",
+                       "invalid_type")
+        out[int(key)] = bias
+    return out
 
 
 def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
@@ -187,8 +203,8 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
     for name, (lo, hi) in ranges.items():
         v = get_number(body, name, defaults[name])
         if v < lo or (hi is not None and v > hi) or (name == "top_p" and v == 0):
-            bounds = "(0, 1]" if name == "top_p" else f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-            raise _bad(name, f"'{name}' must be in {bounds}, got {v}")
+            bounds = "in (0, 1]" if name == "top_p" else f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise _bad(name, f"'{name}' must be {bounds}, got {v}")
         floats[name] = v
     rep = get_number(body, "repetition_penalty", 1.0)
     if rep <= 0:
@@ -212,7 +228,8 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             stop_token_ids=_int_list(body, "stop_token_ids"), ignore_eos=get_bool(body, "ignore_eos", False),
             max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False))
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            logit_bias=_logit_bias(body))
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
         raise _bad(str(e).split(" ", 1)[0], str(e)) from e
     return CommonFields(

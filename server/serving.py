@@ -196,6 +196,11 @@ async def handle_generate(request: Request, kind: Kind) -> Response:
     body = await read_json(request, state.config.max_request_body_bytes)
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
     state.check_model(req.common.model)
+    vocab = state.engine.tokenizer.vocab_size
+    outside = sorted(t for t in req.common.params.logit_bias if t >= vocab)
+    if outside:
+        raise ApiError(400, f"'logit_bias' token id {outside[0]} is outside the vocabulary (size {vocab})",
+                       param="logit_bias", code="invalid_value")
     request_id = _request_id(request)
     jobs = await (_chat_jobs(state, req, request_id) if kind == "chat"
                   else _completion_jobs(state, req, request_id))

@@ -240,3 +240,21 @@ async def _collect(gen):
     async for out in gen:
         last = out
     return last.outputs[0].token_ids
+
+
+def test_logit_bias_holds_in_prefill_and_decode_loop_steps(engine):
+    """+100 on one token makes the counting model repeat it, in the mixed step that samples the first
+    token and in the on-device decode loop after it; a request without a bias in the same batch counts on."""
+    out = run(engine, {
+        "biased": ([5, 6], SamplingParams(temperature=0, max_tokens=9, logit_bias={20: 100})),
+        "plain": ([5, 6], SamplingParams(temperature=0, max_tokens=9)),
+    })
+    assert out["biased"].outputs[0].token_ids == [20] * 9
+    assert out["plain"].outputs[0].token_ids == list(range(7, 16))
+    assert engine.stats().compilations_after_warmup == 0
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(engine):
+    with pytest.raises(ValueError, match=f"logit_bias token id {VOCAB} is outside the vocabulary of {VOCAB}"):
+        engine.add_request("x", [5], SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0}))
+    assert not engine.has_unfinished_requests()

@@ -271,6 +271,46 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     assert not np.isin(ids, [EOS, 9]).any() and (ids == 4).mean() > 0.5
 
 
+def test_logit_bias_steers_greedy_and_random_rows_and_keeps_raw_logprobs():
+    V = 16
+    logits = np.zeros((5, V), np.float32)
+    logits[:, 5], logits[:, 6], logits[:, 7] = 3.0, 2.5, 2.0
+    params = [
+        SP(temperature=0, logit_bias={7: 1.5}),  # 2.0 + 1.5 beats 3.0
+        SP(temperature=0, logit_bias={5: -100}),  # the top token banned: the next one
+        SP(temperature=0),  # no bias: the same batch leaves it alone
+        SP(temperature=0, logit_bias={5: -1.0, 6: -1.0, 7: 0.4}),  # several entries in one row
+        SP(temperature=0, min_tokens=2, logit_bias={EOS: 100}),  # the min_tokens mask beats any bias
+    ]
+    out = run(logits, params, steps=[0] * 5, k=3)
+    assert out.token_ids[:4].tolist() == [7, 6, 5, 7]
+    assert out.token_ids[4] != EOS
+    assert draw(logits[4:], params[4:], steps=[2]).tolist() == [EOS]
+    raw = np.log(np_softmax(logits[0].astype(np.float64)))
+    np.testing.assert_allclose(out.logprobs[:4], raw[[7, 6, 5, 7]], rtol=1e-5)  # reported before the bias
+    assert out.top_ids[0].tolist() == [5, 6, 7]
+    # A random row draws from the biased distribution: +100 on one token all but forces it, -100 bans.
+    S = 1024
+    ids = draw(np.tile(logits[0], (S, 1)), [SP(temperature=1.0, logit_bias={11: 100, 5: -100})] * S)
+    assert (ids == 11).all()
+    ids = draw(np.tile(logits[0], (S, 1)), [SP(temperature=1.0, logit_bias={5: -100})] * S)
+    assert not (ids == 5).any() and (ids == 6).mean() > 0.2
+
+
+def test_logit_bias_comes_before_the_penalties():
+    """vLLM's order: bias the raw logits, then penalize. With a repetition penalty of 2 on a seen token
+    whose logit is 3, a bias of -4 makes it -1, penalized to -2 (penalizing first: 1.5 - 4 = -2.5)."""
+    V = 16
+    logits = np.zeros((1, V), np.float32)
+    logits[0, 5] = 3.0
+    logits[0, 6] = -2.2  # between the two orders' results for token 5
+    logits[0, 7] = -2.1
+    logits[0, [i for i in range(V) if i not in (5, 6, 7)]] = -10.0
+    prompt = token_mask([[5]], 1, V)
+    out = run(logits, [SP(temperature=0, repetition_penalty=2.0, logit_bias={5: -4.0, 7: -0.05})], prompt=prompt)
+    assert out.token_ids.tolist() == [5]  # -2.0 > -2.15 > -2.2; penalizing first would pick 7
+
+
 def test_advance_moves_past_min_tokens_on_device():
     logits = np.zeros((ROWS[16], 16), np.float32)
     logits[:, EOS] = 5.0

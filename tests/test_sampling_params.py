@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 BAD = [
     (dict(n=0), "n must be at least 1, got 0"),
@@ -30,6 +30,13 @@ BAD = [
     (dict(logprobs=-1), f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got -1"),
     (dict(logprobs=MAX_LOGPROBS + 1), f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got 21"),
     (dict(prompt_logprobs=1), "prompt_logprobs is not supported"),
+    (dict(logit_bias=[(1, 2.0)]), "logit_bias must be a mapping of token ids to biases"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias token id must be an integer, got '5'"),
+    (dict(logit_bias={True: 1.0}), "logit_bias token id must be an integer, got True"),
+    (dict(logit_bias={-3: 1.0}), "logit_bias token id must be >= 0, got -3"),
+    (dict(logit_bias={3: float("inf")}), "logit_bias[3] must be a finite number, got inf"),
+    (dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}),
+     f"logit_bias has {MAX_LOGIT_BIAS + 1} entries; at most {MAX_LOGIT_BIAS} are supported"),
 ]
 
 
@@ -69,6 +76,8 @@ def test_normalization():
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(stop_token_ids=(5, 6)).stop_token_ids == [5, 6]
     assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams().logit_bias == {}
+    assert SamplingParams(logit_bias={7: 3, 8: -250.5, 9: 101}).logit_bias == {7: 3.0, 8: -100.0, 9: 100.0}
 
 
 def test_greedy_threshold():

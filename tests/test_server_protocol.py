@@ -25,9 +25,10 @@ def test_chat_maps_every_sampling_field():
         "stop": "x", "stop_token_ids": [3], "ignore_eos": True, "max_completion_tokens": 9, "max_tokens": 4,
         "min_tokens": 2, "logprobs": True, "top_logprobs": 3, "skip_special_tokens": False,
         "include_stop_str_in_output": True, "priority": -1, "cache_salt": "s",
-        "stream": True, "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"5": 7, "9": -250},
     })
     p = req.common.params
+    assert p.logit_bias == {5: 7.0, 9: -100.0}, "ids from the JSON keys; biases clamped to [-100, 100]"
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (2, 0.5, 0.9, 5, 0.1)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.seed) == (1.1, 0.5, -0.5, 7)
     assert p.stop == ["x"] and p.stop_token_ids == [3] and p.ignore_eos
@@ -64,7 +65,9 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": MSG, "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": [1, 2]}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"-1": 2}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"1": float("nan")}}, "logit_bias"),
     ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": []}, "messages"),

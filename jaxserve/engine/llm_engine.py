@@ -162,6 +162,10 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.args.max_logprobs}, got {params.logprobs}")
+        vocab = self.model.config.vocab_size
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary of {vocab} tokens")
         stop_ids = tuple(params.all_stop_token_ids(self.eos_ids))
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} stop_token_ids are supported")

@@ -1,7 +1,7 @@
 """Token sampling: one jitted, host-sync-free function of the logits and per-row parameters.
 
-Order of operations (vLLM's): penalties on the raw logits; EOS and stop ids masked while a
-row is under `min_tokens`; greedy rows take the argmax of that; random rows divide by their
+Order of operations (vLLM's): `logit_bias` added to the raw logits, and EOS and stop ids masked
+while a row is under `min_tokens` (one scatter); then the penalties; greedy rows take the argmax of that; random rows divide by their
 temperature, keep the tokens that pass top-k, then top-p (over the top-k set, renormalized),
 then min-p (relative to the most likely token, so its place in the chain does not matter),
 and draw with the exponential race: argmax(p / E), E ~ Exp(1) per token.
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 TOP_K_CAP = 128
 """Candidates the fast top-k/top-p path examines per row."""
@@ -62,6 +62,8 @@ class SamplingTensors:
     step: jax.Array  # [S] int32, tokens the request has generated so far
     min_tokens: jax.Array  # [S] int32
     stop_ids: jax.Array  # [S, M] int32, ids masked while step < min_tokens; -1 pads
+    bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, logit_bias token ids; -1 pads
+    bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] f32, their biases
 
     @classmethod
     def from_params(
@@ -127,6 +129,12 @@ class SamplingTensors:
         stop_ids = np.full((S, width), -1, np.int32)
         for i, s in enumerate(stops):
             stop_ids[i, : len(s)] = s
+        bias_ids = np.full((S, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
+                bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
         return cls(
             temperature,
             greedy,
@@ -142,6 +150,8 @@ class SamplingTensors:
             step,
             min_tokens,
             stop_ids,
+            bias_ids,
+            bias_values,
         )
 
     def advance(self) -> SamplingTensors:
@@ -179,7 +189,7 @@ def sample(
     t = tensors
     raw_lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
 
-    processed = logits
+    processed = _bias_and_mask_stop_ids(logits, t)
     if output_token_counts is not None or prompt_token_mask is not None:
         wants = jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0))
         processed = lax.cond(
@@ -188,7 +198,6 @@ def sample(
             lambda x: x,
             processed,
         )
-    processed = _mask_stop_ids(processed, t)
 
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     token_ids = lax.cond(
@@ -248,12 +257,15 @@ def _apply_penalties(
     return logits
 
 
-def _mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def _bias_and_mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """One scatter-add: each row's logit_bias, and -inf on its stop ids while under min_tokens (a
+    penalty leaves -inf as it is, so the mask may come first)."""
     S, V = logits.shape
     active = (t.step < t.min_tokens)[:, None] & (t.stop_ids >= 0)  # [S, M]
-    ids = jnp.where(active, t.stop_ids, V)  # V is out of range: dropped
+    ids = jnp.concatenate([jnp.where(active, t.stop_ids, V), jnp.where(t.bias_ids >= 0, t.bias_ids, V)], axis=1)
+    values = jnp.concatenate([jnp.full(t.stop_ids.shape, -jnp.inf, jnp.float32), t.bias_values], axis=1)
     rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
-    return logits.at[rows, ids].set(-jnp.inf, mode="drop")
+    return logits.at[rows, ids].add(values, mode="drop")  # V is out of range: dropped
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
