@@ -120,6 +120,28 @@ def test_config_only_export_of_the_bundled_gguf(tmp_path):
     assert ours.encode_chat(conv, add_generation_prompt=True) == theirs.encode_chat(conv, add_generation_prompt=True)
 
 
+def test_dummy_weights_of_the_bundled_gguf_are_never_read_from_it(monkeypatch):
+    """A GGUF model with dummy weights: its config and tokenizer, random weights of its shapes, and the
+    converter never called."""
+    pytest.importorskip("gguf")
+    from jaxserve.engine import model_loading
+    from jaxserve.loader import bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except FileNotFoundError:
+        pytest.skip("the bundled SmolLM2 is not installed")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(model_loading, "load_params", refuse)
+    loaded = load_model(EngineArgs(model=path, dtype="bfloat16", load_format="dummy"), progress=False)
+    assert loaded.config.num_layers == 30 and loaded.config.vocab_size == 49152
+    assert loaded.params.embed.shape == (49152, 576) and loaded.params.embed.dtype == jnp.bfloat16
+    assert loaded.tokenizer.encode(" Paris") == [7042]  # the GGUF's own tokenizer
+
+
 def test_flag_and_validation():
     ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--load-format", "dummy"])
     assert EngineArgs.from_cli_args(ns).load_format == "dummy"
