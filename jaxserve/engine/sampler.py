@@ -1,10 +1,11 @@
 """Token sampling: one jitted, host-sync-free function of the logits and per-row parameters.
 
 Order of operations (vLLM's): `logit_bias` added to the raw logits, and EOS and stop ids masked
-while a row is under `min_tokens` (one scatter); then the penalties; greedy rows take the argmax of that; random rows divide by their
-temperature, keep the tokens that pass top-k, then top-p (over the top-k set, renormalized),
-then min-p (relative to the most likely token, so its place in the chain does not matter),
-and draw with the exponential race: argmax(p / E), E ~ Exp(1) per token.
+while a row is under `min_tokens` (one scatter); then the penalties; greedy rows take the argmax
+of that; random rows divide by their temperature, keep the tokens that pass top-k, then top-p
+(over the top-k set, renormalized), then min-p (relative to the most likely token, so its place
+in the chain does not matter), and draw with the exponential race: argmax(p / E), E ~ Exp(1) per
+token.
 
 Reported logprobs are the raw model distribution, log_softmax of the logits before any
 penalty, temperature or filter (vLLM's default "raw_logprobs").
