@@ -6,17 +6,11 @@
 # Output also goes to $OUT/gpu_check.log (or bench/results/) so it survives the session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-LOG_DIR=${OUT:-bench/results}
-mkdir -p "$LOG_DIR"
+source bench/gpu_common.sh
 LOG="$LOG_DIR/gpu_check.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-start=$(date +%s)
 
 {
-  echo "== environment"
-  "$PY" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())'
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+  print_environment
 
   echo "== kernel tests, compiled for the GPU (generic Pallas kernels, Triton lowering)"
   # float32 references at full precision: the default lets XLA use TF32, far outside the tests' tolerance.

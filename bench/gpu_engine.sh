@@ -14,19 +14,14 @@
 # Output also goes to $OUT/gpu_engine.log (or bench/results/), with each run's JSON beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-LOG_DIR=${OUT:-bench/results}
+source bench/gpu_common.sh
 MODEL=${MODEL:-bench/results/smollm2-config}
 BACKENDS=${BACKENDS:-pallas pallas_mosaic}
 CONCURRENCY=${CONCURRENCY:-64}
-mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/gpu_engine.log"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-start=$(date +%s)
 
 {
-  echo "== environment"
-  "$PY" -c 'import sys, jax; print(sys.version.split()[0], "jax", jax.__version__, jax.devices())'
+  print_environment
 
   echo "== the engine on the compiled kernels against its XLA path (greedy tokens)"
   # float32 references at full precision: the default lets XLA use TF32 for them.

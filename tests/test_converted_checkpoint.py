@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.test_sharding_worker import ROOT, dense_config
-
-RESULT_PREFIX = "RESULT:"
+from tests.test_sharding_worker import RESULT_PREFIX, dense_config, run_module
 
 
 def _export(path: str, cfg, seed: int = 0) -> str:
@@ -116,12 +113,7 @@ def test_flag_reaches_engine_args():
 
 
 def test_tp2_saves_shards_and_restores_them_without_converting(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_converted_checkpoint", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    r = json.loads(lines[-1][len(RESULT_PREFIX):])
+    r = run_module("tests.test_converted_checkpoint", str(tmp_path), devices=2, timeout=120)
     assert r["first_calls"] == 1 and r["second_calls"] == 0
     assert r["equal"] and r["same_keys"]
     # Restored straight into the TP=2 layout: each device holds half of the 8 query heads.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -18,8 +17,8 @@ import pytest
 from jaxserve.engine.model_loading import load_model
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.params import ParamInfo, declare_params, param_paths
-from tests.test_converted_checkpoint import RESULT_PREFIX, _export
-from tests.test_sharding_worker import ROOT, dense_config
+from tests.test_converted_checkpoint import _export, _leaves
+from tests.test_sharding_worker import RESULT_PREFIX, dense_config, run_module
 
 
 def _config_only(path: str) -> str:
@@ -35,10 +34,6 @@ def _config_only(path: str) -> str:
 @pytest.fixture(scope="module")
 def config_dir(tmp_path_factory) -> str:
     return _config_only(str(tmp_path_factory.mktemp("config-only")))
-
-
-def _leaves(params) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in param_paths(params).items()}
 
 
 def test_dummy_weights_have_the_declared_shapes_and_initializers(config_dir):
@@ -153,12 +148,7 @@ def test_flag_and_validation():
 
 
 def test_tp2_dummy_weights_are_made_in_their_shards(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-m", "tests.test_load_dummy", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    assert proc.returncode == 0 and lines, f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    r = json.loads(lines[-1][len(RESULT_PREFIX):])
+    r = run_module("tests.test_load_dummy", str(tmp_path), devices=2, timeout=120)
     # Each device holds half of the 8 query heads, and the sharded tree is the one the plan declares.
     assert r["wq_devices"] == 2 and r["wq_shard_heads"] == 4
     assert r["shardings_match_plan"]

@@ -19,14 +19,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_cases(*cases: str, devices: int = 8, timeout: float = 300.0) -> dict:
     """Run the named cases in a fresh process with `devices` CPU devices; returns {case: findings}."""
+    return run_module("tests.test_sharding_worker", *cases, devices=devices, timeout=timeout)
+
+
+def run_module(module: str, *args: str, devices: int, timeout: float = 300.0) -> dict:
+    """`python -m module args...` in a fresh process with `devices` CPU devices; returns the JSON it
+    printed last after RESULT_PREFIX."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-m", "tests.test_sharding_worker", *cases], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"worker {cases} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+        raise AssertionError(f"{module} {args} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return json.loads(lines[-1][len(RESULT_PREFIX):])
 

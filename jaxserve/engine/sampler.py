@@ -107,6 +107,8 @@ class SamplingTensors:
         step = np.zeros(S, np.int32)
         min_tokens = np.zeros(S, np.int32)
         stops: list[list[int]] = []
+        bias_ids = np.full((S, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
         for i, p in enumerate(params):
             greedy[i] = p.is_greedy
             if not p.is_greedy:
@@ -125,17 +127,14 @@ class SamplingTensors:
             step[i] = num_generated[i]
             min_tokens[i] = p.min_tokens
             stops.append(p.all_stop_token_ids(eos_ids) if p.min_tokens > num_generated[i] else [])
+            if p.logit_bias:
+                bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
+                bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
         width = max(stop_ids_width, max((len(s) for s in stops), default=0))
         width = 1 << (width - 1).bit_length()
         stop_ids = np.full((S, width), -1, np.int32)
         for i, s in enumerate(stops):
             stop_ids[i, : len(s)] = s
-        bias_ids = np.full((S, MAX_LOGIT_BIAS), -1, np.int32)
-        bias_values = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
-        for i, p in enumerate(params):
-            if p.logit_bias:
-                bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
-                bias_values[i, : len(p.logit_bias)] = list(p.logit_bias.values())
         return cls(
             temperature,
             greedy,
