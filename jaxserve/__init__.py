@@ -3,10 +3,11 @@
 from jaxserve.engine_args import EngineArgs
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

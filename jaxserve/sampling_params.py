@@ -7,6 +7,8 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 
+from jaxserve.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 """The most top logprobs a request may ask for per generated token."""
 
@@ -45,6 +47,8 @@ class SamplingParams:
       logit_bias: {token id: bias} added to the logits before any penalty or filter; biases
         are clamped to [-100, 100] (OpenAI's range): -100 bans a token, +100 all but forces it.
         At most MAX_LOGIT_BIAS entries.
+      structured_outputs: constrain the output to a JSON schema, a regex, a choice or a grammar
+        (a `StructuredOutputsParams`, or a mapping of its fields); None leaves it free.
     """
 
     n: int = 1
@@ -66,6 +70,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalize first so that the checks and every later reader see one form.
@@ -81,6 +86,11 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
         self._check()
 
     def _check(self) -> None:

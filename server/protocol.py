@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 from server.errors import ApiError
 
 MAX_N = 128
 _UNSET = object()
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
-_REFUSED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-            "prompt_logprobs", "audio", "prediction", "functions", "function_call", "prompt_embeds")
+_REFUSED = ("prompt_logprobs", "audio", "prediction", "functions", "function_call", "prompt_embeds")
+# vLLM's earlier request fields for structured outputs, and the `structured_outputs` key each is.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -148,10 +150,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
             raise _bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
-        raise _bad("response_format", "only response_format {'type': 'text'} is supported",
-                   "unsupported_parameter")
     if body.get("tools") and body.get("tool_choice", "auto") != "none":
         raise _bad("tools", "tool calling is not supported by this server (send tool_choice 'none' to "
                             "only show the tools to the model)", "unsupported_parameter")
@@ -178,9 +176,61 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
     return out
 
 
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """OpenAI's `response_format` as `structured_outputs` fields (None for plain text)."""
+    if not isinstance(fmt, Mapping):
+        raise _bad("response_format", "'response_format' must be an object with a 'type'", "invalid_type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+            raise _bad("response_format", "response_format of type 'json_schema' needs 'json_schema': "
+                                          "{'name': ..., 'schema': {...}}")
+        return {"json": spec["schema"]}
+    raise _bad("response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
+    """The output constraint, from one of `response_format` (OpenAI), `structured_outputs` (vLLM) or
+    vLLM's earlier `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
+    sources: dict[str, dict[str, Any]] = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        fields = _response_format(fmt)
+        if fields is not None:
+            sources["response_format"] = fields
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, Mapping):
+            raise _bad("structured_outputs", "'structured_outputs' must be an object", "invalid_type")
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise _bad("structured_outputs", f"'structured_outputs' has unsupported fields: {', '.join(unknown)}",
+                       "unsupported_parameter")
+        sources["structured_outputs"] = {k: v for k, v in so.items() if v is not None}
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            sources[name] = {key: body[name]}
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = sorted(sources)
+        raise _bad(names[1], f"give one output constraint, not several: {', '.join(names)}")
+    (param, fields), = sources.items()
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise _bad(param, str(e)) from e
+
+
 def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
             max_tokens_default: int | None) -> CommonFields:
     _refuse_unsupported(body)
+    structured = _structured_outputs(body)
     model = get_str(body, "model")
     n = get_int(body, "n", 1, 1, MAX_N)
     best_of = get_int(body, "best_of", None, 1)
@@ -229,7 +279,7 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-            logit_bias=_logit_bias(body))
+            logit_bias=_logit_bias(body), structured_outputs=structured)
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
         raise _bad(str(e).split(" ", 1)[0], str(e)) from e
     return CommonFields(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import re
 
 import pytest
 
@@ -11,6 +13,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams as SO
 from tests.conftest import REAL_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -165,3 +168,53 @@ def test_no_compilation_on_a_random_workload(engine):
     assert all(o.finished for o in outs)
     assert engine.stats().compilations_after_warmup == 0
     assert pool_is_full(engine)
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                         "country": {"type": "string", "maxLength": 16}},
+        "required": ["city", "country"], "additionalProperties": False}
+
+
+def _valid_city(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"city", "country"} and all(isinstance(v, str) and len(v) <= 16 for v in value.values()))
+
+
+def test_structured_outputs_hold_and_leave_the_batch_unchanged(engine, alone):
+    """JSON schema, choice, regex and a GBNF grammar, greedy and seeded-random (n=3), served in one
+    batch with unconstrained requests; the decode loop runs 4 steps per call, so this also covers
+    the one-step loops a grammar forces. Each constrained output ends ("stop") as its grammar
+    completes; the unconstrained ones equal their outputs served alone."""
+    prompts, expected = alone
+    tok = engine.tokenizer
+    ask = [tok.encode_chat([{"role": "user", "content": q}]) for q in (
+        "Which city is the capital of France? Reply in JSON.", "Is the sky blue?",
+        "How many legs does a spider have?", "Name a primary color.")]
+    constrained = [
+        (SO(json=CITY), _valid_city),
+        (SO(choice=["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
+        (SO(regex=r"[0-9]{1,2} legs"), lambda t: re.fullmatch(r"[0-9]{1,2} legs", t) is not None),
+        (SO(grammar='root ::= "The color is " ("red" | "blue" | "yellow") "."'),
+         lambda t: re.fullmatch(r"The color is (red|blue|yellow)\.", t) is not None),
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so) for so, _ in constrained]
+    params.append(SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=48, structured_outputs=SO(json=CITY)))
+    free = list(range(0, 64, 9))
+    outs = serve(engine, ask + [ask[0]] + [prompts[i] for i in free], params + [GREEDY] * len(free))
+    for out, (_, check) in zip(outs[:4], constrained, strict=False):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and check(c.text), (c.text, c.finish_reason)
+    assert all(c.finish_reason == "stop" and _valid_city(c.text) for c in outs[4].outputs)
+    assert len({c.text for c in outs[4].outputs}) > 1, "three seeded draws should not all agree"
+    assert [o.outputs[0].token_ids for o in outs[5:]] == [expected[i] for i in free]
+    assert engine.stats().compilations_after_warmup == 0
+    assert pool_is_full(engine)
+
+
+def test_a_bad_grammar_is_refused_before_it_is_queued(engine):
+    with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+        SamplingParams(structured_outputs=SO(regex="(unclosed"))
+    before = engine.num_requests
+    ok = serve(engine, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3,
+                                                   structured_outputs=SO(choice=["alpha", "beta"])))
+    assert ok[0].outputs[0].text in ("alpha", "beta") and engine.num_requests == before

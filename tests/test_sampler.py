@@ -376,3 +376,43 @@ def test_from_params_pads_and_checks():
     assert wide.stop_ids.shape == (1, 16)
     with pytest.raises(ValueError, match="do not fit"):
         SamplingTensors.from_params([SP()] * 3, [0] * 3, 2, 64, [2])
+
+
+def _bitmask(rows_allowed, S, V):
+    """An int32 bitmask [S, ceil(V / 32)] allowing each row's listed token ids (other rows: all)."""
+    bm = np.full((S, (V + 31) // 32), -1, np.int32)
+    for i, ids in enumerate(rows_allowed):
+        bits = np.zeros(bm.shape[1] * 32, np.uint8)
+        bits[list(ids)] = 1
+        bm[i] = np.packbits(bits, bitorder="little").view(np.int32)
+    return bm
+
+
+def test_grammar_bitmask_limits_constrained_rows_only():
+    """Constrained rows draw only allowed tokens, greedy or random (ids on both sides of a 32-bit word and
+    the sign bit); an unconstrained row in the same batch samples exactly as without any mask."""
+    V, S = 512, ROWS[512]
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, V)).astype(np.float32) * 3
+    allowed = [{31, 32, 200, 511}, {5}, set(range(64, 96)), set()]
+    params = [SP(temperature=0), SP(temperature=1.0), SP(temperature=0.7, top_k=20), SP(temperature=1.0)]
+    bm = _bitmask(allowed[:3], S, V)
+    free = None
+    for step in range(40):
+        t = SamplingTensors.from_params(params, [step] * 4, S, V, [EOS], request_counters=[0, 1, 2, 3],
+                                        token_bitmask=bm, constrained=[True, True, True, False])
+        got = np.asarray(sample(pad(logits), t).token_ids)[:4]
+        plain = np.asarray(sample(pad(logits), tensors(params, V, [step] * 4, [0, 1, 2, 3])).token_ids)[:4]
+        assert got[0] == max(allowed[0], key=lambda i: logits[0, i]), "greedy: the best allowed token"
+        assert got[1] == 5 and got[2] in allowed[2]
+        assert got[3] == plain[3], "an unconstrained row is untouched"
+        free = plain
+    assert free is not None and any(free[i] not in allowed[i] for i in range(3)), "the mask did something"
+
+
+def test_from_params_checks_the_bitmask():
+    with pytest.raises(ValueError, match="token_bitmask must be int32 of shape"):
+        SamplingTensors.from_params([SP()], [0], 4, 64, [2], token_bitmask=np.zeros((4, 3), np.int32),
+                                    constrained=[True])
+    t = SamplingTensors.from_params([SP()], [0], 4, 64, [2])
+    assert t.token_bitmask.shape == (4, 2) and (t.token_bitmask == -1).all() and not t.constrained.any()

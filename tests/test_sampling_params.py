@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams
 
 BAD = [
     (dict(n=0), "n must be at least 1, got 0"),
@@ -99,3 +100,35 @@ def test_frozen_and_replace_revalidates():
     assert dataclasses.replace(p, seed=3).seed == 3
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(p, top_p=2.0)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({}, "exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
+    ({"choice": "yes"}, "choice must be a non-empty list of strings"),
+    ({"choice": []}, "choice must be a non-empty list of strings"),
+    ({"choice": ["a", 1]}, "choice must be a non-empty list of strings"),
+    ({"regex": 5}, "regex must be a string"),
+    ({"json": [1]}, "json must be a JSON schema object"),
+    ({"json": "{not json"}, "structured_outputs.json is invalid"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "wat"}}}}, "structured_outputs.json is invalid"),
+    ({"json_object": False}, "exactly one"),
+    ({"regex": "[a-"}, "structured_outputs.regex is invalid"),
+    ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar is invalid"),
+    ({"grammar": "root ::= ("}, "structured_outputs.grammar is invalid"),
+])
+def test_structured_outputs_name_what_is_wrong(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        StructuredOutputsParams(**fields)
+
+
+def test_structured_outputs_forms():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    from_text = StructuredOutputsParams(json='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    assert from_text.grammar_spec() == StructuredOutputsParams(json=schema).grammar_spec()
+    p = SamplingParams(structured_outputs={"choice": ("yes", "no")})
+    assert p.structured_outputs == StructuredOutputsParams(choice=["yes", "no"]) and p.structured_outputs.kind == "choice"
+    for grammar in ('start: "a" | "b"', 'root ::= "a" | "b"'):  # Lark and GBNF
+        assert StructuredOutputsParams(grammar=grammar).kind == "grammar"
+    with pytest.raises(ValueError, match="must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")

@@ -38,6 +38,28 @@ def test_chat_maps_every_sampling_field():
     assert req.common.stream_options.include_usage and req.logprobs
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}, {"json": SCHEMA}),
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, {"regex": "[0-9]+"}),
+    ({"structured_outputs": {"choice": ["yes", "no"], "json": None}}, {"choice": ["yes", "no"]}),
+    ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, {"grammar": 'root ::= "a" | "b"'}),
+    ({"guided_choice": ["x", "y"]}, {"choice": ["x", "y"]}),
+    ({"guided_json": SCHEMA}, {"json": SCHEMA}),
+])
+def test_output_constraints_map_to_structured_outputs(fields, expected):
+    for parse, body in ((parse_chat, {"messages": MSG}), (parse_completion, {"prompt": "p"})):
+        so = parse({**body, **fields}).common.params.structured_outputs
+        if expected is None:
+            assert so is None
+        else:
+            assert {k: v for k, v in vars(so).items() if v is not None} == expected
+
+
 def test_chat_defaults_follow_openai():
     req = parse_chat({"messages": MSG})
     p = req.common.params
@@ -68,7 +90,17 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": MSG, "logit_bias": [1, 2]}, "logit_bias"),
     ({"messages": MSG, "logit_bias": {"-1": 2}}, "logit_bias"),
     ({"messages": MSG, "logit_bias": {"1": float("nan")}}, "logit_bias"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": MSG, "response_format": "json"}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}},
+     "response_format"),
+    ({"messages": MSG, "structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+    ({"messages": MSG, "structured_outputs": {"choice": "yes"}}, "structured_outputs"),
+    ({"messages": MSG, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"messages": MSG, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+    ({"messages": MSG, "guided_grammar": "start: foo"}, "guided_grammar"),
+    ({"messages": MSG, "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),

@@ -102,3 +102,27 @@ def test_disconnect_frees_the_pages(real):
     assert held == 0, f"{held} pages still held by requests after the abort"
     engine.check_integrity()
     assert _metric(srv, "jaxserve:compilations_after_warmup_total") == 0
+
+
+def test_response_format_json_schema_over_http(real):
+    """OpenAI's `response_format` (json_schema, streamed too) and vLLM's `structured_outputs` extra."""
+    _, srv, _ = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+              "required": ["city"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    chat = [{"role": "user", "content": "Which city is the capital of France? Reply in JSON."}]
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                       max_tokens=40, response_format=fmt)
+    value = json.loads(r.choices[0].message.content)
+    assert list(value) == ["city"] and isinstance(value["city"], str) and r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
+                                              max_tokens=40, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The sky is", temperature=0, max_tokens=8,
+                                  extra_body={"structured_outputs": {"choice": [" green", " purple"]}})
+    assert r.choices[0].text in (" green", " purple")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat,
+                                       extra_body={"structured_outputs": {"regex": "(a"}})
+    assert info.value.body["param"] == "structured_outputs" and "unclosed group" in info.value.body["message"]

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.model_loading import (
@@ -41,6 +42,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import GrammarCompiler, bitmask_width
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,7 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -169,6 +172,7 @@ class LLMEngine:
         stop_ids = tuple(params.all_stop_token_ids(self.eos_ids))
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} stop_token_ids are supported")
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now))
         stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
@@ -179,7 +183,8 @@ class LLMEngine:
             seq = SeqState(engine_id, i, child,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                        StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
-                       logprobs=[] if params.logprobs is not None else None)
+                       logprobs=[] if params.logprobs is not None else None,
+                       matcher=None if matcher is None else matcher if i == 0 else matcher.copy())
             group.seqs.append(seq)
         for seq in group.seqs:
             self.scheduler.add_request(Request(
@@ -267,9 +272,12 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
             scheduled = list(plan.scheduled)
             if all(s.is_decode for s in scheduled):
-                st = decode_state(scheduled, [self._seq[s.request_id] for s in scheduled], self.runner.cfg,
-                                  self.scheduler.reserve_decode_pages,
-                                  lambda rid: self.scheduler.get_request(rid).pages)
+                seqs = [self._seq[s.request_id] for s in scheduled]
+                # A grammar's next mask needs the token before it: such a batch steps one token at a time.
+                constrained = any(q.matcher is not None for q in seqs)
+                st = decode_state(scheduled, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
+                                  lambda rid: self.scheduler.get_request(rid).pages,
+                                  num_steps=1 if constrained else None)
                 tensors, want_top, penalties = self._sampling(scheduled, st.tokens.shape[0])
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top)
             inputs, S = mixed_inputs(scheduled, self.runner.cfg)
@@ -293,9 +301,18 @@ class LLMEngine:
     def _sampling(self, scheduled: list[ScheduledRequest], S: int) -> tuple[SamplingTensors, bool, object]:
         seqs = [self._seq[s.request_id] for s in scheduled]
         params = [q.params for q in seqs]
+        vocab = self.model.config.vocab_size
+        bitmask, constrained = None, None
+        if any(q.matcher is not None for q in seqs):
+            bitmask = np.full((S, bitmask_width(vocab)), -1, np.int32)
+            constrained = [q.matcher is not None for q in seqs]
+            for i, q in enumerate(seqs):
+                if q.matcher is not None:
+                    q.matcher.fill_bitmask(bitmask, i)
         tensors = SamplingTensors.from_params(
-            params, [len(q.token_ids) for q in seqs], S, self.model.config.vocab_size, self.eos_ids,
+            params, [len(q.token_ids) for q in seqs], S, vocab, self.eos_ids,
             request_counters=[q.counter for q in seqs], engine_seed=self.args.seed,
+            token_bitmask=bitmask, constrained=constrained,
         )
         want_top = any(p.logprobs for p in params)
         penalties = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,8 @@ from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, to
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "RequestGroup", "SeqState"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,14 +46,17 @@ class SeqState:
     stops: StopChecker
     stop_ids: tuple[int, ...]
     counter: int = 0  # the engine's request counter: a distinct random stream for unseeded sampling
+    matcher: Any = None  # structured outputs: a `GrammarMatcher` following the tokens taken so far
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Accepted tokens not yet detokenized: (token, step output row, index in it, ends by a stop id).
-    undecoded: list[tuple[int, Any, int, bool]] = field(default_factory=list)
+    # Accepted tokens not yet detokenized: (token, step output row, index in it, how it ends the
+    # completion: "" (it does not), "id" (a stop id: its text is left out) or "grammar" (the last token
+    # its grammar takes: its text is kept)).
+    undecoded: list[tuple[int, Any, int, str]] = field(default_factory=list)
     flushed: bool = False  # the held-back text went out at the length limit
 
     def accept(self, tok: int, out: Any, j: int, tokenizer: Any) -> bool:
@@ -59,13 +65,24 @@ class SeqState:
         What the scheduler needs, decided at once: a stop id ends it (as vLLM: the id stays in
         token_ids, its text is left out). Its text and logprobs wait for `decode`, unless a stop string
         could end the completion, which only its text tells: such a completion is decoded now.
+        Under structured outputs, the matcher takes the token; a completed grammar ends the completion
+        ("stop") and a token the grammar refuses aborts it (the sampler's mask makes that unreachable).
         """
         self.token_ids.append(tok)
-        by_id = tok in self.stop_ids and len(self.token_ids) > self.params.min_tokens - 1
-        if by_id:
+        end = ""
+        if tok in self.stop_ids and len(self.token_ids) > self.params.min_tokens - 1:
+            end = "id"
             self.finish_reason = "stop"
             self.stop_reason = tok if tok in (self.params.stop_token_ids or ()) else None
-        self.undecoded.append((tok, out, j, by_id))
+        elif self.matcher is not None:
+            if not self.matcher.consume(tok):
+                logger.error("request %s: token %d is outside its structured output grammar (%s); aborting it",
+                             self.engine_id, tok, self.matcher.error)
+                self.finish_reason = "abort"
+            elif self.matcher.stopped:
+                end = "grammar"
+                self.finish_reason = "stop"
+        self.undecoded.append((tok, out, j, end))
         if self.stops.stop:
             self.decode(tokenizer)
         return self.finish_reason is not None
@@ -73,7 +90,7 @@ class SeqState:
     def decode(self, tokenizer: Any) -> None:
         """Detokenize the accepted tokens (text, stop strings, logprob entries); once the completion has
         reached its length limit, flush the held-back text."""
-        for tok, out, j, by_id in self.undecoded:
+        for tok, out, j, end in self.undecoded:
             if self.logprobs is not None:
                 lp = float(out.logprobs[j])
                 self.cumulative_logprob += lp
@@ -83,7 +100,7 @@ class SeqState:
                 for tid, item in entry.items():
                     item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
                 self.logprobs.append(entry)
-            if by_id:
+            if end == "id":
                 self.text += self.stops.add(self.detok.flush()).text + self.stops.flush()
                 break
             delta = self.stops.add(self.detok.add(tok))
@@ -91,6 +108,9 @@ class SeqState:
             if delta.stop_str is not None:
                 self.finish_reason = "stop"
                 self.stop_reason = delta.stop_str
+                break
+            if end == "grammar":
+                self.text += self.stops.add(self.detok.flush()).text + self.stops.flush()
                 break
         self.undecoded.clear()
         if self.finish_reason == "length" and not self.flushed:

@@ -1,7 +1,9 @@
 """Token sampling: one jitted, host-sync-free function of the logits and per-row parameters.
 
 Order of operations (vLLM's): `logit_bias` added to the raw logits, and EOS and stop ids masked
-while a row is under `min_tokens` (one scatter); then the penalties; greedy rows take the argmax
+while a row is under `min_tokens` (one scatter); then the penalties; then, for rows under
+structured outputs, every token their grammar does not allow next set to -inf (the host's
+bitmask, 32 tokens per int32 word, see `jaxserve.structured_outputs`); greedy rows take the argmax
 of that; random rows divide by their temperature, keep the tokens that pass top-k, then top-p
 (over the top-k set, renormalized), then min-p (relative to the most likely token, so its place
 in the chain does not matter), and draw with the exponential race: argmax(p / E), E ~ Exp(1) per
@@ -37,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.structured_outputs import bitmask_width
 
 TOP_K_CAP = 128
 """Candidates the fast top-k/top-p path examines per row."""
@@ -65,6 +68,8 @@ class SamplingTensors:
     stop_ids: jax.Array  # [S, M] int32, ids masked while step < min_tokens; -1 pads
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, logit_bias token ids; -1 pads
     bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] f32, their biases
+    constrained: jax.Array  # [S] bool, the row samples under a grammar
+    token_bitmask: jax.Array  # [S, ceil(V / 32)] int32, bit t % 32 of word t // 32: token t allowed
 
     @classmethod
     def from_params(
@@ -78,11 +83,15 @@ class SamplingTensors:
         request_counters: Sequence[int] | None = None,
         engine_seed: int = 0,
         stop_ids_width: int = 8,
+        token_bitmask: np.ndarray | None = None,
+        constrained: Sequence[bool] | None = None,
     ) -> SamplingTensors:
         """Build host arrays for a batch, padded to `padded_size` rows with inert greedy rows.
 
         `request_counters` give unseeded requests distinct random streams (default: row index);
-        `stop_ids_width` is the minimum width of `stop_ids`, grown to a power of two if needed.
+        `stop_ids_width` is the minimum width of `stop_ids`, grown to a power of two if needed;
+        `token_bitmask` ([padded_size, ceil(vocab_size / 32)] int32) holds the tokens each row in
+        `constrained` may sample (other rows' words are ignored).
         """
         n = len(params)
         if n > padded_size:
@@ -91,8 +100,18 @@ class SamplingTensors:
             raise ValueError(f"num_generated has {len(num_generated)} entries for {n} requests")
         if request_counters is not None and len(request_counters) != n:
             raise ValueError(f"request_counters has {len(request_counters)} entries for {n} requests")
-        del vocab_size  # ids outside the vocabulary are dropped on the device
         S = padded_size
+        W = bitmask_width(vocab_size)
+        if token_bitmask is None:
+            token_bitmask = np.full((S, W), -1, np.int32)
+        elif token_bitmask.shape != (S, W) or token_bitmask.dtype != np.int32:
+            raise ValueError(f"token_bitmask must be int32 of shape {(S, W)}, got {token_bitmask.dtype} "
+                             f"{token_bitmask.shape}")
+        rows_constrained = np.zeros(S, bool)
+        if constrained is not None:
+            if len(constrained) != n:
+                raise ValueError(f"constrained has {len(constrained)} entries for {n} requests")
+            rows_constrained[:n] = constrained
         temperature = np.ones(S, np.float32)
         greedy = np.ones(S, bool)
         top_k = np.zeros(S, np.int32)
@@ -152,6 +171,8 @@ class SamplingTensors:
             stop_ids,
             bias_ids,
             bias_values,
+            rows_constrained,
+            token_bitmask,
         )
 
     def advance(self) -> SamplingTensors:
@@ -198,6 +219,7 @@ def sample(
             lambda x: x,
             processed,
         )
+    processed = lax.cond(jnp.any(t.constrained), lambda x: _apply_bitmask(x, t), lambda x: x, processed)
 
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     token_ids = lax.cond(
@@ -266,6 +288,14 @@ def _bias_and_mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     values = jnp.concatenate([jnp.full(t.stop_ids.shape, -jnp.inf, jnp.float32), t.bias_values], axis=1)
     rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
     return logits.at[rows, ids].add(values, mode="drop")  # V is out of range: dropped
+
+
+def _apply_bitmask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """-inf on every token a constrained row's grammar does not allow next."""
+    S, V = logits.shape
+    bits = (t.token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V].astype(bool) | ~t.constrained[:, None]
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:

@@ -25,13 +25,15 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig) -> t
 
 
 def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], rcfg: RunnerConfig,
-                 reserve_pages: Callable[[str, int], int], pages_of: Callable[[str], list[int]]) -> DecodeState:
+                 reserve_pages: Callable[[str, int], int], pages_of: Callable[[str], list[int]],
+                 num_steps: int | None = None) -> DecodeState:
     """The decode loop's state for running decodes, padded to their sequence bucket.
 
     `reserve_pages(request_id, n)` reserves the pages of up to n more tokens and returns how many
-    tokens it covered; `pages_of(request_id)` is the request's page table after that."""
+    tokens it covered; `pages_of(request_id)` is the request's page table after that. `num_steps`
+    (at most the runner's `num_scheduler_steps`, its default) caps the loop's steps."""
     S = rcfg.seq_bucket(len(scheduled))
-    n = rcfg.num_scheduler_steps
+    n = min(num_steps or rcfg.num_scheduler_steps, rcfg.num_scheduler_steps)
     tokens = np.zeros(S, np.int32)
     positions = np.zeros(S, np.int32)
     tables = np.zeros((S, rcfg.pages_per_seq), np.int32)

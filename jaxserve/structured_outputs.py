@@ -1,0 +1,195 @@
+"""Structured outputs: generation constrained to a JSON schema, a regex, a choice or a grammar.
+
+`StructuredOutputsParams` names the constraint as vLLM's does (json, regex, choice, grammar,
+json_object; exactly one). The constraint is compiled by llguidance into a grammar, checked when
+the parameters are made, so a bad schema or regex fails the request before it is queued.
+
+While a request is served, a `GrammarMatcher` follows its tokens on the host. Before each step,
+the engine asks every constrained row's matcher for the tokens it may produce next, as a bitmask
+of 32 tokens per int32 word ([rows, ceil(vocab / 32)]); the sampler masks every other token to
+-inf on the device (see `sampler.sample`). After the step, the matcher consumes the sampled token.
+Once the grammar is complete, only the end-of-sequence tokens stay allowed, so the request ends
+with finish_reason "stop" as soon as its value is whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency of jaxserve; missing only from a partial install
+        raise ValueError("structured outputs need the llguidance package (pip install llguidance)") from e
+    return llguidance
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on what a request may generate; exactly one field is set.
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text); the output is one JSON value that conforms.
+      regex: a regular expression (Rust `regex` syntax) the whole output matches.
+      choice: a list of strings; the output is exactly one of them.
+      grammar: a context-free grammar in Lark syntax (llguidance's dialect) or in llama.cpp's GBNF.
+      json_object: True for any JSON object (OpenAI's `response_format` {"type": "json_object"}).
+    """
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
+        if self.json is not None and not isinstance(self.json, (str, Mapping)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        self.grammar_spec()  # compiled and checked now, so a bad constraint fails at the request
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _FIELDS if getattr(self, name) not in (None, False))
+
+    def grammar_spec(self) -> str:
+        """The constraint as an llguidance grammar; ValueError naming the field if it does not compile."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):  # one cache entry (and grammar) per schema
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is invalid: {e}") from None
+        return _compile(self.kind, _key(value))
+
+
+def _key(value: Any) -> Any:
+    """A hashable form of a field's value (schemas are dicts), for the compile cache."""
+    if isinstance(value, Mapping):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+_cache: dict[tuple[str, Any], str] = {}
+_cache_lock = threading.Lock()
+_CACHE_SIZE = 256
+
+
+def _compile(kind: str, value: Any) -> str:
+    with _cache_lock:
+        hit = _cache.get((kind, value))
+    if hit is not None:
+        return hit
+    llg = _llguidance()
+    try:
+        if kind == "json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, Mapping):
+                raise ValueError("a JSON schema must be an object")
+            spec = llg.LLMatcher.grammar_from_json_schema(schema)
+        elif kind == "json_object":
+            spec = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+        elif kind == "regex":
+            spec = llg.LLMatcher.grammar_from_regex(value)
+        elif kind == "choice":
+            spec = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+        else:
+            spec = llg.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{kind} is invalid: {e}") from None
+    error = llg.LLMatcher.validate_grammar(spec)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"structured_outputs.{kind} is invalid: {error.strip()}")
+    with _cache_lock:
+        if len(_cache) >= _CACHE_SIZE:
+            _cache.pop(next(iter(_cache)))
+        _cache[(kind, value)] = spec
+    return spec
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatcher:
+    """One completion's position in its grammar: the tokens allowed next, and the tokens taken."""
+
+    def __init__(self, matcher: Any):
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 bitmask [rows, width]."""
+        self._m.unsafe_compute_mask_ptr(bitmask[row].ctypes.data, bitmask.shape[1] * 4)
+
+    def consume(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it (the matcher is then
+        in error and stays there)."""
+        return bool(self._m.consume_token(token_id))
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and takes no further token."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error() if self._m.is_error() else ""
+
+    def copy(self) -> GrammarMatcher:
+        return GrammarMatcher(self._m.deep_copy())
+
+
+class GrammarCompiler:
+    """Makes matchers over one model's tokenizer (its llguidance form is built on first use, ~0.4 s
+    for SmolLM2's 49152 tokens)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+
+    def _ll(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                llg = _llguidance()
+                self._ll_tokenizer = llg.LLTokenizer(
+                    self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
+                    eos_token=list(self._tokenizer.eos_token_ids),
+                )
+            return self._ll_tokenizer
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher at the start of `params`' grammar; ValueError if it cannot be built."""
+        llg = _llguidance()
+        m = llg.LLMatcher(self._ll(), params.grammar_spec(), log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {m.get_error()}")
+        return GrammarMatcher(m)
