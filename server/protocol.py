@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,14 @@ class CommonFields:
 
 
 @dataclass(frozen=True)
+class ToolChoice:
+    """A tool call the output is constrained to: one named function, or (`name` None, OpenAI's
+    "required") a list of one or more calls of any of the tools."""
+
+    name: str | None
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A checked `/v1/chat/completions` body."""
 
@@ -135,6 +144,8 @@ class ChatRequest:
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # function tools, for the chat template
+    tool_choice: ToolChoice | None = None  # set when the reply must be tool calls
 
 
 @dataclass(frozen=True)
@@ -150,9 +161,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
             raise _bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise _bad("tools", "tool calling is not supported by this server (send tool_choice 'none' to "
-                            "only show the tools to the model)", "unsupported_parameter")
     suffix = body.get("suffix")
     if suffix:
         raise _bad("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
@@ -227,10 +235,78 @@ def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | No
         raise _bad(param, str(e)) from e
 
 
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice | None]:
+    """`tools` (function tools, checked) and `tool_choice`. "none" only shows the tools to the chat
+    template; "required" and a named function constrain the reply to tool calls (structured outputs);
+    "auto", the default with tools, needs a parser for the model's own tool-call format, which jaxserve
+    does not have, so it is refused."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise _bad("tool_choice", "'tool_choice' needs 'tools'")
+        return None, None
+    if not isinstance(tools, list):
+        raise _bad("tools", "'tools' must be a list of function tools", "invalid_type")
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
+            raise _bad(where, f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}", "invalid_type")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-64 letters, digits, '_' or '-', "
+                                                 f"got {name!r}")
+        if any(t["function"]["name"] == name for t in out):
+            raise _bad(f"{where}.function.name", f"tool name {name!r} is given twice")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise _bad(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object",
+                       "invalid_type")
+        out.append({"type": "function", "function": {**fn, "parameters": dict(params or _NO_PARAMETERS)}})
+    if choice is None or choice == "auto":
+        raise _bad("tool_choice", "tool_choice 'auto' (the default with tools) is not supported: it needs a parser "
+                                  "for the model's tool-call format; send 'required', a named function, or 'none'",
+                   "unsupported_parameter")
+    if choice == "none":
+        return out, None
+    if choice == "required":
+        return out, ToolChoice(None)
+    fn = choice.get("function") if isinstance(choice, Mapping) else None
+    if not isinstance(choice, Mapping) or choice.get("type") != "function" or not isinstance(fn, Mapping):
+        raise _bad("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                  "{'type': 'function', 'function': {'name': ...}}")
+    if not any(t["function"]["name"] == fn.get("name") for t in out):
+        raise _bad("tool_choice", f"tool_choice names {fn.get('name')!r}, which is not among the tools")
+    return out, ToolChoice(fn["name"])
+
+
+def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
+    """The JSON schema a forced reply follows: the named function's parameters (the reply is its
+    arguments), or for "required" a list of one or more {"name", "parameters"} objects."""
+    if choice.name is not None:
+        return next(t["function"]["parameters"] for t in tools if t["function"]["name"] == choice.name)
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                               "parameters": t["function"]["parameters"]},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+
+
 def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
-            max_tokens_default: int | None) -> CommonFields:
+            max_tokens_default: int | None, forced: StructuredOutputsParams | None = None) -> CommonFields:
+    """The shared fields; `forced` is the output constraint of a forced tool call."""
     _refuse_unsupported(body)
     structured = _structured_outputs(body)
+    if forced is not None:
+        if structured is not None:
+            raise _bad("tool_choice", "a forced tool call cannot be combined with another output constraint "
+                                      "(response_format, structured_outputs or guided_*)")
+        structured = forced
     model = get_str(body, "model")
     n = get_int(body, "n", 1, 1, MAX_N)
     best_of = get_int(body, "best_of", None, 1)
@@ -333,8 +409,15 @@ def parse_chat(body: Any) -> ChatRequest:
     top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want:
         raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+    tools, tool_choice = _tools(body)
+    forced = None
+    if tool_choice is not None:
+        try:
+            forced = StructuredOutputsParams(json=tool_call_schema(tools, tool_choice))
+        except ValueError as e:
+            raise _bad("tools", f"the tools' parameters are not a usable JSON schema: {e}") from e
     common = _common(body, logprobs=(top or 0) if want else None,
-                     max_tokens_names=("max_completion_tokens", "max_tokens"), max_tokens_default=None)
+                     max_tokens_names=("max_completion_tokens", "max_tokens"), max_tokens_default=None, forced=forced)
     kwargs = _get(body, "chat_template_kwargs")
     if kwargs is _UNSET or kwargs is None:
         kwargs = {}
@@ -348,7 +431,8 @@ def parse_chat(body: Any) -> ChatRequest:
     if cont and messages[-1].get("role") != "assistant":
         raise _bad("continue_final_message", "'continue_final_message' needs a final assistant message")
     return ChatRequest(common=common, messages=messages, logprobs=want, add_generation_prompt=add_gen and not cont,
-                       continue_final_message=cont, chat_template_kwargs=dict(kwargs))
+                       continue_final_message=cont, chat_template_kwargs=dict(kwargs), tools=tools,
+                       tool_choice=tool_choice)
 
 
 def _check_prompt(value: Any) -> list[str | list[int]]:

@@ -30,7 +30,9 @@ from server.responses import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    new_tool_call_id,
     sse,
+    tool_calls,
     usage,
 )
 from server.state import ServerState
@@ -104,7 +106,7 @@ def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *
 def _chat_prompt(tokenizer: Any, req: ChatRequest) -> tuple[str, list[int]]:
     try:
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             **req.chat_template_kwargs)
+                                             tools=req.tools, **req.chat_template_kwargs)
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation
@@ -291,8 +293,10 @@ class _Formatter:
             if d is None:
                 continue
             if self.kind == "chat":
-                choice: dict[str, Any] = {"index": index, "delta": {"content": d.text} if d.text else {},
-                                          "logprobs": None, "finish_reason": d.finish_reason}
+                delta, finish = self._chat_delta(cursor, c, d)
+                if not delta and finish is None and not self.want_logprobs:
+                    continue  # a "required" tool call's list, held back until it is whole
+                choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if self.want_logprobs:
                     choice["logprobs"] = {"content": chat_logprobs(self.text_of, d.token_ids, d.logprobs,
                                                                    self.top_n)}
@@ -311,6 +315,41 @@ class _Formatter:
             chunks.append(sse(self._envelope([choice], gen)))
         return chunks
 
+    def _chat_delta(self, cursor: ChoiceCursor, c: Any, d: Any) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's delta and finish reason. Under a forced tool call, a named function's
+        arguments stream as they come (the first chunk carries the call's id and name); a "required"
+        list goes out whole once it is complete."""
+        choice = self.req.tool_choice
+        if choice is None:
+            return ({"content": d.text} if d.text else {}), d.finish_reason
+        if choice.name is not None:
+            delta: dict[str, Any] = {}
+            if d.text:
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
+                if not cursor.tool_call_id:
+                    cursor.tool_call_id = new_tool_call_id()
+                    call = {"index": 0, "id": cursor.tool_call_id, "type": "function",
+                            "function": {"name": choice.name, "arguments": d.text}}
+                delta = {"tool_calls": [call]}
+            return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+        if d.finish_reason is None:
+            return {}, None
+        calls = tool_calls(c.text, None) if d.finish_reason == "stop" else None
+        if calls is None:
+            return {"content": c.text}, d.finish_reason
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, "tool_calls"
+
+    def _chat_message(self, c: Any) -> tuple[dict[str, Any], str | None]:
+        """A whole chat reply and its finish reason (see `_chat_delta` for forced tool calls)."""
+        choice = self.req.tool_choice
+        calls = None
+        if choice is not None and (choice.name is not None or c.finish_reason == "stop"):
+            calls = tool_calls(c.text, choice.name)
+        if calls is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return ({"role": "assistant", "content": None, "tool_calls": calls},
+                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+
     def usage_chunk(self, gen: Generation) -> bytes:
         """The final `choices: []` chunk with the request's usage."""
         obj = self._envelope([], gen)
@@ -325,15 +364,16 @@ class _Formatter:
             for c in out.outputs:
                 choice: dict[str, Any] = {"index": job * self.n + c.index}
                 lp = None
+                finish = c.finish_reason
                 if self.kind == "chat":
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"], finish = self._chat_message(c)
                     if self.want_logprobs:
                         lp = {"content": chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n)}
                 else:
                     choice["text"] = ((self.jobs[job].prompt_text or "") if self.echo else "") + c.text
                     if self.want_logprobs:
                         lp, _ = completion_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n, 0)
-                choice.update(logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choice.update(logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason)
                 choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,

@@ -16,6 +16,9 @@ from server.responses import ChoiceCursor
 from server.serving import fit_to_context
 
 MSG = [{"role": "user", "content": "hello"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
 
 
 def test_chat_maps_every_sampling_field():
@@ -60,6 +63,22 @@ def test_output_constraints_map_to_structured_outputs(fields, expected):
             assert {k: v for k, v in vars(so).items() if v is not None} == expected
 
 
+def test_tool_choice_becomes_an_output_constraint():
+    bare = {"type": "function", "function": {"name": "now"}}
+    named = parse_chat({"messages": MSG, "tools": [TOOL, bare],
+                        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert named.tool_choice.name == "get_weather"
+    assert named.common.params.structured_outputs.json == TOOL["function"]["parameters"]
+    assert named.tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}, "no parameters: none"
+    required = parse_chat({"messages": MSG, "tools": [TOOL, bare], "tool_choice": "required"})
+    schema = required.common.params.structured_outputs.json
+    assert required.tool_choice.name is None and schema["type"] == "array" and schema["minItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    shown = parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"})
+    assert shown.tools == [TOOL] and shown.tool_choice is None and shown.common.params.structured_outputs is None
+    assert parse_chat({"messages": MSG, "tools": [], "tool_choice": "none"}).tools is None
+
+
 def test_chat_defaults_follow_openai():
     req = parse_chat({"messages": MSG})
     p = req.common.params
@@ -101,7 +120,23 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": MSG, "structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
     ({"messages": MSG, "guided_grammar": "start: foo"}, "guided_grammar"),
     ({"messages": MSG, "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": MSG, "tools": {"f": 1}, "tool_choice": "required"}, "tools"),
+    ({"messages": MSG, "tools": [TOOL, {"type": "retrieval"}], "tool_choice": "required"}, "tools[1]"),
+    ({"messages": MSG, "tools": [TOOL, TOOL], "tool_choice": "required"}, "tools[1].function.name"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"},
+     "tools[0].function.name"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -126,3 +126,47 @@ def test_response_format_json_schema_over_http(real):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat,
                                        extra_body={"structured_outputs": {"regex": "(a"}})
     assert info.value.body["param"] == "structured_outputs" and "unclosed group" in info.value.body["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_over_http(real):
+    """tool_choice naming a function, and "required": the reply is tool calls whose arguments fit the
+    tools' schemas, whole and streamed (a named call's arguments in pieces, a required list at once)."""
+    _, srv, _ = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    chat = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in (named, "required"):
+        kw = dict(model="SmolLM2-135M-Instruct", messages=chat, temperature=0, max_tokens=120,
+                  tools=[WEATHER, TIME], tool_choice=tool_choice)
+        r = client.chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        calls = choice.message.tool_calls
+        assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+        for c in calls:
+            args = json.loads(c.function.arguments)
+            assert c.function.name in ("get_weather", "get_time")
+            assert list(args) == (["city"] if c.function.name == "get_weather" else ["zone"])
+        if tool_choice is named:
+            assert [c.function.name for c in calls] == ["get_weather"]
+        chunks = list(client.chat.completions.create(**kw, stream=True))
+        deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+        names = [d.function.name for d in deltas if d.function.name]
+        assert names == [c.function.name for c in calls]
+        args = {}
+        for d in deltas:
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        assert [json.loads(a) for a in args.values()] == [json.loads(c.function.arguments) for c in calls]
+        if tool_choice is named:
+            assert len(deltas) > 1, "a named call's arguments stream in pieces"
