@@ -416,3 +416,24 @@ def test_from_params_checks_the_bitmask():
                                     constrained=[True])
     t = SamplingTensors.from_params([SP()], [0], 4, 64, [2])
     assert t.token_bitmask.shape == (4, 2) and (t.token_bitmask == -1).all() and not t.constrained.any()
+
+
+def test_exponential_noise_is_never_zero():
+    """Every hash value maps strictly inside (0, 1): a zero noise would let its token win any draw."""
+    from jaxserve.engine.sampler import _open_unit
+
+    u = np.asarray(_open_unit(jnp.array([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 1], jnp.uint32)))
+    assert (u > 0).all() and (u < 1).all() and np.isfinite(-np.log(u)).all() and (-np.log(u) > 0).all()
+
+
+def test_a_lone_allowed_token_is_drawn_at_a_full_vocabulary():
+    """SmolLM2's vocabulary, the seed and step whose noise once hit zero at token 44305: with one
+    token allowed, a random row draws that token."""
+    V = 49152
+    logits = (np.random.default_rng(0).normal(size=(1, V)) * 5).astype(np.float32)
+    bits = np.zeros(V, np.uint8)
+    bits[4061] = 1
+    bm = np.packbits(bits, bitorder="little").view(np.int32)[None]
+    t = SamplingTensors.from_params([SP(temperature=0.8, seed=8)], [12], 1, V, [EOS], token_bitmask=bm,
+                                    constrained=[True])
+    assert int(sample(jnp.asarray(logits), t).token_ids[0]) == 4061

@@ -66,7 +66,8 @@ class SeqState:
         token_ids, its text is left out). Its text and logprobs wait for `decode`, unless a stop string
         could end the completion, which only its text tells: such a completion is decoded now.
         Under structured outputs, the matcher takes the token; a completed grammar ends the completion
-        ("stop") and a token the grammar refuses aborts it (the sampler's mask makes that unreachable).
+        ("stop"); a token the grammar refuses (possible only when the matcher failed to compute its
+        mask, e.g. over a parser limit) aborts it, with the token's text left out.
         """
         self.token_ids.append(tok)
         end = ""
@@ -78,6 +79,7 @@ class SeqState:
             if not self.matcher.consume(tok):
                 logger.error("request %s: token %d is outside its structured output grammar (%s); aborting it",
                              self.engine_id, tok, self.matcher.error)
+                end = "id"  # its text is left out, as a stop id's is
                 self.finish_reason = "abort"
             elif self.matcher.stopped:
                 end = "grammar"
