@@ -210,3 +210,16 @@ def test_fake_engine_outputs_are_the_documented_words():
             _run(eng, "hello", SamplingParams(max_tokens=256))
     finally:
         eng.shutdown()
+
+
+def test_tools_reach_the_chat_template():
+    from server.fake_engine import fake_tokenizer
+    from server.serving import _chat_prompt
+
+    tok = fake_tokenizer()
+    tok.chat_templates["tool_use"] = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                                      "{% for m in messages %}{{ m.content }}{% endfor %}")
+    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}))
+    assert text == "[get_weather]hello"
+    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG}))
+    assert "[get_weather]" not in text, "without tools the default template renders"
