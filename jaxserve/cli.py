@@ -15,13 +15,37 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sampling-seed", dest="sample_seed", type=int, default=None, help="seed of the sampling")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="constrain the output to this JSON schema (its JSON text, or a file holding it)")
+    c.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    c.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat)")
 
 
 def _sampling_params(ns: argparse.Namespace):
-    from jaxserve.sampling_params import SamplingParams
+    import json
+    import os
 
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured_outputs import StructuredOutputsParams
+
+    constraint = None
+    if ns.json_schema is not None:
+        text = ns.json_schema
+        if os.path.isfile(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise SystemExit(f"--json-schema is neither a file nor JSON: {e}") from None
+        constraint = StructuredOutputsParams(json=schema)
+    elif ns.regex is not None:
+        constraint = StructuredOutputsParams(regex=ns.regex)
+    elif ns.choice:
+        constraint = StructuredOutputsParams(choice=ns.choice)
     return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                          seed=ns.sample_seed)
+                          seed=ns.sample_seed, structured_outputs=constraint)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:

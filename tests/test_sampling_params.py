@@ -1,6 +1,7 @@
 """SamplingParams: defaults, normalization and the validation messages."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -132,3 +133,23 @@ def test_structured_outputs_forms():
         assert StructuredOutputsParams(grammar=grammar).kind == "grammar"
     with pytest.raises(ValueError, match="must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs="json")
+
+
+def test_command_line_constraints(tmp_path):
+    from jaxserve import cli
+
+    def params(*flags):
+        return cli._sampling_params(cli.build_parser().parse_args(["generate", "hi", *flags]))
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert params("--json-schema", str(path)).structured_outputs.json == schema
+    assert params("--json-schema", json.dumps(schema)).structured_outputs.json == schema
+    assert params("--regex", "[0-9]+").structured_outputs.regex == "[0-9]+"
+    assert params("--choice", "yes", "--choice", "no").structured_outputs.choice == ["yes", "no"]
+    assert params().structured_outputs is None
+    with pytest.raises(SystemExit, match="neither a file nor JSON"):
+        params("--json-schema", "{nope")
+    with pytest.raises(SystemExit):  # argparse: only one constraint
+        params("--regex", "a", "--choice", "b")
