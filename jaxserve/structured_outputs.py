@@ -180,10 +180,13 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 llg = _llguidance()
-                self._ll_tokenizer = llg.LLTokenizer(
-                    self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
-                    eos_token=list(self._tokenizer.eos_token_ids),
-                )
+                try:
+                    self._ll_tokenizer = llg.LLTokenizer(
+                        self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
+                        eos_token=list(self._tokenizer.eos_token_ids),
+                    )
+                except ValueError as e:  # llguidance reads byte-level BPE and SentencePiece-style decoders
+                    raise ValueError(f"structured outputs are not available for this model's tokenizer: {e}") from e
             return self._ll_tokenizer
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:

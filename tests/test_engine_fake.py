@@ -258,3 +258,40 @@ def test_logit_bias_outside_the_vocabulary_is_refused(engine):
     with pytest.raises(ValueError, match=f"logit_bias token id {VOCAB} is outside the vocabulary of {VOCAB}"):
         engine.add_request("x", [5], SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0}))
     assert not engine.has_unfinished_requests()
+
+
+def test_structured_outputs_refused_for_a_tokenizer_llguidance_cannot_read(engine):
+    """The fake word-level tokenizer has no decoder llguidance knows: the request is refused, named, and
+    the engine goes on serving."""
+    from jaxserve.structured_outputs import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="structured outputs are not available for this model's tokenizer"):
+        engine.add_request("so", [5], SamplingParams(structured_outputs=StructuredOutputsParams(regex="t3+")))
+    assert engine.num_requests == 0
+    assert run(engine, {"b": ([5], SamplingParams(temperature=0, max_tokens=2))})["b"].outputs[0].token_ids == [6, 7]
+
+
+def test_a_token_the_grammar_refuses_aborts_only_its_request(loaded):
+    """Were a matcher to refuse a sampled token (its mask failed), that completion ends with "abort",
+    the token's text left out; the batch beside it is untouched."""
+
+    class Refuses:
+        def __init__(self):
+            self.taken = []
+
+        def fill_bitmask(self, bitmask, row):
+            pass  # all allowed
+
+        def consume(self, tok):
+            self.taken.append(tok)
+            return len(self.taken) < 3
+
+        stopped, error = False, "refused for the test"
+
+    eng = make_engine(loaded, num_scheduler_steps=1)
+    eng.add_request("g", [5, 6], SamplingParams(temperature=0, max_tokens=8))
+    eng._seq["g"].matcher = Refuses()
+    final = run(eng, {"f": ([5, 6], SamplingParams(temperature=0, max_tokens=5))})  # "g" finishes in it too
+    c = final["g"].outputs[0]
+    assert c.finish_reason == "abort" and c.token_ids == [7, 8, 9] and c.text == text([7, 8])
+    assert final["f"].outputs[0].token_ids == [7, 8, 9, 10, 11]
