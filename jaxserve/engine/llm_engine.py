@@ -304,10 +304,11 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         bitmask, constrained = None, None
         if any(q.matcher is not None for q in seqs):
+            # Only rows that sample this step (not a prompt chunk before the last) need a mask.
+            constrained = [q.matcher is not None and s.sample for q, s in zip(seqs, scheduled, strict=True)]
             bitmask = np.full((S, bitmask_width(vocab)), -1, np.int32)
-            constrained = [q.matcher is not None for q in seqs]
             for i, q in enumerate(seqs):
-                if q.matcher is not None:
+                if constrained[i]:
                     q.matcher.fill_bitmask(bitmask, i)
         tensors = SamplingTensors.from_params(
             params, [len(q.token_ids) for q in seqs], S, vocab, self.eos_ids,

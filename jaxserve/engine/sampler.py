@@ -103,7 +103,7 @@ class SamplingTensors:
         S = padded_size
         W = bitmask_width(vocab_size)
         if token_bitmask is None:
-            token_bitmask = np.full((S, W), -1, np.int32)
+            token_bitmask = _all_allowed(S, W)
         elif token_bitmask.shape != (S, W) or token_bitmask.dtype != np.int32:
             raise ValueError(f"token_bitmask must be int32 of shape {(S, W)}, got {token_bitmask.dtype} "
                              f"{token_bitmask.shape}")
@@ -288,6 +288,14 @@ def _bias_and_mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     values = jnp.concatenate([jnp.full(t.stop_ids.shape, -jnp.inf, jnp.float32), t.bias_values], axis=1)
     rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
     return logits.at[rows, ids].add(values, mode="drop")  # V is out of range: dropped
+
+
+@functools.lru_cache(maxsize=32)
+def _all_allowed(rows: int, width: int) -> np.ndarray:
+    """A read-only bitmask allowing every token, shared by the steps that constrain no row."""
+    mask = np.full((rows, width), -1, np.int32)
+    mask.flags.writeable = False
+    return mask
 
 
 def _apply_bitmask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
