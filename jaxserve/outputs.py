@@ -78,3 +78,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: None for the first prompt token, then each prompt
+    token's entry (its own logprob first, then the top ones), once the prompt is computed."""

@@ -41,7 +41,9 @@ class SamplingParams:
       min_tokens: EOS and stop_token_ids are forbidden until this many tokens are generated.
       logprobs: number of top logprobs to return per generated token (0: only the
         sampled token's); None returns none.
-      prompt_logprobs: not supported; must be None.
+      prompt_logprobs: number of top logprobs to return per prompt token (0: only the prompt
+        token's own), None returns none. The first prompt token has none (None in the list); such
+        a request computes its whole prompt (it reads no cached prefix).
       skip_special_tokens: leave special tokens out of the detokenized text.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
       logit_bias: {token id: bias} added to the logits before any penalty or filter; biases
@@ -142,9 +144,11 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
         if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs is not supported by jaxserve; it must be None, got {self.prompt_logprobs}"
-            )
+            _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.prompt_logprobs}"
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -218,3 +218,40 @@ def test_a_bad_grammar_is_refused_before_it_is_queued(engine):
     ok = serve(engine, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3,
                                                    structured_outputs=SO(choice=["alpha", "beta"])))
     assert ok[0].outputs[0].text in ("alpha", "beta") and engine.num_requests == before
+
+
+def test_prompt_logprobs_match_transformers(engine, hf_smollm):
+    """Each prompt token's logprob (and the top 3 at each position) equals transformers' log_softmax;
+    the same whole, in 16-token chunks, and with the prompt already cached (it is computed anyway)."""
+    import numpy as np
+    import torch
+
+    model, _ = hf_smollm
+    prompts = chat_prompts(engine.tokenizer, 3)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    whole = serve(engine, prompts, params)
+    again = serve(engine, prompts, params)
+    sched = engine.scheduler
+    original = sched.config
+    sched.config = dataclasses.replace(original, long_prefill_token_threshold=16)
+    try:
+        chunked = serve(engine, prompts, params)
+    finally:
+        sched.config = original
+    for ids, a, b, c in zip(prompts, whole, again, chunked, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+        plp = a.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(ids)
+        got = np.array([plp[p][ids[p]].logprob for p in range(1, len(ids))])
+        np.testing.assert_allclose(got, ref[np.arange(len(ids) - 1), ids[1:]], atol=2e-4)
+        for p in range(1, len(ids)):
+            top = sorted((e.rank, t, e.logprob) for t, e in plp[p].items() if e.rank <= 3)
+            assert [r for r, _, _ in top][:3] == [1, 2, 3]
+            np.testing.assert_allclose([lp for _, _, lp in top[:3]], np.sort(ref[p - 1])[::-1][:3], atol=2e-4)
+        assert b.metrics.num_cached_tokens == 0, "a prompt-logprobs request computes its whole prompt"
+        for other in (b, c):
+            assert [other.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))] == pytest.approx(got,
+                                                                                                          abs=1e-4)
+    assert engine.stats().compilations_after_warmup == 0
+    assert pool_is_full(engine)

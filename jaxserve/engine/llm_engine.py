@@ -40,7 +40,7 @@ from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConf
 from jaxserve.engine.step_batch import decode_state, mixed_inputs, sampled_rows, step_shapes
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
-from jaxserve.outputs import RequestMetrics, RequestOutput
+from jaxserve.outputs import RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import GrammarCompiler, bitmask_width
 
@@ -165,6 +165,11 @@ class LLMEngine:
             )
         if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.args.max_logprobs}, got {params.logprobs}")
+        if params.prompt_logprobs is not None:
+            if params.prompt_logprobs > self.args.max_logprobs:
+                raise ValueError(f"prompt_logprobs must be <= {self.args.max_logprobs}, got {params.prompt_logprobs}")
+            if not self.runner.supports_prompt_logprobs:
+                raise ValueError("prompt_logprobs need the model's hidden states, which this model does not return")
         vocab = self.model.config.vocab_size
         outside = sorted(t for t in params.logit_bias if t >= vocab)
         if outside:
@@ -174,7 +179,8 @@ class LLMEngine:
             raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} stop_token_ids are supported")
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.time()
-        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now))
+        group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
+                             prompt_logprobs={} if params.prompt_logprobs is not None else None)
         stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else None
@@ -190,6 +196,8 @@ class LLMEngine:
             self.scheduler.add_request(Request(
                 request_id=seq.engine_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
                 sampling_params=seq.params, priority=priority, arrival_time=now, cache_salt=cache_salt,
+                # The first completion computes every prompt position for the prompt logprobs.
+                read_prefix_cache=group.prompt_logprobs is None or seq.index > 0,
             ))
             self._seq[seq.engine_id] = seq
             self._seq_group[seq.engine_id] = group
@@ -243,7 +251,10 @@ class LLMEngine:
             if launched is None:
                 return []
             plan, pending = launched
-            touched = self._accept(plan, sampled_rows(plan, pending.kind, self.runner.fetch(pending)))
+            out = self.runner.fetch(pending)
+            if out.prompt is not None:
+                self._take_prompt_logprobs(plan, out.prompt)
+            touched = self._accept(plan, sampled_rows(plan, pending.kind, out))
         except BaseException:
             self._inflight = None
             raise
@@ -282,7 +293,39 @@ class LLMEngine:
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top)
             inputs, S = mixed_inputs(scheduled, self.runner.cfg)
             tensors, want_top, penalties = self._sampling(scheduled, S)
-            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top)
+            next_ids = None
+            for q0, s, group in self._prompt_logprob_chunks(scheduled):
+                if next_ids is None:
+                    next_ids = np.full(inputs.token_ids.shape[0], -1, np.int32)
+                lo, hi = s.start_position, min(s.start_position + s.num_new_tokens, len(group.prompt_ids) - 1)
+                next_ids[q0:q0 + hi - lo] = group.prompt_ids[lo + 1:hi + 1]
+            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids)
+
+    def _prompt_logprob_chunks(self, scheduled):
+        """(first packed token, chunk, request) of each prompt chunk whose prompt logprobs are still due
+        (the first completion's, before the prompt is whole: not again after a preemption)."""
+        q0 = 0
+        for s in scheduled:
+            group = self._seq_group.get(s.request_id)
+            seq = self._seq.get(s.request_id)
+            if (group is not None and seq is not None and seq.index == 0 and group.prompt_logprobs is not None
+                    and not s.is_decode and s.start_position < len(group.prompt_ids) - 1
+                    and len(group.prompt_logprobs) < len(group.prompt_ids) - 1):
+                yield q0, s, group
+            q0 += s.num_new_tokens
+
+    def _take_prompt_logprobs(self, plan: SchedulerOutput, prompt: Any) -> None:
+        """A mixed step's prompt logprobs into their requests (position p + 1 from packed token p)."""
+        for q0, s, group in self._prompt_logprob_chunks(list(plan.scheduled)):
+            k = self._seq[s.request_id].params.prompt_logprobs or 0
+            hi = min(s.start_position + s.num_new_tokens, len(group.prompt_ids) - 1)
+            for i in range(hi - s.start_position):
+                p, q = s.start_position + i + 1, q0 + i
+                entry = token_logprobs(group.prompt_ids[p], prompt.logprobs[q], prompt.ranks[q],
+                                       prompt.top_ids[q][:k].tolist(), prompt.top_logprobs[q][:k].tolist())
+                for tid, item in entry.items():
+                    item.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+                group.prompt_logprobs[p] = entry
 
     def _trace_plan(self, plan: SchedulerOutput, step_id: int) -> None:
         """L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel shapes."""

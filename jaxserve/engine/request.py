@@ -60,6 +60,9 @@ class Request:
     """Wall-clock arrival (seconds), for latency metrics; ordering uses ``arrival_index``."""
     cache_salt: str | None = None
     """Requests share cached KV pages only when their salts are equal."""
+    read_prefix_cache: bool = True
+    """False: compute every prompt token (prompt logprobs need each position's logits); the
+    request's pages still go to the cache for others."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)

@@ -130,10 +130,20 @@ class RequestGroup:
     prompt_ids: list[int]
     seqs: list[SeqState]
     metrics: RequestMetrics
+    prompt_logprobs: dict[int, Any] | None = None
+    """With `prompt_logprobs` asked: each prompt position's entry (position >= 1), as computed."""
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
+
+    def prompt_logprob_list(self) -> list | None:
+        """vLLM's form: None for the first prompt token, then one entry per token; None until the whole
+        prompt is computed."""
+        got = self.prompt_logprobs
+        if got is None or len(got) < len(self.prompt_ids) - 1:
+            return None
+        return [None] + [got[p] for p in range(1, len(self.prompt_ids))]
 
     def output(self) -> RequestOutput:
         outs = [
@@ -146,4 +156,4 @@ class RequestGroup:
             for s in self.seqs
         ]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs, self.finished,
-                             dataclasses.replace(self.metrics))
+                             dataclasses.replace(self.metrics), prompt_logprobs=self.prompt_logprob_list())

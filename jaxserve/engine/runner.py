@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -26,13 +27,14 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.sampler import SamplingTensors, sample, update_counts
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.llama import forward
+from jaxserve.models.llama import forward, lm_head
 from jaxserve.models.params import Params, unstack_layers
 
 logger = logging.getLogger(__name__)
 
 LayerLoop = Literal["scan", "unroll"]
 MAX_STOP_IDS = 8  # stop token ids checked on the device per row (EOS ids + stop_token_ids)
+PROMPT_LOGPROB_BLOCK = 256  # prompt tokens projected onto the vocabulary at once (prompt logprobs)
 
 
 def default_layer_loop(backend: AttentionBackend) -> LayerLoop:
@@ -108,6 +110,27 @@ class PenaltyInputs:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class PromptLogprobInputs:
+    """Per packed token of a mixed step, the prompt token that follows it, whose logprob is wanted
+    (-1: none; all -1 when no request asks for prompt logprobs)."""
+
+    next_ids: jax.Array  # [T] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PromptLogprobs:
+    """Per packed token of a mixed step: the logprob and rank of the prompt token that follows it, and
+    the top logprobs of the distribution there (zeros where none was wanted)."""
+
+    logprobs: jax.Array  # [T] f32
+    ranks: jax.Array  # [T] int32
+    top_ids: jax.Array  # [T, K] int32
+    top_logprobs: jax.Array  # [T, K] f32
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class StepOutput:
     token_ids: jax.Array  # [S] or [n, S] int32
     logprobs: jax.Array  # [S] or [n, S] f32
@@ -115,6 +138,7 @@ class StepOutput:
     top_ids: jax.Array  # [S, K] or [n, S, K] int32
     top_logprobs: jax.Array  # [S, K] or [n, S, K] f32
     num_generated: jax.Array  # [S] int32 (decode loop: tokens produced per row)
+    prompt: PromptLogprobs | None = None  # mixed steps of a model that returns its hidden states
 
 
 def _penalty_arrays(pen: PenaltyInputs, t: SamplingTensors, vocab: int):
@@ -148,15 +172,53 @@ def _top_logprobs(logits: jax.Array, want: jax.Array, k: int):
     return jax.lax.cond(want, compute, skip, logits)
 
 
+def _prompt_logprobs(params: Params, cfg: ModelConfig, hidden: jax.Array, next_ids: jax.Array,
+                     top_k: int) -> PromptLogprobs:
+    """Logprobs of the prompt tokens that follow each packed token (hidden: [T, E]), computed only
+    when some token wants one: the vocabulary projection of every token costs T x E x V. Tokens go
+    `PROMPT_LOGPROB_BLOCK` at a time, so the logits held at once stay [block, V]."""
+    T, E = hidden.shape
+    block = min(T, PROMPT_LOGPROB_BLOCK)
+    pad = -T % block
+
+    def one_block(args):
+        h, nxt = args  # [block, E], [block]
+        logits = lm_head(params, cfg, h)  # [block, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, jnp.maximum(nxt, 0)[:, None], axis=-1)[:, 0]
+        ranks = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
+        vals, ids = jax.lax.top_k(logits, top_k)
+        return PromptLogprobs(chosen - lse, ranks, ids.astype(jnp.int32), vals - lse[:, None])
+
+    def compute(h):
+        h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, block, E)
+        nxt = jnp.pad(next_ids, (0, pad)).reshape(-1, block)
+        out = jax.lax.map(one_block, (h, nxt))
+        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[:T], out)
+
+    def skip(h):
+        return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T,), jnp.int32),
+                              jnp.zeros((T, top_k), jnp.int32), jnp.zeros((T, top_k), jnp.float32))
+
+    return jax.lax.cond(jnp.any(next_ids >= 0), compute, skip, hidden)
+
+
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
-               want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, model_fn=forward):
-    """Forward over a ragged batch and sample one token per sequence row."""
-    logits, kv = model_fn(params, kv, inputs, cfg, backend)  # [S, V]
+               plp: PromptLogprobInputs, want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend,
+               top_k: int, model_fn=forward, hidden: bool = False):
+    """Forward over a ragged batch and sample one token per sequence row; with `hidden` (a model that
+    returns its hidden states), also the prompt logprobs `plp` asks for."""
+    prompt = None
+    if hidden:
+        logits, kv, h = model_fn(params, kv, inputs, cfg, backend, return_hidden=True)  # [S, V], [T, E]
+        prompt = _prompt_logprobs(params, cfg, h, plp.next_ids, top_k)
+    else:
+        logits, kv = model_fn(params, kv, inputs, cfg, backend)  # [S, V]
     counts, mask = _penalty_arrays(pen, sampling, cfg.vocab_size)
     out = sample(logits, sampling, counts, mask)
     top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
     return StepOutput(out.token_ids, out.logprobs, out.ranks, top_ids, top_lp,
-                      jnp.ones_like(out.token_ids)), kv
+                      jnp.ones_like(out.token_ids), prompt), kv
 
 
 @jax.tree_util.register_dataclass
@@ -253,23 +315,29 @@ class ModelRunner:
         self.kv = kv
         self.cfg = cfg
         top_k = cfg.max_logprobs
-        layout = {}
+        mixed_layout, decode_layout = {}, {}
         if shardings is not None:
             # Fixed layouts for every argument, so warmup and serving hit the same executables.
             rep = shardings.replicated
             param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            layout = dict(in_shardings=(param_shardings, shardings.kv, rep, rep, rep, rep),
-                          out_shardings=(rep, shardings.kv))
+            mixed_layout = dict(in_shardings=(param_shardings, shardings.kv, rep, rep, rep, rep, rep),
+                                out_shardings=(rep, shardings.kv))
+            decode_layout = dict(in_shardings=(param_shardings, shardings.kv, rep, rep, rep, rep),
+                                 out_shardings=(rep, shardings.kv))
+        self.supports_prompt_logprobs = "return_hidden" in inspect.signature(model_fn).parameters
+        """Whether the model returns its hidden states, which prompt logprobs need."""
         self._mixed = jax.jit(
-            functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k, model_fn=model_fn),
-            donate_argnums=(1,), **layout,
+            functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k, model_fn=model_fn,
+                              hidden=self.supports_prompt_logprobs),
+            donate_argnums=(1,), **mixed_layout,
         )
         self._decode = jax.jit(
             functools.partial(decode_loop, cfg=model_cfg, backend=cfg.backend, top_k=top_k,
                               n_max=cfg.num_scheduler_steps, model_fn=model_fn),
-            donate_argnums=(1,), **layout,
+            donate_argnums=(1,), **decode_layout,
         )
         self._no_penalty: dict[int, PenaltyInputs] = {}
+        self._no_prompt_logprobs: dict[int, PromptLogprobInputs] = {}
         self._baseline_compiles: int | None = None
         self.strict = False
         self.num_steps = 0
@@ -345,6 +413,14 @@ class ModelRunner:
 
     # -- steps -------------------------------------------------------------------------------------
 
+    def prompt_logprob_inputs(self, next_ids: np.ndarray | None, T: int) -> PromptLogprobInputs:
+        """`next_ids` [T] as step inputs; a cached inert (all -1) device array when None."""
+        if next_ids is None:
+            if T not in self._no_prompt_logprobs:
+                self._no_prompt_logprobs[T] = PromptLogprobInputs(jnp.full((T,), -1, jnp.int32))
+            return self._no_prompt_logprobs[T]
+        return PromptLogprobInputs(jnp.asarray(next_ids, jnp.int32))
+
     def run_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
         return self.fetch(self.dispatch_mixed(inputs, sampling, penalties, want_top))
 
@@ -352,12 +428,14 @@ class ModelRunner:
         return self.fetch(self.dispatch_decode(st, sampling, penalties, want_top))
 
     def dispatch_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties,
-                       want_top: bool) -> InFlightStep:
-        """Start a mixed step on the device and return at once; `fetch` waits for its outputs."""
+                       want_top: bool, prompt_next_ids: np.ndarray | None = None) -> InFlightStep:
+        """Start a mixed step on the device and return at once; `fetch` waits for its outputs.
+        `prompt_next_ids` ([T], -1 padded) asks for prompt logprobs (see `PromptLogprobInputs`)."""
         S = inputs.block_tables.shape[0]
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
+        plp = self.prompt_logprob_inputs(prompt_next_ids, inputs.token_ids.shape[0])
         t0 = time.perf_counter()
-        out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, np.bool_(want_top))
+        out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, plp, np.bool_(want_top))
         return InFlightStep("mixed", out, t0, S)
 
     def dispatch_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> InFlightStep:

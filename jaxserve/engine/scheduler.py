@@ -211,9 +211,9 @@ class Scheduler:
             # Looked up only now, after the allocations planned before it (which may evict), and
             # only for requests admission reaches: a lookup refreshes the prefix's LRU age.
             request = self._requests[lookup_id]
-            match = self.cache.match_prefix(
-                request.token_ids_in(0, request.num_tokens - 1), request.cache_salt, record=False
-            )
+            # A request that reads no cached prefix matches the empty one (no pages).
+            end = request.num_tokens - 1 if request.read_prefix_cache else 0
+            match = self.cache.match_prefix(request.token_ids_in(0, end), request.cache_salt, record=False)
             lookups[lookup_id] = match
             planner.provide_prefix(lookup_id, match.pages, locked_pages(match.last_node))
         _, plan = planner.result()

@@ -131,6 +131,16 @@ def _layer(
 _layer_once = jax.jit(_layer, static_argnums=(0, 1, 7))
 
 
+def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Logits [R, V] float32 of last hidden states x [R, E]: the final norm, then the vocabulary."""
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
+        return _dot_out_major(x, params.lm_head_t, jnp.float32)
+    if params.lm_head is None:
+        return _dot_out_major(x, params.embed, jnp.float32)
+    return jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+
+
 def forward(
     params: Params,
     kv: KVCache,
@@ -138,9 +148,12 @@ def forward(
     cfg: ModelConfig,
     backend: AttentionBackend = "xla",
     expert_layout=None,
-) -> tuple[jax.Array, KVCache]:
+    return_hidden: bool = False,
+):
     """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
-    and the KV cache with this step's keys and values written into their pages.
+    and the KV cache with this step's keys and values written into their pages; with
+    `return_hidden` (static), also every token's last hidden state [T, E] (before the final norm,
+    for `lm_head`).
 
     `expert_layout` (a `sharding.ExpertLayout`, MoE models only) places the experts on a mesh."""
     L, N, page_size, hkv, d = kv.k.shape
@@ -161,12 +174,8 @@ def forward(
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
     x, k_all, v_all = carry
     with jax.named_scope("lm_head"):
-        x = x[inputs.logits_indices]  # [R, E]
-        x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-        if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
-            logits = _dot_out_major(x, params.lm_head_t, jnp.float32)
-        elif params.lm_head is None:
-            logits = _dot_out_major(x, params.embed, jnp.float32)
-        else:
-            logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
-    return logits, KVCache(k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
+        logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]
+    kv = KVCache(k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
+    if return_hidden:
+        return logits, kv, x
+    return logits, kv
