@@ -22,7 +22,7 @@ from server.errors import ApiError
 MAX_N = 128
 _UNSET = object()
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
-_REFUSED = ("prompt_logprobs", "audio", "prediction", "functions", "function_call", "prompt_embeds")
+_REFUSED = ("audio", "prediction", "functions", "function_call", "prompt_embeds")
 # vLLM's earlier request fields for structured outputs, and the `structured_outputs` key each is.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -124,6 +124,7 @@ class CommonFields:
     priority: int
     cache_salt: str | None
     add_special_tokens: bool
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`, when the request gave it
 
 
 @dataclass(frozen=True)
@@ -298,9 +299,17 @@ def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[st
 
 
 def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
-            max_tokens_default: int | None, forced: StructuredOutputsParams | None = None) -> CommonFields:
-    """The shared fields; `forced` is the output constraint of a forced tool call."""
+            max_tokens_default: int | None, forced: StructuredOutputsParams | None = None,
+            prompt_logprobs: int | None = None) -> CommonFields:
+    """The shared fields; `forced` is the output constraint of a forced tool call; `prompt_logprobs`
+    the least the request needs (vLLM's `prompt_logprobs` field may ask for more)."""
     _refuse_unsupported(body)
+    asked = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if asked is not None and get_bool(body, "stream", False):
+        raise _bad("prompt_logprobs", "'prompt_logprobs' is not supported with 'stream' (use echo with logprobs "
+                                      "on /v1/completions)", "unsupported_parameter")
+    if asked is not None or prompt_logprobs is not None:
+        prompt_logprobs = max(asked or 0, prompt_logprobs or 0)
     structured = _structured_outputs(body)
     if forced is not None:
         if structured is not None:
@@ -355,13 +364,13 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-            logit_bias=_logit_bias(body), structured_outputs=structured)
+            logit_bias=_logit_bias(body), structured_outputs=structured, prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
         raise _bad(str(e).split(" ", 1)[0], str(e)) from e
     return CommonFields(
         model=model, params=params, max_tokens_given=given, stream=stream, stream_options=options,
         priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
-        add_special_tokens=get_bool(body, "add_special_tokens", False))
+        add_special_tokens=get_bool(body, "add_special_tokens", False), prompt_logprobs=asked)
 
 
 def _check_body(body: Any) -> Mapping[str, Any]:
@@ -462,10 +471,9 @@ def parse_completion(body: Any) -> CompletionRequest:
     prompts = _check_prompt(_get(body, "prompt"))
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise _bad("echo", "'echo' together with 'logprobs' needs prompt logprobs, which are not supported",
-                   "unsupported_parameter")
-    common = _common(body, logprobs=logprobs, max_tokens_names=("max_tokens",), max_tokens_default=16)
+    # `echo` with `logprobs` reports the prompt tokens' logprobs too (how evaluation harnesses score text).
+    common = _common(body, logprobs=logprobs, max_tokens_names=("max_tokens",), max_tokens_default=16,
+                     prompt_logprobs=logprobs if echo else None)
     # vLLM adds the model's BOS for completions by default; keep that unless the client says otherwise.
     common = CommonFields(**{**common.__dict__, "add_special_tokens": get_bool(body, "add_special_tokens", True)})
     return CompletionRequest(common=common, prompts=prompts, echo=echo)

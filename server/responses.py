@@ -69,17 +69,37 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], entries: SampleLogpr
 
 def completion_logprobs(text_of: TokenText, token_ids: list[int], entries: SampleLogprobs, top_n: int,
                         offset: int) -> tuple[dict, int]:
-    """Completions' `logprobs` object for the given positions, and the text offset after them."""
+    """Completions' `logprobs` object for the given positions, and the text offset after them. A
+    position without an entry (None: the first prompt token) has no logprob and no top logprobs."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, entries, strict=False):
-        lp = pos.get(tid)
+        lp = pos.get(tid) if pos is not None else None
         s = text_of(tid, lp.decoded_token if lp else None)
         tokens.append(s)
         token_lps.append(lp.logprob if lp else None)
-        tops.append({text_of(t, e.decoded_token): e.logprob for t, e in _top(pos, top_n)} if top_n else None)
+        tops.append({text_of(t, e.decoded_token): e.logprob for t, e in _top(pos, top_n)}
+                    if top_n and pos is not None else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def echo_logprobs(text_of: TokenText, out: Any, token_ids: list[int], entries: SampleLogprobs,
+                  top_n: int) -> tuple[dict, int]:
+    """Completions' `logprobs` for an echoed prompt followed by the given completion positions."""
+    prompt, offset = completion_logprobs(text_of, out.prompt_token_ids, out.prompt_logprobs or [], top_n, 0)
+    rest, offset = completion_logprobs(text_of, token_ids, entries, top_n, offset)
+    return {k: prompt[k] + rest[k] for k in prompt}, offset
+
+
+def prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if pos is None else
+            {str(t): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token} for t, e in pos.items()}
+            for pos in entries]
 
 
 @dataclass

@@ -30,7 +30,9 @@ from server.responses import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     new_tool_call_id,
+    prompt_logprobs_json,
     sse,
     tool_calls,
     usage,
@@ -307,7 +309,10 @@ class _Formatter:
                     text = (self.jobs[job].prompt_text or "") + text
                 cursor.started = True
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
-                if self.want_logprobs:
+                if self.want_logprobs and first and self.echo:  # the prompt's logprobs lead the first chunk
+                    choice["logprobs"], cursor.text_offset = echo_logprobs(
+                        self.text_of, out, d.token_ids, d.logprobs, self.top_n)
+                elif self.want_logprobs:
                     choice["logprobs"], cursor.text_offset = completion_logprobs(
                         self.text_of, d.token_ids, d.logprobs, self.top_n, cursor.text_offset)
             if d.finish_reason is not None:
@@ -371,10 +376,17 @@ class _Formatter:
                         lp = {"content": chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n)}
                 else:
                     choice["text"] = ((self.jobs[job].prompt_text or "") if self.echo else "") + c.text
-                    if self.want_logprobs:
+                    if self.want_logprobs and self.echo:
+                        lp, _ = echo_logprobs(self.text_of, out, c.token_ids, c.logprobs or [], self.top_n)
+                    elif self.want_logprobs:
                         lp, _ = completion_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n, 0)
+                    if self.req.common.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                 choice.update(logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason)
                 choices.append(choice)
-        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": usage(*gen.usage_counts())}
+        response = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                    "created": self.created, "model": self.model, "choices": choices,
+                    "usage": usage(*gen.usage_counts())}
+        if self.kind == "chat" and self.req.common.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(gen.latest[0].prompt_logprobs)
+        return response

@@ -79,6 +79,16 @@ def test_tool_choice_becomes_an_output_constraint():
     assert parse_chat({"messages": MSG, "tools": [], "tool_choice": "none"}).tools is None
 
 
+def test_prompt_logprobs_fields():
+    echo = parse_completion({"prompt": "p", "echo": True, "logprobs": 2})
+    assert echo.common.params.prompt_logprobs == 2 and echo.common.prompt_logprobs is None
+    both = parse_completion({"prompt": "p", "echo": True, "logprobs": 2, "prompt_logprobs": 5})
+    assert both.common.params.prompt_logprobs == 5 and both.common.prompt_logprobs == 5
+    assert parse_completion({"prompt": "p", "logprobs": 2}).common.params.prompt_logprobs is None
+    chat = parse_chat({"messages": MSG, "prompt_logprobs": 0})
+    assert chat.common.params.prompt_logprobs == 0 and chat.common.prompt_logprobs == 0
+
+
 def test_chat_defaults_follow_openai():
     req = parse_chat({"messages": MSG})
     p = req.common.params
@@ -141,7 +151,9 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"messages": MSG, "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
 ])

@@ -170,3 +170,30 @@ def test_forced_tool_calls_over_http(real):
         assert [json.loads(a) for a in args.values()] == [json.loads(c.function.arguments) for c in calls]
         if tool_choice is named:
             assert len(deltas) > 1, "a named call's arguments stream in pieces"
+
+
+def test_echo_with_logprobs_scores_the_prompt(real):
+    """Completions with echo and logprobs (how evaluation harnesses score text): the prompt's tokens
+    lead `logprobs`, the first without a logprob, the rest as the engine's prompt logprobs; the same
+    streamed. vLLM's `prompt_logprobs` field on chat."""
+    _, srv, engine = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    tok = engine.tokenizer
+    ids = tok.encode(PROMPT, add_special_tokens=True)
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, temperature=0, max_tokens=3,
+                                  echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith(PROMPT) and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    streamed = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, temperature=0,
+                                              max_tokens=3, echo=True, logprobs=2, stream=True))
+    got = [x for ch in streamed if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    body = httpx.post(srv.url + "/v1/chat/completions", json={
+        "messages": CHATS[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}, timeout=60).json()
+    plp = body["prompt_logprobs"]
+    chat_ids = tok.encode_chat(CHATS[0])
+    assert plp[0] is None and len(plp) == len(chat_ids)
+    assert all(str(t) in plp[p] for p, t in enumerate(chat_ids) if p > 0)
