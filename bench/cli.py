@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxserve.cli import json_schema_arg
 from jaxserve.engine_args import EngineArgs
 
 
@@ -22,6 +23,8 @@ def _add_offline(sub) -> None:
     _workload_args(p, offline=True)
     g.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth measurement")
     g.add_argument("--skip-batch1", action="store_true", help="leave out the batch-1 run (and the floor)")
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="run the concurrency runs under this JSON schema (its JSON text or a file)")
     g.add_argument("--result-file", default=None, help="where to write the JSON (default bench/results/)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -34,7 +37,8 @@ def _run_offline(ns: argparse.Namespace) -> int:
         print(f"note: max_num_seqs {args.max_num_seqs} < concurrency {max(ns.concurrency)}: "
               "the rest of the requests wait", file=sys.stderr)
     cfg = OfflineConfig(concurrency=tuple(ns.concurrency), workload=_workload_spec(ns),
-                        bandwidth_bytes=ns.bandwidth_mib << 20, skip_batch1=ns.skip_batch1)
+                        bandwidth_bytes=ns.bandwidth_mib << 20, skip_batch1=ns.skip_batch1,
+                        json_schema=json_schema_arg(ns.json_schema) if ns.json_schema else None)
     result = run_offline(args, cfg, progress=not ns.quiet,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(result))

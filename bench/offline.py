@@ -41,6 +41,9 @@ class OfflineConfig:
     workload: WorkloadSpec = WorkloadSpec(name="fixed", output_len=128)  # num_prompts is set per run
     bandwidth_bytes: int = 512 << 20
     skip_batch1: bool = False
+    json_schema: dict | None = None
+    """When set, every concurrency run generates under this schema (structured outputs): a request
+    ends when its JSON is whole, or at its output length."""
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -245,6 +248,11 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
         floor = (w_bytes + kv_bytes) / bw.best
         result["batch1"] = {**batch1.to_dict(), "weight_bytes": w_bytes, "kv_bytes_mean": kv_bytes,
                             "floor_step_s": floor, "floor_ratio": batch1.decode_step_s / floor}
+    if cfg.json_schema is not None:
+        from jaxserve.structured_outputs import StructuredOutputsParams
+
+        constraint = StructuredOutputsParams(json=cfg.json_schema)
+        params = [dataclasses.replace(p, structured_outputs=constraint) for p in params]
     for n in cfg.concurrency:
         log(f"{n} concurrent requests ...")
         stats = drive(engine, probe, prompts[:n], params[:n], f"c{n}")
@@ -316,6 +324,8 @@ def format_report(result: dict) -> str:
             f"= ({b1['weight_bytes'] / 1e6:.1f} MB weights + {b1['kv_bytes_mean'] / 1e6:.2f} MB KV) / "
             f"{bw['best'] / 1e9:.1f} GB/s; ratio {b1['floor_ratio']:.2f}",
         ]
+    if result.get("settings", {}).get("json_schema") is not None:
+        lines.append("concurrency runs under a JSON schema (structured outputs)")
     lines.append(f"compilations after warmup: {result['compilations_after_warmup']}; "
                  f"preemptions: {result['num_preemptions']}")
     lines.append("")

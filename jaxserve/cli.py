@@ -22,24 +22,27 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat)")
 
 
-def _sampling_params(ns: argparse.Namespace):
+def json_schema_arg(value: str) -> dict:
+    """A `--json-schema` value: the schema's JSON text, or a file holding it."""
     import json
     import os
 
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise SystemExit(f"--json-schema is neither a file nor JSON: {e}") from None
+
+
+def _sampling_params(ns: argparse.Namespace):
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.structured_outputs import StructuredOutputsParams
 
     constraint = None
     if ns.json_schema is not None:
-        text = ns.json_schema
-        if os.path.isfile(text):
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
-        try:
-            schema = json.loads(text)
-        except ValueError as e:
-            raise SystemExit(f"--json-schema is neither a file nor JSON: {e}") from None
-        constraint = StructuredOutputsParams(json=schema)
+        constraint = StructuredOutputsParams(json=json_schema_arg(ns.json_schema))
     elif ns.regex is not None:
         constraint = StructuredOutputsParams(regex=ns.regex)
     elif ns.choice:

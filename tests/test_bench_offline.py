@@ -100,3 +100,12 @@ def test_drive_takes_params_per_request(engine):
     with pytest.raises(ValueError):
         drive(engine, probe, [[5, 6]], params, "bad")
     assert not engine.has_unfinished_requests()
+
+
+def test_report_names_a_json_schema_run():
+    result = _result_with(Bandwidth(10e9, 12e9, 16e9, 2, 1 << 20).to_dict())
+    result["targets"] = evaluate_targets(result)
+    result["settings"] = {"json_schema": None}
+    assert "JSON schema" not in format_report(result)
+    result["settings"] = {"json_schema": {"type": "object"}}
+    assert "concurrency runs under a JSON schema" in format_report(result)
