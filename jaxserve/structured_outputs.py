@@ -15,6 +15,7 @@ with finish_reason "stop" as soon as its value is whole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 from collections.abc import Mapping, Sequence
@@ -96,16 +97,10 @@ def _key(value: Any) -> Any:
     return value
 
 
-_cache: dict[tuple[str, Any], str] = {}
-_cache_lock = threading.Lock()
-_CACHE_SIZE = 256
-
-
+@functools.lru_cache(maxsize=256)
 def _compile(kind: str, value: Any) -> str:
-    with _cache_lock:
-        hit = _cache.get((kind, value))
-    if hit is not None:
-        return hit
+    """The llguidance grammar of one constraint (`value` hashable, see `_key`); cached, since a server
+    sees the same schema again and again."""
     llg = _llguidance()
     try:
         if kind == "json":
@@ -126,10 +121,6 @@ def _compile(kind: str, value: Any) -> str:
     error = llg.LLMatcher.validate_grammar(spec)
     if error and not error.startswith("WARNING"):
         raise ValueError(f"structured_outputs.{kind} is invalid: {error.strip()}")
-    with _cache_lock:
-        if len(_cache) >= _CACHE_SIZE:
-            _cache.pop(next(iter(_cache)))
-        _cache[(kind, value)] = spec
     return spec
 
 

@@ -48,3 +48,8 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 def sse_error(status: int, message: str, code: str | None = None) -> bytes:
     """An error sent inside an already started SSE stream (followed by `[DONE]` by the caller)."""
     return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"
+
+
+def bad_field(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    """A 400 that names the offending request field."""
+    return ApiError(400, message, param=param, code=code)

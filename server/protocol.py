@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
-from server.errors import ApiError
+from server.constraints import ToolChoice, structured_outputs, tool_call_schema, tools_and_choice
+from server.errors import ApiError, bad_field
 
 MAX_N = 128
 _UNSET = object()
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
 _REFUSED = ("audio", "prediction", "functions", "function_call", "prompt_embeds")
-# vLLM's earlier request fields for structured outputs, and the `structured_outputs` key each is.
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-
-
-def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 def _get(body: Mapping[str, Any], name: str) -> Any:
@@ -44,11 +38,11 @@ def get_int(body: Mapping[str, Any], name: str, default: Any, lo: int | None = N
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise _bad(name, f"'{name}' must be an integer, got {v!r}", "invalid_type")
+        raise bad_field(name, f"'{name}' must be an integer, got {v!r}", "invalid_type")
     if lo is not None and v < lo:
-        raise _bad(name, f"'{name}' must be >= {lo}, got {v}")
+        raise bad_field(name, f"'{name}' must be >= {lo}, got {v}")
     if hi is not None and v > hi:
-        raise _bad(name, f"'{name}' must be <= {hi}, got {v}")
+        raise bad_field(name, f"'{name}' must be <= {hi}, got {v}")
     return int(v)
 
 
@@ -58,7 +52,7 @@ def get_number(body: Mapping[str, Any], name: str, default: Any) -> Any:
     if v is _UNSET or v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        raise _bad(name, f"'{name}' must be a finite number, got {v!r}", "invalid_type")
+        raise bad_field(name, f"'{name}' must be a finite number, got {v!r}", "invalid_type")
     return float(v)
 
 
@@ -68,7 +62,7 @@ def get_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if v is _UNSET or v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(name, f"'{name}' must be a boolean, got {v!r}", "invalid_type")
+        raise bad_field(name, f"'{name}' must be a boolean, got {v!r}", "invalid_type")
     return v
 
 
@@ -78,7 +72,7 @@ def get_str(body: Mapping[str, Any], name: str, default: Any = None) -> Any:
     if v is _UNSET or v is None:
         return default
     if not isinstance(v, str):
-        raise _bad(name, f"'{name}' must be a string, got {type(v).__name__}", "invalid_type")
+        raise bad_field(name, f"'{name}' must be a string, got {type(v).__name__}", "invalid_type")
     return v
 
 
@@ -89,9 +83,9 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _bad("stop", "'stop' must be a string or a list of strings", "invalid_type")
+        raise bad_field("stop", "'stop' must be a string or a list of strings", "invalid_type")
     if any(not s for s in v):
-        raise _bad("stop", "'stop' must not contain an empty string")
+        raise bad_field("stop", "'stop' must not contain an empty string")
     return v
 
 
@@ -100,7 +94,7 @@ def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
     if v is _UNSET or v is None:
         return []
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
-        raise _bad(name, f"'{name}' must be a list of non-negative integers", "invalid_type")
+        raise bad_field(name, f"'{name}' must be a list of non-negative integers", "invalid_type")
     return v
 
 
@@ -125,14 +119,6 @@ class CommonFields:
     cache_salt: str | None
     add_special_tokens: bool
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`, when the request gave it
-
-
-@dataclass(frozen=True)
-class ToolChoice:
-    """A tool call the output is constrained to: one named function, or (`name` None, OpenAI's
-    "required") a list of one or more calls of any of the tools."""
-
-    name: str | None
 
 
 @dataclass(frozen=True)
@@ -161,10 +147,10 @@ class CompletionRequest:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
-            raise _bad(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+            raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
     suffix = body.get("suffix")
     if suffix:
-        raise _bad("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
+        raise bad_field("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
 
 
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
@@ -173,129 +159,16 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
     if value is _UNSET or value is None:
         return None
     if not isinstance(value, Mapping):
-        raise _bad("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
+        raise bad_field("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
     out = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit()):
-            raise _bad("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+            raise bad_field("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
         if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias):
-            raise _bad("logit_bias", f"'logit_bias' values must be finite numbers, got {bias!r} for {key}",
-                       "invalid_type")
+            raise bad_field("logit_bias", f"'logit_bias' values must be finite numbers, got {bias!r} for {key}",
+                            "invalid_type")
         out[int(key)] = bias
     return out
-
-
-def _response_format(fmt: Any) -> dict[str, Any] | None:
-    """OpenAI's `response_format` as `structured_outputs` fields (None for plain text)."""
-    if not isinstance(fmt, Mapping):
-        raise _bad("response_format", "'response_format' must be an object with a 'type'", "invalid_type")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
-            raise _bad("response_format", "response_format of type 'json_schema' needs 'json_schema': "
-                                          "{'name': ..., 'schema': {...}}")
-        return {"json": spec["schema"]}
-    raise _bad("response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-
-
-def _structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
-    """The output constraint, from one of `response_format` (OpenAI), `structured_outputs` (vLLM) or
-    vLLM's earlier `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
-    sources: dict[str, dict[str, Any]] = {}
-    fmt = body.get("response_format")
-    if fmt is not None:
-        fields = _response_format(fmt)
-        if fields is not None:
-            sources["response_format"] = fields
-    so = body.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, Mapping):
-            raise _bad("structured_outputs", "'structured_outputs' must be an object", "invalid_type")
-        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
-        if unknown:
-            raise _bad("structured_outputs", f"'structured_outputs' has unsupported fields: {', '.join(unknown)}",
-                       "unsupported_parameter")
-        sources["structured_outputs"] = {k: v for k, v in so.items() if v is not None}
-    for name, key in _GUIDED.items():
-        if body.get(name) is not None:
-            sources[name] = {key: body[name]}
-    if not sources:
-        return None
-    if len(sources) > 1:
-        names = sorted(sources)
-        raise _bad(names[1], f"give one output constraint, not several: {', '.join(names)}")
-    (param, fields), = sources.items()
-    try:
-        return StructuredOutputsParams(**fields)
-    except ValueError as e:
-        raise _bad(param, str(e)) from e
-
-
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NO_PARAMETERS = {"type": "object", "properties": {}}
-
-
-def _tools(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice | None]:
-    """`tools` (function tools, checked) and `tool_choice`. "none" only shows the tools to the chat
-    template; "required" and a named function constrain the reply to tool calls (structured outputs);
-    "auto", the default with tools, needs a parser for the model's own tool-call format, which jaxserve
-    does not have, so it is refused."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if tools is None or tools == []:
-        if choice not in (None, "none"):
-            raise _bad("tool_choice", "'tool_choice' needs 'tools'")
-        return None, None
-    if not isinstance(tools, list):
-        raise _bad("tools", "'tools' must be a list of function tools", "invalid_type")
-    out: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
-            raise _bad(where, f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}", "invalid_type")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-            raise _bad(f"{where}.function.name", f"{where}.function.name must be 1-64 letters, digits, '_' or '-', "
-                                                 f"got {name!r}")
-        if any(t["function"]["name"] == name for t in out):
-            raise _bad(f"{where}.function.name", f"tool name {name!r} is given twice")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, Mapping):
-            raise _bad(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object",
-                       "invalid_type")
-        out.append({"type": "function", "function": {**fn, "parameters": dict(params or _NO_PARAMETERS)}})
-    if choice is None or choice == "auto":
-        raise _bad("tool_choice", "tool_choice 'auto' (the default with tools) is not supported: it needs a parser "
-                                  "for the model's tool-call format; send 'required', a named function, or 'none'",
-                   "unsupported_parameter")
-    if choice == "none":
-        return out, None
-    if choice == "required":
-        return out, ToolChoice(None)
-    fn = choice.get("function") if isinstance(choice, Mapping) else None
-    if not isinstance(choice, Mapping) or choice.get("type") != "function" or not isinstance(fn, Mapping):
-        raise _bad("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
-                                  "{'type': 'function', 'function': {'name': ...}}")
-    if not any(t["function"]["name"] == fn.get("name") for t in out):
-        raise _bad("tool_choice", f"tool_choice names {fn.get('name')!r}, which is not among the tools")
-    return out, ToolChoice(fn["name"])
-
-
-def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
-    """The JSON schema a forced reply follows: the named function's parameters (the reply is its
-    arguments), or for "required" a list of one or more {"name", "parameters"} objects."""
-    if choice.name is not None:
-        return next(t["function"]["parameters"] for t in tools if t["function"]["name"] == choice.name)
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                               "parameters": t["function"]["parameters"]},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 
 
 def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
@@ -306,21 +179,21 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
     _refuse_unsupported(body)
     asked = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     if asked is not None and get_bool(body, "stream", False):
-        raise _bad("prompt_logprobs", "'prompt_logprobs' is not supported with 'stream' (use echo with logprobs "
-                                      "on /v1/completions)", "unsupported_parameter")
+        raise bad_field("prompt_logprobs", "'prompt_logprobs' is not supported with 'stream' (use echo with logprobs "
+                                           "on /v1/completions)", "unsupported_parameter")
     if asked is not None or prompt_logprobs is not None:
         prompt_logprobs = max(asked or 0, prompt_logprobs or 0)
-    structured = _structured_outputs(body)
+    structured = structured_outputs(body)
     if forced is not None:
         if structured is not None:
-            raise _bad("tool_choice", "a forced tool call cannot be combined with another output constraint "
-                                      "(response_format, structured_outputs or guided_*)")
+            raise bad_field("tool_choice", "a forced tool call cannot be combined with another output constraint "
+                                           "(response_format, structured_outputs or guided_*)")
         structured = forced
     model = get_str(body, "model")
     n = get_int(body, "n", 1, 1, MAX_N)
     best_of = get_int(body, "best_of", None, 1)
     if best_of is not None and best_of != n:
-        raise _bad("best_of", "'best_of' other than n is not supported by this server", "unsupported_parameter")
+        raise bad_field("best_of", "'best_of' other than n is not supported by this server", "unsupported_parameter")
     max_tokens, given = max_tokens_default, False
     for name in max_tokens_names:  # the first one given wins (max_completion_tokens over max_tokens)
         value = get_int(body, name, None, 1)
@@ -330,7 +203,7 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
     top_k = get_int(body, "top_k", 0, -1)
     min_tokens = get_int(body, "min_tokens", 0, 0)
     if max_tokens is not None and min_tokens > max_tokens:
-        raise _bad("min_tokens", f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})")
+        raise bad_field("min_tokens", f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})")
     ranges = {"temperature": (0.0, None), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0),
               "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
     defaults = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -339,20 +212,20 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
         v = get_number(body, name, defaults[name])
         if v < lo or (hi is not None and v > hi) or (name == "top_p" and v == 0):
             bounds = "in (0, 1]" if name == "top_p" else f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-            raise _bad(name, f"'{name}' must be {bounds}, got {v}")
+            raise bad_field(name, f"'{name}' must be {bounds}, got {v}")
         floats[name] = v
     rep = get_number(body, "repetition_penalty", 1.0)
     if rep <= 0:
-        raise _bad("repetition_penalty", f"'repetition_penalty' must be > 0, got {rep}")
+        raise bad_field("repetition_penalty", f"'repetition_penalty' must be > 0, got {rep}")
     seed = get_int(body, "seed", None, -(2**63), 2**64 - 1)
     stream = get_bool(body, "stream", False)
     opts = _get(body, "stream_options")
     options = StreamOptions()
     if opts is not _UNSET and opts is not None:
         if not stream:
-            raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+            raise bad_field("stream_options", "'stream_options' is only allowed when 'stream' is true")
         if not isinstance(opts, Mapping):
-            raise _bad("stream_options", "'stream_options' must be an object", "invalid_type")
+            raise bad_field("stream_options", "'stream_options' must be an object", "invalid_type")
         options = StreamOptions(get_bool(opts, "include_usage", False),
                                 get_bool(opts, "continuous_usage_stats", False))
     try:
@@ -366,7 +239,7 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             logit_bias=_logit_bias(body), structured_outputs=structured, prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
-        raise _bad(str(e).split(" ", 1)[0], str(e)) from e
+        raise bad_field(str(e).split(" ", 1)[0], str(e)) from e
     return CommonFields(
         model=model, params=params, max_tokens_given=given, stream=stream, stream_options=options,
         priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
@@ -382,30 +255,30 @@ def _check_body(body: Any) -> Mapping[str, Any]:
 def check_messages(value: Any) -> list[dict[str, Any]]:
     """The `messages` list: non-empty, objects with a string role and text content."""
     if value is _UNSET or value is None:
-        raise _bad("messages", "'messages' is required", "missing_required_parameter")
+        raise bad_field("messages", "'messages' is required", "missing_required_parameter")
     if not isinstance(value, list) or not value:
-        raise _bad("messages", "'messages' must be a non-empty list of messages")
+        raise bad_field("messages", "'messages' must be a non-empty list of messages")
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, Mapping):
-            raise _bad(where, f"{where} must be an object with 'role' and 'content'", "invalid_type")
+            raise bad_field(where, f"{where} must be an object with 'role' and 'content'", "invalid_type")
         if not isinstance(m.get("role"), str) or not m["role"]:
-            raise _bad(f"{where}.role", f"{where}.role must be a non-empty string", "invalid_type")
+            raise bad_field(f"{where}.role", f"{where}.role must be a non-empty string", "invalid_type")
         content = m.get("content")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 pw = f"{where}.content[{j}]"
                 if not isinstance(part, Mapping):
-                    raise _bad(pw, f"{pw} must be a content part object", "invalid_type")
+                    raise bad_field(pw, f"{pw} must be a content part object", "invalid_type")
                 if part.get("type") != "text":
-                    raise _bad(f"{pw}.type", f"{pw} has type {part.get('type')!r}; only 'text' content parts "
-                                             "are supported by this model", "unsupported_content")
+                    raise bad_field(f"{pw}.type", f"{pw} has type {part.get('type')!r}; only 'text' content parts "
+                                                  "are supported by this model", "unsupported_content")
                 if not isinstance(part.get("text"), str):
-                    raise _bad(f"{pw}.text", f"{pw}.text must be a string", "invalid_type")
+                    raise bad_field(f"{pw}.text", f"{pw}.text must be a string", "invalid_type")
         elif content is not None and not isinstance(content, str):
-            raise _bad(f"{where}.content", f"{where}.content must be a string or a list of content parts",
-                       "invalid_type")
+            raise bad_field(f"{where}.content", f"{where}.content must be a string or a list of content parts",
+                            "invalid_type")
         out.append(dict(m))
     return out
 
@@ -417,28 +290,28 @@ def parse_chat(body: Any) -> ChatRequest:
     want = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want:
-        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
-    tools, tool_choice = _tools(body)
+        raise bad_field("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+    tools, tool_choice = tools_and_choice(body)
     forced = None
     if tool_choice is not None:
         try:
             forced = StructuredOutputsParams(json=tool_call_schema(tools, tool_choice))
         except ValueError as e:
-            raise _bad("tools", f"the tools' parameters are not a usable JSON schema: {e}") from e
+            raise bad_field("tools", f"the tools' parameters are not a usable JSON schema: {e}") from e
     common = _common(body, logprobs=(top or 0) if want else None,
                      max_tokens_names=("max_completion_tokens", "max_tokens"), max_tokens_default=None, forced=forced)
     kwargs = _get(body, "chat_template_kwargs")
     if kwargs is _UNSET or kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, Mapping):
-        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+        raise bad_field("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
     add_gen = get_bool(body, "add_generation_prompt", True)
     cont = get_bool(body, "continue_final_message", False)
     if add_gen and cont and "add_generation_prompt" in body:
-        raise _bad("continue_final_message",
-                   "'continue_final_message' and 'add_generation_prompt' cannot both be true")
+        raise bad_field("continue_final_message",
+                        "'continue_final_message' and 'add_generation_prompt' cannot both be true")
     if cont and messages[-1].get("role") != "assistant":
-        raise _bad("continue_final_message", "'continue_final_message' needs a final assistant message")
+        raise bad_field("continue_final_message", "'continue_final_message' needs a final assistant message")
     return ChatRequest(common=common, messages=messages, logprobs=want, add_generation_prompt=add_gen and not cont,
                        continue_final_message=cont, chat_template_kwargs=dict(kwargs), tools=tools,
                        tool_choice=tool_choice)
@@ -446,7 +319,7 @@ def parse_chat(body: Any) -> ChatRequest:
 
 def _check_prompt(value: Any) -> list[str | list[int]]:
     if value is _UNSET or value is None:
-        raise _bad("prompt", "'prompt' is required", "missing_required_parameter")
+        raise bad_field("prompt", "'prompt' is required", "missing_required_parameter")
 
     def ids(x: Any) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -458,10 +331,10 @@ def _check_prompt(value: Any) -> list[str | list[int]]:
     elif isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
         prompts = value
     else:
-        raise _bad("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a "
-                             "list of token id lists, and not empty", "invalid_type")
+        raise bad_field("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a "
+                                  "list of token id lists, and not empty", "invalid_type")
     if any(p == "" for p in prompts):
-        raise _bad("prompt", "'prompt' must not be empty")
+        raise bad_field("prompt", "'prompt' must not be empty")
     return prompts
 
 

@@ -5,15 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.engine.penalties import apply_penalties, token_counts, token_mask, update_counts
 from jaxserve.engine.sampler import (
     TOP_K_CAP,
     SamplingTensors,
-    _apply_penalties,
     _threefry_key_data,
     sample,
-    token_counts,
-    token_mask,
-    update_counts,
 )
 from jaxserve.outputs import Logprob, token_logprobs
 from jaxserve.sampling_params import SamplingParams as SP
@@ -227,7 +224,7 @@ def test_penalties_match_numpy():
     prompts = [rng.integers(0, V, size=5).tolist() for _ in range(4)]
     counts, prompt = token_counts(outputs, 4, V), token_mask(prompts, 4, V)
     t = tensors(params, V, padded=4)
-    got = _apply_penalties(jnp.asarray(logits), t, jnp.asarray(counts), jnp.asarray(prompt))
+    got = apply_penalties(jnp.asarray(logits), t, jnp.asarray(counts), jnp.asarray(prompt))
     want = np_penalties(logits, counts, prompt, t.repetition_penalty, t.presence_penalty, t.frequency_penalty)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert not np.allclose(want[:3], logits[:3])

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.model_loading import (
@@ -37,12 +36,22 @@ from jaxserve.engine.runner import (
 )
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.step_batch import decode_state, mixed_inputs, sampled_rows, step_shapes
+from jaxserve.engine.step_batch import (
+    PromptChunk,
+    decode_state,
+    mixed_inputs,
+    prompt_logprob_chunks,
+    prompt_next_ids,
+    sampled_rows,
+    sampling_inputs,
+    take_prompt_logprobs,
+    trace_plan,
+)
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache
-from jaxserve.outputs import RequestMetrics, RequestOutput, token_logprobs
+from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.structured_outputs import GrammarCompiler, bitmask_width
+from jaxserve.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +117,7 @@ class LLMEngine:
         self._seq_group: dict[str, RequestGroup] = {}
         self._seq: dict[str, SeqState] = {}
         self._counter = 0
-        self._inflight: tuple[SchedulerOutput, InFlightStep] | None = None  # dispatched, outputs not fetched
+        self._inflight: tuple[SchedulerOutput, InFlightStep, list[PromptChunk]] | None = None  # dispatched, outputs not fetched
         self._launch_error: Exception | None = None
         self.num_preemptions = 0
         self.prompt_tokens = 0
@@ -163,13 +172,11 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} (total {len(prompt_ids) + max_tokens})"
             )
-        if params.logprobs is not None and params.logprobs > self.args.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.args.max_logprobs}, got {params.logprobs}")
-        if params.prompt_logprobs is not None:
-            if params.prompt_logprobs > self.args.max_logprobs:
-                raise ValueError(f"prompt_logprobs must be <= {self.args.max_logprobs}, got {params.prompt_logprobs}")
-            if not self.runner.supports_prompt_logprobs:
-                raise ValueError("prompt_logprobs need the model's hidden states, which this model does not return")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.args.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.args.max_logprobs}, got {getattr(params, name)}")
+        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
+            raise ValueError("prompt_logprobs need the model's hidden states, which this model does not return")
         vocab = self.model.config.vocab_size
         outside = sorted(t for t in params.logit_bias if t >= vocab)
         if outside:
@@ -250,10 +257,10 @@ class LLMEngine:
             self._inflight = None
             if launched is None:
                 return []
-            plan, pending = launched
+            plan, pending, chunks = launched
             out = self.runner.fetch(pending)
-            if out.prompt is not None:
-                self._take_prompt_logprobs(plan, out.prompt)
+            if chunks:
+                take_prompt_logprobs(chunks, out.prompt, self.tokenizer)
             touched = self._accept(plan, sampled_rows(plan, pending.kind, out))
         except BaseException:
             self._inflight = None
@@ -265,8 +272,9 @@ class LLMEngine:
                 self._launch_error = e
         return self._emit(touched)
 
-    def _launch(self) -> tuple[SchedulerOutput, InFlightStep] | None:
-        """Schedule a step and dispatch it to the device (None when there is nothing to run)."""
+    def _launch(self) -> tuple[SchedulerOutput, InFlightStep, list[PromptChunk]] | None:
+        """Schedule a step and dispatch it to the device (None when there is nothing to run), with the
+        prompt chunks whose prompt logprobs it computes."""
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_ids)
         if plan.is_empty:
@@ -278,7 +286,7 @@ class LLMEngine:
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         if self.trace is not None:
-            self._trace_plan(plan, step_id)
+            trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace)
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
             scheduled = list(plan.scheduled)
@@ -290,81 +298,19 @@ class LLMEngine:
                                   lambda rid: self.scheduler.get_request(rid).pages,
                                   num_steps=1 if constrained else None)
                 tensors, want_top, penalties = self._sampling(scheduled, st.tokens.shape[0])
-                return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top)
+                return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), []
             inputs, S = mixed_inputs(scheduled, self.runner.cfg)
             tensors, want_top, penalties = self._sampling(scheduled, S)
-            next_ids = None
-            for q0, s, group in self._prompt_logprob_chunks(scheduled):
-                if next_ids is None:
-                    next_ids = np.full(inputs.token_ids.shape[0], -1, np.int32)
-                lo, hi = s.start_position, min(s.start_position + s.num_new_tokens, len(group.prompt_ids) - 1)
-                next_ids[q0:q0 + hi - lo] = group.prompt_ids[lo + 1:hi + 1]
-            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids)
-
-    def _prompt_logprob_chunks(self, scheduled):
-        """(first packed token, chunk, request) of each prompt chunk whose prompt logprobs are still due
-        (the first completion's, before the prompt is whole: not again after a preemption)."""
-        q0 = 0
-        for s in scheduled:
-            group = self._seq_group.get(s.request_id)
-            seq = self._seq.get(s.request_id)
-            if (group is not None and seq is not None and seq.index == 0 and group.prompt_logprobs is not None
-                    and not s.is_decode and s.start_position < len(group.prompt_ids) - 1
-                    and len(group.prompt_logprobs) < len(group.prompt_ids) - 1):
-                yield q0, s, group
-            q0 += s.num_new_tokens
-
-    def _take_prompt_logprobs(self, plan: SchedulerOutput, prompt: Any) -> None:
-        """A mixed step's prompt logprobs into their requests (position p + 1 from packed token p)."""
-        for q0, s, group in self._prompt_logprob_chunks(list(plan.scheduled)):
-            k = self._seq[s.request_id].params.prompt_logprobs or 0
-            hi = min(s.start_position + s.num_new_tokens, len(group.prompt_ids) - 1)
-            for i in range(hi - s.start_position):
-                p, q = s.start_position + i + 1, q0 + i
-                entry = token_logprobs(group.prompt_ids[p], prompt.logprobs[q], prompt.ranks[q],
-                                       prompt.top_ids[q][:k].tolist(), prompt.top_logprobs[q][:k].tolist())
-                for tid, item in entry.items():
-                    item.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
-                group.prompt_logprobs[p] = entry
-
-    def _trace_plan(self, plan: SchedulerOutput, step_id: int) -> None:
-        """L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel shapes."""
-        bucket, kernel = step_shapes(plan, self.runner.cfg, self.model.config)
-        for rid in plan.preempted_ids:
-            self._trace(rid, "L4", "preempted", step=step_id)
-        for s in plan.scheduled:
-            r = self.scheduler.get_request(s.request_id)
-            self._trace(s.request_id, "L4", "scheduled", step=step_id, decode=s.is_decode,
-                        tokens=s.num_new_tokens, start_position=s.start_position, pages=len(s.page_table),
-                        prefix_hit_tokens=r.num_cached_tokens if r is not None else 0,
-                        batch_tokens=plan.num_batched_tokens, batch_seqs=len(plan.scheduled))
-            self._trace(s.request_id, "L6", "bucket", step=step_id, **bucket)
-            self._trace(s.request_id, "L7", "kernel", step=step_id, **kernel)
+            chunks = prompt_logprob_chunks(scheduled, [self._seq.get(s.request_id) for s in scheduled],
+                                           [self._seq_group.get(s.request_id) for s in scheduled])
+            next_ids = prompt_next_ids(chunks, inputs.token_ids.shape[0])
+            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks
 
     def _sampling(self, scheduled: list[ScheduledRequest], S: int) -> tuple[SamplingTensors, bool, object]:
         seqs = [self._seq[s.request_id] for s in scheduled]
-        params = [q.params for q in seqs]
-        vocab = self.model.config.vocab_size
-        bitmask, constrained = None, None
-        if any(q.matcher is not None for q in seqs):
-            # Only rows that sample this step (not a prompt chunk before the last) need a mask.
-            constrained = [q.matcher is not None and s.sample for q, s in zip(seqs, scheduled, strict=True)]
-            bitmask = np.full((S, bitmask_width(vocab)), -1, np.int32)
-            for i, q in enumerate(seqs):
-                if constrained[i]:
-                    q.matcher.fill_bitmask(bitmask, i)
-        tensors = SamplingTensors.from_params(
-            params, [len(q.token_ids) for q in seqs], S, vocab, self.eos_ids,
-            request_counters=[q.counter for q in seqs], engine_seed=self.args.seed,
-            token_bitmask=bitmask, constrained=constrained,
-        )
-        want_top = any(p.logprobs for p in params)
-        penalties = None
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
-            group_of = self._seq_group
-            rows = [(group_of[s.request_id].prompt_ids, self._seq[s.request_id].token_ids) for s in scheduled]
-            penalties = self.runner.penalty_inputs(S, rows)
-        return tensors, want_top, penalties
+        prompts = [self._seq_group[s.request_id].prompt_ids for s in scheduled]
+        return sampling_inputs(scheduled, seqs, prompts, S, self.model.config.vocab_size, self.eos_ids,
+                               self.args.seed, self.runner.penalty_inputs)
 
     # -- host side of a step -----------------------------------------------------------------------
 
@@ -432,7 +378,7 @@ class LLMEngine:
         sched = self.scheduler
         cache = sched.cache
         return EngineStats(
-            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=self._kv_usage(),
+            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
             num_pages=sched.pool.num_pages, page_size=sched.pool.page_size,
             prefix_cache_queries=cache.query_tokens if cache else 0,
             prefix_cache_hits=cache.hit_tokens if cache else 0,
@@ -441,13 +387,6 @@ class LLMEngine:
             compilations_after_warmup=self.runner.compilations_after_warmup,
             step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
         )
-
-    def _kv_usage(self) -> float:
-        """Share of pages held by requests; pages only the prefix cache keeps count as free (they are
-        evicted on demand), as vLLM reports `kv_cache_usage_perc`."""
-        pool, cache = self.scheduler.pool, self.scheduler.cache
-        held = pool.num_used - (cache.num_evictable_pages if cache is not None else 0)
-        return held / pool.num_usable_pages
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

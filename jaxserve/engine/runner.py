@@ -24,17 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.sampler import SamplingTensors, sample, update_counts
+from jaxserve.engine.logprobs import PromptLogprobInputs, PromptLogprobs, prompt_logprobs, top_logprobs
+from jaxserve.engine.penalties import PenaltyInputs, penalty_arrays, update_counts
+from jaxserve.engine.sampler import SamplingTensors, sample
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.llama import forward, lm_head
+from jaxserve.models.llama import forward
 from jaxserve.models.params import Params, unstack_layers
 
 logger = logging.getLogger(__name__)
 
 LayerLoop = Literal["scan", "unroll"]
 MAX_STOP_IDS = 8  # stop token ids checked on the device per row (EOS ids + stop_token_ids)
-PROMPT_LOGPROB_BLOCK = 256  # prompt tokens projected onto the vocabulary at once (prompt logprobs)
 
 
 def default_layer_loop(backend: AttentionBackend) -> LayerLoop:
@@ -101,36 +102,6 @@ class RunnerConfig:
 
 @jax.tree_util.register_dataclass
 @dataclass
-class PenaltyInputs:
-    """Token history for repetition/presence/frequency penalties (all -1 when no row uses them)."""
-
-    history: jax.Array  # [S, H] int32: prompt then output ids, -1 padded
-    num_prompt: jax.Array  # [S] int32
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class PromptLogprobInputs:
-    """Per packed token of a mixed step, the prompt token that follows it, whose logprob is wanted
-    (-1: none; all -1 when no request asks for prompt logprobs)."""
-
-    next_ids: jax.Array  # [T] int32
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class PromptLogprobs:
-    """Per packed token of a mixed step: the logprob and rank of the prompt token that follows it, and
-    the top logprobs of the distribution there (zeros where none was wanted)."""
-
-    logprobs: jax.Array  # [T] f32
-    ranks: jax.Array  # [T] int32
-    top_ids: jax.Array  # [T, K] int32
-    top_logprobs: jax.Array  # [T, K] f32
-
-
-@jax.tree_util.register_dataclass
-@dataclass
 class StepOutput:
     token_ids: jax.Array  # [S] or [n, S] int32
     logprobs: jax.Array  # [S] or [n, S] f32
@@ -141,68 +112,6 @@ class StepOutput:
     prompt: PromptLogprobs | None = None  # mixed steps of a model that returns its hidden states
 
 
-def _penalty_arrays(pen: PenaltyInputs, t: SamplingTensors, vocab: int):
-    """counts [S, V] of output ids and mask [S, V] of prompt ids, built only when a row needs them."""
-    S, H = pen.history.shape
-    wants = jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0))
-
-    def build(_):
-        idx = jnp.arange(H)[None, :]
-        ids = jnp.where(pen.history < 0, vocab, pen.history)
-        is_prompt = idx < pen.num_prompt[:, None]
-        rows = jnp.broadcast_to(jnp.arange(S)[:, None], (S, H))
-        counts = jnp.zeros((S, vocab), jnp.int32).at[rows, jnp.where(is_prompt, vocab, ids)].add(1, mode="drop")
-        mask = jnp.zeros((S, vocab), bool).at[rows, jnp.where(is_prompt, ids, vocab)].set(True, mode="drop")
-        return counts, mask
-
-    def empty(_):
-        return jnp.zeros((S, vocab), jnp.int32), jnp.zeros((S, vocab), bool)
-
-    return jax.lax.cond(wants, build, empty, None)
-
-
-def _top_logprobs(logits: jax.Array, want: jax.Array, k: int):
-    def compute(x):
-        vals, ids = jax.lax.top_k(x, k)
-        return ids.astype(jnp.int32), vals - jax.nn.logsumexp(x, axis=-1, keepdims=True)
-
-    def skip(x):
-        return jnp.zeros((x.shape[0], k), jnp.int32), jnp.zeros((x.shape[0], k), jnp.float32)
-
-    return jax.lax.cond(want, compute, skip, logits)
-
-
-def _prompt_logprobs(params: Params, cfg: ModelConfig, hidden: jax.Array, next_ids: jax.Array,
-                     top_k: int) -> PromptLogprobs:
-    """Logprobs of the prompt tokens that follow each packed token (hidden: [T, E]), computed only
-    when some token wants one: the vocabulary projection of every token costs T x E x V. Tokens go
-    `PROMPT_LOGPROB_BLOCK` at a time, so the logits held at once stay [block, V]."""
-    T, E = hidden.shape
-    block = min(T, PROMPT_LOGPROB_BLOCK)
-    pad = -T % block
-
-    def one_block(args):
-        h, nxt = args  # [block, E], [block]
-        logits = lm_head(params, cfg, h)  # [block, V]
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        chosen = jnp.take_along_axis(logits, jnp.maximum(nxt, 0)[:, None], axis=-1)[:, 0]
-        ranks = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
-        vals, ids = jax.lax.top_k(logits, top_k)
-        return PromptLogprobs(chosen - lse, ranks, ids.astype(jnp.int32), vals - lse[:, None])
-
-    def compute(h):
-        h = jnp.pad(h, ((0, pad), (0, 0))).reshape(-1, block, E)
-        nxt = jnp.pad(next_ids, (0, pad)).reshape(-1, block)
-        out = jax.lax.map(one_block, (h, nxt))
-        return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[:T], out)
-
-    def skip(h):
-        return PromptLogprobs(jnp.zeros((T,), jnp.float32), jnp.zeros((T,), jnp.int32),
-                              jnp.zeros((T, top_k), jnp.int32), jnp.zeros((T, top_k), jnp.float32))
-
-    return jax.lax.cond(jnp.any(next_ids >= 0), compute, skip, hidden)
-
-
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
                plp: PromptLogprobInputs, want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend,
                top_k: int, model_fn=forward, hidden: bool = False):
@@ -211,12 +120,12 @@ def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: Sampl
     prompt = None
     if hidden:
         logits, kv, h = model_fn(params, kv, inputs, cfg, backend, return_hidden=True)  # [S, V], [T, E]
-        prompt = _prompt_logprobs(params, cfg, h, plp.next_ids, top_k)
+        prompt = prompt_logprobs(params, cfg, h, plp.next_ids, top_k)
     else:
         logits, kv = model_fn(params, kv, inputs, cfg, backend)  # [S, V]
-    counts, mask = _penalty_arrays(pen, sampling, cfg.vocab_size)
+    counts, mask = penalty_arrays(pen, sampling, cfg.vocab_size)
     out = sample(logits, sampling, counts, mask)
-    top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
+    top_ids, top_lp = top_logprobs(logits, want_top, top_k)
     return StepOutput(out.token_ids, out.logprobs, out.ranks, top_ids, top_lp,
                       jnp.ones_like(out.token_ids), prompt), kv
 
@@ -241,7 +150,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
     """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done."""
     S, P = st.block_tables.shape
     page_size = kv.k.shape[2]
-    counts0, mask = _penalty_arrays(pen, sampling, cfg.vocab_size)
+    counts0, mask = penalty_arrays(pen, sampling, cfg.vocab_size)
     qsl = jnp.arange(S + 1, dtype=jnp.int32)
     rows = jnp.arange(S)
 
@@ -261,7 +170,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
         )
         logits, kv = model_fn(params, kv, inputs, cfg, backend)
         s = sample(logits, samp, counts, mask)
-        top_ids, top_lp = _top_logprobs(logits, want_top, top_k)
+        top_ids, top_lp = top_logprobs(logits, want_top, top_k)
         new = jnp.where(done, -1, s.token_ids)
         produced = out.num_generated + (~done)
         hit_stop = jnp.any(new[:, None] == st.stop_ids, axis=-1) & (produced >= st.min_tokens_left)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxserve.engine.penalties import apply_penalties
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.structured_outputs import bitmask_width
 
@@ -215,7 +216,7 @@ def sample(
         wants = jnp.any((t.repetition_penalty != 1) | (t.presence_penalty != 0) | (t.frequency_penalty != 0))
         processed = lax.cond(
             wants,
-            lambda x: _apply_penalties(x, t, output_token_counts, prompt_token_mask),
+            lambda x: apply_penalties(x, t, output_token_counts, prompt_token_mask),
             lambda x: x,
             processed,
         )
@@ -238,45 +239,6 @@ def sample(
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
     return SamplerOutput(token_ids, chosen - raw_lse, ranks, top_ids.astype(jnp.int32), top_logprobs)
-
-
-def update_counts(counts: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """Add one to counts [S, V] at each row's new token [S]; negative ids (padding) add nothing."""
-    S, V = counts.shape
-    ids = jnp.where(token_ids < 0, V, token_ids)
-    return counts.at[jnp.arange(S), ids].add(1, mode="drop")
-
-
-def token_counts(rows: Sequence[Sequence[int]], padded_size: int, vocab_size: int) -> np.ndarray:
-    """Host [padded_size, vocab_size] int32 counts of each row's token ids."""
-    counts = np.zeros((padded_size, vocab_size), np.int32)
-    for i, ids in enumerate(rows):
-        np.add.at(counts[i], np.asarray(ids, np.int64), 1)
-    return counts
-
-
-def token_mask(rows: Sequence[Sequence[int]], padded_size: int, vocab_size: int) -> np.ndarray:
-    """Host [padded_size, vocab_size] bool mask of the token ids present in each row."""
-    mask = np.zeros((padded_size, vocab_size), bool)
-    for i, ids in enumerate(rows):
-        mask[i, np.asarray(ids, np.int64)] = True
-    return mask
-
-
-def _apply_penalties(
-    logits: jax.Array, t: SamplingTensors, counts: jax.Array | None, prompt_mask: jax.Array | None
-) -> jax.Array:
-    seen = jnp.zeros(logits.shape, bool)  # [S, V] in the prompt or the output so far
-    if counts is not None:
-        seen = counts > 0
-    if prompt_mask is not None:
-        seen = seen | prompt_mask
-    rep = t.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    if counts is not None:
-        logits = logits - t.frequency_penalty[:, None] * counts.astype(jnp.float32)
-        logits = logits - t.presence_penalty[:, None] * (counts > 0)
-    return logits
 
 
 def _bias_and_mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:

@@ -339,6 +339,13 @@ class Scheduler:
 
     # -- checking --------------------------------------------------------------------------------
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of pages held by requests; pages only the prefix cache keeps count as free (they are
+        evicted on demand), as vLLM reports `kv_cache_usage_perc`."""
+        held = self.pool.num_used - (self.cache.num_evictable_pages if self.cache is not None else 0)
+        return held / self.pool.num_usable_pages
+
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` unless the queues, pages, cache and locks are consistent."""
         ps = self.config.page_size

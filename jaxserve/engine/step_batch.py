@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from jaxserve.engine.request_state import SeqState
+from jaxserve.engine.request_state import RequestGroup, SeqState
 from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, RunnerConfig, StepOutput
+from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.models.inputs import ModelInputs
+from jaxserve.outputs import token_logprobs
+from jaxserve.structured_outputs import bitmask_width
 
 
 def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig) -> tuple[ModelInputs, int]:
@@ -52,6 +56,70 @@ def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState]
     return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)))
 
 
+def grammar_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int,
+                    vocab_size: int) -> tuple[np.ndarray | None, list[bool] | None]:
+    """The structured-output masks of a step ([S, ceil(V / 32)] int32) and the rows they constrain;
+    (None, None) when no row has a grammar. Only rows that sample this step get a mask (not a prompt
+    chunk before the last)."""
+    if all(q.matcher is None for q in seqs):
+        return None, None
+    constrained = [q.matcher is not None and s.sample for q, s in zip(seqs, scheduled, strict=True)]
+    bitmask = np.full((S, bitmask_width(vocab_size)), -1, np.int32)
+    for i, q in enumerate(seqs):
+        if constrained[i]:
+            q.matcher.fill_bitmask(bitmask, i)
+    return bitmask, constrained
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Packed tokens [q0, q0 + count) of a mixed step, whose next prompt tokens (positions first ..
+    first + count - 1) have their logprobs computed for `group`."""
+
+    q0: int
+    first: int
+    count: int
+    group: RequestGroup
+    top: int  # top logprobs per position
+
+
+def prompt_logprob_chunks(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState | None],
+                          groups: Sequence[RequestGroup | None]) -> list[PromptChunk]:
+    """The prompt chunks of a mixed step whose prompt logprobs are due: the first completion's, until
+    its prompt is whole (not again after a preemption)."""
+    chunks, q0 = [], 0
+    for s, seq, group in zip(scheduled, seqs, groups, strict=True):
+        if group is not None and seq is not None and seq.index == 0 and group.prompt_logprobs is not None:
+            last = len(group.prompt_ids) - 1  # the last prompt position whose logprob is due
+            count = min(s.start_position + s.num_new_tokens, last) - s.start_position
+            if not s.is_decode and count > 0 and len(group.prompt_logprobs) < last:
+                chunks.append(PromptChunk(q0, s.start_position + 1, count, group, seq.params.prompt_logprobs or 0))
+        q0 += s.num_new_tokens
+    return chunks
+
+
+def prompt_next_ids(chunks: Sequence[PromptChunk], num_tokens: int) -> np.ndarray | None:
+    """Per packed token, the prompt token whose logprob it yields (-1: none); None without chunks."""
+    if not chunks:
+        return None
+    next_ids = np.full(num_tokens, -1, np.int32)
+    for c in chunks:
+        next_ids[c.q0:c.q0 + c.count] = c.group.prompt_ids[c.first:c.first + c.count]
+    return next_ids
+
+
+def take_prompt_logprobs(chunks: Sequence[PromptChunk], prompt: Any, tokenizer: Any) -> None:
+    """A fetched step's prompt logprobs (`PromptLogprobs` on the host) into their requests."""
+    for c in chunks:
+        for i in range(c.count):
+            q, p = c.q0 + i, c.first + i
+            entry = token_logprobs(c.group.prompt_ids[p], prompt.logprobs[q], prompt.ranks[q],
+                                   prompt.top_ids[q][:c.top].tolist(), prompt.top_logprobs[q][:c.top].tolist())
+            for tid, item in entry.items():
+                item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
+            c.group.prompt_logprobs[p] = entry
+
+
 def row(out: StepOutput, i: int, n: int) -> StepOutput:
     """Row i of a step's output as per-token arrays of length n."""
     if out.token_ids.ndim == 1:
@@ -84,3 +152,38 @@ def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any) -> tuple[d
     kernel = {"backend": rcfg.backend, "q": [q_tokens, mcfg.num_heads, mcfg.head_dim],
               "kv_pages": [mcfg.num_layers, rcfg.num_pages, rcfg.page_size, mcfg.num_kv_heads, mcfg.head_dim]}
     return bucket, kernel
+
+
+def sampling_inputs(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], prompts: Sequence[list[int]],
+                    S: int, vocab_size: int, eos_ids: Sequence[int], engine_seed: int,
+                    penalty_inputs: Callable[[int, list], Any]) -> tuple[SamplingTensors, bool, Any]:
+    """A step's sampling tensors (grammar masks included), whether any row wants top logprobs, and its
+    penalty history (None when no row uses a penalty). `prompts`: each row's prompt ids."""
+    params = [q.params for q in seqs]
+    bitmask, constrained = grammar_bitmask(scheduled, seqs, S, vocab_size)
+    tensors = SamplingTensors.from_params(
+        params, [len(q.token_ids) for q in seqs], S, vocab_size, eos_ids,
+        request_counters=[q.counter for q in seqs], engine_seed=engine_seed,
+        token_bitmask=bitmask, constrained=constrained,
+    )
+    penalties = None
+    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        penalties = penalty_inputs(S, [(p, q.token_ids) for p, q in zip(prompts, seqs, strict=True)])
+    return tensors, any(p.logprobs for p in params), penalties
+
+
+def trace_plan(plan: SchedulerOutput, step_id: int, rcfg: RunnerConfig, mcfg: Any,
+               get_request: Callable[[str], Any], trace: Callable[..., None]) -> None:
+    """A plan's trace events: L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel
+    shapes (`trace(request_id, layer, event, **data)`)."""
+    bucket, kernel = step_shapes(plan, rcfg, mcfg)
+    for rid in plan.preempted_ids:
+        trace(rid, "L4", "preempted", step=step_id)
+    for s in plan.scheduled:
+        r = get_request(s.request_id)
+        trace(s.request_id, "L4", "scheduled", step=step_id, decode=s.is_decode,
+              tokens=s.num_new_tokens, start_position=s.start_position, pages=len(s.page_table),
+              prefix_hit_tokens=r.num_cached_tokens if r is not None else 0,
+              batch_tokens=plan.num_batched_tokens, batch_seqs=len(plan.scheduled))
+        trace(s.request_id, "L6", "bucket", step=step_id, **bucket)
+        trace(s.request_id, "L7", "kernel", step=step_id, **kernel)

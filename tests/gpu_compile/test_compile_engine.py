@@ -17,15 +17,9 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.runner import (
-    MAX_STOP_IDS,
-    DecodeState,
-    PenaltyInputs,
-    PromptLogprobInputs,
-    RunnerConfig,
-    decode_loop,
-    mixed_step,
-)
+from jaxserve.engine.logprobs import PromptLogprobInputs
+from jaxserve.engine.penalties import PenaltyInputs
+from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, RunnerConfig, decode_loop, mixed_step
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs

@@ -1,0 +1,137 @@
+"""Constraints on what a request may generate, from its JSON: `response_format`, vLLM's
+`structured_outputs` and `guided_*` fields, and forced tool calls (`tools` with `tool_choice`).
+Each becomes a `StructuredOutputsParams`; anything malformed is an `ApiError(400)` naming its field."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.structured_outputs import StructuredOutputsParams
+from server.errors import bad_field
+
+# vLLM's earlier request fields for structured outputs, and the `structured_outputs` key each is.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A tool call the output is constrained to: one named function, or (`name` None, OpenAI's
+    "required") a list of one or more calls of any of the tools."""
+
+    name: str | None
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """OpenAI's `response_format` as `structured_outputs` fields (None for plain text)."""
+    if not isinstance(fmt, Mapping):
+        raise bad_field("response_format", "'response_format' must be an object with a 'type'", "invalid_type")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+            raise bad_field("response_format", "response_format of type 'json_schema' needs 'json_schema': "
+                                               "{'name': ..., 'schema': {...}}")
+        return {"json": spec["schema"]}
+    raise bad_field("response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
+    """The output constraint, from one of `response_format` (OpenAI), `structured_outputs` (vLLM) or
+    vLLM's earlier `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`."""
+    sources: dict[str, dict[str, Any]] = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        fields = _response_format(fmt)
+        if fields is not None:
+            sources["response_format"] = fields
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, Mapping):
+            raise bad_field("structured_outputs", "'structured_outputs' must be an object", "invalid_type")
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise bad_field("structured_outputs", f"'structured_outputs' has unsupported fields: {', '.join(unknown)}",
+                            "unsupported_parameter")
+        sources["structured_outputs"] = {k: v for k, v in so.items() if v is not None}
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            sources[name] = {key: body[name]}
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = sorted(sources)
+        raise bad_field(names[1], f"give one output constraint, not several: {', '.join(names)}")
+    (param, fields), = sources.items()
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise bad_field(param, str(e)) from e
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def tools_and_choice(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice | None]:
+    """`tools` (function tools, checked) and `tool_choice`. "none" only shows the tools to the chat
+    template; "required" and a named function constrain the reply to tool calls (structured outputs);
+    "auto", the default with tools, needs a parser for the model's own tool-call format, which jaxserve
+    does not have, so it is refused."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad_field("tool_choice", "'tool_choice' needs 'tools'")
+        return None, None
+    if not isinstance(tools, list):
+        raise bad_field("tools", "'tools' must be a list of function tools", "invalid_type")
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(fn, Mapping):
+            raise bad_field(where, f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}", "invalid_type")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise bad_field(f"{where}.function.name", f"{where}.function.name must be 1-64 letters, digits, '_' or '-', "
+                                                      f"got {name!r}")
+        if any(t["function"]["name"] == name for t in out):
+            raise bad_field(f"{where}.function.name", f"tool name {name!r} is given twice")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise bad_field(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON schema object",
+                            "invalid_type")
+        out.append({"type": "function", "function": {**fn, "parameters": dict(params or _NO_PARAMETERS)}})
+    if choice is None or choice == "auto":
+        raise bad_field("tool_choice", "tool_choice 'auto' (the default with tools) is not supported: it needs a parser "
+                                       "for the model's tool-call format; send 'required', a named function, or 'none'",
+                        "unsupported_parameter")
+    if choice == "none":
+        return out, None
+    if choice == "required":
+        return out, ToolChoice(None)
+    fn = choice.get("function") if isinstance(choice, Mapping) else None
+    if not isinstance(choice, Mapping) or choice.get("type") != "function" or not isinstance(fn, Mapping):
+        raise bad_field("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
+                                       "{'type': 'function', 'function': {'name': ...}}")
+    if not any(t["function"]["name"] == fn.get("name") for t in out):
+        raise bad_field("tool_choice", f"tool_choice names {fn.get('name')!r}, which is not among the tools")
+    return out, ToolChoice(fn["name"])
+
+
+def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
+    """The JSON schema a forced reply follows: the named function's parameters (the reply is its
+    arguments), or for "required" a list of one or more {"name", "parameters"} objects."""
+    if choice.name is not None:
+        return next(t["function"]["parameters"] for t in tools if t["function"]["name"] == choice.name)
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                               "parameters": t["function"]["parameters"]},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
