@@ -13,6 +13,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -40,6 +41,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             )
         # Clients send `content: null` on tool-call messages; templates handle a missing key, not None.
         plain = {k: v for k, v in message.items() if v is not None}
+        if isinstance(plain.get("tool_calls"), list):
+            plain["tool_calls"] = [_tool_call_for_template(call) for call in plain["tool_calls"]]
         content = plain.get("content")
         if isinstance(content, list):
             plain["content"] = "\n".join(_text_of_part(index, part) for part in content)
@@ -49,6 +52,29 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             )
         out.append(plain)
     return out
+
+
+def _tool_call_for_template(call: Any) -> Any:
+    """An assistant message's tool call with its `arguments` as an object: OpenAI clients send the
+    JSON text, and templates (as transformers documents them) expect the mapping."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as it came
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given on the command line: a file's path, or the template's text itself."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
 
 
 def _text_of_part(index: int, part: Any) -> str:

@@ -58,15 +58,17 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template and generate its reply. `tools`
-        (function tools, as in OpenAI's API) are given to the template; to make the reply a call,
-        constrain it with `SamplingParams(structured_outputs=...)` to the function's parameters."""
+        """Render each conversation with the model's chat template (or `chat_template`, a template's
+        text) and generate its reply. `tools` (function tools, as in OpenAI's API) are given to the
+        template; to make the reply a call, constrain it with `SamplingParams(structured_outputs=...)`
+        to the function's parameters."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = [
             tok.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                            **(chat_template_kwargs or {}))
+                            chat_template=chat_template, **(chat_template_kwargs or {}))
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -242,10 +242,12 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's chat template, as transformers' `apply_chat_template` does."""
-        template = (self.chat_templates.get("tool_use") if tools else None) or self.chat_template
+        """Render `messages` with the model's chat template, as transformers' `apply_chat_template` does;
+        `chat_template` (a template's text) replaces the model's."""
+        template = chat_template or (self.chat_templates.get("tool_use") if tools else None) or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat template; send a plain completion prompt instead")
         return render_chat_template(

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.config import ServerConfig
+from server.constraints import tools_and_choice
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
 from server.middleware import ApiMiddleware
@@ -119,9 +120,11 @@ async def tokenize(request: Request) -> Response:
     tok = state.engine.tokenizer
     if "messages" in body:
         messages = check_messages(body["messages"])
+        tools, _ = tools_and_choice({"tools": body.get("tools"), "tool_choice": "none"})
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=get_bool(body, "add_generation_prompt",
-                                                                                    True))
+                                                                                    True),
+                                           tools=tools, chat_template=state.config.chat_template)
         except ValueError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
         ids = tok.encode(text, add_special_tokens=get_bool(body, "add_special_tokens", False))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+from jaxserve.chat_template import load_chat_template
 from jaxserve.engine_args import EngineArgs
 from server.config import ServerConfig
+from server.tool_parsers import PARSERS
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -31,6 +33,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level,
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="level of the server's logs (one access-log line per request at info)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto': the model chooses between text and tool calls, which "
+                        "--tool-call-parser finds in its replies")
+    g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the format the model writes tool calls in (see server/tool_parsers.py)")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
                         "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
@@ -42,7 +51,9 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=ns.host, port=ns.port, api_key=ns.api_key,
                         served_model_names=tuple(ns.served_model_name or ()),
                         shutdown_timeout=ns.shutdown_timeout, max_waiting_requests=ns.max_waiting_requests,
-                        max_request_body_bytes=ns.max_request_body_bytes, log_level=ns.log_level)
+                        max_request_body_bytes=ns.max_request_body_bytes, log_level=ns.log_level,
+                        chat_template=None if ns.chat_template is None else load_chat_template(ns.chat_template),
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
 
 
 def setup_logging(level: str) -> None:
@@ -57,9 +68,14 @@ def run_serve(ns: argparse.Namespace) -> int:
     from server.runner import run_server
     from server.state import LoadingEngine
 
-    config = server_config_from_args(ns)
-    setup_logging(config.log_level)
     log = logging.getLogger("jaxserve.server")
+    try:
+        config = server_config_from_args(ns)
+    except (ValueError, OSError) as e:  # a bad chat template or tool-parser setting
+        setup_logging(ns.log_level)
+        log.error("%s", e)
+        return 2
+    setup_logging(config.log_level)
     args = EngineArgs.from_cli_args(ns)
     try:
         path = resolve_model(args.model)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxserve.chat_template import compile_chat_template
+from server.tool_parsers import PARSERS
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -22,6 +25,9 @@ class ServerConfig:
       max_request_id_length: longest `X-Request-Id` accepted.
       log_level: level of the server's loggers (access log included).
       retry_after_s: the `Retry-After` sent with 429 and 503.
+      chat_template: a Jinja chat template used instead of the model's (its text).
+      enable_auto_tool_choice, tool_call_parser: `tool_choice: "auto"` is served when both are set;
+        the parser (server/tool_parsers.py) finds the calls in the model's replies.
     """
 
     host: str = "127.0.0.1"
@@ -34,6 +40,9 @@ class ServerConfig:
     max_request_id_length: int = 256
     log_level: str = "info"
     retry_after_s: int = 1
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -51,6 +60,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"log_level must be critical, error, warning, info or debug, got {self.log_level!r}")
+
+        if self.chat_template is not None:
+            compile_chat_template(self.chat_template)  # a template that does not compile fails here, named
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
 
     def replace(self, **changes) -> ServerConfig:
         """A copy with `changes` applied (and checked)."""

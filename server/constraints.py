@@ -1,5 +1,5 @@
 """Constraints on what a request may generate, from its JSON: `response_format`, vLLM's
-`structured_outputs` and `guided_*` fields, and forced tool calls (`tools` with `tool_choice`).
+`structured_outputs` and `guided_*` fields, and tool calls (`tools` with `tool_choice`).
 Each becomes a `StructuredOutputsParams`; anything malformed is an `ApiError(400)` naming its field."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from jaxserve.structured_outputs import StructuredOutputsParams
 from server.errors import bad_field
@@ -18,10 +18,18 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """A tool call the output is constrained to: one named function, or (`name` None, OpenAI's
-    "required") a list of one or more calls of any of the tools."""
+    """What the tools may do to the reply. "function" (`name` set) and "required" (a list of one or
+    more calls of any of the tools) force it to be calls, through structured outputs; with "auto" the
+    model chooses between text and calls, and the server's tool-call parser finds the calls it wrote.
+    `parallel` False (OpenAI's `parallel_tool_calls`) keeps only the first call of an "auto" reply."""
 
-    name: str | None
+    mode: Literal["auto", "required", "function"]
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode != "auto"
 
 
 def _response_format(fmt: Any) -> dict[str, Any] | None:
@@ -80,12 +88,13 @@ _NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def tools_and_choice(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice | None]:
-    """`tools` (function tools, checked) and `tool_choice`. "none" only shows the tools to the chat
-    template; "required" and a named function constrain the reply to tool calls (structured outputs);
-    "auto", the default with tools, needs a parser for the model's own tool-call format, which jaxserve
-    does not have, so it is refused."""
+    """`tools` (function tools, checked) and `tool_choice`: "auto" (the default with tools), "required",
+    a named function, or "none" (the chat template sees the tools; the reply is text, as with no tools)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_field("parallel_tool_calls", "'parallel_tool_calls' must be true or false", "invalid_type")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise bad_field("tool_choice", "'tool_choice' needs 'tools'")
@@ -110,26 +119,24 @@ def tools_and_choice(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | No
                             "invalid_type")
         out.append({"type": "function", "function": {**fn, "parameters": dict(params or _NO_PARAMETERS)}})
     if choice is None or choice == "auto":
-        raise bad_field("tool_choice", "tool_choice 'auto' (the default with tools) is not supported: it needs a parser "
-                                       "for the model's tool-call format; send 'required', a named function, or 'none'",
-                        "unsupported_parameter")
+        return out, ToolChoice("auto", parallel=parallel is not False)
     if choice == "none":
         return out, None
     if choice == "required":
-        return out, ToolChoice(None)
+        return out, ToolChoice("required")
     fn = choice.get("function") if isinstance(choice, Mapping) else None
     if not isinstance(choice, Mapping) or choice.get("type") != "function" or not isinstance(fn, Mapping):
         raise bad_field("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
                                        "{'type': 'function', 'function': {'name': ...}}")
     if not any(t["function"]["name"] == fn.get("name") for t in out):
         raise bad_field("tool_choice", f"tool_choice names {fn.get('name')!r}, which is not among the tools")
-    return out, ToolChoice(fn["name"])
+    return out, ToolChoice("function", fn["name"])
 
 
 def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema a forced reply follows: the named function's parameters (the reply is its
     arguments), or for "required" a list of one or more {"name", "parameters"} objects."""
-    if choice.name is not None:
+    if choice.mode == "function":
         return next(t["function"]["parameters"] for t in tools if t["function"]["name"] == choice.name)
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                "parameters": t["function"]["parameters"]},

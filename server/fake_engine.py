@@ -6,6 +6,10 @@ after `len(WORDS)` words unless `ignore_eos`. A sampled request (temperature > 0
 drawn from its seed. Each generated token has logprob -0.25 at rank 1; the i-th next most likely
 token is the following word, with logprob -0.25 - i.
 
+A test can script replies instead: `scripted_reply(prompt_text)` returns the text a request's
+completions write (each step adds `SCRIPT_PIECE` characters of it, as one token, and the reply ends
+with "stop"), or None for the number words.
+
 Like the real engine it runs its loop in its own thread and hands each step's cumulative
 `RequestOutput` to the asyncio side through a queue, so the server is exercised as it will be in
 production: outputs are pushed, never polled.
@@ -19,7 +23,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import tokenizers
 from tokenizers import AddedToken, models, pre_tokenizers
@@ -37,6 +41,8 @@ FIRST_WORD_ID = len(SPECIALS)
 EOS_ID = 2
 FAIL_WORD = "explode"
 """A prompt containing this word fails inside the fake engine after two tokens."""
+SCRIPT_PIECE = 3
+"""Characters of a scripted reply added per step."""
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -105,6 +111,7 @@ class _Req:
     seqs: list[_Seq]
     metrics: RequestMetrics
     fail: bool
+    script: str | None = None
 
 
 class FakeAsyncEngine:
@@ -112,12 +119,13 @@ class FakeAsyncEngine:
 
     def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 64, step_delay: float = 0.002,
                  num_pages: int = 256, page_size: int = 16, ready: bool = True,
-                 model_name: str = "fake-model"):
+                 model_name: str = "fake-model", scripted_reply: Callable[[str], str | None] | None = None):
         self.tokenizer = fake_tokenizer()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.is_ready = ready
         self.max_num_seqs = max_num_seqs
+        self.scripted_reply = scripted_reply
         self.step_delay = step_delay
         self.aborted: list[str] = []
         self.submitted: list[tuple[str, list[int], SamplingParams, int, str | None]] = []
@@ -175,7 +183,8 @@ class FakeAsyncEngine:
                    asyncio.get_running_loop(), asyncio.Queue(),
                    [_Seq(j, start + j) for j in range(sampling_params.n)],
                    RequestMetrics(arrival_time=time.time()),
-                   fail=self.tokenizer.token_to_id(FAIL_WORD) in ids)
+                   fail=self.tokenizer.token_to_id(FAIL_WORD) in ids,
+                   script=self.scripted_reply(self.tokenizer.decode(ids, False)) if self.scripted_reply else None)
         with self._cond:
             self._waiting.append(req)
             self._cond.notify_all()
@@ -266,6 +275,9 @@ class FakeAsyncEngine:
             if seq.finish_reason is not None:
                 continue
             k = len(seq.token_ids)
+            if req.script is not None:
+                self._script_step(seq, req.script, p.max_tokens)
+                continue
             word = WORDS[(seq.offset + k) % len(WORDS)]
             tid = FIRST_WORD_ID + WORDS.index(word)
             if k == len(WORDS) and not p.ignore_eos and k >= p.min_tokens:
@@ -300,6 +312,16 @@ class FakeAsyncEngine:
                                       list(s.logprobs) if p.logprobs is not None else None,
                                       s.finish_reason, s.stop_reason) for s in req.seqs],
             finished=done, metrics=dataclasses.replace(req.metrics)))
+
+    def _script_step(self, seq: _Seq, script: str, max_tokens: int) -> None:
+        k = len(seq.token_ids)
+        seq.token_ids.append(FIRST_WORD_ID + k % len(WORDS))
+        seq.text = script[: (k + 1) * SCRIPT_PIECE]
+        self._stats.generation_tokens += 1
+        if len(seq.text) == len(script):
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= max_tokens:
+            seq.finish_reason = "length"
 
     @staticmethod
     def _apply_stop(seq: _Seq, full: str, p: SamplingParams) -> str:

@@ -132,7 +132,7 @@ class ChatRequest:
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # function tools, for the chat template
-    tool_choice: ToolChoice | None = None  # set when the reply must be tool calls
+    tool_choice: ToolChoice | None = None  # None: the reply is text (no tools, or tool_choice 'none')
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise bad_field("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
     tools, tool_choice = tools_and_choice(body)
     forced = None
-    if tool_choice is not None:
+    if tool_choice is not None and tool_choice.forced:
         try:
             forced = StructuredOutputsParams(json=tool_call_schema(tools, tool_choice))
         except ValueError as e:

@@ -7,11 +7,11 @@ cumulative `CompletionOutput` becomes a delta: the new text, the new logprobs, t
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput, SampleLogprobs, TokenLogprobs
+from server.tool_parsers import ToolCallStream
 
 
 def sse(obj: Any) -> bytes:
@@ -124,6 +124,8 @@ class ChoiceCursor:
         self.started = False
         self.text_offset = 0
         self.tool_call_id = ""  # a named tool call's id, once its first chunk went out
+        self.tool_stream: ToolCallStream | None = None  # an "auto" reply's parser state
+        self.calls_sent = 0  # the calls of an "auto" reply sent so far
 
     def advance(self, c: CompletionOutput) -> Delta | None:
         """The new part of `c`, or None if nothing changed."""
@@ -140,23 +142,3 @@ class ChoiceCursor:
         self.num_tokens = len(c.token_ids)
         self.finished = c.finish_reason is not None
         return Delta(text, ids, lps, c.finish_reason, c.stop_reason)
-
-
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_calls(text: str, name: str | None) -> list[dict[str, Any]] | None:
-    """The tool calls of a forced reply: one call of the named function with the text as its
-    arguments, or ("required", `name` None) the calls of the JSON list the text holds; None when the
-    text is not a whole list (the reply was cut short)."""
-    if name is not None:
-        calls = [(name, text)]
-    else:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-    return [{"id": new_tool_call_id(), "type": "function", "function": {"name": n, "arguments": a}}
-            for n, a in calls]

@@ -31,13 +31,12 @@ from server.responses import (
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
-    new_tool_call_id,
     prompt_logprobs_json,
     sse,
-    tool_calls,
     usage,
 )
 from server.state import ServerState
+from server.tool_replies import ToolReplies
 
 logger = logging.getLogger("jaxserve.server")
 # Rendering and tokenizing prompts longer than this many characters moves off the event loop.
@@ -105,10 +104,10 @@ def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *
     return params
 
 
-def _chat_prompt(tokenizer: Any, req: ChatRequest) -> tuple[str, list[int]]:
+def _chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple[str, list[int]]:
     try:
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             tools=req.tools, **req.chat_template_kwargs)
+                                             tools=req.tools, chat_template=template, **req.chat_template_kwargs)
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation
@@ -127,8 +126,18 @@ def _chat_prompt(tokenizer: Any, req: ChatRequest) -> tuple[str, list[int]]:
 async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
     engine = state.engine
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
-    text, ids = await _offload(_chat_prompt, engine.tokenizer, req, big=size > _OFFLOAD_CHARS)
-    params = fit_to_context(engine.max_model_len, ids, req.common.params,
+    text, ids = await _offload(_chat_prompt, engine.tokenizer, req, state.config.chat_template,
+                               big=size > _OFFLOAD_CHARS)
+    params = req.common.params
+    if req.tool_choice is not None and req.tool_choice.mode == "auto":
+        parser = state.tool_parser
+        if parser is None:
+            raise ApiError(400, "tool_choice 'auto' (the default with tools) needs the server started with "
+                                "--enable-auto-tool-choice and --tool-call-parser; send 'required', a named "
+                                "function, or 'none'", param="tool_choice", code="unsupported_parameter")
+        if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
+            params = dataclasses.replace(params, skip_special_tokens=False)
+    params = fit_to_context(engine.max_model_len, ids, params,
                             max_tokens_given=req.common.max_tokens_given, prompt_param="messages")
     return [Job(state.engine_id(request_id), ids, text, params)]
 
@@ -271,6 +280,7 @@ class _Formatter:
         opts = req.common.stream_options
         self.usage_field = opts.include_usage or opts.continuous_usage_stats
         self.echo = isinstance(req, CompletionRequest) and req.echo
+        self.tools = ToolReplies(req.tool_choice if isinstance(req, ChatRequest) else None, state.tool_parser)
 
     def _envelope(self, choices: list[dict], gen: Generation | None = None) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -295,9 +305,9 @@ class _Formatter:
             if d is None:
                 continue
             if self.kind == "chat":
-                delta, finish = self._chat_delta(cursor, c, d)
+                delta, finish = self.tools.delta(cursor, c, d)
                 if not delta and finish is None and not self.want_logprobs:
-                    continue  # a "required" tool call's list, held back until it is whole
+                    continue  # a tool call, held back until it is whole
                 choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if self.want_logprobs:
                     choice["logprobs"] = {"content": chat_logprobs(self.text_of, d.token_ids, d.logprobs,
@@ -320,41 +330,6 @@ class _Formatter:
             chunks.append(sse(self._envelope([choice], gen)))
         return chunks
 
-    def _chat_delta(self, cursor: ChoiceCursor, c: Any, d: Any) -> tuple[dict[str, Any], str | None]:
-        """A chat chunk's delta and finish reason. Under a forced tool call, a named function's
-        arguments stream as they come (the first chunk carries the call's id and name); a "required"
-        list goes out whole once it is complete."""
-        choice = self.req.tool_choice
-        if choice is None:
-            return ({"content": d.text} if d.text else {}), d.finish_reason
-        if choice.name is not None:
-            delta: dict[str, Any] = {}
-            if d.text:
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
-                if not cursor.tool_call_id:
-                    cursor.tool_call_id = new_tool_call_id()
-                    call = {"index": 0, "id": cursor.tool_call_id, "type": "function",
-                            "function": {"name": choice.name, "arguments": d.text}}
-                delta = {"tool_calls": [call]}
-            return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
-        if d.finish_reason is None:
-            return {}, None
-        calls = tool_calls(c.text, None) if d.finish_reason == "stop" else None
-        if calls is None:
-            return {"content": c.text}, d.finish_reason
-        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, "tool_calls"
-
-    def _chat_message(self, c: Any) -> tuple[dict[str, Any], str | None]:
-        """A whole chat reply and its finish reason (see `_chat_delta` for forced tool calls)."""
-        choice = self.req.tool_choice
-        calls = None
-        if choice is not None and (choice.name is not None or c.finish_reason == "stop"):
-            calls = tool_calls(c.text, choice.name)
-        if calls is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        return ({"role": "assistant", "content": None, "tool_calls": calls},
-                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
-
     def usage_chunk(self, gen: Generation) -> bytes:
         """The final `choices: []` chunk with the request's usage."""
         obj = self._envelope([], gen)
@@ -371,7 +346,7 @@ class _Formatter:
                 lp = None
                 finish = c.finish_reason
                 if self.kind == "chat":
-                    choice["message"], finish = self._chat_message(c)
+                    choice["message"], finish = self.tools.message(c)
                     if self.want_logprobs:
                         lp = {"content": chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n)}
                 else:

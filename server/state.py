@@ -10,6 +10,7 @@ from typing import Any
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.metrics import ServerMetrics
+from server.tool_parsers import tool_parser
 
 
 class LoadingEngine:
@@ -46,6 +47,9 @@ class ServerState:
         self.engine = engine
         self.served_names: tuple[str, ...] = config.served_model_names or (engine.model_name,)
         self.metrics = ServerMetrics(_EngineView(self), self.served_names[0])
+        # The parser that finds tool calls in "auto" replies; None refuses tool_choice "auto".
+        self.tool_parser = (tool_parser(config.tool_call_parser)
+                            if config.enable_auto_tool_choice and config.tool_call_parser else None)
         self.created = int(time.time())
         self.draining = False
         self.active: set[str] = set()

@@ -72,11 +72,17 @@ def test_tool_choice_becomes_an_output_constraint():
     assert named.tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}, "no parameters: none"
     required = parse_chat({"messages": MSG, "tools": [TOOL, bare], "tool_choice": "required"})
     schema = required.common.params.structured_outputs.json
-    assert required.tool_choice.name is None and schema["type"] == "array" and schema["minItems"] == 1
+    assert required.tool_choice.mode == "required" and schema["type"] == "array" and schema["minItems"] == 1
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
     shown = parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"})
     assert shown.tools == [TOOL] and shown.tool_choice is None and shown.common.params.structured_outputs is None
     assert parse_chat({"messages": MSG, "tools": [], "tool_choice": "none"}).tools is None
+    for body in ({}, {"tool_choice": "auto"}):  # "auto", the default with tools: no constraint, parsed after
+        auto = parse_chat({"messages": MSG, "tools": [TOOL], **body})
+        assert auto.tool_choice.mode == "auto" and auto.tool_choice.parallel
+        assert not auto.tool_choice.forced and auto.common.params.structured_outputs is None
+    single = parse_chat({"messages": MSG, "tools": [TOOL], "parallel_tool_calls": False})
+    assert single.tool_choice.mode == "auto" and not single.tool_choice.parallel
 
 
 def test_prompt_logprobs_fields():
@@ -131,7 +137,7 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": MSG, "guided_grammar": "start: foo"}, "guided_grammar"),
     ({"messages": MSG, "guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0]"),
-    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": MSG, "tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"messages": MSG, "tools": {"f": 1}, "tool_choice": "required"}, "tools"),
     ({"messages": MSG, "tools": [TOOL, {"type": "retrieval"}], "tool_choice": "required"}, "tools[1]"),
     ({"messages": MSG, "tools": [TOOL, TOOL], "tool_choice": "required"}, "tools[1].function.name"),
@@ -231,7 +237,26 @@ def test_tools_reach_the_chat_template():
     tok = fake_tokenizer()
     tok.chat_templates["tool_use"] = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
                                       "{% for m in messages %}{{ m.content }}{% endfor %}")
-    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}))
+    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}), None)
     assert text == "[get_weather]hello"
-    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG}))
+    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG}), None)
     assert "[get_weather]" not in text, "without tools the default template renders"
+    # The server's --chat-template replaces the model's, tools or not.
+    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL]}), "<{{ messages[0].content }}>")
+    assert text == "<hello>"
+
+
+def test_tool_call_arguments_reach_templates_as_objects():
+    """An assistant turn's tool calls come back from clients with `arguments` as JSON text; templates
+    get the object (as transformers documents), and text that is not JSON is left as it came."""
+    from jaxserve.chat_template import render_chat_template
+
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}:"
+                "{{ c.function.arguments.city if c.function.arguments is mapping else c.function.arguments }};"
+                "{% endfor %}{% endfor %}")
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert render_chat_template(template, messages) == "get_weather:Oslo;g:not json;"
+    assert calls[0]["function"]["arguments"] == '{"city": "Oslo"}', "the caller's messages are not changed"

@@ -37,7 +37,7 @@ def real():
     reference = [out.outputs[0].text for out in llm.generate(prompts, greedy, use_tqdm=False)]
     llm.engine.reset_prefix_cache()
     engine = AsyncEngine(llm.engine)
-    with serve_in_thread(engine, ServerConfig(port=0)) as srv:
+    with serve_in_thread(engine, ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes")) as srv:
         yield reference, srv, engine
     engine.shutdown()
 
@@ -170,6 +170,21 @@ def test_forced_tool_calls_over_http(real):
         assert [json.loads(a) for a in args.values()] == [json.loads(c.function.arguments) for c in calls]
         if tool_choice is named:
             assert len(deltas) > 1, "a named call's arguments stream in pieces"
+
+
+def test_auto_tool_choice_leaves_a_text_reply_as_it_is(real):
+    """tool_choice "auto" with the hermes parser: SmolLM2 answers in text, which comes back exactly
+    as with tool_choice "none", whole and streamed."""
+    _, srv, _ = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="SmolLM2-135M-Instruct", messages=CHATS[1], temperature=0, max_tokens=MAX_TOKENS,
+              tools=[WEATHER, TIME])
+    plain = client.chat.completions.create(**kw, tool_choice="none").choices[0]
+    auto = client.chat.completions.create(**kw).choices[0]
+    assert plain.message.content and auto.message.content == plain.message.content
+    assert auto.message.tool_calls is None and auto.finish_reason == plain.finish_reason
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.message.content
 
 
 def test_echo_with_logprobs_scores_the_prompt(real):

@@ -1,0 +1,273 @@
+"""Tool-call parsers for `tool_choice: "auto"`: finding the calls a model wrote, in its own format.
+
+With "auto" the model decides between text and calls, and writes calls the way it was trained to.
+A parser knows one such format (named as vLLM's `--tool-call-parser` names them):
+
+| name | the model writes | models |
+| --- | --- | --- |
+| `hermes` | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one or more, between text; a JSON list inside the tags is taken too | Hermes, Qwen 2.5 / 3, SmolLM2 / 3 |
+| `llama3_json` | a reply that is `{"name": ..., "parameters": {...}}` (several joined by `;`), after an optional `<|python_tag|>` | Llama 3.1 / 3.2 / 3.3 |
+| `mistral` | text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}`, or `[TOOL_CALLS]name[ARGS]{...}` per call | Mistral |
+| `pythonic` | a reply that is a Python list of calls, `[f(a=1), g(b="x")]` | Llama 3.2 / 4, ToolACE |
+
+A `ToolCallStream` reads a reply as it grows: text that cannot be the start of a call goes out as
+content at once; once a call starts, its text is held until it is whole, then it goes out as a call.
+Text that looked like a call and does not parse goes out as content, so nothing is lost. Whitespace
+is held until text follows it, and is dropped at the end of a reply that made calls. Parsing a whole
+reply is feeding it to a new stream and finishing it, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One call: the function's name and its arguments as JSON text (an object)."""
+
+    name: str
+    arguments: str
+
+
+def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """A call from a decoded `{"name": ..., "arguments": {...}}` object; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args: Any = {}
+    for key in args_keys:
+        if key in obj:
+            args = obj[key]
+            break
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _calls(values: list[Any]) -> list[ParsedCall] | None:
+    calls = [_call(v) for v in values]
+    return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+def _json_values(text: str, separators: str = "") -> list[Any] | None:
+    """The JSON values `text` holds one after another (whitespace and `separators` between them)."""
+    decoder = json.JSONDecoder()
+    values, at, text = [], 0, text.strip()
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        values.append(value)
+        while at < len(text) and (text[at].isspace() or text[at] in separators):
+            at += 1
+    return values
+
+
+class ToolParser:
+    """A model's tool-call format. A call region opens at one of `openers`, anywhere in the reply (or,
+    with `leading`, only at its start, where the opener is part of the region); it closes at `closer`,
+    or runs to the end of the reply when `closer` is empty."""
+
+    name: ClassVar[str]
+    openers: ClassVar[tuple[str, ...]]
+    closer: ClassVar[str] = ""
+    leading: ClassVar[bool] = False
+    # The format's markers are special tokens, which the reply must keep to be parsed.
+    keeps_special_tokens: ClassVar[bool] = False
+
+    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+        """The calls in one region (`body` is what follows `opener`); None if it holds no valid call."""
+        raise NotImplementedError
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """A whole reply's content and calls."""
+        s = self.stream()
+        content, calls = s.feed(text)
+        more, last = s.finish()
+        return content + more, calls + last
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    openers = ("<tool_call>",)
+    closer = "</tool_call>"
+
+    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+        values = _json_values(body)
+        if values is not None and len(values) == 1 and isinstance(values[0], list):
+            values = values[0]  # SmolLM2's form: a list of calls inside one tag
+        return None if values is None else _calls(values)
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    openers = ("<|python_tag|>", "{")
+    leading = True
+    keeps_special_tokens = True
+
+    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+        text = body if opener == "<|python_tag|>" else opener + body
+        values = _json_values(text, separators=";")
+        return None if values is None else _calls(values)
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    openers = ("[TOOL_CALLS]",)
+    keeps_special_tokens = True
+
+    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+        if "[ARGS]" not in body:
+            values = _json_values(body)
+            if values is not None and len(values) == 1 and isinstance(values[0], list):
+                return _calls(values[0])
+            return None if values is None else _calls(values)
+        calls = []
+        for piece in body.split(opener):  # `name[ARGS]{...}` per call, each after its own [TOOL_CALLS]
+            name, sep, args = piece.partition("[ARGS]")
+            values = _json_values(args) if sep else None
+            call = _call({"name": name.strip(), "arguments": values[0]}) if values and len(values) == 1 else None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    openers = ("<|python_start|>", "[")
+    leading = True
+    keeps_special_tokens = True
+
+    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+        text = opener + body if opener == "[" else body
+        text = text.strip().removesuffix("<|python_end|>").strip()
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except (SyntaxError, ValueError):
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                return None
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                arguments = json.dumps(args, ensure_ascii=False)
+            except (ValueError, TypeError, SyntaxError):
+                return None
+            if len(args) != len(node.keywords):  # a `**kwargs` expansion
+                return None
+            calls.append(ParsedCall(node.func.id, arguments))
+        return calls
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
+                                                           PythonicParser)}
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser registered as `name`; ValueError naming the choices otherwise."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
+    return PARSERS[name]()
+
+
+def _held_tail(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could be the start of one of `markers`."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+class ToolCallStream:
+    """Splits one growing reply into content and calls (see the module docstring)."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.buf = ""  # text read and not yet given out
+        self.mode: Literal["start", "content", "region"] = "start" if parser.leading else "content"
+        self.opener = ""
+        self.made_calls = False
+        self._space = ""  # whitespace held until text follows it
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """The content and the whole calls that `text`, the reply's next piece, completes."""
+        self.buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """What is left at the end of the reply: an unclosed call is parsed as it stands."""
+        content, calls = self._drain(final=True)
+        if not self.made_calls:
+            content += self._space
+        self._space = ""
+        return content, calls
+
+    def _content(self, text: str) -> str:
+        """`text` as content, with whitespace at its end held back."""
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        return body
+
+    def _drain(self, final: bool) -> tuple[str, list[ParsedCall]]:
+        p, out, calls = self.parser, [], []
+        while self.buf:
+            if self.mode == "start":
+                head = self.buf.lstrip()
+                opener = next((o for o in p.openers if head.startswith(o)), None)
+                if opener is not None:  # the whitespace before it comes back if it is no call
+                    self._space, self.buf = self.buf[:len(self.buf) - len(head)], head[len(opener):]
+                    self.mode, self.opener = "region", opener
+                elif head and not any(o.startswith(head) for o in p.openers) or final:
+                    self.mode = "content"
+                else:
+                    break  # whitespace, or the start of an opener: wait for more
+            elif self.mode == "content":
+                markers = () if p.leading else p.openers  # a leading format's call opens the reply or never
+                hits = [(self.buf.find(o), o) for o in markers if o in self.buf]
+                if hits:
+                    at, opener = min(hits)
+                    out.append(self._content(self.buf[:at]))
+                    self.buf = self.buf[at + len(opener):]
+                    self.mode, self.opener = "region", opener
+                    continue
+                hold = 0 if final else _held_tail(self.buf, markers)
+                out.append(self._content(self.buf[:len(self.buf) - hold]))
+                self.buf = self.buf[len(self.buf) - hold:]
+                break
+            else:
+                end = self.buf.find(p.closer) if p.closer else -1
+                if end < 0 and not final:
+                    break
+                body = self.buf if end < 0 else self.buf[:end]
+                self.buf = "" if end < 0 else self.buf[end + len(p.closer):]
+                found = p.parse_region(self.opener, body)
+                if found:
+                    self.made_calls = True
+                    self._space = ""
+                    calls.extend(found)
+                else:  # not a call after all: the text goes out as it came
+                    out.append(self._content(self.opener + body + (p.closer if end >= 0 else "")))
+                self.mode = "content"
+        return "".join(out), calls

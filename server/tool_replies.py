@@ -1,0 +1,117 @@
+"""Chat replies as tool calls: what a forced call or an "auto" reply looks like, whole and streamed.
+
+- A named function (forced): the reply is the call's arguments. They stream as they come; the
+  first piece carries the call's id and name.
+- "required" (forced): the reply is a JSON list of `{"name", "parameters"}`, sent as the calls once
+  it is whole.
+- "auto": the server's tool-call parser (server/tool_parsers.py) splits the reply into content and
+  calls. Content streams as it comes; each call goes out whole, with its id, name and arguments, as
+  soon as the parser has all of it.
+
+A reply made of calls has `content: null` and finishes with "tool_calls"; one cut by `max_tokens`
+keeps "length".
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from jaxserve.outputs import CompletionOutput
+from server.constraints import ToolChoice
+from server.responses import ChoiceCursor, Delta
+from server.tool_parsers import ParsedCall, ToolParser
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_json(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {"id": new_tool_call_id(), "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}
+    return obj if index is None else {"index": index, **obj}
+
+
+def forced_calls(text: str, name: str | None) -> list[ParsedCall] | None:
+    """The calls of a forced reply: one call of the named function with the text as its arguments,
+    or ("required", `name` None) the calls of the JSON list the text holds; None when the text is not
+    a whole list (the reply was cut short)."""
+    if name is not None:
+        return [ParsedCall(name, text)]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
+
+
+class ToolReplies:
+    """Formats the replies of one chat request under its `tool_choice` (None: plain text)."""
+
+    def __init__(self, choice: ToolChoice | None, parser: ToolParser | None):
+        if choice is not None and choice.mode == "auto" and parser is None:
+            raise ValueError("tool_choice 'auto' needs a tool-call parser")
+        self.choice, self.parser = choice, parser
+
+    def _auto_calls(self, calls: list[ParsedCall], sent: int) -> list[ParsedCall]:
+        assert self.choice is not None
+        return calls if self.choice.parallel else calls[:max(0, 1 - sent)]
+
+    def delta(self, cursor: ChoiceCursor, c: CompletionOutput, d: Delta) -> tuple[dict[str, Any], str | None]:
+        """A streamed chunk's delta and finish reason. An empty delta with no finish reason means
+        the text is held (a call not yet whole)."""
+        choice = self.choice
+        if choice is None:
+            return ({"content": d.text} if d.text else {}), d.finish_reason
+        if choice.mode == "auto":
+            return self._auto_delta(cursor, d)
+        if choice.mode == "function":
+            delta: dict[str, Any] = {}
+            if d.text:
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
+                if not cursor.tool_call_id:
+                    cursor.tool_call_id = new_tool_call_id()
+                    call = {"index": 0, "id": cursor.tool_call_id, "type": "function",
+                            "function": {"name": choice.name, "arguments": d.text}}
+                delta = {"tool_calls": [call]}
+            return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+        if d.finish_reason is None:
+            return {}, None
+        calls = forced_calls(c.text, None) if d.finish_reason == "stop" else None
+        if calls is None:
+            return {"content": c.text}, d.finish_reason
+        return {"tool_calls": [_call_json(call, i) for i, call in enumerate(calls)]}, "tool_calls"
+
+    def _auto_delta(self, cursor: ChoiceCursor, d: Delta) -> tuple[dict[str, Any], str | None]:
+        assert self.parser is not None
+        if cursor.tool_stream is None:
+            cursor.tool_stream = self.parser.stream()
+        content, calls = cursor.tool_stream.feed(d.text)
+        if d.finish_reason is not None:
+            more, last = cursor.tool_stream.finish()
+            content, calls = content + more, calls + last
+        calls = self._auto_calls(calls, cursor.calls_sent)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [_call_json(call, cursor.calls_sent + i) for i, call in enumerate(calls)]
+            cursor.calls_sent += len(calls)
+        finish = d.finish_reason
+        return delta, "tool_calls" if finish == "stop" and cursor.calls_sent else finish
+
+    def message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        """A whole reply's message and finish reason."""
+        choice = self.choice
+        content: str | None = c.text
+        calls = None
+        if choice is not None and choice.mode == "auto":
+            assert self.parser is not None
+            content, found = self.parser.parse(c.text)
+            calls = self._auto_calls(found, 0) or None
+        elif choice is not None and (choice.mode == "function" or c.finish_reason == "stop"):
+            calls, content = forced_calls(c.text, choice.name), None
+        if calls is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return ({"role": "assistant", "content": content or None, "tool_calls": [_call_json(x) for x in calls]},
+                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)

@@ -1,0 +1,243 @@
+"""tool_choice "auto": the tool-call parsers, whole and streamed, and the server that uses them
+(a Hypercorn server on 127.0.0.1 over the fake engine with scripted replies)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.chat_template import ChatTemplateError, load_chat_template
+from server.config import ServerConfig
+from server.fake_engine import FakeAsyncEngine
+from server.runner import serve_in_thread
+from server.tool_parsers import PARSERS, ParsedCall, tool_parser
+
+W = ParsedCall("get_weather", '{"city": "Paris"}')
+T = ParsedCall("get_time", '{"zone": "CET", "hours": [1, 2], "dst": true}')
+
+# (parser, reply, content, calls): what a whole reply parses to.
+CASES = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', "", [W]),
+    ("hermes", 'Checking.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+               '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\", \\"hours\\": [1, 2], '
+               '\\"dst\\": true}"}</tool_call>', "Checking.", [W, T]),
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+               '{"name": "get_time", "parameters": {"zone": "CET", "hours": [1, 2], "dst": true}}]</tool_call>',
+     "", [W, T]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [W]),  # unclosed, whole
+    ("hermes", "A plain answer < with <tool a bracket.", "A plain answer < with <tool a bracket.", []),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n\n', "", [W]),
+    ("hermes", "Text that ends in spaces \n ", "Text that ends in spaces \n ", []),
+    ("hermes", '<tool_call>{"name": "get_weather", "argu</tool_call> and on',
+     '<tool_call>{"name": "get_weather", "argu</tool_call> and on', []),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"ci', '<tool_call>{"name": "get_weather", '
+                                                                       '"arguments": {"ci', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [W]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET", "hours": [1, 2], "dst": true}}', "", [W, T]),
+    ("llama3_json", 'Use {"name": "x"} later', 'Use {"name": "x"} later', []),
+    ("llama3_json", '  {"name": "get_weather"', '  {"name": "get_weather"', []),
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Sure.", [W]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
+                '{"zone": "CET", "hours": [1, 2], "dst": true}', "", [W, T]),
+    ("mistral", "[TOOL_CALLS]not json", "[TOOL_CALLS]not json", []),
+    ("pythonic", '[get_weather(city="Paris"), get_time(zone="CET", hours=[1, 2], dst=True)]', "", [W, T]),
+    ("pythonic", '<|python_start|>[get_weather(city="Paris")]<|python_end|>', "", [W]),
+    ("pythonic", "[1, 2] is a list", "[1, 2] is a list", []),
+    ("pythonic", "[f(*args)]", "[f(*args)]", []),
+    ("pythonic", "Say [get_weather(city='Paris')]", "Say [get_weather(city='Paris')]", []),
+]
+
+
+@pytest.mark.parametrize("name, reply, content, calls", CASES)
+def test_parsers_find_the_calls_and_lose_no_text(name, reply, content, calls):
+    assert tool_parser(name).parse(reply) == (content, calls)
+
+
+def _streamed(name: str, reply: str, cuts: list[int]) -> tuple[str, list[ParsedCall]]:
+    stream = tool_parser(name).stream()
+    content, calls, at = "", [], 0
+    for cut in sorted(cuts) + [len(reply)]:
+        more, found = stream.feed(reply[at:cut])
+        content, calls, at = content + more, calls + found, cut
+    more, found = stream.finish()
+    return content + more, calls + found
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.floats(0, 1), max_size=12))
+def test_a_stream_cut_anywhere_parses_as_the_whole_reply(case, cuts):
+    name, reply, content, calls = case
+    assert _streamed(name, reply, [int(c * len(reply)) for c in cuts]) == (content, calls)
+
+
+def test_stream_gives_content_at_once_and_each_call_when_whole():
+    s = tool_parser("hermes").stream()
+    assert s.feed("Let me look. <tool") == ("Let me look.", []), "a possible opener and the space are held"
+    assert s.feed('_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_') == ("", [])
+    assert s.feed("call> <tool_call>") == ("", [W])
+    assert s.feed('{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> Done') == (" Done", [W])
+    assert s.finish() == ("", [])
+    plain = tool_parser("llama3_json").stream()
+    assert plain.feed("  ") == ("", []) and plain.feed("Hi {x}") == ("  Hi {x}", [])
+
+
+def test_unknown_parser_is_named():
+    with pytest.raises(ValueError, match="hermes"):
+        tool_parser("qwen9")
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+
+
+def test_server_config_and_chat_template_flag(tmp_path):
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerConfig(tool_call_parser="nope")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ServerConfig(chat_template="{% for m in messages %}")
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}")
+    assert load_chat_template(str(f)) == "{{ messages[0].content }}"
+    assert load_chat_template("{% if 1 %}x{% endif %}") == "{% if 1 %}x{% endif %}"
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+# Scripted replies, chosen by the last word of the prompt (the fake vocabulary's number words).
+REPLIES = {
+    "one": 'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "hours": [1, 2], "dst": true}}\n</tool_call>',
+    "two": "It is sunny in <b>Paris</b>, no tool needed.",
+    "three": '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+}
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+         for n in ("get_weather", "get_time")]
+TEMPLATE = ("{% for m in messages %}{{ m.content }} {% endfor %}{% if tools %}{% for t in tools %}system "
+            "{% endfor %}{% endif %}{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def _reply(prompt: str) -> str | None:
+    words = prompt.replace("system", "").replace("assistant", "").split()
+    return REPLIES.get(words[-1]) if words else None
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=_reply)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    config = ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes", chat_template=TEMPLATE)
+    with serve_in_thread(engine, config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _ask(client, word, **kw):
+    return client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": word}],
+                                          tools=TOOLS, **kw)
+
+
+def _accumulate(chunks):
+    """A streamed reply put back together as an OpenAI client does."""
+    content, calls, finish = "", {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = tc.id or call["id"]
+            call["name"] += tc.function.name or ""
+            call["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_auto_reply_with_calls(client, engine):
+    r = _ask(client, "one")
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content == "I will check both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET", "hours": [1, 2], "dst": True})]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in m.tool_calls)
+    assert len({c.id for c in m.tool_calls}) == 2
+    ids = engine.submitted[-1][1]
+    assert engine.tokenizer.decode(ids, False) == "one system system assistant", "--chat-template, with the tools"
+    content, calls, finish = _accumulate(_ask(client, "one", stream=True))
+    assert (content, finish) == ("I will check both.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                            for c in m.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_auto_reply_of_text_is_untouched(client):
+    r = _ask(client, "two")
+    assert r.choices[0].message.content == REPLIES["two"] and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+    assert _accumulate(_ask(client, "two", stream=True)) == (REPLIES["two"], [], "stop")
+
+
+def test_a_call_that_does_not_parse_comes_back_as_text(client):
+    r = _ask(client, "three")
+    assert r.choices[0].message.content == REPLIES["three"] and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    assert _accumulate(_ask(client, "three", stream=True)) == (REPLIES["three"], [], "stop")
+
+
+def test_parallel_tool_calls_false_keeps_the_first(client):
+    r = _ask(client, "one", parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    _, calls, finish = _accumulate(_ask(client, "one", stream=True, parallel_tool_calls=False))
+    assert [c["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
+
+
+def test_a_reply_cut_inside_a_call_is_text_with_length(client):
+    r = _ask(client, "one", max_tokens=12)  # 36 characters: inside the first call
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content == REPLIES["one"][:36]
+    assert _accumulate(_ask(client, "one", stream=True, max_tokens=12)) == (REPLIES["one"][:36], [], "length")
+
+
+def test_none_and_forced_choices_are_not_parsed(client):
+    r = _ask(client, "one", tool_choice="none")
+    assert r.choices[0].message.content == REPLIES["one"] and r.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_renders_with_the_server_template(server):
+    r = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "two"}], "tools": TOOLS})
+    assert r.status_code == 200
+    assert r.json()["count"] == 4, r.json()  # two, system, system, assistant
+
+
+def test_special_token_formats_keep_their_markers():
+    """mistral, llama3_json and pythonic write their markers as special tokens: the server asks the
+    engine to keep them in the text, or the parser would never see them."""
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: '[TOOL_CALLS][{"name": "get_time", '
+                                                                     '"arguments": {}}]')
+    try:
+        with serve_in_thread(eng, ServerConfig(port=0, enable_auto_tool_choice=True,
+                                               tool_call_parser="mistral")) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            r = _ask(c, "two")
+            assert [x.function.name for x in r.choices[0].message.tool_calls] == ["get_time"]
+            assert eng.submitted[-1][2].skip_special_tokens is False
+            _ask(c, "two", tool_choice="none")
+            assert eng.submitted[-1][2].skip_special_tokens is True
+    finally:
+        eng.shutdown()
