@@ -8,6 +8,7 @@ import logging
 from jaxserve.chat_template import load_chat_template
 from jaxserve.engine_args import EngineArgs
 from server.config import ServerConfig
+from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
 
@@ -40,6 +41,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--tool-call-parser finds in its replies")
     g.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="the format the model writes tool calls in (see server/tool_parsers.py)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return a thinking model's reasoning in 'reasoning' apart from its answer "
+                        "(see server/reasoning.py)")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
                         "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
@@ -53,7 +57,8 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=ns.shutdown_timeout, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes, log_level=ns.log_level,
                         chat_template=None if ns.chat_template is None else load_chat_template(ns.chat_template),
-                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser)
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+                        reasoning_parser=ns.reasoning_parser)
 
 
 def setup_logging(level: str) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxserve.chat_template import compile_chat_template
+from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
 
@@ -28,6 +29,7 @@ class ServerConfig:
       chat_template: a Jinja chat template used instead of the model's (its text).
       enable_auto_tool_choice, tool_call_parser: `tool_choice: "auto"` is served when both are set;
         the parser (server/tool_parsers.py) finds the calls in the model's replies.
+      reasoning_parser: splits a thinking model's reasoning from its answer (server/reasoning.py).
     """
 
     host: str = "127.0.0.1"
@@ -43,6 +45,7 @@ class ServerConfig:
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -66,6 +69,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
+                             f"got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
 

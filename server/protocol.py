@@ -133,6 +133,7 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # function tools, for the chat template
     tool_choice: ToolChoice | None = None  # None: the reply is text (no tools, or tool_choice 'none')
+    include_reasoning: bool = True  # with a reasoning parser: return the reasoning (vLLM's field)
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,7 @@ def parse_chat(body: Any) -> ChatRequest:
         raise bad_field("continue_final_message", "'continue_final_message' needs a final assistant message")
     return ChatRequest(common=common, messages=messages, logprobs=want, add_generation_prompt=add_gen and not cont,
                        continue_final_message=cont, chat_template_kwargs=dict(kwargs), tools=tools,
-                       tool_choice=tool_choice)
+                       tool_choice=tool_choice, include_reasoning=get_bool(body, "include_reasoning", True))
 
 
 def _check_prompt(value: Any) -> list[str | list[int]]:

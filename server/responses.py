@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput, SampleLogprobs, TokenLogprobs
+from server.reasoning import ReasoningStream
 from server.tool_parsers import ToolCallStream
 
 
@@ -126,6 +127,7 @@ class ChoiceCursor:
         self.tool_call_id = ""  # a named tool call's id, once its first chunk went out
         self.tool_stream: ToolCallStream | None = None  # an "auto" reply's parser state
         self.calls_sent = 0  # the calls of an "auto" reply sent so far
+        self.reasoning_stream: ReasoningStream | None = None  # the reasoning parser's state
 
     def advance(self, c: CompletionOutput) -> Delta | None:
         """The new part of `c`, or None if nothing changed."""

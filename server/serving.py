@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from server.chat_replies import ChatReplies
 from server.errors import ApiError, sse_error
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
 from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
@@ -36,7 +37,6 @@ from server.responses import (
     usage,
 )
 from server.state import ServerState
-from server.tool_replies import ToolReplies
 
 logger = logging.getLogger("jaxserve.server")
 # Rendering and tokenizing prompts longer than this many characters moves off the event loop.
@@ -280,7 +280,10 @@ class _Formatter:
         opts = req.common.stream_options
         self.usage_field = opts.include_usage or opts.continuous_usage_stats
         self.echo = isinstance(req, CompletionRequest) and req.echo
-        self.tools = ToolReplies(req.tool_choice if isinstance(req, ChatRequest) else None, state.tool_parser)
+        chat = isinstance(req, ChatRequest)
+        self.replies = ChatReplies(req.tool_choice if chat else None, state.tool_parser, state.reasoning_parser,
+                                   constrained=req.common.params.structured_outputs is not None,
+                                   include_reasoning=chat and req.include_reasoning)
 
     def _envelope(self, choices: list[dict], gen: Generation | None = None) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -305,7 +308,7 @@ class _Formatter:
             if d is None:
                 continue
             if self.kind == "chat":
-                delta, finish = self.tools.delta(cursor, c, d)
+                delta, finish = self.replies.delta(cursor, c, d)
                 if not delta and finish is None and not self.want_logprobs:
                     continue  # a tool call, held back until it is whole
                 choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -346,7 +349,7 @@ class _Formatter:
                 lp = None
                 finish = c.finish_reason
                 if self.kind == "chat":
-                    choice["message"], finish = self.tools.message(c)
+                    choice["message"], finish = self.replies.message(c)
                     if self.want_logprobs:
                         lp = {"content": chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n)}
                 else:

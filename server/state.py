@@ -10,6 +10,7 @@ from typing import Any
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.metrics import ServerMetrics
+from server.reasoning import reasoning_parser
 from server.tool_parsers import tool_parser
 
 
@@ -50,6 +51,8 @@ class ServerState:
         # The parser that finds tool calls in "auto" replies; None refuses tool_choice "auto".
         self.tool_parser = (tool_parser(config.tool_call_parser)
                             if config.enable_auto_tool_choice and config.tool_call_parser else None)
+        # The parser that splits a thinking model's reasoning from its answer; None: no split.
+        self.reasoning_parser = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.created = int(time.time())
         self.draining = False
         self.active: set[str] = set()

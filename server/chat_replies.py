@@ -1,5 +1,6 @@
-"""Chat replies as tool calls: what a forced call or an "auto" reply looks like, whole and streamed.
+"""Chat replies: the answer, the reasoning and the tool calls in one reply, whole and streamed.
 
+Tool calls:
 - A named function (forced): the reply is the call's arguments. They stream as they come; the
   first piece carries the call's id and name.
 - "required" (forced): the reply is a JSON list of `{"name", "parameters"}`, sent as the calls once
@@ -7,9 +8,13 @@
 - "auto": the server's tool-call parser (server/tool_parsers.py) splits the reply into content and
   calls. Content streams as it comes; each call goes out whole, with its id, name and arguments, as
   soon as the parser has all of it.
-
 A reply made of calls has `content: null` and finishes with "tool_calls"; one cut by `max_tokens`
 keeps "length".
+
+Reasoning: with a reasoning parser (server/reasoning.py) the thoughts go to `reasoning` (and
+`reasoning_content`), and only the answer is content and is searched for "auto" tool calls. A reply
+under an output constraint (a forced tool call, a JSON schema, ...) is all answer: the constraint
+holds from its first token, so the model does not think.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 from jaxserve.outputs import CompletionOutput
 from server.constraints import ToolChoice
+from server.reasoning import ReasoningParser
 from server.responses import ChoiceCursor, Delta
 from server.tool_parsers import ParsedCall, ToolParser
 
@@ -47,26 +53,49 @@ def forced_calls(text: str, name: str | None) -> list[ParsedCall] | None:
     return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
-class ToolReplies:
-    """Formats the replies of one chat request under its `tool_choice` (None: plain text)."""
+class ChatReplies:
+    """Formats the replies of one chat request: `choice` its tool choice (None: plain text), `tools`
+    the server's tool-call parser, `reasoning` its reasoning parser (None: no reasoning split)."""
 
-    def __init__(self, choice: ToolChoice | None, parser: ToolParser | None):
-        if choice is not None and choice.mode == "auto" and parser is None:
+    def __init__(self, choice: ToolChoice | None, tools: ToolParser | None, reasoning: ReasoningParser | None,
+                 *, constrained: bool = False, include_reasoning: bool = True):
+        if choice is not None and choice.mode == "auto" and tools is None:
             raise ValueError("tool_choice 'auto' needs a tool-call parser")
-        self.choice, self.parser = choice, parser
+        self.choice, self.tools = choice, tools
+        self.reasoning = None if constrained or (choice is not None and choice.forced) else reasoning
+        self.include_reasoning = include_reasoning
 
     def _auto_calls(self, calls: list[ParsedCall], sent: int) -> list[ParsedCall]:
         assert self.choice is not None
         return calls if self.choice.parallel else calls[:max(0, 1 - sent)]
 
+    def _with_reasoning(self, out: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
+        if reasoning is None or not self.include_reasoning:
+            return out
+        return {"reasoning": reasoning, "reasoning_content": reasoning, **out}
+
     def delta(self, cursor: ChoiceCursor, c: CompletionOutput, d: Delta) -> tuple[dict[str, Any], str | None]:
         """A streamed chunk's delta and finish reason. An empty delta with no finish reason means
-        the text is held (a call not yet whole)."""
+        the text is held (a marker or a call not yet whole)."""
+        if self.choice is not None and self.choice.forced:
+            return self._forced_delta(cursor, c, d)
+        reasoning, text = "", d.text
+        if self.reasoning is not None:
+            if cursor.reasoning_stream is None:
+                cursor.reasoning_stream = self.reasoning.stream()
+            reasoning, text = cursor.reasoning_stream.feed(d.text)
+            if d.finish_reason is not None:
+                more, rest = cursor.reasoning_stream.finish()
+                reasoning, text = reasoning + more, text + rest
+        if self.choice is None:
+            out, finish = ({"content": text} if text else {}), d.finish_reason
+        else:
+            out, finish = self._auto_delta(cursor, text, d.finish_reason)
+        return self._with_reasoning(out, reasoning or None), finish
+
+    def _forced_delta(self, cursor: ChoiceCursor, c: CompletionOutput, d: Delta) -> tuple[dict[str, Any], str | None]:
         choice = self.choice
-        if choice is None:
-            return ({"content": d.text} if d.text else {}), d.finish_reason
-        if choice.mode == "auto":
-            return self._auto_delta(cursor, d)
+        assert choice is not None
         if choice.mode == "function":
             delta: dict[str, Any] = {}
             if d.text:
@@ -84,12 +113,12 @@ class ToolReplies:
             return {"content": c.text}, d.finish_reason
         return {"tool_calls": [_call_json(call, i) for i, call in enumerate(calls)]}, "tool_calls"
 
-    def _auto_delta(self, cursor: ChoiceCursor, d: Delta) -> tuple[dict[str, Any], str | None]:
-        assert self.parser is not None
+    def _auto_delta(self, cursor: ChoiceCursor, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        assert self.tools is not None
         if cursor.tool_stream is None:
-            cursor.tool_stream = self.parser.stream()
-        content, calls = cursor.tool_stream.feed(d.text)
-        if d.finish_reason is not None:
+            cursor.tool_stream = self.tools.stream()
+        content, calls = cursor.tool_stream.feed(text)
+        if finish is not None:
             more, last = cursor.tool_stream.finish()
             content, calls = content + more, calls + last
         calls = self._auto_calls(calls, cursor.calls_sent)
@@ -97,21 +126,29 @@ class ToolReplies:
         if calls:
             delta["tool_calls"] = [_call_json(call, cursor.calls_sent + i) for i, call in enumerate(calls)]
             cursor.calls_sent += len(calls)
-        finish = d.finish_reason
         return delta, "tool_calls" if finish == "stop" and cursor.calls_sent else finish
 
     def message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """A whole reply's message and finish reason."""
         choice = self.choice
-        content: str | None = c.text
+        if choice is not None and choice.forced:
+            calls = (forced_calls(c.text, choice.name)
+                     if choice.mode == "function" or c.finish_reason == "stop" else None)
+            if calls is None:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            return ({"role": "assistant", "content": None, "tool_calls": [_call_json(x) for x in calls]},
+                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+        reasoning, text = self.reasoning.parse(c.text) if self.reasoning is not None else (None, c.text)
+        content: str | None = text
         calls = None
-        if choice is not None and choice.mode == "auto":
-            assert self.parser is not None
-            content, found = self.parser.parse(c.text)
+        if choice is not None:
+            assert self.tools is not None
+            content, found = self.tools.parse(text)
             calls = self._auto_calls(found, 0) or None
-        elif choice is not None and (choice.mode == "function" or c.finish_reason == "stop"):
-            calls, content = forced_calls(c.text, choice.name), None
+        if (calls or reasoning is not None) and not content:
+            content = None
+        message: dict[str, Any] = self._with_reasoning({"role": "assistant", "content": content}, reasoning)
         if calls is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        return ({"role": "assistant", "content": content or None, "tool_calls": [_call_json(x) for x in calls]},
-                "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
+            return message, c.finish_reason
+        message["tool_calls"] = [_call_json(x) for x in calls]
+        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason

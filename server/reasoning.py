@@ -1,0 +1,107 @@
+"""Reasoning parsers: a thinking model's reasoning split from its answer (`--reasoning-parser`).
+
+Reasoning models write their thoughts between `<think>` and `</think>`, then the answer. The server
+returns the thoughts in the message's `reasoning` field (and in `reasoning_content`, the name
+DeepSeek's API and earlier vLLM use) and the answer in `content`; the answer alone goes on to the
+tool-call parser. The parsers are named as vLLM names them:
+
+| name | reasoning is | models |
+| --- | --- | --- |
+| `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
+| `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3 |
+
+A `ReasoningStream` reads a reply as it grows, with the same results as reading it whole: text that
+may still be a marker is held until it is clear.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+START, END = "<think>", "</think>"
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker`."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
+
+
+class ReasoningParser:
+    name: ClassVar[str]
+    # Whether a reply that does not open with <think> is reasoning (True) or answer (False).
+    implicit_start: ClassVar[bool]
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.implicit_start)
+
+    def parse(self, text: str) -> tuple[str | None, str]:
+        """A whole reply's reasoning (None when it has none) and answer."""
+        s = self.stream()
+        r1, c1 = s.feed(text)
+        r2, c2 = s.finish()
+        return (r1 + r2 if s.reasoned else None), c1 + c2
+
+
+class DeepSeekR1Parser(ReasoningParser):
+    name = "deepseek_r1"
+    implicit_start = True
+
+
+class Qwen3Parser(ReasoningParser):
+    name = "qwen3"
+    implicit_start = False
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}
+
+
+def reasoning_parser(name: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}")
+    return REASONING_PARSERS[name]()
+
+
+class ReasoningStream:
+    """Splits one growing reply into reasoning and answer."""
+
+    def __init__(self, implicit_start: bool):
+        self.implicit_start = implicit_start
+        self.mode: Literal["start", "reasoning", "gap", "answer"] = "start"
+        self.buf = ""
+        self.reasoned = False  # the reply has a reasoning part (possibly empty)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and the answer that `text`, the reply's next piece, adds."""
+        self.buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> tuple[str, str]:
+        reasoning, answer = "", ""
+        if self.mode == "start":
+            head = self.buf.lstrip()
+            if head.startswith(START):
+                self.mode, self.buf, self.reasoned = "reasoning", head[len(START):], True
+            elif not final and (not head or START.startswith(head)):
+                return "", ""  # may still open with <think>
+            elif self.implicit_start:
+                self.mode, self.reasoned = "reasoning", True
+            else:
+                self.mode = "answer"
+        if self.mode == "reasoning":
+            at = self.buf.find(END)
+            if at >= 0:
+                reasoning, self.buf, self.mode = self.buf[:at], self.buf[at + len(END):], "gap"
+            else:
+                hold = 0 if final else _held(self.buf, END)
+                reasoning, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+                return reasoning, ""
+        if self.mode == "gap":  # the whitespace between </think> and the answer is neither
+            self.buf = self.buf.lstrip()
+            if self.buf:
+                self.mode = "answer"
+        if self.mode == "answer":
+            answer, self.buf = self.buf, ""
+        return reasoning, answer

@@ -1,0 +1,125 @@
+"""Reasoning parsers: a thinking model's reasoning apart from its answer, whole and streamed, and over
+HTTP (the fake engine with scripted replies, with the hermes tool-call parser after the reasoning)."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.config import ServerConfig
+from server.fake_engine import FakeAsyncEngine
+from server.reasoning import REASONING_PARSERS, reasoning_parser
+from server.runner import serve_in_thread
+
+CASES = [
+    ("deepseek_r1", "<think>\nIs 9.11 < 9.8? Yes.\n</think>\n\n9.8 is greater.", "\nIs 9.11 < 9.8? Yes.\n",
+     "9.8 is greater."),
+    ("deepseek_r1", "The prompt opened the thought.\n</think>\n\nAnswer.", "The prompt opened the thought.\n",
+     "Answer."),
+    ("deepseek_r1", "Still thinking when cut", "Still thinking when cut", ""),
+    ("deepseek_r1", "  <think></think>Direct.", "", "Direct."),
+    ("deepseek_r1", "<think>a < b, and </thin is not the end</think>x", "a < b, and </thin is not the end", "x"),
+    ("qwen3", "<think>\nok\n</think>\n\nAnswer", "\nok\n", "Answer"),
+    ("qwen3", "An answer with </think> inside", None, "An answer with </think> inside"),
+    ("qwen3", "<thi", None, "<thi"),
+    ("qwen3", "<think>cut short", "cut short", ""),
+    ("qwen3", "", None, ""),
+]
+
+
+@pytest.mark.parametrize("name, reply, reasoning, answer", CASES)
+def test_parsers_split_reasoning_from_answer(name, reply, reasoning, answer):
+    assert reasoning_parser(name).parse(reply) == (reasoning, answer)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.floats(0, 1), max_size=10))
+def test_a_stream_cut_anywhere_splits_as_the_whole_reply(case, cuts):
+    name, reply, reasoning, answer = case
+    s = reasoning_parser(name).stream()
+    got_r, got_a, at = "", "", 0
+    for cut in sorted(int(c * len(reply)) for c in cuts) + [len(reply)]:
+        r, a = s.feed(reply[at:cut])
+        got_r, got_a, at = got_r + r, got_a + a, cut
+    r, a = s.finish()
+    assert ((got_r + r) if s.reasoned else None, got_a + a) == (reasoning, answer)
+
+
+def test_stream_gives_reasoning_as_it_comes():
+    s = reasoning_parser("deepseek_r1").stream()
+    assert s.feed("<thi") == ("", "")
+    assert s.feed("nk>Let me see</th") == ("Let me see", ""), "a possible </think> is held"
+    assert s.feed("ink>\n") == ("", "") and s.feed("\nThe answer") == ("", "The answer")
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        reasoning_parser("o1")
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ServerConfig(reasoning_parser="o1")
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
+
+
+REPLIES = {
+    "one": "<think>\nThe user wants the weather; call the tool.\n</think>\n\n"
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    "two": "<think>Easy.</think>\n\nIt is sunny.",
+    "three": "I never closed my thoughts",
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: next((REPLIES[w] for w in p.split() if w in REPLIES), None))
+    config = ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes",
+                          reasoning_parser="deepseek_r1")
+    with serve_in_thread(eng, config) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    eng.shutdown()
+
+
+def _ask(client, word, **kw):
+    return client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": word}], **kw)
+
+
+def _accumulate(chunks):
+    reasoning, content, calls, finish = "", "", [], None
+    for ch in chunks:
+        d = ch.choices[0].delta
+        extra = d.model_extra or {}
+        assert extra.get("reasoning") == extra.get("reasoning_content")
+        reasoning += extra.get("reasoning") or ""
+        content += d.content or ""
+        calls += [(tc.function.name, tc.function.arguments) for tc in d.tool_calls or []]
+        finish = ch.choices[0].finish_reason or finish
+    return reasoning, content, calls, finish
+
+
+def test_reasoning_then_a_tool_call(client):
+    m = _ask(client, "one", tools=TOOLS).choices[0]
+    extra = m.message.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"] == "\nThe user wants the weather; call the tool.\n"
+    assert m.message.content is None and m.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    r, c, calls, finish = _accumulate(_ask(client, "one", tools=TOOLS, stream=True))
+    assert (r, c, finish) == (extra["reasoning"], "", "tool_calls")
+    assert calls == [(x.function.name, x.function.arguments) for x in m.message.tool_calls]
+
+
+def test_reasoning_then_an_answer(client):
+    m = _ask(client, "two").choices[0].message
+    assert (m.model_extra["reasoning"], m.content) == ("Easy.", "It is sunny.")
+    assert _accumulate(_ask(client, "two", stream=True)) == ("Easy.", "It is sunny.", [], "stop")
+    hidden = _ask(client, "two", extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.content == "It is sunny." and "reasoning" not in (hidden.model_extra or {})
+    cut = _ask(client, "three").choices[0].message
+    assert cut.content is None and cut.model_extra["reasoning"] == REPLIES["three"]
+
+
+def test_a_constrained_reply_is_all_answer(client):
+    """Under an output constraint the model does not think: nothing is taken for reasoning."""
+    m = _ask(client, "two", response_format={"type": "json_object"}).choices[0].message
+    assert m.content == REPLIES["two"] and "reasoning" not in (m.model_extra or {})
