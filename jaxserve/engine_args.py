@@ -4,14 +4,57 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16"]
 BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret"]
 BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret")
 Policy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed (vLLM's `--speculative-config` keys)."""
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = 4
+    """Most drafts per request per step."""
+    prompt_lookup_max: int = 4
+    """Longest context suffix looked up."""
+    prompt_lookup_min: int = 2
+    """Shortest context suffix looked up."""
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram' (prompt lookup), got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """From a JSON object (the command line) or a mapping; unknown keys are named."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative config is not JSON: {e}") from e
+        if not isinstance(value, Mapping):
+            raise ValueError("speculative config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative config has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -51,8 +94,13 @@ class EngineArgs:
     # "dummy": random weights of the model's shapes (config and tokenizer still read from `model`), for
     # benchmarks and checks where the real weights are not at hand; an HF directory then needs no weight files.
     load_format: LoadFormat = "auto"
+    # Speculative decoding (n-gram drafts; see jaxserve/engine/speculative.py). A JSON object or a
+    # mapping is parsed into a `SpeculativeConfig`.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         def positive(name: str) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -136,6 +184,10 @@ class EngineArgs:
                        default=d.attention_backend,
                        help="auto = pallas kernels on GPUs, plain XLA on the CPU; pallas_mosaic uses the Mosaic GPU "
                             "decode kernel")
+        g.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context, '
+                            'verified in one step; outputs are unchanged)')
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--strict-compile", action="store_true",
                        help="raise if anything compiles after warmup")

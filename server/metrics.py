@@ -56,6 +56,10 @@ class _EngineCollector(Collector):
         yield counter("vllm:num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("vllm:spec_decode_num_drafts", "Requests given draft tokens, summed over steps.",
+                      s.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
         yield counter("jaxserve:compilations_after_warmup", "XLA compilations after warmup (should stay 0).",
                       s.compilations_after_warmup)
         yield counter("jaxserve:engine_steps", "Engine steps run.", s.num_steps)

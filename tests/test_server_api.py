@@ -240,7 +240,8 @@ def test_metrics_names(server, client):
                  "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                  "vllm:request_queue_time_seconds_sum", "jaxserve:compilations_after_warmup_total",
-                 "jaxserve:step_time_seconds"):
+                 "jaxserve:step_time_seconds", "vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
         assert f'\n{name}{{' in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in text
     assert 'block_size="16"' in text and 'num_gpu_blocks="256"' in text

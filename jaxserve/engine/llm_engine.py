@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.engine.admission import check_request
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
@@ -27,7 +28,6 @@ from jaxserve.engine.model_loading import (
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
 from jaxserve.engine.runner import (
-    MAX_STOP_IDS,
     InFlightStep,
     ModelRunner,
     RunnerConfig,
@@ -36,6 +36,7 @@ from jaxserve.engine.runner import (
 )
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine.speculative import SpecCounters, SpecStep, draft_rows, drafts_for, row_outputs
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
@@ -54,6 +55,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+# A dispatched step: its plan, the device work, its prompt-logprob chunks, and the drafts it verifies.
+Launched = tuple[SchedulerOutput, InFlightStep, list[PromptChunk], SpecStep | None]
 
 
 class LLMEngine:
@@ -117,13 +120,14 @@ class LLMEngine:
         self._seq_group: dict[str, RequestGroup] = {}
         self._seq: dict[str, SeqState] = {}
         self._counter = 0
-        self._inflight: tuple[SchedulerOutput, InFlightStep, list[PromptChunk]] | None = None  # dispatched, outputs not fetched
+        self._inflight: Launched | None = None  # dispatched, outputs not fetched
         self._launch_error: Exception | None = None
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
+        self.spec_counters = SpecCounters()  # speculative decoding (args.speculative_config)
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -158,32 +162,10 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's maximum context length is "
-                f"{self.max_model_len} tokens, leaving no room to generate"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} (total {len(prompt_ids) + max_tokens})"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.args.max_logprobs:
-                raise ValueError(f"{name} must be <= {self.args.max_logprobs}, got {getattr(params, name)}")
-        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
-            raise ValueError("prompt_logprobs need the model's hidden states, which this model does not return")
-        vocab = self.model.config.vocab_size
-        outside = sorted(t for t in params.logit_bias if t >= vocab)
-        if outside:
-            raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary of {vocab} tokens")
-        stop_ids = tuple(params.all_stop_token_ids(self.eos_ids))
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS - len(self.eos_ids)} stop_token_ids are supported")
+        max_tokens, stop_ids = check_request(
+            prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
+            vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
+            supports_prompt_logprobs=self.runner.supports_prompt_logprobs)
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
@@ -257,11 +239,11 @@ class LLMEngine:
             self._inflight = None
             if launched is None:
                 return []
-            plan, pending, chunks = launched
+            plan, pending, chunks, spec = launched
             out = self.runner.fetch(pending)
             if chunks:
                 take_prompt_logprobs(chunks, out.prompt, self.tokenizer)
-            touched = self._accept(plan, sampled_rows(plan, pending.kind, out))
+            touched = self._accept(plan, spec.verify(out) if spec else sampled_rows(plan, pending.kind, out))
         except BaseException:
             self._inflight = None
             raise
@@ -272,9 +254,9 @@ class LLMEngine:
                 self._launch_error = e
         return self._emit(touched)
 
-    def _launch(self) -> tuple[SchedulerOutput, InFlightStep, list[PromptChunk]] | None:
+    def _launch(self) -> Launched | None:
         """Schedule a step and dispatch it to the device (None when there is nothing to run), with the
-        prompt chunks whose prompt logprobs it computes."""
+        prompt chunks whose prompt logprobs it computes and the drafts it verifies."""
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_ids)
         if plan.is_empty:
@@ -290,27 +272,45 @@ class LLMEngine:
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
             scheduled = list(plan.scheduled)
+            spec = self._drafts(plan) if self.args.speculative_config else None
+            rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
             if all(s.is_decode for s in scheduled):
-                seqs = [self._seq[s.request_id] for s in scheduled]
-                # A grammar's next mask needs the token before it: such a batch steps one token at a time.
-                constrained = any(q.matcher is not None for q in seqs)
-                st = decode_state(scheduled, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
-                                  lambda rid: self.scheduler.get_request(rid).pages,
-                                  num_steps=1 if constrained else None)
-                tensors, want_top, penalties = self._sampling(scheduled, st.tokens.shape[0])
-                return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), []
-            inputs, S = mixed_inputs(scheduled, self.runner.cfg)
-            tensors, want_top, penalties = self._sampling(scheduled, S)
-            chunks = prompt_logprob_chunks(scheduled, [self._seq.get(s.request_id) for s in scheduled],
-                                           [self._seq_group.get(s.request_id) for s in scheduled])
+                seqs = [self._seq[s.request_id] for s in rows]
+                # A grammar's next mask needs the token before it, and drafts are checked on the host:
+                # such a batch steps one token (per row) at a time.
+                one = spec is not None or any(q.matcher is not None for q in seqs)
+                st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
+                                  lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None)
+                tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
+                return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
+            inputs, S = mixed_inputs(rows, self.runner.cfg)
+            tensors, want_top, penalties = self._sampling(rows, S, spec)
+            chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
+                                           [self._seq_group.get(s.request_id) for s in rows])
             next_ids = prompt_next_ids(chunks, inputs.token_ids.shape[0])
-            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks
+            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
 
-    def _sampling(self, scheduled: list[ScheduledRequest], S: int) -> tuple[SamplingTensors, bool, object]:
-        seqs = [self._seq[s.request_id] for s in scheduled]
-        prompts = [self._seq_group[s.request_id].prompt_ids for s in scheduled]
-        return sampling_inputs(scheduled, seqs, prompts, S, self.model.config.vocab_size, self.eos_ids,
-                               self.args.seed, self.runner.penalty_inputs)
+    def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
+        """Draft tokens for the plan's decodes (not those under a grammar), within the step's token
+        budget and sequence rows, with their pages reserved; None when no decode gets any."""
+        cfg, rc, sched = self.args.speculative_config, self.runner.cfg, self.scheduler
+
+        def drafts_of(s: ScheduledRequest, k: int) -> list[int]:
+            seq = self._seq[s.request_id]
+            return [] if seq.matcher is not None else drafts_for(
+                sched.get_request(s.request_id), seq.draft_pace, k, cfg, sched.reserve_decode_pages)
+
+        return draft_rows(plan.scheduled, drafts_of, rc.max_num_batched_tokens - plan.num_batched_tokens,
+                          rc.max_num_seqs - len(plan.scheduled), lambda rid: sched.get_request(rid).pages,
+                          self.spec_counters, {s.request_id: self._seq[s.request_id].draft_pace for s in plan.scheduled})
+
+    def _sampling(self, rows: list[ScheduledRequest], S: int,
+                  spec: SpecStep | None = None) -> tuple[SamplingTensors, bool, object]:
+        seqs = [self._seq[s.request_id] for s in rows]
+        prompts = [self._seq_group[s.request_id].prompt_ids for s in rows]
+        outputs = row_outputs(spec, {s.request_id: self._seq[s.request_id].token_ids for s in rows}) if spec else None
+        return sampling_inputs(rows, seqs, prompts, S, self.model.config.vocab_size, self.eos_ids,
+                               self.args.seed, self.runner.penalty_inputs, outputs)
 
     # -- host side of a step -----------------------------------------------------------------------
 
@@ -386,6 +386,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             compilations_after_warmup=self.runner.compilations_after_warmup,
             step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
+            **dataclasses.asdict(self.spec_counters),
         )
 
     def check_integrity(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.engine.speculative import DraftBackoff
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 
@@ -33,6 +34,9 @@ class EngineStats:
     compilations_after_warmup: int
     step_time_s: float
     num_steps: int
+    spec_num_drafts: int = 0  # speculative decoding: requests drafted (summed over steps)
+    spec_num_draft_tokens: int = 0  # draft tokens proposed
+    spec_num_accepted_tokens: int = 0  # draft tokens the model's own samples confirmed
 
 
 @dataclass
@@ -58,6 +62,7 @@ class SeqState:
     # its grammar takes: its text is kept)).
     undecoded: list[tuple[int, Any, int, str]] = field(default_factory=list)
     flushed: bool = False  # the held-back text went out at the length limit
+    draft_pace: DraftBackoff = field(default_factory=DraftBackoff)  # speculative decoding's pace
 
     def accept(self, tok: int, out: Any, j: int, tokenizer: Any) -> bool:
         """Take a sampled token (index j of a step output row); True if it ends the completion.

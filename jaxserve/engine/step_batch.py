@@ -156,19 +156,23 @@ def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any) -> tuple[d
 
 def sampling_inputs(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], prompts: Sequence[list[int]],
                     S: int, vocab_size: int, eos_ids: Sequence[int], engine_seed: int,
-                    penalty_inputs: Callable[[int, list], Any]) -> tuple[SamplingTensors, bool, Any]:
+                    penalty_inputs: Callable[[int, list], Any],
+                    outputs: Sequence[list[int]] | None = None) -> tuple[SamplingTensors, bool, Any]:
     """A step's sampling tensors (grammar masks included), whether any row wants top logprobs, and its
-    penalty history (None when no row uses a penalty). `prompts`: each row's prompt ids."""
+    penalty history (None when no row uses a penalty). `prompts`: each row's prompt ids; `outputs`:
+    each row's output ids before its token (default: its completion's; a draft row's adds the drafts
+    before it)."""
     params = [q.params for q in seqs]
+    outputs = [q.token_ids for q in seqs] if outputs is None else outputs
     bitmask, constrained = grammar_bitmask(scheduled, seqs, S, vocab_size)
     tensors = SamplingTensors.from_params(
-        params, [len(q.token_ids) for q in seqs], S, vocab_size, eos_ids,
+        params, [len(o) for o in outputs], S, vocab_size, eos_ids,
         request_counters=[q.counter for q in seqs], engine_seed=engine_seed,
         token_bitmask=bitmask, constrained=constrained,
     )
     penalties = None
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
-        penalties = penalty_inputs(S, [(p, q.token_ids) for p, q in zip(prompts, seqs, strict=True)])
+        penalties = penalty_inputs(S, [(p, o) for p, o in zip(prompts, outputs, strict=True)])
     return tensors, any(p.logprobs for p in params), penalties
 
 

@@ -1,0 +1,40 @@
+"""What the engine checks before it queues a request: everything that would stop it from ever running."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxserve.engine.runner import MAX_STOP_IDS
+from jaxserve.sampling_params import SamplingParams
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, max_model_len: int, max_logprobs: int,
+                  vocab_size: int, eos_ids: Sequence[int], supports_prompt_logprobs: bool) -> tuple[int, tuple[int, ...]]:
+    """The request's max_tokens (the room left in the context when not given) and its stop ids; a
+    ValueError naming the problem if it can never run."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens; this model's maximum context length is "
+            f"{max_model_len} tokens, leaving no room to generate"
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else room
+    if max_tokens > room:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens} (total {len(prompt_ids) + max_tokens})"
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, name) or 0) > max_logprobs:
+            raise ValueError(f"{name} must be <= {max_logprobs}, got {getattr(params, name)}")
+    if params.prompt_logprobs is not None and not supports_prompt_logprobs:
+        raise ValueError("prompt_logprobs need the model's hidden states, which this model does not return")
+    outside = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if outside:
+        raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary of {vocab_size} tokens")
+    stop_ids = tuple(params.all_stop_token_ids(eos_ids))
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS - len(eos_ids)} stop_token_ids are supported")
+    return max_tokens, stop_ids

@@ -1,0 +1,207 @@
+"""Speculative decoding with n-gram drafts: the proposer, the verification rule, and on the real
+SmolLM2 the equivalence that defines it: the same tokens as decoding without drafts, in fewer steps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.runner import StepOutput
+from jaxserve.engine.scheduler_output import ScheduledRequest
+from jaxserve.engine.speculative import DraftBackoff, SpecCounters, draft_rows, propose_ngram, row_outputs
+from jaxserve.engine_args import EngineArgs, SpeculativeConfig
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_outputs import StructuredOutputsParams as SO
+from tests.conftest import REAL_ENGINE_ARGS
+from tests.test_engine_real import pool_is_full, serve, serve_unchecked
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def test_propose_takes_what_followed_the_latest_longest_match():
+    t = np.array([1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 4, 1, 2, 3], np.int32)
+    # The 3-token suffix [1, 2, 3] occurs at 0; its continuation is [9, 9, 5, 2].
+    assert propose_ngram(t, 4, 2, 4).tolist() == [9, 9, 5, 2]
+    assert propose_ngram(t, 2, 2, 4).tolist() == [9, 9]
+    # With only 2-token lookups, [2, 3] last occurred at 6: [7, 8, 4].
+    assert propose_ngram(t, 3, 2, 2).tolist() == [7, 8, 4]
+    assert propose_ngram(np.array([5, 6, 7, 8], np.int32), 4, 1, 4).size == 0, "no earlier occurrence"
+    assert propose_ngram(np.array([4, 4, 4, 4], np.int32), 4, 2, 2).tolist() == [4], "overlapping: what is left"
+    assert propose_ngram(np.array([4], np.int32), 4, 1, 4).size == 0
+
+
+def test_config_is_checked_and_named():
+    assert EngineArgs(speculative_config=json.dumps(SPEC)).speculative_config == SpeculativeConfig()
+    assert EngineArgs(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
+    for bad, match in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"prompt_lookup_min": 5}, "prompt_lookup_min"), ({"draft_model": "x"}, "draft_model"),
+                       ("{not json", "not JSON"), ("[1]", "JSON object")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(speculative_config=bad)
+
+
+def test_backoff_skips_more_steps_after_each_failure_and_resets_on_success():
+    pace = DraftBackoff()
+    skipped = []
+    for accepted in (0, 0, 0, 2, 0):
+        assert pace.ready()
+        pace.record(accepted)
+        n = 0
+        while not pace.ready():
+            n += 1
+        skipped.append(n)
+        pace.wait = 0
+    assert skipped == [1, 2, 4, 0, 1]
+
+
+def test_verify_takes_drafts_while_the_samples_agree():
+    s = [ScheduledRequest("a", 1, 10, (5,), (1,), True, True), ScheduledRequest("b", 3, 0, (1, 2, 3), (2,), True, False),
+         ScheduledRequest("c", 1, 7, (6,), (3,), True, True)]
+    drafts = {"a": [11, 12, 13], "c": [20]}
+    step = draft_rows(s, lambda r, k: drafts.get(r.request_id, []), budget=10, free_rows=10,
+                      pages_of=lambda rid: [1, 4], counters=SpecCounters(),
+                      paces={"a": DraftBackoff(), "c": DraftBackoff()})
+    assert [(r.request_id, r.start_position, r.token_ids) for r in step.rows] == [
+        ("a", 10, (5,)), ("a", 11, (11,)), ("a", 12, (12,)), ("a", 13, (13,)), ("b", 0, (1, 2, 3)),
+        ("c", 7, (6,)), ("c", 8, (20,))]
+    assert all(r.page_table == (1, 4) for r in step.rows if r.request_id == "a")
+    assert row_outputs(step, {"a": [5], "b": [], "c": [6]}) == [[5], [5, 11], [5, 11, 12], [5, 11, 12, 13], [],
+                                                                [6], [6, 20]]
+    # a: t0 = 11 = d1, t1 = 12 = d2, t2 = 99 != d3: takes 11, 12, 99. b: its one token. c: t0 = 21 != d1.
+    tok = np.array([11, 12, 99, 13, 7, 21, 22], np.int32)
+    z = np.zeros(7, np.float32)
+    got = step.verify(StepOutput(tok, z, z.astype(np.int32), np.zeros((7, 2), np.int32), np.zeros((7, 2)),
+                                 np.ones(7, np.int32)))
+    assert {k: v.token_ids.tolist() for k, v in got.items()} == {"a": [11, 12, 99], "b": [7], "c": [21]}
+    assert step.counters.spec_num_draft_tokens == 4 and step.counters.spec_num_accepted_tokens == 2
+    assert step.paces["a"].wait == 0 and step.paces["c"].wait == 1, "c accepted nothing: it skips a step"
+    # Budget and rows bound the drafts: here room for two in all.
+    small = draft_rows(s, lambda r, k: drafts.get(r.request_id, [])[:k], budget=2, free_rows=5,
+                       pages_of=lambda rid: [1], counters=SpecCounters(), paces={"a": DraftBackoff()})
+    assert small.drafts == {"a": [11, 12]}
+
+
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
+
+
+@pytest.fixture(scope="module")
+def engines(smollm_f32):
+    """(an engine without drafts, one with), on the same weights and shapes."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.loader import bundled_model_path
+    from jaxserve.tokenizer import Tokenizer
+
+    cfg, params = smollm_f32
+    path = bundled_model_path()
+    loaded = LoadedModel(path, "SmolLM2-135M-Instruct", cfg, params, Tokenizer.from_gguf(path), jnp.float32, 0.0)
+    base = LLMEngine(EngineArgs(**REAL_ENGINE_ARGS), loaded=loaded, progress=False)
+    spec = LLMEngine(EngineArgs(**REAL_ENGINE_ARGS, speculative_config=SPEC), loaded=loaded, progress=False)
+    return base, spec
+
+
+def _prompts(tok):
+    asks = ["Repeat this code exactly:\n" + CODE, "Write the numbers from 1 to 30 separated by commas.",
+            "List the days of the week, one per line.", "What is the capital of France?"]
+    return [tok.encode_chat([{"role": "user", "content": a}]) for a in asks]
+
+
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=60),
+    SamplingParams(temperature=0.8, seed=11, max_tokens=40, n=2),
+    SamplingParams(temperature=0, max_tokens=50, frequency_penalty=0.4, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=37, min_tokens=30, stop=["Sunday"]),
+]
+
+
+def test_drafts_change_nothing_but_the_number_of_steps(engines):
+    base, spec = engines
+    prompts = _prompts(base.tokenizer)
+    jobs = [(p, sp) for p in prompts for sp in PARAMS]
+    want = serve(base, [p for p, _ in jobs], [sp for _, sp in jobs])
+    got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w.outputs, g.outputs, strict=True):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+            if a.logprobs is not None:
+                for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    stats = spec.stats()
+    assert stats.spec_num_accepted_tokens > 50 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    assert stats.compilations_after_warmup == 0
+    # Alone, the code to repeat comes at well over a token per forward pass.
+    steps = spec.runner.num_steps
+    out = serve(spec, [prompts[0]], PARAMS[0])[0].outputs[0]
+    assert out.token_ids == want[0].outputs[0].token_ids
+    assert spec.runner.num_steps - steps - 1 < len(out.token_ids) / 2  # the first step is the prefill
+    assert pool_is_full(spec)
+
+
+def test_drafts_verified_beside_a_prefill_chunk(engines):
+    """A request arriving while another decodes with drafts: their step is a mixed one (prefill chunk
+    plus draft rows); every output still equals its output served alone."""
+    base, spec = engines
+    prompts = _prompts(base.tokenizer)
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+    long = base.tokenizer.encode_chat([{"role": "user", "content": "Repeat this code exactly:\n" + CODE * 3}])
+    assert 128 < len(long) < 200, len(long)  # prefilled in two chunks of the 128-token budget
+    alone = [serve(base, [p], greedy)[0].outputs[0].token_ids for p in (prompts[0], long)]
+    mixed_steps = []
+    launch = spec._launch
+
+    def watch():
+        launched = launch()
+        if launched is not None and launched[3] is not None and not all(s.is_decode for s in launched[0].scheduled):
+            mixed_steps.append(launched[1].kind)
+        return launched
+
+    spec._launch = watch
+    try:
+        spec.add_request("first", prompts[0], greedy)
+        for _ in range(4):
+            spec.step()
+        spec.add_request("second", long, greedy)
+        done = {}
+        while spec.has_unfinished_requests():
+            for out in spec.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+    finally:
+        spec._launch = launch
+    assert mixed_steps and set(mixed_steps) == {"mixed"}
+    assert [done["first"], done["second"]] == alone
+    spec.check_integrity()
+    assert pool_is_full(spec)
+
+
+def test_a_constrained_request_is_not_drafted(engines):
+    base, spec = engines
+    prompts = _prompts(base.tokenizer)
+    schema = {"type": "object", "properties": {"days": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["days"]}
+    so = SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=schema))
+    greedy = SamplingParams(temperature=0, max_tokens=60)
+    import jaxserve.engine.llm_engine as llm_engine
+
+    asked = []
+    drafts_for = llm_engine.drafts_for
+
+    def watch(request, *args):
+        asked.append(request.request_id)
+        return drafts_for(request, *args)
+
+    want = [o.outputs[0].token_ids for o in serve_unchecked(base, prompts[:3], [so, greedy, greedy])]
+    llm_engine.drafts_for = watch
+    try:
+        got = serve_unchecked(spec, prompts[:3], [so, greedy, greedy])
+    finally:
+        llm_engine.drafts_for = drafts_for
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert isinstance(json.loads(got[0].outputs[0].text)["days"], list)
+    assert got[0].request_id not in asked and set(asked) == {got[1].request_id, got[2].request_id}
+    spec.check_integrity()
