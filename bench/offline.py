@@ -260,6 +260,10 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
         result["runs"].append({"concurrency": n, **stats.to_dict()})
     result["compilations_after_warmup"] = engine.stats().compilations_after_warmup
     result["num_preemptions"] = engine.num_preemptions
+    st = engine.stats()
+    if st.spec_num_draft_tokens:
+        result["speculative"] = {"drafts": st.spec_num_drafts, "draft_tokens": st.spec_num_draft_tokens,
+                                 "accepted_tokens": st.spec_num_accepted_tokens}
     result["targets"] = evaluate_targets(result)
     return result
 
@@ -328,6 +332,9 @@ def format_report(result: dict) -> str:
         lines.append("concurrency runs under a JSON schema (structured outputs)")
     lines.append(f"compilations after warmup: {result['compilations_after_warmup']}; "
                  f"preemptions: {result['num_preemptions']}")
+    if (spec := result.get("speculative")) is not None:
+        lines.append(f"speculative decoding: {spec['accepted_tokens']} of {spec['draft_tokens']} draft tokens "
+                     f"accepted, over {spec['drafts']} drafted request-steps")
     lines.append("")
     for name, t in result["targets"].items():
         v = t["value"]

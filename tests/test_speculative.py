@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.engine.runner import StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
-from jaxserve.engine.speculative import DraftBackoff, SpecCounters, draft_rows, propose_ngram, row_outputs
+from jaxserve.engine.speculative import DraftBackoff, Drafter, draft_rows, propose_ngram, row_outputs
 from jaxserve.engine_args import EngineArgs, SpeculativeConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams as SO
@@ -33,6 +33,11 @@ def test_propose_takes_what_followed_the_latest_longest_match():
 
 
 def test_config_is_checked_and_named():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert EngineArgs.from_cli_args(ns).speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     assert EngineArgs(speculative_config=json.dumps(SPEC)).speculative_config == SpeculativeConfig()
     assert EngineArgs(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
     for bad, match in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -59,10 +64,9 @@ def test_backoff_skips_more_steps_after_each_failure_and_resets_on_success():
 def test_verify_takes_drafts_while_the_samples_agree():
     s = [ScheduledRequest("a", 1, 10, (5,), (1,), True, True), ScheduledRequest("b", 3, 0, (1, 2, 3), (2,), True, False),
          ScheduledRequest("c", 1, 7, (6,), (3,), True, True)]
-    drafts = {"a": [11, 12, 13], "c": [20]}
-    step = draft_rows(s, lambda r, k: drafts.get(r.request_id, []), budget=10, free_rows=10,
-                      pages_of=lambda rid: [1, 4], counters=SpecCounters(),
-                      paces={"a": DraftBackoff(), "c": DraftBackoff()})
+    drafter = Drafter(SpeculativeConfig())
+    step = draft_rows(s, {"a": [11, 12, 13], "c": [20]}, lambda rid: [1, 4], drafter,
+                      {"a": DraftBackoff(), "c": DraftBackoff()})
     assert [(r.request_id, r.start_position, r.token_ids) for r in step.rows] == [
         ("a", 10, (5,)), ("a", 11, (11,)), ("a", 12, (12,)), ("a", 13, (13,)), ("b", 0, (1, 2, 3)),
         ("c", 7, (6,)), ("c", 8, (20,))]
@@ -75,15 +79,40 @@ def test_verify_takes_drafts_while_the_samples_agree():
     got = step.verify(StepOutput(tok, z, z.astype(np.int32), np.zeros((7, 2), np.int32), np.zeros((7, 2)),
                                  np.ones(7, np.int32)))
     assert {k: v.token_ids.tolist() for k, v in got.items()} == {"a": [11, 12, 99], "b": [7], "c": [21]}
-    assert step.counters.spec_num_draft_tokens == 4 and step.counters.spec_num_accepted_tokens == 2
+    c = drafter.counters
+    assert (c.spec_num_drafts, c.spec_num_draft_tokens, c.spec_num_accepted_tokens) == (2, 4, 2)
     assert step.paces["a"].wait == 0 and step.paces["c"].wait == 1, "c accepted nothing: it skips a step"
-    # Budget and rows bound the drafts: here room for two in all.
-    small = draft_rows(s, lambda r, k: drafts.get(r.request_id, [])[:k], budget=2, free_rows=5,
-                       pages_of=lambda rid: [1], counters=SpecCounters(), paces={"a": DraftBackoff()})
-    assert small.drafts == {"a": [11, 12]}
+    # Checked drafts: a's 1st, 2nd, 3rd (2 accepted), then c's 1st (rejected), on the prior of 2 in 4.
+    hits, tries = (2 * 0.98 + 2) * 0.98, (4 * 0.98 + 3) * 0.98 + 1
+    assert drafter.rate.p == pytest.approx(hits / tries)
+
+
+def test_drafts_verified_are_those_worth_their_cost():
+    bucket = lambda n: next(b for b in (1, 4, 8, 16, 32) if b >= n)  # noqa: E731
+    flat = Drafter(SpeculativeConfig(), {b: 1.0 for b in (1, 4, 8, 16, 32)})
+    assert flat.choose(2, {"a": 3, "b": 3}, room=30, decode_only=True, seq_bucket=bucket) == {"a": 3, "b": 3}
+    assert flat.choose(2, {"a": 3, "b": 3}, room=3, decode_only=True, seq_bucket=bucket) == {"a": 2, "b": 1}, \
+        "first drafts before second ones"
+    # Cost growing with the bucket's rows (compute bound): no draft pays at an acceptance of one half.
+    linear = Drafter(SpeculativeConfig(), {b: float(b) for b in (1, 4, 8, 16, 32)})
+    assert linear.choose(1, {"a": 4}, room=31, decode_only=True, seq_bucket=bucket) == {}
+    # Bound by the weights at small batches: one request verifies three (a fourth would move the step to
+    # the 8-row bucket: 3.36 expected tokens for 1.3 against 2.95 for 1.1); twelve fill their bucket.
+    cpu = Drafter(SpeculativeConfig(), {1: 1.0, 4: 1.1, 8: 1.3, 16: 2.5, 32: 5.5})
+    cpu.rate.hits = cpu.rate.tries * 0.8
+    assert cpu.choose(1, {"a": 4}, room=31, decode_only=True, seq_bucket=bucket) == {"a": 3}
+    cpu.rate.hits = cpu.rate.tries * 0.95
+    assert cpu.choose(1, {"a": 4}, room=31, decode_only=True, seq_bucket=bucket) == {"a": 4}
+    got = cpu.choose(12, {f"r{i}": 4 for i in range(12)}, room=20, decode_only=True, seq_bucket=bucket)
+    assert sum(got.values()) == 4 and set(got.values()) == {1}
+    # Beside a prefill chunk, drafts fill the room given (the token bucket's padding), whatever the costs.
+    assert linear.choose(3, {"a": 4}, room=2, decode_only=False, seq_bucket=bucket) == {"a": 2}
 
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
+
+
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +147,7 @@ PARAMS = [
 ]
 
 
+@slow
 def test_drafts_change_nothing_but_the_number_of_steps(engines):
     base, spec = engines
     prompts = _prompts(base.tokenizer)
@@ -142,6 +172,7 @@ def test_drafts_change_nothing_but_the_number_of_steps(engines):
     assert pool_is_full(spec)
 
 
+@slow
 def test_drafts_verified_beside_a_prefill_chunk(engines):
     """A request arriving while another decodes with drafts: their step is a mixed one (prefill chunk
     plus draft rows); every output still equals its output served alone."""
@@ -179,6 +210,7 @@ def test_drafts_verified_beside_a_prefill_chunk(engines):
     assert pool_is_full(spec)
 
 
+@slow
 def test_a_constrained_request_is_not_drafted(engines):
     base, spec = engines
     prompts = _prompts(base.tokenizer)
@@ -186,21 +218,20 @@ def test_a_constrained_request_is_not_drafted(engines):
               "required": ["days"]}
     so = SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=schema))
     greedy = SamplingParams(temperature=0, max_tokens=60)
-    import jaxserve.engine.llm_engine as llm_engine
-
     asked = []
-    drafts_for = llm_engine.drafts_for
+    plan = spec.drafter.plan
 
-    def watch(request, *args):
-        asked.append(request.request_id)
-        return drafts_for(request, *args)
+    def watch(scheduled, **kw):
+        pace_of = kw["pace_of"]
+        asked.extend(s.request_id for s in scheduled if s.is_decode and pace_of(s.request_id) is not None)
+        return plan(scheduled, **kw)
 
     want = [o.outputs[0].token_ids for o in serve_unchecked(base, prompts[:3], [so, greedy, greedy])]
-    llm_engine.drafts_for = watch
+    spec.drafter.plan = watch
     try:
         got = serve_unchecked(spec, prompts[:3], [so, greedy, greedy])
     finally:
-        llm_engine.drafts_for = drafts_for
+        del spec.drafter.plan
     assert [o.outputs[0].token_ids for o in got] == want
     assert isinstance(json.loads(got[0].outputs[0].text)["days"], list)
     assert got[0].request_id not in asked and set(asked) == {got[1].request_id, got[2].request_id}

@@ -36,7 +36,7 @@ from jaxserve.engine.runner import (
 )
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.speculative import SpecCounters, SpecStep, draft_rows, drafts_for, row_outputs
+from jaxserve.engine.speculative import Drafter, SpecCounters, SpecStep, row_outputs
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
@@ -127,7 +127,9 @@ class LLMEngine:
         self.generation_tokens = 0
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
-        self.spec_counters = SpecCounters()  # speculative decoding (args.speculative_config)
+        self.drafter = None  # speculative decoding: decides each step's drafts
+        if args.speculative_config is not None:
+            self.drafter = Drafter(args.speculative_config, self.runner.decode_costs() if args.warmup else None)
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -272,7 +274,7 @@ class LLMEngine:
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
             scheduled = list(plan.scheduled)
-            spec = self._drafts(plan) if self.args.speculative_config else None
+            spec = self._drafts(plan) if self.drafter is not None else None
             rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
             if all(s.is_decode for s in scheduled):
                 seqs = [self._seq[s.request_id] for s in rows]
@@ -291,18 +293,16 @@ class LLMEngine:
             return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
-        """Draft tokens for the plan's decodes (not those under a grammar), within the step's token
-        budget and sequence rows, with their pages reserved; None when no decode gets any."""
-        cfg, rc, sched = self.args.speculative_config, self.runner.cfg, self.scheduler
-
-        def drafts_of(s: ScheduledRequest, k: int) -> list[int]:
-            seq = self._seq[s.request_id]
-            return [] if seq.matcher is not None else drafts_for(
-                sched.get_request(s.request_id), seq.draft_pace, k, cfg, sched.reserve_decode_pages)
-
-        return draft_rows(plan.scheduled, drafts_of, rc.max_num_batched_tokens - plan.num_batched_tokens,
-                          rc.max_num_seqs - len(plan.scheduled), lambda rid: sched.get_request(rid).pages,
-                          self.spec_counters, {s.request_id: self._seq[s.request_id].draft_pace for s in plan.scheduled})
+        """Drafts for the plan's decodes (not those under a grammar), within the rows its step can add:
+        up to max_num_seqs for decodes alone, the padding of its token bucket beside a prefill chunk."""
+        rc, sched, n, seq = self.runner.cfg, self.scheduler, len(plan.scheduled), self._seq
+        T = rc.token_bucket(plan.num_batched_tokens)
+        decode_only = all(s.is_decode for s in plan.scheduled)
+        return self.drafter.plan(
+            plan.scheduled, request_of=sched.get_request, reserve=sched.reserve_decode_pages,
+            pace_of=lambda rid: seq[rid].draft_pace if seq[rid].matcher is None else None,
+            pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket,
+            room=rc.max_num_seqs - n if decode_only else min(T - plan.num_batched_tokens, min(T, rc.max_num_seqs) - n))
 
     def _sampling(self, rows: list[ScheduledRequest], S: int,
                   spec: SpecStep | None = None) -> tuple[SamplingTensors, bool, object]:
@@ -386,7 +386,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             compilations_after_warmup=self.runner.compilations_after_warmup,
             step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
-            **dataclasses.asdict(self.spec_counters),
+            **dataclasses.asdict(self.drafter.counters if self.drafter else SpecCounters()),
         )
 
     def check_integrity(self) -> None:

@@ -291,6 +291,20 @@ class ModelRunner:
         self._baseline_compiles = self.num_compilations()
         return time.perf_counter() - t0
 
+    def decode_costs(self, repeats: int = 2) -> dict[int, float]:
+        """Seconds of one decode step with every row of each sequence bucket active (the best of
+        `repeats`): what speculative decoding weighs its drafts against."""
+        costs = {}
+        for S in self.cfg.seq_buckets:
+            st = dataclasses.replace(self._inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.run_decode(st, self._inert_sampling(S), None, want_top=False)  # into the reserved page 0
+                times.append(time.perf_counter() - t0)
+            costs[S] = min(times)
+        return costs
+
     # -- helpers -----------------------------------------------------------------------------------
 
     def _inert_sampling(self, S: int) -> SamplingTensors:

@@ -18,8 +18,16 @@ have sampled it, so the output equals decoding without speculation, greedy or se
 tokens, fewer steps. The KV of the taken tokens is already in the pages; a rejected draft's KV lies
 past the request's computed length and is overwritten by later steps.
 
+How many drafts a step verifies is the `Drafter`'s choice: the most expected tokens per second of
+step, from the measured cost of each decode bucket and the running acceptance rate. A completion
+whose drafts were all rejected waits a few steps before it is drafted again (`DraftBackoff`).
+
 Requests under structured outputs are not drafted (the grammar's mask for each position depends
 on the token before it).
+
+Each draft row reads its request's KV pages on its own, so at long contexts a drafted request's
+attention reads them (1 + drafts) times; verifying its rows as one sequence of several query
+tokens, with logits at each, would read them once.
 """
 
 from __future__ import annotations
@@ -72,18 +80,6 @@ class DraftBackoff:
         self.wait = self.backoff
 
 
-def drafts_for(request: Request, pace: DraftBackoff, k: int, cfg: SpeculativeConfig,
-               reserve: Callable[[str, int], int]) -> list[int]:
-    """A decoding request's drafts (at most k), from its prompt and output, with the pages of its
-    last token and drafts reserved (`reserve(request_id, n)` covers up to n tokens, as
-    `Scheduler.reserve_decode_pages`: fewer near max_tokens or when pages are short)."""
-    if not pace.ready():
-        return []
-    tokens = np.asarray(request.all_token_ids, np.int32)
-    d = propose_ngram(tokens, min(k, cfg.num_speculative_tokens), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-    return d[:reserve(request.request_id, 1 + len(d)) - 1].tolist() if d.size else []
-
-
 @dataclass
 class SpecCounters:
     """Totals for metrics, named as vLLM's `spec_decode_*` counters."""
@@ -93,14 +89,31 @@ class SpecCounters:
     spec_num_accepted_tokens: int = 0
 
 
+class AcceptanceRate:
+    """The chance that a draft is accepted when the drafts before it were: drafts accepted over drafts
+    checked (a draft is checked when those before it were accepted), older steps weighing less."""
+
+    def __init__(self, prior: float = 0.5, weight: float = 4.0, decay: float = 0.98):
+        self.hits, self.tries, self.decay = prior * weight, weight, decay
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        checked = accepted + (accepted < num_drafts)
+        self.hits = self.hits * self.decay + accepted
+        self.tries = self.tries * self.decay + checked
+
+    @property
+    def p(self) -> float:
+        return self.hits / self.tries
+
+
 @dataclass
 class SpecStep:
-    """A mixed step that verifies drafts: its rows (each request's scheduled row, a drafted decode
-    followed by one row per draft) and each drafted request's drafts."""
+    """A step that verifies drafts: its rows (each request's scheduled row, a drafted decode followed
+    by one row per draft) and each drafted request's drafts."""
 
     rows: list[ScheduledRequest]
     drafts: dict[str, list[int]]
-    counters: SpecCounters = field(default_factory=SpecCounters)
+    drafter: Drafter
     paces: dict[str, DraftBackoff] = field(default_factory=dict)  # of the drafted requests
 
     def verify(self, out: StepOutput) -> dict[str, StepOutput]:
@@ -118,8 +131,8 @@ class SpecStep:
                 n = 1
                 while n <= len(d) and int(out.token_ids[i + n - 1]) == d[n - 1]:
                     n += 1
-                self.counters.spec_num_accepted_tokens += n - 1
                 if d:
+                    self.drafter.record(len(d), n - 1)
                     self.paces[s.request_id].record(n - 1)
                 got[s.request_id] = StepOutput(out.token_ids[i:i + n], out.logprobs[i:i + n], out.ranks[i:i + n],
                                                out.top_ids[i:i + n], out.top_logprobs[i:i + n], np.int32(n))
@@ -127,33 +140,94 @@ class SpecStep:
         return got
 
 
-def draft_rows(scheduled: Sequence[ScheduledRequest], propose: Callable[[ScheduledRequest, int], list[int]],
-               budget: int, free_rows: int, pages_of: Callable[[str], list[int]],
-               counters: SpecCounters, paces: Mapping[str, DraftBackoff]) -> SpecStep | None:
-    """The step's rows with drafts for its decodes, or None when no decode gets any.
+class Drafter:
+    """Proposes a step's drafts and decides how many of them to verify.
 
-    `propose(s, k)` drafts up to k tokens for decode `s` (reserving their pages; it may give fewer);
-    `budget` and `free_rows` are the tokens and sequence rows the step has left; `paces` the
-    requests' drafting paces."""
+    A decode-only step runs in the decode executable of the sequence bucket that holds its rows, and
+    a bigger bucket costs more (`decode_costs`, seconds per step by bucket, measured at warmup). The
+    drafter verifies the number of drafts that gives the most expected tokens per second: the
+    requests' first drafts before any second ones, the j-th worth p**j tokens (p: `AcceptanceRate`).
+    Small batches, bound by reading the weights, verify drafts almost for free; large ones, bound by
+    compute, verify few or none. A step with a prefill chunk verifies drafts only in the padding of
+    its token bucket. Without costs (no warmup), every proposed draft within the step's room is verified.
+    """
+
+    def __init__(self, cfg: SpeculativeConfig, decode_costs: Mapping[int, float] | None = None):
+        self.cfg = cfg
+        self.costs = decode_costs
+        self.counters = SpecCounters()
+        self.rate = AcceptanceRate()
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.counters.spec_num_accepted_tokens += accepted
+        self.rate.record(num_drafts, accepted)
+
+    def choose(self, n: int, lengths: Mapping[str, int], room: int, decode_only: bool,
+               seq_bucket: Callable[[int], int]) -> dict[str, int]:
+        """How many drafts each request verifies, of the `lengths` proposed, in a step of `n` rows with
+        `room` rows to spare."""
+        order = sorted(((j, rid) for rid, k in lengths.items() for j in range(1, k + 1)), key=lambda x: x[0])
+        order = order[:max(0, room)]
+        if decode_only and self.costs:
+            p, gain, best_d = self.rate.p, 0.0, 0
+            best = n / self.costs[seq_bucket(n)]
+            for d, (j, _) in enumerate(order, 1):
+                gain += p ** j
+                score = (n + gain) / self.costs[seq_bucket(n + d)]
+                if score > best:
+                    best, best_d = score, d
+            order = order[:best_d]
+        counts: dict[str, int] = {}
+        for _, rid in order:
+            counts[rid] = counts.get(rid, 0) + 1
+        return counts
+
+    def plan(self, scheduled: Sequence[ScheduledRequest], *, request_of: Callable[[str], Request],
+             pace_of: Callable[[str], DraftBackoff | None], reserve: Callable[[str, int], int],
+             pages_of: Callable[[str], list[int]], room: int, seq_bucket: Callable[[int], int]) -> SpecStep | None:
+        """The step's drafts, with their pages reserved, or None when it verifies none.
+
+        `pace_of(request_id)` is None for a request that is not drafted (under a grammar);
+        `reserve(request_id, n)` covers up to n tokens (as `Scheduler.reserve_decode_pages`); `room`
+        is the rows the step can add."""
+        cfg, proposals = self.cfg, {}
+        for s in scheduled:
+            pace = pace_of(s.request_id) if s.is_decode else None
+            if pace is not None and pace.ready():
+                tokens = np.asarray(request_of(s.request_id).all_token_ids, np.int32)
+                d = propose_ngram(tokens, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                if d.size:
+                    proposals[s.request_id] = d
+        counts = self.choose(len(scheduled), {rid: len(d) for rid, d in proposals.items()}, room,
+                             all(s.is_decode for s in scheduled), seq_bucket)
+        drafts = {}
+        for rid, k in counts.items():
+            k = min(k, reserve(rid, 1 + k) - 1)
+            if k > 0:
+                drafts[rid] = proposals[rid][:k].tolist()
+        if not drafts:
+            return None
+        return draft_rows(scheduled, drafts, pages_of, self, {rid: pace_of(rid) for rid in drafts})
+
+
+def draft_rows(scheduled: Sequence[ScheduledRequest], drafts: Mapping[str, list[int]],
+               pages_of: Callable[[str], list[int]], drafter: Drafter,
+               paces: Mapping[str, DraftBackoff]) -> SpecStep:
+    """The step's rows: each drafted decode as its row and one row per draft, at the next positions,
+    on the request's page table after its pages were reserved (`pages_of`)."""
     rows: list[ScheduledRequest] = []
-    drafts: dict[str, list[int]] = {}
     for s in scheduled:
-        d = propose(s, min(budget, free_rows)) if s.is_decode and budget > 0 and free_rows > 0 else []
+        d = drafts.get(s.request_id)
         if not d:
             rows.append(s)
             continue
-        budget -= len(d)
-        free_rows -= len(d)
-        drafts[s.request_id] = d
         pages = tuple(pages_of(s.request_id))
         pos = s.start_position
         rows.append(ScheduledRequest(s.request_id, 1, pos, s.token_ids, pages, True, True))
         rows.extend(ScheduledRequest(s.request_id, 1, pos + 1 + j, (t,), pages, True, True) for j, t in enumerate(d))
-    if not drafts:
-        return None
-    counters.spec_num_drafts += len(drafts)
-    counters.spec_num_draft_tokens += sum(len(d) for d in drafts.values())
-    return SpecStep(rows, drafts, counters, {rid: paces[rid] for rid in drafts})
+    drafter.counters.spec_num_drafts += len(drafts)
+    drafter.counters.spec_num_draft_tokens += sum(len(d) for d in drafts.values())
+    return SpecStep(rows, dict(drafts), drafter, dict(paces))
 
 
 def row_outputs(step: SpecStep, token_ids: Mapping[str, list[int]]) -> list[list[int]]:
