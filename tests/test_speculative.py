@@ -115,9 +115,23 @@ CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n
 slow = pytest.mark.slow
 
 
+class _Engines:
+    """One engine with drafts; `base` serves through it with drafts off (the same weights, shapes and
+    compiled steps, one warmup)."""
+
+    def __init__(self, engine):
+        self.spec = engine
+
+    def base(self, prompts, params, checked=True):
+        drafter, self.spec.drafter = self.spec.drafter, None
+        try:
+            return (serve if checked else serve_unchecked)(self.spec, prompts, params)
+        finally:
+            self.spec.drafter = drafter
+
+
 @pytest.fixture(scope="module")
 def engines(smollm_f32):
-    """(an engine without drafts, one with), on the same weights and shapes."""
     import jax.numpy as jnp
 
     from jaxserve.engine.llm_engine import LLMEngine
@@ -128,9 +142,7 @@ def engines(smollm_f32):
     cfg, params = smollm_f32
     path = bundled_model_path()
     loaded = LoadedModel(path, "SmolLM2-135M-Instruct", cfg, params, Tokenizer.from_gguf(path), jnp.float32, 0.0)
-    base = LLMEngine(EngineArgs(**REAL_ENGINE_ARGS), loaded=loaded, progress=False)
-    spec = LLMEngine(EngineArgs(**REAL_ENGINE_ARGS, speculative_config=SPEC), loaded=loaded, progress=False)
-    return base, spec
+    return _Engines(LLMEngine(EngineArgs(**REAL_ENGINE_ARGS, speculative_config=SPEC), loaded=loaded, progress=False))
 
 
 def _prompts(tok):
@@ -149,10 +161,10 @@ PARAMS = [
 
 @slow
 def test_drafts_change_nothing_but_the_number_of_steps(engines):
-    base, spec = engines
-    prompts = _prompts(base.tokenizer)
+    spec = engines.spec
+    prompts = _prompts(spec.tokenizer)
     jobs = [(p, sp) for p in prompts for sp in PARAMS]
-    want = serve(base, [p for p, _ in jobs], [sp for _, sp in jobs])
+    want = engines.base([p for p, _ in jobs], [sp for _, sp in jobs])
     got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w.outputs, g.outputs, strict=True):
@@ -174,14 +186,14 @@ def test_drafts_change_nothing_but_the_number_of_steps(engines):
 
 @slow
 def test_drafts_verified_beside_a_prefill_chunk(engines):
-    """A request arriving while another decodes with drafts: their step is a mixed one (prefill chunk
-    plus draft rows); every output still equals its output served alone."""
-    base, spec = engines
-    prompts = _prompts(base.tokenizer)
-    greedy = SamplingParams(temperature=0, max_tokens=48)
-    long = base.tokenizer.encode_chat([{"role": "user", "content": "Repeat this code exactly:\n" + CODE * 3}])
-    assert 128 < len(long) < 200, len(long)  # prefilled in two chunks of the 128-token budget
-    alone = [serve(base, [p], greedy)[0].outputs[0].token_ids for p in (prompts[0], long)]
+    """Requests arriving while another decodes with drafts: a step with a prefill chunk verifies drafts
+    in its token bucket's padding (a mixed step of one-token draft rows); every output still equals
+    its output served alone."""
+    spec = engines.spec
+    prompts = _prompts(spec.tokenizer)
+    greedy = SamplingParams(temperature=0, max_tokens=64)
+    alone = [engines.base([p], greedy)[0].outputs[0].token_ids for p in prompts]
+    spec.reset_prefix_cache()
     mixed_steps = []
     launch = spec._launch
 
@@ -192,28 +204,49 @@ def test_drafts_verified_beside_a_prefill_chunk(engines):
         return launched
 
     spec._launch = watch
+    events = []
+    spec.trace = lambda rid, layer, event, data: events.append((rid, layer, event, data))
+    done = {}
+
+    def step():
+        for out in spec.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+
     try:
-        spec.add_request("first", prompts[0], greedy)
-        for _ in range(4):
-            spec.step()
-        spec.add_request("second", long, greedy)
-        done = {}
+        spec.add_request("r0", prompts[0], greedy)
+        for i in (1, 2, 3):
+            # Each arrives right after a step that accepted drafts, so the next steps likely draft too.
+            for _ in range(40):
+                before = spec.drafter.counters.spec_num_accepted_tokens
+                step()
+                if spec.drafter.counters.spec_num_accepted_tokens > before or not spec.has_unfinished_requests():
+                    break
+            spec.add_request(f"r{i}", prompts[i], greedy)
         while spec.has_unfinished_requests():
-            for out in spec.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
+            step()
     finally:
         spec._launch = launch
+        spec.trace = None
     assert mixed_steps and set(mixed_steps) == {"mixed"}
-    assert [done["first"], done["second"]] == alone
+    drafted = [(rid, d["step"], len(d["token_ids"])) for rid, layer, event, d in events if event == "drafts"]
+    assert drafted and all(layer == "L5" for _, layer, event, _ in events if event == "drafts")
+    # A drafted decode-only step's bucket holds its rows: a row per request and per draft.
+    rows = {d["step"]: d["batch_seqs"] for _, _, event, d in events if event == "scheduled"}
+    for _, step_id, n in drafted:
+        rows[step_id] += n
+    buckets = {d["step"]: d for _, _, event, d in events if event == "bucket"}
+    decode_steps = [step_id for _, step_id, _ in drafted if buckets[step_id]["kind"] == "decode"]
+    assert decode_steps and all(buckets[s]["num_seqs"] >= rows[s] for s in decode_steps)
+    assert [done[f"r{i}"] for i in range(4)] == alone
     spec.check_integrity()
     assert pool_is_full(spec)
 
 
 @slow
 def test_a_constrained_request_is_not_drafted(engines):
-    base, spec = engines
-    prompts = _prompts(base.tokenizer)
+    spec = engines.spec
+    prompts = _prompts(spec.tokenizer)
     schema = {"type": "object", "properties": {"days": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
               "required": ["days"]}
     so = SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=schema))
@@ -226,7 +259,7 @@ def test_a_constrained_request_is_not_drafted(engines):
         asked.extend(s.request_id for s in scheduled if s.is_decode and pace_of(s.request_id) is not None)
         return plan(scheduled, **kw)
 
-    want = [o.outputs[0].token_ids for o in serve_unchecked(base, prompts[:3], [so, greedy, greedy])]
+    want = [o.outputs[0].token_ids for o in engines.base(prompts[:3], [so, greedy, greedy], checked=False)]
     spec.drafter.plan = watch
     try:
         got = serve_unchecked(spec, prompts[:3], [so, greedy, greedy])

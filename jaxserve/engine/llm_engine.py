@@ -127,9 +127,9 @@ class LLMEngine:
         self.generation_tokens = 0
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
-        self.drafter = None  # speculative decoding: decides each step's drafts
-        if args.speculative_config is not None:
-            self.drafter = Drafter(args.speculative_config, self.runner.decode_costs() if args.warmup else None)
+        # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
+        spec, lone = args.speculative_config, args.warmup and args.num_processes == 1
+        self.drafter = Drafter(spec, self.runner.decode_costs() if lone else None) if spec else None
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -269,13 +269,14 @@ class LLMEngine:
             group = self._seq_group.get(s.request_id)
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
+        scheduled = list(plan.scheduled)
+        spec = self._drafts(plan) if self.drafter is not None else None
+        rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
         if self.trace is not None:
-            trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace)
+            trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace,
+                       spec)
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
-            scheduled = list(plan.scheduled)
-            spec = self._drafts(plan) if self.drafter is not None else None
-            rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
             if all(s.is_decode for s in scheduled):
                 seqs = [self._seq[s.request_id] for s in rows]
                 # A grammar's next mask needs the token before it, and drafts are checked on the host:

@@ -137,15 +137,18 @@ def sampled_rows(plan: SchedulerOutput, kind: str, out: StepOutput) -> dict[str,
     return {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(plan.scheduled)}
 
 
-def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any) -> tuple[dict, dict]:
-    """What a plan runs as, for traces: the bucket (L6) and the attention kernel's shapes (L7)."""
+def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any, rows: Sequence[ScheduledRequest] | None = None
+                ) -> tuple[dict, dict]:
+    """What a plan runs as, for traces: the bucket (L6) and the attention kernel's shapes (L7). `rows`:
+    the step's rows when they are not the plan's (drafts add rows)."""
+    rows = plan.scheduled if rows is None else rows
     if all(s.is_decode for s in plan.scheduled):
-        S = rcfg.seq_bucket(len(plan.scheduled))
+        S = rcfg.seq_bucket(len(rows))
         bucket = {"kind": "decode", "num_seqs": S, "pages_per_seq": rcfg.pages_per_seq,
                   "num_scheduler_steps": rcfg.num_scheduler_steps}
         q_tokens = S
     else:
-        T = rcfg.token_bucket(plan.num_batched_tokens)
+        T = rcfg.token_bucket(sum(s.num_new_tokens for s in rows))
         bucket = {"kind": "mixed", "num_tokens": T, "num_seqs": min(T, rcfg.max_num_seqs),
                   "pages_per_seq": rcfg.pages_per_seq}
         q_tokens = T
@@ -177,10 +180,10 @@ def sampling_inputs(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqSta
 
 
 def trace_plan(plan: SchedulerOutput, step_id: int, rcfg: RunnerConfig, mcfg: Any,
-               get_request: Callable[[str], Any], trace: Callable[..., None]) -> None:
-    """A plan's trace events: L4 schedule decisions, L5/L6 step and bucket shapes, L7 backend and kernel
-    shapes (`trace(request_id, layer, event, **data)`)."""
-    bucket, kernel = step_shapes(plan, rcfg, mcfg)
+               get_request: Callable[[str], Any], trace: Callable[..., None], spec: Any = None) -> None:
+    """A plan's trace events: L4 schedule decisions, L5 drafts (`spec`, a `SpecStep`), L6 bucket shapes,
+    L7 backend and kernel shapes (`trace(request_id, layer, event, **data)`)."""
+    bucket, kernel = step_shapes(plan, rcfg, mcfg, spec.rows if spec is not None else None)
     for rid in plan.preempted_ids:
         trace(rid, "L4", "preempted", step=step_id)
     for s in plan.scheduled:
@@ -189,5 +192,7 @@ def trace_plan(plan: SchedulerOutput, step_id: int, rcfg: RunnerConfig, mcfg: An
               tokens=s.num_new_tokens, start_position=s.start_position, pages=len(s.page_table),
               prefix_hit_tokens=r.num_cached_tokens if r is not None else 0,
               batch_tokens=plan.num_batched_tokens, batch_seqs=len(plan.scheduled))
+        if spec is not None and s.request_id in spec.drafts:
+            trace(s.request_id, "L5", "drafts", step=step_id, token_ids=spec.drafts[s.request_id])
         trace(s.request_id, "L6", "bucket", step=step_id, **bucket)
         trace(s.request_id, "L7", "kernel", step=step_id, **kernel)
