@@ -18,12 +18,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
+from jaxserve.detokenizer import partial_stop_suffix
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could be the start of `marker`."""
-    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
 
 
 class ReasoningParser:
@@ -95,7 +92,7 @@ class ReasoningStream:
             if at >= 0:
                 reasoning, self.buf, self.mode = self.buf[:at], self.buf[at + len(END):], "gap"
             else:
-                hold = 0 if final else _held(self.buf, END)
+                hold = 0 if final else partial_stop_suffix(self.buf, (END,))
                 reasoning, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
                 return reasoning, ""
         if self.mode == "gap":  # the whitespace between </think> and the answer is neither

@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from jaxserve.detokenizer import partial_stop_suffix
+
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 
 
@@ -74,6 +76,14 @@ def _json_values(text: str, separators: str = "") -> list[Any] | None:
     return values
 
 
+def _json_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of JSON call objects one after another, or of one JSON list of them."""
+    values = _json_values(text)
+    if values is not None and len(values) == 1 and isinstance(values[0], list):
+        values = values[0]
+    return None if values is None else _calls(values)
+
+
 class ToolParser:
     """A model's tool-call format. A call region opens at one of `openers`, anywhere in the reply (or,
     with `leading`, only at its start, where the opener is part of the region); it closes at `closer`,
@@ -107,10 +117,7 @@ class HermesParser(ToolParser):
     closer = "</tool_call>"
 
     def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
-        values = _json_values(body)
-        if values is not None and len(values) == 1 and isinstance(values[0], list):
-            values = values[0]  # SmolLM2's form: a list of calls inside one tag
-        return None if values is None else _calls(values)
+        return _json_calls(body)  # an object per tag, or SmolLM2's list of calls in one tag
 
 
 class Llama3JsonParser(ToolParser):
@@ -132,10 +139,7 @@ class MistralParser(ToolParser):
 
     def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
         if "[ARGS]" not in body:
-            values = _json_values(body)
-            if values is not None and len(values) == 1 and isinstance(values[0], list):
-                return _calls(values[0])
-            return None if values is None else _calls(values)
+            return _json_calls(body)
         calls = []
         for piece in body.split(opener):  # `name[ARGS]{...}` per call, each after its own [TOOL_CALLS]
             name, sep, args = piece.partition("[ARGS]")
@@ -186,17 +190,6 @@ def tool_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
     return PARSERS[name]()
-
-
-def _held_tail(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` could be the start of one of `markers`."""
-    best = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:n]):
-                best = n
-                break
-    return best
 
 
 class ToolCallStream:
@@ -252,7 +245,7 @@ class ToolCallStream:
                     self.buf = self.buf[at + len(opener):]
                     self.mode, self.opener = "region", opener
                     continue
-                hold = 0 if final else _held_tail(self.buf, markers)
+                hold = 0 if final else partial_stop_suffix(self.buf, markers)
                 out.append(self._content(self.buf[:len(self.buf) - hold]))
                 self.buf = self.buf[len(self.buf) - hold:]
                 break
