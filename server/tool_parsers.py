@@ -19,6 +19,7 @@ reply is feeding it to a new stream and finishing it, so the two never disagree.
 
 from __future__ import annotations
 
+import abc
 import ast
 import json
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ def _json_calls(text: str) -> list[ParsedCall] | None:
     return None if values is None else _calls(values)
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """A model's tool-call format. A call region opens at one of `openers`, anywhere in the reply (or,
     with `leading`, only at its start, where the opener is part of the region); it closes at `closer`,
     or runs to the end of the reply when `closer` is empty."""
@@ -96,9 +97,9 @@ class ToolParser:
     # The format's markers are special tokens, which the reply must keep to be parsed.
     keeps_special_tokens: ClassVar[bool] = False
 
+    @abc.abstractmethod
     def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
         """The calls in one region (`body` is what follows `opener`); None if it holds no valid call."""
-        raise NotImplementedError
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)

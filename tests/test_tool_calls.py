@@ -214,7 +214,7 @@ def test_a_reply_cut_inside_a_call_is_text_with_length(client):
     assert _accumulate(_ask(client, "one", stream=True, max_tokens=12)) == (REPLIES["one"][:36], [], "length")
 
 
-def test_none_and_forced_choices_are_not_parsed(client):
+def test_tool_choice_none_is_not_parsed(client):
     r = _ask(client, "one", tool_choice="none")
     assert r.choices[0].message.content == REPLIES["one"] and r.choices[0].finish_reason == "stop"
 

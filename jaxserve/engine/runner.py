@@ -297,10 +297,11 @@ class ModelRunner:
         costs = {}
         for S in self.cfg.seq_buckets:
             st = dataclasses.replace(self._inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
+            sampling = self._inert_sampling(S)
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                self.run_decode(st, self._inert_sampling(S), None, want_top=False)  # into the reserved page 0
+                self.run_decode(st, sampling, None, want_top=False)  # into the reserved page 0
                 times.append(time.perf_counter() - t0)
             costs[S] = min(times)
         return costs
