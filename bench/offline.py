@@ -172,16 +172,17 @@ def decode_bytes_per_step(engine: Any, context_lens: Sequence[float]) -> tuple[i
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     if not cfg.tie_word_embeddings:
         weights -= params.embed.size * params.embed.dtype.itemsize
-    per_token = KVCache.bytes_per_page(cfg, 1, engine.model.dtype)
+    per_token = KVCache.bytes_per_page(cfg, 1, engine.kv_dtype)
     return int(weights), float(np.mean(context_lens)) * per_token
 
 
 def kv_budget_for(loaded: Any, args: Any, num_seqs: int, max_len: int) -> int:
     """KV bytes that hold `num_seqs` sequences of `max_len` tokens at once, with a little slack."""
+    from jaxserve.engine.model_loading import resolve_kv_cache_dtype
     from jaxserve.models.inputs import KVCache
 
     pages_per_seq = -(-max_len // args.page_size) + 1
-    per_page = KVCache.bytes_per_page(loaded.config, args.page_size, loaded.dtype)
+    per_page = KVCache.bytes_per_page(loaded.config, args.page_size, resolve_kv_cache_dtype(args, loaded.dtype))
     return int((num_seqs * pages_per_seq + 16) * per_page)
 
 

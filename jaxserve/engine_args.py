@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16"]
+# vLLM's names: "fp8" is float8_e4m3fn (3 mantissa bits, finite up to 448); "fp8_e5m2" trades precision for range.
+KVCacheDType = Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret"]
 BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret")
 Policy = Literal["fcfs", "priority"]
@@ -68,6 +71,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int | None = None
     page_size: int = 16
+    kv_cache_dtype: KVCacheDType = "auto"  # "auto": the model's dtype
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -123,6 +127,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
@@ -166,6 +172,9 @@ class EngineArgs:
                             "tokenizer from the model, which then needs no weight files): for benchmarks")
         g.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=d.page_size,
                        help="tokens per KV page (a power of two)")
+        g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
+                       help="dtype of the KV cache; auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 stores one "
+                            "byte per element (values saturate at the format's range, scale 1.0)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="bytes of KV cache (default: a fraction of device memory, or 2 GiB on the CPU)")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

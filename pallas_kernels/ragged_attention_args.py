@@ -3,14 +3,42 @@
 Query tokens `q [num_tokens, num_q_heads, head_dim]` are packed by sequence: sequence `s` owns tokens
 `query_start_loc[s] : query_start_loc[s + 1]`, and its KV lives in the pages `block_tables[s]` of the pools
 `[num_pages, page_size, num_kv_heads, head_dim]` up to `seq_lens[s]`. Tokens past `query_start_loc[-1]` are
-padding. `check_attention_args` refuses arguments that break this contract; `token_metadata` maps each
-packed token back to its sequence and position.
+padding. The pages may be stored in another float dtype than q (float8 to halve a bfloat16 cache); the
+kernels upcast what they load. `check_attention_args` refuses arguments that break this contract;
+`token_metadata` maps each packed token back to its sequence and position.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# The float8 formats a KV page may be stored in (one byte an element); the kernels upcast on load.
+FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_KV_PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_KV_DTYPES)
+
+
+def check_kv_page_dtype(page_dtype, q_dtype) -> None:
+    """KV pages hold q's dtype, another 16/32-bit float (bfloat16 pages under float32 queries), or float8."""
+    page_dtype = jnp.dtype(page_dtype)
+    if page_dtype == jnp.dtype(q_dtype) or page_dtype in _KV_PAGE_DTYPES:
+        return
+    raise TypeError(
+        f"k_pages dtype {page_dtype} cannot serve q of dtype {jnp.dtype(q_dtype)}: pages hold q's dtype, "
+        "float32, bfloat16, float16, float8_e4m3fn or float8_e5m2"
+    )
+
+
+def quantize_kv(x: jax.Array, page_dtype) -> jax.Array:
+    """New K or V rows in the pages' dtype. Float8 saturates at the format's largest finite value (a plain
+    cast of an out-of-range value to float8_e4m3fn gives NaN, which would poison every later query)."""
+    page_dtype = jnp.dtype(page_dtype)
+    if page_dtype == x.dtype:
+        return x
+    if page_dtype in FP8_KV_DTYPES:
+        top = float(jnp.finfo(page_dtype).max)
+        return jnp.clip(x.astype(jnp.float32), -top, top).astype(page_dtype)
+    return x.astype(page_dtype)
 
 
 def check_attention_args(
@@ -29,8 +57,7 @@ def check_attention_args(
         raise TypeError(f"k_pages dtype {k_pages.dtype} differs from v_pages dtype {v_pages.dtype}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"q must be floating point, got {q.dtype}")
-    if k_pages.dtype != q.dtype:
-        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
+    check_kv_page_dtype(k_pages.dtype, q.dtype)
     _, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, kv_head_dim = k_pages.shape
     if kv_head_dim != head_dim:

@@ -43,8 +43,10 @@ def ragged_paged_attention_reference(
     kv_len = pages_per_seq * page_size
 
     tok_seq, pos, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
-    k_seq = k_pages[block_tables].reshape(num_seqs, kv_len, num_kv_heads, head_dim)  # [S, L, KVH, D]
-    v_seq = v_pages[block_tables].reshape(num_seqs, kv_len, num_kv_heads, head_dim)
+    # Pages stored narrower than q (bfloat16, float8) are read back in q's dtype.
+    seq_shape = (num_seqs, kv_len, num_kv_heads, head_dim)
+    k_seq = k_pages[block_tables].reshape(seq_shape).astype(q.dtype)  # [S, L, KVH, D]
+    v_seq = v_pages[block_tables].reshape(seq_shape).astype(q.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, KVH, G, D]
 
     kv_pos = jnp.arange(kv_len, dtype=jnp.int32)

@@ -3,7 +3,9 @@
 The KV cache of one layer is a pool of pages `[num_pages, page_size, num_kv_heads, head_dim]`; page 0 is a
 reserved scratch page. Query tokens are packed by sequence. Query token `i` of sequence `s` sits at position
 `seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own (the last `sliding_window`
-positions, its own included, when a window is given). Softmax runs in float32.
+positions, its own included, when a window is given). Softmax runs in float32. The pages may be stored
+narrower than q (float8 or bfloat16): the kernel upcasts each block as it loads it, so a float8 cache moves
+half the bytes of a bfloat16 one.
 
 This file holds the Pallas kernel (generic Pallas with a plain grid, so it runs with `interpret=True` on the
 CPU and lowers for NVIDIA GPUs through Triton), its tuning and the wrapper; the argument checks are in
@@ -121,6 +123,8 @@ def _attention_kernel(
         offset = kv_pos % page_size
         k = k_pages_ref[page, offset, kv_head, :]  # [block_kv, D]
         v = v_pages_ref[page, offset, kv_head, :]
+        if use_mma and k.dtype != q.dtype:  # narrower pages (float8): tensor-core dots in q's dtype
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         # Stale pages may hold anything; zero V past the sequence so 0 * garbage cannot poison the sum.
         v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))
         if use_mma:
@@ -246,7 +250,7 @@ def ragged_paged_attention(
     if tuning.decode_lowering == "mosaic" and soft_cap is None and sliding_window is None:
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
 
-        if mosaic_decode_supported(q.dtype, head_dim, page_size, group) is None:
+        if k_pages.dtype == q.dtype and mosaic_decode_supported(q.dtype, head_dim, page_size, group) is None:
             return _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                      sm_scale=sm_scale, interpret=interpret, tuning=tuning)
 

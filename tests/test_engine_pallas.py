@@ -139,6 +139,12 @@ def test_pallas_engine_matches_xla_bfloat16(backend):
     assert_same_outputs(loaded, backend, ARGS_BF16)
 
 
+@pytest.mark.parametrize("backend", ["pallas"] if GPU else ["pallas_interpret"])
+def test_pallas_engine_matches_xla_fp8_cache(loaded, backend):
+    """`--kv-cache-dtype fp8`: the kernels read float8 pages (upcast in the kernel) as the xla backend does."""
+    assert_same_outputs(loaded, backend, ARGS.replace(kv_cache_dtype="fp8"))
+
+
 def test_smollm2_compile_shapes_match_bundled_gguf():
     """The SmolLM2 config compiled by tests/gpu_compile/test_compile_engine.py is the bundled model's."""
     pytest.importorskip("gguf")

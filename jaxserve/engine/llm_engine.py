@@ -23,6 +23,7 @@ from jaxserve.engine.model_loading import (
     kv_cache_pages,
     load_model,
     params_bytes,
+    resolve_kv_cache_dtype,
     shard_model,
 )
 from jaxserve.engine.request import Request, RequestStatus
@@ -70,7 +71,8 @@ class LLMEngine:
         plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
-        num_pages = kv_cache_pages(args, cfg, self.model.dtype, params_bytes(self.model.params),
+        self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(args, self.model.dtype)
+        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params),
                                    kv_shards=plan.kv_shards if plan else 1)
         usable_tokens = (num_pages - 1) * args.page_size
         max_model_len = args.max_model_len or min(cfg.max_position_embeddings, usable_tokens)
@@ -102,8 +104,8 @@ class LLMEngine:
             backend = "xla" if jax.default_backend() == "cpu" else "pallas"
         self.runner = ModelRunner(
             cfg, self.model.params,
-            plan.allocate_kv(num_pages, args.page_size, self.model.dtype) if plan
-            else KVCache.allocate(cfg, num_pages, args.page_size, self.model.dtype),
+            plan.allocate_kv(num_pages, args.page_size, kv_dtype) if plan
+            else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype),
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,

@@ -56,6 +56,13 @@ def resolve_dtype(args: EngineArgs) -> Any:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def resolve_kv_cache_dtype(args: EngineArgs, model_dtype: Any) -> Any:
+    """The KV pages' dtype: the model's for "auto", else the named one (vLLM's "fp8" is float8_e4m3fn)."""
+    named = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,
+             "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+    return jnp.dtype(model_dtype if args.kv_cache_dtype == "auto" else named[args.kv_cache_dtype])
+
+
 def enable_compile_cache(path: str | None) -> None:
     """Keep compiled executables on disk so later starts skip most of the warmup compile."""
     if not path or jax.config.jax_compilation_cache_dir:
@@ -180,6 +187,8 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
             f"the KV cache budget ({budget} bytes) holds no pages of {per_page} bytes; raise "
             "--kv-cache-memory-bytes or --gpu-memory-utilization"
         )
+    logger.info("KV cache: %d pages of %d tokens (%d tokens) in %s, %.1f MiB", pages, args.page_size,
+                pages * args.page_size, jnp.dtype(dtype).name, pages * per_page / 2**20)
     return int(pages)
 
 

@@ -15,6 +15,8 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_attention_args import quantize_kv
+
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
 # pallas_mosaic: the pallas kernels, with decode-only batches on the Mosaic GPU decode kernel (Hopper).
 ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic")
@@ -256,7 +258,8 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
 def write_kv(
     k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V ([T, Hkv, D]) into their slots (page * page_size + offset)."""
+    """Scatter new K/V ([T, Hkv, D]) into their slots (page * page_size + offset), in the pages' dtype
+    (float8 pages saturate; see `quantize_kv`)."""
     n, page_size, hkv, d = k_pages.shape
     if k.shape[0] == 1:
         # XLA turns a one-row scatter into a dynamic-update-slice, which XLA:CPU does not always do
@@ -264,8 +267,8 @@ def write_kv(
         # aimed at slot 0 of the reserved padding page keeps it a scatter.
         k, v = jnp.pad(k, ((0, 1), (0, 0), (0, 0))), jnp.pad(v, ((0, 1), (0, 0), (0, 0)))
         slot_mapping = jnp.pad(slot_mapping, (0, 1))
-    k_flat = k_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(k.astype(k_pages.dtype))
-    v_flat = v_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(v.astype(v_pages.dtype))
+    k_flat = k_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(quantize_kv(k, k_pages.dtype))
+    v_flat = v_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(quantize_kv(v, v_pages.dtype))
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 

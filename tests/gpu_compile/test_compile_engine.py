@@ -67,21 +67,22 @@ def _abstract(spec, tree):
                         tree)
 
 
-def _common(spec, S: int):
+def _common(spec, S: int, kv_dtype=DTYPE):
     params = _abstract(spec, abstract_params(SMOLLM2, DTYPE))
     shape = (SMOLLM2.num_layers, RC.num_pages, RC.page_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
-    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
+    kv = KVCache(k=spec(shape, kv_dtype), v=spec(shape, kv_dtype))
     sampling = _abstract(spec, SamplingTensors.from_params([], [], S, SMOLLM2.vocab_size, []))
     pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
     return params, kv, sampling, pen, spec((), jnp.bool_)
 
 
-def _kv_pool_bytes() -> int:
-    """K and V of every layer: ~91 GB."""
-    return RC.num_pages * KVCache.bytes_per_page(SMOLLM2, RC.page_size, DTYPE)
+def _kv_pool_bytes(kv_dtype=DTYPE) -> int:
+    """K and V of every layer: ~91 GB in bfloat16."""
+    return RC.num_pages * KVCache.bytes_per_page(SMOLLM2, RC.page_size, kv_dtype)
 
 
-def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple[int, ...] = (1,)) -> float:
+def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple[int, ...] = (1,),
+             kv_dtype=DTYPE) -> float:
     """Compile for sm_90; check which Pallas lowerings the executable holds. Returns the seconds taken.
 
     For an engine step (the pool donated), also check that the ~90 GB pool is updated in place: aliased to
@@ -92,7 +93,7 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
     seconds = time.perf_counter() - t0
     if donate:
         mem = compiled.memory_analysis()
-        assert mem.alias_size_in_bytes >= _kv_pool_bytes(), "the KV pool is not updated in place"
+        assert mem.alias_size_in_bytes >= _kv_pool_bytes(kv_dtype), "the KV pool is not updated in place"
         assert mem.temp_size_in_bytes < (1 << 30), f"{mem.temp_size_in_bytes / 1e9:.1f} GB of temporaries"
     text = compiled.as_text()
     if triton:
@@ -103,24 +104,30 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("T,backend", [(t, "pallas") for t in RC.token_buckets])
-def test_mixed_step_compiles_for_sm90(spec, T, backend):
+# fp8: `--kv-cache-dtype fp8` (float8_e4m3fn pages, upcast in the kernel), in the largest bucket.
+@pytest.mark.parametrize("T,backend,kv_dtype", [(t, "pallas", DTYPE) for t in RC.token_buckets]
+                         + [(RC.token_buckets[-1], "pallas", jnp.float8_e4m3fn)])
+def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
     S = min(T, RC.max_num_seqs)
-    params, kv, sampling, pen, want_top = _common(spec, S)
+    params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype)
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
     inputs = _abstract(spec, host)
     step = functools.partial(mixed_step, cfg=SMOLLM2, backend=backend, top_k=RC.max_logprobs, hidden=True)
     plp = PromptLogprobInputs(spec((T,), jnp.int32))
-    seconds = _compile(step, params, kv, inputs, sampling, pen, plp, want_top, mosaic=backend == "pallas_mosaic")
-    print(f"mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
+    seconds = _compile(step, params, kv, inputs, sampling, pen, plp, want_top, mosaic=backend == "pallas_mosaic",
+                       kv_dtype=kv_dtype)
+    print(f"mixed_step T={T} S={S} {backend} KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
 
 
 @pytest.mark.gpu_compile
 # pallas_mosaic: the decode loop's attention is a lax.cond over both kernels (decode rows on Mosaic GPU,
 # anything else on the Triton kernel), so one bucket compiles both lowerings inside the engine step.
-@pytest.mark.parametrize("S,backend", [(s, "pallas") for s in RC.seq_buckets] + [(64, "pallas_mosaic")])
-def test_decode_loop_compiles_for_sm90(spec, S, backend):
-    params, kv, sampling, pen, want_top = _common(spec, S)
+# With float8 pages, pallas_mosaic keeps decode rows on the Triton kernel (the Mosaic kernel takes pages of
+# q's dtype only).
+@pytest.mark.parametrize("S,backend,kv_dtype", [(s, "pallas", DTYPE) for s in RC.seq_buckets]
+                         + [(64, "pallas_mosaic", DTYPE), (64, "pallas", jnp.float8_e4m3fn)])
+def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
+    params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype)
     P = RC.pages_per_seq
     st = DecodeState(
         tokens=spec((S,), jnp.int32), positions=spec((S,), jnp.int32), block_tables=spec((S, P), jnp.int32),
@@ -129,8 +136,10 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend):
     )
     loop = functools.partial(decode_loop, cfg=SMOLLM2, backend=backend, top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
-    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic")
-    print(f"decode_loop S={S} n={RC.num_scheduler_steps} {backend}: compiled for sm_90 in {seconds:.1f} s")
+    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
+                       kv_dtype=kv_dtype)
+    print(f"decode_loop S={S} n={RC.num_scheduler_steps} {backend} KV {jnp.dtype(kv_dtype).name}: "
+          f"compiled for sm_90 in {seconds:.1f} s")
 
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence

@@ -20,11 +20,12 @@ def _compile(fn, *args):
     return text
 
 
-def _attention_args(spec, T, S, P, ps, kvh, group, d, dtype, num_pages=2048):
+def _attention_args(spec, T, S, P, ps, kvh, group, d, dtype, num_pages=2048, kv_dtype=None):
+    kv_dtype = kv_dtype or dtype
     return (
         spec((T, kvh * group, d), dtype),
-        spec((num_pages, ps, kvh, d), dtype),
-        spec((num_pages, ps, kvh, d), dtype),
+        spec((num_pages, ps, kvh, d), kv_dtype),
+        spec((num_pages, ps, kvh, d), kv_dtype),
         spec((S, P), jnp.int32),
         spec((S,), jnp.int32),
         spec((S + 1,), jnp.int32),
@@ -52,8 +53,26 @@ def test_attention_compiles_for_sm90(spec, T, S, P, ps, kvh, group, d, dtype, tu
     assert "triton" in text.lower(), "the attention did not go through the Triton lowering"
 
 
+# Float8 pages under bfloat16 queries (`--kv-cache-dtype fp8` / `fp8_e5m2`): decode batches of both models, a
+# long decode with KV splits, a prefill chunk, and float32 queries on the non-MMA path.
+FP8_CASES = [
+    (64, 64, 512, 16, 3, 3, 64, jnp.bfloat16, jnp.float8_e4m3fn),
+    (256, 256, 512, 16, 8, 4, 128, jnp.bfloat16, jnp.float8_e4m3fn),
+    (1, 1, 2048, 16, 8, 4, 128, jnp.bfloat16, jnp.float8_e5m2),
+    (2048, 1, 128, 16, 8, 4, 128, jnp.bfloat16, jnp.float8_e4m3fn),
+    (32, 32, 64, 16, 3, 1, 64, jnp.float32, jnp.float8_e5m2),
+]
+
+
+@pytest.mark.parametrize("T,S,P,ps,kvh,group,d,dtype,kv_dtype", FP8_CASES)
+def test_fp8_kv_attention_compiles_for_sm90(spec, T, S, P, ps, kvh, group, d, dtype, kv_dtype):
+    fn = functools.partial(ragged_paged_attention, sm_scale=d**-0.5)
+    text = _compile(fn, *_attention_args(spec, T, S, P, ps, kvh, group, d, dtype, kv_dtype=kv_dtype))
+    assert "triton" in text.lower(), "the attention did not go through the Triton lowering"
+
+
 @pytest.mark.parametrize(
-    "kvh,d,dtype", [(3, 64, jnp.bfloat16), (8, 128, jnp.bfloat16), (8, 128, jnp.float32)]
+    "kvh,d,dtype", [(3, 64, jnp.bfloat16), (8, 128, jnp.bfloat16), (8, 128, jnp.float32), (8, 128, jnp.float8_e4m3fn)]
 )
 def test_write_kv_compiles_for_sm90(spec, kvh, d, dtype):
     pages = spec((2048, 16, kvh, d), dtype)
