@@ -1,7 +1,7 @@
 """Time the L7 kernels on one GPU against the XLA reference and cuDNN attention, as achieved bytes/s.
 
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
-the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence. Both for SmolLM2 heads
+the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence; decode over float8 pages at 8k. Both for SmolLM2 heads
 (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth measured in the same run. Usage: `python bench/gpu_kernels.py [--budget-s N]`.
@@ -85,18 +85,21 @@ def decode_case(
     ctx: int,
     num_tokens: int | None = None,
     min_pool_bytes: int = MIN_POOL_BYTES,
+    kv_dtype=DTYPE,
 ):
-    """Input sets for `batch` sequences of KV length `ctx` with `num_tokens // batch` new tokens each."""
+    """Input sets for `batch` sequences of KV length `ctx` with `num_tokens // batch` new tokens each, the
+    pages in `kv_dtype` (float8 for `--kv-cache-dtype fp8`)."""
     q_len = 1 if num_tokens is None else num_tokens // batch
     pages_per_seq = -(-ctx // PAGE_SIZE)
     needed = batch * pages_per_seq
-    page_bytes = PAGE_SIZE * heads.kv * heads.dim * 2
+    kv_item = jnp.dtype(kv_dtype).itemsize
+    page_bytes = PAGE_SIZE * heads.kv * heads.dim * kv_item
     num_pages = max(needed + 1, min_pool_bytes // (2 * page_bytes))
     shape = (num_pages, PAGE_SIZE, heads.kv, heads.dim)
     key = jax.random.key(int(rng.integers(1 << 30)))
     kk, kv, kq = jax.random.split(key, 3)
-    k_pages = jax.random.normal(kk, shape, DTYPE)
-    v_pages = jax.random.normal(kv, shape, DTYPE)
+    k_pages = jax.random.normal(kk, shape, DTYPE).astype(kv_dtype)
+    v_pages = jax.random.normal(kv, shape, DTYPE).astype(kv_dtype)
     seq_lens = jnp.full((batch,), ctx, jnp.int32)
     qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
     sets = []
@@ -105,7 +108,7 @@ def decode_case(
         tables = jnp.asarray(pages.reshape(batch, pages_per_seq), jnp.int32)
         q = jax.random.normal(jax.random.fold_in(kq, i), (batch * q_len, heads.q, heads.dim), DTYPE)
         sets.append((q, k_pages, v_pages, tables, seq_lens, qsl))
-    kv_bytes = 2 * batch * ctx * heads.kv * heads.dim * 2
+    kv_bytes = 2 * batch * ctx * heads.kv * heads.dim * kv_item
     io_bytes = 2 * batch * q_len * heads.q * heads.dim * 2
     flops = 4 * batch * heads.q * heads.dim * (q_len * ctx - q_len * (q_len - 1) / 2)
     return sets, kv_bytes + io_bytes, flops
@@ -158,8 +161,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     decode_grid = [(b, c) for b in (1, 32, 256) for c in (1024, 8192, 32768)]
     prefill_grid = [2048, 8192]
+    fp8_grid = [(32, 8192), (256, 8192)]
     if args.quick:
-        decode_grid, prefill_grid = [(32, 1024)], [2048]
+        decode_grid, prefill_grid, fp8_grid = [(32, 1024)], [2048], [(32, 1024)]
 
     for heads in MODELS:
         scale = heads.dim**-0.5
@@ -229,6 +233,17 @@ def main() -> int:
             )
             fns = [("pallas", pallas), ("xla", xla), ("cudnn", cudnn)]
             run_row(f"prefill T={tokens:5d}", fns, sets, nbytes, flops, dense, copy_bw)
+        print("decode, float8_e4m3fn pages (--kv-cache-dtype fp8): bytes = K+V read at 1 byte + q/out")
+        for batch, ctx in fp8_grid:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"fp8 decode b={batch} ctx={ctx}: skipped (time budget)")
+                continue
+            sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes,
+                                              kv_dtype=jnp.float8_e4m3fn)
+            fns = [("pallas", pallas), ("xla", None if nbytes * 6 > REF_LIMIT_BYTES else xla)]
+            run_row(f"fp8 decode b={batch:3d} ctx={ctx:5d}", [(n, f) for n, f in fns if f is not None], sets,
+                    nbytes, flops, None, copy_bw)
+            del sets
 
     print("\n== KV write (256 tokens, llama3-8b heads): bytes = 2 x new K/V rows read and written")
     try:

@@ -118,7 +118,7 @@ class DataParallelEngine:
         parts = [r.stats() for r in self.replicas]
         first = parts[0]
         summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(first)
-                  if f.name not in ("kv_cache_usage", "page_size", "step_time_s")}
+                  if f.name not in ("kv_cache_usage", "page_size", "step_time_s", "kv_cache_dtype")}
         return dataclasses.replace(first, **summed, kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
                                    step_time_s=max(p.step_time_s for p in parts))
 

@@ -90,9 +90,12 @@ class ShardingPlan:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def step_shardings(self) -> StepShardings:
+    def step_shardings(self, kv_cache: KVCache | None = None) -> StepShardings:
+        """Shardings of a step's parameters, KV cache (of `kv_cache`'s form; a plain float pool by
+        default) and replicated outputs."""
         kv = self.kv_sharding()
-        return StepShardings(self.param_shardings(), KVCache(k=kv, v=kv), self.replicated())
+        kv_tree = KVCache(k=kv, v=kv) if kv_cache is None else jax.tree.map(lambda _: kv, kv_cache)
+        return StepShardings(self.param_shardings(), kv_tree, self.replicated())
 
     @property
     def kv_shards(self) -> int:
@@ -121,12 +124,15 @@ class ShardingPlan:
         flat = {path: self.place(path, np.asarray(value)) for path, value in param_paths(params).items()}
         return from_param_paths(self.model_cfg, flat)
 
-    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any) -> KVCache:
-        """A zeroed page pool created directly in its shards (split by KV head)."""
+    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False) -> KVCache:
+        """A zeroed page pool created directly in its shards (split by KV head); `as_bits` as in
+        `KVCache.allocate`."""
         sh = self.kv_sharding()
-        make = jax.jit(lambda: KVCache.allocate(self.model_cfg, num_pages, page_size, dtype),
-                       out_shardings=KVCache(k=sh, v=sh))
-        return make()
+
+        def make():
+            return KVCache.allocate(self.model_cfg, num_pages, page_size, dtype, as_bits)
+
+        return jax.jit(make, out_shardings=jax.tree.map(lambda _: sh, jax.eval_shape(make)))()
 
     def describe(self) -> str:
         shape = dict(self.mesh.shape)

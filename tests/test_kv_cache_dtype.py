@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,26 @@ def test_engine_cpu_attention_on_float8_pages(decode):
     np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, E4M3])
+@pytest.mark.parametrize("decode", [True, False])
+def test_cpu_step_never_converts_the_whole_pool(kv_dtype, decode):
+    """XLA:CPU has no bfloat16 or float8 gather or scatter and would upcast the whole pool of every layer
+    around one (a step 20-70x slower, growing with the pool). Kept as raw bits, the merged pool
+    `[layers * pages, page_size, Hkv, D]` appears in the compiled step in its integer type only."""
+    from jaxserve.models.inputs import ModelInputs
+    from tests.modelrun import jitted
+
+    kv = KVCache.allocate(CFG, 300, 8, kv_dtype, as_bits=True)
+    assert kv.dtype == jnp.dtype(kv_dtype) and kv.k.dtype.kind == "u"
+    seqs = [([3], 35, [1, 2, 3, 4, 5]), ([4], 20, [6, 7, 8])] if decode else [([3] * 9, 30, [1, 2, 3, 4, 5])]
+    inputs = dataclasses.replace(ModelInputs.build(seqs, 8, num_seqs=2, pages_per_seq=8), decode=decode)
+    params = numpy_params(CFG, seed=1, scale=0.1)
+    text = jitted("xla").lower(params, kv, inputs, CFG, "xla").compile().as_text()
+    pool = f"[{CFG.num_layers * 300},8,{CFG.num_kv_heads},{CFG.head_dim}]"
+    types = set(re.findall(r"(\w+)" + re.escape(pool), text))
+    assert types == {f"u{8 * jnp.dtype(kv_dtype).itemsize}"}, types
+
+
 def test_model_writes_saturated_float8():
     from jaxserve.models.attention import write_kv
 
@@ -204,7 +225,10 @@ def _run(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 8) 
 
 def test_fp8_engine_capacity_batching_and_prefix_cache(fp8_engine):
     engine = fp8_engine
-    assert engine.kv_dtype == jnp.dtype(E4M3) and engine.runner.kv.k.dtype == jnp.dtype(E4M3)
+    kv = engine.runner.kv
+    assert engine.kv_dtype == jnp.dtype(E4M3) and kv.dtype == jnp.dtype(E4M3)
+    assert kv.k.dtype == jnp.uint8  # the CPU attention's storage: the raw bits
+    assert engine.stats().kv_cache_dtype == "fp8"  # /metrics: vllm:cache_config_info{cache_dtype="fp8"}
     # One byte an element where the model's float32 takes four: four times the pages from the same budget.
     assert engine.scheduler.pool.num_pages == 4 * 40
     rng = np.random.default_rng(5)

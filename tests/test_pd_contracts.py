@@ -35,6 +35,25 @@ def test_payload_round_trips_with_metadata_and_checksum():
     assert TransferMeta.from_json(p.meta.to_json()) == p.meta
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_narrow_kv_payloads_round_trip(dtype):
+    """A `--kv-cache-dtype fp8` pool hands its pages over as they are: one byte an element on the wire."""
+    import ml_dtypes
+
+    layout = KVLayout(2, 4, 3, 8, dtype)
+    base = _payload(layout=layout)
+    narrow = np.dtype(getattr(ml_dtypes, dtype))
+    p = KVPayload.build(base.meta, base.k.astype(narrow), base.v.astype(narrow))
+    data = p.encode()
+    assert len(data) - 2 * p.k.size * narrow.itemsize < 1024  # the header and the pages, nothing widened
+    q = KVPayload.decode(data)
+    assert q.k.dtype == narrow and q.checksum == p.checksum
+    np.testing.assert_array_equal(q.k.astype(np.float32), p.k.astype(np.float32))
+    np.testing.assert_array_equal(q.v.astype(np.float32), p.v.astype(np.float32))
+    assert check_ready(q.meta, q, layout).ok
+    assert "layout" in check_ready(q.meta, q, LAYOUT).reason  # a float32 pool refuses float8 pages
+
+
 @pytest.mark.parametrize("cut", [3, 20, -1, -500])
 def test_a_cut_transfer_is_refused(cut):
     data = _payload().encode()

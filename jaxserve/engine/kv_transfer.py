@@ -55,8 +55,9 @@ class KVLayout:
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> KVLayout:
         """The layout of `engine`'s KV pool."""
-        k = engine.runner.kv.k  # [L, num_pages, page_size, Hkv, D]
-        return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), int(k.shape[4]), str(np.dtype(k.dtype)))
+        kv = engine.runner.kv
+        k = kv.k  # [L, num_pages, page_size, Hkv, D]
+        return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), int(k.shape[4]), str(np.dtype(kv.dtype)))
 
     def page_shape(self, num_pages: int) -> tuple[int, ...]:
         """The shape of `num_pages` pages of keys (or values)."""
@@ -231,7 +232,10 @@ def read_pages(engine: LLMEngine, pin: Pin) -> tuple[np.ndarray, np.ndarray]:
         raise TransferError("the pages were already released")
     kv = engine.runner.kv
     idx = np.asarray(pin.pages, np.int32)
-    return np.asarray(jax.device_get(kv.k[:, idx])), np.asarray(jax.device_get(kv.v[:, idx]))
+    # Pages kept as their bits go out as the dtype they hold (the same bytes).
+    dtype = np.dtype(kv.dtype)
+    return (np.asarray(jax.device_get(kv.k[:, idx])).view(dtype),
+            np.asarray(jax.device_get(kv.v[:, idx])).view(dtype))
 
 
 def unpin(engine: LLMEngine, pin: Pin) -> bool:
@@ -287,7 +291,8 @@ def import_pages(engine: LLMEngine, payload: KVPayload) -> Imported | None:
     k = np.zeros(meta.layout.page_shape(size), payload.k.dtype)
     v = np.zeros_like(k)
     k[:, :need], v[:, :need] = payload.k[:, have:], payload.v[:, have:]
-    engine.runner.kv = _write_pages(engine.runner.kv, idx, k, v)
+    stored = engine.runner.kv.k.dtype  # the pool's own element type (raw bits for narrow pages on the CPU)
+    engine.runner.kv = _write_pages(engine.runner.kv, idx, k.view(stored), v.view(stored))
     result = cache.insert(ids, list(match.pages) + new, meta.cache_salt)
     pool.decref(new)  # the cache holds them now
     cache.lock(result.last_node)
@@ -306,10 +311,8 @@ def _write_pages(kv: Any, idx: np.ndarray, k: np.ndarray, v: np.ndarray) -> Any:
     if _WRITE_PAGES is None:
         import jax
 
-        from jaxserve.models.inputs import KVCache
-
         def write(kv, idx, k, v):
-            return KVCache(k=kv.k.at[:, idx].set(k.astype(kv.k.dtype)), v=kv.v.at[:, idx].set(v.astype(kv.v.dtype)))
+            return dataclasses.replace(kv, k=kv.k.at[:, idx].set(k), v=kv.v.at[:, idx].set(v))
 
         _WRITE_PAGES = jax.jit(write, donate_argnums=(0,))
     return _WRITE_PAGES(kv, idx, k, v)

@@ -23,6 +23,7 @@ from jaxserve.engine.model_loading import (
     kv_cache_pages,
     load_model,
     params_bytes,
+    resolve_attention_backend,
     resolve_kv_cache_dtype,
     shard_model,
 )
@@ -97,20 +98,17 @@ class LLMEngine:
             ),
             num_pages,
         )
-        backend = args.attention_backend
-        if backend == "auto":
-            import jax
-
-            backend = "xla" if jax.default_backend() == "cpu" else "pallas"
+        backend = resolve_attention_backend(args)
+        as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
+        kv = (plan.allocate_kv(num_pages, args.page_size, kv_dtype, as_bits) if plan
+              else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype, as_bits))
         self.runner = ModelRunner(
-            cfg, self.model.params,
-            plan.allocate_kv(num_pages, args.page_size, kv_dtype) if plan
-            else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype),
+            cfg, self.model.params, kv,
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend)),
-            model_fn=self.model.forward_fn, shardings=plan.step_shardings() if plan else None,
+            model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
         self.model = dataclasses.replace(self.model, params=self.runner.params)
@@ -389,6 +387,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             compilations_after_warmup=self.runner.compilations_after_warmup,
             step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
+            kv_cache_dtype=self.args.kv_cache_dtype,
             **dataclasses.asdict(self.drafter.counters if self.drafter else SpecCounters()),
         )
 

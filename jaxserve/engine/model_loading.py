@@ -56,6 +56,13 @@ def resolve_dtype(args: EngineArgs) -> Any:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def resolve_attention_backend(args: EngineArgs) -> str:
+    """The attention backend: "auto" is the Pallas kernels on GPUs, plain XLA on the CPU."""
+    if args.attention_backend != "auto":
+        return args.attention_backend
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
+
+
 def resolve_kv_cache_dtype(args: EngineArgs, model_dtype: Any) -> Any:
     """The KV pages' dtype: the model's for "auto", else the named one (vLLM's "fp8" is float8_e4m3fn)."""
     named = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn,

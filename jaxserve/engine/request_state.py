@@ -37,6 +37,7 @@ class EngineStats:
     spec_num_drafts: int = 0  # speculative decoding: requests drafted (summed over steps)
     spec_num_draft_tokens: int = 0  # draft tokens proposed
     spec_num_accepted_tokens: int = 0  # draft tokens the model's own samples confirmed
+    kv_cache_dtype: str = "auto"  # as configured (`--kv-cache-dtype`), vLLM's `cache_dtype`
 
 
 @dataclass

@@ -21,10 +21,20 @@ class KVCache:
     reserved: padding tokens write there and no sequence reads it. Inside the forward pass the
     layer and page axes are merged (`[num_layers * num_pages, ...]`, a free reshape), so one
     layer's pages are addressed as `layer * num_pages + page` and no layer is ever copied out.
+
+    With `dtype_name` (static), `k` and `v` hold the raw bits of pages of that dtype, as unsigned
+    integers of its width: how the CPU attention keeps bfloat16 and float8 pages (see
+    `attention.kv_storage_bits`).
     """
 
     k: jax.Array
     v: jax.Array
+    dtype_name: str | None = field(default=None, metadata=dict(static=True))
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype the pages hold."""
+        return jnp.dtype(self.dtype_name) if self.dtype_name else self.k.dtype
 
     @property
     def num_pages(self) -> int:
@@ -35,8 +45,14 @@ class KVCache:
         return self.k.shape[2]
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> KVCache:
+    def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False) -> KVCache:
+        """A zeroed pool; `as_bits` keeps pages narrower than float32 as their raw bits (the CPU attention's
+        storage)."""
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        dtype = jnp.dtype(dtype)
+        if as_bits and dtype.itemsize < 4:
+            bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+            return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), dtype_name=dtype.name)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @staticmethod

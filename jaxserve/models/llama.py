@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
-from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
+from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
@@ -63,6 +65,7 @@ def _layer(
     carry: tuple[jax.Array, jax.Array, jax.Array],
     xs: tuple[LayerParams, jax.Array],
     expert_layout=None,
+    kv_dtype=None,
 ):
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
     lp, layer = xs
@@ -90,12 +93,13 @@ def _layer(
         k = apply_rope(k, cos, sin)
 
         slots = inputs.slot_mapping + layer * (num_pages * page_size)
-        k_all, v_all = write_kv(k_all, v_all, k, v, slots)
+        k_all, v_all = write_kv(k_all, v_all, k, v, slots, kv_dtype)
 
         attn = paged_attention(
             backend, q, k_all, v_all,
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
             sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, decode=inputs.decode,
+            kv_dtype=kv_dtype,
         )  # [T, Hq, D]
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
         attn = attn.reshape(attn.shape[0], -1)
@@ -128,7 +132,7 @@ def _layer(
 
 # The unrolled loop calls one traced layer: every layer has the same shapes, so the layer is traced
 # and lowered once and called L times (XLA inlines the calls), instead of traced L times.
-_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7))
+_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8))
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -162,20 +166,29 @@ def forward(
     cos, sin = rope_tables(cfg, inputs.positions)
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
     v_all = kv.v.reshape(L * N, page_size, hkv, d)
+    # The CPU attention reads and writes narrow pages as their bits, the kernels as floats. A pool kept in
+    # the other form is converted here, which copies it (the engine allocates each backend's own form).
+    kv_dtype, bits = kv.dtype, kv_storage_bits(kv.dtype)
+    want = bits if backend == "xla" and bits is not None else kv_dtype
+    if k_all.dtype != want:
+        k_all, v_all = jax.lax.bitcast_convert_type(k_all, want), jax.lax.bitcast_convert_type(v_all, want)
 
     def step(carry, xs):
-        return _layer(cfg, backend, inputs, cos, sin, carry, xs, expert_layout)
+        return _layer(cfg, backend, inputs, cos, sin, carry, xs, expert_layout, kv_dtype)
 
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
-            carry, _ = _layer_once(cfg, backend, inputs, cos, sin, carry, (lp, jnp.int32(layer)), expert_layout)
+            carry, _ = _layer_once(cfg, backend, inputs, cos, sin, carry, (lp, jnp.int32(layer)), expert_layout,
+                                   kv_dtype)
     else:
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
     x, k_all, v_all = carry
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]
-    kv = KVCache(k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
+    if k_all.dtype != kv.k.dtype:
+        k_all, v_all = jax.lax.bitcast_convert_type(k_all, kv.k.dtype), jax.lax.bitcast_convert_type(v_all, kv.k.dtype)
+    kv = dataclasses.replace(kv, k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
     if return_hidden:
         return logits, kv, x
     return logits, kv
