@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.attention import kv_storage_bits
 
 
 @jax.tree_util.register_dataclass
@@ -50,8 +51,8 @@ class KVCache:
         storage)."""
         shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         dtype = jnp.dtype(dtype)
-        if as_bits and dtype.itemsize < 4:
-            bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        bits = kv_storage_bits(dtype) if as_bits else None
+        if bits is not None:
             return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), dtype_name=dtype.name)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
