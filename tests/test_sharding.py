@@ -129,6 +129,9 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     assert r["tp2"] == r["ref"]
     assert r["compiles_after_warmup"] == 0
     assert r["single_compiles_after_warmup"] == 0
+    # --kv-cache-dtype fp8: TP=2 equals one device on the same float8 cache (its own outputs, not float32's).
+    assert r["fp8_pool"] == ["uint8", "float8_e4m3fn", 2]
+    assert r["fp8_tp2"] == r["fp8_ref"] and all(len(t) == 12 for t in r["fp8_ref"])
 
 
 def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(results):

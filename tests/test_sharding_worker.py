@@ -191,10 +191,17 @@ def case_engine() -> dict:
                         progress=False)
     warm = time.perf_counter() - t0
     got = _generate(sharded, PROMPTS)
+    # A float8 cache, split by KV head over the two devices as its raw bits.
+    fp8 = dict(ENGINE_ARGS, kv_cache_dtype="fp8")
+    fp8_ref = _generate(LLMEngine(EngineArgs(**fp8), loaded=loaded, progress=False), PROMPTS)
+    fp8_tp2 = LLMEngine(EngineArgs(**fp8, tensor_parallel_size=2, strict_compile=True), loaded=loaded, progress=False)
     return {
         "ref": ref, "tp2": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
         "single_compiles_after_warmup": single.stats().compilations_after_warmup,
         "tp2_devices": len(sharded.runner.kv.k.sharding.device_set), "tp2_warmup_s": warm,
+        "fp8_ref": fp8_ref, "fp8_tp2": _generate(fp8_tp2, PROMPTS),
+        "fp8_pool": [str(fp8_tp2.runner.kv.k.dtype), str(fp8_tp2.runner.kv.dtype),
+                     len(fp8_tp2.runner.kv.k.sharding.device_set)],
     }
 
 
