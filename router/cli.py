@@ -34,6 +34,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--session-header", default=d.session_header, help="header naming the session")
     parser.add_argument("--probe-interval", type=float, default=d.probe_interval_s,
                         help="seconds between reads of each worker's /ready, /metrics and KV events")
+    parser.add_argument("--probe-timeout", type=float, default=d.probe_timeout_s,
+                        help="seconds one probe request may take")
+    parser.add_argument("--probe-failure-threshold", type=int, default=d.probe_failure_threshold,
+                        help="probes in a row that time out before a worker stops getting traffic "
+                             "(an error answer or a refused connection stops it at once)")
     parser.add_argument("--approx-ttl", type=float, default=d.approx_ttl_s,
                         help="seconds a routing-time guess of a worker's cached prefix counts")
     parser.add_argument("--page-size", type=int, default=d.page_size,
@@ -55,7 +60,8 @@ def router_config_from_args(ns: argparse.Namespace) -> RouterConfig:
         host=ns.host, port=ns.port, workers=tuple(ns.worker), prefill_workers=tuple(ns.prefill_worker),
         decode_workers=tuple(ns.decode_worker), policy=ns.policy,
         weights=CostWeights(ns.prefix_weight, ns.load_weight, ns.kv_weight, ns.hotspot_threshold),
-        session_header=ns.session_header, probe_interval_s=ns.probe_interval, approx_ttl_s=ns.approx_ttl,
+        session_header=ns.session_header, probe_interval_s=ns.probe_interval,
+        probe_timeout_s=ns.probe_timeout, probe_failure_threshold=ns.probe_failure_threshold, approx_ttl_s=ns.approx_ttl,
         page_size=ns.page_size, request_timeout_s=ns.request_timeout, max_attempts=ns.max_attempts,
         pd_min_uncached_tokens=ns.pd_min_uncached_tokens, log_level=ns.log_level)
 

@@ -44,6 +44,9 @@ class RouterConfig:
       weights: the prefix policy's cost function.
       session_header: the header whose value keeps a session on one worker (policy `session`).
       probe_interval_s: how often each worker's /ready, /metrics and KV events are read.
+      probe_timeout_s: how long one probe request may take.
+      probe_failure_threshold: probes in a row that time out (or break off) before a worker stops
+        receiving traffic; an error answer or a refused connection stops it at once.
       approx_ttl_s: how long a routing-time guess of a worker's cached prefix counts (bridges the
         delay before the worker's own KV events arrive, and stands in when it publishes none).
       page_size: the page size assumed for hashing until a worker's /metrics reports its own.
@@ -64,6 +67,8 @@ class RouterConfig:
     weights: CostWeights = CostWeights()
     session_header: str = "x-session-id"
     probe_interval_s: float = 0.5
+    probe_timeout_s: float = 2.0
+    probe_failure_threshold: int = 3
     approx_ttl_s: float = 30.0
     page_size: int = 16
     request_timeout_s: float = 600.0
@@ -85,11 +90,14 @@ class RouterConfig:
             raise ValueError("give both prefill and decode workers, or neither")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("probe_interval_s", "approx_ttl_s", "request_timeout_s", "pd_transfer_timeout_s"):
+        for name in ("probe_interval_s", "probe_timeout_s", "approx_ttl_s", "request_timeout_s",
+                     "pd_transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.page_size < 1 or self.max_attempts < 1 or self.pd_min_uncached_tokens < 0:
             raise ValueError("page_size and max_attempts must be >= 1, pd_min_uncached_tokens >= 0")
+        if self.probe_failure_threshold < 1:
+            raise ValueError(f"probe_failure_threshold must be >= 1, got {self.probe_failure_threshold}")
         object.__setattr__(self, "session_header", self.session_header.lower())
 
     def replace(self, **changes) -> RouterConfig:

@@ -56,7 +56,8 @@ class Router:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.index = PrefixIndex(ttl_s=config.approx_ttl_s)
-        self.pool = WorkerPool(self.index, config.probe_interval_s)
+        self.pool = WorkerPool(self.index, config.probe_interval_s, config.probe_timeout_s,
+                               config.probe_failure_threshold)
         for url in config.workers:
             self.pool.register(url, "both")
         for url in config.prefill_workers:

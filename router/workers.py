@@ -1,7 +1,9 @@
 """The router's view of its workers: health, load scraped from `/metrics`, and their KV events.
 
-Each worker is probed every `probe_interval_s`: `GET /ready` (a worker that fails it, or cannot be
-reached, stops receiving traffic until it passes again), `GET /metrics` (the `vllm:*` gauges:
+Each worker is probed every `probe_interval_s`: `GET /ready` (a worker that answers it with an error,
+or refuses the connection, stops receiving traffic at once until it passes again; one whose probe
+times out or breaks off does so after `failure_threshold` such probes in a row, as a Kubernetes
+readiness probe's `failureThreshold`, so a busy worker is not dropped for one slow answer), `GET /metrics` (the `vllm:*` gauges:
 running and waiting requests, KV cache usage, page size) and `GET /v1/kv_events?since=N` (fed
 to the prefix index). The router also counts the requests it has in flight on each worker, which
 moves at once, while the scraped numbers lag by up to one probe.
@@ -42,6 +44,8 @@ class Worker:
     events_next: int = 0
     events_epoch: str | None = None
     last_error: str | None = None
+    probe_failures: int = 0
+    """Probes in a row that timed out or broke off."""
 
     @property
     def queue(self) -> float:
@@ -52,7 +56,8 @@ class Worker:
         """The worker as `GET /workers` lists it."""
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "in_flight": self.in_flight,
                 "num_running": self.num_running, "num_waiting": self.num_waiting, "kv_usage": self.kv_usage,
-                "page_size": self.page_size, "routed": self.routed, "last_error": self.last_error}
+                "page_size": self.page_size, "routed": self.routed, "last_error": self.last_error,
+                "probe_failures": self.probe_failures}
 
 
 def parse_metrics(text: str) -> dict[str, float | int]:
@@ -82,10 +87,14 @@ def parse_metrics(text: str) -> dict[str, float | int]:
 class WorkerPool:
     """The registered workers, their probes, and the prefix index their KV events feed."""
 
-    def __init__(self, index: PrefixIndex, probe_interval_s: float = 0.5, timeout_s: float = 2.0):
+    def __init__(self, index: PrefixIndex, probe_interval_s: float = 0.5, timeout_s: float = 2.0,
+                 failure_threshold: int = 3):
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
         self.index = index
         self.workers: dict[str, Worker] = {}
         self._interval = probe_interval_s
+        self._failure_threshold = failure_threshold
         self._client = httpx.AsyncClient(timeout=timeout_s)
         self._tasks: dict[str, asyncio.Task] = {}
         self._started = False
@@ -147,14 +156,27 @@ class WorkerPool:
             except Exception:  # noqa: BLE001 - a probe bug must not stop probing
                 logger.exception("probing %s failed", worker.url)
 
+    def _probe_failed(self, worker: Worker, where: str, error: httpx.HTTPError) -> None:
+        """A probe got no answer: a refused connection counts at once, a timeout or a broken
+        connection only once `failure_threshold` probes in a row have had one."""
+        message = f"{where}: {type(error).__name__}"
+        worker.probe_failures += 1
+        if isinstance(error, httpx.ConnectError) or worker.probe_failures >= self._failure_threshold:
+            self.mark_failed(worker, message)
+        else:
+            logger.info("worker %s probe %d/%d failed: %s", worker.url, worker.probe_failures,
+                        self._failure_threshold, message)
+            worker.last_error = message
+
     async def probe(self, worker: Worker) -> None:
         """Read one worker's readiness, load and new KV events."""
         try:
             ready = await self._client.get(worker.url + "/ready")
         except httpx.HTTPError as e:
-            self.mark_failed(worker, f"/ready: {type(e).__name__}")
+            self._probe_failed(worker, "/ready", e)
             return
         if ready.status_code != 200:
+            worker.probe_failures = 0
             self.mark_failed(worker, f"/ready answered {ready.status_code}")
             return
         try:
@@ -164,12 +186,13 @@ class WorkerPool:
                     setattr(worker, key, value)
             await self._poll_events(worker)
         except httpx.HTTPError as e:
-            self.mark_failed(worker, f"probe: {type(e).__name__}")
+            self._probe_failed(worker, "probe", e)
             return
         if not worker.healthy:
             logger.info("worker %s is healthy", worker.url)
         worker.healthy = True
         worker.last_error = None
+        worker.probe_failures = 0
 
     async def _poll_events(self, worker: Worker) -> None:
         while True:

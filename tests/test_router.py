@@ -3,6 +3,8 @@ shedding, dead workers, runtime registration, pass-through of streams and errors
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -17,8 +19,9 @@ import pytest
 from jaxserve.engine.kv_events import BlockStored, hash_token_pages
 from router.app import build_router_app
 from router.config import CostWeights, RouterConfig
+from router.prefix_index import PrefixIndex
 from router.timeline import format_timeline
-from router.workers import parse_metrics
+from router.workers import WorkerPool, parse_metrics
 from server.config import ServerConfig
 from server.fake_engine import FakeAsyncEngine
 from server.runner import ServerThread, serve_in_thread
@@ -288,6 +291,68 @@ def test_parse_metrics_reads_the_vllm_gauges():
             'vllm:num_requests_waiting{model_name="m"} 7.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
             'vllm:cache_config_info{block_size="32",model_name="m",num_gpu_blocks="100"} 1.0\n')
     assert parse_metrics(text) == {"num_running": 3.0, "num_waiting": 7.0, "kv_usage": 0.25, "page_size": 32}
+
+
+def _probe_pool(answers: list, threshold: int = 3) -> tuple[WorkerPool, object]:
+    """A pool of one worker whose probes meet `answers` in order: an exception class to raise on
+    `/ready`, or a status code for it (the other endpoints answer 200)."""
+    pending = list(answers)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/ready":
+            return httpx.Response(200, text="") if request.url.path == "/metrics" else httpx.Response(404)
+        answer = pending.pop(0)
+        if isinstance(answer, type):
+            raise answer("probe", request=request)
+        return httpx.Response(answer, json={})
+
+    pool = WorkerPool(PrefixIndex(), probe_interval_s=60, failure_threshold=threshold)
+    pool._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return pool, pool.register("http://w0")
+
+
+def test_probe_timeouts_drop_a_worker_only_after_the_threshold_in_a_row():
+    async def run():
+        pool, w = _probe_pool([200, httpx.ReadTimeout, httpx.ReadTimeout, 200, httpx.ReadTimeout,
+                               httpx.RemoteProtocolError, httpx.ReadTimeout, 200])
+        seen = []
+        for _ in range(8):
+            await pool.probe(w)
+            seen.append((w.healthy, w.probe_failures))
+        await pool.stop()
+        return seen, w
+
+    seen, w = asyncio.run(run())
+    # Two timeouts keep it (a pass resets the count); the third in a row drops it; a pass restores it.
+    assert seen == [(True, 0), (True, 1), (True, 2), (True, 0), (True, 1), (True, 2), (False, 3), (True, 0)]
+    assert w.last_error is None and w.to_json()["probe_failures"] == 0
+
+
+@pytest.mark.parametrize("answer,error", [(httpx.ConnectError, "/ready: ConnectError"),
+                                          (503, "/ready answered 503")])
+def test_refused_or_not_ready_drops_a_worker_at_once(answer, error):
+    async def run():
+        pool, w = _probe_pool([200, answer], threshold=3)
+        await pool.probe(w)
+        assert w.healthy
+        await pool.probe(w)
+        await pool.stop()
+        return w
+
+    w = asyncio.run(run())
+    assert not w.healthy and w.last_error == error
+
+
+def test_probe_flags_reach_the_config():
+    from router.cli import add_router_args, router_config_from_args
+
+    cfg = router_config_from_args(add_router_args(argparse.ArgumentParser()).parse_args(
+        ["--worker", "http://a:1", "--probe-timeout", "0.5", "--probe-failure-threshold", "5"]))
+    assert (cfg.probe_timeout_s, cfg.probe_failure_threshold) == (0.5, 5)
+    with pytest.raises(ValueError, match="probe_failure_threshold must be >= 1"):
+        RouterConfig(probe_failure_threshold=0)
+    with pytest.raises(ValueError, match="probe_timeout_s must be > 0"):
+        RouterConfig(probe_timeout_s=0)
 
 
 def test_router_process_end_to_end_with_joined_trace():
