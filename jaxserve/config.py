@@ -97,6 +97,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # Per-layer `k_scale` / `v_scale` tensors for a float8 KV cache (a compressed-tensors `kv_cache_scheme`).
+    kv_cache_scales: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -191,6 +193,11 @@ class ModelConfig:
                     "per-layer sliding windows (some layers windowed, some not: max_window_layers / layer_types) "
                     "are not supported"
                 )
+        quant = d.get("quantization_config") or {}
+        if quant.get("config_groups") or quant.get("quant_method") not in (None, "compressed-tensors"):
+            raise UnsupportedModelError(
+                f"quantized weights (quantization_config quant_method {quant.get('quant_method')!r}) are not "
+                "supported; only a kv_cache_scheme (float8 KV cache scales) is read")
         rope_params = d.get("rope_scaling") or d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
         if rope_theta is None and isinstance(rope_params, dict):
@@ -216,6 +223,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             hidden_act=d.get("hidden_act", "silu"),
+            kv_cache_scales=bool(quant.get("kv_cache_scheme")),
             **moe,
         )
 
@@ -259,6 +267,11 @@ class ModelConfig:
             if self.family not in ("mistral", "mixtral"):
                 d["use_sliding_window"] = True
                 d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
+        if self.kv_cache_scales:
+            d["quantization_config"] = {
+                "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+                "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                    "symmetric": True}}
         rs = self.rope_scaling
         if rs.rope_type != "default":
             scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}

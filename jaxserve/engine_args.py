@@ -72,6 +72,9 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None
     page_size: int = 16
     kv_cache_dtype: KVCacheDType = "auto"  # "auto": the model's dtype
+    # Per-layer float8 KV scales measured at start-up (`jaxserve.engine.kv_scales`), replacing the
+    # checkpoint's (or 1.0).
+    calculate_kv_scales: bool = False
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -129,6 +132,9 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"calculate_kv_scales needs a float8 KV cache (kv_cache_dtype fp8, fp8_e4m3 or "
+                             f"fp8_e5m2), got kv_cache_dtype {self.kv_cache_dtype!r}")
         if self.attention_backend not in BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
@@ -174,7 +180,11 @@ class EngineArgs:
                        help="tokens per KV page (a power of two)")
         g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d.kv_cache_dtype,
                        help="dtype of the KV cache; auto = the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2 stores one "
-                            "byte per element (values saturate at the format's range, scale 1.0)")
+                            "byte per element (values saturate at the format's range; per-layer scales from the "
+                            "checkpoint, from --calculate-kv-scales, or 1.0)")
+        g.add_argument("--calculate-kv-scales", action="store_true",
+                       help="measure per-layer float8 KV scales on built-in text at start-up (largest |K| and |V| "
+                            "to a quarter of the format's range), replacing the checkpoint's")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="bytes of KV cache (default: a fraction of device memory, or 2 GiB on the CPU)")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,

@@ -54,6 +54,20 @@ def test_narrow_kv_payloads_round_trip(dtype):
     assert "layout" in check_ready(q.meta, q, LAYOUT).reason  # a float32 pool refuses float8 pages
 
 
+def test_pages_stored_with_other_float8_scales_are_refused():
+    """Float8 pages hold K / k_scale: a receiver whose scales differ would read them wrongly, so it refuses."""
+    import ml_dtypes
+
+    layout = KVLayout(2, 4, 3, 8, "float8_e4m3fn", scales="0123abcd0123abcd")
+    base = _payload(layout=layout)
+    fp8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    q = KVPayload.decode(KVPayload.build(base.meta, base.k.astype(fp8), base.v.astype(fp8)).encode())
+    assert q.meta.layout.scales == "0123abcd0123abcd" and check_ready(q.meta, q, layout).ok
+    for other in ("", "ffff000011112222"):
+        reason = check_ready(q.meta, q, KVLayout(2, 4, 3, 8, "float8_e4m3fn", scales=other)).reason
+        assert "layout" in reason and "scales=" in reason
+
+
 @pytest.mark.parametrize("cut", [3, 20, -1, -500])
 def test_a_cut_transfer_is_refused(cut):
     data = _payload().encode()

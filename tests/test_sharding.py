@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
@@ -129,9 +130,14 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     assert r["tp2"] == r["ref"]
     assert r["compiles_after_warmup"] == 0
     assert r["single_compiles_after_warmup"] == 0
-    # --kv-cache-dtype fp8: TP=2 equals one device on the same float8 cache (its own outputs, not float32's).
+    # --kv-cache-dtype fp8 --calculate-kv-scales: TP=2 measures the scales one device does and equals it on
+    # the same float8 cache (its own outputs, not float32's).
     assert r["fp8_pool"] == ["uint8", "float8_e4m3fn", 2]
     assert r["fp8_tp2"] == r["fp8_ref"] and all(len(t) == 12 for t in r["fp8_ref"])
+    single, tp2 = r["fp8_scales"][:2], r["fp8_scales"][2:]
+    np.testing.assert_allclose(tp2, single, rtol=1e-6)
+    assert all(s != 1.0 for pair in single for s in pair)
+    assert r["fp8_compiles_after_warmup"] == 0
 
 
 def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(results):

@@ -191,10 +191,12 @@ def case_engine() -> dict:
                         progress=False)
     warm = time.perf_counter() - t0
     got = _generate(sharded, PROMPTS)
-    # A float8 cache, split by KV head over the two devices as its raw bits.
-    fp8 = dict(ENGINE_ARGS, kv_cache_dtype="fp8")
-    fp8_ref = _generate(LLMEngine(EngineArgs(**fp8), loaded=loaded, progress=False), PROMPTS)
+    # A float8 cache, split by KV head over the two devices as its raw bits, on scales calculated at start-up.
+    fp8 = dict(ENGINE_ARGS, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    fp8_single = LLMEngine(EngineArgs(**fp8), loaded=loaded, progress=False)
+    fp8_ref = _generate(fp8_single, PROMPTS)
     fp8_tp2 = LLMEngine(EngineArgs(**fp8, tensor_parallel_size=2, strict_compile=True), loaded=loaded, progress=False)
+    scales = [[float(lp.k_scale), float(lp.v_scale)] for e in (fp8_single, fp8_tp2) for lp in e.model.params.layers]
     return {
         "ref": ref, "tp2": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
         "single_compiles_after_warmup": single.stats().compilations_after_warmup,
@@ -202,6 +204,7 @@ def case_engine() -> dict:
         "fp8_ref": fp8_ref, "fp8_tp2": _generate(fp8_tp2, PROMPTS),
         "fp8_pool": [str(fp8_tp2.runner.kv.k.dtype), str(fp8_tp2.runner.kv.dtype),
                      len(fp8_tp2.runner.kv.k.sharding.device_set)],
+        "fp8_scales": scales, "fp8_compiles_after_warmup": fp8_tp2.stats().compilations_after_warmup,
     }
 
 

@@ -37,6 +37,19 @@ if TYPE_CHECKING:
 LAYOUT_AXES = "layer,page,slot,kv_head,head_dim"
 
 
+def scales_digest(engine: LLMEngine) -> str:
+    """What identifies the float8 KV scales `engine` writes its pages with; "" when it uses none."""
+    layers = engine.runner.params.layers
+    if np.dtype(engine.kv_dtype).itemsize != 1 or not engine.model.config.kv_cache_scales:
+        return ""
+    import jax
+
+    layers = layers if isinstance(layers, tuple) else (layers,)  # per layer, or stacked
+    k, v = jax.device_get(([lp.k_scale for lp in layers], [lp.v_scale for lp in layers]))
+    values = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (*k, *v)])
+    return hashlib.sha256(values.tobytes()).hexdigest()[:16]
+
+
 class TransferError(RuntimeError):
     """A transfer that cannot complete (unreachable sender, truncated or corrupt payload, expired pin)."""
 
@@ -51,13 +64,17 @@ class KVLayout:
     head_dim: int
     dtype: str
     axes: str = LAYOUT_AXES
+    scales: str = ""
+    """A digest of the per-layer float8 scales the pages are stored with ("": none, scale 1)."""
 
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> KVLayout:
         """The layout of `engine`'s KV pool."""
         kv = engine.runner.kv
         k = kv.k  # [L, num_pages, page_size, Hkv, D]
-        return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), int(k.shape[4]), str(np.dtype(kv.dtype)))
+        return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), int(k.shape[4]), str(np.dtype(kv.dtype)),
+                   scales=scales_digest(engine))
+
 
     def page_shape(self, num_pages: int) -> tuple[int, ...]:
         """The shape of `num_pages` pages of keys (or values)."""

@@ -17,6 +17,7 @@ import jax
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.admission import check_request
+from jaxserve.engine.kv_scales import with_kv_cache_dtype
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
@@ -24,7 +25,6 @@ from jaxserve.engine.model_loading import (
     load_model,
     params_bytes,
     resolve_attention_backend,
-    resolve_kv_cache_dtype,
     shard_model,
 )
 from jaxserve.engine.request import Request, RequestStatus
@@ -68,19 +68,19 @@ class LLMEngine:
         self.args = args = args or EngineArgs()
         enable_compile_cache(args.compile_cache_dir)
         # A model spanning several devices carries its sharding plan; one device needs none.
-        self.model = shard_model(loaded or load_model(args, progress=progress), args)
+        model = shard_model(loaded or load_model(args, progress=progress), args)
+        self.model, self.kv_dtype = with_kv_cache_dtype(model, args)  # with calculated KV scales if asked
+        kv_dtype = self.kv_dtype
         plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
-        self.kv_dtype = kv_dtype = resolve_kv_cache_dtype(args, self.model.dtype)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params),
                                    kv_shards=plan.kv_shards if plan else 1)
         usable_tokens = (num_pages - 1) * args.page_size
         max_model_len = args.max_model_len or min(cfg.max_position_embeddings, usable_tokens)
         if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's context length {cfg.max_position_embeddings}"
-            )
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
+                             f"{cfg.max_position_embeddings}")
         if max_model_len > usable_tokens:
             raise ValueError(
                 f"max_model_len {max_model_len} needs more KV cache than the {usable_tokens} tokens of the pool; "

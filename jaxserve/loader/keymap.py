@@ -82,7 +82,14 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
         t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
         t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
+    if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
+        t["self_attn.k_scale"] = ("layers.k_scale", lambda s: s.reshape(()), ())
+        t["self_attn.v_scale"] = ("layers.v_scale", lambda s: s.reshape(()), ())
     return t
+
+
+KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale")
+"""Parameters kept in float32 whatever the model's dtype."""
 
 
 def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -179,15 +186,20 @@ class WeightAssembler:
             return  # tied checkpoints may still carry a copy of the embedding
         if name in self._seen:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+        if target.path in KV_SCALE_PATHS and tensor.size == 1:
+            tensor = tensor.reshape(())
+            if not np.isfinite(tensor) or tensor <= 0:
+                raise CheckpointError(f"tensor {name!r} is {float(tensor)}, a KV cache scale must be positive")
         if tuple(tensor.shape) != target.hf_shape:
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.hf_shape} for this config"
             )
         self._seen.add(name)
-        value = np.asarray(target.transform(tensor)).astype(self.dtype, copy=False)
+        dtype = np.dtype(np.float32) if target.path in KV_SCALE_PATHS else self.dtype
+        value = np.asarray(target.transform(tensor)).astype(dtype, copy=False)
         info = self._decl[target.path]
         if target.path not in self._arrays:
-            self._arrays[target.path] = np.empty(info.shape, self.dtype)
+            self._arrays[target.path] = np.empty(info.shape, dtype)
         if target.layer is None:
             self._arrays[target.path][...] = value
         elif target.expert is None:

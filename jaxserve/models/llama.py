@@ -13,6 +13,7 @@ from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_a
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
+from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -92,6 +93,13 @@ def _layer(
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
+        # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
+        # over the stored keys, times v_scale, is the attention over the true ones (any backend).
+        scaled = lp.k_scale is not None and kv_dtype is not None and jnp.dtype(kv_dtype) in FP8_KV_DTYPES
+        if scaled:
+            ks, vs = lp.k_scale.astype(jnp.float32), lp.v_scale.astype(jnp.float32)
+            k, v = k.astype(jnp.float32) / ks, v.astype(jnp.float32) / vs
+            q = (q.astype(jnp.float32) * ks).astype(q.dtype)
         slots = inputs.slot_mapping + layer * (num_pages * page_size)
         k_all, v_all = write_kv(k_all, v_all, k, v, slots, kv_dtype)
 
@@ -101,6 +109,8 @@ def _layer(
             sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, decode=inputs.decode,
             kv_dtype=kv_dtype,
         )  # [T, Hq, D]
+        if scaled:
+            attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
         attn = attn.reshape(attn.shape[0], -1)
         out = _dot_out_major(attn, lp.wo_t) if lp.wo_t is not None else attn @ lp.wo.reshape(-1, lp.wo.shape[-1])

@@ -65,6 +65,8 @@ class LayerParams:
     ws_up: Any = None  # [L, E, Fs]
     ws_down: Any = None  # [L, Fs, E]
     ws_mix: Any = None  # [L, E]: the shared expert's sigmoid gate
+    k_scale: Any = None  # [L] float32: a float8 KV cache holds K / k_scale (checkpoint or calibrated scales)
+    v_scale: Any = None  # [L] float32: ... and V / v_scale
     # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then
     # leave wq/wk/wv, wo, w_gate/w_up and w_down None: fewer, larger matmuls per layer, each matrix
     # out-major ([out, in], the checkpoints' own order), which XLA:CPU's dots read fastest.
@@ -137,6 +139,9 @@ def declare_params(cfg: ModelConfig) -> Params:
         layers.b_gate = p((L, F), ("layers", "mlp"), "zeros")
         layers.b_up = p((L, F), ("layers", "mlp"), "zeros")
         layers.b_down = p((L, E), ("layers", "embed"), "zeros")
+    if cfg.kv_cache_scales:
+        layers.k_scale = p((L,), ("layers",), "ones")
+        layers.v_scale = p((L,), ("layers",), "ones")
     return Params(
         embed=p((V, E), ("vocab", "embed")),
         layers=layers,
