@@ -102,6 +102,12 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
         print(f"wrote the config and the tokenizer (no weights) to {ns.to_hf}")
         return 0
     loaded = load_model(EngineArgs(model=ns.model, dtype="float32"))
+    if ns.calculate_kv_scales:
+        import jax.numpy as jnp
+
+        from jaxserve.engine.kv_scales import calculate_kv_scales
+
+        loaded = calculate_kv_scales(loaded, jnp.float8_e4m3fn, page_size=16)
     files = export_hf(ns.to_hf, loaded.config, loaded.params, loaded.tokenizer, dtype=ns.dtype)
     print(f"wrote {len(files)} weight/config files and the tokenizer to {ns.to_hf}")
     return 0
@@ -162,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--config-only", action="store_true",
                       help="write config.json and the tokenizer but no weights: a small directory that "
                            "`--load-format dummy` serves with random weights of the model's shapes")
+    conv.add_argument("--calculate-kv-scales", action="store_true",
+                      help="also write per-layer float8_e4m3 KV cache scales measured on built-in text "
+                           "(`self_attn.k_scale` / `v_scale`, read by `serve --kv-cache-dtype fp8`)")
     bench = sub.add_parser("bench", help="benchmarks: offline throughput, serving load, comparisons",
                            description="Benchmark the engine offline, load any OpenAI-compatible server on "
                                        "this machine, or compare result files.")

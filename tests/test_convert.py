@@ -126,6 +126,31 @@ def test_convert_to_bfloat16(tmp_path):
     np.testing.assert_array_equal(np.asarray(embed, np.float32), want)
 
 
+def test_convert_with_calculated_kv_scales(tmp_path):
+    """`convert --calculate-kv-scales` writes the scales `serve --calculate-kv-scales` would measure, next to
+    unchanged weights, so the converted directory serves a float8 cache on them without measuring."""
+    from jaxserve.engine.kv_scales import measure_kv_amax, scales_from_amax
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.engine_args import EngineArgs
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_source(src, "qwen2")
+    convert(src, out, "--calculate-kv-scales")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["num_bits"] == 8
+    cfg, params = load_f32(out)
+    cfg_src, params_src = load_f32(src)
+    assert cfg.kv_cache_scales and not cfg_src.kv_cache_scales
+    k_max, v_max, _ = measure_kv_amax(load_model(EngineArgs(model=str(src), dtype="float32"), progress=False), 16)
+    np.testing.assert_allclose(np.asarray(params.layers.k_scale), scales_from_amax(k_max, jnp.float8_e4m3fn),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(params.layers.v_scale), scales_from_amax(v_max, jnp.float8_e4m3fn),
+                               rtol=1e-6)
+    flat, flat_src = param_paths(params), param_paths(params_src)
+    assert set(flat) - set(flat_src) == {"layers.k_scale", "layers.v_scale"}
+    for key in flat_src:
+        np.testing.assert_array_equal(np.asarray(flat[key]), np.asarray(flat_src[key]), err_msg=key)
+
+
 @pytest.mark.slow
 def test_convert_bundled_gguf(tmp_path, smollm_path, smollm_f32):
     """The real SmolLM2: the converted directory gives our logits exactly and transformers' within 1e-4."""

@@ -8,6 +8,7 @@ non-power-of-two tiles anywhere in it fail here, on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -67,8 +68,12 @@ def _abstract(spec, tree):
                         tree)
 
 
-def _common(spec, S: int, kv_dtype=DTYPE):
-    params = _abstract(spec, abstract_params(SMOLLM2, DTYPE))
+def _common(spec, S: int, kv_dtype=DTYPE, cfg: ModelConfig = SMOLLM2):
+    params = _abstract(spec, abstract_params(cfg, DTYPE))
+    if cfg.kv_cache_scales:  # float32 whatever the model's dtype, as the loader keeps them
+        L = cfg.num_layers
+        params.layers = dataclasses.replace(params.layers, k_scale=spec((L,), jnp.float32),
+                                            v_scale=spec((L,), jnp.float32))
     shape = (SMOLLM2.num_layers, RC.num_pages, RC.page_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
     kv = KVCache(k=spec(shape, kv_dtype), v=spec(shape, kv_dtype))
     sampling = _abstract(spec, SamplingTensors.from_params([], [], S, SMOLLM2.vocab_size, []))
@@ -123,18 +128,19 @@ def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
 # pallas_mosaic: the decode loop's attention is a lax.cond over both kernels (decode rows on Mosaic GPU,
 # anything else on the Triton kernel), so one bucket compiles both lowerings inside the engine step.
 # With float8 pages, pallas_mosaic keeps decode rows on the Triton kernel (the Mosaic kernel takes pages of
-# q's dtype only).
+# q's dtype only); the float8 case carries per-layer KV scales (`--calculate-kv-scales` or a checkpoint's).
 @pytest.mark.parametrize("S,backend,kv_dtype", [(s, "pallas", DTYPE) for s in RC.seq_buckets]
                          + [(64, "pallas_mosaic", DTYPE), (64, "pallas", jnp.float8_e4m3fn)])
 def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
-    params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype)
+    cfg = dataclasses.replace(SMOLLM2, kv_cache_scales=jnp.dtype(kv_dtype).itemsize == 1)
+    params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype, cfg)
     P = RC.pages_per_seq
     st = DecodeState(
         tokens=spec((S,), jnp.int32), positions=spec((S,), jnp.int32), block_tables=spec((S, P), jnp.int32),
         max_steps=spec((S,), jnp.int32), stop_ids=spec((S, MAX_STOP_IDS), jnp.int32),
         min_tokens_left=spec((S,), jnp.int32), num_steps=spec((), jnp.int32),
     )
-    loop = functools.partial(decode_loop, cfg=SMOLLM2, backend=backend, top_k=RC.max_logprobs,
+    loop = functools.partial(decode_loop, cfg=cfg, backend=backend, top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
     seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
                        kv_dtype=kv_dtype)
