@@ -198,6 +198,10 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"quantized weights (quantization_config quant_method {quant.get('quant_method')!r}) are not "
                 "supported; only a kv_cache_scheme (float8 KV cache scales) is read")
+        kv_scheme = quant.get("kv_cache_scheme") or {}
+        if kv_scheme and (kv_scheme.get("strategy", "tensor"), kv_scheme.get("type", "float"),
+                          kv_scheme.get("num_bits", 8)) != ("tensor", "float", 8):
+            raise UnsupportedModelError(f"kv_cache_scheme {kv_scheme} is not supported (only 8-bit float, per tensor)")
         rope_params = d.get("rope_scaling") or d.get("rope_parameters")
         rope_theta = d.get("rope_theta")
         if rope_theta is None and isinstance(rope_params, dict):
@@ -223,7 +227,7 @@ class ModelConfig:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             hidden_act=d.get("hidden_act", "silu"),
-            kv_cache_scales=bool(quant.get("kv_cache_scheme")),
+            kv_cache_scales=bool(kv_scheme),
             **moe,
         )
 

@@ -32,6 +32,43 @@ def test_propose_takes_what_followed_the_latest_longest_match():
     assert propose_ngram(np.array([4], np.int32), 4, 1, 4).size == 0
 
 
+@pytest.mark.parametrize("collide", [False, True])
+def test_incremental_index_proposes_what_the_full_lookup_does(monkeypatch, collide):
+    """`NgramIndex`, grown a few tokens at a time, proposes what `propose_ngram` proposes over the whole
+    context after every growth; with a hash that keeps only each window's last token (every window
+    ending alike collides), the token check still picks the true match."""
+    from jaxserve.engine import speculative
+
+    if collide:
+        monkeypatch.setattr(speculative, "_HASH_MUL", np.uint64(0))
+    rng = np.random.default_rng(7)
+    checked = found = 0
+    for trial in range(12):
+        vocab = [3, 5, 50][trial % 3]  # small vocabularies repeat n-grams often
+        tokens = rng.integers(0, vocab, 600).astype(np.int32)
+        n_min, n_max = [(1, 4), (2, 4), (3, 3)][trial % 3]
+        index, L = speculative.NgramIndex(n_min, n_max), 0
+        while L < len(tokens):
+            step = int(rng.choice([1, 1, 1, 2, 7, 64]))
+            index.extend(tokens[L:L + step].tolist())
+            L = min(L + step, len(tokens))
+            want = propose_ngram(tokens[:L], 5, n_min, n_max)
+            assert index.propose(5).tolist() == want.tolist(), (trial, L)
+            checked, found = checked + 1, found + bool(want.size)
+    assert found > checked // 2 and found < checked  # both hits and misses were compared
+
+
+def test_index_follows_a_request_as_it_grows():
+    from jaxserve.engine.request import Request
+    from jaxserve.engine.speculative import NgramIndex
+
+    req = Request("r", [1, 2, 3, 9, 9, 5, 2], max_tokens=8)
+    index = NgramIndex(2, 4).sync(req)
+    assert index.size == 7 and index.propose(4).size == 0
+    req.output_token_ids.extend([3, 7, 8, 4, 1, 2, 3])
+    assert index.sync(req).propose(4).tolist() == [9, 9, 5, 2] and index.size == 14
+
+
 def test_config_is_checked_and_named():
     import argparse
 

@@ -88,10 +88,16 @@ def with_kv_scales(loaded: LoadedModel, k_scale: np.ndarray, v_scale: np.ndarray
     if plan is not None:
         plan = dataclasses.replace(plan, model_cfg=cfg,
                                    source_cfg=dataclasses.replace(plan.source_cfg, kv_cache_scales=True))
-        place = lambda host: jax.device_put(host, plan.sharding(("layers",)))  # noqa: E731
+
+    def place(host: np.ndarray) -> jax.Array:
+        return jax.device_put(host, plan.sharding(("layers",)[:host.ndim])) if plan else jax.device_put(host)
+
+    layers = loaded.params.layers
+    if isinstance(layers, tuple):  # per-layer params (`unstack_layers`)
+        layers = tuple(dataclasses.replace(lp, k_scale=place(k_scale[i]), v_scale=place(v_scale[i]))
+                       for i, lp in enumerate(layers))
     else:
-        place = jax.device_put
-    layers = dataclasses.replace(loaded.params.layers, k_scale=place(k_scale), v_scale=place(v_scale))
+        layers = dataclasses.replace(layers, k_scale=place(k_scale), v_scale=place(v_scale))
     params = dataclasses.replace(loaded.params, layers=layers)
     return dataclasses.replace(loaded, config=cfg, params=params, plan=plan)
 

@@ -25,6 +25,10 @@ whose drafts were all rejected waits a few steps before it is drafted again (`Dr
 Requests under structured outputs are not drafted (the grammar's mask for each position depends
 on the token before it).
 
+The lookup is incremental (`NgramIndex`, kept on the request): each n-gram's 64-bit hash is computed
+once, as its last token arrives, so a step compares one integer per earlier position (vectorized) and
+converts no token list; a hash match is confirmed on the tokens themselves.
+
 Each draft row reads its request's KV pages on its own, so at long contexts a drafted request's
 attention reads them (1 + drafts) times; verifying its rows as one sequence of several query
 tokens, with logits at each, would read them once.
@@ -55,6 +59,59 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
             start = int(hits[-1]) + n
             return tokens[start:start + k]
     return tokens[:0]
+
+
+_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
+
+
+class NgramIndex:
+    """A request's tokens and the hash of every n-gram in them, n from `n_min` to `n_max`, grown as the
+    tokens arrive. `propose` returns what `propose_ngram` would, in time linear in the context with
+    one integer compared per position, and `extend` does work only for the new tokens."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.size = 0
+        self.tokens = np.empty(64, np.int64)
+        self.codes = {n: np.empty(64, np.uint64) for n in range(n_min, n_max + 1)}  # by window start
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Append tokens and hash the windows they complete."""
+        old, m = self.size, len(new)
+        if m == 0:
+            return
+        if old + m > len(self.tokens):
+            cap = max(2 * len(self.tokens), old + m)
+            self.tokens = np.resize(self.tokens, cap)
+            self.codes = {n: np.resize(c, cap) for n, c in self.codes.items()}
+        self.tokens[old:old + m] = new
+        self.size = old + m
+        for n, codes in self.codes.items():
+            lo, hi = max(old - n + 1, 0), self.size - n + 1  # starts of the windows ending in the new tokens
+            if hi > lo:
+                windows = np.lib.stride_tricks.sliding_window_view(self.tokens[lo:self.size], n).astype(np.uint64)
+                h = np.zeros(hi - lo, np.uint64)
+                for j in range(n):
+                    h = h * _HASH_MUL + windows[:, j] + np.uint64(1)
+                codes[lo:hi] = h
+
+    def sync(self, request: Request) -> NgramIndex:
+        """Take the request's tokens that arrived since the last call (its tokens only ever grow)."""
+        if request.num_tokens > self.size:
+            self.extend(request.token_ids_in(self.size, request.num_tokens))
+        return self
+
+    def propose(self, k: int) -> np.ndarray:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix found
+        earlier (as `propose_ngram`); empty when none is."""
+        L, t = self.size, self.tokens
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            codes = self.codes[n]
+            suffix = t[L - n:L]
+            for start in np.flatnonzero(codes[:L - n] == codes[L - n])[::-1]:
+                if np.array_equal(t[start:start + n], suffix):  # not a hash collision
+                    return t[start + n:min(start + n + k, L)].astype(np.int32)
+        return np.empty(0, np.int32)
 
 
 MAX_BACKOFF = 16
@@ -194,8 +251,10 @@ class Drafter:
         for s in scheduled:
             pace = pace_of(s.request_id) if s.is_decode else None
             if pace is not None and pace.ready():
-                tokens = np.asarray(request_of(s.request_id).all_token_ids, np.int32)
-                d = propose_ngram(tokens, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                req = request_of(s.request_id)
+                if req.ngram_index is None:
+                    req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                d = req.ngram_index.sync(req).propose(cfg.num_speculative_tokens)
                 if d.size:
                     proposals[s.request_id] = d
         counts = self.choose(len(scheduled), {rid: len(d) for rid, d in proposals.items()}, room,
