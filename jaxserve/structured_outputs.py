@@ -144,6 +144,24 @@ class GrammarMatcher:
         in error and stays there)."""
         return bool(self._m.consume_token(token_id))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes from here (none is consumed)."""
+        return int(self._m.validate_tokens(list(tokens)))
+
+    def fill_bitmasks(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> None:
+        """Rows `row` .. `row + len(drafts)`: the tokens allowed here, then after each draft in turn (for
+        speculative decoding; the drafts are a `valid_prefix`). The matcher ends where it began."""
+        self.fill_bitmask(bitmask, row)
+        consumed = 0
+        for j, tok in enumerate(drafts):
+            if not self._m.is_stopped():  # a completed grammar takes only the end of sequence, unrecorded
+                if not self._m.consume_token(tok):
+                    raise RuntimeError(f"draft token {tok} is outside the grammar: {self._m.get_error()}")
+                consumed += 1
+            self.fill_bitmask(bitmask, row + 1 + j)
+        if consumed and not self._m.rollback(consumed):
+            raise RuntimeError(f"the grammar could not roll back {consumed} draft tokens: {self._m.get_error()}")
+
     @property
     def stopped(self) -> bool:
         """The grammar is complete and takes no further token."""

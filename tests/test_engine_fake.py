@@ -279,7 +279,7 @@ def test_a_token_the_grammar_refuses_aborts_only_its_request(loaded):
         def __init__(self):
             self.taken = []
 
-        def fill_bitmask(self, bitmask, row):
+        def fill_bitmasks(self, bitmask, row, drafts):
             pass  # all allowed
 
         def consume(self, tok):

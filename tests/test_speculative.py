@@ -281,28 +281,90 @@ def test_drafts_verified_beside_a_prefill_chunk(engines):
 
 
 @slow
-def test_a_constrained_request_is_not_drafted(engines):
+def test_constrained_requests_are_drafted_and_unchanged(engines):
+    """Under a JSON schema whose objects repeat their keys, drafts are proposed, cut where the grammar
+    refuses them, verified under each row's mask and taken: the outputs equal those without drafts (a
+    constrained request beside free ones), in fewer steps."""
     spec = engines.spec
-    prompts = _prompts(spec.tokenizer)
-    schema = {"type": "object", "properties": {"days": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
-              "required": ["days"]}
-    so = SamplingParams(temperature=0, max_tokens=60, structured_outputs=SO(json=schema))
+    tok = spec.tokenizer
+    prompts = _prompts(tok)[1:3] + [tok.encode_chat([{"role": "user", "content":
+                                                        "List the days of the week with their numbers, as JSON."}])]
+    so = SamplingParams(temperature=0, max_tokens=120, structured_outputs=SO(json=DAYS_SCHEMA))
     greedy = SamplingParams(temperature=0, max_tokens=60)
+    params = [greedy, greedy, so]
+    want = [o.outputs[0] for o in engines.base(prompts, params, checked=False)]
     asked = []
     plan = spec.drafter.plan
 
     def watch(scheduled, **kw):
-        pace_of = kw["pace_of"]
-        asked.extend(s.request_id for s in scheduled if s.is_decode and pace_of(s.request_id) is not None)
+        asked.extend(s.request_id for s in scheduled if s.is_decode and kw["pace_of"](s.request_id) is not None)
         return plan(scheduled, **kw)
 
-    want = [o.outputs[0].token_ids for o in engines.base(prompts[:3], [so, greedy, greedy], checked=False)]
     spec.drafter.plan = watch
     try:
-        got = serve_unchecked(spec, prompts[:3], [so, greedy, greedy])
+        got = serve_unchecked(spec, prompts, params)
     finally:
         del spec.drafter.plan
-    assert [o.outputs[0].token_ids for o in got] == want
-    assert isinstance(json.loads(got[0].outputs[0].text)["days"], list)
-    assert got[0].request_id not in asked and set(asked) == {got[1].request_id, got[2].request_id}
+    assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in got] == [(w.token_ids, w.text) for w in want]
+    days = json.loads(got[2].outputs[0].text)["days"]
+    assert len(days) >= 2 and got[2].outputs[0].finish_reason == "stop"
+    assert got[2].request_id in asked
     spec.check_integrity()
+    # Alone, the constrained answer takes drafts: fewer steps than tokens.
+    before, steps = spec.drafter.counters.spec_num_accepted_tokens, spec.runner.num_steps
+    alone = serve_unchecked(spec, prompts[2:], params[2:])[0].outputs[0]
+    assert alone.token_ids == want[2].token_ids
+    assert spec.drafter.counters.spec_num_accepted_tokens - before >= 5
+    assert spec.runner.num_steps - steps < len(alone.token_ids)
+    assert pool_is_full(spec)
+
+
+DAYS_SCHEMA = {"type": "object", "required": ["days"], "properties": {"days": {
+    "type": "array", "maxItems": 3, "items": {"type": "object", "required": ["name", "number"],
+                                              "additionalProperties": False, "properties": {
+        "name": {"type": "string"}, "number": {"type": "integer"}}}}}}
+
+
+def test_grammar_masks_along_drafts_and_back():
+    """Each draft row's mask is the grammar's after the drafts before it, as a matcher that took them
+    one by one computes; the matcher ends where it began; a completed grammar's rows allow only EOS."""
+    from jaxserve.loader import bundled_model_path
+    from jaxserve.structured_outputs import GrammarCompiler, bitmask_width
+    from jaxserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(bundled_model_path())
+    grammars = GrammarCompiler(tok, 49152)
+    ids = tok.encode('{"days": [{"name": "Monday", "number": 1}, {"name": "Tuesday", "number": 2}]}')
+    m = grammars.matcher(SO(json=DAYS_SCHEMA))
+    for t in ids[:5]:
+        assert m.consume(t)
+    drafts = ids[5:11]
+    eos = tok.eos_token_ids[0]
+    assert m.valid_prefix(drafts) == 6 and m.valid_prefix(drafts[:3] + [eos] + drafts[3:]) == 3  # not done yet
+    got = np.zeros((8, bitmask_width(49152)), np.int32)
+    m.fill_bitmasks(got, 1, drafts)
+    step = grammars.matcher(SO(json=DAYS_SCHEMA))
+    want = np.zeros_like(got)
+    for t in ids[:5]:
+        step.consume(t)
+    for j in range(len(drafts) + 1):
+        step.fill_bitmask(want, 1 + j)
+        if j < len(drafts):
+            step.consume(drafts[j])
+    np.testing.assert_array_equal(got, want)
+    assert len({got[r].tobytes() for r in range(1, 8)}) > 2  # the masks did move along the drafts
+    again = np.zeros_like(got)
+    m.fill_bitmask(again, 1)
+    np.testing.assert_array_equal(again[1], got[1])
+    assert m.valid_prefix(ids[5:]) == len(ids) - 5
+
+    done = grammars.matcher(SO(regex="(ab)+c"))
+    abc = tok.encode("ababc")
+    assert done.valid_prefix(abc + [eos, eos]) == len(abc) + 1
+    rows = np.zeros((len(abc) + 2, bitmask_width(49152)), np.int32)
+    done.fill_bitmasks(rows, 0, abc + [eos])
+    eos_only = np.zeros(bitmask_width(49152) * 32, np.uint8)
+    eos_only[eos] = 1
+    assert (rows[len(abc)] == np.packbits(eos_only, bitorder="little").view(np.int32)).all()
+    assert (rows[len(abc) + 1] == rows[len(abc)]).all()
+    assert done.valid_prefix(abc) == len(abc) and not done.stopped

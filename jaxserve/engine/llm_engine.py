@@ -294,14 +294,14 @@ class LLMEngine:
             return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
-        """Drafts for the plan's decodes (not those under a grammar), within the rows its step can add:
+        """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add:
         up to max_num_seqs for decodes alone, the padding of its token bucket beside a prefill chunk."""
         rc, sched, n, seq = self.runner.cfg, self.scheduler, len(plan.scheduled), self._seq
         T = rc.token_bucket(plan.num_batched_tokens)
         decode_only = all(s.is_decode for s in plan.scheduled)
         return self.drafter.plan(
             plan.scheduled, request_of=sched.get_request, reserve=sched.reserve_decode_pages,
-            pace_of=lambda rid: seq[rid].draft_pace if seq[rid].matcher is None else None,
+            pace_of=lambda rid: seq[rid].draft_pace, valid=lambda rid, d: seq[rid].valid_drafts(d),
             pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket,
             room=rc.max_num_seqs - n if decode_only else min(T - plan.num_batched_tokens, min(T, rc.max_num_seqs) - n))
 

@@ -65,6 +65,10 @@ class SeqState:
     flushed: bool = False  # the held-back text went out at the length limit
     draft_pace: DraftBackoff = field(default_factory=DraftBackoff)  # speculative decoding's pace
 
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many of these drafts (in order) the completion's grammar takes; all without one."""
+        return len(drafts) if self.matcher is None else self.matcher.valid_prefix(drafts)
+
     def accept(self, tok: int, out: Any, j: int, tokenizer: Any) -> bool:
         """Take a sampled token (index j of a step output row); True if it ends the completion.
 

@@ -22,8 +22,9 @@ How many drafts a step verifies is the `Drafter`'s choice: the most expected tok
 step, from the measured cost of each decode bucket and the running acceptance rate. A completion
 whose drafts were all rejected waits a few steps before it is drafted again (`DraftBackoff`).
 
-Requests under structured outputs are not drafted (the grammar's mask for each position depends
-on the token before it).
+Under structured outputs, drafts are cut at the first token the grammar refuses, and each draft
+row is sampled under the grammar's mask after the drafts before it (`GrammarMatcher.fill_bitmasks`),
+so a taken token is one the grammar allowed there, as without drafts.
 
 The lookup is incremental (`NgramIndex`, kept on the request): each n-gram's 64-bit hash is computed
 once, as its last token arrives, so a step compares one integer per earlier position (vectorized) and
@@ -241,12 +242,13 @@ class Drafter:
 
     def plan(self, scheduled: Sequence[ScheduledRequest], *, request_of: Callable[[str], Request],
              pace_of: Callable[[str], DraftBackoff | None], reserve: Callable[[str, int], int],
-             pages_of: Callable[[str], list[int]], room: int, seq_bucket: Callable[[int], int]) -> SpecStep | None:
+             pages_of: Callable[[str], list[int]], room: int, seq_bucket: Callable[[int], int],
+             valid: Callable[[str, list[int]], int] | None = None) -> SpecStep | None:
         """The step's drafts, with their pages reserved, or None when it verifies none.
 
-        `pace_of(request_id)` is None for a request that is not drafted (under a grammar);
-        `reserve(request_id, n)` covers up to n tokens (as `Scheduler.reserve_decode_pages`); `room`
-        is the rows the step can add."""
+        `pace_of(request_id)` is None for a request that is not drafted; `valid(request_id, drafts)`
+        is how many of the drafts its grammar takes; `reserve(request_id, n)` covers up to n tokens
+        (as `Scheduler.reserve_decode_pages`); `room` is the rows the step can add."""
         cfg, proposals = self.cfg, {}
         for s in scheduled:
             pace = pace_of(s.request_id) if s.is_decode else None
@@ -255,6 +257,8 @@ class Drafter:
                 if req.ngram_index is None:
                     req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                 d = req.ngram_index.sync(req).propose(cfg.num_speculative_tokens)
+                if d.size and valid is not None:
+                    d = d[:valid(s.request_id, d.tolist())]
                 if d.size:
                     proposals[s.request_id] = d
         counts = self.choose(len(scheduled), {rid: len(d) for rid, d in proposals.items()}, room,

@@ -65,9 +65,16 @@ def grammar_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqSta
         return None, None
     constrained = [q.matcher is not None and s.sample for q, s in zip(seqs, scheduled, strict=True)]
     bitmask = np.full((S, bitmask_width(vocab_size)), -1, np.int32)
-    for i, q in enumerate(seqs):
+    i = 0
+    while i < len(seqs):
+        # A drafted decode's rows follow it, one per draft (`speculative.draft_rows`): each row's mask
+        # is its grammar's after the drafts before it.
+        end = i + 1
+        while end < len(seqs) and scheduled[end].request_id == scheduled[i].request_id:
+            end += 1
         if constrained[i]:
-            q.matcher.fill_bitmask(bitmask, i)
+            seqs[i].matcher.fill_bitmasks(bitmask, i, [scheduled[r].token_ids[0] for r in range(i + 1, end)])
+        i = end
     return bitmask, constrained
 
 
