@@ -58,10 +58,13 @@ class ChatReplies:
     the server's tool-call parser, `reasoning` its reasoning parser (None: no reasoning split)."""
 
     def __init__(self, choice: ToolChoice | None, tools: ToolParser | None, reasoning: ReasoningParser | None,
-                 *, constrained: bool = False, include_reasoning: bool = True):
+                 *, constrained: bool = False, include_reasoning: bool = True,
+                 function_tools: list[dict[str, Any]] | None = None):
         if choice is not None and choice.mode == "auto" and tools is None:
             raise ValueError("tool_choice 'auto' needs a tool-call parser")
         self.choice, self.tools = choice, tools
+        # Each tool's parameter schema, for formats that write argument values untyped.
+        self.schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in function_tools or ()}
         self.reasoning = None if constrained or (choice is not None and choice.forced) else reasoning
         self.include_reasoning = include_reasoning
 
@@ -116,7 +119,7 @@ class ChatReplies:
     def _auto_delta(self, cursor: ChoiceCursor, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         assert self.tools is not None
         if cursor.tool_stream is None:
-            cursor.tool_stream = self.tools.stream()
+            cursor.tool_stream = self.tools.stream(self.schemas)
         content, calls = cursor.tool_stream.feed(text)
         if finish is not None:
             more, last = cursor.tool_stream.finish()
@@ -143,7 +146,7 @@ class ChatReplies:
         calls = None
         if choice is not None:
             assert self.tools is not None
-            content, found = self.tools.parse(text)
+            content, found = self.tools.parse(text, self.schemas)
             calls = self._auto_calls(found, 0) or None
         if (calls or reasoning is not None) and not content:
             content = None

@@ -283,7 +283,8 @@ class _Formatter:
         chat = isinstance(req, ChatRequest)
         self.replies = ChatReplies(req.tool_choice if chat else None, state.tool_parser, state.reasoning_parser,
                                    constrained=req.common.params.structured_outputs is not None,
-                                   include_reasoning=chat and req.include_reasoning)
+                                   include_reasoning=chat and req.include_reasoning,
+                                   function_tools=req.tools if chat else None)
 
     def _envelope(self, choices: list[dict], gen: Generation | None = None) -> dict:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",

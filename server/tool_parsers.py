@@ -9,6 +9,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `llama3_json` | a reply that is `{"name": ..., "parameters": {...}}` (several joined by `;`), after an optional `<|python_tag|>` | Llama 3.1 / 3.2 / 3.3 |
 | `mistral` | text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}`, or `[TOOL_CALLS]name[ARGS]{...}` per call | Mistral |
 | `pythonic` | a reply that is a Python list of calls, `[f(a=1), g(b="x")]` | Llama 3.2 / 4, ToolACE |
+| `qwen3_coder` | `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values typed by the tool's schema | Qwen3-Coder |
 
 A `ToolCallStream` reads a reply as it grows: text that cannot be the start of a call goes out as
 content at once; once a call starts, its text is held until it is whole, then it goes out as a call.
@@ -22,12 +23,15 @@ from __future__ import annotations
 import abc
 import ast
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
 
-ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+Schemas = Mapping[str, Any]  # a tool's name -> its parameters' JSON schema
 
 
 @dataclass(frozen=True)
@@ -98,15 +102,17 @@ class ToolParser(abc.ABC):
     keeps_special_tokens: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
-        """The calls in one region (`body` is what follows `opener`); None if it holds no valid call."""
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        """The calls in one region (`body` is what follows `opener`); None if it holds no valid call.
+        `schemas` maps each tool's name to its parameters' JSON schema, for formats that write values
+        untyped."""
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(self)
+    def stream(self, schemas: Schemas | None = None) -> ToolCallStream:
+        return ToolCallStream(self, schemas)
 
-    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+    def parse(self, text: str, schemas: Schemas | None = None) -> tuple[str, list[ParsedCall]]:
         """A whole reply's content and calls."""
-        s = self.stream()
+        s = self.stream(schemas)
         content, calls = s.feed(text)
         more, last = s.finish()
         return content + more, calls + last
@@ -117,7 +123,7 @@ class HermesParser(ToolParser):
     openers = ("<tool_call>",)
     closer = "</tool_call>"
 
-    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         return _json_calls(body)  # an object per tag, or SmolLM2's list of calls in one tag
 
 
@@ -127,7 +133,7 @@ class Llama3JsonParser(ToolParser):
     leading = True
     keeps_special_tokens = True
 
-    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         text = body if opener == "<|python_tag|>" else opener + body
         values = _json_values(text, separators=";")
         return None if values is None else _calls(values)
@@ -138,7 +144,7 @@ class MistralParser(ToolParser):
     openers = ("[TOOL_CALLS]",)
     keeps_special_tokens = True
 
-    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         if "[ARGS]" not in body:
             return _json_calls(body)
         calls = []
@@ -158,7 +164,7 @@ class PythonicParser(ToolParser):
     leading = True
     keeps_special_tokens = True
 
-    def parse_region(self, opener: str, body: str) -> list[ParsedCall] | None:
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         text = opener + body if opener == "[" else body
         text = text.strip().removesuffix("<|python_end|>").strip()
         try:
@@ -182,8 +188,73 @@ class PythonicParser(ToolParser):
         return calls
 
 
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+
+
+def _schema_type(schema: Any) -> str | None:
+    """The JSON type a parameter's schema names (the first besides null, in a list or an anyOf)."""
+    if not isinstance(schema, Mapping):
+        return None
+    kind = schema.get("type")
+    kinds = list(kind) if isinstance(kind, list) else [kind]
+    for option in schema.get("anyOf") or schema.get("oneOf") or ():
+        kinds.append(option.get("type") if isinstance(option, Mapping) else None)
+    return next((k for k in kinds if isinstance(k, str) and k != "null"), None)
+
+
+def _typed(raw: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema's type makes of it; the text itself when it is not
+    one (or the parameter has no schema), so nothing the model wrote is lost."""
+    kind = _schema_type(schema)
+    text = raw.strip()
+    if kind in (None, "string"):
+        return raw
+    if text == "null":
+        return None
+    if kind == "boolean" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        try:
+            value = ast.literal_eval(text) if kind in ("object", "array") else None
+        except (ValueError, SyntaxError):
+            value = None
+    wanted = {"integer": int, "number": (int, float), "object": dict, "array": list}.get(kind, object)
+    if value is None or isinstance(value, bool) or not isinstance(value, wanted):
+        return raw
+    return value
+
+
+class Qwen3CoderParser(ToolParser):
+    """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`: values are
+    untyped text (code, paths, JSON), typed by the tool's parameter schema."""
+
+    name = "qwen3_coder"
+    openers = ("<tool_call>",)
+    closer = "</tool_call>"
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        calls, rest = [], body
+        for fn in _FUNCTION.finditer(body):
+            name = fn.group(1).strip()
+            props = (schemas.get(name) or {}).get("properties") or {}
+            args = {}
+            for param in _PARAMETER.finditer(fn.group(2)):
+                value = param.group(2)
+                value = value[1:] if value.startswith("\n") else value  # the newlines the format puts
+                value = value[:-1] if value.endswith("\n") else value  # around each value
+                args[param.group(1).strip()] = _typed(value, props.get(param.group(1).strip()))
+            if not name or _PARAMETER.sub("", fn.group(2)).strip():
+                return None  # text between the parameters: not this format
+            calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
+            rest = rest.replace(fn.group(0), "", 1)
+        return calls if calls and not rest.strip() else None
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                           PythonicParser)}
+                                                           PythonicParser, Qwen3CoderParser)}
 
 
 def tool_parser(name: str) -> ToolParser:
@@ -196,8 +267,9 @@ def tool_parser(name: str) -> ToolParser:
 class ToolCallStream:
     """Splits one growing reply into content and calls (see the module docstring)."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, schemas: Schemas | None = None):
         self.parser = parser
+        self.schemas: Schemas = schemas or {}
         self.buf = ""  # text read and not yet given out
         self.mode: Literal["start", "content", "region"] = "start" if parser.leading else "content"
         self.opener = ""
@@ -256,7 +328,7 @@ class ToolCallStream:
                     break
                 body = self.buf if end < 0 else self.buf[:end]
                 self.buf = "" if end < 0 else self.buf[end + len(p.closer):]
-                found = p.parse_region(self.opener, body)
+                found = p.parse_region(self.opener, body, self.schemas)
                 if found:
                     self.made_calls = True
                     self._space = ""

@@ -53,16 +53,33 @@ CASES = [
     ("pythonic", "[1, 2] is a list", "[1, 2] is a list", []),
     ("pythonic", "[f(*args)]", "[f(*args)]", []),
     ("pythonic", "Say [get_weather(city='Paris')]", "Say [get_weather(city='Paris')]", []),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                    "</tool_call>", "", [W]),
+    ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n<parameter=hours>\n"
+                    "[1, 2]\n</parameter>\n<parameter=dst>\nTrue\n</parameter>\n</function>\n</tool_call>",
+     "Checking.", [W, T]),
+    # Unclosed parameters and an unclosed function at the end of the reply.
+    ("qwen3_coder", "<tool_call><function=get_time><parameter=zone>CET<parameter=hours>[1, 2]<parameter=dst>true",
+     "", [T]),
+    ("qwen3_coder", '<tool_call>{"name": "get_weather"}</tool_call>', '<tool_call>{"name": "get_weather"}</tool_call>',
+     []),
+    ("qwen3_coder", "<tool_call><function=get_weather>so<parameter=city>Paris</parameter></function></tool_call>",
+     "<tool_call><function=get_weather>so<parameter=city>Paris</parameter></function></tool_call>", []),
 ]
+# The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
+SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
+           "get_time": {"type": "object", "properties": {"zone": {"type": "string"}, "hours": {"type": "array"},
+                                                         "dst": {"type": "boolean"}}}}
 
 
 @pytest.mark.parametrize("name, reply, content, calls", CASES)
 def test_parsers_find_the_calls_and_lose_no_text(name, reply, content, calls):
-    assert tool_parser(name).parse(reply) == (content, calls)
+    assert tool_parser(name).parse(reply, SCHEMAS) == (content, calls)
 
 
 def _streamed(name: str, reply: str, cuts: list[int]) -> tuple[str, list[ParsedCall]]:
-    stream = tool_parser(name).stream()
+    stream = tool_parser(name).stream(SCHEMAS)
     content, calls, at = "", [], 0
     for cut in sorted(cuts) + [len(reply)]:
         more, found = stream.feed(reply[at:cut])
@@ -92,7 +109,44 @@ def test_stream_gives_content_at_once_and_each_call_when_whole():
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+
+
+def test_qwen3_coder_values_take_their_schema_types_or_stay_text():
+    """Each value is typed by its parameter's schema (a list of types or an anyOf counts its first non-null);
+    text that is not of the type, or a parameter the schema does not name, stays the text written; a
+    value's surrounding newlines are the format's, the rest (code) is kept."""
+    props = {"n": {"type": "integer"}, "x": {"type": ["number", "null"]}, "ok": {"type": "boolean"},
+             "cfg": {"anyOf": [{"type": "null"}, {"type": "object"}]}, "ids": {"type": "array"},
+             "s": {"type": "string"}, "bad": {"type": "integer"}, "none": {"type": "integer"}}
+    params = {"n": "42", "x": "2.5", "ok": "false", "cfg": "{'a': 1, 'b': [True]}", "ids": "[1, 2]", "s": "007",
+              "bad": "4x", "none": "null", "extra": "7", "code": "\ndef f():\n    return 1\n\n"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    _, calls = tool_parser("qwen3_coder").parse(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>",
+                                               {"f": {"type": "object", "properties": props}})
+    assert [c.name for c in calls] == ["f"]
+    assert json.loads(calls[0].arguments) == {
+        "n": 42, "x": 2.5, "ok": False, "cfg": {"a": 1, "b": [True]}, "ids": [1, 2], "s": "007", "bad": "4x",
+        "none": None, "extra": "7", "code": "\ndef f():\n    return 1\n\n"}
+    # Without schemas every value is text.
+    _, calls = tool_parser("qwen3_coder").parse("<tool_call><function=f><parameter=n>42</parameter></function>"
+                                                "</tool_call>")
+    assert calls[0].arguments == '{"n": "42"}'
+
+
+def test_chat_reply_types_qwen3_coder_values_by_the_request_tools():
+    from jaxserve.outputs import CompletionOutput
+    from server.chat_replies import ChatReplies
+    from server.constraints import ToolChoice
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": SCHEMAS[n]}} for n in SCHEMAS]
+    text = ("<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n<parameter=hours>\n[1, 2]\n"
+            "</parameter>\n<parameter=dst>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    replies = ChatReplies(ToolChoice("auto"), tool_parser("qwen3_coder"), None, function_tools=tools)
+    message, finish = replies.message(CompletionOutput(0, text, [], None, None, "stop"))
+    assert finish == "tool_calls" and message["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        {"zone": "CET", "hours": [1, 2], "dst": True}]
 
 
 def test_server_config_and_chat_template_flag(tmp_path):
