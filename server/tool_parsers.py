@@ -255,6 +255,7 @@ class Qwen3CoderParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                            PythonicParser, Qwen3CoderParser)}
+PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 
 def tool_parser(name: str) -> ToolParser:
