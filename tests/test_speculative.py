@@ -40,7 +40,7 @@ def test_incremental_index_proposes_what_the_full_lookup_does(monkeypatch, colli
     from jaxserve.engine import speculative
 
     if collide:
-        monkeypatch.setattr(speculative, "_HASH_MUL", np.uint64(0))
+        monkeypatch.setattr(speculative, "_HASH_MUL", np.uint32(0))
     rng = np.random.default_rng(7)
     checked = found = 0
     for trial in range(12):

@@ -26,7 +26,7 @@ Under structured outputs, drafts are cut at the first token the grammar refuses,
 row is sampled under the grammar's mask after the drafts before it (`GrammarMatcher.fill_bitmasks`),
 so a taken token is one the grammar allowed there, as without drafts.
 
-The lookup is incremental (`NgramIndex`, kept on the request): each n-gram's 64-bit hash is computed
+The lookup is incremental (`NgramIndex`, kept on the request): each n-gram's 32-bit hash is computed
 once, as its last token arrives, so a step compares one integer per earlier position (vectorized) and
 converts no token list; a hash match is confirmed on the tokens themselves.
 
@@ -62,7 +62,7 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
     return tokens[:0]
 
 
-_HASH_MUL = np.uint64(0x9E3779B97F4A7C15)
+_HASH_MUL = np.uint32(0x9E3779B1)
 
 
 class NgramIndex:
@@ -73,8 +73,9 @@ class NgramIndex:
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
         self.size = 0
-        self.tokens = np.empty(64, np.int64)
-        self.codes = {n: np.empty(64, np.uint64) for n in range(n_min, n_max + 1)}  # by window start
+        self.tokens = np.empty(64, np.int32)
+        # 32-bit hashes (a match is confirmed on the tokens): 4 + 4 * (n_max - n_min + 1) bytes a token.
+        self.codes = {n: np.empty(64, np.uint32) for n in range(n_min, n_max + 1)}  # by window start
 
     def extend(self, new: Sequence[int]) -> None:
         """Append tokens and hash the windows they complete."""
@@ -90,10 +91,10 @@ class NgramIndex:
         for n, codes in self.codes.items():
             lo, hi = max(old - n + 1, 0), self.size - n + 1  # starts of the windows ending in the new tokens
             if hi > lo:
-                windows = np.lib.stride_tricks.sliding_window_view(self.tokens[lo:self.size], n).astype(np.uint64)
-                h = np.zeros(hi - lo, np.uint64)
+                windows = np.lib.stride_tricks.sliding_window_view(self.tokens[lo:self.size], n).astype(np.uint32)
+                h = np.zeros(hi - lo, np.uint32)
                 for j in range(n):
-                    h = h * _HASH_MUL + windows[:, j] + np.uint64(1)
+                    h = h * _HASH_MUL + windows[:, j] + np.uint32(1)
                 codes[lo:hi] = h
 
     def sync(self, request: Request) -> NgramIndex:
