@@ -47,8 +47,10 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use (1 = all).", s.kv_cache_usage)
         info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
-                                 labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype"])
-        info.add_metric([self._model, str(s.page_size), str(s.num_pages), s.kv_cache_dtype], 1)
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype",
+                                         "calculate_kv_scales"])
+        info.add_metric([self._model, str(s.page_size), str(s.num_pages), s.kv_cache_dtype,
+                         str(s.calculate_kv_scales)], 1)
         yield info
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)

@@ -218,7 +218,7 @@ def test_engine_with_calculated_scales():
     ref = _greedy(LLMEngine(ARGS.replace(kv_cache_dtype="auto"), loaded=_loaded(params),
                                         progress=False), prompts)
     engine = LLMEngine(ARGS.replace(calculate_kv_scales=True), loaded=_loaded(params), progress=False)
-    assert engine.model.config.kv_cache_scales
+    assert engine.model.config.kv_cache_scales and engine.stats().calculate_kv_scales  # /metrics' label
     scales = [float(lp.k_scale) for lp in engine.model.params.layers]
     assert all(s > 10 for s in scales), scales  # |K| ~ 1e4 over a quarter of 448
     got = _greedy(engine, prompts)

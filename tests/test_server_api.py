@@ -244,7 +244,7 @@ def test_metrics_names(server, client):
                  "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
         assert f'\n{name}{{' in text, name
     assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in text
-    assert 'cache_dtype="auto"' in text
+    assert 'cache_dtype="auto"' in text and 'calculate_kv_scales="False"' in text  # vLLM's labels and values
     assert 'block_size="16"' in text and 'num_gpu_blocks="256"' in text
 
 

@@ -387,7 +387,7 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             compilations_after_warmup=self.runner.compilations_after_warmup,
             step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
-            kv_cache_dtype=self.args.kv_cache_dtype,
+            kv_cache_dtype=self.args.kv_cache_dtype, calculate_kv_scales=self.args.calculate_kv_scales,
             **dataclasses.asdict(self.drafter.counters if self.drafter else SpecCounters()),
         )
 

@@ -38,6 +38,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0  # draft tokens proposed
     spec_num_accepted_tokens: int = 0  # draft tokens the model's own samples confirmed
     kv_cache_dtype: str = "auto"  # as configured (`--kv-cache-dtype`), vLLM's `cache_dtype`
+    calculate_kv_scales: bool = False  # float8 KV scales measured at start-up (`--calculate-kv-scales`)
 
 
 @dataclass
