@@ -236,21 +236,22 @@ class Qwen3CoderParser(ToolParser):
     closer = "</tool_call>"
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        calls, rest = [], body
+        if _FUNCTION.sub("", body).strip():
+            return None  # text beside the functions: not this format
+        calls = []
         for fn in _FUNCTION.finditer(body):
             name = fn.group(1).strip()
+            if not name or _PARAMETER.sub("", fn.group(2)).strip():
+                return None  # text between the parameters
             props = (schemas.get(name) or {}).get("properties") or {}
             args = {}
             for param in _PARAMETER.finditer(fn.group(2)):
-                value = param.group(2)
+                key, value = param.group(1).strip(), param.group(2)
                 value = value[1:] if value.startswith("\n") else value  # the newlines the format puts
                 value = value[:-1] if value.endswith("\n") else value  # around each value
-                args[param.group(1).strip()] = _typed(value, props.get(param.group(1).strip()))
-            if not name or _PARAMETER.sub("", fn.group(2)).strip():
-                return None  # text between the parameters: not this format
+                args[key] = _typed(value, props.get(key))
             calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
-            rest = rest.replace(fn.group(0), "", 1)
-        return calls if calls and not rest.strip() else None
+        return calls or None
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,

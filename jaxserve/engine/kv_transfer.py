@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import struct
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,17 +38,25 @@ if TYPE_CHECKING:
 LAYOUT_AXES = "layer,page,slot,kv_head,head_dim"
 
 
-def scales_digest(engine: LLMEngine) -> str:
-    """What identifies the float8 KV scales `engine` writes its pages with; "" when it uses none."""
-    layers = engine.runner.params.layers
-    if np.dtype(engine.kv_dtype).itemsize != 1 or not engine.model.config.kv_cache_scales:
-        return ""
-    import jax
+_SCALES_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    layers = layers if isinstance(layers, tuple) else (layers,)  # per layer, or stacked
-    k, v = jax.device_get(([lp.k_scale for lp in layers], [lp.v_scale for lp in layers]))
-    values = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (*k, *v)])
-    return hashlib.sha256(values.tobytes()).hexdigest()[:16]
+
+def scales_digest(engine: LLMEngine) -> str:
+    """What identifies the float8 KV scales `engine` writes its pages with; "" when it uses none. The
+    scales are fixed once the engine is built: read from the device once, not per transfer."""
+    if engine in _SCALES_DIGESTS:
+        return _SCALES_DIGESTS[engine]
+    digest = ""
+    if np.dtype(engine.kv_dtype).itemsize == 1 and engine.model.config.kv_cache_scales:
+        import jax
+
+        layers = engine.runner.params.layers
+        layers = layers if isinstance(layers, tuple) else (layers,)  # per layer, or stacked
+        k, v = jax.device_get(([lp.k_scale for lp in layers], [lp.v_scale for lp in layers]))
+        values = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (*k, *v)])
+        digest = hashlib.sha256(values.tobytes()).hexdigest()[:16]
+    _SCALES_DIGESTS[engine] = digest
+    return digest
 
 
 class TransferError(RuntimeError):
@@ -74,7 +83,6 @@ class KVLayout:
         k = kv.k  # [L, num_pages, page_size, Hkv, D]
         return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), int(k.shape[4]), str(np.dtype(kv.dtype)),
                    scales=scales_digest(engine))
-
 
     def page_shape(self, num_pages: int) -> tuple[int, ...]:
         """The shape of `num_pages` pages of keys (or values)."""
