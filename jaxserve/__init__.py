@@ -1,13 +1,15 @@
 """jaxserve: an LLM serving engine written in JAX."""
 
 from jaxserve.engine_args import EngineArgs
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolerConfig, PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "EmbeddingOutput"]
 
 
 def __getattr__(name: str):

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaxserve.pooling_params import PoolerConfig
+
 DType = Literal["auto", "float32", "bfloat16"]
 # vLLM's names: "fp8" is float8_e4m3fn (3 mantissa bits, finite up to 448); "fp8_e5m2" trades precision for range.
 KVCacheDType = Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
@@ -17,6 +19,7 @@ BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interp
 BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret")
 Policy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
+Runner = Literal["auto", "generate", "pooling"]
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,18 @@ class EngineArgs:
     # Speculative decoding (n-gram drafts; see jaxserve/engine/speculative.py). A JSON object or a
     # mapping is parsed into a `SpeculativeConfig`.
     speculative_config: SpeculativeConfig | None = None
+    # "pooling": the model computes embeddings (`jaxserve.engine.pooling_engine`), not generations;
+    # "auto" = "generate".
+    runner: Runner = "auto"
+    # How an embedding is pooled (a JSON object or a mapping, parsed into a `PoolerConfig`); runner pooling only.
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.pooler_config is not None and not isinstance(self.pooler_config, PoolerConfig):
+            object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        self._check_runner()
         def positive(name: str) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -145,6 +156,27 @@ class EngineArgs:
                              "converted_checkpoint_dir, which saves or restores real ones")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+
+    def _check_runner(self) -> None:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if self.runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config applies to embedding models; add runner 'pooling' (--runner pooling)")
+            return
+        for name, why in (("speculative_config", "speculative decoding"),
+                          ("converted_checkpoint_dir", "a converted checkpoint (it holds the generating model)")):
+            if getattr(self, name):
+                raise ValueError(f"runner 'pooling' computes embeddings; {why} ({name}) does not apply")
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine computes embeddings instead of generating."""
+        return self.runner == "pooling"
+
+    def pooler_config_for(self, model_path: str | None) -> PoolerConfig | None:
+        """The whole pooler config of a pooling engine over the model at `model_path`; None when generating."""
+        return (self.pooler_config or PoolerConfig()).resolve(model_path) if self.is_pooling else None
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -207,6 +239,12 @@ class EngineArgs:
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context, '
                             'verified in one step; outputs are unchanged)')
+        g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
+                       help="generate (auto), or pooling: serve the model's embeddings on /v1/embeddings")
+        g.add_argument("--pooler-config", default=None, metavar="JSON",
+                       help='embedding pooling with --runner pooling, e.g. \'{"pooling_type": "LAST", "normalize": true}\' '
+                            "(LAST, MEAN or CLS; default: the model's sentence-transformers config, else LAST, "
+                            "normalized)")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--strict-compile", action="store_true",
                        help="raise if anything compiles after warmup")

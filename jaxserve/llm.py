@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict[str, Any]
@@ -37,18 +39,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            if isinstance(prompt, dict):
-                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        return self._run(self._add_all(prompts, params, priority), use_tqdm)
 
     def chat(
         self,
@@ -73,6 +66,42 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order;
+        the model must run as an embedding model (`runner="pooling"`)."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        params = list(pooling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._run(self._add_all(prompts, params), use_tqdm)
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]
+        return list(prompts)
+
+    def _add_all(self, prompts: list[Prompt], params: Sequence[Any], priority: Sequence[int] | None = None
+                 ) -> list[str]:
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        return ids
+
     @staticmethod
     def _params_list(sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -84,8 +113,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
+        results: dict[str, Any] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

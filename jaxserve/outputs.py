@@ -81,3 +81,27 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With `SamplingParams.prompt_logprobs`: None for the first prompt token, then each prompt
     token's entry (its own logprob first, then the top ones), once the prompt is computed."""
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """A prompt's embedding (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result (vLLM's `EmbeddingRequestOutput`): `outputs` is None until `finished`,
+    and stays None for an aborted request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+    metrics: RequestMetrics | None = None

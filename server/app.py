@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from server.config import ServerConfig
 from server.constraints import tools_and_choice
+from server.embeddings import embeddings
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
 from server.middleware import ApiMiddleware
@@ -191,6 +192,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/kv_events", kv_events, methods=["GET"]),

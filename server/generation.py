@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from server.state import ServerState
 
@@ -27,7 +28,12 @@ class Job:
     engine_id: str
     prompt_ids: list[int]
     prompt_text: str | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
+
+
+def generated_tokens(out: Any) -> int:
+    """Tokens an output's completions hold; an embedding's output holds none."""
+    return sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
 
 
 class ClientDisconnected(Exception):
@@ -131,7 +137,7 @@ class Generation:
 
     def _observe(self, i: int, out: RequestOutput) -> None:
         now = time.time()
-        total = sum(len(c.token_ids) for c in out.outputs)
+        total = generated_tokens(out)
         new = total - self._tokens[i]
         if new > 0:
             if self._ttft[i] is None:
@@ -154,7 +160,7 @@ class Generation:
         for job, out in zip(self.jobs, self.latest, strict=True):
             prompt += len(job.prompt_ids)
             if out is not None:
-                completion += sum(len(c.token_ids) for c in out.outputs)
+                completion += generated_tokens(out)
                 cached += out.metrics.num_cached_tokens if out.metrics is not None else 0
         return prompt, completion, cached
 

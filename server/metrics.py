@@ -103,9 +103,12 @@ class ServerMetrics:
     def observe_finished(self, out: RequestOutput, ttft_s: float | None, e2e_s: float) -> None:
         """Record one finished request (server-measured TTFT and e2e; queue time from the engine)."""
         name = self.model_name
-        for c in out.outputs:
-            if c.finish_reason is not None:
-                self.request_success.labels(name, c.finish_reason).inc()
+        # An embedding's output carries no completions: it stopped with its vector, or was aborted.
+        reasons = ([c.finish_reason for c in out.outputs] if isinstance(out, RequestOutput)
+                   else ["stop" if out.outputs is not None else "abort"])
+        for reason in reasons:
+            if reason is not None:
+                self.request_success.labels(name, reason).inc()
         if ttft_s is not None:
             self.ttft.labels(name).observe(ttft_s)
         self.e2e.labels(name).observe(e2e_s)

@@ -20,7 +20,8 @@ from typing import Any
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import EngineStats, LLMEngine
 from jaxserve.engine_args import EngineArgs
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,13 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._inbox.put(_Abort(request_id))
+
+    async def encode(self, prompt: str | list[int], pooling_params: PoolingParams | None, request_id: str, *,
+                     priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[EmbeddingRequestOutput]:
+        """An embedding model's `generate`: yields the request's output once, finished, with its embedding."""
+        async for out in self.generate(prompt, pooling_params or PoolingParams(), request_id, priority=priority,
+                                       cache_salt=cache_salt):
+            yield out
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

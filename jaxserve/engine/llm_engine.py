@@ -29,13 +29,7 @@ from jaxserve.engine.model_loading import (
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
-from jaxserve.engine.runner import (
-    InFlightStep,
-    ModelRunner,
-    RunnerConfig,
-    StepOutput,
-    default_layer_loop,
-)
+from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.speculative import Drafter, SpecCounters, SpecStep, row_outputs
@@ -64,6 +58,13 @@ Launched = tuple[SchedulerOutput, InFlightStep, list[PromptChunk], SpecStep | No
 class LLMEngine:
     """Continuous batching over the paged KV cache of one model."""
 
+    def __new__(cls, args: EngineArgs | None = None, *rest, **kw):
+        if cls is LLMEngine and args is not None and args.is_pooling:  # an embedding model's engine
+            from jaxserve.engine.pooling_engine import PoolingEngine
+
+            return super().__new__(PoolingEngine)
+        return super().__new__(cls)
+
     def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, progress: bool = True):
         self.args = args = args or EngineArgs()
         enable_compile_cache(args.compile_cache_dir)
@@ -74,6 +75,8 @@ class LLMEngine:
         plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
+        # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
+        self.pooler_config = args.pooler_config_for(self.model.path)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params),
                                    kv_shards=plan.kv_shards if plan else 1)
         usable_tokens = (num_pages - 1) * args.page_size
@@ -107,7 +110,8 @@ class LLMEngine:
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
-                         max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend)),
+                         max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend),
+                         pooling_type=self.pooler_config.pooling_type if self.pooler_config else None),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -161,6 +165,9 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"this engine generates; {type(params).__name__} needs an embedding model "
+                             "(runner 'pooling', --runner pooling)")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize_prompt(prompt)

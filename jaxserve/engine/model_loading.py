@@ -89,6 +89,10 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     dummy = args.load_format == "dummy"
     ckpt = open_checkpoint(path, weights=not dummy)
     cfg = ckpt.config()
+    if args.is_pooling and not cfg.tie_word_embeddings:
+        # An embedding model never reads its vocabulary head: leave it unloaded (embedding checkpoints often
+        # ship without one); the unused logits of the step read the embedding instead and are compiled away.
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     dtype = resolve_dtype(args)
     tokenizer = checkpoint_tokenizer(path, ckpt)
     plan = _parallel_plan(args, cfg)

@@ -63,6 +63,8 @@ class Request:
     read_prefix_cache: bool = True
     """False: compute every prompt token (prompt logprobs need each position's logits); the
     request's pages still go to the cache for others."""
+    pooling: bool = False
+    """An embedding request: it ends when its prompt is computed, sampling nothing (`max_tokens` unused)."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine.logprobs import PromptLogprobInputs, PromptLogprobs, prompt_logprobs, top_logprobs
 from jaxserve.engine.penalties import PenaltyInputs, penalty_arrays, update_counts
+from jaxserve.engine.pooler import pool_step
 from jaxserve.engine.sampler import SamplingTensors, sample
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
@@ -72,6 +73,8 @@ class RunnerConfig:
     layer_loop: LayerLoop = "scan"
     """How a step runs the decoder layers: ``"scan"`` (one compiled layer, stacked weights) or
     ``"unroll"`` (one per layer, weights split per layer; see `unstack_layers`)."""
+    pooling_type: str | None = None
+    """An embedding model's pooling (`pooler.pool_step` replaces both step functions), or None."""
 
     @property
     def pages_per_seq(self) -> int:
@@ -197,8 +200,8 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
 class InFlightStep:
     """A step dispatched to the device whose outputs are not yet on the host."""
 
-    kind: Literal["mixed", "decode"]
-    outputs: StepOutput  # device arrays
+    kind: Literal["mixed", "decode", "pool"]
+    outputs: StepOutput | jax.Array  # device arrays
     dispatched_at: float  # perf_counter
     rows: int  # sequence rows in use (decode: rows with steps to run; mixed: the bucket's rows)
 
@@ -224,7 +227,7 @@ class ModelRunner:
         self.kv = kv
         self.cfg = cfg
         top_k = cfg.max_logprobs
-        mixed_layout, decode_layout = {}, {}
+        mixed_layout, decode_layout, pool_layout = {}, {}, {}
         if shardings is not None:
             # Fixed layouts for every argument, so warmup and serving hit the same executables.
             rep = shardings.replicated
@@ -233,6 +236,7 @@ class ModelRunner:
                                 out_shardings=(rep, shardings.kv))
             decode_layout = dict(in_shardings=(param_shardings, shardings.kv, rep, rep, rep, rep),
                                  out_shardings=(rep, shardings.kv))
+            pool_layout = dict(in_shardings=(param_shardings, shardings.kv, rep), out_shardings=(rep, shardings.kv))
         self.supports_prompt_logprobs = "return_hidden" in inspect.signature(model_fn).parameters
         """Whether the model returns its hidden states, which prompt logprobs need."""
         self._mixed = jax.jit(
@@ -245,6 +249,11 @@ class ModelRunner:
                               n_max=cfg.num_scheduler_steps, model_fn=model_fn),
             donate_argnums=(1,), **decode_layout,
         )
+        self._pool = jax.jit(
+            functools.partial(pool_step, cfg=model_cfg, backend=cfg.backend, pooling_type=cfg.pooling_type,
+                              model_fn=model_fn),
+            donate_argnums=(1,), **pool_layout,
+        ) if cfg.pooling_type else None
         self._no_penalty: dict[int, PenaltyInputs] = {}
         self._no_prompt_logprobs: dict[int, PromptLogprobInputs] = {}
         self._baseline_compiles: int | None = None
@@ -255,7 +264,7 @@ class ModelRunner:
     # -- compile accounting ------------------------------------------------------------------------
 
     def num_compilations(self) -> int:
-        return self._mixed._cache_size() + self._decode._cache_size()
+        return sum(f._cache_size() for f in (self._mixed, self._decode, self._pool) if f is not None)
 
     @property
     def compilations_after_warmup(self) -> int:
@@ -272,19 +281,23 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket of both step functions; returns the seconds it took."""
         t0 = time.perf_counter()
-        shapes = [("mixed", t) for t in self.cfg.token_buckets] + [("decode", s) for s in self.cfg.seq_buckets]
+        shapes = ([("pool", t) for t in self.cfg.token_buckets] if self._pool is not None else
+                  [("mixed", t) for t in self.cfg.token_buckets] + [("decode", s) for s in self.cfg.seq_buckets])
         it = shapes
         if progress:
             from tqdm.auto import tqdm
 
             it = tqdm(shapes, desc="Compiling shape buckets", unit="bucket", leave=False)
         for kind, size in it:
-            if kind == "mixed":
+            if kind != "decode":
                 S = min(size, self.cfg.max_num_seqs)
                 seqs = [([0], 0, [0])]  # one token into the reserved page
                 inputs = ModelInputs.build(seqs, self.cfg.page_size, num_tokens=size, num_seqs=S,
                                            pages_per_seq=self.cfg.pages_per_seq)
-                self.run_mixed(inputs, self._inert_sampling(S), None, want_top=False)
+                if kind == "pool":
+                    self.fetch(self.dispatch_pool(inputs))
+                else:
+                    self.run_mixed(inputs, self._inert_sampling(S), None, want_top=False)
             else:
                 st = self._inert_decode_state(size)
                 self.run_decode(st, self._inert_sampling(size), None, want_top=False)
@@ -369,6 +382,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         out, self.kv = self._decode(self.params, self.kv, st, sampling, pen, np.bool_(want_top))
         return InFlightStep("decode", out, t0, int(np.sum(np.asarray(st.max_steps) > 0)))
+
+    def dispatch_pool(self, inputs: ModelInputs) -> InFlightStep:
+        """Start an embedding model's step (`pooler.pool_step`); its outputs are [S, E] pooled rows."""
+        t0 = time.perf_counter()
+        out, self.kv = self._pool(self.params, self.kv, inputs)
+        return InFlightStep("pool", out, t0, inputs.block_tables.shape[0])
 
     def fetch(self, step: InFlightStep) -> StepOutput:
         """The step's outputs on the host (the one device-to-host transfer of a step).

@@ -81,13 +81,14 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is already queued")
         if request.status is not RequestStatus.WAITING or request.pages or request.output_token_ids:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
-        if request.num_prompt_tokens >= cfg.max_model_len:
+        if request.num_prompt_tokens >= cfg.max_model_len + request.pooling:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no room "
                 f"to generate within max_model_len={cfg.max_model_len}"
             )
-        # A request's last token never has its KV computed, hence the -1.
-        longest = min(request.num_prompt_tokens + request.max_tokens, cfg.max_model_len) - 1
+        # A request's last token never has its KV computed, hence the -1; an embedding's prompt is all computed.
+        longest = (request.num_prompt_tokens if request.pooling
+                   else min(request.num_prompt_tokens + request.max_tokens, cfg.max_model_len) - 1)
         if pages_needed(longest, cfg.page_size) > self.pool.num_usable_pages:
             raise ValueError(
                 f"request {request.request_id!r} may need {pages_needed(longest, cfg.page_size)} KV pages, "
@@ -308,6 +309,12 @@ class Scheduler:
                     raise ValueError(f"{s.request_id!r} did not sample in this step (prefill chunk)")
                 request.num_computed_tokens += s.num_new_tokens
                 continue
+            if request.pooling:  # its prompt is computed: the embedding is out
+                if tokens:
+                    raise ValueError(f"{s.request_id!r} is an embedding request; it samples no token")
+                request.num_computed_tokens += s.num_new_tokens
+                finished.append(self._finish(request, RequestStatus.FINISHED_STOPPED))
+                continue
             if not tokens:
                 raise ValueError(f"{s.request_id!r} sampled in this step but no token was given")
             room = min(request.max_tokens - request.num_output_tokens, cfg.max_model_len - request.num_tokens)
@@ -329,13 +336,16 @@ class Scheduler:
                 if not s.is_decode:
                     self._cache_unfinished(request)
                 continue
-            self.running.remove(request)
-            self._release(request)
-            request.status = status
-            del self._requests[s.request_id]
-            self._finished_ids.append(s.request_id)
-            finished.append(request)
+            finished.append(self._finish(request, status))
         return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> Request:
+        self.running.remove(request)
+        self._release(request)
+        request.status = status
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+        return request
 
     # -- checking --------------------------------------------------------------------------------
 

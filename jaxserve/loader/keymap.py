@@ -101,6 +101,15 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
             "down_proj": ("layers.we_down", (E, Fe))}
 
 
+_BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
+
+
+def canonical_name(name: str) -> str:
+    """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
+    (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix."""
+    return "model." + name if _BACKBONE_RE.match(name) else name
+
+
 def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     """Where HF tensor `name` goes; None for names that carry no parameter (e.g. inv_freq)."""
     if _IGNORED.search(name):
@@ -179,6 +188,7 @@ class WeightAssembler:
 
     def add(self, name: str, tensor: np.ndarray) -> None:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes."""
+        name = canonical_name(name)
         target = hf_target(name, self.cfg)
         if target is None:
             return

@@ -1,0 +1,145 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings API, with vLLM's extras, for a model run with `--runner pooling`.
+
+`input` is a string, a list of strings, a list of token ids or a list of such lists (one embedding
+each, in order), or, as vLLM also takes, `messages` rendered with the chat template. Extras:
+`truncate_prompt_tokens` (keep the last N tokens), `add_special_tokens` (default true for `input`,
+false for `messages`), `normalize`, `priority`. `encoding_format` "base64" sends each vector as
+little-endian float32 bytes, as OpenAI's clients decode it.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxserve.pooling_params import PoolingParams
+from server.constraints import tools_and_choice
+from server.errors import ApiError, bad_field
+from server.generation import ClientDisconnected, Generation, Job, race_disconnect
+from server.protocol import check_messages, get_bool, get_int, get_str
+from server.serving import read_json
+
+_KNOWN = {"input", "messages", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+          "add_special_tokens", "normalize", "priority", "chat_template_kwargs", "add_generation_prompt", "tools"}
+
+
+def _inputs(value: Any) -> list[str | list[int]]:
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(value, str) or ids(value):
+        inputs: list = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
+        inputs = value
+    else:
+        raise bad_field("input", "'input' must be a string, a list of strings, a list of token ids or a list of "
+                                 "token id lists, and not empty", "invalid_type")
+    if any(p == "" for p in inputs):
+        raise bad_field("input", "'input' must not contain empty strings")
+    return inputs
+
+
+def _prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
+    """Each input's token ids (a chat's rendered prompt for `messages`); 400 for any that cannot be embedded."""
+    tok = state.engine.tokenizer
+    if ("input" in body) == ("messages" in body):
+        raise bad_field("input", "send exactly one of 'input' and 'messages'", "missing_required_parameter")
+    if "messages" in body:
+        tools, _ = tools_and_choice({"tools": body.get("tools"), "tool_choice": "none"})
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, Mapping):
+            raise bad_field("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+        try:
+            text = tok.apply_chat_template(check_messages(body["messages"]), tools=tools,
+                                           add_generation_prompt=get_bool(body, "add_generation_prompt", False),
+                                           chat_template=state.config.chat_template, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
+        return [tok.encode(text, add_special_tokens=get_bool(body, "add_special_tokens", False))]
+    special = get_bool(body, "add_special_tokens", True)
+    out = []
+    for i, item in enumerate(_inputs(body["input"])):
+        ids = tok.encode(item, add_special_tokens=special) if isinstance(item, str) else list(item)
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise bad_field("input", f"input[{i}] has token id {bad[0]}, outside the vocabulary (size {tok.vocab_size})")
+        out.append(ids)
+    return out
+
+
+def _params(body: Mapping[str, Any], max_model_len: int) -> PoolingParams:
+    normalize = body.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise bad_field("normalize", f"'normalize' must be a boolean, got {normalize!r}", "invalid_type")
+    truncate = get_int(body, "truncate_prompt_tokens", None, -1)
+    if truncate == 0:
+        raise bad_field("truncate_prompt_tokens", "'truncate_prompt_tokens' must be -1 (the model's length) or >= 1")
+    return PoolingParams(dimensions=get_int(body, "dimensions", None, 1), normalize=normalize,
+                         truncate_prompt_tokens=max_model_len if truncate == -1 else truncate)
+
+
+def _fit(ids: list[int], params: PoolingParams, max_model_len: int, i: int) -> list[int]:
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        if keep > max_model_len:
+            raise bad_field("truncate_prompt_tokens", f"'truncate_prompt_tokens' {keep} exceeds the model's maximum "
+                                                      f"context length {max_model_len}")
+        ids = ids[-keep:]
+    if len(ids) > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, input[{i}] has "
+                            f"{len(ids)} tokens. Shorten it, or set truncate_prompt_tokens.", param="input",
+                       code="context_length_exceeded")
+    return ids
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode() if fmt == "base64" else vector
+
+
+async def embeddings(request: Request) -> Response:
+    """`POST /v1/embeddings`."""
+    state = request.app.state.server
+    state.check_serving()
+    arrival = time.time()
+    body = await read_json(request, state.config.max_request_body_bytes)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for /v1/embeddings", "unknown_parameter")
+    state.check_model(get_str(body, "model"))
+    fmt = get_str(body, "encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad_field("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
+    max_len = state.engine.max_model_len
+    params = _params(body, max_len)
+    prompts = [_fit(ids, params, max_len, i) for i, ids in enumerate(_prompts(state, body))]
+    params = PoolingParams(params.dimensions, params.normalize)  # truncated here, where the token counts are known
+    request_id = request.scope["state"]["request_id"]
+    jobs = [Job(state.engine_id(request_id if len(prompts) == 1 else f"{request_id}-{i}"), ids, None, params)
+            for i, ids in enumerate(prompts)]
+    state.admit(len(jobs))
+    log = request.scope.setdefault("state", {}).setdefault("access", {})
+    gen = Generation(state, jobs, priority=get_int(body, "priority", 0), cache_salt=None, arrival=arrival, log=log)
+    try:
+        outs = await race_disconnect(request.receive, gen.collect())
+    except ValueError as e:  # the engine refused an input (or serves no embeddings)
+        raise ApiError(400, str(e), code="invalid_request") from e
+    except ClientDisconnected:
+        log["disconnected"] = True
+        return Response(status_code=499)
+    finally:
+        await gen.close()
+    n = sum(len(ids) for ids in prompts)
+    return JSONResponse({
+        "id": f"embd-{request_id}", "object": "list", "created": int(arrival), "model": state.model_name,
+        "data": [{"index": i, "object": "embedding", "embedding": _encode(out.outputs.embedding, fmt)}
+                 for i, out in enumerate(outs)],
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    })
