@@ -138,6 +138,11 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     np.testing.assert_allclose(tp2, single, rtol=1e-6)
     assert all(s != 1.0 for pair in single for s in pair)
     assert r["fp8_compiles_after_warmup"] == 0
+    # An embedding model's pooling step, sharded: the same vectors, nothing compiled after warmup.
+    pooled = r["pooled"]
+    assert len(pooled["single"]) == len(PROMPTS) and all(len(v) == 64 for v in pooled["single"])
+    np.testing.assert_allclose(pooled["tp2"], pooled["single"], atol=1e-5)
+    assert pooled["tp2_compiles_after_warmup"] == 0 and pooled["single_compiles_after_warmup"] == 0
 
 
 def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(results):

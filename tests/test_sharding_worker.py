@@ -178,6 +178,18 @@ def _generate(engine, prompts, max_tokens: int = 12) -> list[list[int]]:
     return [final[str(i)] for i in range(len(prompts))]
 
 
+def _embed(engine, prompts) -> list[list[float]]:
+    from jaxserve.pooling_params import PoolingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, PoolingParams())
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((out.request_id, out.outputs.embedding) for out in engine.step())
+    engine.check_integrity()
+    return [final[str(i)] for i in range(len(prompts))]
+
+
 def case_engine() -> dict:
     """Greedy generation through the engine, one device vs TP=2, with compile counts after warmup."""
     from jaxserve.engine.llm_engine import LLMEngine
@@ -197,7 +209,14 @@ def case_engine() -> dict:
     fp8_ref = _generate(fp8_single, PROMPTS)
     fp8_tp2 = LLMEngine(EngineArgs(**fp8, tensor_parallel_size=2, strict_compile=True), loaded=loaded, progress=False)
     scales = [[float(lp.k_scale), float(lp.v_scale)] for e in (fp8_single, fp8_tp2) for lp in e.model.params.layers]
+    pooled = {}  # an embedding model's step (chunked prompts, last-token pooling), one device vs TP=2
+    for name, tp in (("single", 1), ("tp2", 2)):
+        engine = LLMEngine(EngineArgs(**ENGINE_ARGS, runner="pooling", tensor_parallel_size=tp, strict_compile=True),
+                           loaded=loaded, progress=False)
+        pooled[name] = _embed(engine, PROMPTS)
+        pooled[name + "_compiles_after_warmup"] = engine.stats().compilations_after_warmup
     return {
+        "pooled": pooled,
         "ref": ref, "tp2": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
         "single_compiles_after_warmup": single.stats().compilations_after_warmup,
         "tp2_devices": len(sharded.runner.kv.k.sharding.device_set), "tp2_warmup_s": warm,
