@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from jaxserve.engine.runner import MAX_STOP_IDS
 from jaxserve.sampling_params import SamplingParams
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int,
+                     add_special_tokens: bool = False) -> list[int]:
+    """A prompt's token ids: text tokenized, ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    ids = [int(t) for t in prompt]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, max_model_len: int, max_logprobs: int,

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxserve.engine.admission import check_request
+from jaxserve.engine.admission import check_request, prompt_token_ids
 from jaxserve.engine.kv_scales import with_kv_cache_dtype
 from jaxserve.engine.model_loading import (
     LoadedModel,
@@ -32,7 +32,7 @@ from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.speculative import Drafter, SpecCounters, SpecStep, row_outputs
+from jaxserve.engine.speculative import Drafter, SpecCounters, SpecStep, decode_costs, row_outputs
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
@@ -133,7 +133,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
         spec, lone = args.speculative_config, args.warmup and args.num_processes == 1
-        self.drafter = Drafter(spec, self.runner.decode_costs() if lone else None) if spec else None
+        self.drafter = Drafter(spec, decode_costs(self.runner) if lone else None) if spec else None
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -144,15 +144,8 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
+    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+        return prompt_token_ids(self.tokenizer, prompt, self.model.config.vocab_size, add_special_tokens)
 
     def add_request(
         self,

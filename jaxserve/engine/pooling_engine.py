@@ -81,8 +81,7 @@ class PoolingEngine(LLMEngine):
                              f"generations; pass PoolingParams, not {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = (self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str)
-               else self.tokenize_prompt(prompt))
+        ids = self.tokenize_prompt(prompt, add_special_tokens=True)
         if not ids:
             raise ValueError("the input has no tokens")
         keep = params.truncate_prompt_tokens

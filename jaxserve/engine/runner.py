@@ -297,34 +297,19 @@ class ModelRunner:
                 if kind == "pool":
                     self.fetch(self.dispatch_pool(inputs))
                 else:
-                    self.run_mixed(inputs, self._inert_sampling(S), None, want_top=False)
+                    self.run_mixed(inputs, self.inert_sampling(S), None, want_top=False)
             else:
-                st = self._inert_decode_state(size)
-                self.run_decode(st, self._inert_sampling(size), None, want_top=False)
+                st = self.inert_decode_state(size)
+                self.run_decode(st, self.inert_sampling(size), None, want_top=False)
         self._baseline_compiles = self.num_compilations()
         return time.perf_counter() - t0
 
-    def decode_costs(self, repeats: int = 2) -> dict[int, float]:
-        """Seconds of one decode step with every row of each sequence bucket active (the best of
-        `repeats`): what speculative decoding weighs its drafts against."""
-        costs = {}
-        for S in self.cfg.seq_buckets:
-            st = dataclasses.replace(self._inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
-            sampling = self._inert_sampling(S)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                self.run_decode(st, sampling, None, want_top=False)  # into the reserved page 0
-                times.append(time.perf_counter() - t0)
-            costs[S] = min(times)
-        return costs
-
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _inert_sampling(self, S: int) -> SamplingTensors:
+    def inert_sampling(self, S: int) -> SamplingTensors:
         return SamplingTensors.from_params([], [], S, self.model_cfg.vocab_size, [])
 
-    def _inert_decode_state(self, S: int) -> DecodeState:
+    def inert_decode_state(self, S: int) -> DecodeState:
         P = self.cfg.pages_per_seq
         return DecodeState(
             tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32), block_tables=np.zeros((S, P), np.int32),

@@ -37,8 +37,11 @@ tokens, with logits at each, would read them once.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -306,3 +309,19 @@ def row_outputs(step: SpecStep, token_ids: Mapping[str, list[int]]) -> list[list
         out.extend(base + d[:j + 1] for j in range(len(d)))
         i += 1 + len(d)
     return out
+
+
+def decode_costs(runner: Any, repeats: int = 2) -> dict[int, float]:
+    """Seconds of one decode step with every row of each sequence bucket active (the best of
+    `repeats`, on a `ModelRunner`): what the drafter weighs its drafts against."""
+    costs = {}
+    for S in runner.cfg.seq_buckets:
+        st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
+        sampling = runner.inert_sampling(S)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.run_decode(st, sampling, None, want_top=False)  # into the reserved page 0
+            times.append(time.perf_counter() - t0)
+        costs[S] = min(times)
+    return costs
