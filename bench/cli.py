@@ -47,6 +47,42 @@ def _run_offline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_embed(sub) -> None:
+    from bench.workloads import DEFAULT_PROMPTS, WorkloadSpec
+
+    p = sub.add_parser("embed", help="an embedding model's throughput (--runner pooling), against HF transformers",
+                       description="Embeddings/s and prompt tokens/s of the model run as an embedding model, for "
+                                   "each batch size (texts from the workload, the fixed chat prompts by default), "
+                                   "with --hf-peer next to transformers' backbone on the same token ids.")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(max_num_seqs=256)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256], help="texts submitted at once, per run")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (the median is reported)")
+    g.add_argument("--hf-peer", action="store_true", help="also time transformers (torch, CPU) on the same inputs")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=["fixed", "random"], default="fixed")
+    w.add_argument("--dataset-path", default=None, help=f"fixed: JSONL of chat prompts (default {DEFAULT_PROMPTS})")
+    w.add_argument("--random-input-len", type=int, default=WorkloadSpec().random_input_len)
+    g.add_argument("--result-file", default=None, help="where to write the JSON (default bench/results/)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _run_embed(ns: argparse.Namespace) -> int:
+    from bench.embed import EmbedConfig, format_report, run_embed
+    from bench.offline import write_result
+    from bench.workloads import WorkloadSpec
+
+    spec = WorkloadSpec(name=ns.workload, dataset_path=ns.dataset_path, random_input_len=ns.random_input_len,
+                        random_range_ratio=0.0, seed=ns.seed)
+    cfg = EmbedConfig(batch_sizes=tuple(ns.batch_sizes), workload=spec, repeats=ns.repeats, hf_peer=ns.hf_peer)
+    result = run_embed(EngineArgs.from_cli_args(ns), cfg, progress=not ns.quiet,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_report(result))
+    print(f"wrote {write_result(result, ns.result_file, 'embed')}")
+    return 0
+
+
 def _workload_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
     from bench.workloads import DEFAULT_PROMPTS, WORKLOADS, WorkloadSpec
 
@@ -203,12 +239,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_offline(sub)
     _add_serve(sub)
     _add_compare(sub)
+    _add_embed(sub)
     return parser
 
 
 def run_bench(ns: argparse.Namespace) -> int:
     """Dispatch a parsed `jaxserve bench ...` command line."""
-    handlers = {"offline": _run_offline, "serve": _run_serve, "compare": _run_compare}
+    handlers = {"offline": _run_offline, "serve": _run_serve, "compare": _run_compare, "embed": _run_embed}
     if ns.bench_command is None:
         print("usage: jaxserve bench {" + ",".join(handlers) + "} ...", file=sys.stderr)
         return 2

@@ -168,6 +168,9 @@ class EngineArgs:
                           ("converted_checkpoint_dir", "a converted checkpoint (it holds the generating model)")):
             if getattr(self, name):
                 raise ValueError(f"runner 'pooling' computes embeddings; {why} ({name}) does not apply")
+        if self.num_processes > 1:
+            raise ValueError("runner 'pooling' runs on one host (its devices split by -tp/-dp); a cluster of "
+                             "num_processes > 1 serves generation only")
 
     @property
     def is_pooling(self) -> bool:

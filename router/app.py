@@ -43,6 +43,11 @@ async def completions(request: Request) -> Response:
     return await _router(request).generate(request, "completion")
 
 
+async def embeddings(request: Request) -> Response:
+    """`POST /v1/embeddings` through a picked worker."""
+    return await _router(request).embed(request)
+
+
 async def models(request: Request) -> Response:
     """`GET /v1/models` as a worker answers it."""
     return await _router(request).passthrough(request, "GET", request.url.path)
@@ -164,6 +169,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", tokenize, methods=["POST"]),
         Route("/v1/requests/{request_id:path}/trace", request_trace, methods=["GET"]),

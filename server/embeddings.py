@@ -24,6 +24,7 @@ from server.errors import ApiError, bad_field
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect
 from server.protocol import check_messages, get_bool, get_int, get_str
 from server.serving import read_json
+from server.trace import attach_tracer, summarize_request
 
 _KNOWN = {"input", "messages", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
           "add_special_tokens", "normalize", "priority", "chat_template_kwargs", "add_generation_prompt", "tools"}
@@ -114,6 +115,9 @@ async def embeddings(request: Request) -> Response:
     if unknown:
         raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for /v1/embeddings", "unknown_parameter")
     state.check_model(get_str(body, "model"))
+    store = request.app.state.trace
+    attach_tracer(store, state.engine)
+    store.record(request.scope["state"]["request_id"], "L1", "received", summarize_request("embedding", body))
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise bad_field("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")

@@ -29,7 +29,15 @@ import tokenizers
 from tokenizers import AddedToken, models, pre_tokenizers
 
 from jaxserve.engine.request_state import EngineStats
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
+from jaxserve.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    token_logprobs,
+)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
@@ -163,10 +171,17 @@ class FakeAsyncEngine:
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs of `request_id`; the last has `finished=True`."""
+        """Yield cumulative outputs of `request_id`; the last has `finished=True`. `PoolingParams` get one
+        output: an 8-value embedding that is a function of the prompt's ids."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        if isinstance(sampling_params, PoolingParams):
+            self.submitted.append((request_id, ids, sampling_params, priority, cache_salt))
+            vec = [math.sin(sum(ids) * (k + 1)) for k in range(8)]
+            yield EmbeddingRequestOutput(request_id, None, ids, EmbeddingOutput(vec), True,
+                                         RequestMetrics(arrival_time=time.time()))
+            return
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(ids)

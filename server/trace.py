@@ -71,8 +71,8 @@ def summarize_request(kind: str, body: Any) -> dict[str, Any]:
     if kind == "chat" and isinstance(body.get("messages"), list):
         out["messages"] = len(body["messages"])
         out["prompt_chars"] = sum(len(str(m.get("content") or "")) for m in body["messages"] if isinstance(m, dict))
-    elif "prompt" in body:
-        p = body["prompt"]
+    elif "prompt" in body or "input" in body:
+        p = body.get("prompt", body.get("input"))
         out["prompt_chars" if isinstance(p, str) else "prompt_items"] = len(p) if hasattr(p, "__len__") else 0
     for key in ("model", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
                 "seed", "priority", "cache_salt"):

@@ -173,6 +173,7 @@ def test_refusals_name_the_problem(engines, tiny):
         (dict(runner="pooling", pooler_config={"pooling_type": "max"}), "pooling_type must be one of LAST, MEAN, CLS"),
         (dict(runner="pooling", pooler_config='{"pooling": "LAST"}'), "unknown keys pooling"),
         (dict(runner="pooling", speculative_config={"method": "ngram"}), "speculative decoding"),
+        (dict(runner="pooling", num_processes=2, coordinator_address="127.0.0.1:1"), "runs on one host"),
     ):
         with pytest.raises(ValueError, match=match):
             EngineArgs(**args)
@@ -255,6 +256,10 @@ def test_llm_embed_and_openai_client(tiny):
                 assert resp.json()["error"]["param"] == param, (bad, resp.text)
             refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "t5", "max_tokens": 2})
             assert refused.status_code == 400 and "not generations" in refused.json()["error"]["message"]
+            traced = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "t5"}, headers={"x-request-id": "emb-1"})
+            assert traced.status_code == 200
+            events = [(r["layer"], r["event"]) for r in httpx.get(f"{srv.url}/v1/requests/emb-1/trace").json()["records"]]
+            assert events == [("L1", "received"), ("L4", "queued"), ("L4", "finished")]
             metrics = httpx.get(f"{srv.url}/metrics").text
             assert 'vllm:request_success_total{finished_reason="stop"' in metrics
     finally:
@@ -284,3 +289,23 @@ def test_real_model_embeddings_equal_hf(smollm_path, smollm_f32, hf_smollm, chat
             cos = float(got @ ref / np.linalg.norm(ref))
             assert cos > 0.99999, (kind, i, cos)
             np.testing.assert_allclose(got, ref / np.linalg.norm(ref), atol=2e-4)
+
+
+def test_bench_embed_does_the_work_it_reports(tiny, monkeypatch):
+    import bench.embed
+    from bench.embed import EmbedConfig, format_report, run_embed
+
+    # The tiny model's word-level vocabulary (t2 ... t63) cannot spell the workloads' texts: texts of its words,
+    # each starting with its own word so that no two share a cached page.
+    rng = np.random.default_rng(5)
+    texts = [" ".join(f"t{t}" for t in [10 + i, *rng.integers(2, VOCAB, 15 + 3 * i)]) for i in range(6)]
+    monkeypatch.setattr(bench.embed, "_texts", lambda spec, tok, n: texts[:n])
+    cfg = EmbedConfig(batch_sizes=(1, 6), repeats=2, hf_peer=True)
+    result = run_embed(EngineArgs(model=tiny[0], **ARGS), cfg, progress=False, log=lambda _m: None)
+    assert [r["batch"] for r in result["runs"]] == [1, 6]
+    for r in result["runs"]:
+        assert r["cached_tokens"] == 0  # no run reuses another's pages
+        assert r["prompt_tokens"] >= 15 * r["batch"] and len(r["seconds"]) == 2
+        assert r["min_cosine_vs_hf"] > 0.99999  # both systems computed the same embeddings
+    assert result["compilations_after_warmup"] == 0
+    assert "| 6 |" in format_report(result)

@@ -238,6 +238,17 @@ def test_round_robin_streams_pass_through_chunk_by_chunk(cluster):
     assert cluster.client.get("/v1/models").json()["data"][0]["id"] == "fake-model"
 
 
+def test_embeddings_pass_through_to_both_workers(cluster):
+    body = {"model": "fake-model", "input": ["one two", "three"], "encoding_format": "float"}
+    via = cluster.client.post("/v1/embeddings", json=body)
+    direct = cluster.client.post(cluster.servers[0].url + "/v1/embeddings", json=body)
+    assert via.status_code == 200 and via.json()["data"] == direct.json()["data"]
+    assert [len(d["embedding"]) for d in via.json()["data"]] == [8, 8]
+    assert {cluster.worker_of(cluster.client.post("/v1/embeddings", json=body)) for _ in range(4)} == {0, 1}
+    bad = cluster.client.post("/v1/embeddings", json={"input": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
 @pytest.mark.parametrize("cluster", [{"policy": "session"}], indirect=True)
 def test_session_policy_is_sticky(cluster):
     for session in ("alice", "bob", "carol", "dave"):

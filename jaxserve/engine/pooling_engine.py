@@ -106,6 +106,9 @@ class PoolingEngine(LLMEngine):
         self._groups[request_id] = group
         self._seq_group[request_id] = group
         self.prompt_tokens += len(ids)
+        if self.trace is not None:
+            self.trace(request_id, "L4", "queued", {"prompt_tokens": len(ids), "pooling": pc.pooling_type,
+                                                     "waiting": self.scheduler.num_waiting})
 
     def _check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is None:
@@ -153,5 +156,8 @@ class PoolingEngine(LLMEngine):
             group.finished = True
             group.metrics.first_token_time = group.metrics.finished_time = now
             group.metrics.num_cached_tokens = request.num_cached_tokens
+            if self.trace is not None:
+                self.trace(group.request_id, "L4", "finished", {"cached_tokens": request.num_cached_tokens,
+                                                                "dimensions": len(group.embedding)})
             outputs.append(group.output())
         return outputs
