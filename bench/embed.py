@@ -1,12 +1,12 @@
 """`jaxserve bench embed`: an embedding model's throughput, against HF transformers on the same inputs.
 
 One engine with `runner="pooling"`. The texts are the workload's (the fixed chat prompts by default:
-each chat's messages joined, or the random workload's raw prompts), tokenized with the model's
+each chat's messages joined, or the random workload's raw prompts), each led by its number so that the
+fixed workload's repeats (it cycles its prompts) share no cached page, tokenized with the model's
 special tokens. For each batch size B, the first B texts are submitted at once and run to the end;
 embeddings/s and prompt tokens/s are over the wall time from the first in to the last out, the median
-of `repeats` runs. The prefix cache is emptied before every run, so no run reuses another's work (the
-prompt tokens read from the cache are reported: texts that share a prefix reuse it within a run, as
-they would when served).
+of `repeats` runs. The prefix cache is emptied before every run, so no run reuses another's work; the
+prompt tokens read from the cache are reported, and tokens/s counts only the tokens computed.
 
 With `hf_peer`, transformers' backbone (`AutoModel`, float32, torch on the same CPU) embeds the same
 token ids as sentence-transformers batches them: sorted by length, padded per batch of B, pooled with
@@ -49,7 +49,8 @@ class EmbedConfig:
 
 def _texts(spec: WorkloadSpec, tokenizer: Any, n: int) -> list[str]:
     requests = list(dataclasses.replace(spec, num_prompts=n).build(tokenizer))[:n]
-    return ["\n".join(str(m["content"]) for m in r.messages) if r.is_chat else r.prompt for r in requests]
+    return [f"{i + 1}. " + ("\n".join(str(m["content"]) for m in r.messages) if r.is_chat else r.prompt)
+            for i, r in enumerate(requests)]
 
 
 def _embed_all(engine: Any, prompts: list[list[int]]) -> tuple[float, list[list[float]], int]:
@@ -140,8 +141,8 @@ def run_embed(engine_args: Any, cfg: EmbedConfig, progress: bool = True, log=pri
             times.append(seconds)
             cached += c
         run: dict[str, Any] = {"batch": b, "prompt_tokens": tokens, "seconds": times,
-                               "embeddings_per_s": b / statistics.median(times),
-                               "tokens_per_s": tokens / statistics.median(times), "cached_tokens": cached}
+                               "embeddings_per_s": b / statistics.median(times), "cached_tokens": cached,
+                               "tokens_per_s": (tokens - cached / cfg.repeats) / statistics.median(times)}
         if cfg.hf_peer:
             peer = [_hf_peer(engine.model.path, batch, b, pc.pooling_type, pc.normalize) for _ in range(cfg.repeats)]
             run["hf_seconds"] = [s for s, _ in peer]
