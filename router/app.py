@@ -43,9 +43,9 @@ async def completions(request: Request) -> Response:
     return await _router(request).generate(request, "completion")
 
 
-async def embeddings(request: Request) -> Response:
-    """`POST /v1/embeddings` through a picked worker."""
-    return await _router(request).embed(request)
+async def pooling(request: Request) -> Response:
+    """`POST /v1/embeddings`, `/score`, `/rerank` through a picked worker."""
+    return await _router(request).pooling(request)
 
 
 async def models(request: Request) -> Response:
@@ -169,7 +169,8 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        *(Route(path, pooling, methods=["POST"]) for path in
+          ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", tokenize, methods=["POST"]),
         Route("/v1/requests/{request_id:path}/trace", request_trace, methods=["GET"]),

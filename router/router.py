@@ -254,11 +254,11 @@ class Router:
             return await self.pd.generate(request_id, path, raw, body, headers, stream, info, ids)
         return await self.forward(request_id, path, raw, headers, stream, info)
 
-    async def embed(self, request: Request) -> Response:
-        """An embeddings request to the least-loaded worker (no prefix is reused across requests' pages here)."""
+    async def pooling(self, request: Request) -> Response:
+        """An embedding model's request (embeddings, score, rerank) to the least-loaded worker, at its own path."""
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         info = RouteRequest(session=request.headers.get(self.config.session_header))
-        return await self.forward(request.state.request_id, "/v1/embeddings", await request.body(), headers, False,
+        return await self.forward(request.state.request_id, request.url.path, await request.body(), headers, False,
                                   info)
 
     async def passthrough(self, request: Request, method: str, path: str) -> Response:

@@ -21,6 +21,7 @@ from server.kv_feed import KVEventFeed, kv_events
 from server.middleware import ApiMiddleware
 from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
 from server.protocol import check_messages, get_bool, get_str
+from server.scores import rerank, score
 from server.serving import handle_generate, read_json
 from server.state import ServerState
 from server.trace import TraceStore, attach_tracer, request_trace, summarize_request
@@ -193,6 +194,8 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        *(Route(path, score, methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/kv_events", kv_events, methods=["GET"]),

@@ -74,7 +74,7 @@ def _prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
     return out
 
 
-def _params(body: Mapping[str, Any], max_model_len: int) -> PoolingParams:
+def request_pooling_params(body: Mapping[str, Any], max_model_len: int) -> PoolingParams:
     normalize = body.get("normalize")
     if normalize is not None and not isinstance(normalize, bool):
         raise bad_field("normalize", f"'normalize' must be a boolean, got {normalize!r}", "invalid_type")
@@ -85,7 +85,7 @@ def _params(body: Mapping[str, Any], max_model_len: int) -> PoolingParams:
                          truncate_prompt_tokens=max_model_len if truncate == -1 else truncate)
 
 
-def _fit(ids: list[int], params: PoolingParams, max_model_len: int, i: int) -> list[int]:
+def fit_prompt(ids: list[int], params: PoolingParams, max_model_len: int, i: int, param: str = "input") -> list[int]:
     keep = params.truncate_prompt_tokens
     if keep is not None:
         if keep > max_model_len:
@@ -93,8 +93,8 @@ def _fit(ids: list[int], params: PoolingParams, max_model_len: int, i: int) -> l
                                                       f"context length {max_model_len}")
         ids = ids[-keep:]
     if len(ids) > max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, input[{i}] has "
-                            f"{len(ids)} tokens. Shorten it, or set truncate_prompt_tokens.", param="input",
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, {param}[{i}] has "
+                            f"{len(ids)} tokens. Shorten it, or set truncate_prompt_tokens.", param=param,
                        code="context_length_exceeded")
     return ids
 
@@ -103,47 +103,76 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode() if fmt == "base64" else vector
 
 
-async def embeddings(request: Request) -> Response:
-    """`POST /v1/embeddings`."""
+class _Gone(Exception):
+    """The client left before its vectors were ready."""
+
+
+async def open_request(request: Request, known: set[str], kind: str) -> tuple[Any, dict[str, Any], float]:
+    """(server state, checked JSON body, arrival time) of a pooling endpoint's request, recorded at L1."""
     state = request.app.state.server
     state.check_serving()
     arrival = time.time()
     body = await read_json(request, state.config.max_request_body_bytes)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
-    unknown = sorted(set(body) - _KNOWN)
+    unknown = sorted(set(body) - known)
     if unknown:
-        raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for /v1/embeddings", "unknown_parameter")
+        raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for {request.url.path}", "unknown_parameter")
     state.check_model(get_str(body, "model"))
     store = request.app.state.trace
     attach_tracer(store, state.engine)
-    store.record(request.scope["state"]["request_id"], "L1", "received", summarize_request("embedding", body))
-    fmt = get_str(body, "encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise bad_field("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
-    max_len = state.engine.max_model_len
-    params = _params(body, max_len)
-    prompts = [_fit(ids, params, max_len, i) for i, ids in enumerate(_prompts(state, body))]
-    params = PoolingParams(params.dimensions, params.normalize)  # truncated here, where the token counts are known
+    store.record(request.scope["state"]["request_id"], "L1", "received", summarize_request(kind, body))
+    return state, body, arrival
+
+
+async def embed_prompts(request: Request, state: Any, prompts: list[list[int]], params: PoolingParams,
+                        priority: int, arrival: float) -> list[list[float]]:
+    """The engine's vector for each prompt, in order; raises `_Gone` if the client disconnects."""
     request_id = request.scope["state"]["request_id"]
     jobs = [Job(state.engine_id(request_id if len(prompts) == 1 else f"{request_id}-{i}"), ids, None, params)
             for i, ids in enumerate(prompts)]
     state.admit(len(jobs))
     log = request.scope.setdefault("state", {}).setdefault("access", {})
-    gen = Generation(state, jobs, priority=get_int(body, "priority", 0), cache_salt=None, arrival=arrival, log=log)
+    gen = Generation(state, jobs, priority=priority, cache_salt=None, arrival=arrival, log=log)
     try:
         outs = await race_disconnect(request.receive, gen.collect())
     except ValueError as e:  # the engine refused an input (or serves no embeddings)
         raise ApiError(400, str(e), code="invalid_request") from e
-    except ClientDisconnected:
+    except ClientDisconnected as e:
         log["disconnected"] = True
-        return Response(status_code=499)
+        raise _Gone() from e
     finally:
         await gen.close()
+    return [out.outputs.embedding for out in outs]
+
+
+def pooling_endpoint(handler: Any) -> Any:
+    """`handler` with a client that left answered by a 499."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except _Gone:
+            return Response(status_code=499)
+    endpoint.__doc__ = handler.__doc__
+    return endpoint
+
+
+@pooling_endpoint
+async def embeddings(request: Request) -> Response:
+    """`POST /v1/embeddings`."""
+    state, body, arrival = await open_request(request, _KNOWN, "embedding")
+    fmt = get_str(body, "encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad_field("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
+    max_len = state.engine.max_model_len
+    params = request_pooling_params(body, max_len)
+    prompts = [fit_prompt(ids, params, max_len, i) for i, ids in enumerate(_prompts(state, body))]
+    params = PoolingParams(params.dimensions, params.normalize)  # truncated here, where the token counts are known
+    vectors = await embed_prompts(request, state, prompts, params, get_int(body, "priority", 0), arrival)
     n = sum(len(ids) for ids in prompts)
     return JSONResponse({
-        "id": f"embd-{request_id}", "object": "list", "created": int(arrival), "model": state.model_name,
-        "data": [{"index": i, "object": "embedding", "embedding": _encode(out.outputs.embedding, fmt)}
-                 for i, out in enumerate(outs)],
+        "id": f"embd-{request.scope['state']['request_id']}", "object": "list", "created": int(arrival),
+        "model": state.model_name,
+        "data": [{"index": i, "object": "embedding", "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)],
         "usage": {"prompt_tokens": n, "total_tokens": n},
     })

@@ -260,6 +260,33 @@ def test_llm_embed_and_openai_client(tiny):
             assert traced.status_code == 200
             events = [(r["layer"], r["event"]) for r in httpx.get(f"{srv.url}/v1/requests/emb-1/trace").json()["records"]]
             assert events == [("L1", "received"), ("L4", "queued"), ("L4", "finished")]
+            # Score and rerank: cosines of the embeddings LLM.embed gave.
+            unit = [np.asarray(o.outputs.embedding) for o in outs[:2]]
+            cos = float(unit[0] @ unit[1])
+            sc = httpx.post(f"{srv.url}/score", json={"text_1": texts[0], "text_2": [texts[1], texts[0]]}).json()
+            assert [d["index"] for d in sc["data"]] == [0, 1] and sc["data"][0]["object"] == "score"
+            np.testing.assert_allclose([d["score"] for d in sc["data"]], [cos, 1.0], atol=1e-6)
+            assert sc["usage"]["prompt_tokens"] == 8  # each distinct text embedded once
+            pairs = httpx.post(f"{srv.url}/v1/score", json={"text_1": texts, "text_2": texts[::-1]}).json()
+            np.testing.assert_allclose([d["score"] for d in pairs["data"]], [cos, cos], atol=1e-6)
+            docs = ["t30 t31", texts[0], {"text": texts[1]}, "t5 t6 t8"]
+            rr = httpx.post(f"{srv.url}/v1/rerank", json={"query": texts[0], "documents": docs, "top_n": 3}).json()
+            ranked = [r["index"] for r in rr["results"]]
+            assert len(ranked) == 3 and ranked[0] == 1 and rr["results"][0]["document"] == {"text": texts[0]}
+            got = [r["relevance_score"] for r in rr["results"]]
+            assert got == sorted(got, reverse=True) and got[0] == pytest.approx(1.0, abs=1e-6)
+            everything = httpx.post(f"{srv.url}/rerank", json={"query": texts[0], "documents": docs,
+                                                               "return_documents": False}).json()["results"]
+            assert len(everything) == 4 and "document" not in everything[0]
+            np.testing.assert_allclose(next(r["relevance_score"] for r in everything if r["index"] == 2), cos,
+                                       atol=1e-6)
+            for path, bad, param in (("/score", {"text_1": ["t5", "t6"], "text_2": ["t7"]}, "text_2"),
+                                     ("/score", {"text_1": "t5"}, "text_2"),
+                                     ("/rerank", {"query": "t5", "documents": []}, "documents"),
+                                     ("/rerank", {"query": ["t5"], "documents": ["t6"]}, "query"),
+                                     ("/rerank", {"query": "t5", "documents": ["t6"], "top_n": -1}, "top_n")):
+                resp = httpx.post(f"{srv.url}{path}", json=bad)
+                assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, bad, resp.text)
             metrics = httpx.get(f"{srv.url}/metrics").text
             assert 'vllm:request_success_total{finished_reason="stop"' in metrics
     finally:

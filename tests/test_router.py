@@ -247,6 +247,10 @@ def test_embeddings_pass_through_to_both_workers(cluster):
     assert {cluster.worker_of(cluster.client.post("/v1/embeddings", json=body)) for _ in range(4)} == {0, 1}
     bad = cluster.client.post("/v1/embeddings", json={"input": []})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+    rerank = {"query": "one", "documents": ["two", "one", "three"]}
+    via, direct = (c.post(u + "/v1/rerank", json=rerank).json() for c, u in ((cluster.client, ""),
+                                                                           (cluster.client, cluster.servers[1].url)))
+    assert via["results"] == direct["results"] and via["results"][0]["index"] == 1
 
 
 @pytest.mark.parametrize("cluster", [{"policy": "session"}], indirect=True)
