@@ -7,9 +7,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -84,6 +86,32 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self._run(self._add_all(prompts, params), use_tqdm)
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The cosine similarity of each pair's embeddings: `text_1` against each of `text_2` when it is one
+        text, else element by element (the `/score` endpoint's pairing). Each distinct text is embedded once."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(first) != len(second):
+            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or lists "
+                             "of the same length")
+        distinct = list(dict.fromkeys(first + second))
+        params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = dict(zip(distinct, self.embed(distinct, params, use_tqdm=use_tqdm), strict=True))
+        results = []
+        for a, b in zip(first, second, strict=True):
+            u, v = np.asarray(outs[a].outputs.embedding, np.float64), np.asarray(outs[b].outputs.embedding, np.float64)
+            results.append(ScoringRequestOutput(str(next(self._ids)), outs[a].prompt_token_ids + outs[b].prompt_token_ids,
+                                                ScoringOutput(float(np.clip(u @ v, -1.0, 1.0)))))
+        return results
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -105,3 +105,20 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput | None
     finished: bool
     metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """A text pair's score (vLLM's `ScoringOutput`)."""
+
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """One pair's result from `LLM.score`: `prompt_token_ids` holds both texts' ids, the first's then the second's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

@@ -227,6 +227,12 @@ def test_llm_embed_and_openai_client(tiny):
         np.testing.assert_allclose(o.outputs.embedding, hf_pooled(tiny[1], o.prompt_token_ids, "LAST"), atol=3e-6)
     with pytest.raises(ValueError, match="not generations"):
         llm.generate("t5", SamplingParams(max_tokens=2), use_tqdm=False)
+    scored = llm.score(texts[0], [texts[1], texts[0]], use_tqdm=False)
+    cos = float(np.dot(outs[0].outputs.embedding, outs[1].outputs.embedding))
+    np.testing.assert_allclose([s.outputs.score for s in scored], [cos, 1.0], atol=1e-6)
+    assert scored[0].prompt_token_ids == [5, 6, 7, 9, 9, 10, 11, 12]
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(texts, texts + texts[:1], use_tqdm=False)
     engine = AsyncEngine(llm.engine)
     try:
         with serve_in_thread(engine, ServerConfig(port=0)) as srv:

@@ -20,6 +20,7 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.engine.logprobs import PromptLogprobInputs
 from jaxserve.engine.penalties import PenaltyInputs
+from jaxserve.engine.pooler import pool_step
 from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, RunnerConfig, decode_loop, mixed_step
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine_args import EngineArgs
@@ -122,6 +123,20 @@ def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
     seconds = _compile(step, params, kv, inputs, sampling, pen, plp, want_top, mosaic=backend == "pallas_mosaic",
                        kv_dtype=kv_dtype)
     print(f"mixed_step T={T} S={S} {backend} KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_pool_step_compiles_for_sm90(spec, pooling_type):
+    """An embedding model's step (`--runner pooling`) in the largest bucket: the forward without the LM
+    head, pooled rows out."""
+    T = RC.token_buckets[-1]
+    S = min(T, RC.max_num_seqs)
+    params, kv, _, _, _ = _common(spec, S)
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
+    step = functools.partial(pool_step, cfg=SMOLLM2, backend="pallas", pooling_type=pooling_type)
+    seconds = _compile(step, params, kv, _abstract(spec, host))
+    print(f"pool_step {pooling_type} T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
 
 
 @pytest.mark.gpu_compile
