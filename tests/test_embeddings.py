@@ -34,9 +34,9 @@ ARGS = dict(runner="pooling", max_num_batched_tokens=32, max_num_seqs=8, max_mod
             kv_cache_memory_bytes=1 << 22, compile_cache_dir=None)
 
 
-def _save_backbone(path, seed: int = 0, **config) -> object:
+def _save_backbone(path, seed: int = 0, config_cls: str = "LlamaConfig", **config) -> object:
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    tie_word_embeddings=False, **config)
     model = transformers.AutoModel.from_config(cfg, attn_implementation="eager")
@@ -111,6 +111,18 @@ def test_embeddings_match_hf_chunked_and_batched(engines, tiny, kind):
     np.testing.assert_allclose(alone, out["3"].outputs.embedding, atol=1e-6)
 
 
+def test_qwen3_backbone_as_qwen3_embedding_ships(tmp_path):
+    """Qwen3 (q/k norms, explicit head_dim) saved as its embedding models are: flat names, no head."""
+    path = str(tmp_path / "qwen3")
+    model = _save_backbone(path, config_cls="Qwen3Config", head_dim=16)
+    engine = LLMEngine(EngineArgs(model=path, **ARGS), progress=False)
+    assert engine.model.config.family == "qwen3"
+    ps = prompts(seed=4)
+    out = embed(engine, {str(i): (p, PoolingParams()) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        np.testing.assert_allclose(out[str(i)].outputs.embedding, hf_pooled(model, p, "LAST"), atol=3e-6)
+
+
 def test_last_pooling_reads_cached_prefixes_mean_does_not(engines, tiny):
     p = prompts(seed=2)[3]  # 61 tokens: three full pages of 16 are cached after the first
     last = engines("LAST")
@@ -128,6 +140,30 @@ def test_last_pooling_reads_cached_prefixes_mean_does_not(engines, tiny):
     second = embed(mean, {"b": (p, PoolingParams())})["b"]
     assert second.metrics.num_cached_tokens == 0  # every token's hidden state is needed
     np.testing.assert_allclose(second.outputs.embedding, hf_pooled(tiny[1], p, "MEAN"), atol=3e-6)
+
+
+@pytest.mark.parametrize("kind", ["MEAN", "LAST"])
+def test_preempted_and_aborted_requests(engines, tiny, kind):
+    """A pool of 6 pages for prompts of 4: chunked prompts preempt each other and are recomputed, with the
+    embeddings unchanged (a mean restarts with its prompt); an abort mid-prompt gives its pages back."""
+    # 8 KiB a page; chunks of 8 tokens, so the three prompts grow side by side
+    engine = engines(kind, kv_cache_memory_bytes=7 * 8192, max_model_len=64, long_prefill_token_threshold=8)
+    assert engine.scheduler.pool.num_usable_pages == 6
+    rng = np.random.default_rng(7)
+    ps = [rng.integers(2, VOCAB, 60).tolist() for _ in range(3)]
+    before = engine.num_preemptions
+    out = embed(engine, {str(i): (p, PoolingParams()) for i, p in enumerate(ps)})
+    assert engine.num_preemptions > before
+    for i, p in enumerate(ps):
+        np.testing.assert_allclose(out[str(i)].outputs.embedding, hf_pooled(tiny[1], p, kind), atol=3e-6)
+    engine.add_request("gone", ps[0], PoolingParams())
+    engine.add_request("kept", ps[1], PoolingParams())
+    assert engine.step() == []  # the first chunks computed, nothing finished
+    aborted = engine.abort_request("gone")
+    assert aborted.finished and aborted.outputs is None
+    rest = embed(engine, {})
+    np.testing.assert_allclose(rest["kept"].outputs.embedding, out["1"].outputs.embedding, atol=1e-6)
+    assert engine.abort_request("gone") is None
 
 
 def test_normalize_truncate_and_dimensions(engines, tiny, tmp_path):
