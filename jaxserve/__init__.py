@@ -1,6 +1,7 @@
 """jaxserve: an LLM serving engine written in JAX."""
 
 from jaxserve.engine_args import EngineArgs
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolerConfig, PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -9,7 +10,7 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "CompletionOutput", "LoRARequest", "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "EmbeddingOutput"]
 
 
 def __getattr__(name: str):

@@ -112,6 +112,12 @@ class EngineArgs:
     runner: Runner = "auto"
     # How an embedding is pooled (a JSON object or a mapping, parsed into a `PoolerConfig`); runner pooling only.
     pooler_config: PoolerConfig | None = None
+    # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank`, the adapters of
+    # `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) loaded at start-up.
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -119,6 +125,7 @@ class EngineArgs:
         if self.pooler_config is not None and not isinstance(self.pooler_config, PoolerConfig):
             object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         self._check_runner()
+        self._check_lora()
         def positive(name: str) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -171,6 +178,30 @@ class EngineArgs:
         if self.num_processes > 1:
             raise ValueError("runner 'pooling' runs on one host (its devices split by -tp/-dp); a cluster of "
                              "num_processes > 1 serves generation only")
+
+    def _check_lora(self) -> None:
+        modules = []
+        for m in self.lora_modules:
+            if isinstance(m, str):
+                name, sep, path = m.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora module {m!r} must be name=path")
+                m = (name, path)
+            modules.append(tuple(m))
+        object.__setattr__(self, "lora_modules", tuple(modules))
+        for name in ("max_loras", "max_lora_rank"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.enable_lora:
+            if modules:
+                raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+            return
+        if len(modules) > self.max_loras:
+            raise ValueError(f"{len(modules)} lora_modules need as many adapter slots; max_loras is {self.max_loras}")
+        for what, bad in (("tensor or expert parallelism", self.tensor_parallel_size * self.expert_parallel_size > 1),
+                          ("a multi-host cluster", self.num_processes > 1), ("runner 'pooling'", self.is_pooling)):
+            if bad:
+                raise ValueError(f"LoRA adapters (enable_lora) are not served with {what}")
 
     @property
     def is_pooling(self) -> bool:
@@ -248,6 +279,11 @@ class EngineArgs:
                        help='embedding pooling with --runner pooling, e.g. \'{"pooling_type": "LAST", "normalize": true}\' '
                             "(LAST, MEAN or CLS; default: the model's sentence-transformers config, else LAST, "
                             "normalized)")
+        g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
+        g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
+                       help="LoRA adapters loaded at start-up; a request names one as its model")
+        g.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters held at once (slots)")
+        g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank served")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--strict-compile", action="store_true",
                        help="raise if anything compiles after warmup")

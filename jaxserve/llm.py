@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -39,11 +40,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order."""
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order; with
+        `lora_request` (one for all, or one per prompt), through a LoRA adapter (`enable_lora=True`)."""
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        return self._run(self._add_all(prompts, params, priority), use_tqdm)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        return self._run(self._add_all(prompts, params, priority, loras), use_tqdm)
 
     def chat(
         self,
@@ -54,6 +60,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or `chat_template`, a template's
         text) and generate its reply. `tools` (function tools, as in OpenAI's API) are given to the
@@ -66,7 +73,7 @@ class LLM:
                             chat_template=chat_template, **(chat_template_kwargs or {}))
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
         self,
@@ -119,14 +126,15 @@ class LLM:
             return [prompts]
         return list(prompts)
 
-    def _add_all(self, prompts: list[Prompt], params: Sequence[Any], priority: Sequence[int] | None = None
-                 ) -> list[str]:
+    def _add_all(self, prompts: list[Prompt], params: Sequence[Any], priority: Sequence[int] | None = None,
+                 loras: Sequence[Any] | None = None) -> list[str]:
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0)
+            lora = {"lora_request": loras[i]} if loras and loras[i] is not None else {}
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, **lora)
             ids.append(rid)
         return ids
 

@@ -65,20 +65,24 @@ async def version(request: Request) -> Response:
 async def models(request: Request) -> Response:
     """`GET /v1/models`: every served name of the one loaded model."""
     state = _state(request)
-    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in state.served_names]})
+    cards = [_model_card(state, n) for n in state.served_names]
+    cards += [_model_card(state, n, lora=p) for n, p in state.lora_modules.items()]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def model(request: Request) -> Response:
     """`GET /v1/models/{model}`."""
     state = _state(request)
     name = request.path_params["model"]
-    state.check_model(name)
-    return JSONResponse(_model_card(state, name))
+    lora = state.check_model(name)
+    return JSONResponse(_model_card(state, name, lora=state.lora_modules[lora] if lora else None))
 
 
-def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str, lora: str | None = None) -> dict[str, Any]:
+    """A served name's card; a LoRA adapter's (`lora`: its path) has the base model as its parent."""
     return {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-            "root": state.engine.model_name, "parent": None, "max_model_len": state.engine.max_model_len}
+            "root": lora or state.engine.model_name, "parent": state.model_name if lora else None,
+            "max_model_len": state.engine.max_model_len}
 
 
 async def _traced_generate(request: Request, kind: str) -> Response:

@@ -70,7 +70,7 @@ class Generation:
     """Runs `jobs` on the engine; `next()` yields `(job index, cumulative output)` until all finish."""
 
     def __init__(self, state: ServerState, jobs: list[Job], *, priority: int, cache_salt: str | None,
-                 arrival: float, log: dict[str, Any]):
+                 arrival: float, log: dict[str, Any], lora: str | None = None):
         self._state = state
         self._engine = state.engine
         self.jobs = jobs
@@ -83,6 +83,7 @@ class Generation:
         self._last_time = [arrival] * len(jobs)
         self._ttft: list[float | None] = [None] * len(jobs)
         self._closed = False
+        self._lora = {"lora_request": lora} if lora else {}  # a LoRA adapter's name
         for job in jobs:
             state.start(job.engine_id)
         self._tasks = [asyncio.ensure_future(self._pump(i, job, priority, cache_salt))
@@ -90,7 +91,7 @@ class Generation:
 
     async def _pump(self, i: int, job: Job, priority: int, cache_salt: str | None) -> None:
         outputs = self._engine.generate(job.prompt_ids, job.params, job.engine_id, priority=priority,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, **self._lora)
         try:
             async for out in outputs:
                 self._queue.put_nowait((i, out))

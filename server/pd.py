@@ -151,7 +151,9 @@ class PDWorker:
         if kind not in ("chat", "completion") or not isinstance(outer.get("body"), dict):
             raise ApiError(400, "expected {'kind': 'chat'|'completion', 'body': {...}}", code="invalid_request")
         req = parse_chat(outer["body"]) if kind == "chat" else parse_completion(outer["body"])
-        state.check_model(req.common.model)
+        if state.check_model(req.common.model) is not None:
+            raise ApiError(400, f"the LoRA adapter {req.common.model!r} is served by aggregated workers only, not "
+                                "prefilled for another worker", param="model", code="unsupported_parameter")
         request_id = request.scope["state"]["request_id"]
         from server.trace import summarize_request
 

@@ -208,7 +208,7 @@ async def handle_generate(request: Request, kind: Kind) -> Response:
     arrival = time.time()
     body = await read_json(request, state.config.max_request_body_bytes)
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
-    state.check_model(req.common.model)
+    lora = state.check_model(req.common.model)
     vocab = state.engine.tokenizer.vocab_size
     outside = sorted(t for t in req.common.params.logit_bias if t >= vocab)
     if outside:
@@ -220,8 +220,9 @@ async def handle_generate(request: Request, kind: Kind) -> Response:
     state.admit(len(jobs))
     log = _log(request)
     gen = Generation(state, jobs, priority=req.common.priority, cache_salt=req.common.cache_salt,
-                     arrival=arrival, log=log)
+                     arrival=arrival, log=log, lora=lora)
     fmt = _Formatter(state, req, kind, request_id, jobs)
+    fmt.model = lora or fmt.model
     try:
         first = await race_disconnect(request.receive, gen.first())
         if req.common.stream:

@@ -67,11 +67,21 @@ class ServerState:
         """The name reported in responses."""
         return self.served_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is one of the served names (None means the default)."""
-        if model is not None and model not in self.served_names:
-            raise ApiError(404, f"The model `{model}` does not exist. Available: {', '.join(self.served_names)}",
-                           param="model", code="model_not_found")
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """The engine's LoRA adapters, name to path (served as models of their own)."""
+        return dict(getattr(self.engine, "lora_modules", None) or {})
+
+    def check_model(self, model: str | None) -> str | None:
+        """404 unless `model` is one of the served names or a LoRA adapter's (None means the default);
+        returns the adapter's name when it names one."""
+        if model is None or model in self.served_names:
+            return None
+        if model in self.lora_modules:
+            return model
+        available = ", ".join((*self.served_names, *self.lora_modules))
+        raise ApiError(404, f"The model `{model}` does not exist. Available: {available}", param="model",
+                       code="model_not_found")
 
     def check_serving(self) -> None:
         """503 while not ready or draining."""

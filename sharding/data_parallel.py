@@ -27,6 +27,7 @@ class DataParallelEngine:
         first = replicas[0]
         self.tokenizer = first.tokenizer
         self.model_name = first.model_name
+        self.lora_modules = first.lora_modules
         self.max_model_len = first.max_model_len
         self._in_flight = [0] * len(replicas)
         self._placed: dict[str, int] = {}
@@ -85,7 +86,7 @@ class DataParallelEngine:
             return list(self._in_flight)
 
     async def generate(self, prompt, sampling_params, request_id: str, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[Any]:
+                       cache_salt: str | None = None, **kw: Any) -> AsyncIterator[Any]:
         """As `AsyncEngine.generate`, on the least-loaded replica."""
         with self._lock:
             if request_id in self._placed:
@@ -95,7 +96,7 @@ class DataParallelEngine:
             self._placed[request_id] = i
         try:
             async for out in self.replicas[i].generate(prompt, sampling_params, request_id, priority=priority,
-                                                       cache_salt=cache_salt):
+                                                       cache_salt=cache_salt, **kw):
                 yield out
         finally:
             with self._lock:

@@ -36,6 +36,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     sink: _Sink
+    lora_request: Any = None
 
 
 @dataclass
@@ -73,6 +74,8 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model.name
+        self.lora_modules = engine.loras.paths if getattr(engine, "loras", None) else {}
+        """LoRA adapters, name to path (the engine's own map: adapters loaded later appear in it)."""
         self.max_model_len = engine.max_model_len
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
@@ -118,8 +121,10 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs of one request; the last has `finished=True`.
+        """Yield cumulative outputs of one request; the last has `finished=True`. `lora_request`: a
+        `LoRARequest` or an adapter's name.
 
         Raises ValueError before the first output for requests that can never run, and
         EngineError if the request fails inside the engine. Closing the iterator early
@@ -134,7 +139,8 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = sink
-        self._inbox.put(_Add(request_id, prompt, sampling_params, priority, cache_salt, time.time(), sink))
+        self._inbox.put(_Add(request_id, prompt, sampling_params, priority, cache_salt, time.time(), sink,
+                             lora_request))
         finished = False
         try:
             while True:
@@ -250,8 +256,9 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
+            lora = {"lora_request": cmd.lora_request} if cmd.lora_request is not None else {}
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                                    cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time)
+                                    cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time, **lora)
         except ValueError as e:
             self._finish_sink(cmd.request_id, e)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop

@@ -18,6 +18,7 @@ import jax
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.admission import check_request, prompt_token_ids
 from jaxserve.engine.kv_scales import with_kv_cache_dtype
+from jaxserve.engine.lora_manager import LoraManager, lora_fields, with_lora_slots
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
@@ -28,11 +29,11 @@ from jaxserve.engine.model_loading import (
     shard_model,
 )
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState
+from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, engine_stats
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.speculative import Drafter, SpecCounters, SpecStep, decode_costs, row_outputs
+from jaxserve.engine.speculative import Drafter, SpecStep, decode_costs, row_outputs
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
@@ -45,6 +46,7 @@ from jaxserve.engine.step_batch import (
     trace_plan,
 )
 from jaxserve.engine_args import EngineArgs
+from jaxserve.lora_request import LoRARequest
 from jaxserve.models.inputs import KVCache
 from jaxserve.outputs import RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -72,6 +74,8 @@ class LLMEngine:
         model = shard_model(loaded or load_model(args, progress=progress), args)
         self.model, self.kv_dtype = with_kv_cache_dtype(model, args)  # with calculated KV scales if asked
         kv_dtype = self.kv_dtype
+        if args.enable_lora:  # zeroed adapter slots in every layer, filled by `LoraManager`
+            self.model = with_lora_slots(self.model, args.max_loras, args.max_lora_rank)
         plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
@@ -111,11 +115,14 @@ class LLMEngine:
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend),
-                         pooling_type=self.pooler_config.pooling_type if self.pooler_config else None),
+                         pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
+                         lora=args.enable_lora),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
         self.model = dataclasses.replace(self.model, params=self.runner.params)
+        self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules) if args.enable_lora
+                      else None)
         self.warmup_seconds = 0.0
         if args.warmup:
             self.warmup_seconds = self.runner.warmup(progress=progress)
@@ -156,8 +163,10 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> None:
-        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        """Queue a request (with a LoRA adapter: `lora_request`, or its name); raises ValueError (naming the
+        problem) if it can never run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"this engine generates; {type(params).__name__} needs an embedding model "
                              "(runner 'pooling', --runner pooling)")
@@ -168,6 +177,7 @@ class LLMEngine:
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
             supports_prompt_logprobs=self.runner.supports_prompt_logprobs)
+        lora = lora_fields(self.loras, lora_request, cache_salt)  # its slot, and the adapter's cache namespace
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
@@ -186,7 +196,7 @@ class LLMEngine:
         for seq in group.seqs:
             self.scheduler.add_request(Request(
                 request_id=seq.engine_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
-                sampling_params=seq.params, priority=priority, arrival_time=now, cache_salt=cache_salt,
+                sampling_params=seq.params, priority=priority, arrival_time=now, **lora,
                 # The first completion computes every prompt position for the prompt logprobs.
                 read_prefix_cache=group.prompt_logprobs is None or seq.index > 0,
             ))
@@ -272,6 +282,7 @@ class LLMEngine:
         scheduled = list(plan.scheduled)
         spec = self._drafts(plan) if self.drafter is not None else None
         rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
+        loras = [self.scheduler.get_request(s.request_id).lora_slot for s in rows] if self.loras else None
         if self.trace is not None:
             trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace,
                        spec)
@@ -283,10 +294,11 @@ class LLMEngine:
                 # such a batch steps one token (per row) at a time.
                 one = spec is not None or any(q.matcher is not None for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
-                                  lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None)
+                                  lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
+                                  lora_slots=loras)
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
-            inputs, S = mixed_inputs(rows, self.runner.cfg)
+            inputs, S = mixed_inputs(rows, self.runner.cfg, loras)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])
@@ -376,20 +388,7 @@ class LLMEngine:
     # -- introspection -----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        sched = self.scheduler
-        cache = sched.cache
-        return EngineStats(
-            num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
-            num_pages=sched.pool.num_pages, page_size=sched.pool.page_size,
-            prefix_cache_queries=cache.query_tokens if cache else 0,
-            prefix_cache_hits=cache.hit_tokens if cache else 0,
-            num_preemptions=self.num_preemptions, prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            compilations_after_warmup=self.runner.compilations_after_warmup,
-            step_time_s=self.runner.last_step_time, num_steps=self.runner.num_steps,
-            kv_cache_dtype=self.args.kv_cache_dtype, calculate_kv_scales=self.args.calculate_kv_scales,
-            **dataclasses.asdict(self.drafter.counters if self.drafter else SpecCounters()),
-        )
+        return engine_stats(self)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

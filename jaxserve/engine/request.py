@@ -64,6 +64,8 @@ class Request:
     """False: compute every prompt token (prompt logprobs need each position's logits); the
     request's pages still go to the cache for others."""
     pooling: bool = False
+    lora_slot: int = -1
+    """The LoRA adapter slot its tokens run with (-1: the base model)."""
     """An embedding request: it ends when its prompt is computed, sampling nothing (`max_tokens` unused)."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -75,6 +75,8 @@ class RunnerConfig:
     ``"unroll"`` (one per layer, weights split per layer; see `unstack_layers`)."""
     pooling_type: str | None = None
     """An embedding model's pooling (`pooler.pool_step` replaces both step functions), or None."""
+    lora: bool = False
+    """Steps carry each token's LoRA adapter slot (the parameters hold the slots)."""
 
     @property
     def pages_per_seq(self) -> int:
@@ -145,6 +147,7 @@ class DecodeState:
     stop_ids: jax.Array  # [S, M] int32, ids that end the row (-1 pads)
     min_tokens_left: jax.Array  # [S] int32, stop ids do not end the row before this many tokens
     num_steps: jax.Array  # [] int32, most steps of this loop
+    lora_slots: jax.Array | None = None  # [S] int32, each row's LoRA adapter slot (-1: none); LoRA engines only
 
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
@@ -169,7 +172,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             token_ids=tokens, positions=pos, slot_mapping=slots,
             block_tables=jnp.where(done[:, None], 0, st.block_tables),
             seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
-            decode=True,
+            decode=True, lora_slots=st.lora_slots,
         )
         logits, kv = model_fn(params, kv, inputs, cfg, backend)
         s = sample(logits, samp, counts, mask)
@@ -293,7 +296,8 @@ class ModelRunner:
                 S = min(size, self.cfg.max_num_seqs)
                 seqs = [([0], 0, [0])]  # one token into the reserved page
                 inputs = ModelInputs.build(seqs, self.cfg.page_size, num_tokens=size, num_seqs=S,
-                                           pages_per_seq=self.cfg.pages_per_seq)
+                                           pages_per_seq=self.cfg.pages_per_seq,
+                                           lora_slots=[-1] if self.cfg.lora else None)
                 if kind == "pool":
                     self.fetch(self.dispatch_pool(inputs))
                 else:
@@ -315,6 +319,7 @@ class ModelRunner:
             tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32), block_tables=np.zeros((S, P), np.int32),
             max_steps=np.zeros(S, np.int32), stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
             min_tokens_left=np.zeros(S, np.int32), num_steps=np.int32(0),
+            lora_slots=np.full(S, -1, np.int32) if self.cfg.lora else None,
         )
 
     def penalty_inputs(self, S: int, rows: list[tuple[list[int], list[int]]] | None) -> PenaltyInputs:

@@ -17,20 +17,23 @@ from jaxserve.outputs import token_logprobs
 from jaxserve.structured_outputs import bitmask_width
 
 
-def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig) -> tuple[ModelInputs, int]:
-    """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count."""
+def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
+                 lora_slots: Sequence[int] | None = None) -> tuple[ModelInputs, int]:
+    """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
+    `lora_slots` (a LoRA engine's): each row's adapter slot."""
     T = rcfg.token_bucket(sum(s.num_new_tokens for s in scheduled))
     S = min(T, rcfg.max_num_seqs)
     inputs = ModelInputs.build(
         [(list(s.token_ids), s.start_position, list(s.page_table)) for s in scheduled],
         rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
+        lora_slots=None if lora_slots is None else list(lora_slots),
     )
     return inputs, S
 
 
 def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], rcfg: RunnerConfig,
                  reserve_pages: Callable[[str, int], int], pages_of: Callable[[str], list[int]],
-                 num_steps: int | None = None) -> DecodeState:
+                 num_steps: int | None = None, lora_slots: Sequence[int] | None = None) -> DecodeState:
     """The decode loop's state for running decodes, padded to their sequence bucket.
 
     `reserve_pages(request_id, n)` reserves the pages of up to n more tokens and returns how many
@@ -53,7 +56,11 @@ def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState]
         max_steps[i] = max(1, steps)
         stop_ids[i, : len(seq.stop_ids)] = seq.stop_ids
         min_left[i] = max(0, seq.params.min_tokens - len(seq.token_ids))
-    return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)))
+    loras = None
+    if lora_slots is not None:
+        loras = np.full(S, -1, np.int32)
+        loras[: len(lora_slots)] = lora_slots
+    return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)), loras)
 
 
 def grammar_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int,

@@ -79,6 +79,7 @@ class ModelInputs:
     query_start_loc: jax.Array  # [S + 1] int32
     logits_indices: jax.Array  # [R] int32, the token slots whose logits are returned
     decode: bool = field(default=False, metadata=dict(static=True))
+    lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA adapter slot (-1: none); LoRA engines only
     """Static: every sequence has at most one query token (the decode loop's batches)."""
 
     @classmethod
@@ -90,11 +91,12 @@ class ModelInputs:
         num_seqs: int | None = None,
         pages_per_seq: int | None = None,
         all_logits: bool = False,
+        lora_slots: list[int] | None = None,
     ) -> ModelInputs:
         """Host-side builder from `(new_token_ids, start_position, page_table)` per sequence.
 
         Pads to the given bucket sizes; returns the last token's logits per sequence, or every
-        token's with `all_logits`.
+        token's with `all_logits`. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none.
         """
         real_tokens = sum(len(t) for t, _, _ in seqs)
         T = num_tokens or real_tokens
@@ -136,4 +138,7 @@ class ModelInputs:
             seq_lens=jnp.asarray(seq_lens),
             query_start_loc=jnp.asarray(qsl),
             logits_indices=jnp.asarray(logits_indices),
+            lora_slots=None if lora_slots is None else jnp.asarray(np.concatenate(
+                [np.full(len(t), s, np.int32) for (t, _, _), s in zip(seqs, lora_slots, strict=True)]
+                + [np.full(T - real_tokens, -1, np.int32)])),
         )

@@ -11,6 +11,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.lora import lora_delta
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
@@ -70,6 +71,7 @@ def _layer(
 ):
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
     lp, layer = xs
+    lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
     num_pages = k_all.shape[0] // cfg.num_layers
     page_size = k_all.shape[1]
 
@@ -85,6 +87,10 @@ def _layer(
             q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, Hq, D]
             k = jnp.einsum("te,ehd->thd", h, lp.wk)  # [T, Hkv, D]
             v = jnp.einsum("te,ehd->thd", h, lp.wv)  # [T, Hkv, D]
+        if lora is not None:
+            q = q + lora_delta(h, lora.a_q, lora.b_q, inputs.lora_slots).reshape(q.shape)
+            k = k + lora_delta(h, lora.a_k, lora.b_k, inputs.lora_slots).reshape(k.shape)
+            v = v + lora_delta(h, lora.a_v, lora.b_v, inputs.lora_slots).reshape(v.shape)
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
         if lp.q_norm is not None:
@@ -114,6 +120,8 @@ def _layer(
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
         attn = attn.reshape(attn.shape[0], -1)
         out = _dot_out_major(attn, lp.wo_t) if lp.wo_t is not None else attn @ lp.wo.reshape(-1, lp.wo.shape[-1])
+        if lora is not None:
+            out = out + lora_delta(attn, lora.a_o, lora.b_o, inputs.lora_slots)
         if lp.bo is not None:
             out = out + lp.bo
         x = x + out
@@ -130,10 +138,15 @@ def _layer(
         else:
             gate = h @ lp.w_gate  # [T, F]
             up = h @ lp.w_up
+        if lora is not None:
+            gate = gate + lora_delta(h, lora.a_gate, lora.b_gate, inputs.lora_slots)
+            up = up + lora_delta(h, lora.a_up, lora.b_up, inputs.lora_slots)
         if lp.b_gate is not None:
             gate, up = gate + lp.b_gate, up + lp.b_up
         act = jax.nn.silu(gate) * up
         down = _dot_out_major(act, lp.w_down_t) if lp.w_down_t is not None else act @ lp.w_down
+        if lora is not None:
+            down = down + lora_delta(act, lora.a_down, lora.b_down, inputs.lora_slots)
         if lp.b_down is not None:
             down = down + lp.b_down
         x = x + down

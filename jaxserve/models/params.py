@@ -74,6 +74,7 @@ class LayerParams:
     w_gate_up: Any = None  # [2 * F, E]: gate and up projections stacked
     wo_t: Any = None  # [E, Hq * D]
     w_down_t: Any = None  # [E, F]
+    lora: Any = None  # `lora.LoraLayer`: LoRA adapter slots, in an engine that serves adapters
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,174 @@
+"""LoRA adapters in an engine: PEFT adapter directories read into the parameters' adapter slots.
+
+An engine started with `enable_lora` holds `max_loras` slots of rank `max_lora_rank` in every layer
+(`models/lora.py`). Adapters named by `lora_modules` load at start-up; a request's `LoRARequest` with a
+path loads another into a free slot on first use. An adapter's requests share cached prefixes only
+with each other: the adapter's name joins the request's cache salt, because its KV differs from the
+base model's.
+
+A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
+attention and MLP projections of a dense model (q/k/v/o, gate/up/down), any rank up to
+`max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`). Refused by name: DoRA,
+biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other targets (embeddings,
+the LM head, experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.lora_request import LoRARequest
+from jaxserve.models.lora import TARGETS, LoraLayer, empty_lora, target_dims
+
+logger = logging.getLogger(__name__)
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAError(ValueError):
+    """A LoRA adapter that cannot be served, or a request for one that is not there."""
+
+
+def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
+    """A PEFT adapter directory as `LoraLayer` field arrays ([L, in, max_rank] and [L, max_rank, out],
+    zero-padded, the scale folded into B)."""
+    from safetensors.numpy import load_file
+
+    cfg_file, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
+    for f in (cfg_file, weights):
+        if not os.path.isfile(f):
+            raise LoRAError(f"LoRA adapter {path!r} has no {os.path.basename(f)} (a PEFT adapter directory has "
+                            "adapter_config.json and adapter_model.safetensors)")
+    with open(cfg_file, encoding="utf-8") as f:
+        ac = json.load(f)
+    if ac.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"adapter {path!r} is a {ac.get('peft_type')} adapter; only LORA is served")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
+        if ac.get(key) == bad:
+            raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
+    if ac.get("bias", "none") != "none":
+        raise LoRAError(f"adapter {path!r} trains biases (bias {ac['bias']!r}); only bias 'none' is supported")
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias", "layer_replication",
+                "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "use_qalora"):
+        if ac.get(key):
+            raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
+    r = int(ac["r"])
+    if r > max_rank:
+        raise LoRAError(f"adapter {path!r} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
+    scale = float(ac.get("lora_alpha", r)) / (math.sqrt(r) if ac.get("use_rslora") else r)
+    dims, L = target_dims(cfg), cfg.num_layers
+    out = {}
+    for module, (k, n) in dims.items():
+        t = TARGETS[module]
+        out[f"a_{t}"] = np.zeros((L, k, max_rank), dtype)
+        out[f"b_{t}"] = np.zeros((L, max_rank, n), dtype)
+    seen = set()
+    for name, w in load_file(weights).items():
+        m = _KEY.match(name)
+        if not m or m.group(2) not in dims:
+            raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "
+                            f"({', '.join(TARGETS)} of a dense model)")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= L:
+            raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
+        k, n = dims[module]
+        want = (r, k) if which == "A" else (n, r)
+        if tuple(w.shape) != want:
+            raise LoRAError(f"adapter {path!r}: tensor {name!r} has shape {tuple(w.shape)}, expected {want}")
+        t = TARGETS[module]
+        w = w.astype(np.float32)
+        if which == "A":
+            out[f"a_{t}"][layer, :, :r] = w.T
+        else:
+            out[f"b_{t}"][layer, :r, :] = w.T * scale
+        seen.add((layer, module, which))
+    unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
+    if unpaired:
+        raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
+    if not seen:
+        raise LoRAError(f"adapter {path!r} holds no LoRA weights")
+    return out
+
+
+def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
+    """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters."""
+    if loaded.config.num_experts or loaded.plan is not None:
+        raise LoRAError("LoRA adapters are served on dense models on one device (no experts, no -tp/-ep)")
+    params = loaded.params
+    lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
+    params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
+    return dataclasses.replace(loaded, params=params)
+
+
+class LoraManager:
+    """The engine's adapter slots: which adapter each holds, loading into them, and requests' slots."""
+
+    def __init__(self, engine: Any, max_loras: int, max_rank: int, modules: tuple[tuple[str, str], ...] = ()):
+        self.engine = engine
+        self.max_rank = max_rank
+        self.slots: list[str | None] = [None] * max_loras
+        self.paths: dict[str, str] = {}
+        for name, path in modules:
+            self.load(name, path)
+
+    def load(self, name: str, path: str) -> int:
+        """Read the adapter at `path` into a free slot under `name`; returns the slot."""
+        if name in self.paths:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.paths[name]!r})")
+        if None not in self.slots:
+            raise LoRAError(f"all {len(self.slots)} LoRA adapter slots are taken ({', '.join(self.slots)}); "
+                            "raise --max-loras")
+        e = self.engine
+        arrays = read_adapter(path, e.model.config, self.max_rank, np.dtype(e.model.dtype))
+        slot = self.slots.index(None)
+        e.runner.params = _set_slot(e.runner.params, slot, arrays)
+        e.model = dataclasses.replace(e.model, params=e.runner.params)
+        self.slots[slot], self.paths[name] = name, path
+        logger.info("LoRA adapter %r from %s in slot %d", name, path, slot)
+        return slot
+
+    def request_fields(self, lora: LoRARequest | str | None, cache_salt: str | None) -> dict[str, Any]:
+        """A request's `Request` fields for its adapter: its slot and its cache salt."""
+        if lora is None:
+            return {"lora_slot": -1, "cache_salt": cache_salt}
+        name = lora if isinstance(lora, str) else lora.lora_name
+        if name not in self.paths:
+            path = None if isinstance(lora, str) else lora.lora_path
+            if path is None:
+                known = ", ".join(self.paths) or "none"
+                raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {known}); give its lora_path")
+            self.load(name, path)
+        # The adapter's name namespaces its cached KV (a salt of its own, or joined to the request's).
+        return {"lora_slot": self.slots.index(name), "cache_salt": f"lora:{name}" + (f"|{cache_salt}" if cache_salt
+                                                                                      else "")}
+
+
+def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
+    """`params` with adapter slot `slot` of every layer set to `arrays` (stacked or per-layer layouts)."""
+    if isinstance(params.layers, tuple):
+        layers = tuple(dataclasses.replace(lp, lora=LoraLayer(**{
+            f: getattr(lp.lora, f).at[slot].set(arrays[f][i].astype(getattr(lp.lora, f).dtype))
+            for f in arrays})) for i, lp in enumerate(params.layers))
+    else:
+        lora = params.layers.lora
+        layers = dataclasses.replace(params.layers, lora=LoraLayer(**{
+            f: getattr(lora, f).at[:, slot].set(arrays[f].astype(getattr(lora, f).dtype)) for f in arrays}))
+    return jax.block_until_ready(dataclasses.replace(params, layers=layers))
+
+
+def lora_fields(manager: LoraManager | None, lora: LoRARequest | str | None, cache_salt: str | None) -> dict:
+    """`Request` fields for a request's adapter; names the problem when the engine serves none."""
+    if manager is None:
+        if lora is not None:
+            raise LoRAError("this engine serves no LoRA adapters; start it with enable_lora (--enable-lora)")
+        return {"cache_salt": cache_salt}
+    return manager.request_fields(lora, cache_salt)

@@ -1,0 +1,203 @@
+"""LoRA adapters: against HF PEFT (the adapters are PEFT's own files), several adapters and the base model
+in one batch, chunked prompts, prefix caches kept apart per adapter, loading on first use, refusals, and
+adapters served as models over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.engine.lora_manager import LoRAError  # noqa: E402
+from jaxserve.engine_args import EngineArgs  # noqa: E402
+from jaxserve.lora_request import LoRARequest  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.test_model_families import save_tiny_hf  # noqa: E402
+
+VOCAB = 64
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARGS = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128, kv_cache_memory_bytes=1 << 22,
+            compile_cache_dir=None, enable_lora=True, max_loras=3, max_lora_rank=8)
+
+
+def _adapter(base_model, path: str, seed: int, **config) -> object:
+    """A PEFT LoRA adapter with random A and B (PEFT's default B = 0 would change nothing), saved to `path`."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base_model, peft.LoraConfig(init_lora_weights=False, **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(base directory, {adapter name: (path, its PEFT model)}, the base HF model)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = str(root / "base")
+    save_tiny_hf("LlamaConfig", base, vocab_size=VOCAB, tie_word_embeddings=False)
+    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    adapters = {}
+    specs = {"all4": dict(r=4, lora_alpha=8, target_modules=ALL),
+             "qv8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=True),
+             "mlp2": dict(r=2, lora_alpha=3, target_modules=["gate_proj", "down_proj"])}
+    for seed, (name, spec) in enumerate(specs.items()):
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapters[name] = (str(root / name), _adapter(hf, str(root / name), seed + 10, **spec))
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    return base, adapters, hf_base
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    base, adapters, _ = tiny
+    return LLMEngine(EngineArgs(model=base, lora_modules=tuple((n, adapters[n][0]) for n in ("all4", "qv8")),
+                                **ARGS), progress=False)
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams, object]]) -> dict:
+    for rid, (ids, params, lora) in requests.items():
+        engine.add_request(rid, ids, params, lora_request=lora)
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+    engine.check_integrity()
+    return out
+
+
+def hf_prompt_logprobs(model, ids: list[int]) -> np.ndarray:
+    """Each prompt token's logprob after the ones before it (positions 1..n-1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits, -1).numpy()
+    return np.array([lp[i - 1, ids[i]] for i in range(1, len(ids))])
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, VOCAB, n).tolist()
+
+
+def test_adapters_and_base_in_one_batch_equal_peft(tiny, engine):
+    """Every prompt position's logprob under each adapter, and the base model's, in one batch of chunked
+    prompts (40 tokens, 32 a step), equals PEFT's; so do greedy continuations."""
+    _, adapters, hf_base = tiny
+    ids = prompt(40, 1)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    out = run(engine, {"a": (ids, p, "all4"), "b": (ids, p, LoRARequest("qv8", 2)), "base": (ids, p, None)})
+    refs = {"a": adapters["all4"][1], "b": adapters["qv8"][1], "base": hf_base}
+    for rid, model in refs.items():
+        got = np.array([e[t].logprob for e, t in zip(out[rid].prompt_logprobs[1:], ids[1:], strict=True)])
+        np.testing.assert_allclose(got, hf_prompt_logprobs(model, ids), atol=2e-5)
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+        assert out[rid].outputs[0].token_ids == greedy, rid
+    assert out["a"].outputs[0].token_ids != out["base"].outputs[0].token_ids
+    # Alone, each gives what it gave in the batch.
+    alone = run(engine, {"a2": (ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "all4")})
+    assert alone["a2"].outputs[0].token_ids == out["a"].outputs[0].token_ids
+    assert engine.stats().compilations_after_warmup == 0  # adapters are data: one executable per bucket
+
+
+def test_each_adapter_has_its_own_prefix_cache(engine):
+    ids = prompt(50, 2)
+    p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = run(engine, {"x": (ids, p, "all4")})["x"]
+    other = run(engine, {"y": (ids, p, "qv8")})["y"]
+    base = run(engine, {"z": (ids, p, None)})["z"]
+    again = run(engine, {"w": (ids, p, "all4")})["w"]
+    cached = [o.metrics.num_cached_tokens for o in (first, other, base, again)]
+    assert cached == [0, 0, 0, 48], cached  # another adapter's KV is never read as this one's
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_loading_on_first_use_and_the_refusals(tiny, tmp_path):
+    base, adapters, _ = tiny
+    engine = LLMEngine(EngineArgs(model=base, **{**ARGS, "max_loras": 1}), progress=False)
+    ids = prompt(12, 3)
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(LoRAError, match="'mlp2' is not loaded \\(loaded: none\\); give its lora_path"):
+        engine.add_request("r", ids, p, lora_request="mlp2")
+    got = run(engine, {"r": (ids, p, LoRARequest("mlp2", 3, adapters["mlp2"][0]))})["r"]
+    with torch.no_grad():
+        ref = adapters["mlp2"][1].generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False,
+                                           min_new_tokens=3, pad_token_id=0)[0, len(ids):].tolist()
+    assert got.outputs[0].token_ids == ref
+    assert engine.loras.paths == {"mlp2": adapters["mlp2"][0]}
+    with pytest.raises(LoRAError, match="all 1 LoRA adapter slots are taken \\(mlp2\\); raise --max-loras"):
+        engine.add_request("s", ids, p, lora_request=LoRARequest("all4", 1, adapters["all4"][0]))
+    assert not engine.has_unfinished_requests()
+    # Adapters that cannot be served are named.
+    small = LLMEngine(EngineArgs(model=base, **{**ARGS, "max_lora_rank": 4, "warmup": False}), progress=False)
+    with pytest.raises(LoRAError, match="rank 8, above max_lora_rank 4"):
+        small.loras.load("qv8", adapters["qv8"][0])
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    for name, spec, match in (("head", dict(r=2, target_modules=["lm_head"]), "not LoRA on a projection"),
+                              ("dora", dict(r=2, target_modules=["q_proj"], use_dora=True), "sets use_dora"),
+                              ("bias", dict(r=2, target_modules=["q_proj"], bias="lora_only"), "trains biases")):
+        _adapter(hf, str(tmp_path / name), 0, **spec)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        with pytest.raises(LoRAError, match=match):
+            small.loras.load(name, str(tmp_path / name))
+    with pytest.raises(LoRAError, match="has no adapter_config.json"):
+        small.loras.load("nothing", str(tmp_path))
+    plain = LLMEngine(EngineArgs(model=base, **{**ARGS, "enable_lora": False, "warmup": False}), progress=False)
+    with pytest.raises(ValueError, match="serves no LoRA adapters; start it with enable_lora"):
+        plain.add_request("t", ids, p, lora_request="all4")
+    for args, match in ((dict(lora_modules=("a=/x",)), "needs enable_lora"),
+                        (dict(enable_lora=True, lora_modules=("a",)), "must be name=path"),
+                        (dict(enable_lora=True, lora_modules=("a=/x", "b=/y")), "max_loras is 1"),
+                        (dict(enable_lora=True, tensor_parallel_size=2), "not served with tensor or expert")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**args)
+    import argparse
+
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "32"])
+    args = EngineArgs.from_cli_args(ns)
+    assert args.lora_modules == (("a", "/x"), ("b", "/y")) and (args.max_loras, args.max_lora_rank) == (2, 32)
+
+
+def test_adapters_are_models_over_http(tiny, engine):
+    import httpx
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from server.config import ServerConfig
+    from server.runner import serve_in_thread
+
+    ids = prompt(10, 4)
+    ref = run(engine, {"ref": (ids, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "qv8")})["ref"]
+    served = AsyncEngine(engine)
+    try:
+        with serve_in_thread(served, ServerConfig(port=0)) as srv:
+            models = httpx.get(f"{srv.url}/v1/models").json()["data"]
+            assert [m["id"] for m in models] == [srv.state.model_name, "all4", "qv8"]
+            assert models[2]["parent"] == srv.state.model_name and models[2]["root"] == tiny[1]["qv8"][0]
+            body = {"model": "qv8", "prompt": ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{srv.url}/v1/completions", json=body).json()
+            assert r["model"] == "qv8" and r["choices"][0]["text"] == ref.outputs[0].text
+            base = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": srv.state.model_name}).json()
+            assert base["choices"][0]["text"] != r["choices"][0]["text"]
+            missing = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "mlp2"})
+            assert missing.status_code == 404 and "all4, qv8" in missing.json()["error"]["message"]
+    finally:
+        served.shutdown()
+    engine.check_integrity()
