@@ -201,3 +201,45 @@ def test_adapters_are_models_over_http(tiny, engine):
     finally:
         served.shutdown()
     engine.check_integrity()
+
+
+def test_stacked_and_per_layer_layouts_apply_the_same_deltas():
+    """The scanned layer loop (stacked slots, GPUs) and the unrolled one (per-layer slots, fused or not, the
+    CPU's) give the same logits for tokens of three slots and none in one batch; zero slots change nothing."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.inputs import KVCache, ModelInputs
+    from jaxserve.models.llama import forward
+    from jaxserve.models.lora import empty_lora
+    from jaxserve.models.params import init_params, unstack_layers
+
+    cfg = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
+    zero = empty_lora(cfg, 3, 4, jnp.float32)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 14))
+    lora = jax.tree.map(lambda a: 0.3 * jax.random.normal(next(keys), a.shape), zero)
+    seqs = [(prompt(9, 5), 0, [1]), (prompt(7, 6), 0, [2]), (prompt(5, 7), 0, [3]), (prompt(6, 8), 0, [4])]
+
+    def logits(p, slots):
+        inputs = ModelInputs.build(seqs, 16, num_tokens=32, num_seqs=4, pages_per_seq=2, all_logits=True,
+                                   lora_slots=slots)
+        out, _ = jax.jit(forward, static_argnums=(3, 4))(p, KVCache.allocate(cfg, 8, 16, jnp.float32), inputs, cfg,
+                                                         "xla")
+        return np.asarray(out)[:27]
+
+    with_lora = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
+    slots = [0, 2, -1, 1]
+    stacked = logits(with_lora, slots)
+    for fuse in (False, True):
+        np.testing.assert_allclose(logits(unstack_layers(with_lora, fuse=fuse), slots), stacked, atol=1e-5)
+    base = logits(params, None)
+    rows = np.repeat(slots, [9, 7, 5, 6])
+    assert np.allclose(stacked[rows == -1], base[rows == -1], atol=1e-5)  # a slot-less row is the base model's
+    assert not np.allclose(stacked[rows >= 0], base[rows >= 0], atol=1e-2)
+    zeroed = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=zero))
+    np.testing.assert_allclose(logits(zeroed, slots), base, atol=1e-5)

@@ -25,6 +25,7 @@ from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, RunnerConfig, deco
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.lora import empty_lora
 from jaxserve.models.params import abstract_params
 
 # SmolLM2-135M-Instruct as `ModelConfig.from_gguf_metadata` reads it from the bundled GGUF (the second venv
@@ -123,6 +124,23 @@ def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
     seconds = _compile(step, params, kv, inputs, sampling, pen, plp, want_top, mosaic=backend == "pallas_mosaic",
                        kv_dtype=kv_dtype)
     print(f"mixed_step T={T} S={S} {backend} KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+def test_mixed_step_with_lora_adapters_compiles_for_sm90(spec):
+    """`--enable-lora --max-loras 4 --max-lora-rank 16`: adapter slots in every layer, each token's slot in the
+    inputs, in the largest bucket."""
+    T = RC.token_buckets[-1]
+    S = min(T, RC.max_num_seqs)
+    params, kv, sampling, pen, want_top = _common(spec, S)
+    lora = jax.eval_shape(lambda: empty_lora(SMOLLM2, 4, 16, DTYPE))
+    params.layers = dataclasses.replace(params.layers, lora=jax.tree.map(lambda a: spec(a.shape, a.dtype), lora))
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq,
+                             lora_slots=[1])
+    step = functools.partial(mixed_step, cfg=SMOLLM2, backend="pallas", top_k=RC.max_logprobs, hidden=True)
+    plp = PromptLogprobInputs(spec((T,), jnp.int32))
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, plp, want_top)
+    print(f"mixed_step with LoRA T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
 
 
 @pytest.mark.gpu_compile
