@@ -18,6 +18,7 @@ from server.constraints import tools_and_choice
 from server.embeddings import embeddings
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
+from server.lora_admin import load_lora_adapter, unload_lora_adapter
 from server.middleware import ApiMiddleware
 from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
 from server.protocol import check_messages, get_bool, get_str
@@ -198,6 +199,8 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *(Route(path, score, methods=["POST"]) for path in ("/score", "/v1/score")),
         *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -143,6 +143,19 @@ def test_loading_on_first_use_and_the_refusals(tiny, tmp_path):
     with pytest.raises(LoRAError, match="all 1 LoRA adapter slots are taken \\(mlp2\\); raise --max-loras"):
         engine.add_request("s", ids, p, lora_request=LoRARequest("all4", 1, adapters["all4"][0]))
     assert not engine.has_unfinished_requests()
+    # Unloading: refused while a request uses the adapter; a reloaded name reads none of its old cached pages.
+    long = prompt(40, 9)
+    engine.add_request("busy", long, p, lora_request="mlp2")
+    with pytest.raises(LoRAError, match="in use by 1 request"):
+        engine.loras.unload("mlp2")
+    first = run(engine, {})["busy"]
+    engine.loras.unload("mlp2")
+    assert engine.loras.slots == [None]
+    engine.loras.load("mlp2", adapters["mlp2"][0])
+    reloaded = run(engine, {"again": (long, p, "mlp2")})["again"]
+    hit = run(engine, {"hit": (long, p, "mlp2")})["hit"]
+    assert [o.metrics.num_cached_tokens for o in (first, reloaded, hit)] == [0, 0, 32]
+    assert reloaded.outputs[0].token_ids == hit.outputs[0].token_ids == first.outputs[0].token_ids
     # Adapters that cannot be served are named.
     small = LLMEngine(EngineArgs(model=base, **{**ARGS, "max_lora_rank": 4, "warmup": False}), progress=False)
     with pytest.raises(LoRAError, match="rank 8, above max_lora_rank 4"):
@@ -198,6 +211,23 @@ def test_adapters_are_models_over_http(tiny, engine):
             assert base["choices"][0]["text"] != r["choices"][0]["text"]
             missing = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "mlp2"})
             assert missing.status_code == 404 and "all4, qv8" in missing.json()["error"]["message"]
+            # Runtime updates, vLLM's endpoints: off unless the environment allows them.
+            load = {"lora_name": "mlp2", "lora_path": tiny[1]["mlp2"][0]}
+            assert httpx.post(f"{srv.url}/v1/load_lora_adapter", json=load).status_code == 404
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+            try:
+                r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json=load)
+                assert r.status_code == 200 and "added" in r.text
+                assert httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "mlp2"}).status_code == 200
+                again = httpx.post(f"{srv.url}/v1/load_lora_adapter", json=load)
+                assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+                r = httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": "mlp2"})
+                assert r.status_code == 200 and "removed" in r.text
+                assert httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "mlp2"}).status_code == 404
+                gone = httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": "mlp2"})
+                assert gone.status_code == 400 and "not loaded" in gone.json()["error"]["message"]
+            finally:
+                del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
     finally:
         served.shutdown()
     engine.check_integrity()

@@ -66,11 +66,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict
         raise LoRAError(f"adapter {path!r} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
     scale = float(ac.get("lora_alpha", r)) / (math.sqrt(r) if ac.get("use_rslora") else r)
     dims, L = target_dims(cfg), cfg.num_layers
-    out = {}
-    for module, (k, n) in dims.items():
-        t = TARGETS[module]
-        out[f"a_{t}"] = np.zeros((L, k, max_rank), dtype)
-        out[f"b_{t}"] = np.zeros((L, max_rank, n), dtype)
+    out = read_shapes(cfg, max_rank, dtype)
     seen = set()
     for name, w in load_file(weights).items():
         m = _KEY.match(name)
@@ -99,6 +95,16 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict
     return out
 
 
+def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
+    """Zeroed arrays of one adapter's `read_adapter` shapes."""
+    out = {}
+    for module, (k, n) in target_dims(cfg).items():
+        t = TARGETS[module]
+        out[f"a_{t}"] = np.zeros((cfg.num_layers, k, max_rank), dtype)
+        out[f"b_{t}"] = np.zeros((cfg.num_layers, max_rank, n), dtype)
+    return out
+
+
 def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters."""
     if loaded.config.num_experts or loaded.plan is not None:
@@ -117,6 +123,8 @@ class LoraManager:
         self.max_rank = max_rank
         self.slots: list[str | None] = [None] * max_loras
         self.paths: dict[str, str] = {}
+        self._loads = 0
+        self._salts: dict[str, str] = {}  # each load's own cache namespace: a reloaded name never reads old pages
         for name, path in modules:
             self.load(name, path)
 
@@ -133,8 +141,27 @@ class LoraManager:
         e.runner.params = _set_slot(e.runner.params, slot, arrays)
         e.model = dataclasses.replace(e.model, params=e.runner.params)
         self.slots[slot], self.paths[name] = name, path
+        self._loads += 1
+        self._salts[name] = f"lora:{name}#{self._loads}"
         logger.info("LoRA adapter %r from %s in slot %d", name, path, slot)
         return slot
+
+    def unload(self, name: str) -> None:
+        """Free `name`'s slot (zeroed); refused while a queued or running request uses it."""
+        if name not in self.paths:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
+        slot = self.slots.index(name)
+        sched = self.engine.scheduler
+        users = [r.request_id for r in (*sched.running, *sched.waiting) if r.lora_slot == slot]
+        if users:
+            raise LoRAError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
+        e = self.engine
+        zero = read_shapes(e.model.config, self.max_rank, np.dtype(e.model.dtype))
+        e.runner.params = _set_slot(e.runner.params, slot, zero)
+        e.model = dataclasses.replace(e.model, params=e.runner.params)
+        self.slots[slot] = None
+        del self.paths[name]
+        logger.info("LoRA adapter %r unloaded from slot %d", name, slot)
 
     def request_fields(self, lora: LoRARequest | str | None, cache_salt: str | None) -> dict[str, Any]:
         """A request's `Request` fields for its adapter: its slot and its cache salt."""
@@ -148,8 +175,8 @@ class LoraManager:
                 raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {known}); give its lora_path")
             self.load(name, path)
         # The adapter's name namespaces its cached KV (a salt of its own, or joined to the request's).
-        return {"lora_slot": self.slots.index(name), "cache_salt": f"lora:{name}" + (f"|{cache_salt}" if cache_salt
-                                                                                      else "")}
+        salt = self._salts[name]
+        return {"lora_slot": self.slots.index(name), "cache_salt": f"{salt}|{cache_salt}" if cache_salt else salt}
 
 
 def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
