@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaxserve.json_options import json_object
 from jaxserve.pooling_params import PoolerConfig
 
 DType = Literal["auto", "float32", "bfloat16"]
@@ -48,19 +48,8 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
         """From a JSON object (the command line) or a mapping; unknown keys are named."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"speculative config is not JSON: {e}") from e
-        if not isinstance(value, Mapping):
-            raise ValueError("speculative config must be a JSON object, e.g. "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative config has unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**json_object(value, "speculative config", '{"method": "ngram", "num_speculative_tokens": 4}',
+                                 {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}))
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaxserve.json_options import json_object
+
 PoolingType = Literal["LAST", "MEAN", "CLS"]
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' Pooling config keys, to ours.
@@ -43,17 +45,8 @@ class PoolerConfig:
     @classmethod
     def parse(cls, value: str | Mapping[str, Any]) -> PoolerConfig:
         """From a JSON object (the command line) or a mapping; unknown keys are named."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"pooler config is not JSON: {e}") from e
-        if not isinstance(value, Mapping):
-            raise ValueError('pooler config must be a JSON object, e.g. {"pooling_type": "LAST", "normalize": true}')
-        unknown = sorted(set(value) - {"pooling_type", "normalize"})
-        if unknown:
-            raise ValueError(f"pooler config has unknown keys {', '.join(unknown)}; known: normalize, pooling_type")
-        return cls(**value)
+        return cls(**json_object(value, "pooler config", '{"pooling_type": "LAST", "normalize": true}',
+                                 {"pooling_type", "normalize"}))
 
     def resolve(self, model_path: str | None) -> PoolerConfig:
         """Every field set: this config's, then the model directory's sentence-transformers config's,

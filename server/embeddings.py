@@ -22,28 +22,12 @@ from jaxserve.pooling_params import PoolingParams
 from server.constraints import tools_and_choice
 from server.errors import ApiError, bad_field
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect
-from server.protocol import check_messages, get_bool, get_int, get_str
+from server.protocol import check_messages, check_prompts, get_bool, get_int, get_str
 from server.serving import read_json
 from server.trace import attach_tracer, summarize_request
 
 _KNOWN = {"input", "messages", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
           "add_special_tokens", "normalize", "priority", "chat_template_kwargs", "add_generation_prompt", "tools"}
-
-
-def _inputs(value: Any) -> list[str | list[int]]:
-    def ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(value, str) or ids(value):
-        inputs: list = [value]
-    elif isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
-        inputs = value
-    else:
-        raise bad_field("input", "'input' must be a string, a list of strings, a list of token ids or a list of "
-                                 "token id lists, and not empty", "invalid_type")
-    if any(p == "" for p in inputs):
-        raise bad_field("input", "'input' must not contain empty strings")
-    return inputs
 
 
 def _prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
@@ -65,7 +49,7 @@ def _prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
         return [tok.encode(text, add_special_tokens=get_bool(body, "add_special_tokens", False))]
     special = get_bool(body, "add_special_tokens", True)
     out = []
-    for i, item in enumerate(_inputs(body["input"])):
+    for i, item in enumerate(check_prompts(body["input"], "input")):
         ids = tok.encode(item, add_special_tokens=special) if isinstance(item, str) else list(item)
         bad = [t for t in ids if not 0 <= t < tok.vocab_size]
         if bad:

@@ -318,9 +318,10 @@ def parse_chat(body: Any) -> ChatRequest:
                        tool_choice=tool_choice, include_reasoning=get_bool(body, "include_reasoning", True))
 
 
-def _check_prompt(value: Any) -> list[str | list[int]]:
+def check_prompts(value: Any, param: str = "prompt") -> list[str | list[int]]:
+    """A prompt field: a string, token ids, or a non-empty list of either, none empty; as a list."""
     if value is _UNSET or value is None:
-        raise bad_field("prompt", "'prompt' is required", "missing_required_parameter")
+        raise bad_field(param, f"'{param}' is required", "missing_required_parameter")
 
     def ids(x: Any) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -332,17 +333,17 @@ def _check_prompt(value: Any) -> list[str | list[int]]:
     elif isinstance(value, list) and value and all(isinstance(p, str) or ids(p) for p in value):
         prompts = value
     else:
-        raise bad_field("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a "
-                                  "list of token id lists, and not empty", "invalid_type")
+        raise bad_field(param, f"'{param}' must be a string, a list of strings, a list of token ids or a "
+                               "list of token id lists, and not empty", "invalid_type")
     if any(p == "" for p in prompts):
-        raise bad_field("prompt", "'prompt' must not be empty")
+        raise bad_field(param, f"'{param}' must not be empty or hold an empty string")
     return prompts
 
 
 def parse_completion(body: Any) -> CompletionRequest:
     """Check a `/v1/completions` body."""
     body = _check_body(body)
-    prompts = _check_prompt(_get(body, "prompt"))
+    prompts = check_prompts(_get(body, "prompt"))
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     # `echo` with `logprobs` reports the prompt tokens' logprobs too (how evaluation harnesses score text).

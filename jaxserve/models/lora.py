@@ -63,6 +63,18 @@ def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any) -> LoraL
     return LoraLayer(**arrays)
 
 
+def lora_deltas(x: jax.Array, pairs: list[tuple[jax.Array, jax.Array]], slots: jax.Array) -> list[jax.Array]:
+    """`lora_delta` of x through each (a, b) pair, computed only when some token has a slot (a step of the
+    base model alone skips them: zeros)."""
+    def some() -> list[jax.Array]:
+        return [lora_delta(x, a, b, slots) for a, b in pairs]
+
+    def none() -> list[jax.Array]:
+        return [jnp.zeros((x.shape[0], b.shape[-1]), x.dtype) for _, b in pairs]
+
+    return jax.lax.cond(jnp.any(slots >= 0), some, none)
+
+
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
     """x [T, in] through each token's adapter slot (a [S, in, r], b [S, r, out], slots [T], -1 none): [T, out]."""
     S, _, r = a.shape
