@@ -25,6 +25,8 @@ def _add_offline(sub) -> None:
     g.add_argument("--skip-batch1", action="store_true", help="leave out the batch-1 run (and the floor)")
     g.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="run the concurrency runs under this JSON schema (its JSON text or a file)")
+    g.add_argument("--lora-name", default=None, metavar="NAME",
+                   help="run every request through this LoRA adapter (with --enable-lora --lora-modules NAME=PATH)")
     g.add_argument("--result-file", default=None, help="where to write the JSON (default bench/results/)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -38,7 +40,8 @@ def _run_offline(ns: argparse.Namespace) -> int:
               "the rest of the requests wait", file=sys.stderr)
     cfg = OfflineConfig(concurrency=tuple(ns.concurrency), workload=_workload_spec(ns),
                         bandwidth_bytes=ns.bandwidth_mib << 20, skip_batch1=ns.skip_batch1,
-                        json_schema=json_schema_arg(ns.json_schema) if ns.json_schema else None)
+                        json_schema=json_schema_arg(ns.json_schema) if ns.json_schema else None,
+                        lora_name=ns.lora_name)
     result = run_offline(args, cfg, progress=not ns.quiet,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(result))

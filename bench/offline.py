@@ -44,6 +44,8 @@ class OfflineConfig:
     json_schema: dict | None = None
     """When set, every concurrency run generates under this schema (structured outputs): a request
     ends when its JSON is whole, or at its output length."""
+    lora_name: str | None = None
+    """When set, every request runs through this LoRA adapter (one of the engine's `lora_modules`)."""
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
@@ -121,15 +123,16 @@ class RunStats:
         return d
 
 
-def drive(engine: Any, probe: StepProbe, prompts: Sequence[list[int]], params: Any, tag: str) -> RunStats:
-    """Add every prompt at once (with its own params when `params` is a sequence) and step the engine
-    until all finish, timing each step."""
+def drive(engine: Any, probe: StepProbe, prompts: Sequence[list[int]], params: Any, tag: str,
+          lora: str | None = None) -> RunStats:
+    """Add every prompt at once (with its own params when `params` is a sequence; through LoRA adapter
+    `lora` when given) and step the engine until all finish, timing each step."""
     t0 = time.perf_counter()
     per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
     if len(per) != len(prompts):
         raise ValueError(f"{len(per)} sampling params for {len(prompts)} prompts")
     for i, (ids, p) in enumerate(zip(prompts, per, strict=True)):
-        engine.add_request(f"{tag}-{i}", ids, p)
+        engine.add_request(f"{tag}-{i}", ids, p, **({"lora_request": lora} if lora else {}))
     stats = RunStats(len(prompts), sum(len(p) for p in prompts), 0, 0.0)
     probe.take()
     seen: set[str] = set()
@@ -242,7 +245,7 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
     batch1 = None
     if not cfg.skip_batch1:
         log("batch 1 ...")
-        batch1 = drive(engine, probe, prompts[:1], params[:1], "b1")
+        batch1 = drive(engine, probe, prompts[:1], params[:1], "b1", cfg.lora_name)
         engine.reset_prefix_cache()
         ctx = [len(prompts[0]) + i for i in range(1, requests[0].output_len)]
         w_bytes, kv_bytes = decode_bytes_per_step(engine, ctx)
@@ -256,7 +259,7 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
         params = [dataclasses.replace(p, structured_outputs=constraint) for p in params]
     for n in cfg.concurrency:
         log(f"{n} concurrent requests ...")
-        stats = drive(engine, probe, prompts[:n], params[:n], f"c{n}")
+        stats = drive(engine, probe, prompts[:n], params[:n], f"c{n}", cfg.lora_name)
         engine.reset_prefix_cache()
         result["runs"].append({"concurrency": n, **stats.to_dict()})
     result["compilations_after_warmup"] = engine.stats().compilations_after_warmup

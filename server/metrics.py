@@ -7,6 +7,7 @@ finish-reason counter are recorded by the server once per request, when it ends.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,6 +63,12 @@ class _EngineCollector(Collector):
                       s.spec_num_drafts)
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+        if getattr(s, "max_lora", 0):  # vLLM's: the adapters in use, for LoRA-aware routers (its value: a time)
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            lora.add_metric([str(s.max_lora), ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)],
+                            time.time())
+            yield lora
         yield counter("jaxserve:compilations_after_warmup", "XLA compilations after warmup (should stay 0).",
                       s.compilations_after_warmup)
         yield counter("jaxserve:engine_steps", "Engine steps run.", s.num_steps)

@@ -148,6 +148,8 @@ def test_loading_on_first_use_and_the_refusals(tiny, tmp_path):
     engine.add_request("busy", long, p, lora_request="mlp2")
     with pytest.raises(LoRAError, match="in use by 1 request"):
         engine.loras.unload("mlp2")
+    stats = engine.stats()
+    assert (stats.max_lora, stats.running_lora_adapters, stats.waiting_lora_adapters) == (1, (), ("mlp2",))
     first = run(engine, {})["busy"]
     engine.loras.unload("mlp2")
     assert engine.loras.slots == [None]
@@ -209,6 +211,8 @@ def test_adapters_are_models_over_http(tiny, engine):
             assert r["model"] == "qv8" and r["choices"][0]["text"] == ref.outputs[0].text
             base = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": srv.state.model_name}).json()
             assert base["choices"][0]["text"] != r["choices"][0]["text"]
+            metrics = httpx.get(f"{srv.url}/metrics").text
+            assert 'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
             missing = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "mlp2"})
             assert missing.status_code == 404 and "all4, qv8" in missing.json()["error"]["message"]
             # Runtime updates, vLLM's endpoints: off unless the environment allows them.

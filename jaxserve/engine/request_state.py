@@ -39,6 +39,9 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0  # draft tokens the model's own samples confirmed
     kv_cache_dtype: str = "auto"  # as configured (`--kv-cache-dtype`), vLLM's `cache_dtype`
     calculate_kv_scales: bool = False  # float8 KV scales measured at start-up (`--calculate-kv-scales`)
+    max_lora: int = 0  # LoRA adapter slots (0: no LoRA)
+    running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests, and of waiting ones
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -185,4 +188,17 @@ def engine_stats(engine: Any) -> EngineStats:
         step_time_s=runner.last_step_time, num_steps=runner.num_steps, kv_cache_dtype=engine.args.kv_cache_dtype,
         calculate_kv_scales=engine.args.calculate_kv_scales,
         **dataclasses.asdict(engine.drafter.counters if engine.drafter else SpecCounters()),
+        **_lora_stats(engine),
     )
+
+
+def _lora_stats(engine: Any) -> dict[str, Any]:
+    loras = getattr(engine, "loras", None)
+    if loras is None:
+        return {}
+
+    def names(requests: Any) -> tuple[str, ...]:
+        return tuple(sorted({loras.slots[r.lora_slot] for r in requests if r.lora_slot >= 0}))
+
+    return {"max_lora": len(loras.slots), "running_lora_adapters": names(engine.scheduler.running),
+            "waiting_lora_adapters": names(engine.scheduler.waiting)}
