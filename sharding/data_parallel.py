@@ -118,9 +118,14 @@ class DataParallelEngine:
         """The replicas' stats combined: counts summed, KV usage averaged, step time the slowest."""
         parts = [r.stats() for r in self.replicas]
         first = parts[0]
-        summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(first)
-                  if f.name not in ("kv_cache_usage", "page_size", "step_time_s", "kv_cache_dtype")}
-        return dataclasses.replace(first, **summed, kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
+        counts = [f.name for f in dataclasses.fields(first) if type(getattr(first, f.name)) in (int, float)
+                  and f.name not in ("kv_cache_usage", "page_size", "step_time_s", "max_lora")]
+        summed = {name: sum(getattr(p, name) for p in parts) for name in counts}
+        # Names (the LoRA adapters in use): those of any replica.
+        unions = {f.name: tuple(sorted({x for p in parts for x in getattr(p, f.name)}))
+                  for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), tuple)}
+        return dataclasses.replace(first, **summed, **unions,
+                                   kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
                                    step_time_s=max(p.step_time_s for p in parts))
 
     def check_integrity(self) -> None:

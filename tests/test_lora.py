@@ -277,3 +277,32 @@ def test_stacked_and_per_layer_layouts_apply_the_same_deltas():
     assert not np.allclose(stacked[rows >= 0], base[rows >= 0], atol=1e-2)
     zeroed = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=zero))
     np.testing.assert_allclose(logits(zeroed, slots), base, atol=1e-5)
+
+
+def test_real_model_adapter_equals_peft(smollm_path, smollm_f32, hf_smollm, chat_prompt_ids, tmp_path):
+    """SmolLM2 with a random rank-8 adapter on every projection: prompt logprobs and greedy tokens as PEFT's."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.tokenizer import Tokenizer
+
+    model, _ = hf_smollm
+    adapted = _adapter(model, str(tmp_path / "smol"), 3, r=8, lora_alpha=16, target_modules=ALL)
+    try:
+        cfg, params = smollm_f32
+        loaded = LoadedModel(smollm_path, "SmolLM2-135M-Instruct", cfg, params, Tokenizer.from_gguf(smollm_path),
+                             jnp.float32, 0.0)
+        engine = LLMEngine(EngineArgs(enable_lora=True, max_lora_rank=8, lora_modules=(("smol", str(tmp_path / "smol")),),
+                                      max_num_seqs=1, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
+                                      kv_cache_memory_bytes=16 << 20), loaded=loaded, progress=False)
+        ids = chat_prompt_ids[0]
+        p = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
+        out = run(engine, {"r": (ids, p, "smol")})["r"]
+        got = np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
+        np.testing.assert_allclose(got, hf_prompt_logprobs(adapted, ids), atol=5e-4)
+        with torch.no_grad():
+            greedy = adapted.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == greedy
+    finally:
+        adapted.unload()  # the session's HF model is shared: take the adapter's layers out again
