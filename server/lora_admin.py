@@ -5,6 +5,7 @@ environment (anyone who can reach the server could otherwise load files from its
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from starlette.requests import Request
@@ -36,7 +37,8 @@ async def _change(request: Request, unload: bool) -> Response:
     path = get_str(body, "lora_path")
     if not unload and not path:
         raise bad_field("lora_path", "'lora_path' is required", "missing_required_parameter")
-    if not hasattr(state.engine, "run_on_engine"):
+    call = getattr(state.engine, "call_on_engine", None)  # every replica's engine, behind -dp
+    if call is None:
         raise ApiError(400, "this engine serves no LoRA adapters", code="invalid_request")
 
     def change(engine) -> None:
@@ -45,7 +47,7 @@ async def _change(request: Request, unload: bool) -> Response:
         engine.loras.unload(name) if unload else engine.loras.load(name, path)
 
     try:
-        await state.engine.run_on_engine(change)
+        await asyncio.to_thread(call, change)
     except ValueError as e:
         raise ApiError(400, str(e), param="lora_name", code="invalid_request") from e
     verb = "removed" if unload else "added"

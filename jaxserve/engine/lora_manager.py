@@ -61,7 +61,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict
                 "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "use_qalora"):
         if ac.get(key):
             raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
-    r = int(ac["r"])
+    r = ac.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise LoRAError(f"adapter {path!r}: adapter_config.json gives rank r {r!r}; a positive integer is needed")
     if r > max_rank:
         raise LoRAError(f"adapter {path!r} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
     scale = float(ac.get("lora_alpha", r)) / (math.sqrt(r) if ac.get("use_rslora") else r)
