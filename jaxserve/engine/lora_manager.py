@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.lora_request import LoRARequest
-from jaxserve.models.lora import TARGETS, LoraLayer, empty_lora, target_dims
+from jaxserve.models.lora import TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
 
 logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -82,12 +82,12 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict
         want = (r, k) if which == "A" else (n, r)
         if tuple(w.shape) != want:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} has shape {tuple(w.shape)}, expected {want}")
-        t = TARGETS[module]
+        a_field, place, b_field = TARGETS[module]
         w = w.astype(np.float32)
-        if which == "A":
-            out[f"a_{t}"][layer, :, :r] = w.T
+        if which == "A":  # in its place among the down projections of the same input
+            out[a_field][layer, :, place * max_rank: place * max_rank + r] = w.T
         else:
-            out[f"b_{t}"][layer, :r, :] = w.T * scale
+            out[b_field][layer, :r, :] = w.T * scale
         seen.add((layer, module, which))
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
     if unpaired:
@@ -99,12 +99,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict
 
 def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
     """Zeroed arrays of one adapter's `read_adapter` shapes."""
-    out = {}
-    for module, (k, n) in target_dims(cfg).items():
-        t = TARGETS[module]
-        out[f"a_{t}"] = np.zeros((cfg.num_layers, k, max_rank), dtype)
-        out[f"b_{t}"] = np.zeros((cfg.num_layers, max_rank, n), dtype)
-    return out
+    return {f: np.zeros((cfg.num_layers, *shape), dtype) for f, shape in lora_shapes(cfg, max_rank).items()}
 
 
 def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:

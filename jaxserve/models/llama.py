@@ -88,8 +88,7 @@ def _layer(
             k = jnp.einsum("te,ehd->thd", h, lp.wk)  # [T, Hkv, D]
             v = jnp.einsum("te,ehd->thd", h, lp.wv)  # [T, Hkv, D]
         if lora is not None:
-            dq, dk, dv = lora_deltas(h, [(lora.a_q, lora.b_q), (lora.a_k, lora.b_k), (lora.a_v, lora.b_v)],
-                                     inputs.lora_slots)
+            dq, dk, dv = lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_k, lora.b_v], inputs.lora_slots)
             q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
@@ -121,7 +120,7 @@ def _layer(
         attn = attn.reshape(attn.shape[0], -1)
         out = _dot_out_major(attn, lp.wo_t) if lp.wo_t is not None else attn @ lp.wo.reshape(-1, lp.wo.shape[-1])
         if lora is not None:
-            out = out + lora_deltas(attn, [(lora.a_o, lora.b_o)], inputs.lora_slots)[0]
+            out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
         if lp.bo is not None:
             out = out + lp.bo
         x = x + out
@@ -139,14 +138,14 @@ def _layer(
             gate = h @ lp.w_gate  # [T, F]
             up = h @ lp.w_up
         if lora is not None:
-            dg, du = lora_deltas(h, [(lora.a_gate, lora.b_gate), (lora.a_up, lora.b_up)], inputs.lora_slots)
+            dg, du = lora_deltas(h, lora.a_gate_up, [lora.b_gate, lora.b_up], inputs.lora_slots)
             gate, up = gate + dg, up + du
         if lp.b_gate is not None:
             gate, up = gate + lp.b_gate, up + lp.b_up
         act = jax.nn.silu(gate) * up
         down = _dot_out_major(act, lp.w_down_t) if lp.w_down_t is not None else act @ lp.w_down
         if lora is not None:
-            down = down + lora_deltas(act, [(lora.a_down, lora.b_down)], inputs.lora_slots)[0]
+            down = down + lora_deltas(act, lora.a_down, [lora.b_down], inputs.lora_slots)[0]
         if lp.b_down is not None:
             down = down + lp.b_down
         x = x + down

@@ -19,27 +19,27 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 
-# The HF module names a LoRA adapter may target, to our field suffixes.
-TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
-           "down_proj": "down"}
+# The HF module names a LoRA adapter may target: the A field holding its down projection (projections of
+# one input share it, their ranks side by side), its place there, and its B field.
+TARGETS = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), "v_proj": ("a_qkv", 2, "b_v"),
+           "o_proj": ("a_o", 0, "b_o"), "gate_proj": ("a_gate_up", 0, "b_gate"), "up_proj": ("a_gate_up", 1, "b_up"),
+           "down_proj": ("a_down", 0, "b_down")}
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class LoraLayer:
-    """The adapter slots of one layer (stacked on a leading layers axis in stacked params)."""
+    """The adapter slots of one layer (stacked on a leading layers axis in stacked params): A [slots, in,
+    n x rank] for the n projections of one input, B [slots, rank, out] for each projection."""
 
-    a_q: Any
+    a_qkv: Any
     b_q: Any
-    a_k: Any
     b_k: Any
-    a_v: Any
     b_v: Any
     a_o: Any
     b_o: Any
-    a_gate: Any
+    a_gate_up: Any
     b_gate: Any
-    a_up: Any
     b_up: Any
     a_down: Any
     b_down: Any
@@ -53,32 +53,36 @@ def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (E, F), "down_proj": (F, E)}
 
 
+def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
+    """Each `LoraLayer` field's shape for one slot of one layer."""
+    dims, shapes = target_dims(cfg), {}
+    for module, (a, _, b) in TARGETS.items():
+        k, n = dims[module]
+        shapes[a] = (k, rank * sum(1 for x, _, _ in TARGETS.values() if x == a))
+        shapes[b] = (rank, n)
+    return shapes
+
+
 def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any) -> LoraLayer:
-    """Zeroed adapter slots for every layer: [L, slots, in, rank] and [L, slots, rank, out]."""
-    L, arrays = cfg.num_layers, {}
-    for module, (k, n) in target_dims(cfg).items():
-        t = TARGETS[module]
-        arrays[f"a_{t}"] = jnp.zeros((L, num_slots, k, rank), dtype)
-        arrays[f"b_{t}"] = jnp.zeros((L, num_slots, rank, n), dtype)
-    return LoraLayer(**arrays)
+    """Zeroed adapter slots for every layer: [L, slots, ...] of `lora_shapes`."""
+    return LoraLayer(**{f: jnp.zeros((cfg.num_layers, num_slots, *shape), dtype)
+                        for f, shape in lora_shapes(cfg, rank).items()})
 
 
-def lora_deltas(x: jax.Array, pairs: list[tuple[jax.Array, jax.Array]], slots: jax.Array) -> list[jax.Array]:
-    """`lora_delta` of x through each (a, b) pair, computed only when some token has a slot (a step of the
-    base model alone skips them: zeros)."""
+def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[jax.Array]:
+    """x [T, in] through each token's adapter slot (slots [T], -1 none): one [T, out] per B in `bs`, whose
+    down projections sit side by side in a [S, in, len(bs) x r]. Computed only when some token has a slot
+    (a step of the base model alone gets zeros)."""
+    S, r = a.shape[0], a.shape[-1] // len(bs)
+
     def some() -> list[jax.Array]:
-        return [lora_delta(x, a, b, slots) for a, b in pairs]
+        xa = jnp.einsum("tk,skr->tsr", x, a, preferred_element_type=jnp.float32)  # every slot's down projections
+        mine = (slots[:, None] == jnp.arange(S, dtype=slots.dtype))[:, :, None]  # [T, S, 1]
+        xa = jnp.where(mine, xa, 0.0).astype(x.dtype)
+        return [jnp.dot(xa[:, :, i * r:(i + 1) * r].reshape(x.shape[0], S * r), b.reshape(S * r, -1),
+                        preferred_element_type=jnp.float32).astype(x.dtype) for i, b in enumerate(bs)]
 
     def none() -> list[jax.Array]:
-        return [jnp.zeros((x.shape[0], b.shape[-1]), x.dtype) for _, b in pairs]
+        return [jnp.zeros((x.shape[0], b.shape[-1]), x.dtype) for b in bs]
 
     return jax.lax.cond(jnp.any(slots >= 0), some, none)
-
-
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """x [T, in] through each token's adapter slot (a [S, in, r], b [S, r, out], slots [T], -1 none): [T, out]."""
-    S, _, r = a.shape
-    xa = jnp.einsum("tk,skr->tsr", x, a, preferred_element_type=jnp.float32)  # every slot's down projection
-    mine = (slots[:, None] == jnp.arange(S, dtype=slots.dtype))[:, :, None]  # [T, S, 1]
-    xa = jnp.where(mine, xa, 0.0).astype(x.dtype).reshape(x.shape[0], S * r)
-    return jnp.dot(xa, b.reshape(S * r, -1), preferred_element_type=jnp.float32).astype(x.dtype)
