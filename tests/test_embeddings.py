@@ -200,9 +200,14 @@ def test_refusals_name_the_problem(engines, tiny):
         engine.add_request("bad", [3, VOCAB], PoolingParams())
     with pytest.raises(ValueError, match="dimensions must be a positive integer"):
         PoolingParams(dimensions=0)
-    # A prompt of exactly max_model_len tokens fits: nothing is generated after it.
+    # A prompt of exactly max_model_len tokens fits: nothing is generated after it; -1 truncates to that length.
     full = embed(engine, {"full": ([5] * 128, PoolingParams())})["full"]
     assert len(full.outputs.embedding) == 64
+    cut = embed(engine, {"cut": ([7] + [5] * 128, PoolingParams(truncate_prompt_tokens=-1))})["cut"]
+    assert cut.prompt_token_ids == [5] * 128
+    np.testing.assert_allclose(cut.outputs.embedding, full.outputs.embedding, atol=1e-6)  # a prefix-cache hit
+    with pytest.raises(ValueError, match="truncate_prompt_tokens 129 exceeds"):
+        engine.add_request("over", [5] * 10, PoolingParams(truncate_prompt_tokens=129))
     assert not engine.has_unfinished_requests()
     for args, match in (
         (dict(pooler_config={"pooling_type": "LAST"}), "add runner 'pooling'"),

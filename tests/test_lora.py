@@ -115,6 +115,21 @@ def test_adapters_and_base_in_one_batch_equal_peft(tiny, engine):
     assert engine.stats().compilations_after_warmup == 0  # adapters are data: one executable per bucket
 
 
+def test_drafted_adapter_requests_keep_their_tokens(tiny, engine):
+    """Speculative decoding verifies an adapter's drafts with that adapter: the same greedy tokens as undrafted."""
+    base, adapters, _ = tiny
+    spec = LLMEngine(EngineArgs(model=base, lora_modules=(("all4", adapters["all4"][0]),), **ARGS,
+                                speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+                     progress=False)
+    ids = (prompt(6, 11) * 4)[:22]  # repeats, so the context proposes drafts
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = run(engine, {"a": (ids, p, "all4"), "b": (ids, p, None)})
+    got = run(spec, {"a": (ids, p, "all4"), "b": (ids, p, None)})
+    assert spec.stats().spec_num_draft_tokens > 0
+    for rid in ("a", "b"):
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+
+
 def test_each_adapter_has_its_own_prefix_cache(engine):
     ids = prompt(50, 2)
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
