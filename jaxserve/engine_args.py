@@ -101,8 +101,9 @@ class EngineArgs:
     runner: Runner = "auto"
     # How an embedding is pooled (a JSON object or a mapping, parsed into a `PoolerConfig`); runner pooling only.
     pooler_config: PoolerConfig | None = None
-    # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank`, the adapters of
-    # `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) loaded at start-up.
+    # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank` (adapters in one
+    # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) known from
+    # start-up.
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
@@ -185,8 +186,6 @@ class EngineArgs:
             if modules:
                 raise ValueError("lora_modules needs enable_lora (--enable-lora)")
             return
-        if len(modules) > self.max_loras:
-            raise ValueError(f"{len(modules)} lora_modules need as many adapter slots; max_loras is {self.max_loras}")
         for what, bad in (("tensor or expert parallelism", self.tensor_parallel_size * self.expert_parallel_size > 1),
                           ("a multi-host cluster", self.num_processes > 1), ("runner 'pooling'", self.is_pooling)):
             if bad:
@@ -271,7 +270,8 @@ class EngineArgs:
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
         g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters loaded at start-up; a request names one as its model")
-        g.add_argument("--max-loras", type=int, default=d.max_loras, help="LoRA adapters held at once (slots)")
+        g.add_argument("--max-loras", type=int, default=d.max_loras,
+                       help="LoRA adapter slots: adapters in one batch (any number may be known)")
         g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank served")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--strict-compile", action="store_true",

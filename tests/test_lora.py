@@ -142,9 +142,9 @@ def test_each_adapter_has_its_own_prefix_cache(engine):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_loading_on_first_use_and_the_refusals(tiny, tmp_path):
+def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
     base, adapters, _ = tiny
-    engine = LLMEngine(EngineArgs(model=base, **{**ARGS, "max_loras": 1}), progress=False)
+    shared, engine = engine, LLMEngine(EngineArgs(model=base, **{**ARGS, "max_loras": 1}), progress=False)
     ids = prompt(12, 3)
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with pytest.raises(LoRAError, match="'mlp2' is not loaded \\(loaded: none\\); give its lora_path"):
@@ -155,8 +155,19 @@ def test_loading_on_first_use_and_the_refusals(tiny, tmp_path):
                                            min_new_tokens=3, pad_token_id=0)[0, len(ids):].tolist()
     assert got.outputs[0].token_ids == ref
     assert engine.loras.paths == {"mlp2": adapters["mlp2"][0]}
-    with pytest.raises(LoRAError, match="all 1 LoRA adapter slots are taken \\(mlp2\\); raise --max-loras"):
-        engine.add_request("s", ids, p, lora_request=LoRARequest("all4", 1, adapters["all4"][0]))
+    # One slot, two adapters: an idle adapter leaves the slot to the one a request needs, and comes back.
+    big = prompt(40, 8)
+    want = run(shared, {"w": (big, p, "all4")})["w"]
+    took = run(engine, {"s": (big, p, LoRARequest("all4", 1, adapters["all4"][0]))})["s"]
+    assert engine.loras.slots == ["all4"] and took.outputs[0].token_ids == want.outputs[0].token_ids
+    back = run(engine, {"b": (ids, p, "mlp2")})["b"]
+    assert engine.loras.slots == ["mlp2"] and back.outputs[0].token_ids == ref
+    again = run(engine, {"s2": (big, p, "all4")})["s2"]  # its cached pages are its own still: a hit
+    assert again.metrics.num_cached_tokens == 32 and again.outputs[0].token_ids == took.outputs[0].token_ids
+    engine.add_request("q", ids, p, lora_request="all4")  # queued: all4 holds the one slot until it ends
+    with pytest.raises(LoRAError, match="all 1 LoRA adapter slots serve queued or running requests \\(all4\\)"):
+        engine.add_request("t", ids, p, lora_request="mlp2")
+    run(engine, {})
     assert not engine.has_unfinished_requests()
     # Unloading: refused while a request uses the adapter; a reloaded name reads none of its old cached pages.
     long = prompt(40, 9)
@@ -194,7 +205,6 @@ def test_loading_on_first_use_and_the_refusals(tiny, tmp_path):
         plain.add_request("t", ids, p, lora_request="all4")
     for args, match in ((dict(lora_modules=("a=/x",)), "needs enable_lora"),
                         (dict(enable_lora=True, lora_modules=("a",)), "must be name=path"),
-                        (dict(enable_lora=True, lora_modules=("a=/x", "b=/y")), "max_loras is 1"),
                         (dict(enable_lora=True, tensor_parallel_size=2), "not served with tensor or expert")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(**args)

@@ -1,8 +1,9 @@
 """LoRA adapters in an engine: PEFT adapter directories read into the parameters' adapter slots.
 
 An engine started with `enable_lora` holds `max_loras` slots of rank `max_lora_rank` in every layer
-(`models/lora.py`). Adapters named by `lora_modules` load at start-up; a request's `LoRARequest` with a
-path loads another into a free slot on first use. An adapter's requests share cached prefixes only
+(`models/lora.py`). Adapters named by `lora_modules` load at start-up, and a request's `LoRARequest` with
+a path loads another on first use; any number are known, and a request's adapter takes a slot when it
+needs one (`LoraManager`). An adapter's requests share cached prefixes only
 with each other: the adapter's name joins the request's cache salt, because its KV differs from the
 base model's.
 
@@ -113,52 +114,83 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
 
 
 class LoraManager:
-    """The engine's adapter slots: which adapter each holds, loading into them, and requests' slots."""
+    """The engine's adapters: those it knows (name to path, their weights kept on the host), which of them
+    hold the `max_loras` device slots, and requests' slots.
+
+    A request for a known adapter that holds no slot takes a free one, or the least recently used slot
+    whose adapter no queued or running request uses (vLLM's `--max-loras`: adapters in one batch, not
+    adapters known). When every slot serves a queued or running request, the request is refused by name."""
 
     def __init__(self, engine: Any, max_loras: int, max_rank: int, modules: tuple[tuple[str, str], ...] = ()):
         self.engine = engine
         self.max_rank = max_rank
         self.slots: list[str | None] = [None] * max_loras
         self.paths: dict[str, str] = {}
+        """Every known adapter, name to path (served as models)."""
+        self._weights: dict[str, dict[str, np.ndarray]] = {}
         self._loads = 0
         self._salts: dict[str, str] = {}  # each load's own cache namespace: a reloaded name never reads old pages
+        self._last_use: dict[str, int] = {}
+        self._uses = 0
         for name, path in modules:
             self.load(name, path)
 
-    def load(self, name: str, path: str) -> int:
-        """Read the adapter at `path` into a free slot under `name`; returns the slot."""
+    def load(self, name: str, path: str) -> None:
+        """Read the adapter at `path` under `name` (into a slot, while one is free)."""
         if name in self.paths:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.paths[name]!r})")
-        if None not in self.slots:
-            raise LoRAError(f"all {len(self.slots)} LoRA adapter slots are taken ({', '.join(self.slots)}); "
-                            "raise --max-loras")
         e = self.engine
-        arrays = read_adapter(path, e.model.config, self.max_rank, np.dtype(e.model.dtype))
-        slot = self.slots.index(None)
-        e.runner.params = _set_slot(e.runner.params, slot, arrays)
-        e.model = dataclasses.replace(e.model, params=e.runner.params)
-        self.slots[slot], self.paths[name] = name, path
+        self._weights[name] = read_adapter(path, e.model.config, self.max_rank, np.dtype(e.model.dtype))
+        self.paths[name] = path
         self._loads += 1
         self._salts[name] = f"lora:{name}#{self._loads}"
-        logger.info("LoRA adapter %r from %s in slot %d", name, path, slot)
+        logger.info("LoRA adapter %r from %s", name, path)
+        if None in self.slots:
+            self._place(name, self.slots.index(None))
+
+    def _place(self, name: str, slot: int) -> None:
+        e = self.engine
+        e.runner.params = _set_slot(e.runner.params, slot, self._weights[name])
+        e.model = dataclasses.replace(e.model, params=e.runner.params)
+        self.slots[slot] = name
+
+    def _in_use(self) -> set[int]:
+        sched = self.engine.scheduler
+        return {r.lora_slot for r in (*sched.running, *sched.waiting) if r.lora_slot >= 0}
+
+    def _slot_for(self, name: str) -> int:
+        """`name`'s slot, placing it there first if it holds none."""
+        if name in self.slots:
+            return self.slots.index(name)
+        busy = self._in_use()
+        idle = [i for i, held in enumerate(self.slots) if i not in busy]
+        if not idle:
+            raise LoRAError(f"all {len(self.slots)} LoRA adapter slots serve queued or running requests "
+                            f"({', '.join(map(str, self.slots))}); retry when they end, or raise --max-loras")
+        slot = min(idle, key=lambda i: -1 if self.slots[i] is None else self._last_use.get(self.slots[i], 0))
+        if self.slots[slot] is not None:
+            logger.info("LoRA adapter %r leaves slot %d for %r", self.slots[slot], slot, name)
+        self._place(name, slot)
         return slot
 
     def unload(self, name: str) -> None:
-        """Free `name`'s slot (zeroed); refused while a queued or running request uses it."""
+        """Forget `name` (its slot zeroed); refused while a queued or running request uses it."""
         if name not in self.paths:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
-        slot = self.slots.index(name)
-        sched = self.engine.scheduler
-        users = [r.request_id for r in (*sched.running, *sched.waiting) if r.lora_slot == slot]
-        if users:
-            raise LoRAError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload it when they end")
-        e = self.engine
-        zero = read_shapes(e.model.config, self.max_rank, np.dtype(e.model.dtype))
-        e.runner.params = _set_slot(e.runner.params, slot, zero)
-        e.model = dataclasses.replace(e.model, params=e.runner.params)
-        self.slots[slot] = None
-        del self.paths[name]
-        logger.info("LoRA adapter %r unloaded from slot %d", name, slot)
+        if name in self.slots:
+            slot = self.slots.index(name)
+            users = sum(1 for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)
+                        if r.lora_slot == slot)
+            if users:
+                raise LoRAError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they end")
+            e = self.engine
+            e.runner.params = _set_slot(e.runner.params, slot, read_shapes(e.model.config, self.max_rank,
+                                                                           np.dtype(e.model.dtype)))
+            e.model = dataclasses.replace(e.model, params=e.runner.params)
+            self.slots[slot] = None
+        for registry in (self.paths, self._weights, self._salts, self._last_use):
+            registry.pop(name, None)
+        logger.info("LoRA adapter %r unloaded", name)
 
     def request_fields(self, lora: LoRARequest | str | None, cache_salt: str | None) -> dict[str, Any]:
         """A request's `Request` fields for its adapter: its slot and its cache salt."""
@@ -171,9 +203,12 @@ class LoraManager:
                 known = ", ".join(self.paths) or "none"
                 raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {known}); give its lora_path")
             self.load(name, path)
+        slot = self._slot_for(name)
+        self._uses += 1
+        self._last_use[name] = self._uses
         # The adapter's name namespaces its cached KV (a salt of its own, or joined to the request's).
         salt = self._salts[name]
-        return {"lora_slot": self.slots.index(name), "cache_salt": f"{salt}|{cache_salt}" if cache_salt else salt}
+        return {"lora_slot": slot, "cache_salt": f"{salt}|{cache_salt}" if cache_salt else salt}
 
 
 def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
