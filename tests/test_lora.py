@@ -280,7 +280,7 @@ def test_stacked_and_per_layer_layouts_apply_the_same_deltas():
                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)
     params = init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
     zero = empty_lora(cfg, 3, 4, jnp.float32)
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), 11))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(zero))))
     lora = jax.tree.map(lambda a: 0.3 * jax.random.normal(next(keys), a.shape), zero)
     seqs = [(prompt(9, 5), 0, [1]), (prompt(7, 6), 0, [2]), (prompt(5, 7), 0, [3]), (prompt(6, 8), 0, [4])]
 

@@ -4,8 +4,8 @@ An engine started with `enable_lora` holds `max_loras` slots of rank `max_lora_r
 (`models/lora.py`). Adapters named by `lora_modules` load at start-up, and a request's `LoRARequest` with
 a path loads another on first use; any number are known, and a request's adapter takes a slot when it
 needs one (`LoraManager`). An adapter's requests share cached prefixes only
-with each other: the adapter's name joins the request's cache salt, because its KV differs from the
-base model's.
+with each other: each load of an adapter has a cache namespace joined to the request's salt, because
+its KV differs from the base model's (and from another load's under the same name).
 
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
 attention and MLP projections of a dense model (q/k/v/o, gate/up/down), any rank up to
@@ -16,6 +16,7 @@ the LM head, experts).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -40,8 +41,8 @@ class LoRAError(ValueError):
 
 
 def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
-    """A PEFT adapter directory as `LoraLayer` field arrays ([L, in, max_rank] and [L, max_rank, out],
-    zero-padded, the scale folded into B)."""
+    """A PEFT adapter directory as `LoraLayer` field arrays for one slot ([L, ...] of `lora_shapes`: each A
+    in its place among the down projections of its input, ranks zero-padded, the scale folded into B)."""
     from safetensors.numpy import load_file
 
     cfg_file, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
@@ -154,15 +155,16 @@ class LoraManager:
         e.model = dataclasses.replace(e.model, params=e.runner.params)
         self.slots[slot] = name
 
-    def _in_use(self) -> set[int]:
+    def _users(self) -> collections.Counter[int]:
+        """Queued and running requests per adapter slot."""
         sched = self.engine.scheduler
-        return {r.lora_slot for r in (*sched.running, *sched.waiting) if r.lora_slot >= 0}
+        return collections.Counter(r.lora_slot for r in (*sched.running, *sched.waiting) if r.lora_slot >= 0)
 
     def _slot_for(self, name: str) -> int:
         """`name`'s slot, placing it there first if it holds none."""
         if name in self.slots:
             return self.slots.index(name)
-        busy = self._in_use()
+        busy = self._users()
         idle = [i for i, held in enumerate(self.slots) if i not in busy]
         if not idle:
             raise LoRAError(f"all {len(self.slots)} LoRA adapter slots serve queued or running requests "
@@ -179,8 +181,7 @@ class LoraManager:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
         if name in self.slots:
             slot = self.slots.index(name)
-            users = sum(1 for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)
-                        if r.lora_slot == slot)
+            users = self._users()[slot]
             if users:
                 raise LoRAError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they end")
             e = self.engine

@@ -1,11 +1,12 @@
 """LoRA adapters in the model step: every adapter's low-rank deltas, applied per token in one batch.
 
 An engine with LoRA holds `max_loras` adapter slots in each layer (`LoraLayer`, on `LayerParams.lora`):
-for each projection, A [slots, in, rank] and B [slots, rank, out], the adapter's scale folded into B,
-ranks below `max_lora_rank` padded with zeros, projections an adapter leaves alone all zeros. A step's
-tokens carry their request's slot (`ModelInputs.lora_slots`, -1 for none); a projection's output gains
-(x A_s) B_s for the token's slot s, computed for all slots at once as two matmuls of width
-slots x rank, the other slots' columns masked to zero. Base weights are never changed, so requests of
+for each projection an A [slots, in, rank] (the A's of projections of one input side by side: q/k/v,
+gate/up) and a B [slots, rank, out], the adapter's scale folded into B, ranks below `max_lora_rank`
+padded with zeros, projections an adapter leaves alone all zeros. A step's tokens carry their
+request's slot (`ModelInputs.lora_slots`, -1 for none); a projection's output gains (x A_s) B_s for
+the token's slot s, computed for all slots at once (one A matmul per input, one B matmul per
+projection, of width slots x rank), the other slots' columns masked to zero. Base weights are never changed, so requests of
 different adapters (and none) share one batch.
 """
 
