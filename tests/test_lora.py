@@ -164,11 +164,24 @@ def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
     assert engine.loras.slots == ["mlp2"] and back.outputs[0].token_ids == ref
     again = run(engine, {"s2": (big, p, "all4")})["s2"]  # its cached pages are its own still: a hit
     assert again.metrics.num_cached_tokens == 32 and again.outputs[0].token_ids == took.outputs[0].token_ids
-    engine.add_request("q", ids, p, lora_request="all4")  # queued: all4 holds the one slot until it ends
-    with pytest.raises(LoRAError, match="all 1 LoRA adapter slots serve queued or running requests \\(all4\\)"):
-        engine.add_request("t", ids, p, lora_request="mlp2")
-    run(engine, {})
-    assert not engine.has_unfinished_requests()
+    # One slot, requests of two adapters and the base model at once: mlp2's waits until all4's have ended,
+    # the base request runs beside all4's, and each gives what it gives alone.
+    engine.add_request("q", big, p, lora_request="all4")
+    engine.add_request("t", ids, p, lora_request="mlp2")
+    engine.add_request("u", ids, p)
+    engine.add_request("q2", big, p, lora_request="all4")  # behind mlp2's: waits its turn
+    order, outs = [], {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+            if o.finished:
+                order.append(o.request_id)
+        assert len({r.lora_name for r in engine.scheduler.running} - {None}) <= 1
+        engine.check_integrity()
+    assert order.index("u") < order.index("t") and order.index("q") < order.index("t") < order.index("q2")
+    assert outs["t"].outputs[0].token_ids == ref
+    assert outs["q"].outputs[0].token_ids == outs["q2"].outputs[0].token_ids == took.outputs[0].token_ids
+    assert outs["u"].outputs[0].token_ids == run(shared, {"ub": (ids, p, None)})["ub"].outputs[0].token_ids
     # Unloading: refused while a request uses the adapter; a reloaded name reads none of its old cached pages.
     long = prompt(40, 9)
     engine.add_request("busy", long, p, lora_request="mlp2")

@@ -93,6 +93,32 @@ def test_admission_respects_max_num_seqs():
     assert batch(plan) == [("d", 1), ("a", 2)]
 
 
+def test_lora_adapters_beyond_max_loras_wait_and_base_requests_pass_them():
+    """At most `max_loras` adapters run; a request of another adapter is passed over, and behind it only
+    base-model requests are admitted (a later request of a running adapter waits too, so it cannot starve)."""
+    a_running = decode("d", 0)._replace(adapter="A")
+    queue = [waiting("b", 1, 2)._replace(adapter="B"), waiting("base", 2, 2), waiting("a", 3, 2)._replace(adapter="A"),
+             waiting("base2", 4, 2)]
+    new, plan = schedule(state(running=[a_running], waiting_=queue), config(max_num_seqs=8, max_loras=1))
+    assert batch(plan) == [("d", 1), ("base", 2), ("base2", 2)]
+    assert [v.request_id for v in new.waiting] == ["b", "a"]
+    assert [a.kind for a in plan.actions] == ["admit", "admit"]
+    # Once "d" has ended, "b" takes the slot and "a" waits behind it.
+    looked_up = [v._replace(prefix_pages=()) for v in new.waiting]
+    new, plan = schedule(state(waiting_=looked_up), config(max_num_seqs=8, max_loras=1))
+    assert batch(plan) == [("b", 2)] and [v.request_id for v in new.waiting] == ["a"]
+    # Two adapters fit two slots; the head of the queue is not held back.
+    _, plan = schedule(state(running=[a_running], waiting_=queue), config(max_num_seqs=8, max_loras=2))
+    assert batch(plan) == [("d", 1), ("b", 2), ("base", 2), ("a", 2), ("base2", 2)]
+    # Requests of a running adapter at the head, and no limit, are admitted as any other.
+    _, plan = schedule(state(running=[a_running], waiting_=queue[2:]), config(max_num_seqs=8, max_loras=1))
+    assert batch(plan) == [("d", 1), ("a", 2), ("base2", 2)]
+    _, plan = schedule(state(running=[a_running], waiting_=queue), config(max_num_seqs=8))
+    assert len(batch(plan)) == 5
+    with pytest.raises(ValueError, match="max_loras must be a positive int or None, got 0"):
+        config(max_loras=0)
+
+
 def test_cached_prefix_costs_its_unshared_pages():
     # "w" reuses pages 7, 8 (only the cache holds them: sharing makes them unevictable) and
     # needs one new page for its last two tokens.

@@ -424,8 +424,10 @@ def workloads(draw):
         long_prefill_token_threshold=draw(st.none() | st.integers(1, 12)),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         enable_prefix_caching=draw(st.booleans()),
+        max_loras=draw(st.none() | st.integers(1, 2)),
     )
     num_pages = draw(st.integers(4, 16))
+    adapters = [None, None] + (["a", "b", "c"] if cfg.max_loras else [])
     requests = []
     for i in range(draw(st.integers(1, 12))):
         prompt = draw(st.sampled_from(BASES)) + draw(st.lists(st.integers(1, 4), max_size=14))
@@ -438,6 +440,7 @@ def workloads(draw):
                     max_tokens=draw(st.integers(1, 16)),
                     priority=draw(st.integers(0, 2)),
                     cache_salt=draw(st.sampled_from([None, None, "t"])),
+                    lora_name=draw(st.sampled_from(adapters)),
                 ),
                 abort_at=draw(st.none() | st.integers(0, 30)),
             )

@@ -102,6 +102,7 @@ class LLMEngine:
                 page_size=args.page_size, policy=args.scheduling_policy,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
                 enable_prefix_caching=args.enable_prefix_caching,
+                max_loras=args.max_loras if args.enable_lora else None,
             ),
             num_pages,
         )
@@ -177,7 +178,7 @@ class LLMEngine:
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
             supports_prompt_logprobs=self.runner.supports_prompt_logprobs)
-        lora = lora_fields(self.loras, lora_request, cache_salt)  # its slot, and the adapter's cache namespace
+        lora = lora_fields(self.loras, lora_request, cache_salt)  # its adapter, and the adapter's cache namespace
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
@@ -282,7 +283,7 @@ class LLMEngine:
         scheduled = list(plan.scheduled)
         spec = self._drafts(plan) if self.drafter is not None else None
         rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
-        loras = [self.scheduler.get_request(s.request_id).lora_slot for s in rows] if self.loras else None
+        loras = [self.loras.slot_for(self.scheduler.get_request(s.request_id)) for s in rows] if self.loras else None
         if self.trace is not None:
             trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace,
                        spec)

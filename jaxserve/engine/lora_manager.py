@@ -16,7 +16,6 @@ the LM head, experts).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -115,12 +114,13 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
 
 
 class LoraManager:
-    """The engine's adapters: those it knows (name to path, their weights kept on the host), which of them
-    hold the `max_loras` device slots, and requests' slots.
+    """The engine's adapters: those it knows (name to path, their weights kept on the host), and which of them
+    hold the `max_loras` device slots.
 
-    A request for a known adapter that holds no slot takes a free one, or the least recently used slot
-    whose adapter no queued or running request uses (vLLM's `--max-loras`: adapters in one batch, not
-    adapters known). When every slot serves a queued or running request, the request is refused by name."""
+    The scheduler runs requests of at most `max_loras` adapters at once (vLLM's `--max-loras`: adapters in
+    one batch, not adapters known); a request of another adapter waits its turn in the queue. When an
+    admitted request's adapter holds no slot, it takes a free one, or the least recently used slot whose
+    adapter no running request uses."""
 
     def __init__(self, engine: Any, max_loras: int, max_rank: int, modules: tuple[tuple[str, str], ...] = ()):
         self.engine = engine
@@ -155,20 +155,21 @@ class LoraManager:
         e.model = dataclasses.replace(e.model, params=e.runner.params)
         self.slots[slot] = name
 
-    def _users(self) -> collections.Counter[int]:
-        """Queued and running requests per adapter slot."""
-        sched = self.engine.scheduler
-        return collections.Counter(r.lora_slot for r in (*sched.running, *sched.waiting) if r.lora_slot >= 0)
-
-    def _slot_for(self, name: str) -> int:
-        """`name`'s slot, placing it there first if it holds none."""
+    def slot_for(self, request: Any) -> int:
+        """The slot of a running request's adapter (-1: none), placing the adapter there first if it holds
+        none. The scheduler runs at most `max_loras` adapters at once, so a slot is always found."""
+        name = request.lora_name
+        if name is None:
+            return -1
+        self._uses += 1
+        self._last_use[name] = self._uses
         if name in self.slots:
             return self.slots.index(name)
-        busy = self._users()
-        idle = [i for i, held in enumerate(self.slots) if i not in busy]
+        running = {r.lora_name for r in self.engine.scheduler.running}
+        idle = [i for i, held in enumerate(self.slots) if held not in running]
         if not idle:
-            raise LoRAError(f"all {len(self.slots)} LoRA adapter slots serve queued or running requests "
-                            f"({', '.join(map(str, self.slots))}); retry when they end, or raise --max-loras")
+            raise RuntimeError(f"LoRA adapter {name!r} runs while all {len(self.slots)} slots serve running "
+                               "requests of other adapters: the scheduler admitted more than max_loras adapters")
         slot = min(idle, key=lambda i: -1 if self.slots[i] is None else self._last_use.get(self.slots[i], 0))
         if self.slots[slot] is not None:
             logger.info("LoRA adapter %r leaves slot %d for %r", self.slots[slot], slot, name)
@@ -179,11 +180,12 @@ class LoraManager:
         """Forget `name` (its slot zeroed); refused while a queued or running request uses it."""
         if name not in self.paths:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
+        sched = self.engine.scheduler
+        users = sum(1 for r in (*sched.running, *sched.waiting) if r.lora_name == name)
+        if users:
+            raise LoRAError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they end")
         if name in self.slots:
             slot = self.slots.index(name)
-            users = self._users()[slot]
-            if users:
-                raise LoRAError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they end")
             e = self.engine
             e.runner.params = _set_slot(e.runner.params, slot, read_shapes(e.model.config, self.max_rank,
                                                                            np.dtype(e.model.dtype)))
@@ -194,9 +196,10 @@ class LoraManager:
         logger.info("LoRA adapter %r unloaded", name)
 
     def request_fields(self, lora: LoRARequest | str | None, cache_salt: str | None) -> dict[str, Any]:
-        """A request's `Request` fields for its adapter: its slot and its cache salt."""
+        """A request's `Request` fields for its adapter (loaded first if a path is given): its name and its
+        cache salt."""
         if lora is None:
-            return {"lora_slot": -1, "cache_salt": cache_salt}
+            return {"cache_salt": cache_salt}
         name = lora if isinstance(lora, str) else lora.lora_name
         if name not in self.paths:
             path = None if isinstance(lora, str) else lora.lora_path
@@ -204,12 +207,9 @@ class LoraManager:
                 known = ", ".join(self.paths) or "none"
                 raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {known}); give its lora_path")
             self.load(name, path)
-        slot = self._slot_for(name)
-        self._uses += 1
-        self._last_use[name] = self._uses
         # The adapter's name namespaces its cached KV (a salt of its own, or joined to the request's).
         salt = self._salts[name]
-        return {"lora_slot": slot, "cache_salt": f"{salt}|{cache_salt}" if cache_salt else salt}
+        return {"lora_name": name, "cache_salt": f"{salt}|{cache_salt}" if cache_salt else salt}
 
 
 def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:

@@ -64,9 +64,9 @@ class Request:
     """False: compute every prompt token (prompt logprobs need each position's logits); the
     request's pages still go to the cache for others."""
     pooling: bool = False
-    lora_slot: int = -1
-    """The LoRA adapter slot its tokens run with (-1: the base model)."""
     """An embedding request: it ends when its prompt is computed, sampling nothing (`max_tokens` unused)."""
+    lora_name: str | None = None
+    """The LoRA adapter its tokens run with (None: the base model); at most `max_loras` run at once."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)

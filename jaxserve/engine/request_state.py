@@ -198,7 +198,7 @@ def _lora_stats(engine: Any) -> dict[str, Any]:
         return {}
 
     def names(requests: Any) -> tuple[str, ...]:
-        return tuple(sorted({loras.slots[r.lora_slot] for r in requests if r.lora_slot >= 0}))
+        return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
     return {"max_lora": len(loras.slots), "running_lora_adapters": names(engine.scheduler.running),
             "waiting_lora_adapters": names(engine.scheduler.waiting)}

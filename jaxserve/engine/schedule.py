@@ -38,6 +38,8 @@ class SchedulerConfig:
     policy: Policy = "fcfs"
     """``"fcfs"``: arrival order; ``"priority"``: lower ``Request.priority`` first, arrival order within one."""
     enable_prefix_caching: bool = True
+    max_loras: int | None = None
+    """Most LoRA adapters among the running requests (None: no limit), as an engine holds that many slots."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -55,6 +57,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}"
             )
+        if self.max_loras is not None and (not isinstance(self.max_loras, int) or self.max_loras < 1):
+            raise ValueError(f"max_loras must be a positive int or None, got {self.max_loras!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
@@ -89,6 +93,8 @@ class RequestView(NamedTuple):
     """Running: the leading pages of its page table that it holds through the prefix cache (others may
     hold them too); its other pages are its alone. Waiting: the pages of its longest cached prefix of
     all but its last token, or None when not looked up yet."""
+    adapter: str | None = None
+    """The LoRA adapter its tokens run with (None: the base model)."""
 
     @property
     def is_decoding(self) -> bool:
@@ -105,7 +111,8 @@ class SchedulerState:
     """Admitted requests, in admission order."""
     waiting: tuple[RequestView, ...]
     """Waiting and preempted requests in policy order: the whole queue, or a head of it at least
-    ``max_num_seqs - len(running)`` long (no step admits more)."""
+    ``max_num_seqs - len(running)`` long (no step admits more), to which base-model requests further
+    back may be added (admitted past requests passed over for their LoRA adapter)."""
     num_free_pages: int
     """Pages an allocation can get now: free ones plus those only the prefix cache holds."""
     pinned_pages: frozenset[int] = frozenset()
@@ -189,6 +196,10 @@ def schedule(state: SchedulerState, config: SchedulerConfig) -> tuple[SchedulerS
          budget and ``max_num_seqs`` allow: each reuses its cached prefix and
          needs pages for its first chunk. Admission stops at the first request
          that does not fit (no skipping, so no starvation) and never preempts.
+         One exception: a request whose LoRA adapter would be one more than
+         ``max_loras`` among the running is passed over, and behind it only
+         base-model requests are admitted, so its adapter gets a slot as soon
+         as the running requests of another adapter end.
 
     The returned state has the step's page actions applied (new pages
     counted, not named) and its tokens not yet computed; its waiting
@@ -226,6 +237,8 @@ class Planner:
         self._decode_ids: set[str] = set()
         self._preempted: list[RequestView] = []
         self._waiting = list(state.waiting)
+        self._next = 0  # the next waiting request admission looks at; those before it were passed over
+        self._adapters = collections.Counter(v.adapter for v in state.running if v.adapter is not None)
         self._lookup_id: str | None = None
         self.actions: list[PageAction] = []
         """Page actions so far, in the order they must be applied."""
@@ -286,11 +299,15 @@ class Planner:
         # Preemption means memory is short: admitting now would only thrash.
         while (
             not self._preempted
-            and waiting
+            and self._next < len(waiting)
             and self._budget > 0
             and len(self._running) < self._config.max_num_seqs
         ):
-            view = waiting[0]
+            view = waiting[self._next]
+            # Behind a request passed over for its adapter, only base-model requests are admitted.
+            if view.adapter is not None and (self._next or not self._adapter_fits(view.adapter)):
+                self._next += 1
+                continue
             prefix = view.prefix_pages
             if prefix is None:
                 self._lookup_id = view.request_id
@@ -310,7 +327,9 @@ class Planner:
             if prefix:
                 holders.update(prefix)
             self._available -= need + lock_cost
-            waiting.pop(0)
+            waiting.pop(self._next)
+            if view.adapter is not None:
+                self._adapters[view.adapter] += 1
             view = _with(view, num_cached, len(prefix) + need, prefix)
             self._running[view.request_id] = view
             self._num_pages[view.request_id] = view.num_pages
@@ -330,8 +349,13 @@ class Planner:
         holders = self._held()
         # A locked page no running request holds is locked by someone else: pinned.
         self._pinned.update(p for p in locked_pages if holders[p] == 0)
-        self._waiting[0] = _with(self._waiting[0], 0, 0, tuple(prefix_pages))
+        self._waiting[self._next] = _with(self._waiting[self._next], 0, 0, tuple(prefix_pages))
         self._lookup_id = None
+
+    def _adapter_fits(self, adapter: str) -> bool:
+        """Whether a request of `adapter` may run: its adapter is running, or another one fits `max_loras`."""
+        limit = self._config.max_loras
+        return limit is None or adapter in self._adapters or len(self._adapters) < limit
 
     def result(self) -> tuple[SchedulerState, SchedulePlan]:
         """The state after the plan, and the plan (see ``schedule``)."""

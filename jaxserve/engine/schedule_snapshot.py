@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from jaxserve.engine.page_pool import PagePool
@@ -30,6 +31,7 @@ def _view(request: Request, prefix_pages: tuple[int, ...] | None) -> RequestView
         request.num_computed_tokens,
         len(request.pages),
         prefix_pages,
+        request.lora_name,
     )
 
 
@@ -63,7 +65,11 @@ def snapshot(
         running_views.append(_view(r, tuple(r.pages[:num_locked]) if num_locked else ()))
     pinned = [p for node, count in locks.values() if node.lock_ref > count for p in node.pages]
     # Only the head of the queue can be admitted: one request per free sequence slot at most.
-    head = waiting[: max(0, config.max_num_seqs - len(running))]
+    free = max(0, config.max_num_seqs - len(running))
+    head = list(waiting[:free])
+    if config.max_loras is not None and any(r.lora_name is not None for r in head):
+        # A request passed over for its adapter takes no seat: base-model requests behind it may.
+        head += itertools.islice((r for r in itertools.islice(waiting, free, None) if r.lora_name is None), free)
     waiting_views = tuple(_view(r, None if cache is not None else ()) for r in head)
     evictable = cache.num_evictable_pages if cache is not None else 0
     return SchedulerState(

@@ -255,8 +255,11 @@ class Scheduler:
                 self._admit(request, lookups.get(action.request_id), action.num_pages)
 
     def _admit(self, request: Request, match: MatchResult | None, num_new_pages: int) -> None:
-        """Move the head of the waiting queue to running, on its cached prefix plus new pages."""
-        if self.waiting[0] is not request:
+        """Move a waiting request to running, on its cached prefix plus new pages: the head of the queue, or a
+        base-model request behind ones passed over for their LoRA adapter."""
+        i = self.waiting.index(request)
+        # Only requests passed over for their LoRA adapter may be left ahead of it, by a base-model request.
+        if i and (request.lora_name is not None or any(r.lora_name is None for r in self.waiting[:i])):
             raise IntegrityError(f"admitting {request.request_id!r} out of policy order")
         cached_pages: list[int] = []
         num_cached = 0
@@ -268,7 +271,7 @@ class Scheduler:
         request.pages = cached_pages + self._allocate(num_new_pages)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
-        self.running.append(self.waiting.pop(0))
+        self.running.append(self.waiting.pop(i))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
             if self.cache is not None:
@@ -369,6 +372,9 @@ class Scheduler:
             raise IntegrityError("waiting + running differ from the unfinished requests")
         if len(self.running) > self.config.max_num_seqs:
             raise IntegrityError(f"{len(self.running)} running > max_num_seqs")
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        if self.config.max_loras is not None and len(adapters) > self.config.max_loras:
+            raise IntegrityError(f"{len(adapters)} LoRA adapters running > max_loras")
         keys = [self._order_key(r) for r in self.waiting]
         if keys != sorted(keys):
             raise IntegrityError("waiting queue out of policy order")
