@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from jaxserve.engine.kv_events import hash_token_pages
+from jaxserve.lora_request import lora_cache_salt
 from router.config import RouterConfig
 from router.pd import Disaggregator
 from router.policy import Decision, Picker, RouteRequest
@@ -131,6 +132,10 @@ class Router:
             return RouteRequest(session=session), None
         page_size = next((w.page_size for w in self.pool.healthy() if w.page_size), self.config.page_size)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        model = body.get("model")
+        bases = next((w.base_models for w in self.pool.healthy() if w.base_models), None)
+        if isinstance(model, str) and bases and model not in bases:  # a LoRA adapter: its own cache namespace
+            salt = lora_cache_salt(model, salt)
         # The engine caches prompt[:-1] (the last token is always computed), so hash that.
         hashes = tuple(hash_token_pages(ids[:-1], page_size, salt))
         return RouteRequest(hashes, len(ids), session), ids

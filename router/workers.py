@@ -46,6 +46,9 @@ class Worker:
     last_error: str | None = None
     probe_failures: int = 0
     """Probes in a row that timed out or broke off."""
+    base_models: frozenset[str] | None = None
+    """The names the worker serves its base model under (`GET /v1/models` entries without a `parent`; the
+    others are LoRA adapters), read when it turns healthy; None until then."""
 
     @property
     def queue(self) -> float:
@@ -190,9 +193,18 @@ class WorkerPool:
             return
         if not worker.healthy:
             logger.info("worker %s is healthy", worker.url)
+            await self._read_models(worker)
         worker.healthy = True
         worker.last_error = None
         worker.probe_failures = 0
+
+    async def _read_models(self, worker: Worker) -> None:
+        try:
+            r = await self._client.get(worker.url + "/v1/models")
+            cards = r.json()["data"] if r.status_code == 200 else None
+            worker.base_models = frozenset(c["id"] for c in cards if not c.get("parent")) if cards else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # no list: every model taken as base
+            logger.info("worker %s: GET /v1/models failed (%s)", worker.url, type(e).__name__)
 
     async def _poll_events(self, worker: Worker) -> None:
         while True:

@@ -13,10 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
+from jaxserve.engine.kv_events import hash_token_pages  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine.lora_manager import LoRAError  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
-from jaxserve.lora_request import LoRARequest  # noqa: E402
+from jaxserve.lora_request import LoRARequest, lora_cache_salt  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import fake_tokenizer  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
@@ -249,6 +250,16 @@ def test_adapters_are_models_over_http(tiny, engine):
             assert r["model"] == "qv8" and r["choices"][0]["text"] == ref.outputs[0].text
             base = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": srv.state.model_name}).json()
             assert base["choices"][0]["text"] != r["choices"][0]["text"]
+            # The adapter's cached pages are published under its namespace, the hashes a router computes.
+            long = prompt(40, 12)
+            assert httpx.post(f"{srv.url}/v1/completions", json={**body, "prompt": long}).status_code == 200
+            feed = httpx.get(f"{srv.url}/v1/kv_events").json()["events"]
+            stored = {h for e in feed if e["type"] == "BlockStored" for h in e["block_hashes"]}
+            ps = engine.scheduler.config.page_size
+            assert set(hash_token_pages(long[:-1], ps, lora_cache_salt("qv8"))) <= stored
+            assert not set(hash_token_pages(long[:-1], ps, None)) & stored
+            salted = httpx.post(f"{srv.url}/v1/completions", json={**body, "cache_salt": "lora:qv8"})
+            assert salted.status_code == 400 and "LoRA adapters' cache namespaces" in salted.text
             metrics = httpx.get(f"{srv.url}/metrics").text
             assert 'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
             missing = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "mlp2"})

@@ -193,6 +193,28 @@ def test_reset_refuses_while_locked():
     assert not cache.is_attached(node)
 
 
+def test_drop_salts_removes_a_namespace_and_only_it():
+    pool, cache, events = make()
+    cache_tokens(pool, cache, list(range(8)), salt="a")
+    cache_tokens(pool, cache, list(range(12)), salt="a")  # a child node under the first
+    cache_tokens(pool, cache, list(range(8)), salt="a|x")
+    kept = cache_tokens(pool, cache, list(range(8)), salt="b")
+    events.drain()
+    node = cache.match_prefix(list(range(8)) + [0], salt="a|x").last_node
+    cache.lock(node)
+    assert not cache.drop_salts(lambda s: s in ("a", "a|x"))  # a locked page: nothing changes
+    assert cache.num_cached_pages == 7 and len(events) == 0
+    cache.unlock(node)
+    assert cache.drop_salts(lambda s: s in ("a", "a|x"))
+    removed = {h for e in events.drain() for h in e.block_hashes}
+    assert removed == set(hash_token_pages(list(range(12)), PS, "a")) | set(hash_token_pages(list(range(8)), PS, "a|x"))
+    assert cache.match_prefix(list(range(9)), salt="a").num_tokens == 0 and not cache.is_attached(node)
+    assert cache.match_prefix(list(range(9)), salt="b").pages == kept.pages
+    assert pool.num_used == 2 and cache.num_evictable_pages == 2
+    cache.check_integrity(locked_nodes=[])
+    pool.check_integrity(cache.owners())
+
+
 def test_event_buffer_bounds_memory():
     buf = KVEventBuffer(max_events=2)
     for i in range(3):

@@ -308,6 +308,49 @@ def test_parse_metrics_reads_the_vllm_gauges():
     assert parse_metrics(text) == {"num_running": 3.0, "num_waiting": 7.0, "kv_usage": 0.25, "page_size": 32}
 
 
+def test_an_adapter_request_is_hashed_in_its_adapter_namespace():
+    """A request naming a LoRA adapter (a `/v1/models` entry with a parent) is hashed under the adapter's
+    cache namespace, as its worker caches it; the base model's names, and its aliases, are not."""
+    from jaxserve.lora_request import lora_cache_salt
+    from router.router import Router
+
+    cards = [{"id": "base"}, {"id": "alias", "parent": None}, {"id": "sql", "parent": "base"}]
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        return httpx.Response(200, text="") if request.url.path in ("/ready", "/metrics") else httpx.Response(404)
+
+    router = Router(RouterConfig(port=0, workers=("http://w0",), policy="prefix"))
+    router.pool._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    ids = list(range(40))
+
+    async def tokens(kind, body, headers):
+        return ids
+
+    router.tokenize = tokens
+
+    async def run():
+        (worker,) = router.pool.workers.values()
+        await router.pool.probe(worker)
+        assert worker.healthy and worker.base_models == {"base", "alias"}
+        hashes = {}
+        for model, salt in (("base", None), ("alias", "t"), ("sql", None), ("sql", "t")):
+            body = {"model": model, "prompt": "x", **({"cache_salt": salt} if salt else {})}
+            info, _ = await router.route_request("completion", body, {}, {})
+            hashes[model, salt] = info.hashes
+        await router.pool.stop()
+        return hashes
+
+    hashes = asyncio.run(run())
+    ps = router.config.page_size
+    assert hashes["base", None] == tuple(hash_token_pages(ids[:-1], ps, None))
+    assert hashes["alias", "t"] == tuple(hash_token_pages(ids[:-1], ps, "t"))
+    assert hashes["sql", None] == tuple(hash_token_pages(ids[:-1], ps, lora_cache_salt("sql")))
+    assert hashes["sql", "t"] == tuple(hash_token_pages(ids[:-1], ps, lora_cache_salt("sql", "t")))
+    assert len({h[0] for h in hashes.values()}) == 4
+
+
 def _probe_pool(answers: list, threshold: int = 3) -> tuple[WorkerPool, object]:
     """A pool of one worker whose probes meet `answers` in order: an exception class to raise on
     `/ready`, or a status code for it (the other endpoints answer 200)."""

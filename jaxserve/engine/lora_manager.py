@@ -3,9 +3,10 @@
 An engine started with `enable_lora` holds `max_loras` slots of rank `max_lora_rank` in every layer
 (`models/lora.py`). Adapters named by `lora_modules` load at start-up, and a request's `LoRARequest` with
 a path loads another on first use; any number are known, and a request's adapter takes a slot when it
-needs one (`LoraManager`). An adapter's requests share cached prefixes only
-with each other: each load of an adapter has a cache namespace joined to the request's salt, because
-its KV differs from the base model's (and from another load's under the same name).
+runs (`LoraManager`). An adapter's requests share cached prefixes only with each other, under a cache
+namespace (`lora_cache_salt`: the adapter's name, as vLLM keys them) joined to the request's salt, because
+its KV differs from the base model's. Unloading an adapter drops its cached pages, so a later adapter of
+the same name never reads them.
 
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
 attention and MLP projections of a dense model (q/k/v/o, gate/up/down), any rank up to
@@ -28,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.lora_request import LoRARequest
+from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
 
 logger = logging.getLogger(__name__)
@@ -129,8 +130,6 @@ class LoraManager:
         self.paths: dict[str, str] = {}
         """Every known adapter, name to path (served as models)."""
         self._weights: dict[str, dict[str, np.ndarray]] = {}
-        self._loads = 0
-        self._salts: dict[str, str] = {}  # each load's own cache namespace: a reloaded name never reads old pages
         self._last_use: dict[str, int] = {}
         self._uses = 0
         for name, path in modules:
@@ -143,8 +142,6 @@ class LoraManager:
         e = self.engine
         self._weights[name] = read_adapter(path, e.model.config, self.max_rank, np.dtype(e.model.dtype))
         self.paths[name] = path
-        self._loads += 1
-        self._salts[name] = f"lora:{name}#{self._loads}"
         logger.info("LoRA adapter %r from %s", name, path)
         if None in self.slots:
             self._place(name, self.slots.index(None))
@@ -184,6 +181,9 @@ class LoraManager:
         users = sum(1 for r in (*sched.running, *sched.waiting) if r.lora_name == name)
         if users:
             raise LoRAError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they end")
+        cache = sched.cache  # its cached KV goes with it: a later adapter of that name must not read it
+        if cache is not None and not cache.drop_salts(lambda salt: in_lora_namespace(name, salt)):
+            raise LoRAError(f"LoRA adapter {name!r} has cached pages in use (a KV transfer); unload it later")
         if name in self.slots:
             slot = self.slots.index(name)
             e = self.engine
@@ -191,7 +191,7 @@ class LoraManager:
                                                                            np.dtype(e.model.dtype)))
             e.model = dataclasses.replace(e.model, params=e.runner.params)
             self.slots[slot] = None
-        for registry in (self.paths, self._weights, self._salts, self._last_use):
+        for registry in (self.paths, self._weights, self._last_use):
             registry.pop(name, None)
         logger.info("LoRA adapter %r unloaded", name)
 
@@ -207,9 +207,7 @@ class LoraManager:
                 known = ", ".join(self.paths) or "none"
                 raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {known}); give its lora_path")
             self.load(name, path)
-        # The adapter's name namespaces its cached KV (a salt of its own, or joined to the request's).
-        salt = self._salts[name]
-        return {"lora_name": name, "cache_salt": f"{salt}|{cache_salt}" if cache_salt else salt}
+        return {"lora_name": name, "cache_salt": lora_cache_salt(name, cache_salt)}
 
 
 def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
@@ -227,6 +225,9 @@ def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
 
 def lora_fields(manager: LoraManager | None, lora: LoRARequest | str | None, cache_salt: str | None) -> dict:
     """`Request` fields for a request's adapter; names the problem when the engine serves none."""
+    if cache_salt is not None and cache_salt.startswith(LORA_SALT_PREFIX):
+        raise ValueError(f"cache_salt {cache_salt!r}: salts beginning {LORA_SALT_PREFIX!r} are LoRA adapters' "
+                         "cache namespaces")
     if manager is None:
         if lora is not None:
             raise LoRAError("this engine serves no LoRA adapters; start it with enable_lora (--enable-lora)")

@@ -301,6 +301,24 @@ class RadixCache:
         self._emit(AllBlocksCleared())
         return True
 
+    def drop_salts(self, matches: Callable[[str | None], bool]) -> bool:
+        """Drop every page cached under a salt for which ``matches`` is true (a namespace whose KV is stale);
+        refuses (returns False, changes nothing) while any of those pages is locked."""
+        roots = [root for salt, root in self._roots.items() if matches(salt)]
+        if any(child.lock_ref for root in roots for child in root.children.values()):
+            return False
+        for root in roots:
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                self._num_evictable -= len(node.pages)
+                self._pool.decref(node.pages)
+                node.parent = None
+                self._emit(BlockRemoved(tuple(node.hashes)))
+            del self._roots[root.salt]
+        return True
+
     # -- checking --------------------------------------------------------------------------------
 
     def check_integrity(self, locked_nodes: Iterable[RadixNode] | None = None) -> None:
