@@ -186,7 +186,7 @@ class EngineArgs:
             if modules:
                 raise ValueError("lora_modules needs enable_lora (--enable-lora)")
             return
-        for what, bad in (("tensor or expert parallelism", self.tensor_parallel_size * self.expert_parallel_size > 1),
+        for what, bad in (("expert parallelism", self.expert_parallel_size > 1),
                           ("a multi-host cluster", self.num_processes > 1), ("runner 'pooling'", self.is_pooling)):
             if bad:
                 raise ValueError(f"LoRA adapters (enable_lora) are not served with {what}")

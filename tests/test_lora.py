@@ -219,7 +219,7 @@ def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
         plain.add_request("t", ids, p, lora_request="all4")
     for args, match in ((dict(lora_modules=("a=/x",)), "needs enable_lora"),
                         (dict(enable_lora=True, lora_modules=("a",)), "must be name=path"),
-                        (dict(enable_lora=True, tensor_parallel_size=2), "not served with tensor or expert")):
+                        (dict(enable_lora=True, expert_parallel_size=2), "not served with expert parallelism")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(**args)
     import argparse
@@ -355,3 +355,17 @@ def test_real_model_adapter_equals_peft(smollm_path, smollm_f32, hf_smollm, chat
         assert out.outputs[0].token_ids == greedy
     finally:
         adapted.unload()  # the session's HF model is shared: take the adapter's layers out again
+
+
+def test_adapters_under_tensor_parallelism_equal_one_device():
+    """TP=2 (KV heads split) and TP=4 (KV heads repeated, and the adapter's k/v columns with them) give one
+    device's greedy tokens, for an adapter's requests beside the base model's, with no compile after warmup."""
+    from tests.test_sharding_worker import PROMPTS, run_module
+
+    r = run_module("tests.lora_tp_worker", devices=8)
+    assert r["tp4"]["kv_repeat"] == 2 and [r[k]["devices"] for k in ("tp1", "tp2", "tp4")] == [1, 2, 4]
+    for tp in ("tp2", "tp4"):
+        assert r[tp]["adapter"] == r["tp1"]["adapter"] and r[tp]["base"] == r["tp1"]["base"], tp
+        assert r[tp]["compiles_after_warmup"] == 0
+    assert all(len(t) == 8 for t in r["tp1"]["adapter"]) and len(r["tp1"]["adapter"]) == len(PROMPTS)
+    assert r["tp1"]["adapter"] != r["tp1"]["base"]

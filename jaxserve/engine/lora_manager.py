@@ -40,9 +40,11 @@ class LoRAError(ValueError):
     """A LoRA adapter that cannot be served, or a request for one that is not there."""
 
 
-def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
+def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1) -> dict[str, np.ndarray]:
     """A PEFT adapter directory as `LoraLayer` field arrays for one slot ([L, ...] of `lora_shapes`: each A
-    in its place among the down projections of its input, ranks zero-padded, the scale folded into B)."""
+    in its place among the down projections of its input, ranks zero-padded, the scale folded into B).
+    `kv_repeat` > 1 (tensor parallelism over fewer KV heads than devices) repeats each KV head's columns of
+    the k and v B's as the sharding plan repeats the KV heads of the weights."""
     from safetensors.numpy import load_file
 
     cfg_file, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
@@ -96,6 +98,10 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any) -> dict
         raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
     if not seen:
         raise LoRAError(f"adapter {path!r} holds no LoRA weights")
+    if kv_repeat > 1:
+        for f in ("b_k", "b_v"):
+            b = out[f].reshape(L, max_rank, cfg.num_kv_heads, cfg.head_dim)
+            out[f] = np.repeat(b, kv_repeat, axis=2).reshape(L, max_rank, -1)
     return out
 
 
@@ -105,11 +111,15 @@ def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.nda
 
 
 def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
-    """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters."""
-    if loaded.config.num_experts or loaded.plan is not None:
-        raise LoRAError("LoRA adapters are served on dense models on one device (no experts, no -tp/-ep)")
+    """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters; over a mesh
+    they are replicated (a rank-r delta is small beside its projection: the partitioner slices it to each
+    device's heads or MLP columns, and sums the partial products of o and down)."""
+    if loaded.config.num_experts:
+        raise LoRAError("LoRA adapters are served on dense models (this one has experts)")
     params = loaded.params
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
+    if loaded.plan is not None:
+        lora = jax.device_put(lora, loaded.plan.replicated())
     params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
     return dataclasses.replace(loaded, params=params)
 
@@ -139,8 +149,9 @@ class LoraManager:
         """Read the adapter at `path` under `name` (into a slot, while one is free)."""
         if name in self.paths:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.paths[name]!r})")
-        e = self.engine
-        self._weights[name] = read_adapter(path, e.model.config, self.max_rank, np.dtype(e.model.dtype))
+        e, plan = self.engine, self.engine.model.plan
+        self._weights[name] = read_adapter(path, plan.source_cfg if plan else e.model.config, self.max_rank,
+                                           np.dtype(e.model.dtype), plan.kv_repeat if plan else 1)
         self.paths[name] = path
         logger.info("LoRA adapter %r from %s", name, path)
         if None in self.slots:
@@ -212,14 +223,18 @@ class LoraManager:
 
 def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
     """`params` with adapter slot `slot` of every layer set to `arrays` (stacked or per-layer layouts)."""
+    def put(old: jax.Array, index: Any, host: np.ndarray) -> jax.Array:
+        new = old.at[index].set(host.astype(old.dtype))
+        # Over a mesh, kept on its layout: the step's input layouts are fixed.
+        return jax.device_put(new, old.sharding) if isinstance(old.sharding, jax.sharding.NamedSharding) else new
+
     if isinstance(params.layers, tuple):
         layers = tuple(dataclasses.replace(lp, lora=LoraLayer(**{
-            f: getattr(lp.lora, f).at[slot].set(arrays[f][i].astype(getattr(lp.lora, f).dtype))
-            for f in arrays})) for i, lp in enumerate(params.layers))
+            f: put(getattr(lp.lora, f), slot, arrays[f][i]) for f in arrays})) for i, lp in enumerate(params.layers))
     else:
         lora = params.layers.lora
         layers = dataclasses.replace(params.layers, lora=LoraLayer(**{
-            f: getattr(lora, f).at[:, slot].set(arrays[f].astype(getattr(lora, f).dtype)) for f in arrays}))
+            f: put(getattr(lora, f), (slice(None), slot), arrays[f]) for f in arrays}))
     return jax.block_until_ready(dataclasses.replace(params, layers=layers))
 
 
