@@ -197,8 +197,21 @@ class EngineArgs:
         return self.runner == "pooling"
 
     def pooler_config_for(self, model_path: str | None) -> PoolerConfig | None:
-        """The whole pooler config of a pooling engine over the model at `model_path`; None when generating."""
-        return (self.pooler_config or PoolerConfig()).resolve(model_path) if self.is_pooling else None
+        """The whole pooler config of a pooling engine over the model at `model_path`; None when generating.
+        A sequence classification model's head reads the last token's hidden state, unnormalized."""
+        if not self.is_pooling:
+            return None
+        from jaxserve.engine.classifier import classification_architecture
+
+        asked = self.pooler_config or PoolerConfig()
+        arch = classification_architecture(model_path)
+        if arch is None:
+            return asked.resolve(model_path)
+        if asked.pooling_type not in (None, "LAST") or asked.normalize:
+            raise ValueError(f"{arch} classifies the last token's hidden state as it is: pooler config "
+                             f"{asked.pooling_type or 'LAST'} pooling{', normalized' if asked.normalize else ''} "
+                             "does not apply to it")
+        return PoolerConfig("LAST", False)
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -12,7 +12,13 @@ import numpy as np
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from jaxserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -84,14 +90,30 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """The embedding of each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order;
         the model must run as an embedding model (`runner="pooling"`)."""
+        return self._pool(prompts, pooling_params, "embed", use_tqdm, truncate_prompt_tokens)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """The class probabilities of each prompt (`outputs.probs`, in label order), in input order; the model
+        must be a sequence classification model run with `runner="pooling"`."""
+        return self._pool(prompts, pooling_params, "classify", use_tqdm, truncate_prompt_tokens)
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_params: Any, task: str, use_tqdm: bool,
+              truncate_prompt_tokens: int | None) -> list[Any]:
         prompts = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_params = [pooling_params or PoolingParams()] * len(prompts)
         params = list(pooling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
-        if truncate_prompt_tokens is not None:
-            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        params = [dataclasses.replace(p, task=task, **({} if truncate_prompt_tokens is None else
+                                                       {"truncate_prompt_tokens": truncate_prompt_tokens}))
+                  for p in params]
         return self._run(self._add_all(prompts, params), use_tqdm)
 
     def score(
@@ -101,8 +123,10 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
     ) -> list[ScoringRequestOutput]:
-        """The cosine similarity of each pair's embeddings: `text_1` against each of `text_2` when it is one
-        text, else element by element (the `/score` endpoint's pairing). Each distinct text is embedded once."""
+        """Each pair's score: `text_1` against each of `text_2` when it is one text, else element by element
+        (the `/score` endpoint's pairing). A cross-encoder (a classification model with one label) reads each
+        pair as one input, the tokenizer's pair encoding, and scores its relevance; an embedding model scores
+        the cosine similarity of the two embeddings, each distinct text embedded once."""
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         if len(first) == 1:
@@ -110,6 +134,16 @@ class LLM:
         elif len(first) != len(second):
             raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or lists "
                              "of the same length")
+        head = getattr(self.engine, "classifier", None)
+        if head is not None:
+            if not head.is_cross_encoder:
+                raise ValueError(f"this model classifies into {head.num_labels} labels; scoring needs a cross-encoder "
+                                 "(one label) or an embedding model")
+            tok = self.engine.tokenizer
+            pairs = [tok.encode_pair(a, b) for a, b in zip(first, second, strict=True)]
+            outs = self.classify(pairs, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
+            return [ScoringRequestOutput(str(next(self._ids)), o.prompt_token_ids, ScoringOutput(o.outputs.probs[0]))
+                    for o in outs]
         distinct = list(dict.fromkeys(first + second))
         params = PoolingParams(normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
         outs = dict(zip(distinct, self.embed(distinct, params, use_tqdm=use_tqdm), strict=True))

@@ -108,6 +108,30 @@ class EmbeddingRequestOutput:
 
 
 @dataclasses.dataclass
+class ClassificationOutput:
+    """A prompt's class probabilities (vLLM's `ClassificationOutput`), in label order."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """A classification request's result (vLLM's `ClassificationRequestOutput`): `outputs` is None until
+    `finished`, and stays None for an aborted request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput | None
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass
 class ScoringOutput:
     """A text pair's score (vLLM's `ScoringOutput`)."""
 
@@ -116,7 +140,8 @@ class ScoringOutput:
 
 @dataclasses.dataclass
 class ScoringRequestOutput:
-    """One pair's result from `LLM.score`: `prompt_token_ids` holds both texts' ids, the first's then the second's."""
+    """One pair's result from `LLM.score`: `prompt_token_ids` holds both texts' ids, the first's then the second's
+    (a cross-encoder's: the pair's encoding as one input)."""
 
     request_id: str
     prompt_token_ids: list[int]

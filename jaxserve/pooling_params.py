@@ -88,11 +88,15 @@ class PoolingParams:
 
     `dimensions`: keep the first this many of the embedding's values (then normalize), for models
     trained for it (Matryoshka representations); `normalize`: override the model's pooler config;
-    `truncate_prompt_tokens`: keep only the prompt's last this many tokens (-1: the model's length)."""
+    `truncate_prompt_tokens`: keep only the prompt's last this many tokens (-1: the model's length).
+    `task`: "embed" or "classify", checked against what the model computes (None: its own task);
+    `activation`: for a classification model, probabilities (the default) or, false, the head's logits."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    task: Literal["embed", "classify"] | None = None
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("dimensions", "truncate_prompt_tokens"):
@@ -102,5 +106,8 @@ class PoolingParams:
             if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and not (
                     name == "truncate_prompt_tokens" and value == -1)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+        for name in ("normalize", "activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.task not in (None, "embed", "classify"):
+            raise ValueError(f"task must be 'embed' or 'classify', got {self.task!r}")

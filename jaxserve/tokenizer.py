@@ -180,6 +180,11 @@ class Tokenizer:
         """Token ids of `text`; special-token text in it is matched as special tokens, as in transformers."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one input, with the special tokens the tokenizer's pair template puts around and
+        between them (what a cross-encoder reads, as `tokenizer(text, text_pair)` gives it)."""
+        return list(self._backend.encode(text, pair, add_special_tokens=True).ids)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form a whole UTF-8 character come out as U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

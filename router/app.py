@@ -44,7 +44,7 @@ async def completions(request: Request) -> Response:
 
 
 async def pooling(request: Request) -> Response:
-    """`POST /v1/embeddings`, `/score`, `/rerank` through a picked worker."""
+    """`POST /v1/embeddings`, `/score`, `/rerank`, `/classify` through a picked worker."""
     return await _router(request).pooling(request)
 
 
@@ -170,7 +170,8 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         *(Route(path, pooling, methods=["POST"]) for path in
-          ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")),
+          ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
+           "/v1/classify")),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", tokenize, methods=["POST"]),
         Route("/v1/requests/{request_id:path}/trace", request_trace, methods=["GET"]),

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from server.classify import classify
 from server.config import ServerConfig
 from server.constraints import tools_and_choice
 from server.embeddings import embeddings
@@ -202,6 +203,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *(Route(path, score, methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, classify, methods=["POST"]) for path in ("/classify", "/v1/classify")),
         *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

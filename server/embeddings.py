@@ -10,6 +10,7 @@ little-endian float32 bytes, as OpenAI's clients decode it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -30,7 +31,7 @@ _KNOWN = {"input", "messages", "model", "encoding_format", "dimensions", "user",
           "add_special_tokens", "normalize", "priority", "chat_template_kwargs", "add_generation_prompt", "tools"}
 
 
-def _prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
+def request_prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
     """Each input's token ids (a chat's rendered prompt for `messages`); 400 for any that cannot be embedded."""
     tok = state.engine.tokenizer
     if ("input" in body) == ("messages" in body):
@@ -112,6 +113,13 @@ async def open_request(request: Request, known: set[str], kind: str) -> tuple[An
 async def embed_prompts(request: Request, state: Any, prompts: list[list[int]], params: PoolingParams,
                         priority: int, arrival: float) -> list[list[float]]:
     """The engine's vector for each prompt, in order; raises `_Gone` if the client disconnects."""
+    outs = await pool_prompts(request, state, prompts, dataclasses.replace(params, task="embed"), priority, arrival)
+    return [out.outputs.embedding for out in outs]
+
+
+async def pool_prompts(request: Request, state: Any, prompts: list[list[int]], params: PoolingParams,
+                       priority: int, arrival: float) -> list[Any]:
+    """The engine's finished output for each prompt, in order; raises `_Gone` if the client disconnects."""
     request_id = request.scope["state"]["request_id"]
     jobs = [Job(state.engine_id(request_id if len(prompts) == 1 else f"{request_id}-{i}"), ids, None, params)
             for i, ids in enumerate(prompts)]
@@ -127,7 +135,7 @@ async def embed_prompts(request: Request, state: Any, prompts: list[list[int]], 
         raise _Gone() from e
     finally:
         await gen.close()
-    return [out.outputs.embedding for out in outs]
+    return outs
 
 
 def pooling_endpoint(handler: Any) -> Any:
@@ -150,7 +158,7 @@ async def embeddings(request: Request) -> Response:
         raise bad_field("encoding_format", f"'encoding_format' must be 'float' or 'base64', got {fmt!r}")
     max_len = state.engine.max_model_len
     params = request_pooling_params(body, max_len)
-    prompts = [fit_prompt(ids, params, max_len, i) for i, ids in enumerate(_prompts(state, body))]
+    prompts = [fit_prompt(ids, params, max_len, i) for i, ids in enumerate(request_prompts(state, body))]
     params = PoolingParams(params.dimensions, params.normalize)  # truncated here, where the token counts are known
     vectors = await embed_prompts(request, state, prompts, params, get_int(body, "priority", 0), arrival)
     n = sum(len(ids) for ids in prompts)

@@ -1,5 +1,7 @@
-"""`POST /score` and `POST /rerank` (vLLM's, and Jina's and Cohere's rerank shape) on an embedding model:
-each score is the cosine similarity of the two texts' embeddings.
+"""`POST /score` and `POST /rerank` (vLLM's, and Jina's and Cohere's rerank shape) on an embedding model,
+where each score is the cosine similarity of the two texts' embeddings, or on a cross-encoder (a sequence
+classification model with one label), where each pair is one input, the tokenizer's pair encoding of the
+two texts, and its score is the model's relevance probability (its logit with `activation: false`).
 
 `/score` pairs `text_1` with `text_2`: one with many (1:N) or element by element (N:N). `/rerank`
 scores each of `documents` against `query` and returns them best first, the first `top_n`. A text
@@ -21,13 +23,14 @@ from server.embeddings import (
     embed_prompts,
     fit_prompt,
     open_request,
+    pool_prompts,
     pooling_endpoint,
     request_pooling_params,
 )
-from server.errors import bad_field
+from server.errors import ApiError, bad_field
 from server.protocol import get_bool, get_int
 
-_COMMON = {"model", "truncate_prompt_tokens", "priority", "user"}
+_COMMON = {"model", "truncate_prompt_tokens", "priority", "user", "activation"}
 
 
 def _texts(body: Mapping[str, Any], name: str, single: bool = False) -> list[str]:
@@ -47,14 +50,19 @@ def _texts(body: Mapping[str, Any], name: str, single: bool = False) -> list[str
     return items
 
 
-async def _similarities(request: Request, state: Any, body: Mapping[str, Any], arrival: float,
-                        firsts: list[tuple[str, int, str]], seconds: list[tuple[str, int, str]]
-                        ) -> tuple[list[float], int]:
-    """Cosine similarities of the pairs (firsts[k], seconds[k]), each text a (field, index, text); and the
-    prompt tokens embedded. Every distinct text is embedded once."""
+async def _scores(request: Request, state: Any, body: Mapping[str, Any], arrival: float,
+                  firsts: list[tuple[str, int, str]], seconds: list[tuple[str, int, str]]) -> tuple[list[float], int]:
+    """Scores of the pairs (firsts[k], seconds[k]), each text a (field, index, text), and the prompt tokens
+    computed: a cross-encoder's, or the cosine similarities of embeddings (every distinct text embedded once)."""
     max_len = state.engine.max_model_len
     params = request_pooling_params({k: body[k] for k in ("truncate_prompt_tokens",) if k in body}, max_len)
     tok = state.engine.tokenizer
+    head = getattr(state.engine, "classifier", None)
+    if head is not None:
+        return await _cross_scores(request, state, body, arrival, firsts, seconds, params, head)
+    if "activation" in body:
+        raise bad_field("activation", "'activation' applies to cross-encoders; this model scores by the cosine of "
+                                      "embeddings")
     ids_of: dict[str, list[int]] = {}
     for name, i, text in firsts + seconds:
         if text not in ids_of:
@@ -67,6 +75,21 @@ async def _similarities(request: Request, state: Any, body: Mapping[str, Any], a
     return scores, sum(len(ids_of[t]) for t in texts)
 
 
+async def _cross_scores(request: Request, state: Any, body: Mapping[str, Any], arrival: float,
+                        firsts: list[tuple[str, int, str]], seconds: list[tuple[str, int, str]], params: PoolingParams,
+                        head: Any) -> tuple[list[float], int]:
+    """A cross-encoder's score of each pair (firsts[k], seconds[k]), each pair one input; and the prompt tokens."""
+    if not head.is_cross_encoder:
+        raise ApiError(400, f"model {state.model_name!r} classifies into {head.num_labels} labels; scoring needs a "
+                            "cross-encoder (one label) or an embedding model", code="invalid_request")
+    tok, max_len = state.engine.tokenizer, state.engine.max_model_len
+    pairs = [fit_prompt(tok.encode_pair(a, b), params, max_len, i, name)
+             for (_, _, a), (name, i, b) in zip(firsts, seconds, strict=True)]
+    cls = PoolingParams(task="classify", activation=get_bool(body, "activation", True))
+    outs = await pool_prompts(request, state, pairs, cls, get_int(body, "priority", 0), arrival)
+    return [out.outputs.probs[0] for out in outs], sum(map(len, pairs))
+
+
 @pooling_endpoint
 async def score(request: Request) -> Response:
     """`POST /score`, `POST /v1/score`."""
@@ -77,7 +100,7 @@ async def score(request: Request) -> Response:
     elif len(first) != len(second):
         raise bad_field("text_2", f"'text_1' has {len(first)} texts and 'text_2' {len(second)}: send one 'text_1' "
                                   "to score against each 'text_2', or lists of the same length")
-    scores, n = await _similarities(request, state, body, arrival, [("text_1", i, t) for i, t in enumerate(first)],
+    scores, n = await _scores(request, state, body, arrival, [("text_1", i, t) for i, t in enumerate(first)],
                                     [("text_2", i, t) for i, t in enumerate(second)])
     return JSONResponse({
         "id": f"score-{request.scope['state']['request_id']}", "object": "list", "created": int(arrival),
@@ -97,7 +120,7 @@ async def rerank(request: Request) -> Response:
         docs = [d.get("text") if isinstance(d, Mapping) else d for d in docs]
     documents = _texts({"documents": docs}, "documents")
     top_n = get_int(body, "top_n", len(documents), 0) or len(documents)
-    scores, n = await _similarities(request, state, body, arrival, [("query", 0, query)] * len(documents),
+    scores, n = await _scores(request, state, body, arrival, [("query", 0, query)] * len(documents),
                                     [("documents", i, d) for i, d in enumerate(documents)])
     order = sorted(range(len(documents)), key=lambda i: (-scores[i], i))[:top_n]
     with_docs = get_bool(body, "return_documents", True)

@@ -28,6 +28,7 @@ class DataParallelEngine:
         self.tokenizer = first.tokenizer
         self.model_name = first.model_name
         self.lora_modules = first.lora_modules
+        self.classifier = first.classifier
         self.max_model_len = first.max_model_len
         self._in_flight = [0] * len(replicas)
         self._placed: dict[str, int] = {}

@@ -77,6 +77,8 @@ class AsyncEngine:
         self.lora_modules = engine.loras.paths if getattr(engine, "loras", None) else {}
         """LoRA adapters, name to path (the engine's own map: adapters loaded later appear in it)."""
         self.max_model_len = engine.max_model_len
+        self.classifier = getattr(engine, "classifier", None)
+        """A sequence classification model's head (its labels), or None."""
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()

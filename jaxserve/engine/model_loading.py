@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, UnsupportedModelError
+from jaxserve.engine.classifier import classification_architecture
 from jaxserve.engine_args import EngineArgs
 from jaxserve.loader import (
     checkpoint_tokenizer,
@@ -89,6 +90,10 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     dummy = args.load_format == "dummy"
     ckpt = open_checkpoint(path, weights=not dummy)
     cfg = ckpt.config()
+    arch = classification_architecture(path)
+    if arch and not args.is_pooling:
+        raise UnsupportedModelError(f"{path} is a sequence classification model ({arch}): it classifies, it does not "
+                                    "generate; serve it with --runner pooling (runner='pooling')")
     if args.is_pooling and not cfg.tie_word_embeddings:
         # An embedding model never reads its vocabulary head: leave it unloaded (embedding checkpoints often
         # ship without one); the unused logits of the step read the embedding instead and are compiled away.

@@ -1,4 +1,5 @@
-"""The engine of an embedding model (`--runner pooling`): prompts in, one vector each out.
+"""The engine of an embedding model (`--runner pooling`): prompts in, one vector each out; or, for a
+sequence classification model (`jaxserve.engine.classifier`), one set of class probabilities each.
 
 It is `LLMEngine` with another step: the same model, paged KV cache, chunked prefill and scheduler,
 but each step runs `pooler.pool_step` and a request ends when its prompt is computed. Last-token
@@ -17,11 +18,18 @@ import time
 
 import numpy as np
 
+from jaxserve.engine.classifier import ClassifierHead, classification_architecture, read_classifier
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.pooler import PooledSequence
 from jaxserve.engine.request import Request
 from jaxserve.engine.step_batch import mixed_inputs
-from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics
+from jaxserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestMetrics,
+)
 from jaxserve.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
@@ -29,18 +37,30 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class PoolingGroup:
-    """One embedding request as the engine tracks it."""
+    """One embedding (or classification) request as the engine tracks it."""
 
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
     pooled: PooledSequence
     metrics: RequestMetrics
+    head: ClassifierHead | None = None
+    activation: bool = True
     finished: bool = False
-    embedding: list[float] | None = None
+    result: list[float] | None = None
+    """The embedding, or the class probabilities (logits without `activation`)."""
 
-    def output(self) -> EmbeddingRequestOutput:
-        out = EmbeddingOutput(self.embedding) if self.embedding is not None else None
+    def finish(self) -> None:
+        vector = self.pooled.embedding()
+        self.result = vector if self.head is None else self.head.scores(np.asarray(vector), self.activation)
+        self.finished = True
+
+    def output(self) -> EmbeddingRequestOutput | ClassificationRequestOutput:
+        if self.head is not None:
+            probs = ClassificationOutput(self.result) if self.result is not None else None
+            return ClassificationRequestOutput(self.request_id, self.prompt, self.prompt_ids, probs, self.finished,
+                                               self.metrics)
+        out = EmbeddingOutput(self.result) if self.result is not None else None
         return EmbeddingRequestOutput(self.request_id, self.prompt, self.prompt_ids, out, self.finished, self.metrics)
 
 
@@ -63,8 +83,15 @@ class PoolingEngine(LLMEngine):
         super().__init__(args, loaded, progress)
         assert self.pooler_config is not None, "PoolingEngine needs runner 'pooling'"
         self.matryoshka, self.matryoshka_dims = matryoshka_dimensions(self.model.path)
-        logger.info("embedding model: %s pooling, %s, %d dimensions", self.pooler_config.pooling_type,
-                    "normalized" if self.pooler_config.normalize else "not normalized", self.hidden_size)
+        arch = classification_architecture(self.model.path)
+        self.classifier = read_classifier(self.model.path, self.hidden_size) if arch else None
+        """A sequence classification model's head (None: an embedding model)."""
+        if self.classifier is not None:
+            logger.info("classification model (%s): %d labels (%s), %s", arch, self.classifier.num_labels,
+                        ", ".join(self.classifier.labels), self.classifier.activation)
+        else:
+            logger.info("embedding model: %s pooling, %s, %d dimensions", self.pooler_config.pooling_type,
+                        "normalized" if self.pooler_config.normalize else "not normalized", self.hidden_size)
 
     @property
     def hidden_size(self) -> int:
@@ -81,6 +108,7 @@ class PoolingEngine(LLMEngine):
                              f"generations; pass PoolingParams, not {type(params).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_task(params)
         ids = self.tokenize_prompt(prompt, add_special_tokens=True)
         if not ids:
             raise ValueError("the input has no tokens")
@@ -98,7 +126,8 @@ class PoolingEngine(LLMEngine):
         pc = self.pooler_config
         now = arrival_time if arrival_time is not None else time.time()
         group = PoolingGroup(request_id, prompt if isinstance(prompt, str) else None, ids,
-                             PooledSequence(params, pc.pooling_type, pc.normalize), RequestMetrics(now))
+                             PooledSequence(params, pc.pooling_type, pc.normalize), RequestMetrics(now),
+                             self.classifier, params.activation is not False)
         self.scheduler.add_request(Request(request_id=request_id, prompt_token_ids=ids, max_tokens=1,
                                            sampling_params=params, priority=priority, arrival_time=now,
                                            cache_salt=cache_salt, read_prefix_cache=pc.pooling_type == "LAST",
@@ -109,6 +138,20 @@ class PoolingEngine(LLMEngine):
         if self.trace is not None:
             self.trace(request_id, "L4", "queued", {"prompt_tokens": len(ids), "pooling": pc.pooling_type,
                                                      "waiting": self.scheduler.num_waiting})
+
+    def _check_task(self, params: PoolingParams) -> None:
+        head, name = self.classifier, self.model.name
+        if head is None:
+            if params.task == "classify" or params.activation is not None:
+                raise ValueError(f"model {name!r} is an embedding model, not a sequence classification model: it "
+                                 "has no labels to classify into")
+            return
+        if params.task == "embed":
+            raise ValueError(f"model {name!r} is a sequence classification model ({head.num_labels} labels: "
+                             f"{', '.join(head.labels)}): it classifies, it does not embed (use classify)")
+        for field in ("dimensions", "normalize"):
+            if getattr(params, field) is not None:
+                raise ValueError(f"{field} applies to embeddings; model {name!r} is a sequence classification model")
 
     def _check_dimensions(self, dimensions: int | None) -> None:
         if dimensions is None:
@@ -123,7 +166,7 @@ class PoolingEngine(LLMEngine):
             raise ValueError(f"dimensions {dimensions} is not one the model was trained for: "
                              f"{', '.join(map(str, self.matryoshka_dims))}")
 
-    def abort_request(self, request_id: str) -> EmbeddingRequestOutput | None:
+    def abort_request(self, request_id: str) -> EmbeddingRequestOutput | ClassificationRequestOutput | None:
         group = self._groups.pop(request_id, None)
         if group is None:
             return None
@@ -133,7 +176,7 @@ class PoolingEngine(LLMEngine):
         group.metrics.finished_time = time.time()
         return group.output()
 
-    def step(self) -> list[EmbeddingRequestOutput]:
+    def step(self) -> list[EmbeddingRequestOutput | ClassificationRequestOutput]:
         """One step: the scheduled prompt chunks through the model; returns the requests it finished."""
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted_ids)
@@ -152,12 +195,11 @@ class PoolingEngine(LLMEngine):
         for request in self.scheduler.update_after_step(plan, {}, ()):
             group = self._groups.pop(request.request_id)
             self._seq_group.pop(request.request_id, None)
-            group.embedding = group.pooled.embedding()
-            group.finished = True
+            group.finish()
             group.metrics.first_token_time = group.metrics.finished_time = now
             group.metrics.num_cached_tokens = request.num_cached_tokens
             if self.trace is not None:
                 self.trace(group.request_id, "L4", "finished", {"cached_tokens": request.num_cached_tokens,
-                                                                "dimensions": len(group.embedding)})
+                                                                "dimensions": len(group.result)})
             outputs.append(group.output())
         return outputs

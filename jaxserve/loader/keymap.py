@@ -34,7 +34,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 
 # Names some checkpoints carry that hold no parameters of ours.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# Carry no backbone parameter: RoPE tables, and a classification model's score head (read apart from the
+# backbone, by `jaxserve.engine.classifier`).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$")
 
 
 def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:

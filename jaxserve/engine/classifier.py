@@ -1,0 +1,109 @@
+"""Sequence classification models (`*ForSequenceClassification` checkpoints) on the pooling engine.
+
+Such a checkpoint is a decoder-only backbone plus a score head, `score.weight` [num_labels, hidden]:
+HF's `LlamaForSequenceClassification` (and its Qwen2, Qwen3 and Mistral twins) applies the head to
+the final-normed hidden state of the last token. Served with `--runner pooling`, the engine pools
+that hidden state (last-token pooling, not normalized) as it pools an embedding, and
+`ClassifierHead` turns it into the class scores on the host: one [num_labels, hidden] product per
+request. Probabilities are a softmax over the labels, or a sigmoid per label when the config says
+`problem_type: multi_label_classification` or there is a single label (a cross-encoder's relevance
+score), as sentence-transformers and vLLM apply them.
+
+A model with one label is a cross-encoder (a reranker): `/score` and `/rerank` give it each pair as
+one input, the tokenizer's pair encoding of (text_1, text_2), and its sigmoid is the pair's score.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+_HEAD = "score.weight"
+_HEAD_BIAS = "score.bias"
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A classification model's score head and its labels."""
+
+    weight: np.ndarray  # [num_labels, hidden] float64
+    bias: np.ndarray | None  # [num_labels] float64
+    labels: tuple[str, ...]
+    activation: Literal["softmax", "sigmoid"]
+
+    @property
+    def num_labels(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """One label: a relevance score for a pair of texts."""
+        return self.num_labels == 1
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The head's raw scores for one pooled hidden state [hidden]."""
+        out = self.weight @ np.asarray(hidden, np.float64)
+        return out + self.bias if self.bias is not None else out
+
+    def scores(self, hidden: np.ndarray, activation: bool = True) -> list[float]:
+        """The class probabilities (or raw logits without `activation`) for one pooled hidden state."""
+        z = self.logits(hidden)
+        if activation:
+            if self.activation == "sigmoid":
+                z = 1.0 / (1.0 + np.exp(-z))
+            else:
+                z = np.exp(z - z.max())
+                z = z / z.sum()
+        return z.astype(np.float32).tolist()
+
+
+def classification_architecture(model_path: str | None) -> str | None:
+    """The `*ForSequenceClassification` architecture an HF model directory's config.json names, or None."""
+    cfg = _config(model_path)
+    return next((a for a in cfg.get("architectures") or () if str(a).endswith("ForSequenceClassification")), None)
+
+
+def read_classifier(model_path: str, hidden_size: int) -> ClassifierHead:
+    """The score head and labels of a `*ForSequenceClassification` model directory."""
+    cfg = _config(model_path)
+    arch = classification_architecture(model_path)
+    tensors = _read_tensors(model_path, (_HEAD, _HEAD_BIAS))
+    if _HEAD not in tensors:
+        raise ValueError(f"{arch} checkpoint {model_path!r} has no {_HEAD!r} tensor (its classification head)")
+    weight = tensors[_HEAD].astype(np.float64)
+    id2label = cfg.get("id2label") or {}
+    n = len(id2label) or int(cfg.get("num_labels", weight.shape[0]))
+    if weight.shape != (n, hidden_size):
+        raise ValueError(f"{arch} checkpoint {model_path!r}: {_HEAD} has shape {weight.shape}, expected "
+                         f"({n}, {hidden_size}) for {n} labels")
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
+    bias = tensors.get(_HEAD_BIAS)
+    multi = cfg.get("problem_type") == "multi_label_classification"
+    return ClassifierHead(weight, None if bias is None else bias.astype(np.float64).reshape(n), labels,
+                          "sigmoid" if multi or n == 1 else "softmax")
+
+
+def _config(model_path: str | None) -> dict:
+    path = os.path.join(model_path, "config.json") if model_path and os.path.isdir(model_path) else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_tensors(model_path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named tensors, from whichever of the checkpoint's safetensors files holds them."""
+    from safetensors import safe_open
+
+    from jaxserve.loader.hf_dir import HFDirectory
+
+    found: dict[str, np.ndarray] = {}
+    for file in HFDirectory(model_path).files:
+        with safe_open(file, framework="numpy") as f:
+            for name in set(names) & set(f.keys()) - set(found):
+                found[name] = np.asarray(f.get_tensor(name), np.float32)
+    return found
