@@ -43,6 +43,11 @@ async def completions(request: Request) -> Response:
     return await _router(request).generate(request, "completion")
 
 
+async def responses(request: Request) -> Response:
+    """`POST /v1/responses` through a picked worker."""
+    return await _router(request).generate(request, "responses")
+
+
 async def pooling(request: Request) -> Response:
     """`POST /v1/embeddings`, `/score`, `/rerank`, `/classify` through a picked worker."""
     return await _router(request).pooling(request)
@@ -169,6 +174,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         *(Route(path, pooling, methods=["POST"]) for path in
           ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
            "/v1/classify")),

@@ -65,7 +65,7 @@ class Disaggregator:
             return await r.forward(request_id, path, raw, headers, stream, info, role=d.worker.role,
                                    first=d.worker)
         p = r.picker.pick(prefill, RouteRequest(), "least-load").worker
-        kind = "chat" if path.endswith("chat/completions") else "completion"
+        kind = "completion" if path == "/v1/completions" else "chat"  # /v1/responses: `body` is its chat body
         t0 = time.time()
         meta = None
         p.in_flight += 1

@@ -29,6 +29,7 @@ from router.policy import Decision, Picker, RouteRequest
 from router.prefix_index import PrefixIndex
 from router.workers import Worker, WorkerPool
 from server.errors import ApiError, sse_error
+from server.openai_responses import chat_body
 from server.trace import TraceStore, summarize_request
 
 logger = logging.getLogger("jaxserve.router")
@@ -252,8 +253,13 @@ class Router:
             raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         self.trace.record(request_id, "L2", "received", summarize_request(kind, body))
+        path = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "responses": "/v1/responses"}[kind]
+        if kind == "responses":  # routed (and prefilled) as the chat request a worker turns it into
+            try:
+                body, kind = chat_body(body), "chat"
+            except ApiError:
+                pass  # the worker answers the 400
         info, ids = await self.route_request(kind, body, headers, request.headers)
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         stream = bool(body.get("stream"))
         if self.pd.enabled:
             return await self.pd.generate(request_id, path, raw, body, headers, stream, info, ids)

@@ -21,6 +21,7 @@ from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
 from server.lora_admin import load_lora_adapter, unload_lora_adapter
 from server.middleware import ApiMiddleware
+from server.openai_responses import responses_api
 from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
 from server.protocol import check_messages, get_bool, get_str
 from server.scores import rerank, score
@@ -87,8 +88,8 @@ def _model_card(state: ServerState, name: str, lora: str | None = None) -> dict[
             "max_model_len": state.engine.max_model_len}
 
 
-async def _traced_generate(request: Request, kind: str) -> Response:
-    """Record the request's L1 view in its trace, then serve it."""
+async def _traced_generate(request: Request, kind: str, **api: Any) -> Response:
+    """Record the request's L1 view in its trace, then serve it (`api`: another API's translation into chat)."""
     state = _state(request)
     state.check_serving()
     # Read (and size-check) the body once here; handle_generate reads the cached copy.
@@ -101,7 +102,7 @@ async def _traced_generate(request: Request, kind: str) -> Response:
     pd: PDWorker = request.app.state.pd
     imported = await pd.import_for(request, request_id)  # a disaggregated request's prompt KV
     try:
-        return await handle_generate(request, kind)
+        return await handle_generate(request, "chat" if kind == "responses" else kind, **api)
     finally:
         if imported is not None:
             await pd.release_import(imported)
@@ -115,6 +116,11 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     """`POST /v1/completions`."""
     return await _traced_generate(request, "completion")
+
+
+async def responses(request: Request) -> Response:
+    """`POST /v1/responses` (OpenAI's Responses API)."""
+    return await _traced_generate(request, "responses", **responses_api())
 
 
 async def tokenize(request: Request) -> Response:
@@ -199,6 +205,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

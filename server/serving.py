@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from starlette.requests import Request
@@ -201,13 +201,15 @@ class EventStream(Response):
 Kind = Literal["chat", "completion"]
 
 
-async def handle_generate(request: Request, kind: Kind) -> Response:
-    """The shared body of both generation endpoints."""
+async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[Any], Any] | None = None,
+                          formatter: Callable[..., Any] | None = None) -> Response:
+    """The shared body of the generation endpoints. `translate` turns another API's body into a chat body
+    and `formatter` builds that API's responses (the Responses API: server/openai_responses.py)."""
     state = _state(request)
     state.check_serving()
     arrival = time.time()
     body = await read_json(request, state.config.max_request_body_bytes)
-    req = parse_chat(body) if kind == "chat" else parse_completion(body)
+    req = parse_chat(translate(body) if translate else body) if kind == "chat" else parse_completion(body)
     lora = state.check_model(req.common.model)
     vocab = state.engine.tokenizer.vocab_size
     outside = sorted(t for t in req.common.params.logit_bias if t >= vocab)
@@ -221,7 +223,7 @@ async def handle_generate(request: Request, kind: Kind) -> Response:
     log = _log(request)
     gen = Generation(state, jobs, priority=req.common.priority, cache_salt=req.common.cache_salt,
                      arrival=arrival, log=log, lora=lora)
-    fmt = _Formatter(state, req, kind, request_id, jobs)
+    fmt = (formatter or _Formatter)(state, req, kind, request_id, jobs)
     fmt.model = lora or fmt.model
     try:
         first = await race_disconnect(request.receive, gen.first())
@@ -250,22 +252,26 @@ async def _stream(gen: Generation, fmt: _Formatter, first: tuple[int, RequestOut
             try:
                 item = await gen.next()
             except ValueError as e:
-                yield sse_error(400, str(e), "invalid_request")
+                yield fmt.error(400, str(e), "invalid_request")
                 break
             except Exception as e:
                 logger.exception("request %s failed in the engine", fmt.request_id)
-                yield sse_error(500, f"the engine failed while generating: {e}", "engine_error")
+                yield fmt.error(500, f"the engine failed while generating: {e}", "engine_error")
                 break
         else:
-            if fmt.req.common.stream_options.include_usage:
-                yield fmt.usage_chunk(gen)
-        yield SSE_DONE
+            for chunk in fmt.closing(gen):
+                yield chunk
+        if fmt.done:
+            yield fmt.done
     finally:
         await gen.close()
 
 
 class _Formatter:
     """Builds the response objects of one request in the chat or completions shape."""
+
+    done = SSE_DONE  # what ends a stream
+    error = staticmethod(sse_error)  # an error inside a started stream
 
     def __init__(self, state: ServerState, req: ChatRequest | CompletionRequest, kind: Kind, request_id: str,
                  jobs: list[Job]):
@@ -335,11 +341,13 @@ class _Formatter:
             chunks.append(sse(self._envelope([choice], gen)))
         return chunks
 
-    def usage_chunk(self, gen: Generation) -> bytes:
-        """The final `choices: []` chunk with the request's usage."""
+    def closing(self, gen: Generation) -> list[bytes]:
+        """What a finished stream ends with: a `choices: []` chunk with the request's usage, if asked."""
+        if not self.req.common.stream_options.include_usage:
+            return []
         obj = self._envelope([], gen)
         obj["usage"] = usage(*gen.usage_counts())
-        return sse(obj)
+        return [sse(obj)]
 
     def full(self, gen: Generation) -> dict:
         """The non-streaming response."""

@@ -74,7 +74,8 @@ def summarize_request(kind: str, body: Any) -> dict[str, Any]:
     elif "prompt" in body or "input" in body:
         p = body.get("prompt", body.get("input"))
         out["prompt_chars" if isinstance(p, str) else "prompt_items"] = len(p) if hasattr(p, "__len__") else 0
-    for key in ("model", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+    for key in ("model", "stream", "max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p",
+                "top_k", "n",
                 "seed", "priority", "cache_salt"):
         if key in body:
             out[key] = body[key]

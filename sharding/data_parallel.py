@@ -29,6 +29,7 @@ class DataParallelEngine:
         self.model_name = first.model_name
         self.lora_modules = first.lora_modules
         self.classifier = first.classifier
+        self.prefix_cache_page_size = first.prefix_cache_page_size
         self.max_model_len = first.max_model_len
         self._in_flight = [0] * len(replicas)
         self._placed: dict[str, int] = {}

@@ -144,6 +144,22 @@ def test_shared_system_prompt_lands_on_the_worker_holding_it(cluster):
     assert [c["matched_pages"] for c in pick["candidates"]] == [0, 0]
 
 
+@pytest.mark.parametrize("cluster", [{"policy": "prefix"}], indirect=True)
+def test_a_responses_request_is_routed_as_its_chat_request(cluster):
+    """`/v1/responses` goes through the router, to the worker holding the prefix its chat form shares."""
+    first = cluster.client.post("/v1/chat/completions", json=_chat("one"))
+    home = cluster.worker_of(first)
+    router = cluster.app.state.router
+    _wait(lambda: router.index.num_exact(cluster.servers[home].url) >= 2)
+    router.index._approx.clear()
+    for user in ("two", "three", "four", "five"):
+        r = cluster.client.post("/v1/responses", json={"model": "fake-model", "instructions": SYSTEM, "input": user,
+                                                       "max_output_tokens": 3})
+        assert r.status_code == 200 and r.json()["object"] == "response" and cluster.worker_of(r) == home
+    bad = cluster.client.post("/v1/responses", json={"model": "fake-model", "input": "x", "background": True})
+    assert bad.status_code == 400 and "background" in bad.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("cluster", [{"policy": "prefix", "engine_cls": FakeAsyncEngine}], indirect=True)
 def test_cold_index_falls_back_to_routing_time_guess(cluster):
     # Plain fake engines publish no KV events: the approximate index alone keeps the prefix together.

@@ -61,6 +61,26 @@ def test_greedy_text_over_http_equals_llm_generate(real):
     assert r.choices[0].text == reference[2]
 
 
+def test_responses_api_gives_the_chat_reply(real):
+    """`/v1/responses` on the real model: the greedy reply `LLM.generate` gives, whole and streamed, with the
+    prompt's whole pages counted as written to the prefix cache, then read from it."""
+    reference, srv, engine = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    chat = CHATS[1]
+    engine.engine.reset_prefix_cache()
+    r = client.responses.create(model="SmolLM2-135M-Instruct", input=chat[0]["content"], temperature=0,
+                                max_output_tokens=MAX_TOKENS)
+    assert r.output_text == reference[1] and r.status == "incomplete"  # 24 tokens cut the haiku
+    details, ps = r.usage.input_tokens_details, engine.prefix_cache_page_size
+    assert (details.cached_tokens, details.cache_write_tokens) == (0, r.usage.input_tokens // ps * ps)
+    events = list(client.responses.create(model="SmolLM2-135M-Instruct", input=chat, temperature=0,
+                                          max_output_tokens=MAX_TOKENS, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == reference[1]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.output_text == reference[1]
+    assert final.usage.input_tokens_details.cached_tokens == details.cache_write_tokens
+
+
 def _metric(srv, name: str) -> float:
     for line in httpx.get(srv.url + "/metrics").text.splitlines():
         if line.startswith(name + "{"):

@@ -79,6 +79,9 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.classifier = getattr(engine, "classifier", None)
         """A sequence classification model's head (its labels), or None."""
+        sched = engine.scheduler
+        self.prefix_cache_page_size = sched.pool.page_size if sched.cache is not None else None
+        """The page size of the engine's prefix cache (None: it caches no prefixes)."""
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()

@@ -1,0 +1,389 @@
+"""`POST /v1/responses`: OpenAI's Responses API, served by the chat machinery.
+
+The request is translated into a chat request: `instructions` becomes the system message, and `input`
+(a string, or a list of items) becomes the conversation. Items: messages (`role` user, assistant,
+system or developer; `content` a string or `input_text` / `output_text` parts), `function_call` (a
+call the assistant made earlier) and `function_call_output` (its result, as a tool message).
+Earlier `reasoning` items are dropped, as chat templates drop earlier reasoning. Function tools
+(`{"type": "function", "name", "parameters"}`), `tool_choice`, `parallel_tool_calls`,
+`max_output_tokens`, `temperature`, `top_p` and `text.format` (`json_schema`, `json_object`) map to
+their chat fields; so do vLLM's sampling extras (`top_k`, `min_p`, `repetition_penalty`, `seed`) and
+`priority` and `cache_salt`. `reasoning.effort` is passed to the chat template as `reasoning_effort`.
+
+The reply comes back as output items: a `reasoning` item (with a reasoning parser), a `message` with
+one `output_text` part, and one `function_call` item per tool call. A reply cut by the token limit is
+`incomplete` (`max_output_tokens`). Streamed, it is the Responses API's typed events, each with its
+`sequence_number`: `response.created`, `response.in_progress`, then per item `output_item.added`,
+its deltas (`reasoning_text.delta`, `output_text.delta` inside a content part,
+`function_call_arguments.delta`) and its `done` events, and `response.completed` (or
+`response.incomplete`) with the whole response.
+
+Refused by name: `previous_response_id` and `conversation` (this server stores no responses:
+`store` is accepted and answered `false`), `background`, `prompt` (stored prompt templates),
+`truncation: "auto"`, tools other than functions, and content other than text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jaxserve.outputs import RequestOutput
+from server.chat_replies import ChatReplies
+from server.errors import ApiError, bad_field, error_body
+from server.generation import Generation, Job
+from server.protocol import ChatRequest
+from server.responses import ChoiceCursor
+from server.state import ServerState
+
+_SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "seed",
+         "priority", "cache_salt", "stream")
+_KNOWN = {*_SAME, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
+          "metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key"}
+_REFUSED = {
+    "previous_response_id": "this server stores no responses; send the whole conversation in 'input'",
+    "conversation": "this server stores no conversations; send the whole conversation in 'input'",
+    "background": "background responses are not supported",
+    "prompt": "stored prompt templates are not supported",
+    "top_logprobs": "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
+    "max_tool_calls": "'max_tool_calls' is not supported",
+}
+
+
+def _text(part: Any, where: str) -> str:
+    if not isinstance(part, Mapping) or part.get("type") not in ("input_text", "output_text", "text"):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        raise bad_field(where, f"{where} has type {kind!r}; only text content is supported by this model",
+                        "unsupported_content")
+    if not isinstance(part.get("text"), str):
+        raise bad_field(f"{where}.text", f"{where}.text must be a string", "invalid_type")
+    return part["text"]
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat conversation of `instructions` and `input`."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_field("instructions", "'instructions' must be a string", "invalid_type")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_field("input", "'input' must be a string or a non-empty list of input items",
+                        "missing_required_parameter" if items is None else "invalid_type")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise bad_field(where, f"{where} must be an input item object", "invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_field(f"{where}.role", f"{where}.role must be user, assistant, system or developer")
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
+            elif not isinstance(content, str):
+                raise bad_field(f"{where}.content", f"{where}.content must be a string or a list of content parts",
+                                "invalid_type")
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise bad_field(f"{where}.{key}", f"{where}.{key} must be a string", "invalid_type")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # calls made together go in one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):
+                output = "".join(_text(p, f"{where}.output[{j}]") for j, p in enumerate(output))
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+                raise bad_field(where, f"{where} needs a string call_id and output", "invalid_type")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        elif kind != "reasoning":  # earlier reasoning is dropped, as chat templates drop it
+            raise bad_field(f"{where}.type", f"{where} has type {kind!r}; input items are messages, function_call, "
+                                             "function_call_output and reasoning", "unsupported_content")
+    return messages
+
+
+def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise bad_field("tools", "'tools' must be a list", "invalid_type")
+        chat_tools = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, Mapping) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, Mapping) else None
+                raise bad_field(f"tools[{i}].type", f"tools[{i}] has type {kind!r}; only function tools are "
+                                                    "supported", "unsupported_parameter")
+            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+            chat_tools.append({"type": "function", "function": fn})
+        out["tools"] = chat_tools
+    choice = body.get("tool_choice")
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _format(body: Mapping[str, Any]) -> dict[str, Any]:
+    text = body.get("text")
+    if text is None:
+        return {}
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, Mapping):
+        raise bad_field("text.format", "'text.format' must be an object", "invalid_type")
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name", "response"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}}
+    if kind in ("json_object", "text"):
+        return {"response_format": {"type": kind}}
+    raise bad_field("text.format.type", f"'text.format.type' must be text, json_schema or json_object, got {kind!r}")
+
+
+def chat_body(body: Any) -> dict[str, Any]:
+    """A Responses API body as the chat completions body that computes it."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, False):
+            raise bad_field(name, f"'{name}': {why}", "unsupported_parameter")
+    unknown = sorted(set(body) - _KNOWN - set(_REFUSED))
+    if unknown:
+        raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for /v1/responses", "unknown_parameter")
+    if body.get("truncation", "disabled") not in ("disabled", None):
+        raise bad_field("truncation", "'truncation' must be 'disabled': an input longer than the context is refused",
+                        "unsupported_parameter")
+    chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
+    chat["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    effort = body.get("reasoning", {}).get("effort") if isinstance(body.get("reasoning"), Mapping) else None
+    if effort is not None:
+        chat["chat_template_kwargs"] = {"reasoning_effort": effort}
+    return {**chat, **_tools(body), **_format(body)}
+
+
+class ResponsesFormatter:
+    """Builds the response object and the stream events of one `/v1/responses` request."""
+
+    done = None  # a Responses stream ends with its last event
+
+    def __init__(self, state: ServerState, req: ChatRequest, kind: str, request_id: str, jobs: list[Job],
+                 body: Mapping[str, Any]):
+        self.req, self.request_id, self.body = req, request_id, body
+        self.model = state.model_name
+        self.created = int(time.time())
+        self.id = f"resp_{request_id}"
+        self.tokenizer = state.engine.tokenizer
+        self.page_size = getattr(state.engine, "prefix_cache_page_size", None)
+        self.replies = ChatReplies(req.tool_choice, state.tool_parser, state.reasoning_parser,
+                                   constrained=req.common.params.structured_outputs is not None,
+                                   include_reasoning=True, function_tools=req.tools)
+        self.cursor = ChoiceCursor()
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # the output items streamed so far
+        self.open: dict[str, Any] | None = None  # the item still receiving deltas
+        self.finish: str | None = None
+
+    # -- the response object -----------------------------------------------------------------------
+
+    def _response(self, status: str, output: list[dict[str, Any]], gen: Generation | None) -> dict[str, Any]:
+        b = self.body
+        out: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "metadata": b.get("metadata") or {}, "model": self.model, "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls", True), "previous_response_id": None,
+            "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"), "summary": None}, "store": False,
+            "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
+            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+            "top_p": b.get("top_p", 1.0), "truncation": "disabled", "user": b.get("user"), "usage": None,
+        }
+        if gen is not None:
+            prompt, completion, cached = gen.usage_counts()
+            thought = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+            # Written to the prefix cache: the prompt's whole pages it did not read from there.
+            written = max(0, prompt // self.page_size * self.page_size - cached) if self.page_size else 0
+            out["usage"] = {"input_tokens": prompt,
+                            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
+                            "output_tokens": completion,
+                            "output_tokens_details": {"reasoning_tokens": len(self.tokenizer.encode(thought))
+                                                      if thought else 0},
+                            "total_tokens": prompt + completion}
+        return out
+
+    def _status(self) -> str:
+        return "incomplete" if self.finish == "length" else "completed"
+
+    def full(self, gen: Generation) -> dict[str, Any]:
+        """The non-streaming response."""
+        out = gen.latest[0]
+        assert out is not None
+        c = out.outputs[0]
+        message, self.finish = self.replies.message(c)
+        status = self._status()
+        items: list[dict[str, Any]] = []
+        if message.get("reasoning"):
+            items.append(self._reasoning_item(message["reasoning"], "completed"))
+        if message.get("content"):
+            items.append(self._message_item(message["content"], status))
+        for i, call in enumerate(message.get("tool_calls") or ()):
+            items.append(self._call_item(i, call["id"], call["function"]["name"], call["function"]["arguments"],
+                                         "completed"))
+        return self._response(status, items, gen)
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": f"rs_{self.request_id}", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+    def _message_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": f"msg_{self.request_id}", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def _call_item(self, i: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{self.request_id}_{i}", "call_id": call_id, "name": name,
+                "arguments": arguments, "status": status}
+
+    # -- the stream --------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+    def error(self, status: int, message: str, code: str | None = None) -> bytes:
+        err = error_body(status, message, code=code)["error"]
+        return self._event("error", code=err.get("code"), message=err["message"], param=err.get("param"))
+
+    def _add(self, item: dict[str, Any], part: dict[str, Any] | None) -> list[bytes]:
+        """Open a new output item (closing the one before), with its first content part."""
+        events = self._close()
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        events.append(self._event("response.output_item.added", output_index=index, item=item))
+        if part is not None:
+            item["content"] = [dict(part)]
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                      content_index=0, part=part))
+        return events
+
+    def _close(self) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        events = []
+        item["status"] = self._status() if item["type"] == "message" else "completed"
+        if item["type"] == "function_call":
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            kind = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            extra = {"logprobs": []} if item["type"] == "message" else {}
+            events.append(self._event(kind, item_id=item["id"], output_index=index, content_index=0,
+                                      text=part["text"], **extra))
+            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                      content_index=0, part=part))
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _text(self, kind: str, text: str) -> list[bytes]:
+        """A reasoning or answer delta, in its item (opened first if another is open)."""
+        events: list[bytes] = []
+        if self.open is None or self.open["type"] != kind:
+            if kind == "reasoning":
+                item = self._reasoning_item("", "in_progress")
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = self._message_item("", "in_progress")
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"] = []
+            events += self._add(item, part)
+        item = self.open
+        assert item is not None
+        item["content"][0]["text"] += text
+        extra = {"logprobs": []} if kind == "message" else {}
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        events.append(self._event(name, item_id=item["id"], output_index=len(self.items) - 1, content_index=0,
+                                  delta=text, **extra))
+        return events
+
+    def _call(self, call: Mapping[str, Any]) -> list[bytes]:
+        """A tool call, whole or (a forced call streaming its arguments) a piece of one."""
+        events: list[bytes] = []
+        fn = call.get("function") or {}
+        if call.get("id"):  # a new call
+            n = sum(1 for item in self.items if item["type"] == "function_call")
+            events += self._add(self._call_item(n, call["id"], fn.get("name", ""), "", "in_progress"), None)
+        item = self.open
+        assert item is not None and item["type"] == "function_call"
+        piece = fn.get("arguments") or ""
+        if piece:
+            item["arguments"] += piece
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=len(self.items) - 1, delta=piece))
+        return events
+
+    def deltas(self, job: int, out: RequestOutput, gen: Generation) -> list[bytes]:
+        """The events for what `out` added to the reply."""
+        events = []
+        if self.seq == 0:
+            created = self._response("in_progress", [], None)
+            events += [self._event("response.created", response=created),
+                       self._event("response.in_progress", response=created)]
+        c = out.outputs[0]
+        d = self.cursor.advance(c)
+        if d is None:
+            return events
+        delta, finish = self.replies.delta(self.cursor, c, d)
+        if delta.get("reasoning"):
+            events += self._text("reasoning", delta["reasoning"])
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or ():
+            events += self._call(call)
+        if finish is not None:
+            self.finish = finish
+        return events
+
+    def closing(self, gen: Generation) -> list[bytes]:
+        """The open item's `done` events and the finished response."""
+        events = self._close()
+        status = self._status()
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        return [*events, self._event(kind, response=self._response(status, self.items, gen))]
+
+
+def responses_api() -> dict[str, Any]:
+    """`handle_generate`'s arguments that serve one `/v1/responses` request: its translation into a chat
+    request, and its formatter (which keeps the original body, for the fields the response repeats)."""
+    translated: dict[str, Any] = {}
+
+    def translate(body: Any) -> dict[str, Any]:
+        translated["body"] = body
+        return chat_body(body)
+
+    def formatter(*args: Any) -> ResponsesFormatter:
+        return ResponsesFormatter(*args, body=translated["body"])
+
+    return {"translate": translate, "formatter": formatter}

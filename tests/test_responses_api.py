@@ -1,0 +1,184 @@
+"""`POST /v1/responses` (OpenAI's Responses API) over scripted fake-engine replies: text, reasoning and tool
+calls as output items, whole and streamed, every object and event checked against the OpenAI SDK's own
+types; the request's translation into a chat request; and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+from pydantic import TypeAdapter  # noqa: E402
+
+from server.config import ServerConfig  # noqa: E402
+from server.fake_engine import FakeAsyncEngine  # noqa: E402
+from server.openai_responses import chat_body  # noqa: E402
+from server.runner import serve_in_thread  # noqa: E402
+
+# Scripted replies, chosen by the last word of the prompt (the fake vocabulary's number words).
+REPLIES = {
+    "one": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+    "two": "It is sunny in Paris today, with a light breeze from the west.",
+    "three": "<think>The user counts: one, two, three.</think>Four comes next.",
+    "five": '{"city": "Rome"}',
+}
+TOOLS = [{"type": "function", "name": n, "description": f"{n} tool", "parameters": {"type": "object"}}
+         for n in ("get_weather", "get_time")]
+TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant{% endif %}"
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+def _reply(prompt: str) -> str | None:
+    words = prompt.replace("assistant", "").split()
+    return REPLIES.get(words[-1]) if words else None
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeAsyncEngine(step_delay=0.001, scripted_reply=_reply)
+    config = ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3",
+                          chat_template=TEMPLATE)
+    with serve_in_thread(engine, config) as srv:
+        yield srv
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _post(server, **body) -> dict:
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "fake-model", **body}, timeout=30)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())  # every field as the SDK's type declares it
+    return r.json()
+
+
+def _stream(server, **body) -> list[dict]:
+    """The events of a streamed response, each checked against the SDK's event union."""
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/responses", json={"model": "fake-model", "stream": True, **body},
+                      timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                assert event["type"] == name
+                EVENTS.validate_python(event)
+                events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_text_reply_whole_and_streamed(server, client):
+    r = client.responses.create(model="fake-model", input="say two", instructions="Be brief.", max_output_tokens=64)
+    assert r.status == "completed" and r.output_text == REPLIES["two"]
+    assert [item.type for item in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0 and r.instructions == "Be brief."
+    events = _stream(server, input="say two")
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == REPLIES["two"]
+    assert sum(e["type"] == "response.output_text.delta" for e in events) > 3  # it streams, piece by piece
+    final = events[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == REPLIES["two"] and final["status"] == "completed"
+    # The SDK's own stream helper puts the same response back together.
+    with client.responses.stream(model="fake-model", input="say two") as s:
+        assert s.get_final_response().output_text == REPLIES["two"]
+
+
+def test_a_reply_cut_by_max_output_tokens_is_incomplete(server):
+    r = _post(server, input="say two", max_output_tokens=3)
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert r["output"][0]["status"] == "incomplete" and r["usage"]["output_tokens"] == 3
+    events = _stream(server, input="say two", max_output_tokens=3)
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
+
+
+def test_tool_calls_are_function_call_items(server, client):
+    r = client.responses.create(model="fake-model", input="say one", tools=TOOLS)
+    assert [item.type for item in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "Checking."
+    calls = r.output[1:]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_time", {"zone": "CET"})]
+    assert all(c.call_id.startswith("call_") for c in calls) and calls[0].call_id != calls[1].call_id
+    events = _stream(server, input="say one", tools=TOOLS)
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["message", "function_call", "function_call"]
+    done = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in done] == [{"city": "Paris"}, {"zone": "CET"}]
+    # A forced function streams its arguments as they come.
+    events = _stream(server, input="say five", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
+    pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == REPLIES["five"]
+    final = events[-1]["response"]["output"]
+    assert [(i["type"], i["name"], i["arguments"]) for i in final] == [("function_call", "get_weather",
+                                                                         REPLIES["five"])]
+
+
+def test_reasoning_is_a_reasoning_item(server):
+    r = _post(server, input="count three")
+    assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"][0]["text"] == "The user counts: one, two, three."
+    assert r["output"][1]["content"][0]["text"] == "Four comes next."
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    events = _stream(server, input="count three")
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert (thought, answer) == ("The user counts: one, two, three.", "Four comes next.")
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+
+
+def test_input_items_become_the_chat_conversation():
+    body = chat_body({"model": "m", "instructions": "sys", "max_output_tokens": 7, "input": [
+        {"role": "developer", "content": "dev"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+    ], "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"},
+        "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}}})
+    assert body["messages"] == [
+        {"role": "system", "content": "sys"}, {"role": "system", "content": "dev"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."}]
+    assert body["max_completion_tokens"] == 7
+    assert body["tools"][0] == {"type": "function", "function": {"name": "get_weather", "description":
+                                                                 "get_weather tool", "parameters": {"type": "object"}}}
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
+    assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"background": True}, "background", "not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
+     "only text content"),
+    ({"truncation": "auto"}, "truncation", "must be 'disabled'"),
+    ({"frobnicate": 1}, "frobnicate", "unknown field"),
+    ({"input": []}, "input", "non-empty list"),
+])
+def test_refusals_name_the_field(server, extra, param, words):
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "fake-model", "input": "hi", **extra})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"]
