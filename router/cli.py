@@ -29,6 +29,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--prefix-weight", type=float, default=w.prefix, help="W_prefix")
     g.add_argument("--load-weight", type=float, default=w.load, help="W_load")
     g.add_argument("--kv-weight", type=float, default=w.kv, help="W_kv")
+    g.add_argument("--lora-weight", type=float, default=w.lora, help="W_lora")
     g.add_argument("--hotspot-threshold", type=int, default=w.hotspot_threshold,
                    help="queue excess over the least loaded worker past which a prefix hit is ignored")
     parser.add_argument("--session-header", default=d.session_header, help="header naming the session")
@@ -59,7 +60,7 @@ def router_config_from_args(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=ns.host, port=ns.port, workers=tuple(ns.worker), prefill_workers=tuple(ns.prefill_worker),
         decode_workers=tuple(ns.decode_worker), policy=ns.policy,
-        weights=CostWeights(ns.prefix_weight, ns.load_weight, ns.kv_weight, ns.hotspot_threshold),
+        weights=CostWeights(ns.prefix_weight, ns.load_weight, ns.kv_weight, ns.hotspot_threshold, ns.lora_weight),
         session_header=ns.session_header, probe_interval_s=ns.probe_interval,
         probe_timeout_s=ns.probe_timeout, probe_failure_threshold=ns.probe_failure_threshold, approx_ttl_s=ns.approx_ttl,
         page_size=ns.page_size, request_timeout_s=ns.request_timeout, max_attempts=ns.max_attempts,

@@ -22,9 +22,11 @@ class CostWeights:
     """Weight of the worker's KV cache usage (0..1)."""
     hotspot_threshold: int = 4
     """A worker whose queue exceeds the shortest one by more than this loses its prefix advantage."""
+    lora: float = 1.0
+    """Weight of a LoRA request's adapter cost on the worker: 0 where it runs, 1 where it would wait."""
 
     def __post_init__(self) -> None:
-        for name in ("prefix", "load", "kv"):
+        for name in ("prefix", "load", "kv", "lora"):
             if getattr(self, name) < 0:
                 raise ValueError(f"weight {name} must be >= 0, got {getattr(self, name)}")
         if self.hotspot_threshold < 0:

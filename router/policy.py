@@ -5,12 +5,16 @@ The `prefix` policy scores every healthy candidate `w` and picks the highest sco
     hit(w)   = (pages of the prompt cached on w) * page_size / prompt tokens      in [0, 1]
     queue(w) = max(requests the router has in flight on w, running + waiting from w's /metrics)
     hot(w)   = queue(w) - min over candidates of queue > hotspot_threshold
+    lora(w)  = for a request of a LoRA adapter: 0 if w runs (or queues) requests of it, 0.5 if w has a
+               free adapter slot, 1 if its `max_lora` slots all run other adapters (the request would wait)
     score(w) = W_prefix * (0 if hot(w) else hit(w))
              - W_load   * queue(w) / (1 + max over candidates of queue)
              - W_kv     * kv_cache_usage(w)
+             - W_lora   * lora(w)
 
 Ties go to the shorter queue, then round-robin. The weights are `--prefix-weight`, `--load-weight`,
-`--kv-weight` and `--hotspot-threshold`. With the defaults (1, 0.5, 0.2, 4) a worker holding the
+`--kv-weight`, `--lora-weight` and `--hotspot-threshold`; `lora` reads each worker's
+`vllm:lora_requests_info`, so requests of one adapter gather where it already runs. With the defaults (1, 0.5, 0.2, 4) a worker holding the
 whole prompt wins over an idle one until its queue is more than 4 longer: then the prefix is
 worth less than spreading the load (the hot spot sheds it). `least-load` minimizes `queue`,
 then KV usage; `session` sends every request with the same session header to the same worker
@@ -37,6 +41,8 @@ class RouteRequest:
     hashes: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     session: str | None = None
+    adapter: str | None = None
+    """The LoRA adapter the request names (None: the base model)."""
 
 
 @dataclass(frozen=True)
@@ -98,9 +104,11 @@ class Picker:
             page_size = c.page_size or self.config.page_size
             hit = min(1.0, pages * page_size / req.num_prompt_tokens) if req.num_prompt_tokens else 0.0
             hot = c.queue - q_min > wts.hotspot_threshold
-            score = wts.prefix * (0.0 if hot else hit) - wts.load * c.queue / (1 + q_max) - wts.kv * c.kv_usage
+            lora = _adapter_cost(c, req.adapter)
+            score = (wts.prefix * (0.0 if hot else hit) - wts.load * c.queue / (1 + q_max) - wts.kv * c.kv_usage
+                     - wts.lora * lora)
             row = {**self._numbers(c), "matched_pages": pages, "index": source, "hit": round(hit, 4),
-                   "hot": hot, "score": round(score, 6)}
+                   "hot": hot, "score": round(score, 6), **({"lora": lora} if req.adapter else {})}
             rows.append(row)
             key = (score, -c.queue, -((i - start) % len(candidates)))
             if best is None or key > best[0]:
@@ -110,3 +118,10 @@ class Picker:
         reason = (f"{row['matched_pages']} cached pages ({row['index']} index)" if row["matched_pages"] and not row["hot"]
                   else "no usable cached prefix: load")
         return Decision(w, "prefix", rows, reason)
+
+
+def _adapter_cost(w: Worker, adapter: str | None) -> float:
+    """`lora(w)` of the prefix score: where a request of `adapter` would find it on `w`."""
+    if adapter is None or adapter in w.running_loras or adapter in w.waiting_loras:
+        return 0.0
+    return 1.0 if w.max_lora and len(w.running_loras) >= w.max_lora else 0.5

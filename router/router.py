@@ -126,20 +126,26 @@ class Router:
                             request_headers: Any) -> tuple[RouteRequest, list[int] | None]:
         """The policies' view of a request (token ids only when a policy uses them)."""
         session = request_headers.get(self.config.session_header)
+        adapter = self.adapter_of(body)
         if not self.needs_tokens():
-            return RouteRequest(session=session), None
+            return RouteRequest(session=session, adapter=adapter), None
         ids = await self.tokenize(kind, body, headers)
         if ids is None:
-            return RouteRequest(session=session), None
+            return RouteRequest(session=session, adapter=adapter), None
         page_size = next((w.page_size for w in self.pool.healthy() if w.page_size), self.config.page_size)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        model = body.get("model")
-        bases = next((w.base_models for w in self.pool.healthy() if w.base_models), None)
-        if isinstance(model, str) and bases and model not in bases:  # a LoRA adapter: its own cache namespace
-            salt = lora_cache_salt(model, salt)
+        if adapter is not None:  # a LoRA adapter: its own cache namespace
+            salt = lora_cache_salt(adapter, salt)
         # The engine caches prompt[:-1] (the last token is always computed), so hash that.
         hashes = tuple(hash_token_pages(ids[:-1], page_size, salt))
-        return RouteRequest(hashes, len(ids), session), ids
+        return RouteRequest(hashes, len(ids), session, adapter), ids
+
+    def adapter_of(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter a request's `model` names: a name the workers' `/v1/models` lists with a parent,
+        or one they do not list as a base model's (an adapter loaded since)."""
+        model = body.get("model")
+        bases = next((w.base_models for w in self.pool.healthy() if w.base_models), None)
+        return model if isinstance(model, str) and bases and model not in bases else None
 
     def pick(self, request_id: str, candidates: list[Worker], info: RouteRequest) -> Decision:
         """Pick among `candidates`, record it in the trace and the metrics, and count the request in flight."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -46,6 +47,11 @@ class Worker:
     last_error: str | None = None
     probe_failures: int = 0
     """Probes in a row that timed out or broke off."""
+    max_lora: int = 0
+    """LoRA adapters the worker runs at once (`vllm:lora_requests_info`; 0: it serves none)."""
+    running_loras: frozenset[str] = frozenset()
+    """LoRA adapters of its running requests, and of its waiting ones."""
+    waiting_loras: frozenset[str] = frozenset()
     base_models: frozenset[str] | None = None
     """The names the worker serves its base model under (`GET /v1/models` entries without a `parent`; the
     others are LoRA adapters), read when it turns healthy; None until then."""
@@ -60,12 +66,17 @@ class Worker:
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "in_flight": self.in_flight,
                 "num_running": self.num_running, "num_waiting": self.num_waiting, "kv_usage": self.kv_usage,
                 "page_size": self.page_size, "routed": self.routed, "last_error": self.last_error,
-                "probe_failures": self.probe_failures}
+                "probe_failures": self.probe_failures, "max_lora": self.max_lora,
+                "running_loras": sorted(self.running_loras)}
 
 
-def parse_metrics(text: str) -> dict[str, float | int]:
-    """The few `vllm:*` numbers the router uses, from a Prometheus text exposition."""
-    out: dict[str, float | int] = {}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The few `vllm:*` numbers the router uses, from a Prometheus text exposition, and the LoRA adapters
+    a worker runs (`vllm:lora_requests_info`)."""
+    out: dict[str, Any] = {}
     names = {"vllm:num_requests_running": "num_running", "vllm:num_requests_waiting": "num_waiting",
              "vllm:kv_cache_usage_perc": "kv_usage"}
     for line in text.splitlines():
@@ -77,6 +88,12 @@ def parse_metrics(text: str) -> dict[str, float | int]:
                 out[names[name]] = float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
                 continue
+        elif name == "vllm:lora_requests_info":
+            labels = dict(_LABEL.findall(rest))
+            if labels.get("max_lora", "").isdigit():
+                out["max_lora"] = int(labels["max_lora"])
+            for key, field in (("running_lora_adapters", "running_loras"), ("waiting_lora_adapters", "waiting_loras")):
+                out[field] = frozenset(a for a in labels.get(key, "").split(",") if a)
         elif name == "vllm:cache_config_info":
             for part in rest.split(","):
                 key, _, value = part.partition("=")

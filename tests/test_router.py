@@ -367,6 +367,29 @@ def test_an_adapter_request_is_hashed_in_its_adapter_namespace():
     assert len({h[0] for h in hashes.values()}) == 4
 
 
+def test_lora_requests_gather_where_their_adapter_runs():
+    """`vllm:lora_requests_info` is read per worker; a request of an adapter goes where it runs, before an
+    idle worker with a free slot, and that before one whose slots all run other adapters (a wait)."""
+    from router.policy import Picker, RouteRequest
+    from router.workers import Worker
+
+    text = ('vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="x"} 1.7e9\n'
+            'vllm:num_requests_running{model_name="m"} 2.0\n')
+    assert parse_metrics(text) == {"max_lora": 2, "running_loras": {"sql", "chat"}, "waiting_loras": {"x"},
+                                   "num_running": 2.0}
+    busy = Worker("http://busy", healthy=True, **parse_metrics(text))  # 2 running
+    free = Worker("http://free", healthy=True, num_running=1, max_lora=2, running_loras=frozenset({"chat"}))
+    full = Worker("http://full", healthy=True, num_running=0, max_lora=1, running_loras=frozenset({"chat"}))
+    picker = Picker(RouterConfig(port=0, policy="prefix"), PrefixIndex())
+    sql = picker.pick([full, free, busy], RouteRequest(adapter="sql"))
+    assert sql.worker is busy and [c["lora"] for c in sql.candidates] == [1.0, 0.5, 0.0]
+    assert picker.pick([full, free], RouteRequest(adapter="sql")).worker is free
+    assert picker.pick([busy, full, free], RouteRequest()).worker is full  # the base model: load alone
+    assert picker.pick([free, busy], RouteRequest(adapter="x")).worker is busy  # queued there: it will run
+    lone = Picker(RouterConfig(port=0, policy="prefix", weights=CostWeights(lora=0.0)), PrefixIndex())
+    assert lone.pick([full, free, busy], RouteRequest(adapter="sql")).worker is full
+
+
 def _probe_pool(answers: list, threshold: int = 3) -> tuple[WorkerPool, object]:
     """A pool of one worker whose probes meet `answers` in order: an exception class to raise on
     `/ready`, or a status code for it (the other endpoints answer 200)."""
