@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -101,6 +102,9 @@ class EngineArgs:
     runner: Runner = "auto"
     # How an embedding is pooled (a JSON object or a mapping, parsed into a `PoolerConfig`); runner pooling only.
     pooler_config: PoolerConfig | None = None
+    # Keys of an HF model directory's config.json to override (a JSON object or a mapping), as vLLM's
+    # `--hf-overrides`: e.g. a causal LM served as a reranker (`jaxserve.engine.classifier`).
+    hf_overrides: Mapping[str, Any] | None = None
     # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank` (adapters in one
     # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) known from
     # start-up.
@@ -114,6 +118,17 @@ class EngineArgs:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.pooler_config is not None and not isinstance(self.pooler_config, PoolerConfig):
             object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
+        if self.hf_overrides is not None:
+            value = self.hf_overrides
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise ValueError(f"hf_overrides is not JSON: {e}") from e
+            if not isinstance(value, Mapping):
+                raise ValueError('hf_overrides must be a JSON object of config.json keys, e.g. {"architectures": '
+                                 '["Qwen3ForSequenceClassification"]}')
+            object.__setattr__(self, "hf_overrides", dict(value))
         self._check_runner()
         self._check_lora()
         def positive(name: str) -> None:
@@ -201,10 +216,10 @@ class EngineArgs:
         A sequence classification model's head reads the last token's hidden state, unnormalized."""
         if not self.is_pooling:
             return None
-        from jaxserve.engine.classifier import classification_architecture
+        from jaxserve.engine.classifier import classification_architecture, model_config
 
         asked = self.pooler_config or PoolerConfig()
-        arch = classification_architecture(model_path)
+        arch = classification_architecture(model_config(model_path, self.hf_overrides))
         if arch is None:
             return asked.resolve(model_path)
         if asked.pooling_type not in (None, "LAST") or asked.normalize:
@@ -280,6 +295,10 @@ class EngineArgs:
                        help='embedding pooling with --runner pooling, e.g. \'{"pooling_type": "LAST", "normalize": true}\' '
                             "(LAST, MEAN or CLS; default: the model's sentence-transformers config, else LAST, "
                             "normalized)")
+        g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                       help="keys of the model's config.json to override, e.g. to serve Qwen3-Reranker: "
+                            '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+                            '["no", "yes"], "is_original_qwen3_reranker": true}\' (with --runner pooling)')
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
         g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters loaded at start-up; a request names one as its model")

@@ -127,6 +127,45 @@ def test_cross_encoder_scores_pairs_as_hf(models, engines):
     assert scored[0].prompt_token_ids == pair_ids[0]
 
 
+def test_a_causal_lm_as_a_reranker_from_two_tokens(tmp_path):
+    """vLLM's `--hf-overrides` for Qwen3-Reranker: a Qwen3ForCausalLM checkpoint, its LM head's logits of
+    "no" and "yes" (here t5, t6) after the prompt, the score sigmoid(yes - no): HF's softmax over the two."""
+    from tests.test_model_families import save_tiny_hf
+
+    path = str(tmp_path)
+    hf = save_tiny_hf("Qwen3Config", path, vocab_size=VOCAB, tie_word_embeddings=False, head_dim=16)
+    backend = fake_tokenizer()._backend
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="$A", pair="$A <eos> $B:1", special_tokens=[("<eos>", EOS)])
+    backend.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["t5", "t6"],
+                 "is_original_qwen3_reranker": True}
+    llm = LLM(path, **ARGS, hf_overrides=json.dumps(overrides), progress=False)
+    query, docs = "t9 t10", ["t11 t12 t13", "t9 t10 t9"]
+    scores = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False)]
+    with torch.no_grad():
+        want = []
+        for d in docs:
+            z = hf(torch.tensor([llm.get_tokenizer().encode_pair(query, d)])).logits[0, -1].double()
+            want.append(float(torch.softmax(z[[5, 6]], 0)[1]))
+    np.testing.assert_allclose(scores, want, atol=2e-6)
+    three = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": False}, hf_overrides={
+        **overrides, "classifier_from_token": ["t5", "t6", "t7"]}), progress=False)
+    ids = _prompt(9, 4)
+    probs = _classify(three, [ids])[0]
+    with torch.no_grad():
+        z = hf(torch.tensor([ids])).logits[0, -1].double()
+    np.testing.assert_allclose(probs, torch.softmax(z[[5, 6, 7]], 0).numpy(), atol=2e-6)
+    assert three.classifier.labels == ("t5", "t6", "t7")
+    with pytest.raises(ValueError, match="'t99' is not a token of the model's vocabulary"):
+        LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": False}, hf_overrides={
+            **overrides, "classifier_from_token": ["t5", "t99"]}), progress=False)
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        EngineArgs(hf_overrides="[1]")
+
+
 def test_refusals_name_the_problem(models, engines):
     labels, cross = engines["labels"], engines["cross"]
     with pytest.raises(ValueError, match="it classifies, it does not embed"):

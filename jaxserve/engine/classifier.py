@@ -11,14 +11,19 @@ score), as sentence-transformers and vLLM apply them.
 
 A model with one label is a cross-encoder (a reranker): `/score` and `/rerank` give it each pair as
 one input, the tokenizer's pair encoding of (text_1, text_2), and its sigmoid is the pair's score.
+
+A causal LM serves as a classifier through `--hf-overrides` (vLLM's keys): `architectures` naming a
+`*ForSequenceClassification` and `classifier_from_token` listing the tokens whose LM-head logits are
+the labels; two tokens make a one-label reranker, as Qwen3-Reranker is served (`_from_tokens`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -61,42 +66,70 @@ class ClassifierHead:
         return z.astype(np.float32).tolist()
 
 
-def classification_architecture(model_path: str | None) -> str | None:
-    """The `*ForSequenceClassification` architecture an HF model directory's config.json names, or None."""
-    cfg = _config(model_path)
-    return next((a for a in cfg.get("architectures") or () if str(a).endswith("ForSequenceClassification")), None)
+def model_config(model_path: str | None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """An HF model directory's config.json with `overrides` (`--hf-overrides`) applied; {} for a GGUF file."""
+    path = os.path.join(model_path, "config.json") if model_path and os.path.isdir(model_path) else None
+    if path is None or not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {**json.load(f), **(overrides or {})}
 
 
-def read_classifier(model_path: str, hidden_size: int) -> ClassifierHead:
-    """The score head and labels of a `*ForSequenceClassification` model directory."""
-    cfg = _config(model_path)
-    arch = classification_architecture(model_path)
-    tensors = _read_tensors(model_path, (_HEAD, _HEAD_BIAS))
+def classification_architecture(config: Mapping[str, Any]) -> str | None:
+    """The `*ForSequenceClassification` architecture an HF config names, or None."""
+    return next((a for a in config.get("architectures") or () if str(a).endswith("ForSequenceClassification")), None)
+
+
+def read_classifier(model_path: str, config: Mapping[str, Any], hidden_size: int, tokenizer: Any) -> ClassifierHead:
+    """The score head and labels of a `*ForSequenceClassification` model directory (`config`: its HF config,
+    overrides applied): its `score` tensor, or the LM head's rows of `classifier_from_token`."""
+    arch = classification_architecture(config)
+    if config.get("classifier_from_token"):
+        return _from_tokens(model_path, config, hidden_size, tokenizer)
+    tensors = _read_rows(model_path, (_HEAD, _HEAD_BIAS))
     if _HEAD not in tensors:
         raise ValueError(f"{arch} checkpoint {model_path!r} has no {_HEAD!r} tensor (its classification head)")
     weight = tensors[_HEAD].astype(np.float64)
-    id2label = cfg.get("id2label") or {}
-    n = len(id2label) or int(cfg.get("num_labels", weight.shape[0]))
+    id2label = config.get("id2label") or {}
+    n = len(id2label) or int(config.get("num_labels", weight.shape[0]))
     if weight.shape != (n, hidden_size):
         raise ValueError(f"{arch} checkpoint {model_path!r}: {_HEAD} has shape {weight.shape}, expected "
                          f"({n}, {hidden_size}) for {n} labels")
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
     bias = tensors.get(_HEAD_BIAS)
-    multi = cfg.get("problem_type") == "multi_label_classification"
+    multi = config.get("problem_type") == "multi_label_classification"
     return ClassifierHead(weight, None if bias is None else bias.astype(np.float64).reshape(n), labels,
                           "sigmoid" if multi or n == 1 else "softmax")
 
 
-def _config(model_path: str | None) -> dict:
-    path = os.path.join(model_path, "config.json") if model_path and os.path.isdir(model_path) else None
-    if path is None or not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def _from_tokens(model_path: str, config: Mapping[str, Any], hidden_size: int, tokenizer: Any) -> ClassifierHead:
+    """A causal LM used as a classifier (vLLM's `classifier_from_token`): each label is the LM head's logit of
+    one token. Two tokens ("no", "yes") make one label, the logit of the second minus the first's, whose
+    sigmoid is the second token's probability against the first: how Qwen3-Reranker scores a pair."""
+    tokens = config["classifier_from_token"]
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must list at least two tokens, got {tokens!r}")
+    ids = [tokenizer.token_to_id(t) for t in tokens]
+    if None in ids:
+        raise ValueError(f"classifier_from_token: {tokens[ids.index(None)]!r} is not a token of the model's "
+                         "vocabulary")
+    rows = None
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight"):  # untied, then tied
+        rows = _read_rows(model_path, (name,), ids).get(name)
+        if rows is not None:
+            break
+    if rows is None or rows.shape != (len(ids), hidden_size):
+        raise ValueError(f"checkpoint {model_path!r} has no LM head (or embedding) to read classifier_from_token "
+                         "rows from")
+    rows = rows.astype(np.float64)
+    if len(ids) == 2:
+        return ClassifierHead((rows[1] - rows[0])[None], None, (tokens[1],), "sigmoid")
+    return ClassifierHead(rows, None, tuple(tokens), "softmax")
 
 
-def _read_tensors(model_path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The named tensors, from whichever of the checkpoint's safetensors files holds them."""
+def _read_rows(model_path: str, names: tuple[str, ...], rows: list[int] | None = None) -> dict[str, np.ndarray]:
+    """The named tensors (or just their `rows`), from whichever of the checkpoint's safetensors files holds
+    them; only the rows asked for are read."""
     from safetensors import safe_open
 
     from jaxserve.loader.hf_dir import HFDirectory
@@ -105,5 +138,7 @@ def _read_tensors(model_path: str, names: tuple[str, ...]) -> dict[str, np.ndarr
     for file in HFDirectory(model_path).files:
         with safe_open(file, framework="numpy") as f:
             for name in set(names) & set(f.keys()) - set(found):
-                found[name] = np.asarray(f.get_tensor(name), np.float32)
+                value = (np.stack([f.get_slice(name)[r] for r in rows]) if rows is not None
+                         else f.get_tensor(name))
+                found[name] = np.asarray(value, np.float32)
     return found

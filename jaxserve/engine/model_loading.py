@@ -88,9 +88,9 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     path = resolve_model(args.model)
     dummy = args.load_format == "dummy"
-    ckpt = open_checkpoint(path, weights=not dummy)
+    ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides)
     cfg = ckpt.config()
-    arch = classification_architecture(path)
+    arch = classification_architecture(getattr(ckpt, "hf_config", {}))
     if arch and not args.is_pooling:
         raise UnsupportedModelError(f"{path} is a sequence classification model ({arch}): it classifies, it does not "
                                     "generate; serve it with --runner pooling (runner='pooling')")

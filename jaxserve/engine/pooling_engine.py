@@ -18,7 +18,12 @@ import time
 
 import numpy as np
 
-from jaxserve.engine.classifier import ClassifierHead, classification_architecture, read_classifier
+from jaxserve.engine.classifier import (
+    ClassifierHead,
+    classification_architecture,
+    model_config,
+    read_classifier,
+)
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.pooler import PooledSequence
 from jaxserve.engine.request import Request
@@ -83,8 +88,10 @@ class PoolingEngine(LLMEngine):
         super().__init__(args, loaded, progress)
         assert self.pooler_config is not None, "PoolingEngine needs runner 'pooling'"
         self.matryoshka, self.matryoshka_dims = matryoshka_dimensions(self.model.path)
-        arch = classification_architecture(self.model.path)
-        self.classifier = read_classifier(self.model.path, self.hidden_size) if arch else None
+        config = model_config(self.model.path, self.args.hf_overrides)
+        arch = classification_architecture(config)
+        self.classifier = (read_classifier(self.model.path, config, self.hidden_size, self.tokenizer) if arch
+                           else None)
         """A sequence classification model's head (None: an embedding model)."""
         if self.classifier is not None:
             logger.info("classification model (%s): %d labels (%s), %s", arch, self.classifier.num_labels,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -59,11 +59,13 @@ def model_display_name(path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
-def open_checkpoint(path: str, weights: bool = True) -> GGUFFile | HFDirectory:
+def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any] | None = None) -> GGUFFile | HFDirectory:
     """Open a GGUF file or an HF directory for reading; `weights=False` lets an HF directory hold only
-    its config and tokenizer (for random weights)."""
+    its config and tokenizer (for random weights); `overrides` replace keys of an HF config.json."""
     if os.path.isdir(path):
-        return HFDirectory(path, weights=weights)
+        return HFDirectory(path, weights=weights, overrides=overrides)
+    if overrides:
+        raise ValueError(f"hf_overrides apply to HF model directories; {path!r} is not one")
     if path.endswith(".gguf") or os.path.isfile(path):
         return GGUFFile(path)
     raise FileNotFoundError(f"model {path!r} is neither a GGUF file nor an HF directory")

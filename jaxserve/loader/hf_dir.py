@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -15,14 +16,15 @@ from jaxserve.loader.keymap import CheckpointError
 class HFDirectory:
     """An HF-format model directory opened for reading."""
 
-    def __init__(self, path: str | os.PathLike, weights: bool = True):
-        """`weights=False` reads the config alone (a directory with no weight files is then accepted)."""
+    def __init__(self, path: str | os.PathLike, weights: bool = True, overrides: Mapping[str, Any] | None = None):
+        """`weights=False` reads the config alone (a directory with no weight files is then accepted);
+        `overrides` replace keys of its config.json (`--hf-overrides`)."""
         self.path = os.fspath(path)
         config_path = os.path.join(self.path, "config.json")
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"no config.json in {self.path}")
         with open(config_path) as f:
-            self.hf_config = json.load(f)
+            self.hf_config = {**json.load(f), **(overrides or {})}
         self.files = self._weight_files() if weights else []
 
     def _weight_files(self) -> list[str]:
