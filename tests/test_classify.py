@@ -159,6 +159,10 @@ def test_a_causal_lm_as_a_reranker_from_two_tokens(tmp_path):
         z = hf(torch.tensor([ids])).logits[0, -1].double()
     np.testing.assert_allclose(probs, torch.softmax(z[[5, 6, 7]], 0).numpy(), atol=2e-6)
     assert three.classifier.labels == ("t5", "t6", "t7")
+    one = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": False}, hf_overrides={
+        "architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["t6"],
+        "method": "no_post_processing"}), progress=False)  # bge-reranker-v2-gemma's form: one token's logit
+    np.testing.assert_allclose(_classify(one, [ids])[0], [1 / (1 + np.exp(-float(z[6])))], atol=2e-6)
     with pytest.raises(ValueError, match="'t99' is not a token of the model's vocabulary"):
         LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": False}, hf_overrides={
             **overrides, "classifier_from_token": ["t5", "t99"]}), progress=False)

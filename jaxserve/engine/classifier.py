@@ -103,12 +103,19 @@ def read_classifier(model_path: str, config: Mapping[str, Any], hidden_size: int
 
 
 def _from_tokens(model_path: str, config: Mapping[str, Any], hidden_size: int, tokenizer: Any) -> ClassifierHead:
-    """A causal LM used as a classifier (vLLM's `classifier_from_token`): each label is the LM head's logit of
-    one token. Two tokens ("no", "yes") make one label, the logit of the second minus the first's, whose
-    sigmoid is the second token's probability against the first: how Qwen3-Reranker scores a pair."""
+    """A causal LM used as a classifier (vLLM's `classifier_from_token` and `method`): each label is the LM
+    head's logit of one token ("no_post_processing", the default for one token or three and more); or two
+    tokens ("no", "yes") make one label, the second's logit minus the first's, whose sigmoid is the second
+    token's probability against the first ("from_2_way_softmax", the default for two): how Qwen3-Reranker
+    scores a pair."""
     tokens = config["classifier_from_token"]
-    if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
-        raise ValueError(f"classifier_from_token must list at least two tokens, got {tokens!r}")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    method = config.get("method") or ("from_2_way_softmax" if len(tokens) == 2 else "no_post_processing")
+    if method not in ("from_2_way_softmax", "no_post_processing") or (
+            method == "from_2_way_softmax" and len(tokens) != 2):
+        raise ValueError(f"method {method!r} with {len(tokens)} classifier_from_token tokens is not supported "
+                         "(from_2_way_softmax takes two; no_post_processing any number)")
     ids = [tokenizer.token_to_id(t) for t in tokens]
     if None in ids:
         raise ValueError(f"classifier_from_token: {tokens[ids.index(None)]!r} is not a token of the model's "
@@ -122,9 +129,9 @@ def _from_tokens(model_path: str, config: Mapping[str, Any], hidden_size: int, t
         raise ValueError(f"checkpoint {model_path!r} has no LM head (or embedding) to read classifier_from_token "
                          "rows from")
     rows = rows.astype(np.float64)
-    if len(ids) == 2:
+    if method == "from_2_way_softmax":
         return ClassifierHead((rows[1] - rows[0])[None], None, (tokens[1],), "sigmoid")
-    return ClassifierHead(rows, None, tuple(tokens), "softmax")
+    return ClassifierHead(rows, None, tuple(tokens), "sigmoid" if len(tokens) == 1 else "softmax")
 
 
 def _read_rows(model_path: str, names: tuple[str, ...], rows: list[int] | None = None) -> dict[str, np.ndarray]:
