@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
@@ -122,11 +123,13 @@ class LLM:
         text_2: str | Sequence[str],
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
     ) -> list[ScoringRequestOutput]:
         """Each pair's score: `text_1` against each of `text_2` when it is one text, else element by element
         (the `/score` endpoint's pairing). A cross-encoder (a classification model with one label) reads each
-        pair as one input, the tokenizer's pair encoding, and scores its relevance; an embedding model scores
-        the cosine similarity of the two embeddings, each distinct text embedded once."""
+        pair as one input, the tokenizer's pair encoding (or `chat_template`, a score template, rendered over
+        the roles "query" and "document"), and scores its relevance; an embedding model scores the cosine
+        similarity of the two embeddings, each distinct text embedded once."""
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         if len(first) == 1:
@@ -140,7 +143,7 @@ class LLM:
                 raise ValueError(f"this model classifies into {head.num_labels} labels; scoring needs a cross-encoder "
                                  "(one label) or an embedding model")
             tok = self.engine.tokenizer
-            pairs = [tok.encode_pair(a, b) for a, b in zip(first, second, strict=True)]
+            pairs = [cross_encoder_prompt(tok, a, b, chat_template) for a, b in zip(first, second, strict=True)]
             outs = self.classify(pairs, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
             return [ScoringRequestOutput(str(next(self._ids)), o.prompt_token_ids, ScoringOutput(o.outputs.probs[0]))
                     for o in outs]

@@ -1,7 +1,9 @@
 """`POST /score` and `POST /rerank` (vLLM's, and Jina's and Cohere's rerank shape) on an embedding model,
 where each score is the cosine similarity of the two texts' embeddings, or on a cross-encoder (a sequence
 classification model with one label), where each pair is one input, the tokenizer's pair encoding of the
-two texts, and its score is the model's relevance probability (its logit with `activation: false`).
+two texts (or the server's `--chat-template` rendered over the roles "query" and "document", as vLLM
+applies a score template), and its score is the model's relevance probability (its logit with
+`activation: false`).
 
 `/score` pairs `text_1` with `text_2`: one with many (1:N) or element by element (N:N). `/rerank`
 scores each of `documents` against `query` and returns them best first, the first `top_n`. A text
@@ -18,6 +20,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.pooling_params import PoolingParams
 from server.embeddings import (
     embed_prompts,
@@ -83,8 +86,12 @@ async def _cross_scores(request: Request, state: Any, body: Mapping[str, Any], a
         raise ApiError(400, f"model {state.model_name!r} classifies into {head.num_labels} labels; scoring needs a "
                             "cross-encoder (one label) or an embedding model", code="invalid_request")
     tok, max_len = state.engine.tokenizer, state.engine.max_model_len
-    pairs = [fit_prompt(tok.encode_pair(a, b), params, max_len, i, name)
-             for (_, _, a), (name, i, b) in zip(firsts, seconds, strict=True)]
+    template = state.config.chat_template  # a score template, when the server has one
+    try:
+        pairs = [fit_prompt(cross_encoder_prompt(tok, a, b, template), params, max_len, i, name)
+                 for (_, _, a), (name, i, b) in zip(firsts, seconds, strict=True)]
+    except (TypeError, ValueError) as e:  # the template refused the pair
+        raise ApiError(400, f"the score template failed: {e}", code="invalid_request") from e
     cls = PoolingParams(task="classify", activation=get_bool(body, "activation", True))
     outs = await pool_prompts(request, state, pairs, cls, get_int(body, "priority", 0), arrival)
     return [out.outputs.probs[0] for out in outs], sum(map(len, pairs))

@@ -28,6 +28,8 @@ VOCAB = 64
 ARGS = dict(runner="pooling", max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128,
             kv_cache_memory_bytes=1 << 22, compile_cache_dir=None)
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+SCORE_TEMPLATE = ("{% for m in messages %}{% if m.role == 'query' %}t20 {{ m.content }} {% else %}t21 {{ m.content }}"
+                  "{% endif %}{% endfor %}")
 
 
 def _save(path: str, config_cls: str, model_cls: str, seed: int, **config) -> object:
@@ -151,6 +153,14 @@ def test_a_causal_lm_as_a_reranker_from_two_tokens(tmp_path):
             z = hf(torch.tensor([llm.get_tokenizer().encode_pair(query, d)])).logits[0, -1].double()
             want.append(float(torch.softmax(z[[5, 6]], 0)[1]))
     np.testing.assert_allclose(scores, want, atol=2e-6)
+    # With a score template (vLLM's form: a chat template over the roles "query" and "document").
+    templated = [s.outputs.score for s in llm.score(query, docs, use_tqdm=False, chat_template=SCORE_TEMPLATE)]
+    with torch.no_grad():
+        for d, got in zip(docs, templated, strict=True):
+            ids = [20, *llm.get_tokenizer().encode(query), 21, *llm.get_tokenizer().encode(d)]
+            z = hf(torch.tensor([ids])).logits[0, -1].double()
+            assert abs(got - float(torch.softmax(z[[5, 6]], 0)[1])) < 2e-6
+    assert templated != scores
     three = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": False}, hf_overrides={
         **overrides, "classifier_from_token": ["t5", "t6", "t7"]}), progress=False)
     ids = _prompt(9, 4)
@@ -241,5 +251,10 @@ def test_classify_score_and_rerank_over_http(models, engines):
             np.testing.assert_allclose([x["relevance_score"] for x in ranked], sorted(scores, reverse=True), atol=1e-6)
             cls = httpx.post(f"{srv.url}/classify", json={"input": "t3 t4"}).json()["data"][0]
             assert cls["num_classes"] == 1 and cls["label"] == "LABEL_0" and 0 < cls["probs"][0] < 1
+        with serve_in_thread(served, ServerConfig(port=0, chat_template=SCORE_TEMPLATE)) as srv:
+            r = httpx.post(f"{srv.url}/score", json={"text_1": query, "text_2": docs}).json()
+            want = _llm_over(engine).score(query, docs, use_tqdm=False, chat_template=SCORE_TEMPLATE)
+            np.testing.assert_allclose([d["score"] for d in r["data"]], [w.outputs.score for w in want], atol=1e-6)
+            assert [d["score"] for d in r["data"]] != scores
     finally:
         served.shutdown()

@@ -10,7 +10,8 @@ request. Probabilities are a softmax over the labels, or a sigmoid per label whe
 score), as sentence-transformers and vLLM apply them.
 
 A model with one label is a cross-encoder (a reranker): `/score` and `/rerank` give it each pair as
-one input, the tokenizer's pair encoding of (text_1, text_2), and its sigmoid is the pair's score.
+one input, the tokenizer's pair encoding of (text_1, text_2) or a score template's rendering of it
+(`cross_encoder_prompt`), and its sigmoid is the pair's score.
 
 A causal LM serves as a classifier through `--hf-overrides` (vLLM's keys): `architectures` naming a
 `*ForSequenceClassification` and `classifier_from_token` listing the tokens whose LM-head logits are
@@ -66,6 +67,17 @@ class ClassifierHead:
         return z.astype(np.float32).tolist()
 
 
+def cross_encoder_prompt(tokenizer: Any, query: str, document: str, template: str | None = None) -> list[int]:
+    """A cross-encoder's input for one pair: the tokenizer's pair encoding of the two texts, or, with a score
+    template (a chat template, as vLLM takes one with `--chat-template`), the template rendered over the
+    messages `{"role": "query"}` and `{"role": "document"}`, tokenized as it stands."""
+    if template is None:
+        return tokenizer.encode_pair(query, document)
+    pair = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+    text = tokenizer.apply_chat_template(pair, add_generation_prompt=False, chat_template=template)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def model_config(model_path: str | None, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """An HF model directory's config.json with `overrides` (`--hf-overrides`) applied; {} for a GGUF file."""
     path = os.path.join(model_path, "config.json") if model_path and os.path.isdir(model_path) else None
@@ -77,10 +89,12 @@ def model_config(model_path: str | None, overrides: Mapping[str, Any] | None = N
 
 def classification_architecture(config: Mapping[str, Any]) -> str | None:
     """The `*ForSequenceClassification` architecture an HF config names, or None."""
-    return next((a for a in config.get("architectures") or () if str(a).endswith("ForSequenceClassification")), None)
+    archs = config.get("architectures") or ()
+    return next((a for a in archs if str(a).endswith("ForSequenceClassification")), None)
 
 
-def read_classifier(model_path: str, config: Mapping[str, Any], hidden_size: int, tokenizer: Any) -> ClassifierHead:
+def read_classifier(model_path: str, config: Mapping[str, Any], hidden_size: int,
+                    tokenizer: Any) -> ClassifierHead:
     """The score head and labels of a `*ForSequenceClassification` model directory (`config`: its HF config,
     overrides applied): its `score` tensor, or the LM head's rows of `classifier_from_token`."""
     arch = classification_architecture(config)
