@@ -202,7 +202,7 @@ class EngineArgs:
                 raise ValueError("lora_modules needs enable_lora (--enable-lora)")
             return
         for what, bad in (("expert parallelism", self.expert_parallel_size > 1),
-                          ("a multi-host cluster", self.num_processes > 1), ("runner 'pooling'", self.is_pooling)):
+                          ("runner 'pooling'", self.is_pooling)):
             if bad:
                 raise ValueError(f"LoRA adapters (enable_lora) are not served with {what}")
 

@@ -20,6 +20,7 @@ import numpy as np
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -108,20 +109,25 @@ class LockstepEngine(LLMEngine):
         """Whether process 0 had requests to run at the latest step."""
         self._ops: list[dict[str, Any]] = []
         self._last_sent = time.monotonic()
+        if self.loras is not None and self.is_leader:  # adapters loaded or unloaded here, in order
+            self.loras.on_change = lambda name, path: self._ops.append({"lora_change": name, "path": path})
 
     # -- process 0 ---------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | str | None = None) -> None:
         """Queue a request on process 0 (followers receive it at the next step)."""
         if not self.is_leader:
             raise RuntimeError("only process 0 takes requests; followers replay its steps")
         # The arrival time orders the queue: every process must use process 0's.
         arrival_time = time.time() if arrival_time is None else arrival_time
         super().add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                            arrival_time=arrival_time)
+                            arrival_time=arrival_time, lora_request=lora_request)
+        lora = dataclasses.asdict(lora_request) if isinstance(lora_request, LoRARequest) else lora_request
         self._ops.append({"add": request_id, "prompt": prompt, "params": dataclasses.asdict(params),
-                          "priority": priority, "cache_salt": cache_salt, "arrival_time": arrival_time})
+                          "priority": priority, "cache_salt": cache_salt, "arrival_time": arrival_time,
+                          "lora_request": lora})
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request on process 0 (followers abort it at the next step)."""
@@ -182,9 +188,15 @@ class LockstepEngine(LLMEngine):
             if "abort" in op:
                 super().abort_request(op["abort"])
                 continue
+            if "lora_change" in op:  # an adapter process 0 loaded (from the same path here) or unloaded
+                name, path = op["lora_change"], op["path"]
+                self.loras.load(name, path) if path is not None else self.loras.unload(name)
+                continue
+            lora = op["lora_request"]
             try:
                 super().add_request(op["add"], op["prompt"], SamplingParams(**op["params"]), priority=op["priority"],
-                                    cache_salt=op["cache_salt"], arrival_time=op["arrival_time"])
+                                    cache_salt=op["cache_salt"], arrival_time=op["arrival_time"],
+                                    lora_request=LoRARequest(**lora) if isinstance(lora, dict) else lora)
             except ValueError:
                 # Process 0 accepted it, so this process has diverged; say so loudly.
                 logger.exception("request %s, accepted by process 0, was refused here", op["add"])

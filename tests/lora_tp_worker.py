@@ -10,14 +10,14 @@ import tempfile
 from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, RESULT_PREFIX, _tiny_loaded, dense_config
 
 
-def tiny_adapter(cfg, path: str, rank: int = 4) -> None:
+def tiny_adapter(cfg, path: str, rank: int = 4, seed: int = 1) -> None:
     """A PEFT LoRA adapter directory on all seven projections of `cfg`, random A and B."""
     import numpy as np
     from safetensors.numpy import save_file
 
     from jaxserve.models.lora import target_dims
 
-    rng, tensors = np.random.default_rng(1), {}
+    rng, tensors = np.random.default_rng(seed), {}
     for layer in range(cfg.num_layers):
         for module, (k, n) in target_dims(cfg).items():
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"

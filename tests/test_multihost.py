@@ -78,3 +78,32 @@ def test_lockstep_engine_across_processes_serves_single_device_tokens(cluster):
     # Only process 0 received the requests; both processes produced them, step for step.
     assert [r["tokens"] for r in cluster] == [ref, ref]
     assert all(r["engine_compiles_after_warmup"] == 0 for r in cluster)
+
+
+def test_lora_adapters_across_processes_serve_single_device_tokens(cluster, tmp_path):
+    """LoRA on the lock-step cluster: an adapter known at start-up, one process 0 loads when a request names
+    it (the other process loads it at the same step), one slot handed from a to b, as on one device."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from tests.lora_tp_worker import tiny_adapter
+    from tests.test_multihost_worker import lora_requests
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _generate, _tiny_loaded
+
+    cfg = dense_config()
+    tiny_adapter(cfg, str(tmp_path / "a"), seed=1)
+    engine = LLMEngine(EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 1}, enable_lora=True, max_loras=1,
+                                  max_lora_rank=8, lora_modules=(("a", str(tmp_path / "a")),)),
+                       loaded=_tiny_loaded(cfg), progress=False)
+    for name, lora in lora_requests(cluster[0]["lora_b_path"]):
+        engine.add_request(name, PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           lora_request=lora)
+    ref = {}
+    while engine.has_unfinished_requests():
+        ref.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    assert [r["lora_tokens"] for r in cluster] == [ref, ref]
+    assert len({tuple(t) for t in ref.values()}) == 3  # each adapter, and the base model, writes its own
+    assert [r["lora_slots"] for r in cluster] == [["b"], ["b"]] and [r["lora_known"] for r in cluster] == [["a", "b"]] * 2
+    assert all(r["lora_compiles_after_warmup"] == 0 for r in cluster)
+    assert ref["base"] == _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=_tiny_loaded(cfg), progress=False),
+                                    [PROMPTS[1]], max_tokens=8)[0]

@@ -59,6 +59,7 @@ def main(process_id: int, port: int) -> None:
         "big_broadcast": [big["from"], len(big["blob"]), big["blob"][:4]],
     }
     found.update(serve(process_id))
+    found.update(serve_lora(process_id, port))
     found["total_s"] = time.perf_counter() - t0
     print(RESULT_PREFIX + json.dumps(found), flush=True)
     jax.distributed.shutdown()
@@ -80,6 +81,44 @@ def serve(process_id: int) -> dict:
     finished = engine.run_until_idle()
     return {"tokens": [finished[str(i)].outputs[0].token_ids for i in range(2)] if finished else [],
             "engine_compiles_after_warmup": engine.stats().compilations_after_warmup}
+
+
+def lora_requests(adapter_b: str) -> list[tuple[str, object]]:
+    """The LoRA case's requests: adapter "a" (loaded at start-up), the base model, and adapter "b" loaded on
+    first use (one adapter slot, so b waits for a's request and takes its slot)."""
+    from jaxserve.lora_request import LoRARequest
+
+    return [("a", "a"), ("base", None), ("b", LoRARequest("b", 2, adapter_b))]
+
+
+def serve_lora(process_id: int, port: int) -> dict:
+    """The lock-step TP=2 engine with LoRA adapters: one known at start-up (each process reads its own copy),
+    one loaded when a request names it on process 0 (the others load it from the same path)."""
+    import tempfile
+
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from sharding.distributed import LockstepEngine
+    from tests.lora_tp_worker import tiny_adapter
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, dense_config
+
+    cfg = dense_config()
+    own = f"{tempfile.mkdtemp()}/a"
+    tiny_adapter(cfg, own, seed=1)
+    shared = f"{tempfile.gettempdir()}/jaxserve-multihost-lora-{port}/b"
+    if process_id == 0:  # written before process 0 takes the request that names it
+        tiny_adapter(cfg, shared, seed=2)
+    args = EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 1}, tensor_parallel_size=2, strict_compile=True,
+                      enable_lora=True, max_loras=1, max_lora_rank=8, lora_modules=(("a", own),))
+    engine = LockstepEngine(args, loaded=_tiny_loaded(cfg), progress=False)
+    if process_id == 0:
+        for name, lora in lora_requests(shared):
+            engine.add_request(name, PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                               lora_request=lora)
+    finished = engine.run_until_idle()
+    return {"lora_tokens": {k: v.outputs[0].token_ids for k, v in finished.items()} if finished else {},
+            "lora_slots": list(engine.loras.slots), "lora_known": sorted(engine.loras.paths),
+            "lora_compiles_after_warmup": engine.stats().compilations_after_warmup, "lora_b_path": shared}
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
         raise LoRAError("LoRA adapters are served on dense models (this one has experts)")
     params = loaded.params
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
-    if loaded.plan is not None:
-        lora = jax.device_put(lora, loaded.plan.replicated())
+    if loaded.plan is not None:  # each device (of every process) gets its own copy
+        sh = loaded.plan.replicated()
+        lora = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sh, lambda i, h=np.asarray(x): h[i]), lora)
     params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
     return dataclasses.replace(loaded, params=params)
 
@@ -142,6 +143,9 @@ class LoraManager:
         self._weights: dict[str, dict[str, np.ndarray]] = {}
         self._last_use: dict[str, int] = {}
         self._uses = 0
+        self.on_change: Any = None
+        """Called as `on_change(name, path)` after an adapter is loaded, `(name, None)` after one is unloaded
+        (a multi-host cluster's process 0 sends the change to the other processes)."""
         for name, path in modules:
             self.load(name, path)
 
@@ -156,6 +160,8 @@ class LoraManager:
         logger.info("LoRA adapter %r from %s", name, path)
         if None in self.slots:
             self._place(name, self.slots.index(None))
+        if self.on_change is not None:
+            self.on_change(name, path)
 
     def _place(self, name: str, slot: int) -> None:
         e = self.engine
@@ -205,6 +211,8 @@ class LoraManager:
         for registry in (self.paths, self._weights, self._last_use):
             registry.pop(name, None)
         logger.info("LoRA adapter %r unloaded", name)
+        if self.on_change is not None:
+            self.on_change(name, None)
 
     def request_fields(self, lora: LoRARequest | str | None, cache_salt: str | None) -> dict[str, Any]:
         """A request's `Request` fields for its adapter (loaded first if a path is given): its name and its
