@@ -112,6 +112,7 @@ class EngineArgs:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (None: max_loras)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -197,6 +198,9 @@ class EngineArgs:
         for name in ("max_loras", "max_lora_rank"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
         if not self.enable_lora:
             if modules:
                 raise ValueError("lora_modules needs enable_lora (--enable-lora)")
@@ -305,6 +309,9 @@ class EngineArgs:
         g.add_argument("--max-loras", type=int, default=d.max_loras,
                        help="LoRA adapter slots: adapters in one batch (any number may be known)")
         g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="largest LoRA rank served")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters whose weights stay in host memory (default: --max-loras); others are "
+                            "read from their paths again when they take a slot")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
         g.add_argument("--strict-compile", action="store_true",
                        help="raise if anything compiles after warmup")

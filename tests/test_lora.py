@@ -163,6 +163,9 @@ def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
     assert engine.loras.slots == ["all4"] and took.outputs[0].token_ids == want.outputs[0].token_ids
     back = run(engine, {"b": (ids, p, "mlp2")})["b"]
     assert engine.loras.slots == ["mlp2"] and back.outputs[0].token_ids == ref
+    # max_cpu_loras (default max_loras, 1): only the adapter last used keeps host weights; mlp2 came back
+    # into its slot read from its path again, with the same tokens.
+    assert list(engine.loras._weights) == ["mlp2"] and set(engine.loras.paths) == {"mlp2", "all4"}
     again = run(engine, {"s2": (big, p, "all4")})["s2"]  # its cached pages are its own still: a hit
     assert again.metrics.num_cached_tokens == 32 and again.outputs[0].token_ids == took.outputs[0].token_ids
     # One slot, requests of two adapters and the base model at once: mlp2's waits until all4's have ended,
@@ -219,15 +222,18 @@ def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
         plain.add_request("t", ids, p, lora_request="all4")
     for args, match in ((dict(lora_modules=("a=/x",)), "needs enable_lora"),
                         (dict(enable_lora=True, lora_modules=("a",)), "must be name=path"),
+                        (dict(enable_lora=True, max_loras=2, max_cpu_loras=1), "max_cpu_loras must be an integer >= max_loras"),
                         (dict(enable_lora=True, expert_parallel_size=2), "not served with expert parallelism")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(**args)
     import argparse
 
     ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
-        ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "32"])
+        ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "32",
+         "--max-cpu-loras", "8"])
     args = EngineArgs.from_cli_args(ns)
     assert args.lora_modules == (("a", "/x"), ("b", "/y")) and (args.max_loras, args.max_lora_rank) == (2, 32)
+    assert args.max_cpu_loras == 8
 
 
 def test_adapters_are_models_over_http(tiny, engine):

@@ -122,8 +122,8 @@ class LLMEngine:
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
         self.model = dataclasses.replace(self.model, params=self.runner.params)
-        self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules) if args.enable_lora
-                      else None)
+        self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules, args.max_cpu_loras)
+                      if args.enable_lora else None)
         self.warmup_seconds = 0.0
         if args.warmup:
             self.warmup_seconds = self.runner.warmup(progress=progress)

@@ -17,6 +17,7 @@ the LM head, experts).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -134,13 +135,17 @@ class LoraManager:
     admitted request's adapter holds no slot, it takes a free one, or the least recently used slot whose
     adapter no running request uses."""
 
-    def __init__(self, engine: Any, max_loras: int, max_rank: int, modules: tuple[tuple[str, str], ...] = ()):
+    def __init__(self, engine: Any, max_loras: int, max_rank: int, modules: tuple[tuple[str, str], ...] = (),
+                 max_cpu_loras: int | None = None):
         self.engine = engine
         self.max_rank = max_rank
         self.slots: list[str | None] = [None] * max_loras
         self.paths: dict[str, str] = {}
         """Every known adapter, name to path (served as models)."""
-        self._weights: dict[str, dict[str, np.ndarray]] = {}
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        # Host copies of the most recently used adapters' weights (at most max_cpu_loras, vLLM's
+        # `--max-cpu-loras`); another known adapter is read from its path again when it takes a slot.
+        self._weights: collections.OrderedDict[str, dict[str, np.ndarray]] = collections.OrderedDict()
         self._last_use: dict[str, int] = {}
         self._uses = 0
         self.on_change: Any = None
@@ -153,9 +158,7 @@ class LoraManager:
         """Read the adapter at `path` under `name` (into a slot, while one is free)."""
         if name in self.paths:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.paths[name]!r})")
-        e, plan = self.engine, self.engine.model.plan
-        self._weights[name] = read_adapter(path, plan.source_cfg if plan else e.model.config, self.max_rank,
-                                           np.dtype(e.model.dtype), plan.kv_repeat if plan else 1)
+        self._keep(name, self._read(path))
         self.paths[name] = path
         logger.info("LoRA adapter %r from %s", name, path)
         if None in self.slots:
@@ -163,9 +166,28 @@ class LoraManager:
         if self.on_change is not None:
             self.on_change(name, path)
 
+    def _read(self, path: str) -> dict[str, np.ndarray]:
+        e, plan = self.engine, self.engine.model.plan
+        return read_adapter(path, plan.source_cfg if plan else e.model.config, self.max_rank,
+                            np.dtype(e.model.dtype), plan.kv_repeat if plan else 1)
+
+    def _keep(self, name: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Hold `name`'s host weights as the most recently used, dropping the least recent beyond the limit."""
+        self._weights[name] = weights
+        self._weights.move_to_end(name)
+        while len(self._weights) > self.max_cpu_loras:
+            self._weights.popitem(last=False)
+        return weights
+
+    def _host_weights(self, name: str) -> dict[str, np.ndarray]:
+        weights = self._weights.get(name)
+        if weights is None:
+            logger.info("LoRA adapter %r read again from %s", name, self.paths[name])
+        return self._keep(name, weights if weights is not None else self._read(self.paths[name]))
+
     def _place(self, name: str, slot: int) -> None:
         e = self.engine
-        e.runner.params = _set_slot(e.runner.params, slot, self._weights[name])
+        e.runner.params = _set_slot(e.runner.params, slot, self._host_weights(name))
         e.model = dataclasses.replace(e.model, params=e.runner.params)
         self.slots[slot] = name
 
