@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -120,16 +119,8 @@ class EngineArgs:
         if self.pooler_config is not None and not isinstance(self.pooler_config, PoolerConfig):
             object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         if self.hf_overrides is not None:
-            value = self.hf_overrides
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as e:
-                    raise ValueError(f"hf_overrides is not JSON: {e}") from e
-            if not isinstance(value, Mapping):
-                raise ValueError('hf_overrides must be a JSON object of config.json keys, e.g. {"architectures": '
-                                 '["Qwen3ForSequenceClassification"]}')
-            object.__setattr__(self, "hf_overrides", dict(value))
+            object.__setattr__(self, "hf_overrides", dict(json_object(
+                self.hf_overrides, "hf_overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}')))
         self._check_runner()
         self._check_lora()
         def positive(name: str) -> None:
