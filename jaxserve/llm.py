@@ -107,14 +107,9 @@ class LLM:
     def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_params: Any, task: str, use_tqdm: bool,
               truncate_prompt_tokens: int | None) -> list[Any]:
         prompts = self._prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
-        params = list(pooling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
         params = [dataclasses.replace(p, task=task, **({} if truncate_prompt_tokens is None else
                                                        {"truncate_prompt_tokens": truncate_prompt_tokens}))
-                  for p in params]
+                  for p in self._params_list(pooling_params, len(prompts), PoolingParams)]
         return self._run(self._add_all(prompts, params), use_tqdm)
 
     def score(
@@ -176,14 +171,14 @@ class LLM:
         return ids
 
     @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
+    def _params_list(given: Any, n: int, kind: type = SamplingParams) -> list[Any]:
+        """One `kind` (sampling or pooling params) per prompt: the default, one for all, or one each."""
+        if given is None or isinstance(given, kind):
+            return [given or kind()] * n
+        params = list(given)
         if len(params) != n:
-            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+            kind_name = "sampling" if kind is SamplingParams else "pooling"
+            raise ValueError(f"got {len(params)} {kind_name} params for {n} prompts")
         return params
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:

@@ -219,6 +219,7 @@ class ResponsesFormatter:
         }
         if gen is not None:
             prompt, completion, cached = gen.usage_counts()
+            # Reasoning tokens: the reasoning text tokenized again (the parser splits text, not tokens).
             thought = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
             # Written to the prefix cache: the prompt's whole pages it did not read from there.
             written = max(0, prompt // self.page_size * self.page_size - cached) if self.page_size else 0

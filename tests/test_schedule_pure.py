@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.engine.page_pool import pages_needed
-from jaxserve.engine.schedule import PageAction, RequestView, SchedulerConfig, SchedulerState, schedule
+from jaxserve.engine.schedule import PageAction, RequestView, SchedulerState, schedule
+from jaxserve.engine.scheduler_config import SchedulerConfig
 
 
 def config(**kw):

@@ -121,7 +121,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()
-        lora = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sh, lambda i, h=np.asarray(x): h[i]), lora)
+        lora = jax.tree.map(
+            lambda x: jax.make_array_from_callback(x.shape, sh, lambda i, h=np.asarray(x): h[i]), lora)
     params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
     return dataclasses.replace(loaded, params=params)
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from jaxserve.engine.page_pool import PagePool
 from jaxserve.engine.radix_cache import RadixCache, RadixNode
 from jaxserve.engine.request import Request
-from jaxserve.engine.schedule import RequestView, SchedulerConfig, SchedulerState
+from jaxserve.engine.schedule import RequestView, SchedulerState
+from jaxserve.engine.scheduler_config import SchedulerConfig
 
 
 def cache_path(node: RadixNode | None) -> list[RadixNode]:

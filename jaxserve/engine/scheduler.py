@@ -8,8 +8,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from jaxserve.engine.page_pool import IntegrityError, PagePool, pages_needed
 from jaxserve.engine.radix_cache import MatchResult, RadixCache
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.schedule import PageAction, Planner, SchedulerConfig
+from jaxserve.engine.schedule import PageAction, Planner
 from jaxserve.engine.schedule_snapshot import locked_pages, snapshot
+from jaxserve.engine.scheduler_config import SchedulerConfig
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
@@ -255,10 +256,8 @@ class Scheduler:
                 self._admit(request, lookups.get(action.request_id), action.num_pages)
 
     def _admit(self, request: Request, match: MatchResult | None, num_new_pages: int) -> None:
-        """Move a waiting request to running, on its cached prefix plus new pages: the head of the queue, or a
-        base-model request behind ones passed over for their LoRA adapter."""
+        """Move a waiting request (the head, or a base-model request behind adapter requests passed over) to running."""
         i = self.waiting.index(request)
-        # Only requests passed over for their LoRA adapter may be left ahead of it, by a base-model request.
         if i and (request.lora_name is not None or any(r.lora_name is None for r in self.waiting[:i])):
             raise IntegrityError(f"admitting {request.request_id!r} out of policy order")
         cached_pages: list[int] = []
@@ -372,9 +371,8 @@ class Scheduler:
             raise IntegrityError("waiting + running differ from the unfinished requests")
         if len(self.running) > self.config.max_num_seqs:
             raise IntegrityError(f"{len(self.running)} running > max_num_seqs")
-        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
-        if self.config.max_loras is not None and len(adapters) > self.config.max_loras:
-            raise IntegrityError(f"{len(adapters)} LoRA adapters running > max_loras")
+        if self.config.max_loras is not None and len({r.lora_name for r in self.running} - {None}) > self.config.max_loras:
+            raise IntegrityError("more LoRA adapters running than max_loras")
         keys = [self._order_key(r) for r in self.waiting]
         if keys != sorted(keys):
             raise IntegrityError("waiting queue out of policy order")
