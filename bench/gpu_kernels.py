@@ -15,7 +15,6 @@ import functools
 import statistics
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +25,10 @@ from pallas_kernels import (
     paged_decode_attention_mosaic,
     ragged_paged_attention,
     ragged_paged_attention_reference,
+    triton_available,
     write_kv,
     write_kv_reference,
+    write_kv_triton,
 )
 
 PAGE_SIZE = 16
@@ -246,17 +247,20 @@ def main() -> int:
             del sets
 
     print("\n== KV write (256 tokens, llama3-8b heads): bytes = 2 x new K/V rows read and written")
-    try:
-        heads = MODELS[1]
-        num_pages = 4096
-        shape = (num_pages, PAGE_SIZE, heads.kv, heads.dim)
-        new = jnp.ones((256, heads.kv, heads.dim), DTYPE)
-        slots = jnp.asarray(
-            rng.choice(np.arange(PAGE_SIZE, num_pages * PAGE_SIZE), 256, replace=False), jnp.int32
-        )
-        nbytes = 2 * 2 * new.nbytes
-        # Both donate the pages, so each call updates the pool in place instead of copying it.
-        for name, fn in (("pallas", write_kv), ("xla", jax.jit(write_kv_reference, donate_argnums=(0, 1)))):
+    heads = MODELS[1]
+    num_pages = 4096
+    shape = (num_pages, PAGE_SIZE, heads.kv, heads.dim)
+    new = jnp.ones((256, heads.kv, heads.dim), DTYPE)
+    slots = jnp.asarray(rng.choice(np.arange(PAGE_SIZE, num_pages * PAGE_SIZE), 256, replace=False), jnp.int32)
+    nbytes = 2 * 2 * new.nbytes
+    # All donate the pages, so each call updates the pool in place instead of copying it.
+    writers = [("pallas", write_kv), ("xla", jax.jit(write_kv_reference, donate_argnums=(0, 1)))]
+    if triton_available():
+        writers.append(("triton", write_kv_triton))
+    else:
+        print("write_kv triton: skip (jax_triton does not import)")
+    for name, fn in writers:
+        try:
             state = [jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE)]
             state = list(fn(state[0], state[1], new, new, slots))  # compile
             samples = []
@@ -268,8 +272,8 @@ def main() -> int:
                 samples.append((time.perf_counter() - t0) / 20)
             sec = statistics.median(samples)
             print(f"write_kv {name}: {sec * 1e6:.1f} us, {nbytes / sec / 1e9:.1f} GB/s", flush=True)
-    except Exception:
-        traceback.print_exc()
+        except Exception as e:  # one failing writer must not hide the others
+            print(f"write_kv {name}: FAIL {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 

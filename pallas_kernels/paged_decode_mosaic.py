@@ -20,13 +20,13 @@ register operand), compiled for sm_90 without a GPU (tests/gpu_compile), and com
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+GRID_NAMES = ("seq", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
 SMEM_BYTES = 232448  # opt-in shared memory per block on H100/H200
 
@@ -36,32 +36,6 @@ def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu
-
-
-def _decode_kernel(*gmem, scratch: tuple, grid: tuple[int, int, int], interpret: bool, **params):
-    """Runs the program of this grid point with its SMEM buffers and barriers allocated in the body.
-
-    Mosaic GPU's CPU interpreter runs only the first program of a grid, so under it one program walks the
-    whole grid in order.
-    """
-
-    def program(seq, kv_head, split):
-        pl.run_scoped(
-            lambda *smem: _decode_body(*gmem, *smem, seq=seq, kv_head=kv_head, split=split,
-                                       interpret=interpret, **params),
-            *scratch,
-        )
-
-    if not interpret:
-        program(pl.program_id(0), pl.program_id(1), pl.program_id(2))
-        return
-    _, heads, splits = grid
-
-    def one(i, carry):
-        program(i // (heads * splits), (i // splits) % heads, i % splits)
-        return carry
-
-    lax.fori_loop(0, math.prod(grid), one, 0)
 
 
 def _decode_body(
@@ -76,12 +50,10 @@ def _decode_body(
     sm_scale: float,
     num_splits: int,
     interpret: bool,
-    seq: jax.Array,
-    kv_head: jax.Array,
-    split: jax.Array,
 ):
     """One (sequence, KV head, split): online softmax over the split's KV blocks, tensor-core dots."""
     plgpu = _plgpu()
+    seq, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
     # Register layouts are hints for the GPU lowering; the interpreter has no rule for them.
     if interpret:
         def layout_cast(x, layout):
@@ -149,7 +121,7 @@ def _decode_body(
                                 preferred_element_type=jnp.float32)
         else:
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
@@ -281,18 +253,14 @@ def paged_decode_attention_mosaic(
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [S, KVH, ROWS, D]
     tile = () if interpret else _swizzled(q.dtype, head_dim)
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block
-    # table, and plain refs keep the kernel runnable in Mosaic GPU's CPU interpreter.
+    # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block table.
     scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile)]
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, ROWS, head_dim), q.dtype)
-        out_specs = gmem
         scratch.append(plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile))
     else:
         rows = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS), jnp.float32)
         out_shape = (jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS, head_dim), jnp.float32), rows, rows)
-        out_specs = (gmem, gmem, gmem)
         scratch += [
             plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else _swizzled(jnp.float32, head_dim)),
             plgpu.SMEM((ROWS,), jnp.float32),
@@ -301,25 +269,26 @@ def paged_decode_attention_mosaic(
     scratch += [
         plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=tile),
         plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=tile),
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # explicit: the default shape differs across JAX versions
         # One arrival per page copy: the block is ready when all of its pages have landed.
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
     ]
-    grid = (num_seqs, num_kv_heads, splits)
-    kernel = functools.partial(
-        _decode_kernel, scratch=tuple(scratch), grid=grid, page_size=page_size, block_kv=block_kv,
-        sm_scale=float(sm_scale), num_splits=splits, interpret=interpret,
+    body = functools.partial(
+        _decode_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
+        interpret=interpret,
     )
-    result = pl.pallas_call(
-        kernel,
-        grid=(1, 1, 1) if interpret else grid,
-        in_specs=[gmem] * 5,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(dimension_semantics=["parallel"] * 3),
-        interpret=_interpret_params() if interpret else False,
-        name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}",
+    # A Mosaic GPU kernel over a (sequence, KV head, split) grid of one-warpgroup programs; its scratch is
+    # allocated per program. `plgpu.kernel` is the entry point both JAX 0.10 and 0.11 lower for the GPU
+    # (0.11 no longer lowers a `pallas_call` with Mosaic GPU compiler params) and run in the CPU interpreter.
+    result = plgpu.kernel(
+        body,
+        out_type=out_shape,
+        scratch_types=scratch,
+        grid=(num_seqs, num_kv_heads, splits),
+        grid_names=GRID_NAMES,
+        interpret=_interpret_params() if interpret else None,
+        kernel_name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}",
     )(seq_lens, block_tables, qg, k_pages, v_pages)
 
     if splits == 1:

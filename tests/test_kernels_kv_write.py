@@ -7,7 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import attention_backend, triton_available, write_kv, write_kv_reference
+from pallas_kernels import attention_backend, triton_available, write_kv, write_kv_reference, write_kv_triton
+
+
+def _writer(name):
+    """The KV write under test: the reference, the Pallas kernel (interpreted on the CPU), or the Triton kernel
+    through jax_triton (a GPU with jax_triton only)."""
+    if name == "reference":
+        return write_kv_reference
+    if name == "pallas":
+        return lambda *a: write_kv(*a, interpret=jax.default_backend() == "cpu")
+    if jax.default_backend() != "gpu" or not triton_available():
+        pytest.skip("the Triton KV write needs a GPU and jax_triton")
+    return write_kv_triton
 
 
 def _case(rng, num_pages, page_size, kv_heads, head_dim, num_tokens, num_pad, dtype):
@@ -27,6 +39,7 @@ def _case(rng, num_pages, page_size, kv_heads, head_dim, num_tokens, num_pad, dt
     return (*arrays, jnp.asarray(slots)), (want_k, want_v)
 
 
+@pytest.mark.parametrize("writer", ["reference", "pallas", "triton"])
 @pytest.mark.parametrize(
     "page_size,kv_heads,head_dim,num_tokens,num_pad,dtype",
     [
@@ -34,21 +47,19 @@ def _case(rng, num_pages, page_size, kv_heads, head_dim, num_tokens, num_pad, dt
         (32, 2, 128, 40, 0, jnp.bfloat16),
     ],
 )
-def test_write_kv(page_size, kv_heads, head_dim, num_tokens, num_pad, dtype):
+def test_write_kv(writer, page_size, kv_heads, head_dim, num_tokens, num_pad, dtype):
+    fn = _writer(writer)
     rng = np.random.default_rng(page_size + num_tokens)
     args, (want_k, want_v) = _case(rng, 9, page_size, kv_heads, head_dim, num_tokens, num_pad, dtype)
-    for fn in (write_kv_reference, lambda *a: write_kv(*a, interpret=jax.default_backend() == "cpu")):
-        # Fresh copies: the Pallas wrapper donates the pages.
-        k, v = fn(jnp.array(args[0]), jnp.array(args[1]), *args[2:])
-        # Every non-scratch row is checked: written rows hold the new values, the rest are untouched.
-        np.testing.assert_array_equal(
-            np.asarray(k.astype(jnp.float32))[1:],
-            np.asarray(jnp.asarray(want_k, dtype).astype(jnp.float32))[1:],
-        )
-        np.testing.assert_array_equal(
-            np.asarray(v.astype(jnp.float32))[1:],
-            np.asarray(jnp.asarray(want_v, dtype).astype(jnp.float32))[1:],
-        )
+    # Fresh copies: the kernels' wrappers donate the pages.
+    k, v = fn(jnp.array(args[0]), jnp.array(args[1]), *args[2:])
+    # Every non-scratch row is checked: written rows hold the new values, the rest are untouched.
+    np.testing.assert_array_equal(
+        np.asarray(k.astype(jnp.float32))[1:], np.asarray(jnp.asarray(want_k, dtype).astype(jnp.float32))[1:]
+    )
+    np.testing.assert_array_equal(
+        np.asarray(v.astype(jnp.float32))[1:], np.asarray(jnp.asarray(want_v, dtype).astype(jnp.float32))[1:]
+    )
 
 
 def test_write_kv_validation():

