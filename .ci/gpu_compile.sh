@@ -23,8 +23,8 @@ BASE_PY=${GPU_COMPILE_PYTHON:-$("$MAIN_PY" -c 'import sys; print(sys._base_execu
 if [ ! -x "$VENV/bin/python" ]; then
   "$BASE_PY" -m venv "$VENV"
 fi
-# jax[cudaNN] pinned to the main venv's version so the same kernels are compiled; jax-triton is resolved
-# against that pin in the same command so it cannot drag jax to another version.
+# jax[cudaNN] pinned to the main venv's version (or GPU_COMPILE_JAX) so the same kernels are compiled; jax-triton
+# is resolved against that pin in the same command so it cannot drag jax to another version.
 "$VENV/bin/pip" install -q --disable-pip-version-check \
   "jax[cuda${CUDA}]==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" jax-triton pytest ${GPU_COMPILE_EXTRA:-}
 "$VENV/bin/pip" install -q --disable-pip-version-check -e . --no-deps
