@@ -1,8 +1,8 @@
 """Time the L7 kernels on one GPU against the XLA reference and cuDNN attention, as achieved bytes/s.
 
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
-the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence; decode over float8 pages at 8k. Both for SmolLM2 heads
-(9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
+the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence; decode over float8 pages at 8k (both
+lowerings). Both for SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth measured in the same run. Usage: `python bench/gpu_kernels.py [--budget-s N]`.
 """
@@ -241,7 +241,8 @@ def main() -> int:
                 continue
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes,
                                               kv_dtype=jnp.float8_e4m3fn)
-            fns = [("pallas", pallas), ("xla", None if nbytes * 6 > REF_LIMIT_BYTES else xla)]
+            fns = [("pallas", pallas), ("mosaic", mosaic), ("mosaic_bkv128", mosaic128),
+                   ("xla", None if nbytes * 6 > REF_LIMIT_BYTES else xla)]
             run_row(f"fp8 decode b={batch:3d} ctx={ctx:5d}", [(n, f) for n, f in fns if f is not None], sets,
                     nbytes, flops, None, copy_bw)
             del sets

@@ -6,6 +6,11 @@ arrives `block_kv` tokens at a time by TMA, one copy per page (each page a `[pag
 box of the pool), double-buffered so the next block's pages are in flight while this one is multiplied.
 QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32.
 
+Float8 pages (e4m3 or e5m2) with bfloat16 or float16 queries move half the bytes: each block lands in SMEM as
+float8 and is upcast through registers, 64 rows at a time, into a q-dtype tile the tensor cores read (Hopper's
+float8 WGMMA takes no MN-major B operand, which V is, and no mixed operand types). The per-layer KV scales
+stay outside the kernel, as for the generic kernel: q carries k_scale and the output v_scale.
+
 Rows past a sequence's length are masked to zero probability. Table entries past the sequence's last page
 are never read (the block re-reads the last real page instead); the rows of that last page past the length
 still enter the PV product as `0 * v`, so they must be finite, as they are in the engine, whose pools start
@@ -25,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 GRID_NAMES = ("seq", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
@@ -64,10 +71,14 @@ def _decode_body(
     else:
         layout_cast, iota = plgpu.layout_cast, plgpu.broadcasted_iota
 
+    # Outputs, then scratch: q and output tiles, [split partials], K/V blocks, [upcast K/V tiles], barriers.
+    n_out = 1 if num_splits == 1 else 3
+    outs, (q_smem, o_smem), rest = refs[:n_out], refs[n_out:n_out + 2], refs[n_out + 2:]
+    q_bar, k_bar, v_bar = rest[-3:]
     if num_splits == 1:
-        (o_ref, q_smem, o_smem, k_smem, v_smem, q_bar, k_bar, v_bar) = refs
+        (o_ref,), (k_smem, v_smem, *upcast) = outs, rest[:-3]
     else:
-        (o_ref, m_ref, l_ref, q_smem, o_smem, m_smem, l_smem, k_smem, v_smem, q_bar, k_bar, v_bar) = refs
+        (o_ref, m_ref, l_ref), (m_smem, l_smem, k_smem, v_smem, *upcast) = outs, rest[:-3]
     num_pages = k_pages_ref.shape[0]
     pages_per_seq = block_tables_ref.shape[1]
     pages_per_block = block_kv // page_size
@@ -113,15 +124,16 @@ def _decode_body(
             issue(j + 1, 1 - slot)  # the other buffer was consumed by block j - 1's dots, already awaited
 
         plgpu.barrier_wait(k_bar.at[slot])
+        k_op = _upcast(k_smem.at[slot], upcast[0], plgpu) if upcast else k_smem.at[slot]
 
         # The interpreter's WGMMA takes neither a transposed SMEM operand nor a register one: under it, the
         # same products are plain dots.
         if interpret:
-            s = lax.dot_general(q_smem[...], k_smem[slot], (((1,), (1,)), ((), ())),
+            s = lax.dot_general(q_smem[...], k_op[...], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         else:
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_op.transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
@@ -137,12 +149,13 @@ def _decode_body(
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
         plgpu.barrier_wait(v_bar.at[slot])
+        v_op = _upcast(v_smem.at[slot], upcast[1], plgpu) if upcast else v_smem.at[slot]
 
         if interpret:  # nor a register operand
-            pv = jnp.dot(p.astype(v_smem.dtype), v_smem[slot], preferred_element_type=jnp.float32)
+            pv = jnp.dot(p.astype(q_smem.dtype), v_op[...], preferred_element_type=jnp.float32)
         else:
             def pv_scope(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p.astype(q_smem.dtype), v_op)
                 return acc_ref[...]
 
             pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
@@ -170,10 +183,25 @@ def _decode_body(
     plgpu.wait_smem_to_gmem(0)
 
 
-def mosaic_decode_supported(dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64) -> str | None:
-    """None when the kernel takes these shapes, else the reason it does not."""
+def _upcast(src, dst, plgpu):
+    """`dst` (a q-dtype SMEM tile) holding the float8 block `src`, 64 rows at a time through registers."""
+    for r in range(0, src.shape[0], ROWS):
+        rows = pl.ds(r, ROWS)
+        # float8 converts to 16-bit floats in hardware; float32 is the path both bfloat16 and float16 accept.
+        dst[rows] = src[rows].astype(jnp.float32).astype(dst.dtype)
+    plgpu.commit_smem()  # the stores, visible to the tensor cores' (async proxy) reads
+    return dst
+
+
+def mosaic_decode_supported(
+    dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64, kv_dtype=None
+) -> str | None:
+    """None when the kernel takes these shapes, else the reason it does not. `kv_dtype`: the pages' (q's)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the Mosaic GPU decode kernel takes bfloat16 or float16, got {jnp.dtype(dtype).name}"
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    if kv_dtype != jnp.dtype(dtype) and kv_dtype not in FP8_KV_DTYPES:
+        return f"the Mosaic GPU decode kernel takes pages of q's dtype or float8, got {kv_dtype.name}"
     if group > ROWS:
         return f"a head group of {group} query heads exceeds the {ROWS} rows of a WGMMA tile"
     if head_dim % 64:
@@ -182,15 +210,19 @@ def mosaic_decode_supported(dtype, head_dim: int, page_size: int, group: int, bl
         return f"the Mosaic GPU decode kernel needs page_size a multiple of 8, got {page_size}"
     if block_kv % page_size or block_kv % 64 or block_kv > 256:
         return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
-    smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv)
+    smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize)
     if smem > SMEM_BYTES:
         return f"block_kv {block_kv} x head_dim {head_dim} needs {smem} bytes of shared memory, over {SMEM_BYTES}"
     return None
 
 
-def smem_bytes(itemsize: int, head_dim: int, block_kv: int) -> int:
-    """Shared memory of one program: double-buffered K and V blocks, q and output tiles, split partials."""
-    kv = 2 * 2 * block_kv * head_dim * itemsize
+def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None) -> int:
+    """Shared memory of one program: double-buffered K and V blocks (and their upcast tiles when the pages
+    are narrower than q), q and output tiles, split partials."""
+    kv_itemsize = kv_itemsize or itemsize
+    kv = 2 * 2 * block_kv * head_dim * kv_itemsize
+    if kv_itemsize != itemsize:
+        kv += 2 * block_kv * head_dim * itemsize
     tiles = 2 * ROWS * head_dim * itemsize + ROWS * head_dim * 4 + 2 * ROWS * 4
     return kv + tiles + 1024  # barriers and alignment
 
@@ -243,9 +275,9 @@ def paged_decode_attention_mosaic(
         raise ValueError(f"block_tables {block_tables.shape} and seq_lens {seq_lens.shape} must have {num_seqs} rows")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if k_pages.dtype != q.dtype:
-        raise TypeError(f"k_pages dtype {k_pages.dtype} differs from q dtype {q.dtype}")
-    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv)
+    if v_pages.dtype != k_pages.dtype:
+        raise TypeError(f"v_pages dtype {v_pages.dtype} differs from k_pages dtype {k_pages.dtype}")
+    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv, kv_dtype=k_pages.dtype)
     if reason is not None:
         raise ValueError(reason)
     splits = num_splits or _default_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size, block_kv)
@@ -253,6 +285,7 @@ def paged_decode_attention_mosaic(
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [S, KVH, ROWS, D]
     tile = () if interpret else _swizzled(q.dtype, head_dim)
+    kv_tile = () if interpret else _swizzled(k_pages.dtype, head_dim)
     # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block table.
     scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile)]
     if splits == 1:
@@ -267,8 +300,12 @@ def paged_decode_attention_mosaic(
             plgpu.SMEM((ROWS,), jnp.float32),
         ]
     scratch += [
-        plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=tile),
-        plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=tile),
+        plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=kv_tile),
+        plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=kv_tile),
+    ]
+    if k_pages.dtype != q.dtype:  # the upcast K and V tiles the tensor cores read
+        scratch += [plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tile)] * 2
+    scratch += [
         plgpu.Barrier(num_arrivals=1, num_barriers=1),  # explicit: the default shape differs across JAX versions
         # One arrival per page copy: the block is ready when all of its pages have landed.
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),

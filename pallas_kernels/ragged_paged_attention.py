@@ -250,7 +250,7 @@ def ragged_paged_attention(
     if tuning.decode_lowering == "mosaic" and soft_cap is None and sliding_window is None:
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
 
-        if k_pages.dtype == q.dtype and mosaic_decode_supported(q.dtype, head_dim, page_size, group) is None:
+        if mosaic_decode_supported(q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None:
             return _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                      sm_scale=sm_scale, interpret=interpret, tuning=tuning)
 

@@ -8,6 +8,8 @@ tests/gpu_compile and run on the GPU by bench/gpu_check.sh. On a GPU these tests
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 from pallas_kernels import AttentionTuning, ragged_paged_attention
 from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported, paged_decode_attention_mosaic
+from pallas_kernels.ragged_attention_args import quantize_kv
 from tests.test_kernels_cases import make_batch, naive_attention
 
 TOL = 3e-2  # bfloat16 inputs and probabilities
@@ -33,20 +36,27 @@ def _check(out, batch, sm_scale):
 
 
 @pytest.mark.parametrize(
-    "page_size,head_dim,group,kv_heads,kv_lens,splits",
+    "page_size,head_dim,group,kv_heads,kv_lens,splits,kv_dtype",
     [
         # SmolLM2 heads; lengths at, just past and short of a 64-token block and of a page; one block and many.
-        (16, 64, 3, 3, [64, 65, 15, 130], 1),
+        (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.bfloat16),
         # Llama-3-8B heads, 8-token pages (8 copies per block), flash-decoding splits including empty ones.
-        (8, 128, 4, 2, [200, 1, 64], 4),
+        (8, 128, 4, 2, [200, 1, 64], 4, jnp.bfloat16),
+        # Float8 pages, upcast block by block in SMEM: the oracle is the attention of the pages' float8 values.
+        (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.float8_e4m3fn),
+        (8, 128, 4, 2, [200, 1, 64], 4, jnp.float8_e5m2),
     ],
+    ids=["bf16-smollm", "bf16-llama-splits", "e4m3-smollm", "e5m2-llama-splits"],
 )
-def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits):
+def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits, kv_dtype):
     rng = np.random.default_rng(page_size + head_dim)
     pages_per_seq = -(-max(kv_lens) // page_size) + 1
     batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
                        dtype=jnp.bfloat16, seqs=[(1, n) for n in kv_lens], pages_per_seq=pages_per_seq,
                        pad_tokens=0, pad_seqs=0)
+    batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
+                                v_pages=quantize_kv(batch.v_pages, kv_dtype))
+    assert batch.k_pages.dtype == kv_dtype
     out = paged_decode_attention_mosaic(
         batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
         sm_scale=head_dim**-0.5, num_splits=splits, interpret=_interpret(),
@@ -55,17 +65,28 @@ def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_head
     _check(out, batch, head_dim**-0.5)
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("seqs", [[(1, 40), (0, 0), (1, 17)], [(1, 40), (5, 21), (1, 17)]], ids=["decode", "mixed"])
-def test_decode_lowering_mosaic_dispatch(seqs):
+def test_decode_lowering_mosaic_dispatch(seqs, kv_dtype):
     """Decode batches (padding sequences included) take the Mosaic kernel; a prefill chunk sends the whole
-    call to the generic kernel. Both agree with the oracle, padding tokens come back zero."""
+    call to the generic kernel (both are in the traced call, under a cond on the query lengths). Both agree
+    with the oracle, padding tokens come back zero. Float32 pages under bfloat16 queries stay generic."""
     rng = np.random.default_rng(7)
     batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
                        seqs=seqs, pages_per_seq=4)
-    out = ragged_paged_attention(
-        batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-        sm_scale=0.125, interpret=_interpret(), tuning=AttentionTuning(decode_lowering="mosaic"),
-    )
+    batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
+                                v_pages=quantize_kv(batch.v_pages, kv_dtype))
+
+    def attend(k_pages, v_pages):
+        return ragged_paged_attention(
+            batch.q, k_pages, v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            sm_scale=0.125, interpret=_interpret(), tuning=AttentionTuning(decode_lowering="mosaic"),
+        )
+
+    assert "paged_decode_mosaic" in str(jax.make_jaxpr(attend)(batch.k_pages, batch.v_pages))
+    wide = batch.k_pages.astype(jnp.float32)
+    assert "paged_decode_mosaic" not in str(jax.make_jaxpr(attend)(wide, wide))
+    out = attend(batch.k_pages, batch.v_pages)
     _check(out, batch, 0.125)
     assert not np.asarray(out[batch.num_real_tokens:], np.float32).any(), "padding tokens must be zero"
 
@@ -79,6 +100,13 @@ def test_mosaic_refusals():
     # 256-token blocks of 128-wide heads overflow Hopper's shared memory (the sm_90 compile says 315432 bytes).
     assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=128) is None
     assert "shared memory" in mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=256)
+    # Float8 pages under bfloat16 queries (upcast in SMEM); pages of another width are refused.
+    assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, kv_dtype=jnp.float8_e4m3fn) is None
+    assert "float8" in mosaic_decode_supported(jnp.bfloat16, 64, 16, 3, kv_dtype=jnp.float32)
+    # The upcast tiles cost SMEM too: 128-token blocks of 128-wide float8 heads fit, 256 do not.
+    assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=128, kv_dtype=jnp.float8_e5m2) is None
+    assert "shared memory" in mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=256,
+                                                      kv_dtype=jnp.float8_e5m2)
     with pytest.raises(ValueError, match="decode_lowering"):
         AttentionTuning(decode_lowering="cuda")
     q = jnp.zeros((2, 6, 64), jnp.float32)

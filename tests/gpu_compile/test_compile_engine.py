@@ -160,10 +160,11 @@ def test_pool_step_compiles_for_sm90(spec, pooling_type):
 @pytest.mark.gpu_compile
 # pallas_mosaic: the decode loop's attention is a lax.cond over both kernels (decode rows on Mosaic GPU,
 # anything else on the Triton kernel), so one bucket compiles both lowerings inside the engine step.
-# With float8 pages, pallas_mosaic keeps decode rows on the Triton kernel (the Mosaic kernel takes pages of
-# q's dtype only); the float8 case carries per-layer KV scales (`--calculate-kv-scales` or a checkpoint's).
+# Float8 pages go to either kernel (the Mosaic kernel upcasts them in SMEM); the float8 cases carry per-layer
+# KV scales (`--calculate-kv-scales` or a checkpoint's).
 @pytest.mark.parametrize("S,backend,kv_dtype", [(s, "pallas", DTYPE) for s in RC.seq_buckets]
-                         + [(64, "pallas_mosaic", DTYPE), (64, "pallas", jnp.float8_e4m3fn)])
+                         + [(64, "pallas_mosaic", DTYPE), (64, "pallas", jnp.float8_e4m3fn),
+                            (64, "pallas_mosaic", jnp.float8_e4m3fn)])
 def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
     cfg = dataclasses.replace(SMOLLM2, kv_cache_scales=jnp.dtype(kv_dtype).itemsize == 1)
     params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype, cfg)
@@ -182,21 +183,24 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
 
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence
-# (flash-decoding splits), the largest batch of the benchmark.
+# (flash-decoding splits), the largest batch of the benchmark; float8 pages of both formats and head widths.
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MOSAIC_CASES = [
-    (64, 512, 3, 3, 64, 64), (1, 2048, 8, 4, 128, 64), (256, 512, 8, 4, 128, 64), (32, 512, 8, 4, 128, 128),
-    (32, 512, 3, 3, 64, 256),
+    (64, 512, 3, 3, 64, 64, DTYPE), (1, 2048, 8, 4, 128, 64, DTYPE), (256, 512, 8, 4, 128, 64, DTYPE),
+    (32, 512, 8, 4, 128, 128, DTYPE), (32, 512, 3, 3, 64, 256, DTYPE),
+    (64, 512, 3, 3, 64, 64, E4M3), (1, 2048, 8, 4, 128, 64, E5M2), (32, 512, 8, 4, 128, 128, E4M3),
 ]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("S,P,kvh,group,d,block_kv", MOSAIC_CASES)
-def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block_kv):
+@pytest.mark.parametrize("S,P,kvh,group,d,block_kv,kv_dtype", MOSAIC_CASES)
+def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block_kv, kv_dtype):
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
 
-    pages = spec((65536, RC.page_size, kvh, d), DTYPE)
+    pages = spec((65536, RC.page_size, kvh, d), kv_dtype)
     fn = functools.partial(paged_decode_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv)
     args = (spec((S, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32))
     seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
-    print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d} block_kv={block_kv}: compiled for sm_90 in {seconds:.1f} s")
+    print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d} block_kv={block_kv} KV {jnp.dtype(kv_dtype).name}: "
+          f"compiled for sm_90 in {seconds:.1f} s")
 
