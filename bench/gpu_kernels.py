@@ -1,8 +1,8 @@
 """Time the L7 kernels on one GPU against the XLA reference and cuDNN attention, as achieved bytes/s.
 
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
-the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence; decode over float8 pages at 8k (both
-lowerings). Both for SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
+the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generic kernel and the ragged Mosaic
+GPU kernel); decode over float8 pages at 8k (both lowerings). Both for SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth measured in the same run. Usage: `python bench/gpu_kernels.py [--budget-s N]`.
 """
@@ -24,6 +24,7 @@ from pallas_kernels import (
     AttentionTuning,
     paged_decode_attention_mosaic,
     ragged_paged_attention,
+    ragged_paged_attention_mosaic,
     ragged_paged_attention_reference,
     triton_available,
     write_kv,
@@ -184,6 +185,9 @@ def main() -> int:
             )
 
         mosaic, mosaic128 = mosaic_decode(64), mosaic_decode(128)
+        # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does.
+        mosaic_ragged = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale))
+        mosaic_ragged128 = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale, block_kv=128))
         print(
             f"\n== {heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}), {jnp.dtype(DTYPE).name}, page {PAGE_SIZE}"
         )
@@ -232,7 +236,8 @@ def main() -> int:
                     q, k, v, scale=scale, is_causal=True, implementation="cudnn"
                 )
             )
-            fns = [("pallas", pallas), ("xla", xla), ("cudnn", cudnn)]
+            fns = [("pallas", pallas), ("mosaic", mosaic_ragged), ("mosaic_bkv128", mosaic_ragged128), ("xla", xla),
+                   ("cudnn", cudnn)]
             run_row(f"prefill T={tokens:5d}", fns, sets, nbytes, flops, dense, copy_bw)
         print("decode, float8_e4m3fn pages (--kv-cache-dtype fp8): bytes = K+V read at 1 byte + q/out")
         for batch, ctx in fp8_grid:

@@ -278,8 +278,8 @@ class EngineArgs:
                        help="fcfs, or priority (lower value first, FCFS within a priority)")
         g.add_argument("--attention-backend", choices=list(BACKEND_CHOICES),
                        default=d.attention_backend,
-                       help="auto = pallas kernels on GPUs, plain XLA on the CPU; pallas_mosaic uses the Mosaic GPU "
-                            "decode kernel")
+                       help="auto = pallas kernels on GPUs, plain XLA on the CPU; pallas_mosaic runs attention on "
+                            "the Mosaic GPU kernels (Hopper)")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context, '

@@ -4,6 +4,7 @@ from pallas_kernels.backend import AttentionBackend, attention_backend
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.kv_write_triton import triton_available, write_kv_triton
 from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported, paged_decode_attention_mosaic
+from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 from pallas_kernels.ragged_paged_attention import (
     AttentionTuning,
     ragged_paged_attention,
@@ -17,6 +18,7 @@ __all__ = [
     "mosaic_decode_supported",
     "paged_decode_attention_mosaic",
     "ragged_paged_attention",
+    "ragged_paged_attention_mosaic",
     "ragged_paged_attention_reference",
     "triton_available",
     "write_kv",

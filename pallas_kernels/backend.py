@@ -48,7 +48,7 @@ def attention_backend(
             False,
         )
     elif name == "pallas_mosaic":
-        tuning = dataclasses.replace(tuning, decode_lowering="mosaic")
+        tuning = dataclasses.replace(tuning, decode_lowering="mosaic", prefill_lowering="mosaic")
         attention, interpret = (
             functools.partial(ragged_paged_attention, interpret=False, tuning=tuning),
             False,

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
-GRID_NAMES = ("seq", "kv_head", "split")
+GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
 SMEM_BYTES = 232448  # opt-in shared memory per block on H100/H200
 
@@ -45,8 +45,8 @@ def _plgpu():
     return plgpu
 
 
-def _decode_body(
-    seq_lens_ref,
+def _attention_body(
+    meta_ref,
     block_tables_ref,
     q_ref,
     k_pages_ref,
@@ -56,11 +56,18 @@ def _decode_body(
     block_kv: int,
     sm_scale: float,
     num_splits: int,
+    group: int,
     interpret: bool,
 ):
-    """One (sequence, KV head, split): online softmax over the split's KV blocks, tensor-core dots."""
+    """One (query block, KV head, split): online softmax over the split's KV blocks, tensor-core dots.
+
+    A query block is up to `ROWS // group` consecutive query tokens of one sequence, each with the `group`
+    query heads of the KV head (row r: token r // group); `meta_ref[block]` = (sequence, position of the
+    block's first token, number of tokens, unused). Row r sees the keys at positions up to its token's
+    (causal); a decode token is a block of one.
+    """
     plgpu = _plgpu()
-    seq, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
+    blk, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
     # Register layouts are hints for the GPU lowering; the interpreter has no rule for them.
     if interpret:
         def layout_cast(x, layout):
@@ -84,8 +91,9 @@ def _decode_body(
     pages_per_block = block_kv // page_size
     head_dim = q_smem.shape[-1]
 
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, kv_head], q_smem, q_bar.at[0])
-    kv_len = seq_lens_ref[seq]
+    plgpu.copy_gmem_to_smem(q_ref.at[blk, kv_head], q_smem, q_bar.at[0])
+    seq, pos0, num_q = meta_ref[blk, 0], meta_ref[blk, 1], meta_ref[blk, 2]
+    kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
     num_blocks = pl.cdiv(kv_len, block_kv)
     per_split = pl.cdiv(num_blocks, num_splits)
     start = split * per_split
@@ -115,6 +123,11 @@ def _decode_body(
     l0 = layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_rows)
     acc0 = layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
+    # Each row's last visible key: its token's position (padding rows: the block's last token's).
+    row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+    col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+    row_pos = jnp.minimum(pos0 + lax.div(row, group), kv_len - 1)
+
     def body(j, carry):
         acc, m_prev, l_prev = carry
         slot = lax.rem(j - start, 2)
@@ -138,11 +151,11 @@ def _decode_body(
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
         s = s * sm_scale  # [ROWS, block_kv]
-        col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(j * block_kv + col < kv_len, s, -jnp.inf)
+        s = jnp.where(j * block_kv + col <= row_pos, s, -jnp.inf)
         m_next = jnp.maximum(m_prev, s.max(axis=1))
-        # A row's running max is finite after its first block (that block holds KV position 0 or the split's
-        # first real row), so exp(-inf - m) below is 0, never NaN.
+        # A row's running max is finite after its first block (that block holds KV position 0, which every row
+        # sees, or with splits, which only decode blocks take, the split's first key), so exp(-inf - m) below
+        # is 0, never NaN.
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
         l_next = l_prev * alpha + p.sum(axis=1)
@@ -169,7 +182,7 @@ def _decode_body(
         safe = jnp.where(denom == 0.0, 1.0, denom)
         o_smem[...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, kv_head])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[blk, kv_head])
     else:
         # Partial results for the combine: the unnormalized accumulator, its row max and row sum. An empty
         # split keeps m = -inf; clamp it so the combine's exp(m - max) is 0, not NaN.
@@ -177,9 +190,9 @@ def _decode_body(
         m_smem[...] = jnp.maximum(m, -1e30)
         l_smem[...] = denom
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, seq, kv_head])
-        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, seq, kv_head])
-        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, seq, kv_head])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, blk, kv_head])
+        plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, blk, kv_head])
+        plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, blk, kv_head])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -251,6 +264,86 @@ def _interpret_params():
     return InterpretGPUParams(uninitialized_memory="zero")
 
 
+def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int) -> int:
+    """The head group of these operands when the kernel takes them; raises naming the problem otherwise."""
+    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape[3] != q.shape[2] or v_pages.shape != k_pages.shape:
+        raise ValueError(f"expected q [T, QH, D] and pages [N, page_size, KVH, D], got {q.shape}, {k_pages.shape}")
+    _, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if v_pages.dtype != k_pages.dtype:
+        raise TypeError(f"v_pages dtype {v_pages.dtype} differs from k_pages dtype {k_pages.dtype}")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [S, pages_per_seq], got {block_tables.shape}")
+    group = num_q_heads // num_kv_heads
+    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv, kv_dtype=k_pages.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    return group
+
+
+def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale: float, block_kv: int,
+                            splits: int, group: int, interpret: bool, name: str) -> jax.Array:
+    """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
+    r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0) ->
+    `[NB, KVH, ROWS, D]` float32. Splits (flash decoding) are for blocks of one token only."""
+    plgpu = _plgpu()
+    num_blocks, num_kv_heads, _, head_dim = qb.shape
+    page_size = k_pages.shape[1]
+    tile = () if interpret else _swizzled(qb.dtype, head_dim)
+    kv_tile = () if interpret else _swizzled(k_pages.dtype, head_dim)
+    # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block table.
+    scratch = [plgpu.SMEM((ROWS, head_dim), qb.dtype, transforms=tile)]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, ROWS, head_dim), qb.dtype)
+        scratch.append(plgpu.SMEM((ROWS, head_dim), qb.dtype, transforms=tile))
+    else:
+        rows = jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, ROWS), jnp.float32)
+        out_shape = (jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, ROWS, head_dim), jnp.float32),
+                     rows, rows)
+        scratch += [
+            plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else _swizzled(jnp.float32, head_dim)),
+            plgpu.SMEM((ROWS,), jnp.float32),
+            plgpu.SMEM((ROWS,), jnp.float32),
+        ]
+    scratch += [
+        plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=kv_tile),
+        plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=kv_tile),
+    ]
+    if k_pages.dtype != qb.dtype:  # the upcast K and V tiles the tensor cores read
+        scratch += [plgpu.SMEM((block_kv, head_dim), qb.dtype, transforms=tile)] * 2
+    scratch += [
+        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # explicit: the default shape differs across JAX versions
+        # One arrival per page copy: the block is ready when all of its pages have landed.
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
+    ]
+    body = functools.partial(
+        _attention_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
+        group=group, interpret=interpret,
+    )
+    # A Mosaic GPU kernel over a (query block, KV head, split) grid of one-warpgroup programs; its scratch is
+    # allocated per program. `plgpu.kernel` is the entry point both JAX 0.10 and 0.11 lower for the GPU
+    # (0.11 no longer lowers a `pallas_call` with Mosaic GPU compiler params) and run in the CPU interpreter.
+    result = plgpu.kernel(
+        body,
+        out_type=out_shape,
+        scratch_types=scratch,
+        grid=(num_blocks, num_kv_heads, splits),
+        grid_names=GRID_NAMES,
+        interpret=_interpret_params() if interpret else None,
+        kernel_name=name,
+    )(meta, block_tables, qb, k_pages, v_pages)
+    if splits == 1:
+        return result.astype(jnp.float32)
+    acc, m, denom = result  # [NS, NB, KVH, ROWS, D], [NS, NB, KVH, ROWS] x2
+    m_max = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_max[None])
+    l_sum = jnp.sum(w * denom, axis=0)
+    return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits", "interpret"))
 def paged_decode_attention_mosaic(
     q,
@@ -265,75 +358,20 @@ def paged_decode_attention_mosaic(
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU)."""
-    plgpu = _plgpu()
-    if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape[3] != q.shape[2] or v_pages.shape != k_pages.shape:
-        raise ValueError(f"expected q [S, QH, D] and pages [N, page_size, KVH, D], got {q.shape}, {k_pages.shape}")
+    group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {block_tables.shape} and seq_lens {seq_lens.shape} must have {num_seqs} rows")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if v_pages.dtype != k_pages.dtype:
-        raise TypeError(f"v_pages dtype {v_pages.dtype} differs from k_pages dtype {k_pages.dtype}")
-    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv, kv_dtype=k_pages.dtype)
-    if reason is not None:
-        raise ValueError(reason)
     splits = num_splits or _default_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size, block_kv)
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [S, KVH, ROWS, D]
-    tile = () if interpret else _swizzled(q.dtype, head_dim)
-    kv_tile = () if interpret else _swizzled(k_pages.dtype, head_dim)
-    # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block table.
-    scratch = [plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile)]
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, ROWS, head_dim), q.dtype)
-        scratch.append(plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tile))
-    else:
-        rows = jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, ROWS, head_dim), jnp.float32), rows, rows)
-        scratch += [
-            plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else _swizzled(jnp.float32, head_dim)),
-            plgpu.SMEM((ROWS,), jnp.float32),
-            plgpu.SMEM((ROWS,), jnp.float32),
-        ]
-    scratch += [
-        plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=kv_tile),
-        plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=kv_tile),
-    ]
-    if k_pages.dtype != q.dtype:  # the upcast K and V tiles the tensor cores read
-        scratch += [plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=tile)] * 2
-    scratch += [
-        plgpu.Barrier(num_arrivals=1, num_barriers=1),  # explicit: the default shape differs across JAX versions
-        # One arrival per page copy: the block is ready when all of its pages have landed.
-        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
-        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
-    ]
-    body = functools.partial(
-        _decode_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
-        interpret=interpret,
-    )
-    # A Mosaic GPU kernel over a (sequence, KV head, split) grid of one-warpgroup programs; its scratch is
-    # allocated per program. `plgpu.kernel` is the entry point both JAX 0.10 and 0.11 lower for the GPU
-    # (0.11 no longer lowers a `pallas_call` with Mosaic GPU compiler params) and run in the CPU interpreter.
-    result = plgpu.kernel(
-        body,
-        out_type=out_shape,
-        scratch_types=scratch,
-        grid=(num_seqs, num_kv_heads, splits),
-        grid_names=GRID_NAMES,
-        interpret=_interpret_params() if interpret else None,
-        kernel_name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}",
-    )(seq_lens, block_tables, qg, k_pages, v_pages)
-
-    if splits == 1:
-        ob = result.astype(jnp.float32)
-    else:
-        acc, m, denom = result  # [NS, S, KVH, ROWS, D], [NS, S, KVH, ROWS] x2
-        m_max = jnp.max(m, axis=0)
-        w = jnp.exp(m - m_max[None])
-        l_sum = jnp.sum(w * denom, axis=0)
-        ob = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    seq_lens = seq_lens.astype(jnp.int32)
+    has_token = (seq_lens > 0).astype(jnp.int32)  # an empty sequence is a padding row: no token
+    meta = jnp.stack([jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - has_token, has_token,
+                      jnp.zeros_like(seq_lens)], axis=1)
+    ob = mosaic_attention_blocks(qg, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
+                                 splits=splits, group=group, interpret=interpret,
+                                 name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}")
     return ob[:, :, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -105,3 +105,51 @@ def token_metadata(
     pos = seq_lens[tok_seq] - q_lens[tok_seq] + (t - query_start_loc[tok_seq])
     valid = t < query_start_loc[num_seqs]
     return tok_seq, pos, valid
+
+
+def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
+    """Cut each sequence's query tokens into blocks of `block_q`; returns per-block and per-token maps."""
+    num_seqs = seq_lens.shape[0]
+    # Every non-empty block holds a token, and each sequence wastes at most one partial block.
+    num_blocks = min(num_tokens, -(-num_tokens // block_q) + (num_seqs if block_q > 1 else 0))
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    blocks_per_seq = (q_lens + block_q - 1) // block_q
+    blk_end = jnp.cumsum(blocks_per_seq).astype(jnp.int32)  # [S]
+    blk_start = blk_end - blocks_per_seq
+
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    b_seq = jnp.minimum(jnp.searchsorted(blk_end, b, side="right").astype(jnp.int32), num_seqs - 1)
+    q_off = (b - blk_start[b_seq]) * block_q  # first query index of the block within its sequence
+    num_q = jnp.clip(q_lens[b_seq] - q_off, 0, block_q)
+    pos0 = seq_lens[b_seq] - q_lens[b_seq] + q_off
+    meta = jnp.stack([b_seq, pos0, num_q, jnp.zeros_like(b)], axis=1)  # [NB, 4]
+
+    r = jnp.arange(block_q, dtype=jnp.int32)
+    gather_tok = jnp.clip(query_start_loc[b_seq][:, None] + q_off[:, None] + r[None, :], 0, num_tokens - 1)
+
+    tok_seq, _, tok_valid = token_metadata(seq_lens, query_start_loc, num_tokens)
+    i = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[tok_seq]
+    tok_block = jnp.clip(blk_start[tok_seq] + i // block_q, 0, num_blocks - 1)
+    tok_row = i % block_q
+    return num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid
+
+
+def queries_to_blocks(q: jax.Array, gather_tok: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
+    """q `[T, QH, D]` as one `[rows, D]` tile per (block, KV head): the block's tokens (`gather_tok`
+    `[NB, BQ]`), each with the query heads of the KV head's group, zero-padded to `rows`."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    num_blocks, block_q = gather_tok.shape
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)[gather_tok]  # [NB, BQ, KVH, G, D]
+    qb = qg.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, block_q * group, head_dim)
+    return jnp.pad(qb, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
+
+
+def blocks_to_tokens(ob: jax.Array, tok_block, tok_row, tok_valid, block_q: int, group: int) -> jax.Array:
+    """The inverse of `queries_to_blocks` on the output tiles `[NB, KVH, rows, D]`: `[T, QH, D]`, padding
+    tokens zero."""
+    num_blocks, num_kv_heads, _, head_dim = ob.shape
+    ob = ob[:, :, : block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
+    out = ob[tok_block, :, tok_row]  # [T, KVH, G, D]
+    out = jnp.where(tok_valid[:, None, None, None], out, jnp.zeros((), out.dtype))
+    return out.reshape(out.shape[0], num_kv_heads * group, head_dim)

@@ -22,7 +22,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.ragged_attention_args import check_attention_args, token_metadata
+from pallas_kernels.ragged_attention_args import (
+    block_layout,
+    blocks_to_tokens,
+    check_attention_args,
+    queries_to_blocks,
+    token_metadata,
+)
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
 
 # Re-exported: the backend switch and the tests import the reference and the checks from here.
@@ -53,14 +59,18 @@ class AttentionTuning:
     # "mosaic": batches of one query token per sequence go to the Mosaic GPU decode kernel
     # (paged_decode_mosaic.py) when it supports the shapes; everything else stays on this kernel.
     decode_lowering: str = "triton"
+    # "mosaic": batches holding prefill chunks go to the ragged Mosaic GPU kernel (ragged_attention_mosaic.py)
+    # when it supports the shapes (no soft-cap or window); else this kernel.
+    prefill_lowering: str = "triton"
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_kv_splits"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"AttentionTuning.{name} must be a positive power of two, got {v}")
-        if self.decode_lowering not in ("triton", "mosaic"):
-            raise ValueError(f"AttentionTuning.decode_lowering must be 'triton' or 'mosaic', got {self.decode_lowering!r}")
+        for name in ("decode_lowering", "prefill_lowering"):
+            if getattr(self, name) not in ("triton", "mosaic"):
+                raise ValueError(f"AttentionTuning.{name} must be 'triton' or 'mosaic', got {getattr(self, name)!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -165,33 +175,6 @@ def _attention_kernel(
         l_ref[...] = denom
 
 
-def _block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
-    """Cut each sequence's query tokens into blocks of `block_q`; returns per-block and per-token maps."""
-    num_seqs = seq_lens.shape[0]
-    # Every non-empty block holds a token, and each sequence wastes at most one partial block.
-    num_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + (num_seqs if block_q > 1 else 0))
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    blocks_per_seq = (q_lens + block_q - 1) // block_q
-    blk_end = jnp.cumsum(blocks_per_seq).astype(jnp.int32)  # [S]
-    blk_start = blk_end - blocks_per_seq
-
-    b = jnp.arange(num_blocks, dtype=jnp.int32)
-    b_seq = jnp.minimum(jnp.searchsorted(blk_end, b, side="right").astype(jnp.int32), num_seqs - 1)
-    q_off = (b - blk_start[b_seq]) * block_q  # first query index of the block within its sequence
-    num_q = jnp.clip(q_lens[b_seq] - q_off, 0, block_q)
-    pos0 = seq_lens[b_seq] - q_lens[b_seq] + q_off
-    meta = jnp.stack([b_seq, pos0, num_q, jnp.zeros_like(b)], axis=1)  # [NB, 4]
-
-    r = jnp.arange(block_q, dtype=jnp.int32)
-    gather_tok = jnp.clip(query_start_loc[b_seq][:, None] + q_off[:, None] + r[None, :], 0, num_tokens - 1)
-
-    tok_seq, _, tok_valid = token_metadata(seq_lens, query_start_loc, num_tokens)
-    i = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[tok_seq]
-    tok_block = jnp.clip(blk_start[tok_seq] + i // block_q, 0, num_blocks - 1)
-    tok_row = i % block_q
-    return num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid
-
-
 def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads, group, kv_capacity):
     block_q = tuning.block_q
     if block_q is None:
@@ -247,24 +230,21 @@ def ragged_paged_attention(
         raise ValueError(f"the Pallas kernel needs a power-of-two head_dim, got {head_dim}")
     if num_tokens == 0:
         return jnp.zeros_like(q)
-    if tuning.decode_lowering == "mosaic" and soft_cap is None and sliding_window is None:
+    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering) and soft_cap is None and sliding_window is None:
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
 
         if mosaic_decode_supported(q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None:
-            return _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                     sm_scale=sm_scale, interpret=interpret, tuning=tuning)
+            return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                              sm_scale=sm_scale, interpret=interpret, tuning=tuning)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
         tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
     )
-    num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid = _block_layout(
+    num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(
         seq_lens, query_start_loc, num_tokens, block_q
     )
 
-    # Lay q out as one [rows, D] tile per (block, kv head): query-major, then the heads of the group.
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)[gather_tok]  # [NB, BQ, KVH, G, D]
-    qb = qg.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, block_q * group, head_dim)
-    qb = jnp.pad(qb, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))  # [NB, KVH, rows, D]
+    qb = queries_to_blocks(q, gather_tok, num_kv_heads, rows)  # [NB, KVH, rows, D]
 
     kernel = functools.partial(
         _attention_kernel,
@@ -319,24 +299,30 @@ def ragged_paged_attention(
         l_sum = jnp.sum(w * denom, axis=0)
         ob = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
 
-    ob = ob[:, :, : block_q * group].reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
-    out = ob[tok_block, :, tok_row]  # [T, KVH, G, D]
-    out = jnp.where(tok_valid[:, None, None, None], out, jnp.zeros((), out.dtype))
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
 
 
-def _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, interpret, tuning):
-    """The Mosaic GPU decode kernel when every sequence has at most one query token, else this file's kernel."""
+def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, interpret, tuning):
+    """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
+    prefill chunks on the ragged Mosaic GPU kernel, each where the tuning asks for it, else this file's kernel."""
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
+    from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
     num_tokens = q.shape[0]
-    general_tuning = dataclasses.replace(tuning, decode_lowering="triton")
+    args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    general_tuning = dataclasses.replace(tuning, decode_lowering="triton", prefill_lowering="triton")
 
     def general():
-        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                      sm_scale=sm_scale, interpret=interpret, tuning=general_tuning)
+        return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret, tuning=general_tuning)
+
+    def prefill():
+        if tuning.prefill_lowering != "mosaic":
+            return general()
+        return ragged_paged_attention_mosaic(*args, sm_scale=sm_scale, interpret=interpret)
 
     def decode():
+        if tuning.decode_lowering != "mosaic":
+            return general()
         first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)  # each sequence's only query token
         o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, seq_lens,
                                           sm_scale=sm_scale, num_splits=tuning.num_kv_splits,
@@ -345,4 +331,4 @@ def _decode_on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_l
         return jnp.where(valid[:, None, None], o[tok_seq], jnp.zeros((), o.dtype))
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    return lax.cond(jnp.all(q_lens <= 1), decode, general)
+    return lax.cond(jnp.all(q_lens <= 1), decode, prefill)

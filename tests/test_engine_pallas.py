@@ -3,8 +3,8 @@
 A tiny random-weight Llama served by `LLMEngine` twice, once per backend: chunked prefills, a prefill that
 reuses cached prefix pages, mixed prefill + decode steps and on-device decode loops must give the same
 greedy tokens. On the CPU the kernels run in interpret mode; on a GPU (bench/gpu_engine.sh) they are
-compiled, through the Triton lowering (`pallas`) and with the Mosaic GPU decode kernel (`pallas_mosaic`,
-in bfloat16 with 64-wide heads, the shapes it takes). Also keeps the SmolLM2 shapes of the deviceless
+compiled, through the Triton lowering (`pallas`) and on the Mosaic GPU kernels (`pallas_mosaic`, in
+bfloat16 with 64-wide heads, the shapes they take). Also keeps the SmolLM2 shapes of the deviceless
 sm_90 engine compile in step with the bundled GGUF.
 """
 
@@ -44,7 +44,7 @@ ARGS = EngineArgs(
 
 
 GPU = jax.default_backend() == "gpu"
-# The Mosaic GPU decode kernel's shapes: bfloat16, head_dim a multiple of 64.
+# The Mosaic GPU kernels' shapes: bfloat16, head_dim a multiple of 64.
 CFG_BF16 = dataclasses.replace(CFG, head_dim=64)
 ARGS_BF16 = ARGS.replace(dtype="bfloat16", kv_cache_memory_bytes=NUM_PAGES * KVCache.bytes_per_page(
     CFG_BF16, PAGE_SIZE, jnp.bfloat16))

@@ -77,18 +77,23 @@ def test_decode_lowering_mosaic_dispatch(seqs, kv_dtype):
     batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
                                 v_pages=quantize_kv(batch.v_pages, kv_dtype))
 
-    def attend(k_pages, v_pages):
+    def attend(k_pages, v_pages, prefill_lowering="triton"):
+        tuning = AttentionTuning(decode_lowering="mosaic", prefill_lowering=prefill_lowering)
         return ragged_paged_attention(
             batch.q, k_pages, v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            sm_scale=0.125, interpret=_interpret(), tuning=AttentionTuning(decode_lowering="mosaic"),
+            sm_scale=0.125, interpret=_interpret(), tuning=tuning,
         )
 
-    assert "paged_decode_mosaic" in str(jax.make_jaxpr(attend)(batch.k_pages, batch.v_pages))
+    traced = str(jax.make_jaxpr(attend)(batch.k_pages, batch.v_pages))
+    assert "paged_decode_mosaic" in traced and "ragged_attention_mosaic" not in traced
     wide = batch.k_pages.astype(jnp.float32)
     assert "paged_decode_mosaic" not in str(jax.make_jaxpr(attend)(wide, wide))
-    out = attend(batch.k_pages, batch.v_pages)
-    _check(out, batch, 0.125)
-    assert not np.asarray(out[batch.num_real_tokens:], np.float32).any(), "padding tokens must be zero"
+    for prefill_lowering in ("triton", "mosaic"):  # prefill chunks on the generic or the ragged Mosaic kernel
+        out = attend(batch.k_pages, batch.v_pages, prefill_lowering)
+        _check(out, batch, 0.125)
+        assert not np.asarray(out[batch.num_real_tokens:], np.float32).any(), "padding tokens must be zero"
+    both = str(jax.make_jaxpr(lambda k, v: attend(k, v, "mosaic"))(batch.k_pages, batch.v_pages))
+    assert "paged_decode_mosaic" in both and "ragged_attention_mosaic" in both
 
 
 def test_mosaic_refusals():
@@ -109,6 +114,8 @@ def test_mosaic_refusals():
                                                       kv_dtype=jnp.float8_e5m2)
     with pytest.raises(ValueError, match="decode_lowering"):
         AttentionTuning(decode_lowering="cuda")
+    with pytest.raises(ValueError, match="prefill_lowering"):
+        AttentionTuning(prefill_lowering="cudnn")
     q = jnp.zeros((2, 6, 64), jnp.float32)
     pages = jnp.zeros((4, 16, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16 or float16"):

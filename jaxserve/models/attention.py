@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_attention_args import quantize_kv
 
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
-# pallas_mosaic: the pallas kernels, with decode-only batches on the Mosaic GPU decode kernel (Hopper).
+# pallas_mosaic: attention on the Mosaic GPU kernels (Hopper): decode-only batches on the decode kernel, batches
+# with prefill chunks on the ragged kernel; soft-capped or windowed attention stays on the generic kernel.
 ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic")
 
 
@@ -324,7 +325,8 @@ def paged_attention(
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
 
-        tuning = AttentionTuning(decode_lowering="mosaic" if backend == "pallas_mosaic" else "triton")
+        lowering = "mosaic" if backend == "pallas_mosaic" else "triton"
+        tuning = AttentionTuning(decode_lowering=lowering, prefill_lowering=lowering)
         return ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
             interpret=backend == "pallas_interpret", tuning=tuning, **kwargs,

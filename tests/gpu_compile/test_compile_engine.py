@@ -111,9 +111,11 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
 
 
 @pytest.mark.gpu_compile
-# fp8: `--kv-cache-dtype fp8` (float8_e4m3fn pages, upcast in the kernel), in the largest bucket.
+# fp8: `--kv-cache-dtype fp8` (float8_e4m3fn pages, upcast in the kernel), in the largest bucket; pallas_mosaic:
+# a lax.cond over the Mosaic GPU decode kernel and the ragged Mosaic GPU kernel, in the largest bucket.
 @pytest.mark.parametrize("T,backend,kv_dtype", [(t, "pallas", DTYPE) for t in RC.token_buckets]
-                         + [(RC.token_buckets[-1], "pallas", jnp.float8_e4m3fn)])
+                         + [(RC.token_buckets[-1], "pallas", jnp.float8_e4m3fn),
+                            (RC.token_buckets[-1], "pallas_mosaic", DTYPE)])
 def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
     S = min(T, RC.max_num_seqs)
     params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype)
@@ -122,7 +124,7 @@ def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
     step = functools.partial(mixed_step, cfg=SMOLLM2, backend=backend, top_k=RC.max_logprobs, hidden=True)
     plp = PromptLogprobInputs(spec((T,), jnp.int32))
     seconds = _compile(step, params, kv, inputs, sampling, pen, plp, want_top, mosaic=backend == "pallas_mosaic",
-                       kv_dtype=kv_dtype)
+                       triton=backend == "pallas", kv_dtype=kv_dtype)
     print(f"mixed_step T={T} S={S} {backend} KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
 
 
@@ -204,3 +206,26 @@ def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block
     print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d} block_kv={block_kv} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
 
+
+
+# The ragged Mosaic GPU kernel (prefill chunks and decode in one call): 2k/8k-token prompts of SmolLM2 and
+# Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 128-key blocks.
+RAGGED_MOSAIC_CASES = [
+    (2048, 1, 3, 3, 64, 64, DTYPE), (8192, 1, 8, 4, 128, 64, DTYPE), (512, 64, 8, 4, 128, 64, DTYPE),
+    (2048, 1, 8, 4, 128, 128, DTYPE), (2048, 1, 8, 4, 128, 64, E4M3),
+]
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype", RAGGED_MOSAIC_CASES)
+def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block_kv, kv_dtype):
+    from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
+
+    P = -(-8192 // RC.page_size)
+    pages = spec((65536, RC.page_size, kvh, d), kv_dtype)
+    fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv)
+    args = (spec((T, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32),
+            spec((S + 1,), jnp.int32))
+    seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
+    print(f"ragged mosaic T={T} S={S} {kvh}x{group}x{d} block_kv={block_kv} KV {jnp.dtype(kv_dtype).name}: "
+          f"compiled for sm_90 in {seconds:.1f} s")

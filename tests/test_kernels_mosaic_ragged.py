@@ -1,0 +1,88 @@
+"""The ragged Mosaic GPU attention kernel (prefill chunks and decode tokens in one call) in Mosaic GPU's CPU
+interpreter against the float64 oracle: blocks of several query tokens of a GQA group in one WGMMA tile, causal
+within the chunk, over cached context, pages shared between sequences, float8 pages, padding tokens zero.
+
+The interpreter simulates SMEM, the TMA page copies and the barriers; it runs the two products as plain dots.
+The WGMMA path is compiled for sm_90 in tests/gpu_compile; on a GPU these tests run the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_decode_mosaic import ROWS
+from pallas_kernels.ragged_attention_args import quantize_kv
+from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
+from tests.test_kernels_cases import make_batch, naive_attention, standard_seqs
+
+TOL = 3e-2  # bfloat16 queries and probabilities
+
+
+def _run(batch, sm_scale, **kw):
+    return ragged_paged_attention_mosaic(
+        batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        sm_scale=sm_scale, interpret=jax.default_backend() == "cpu", **kw,
+    )
+
+
+def _check(out, batch, sm_scale):
+    ref = naive_attention(batch, sm_scale=sm_scale)
+    out = np.asarray(out.astype(jnp.float32))
+    n = batch.num_real_tokens
+    assert out.shape == batch.q.shape
+    assert np.isfinite(out[:n]).all(), "non-finite output: a scratch-page row reached the products"
+    np.testing.assert_allclose(out[:n], ref[:n], atol=TOL, rtol=TOL)
+    assert not out[n:].any(), "padding tokens must be zero"
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,group,kv_heads,kv_dtype",
+    [
+        (16, 64, 3, 3, jnp.bfloat16),  # SmolLM2 heads: 21 tokens per block, one padding row
+        (8, 128, 4, 2, jnp.bfloat16),  # Llama-3-8B heads: 16 tokens per block, 8 page copies per KV block
+        (16, 64, 1, 2, jnp.float8_e4m3fn),  # MHA: 64 tokens per block; float8 pages upcast in SMEM
+        (16, 64, 8, 1, jnp.float8_e5m2),  # 8 tokens per block
+    ],
+    ids=["smollm", "llama-8-token-pages", "mha-e4m3", "group8-e5m2"],
+)
+def test_ragged_mosaic_matches_oracle(page_size, head_dim, group, kv_heads, kv_dtype):
+    rng = np.random.default_rng(page_size * group + head_dim)
+    pages_per_seq = 5
+    # Page boundaries, prefill chunks over cached context, decode tokens, a full table; and a prompt longer
+    # than one block of queries, so a sequence spans blocks whose causal limits differ.
+    seqs = standard_seqs(page_size, pages_per_seq) + [(ROWS // group + 5, pages_per_seq * page_size - 3)]
+    batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
+                       dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
+    batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
+                                v_pages=quantize_kv(batch.v_pages, kv_dtype))
+    out = _run(batch, head_dim**-0.5)
+    assert out.dtype == jnp.bfloat16
+    _check(out, batch, head_dim**-0.5)
+
+
+def test_ragged_mosaic_block_kv_128_and_empty_batch_rows():
+    """128-key blocks (two WGMMA N tiles), and rows of the batch with no query tokens between real ones."""
+    rng = np.random.default_rng(3)
+    seqs = [(40, 150), (0, 0), (1, 129), (0, 0), (70, 70)]
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
+                       seqs=seqs, pages_per_seq=10)
+    _check(_run(batch, 0.125, block_kv=128), batch, 0.125)
+
+
+def test_ragged_mosaic_refusals():
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.float32,
+                       seqs=[(3, 20)], pages_per_seq=2)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        _run(batch, 0.125)
+    bf = dataclasses.replace(batch, q=batch.q.astype(jnp.bfloat16), k_pages=batch.k_pages.astype(jnp.bfloat16),
+                             v_pages=batch.v_pages.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_kv"):
+        _run(bf, 0.125, block_kv=48)
+    with pytest.raises(ValueError, match="sm_scale"):
+        _run(bf, -1.0)
