@@ -20,9 +20,9 @@ LOG="$LOG_DIR/gpu_check.log"
   echo "tests exit code: $? ($(( $(date +%s) - start )) s)"
 
   # Separately, so that a failure of one lowering does not hide the other's results.
-  echo "== Mosaic GPU decode kernel tests, compiled for the GPU"
+  echo "== Mosaic GPU kernel tests (decode and ragged), compiled for the GPU"
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout 60 "$PY" -m pytest -q --no-header -p no:cacheprovider \
-    tests/test_engine_pallas_mosaic.py
+    tests/test_engine_pallas_mosaic.py tests/test_kernels_mosaic_ragged.py
   echo "mosaic tests exit code: $? ($(( $(date +%s) - start )) s)"
 
   echo "== kernel timings"
