@@ -209,23 +209,25 @@ def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block
 
 
 # The ragged Mosaic GPU kernel (prefill chunks and decode in one call): 2k/8k-token prompts of SmolLM2 and
-# Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 128-key blocks.
+# Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 128-key blocks; the bfloat16 engine
+# of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
 RAGGED_MOSAIC_CASES = [
-    (2048, 1, 3, 3, 64, 64, DTYPE), (8192, 1, 8, 4, 128, 64, DTYPE), (512, 64, 8, 4, 128, 64, DTYPE),
-    (2048, 1, 8, 4, 128, 128, DTYPE), (2048, 1, 8, 4, 128, 64, E4M3),
+    (2048, 1, 3, 3, 64, 64, DTYPE, 16), (8192, 1, 8, 4, 128, 64, DTYPE, 16), (512, 64, 8, 4, 128, 64, DTYPE, 16),
+    (2048, 1, 8, 4, 128, 128, DTYPE, 16), (2048, 1, 8, 4, 128, 64, E4M3, 16), (16, 4, 2, 2, 64, 64, DTYPE, 8),
 ]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype", RAGGED_MOSAIC_CASES)
-def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block_kv, kv_dtype):
+@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype,page_size", RAGGED_MOSAIC_CASES)
+def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block_kv, kv_dtype, page_size):
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
-    P = -(-8192 // RC.page_size)
-    pages = spec((65536, RC.page_size, kvh, d), kv_dtype)
+    P = -(-8192 // page_size)
+    pages = spec((65536, page_size, kvh, d), kv_dtype)
     fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv)
     args = (spec((T, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32),
             spec((S + 1,), jnp.int32))
     seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
-    print(f"ragged mosaic T={T} S={S} {kvh}x{group}x{d} block_kv={block_kv} KV {jnp.dtype(kv_dtype).name}: "
+    print(f"ragged mosaic T={T} S={S} {kvh}x{group}x{d} page {page_size} block_kv={block_kv} "
+          f"KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
