@@ -15,8 +15,8 @@ DType = Literal["auto", "float32", "bfloat16"]
 # vLLM's names: "fp8" is float8_e4m3fn (3 mantissa bits, finite up to 448); "fp8_e5m2" trades precision for range.
 KVCacheDType = Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret"]
-BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret")
+BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret", "pallas_mosaic_interpret"]
+BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret", "pallas_mosaic_interpret")
 Policy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
@@ -279,7 +279,8 @@ class EngineArgs:
         g.add_argument("--attention-backend", choices=list(BACKEND_CHOICES),
                        default=d.attention_backend,
                        help="auto = pallas kernels on GPUs, plain XLA on the CPU; pallas_mosaic runs attention on "
-                            "the Mosaic GPU kernels (Hopper)")
+                            "the Mosaic GPU kernels (Hopper); the *_interpret forms run the kernels in their CPU "
+                            "interpreters (for checking, slow)")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context, '

@@ -15,7 +15,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
 )
 
-BackendName = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
+BackendName = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
 KVWriteImpl = Literal["auto", "xla", "pallas", "triton"]
 
 
@@ -36,7 +36,9 @@ class AttentionBackend:
 def attention_backend(
     name: BackendName, *, kv_write: KVWriteImpl = "auto", tuning: AttentionTuning = AttentionTuning()
 ) -> AttentionBackend:
-    """`xla`: the references (CPU default); `pallas`: GPU kernels; `pallas_interpret`: the kernels on the CPU.
+    """`xla`: the references (CPU default); `pallas`: GPU kernels; `pallas_interpret`: the kernels on the CPU;
+    `pallas_mosaic`: attention on the Mosaic GPU kernels (Hopper); `pallas_mosaic_interpret`: those in Mosaic
+    GPU's CPU interpreter.
 
     With `pallas`, the KV write goes through `jax_triton` when it imports, else the XLA scatter (`auto`).
     """
@@ -47,24 +49,23 @@ def attention_backend(
             functools.partial(ragged_paged_attention, interpret=False, tuning=tuning),
             False,
         )
-    elif name == "pallas_mosaic":
+    elif name in ("pallas_mosaic", "pallas_mosaic_interpret"):
         tuning = dataclasses.replace(tuning, decode_lowering="mosaic", prefill_lowering="mosaic")
-        attention, interpret = (
-            functools.partial(ragged_paged_attention, interpret=False, tuning=tuning),
-            False,
-        )
+        interpret = name == "pallas_mosaic_interpret"
+        attention = functools.partial(ragged_paged_attention, interpret=interpret, tuning=tuning)
     elif name == "pallas_interpret":
         attention, interpret = functools.partial(ragged_paged_attention, interpret=True, tuning=tuning), True
     else:
         raise ValueError(
-            f"unknown attention backend {name!r}; expected 'xla', 'pallas', 'pallas_interpret' or 'pallas_mosaic'"
+            f"unknown attention backend {name!r}; expected 'xla', 'pallas', 'pallas_interpret', 'pallas_mosaic' "
+            "or 'pallas_mosaic_interpret'"
         )
 
     if kv_write == "auto":
         kv_write = (
             "triton"
             if name in ("pallas", "pallas_mosaic") and triton_available()
-            else ("pallas" if name == "pallas_interpret" else "xla")
+            else ("pallas" if name.endswith("_interpret") else "xla")
         )
     if kv_write == "xla":
         writer = write_kv_reference

@@ -2,10 +2,10 @@
 
 A tiny random-weight Llama served by `LLMEngine` twice, once per backend: chunked prefills, a prefill that
 reuses cached prefix pages, mixed prefill + decode steps and on-device decode loops must give the same
-greedy tokens. On the CPU the kernels run in interpret mode; on a GPU (bench/gpu_engine.sh) they are
-compiled, through the Triton lowering (`pallas`) and on the Mosaic GPU kernels (`pallas_mosaic`, in
-bfloat16 with 64-wide heads, the shapes they take). Also keeps the SmolLM2 shapes of the deviceless
-sm_90 engine compile in step with the bundled GGUF.
+greedy tokens. On the CPU the kernels run in interpret mode (the Mosaic GPU kernels in their interpreter,
+`pallas_mosaic_interpret`); on a GPU (bench/gpu_engine.sh) they are compiled, through the Triton lowering
+(`pallas`) and on the Mosaic GPU kernels (`pallas_mosaic`, in bfloat16 with 64-wide heads, the shapes they
+take). Also keeps the SmolLM2 shapes of the deviceless sm_90 engine compile in step with the bundled GGUF.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_pallas_engine_matches_xla(loaded, backend):
     assert_same_outputs(loaded, backend)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"] if GPU else ["pallas_interpret"])
+@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"] if GPU else ["pallas_interpret", "pallas_mosaic_interpret"])
 def test_pallas_engine_matches_xla_bfloat16(backend):
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), numpy_params(CFG_BF16, seed=3, scale=0.3))
     loaded = LoadedModel("tiny", "tiny-llama", CFG_BF16, params, fake_tokenizer(), jnp.bfloat16, 0.0)

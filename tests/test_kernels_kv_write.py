@@ -84,6 +84,10 @@ def test_backend_dispatch():
     assert xla.write_kv_impl == "xla"
     interp = attention_backend("pallas_interpret")
     assert interp.write_kv_impl == "pallas"
+    mosaic_interp = attention_backend("pallas_mosaic_interpret")
+    assert mosaic_interp.write_kv_impl == "pallas"
+    assert mosaic_interp.attention.keywords["tuning"].prefill_lowering == "mosaic"
+    assert mosaic_interp.attention.keywords["interpret"] is True
     gpu = attention_backend("pallas")
     # Without jax_triton (no CUDA plugin) the KV write falls back to the XLA scatter.
     assert gpu.write_kv_impl == ("triton" if triton_available() else "xla")

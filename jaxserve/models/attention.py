@@ -17,10 +17,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_attention_args import quantize_kv
 
-AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic"]
+AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
 # pallas_mosaic: attention on the Mosaic GPU kernels (Hopper): decode-only batches on the decode kernel, batches
 # with prefill chunks on the ragged kernel; soft-capped or windowed attention stays on the generic kernel.
-ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic")
+ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret")
 
 
 def xla_ragged_paged_attention(
@@ -322,13 +322,13 @@ def paged_attention(
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           decode=decode, kv_dtype=kv_dtype, **kwargs)
-    if backend in ("pallas", "pallas_interpret", "pallas_mosaic"):
+    if backend in ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
 
-        lowering = "mosaic" if backend == "pallas_mosaic" else "triton"
+        lowering = "mosaic" if backend.startswith("pallas_mosaic") else "triton"
         tuning = AttentionTuning(decode_lowering=lowering, prefill_lowering=lowering)
         return ragged_paged_attention(
             q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-            interpret=backend == "pallas_interpret", tuning=tuning, **kwargs,
+            interpret=backend.endswith("_interpret"), tuning=tuning, **kwargs,
         )
     raise ValueError(f"unknown attention backend {backend!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
