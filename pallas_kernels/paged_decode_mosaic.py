@@ -1,7 +1,9 @@
-"""Paged decode attention written for Mosaic GPU (`plgpu`): one query token per sequence, Hopper only.
+"""Paged attention written for Mosaic GPU (`plgpu`), Hopper only: the kernel, and its decode wrapper (one
+query token per sequence; `ragged_attention_mosaic.py` wraps it for prefill chunks).
 
-One program (one warpgroup) serves one sequence and one KV head, optionally one of several partitions of
-the KV length (flash decoding). The head group's query rows are padded to the 64 rows of a WGMMA tile; KV
+One program (one warpgroup) serves one query block (decode: one sequence's token) and one KV head, optionally
+one of several partitions of the KV length (flash decoding, decode only). The block's query rows (its tokens
+times the head group) are padded to the 64 rows of a WGMMA tile, each row causal to its token; KV
 arrives `block_kv` tokens at a time by TMA, one copy per page (each page a `[page_size, head_dim]` strided
 box of the pool), double-buffered so the next block's pages are in flight while this one is multiplied.
 QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32.
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
+from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, combine_splits
 
 GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
@@ -211,16 +213,16 @@ def mosaic_decode_supported(
 ) -> str | None:
     """None when the kernel takes these shapes, else the reason it does not. `kv_dtype`: the pages' (q's)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"the Mosaic GPU decode kernel takes bfloat16 or float16, got {jnp.dtype(dtype).name}"
+        return f"the Mosaic GPU kernels take bfloat16 or float16, got {jnp.dtype(dtype).name}"
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
     if kv_dtype != jnp.dtype(dtype) and kv_dtype not in FP8_KV_DTYPES:
-        return f"the Mosaic GPU decode kernel takes pages of q's dtype or float8, got {kv_dtype.name}"
+        return f"the Mosaic GPU kernels take pages of q's dtype or float8, got {kv_dtype.name}"
     if group > ROWS:
         return f"a head group of {group} query heads exceeds the {ROWS} rows of a WGMMA tile"
     if head_dim % 64:
-        return f"the Mosaic GPU decode kernel needs head_dim a multiple of 64, got {head_dim}"
+        return f"the Mosaic GPU kernels need head_dim a multiple of 64, got {head_dim}"
     if page_size % 8:
-        return f"the Mosaic GPU decode kernel needs page_size a multiple of 8, got {page_size}"
+        return f"the Mosaic GPU kernels need page_size a multiple of 8, got {page_size}"
     if block_kv % page_size or block_kv % 64 or block_kv > 256:
         return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
     smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize)
@@ -337,11 +339,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     )(meta, block_tables, qb, k_pages, v_pages)
     if splits == 1:
         return result.astype(jnp.float32)
-    acc, m, denom = result  # [NS, NB, KVH, ROWS, D], [NS, NB, KVH, ROWS] x2
-    m_max = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_max[None])
-    l_sum = jnp.sum(w * denom, axis=0)
-    return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    return combine_splits(*result)  # [NS, NB, KVH, ROWS, D], [NS, NB, KVH, ROWS] x2 -> [NB, KVH, ROWS, D]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits", "interpret"))

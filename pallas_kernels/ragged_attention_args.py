@@ -153,3 +153,12 @@ def blocks_to_tokens(ob: jax.Array, tok_block, tok_row, tok_valid, block_q: int,
     out = ob[tok_block, :, tok_row]  # [T, KVH, G, D]
     out = jnp.where(tok_valid[:, None, None, None], out, jnp.zeros((), out.dtype))
     return out.reshape(out.shape[0], num_kv_heads * group, head_dim)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, denom: jax.Array) -> jax.Array:
+    """Flash-decoding partials of the KV splits (axis 0): unnormalized accumulators `[NS, ..., D]`, row maxima
+    and row sums `[NS, ...]` -> the normalized output `[..., D]` float32 (rows with no key: zero)."""
+    m_max = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_max[None])
+    l_sum = jnp.sum(w * denom, axis=0)
+    return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]

@@ -26,6 +26,7 @@ from pallas_kernels.ragged_attention_args import (
     block_layout,
     blocks_to_tokens,
     check_attention_args,
+    combine_splits,
     queries_to_blocks,
     token_metadata,
 )
@@ -293,11 +294,7 @@ def ragged_paged_attention(
     if splits == 1:
         ob = result
     else:
-        acc, m, denom = result  # [NS, NB, KVH, rows, D], [NS, NB, KVH, rows] x2
-        m_max = jnp.max(m, axis=0)
-        w = jnp.exp(m - m_max[None])
-        l_sum = jnp.sum(w * denom, axis=0)
-        ob = jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+        ob = combine_splits(*result)  # [NS, NB, KVH, rows, D], [NS, NB, KVH, rows] x2 -> [NB, KVH, rows, D]
 
     return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
 
