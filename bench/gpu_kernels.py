@@ -185,9 +185,14 @@ def main() -> int:
             )
 
         mosaic, mosaic128 = mosaic_decode(64), mosaic_decode(128)
-        # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does.
-        mosaic_ragged = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale))
-        mosaic_ragged128 = jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale, block_kv=128))
+        # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does: warp-specialized (two
+        # compute warpgroups; 128-key blocks where they fit, and 64) and one warpgroup (64- and 128-key blocks).
+        def mosaic_ragged(compute_wgs, block_kv=None, scale=scale):
+            return jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale, block_kv=block_kv,
+                                             compute_wgs=compute_wgs))
+
+        prefill_mosaic = [("mosaic_ws", mosaic_ragged(2)), ("mosaic_ws_bkv64", mosaic_ragged(2, 64)),
+                          ("mosaic_1wg", mosaic_ragged(1, 64)), ("mosaic_1wg_bkv128", mosaic_ragged(1, 128))]
         print(
             f"\n== {heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}), {jnp.dtype(DTYPE).name}, page {PAGE_SIZE}"
         )
@@ -236,8 +241,7 @@ def main() -> int:
                     q, k, v, scale=scale, is_causal=True, implementation="cudnn"
                 )
             )
-            fns = [("pallas", pallas), ("mosaic", mosaic_ragged), ("mosaic_bkv128", mosaic_ragged128), ("xla", xla),
-                   ("cudnn", cudnn)]
+            fns = [("pallas", pallas), *prefill_mosaic, ("xla", xla), ("cudnn", cudnn)]
             run_row(f"prefill T={tokens:5d}", fns, sets, nbytes, flops, dense, copy_bw)
         print("decode, float8_e4m3fn pages (--kv-cache-dtype fp8): bytes = K+V read at 1 byte + q/out")
         for batch, ctx in fp8_grid:

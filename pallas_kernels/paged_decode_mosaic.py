@@ -47,6 +47,22 @@ def _plgpu():
     return plgpu
 
 
+def register_layouts(interpret: bool):
+    """`layout_cast` and `broadcasted_iota` with register layouts: hints for the GPU lowering, which the
+    interpreter has no rule for (there they are the identity and the plain iota)."""
+    if not interpret:
+        plgpu = _plgpu()
+        return plgpu.layout_cast, plgpu.broadcasted_iota
+
+    def layout_cast(x, layout):
+        return x
+
+    def iota(dtype, shape, dim, layout):
+        return lax.broadcasted_iota(dtype, shape, dim)
+
+    return layout_cast, iota
+
+
 def _attention_body(
     meta_ref,
     block_tables_ref,
@@ -70,15 +86,7 @@ def _attention_body(
     """
     plgpu = _plgpu()
     blk, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
-    # Register layouts are hints for the GPU lowering; the interpreter has no rule for them.
-    if interpret:
-        def layout_cast(x, layout):
-            return x
-
-        def iota(dtype, shape, dim, layout):
-            return lax.broadcasted_iota(dtype, shape, dim)
-    else:
-        layout_cast, iota = plgpu.layout_cast, plgpu.broadcasted_iota
+    layout_cast, iota = register_layouts(interpret)
 
     # Outputs, then scratch: q and output tiles, [split partials], K/V blocks, [upcast K/V tiles], barriers.
     n_out = 1 if num_splits == 1 else 3
@@ -88,9 +96,7 @@ def _attention_body(
         (o_ref,), (k_smem, v_smem, *upcast) = outs, rest[:-3]
     else:
         (o_ref, m_ref, l_ref), (m_smem, l_smem, k_smem, v_smem, *upcast) = outs, rest[:-3]
-    num_pages = k_pages_ref.shape[0]
     pages_per_seq = block_tables_ref.shape[1]
-    pages_per_block = block_kv // page_size
     head_dim = q_smem.shape[-1]
 
     plgpu.copy_gmem_to_smem(q_ref.at[blk, kv_head], q_smem, q_bar.at[0])
@@ -107,12 +113,8 @@ def _attention_body(
 
     def issue(j, slot):
         """Start the TMA copies of block j's pages into buffer `slot`."""
-        for i in range(pages_per_block):
-            idx = jnp.minimum(j * pages_per_block + i, last_page)
-            page = jnp.clip(block_tables_ref[seq, idx], 0, num_pages - 1)
-            rows = pl.ds(i * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_pages_ref.at[page, :, kv_head, :], k_smem.at[slot, rows], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_pages_ref.at[page, :, kv_head, :], v_smem.at[slot, rows], v_bar.at[slot])
+        for pages_ref, smem, bar in ((k_pages_ref, k_smem, k_bar), (v_pages_ref, v_smem, v_bar)):
+            copy_kv_block(pages_ref, smem.at[slot], bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
 
     @pl.when(start < stop)
     def _():
@@ -198,6 +200,19 @@ def _attention_body(
     plgpu.wait_smem_to_gmem(0)
 
 
+def copy_kv_block(pages_ref, dst, bar, block_tables_ref, seq, j, last_page, kv_head) -> None:
+    """Start the TMA copies of KV block j of sequence `seq` (its `dst.shape[0] // page_size` pages of one KV
+    head) into the SMEM tile `dst`, one copy and one arrival on `bar` per page; pages past `last_page`
+    re-read it."""
+    plgpu = _plgpu()
+    num_pages, page_size = pages_ref.shape[:2]
+    pages_per_block = dst.shape[0] // page_size
+    for i in range(pages_per_block):
+        idx = jnp.minimum(j * pages_per_block + i, last_page)
+        page = jnp.clip(block_tables_ref[seq, idx], 0, num_pages - 1)
+        plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head, :], dst.at[pl.ds(i * page_size, page_size)], bar)
+
+
 def _upcast(src, dst, plgpu):
     """`dst` (a q-dtype SMEM tile) holding the float8 block `src`, 64 rows at a time through registers."""
     for r in range(0, src.shape[0], ROWS):
@@ -209,9 +224,10 @@ def _upcast(src, dst, plgpu):
 
 
 def mosaic_decode_supported(
-    dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64, kv_dtype=None
+    dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64, kv_dtype=None, smem: int | None = None
 ) -> str | None:
-    """None when the kernel takes these shapes, else the reason it does not. `kv_dtype`: the pages' (q's)."""
+    """None when the kernel takes these shapes, else the reason it does not. `kv_dtype`: the pages' (q's);
+    `smem`: the shared memory of the kernel's program (this file's kernel's when None)."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the Mosaic GPU kernels take bfloat16 or float16, got {jnp.dtype(dtype).name}"
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
@@ -225,7 +241,8 @@ def mosaic_decode_supported(
         return f"the Mosaic GPU kernels need page_size a multiple of 8, got {page_size}"
     if block_kv % page_size or block_kv % 64 or block_kv > 256:
         return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
-    smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize)
+    if smem is None:
+        smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize)
     if smem > SMEM_BYTES:
         return f"block_kv {block_kv} x head_dim {head_dim} needs {smem} bytes of shared memory, over {SMEM_BYTES}"
     return None
@@ -242,7 +259,7 @@ def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | N
     return kv + tiles + 1024  # barriers and alignment
 
 
-def _swizzled(dtype, head_dim: int):
+def swizzled(dtype, head_dim: int):
     """SMEM transforms that make a `[rows, head_dim]` tile a WGMMA operand."""
     plgpu = _plgpu()
     bits = jnp.finfo(dtype).bits
@@ -259,14 +276,14 @@ def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv
     return splits
 
 
-def _interpret_params():
+def interpret_params():
     """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers); a private path in JAX 0.10."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams(uninitialized_memory="zero")
 
 
-def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int) -> int:
+def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: int | None = None) -> int:
     """The head group of these operands when the kernel takes them; raises naming the problem otherwise."""
     if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape[3] != q.shape[2] or v_pages.shape != k_pages.shape:
         raise ValueError(f"expected q [T, QH, D] and pages [N, page_size, KVH, D], got {q.shape}, {k_pages.shape}")
@@ -279,7 +296,8 @@ def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int) -> int:
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [S, pages_per_seq], got {block_tables.shape}")
     group = num_q_heads // num_kv_heads
-    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv, kv_dtype=k_pages.dtype)
+    reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv, kv_dtype=k_pages.dtype,
+                                     smem=smem)
     if reason is not None:
         raise ValueError(reason)
     return group
@@ -293,8 +311,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     plgpu = _plgpu()
     num_blocks, num_kv_heads, _, head_dim = qb.shape
     page_size = k_pages.shape[1]
-    tile = () if interpret else _swizzled(qb.dtype, head_dim)
-    kv_tile = () if interpret else _swizzled(k_pages.dtype, head_dim)
+    tile = () if interpret else swizzled(qb.dtype, head_dim)
+    kv_tile = () if interpret else swizzled(k_pages.dtype, head_dim)
     # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block table.
     scratch = [plgpu.SMEM((ROWS, head_dim), qb.dtype, transforms=tile)]
     if splits == 1:
@@ -305,7 +323,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
         out_shape = (jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, ROWS, head_dim), jnp.float32),
                      rows, rows)
         scratch += [
-            plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else _swizzled(jnp.float32, head_dim)),
+            plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else swizzled(jnp.float32, head_dim)),
             plgpu.SMEM((ROWS,), jnp.float32),
             plgpu.SMEM((ROWS,), jnp.float32),
         ]
@@ -334,7 +352,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
         scratch_types=scratch,
         grid=(num_blocks, num_kv_heads, splits),
         grid_names=GRID_NAMES,
-        interpret=_interpret_params() if interpret else None,
+        interpret=interpret_params() if interpret else None,
         kernel_name=name,
     )(meta, block_tables, qb, k_pages, v_pages)
     if splits == 1:

@@ -1,24 +1,47 @@
 """Ragged paged attention on Mosaic GPU (Hopper): prefill chunks and decode tokens of many sequences in one call.
 
-The kernel of `paged_decode_mosaic.py` over query blocks instead of single tokens: each sequence's query tokens
-are cut into blocks of `64 // group` consecutive tokens, and a block with the `group` query heads of one KV head
-fills the 64 rows of a WGMMA tile (GQA shares each K/V block among the group's heads and the block's tokens).
-A program walks the KV blocks up to its last token's position, causal within the block by a per-row mask, the
-same double-buffered TMA page gather, tensor-core products and float32 online softmax as for decode; float8
-pages are upcast in SMEM. No flash-decoding split (a prefill has programs enough); no soft-cap or sliding window
-(those calls stay on the generic kernel of `ragged_paged_attention.py`).
+Each sequence's query tokens are cut into blocks, and a block with the `group` query heads of one KV head fills
+the rows of WGMMA tiles (GQA shares each K/V block among the group's heads and the block's tokens; row r is
+token r // group). A block walks the KV blocks up to its last token's position, causal by a per-row mask; K/V
+pages arrive by TMA through the block table into SMEM, the products run on the tensor cores into float32
+accumulators, and the softmax is online in float32. No flash-decoding split (a prefill has programs enough);
+no soft-cap or sliding window (those calls stay on the generic kernel of `ragged_paged_attention.py`).
 
-Which kernel serves prefill on Hopper is a measurement (`bench/gpu_kernels.py` times both); this one is
-checked in Mosaic GPU's CPU interpreter against the float64 oracle and compiled for sm_90 without a GPU.
+Two forms:
+- `compute_wgs=2`, warp-specialized (the default for pages of q's dtype): a program is three warpgroups. Two
+  compute warpgroups take 64 rows each (a block of `128 // group` tokens) and share every K/V block, which
+  doubles the FLOPs per byte moved into SMEM; the third issues the page copies into a two-stage ring, and
+  refills a stage when both compute warpgroups have released it. The compute warpgroups take turns on the
+  tensor cores (one's softmax runs during the other's products), and the blocks that need no causal mask
+  skip it.
+- `compute_wgs=1`: the one-warpgroup body of `paged_decode_mosaic.py` over blocks of `64 // group` tokens,
+  which also takes float8 pages (upcast in SMEM).
+
+Which kernel serves prefill on Hopper is a measurement (`bench/gpu_kernels.py` times them all); both forms
+are checked in Mosaic GPU's CPU interpreter against the float64 oracle and compiled for sm_90 without a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_decode_mosaic import ROWS, check_mosaic_args, mosaic_attention_blocks
+from pallas_kernels.paged_decode_mosaic import (
+    ROWS,
+    SMEM_BYTES,
+    _plgpu,
+    check_mosaic_args,
+    copy_kv_block,
+    interpret_params,
+    mosaic_attention_blocks,
+    register_layouts,
+    swizzled,
+)
 from pallas_kernels.ragged_attention_args import (
     block_layout,
     blocks_to_tokens,
@@ -26,8 +49,195 @@ from pallas_kernels.ragged_attention_args import (
     queries_to_blocks,
 )
 
+COMPUTE_WGS = 2
+STAGES = 2  # the K/V ring: one stage multiplied while the next lands
+LOG2E = math.log2(math.e)
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "interpret"))
+
+def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, qo_smem, k_smem, v_smem,
+             q_bar, k_bar, v_bar, k_free, v_free, turn_bar, *, block_kv: int, sm_scale: float, group: int,
+             interpret: bool):
+    """One (query block, KV head): warpgroups 0 and 1 compute rows 0-63 and 64-127, warpgroup 2 loads K/V.
+
+    Barriers: `k_bar`/`v_bar[stage]` complete when the stage's pages have landed; `k_free`/`v_free[stage]`
+    when both compute warpgroups are done reading it; `turn` is a rendezvous of the compute warpgroups that
+    hands the tensor cores from one to the other.
+    """
+    plgpu = _plgpu()
+    turn = turn_bar.at[0]  # one barrier, declared as an array of one: the default shape differs across JAX versions
+    blk, kv_head, wg = lax.axis_index("block"), lax.axis_index("kv_head"), lax.axis_index("wg")
+    layout_cast, iota = register_layouts(interpret)
+    pages_per_seq = block_tables_ref.shape[1]
+    page_size = k_pages_ref.shape[1]
+    head_dim = qo_smem.shape[-1]
+    seq, pos0, num_q = meta_ref[blk, 0], meta_ref[blk, 1], meta_ref[blk, 2]
+    kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
+    stop = pl.cdiv(kv_len, block_kv)  # KV blocks loaded, and walked by both compute warpgroups
+    last_page = jnp.clip(pl.cdiv(kv_len, page_size) - 1, 0, pages_per_seq - 1)
+
+    def rendezvous():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _load():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def fill(j, slot):
+            copy_kv_block(k_pages_ref, k_smem.at[slot], k_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
+            copy_kv_block(v_pages_ref, v_smem.at[slot], v_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
+
+        @pl.loop(0, jnp.minimum(stop, STAGES))
+        def _(j):
+            fill(j, j)
+
+        @pl.loop(STAGES, jnp.maximum(stop, STAGES))
+        def _(j):
+            slot = lax.rem(j, STAGES)
+            plgpu.barrier_wait(k_free.at[slot])
+            copy_kv_block(k_pages_ref, k_smem.at[slot], k_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
+            plgpu.barrier_wait(v_free.at[slot])
+            copy_kv_block(v_pages_ref, v_smem.at[slot], v_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
+
+        # Observe the last releases too: every phase of a barrier is waited for (the interpreter checks it).
+        @pl.loop(jnp.maximum(stop, STAGES) - STAGES, stop)
+        def _(j):
+            plgpu.barrier_wait(k_free.at[lax.rem(j, STAGES)])
+            plgpu.barrier_wait(v_free.at[lax.rem(j, STAGES)])
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo = qo_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[blk, kv_head, wg], qo, q_bar.at[wg])
+        # This warpgroup's tokens: first and last (rows past the block's tokens repeat the last one's limit).
+        first = lax.div(wg * ROWS, group)
+        own = first < num_q
+        last = jnp.minimum(lax.div(wg * ROWS + ROWS - 1, group), num_q - 1)
+        own_len = jnp.where(own, pos0 + last + 1, 0)
+        own_stop = pl.cdiv(own_len, block_kv)
+        # KV blocks wholly at or before the first token's position need no mask.
+        unmasked = jnp.where(own, jnp.minimum((pos0 + first + 1) // block_kv, own_stop), 0)
+        row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+        row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), own_len - 1)
+
+        rows_layout = plgpu.Layout.WGMMA.reduce(1)
+        m0 = layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout)
+        l0 = layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), rows_layout)
+        acc0 = layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, carry, masked: bool):
+            acc, m_prev, l_prev = carry
+            slot = lax.rem(j, STAGES)
+            plgpu.barrier_wait(k_bar.at[slot])
+            # The interpreter's WGMMA takes neither a transposed SMEM operand nor a register one: under it, the
+            # same products are plain dots.
+            if interpret:
+                s = lax.dot_general(qo[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                rendezvous()
+            else:
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                    rendezvous()  # the other warpgroup's products start while this one's QK^T finishes
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * (sm_scale * LOG2E)  # base-2 logits: exp2 below
+            if masked:
+                s = jnp.where(j * block_kv + col <= row_pos, s, -jnp.inf)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            # A row's first block holds key 0, which every row sees, so m is finite from then on: no NaN.
+            alpha = jnp.exp2(m_prev - m_next)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            l_next = l_prev * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p = p.astype(qo.dtype)
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's again
+            if interpret:
+                acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+            else:
+                acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_next, l_next
+
+        def drain(j, _):
+            """A block past this warpgroup's last token: release the stage, keep the turns in step."""
+            slot = lax.rem(j, STAGES)
+            plgpu.barrier_wait(k_bar.at[slot])  # so each arrival lands in the stage's current phase
+            plgpu.barrier_arrive(k_free.at[slot])
+            rendezvous()
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(turn)
+            plgpu.barrier_arrive(v_free.at[slot])
+
+        pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts half a step behind warpgroup 0
+        plgpu.barrier_wait(q_bar.at[wg])
+        carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), (acc0, m0, l0))
+        acc, _, denom = lax.fori_loop(unmasked, own_stop, functools.partial(step, masked=True), carry)
+        lax.fori_loop(own_stop, stop, drain, None)
+        pl.when(wg == 0)(rendezvous)
+
+        safe = jnp.where(denom == 0.0, 1.0, denom)
+        qo[...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(qo.dtype)  # q is read no more
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo, o_ref.at[blk, kv_head, wg])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def ws_smem_bytes(itemsize: int, head_dim: int, block_kv: int) -> int:
+    """Shared memory of one warp-specialized program: the q/output tiles of both compute warpgroups and the
+    K/V ring."""
+    return COMPUTE_WGS * ROWS * head_dim * itemsize + 2 * STAGES * block_kv * head_dim * itemsize + 1024
+
+
+def ws_block_kv(itemsize: int, head_dim: int, page_size: int) -> int | None:
+    """The default KV block of the warp-specialized kernel: 128 keys where they fit, else 64 or 256."""
+    for block_kv in (128, 64, 256):
+        if block_kv % page_size == 0 and ws_smem_bytes(itemsize, head_dim, block_kv) <= SMEM_BYTES:
+            return block_kv
+    return None
+
+
+def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, block_kv, group, interpret, name):
+    """The warp-specialized kernel over query blocks: qb `[NB, KVH, 2, ROWS, D]` -> the same shape, q's dtype."""
+    plgpu = _plgpu()
+    num_blocks, num_kv_heads, _, _, head_dim = qb.shape
+    tile = () if interpret else swizzled(qb.dtype, head_dim)
+    pages_per_block = block_kv // k_pages.shape[1]
+    scratch = [
+        plgpu.SMEM((COMPUTE_WGS, ROWS, head_dim), qb.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, block_kv, head_dim), k_pages.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, block_kv, head_dim), v_pages.dtype, transforms=tile),
+        plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),
+        # One arrival per page copy: a stage is ready when all of its pages have landed.
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
+    ]
+    body = functools.partial(_ws_body, block_kv=block_kv, sm_scale=float(sm_scale), group=group,
+                             interpret=interpret)
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(qb.shape, qb.dtype),
+        scratch_types=scratch,
+        grid=(num_blocks, num_kv_heads),
+        grid_names=("block", "kv_head"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        interpret=interpret_params() if interpret else None,
+        kernel_name=name,
+    )(meta, block_tables, qb, k_pages, v_pages)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "compute_wgs", "interpret"))
 def ragged_paged_attention_mosaic(
     q,
     k_pages,
@@ -37,20 +247,47 @@ def ragged_paged_attention_mosaic(
     query_start_loc,
     *,
     sm_scale: float,
-    block_kv: int = 64,
+    block_kv: int | None = None,
+    compute_wgs: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Ragged paged attention (the contract of `ragged_paged_attention`, no soft-cap or window) on Mosaic
-    GPU: q `[T, QH, D]` bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype."""
+    GPU: q `[T, QH, D]` bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
+
+    `compute_wgs`: 2 (warp-specialized; pages of q's dtype) or 1; None picks 2 where it applies (compiled).
+    `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, None, None)
-    group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv)
+    same_dtype = k_pages.dtype == q.dtype
+    if compute_wgs is None:
+        # In the interpreter the three warpgroups are three threads blocking on each other inside host
+        # callbacks, which can exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py).
+        compute_wgs = COMPUTE_WGS if same_dtype and not interpret else 1
+    if compute_wgs not in (1, COMPUTE_WGS):
+        raise ValueError(f"compute_wgs must be 1 or {COMPUTE_WGS}, got {compute_wgs}")
+    if compute_wgs == COMPUTE_WGS and not same_dtype:
+        raise ValueError(f"the warp-specialized kernel takes pages of q's dtype ({q.dtype}), got {k_pages.dtype}; "
+                         "float8 pages run with compute_wgs=1")
+    head_dim, page_size = q.shape[2], k_pages.shape[1]
+    if block_kv is None:
+        block_kv = (compute_wgs == COMPUTE_WGS and ws_block_kv(q.dtype.itemsize, head_dim, page_size)) or 64
+    smem = ws_smem_bytes(q.dtype.itemsize, head_dim, block_kv) if compute_wgs == COMPUTE_WGS else None
+    group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, smem=smem)
     num_tokens = q.shape[0]
     num_kv_heads = k_pages.shape[2]
-    block_q = ROWS // group
+    rows = compute_wgs * ROWS
+    block_q = rows // group
     _, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(seq_lens, query_start_loc, num_tokens,
                                                                      block_q)
-    qb = queries_to_blocks(q, gather_tok, num_kv_heads, ROWS)  # [NB, KVH, ROWS, D]
-    ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
-                                 splits=1, group=group, interpret=interpret,
-                                 name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
+    qb = queries_to_blocks(q, gather_tok, num_kv_heads, rows)  # [NB, KVH, rows, D]
+    if compute_wgs == 1:
+        ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
+                                     block_kv=block_kv, splits=1, group=group, interpret=interpret,
+                                     name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
+    else:
+        num_blocks = qb.shape[0]
+        qb = qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim)
+        ob = _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
+                                  group=group, interpret=interpret,
+                                  name=f"ragged_attention_mosaic_ws_bq{block_q}_bkv{block_kv}")
+        ob = ob.reshape(num_blocks, num_kv_heads, rows, head_dim)
     return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)

@@ -3,7 +3,9 @@ interpreter against the float64 oracle: blocks of several query tokens of a GQA 
 within the chunk, over cached context, pages shared between sequences, float8 pages, padding tokens zero.
 
 The interpreter simulates SMEM, the TMA page copies and the barriers; it runs the two products as plain dots.
-The WGMMA path is compiled for sm_90 in tests/gpu_compile; on a GPU these tests run the compiled kernel.
+In it the kernel's default form is the one-warpgroup one (tests/test_kernels_mosaic_ws.py runs the
+warp-specialized form in a child process). The WGMMA path is compiled for sm_90 in tests/gpu_compile; on a GPU
+these tests run the compiled kernel in its default form (warp-specialized on pages of q's dtype).
 """
 
 from __future__ import annotations

@@ -209,25 +209,31 @@ def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block
 
 
 # The ragged Mosaic GPU kernel (prefill chunks and decode in one call): 2k/8k-token prompts of SmolLM2 and
-# Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 128-key blocks; the bfloat16 engine
-# of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
+# Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 64- and 128-key blocks; the bfloat16
+# engine of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
+# Warp-specialized (compute_wgs None: 2 on pages of q's dtype) and one-warpgroup (1) forms.
 RAGGED_MOSAIC_CASES = [
-    (2048, 1, 3, 3, 64, 64, DTYPE, 16), (8192, 1, 8, 4, 128, 64, DTYPE, 16), (512, 64, 8, 4, 128, 64, DTYPE, 16),
-    (2048, 1, 8, 4, 128, 128, DTYPE, 16), (2048, 1, 8, 4, 128, 64, E4M3, 16), (16, 4, 2, 2, 64, 64, DTYPE, 8),
+    (2048, 1, 3, 3, 64, None, DTYPE, 16, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None),
+    (512, 64, 8, 4, 128, None, DTYPE, 16, None), (2048, 1, 8, 4, 128, 64, DTYPE, 16, None),
+    (16, 4, 2, 2, 64, None, DTYPE, 8, None),
+    (2048, 1, 3, 3, 64, 64, DTYPE, 16, 1), (8192, 1, 8, 4, 128, 128, DTYPE, 16, 1),
+    (2048, 1, 8, 4, 128, 64, E4M3, 16, None),
 ]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype,page_size", RAGGED_MOSAIC_CASES)
-def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block_kv, kv_dtype, page_size):
+@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype,page_size,compute_wgs", RAGGED_MOSAIC_CASES)
+def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block_kv, kv_dtype, page_size,
+                                                compute_wgs):
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
     P = -(-8192 // page_size)
     pages = spec((65536, page_size, kvh, d), kv_dtype)
-    fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv)
+    fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv,
+                           compute_wgs=compute_wgs)
     args = (spec((T, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32),
             spec((S + 1,), jnp.int32))
     seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
     print(f"ragged mosaic T={T} S={S} {kvh}x{group}x{d} page {page_size} block_kv={block_kv} "
-          f"KV {jnp.dtype(kv_dtype).name}: "
+          f"compute_wgs={compute_wgs} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")

@@ -1,0 +1,57 @@
+"""Child process of tests/test_kernels_mosaic_ws.py: the warp-specialized ragged Mosaic GPU kernel against the
+float64 oracle (in Mosaic GPU's CPU interpreter, or compiled on a GPU), one JSON line per case on stdout.
+
+Its three warpgroups are three interpreter threads that block on each other's barriers, each inside a host
+callback on XLA's CPU thread pool; the pool is sized by the host's cores, which on a 2-core machine leaves
+a thread short, so the parent runs this with 8 simulated devices (a larger pool). Not a test module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
+from tests.test_kernels_cases import make_batch, naive_attention
+
+# (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq)
+CASES = [
+    # Group 4, 64-key blocks of 8-token pages: a 40-token chunk over 60 cached tokens (a program of two full
+    # warpgroups, then one whose second warpgroup has no token and only releases the stages), a decode token
+    # at 137 (three KV blocks: the loader refills a stage), an empty row, a 20-token prompt (16 + 4 tokens).
+    ("group4-bkv64", 8, 64, 4, 1, 64, [(40, 100), (1, 137), (0, 0), (20, 20)], 18),
+    # SmolLM2 heads (group 3): token 21's heads straddle the two warpgroups; the default 128-key blocks.
+    ("smollm-bkv128", 16, 64, 3, 1, None, [(50, 200), (1, 1), (7, 7)], 13),
+]
+
+
+def main() -> None:
+    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq in CASES:
+        rng = np.random.default_rng(len(name))
+        batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
+                           dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
+        start = time.perf_counter()
+        out = ragged_paged_attention_mosaic(
+            batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            sm_scale=head_dim**-0.5, block_kv=block_kv, compute_wgs=2, interpret=jax.default_backend() == "cpu",
+        )
+        out = np.asarray(out.astype(jnp.float32))
+        seconds = time.perf_counter() - start
+        ref = naive_attention(batch, sm_scale=head_dim**-0.5)
+        n = batch.num_real_tokens
+        print(json.dumps({
+            "case": name, "seconds": round(seconds, 1), "dtype": str(out.dtype), "shape_ok": out.shape == batch.q.shape,
+            "finite": bool(np.isfinite(out[:n]).all()), "max_err": float(np.abs(out[:n] - ref[:n]).max()),
+            "max_ref": float(np.abs(ref[:n]).max()), "padding_zero": not out[n:].any(),
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    if jax.default_backend() == "cpu":
+        assert jax.device_count() > 2, "run with --xla_force_host_platform_device_count=8 (see the module doc)"
+    sys.exit(main())
