@@ -177,14 +177,15 @@ def main() -> int:
         )
         xla = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
         # The Mosaic GPU kernel takes one query token per sequence: q [S, QH, D] is the decode batch as is.
-        def mosaic_decode(block_kv, scale=scale):
+        def mosaic_decode(block_kv, stages=2, scale=scale):
             return jax.jit(
                 lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
-                    q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv
+                    q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv, stages=stages
                 )
             )
 
-        mosaic, mosaic128 = mosaic_decode(64), mosaic_decode(128)
+        # 64-key blocks in a ring of 2 and of 4 stages (3 blocks in flight), 128-key blocks in 2.
+        mosaic, mosaic_st4, mosaic128 = mosaic_decode(64), mosaic_decode(64, 4), mosaic_decode(128)
         # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does: warp-specialized (two
         # compute warpgroups; 128-key blocks where they fit, and 64) and one warpgroup (64- and 128-key blocks).
         def mosaic_ragged(compute_wgs, block_kv=None, scale=scale):
@@ -213,6 +214,7 @@ def main() -> int:
                 ("pallas", pallas),
                 ("pallas_mma", pallas_mma),
                 ("mosaic", mosaic),
+                ("mosaic_st4", mosaic_st4),
                 ("mosaic_bkv128", mosaic128),
                 ("xla", None if big else xla),
                 ("cudnn", cudnn),
@@ -250,7 +252,7 @@ def main() -> int:
                 continue
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes,
                                               kv_dtype=jnp.float8_e4m3fn)
-            fns = [("pallas", pallas), ("mosaic", mosaic), ("mosaic_bkv128", mosaic128),
+            fns = [("pallas", pallas), ("mosaic", mosaic), ("mosaic_st4", mosaic_st4), ("mosaic_bkv128", mosaic128),
                    ("xla", None if nbytes * 6 > REF_LIMIT_BYTES else xla)]
             run_row(f"fp8 decode b={batch:3d} ctx={ctx:5d}", [(n, f) for n, f in fns if f is not None], sets,
                     nbytes, flops, None, copy_bw)

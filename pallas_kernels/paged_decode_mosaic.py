@@ -5,7 +5,8 @@ One program (one warpgroup) serves one query block (decode: one sequence's token
 one of several partitions of the KV length (flash decoding, decode only). The block's query rows (its tokens
 times the head group) are padded to the 64 rows of a WGMMA tile, each row causal to its token; KV
 arrives `block_kv` tokens at a time by TMA, one copy per page (each page a `[page_size, head_dim]` strided
-box of the pool), double-buffered so the next block's pages are in flight while this one is multiplied.
+box of the pool), into a ring of `stages` SMEM buffers (2 by default), so the next blocks' pages are in flight
+while this one is multiplied.
 QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32.
 
 Float8 pages (e4m3 or e5m2) with bfloat16 or float16 queries move half the bytes: each block lands in SMEM as
@@ -116,9 +117,9 @@ def _attention_body(
         for pages_ref, smem, bar in ((k_pages_ref, k_smem, k_bar), (v_pages_ref, v_smem, v_bar)):
             copy_kv_block(pages_ref, smem.at[slot], bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
 
-    @pl.when(start < stop)
-    def _():
-        issue(start, 0)
+    stages = k_smem.shape[0]
+    for i in range(stages - 1):  # the first blocks in flight before any is multiplied
+        pl.when(start + i < stop)(functools.partial(issue, start + i, i))
 
     plgpu.barrier_wait(q_bar.at[0])
 
@@ -134,11 +135,10 @@ def _attention_body(
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
-        slot = lax.rem(j - start, 2)
-
-        @pl.when(j + 1 < stop)
-        def _():
-            issue(j + 1, 1 - slot)  # the other buffer was consumed by block j - 1's dots, already awaited
+        slot = lax.rem(j - start, stages)
+        ahead = j + stages - 1
+        # Into block j - 1's stage, which its dots (already awaited) have consumed.
+        pl.when(ahead < stop)(functools.partial(issue, ahead, lax.rem(ahead - start, stages)))
 
         plgpu.barrier_wait(k_bar.at[slot])
         k_op = _upcast(k_smem.at[slot], upcast[0], plgpu) if upcast else k_smem.at[slot]
@@ -224,7 +224,8 @@ def _upcast(src, dst, plgpu):
 
 
 def mosaic_decode_supported(
-    dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64, kv_dtype=None, smem: int | None = None
+    dtype, head_dim: int, page_size: int, group: int, block_kv: int = 64, kv_dtype=None, smem: int | None = None,
+    stages: int = 2,
 ) -> str | None:
     """None when the kernel takes these shapes, else the reason it does not. `kv_dtype`: the pages' (q's);
     `smem`: the shared memory of the kernel's program (this file's kernel's when None)."""
@@ -241,18 +242,21 @@ def mosaic_decode_supported(
         return f"the Mosaic GPU kernels need page_size a multiple of 8, got {page_size}"
     if block_kv % page_size or block_kv % 64 or block_kv > 256:
         return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
+    if stages < 2:
+        return f"the K/V ring needs at least 2 stages, got {stages}"
     if smem is None:
-        smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize)
+        smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize, stages)
     if smem > SMEM_BYTES:
-        return f"block_kv {block_kv} x head_dim {head_dim} needs {smem} bytes of shared memory, over {SMEM_BYTES}"
+        return (f"block_kv {block_kv} x head_dim {head_dim} in {stages} stages needs {smem} bytes of shared memory, "
+                f"over {SMEM_BYTES}")
     return None
 
 
-def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None) -> int:
-    """Shared memory of one program: double-buffered K and V blocks (and their upcast tiles when the pages
-    are narrower than q), q and output tiles, split partials."""
+def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None, stages: int = 2) -> int:
+    """Shared memory of one program: the ring of K and V blocks (and their upcast tiles when the pages are
+    narrower than q), q and output tiles, split partials."""
     kv_itemsize = kv_itemsize or itemsize
-    kv = 2 * 2 * block_kv * head_dim * kv_itemsize
+    kv = stages * 2 * block_kv * head_dim * kv_itemsize
     if kv_itemsize != itemsize:
         kv += 2 * block_kv * head_dim * itemsize
     tiles = 2 * ROWS * head_dim * itemsize + ROWS * head_dim * 4 + 2 * ROWS * 4
@@ -283,7 +287,8 @@ def interpret_params():
     return InterpretGPUParams(uninitialized_memory="zero")
 
 
-def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: int | None = None) -> int:
+def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: int | None = None,
+                      stages: int = 2) -> int:
     """The head group of these operands when the kernel takes them; raises naming the problem otherwise."""
     if q.ndim != 3 or k_pages.ndim != 4 or k_pages.shape[3] != q.shape[2] or v_pages.shape != k_pages.shape:
         raise ValueError(f"expected q [T, QH, D] and pages [N, page_size, KVH, D], got {q.shape}, {k_pages.shape}")
@@ -297,14 +302,14 @@ def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: in
         raise ValueError(f"block_tables must be [S, pages_per_seq], got {block_tables.shape}")
     group = num_q_heads // num_kv_heads
     reason = mosaic_decode_supported(q.dtype, head_dim, page_size, group, block_kv, kv_dtype=k_pages.dtype,
-                                     smem=smem)
+                                     smem=smem, stages=stages)
     if reason is not None:
         raise ValueError(reason)
     return group
 
 
 def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale: float, block_kv: int,
-                            splits: int, group: int, interpret: bool, name: str) -> jax.Array:
+                            splits: int, group: int, interpret: bool, name: str, stages: int = 2) -> jax.Array:
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
     r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0) ->
     `[NB, KVH, ROWS, D]` float32. Splits (flash decoding) are for blocks of one token only."""
@@ -328,16 +333,16 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
             plgpu.SMEM((ROWS,), jnp.float32),
         ]
     scratch += [
-        plgpu.SMEM((2, block_kv, head_dim), k_pages.dtype, transforms=kv_tile),
-        plgpu.SMEM((2, block_kv, head_dim), v_pages.dtype, transforms=kv_tile),
+        plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=kv_tile),
+        plgpu.SMEM((stages, block_kv, head_dim), v_pages.dtype, transforms=kv_tile),
     ]
     if k_pages.dtype != qb.dtype:  # the upcast K and V tiles the tensor cores read
         scratch += [plgpu.SMEM((block_kv, head_dim), qb.dtype, transforms=tile)] * 2
     scratch += [
         plgpu.Barrier(num_arrivals=1, num_barriers=1),  # explicit: the default shape differs across JAX versions
         # One arrival per page copy: the block is ready when all of its pages have landed.
-        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
-        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=2),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
     ]
     body = functools.partial(
         _attention_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
@@ -360,7 +365,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     return combine_splits(*result)  # [NS, NB, KVH, ROWS, D], [NS, NB, KVH, ROWS] x2 -> [NB, KVH, ROWS, D]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits", "stages", "interpret"))
 def paged_decode_attention_mosaic(
     q,
     k_pages,
@@ -371,10 +376,12 @@ def paged_decode_attention_mosaic(
     sm_scale: float,
     block_kv: int = 64,
     num_splits: int | None = None,
+    stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
-    """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU)."""
-    group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv)
+    """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU).
+    `stages`: K/V blocks in the SMEM ring (in flight while one is multiplied: stages - 1)."""
+    group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, stages=stages)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
@@ -388,6 +395,6 @@ def paged_decode_attention_mosaic(
     meta = jnp.stack([jnp.arange(num_seqs, dtype=jnp.int32), seq_lens - has_token, has_token,
                       jnp.zeros_like(seq_lens)], axis=1)
     ob = mosaic_attention_blocks(qg, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
-                                 splits=splits, group=group, interpret=interpret,
-                                 name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}")
+                                 splits=splits, group=group, interpret=interpret, stages=stages,
+                                 name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")
     return ob[:, :, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

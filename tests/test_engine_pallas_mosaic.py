@@ -36,19 +36,22 @@ def _check(out, batch, sm_scale):
 
 
 @pytest.mark.parametrize(
-    "page_size,head_dim,group,kv_heads,kv_lens,splits,kv_dtype",
+    "page_size,head_dim,group,kv_heads,kv_lens,splits,kv_dtype,stages",
     [
         # SmolLM2 heads; lengths at, just past and short of a 64-token block and of a page; one block and many.
-        (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.bfloat16),
+        (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.bfloat16, 2),
         # Llama-3-8B heads, 8-token pages (8 copies per block), flash-decoding splits including empty ones.
-        (8, 128, 4, 2, [200, 1, 64], 4, jnp.bfloat16),
+        (8, 128, 4, 2, [200, 1, 64], 4, jnp.bfloat16, 2),
+        # A ring of 4 stages: 3 blocks in flight, fewer blocks than stages, and a ring refilled more than once.
+        (16, 64, 3, 1, [300, 65, 130, 15], 1, jnp.bfloat16, 4),
         # Float8 pages, upcast block by block in SMEM: the oracle is the attention of the pages' float8 values.
-        (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.float8_e4m3fn),
-        (8, 128, 4, 2, [200, 1, 64], 4, jnp.float8_e5m2),
+        (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.float8_e4m3fn, 3),
+        (8, 128, 4, 2, [200, 1, 64], 4, jnp.float8_e5m2, 2),
     ],
-    ids=["bf16-smollm", "bf16-llama-splits", "e4m3-smollm", "e5m2-llama-splits"],
+    ids=["bf16-smollm", "bf16-llama-splits", "bf16-4-stages", "e4m3-smollm-3-stages", "e5m2-llama-splits"],
 )
-def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits, kv_dtype):
+def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits, kv_dtype,
+                                             stages):
     rng = np.random.default_rng(page_size + head_dim)
     pages_per_seq = -(-max(kv_lens) // page_size) + 1
     batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
@@ -59,7 +62,7 @@ def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_head
     assert batch.k_pages.dtype == kv_dtype
     out = paged_decode_attention_mosaic(
         batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
-        sm_scale=head_dim**-0.5, num_splits=splits, interpret=_interpret(),
+        sm_scale=head_dim**-0.5, num_splits=splits, stages=stages, interpret=_interpret(),
     )
     assert out.shape == batch.q.shape and out.dtype == jnp.bfloat16
     _check(out, batch, head_dim**-0.5)
@@ -105,6 +108,10 @@ def test_mosaic_refusals():
     # 256-token blocks of 128-wide heads overflow Hopper's shared memory (the sm_90 compile says 315432 bytes).
     assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=128) is None
     assert "shared memory" in mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=256)
+    # The ring: 5 stages of 64-token blocks of 128-wide heads fit (226 KiB with the tiles), 6 do not.
+    assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, stages=5) is None
+    assert "in 6 stages needs" in mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, stages=6)
+    assert "at least 2 stages" in mosaic_decode_supported(jnp.bfloat16, 64, 16, 3, stages=1)
     # Float8 pages under bfloat16 queries (upcast in SMEM); pages of another width are refused.
     assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, kv_dtype=jnp.float8_e4m3fn) is None
     assert "float8" in mosaic_decode_supported(jnp.bfloat16, 64, 16, 3, kv_dtype=jnp.float32)

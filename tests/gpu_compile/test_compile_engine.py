@@ -185,26 +185,28 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
 
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence
-# (flash-decoding splits), the largest batch of the benchmark; float8 pages of both formats and head widths.
+# (flash-decoding splits), the largest batch of the benchmark; float8 pages of both formats and head widths;
+# rings of 3 to 5 stages.
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MOSAIC_CASES = [
-    (64, 512, 3, 3, 64, 64, DTYPE), (1, 2048, 8, 4, 128, 64, DTYPE), (256, 512, 8, 4, 128, 64, DTYPE),
-    (32, 512, 8, 4, 128, 128, DTYPE), (32, 512, 3, 3, 64, 256, DTYPE),
-    (64, 512, 3, 3, 64, 64, E4M3), (1, 2048, 8, 4, 128, 64, E5M2), (32, 512, 8, 4, 128, 128, E4M3),
+    (64, 512, 3, 3, 64, 64, DTYPE, 2), (1, 2048, 8, 4, 128, 64, DTYPE, 2), (256, 512, 8, 4, 128, 64, DTYPE, 2),
+    (32, 512, 8, 4, 128, 128, DTYPE, 2), (32, 512, 3, 3, 64, 256, DTYPE, 2),
+    (64, 512, 3, 3, 64, 64, E4M3, 2), (1, 2048, 8, 4, 128, 64, E5M2, 2), (32, 512, 8, 4, 128, 128, E4M3, 2),
+    (32, 512, 8, 4, 128, 64, DTYPE, 4), (256, 512, 8, 4, 128, 64, DTYPE, 5), (64, 512, 3, 3, 64, 64, E4M3, 3),
 ]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("S,P,kvh,group,d,block_kv,kv_dtype", MOSAIC_CASES)
-def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block_kv, kv_dtype):
+@pytest.mark.parametrize("S,P,kvh,group,d,block_kv,kv_dtype,stages", MOSAIC_CASES)
+def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block_kv, kv_dtype, stages):
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
 
     pages = spec((65536, RC.page_size, kvh, d), kv_dtype)
-    fn = functools.partial(paged_decode_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv)
+    fn = functools.partial(paged_decode_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv, stages=stages)
     args = (spec((S, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32))
     seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
-    print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d} block_kv={block_kv} KV {jnp.dtype(kv_dtype).name}: "
-          f"compiled for sm_90 in {seconds:.1f} s")
+    print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d} block_kv={block_kv} stages={stages} "
+          f"KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
 
 
 
