@@ -280,6 +280,12 @@ def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv
     return splits
 
 
+def compiler_params():
+    """Mosaic GPU compile options of both kernels: approximate exp2/exp (`ex2.approx`, a few ulp in float32,
+    far below the bfloat16 rounding of the probabilities that the PV product reads)."""
+    return _plgpu().CompilerParams(approx_math=True)
+
+
 def interpret_params():
     """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers); a private path in JAX 0.10."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -358,6 +364,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
         grid=(num_blocks, num_kv_heads, splits),
         grid_names=GRID_NAMES,
         interpret=interpret_params() if interpret else None,
+        compiler_params=None if interpret else compiler_params(),
         kernel_name=name,
     )(meta, block_tables, qb, k_pages, v_pages)
     if splits == 1:

@@ -36,6 +36,7 @@ from pallas_kernels.paged_decode_mosaic import (
     SMEM_BYTES,
     _plgpu,
     check_mosaic_args,
+    compiler_params,
     copy_kv_block,
     interpret_params,
     mosaic_attention_blocks,
@@ -233,6 +234,7 @@ def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, 
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         interpret=interpret_params() if interpret else None,
+        compiler_params=None if interpret else compiler_params(),
         kernel_name=name,
     )(meta, block_tables, qb, k_pages, v_pages)
 

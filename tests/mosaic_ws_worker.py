@@ -21,12 +21,11 @@ from tests.test_kernels_cases import make_batch, naive_attention
 
 # (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq)
 CASES = [
-    # Group 4, 64-key blocks of 8-token pages: a 40-token chunk over 60 cached tokens (a program of two full
-    # warpgroups, then one whose second warpgroup has no token and only releases the stages), a decode token
-    # at 137 (three KV blocks: the loader refills a stage), an empty row, a 20-token prompt (16 + 4 tokens).
-    ("group4-bkv64", 8, 64, 4, 1, 64, [(40, 100), (1, 137), (0, 0), (20, 20)], 18),
-    # SmolLM2 heads (group 3): token 21's heads straddle the two warpgroups; the default 128-key blocks.
-    ("smollm-bkv128", 16, 64, 3, 1, None, [(50, 200), (1, 1), (7, 7)], 13),
+    # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
+    # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
+    # and only releases the stages), a decode token at 137 (three KV blocks: the loader refills a stage), an
+    # empty row, a 7-token prompt.
+    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9),
 ]
 
 

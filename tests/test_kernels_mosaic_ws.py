@@ -35,10 +35,10 @@ def test_warp_specialized_kernel_matches_oracle():
     if not GPU:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", "tests.mosaic_ws_worker"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=420)
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == ["group4-bkv64", "smollm-bkv128"]
+    assert [r["case"] for r in results] == ["smollm-bkv64"]
     for r in results:
         assert r["shape_ok"] and r["dtype"] == "float32", r
         assert r["finite"], f"non-finite output: a scratch-page row reached the products: {r}"
@@ -68,8 +68,8 @@ def test_warp_specialized_refusals():
     big = make_batch(rng, page_size=16, head_dim=256, group=4, num_kv_heads=1, dtype=jnp.bfloat16,
                      seqs=[(3, 20)], pages_per_seq=2)
     big_args = (big.q, big.k_pages, big.v_pages, big.block_tables, big.seq_lens, big.query_start_loc)
-    with pytest.raises(ValueError, match="block_kv 128 x head_dim 256 needs 328704 bytes of shared memory"):
+    with pytest.raises(ValueError, match="block_kv 128 x head_dim 256 in 2 stages needs 328704 bytes of shared memory"):
         ragged_paged_attention_mosaic(*big_args, sm_scale=0.125, block_kv=128, compute_wgs=2, interpret=True)
     # 64-key blocks of 256-wide heads fit the warp-specialized program (192 KiB), not the one-warpgroup one.
-    with pytest.raises(ValueError, match="block_kv 64 x head_dim 256 needs"):
+    with pytest.raises(ValueError, match="block_kv 64 x head_dim 256 in 2 stages needs"):
         ragged_paged_attention_mosaic(*big_args, sm_scale=0.125, compute_wgs=1, interpret=True)
