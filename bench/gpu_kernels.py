@@ -2,9 +2,11 @@
 
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
 the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generic kernel and the ragged Mosaic
-GPU kernel); decode over float8 pages at 8k (both lowerings). Both for SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
+GPU kernel in both forms); decode over float8 pages at 8k (both lowerings). Both for SmolLM2 heads
+(9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
-printed against a copy bandwidth measured in the same run. Usage: `python bench/gpu_kernels.py [--budget-s N]`.
+printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
+decide the targets run first. Usage: `python bench/gpu_kernels.py [--budget-s N] [--quick]`.
 """
 
 from __future__ import annotations
@@ -126,7 +128,9 @@ def dense_sets(sets, heads: Heads, batch: int, ctx: int):
     return out
 
 
-def run_row(label, fns, sets, nbytes, flops, dense, copy_bw):
+def run_row(label, fns, sets, nbytes, flops, dense, copy_bw, matmul_flops=None):
+    """One table row: per implementation, time per call, bytes/s against the copy bandwidth, FLOP/s (and
+    against the bf16 matmul rate, for prefill rows)."""
     cells = [label]
     for impl, fn in fns:
         args = dense if impl == "cudnn" else sets
@@ -140,11 +144,58 @@ def run_row(label, fns, sets, nbytes, flops, dense, copy_bw):
             print(f"  [{label} {impl}] {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
             continue
         bw = nbytes / sec
-        cells.append(
-            f"{impl}: {sec * 1e6:9.1f} us {bw / 1e9:7.0f} GB/s ({100 * bw / copy_bw:5.1f}%) "
-            f"{flops / sec / 1e12:7.1f} TFLOP/s"
-        )
+        cell = f"{impl}: {sec * 1e6:9.1f} us {bw / 1e9:7.0f} GB/s ({100 * bw / copy_bw:5.1f}%) {flops / sec / 1e12:7.1f} TFLOP/s"
+        if matmul_flops:
+            cell += f" ({100 * flops / sec / matmul_flops:5.1f}% of matmul)"
+        cells.append(cell)
     print(" | ".join(cells), flush=True)
+
+
+def matmul_rate(n: int) -> float:
+    """FLOP/s of a bfloat16 [n, n] x [n, n] matmul (float32 accumulation): the prefill rows' yardstick."""
+    keys = jax.random.split(jax.random.key(1), 2)
+    a, b = (jax.random.normal(k, (n, n), DTYPE) for k in keys)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(DTYPE))
+    return 2 * n**3 / timeit(f, [(a, b)], rounds=5, min_calls=5)
+
+
+def kernels(heads: Heads) -> dict:
+    """The timed implementations for one head shape, by name."""
+    scale = heads.dim**-0.5
+
+    # The Mosaic GPU decode kernel takes one query token per sequence: q [S, QH, D] is the decode batch as is.
+    def mosaic_decode(block_kv, stages=2):
+        return jax.jit(lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
+            q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv, stages=stages))
+
+    # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does.
+    def mosaic_ragged(compute_wgs, block_kv=None):
+        return jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale, block_kv=block_kv,
+                                         compute_wgs=compute_wgs))
+
+    return {
+        "pallas": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale)),
+        "pallas_mma": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale,
+                                                tuning=AttentionTuning(pad_rows_to_mma=True))),
+        "xla": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale)),
+        # Decode: 64-key blocks in a ring of 2 and of 4 stages (3 blocks in flight), 128-key blocks in 2.
+        "mosaic": mosaic_decode(64),
+        "mosaic_st4": mosaic_decode(64, 4),
+        "mosaic_bkv128": mosaic_decode(128),
+        # Prefill: warp-specialized (two compute warpgroups; 128-key blocks where they fit, and 64) and one
+        # warpgroup (64- and 128-key blocks).
+        "mosaic_ws": mosaic_ragged(2),
+        "mosaic_ws_bkv64": mosaic_ragged(2, 64),
+        "mosaic_1wg": mosaic_ragged(1, 64),
+        "mosaic_1wg_bkv128": mosaic_ragged(1, 128),
+        "cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")),
+        "cudnn_causal": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn")),
+    }
+
+
+def pick(fns: dict, names) -> list:
+    return [(n.removesuffix("_causal"), fns[n]) for n in names if n is not None]
 
 
 def main() -> int:
@@ -159,104 +210,47 @@ def main() -> int:
     copy_bw = copy_bandwidth(1 << 24 if args.quick else 1 << 30)
     pool_bytes = 1 << 20 if args.quick else MIN_POOL_BYTES
     print(f"copy bandwidth (read+write): {copy_bw / 1e12:.2f} TB/s", flush=True)
+    matmul = matmul_rate(1024 if args.quick else 8192)
+    print(f"bfloat16 matmul rate: {matmul / 1e12:.0f} TFLOP/s", flush=True)
 
     rng = np.random.default_rng(0)
-    decode_grid = [(b, c) for b in (1, 32, 256) for c in (1024, 8192, 32768)]
-    prefill_grid = [2048, 8192]
-    fp8_grid = [(32, 8192), (256, 8192)]
+    llama, smollm = MODELS[1], MODELS[0]
+    # Rows in order of what they decide, so that the time budget cuts the least telling ones: the targets
+    # (decode at batch >= 32 with 8k context, prefill), then float8 decode, then the rest of the decode grid.
+    target = [(h, "decode", b, 8192) for h in (llama, smollm) for b in (32, 256)]
+    target += [(h, "prefill", 1, t) for h in (llama, smollm) for t in (2048, 8192)]
+    fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)]
+    rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
+            if c != 8192 or b == 1]
+    rows = target + fp8 + rest
     if args.quick:
-        decode_grid, prefill_grid, fp8_grid = [(32, 1024)], [2048], [(32, 1024)]
-
-    for heads in MODELS:
-        scale = heads.dim**-0.5
-        pallas = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale))
-        pallas_mma = jax.jit(
-            functools.partial(
-                ragged_paged_attention, sm_scale=scale, tuning=AttentionTuning(pad_rows_to_mma=True)
-            )
-        )
-        xla = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
-        # The Mosaic GPU kernel takes one query token per sequence: q [S, QH, D] is the decode batch as is.
-        def mosaic_decode(block_kv, stages=2, scale=scale):
-            return jax.jit(
-                lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
-                    q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv, stages=stages
-                )
-            )
-
-        # 64-key blocks in a ring of 2 and of 4 stages (3 blocks in flight), 128-key blocks in 2.
-        mosaic, mosaic_st4, mosaic128 = mosaic_decode(64), mosaic_decode(64, 4), mosaic_decode(128)
-        # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does: warp-specialized (two
-        # compute warpgroups; 128-key blocks where they fit, and 64) and one warpgroup (64- and 128-key blocks).
-        def mosaic_ragged(compute_wgs, block_kv=None, scale=scale):
-            return jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale, block_kv=block_kv,
-                                             compute_wgs=compute_wgs))
-
-        prefill_mosaic = [("mosaic_ws", mosaic_ragged(2)), ("mosaic_ws_bkv64", mosaic_ragged(2, 64)),
-                          ("mosaic_1wg", mosaic_ragged(1, 64)), ("mosaic_1wg_bkv128", mosaic_ragged(1, 128))]
-        print(
-            f"\n== {heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}), {jnp.dtype(DTYPE).name}, page {PAGE_SIZE}"
-        )
-        print("decode: bytes = K+V read + q/out; % of copy bandwidth")
-        for batch, ctx in decode_grid:
-            if time.perf_counter() - start > args.budget_s:
-                print(f"decode b={batch} ctx={ctx}: skipped (time budget)")
-                continue
+        rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024)]
+    print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
+          " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
+    fns_by_model = {h.name: kernels(h) for h in MODELS}
+    for heads, kind, batch, ctx in rows:
+        label = f"{heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}) {kind} b={batch:3d} ctx={ctx:5d}"
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{label}: skipped (time budget)")
+            continue
+        fns = fns_by_model[heads.name]
+        if kind == "prefill":
+            sets, nbytes, flops = decode_case(rng, heads, 1, ctx, num_tokens=ctx, min_pool_bytes=pool_bytes)
+            names = ["pallas", "mosaic_ws", "mosaic_ws_bkv64", "mosaic_1wg", "mosaic_1wg_bkv128", "xla",
+                     "cudnn_causal"]
+            run_row(label, pick(fns, names), sets, nbytes, flops, dense_sets(sets, heads, 1, ctx), copy_bw, matmul)
+        elif kind == "decode":
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             big = nbytes * 3 > REF_LIMIT_BYTES
+            names = ["pallas", "pallas_mma", "mosaic", "mosaic_st4", "mosaic_bkv128", None if big else "xla", "cudnn"]
             dense = None if big else dense_sets(sets, heads, batch, ctx)
-            cudnn = jax.jit(
-                lambda q, k, v, scale=scale: jax.nn.dot_product_attention(
-                    q, k, v, scale=scale, implementation="cudnn"
-                )
-            )
-            fns = [
-                ("pallas", pallas),
-                ("pallas_mma", pallas_mma),
-                ("mosaic", mosaic),
-                ("mosaic_st4", mosaic_st4),
-                ("mosaic_bkv128", mosaic128),
-                ("xla", None if big else xla),
-                ("cudnn", cudnn),
-            ]
-            run_row(
-                f"decode b={batch:3d} ctx={ctx:5d}",
-                [(n, f) for n, f in fns if f is not None],
-                sets,
-                nbytes,
-                flops,
-                dense,
-                copy_bw,
-            )
-            del sets, dense
-        print("prefill (one sequence, causal): bytes = K+V + q/out")
-        for tokens in prefill_grid:
-            if time.perf_counter() - start > args.budget_s:
-                print(f"prefill {tokens}: skipped (time budget)")
-                continue
-            sets, nbytes, flops = decode_case(
-                rng, heads, 1, tokens, num_tokens=tokens, min_pool_bytes=pool_bytes
-            )
-            dense = dense_sets(sets, heads, 1, tokens)
-            cudnn = jax.jit(
-                lambda q, k, v, scale=scale: jax.nn.dot_product_attention(
-                    q, k, v, scale=scale, is_causal=True, implementation="cudnn"
-                )
-            )
-            fns = [("pallas", pallas), *prefill_mosaic, ("xla", xla), ("cudnn", cudnn)]
-            run_row(f"prefill T={tokens:5d}", fns, sets, nbytes, flops, dense, copy_bw)
-        print("decode, float8_e4m3fn pages (--kv-cache-dtype fp8): bytes = K+V read at 1 byte + q/out")
-        for batch, ctx in fp8_grid:
-            if time.perf_counter() - start > args.budget_s:
-                print(f"fp8 decode b={batch} ctx={ctx}: skipped (time budget)")
-                continue
+            run_row(label, pick(fns, names), sets, nbytes, flops, dense, copy_bw)
+        else:
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes,
                                               kv_dtype=jnp.float8_e4m3fn)
-            fns = [("pallas", pallas), ("mosaic", mosaic), ("mosaic_st4", mosaic_st4), ("mosaic_bkv128", mosaic128),
-                   ("xla", None if nbytes * 6 > REF_LIMIT_BYTES else xla)]
-            run_row(f"fp8 decode b={batch:3d} ctx={ctx:5d}", [(n, f) for n, f in fns if f is not None], sets,
-                    nbytes, flops, None, copy_bw)
-            del sets
+            names = ["pallas", "mosaic", "mosaic_st4", "mosaic_bkv128", None if nbytes * 6 > REF_LIMIT_BYTES else "xla"]
+            run_row(label, pick(fns, names), sets, nbytes, flops, None, copy_bw)
+        del sets
 
     print("\n== KV write (256 tokens, llama3-8b heads): bytes = 2 x new K/V rows read and written")
     heads = MODELS[1]
