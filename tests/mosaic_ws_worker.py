@@ -1,5 +1,6 @@
-"""Child process of tests/test_kernels_mosaic_ws.py: the warp-specialized ragged Mosaic GPU kernel against the
-float64 oracle (in Mosaic GPU's CPU interpreter, or compiled on a GPU), one JSON line per case on stdout.
+"""The cases of tests/test_kernels_mosaic_ws.py: the warp-specialized ragged Mosaic GPU kernel against the
+float64 oracle (in Mosaic GPU's CPU interpreter, or compiled on a GPU). Run as a module on the CPU, it is that
+test's child process and prints one JSON line per case.
 
 Its three warpgroups are three interpreter threads that block on each other's barriers, each inside a host
 callback on XLA's CPU thread pool; the pool is sized by the host's cores, which on a 2-core machine leaves
@@ -9,7 +10,6 @@ a thread short, so the parent runs this with 8 simulated devices (a larger pool)
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import jax
@@ -29,8 +29,14 @@ CASES = [
 ]
 
 
-def main() -> None:
-    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq in CASES:
+# On a GPU also: 128-wide heads of group 4 (Llama-3-8B's) with 128-key blocks, a 512-token prompt, a chunk over
+# 800 cached tokens and a decode token at 2000.
+GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128)]
+
+
+def run_cases(cases):
+    """Per case: the kernel's output against the oracle, as a dict of plain values."""
+    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq in cases:
         rng = np.random.default_rng(len(name))
         batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
                            dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
@@ -43,14 +49,15 @@ def main() -> None:
         seconds = time.perf_counter() - start
         ref = naive_attention(batch, sm_scale=head_dim**-0.5)
         n = batch.num_real_tokens
-        print(json.dumps({
+        yield {
             "case": name, "seconds": round(seconds, 1), "dtype": str(out.dtype), "shape_ok": out.shape == batch.q.shape,
             "finite": bool(np.isfinite(out[:n]).all()), "max_err": float(np.abs(out[:n] - ref[:n]).max()),
             "max_ref": float(np.abs(ref[:n]).max()), "padding_zero": not out[n:].any(),
-        }), flush=True)
+        }
 
 
 if __name__ == "__main__":
     if jax.default_backend() == "cpu":
         assert jax.device_count() > 2, "run with --xla_force_host_platform_device_count=8 (see the module doc)"
-    sys.exit(main())
+    for result in run_cases(CASES):
+        print(json.dumps(result), flush=True)

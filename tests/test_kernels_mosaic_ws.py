@@ -5,7 +5,8 @@ The interpreter runs the three warpgroups as threads and simulates SMEM, the TMA
 (the stage ring, the releases, the turn-taking), and it raises when a barrier phase is skipped or left
 unobserved. The cases run in a child process with 8 simulated devices (tests/mosaic_ws_worker.py says why),
 under a time limit, so a deadlock fails instead of hanging. The WGMMA path is compiled for sm_90 in
-tests/gpu_compile; on a GPU bench/gpu_check.sh runs the oracle tests on the compiled kernel.
+tests/gpu_compile; on a GPU (bench/gpu_check.sh) the compiled kernel runs these cases and a larger one in
+this process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from pallas_kernels.ragged_attention_args import quantize_kv
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic, ws_block_kv, ws_smem_bytes
+from tests.mosaic_ws_worker import CASES, GPU_CASES, run_cases
 from tests.test_kernels_cases import make_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,14 +33,15 @@ GPU = jax.default_backend() == "gpu"
 
 
 def test_warp_specialized_kernel_matches_oracle():
-    env = dict(os.environ)
-    if not GPU:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run([sys.executable, "-m", "tests.mosaic_ws_worker"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in results] == ["smollm-bkv64"]
+    if GPU:  # compiled: no interpreter threads, so in this process, with a larger case too
+        results = list(run_cases(CASES + GPU_CASES))
+    else:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        proc = subprocess.run([sys.executable, "-m", "tests.mosaic_ws_worker"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in results] == [c[0] for c in CASES + (GPU_CASES if GPU else [])]
     for r in results:
         assert r["shape_ok"] and r["dtype"] == "float32", r
         assert r["finite"], f"non-finite output: a scratch-page row reached the products: {r}"
