@@ -119,9 +119,14 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
         own_stop = pl.cdiv(own_len, block_kv)
         # KV blocks wholly at or before the first token's position need no mask.
         unmasked = jnp.where(own, jnp.minimum((pos0 + first + 1) // block_kv, own_stop), 0)
-        row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), own_len - 1)
+
+        def causal(s, j):
+            """Row r (token (64 wg + r) // group) sees the keys up to its token's position. The index tiles are
+            made here, in the few masked blocks, rather than held in registers across the whole loop."""
+            row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+            col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+            row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), own_len - 1)
+            return jnp.where(j * block_kv + col <= row_pos, s, -jnp.inf)
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         m0 = layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout)
@@ -148,7 +153,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * (sm_scale * LOG2E)  # base-2 logits: exp2 below
             if masked:
-                s = jnp.where(j * block_kv + col <= row_pos, s, -jnp.inf)
+                s = causal(s, j)
             m_next = jnp.maximum(m_prev, s.max(axis=1))
             # A row's first block holds key 0, which every row sees, so m is finite from then on: no NaN.
             alpha = jnp.exp2(m_prev - m_next)
