@@ -34,34 +34,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_common import (
+    compiler_params,
+    interpret_params,
+    plgpu_module,
+    register_layouts,
+    swizzled,
+)
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, combine_splits
 
 GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
 SMEM_BYTES = 232448  # opt-in shared memory per block on H100/H200
-
-
-def _plgpu():
-    """The Mosaic GPU Pallas module, imported when a kernel is built (it pulls in the CUDA lowering)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
-
-
-def register_layouts(interpret: bool):
-    """`layout_cast` and `broadcasted_iota` with register layouts: hints for the GPU lowering, which the
-    interpreter has no rule for (there they are the identity and the plain iota)."""
-    if not interpret:
-        plgpu = _plgpu()
-        return plgpu.layout_cast, plgpu.broadcasted_iota
-
-    def layout_cast(x, layout):
-        return x
-
-    def iota(dtype, shape, dim, layout):
-        return lax.broadcasted_iota(dtype, shape, dim)
-
-    return layout_cast, iota
 
 
 def _attention_body(
@@ -85,7 +69,7 @@ def _attention_body(
     block's first token, number of tokens, unused). Row r sees the keys at positions up to its token's
     (causal); a decode token is a block of one.
     """
-    plgpu = _plgpu()
+    plgpu = plgpu_module()
     blk, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
     layout_cast, iota = register_layouts(interpret)
 
@@ -204,7 +188,7 @@ def copy_kv_block(pages_ref, dst, bar, block_tables_ref, seq, j, last_page, kv_h
     """Start the TMA copies of KV block j of sequence `seq` (its `dst.shape[0] // page_size` pages of one KV
     head) into the SMEM tile `dst`, one copy and one arrival on `bar` per page; pages past `last_page`
     re-read it."""
-    plgpu = _plgpu()
+    plgpu = plgpu_module()
     num_pages, page_size = pages_ref.shape[:2]
     pages_per_block = dst.shape[0] // page_size
     for i in range(pages_per_block):
@@ -263,14 +247,6 @@ def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | N
     return kv + tiles + 1024  # barriers and alignment
 
 
-def swizzled(dtype, head_dim: int):
-    """SMEM transforms that make a `[rows, head_dim]` tile a WGMMA operand."""
-    plgpu = _plgpu()
-    bits = jnp.finfo(dtype).bits
-    swizzle = plgpu.find_swizzle(head_dim * bits)
-    return (plgpu.TilingTransform((8, 8 * swizzle // bits)), plgpu.SwizzleTransform(swizzle))
-
-
 def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
     programs = num_seqs * num_kv_heads
     max_useful = max(1, kv_capacity // (4 * block_kv))
@@ -278,19 +254,6 @@ def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv
     while splits * 2 <= min(32, max_useful) and programs * splits < 2 * 132:
         splits *= 2
     return splits
-
-
-def compiler_params():
-    """Mosaic GPU compile options of both kernels: approximate exp2/exp (`ex2.approx`, a few ulp in float32,
-    far below the bfloat16 rounding of the probabilities that the PV product reads)."""
-    return _plgpu().CompilerParams(approx_math=True)
-
-
-def interpret_params():
-    """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers); a private path in JAX 0.10."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams(uninitialized_memory="zero")
 
 
 def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: int | None = None,
@@ -319,7 +282,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
     r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0) ->
     `[NB, KVH, ROWS, D]` float32. Splits (flash decoding) are for blocks of one token only."""
-    plgpu = _plgpu()
+    plgpu = plgpu_module()
     num_blocks, num_kv_heads, _, head_dim = qb.shape
     page_size = k_pages.shape[1]
     tile = () if interpret else swizzled(qb.dtype, head_dim)

@@ -31,17 +31,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.mosaic_common import (
+    compiler_params,
+    interpret_params,
+    plgpu_module,
+    register_layouts,
+    swizzled,
+)
 from pallas_kernels.paged_decode_mosaic import (
     ROWS,
     SMEM_BYTES,
-    _plgpu,
     check_mosaic_args,
-    compiler_params,
     copy_kv_block,
-    interpret_params,
     mosaic_attention_blocks,
-    register_layouts,
-    swizzled,
 )
 from pallas_kernels.ragged_attention_args import (
     block_layout,
@@ -64,7 +66,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
     when both compute warpgroups are done reading it; `turn` is a rendezvous of the compute warpgroups that
     hands the tensor cores from one to the other.
     """
-    plgpu = _plgpu()
+    plgpu = plgpu_module()
     turn = turn_bar.at[0]  # one barrier, declared as an array of one: the default shape differs across JAX versions
     blk, kv_head, wg = lax.axis_index("block"), lax.axis_index("kv_head"), lax.axis_index("wg")
     layout_cast, iota = register_layouts(interpret)
@@ -212,7 +214,7 @@ def ws_block_kv(itemsize: int, head_dim: int, page_size: int) -> int | None:
 
 def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, block_kv, group, interpret, name):
     """The warp-specialized kernel over query blocks: qb `[NB, KVH, 2, ROWS, D]` -> the same shape, q's dtype."""
-    plgpu = _plgpu()
+    plgpu = plgpu_module()
     num_blocks, num_kv_heads, _, _, head_dim = qb.shape
     tile = () if interpret else swizzled(qb.dtype, head_dim)
     pages_per_block = block_kv // k_pages.shape[1]
