@@ -86,21 +86,14 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
     def _load():
         plgpu.set_max_registers(40, action="decrease")
 
-        def fill(j, slot):
-            copy_kv_block(k_pages_ref, k_smem.at[slot], k_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
-            copy_kv_block(v_pages_ref, v_smem.at[slot], v_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
-
-        @pl.loop(0, jnp.minimum(stop, STAGES))
-        def _(j):
-            fill(j, j)
-
-        @pl.loop(STAGES, jnp.maximum(stop, STAGES))
-        def _(j):
+        def load(j):
+            """Block j's K then V into its stage, each once both compute warpgroups released the stage's last use."""
             slot = lax.rem(j, STAGES)
-            plgpu.barrier_wait(k_free.at[slot])
-            copy_kv_block(k_pages_ref, k_smem.at[slot], k_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
-            plgpu.barrier_wait(v_free.at[slot])
-            copy_kv_block(v_pages_ref, v_smem.at[slot], v_bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
+            for pages_ref, smem, bar, free in ((k_pages_ref, k_smem, k_bar, k_free), (v_pages_ref, v_smem, v_bar, v_free)):
+                pl.when(j >= STAGES)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+                copy_kv_block(pages_ref, smem.at[slot], bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
+
+        pl.loop(0, stop)(load)
 
         # Observe the last releases too: every phase of a barrier is waited for (the interpreter checks it).
         @pl.loop(jnp.maximum(stop, STAGES) - STAGES, stop)

@@ -63,17 +63,12 @@ class AttentionTuning:
     # "mosaic": batches holding prefill chunks go to the ragged Mosaic GPU kernel (ragged_attention_mosaic.py)
     # when it supports the shapes (no soft-cap or window); else this kernel.
     prefill_lowering: str = "triton"
-    # The ragged Mosaic GPU kernel's form: 2 (two compute warpgroups sharing each K/V stage, warp-specialized)
-    # or 1; None: the kernel's default (2 for pages of q's dtype when compiled, else 1).
-    prefill_compute_wgs: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_kv_splits"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"AttentionTuning.{name} must be a positive power of two, got {v}")
-        if self.prefill_compute_wgs not in (None, 1, 2):
-            raise ValueError(f"AttentionTuning.prefill_compute_wgs must be 1, 2 or None, got {self.prefill_compute_wgs}")
         for name in ("decode_lowering", "prefill_lowering"):
             if getattr(self, name) not in ("triton", "mosaic"):
                 raise ValueError(f"AttentionTuning.{name} must be 'triton' or 'mosaic', got {getattr(self, name)!r}")
@@ -320,8 +315,7 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
     def prefill():
         if tuning.prefill_lowering != "mosaic":
             return general()
-        return ragged_paged_attention_mosaic(*args, sm_scale=sm_scale, compute_wgs=tuning.prefill_compute_wgs,
-                                             interpret=interpret)
+        return ragged_paged_attention_mosaic(*args, sm_scale=sm_scale, interpret=interpret)
 
     def decode():
         if tuning.decode_lowering != "mosaic":
