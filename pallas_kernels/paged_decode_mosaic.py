@@ -7,7 +7,9 @@ times the head group) are padded to the 64 rows of a WGMMA tile, each row causal
 arrives `block_kv` tokens at a time by TMA, one copy per page (each page a `[page_size, head_dim]` strided
 box of the pool), into a ring of `stages` SMEM buffers (2 by default), so the next blocks' pages are in flight
 while this one is multiplied.
-QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32.
+QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32. An optional
+logit soft-cap (`cap * tanh(x / cap)`) and sliding window apply as in the generic kernel; with a window, the walk
+over the KV length starts at the block where the window does, so a long context reads only the window's pages.
 
 Float8 pages (e4m3 or e5m2) with bfloat16 or float16 queries move half the bytes: each block lands in SMEM as
 float8 and is upcast through registers, 64 rows at a time, into a q-dtype tile the tensor cores read (Hopper's
@@ -35,13 +37,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mosaic_common import (
+    M_FLOOR,
     compiler_params,
     interpret_params,
+    logits,
+    mask_keys,
     plgpu_module,
     register_layouts,
     swizzled,
+    window_start,
 )
-from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, combine_splits
+from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, check_score_args, combine_splits
 
 GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
@@ -58,6 +64,8 @@ def _attention_body(
     page_size: int,
     block_kv: int,
     sm_scale: float,
+    soft_cap: float | None,
+    window: int | None,
     num_splits: int,
     group: int,
     interpret: bool,
@@ -67,7 +75,8 @@ def _attention_body(
     A query block is up to `ROWS // group` consecutive query tokens of one sequence, each with the `group`
     query heads of the KV head (row r: token r // group); `meta_ref[block]` = (sequence, position of the
     block's first token, number of tokens, unused). Row r sees the keys at positions up to its token's
-    (causal); a decode token is a block of one.
+    (causal) and, with a sliding window, after its token's position minus `window`; a decode token is a block
+    of one. The walk starts at the KV block where the first token's window starts.
     """
     plgpu = plgpu_module()
     blk, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
@@ -88,8 +97,9 @@ def _attention_body(
     seq, pos0, num_q = meta_ref[blk, 0], meta_ref[blk, 1], meta_ref[blk, 2]
     kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
     num_blocks = pl.cdiv(kv_len, block_kv)
-    per_split = pl.cdiv(num_blocks, num_splits)
-    start = split * per_split
+    lo = jnp.minimum(window_start(pos0, window, block_kv), num_blocks)
+    per_split = pl.cdiv(num_blocks - lo, num_splits)
+    start = lo + split * per_split
     stop = jnp.minimum(num_blocks, start + per_split)
 
     # Table entries past the sequence's last page may name the scratch page, which holds anything; a block
@@ -108,7 +118,7 @@ def _attention_body(
     plgpu.barrier_wait(q_bar.at[0])
 
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
-    m0 = layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), wgmma_rows)
+    m0 = layout_cast(jnp.full((ROWS,), M_FLOOR, jnp.float32), wgmma_rows)
     l0 = layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_rows)
     acc0 = layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -138,12 +148,8 @@ def _attention_body(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
-        s = s * sm_scale  # [ROWS, block_kv]
-        s = jnp.where(j * block_kv + col <= row_pos, s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        # A row's running max is finite after its first block (that block holds KV position 0, which every row
-        # sees, or with splits, which only decode blocks take, the split's first key), so exp(-inf - m) below
-        # is 0, never NaN.
+        s = mask_keys(logits(s, sm_scale, soft_cap), j * block_kv + col, row_pos, window)  # [ROWS, block_kv]
+        m_next = jnp.maximum(m_prev, s.max(axis=1))  # at least M_FLOOR: exp(-inf - m) below is 0, never NaN
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
         l_next = l_prev * alpha + p.sum(axis=1)
@@ -172,10 +178,10 @@ def _attention_body(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[blk, kv_head])
     else:
-        # Partial results for the combine: the unnormalized accumulator, its row max and row sum. An empty
-        # split keeps m = -inf; clamp it so the combine's exp(m - max) is 0, not NaN.
+        # Partial results for the combine: the unnormalized accumulator, its row max and row sum (an empty
+        # split's m stays at M_FLOOR, so the combine's exp(m - max) is 0, not NaN).
         o_smem[...] = acc
-        m_smem[...] = jnp.maximum(m, -1e30)
+        m_smem[...] = m
         l_smem[...] = denom
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, blk, kv_head])
@@ -278,7 +284,8 @@ def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: in
 
 
 def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale: float, block_kv: int,
-                            splits: int, group: int, interpret: bool, name: str, stages: int = 2) -> jax.Array:
+                            splits: int, group: int, interpret: bool, name: str, stages: int = 2,
+                            soft_cap: float | None = None, window: int | None = None) -> jax.Array:
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
     r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0) ->
     `[NB, KVH, ROWS, D]` float32. Splits (flash decoding) are for blocks of one token only."""
@@ -315,7 +322,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     ]
     body = functools.partial(
         _attention_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
-        group=group, interpret=interpret,
+        group=group, interpret=interpret, soft_cap=None if soft_cap is None else float(soft_cap),
+        window=None if window is None else int(window),
     )
     # A Mosaic GPU kernel over a (query block, KV head, split) grid of one-warpgroup programs; its scratch is
     # allocated per program. `plgpu.kernel` is the entry point both JAX 0.10 and 0.11 lower for the GPU
@@ -335,7 +343,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     return combine_splits(*result)  # [NS, NB, KVH, ROWS, D], [NS, NB, KVH, ROWS] x2 -> [NB, KVH, ROWS, D]
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "num_splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "num_splits",
+                                             "stages", "interpret"))
 def paged_decode_attention_mosaic(
     q,
     k_pages,
@@ -344,19 +353,27 @@ def paged_decode_attention_mosaic(
     seq_lens,
     *,
     sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
     block_kv: int = 64,
     num_splits: int | None = None,
     stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
-    """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU).
+    """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU), with the
+    optional logit soft-cap and sliding window of `ragged_paged_attention`.
     `stages`: K/V blocks in the SMEM ring (in flight while one is multiplied: stages - 1)."""
+    check_score_args(sm_scale, soft_cap, sliding_window)
     group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, stages=stages)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {block_tables.shape} and seq_lens {seq_lens.shape} must have {num_seqs} rows")
-    splits = num_splits or _default_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size, block_kv)
+    # A window bounds the keys any token reads, hence the useful splits.
+    capacity = block_tables.shape[1] * page_size
+    if sliding_window is not None:
+        capacity = min(capacity, sliding_window + block_kv)
+    splits = num_splits or _default_splits(num_seqs, num_kv_heads, capacity, block_kv)
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [S, KVH, ROWS, D]
@@ -366,5 +383,5 @@ def paged_decode_attention_mosaic(
                       jnp.zeros_like(seq_lens)], axis=1)
     ob = mosaic_attention_blocks(qg, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
                                  splits=splits, group=group, interpret=interpret, stages=stages,
-                                 name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")
+                                 soft_cap=soft_cap, window=sliding_window, name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")
     return ob[:, :, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

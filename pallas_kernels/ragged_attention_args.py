@@ -82,6 +82,11 @@ def check_attention_args(
     ):
         if a.dtype != jnp.int32:
             raise TypeError(f"{name} must be int32, got {a.dtype}")
+    check_score_args(sm_scale, soft_cap, sliding_window)
+
+
+def check_score_args(sm_scale, soft_cap, sliding_window) -> None:
+    """Raise ValueError naming the problem when the scale, soft-cap or window is out of range."""
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be positive, got {sm_scale}")
     if soft_cap is not None and not soft_cap > 0:

@@ -4,8 +4,9 @@ Each sequence's query tokens are cut into blocks, and a block with the `group` q
 the rows of WGMMA tiles (GQA shares each K/V block among the group's heads and the block's tokens; row r is
 token r // group). A block walks the KV blocks up to its last token's position, causal by a per-row mask; K/V
 pages arrive by TMA through the block table into SMEM, the products run on the tensor cores into float32
-accumulators, and the softmax is online in float32. No flash-decoding split (a prefill has programs enough);
-no soft-cap or sliding window (those calls stay on the generic kernel of `ragged_paged_attention.py`).
+accumulators, and the softmax is online in float32. No flash-decoding split (a prefill has programs enough).
+The optional logit soft-cap and sliding window are those of the generic kernel; with a window a block walks
+only the KV blocks its tokens' windows reach.
 
 Two forms:
 - `compute_wgs=2`, warp-specialized (the default for pages of q's dtype): a program is three warpgroups. Two
@@ -32,11 +33,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mosaic_common import (
+    M_FLOOR,
     compiler_params,
     interpret_params,
+    logits,
+    mask_keys,
     plgpu_module,
     register_layouts,
     swizzled,
+    window_start,
 )
 from pallas_kernels.paged_decode_mosaic import (
     ROWS,
@@ -44,6 +49,7 @@ from pallas_kernels.paged_decode_mosaic import (
     check_mosaic_args,
     copy_kv_block,
     mosaic_attention_blocks,
+    mosaic_decode_supported,
 )
 from pallas_kernels.ragged_attention_args import (
     block_layout,
@@ -58,8 +64,8 @@ LOG2E = math.log2(math.e)
 
 
 def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, qo_smem, k_smem, v_smem,
-             q_bar, k_bar, v_bar, k_free, v_free, turn_bar, *, block_kv: int, sm_scale: float, group: int,
-             interpret: bool):
+             q_bar, k_bar, v_bar, k_free, v_free, turn_bar, *, block_kv: int, sm_scale: float,
+             soft_cap: float | None, window: int | None, group: int, interpret: bool):
     """One (query block, KV head): warpgroups 0 and 1 compute rows 0-63 and 64-127, warpgroup 2 loads K/V.
 
     Barriers: `k_bar`/`v_bar[stage]` complete when the stage's pages have landed; `k_free`/`v_free[stage]`
@@ -75,7 +81,8 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
     head_dim = qo_smem.shape[-1]
     seq, pos0, num_q = meta_ref[blk, 0], meta_ref[blk, 1], meta_ref[blk, 2]
     kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
-    stop = pl.cdiv(kv_len, block_kv)  # KV blocks loaded, and walked by both compute warpgroups
+    stop = pl.cdiv(kv_len, block_kv)
+    lo = jnp.minimum(window_start(pos0, window, block_kv), stop)  # blocks [lo, stop): loaded, walked by both
     last_page = jnp.clip(pl.cdiv(kv_len, page_size) - 1, 0, pages_per_seq - 1)
 
     def rendezvous():
@@ -90,13 +97,13 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
             """Block j's K then V into its stage, each once both compute warpgroups released the stage's last use."""
             slot = lax.rem(j, STAGES)
             for pages_ref, smem, bar, free in ((k_pages_ref, k_smem, k_bar, k_free), (v_pages_ref, v_smem, v_bar, v_free)):
-                pl.when(j >= STAGES)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+                pl.when(j >= lo + STAGES)(functools.partial(plgpu.barrier_wait, free.at[slot]))
                 copy_kv_block(pages_ref, smem.at[slot], bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
 
-        pl.loop(0, stop)(load)
+        pl.loop(lo, stop)(load)
 
         # Observe the last releases too: every phase of a barrier is waited for (the interpreter checks it).
-        @pl.loop(jnp.maximum(stop, STAGES) - STAGES, stop)
+        @pl.loop(jnp.maximum(stop, lo + STAGES) - STAGES, stop)
         def _(j):
             plgpu.barrier_wait(k_free.at[lax.rem(j, STAGES)])
             plgpu.barrier_wait(v_free.at[lax.rem(j, STAGES)])
@@ -111,20 +118,26 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
         own = first < num_q
         last = jnp.minimum(lax.div(wg * ROWS + ROWS - 1, group), num_q - 1)
         own_len = jnp.where(own, pos0 + last + 1, 0)
-        own_stop = pl.cdiv(own_len, block_kv)
-        # KV blocks wholly at or before the first token's position need no mask.
-        unmasked = jnp.where(own, jnp.minimum((pos0 + first + 1) // block_kv, own_stop), 0)
+        # This warpgroup's blocks [own_lo, own_stop) (none: both at `stop`), in three runs: blocks where the
+        # window of some row starts (masked), blocks every row sees whole (unmasked), blocks reaching past the
+        # first token's position (masked).
+        own_stop = jnp.where(own, pl.cdiv(own_len, block_kv), stop)
+        own_lo = jnp.where(own, window_start(pos0 + first, window, block_kv), stop)
+        whole = jnp.clip(pl.cdiv(jnp.maximum(pos0 + last + 1 - window, 0), block_kv) if window else own_lo,
+                         own_lo, own_stop)
+        unmasked = jnp.clip((pos0 + first + 1) // block_kv, whole, own_stop)
 
-        def causal(s, j):
-            """Row r (token (64 wg + r) // group) sees the keys up to its token's position. The index tiles are
-            made here, in the few masked blocks, rather than held in registers across the whole loop."""
+        def masked_keys(s, j):
+            """Row r (token (64 wg + r) // group) sees the keys up to its token's position (and within its
+            window). The index tiles are made here, in the few masked blocks, rather than held in registers
+            across the whole loop."""
             row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
             col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
             row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), own_len - 1)
-            return jnp.where(j * block_kv + col <= row_pos, s, -jnp.inf)
+            return mask_keys(s, j * block_kv + col, row_pos, window)
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
-        m0 = layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rows_layout)
+        m0 = layout_cast(jnp.full((ROWS,), M_FLOOR, jnp.float32), rows_layout)
         l0 = layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), rows_layout)
         acc0 = layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -146,11 +159,10 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * (sm_scale * LOG2E)  # base-2 logits: exp2 below
+            s = logits(s, sm_scale, soft_cap, LOG2E)  # base-2 logits: exp2 below
             if masked:
-                s = causal(s, j)
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            # A row's first block holds key 0, which every row sees, so m is finite from then on: no NaN.
+                s = masked_keys(s, j)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))  # at least M_FLOOR: exp2(-inf - m) below is 0, never NaN
             alpha = jnp.exp2(m_prev - m_next)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
             l_next = l_prev * alpha + p.sum(axis=1)
@@ -167,7 +179,8 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
             return acc, m_next, l_next
 
         def drain(j, _):
-            """A block past this warpgroup's last token: release the stage, keep the turns in step."""
+            """A block before this warpgroup's first window or past its last token: release the stage, keep the
+            turns in step."""
             slot = lax.rem(j, STAGES)
             plgpu.barrier_wait(k_bar.at[slot])  # so each arrival lands in the stage's current phase
             plgpu.barrier_arrive(k_free.at[slot])
@@ -179,7 +192,11 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
 
         pl.when(wg == 1)(rendezvous)  # warpgroup 1 starts half a step behind warpgroup 0
         plgpu.barrier_wait(q_bar.at[wg])
-        carry = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), (acc0, m0, l0))
+        lax.fori_loop(lo, own_lo, drain, None)
+        carry = (acc0, m0, l0)
+        if window is not None:
+            carry = lax.fori_loop(own_lo, whole, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(whole, unmasked, functools.partial(step, masked=False), carry)
         acc, _, denom = lax.fori_loop(unmasked, own_stop, functools.partial(step, masked=True), carry)
         lax.fori_loop(own_stop, stop, drain, None)
         pl.when(wg == 0)(rendezvous)
@@ -205,7 +222,30 @@ def ws_block_kv(itemsize: int, head_dim: int, page_size: int) -> int | None:
     return None
 
 
-def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, block_kv, group, interpret, name):
+def _form(dtype, kv_dtype, head_dim: int, page_size: int, interpret: bool, compute_wgs: int | None = None,
+          block_kv: int | None = None) -> tuple[int, int, int | None]:
+    """(compute_wgs, block_kv, SMEM bytes of the program or None for the one-warpgroup kernel's own sum), the
+    defaults filled in: the warp-specialized form for pages of q's dtype when compiled, 128-key blocks where
+    they fit. In the interpreter the three warpgroups are three threads blocking on each other inside host
+    callbacks, which can exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if compute_wgs is None:
+        compute_wgs = COMPUTE_WGS if jnp.dtype(kv_dtype) == jnp.dtype(dtype) and not interpret else 1
+    if block_kv is None:
+        block_kv = (compute_wgs == COMPUTE_WGS and ws_block_kv(itemsize, head_dim, page_size)) or 64
+    return compute_wgs, block_kv, ws_smem_bytes(itemsize, head_dim, block_kv) if compute_wgs == COMPUTE_WGS else None
+
+
+def ragged_mosaic_supported(dtype, head_dim: int, page_size: int, group: int, kv_dtype=None,
+                            interpret: bool = False) -> str | None:
+    """None when the kernel in its default form takes these shapes, else the reason it does not."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    _, block_kv, smem = _form(dtype, kv_dtype, head_dim, page_size, interpret)
+    return mosaic_decode_supported(dtype, head_dim, page_size, group, block_kv, kv_dtype=kv_dtype, smem=smem)
+
+
+def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, soft_cap, window, block_kv, group,
+                         interpret, name):
     """The warp-specialized kernel over query blocks: qb `[NB, KVH, 2, ROWS, D]` -> the same shape, q's dtype."""
     plgpu = plgpu_module()
     num_blocks, num_kv_heads, _, _, head_dim = qb.shape
@@ -224,7 +264,8 @@ def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, 
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
     ]
     body = functools.partial(_ws_body, block_kv=block_kv, sm_scale=float(sm_scale), group=group,
-                             interpret=interpret)
+                             soft_cap=None if soft_cap is None else float(soft_cap),
+                             window=None if window is None else int(window), interpret=interpret)
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(qb.shape, qb.dtype),
@@ -239,7 +280,8 @@ def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, 
     )(meta, block_tables, qb, k_pages, v_pages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_kv", "compute_wgs", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "compute_wgs",
+                                             "interpret"))
 def ragged_paged_attention_mosaic(
     q,
     k_pages,
@@ -249,30 +291,26 @@ def ragged_paged_attention_mosaic(
     query_start_loc,
     *,
     sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
     block_kv: int | None = None,
     compute_wgs: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Ragged paged attention (the contract of `ragged_paged_attention`, no soft-cap or window) on Mosaic
-    GPU: q `[T, QH, D]` bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
+    """Ragged paged attention (the contract of `ragged_paged_attention`) on Mosaic GPU: q `[T, QH, D]` bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
 
     `compute_wgs`: 2 (warp-specialized; pages of q's dtype) or 1; None picks 2 where it applies (compiled).
     `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64."""
-    check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, None, None)
-    same_dtype = k_pages.dtype == q.dtype
-    if compute_wgs is None:
-        # In the interpreter the three warpgroups are three threads blocking on each other inside host
-        # callbacks, which can exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py).
-        compute_wgs = COMPUTE_WGS if same_dtype and not interpret else 1
-    if compute_wgs not in (1, COMPUTE_WGS):
+    check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
+                         sliding_window)
+    if compute_wgs is not None and compute_wgs not in (1, COMPUTE_WGS):
         raise ValueError(f"compute_wgs must be 1 or {COMPUTE_WGS}, got {compute_wgs}")
-    if compute_wgs == COMPUTE_WGS and not same_dtype:
+    if compute_wgs == COMPUTE_WGS and k_pages.dtype != q.dtype:
         raise ValueError(f"the warp-specialized kernel takes pages of q's dtype ({q.dtype}), got {k_pages.dtype}; "
                          "float8 pages run with compute_wgs=1")
     head_dim, page_size = q.shape[2], k_pages.shape[1]
-    if block_kv is None:
-        block_kv = (compute_wgs == COMPUTE_WGS and ws_block_kv(q.dtype.itemsize, head_dim, page_size)) or 64
-    smem = ws_smem_bytes(q.dtype.itemsize, head_dim, block_kv) if compute_wgs == COMPUTE_WGS else None
+    compute_wgs, block_kv, smem = _form(q.dtype, k_pages.dtype, head_dim, page_size, interpret, compute_wgs,
+                                        block_kv)
     group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, smem=smem)
     num_tokens = q.shape[0]
     num_kv_heads = k_pages.shape[2]
@@ -284,12 +322,12 @@ def ragged_paged_attention_mosaic(
     if compute_wgs == 1:
         ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
                                      block_kv=block_kv, splits=1, group=group, interpret=interpret,
-                                     name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
+                                     soft_cap=soft_cap, window=sliding_window, name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
     else:
         num_blocks = qb.shape[0]
         qb = qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim)
-        ob = _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
-                                  group=group, interpret=interpret,
+        ob = _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
+                                  window=sliding_window, block_kv=block_kv, group=group, interpret=interpret,
                                   name=f"ragged_attention_mosaic_ws_bq{block_q}_bkv{block_kv}")
         ob = ob.reshape(num_blocks, num_kv_heads, rows, head_dim)
     return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)

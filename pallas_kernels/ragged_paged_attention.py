@@ -61,7 +61,7 @@ class AttentionTuning:
     # (paged_decode_mosaic.py) when it supports the shapes; everything else stays on this kernel.
     decode_lowering: str = "triton"
     # "mosaic": batches holding prefill chunks go to the ragged Mosaic GPU kernel (ragged_attention_mosaic.py)
-    # when it supports the shapes (no soft-cap or window); else this kernel.
+    # when it supports the shapes; else this kernel.
     prefill_lowering: str = "triton"
 
     def __post_init__(self):
@@ -231,12 +231,20 @@ def ragged_paged_attention(
         raise ValueError(f"the Pallas kernel needs a power-of-two head_dim, got {head_dim}")
     if num_tokens == 0:
         return jnp.zeros_like(q)
-    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering) and soft_cap is None and sliding_window is None:
+    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering):
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
+        from pallas_kernels.ragged_attention_mosaic import ragged_mosaic_supported
 
-        if mosaic_decode_supported(q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None:
-            return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                              sm_scale=sm_scale, interpret=interpret, tuning=tuning)
+        # Each kind of batch goes to its Mosaic GPU kernel where the tuning asks for it and the kernel takes the
+        # shapes (the two kernels' SMEM sums differ: 256-wide heads fit only the warp-specialized prefill).
+        decode = tuning.decode_lowering == "mosaic" and mosaic_decode_supported(
+            q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None
+        prefill = tuning.prefill_lowering == "mosaic" and ragged_mosaic_supported(
+            q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
+        if decode or prefill:
+            return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
+                              soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+                              tuning=tuning, decode_on_mosaic=decode, prefill_on_mosaic=prefill)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
         tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
@@ -299,31 +307,32 @@ def ragged_paged_attention(
     return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
 
 
-def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, interpret, tuning):
+def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
+               interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
-    prefill chunks on the ragged Mosaic GPU kernel, each where the tuning asks for it, else this file's kernel."""
+    prefill chunks on the ragged Mosaic GPU kernel, each where `*_on_mosaic` says, else this file's kernel."""
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
     num_tokens = q.shape[0]
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    scores = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     general_tuning = dataclasses.replace(tuning, decode_lowering="triton", prefill_lowering="triton")
 
     def general():
-        return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=interpret, tuning=general_tuning)
+        return ragged_paged_attention(*args, **scores, interpret=interpret, tuning=general_tuning)
 
     def prefill():
-        if tuning.prefill_lowering != "mosaic":
+        if not prefill_on_mosaic:
             return general()
-        return ragged_paged_attention_mosaic(*args, sm_scale=sm_scale, interpret=interpret)
+        return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret)
 
     def decode():
-        if tuning.decode_lowering != "mosaic":
+        if not decode_on_mosaic:
             return general()
         first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)  # each sequence's only query token
-        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, seq_lens,
-                                          sm_scale=sm_scale, num_splits=tuning.num_kv_splits,
-                                          interpret=interpret)  # [S, QH, D]
+        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, seq_lens, **scores,
+                                          num_splits=tuning.num_kv_splits, interpret=interpret)  # [S, QH, D]
         tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
         return jnp.where(valid[:, None, None], o[tok_seq], jnp.zeros((), o.dtype))
 

@@ -19,35 +19,42 @@ import numpy as np
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 from tests.test_kernels_cases import make_batch, naive_attention
 
-# (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq)
+# (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq, soft_cap, window)
 CASES = [
     # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
     # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
     # and only releases the stages), a decode token at 137 (three KV blocks: the loader refills a stage), an
     # empty row, a 7-token prompt.
-    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9),
+    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9, None, None),
+    # A sliding window of 141 keys and a soft-cap. The 42-token chunk at 200-241 is one program: warpgroup 0
+    # (tokens 200-220) walks window-edge blocks 0-1 masked, block 2 whole, block 3 causal; warpgroup 1 (tokens
+    # 221-241) releases block 0 unread (its window starts at 81), then block 1 masked, 2 whole, 3 causal. The
+    # decode token at 300 loads blocks 2-4 only (the ring starts at block 2); a 30-token prompt leaves
+    # warpgroup 1 only releasing.
+    ("smollm-window-cap", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141),
 ]
 
 
 # On a GPU also: 128-wide heads of group 4 (Llama-3-8B's) with 128-key blocks, a 512-token prompt, a chunk over
 # 800 cached tokens and a decode token at 2000.
-GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128)]
+GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128, None, None)]
 
 
 def run_cases(cases):
     """Per case: the kernel's output against the oracle, as a dict of plain values."""
-    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq in cases:
+    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq, soft_cap, window in cases:
         rng = np.random.default_rng(len(name))
         batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
                            dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
         start = time.perf_counter()
         out = ragged_paged_attention_mosaic(
             batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            sm_scale=head_dim**-0.5, block_kv=block_kv, compute_wgs=2, interpret=jax.default_backend() == "cpu",
+            sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window, block_kv=block_kv, compute_wgs=2,
+            interpret=jax.default_backend() == "cpu",
         )
         out = np.asarray(out.astype(jnp.float32))
         seconds = time.perf_counter() - start
-        ref = naive_attention(batch, sm_scale=head_dim**-0.5)
+        ref = naive_attention(batch, sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window)
         n = batch.num_real_tokens
         yield {
             "case": name, "seconds": round(seconds, 1), "dtype": str(out.dtype), "shape_ok": out.shape == batch.q.shape,

@@ -27,8 +27,8 @@ def _interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _check(out, batch, sm_scale):
-    ref = naive_attention(batch, sm_scale=sm_scale)
+def _check(out, batch, sm_scale, **scores):
+    ref = naive_attention(batch, sm_scale=sm_scale, **scores)
     out = np.asarray(out.astype(jnp.float32))
     n = batch.num_real_tokens
     assert np.isfinite(out[:n]).all(), "non-finite output: a scratch-page row reached the products"
@@ -66,6 +66,47 @@ def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_head
     )
     assert out.shape == batch.q.shape and out.dtype == jnp.bfloat16
     _check(out, batch, head_dim**-0.5)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mosaic_decode_window_and_soft_cap(splits):
+    """A sliding window of 70 keys and a logit soft-cap: the walk starts at the window's first KV block (a token
+    at 299 reads blocks 3-4 of 5), the window's edge is masked inside a block, and the flash-decoding splits
+    divide the window's blocks only."""
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
+                       seqs=[(1, n) for n in (300, 65, 15, 130, 1)], pages_per_seq=20, pad_tokens=0, pad_seqs=0)
+    out = paged_decode_attention_mosaic(batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
+                                        sm_scale=0.125, soft_cap=5.0, sliding_window=70, num_splits=splits,
+                                        interpret=_interpret())
+    _check(out, batch, 0.125, soft_cap=5.0, sliding_window=70)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        paged_decode_attention_mosaic(batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
+                                      sm_scale=0.125, sliding_window=0, interpret=True)
+
+
+def test_mosaic_dispatch_per_kernel():
+    """Each kind of batch goes to its own Mosaic kernel by that kernel's limits: 256-wide heads fit the
+    warp-specialized prefill kernel (compiled form) but not the decode kernel, so decode batches stay generic;
+    a window and a soft-cap go to both Mosaic kernels."""
+    rng = np.random.default_rng(5)
+
+    def traced(head_dim, interpret, **scores):
+        batch = make_batch(rng, page_size=16, head_dim=head_dim, group=2, num_kv_heads=2, dtype=jnp.bfloat16,
+                           seqs=[(1, 40), (5, 21)], pages_per_seq=4)
+        tuning = AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic")
+        return str(jax.make_jaxpr(lambda q: ragged_paged_attention(
+            q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            sm_scale=0.125, interpret=interpret, tuning=tuning, **scores))(batch.q))
+
+    wide = traced(256, interpret=False)
+    assert "ragged_attention_mosaic_ws" in wide and "paged_decode_mosaic" not in wide
+    assert "ragged_paged_attention_bq" in wide  # the generic kernel, for decode batches
+    # In the interpreter prefill takes the one-warpgroup form, which 256-wide heads overflow: all generic.
+    assert "mosaic" not in traced(256, interpret=True)
+    windowed = traced(64, interpret=True, soft_cap=30.0, sliding_window=16)
+    assert "paged_decode_mosaic" in windowed and "ragged_attention_mosaic" in windowed
+    assert "ragged_paged_attention_bq" not in windowed
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])

@@ -35,8 +35,8 @@ def _run(batch, sm_scale, **kw):
     )
 
 
-def _check(out, batch, sm_scale):
-    ref = naive_attention(batch, sm_scale=sm_scale)
+def _check(out, batch, sm_scale, **scores):
+    ref = naive_attention(batch, sm_scale=sm_scale, **scores)
     out = np.asarray(out.astype(jnp.float32))
     n = batch.num_real_tokens
     assert out.shape == batch.q.shape
@@ -77,6 +77,18 @@ def test_ragged_mosaic_block_kv_128_and_empty_batch_rows():
     batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
                        seqs=seqs, pages_per_seq=10)
     _check(_run(batch, 0.125, block_kv=128), batch, 0.125)
+
+
+@pytest.mark.parametrize("window", [20, 70])
+def test_ragged_mosaic_window_and_soft_cap(window):
+    """A sliding window and a logit soft-cap: blocks of 21 tokens whose windows start in different KV blocks (a
+    block's walk starts where its first token's window does; rows that see no key of an early block stay
+    finite), a window shorter than a block of queries (20), a decode token and a short prompt."""
+    rng = np.random.default_rng(window)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16,
+                       seqs=[(50, 110), (1, 137), (0, 0), (7, 7), (30, 200)], pages_per_seq=14)
+    _check(_run(batch, 0.125, soft_cap=4.0, sliding_window=window), batch, 0.125, soft_cap=4.0,
+           sliding_window=window)
 
 
 def test_ragged_mosaic_refusals():

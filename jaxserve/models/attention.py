@@ -19,7 +19,7 @@ from pallas_kernels.ragged_attention_args import quantize_kv
 
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
 # pallas_mosaic: attention on the Mosaic GPU kernels (Hopper): decode-only batches on the decode kernel, batches
-# with prefill chunks on the ragged kernel; soft-capped or windowed attention stays on the generic kernel.
+# with prefill chunks on the ragged kernel, each where it takes the shapes (else the generic kernel).
 ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret")
 
 

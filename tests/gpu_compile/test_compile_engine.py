@@ -186,56 +186,61 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence
 # (flash-decoding splits), the largest batch of the benchmark; float8 pages of both formats and head widths;
-# rings of 3 to 5 stages.
+# rings of 3 to 5 stages; a sliding window of 4096 keys (Mistral's) with a logit soft-cap over 8k contexts.
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-MOSAIC_CASES = [
+MOSAIC_CASES = [c + (None, None) for c in [
     (64, 512, 3, 3, 64, 64, DTYPE, 2), (1, 2048, 8, 4, 128, 64, DTYPE, 2), (256, 512, 8, 4, 128, 64, DTYPE, 2),
     (32, 512, 8, 4, 128, 128, DTYPE, 2), (32, 512, 3, 3, 64, 256, DTYPE, 2),
     (64, 512, 3, 3, 64, 64, E4M3, 2), (1, 2048, 8, 4, 128, 64, E5M2, 2), (32, 512, 8, 4, 128, 128, E4M3, 2),
     (32, 512, 8, 4, 128, 64, DTYPE, 4), (256, 512, 8, 4, 128, 64, DTYPE, 5), (64, 512, 3, 3, 64, 64, E4M3, 3),
-]
+]] + [(32, 512, 8, 4, 128, 64, DTYPE, 2, 50.0, 4096), (1, 2048, 8, 4, 128, 64, E4M3, 2, None, 4096)]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("S,P,kvh,group,d,block_kv,kv_dtype,stages", MOSAIC_CASES)
-def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block_kv, kv_dtype, stages):
+@pytest.mark.parametrize("S,P,kvh,group,d,block_kv,kv_dtype,stages,soft_cap,window", MOSAIC_CASES)
+def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block_kv, kv_dtype, stages, soft_cap,
+                                                window):
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
 
     pages = spec((65536, RC.page_size, kvh, d), kv_dtype)
-    fn = functools.partial(paged_decode_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv, stages=stages)
+    fn = functools.partial(paged_decode_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv, stages=stages,
+                           soft_cap=soft_cap, sliding_window=window)
     args = (spec((S, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32))
     seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
     print(f"mosaic decode S={S} P={P} {kvh}x{group}x{d} block_kv={block_kv} stages={stages} "
-          f"KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
+          f"soft_cap={soft_cap} window={window} KV {jnp.dtype(kv_dtype).name}: compiled for sm_90 in {seconds:.1f} s")
 
 
 
 # The ragged Mosaic GPU kernel (prefill chunks and decode in one call): 2k/8k-token prompts of SmolLM2 and
 # Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 64- and 128-key blocks; the bfloat16
 # engine of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
-# Warp-specialized (compute_wgs None: 2 on pages of q's dtype) and one-warpgroup (1) forms.
-RAGGED_MOSAIC_CASES = [
+# Warp-specialized (compute_wgs None: 2 on pages of q's dtype) and one-warpgroup (1) forms. Then: 256-wide heads
+# (64-key blocks, the warp-specialized form only); Mistral's window of 4096 keys with a soft-cap on both forms.
+RAGGED_MOSAIC_CASES = [c + (None, None) for c in [
     (2048, 1, 3, 3, 64, None, DTYPE, 16, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None),
     (512, 64, 8, 4, 128, None, DTYPE, 16, None), (2048, 1, 8, 4, 128, 64, DTYPE, 16, None),
     (16, 4, 2, 2, 64, None, DTYPE, 8, None),
     (2048, 1, 3, 3, 64, 64, DTYPE, 16, 1), (8192, 1, 8, 4, 128, 128, DTYPE, 16, 1),
     (2048, 1, 8, 4, 128, 64, E4M3, 16, None),
-]
+]] + [(2048, 1, 4, 2, 256, None, DTYPE, 16, None, None, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None, 50.0, 4096),
+      (512, 64, 8, 4, 128, None, E4M3, 16, None, 50.0, 4096)]
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype,page_size,compute_wgs", RAGGED_MOSAIC_CASES)
+@pytest.mark.parametrize("T,S,kvh,group,d,block_kv,kv_dtype,page_size,compute_wgs,soft_cap,window",
+                         RAGGED_MOSAIC_CASES)
 def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block_kv, kv_dtype, page_size,
-                                                compute_wgs):
+                                                compute_wgs, soft_cap, window):
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
     P = -(-8192 // page_size)
     pages = spec((65536, page_size, kvh, d), kv_dtype)
     fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=d**-0.5, block_kv=block_kv,
-                           compute_wgs=compute_wgs)
+                           compute_wgs=compute_wgs, soft_cap=soft_cap, sliding_window=window)
     args = (spec((T, kvh * group, d), DTYPE), pages, pages, spec((S, P), jnp.int32), spec((S,), jnp.int32),
             spec((S + 1,), jnp.int32))
     seconds = _compile(fn, *args, mosaic=True, triton=False, donate=())
     print(f"ragged mosaic T={T} S={S} {kvh}x{group}x{d} page {page_size} block_kv={block_kv} "
-          f"compute_wgs={compute_wgs} KV {jnp.dtype(kv_dtype).name}: "
+          f"compute_wgs={compute_wgs} soft_cap={soft_cap} window={window} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
