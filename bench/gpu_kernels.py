@@ -2,7 +2,8 @@
 
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
 the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generic kernel and the ragged Mosaic
-GPU kernel in both forms); decode over float8 pages at 8k (both lowerings). Both for SmolLM2 heads
+GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and an 8k prefill over them (the
+generic kernel and both Mosaic GPU forms). Both for SmolLM2 heads
 (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
@@ -219,12 +220,13 @@ def main() -> int:
     # (decode at batch >= 32 with 8k context, prefill), then float8 decode, then the rest of the decode grid.
     target = [(h, "decode", b, 8192) for h in (llama, smollm) for b in (32, 256)]
     target += [(h, "prefill", 1, t) for h in (llama, smollm) for t in (2048, 8192)]
-    fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)]
+    fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)] + [(llama, "fp8_prefill", 1, 8192)]
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
     rows = target + fp8 + rest
     if args.quick:
-        rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024)]
+        rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
+                (llama, "fp8_prefill", 1, 1024)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
     fns_by_model = {h.name: kernels(h) for h in MODELS}
@@ -239,6 +241,11 @@ def main() -> int:
             names = ["pallas", "mosaic_ws", "mosaic_ws_bkv64", "mosaic_1wg", "mosaic_1wg_bkv128", "xla",
                      "cudnn_causal"]
             run_row(label, pick(fns, names), sets, nbytes, flops, dense_sets(sets, heads, 1, ctx), copy_bw, matmul)
+        elif kind == "fp8_prefill":  # the Mosaic forms upcast the float8 pages in SMEM (ws: in the loader)
+            sets, nbytes, flops = decode_case(rng, heads, 1, ctx, num_tokens=ctx, min_pool_bytes=pool_bytes,
+                                              kv_dtype=jnp.float8_e4m3fn)
+            run_row(label, pick(fns, ["pallas", "mosaic_ws", "mosaic_1wg"]), sets, nbytes, flops, None, copy_bw,
+                    matmul)
         elif kind == "decode":
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             big = nbytes * 3 > REF_LIMIT_BYTES

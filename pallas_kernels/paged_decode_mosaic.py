@@ -135,7 +135,7 @@ def _attention_body(
         pl.when(ahead < stop)(functools.partial(issue, ahead, lax.rem(ahead - start, stages)))
 
         plgpu.barrier_wait(k_bar.at[slot])
-        k_op = _upcast(k_smem.at[slot], upcast[0], plgpu) if upcast else k_smem.at[slot]
+        k_op = upcast_rows(k_smem.at[slot], upcast[0]) if upcast else k_smem.at[slot]
 
         # The interpreter's WGMMA takes neither a transposed SMEM operand nor a register one: under it, the
         # same products are plain dots.
@@ -156,7 +156,7 @@ def _attention_body(
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
         plgpu.barrier_wait(v_bar.at[slot])
-        v_op = _upcast(v_smem.at[slot], upcast[1], plgpu) if upcast else v_smem.at[slot]
+        v_op = upcast_rows(v_smem.at[slot], upcast[1]) if upcast else v_smem.at[slot]
 
         if interpret:  # nor a register operand
             pv = jnp.dot(p.astype(q_smem.dtype), v_op[...], preferred_element_type=jnp.float32)
@@ -203,13 +203,13 @@ def copy_kv_block(pages_ref, dst, bar, block_tables_ref, seq, j, last_page, kv_h
         plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head, :], dst.at[pl.ds(i * page_size, page_size)], bar)
 
 
-def _upcast(src, dst, plgpu):
-    """`dst` (a q-dtype SMEM tile) holding the float8 block `src`, 64 rows at a time through registers."""
-    for r in range(0, src.shape[0], ROWS):
-        rows = pl.ds(r, ROWS)
+def upcast_rows(src, dst, rows: int = ROWS):
+    """`dst` (a q-dtype SMEM tile) holding the float8 block `src`, `rows` rows at a time through registers."""
+    for r in range(0, src.shape[0], rows):
+        chunk = pl.ds(r, rows)
         # float8 converts to 16-bit floats in hardware; float32 is the path both bfloat16 and float16 accept.
-        dst[rows] = src[rows].astype(jnp.float32).astype(dst.dtype)
-    plgpu.commit_smem()  # the stores, visible to the tensor cores' (async proxy) reads
+        dst[chunk] = src[chunk].astype(jnp.float32).astype(dst.dtype)
+    plgpu_module().commit_smem()  # the stores, visible to the tensor cores' (async proxy) reads
     return dst
 
 

@@ -9,14 +9,16 @@ The optional logit soft-cap and sliding window are those of the generic kernel; 
 only the KV blocks its tokens' windows reach.
 
 Two forms:
-- `compute_wgs=2`, warp-specialized (the default for pages of q's dtype): a program is three warpgroups. Two
+- `compute_wgs=2`, warp-specialized (the default when compiled): a program is three warpgroups. Two
   compute warpgroups take 64 rows each (a block of `128 // group` tokens) and share every K/V block, which
   doubles the FLOPs per byte moved into SMEM; the third issues the page copies into a two-stage ring, and
   refills a stage when both compute warpgroups have released it. The compute warpgroups take turns on the
   tensor cores (one's softmax runs during the other's products), and the blocks that need no causal mask
-  skip it.
-- `compute_wgs=1`: the one-warpgroup body of `paged_decode_mosaic.py` over blocks of `64 // group` tokens,
-  which also takes float8 pages (upcast in SMEM).
+  skip it. Float8 pages land by TMA in a ring of their own, and the loading warpgroup upcasts each block into
+  the stage the tensor cores read (64 rows at a time; the loader then takes 80 registers a thread, the
+  compute warpgroups 216).
+- `compute_wgs=1`: the one-warpgroup body of `paged_decode_mosaic.py` over blocks of `64 // group` tokens
+  (float8 pages upcast by the same warpgroup that multiplies them).
 
 Which kernel serves prefill on Hopper is a measurement (`bench/gpu_kernels.py` times them all); both forms
 are checked in Mosaic GPU's CPU interpreter against the float64 oracle and compiled for sm_90 without a GPU.
@@ -50,6 +52,7 @@ from pallas_kernels.paged_decode_mosaic import (
     copy_kv_block,
     mosaic_attention_blocks,
     mosaic_decode_supported,
+    upcast_rows,
 )
 from pallas_kernels.ragged_attention_args import (
     block_layout,
@@ -60,18 +63,32 @@ from pallas_kernels.ragged_attention_args import (
 
 COMPUTE_WGS = 2
 STAGES = 2  # the K/V ring: one stage multiplied while the next lands
+UPCAST_ROWS = 64  # float8 rows the loading warpgroup upcasts at once (a WGMMA-layout tile)
+# Registers per thread of the loading and the compute warpgroups (at most 512 in all, by 8), for pages of q's
+# dtype and for float8 pages, whose upcast needs the loader's 80: with 40 it spills 500 bytes at 128-key blocks
+# and with 56 it spills 76 (ptxas, sm_90); with 80 and 216 neither form spills.
+LOADER_REGISTERS = {False: 40, True: 80}
+COMPUTE_REGISTERS = {False: 232, True: 216}
 LOG2E = math.log2(math.e)
 
 
-def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, qo_smem, k_smem, v_smem,
-             q_bar, k_bar, v_bar, k_free, v_free, turn_bar, *, block_kv: int, sm_scale: float,
-             soft_cap: float | None, window: int | None, group: int, interpret: bool):
+def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, qo_smem, k_smem, v_smem, *rest,
+             block_kv: int, sm_scale: float, soft_cap: float | None, window: int | None, group: int,
+             interpret: bool):
     """One (query block, KV head): warpgroups 0 and 1 compute rows 0-63 and 64-127, warpgroup 2 loads K/V.
 
-    Barriers: `k_bar`/`v_bar[stage]` complete when the stage's pages have landed; `k_free`/`v_free[stage]`
-    when both compute warpgroups are done reading it; `turn` is a rendezvous of the compute warpgroups that
-    hands the tensor cores from one to the other.
+    Barriers: `k_bar`/`v_bar[stage]` complete when the stage holds its block; `k_free`/`v_free[stage]` when
+    both compute warpgroups are done reading it; `turn` is a rendezvous of the compute warpgroups that hands
+    the tensor cores from one to the other. Pages of q's dtype land in the stage by TMA (`k_bar` counts the
+    copies). Float8 pages land in a ring of their own (`k_raw`, `k_land` counting the copies), and the loading
+    warpgroup upcasts each block into the stage, then arrives on `k_bar`.
     """
+    if len(rest) == 6:
+        (q_bar, k_bar, v_bar, k_free, v_free, turn_bar), raw = rest, None
+    else:
+        k_raw, v_raw, q_bar, k_land, v_land, k_bar, v_bar, k_free, v_free, turn_bar = rest
+        # Per operand: pages, landing ring and its copies' barriers, stages, stage barriers, releases.
+        raw = ((k_pages_ref, k_raw, k_land, k_smem, k_bar, k_free), (v_pages_ref, v_raw, v_land, v_smem, v_bar, v_free))
     plgpu = plgpu_module()
     turn = turn_bar.at[0]  # one barrier, declared as an array of one: the default shape differs across JAX versions
     blk, kv_head, wg = lax.axis_index("block"), lax.axis_index("kv_head"), lax.axis_index("wg")
@@ -91,7 +108,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
 
     @pl.when(wg == COMPUTE_WGS)
     def _load():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(LOADER_REGISTERS[raw is not None], action="decrease")
 
         def load(j):
             """Block j's K then V into its stage, each once both compute warpgroups released the stage's last use."""
@@ -100,7 +117,28 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
                 pl.when(j >= lo + STAGES)(functools.partial(plgpu.barrier_wait, free.at[slot]))
                 copy_kv_block(pages_ref, smem.at[slot], bar.at[slot], block_tables_ref, seq, j, last_page, kv_head)
 
-        pl.loop(lo, stop)(load)
+        def land(j):
+            """Start the copies of block j's float8 K and V pages into their ring (its stage was upcast)."""
+            for pages_ref, ring, landed, *_ in raw:
+                copy_kv_block(pages_ref, ring.at[lax.rem(j, STAGES)], landed.at[lax.rem(j, STAGES)],
+                              block_tables_ref, seq, j, last_page, kv_head)
+
+        def load_upcast(j):
+            """Block j+1's copies started, block j's K then V upcast into its stage once both compute
+            warpgroups released the stage's last use."""
+            slot = lax.rem(j, STAGES)
+            pl.when(j + 1 < stop)(functools.partial(land, j + 1))
+            for _, ring, landed, smem, bar, free in raw:
+                plgpu.barrier_wait(landed.at[slot])
+                pl.when(j >= lo + STAGES)(functools.partial(plgpu.barrier_wait, free.at[slot]))
+                upcast_rows(ring.at[slot], smem.at[slot], UPCAST_ROWS)
+                plgpu.barrier_arrive(bar.at[slot])
+
+        if raw is None:
+            pl.loop(lo, stop)(load)
+        else:
+            pl.when(lo < stop)(functools.partial(land, lo))
+            pl.loop(lo, stop)(load_upcast)
 
         # Observe the last releases too: every phase of a barrier is waited for (the interpreter checks it).
         @pl.loop(jnp.maximum(stop, lo + STAGES) - STAGES, stop)
@@ -110,7 +148,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS[raw is not None], action="increase")
         qo = qo_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[blk, kv_head, wg], qo, q_bar.at[wg])
         # This warpgroup's tokens: first and last (rows past the block's tokens repeat the last one's limit).
@@ -208,16 +246,18 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
         plgpu.wait_smem_to_gmem(0)
 
 
-def ws_smem_bytes(itemsize: int, head_dim: int, block_kv: int) -> int:
-    """Shared memory of one warp-specialized program: the q/output tiles of both compute warpgroups and the
-    K/V ring."""
-    return COMPUTE_WGS * ROWS * head_dim * itemsize + 2 * STAGES * block_kv * head_dim * itemsize + 1024
+def ws_smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None) -> int:
+    """Shared memory of one warp-specialized program: the q/output tiles of both compute warpgroups, the K/V
+    ring, and the ring the float8 pages land in when the pages are narrower than q."""
+    kv_itemsize = kv_itemsize or itemsize
+    landing = 2 * STAGES * block_kv * head_dim * kv_itemsize if kv_itemsize != itemsize else 0
+    return COMPUTE_WGS * ROWS * head_dim * itemsize + 2 * STAGES * block_kv * head_dim * itemsize + landing + 1024
 
 
-def ws_block_kv(itemsize: int, head_dim: int, page_size: int) -> int | None:
+def ws_block_kv(itemsize: int, head_dim: int, page_size: int, kv_itemsize: int | None = None) -> int | None:
     """The default KV block of the warp-specialized kernel: 128 keys where they fit, else 64 or 256."""
     for block_kv in (128, 64, 256):
-        if block_kv % page_size == 0 and ws_smem_bytes(itemsize, head_dim, block_kv) <= SMEM_BYTES:
+        if block_kv % page_size == 0 and ws_smem_bytes(itemsize, head_dim, block_kv, kv_itemsize) <= SMEM_BYTES:
             return block_kv
     return None
 
@@ -225,15 +265,16 @@ def ws_block_kv(itemsize: int, head_dim: int, page_size: int) -> int | None:
 def _form(dtype, kv_dtype, head_dim: int, page_size: int, interpret: bool, compute_wgs: int | None = None,
           block_kv: int | None = None) -> tuple[int, int, int | None]:
     """(compute_wgs, block_kv, SMEM bytes of the program or None for the one-warpgroup kernel's own sum), the
-    defaults filled in: the warp-specialized form for pages of q's dtype when compiled, 128-key blocks where
-    they fit. In the interpreter the three warpgroups are three threads blocking on each other inside host
-    callbacks, which can exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py)."""
-    itemsize = jnp.dtype(dtype).itemsize
+    defaults filled in: the warp-specialized form when compiled, 128-key blocks where they fit. In the
+    interpreter the three warpgroups are three threads blocking on each other inside host callbacks, which can
+    exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py)."""
+    itemsize, kv_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     if compute_wgs is None:
-        compute_wgs = COMPUTE_WGS if jnp.dtype(kv_dtype) == jnp.dtype(dtype) and not interpret else 1
-    if block_kv is None:
-        block_kv = (compute_wgs == COMPUTE_WGS and ws_block_kv(itemsize, head_dim, page_size)) or 64
-    return compute_wgs, block_kv, ws_smem_bytes(itemsize, head_dim, block_kv) if compute_wgs == COMPUTE_WGS else None
+        compute_wgs = 1 if interpret else COMPUTE_WGS
+    if compute_wgs == 1:
+        return 1, block_kv or 64, None
+    block_kv = block_kv or ws_block_kv(itemsize, head_dim, page_size, kv_itemsize) or 64
+    return compute_wgs, block_kv, ws_smem_bytes(itemsize, head_dim, block_kv, kv_itemsize)
 
 
 def ragged_mosaic_supported(dtype, head_dim: int, page_size: int, group: int, kv_dtype=None,
@@ -251,14 +292,21 @@ def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, 
     num_blocks, num_kv_heads, _, _, head_dim = qb.shape
     tile = () if interpret else swizzled(qb.dtype, head_dim)
     pages_per_block = block_kv // k_pages.shape[1]
+    # One arrival per page copy: a block has landed when all of its pages have.
+    landed = plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=STAGES)
     scratch = [
         plgpu.SMEM((COMPUTE_WGS, ROWS, head_dim), qb.dtype, transforms=tile),
-        plgpu.SMEM((STAGES, block_kv, head_dim), k_pages.dtype, transforms=tile),
-        plgpu.SMEM((STAGES, block_kv, head_dim), v_pages.dtype, transforms=tile),
-        plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),
-        # One arrival per page copy: a stage is ready when all of its pages have landed.
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=STAGES),
+        plgpu.SMEM((STAGES, block_kv, head_dim), qb.dtype, transforms=tile),
+        plgpu.SMEM((STAGES, block_kv, head_dim), qb.dtype, transforms=tile),
+    ]
+    if k_pages.dtype == qb.dtype:
+        scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS), landed, landed]
+    else:  # float8: the landing ring, the copies' barriers, and the stages' (one arrival: the upcast's)
+        kv_tile = () if interpret else swizzled(k_pages.dtype, head_dim)
+        scratch += [plgpu.SMEM((STAGES, block_kv, head_dim), k_pages.dtype, transforms=kv_tile)] * 2
+        scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS), landed, landed]
+        scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=STAGES)] * 2
+    scratch += [
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=STAGES),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=1),
@@ -297,17 +345,15 @@ def ragged_paged_attention_mosaic(
     compute_wgs: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Ragged paged attention (the contract of `ragged_paged_attention`) on Mosaic GPU: q `[T, QH, D]` bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
+    """Ragged paged attention (the contract of `ragged_paged_attention`) on Mosaic GPU: q `[T, QH, D]`
+    bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
 
-    `compute_wgs`: 2 (warp-specialized; pages of q's dtype) or 1; None picks 2 where it applies (compiled).
+    `compute_wgs`: 2 (warp-specialized) or 1; None picks 2 when compiled, 1 in the interpreter.
     `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
                          sliding_window)
     if compute_wgs is not None and compute_wgs not in (1, COMPUTE_WGS):
         raise ValueError(f"compute_wgs must be 1 or {COMPUTE_WGS}, got {compute_wgs}")
-    if compute_wgs == COMPUTE_WGS and k_pages.dtype != q.dtype:
-        raise ValueError(f"the warp-specialized kernel takes pages of q's dtype ({q.dtype}), got {k_pages.dtype}; "
-                         "float8 pages run with compute_wgs=1")
     head_dim, page_size = q.shape[2], k_pages.shape[1]
     compute_wgs, block_kv, smem = _form(q.dtype, k_pages.dtype, head_dim, page_size, interpret, compute_wgs,
                                         block_kv)

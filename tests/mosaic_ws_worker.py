@@ -9,6 +9,7 @@ a thread short, so the parent runs this with 8 simulated devices (a larger pool)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -16,36 +17,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.ragged_attention_args import quantize_kv
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 from tests.test_kernels_cases import make_batch, naive_attention
 
-# (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq, soft_cap, window)
+# (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq, soft_cap, window,
+#  the pages' dtype)
 CASES = [
     # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
     # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
     # and only releases the stages), a decode token at 137 (three KV blocks: the loader refills a stage), an
     # empty row, a 7-token prompt.
-    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9, None, None),
-    # A sliding window of 141 keys and a soft-cap. The 42-token chunk at 200-241 is one program: warpgroup 0
+    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9, None, None, jnp.bfloat16),
+    # Float8 pages (they land in their own ring; the loading warpgroup upcasts each block into the stage, then
+    # signals it), a sliding window of 141 keys and a soft-cap. The 42-token chunk at 200-241 is one program: warpgroup 0
     # (tokens 200-220) walks window-edge blocks 0-1 masked, block 2 whole, block 3 causal; warpgroup 1 (tokens
     # 221-241) releases block 0 unread (its window starts at 81), then block 1 masked, 2 whole, 3 causal. The
     # decode token at 300 loads blocks 2-4 only (the ring starts at block 2); a 30-token prompt leaves
     # warpgroup 1 only releasing.
-    ("smollm-window-cap", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141),
+    ("smollm-e4m3-window-cap", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141,
+     jnp.float8_e4m3fn),
 ]
 
 
 # On a GPU also: 128-wide heads of group 4 (Llama-3-8B's) with 128-key blocks, a 512-token prompt, a chunk over
 # 800 cached tokens and a decode token at 2000.
-GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128, None, None)]
+GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128, None, None,
+              jnp.bfloat16)]
 
 
 def run_cases(cases):
     """Per case: the kernel's output against the oracle, as a dict of plain values."""
-    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq, soft_cap, window in cases:
+    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq, soft_cap, window, kv_dtype in cases:
         rng = np.random.default_rng(len(name))
         batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
                            dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
+        # The oracle reads the pages as stored: for float8, the attention of their float8 values.
+        batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
+                                    v_pages=quantize_kv(batch.v_pages, kv_dtype))
         start = time.perf_counter()
         out = ragged_paged_attention_mosaic(
             batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,

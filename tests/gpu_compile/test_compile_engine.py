@@ -215,14 +215,16 @@ def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block
 # The ragged Mosaic GPU kernel (prefill chunks and decode in one call): 2k/8k-token prompts of SmolLM2 and
 # Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 64- and 128-key blocks; the bfloat16
 # engine of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
-# Warp-specialized (compute_wgs None: 2 on pages of q's dtype) and one-warpgroup (1) forms. Then: 256-wide heads
+# Warp-specialized (compute_wgs None: 2 when compiled; float8 pages upcast by the loading warpgroup) and
+# one-warpgroup (1) forms. Then: 256-wide heads
 # (64-key blocks, the warp-specialized form only); Mistral's window of 4096 keys with a soft-cap on both forms.
 RAGGED_MOSAIC_CASES = [c + (None, None) for c in [
     (2048, 1, 3, 3, 64, None, DTYPE, 16, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None),
     (512, 64, 8, 4, 128, None, DTYPE, 16, None), (2048, 1, 8, 4, 128, 64, DTYPE, 16, None),
     (16, 4, 2, 2, 64, None, DTYPE, 8, None),
     (2048, 1, 3, 3, 64, 64, DTYPE, 16, 1), (8192, 1, 8, 4, 128, 128, DTYPE, 16, 1),
-    (2048, 1, 8, 4, 128, 64, E4M3, 16, None),
+    (2048, 1, 8, 4, 128, 64, E4M3, 16, None), (2048, 1, 3, 3, 64, None, E5M2, 16, None),
+    (2048, 1, 8, 4, 128, 64, E4M3, 16, 1),
 ]] + [(2048, 1, 4, 2, 256, None, DTYPE, 16, None, None, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None, 50.0, 4096),
       (512, 64, 8, 4, 128, None, E4M3, 16, None, 50.0, 4096)]
 
