@@ -3,7 +3,8 @@
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
 the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generic kernel and the ragged Mosaic
 GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and an 8k prefill over them (the
-generic kernel and both Mosaic GPU forms). Both for SmolLM2 heads
+generic kernel and both Mosaic GPU forms); decode at 32k context under a sliding window of 4096 keys (bytes:
+the window's KV only, which is all a kernel needs to read). Both for SmolLM2 heads
 (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
@@ -41,6 +42,7 @@ MIN_POOL_BYTES = 512 << 20  # pages scattered over a pool well past the 60 MiB L
 NUM_SETS = 3
 # The reference materializes per-token KV and logits; skip it (and cuDNN's dense copy) past this.
 REF_LIMIT_BYTES = 24 << 30
+WINDOW = 4096  # the sliding window of the windowed decode row (Mistral 7B's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +115,16 @@ def decode_case(
         tables = jnp.asarray(pages.reshape(batch, pages_per_seq), jnp.int32)
         q = jax.random.normal(jax.random.fold_in(kq, i), (batch * q_len, heads.q, heads.dim), DTYPE)
         sets.append((q, k_pages, v_pages, tables, seq_lens, qsl))
+    return (sets, *work(heads, batch, ctx, q_len, kv_item))
+
+
+def work(heads: Heads, batch: int, ctx: int, q_len: int, kv_item: int) -> tuple[int, float]:
+    """(bytes, FLOPs) of attention for `batch` sequences of `q_len` new tokens over `ctx` keys each: K and V
+    read once, q read and the output written, QK^T and PV over the causal part."""
     kv_bytes = 2 * batch * ctx * heads.kv * heads.dim * kv_item
     io_bytes = 2 * batch * q_len * heads.q * heads.dim * 2
     flops = 4 * batch * heads.q * heads.dim * (q_len * ctx - q_len * (q_len - 1) / 2)
-    return sets, kv_bytes + io_bytes, flops
+    return kv_bytes + io_bytes, flops
 
 
 def dense_sets(sets, heads: Heads, batch: int, ctx: int):
@@ -169,6 +177,9 @@ def kernels(heads: Heads) -> dict:
         return jax.jit(lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
             q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv, stages=stages))
 
+    def mosaic_window(q, k, v, tables, lens, qsl):
+        return paged_decode_attention_mosaic(q, k, v, tables, lens, sm_scale=scale, sliding_window=WINDOW)
+
     # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does.
     def mosaic_ragged(compute_wgs, block_kv=None):
         return jax.jit(functools.partial(ragged_paged_attention_mosaic, sm_scale=scale, block_kv=block_kv,
@@ -183,6 +194,9 @@ def kernels(heads: Heads) -> dict:
         "mosaic": mosaic_decode(64),
         "mosaic_st4": mosaic_decode(64, 4),
         "mosaic_bkv128": mosaic_decode(128),
+        # Decode under a sliding window: both start at the window's first KV block.
+        "pallas_window": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, sliding_window=WINDOW)),
+        "mosaic_window": jax.jit(mosaic_window),
         # Prefill: warp-specialized (two compute warpgroups; 128-key blocks where they fit, and 64) and one
         # warpgroup (64- and 128-key blocks).
         "mosaic_ws": mosaic_ragged(2),
@@ -223,10 +237,11 @@ def main() -> int:
     fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)] + [(llama, "fp8_prefill", 1, 8192)]
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
-    rows = target + fp8 + rest
+    window = [(llama, "window", 32, 32768)]
+    rows = target + fp8 + window + rest
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
-                (llama, "fp8_prefill", 1, 1024)]
+                (llama, "fp8_prefill", 1, 1024), (llama, "window", 2, 8192)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
     fns_by_model = {h.name: kernels(h) for h in MODELS}
@@ -246,6 +261,11 @@ def main() -> int:
                                               kv_dtype=jnp.float8_e4m3fn)
             run_row(label, pick(fns, ["pallas", "mosaic_ws", "mosaic_1wg"]), sets, nbytes, flops, None, copy_bw,
                     matmul)
+        elif kind == "window":
+            sets, _, _ = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
+            nbytes, flops = work(heads, batch, WINDOW, 1, jnp.dtype(DTYPE).itemsize)  # the window's keys only
+            run_row(f"{label} window={WINDOW}", pick(fns, ["pallas_window", "mosaic_window"]), sets, nbytes, flops,
+                    None, copy_bw)
         elif kind == "decode":
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             big = nbytes * 3 > REF_LIMIT_BYTES

@@ -31,12 +31,6 @@ def register_layouts(interpret: bool):
     return layout_cast, iota
 
 
-# The running row max starts at this finite floor rather than -inf: a row that sees no key of a block (its
-# window starts past the block, or it is a padding row) keeps m at the floor, and exp(-inf - floor) is 0 where
-# exp(-inf - -inf) would be NaN. Real logits are far above it.
-M_FLOOR = -1e30
-
-
 def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
     """The scores `s` scaled, soft-capped (`cap * tanh(x / cap)`) when `soft_cap` is set, times `log_base`
     (log2(e) for a softmax in base 2)."""

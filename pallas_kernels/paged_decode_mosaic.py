@@ -37,7 +37,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mosaic_common import (
-    M_FLOOR,
     compiler_params,
     interpret_params,
     logits,
@@ -47,7 +46,7 @@ from pallas_kernels.mosaic_common import (
     swizzled,
     window_start,
 )
-from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, check_score_args, combine_splits
+from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, M_FLOOR, check_score_args, combine_splits
 
 GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it

@@ -16,6 +16,10 @@ import jax.numpy as jnp
 # The float8 formats a KV page may be stored in (one byte an element); the kernels upcast on load.
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _KV_PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), *FP8_KV_DTYPES)
+# Every kernel's running row max starts at this finite floor rather than -inf: a row that sees no key of a
+# block (its window starts past the block, or it is a padding row) keeps m at the floor, and exp(-inf - floor)
+# is 0 where exp(-inf - -inf) would be NaN. Real logits are far above it.
+M_FLOOR = -1e30
 
 
 def check_kv_page_dtype(page_dtype, q_dtype) -> None:

@@ -35,7 +35,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mosaic_common import (
-    M_FLOOR,
     compiler_params,
     interpret_params,
     logits,
@@ -55,6 +54,7 @@ from pallas_kernels.paged_decode_mosaic import (
     upcast_rows,
 )
 from pallas_kernels.ragged_attention_args import (
+    M_FLOOR,
     block_layout,
     blocks_to_tokens,
     check_attention_args,

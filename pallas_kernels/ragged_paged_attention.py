@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.ragged_attention_args import (
+    M_FLOOR,
     block_layout,
     blocks_to_tokens,
     check_attention_args,
@@ -40,8 +41,6 @@ __all__ = [
     "ragged_paged_attention_reference",
 ]
 
-# Running max starts finite so that fully masked blocks give exp(-inf - m) = 0 instead of NaN.
-_M_INIT = -1e30
 # Hopper SM count: the split heuristic aims at a couple of programs per SM.
 _TARGET_PROGRAMS = 2 * 132
 _MMA_MIN_ROWS = 16
@@ -161,7 +160,7 @@ def _attention_kernel(
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _M_INIT, jnp.float32),
+        jnp.full((rows,), M_FLOOR, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
     acc, m, denom = lax.fori_loop(start, stop, body, init)
