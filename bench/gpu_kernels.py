@@ -3,8 +3,9 @@
 Decode: batch 1/32/256 x context 1k/8k/32k, on both lowerings (the generic Pallas kernel through Triton, and
 the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generic kernel and the ragged Mosaic
 GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and an 8k prefill over them (the
-generic kernel and both Mosaic GPU forms); decode at 32k context under a sliding window of 4096 keys (bytes:
-the window's KV only, which is all a kernel needs to read). Both for SmolLM2 heads
+generic kernel and both Mosaic GPU forms); a mixed step (32 decode tokens at 8k beside a 512-token chunk) with
+its decode tokens on the decode kernel or with the chunk on the ragged one; decode at 32k context under a
+sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read). Both for SmolLM2 heads
 (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
@@ -43,6 +44,7 @@ NUM_SETS = 3
 # The reference materializes per-token KV and logits; skip it (and cuDNN's dense copy) past this.
 REF_LIMIT_BYTES = 24 << 30
 WINDOW = 4096  # the sliding window of the windowed decode row (Mistral 7B's)
+MIXED_CHUNK = 512  # the prefill chunk of the mixed-step row (beside its decode tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +120,19 @@ def decode_case(
     return (sets, *work(heads, batch, ctx, q_len, kv_item))
 
 
+def mixed_case(rng, heads: Heads, decodes: int, ctx: int, chunk: int, min_pool_bytes: int = MIN_POOL_BYTES):
+    """Input sets for a mixed step: `decodes` decode tokens over `ctx` keys each, then one `chunk`-token prefill
+    chunk ending at its own `ctx` keys."""
+    sets, _, _ = decode_case(rng, heads, decodes + 1, ctx, min_pool_bytes=min_pool_bytes)
+    qsl = jnp.asarray([*range(decodes + 1), decodes + chunk], jnp.int32)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    sets = [(jax.random.normal(jax.random.fold_in(key, i), (decodes + chunk, heads.q, heads.dim), DTYPE), *rest[1:5],
+             qsl) for i, rest in enumerate(sets)]
+    decode_bytes, decode_flops = work(heads, decodes, ctx, 1, jnp.dtype(DTYPE).itemsize)
+    chunk_bytes, chunk_flops = work(heads, 1, ctx, chunk, jnp.dtype(DTYPE).itemsize)
+    return sets, decode_bytes + chunk_bytes, decode_flops + chunk_flops
+
+
 def work(heads: Heads, batch: int, ctx: int, q_len: int, kv_item: int) -> tuple[int, float]:
     """(bytes, FLOPs) of attention for `batch` sequences of `q_len` new tokens over `ctx` keys each: K and V
     read once, q read and the output written, QK^T and PV over the causal part."""
@@ -189,6 +204,12 @@ def kernels(heads: Heads) -> dict:
         "pallas": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale)),
         "pallas_mma": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale,
                                                 tuning=AttentionTuning(pad_rows_to_mma=True))),
+        # Mixed steps through the dispatch of the `pallas_mosaic` backend: the decode tokens on the decode kernel
+        # beside the chunks on the ragged one (split), or all on the ragged kernel (whole).
+        "mosaic_split": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, tuning=AttentionTuning(
+            decode_lowering="mosaic", prefill_lowering="mosaic"))),
+        "mosaic_whole": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, tuning=AttentionTuning(
+            decode_lowering="mosaic", prefill_lowering="mosaic", split_mixed=False))),
         "xla": jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale)),
         # Decode: 64-key blocks in a ring of 2 and of 4 stages (3 blocks in flight), 128-key blocks in 2.
         "mosaic": mosaic_decode(64),
@@ -237,11 +258,11 @@ def main() -> int:
     fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)] + [(llama, "fp8_prefill", 1, 8192)]
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
-    window = [(llama, "window", 32, 32768)]
+    window = [(llama, "mixed", 32, 8192), (llama, "window", 32, 32768)]
     rows = target + fp8 + window + rest
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
-                (llama, "fp8_prefill", 1, 1024), (llama, "window", 2, 8192)]
+                (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "window", 2, 8192)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
     fns_by_model = {h.name: kernels(h) for h in MODELS}
@@ -261,6 +282,10 @@ def main() -> int:
                                               kv_dtype=jnp.float8_e4m3fn)
             run_row(label, pick(fns, ["pallas", "mosaic_ws", "mosaic_1wg"]), sets, nbytes, flops, None, copy_bw,
                     matmul)
+        elif kind == "mixed":
+            sets, nbytes, flops = mixed_case(rng, heads, batch, ctx, MIXED_CHUNK, min_pool_bytes=pool_bytes)
+            run_row(f"{label} + a {MIXED_CHUNK}-token chunk", pick(fns, ["pallas", "mosaic_split", "mosaic_whole"]),
+                    sets, nbytes, flops, None, copy_bw)
         elif kind == "window":
             sets, _, _ = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             nbytes, flops = work(heads, batch, WINDOW, 1, jnp.dtype(DTYPE).itemsize)  # the window's keys only

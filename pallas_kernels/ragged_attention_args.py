@@ -116,13 +116,16 @@ def token_metadata(
     return tok_seq, pos, valid
 
 
-def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
-    """Cut each sequence's query tokens into blocks of `block_q`; returns per-block and per-token maps."""
+def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int, skip=None):
+    """Cut each sequence's query tokens into blocks of `block_q`; returns per-block and per-token maps.
+    The sequences marked in `skip` (`[S]` bool) get no blocks, and their tokens count as padding."""
     num_seqs = seq_lens.shape[0]
     # Every non-empty block holds a token, and each sequence wastes at most one partial block.
     num_blocks = min(num_tokens, -(-num_tokens // block_q) + (num_seqs if block_q > 1 else 0))
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
     blocks_per_seq = (q_lens + block_q - 1) // block_q
+    if skip is not None:
+        blocks_per_seq = jnp.where(skip, 0, blocks_per_seq)
     blk_end = jnp.cumsum(blocks_per_seq).astype(jnp.int32)  # [S]
     blk_start = blk_end - blocks_per_seq
 
@@ -130,6 +133,8 @@ def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
     b_seq = jnp.minimum(jnp.searchsorted(blk_end, b, side="right").astype(jnp.int32), num_seqs - 1)
     q_off = (b - blk_start[b_seq]) * block_q  # first query index of the block within its sequence
     num_q = jnp.clip(q_lens[b_seq] - q_off, 0, block_q)
+    if skip is not None:  # the blocks past the last one (filed under the last sequence) stay empty too
+        num_q = jnp.where(skip[b_seq], 0, num_q)
     pos0 = seq_lens[b_seq] - q_lens[b_seq] + q_off
     meta = jnp.stack([b_seq, pos0, num_q, jnp.zeros_like(b)], axis=1)  # [NB, 4]
 
@@ -137,6 +142,8 @@ def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int):
     gather_tok = jnp.clip(query_start_loc[b_seq][:, None] + q_off[:, None] + r[None, :], 0, num_tokens - 1)
 
     tok_seq, _, tok_valid = token_metadata(seq_lens, query_start_loc, num_tokens)
+    if skip is not None:
+        tok_valid &= ~skip[tok_seq]
     i = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[tok_seq]
     tok_block = jnp.clip(blk_start[tok_seq] + i // block_q, 0, num_blocks - 1)
     tok_row = i % block_q

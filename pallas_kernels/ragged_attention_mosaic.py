@@ -344,12 +344,15 @@ def ragged_paged_attention_mosaic(
     block_kv: int | None = None,
     compute_wgs: int | None = None,
     interpret: bool = False,
+    skip_seqs: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention (the contract of `ragged_paged_attention`) on Mosaic GPU: q `[T, QH, D]`
     bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
 
     `compute_wgs`: 2 (warp-specialized) or 1; None picks 2 when compiled, 1 in the interpreter.
-    `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64."""
+    `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64.
+    `skip_seqs` (`[S]` bool): sequences left out (no programs; their tokens come back zero), for a caller that
+    attends them elsewhere, as `ragged_paged_attention` does a mixed batch's decode tokens."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
                          sliding_window)
     if compute_wgs is not None and compute_wgs not in (1, COMPUTE_WGS):
@@ -362,13 +365,17 @@ def ragged_paged_attention_mosaic(
     num_kv_heads = k_pages.shape[2]
     rows = compute_wgs * ROWS
     block_q = rows // group
+    if skip_seqs is not None and (skip_seqs.shape != seq_lens.shape or skip_seqs.dtype != jnp.bool_):
+        raise ValueError(f"skip_seqs must be bool [{seq_lens.shape[0]}] (one per sequence), got "
+                         f"{skip_seqs.dtype} {skip_seqs.shape}")
     _, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(seq_lens, query_start_loc, num_tokens,
-                                                                     block_q)
+                                                                     block_q, skip=skip_seqs)
     qb = queries_to_blocks(q, gather_tok, num_kv_heads, rows)  # [NB, KVH, rows, D]
     if compute_wgs == 1:
         ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
                                      block_kv=block_kv, splits=1, group=group, interpret=interpret,
-                                     soft_cap=soft_cap, window=sliding_window, name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
+                                     soft_cap=soft_cap, window=sliding_window,
+                                     name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
     else:
         num_blocks = qb.shape[0]
         qb = qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim)

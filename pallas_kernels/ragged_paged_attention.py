@@ -62,6 +62,10 @@ class AttentionTuning:
     # "mosaic": batches holding prefill chunks go to the ragged Mosaic GPU kernel (ragged_attention_mosaic.py)
     # when it supports the shapes; else this kernel.
     prefill_lowering: str = "triton"
+    # With both lowerings "mosaic": in a batch holding prefill chunks, the decode tokens (sequences of one
+    # query token) go to the decode kernel (flash-decoding splits, a 64-row tile) and only the chunks to the
+    # ragged kernel, two calls in one step; False sends the whole batch to the ragged kernel.
+    split_mixed: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_kv_splits"):
@@ -309,7 +313,8 @@ def ragged_paged_attention(
 def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
                interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
-    prefill chunks on the ragged Mosaic GPU kernel, each where `*_on_mosaic` says, else this file's kernel."""
+    prefill chunks on the ragged Mosaic GPU kernel (their decode tokens on the decode kernel with
+    `tuning.split_mixed`), each where `*_on_mosaic` says, else this file's kernel."""
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
@@ -321,19 +326,30 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
     def general():
         return ragged_paged_attention(*args, **scores, interpret=interpret, tuning=general_tuning)
 
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
+
+    def on_decode_kernel(lens):
+        """The decode kernel's output per token, for the sequences with a token in `lens` (others: 0)."""
+        first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)  # each sequence's only query token
+        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, lens, **scores,
+                                          num_splits=tuning.num_kv_splits, interpret=interpret)  # [S, QH, D]
+        return o[tok_seq]
+
     def prefill():
         if not prefill_on_mosaic:
             return general()
-        return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret)
+        if not (decode_on_mosaic and tuning.split_mixed):
+            return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret)
+        # The chunks on the ragged kernel, the decode tokens beside them on the decode kernel.
+        one = q_lens == 1
+        chunks = ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, skip_seqs=one)
+        tokens = on_decode_kernel(jnp.where(one, seq_lens, 0))
+        return jnp.where((one[tok_seq] & valid)[:, None, None], tokens, chunks)
 
     def decode():
         if not decode_on_mosaic:
             return general()
-        first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)  # each sequence's only query token
-        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, seq_lens, **scores,
-                                          num_splits=tuning.num_kv_splits, interpret=interpret)  # [S, QH, D]
-        tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
-        return jnp.where(valid[:, None, None], o[tok_seq], jnp.zeros((), o.dtype))
+        return jnp.where(valid[:, None, None], on_decode_kernel(seq_lens), jnp.zeros((), q.dtype))
 
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
     return lax.cond(jnp.all(q_lens <= 1), decode, prefill)

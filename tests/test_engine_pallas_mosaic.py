@@ -9,6 +9,7 @@ tests/gpu_compile and run on the GPU by bench/gpu_check.sh. On a GPU these tests
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -121,8 +122,9 @@ def test_decode_lowering_mosaic_dispatch(seqs, kv_dtype):
     batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
                                 v_pages=quantize_kv(batch.v_pages, kv_dtype))
 
-    def attend(k_pages, v_pages, prefill_lowering="triton"):
-        tuning = AttentionTuning(decode_lowering="mosaic", prefill_lowering=prefill_lowering)
+    def attend(k_pages, v_pages, prefill_lowering="triton", split_mixed=True):
+        tuning = AttentionTuning(decode_lowering="mosaic", prefill_lowering=prefill_lowering,
+                                 split_mixed=split_mixed)
         return ragged_paged_attention(
             batch.q, k_pages, v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
             sm_scale=0.125, interpret=_interpret(), tuning=tuning,
@@ -132,12 +134,17 @@ def test_decode_lowering_mosaic_dispatch(seqs, kv_dtype):
     assert "paged_decode_mosaic" in traced and "ragged_attention_mosaic" not in traced
     wide = batch.k_pages.astype(jnp.float32)
     assert "paged_decode_mosaic" not in str(jax.make_jaxpr(attend)(wide, wide))
-    for prefill_lowering in ("triton", "mosaic"):  # prefill chunks on the generic or the ragged Mosaic kernel
-        out = attend(batch.k_pages, batch.v_pages, prefill_lowering)
+    # Prefill chunks on the generic or the ragged Mosaic kernel; with the ragged one, a batch's decode tokens
+    # beside its chunks on the decode kernel (split_mixed) or on the ragged kernel with them.
+    for prefill_lowering, split_mixed in (("triton", True), ("mosaic", True), ("mosaic", False)):
+        out = attend(batch.k_pages, batch.v_pages, prefill_lowering, split_mixed)
         _check(out, batch, 0.125)
         assert not np.asarray(out[batch.num_real_tokens:], np.float32).any(), "padding tokens must be zero"
-    both = str(jax.make_jaxpr(lambda k, v: attend(k, v, "mosaic"))(batch.k_pages, batch.v_pages))
-    assert "paged_decode_mosaic" in both and "ragged_attention_mosaic" in both
+    for split_mixed, decode_calls in ((True, 2), (False, 1)):  # the decode kernel in the mixed branch too
+        mixed = functools.partial(attend, prefill_lowering="mosaic", split_mixed=split_mixed)
+        both = str(jax.make_jaxpr(mixed)(batch.k_pages, batch.v_pages))
+        assert both.count("jaxpr=paged_decode_attention_mosaic") == decode_calls  # call sites
+        assert "ragged_attention_mosaic" in both
 
 
 def test_mosaic_refusals():

@@ -91,6 +91,29 @@ def test_ragged_mosaic_window_and_soft_cap(window):
            sliding_window=window)
 
 
+def test_ragged_mosaic_skips_the_sequences_it_is_told_to():
+    """`skip_seqs`: the marked sequences (decode tokens the caller attends on the decode kernel) get no programs
+    and their tokens come back zero (the last sequence's too, under which the unused blocks are filed); the
+    others equal the oracle."""
+    rng = np.random.default_rng(4)
+    seqs = [(1, 40), (30, 70), (1, 17), (0, 0), (25, 25), (1, 90)]
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16, seqs=seqs,
+                       pages_per_seq=7, pad_seqs=0)
+    skip = np.array([q == 1 for q, _ in seqs])
+    out = np.asarray(_run(batch, 0.125, skip_seqs=jnp.asarray(skip)).astype(jnp.float32))
+    ref = naive_attention(batch, sm_scale=0.125)
+    qsl = np.asarray(batch.query_start_loc)
+    skipped = np.zeros(out.shape[0], bool)
+    for s in np.flatnonzero(skip):
+        skipped[qsl[s]:qsl[s + 1]] = True
+    assert skipped.sum() == 3 and not out[skipped].any()
+    n = batch.num_real_tokens
+    kept = ~skipped[:n]
+    np.testing.assert_allclose(out[:n][kept], ref[:n][kept], atol=TOL, rtol=TOL)
+    with pytest.raises(ValueError, match="skip_seqs must be bool"):
+        _run(batch, 0.125, skip_seqs=jnp.zeros(2, jnp.bool_))
+
+
 def test_ragged_mosaic_refusals():
     rng = np.random.default_rng(0)
     batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.float32,
