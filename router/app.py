@@ -48,6 +48,11 @@ async def responses(request: Request) -> Response:
     return await _router(request).generate(request, "responses")
 
 
+async def stored_response(request: Request) -> Response:
+    """`GET` / `DELETE /v1/responses/{id}` on the worker that stores the response."""
+    return await _router(request).stored_response(request, request.path_params["response_id"])
+
+
 async def pooling(request: Request) -> Response:
     """`POST /v1/embeddings`, `/score`, `/rerank`, `/classify` through a picked worker."""
     return await _router(request).pooling(request)
@@ -175,6 +180,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         *(Route(path, pooling, methods=["POST"]) for path in
           ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
            "/v1/classify")),

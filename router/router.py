@@ -29,7 +29,7 @@ from router.policy import Decision, Picker, RouteRequest
 from router.prefix_index import PrefixIndex
 from router.workers import Worker, WorkerPool
 from server.errors import ApiError, sse_error
-from server.openai_responses import chat_body
+from server.responses_input import chat_body
 from server.trace import TraceStore, summarize_request
 
 logger = logging.getLogger("jaxserve.router")
@@ -260,6 +260,14 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         self.trace.record(request_id, "L2", "received", summarize_request(kind, body))
         path = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "responses": "/v1/responses"}[kind]
+        previous = body.get("previous_response_id") if kind == "responses" else None
+        if isinstance(previous, str):  # a continuation runs on the worker that stores the conversation it continues
+            owner = await self.response_owner(previous, headers)
+            self.trace.record(request_id, "L2", "continues", {"response": previous,
+                                                               "worker": owner.url if owner else None})
+            return await self.forward(request_id, path, raw, headers, bool(body.get("stream")),
+                                      RouteRequest(session=request.headers.get(self.config.session_header)),
+                                      first=owner)
         if kind == "responses":  # routed (and prefilled) as the chat request a worker turns it into
             try:
                 body, kind = chat_body(body), "chat"
@@ -270,6 +278,27 @@ class Router:
         if self.pd.enabled:
             return await self.pd.generate(request_id, path, raw, body, headers, stream, info, ids)
         return await self.forward(request_id, path, raw, headers, stream, info)
+
+    async def response_owner(self, response_id: str, headers: dict[str, str]) -> Worker | None:
+        """The healthy worker that stores the response `response_id` (each keeps its own), asked in turn."""
+        for w in self.pool.healthy():
+            try:
+                r = await self.client.get(f"{w.url}/v1/responses/{response_id}", headers=headers)
+            except httpx.TransportError:
+                continue
+            if r.status_code == 200:
+                return w
+        return None
+
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """`GET` or `DELETE /v1/responses/{id}` on the worker that stores it; 404 when none does."""
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        owner = await self.response_owner(response_id, headers)
+        if owner is None:
+            raise ApiError(404, f"no worker stores a response with id {response_id!r}", param="response_id",
+                           code="not_found")
+        r = await self.client.request(request.method, f"{owner.url}/v1/responses/{response_id}", headers=headers)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     async def pooling(self, request: Request) -> Response:
         """An embedding model's request (embeddings, score, rerank) to the least-loaded worker, at its own path."""

@@ -120,7 +120,27 @@ async def completions(request: Request) -> Response:
 
 async def responses(request: Request) -> Response:
     """`POST /v1/responses` (OpenAI's Responses API)."""
-    return await _traced_generate(request, "responses", **responses_api())
+    return await _traced_generate(request, "responses", **responses_api(_state(request).responses))
+
+
+def _stored_response_id(request: Request) -> str:
+    """The id of a stored response named by the path; 404 when none is stored under it."""
+    response_id = request.path_params["response_id"]
+    if _state(request).responses.get(response_id) is None:
+        raise ApiError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
+    return response_id
+
+
+async def stored_response(request: Request) -> Response:
+    """`GET /v1/responses/{id}`: a stored response, as it was returned."""
+    return JSONResponse(_state(request).responses.get(_stored_response_id(request)).response)
+
+
+async def delete_response(request: Request) -> Response:
+    """`DELETE /v1/responses/{id}`: forget a stored response (continuing from it is refused afterwards)."""
+    response_id = _stored_response_id(request)
+    _state(request).responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 async def tokenize(request: Request) -> Response:
@@ -206,6 +226,8 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -44,6 +44,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="return a thinking model's reasoning in 'reasoning' apart from its answer "
                         "(see server/reasoning.py)")
+    g.add_argument("--responses-store-capacity", type=int, default=d.responses_store_capacity,
+                   help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id} "
+                        "(the newest ones; 0 keeps none)")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
                         "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
@@ -58,7 +61,7 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         max_request_body_bytes=ns.max_request_body_bytes, log_level=ns.log_level,
                         chat_template=None if ns.chat_template is None else load_chat_template(ns.chat_template),
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                        reasoning_parser=ns.reasoning_parser)
+                        reasoning_parser=ns.reasoning_parser, responses_store_capacity=ns.responses_store_capacity)
 
 
 def setup_logging(level: str) -> None:

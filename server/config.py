@@ -30,6 +30,8 @@ class ServerConfig:
       enable_auto_tool_choice, tool_call_parser: `tool_choice: "auto"` is served when both are set;
         the parser (server/tool_parsers.py) finds the calls in the model's replies.
       reasoning_parser: splits a thinking model's reasoning from its answer (server/reasoning.py).
+      responses_store_capacity: `/v1/responses` answers kept in memory for `previous_response_id` and
+        `GET /v1/responses/{id}` (the newest ones; with 0 none is, and responses say `store: false`).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +48,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    responses_store_capacity: int = 1000
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -61,6 +64,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.responses_store_capacity, int) or self.responses_store_capacity < 0:
+            raise ValueError(f"responses_store_capacity must be >= 0, got {self.responses_store_capacity!r}")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"log_level must be critical, error, warning, info or debug, got {self.log_level!r}")
 

@@ -1,7 +1,7 @@
 """`POST /v1/responses`: OpenAI's Responses API, served by the chat machinery.
 
-The request is translated into a chat request: `instructions` becomes the system message, and `input`
-(a string, or a list of items) becomes the conversation. Items: messages (`role` user, assistant,
+The request is translated into a chat request (server/responses_input.py): `instructions` becomes the
+system message, and `input` (a string, or a list of items) becomes the conversation. Items: messages (`role` user, assistant,
 system or developer; `content` a string or `input_text` / `output_text` parts), `function_call` (a
 call the assistant made earlier) and `function_call_output` (its result, as a tool message).
 Earlier `reasoning` items are dropped, as chat templates drop earlier reasoning. Function tools
@@ -18,8 +18,12 @@ its deltas (`reasoning_text.delta`, `output_text.delta` inside a content part,
 `function_call_arguments.delta`) and its `done` events, and `response.completed` (or
 `response.incomplete`) with the whole response.
 
-Refused by name: `previous_response_id` and `conversation` (this server stores no responses:
-`store` is accepted and answered `false`), `background`, `prompt` (stored prompt templates),
+Responses are stored (`store`, true by default as in OpenAI's API; in memory, the newest
+`responses_store_capacity`): `previous_response_id` continues the stored conversation (its turns and reply
+come before `input`; its `instructions` are not inherited), `GET /v1/responses/{id}` returns a stored
+response and `DELETE` forgets it.
+
+Refused by name: `conversation` (conversation objects), `background`, `prompt` (stored prompt templates),
 `truncation: "auto"`, tools other than functions, and content other than text.
 """
 
@@ -32,152 +36,13 @@ from typing import Any
 
 from jaxserve.outputs import RequestOutput
 from server.chat_replies import ChatReplies
-from server.errors import ApiError, bad_field, error_body
+from server.errors import ApiError, error_body
 from server.generation import Generation, Job
 from server.protocol import ChatRequest
+from server.response_store import ResponseStore, StoredResponse
 from server.responses import ChoiceCursor
+from server.responses_input import chat_body, input_messages
 from server.state import ServerState
-
-_SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p", "repetition_penalty", "seed",
-         "priority", "cache_salt", "stream")
-_KNOWN = {*_SAME, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
-          "metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key"}
-_REFUSED = {
-    "previous_response_id": "this server stores no responses; send the whole conversation in 'input'",
-    "conversation": "this server stores no conversations; send the whole conversation in 'input'",
-    "background": "background responses are not supported",
-    "prompt": "stored prompt templates are not supported",
-    "top_logprobs": "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
-    "max_tool_calls": "'max_tool_calls' is not supported",
-}
-
-
-def _text(part: Any, where: str) -> str:
-    if not isinstance(part, Mapping) or part.get("type") not in ("input_text", "output_text", "text"):
-        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        raise bad_field(where, f"{where} has type {kind!r}; only text content is supported by this model",
-                        "unsupported_content")
-    if not isinstance(part.get("text"), str):
-        raise bad_field(f"{where}.text", f"{where}.text must be a string", "invalid_type")
-    return part["text"]
-
-
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The chat conversation of `instructions` and `input`."""
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise bad_field("instructions", "'instructions' must be a string", "invalid_type")
-        messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad_field("input", "'input' must be a string or a non-empty list of input items",
-                        "missing_required_parameter" if items is None else "invalid_type")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, Mapping):
-            raise bad_field(where, f"{where} must be an input item object", "invalid_type")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise bad_field(f"{where}.role", f"{where}.role must be user, assistant, system or developer")
-            content = item.get("content")
-            if isinstance(content, list):
-                content = "".join(_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
-            elif not isinstance(content, str):
-                raise bad_field(f"{where}.content", f"{where}.content must be a string or a list of content parts",
-                                "invalid_type")
-            messages.append({"role": "system" if role == "developer" else role, "content": content})
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str):
-                    raise bad_field(f"{where}.{key}", f"{where}.{key} must be a string", "invalid_type")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # calls made together go in one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            if isinstance(output, list):
-                output = "".join(_text(p, f"{where}.output[{j}]") for j, p in enumerate(output))
-            if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
-                raise bad_field(where, f"{where} needs a string call_id and output", "invalid_type")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
-        elif kind != "reasoning":  # earlier reasoning is dropped, as chat templates drop it
-            raise bad_field(f"{where}.type", f"{where} has type {kind!r}; input items are messages, function_call, "
-                                             "function_call_output and reasoning", "unsupported_content")
-    return messages
-
-
-def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    tools = body.get("tools")
-    if tools:
-        if not isinstance(tools, list):
-            raise bad_field("tools", "'tools' must be a list", "invalid_type")
-        chat_tools = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, Mapping) or t.get("type") != "function":
-                kind = t.get("type") if isinstance(t, Mapping) else None
-                raise bad_field(f"tools[{i}].type", f"tools[{i}] has type {kind!r}; only function tools are "
-                                                    "supported", "unsupported_parameter")
-            fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
-            chat_tools.append({"type": "function", "function": fn})
-        out["tools"] = chat_tools
-    choice = body.get("tool_choice")
-    if isinstance(choice, Mapping) and choice.get("type") == "function":
-        out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    elif choice is not None:
-        out["tool_choice"] = choice
-    return out
-
-
-def _format(body: Mapping[str, Any]) -> dict[str, Any]:
-    text = body.get("text")
-    if text is None:
-        return {}
-    fmt = text.get("format") if isinstance(text, Mapping) else None
-    if fmt is None:
-        return {}
-    if not isinstance(fmt, Mapping):
-        raise bad_field("text.format", "'text.format' must be an object", "invalid_type")
-    kind = fmt.get("type")
-    if kind == "json_schema":
-        return {"response_format": {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "response"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}}
-    if kind in ("json_object", "text"):
-        return {"response_format": {"type": kind}}
-    raise bad_field("text.format.type", f"'text.format.type' must be text, json_schema or json_object, got {kind!r}")
-
-
-def chat_body(body: Any) -> dict[str, Any]:
-    """A Responses API body as the chat completions body that computes it."""
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
-    for name, why in _REFUSED.items():
-        if body.get(name) not in (None, False):
-            raise bad_field(name, f"'{name}': {why}", "unsupported_parameter")
-    unknown = sorted(set(body) - _KNOWN - set(_REFUSED))
-    if unknown:
-        raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for /v1/responses", "unknown_parameter")
-    if body.get("truncation", "disabled") not in ("disabled", None):
-        raise bad_field("truncation", "'truncation' must be 'disabled': an input longer than the context is refused",
-                        "unsupported_parameter")
-    chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
-    chat["messages"] = _messages(body)
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
-    effort = body.get("reasoning", {}).get("effort") if isinstance(body.get("reasoning"), Mapping) else None
-    if effort is not None:
-        chat["chat_template_kwargs"] = {"reasoning_effort": effort}
-    return {**chat, **_tools(body), **_format(body)}
 
 
 class ResponsesFormatter:
@@ -186,8 +51,12 @@ class ResponsesFormatter:
     done = None  # a Responses stream ends with its last event
 
     def __init__(self, state: ServerState, req: ChatRequest, kind: str, request_id: str, jobs: list[Job],
-                 body: Mapping[str, Any]):
+                 body: Mapping[str, Any], history: tuple[dict[str, Any], ...]):
         self.req, self.request_id, self.body = req, request_id, body
+        # Stored when asked (OpenAI's default) and the server keeps any; `history`: the conversation so far.
+        keep = body.get("store", True) and state.responses.capacity > 0
+        self.store: ResponseStore | None = state.responses if keep else None
+        self.history = history
         self.model = state.model_name
         self.created = int(time.time())
         self.id = f"resp_{request_id}"
@@ -211,8 +80,10 @@ class ResponsesFormatter:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "metadata": b.get("metadata") or {}, "model": self.model, "output": output,
-            "parallel_tool_calls": b.get("parallel_tool_calls", True), "previous_response_id": None,
-            "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"), "summary": None}, "store": False,
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": b.get("previous_response_id"),
+            "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"), "summary": None},
+            "store": self.store is not None,
             "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
             "top_p": b.get("top_p", 1.0), "truncation": "disabled", "user": b.get("user"), "usage": None,
@@ -234,6 +105,14 @@ class ResponsesFormatter:
     def _status(self) -> str:
         return "incomplete" if self.finish == "length" else "completed"
 
+    def _finished(self, response: dict[str, Any]) -> dict[str, Any]:
+        """`response`, stored first when it is to be: with its conversation, the reply's items read back as
+        chat messages."""
+        if self.store is not None:
+            reply = input_messages({"input": response["output"]}) if response["output"] else []
+            self.store.put(StoredResponse(response, (*self.history, *reply)))
+        return response
+
     def full(self, gen: Generation) -> dict[str, Any]:
         """The non-streaming response."""
         out = gen.latest[0]
@@ -249,7 +128,7 @@ class ResponsesFormatter:
         for i, call in enumerate(message.get("tool_calls") or ()):
             items.append(self._call_item(i, call["id"], call["function"]["name"], call["function"]["arguments"],
                                          "completed"))
-        return self._response(status, items, gen)
+        return self._finished(self._response(status, items, gen))
 
     def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "reasoning", "id": f"rs_{self.request_id}", "summary": [],
@@ -372,19 +251,30 @@ class ResponsesFormatter:
         events = self._close()
         status = self._status()
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return [*events, self._event(kind, response=self._response(status, self.items, gen))]
+        return [*events, self._event(kind, response=self._finished(self._response(status, self.items, gen)))]
 
 
-def responses_api() -> dict[str, Any]:
+def responses_api(store: ResponseStore) -> dict[str, Any]:
     """`handle_generate`'s arguments that serve one `/v1/responses` request: its translation into a chat
-    request, and its formatter (which keeps the original body, for the fields the response repeats)."""
+    request (after the stored conversation it continues), and its formatter (which keeps the original body, for
+    the fields the response repeats, and the conversation, to store with the reply)."""
     translated: dict[str, Any] = {}
 
     def translate(body: Any) -> dict[str, Any]:
+        history: tuple[dict[str, Any], ...] = ()
+        previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
+        if previous is not None:
+            stored = store.get(previous) if isinstance(previous, str) else None
+            if stored is None:
+                raise ApiError(404, f"no stored response with id {previous!r} (responses are kept in memory, the "
+                                    f"newest {store.capacity})", param="previous_response_id", code="not_found")
+            history = stored.history
+        chat = chat_body(body, history)
         translated["body"] = body
-        return chat_body(body)
+        translated["history"] = (*history, *input_messages(body))
+        return chat
 
     def formatter(*args: Any) -> ResponsesFormatter:
-        return ResponsesFormatter(*args, body=translated["body"])
+        return ResponsesFormatter(*args, body=translated["body"], history=translated["history"])
 
     return {"translate": translate, "formatter": formatter}

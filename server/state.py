@@ -11,6 +11,7 @@ from server.config import ServerConfig
 from server.errors import ApiError
 from server.metrics import ServerMetrics
 from server.reasoning import reasoning_parser
+from server.response_store import ResponseStore
 from server.tool_parsers import tool_parser
 
 
@@ -53,6 +54,7 @@ class ServerState:
                             if config.enable_auto_tool_choice and config.tool_call_parser else None)
         # The parser that splits a thinking model's reasoning from its answer; None: no split.
         self.reasoning_parser = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
+        self.responses = ResponseStore(config.responses_store_capacity)  # `/v1/responses` answers kept
         self.created = int(time.time())
         self.draining = False
         self.active: set[str] = set()

@@ -15,7 +15,9 @@ from pydantic import TypeAdapter  # noqa: E402
 
 from server.config import ServerConfig  # noqa: E402
 from server.fake_engine import FakeAsyncEngine  # noqa: E402
-from server.openai_responses import chat_body  # noqa: E402
+from server.openai_responses import responses_api  # noqa: E402
+from server.response_store import ResponseStore, StoredResponse  # noqa: E402
+from server.responses_input import chat_body  # noqa: E402
 from server.runner import serve_in_thread  # noqa: E402
 
 # Scripted replies, chosen by the last word of the prompt (the fake vocabulary's number words).
@@ -168,7 +170,7 @@ def test_input_items_become_the_chat_conversation():
 
 
 @pytest.mark.parametrize("extra,param,words", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"conversation": "conv_1"}, "conversation", "not supported"),
     ({"background": True}, "background", "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
@@ -182,3 +184,61 @@ def test_refusals_name_the_field(server, extra, param, words):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"]
+
+
+def test_stored_responses_continue_and_can_be_fetched_and_deleted(server, client):
+    """`store` (the default): the response is kept; `previous_response_id` continues its conversation (the
+    prompt grows by its turn and reply), whole or streamed; GET returns it as it was; DELETE forgets it."""
+    first = client.responses.create(model="fake-model", input="say two", instructions="Be brief.")
+    assert first.store and first.output_text == REPLIES["two"]
+    fetched = httpx.get(f"{server.url}/v1/responses/{first.id}", timeout=30)
+    assert fetched.status_code == 200 and fetched.json() == first.model_dump(mode="json", exclude_unset=True)
+    assert client.responses.retrieve(first.id).output_text == REPLIES["two"]
+
+    alone = _post(server, input="count three")
+    after = _post(server, input="count three", previous_response_id=first.id)
+    assert after["previous_response_id"] == first.id and after["output"][1]["content"][0]["text"] == "Four comes next."
+    # The earlier turn ("say two") and its reply come first; its instructions are not inherited.
+    grown = after["usage"]["input_tokens"] - alone["usage"]["input_tokens"]
+    turn = _post(server, input=[{"role": "user", "content": "say two"},
+                                {"role": "assistant", "content": REPLIES["two"]}, {"role": "user", "content": "count three"}])
+    assert grown > 0 and after["usage"]["input_tokens"] == turn["usage"]["input_tokens"]
+
+    # A streamed response is stored too, and a chain goes on from it.
+    streamed = _stream(server, input="say two", previous_response_id=after["id"])[-1]["response"]
+    assert streamed["store"] and httpx.get(f"{server.url}/v1/responses/{streamed['id']}").json() == streamed
+    third = _post(server, input="count three", previous_response_id=streamed["id"])
+    assert third["usage"]["input_tokens"] > after["usage"]["input_tokens"]
+
+    deleted = httpx.delete(f"{server.url}/v1/responses/{first.id}", timeout=30)
+    assert deleted.json() == {"id": first.id, "object": "response", "deleted": True}
+    for r in (httpx.get(f"{server.url}/v1/responses/{first.id}", timeout=30),
+              httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "previous_response_id": first.id})):
+        assert r.status_code == 404 and first.id in r.json()["error"]["message"]
+    assert httpx.post(f"{server.url}/v1/responses", json={"input": "hi", "previous_response_id": first.id}
+                      ).json()["error"]["param"] == "previous_response_id"
+
+    unstored = _post(server, input="say two", store=False)
+    assert unstored["store"] is False
+    assert httpx.get(f"{server.url}/v1/responses/{unstored['id']}", timeout=30).status_code == 404
+
+
+def test_continuation_messages_and_the_store_bound():
+    """The chat conversation of a continuation: new instructions, then the stored turns (the reply's function
+    calls as an assistant turn), then the new input. The store keeps the newest `capacity` responses."""
+    store = ResponseStore(2)
+    history = ({"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]})
+    store.put(StoredResponse({"id": "resp_a", "output": []}, history))
+    translate = responses_api(store)["translate"]
+    body = translate({"model": "m", "instructions": "sys", "previous_response_id": "resp_a",
+                      "input": [{"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+    assert body["messages"] == [{"role": "system", "content": "sys"}, *history,
+                                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    store.put(StoredResponse({"id": "resp_b", "output": []}, ()))
+    store.put(StoredResponse({"id": "resp_c", "output": []}, ()))
+    assert store.get("resp_a") is None and store.get("resp_c") is not None and len(store) == 2
+    none = ResponseStore(0)
+    none.put(StoredResponse({"id": "resp_a", "output": []}, ()))
+    assert len(none) == 0 and none.get("resp_a") is None

@@ -160,6 +160,25 @@ def test_a_responses_request_is_routed_as_its_chat_request(cluster):
     assert bad.status_code == 400 and "background" in bad.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("cluster", [{"policy": "round-robin"}], indirect=True)
+def test_a_continued_response_runs_on_the_worker_that_stores_it(cluster):
+    """Each worker stores its own responses: the router sends a `previous_response_id` continuation, and GET and
+    DELETE of a stored response, to the worker that stores it (round robin alone would alternate)."""
+    body = {"model": "fake-model", "input": "one", "max_output_tokens": 3}
+    first = cluster.client.post("/v1/responses", json=body)
+    assert first.status_code == 200 and first.json()["store"]
+    home, rid = cluster.worker_of(first), first.json()["id"]
+    for _ in range(3):
+        r = cluster.client.post("/v1/responses", json={**body, "input": "two", "previous_response_id": rid})
+        assert r.status_code == 200 and cluster.worker_of(r) == home and r.json()["previous_response_id"] == rid
+        rid = r.json()["id"]
+    assert cluster.client.get(f"/v1/responses/{rid}").json()["id"] == rid
+    assert cluster.client.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+    assert cluster.client.get(f"/v1/responses/{rid}").status_code == 404
+    gone = cluster.client.post("/v1/responses", json={**body, "previous_response_id": rid})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
+
+
 @pytest.mark.parametrize("cluster", [{"policy": "prefix", "engine_cls": FakeAsyncEngine}], indirect=True)
 def test_cold_index_falls_back_to_routing_time_guess(cluster):
     # Plain fake engines publish no KV events: the approximate index alone keeps the prefix together.
