@@ -252,14 +252,14 @@ def main() -> int:
     rng = np.random.default_rng(0)
     llama, smollm = MODELS[1], MODELS[0]
     # Rows in order of what they decide, so that the time budget cuts the least telling ones: the targets
-    # (decode at batch >= 32 with 8k context, prefill), then float8 decode, then the rest of the decode grid.
+    # (decode at batch >= 32 with 8k context, prefill), the mixed step (which decides `split_mixed`), float8
+    # pages, the windowed decode, then the rest of the decode grid.
     target = [(h, "decode", b, 8192) for h in (llama, smollm) for b in (32, 256)]
     target += [(h, "prefill", 1, t) for h in (llama, smollm) for t in (2048, 8192)]
     fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)] + [(llama, "fp8_prefill", 1, 8192)]
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
-    window = [(llama, "mixed", 32, 8192), (llama, "window", 32, 32768)]
-    rows = target + fp8 + window + rest
+    rows = target + [(llama, "mixed", 32, 8192)] + fp8 + [(llama, "window", 32, 32768)] + rest
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
                 (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "window", 2, 8192)]
