@@ -5,8 +5,8 @@ the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generi
 GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and an 8k prefill over them (the
 generic kernel and both Mosaic GPU forms); a mixed step (32 decode tokens at 8k beside a 512-token chunk) with
 its decode tokens on the decode kernel or with the chunk on the ragged one; decode at 32k context under a
-sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read). Both for SmolLM2 heads
-(9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
+sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read). Both for
+SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
 decide the targets run first. Usage: `python bench/gpu_kernels.py [--budget-s N] [--quick]`.
@@ -168,7 +168,8 @@ def run_row(label, fns, sets, nbytes, flops, dense, copy_bw, matmul_flops=None):
             print(f"  [{label} {impl}] {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
             continue
         bw = nbytes / sec
-        cell = f"{impl}: {sec * 1e6:9.1f} us {bw / 1e9:7.0f} GB/s ({100 * bw / copy_bw:5.1f}%) {flops / sec / 1e12:7.1f} TFLOP/s"
+        cell = (f"{impl}: {sec * 1e6:9.1f} us {bw / 1e9:7.0f} GB/s ({100 * bw / copy_bw:5.1f}%) "
+                f"{flops / sec / 1e12:7.1f} TFLOP/s")
         if matmul_flops:
             cell += f" ({100 * flops / sec / matmul_flops:5.1f}% of matmul)"
         cells.append(cell)
@@ -188,12 +189,9 @@ def kernels(heads: Heads) -> dict:
     scale = heads.dim**-0.5
 
     # The Mosaic GPU decode kernel takes one query token per sequence: q [S, QH, D] is the decode batch as is.
-    def mosaic_decode(block_kv, stages=2):
+    def mosaic_decode(block_kv, stages=2, window=None):
         return jax.jit(lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
-            q, k, v, tables, lens, sm_scale=scale, block_kv=block_kv, stages=stages))
-
-    def mosaic_window(q, k, v, tables, lens, qsl):
-        return paged_decode_attention_mosaic(q, k, v, tables, lens, sm_scale=scale, sliding_window=WINDOW)
+            q, k, v, tables, lens, sm_scale=scale, sliding_window=window, block_kv=block_kv, stages=stages))
 
     # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does.
     def mosaic_ragged(compute_wgs, block_kv=None):
@@ -217,7 +215,7 @@ def kernels(heads: Heads) -> dict:
         "mosaic_bkv128": mosaic_decode(128),
         # Decode under a sliding window: both start at the window's first KV block.
         "pallas_window": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, sliding_window=WINDOW)),
-        "mosaic_window": jax.jit(mosaic_window),
+        "mosaic_window": mosaic_decode(64, window=WINDOW),
         # Prefill: warp-specialized (two compute warpgroups; 128-key blocks where they fit, and 64) and one
         # warpgroup (64- and 128-key blocks).
         "mosaic_ws": mosaic_ragged(2),

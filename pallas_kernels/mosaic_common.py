@@ -1,6 +1,6 @@
 """What the Mosaic GPU kernels (`paged_decode_mosaic.py`, `ragged_attention_mosaic.py`) share beyond their
-bodies: the `plgpu` module, register-layout hints that the CPU interpreter lacks, WGMMA operand tiling, the
-logit transform and key mask (soft-cap, sliding window), and the compile and interpreter options."""
+bodies: the `plgpu` module, register-layout hints that the CPU interpreter lacks, WGMMA operand tiling, and
+the compile and interpreter options."""
 
 from __future__ import annotations
 
@@ -29,30 +29,6 @@ def register_layouts(interpret: bool):
         return lax.broadcasted_iota(dtype, shape, dim)
 
     return layout_cast, iota
-
-
-def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
-    """The scores `s` scaled, soft-capped (`cap * tanh(x / cap)`) when `soft_cap` is set, times `log_base`
-    (log2(e) for a softmax in base 2)."""
-    if soft_cap is None:
-        return s * (sm_scale * log_base)
-    return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log_base)
-
-
-def mask_keys(s, key_pos, row_pos, window: int | None):
-    """`s` with -inf where a row does not see a key: keys past its position (causal) or, with a sliding window,
-    `window` or more positions before it."""
-    s = jnp.where(key_pos <= row_pos, s, -jnp.inf)
-    if window is not None:
-        s = jnp.where(key_pos > row_pos - window, s, -jnp.inf)
-    return s
-
-
-def window_start(pos, window: int | None, block_kv: int):
-    """The first KV block holding a key that position `pos` sees."""
-    if window is None:
-        return jnp.zeros_like(pos)
-    return lax.div(jnp.maximum(pos - window + 1, 0), block_kv)
 
 
 def swizzled(dtype, head_dim: int):

@@ -39,14 +39,19 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mosaic_common import (
     compiler_params,
     interpret_params,
-    logits,
-    mask_keys,
     plgpu_module,
     register_layouts,
     swizzled,
+)
+from pallas_kernels.ragged_attention_args import (
+    FP8_KV_DTYPES,
+    M_FLOOR,
+    check_score_args,
+    combine_splits,
+    logits,
+    mask_keys,
     window_start,
 )
-from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES, M_FLOOR, check_score_args, combine_splits
 
 GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
@@ -382,5 +387,6 @@ def paged_decode_attention_mosaic(
                       jnp.zeros_like(seq_lens)], axis=1)
     ob = mosaic_attention_blocks(qg, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
                                  splits=splits, group=group, interpret=interpret, stages=stages,
-                                 soft_cap=soft_cap, window=sliding_window, name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")
+                                 soft_cap=soft_cap, window=sliding_window,
+                                 name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")
     return ob[:, :, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # The float8 formats a KV page may be stored in (one byte an element); the kernels upcast on load.
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -97,6 +98,30 @@ def check_score_args(sm_scale, soft_cap, sliding_window) -> None:
         raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
     if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+
+
+def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
+    """The scores `s` scaled, soft-capped (`cap * tanh(x / cap)`) when `soft_cap` is set, times `log_base`
+    (log2(e) for a softmax in base 2)."""
+    if soft_cap is None:
+        return s * (sm_scale * log_base)
+    return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log_base)
+
+
+def mask_keys(s, key_pos, row_pos, window: int | None):
+    """`s` with -inf where a row does not see a key: keys past its position (causal) or, with a sliding window,
+    `window` or more positions before it."""
+    s = jnp.where(key_pos <= row_pos, s, -jnp.inf)
+    if window is not None:
+        s = jnp.where(key_pos > row_pos - window, s, -jnp.inf)
+    return s
+
+
+def window_start(pos, window: int | None, block_kv: int):
+    """The first KV block holding a key that position `pos` sees."""
+    if window is None:
+        return jnp.zeros_like(pos)
+    return lax.div(jnp.maximum(pos - window + 1, 0), block_kv)
 
 
 def token_metadata(

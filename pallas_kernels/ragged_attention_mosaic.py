@@ -37,12 +37,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mosaic_common import (
     compiler_params,
     interpret_params,
-    logits,
-    mask_keys,
     plgpu_module,
     register_layouts,
     swizzled,
-    window_start,
 )
 from pallas_kernels.paged_decode_mosaic import (
     ROWS,
@@ -58,7 +55,10 @@ from pallas_kernels.ragged_attention_args import (
     block_layout,
     blocks_to_tokens,
     check_attention_args,
+    logits,
+    mask_keys,
     queries_to_blocks,
+    window_start,
 )
 
 COMPUTE_WGS = 2

@@ -28,8 +28,11 @@ from pallas_kernels.ragged_attention_args import (
     blocks_to_tokens,
     check_attention_args,
     combine_splits,
+    logits,
+    mask_keys,
     queries_to_blocks,
     token_metadata,
+    window_start,
 )
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
 
@@ -116,10 +119,7 @@ def _attention_kernel(
     row_valid = row_q < num_q
 
     kv_hi = jnp.where(num_q > 0, pos0 + num_q, 0)  # the last real query sees KV positions < kv_hi
-    kv_lo = jnp.int32(0)
-    if sliding_window is not None:
-        kv_lo = jnp.minimum(jnp.maximum(pos0 - sliding_window + 1, 0), kv_hi)
-    blk_lo = kv_lo // block_kv
+    blk_lo = jnp.minimum(window_start(pos0, sliding_window, block_kv), pl.cdiv(kv_hi, block_kv))
     num_blocks = pl.cdiv(kv_hi, block_kv) - blk_lo
     per_split = pl.cdiv(num_blocks, num_splits)
     start = blk_lo + split * per_split
@@ -142,19 +142,14 @@ def _attention_kernel(
         # Stale pages may hold anything; zero V past the sequence so 0 * garbage cannot poison the sum.
         v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))
         if use_mma:
-            logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         else:
-            logits = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
-        logits = logits * sm_scale  # [rows, block_kv]
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        mask = row_valid[:, None] & (kv_pos[None, :] <= row_pos[:, None])
-        if sliding_window is not None:
-            mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
-        logits = jnp.where(mask, logits, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+            s = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+        s = mask_keys(logits(s, sm_scale, soft_cap), kv_pos[None, :], row_pos[:, None], sliding_window)
+        s = jnp.where(row_valid[:, None], s, -jnp.inf)  # [rows, block_kv]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next[:, None])
+        p = jnp.exp(s - m_next[:, None])
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         if use_mma:
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
