@@ -3,11 +3,11 @@ query token per sequence; `ragged_attention_mosaic.py` wraps it for prefill chun
 
 One program (one warpgroup) serves one query block (decode: one sequence's token) and one KV head, optionally
 one of several partitions of the KV length (flash decoding, decode only). The block's query rows (its tokens
-times the head group) are padded to the 64 rows of a WGMMA tile, each row causal to its token; KV
-arrives `block_kv` tokens at a time by TMA, one copy per page (each page a `[page_size, head_dim]` strided
-box of the pool), into a ring of `stages` SMEM buffers (2 by default), so the next blocks' pages are in flight
-while this one is multiplied.
-QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32. An optional
+times the head group) are padded to the 64 rows of a WGMMA tile, each row causal to its token; KV arrives
+`block_kv` tokens at a time by TMA, one copy per page (a `[page_size, head_dim]` strided box of the pool), into a
+ring of `stages` SMEM buffers (2 by default), so the next blocks' pages are in flight while this one is multiplied.
+QK^T and PV run on the tensor cores in float32 accumulators; the softmax is online, in float32. Split partials
+are float32, or q's dtype where that tile does not fit (256-wide heads), combined in float32. An optional
 logit soft-cap (`cap * tanh(x / cap)`) and sliding window apply as in the generic kernel; with a window, the walk
 over the KV length starts at the block where the window does, so a long context reads only the window's pages.
 
@@ -16,15 +16,12 @@ float8 and is upcast through registers, 64 rows at a time, into a q-dtype tile t
 float8 WGMMA takes no MN-major B operand, which V is, and no mixed operand types). The per-layer KV scales
 stay outside the kernel, as for the generic kernel: q carries k_scale and the output v_scale.
 
-Rows past a sequence's length are masked to zero probability. Table entries past the sequence's last page
-are never read (the block re-reads the last real page instead); the rows of that last page past the length
-still enter the PV product as `0 * v`, so they must be finite, as they are in the engine, whose pools start
-zeroed and only ever hold written K/V.
+Rows past a sequence's length are masked to zero probability. Table entries past the sequence's last page are
+never read (the block re-reads the last real page instead); the rows of that last page past the length still
+enter the PV product as `0 * v`, so they must be finite, as in the engine's pools (zeroed, then written K/V).
 
-Checked three ways: with `interpret=True` in Mosaic GPU's CPU interpreter (simulated SMEM, TMA copies and
-barriers; the two products as plain dots, since the interpreter's WGMMA takes neither a transposed nor a
-register operand), compiled for sm_90 without a GPU (tests/gpu_compile), and compiled on a GPU
-(bench/gpu_check.sh).
+Checked in Mosaic GPU's CPU interpreter (`interpret=True`: the two products as plain dots), compiled for sm_90
+without a GPU (tests/gpu_compile), and compiled on a GPU (bench/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -56,6 +53,7 @@ from pallas_kernels.ragged_attention_args import (
 GRID_NAMES = ("block", "kv_head", "split")
 ROWS = 64  # the M of a Hopper WGMMA tile: the head group's query rows are padded to it
 SMEM_BYTES = 232448  # opt-in shared memory per block on H100/H200
+SMEM_OVERHEAD = 4096  # barriers and the alignment of each scratch buffer
 
 
 def _attention_body(
@@ -86,7 +84,7 @@ def _attention_body(
     blk, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
     layout_cast, iota = register_layouts(interpret)
 
-    # Outputs, then scratch: q and output tiles, [split partials], K/V blocks, [upcast K/V tiles], barriers.
+    # Outputs, then scratch: q and output tiles, [split row max/sum], K/V blocks, [upcast K/V tiles], barriers.
     n_out = 1 if num_splits == 1 else 3
     outs, (q_smem, o_smem), rest = refs[:n_out], refs[n_out:n_out + 2], refs[n_out + 2:]
     q_bar, k_bar, v_bar = rest[-3:]
@@ -106,8 +104,7 @@ def _attention_body(
     start = lo + split * per_split
     stop = jnp.minimum(num_blocks, start + per_split)
 
-    # Table entries past the sequence's last page may name the scratch page, which holds anything; a block
-    # reaching past the end re-reads the last real page instead, so the buffer holds only finite K/V.
+    # Entries past the last page may name the scratch page (anything): a block past the end re-reads the last.
     last_page = jnp.clip(pl.cdiv(kv_len, page_size) - 1, 0, pages_per_seq - 1)
 
     def issue(j, slot):
@@ -182,9 +179,10 @@ def _attention_body(
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[blk, kv_head])
     else:
-        # Partial results for the combine: the unnormalized accumulator, its row max and row sum (an empty
-        # split's m stays at M_FLOOR, so the combine's exp(m - max) is 0, not NaN).
-        o_smem[...] = acc
+        # Partial results for the combine: the unnormalized accumulator (float32, or q's dtype where a float32
+        # tile does not fit: 256-wide heads), its row max and row sum (an empty split's m stays at M_FLOOR, so
+        # the combine's exp(m - max) is 0, not NaN).
+        o_smem[...] = acc.astype(o_smem.dtype)
         m_smem[...] = m
         l_smem[...] = denom
         plgpu.commit_smem()
@@ -238,23 +236,32 @@ def mosaic_decode_supported(
         return f"block_kv ({block_kv}) must be a multiple of 64 and of page_size ({page_size}), at most 256"
     if stages < 2:
         return f"the K/V ring needs at least 2 stages, got {stages}"
-    if smem is None:
-        smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, kv_dtype.itemsize, stages)
+    if smem is None:  # with split partials in q's dtype, the smallest form
+        itemsize = jnp.dtype(dtype).itemsize
+        smem = smem_bytes(itemsize, head_dim, block_kv, kv_dtype.itemsize, stages, partial_itemsize=itemsize)
     if smem > SMEM_BYTES:
         return (f"block_kv {block_kv} x head_dim {head_dim} in {stages} stages needs {smem} bytes of shared memory, "
                 f"over {SMEM_BYTES}")
     return None
 
 
-def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None, stages: int = 2) -> int:
+def smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None, stages: int = 2,
+               partial_itemsize: int | None = 4) -> int:
     """Shared memory of one program: the ring of K and V blocks (and their upcast tiles when the pages are
-    narrower than q), q and output tiles, split partials."""
+    narrower than q), the q tile, and the output tile: with splits, the partial accumulator
+    (`partial_itemsize` bytes an element) and its row maxima and sums; without (None), the output in q's
+    dtype."""
     kv_itemsize = kv_itemsize or itemsize
-    kv = stages * 2 * block_kv * head_dim * kv_itemsize
-    if kv_itemsize != itemsize:
-        kv += 2 * block_kv * head_dim * itemsize
-    tiles = 2 * ROWS * head_dim * itemsize + ROWS * head_dim * 4 + 2 * ROWS * 4
-    return kv + tiles + 1024  # barriers and alignment
+    upcast = 2 * block_kv * head_dim * itemsize if kv_itemsize != itemsize else 0
+    kv = stages * 2 * block_kv * head_dim * kv_itemsize + upcast
+    out = ROWS * head_dim * itemsize if partial_itemsize is None else ROWS * head_dim * partial_itemsize + 2 * ROWS * 4
+    return kv + ROWS * head_dim * itemsize + out + SMEM_OVERHEAD
+
+
+def partial_dtype(dtype, head_dim: int, block_kv: int, kv_dtype, stages: int):
+    """The dtype of the split partials' accumulators: float32 where its tile fits beside the ring, else q's."""
+    smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, jnp.dtype(kv_dtype).itemsize, stages)
+    return jnp.dtype(jnp.float32 if smem <= SMEM_BYTES else dtype)
 
 
 def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
@@ -304,11 +311,12 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
         out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, ROWS, head_dim), qb.dtype)
         scratch.append(plgpu.SMEM((ROWS, head_dim), qb.dtype, transforms=tile))
     else:
+        acc_dtype = partial_dtype(qb.dtype, head_dim, block_kv, k_pages.dtype, stages)
         rows = jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, ROWS), jnp.float32)
-        out_shape = (jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, ROWS, head_dim), jnp.float32),
+        out_shape = (jax.ShapeDtypeStruct((splits, num_blocks, num_kv_heads, ROWS, head_dim), acc_dtype),
                      rows, rows)
         scratch += [
-            plgpu.SMEM((ROWS, head_dim), jnp.float32, transforms=() if interpret else swizzled(jnp.float32, head_dim)),
+            plgpu.SMEM((ROWS, head_dim), acc_dtype, transforms=() if interpret else swizzled(acc_dtype, head_dim)),
             plgpu.SMEM((ROWS,), jnp.float32),
             plgpu.SMEM((ROWS,), jnp.float32),
         ]
@@ -344,7 +352,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     )(meta, block_tables, qb, k_pages, v_pages)
     if splits == 1:
         return result.astype(jnp.float32)
-    return combine_splits(*result)  # [NS, NB, KVH, ROWS, D], [NS, NB, KVH, ROWS] x2 -> [NB, KVH, ROWS, D]
+    return combine_splits(result[0].astype(jnp.float32), *result[1:])  # [NS, NB, KVH, ROWS(, D)] -> [NB, KVH, ROWS, D]
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "num_splits",

@@ -269,8 +269,9 @@ def _form(dtype, kv_dtype, head_dim: int, page_size: int, interpret: bool, compu
     interpreter the three warpgroups are three threads blocking on each other inside host callbacks, which can
     exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py)."""
     itemsize, kv_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
-    if compute_wgs is None:
-        compute_wgs = 1 if interpret else COMPUTE_WGS
+    if compute_wgs is None:  # one warpgroup where no warp-specialized block fits (256-wide float8 heads)
+        fits = block_kv is not None or ws_block_kv(itemsize, head_dim, page_size, kv_itemsize) is not None
+        compute_wgs = 1 if interpret or not fits else COMPUTE_WGS
     if compute_wgs == 1:
         return 1, block_kv or 64, None
     block_kv = block_kv or ws_block_kv(itemsize, head_dim, page_size, kv_itemsize) or 64

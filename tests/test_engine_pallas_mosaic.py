@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels import AttentionTuning, ragged_paged_attention
-from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported, paged_decode_attention_mosaic
+from pallas_kernels.paged_decode_mosaic import (
+    mosaic_decode_supported,
+    paged_decode_attention_mosaic,
+    partial_dtype,
+    smem_bytes,
+)
 from pallas_kernels.ragged_attention_args import quantize_kv
 from tests.test_kernels_cases import make_batch, naive_attention
 
@@ -48,8 +53,11 @@ def _check(out, batch, sm_scale, **scores):
         # Float8 pages, upcast block by block in SMEM: the oracle is the attention of the pages' float8 values.
         (16, 64, 3, 3, [64, 65, 15, 130], 1, jnp.float8_e4m3fn, 3),
         (8, 128, 4, 2, [200, 1, 64], 4, jnp.float8_e5m2, 2),
+        # 256-wide heads (Gemma's): the split partials' accumulators in bfloat16, where float32 does not fit.
+        (16, 256, 2, 1, [200, 1, 64], 4, jnp.bfloat16, 2),
     ],
-    ids=["bf16-smollm", "bf16-llama-splits", "bf16-4-stages", "e4m3-smollm-3-stages", "e5m2-llama-splits"],
+    ids=["bf16-smollm", "bf16-llama-splits", "bf16-4-stages", "e4m3-smollm-3-stages", "e5m2-llama-splits",
+         "bf16-256-splits"],
 )
 def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits, kv_dtype,
                                              stages):
@@ -88,30 +96,40 @@ def test_mosaic_decode_window_and_soft_cap(splits):
 
 def test_mosaic_dispatch_per_kernel():
     """Each kind of batch goes to its own Mosaic kernel by that kernel's limits: 256-wide heads fit the
-    warp-specialized prefill kernel (compiled form) but not the decode kernel, so decode batches stay generic;
-    a window and a soft-cap go to both Mosaic kernels."""
+    warp-specialized prefill kernel (compiled form) and the decode kernel (its split partials in bfloat16); with
+    float8 pages the warp-specialized form does not fit, so their chunks take the one-warpgroup form. A window
+    and a soft-cap go to both Mosaic kernels."""
     rng = np.random.default_rng(5)
 
-    def traced(head_dim, interpret, **scores):
+    def traced(head_dim, interpret, kv_dtype=jnp.bfloat16, **scores):
         batch = make_batch(rng, page_size=16, head_dim=head_dim, group=2, num_kv_heads=2, dtype=jnp.bfloat16,
                            seqs=[(1, 40), (5, 21)], pages_per_seq=4)
+        pages = quantize_kv(batch.k_pages, kv_dtype), quantize_kv(batch.v_pages, kv_dtype)
         tuning = AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic")
         return str(jax.make_jaxpr(lambda q: ragged_paged_attention(
-            q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            q, *pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
             sm_scale=0.125, interpret=interpret, tuning=tuning, **scores))(batch.q))
 
     wide = traced(256, interpret=False)
-    assert "ragged_attention_mosaic_ws" in wide and "paged_decode_mosaic" not in wide
-    assert "ragged_paged_attention_bq" in wide  # the generic kernel, for decode batches
-    # In the interpreter prefill takes the one-warpgroup form, which 256-wide heads overflow: all generic.
-    assert "mosaic" not in traced(256, interpret=True)
+    assert "ragged_attention_mosaic_ws" in wide and "paged_decode_mosaic" in wide
+    assert "ragged_paged_attention_bq" not in wide  # no generic kernel left
+    wide_fp8 = traced(256, interpret=False, kv_dtype=jnp.float8_e4m3fn)
+    assert "ragged_attention_mosaic_bq" in wide_fp8 and "mosaic_ws" not in wide_fp8
+    assert "paged_decode_mosaic" in wide_fp8 and "ragged_paged_attention_bq" not in wide_fp8
+    # In the interpreter prefill takes the one-warpgroup form, which 256-wide heads fit too.
+    interpreted = traced(256, interpret=True)
+    assert "ragged_attention_mosaic_bq" in interpreted and "ragged_paged_attention_bq" not in interpreted
     windowed = traced(64, interpret=True, soft_cap=30.0, sliding_window=16)
     assert "paged_decode_mosaic" in windowed and "ragged_attention_mosaic" in windowed
     assert "ragged_paged_attention_bq" not in windowed
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("seqs", [[(1, 40), (0, 0), (1, 17)], [(1, 40), (5, 21), (1, 17)]], ids=["decode", "mixed"])
+DECODE_SEQS, MIXED_SEQS = [(1, 40), (0, 0), (1, 17)], [(1, 40), (5, 21), (1, 17)]
+
+
+# Float8 pages in a mixed batch reach all three kernels; their decode-only batches are the decode kernel's tests'.
+@pytest.mark.parametrize("seqs,kv_dtype", [(DECODE_SEQS, jnp.bfloat16), (MIXED_SEQS, jnp.bfloat16),
+                                           (MIXED_SEQS, jnp.float8_e4m3fn)], ids=["decode", "mixed", "mixed-e4m3"])
 def test_decode_lowering_mosaic_dispatch(seqs, kv_dtype):
     """Decode batches (padding sequences included) take the Mosaic kernel; a prefill chunk sends the whole
     call to the generic kernel (both are in the traced call, under a cond on the query lengths). Both agree
@@ -154,6 +172,11 @@ def test_mosaic_refusals():
     assert "page_size" in mosaic_decode_supported(jnp.bfloat16, 64, 4, 3)
     assert "WGMMA" in mosaic_decode_supported(jnp.bfloat16, 64, 16, 65)
     # 256-token blocks of 128-wide heads overflow Hopper's shared memory (the sm_90 compile says 315432 bytes).
+    # 256-wide heads fit 64-token blocks, with their split partials in bfloat16 rather than float32.
+    assert mosaic_decode_supported(jnp.bfloat16, 256, 16, 8) is None
+    assert partial_dtype(jnp.bfloat16, 256, 64, jnp.bfloat16, 2) == jnp.bfloat16
+    assert partial_dtype(jnp.bfloat16, 128, 64, jnp.bfloat16, 2) == jnp.float32
+    assert smem_bytes(2, 128, 256) >= 315432  # the compile's count, in the float32-partial form
     assert mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=128) is None
     assert "shared memory" in mosaic_decode_supported(jnp.bfloat16, 128, 16, 4, block_kv=256)
     # The ring: 5 stages of 64-token blocks of 128-wide heads fit (226 KiB with the tiles), 6 do not.

@@ -98,6 +98,10 @@ class Cluster:
             e.shutdown()
 
 
+def _in_flight(cluster: Cluster) -> int:
+    return sum(w["in_flight"] for w in cluster.client.get("/workers").json()["workers"])
+
+
 def _wait(cond, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -203,8 +207,9 @@ def test_overloaded_worker_sheds_its_prefix_traffic(cluster):
         futures = []
         for i in range(6):
             futures.append(pool.submit(cluster.client.post, "/v1/chat/completions", json=_chat(f"q{i}")))
-            time.sleep(0.05)  # one at a time, so each pick sees the previous ones in flight
-        time.sleep(0.2)
+            # One at a time: the next is sent once the router has this one in flight (or done, on the other
+            # worker), so each pick sees the previous ones.
+            _wait(lambda n=i + 1: _in_flight(cluster) + sum(f.done() for f in futures) >= n)
         cluster.engines[home].resume()
         results = [f.result() for f in futures]
     assert all(r.status_code == 200 for r in results)

@@ -12,8 +12,6 @@ All buckets compile at warmup; `compilations_after_warmup` counts any compile af
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.engine import compiled_steps
 from jaxserve.engine.logprobs import PromptLogprobInputs, PromptLogprobs, prompt_logprobs, top_logprobs
 from jaxserve.engine.penalties import PenaltyInputs, penalty_arrays, update_counts
 from jaxserve.engine.pooler import pool_step
@@ -229,34 +228,11 @@ class ModelRunner:
         self.params = params
         self.kv = kv
         self.cfg = cfg
-        top_k = cfg.max_logprobs
-        mixed_layout, decode_layout, pool_layout = {}, {}, {}
-        if shardings is not None:
-            # Fixed layouts for every argument, so warmup and serving hit the same executables.
-            rep = shardings.replicated
-            param_shardings = jax.tree.map(lambda a: a.sharding, self.params)
-            mixed_layout = dict(in_shardings=(param_shardings, shardings.kv, rep, rep, rep, rep, rep),
-                                out_shardings=(rep, shardings.kv))
-            decode_layout = dict(in_shardings=(param_shardings, shardings.kv, rep, rep, rep, rep),
-                                 out_shardings=(rep, shardings.kv))
-            pool_layout = dict(in_shardings=(param_shardings, shardings.kv, rep), out_shardings=(rep, shardings.kv))
-        self.supports_prompt_logprobs = "return_hidden" in inspect.signature(model_fn).parameters
+        steps = compiled_steps.step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, self.params, kv,
+                                              model_fn, shardings)
+        self._mixed, self._decode, self._pool = steps.mixed, steps.decode, steps.pool
+        self.supports_prompt_logprobs = steps.hidden
         """Whether the model returns its hidden states, which prompt logprobs need."""
-        self._mixed = jax.jit(
-            functools.partial(mixed_step, cfg=model_cfg, backend=cfg.backend, top_k=top_k, model_fn=model_fn,
-                              hidden=self.supports_prompt_logprobs),
-            donate_argnums=(1,), **mixed_layout,
-        )
-        self._decode = jax.jit(
-            functools.partial(decode_loop, cfg=model_cfg, backend=cfg.backend, top_k=top_k,
-                              n_max=cfg.num_scheduler_steps, model_fn=model_fn),
-            donate_argnums=(1,), **decode_layout,
-        )
-        self._pool = jax.jit(
-            functools.partial(pool_step, cfg=model_cfg, backend=cfg.backend, pooling_type=cfg.pooling_type,
-                              model_fn=model_fn),
-            donate_argnums=(1,), **pool_layout,
-        ) if cfg.pooling_type else None
         self._no_penalty: dict[int, PenaltyInputs] = {}
         self._no_prompt_logprobs: dict[int, PromptLogprobInputs] = {}
         self._baseline_compiles: int | None = None

@@ -186,13 +186,15 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence
 # (flash-decoding splits), the largest batch of the benchmark; float8 pages of both formats and head widths;
-# rings of 3 to 5 stages; a sliding window of 4096 keys (Mistral's) with a logit soft-cap over 8k contexts.
+# rings of 3 to 5 stages; 256-wide heads (one long sequence: split partials in bfloat16; float8 pages); a sliding
+# window of 4096 keys (Mistral's) with a logit soft-cap over 8k contexts.
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 MOSAIC_CASES = [c + (None, None) for c in [
     (64, 512, 3, 3, 64, 64, DTYPE, 2), (1, 2048, 8, 4, 128, 64, DTYPE, 2), (256, 512, 8, 4, 128, 64, DTYPE, 2),
     (32, 512, 8, 4, 128, 128, DTYPE, 2), (32, 512, 3, 3, 64, 256, DTYPE, 2),
     (64, 512, 3, 3, 64, 64, E4M3, 2), (1, 2048, 8, 4, 128, 64, E5M2, 2), (32, 512, 8, 4, 128, 128, E4M3, 2),
     (32, 512, 8, 4, 128, 64, DTYPE, 4), (256, 512, 8, 4, 128, 64, DTYPE, 5), (64, 512, 3, 3, 64, 64, E4M3, 3),
+    (1, 2048, 4, 2, 256, 64, DTYPE, 2), (32, 512, 4, 2, 256, 64, E4M3, 2),
 ]] + [(32, 512, 8, 4, 128, 64, DTYPE, 2, 50.0, 4096), (1, 2048, 8, 4, 128, 64, E4M3, 2, None, 4096)]
 
 
@@ -216,8 +218,8 @@ def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block
 # Llama-3-8B heads, a mixed batch of chunks and decode tokens, float8 pages, 64- and 128-key blocks; the bfloat16
 # engine of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
 # Warp-specialized (compute_wgs None: 2 when compiled; float8 pages upcast by the loading warpgroup) and
-# one-warpgroup (1) forms. Then: 256-wide heads
-# (64-key blocks, the warp-specialized form only); Mistral's window of 4096 keys with a soft-cap on both forms.
+# one-warpgroup (1) forms. Then: 256-wide heads (64-key blocks; both forms, and float8 pages, which only the
+# one-warpgroup form fits); Mistral's window of 4096 keys with a soft-cap on both forms.
 RAGGED_MOSAIC_CASES = [c + (None, None) for c in [
     (2048, 1, 3, 3, 64, None, DTYPE, 16, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None),
     (512, 64, 8, 4, 128, None, DTYPE, 16, None), (2048, 1, 8, 4, 128, 64, DTYPE, 16, None),
@@ -225,7 +227,9 @@ RAGGED_MOSAIC_CASES = [c + (None, None) for c in [
     (2048, 1, 3, 3, 64, 64, DTYPE, 16, 1), (8192, 1, 8, 4, 128, 128, DTYPE, 16, 1),
     (2048, 1, 8, 4, 128, 64, E4M3, 16, None), (2048, 1, 3, 3, 64, None, E5M2, 16, None),
     (2048, 1, 8, 4, 128, 64, E4M3, 16, 1),
-]] + [(2048, 1, 4, 2, 256, None, DTYPE, 16, None, None, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None, 50.0, 4096),
+    (2048, 1, 4, 2, 256, None, DTYPE, 16, None), (2048, 1, 4, 2, 256, None, DTYPE, 16, 1),
+    (2048, 1, 4, 2, 256, None, E4M3, 16, None),
+]] + [(8192, 1, 8, 4, 128, None, DTYPE, 16, None, 50.0, 4096),
       (512, 64, 8, 4, 128, None, E4M3, 16, None, 50.0, 4096)]
 
 
