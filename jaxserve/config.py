@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"]
-RopeType = Literal["default", "linear", "llama3", "yarn"]
+from jaxserve.errors import UnsupportedModelError
+from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
+
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -18,53 +18,18 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                                      "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+                                      "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+                                      "gemma2": "gemma2", "gemma3_text": "gemma3"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
+"""Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
+after the MLP as well as before each."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _GGUF_ARCHITECTURES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
-
-
-class UnsupportedModelError(ValueError):
-    """The model's files describe something jaxserve does not implement."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary embedding frequency scaling, as HF's `rope_scaling` describes it."""
-
-    rope_type: RopeType = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-
-    @classmethod
-    def from_hf(cls, d: dict[str, Any] | None, max_position_embeddings: int) -> RopeScaling:
-        if not d:
-            return cls()
-        rope_type = d.get("rope_type", d.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise UnsupportedModelError(
-                f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
-            )
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={d['partial_rotary_factor']})"
-                                        " are not supported")
-        if rope_type == "yarn" and d.get("truncate", True) is False:
-            raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
-        if rope_type == "default":
-            # One canonical form, so equal models give equal (jit-static) configs whichever way HF wrote them.
-            return cls()
-        fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_type" and v is not None}
-        kwargs.setdefault("original_max_position_embeddings", max_position_embeddings)
-        return cls(rope_type=rope_type, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -88,7 +53,14 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, "sliding_attention" (windowed by `sliding_window`) or "full_attention"; None: every layer
+    takes `sliding_window` alike."""
     hidden_act: str = "silu"
+    attn_logit_softcap: float | None = None  # cap * tanh(logit / cap) on attention logits (Gemma 2)
+    final_logit_softcap: float | None = None  # ... and on the vocabulary logits
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (default: head_dim's)
+    rope_local_theta: float | None = None  # the sliding layers' own unscaled rotary base (Gemma 3)
     # Mixture of experts (0 experts = a dense MLP): top-k routing over `num_experts` MLPs of width
     # `moe_intermediate_size`; `norm_topk_prob` renormalizes the k routing weights to sum to one;
     # a shared expert of width `shared_expert_intermediate_size` (0 = none) sees every token.
@@ -112,8 +84,12 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if self.layer_types is not None and (len(self.layer_types) != self.num_layers
+                                             or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise UnsupportedModelError(f"layer_types must give one of {LAYER_TYPES} for each of the "
+                                        f"{self.num_layers} layers, got {self.layer_types}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
@@ -126,6 +102,20 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer attends alike (else `layer_window` and the rotary tables differ by layer)."""
+        return self.layer_types is None or len(set(self.layer_types)) == 1
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window layer."""
+        windowed = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window is not None and windowed
 
     @property
     def num_params(self) -> int:
@@ -193,6 +183,9 @@ class ModelConfig:
                     "per-layer sliding windows (some layers windowed, some not: max_window_layers / layer_types) "
                     "are not supported"
                 )
+        gemma = _gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else {}
+        if gemma:
+            sliding = d.get("sliding_window")
         quant = d.get("quantization_config") or {}
         if quant.get("config_groups") or quant.get("quant_method") not in (None, "compressed-tensors"):
             raise UnsupportedModelError(
@@ -203,6 +196,8 @@ class ModelConfig:
                           kv_scheme.get("num_bits", 8)) != ("tensor", "float", 8):
             raise UnsupportedModelError(f"kv_cache_scheme {kv_scheme} is not supported (only 8-bit float, per tensor)")
         rope_params = d.get("rope_scaling") or d.get("rope_parameters")
+        if isinstance(rope_params, dict) and "full_attention" in rope_params:  # per layer type (Gemma 3)
+            rope_params = rope_params["full_attention"]
         rope_theta = d.get("rope_theta")
         if rope_theta is None and isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta")
@@ -219,16 +214,16 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
             or (family in ("llama", "qwen3", "qwen3_moe") and bool(d.get("attention_bias"))),
             mlp_bias=family == "llama" and bool(d.get("mlp_bias")),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             sliding_window=sliding,
-            hidden_act=d.get("hidden_act", "silu"),
             kv_cache_scales=bool(kv_scheme),
             **moe,
+            **({"hidden_act": d.get("hidden_act", "silu")} | gemma),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -271,6 +266,14 @@ class ModelConfig:
             if self.family not in ("mistral", "mixtral"):
                 d["use_sliding_window"] = True
                 d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
+        if self.family in GEMMA_FAMILIES:
+            d.update(model_type="gemma3_text" if self.family == "gemma3" else "gemma2",
+                     hidden_activation=self.hidden_act, query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar),
+                     attn_logit_softcapping=self.attn_logit_softcap,
+                     final_logit_softcapping=self.final_logit_softcap, layer_types=list(self.layer_types or ()))
+            d.pop("use_sliding_window", None), d.pop("max_window_layers", None)
+            if self.rope_local_theta is not None:
+                d["rope_local_base_freq"] = self.rope_local_theta
         if self.kv_cache_scales:
             d["quantization_config"] = {
                 "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
@@ -345,54 +348,31 @@ class ModelConfig:
         )
 
 
-def rope_inv_freq_and_scale(cfg: ModelConfig) -> tuple[list[float], float]:
-    """Inverse frequencies for each rotary pair and the attention scaling factor, per `cfg.rope_scaling`."""
-    d = cfg.head_dim
-    base = cfg.rope_theta
-    inv = [1.0 / (base ** (2 * i / d)) for i in range(d // 2)]
-    rs = cfg.rope_scaling
-    attention_factor = 1.0
-    if rs.rope_type == "linear":
-        inv = [f / rs.factor for f in inv]
-    elif rs.rope_type == "llama3":
-        old = rs.original_max_position_embeddings
-        low_wavelen = old / rs.low_freq_factor
-        high_wavelen = old / rs.high_freq_factor
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < high_wavelen:
-                out.append(f)
-            elif wavelen > low_wavelen:
-                out.append(f / rs.factor)
-            else:
-                smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-                out.append((1 - smooth) * f / rs.factor + smooth * f)
-        inv = out
-    elif rs.rope_type == "yarn":
-        old = rs.original_max_position_embeddings
+def _gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The ModelConfig fields particular to Gemma 2 and Gemma 3 text models, from their HF config."""
+    num_layers = d["num_hidden_layers"]
+    layer_types = d.get("layer_types")
+    if not layer_types:
+        if family == "gemma2":  # HF Gemma 2 windows the even layers
+            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        else:  # Gemma 3: every `sliding_window_pattern`-th layer is global
+            pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(num_layers)]
+    fields: dict[str, Any] = dict(
+        layer_types=tuple(layer_types),
+        hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or head_dim),
+        attn_logit_softcap=d.get("attn_logit_softcapping"),
+        final_logit_softcap=d.get("final_logit_softcapping"),
+    )
+    if family == "gemma3":
+        local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"scaled rotary embeddings on the sliding layers ({local}) are not supported")
+        fields["rope_local_theta"] = float(local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0)
+    return fields
 
-        def correction_dim(num_rotations: float) -> float:
-            return (d * math.log(old / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(rs.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(rs.beta_slow)), d - 1)
-        if low == high:
-            high += 0.001
-        out = []
-        for i, f in enumerate(inv):
-            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-            extrapolation_factor = 1.0 - ramp
-            out.append((f / rs.factor) * (1 - extrapolation_factor) + f * extrapolation_factor)
-        inv = out
-
-        def get_mscale(scale: float, mscale: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-        if rs.attention_factor is not None:
-            attention_factor = rs.attention_factor
-        elif rs.mscale and rs.mscale_all_dim:
-            attention_factor = get_mscale(rs.factor, rs.mscale) / get_mscale(rs.factor, rs.mscale_all_dim)
-        else:
-            attention_factor = get_mscale(rs.factor)
-    return inv, attention_factor
+def _int_if_whole(x: float | None) -> float | int | None:
+    return int(x) if x is not None and float(x).is_integer() else x

@@ -98,12 +98,17 @@ def test_model_type_without_architectures():
     ModelConfig.from_hf(hf_dict("Qwen3Config", head_dim=24, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128})),
     ModelConfig.from_hf(hf_dict("MistralConfig", sliding_window=32)),
-], ids=["llama3", "qwen2-window", "qwen3-yarn", "mistral"])
+    ModelConfig.from_hf(hf_dict("Gemma2Config", head_dim=16, sliding_window=32, query_pre_attn_scalar=24)),
+    ModelConfig.from_hf(hf_dict("Gemma3TextConfig", head_dim=16, sliding_window=32, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})),
+], ids=["llama3", "qwen2-window", "qwen3-yarn", "mistral", "gemma2", "gemma3"])
 def test_to_hf_round_trips(cfg):
     """What `jaxserve convert` writes parses back to the same config, through transformers too."""
     d = cfg.to_hf()
     assert ModelConfig.from_hf(d) == cfg
-    hf_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
+    hf_cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+              "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig"}
     through_hf = getattr(transformers, hf_cls[cfg.family]).from_dict(d).to_dict()
     assert ModelConfig.from_hf(through_hf) == cfg
     if cfg.family == "qwen2":
@@ -165,6 +170,33 @@ def test_refuses_heads_not_divisible():
 def test_refuses_unsupported_options(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf({**hf_dict("LlamaConfig"), **change})
+
+
+def test_gemma_configs_as_published():
+    """Gemma 2 and Gemma 3 config.json files as published (before `layer_types` and per-type rotary
+    parameters): the window pattern and the two rotary bases come from the older keys."""
+    gemma2 = ModelConfig.from_hf({
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0, "rope_theta": 10000.0, "max_position_embeddings": 8192})
+    assert gemma2.layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert gemma2.tie_word_embeddings and gemma2.sliding_window == 4096 and not gemma2.qk_norm
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.sm_scale) == (50.0, 30.0, 1 / 16)
+    assert [gemma2.is_local(i) for i in range(4)] == [True, False, True, False]
+    gemma3 = ModelConfig.from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "rope_scaling": None, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "max_position_embeddings": 32768})
+    assert [i for i in range(26) if not gemma3.is_local(i)] == [5, 11, 17, 23]
+    assert (gemma3.rope_theta, gemma3.rope_local_theta, gemma3.qk_norm) == (1e6, 1e4, True)
+    assert gemma3.attn_logit_softcap is None and not gemma3.uniform_layers
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        dataclasses.replace(gemma3, layer_types=("full_attention",) * 3)
 
 
 def test_refuses_mixed_sliding_layers():

@@ -84,6 +84,15 @@ FAMILIES = {
     "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
+    # Layer 0 windowed, layer 1 global; soft-caps small enough that tanh bends the logits.
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # Sliding layers on their own rotary base, the global layer's linearly scaled; q/k norms.
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                    "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 10000.0}}}),
 }
 
 

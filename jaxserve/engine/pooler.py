@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.llama import forward, rms_norm
+from jaxserve.models.llama import forward, model_norm
 from jaxserve.models.params import Params
 from jaxserve.pooling_params import PoolingParams, PoolingType
 
@@ -36,9 +36,9 @@ def pool_step(params: Params, kv: KVCache, inputs: ModelInputs, cfg: ModelConfig
         rows = h[jnp.minimum(inputs.query_start_loc[:S], T - 1)]
     else:  # MEAN: each token's row by the query offsets; padding tokens fall past the last row and drop out
         seg = jnp.searchsorted(inputs.query_start_loc, jnp.arange(T, dtype=jnp.int32), side="right") - 1
-        normed = rms_norm(h, params.final_norm, cfg.rms_norm_eps).astype(jnp.float32)
+        normed = model_norm(cfg, h, params.final_norm).astype(jnp.float32)
         return jax.ops.segment_sum(normed, seg, num_segments=S), kv
-    return rms_norm(rows, params.final_norm, cfg.rms_norm_eps).astype(jnp.float32), kv
+    return model_norm(cfg, rows, params.final_norm).astype(jnp.float32), kv
 
 
 @dataclass

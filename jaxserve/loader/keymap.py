@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.models.params import Params, declare_params, from_param_paths, param_paths
 
 
@@ -58,6 +58,10 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
         "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
     }
+    if cfg.family in GEMMA_FAMILIES:  # a norm before and after each of attention and the MLP
+        t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
+        t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
+        t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
     if cfg.num_experts:
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
         moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) as pure functions."""
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3) as pure
+functions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig, rope_inv_freq_and_scale
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import lora_deltas
@@ -24,9 +25,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, [T, head_dim], for the half-split (rotate_half) rotary layout."""
-    inv_freq, attention_factor = rope_inv_freq_and_scale(cfg)
+def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The model's RMSNorm: Gemma's scales by (1 + weight), in float32 (as HF does)."""
+    if cfg.family not in GEMMA_FAMILIES:
+        return rms_norm(x, weight, cfg.rms_norm_eps)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos and sin, [T, head_dim], for the half-split (rotate_half) rotary layout; `local`: the sliding
+    layers' (see `rope_inv_freq_and_scale`)."""
+    inv_freq, attention_factor = rope_inv_freq_and_scale(cfg, local)
     inv = jnp.asarray(np.asarray(inv_freq, np.float32))
     angles = positions.astype(jnp.float32)[:, None] * inv[None, :]  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
@@ -68,7 +79,9 @@ def _layer(
     xs: tuple[LayerParams, jax.Array],
     expert_layout=None,
     kv_dtype=None,
+    local: bool = False,
 ):
+    """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ."""
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
@@ -76,7 +89,7 @@ def _layer(
     page_size = k_all.shape[1]
 
     with jax.named_scope("attention"):
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        h = model_norm(cfg, x, lp.attn_norm)
         if lp.wqkv is not None:
             T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             qkv = _dot_out_major(h, lp.wqkv)  # [T, (Hq + 2 * Hkv) * D]
@@ -93,8 +106,8 @@ def _layer(
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
         if lp.q_norm is not None:
-            q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+            q = model_norm(cfg, q, lp.q_norm)
+            k = model_norm(cfg, k, lp.k_norm)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
@@ -111,8 +124,8 @@ def _layer(
         attn = paged_attention(
             backend, q, k_all, v_all,
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
-            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window, decode=inputs.decode,
-            kv_dtype=kv_dtype,
+            sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
+            sliding_window=cfg.sliding_window if cfg.uniform_layers or local else None,
         )  # [T, Hq, D]
         if scaled:
             attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
@@ -123,15 +136,17 @@ def _layer(
             out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
         if lp.bo is not None:
             out = out + lp.bo
+        if lp.post_attn_norm is not None:
+            out = model_norm(cfg, out, lp.post_attn_norm)
         x = x + out
 
     if lp.router is not None:
         with jax.named_scope("moe"):
-            h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+            h = model_norm(cfg, x, lp.mlp_norm)
             return (x + moe_mlp(h, lp, cfg, expert_layout), k_all, v_all), None
 
     with jax.named_scope("mlp"):
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        h = model_norm(cfg, x, lp.mlp_norm)
         if lp.w_gate_up is not None:
             gate, up = jnp.split(_dot_out_major(h, lp.w_gate_up), 2, axis=-1)  # [T, F] each
         else:
@@ -142,29 +157,36 @@ def _layer(
             gate, up = gate + dg, up + du
         if lp.b_gate is not None:
             gate, up = gate + lp.b_gate, up + lp.b_up
-        act = jax.nn.silu(gate) * up
+        act = (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
         down = _dot_out_major(act, lp.w_down_t) if lp.w_down_t is not None else act @ lp.w_down
         if lora is not None:
             down = down + lora_deltas(act, lora.a_down, [lora.b_down], inputs.lora_slots)[0]
         if lp.b_down is not None:
             down = down + lp.b_down
+        if lp.post_mlp_norm is not None:
+            down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + down
     return (x, k_all, v_all), None
 
 
 # The unrolled loop calls one traced layer: every layer has the same shapes, so the layer is traced
 # and lowered once and called L times (XLA inlines the calls), instead of traced L times.
-_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8))
+_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8, 9))
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Logits [R, V] float32 of last hidden states x [R, E]: the final norm, then the vocabulary."""
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    """Logits [R, V] float32 of last hidden states x [R, E]: the final norm, then the vocabulary (and the
+    model's soft-cap)."""
+    x = model_norm(cfg, x, params.final_norm)
     if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
-        return _dot_out_major(x, params.lm_head_t, jnp.float32)
-    if params.lm_head is None:
-        return _dot_out_major(x, params.embed, jnp.float32)
-    return jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+        logits = _dot_out_major(x, params.lm_head_t, jnp.float32)
+    elif params.lm_head is None:
+        logits = _dot_out_major(x, params.embed, jnp.float32)
+    else:
+        logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
 
 
 def forward(
@@ -185,7 +207,10 @@ def forward(
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x = params.embed[inputs.token_ids]  # [T, E]
-    cos, sin = rope_tables(cfg, inputs.positions)
+        if cfg.family in GEMMA_FAMILIES:
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    tables = {False: rope_tables(cfg, inputs.positions)}
+    tables[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else tables[False]
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
     v_all = kv.v.reshape(L * N, page_size, hkv, d)
     # The CPU attention reads and writes narrow pages as their bits, the kernels as floats. A pool kept in
@@ -196,15 +221,21 @@ def forward(
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, want), jax.lax.bitcast_convert_type(v_all, want)
 
     def step(carry, xs):
-        return _layer(cfg, backend, inputs, cos, sin, carry, xs, expert_layout, kv_dtype)
+        return _layer(cfg, backend, inputs, *tables[False], carry, xs, expert_layout, kv_dtype)
 
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
-            carry, _ = _layer_once(cfg, backend, inputs, cos, sin, carry, (lp, jnp.int32(layer)), expert_layout,
-                                   kv_dtype)
-    else:
+            local = cfg.is_local(layer)
+            carry, _ = _layer_once(cfg, backend, inputs, *tables[local], carry, (lp, jnp.int32(layer)), expert_layout,
+                                   kv_dtype, local)
+    elif cfg.uniform_layers:
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
+    else:  # stacked layers that attend differently: one layer at a time (the runner unstacks them instead)
+        for layer in range(L):
+            local = cfg.is_local(layer)
+            xs = (jax.tree.map(lambda a, i=layer: a[i], params.layers), jnp.int32(layer))
+            carry, _ = _layer(cfg, backend, inputs, *tables[local], carry, xs, expert_layout, kv_dtype, local)
     x, k_all, v_all = carry
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]

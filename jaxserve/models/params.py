@@ -16,7 +16,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 
 Init = Literal["normal", "ones", "zeros"]
 
@@ -67,6 +67,8 @@ class LayerParams:
     ws_mix: Any = None  # [L, E]: the shared expert's sigmoid gate
     k_scale: Any = None  # [L] float32: a float8 KV cache holds K / k_scale (checkpoint or calibrated scales)
     v_scale: Any = None  # [L] float32: ... and V / v_scale
+    post_attn_norm: Any = None  # [L, E]: Gemma's norms of the attention's and the MLP's outputs
+    post_mlp_norm: Any = None  # [L, E]
     # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then
     # leave wq/wk/wv, wo, w_gate/w_up and w_down None: fewer, larger matmuls per layer, each matrix
     # out-major ([out, in], the checkpoints' own order), which XLA:CPU's dots read fastest.
@@ -104,14 +106,19 @@ def declare_params(cfg: ModelConfig) -> Params:
     def p(shape: tuple[int, ...], axes: tuple[str | None, ...], init: Init = "normal") -> ParamInfo:
         return ParamInfo(shape, axes, init)
 
+    gemma = cfg.family in GEMMA_FAMILIES
+    norm: Init = "zeros" if gemma else "ones"  # Gemma scales by (1 + w)
     layers = LayerParams(
-        attn_norm=p((L, E), ("layers", "embed"), "ones"),
+        attn_norm=p((L, E), ("layers", "embed"), norm),
         wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
         wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
-        mlp_norm=p((L, E), ("layers", "embed"), "ones"),
+        mlp_norm=p((L, E), ("layers", "embed"), norm),
     )
+    if gemma:
+        layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
+        layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
     if cfg.num_experts:
         X, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         layers.router = p((L, E, X), ("layers", "embed", None))
@@ -134,8 +141,8 @@ def declare_params(cfg: ModelConfig) -> Params:
         if cfg.family not in ("qwen2", "qwen2_moe"):  # HF Qwen2 biases q/k/v only; Llama and Qwen3 the output too
             layers.bo = p((L, E), ("layers", "embed"), "zeros")
     if cfg.qk_norm:
-        layers.q_norm = p((L, D), ("layers", "head_dim"), "ones")
-        layers.k_norm = p((L, D), ("layers", "head_dim"), "ones")
+        layers.q_norm = p((L, D), ("layers", "head_dim"), norm)
+        layers.k_norm = p((L, D), ("layers", "head_dim"), norm)
     if cfg.mlp_bias:
         layers.b_gate = p((L, F), ("layers", "mlp"), "zeros")
         layers.b_up = p((L, F), ("layers", "mlp"), "zeros")
@@ -146,7 +153,7 @@ def declare_params(cfg: ModelConfig) -> Params:
     return Params(
         embed=p((V, E), ("vocab", "embed")),
         layers=layers,
-        final_norm=p((E,), ("embed",), "ones"),
+        final_norm=p((E,), ("embed",), norm),
         lm_head=None if cfg.tie_word_embeddings else p((E, V), ("embed", "vocab")),
     )
 

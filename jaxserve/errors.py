@@ -1,0 +1,7 @@
+"""Errors about the model a user asked for."""
+
+from __future__ import annotations
+
+
+class UnsupportedModelError(ValueError):
+    """The model's files describe something jaxserve does not implement."""

@@ -1,0 +1,110 @@
+"""Rotary embeddings: HF's `rope_scaling`, and the frequencies of a model configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from jaxserve.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
+
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary embedding frequency scaling, as HF's `rope_scaling` describes it."""
+
+    rope_type: RopeType = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any] | None, max_position_embeddings: int) -> RopeScaling:
+        if not d:
+            return cls()
+        rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise UnsupportedModelError(
+                f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
+            )
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={d['partial_rotary_factor']})"
+                                        " are not supported")
+        if rope_type == "yarn" and d.get("truncate", True) is False:
+            raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
+        if rope_type == "default":
+            # One canonical form, so equal models give equal (jit-static) configs whichever way HF wrote them.
+            return cls()
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_type" and v is not None}
+        kwargs.setdefault("original_max_position_embeddings", max_position_embeddings)
+        return cls(rope_type=rope_type, **kwargs)
+
+
+def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list[float], float]:
+    """Inverse frequencies for each rotary pair and the attention scaling factor, per `cfg.rope_scaling`;
+    with `local`, those of the sliding-window layers of a model that gives them their own base
+    (`rope_local_theta`, unscaled: Gemma 3)."""
+    d = cfg.head_dim
+    if local and cfg.rope_local_theta is not None:
+        return [1.0 / (cfg.rope_local_theta ** (2 * i / d)) for i in range(d // 2)], 1.0
+    base = cfg.rope_theta
+    inv = [1.0 / (base ** (2 * i / d)) for i in range(d // 2)]
+    rs = cfg.rope_scaling
+    attention_factor = 1.0
+    if rs.rope_type == "linear":
+        inv = [f / rs.factor for f in inv]
+    elif rs.rope_type == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wavelen = old / rs.low_freq_factor
+        high_wavelen = old / rs.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / rs.factor)
+            else:
+                smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+                out.append((1 - smooth) * f / rs.factor + smooth * f)
+        inv = out
+    elif rs.rope_type == "yarn":
+        old = rs.original_max_position_embeddings
+
+        def correction_dim(num_rotations: float) -> float:
+            return (d * math.log(old / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(rs.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(rs.beta_slow)), d - 1)
+        if low == high:
+            high += 0.001
+        out = []
+        for i, f in enumerate(inv):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            extrapolation_factor = 1.0 - ramp
+            out.append((f / rs.factor) * (1 - extrapolation_factor) + f * extrapolation_factor)
+        inv = out
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if rs.attention_factor is not None:
+            attention_factor = rs.attention_factor
+        elif rs.mscale and rs.mscale_all_dim:
+            attention_factor = get_mscale(rs.factor, rs.mscale) / get_mscale(rs.factor, rs.mscale_all_dim)
+        else:
+            attention_factor = get_mscale(rs.factor)
+    return inv, attention_factor
