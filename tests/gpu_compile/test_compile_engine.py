@@ -89,7 +89,7 @@ def _kv_pool_bytes(kv_dtype=DTYPE) -> int:
 
 
 def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple[int, ...] = (1,),
-             kv_dtype=DTYPE) -> float:
+             kv_dtype=DTYPE, pool_bytes: int | None = None) -> float:
     """Compile for sm_90; check which Pallas lowerings the executable holds. Returns the seconds taken.
 
     For an engine step (the pool donated), also check that the ~90 GB pool is updated in place: aliased to
@@ -100,7 +100,7 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
     seconds = time.perf_counter() - t0
     if donate:
         mem = compiled.memory_analysis()
-        assert mem.alias_size_in_bytes >= _kv_pool_bytes(kv_dtype), "the KV pool is not updated in place"
+        assert mem.alias_size_in_bytes >= (pool_bytes or _kv_pool_bytes(kv_dtype)), "the KV pool is not updated in place"
         assert mem.temp_size_in_bytes < (1 << 30), f"{mem.temp_size_in_bytes / 1e9:.1f} GB of temporaries"
     text = compiled.as_text()
     if triton:

@@ -1,0 +1,69 @@
+"""The engine's jitted steps for a Gemma-2-shaped model, compiled for sm_90 without a GPU.
+
+Gemma 2 2B's attention (8 query heads over 4 KV heads of 256, a 4096-key window on every other layer, logit
+soft-caps 50 and 30) on four layers of a narrower model, unrolled as the engine runs models whose layers
+differ: the 256-wide heads reach the Mosaic GPU decode kernel (split partials in bfloat16) and the
+warp-specialized prefill kernel inside the engine step, windowed and global layers side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.logprobs import PromptLogprobInputs
+from jaxserve.engine.penalties import PenaltyInputs
+from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, decode_loop, default_layer_loop, mixed_step
+from jaxserve.engine.sampler import SamplingTensors
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.params import abstract_params, unstack_layers
+from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile
+
+GEMMA2 = ModelConfig(
+    family="gemma2", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=4, num_heads=8,
+    num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True,
+    sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 2, hidden_act="gelu_pytorch_tanh",
+    attn_logit_softcap=50.0, final_logit_softcap=30.0, query_pre_attn_scalar=256.0,
+)
+NUM_PAGES = 32768  # 16-token pages: 8.6 GB of bfloat16 K and V over the 4 layers
+
+
+def _inputs(spec, S: int):
+    assert default_layer_loop("pallas_mosaic", GEMMA2) == "unroll"
+    params = jax.eval_shape(lambda p: unstack_layers(p, fuse=True), abstract_params(GEMMA2, DTYPE))
+    params = _abstract(spec, params)
+    shape = (GEMMA2.num_layers, NUM_PAGES, RC.page_size, GEMMA2.num_kv_heads, GEMMA2.head_dim)
+    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, GEMMA2.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    return params, kv, sampling, pen, spec((), jnp.bool_)
+
+
+POOL_BYTES = NUM_PAGES * KVCache.bytes_per_page(GEMMA2, RC.page_size, DTYPE)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"])
+def test_gemma_steps_compile_for_sm90(spec, backend):
+    T, S = RC.token_buckets[-1], RC.max_num_seqs
+    params, kv, sampling, pen, want_top = _inputs(spec, S)
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
+    step = functools.partial(mixed_step, cfg=GEMMA2, backend=backend, top_k=RC.max_logprobs, hidden=True)
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
+                       want_top, mosaic=backend == "pallas_mosaic", triton=backend == "pallas", pool_bytes=POOL_BYTES)
+    print(f"gemma2 mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
+    P = RC.pages_per_seq
+    st = DecodeState(
+        tokens=spec((S,), jnp.int32), positions=spec((S,), jnp.int32), block_tables=spec((S, P), jnp.int32),
+        max_steps=spec((S,), jnp.int32), stop_ids=spec((S, MAX_STOP_IDS), jnp.int32),
+        min_tokens_left=spec((S,), jnp.int32), num_steps=spec((), jnp.int32),
+    )
+    loop = functools.partial(decode_loop, cfg=GEMMA2, backend=backend, top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps)
+    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
+                       triton=backend == "pallas", pool_bytes=POOL_BYTES)
+    print(f"gemma2 decode_loop S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
