@@ -123,6 +123,14 @@ def test_tp_logits_equal_unsharded(results, tp):
     assert r["kv_shard_heads"] == max(1, 2 // tp)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_gemma_logits_equal_unsharded(results, tp):
+    """Gemma 2's alternating windows, soft-caps and extra norms under tensor parallelism."""
+    r = results["dense"][f"gemma2_tp{tp}_ep1"]
+    assert r["num_devices"] == tp and r["wq_shard_heads"] == 8 // tp
+    assert r["rel_prefill"] < REL_TOL and r["rel_decode"] < REL_TOL and r["argmax_equal"]
+
+
 def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     r = results["engine"]
     assert r["tp2_devices"] == 2

@@ -47,6 +47,17 @@ def dense_config():
                        num_heads=8, num_kv_heads=2, head_dim=16, attention_bias=True, max_position_embeddings=512)
 
 
+def gemma_config():
+    from jaxserve.config import ModelConfig
+
+    # A windowed and a global layer, soft-caps, post-attention and post-MLP norms over the same head layout.
+    return ModelConfig(family="gemma2", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=8,
+                       layer_types=("sliding_attention", "full_attention"), hidden_act="gelu_pytorch_tanh",
+                       attn_logit_softcap=5.0, final_logit_softcap=10.0, query_pre_attn_scalar=24.0,
+                       tie_word_embeddings=True)
+
+
 def moe_config(family: str = "qwen2_moe"):
     from jaxserve.config import ModelConfig
 
@@ -138,7 +149,9 @@ def _sweep(cfg, layouts):
 
 
 def case_dense() -> dict:
-    return _sweep(dense_config(), [(1, 1), (2, 1), (4, 1), (8, 1)])
+    out = _sweep(dense_config(), [(1, 1), (2, 1), (4, 1), (8, 1)])
+    out.update({f"gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1), (4, 1)]).items()})
+    return out
 
 
 def case_moe() -> dict:
