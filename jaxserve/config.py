@@ -29,6 +29,12 @@ GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' Gemma3TextConfig defaults, which the text_config of Gemma 3's image-text checkpoints leaves out.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
+    sliding_window_pattern=6)
 _GGUF_ARCHITECTURES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 
@@ -131,7 +137,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement."""
+        """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of
+        Gemma 3's image-text models, the language model (served as text)."""
+        if "Gemma3ForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "gemma3":
+            text = d.get("text_config") or {}
+            d = {**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,
+                 "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
         archs = d.get("architectures") or []
         family: Family | None = None
         for arch in archs:
@@ -199,8 +210,8 @@ class ModelConfig:
         if isinstance(rope_params, dict) and "full_attention" in rope_params:  # per layer type (Gemma 3)
             rope_params = rope_params["full_attention"]
         rope_theta = d.get("rope_theta")
-        if rope_theta is None and isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta")
+        if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
+            rope_theta = rope_params["rope_theta"]
         return cls(
             family=family,
             vocab_size=d["vocab_size"],

@@ -6,6 +6,8 @@ with `save_pretrained`, read back through our safetensors loader and compared lo
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -159,5 +161,33 @@ def test_bfloat16_checkpoint(tmp_path):
     ids = random_prompt()
     ours, _ = ours_logits(tmp_path, ids)
     ref = hf_logits(ref_model, ids)
+    assert rel_err(ours, ref) < REL_TOL
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3's 4B-27B ship as image-text models: `text_config` nests the language model's config (leaving out
+    what Gemma3TextConfig defaults), its weights sit under `language_model.`, and a vision tower and projector
+    come alongside. Served as text, the logits equal HF's on a text-only prompt."""
+    torch.manual_seed(0)
+    text = {**TINY, **FAMILIES["gemma3"][1], "query_pre_attn_scalar": 256}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.ndim == 1:
+                p.copy_(0.2 * torch.randn_like(p))
+            elif p.ndim > 1:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["text_config"].pop("query_pre_attn_scalar")  # left to its default (256), as published files do
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    ids = random_prompt()
+    ours, cfg = ours_logits(tmp_path, ids)
+    assert cfg.family == "gemma3" and cfg.query_pre_attn_scalar == 256 and cfg.num_layers == 2
+    ref = hf_logits(model.eval(), ids)
     assert rel_err(ours, ref) < REL_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()

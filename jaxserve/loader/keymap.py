@@ -34,9 +34,9 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 
 # Names some checkpoints carry that hold no parameters of ours.
-# Carry no backbone parameter: RoPE tables, and a classification model's score head (read apart from the
-# backbone, by `jaxserve.engine.classifier`).
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$")
+# Carry no backbone parameter: RoPE tables, a classification model's score head (read apart from the
+# backbone, by `jaxserve.engine.classifier`), and the vision tower of an image-text model served as text.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
 def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
@@ -108,11 +108,17 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
+# An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
+_LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.)")
 
 
 def canonical_name(name: str) -> str:
     """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
-    (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix."""
+    (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix; an image-text
+    model nests its language model under `language_model`."""
+    m = _LANGUAGE_MODEL_RE.match(name)
+    if m:
+        name = name[m.end():] if m.group(1).startswith("language_model") else "model." + name[m.end():]
     return "model." + name if _BACKBONE_RE.match(name) else name
 
 
