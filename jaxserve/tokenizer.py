@@ -145,6 +145,9 @@ class Tokenizer:
             templates["default"] = raw
         elif isinstance(raw, list):  # older files: a list of {"name", "template"}
             templates.update({t["name"]: t["template"] for t in raw})
+        if not templates and (processor_file := root / "chat_template.json").is_file():
+            # An image-text model's processor template (Gemma 3), when the tokenizer's config has none.
+            templates["default"] = _read_json(processor_file).get("chat_template", "")
         if (jinja_file := root / "chat_template.jinja").is_file():
             # transformers prefers the standalone file over the config entry; so do we.
             templates["default"] = jinja_file.read_text(encoding="utf-8")

@@ -238,6 +238,12 @@ def test_from_hf_dir_round_trip(ours, saved_dir, tmp_path):
     again = Tokenizer.from_hf_dir(with_gen.save_hf(tmp_path / "again"))
     assert again.eos_token_ids == (2, 0)
 
+    # An image-text model's processor file chat_template.json serves when the config has no template.
+    config = json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "again" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "again" / "chat_template.json").write_text(json.dumps({"chat_template": "<{{ messages[0].content }}>"}))
+    assert Tokenizer.from_hf_dir(tmp_path / "again").apply_chat_template([{"role": "user", "content": "x"}]) == "<x>"
     # A standalone chat_template.jinja wins over the config entry, as in transformers.
     (tmp_path / "again" / "chat_template.jinja").write_text("{{ messages[0].content }}!")
     assert (
