@@ -49,8 +49,10 @@ async def responses(request: Request) -> Response:
 
 
 async def stored_response(request: Request) -> Response:
-    """`GET` / `DELETE /v1/responses/{id}` on the worker that stores the response."""
-    return await _router(request).stored_response(request, request.path_params["response_id"])
+    """`GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` on the worker that stores the
+    response."""
+    suffix = "/cancel" if request.url.path.endswith("/cancel") else ""
+    return await _router(request).stored_response(request, request.path_params["response_id"], suffix)
 
 
 async def pooling(request: Request) -> Response:
@@ -181,6 +183,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
         *(Route(path, pooling, methods=["POST"]) for path in
           ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
            "/v1/classify")),

@@ -136,9 +136,22 @@ async def stored_response(request: Request) -> Response:
     return JSONResponse(_state(request).responses.get(_stored_response_id(request)).response)
 
 
-async def delete_response(request: Request) -> Response:
-    """`DELETE /v1/responses/{id}`: forget a stored response (continuing from it is refused afterwards)."""
+async def cancel_response(request: Request) -> Response:
+    """`POST /v1/responses/{id}/cancel`: stop a background response in progress; the response, cancelled."""
     response_id = _stored_response_id(request)
+    store = _state(request).responses
+    if not await store.stop(response_id):
+        status = store.get(response_id).response["status"]
+        raise ApiError(400, f"response {response_id!r} is {status}: only a background response in progress can be "
+                            "cancelled", param="response_id", code="invalid_value")
+    return JSONResponse(store.get(response_id).response)
+
+
+async def delete_response(request: Request) -> Response:
+    """`DELETE /v1/responses/{id}`: forget a stored response (continuing from it is refused afterwards); one
+    still generating in the background is stopped first."""
+    response_id = _stored_response_id(request)
+    await _state(request).responses.stop(response_id)
     _state(request).responses.delete(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -228,6 +241,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -23,13 +23,19 @@ Responses are stored (`store`, true by default as in OpenAI's API; in memory, th
 come before `input`; its `instructions` are not inherited), `GET /v1/responses/{id}` returns a stored
 response and `DELETE` forgets it.
 
-Refused by name: `conversation` (conversation objects), `background`, `prompt` (stored prompt templates),
+`background: true` returns the response in progress once its first token is out and keeps generating: GET
+reads it (`in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`), `POST
+/v1/responses/{id}/cancel` stops it. A background response is stored and not streamed.
+
+Refused by name: `conversation` (conversation objects), `prompt` (stored prompt templates),
 `truncation: "auto"`, tools other than functions, and content other than text.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +50,8 @@ from server.responses import ChoiceCursor
 from server.responses_input import chat_body, input_messages
 from server.state import ServerState
 
+logger = logging.getLogger("jaxserve.server")
+
 
 class ResponsesFormatter:
     """Builds the response object and the stream events of one `/v1/responses` request."""
@@ -57,6 +65,7 @@ class ResponsesFormatter:
         keep = body.get("store", True) and state.responses.capacity > 0
         self.store: ResponseStore | None = state.responses if keep else None
         self.history = history
+        self.background = bool(body.get("background"))
         self.model = state.model_name
         self.created = int(time.time())
         self.id = f"resp_{request_id}"
@@ -87,6 +96,7 @@ class ResponsesFormatter:
             "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
             "top_p": b.get("top_p", 1.0), "truncation": "disabled", "user": b.get("user"), "usage": None,
+            "background": self.background,
         }
         if gen is not None:
             prompt, completion, cached = gen.usage_counts()
@@ -112,6 +122,34 @@ class ResponsesFormatter:
             reply = input_messages({"input": response["output"]}) if response["output"] else []
             self.store.put(StoredResponse(response, (*self.history, *reply)))
         return response
+
+    # -- background responses --------------------------------------------------------------------
+
+    def start_background(self, gen: Generation) -> dict[str, Any]:
+        """Leave `gen` (its first output in) generating in a task and return the response as it stands: in
+        progress, stored so that GET reads it, then replaced by the finished one (or cancelled, or failed)."""
+        assert self.store is not None, "a background response is stored"
+        response = self._response("in_progress", [], None)
+        self.store.put(StoredResponse(response, self.history))
+        self.store.running[self.id] = asyncio.create_task(self._run(gen))
+        return response
+
+    async def _run(self, gen: Generation) -> None:
+        assert self.store is not None
+        try:
+            await gen.collect()
+            self.full(gen)
+        except asyncio.CancelledError:  # POST /v1/responses/{id}/cancel
+            await gen.close()  # aborted in the engine before the counts are read
+            self.store.put(StoredResponse(self._response("cancelled", [], gen), self.history))
+        except Exception as e:  # the engine failed this request: the response says so
+            logger.exception("background response %s failed", self.id)
+            response = self._response("failed", [], gen)
+            response["error"] = {"code": "server_error", "message": f"the engine failed while generating: {e}"}
+            self.store.put(StoredResponse(response, self.history))
+        finally:
+            await gen.close()
+            self.store.running.pop(self.id, None)
 
     def full(self, gen: Generation) -> dict[str, Any]:
         """The non-streaming response."""
@@ -268,6 +306,10 @@ def responses_api(store: ResponseStore) -> dict[str, Any]:
             if stored is None:
                 raise ApiError(404, f"no stored response with id {previous!r} (responses are kept in memory, the "
                                     f"newest {store.capacity})", param="previous_response_id", code="not_found")
+            if stored.response.get("status") == "in_progress":
+                raise ApiError(400, f"response {previous!r} is still in progress (a background response); continue "
+                                    "from it once GET /v1/responses/{id} shows it completed",
+                               param="previous_response_id", code="invalid_value")
             history = stored.history
         chat = chat_body(body, history)
         translated["body"] = body

@@ -1,8 +1,10 @@
 """The responses `/v1/responses` keeps (`store`, OpenAI's default): what `previous_response_id` continues and
-`GET /v1/responses/{id}` returns. In memory, the newest `capacity` of them; a server restart forgets them."""
+`GET /v1/responses/{id}` returns, and the background responses still generating (which
+`POST /v1/responses/{id}/cancel` stops). In memory, the newest `capacity` of them; a server restart forgets them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ class ResponseStore:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.running: dict[str, asyncio.Task] = {}  # background responses still generating, by id
 
     def put(self, stored: StoredResponse) -> None:
         if self.capacity == 0:
@@ -34,6 +37,16 @@ class ResponseStore:
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._items.get(response_id)
+
+    async def stop(self, response_id: str) -> bool:
+        """Cancel the background response `response_id` and wait until it is stored cancelled; False when none
+        is generating under that id."""
+        task = self.running.get(response_id)
+        if task is None:
+            return False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return True
 
     def delete(self, response_id: str) -> bool:
         return self._items.pop(response_id, None) is not None

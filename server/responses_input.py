@@ -18,11 +18,10 @@ _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p
          "priority", "cache_salt", "stream")
 _KNOWN = {*_SAME, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
           "metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key",
-          "previous_response_id"}
+          "previous_response_id", "background"}
 _REFUSED = {
     "conversation": "conversation objects are not supported; continue with 'previous_response_id' or send the "
                     "whole conversation in 'input'",
-    "background": "background responses are not supported",
     "prompt": "stored prompt templates are not supported",
     "top_logprobs": "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
     "max_tool_calls": "'max_tool_calls' is not supported",
@@ -150,6 +149,13 @@ def chat_body(body: Any, history: tuple[dict[str, Any], ...] = ()) -> dict[str, 
     unknown = sorted(set(body) - _KNOWN - set(_REFUSED))
     if unknown:
         raise bad_field(unknown[0], f"unknown field {unknown[0]!r} for /v1/responses", "unknown_parameter")
+    if body.get("background"):
+        if body.get("stream"):
+            raise bad_field("stream", "a background response is not streamed here: poll GET /v1/responses/{id}",
+                            "unsupported_parameter")
+        if body.get("store") is False:
+            raise bad_field("store", "a background response must be stored ('store': true): it is read back by id",
+                            "invalid_value")
     if body.get("truncation", "disabled") not in ("disabled", None):
         raise bad_field("truncation", "'truncation' must be 'disabled': an input longer than the context is refused",
                         "unsupported_parameter")

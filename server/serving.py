@@ -227,6 +227,10 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
     fmt.model = lora or fmt.model
     try:
         first = await race_disconnect(request.receive, gen.first())
+        if getattr(fmt, "background", False):  # a background response: generates on after this returns
+            response = fmt.start_background(gen)
+            gen = None
+            return JSONResponse(response)
         if req.common.stream:
             producer = _stream(gen, fmt, first)
             gen = None  # the stream owns it now

@@ -5,6 +5,7 @@ types; the request's translation into a chat request; and the refusals."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -171,7 +172,8 @@ def test_input_items_become_the_chat_conversation():
 
 @pytest.mark.parametrize("extra,param,words", [
     ({"conversation": "conv_1"}, "conversation", "not supported"),
-    ({"background": True}, "background", "not supported"),
+    ({"background": True, "stream": True}, "stream", "not streamed"),
+    ({"background": True, "store": False}, "store", "must be stored"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "only text content"),
@@ -221,6 +223,44 @@ def test_stored_responses_continue_and_can_be_fetched_and_deleted(server, client
     unstored = _post(server, input="say two", store=False)
     assert unstored["store"] is False
     assert httpx.get(f"{server.url}/v1/responses/{unstored['id']}", timeout=30).status_code == 404
+
+
+def test_background_responses_complete_cancel_and_refuse_continuation_until_done():
+    """`background: true`: the response comes back in progress once generation has started and is read back by
+    GET until it is done; a continuation waits for it; cancel stops one in progress (the engine aborts it), and
+    DELETE stops one before forgetting it."""
+    engine = FakeAsyncEngine(step_delay=0.03, scripted_reply=_reply)  # ~0.5 s for the sunny reply
+    config = ServerConfig(port=0, reasoning_parser="qwen3", chat_template=TEMPLATE)
+    with serve_in_thread(engine, config) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        started = client.responses.create(model="fake-model", input="say two", background=True)
+        assert started.background and started.status == "in_progress" and started.output == []
+        assert client.responses.retrieve(started.id).status == "in_progress"
+        early = httpx.post(f"{srv.url}/v1/responses", json={"input": "hi", "previous_response_id": started.id})
+        assert early.status_code == 400 and "still in progress" in early.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while (done := client.responses.retrieve(started.id)).status == "in_progress":
+            assert time.monotonic() < deadline, "the background response never finished"
+            time.sleep(0.05)
+        assert done.status == "completed" and done.output_text == REPLIES["two"] and done.usage.output_tokens > 5
+        after = client.responses.create(model="fake-model", input="count three", previous_response_id=started.id)
+        assert after.output_text == "Four comes next."
+        again = httpx.post(f"{srv.url}/v1/responses/{started.id}/cancel")
+        assert again.status_code == 400 and "is completed" in again.json()["error"]["message"]
+
+        running = client.responses.create(model="fake-model", input="say two", background=True)
+        cancelled = client.responses.cancel(running.id)
+        assert cancelled.status == "cancelled" and cancelled.output == []
+        assert 0 < cancelled.usage.output_tokens < done.usage.output_tokens  # stopped part way
+        assert client.responses.retrieve(running.id).status == "cancelled"
+        gone = client.responses.create(model="fake-model", input="say two", background=True)
+        assert httpx.delete(f"{srv.url}/v1/responses/{gone.id}").json()["deleted"] is True
+        assert httpx.get(f"{srv.url}/v1/responses/{gone.id}").status_code == 404
+        deadline = time.monotonic() + 5
+        while engine.stats().num_running or engine.stats().num_waiting:  # the engine let both go
+            assert time.monotonic() < deadline, "a stopped background response still runs in the engine"
+            time.sleep(0.02)
+    engine.shutdown()
 
 
 def test_continuation_messages_and_the_store_bound():

@@ -160,14 +160,15 @@ def test_a_responses_request_is_routed_as_its_chat_request(cluster):
         r = cluster.client.post("/v1/responses", json={"model": "fake-model", "instructions": SYSTEM, "input": user,
                                                        "max_output_tokens": 3})
         assert r.status_code == 200 and r.json()["object"] == "response" and cluster.worker_of(r) == home
-    bad = cluster.client.post("/v1/responses", json={"model": "fake-model", "input": "x", "background": True})
-    assert bad.status_code == 400 and "background" in bad.json()["error"]["message"]
+    bad = cluster.client.post("/v1/responses", json={"model": "fake-model", "input": "x", "background": True,
+                                                      "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream"
 
 
 @pytest.mark.parametrize("cluster", [{"policy": "round-robin"}], indirect=True)
 def test_a_continued_response_runs_on_the_worker_that_stores_it(cluster):
-    """Each worker stores its own responses: the router sends a `previous_response_id` continuation, and GET and
-    DELETE of a stored response, to the worker that stores it (round robin alone would alternate)."""
+    """Each worker stores its own responses: the router sends a `previous_response_id` continuation, and GET,
+    cancel and DELETE of a stored response, to the worker that stores it (round robin alone would alternate)."""
     body = {"model": "fake-model", "input": "one", "max_output_tokens": 3}
     first = cluster.client.post("/v1/responses", json=body)
     assert first.status_code == 200 and first.json()["store"]
@@ -177,6 +178,9 @@ def test_a_continued_response_runs_on_the_worker_that_stores_it(cluster):
         assert r.status_code == 200 and cluster.worker_of(r) == home and r.json()["previous_response_id"] == rid
         rid = r.json()["id"]
     assert cluster.client.get(f"/v1/responses/{rid}").json()["id"] == rid
+    # Cancel reaches the storing worker too, which refuses it for a finished response (another would 404).
+    late = cluster.client.post(f"/v1/responses/{rid}/cancel")
+    assert late.status_code == 400 and "only a background response" in late.json()["error"]["message"]
     assert cluster.client.delete(f"/v1/responses/{rid}").json()["deleted"] is True
     assert cluster.client.get(f"/v1/responses/{rid}").status_code == 404
     gone = cluster.client.post("/v1/responses", json={**body, "previous_response_id": rid})
