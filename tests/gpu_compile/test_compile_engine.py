@@ -159,6 +159,16 @@ def test_pool_step_compiles_for_sm90(spec, pooling_type):
     print(f"pool_step {pooling_type} T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
 
 
+def decode_state(spec, S: int) -> DecodeState:
+    """The decode loop's state for S rows, abstract."""
+    i32 = jnp.int32
+    return DecodeState(
+        tokens=spec((S,), i32), positions=spec((S,), i32), block_tables=spec((S, RC.pages_per_seq), i32),
+        max_steps=spec((S,), i32), stop_ids=spec((S, MAX_STOP_IDS), i32), min_tokens_left=spec((S,), i32),
+        num_steps=spec((), i32),
+    )
+
+
 @pytest.mark.gpu_compile
 # pallas_mosaic: the decode loop's attention is a lax.cond over both kernels (decode rows on Mosaic GPU,
 # anything else on the Triton kernel), so one bucket compiles both lowerings inside the engine step.
@@ -170,16 +180,10 @@ def test_pool_step_compiles_for_sm90(spec, pooling_type):
 def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
     cfg = dataclasses.replace(SMOLLM2, kv_cache_scales=jnp.dtype(kv_dtype).itemsize == 1)
     params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype, cfg)
-    P = RC.pages_per_seq
-    st = DecodeState(
-        tokens=spec((S,), jnp.int32), positions=spec((S,), jnp.int32), block_tables=spec((S, P), jnp.int32),
-        max_steps=spec((S,), jnp.int32), stop_ids=spec((S, MAX_STOP_IDS), jnp.int32),
-        min_tokens_left=spec((S,), jnp.int32), num_steps=spec((), jnp.int32),
-    )
     loop = functools.partial(decode_loop, cfg=cfg, backend=backend, top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
-    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
-                       kv_dtype=kv_dtype)
+    seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top,
+                       mosaic=backend == "pallas_mosaic", kv_dtype=kv_dtype)
     print(f"decode_loop S={S} n={RC.num_scheduler_steps} {backend} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
 

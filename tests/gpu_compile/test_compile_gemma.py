@@ -17,11 +17,11 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.engine.logprobs import PromptLogprobInputs
 from jaxserve.engine.penalties import PenaltyInputs
-from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, decode_loop, default_layer_loop, mixed_step
+from jaxserve.engine.runner import decode_loop, default_layer_loop, mixed_step
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.params import abstract_params, unstack_layers
-from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile
+from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state
 
 GEMMA2 = ModelConfig(
     family="gemma2", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=4, num_heads=8,
@@ -56,14 +56,8 @@ def test_gemma_steps_compile_for_sm90(spec, backend):
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
                        want_top, mosaic=backend == "pallas_mosaic", triton=backend == "pallas", pool_bytes=POOL_BYTES)
     print(f"gemma2 mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
-    P = RC.pages_per_seq
-    st = DecodeState(
-        tokens=spec((S,), jnp.int32), positions=spec((S,), jnp.int32), block_tables=spec((S, P), jnp.int32),
-        max_steps=spec((S,), jnp.int32), stop_ids=spec((S, MAX_STOP_IDS), jnp.int32),
-        min_tokens_left=spec((S,), jnp.int32), num_steps=spec((), jnp.int32),
-    )
     loop = functools.partial(decode_loop, cfg=GEMMA2, backend=backend, top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
-    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
+    seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
                        triton=backend == "pallas", pool_bytes=POOL_BYTES)
     print(f"gemma2 decode_loop S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
