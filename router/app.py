@@ -49,10 +49,11 @@ async def responses(request: Request) -> Response:
 
 
 async def stored_response(request: Request) -> Response:
-    """`GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` on the worker that stores the
-    response."""
-    suffix = "/cancel" if request.url.path.endswith("/cancel") else ""
-    return await _router(request).stored_response(request, request.path_params["response_id"], suffix)
+    """`GET` / `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` and `GET .../input_items` on the
+    worker that stores the response."""
+    response_id = request.path_params["response_id"]
+    suffix = request.url.path.split(response_id, 1)[1]  # "", "/cancel" or "/input_items"
+    return await _router(request).stored_response(request, response_id, suffix)
 
 
 async def pooling(request: Request) -> Response:
@@ -184,6 +185,7 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
         *(Route(path, pooling, methods=["POST"]) for path in
           ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
            "/v1/classify")),

@@ -291,14 +291,15 @@ class Router:
         return None
 
     async def stored_response(self, request: Request, response_id: str, suffix: str = "") -> Response:
-        """`GET` or `DELETE /v1/responses/{id}` (or `POST .../cancel`, `suffix`) on the worker that stores it; 404
-        when none does."""
+        """`GET` or `DELETE /v1/responses/{id}` (or `POST .../cancel`, `GET .../input_items`: `suffix`) on the
+        worker that stores it; 404 when none does."""
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         owner = await self.response_owner(response_id, headers)
         if owner is None:
             raise ApiError(404, f"no worker stores a response with id {response_id!r}", param="response_id",
                            code="not_found")
-        r = await self.client.request(request.method, f"{owner.url}/v1/responses/{response_id}{suffix}",
+        query = f"?{request.url.query}" if request.url.query else ""
+        r = await self.client.request(request.method, f"{owner.url}/v1/responses/{response_id}{suffix}{query}",
                                       headers=headers)
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 

@@ -136,6 +136,29 @@ async def stored_response(request: Request) -> Response:
     return JSONResponse(_state(request).responses.get(_stored_response_id(request)).response)
 
 
+async def response_input_items(request: Request) -> Response:
+    """`GET /v1/responses/{id}/input_items`: a stored response's input items, a page at a time as OpenAI lists
+    them (`limit` 1-100, default 20; `order` desc by default; `after` an item id)."""
+    stored = _state(request).responses.get(_stored_response_id(request))
+    q = request.query_params
+    order, limit, after = q.get("order", "desc"), q.get("limit", "20"), q.get("after")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"'order' must be asc or desc, got {order!r}", param="order", code="invalid_value")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise ApiError(400, f"'limit' must be an integer from 1 to 100, got {limit!r}", param="limit",
+                       code="invalid_value")
+    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"'after': no input item {after!r} in this response", param="after",
+                           code="invalid_value")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(limit)]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+
+
 async def cancel_response(request: Request) -> Response:
     """`POST /v1/responses/{id}/cancel`: stop a background response in progress; the response, cancelled."""
     response_id = _stored_response_id(request)
@@ -242,6 +265,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),

@@ -23,6 +23,7 @@ Responses are stored (`store`, true by default as in OpenAI's API; in memory, th
 come before `input`; its `instructions` are not inherited), `GET /v1/responses/{id}` returns a stored
 response and `DELETE` forgets it.
 
+`GET /v1/responses/{id}/input_items` lists a stored response's input items (`limit`, `after`, `order`).
 `background: true` returns the response in progress once its first token is out and keeps generating: GET
 reads it (`in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`), `POST
 /v1/responses/{id}/cancel` stops it. A background response is stored and not streamed.
@@ -47,7 +48,7 @@ from server.generation import Generation, Job
 from server.protocol import ChatRequest
 from server.response_store import ResponseStore, StoredResponse
 from server.responses import ChoiceCursor
-from server.responses_input import chat_body, input_messages
+from server.responses_input import chat_body, input_messages, listed_input_items
 from server.state import ServerState
 
 logger = logging.getLogger("jaxserve.server")
@@ -65,6 +66,7 @@ class ResponsesFormatter:
         keep = body.get("store", True) and state.responses.capacity > 0
         self.store: ResponseStore | None = state.responses if keep else None
         self.history = history
+        self.input_items = listed_input_items(body, request_id)
         self.background = bool(body.get("background"))
         self.model = state.model_name
         self.created = int(time.time())
@@ -120,8 +122,12 @@ class ResponsesFormatter:
         chat messages."""
         if self.store is not None:
             reply = input_messages({"input": response["output"]}) if response["output"] else []
-            self.store.put(StoredResponse(response, (*self.history, *reply)))
+            self._keep(response, (*self.history, *reply))
         return response
+
+    def _keep(self, response: dict[str, Any], history: tuple[dict[str, Any], ...]) -> None:
+        assert self.store is not None
+        self.store.put(StoredResponse(response, history, self.input_items))
 
     # -- background responses --------------------------------------------------------------------
 
@@ -130,7 +136,7 @@ class ResponsesFormatter:
         progress, stored so that GET reads it, then replaced by the finished one (or cancelled, or failed)."""
         assert self.store is not None, "a background response is stored"
         response = self._response("in_progress", [], None)
-        self.store.put(StoredResponse(response, self.history))
+        self._keep(response, self.history)
         self.store.running[self.id] = asyncio.create_task(self._run(gen))
         return response
 
@@ -141,12 +147,12 @@ class ResponsesFormatter:
             self.full(gen)
         except asyncio.CancelledError:  # POST /v1/responses/{id}/cancel
             await gen.close()  # aborted in the engine before the counts are read
-            self.store.put(StoredResponse(self._response("cancelled", [], gen), self.history))
+            self._keep(self._response("cancelled", [], gen), self.history)
         except Exception as e:  # the engine failed this request: the response says so
             logger.exception("background response %s failed", self.id)
             response = self._response("failed", [], gen)
             response["error"] = {"code": "server_error", "message": f"the engine failed while generating: {e}"}
-            self.store.put(StoredResponse(response, self.history))
+            self._keep(response, self.history)
         finally:
             await gen.close()
             self.store.running.pop(self.id, None)

@@ -16,6 +16,7 @@ class StoredResponse:
     # The conversation the response ends, as chat messages: every earlier turn, this request's input and its
     # reply (not its `instructions`, which a continuation does not inherit, as in OpenAI's API).
     history: tuple[dict[str, Any], ...]
+    input_items: tuple[dict[str, Any], ...] = ()  # this request's `input`, as input_items lists it
 
 
 class ResponseStore:

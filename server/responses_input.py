@@ -97,6 +97,32 @@ def input_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def listed_input_items(body: Mapping[str, Any], request_id: str) -> tuple[dict[str, Any], ...]:
+    """`input` (already checked by `input_messages`) as the items `GET /v1/responses/{id}/input_items` lists,
+    each with an id (its own, or one made from the request's)."""
+    items = body["input"]
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            content = item["content"]
+            texts = [content] if isinstance(content, str) else [p["text"] for p in content]
+            parts = [{"type": part, "text": t, **({"annotations": []} if part == "output_text" else {})}
+                     for t in texts]
+            out = {"type": "message", "role": item["role"], "content": parts, "status": "completed"}
+        elif kind == "reasoning":
+            out = {"type": "reasoning", "summary": item.get("summary") or [], "content": item.get("content") or []}
+        else:
+            out = {k: item[k] for k in ("type", "call_id", "name", "arguments", "output") if k in item}
+            out["status"] = "completed"
+        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}.get(kind, "fco")
+        listed.append({"id": item.get("id") or f"{prefix}_{request_id}_{i}", **out})
+    return tuple(listed)
+
+
 def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tools = body.get("tools")

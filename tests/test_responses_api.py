@@ -225,6 +225,36 @@ def test_stored_responses_continue_and_can_be_fetched_and_deleted(server, client
     assert httpx.get(f"{server.url}/v1/responses/{unstored['id']}", timeout=30).status_code == 404
 
 
+def test_input_items_are_listed_a_page_at_a_time(server, client):
+    """`GET /v1/responses/{id}/input_items`: the request's input items with ids, newest first by default, as the
+    SDK's list type declares them; `limit` and `after` page through them; bad parameters name themselves."""
+    from openai.types.responses import ResponseItemList
+
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}", "id": "fc_given"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             {"role": "user", "content": [{"type": "input_text", "text": "say two"}]}]
+    rid = _post(server, input=items)["id"]
+    listed = client.responses.input_items.list(rid)
+    ResponseItemList.model_validate(listed.model_dump(mode="json"))
+    assert [i.type for i in listed.data] == ["message", "function_call_output", "function_call", "message", "message"]
+    assert listed.data[2].id == "fc_given" and listed.data[1].output == "sunny" and not listed.has_more
+    assert listed.data[-1].content[0].text == "weather?" and listed.data[-2].role == "assistant"
+    ids = [i.id for i in listed.data]
+    assert len(set(ids)) == 5 and listed.first_id == ids[0] and listed.last_id == ids[-1]
+    page = httpx.get(f"{server.url}/v1/responses/{rid}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [i["id"] for i in page["data"]] == ids[::-1][:2] and page["has_more"]
+    rest = httpx.get(f"{server.url}/v1/responses/{rid}/input_items",
+                     params={"order": "asc", "limit": 100, "after": page["last_id"]}).json()
+    assert [i["id"] for i in rest["data"]] == ids[::-1][2:] and not rest["has_more"]
+    one = client.responses.input_items.list(_post(server, input="say two")["id"])
+    assert len(one.data) == 1 and one.data[0].role == "user" and one.data[0].content[0].text == "say two"
+    for params, param in (({"order": "up"}, "order"), ({"limit": 0}, "limit"), ({"after": "nope"}, "after")):
+        r = httpx.get(f"{server.url}/v1/responses/{rid}/input_items", params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 def test_background_responses_complete_cancel_and_refuse_continuation_until_done():
     """`background: true`: the response comes back in progress once generation has started and is read back by
     GET until it is done; a continuation waits for it; cancel stops one in progress (the engine aborts it), and

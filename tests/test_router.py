@@ -178,6 +178,8 @@ def test_a_continued_response_runs_on_the_worker_that_stores_it(cluster):
         assert r.status_code == 200 and cluster.worker_of(r) == home and r.json()["previous_response_id"] == rid
         rid = r.json()["id"]
     assert cluster.client.get(f"/v1/responses/{rid}").json()["id"] == rid
+    listed = cluster.client.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "limit": 1}).json()
+    assert [i["content"][0]["text"] for i in listed["data"]] == ["two"] and not listed["has_more"]
     # Cancel reaches the storing worker too, which refuses it for a finished response (another would 404).
     late = cluster.client.post(f"/v1/responses/{rid}/cancel")
     assert late.status_code == 400 and "only a background response" in late.json()["error"]["message"]
