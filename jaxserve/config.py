@@ -118,6 +118,12 @@ class ModelConfig:
         """Whether every layer attends alike (else `layer_window` and the rotary tables differ by layer)."""
         return self.layer_types is None or len(set(self.layer_types)) == 1
 
+    @property
+    def layer_period(self) -> int:
+        """The shortest period of `layer_types` (Gemma 2: 2, Gemma 3: 6; 1 when every layer is alike)."""
+        types = self.layer_types or ("",)
+        return next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
         windowed = self.layer_types is None or self.layer_types[layer] == "sliding_attention"

@@ -115,7 +115,7 @@ class LLMEngine:
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
-                         max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend, cfg),
+                         max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend),
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
                          lora=args.enable_lora),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,

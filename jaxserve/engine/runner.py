@@ -38,12 +38,10 @@ LayerLoop = Literal["scan", "unroll"]
 MAX_STOP_IDS = 8  # stop token ids checked on the device per row (EOS ids + stop_token_ids)
 
 
-def default_layer_loop(backend: AttentionBackend, model_cfg: ModelConfig | None = None) -> LayerLoop:
+def default_layer_loop(backend: AttentionBackend) -> LayerLoop:
     """Unrolled on the CPU, where a scanned layer copies its weights out of the stacked arrays
-    before every matmul (about twice the memory traffic of a decode step), and for models whose layers
-    attend differently (Gemma's sliding and global layers); scanned elsewhere."""
-    if model_cfg is not None and not model_cfg.uniform_layers:
-        return "unroll"
+    before every matmul (about twice the memory traffic of a decode step); scanned elsewhere (a model whose
+    layers attend differently, as Gemma's sliding and global ones, loops over its groups of layers)."""
     return "unroll" if backend == "xla" and jax.default_backend() == "cpu" else "scan"
 
 

@@ -231,11 +231,22 @@ def forward(
                                    kv_dtype, local)
     elif cfg.uniform_layers:
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
-    else:  # stacked layers that attend differently: one layer at a time (the runner unstacks them instead)
-        for layer in range(L):
-            local = cfg.is_local(layer)
-            xs = (jax.tree.map(lambda a, i=layer: a[i], params.layers), jnp.int32(layer))
-            carry, _ = _layer(cfg, backend, inputs, *tables[local], carry, xs, expert_layout, kv_dtype, local)
+    else:  # stacked layers that attend differently (Gemma): a loop over the repeating groups of layers
+        period = cfg.layer_period
+
+        def one(layer, local: bool, carry):
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
+            xs = (lp, jnp.asarray(layer, jnp.int32))
+            return _layer(cfg, backend, inputs, *tables[local], carry, xs, expert_layout, kv_dtype, local)[0]
+
+        def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window
+            for j in range(period):
+                carry = one(g * period + j, cfg.is_local(j), carry)
+            return carry
+
+        carry = jax.lax.fori_loop(0, L // period, group, carry)
+        for layer in range(L // period * period, L):  # past the last whole group
+            carry = one(layer, cfg.is_local(layer), carry)
     x, k_all, v_all = carry
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]

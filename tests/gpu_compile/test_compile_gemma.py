@@ -1,16 +1,15 @@
 """The engine's jitted steps for a Gemma-2-shaped model, compiled for sm_90 without a GPU.
 
 Gemma 2 2B's attention (8 query heads over 4 KV heads of 256, a 4096-key window on every other layer, logit
-soft-caps 50 and 30) on four layers of a narrower model, unrolled as the engine runs models whose layers
-differ: the 256-wide heads reach the Mosaic GPU decode kernel (split partials in bfloat16) and the
-warp-specialized prefill kernel inside the engine step, windowed and global layers side by side.
+soft-caps 50 and 30) on five layers of a narrower model, as the engine runs them on a GPU: a loop over the
+groups of a windowed and a global layer, then the fifth alone. The 256-wide heads reach the Mosaic GPU decode
+kernel (split partials in bfloat16) and the warp-specialized prefill kernel inside the engine step.
 """
 
 from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -20,22 +19,22 @@ from jaxserve.engine.penalties import PenaltyInputs
 from jaxserve.engine.runner import decode_loop, default_layer_loop, mixed_step
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.params import abstract_params, unstack_layers
+from jaxserve.models.params import abstract_params
 from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state
 
 GEMMA2 = ModelConfig(
-    family="gemma2", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=4, num_heads=8,
+    family="gemma2", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=5, num_heads=8,
     num_kv_heads=4, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True,
-    sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 2, hidden_act="gelu_pytorch_tanh",
+    sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 2 + ("sliding_attention",),
+    hidden_act="gelu_pytorch_tanh",
     attn_logit_softcap=50.0, final_logit_softcap=30.0, query_pre_attn_scalar=256.0,
 )
-NUM_PAGES = 32768  # 16-token pages: 8.6 GB of bfloat16 K and V over the 4 layers
+NUM_PAGES = 32768  # 16-token pages: 10.7 GB of bfloat16 K and V over the 5 layers
 
 
 def _inputs(spec, S: int):
-    assert default_layer_loop("pallas_mosaic", GEMMA2) == "unroll"
-    params = jax.eval_shape(lambda p: unstack_layers(p, fuse=True), abstract_params(GEMMA2, DTYPE))
-    params = _abstract(spec, params)
+    assert default_layer_loop("pallas_mosaic") == "scan" and GEMMA2.layer_period == 2
+    params = _abstract(spec, abstract_params(GEMMA2, DTYPE))  # stacked, as the engine keeps them on a GPU
     shape = (GEMMA2.num_layers, NUM_PAGES, RC.page_size, GEMMA2.num_kv_heads, GEMMA2.head_dim)
     kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
     sampling = _abstract(spec, SamplingTensors.from_params([], [], S, GEMMA2.vocab_size, []))
