@@ -95,6 +95,9 @@ FAMILIES = {
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                            "rope_theta": 10000.0}}}),
+    # Every layer global though a window is declared: one scanned layer, no window.
+    "gemma3_global": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
+                                           "layer_types": ["full_attention", "full_attention"]}),
     # Three layers in groups of two: the loop over groups, then the last layer alone.
     "gemma3_odd": ("Gemma3TextConfig", {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8,
                                         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),

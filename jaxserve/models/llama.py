@@ -125,7 +125,7 @@ def _layer(
             backend, q, k_all, v_all,
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
             sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
-            sliding_window=cfg.sliding_window if cfg.uniform_layers or local else None,
+            sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None,
         )  # [T, Hq, D]
         if scaled:
             attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
@@ -220,8 +220,9 @@ def forward(
     if k_all.dtype != want:
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, want), jax.lax.bitcast_convert_type(v_all, want)
 
-    def step(carry, xs):
-        return _layer(cfg, backend, inputs, *tables[False], carry, xs, expert_layout, kv_dtype)
+    def step(carry, xs):  # every layer alike
+        return _layer(cfg, backend, inputs, *tables[cfg.is_local(0)], carry, xs, expert_layout, kv_dtype,
+                      cfg.is_local(0))
 
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
