@@ -7,8 +7,13 @@ import os
 import jax
 import pytest
 
-# Compiled executables are reused across test runs (and across processes) on this machine.
-jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
+# Compiled executables are reused across test runs (and across processes) on this machine: the child processes
+# the tests start (sharded, multi-process, multi-host) read the same cache through the environment.
+# (There, compiles of 0.1 s and more are kept: a child starts cold each time, and its many small sharded steps
+# add up.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 # The engine configuration of every test that serves the bundled model through the engine (in process,
