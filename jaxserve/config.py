@@ -115,7 +115,8 @@ class ModelConfig:
 
     @property
     def uniform_layers(self) -> bool:
-        """Whether every layer attends alike (else `layer_window` and the rotary tables differ by layer)."""
+        """Whether every layer attends alike (else `is_local` and so the window and rotary tables differ by
+        layer)."""
         return self.layer_types is None or len(set(self.layer_types)) == 1
 
     @property
@@ -288,7 +289,8 @@ class ModelConfig:
                      hidden_activation=self.hidden_act, query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar),
                      attn_logit_softcapping=self.attn_logit_softcap,
                      final_logit_softcapping=self.final_logit_softcap, layer_types=list(self.layer_types or ()))
-            d.pop("use_sliding_window", None), d.pop("max_window_layers", None)
+            for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys: Gemma lists layer_types
+                d.pop(key, None)
             if self.rope_local_theta is not None:
                 d["rope_local_base_freq"] = self.rope_local_theta
         if self.kv_cache_scales:

@@ -306,6 +306,9 @@ def responses_api(store: ResponseStore) -> dict[str, Any]:
 
     def translate(body: Any) -> dict[str, Any]:
         history: tuple[dict[str, Any], ...] = ()
+        if isinstance(body, Mapping) and body.get("background") and store.capacity == 0:
+            raise ApiError(400, "a background response is read back by id, and this server stores none "
+                                "(--responses-store-capacity 0)", param="background", code="unsupported_parameter")
         previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
         if previous is not None:
             stored = store.get(previous) if isinstance(previous, str) else None

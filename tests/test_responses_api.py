@@ -15,6 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 from server.config import ServerConfig  # noqa: E402
+from server.errors import ApiError  # noqa: E402
 from server.fake_engine import FakeAsyncEngine  # noqa: E402
 from server.openai_responses import responses_api  # noqa: E402
 from server.response_store import ResponseStore, StoredResponse  # noqa: E402
@@ -312,3 +313,6 @@ def test_continuation_messages_and_the_store_bound():
     none = ResponseStore(0)
     none.put(StoredResponse({"id": "resp_a", "output": []}, ()))
     assert len(none) == 0 and none.get("resp_a") is None
+    with pytest.raises(ApiError, match="stores none") as refused:  # nothing to read a background response from
+        responses_api(none)["translate"]({"model": "m", "input": "hi", "background": True})
+    assert refused.value.param == "background"
