@@ -12,9 +12,12 @@ logit soft-cap (`cap * tanh(x / cap)`) and sliding window apply as in the generi
 over the KV length starts at the block where the window does, so a long context reads only the window's pages.
 
 Float8 pages (e4m3 or e5m2) with bfloat16 or float16 queries move half the bytes: each block lands in SMEM as
-float8 and is upcast through registers, 64 rows at a time, into a q-dtype tile the tensor cores read (Hopper's
-float8 WGMMA takes no MN-major B operand, which V is, and no mixed operand types). The per-layer KV scales
-stay outside the kernel, as for the generic kernel: q carries k_scale and the output v_scale.
+float8 and is upcast through registers, 64 x 128 elements at a time, into a q-dtype tile the tensor cores read
+(Hopper's float8 WGMMA takes no MN-major B operand, which V is, and no mixed operand types). The per-layer KV
+scales stay outside the kernel, as for the generic kernel: q carries k_scale and the output v_scale.
+
+The PV product accumulates onto the float32 accumulator in place: at 256-wide heads that tile is 128 registers
+a thread, and a fresh accumulator plus an add (the interpreter's form) would spill.
 
 Rows past a sequence's length are masked to zero probability. Table entries past the sequence's last page are
 never read (the block re-reads the last real page instead); the rows of that last page past the length still
@@ -159,17 +162,11 @@ def _attention_body(
         plgpu.barrier_wait(v_bar.at[slot])
         v_op = upcast_rows(v_smem.at[slot], upcast[1]) if upcast else v_smem.at[slot]
 
+        p = p.astype(q_smem.dtype)
         if interpret:  # nor a register operand
-            pv = jnp.dot(p.astype(q_smem.dtype), v_op[...], preferred_element_type=jnp.float32)
-        else:
-            def pv_scope(acc_ref):
-                plgpu.wgmma(acc_ref, p.astype(q_smem.dtype), v_op)
-                return acc_ref[...]
-
-            pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
-        # A fresh accumulator then an add, rather than accumulating onto `acc` in place (`run_state`, which
-        # the interpreter lacks): one register add per block.
-        acc = acc + pv
+            acc = acc + jnp.dot(p, v_op[...], preferred_element_type=jnp.float32)
+        else:  # onto `acc` in place: a fresh accumulator and an add would hold two [ROWS, head_dim] tiles
+            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v_op))(plgpu.ACC.init(acc))
         return acc, m_next, l_next
 
     acc, m, denom = lax.fori_loop(start, stop, body, (acc0, m0, l0))
@@ -205,12 +202,15 @@ def copy_kv_block(pages_ref, dst, bar, block_tables_ref, seq, j, last_page, kv_h
         plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head, :], dst.at[pl.ds(i * page_size, page_size)], bar)
 
 
-def upcast_rows(src, dst, rows: int = ROWS):
-    """`dst` (a q-dtype SMEM tile) holding the float8 block `src`, `rows` rows at a time through registers."""
+def upcast_rows(src, dst, rows: int = ROWS, cols: int = 128):
+    """`dst` (a q-dtype SMEM tile) holding the float8 block `src`, `rows` x `cols` at a time through registers
+    (a 64 x 128 chunk is 64 float32 registers a thread)."""
+    cols = min(cols, src.shape[1])
     for r in range(0, src.shape[0], rows):
-        chunk = pl.ds(r, rows)
-        # float8 converts to 16-bit floats in hardware; float32 is the path both bfloat16 and float16 accept.
-        dst[chunk] = src[chunk].astype(jnp.float32).astype(dst.dtype)
+        for c in range(0, src.shape[1], cols):
+            chunk = (pl.ds(r, rows), pl.ds(c, cols))
+            # float8 converts to 16-bit floats in hardware; float32 is the path both bfloat16 and float16 accept.
+            dst[chunk] = src[chunk].astype(jnp.float32).astype(dst.dtype)
     plgpu_module().commit_smem()  # the stores, visible to the tensor cores' (async proxy) reads
     return dst
 

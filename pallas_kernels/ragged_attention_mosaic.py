@@ -15,7 +15,7 @@ Two forms:
   refills a stage when both compute warpgroups have released it. The compute warpgroups take turns on the
   tensor cores (one's softmax runs during the other's products), and the blocks that need no causal mask
   skip it. Float8 pages land by TMA in a ring of their own, and the loading warpgroup upcasts each block into
-  the stage the tensor cores read (64 rows at a time; the loader then takes 80 registers a thread, the
+  the stage the tensor cores read (64 x 128 elements at a time; the loader then takes 80 registers a thread, the
   compute warpgroups 216).
 - `compute_wgs=1`: the one-warpgroup body of `paged_decode_mosaic.py` over blocks of `64 // group` tokens
   (float8 pages upcast by the same warpgroup that multiplies them).
