@@ -8,9 +8,17 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.engine.runner import StepOutput
+from jaxserve.engine.runner import RunnerConfig, StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
-from jaxserve.engine.speculative import DraftBackoff, Drafter, draft_rows, propose_ngram, row_outputs
+from jaxserve.engine.speculative import (
+    DraftBackoff,
+    Drafter,
+    StepCosts,
+    draft_rows,
+    propose_ngram,
+    row_outputs,
+)
+from jaxserve.engine.step_batch import mixed_inputs
 from jaxserve.engine_args import EngineArgs, SpeculativeConfig
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams as SO
@@ -118,6 +126,19 @@ def test_verify_takes_drafts_while_the_samples_agree():
     assert {k: v.token_ids.tolist() for k, v in got.items()} == {"a": [11, 12, 99], "b": [7], "c": [21]}
     c = drafter.counters
     assert (c.spec_num_drafts, c.spec_num_draft_tokens, c.spec_num_accepted_tokens) == (2, 4, 2)
+    # The step runs each drafted request as one sequence of its token and drafts, with logits at each: a's 4
+    # tokens, then b's chunk (its last token's logits), then c's 2; a row per sampled token, in the rows' order.
+    rc = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64, page_size=16, num_pages=8,
+                      num_scheduler_steps=1, backend="xla")
+    inputs, S = mixed_inputs(step.rows, rc, lora_slots=[0, 0, 0, 0, -1, 1, 1])
+    assert S == 16 and np.asarray(inputs.token_ids)[:9].tolist() == [5, 11, 12, 13, 1, 2, 3, 6, 20]
+    assert np.asarray(inputs.query_start_loc)[:5].tolist() == [0, 4, 7, 9, 9]
+    assert np.asarray(inputs.seq_lens)[:4].tolist() == [14, 3, 9, 0]
+    assert np.asarray(inputs.positions)[:9].tolist() == [10, 11, 12, 13, 0, 1, 2, 7, 8]
+    assert np.asarray(inputs.logits_indices)[:7].tolist() == [0, 1, 2, 3, 6, 7, 8]
+    assert np.asarray(inputs.lora_slots)[:9].tolist() == [0, 0, 0, 0, -1, -1, -1, 1, 1]
+    undrafted, _ = mixed_inputs(s, rc)
+    assert np.asarray(undrafted.logits_indices)[:3].tolist() == [0, 3, 4]
     assert step.paces["a"].wait == 0 and step.paces["c"].wait == 1, "c accepted nothing: it skips a step"
     # Checked drafts: a's 1st, 2nd, 3rd (2 accepted), then c's 1st (rejected), on the prior of 2 in 4.
     hits, tries = (2 * 0.98 + 2) * 0.98, (4 * 0.98 + 3) * 0.98 + 1
@@ -125,25 +146,38 @@ def test_verify_takes_drafts_while_the_samples_agree():
 
 
 def test_drafts_verified_are_those_worth_their_cost():
-    bucket = lambda n: next(b for b in (1, 4, 8, 16, 32) if b >= n)  # noqa: E731
-    flat = Drafter(SpeculativeConfig(), {b: 1.0 for b in (1, 4, 8, 16, 32)})
-    assert flat.choose(2, {"a": 3, "b": 3}, room=30, decode_only=True, seq_bucket=bucket) == {"a": 3, "b": 3}
-    assert flat.choose(2, {"a": 3, "b": 3}, room=3, decode_only=True, seq_bucket=bucket) == {"a": 2, "b": 1}, \
+    """Without drafts a decode-only step runs in its sequence bucket's decode step; with them, in the mixed
+    step of the token bucket that holds its rows."""
+    seqs, tokens = (1, 4, 8, 16, 32), (4, 8, 16, 32)
+    buckets = dict(seq_bucket=lambda n: next(b for b in seqs if b >= n),
+                   token_bucket=lambda n: next(b for b in tokens if b >= n))
+
+    def drafter(decode, mixed):
+        return Drafter(SpeculativeConfig(), StepCosts(dict(zip(seqs, decode, strict=True)),
+                                                      dict(zip(tokens, mixed, strict=True))))
+
+    flat = drafter([1.0] * 5, [1.0] * 4)
+    assert flat.choose(2, {"a": 3, "b": 3}, room=30, decode_only=True, **buckets) == {"a": 3, "b": 3}
+    assert flat.choose(2, {"a": 3, "b": 3}, room=3, decode_only=True, **buckets) == {"a": 2, "b": 1}, \
         "first drafts before second ones"
     # Cost growing with the bucket's rows (compute bound): no draft pays at an acceptance of one half.
-    linear = Drafter(SpeculativeConfig(), {b: float(b) for b in (1, 4, 8, 16, 32)})
-    assert linear.choose(1, {"a": 4}, room=31, decode_only=True, seq_bucket=bucket) == {}
+    linear = drafter([float(b) for b in seqs], [float(b) for b in tokens])
+    assert linear.choose(1, {"a": 4}, room=31, decode_only=True, **buckets) == {}
     # Bound by the weights at small batches: one request verifies three (a fourth would move the step to
-    # the 8-row bucket: 3.36 expected tokens for 1.3 against 2.95 for 1.1); twelve fill their bucket.
-    cpu = Drafter(SpeculativeConfig(), {1: 1.0, 4: 1.1, 8: 1.3, 16: 2.5, 32: 5.5})
+    # the 8-token bucket: 3.36 expected tokens for 1.4 against 2.95 for 1.2); twelve fill their bucket.
+    cpu = drafter([1.0, 1.1, 1.3, 2.5, 5.5], [1.2, 1.4, 2.6, 5.6])
     cpu.rate.hits = cpu.rate.tries * 0.8
-    assert cpu.choose(1, {"a": 4}, room=31, decode_only=True, seq_bucket=bucket) == {"a": 3}
+    assert cpu.choose(1, {"a": 4}, room=31, decode_only=True, **buckets) == {"a": 3}
     cpu.rate.hits = cpu.rate.tries * 0.95
-    assert cpu.choose(1, {"a": 4}, room=31, decode_only=True, seq_bucket=bucket) == {"a": 4}
-    got = cpu.choose(12, {f"r{i}": 4 for i in range(12)}, room=20, decode_only=True, seq_bucket=bucket)
+    assert cpu.choose(1, {"a": 4}, room=31, decode_only=True, **buckets) == {"a": 4}
+    got = cpu.choose(12, {f"r{i}": 4 for i in range(12)}, room=20, decode_only=True, **buckets)
     assert sum(got.values()) == 4 and set(got.values()) == {1}
+    # A mixed step much dearer than the decode step of the same rows: drafts no longer pay.
+    dear = drafter([1.0, 1.1, 1.3, 2.5, 5.5], [5.0, 5.5, 6.0, 9.0])
+    dear.rate.hits = dear.rate.tries * 0.95
+    assert dear.choose(1, {"a": 4}, room=31, decode_only=True, **buckets) == {}
     # Beside a prefill chunk, drafts fill the room given (the token bucket's padding), whatever the costs.
-    assert linear.choose(3, {"a": 4}, room=2, decode_only=False, seq_bucket=bucket) == {"a": 2}
+    assert linear.choose(3, {"a": 4}, room=2, decode_only=False, **buckets) == {"a": 2}
 
 
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
@@ -268,13 +302,13 @@ def test_drafts_verified_beside_a_prefill_chunk(engines):
     assert mixed_steps
     drafted = [(rid, d["step"], len(d["token_ids"])) for rid, layer, event, d in events if event == "drafts"]
     assert drafted and all(layer == "L5" for _, layer, event, _ in events if event == "drafts")
-    # A drafted decode-only step's bucket holds its rows: a row per request and per draft.
+    # A drafted step is a mixed step whose bucket holds its rows: a row per request and per draft.
     rows = {d["step"]: d["batch_seqs"] for _, _, event, d in events if event == "scheduled"}
     for _, step_id, n in drafted:
         rows[step_id] += n
     buckets = {d["step"]: d for _, _, event, d in events if event == "bucket"}
-    decode_steps = [step_id for _, step_id, _ in drafted if buckets[step_id]["kind"] == "decode"]
-    assert decode_steps and all(buckets[s]["num_seqs"] >= rows[s] for s in decode_steps)
+    assert {buckets[step_id]["kind"] for _, step_id, _ in drafted} == {"mixed"}
+    assert all(buckets[s]["num_seqs"] >= rows[s] and buckets[s]["num_tokens"] >= rows[s] for _, s, _ in drafted)
     assert [done[f"r{i}"] for i in range(4)] == alone
     spec.check_integrity()
     assert pool_is_full(spec)

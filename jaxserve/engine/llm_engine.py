@@ -33,7 +33,7 @@ from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, e
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.speculative import Drafter, SpecStep, decode_costs, row_outputs
+from jaxserve.engine.speculative import Drafter, SpecStep, row_outputs, step_costs
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
@@ -117,7 +117,7 @@ class LLMEngine:
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend),
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
-                         lora=args.enable_lora),
+                         lora=args.enable_lora, min_token_bucket=4 if args.speculative_config else 16),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -141,7 +141,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
         spec, lone = args.speculative_config, args.warmup and args.num_processes == 1
-        self.drafter = Drafter(spec, decode_costs(self.runner) if lone else None) if spec else None
+        self.drafter = Drafter(spec, step_costs(self.runner) if lone else None) if spec else None
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -289,11 +289,11 @@ class LLMEngine:
                        spec)
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
-            if all(s.is_decode for s in scheduled):
+            # Drafts are verified in a mixed step, each drafted request one sequence of its token and drafts.
+            if spec is None and all(s.is_decode for s in scheduled):
                 seqs = [self._seq[s.request_id] for s in rows]
-                # A grammar's next mask needs the token before it, and drafts are checked on the host:
-                # such a batch steps one token (per row) at a time.
-                one = spec is not None or any(q.matcher is not None for q in seqs)
+                # A grammar's next mask needs the token before it: such a batch steps one token at a time.
+                one = any(q.matcher is not None for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
                                   lora_slots=loras)
@@ -308,15 +308,16 @@ class LLMEngine:
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
         """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add:
-        up to max_num_seqs for decodes alone, the padding of its token bucket beside a prefill chunk."""
+        up to the largest mixed step's rows for decodes alone, the padding of its token bucket beside a
+        prefill chunk."""
         rc, sched, n, seq = self.runner.cfg, self.scheduler, len(plan.scheduled), self._seq
         T = rc.token_bucket(plan.num_batched_tokens)
-        decode_only = all(s.is_decode for s in plan.scheduled)
+        decode_only, most = all(s.is_decode for s in plan.scheduled), min(rc.max_num_seqs, rc.max_num_batched_tokens)
         return self.drafter.plan(
             plan.scheduled, request_of=sched.get_request, reserve=sched.reserve_decode_pages,
             pace_of=lambda rid: seq[rid].draft_pace, valid=lambda rid, d: seq[rid].valid_drafts(d),
-            pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket,
-            room=rc.max_num_seqs - n if decode_only else min(T - plan.num_batched_tokens, min(T, rc.max_num_seqs) - n))
+            pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket, token_bucket=rc.token_bucket,
+            room=most - n if decode_only else min(T - plan.num_batched_tokens, min(T, rc.max_num_seqs) - n))
 
     def _sampling(self, rows: list[ScheduledRequest], S: int,
                   spec: SpecStep | None = None) -> tuple[SamplingTensors, bool, object]:

@@ -77,6 +77,8 @@ class RunnerConfig:
     """An embedding model's pooling (`pooler.pool_step` replaces both step functions), or None."""
     lora: bool = False
     """Steps carry each token's LoRA adapter slot (the parameters hold the slots)."""
+    min_token_bucket: int = 16
+    """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
 
     @property
     def pages_per_seq(self) -> int:
@@ -84,7 +86,7 @@ class RunnerConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        return _pow2_buckets(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        return _pow2_buckets(min(self.min_token_bucket, self.max_num_batched_tokens), self.max_num_batched_tokens)
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:

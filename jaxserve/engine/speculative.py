@@ -7,11 +7,11 @@ as it went on then. Before a step, the engine looks up the request's last `n` to
 `num_speculative_tokens` tokens that followed their latest earlier occurrence as drafts.
 
 Verification needs no change to the model. The request's last token and its drafts `d1..dm` go
-into a mixed step as m + 1 rows of one token each, at consecutive positions, sharing the request's
-page table. Every layer writes the step's new K/V into the pages before it attends, so the row at
-position p attends over positions 0..p, the drafts before it included: the same computation as one
-causal chunk. Each row is sampled as an ordinary decode at its output index (its seed stream, its
-penalty history with the drafts before it, its min_tokens), giving t0..tm. The tokens taken are
+into a mixed step as m + 1 rows (`draft_rows`), which the step runs as one sequence of m + 1 query
+tokens, causal, with logits at each (`step_batch.mixed_inputs`): the row at position p attends over
+positions 0..p, the drafts before it included, and the request's KV pages are read once for all
+m + 1 rows (as a prefill chunk's are). Each row is sampled as an ordinary decode at its output index
+(its seed stream, its penalty history with the drafts before it, its min_tokens), giving t0..tm. The tokens taken are
 t0, t1, ... while each t_i equals the draft d_{i+1} it was checked against; the first mismatch (or
 tm, when every draft held) is the last token taken. A draft is taken exactly when the model would
 have sampled it, so the output equals decoding without speculation, greedy or seeded: the same
@@ -29,10 +29,6 @@ so a taken token is one the grammar allowed there, as without drafts.
 The lookup is incremental (`NgramIndex`, kept on the request): each n-gram's 32-bit hash is computed
 once, as its last token arrives, so a step compares one integer per earlier position (vectorized) and
 converts no token list; a hash match is confirmed on the tokens themselves.
-
-Each draft row reads its request's KV pages on its own, so at long contexts a drafted request's
-attention reads them (1 + drafts) times; verifying its rows as one sequence of several query
-tokens, with logits at each, would read them once.
 """
 
 from __future__ import annotations
@@ -49,6 +45,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.runner import StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.engine_args import SpeculativeConfig
+from jaxserve.models.inputs import ModelInputs
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
@@ -180,10 +177,7 @@ class SpecStep:
 
     def verify(self, out: StepOutput) -> dict[str, StepOutput]:
         """Each sampling request's tokens: one per undrafted request, the accepted run per drafted one.
-        `out` has a token per row: a mixed step's, or the first (only) step of a decode loop's."""
-        if out.token_ids.ndim == 2:
-            out = StepOutput(out.token_ids[0], out.logprobs[0], out.ranks[0], out.top_ids[0], out.top_logprobs[0],
-                             out.num_generated)
+        `out` is the mixed step's, a token per row."""
         got: dict[str, StepOutput] = {}
         i = 0
         while i < len(self.rows):
@@ -202,21 +196,31 @@ class SpecStep:
         return got
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of a step, measured at warmup (`step_costs`): a decode step by sequence bucket, and a mixed
+    step (where drafts are verified) by token bucket."""
+
+    decode: Mapping[int, float]
+    mixed: Mapping[int, float]
+
+
 class Drafter:
     """Proposes a step's drafts and decides how many of them to verify.
 
-    A decode-only step runs in the decode executable of the sequence bucket that holds its rows, and
-    a bigger bucket costs more (`decode_costs`, seconds per step by bucket, measured at warmup). The
-    drafter verifies the number of drafts that gives the most expected tokens per second: the
-    requests' first drafts before any second ones, the j-th worth p**j tokens (p: `AcceptanceRate`).
-    Small batches, bound by reading the weights, verify drafts almost for free; large ones, bound by
-    compute, verify few or none. A step with a prefill chunk verifies drafts only in the padding of
-    its token bucket. Without costs (no warmup), every proposed draft within the step's room is verified.
+    Without drafts, a decode-only step runs in the decode executable of its sequence bucket; with them,
+    in the mixed step of the token bucket that holds its rows, each drafted request one sequence of its
+    token and drafts. A bigger bucket costs more (`StepCosts`). The drafter verifies the number of drafts
+    that gives the most expected tokens per second: the requests' first drafts before any second ones,
+    the j-th worth p**j tokens (p: `AcceptanceRate`). Small batches, bound by reading the weights, verify
+    drafts almost for free; large ones, bound by compute, verify few or none. A step with a prefill chunk
+    verifies drafts only in the padding of its token bucket. Without costs (no warmup), every proposed
+    draft within the step's room is verified.
     """
 
-    def __init__(self, cfg: SpeculativeConfig, decode_costs: Mapping[int, float] | None = None):
+    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None):
         self.cfg = cfg
-        self.costs = decode_costs
+        self.costs = costs
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
 
@@ -225,17 +229,17 @@ class Drafter:
         self.rate.record(num_drafts, accepted)
 
     def choose(self, n: int, lengths: Mapping[str, int], room: int, decode_only: bool,
-               seq_bucket: Callable[[int], int]) -> dict[str, int]:
+               seq_bucket: Callable[[int], int], token_bucket: Callable[[int], int]) -> dict[str, int]:
         """How many drafts each request verifies, of the `lengths` proposed, in a step of `n` rows with
         `room` rows to spare."""
         order = sorted(((j, rid) for rid, k in lengths.items() for j in range(1, k + 1)), key=lambda x: x[0])
         order = order[:max(0, room)]
         if decode_only and self.costs:
             p, gain, best_d = self.rate.p, 0.0, 0
-            best = n / self.costs[seq_bucket(n)]
+            best = n / self.costs.decode[seq_bucket(n)]
             for d, (j, _) in enumerate(order, 1):
                 gain += p ** j
-                score = (n + gain) / self.costs[seq_bucket(n + d)]
+                score = (n + gain) / self.costs.mixed[token_bucket(n + d)]
                 if score > best:
                     best, best_d = score, d
             order = order[:best_d]
@@ -247,7 +251,8 @@ class Drafter:
     def plan(self, scheduled: Sequence[ScheduledRequest], *, request_of: Callable[[str], Request],
              pace_of: Callable[[str], DraftBackoff | None], reserve: Callable[[str, int], int],
              pages_of: Callable[[str], list[int]], room: int, seq_bucket: Callable[[int], int],
-             valid: Callable[[str, list[int]], int] | None = None) -> SpecStep | None:
+             token_bucket: Callable[[int], int], valid: Callable[[str, list[int]], int] | None = None
+             ) -> SpecStep | None:
         """The step's drafts, with their pages reserved, or None when it verifies none.
 
         `pace_of(request_id)` is None for a request that is not drafted; `valid(request_id, drafts)`
@@ -266,7 +271,7 @@ class Drafter:
                 if d.size:
                     proposals[s.request_id] = d
         counts = self.choose(len(scheduled), {rid: len(d) for rid, d in proposals.items()}, room,
-                             all(s.is_decode for s in scheduled), seq_bucket)
+                             all(s.is_decode for s in scheduled), seq_bucket, token_bucket)
         drafts = {}
         for rid, k in counts.items():
             k = min(k, reserve(rid, 1 + k) - 1)
@@ -311,17 +316,30 @@ def row_outputs(step: SpecStep, token_ids: Mapping[str, list[int]]) -> list[list
     return out
 
 
-def decode_costs(runner: Any, repeats: int = 2) -> dict[int, float]:
-    """Seconds of one decode step with every row of each sequence bucket active (the best of
-    `repeats`, on a `ModelRunner`): what the drafter weighs its drafts against."""
-    costs = {}
-    for S in runner.cfg.seq_buckets:
-        st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
-        sampling = runner.inert_sampling(S)
+def step_costs(runner: Any, repeats: int = 2) -> StepCosts:
+    """Seconds of a decode step with every row of each sequence bucket active, and of a mixed step of
+    one-token sequences in each token bucket up to the most rows a step holds (the best of `repeats`, on
+    a `ModelRunner`, into the reserved page 0): what the drafter weighs its drafts against."""
+    rc = runner.cfg
+
+    def best(run) -> float:
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            runner.run_decode(st, sampling, None, want_top=False)  # into the reserved page 0
+            run()
             times.append(time.perf_counter() - t0)
-        costs[S] = min(times)
-    return costs
+        return min(times)
+
+    decode = {}
+    for S in rc.seq_buckets:
+        st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
+        decode[S] = best(lambda st=st, S=S: runner.run_decode(st, runner.inert_sampling(S), None, want_top=False))
+    mixed = {}
+    for T in rc.token_buckets:
+        if T > rc.token_bucket(min(rc.max_num_seqs, rc.max_num_batched_tokens)):
+            break
+        S = min(T, rc.max_num_seqs)
+        inputs = ModelInputs.build([([0], 0, [0])] * S, rc.page_size, num_tokens=T, num_seqs=S,
+                                   pages_per_seq=rc.pages_per_seq, lora_slots=[-1] * S if rc.lora else None)
+        mixed[T] = best(lambda i=inputs, S=S: runner.run_mixed(i, runner.inert_sampling(S), None, want_top=False))
+    return StepCosts(decode, mixed)

@@ -20,14 +20,31 @@ from jaxserve.structured_outputs import bitmask_width
 def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                  lora_slots: Sequence[int] | None = None) -> tuple[ModelInputs, int]:
     """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
-    `lora_slots` (a LoRA engine's): each row's adapter slot."""
+    `lora_slots` (a LoRA engine's): each row's adapter slot.
+
+    Consecutive rows of one request at consecutive positions (a drafted decode's row and its draft rows,
+    `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits of each: its
+    attention reads the request's pages once, not once per row."""
     T = rcfg.token_bucket(sum(s.num_new_tokens for s in scheduled))
     S = min(T, rcfg.max_num_seqs)
-    inputs = ModelInputs.build(
-        [(list(s.token_ids), s.start_position, list(s.page_table)) for s in scheduled],
-        rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
-        lora_slots=None if lora_slots is None else list(lora_slots),
-    )
+    seqs: list[tuple[list[int], int, list[int]]] = []
+    rows: list[int] = []
+    slots: list[int] = []
+    prev = None
+    for i, s in enumerate(scheduled):
+        if prev is not None and s.request_id == prev.request_id and s.start_position == prev.start_position + prev.num_new_tokens:
+            seqs[-1][0].extend(s.token_ids)
+            rows[-1] += 1
+        else:
+            seqs.append((list(s.token_ids), s.start_position, list(s.page_table)))
+            rows.append(1)
+            if lora_slots is not None:
+                slots.append(lora_slots[i])
+        prev = s
+    merged = len(seqs) < len(scheduled)
+    inputs = ModelInputs.build(seqs, rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
+                               lora_slots=None if lora_slots is None else slots,
+                               logit_rows=rows if merged else None)
     return inputs, S
 
 
@@ -154,14 +171,15 @@ def sampled_rows(plan: SchedulerOutput, kind: str, out: StepOutput) -> dict[str,
 def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any, rows: Sequence[ScheduledRequest] | None = None
                 ) -> tuple[dict, dict]:
     """What a plan runs as, for traces: the bucket (L6) and the attention kernel's shapes (L7). `rows`:
-    the step's rows when they are not the plan's (drafts add rows)."""
-    rows = plan.scheduled if rows is None else rows
-    if all(s.is_decode for s in plan.scheduled):
+    the step's rows when they are not the plan's (drafts add rows; a step verifying drafts is mixed)."""
+    if rows is None and all(s.is_decode for s in plan.scheduled):
+        rows = plan.scheduled
         S = rcfg.seq_bucket(len(rows))
         bucket = {"kind": "decode", "num_seqs": S, "pages_per_seq": rcfg.pages_per_seq,
                   "num_scheduler_steps": rcfg.num_scheduler_steps}
         q_tokens = S
     else:
+        rows = plan.scheduled if rows is None else rows
         T = rcfg.token_bucket(sum(s.num_new_tokens for s in rows))
         bucket = {"kind": "mixed", "num_tokens": T, "num_seqs": min(T, rcfg.max_num_seqs),
                   "pages_per_seq": rcfg.pages_per_seq}

@@ -77,6 +77,8 @@ def _pad_to_blocks(tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, 
 # chunks after 0/128/384 cached tokens: SmolLM2's heads 2.30/4.39/8.69 ms with 8 pages, 1.36/3.64/8.07
 # with 4; heads of 8 x 128: 14.8/25.7/47.9 ms with 8, 7.6/19.1/42.3 with 4.
 TILE_PAGES_PER_BLOCK = 4
+# The rows of the last, small tile of a prompt chunk or chunk of decode tokens (a chunk's last 1-8 queries).
+SMALL_BLOCK = 8
 _ROW_BLOCK_BYTES = 32 << 10
 
 
@@ -198,23 +200,28 @@ def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_star
 
 
 def _row_chunks(qf, seq, pos, select, block_tables, k_pages, v_pages, out, chunk, **kw):
-    """`_rows_attention` over the selected tokens only, compacted, `chunk` per loop iteration.
+    """`_rows_attention` over the selected tokens only, compacted, `chunk` per loop iteration, and a last
+    remainder of at most `SMALL_BLOCK` tokens in a chunk of that size (a mixed step's few decode tokens
+    cost a few rows, not `chunk`).
 
     qf: [T + pad, Hkv, G, D] with at least one row of padding; seq, pos, select: [T]; out: [T + pad,
     Hq, D], returned with the selected rows written (row T takes a chunk's unused rows)."""
     T = seq.shape[0]
     count = jnp.sum(select)
     order = jnp.pad(jnp.argsort(~select, stable=True).astype(jnp.int32), (0, chunk), constant_values=T)
-    rows = jnp.arange(chunk, dtype=jnp.int32)
 
-    def body(c, out):
-        real = c * chunk + rows < count
-        idx = jnp.where(real, jax.lax.dynamic_slice_in_dim(order, c * chunk, chunk), T)
+    def rows_from(first, n, out):
+        real = first + jnp.arange(n, dtype=jnp.int32) < count
+        idx = jnp.where(real, jax.lax.dynamic_slice_in_dim(order, first, n), T)
         tok = jnp.minimum(idx, T - 1)
         o = _rows_attention(qf[idx], jnp.where(real, pos[tok], -1), block_tables[seq[tok]], k_pages, v_pages, **kw)
         return out.at[idx].set(o)
 
-    return jax.lax.fori_loop(0, (count + chunk - 1) // chunk, body, out)
+    small = min(SMALL_BLOCK, chunk)
+    rem = count % chunk
+    big = count // chunk + (rem > small)
+    out = jax.lax.fori_loop(0, big, lambda c, out: rows_from(c * chunk, chunk, out), out)
+    return jax.lax.cond((rem > 0) & (rem <= small), lambda o: rows_from(big * chunk, small, o), lambda o: o, out)
 
 
 def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
@@ -233,48 +240,63 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
     # would shift it back instead); row T is where decode chunks park their unused rows.
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
-    rows = jnp.arange(Bq, dtype=jnp.int32)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype)
 
-    # Decode tokens, compacted, a chunk of Bq per iteration.
+    # Decode tokens, compacted, a chunk of Bq per iteration (the last few in a small chunk).
     seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
     out = _row_chunks(qf, seq, pos, valid & (q_lens[seq] == 1), block_tables, k_pages, v_pages,
                       jnp.zeros((T + Bq, Hq, D), jnp.float32), Bq, **kw)
 
-    # Prompt chunks, in tiles.
-    tiles = jnp.where(q_lens > 1, (q_lens + Bq - 1) // Bq, 0)  # [S]
-    ends = jnp.cumsum(tiles)
-    i = jnp.arange(-(-T // Bq) + S, dtype=jnp.int32)  # at most one partial tile per sequence
-    tile_seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), S - 1).astype(jnp.int32)
-    tile_q0 = (i - (ends - tiles)[tile_seq]) * Bq  # the tile's first query, within its sequence
+    # Prompt chunks, in tiles of Bq; a chunk's last partial tile of at most SMALL_BLOCK tokens (a short chunk:
+    # verified drafts, a prompt's tail) in a tile of that size.
+    small = min(SMALL_BLOCK, Bq)
+    rem = q_lens % Bq
+    chunked = q_lens > 1
+    big_tiles = jnp.where(chunked, q_lens // Bq + (rem > small), 0)  # [S]
+    small_tiles = jnp.where(chunked & (rem > 0) & (rem <= small), 1, 0)
 
-    def tile(t, out):
-        s, q0 = tile_seq[t], tile_q0[t]
-        start = query_start_loc[s] + q0
-        ctx = seq_lens[s] - q_lens[s]  # tokens before this step's queries
-        real = q0 + rows < q_lens[s]
-        pos = jnp.where(real, ctx + q0 + rows, -1)  # [Bq]
-        qt = jax.lax.dynamic_slice_in_dim(qf, start, Bq)
-        last = ctx + jnp.minimum(q0 + Bq, q_lens[s])  # keys [first, last) are all the tile can see
-        first = 0 if sliding_window is None else jnp.maximum(ctx + q0 - sliding_window + 1, 0)
-        table = block_tables[s]
+    def tiles(out, per_seq, num, rows_per_tile, q0_of):
+        """`per_seq` [S] tiles of `rows_per_tile` queries per sequence, the k-th at query `q0_of(seq, k)`;
+        `num` (static) bounds their count."""
+        ends = jnp.cumsum(per_seq)
+        i = jnp.arange(num, dtype=jnp.int32)
+        tile_seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), S - 1).astype(jnp.int32)
+        tile_q0 = q0_of(tile_seq, i - (ends - per_seq)[tile_seq])
+        rows = jnp.arange(rows_per_tile, dtype=jnp.int32)
 
-        def block(j, carry):
-            pages = jax.lax.dynamic_slice_in_dim(table, j * B, B)  # [B]
-            k = _read_pages(k_pages, pages, kv_dtype).reshape(J, Hkv, D)
-            v = _read_pages(v_pages, pages, kv_dtype).reshape(J, Hkv, D)
-            kpos = j * J + jnp.arange(J, dtype=jnp.int32)
-            # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
-            v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
-            s = _cap(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap)
-            mask = _key_mask(kpos, pos, sliding_window)
-            return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
+        def tile(t, out):
+            s, q0 = tile_seq[t], tile_q0[t]
+            start = query_start_loc[s] + q0
+            ctx = seq_lens[s] - q_lens[s]  # tokens before this step's queries
+            real = q0 + rows < q_lens[s]
+            pos = jnp.where(real, ctx + q0 + rows, -1)  # [rows_per_tile]
+            qt = jax.lax.dynamic_slice_in_dim(qf, start, rows_per_tile)
+            last = ctx + jnp.minimum(q0 + rows_per_tile, q_lens[s])  # keys [first, last) are all the tile sees
+            first = 0 if sliding_window is None else jnp.maximum(ctx + q0 - sliding_window + 1, 0)
+            table = block_tables[s]
 
-        _, denom, acc = jax.lax.fori_loop(first // J, (last + J - 1) // J, block, _init(Bq, Hkv, G, D))
-        new = jnp.where(real[:, None, None], _finish(denom, acc), jax.lax.dynamic_slice_in_dim(out, start, Bq))
-        return jax.lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
+            def block(j, carry):
+                pages = jax.lax.dynamic_slice_in_dim(table, j * B, B)  # [B]
+                k = _read_pages(k_pages, pages, kv_dtype).reshape(J, Hkv, D)
+                v = _read_pages(v_pages, pages, kv_dtype).reshape(J, Hkv, D)
+                kpos = j * J + jnp.arange(J, dtype=jnp.int32)
+                # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
+                v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
+                s = _cap(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap)
+                mask = _key_mask(kpos, pos, sliding_window)
+                return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
 
-    out = jax.lax.fori_loop(0, ends[-1], tile, out)
+            init = _init(rows_per_tile, Hkv, G, D)
+            _, denom, acc = jax.lax.fori_loop(first // J, (last + J - 1) // J, block, init)
+            new = jnp.where(real[:, None, None], _finish(denom, acc),
+                            jax.lax.dynamic_slice_in_dim(out, start, rows_per_tile))
+            return jax.lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
+
+        return jax.lax.fori_loop(0, ends[-1], tile, out)
+
+    # At most one partial tile per sequence.
+    out = tiles(out, big_tiles, -(-T // Bq) + S, Bq, lambda s, k: k * Bq)
+    out = tiles(out, small_tiles, S, small, lambda s, k: q_lens[s] // Bq * Bq)
     return out[:T].astype(q.dtype)
 
 

@@ -92,11 +92,14 @@ class ModelInputs:
         pages_per_seq: int | None = None,
         all_logits: bool = False,
         lora_slots: list[int] | None = None,
+        logit_rows: list[int] | None = None,
     ) -> ModelInputs:
         """Host-side builder from `(new_token_ids, start_position, page_table)` per sequence.
 
         Pads to the given bucket sizes; returns the last token's logits per sequence, or every
-        token's with `all_logits`. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none.
+        token's with `all_logits`, or with `logit_rows` the logits of each sequence's last
+        `logit_rows[s]` tokens, in order (a sequence verifying drafts: one row per position), padded to
+        `num_seqs` rows. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none.
         """
         real_tokens = sum(len(t) for t, _, _ in seqs)
         T = num_tokens or real_tokens
@@ -130,6 +133,16 @@ class ModelInputs:
             t += n
         qsl[len(seqs) + 1:] = t
         logits_indices = np.arange(T, dtype=np.int32) if all_logits else last
+        if logit_rows is not None:
+            if len(logit_rows) != len(seqs) or any(
+                    not 1 <= r <= len(t) for r, (t, _, _) in zip(logit_rows, seqs, strict=True)):
+                raise ValueError(f"logit_rows {logit_rows} must give 1 to len(tokens) rows for each of {len(seqs)} "
+                                 "sequences")
+            picked = np.concatenate([np.arange(last[s] + 1 - r, last[s] + 1) for s, r in enumerate(logit_rows)])
+            if len(picked) > S:
+                raise ValueError(f"{len(picked)} logit rows exceed the bucket's {S}")
+            logits_indices = np.zeros(S, np.int32)
+            logits_indices[:len(picked)] = picked
         return cls(
             token_ids=jnp.asarray(token_ids),
             positions=jnp.asarray(positions),
