@@ -130,7 +130,7 @@ def test_verify_takes_drafts_while_the_samples_agree():
     # tokens, then b's chunk (its last token's logits), then c's 2; a row per sampled token, in the rows' order.
     rc = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64, page_size=16, num_pages=8,
                       num_scheduler_steps=1, backend="xla")
-    inputs, S = mixed_inputs(step.rows, rc, lora_slots=[0, 0, 0, 0, -1, 1, 1])
+    inputs, S = mixed_inputs(step.rows, rc, lora_slots=[0, 0, 0, 0, -1, 1, 1], merge=True)
     assert S == 16 and np.asarray(inputs.token_ids)[:9].tolist() == [5, 11, 12, 13, 1, 2, 3, 6, 20]
     assert np.asarray(inputs.query_start_loc)[:5].tolist() == [0, 4, 7, 9, 9]
     assert np.asarray(inputs.seq_lens)[:4].tolist() == [14, 3, 9, 0]
@@ -139,6 +139,9 @@ def test_verify_takes_drafts_while_the_samples_agree():
     assert np.asarray(inputs.lora_slots)[:9].tolist() == [0, 0, 0, 0, -1, -1, -1, 1, 1]
     undrafted, _ = mixed_inputs(s, rc)
     assert np.asarray(undrafted.logits_indices)[:3].tolist() == [0, 3, 4]
+    as_rows, _ = mixed_inputs(step.rows, rc)  # the other form: a sequence per row
+    assert np.asarray(as_rows.query_start_loc)[:8].tolist() == [0, 1, 2, 3, 4, 7, 8, 9]
+    assert np.asarray(as_rows.logits_indices)[:7].tolist() == [0, 1, 2, 3, 6, 7, 8]
     assert step.paces["a"].wait == 0 and step.paces["c"].wait == 1, "c accepted nothing: it skips a step"
     # Checked drafts: a's 1st, 2nd, 3rd (2 accepted), then c's 1st (rejected), on the prior of 2 in 4.
     hits, tries = (2 * 0.98 + 2) * 0.98, (4 * 0.98 + 3) * 0.98 + 1
@@ -146,16 +149,26 @@ def test_verify_takes_drafts_while_the_samples_agree():
 
 
 def test_drafts_verified_are_those_worth_their_cost():
-    """Without drafts a decode-only step runs in its sequence bucket's decode step; with them, in the mixed
-    step of the token bucket that holds its rows."""
+    """Without drafts a decode-only step runs in its sequence bucket's decode step; with them, as rows, in
+    the decode step of the bucket that holds its rows, or chunked, in the mixed step of the token bucket
+    that does."""
     seqs, tokens = (1, 4, 8, 16, 32), (4, 8, 16, 32)
     buckets = dict(seq_bucket=lambda n: next(b for b in seqs if b >= n),
-                   token_bucket=lambda n: next(b for b in tokens if b >= n))
+                   verify_bucket=lambda n: next(b for b in tokens if b >= n))
+    as_rows = dict(seq_bucket=buckets["seq_bucket"], verify_bucket=buckets["seq_bucket"])
 
-    def drafter(decode, mixed):
-        return Drafter(SpeculativeConfig(), StepCosts(dict(zip(seqs, decode, strict=True)),
-                                                      dict(zip(tokens, mixed, strict=True))))
+    def drafter(decode, mixed=None):
+        decode = dict(zip(seqs, decode, strict=True))
+        verify = decode if mixed is None else dict(zip(tokens, mixed, strict=True))
+        return Drafter(SpeculativeConfig(), StepCosts(decode, verify), chunked=mixed is not None)
 
+    # As rows: one request verifies three (a fourth would move the step to the 8-row bucket: 3.36 expected
+    # tokens for 1.3 against 2.95 for 1.1).
+    rows = drafter([1.0, 1.1, 1.3, 2.5, 5.5])
+    rows.rate.hits = rows.rate.tries * 0.8
+    assert rows.choose(1, {"a": 4}, room=31, decode_only=True, **as_rows) == {"a": 3}
+
+    # Chunked.
     flat = drafter([1.0] * 5, [1.0] * 4)
     assert flat.choose(2, {"a": 3, "b": 3}, room=30, decode_only=True, **buckets) == {"a": 3, "b": 3}
     assert flat.choose(2, {"a": 3, "b": 3}, room=3, decode_only=True, **buckets) == {"a": 2, "b": 1}, \
@@ -256,6 +269,41 @@ def test_drafts_change_nothing_but_the_number_of_steps(engines):
 
 
 @slow
+def test_drafts_verified_as_chunks_change_nothing(engines):
+    """The GPU backends' form on the CPU: each drafted request one sequence of its token and drafts, with
+    logits at each, in a mixed step (every proposed draft verified: no costs); the same outputs again."""
+    spec = engines.spec
+    prompts = _prompts(spec.tokenizer)
+    jobs = [(p, sp) for p in prompts for sp in (PARAMS[0], PARAMS[1], PARAMS[2])]
+    want = engines.base([p for p, _ in jobs], [sp for _, sp in jobs])
+    kinds = []
+    launch, rows_form = spec._launch, spec.drafter
+
+    def watch():
+        launched = launch()
+        if launched is not None and launched[3] is not None and all(s.is_decode for s in launched[0].scheduled):
+            kinds.append(launched[1].kind)
+        return launched
+
+    spec._launch, spec.drafter = watch, Drafter(rows_form.cfg, None, chunked=True)
+    try:
+        got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
+        accepted = spec.drafter.counters.spec_num_accepted_tokens
+    finally:
+        spec._launch, spec.drafter = launch, rows_form
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w.outputs, g.outputs, strict=True):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+            if a.logprobs is not None:
+                for x, y in zip(a.logprobs, b.logprobs, strict=True):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert kinds and set(kinds) == {"mixed"} and accepted > 30
+    assert spec.stats().compilations_after_warmup == 0
+    assert pool_is_full(spec)
+
+
+@slow
 def test_drafts_verified_beside_a_prefill_chunk(engines):
     """Requests arriving while another decodes with drafts: a step with a prefill chunk verifies drafts
     in its token bucket's padding (a mixed step of one-token draft rows); every output still equals
@@ -302,13 +350,14 @@ def test_drafts_verified_beside_a_prefill_chunk(engines):
     assert mixed_steps
     drafted = [(rid, d["step"], len(d["token_ids"])) for rid, layer, event, d in events if event == "drafts"]
     assert drafted and all(layer == "L5" for _, layer, event, _ in events if event == "drafts")
-    # A drafted step is a mixed step whose bucket holds its rows: a row per request and per draft.
+    # On the CPU drafts are verified as rows: a drafted decode-only step's bucket holds a row per request and
+    # per draft.
     rows = {d["step"]: d["batch_seqs"] for _, _, event, d in events if event == "scheduled"}
     for _, step_id, n in drafted:
         rows[step_id] += n
     buckets = {d["step"]: d for _, _, event, d in events if event == "bucket"}
-    assert {buckets[step_id]["kind"] for _, step_id, _ in drafted} == {"mixed"}
-    assert all(buckets[s]["num_seqs"] >= rows[s] and buckets[s]["num_tokens"] >= rows[s] for _, s, _ in drafted)
+    decode_steps = [step_id for _, step_id, _ in drafted if buckets[step_id]["kind"] == "decode"]
+    assert decode_steps and all(buckets[s]["num_seqs"] >= rows[s] for s in decode_steps)
     assert [done[f"r{i}"] for i in range(4)] == alone
     spec.check_integrity()
     assert pool_is_full(spec)

@@ -117,7 +117,7 @@ class LLMEngine:
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend),
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
-                         lora=args.enable_lora, min_token_bucket=4 if args.speculative_config else 16),
+                         lora=args.enable_lora, min_token_bucket=4 if args.speculative_config and backend != "xla" else 16),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -140,8 +140,8 @@ class LLMEngine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
-        spec, lone = args.speculative_config, args.warmup and args.num_processes == 1
-        self.drafter = Drafter(spec, step_costs(self.runner) if lone else None) if spec else None
+        spec, lone, chunked = args.speculative_config, args.warmup and args.num_processes == 1, backend != "xla"
+        self.drafter = Drafter(spec, step_costs(self.runner, chunked) if lone else None, chunked) if spec else None
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -289,17 +289,17 @@ class LLMEngine:
                        spec)
         # Named by step id, so a device profile lines up with the request traces.
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
-            # Drafts are verified in a mixed step, each drafted request one sequence of its token and drafts.
-            if spec is None and all(s.is_decode for s in scheduled):
+            if (spec is None or not spec.drafter.chunked) and all(s.is_decode for s in scheduled):
                 seqs = [self._seq[s.request_id] for s in rows]
-                # A grammar's next mask needs the token before it: such a batch steps one token at a time.
-                one = any(q.matcher is not None for q in seqs)
+                # A grammar's next mask needs the token before it, and drafts are checked on the host:
+                # such a batch steps one token (per row) at a time.
+                one = spec is not None or any(q.matcher is not None for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
                                   lora_slots=loras)
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
-            inputs, S = mixed_inputs(rows, self.runner.cfg, loras)
+            inputs, S = mixed_inputs(rows, self.runner.cfg, loras, merge=spec is not None and spec.drafter.chunked)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])
@@ -308,15 +308,15 @@ class LLMEngine:
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
         """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add:
-        up to the largest mixed step's rows for decodes alone, the padding of its token bucket beside a
-        prefill chunk."""
-        rc, sched, n, seq = self.runner.cfg, self.scheduler, len(plan.scheduled), self._seq
-        T = rc.token_bucket(plan.num_batched_tokens)
-        decode_only, most = all(s.is_decode for s in plan.scheduled), min(rc.max_num_seqs, rc.max_num_batched_tokens)
+        up to the largest step's rows for decodes alone, the padding of its token bucket beside a prefill chunk."""
+        rc, sched, n, seq, chunked = self.runner.cfg, self.scheduler, len(plan.scheduled), self._seq, self.drafter.chunked
+        T, decode_only = rc.token_bucket(plan.num_batched_tokens), all(s.is_decode for s in plan.scheduled)
+        most = min(rc.max_num_seqs, rc.max_num_batched_tokens) if chunked else rc.max_num_seqs
         return self.drafter.plan(
             plan.scheduled, request_of=sched.get_request, reserve=sched.reserve_decode_pages,
             pace_of=lambda rid: seq[rid].draft_pace, valid=lambda rid, d: seq[rid].valid_drafts(d),
-            pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket, token_bucket=rc.token_bucket,
+            pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket,
+            verify_bucket=rc.token_bucket if chunked else rc.seq_bucket,
             room=most - n if decode_only else min(T - plan.num_batched_tokens, min(T, rc.max_num_seqs) - n))
 
     def _sampling(self, rows: list[ScheduledRequest], S: int,

@@ -6,12 +6,19 @@ as it went on then. Before a step, the engine looks up the request's last `n` to
 `prompt_lookup_max` down to `prompt_lookup_min`) in its prompt and output, and proposes the up to
 `num_speculative_tokens` tokens that followed their latest earlier occurrence as drafts.
 
-Verification needs no change to the model. The request's last token and its drafts `d1..dm` go
-into a mixed step as m + 1 rows (`draft_rows`), which the step runs as one sequence of m + 1 query
-tokens, causal, with logits at each (`step_batch.mixed_inputs`): the row at position p attends over
-positions 0..p, the drafts before it included, and the request's KV pages are read once for all
-m + 1 rows (as a prefill chunk's are). Each row is sampled as an ordinary decode at its output index
-(its seed stream, its penalty history with the drafts before it, its min_tokens), giving t0..tm. The tokens taken are
+Verification needs no change to the model. The request's last token and its drafts `d1..dm` are
+m + 1 rows of the step (`draft_rows`) at consecutive positions, sharing the request's page table, in
+one of two forms (`Drafter.chunked`):
+- chunked (the GPU backends): a mixed step runs them as one sequence of m + 1 query tokens, causal,
+  with logits at each (`step_batch.mixed_inputs`), so the request's KV pages are read once for all
+  m + 1 rows, as a prefill chunk's are;
+- as rows (the CPU's `xla` backend): m + 1 sequences of one token each, in the decode step (or beside
+  a prefill chunk, in the mixed step). Every layer writes the step's new K/V into the pages before it
+  attends, so each row reads the drafts before it. On the CPU this form's step is 7-9% cheaper (an
+  8-row step, one request with 4 drafts beside 3 decodes, SmolLM2, at 300 to 3,000 tokens of context).
+Either way the row at position p attends over positions 0..p, the drafts before it included. Each
+row is sampled as an ordinary decode at its output index (its seed stream, its penalty history with
+the drafts before it, its min_tokens), giving t0..tm. The tokens taken are
 t0, t1, ... while each t_i equals the draft d_{i+1} it was checked against; the first mismatch (or
 tm, when every draft held) is the last token taken. A draft is taken exactly when the model would
 have sampled it, so the output equals decoding without speculation, greedy or seeded: the same
@@ -177,7 +184,10 @@ class SpecStep:
 
     def verify(self, out: StepOutput) -> dict[str, StepOutput]:
         """Each sampling request's tokens: one per undrafted request, the accepted run per drafted one.
-        `out` is the mixed step's, a token per row."""
+        `out` has a token per row: a mixed step's, or the first (only) step of a decode loop's."""
+        if out.token_ids.ndim == 2:
+            out = StepOutput(out.token_ids[0], out.logprobs[0], out.ranks[0], out.top_ids[0], out.top_logprobs[0],
+                             out.num_generated)
         got: dict[str, StepOutput] = {}
         i = 0
         while i < len(self.rows):
@@ -198,19 +208,20 @@ class SpecStep:
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of a step, measured at warmup (`step_costs`): a decode step by sequence bucket, and a mixed
-    step (where drafts are verified) by token bucket."""
+    """Seconds of a step, measured at warmup (`step_costs`): a decode step by sequence bucket, and a step
+    that verifies drafts by its bucket (chunked: the mixed step's tokens; as rows: the decode step's)."""
 
     decode: Mapping[int, float]
-    mixed: Mapping[int, float]
+    verify: Mapping[int, float]
 
 
 class Drafter:
     """Proposes a step's drafts and decides how many of them to verify.
 
     Without drafts, a decode-only step runs in the decode executable of its sequence bucket; with them,
-    in the mixed step of the token bucket that holds its rows, each drafted request one sequence of its
-    token and drafts. A bigger bucket costs more (`StepCosts`). The drafter verifies the number of drafts
+    `chunked`, in the mixed step of the token bucket that holds its rows (each drafted request one
+    sequence of its token and drafts), else in the decode step of the sequence bucket that holds them. A
+    bigger bucket costs more (`StepCosts`). The drafter verifies the number of drafts
     that gives the most expected tokens per second: the requests' first drafts before any second ones,
     the j-th worth p**j tokens (p: `AcceptanceRate`). Small batches, bound by reading the weights, verify
     drafts almost for free; large ones, bound by compute, verify few or none. A step with a prefill chunk
@@ -218,9 +229,10 @@ class Drafter:
     draft within the step's room is verified.
     """
 
-    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None):
+    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None, chunked: bool = False):
         self.cfg = cfg
         self.costs = costs
+        self.chunked = chunked
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
 
@@ -229,7 +241,7 @@ class Drafter:
         self.rate.record(num_drafts, accepted)
 
     def choose(self, n: int, lengths: Mapping[str, int], room: int, decode_only: bool,
-               seq_bucket: Callable[[int], int], token_bucket: Callable[[int], int]) -> dict[str, int]:
+               seq_bucket: Callable[[int], int], verify_bucket: Callable[[int], int]) -> dict[str, int]:
         """How many drafts each request verifies, of the `lengths` proposed, in a step of `n` rows with
         `room` rows to spare."""
         order = sorted(((j, rid) for rid, k in lengths.items() for j in range(1, k + 1)), key=lambda x: x[0])
@@ -239,7 +251,7 @@ class Drafter:
             best = n / self.costs.decode[seq_bucket(n)]
             for d, (j, _) in enumerate(order, 1):
                 gain += p ** j
-                score = (n + gain) / self.costs.mixed[token_bucket(n + d)]
+                score = (n + gain) / self.costs.verify[verify_bucket(n + d)]
                 if score > best:
                     best, best_d = score, d
             order = order[:best_d]
@@ -251,7 +263,7 @@ class Drafter:
     def plan(self, scheduled: Sequence[ScheduledRequest], *, request_of: Callable[[str], Request],
              pace_of: Callable[[str], DraftBackoff | None], reserve: Callable[[str, int], int],
              pages_of: Callable[[str], list[int]], room: int, seq_bucket: Callable[[int], int],
-             token_bucket: Callable[[int], int], valid: Callable[[str, list[int]], int] | None = None
+             verify_bucket: Callable[[int], int], valid: Callable[[str, list[int]], int] | None = None
              ) -> SpecStep | None:
         """The step's drafts, with their pages reserved, or None when it verifies none.
 
@@ -271,7 +283,7 @@ class Drafter:
                 if d.size:
                     proposals[s.request_id] = d
         counts = self.choose(len(scheduled), {rid: len(d) for rid, d in proposals.items()}, room,
-                             all(s.is_decode for s in scheduled), seq_bucket, token_bucket)
+                             all(s.is_decode for s in scheduled), seq_bucket, verify_bucket)
         drafts = {}
         for rid, k in counts.items():
             k = min(k, reserve(rid, 1 + k) - 1)
@@ -316,10 +328,10 @@ def row_outputs(step: SpecStep, token_ids: Mapping[str, list[int]]) -> list[list
     return out
 
 
-def step_costs(runner: Any, repeats: int = 2) -> StepCosts:
-    """Seconds of a decode step with every row of each sequence bucket active, and of a mixed step of
-    one-token sequences in each token bucket up to the most rows a step holds (the best of `repeats`, on
-    a `ModelRunner`, into the reserved page 0): what the drafter weighs its drafts against."""
+def step_costs(runner: Any, chunked: bool, repeats: int = 2) -> StepCosts:
+    """Seconds of a decode step with every row of each sequence bucket active, and, `chunked`, of a mixed
+    step of one-token sequences in each token bucket up to the most rows a step holds (the best of
+    `repeats`, on a `ModelRunner`, into the reserved page 0): what the drafter weighs its drafts against."""
     rc = runner.cfg
 
     def best(run) -> float:
@@ -334,6 +346,8 @@ def step_costs(runner: Any, repeats: int = 2) -> StepCosts:
     for S in rc.seq_buckets:
         st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
         decode[S] = best(lambda st=st, S=S: runner.run_decode(st, runner.inert_sampling(S), None, want_top=False))
+    if not chunked:
+        return StepCosts(decode, decode)
     mixed = {}
     for T in rc.token_buckets:
         if T > rc.token_bucket(min(rc.max_num_seqs, rc.max_num_batched_tokens)):

@@ -18,13 +18,13 @@ from jaxserve.structured_outputs import bitmask_width
 
 
 def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
-                 lora_slots: Sequence[int] | None = None) -> tuple[ModelInputs, int]:
+                 lora_slots: Sequence[int] | None = None, merge: bool = False) -> tuple[ModelInputs, int]:
     """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
     `lora_slots` (a LoRA engine's): each row's adapter slot.
 
-    Consecutive rows of one request at consecutive positions (a drafted decode's row and its draft rows,
-    `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits of each: its
-    attention reads the request's pages once, not once per row."""
+    With `merge`, consecutive rows of one request at consecutive positions (a drafted decode's row and its
+    draft rows, `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits
+    of each: its attention reads the request's pages once, not once per row."""
     T = rcfg.token_bucket(sum(s.num_new_tokens for s in scheduled))
     S = min(T, rcfg.max_num_seqs)
     seqs: list[tuple[list[int], int, list[int]]] = []
@@ -32,7 +32,8 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
     slots: list[int] = []
     prev = None
     for i, s in enumerate(scheduled):
-        if prev is not None and s.request_id == prev.request_id and s.start_position == prev.start_position + prev.num_new_tokens:
+        if (merge and prev is not None and s.request_id == prev.request_id
+                and s.start_position == prev.start_position + prev.num_new_tokens):
             seqs[-1][0].extend(s.token_ids)
             rows[-1] += 1
         else:
@@ -168,18 +169,18 @@ def sampled_rows(plan: SchedulerOutput, kind: str, out: StepOutput) -> dict[str,
     return {s.request_id: row(out, i, int(out.num_generated[i])) for i, s in enumerate(plan.scheduled)}
 
 
-def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any, rows: Sequence[ScheduledRequest] | None = None
-                ) -> tuple[dict, dict]:
+def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any, rows: Sequence[ScheduledRequest] | None = None,
+                chunked: bool = False) -> tuple[dict, dict]:
     """What a plan runs as, for traces: the bucket (L6) and the attention kernel's shapes (L7). `rows`:
-    the step's rows when they are not the plan's (drafts add rows; a step verifying drafts is mixed)."""
-    if rows is None and all(s.is_decode for s in plan.scheduled):
-        rows = plan.scheduled
+    the step's rows when they are not the plan's (drafts add rows); `chunked`: its drafts are verified as
+    chunks, in a mixed step."""
+    rows = plan.scheduled if rows is None else rows
+    if not chunked and all(s.is_decode for s in plan.scheduled):
         S = rcfg.seq_bucket(len(rows))
         bucket = {"kind": "decode", "num_seqs": S, "pages_per_seq": rcfg.pages_per_seq,
                   "num_scheduler_steps": rcfg.num_scheduler_steps}
         q_tokens = S
     else:
-        rows = plan.scheduled if rows is None else rows
         T = rcfg.token_bucket(sum(s.num_new_tokens for s in rows))
         bucket = {"kind": "mixed", "num_tokens": T, "num_seqs": min(T, rcfg.max_num_seqs),
                   "pages_per_seq": rcfg.pages_per_seq}
@@ -215,7 +216,8 @@ def trace_plan(plan: SchedulerOutput, step_id: int, rcfg: RunnerConfig, mcfg: An
                get_request: Callable[[str], Any], trace: Callable[..., None], spec: Any = None) -> None:
     """A plan's trace events: L4 schedule decisions, L5 drafts (`spec`, a `SpecStep`), L6 bucket shapes,
     L7 backend and kernel shapes (`trace(request_id, layer, event, **data)`)."""
-    bucket, kernel = step_shapes(plan, rcfg, mcfg, spec.rows if spec is not None else None)
+    bucket, kernel = step_shapes(plan, rcfg, mcfg, spec.rows if spec is not None else None,
+                                 spec is not None and spec.drafter.chunked)
     for rid in plan.preempted_ids:
         trace(rid, "L4", "preempted", step=step_id)
     for s in plan.scheduled:

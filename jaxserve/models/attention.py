@@ -49,7 +49,8 @@ def xla_ragged_paged_attention(
     are more rows than that (padding and finished rows cost nothing). Otherwise each prompt chunk's
     queries go in tiles of `query_block` tokens that share one read of the sequence's pages, so a
     chunk reads its context once per tile instead of once per token, and decode tokens go
-    `query_block` at a time. Both walk the KV in blocks of `pages_per_block` pages, only as far as
+    `query_block` at a time (the rest in pieces of 8, 2 and 1); a chunk's last 1 to `SMALL_BLOCK` queries
+    (a short chunk: drafts being verified) go in a tile of that many rows. Both walk the KV in blocks of `pages_per_block` pages, only as far as
     the keys the queries can see; by default (None) a prompt tile reads `TILE_PAGES_PER_BLOCK` pages
     at a time and a token reading its own pages `row_pages_per_block(...)`.
 
@@ -77,7 +78,8 @@ def _pad_to_blocks(tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, 
 # chunks after 0/128/384 cached tokens: SmolLM2's heads 2.30/4.39/8.69 ms with 8 pages, 1.36/3.64/8.07
 # with 4; heads of 8 x 128: 14.8/25.7/47.9 ms with 8, 7.6/19.1/42.3 with 4.
 TILE_PAGES_PER_BLOCK = 4
-# The rows of the last, small tile of a prompt chunk or chunk of decode tokens (a chunk's last 1-8 queries).
+# The rows of a prompt chunk's last, small tile (its last 1-8 queries), and of the pieces decode tokens
+# go in after the whole chunks of `query_block`.
 SMALL_BLOCK = 8
 _ROW_BLOCK_BYTES = 32 << 10
 
@@ -200,28 +202,27 @@ def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_star
 
 
 def _row_chunks(qf, seq, pos, select, block_tables, k_pages, v_pages, out, chunk, **kw):
-    """`_rows_attention` over the selected tokens only, compacted, `chunk` per loop iteration, and a last
-    remainder of at most `SMALL_BLOCK` tokens in a chunk of that size (a mixed step's few decode tokens
-    cost a few rows, not `chunk`).
+    """`_rows_attention` over the selected tokens only, compacted: `chunk` per loop iteration, then the rest
+    8, 2 and 1 at a time, so no row is computed for nothing (each row reads its own pages, so smaller
+    pieces read no more; a mixed step's few decode tokens cost those few rows).
 
     qf: [T + pad, Hkv, G, D] with at least one row of padding; seq, pos, select: [T]; out: [T + pad,
-    Hq, D], returned with the selected rows written (row T takes a chunk's unused rows)."""
+    Hq, D], returned with the selected rows written."""
     T = seq.shape[0]
     count = jnp.sum(select)
     order = jnp.pad(jnp.argsort(~select, stable=True).astype(jnp.int32), (0, chunk), constant_values=T)
 
     def rows_from(first, n, out):
-        real = first + jnp.arange(n, dtype=jnp.int32) < count
-        idx = jnp.where(real, jax.lax.dynamic_slice_in_dim(order, first, n), T)
-        tok = jnp.minimum(idx, T - 1)
-        o = _rows_attention(qf[idx], jnp.where(real, pos[tok], -1), block_tables[seq[tok]], k_pages, v_pages, **kw)
+        idx = jax.lax.dynamic_slice_in_dim(order, first, n)
+        o = _rows_attention(qf[idx], pos[idx], block_tables[seq[idx]], k_pages, v_pages, **kw)
         return out.at[idx].set(o)
 
-    small = min(SMALL_BLOCK, chunk)
-    rem = count % chunk
-    big = count // chunk + (rem > small)
-    out = jax.lax.fori_loop(0, big, lambda c, out: rows_from(c * chunk, chunk, out), out)
-    return jax.lax.cond((rem > 0) & (rem <= small), lambda o: rows_from(big * chunk, small, o), lambda o: o, out)
+    first = jnp.int32(0)
+    for size in sorted({s for s in (chunk, SMALL_BLOCK, 2, 1) if s <= chunk}, reverse=True):
+        n = (count - first) // size
+        out = jax.lax.fori_loop(0, n, lambda c, out, f=first, size=size: rows_from(f + c * size, size, out), out)
+        first = first + n * size
+    return out
 
 
 def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
@@ -234,15 +235,15 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     _, page_size, Hkv, _ = k_pages.shape
     S = block_tables.shape[0]
     G, Bq = Hq // Hkv, query_block
-    block_tables, B = _pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)
-    J = B * page_size
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
     # would shift it back instead); row T is where decode chunks park their unused rows.
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype)
+    tables, B = _pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)  # the tiles' blocks of pages
+    J = B * page_size
 
-    # Decode tokens, compacted, a chunk of Bq per iteration (the last few in a small chunk).
+    # Decode tokens, compacted: chunks of Bq, then pieces of 8, 2 and 1.
     seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
     out = _row_chunks(qf, seq, pos, valid & (q_lens[seq] == 1), block_tables, k_pages, v_pages,
                       jnp.zeros((T + Bq, Hq, D), jnp.float32), Bq, **kw)
@@ -273,7 +274,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             qt = jax.lax.dynamic_slice_in_dim(qf, start, rows_per_tile)
             last = ctx + jnp.minimum(q0 + rows_per_tile, q_lens[s])  # keys [first, last) are all the tile sees
             first = 0 if sliding_window is None else jnp.maximum(ctx + q0 - sliding_window + 1, 0)
-            table = block_tables[s]
+            table = tables[s]
 
             def block(j, carry):
                 pages = jax.lax.dynamic_slice_in_dim(table, j * B, B)  # [B]
