@@ -23,7 +23,7 @@ LOG="$LOG_DIR/gpu_engine.log"
 {
   print_environment
 
-  echo "== the engine on the compiled kernels against its XLA path, float8 Mosaic against the generic kernel (greedy tokens)"
+  echo "== the engine on the compiled kernels against its XLA path (also with drafts verified as chunks), float8 Mosaic against the generic kernel (greedy tokens)"
   # float32 references at full precision: the default lets XLA use TF32 for them.
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout 100 "$PY" -m pytest -q --no-header -p no:cacheprovider \
     tests/test_engine_pallas.py -k "matches_xla or fp8_cache"

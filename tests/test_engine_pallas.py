@@ -80,10 +80,12 @@ SHORT = dict(a=5, b=6, c=4, d=3, e=3)
 
 
 def serve(loaded: LoadedModel, backend: str, args: EngineArgs = ARGS, max_tokens: dict[str, int] | None = None,
-          ) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+          engines: list | None = None) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
     """Greedy outputs per request, and (prefill rows, decode rows) of every step the engine ran; `max_tokens`
-    overrides the requests' output lengths."""
+    overrides the requests' output lengths; `engines` gets the engine."""
     engine = LLMEngine(args.replace(attention_backend=backend), loaded=loaded, progress=False)
+    if engines is not None:
+        engines.append(engine)
     assert engine.runner.cfg.backend == backend
     steps: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
@@ -157,6 +159,24 @@ def test_pallas_engine_matches_xla_fp8_cache(loaded, backend):
     here on per-layer scales calculated at start-up (folded into q and the output; scale 1 is the kernel
     tests' case)."""
     assert_same_outputs(loaded, backend, ARGS.replace(kv_cache_dtype="fp8", calculate_kv_scales=True))
+
+
+def drafted_matches_xla(loaded: LoadedModel, backend: str) -> None:
+    """Speculative decoding on a kernel backend, whose drafts are verified as chunks (each drafted request one
+    sequence of its token and drafts, through the prefill kernels): the xla backend's greedy tokens without
+    drafts."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    ref, _ = serve(loaded, "xla")
+    engines: list = []
+    got, _ = serve(loaded, backend, ARGS.replace(speculative_config=spec), engines=engines)
+    assert got == ref
+    assert engines[0].drafter.chunked and engines[0].drafter.counters.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not GPU, reason="on the GPU only (bench/gpu_engine.sh): 50 s in the interpreter; the chunked "
+                    "form's outputs are checked on the CPU in tests/test_speculative.py")
+def test_pallas_engine_matches_xla_with_chunked_drafts(loaded):
+    drafted_matches_xla(loaded, "pallas")
 
 
 @pytest.mark.skipif(not GPU, reason="on the GPU only: the interpreted Mosaic kernels take 35 s on 2 cores, and "
