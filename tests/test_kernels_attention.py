@@ -281,6 +281,8 @@ def test_validation_of_options():
     ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 4, True),
     ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 32, True),
     ([(1, 37), (1, 20), (1, 1), (1, 9), (1, 16)], 2, False),
+    # eleven decode tokens in a mixed step: pieces of 8, 2 and 1 rows
+    ([(1, n) for n in (37, 20, 1, 9, 16, 5, 30, 12, 3, 44, 8)], 32, False),
     ([(1, 37)], 32, True),  # one row
 ])
 def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, query_block, decode, pages_per_block):
