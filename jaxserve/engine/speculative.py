@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts (prompt lookup), verified in one mixed step.
+"""Speculative decoding with n-gram drafts (prompt lookup), verified in one step.
 
 A decoding request whose last tokens already appeared earlier in its context (code being edited,
 a document being quoted or summarized, a structured answer that repeats its keys) often goes on
@@ -26,7 +26,7 @@ tokens, fewer steps. The KV of the taken tokens is already in the pages; a rejec
 past the request's computed length and is overwritten by later steps.
 
 How many drafts a step verifies is the `Drafter`'s choice: the most expected tokens per second of
-step, from the measured cost of each decode bucket and the running acceptance rate. A completion
+step, from the measured cost of each step bucket (`StepCosts`) and the running acceptance rate. A completion
 whose drafts were all rejected waits a few steps before it is drafted again (`DraftBackoff`).
 
 Under structured outputs, drafts are cut at the first token the grammar refuses, and each draft
