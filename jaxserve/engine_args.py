@@ -33,10 +33,18 @@ class SpeculativeConfig:
     """Longest context suffix looked up."""
     prompt_lookup_min: int = 2
     """Shortest context suffix looked up."""
+    draft_verification: Literal["rows", "chunks"] = "rows"
+    """How a step verifies a request's token and drafts: "rows", one-token sequences of the decode step (each
+    reads the request's KV; the decode kernels split long contexts across the GPU); "chunks", one sequence of
+    several query tokens in a mixed step (the KV read once; the prefill kernels). On the CPU rows measure
+    7-9% cheaper; on a GPU, `bench/README.md` says what is measured."""
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative method must be 'ngram' (prompt lookup), got {self.method!r}")
+        if self.draft_verification not in ("rows", "chunks"):
+            raise ValueError(f"speculative draft_verification must be 'rows' or 'chunks', got "
+                             f"{self.draft_verification!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -49,7 +57,8 @@ class SpeculativeConfig:
     def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
         """From a JSON object (the command line) or a mapping; unknown keys are named."""
         return cls(**json_object(value, "speculative config", '{"method": "ngram", "num_speculative_tokens": 4}',
-                                 {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}))
+                                 {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                                  "draft_verification"}))
 
 
 @dataclass(frozen=True)

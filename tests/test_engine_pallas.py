@@ -162,10 +162,11 @@ def test_pallas_engine_matches_xla_fp8_cache(loaded, backend):
 
 
 def drafted_matches_xla(loaded: LoadedModel, backend: str) -> None:
-    """Speculative decoding on a kernel backend, whose drafts are verified as chunks (each drafted request one
+    """Speculative decoding on a kernel backend with drafts verified as chunks (each drafted request one
     sequence of its token and drafts, through the prefill kernels): the xla backend's greedy tokens without
     drafts."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "draft_verification": "chunks"}
     ref, _ = serve(loaded, "xla")
     engines: list = []
     got, _ = serve(loaded, backend, ARGS.replace(speculative_config=spec), engines=engines)

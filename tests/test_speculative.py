@@ -85,7 +85,10 @@ def test_config_is_checked_and_named():
     assert EngineArgs.from_cli_args(ns).speculative_config == SpeculativeConfig(num_speculative_tokens=3)
     assert EngineArgs(speculative_config=json.dumps(SPEC)).speculative_config == SpeculativeConfig()
     assert EngineArgs(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
+    chunks = EngineArgs(speculative_config={"draft_verification": "chunks"}).speculative_config
+    assert chunks.draft_verification == "chunks" and SpeculativeConfig().draft_verification == "rows"
     for bad, match in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"draft_verification": "tree"}, "draft_verification"),
                        ({"prompt_lookup_min": 5}, "prompt_lookup_min"), ({"draft_model": "x"}, "draft_model"),
                        ("{not json", "not JSON"), ("[1]", "JSON object")]:
         with pytest.raises(ValueError, match=match):

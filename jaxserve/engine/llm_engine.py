@@ -106,7 +106,8 @@ class LLMEngine:
             ),
             num_pages,
         )
-        backend = resolve_attention_backend(args)
+        backend, spec = resolve_attention_backend(args), args.speculative_config
+        chunked = spec is not None and spec.draft_verification == "chunks"  # drafts verified as chunks (Drafter)
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv(num_pages, args.page_size, kv_dtype, as_bits) if plan
               else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype, as_bits))
@@ -117,7 +118,7 @@ class LLMEngine:
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs, layer_loop=default_layer_loop(backend),
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
-                         lora=args.enable_lora, min_token_bucket=4 if args.speculative_config and backend != "xla" else 16),
+                         lora=args.enable_lora, min_token_bucket=4 if chunked else 16),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -140,8 +141,8 @@ class LLMEngine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
-        spec, lone, chunked = args.speculative_config, args.warmup and args.num_processes == 1, backend != "xla"
-        self.drafter = Drafter(spec, step_costs(self.runner, chunked) if lone else None, chunked) if spec else None
+        costs = step_costs(self.runner, chunked) if spec and args.warmup and args.num_processes == 1 else None
+        self.drafter = Drafter(spec, costs, chunked) if spec else None
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -307,17 +308,12 @@ class LLMEngine:
             return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
-        """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add:
-        up to the largest step's rows for decodes alone, the padding of its token bucket beside a prefill chunk."""
-        rc, sched, n, seq, chunked = self.runner.cfg, self.scheduler, len(plan.scheduled), self._seq, self.drafter.chunked
-        T, decode_only = rc.token_bucket(plan.num_batched_tokens), all(s.is_decode for s in plan.scheduled)
-        most = min(rc.max_num_seqs, rc.max_num_batched_tokens) if chunked else rc.max_num_seqs
+        """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add."""
+        sched, seq = self.scheduler, self._seq
         return self.drafter.plan(
-            plan.scheduled, request_of=sched.get_request, reserve=sched.reserve_decode_pages,
-            pace_of=lambda rid: seq[rid].draft_pace, valid=lambda rid, d: seq[rid].valid_drafts(d),
-            pages_of=lambda rid: sched.get_request(rid).pages, seq_bucket=rc.seq_bucket,
-            verify_bucket=rc.token_bucket if chunked else rc.seq_bucket,
-            room=most - n if decode_only else min(T - plan.num_batched_tokens, min(T, rc.max_num_seqs) - n))
+            plan.scheduled, plan.num_batched_tokens, self.runner.cfg, request_of=sched.get_request,
+            reserve=sched.reserve_decode_pages, pace_of=lambda rid: seq[rid].draft_pace,
+            valid=lambda rid, d: seq[rid].valid_drafts(d), pages_of=lambda rid: sched.get_request(rid).pages)
 
     def _sampling(self, rows: list[ScheduledRequest], S: int,
                   spec: SpecStep | None = None) -> tuple[SamplingTensors, bool, object]:

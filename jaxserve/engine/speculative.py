@@ -8,14 +8,15 @@ as it went on then. Before a step, the engine looks up the request's last `n` to
 
 Verification needs no change to the model. The request's last token and its drafts `d1..dm` are
 m + 1 rows of the step (`draft_rows`) at consecutive positions, sharing the request's page table, in
-one of two forms (`Drafter.chunked`):
-- chunked (the GPU backends): a mixed step runs them as one sequence of m + 1 query tokens, causal,
-  with logits at each (`step_batch.mixed_inputs`), so the request's KV pages are read once for all
-  m + 1 rows, as a prefill chunk's are;
-- as rows (the CPU's `xla` backend): m + 1 sequences of one token each, in the decode step (or beside
-  a prefill chunk, in the mixed step). Every layer writes the step's new K/V into the pages before it
-  attends, so each row reads the drafts before it. On the CPU this form's step is 7-9% cheaper (an
-  8-row step, one request with 4 drafts beside 3 decodes, SmolLM2, at 300 to 3,000 tokens of context).
+one of two forms (`SpeculativeConfig.draft_verification`, `Drafter.chunked`):
+- "rows" (the default): m + 1 sequences of one token each, in the decode step (or beside a prefill
+  chunk, in the mixed step). Every layer writes the step's new K/V into the pages before it attends,
+  so each row reads the drafts before it; each row reads the request's KV pages, and the decode
+  kernels split a long context across the GPU. On the CPU this form's step is 7-9% cheaper (an 8-row
+  step, one request with 4 drafts beside 3 decodes, SmolLM2, at 300 to 3,000 tokens of context).
+- "chunks": a mixed step runs them as one sequence of m + 1 query tokens, causal, with logits at each
+  (`step_batch.mixed_inputs`), so the request's KV pages are read once for all m + 1 rows, as a
+  prefill chunk's are (by the prefill kernels, which the Mosaic GPU one does without splits).
 Either way the row at position p attends over positions 0..p, the drafts before it included. Each
 row is sampled as an ordinary decode at its output index (its seed stream, its penalty history with
 the drafts before it, its min_tokens), giving t0..tm. The tokens taken are
@@ -49,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.engine.request import Request
-from jaxserve.engine.runner import StepOutput
+from jaxserve.engine.runner import RunnerConfig, StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.engine_args import SpeculativeConfig
 from jaxserve.models.inputs import ModelInputs
@@ -260,16 +261,24 @@ class Drafter:
             counts[rid] = counts.get(rid, 0) + 1
         return counts
 
-    def plan(self, scheduled: Sequence[ScheduledRequest], *, request_of: Callable[[str], Request],
-             pace_of: Callable[[str], DraftBackoff | None], reserve: Callable[[str, int], int],
-             pages_of: Callable[[str], list[int]], room: int, seq_bucket: Callable[[int], int],
-             verify_bucket: Callable[[int], int], valid: Callable[[str, list[int]], int] | None = None
-             ) -> SpecStep | None:
-        """The step's drafts, with their pages reserved, or None when it verifies none.
+    def plan(self, scheduled: Sequence[ScheduledRequest], num_batched_tokens: int, rc: RunnerConfig, *,
+             request_of: Callable[[str], Request], pace_of: Callable[[str], DraftBackoff | None],
+             reserve: Callable[[str, int], int], pages_of: Callable[[str], list[int]],
+             valid: Callable[[str, list[int]], int] | None = None) -> SpecStep | None:
+        """The drafts of a step of `scheduled` rows (`num_batched_tokens` tokens), with their pages reserved, or
+        None when it verifies none. They fit the rows the step can add: for decodes alone, up to the most rows
+        its verifying step holds; beside a prefill chunk, the padding of its token bucket.
 
         `pace_of(request_id)` is None for a request that is not drafted; `valid(request_id, drafts)`
         is how many of the drafts its grammar takes; `reserve(request_id, n)` covers up to n tokens
-        (as `Scheduler.reserve_decode_pages`); `room` is the rows the step can add."""
+        (as `Scheduler.reserve_decode_pages`)."""
+        n, T = len(scheduled), rc.token_bucket(num_batched_tokens)
+        decode_only = all(s.is_decode for s in scheduled)
+        if self.chunked:
+            most, verify_bucket = min(rc.max_num_seqs, rc.max_num_batched_tokens), rc.token_bucket
+        else:
+            most, verify_bucket = rc.max_num_seqs, rc.seq_bucket
+        room = most - n if decode_only else min(T - num_batched_tokens, min(T, rc.max_num_seqs) - n)
         cfg, proposals = self.cfg, {}
         for s in scheduled:
             pace = pace_of(s.request_id) if s.is_decode else None
@@ -282,8 +291,8 @@ class Drafter:
                     d = d[:valid(s.request_id, d.tolist())]
                 if d.size:
                     proposals[s.request_id] = d
-        counts = self.choose(len(scheduled), {rid: len(d) for rid, d in proposals.items()}, room,
-                             all(s.is_decode for s in scheduled), seq_bucket, verify_bucket)
+        counts = self.choose(n, {rid: len(d) for rid, d in proposals.items()}, room, decode_only, rc.seq_bucket,
+                             verify_bucket)
         drafts = {}
         for rid, k in counts.items():
             k = min(k, reserve(rid, 1 + k) - 1)
