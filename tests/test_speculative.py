@@ -246,13 +246,8 @@ PARAMS = [
 ]
 
 
-@slow
-def test_drafts_change_nothing_but_the_number_of_steps(engines):
-    spec = engines.spec
-    prompts = _prompts(spec.tokenizer)
-    jobs = [(p, sp) for p in prompts for sp in PARAMS]
-    want = engines.base([p for p, _ in jobs], [sp for _, sp in jobs])
-    got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
+def assert_same_outputs(want, got) -> None:
+    """The same tokens, text and finish reasons, and logprobs within float32 noise."""
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w.outputs, g.outputs, strict=True):
             assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
@@ -260,6 +255,16 @@ def test_drafts_change_nothing_but_the_number_of_steps(engines):
                 for x, y in zip(a.logprobs, b.logprobs, strict=True):
                     assert x.keys() == y.keys()
                     assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+@slow
+def test_drafts_change_nothing_but_the_number_of_steps(engines):
+    spec = engines.spec
+    prompts = _prompts(spec.tokenizer)
+    jobs = [(p, sp) for p in prompts for sp in PARAMS]
+    want = engines.base([p for p, _ in jobs], [sp for _, sp in jobs])
+    got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
+    assert_same_outputs(want, got)
     stats = spec.stats()
     assert stats.spec_num_accepted_tokens > 50 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
     assert stats.compilations_after_warmup == 0
@@ -294,13 +299,7 @@ def test_drafts_verified_as_chunks_change_nothing(engines):
         accepted = spec.drafter.counters.spec_num_accepted_tokens
     finally:
         spec._launch, spec.drafter = launch, rows_form
-    for w, g in zip(want, got, strict=True):
-        for a, b in zip(w.outputs, g.outputs, strict=True):
-            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
-            if a.logprobs is not None:
-                for x, y in zip(a.logprobs, b.logprobs, strict=True):
-                    assert x.keys() == y.keys()
-                    assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert_same_outputs(want, got)
     assert kinds and set(kinds) == {"mixed"} and accepted > 30
     assert spec.stats().compilations_after_warmup == 0
     assert pool_is_full(spec)
