@@ -49,10 +49,11 @@ def xla_ragged_paged_attention(
     are more rows than that (padding and finished rows cost nothing). Otherwise each prompt chunk's
     queries go in tiles of `query_block` tokens that share one read of the sequence's pages, so a
     chunk reads its context once per tile instead of once per token, and decode tokens go
-    `query_block` at a time (the rest in pieces of 8, 2 and 1); a chunk's last 1 to `SMALL_BLOCK` queries
-    (a short chunk: drafts being verified) go in a tile of that many rows. Both walk the KV in blocks of `pages_per_block` pages, only as far as
-    the keys the queries can see; by default (None) a prompt tile reads `TILE_PAGES_PER_BLOCK` pages
-    at a time and a token reading its own pages `row_pages_per_block(...)`.
+    `query_block` at a time (the rest in pieces of 8, 2 and 1); a chunk's last 1 to `SMALL_BLOCK`
+    queries (a short chunk: drafts being verified) go in a tile of that many rows. Both walk the KV in
+    blocks of `pages_per_block` pages, only as far as the keys the queries can see; by default (None) a
+    prompt tile reads `TILE_PAGES_PER_BLOCK` pages at a time and a token reading its own pages
+    `row_pages_per_block(...)`.
 
     `kv_dtype` (static) is the dtype the pages hold when the pools are their raw bits (unsigned integers
     of its width; see `kv_storage_bits`), else None.
@@ -237,7 +238,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     G, Bq = Hq // Hkv, query_block
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
-    # would shift it back instead); row T is where decode chunks park their unused rows.
+    # would shift it back instead).
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype)
     tables, B = _pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)  # the tiles' blocks of pages
