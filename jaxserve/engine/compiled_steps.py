@@ -8,6 +8,13 @@ SmolLM2's nine buckets on two CPU cores, even with every executable in the persi
 whose model config, runner config, model function and argument shapes and dtypes all agree get the same jit
 objects instead, and their warmups find every bucket compiled.
 
+The shared functions live while a runner uses them, and the last `KEEP_RELEASED` asked for stay a while
+after: an engine rebuilt at the same shapes finds them. No more are kept, because compiled code is not small.
+On the CPU, XLA loads each executable's compiled kernels into memory mappings of their own (code, constants
+and data apart), and an engine of SmolLM2 at the tests' shapes holds about 10,000 of the 65,530 mappings Linux
+allows a process by default (`vm.max_map_count`). Past that limit, loading one more executable crashes the
+process.
+
 Runners whose arrays are laid out over a mesh (`shardings`) build their own: their layouts are part of the jit.
 Whatever a trace reads besides these keys (a module attribute patched in a test) is not part of the key;
 `clear` forgets the shared functions.
@@ -17,11 +24,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,15 +66,30 @@ def step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, params, k
     return _shared(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, _signature(params), _signature(kv))
 
 
-@functools.lru_cache(maxsize=8)
+KEEP_RELEASED = 2
+"""How many of the most recently asked-for step functions are kept when no runner uses them."""
+
+_live: weakref.WeakValueDictionary[tuple, StepFunctions] = weakref.WeakValueDictionary()
+_recent: OrderedDict[tuple, StepFunctions] = OrderedDict()
+
+
 def _shared(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, params_sig, kv_sig) -> StepFunctions:
-    del params_sig, kv_sig  # keys only: other shapes would compile into the shared functions after warmup
-    return _build(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, ({}, {}, {}))
+    # The argument signatures are keys only: other shapes would compile into the shared functions after warmup.
+    key = (mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, params_sig, kv_sig)
+    steps = _live.get(key)
+    if steps is None:
+        steps = _live[key] = _build(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, ({}, {}, {}))
+    _recent[key] = steps
+    _recent.move_to_end(key)
+    while len(_recent) > KEEP_RELEASED:
+        _recent.popitem(last=False)
+    return steps
 
 
 def clear() -> None:
-    """Forget the shared step functions (and so their compiled executables)."""
-    _shared.cache_clear()
+    """Forget the shared step functions (their compiled executables go when no runner holds them)."""
+    _recent.clear()
+    _live.clear()
 
 
 def _build(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, layouts) -> StepFunctions:
@@ -76,3 +103,28 @@ def _build(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, layouts
     pool = jax.jit(functools.partial(pool_step, pooling_type=cfg.pooling_type, **common),
                    donate_argnums=(1,), **pool_layout) if cfg.pooling_type else None
     return StepFunctions(mixed, decode, pool, hidden)
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """(the memory mappings this process holds, the most Linux allows a process: `vm.max_map_count`), or None
+    where /proc does not tell."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return used, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+MAPPINGS_WARN_FRACTION = 0.75
+
+
+def warn_near_mapping_limit() -> None:
+    """Logs a warning when the process holds more than `MAPPINGS_WARN_FRACTION` of the memory mappings it may."""
+    counts = memory_mappings()
+    if counts is not None and counts[0] > MAPPINGS_WARN_FRACTION * counts[1]:
+        logger.warning("this process holds %d of the %d memory mappings Linux allows it (vm.max_map_count); "
+                       "compiled executables take many on the CPU, and past the limit loading one more crashes "
+                       "the process: raise it (sysctl -w vm.max_map_count=262144) or compile fewer shapes",
+                       *counts)

@@ -233,6 +233,7 @@ class ModelRunner:
         self.cfg = cfg
         steps = compiled_steps.step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, self.params, kv,
                                               model_fn, shardings)
+        self._steps = steps  # held: shared step functions live while a runner holds them
         self._mixed, self._decode, self._pool = steps.mixed, steps.decode, steps.pool
         self.supports_prompt_logprobs = steps.hidden
         """Whether the model returns its hidden states, which prompt logprobs need."""
@@ -285,6 +286,7 @@ class ModelRunner:
                 st = self.inert_decode_state(size)
                 self.run_decode(st, self.inert_sampling(size), None, want_top=False)
         self._baseline_compiles = self.num_compilations()
+        compiled_steps.warn_near_mapping_limit()
         return time.perf_counter() - t0
 
     # -- helpers -----------------------------------------------------------------------------------
