@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
@@ -35,6 +36,22 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "How many legs does a spider have? Answer with a number: 8 or 6?"}],
     [{"role": "user", "content": "Give me a short motivational quote 🚀 about learning."}],
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """After a test file, once the process holds more than half the memory mappings Linux allows it, drops
+    every compiled executable from memory (later tests load theirs from the compilation cache). On the CPU
+    each executable's kernels take mappings of their own, and the suite's thousands of shapes would pass
+    the limit (`vm.max_map_count`), past which loading one more crashes the process."""
+    yield
+    from jaxserve.engine.compiled_steps import memory_mappings
+
+    counts = memory_mappings()
+    if counts is not None and counts[0] > counts[1] // 2:
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

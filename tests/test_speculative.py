@@ -381,9 +381,9 @@ def test_constrained_requests_are_drafted_and_unchanged(engines):
     asked = []
     plan = spec.drafter.plan
 
-    def watch(scheduled, **kw):
+    def watch(scheduled, *args, **kw):
         asked.extend(s.request_id for s in scheduled if s.is_decode and kw["pace_of"](s.request_id) is not None)
-        return plan(scheduled, **kw)
+        return plan(scheduled, *args, **kw)
 
     spec.drafter.plan = watch
     try:
