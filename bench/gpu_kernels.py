@@ -45,6 +45,7 @@ NUM_SETS = 3
 REF_LIMIT_BYTES = 24 << 30
 WINDOW = 4096  # the sliding window of the windowed decode row (Mistral 7B's)
 MIXED_CHUNK = 512  # the prefill chunk of the mixed-step row (beside its decode tokens)
+DRAFT_TOKENS = 5  # the drafts rows: a request's token and its 4 drafts, verified in one step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +120,18 @@ def decode_case(
         q = jax.random.normal(jax.random.fold_in(kq, i), (batch * q_len, heads.q, heads.dim), DTYPE)
         sets.append((q, k_pages, v_pages, tables, seq_lens, qsl))
     return (sets, *work(heads, batch, ctx, q_len, kv_item))
+
+
+def as_rows(sets, q_len: int):
+    """The same queries as one-token rows (drafts verified as rows): each sequence's `q_len` tokens become rows
+    of its page table, at KV lengths ctx - q_len + 1 ... ctx."""
+    out = []
+    for q, k_pages, v_pages, tables, seq_lens, _ in sets:
+        offsets = jnp.tile(jnp.arange(1 - q_len, 1, dtype=jnp.int32), seq_lens.shape[0])
+        rows = q.shape[0]
+        out.append((q, k_pages, v_pages, jnp.repeat(tables, q_len, axis=0), jnp.repeat(seq_lens, q_len) + offsets,
+                    jnp.arange(rows + 1, dtype=jnp.int32)))
+    return out
 
 
 def mixed_case(rng, heads: Heads, decodes: int, ctx: int, chunk: int, min_pool_bytes: int = MIN_POOL_BYTES):
@@ -223,6 +236,8 @@ def kernels(heads: Heads) -> dict:
         "mosaic_ws_bkv64": mosaic_ragged(2, 64),
         "mosaic_1wg": mosaic_ragged(1, 64),
         "mosaic_1wg_bkv128": mosaic_ragged(1, 128),
+        # A short step over long contexts: one warpgroup, each block's KV walk split (flash decoding).
+        "mosaic_1wg_split": mosaic_ragged(1),
         "cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")),
         "cudnn_causal": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, implementation="cudnn")),
@@ -259,10 +274,12 @@ def main() -> int:
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
     wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768)]
-    rows = target + [(llama, "mixed", 32, 8192)] + fp8 + [(llama, "window", 32, 32768)] + wide + rest
+    drafts = [(h, "drafts", 4, 8192) for h in (llama, smollm)]
+    rows = target + [(llama, "mixed", 32, 8192)] + drafts + fp8 + [(llama, "window", 32, 32768)] + wide + rest
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
-                (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "window", 2, 8192)]
+                (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "drafts", 2, 1024),
+                (llama, "window", 2, 8192)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
     fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE,)}
@@ -286,6 +303,14 @@ def main() -> int:
             sets, nbytes, flops = mixed_case(rng, heads, batch, ctx, MIXED_CHUNK, min_pool_bytes=pool_bytes)
             run_row(f"{label} + a {MIXED_CHUNK}-token chunk", pick(fns, ["pallas", "mosaic_split", "mosaic_whole"]),
                     sets, nbytes, flops, None, copy_bw)
+        elif kind == "drafts":  # a token and 4 drafts per request: as chunks (one read of the KV) or as rows
+            sets, nbytes, flops = decode_case(rng, heads, batch, ctx, num_tokens=batch * DRAFT_TOKENS,
+                                              min_pool_bytes=pool_bytes)
+            run_row(f"{label} {DRAFT_TOKENS} tokens as chunks",
+                    pick(fns, ["pallas", "mosaic_ws", "mosaic_1wg", "mosaic_1wg_split"]), sets, nbytes, flops,
+                    None, copy_bw)
+            run_row(f"{label} {DRAFT_TOKENS} tokens as rows", pick(fns, ["pallas", "mosaic"]),
+                    as_rows(sets, DRAFT_TOKENS), nbytes, flops, None, copy_bw)
         elif kind == "window":
             sets, _, _ = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             nbytes, flops = work(heads, batch, WINDOW, 1, jnp.dtype(DTYPE).itemsize)  # the window's keys only

@@ -264,7 +264,9 @@ def partial_dtype(dtype, head_dim: int, block_kv: int, kv_dtype, stages: int):
     return jnp.dtype(jnp.float32 if smem <= SMEM_BYTES else dtype)
 
 
-def _default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
+def default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
+    """Flash-decoding splits for `num_seqs` query blocks: doubled while the programs fill under two waves of
+    the H200's 132 SMs and each split keeps at least 4 KV blocks of `kv_capacity` keys, at most 32."""
     programs = num_seqs * num_kv_heads
     max_useful = max(1, kv_capacity // (4 * block_kv))
     splits = 1
@@ -299,7 +301,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
                             soft_cap: float | None = None, window: int | None = None) -> jax.Array:
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
     r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0) ->
-    `[NB, KVH, ROWS, D]` float32. Splits (flash decoding) are for blocks of one token only."""
+    `[NB, KVH, ROWS, D]` float32. With splits (flash decoding) each split walks a share of a block's KV blocks; a
+    row that sees none of a split's keys gets nothing from it."""
     plgpu = plgpu_module()
     num_blocks, num_kv_heads, _, head_dim = qb.shape
     page_size = k_pages.shape[1]
@@ -385,7 +388,7 @@ def paged_decode_attention_mosaic(
     capacity = block_tables.shape[1] * page_size
     if sliding_window is not None:
         capacity = min(capacity, sliding_window + block_kv)
-    splits = num_splits or _default_splits(num_seqs, num_kv_heads, capacity, block_kv)
+    splits = num_splits or default_splits(num_seqs, num_kv_heads, capacity, block_kv)
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))  # [S, KVH, ROWS, D]

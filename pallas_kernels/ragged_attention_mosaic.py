@@ -4,7 +4,8 @@ Each sequence's query tokens are cut into blocks, and a block with the `group` q
 the rows of WGMMA tiles (GQA shares each K/V block among the group's heads and the block's tokens; row r is
 token r // group). A block walks the KV blocks up to its last token's position, causal by a per-row mask; K/V
 pages arrive by TMA through the block table into SMEM, the products run on the tensor cores into float32
-accumulators, and the softmax is online in float32. No flash-decoding split (a prefill has programs enough).
+accumulators, and the softmax is online in float32. The one-warpgroup form can split each block's walk over the
+KV (flash decoding), for a short step over long contexts (drafts verified as chunks); the other cannot.
 The optional logit soft-cap and sliding window are those of the generic kernel; with a window a block walks
 only the KV blocks its tokens' windows reach.
 
@@ -46,6 +47,7 @@ from pallas_kernels.paged_decode_mosaic import (
     SMEM_BYTES,
     check_mosaic_args,
     copy_kv_block,
+    default_splits,
     mosaic_attention_blocks,
     mosaic_decode_supported,
     upcast_rows,
@@ -330,7 +332,7 @@ def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, 
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "compute_wgs",
-                                             "interpret"))
+                                             "num_splits", "interpret"))
 def ragged_paged_attention_mosaic(
     q,
     k_pages,
@@ -344,6 +346,7 @@ def ragged_paged_attention_mosaic(
     sliding_window: int | None = None,
     block_kv: int | None = None,
     compute_wgs: int | None = None,
+    num_splits: int | None = None,
     interpret: bool = False,
     skip_seqs: jax.Array | None = None,
 ) -> jax.Array:
@@ -352,12 +355,16 @@ def ragged_paged_attention_mosaic(
 
     `compute_wgs`: 2 (warp-specialized) or 1; None picks 2 when compiled, 1 in the interpreter.
     `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64.
+    `num_splits` (one warpgroup only): splits of each block's KV walk; None picks them by the blocks and the
+    page table's width (`default_splits`) when compiled, 1 in the interpreter.
     `skip_seqs` (`[S]` bool): sequences left out (no programs; their tokens come back zero), for a caller that
     attends them elsewhere, as `ragged_paged_attention` does a mixed batch's decode tokens."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
                          sliding_window)
     if compute_wgs is not None and compute_wgs not in (1, COMPUTE_WGS):
         raise ValueError(f"compute_wgs must be 1 or {COMPUTE_WGS}, got {compute_wgs}")
+    if num_splits is not None and (num_splits < 1 or (num_splits > 1 and compute_wgs != 1)):
+        raise ValueError(f"num_splits must be a positive count, and above 1 only with compute_wgs=1, got {num_splits}")
     head_dim, page_size = q.shape[2], k_pages.shape[1]
     compute_wgs, block_kv, smem = _form(q.dtype, k_pages.dtype, head_dim, page_size, interpret, compute_wgs,
                                         block_kv)
@@ -373,10 +380,14 @@ def ragged_paged_attention_mosaic(
                                                                      block_q, skip=skip_seqs)
     qb = queries_to_blocks(q, gather_tok, num_kv_heads, rows)  # [NB, KVH, rows, D]
     if compute_wgs == 1:
+        capacity = block_tables.shape[1] * page_size
+        if sliding_window is not None:  # a window bounds the keys any block reads
+            capacity = min(capacity, sliding_window + (block_q - 1) + block_kv)
+        splits = num_splits or (1 if interpret else default_splits(qb.shape[0], num_kv_heads, capacity, block_kv))
         ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
-                                     block_kv=block_kv, splits=1, group=group, interpret=interpret,
+                                     block_kv=block_kv, splits=splits, group=group, interpret=interpret,
                                      soft_cap=soft_cap, window=sliding_window,
-                                     name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}")
+                                     name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}_s{splits}")
     else:
         num_blocks = qb.shape[0]
         qb = qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim)

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import ragged_paged_attention
-from pallas_kernels.paged_decode_mosaic import ROWS
+from pallas_kernels.paged_decode_mosaic import ROWS, default_splits
 from pallas_kernels.ragged_attention_args import quantize_kv
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 from tests.test_kernels_cases import make_batch, naive_attention, standard_seqs
@@ -89,6 +89,32 @@ def test_ragged_mosaic_window_and_soft_cap(window):
                        seqs=[(50, 110), (1, 137), (0, 0), (7, 7), (30, 200)], pages_per_seq=14)
     _check(_run(batch, 0.125, soft_cap=4.0, sliding_window=window), batch, 0.125, soft_cap=4.0,
            sliding_window=window)
+
+
+@pytest.mark.parametrize("splits,window", [(3, None), (4, 40)])
+def test_ragged_mosaic_splits_each_blocks_kv_walk(splits, window):
+    """Flash-decoding splits in the one-warpgroup form (a short step over long contexts: drafts verified as
+    chunks). Blocks of several tokens whose causal limits fall in different splits, a prompt spanning two
+    query blocks, a short sequence whose later splits are empty, and with a window, a walk starting past the
+    first splits' keys: the combined partials equal the oracle."""
+    rng = np.random.default_rng(splits)
+    seqs = [(5, 300), (1, 290), (4, 37), (25, 260), (0, 0)]
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16, seqs=seqs,
+                       pages_per_seq=20)
+    _check(_run(batch, 0.125, compute_wgs=1, num_splits=splits, sliding_window=window), batch, 0.125,
+           sliding_window=window)
+
+
+def test_ragged_mosaic_split_refusals_and_default():
+    rng = np.random.default_rng(1)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16,
+                       seqs=[(3, 20)], pages_per_seq=2)
+    for kw in (dict(num_splits=0, compute_wgs=1), dict(num_splits=2, compute_wgs=2)):
+        with pytest.raises(ValueError, match="num_splits must be a positive count"):
+            _run(batch, 0.125, **kw)
+    # A short step over 8k keys fills the GPU with splits; a prefill of many blocks takes none.
+    assert default_splits(4, 8, 8192, 64) == 16 and default_splits(4, 2, 8192, 64) == 32
+    assert default_splits(128, 8, 8192, 64) == 1 and default_splits(2, 8, 256, 64) == 1
 
 
 def test_ragged_mosaic_skips_the_sequences_it_is_told_to():

@@ -223,7 +223,8 @@ def test_mosaic_decode_kernel_compiles_for_sm90(spec, S, P, kvh, group, d, block
 # engine of tests/test_engine_pallas.py (8-token pages, group 2), which bench/gpu_engine.sh serves on pallas_mosaic.
 # Warp-specialized (compute_wgs None: 2 when compiled; float8 pages upcast by the loading warpgroup) and
 # one-warpgroup (1) forms. Then: 256-wide heads (64-key blocks; both forms, and float8 pages, which only the
-# one-warpgroup form fits); Mistral's window of 4096 keys with a soft-cap on both forms.
+# one-warpgroup form fits); a short step of 4 sequences over 8k keys in the one-warpgroup form, which then
+# splits each block's KV walk (flash decoding); Mistral's window of 4096 keys with a soft-cap on both forms.
 RAGGED_MOSAIC_CASES = [c + (None, None) for c in [
     (2048, 1, 3, 3, 64, None, DTYPE, 16, None), (8192, 1, 8, 4, 128, None, DTYPE, 16, None),
     (512, 64, 8, 4, 128, None, DTYPE, 16, None), (2048, 1, 8, 4, 128, 64, DTYPE, 16, None),
@@ -233,6 +234,7 @@ RAGGED_MOSAIC_CASES = [c + (None, None) for c in [
     (2048, 1, 8, 4, 128, 64, E4M3, 16, 1),
     (2048, 1, 4, 2, 256, None, DTYPE, 16, None), (2048, 1, 4, 2, 256, None, DTYPE, 16, 1),
     (2048, 1, 4, 2, 256, None, E4M3, 16, None),
+    (16, 4, 8, 4, 128, None, DTYPE, 16, 1), (16, 4, 3, 3, 64, None, E4M3, 16, 1),
 ]] + [(8192, 1, 8, 4, 128, None, DTYPE, 16, None, 50.0, 4096),
       (512, 64, 8, 4, 128, None, E4M3, 16, None, 50.0, 4096)]
 
