@@ -48,6 +48,7 @@ from pallas_kernels.ragged_attention_args import (
     M_FLOOR,
     check_score_args,
     combine_splits,
+    default_splits,
     logits,
     mask_keys,
     window_start,
@@ -262,17 +263,6 @@ def partial_dtype(dtype, head_dim: int, block_kv: int, kv_dtype, stages: int):
     """The dtype of the split partials' accumulators: float32 where its tile fits beside the ring, else q's."""
     smem = smem_bytes(jnp.dtype(dtype).itemsize, head_dim, block_kv, jnp.dtype(kv_dtype).itemsize, stages)
     return jnp.dtype(jnp.float32 if smem <= SMEM_BYTES else dtype)
-
-
-def default_splits(num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
-    """Flash-decoding splits for `num_seqs` query blocks: doubled while the programs fill under two waves of
-    the H200's 132 SMs and each split keeps at least 4 KV blocks of `kv_capacity` keys, at most 32."""
-    programs = num_seqs * num_kv_heads
-    max_useful = max(1, kv_capacity // (4 * block_kv))
-    splits = 1
-    while splits * 2 <= min(32, max_useful) and programs * splits < 2 * 132:
-        splits *= 2
-    return splits
 
 
 def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: int | None = None,

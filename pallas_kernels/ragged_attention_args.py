@@ -203,3 +203,27 @@ def combine_splits(acc: jax.Array, m: jax.Array, denom: jax.Array) -> jax.Array:
     w = jnp.exp(m - m_max[None])
     l_sum = jnp.sum(w * denom, axis=0)
     return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+
+
+def default_splits(num_blocks: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:
+    """Flash-decoding splits for `num_blocks` query blocks (one token each: decode): doubled while the programs
+    fill under two waves of the H200's 132 SMs and each split keeps at least 4 KV blocks of `kv_capacity`
+    keys, at most 32."""
+    programs = num_blocks * num_kv_heads
+    max_useful = max(1, kv_capacity // (4 * block_kv))
+    splits = 1
+    while splits * 2 <= min(32, max_useful) and programs * splits < 2 * 132:
+        splits *= 2
+    return splits
+
+
+def block_splits(num_blocks: int, num_seqs: int, num_kv_heads: int, kv_capacity: int, block_kv: int, rows: int,
+                 head_dim: int, kv_itemsize: int) -> int:
+    """`default_splits` for query blocks of several tokens (`rows` query rows each), halved while the float32
+    partials the splits write would exceed a quarter of the K/V bytes the `num_seqs` sequences can hold: a
+    short step over long contexts (drafts verified as chunks) splits, a prefill of many blocks does not."""
+    splits = default_splits(num_blocks, num_kv_heads, kv_capacity, block_kv)
+    kv_bytes = num_seqs * kv_capacity * num_kv_heads * head_dim * 2 * kv_itemsize
+    while splits > 1 and splits * num_blocks * num_kv_heads * rows * head_dim * 4 * 4 > kv_bytes:
+        splits //= 2
+    return splits

@@ -47,7 +47,6 @@ from pallas_kernels.paged_decode_mosaic import (
     SMEM_BYTES,
     check_mosaic_args,
     copy_kv_block,
-    default_splits,
     mosaic_attention_blocks,
     mosaic_decode_supported,
     upcast_rows,
@@ -55,6 +54,7 @@ from pallas_kernels.paged_decode_mosaic import (
 from pallas_kernels.ragged_attention_args import (
     M_FLOOR,
     block_layout,
+    block_splits,
     blocks_to_tokens,
     check_attention_args,
     logits,
@@ -355,8 +355,8 @@ def ragged_paged_attention_mosaic(
 
     `compute_wgs`: 2 (warp-specialized) or 1; None picks 2 when compiled, 1 in the interpreter.
     `block_kv`: keys per KV block; None picks 128 for the warp-specialized form where it fits, else 64.
-    `num_splits` (one warpgroup only): splits of each block's KV walk; None picks them by the blocks and the
-    page table's width (`default_splits`) when compiled, 1 in the interpreter.
+    `num_splits` (one warpgroup only): splits of each block's KV walk; None picks them by the blocks, the
+    sequences and the page table's width (`block_splits`) when compiled, 1 in the interpreter.
     `skip_seqs` (`[S]` bool): sequences left out (no programs; their tokens come back zero), for a caller that
     attends them elsewhere, as `ragged_paged_attention` does a mixed batch's decode tokens."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
@@ -383,7 +383,8 @@ def ragged_paged_attention_mosaic(
         capacity = block_tables.shape[1] * page_size
         if sliding_window is not None:  # a window bounds the keys any block reads
             capacity = min(capacity, sliding_window + (block_q - 1) + block_kv)
-        splits = num_splits or (1 if interpret else default_splits(qb.shape[0], num_kv_heads, capacity, block_kv))
+        splits = num_splits or (1 if interpret else block_splits(
+            qb.shape[0], seq_lens.shape[0], num_kv_heads, capacity, block_kv, ROWS, head_dim, k_pages.dtype.itemsize))
         ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
                                      block_kv=block_kv, splits=splits, group=group, interpret=interpret,
                                      soft_cap=soft_cap, window=sliding_window,

@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import ragged_paged_attention
-from pallas_kernels.paged_decode_mosaic import ROWS, default_splits
-from pallas_kernels.ragged_attention_args import quantize_kv
+from pallas_kernels.paged_decode_mosaic import ROWS
+from pallas_kernels.ragged_attention_args import block_splits, default_splits, quantize_kv
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 from tests.test_kernels_cases import make_batch, naive_attention, standard_seqs
 
@@ -112,9 +112,13 @@ def test_ragged_mosaic_split_refusals_and_default():
     for kw in (dict(num_splits=0, compute_wgs=1), dict(num_splits=2, compute_wgs=2)):
         with pytest.raises(ValueError, match="num_splits must be a positive count"):
             _run(batch, 0.125, **kw)
-    # A short step over 8k keys fills the GPU with splits; a prefill of many blocks takes none.
+    # Decode blocks: splits fill the GPU where the keys are many.
     assert default_splits(4, 8, 8192, 64) == 16 and default_splits(4, 2, 8192, 64) == 32
     assert default_splits(128, 8, 8192, 64) == 1 and default_splits(2, 8, 256, 64) == 1
+    # Blocks of several tokens: 4 drafted requests over 8k keys (6 blocks) split; one 2k-token prompt of
+    # 256-wide heads (65 blocks over its own 2k keys) does not, as its float32 partials would outweigh its K/V.
+    assert block_splits(6, 4, 8, 8192, 64, ROWS, 128, 2) == 8
+    assert block_splits(65, 1, 2, 8192, 64, ROWS, 256, 1) == 1
 
 
 def test_ragged_mosaic_skips_the_sequences_it_is_told_to():
