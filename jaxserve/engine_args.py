@@ -39,6 +39,11 @@ class SpeculativeConfig:
     several query tokens in a mixed step (the KV read once; the prefill kernels). On the CPU rows measure
     7-9% cheaper; on a GPU, `bench/README.md` says what is measured."""
 
+    @property
+    def chunked(self) -> bool:
+        """Drafts are verified as chunks (`draft_verification == "chunks"`)."""
+        return self.draft_verification == "chunks"
+
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative method must be 'ngram' (prompt lookup), got {self.method!r}")

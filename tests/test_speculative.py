@@ -3,6 +3,7 @@ SmolLM2 the equivalence that defines it: the same tokens as decoding without dra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -86,7 +87,7 @@ def test_config_is_checked_and_named():
     assert EngineArgs(speculative_config=json.dumps(SPEC)).speculative_config == SpeculativeConfig()
     assert EngineArgs(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
     chunks = EngineArgs(speculative_config={"draft_verification": "chunks"}).speculative_config
-    assert chunks.draft_verification == "chunks" and SpeculativeConfig().draft_verification == "rows"
+    assert chunks.chunked and not SpeculativeConfig().chunked
     for bad, match in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"draft_verification": "tree"}, "draft_verification"),
                        ({"prompt_lookup_min": 5}, "prompt_lookup_min"), ({"draft_model": "x"}, "draft_model"),
@@ -163,7 +164,8 @@ def test_drafts_verified_are_those_worth_their_cost():
     def drafter(decode, mixed=None):
         decode = dict(zip(seqs, decode, strict=True))
         verify = decode if mixed is None else dict(zip(tokens, mixed, strict=True))
-        return Drafter(SpeculativeConfig(), StepCosts(decode, verify), chunked=mixed is not None)
+        form = "rows" if mixed is None else "chunks"
+        return Drafter(SpeculativeConfig(draft_verification=form), StepCosts(decode, verify))
 
     # As rows: one request verifies three (a fourth would move the step to the 8-row bucket: 3.36 expected
     # tokens for 1.3 against 2.95 for 1.1).
@@ -293,7 +295,7 @@ def test_drafts_verified_as_chunks_change_nothing(engines):
             kinds.append(launched[1].kind)
         return launched
 
-    spec._launch, spec.drafter = watch, Drafter(rows_form.cfg, None, chunked=True)
+    spec._launch, spec.drafter = watch, Drafter(dataclasses.replace(rows_form.cfg, draft_verification="chunks"))
     try:
         got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
         accepted = spec.drafter.counters.spec_num_accepted_tokens

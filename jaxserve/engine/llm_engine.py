@@ -107,7 +107,7 @@ class LLMEngine:
             num_pages,
         )
         backend, spec = resolve_attention_backend(args), args.speculative_config
-        chunked = spec is not None and spec.draft_verification == "chunks"  # drafts verified as chunks (Drafter)
+        chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv(num_pages, args.page_size, kv_dtype, as_bits) if plan
               else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype, as_bits))
@@ -142,7 +142,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
         costs = step_costs(self.runner, chunked) if spec and args.warmup and args.num_processes == 1 else None
-        self.drafter = Drafter(spec, costs, chunked) if spec else None
+        self.drafter = Drafter(spec, costs) if spec else None
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 

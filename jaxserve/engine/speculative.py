@@ -8,7 +8,7 @@ as it went on then. Before a step, the engine looks up the request's last `n` to
 
 Verification needs no change to the model. The request's last token and its drafts `d1..dm` are
 m + 1 rows of the step (`draft_rows`) at consecutive positions, sharing the request's page table, in
-one of two forms (`SpeculativeConfig.draft_verification`, `Drafter.chunked`):
+one of two forms (`SpeculativeConfig.draft_verification`):
 - "rows" (the default): m + 1 sequences of one token each, in the decode step (or beside a prefill
   chunk, in the mixed step). Every layer writes the step's new K/V into the pages before it attends,
   so each row reads the drafts before it; each row reads the request's KV pages, and the decode
@@ -230,10 +230,10 @@ class Drafter:
     draft within the step's room is verified.
     """
 
-    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None, chunked: bool = False):
+    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None):
         self.cfg = cfg
         self.costs = costs
-        self.chunked = chunked
+        self.chunked = cfg.chunked
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
 
