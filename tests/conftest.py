@@ -20,8 +20,10 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # The engine configuration of every test that serves the bundled model through the engine (in process,
 # over HTTP, disaggregated): one set of shapes, so its step functions compile once for the whole suite
 # and the other engines load them from the compilation cache. 45 MiB is 64 pages of 16 float32 tokens.
+# One compiled layer for all (the CPU's default unrolls them): a third of the compile time, a quarter of the
+# load time; `test_engine_real` checks that the default's tokens are these.
 REAL_ENGINE_ARGS = dict(max_num_seqs=32, max_num_batched_tokens=128, max_model_len=256, num_scheduler_steps=4,
-                        dtype="float32", kv_cache_memory_bytes=45 * 1024 * 1024)
+                        dtype="float32", kv_cache_memory_bytes=45 * 1024 * 1024, layer_loop="scan")
 
 CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -84,18 +84,21 @@ def test_ttft_and_itl_recovered_from_known_delays(timed):
     # sides, which share it) stay out of the timings checked below.
     asyncio.run(run_load(url, _reqs(1, 1), LoadConfig(max_concurrency=1)))
     srv.bodies.clear()
-    res, model = asyncio.run(run_load(url, _reqs(6, 6), LoadConfig(max_concurrency=3)))
+    res, model = asyncio.run(run_load(url, _reqs(6, 6), LoadConfig(max_concurrency=2)))
     assert model == "timed"
     assert all(r.success for r in res.records), [r.error for r in res.records]
     m = compute_metrics(res.records, res.duration_s)
-    assert TTFT_S * 1e3 - 2 <= m["median_ttft_ms"] <= TTFT_S * 1e3 + 60
+    # The upper bounds leave room for a loaded machine (a median TTFT of 256 ms has been seen on a busy
+    # 2-core host) yet stay below the mistakes they catch: TTFT timed to the last token (+200 ms), or from
+    # before a request got its slot under the concurrency cap (+320 ms: four of the six wait a round or two).
+    assert TTFT_S * 1e3 - 2 <= m["median_ttft_ms"] <= TTFT_S * 1e3 + 150
     assert m["median_itl_ms"] == pytest.approx(ITL_S * 1e3, abs=15)
     assert m["median_tpot_ms"] == pytest.approx(ITL_S * 1e3, abs=15)
     expected_e2el = (TTFT_S + 5 * ITL_S) * 1e3
-    assert expected_e2el - 2 <= m["median_e2el_ms"] <= expected_e2el + 100
+    assert expected_e2el - 2 <= m["median_e2el_ms"] <= expected_e2el + 150
     assert all(len(r.itl) == 5 for r in res.records)
     assert m["total_output_tokens"] == 36 and m["total_input_tokens"] == 66  # from the usage chunk
-    assert srv.peak <= 3 and m["max_concurrent_requests"] <= 3
+    assert srv.peak <= 2 and m["max_concurrent_requests"] <= 2
     body = srv.bodies[0]
     assert body["stream"] and body["ignore_eos"] and body["min_tokens"] == body["max_tokens"] == 6
     assert body["stream_options"] == {"include_usage": True} and body["prompt"] == "hello"

@@ -353,7 +353,7 @@ def test_real_model_embeddings_equal_hf(smollm_path, smollm_f32, hf_smollm, chat
     for kind in ("LAST", "MEAN"):
         engine = LLMEngine(EngineArgs(runner="pooling", pooler_config={"pooling_type": kind}, dtype="float32",
                                       max_num_batched_tokens=32, max_num_seqs=4, max_model_len=256,
-                                      kv_cache_memory_bytes=16 << 20), loaded=loaded, progress=False)
+                                      kv_cache_memory_bytes=16 << 20, layer_loop="scan"), loaded=loaded, progress=False)
         out = embed(engine, {str(i): (p, PoolingParams()) for i, p in enumerate(ids)})
         for i, p in enumerate(ids):
             with torch.no_grad():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import random
@@ -132,6 +133,26 @@ def test_chunked_prefill_equals_whole(engine, alone):
         sched.config = original
     assert got == expected[:16]
     assert pool_is_full(engine)
+
+
+def test_the_cpu_default_unrolled_layers_equal_the_scanned(engine, alone):
+    """The CPU's default layer loop (each layer compiled on its own, fused projections) serves the tokens of
+    the suite's engines, which scan one compiled layer; in 16-token chunks, two sequences at a time."""
+    args = EngineArgs(**{**REAL_ENGINE_ARGS, "layer_loop": "auto", "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                         "kv_cache_memory_bytes": 16 << 20, "warmup": False})
+    unrolled = LLMEngine(args, loaded=engine.model, progress=False)
+    assert engine.runner.cfg.layer_loop == "scan" and unrolled.runner.cfg.layer_loop == "unroll"
+    assert isinstance(unrolled.runner.params.layers, tuple)
+    prompts, expected = alone
+    assert [o.outputs[0].token_ids for o in serve(unrolled, prompts[:4], GREEDY)] == expected[:4]
+    assert pool_is_full(unrolled)
+
+
+def test_layer_loop_from_the_command_line_and_refused_by_name():
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--layer-loop", "scan"])
+    assert EngineArgs.from_cli_args(ns).layer_loop == "scan" and EngineArgs().layer_loop == "auto"
+    with pytest.raises(ValueError, match="layer_loop must be auto, scan or unroll, got 'loop'"):
+        EngineArgs(layer_loop="loop")
 
 
 def test_prefix_hit_equals_miss(engine, alone):

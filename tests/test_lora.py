@@ -349,7 +349,8 @@ def test_real_model_adapter_equals_peft(smollm_path, smollm_f32, hf_smollm, chat
                              jnp.float32, 0.0)
         engine = LLMEngine(EngineArgs(enable_lora=True, max_lora_rank=8, lora_modules=(("smol", str(tmp_path / "smol")),),
                                       max_num_seqs=1, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
-                                      kv_cache_memory_bytes=16 << 20), loaded=loaded, progress=False)
+                                      kv_cache_memory_bytes=16 << 20, layer_loop="scan"), loaded=loaded,
+                             progress=False)
         ids = chat_prompt_ids[0]
         p = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
         out = run(engine, {"r": (ids, p, "smol")})["r"]
