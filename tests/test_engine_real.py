@@ -137,8 +137,8 @@ def test_chunked_prefill_equals_whole(engine, alone):
 
 def test_the_cpu_default_unrolled_layers_equal_the_scanned(engine, alone):
     """The CPU's default layer loop (each layer compiled on its own, fused projections) serves the tokens of
-    the suite's engines, which scan one compiled layer; in 16-token chunks, two sequences at a time."""
-    args = EngineArgs(**{**REAL_ENGINE_ARGS, "layer_loop": "auto", "max_num_seqs": 2, "max_num_batched_tokens": 16,
+    the suite's engines, which scan one compiled layer; in 16-token chunks, a sequence at a time."""
+    args = EngineArgs(**{**REAL_ENGINE_ARGS, "layer_loop": "auto", "max_num_seqs": 1, "max_num_batched_tokens": 16,
                          "kv_cache_memory_bytes": 16 << 20, "warmup": False})
     unrolled = LLMEngine(args, loaded=engine.model, progress=False)
     assert engine.runner.cfg.layer_loop == "scan" and unrolled.runner.cfg.layer_loop == "unroll"
