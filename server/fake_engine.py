@@ -291,7 +291,7 @@ class FakeAsyncEngine:
                 continue
             k = len(seq.token_ids)
             if req.script is not None:
-                self._script_step(seq, req.script, p.max_tokens)
+                self._script_step(seq, req.script, p)
                 continue
             word = WORDS[(seq.offset + k) % len(WORDS)]
             tid = FIRST_WORD_ID + WORDS.index(word)
@@ -328,14 +328,17 @@ class FakeAsyncEngine:
                                       s.finish_reason, s.stop_reason) for s in req.seqs],
             finished=done, metrics=dataclasses.replace(req.metrics)))
 
-    def _script_step(self, seq: _Seq, script: str, max_tokens: int) -> None:
+    def _script_step(self, seq: _Seq, script: str, p: SamplingParams) -> None:
         k = len(seq.token_ids)
         seq.token_ids.append(FIRST_WORD_ID + k % len(WORDS))
+        if p.logprobs is not None:  # as an unscripted reply's: the token drawn at -0.25, the next words after it
+            top = [FIRST_WORD_ID + (k + i) % len(WORDS) for i in range(p.logprobs)]
+            seq.logprobs.append(token_logprobs(seq.token_ids[-1], -0.25, 1, top, [-0.25 - i for i in range(len(top))]))
         seq.text = script[: (k + 1) * SCRIPT_PIECE]
         self._stats.generation_tokens += 1
         if len(seq.text) == len(script):
             seq.finish_reason = "stop"
-        elif len(seq.token_ids) >= max_tokens:
+        elif len(seq.token_ids) >= p.max_tokens:
             seq.finish_reason = "length"
 
     @staticmethod

@@ -12,7 +12,10 @@ their chat fields; so do vLLM's sampling extras (`top_k`, `min_p`, `repetition_p
 
 The reply comes back as output items: a `reasoning` item (with a reasoning parser), a `message` with
 one `output_text` part, and one `function_call` item per tool call. A reply cut by the token limit is
-`incomplete` (`max_output_tokens`). Streamed, it is the Responses API's typed events, each with its
+`incomplete` (`max_output_tokens`). With `top_logprobs` (0 to 20), or `include` naming
+`message.output_text.logprobs`, the `output_text` part carries the logprobs of the reply's every token, as chat's
+`logprobs.content` does (reasoning and tool-call tokens included; streamed, each `output_text.delta` carries the
+tokens since the previous one). Streamed, it is the Responses API's typed events, each with its
 `sequence_number`: `response.created`, `response.in_progress`, then per item `output_item.added`,
 its deltas (`reasoning_text.delta`, `output_text.delta` inside a content part,
 `function_call_arguments.delta`) and its `done` events, and `response.completed` (or
@@ -47,7 +50,7 @@ from server.errors import ApiError, error_body
 from server.generation import Generation, Job
 from server.protocol import ChatRequest
 from server.response_store import ResponseStore, StoredResponse
-from server.responses import ChoiceCursor
+from server.responses import ChoiceCursor, TokenText, chat_logprobs
 from server.responses_input import chat_body, input_messages, listed_input_items
 from server.state import ServerState
 
@@ -77,6 +80,10 @@ class ResponsesFormatter:
                                    constrained=req.common.params.structured_outputs is not None,
                                    include_reasoning=True, function_tools=req.tools)
         self.cursor = ChoiceCursor()
+        self.top_n = req.common.params.logprobs or 0
+        self.want_logprobs = req.common.params.logprobs is not None
+        self.text_of = TokenText(self.tokenizer)
+        self.pending: list[dict[str, Any]] = []  # streamed: the logprobs of tokens no text delta has carried yet
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # the output items streamed so far
         self.open: dict[str, Any] | None = None  # the item still receiving deltas
@@ -97,7 +104,7 @@ class ResponsesFormatter:
             "store": self.store is not None,
             "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_p": b.get("top_p", 1.0), "truncation": "disabled", "user": b.get("user"), "usage": None,
+            "top_p": b.get("top_p", 1.0), "top_logprobs": b.get("top_logprobs"), "truncation": "disabled", "user": b.get("user"), "usage": None,
             "background": self.background,
         }
         if gen is not None:
@@ -168,7 +175,8 @@ class ResponsesFormatter:
         if message.get("reasoning"):
             items.append(self._reasoning_item(message["reasoning"], "completed"))
         if message.get("content"):
-            items.append(self._message_item(message["content"], status))
+            lps = chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n) if self.want_logprobs else []
+            items.append(self._message_item(message["content"], status, lps))
         for i, call in enumerate(message.get("tool_calls") or ()):
             items.append(self._call_item(i, call["id"], call["function"]["name"], call["function"]["arguments"],
                                          "completed"))
@@ -178,9 +186,9 @@ class ResponsesFormatter:
         return {"type": "reasoning", "id": f"rs_{self.request_id}", "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
-    def _message_item(self, text: str, status: str) -> dict[str, Any]:
+    def _message_item(self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"type": "message", "id": f"msg_{self.request_id}", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
     def _call_item(self, i: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
         return {"type": "function_call", "id": f"fc_{self.request_id}_{i}", "call_id": call_id, "name": name,
@@ -223,7 +231,7 @@ class ResponsesFormatter:
         else:
             part = item["content"][0]
             kind = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
             events.append(self._event(kind, item_id=item["id"], output_index=index, content_index=0,
                                       text=part["text"], **extra))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -246,7 +254,10 @@ class ResponsesFormatter:
         item = self.open
         assert item is not None
         item["content"][0]["text"] += text
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"], self.pending = self.pending, []
+            item["content"][0]["logprobs"] += extra["logprobs"]
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         events.append(self._event(name, item_id=item["id"], output_index=len(self.items) - 1, content_index=0,
                                   delta=text, **extra))
@@ -279,6 +290,8 @@ class ResponsesFormatter:
         d = self.cursor.advance(c)
         if d is None:
             return events
+        if self.want_logprobs:
+            self.pending += chat_logprobs(self.text_of, d.token_ids, d.logprobs, self.top_n)
         delta, finish = self.replies.delta(self.cursor, c, d)
         if delta.get("reasoning"):
             events += self._text("reasoning", delta["reasoning"])
@@ -291,7 +304,12 @@ class ResponsesFormatter:
         return events
 
     def closing(self, gen: Generation) -> list[bytes]:
-        """The open item's `done` events and the finished response."""
+        """The open item's `done` events and the finished response (whose text part has the logprobs of
+        the tokens after its last delta too)."""
+        message = next((item for item in reversed(self.items) if item["type"] == "message"), None)
+        if message is not None:
+            message["content"][0]["logprobs"] += self.pending
+        self.pending = []
         events = self._close()
         status = self._status()
         kind = "response.incomplete" if status == "incomplete" else "response.completed"

@@ -18,12 +18,11 @@ _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p
          "priority", "cache_salt", "stream")
 _KNOWN = {*_SAME, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
           "metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key",
-          "previous_response_id", "background"}
+          "previous_response_id", "background", "top_logprobs"}
 _REFUSED = {
     "conversation": "conversation objects are not supported; continue with 'previous_response_id' or send the "
                     "whole conversation in 'input'",
     "prompt": "stored prompt templates are not supported",
-    "top_logprobs": "logprobs are not returned by /v1/responses (use /v1/chat/completions)",
     "max_tool_calls": "'max_tool_calls' is not supported",
 }
 
@@ -164,6 +163,21 @@ def _format(body: Mapping[str, Any]) -> dict[str, Any]:
     raise bad_field("text.format.type", f"'text.format.type' must be text, json_schema or json_object, got {kind!r}")
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+
+
+def _logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat fields that return the reply's logprobs: asked for by `include` naming them, or by
+    `top_logprobs` (0 to 20 alternatives per token)."""
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+        raise bad_field("include", "'include' must be a list of strings", "invalid_type")
+    top = body.get("top_logprobs")
+    if top is None and OUTPUT_LOGPROBS not in (include or ()):
+        return {}
+    return {"logprobs": True, "top_logprobs": 0 if top is None else top}
+
+
 def chat_body(body: Any, history: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
     """A Responses API body as the chat completions body that computes it; `history`: the stored conversation
     `previous_response_id` continues."""
@@ -192,4 +206,4 @@ def chat_body(body: Any, history: tuple[dict[str, Any], ...] = ()) -> dict[str, 
     effort = body.get("reasoning", {}).get("effort") if isinstance(body.get("reasoning"), Mapping) else None
     if effort is not None:
         chat["chat_template_kwargs"] = {"reasoning_effort": effort}
-    return {**chat, **_tools(body), **_format(body)}
+    return {**chat, **_tools(body), **_format(body), **_logprobs(body)}

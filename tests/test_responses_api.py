@@ -145,6 +145,45 @@ def test_reasoning_is_a_reasoning_item(server):
     assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
 
 
+def _token_logprobs(entries: list[dict]) -> list[tuple]:
+    return [(e["token"], e["logprob"], len(e["top_logprobs"])) for e in entries]
+
+
+@pytest.mark.parametrize("prompt,tools", [("say two", None), ("count three", None), ("say one", TOOLS)])
+def test_logprobs_of_every_token_whole_and_streamed(server, prompt, tools):
+    extra = {"tools": tools} if tools else {}
+    r = _post(server, input=prompt, top_logprobs=2, **extra)
+    message = next(item for item in r["output"] if item["type"] == "message")
+    whole = message["content"][0]["logprobs"]
+    # Every generated token (reasoning and tool calls too), each with its two alternatives (the fake engine's
+    # logprob is -0.25 for the token drawn, -0.25 - i for the i-th alternative).
+    assert len(whole) == r["usage"]["output_tokens"] > 3
+    assert all(e["logprob"] == -0.25 and [t["logprob"] for t in e["top_logprobs"]] == [-0.25, -1.25]
+               and e["bytes"] == list(e["token"].encode()) for e in whole)
+    events = _stream(server, input=prompt, top_logprobs=2, **extra)
+    streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    done = next(ev for ev in events if ev["type"] == "response.output_text.done")["logprobs"]
+    final = next(item for item in events[-1]["response"]["output"] if item["type"] == "message")
+    assert _token_logprobs(final["content"][0]["logprobs"]) == _token_logprobs(whole)
+    assert _token_logprobs(streamed) == _token_logprobs(done) == _token_logprobs(whole)[:len(done)]
+    if tools is None:  # the text ends the reply: its deltas carry every token
+        assert len(done) == len(whole)
+
+
+def test_logprobs_asked_for_by_include_alone():
+    assert chat_body({"input": "hi", "include": ["message.output_text.logprobs"]})["top_logprobs"] == 0
+    assert "logprobs" not in chat_body({"input": "hi", "include": ["reasoning.encrypted_content"]})
+    assert chat_body({"input": "hi", "top_logprobs": 3})["top_logprobs"] == 3
+
+
+def test_logprobs_are_empty_unless_asked_for(server):
+    r = _post(server, input="say two")
+    assert r["output"][0]["content"][0]["logprobs"] == [] and r["top_logprobs"] is None
+    r = _post(server, input="say two", include=["message.output_text.logprobs"])
+    entries = r["output"][0]["content"][0]["logprobs"]
+    assert len(entries) == r["usage"]["output_tokens"] and all(e["top_logprobs"] == [] for e in entries)
+
+
 def test_input_items_become_the_chat_conversation():
     body = chat_body({"model": "m", "instructions": "sys", "max_output_tokens": 7, "input": [
         {"role": "developer", "content": "dev"},
@@ -179,6 +218,8 @@ def test_input_items_become_the_chat_conversation():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "only text content"),
     ({"truncation": "auto"}, "truncation", "must be 'disabled'"),
+    ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+    ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
     ({"input": []}, "input", "non-empty list"),
 ])
