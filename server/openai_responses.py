@@ -31,13 +31,18 @@ response and `DELETE` forgets it.
 reads it (`in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`), `POST
 /v1/responses/{id}/cancel` stops it. A background response is stored and not streamed.
 
-Refused by name: `conversation` (conversation objects), `prompt` (stored prompt templates),
-`truncation: "auto"`, tools other than functions, and content other than text.
+`truncation: "auto"` drops the conversation's oldest turns (whole: a user message and what follows it up to
+the next) from the prompt until it fits the context (the stored conversation keeps them); the latest turn is
+always kept, and a prompt that does not fit even so is refused as with `truncation: "disabled"`.
+
+Refused by name: `conversation` (conversation objects), `prompt` (stored prompt templates), tools other than
+functions, and content other than text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -104,7 +109,8 @@ class ResponsesFormatter:
             "store": self.store is not None,
             "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_p": b.get("top_p", 1.0), "top_logprobs": b.get("top_logprobs"), "truncation": "disabled", "user": b.get("user"), "usage": None,
+            "top_p": b.get("top_p", 1.0), "top_logprobs": b.get("top_logprobs"),
+            "truncation": b.get("truncation") or "disabled", "user": b.get("user"), "usage": None,
             "background": self.background,
         }
         if gen is not None:
@@ -346,4 +352,7 @@ def responses_api(store: ResponseStore) -> dict[str, Any]:
     def formatter(*args: Any) -> ResponsesFormatter:
         return ResponsesFormatter(*args, body=translated["body"], history=translated["history"])
 
-    return {"translate": translate, "formatter": formatter}
+    def prepare(req: ChatRequest) -> ChatRequest:
+        return dataclasses.replace(req, drop_turns_to_fit=translated["body"].get("truncation") == "auto")
+
+    return {"translate": translate, "formatter": formatter, "prepare": prepare}

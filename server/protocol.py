@@ -134,6 +134,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None  # function tools, for the chat template
     tool_choice: ToolChoice | None = None  # None: the reply is text (no tools, or tool_choice 'none')
     include_reasoning: bool = True  # with a reasoning parser: return the reasoning (vLLM's field)
+    drop_turns_to_fit: bool = False  # the Responses API's truncation "auto" (server/responses_input.py)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from server.errors import ApiError, bad_field
@@ -163,6 +163,30 @@ def _format(body: Mapping[str, Any]) -> dict[str, Any]:
     raise bad_field("text.format.type", f"'text.format.type' must be text, json_schema or json_object, got {kind!r}")
 
 
+def drop_oldest_turns(messages: list[dict[str, Any]], fits: Callable[[list[dict[str, Any]]], bool]
+                      ) -> list[dict[str, Any]]:
+    """`messages` (which do not fit) without the fewest oldest turns (a user message and the messages after it, up to the next
+    user message) that make `fits` true; the leading system messages and the latest turn always stay. The last
+    try (only the latest turn) is returned when nothing fits, for the caller's refusal to name its length."""
+    head = 0
+    while head < len(messages) and messages[head].get("role") in ("system", "developer"):
+        head += 1
+    starts = [i for i in range(head, len(messages)) if messages[i].get("role") == "user"]
+    # Cut points: drop messages[head:cut]. The first turn may begin before any user message (an assistant
+    # message that a continued conversation starts with): the first cut drops it too.
+    cuts = [c for c in starts if c > head]
+    if not cuts:
+        return messages
+    lo, hi = 0, len(cuts) - 1  # the smallest cut index that fits (the prompt only shrinks as turns go)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits([*messages[:head], *messages[cuts[mid]:]]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return [*messages[:head], *messages[cuts[lo]:]]
+
+
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -196,9 +220,9 @@ def chat_body(body: Any, history: tuple[dict[str, Any], ...] = ()) -> dict[str, 
         if body.get("store") is False:
             raise bad_field("store", "a background response must be stored ('store': true): it is read back by id",
                             "invalid_value")
-    if body.get("truncation", "disabled") not in ("disabled", None):
-        raise bad_field("truncation", "'truncation' must be 'disabled': an input longer than the context is refused",
-                        "unsupported_parameter")
+    if body.get("truncation", "disabled") not in ("disabled", "auto", None):
+        raise bad_field("truncation", f"'truncation' must be 'disabled' or 'auto', got {body['truncation']!r}",
+                        "invalid_value")
     chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
     chat["messages"] = [*_instructions(body), *history, *input_messages(body)]
     if body.get("max_output_tokens") is not None:

@@ -36,6 +36,7 @@ from server.responses import (
     sse,
     usage,
 )
+from server.responses_input import drop_oldest_turns
 from server.state import ServerState
 
 logger = logging.getLogger("jaxserve.server")
@@ -123,11 +124,23 @@ def _chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tupl
     return text, tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
 
 
+def _fits(max_model_len: int, ids: list[int], req: ChatRequest) -> bool:
+    """Whether a prompt of `ids` leaves room for the completion (the whole max_tokens when given)."""
+    return len(ids) + ((req.common.params.max_tokens if req.common.max_tokens_given else None) or 1) <= max_model_len
+
+
 async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
     engine = state.engine
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
     text, ids = await _offload(_chat_prompt, engine.tokenizer, req, state.config.chat_template,
                                big=size > _OFFLOAD_CHARS)
+    if req.drop_turns_to_fit and not _fits(engine.max_model_len, ids, req):
+        def fits(messages: list[dict[str, Any]]) -> bool:
+            shorter = dataclasses.replace(req, messages=messages)
+            return _fits(engine.max_model_len, _chat_prompt(engine.tokenizer, shorter, state.config.chat_template)[1], req)
+
+        req = dataclasses.replace(req, messages=await _offload(drop_oldest_turns, req.messages, fits, big=True))
+        text, ids = _chat_prompt(engine.tokenizer, req, state.config.chat_template)
     params = req.common.params
     if req.tool_choice is not None and req.tool_choice.mode == "auto":
         parser = state.tool_parser
@@ -202,14 +215,17 @@ Kind = Literal["chat", "completion"]
 
 
 async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[Any], Any] | None = None,
-                          formatter: Callable[..., Any] | None = None) -> Response:
-    """The shared body of the generation endpoints. `translate` turns another API's body into a chat body
-    and `formatter` builds that API's responses (the Responses API: server/openai_responses.py)."""
+                          formatter: Callable[..., Any] | None = None,
+                          prepare: Callable[[ChatRequest], ChatRequest] | None = None) -> Response:
+    """The generation endpoints' shared body. Another API (server/openai_responses.py) gives `translate` (its body
+    as a chat body), `prepare` (what it asks of the chat request beyond that) and `formatter` (its responses)."""
     state = _state(request)
     state.check_serving()
     arrival = time.time()
     body = await read_json(request, state.config.max_request_body_bytes)
     req = parse_chat(translate(body) if translate else body) if kind == "chat" else parse_completion(body)
+    if prepare is not None:
+        req = prepare(req)
     lora = state.check_model(req.common.model)
     vocab = state.engine.tokenizer.vocab_size
     outside = sorted(t for t in req.common.params.logit_bias if t >= vocab)

@@ -19,7 +19,7 @@ from server.errors import ApiError  # noqa: E402
 from server.fake_engine import FakeAsyncEngine  # noqa: E402
 from server.openai_responses import responses_api  # noqa: E402
 from server.response_store import ResponseStore, StoredResponse  # noqa: E402
-from server.responses_input import chat_body  # noqa: E402
+from server.responses_input import chat_body, drop_oldest_turns  # noqa: E402
 from server.runner import serve_in_thread  # noqa: E402
 
 # Scripted replies, chosen by the last word of the prompt (the fake vocabulary's number words).
@@ -184,6 +184,58 @@ def test_logprobs_are_empty_unless_asked_for(server):
     assert len(entries) == r["usage"]["output_tokens"] and all(e["top_logprobs"] == [] for e in entries)
 
 
+def test_truncation_auto_drops_the_oldest_whole_turns(server):
+    from server.fake_engine import fake_tokenizer
+
+    turns = [{"role": "user", "content": "one " * 60}, {"role": "assistant", "content": "two " * 60},
+             {"role": "user", "content": "three " * 60}, {"role": "assistant", "content": "four " * 60},
+             {"role": "user", "content": "say two"}]
+    body = dict(input=turns, instructions="Be brief.", max_output_tokens=32)
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "fake-model", **body})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # 277 of 256 tokens
+    r = _post(server, **body, truncation="auto")
+    assert r["status"] == "completed" and r["truncation"] == "auto"
+    assert r["output"][0]["content"][0]["text"] == REPLIES["two"]
+    tok = fake_tokenizer()
+    kept = [{"role": "system", "content": "Be brief."}, *turns[2:]]  # the first turn (user, assistant) went
+    assert r["usage"]["input_tokens"] == len(tok.encode(tok.apply_chat_template(kept, chat_template=TEMPLATE)))
+    # Streamed alike; the stored conversation keeps every turn.
+    events = _stream(server, **body, truncation="auto", store=True)
+    assert events[-1]["response"]["usage"]["input_tokens"] == r["usage"]["input_tokens"]
+    stored = _post(server, input="say two", previous_response_id=r["id"], truncation="auto")
+    kept = [*turns[2:], {"role": "assistant", "content": REPLIES["two"]}, {"role": "user", "content": "say two"}]
+    assert stored["usage"]["input_tokens"] == len(tok.encode(tok.apply_chat_template(kept, chat_template=TEMPLATE)))
+    # The latest turn alone does not fit: refused as without truncation.
+    r = httpx.post(f"{server.url}/v1/responses", json={"model": "fake-model", "input": "one " * 300,
+                                                        "truncation": "auto"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_dropping_turns_drops_the_fewest_whole_turns():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        roles = ["system"] * rng.randint(0, 2) + [rng.choice(["user", "assistant", "tool"])
+                                                  for _ in range(rng.randint(1, 12))]
+        messages = [{"role": r, "content": str(i)} for i, r in enumerate(roles)]
+        limit = rng.randint(0, len(messages))
+        got = drop_oldest_turns(messages, lambda m, limit=limit: len(m) <= limit)
+        head = [m for m in messages if m["role"] == "system"]
+        # The kept messages: the system messages, then a suffix that starts at a user message (or is all).
+        rest = got[len(head):]
+        assert got[:len(head)] == head and rest == messages[len(messages) - len(rest):]
+        users = [i for i, m in enumerate(messages) if m["role"] == "user" and i > len(head)]
+        if rest != messages[len(head):]:
+            assert rest[0]["role"] == "user"
+            # The fewest: keeping one more turn would not fit, or nothing shorter fits at all.
+            start = len(messages) - len(rest)
+            longer = [c for c in users if c < start]
+            assert len(got) <= limit or start == users[-1]
+            if longer and len(got) <= limit:
+                assert len(head) + len(messages) - longer[-1] > limit
+
+
 def test_input_items_become_the_chat_conversation():
     body = chat_body({"model": "m", "instructions": "sys", "max_output_tokens": 7, "input": [
         {"role": "developer", "content": "dev"},
@@ -217,7 +269,7 @@ def test_input_items_become_the_chat_conversation():
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]",
      "only text content"),
-    ({"truncation": "auto"}, "truncation", "must be 'disabled'"),
+    ({"truncation": "middle"}, "truncation", "must be 'disabled' or 'auto'"),
     ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
