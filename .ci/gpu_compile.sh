@@ -26,7 +26,7 @@ fi
 # jax[cudaNN] pinned to the main venv's version (or GPU_COMPILE_JAX) so the same kernels are compiled; jax-triton
 # is resolved against that pin in the same command so it cannot drag jax to another version.
 "$VENV/bin/pip" install -q --disable-pip-version-check \
-  "jax[cuda${CUDA}]==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" jax-triton pytest ${GPU_COMPILE_EXTRA:-}
+  "jax[cuda${CUDA}]==${JAX_VERSION}" "jaxlib==${JAX_VERSION}" jax-triton pytest pytest-xdist ${GPU_COMPILE_EXTRA:-}
 "$VENV/bin/pip" install -q --disable-pip-version-check -e . --no-deps
 
 "$VENV/bin/python" - <<PY
@@ -37,8 +37,9 @@ PY
 installed=$(date +%s)
 echo "gpu_compile: venv ready in $((installed - start)) s (jax ${JAX_VERSION})"
 
-# The constraints check compares the CUDA runtime against a driver; there is no driver here.
+# The constraints check compares the CUDA runtime against a driver; there is no driver here. Two workers: each
+# compile is one process's work (the tests share no state but a cheap topology).
 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu \
-  "$VENV/bin/python" -m pytest -q -m gpu_compile tests/gpu_compile -p no:cacheprovider --durations=25 "$@"
+  "$VENV/bin/python" -m pytest -q -m gpu_compile tests/gpu_compile -p no:cacheprovider -n 2 --durations=25 "$@"
 
 echo "gpu_compile: total $(( $(date +%s) - start )) s"
