@@ -1,5 +1,6 @@
 """jaxserve: an LLM serving engine written in JAX."""
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -9,7 +10,7 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "LoRARequest", "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "EmbeddingOutput"]
 
 

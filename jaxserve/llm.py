@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, one_token_params
 from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine_args import EngineArgs
@@ -151,6 +152,19 @@ class LLM:
             results.append(ScoringRequestOutput(str(next(self._ids)), outs[a].prompt_token_ids + outs[b].prompt_token_ids,
                                                 ScoringOutput(float(np.clip(u @ v, -1.0, 1.0)))))
         return results
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` beams of each prompt, best first (jaxserve/beam_search.py)."""
+        engine = self.engine
+        ids = [engine.tokenize_prompt(p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p)
+               for p in self._prompt_list(prompts)]
+
+        def next_logprobs(token_lists: list[list[int]], k: int) -> list[dict[int, float]]:
+            outs = self._run(self._add_all(token_lists, [one_token_params(k)] * len(token_lists)), False)
+            return [{t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()} for out in outs]
+
+        return beam_search(ids, params, max_model_len=engine.max_model_len, eos_token_ids=engine.eos_ids,
+                           decode=engine.tokenizer.decode, next_logprobs=next_logprobs)
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

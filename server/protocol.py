@@ -150,6 +150,9 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
             raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+    if body.get("use_beam_search") not in (None, False, _UNSET):  # vLLM's field
+        raise bad_field("use_beam_search", "beam search is not served over HTTP; from Python use "
+                                           "LLM.beam_search with BeamSearchParams", "unsupported_parameter")
     suffix = body.get("suffix")
     if suffix:
         raise bad_field("suffix", "'suffix' is not supported by this server", "unsupported_parameter")

@@ -80,6 +80,8 @@ MALFORMED = [
     (COMP, {"prompt": "hello", "logprobs": 99}, 400, "logprobs", "invalid_value"),
     (COMP, {"prompt": "hello", "suffix": "x"}, 400, "suffix", "unsupported_parameter"),
     (COMP, {"prompt": "hello", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+    (COMP, {"prompt": "hello", "use_beam_search": True}, 400, "use_beam_search", "unsupported_parameter"),
+    (CHAT, {"messages": MSG, "use_beam_search": True}, 400, "use_beam_search", "unsupported_parameter"),
     (COMP, {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
     (COMP, {"prompt": "hello", "max_tokens": 64}, 400, "max_tokens", "context_length_exceeded"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "invalid_value"),
