@@ -10,8 +10,9 @@ from jaxserve.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "LoRARequest", "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "EmbeddingOutput"]
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "LoRARequest", "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput",
+           "EmbeddingOutput"]
 
 
 def __getattr__(name: str):

@@ -68,23 +68,28 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: Sequence[int], length_pe
     return beam.cum_logprob / (max(n, 1) ** length_penalty)
 
 
+NextLogprobs = Callable[[list[list[int]], int], list[dict[int, float]]]
+
+
 def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, *, max_model_len: int,
                 eos_token_ids: Sequence[int], decode: Callable[[list[int]], str],
-                next_logprobs: Callable[[list[list[int]], int], list[dict[int, float]]]) -> list[BeamSearchOutput]:
+                next_logprobs: NextLogprobs) -> list[BeamSearchOutput]:
     """Beam search for each prompt (token ids). `next_logprobs(token_lists, k)` gives, for each list, the
     logprobs of at least its k most likely next tokens (the engine's one-token requests)."""
     for i, p in enumerate(prompts):
         if not p or len(p) >= max_model_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; beam search needs 1 to {max_model_len - 1} (the "
-                             f"model's length is {max_model_len})")
+            raise ValueError(f"prompt {i} has {len(p)} tokens; beam search needs 1 to {max_model_len - 1} "
+                             f"(the model's length is {max_model_len})")
     width, eos = params.beam_width, set(eos_token_ids)
     live = [[BeamSearchSequence(list(p))] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for step in range(params.max_tokens):
-        owners = [(i, b) for i, beams in enumerate(live) for b in beams if len(b.tokens) < max_model_len]
-        for i, beams in enumerate(live):  # a beam at the model's length ends there
+        owners = []
+        for i, beams in enumerate(live):
             for b in beams:
-                if len(b.tokens) >= max_model_len:
+                if len(b.tokens) < max_model_len:
+                    owners.append((i, b))
+                else:  # a beam at the model's length ends there
                     b.finish_reason = "length"
                     done[i].append(b)
         if not owners:
@@ -94,7 +99,7 @@ def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, *, max_m
         for (i, b), logprobs in zip(owners, found, strict=True):
             top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:2 * width]
             for tid, lp in top:
-                candidates[i].append(BeamSearchSequence(b.tokens + [tid], b.logprobs + [lp], b.cum_logprob + lp))
+                candidates[i].append(BeamSearchSequence([*b.tokens, tid], [*b.logprobs, lp], b.cum_logprob + lp))
         last = step == params.max_tokens - 1
         for i, cands in enumerate(candidates):
             cands.sort(key=lambda c: -c.cum_logprob)  # stable: ties keep the beams' and tokens' order

@@ -35,6 +35,7 @@ from jaxserve.outputs import (
     EmbeddingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    TokenLogprobs,
     token_logprobs,
 )
 from jaxserve.pooling_params import PoolingParams
@@ -120,6 +121,13 @@ class _Req:
     metrics: RequestMetrics
     fail: bool
     script: str | None = None
+
+
+def _word_logprobs(tid: int, start: int, n: int) -> TokenLogprobs:
+    """A generated token's logprobs: itself at -0.25 (rank 1), and the `n` words from WORDS[start] on at
+    -0.25 - i."""
+    top = [FIRST_WORD_ID + (start + i) % len(WORDS) for i in range(n)]
+    return token_logprobs(tid, -0.25, 1, top, [-0.25 - i for i in range(n)])
 
 
 class FakeAsyncEngine:
@@ -299,8 +307,7 @@ class FakeAsyncEngine:
                 tid = EOS_ID
             seq.token_ids.append(tid)
             if p.logprobs is not None:
-                top = [FIRST_WORD_ID + (seq.offset + k + i) % len(WORDS) for i in range(p.logprobs)]
-                seq.logprobs.append(token_logprobs(tid, -0.25, 1, top, [-0.25 - i for i in range(len(top))]))
+                seq.logprobs.append(_word_logprobs(tid, seq.offset + k, p.logprobs))
             self._stats.generation_tokens += 1
             if tid == EOS_ID:
                 seq.finish_reason = "stop"
@@ -331,9 +338,8 @@ class FakeAsyncEngine:
     def _script_step(self, seq: _Seq, script: str, p: SamplingParams) -> None:
         k = len(seq.token_ids)
         seq.token_ids.append(FIRST_WORD_ID + k % len(WORDS))
-        if p.logprobs is not None:  # as an unscripted reply's: the token drawn at -0.25, the next words after it
-            top = [FIRST_WORD_ID + (k + i) % len(WORDS) for i in range(p.logprobs)]
-            seq.logprobs.append(token_logprobs(seq.token_ids[-1], -0.25, 1, top, [-0.25 - i for i in range(len(top))]))
+        if p.logprobs is not None:
+            seq.logprobs.append(_word_logprobs(seq.token_ids[-1], k, p.logprobs))
         seq.text = script[: (k + 1) * SCRIPT_PIECE]
         self._stats.generation_tokens += 1
         if len(seq.text) == len(script):

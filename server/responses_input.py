@@ -165,16 +165,16 @@ def _format(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def drop_oldest_turns(messages: list[dict[str, Any]], fits: Callable[[list[dict[str, Any]]], bool]
                       ) -> list[dict[str, Any]]:
-    """`messages` (which do not fit) without the fewest oldest turns (a user message and the messages after it, up to the next
-    user message) that make `fits` true; the leading system messages and the latest turn always stay. The last
-    try (only the latest turn) is returned when nothing fits, for the caller's refusal to name its length."""
+    """`messages` (which do not fit) without the fewest oldest turns (a user message and the messages after
+    it, up to the next user message) that make `fits` true; the leading system messages and the latest turn
+    always stay. The last try (only the latest turn) is returned when nothing fits, for the caller's refusal
+    to name its length."""
     head = 0
     while head < len(messages) and messages[head].get("role") in ("system", "developer"):
         head += 1
-    starts = [i for i in range(head, len(messages)) if messages[i].get("role") == "user"]
     # Cut points: drop messages[head:cut]. The first turn may begin before any user message (an assistant
     # message that a continued conversation starts with): the first cut drops it too.
-    cuts = [c for c in starts if c > head]
+    cuts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
     if not cuts:
         return messages
     lo, hi = 0, len(cuts) - 1  # the smallest cut index that fits (the prompt only shrinks as turns go)

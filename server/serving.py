@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 from server.chat_replies import ChatReplies
 from server.errors import ApiError, sse_error
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
+from server.prompts import chat_prompt, drop_turns_to_fit, fit_to_context, prompt_fits
 from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from server.responses import (
     SSE_DONE,
@@ -36,7 +36,6 @@ from server.responses import (
     sse,
     usage,
 )
-from server.responses_input import drop_oldest_turns
 from server.state import ServerState
 
 logger = logging.getLogger("jaxserve.server")
@@ -82,65 +81,14 @@ async def _offload(fn: Any, *args: Any, big: bool) -> Any:
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
-def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *, max_tokens_given: bool,
-                   prompt_param: str) -> SamplingParams:
-    """`params` with max_tokens set to fit the context; 400 with the numbers if the request cannot fit."""
-    n = len(ids)
-    if n >= max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"prompt has {n} tokens, which leaves no room for the completion.",
-                       param=prompt_param, code="context_length_exceeded")
-    room = max_model_len - n
-    want = params.max_tokens
-    if want is not None and want > room and max_tokens_given:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {n + want} tokens ({n} in the prompt, {want} for the completion). "
-                            f"Reduce the prompt or max_tokens.", param="max_tokens",
-                       code="context_length_exceeded")
-    if want is None or want > room:
-        try:
-            return dataclasses.replace(params, max_tokens=room)
-        except ValueError as e:  # min_tokens no longer fits
-            raise ApiError(400, f"min_tokens does not fit the context: {e}", param="min_tokens") from e
-    return params
-
-
-def _chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple[str, list[int]]:
-    try:
-        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             tools=req.tools, chat_template=template, **req.chat_template_kwargs)
-    except TypeError as e:
-        raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
-    except ValueError as e:  # ChatTemplateError included: the template refused the conversation
-        raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
-    if req.continue_final_message:
-        # Cut the end-of-turn the template wrote after the last message, so the model continues it.
-        last = req.messages[-1].get("content") or ""
-        if isinstance(last, list):
-            last = "\n".join(p["text"] for p in last)
-        at = text.rfind(last) if last else -1
-        if at >= 0:
-            text = text[: at + len(last)]
-    return text, tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
-
-
-def _fits(max_model_len: int, ids: list[int], req: ChatRequest) -> bool:
-    """Whether a prompt of `ids` leaves room for the completion (the whole max_tokens when given)."""
-    return len(ids) + ((req.common.params.max_tokens if req.common.max_tokens_given else None) or 1) <= max_model_len
-
-
 async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
     engine = state.engine
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
-    text, ids = await _offload(_chat_prompt, engine.tokenizer, req, state.config.chat_template,
+    text, ids = await _offload(chat_prompt, engine.tokenizer, req, state.config.chat_template,
                                big=size > _OFFLOAD_CHARS)
-    if req.drop_turns_to_fit and not _fits(engine.max_model_len, ids, req):
-        def fits(messages: list[dict[str, Any]]) -> bool:
-            shorter = dataclasses.replace(req, messages=messages)
-            return _fits(engine.max_model_len, _chat_prompt(engine.tokenizer, shorter, state.config.chat_template)[1], req)
-
-        req = dataclasses.replace(req, messages=await _offload(drop_oldest_turns, req.messages, fits, big=True))
-        text, ids = _chat_prompt(engine.tokenizer, req, state.config.chat_template)
+    if req.drop_turns_to_fit and not prompt_fits(engine.max_model_len, ids, req):
+        req, text, ids = await _offload(drop_turns_to_fit, engine.tokenizer, req, state.config.chat_template,
+                                        engine.max_model_len, big=True)
     params = req.common.params
     if req.tool_choice is not None and req.tool_choice.mode == "auto":
         parser = state.tool_parser

@@ -11,9 +11,9 @@ from jaxserve.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.errors import ApiError
 from server.fake_engine import WORDS, FakeAsyncEngine
+from server.prompts import fit_to_context
 from server.protocol import parse_chat, parse_completion
 from server.responses import ChoiceCursor
-from server.serving import fit_to_context
 
 MSG = [{"role": "user", "content": "hello"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -232,17 +232,17 @@ def test_fake_engine_outputs_are_the_documented_words():
 
 def test_tools_reach_the_chat_template():
     from server.fake_engine import fake_tokenizer
-    from server.serving import _chat_prompt
+    from server.prompts import chat_prompt
 
     tok = fake_tokenizer()
     tok.chat_templates["tool_use"] = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
                                       "{% for m in messages %}{{ m.content }}{% endfor %}")
-    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}), None)
+    text, _ = chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}), None)
     assert text == "[get_weather]hello"
-    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG}), None)
+    text, _ = chat_prompt(tok, parse_chat({"messages": MSG}), None)
     assert "[get_weather]" not in text, "without tools the default template renders"
     # The server's --chat-template replaces the model's, tools or not.
-    text, _ = _chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL]}), "<{{ messages[0].content }}>")
+    text, _ = chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL]}), "<{{ messages[0].content }}>")
     assert text == "<hello>"
 
 

@@ -1,0 +1,77 @@
+"""Prompts and the context: a chat request's prompt (its conversation rendered by the chat template), the
+room a prompt leaves for the completion, and the Responses API's truncation "auto", which drops a
+conversation's oldest turns until its prompt fits."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.sampling_params import SamplingParams
+from server.errors import ApiError
+from server.protocol import ChatRequest
+from server.responses_input import drop_oldest_turns
+
+
+def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *, max_tokens_given: bool,
+                   prompt_param: str) -> SamplingParams:
+    """`params` with max_tokens set to fit the context; 400 with the numbers if the request cannot fit."""
+    n = len(ids)
+    if n >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                            f"prompt has {n} tokens, which leaves no room for the completion.",
+                       param=prompt_param, code="context_length_exceeded")
+    room = max_model_len - n
+    want = params.max_tokens
+    if want is not None and want > room and max_tokens_given:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {n + want} tokens ({n} in the prompt, {want} for the completion). "
+                            f"Reduce the prompt or max_tokens.", param="max_tokens",
+                       code="context_length_exceeded")
+    if want is None or want > room:
+        try:
+            return dataclasses.replace(params, max_tokens=room)
+        except ValueError as e:  # min_tokens no longer fits
+            raise ApiError(400, f"min_tokens does not fit the context: {e}", param="min_tokens") from e
+    return params
+
+
+def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple[str, list[int]]:
+    """The request's conversation rendered by the chat template (`template`, else the tokenizer's), and its ids."""
+    try:
+        text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                             tools=req.tools, chat_template=template, **req.chat_template_kwargs)
+    except TypeError as e:
+        raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
+    except ValueError as e:  # ChatTemplateError included: the template refused the conversation
+        raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
+    if req.continue_final_message:
+        # Cut the end-of-turn the template wrote after the last message, so the model continues it.
+        last = req.messages[-1].get("content") or ""
+        if isinstance(last, list):
+            last = "\n".join(p["text"] for p in last)
+        at = text.rfind(last) if last else -1
+        if at >= 0:
+            text = text[: at + len(last)]
+    return text, tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
+
+
+def prompt_fits(max_model_len: int, ids: list[int], req: ChatRequest) -> bool:
+    """Whether `fit_to_context` takes a prompt of `ids` for this request."""
+    try:
+        fit_to_context(max_model_len, ids, req.common.params, max_tokens_given=req.common.max_tokens_given,
+                       prompt_param="messages")
+    except ApiError:
+        return False
+    return True
+
+
+def drop_turns_to_fit(tokenizer: Any, req: ChatRequest, template: str | None,
+                      max_model_len: int) -> tuple[ChatRequest, str, list[int]]:
+    """`req` without the fewest oldest turns that let its prompt fit (`drop_oldest_turns`), and that prompt."""
+    def fits(messages: list[dict[str, Any]]) -> bool:
+        return prompt_fits(max_model_len, chat_prompt(tokenizer, dataclasses.replace(req, messages=messages),
+                                                      template)[1], req)
+
+    req = dataclasses.replace(req, messages=drop_oldest_turns(req.messages, fits))
+    return (req, *chat_prompt(tokenizer, req, template))
