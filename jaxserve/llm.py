@@ -161,7 +161,7 @@ class LLM:
 
         def next_logprobs(token_lists: list[list[int]], k: int) -> list[dict[int, float]]:
             outs = self._run(self._add_all(token_lists, [one_token_params(k)] * len(token_lists)), False)
-            return [{t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()} for out in outs]
+            return [out.outputs[0].logprobs[0] for out in outs]
 
         return beam_search(ids, params, max_model_len=engine.max_model_len, eos_token_ids=engine.eos_ids,
                            decode=engine.tokenizer.decode, next_logprobs=next_logprobs)

@@ -13,9 +13,11 @@ import logging
 import time
 from typing import Any
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
+from server.beam import beam_search_output
 from server.state import ServerState
 
 logger = logging.getLogger("jaxserve.server")
@@ -23,12 +25,14 @@ logger = logging.getLogger("jaxserve.server")
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One engine request: its id, prompt ids, prompt text (for echo) and sampling parameters."""
+    """One engine request: its id, prompt ids, prompt text (for echo) and sampling parameters; with `beam`,
+    a beam search (server/beam.py) whose engine requests are the beams' steps."""
 
     engine_id: str
     prompt_ids: list[int]
     prompt_text: str | None
     params: SamplingParams | PoolingParams
+    beam: BeamSearchParams | None = None
 
 
 def generated_tokens(out: Any) -> int:
@@ -90,6 +94,16 @@ class Generation:
                        for i, job in enumerate(jobs)]
 
     async def _pump(self, i: int, job: Job, priority: int, cache_salt: str | None) -> None:
+        if job.beam is not None:
+            try:
+                self._queue.put_nowait((i, await beam_search_output(
+                    self._engine, job.engine_id, job.prompt_ids, job.params, job.beam, priority=priority,
+                    cache_salt=cache_salt, **self._lora)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._queue.put_nowait((i, e))
+            return
         outputs = self._engine.generate(job.prompt_ids, job.params, job.engine_id, priority=priority,
                                         cache_salt=cache_salt, **self._lora)
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
+from server.beam import check_beam_request
 from server.constraints import ToolChoice, structured_outputs, tool_call_schema, tools_and_choice
 from server.errors import ApiError, bad_field
 
@@ -119,6 +120,8 @@ class CommonFields:
     cache_salt: str | None
     add_special_tokens: bool
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`, when the request gave it
+    use_beam_search: bool = False  # vLLM's: `n` beams, ranked with `length_penalty` (server/beam.py)
+    length_penalty: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -150,9 +153,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
             raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
-    if body.get("use_beam_search") not in (None, False, _UNSET):  # vLLM's field
-        raise bad_field("use_beam_search", "beam search is not served over HTTP; from Python use "
-                                           "LLM.beam_search with BeamSearchParams", "unsupported_parameter")
     suffix = body.get("suffix")
     if suffix:
         raise bad_field("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
@@ -245,10 +245,16 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             logit_bias=_logit_bias(body), structured_outputs=structured, prompt_logprobs=prompt_logprobs)
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
         raise bad_field(str(e).split(" ", 1)[0], str(e)) from e
+    use_beam_search, length_penalty = get_bool(body, "use_beam_search", False), get_number(body, "length_penalty", 1.0)
+    if use_beam_search:
+        check_beam_request(body, params, length_penalty)
+    elif length_penalty != 1.0:
+        raise bad_field("length_penalty", "'length_penalty' applies only with use_beam_search")
     return CommonFields(
         model=model, params=params, max_tokens_given=given, stream=stream, stream_options=options,
         priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
-        add_special_tokens=get_bool(body, "add_special_tokens", False), prompt_logprobs=asked)
+        add_special_tokens=get_bool(body, "add_special_tokens", False), prompt_logprobs=asked,
+        use_beam_search=use_beam_search, length_penalty=length_penalty)
 
 
 def _check_body(body: Any) -> Mapping[str, Any]:

@@ -19,7 +19,10 @@ from typing import Any, Literal
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from server.beam import beam_params
 from server.chat_replies import ChatReplies
 from server.errors import ApiError, sse_error
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
@@ -100,7 +103,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
             params = dataclasses.replace(params, skip_special_tokens=False)
     params = fit_to_context(engine.max_model_len, ids, params,
                             max_tokens_given=req.common.max_tokens_given, prompt_param="messages")
-    return [Job(state.engine_id(request_id), ids, text, params)]
+    return [Job(state.engine_id(request_id), ids, text, params, _beam(req, params))]
 
 
 async def _completion_jobs(state: ServerState, req: CompletionRequest, request_id: str) -> list[Job]:
@@ -121,8 +124,12 @@ async def _completion_jobs(state: ServerState, req: CompletionRequest, request_i
         params = fit_to_context(engine.max_model_len, ids, req.common.params,
                                 max_tokens_given=req.common.max_tokens_given, prompt_param="prompt")
         engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
-        jobs.append(Job(state.engine_id(engine_id), ids, text, params))
+        jobs.append(Job(state.engine_id(engine_id), ids, text, params, _beam(req, params)))
     return jobs
+
+
+def _beam(req: ChatRequest | CompletionRequest, params: SamplingParams) -> BeamSearchParams | None:
+    return beam_params(params, req.common.length_penalty) if req.common.use_beam_search else None
 
 
 class EventStream(Response):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.beam_search import BeamSearchParams, BeamSearchSequence, beam_score, beam_search
+from jaxserve.outputs import Logprob
 from tests.conftest import REAL_ENGINE_ARGS
 
 EOS = 3
@@ -24,6 +25,11 @@ def _markov(tokens: list[int]) -> dict[int, float]:
     return {t: float(lp[t]) for t in range(4)}
 
 
+def _ranked(logprobs: dict[int, float]) -> dict[int, Logprob]:
+    order = sorted(logprobs, key=lambda t: -logprobs[t])
+    return {t: Logprob(logprobs[t], order.index(t) + 1) for t in logprobs}
+
+
 def test_a_wide_enough_search_finds_the_best_sequences():
     """With room for every candidate up to the last step, the beams are the best of all sequences of up to
     `max_tokens` tokens (ending at EOS or at the limit), by cumulative logprob (length_penalty 0)."""
@@ -33,7 +39,7 @@ def test_a_wide_enough_search_finds_the_best_sequences():
 
     def next_logprobs(lists, k):
         calls.append((len(lists), k))
-        return [_markov(t) for t in lists]
+        return [_ranked(_markov(t)) for t in lists]
 
     out = beam_search([prompt], params, max_model_len=64, eos_token_ids=[EOS], decode=str,
                       next_logprobs=next_logprobs)[0]
@@ -62,8 +68,8 @@ def test_a_prompt_without_room_is_refused():
 
 
 def test_length_penalty_ranks_by_length_normalized_score():
-    short = BeamSearchSequence([1, 2, EOS], [-1.0], -1.0)
-    long = BeamSearchSequence([1, 2, 5, 6, 7], [-0.5] * 3, -1.5)
+    short = BeamSearchSequence([1, 2, EOS], cum_logprob=-1.0)
+    long = BeamSearchSequence([1, 2, 5, 6, 7], cum_logprob=-1.5)
     assert beam_score(short, [EOS], 1.0) == -1.0 / 2  # the final EOS is not counted
     assert beam_score(long, [EOS], 1.0) == -1.5 / 5
     assert beam_score(long, [EOS], 0.0) == -1.5
@@ -96,14 +102,15 @@ def test_engine_beams_equal_the_search_over_transformers(llm, hf_smollm, chat_pr
     got = llm.beam_search(prompts, params)
 
     def hf_logprobs(lists, k):
-        out = []
-        for tokens in lists:
+        out = {}
+        for n in {len(t) for t in lists}:  # a step's live beams of one prompt have one length: one batch
+            rows = [i for i, t in enumerate(lists) if len(t) == n]
             with torch.no_grad():
-                logits = model(torch.tensor([tokens])).logits[0, -1].double()
-            lp = torch.log_softmax(logits, -1)
-            top = torch.topk(lp, k)
-            out.append({int(t): float(v) for t, v in zip(top.indices, top.values, strict=True)})
-        return out
+                logits = model(torch.tensor([lists[i] for i in rows])).logits[:, -1].double()
+            top = torch.topk(torch.log_softmax(logits, -1), k)
+            for i, ids, vals in zip(rows, top.indices, top.values, strict=True):
+                out[i] = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(ids, vals, strict=True))}
+        return [out[i] for i in range(len(lists))]
 
     eos = llm.engine.eos_ids
     want = beam_search(prompts, params, max_model_len=llm.engine.max_model_len, eos_token_ids=eos,
@@ -127,4 +134,6 @@ def test_engine_beams_equal_the_search_over_transformers(llm, hf_smollm, chat_pr
         c = g.outputs[0]
         assert b.sequences[0].tokens[len(g.prompt_token_ids):] == c.token_ids
         lps = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs, strict=True)]
-        assert b.sequences[0].logprobs == pytest.approx(lps, abs=1e-4)
+        beam = b.sequences[0]
+        assert [pos[t].logprob for t, pos in zip(c.token_ids, beam.logprobs, strict=True)] == pytest.approx(lps, abs=1e-4)
+        assert all(pos[t].rank == 1 for t, pos in zip(c.token_ids, beam.logprobs, strict=True))

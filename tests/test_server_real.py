@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.runner import serve_in_thread
@@ -22,11 +23,13 @@ CHATS = [
 ]
 PROMPT = "The three primary colors are"
 MAX_TOKENS = 24
+BEAM_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def real():
-    """(reference texts from LLM.generate, a server over an AsyncEngine on the same engine)."""
+    """(reference texts from LLM.generate, a server over an AsyncEngine on the same engine, the engine,
+    LLM.beam_search's beams of CHATS[0] and PROMPT)."""
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.llm import LLM
 
@@ -35,15 +38,16 @@ def real():
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     prompts = [tok.encode_chat(c) for c in CHATS] + [PROMPT]
     reference = [out.outputs[0].text for out in llm.generate(prompts, greedy, use_tqdm=False)]
+    beams = llm.beam_search([prompts[0], prompts[2]], BeamSearchParams(beam_width=3, max_tokens=BEAM_TOKENS))
     llm.engine.reset_prefix_cache()
     engine = AsyncEngine(llm.engine)
     with serve_in_thread(engine, ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes")) as srv:
-        yield reference, srv, engine
+        yield reference, srv, engine, beams
     engine.shutdown()
 
 
 def test_greedy_text_over_http_equals_llm_generate(real):
-    reference, srv, _ = real
+    reference, srv, _, _ = real
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     for chat, expected in zip(CHATS, reference[:2], strict=True):
         r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=chat, temperature=0,
@@ -61,10 +65,35 @@ def test_greedy_text_over_http_equals_llm_generate(real):
     assert r.choices[0].text == reference[2]
 
 
+def test_beam_search_over_http_equals_llm_beam_search(real):
+    """vLLM's `use_beam_search` with `n` beams, on chat and completions, whole and streamed: the beams'
+    texts, in order, are LLM.beam_search's on the same engine; with logprobs each beam's tokens' logprobs
+    add up to its cumulative logprob. No request is left in the engine."""
+    _, srv, engine, beams = real
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="SmolLM2-135M-Instruct", n=3, max_tokens=BEAM_TOKENS, extra_body={"use_beam_search": True})
+    chat, completion = ([b.text for b in out.sequences] for out in beams)
+    r = client.chat.completions.create(messages=CHATS[0], logprobs=True, **kw)
+    assert [c.message.content for c in r.choices] == chat
+    for c, b in zip(r.choices, beams[0].sequences, strict=True):
+        assert sum(t.logprob for t in c.logprobs.content) == pytest.approx(b.cum_logprob, abs=1e-4)
+        assert c.finish_reason == b.finish_reason
+    streamed = client.chat.completions.create(messages=CHATS[0], stream=True, **kw)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == chat
+    r = client.completions.create(prompt=PROMPT, **kw)
+    assert [c.text for c in r.choices] == completion
+    assert r.usage.completion_tokens == sum(len(b.tokens) for b in beams[1].sequences) - 3 * r.usage.prompt_tokens
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
+
+
 def test_responses_api_gives_the_chat_reply(real):
     """`/v1/responses` on the real model: the greedy reply `LLM.generate` gives, whole and streamed, with the
     prompt's whole pages counted as written to the prefix cache, then read from it."""
-    reference, srv, engine = real
+    reference, srv, engine, _ = real
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     chat = CHATS[1]
     engine.engine.reset_prefix_cache()
@@ -89,7 +118,7 @@ def _metric(srv, name: str) -> float:
 
 
 def test_disconnect_frees_the_pages(real):
-    _, srv, engine = real
+    _, srv, engine, _ = real
     body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
             "stream": True}
     # Pages only the prefix cache keeps count as free, as in vLLM: after the abort usage is back where it was.
@@ -126,7 +155,7 @@ def test_disconnect_frees_the_pages(real):
 
 def test_response_format_json_schema_over_http(real):
     """OpenAI's `response_format` (json_schema, streamed too) and vLLM's `structured_outputs` extra."""
-    _, srv, _ = real
+    _, srv, _, _ = real
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
               "required": ["city"], "additionalProperties": False}
@@ -160,7 +189,7 @@ TIME = {"type": "function", "function": {
 def test_forced_tool_calls_over_http(real):
     """tool_choice naming a function, and "required": the reply is tool calls whose arguments fit the
     tools' schemas, whole and streamed (a named call's arguments in pieces, a required list at once)."""
-    _, srv, _ = real
+    _, srv, _, _ = real
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     chat = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -195,7 +224,7 @@ def test_forced_tool_calls_over_http(real):
 def test_auto_tool_choice_leaves_a_text_reply_as_it_is(real):
     """tool_choice "auto" with the hermes parser: SmolLM2 answers in text, which comes back exactly
     as with tool_choice "none", whole and streamed."""
-    _, srv, _ = real
+    _, srv, _, _ = real
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     kw = dict(model="SmolLM2-135M-Instruct", messages=CHATS[1], temperature=0, max_tokens=MAX_TOKENS,
               tools=[WEATHER, TIME])
@@ -211,7 +240,7 @@ def test_echo_with_logprobs_scores_the_prompt(real):
     """Completions with echo and logprobs (how evaluation harnesses score text): the prompt's tokens
     lead `logprobs`, the first without a logprob, the rest as the engine's prompt logprobs; the same
     streamed. vLLM's `prompt_logprobs` field on chat."""
-    _, srv, engine = real
+    _, srv, engine, _ = real
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
     tok = engine.tokenizer
     ids = tok.encode(PROMPT, add_special_tokens=True)
