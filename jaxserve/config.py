@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -299,6 +300,8 @@ class ModelConfig:
                 "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                     "symmetric": True}}
         rs = self.rope_scaling
+        if rs.rope_type == "factors":
+            raise UnsupportedModelError("rope frequency factors (a GGUF file's rope_freqs) have no HF config form")
         if rs.rope_type != "default":
             scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}
             if rs.rope_type == "llama3":
@@ -314,8 +317,10 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool) -> ModelConfig:
-        """Parse llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys)."""
+    def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
+                           rope_freq_factors: Sequence[float] | None = None) -> ModelConfig:
+        """Parse llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys); `rope_freq_factors` is
+        the file's `rope_freqs` tensor, if it has one."""
         arch = meta.get("general.architecture")
         family = _GGUF_ARCHITECTURES.get(arch or "")
         if family is None:
@@ -334,18 +339,7 @@ class ModelConfig:
         num_kv = int(get("attention.head_count_kv", num_heads))
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
         max_pos = int(get("context_length", 4096))
-        rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
-        scaling = RopeScaling()
-        if rope_type == "linear":
-            scaling = RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor")))
-        elif rope_type == "yarn":
-            scaling = RopeScaling(
-                rope_type="yarn",
-                factor=float(get("rope.scaling.factor")),
-                original_max_position_embeddings=int(get("rope.scaling.original_context_length", max_pos)),
-            )
-        elif rope_type not in ("none", None):
-            raise UnsupportedModelError(f"GGUF rope scaling type {rope_type!r} is not supported")
+        scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_freq_factors)
         sliding = meta.get(f"{arch}.attention.sliding_window")
         return cls(
             family=family,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -12,12 +13,13 @@ from jaxserve.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
 
-RopeType = Literal["default", "linear", "llama3", "yarn"]
+RopeType = Literal["default", "linear", "llama3", "yarn", "factors"]
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling, as HF's `rope_scaling` describes it."""
+    """Rotary embedding frequency scaling, as HF's `rope_scaling` describes it; or ("factors") a divisor
+    of each rotary pair's frequency, as a llama.cpp GGUF file stores Llama 3.1's scaling (`rope_freqs`)."""
 
     rope_type: RopeType = "default"
     factor: float = 1.0
@@ -29,6 +31,7 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
+    freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, d: dict[str, Any] | None, max_position_embeddings: int) -> RopeScaling:
@@ -53,6 +56,29 @@ class RopeScaling:
         return cls(rope_type=rope_type, **kwargs)
 
 
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], arch: str, max_pos: int,
+                  freq_factors: Sequence[float] | None = None) -> RopeScaling:
+        """The scaling a GGUF file's `{arch}.rope.scaling.*` metadata and `rope_freqs` tensor describe."""
+        rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
+        if freq_factors is not None:
+            if rope_type not in ("none", None):
+                raise UnsupportedModelError(f"GGUF rope frequency factors (rope_freqs.weight) with rope scaling "
+                                            f"type {rope_type!r} are not supported")
+            return cls(rope_type="factors", freq_factors=tuple(float(f) for f in freq_factors))
+        if rope_type in ("none", None):
+            return cls()
+        if rope_type not in ("linear", "yarn"):
+            raise UnsupportedModelError(f"GGUF rope scaling type {rope_type!r} is not supported")
+        factor = meta.get(f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise UnsupportedModelError(f"GGUF metadata is missing {arch}.rope.scaling.factor")
+        if rope_type == "linear":
+            return cls(rope_type="linear", factor=float(factor))
+        original = int(meta.get(f"{arch}.rope.scaling.original_context_length", max_pos))
+        return cls(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
+
+
 def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list[float], float]:
     """Inverse frequencies for each rotary pair and the attention scaling factor, per `cfg.rope_scaling`;
     with `local`, those of the sliding-window layers of a model that gives them their own base
@@ -66,6 +92,12 @@ def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list
     attention_factor = 1.0
     if rs.rope_type == "linear":
         inv = [f / rs.factor for f in inv]
+    elif rs.rope_type == "factors":
+        assert rs.freq_factors is not None
+        if len(rs.freq_factors) != len(inv):
+            raise UnsupportedModelError(f"{len(rs.freq_factors)} rope frequency factors for {len(inv)} rotary pairs "
+                                        f"(head_dim {d})")
+        inv = [f / k for f, k in zip(inv, rs.freq_factors, strict=True)]
     elif rs.rope_type == "llama3":
         old = rs.original_max_position_embeddings
         low_wavelen = old / rs.low_freq_factor

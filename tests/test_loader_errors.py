@@ -184,7 +184,7 @@ def test_gguf_unsupported_architecture(tmp_path):
 def test_gguf_unsupported_tensor_type(tmp_path):
     import gguf
 
-    ckpt = open_checkpoint(_tiny_gguf(tmp_path / "m.gguf", "llama", gguf.GGMLQuantizationType.Q5_0))
+    ckpt = open_checkpoint(_tiny_gguf(tmp_path / "m.gguf", "llama", gguf.GGMLQuantizationType.Q8_1))
     cfg = ckpt.config()
-    with pytest.raises(CheckpointError, match="'token_embd.weight' has type Q5_0, not supported"):
+    with pytest.raises(CheckpointError, match="'token_embd.weight' has type Q8_1, not supported"):
         load_params(ckpt, cfg, jnp.float32, progress=False)

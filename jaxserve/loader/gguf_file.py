@@ -13,7 +13,11 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.loader.keymap import CheckpointError
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
+# each checked against transformers' reading of the same file (tests/test_gguf_quants.py).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+                   "TQ1_0", "TQ2_0", "MXFP4")
 
 _GGUF_TO_HF = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -32,6 +36,7 @@ _GGUF_TO_HF = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling as a divisor of each rotary pair's frequency
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -99,13 +104,15 @@ class GGUFFile:
                 continue
 
     def config(self) -> ModelConfig:
-        names = {t.name for t in self.reader.tensors}
+        tensors = {t.name: t for t in self.reader.tensors}
         vocab = self.metadata.get(f"{self.metadata.get('general.architecture')}.vocab_size")
         if vocab is None:
             vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
-        if "rope_freqs.weight" in names:
-            raise CheckpointError("GGUF rope frequency factors (rope_freqs.weight) are not supported")
-        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in names)
+        freqs = tensors.get(_ROPE_FREQS)
+        if freqs is not None and freqs.tensor_type.name != "F32":
+            raise CheckpointError(f"GGUF tensor {_ROPE_FREQS!r} has type {freqs.tensor_type.name}; it must be F32")
+        factors = None if freqs is None else np.asarray(freqs.data, np.float32).ravel().tolist()
+        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, factors)
 
     def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
@@ -113,6 +120,8 @@ class GGUFFile:
 
         permuted = cfg.family in ("llama", "mistral")
         for t in self.reader.tensors:
+            if t.name == _ROPE_FREQS:  # part of the config (its rope scaling), not a parameter
+                continue
             kind = t.tensor_type.name
             if kind not in SUPPORTED_TYPES:
                 raise CheckpointError(

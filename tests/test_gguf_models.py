@@ -1,0 +1,209 @@
+"""GGUF files as llama.cpp writes them. Quantized tensor types (legacy, K-, I-, ternary and MXFP4 quants,
+F16, BF16), mixed as a downloaded GGUF mixes them: every tensor as jaxserve reads it equals transformers'
+reading of the same file, and so do the logits (the quantized blocks are random bytes, kept small so that
+no block scale is huge or not finite). Llama 3.1's rope scaling, which a GGUF stores as per-frequency
+divisors (`rope_freqs.weight`): the logits equal the HF model's with its `rope_scaling`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import jax.numpy as jnp  # noqa: E402
+
+from jaxserve.config import UnsupportedModelError  # noqa: E402
+from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
+from jaxserve.loader.gguf_file import SUPPORTED_TYPES  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 256, 512, 4, 2, 64, 256, 4  # K-quant rows: 256s
+MATRICES = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+            "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+
+
+def _add(writer, rng, name: str, shape: tuple[int, int], kind: str) -> None:
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "F16":
+        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float16))
+        return
+    if kind == "BF16":
+        writer.add_tensor(name, gguf.quants.quantize((0.1 * rng.standard_normal(shape)).astype(np.float32), qtype),
+                          raw_dtype=qtype)
+        return
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    # Bytes below 0x20: every float16 scale they form is finite and below 2**-7.
+    raw = rng.integers(0, 0x20, (shape[0], shape[1] // block * nbytes), dtype=np.uint8)
+    if kind == "MXFP4":  # each block leads with a power-of-two exponent byte: near 2**0, not 2**-100
+        raw[:, ::nbytes] = rng.integers(120, 128, raw[:, ::nbytes].shape)
+    writer.add_tensor(name, raw, raw_dtype=qtype)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """A 4-layer llama GGUF whose 30 matrices take every supported type but F32 (the norms') in turn."""
+    path = tmp_path_factory.mktemp("gguf") / "mixed.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(HIDDEN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_feed_forward_length(FFN)
+    w.add_block_count(LAYERS)
+    w.add_context_length(128)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_types([1] * VOCAB)
+    kinds = [k for k in SUPPORTED_TYPES if k != "F32"]
+    slots = ["token_embd.weight", *(f"blk.{i}.{m}.weight" for i in range(LAYERS) for m in MATRICES), "output.weight"]
+    assert len(slots) >= len(kinds)
+    types = {}
+    for i, name in enumerate(slots):
+        kind = kinds[i % len(kinds)]
+        shape = (VOCAB, HIDDEN) if not name.startswith("blk.") else MATRICES[name.split(".")[2]]
+        _add(w, rng, name, shape, kind)
+        types[name] = kind
+        if name.startswith("blk.") and name.endswith("attn_q.weight"):
+            layer = name.split(".")[1]
+            for norm in ("attn_norm", "ffn_norm"):
+                w.add_tensor(f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert set(types.values()) == set(kinds)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    return str(path), model, types
+
+
+def test_every_tensor_reads_as_transformers_reads_it(mixed_gguf):
+    path, model, types = mixed_gguf
+    ckpt = open_checkpoint(path)
+    reference = {k: v.numpy() for k, v in model.state_dict().items()}
+    seen = set()
+    for name, array in ckpt.tensors(ckpt.config()):
+        np.testing.assert_allclose(array, reference[name], rtol=1e-6, atol=1e-7, err_msg=name)
+        assert np.abs(array).max() > 1e-3, name  # no type decoded to (near) zero
+        seen.add(name)
+    assert seen == set(reference) - {"model.rotary_emb.inv_freq"}
+
+
+def test_logits_equal_transformers(mixed_gguf):
+    path, model, _ = mixed_gguf
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config()
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    ids = np.random.default_rng(1).integers(0, VOCAB, 24).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    ours = prompt_logits(cfg, params, ids)
+    assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}  # a short original context: every regime in 8 pairs
+
+
+def _llama3_rope_freqs(head_dim: int, base: float, s: dict) -> np.ndarray:
+    """The divisors llama.cpp's converter writes as `rope_freqs.weight` for Llama 3.1's scaling."""
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(s["factor"])
+        else:
+            smooth = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
+                      / (s["high_freq_factor"] - s["low_freq_factor"]))
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return np.array(factors, np.float32)
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (rotary pairs interleaved), as its converter writes them."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_llama_gguf(path, model, rope_freqs: np.ndarray | None) -> str:
+    """`model` (an HF Llama) as an F32 GGUF, as llama.cpp's converter writes one."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else c.rope_parameters["rope_theta"])
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+             "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    for name, p in model.state_dict().items():
+        if "rotary_emb" in name:
+            continue
+        parts = name.split(".")
+        a = p.numpy().astype(np.float32)
+        if parts[-2] == "q_proj":
+            a = _llama_cpp_permute(a, c.num_attention_heads)
+        elif parts[-2] == "k_proj":
+            a = _llama_cpp_permute(a, c.num_key_value_heads)
+        if name == "lm_head.weight":
+            key = "output.weight"
+        elif parts[1] == "layers":
+            key = f"blk.{parts[2]}.{names[parts[-2]]}.weight"
+        else:
+            key = f"{names[parts[-2]]}.weight"
+        w.add_tensor(key, a)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def _ours(path: str, ids: list[int]) -> np.ndarray:
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config()
+    return prompt_logits(cfg, load_params(ckpt, cfg, jnp.float32, progress=False), ids)
+
+
+def test_llama31_rope_freqs_equal_the_hf_rope_scaling(tmp_path):
+    """A Llama with Llama 3.1's rope scaling, written as llama.cpp writes it (rope_freqs.weight): over 120
+    positions (past the original context of 32) the logits are the HF model's; without the tensor they are
+    not (the divisors matter)."""
+    from tests.test_model_families import save_tiny_hf
+
+    model = save_tiny_hf("LlamaConfig", tmp_path / "hf", tie_word_embeddings=False, max_position_embeddings=256,
+                         rope_scaling=LLAMA3_SCALING, rope_theta=10000.0)
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = _llama3_rope_freqs(head_dim, 10000.0, LLAMA3_SCALING)
+    assert 1.0 in freqs and 8.0 in freqs and ((freqs > 1) & (freqs < 8)).any()  # all three regimes
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 120).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    scaled = _ours(_write_llama_gguf(tmp_path / "scaled.gguf", model, freqs), ids)
+    np.testing.assert_allclose(scaled, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    plain = _ours(_write_llama_gguf(tmp_path / "plain.gguf", model, None), ids)
+    assert np.abs(plain - ref).max() > 100 * np.abs(scaled - ref).max()
+    ckpt = open_checkpoint(str(tmp_path / "scaled.gguf"))
+    with pytest.raises(UnsupportedModelError, match="rope frequency factors .* have no HF config form"):
+        ckpt.config().to_hf()
