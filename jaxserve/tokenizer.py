@@ -93,7 +93,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
-        """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata (byte-level BPE only)."""
+        """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata (byte-level or SentencePiece BPE)."""
         spec = read_gguf_tokenizer(path_or_reader)
         return cls(
             spec.backend,

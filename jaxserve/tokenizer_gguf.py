@@ -1,8 +1,13 @@
-"""Building a byte-level BPE tokenizer from a GGUF file's `tokenizer.*` metadata.
+"""Building a tokenizer from a GGUF file's `tokenizer.*` metadata.
 
-llama.cpp stores the vocabulary, merges, token kinds, special ids and chat templates of a model in its
-GGUF file. `read_gguf_tokenizer` turns them into a HF `tokenizers.Tokenizer` (the Rust BPE) plus the
-special ids and templates `Tokenizer` needs, for the byte-level BPE families in `SUPPORTED_GGUF_PRE`.
+llama.cpp stores the vocabulary, merges (or scores), token kinds, special ids and chat templates of a
+model in its GGUF file. `read_gguf_tokenizer` turns them into a HF `tokenizers.Tokenizer` (the Rust BPE)
+plus the special ids and templates `Tokenizer` needs, for two kinds of vocabulary:
+
+- `gpt2`: byte-level BPE, for the families in `SUPPORTED_GGUF_PRE` (Llama 3, Qwen2, SmolLM, GPT-2);
+- `llama`: SentencePiece BPE (Llama 2, Mistral, Gemma, ...): pieces spelled with `▁` for spaces, bytes
+  outside the vocabulary as `<0xNN>` tokens, and merges that apply the highest-scoring piece first (the
+  file's merges when it has them, else derived from its scores), as transformers reads such a file.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ def byte_alphabet() -> dict[int, str]:
 
 
 def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> GGUFTokenizer:
-    """Read the tokenizer a GGUF file describes in its `tokenizer.*` metadata (byte-level BPE only)."""
+    """Read the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
     import gguf  # imported here: it is only needed for GGUF files
 
     reader = path_or_reader
@@ -78,35 +83,21 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
         reader = gguf_reader(reader)
 
     model = _gguf_value(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(
-            f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
-            "(byte-level BPE)"
-        )
-    pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
-    normalizer, pre_tokenizer, ignore_merges = _byte_level_stages(pre)
-
     tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
-    merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
-    if tokens is None or merges is None:
-        raise ValueError("GGUF file lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    if tokens is None:
+        raise ValueError("GGUF file lacks tokenizer.ggml.tokens")
     token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
-
-    backend = tokenizers.Tokenizer(
-        models.BPE(
-            vocab=_byte_level_vocab(tokens, token_types),
-            merges=[tuple(m.split(" ", 1)) for m in merges],
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=ignore_merges,
+    if model == "gpt2":
+        backend = _byte_level_backend(reader, tokens, token_types)
+    elif model == "llama":
+        backend = _sentencepiece_backend(reader, tokens)
+    else:
+        raise ValueError(
+            f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
+            "(byte-level BPE) and 'llama' (SentencePiece BPE)"
         )
-    )
-    if normalizer is not None:
-        backend.normalizer = normalizer
-    backend.pre_tokenizer = pre_tokenizer
-    backend.decoder = decoders.ByteLevel()
     # Control tokens stay whole and count as special; user-defined ones stay whole but are ordinary text.
     kinds = list(zip(tokens, token_types, strict=True))
     backend.add_special_tokens(
@@ -125,7 +116,8 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
     )
     # llama.cpp also ends generation at end-of-turn / end-of-message tokens when a file names them.
     eos_ids = [i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
-    add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", False))
+    # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp and transformers give it.
+    add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False))
     if (add_bos and bos_id is not None) or (add_eos and eos_id is not None):
         backend.post_processor = _template_processing(
@@ -156,6 +148,66 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
         model_max_length=int(context) if context is not None else None,
         vocab_size=len(tokens),
     )
+
+
+def _byte_level_backend(reader: gguf.GGUFReader, tokens: list[str], token_types: list[int]) -> tokenizers.Tokenizer:
+    pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
+    normalizer, pre_tokenizer, ignore_merges = _byte_level_stages(pre)
+    merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError("GGUF file lacks tokenizer.ggml.merges (a byte-level BPE needs them)")
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=_byte_level_vocab(tokens, token_types),
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=ignore_merges,
+        )
+    )
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    merges: list[str] | None = _gguf_value(reader, "tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = _gguf_value(reader, "tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError("a GGUF SentencePiece vocabulary needs tokenizer.ggml.merges or one score per token "
+                             "(tokenizer.ggml.scores)")
+        pairs = _merges_from_scores(vocab, {t: float(scores[i]) for t, i in vocab.items()})
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True))
+    # The leading space SentencePiece adds to a text (unless the file turns it off) goes before its first
+    # piece only, and the decoder takes it off again.
+    prefix = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(content=" ", left=1, right=0)] if prefix else steps)
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: every split of a piece into two pieces, ranked by
+    the whole piece's score (highest first), so BPE builds the best-scoring piece first as SentencePiece
+    does; ties go to the longer left part, as transformers ranks them."""
+    found = []
+    for piece, score in scores.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-score, -len(left), -len(right), vocab[left], vocab[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
 
 
 def _byte_level_vocab(tokens: list[str], token_types: list[int]) -> dict[str, int]:

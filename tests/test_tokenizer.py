@@ -307,5 +307,86 @@ def test_llama3_and_qwen2_pre_tokenizers(tmp_path):
 def test_unsupported_gguf_tokenizers_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'deepseek-coder'"):
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / "p.gguf", pre="deepseek-coder"))
-    with pytest.raises(ValueError, match="'llama'"):
-        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "m.gguf", model="llama"))
+    with pytest.raises(ValueError, match="'bert'.* supports 'gpt2' .* and 'llama'"):
+        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "m.gguf", model="bert"))
+
+
+SPM_CORPUS = "hello world the quick brown fox jumps over the lazy dog hello there wide world of words"
+SPM_TEXTS = ["Hello world", "hello there, the world", "  two  spaces and\nnew lines\n\n", "café naïve — 東京 🙂",
+             "the fox</s>jumps <tool> over", "", " leading space", "tabs\tand 123456", "<s>hello"]
+
+
+def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = False) -> str:
+    """A GGUF holding a SentencePiece BPE vocabulary as llama.cpp writes one: <unk>, <s>, </s>, the 256
+    byte tokens, the corpus's characters and its pieces of 2-5 characters seen twice or more (each piece
+    scored by how often it occurs), and a user-defined <tool>; with `merges`, the merges written out."""
+    import collections
+
+    import gguf
+
+    words = ["\u2581" + w for w in SPM_CORPUS.split()]
+    counts = collections.Counter(w[i:j] for w in words for i in range(len(w)) for j in range(i + 2, min(len(w), i + 5) + 1))
+    pieces = sorted((p for p, c in counts.items() if c >= 2), key=lambda p: (-counts[p], p))
+    chars = sorted(set("".join(words)))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars, *pieces, "<tool>"]
+    types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(pieces)), 4]
+    scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + [-float(i) for i in range(len(pieces))] + [0.0]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_head_count(1)
+    writer.add_feed_forward_length(8)
+    writer.add_context_length(64)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    if merges:  # the ones the scores imply, as a converter that writes them out does
+        plain = Tokenizer.from_gguf(_spm_gguf(str(path) + ".plain", add_space_prefix=add_space_prefix))
+        writer.add_token_merges([" ".join(m) for m in json.loads(plain.backend.to_str())["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_space_prefix is not None:
+        writer.add_add_space_prefix(add_space_prefix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("merges", [False, True])
+def test_sentencepiece_gguf_tokenizes_as_transformers(tmp_path, merges):
+    """A SentencePiece vocabulary (Llama 2, Mistral, Gemma GGUFs): ids with and without BOS, pieces, and
+    decoded text equal transformers' tokenizer of the same file, for plain text, runs of spaces, newlines,
+    characters only bytes can spell, and special and user-defined tokens inside the text."""
+    transformers = pytest.importorskip("transformers")
+    path = _spm_gguf(tmp_path / "spm.gguf", merges=merges)
+    ours = Tokenizer.from_gguf(path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,) and ours.add_bos_token
+    for text in SPM_TEXTS:
+        for special in (False, True):
+            want = ref.encode(text, add_special_tokens=special)
+            assert ours.encode(text, add_special_tokens=special) == want, (text, special)
+        ids = ours.encode(text)
+        assert [ours.id_to_token(i) for i in ids] == ref.convert_ids_to_tokens(ids)
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    ids = ours.encode("café 🙂 the world")
+    assert any(ours.id_to_token(i).startswith("<0x") for i in ids)  # bytes spelled the characters
+    assert "\u2581the" in {ours.id_to_token(i) for i in ids}  # and pieces the words
+    assert ours.decode(ids) == "café 🙂 the world"
+
+
+def test_sentencepiece_gguf_without_the_space_prefix(tmp_path):
+    """`add_space_prefix: false` (Gemma's files): no space goes before the text, so a text tokenizes as
+    the same text after one space does with the prefix; decoding gives the text back unchanged."""
+    with_prefix = Tokenizer.from_gguf(_spm_gguf(tmp_path / "a.gguf"))
+    without = Tokenizer.from_gguf(_spm_gguf(tmp_path / "b.gguf", add_space_prefix=False))
+    for text in SPM_TEXTS:
+        if text and not text.startswith((" ", "<")):
+            assert without.encode(" " + text) == with_prefix.encode(text), text
+            assert without.id_to_token(without.encode(text)[0])[0] != "\u2581", text
+        assert without.decode(without.encode(text), skip_special_tokens=False) == text, text
