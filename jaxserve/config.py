@@ -36,7 +36,6 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
     num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
     rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
     sliding_window_pattern=6)
-_GGUF_ARCHITECTURES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 
 
 @dataclass(frozen=True)
@@ -319,46 +318,10 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
                            rope_freq_factors: Sequence[float] | None = None) -> ModelConfig:
-        """Parse llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys); `rope_freq_factors` is
-        the file's `rope_freqs` tensor, if it has one."""
-        arch = meta.get("general.architecture")
-        family = _GGUF_ARCHITECTURES.get(arch or "")
-        if family is None:
-            raise UnsupportedModelError(
-                f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_GGUF_ARCHITECTURES)})"
-            )
+        """Parse llama.cpp GGUF metadata (jaxserve/loader/gguf_config.py)."""
+        from jaxserve.loader.gguf_config import config_from_gguf
 
-        def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise UnsupportedModelError(f"GGUF metadata is missing {arch}.{key}")
-            return value
-
-        hidden = int(get("embedding_length"))
-        num_heads = int(get("attention.head_count"))
-        num_kv = int(get("attention.head_count_kv", num_heads))
-        head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
-        max_pos = int(get("context_length", 4096))
-        scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_freq_factors)
-        sliding = meta.get(f"{arch}.attention.sliding_window")
-        return cls(
-            family=family,
-            vocab_size=vocab_size,
-            hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=num_kv,
-            head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=not has_output_weight,
-            attention_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
-            sliding_window=int(sliding) if sliding else None,
-        )
+        return config_from_gguf(meta, vocab_size, has_output_weight, rope_freq_factors)
 
 
 def _gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:

@@ -92,7 +92,8 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
     if model == "gpt2":
         backend = _byte_level_backend(reader, tokens, token_types)
     elif model == "llama":
-        backend = _sentencepiece_backend(reader, tokens)
+        backend = _sentencepiece_backend(reader, tokens, gemma=str(_gguf_value(reader, "general.architecture",
+                                                                                "")).startswith("gemma"))
     else:
         raise ValueError(
             f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
@@ -172,13 +173,17 @@ def _byte_level_backend(reader: gguf.GGUFReader, tokens: list[str], token_types:
     return backend
 
 
-def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str]) -> tokenizers.Tokenizer:
+def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str], gemma: bool) -> tokenizers.Tokenizer:
+    if gemma:  # Gemma's files store its whitespace tokens with spaces; its pieces spell those with ▁
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)
     merges: list[str] | None = _gguf_value(reader, "tokenizer.ggml.merges")
     if merges is not None:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
+    elif gemma:  # Gemma's scores do not follow its merge order; the order of its vocabulary does
+        pairs = _merges_from_scores(vocab, {t: -float(i) for t, i in vocab.items()})
     else:
         scores = _gguf_value(reader, "tokenizer.ggml.scores")
         if scores is None or len(scores) != len(tokens):

@@ -138,10 +138,20 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_llama_gguf(path, model, rope_freqs: np.ndarray | None) -> str:
-    """`model` (an HF Llama) as an F32 GGUF, as llama.cpp's converter writes one."""
+_LLAMA_CPP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
+                    "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+                    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+_LLAMA_CPP_GEMMA_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None = None) -> str:
+    """`model` (an HF Llama, Gemma 2 or Gemma 3) as an F32 GGUF, as llama.cpp's converter writes one: Llama's
+    Q/K rows in its rotary order, Gemma's norms stored as 1 + w, the metadata its architecture reads."""
     c = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    gemma = arch.startswith("gemma")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_embedding_length(c.hidden_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
@@ -149,20 +159,34 @@ def _write_llama_gguf(path, model, rope_freqs: np.ndarray | None) -> str:
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_theta if hasattr(c, "rope_theta") else c.rope_parameters["rope_theta"])
+    rope = getattr(c, "rope_parameters", None) or {}
+    global_rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(global_rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    if gemma:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        if c.sliding_window:
+            w.add_sliding_window(c.sliding_window)
+        if getattr(c, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if c.final_logit_softcapping:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+        if global_rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(global_rope["factor"])
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
-             "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    names = _LLAMA_CPP_GEMMA_NAMES if gemma else _LLAMA_CPP_NAMES
     for name, p in model.state_dict().items():
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or (gemma and name == "lm_head.weight"):
             continue
         parts = name.split(".")
         a = p.numpy().astype(np.float32)
-        if parts[-2] == "q_proj":
+        if parts[-2] == "q_proj" and not gemma:
             a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif parts[-2] == "k_proj":
+        elif parts[-2] == "k_proj" and not gemma:
             a = _llama_cpp_permute(a, c.num_key_value_heads)
+        elif gemma and name.endswith("norm.weight"):
+            a = a + 1.0
         if name == "lm_head.weight":
             key = "output.weight"
         elif parts[1] == "layers":
@@ -200,10 +224,53 @@ def test_llama31_rope_freqs_equal_the_hf_rope_scaling(tmp_path):
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 120).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
-    scaled = _ours(_write_llama_gguf(tmp_path / "scaled.gguf", model, freqs), ids)
+    scaled = _ours(_write_gguf(tmp_path / "scaled.gguf", model, rope_freqs=freqs), ids)
     np.testing.assert_allclose(scaled, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
-    plain = _ours(_write_llama_gguf(tmp_path / "plain.gguf", model, None), ids)
+    plain = _ours(_write_gguf(tmp_path / "plain.gguf", model), ids)
     assert np.abs(plain - ref).max() > 100 * np.abs(scaled - ref).max()
     ckpt = open_checkpoint(str(tmp_path / "scaled.gguf"))
     with pytest.raises(UnsupportedModelError, match="rope frequency factors .* have no HF config form"):
         ckpt.config().to_hf()
+
+
+GEMMA = {
+    # The even layer windowed, the odd global; soft-caps small enough that tanh bends the logits.
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # Six layers: five windowed on the local rotary base llama.cpp fixes (10000), the sixth global on its
+    # own base with linear scaling; q/k norms.
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                    "num_hidden_layers": 6, "rope_parameters": {
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1000000.0}}}),
+}
+
+
+@pytest.mark.parametrize("arch", list(GEMMA))
+def test_gemma_gguf_logits_equal_the_hf_model(tmp_path, arch):
+    """A Gemma 2 / Gemma 3 model written as llama.cpp writes it: jaxserve's config and logits from the GGUF
+    are the HF model's; transformers reads the same file back to the HF model's weights (so the file is laid
+    out as llama.cpp's converter lays it out)."""
+    from tests.test_model_families import save_tiny_hf
+
+    config_cls, overrides = GEMMA[arch]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
+    path = _write_gguf(tmp_path / f"{arch}.gguf", model, arch)
+    cfg = open_checkpoint(path).config()
+    hf = model.config
+    assert cfg.family == arch and cfg.layer_types == tuple(hf.layer_types)
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (getattr(hf, "attn_logit_softcapping", None),
+                                                                  hf.final_logit_softcapping)
+    ids = np.random.default_rng(4).integers(0, hf.vocab_size, 40).tolist()  # past the window of 8
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    # transformers reads the file's tensors back to the HF model's (its config fills what GGUF leaves out
+    # with Gemma's defaults, so the weights are compared, not its logits).
+    read = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf",
+                                                             dtype=torch.float32)
+    theirs, want = read.state_dict(), model.state_dict()
+    for name, tensor in want.items():
+        if "rotary_emb" not in name and name != "lm_head.weight":
+            np.testing.assert_allclose(theirs[name].numpy(), tensor.numpy(), atol=1e-6, err_msg=name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
 from jaxserve.chat_template import ChatTemplateError, compile_chat_template, render_chat_template
@@ -316,7 +317,7 @@ SPM_TEXTS = ["Hello world", "hello there, the world", "  two  spaces and\nnew li
              "the fox</s>jumps <tool> over", "", " leading space", "tabs\tand 123456", "<s>hello"]
 
 
-def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = False) -> str:
+def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = False, arch: str = "llama") -> str:
     """A GGUF holding a SentencePiece BPE vocabulary as llama.cpp writes one: <unk>, <s>, </s>, the 256
     byte tokens, the corpus's characters and its pieces of 2-5 characters seen twice or more (each piece
     scored by how often it occurs), and a user-defined <tool>; with `merges`, the merges written out."""
@@ -331,7 +332,10 @@ def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = Fals
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars, *pieces, "<tool>"]
     types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(pieces)), 4]
     scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + [-float(i) for i in range(len(pieces))] + [0.0]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    if arch.startswith("gemma"):  # as Gemma's files: runs of spaces as tokens, scores out of the vocabulary's order
+        tokens[-1:-1], types[-1:-1], scores[-1:-1] = ["  ", "   "], [1, 1], [-5000.0, -5001.0]
+        scores = [float(x) for x in np.random.default_rng(0).permutation(scores)]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_embedding_length(8)
     writer.add_head_count(1)
@@ -378,6 +382,19 @@ def test_sentencepiece_gguf_tokenizes_as_transformers(tmp_path, merges):
     assert any(ours.id_to_token(i).startswith("<0x") for i in ids)  # bytes spelled the characters
     assert "\u2581the" in {ours.id_to_token(i) for i in ids}  # and pieces the words
     assert ours.decode(ids) == "café 🙂 the world"
+
+
+def test_gemma_gguf_vocabulary_tokenizes_as_transformers(tmp_path):
+    """Gemma's files (no space prefix, runs of spaces stored as spaces, scores that do not give the merge
+    order): ids and decoded text equal transformers' tokenizer of the same file."""
+    transformers = pytest.importorskip("transformers")
+    ours = Tokenizer.from_gguf(_spm_gguf(tmp_path / "g.gguf", add_space_prefix=False, arch="gemma2"))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="g.gguf")
+    for text in [*SPM_TEXTS, "the  fox   jumps    over"]:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.id_to_token(ours.encode("the  fox")[1]) == "\u2581\u2581"  # a run of spaces is one piece
 
 
 def test_sentencepiece_gguf_without_the_space_prefix(tmp_path):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -36,12 +36,20 @@ _GGUF_TO_HF = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's norms: after attention and around the MLP (llama's `ffn_norm` is its pre-MLP norm, named
+# `post_attention_layernorm` in HF Llama; in HF Gemma that name is the norm after attention).
+_GEMMA_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling as a divisor of each rotary pair's frequency
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Translate a llama.cpp tensor name to the HF name; refuses names it does not know."""
+def gguf_to_hf_name(name: str, gemma: bool = False) -> str:
+    """Translate a llama.cpp tensor name to the HF name (of a Gemma model with `gemma`); refuses names it
+    does not know."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -49,8 +57,9 @@ def gguf_to_hf_name(name: str) -> str:
     if name == "output.weight":
         return "lm_head.weight"
     m = _BLK_RE.match(name)
-    if m and m.group(2) in _GGUF_TO_HF:
-        return f"model.layers.{m.group(1)}.{_GGUF_TO_HF[m.group(2)]}"
+    names = {**_GGUF_TO_HF, **_GEMMA_NAMES} if gemma else _GGUF_TO_HF
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise CheckpointError(f"unknown GGUF tensor {name!r}")
 
 
@@ -119,6 +128,7 @@ class GGUFFile:
         import gguf
 
         permuted = cfg.family in ("llama", "mistral")
+        gemma = cfg.family in GEMMA_FAMILIES
         for t in self.reader.tensors:
             if t.name == _ROPE_FREQS:  # part of the config (its rope scaling), not a parameter
                 continue
@@ -127,7 +137,7 @@ class GGUFFile:
                 raise CheckpointError(
                     f"GGUF tensor {t.name!r} has type {kind}, not supported (supported: {', '.join(SUPPORTED_TYPES)})"
                 )
-            name = gguf_to_hf_name(t.name)
+            name = gguf_to_hf_name(t.name, gemma)
             if kind == "F32":
                 arr = np.asarray(t.data, np.float32)
             elif kind == "F16":
@@ -140,6 +150,8 @@ class GGUFFile:
                 arr = unpermute_rotary(arr, cfg.num_heads)
             elif permuted and name.endswith("self_attn.k_proj.weight"):
                 arr = unpermute_rotary(arr, cfg.num_kv_heads)
+            elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+                arr = arr - 1.0
             yield name, arr
 
     def __len__(self) -> int:

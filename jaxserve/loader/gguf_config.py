@@ -1,0 +1,84 @@
+"""A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
+
+The Llama-family architectures map onto `ModelConfig` directly. Gemma 2 and Gemma 3 files become the HF
+config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
+keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary
+base) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads, the others
+by head_dim), and those are restored here as llama.cpp applies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jaxserve.config import Family, ModelConfig
+from jaxserve.errors import UnsupportedModelError
+from jaxserve.rope import RopeScaling
+
+_LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_GEMMA = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_GEMMA)
+
+
+def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
+                     rope_freq_factors: Sequence[float] | None = None) -> ModelConfig:
+    """The configuration GGUF metadata `meta` describes; `rope_freq_factors` is the file's `rope_freqs`
+    tensor, if it has one."""
+    arch = meta.get("general.architecture") or ""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    num_kv = int(get("attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    max_pos = int(get("context_length", 4096))
+    num_layers = int(get("block_count"))
+    scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_freq_factors)
+    sliding = meta.get(f"{arch}.attention.sliding_window")
+    if arch in _GEMMA:
+        d: dict[str, Any] = dict(
+            architectures=[_GEMMA[arch]], vocab_size=vocab_size, hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")), num_hidden_layers=num_layers,
+            num_attention_heads=num_heads, num_key_value_heads=num_kv, head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), max_position_embeddings=max_pos,
+            tie_word_embeddings=not has_output_weight, hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(sliding) if sliding else None,
+            query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim,
+            attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"),
+            final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"))
+        if scaling.rope_type == "linear":  # Gemma 3 scales its global layers' rotary frequencies only
+            d["rope_scaling"] = {"rope_type": "linear", "factor": scaling.factor}
+        elif scaling.rope_type != "default":
+            raise UnsupportedModelError(f"GGUF rope scaling {scaling.rope_type!r} on {arch} is not supported")
+        return ModelConfig.from_hf(d)
+    family = _LLAMA_FAMILIES[arch]
+    return ModelConfig(
+        family=family,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=not has_output_weight,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        sliding_window=int(sliding) if sliding else None,
+    )
