@@ -37,6 +37,10 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Control tokens that end a model's turn in the chat formats llama.cpp recognizes by their text (not
+# <|endoftext|>, which files whose turns end otherwise keep as a document separator).
+_TURN_ENDS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
+                        "<EOT>", "_<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>"})
 SUPPORTED_GGUF_PRE = ("gpt-2", "llama-bpe", "llama3", "llama-v3", "qwen2", "smollm")
 
 
@@ -115,8 +119,10 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
     bos_id, eos_id, pad_id, unk_id = (
         token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
     )
-    # llama.cpp also ends generation at end-of-turn / end-of-message tokens when a file names them.
+    # llama.cpp also ends generation at end-of-turn / end-of-message tokens when a file names them, and at
+    # the control tokens that end a turn in the chat formats it knows (a Gemma file names no <end_of_turn>).
     eos_ids = [i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
+    eos_ids += [i for i, (t, k) in enumerate(kinds) if k == _CONTROL and t in _TURN_ENDS and i not in eos_ids]
     # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp and transformers give it.
     add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False))

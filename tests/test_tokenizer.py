@@ -397,6 +397,27 @@ def test_gemma_gguf_vocabulary_tokenizes_as_transformers(tmp_path):
     assert ours.id_to_token(ours.encode("the  fox")[1]) == "\u2581\u2581"  # a run of spaces is one piece
 
 
+def test_gguf_turn_end_tokens_end_generation(tmp_path):
+    """A file that names only its EOS (as Gemma's name <eos>, not <end_of_turn>): the control tokens that end
+    a turn in known chat formats end generation too; <|endoftext|> and user-defined look-alikes do not."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>", "<end_of_turn>", "<|endoftext|>", "<|im_end|>", *(f"<0x{b:02X}>" for b in range(256))]
+    types = [2, 3, 3, 3, 3, 4, *[6] * 256]
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma2")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert Tokenizer.from_gguf(tmp_path / "t.gguf").eos_token_ids == (2, 3)
+
+
 def test_sentencepiece_gguf_without_the_space_prefix(tmp_path):
     """`add_space_prefix: false` (Gemma's files): no space goes before the text, so a text tokenizes as
     the same text after one space does with the prefix; decoding gives the text back unchanged."""
