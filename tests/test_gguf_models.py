@@ -6,6 +6,7 @@ divisors (`rope_freqs.weight`): the logits equal the HF model's with its `rope_s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -274,3 +275,91 @@ def test_gemma_gguf_logits_equal_the_hf_model(tmp_path, arch):
     for name, tensor in want.items():
         if "rotary_emb" not in name and name != "lm_head.weight":
             np.testing.assert_allclose(theirs[name].numpy(), tensor.numpy(), atol=1e-6, err_msg=name)
+
+
+MOE = {  # (HF config class and overrides, llama.cpp's architecture)
+    "mixtral": (("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
+                "llama"),
+    "qwen2_moe": (("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                      "shared_expert_intermediate_size": 40, "norm_topk_prob": False}), "qwen2moe"),
+    "qwen3_moe": (("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                      "norm_topk_prob": True, "head_dim": 16}), "qwen3moe"),
+}
+_LLAMA_CPP_MOE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
+    """The HF mixture-of-experts checkpoint in `hf_dir` as llama.cpp writes it: each projection's experts in
+    one tensor (`stacked`), or one tensor per expert as older Mixtral files have them."""
+    from jaxserve.loader import HFDirectory
+
+    ckpt = HFDirectory(str(hf_dir))
+    cfg = ckpt.config()
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (("embedding_length", cfg.hidden_size), ("attention.head_count", cfg.num_heads),
+                       ("attention.head_count_kv", cfg.num_kv_heads), ("block_count", cfg.num_layers),
+                       ("context_length", cfg.max_position_embeddings), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+                       ("expert_count", cfg.num_experts), ("expert_used_count", cfg.num_experts_per_tok)):
+        w.add_uint32(f"{arch}.{key}", value)
+    if arch != "llama":
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    tensors = dict(ckpt.tensors(cfg))
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    shared = {"shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
+              "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp"}
+    for name, a in tensors.items():
+        parts = name.split(".")
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+        elif parts[1] != "layers":
+            w.add_tensor({"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight", a)
+        elif "experts" in parts:
+            layer, expert, kind = parts[2], int(parts[parts.index("experts") + 1]), _LLAMA_CPP_MOE[parts[-2]]
+            if stacked:
+                experts.setdefault((layer, kind), {})[expert] = a
+            else:
+                w.add_tensor(f"blk.{layer}.ffn_{kind}.{expert}.weight", a)
+        elif parts[-2] == "gate" and parts[-3] in ("mlp", "block_sparse_moe"):
+            w.add_tensor(f"blk.{parts[2]}.ffn_gate_inp.weight", a)
+        elif ".".join(parts[4:-1]) in shared:
+            w.add_tensor(f"blk.{parts[2]}.{shared['.'.join(parts[4:-1])]}.weight", a.reshape(-1) if a.shape[0] == 1 else a)
+        else:
+            key = _LLAMA_CPP_NAMES[parts[-2]]
+            if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
+                a = _llama_cpp_permute(a, cfg.num_heads if parts[-2] == "q_proj" else cfg.num_kv_heads)
+            w.add_tensor(f"blk.{parts[2]}.{key}.{parts[-1]}", a)
+    for (layer, kind), by_expert in experts.items():
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[j] for j in sorted(by_expert)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
+    """Mixtral (llama.cpp's "llama" with experts; stacked experts and, as older files, one tensor per expert),
+    Qwen2-MoE (with its gated shared expert) and Qwen3-MoE from GGUF: the config the HF model has, and its
+    logits."""
+    from jaxserve.loader import HFDirectory
+    from tests.test_model_families import save_tiny_hf
+
+    (config_cls, overrides), arch = MOE[family]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
+    want = HFDirectory(str(tmp_path / "hf")).config()
+    ids = np.random.default_rng(5).integers(0, want.vocab_size, 24).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    for stacked in (True, False) if family == "mixtral" else (True,):
+        path = _write_moe_gguf(tmp_path / f"{family}-{stacked}.gguf", tmp_path / "hf", arch, stacked)
+        cfg = open_checkpoint(path).config()
+        assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # GGUF stores it in float32
+        assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps) == want
+        np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)

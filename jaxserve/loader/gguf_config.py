@@ -1,7 +1,8 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
-The Llama-family architectures map onto `ModelConfig` directly. Gemma 2 and Gemma 3 files become the HF
-config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
+The Llama-family architectures map onto `ModelConfig` directly. Gemma 2, Gemma 3 and the mixture-of-experts
+files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE) become the HF config
+their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
 keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary
 base) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads, the others
 by head_dim), and those are restored here as llama.cpp applies them.
@@ -17,10 +18,14 @@ from jaxserve.errors import UnsupportedModelError
 from jaxserve.rope import RopeScaling
 
 _LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
-_GEMMA = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3")
+# Architectures read through the HF config their converter read (`ModelConfig.from_hf`); llama's with
+# experts is Mixtral.
+_HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+            "qwen3moe": "Qwen3MoeForCausalLM"}
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_GEMMA)
+SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_HF_FORM)
 
 
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
@@ -46,20 +51,31 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     num_layers = int(get("block_count"))
     scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_freq_factors)
     sliding = meta.get(f"{arch}.attention.sliding_window")
-    if arch in _GEMMA:
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    hf_arch = _HF_FORM.get(arch) or ("MixtralForCausalLM" if arch == "llama" and experts else None)
+    if hf_arch is not None:
         d: dict[str, Any] = dict(
-            architectures=[_GEMMA[arch]], vocab_size=vocab_size, hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")), num_hidden_layers=num_layers,
-            num_attention_heads=num_heads, num_key_value_heads=num_kv, head_dim=head_dim,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            architectures=[hf_arch], vocab_size=vocab_size, hidden_size=hidden,
+            intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or get("expert_feed_forward_length")),
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv,
+            head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6 if arch in _GEMMA
+                                                      else 1e-5)),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), max_position_embeddings=max_pos,
-            tie_word_embeddings=not has_output_weight, hidden_activation="gelu_pytorch_tanh",
-            sliding_window=int(sliding) if sliding else None,
-            query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim,
-            attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"),
-            final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"))
-        if scaling.rope_type == "linear":  # Gemma 3 scales its global layers' rotary frequencies only
-            d["rope_scaling"] = {"rope_type": "linear", "factor": scaling.factor}
+            tie_word_embeddings=not has_output_weight, sliding_window=int(sliding) if sliding else None)
+        if arch in _GEMMA:
+            d.update(hidden_activation="gelu_pytorch_tanh",
+                     query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim,
+                     attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"),
+                     final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"))
+        if experts:
+            d.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+                     norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")))
+            if arch != "llama":  # Qwen's experts have their own width (Mixtral's are the dense MLP's)
+                d["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+                d["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
+        if scaling.rope_type in ("linear", "yarn"):  # Gemma 3 scales its global layers' frequencies only
+            d["rope_scaling"] = {"rope_type": scaling.rope_type, "factor": scaling.factor,
+                                 "original_max_position_embeddings": scaling.original_max_position_embeddings}
         elif scaling.rope_type != "default":
             raise UnsupportedModelError(f"GGUF rope scaling {scaling.rope_type!r} on {arch} is not supported")
         return ModelConfig.from_hf(d)

@@ -14,7 +14,7 @@ from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
-# each checked against transformers' reading of the same file (tests/test_gguf_quants.py).
+# each checked against transformers' reading of the same file (tests/test_gguf_models.py).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
                    "TQ1_0", "TQ2_0", "MXFP4")
@@ -43,6 +43,15 @@ _GEMMA_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Mixture-of-experts layers: the router, the experts stacked in one tensor per projection (older Mixtral
+# files: one tensor per expert), and Qwen2-MoE's shared expert with its gate.
+_EXPERT_KINDS = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}  # (Qwen, Mixtral)
+_EXPERTS_RE = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
+_ONE_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
+_SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                  "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                  "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                  "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling as a divisor of each rotary pair's frequency
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -61,6 +70,30 @@ def gguf_to_hf_name(name: str, gemma: bool = False) -> str:
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise CheckpointError(f"unknown GGUF tensor {name!r}")
+
+
+def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
+    reversed): one, or one per expert of a stacked expert tensor."""
+    m = _BLK_RE.match(name)
+    if cfg.num_experts and m:
+        layer, rest = m.groups()
+        prefix = f"model.layers.{layer}.{'block_sparse_moe' if cfg.family == 'mixtral' else 'mlp'}"
+        stacked, single = _EXPERTS_RE.match(rest), _ONE_EXPERT_RE.match(rest)
+        if rest == "ffn_gate_inp.weight":
+            yield f"{prefix}.gate.weight", arr
+            return
+        if stacked or single:
+            kind = _EXPERT_KINDS[(stacked or single).group(1)][cfg.family == "mixtral"]
+            if single:
+                yield f"{prefix}.experts.{single.group(2)}.{kind}.weight", arr
+            else:
+                yield from ((f"{prefix}.experts.{j}.{kind}.weight", arr[j]) for j in range(arr.shape[0]))
+            return
+        if rest in _SHARED_EXPERT:
+            yield f"model.layers.{layer}.{_SHARED_EXPERT[rest]}", arr.reshape(1, -1) if arr.ndim == 1 else arr
+            return
+    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES), arr
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -127,7 +160,7 @@ class GGUFFile:
         """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
         import gguf
 
-        permuted = cfg.family in ("llama", "mistral")
+        permuted = cfg.family in ("llama", "mistral", "mixtral")  # llama.cpp's "llama" architecture
         gemma = cfg.family in GEMMA_FAMILIES
         for t in self.reader.tensors:
             if t.name == _ROPE_FREQS:  # part of the config (its rope scaling), not a parameter
@@ -137,22 +170,21 @@ class GGUFFile:
                 raise CheckpointError(
                     f"GGUF tensor {t.name!r} has type {kind}, not supported (supported: {', '.join(SUPPORTED_TYPES)})"
                 )
-            name = gguf_to_hf_name(t.name, gemma)
             if kind == "F32":
                 arr = np.asarray(t.data, np.float32)
             elif kind == "F16":
                 arr = np.asarray(t.data).astype(np.float32)
             else:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-            arr = arr.reshape(shape)
-            if permuted and name.endswith("self_attn.q_proj.weight"):
-                arr = unpermute_rotary(arr, cfg.num_heads)
-            elif permuted and name.endswith("self_attn.k_proj.weight"):
-                arr = unpermute_rotary(arr, cfg.num_kv_heads)
-            elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
-                arr = arr - 1.0
-            yield name, arr
+            arr = arr.reshape(tuple(int(s) for s in reversed(t.shape.tolist())))
+            for name, a in hf_tensors(t.name, arr, cfg):
+                if permuted and name.endswith("self_attn.q_proj.weight"):
+                    a = unpermute_rotary(a, cfg.num_heads)
+                elif permuted and name.endswith("self_attn.k_proj.weight"):
+                    a = unpermute_rotary(a, cfg.num_kv_heads)
+                elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+                    a = a - 1.0
+                yield name, a
 
     def __len__(self) -> int:
         return len(self.reader.tensors)
