@@ -5,8 +5,15 @@ from __future__ import annotations
 import gc
 import os
 
-import jax
-import pytest
+# Under pytest-xdist two workers share the two cores: torch's (and BLAS's) OpenMP threads, one per core in
+# each worker, would oversubscribe them and spin against each other (a transformers reference ran 2-3x
+# slower), so each worker's OpenMP runs one thread. Set before torch or numpy is imported.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if _XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Compiled executables are reused across test runs (and across processes) on this machine: the child processes
 # the tests start (sharded, multi-process, multi-host) read the same cache through the environment.
@@ -80,7 +87,7 @@ def hf_smollm(smollm_path):
     """transformers' model and tokenizer on the same GGUF, dequantized to float32."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if _XDIST_WORKER else 2)
     d, f = os.path.split(smollm_path)
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
