@@ -53,7 +53,19 @@ async def stored_response(request: Request) -> Response:
     worker that stores the response."""
     response_id = request.path_params["response_id"]
     suffix = request.url.path.split(response_id, 1)[1]  # "", "/cancel" or "/input_items"
-    return await _router(request).stored_response(request, response_id, suffix)
+    return await _router(request).kept(request, "responses", response_id, suffix)
+
+
+async def create_conversation(request: Request) -> Response:
+    """`POST /v1/conversations` on a worker, which keeps the conversation."""
+    return await _router(request).passthrough(request, "POST", request.url.path)
+
+
+async def conversation(request: Request) -> Response:
+    """A conversation's calls (read, update, delete; its items) on the worker that keeps it."""
+    conversation_id = request.path_params["conversation_id"]
+    suffix = request.url.path.split(conversation_id, 1)[1]  # "", "/items" or "/items/{item_id}"
+    return await _router(request).kept(request, "conversations", conversation_id, suffix)
 
 
 async def pooling(request: Request) -> Response:
@@ -186,6 +198,10 @@ def build_router_app(config: RouterConfig) -> Starlette:
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
         Route("/v1/responses/{response_id}/input_items", stored_response, methods=["GET"]),
+        Route("/v1/conversations", create_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", conversation, methods=["GET", "POST", "DELETE"]),
+        Route("/v1/conversations/{conversation_id}/items", conversation, methods=["GET", "POST"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conversation, methods=["GET", "DELETE"]),
         *(Route(path, pooling, methods=["POST"]) for path in
           ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify",
            "/v1/classify")),

@@ -261,10 +261,14 @@ class Router:
         self.trace.record(request_id, "L2", "received", summarize_request(kind, body))
         path = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "responses": "/v1/responses"}[kind]
         previous = body.get("previous_response_id") if kind == "responses" else None
-        if isinstance(previous, str):  # a continuation runs on the worker that stores the conversation it continues
-            owner = await self.response_owner(previous, headers)
-            self.trace.record(request_id, "L2", "continues", {"response": previous,
-                                                               "worker": owner.url if owner else None})
+        conversation = body.get("conversation") if kind == "responses" else None
+        if isinstance(conversation, dict):
+            conversation = conversation.get("id")
+        if isinstance(previous, str) or isinstance(conversation, str):
+            # A continuation runs on the worker that keeps the response or the conversation it continues.
+            kept = f"/v1/responses/{previous}" if isinstance(previous, str) else f"/v1/conversations/{conversation}"
+            owner = await self.owner(kept, headers)
+            self.trace.record(request_id, "L2", "continues", {"of": kept, "worker": owner.url if owner else None})
             return await self.forward(request_id, path, raw, headers, bool(body.get("stream")),
                                       RouteRequest(session=request.headers.get(self.config.session_header)),
                                       first=owner)
@@ -279,28 +283,30 @@ class Router:
             return await self.pd.generate(request_id, path, raw, body, headers, stream, info, ids)
         return await self.forward(request_id, path, raw, headers, stream, info)
 
-    async def response_owner(self, response_id: str, headers: dict[str, str]) -> Worker | None:
-        """The healthy worker that stores the response `response_id` (each keeps its own), asked in turn."""
+    async def owner(self, path: str, headers: dict[str, str]) -> Worker | None:
+        """The healthy worker that keeps the response or conversation at `path` (each keeps its own), asked in
+        turn."""
         for w in self.pool.healthy():
             try:
-                r = await self.client.get(f"{w.url}/v1/responses/{response_id}", headers=headers)
+                r = await self.client.get(f"{w.url}{path}", headers=headers)
             except httpx.TransportError:
                 continue
             if r.status_code == 200:
                 return w
         return None
 
-    async def stored_response(self, request: Request, response_id: str, suffix: str = "") -> Response:
-        """`GET` or `DELETE /v1/responses/{id}` (or `POST .../cancel`, `GET .../input_items`: `suffix`) on the
-        worker that stores it; 404 when none does."""
+    async def kept(self, request: Request, kind: str, kept_id: str, suffix: str = "") -> Response:
+        """A call on a stored response (`GET`, `DELETE`, `POST .../cancel`, `GET .../input_items`) or a
+        conversation (and its items), on the worker that keeps it; 404 when none does. `kind`: "responses" or
+        "conversations"; `suffix`: the path after the id."""
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
-        owner = await self.response_owner(response_id, headers)
+        owner = await self.owner(f"/v1/{kind}/{kept_id}", headers)
         if owner is None:
-            raise ApiError(404, f"no worker stores a response with id {response_id!r}", param="response_id",
-                           code="not_found")
+            what = "response" if kind == "responses" else "conversation"
+            raise ApiError(404, f"no worker keeps a {what} with id {kept_id!r}", param=f"{what}_id", code="not_found")
         query = f"?{request.url.query}" if request.url.query else ""
-        r = await self.client.request(request.method, f"{owner.url}/v1/responses/{response_id}{suffix}{query}",
-                                      headers=headers)
+        r = await self.client.request(request.method, f"{owner.url}/v1/{kind}/{kept_id}{suffix}{query}",
+                                      content=await request.body() or None, headers=headers)
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     async def pooling(self, request: Request) -> Response:

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from server.classify import classify
 from server.config import ServerConfig
 from server.constraints import tools_and_choice
+from server.conversations import conversation_routes
 from server.embeddings import embeddings
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
@@ -120,7 +121,8 @@ async def completions(request: Request) -> Response:
 
 async def responses(request: Request) -> Response:
     """`POST /v1/responses` (OpenAI's Responses API)."""
-    return await _traced_generate(request, "responses", **responses_api(_state(request).responses))
+    state = _state(request)
+    return await _traced_generate(request, "responses", **responses_api(state.responses, state.conversations))
 
 
 def _stored_response_id(request: Request) -> str:
@@ -261,6 +263,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        *conversation_routes(),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),

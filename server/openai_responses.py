@@ -35,8 +35,10 @@ reads it (`in_progress`, then `completed`, `incomplete`, `failed` or `cancelled`
 the next) from the prompt until it fits the context (the stored conversation keeps them); the latest turn is
 always kept, and a prompt that does not fit even so is refused as with `truncation: "disabled"`.
 
-Refused by name: `conversation` (conversation objects), `prompt` (stored prompt templates), tools other than
-functions, and content other than text.
+`conversation` (server/conversations.py) puts a kept conversation's items before `input`, and the finished
+response's input and output items are added to it.
+
+Refused by name: `prompt` (stored prompt templates), tools other than functions, and content other than text.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 
 from jaxserve.outputs import RequestOutput
 from server.chat_replies import ChatReplies
+from server.conversations import Conversation, ConversationStore, conversation_of, history_of
 from server.errors import ApiError, error_body
 from server.generation import Generation, Job
 from server.protocol import ChatRequest
@@ -68,8 +71,9 @@ class ResponsesFormatter:
     done = None  # a Responses stream ends with its last event
 
     def __init__(self, state: ServerState, req: ChatRequest, kind: str, request_id: str, jobs: list[Job],
-                 body: Mapping[str, Any], history: tuple[dict[str, Any], ...]):
+                 body: Mapping[str, Any], history: tuple[dict[str, Any], ...], conversation: Conversation | None):
         self.req, self.request_id, self.body = req, request_id, body
+        self.conversation = conversation  # extended with this turn once the response has finished
         # Stored when asked (OpenAI's default) and the server keeps any; `history`: the conversation so far.
         keep = body.get("store", True) and state.responses.capacity > 0
         self.store: ResponseStore | None = state.responses if keep else None
@@ -112,6 +116,7 @@ class ResponsesFormatter:
             "top_p": b.get("top_p", 1.0), "top_logprobs": b.get("top_logprobs"),
             "truncation": b.get("truncation") or "disabled", "user": b.get("user"), "usage": None,
             "background": self.background,
+            "conversation": {"id": self.conversation.id} if self.conversation is not None else None,
         }
         if gen is not None:
             prompt, completion, cached = gen.usage_counts()
@@ -136,6 +141,8 @@ class ResponsesFormatter:
         if self.store is not None:
             reply = input_messages({"input": response["output"]}) if response["output"] else []
             self._keep(response, (*self.history, *reply))
+        if self.conversation is not None:
+            self.conversation.items.extend([*self.input_items, *response["output"]])
         return response
 
     def _keep(self, response: dict[str, Any], history: tuple[dict[str, Any], ...]) -> None:
@@ -322,14 +329,17 @@ class ResponsesFormatter:
         return [*events, self._event(kind, response=self._finished(self._response(status, self.items, gen)))]
 
 
-def responses_api(store: ResponseStore) -> dict[str, Any]:
+def responses_api(store: ResponseStore, conversations: ConversationStore) -> dict[str, Any]:
     """`handle_generate`'s arguments that serve one `/v1/responses` request: its translation into a chat
-    request (after the stored conversation it continues), and its formatter (which keeps the original body, for
-    the fields the response repeats, and the conversation, to store with the reply)."""
+    request (after the stored response or the conversation it continues), and its formatter (which keeps the
+    original body, for the fields the response repeats, and the conversation, to store with the reply)."""
     translated: dict[str, Any] = {}
 
     def translate(body: Any) -> dict[str, Any]:
         history: tuple[dict[str, Any], ...] = ()
+        conversation = conversation_of(conversations, body) if isinstance(body, Mapping) else None
+        if conversation is not None:
+            history = history_of(conversation)
         if isinstance(body, Mapping) and body.get("background") and store.capacity == 0:
             raise ApiError(400, "a background response is read back by id, and this server stores none "
                                 "(--responses-store-capacity 0)", param="background", code="unsupported_parameter")
@@ -347,10 +357,12 @@ def responses_api(store: ResponseStore) -> dict[str, Any]:
         chat = chat_body(body, history)
         translated["body"] = body
         translated["history"] = (*history, *input_messages(body))
+        translated["conversation"] = conversation
         return chat
 
     def formatter(*args: Any) -> ResponsesFormatter:
-        return ResponsesFormatter(*args, body=translated["body"], history=translated["history"])
+        return ResponsesFormatter(*args, body=translated["body"], history=translated["history"],
+                                  conversation=translated["conversation"])
 
     def prepare(req: ChatRequest) -> ChatRequest:
         return dataclasses.replace(req, drop_turns_to_fit=translated["body"].get("truncation") == "auto")

@@ -18,10 +18,8 @@ _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p
          "priority", "cache_salt", "stream")
 _KNOWN = {*_SAME, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
           "metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key",
-          "previous_response_id", "background", "top_logprobs"}
+          "previous_response_id", "background", "top_logprobs", "conversation"}
 _REFUSED = {
-    "conversation": "conversation objects are not supported; continue with 'previous_response_id' or send the "
-                    "whole conversation in 'input'",
     "prompt": "stored prompt templates are not supported",
     "max_tool_calls": "'max_tool_calls' is not supported",
 }

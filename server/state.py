@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from server.config import ServerConfig
+from server.conversations import ConversationStore
 from server.errors import ApiError
 from server.metrics import ServerMetrics
 from server.reasoning import reasoning_parser
@@ -55,6 +56,7 @@ class ServerState:
         # The parser that splits a thinking model's reasoning from its answer; None: no split.
         self.reasoning_parser = reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None
         self.responses = ResponseStore(config.responses_store_capacity)  # `/v1/responses` answers kept
+        self.conversations = ConversationStore(config.responses_store_capacity)  # the Conversations API's
         self.created = int(time.time())
         self.draining = False
         self.active: set[str] = set()

@@ -15,6 +15,7 @@ from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 from server.config import ServerConfig  # noqa: E402
+from server.conversations import ConversationStore  # noqa: E402
 from server.errors import ApiError  # noqa: E402
 from server.fake_engine import FakeAsyncEngine  # noqa: E402
 from server.openai_responses import responses_api  # noqa: E402
@@ -263,7 +264,7 @@ def test_input_items_become_the_chat_conversation():
 
 
 @pytest.mark.parametrize("extra,param,words", [
-    ({"conversation": "conv_1"}, "conversation", "not supported"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
     ({"background": True, "stream": True}, "stream", "not streamed"),
     ({"background": True, "store": False}, "store", "must be stored"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
@@ -395,7 +396,7 @@ def test_continuation_messages_and_the_store_bound():
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]})
     store.put(StoredResponse({"id": "resp_a", "output": []}, history))
-    translate = responses_api(store)["translate"]
+    translate = responses_api(store, ConversationStore(2))["translate"]
     body = translate({"model": "m", "instructions": "sys", "previous_response_id": "resp_a",
                       "input": [{"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
     assert body["messages"] == [{"role": "system", "content": "sys"}, *history,
@@ -407,5 +408,5 @@ def test_continuation_messages_and_the_store_bound():
     none.put(StoredResponse({"id": "resp_a", "output": []}, ()))
     assert len(none) == 0 and none.get("resp_a") is None
     with pytest.raises(ApiError, match="stores none") as refused:  # nothing to read a background response from
-        responses_api(none)["translate"]({"model": "m", "input": "hi", "background": True})
+        responses_api(none, ConversationStore(0))["translate"]({"model": "m", "input": "hi", "background": True})
     assert refused.value.param == "background"

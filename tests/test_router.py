@@ -189,6 +189,31 @@ def test_a_continued_response_runs_on_the_worker_that_stores_it(cluster):
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "previous_response_id"
 
 
+@pytest.mark.parametrize("cluster", [{"policy": "round-robin"}], indirect=True)
+def test_a_conversation_lives_on_one_worker_and_its_responses_run_there(cluster):
+    """A conversation is kept by the worker that created it: the router sends the responses that name it, and
+    every call on it and its items, there (round robin alone would alternate)."""
+    created = cluster.client.post("/v1/conversations", json={"items": [{"role": "user", "content": "one"}]})
+    cid = created.json()["id"]
+    kept = [httpx.get(f"{s.url}/v1/conversations/{cid}").status_code for s in cluster.servers]
+    assert sorted(kept) == [200, 404]
+    home = kept.index(200)
+    for turn in ("two", "three"):
+        r = cluster.client.post("/v1/responses", json={"model": "fake-model", "input": turn, "max_output_tokens": 3,
+                                                       "conversation": {"id": cid}})
+        assert r.status_code == 200 and cluster.worker_of(r) == home and r.json()["conversation"] == {"id": cid}
+    items = cluster.client.get(f"/v1/conversations/{cid}/items", params={"order": "asc"}).json()["data"]
+    assert [i["role"] for i in items] == ["user", "user", "assistant", "user", "assistant"]
+    added = cluster.client.post(f"/v1/conversations/{cid}/items",
+                                json={"items": [{"role": "user", "content": "four"}]}).json()["data"][0]
+    assert cluster.client.get(f"/v1/conversations/{cid}/items/{added['id']}").json()["content"][0]["text"] == "four"
+    assert cluster.client.delete(f"/v1/conversations/{cid}/items/{added['id']}").json()["id"] == cid
+    assert cluster.client.post(f"/v1/conversations/{cid}", json={"metadata": {"k": "v"}}).json()["metadata"] == {"k": "v"}
+    assert cluster.client.delete(f"/v1/conversations/{cid}").json()["deleted"] is True
+    gone = cluster.client.get(f"/v1/conversations/{cid}")
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "conversation_id"
+
+
 @pytest.mark.parametrize("cluster", [{"policy": "prefix", "engine_cls": FakeAsyncEngine}], indirect=True)
 def test_cold_index_falls_back_to_routing_time_guess(cluster):
     # Plain fake engines publish no KV events: the approximate index alone keeps the prefix together.
