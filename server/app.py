@@ -16,7 +16,7 @@ from starlette.routing import Route
 from server.classify import classify
 from server.config import ServerConfig
 from server.constraints import tools_and_choice
-from server.conversations import conversation_routes
+from server.conversations import conversation_routes, list_page
 from server.embeddings import embeddings
 from server.errors import ApiError
 from server.kv_feed import KVEventFeed, kv_events
@@ -142,23 +142,7 @@ async def response_input_items(request: Request) -> Response:
     """`GET /v1/responses/{id}/input_items`: a stored response's input items, a page at a time as OpenAI lists
     them (`limit` 1-100, default 20; `order` desc by default; `after` an item id)."""
     stored = _state(request).responses.get(_stored_response_id(request))
-    q = request.query_params
-    order, limit, after = q.get("order", "desc"), q.get("limit", "20"), q.get("after")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"'order' must be asc or desc, got {order!r}", param="order", code="invalid_value")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise ApiError(400, f"'limit' must be an integer from 1 to 100, got {limit!r}", param="limit",
-                       code="invalid_value")
-    items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise ApiError(400, f"'after': no input item {after!r} in this response", param="after",
-                           code="invalid_value")
-        items = items[ids.index(after) + 1:]
-    page = items[:int(limit)]
-    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+    return JSONResponse(list_page(stored.input_items, request, "desc"))
 
 
 async def cancel_response(request: Request) -> Response:

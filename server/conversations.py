@@ -130,8 +130,9 @@ def _store(request: Request) -> ConversationStore:
     return request.app.state.server.conversations
 
 
-def _page(items: list[dict[str, Any]], request: Request, default_order: str) -> dict[str, Any]:
-    """One page of `items` (oldest first) as OpenAI lists them: `order`, `limit` 1-100 (20), `after` an id."""
+def list_page(items: Sequence[dict[str, Any]], request: Request, default_order: str) -> dict[str, Any]:
+    """One page of `items` (oldest first) as OpenAI lists them, by the request's query: `order` (asc or desc),
+    `limit` 1-100 (20), `after` an item id."""
     q = request.query_params
     order, limit, after = q.get("order", default_order), q.get("limit", "20"), q.get("after")
     if order not in ("asc", "desc"):
@@ -139,7 +140,7 @@ def _page(items: list[dict[str, Any]], request: Request, default_order: str) -> 
     if not limit.isdigit() or not 1 <= int(limit) <= 100:
         raise ApiError(400, f"'limit' must be an integer from 1 to 100, got {limit!r}", param="limit",
                        code="invalid_value")
-    ordered = items if order == "asc" else items[::-1]
+    ordered = list(items) if order == "asc" else list(items)[::-1]
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
@@ -178,7 +179,7 @@ async def delete_conversation(request: Request) -> Response:
 
 async def list_items(request: Request) -> Response:
     conv = _store(request).get(request.path_params["conversation_id"])
-    return JSONResponse(_page(conv.items, request, "desc"))
+    return JSONResponse(list_page(conv.items, request, "desc"))
 
 
 async def add_items(request: Request) -> Response:
