@@ -23,7 +23,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import tokenizers
 from tokenizers import AddedToken, models, pre_tokenizers
@@ -121,6 +121,15 @@ class _Req:
     metrics: RequestMetrics
     fail: bool
     script: str | None = None
+
+
+def replies_by_last_word(replies: Mapping[str, str]) -> Callable[[str], str | None]:
+    """A `scripted_reply` that answers `replies[w]` to a prompt whose last word (the chat template's role words
+    left out) is `w`, and generates words otherwise."""
+    def reply(prompt: str) -> str | None:
+        words = [w for w in prompt.split() if w not in ("system", "assistant")]
+        return replies.get(words[-1]) if words else None
+    return reply
 
 
 def _word_logprobs(tid: int, start: int, n: int) -> TokenLogprobs:

@@ -12,7 +12,7 @@ from openai.types.conversations import Conversation, ConversationItem, Conversat
 from pydantic import TypeAdapter  # noqa: E402
 
 from server.config import ServerConfig  # noqa: E402
-from server.fake_engine import FakeAsyncEngine  # noqa: E402
+from server.fake_engine import FakeAsyncEngine, replies_by_last_word  # noqa: E402
 from server.runner import serve_in_thread  # noqa: E402
 
 REPLIES = {"two": "four five six", "three": "seven eight"}  # words of the fake vocabulary, so prompts show them
@@ -20,14 +20,10 @@ TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generat
 ITEM = TypeAdapter(ConversationItem)
 
 
-def _reply(prompt: str) -> str | None:
-    words = prompt.replace("assistant", "").split()
-    return REPLIES.get(words[-1]) if words else None
-
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=_reply)
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=replies_by_last_word(REPLIES))
     yield eng
     eng.shutdown()
 

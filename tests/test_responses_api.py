@@ -17,7 +17,7 @@ from pydantic import TypeAdapter  # noqa: E402
 from server.config import ServerConfig  # noqa: E402
 from server.conversations import ConversationStore  # noqa: E402
 from server.errors import ApiError  # noqa: E402
-from server.fake_engine import FakeAsyncEngine  # noqa: E402
+from server.fake_engine import FakeAsyncEngine, replies_by_last_word  # noqa: E402
 from server.openai_responses import responses_api  # noqa: E402
 from server.response_store import ResponseStore, StoredResponse  # noqa: E402
 from server.responses_input import chat_body, drop_oldest_turns  # noqa: E402
@@ -37,14 +37,10 @@ TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generat
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-def _reply(prompt: str) -> str | None:
-    words = prompt.replace("assistant", "").split()
-    return REPLIES.get(words[-1]) if words else None
-
 
 @pytest.fixture(scope="module")
 def server():
-    engine = FakeAsyncEngine(step_delay=0.001, scripted_reply=_reply)
+    engine = FakeAsyncEngine(step_delay=0.001, scripted_reply=replies_by_last_word(REPLIES))
     config = ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3",
                           chat_template=TEMPLATE)
     with serve_in_thread(engine, config) as srv:
@@ -354,7 +350,7 @@ def test_background_responses_complete_cancel_and_refuse_continuation_until_done
     """`background: true`: the response comes back in progress once generation has started and is read back by
     GET until it is done; a continuation waits for it; cancel stops one in progress (the engine aborts it), and
     DELETE stops one before forgetting it."""
-    engine = FakeAsyncEngine(step_delay=0.03, scripted_reply=_reply)  # ~0.5 s for the sunny reply
+    engine = FakeAsyncEngine(step_delay=0.03, scripted_reply=replies_by_last_word(REPLIES))  # ~0.5 s for the sunny reply
     config = ServerConfig(port=0, reasoning_parser="qwen3", chat_template=TEMPLATE)
     with serve_in_thread(engine, config) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)

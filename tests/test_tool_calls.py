@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jaxserve.chat_template import ChatTemplateError, load_chat_template
 from server.config import ServerConfig
-from server.fake_engine import FakeAsyncEngine
+from server.fake_engine import FakeAsyncEngine, replies_by_last_word
 from server.runner import serve_in_thread
 from server.tool_parsers import PARSERS, ParsedCall, tool_parser
 
@@ -178,14 +178,10 @@ TEMPLATE = ("{% for m in messages %}{{ m.content }} {% endfor %}{% if tools %}{%
             "{% endfor %}{% endif %}{% if add_generation_prompt %}assistant{% endif %}")
 
 
-def _reply(prompt: str) -> str | None:
-    words = prompt.replace("system", "").replace("assistant", "").split()
-    return REPLIES.get(words[-1]) if words else None
-
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=_reply)
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=replies_by_last_word(REPLIES))
     yield eng
     eng.shutdown()
 
