@@ -20,7 +20,6 @@ TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generat
 ITEM = TypeAdapter(ConversationItem)
 
 
-
 @pytest.fixture(scope="module")
 def engine():
     eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=replies_by_last_word(REPLIES))

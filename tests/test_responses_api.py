@@ -37,7 +37,6 @@ TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generat
 EVENTS = TypeAdapter(ResponseStreamEvent)
 
 
-
 @pytest.fixture(scope="module")
 def server():
     engine = FakeAsyncEngine(step_delay=0.001, scripted_reply=replies_by_last_word(REPLIES))

@@ -178,7 +178,6 @@ TEMPLATE = ("{% for m in messages %}{{ m.content }} {% endfor %}{% if tools %}{%
             "{% endfor %}{% endif %}{% if add_generation_prompt %}assistant{% endif %}")
 
 
-
 @pytest.fixture(scope="module")
 def engine():
     eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=replies_by_last_word(REPLIES))
