@@ -24,10 +24,9 @@ from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, To
 from jaxserve.sampling_params import SamplingParams
 from server.errors import bad_field
 
-# (field, its neutral value, what it does) for the sampling fields a beam search cannot honour.
-_RESHAPING = (("top_p", 1.0, "top_p"), ("top_k", 0, "top_k"), ("min_p", 0.0, "min_p"),
-              ("presence_penalty", 0.0, "penalties"), ("frequency_penalty", 0.0, "penalties"),
-              ("repetition_penalty", 1.0, "penalties"), ("min_tokens", 0, "min_tokens"))
+# The sampling fields a beam search cannot honour, with their neutral values (top_k: 0 or -1).
+_RESHAPING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+              "repetition_penalty": 1.0, "min_tokens": 0}
 
 
 def check_beam_request(body: Mapping[str, Any], params: SamplingParams, length_penalty: float) -> None:
@@ -36,7 +35,7 @@ def check_beam_request(body: Mapping[str, Any], params: SamplingParams, length_p
         BeamSearchParams(beam_width=params.n, max_tokens=1, length_penalty=length_penalty)
     except ValueError as e:
         raise bad_field("n", f"with use_beam_search, 'n' is the beam width: {e}") from e
-    for name, neutral, _ in _RESHAPING:
+    for name, neutral in _RESHAPING.items():
         value = getattr(params, name)
         if value != neutral and not (name == "top_k" and value == -1):
             raise bad_field(name, f"'{name}' cannot be combined with use_beam_search: beams are ranked by the "
