@@ -21,8 +21,11 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # Mistral's architecture with its q/k/v and gate/up projections fused (split at load); a config written
+    # back names the family's first architecture (Mistral's).
+    "Phi3ForCausalLM": "mistral",
 }
-_HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+_HF_MODEL_TYPES: dict[str, Family] = {"phi3": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                                       "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                                       "gemma2": "gemma2", "gemma3_text": "gemma3"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -163,6 +166,9 @@ class ModelConfig:
                 f"architecture {archs or d.get('model_type')!r} is not supported "
                 f"(supported: {', '.join(_HF_ARCHITECTURES)})"
             )
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor="
+                                        f"{d['partial_rotary_factor']}) are not supported")
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
@@ -246,7 +252,7 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict describing this model (for `jaxserve convert`)."""
-        arch = {v: k for k, v in _HF_ARCHITECTURES.items()}[self.family]
+        arch = next(k for k, v in _HF_ARCHITECTURES.items() if v == self.family)
         d: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.family,

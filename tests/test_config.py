@@ -162,6 +162,9 @@ def test_refuses_heads_not_divisible():
      "rope_scaling type 'dynamic' is not supported"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      r"partial rotary embeddings \(partial_rotary_factor=0.5\)"),
+    ({"partial_rotary_factor": 0.75}, r"partial rotary embeddings \(partial_rotary_factor=0.75\)"),  # Phi-4-mini's
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope_scaling type 'longrope' is not supported"),  # Phi-3's 128k models
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "truncate": False}},
      "yarn rope scaling with truncate=false"),
     ({"head_dim": 15}, "head_dim must be even"),

@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.config import UnsupportedModelError  # noqa: E402
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
 from jaxserve.loader.gguf_file import SUPPORTED_TYPES  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
@@ -142,14 +142,15 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 _LLAMA_CPP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
                     "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v",
                     "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-                    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}
+                    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}
 _LLAMA_CPP_GEMMA_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None = None) -> str:
-    """`model` (an HF Llama, Gemma 2 or Gemma 3) as an F32 GGUF, as llama.cpp's converter writes one: Llama's
-    Q/K rows in its rotary order, Gemma's norms stored as 1 + w, the metadata its architecture reads."""
+    """`model` (an HF Llama, Gemma 2, Gemma 3 or Phi-3) as an F32 GGUF, as llama.cpp's converter writes one:
+    Llama's Q/K rows in its rotary order, Gemma's norms stored as 1 + w, Phi-3's fused projections as they are,
+    the metadata its architecture reads."""
     c = model.config
     gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
@@ -163,6 +164,9 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
     rope = getattr(c, "rope_parameters", None) or {}
     global_rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(global_rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    if arch == "phi3":
+        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+        w.add_sliding_window(c.sliding_window)
     if gemma:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -182,9 +186,9 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
             continue
         parts = name.split(".")
         a = p.numpy().astype(np.float32)
-        if parts[-2] == "q_proj" and not gemma:
+        if parts[-2] == "q_proj" and arch == "llama":
             a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif parts[-2] == "k_proj" and not gemma:
+        elif parts[-2] == "k_proj" and arch == "llama":
             a = _llama_cpp_permute(a, c.num_key_value_heads)
         elif gemma and name.endswith("norm.weight"):
             a = a + 1.0
@@ -363,3 +367,22 @@ def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
         assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # GGUF stores it in float32
         assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps) == want
         np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_phi3_gguf_logits_equal_the_hf_model(tmp_path):
+    """Phi-3 as llama.cpp writes it (fused attn_qkv, gate and up together in ffn_up, rotary pairs as HF's,
+    a sliding window): the HF model's logits; a partial rotary dimension is refused by name."""
+    from tests.test_model_families import FAMILIES, save_tiny_hf
+
+    config_cls, overrides = FAMILIES["phi3"]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", tie_word_embeddings=False, **overrides)
+    path = _write_gguf(tmp_path / "phi3.gguf", model, "phi3")
+    assert open_checkpoint(path).config().sliding_window == 8
+    ids = np.random.default_rng(6).integers(0, model.config.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    meta = {"general.architecture": "phi3", "phi3.embedding_length": 64, "phi3.attention.head_count": 4,
+            "phi3.block_count": 1, "phi3.feed_forward_length": 96, "phi3.rope.dimension_count": 12}
+    with pytest.raises(UnsupportedModelError, match=r"partial rotary embeddings \(phi3.rope.dimension_count 12"):
+        ModelConfig.from_gguf_metadata(meta, 64, True)

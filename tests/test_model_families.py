@@ -86,6 +86,8 @@ FAMILIES = {
     "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
+    # Mistral's architecture with fused q/k/v and gate/up projections, split at load.
+    "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Layer 0 windowed, layer 1 global; soft-caps small enough that tanh bends the logits.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),

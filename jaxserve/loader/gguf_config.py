@@ -17,7 +17,9 @@ from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.rope import RopeScaling
 
-_LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+# Phi-3 is Mistral's architecture with fused projections (split at load).
+_LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                                      "phi3": "mistral"}
 _GEMMA = ("gemma2", "gemma3")
 # Architectures read through the HF config their converter read (`ModelConfig.from_hf`); llama's with
 # experts is Mixtral.
@@ -49,6 +51,10 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     max_pos = int(get("context_length", 4096))
     num_layers = int(get("block_count"))
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise UnsupportedModelError(f"partial rotary embeddings ({arch}.rope.dimension_count {rotary} of head_dim "
+                                    f"{head_dim}) are not supported")
     scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_freq_factors)
     sliding = meta.get(f"{arch}.attention.sliding_window")
     experts = int(meta.get(f"{arch}.expert_count") or 0)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig, UnsupportedModelError
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -25,6 +25,7 @@ _GGUF_TO_HF = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused projections, split by the key map
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -56,9 +57,9 @@ _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling as a divisor of ea
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_to_hf_name(name: str, gemma: bool = False) -> str:
-    """Translate a llama.cpp tensor name to the HF name (of a Gemma model with `gemma`); refuses names it
-    does not know."""
+def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False) -> str:
+    """Translate a llama.cpp tensor name to the HF name (of a Gemma model with `gemma`, of Phi-3, whose
+    `ffn_up` holds the gate and up projections, with `phi3`); refuses names it does not know."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -67,14 +68,16 @@ def gguf_to_hf_name(name: str, gemma: bool = False) -> str:
         return "lm_head.weight"
     m = _BLK_RE.match(name)
     names = {**_GGUF_TO_HF, **_GEMMA_NAMES} if gemma else _GGUF_TO_HF
+    if phi3:
+        names = {**names, "ffn_up.weight": "mlp.gate_up_proj.weight"}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise CheckpointError(f"unknown GGUF tensor {name!r}")
 
 
-def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Iterator[tuple[str, np.ndarray]]:
     """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
-    reversed): one, or one per expert of a stacked expert tensor."""
+    reversed) in a file of architecture `arch`: one, or one per expert of a stacked expert tensor."""
     m = _BLK_RE.match(name)
     if cfg.num_experts and m:
         layer, rest = m.groups()
@@ -93,7 +96,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig) -> Iterator[tuple[s
         if rest in _SHARED_EXPERT:
             yield f"model.layers.{layer}.{_SHARED_EXPERT[rest]}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
-    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES), arr
+    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES, arch == "phi3"), arr
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -150,6 +153,9 @@ class GGUFFile:
         vocab = self.metadata.get(f"{self.metadata.get('general.architecture')}.vocab_size")
         if vocab is None:
             vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        if "rope_factors_long.weight" in tensors:
+            raise UnsupportedModelError("GGUF LongRoPE factors (rope_factors_long/short: Phi-3's long-context "
+                                        "models) are not supported")
         freqs = tensors.get(_ROPE_FREQS)
         if freqs is not None and freqs.tensor_type.name != "F32":
             raise CheckpointError(f"GGUF tensor {_ROPE_FREQS!r} has type {freqs.tensor_type.name}; it must be F32")
@@ -160,7 +166,8 @@ class GGUFFile:
         """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
         import gguf
 
-        permuted = cfg.family in ("llama", "mistral", "mixtral")  # llama.cpp's "llama" architecture
+        arch = self.metadata.get("general.architecture")
+        permuted = arch in ("llama", "mistral")  # llama.cpp writes their Q/K rows in its rotary order
         gemma = cfg.family in GEMMA_FAMILIES
         for t in self.reader.tensors:
             if t.name == _ROPE_FREQS:  # part of the config (its rope scaling), not a parameter
@@ -177,7 +184,7 @@ class GGUFFile:
             else:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape(tuple(int(s) for s in reversed(t.shape.tolist())))
-            for name, a in hf_tensors(t.name, arr, cfg):
+            for name, a in hf_tensors(t.name, arr, cfg, arch):
                 if permuted and name.endswith("self_attn.q_proj.weight"):
                     a = unpermute_rotary(a, cfg.num_heads)
                 elif permuted and name.endswith("self_attn.k_proj.weight"):

@@ -112,6 +112,28 @@ _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.)")
 
 
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+
+
+def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """A fused projection (Phi-3's `qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows) as the tensors it
+    packs, under their separate names; any other tensor as it is."""
+    m = _FUSED_RE.match(name)
+    if m is None:
+        return [(name, tensor)]
+    prefix, kind = m.groups()
+    if kind == "self_attn.qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        names, cuts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (q, q + kv, q + 2 * kv)
+    else:
+        names, cuts = ("mlp.gate_proj", "mlp.up_proj"), (cfg.intermediate_size, 2 * cfg.intermediate_size)
+    if tensor.ndim != 2 or tensor.shape[0] != cuts[-1]:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected ({cuts[-1]}, "
+                              f"{cfg.hidden_size}) for this config")
+    parts = np.split(tensor, cuts[:-1])
+    return [(f"{prefix}{n}.weight", part) for n, part in zip(names, parts, strict=True)]
+
+
 def canonical_name(name: str) -> str:
     """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
     (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix; an image-text
@@ -201,6 +223,10 @@ class WeightAssembler:
     def add(self, name: str, tensor: np.ndarray) -> None:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes."""
         name = canonical_name(name)
+        if _FUSED_RE.match(name):
+            for part_name, part in unfused(name, tensor, self.cfg):
+                self.add(part_name, part)
+            return
         target = hf_target(name, self.cfg)
         if target is None:
             return
