@@ -240,6 +240,8 @@ def test_classify_score_and_rerank_over_http(models, engines):
     query, docs = "t5 t6 t7", ["t20 t21", "t5 t6 t8 t9"]
     pairs = [engine.tokenizer.encode_pair(query, d) for d in docs]
     scores = [p[0] for p in _classify(engine, pairs)]
+    # Before the engine is served: once it is, only the server's engine thread may step it.
+    want = _llm_over(engine).score(query, docs, use_tqdm=False, chat_template=SCORE_TEMPLATE)
     served = AsyncEngine(engine)
     try:
         with serve_in_thread(served, ServerConfig(port=0)) as srv:
@@ -253,7 +255,6 @@ def test_classify_score_and_rerank_over_http(models, engines):
             assert cls["num_classes"] == 1 and cls["label"] == "LABEL_0" and 0 < cls["probs"][0] < 1
         with serve_in_thread(served, ServerConfig(port=0, chat_template=SCORE_TEMPLATE)) as srv:
             r = httpx.post(f"{srv.url}/score", json={"text_1": query, "text_2": docs}).json()
-            want = _llm_over(engine).score(query, docs, use_tqdm=False, chat_template=SCORE_TEMPLATE)
             np.testing.assert_allclose([d["score"] for d in r["data"]], [w.outputs.score for w in want], atol=1e-6)
             assert [d["score"] for d in r["data"]] != scores
     finally:

@@ -147,7 +147,8 @@ _LLAMA_CPP_GEMMA_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_
                           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None = None) -> str:
+def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None = None,
+                vocab: tuple[list[str], list[int], list[float]] | None = None) -> str:
     """`model` (an HF Llama, Gemma 2, Gemma 3 or Phi-3) as an F32 GGUF, as llama.cpp's converter writes one:
     Llama's Q/K rows in its rotary order, Gemma's norms stored as 1 + w, Phi-3's fused projections as they are,
     the metadata its architecture reads."""
@@ -179,7 +180,17 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
         if global_rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(global_rope["factor"])
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    if vocab is None:
+        w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    else:  # a SentencePiece vocabulary, as Gemma's converter writes it (no space prefix, BOS added)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(vocab[0])
+        w.add_token_types(vocab[1])
+        w.add_token_scores(vocab[2])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_space_prefix(False)
+        w.add_add_bos_token(True)
     names = _LLAMA_CPP_GEMMA_NAMES if gemma else _LLAMA_CPP_NAMES
     for name, p in model.state_dict().items():
         if "rotary_emb" in name or (gemma and name == "lm_head.weight"):
@@ -386,3 +397,32 @@ def test_phi3_gguf_logits_equal_the_hf_model(tmp_path):
             "phi3.block_count": 1, "phi3.feed_forward_length": 96, "phi3.rope.dimension_count": 12}
     with pytest.raises(UnsupportedModelError, match=r"partial rotary embeddings \(phi3.rope.dimension_count 12"):
         ModelConfig.from_gguf_metadata(meta, 64, True)
+
+
+def test_llm_serves_a_gemma_gguf_with_its_sentencepiece_vocabulary(tmp_path):
+    """`LLM` on a Gemma 3 GGUF that carries its SentencePiece vocabulary: the prompt is tokenized as
+    transformers tokenizes it (BOS first), the greedy tokens are the HF model's, and the text streamed back is
+    transformers' decoding of them (byte-fallback pieces included)."""
+    from jaxserve import LLM, SamplingParams
+    from tests.test_model_families import save_tiny_hf
+    from tests.test_tokenizer import spm_vocab
+
+    vocab = spm_vocab("gemma3")
+    config_cls, overrides = GEMMA["gemma3"]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", vocab_size=len(vocab[0]), **overrides)
+    _write_gguf(tmp_path / "g.gguf", model, "gemma3", vocab=vocab)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="g.gguf")
+    prompt = "the quick brown fox jumps over"
+    ids = ref_tok.encode(prompt)
+    assert ids[0] == 1
+    greedy = []
+    with torch.no_grad():
+        for _ in range(12):
+            greedy.append(int(model(torch.tensor([ids + greedy])).logits[0, -1].argmax()))
+    llm = LLM(str(tmp_path / "g.gguf"), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              kv_cache_memory_bytes=1 << 20, dtype="float32", compile_cache_dir=None, progress=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                skip_special_tokens=False), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == greedy
+    assert out.outputs[0].text == ref_tok.decode(greedy, skip_special_tokens=False)

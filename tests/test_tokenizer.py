@@ -317,13 +317,12 @@ SPM_TEXTS = ["Hello world", "hello there, the world", "  two  spaces and\nnew li
              "the fox</s>jumps <tool> over", "", " leading space", "tabs\tand 123456", "<s>hello"]
 
 
-def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = False, arch: str = "llama") -> str:
-    """A GGUF holding a SentencePiece BPE vocabulary as llama.cpp writes one: <unk>, <s>, </s>, the 256
-    byte tokens, the corpus's characters and its pieces of 2-5 characters seen twice or more (each piece
-    scored by how often it occurs), and a user-defined <tool>; with `merges`, the merges written out."""
+def spm_vocab(arch: str = "llama") -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece BPE vocabulary as llama.cpp writes one (tokens, kinds, scores): <unk>, <s>, </s>, the
+    256 byte tokens, the corpus's characters and its pieces of 2-5 characters seen twice or more (each piece
+    scored by how often it occurs), and a user-defined <tool>. Gemma's (`arch`) as its files have it: runs of
+    spaces as tokens, and scores out of the vocabulary's order."""
     import collections
-
-    import gguf
 
     words = ["\u2581" + w for w in SPM_CORPUS.split()]
     counts = collections.Counter(w[i:j] for w in words for i in range(len(w)) for j in range(i + 2, min(len(w), i + 5) + 1))
@@ -332,9 +331,17 @@ def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = Fals
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars, *pieces, "<tool>"]
     types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(pieces)), 4]
     scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + [-float(i) for i in range(len(pieces))] + [0.0]
-    if arch.startswith("gemma"):  # as Gemma's files: runs of spaces as tokens, scores out of the vocabulary's order
+    if arch.startswith("gemma"):
         tokens[-1:-1], types[-1:-1], scores[-1:-1] = ["  ", "   "], [1, 1], [-5000.0, -5001.0]
         scores = [float(x) for x in np.random.default_rng(0).permutation(scores)]
+    return tokens, types, scores
+
+
+def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = False, arch: str = "llama") -> str:
+    """A GGUF holding `spm_vocab(arch)` (with `merges`, its merges written out)."""
+    import gguf
+
+    tokens, types, scores = spm_vocab(arch)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_embedding_length(8)

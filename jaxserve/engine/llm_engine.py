@@ -154,7 +154,8 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids (with the tokenizer's BOS and the like, as vLLM adds them), or token ids checked."""
         return prompt_token_ids(self.tokenizer, prompt, self.model.config.vocab_size, add_special_tokens)
 
     def add_request(
