@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -93,6 +93,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        for name in ("short_factor", "long_factor", "freq_factors"):  # one per rotary pair
+            factors = getattr(self.rope_scaling, name)
+            if factors is not None and len(factors) != self.head_dim // 2:
+                raise UnsupportedModelError(f"rope scaling {name} has {len(factors)} values; head_dim {self.head_dim} "
+                                            f"has {self.head_dim // 2} rotary pairs")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
         if self.layer_types is not None and (len(self.layer_types) != self.num_layers
@@ -222,6 +227,11 @@ class ModelConfig:
         rope_params = d.get("rope_scaling") or d.get("rope_parameters")
         if isinstance(rope_params, dict) and "full_attention" in rope_params:  # per layer type (Gemma 3)
             rope_params = rope_params["full_attention"]
+        if isinstance(rope_params, dict) and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
+            rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
+        scaling = RopeScaling.from_hf(rope_params, max_pos)
+        if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
+            max_pos = min(max_pos, scaling.original_max_position_embeddings)
         rope_theta = d.get("rope_theta")
         if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
             rope_theta = rope_params["rope_theta"]
@@ -236,7 +246,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=RopeScaling.from_hf(rope_params, max_pos),
+            rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
@@ -312,6 +322,10 @@ class ModelConfig:
             if rs.rope_type == "llama3":
                 scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
                                original_max_position_embeddings=rs.original_max_position_embeddings)
+            if rs.rope_type == "longrope":
+                scaling.update(short_factor=list(rs.short_factor or ()), long_factor=list(rs.long_factor or ()),
+                               original_max_position_embeddings=rs.original_max_position_embeddings,
+                               attention_factor=rs.attention_factor)
             if rs.rope_type == "yarn":
                 scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
                                original_max_position_embeddings=rs.original_max_position_embeddings)
@@ -323,11 +337,11 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
-                           rope_freq_factors: Sequence[float] | None = None) -> ModelConfig:
+                           rope_tensors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
         """Parse llama.cpp GGUF metadata (jaxserve/loader/gguf_config.py)."""
         from jaxserve.loader.gguf_config import config_from_gguf
 
-        return config_from_gguf(meta, vocab_size, has_output_weight, rope_freq_factors)
+        return config_from_gguf(meta, vocab_size, has_output_weight, rope_tensors)
 
 
 def _gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:

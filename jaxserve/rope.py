@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,13 +13,18 @@ from jaxserve.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
 
-RopeType = Literal["default", "linear", "llama3", "yarn", "factors"]
+RopeType = Literal["default", "linear", "llama3", "yarn", "longrope", "factors"]
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary embedding frequency scaling, as HF's `rope_scaling` describes it; or ("factors") a divisor
-    of each rotary pair's frequency, as a llama.cpp GGUF file stores Llama 3.1's scaling (`rope_freqs`)."""
+    of each rotary pair's frequency, as a llama.cpp GGUF file stores Llama 3.1's scaling (`rope_freqs`).
+
+    LongRoPE (Phi-3's long-context models, Phi-3.5) divides each pair's frequency by its `short_factor` up to
+    the original context and by its `long_factor` past it, switching as a sequence grows past it; a model
+    config keeps such a model to its original context (`ModelConfig.from_hf`), so only the short factors and
+    the attention factor apply, exactly as transformers applies them there."""
 
     rope_type: RopeType = "default"
     factor: float = 1.0
@@ -32,15 +37,17 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     freq_factors: tuple[float, ...] | None = None
+    short_factor: tuple[float, ...] | None = None  # LongRoPE's
+    long_factor: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf(cls, d: dict[str, Any] | None, max_position_embeddings: int) -> RopeScaling:
         if not d:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
+        if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise UnsupportedModelError(
-                f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn)"
+                f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
             )
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={d['partial_rotary_factor']})"
@@ -53,19 +60,40 @@ class RopeScaling:
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_type" and v is not None}
         kwargs.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if rope_type == "longrope":
+            original = kwargs["original_max_position_embeddings"]
+            kwargs["short_factor"], kwargs["long_factor"] = tuple(map(float, d["short_factor"])), tuple(
+                map(float, d["long_factor"]))
+            # transformers' default: the factor from the two context lengths, the attention factor from it.
+            factor = float(d.get("factor") or max_position_embeddings / original)
+            kwargs["factor"] = factor
+            kwargs.setdefault("attention_factor",
+                              1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
         return cls(rope_type=rope_type, **kwargs)
 
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], arch: str, max_pos: int,
-                  freq_factors: Sequence[float] | None = None) -> RopeScaling:
-        """The scaling a GGUF file's `{arch}.rope.scaling.*` metadata and `rope_freqs` tensor describe."""
+                  rope_tensors: Mapping[str, Sequence[float]] | None = None) -> RopeScaling:
+        """The scaling a GGUF file's `{arch}.rope.scaling.*` metadata and rope tensors (`rope_freqs`: Llama
+        3.1's; `rope_factors_short` and `rope_factors_long`: LongRoPE's) describe."""
+        tensors = rope_tensors or {}
         rope_type = meta.get(f"{arch}.rope.scaling.type", "none")
-        if freq_factors is not None:
+        if "rope_factors_short" in tensors or "rope_factors_long" in tensors:
+            if "rope_factors_short" not in tensors or "rope_factors_long" not in tensors:
+                raise UnsupportedModelError("a GGUF file with LongRoPE factors needs both rope_factors_short and "
+                                            "rope_factors_long")
+            d: dict[str, Any] = {"rope_type": "longrope", "short_factor": tensors["rope_factors_short"],
+                                 "long_factor": tensors["rope_factors_long"],
+                                 "original_max_position_embeddings": int(meta.get(
+                                     f"{arch}.rope.scaling.original_context_length", max_pos)),
+                                 "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}
+            return cls.from_hf(d, max_pos)
+        if "rope_freqs" in tensors:
             if rope_type not in ("none", None):
                 raise UnsupportedModelError(f"GGUF rope frequency factors (rope_freqs.weight) with rope scaling "
                                             f"type {rope_type!r} are not supported")
-            return cls(rope_type="factors", freq_factors=tuple(float(f) for f in freq_factors))
+            return cls(rope_type="factors", freq_factors=tuple(float(f) for f in tensors["rope_freqs"]))
         if rope_type in ("none", None):
             return cls()
         if rope_type not in ("linear", "yarn"):
@@ -92,11 +120,12 @@ def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list
     attention_factor = 1.0
     if rs.rope_type == "linear":
         inv = [f / rs.factor for f in inv]
+    elif rs.rope_type == "longrope":  # within the original context: the short factors
+        assert rs.short_factor is not None and rs.attention_factor is not None
+        inv = [f / k for f, k in zip(inv, rs.short_factor, strict=True)]
+        attention_factor = rs.attention_factor
     elif rs.rope_type == "factors":
         assert rs.freq_factors is not None
-        if len(rs.freq_factors) != len(inv):
-            raise UnsupportedModelError(f"{len(rs.freq_factors)} rope frequency factors for {len(inv)} rotary pairs "
-                                        f"(head_dim {d})")
         inv = [f / k for f, k in zip(inv, rs.freq_factors, strict=True)]
     elif rs.rope_type == "llama3":
         old = rs.original_max_position_embeddings

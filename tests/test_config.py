@@ -163,8 +163,6 @@ def test_refuses_heads_not_divisible():
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      r"partial rotary embeddings \(partial_rotary_factor=0.5\)"),
     ({"partial_rotary_factor": 0.75}, r"partial rotary embeddings \(partial_rotary_factor=0.75\)"),  # Phi-4-mini's
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}},
-     "rope_scaling type 'longrope' is not supported"),  # Phi-3's 128k models
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "truncate": False}},
      "yarn rope scaling with truncate=false"),
     ({"head_dim": 15}, "head_dim must be even"),
@@ -256,3 +254,21 @@ def test_rope_matches_transformers(name, head_dim):
     if rope_type != "default":  # the scaling does something on these configs
         plain, _ = rope_inv_freq_and_scale(dataclasses.replace(cfg, rope_scaling=RopeScaling()))
         assert not np.allclose(inv, plain)
+
+
+def test_longrope_is_served_within_its_original_context():
+    """Phi-3.5's config (LongRoPE; 131072 positions over an original 4096): served up to 4096, where the short
+    factors apply with the attention factor sqrt(1 + ln 32 / ln 4096), as transformers computes it; written
+    back, the config reads the same."""
+    import math
+
+    d = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+         "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+         "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+         "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 48 for i in range(48)],
+                          "long_factor": [2.0 + i for i in range(48)]}, "sliding_window": 262144}
+    cfg = ModelConfig.from_hf(d)
+    rs = cfg.rope_scaling
+    assert (cfg.family, cfg.max_position_embeddings, rs.rope_type, len(rs.short_factor)) == ("mistral", 4096, "longrope", 48)
+    assert rs.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg

@@ -167,7 +167,15 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
     w.add_rope_freq_base(global_rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     if arch == "phi3":
         w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-        w.add_sliding_window(c.sliding_window)
+        if c.sliding_window:
+            w.add_sliding_window(c.sliding_window)
+        if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes LongRoPE
+            original = rope.get("original_max_position_embeddings") or c.original_max_position_embeddings
+            factor = c.max_position_embeddings / original
+            w.add_uint32("phi3.rope.scaling.original_context_length", original)
+            w.add_float32("phi3.rope.scaling.attn_factor", math.sqrt(1 + math.log(factor) / math.log(original)))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
     if gemma:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -380,15 +388,18 @@ def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
         np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
-def test_phi3_gguf_logits_equal_the_hf_model(tmp_path):
-    """Phi-3 as llama.cpp writes it (fused attn_qkv, gate and up together in ffn_up, rotary pairs as HF's,
-    a sliding window): the HF model's logits; a partial rotary dimension is refused by name."""
+@pytest.mark.parametrize("family", ["phi3", "phi3_longrope"])
+def test_phi3_gguf_logits_equal_the_hf_model(tmp_path, family):
+    """Phi-3 as llama.cpp writes it (fused attn_qkv, gate and up together in ffn_up, rotary pairs as HF's; a
+    sliding window, or LongRoPE's factor tensors, served within the original context): the HF model's logits;
+    a partial rotary dimension is refused by name."""
     from tests.test_model_families import FAMILIES, save_tiny_hf
 
-    config_cls, overrides = FAMILIES["phi3"]
+    config_cls, overrides = FAMILIES[family]
     model = save_tiny_hf(config_cls, tmp_path / "hf", tie_word_embeddings=False, **overrides)
     path = _write_gguf(tmp_path / "phi3.gguf", model, "phi3")
-    assert open_checkpoint(path).config().sliding_window == 8
+    cfg = open_checkpoint(path).config()
+    assert (cfg.sliding_window, cfg.max_position_embeddings) == ((8, 256) if family == "phi3" else (None, 48))
     ids = np.random.default_rng(6).integers(0, model.config.vocab_size, 30).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()

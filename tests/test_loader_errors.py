@@ -119,13 +119,15 @@ def test_unsupported_architecture(tmp_path):
         ckpt.config()
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}])
-def test_unsupported_rope_scaling(tmp_path, rope):
+@pytest.mark.parametrize("rope, message", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic' is not supported"),
+    ({"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+     r"rope scaling short_factor has 1 values; head_dim \d+ has \d+ rotary pairs"),
+])
+def test_unsupported_rope_scaling(tmp_path, rope, message):
     config = {**CFG.to_hf(), "rope_scaling": rope}
     ckpt = open_checkpoint(write_hf_dir(tmp_path, [hf_tensors()], config))
-    kind = rope.get("rope_type", rope.get("type"))
-    with pytest.raises(UnsupportedModelError, match=f"rope_scaling type '{kind}' is not supported"):
+    with pytest.raises(UnsupportedModelError, match=message):
         ckpt.config()
 
 

@@ -10,7 +10,7 @@ by head_dim), and those are restored here as llama.cpp applies them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxserve.config import Family, ModelConfig
@@ -31,9 +31,9 @@ SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_HF_FORM)
 
 
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
-                     rope_freq_factors: Sequence[float] | None = None) -> ModelConfig:
-    """The configuration GGUF metadata `meta` describes; `rope_freq_factors` is the file's `rope_freqs`
-    tensor, if it has one."""
+                     rope_tensors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
+    """The configuration GGUF metadata `meta` describes; `rope_tensors` are the file's rope tensors
+    (`rope_freqs`, `rope_factors_short`, `rope_factors_long`) by name, if it has any."""
     arch = meta.get("general.architecture") or ""
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -55,7 +55,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     if rotary is not None and int(rotary) != head_dim:
         raise UnsupportedModelError(f"partial rotary embeddings ({arch}.rope.dimension_count {rotary} of head_dim "
                                     f"{head_dim}) are not supported")
-    scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_freq_factors)
+    scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_tensors)
+    if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
+        max_pos = min(max_pos, scaling.original_max_position_embeddings)
     sliding = meta.get(f"{arch}.attention.sliding_window")
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     hf_arch = _HF_FORM.get(arch) or ("MixtralForCausalLM" if arch == "llama" and experts else None)

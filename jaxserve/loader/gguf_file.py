@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig, UnsupportedModelError
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -53,7 +53,9 @@ _SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                   "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
                   "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
                   "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
-_ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's rope scaling as a divisor of each rotary pair's frequency
+# Rope scaling as per-pair frequency divisors: Llama 3.1's; LongRoPE's short and long (Phi-3's long-context
+# models). Part of the config, not parameters.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -153,14 +155,14 @@ class GGUFFile:
         vocab = self.metadata.get(f"{self.metadata.get('general.architecture')}.vocab_size")
         if vocab is None:
             vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
-        if "rope_factors_long.weight" in tensors:
-            raise UnsupportedModelError("GGUF LongRoPE factors (rope_factors_long/short: Phi-3's long-context "
-                                        "models) are not supported")
-        freqs = tensors.get(_ROPE_FREQS)
-        if freqs is not None and freqs.tensor_type.name != "F32":
-            raise CheckpointError(f"GGUF tensor {_ROPE_FREQS!r} has type {freqs.tensor_type.name}; it must be F32")
-        factors = None if freqs is None else np.asarray(freqs.data, np.float32).ravel().tolist()
-        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, factors)
+        rope = {}
+        for name in _ROPE_TENSORS:
+            t = tensors.get(name)
+            if t is not None and t.tensor_type.name != "F32":
+                raise CheckpointError(f"GGUF tensor {name!r} has type {t.tensor_type.name}; it must be F32")
+            if t is not None:
+                rope[name.removesuffix(".weight")] = np.asarray(t.data, np.float32).ravel().tolist()
+        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, rope)
 
     def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
@@ -170,7 +172,7 @@ class GGUFFile:
         permuted = arch in ("llama", "mistral")  # llama.cpp writes their Q/K rows in its rotary order
         gemma = cfg.family in GEMMA_FAMILIES
         for t in self.reader.tensors:
-            if t.name == _ROPE_FREQS:  # part of the config (its rope scaling), not a parameter
+            if t.name in _ROPE_TENSORS:
                 continue
             kind = t.tensor_type.name
             if kind not in SUPPORTED_TYPES:
