@@ -70,6 +70,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # ... and on the vocabulary logits
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (default: head_dim's)
     rope_local_theta: float | None = None  # the sliding layers' own unscaled rotary base (Gemma 3)
+    rotary_dim: int | None = None  # rotated leading dims of each head (partial rotary: Phi-4-mini); None: all
     # Mixture of experts (0 experts = a dense MLP): top-k routing over `num_experts` MLPs of width
     # `moe_intermediate_size`; `norm_topk_prob` renormalizes the k routing weights to sum to one;
     # a shared expert of width `shared_expert_intermediate_size` (0 = none) sees every token.
@@ -80,6 +81,11 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # Per-layer `k_scale` / `v_scale` tensors for a float8 KV cache (a compressed-tensors `kv_cache_scheme`).
     kv_cache_scales: bool = False
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each head the rotary embedding turns (the rest pass through)."""
+        return self.rotary_dim or self.head_dim
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -93,11 +99,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rotary = self.rotary_dims
+        if rotary % 2 or not 0 < rotary <= self.head_dim:
+            raise UnsupportedModelError(f"the rotary dims must be even and 1 to head_dim ({self.head_dim}), got {rotary}")
         for name in ("short_factor", "long_factor", "freq_factors"):  # one per rotary pair
             factors = getattr(self.rope_scaling, name)
-            if factors is not None and len(factors) != self.head_dim // 2:
-                raise UnsupportedModelError(f"rope scaling {name} has {len(factors)} values; head_dim {self.head_dim} "
-                                            f"has {self.head_dim // 2} rotary pairs")
+            if factors is not None and len(factors) != rotary // 2:
+                raise UnsupportedModelError(f"rope scaling {name} has {len(factors)} values; the {rotary} rotary dims "
+                                            f"of head_dim {self.head_dim} make {rotary // 2} pairs")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
         if self.layer_types is not None and (len(self.layer_types) != self.num_layers
@@ -171,9 +180,6 @@ class ModelConfig:
                 f"architecture {archs or d.get('model_type')!r} is not supported "
                 f"(supported: {', '.join(_HF_ARCHITECTURES)})"
             )
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor="
-                                        f"{d['partial_rotary_factor']}) are not supported")
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
@@ -229,6 +235,8 @@ class ModelConfig:
             rope_params = rope_params["full_attention"]
         if isinstance(rope_params, dict) and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
             rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
+        partial = (rope_params or {}).get("partial_rotary_factor") if isinstance(rope_params, dict) else None
+        partial = float(partial or d.get("partial_rotary_factor") or 1.0)
         scaling = RopeScaling.from_hf(rope_params, max_pos)
         if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
             max_pos = min(max_pos, scaling.original_max_position_embeddings)
@@ -254,6 +262,7 @@ class ModelConfig:
             or (family in ("llama", "qwen3", "qwen3_moe") and bool(d.get("attention_bias"))),
             mlp_bias=family == "llama" and bool(d.get("mlp_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
             **moe,
@@ -314,6 +323,8 @@ class ModelConfig:
                 "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
                 "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
                                     "symmetric": True}}
+        if self.rotary_dim is not None:
+            d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         rs = self.rope_scaling
         if rs.rope_type == "factors":
             raise UnsupportedModelError("rope frequency factors (a GGUF file's rope_freqs) have no HF config form")

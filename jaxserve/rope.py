@@ -49,15 +49,13 @@ class RopeScaling:
             raise UnsupportedModelError(
                 f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
             )
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor={d['partial_rotary_factor']})"
-                                        " are not supported")
         if rope_type == "yarn" and d.get("truncate", True) is False:
             raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
         if rope_type == "default":
             # One canonical form, so equal models give equal (jit-static) configs whichever way HF wrote them.
             return cls()
         fields = {f.name for f in dataclasses.fields(cls)}
+        # (`partial_rotary_factor` is the model's: `ModelConfig.rotary_dim`.)
         kwargs = {k: v for k, v in d.items() if k in fields and k != "rope_type" and v is not None}
         kwargs.setdefault("original_max_position_embeddings", max_position_embeddings)
         if rope_type == "longrope":
@@ -110,8 +108,9 @@ class RopeScaling:
 def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list[float], float]:
     """Inverse frequencies for each rotary pair and the attention scaling factor, per `cfg.rope_scaling`;
     with `local`, those of the sliding-window layers of a model that gives them their own base
-    (`rope_local_theta`, unscaled: Gemma 3)."""
-    d = cfg.head_dim
+    (`rope_local_theta`, unscaled: Gemma 3). A partial rotary embedding spreads its frequencies over the
+    rotary dims (`cfg.rotary_dims`) alone."""
+    d = cfg.rotary_dims
     if local and cfg.rope_local_theta is not None:
         return [1.0 / (cfg.rope_local_theta ** (2 * i / d)) for i in range(d // 2)], 1.0
     base = cfg.rope_theta

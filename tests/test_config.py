@@ -160,12 +160,10 @@ def test_refuses_heads_not_divisible():
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
      "rope_scaling type 'dynamic' is not supported"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     r"partial rotary embeddings \(partial_rotary_factor=0.5\)"),
-    ({"partial_rotary_factor": 0.75}, r"partial rotary embeddings \(partial_rotary_factor=0.75\)"),  # Phi-4-mini's
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "truncate": False}},
      "yarn rope scaling with truncate=false"),
     ({"head_dim": 15}, "head_dim must be even"),
+    ({"partial_rotary_factor": 0.3125}, r"the rotary dims must be even and 1 to head_dim \(16\), got 5"),
     ({"num_hidden_layers": 0}, "num_layers must be a positive integer"),
 ])
 def test_refuses_unsupported_options(change, message):
@@ -272,3 +270,18 @@ def test_longrope_is_served_within_its_original_context():
     assert (cfg.family, cfg.max_position_embeddings, rs.rope_type, len(rs.short_factor)) == ("mistral", 4096, "longrope", 48)
     assert rs.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_phi4_mini_partial_rotary_round_trip():
+    """Phi-4-mini's config: LongRoPE over 96 of each head's 128 dims (partial_rotary_factor 0.75): 48 factors,
+    and the config written back reads the same."""
+    d = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072,
+         "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+         "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+         "rope_theta": 10000.0, "tie_word_embeddings": True,
+         "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rotary_dims, cfg.max_position_embeddings) == (128, 96, 96, 4096)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    with pytest.raises(UnsupportedModelError, match="short_factor has 64 values; the 96 rotary dims"):
+        ModelConfig.from_hf({**d, "rope_scaling": {**d["rope_scaling"], "short_factor": [1.0] * 64}})

@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 import jax.numpy as jnp  # noqa: E402
 
-from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.config import UnsupportedModelError  # noqa: E402
 from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
 from jaxserve.loader.gguf_file import SUPPORTED_TYPES  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
@@ -166,7 +166,7 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
     global_rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(global_rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     if arch == "phi3":
-        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+        w.add_rope_dimension_count(int(c.hidden_size // c.num_attention_heads * rope.get("partial_rotary_factor", 1.0)))
         if c.sliding_window:
             w.add_sliding_window(c.sliding_window)
         if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes LongRoPE
@@ -391,23 +391,20 @@ def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
 @pytest.mark.parametrize("family", ["phi3", "phi3_longrope"])
 def test_phi3_gguf_logits_equal_the_hf_model(tmp_path, family):
     """Phi-3 as llama.cpp writes it (fused attn_qkv, gate and up together in ffn_up, rotary pairs as HF's; a
-    sliding window, or LongRoPE's factor tensors, served within the original context): the HF model's logits;
-    a partial rotary dimension is refused by name."""
+    sliding window, or (as Phi-4-mini) LongRoPE's factor tensors, served within the original context, over a
+    partial rotary dimension): the HF model's logits."""
     from tests.test_model_families import FAMILIES, save_tiny_hf
 
     config_cls, overrides = FAMILIES[family]
     model = save_tiny_hf(config_cls, tmp_path / "hf", tie_word_embeddings=False, **overrides)
     path = _write_gguf(tmp_path / "phi3.gguf", model, "phi3")
     cfg = open_checkpoint(path).config()
-    assert (cfg.sliding_window, cfg.max_position_embeddings) == ((8, 256) if family == "phi3" else (None, 48))
+    assert (cfg.sliding_window, cfg.max_position_embeddings, cfg.rotary_dims) == (
+        (8, 256, 16) if family == "phi3" else (None, 48, 8))
     ids = np.random.default_rng(6).integers(0, model.config.vocab_size, 30).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
-    meta = {"general.architecture": "phi3", "phi3.embedding_length": 64, "phi3.attention.head_count": 4,
-            "phi3.block_count": 1, "phi3.feed_forward_length": 96, "phi3.rope.dimension_count": 12}
-    with pytest.raises(UnsupportedModelError, match=r"partial rotary embeddings \(phi3.rope.dimension_count 12"):
-        ModelConfig.from_gguf_metadata(meta, 64, True)
 
 
 def test_llm_serves_a_gemma_gguf_with_its_sentencepiece_vocabulary(tmp_path):

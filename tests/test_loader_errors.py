@@ -122,7 +122,7 @@ def test_unsupported_architecture(tmp_path):
 @pytest.mark.parametrize("rope, message", [
     ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic' is not supported"),
     ({"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
-     r"rope scaling short_factor has 1 values; head_dim \d+ has \d+ rotary pairs"),
+     r"rope scaling short_factor has 1 values; the \d+ rotary dims of head_dim \d+ make \d+ pairs"),
 ])
 def test_unsupported_rope_scaling(tmp_path, rope, message):
     config = {**CFG.to_hf(), "rope_scaling": rope}

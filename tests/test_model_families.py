@@ -88,12 +88,12 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 8}),
     # Mistral's architecture with fused q/k/v and gate/up projections, split at load.
     "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    # LongRoPE (Phi-3.5, Phi-3's 128k models) within its original context of 48: the short factors and the
-    # attention factor of 256 / 48.
+    # As Phi-4-mini: LongRoPE within its original context of 48 (the short factors and the attention factor of
+    # 256 / 48) over half of each head's dims (a partial rotary embedding).
     "phi3_longrope": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-                                     "original_max_position_embeddings": 48, "rope_scaling": {
-                                         "rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0, 1.2, 4.0, 2.5, 1.1],
-                                         "long_factor": [9.0, 2.0, 17.0, 5.0, 30.0, 1.0, 12.0, 8.0]}}),
+                                     "partial_rotary_factor": 0.5, "original_max_position_embeddings": 48,
+                                     "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 1.2],
+                                                      "long_factor": [9.0, 2.0, 17.0, 5.0]}}),
     # Layer 0 windowed, layer 1 global; soft-caps small enough that tanh bends the logits.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),

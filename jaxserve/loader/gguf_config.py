@@ -51,10 +51,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     max_pos = int(get("context_length", 4096))
     num_layers = int(get("block_count"))
-    rotary = meta.get(f"{arch}.rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:
-        raise UnsupportedModelError(f"partial rotary embeddings ({arch}.rope.dimension_count {rotary} of head_dim "
-                                    f"{head_dim}) are not supported")
+    rotary = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)  # fewer: a partial rotary embedding
     scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_tensors)
     if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
         max_pos = min(max_pos, scaling.original_max_position_embeddings)
@@ -69,7 +66,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6 if arch in _GEMMA
                                                       else 1e-5)),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), max_position_embeddings=max_pos,
-            tie_word_embeddings=not has_output_weight, sliding_window=int(sliding) if sliding else None)
+            tie_word_embeddings=not has_output_weight, sliding_window=int(sliding) if sliding else None,
+            partial_rotary_factor=rotary / head_dim)
         if arch in _GEMMA:
             d.update(hidden_activation="gelu_pytorch_tanh",
                      query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim,
@@ -105,4 +103,5 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         attention_bias=family == "qwen2",
         qk_norm=family == "qwen3",
         sliding_window=int(sliding) if sliding else None,
+        rotary_dim=rotary if rotary != head_dim else None,
     )

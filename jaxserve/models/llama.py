@@ -35,7 +35,7 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, [T, head_dim], for the half-split (rotate_half) rotary layout; `local`: the sliding
+    """cos and sin, [T, rotary dims], for the half-split (rotate_half) rotary layout; `local`: the sliding
     layers' (see `rope_inv_freq_and_scale`)."""
     inv_freq, attention_factor = rope_inv_freq_and_scale(cfg, local)
     inv = jnp.asarray(np.asarray(inv_freq, np.float32))
@@ -45,11 +45,15 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False) -> 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x ([T, H, D]) by position; computed in float32."""
+    """Rotate x ([T, H, D]) by position, its leading cos.shape[-1] dims (all, but for a partial rotary
+    embedding; the others pass through); computed in float32."""
+    rot = cos.shape[-1]
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+    turned, kept = xf[..., :rot], xf[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
+    out = turned * cos[:, None, :] + rotated * sin[:, None, :]
+    return (jnp.concatenate([out, kept], axis=-1) if rot < x.shape[-1] else out).astype(x.dtype)
 
 
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
