@@ -160,3 +160,27 @@ def test_stop_checker_refuses_misuse():
     with pytest.raises(RuntimeError):
         checker.add("more")
     assert StopChecker([]).add("anything").text == "anything"
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory) -> Tokenizer:
+    """A SentencePiece vocabulary with byte fallback (Llama 2, Mistral, Gemma GGUFs'), read from a GGUF."""
+    from tests.test_tokenizer import _spm_gguf
+
+    return Tokenizer.from_gguf(_spm_gguf(tmp_path_factory.mktemp("spm") / "spm.gguf"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_sentencepiece_any_chunking_gives_the_full_decode(spm, data):
+    """Pieces spelling spaces with ▁ and characters outside the vocabulary as <0xNN> bytes, streamed in any
+    chunks after a prompt (or none): the text is what the tokens add to the prompt's (a leading ▁ is a space
+    after a prompt, dropped at the very start, as SentencePiece decodes), no partial character ever sent."""
+    text = data.draw(st.text(alphabet=st.sampled_from(list("the quick fox  é你😀\n")), max_size=30))
+    ids = spm.encode(text)
+    prompt = spm.encode(data.draw(st.sampled_from(["", "hello there", "the  wide"])), add_special_tokens=True)
+    chunks = data.draw(st.lists(st.integers(0, 4), max_size=len(ids)))
+    deltas = _stream(IncrementalDetokenizer(spm, prompt_ids=prompt or None), ids, chunks)
+    assert all("\ufffd" not in d for d in deltas)
+    whole, before = spm.decode(prompt + ids), spm.decode(prompt)
+    assert whole.startswith(before) and "".join(deltas) == whole[len(before):]
