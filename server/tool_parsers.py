@@ -10,6 +10,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `mistral` | text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}`, or `[TOOL_CALLS]name[ARGS]{...}` per call | Mistral |
 | `pythonic` | a reply that is a Python list of calls, `[f(a=1), g(b="x")]` | Llama 3.2 / 4, ToolACE |
 | `qwen3_coder` | `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values typed by the tool's schema | Qwen3-Coder |
+| `phi4_mini_json` | `functools[{"name": ..., "arguments": {...}}, ...]`, between text | Phi-4-mini |
 
 A `ToolCallStream` reads a reply as it grows: text that cannot be the start of a call goes out as
 content at once; once a call starts, its text is held until it is whole, then it goes out as a call.
@@ -30,7 +31,7 @@ from typing import Any, ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
 
-ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json"]
 Schemas = Mapping[str, Any]  # a tool's name -> its parameters' JSON schema
 
 
@@ -158,6 +159,15 @@ class MistralParser(ToolParser):
         return calls
 
 
+class Phi4MiniParser(ToolParser):
+    name = "phi4_mini_json"
+    openers = ("functools",)
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        values = _json_values(body)  # the one JSON list of calls that follows the word
+        return _calls(values[0]) if values and len(values) == 1 and isinstance(values[0], list) else None
+
+
 class PythonicParser(ToolParser):
     name = "pythonic"
     openers = ("<|python_start|>", "[")
@@ -255,7 +265,7 @@ class Qwen3CoderParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                           PythonicParser, Qwen3CoderParser)}
+                                                           Phi4MiniParser, PythonicParser, Qwen3CoderParser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

@@ -48,6 +48,12 @@ CASES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
                 '{"zone": "CET", "hours": [1, 2], "dst": true}', "", [W, T]),
     ("mistral", "[TOOL_CALLS]not json", "[TOOL_CALLS]not json", []),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+                       '"arguments": {"zone": "CET", "hours": [1, 2], "dst": true}}]', "", [W, T]),
+    ("phi4_mini_json", 'Let me check. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     "Let me check.", [W]),
+    ("phi4_mini_json", "The functools module helps.", "The functools module helps.", []),
+    ("phi4_mini_json", 'functools{"name": "get_weather"}', 'functools{"name": "get_weather"}', []),
     ("pythonic", '[get_weather(city="Paris"), get_time(zone="CET", hours=[1, 2], dst=True)]', "", [W, T]),
     ("pythonic", '<|python_start|>[get_weather(city="Paris")]<|python_end|>', "", [W]),
     ("pythonic", "[1, 2] is a list", "[1, 2] is a list", []),
@@ -109,7 +115,8 @@ def test_stream_gives_content_at_once_and_each_call_when_whole():
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen3_xml"]
+    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder",
+                               "qwen3_xml"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 
 
