@@ -4,7 +4,8 @@ llama.cpp stores the vocabulary, merges (or scores), token kinds, special ids an
 model in its GGUF file. `read_gguf_tokenizer` turns them into a HF `tokenizers.Tokenizer` (the Rust BPE)
 plus the special ids and templates `Tokenizer` needs, for two kinds of vocabulary:
 
-- `gpt2`: byte-level BPE, for the families in `SUPPORTED_GGUF_PRE` (Llama 3, Qwen2, SmolLM, GPT-2);
+- `gpt2`: byte-level BPE, for the families in `SUPPORTED_GGUF_PRE` (Llama 3, Qwen2, SmolLM, GPT-2, Mistral's
+  Tekken, OpenAI's o200k);
 - `llama`: SentencePiece BPE (Llama 2, Mistral, Gemma, ...): pieces spelled with `▁` for spaces, bytes
   outside the vocabulary as `<0xNN>` tokens, and merges that apply the highest-scoring piece first (the
   file's merges when it has them, else derived from its scores), as transformers reads such a file.
@@ -41,7 +42,17 @@ _QWEN2_SPLIT = (
 # <|endoftext|>, which files whose turns end otherwise keep as a document separator).
 _TURN_ENDS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
                         "<EOT>", "_<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>"})
-SUPPORTED_GGUF_PRE = ("gpt-2", "llama-bpe", "llama3", "llama-v3", "qwen2", "smollm")
+# Mistral's Tekken (Mistral Nemo) and OpenAI's o200k (Phi-4-mini): cased words, digits one (Tekken) or up
+# to three (o200k) at a time.
+_CASED_WORD = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{c}"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*{c}")
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_TEKKEN_SPLIT = _CASED_WORD.replace("{c}", "") + r"|\p{N}" + _TAIL
+_GPT4O_SPLIT = _CASED_WORD.replace("{c}", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"|\p{N}{1,3}" + _TAIL
+# llama.cpp's names for each split (files name their tokenizer's family, or a model that shares its split).
+_LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3", "pixtral")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+SUPPORTED_GGUF_PRE = ("gpt-2", "smollm", *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o")
 
 
 @dataclass(frozen=True)
@@ -96,8 +107,7 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
     if model == "gpt2":
         backend = _byte_level_backend(reader, tokens, token_types)
     elif model == "llama":
-        backend = _sentencepiece_backend(reader, tokens, gemma=str(_gguf_value(reader, "general.architecture",
-                                                                                "")).startswith("gemma"))
+        backend = _sentencepiece_backend(reader, tokens, str(_gguf_value(reader, "general.architecture", "")))
     else:
         raise ValueError(
             f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
@@ -179,7 +189,8 @@ def _byte_level_backend(reader: gguf.GGUFReader, tokens: list[str], token_types:
     return backend
 
 
-def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str], gemma: bool) -> tokenizers.Tokenizer:
+def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str], arch: str) -> tokenizers.Tokenizer:
+    gemma = arch.startswith("gemma")
     if gemma:  # Gemma's files store its whitespace tokens with spaces; its pieces spell those with ▁
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab: dict[str, int] = {}
@@ -200,8 +211,11 @@ def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str], gemma: bo
     # The leading space SentencePiece adds to a text (unless the file turns it off) goes before its first
     # piece only, and the decoder takes it off again.
     prefix = bool(_gguf_value(reader, "tokenizer.ggml.add_space_prefix", True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+    if arch == "phi3" and prefix:  # Phi-3's tokenizer puts the space before each text between special tokens
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence([*steps, decoders.Strip(content=" ", left=1, right=0)] if prefix else steps)
     return backend
@@ -251,10 +265,12 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
             False,
         )
-    if pre in ("llama-bpe", "llama3", "llama-v3"):
+    if pre in ("tekken", "gpt-4o"):
+        return None, _split_then_bytes(_TEKKEN_SPLIT if pre == "tekken" else _GPT4O_SPLIT), False
+    if pre in _LLAMA3_PRE:
         # Llama 3's own tokenizer.json looks whole words up in the vocabulary before merging.
         return None, _split_then_bytes(_LLAMA3_SPLIT), True
-    if pre == "qwen2":
+    if pre in _QWEN2_PRE:
         return normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT), False
     raise ValueError(
         f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; jaxserve supports {list(SUPPORTED_GGUF_PRE)}"

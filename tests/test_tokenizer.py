@@ -305,6 +305,19 @@ def test_llama3_and_qwen2_pre_tokenizers(tmp_path):
     assert qwen.encode(" ok", add_special_tokens=True) == [257]
 
 
+@pytest.mark.parametrize("pre", ["tekken", "gpt-4o", "deepseek-r1-qwen", "dbrx"])
+def test_more_byte_level_pre_tokenizers_split_as_transformers(tmp_path, pre):
+    """Mistral Nemo's Tekken, OpenAI's o200k (Phi-4-mini), DeepSeek-R1's Qwen distills and the Llama 3 split
+    under another name: each text splits into the pieces transformers' reading of the file gives."""
+    transformers = pytest.importorskip("transformers")
+    ours = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "b.gguf", pre=pre))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="b.gguf").backend_tokenizer
+    for text in ["I'm 12345 ok\n\nyes", "HelloWorld and CamelCaseWords' don't", "x = a/b;\r\n  tabs\tend ",
+                 "Ünïcödé 東京タワー 123 45678", "It's THE end.\n"]:
+        assert _pieces(ours, text) == [p for p, _ in ref.pre_tokenizer.pre_tokenize_str(text)], (pre, text)
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, (pre, text)
+
+
 def test_unsupported_gguf_tokenizers_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'deepseek-coder'"):
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / "p.gguf", pre="deepseek-coder"))
@@ -367,13 +380,13 @@ def _spm_gguf(path, *, add_space_prefix: bool | None = None, merges: bool = Fals
     return str(path)
 
 
-@pytest.mark.parametrize("merges", [False, True])
-def test_sentencepiece_gguf_tokenizes_as_transformers(tmp_path, merges):
-    """A SentencePiece vocabulary (Llama 2, Mistral, Gemma GGUFs): ids with and without BOS, pieces, and
+@pytest.mark.parametrize("arch,merges", [("llama", False), ("llama", True), ("phi3", False)])
+def test_sentencepiece_gguf_tokenizes_as_transformers(tmp_path, arch, merges):
+    """A SentencePiece vocabulary (Llama 2, Mistral, Phi-3 GGUFs): ids with and without BOS, pieces, and
     decoded text equal transformers' tokenizer of the same file, for plain text, runs of spaces, newlines,
     characters only bytes can spell, and special and user-defined tokens inside the text."""
     transformers = pytest.importorskip("transformers")
-    path = _spm_gguf(tmp_path / "spm.gguf", merges=merges)
+    path = _spm_gguf(tmp_path / "spm.gguf", merges=merges, arch=arch)  # phi3: a space after each special token
     ours = Tokenizer.from_gguf(path)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
     assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,) and ours.add_bos_token
