@@ -38,6 +38,9 @@ always kept, and a prompt that does not fit even so is refused as with `truncati
 `conversation` (server/conversations.py) puts a kept conversation's items before `input`, and the finished
 response's input and output items are added to it.
 
+`max_tool_calls` caps calls to built-in tools, which this server does not run: it is checked and repeated in
+the response, and never binds (function calls are the client's to run).
+
 Refused by name: `prompt` (stored prompt templates), tools other than functions, and content other than text.
 """
 
@@ -114,6 +117,7 @@ class ResponsesFormatter:
             "temperature": b.get("temperature", 1.0), "text": b.get("text") or {"format": {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
             "top_p": b.get("top_p", 1.0), "top_logprobs": b.get("top_logprobs"),
+            "max_tool_calls": b.get("max_tool_calls"),
             "truncation": b.get("truncation") or "disabled", "user": b.get("user"), "usage": None,
             "background": self.background,
             "conversation": {"id": self.conversation.id} if self.conversation is not None else None,

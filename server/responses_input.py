@@ -18,10 +18,9 @@ _SAME = ("model", "temperature", "top_p", "parallel_tool_calls", "top_k", "min_p
          "priority", "cache_salt", "stream")
 _KNOWN = {*_SAME, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
           "metadata", "user", "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key",
-          "previous_response_id", "background", "top_logprobs", "conversation"}
+          "previous_response_id", "background", "top_logprobs", "conversation", "max_tool_calls"}
 _REFUSED = {
     "prompt": "stored prompt templates are not supported",
-    "max_tool_calls": "'max_tool_calls' is not supported",
 }
 
 
@@ -218,6 +217,10 @@ def chat_body(body: Any, history: tuple[dict[str, Any], ...] = ()) -> dict[str, 
         if body.get("store") is False:
             raise bad_field("store", "a background response must be stored ('store': true): it is read back by id",
                             "invalid_value")
+    limit = body.get("max_tool_calls")  # a cap on built-in tools' calls: this server runs none, so it never binds
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise bad_field("max_tool_calls", f"'max_tool_calls' must be a positive integer, got {limit!r}",
+                        "invalid_value")
     if body.get("truncation", "disabled") not in ("disabled", "auto", None):
         raise bad_field("truncation", f"'truncation' must be 'disabled' or 'auto', got {body['truncation']!r}",
                         "invalid_value")

@@ -83,6 +83,10 @@ def test_text_reply_whole_and_streamed(server, client):
     assert r.status == "completed" and r.output_text == REPLIES["two"]
     assert [item.type for item in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
     assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0 and r.instructions == "Be brief."
+    assert r.max_tool_calls is None
+    # A cap on built-in tools' calls (none run here): repeated, and the reply is the same.
+    capped = client.responses.create(model="fake-model", input="say two", max_tool_calls=1)
+    assert capped.max_tool_calls == 1 and capped.output_text == REPLIES["two"]
     events = _stream(server, input="say two")
     kinds = [e["type"] for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -269,6 +273,7 @@ def test_input_items_become_the_chat_conversation():
     ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
     ({"frobnicate": 1}, "frobnicate", "unknown field"),
+    ({"max_tool_calls": 0}, "max_tool_calls", "positive integer"),
     ({"input": []}, "input", "non-empty list"),
 ])
 def test_refusals_name_the_field(server, extra, param, words):
