@@ -25,9 +25,9 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     # back names the family's first architecture (Mistral's).
     "Phi3ForCausalLM": "mistral",
 }
-_HF_MODEL_TYPES: dict[str, Family] = {"phi3": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+_HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                                       "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                                      "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                                      "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
@@ -235,8 +235,8 @@ class ModelConfig:
             rope_params = rope_params["full_attention"]
         if isinstance(rope_params, dict) and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
             rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
-        partial = (rope_params or {}).get("partial_rotary_factor") if isinstance(rope_params, dict) else None
-        partial = float(partial or d.get("partial_rotary_factor") or 1.0)
+        rope_dict = rope_params if isinstance(rope_params, dict) else {}
+        partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0)
         scaling = RopeScaling.from_hf(rope_params, max_pos)
         if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
             max_pos = min(max_pos, scaling.original_max_position_embeddings)

@@ -20,6 +20,7 @@ from jaxserve.outputs import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    TokenLogprobs,
 )
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -159,7 +160,7 @@ class LLM:
         ids = [engine.tokenize_prompt(p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p)
                for p in self._prompt_list(prompts)]
 
-        def next_logprobs(token_lists: list[list[int]], k: int) -> list[dict[int, float]]:
+        def next_logprobs(token_lists: list[list[int]], k: int) -> list[TokenLogprobs]:
             outs = self._run(self._add_all(token_lists, [one_token_params(k)] * len(token_lists)), False)
             return [out.outputs[0].logprobs[0] for out in outs]
 

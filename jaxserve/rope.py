@@ -69,7 +69,6 @@ class RopeScaling:
                               1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
         return cls(rope_type=rope_type, **kwargs)
 
-
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], arch: str, max_pos: int,
                   rope_tensors: Mapping[str, Sequence[float]] | None = None) -> RopeScaling:
