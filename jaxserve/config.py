@@ -87,6 +87,13 @@ class ModelConfig:
         """How many leading dims of each head the rotary embedding turns (the rest pass through)."""
         return self.rotary_dim or self.head_dim
 
+    @property
+    def long_rope_context(self) -> int | None:
+        """A LongRoPE model's original context, past which its long factors apply (`rope.uses_long_factors`);
+        None for other models."""
+        rs = self.rope_scaling
+        return rs.original_max_position_embeddings if rs.rope_type == "longrope" else None
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
@@ -238,8 +245,6 @@ class ModelConfig:
         rope_dict = rope_params if isinstance(rope_params, dict) else {}
         partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0)
         scaling = RopeScaling.from_hf(rope_params, max_pos)
-        if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
-            max_pos = min(max_pos, scaling.original_max_position_embeddings)
         rope_theta = d.get("rope_theta")
         if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
             rope_theta = rope_params["rope_theta"]

@@ -21,10 +21,9 @@ class RopeScaling:
     """Rotary embedding frequency scaling, as HF's `rope_scaling` describes it; or ("factors") a divisor
     of each rotary pair's frequency, as a llama.cpp GGUF file stores Llama 3.1's scaling (`rope_freqs`).
 
-    LongRoPE (Phi-3's long-context models, Phi-3.5) divides each pair's frequency by its `short_factor` up to
-    the original context and by its `long_factor` past it, switching as a sequence grows past it; a model
-    config keeps such a model to its original context (`ModelConfig.from_hf`), so only the short factors and
-    the attention factor apply, exactly as transformers applies them there."""
+    LongRoPE (Phi-3's long-context models, Phi-3.5, Phi-4-mini) divides each pair's frequency by its
+    `short_factor` or its `long_factor`, with one attention factor for both. Which set a token takes is
+    `uses_long_factors`' rule: transformers' choice for a sequence generated token by token after its prompt."""
 
     rope_type: RopeType = "default"
     factor: float = 1.0
@@ -104,11 +103,38 @@ class RopeScaling:
         return cls(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
 
 
-def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list[float], float]:
+def uses_long_factors(position: int, prompt_len: int, original: int) -> bool:
+    """Whether a LongRoPE model's token at `position` of a sequence whose prompt has `prompt_len` tokens takes the
+    long factors (`original`: the original context). transformers picks one set per forward call, the long one
+    when its highest position is at or past the original context: the prompt's call (all its tokens) when the
+    prompt is longer than that context, and each generated token's call from the token at `original` on. A
+    token's set is therefore fixed by its position and its prompt's length, whatever chunks or batches it is
+    computed in."""
+    return position >= original or prompt_len > original
+
+
+LONG_ROPE_SALT_PREFIX = "longrope:"
+
+
+def prompt_cache_salt(long_rope_context: int | None, prompt_len: int, salt: str | None) -> str | None:
+    """The prefix-cache namespace of a request: its own `salt`, or, when its prompt is longer than the original
+    context of the LongRoPE model an engine serves past it (`long_rope_context`), a namespace of such prompts,
+    whose every token takes the long factors (`uses_long_factors`): the same tokens after a shorter prompt hold
+    other keys. Salts of that form are refused from requests."""
+    if salt is not None and salt.startswith(LONG_ROPE_SALT_PREFIX):
+        raise ValueError(f"cache_salt {salt!r}: salts beginning {LONG_ROPE_SALT_PREFIX!r} name the cache namespace "
+                         "of prompts past a LongRoPE model's original context")
+    if long_rope_context is None or prompt_len <= long_rope_context:
+        return salt
+    return LONG_ROPE_SALT_PREFIX if salt is None else f"{LONG_ROPE_SALT_PREFIX}|{salt}"
+
+
+def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False, long: bool = False) -> tuple[list[float], float]:
     """Inverse frequencies for each rotary pair and the attention scaling factor, per `cfg.rope_scaling`;
     with `local`, those of the sliding-window layers of a model that gives them their own base
-    (`rope_local_theta`, unscaled: Gemma 3). A partial rotary embedding spreads its frequencies over the
-    rotary dims (`cfg.rotary_dims`) alone."""
+    (`rope_local_theta`, unscaled: Gemma 3); with `long`, LongRoPE's long factors (its short ones otherwise;
+    see `uses_long_factors`). A partial rotary embedding spreads its frequencies over the rotary dims
+    (`cfg.rotary_dims`) alone."""
     d = cfg.rotary_dims
     if local and cfg.rope_local_theta is not None:
         return [1.0 / (cfg.rope_local_theta ** (2 * i / d)) for i in range(d // 2)], 1.0
@@ -118,9 +144,10 @@ def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False) -> tuple[list
     attention_factor = 1.0
     if rs.rope_type == "linear":
         inv = [f / rs.factor for f in inv]
-    elif rs.rope_type == "longrope":  # within the original context: the short factors
-        assert rs.short_factor is not None and rs.attention_factor is not None
-        inv = [f / k for f, k in zip(inv, rs.short_factor, strict=True)]
+    elif rs.rope_type == "longrope":
+        factors = rs.long_factor if long else rs.short_factor
+        assert factors is not None and rs.attention_factor is not None
+        inv = [f / k for f, k in zip(inv, factors, strict=True)]
         attention_factor = rs.attention_factor
     elif rs.rope_type == "factors":
         assert rs.freq_factors is not None

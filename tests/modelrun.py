@@ -36,11 +36,14 @@ def bucket(n: int, step: int = 64) -> int:
 
 
 def prompt_logits(cfg, params, ids, page_size=16, num_pages=256, dtype=jnp.float32, backend="xla"):
-    """Logits at every position of one prompt, computed in one step on a fresh page pool."""
+    """Logits at every position of one prompt, computed in one step on a fresh page pool (a LongRoPE model's
+    prompt past its original context on the long factors throughout, as transformers computes it)."""
     kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
     pages = pages_for(0, len(ids), page_size, stride=max(1, (num_pages - 1) // max(1, -(-len(ids) // page_size))))
+    long = None if cfg.long_rope_context is None else [len(ids) > cfg.long_rope_context]
     logits, _ = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, backend=backend,
-                           num_tokens=bucket(len(ids)), num_seqs=1, pages_per_seq=bucket(len(pages), 16))
+                           num_tokens=bucket(len(ids)), num_seqs=1, pages_per_seq=bucket(len(pages), 16),
+                           long_prompts=long)
     return logits[: len(ids)]
 
 

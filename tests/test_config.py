@@ -254,10 +254,10 @@ def test_rope_matches_transformers(name, head_dim):
         assert not np.allclose(inv, plain)
 
 
-def test_longrope_is_served_within_its_original_context():
-    """Phi-3.5's config (LongRoPE; 131072 positions over an original 4096): served up to 4096, where the short
-    factors apply with the attention factor sqrt(1 + ln 32 / ln 4096), as transformers computes it; written
-    back, the config reads the same."""
+def test_longrope_config():
+    """Phi-3.5's config (LongRoPE; 131072 positions over an original 4096): served to 131072, the long factors
+    past 4096, both sets with the attention factor sqrt(1 + ln 32 / ln 4096), as transformers computes it;
+    written back, the config reads the same."""
     import math
 
     d = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
@@ -267,7 +267,9 @@ def test_longrope_is_served_within_its_original_context():
                           "long_factor": [2.0 + i for i in range(48)]}, "sliding_window": 262144}
     cfg = ModelConfig.from_hf(d)
     rs = cfg.rope_scaling
-    assert (cfg.family, cfg.max_position_embeddings, rs.rope_type, len(rs.short_factor)) == ("mistral", 4096, "longrope", 48)
+    assert (cfg.family, cfg.max_position_embeddings, rs.rope_type, len(rs.short_factor)) == (
+        "mistral", 131072, "longrope", 48)
+    assert cfg.long_rope_context == 4096
     assert rs.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
@@ -281,7 +283,7 @@ def test_phi4_mini_partial_rotary_round_trip():
          "rope_theta": 10000.0, "tie_word_embeddings": True,
          "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
     cfg = ModelConfig.from_hf(d)
-    assert (cfg.head_dim, cfg.rotary_dim, cfg.rotary_dims, cfg.max_position_embeddings) == (128, 96, 96, 4096)
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.rotary_dims, cfg.max_position_embeddings) == (128, 96, 96, 131072)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     with pytest.raises(UnsupportedModelError, match="short_factor has 64 values; the 96 rotary dims"):
         ModelConfig.from_hf({**d, "rope_scaling": {**d["rope_scaling"], "short_factor": [1.0] * 64}})

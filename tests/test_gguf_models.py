@@ -391,8 +391,8 @@ def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
 @pytest.mark.parametrize("family", ["phi3", "phi3_longrope"])
 def test_phi3_gguf_logits_equal_the_hf_model(tmp_path, family):
     """Phi-3 as llama.cpp writes it (fused attn_qkv, gate and up together in ffn_up, rotary pairs as HF's; a
-    sliding window, or (as Phi-4-mini) LongRoPE's factor tensors, served within the original context, over a
-    partial rotary dimension): the HF model's logits."""
+    sliding window, or (as Phi-4-mini) LongRoPE's factor tensors over a partial rotary dimension): the HF model's
+    logits, LongRoPE's within its original context (the short factors) and past it (the long ones)."""
     from tests.test_model_families import FAMILIES, save_tiny_hf
 
     config_cls, overrides = FAMILIES[family]
@@ -400,11 +400,12 @@ def test_phi3_gguf_logits_equal_the_hf_model(tmp_path, family):
     path = _write_gguf(tmp_path / "phi3.gguf", model, "phi3")
     cfg = open_checkpoint(path).config()
     assert (cfg.sliding_window, cfg.max_position_embeddings, cfg.rotary_dims) == (
-        (8, 256, 16) if family == "phi3" else (None, 48, 8))
-    ids = np.random.default_rng(6).integers(0, model.config.vocab_size, 30).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+        (8, 256, 16) if family == "phi3" else (None, 256, 8))
+    for n in (30, 60) if family == "phi3_longrope" else (30,):
+        ids = np.random.default_rng(6).integers(0, model.config.vocab_size, n).tolist()
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).logits[0].numpy()
+        np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
 def test_llm_serves_a_gemma_gguf_with_its_sentencepiece_vocabulary(tmp_path):

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from jaxserve.rope import prompt_cache_salt
+
 if TYPE_CHECKING:
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.radix_cache import RadixNode
@@ -242,6 +244,7 @@ def pin_prompt(engine: LLMEngine, token_ids: list[int], salt: str | None) -> Pin
     if cache is None:
         return None
     # A request always computes its last prompt token, so only pages before it are worth moving.
+    salt = prompt_cache_salt(engine.long_rope_context, len(token_ids), salt)  # the namespace its request used
     match = cache.match_prefix(token_ids[:-1], salt, record=False)
     if match.num_tokens == 0:
         return None
@@ -293,7 +296,8 @@ def import_pages(engine: LLMEngine, payload: KVPayload) -> Imported | None:
     if cache is None:
         return None
     ids = list(meta.token_ids)
-    match = cache.match_prefix(ids, meta.cache_salt, record=False)
+    salt = prompt_cache_salt(engine.long_rope_context, meta.prompt_tokens, meta.cache_salt)  # as `add_request`'s
+    match = cache.match_prefix(ids, salt, record=False)
     have = len(match.pages)
     held = None if match.last_node.is_root else match.last_node
     if held is not None:
@@ -318,7 +322,7 @@ def import_pages(engine: LLMEngine, payload: KVPayload) -> Imported | None:
     k[:, :need], v[:, :need] = payload.k[:, have:], payload.v[:, have:]
     stored = engine.runner.kv.k.dtype  # the pool's own element type (raw bits for narrow pages on the CPU)
     engine.runner.kv = _write_pages(engine.runner.kv, idx, k.view(stored), v.view(stored))
-    result = cache.insert(ids, list(match.pages) + new, meta.cache_salt)
+    result = cache.insert(ids, list(match.pages) + new, salt)
     pool.decref(new)  # the cache holds them now
     cache.lock(result.last_node)
     if held is not None:

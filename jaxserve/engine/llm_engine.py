@@ -24,6 +24,7 @@ from jaxserve.engine.model_loading import (
     enable_compile_cache,
     kv_cache_pages,
     load_model,
+    max_model_length,
     params_bytes,
     resolve_attention_backend,
     shard_model,
@@ -37,6 +38,7 @@ from jaxserve.engine.speculative import Drafter, SpecStep, row_outputs, step_cos
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
+    long_prompts,
     mixed_inputs,
     prompt_logprob_chunks,
     prompt_next_ids,
@@ -49,6 +51,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.inputs import KVCache
 from jaxserve.outputs import RequestMetrics, RequestOutput
+from jaxserve.rope import prompt_cache_salt
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured_outputs import GrammarCompiler
 
@@ -83,17 +86,10 @@ class LLMEngine:
         self.pooler_config = args.pooler_config_for(self.model.path)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params),
                                    kv_shards=plan.kv_shards if plan else 1)
-        usable_tokens = (num_pages - 1) * args.page_size
-        max_model_len = args.max_model_len or min(cfg.max_position_embeddings, usable_tokens)
-        if max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
-                             f"{cfg.max_position_embeddings}")
-        if max_model_len > usable_tokens:
-            raise ValueError(
-                f"max_model_len {max_model_len} needs more KV cache than the {usable_tokens} tokens of the pool; "
-                "raise --kv-cache-memory-bytes or lower --max-model-len"
-            )
-        self.max_model_len = max_model_len
+        self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
+        # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
+        long_rope = cfg.long_rope_context
+        self.long_rope_context = long_rope if long_rope is not None and max_model_len > long_rope else None
         max_seqs = args.max_num_seqs
         batched = max(args.max_num_batched_tokens, max_seqs)
         self.scheduler = Scheduler(
@@ -119,7 +115,8 @@ class LLMEngine:
                          max_logprobs=args.max_logprobs,
                          layer_loop=default_layer_loop(backend) if args.layer_loop == "auto" else args.layer_loop,
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
-                         lora=args.enable_lora, min_token_bucket=4 if chunked else 16),
+                         lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
+                         long_rope=self.long_rope_context is not None),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -181,7 +178,9 @@ class LLMEngine:
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
             supports_prompt_logprobs=self.runner.supports_prompt_logprobs)
-        lora = lora_fields(self.loras, lora_request, cache_salt)  # its adapter, and the adapter's cache namespace
+        # Its adapter and the cache namespace of its adapter and of its prompt's rotary factors.
+        salt = prompt_cache_salt(self.long_rope_context, len(prompt_ids), cache_salt)
+        lora = lora_fields(self.loras, lora_request, salt)
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
@@ -287,6 +286,7 @@ class LLMEngine:
         spec = self._drafts(plan) if self.drafter is not None else None
         rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
         loras = [self.loras.slot_for(self.scheduler.get_request(s.request_id)) for s in rows] if self.loras else None
+        longs = long_prompts(rows, self.scheduler.get_request, self.long_rope_context)
         if self.trace is not None:
             trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace,
                        spec)
@@ -299,10 +299,10 @@ class LLMEngine:
                 one = spec is not None or any(q.matcher is not None for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
-                                  lora_slots=loras)
+                                  lora_slots=loras, long_prompts=longs)
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
-            inputs, S = mixed_inputs(rows, self.runner.cfg, loras, merge=spec is not None and spec.drafter.chunked)
+            inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])

@@ -208,6 +208,22 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
     return int(pages)
 
 
+def max_model_length(args: EngineArgs, cfg: ModelConfig, num_pages: int) -> int:
+    """The longest sequence the engine serves: `max_model_len`, checked against the model's context and the
+    pool (page 0 is reserved), or the most of both."""
+    usable_tokens = (num_pages - 1) * args.page_size
+    max_model_len = args.max_model_len or min(cfg.max_position_embeddings, usable_tokens)
+    if max_model_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length "
+                         f"{cfg.max_position_embeddings}")
+    if max_model_len > usable_tokens:
+        raise ValueError(
+            f"max_model_len {max_model_len} needs more KV cache than the {usable_tokens} tokens of the pool; "
+            "raise --kv-cache-memory-bytes or lower --max-model-len"
+        )
+    return max_model_len
+
+
 def params_bytes(params: Params) -> int:
     """Bytes of weights on one device (all of them on a single device; one shard of each when sharded)."""
     return sum(x.addressable_shards[0].data.nbytes if hasattr(x, "addressable_shards") else x.size * x.dtype.itemsize

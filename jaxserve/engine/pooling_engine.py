@@ -27,7 +27,7 @@ from jaxserve.engine.classifier import (
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.pooler import PooledSequence
 from jaxserve.engine.request import Request
-from jaxserve.engine.step_batch import mixed_inputs
+from jaxserve.engine.step_batch import long_prompts, mixed_inputs
 from jaxserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -36,6 +36,7 @@ from jaxserve.outputs import (
     RequestMetrics,
 )
 from jaxserve.pooling_params import PoolingParams
+from jaxserve.rope import prompt_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,8 @@ class PoolingEngine(LLMEngine):
                              self.classifier, params.activation is not False)
         self.scheduler.add_request(Request(request_id=request_id, prompt_token_ids=ids, max_tokens=1,
                                            sampling_params=params, priority=priority, arrival_time=now,
-                                           cache_salt=cache_salt, read_prefix_cache=pc.pooling_type == "LAST",
+                                           cache_salt=prompt_cache_salt(self.long_rope_context, len(ids), cache_salt),
+                                           read_prefix_cache=pc.pooling_type == "LAST",
                                            pooling=True))
         self._groups[request_id] = group
         self._seq_group[request_id] = group
@@ -194,7 +196,8 @@ class PoolingEngine(LLMEngine):
             group = self._groups[s.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        inputs, _ = mixed_inputs(plan.scheduled, self.runner.cfg)
+        inputs, _ = mixed_inputs(plan.scheduled, self.runner.cfg, long_prompts=long_prompts(
+            plan.scheduled, self.scheduler.get_request, self.long_rope_context))
         rows = np.asarray(self.runner.fetch(self.runner.dispatch_pool(inputs)))
         for i, s in enumerate(plan.scheduled):
             self._groups[s.request_id].pooled.take(rows[i], s.start_position, s.num_new_tokens, s.sample)

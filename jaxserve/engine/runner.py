@@ -77,6 +77,9 @@ class RunnerConfig:
     """An embedding model's pooling (`pooler.pool_step` replaces both step functions), or None."""
     lora: bool = False
     """Steps carry each token's LoRA adapter slot (the parameters hold the slots)."""
+    long_rope: bool = False
+    """Steps carry whether each token's sequence has a prompt longer than a LongRoPE model's original context
+    (`ModelInputs.long_prompt`): an engine serving the model past that context."""
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
 
@@ -150,6 +153,7 @@ class DecodeState:
     min_tokens_left: jax.Array  # [S] int32, stop ids do not end the row before this many tokens
     num_steps: jax.Array  # [] int32, most steps of this loop
     lora_slots: jax.Array | None = None  # [S] int32, each row's LoRA adapter slot (-1: none); LoRA engines only
+    long_prompt: jax.Array | None = None  # [S] bool, `ModelInputs.long_prompt` of each row (`RunnerConfig.long_rope`)
 
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
@@ -174,7 +178,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             token_ids=tokens, positions=pos, slot_mapping=slots,
             block_tables=jnp.where(done[:, None], 0, st.block_tables),
             seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
-            decode=True, lora_slots=st.lora_slots,
+            decode=True, lora_slots=st.lora_slots, long_prompt=st.long_prompt,
         )
         logits, kv = model_fn(params, kv, inputs, cfg, backend)
         s = sample(logits, samp, counts, mask)
@@ -277,7 +281,8 @@ class ModelRunner:
                 seqs = [([0], 0, [0])]  # one token into the reserved page
                 inputs = ModelInputs.build(seqs, self.cfg.page_size, num_tokens=size, num_seqs=S,
                                            pages_per_seq=self.cfg.pages_per_seq,
-                                           lora_slots=[-1] if self.cfg.lora else None)
+                                           lora_slots=[-1] if self.cfg.lora else None,
+                                           long_prompts=[False] if self.cfg.long_rope else None)
                 if kind == "pool":
                     self.fetch(self.dispatch_pool(inputs))
                 else:
@@ -301,6 +306,7 @@ class ModelRunner:
             max_steps=np.zeros(S, np.int32), stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
             min_tokens_left=np.zeros(S, np.int32), num_steps=np.int32(0),
             lora_slots=np.full(S, -1, np.int32) if self.cfg.lora else None,
+            long_prompt=np.zeros(S, np.bool_) if self.cfg.long_rope else None,
         )
 
     def penalty_inputs(self, S: int, rows: list[tuple[list[int], list[int]]] | None) -> PenaltyInputs:

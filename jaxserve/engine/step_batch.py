@@ -17,10 +17,21 @@ from jaxserve.outputs import token_logprobs
 from jaxserve.structured_outputs import bitmask_width
 
 
+def long_prompts(rows: Sequence[ScheduledRequest], request_of: Callable[[str], Any],
+                 long_rope_context: int | None) -> list[bool] | None:
+    """Per row, whether its request's prompt is longer than the original context of the LongRoPE model an engine
+    serves past it (`RunnerConfig.long_rope`); None in other engines."""
+    if long_rope_context is None:
+        return None
+    return [request_of(s.request_id).num_prompt_tokens > long_rope_context for s in rows]
+
+
 def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
-                 lora_slots: Sequence[int] | None = None, merge: bool = False) -> tuple[ModelInputs, int]:
+                 lora_slots: Sequence[int] | None = None, merge: bool = False,
+                 long_prompts: Sequence[bool] | None = None) -> tuple[ModelInputs, int]:
     """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
-    `lora_slots` (a LoRA engine's): each row's adapter slot.
+    `lora_slots` (a LoRA engine's): each row's adapter slot; `long_prompts` (`RunnerConfig.long_rope`): whether
+    each row's prompt is longer than the LongRoPE model's original context.
 
     With `merge`, consecutive rows of one request at consecutive positions (a drafted decode's row and its
     draft rows, `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits
@@ -30,6 +41,7 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
     seqs: list[tuple[list[int], int, list[int]]] = []
     rows: list[int] = []
     slots: list[int] = []
+    longs: list[bool] = []
     prev = None
     for i, s in enumerate(scheduled):
         if (merge and prev is not None and s.request_id == prev.request_id
@@ -41,22 +53,27 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
             rows.append(1)
             if lora_slots is not None:
                 slots.append(lora_slots[i])
+            if long_prompts is not None:
+                longs.append(long_prompts[i])
         prev = s
     merged = len(seqs) < len(scheduled)
     inputs = ModelInputs.build(seqs, rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
                                lora_slots=None if lora_slots is None else slots,
+                               long_prompts=None if long_prompts is None else longs,
                                logit_rows=rows if merged else None)
     return inputs, S
 
 
 def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], rcfg: RunnerConfig,
                  reserve_pages: Callable[[str, int], int], pages_of: Callable[[str], list[int]],
-                 num_steps: int | None = None, lora_slots: Sequence[int] | None = None) -> DecodeState:
+                 num_steps: int | None = None, lora_slots: Sequence[int] | None = None,
+                 long_prompts: Sequence[bool] | None = None) -> DecodeState:
     """The decode loop's state for running decodes, padded to their sequence bucket.
 
     `reserve_pages(request_id, n)` reserves the pages of up to n more tokens and returns how many
     tokens it covered; `pages_of(request_id)` is the request's page table after that. `num_steps`
-    (at most the runner's `num_scheduler_steps`, its default) caps the loop's steps."""
+    (at most the runner's `num_scheduler_steps`, its default) caps the loop's steps; `lora_slots` and
+    `long_prompts` are each row's as `mixed_inputs` takes them."""
     S = rcfg.seq_bucket(len(scheduled))
     n = min(num_steps or rcfg.num_scheduler_steps, rcfg.num_scheduler_steps)
     tokens = np.zeros(S, np.int32)
@@ -74,11 +91,16 @@ def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState]
         max_steps[i] = max(1, steps)
         stop_ids[i, : len(seq.stop_ids)] = seq.stop_ids
         min_left[i] = max(0, seq.params.min_tokens - len(seq.token_ids))
-    loras = None
-    if lora_slots is not None:
-        loras = np.full(S, -1, np.int32)
-        loras[: len(lora_slots)] = lora_slots
-    return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)), loras)
+
+    def padded(values: Sequence | None, pad: object, dtype: type) -> np.ndarray | None:
+        if values is None:
+            return None
+        out = np.full(S, pad, dtype)
+        out[: len(values)] = values
+        return out
+
+    return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)),
+                       padded(lora_slots, -1, np.int32), padded(long_prompts, False, np.bool_))
 
 
 def grammar_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int,

@@ -53,8 +53,6 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     num_layers = int(get("block_count"))
     rotary = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)  # fewer: a partial rotary embedding
     scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_tensors)
-    if scaling.rope_type == "longrope":  # served within its original context (see RopeScaling)
-        max_pos = min(max_pos, scaling.original_max_position_embeddings)
     sliding = meta.get(f"{arch}.attention.sliding_window")
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     hf_arch = _HF_FORM.get(arch) or ("MixtralForCausalLM" if arch == "llama" and experts else None)

@@ -79,8 +79,11 @@ class ModelInputs:
     query_start_loc: jax.Array  # [S + 1] int32
     logits_indices: jax.Array  # [R] int32, the token slots whose logits are returned
     decode: bool = field(default=False, metadata=dict(static=True))
-    lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA adapter slot (-1: none); LoRA engines only
     """Static: every sequence has at most one query token (the decode loop's batches)."""
+    lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA adapter slot (-1: none); LoRA engines only
+    long_prompt: jax.Array | None = None
+    """[T] bool: the token's sequence has a prompt longer than a LongRoPE model's original context, so all its
+    positions take the long factors (`rope.uses_long_factors`); only in engines serving past that context."""
 
     @classmethod
     def build(
@@ -93,13 +96,16 @@ class ModelInputs:
         all_logits: bool = False,
         lora_slots: list[int] | None = None,
         logit_rows: list[int] | None = None,
+        long_prompts: list[bool] | None = None,
     ) -> ModelInputs:
         """Host-side builder from `(new_token_ids, start_position, page_table)` per sequence.
 
         Pads to the given bucket sizes; returns the last token's logits per sequence, or every
         token's with `all_logits`, or with `logit_rows` the logits of each sequence's last
         `logit_rows[s]` tokens, in order (a sequence verifying drafts: one row per position), padded to
-        `num_seqs` rows. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none.
+        `num_seqs` rows. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none. `long_prompts`
+        (an engine's serving a LongRoPE model past its original context): whether each sequence's prompt is
+        longer than that context.
         """
         real_tokens = sum(len(t) for t, _, _ in seqs)
         T = num_tokens or real_tokens
@@ -133,6 +139,11 @@ class ModelInputs:
             t += n
         qsl[len(seqs) + 1:] = t
         logits_indices = np.arange(T, dtype=np.int32) if all_logits else last
+
+        def per_token(values: list, pad: object, dtype: type) -> np.ndarray:  # each sequence's value, token by token
+            return np.concatenate([np.full(len(t), v, dtype) for (t, _, _), v in zip(seqs, values, strict=True)]
+                                  + [np.full(T - real_tokens, pad, dtype)])
+
         if logit_rows is not None:
             if len(logit_rows) != len(seqs) or any(
                     not 1 <= r <= len(t) for r, (t, _, _) in zip(logit_rows, seqs, strict=True)):
@@ -151,7 +162,6 @@ class ModelInputs:
             seq_lens=jnp.asarray(seq_lens),
             query_start_loc=jnp.asarray(qsl),
             logits_indices=jnp.asarray(logits_indices),
-            lora_slots=None if lora_slots is None else jnp.asarray(np.concatenate(
-                [np.full(len(t), s, np.int32) for (t, _, _), s in zip(seqs, lora_slots, strict=True)]
-                + [np.full(T - real_tokens, -1, np.int32)])),
+            lora_slots=None if lora_slots is None else jnp.asarray(per_token(lora_slots, -1, np.int32)),
+            long_prompt=None if long_prompts is None else jnp.asarray(per_token(long_prompts, False, np.bool_)),
         )

@@ -34,12 +34,21 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False) -> tuple[jax.Array, jax.Array]:
+def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False,
+                long_prompt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin, [T, rotary dims], for the half-split (rotate_half) rotary layout; `local`: the sliding
-    layers' (see `rope_inv_freq_and_scale`)."""
+    layers' (see `rope_inv_freq_and_scale`). A LongRoPE model's tokens take the long factors at positions past
+    its original context, and all of them in a sequence whose prompt is longer (`long_prompt` [T] bool, None:
+    no such sequence; `rope.uses_long_factors`)."""
     inv_freq, attention_factor = rope_inv_freq_and_scale(cfg, local)
-    inv = jnp.asarray(np.asarray(inv_freq, np.float32))
-    angles = positions.astype(jnp.float32)[:, None] * inv[None, :]  # [T, D/2]
+    inv = jnp.asarray(np.asarray(inv_freq, np.float32))[None, :]  # [1, D/2]
+    if cfg.long_rope_context is not None and not local:
+        long = positions >= cfg.long_rope_context
+        if long_prompt is not None:
+            long = long | long_prompt
+        inv_long = jnp.asarray(np.asarray(rope_inv_freq_and_scale(cfg, local, long=True)[0], np.float32))
+        inv = jnp.where(long[:, None], inv_long[None, :], inv)  # [T, D/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
@@ -213,7 +222,7 @@ def forward(
         x = params.embed[inputs.token_ids]  # [T, E]
         if cfg.family in GEMMA_FAMILIES:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
-    tables = {False: rope_tables(cfg, inputs.positions)}
+    tables = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt)}
     tables[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else tables[False]
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
     v_all = kv.v.reshape(L * N, page_size, hkv, d)
