@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"]
@@ -229,10 +230,7 @@ class ModelConfig:
         if gemma:
             sliding = d.get("sliding_window")
         quant = d.get("quantization_config") or {}
-        if quant.get("config_groups") or quant.get("quant_method") not in (None, "compressed-tensors"):
-            raise UnsupportedModelError(
-                f"quantized weights (quantization_config quant_method {quant.get('quant_method')!r}) are not "
-                "supported; only a kv_cache_scheme (float8 KV cache scales) is read")
+        parse_quantization(quant)  # quantized weights (dequantized at load) of a form read, or refused by name
         kv_scheme = quant.get("kv_cache_scheme") or {}
         if kv_scheme and (kv_scheme.get("strategy", "tensor"), kv_scheme.get("type", "float"),
                           kv_scheme.get("num_bits", 8)) != ("tensor", "float", 8):

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.keymap import CheckpointError
+from jaxserve.quantization import dequantized_tensors, parse_quantization
 
 
 class HFDirectory:
@@ -55,15 +58,46 @@ class HFDirectory:
         return names
 
     def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield (HF name, float32 array) one tensor at a time (bfloat16 files included)."""
+        """Yield (HF name, float32 array) one tensor at a time (bfloat16 files included); the quantized weights
+        its `quantization_config` describes come dequantized (`jaxserve.quantization`)."""
+        quant = parse_quantization(self.hf_config.get("quantization_config"))
+        if quant is None:
+            for name, array in self._stored_tensors():
+                yield name, array.astype(np.float32, copy=False)
+            return
+        try:
+            yield from dequantized_tensors(self._stored_tensors(), quant)
+        except ValueError as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(str(e)) from e
+
+    def _stored_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, array in its stored dtype), one tensor at a time."""
         from safetensors import safe_open
 
         for file in self.files:
             try:
                 with safe_open(file, framework="numpy") as f:
                     for name in f.keys():
-                        yield name, np.asarray(f.get_tensor(name), dtype=np.float32)
+                        dtype = f.get_slice(name).get_dtype()
+                        yield name, (_read_float8(file, name) if dtype in _FLOAT8 else f.get_tensor(name))
             except (OSError, ValueError) as e:
                 if isinstance(e, CheckpointError):
                     raise
                 raise CheckpointError(f"cannot read {file}: {e}") from e
+
+
+_FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _read_float8(file: str, name: str) -> np.ndarray:
+    """A float8 tensor of a safetensors file, which safetensors' numpy reader does not return: its bytes, found
+    through the file's header, as ml_dtypes' float8."""
+    with open(file, "rb") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        info = json.loads(fh.read(size))[name]
+        start, end = info["data_offsets"]
+        fh.seek(8 + size + start)
+        data = fh.read(end - start)
+    return np.frombuffer(data, _FLOAT8[info["dtype"]]).reshape(info["shape"])

@@ -1,0 +1,227 @@
+"""Quantized weights of HF checkpoints, dequantized as they are read.
+
+Two descriptions of quantized weights are read from a checkpoint's `quantization_config`:
+
+- `quant_method: "fp8"` (transformers' and vLLM's FP8 checkpoints: Qwen3-FP8, DeepSeek-V3, AutoFP8's): float8 e4m3
+  weights with a float32 scale per block of `weight_block_size` (`weight_scale_inv`), or one per tensor
+  (`weight_scale`) without a block size;
+- `quant_method: "compressed-tensors"` (llm-compressor's checkpoints: RedHatAI's FP8-dynamic, W8A8, W4A16 models):
+  its config groups' weights, float8 ("float-quantized"), int8 ("int-quantized", "naive-quantized") or integers of
+  1 to 8 bits packed into int32 ("pack-quantized"), with a scale per tensor, per output channel, per group of input
+  columns or per block, and zero points when asymmetric.
+
+Every quantized weight is dequantized to float32 (`(q - zero_point) * scale`, as compressed-tensors computes it)
+and served in the model's dtype: the matmuls run unquantized, activations too (their quantization, `input_scale`
+and the like, is dropped).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxserve.errors import UnsupportedModelError
+
+# Tensors of a quantized module besides its weight; the activations' are dropped (the matmuls run unquantized).
+WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape")
+DROPPED_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_zero_point")
+_QUANTIZED_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized")
+_STRATEGIES = ("tensor", "channel", "group", "block")
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How one module's weight is stored."""
+
+    type: str  # "float" or "int"
+    num_bits: int
+    strategy: str  # "tensor", "channel", "group" or "block"
+    symmetric: bool = True
+    group_size: int | None = None
+    block: tuple[int, int] | None = None  # (rows, columns) of a block
+    packed: bool = False  # integers packed into int32 (`weight_packed`, `weight_shape`)
+    scale_name: str = "weight_scale"
+
+    def needs(self) -> tuple[str, ...]:
+        """The tensors (parts of the module) its weight is read from."""
+        parts = ["weight_packed", "weight_shape"] if self.packed else ["weight"]
+        parts.append(self.scale_name)
+        if not self.symmetric:
+            parts.append("weight_zero_point")
+        return tuple(parts)
+
+
+@dataclass(frozen=True)
+class Group:
+    targets: tuple[str, ...]
+    weights: WeightQuant
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """A checkpoint's quantized weights: each config group's targets and storage, and the modules left alone."""
+
+    groups: tuple[Group, ...]
+    ignore: tuple[str, ...] = ()
+
+    def scheme(self, module: str) -> WeightQuant | None:
+        """The storage of `module`'s weight (an HF module name), or None for a module kept unquantized."""
+        if any(_matches(t, module) for t in self.ignore):
+            return None
+        for g in self.groups:
+            if any(t == "Linear" or _matches(t, module) for t in g.targets):
+                return g.weights
+        return None
+
+
+def _matches(target: str, module: str) -> bool:
+    """compressed-tensors' target forms: `re:` and a regular expression, or a name (or a suffix of one)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return module == target or module.endswith("." + target)
+
+
+def parse_quantization(quant: Mapping[str, Any] | None) -> CheckpointQuantization | None:
+    """The quantized weights a `quantization_config` describes (None: none; a KV cache scheme alone quantizes no
+    weight); unsupported ones are refused by name."""
+    quant = quant or {}
+    method = quant.get("quant_method")
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if quant.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedModelError(f"fp8 weights in format {quant['fmt']!r} are not supported (only e4m3)")
+        weights = (WeightQuant("float", 8, "block", block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv")
+                   if block else WeightQuant("float", 8, "tensor"))
+        ignore = tuple(quant.get("modules_to_not_convert") or ()) + tuple(quant.get("ignored_layers") or ())
+        return CheckpointQuantization((Group(("Linear",), weights),), ignore)
+    if method not in (None, "compressed-tensors"):
+        raise UnsupportedModelError(
+            f"quantized weights (quantization_config quant_method {method!r}) are not supported; supported: fp8, "
+            "compressed-tensors (float8, int8 and packed integer weights)")
+    if not quant.get("config_groups"):
+        return None
+    for key in ("sparsity_config", "transform_config"):
+        if quant.get(key):
+            raise UnsupportedModelError(f"compressed-tensors checkpoints with a {key} are not supported")
+    groups = []
+    for name, g in quant["config_groups"].items():
+        fmt = g.get("format") or quant.get("format")
+        w = g.get("weights")
+        if not w:
+            raise UnsupportedModelError(f"compressed-tensors config group {name!r} quantizes no weights (only weight "
+                                        "quantization is supported)")
+        if fmt not in _FORMATS:
+            raise UnsupportedModelError(f"compressed-tensors format {fmt!r} (config group {name!r}) is not supported; "
+                                        f"supported: {', '.join(_FORMATS)}")
+        kind, bits, strategy = w.get("type", "int"), int(w.get("num_bits", 8)), w.get("strategy", "tensor")
+        if strategy not in _STRATEGIES or w.get("dynamic") or (kind, bits) not in (
+                [("float", 8)] + [("int", b) for b in range(1, 9)]):
+            raise UnsupportedModelError(
+                f"compressed-tensors weights {kind}{bits}, strategy {strategy!r}{' (dynamic)' if w.get('dynamic') else ''} "
+                f"(config group {name!r}) are not supported: float8 or 1- to 8-bit integers, per tensor, channel, "
+                "group or block")
+        packed = fmt == "pack-quantized"
+        if (fmt, kind) in (("float-quantized", "int"), ("int-quantized", "float")) or (not packed and bits != 8):
+            raise UnsupportedModelError(f"compressed-tensors format {fmt!r} does not hold {kind}{bits} weights "
+                                        f"(config group {name!r})")
+        if w.get("actorder") == "group":
+            raise UnsupportedModelError(f"compressed-tensors weights in activation order (actorder 'group', config "
+                                        f"group {name!r}) are not supported")
+        block = w.get("block_structure")
+        if (strategy == "group") != bool(w.get("group_size")) or (strategy == "block") != bool(block):
+            raise UnsupportedModelError(f"compressed-tensors config group {name!r}: strategy {strategy!r} with "
+                                        f"group_size {w.get('group_size')} and block_structure {block}")
+        groups.append(Group(tuple(g.get("targets") or ("Linear",)), WeightQuant(
+            kind, bits, strategy, bool(w.get("symmetric", True)), w.get("group_size"),
+            (int(block[0]), int(block[1])) if block else None, packed)))
+    return CheckpointQuantization(tuple(groups), tuple(quant.get("ignore") or ()))
+
+
+def dequantize(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> np.ndarray:
+    """A module's float32 weight [N, K] from its stored parts."""
+    if q.packed:
+        shape = tuple(int(s) for s in parts["weight_shape"])
+        values = unpack_int32(parts["weight_packed"], q.num_bits, shape[-1])
+    else:
+        values = parts["weight"]
+        shape = values.shape
+        if q.type == "int" and values.dtype != np.int8 or q.type == "float" and values.dtype.itemsize != 1:
+            raise ValueError(f"{module}.weight is {values.dtype}, not the {q.type}{q.num_bits} its config names")
+    if len(shape) != 2:
+        raise ValueError(f"{module}: quantized weights of shape {shape} are not supported (only matrices)")
+    w = values.astype(np.float32)
+    scale = expand(q, np.asarray(parts[q.scale_name], np.float32), shape, module)
+    if not q.symmetric:
+        zp = parts["weight_zero_point"]
+        if q.packed and q.strategy in ("channel", "group"):  # packed along the rows
+            zp = unpack_int32(np.ascontiguousarray(zp.T), q.num_bits, shape[0]).T
+        w -= expand(q, zp.astype(np.float32), shape, module)
+    return w * scale
+
+
+def expand(q: WeightQuant, s: np.ndarray, shape: tuple[int, ...], module: str) -> np.ndarray:
+    """A scale (or zero point) broadcast to the weight's [N, K]."""
+    N, K = shape
+    if q.strategy == "tensor":
+        if s.size != 1:
+            raise ValueError(f"{module}: a per-tensor scale has shape {s.shape}")
+        return s.reshape(1, 1)
+    if q.strategy == "channel":
+        if s.size != N:
+            raise ValueError(f"{module}: a per-channel scale has shape {s.shape}, the weight {shape}")
+        return s.reshape(N, 1)
+    if q.strategy == "group":
+        g = int(q.group_size)
+        if s.shape != (N, -(-K // g)):
+            raise ValueError(f"{module}: a scale per group of {g} has shape {s.shape}, the weight {shape}")
+        return np.repeat(s, g, axis=1)[:, :K]
+    bn, bk = q.block
+    if s.shape != (-(-N // bn), -(-K // bk)):
+        raise ValueError(f"{module}: a scale per {bn} x {bk} block has shape {s.shape}, the weight {shape}")
+    return np.repeat(np.repeat(s, bn, axis=0), bk, axis=1)[:N, :K]
+
+
+def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """Signed integers of `bits` bits packed densely into each row's int32 words (compressed-tensors' packing: the
+    i-th value at bits i*bits.. of the row's little-endian bit stream, offset by 2^(bits-1)): [rows, cols] int32."""
+    raw = np.ascontiguousarray(packed.astype("<i4")).view(np.uint8)  # [rows, 4 * words]
+    if bits == 8:
+        values = raw[:, :cols].astype(np.int32)
+    elif bits == 4:
+        values = np.stack([raw & 0xF, raw >> 4], axis=-1).reshape(raw.shape[0], -1)[:, :cols].astype(np.int32)
+    else:
+        stream = np.unpackbits(raw, axis=-1, bitorder="little")[:, :cols * bits]
+        values = (stream.reshape(raw.shape[0], cols, bits).astype(np.int32) << np.arange(bits, dtype=np.int32)).sum(-1)
+    return values - (1 << (bits - 1))
+
+
+def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]],
+                        quant: CheckpointQuantization) -> Iterator[tuple[str, np.ndarray]]:
+    """A checkpoint's (name, array) stream with each quantized module's parts replaced by its float32 `weight`
+    (as soon as all have been read, in whatever order and file), the activations' scales dropped and every other
+    tensor as float32. Raises ValueError naming a module whose parts never all came."""
+    pending: dict[str, tuple[WeightQuant, dict[str, np.ndarray]]] = {}
+    for name, array in tensors:
+        module, _, part = name.rpartition(".")
+        if part in DROPPED_PARTS:
+            continue
+        q = quant.scheme(module) if part in WEIGHT_PARTS else None
+        if q is None or part == "weight" and array.dtype not in _QUANTIZED_DTYPES:  # norms, embeddings, ignored
+            if part in WEIGHT_PARTS[1:]:
+                raise ValueError(f"tensor {name!r}: {module} is not quantized in the checkpoint's quantization_config")
+            yield name, array.astype(np.float32, copy=False)
+            continue
+        parts = pending.setdefault(module, (q, {}))[1]
+        parts[part] = array
+        if all(p in parts for p in q.needs()):
+            del pending[module]
+            yield f"{module}.weight", dequantize(q, parts, module)
+    for module, (q, parts) in pending.items():
+        missing = [f"{module}.{p}" for p in q.needs() if p not in parts]
+        raise ValueError(f"quantized weight {module} is missing {', '.join(missing)}")
