@@ -152,3 +152,33 @@ def test_within_the_original_context_steps_carry_no_flags(phi3):
     assert engine.long_rope_context is None and not engine.runner.cfg.long_rope
     ids = prompt(16, 7)
     assert_as_transformers(model, ids, run(engine, {"r": (ids, 8)})["r"])
+
+
+def test_a_long_prompts_pages_move_between_engines(phi3):
+    """Disaggregated prefill: the pages a long prompt's prefill cached (in the long prompts' namespace) are found,
+    sent and cached by the receiver where its own request of that prompt reads them."""
+    from jaxserve.engine.kv_transfer import (
+        KVLayout,
+        KVPayload,
+        TransferMeta,
+        import_pages,
+        pin_prompt,
+        read_pages,
+        release_import,
+    )
+
+    model, loaded = phi3
+    sender, receiver = engine_of(loaded, enable_prefix_caching=True), engine_of(loaded, enable_prefix_caching=True)
+    ids = prompt(40, 8)
+    run(sender, {"prefill": (ids, 1)})
+    pin = pin_prompt(sender, ids, None)
+    assert pin is not None and len(pin.token_ids) == 32  # the full pages before the last prompt token
+    k, v = read_pages(sender, pin)
+    meta = TransferMeta("t", "r", pin.token_ids, pin.pages, KVLayout.of_engine(sender), "m", "http://127.0.0.1:1",
+                        None, len(ids))
+    imported = import_pages(receiver, KVPayload.build(meta, k, v))
+    assert imported is not None and imported.pages_written == 4
+    release_import(receiver, imported)  # cached, evictable: nothing else runs here
+    out = run(receiver, {"decode": (ids, 6)})["decode"]
+    assert out.metrics.num_cached_tokens == 32
+    assert_as_transformers(model, ids, out)
