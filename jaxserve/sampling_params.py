@@ -51,6 +51,12 @@ class SamplingParams:
         At most MAX_LOGIT_BIAS entries.
       structured_outputs: constrain the output to a JSON schema, a regex, a choice or a grammar
         (a `StructuredOutputsParams`, or a mapping of its fields); None leaves it free.
+      allowed_token_ids: the only tokens the request may generate (None: any).
+      bad_words: words never generated: each is tokenized as it would start the text and after a space
+        (vLLM's way), and the last token of either form is forbidden wherever the output ends with the
+        tokens before it (a one-token word: everywhere).
+      truncate_prompt_tokens: keep only the prompt's last N tokens (-1: as many as the model's context
+        holds); None keeps the whole prompt.
     """
 
     n: int = 1
@@ -73,6 +79,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Normalize first so that the checks and every later reader see one form.
@@ -88,6 +97,13 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not isinstance(self.allowed_token_ids, Sequence):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            object.__setattr__(self, "bad_words", words)
         so = self.structured_outputs
         if isinstance(so, Mapping):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
@@ -143,6 +159,21 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t)
+                if t < 0:
+                    raise ValueError(f"allowed_token_ids must be >= 0, got {t}")
+        for w in self.bad_words or []:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be non-blank strings, got {w!r}")
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 (the model's context) or at least 1, got "
+                                 f"{self.truncate_prompt_tokens}")
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs)
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:

@@ -41,7 +41,8 @@ def check_beam_request(body: Mapping[str, Any], params: SamplingParams, length_p
             raise bad_field(name, f"'{name}' cannot be combined with use_beam_search: beams are ranked by the "
                                   f"model's own logprobs")
     given = {"stop": params.stop, "stop_token_ids": params.stop_token_ids, "logit_bias": params.logit_bias,
-             "prompt_logprobs": params.prompt_logprobs is not None}
+             "prompt_logprobs": params.prompt_logprobs is not None, "allowed_token_ids": params.allowed_token_ids,
+             "bad_words": params.bad_words}
     for name, value in given.items():
         if value:
             raise bad_field(name, f"'{name}' cannot be combined with use_beam_search")

@@ -90,6 +90,15 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
     return v
 
 
+def _str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
+    v = _get(body, name)
+    if v is _UNSET or v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
+        raise bad_field(name, f"'{name}' must be a list of strings", "invalid_type")
+    return v
+
+
 def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
     v = _get(body, name)
     if v is _UNSET or v is None:
@@ -122,6 +131,8 @@ class CommonFields:
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`, when the request gave it
     use_beam_search: bool = False  # vLLM's: `n` beams, ranked with `length_penalty` (server/beam.py)
     length_penalty: float = 1.0
+    return_token_ids: bool = False  # vLLM's: the prompt's and each completion's token ids in the response
+    tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs' tokens as "token_id:N"
 
 
 @dataclass(frozen=True)
@@ -242,7 +253,10 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
             skip_special_tokens=get_bool(body, "skip_special_tokens", True),
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-            logit_bias=_logit_bias(body), structured_outputs=structured, prompt_logprobs=prompt_logprobs)
+            logit_bias=_logit_bias(body), structured_outputs=structured, prompt_logprobs=prompt_logprobs,
+            allowed_token_ids=_int_list(body, "allowed_token_ids") if _get(body, "allowed_token_ids") not in (
+                _UNSET, None) else None, bad_words=_str_list(body, "bad_words"),
+            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, -1))
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
         raise bad_field(str(e).split(" ", 1)[0], str(e)) from e
     use_beam_search, length_penalty = get_bool(body, "use_beam_search", False), get_number(body, "length_penalty", 1.0)
@@ -254,7 +268,9 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
         model=model, params=params, max_tokens_given=given, stream=stream, stream_options=options,
         priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
         add_special_tokens=get_bool(body, "add_special_tokens", False), prompt_logprobs=asked,
-        use_beam_search=use_beam_search, length_penalty=length_penalty)
+        use_beam_search=use_beam_search, length_penalty=length_penalty,
+        return_token_ids=get_bool(body, "return_token_ids", False),
+        tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False))
 
 
 def _check_body(body: Any) -> Mapping[str, Any]:

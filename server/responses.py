@@ -7,7 +7,7 @@ cumulative `CompletionOutput` becomes a delta: the new text, the new logprobs, t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput, SampleLogprobs, TokenLogprobs
@@ -33,11 +33,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class TokenText:
     """Each token id's own text, as logprobs report it (cached: the same ids come back often)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, as_ids: bool = False):
+        """`as_ids`: each token as "token_id:N" (vLLM's `return_tokens_as_token_ids`), whatever its text."""
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._as_ids = as_ids
 
     def __call__(self, token_id: int, entry_text: str | None = None) -> str:
+        if self._as_ids:
+            return f"token_id:{token_id}"
         if entry_text is not None:
             return entry_text
         text = self._cache.get(token_id)
@@ -108,10 +112,11 @@ class Delta:
     """What one completion gained since the last chunk."""
 
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the tokens of `logprobs`
     logprobs: SampleLogprobs
     finish_reason: str | None
     stop_reason: int | str | None
+    new_token_ids: list[int] = field(default_factory=list)  # every token it gained
 
 
 class ChoiceCursor:
@@ -141,6 +146,7 @@ class ChoiceCursor:
             return None
         self.text_len = max(self.text_len, len(c.text))
         self.num_logprobs += len(lps)
+        new_ids = list(c.token_ids[self.num_tokens:])
         self.num_tokens = len(c.token_ids)
         self.finished = c.finish_reason is not None
-        return Delta(text, ids, lps, c.finish_reason, c.stop_reason)
+        return Delta(text, ids, lps, c.finish_reason, c.stop_reason, new_ids)

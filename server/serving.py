@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine.admission import truncated_prompt
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_params
@@ -101,6 +102,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
                                 "function, or 'none'", param="tool_choice", code="unsupported_parameter")
         if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
             params = dataclasses.replace(params, skip_special_tokens=False)
+    ids = _truncated(ids, params, engine.max_model_len)
     params = fit_to_context(engine.max_model_len, ids, params,
                             max_tokens_given=req.common.max_tokens_given, prompt_param="messages")
     return [Job(state.engine_id(request_id), ids, text, params, _beam(req, params))]
@@ -121,11 +123,22 @@ async def _completion_jobs(state: ServerState, req: CompletionRequest, request_i
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})",
                                param="prompt", code="invalid_value")
             ids, text = list(prompt), None
+        kept = _truncated(ids, req.common.params, engine.max_model_len)
+        if len(kept) < len(ids):  # what is echoed is what the model reads
+            ids, text = kept, None if text is None else tok.decode(kept, skip_special_tokens=False)
         params = fit_to_context(engine.max_model_len, ids, req.common.params,
                                 max_tokens_given=req.common.max_tokens_given, prompt_param="prompt")
         engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
         jobs.append(Job(state.engine_id(engine_id), ids, text, params, _beam(req, params)))
     return jobs
+
+
+def _truncated(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's field), or all of it."""
+    try:
+        return truncated_prompt(ids, params, max_model_len)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from e
 
 
 def _beam(req: ChatRequest | CompletionRequest, params: SamplingParams) -> BeamSearchParams | None:
@@ -183,10 +196,12 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
         req = prepare(req)
     lora = state.check_model(req.common.model)
     vocab = state.engine.tokenizer.vocab_size
-    outside = sorted(t for t in req.common.params.logit_bias if t >= vocab)
-    if outside:
-        raise ApiError(400, f"'logit_bias' token id {outside[0]} is outside the vocabulary (size {vocab})",
-                       param="logit_bias", code="invalid_value")
+    for name, ids in (("logit_bias", req.common.params.logit_bias),
+                      ("allowed_token_ids", req.common.params.allowed_token_ids or ())):
+        outside = sorted(t for t in ids if t >= vocab)
+        if outside:
+            raise ApiError(400, f"'{name}' token id {outside[0]} is outside the vocabulary (size {vocab})",
+                           param=name, code="invalid_value")
     request_id = _request_id(request)
     jobs = await (_chat_jobs(state, req, request_id) if kind == "chat"
                   else _completion_jobs(state, req, request_id))
@@ -257,7 +272,8 @@ class _Formatter:
         self.n = req.common.params.n
         self.top_n = req.common.params.logprobs or 0
         self.want_logprobs = req.common.params.logprobs is not None
-        self.text_of = TokenText(state.engine.tokenizer)
+        self.text_of = TokenText(state.engine.tokenizer, req.common.tokens_as_ids)
+        self.want_ids = req.common.return_token_ids
         self.cursors: dict[int, ChoiceCursor] = {}
         opts = req.common.stream_options
         self.usage_field = opts.include_usage or opts.continuous_usage_stats
@@ -285,15 +301,18 @@ class _Formatter:
             first = not cursor.started
             if first and self.kind == "chat":
                 cursor.started = True
-                chunks.append(sse(self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}], gen)))
+                role = self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], gen)
+                if self.want_ids and index == 0:  # the prompt's ids lead the stream, once
+                    role["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
+                chunks.append(sse(role))
             d = cursor.advance(c)
             if d is None:
                 continue
             if self.kind == "chat":
                 delta, finish = self.replies.delta(cursor, c, d)
-                if not delta and finish is None and not self.want_logprobs:
-                    continue  # a tool call, held back until it is whole
+                if not delta and finish is None and not self.want_logprobs and not self.want_ids:
+                    continue  # a tool call, held back until it is whole (its tokens' ids and logprobs go out)
                 choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if self.want_logprobs:
                     choice["logprobs"] = {"content": chat_logprobs(self.text_of, d.token_ids, d.logprobs,
@@ -305,6 +324,8 @@ class _Formatter:
                     text = (self.jobs[job].prompt_text or "") + text
                 cursor.started = True
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
+                if self.want_ids and first:
+                    choice["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
                 if self.want_logprobs and first and self.echo:  # the prompt's logprobs lead the first chunk
                     choice["logprobs"], cursor.text_offset = echo_logprobs(
                         self.text_of, out, d.token_ids, d.logprobs, self.top_n)
@@ -313,6 +334,8 @@ class _Formatter:
                         self.text_of, d.token_ids, d.logprobs, self.top_n, cursor.text_offset)
             if d.finish_reason is not None:
                 choice["stop_reason"] = d.stop_reason
+            if self.want_ids:
+                choice["token_ids"] = d.new_token_ids
             chunks.append(sse(self._envelope([choice], gen)))
         return chunks
 
@@ -345,11 +368,17 @@ class _Formatter:
                         lp, _ = completion_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n, 0)
                     if self.req.common.prompt_logprobs is not None:
                         choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                    if self.want_ids:
+                        choice["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
                 choice.update(logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason)
+                if self.want_ids:
+                    choice["token_ids"] = list(c.token_ids)
                 choices.append(choice)
         response = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                     "created": self.created, "model": self.model, "choices": choices,
                     "usage": usage(*gen.usage_counts())}
         if self.kind == "chat" and self.req.common.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(gen.latest[0].prompt_logprobs)
+        if self.kind == "chat" and self.want_ids:
+            response["prompt_token_ids"] = list(self.jobs[0].prompt_ids)
         return response

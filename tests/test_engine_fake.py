@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -254,7 +255,57 @@ def test_logit_bias_holds_in_prefill_and_decode_loop_steps(engine):
     assert engine.stats().compilations_after_warmup == 0
 
 
+def test_allowed_token_ids_hold_in_every_step(engine):
+    """Greedy, the counting model takes the next id where allowed and else the lowest allowed id (all others tie);
+    the mask holds in the first (mixed) step and through the device decode loop; drawn tokens stay in the set."""
+    allowed = [3, 4, 10, 20]
+    out = run(engine, {
+        "greedy": ([2], SamplingParams(temperature=0, max_tokens=7, allowed_token_ids=allowed)),
+        "drawn": ([2], SamplingParams(temperature=1.0, seed=0, max_tokens=24, allowed_token_ids=allowed)),
+        "plain": ([2], SamplingParams(temperature=0, max_tokens=7)),
+    })
+    assert out["greedy"].outputs[0].token_ids == [3, 4, 3, 4, 3, 4, 3]
+    assert set(out["drawn"].outputs[0].token_ids) <= set(allowed)
+    assert out["plain"].outputs[0].token_ids == list(range(3, 10))
+    assert engine.stats().compilations_after_warmup == 0
+
+
+def test_bad_words_are_never_completed(engine):
+    """A one-token bad word is never generated; a two-token one's second token never follows its first in the
+    output, checked token by token (a mask fixed for a whole decode loop would let "t4 t5" through)."""
+    out = run(engine, {
+        "one": ([2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, bad_words=["t4"])),
+        "two": ([2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=["t4 t5"])),
+        "prompt": ([4], SamplingParams(temperature=0, max_tokens=3, bad_words=["t4 t5"])),  # the output's, only
+    })
+    assert out["one"].outputs[0].token_ids == [3, 0, 1, 2, 3]
+    assert out["two"].outputs[0].token_ids == [3, 4, 0, 1, 2, 3]
+    assert out["prompt"].outputs[0].token_ids == [5, 6, 7]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(engine):
+    out = run(engine, {"cut": ([2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=2)),
+                       "all": ([2, 3, 4], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1))})
+    assert out["cut"].prompt_token_ids == [5, 6] and out["cut"].outputs[0].token_ids == [7, 8]
+    assert out["all"].prompt_token_ids == [2, 3, 4]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens 129 exceeds this model's maximum context length 128"):
+        engine.add_request("x", [5], SamplingParams(truncate_prompt_tokens=129))
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids must be >= 0, got -1"),
+    (dict(bad_words=["ok", " "]), "bad_words must be non-blank strings, got ' '"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be -1 (the model's context) or at least 1, got 0"),
+])
+def test_sampling_extras_are_checked(params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**params)
+
+
 def test_logit_bias_outside_the_vocabulary_is_refused(engine):
+    with pytest.raises(ValueError, match=f"allowed_token_ids token id {VOCAB} is outside the vocabulary"):
+        engine.add_request("x", [5], SamplingParams(allowed_token_ids=[3, VOCAB]))
     with pytest.raises(ValueError, match=f"logit_bias token id {VOCAB} is outside the vocabulary of {VOCAB}"):
         engine.add_request("x", [5], SamplingParams(logit_bias={3: 1.0, VOCAB: 1.0}))
     assert not engine.has_unfinished_requests()

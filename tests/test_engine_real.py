@@ -232,6 +232,24 @@ def test_structured_outputs_hold_and_leave_the_batch_unchanged(engine, alone):
     assert pool_is_full(engine)
 
 
+def test_bad_words_and_allowed_ids_on_a_real_vocabulary(engine, alone):
+    """SmolLM2 answers "Paris"; with "Paris" a bad word (its byte-level BPE forms, " Paris" among them) it never
+    writes it, and with the allowed ids those of " Lyon" and "." it writes only them; batched with free requests
+    that come out as alone."""
+    prompts, expected = alone
+    tok = engine.tokenizer
+    ask = tok.encode_chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}])
+    free = serve(engine, [ask], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert "Paris" in free
+    allowed = tok.encode(" Lyon.", add_special_tokens=False)
+    outs = serve(engine, [ask, ask, prompts[0]], [
+        SamplingParams(temperature=0, max_tokens=8, bad_words=["Paris"]),
+        SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed), GREEDY])
+    assert "Paris" not in outs[0].outputs[0].text
+    assert set(outs[1].outputs[0].token_ids) <= set(allowed) and "Lyon" in outs[1].outputs[0].text
+    assert outs[2].outputs[0].token_ids == expected[0]
+
+
 def test_a_bad_grammar_is_refused_before_it_is_queued(engine):
     with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
         SamplingParams(structured_outputs=SO(regex="(unclosed"))

@@ -173,6 +173,63 @@ def test_sampling_extras_reach_the_engine(client, engine):
     assert (priority, salt, params.temperature, params.max_tokens) == (3, "tenant-a", 0.3, 3)
 
 
+def test_return_token_ids_whole_and_streamed(server):
+    """vLLM's `return_token_ids`: the prompt's ids (chat: on the response, completions: on each choice; streamed:
+    on the first chunk) and each completion's ids (streamed: each chunk's new ones)."""
+    chat = {"model": "fake-model", "messages": MSG, "temperature": 0, "max_tokens": 3, "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=10).json()
+    prompt_ids = whole["prompt_token_ids"]
+    assert prompt_ids == [1, 19, 22, 2, 1, 20]  # <|im_start|>user hello<|im_end|> <|im_start|>assistant
+    assert whole["choices"][0]["token_ids"] == [3, 4, 5]  # "one two three"
+    chunks = [c for c in sse_events(server, "/v1/chat/completions", {**chat, "stream": True})[:-1]]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks), []) == [3, 4, 5]
+    body = {"model": "fake-model", "prompt": ["hello", "hello world"], "temperature": 0, "max_tokens": 2,
+            "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/completions", json=body, timeout=10).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in sorted(whole["choices"], key=lambda c: c["index"])] == [
+        ([22], [3, 4]), ([22, 23], [3, 4])]
+    chunks = [c for c in sse_events(server, "/v1/completions", {**body, "stream": True})[:-1]]
+    for index, prompt in ((0, [22]), (1, [22, 23])):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in mine[1:])
+        assert sum((c["token_ids"] for c in mine), []) == [3, 4]
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": False}, timeout=10).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_return_tokens_as_token_ids(client):
+    r = client.chat.completions.create(model="fake-model", messages=MSG, temperature=0, max_tokens=2, logprobs=True,
+                                       top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    content = r.choices[0].logprobs.content
+    assert [t.token for t in content] == ["token_id:3", "token_id:4"]
+    assert [[x.token for x in t.top_logprobs] for t in content] == [["token_id:3", "token_id:4"],
+                                                                     ["token_id:4", "token_id:5"]]
+    r = client.completions.create(model="fake-model", prompt="hello", temperature=0, max_tokens=2, logprobs=1,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    assert r.choices[0].logprobs.tokens == ["token_id:3", "token_id:4"] and r.choices[0].text == "one two"
+
+
+def test_vocabulary_limits_and_truncation_reach_the_engine(client, engine, server):
+    client.completions.create(model="fake-model", prompt="hello world one two", temperature=0, max_tokens=2,
+                              extra_body={"allowed_token_ids": [3, 4], "bad_words": ["five", "six seven"],
+                                          "truncate_prompt_tokens": 2}, extra_headers={"X-Request-Id": "limits-1"})
+    _, ids, params, _, _ = next(s for s in engine.submitted if s[0] == "limits-1")
+    assert ids == [3, 4]  # "one two": the prompt's last two tokens
+    assert (params.allowed_token_ids, params.bad_words, params.truncate_prompt_tokens) == ((3, 4), ["five", "six seven"],
+                                                                                           2)
+    r = client.completions.create(model="fake-model", prompt="hello world one two", temperature=0, max_tokens=1,
+                                  echo=True, extra_body={"truncate_prompt_tokens": 2})
+    assert r.choices[0].text == "one twoone" and r.usage.prompt_tokens == 2  # what is echoed is what the model read
+    for extra, param in (({"allowed_token_ids": [3, 99]}, "allowed_token_ids"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"bad_words": "five"}, "bad_words"),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens")):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 1, **extra}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_content_parts_are_joined(client, engine):
     r = client.chat.completions.create(
         model="fake-model", temperature=0, max_tokens=1,
@@ -326,6 +383,8 @@ def test_chat_beams_whole_and_streamed(client, server):
     ({"stop_token_ids": [5]}, "stop_token_ids"),
     ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"allowed_token_ids": [3]}, "allowed_token_ids"),
+    ({"bad_words": ["one"]}, "bad_words"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),

@@ -44,10 +44,46 @@ def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, max_mode
             raise ValueError(f"{name} must be <= {max_logprobs}, got {getattr(params, name)}")
     if params.prompt_logprobs is not None and not supports_prompt_logprobs:
         raise ValueError("prompt_logprobs need the model's hidden states, which this model does not return")
-    outside = sorted(t for t in params.logit_bias if t >= vocab_size)
-    if outside:
-        raise ValueError(f"logit_bias token id {outside[0]} is outside the vocabulary of {vocab_size} tokens")
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+        outside = sorted(t for t in ids if t >= vocab_size)
+        if outside:
+            raise ValueError(f"{name} token id {outside[0]} is outside the vocabulary of {vocab_size} tokens")
     stop_ids = tuple(params.all_stop_token_ids(eos_ids))
     if len(stop_ids) > MAX_STOP_IDS:
         raise ValueError(f"at most {MAX_STOP_IDS - len(eos_ids)} stop_token_ids are supported")
     return max_tokens, stop_ids
+
+
+def truncated_prompt(prompt_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context), or all of it."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    keep = max_model_len if keep == -1 else keep
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens {keep} exceeds this model's maximum context length {max_model_len}")
+    return prompt_ids[-keep:]
+
+
+def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
+    """The token sequences `bad_words` forbid (vLLM's rule): each word as it would start the text, and, when that
+    tokenizes to as many tokens with another first one, after a space."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced) if len(spaced) == len(plain) and spaced[:1] != plain[:1] else (plain,):
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def banned_now(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
+    """The tokens `bad_words` forbid next after these output tokens: each word's last token where the output ends
+    with the tokens before it."""
+    banned = []
+    for word in bad_words:
+        head = list(word[:-1])
+        if len(head) <= len(output_ids) and (not head or list(output_ids[len(output_ids) - len(head):]) == head):
+            banned.append(word[-1])
+    return banned

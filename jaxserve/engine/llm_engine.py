@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxserve.engine.admission import check_request, prompt_token_ids
+from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
 from jaxserve.engine.kv_scales import with_kv_cache_dtype
 from jaxserve.engine.lora_manager import LoraManager, lora_fields, with_lora_slots
 from jaxserve.engine.model_loading import (
@@ -173,7 +173,7 @@ class LLMEngine:
                              "(runner 'pooling', --runner pooling)")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.tokenize_prompt(prompt)
+        prompt_ids = truncated_prompt(self.tokenize_prompt(prompt), params, self.max_model_len)
         max_tokens, stop_ids = check_request(
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
@@ -182,6 +182,7 @@ class LLMEngine:
         salt = prompt_cache_salt(self.long_rope_context, len(prompt_ids), cache_salt)
         lora = lora_fields(self.loras, lora_request, salt)
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
                              prompt_logprobs={} if params.prompt_logprobs is not None else None)
@@ -193,7 +194,7 @@ class LLMEngine:
             seq = SeqState(engine_id, i, child,
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
                        StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
-                       logprobs=[] if params.logprobs is not None else None,
+                       logprobs=[] if params.logprobs is not None else None, bad_words=bad_words,
                        matcher=None if matcher is None else matcher if i == 0 else matcher.copy())
             group.seqs.append(seq)
         for seq in group.seqs:
@@ -294,9 +295,9 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
             if (spec is None or not spec.drafter.chunked) and all(s.is_decode for s in scheduled):
                 seqs = [self._seq[s.request_id] for s in rows]
-                # A grammar's next mask needs the token before it, and drafts are checked on the host:
+                # A grammar's or bad words' next mask needs the token before it; drafts are checked on the host:
                 # such a batch steps one token (per row) at a time.
-                one = spec is not None or any(q.matcher is not None for q in seqs)
+                one = spec is not None or any(q.stepwise for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
                                   lora_slots=loras, long_prompts=longs)

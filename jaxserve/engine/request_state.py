@@ -56,6 +56,7 @@ class SeqState:
     stop_ids: tuple[int, ...]
     counter: int = 0  # the engine's request counter: a distinct random stream for unseeded sampling
     matcher: Any = None  # structured outputs: a `GrammarMatcher` following the tokens taken so far
+    bad_words: list[list[int]] = field(default_factory=list)  # `SamplingParams.bad_words` as token sequences
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
@@ -68,6 +69,17 @@ class SeqState:
     undecoded: list[tuple[int, Any, int, str]] = field(default_factory=list)
     flushed: bool = False  # the held-back text went out at the length limit
     draft_pace: DraftBackoff = field(default_factory=DraftBackoff)  # speculative decoding's pace
+
+    @property
+    def masked(self) -> bool:
+        """Whether its samples are masked (a grammar, allowed token ids or bad words)."""
+        return self.matcher is not None or bool(self.bad_words) or self.params.allowed_token_ids is not None
+
+    @property
+    def stepwise(self) -> bool:
+        """Whether its mask changes with each token (a grammar, or bad words of several tokens): it steps one
+        token per device call."""
+        return self.matcher is not None or any(len(w) > 1 for w in self.bad_words)
 
     def valid_drafts(self, drafts: list[int]) -> int:
         """How many of these drafts (in order) the completion's grammar takes; all without one."""

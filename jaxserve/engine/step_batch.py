@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from jaxserve.engine.admission import banned_now
 from jaxserve.engine.request_state import RequestGroup, SeqState
 from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState, RunnerConfig, StepOutput
 from jaxserve.engine.sampler import SamplingTensors
@@ -103,14 +105,15 @@ def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState]
                        padded(lora_slots, -1, np.int32), padded(long_prompts, False, np.bool_))
 
 
-def grammar_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int,
-                    vocab_size: int) -> tuple[np.ndarray | None, list[bool] | None]:
-    """The structured-output masks of a step ([S, ceil(V / 32)] int32) and the rows they constrain;
-    (None, None) when no row has a grammar. Only rows that sample this step get a mask (not a prompt
-    chunk before the last)."""
-    if all(q.matcher is None for q in seqs):
+def token_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int, vocab_size: int,
+                  outputs: Sequence[Sequence[int]]) -> tuple[np.ndarray | None, list[bool] | None]:
+    """The token masks of a step ([S, ceil(V / 32)] int32) and the rows they constrain; (None, None) when no row
+    is masked. A row's mask is its grammar's, within its allowed token ids, without what its bad words forbid
+    after its output tokens (`outputs`). Only rows that sample this step get a mask (not a prompt chunk before the
+    last)."""
+    if not any(q.masked for q in seqs):
         return None, None
-    constrained = [q.matcher is not None and s.sample for q, s in zip(seqs, scheduled, strict=True)]
+    constrained = [q.masked and s.sample for q, s in zip(seqs, scheduled, strict=True)]
     bitmask = np.full((S, bitmask_width(vocab_size)), -1, np.int32)
     i = 0
     while i < len(seqs):
@@ -119,10 +122,26 @@ def grammar_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqSta
         end = i + 1
         while end < len(seqs) and scheduled[end].request_id == scheduled[i].request_id:
             end += 1
-        if constrained[i]:
+        if constrained[i] and seqs[i].matcher is not None:
             seqs[i].matcher.fill_bitmasks(bitmask, i, [scheduled[r].token_ids[0] for r in range(i + 1, end)])
         i = end
+    words = bitmask.view(np.uint32)
+    for i, q in enumerate(seqs):
+        if constrained[i] and q.params.allowed_token_ids is not None:
+            words[i] &= allowed_words(q.params.allowed_token_ids, vocab_size)
+        for t in banned_now(q.bad_words, outputs[i]) if constrained[i] else ():
+            words[i, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
     return bitmask, constrained
+
+
+@functools.lru_cache(maxsize=256)
+def allowed_words(allowed: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """The mask words ([ceil(V / 32)] uint32) allowing just these token ids."""
+    words = np.zeros(bitmask_width(vocab_size), np.uint32)
+    ids = np.asarray(allowed, np.int64)
+    np.bitwise_or.at(words, ids >> 5, (np.uint32(1) << (ids & 31).astype(np.uint32)))
+    words.flags.writeable = False
+    return words
 
 
 @dataclass(frozen=True)
@@ -222,7 +241,7 @@ def sampling_inputs(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqSta
     before it)."""
     params = [q.params for q in seqs]
     outputs = [q.token_ids for q in seqs] if outputs is None else outputs
-    bitmask, constrained = grammar_bitmask(scheduled, seqs, S, vocab_size)
+    bitmask, constrained = token_bitmask(scheduled, seqs, S, vocab_size, outputs)
     tensors = SamplingTensors.from_params(
         params, [len(o) for o in outputs], S, vocab_size, eos_ids,
         request_counters=[q.counter for q in seqs], engine_seed=engine_seed,
