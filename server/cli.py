@@ -36,6 +36,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="level of the server's logs (one access-log line per request at info)")
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests give their own chat_template (rendered in Jinja's sandbox; refused without)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto': the model chooses between text and tool calls, which "
                         "--tool-call-parser finds in its replies")
@@ -60,6 +62,7 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=ns.shutdown_timeout, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes, log_level=ns.log_level,
                         chat_template=None if ns.chat_template is None else load_chat_template(ns.chat_template),
+                        trust_request_chat_template=ns.trust_request_chat_template,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser, responses_store_capacity=ns.responses_store_capacity)
 

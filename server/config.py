@@ -27,6 +27,7 @@ class ServerConfig:
       log_level: level of the server's loggers (access log included).
       retry_after_s: the `Retry-After` sent with 429 and 503.
       chat_template: a Jinja chat template used instead of the model's (its text).
+      trust_request_chat_template: requests may give their own `chat_template` (vLLM's flag; refused without).
       enable_auto_tool_choice, tool_call_parser: `tool_choice: "auto"` is served when both are set;
         the parser (server/tool_parsers.py) finds the calls in the model's replies.
       reasoning_parser: splits a thinking model's reasoning from its answer (server/reasoning.py).
@@ -45,6 +46,7 @@ class ServerConfig:
     log_level: str = "info"
     retry_after_s: int = 1
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None

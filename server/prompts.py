@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.engine.admission import truncated_prompt
 from jaxserve.sampling_params import SamplingParams
 from server.errors import ApiError
 from server.protocol import ChatRequest
@@ -36,11 +37,32 @@ def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *
     return params
 
 
+def echoed_text(req: ChatRequest) -> str:
+    """vLLM's chat `echo`: the final message's text when it is the reply's role (the assistant's), else ""."""
+    last = req.messages[-1]
+    if not req.echo or last.get("role") != "assistant":
+        return ""
+    content = last.get("content") or ""
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+
+
+def truncated_ids(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's field), or all of it."""
+    try:
+        return truncated_prompt(ids, params, max_model_len)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from e
+
+
 def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple[str, list[int]]:
     """The request's conversation rendered by the chat template (`template`, else the tokenizer's), and its ids."""
     try:
+        if req.documents is not None:
+            kwargs = {"documents": req.documents, **req.chat_template_kwargs}
+        else:
+            kwargs = req.chat_template_kwargs
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             tools=req.tools, chat_template=template, **req.chat_template_kwargs)
+                                             tools=req.tools, chat_template=req.chat_template or template, **kwargs)
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation

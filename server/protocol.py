@@ -8,104 +8,30 @@ malformed, out of range or unsupported. Sampling fields (OpenAI's and vLLM's ext
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.chat_template import compile_chat_template
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.structured_outputs import StructuredOutputsParams
 from server.beam import check_beam_request
 from server.constraints import ToolChoice, structured_outputs, tool_call_schema, tools_and_choice
 from server.errors import ApiError, bad_field
+from server.fields import UNSET as _UNSET
+from server.fields import field as _get
+from server.fields import get_bool, get_int, get_number, get_str
+from server.fields import int_list as _int_list
+from server.fields import logit_bias as _logit_bias
+from server.fields import stop as _stop
+from server.fields import str_list as _str_list
 
 MAX_N = 128
-_UNSET = object()
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
 _REFUSED = ("audio", "prediction", "functions", "function_call", "prompt_embeds")
-
-
-def _get(body: Mapping[str, Any], name: str) -> Any:
-    return body.get(name, _UNSET)
-
-
-def get_int(body: Mapping[str, Any], name: str, default: Any, lo: int | None = None,
-            hi: int | None = None) -> Any:
-    """An optional integer field (integral floats accepted), range-checked; null gives `default`."""
-    v = _get(body, name)
-    if v is _UNSET or v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise bad_field(name, f"'{name}' must be an integer, got {v!r}", "invalid_type")
-    if lo is not None and v < lo:
-        raise bad_field(name, f"'{name}' must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise bad_field(name, f"'{name}' must be <= {hi}, got {v}")
-    return int(v)
-
-
-def get_number(body: Mapping[str, Any], name: str, default: Any) -> Any:
-    """An optional finite number field; null gives `default`."""
-    v = _get(body, name)
-    if v is _UNSET or v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-        raise bad_field(name, f"'{name}' must be a finite number, got {v!r}", "invalid_type")
-    return float(v)
-
-
-def get_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """An optional boolean field; null gives `default`."""
-    v = _get(body, name)
-    if v is _UNSET or v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_field(name, f"'{name}' must be a boolean, got {v!r}", "invalid_type")
-    return v
-
-
-def get_str(body: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    """An optional string field; null gives `default`."""
-    v = _get(body, name)
-    if v is _UNSET or v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_field(name, f"'{name}' must be a string, got {type(v).__name__}", "invalid_type")
-    return v
-
-
-def _stop(body: Mapping[str, Any]) -> list[str]:
-    v = _get(body, "stop")
-    if v is _UNSET or v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad_field("stop", "'stop' must be a string or a list of strings", "invalid_type")
-    if any(not s for s in v):
-        raise bad_field("stop", "'stop' must not contain an empty string")
-    return v
-
-
-def _str_list(body: Mapping[str, Any], name: str) -> list[str] | None:
-    v = _get(body, name)
-    if v is _UNSET or v is None:
-        return None
-    if not isinstance(v, list) or not all(isinstance(w, str) for w in v):
-        raise bad_field(name, f"'{name}' must be a list of strings", "invalid_type")
-    return v
-
-
-def _int_list(body: Mapping[str, Any], name: str) -> list[int]:
-    v = _get(body, name)
-    if v is _UNSET or v is None:
-        return []
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
-        raise bad_field(name, f"'{name}' must be a list of non-negative integers", "invalid_type")
-    return v
+# vLLM's hooks into code this server does not have (custom logits processors and their arguments, its KV
+# connectors): refused when they ask for something.
+_REFUSED_NONEMPTY = ("logits_processors", "vllm_xargs", "kv_transfer_params")
 
 
 @dataclass(frozen=True)
@@ -148,6 +74,9 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None  # function tools, for the chat template
     tool_choice: ToolChoice | None = None  # None: the reply is text (no tools, or tool_choice 'none')
     include_reasoning: bool = True  # with a reasoning parser: return the reasoning (vLLM's field)
+    chat_template: str | None = None  # the request's own template (vLLM's; `--trust-request-chat-template`)
+    documents: list[dict[str, Any]] | None = None  # for the chat template (retrieval-augmented models)
+    echo: bool = False  # vLLM's: a final message of the reply's role leads the reply's content
     drop_turns_to_fit: bool = False  # the Responses API's truncation "auto" (server/responses_input.py)
 
 
@@ -164,27 +93,12 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in _REFUSED:
         if body.get(name) not in (None, _UNSET):
             raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+    for name in _REFUSED_NONEMPTY:
+        if body.get(name):
+            raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
     suffix = body.get("suffix")
     if suffix:
         raise bad_field("suffix", "'suffix' is not supported by this server", "unsupported_parameter")
-
-
-def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
-    """OpenAI's `logit_bias`: an object from token ids (JSON keys are strings) to biases in [-100, 100]."""
-    value = _get(body, "logit_bias")
-    if value is _UNSET or value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise bad_field("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
-    out = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise bad_field("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
-        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias):
-            raise bad_field("logit_bias", f"'logit_bias' values must be finite numbers, got {bias!r} for {key}",
-                            "invalid_type")
-        out[int(key)] = bias
-    return out
 
 
 def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: tuple[str, ...],
@@ -332,6 +246,21 @@ def parse_chat(body: Any) -> ChatRequest:
         kwargs = {}
     if not isinstance(kwargs, Mapping):
         raise bad_field("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+    effort = get_str(body, "reasoning_effort")  # OpenAI's; to the chat template, as the Responses API does
+    if effort is not None:
+        kwargs = {"reasoning_effort": effort, **kwargs}
+    documents = _get(body, "documents")
+    if documents is _UNSET or documents is None:
+        documents = None
+    elif not isinstance(documents, list) or not all(isinstance(d, Mapping) for d in documents):
+        raise bad_field("documents", "'documents' must be a list of objects (e.g. {\"title\", \"text\"})",
+                        "invalid_type")
+    template = get_str(body, "chat_template")
+    if template is not None:
+        try:
+            compile_chat_template(template)
+        except ValueError as e:
+            raise bad_field("chat_template", str(e)) from e
     add_gen = get_bool(body, "add_generation_prompt", True)
     cont = get_bool(body, "continue_final_message", False)
     if add_gen and cont and "add_generation_prompt" in body:
@@ -341,7 +270,9 @@ def parse_chat(body: Any) -> ChatRequest:
         raise bad_field("continue_final_message", "'continue_final_message' needs a final assistant message")
     return ChatRequest(common=common, messages=messages, logprobs=want, add_generation_prompt=add_gen and not cont,
                        continue_final_message=cont, chat_template_kwargs=dict(kwargs), tools=tools,
-                       tool_choice=tool_choice, include_reasoning=get_bool(body, "include_reasoning", True))
+                       tool_choice=tool_choice, include_reasoning=get_bool(body, "include_reasoning", True),
+                       chat_template=template, documents=None if documents is None else [dict(d) for d in documents],
+                       echo=get_bool(body, "echo", False))
 
 
 def check_prompts(value: Any, param: str = "prompt") -> list[str | list[int]]:

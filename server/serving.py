@@ -20,14 +20,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.beam_search import BeamSearchParams
-from jaxserve.engine.admission import truncated_prompt
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_params
 from server.chat_replies import ChatReplies
 from server.errors import ApiError, sse_error
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
-from server.prompts import chat_prompt, drop_turns_to_fit, fit_to_context, prompt_fits
+from server.prompts import (
+    chat_prompt,
+    drop_turns_to_fit,
+    echoed_text,
+    fit_to_context,
+    prompt_fits,
+    truncated_ids,
+)
 from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
 from server.responses import (
     SSE_DONE,
@@ -87,6 +93,12 @@ async def _offload(fn: Any, *args: Any, big: bool) -> Any:
 
 async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
     engine = state.engine
+    if not state.config.trust_request_chat_template:
+        given = "chat_template" if req.chat_template is not None else (
+            "chat_template_kwargs" if "chat_template" in req.chat_template_kwargs else None)
+        if given is not None:
+            raise ApiError(400, f"a chat template given in '{given}' needs the server started with "
+                                "--trust-request-chat-template", param=given, code="unsupported_parameter")
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
     text, ids = await _offload(chat_prompt, engine.tokenizer, req, state.config.chat_template,
                                big=size > _OFFLOAD_CHARS)
@@ -102,7 +114,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
                                 "function, or 'none'", param="tool_choice", code="unsupported_parameter")
         if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
             params = dataclasses.replace(params, skip_special_tokens=False)
-    ids = _truncated(ids, params, engine.max_model_len)
+    ids = truncated_ids(ids, params, engine.max_model_len)
     params = fit_to_context(engine.max_model_len, ids, params,
                             max_tokens_given=req.common.max_tokens_given, prompt_param="messages")
     return [Job(state.engine_id(request_id), ids, text, params, _beam(req, params))]
@@ -123,7 +135,7 @@ async def _completion_jobs(state: ServerState, req: CompletionRequest, request_i
                 raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})",
                                param="prompt", code="invalid_value")
             ids, text = list(prompt), None
-        kept = _truncated(ids, req.common.params, engine.max_model_len)
+        kept = truncated_ids(ids, req.common.params, engine.max_model_len)
         if len(kept) < len(ids):  # what is echoed is what the model reads
             ids, text = kept, None if text is None else tok.decode(kept, skip_special_tokens=False)
         params = fit_to_context(engine.max_model_len, ids, req.common.params,
@@ -131,14 +143,6 @@ async def _completion_jobs(state: ServerState, req: CompletionRequest, request_i
         engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
         jobs.append(Job(state.engine_id(engine_id), ids, text, params, _beam(req, params)))
     return jobs
-
-
-def _truncated(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's field), or all of it."""
-    try:
-        return truncated_prompt(ids, params, max_model_len)
-    except ValueError as e:
-        raise ApiError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from e
 
 
 def _beam(req: ChatRequest | CompletionRequest, params: SamplingParams) -> BeamSearchParams | None:
@@ -279,6 +283,7 @@ class _Formatter:
         self.usage_field = opts.include_usage or opts.continuous_usage_stats
         self.echo = isinstance(req, CompletionRequest) and req.echo
         chat = isinstance(req, ChatRequest)
+        self.echo_text = echoed_text(req) if chat else ""
         self.replies = ChatReplies(req.tool_choice if chat else None, state.tool_parser, state.reasoning_parser,
                                    constrained=req.common.params.structured_outputs is not None,
                                    include_reasoning=chat and req.include_reasoning,
@@ -306,6 +311,9 @@ class _Formatter:
                 if self.want_ids and index == 0:  # the prompt's ids lead the stream, once
                     role["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
                 chunks.append(sse(role))
+                if self.echo_text:
+                    chunks.append(sse(self._envelope([{"index": index, "delta": {"content": self.echo_text},
+                                                       "logprobs": None, "finish_reason": None}], gen)))
             d = cursor.advance(c)
             if d is None:
                 continue
@@ -358,6 +366,8 @@ class _Formatter:
                 finish = c.finish_reason
                 if self.kind == "chat":
                     choice["message"], finish = self.replies.message(c)
+                    if self.echo_text:
+                        choice["message"]["content"] = self.echo_text + (choice["message"].get("content") or "")
                     if self.want_logprobs:
                         lp = {"content": chat_logprobs(self.text_of, c.token_ids, c.logprobs or [], self.top_n)}
                 else:

@@ -230,6 +230,49 @@ def test_vocabulary_limits_and_truncation_reach_the_engine(client, engine, serve
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
 
 
+def test_request_chat_templates_need_trust_and_hooks_are_refused(server):
+    for extra, param in (({"chat_template": "{{ messages[0]['content'] }}"}, "chat_template"),
+                         ({"chat_template_kwargs": {"chat_template": "x"}}, "chat_template_kwargs"),
+                         ({"logits_processors": ["my.Processor"]}, "logits_processors"),
+                         ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
+                         ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+                         ({"documents": "text"}, "documents")):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1, **extra},
+                       timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_a_trusted_request_template_with_documents_and_reasoning_effort(engine):
+    """With --trust-request-chat-template a request's `chat_template` renders its prompt, `documents` and
+    `reasoning_effort` reaching it; one that does not compile is a 400 naming it."""
+    template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% for d in documents %}{{ d['text'] }} "
+                "{% endfor %}{{ reasoning_effort }}")
+    with serve_in_thread(engine, ServerConfig(port=0, trust_request_chat_template=True)) as srv:
+        body = {"messages": MSG, "max_tokens": 1, "chat_template": template, "reasoning_effort": "two",
+                "documents": [{"title": "w", "text": "world"}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "tpl-1"}, timeout=10)
+        assert r.status_code == 200, r.text
+        _, ids, _, _, _ = next(s for s in engine.submitted if s[0] == "tpl-1")
+        assert ids == [22, 23, 4]  # "hello world two"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**body, "chat_template": "{% if %}"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_chat_echo_leads_with_the_final_assistant_message(client, server):
+    """vLLM's chat `echo`: the final assistant message being continued leads the reply, whole and streamed."""
+    msgs = MSG + [{"role": "assistant", "content": "one two"}]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model="fake-model", messages=msgs, temperature=0, max_tokens=2,
+                                       extra_body=extra)
+    assert r.choices[0].message.content == "one twoone two"
+    body = {"messages": msgs, "temperature": 0, "max_tokens": 2, "stream": True, **extra}
+    chunks = sse_events(server, "/v1/chat/completions", body)[:-1]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "one twoone two"
+    plain = client.chat.completions.create(model="fake-model", messages=MSG, temperature=0, max_tokens=2,
+                                           extra_body={"echo": True})  # the last message is the user's
+    assert plain.choices[0].message.content == "one two"
+
+
 def test_content_parts_are_joined(client, engine):
     r = client.chat.completions.create(
         model="fake-model", temperature=0, max_tokens=1,
