@@ -123,6 +123,11 @@ class EngineArgs:
     # Keys of an HF model directory's config.json to override (a JSON object or a mapping), as vLLM's
     # `--hf-overrides`: e.g. a causal LM served as a reranker (`jaxserve.engine.classifier`).
     hf_overrides: Mapping[str, Any] | None = None
+    # The model's sampling defaults (`jaxserve.generation_config`), as vLLM's `--generation-config`: "auto" reads
+    # the model directory's generation_config.json, "vllm" none, a directory its own; `override_generation_config`
+    # (a JSON object or a mapping) sets fields over them.
+    generation_config: str = "auto"
+    override_generation_config: Mapping[str, Any] | None = None
     # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank` (adapters in one
     # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) known from
     # start-up.
@@ -140,6 +145,9 @@ class EngineArgs:
         if self.hf_overrides is not None:
             object.__setattr__(self, "hf_overrides", dict(json_object(
                 self.hf_overrides, "hf_overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}')))
+        if self.override_generation_config is not None:
+            object.__setattr__(self, "override_generation_config", dict(json_object(
+                self.override_generation_config, "override_generation_config", '{"temperature": 0.5}')))
         self._check_runner()
         self._check_lora()
         def positive(name: str) -> None:
@@ -320,6 +328,11 @@ class EngineArgs:
                        help="keys of the model's config.json to override, e.g. to serve Qwen3-Reranker: "
                             '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
                             '["no", "yes"], "is_original_qwen3_reranker": true}\' (with --runner pooling)')
+        g.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|DIR",
+                       help="sampling defaults for requests that leave a field out: 'auto' from the model's "
+                            "generation_config.json, 'vllm' the API's own, or a directory's generation_config.json")
+        g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help='sampling defaults set over the generation config\'s, e.g. \'{"temperature": 0.5}\'')
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
         g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters loaded at start-up; a request names one as its model")

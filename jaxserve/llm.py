@@ -43,6 +43,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling parameters: the model's generation config's
+        sampling defaults (`jaxserve.generation_config`), else `SamplingParams()`."""
+        return SamplingParams(**self.engine.model.sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -54,7 +59,7 @@ class LLM:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order; with
         `lora_request` (one for all, or one per prompt), through a LoRA adapter (`enable_lora=True`)."""
         prompts = self._prompt_list(prompts)
-        params = self._params_list(sampling_params, len(prompts))
+        params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts))
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")

@@ -115,3 +115,12 @@ def logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
                             "invalid_type")
         out[int(key)] = bias
     return out
+
+
+def with_sampling_defaults(body: Any, defaults: Mapping[str, Any]) -> Any:
+    """`body` with the model's sampling defaults (`jaxserve.generation_config`; not its `max_tokens` cap) in the
+    fields it leaves out or sets to null; a beam search's ranking takes none of them."""
+    if not defaults or not isinstance(body, Mapping) or body.get("use_beam_search"):
+        return body
+    fill = {k: v for k, v in defaults.items() if k != "max_tokens" and body.get(k) is None}
+    return {**body, **fill} if fill else body

@@ -15,8 +15,9 @@ from server.responses_input import drop_oldest_turns
 
 
 def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *, max_tokens_given: bool,
-                   prompt_param: str) -> SamplingParams:
-    """`params` with max_tokens set to fit the context; 400 with the numbers if the request cannot fit."""
+                   prompt_param: str, cap: int | None = None) -> SamplingParams:
+    """`params` with max_tokens set to fit the context, and at most `cap` (the model's generation config's
+    `max_new_tokens`, as vLLM caps it); 400 with the numbers if the request cannot fit."""
     n = len(ids)
     if n >= max_model_len:
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -29,9 +30,10 @@ def fit_to_context(max_model_len: int, ids: list[int], params: SamplingParams, *
                             f"requested {n + want} tokens ({n} in the prompt, {want} for the completion). "
                             f"Reduce the prompt or max_tokens.", param="max_tokens",
                        code="context_length_exceeded")
-    if want is None or want > room:
+    fit = min(room, cap or room, want or room)
+    if fit != want:
         try:
-            return dataclasses.replace(params, max_tokens=room)
+            return dataclasses.replace(params, max_tokens=fit)
         except ValueError as e:  # min_tokens no longer fits
             raise ApiError(400, f"min_tokens does not fit the context: {e}", param="min_tokens") from e
     return params

@@ -25,6 +25,7 @@ from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_params
 from server.chat_replies import ChatReplies
 from server.errors import ApiError, sse_error
+from server.fields import with_sampling_defaults
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
 from server.prompts import (
     chat_prompt,
@@ -115,8 +116,8 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
         if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
             params = dataclasses.replace(params, skip_special_tokens=False)
     ids = truncated_ids(ids, params, engine.max_model_len)
-    params = fit_to_context(engine.max_model_len, ids, params,
-                            max_tokens_given=req.common.max_tokens_given, prompt_param="messages")
+    params = fit_to_context(engine.max_model_len, ids, params, max_tokens_given=req.common.max_tokens_given,
+                            prompt_param="messages", cap=_defaults(state).get("max_tokens"))
     return [Job(state.engine_id(request_id), ids, text, params, _beam(req, params))]
 
 
@@ -138,11 +139,15 @@ async def _completion_jobs(state: ServerState, req: CompletionRequest, request_i
         kept = truncated_ids(ids, req.common.params, engine.max_model_len)
         if len(kept) < len(ids):  # what is echoed is what the model reads
             ids, text = kept, None if text is None else tok.decode(kept, skip_special_tokens=False)
-        params = fit_to_context(engine.max_model_len, ids, req.common.params,
-                                max_tokens_given=req.common.max_tokens_given, prompt_param="prompt")
+        params = fit_to_context(engine.max_model_len, ids, req.common.params, max_tokens_given=req.common.max_tokens_given,
+                                prompt_param="prompt", cap=_defaults(state).get("max_tokens"))
         engine_id = request_id if len(req.prompts) == 1 else f"{request_id}-{i}"
         jobs.append(Job(state.engine_id(engine_id), ids, text, params, _beam(req, params)))
     return jobs
+
+
+def _defaults(state: ServerState) -> dict[str, Any]:  # the model's sampling defaults (jaxserve.generation_config)
+    return getattr(state.engine, "sampling_defaults", None) or {}
 
 
 def _beam(req: ChatRequest | CompletionRequest, params: SamplingParams) -> BeamSearchParams | None:
@@ -195,7 +200,8 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
     state.check_serving()
     arrival = time.time()
     body = await read_json(request, state.config.max_request_body_bytes)
-    req = parse_chat(translate(body) if translate else body) if kind == "chat" else parse_completion(body)
+    body = with_sampling_defaults(translate(body) if translate else body, _defaults(state))
+    req = parse_chat(body) if kind == "chat" else parse_completion(body)
     if prepare is not None:
         req = prepare(req)
     lora = state.check_model(req.common.model)

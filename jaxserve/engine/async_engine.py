@@ -77,6 +77,7 @@ class AsyncEngine:
         self.lora_modules = engine.loras.paths if getattr(engine, "loras", None) else {}
         """LoRA adapters, name to path (the engine's own map: adapters loaded later appear in it)."""
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.model.sampling_defaults  # the model's (`jaxserve.generation_config`)
         self.classifier = getattr(engine, "classifier", None)
         """A sequence classification model's head (its labels), or None."""
         sched = engine.scheduler

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig, UnsupportedModelError
 from jaxserve.engine.classifier import classification_architecture
 from jaxserve.engine_args import EngineArgs
+from jaxserve.generation_config import sampling_defaults
 from jaxserve.loader import (
     checkpoint_tokenizer,
     load_params,
@@ -47,6 +48,8 @@ class LoadedModel:
     """The model step `forward(params, kv, inputs, cfg, backend) -> (logits, kv)`."""
     plan: Any = None
     """The `sharding.ShardingPlan` when the model spans several devices (None on one device)."""
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What a request that leaves a sampling field out gets (`jaxserve.generation_config`)."""
 
 
 def resolve_dtype(args: EngineArgs) -> Any:
@@ -109,7 +112,9 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)
     else:
         params = _convert(ckpt, cfg, plan, dtype, progress)
-    loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0)
+    loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0,
+                         sampling_defaults=sampling_defaults(path, args.generation_config,
+                                                             args.override_generation_config))
     return _with_plan(loaded, plan) if plan else loaded
 
 
