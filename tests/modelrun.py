@@ -62,3 +62,14 @@ def greedy(cfg, params, ids, max_new, page_size=16, num_pages=64, dtype=jnp.floa
                                 num_seqs=1, pages_per_seq=P)
         out.append(int(logits[0].argmax()))
     return out
+
+
+def drain(engine) -> dict:
+    """Step an engine until its requests are done; their final outputs by request id (its integrity checked)."""
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    engine.check_integrity()
+    return final

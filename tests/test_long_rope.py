@@ -25,6 +25,7 @@ from jaxserve.models.inputs import KVCache  # noqa: E402
 from jaxserve.rope import prompt_cache_salt, uses_long_factors  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import VOCAB, fake_tokenizer  # noqa: E402
+from tests.modelrun import drain  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
 ORIGINAL = 24
@@ -76,13 +77,7 @@ def run(engine: LLMEngine, prompts: dict[str, tuple[list[int], int]]) -> dict:
     """Greedy outputs by request id, all requests queued together."""
     for rid, (ids, n) in prompts.items():
         engine.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0))
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    engine.check_integrity()
-    return final
+    return drain(engine)
 
 
 def assert_as_transformers(model, ids: list[int], out) -> None:

@@ -20,6 +20,7 @@ from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.lora_request import LoRARequest, lora_cache_salt  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.modelrun import drain  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
 VOCAB = 64
@@ -73,13 +74,7 @@ def engine(tiny):
 def run(engine, requests: dict[str, tuple[list[int], SamplingParams, object]]) -> dict:
     for rid, (ids, params, lora) in requests.items():
         engine.add_request(rid, ids, params, lora_request=lora)
-    out = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o
-    engine.check_integrity()
-    return out
+    return drain(engine)
 
 
 def hf_prompt_logprobs(model, ids: list[int]) -> np.ndarray:
