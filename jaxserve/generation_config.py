@@ -4,7 +4,8 @@ A request (over HTTP, or `LLM.generate` without sampling parameters) that leaves
 model's value instead of the API's: Qwen3 and Llama 3 checkpoints, for instance, ship a temperature and a top-p
 their makers recommend. The fields read are those vLLM reads (`temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, and `max_new_tokens`, which caps every request's `max_tokens`), each only where it differs
-from transformers' default (a file that writes `top_k: 50` sets nothing).
+from transformers' default (a file that writes `top_k: 50` sets nothing). A GGUF file carries them as llama.cpp's
+converter writes them from that file (`general.sampling.temp`, `.top_k`, `.top_p`, `.min_p`, `.penalty_repeat`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty"}
 # transformers' GenerationConfig defaults: a field equal to its default is not a choice the file made.
 _HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None,
                                 "repetition_penalty": 1.0, "max_new_tokens": None}
@@ -27,11 +31,13 @@ _HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "
 def sampling_defaults(model_path: str, generation_config: str = "auto",
                       overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The sampling defaults (`SamplingParams` field names; `max_tokens` a cap) for the model at `model_path`:
-    `generation_config` "auto" reads its directory's `generation_config.json` (a GGUF file has none), "vllm"
-    reads none, another value is a directory holding that file; `overrides` (vLLM's
+    `generation_config` "auto" reads its directory's `generation_config.json` (a GGUF file: its sampling
+    metadata), "vllm" reads none, another value is a directory holding that file; `overrides` (vLLM's
     `--override-generation-config`) set fields over what was read."""
     if generation_config == "vllm":
         read: dict[str, Any] = {}
+    elif generation_config == "auto" and os.path.isfile(model_path):
+        read = _read_gguf(model_path)
     else:
         folder = model_path if generation_config == "auto" else generation_config
         path = os.path.join(folder, "generation_config.json")
@@ -51,6 +57,21 @@ def sampling_defaults(model_path: str, generation_config: str = "auto",
         logger.info("sampling defaults from the model's generation config: %s (a request's own values win; "
                     "--generation-config vllm ignores them)", merged)
     return merged
+
+
+def _read_gguf(path: str) -> dict[str, Any]:
+    import gguf
+
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except Exception:  # noqa: BLE001 - not a GGUF file: the loader names that problem, not this
+        return {}
+    out = {}
+    for key, name in _GGUF_KEYS.items():
+        if key in fields:
+            value = fields[key].contents()
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
 
 
 def _read(path: str) -> dict[str, Any]:

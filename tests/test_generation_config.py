@@ -38,13 +38,33 @@ def test_sampling_defaults_read_as_vllm_reads_them(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     assert sampling_defaults(model, _write(other, {"min_p": 0.1})) == {"min_p": 0.1}
-    assert sampling_defaults(str(tmp_path / "model.gguf")) == {}  # a GGUF file: none to read
+    assert sampling_defaults(str(tmp_path / "model.gguf")) == {}  # no such file: none to read
     with pytest.raises(FileNotFoundError, match="no generation_config.json there"):
         sampling_defaults(model, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="'seed' is not a sampling default"):
         sampling_defaults(model, "auto", {"seed": 3})
     with pytest.raises(ValueError, match=re.escape("temperature must be >= 0 (0 = greedy), got -1")):
         sampling_defaults(model, "auto", {"temperature": -1})
+
+
+def test_a_gguf_files_sampling_metadata(tmp_path):
+    """llama.cpp's converter writes the generation config's sampling fields as `general.sampling.*`."""
+    import gguf
+
+    path = str(tmp_path / "model.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_float32("general.sampling.temp", 0.7)
+    writer.add_int32("general.sampling.top_k", 20)
+    writer.add_float32("general.sampling.top_p", 0.8)
+    writer.add_float32("general.sampling.penalty_repeat", 1.05)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    got = sampling_defaults(path)
+    assert got.keys() == {"temperature", "top_k", "top_p", "repetition_penalty"} and got["top_k"] == 20
+    assert got["temperature"] == pytest.approx(0.7) and got["repetition_penalty"] == pytest.approx(1.05)
+    assert sampling_defaults(path, "vllm") == {}
 
 
 def test_the_engine_loads_them_and_the_flags_set_them(tmp_path):
