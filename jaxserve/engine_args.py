@@ -128,6 +128,9 @@ class EngineArgs:
     # (a JSON object or a mapping) sets fields over them.
     generation_config: str = "auto"
     override_generation_config: Mapping[str, Any] | None = None
+    # vLLM's `--quantization`: the quantization method the checkpoint's own quantization_config names ("fp8",
+    # "compressed-tensors"), checked against it; None takes the checkpoint's. Weights are never quantized at load.
+    quantization: str | None = None
     # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank` (adapters in one
     # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) known from
     # start-up.
@@ -333,6 +336,9 @@ class EngineArgs:
                             "generation_config.json, 'vllm' the API's own, or a directory's generation_config.json")
         g.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help='sampling defaults set over the generation config\'s, e.g. \'{"temperature": 0.5}\'')
+        g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                       help="the checkpoint's quantization method (fp8, compressed-tensors), checked against its "
+                            "config; its weights are read dequantized (jaxserve does not quantize at load)")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
         g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters loaded at start-up; a request names one as its model")

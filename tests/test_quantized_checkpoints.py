@@ -206,3 +206,17 @@ def test_a_missing_scale_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(
             "quantized weight model.layers.1.mlp.up_proj is missing model.layers.1.mlp.up_proj.weight_scale")):
         ours(tmp_path, [1, 2, 3])
+
+
+def test_the_quantization_flag_names_the_checkpoints_own_method(tmp_path):
+    from jaxserve.engine.model_loading import check_quantization
+
+    compressed_tensors_checkpoint(tmp_path, "FP8_DYNAMIC")
+    config = json.loads((tmp_path / "config.json").read_text())
+    check_quantization(None, str(tmp_path), config)
+    check_quantization("compressed-tensors", str(tmp_path), config)
+    with pytest.raises(UnsupportedModelError, match="quantization 'fp8' does not match .*quantized with "
+                                                    "'compressed-tensors'"):
+        check_quantization("fp8", str(tmp_path), config)
+    with pytest.raises(UnsupportedModelError, match="its weights are not quantized. jaxserve .* does not quantize"):
+        check_quantization("fp8", "plain", {})

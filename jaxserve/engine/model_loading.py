@@ -93,6 +93,7 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     dummy = args.load_format == "dummy"
     ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides)
     cfg = ckpt.config()
+    check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}))
     arch = classification_architecture(getattr(ckpt, "hf_config", {}))
     if arch and not args.is_pooling:
         raise UnsupportedModelError(f"{path} is a sequence classification model ({arch}): it classifies, it does not "
@@ -211,6 +212,18 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
     logger.info("KV cache: %d pages of %d tokens (%d tokens) in %s, %.1f MiB", pages, args.page_size,
                 pages * args.page_size, jnp.dtype(dtype).name, pages * per_page / 2**20)
     return int(pages)
+
+
+def check_quantization(method: str | None, path: str, hf_config: dict[str, Any]) -> None:
+    """`--quantization` (vLLM's) must name the checkpoint's own method: quantized checkpoints are read, not made."""
+    own = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is None or method == own:
+        return
+    has = f"its weights are quantized with {own!r}" if own else "its weights are not quantized"
+    raise UnsupportedModelError(
+        f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8 and compressed-tensors "
+        "checkpoints (dequantized to the model's dtype) and does not quantize weights at load; leave --quantization "
+        "out to serve the checkpoint as it is")
 
 
 def max_model_length(args: EngineArgs, cfg: ModelConfig, num_pages: int) -> int:
