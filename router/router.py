@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 
 from jaxserve.engine.kv_events import hash_token_pages
 from jaxserve.lora_request import lora_cache_salt
+from jaxserve.rope import prompt_cache_salt
 from router.config import RouterConfig
 from router.pd import Disaggregator
 from router.policy import Decision, Picker, RouteRequest
@@ -134,6 +135,11 @@ class Router:
             return RouteRequest(session=session, adapter=adapter), None
         page_size = next((w.page_size for w in self.pool.healthy() if w.page_size), self.config.page_size)
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        long_rope = next((w.long_rope_context for w in self.pool.healthy() if w.long_rope_context), None)
+        try:  # a prompt past a LongRoPE model's original context: its own cache namespace, as the worker's
+            salt = prompt_cache_salt(long_rope, len(ids), salt)
+        except ValueError:
+            pass  # a salt the worker refuses: it answers the request with the reason
         if adapter is not None:  # a LoRA adapter: its own cache namespace
             salt = lora_cache_salt(adapter, salt)
         # The engine caches prompt[:-1] (the last token is always computed), so hash that.

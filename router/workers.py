@@ -55,6 +55,9 @@ class Worker:
     base_models: frozenset[str] | None = None
     """The names the worker serves its base model under (`GET /v1/models` entries without a `parent`; the
     others are LoRA adapters), read when it turns healthy; None until then."""
+    long_rope_context: int | None = None
+    """A LongRoPE model's original context, past which the worker caches prompts in a namespace of their own
+    (its base model card's `long_rope_context`)."""
 
     @property
     def queue(self) -> float:
@@ -220,6 +223,8 @@ class WorkerPool:
             r = await self._client.get(worker.url + "/v1/models")
             cards = r.json()["data"] if r.status_code == 200 else None
             worker.base_models = frozenset(c["id"] for c in cards if not c.get("parent")) if cards else None
+            worker.long_rope_context = next((c.get("long_rope_context") for c in cards or () if not c.get("parent")),
+                                            None)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # no list: every model taken as base
             logger.info("worker %s: GET /v1/models failed (%s)", worker.url, type(e).__name__)
 

@@ -83,10 +83,14 @@ async def model(request: Request) -> Response:
 
 
 def _model_card(state: ServerState, name: str, lora: str | None = None) -> dict[str, Any]:
-    """A served name's card; a LoRA adapter's (`lora`: its path) has the base model as its parent."""
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
+    """A served name's card; a LoRA adapter's (`lora`: its path) has the base model as its parent. A LongRoPE
+    model served past its original context names that context (`long_rope_context`), past which prompts are
+    cached in a namespace of their own (`jaxserve.rope.prompt_cache_salt`): a prefix-aware router hashes them so."""
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
             "root": lora or state.engine.model_name, "parent": state.model_name if lora else None,
             "max_model_len": state.engine.max_model_len}
+    long_rope = getattr(state.engine, "long_rope_context", None)
+    return card | {"long_rope_context": long_rope} if long_rope else card
 
 
 async def _traced_generate(request: Request, kind: str, **api: Any) -> Response:

@@ -31,6 +31,8 @@ class DataParallelEngine:
         self.classifier = first.classifier
         self.prefix_cache_page_size = first.prefix_cache_page_size
         self.max_model_len = first.max_model_len
+        self.sampling_defaults = first.sampling_defaults
+        self.long_rope_context = first.long_rope_context
         self._in_flight = [0] * len(replicas)
         self._placed: dict[str, int] = {}
         self._lock = threading.Lock()

@@ -77,3 +77,73 @@ def test_lora_requests_gather_where_their_adapter_runs():
     assert picker.pick([free, busy], RouteRequest(adapter="x")).worker is busy  # queued there: it will run
     lone = Picker(RouterConfig(port=0, policy="prefix", weights=CostWeights(lora=0.0)), PrefixIndex())
     assert lone.pick([full, free, busy], RouteRequest(adapter="sql")).worker is full
+
+
+def test_a_long_prompt_of_a_longrope_model_is_hashed_in_its_namespace():
+    """A worker serving a LongRoPE model past its original context names that context on its model card; the
+    router hashes a longer prompt in the long prompts' cache namespace, as the worker caches it (an adapter's
+    namespace wraps it), and a shorter one as any."""
+    from jaxserve.lora_request import lora_cache_salt
+    from jaxserve.rope import prompt_cache_salt
+    from router.router import Router
+
+    cards = [{"id": "phi", "long_rope_context": 24}, {"id": "sql", "parent": "phi"}]
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        return httpx.Response(200, text="") if request.url.path in ("/ready", "/metrics") else httpx.Response(404)
+
+    router = Router(RouterConfig(port=0, workers=("http://w0",), policy="prefix"))
+    router.pool._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    prompts = {"short": list(range(24)), "long": list(range(40))}
+
+    async def tokens(kind, body, headers):
+        return prompts[body["prompt"]]
+
+    router.tokenize = tokens
+
+    async def run():
+        (worker,) = router.pool.workers.values()
+        await router.pool.probe(worker)
+        assert worker.long_rope_context == 24
+        hashes = {}
+        for model, prompt in (("phi", "short"), ("phi", "long"), ("sql", "long")):
+            info, _ = await router.route_request("completion", {"model": model, "prompt": prompt}, {}, {})
+            hashes[model, prompt] = info.hashes
+        await router.pool.stop()
+        return hashes
+
+    hashes = asyncio.run(run())
+    ps = router.config.page_size
+    long = prompt_cache_salt(24, 40, None)
+    assert long is not None
+    assert hashes["phi", "short"] == tuple(hash_token_pages(prompts["short"][:-1], ps, None))
+    assert hashes["phi", "long"] == tuple(hash_token_pages(prompts["long"][:-1], ps, long))
+    assert hashes["sql", "long"] == tuple(hash_token_pages(prompts["long"][:-1], ps, lora_cache_salt("sql", long)))
+    assert hashes["phi", "long"][0] != hash_token_pages(prompts["long"][:-1], ps, None)[0]
+
+
+def test_the_server_card_names_the_long_rope_context_the_router_reads():
+    from router.router import Router
+    from server.config import ServerConfig
+    from server.fake_engine import FakeAsyncEngine
+    from server.runner import serve_in_thread
+
+    engine = FakeAsyncEngine(step_delay=0.001)
+    engine.long_rope_context = 24
+    try:
+        with serve_in_thread(engine, ServerConfig(port=0)) as srv:
+            card = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]
+            assert card["long_rope_context"] == 24
+            router = Router(RouterConfig(port=0, workers=(srv.url,), policy="prefix"))
+
+            async def probe():
+                (worker,) = router.pool.workers.values()
+                await router.pool.probe(worker)
+                await router.pool.stop()
+                return worker.long_rope_context
+
+            assert asyncio.run(probe()) == 24
+    finally:
+        engine.shutdown()

@@ -78,6 +78,7 @@ class AsyncEngine:
         """LoRA adapters, name to path (the engine's own map: adapters loaded later appear in it)."""
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.model.sampling_defaults  # the model's (`jaxserve.generation_config`)
+        self.long_rope_context = engine.long_rope_context  # prompts past it are cached apart (jaxserve.rope)
         self.classifier = getattr(engine, "classifier", None)
         """A sequence classification model's head (its labels), or None."""
         sched = engine.scheduler
