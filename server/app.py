@@ -15,7 +15,6 @@ from starlette.routing import Route
 
 from server.classify import classify
 from server.config import ServerConfig
-from server.constraints import tools_and_choice
 from server.conversations import conversation_routes, list_page
 from server.embeddings import embeddings
 from server.errors import ApiError
@@ -24,7 +23,8 @@ from server.lora_admin import load_lora_adapter, unload_lora_adapter
 from server.middleware import ApiMiddleware
 from server.openai_responses import responses_api
 from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
-from server.protocol import check_messages, get_bool, get_str
+from server.prompts import chat_prompt, check_request_template
+from server.protocol import get_bool, get_str, parse_chat
 from server.scores import rerank, score
 from server.serving import handle_generate, read_json
 from server.state import ServerState
@@ -178,16 +178,10 @@ async def tokenize(request: Request) -> Response:
         raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
     state.check_model(get_str(body, "model"))
     tok = state.engine.tokenizer
-    if "messages" in body:
-        messages = check_messages(body["messages"])
-        tools, _ = tools_and_choice({"tools": body.get("tools"), "tool_choice": "none"})
-        try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=get_bool(body, "add_generation_prompt",
-                                                                                    True),
-                                           tools=tools, chat_template=state.config.chat_template)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
-        ids = tok.encode(text, add_special_tokens=get_bool(body, "add_special_tokens", False))
+    if "messages" in body:  # rendered exactly as a chat request's prompt (the same fields, the same checks)
+        req = parse_chat({**body, "tool_choice": "none"} if body.get("tools") else body)
+        check_request_template(req, state.config.trust_request_chat_template)
+        _, ids = chat_prompt(tok, req, state.config.chat_template)
     else:
         prompt = get_str(body, "prompt")
         if prompt is None:

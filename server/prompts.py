@@ -56,6 +56,16 @@ def truncated_ids(ids: list[int], params: SamplingParams, max_model_len: int) ->
         raise ApiError(400, str(e), param="truncate_prompt_tokens", code="invalid_value") from e
 
 
+def check_request_template(req: ChatRequest, trusted: bool) -> None:
+    """A 400 for a request that gives its own chat template to a server not started with
+    `--trust-request-chat-template` (vLLM's flag)."""
+    given = "chat_template" if req.chat_template is not None else (
+        "chat_template_kwargs" if "chat_template" in req.chat_template_kwargs else None)
+    if given is not None and not trusted:
+        raise ApiError(400, f"a chat template given in '{given}' needs the server started with "
+                            "--trust-request-chat-template", param=given, code="unsupported_parameter")
+
+
 def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple[str, list[int]]:
     """The request's conversation rendered by the chat template (`template`, else the tokenizer's), and its ids."""
     try:

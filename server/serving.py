@@ -29,6 +29,7 @@ from server.fields import with_sampling_defaults
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
 from server.prompts import (
     chat_prompt,
+    check_request_template,
     drop_turns_to_fit,
     echoed_text,
     fit_to_context,
@@ -94,12 +95,7 @@ async def _offload(fn: Any, *args: Any, big: bool) -> Any:
 
 async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
     engine = state.engine
-    if not state.config.trust_request_chat_template:
-        given = "chat_template" if req.chat_template is not None else (
-            "chat_template_kwargs" if "chat_template" in req.chat_template_kwargs else None)
-        if given is not None:
-            raise ApiError(400, f"a chat template given in '{given}' needs the server started with "
-                                "--trust-request-chat-template", param=given, code="unsupported_parameter")
+    check_request_template(req, state.config.trust_request_chat_template)
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
     text, ids = await _offload(chat_prompt, engine.tokenizer, req, state.config.chat_template,
                                big=size > _OFFLOAD_CHARS)

@@ -198,6 +198,19 @@ def test_return_token_ids_whole_and_streamed(server):
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
 
 
+def test_tokenize_renders_messages_as_chat_does(server):
+    """`/tokenize` of messages gives the ids a chat request with the same fields reads (its `prompt_token_ids`),
+    `continue_final_message` included, and refuses a request template the same way."""
+    msgs = MSG + [{"role": "assistant", "content": "one two"}]
+    fields = {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False}
+    chat = httpx.post(server.url + "/v1/chat/completions", json={**fields, "max_tokens": 1, "return_token_ids": True},
+                      timeout=10).json()
+    tokens = httpx.post(server.url + "/tokenize", json=fields, timeout=10).json()
+    assert tokens["tokens"] == chat["prompt_token_ids"] == [1, 19, 22, 2, 1, 20, 3, 4]
+    r = httpx.post(server.url + "/tokenize", json={**fields, "chat_template": "{{ messages }}"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
 def test_return_tokens_as_token_ids(client):
     r = client.chat.completions.create(model="fake-model", messages=MSG, temperature=0, max_tokens=2, logprobs=True,
                                        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
