@@ -75,16 +75,22 @@ class LLM:
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        continue_final_message: bool = False,
+        documents: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (or `chat_template`, a template's
         text) and generate its reply. `tools` (function tools, as in OpenAI's API) are given to the
         template; to make the reply a call, constrain it with `SamplingParams(structured_outputs=...)`
-        to the function's parameters."""
+        to the function's parameters. `continue_final_message` continues a final (assistant) message instead of
+        starting a reply (`add_generation_prompt` is then off); `documents` go to the template, for
+        retrieval-augmented models."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
+        extra = dict(chat_template_kwargs or {}) | ({"documents": list(documents)} if documents is not None else {})
         prompts = [
-            tok.encode_chat(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                            chat_template=chat_template, **(chat_template_kwargs or {}))
+            tok.encode_chat(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                            tools=tools, chat_template=chat_template, continue_final_message=continue_final_message,
+                            **extra)
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

@@ -52,6 +52,22 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged(message: Mapping[str, Any]) -> dict[str, Any]:
+    """`message` with `_CONTINUE_TAG` after its text (its last text part's)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}
+    parts = [dict(p) for p in content or ()]
+    last = next((p for p in reversed(parts) if isinstance(p.get("text"), str)), None)
+    if last is None:
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    last["text"] += _CONTINUE_TAG
+    return {**message, "content": parts}
+
+
 class Tokenizer:
     """Text <-> token ids for one model, with its special token ids and chat template."""
 
@@ -251,20 +267,34 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
         """Render `messages` with the model's chat template, as transformers' `apply_chat_template` does;
-        `chat_template` (a template's text) replaces the model's."""
+        `chat_template` (a template's text) replaces the model's. With `continue_final_message` the text ends
+        with the final message's (its last text part's) own text, whatever end of turn the template writes
+        after it, so that the model continues it."""
         template = chat_template or (self.chat_templates.get("tool_use") if tools else None) or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat template; send a plain completion prompt instead")
-        return render_chat_template(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        if continue_final_message:  # marked where the final message's text ends, as transformers marks it
+            messages = [*messages[:-1], _tagged(messages[-1])]
+        text = render_chat_template(
             template,
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             **{**self.special_tokens_map, **kwargs},
         )
+        if not continue_final_message:
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template drops the end of the final message")
+        # A template that keeps the message's spacing shows the whole tag; one that trims it, not its space.
+        return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
     def encode_chat(
         self,

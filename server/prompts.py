@@ -74,19 +74,12 @@ def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple
         else:
             kwargs = req.chat_template_kwargs
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                             tools=req.tools, chat_template=req.chat_template or template, **kwargs)
+                                             tools=req.tools, chat_template=req.chat_template or template,
+                                             continue_final_message=req.continue_final_message, **kwargs)
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation
         raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
-    if req.continue_final_message:
-        # Cut the end-of-turn the template wrote after the last message, so the model continues it.
-        last = req.messages[-1].get("content") or ""
-        if isinstance(last, list):
-            last = "\n".join(p["text"] for p in last)
-        at = text.rfind(last) if last else -1
-        if at >= 0:
-            text = text[: at + len(last)]
     return text, tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
 
 

@@ -137,3 +137,19 @@ def test_engine_beams_equal_the_search_over_transformers(llm, hf_smollm, chat_pr
         beam = b.sequences[0]
         assert [pos[t].logprob for t, pos in zip(c.token_ids, beam.logprobs, strict=True)] == pytest.approx(lps, abs=1e-4)
         assert all(pos[t].rank == 1 for t, pos in zip(c.token_ids, beam.logprobs, strict=True))
+
+
+def test_llm_chat_continues_a_final_message_and_takes_documents(llm):
+    """`LLM.chat(continue_final_message=True)`: the prompt ends with the final message's own text (no end of
+    turn), so the model continues it; `documents` reach the template; the bundled GGUF has no sampling defaults."""
+    from jaxserve import SamplingParams
+
+    conv = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False, continue_final_message=True,
+                   documents=[{"title": "France", "text": "Paris is the capital."}])[0]
+    tok = llm.get_tokenizer()
+    tail = tok.encode(" capital of France is", add_special_tokens=False)
+    assert out.prompt_token_ids[-len(tail):] == tail
+    assert "Paris" in out.outputs[0].text
+    assert llm.get_default_sampling_params() == SamplingParams()

@@ -92,6 +92,23 @@ def test_chat_template_matches_transformers(ours, hf, conversation, add_generati
     assert ours.encode_chat(conversation, add_generation_prompt=add_generation_prompt) == list(hf_ids)
 
 
+@pytest.mark.parametrize("final", ["The capital is", "  Paris, of course.  "])
+def test_continue_final_message_matches_transformers(ours, hf, final):
+    """The rendered chat ends with the final message's text, as transformers cuts it (its spacing kept); with
+    text parts, after the last one."""
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": final}]
+    text = ours.apply_chat_template(conversation, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+    assert text.endswith(final)
+    parts = [conversation[0], {"role": "assistant", "content": [{"type": "text", "text": "A."},
+                                                                 {"type": "text", "text": "B"}]}]
+    assert ours.apply_chat_template(parts, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<|im_start|>assistant\nA.\nB")
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(conversation, add_generation_prompt=True, continue_final_message=True)
+
+
 def test_content_parts_are_joined(ours, hf):
     parts = [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
