@@ -138,8 +138,9 @@ class PDWorker:
 
     async def prefill(self, request: Request) -> Response:
         """`POST /v1/pd/prefill`: compute the prompt's KV and first token, pin the pages, answer the metadata."""
+        from server.fields import with_sampling_defaults
         from server.protocol import parse_chat, parse_completion
-        from server.serving import _chat_jobs, _completion_jobs, read_json
+        from server.serving import _chat_jobs, _completion_jobs, _defaults, read_json
 
         state = self.state
         state.check_serving()
@@ -150,7 +151,8 @@ class PDWorker:
         kind = outer.get("kind") if isinstance(outer, dict) else None
         if kind not in ("chat", "completion") or not isinstance(outer.get("body"), dict):
             raise ApiError(400, "expected {'kind': 'chat'|'completion', 'body': {...}}", code="invalid_request")
-        req = parse_chat(outer["body"]) if kind == "chat" else parse_completion(outer["body"])
+        body = with_sampling_defaults(outer["body"], _defaults(state))  # the first token is drawn as the decode's
+        req = parse_chat(body) if kind == "chat" else parse_completion(body)
         if state.check_model(req.common.model) is not None:
             raise ApiError(400, f"the LoRA adapter {req.common.model!r} is served by aggregated workers only, not "
                                 "prefilled for another worker", param="model", code="unsupported_parameter")
