@@ -215,9 +215,12 @@ def test_aggregated_prefix_routing_hits_the_cache_of_the_worker_holding_the_prom
         first = c.post("/v1/chat/completions", json={**_chat("Hello!", system), "max_tokens": 1})
         home = first.headers["x-jaxserve-worker"]
         other = dec.url if home == pre.url else pre.url
-        deadline = time.monotonic() + 10
-        while router.index.num_exact(home) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the worker's KV events reach the router
+        deadline = time.monotonic() + 30
+        # The worker's KV events reach the router, and its scraped load shows the first request done (a busy
+        # home would rightly lose a pick to an idle worker).
+        while (router.index.num_exact(home) < 2 or router.pool.workers[home].queue > 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert router.index.num_exact(home) >= 2 and router.pool.workers[home].queue == 0
         router.index._approx.clear()  # only the events may explain the picks below
         before = {home: _prefix_hits(home), other: _prefix_hits(other)}
         for i, user in enumerate(["Where is the oldest ship?", "Is there a lighthouse lens?"]):
