@@ -133,15 +133,29 @@ def test_compressed_tensors_checkpoints_read_as_compressed_tensors_reads_them(ca
     assert rel_err(hf_logits(tiny_llama(), ids), ref) > 1e-3
 
 
-def test_fine_grained_fp8_checkpoint_reads_as_transformers_reads_it(tmp_path):
-    """transformers' FP8 form (quant_method fp8: float8 weights, a float32 `weight_scale_inv` per 32 x 32 block),
-    dequantized by transformers' own loader on the CPU."""
-    from safetensors.torch import save_file
+def _mixtral():
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**{**LLAMA, "intermediate_size": 64}, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.15)
+    return model.eval()
 
-    model = tiny_llama()
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_fine_grained_fp8_checkpoint_reads_as_transformers_reads_it(tmp_path, family):
+    """transformers' FP8 form (quant_method fp8: float8 weights, a float32 `weight_scale_inv` per 32 x 32 block),
+    dequantized by transformers' own loader on the CPU; a Mixtral's experts one tensor each, as its checkpoints
+    store them, its router left unquantized."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_llama() if family == "llama" else _mixtral()
+    model.save_pretrained(tmp_path / "plain")
     tensors = {}
-    for name, p in model.state_dict().items():
-        if name.endswith("_proj.weight"):
+    for name, p in load_file(tmp_path / "plain" / "model.safetensors").items():  # the names as stored
+        if p.ndim == 2 and name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
             N, K = p.shape
             blocks = p.reshape(N // 32, 32, K // 32, 32)
             scale = blocks.abs().amax((1, 3)) / 448.0
@@ -149,10 +163,11 @@ def test_fine_grained_fp8_checkpoint_reads_as_transformers_reads_it(tmp_path):
             tensors[name], tensors[name + "_scale_inv"] = q, scale.float()
         else:
             tensors[name] = p.contiguous()
+    assert sum(k.endswith("_scale_inv") for k in tensors) == (7 if family == "llama" else 4 + 12) * 2
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = model.config.to_dict() | {"quantization_config": {
+    config = json.loads((tmp_path / "plain" / "config.json").read_text()) | {"quantization_config": {
         "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
-        "modules_to_not_convert": ["lm_head"]}}
+        "modules_to_not_convert": ["lm_head", "gate"]}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert reference.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # dequantized at load
