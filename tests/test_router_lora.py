@@ -13,13 +13,9 @@ from router.prefix_index import PrefixIndex
 from router.workers import parse_metrics
 
 
-def test_an_adapter_request_is_hashed_in_its_adapter_namespace():
-    """A request naming a LoRA adapter (a `/v1/models` entry with a parent) is hashed under the adapter's
-    cache namespace, as its worker caches it; the base model's names, and its aliases, are not."""
-    from jaxserve.lora_request import lora_cache_salt
+def _router_over(cards: list[dict]):
+    """A prefix-policy router over one mocked worker whose `/v1/models` lists `cards`."""
     from router.router import Router
-
-    cards = [{"id": "base"}, {"id": "alias", "parent": None}, {"id": "sql", "parent": "base"}]
 
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
@@ -28,6 +24,17 @@ def test_an_adapter_request_is_hashed_in_its_adapter_namespace():
 
     router = Router(RouterConfig(port=0, workers=("http://w0",), policy="prefix"))
     router.pool._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return router
+
+
+def test_an_adapter_request_is_hashed_in_its_adapter_namespace():
+    """A request naming a LoRA adapter (a `/v1/models` entry with a parent) is hashed under the adapter's
+    cache namespace, as its worker caches it; the base model's names, and its aliases, are not."""
+    from jaxserve.lora_request import lora_cache_salt
+
+    cards = [{"id": "base"}, {"id": "alias", "parent": None}, {"id": "sql", "parent": "base"}]
+
+    router = _router_over(cards)
     ids = list(range(40))
 
     async def tokens(kind, body, headers):
@@ -85,17 +92,10 @@ def test_a_long_prompt_of_a_longrope_model_is_hashed_in_its_namespace():
     namespace wraps it), and a shorter one as any."""
     from jaxserve.lora_request import lora_cache_salt
     from jaxserve.rope import prompt_cache_salt
-    from router.router import Router
 
     cards = [{"id": "phi", "long_rope_context": 24}, {"id": "sql", "parent": "phi"}]
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": cards})
-        return httpx.Response(200, text="") if request.url.path in ("/ready", "/metrics") else httpx.Response(404)
-
-    router = Router(RouterConfig(port=0, workers=("http://w0",), policy="prefix"))
-    router.pool._client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    router = _router_over(cards)
     prompts = {"short": list(range(24)), "long": list(range(40))}
 
     async def tokens(kind, body, headers):
