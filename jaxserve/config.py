@@ -90,7 +90,7 @@ class ModelConfig:
 
     @property
     def long_rope_context(self) -> int | None:
-        """A LongRoPE model's original context, past which its long factors apply (`rope.uses_long_factors`);
+        """A LongRoPE model's original context, past which its long factors apply (`models.llama.rope_tables`);
         None for other models."""
         rs = self.rope_scaling
         return rs.original_max_position_embeddings if rs.rope_type == "longrope" else None

@@ -4,8 +4,8 @@ A request (over HTTP, or `LLM.generate` without sampling parameters) that leaves
 model's value instead of the API's: Qwen3 and Llama 3 checkpoints, for instance, ship a temperature and a top-p
 their makers recommend. The fields read are those vLLM reads (`temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, and `max_new_tokens`, which caps every request's `max_tokens`), each only where it differs
-from transformers' default (a file that writes `top_k: 50` sets nothing). A GGUF file carries them as llama.cpp's
-converter writes them from that file (`general.sampling.temp`, `.top_k`, `.top_p`, `.min_p`, `.penalty_repeat`).
+from the default of HF's `GenerationConfig` (a file that writes `top_k: 50` sets nothing). A GGUF file carries
+them as llama.cpp's converter writes them from that file (`general.sampling.temp`, `.top_k`, `.top_p`, `.min_p`, `.penalty_repeat`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from jaxserve.engine.model_loading import LoadedModel  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
 from jaxserve.models.inputs import KVCache  # noqa: E402
-from jaxserve.rope import prompt_cache_salt, uses_long_factors  # noqa: E402
+from jaxserve.rope import prompt_cache_salt  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import VOCAB, fake_tokenizer  # noqa: E402
 from tests.modelrun import drain  # noqa: E402
@@ -90,9 +90,7 @@ def assert_as_transformers(model, ids: list[int], out) -> None:
     assert np.all(ref[np.arange(len(tokens)), tokens] >= best - 2e-4), "a token is not transformers' greedy choice"
 
 
-def test_which_tokens_take_the_long_factors():
-    assert [uses_long_factors(p, 20, ORIGINAL) for p in (0, 23, 24, 40)] == [False, False, True, True]
-    assert [uses_long_factors(p, 25, ORIGINAL) for p in (0, 23, 24)] == [True, True, True]
+def test_long_prompts_cache_namespace():
     assert prompt_cache_salt(None, 1000, "s") == "s"  # a model without LongRoPE, or served within its context
     assert prompt_cache_salt(ORIGINAL, ORIGINAL, None) is None
     assert prompt_cache_salt(ORIGINAL, ORIGINAL + 1, None) == "longrope:"

@@ -79,9 +79,13 @@ class HFDirectory:
         for file in self.files:
             try:
                 with safe_open(file, framework="numpy") as f:
+                    header = None
                     for name in f.keys():
-                        dtype = f.get_slice(name).get_dtype()
-                        yield name, (_read_float8(file, name) if dtype in _FLOAT8 else f.get_tensor(name))
+                        if f.get_slice(name).get_dtype() not in _FLOAT8:
+                            yield name, f.get_tensor(name)
+                            continue
+                        header = header or _Header(file)
+                        yield name, header.float8(name)
             except (OSError, ValueError) as e:
                 if isinstance(e, CheckpointError):
                     raise
@@ -91,13 +95,17 @@ class HFDirectory:
 _FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
-def _read_float8(file: str, name: str) -> np.ndarray:
-    """A float8 tensor of a safetensors file, which safetensors' numpy reader does not return: its bytes, found
-    through the file's header, as ml_dtypes' float8."""
-    with open(file, "rb") as fh:
-        (size,) = struct.unpack("<Q", fh.read(8))
-        info = json.loads(fh.read(size))[name]
+class _Header:
+    """A safetensors file's header (read once) and its data memory-mapped: the float8 tensors, which safetensors'
+    numpy reader does not return, as ml_dtypes' float8."""
+
+    def __init__(self, file: str):
+        with open(file, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            self.entries = json.loads(fh.read(size))
+        self.data = np.memmap(file, np.uint8, mode="r", offset=8 + size)
+
+    def float8(self, name: str) -> np.ndarray:
+        info = self.entries[name]
         start, end = info["data_offsets"]
-        fh.seek(8 + size + start)
-        data = fh.read(end - start)
-    return np.frombuffer(data, _FLOAT8[info["dtype"]]).reshape(info["shape"])
+        return self.data[start:end].view(_FLOAT8[info["dtype"]]).reshape(info["shape"])

@@ -83,7 +83,7 @@ class ModelInputs:
     lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA adapter slot (-1: none); LoRA engines only
     long_prompt: jax.Array | None = None
     """[T] bool: the token's sequence has a prompt longer than a LongRoPE model's original context, so all its
-    positions take the long factors (`rope.uses_long_factors`); only in engines serving past that context."""
+    positions take the long factors (`llama.rope_tables`); only in engines serving past that context."""
 
     @classmethod
     def build(

@@ -37,9 +37,12 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
 def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False,
                 long_prompt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin, [T, rotary dims], for the half-split (rotate_half) rotary layout; `local`: the sliding
-    layers' (see `rope_inv_freq_and_scale`). A LongRoPE model's tokens take the long factors at positions past
-    its original context, and all of them in a sequence whose prompt is longer (`long_prompt` [T] bool, None:
-    no such sequence; `rope.uses_long_factors`)."""
+    layers' (see `rope_inv_freq_and_scale`). A LongRoPE model's tokens take the long factors at positions at or
+    past its original context, and all of them in a sequence whose prompt is longer (`long_prompt` [T] bool, None:
+    no such sequence). That is transformers' choice: it picks one set per forward call, the long one when the
+    call's highest position is at or past the original context, so the prompt's call (all its tokens) when the
+    prompt is longer, and each generated token's call from the token at the original context on. A token's set
+    is thus fixed by its position and its prompt's length, whatever chunks or batches compute it."""
     inv_freq, attention_factor = rope_inv_freq_and_scale(cfg, local)
     inv = jnp.asarray(np.asarray(inv_freq, np.float32))[None, :]  # [1, D/2]
     if cfg.long_rope_context is not None and not local:
