@@ -6,8 +6,9 @@ Tool calls:
 - "required" (forced): the reply is a JSON list of `{"name", "parameters"}`, sent as the calls once
   it is whole.
 - "auto": the server's tool-call parser (server/tool_parsers.py) splits the reply into content and
-  calls. Content streams as it comes; each call goes out whole, with its id, name and arguments, as
-  soon as the parser has all of it.
+  calls. Content streams as it comes; a call's first piece carries its id and name, and its arguments
+  follow as the model writes them (in the JSON formats; in the others each call goes out whole as soon
+  as the parser has all of it).
 A reply made of calls has `content: null` and finishes with "tool_calls"; one cut by `max_tokens`
 keeps "length".
 
@@ -68,9 +69,9 @@ class ChatReplies:
         self.reasoning = None if constrained or (choice is not None and choice.forced) else reasoning
         self.include_reasoning = include_reasoning
 
-    def _auto_calls(self, calls: list[ParsedCall], sent: int) -> list[ParsedCall]:
+    def _auto_calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
         assert self.choice is not None
-        return calls if self.choice.parallel else calls[:max(0, 1 - sent)]
+        return calls if self.choice.parallel else calls[:1]
 
     def _with_reasoning(self, out: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
         if reasoning is None or not self.include_reasoning:
@@ -120,15 +121,26 @@ class ChatReplies:
         assert self.tools is not None
         if cursor.tool_stream is None:
             cursor.tool_stream = self.tools.stream(self.schemas)
-        content, calls = cursor.tool_stream.feed(text)
+        content, pieces = cursor.tool_stream.feed(text)
         if finish is not None:
             more, last = cursor.tool_stream.finish()
-            content, calls = content + more, calls + last
-        calls = self._auto_calls(calls, cursor.calls_sent)
+            content, pieces = content + more, pieces + last
+        assert self.choice is not None
+        calls: list[dict[str, Any]] = []
+        for p in pieces:
+            if p.index > 0 and not self.choice.parallel:
+                continue
+            if p.name is not None:  # a call's first piece: its id and name
+                calls.append({"index": p.index, "id": new_tool_call_id(), "type": "function",
+                              "function": {"name": p.name, "arguments": p.arguments}})
+                cursor.calls_sent += 1
+            elif calls and calls[-1]["index"] == p.index:
+                calls[-1]["function"]["arguments"] += p.arguments
+            else:
+                calls.append({"index": p.index, "function": {"arguments": p.arguments}})
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
-            delta["tool_calls"] = [_call_json(call, cursor.calls_sent + i) for i, call in enumerate(calls)]
-            cursor.calls_sent += len(calls)
+            delta["tool_calls"] = calls
         return delta, "tool_calls" if finish == "stop" and cursor.calls_sent else finish
 
     def message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
@@ -147,7 +159,7 @@ class ChatReplies:
         if choice is not None:
             assert self.tools is not None
             content, found = self.tools.parse(text, self.schemas)
-            calls = self._auto_calls(found, 0) or None
+            calls = self._auto_calls(found) or None
         if (calls or reasoning is not None) and not content:
             content = None
         message: dict[str, Any] = self._with_reasoning({"role": "assistant", "content": content}, reasoning)

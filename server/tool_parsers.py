@@ -12,11 +12,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `qwen3_coder` | `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values typed by the tool's schema | Qwen3-Coder |
 | `phi4_mini_json` | `functools[{"name": ..., "arguments": {...}}, ...]`, between text | Phi-4-mini |
 
-A `ToolCallStream` reads a reply as it grows: text that cannot be the start of a call goes out as
-content at once; once a call starts, its text is held until it is whole, then it goes out as a call.
-Text that looked like a call and does not parse goes out as content, so nothing is lost. Whitespace
-is held until text follows it, and is dropped at the end of a reply that made calls. Parsing a whole
-reply is feeding it to a new stream and finishing it, so the two never disagree.
+A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
 """
 
 from __future__ import annotations
@@ -26,21 +22,12 @@ import ast
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from jaxserve.detokenizer import partial_stop_suffix
+from server.json_calls import JsonCallReader, NamedArgsReader, Reader
+from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json"]
-Schemas = Mapping[str, Any]  # a tool's name -> its parameters' JSON schema
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    """One call: the function's name and its arguments as JSON text (an object)."""
-
-    name: str
-    arguments: str
 
 
 def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
@@ -108,15 +95,20 @@ class ToolParser(abc.ABC):
         `schemas` maps each tool's name to its parameters' JSON schema, for formats that write values
         untyped."""
 
+    def reader(self, opener: str, head: str) -> Reader | None:
+        """A reader of a region's calls as its text grows (`head` the body's first character besides
+        whitespace), or None when the region is held until it is whole."""
+        return None
+
     def stream(self, schemas: Schemas | None = None) -> ToolCallStream:
         return ToolCallStream(self, schemas)
 
     def parse(self, text: str, schemas: Schemas | None = None) -> tuple[str, list[ParsedCall]]:
         """A whole reply's content and calls."""
         s = self.stream(schemas)
-        content, calls = s.feed(text)
+        content, deltas = s.feed(text)
         more, last = s.finish()
-        return content + more, calls + last
+        return content + more, join_calls(deltas + last)
 
 
 class HermesParser(ToolParser):
@@ -126,6 +118,9 @@ class HermesParser(ToolParser):
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         return _json_calls(body)  # an object per tag, or SmolLM2's list of calls in one tag
+
+    def reader(self, opener: str, head: str) -> Reader:
+        return JsonCallReader(lists=None)
 
 
 class Llama3JsonParser(ToolParser):
@@ -138,6 +133,12 @@ class Llama3JsonParser(ToolParser):
         text = body if opener == "<|python_tag|>" else opener + body
         values = _json_values(text, separators=";")
         return None if values is None else _calls(values)
+
+    def reader(self, opener: str, head: str) -> Reader:
+        r = JsonCallReader(lists=False, separators=";")
+        if opener == "{":  # the opener is the first call's brace
+            r.feed(opener)
+        return r
 
 
 class MistralParser(ToolParser):
@@ -158,6 +159,9 @@ class MistralParser(ToolParser):
             calls.append(call)
         return calls
 
+    def reader(self, opener: str, head: str) -> Reader:
+        return JsonCallReader(lists=None) if head in "[{" else NamedArgsReader()
+
 
 class Phi4MiniParser(ToolParser):
     name = "phi4_mini_json"
@@ -166,6 +170,9 @@ class Phi4MiniParser(ToolParser):
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         values = _json_values(body)  # the one JSON list of calls that follows the word
         return _calls(values[0]) if values and len(values) == 1 and isinstance(values[0], list) else None
+
+    def reader(self, opener: str, head: str) -> Reader:
+        return JsonCallReader(lists=True)
 
 
 class PythonicParser(ToolParser):
@@ -274,78 +281,3 @@ def tool_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}")
     return PARSERS[name]()
-
-
-class ToolCallStream:
-    """Splits one growing reply into content and calls (see the module docstring)."""
-
-    def __init__(self, parser: ToolParser, schemas: Schemas | None = None):
-        self.parser = parser
-        self.schemas: Schemas = schemas or {}
-        self.buf = ""  # text read and not yet given out
-        self.mode: Literal["start", "content", "region"] = "start" if parser.leading else "content"
-        self.opener = ""
-        self.made_calls = False
-        self._space = ""  # whitespace held until text follows it
-
-    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """The content and the whole calls that `text`, the reply's next piece, completes."""
-        self.buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """What is left at the end of the reply: an unclosed call is parsed as it stands."""
-        content, calls = self._drain(final=True)
-        if not self.made_calls:
-            content += self._space
-        self._space = ""
-        return content, calls
-
-    def _content(self, text: str) -> str:
-        """`text` as content, with whitespace at its end held back."""
-        text = self._space + text
-        body = text.rstrip()
-        self._space = text[len(body):]
-        return body
-
-    def _drain(self, final: bool) -> tuple[str, list[ParsedCall]]:
-        p, out, calls = self.parser, [], []
-        while self.buf:
-            if self.mode == "start":
-                head = self.buf.lstrip()
-                opener = next((o for o in p.openers if head.startswith(o)), None)
-                if opener is not None:  # the whitespace before it comes back if it is no call
-                    self._space, self.buf = self.buf[:len(self.buf) - len(head)], head[len(opener):]
-                    self.mode, self.opener = "region", opener
-                elif head and not any(o.startswith(head) for o in p.openers) or final:
-                    self.mode = "content"
-                else:
-                    break  # whitespace, or the start of an opener: wait for more
-            elif self.mode == "content":
-                markers = () if p.leading else p.openers  # a leading format's call opens the reply or never
-                hits = [(self.buf.find(o), o) for o in markers if o in self.buf]
-                if hits:
-                    at, opener = min(hits)
-                    out.append(self._content(self.buf[:at]))
-                    self.buf = self.buf[at + len(opener):]
-                    self.mode, self.opener = "region", opener
-                    continue
-                hold = 0 if final else partial_stop_suffix(self.buf, markers)
-                out.append(self._content(self.buf[:len(self.buf) - hold]))
-                self.buf = self.buf[len(self.buf) - hold:]
-                break
-            else:
-                end = self.buf.find(p.closer) if p.closer else -1
-                if end < 0 and not final:
-                    break
-                body = self.buf if end < 0 else self.buf[:end]
-                self.buf = "" if end < 0 else self.buf[end + len(p.closer):]
-                found = p.parse_region(self.opener, body, self.schemas)
-                if found:
-                    self.made_calls = True
-                    self._space = ""
-                    calls.extend(found)
-                else:  # not a call after all: the text goes out as it came
-                    out.append(self._content(self.opener + body + (p.closer if end >= 0 else "")))
-                self.mode = "content"
-        return "".join(out), calls

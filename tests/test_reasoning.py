@@ -92,7 +92,10 @@ def _accumulate(chunks):
         assert extra.get("reasoning") == extra.get("reasoning_content")
         reasoning += extra.get("reasoning") or ""
         content += d.content or ""
-        calls += [(tc.function.name, tc.function.arguments) for tc in d.tool_calls or []]
+        for tc in d.tool_calls or []:  # a call's first piece names it, the others add to its arguments
+            if tc.function.name:
+                calls.append((tc.function.name, ""))
+            calls[-1] = (calls[-1][0], calls[-1][1] + (tc.function.arguments or ""))
         finish = ch.choices[0].finish_reason or finish
     return reasoning, content, calls, finish
 

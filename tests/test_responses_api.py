@@ -123,6 +123,9 @@ def test_tool_calls_are_function_call_items(server, client):
     assert added == ["message", "function_call", "function_call"]
     done = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
     assert [json.loads(a) for a in done] == [{"city": "Paris"}, {"zone": "CET"}]
+    deltas = [(e["output_index"], e["delta"]) for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 2, "an auto call's arguments stream as they are written"
+    assert ["".join(d for i, d in deltas if i == n) for n in (1, 2)] == done
     # A forced function streams its arguments as they come.
     events = _stream(server, input="say five", tools=TOOLS, tool_choice={"type": "function", "name": "get_weather"})
     pieces = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]

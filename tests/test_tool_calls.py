@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from jaxserve.chat_template import ChatTemplateError, load_chat_template
 from server.config import ServerConfig
 from server.fake_engine import FakeAsyncEngine, replies_by_last_word
+from server.json_calls import CallDelta, JsonValue
 from server.runner import serve_in_thread
-from server.tool_parsers import PARSERS, ParsedCall, tool_parser
+from server.tool_parsers import PARSERS, ParsedCall, join_calls, tool_parser
 
 W = ParsedCall("get_weather", '{"city": "Paris"}')
 T = ParsedCall("get_time", '{"zone": "CET", "hours": [1, 2], "dst": true}')
@@ -37,8 +38,23 @@ CASES = [
      '<tool_call>{"name": "get_weather", "argu</tool_call> and on', []),
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>',
      '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>', []),
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"ci', '<tool_call>{"name": "get_weather", '
-                                                                       '"arguments": {"ci', []),
+    # Cut short once its arguments began (they went out as they came): the call keeps what was written.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"ci', "", [ParsedCall("get_weather", '{"ci')]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call> So',
+     " So", [ParsedCall("get_weather", '{"city": ')]),
+    # Calls, then text that is not: the text is content.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}} and on</tool_call> done',
+     " and on</tool_call> done", [W]),
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": 7}]</tool_call>',
+     ', {"name": 7}]</tool_call>', [W]),
+    # Arguments before the name, or null: the call goes out whole, or is no call.
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris"}, "id": 7, "name": "get_weather"}</tool_call>', "", [W]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": null}</tool_call>',
+     '<tool_call>{"name": "get_weather", "arguments": null}</tool_call>', []),
+    # Arguments are written as json.dumps writes them, whatever the model's spacing and escapes.
+    ("hermes", '<tool_call>{ "name" : "get_weather" , "arguments" :{"city":"Par\\u00eds \\ud83d\\ude00\\n",'
+               '"n":1.50E1 ,"k":[ ],"o":{ },"t":[true,null]} }</tool_call>',
+     "", [ParsedCall("get_weather", '{"city": "París 😀\\n", "n": 15.0, "k": [], "o": {}, "t": [true, null]}')]),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [W]),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
                     '{"name": "get_time", "parameters": {"zone": "CET", "hours": [1, 2], "dst": true}}', "", [W, T]),
@@ -48,6 +64,7 @@ CASES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
                 '{"zone": "CET", "hours": [1, 2], "dst": true}', "", [W, T]),
     ("mistral", "[TOOL_CALLS]not json", "[TOOL_CALLS]not json", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"} and then', " and then", [W]),
     ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
                        '"arguments": {"zone": "CET", "hours": [1, 2], "dst": true}}]', "", [W, T]),
     ("phi4_mini_json", 'Let me check. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
@@ -86,12 +103,12 @@ def test_parsers_find_the_calls_and_lose_no_text(name, reply, content, calls):
 
 def _streamed(name: str, reply: str, cuts: list[int]) -> tuple[str, list[ParsedCall]]:
     stream = tool_parser(name).stream(SCHEMAS)
-    content, calls, at = "", [], 0
+    content, pieces, at = "", [], 0
     for cut in sorted(cuts) + [len(reply)]:
         more, found = stream.feed(reply[at:cut])
-        content, calls, at = content + more, calls + found, cut
+        content, pieces, at = content + more, pieces + found, cut
     more, found = stream.finish()
-    return content + more, calls + found
+    return content + more, join_calls(pieces + found)
 
 
 @settings(max_examples=300, deadline=None)
@@ -101,15 +118,48 @@ def test_a_stream_cut_anywhere_parses_as_the_whole_reply(case, cuts):
     assert _streamed(name, reply, [int(c * len(reply)) for c in cuts]) == (content, calls)
 
 
-def test_stream_gives_content_at_once_and_each_call_when_whole():
+def test_stream_gives_content_at_once_and_arguments_as_they_come():
     s = tool_parser("hermes").stream()
     assert s.feed("Let me look. <tool") == ("Let me look.", []), "a possible opener and the space are held"
-    assert s.feed('_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_') == ("", [])
-    assert s.feed("call> <tool_call>") == ("", [W])
-    assert s.feed('{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> Done') == (" Done", [W])
+    assert s.feed('_call>{"name": "get_weather", "argu') == ("", []), "no call before its arguments begin"
+    assert s.feed('ments": {"ci') == ("", [CallDelta(0, "get_weather", '{"ci')])
+    assert s.feed('ty":"Pa') == ("", [CallDelta(0, None, 'ty": "Pa')]), "json.dumps' spacing"
+    assert s.feed('ris", "n": 12') == ("", [CallDelta(0, None, 'ris", "n": ')]), "a number goes out once it ends"
+    assert s.feed('}}</tool_') == ("", [CallDelta(0, None, "12}")])
+    assert s.feed("call> <tool_call>") == ("", [])
+    assert s.feed('{"arguments": {"city": "Paris"}, "name": "get_weather"}') == (
+        "", [CallDelta(1, "get_weather", '{"city": "Paris"}')]), "arguments before the name: whole at the end"
+    assert s.feed("</tool_call> Done") == (" Done", [])
     assert s.finish() == ("", [])
     plain = tool_parser("llama3_json").stream()
     assert plain.feed("  ") == ("", []) and plain.feed("Hi {x}") == ("  Hi {x}", [])
+    mistral = tool_parser("mistral").stream()
+    assert mistral.feed('[TOOL_CALLS]get_time[ARGS]{"zone": "C') == ("", [CallDelta(0, "get_time", '{"zone": "C')])
+    assert mistral.feed('ET"}[TOOL_CALLS]get_weather[A') == ("", [CallDelta(0, None, 'ET"}')])
+    assert mistral.feed('RGS]{"city"') == ("", [CallDelta(1, "get_weather", '{"city"')])
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                      max_size=3), max_leaves=8),
+       indent=st.sampled_from([None, 0, 2]), ascii_only=st.booleans(), cuts=st.lists(st.floats(0, 1), max_size=8))
+def test_json_read_in_pieces_is_written_as_json_dumps_writes_it(value, indent, ascii_only, cuts):
+    text = json.dumps(value, indent=indent, ensure_ascii=ascii_only, separators=(",", ":") if indent is None else None)
+    v, out, at = JsonValue(), "", 0
+    for cut in sorted(int(c * len(text)) for c in cuts) + [len(text)]:
+        piece, n = v.feed(text[at:cut])
+        assert n == cut - at
+        out, at = out + piece, cut
+    if isinstance(value, (dict, list, str)):  # (a number at the top has no end to be read at)
+        assert v.done and out == json.dumps(value, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("text", ['{"a" 1}', '{"a": 1,}', "[1,]", "[1 2]", '{"a": tru}', '"\\x"', '"\\u12g4"',
+                                  '"a\nb"', "{'a': 1}", '{"a": 1]', "[}", "-", '{"a": 01}'])
+def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
+    with pytest.raises(ValueError):
+        JsonValue().feed(text + " ")
 
 
 def test_unknown_parser_is_named():
@@ -177,7 +227,9 @@ REPLIES = {
     "one": 'I will check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "hours": [1, 2], "dst": true}}\n</tool_call>',
     "two": "It is sunny in <b>Paris</b>, no tool needed.",
-    "three": '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+    "three": '<tool_call>{"name": "get_weather", "argu</tool_call>',
+    "four": '<tool_call>{"name": "write_file", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}'
+            '</tool_call>',
 }
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
          for n in ("get_weather", "get_time")]
@@ -255,6 +307,19 @@ def test_a_call_that_does_not_parse_comes_back_as_text(client):
     assert r.choices[0].message.content == REPLIES["three"] and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
     assert _accumulate(_ask(client, "three", stream=True)) == (REPLIES["three"], [], "stop")
+
+
+def test_a_calls_arguments_stream_as_the_model_writes_them(client):
+    chunks = list(_ask(client, "four", stream=True))
+    pieces = [(tc.id, tc.function.name, tc.function.arguments) for ch in chunks if ch.choices
+              for tc in ch.choices[0].delta.tool_calls or ()]
+    first_id, name, _ = pieces[0]
+    assert first_id.startswith("call_") and name == "write_file"
+    assert len(pieces) > 10 and all(i is None and n is None for i, n, _ in pieces[1:]), "id and name once"
+    arguments = "".join(a for _, _, a in pieces)
+    assert json.loads(arguments) == {"path": "a.py", "text": "def f():\n    return 1\n"}
+    assert arguments == _ask(client, "four").choices[0].message.tool_calls[0].function.arguments
+    assert _accumulate(chunks)[2] == "tool_calls"
 
 
 def test_parallel_tool_calls_false_keeps_the_first(client):
