@@ -38,6 +38,11 @@ def _write(c: str) -> str:
     return f"\\u{ord(c):04x}" if c < " " else c
 
 
+def write_json_chars(text: str) -> str:
+    """`text` inside a JSON string, as `json.dumps(..., ensure_ascii=False)` writes it (without the quotes)."""
+    return "".join(map(_write, text))
+
+
 class JsonValue:
     """One JSON value, read as its text grows (see the module docstring). `feed` raises ValueError at
     the first character that cannot continue a JSON value."""
@@ -220,6 +225,10 @@ class Reader:
             except ValueError:
                 self.failed = True
         return out
+
+    def finish(self) -> list[CallDelta]:
+        """The region's end: the pieces that it settles."""
+        return []
 
     def leftover(self) -> str:
         """At the region's end: the text after its calls when it did not end as calls end (cut short,

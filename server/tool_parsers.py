@@ -21,11 +21,11 @@ import abc
 import ast
 import json
 import re
-from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from server.json_calls import JsonCallReader, NamedArgsReader, Reader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
+from server.xml_calls import XmlCallReader, typed
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json"]
 
@@ -95,9 +95,9 @@ class ToolParser(abc.ABC):
         `schemas` maps each tool's name to its parameters' JSON schema, for formats that write values
         untyped."""
 
-    def reader(self, opener: str, head: str) -> Reader | None:
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader | None:
         """A reader of a region's calls as its text grows (`head` the body's first character besides
-        whitespace), or None when the region is held until it is whole."""
+        whitespace; `schemas` as for `parse_region`), or None when the region is held until it is whole."""
         return None
 
     def stream(self, schemas: Schemas | None = None) -> ToolCallStream:
@@ -119,7 +119,7 @@ class HermesParser(ToolParser):
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         return _json_calls(body)  # an object per tag, or SmolLM2's list of calls in one tag
 
-    def reader(self, opener: str, head: str) -> Reader:
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         return JsonCallReader(lists=None)
 
 
@@ -134,7 +134,7 @@ class Llama3JsonParser(ToolParser):
         values = _json_values(text, separators=";")
         return None if values is None else _calls(values)
 
-    def reader(self, opener: str, head: str) -> Reader:
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         r = JsonCallReader(lists=False, separators=";")
         if opener == "{":  # the opener is the first call's brace
             r.feed(opener)
@@ -159,7 +159,7 @@ class MistralParser(ToolParser):
             calls.append(call)
         return calls
 
-    def reader(self, opener: str, head: str) -> Reader:
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         return JsonCallReader(lists=None) if head in "[{" else NamedArgsReader()
 
 
@@ -171,7 +171,7 @@ class Phi4MiniParser(ToolParser):
         values = _json_values(body)  # the one JSON list of calls that follows the word
         return _calls(values[0]) if values and len(values) == 1 and isinstance(values[0], list) else None
 
-    def reader(self, opener: str, head: str) -> Reader:
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         return JsonCallReader(lists=True)
 
 
@@ -209,41 +209,6 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 
-def _schema_type(schema: Any) -> str | None:
-    """The JSON type a parameter's schema names (the first besides null, in a list or an anyOf)."""
-    if not isinstance(schema, Mapping):
-        return None
-    kind = schema.get("type")
-    kinds = list(kind) if isinstance(kind, list) else [kind]
-    for option in schema.get("anyOf") or schema.get("oneOf") or ():
-        kinds.append(option.get("type") if isinstance(option, Mapping) else None)
-    return next((k for k in kinds if isinstance(k, str) and k != "null"), None)
-
-
-def _typed(raw: str, schema: Any) -> Any:
-    """A parameter's text as the value its schema's type makes of it; the text itself when it is not
-    one (or the parameter has no schema), so nothing the model wrote is lost."""
-    kind = _schema_type(schema)
-    text = raw.strip()
-    if kind in (None, "string"):
-        return raw
-    if text == "null":
-        return None
-    if kind == "boolean" and text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        value = json.loads(text)
-    except ValueError:
-        try:
-            value = ast.literal_eval(text) if kind in ("object", "array") else None
-        except (ValueError, SyntaxError):
-            value = None
-    wanted = {"integer": int, "number": (int, float), "object": dict, "array": list}.get(kind, object)
-    if value is None or isinstance(value, bool) or not isinstance(value, wanted):
-        return raw
-    return value
-
-
 class Qwen3CoderParser(ToolParser):
     """`<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`: values are
     untyped text (code, paths, JSON), typed by the tool's parameter schema."""
@@ -266,9 +231,12 @@ class Qwen3CoderParser(ToolParser):
                 key, value = param.group(1).strip(), param.group(2)
                 value = value[1:] if value.startswith("\n") else value  # the newlines the format puts
                 value = value[:-1] if value.endswith("\n") else value  # around each value
-                args[key] = _typed(value, props.get(key))
+                args[key] = typed(value, props.get(key))
             calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
         return calls or None
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        return XmlCallReader(schemas)
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,

@@ -2,15 +2,15 @@
 (server/tool_parsers.py).
 
 A `ToolCallStream` reads a reply as it grows: text that cannot be the start of a call goes out as
-content at once. In the JSON formats (`hermes`, `llama3_json`, `mistral`, `phi4_mini_json`) a call goes
-out as it is written: its name once its arguments begin, then its arguments piece by piece
-(server/json_calls.py); a call whose arguments come first or as a JSON string goes out whole once its
-object closes. In `pythonic` and `qwen3_coder` a call region is held until it is whole, then goes out as
-calls. Text that looked like a call and does not parse goes out as content, so nothing is lost; a region
-that stops being calls after some went out gives the rest of its text as content, and a call cut short
-(by the token limit, or by the model closing the region) keeps the arguments written so far. Whitespace is
-held until text follows it, and is dropped at the end of a reply that made calls. Parsing a whole reply is
-feeding it to a new stream and finishing it, so the two never disagree.
+content at once, and calls go out as they are written: a call's name once its arguments begin, then its
+arguments piece by piece, as `json.dumps` writes them (a `Reader` per format: server/json_calls.py for the
+JSON formats, server/xml_calls.py for `qwen3_coder`). A JSON call whose arguments come first or as a JSON
+string goes out whole once its object closes; a `pythonic` region (no reader) is held until it is whole.
+Text that opens a call and does not parse before the call goes out is content, so nothing is lost; a
+region that stops being calls after some went out gives the rest of its text as content, and a call cut
+short (by the token limit, or by the model closing the region) keeps the arguments written so far.
+Whitespace is held until text follows it, and is dropped at the end of a reply that made calls. Parsing
+a whole reply is feeding it to a new stream and finishing it, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class ToolCallStream:
         """The call pieces that `text`, more of the open region, settles."""
         self.body += text
         if self.reader is None and self.body.strip():
-            self.reader = self.parser.reader(self.opener, self.body.lstrip()[0])
+            self.reader = self.parser.reader(self.opener, self.body.lstrip()[0], self.schemas)
             text = self.body
         if self.reader is None:
             return []
@@ -137,7 +137,10 @@ class ToolCallStream:
         """The content at the end of a region (its calls go into `calls`): what its reader left over, or,
         when no call came out of it as it grew, the whole region if it holds no call."""
         reader, body, self.reader, self.body = self.reader, self.body, None, ""
+        if reader is not None:
+            calls += [CallDelta(self.calls + d.index, d.name, d.arguments) for d in reader.finish()]
         if reader is not None and reader.calls:
+            self.made_calls, self._space = True, ""
             self.calls += reader.calls
             rest = reader.leftover()
             return self._content(rest + closer) if rest else ""

@@ -87,6 +87,13 @@ CASES = [
      "", [T]),
     ("qwen3_coder", '<tool_call>{"name": "get_weather"}</tool_call>', '<tool_call>{"name": "get_weather"}</tool_call>',
      []),
+    # A call gone out is closed where the format stops; the rest is content.
+    ("qwen3_coder", "<tool_call><function=get_weather><parameter=city>Paris</parameter>so<parameter=x>1</parameter>"
+                    "</function></tool_call>", "so<parameter=x>1</parameter></function></tool_call>", [W]),
+    ("qwen3_coder", "<tool_call><function=get_weather><parameter=city>\nParis\n</parameter>\n<parameter=ci",
+     "<parameter=ci", [W]),
+    ("qwen3_coder", "<tool_call><function=get_time>\n</function><function=get_weather>\n<parameter=city>\n"
+                    "Paris\n", "", [ParsedCall("get_time", "{}"), W]),
     ("qwen3_coder", "<tool_call><function=get_weather>so<parameter=city>Paris</parameter></function></tool_call>",
      "<tool_call><function=get_weather>so<parameter=city>Paris</parameter></function></tool_call>", []),
 ]
@@ -137,6 +144,20 @@ def test_stream_gives_content_at_once_and_arguments_as_they_come():
     assert mistral.feed('[TOOL_CALLS]get_time[ARGS]{"zone": "C') == ("", [CallDelta(0, "get_time", '{"zone": "C')])
     assert mistral.feed('ET"}[TOOL_CALLS]get_weather[A') == ("", [CallDelta(0, None, 'ET"}')])
     assert mistral.feed('RGS]{"city"') == ("", [CallDelta(1, "get_weather", '{"city"')])
+
+
+def test_qwen3_coder_streams_text_values_and_gives_typed_ones_whole():
+    s = tool_parser("qwen3_coder").stream(SCHEMAS)
+    assert s.feed("<tool_call>\n<function=get_time>\n") == ("", []), "no call before its first parameter"
+    assert s.feed("<parameter=zone>\nC") == ("", [CallDelta(0, "get_time", '{"zone": "C')])
+    assert s.feed('E"T\n') == ("", [CallDelta(0, None, 'E\\"T')]), "the newline before an end tag is held"
+    assert s.feed("</para") == ("", [])
+    assert s.feed("meter>\n<parameter=hours>\n[1,") == ("", [CallDelta(0, None, '", "hours": ')])
+    assert s.feed(" 2]\n</parameter>\n</function>") == ("", [CallDelta(0, None, "[1, 2]}")])
+    assert s.feed("\n</tool_call>") == ("", [])
+    assert s.finish() == ("", [])
+    assert tool_parser("qwen3_coder").parse("<tool_call><function=f><parameter=code>\na\n\n</tool_call>") == (
+        "", [ParsedCall("f", '{"code": "a\\n"}')])
 
 
 @settings(max_examples=200, deadline=None)
@@ -334,6 +355,16 @@ def test_a_reply_cut_inside_a_call_is_text_with_length(client):
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
     assert r.choices[0].message.content == REPLIES["one"][:36]
     assert _accumulate(_ask(client, "one", stream=True, max_tokens=12)) == (REPLIES["one"][:36], [], "length")
+
+
+def test_a_reply_cut_inside_a_calls_arguments_keeps_them_with_length(client):
+    r = _ask(client, "four", max_tokens=25)  # 75 characters: '... "text": "de'
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == ("write_file", '{"path": "a.py", "text": "de')
+    _, calls, finish = _accumulate(_ask(client, "four", stream=True, max_tokens=25))
+    assert [(c["name"], c["arguments"]) for c in calls] == [("write_file", call.function.arguments)]
+    assert finish == "length"
 
 
 def test_tool_choice_none_is_not_parsed(client):
