@@ -3,8 +3,8 @@
 Tool calls:
 - A named function (forced): the reply is the call's arguments. They stream as they come; the
   first piece carries the call's id and name.
-- "required" (forced): the reply is a JSON list of `{"name", "parameters"}`, sent as the calls once
-  it is whole.
+- "required" (forced): the reply is a JSON list of `{"name", "parameters"}`; each call streams as it
+  is written (its id and name, then its arguments in pieces), read as "auto" JSON calls are.
 - "auto": the server's tool-call parser (server/tool_parsers.py) splits the reply into content and
   calls. Content streams as it comes; a call's first piece carries its id and name, and its arguments
   follow as the model writes them (in the JSON formats; in the others each call goes out whole as soon
@@ -20,15 +20,16 @@ holds from its first token, so the model does not think.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput
 from server.constraints import ToolChoice
+from server.json_calls import CallDelta, JsonCallReader
 from server.reasoning import ReasoningParser
 from server.responses import ChoiceCursor, Delta
-from server.tool_parsers import ParsedCall, ToolParser
+from server.tool_parsers import ToolParser
+from server.tool_stream import ParsedCall, join_calls
 
 
 def new_tool_call_id() -> str:
@@ -39,19 +40,6 @@ def _call_json(call: ParsedCall, index: int | None = None) -> dict[str, Any]:
     obj: dict[str, Any] = {"id": new_tool_call_id(), "type": "function",
                            "function": {"name": call.name, "arguments": call.arguments}}
     return obj if index is None else {"index": index, **obj}
-
-
-def forced_calls(text: str, name: str | None) -> list[ParsedCall] | None:
-    """The calls of a forced reply: one call of the named function with the text as its arguments,
-    or ("required", `name` None) the calls of the JSON list the text holds; None when the text is not
-    a whole list (the reply was cut short)."""
-    if name is not None:
-        return [ParsedCall(name, text)]
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
 
 
 class ChatReplies:
@@ -110,12 +98,13 @@ class ChatReplies:
                             "function": {"name": choice.name, "arguments": d.text}}
                 delta = {"tool_calls": [call]}
             return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
-        if d.finish_reason is None:
-            return {}, None
-        calls = forced_calls(c.text, None) if d.finish_reason == "stop" else None
-        if calls is None:
+        if cursor.calls_reader is None:  # "required": the list of calls, read as it grows
+            cursor.calls_reader = JsonCallReader(lists=True)
+        calls = self._call_deltas(cursor, cursor.calls_reader.feed(d.text), parallel=True)
+        if d.finish_reason is not None and not cursor.calls_sent:  # cut short before a call began
             return {"content": c.text}, d.finish_reason
-        return {"tool_calls": [_call_json(call, i) for i, call in enumerate(calls)]}, "tool_calls"
+        delta = {"tool_calls": calls} if calls else {}
+        return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
 
     def _auto_delta(self, cursor: ChoiceCursor, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         assert self.tools is not None
@@ -126,11 +115,20 @@ class ChatReplies:
             more, last = cursor.tool_stream.finish()
             content, pieces = content + more, pieces + last
         assert self.choice is not None
+        calls = self._call_deltas(cursor, pieces, self.choice.parallel)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, "tool_calls" if finish == "stop" and cursor.calls_sent else finish
+
+    @staticmethod
+    def _call_deltas(cursor: ChoiceCursor, pieces: list[CallDelta], parallel: bool) -> list[dict[str, Any]]:
+        """The `tool_calls` of a chunk: a call's first piece with its id and name, the others its arguments."""
         calls: list[dict[str, Any]] = []
         for p in pieces:
-            if p.index > 0 and not self.choice.parallel:
+            if p.index > 0 and not parallel:
                 continue
-            if p.name is not None:  # a call's first piece: its id and name
+            if p.name is not None:
                 calls.append({"index": p.index, "id": new_tool_call_id(), "type": "function",
                               "function": {"name": p.name, "arguments": p.arguments}})
                 cursor.calls_sent += 1
@@ -138,18 +136,15 @@ class ChatReplies:
                 calls[-1]["function"]["arguments"] += p.arguments
             else:
                 calls.append({"index": p.index, "function": {"arguments": p.arguments}})
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = calls
-        return delta, "tool_calls" if finish == "stop" and cursor.calls_sent else finish
+        return calls
 
     def message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """A whole reply's message and finish reason."""
         choice = self.choice
         if choice is not None and choice.forced:
-            calls = (forced_calls(c.text, choice.name)
-                     if choice.mode == "function" or c.finish_reason == "stop" else None)
-            if calls is None:
+            calls = ([ParsedCall(choice.name, c.text)] if choice.name is not None
+                     else join_calls(JsonCallReader(lists=True).feed(c.text)))
+            if not calls:
                 return {"role": "assistant", "content": c.text}, c.finish_reason
             return ({"role": "assistant", "content": None, "tool_calls": [_call_json(x) for x in calls]},
                     "tool_calls" if c.finish_reason == "stop" else c.finish_reason)

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.outputs import CompletionOutput, SampleLogprobs, TokenLogprobs
+from server.json_calls import Reader
 from server.reasoning import ReasoningStream
-from server.tool_parsers import ToolCallStream
+from server.tool_stream import ToolCallStream
 
 
 def sse(obj: Any) -> bytes:
@@ -131,7 +132,8 @@ class ChoiceCursor:
         self.text_offset = 0
         self.tool_call_id = ""  # a named tool call's id, once its first chunk went out
         self.tool_stream: ToolCallStream | None = None  # an "auto" reply's parser state
-        self.calls_sent = 0  # the calls of an "auto" reply sent so far
+        self.calls_reader: Reader | None = None  # a "required" reply's reader of its list of calls
+        self.calls_sent = 0  # the calls of an "auto" or "required" reply sent so far
         self.reasoning_stream: ReasoningStream | None = None  # the reasoning parser's state
 
     def advance(self, c: CompletionOutput) -> Delta | None:

@@ -249,6 +249,7 @@ REPLIES = {
            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "hours": [1, 2], "dst": true}}\n</tool_call>',
     "two": "It is sunny in <b>Paris</b>, no tool needed.",
     "three": '<tool_call>{"name": "get_weather", "argu</tool_call>',
+    "five": '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]',
     "four": '<tool_call>{"name": "write_file", "arguments": {"path": "a.py", "text": "def f():\\n    return 1\\n"}}'
             '</tool_call>',
 }
@@ -365,6 +366,23 @@ def test_a_reply_cut_inside_a_calls_arguments_keeps_them_with_length(client):
     _, calls, finish = _accumulate(_ask(client, "four", stream=True, max_tokens=25))
     assert [(c["name"], c["arguments"]) for c in calls] == [("write_file", call.function.arguments)]
     assert finish == "length"
+
+
+def test_required_calls_stream_as_they_are_written(client):
+    r = _ask(client, "five", tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'),
+                                                                        ("get_time", "{}")]
+    assert r.choices[0].finish_reason == "tool_calls"
+    chunks = list(_ask(client, "five", tool_choice="required", stream=True))
+    assert sum(len(ch.choices[0].delta.tool_calls or ()) for ch in chunks if ch.choices) > 2
+    _, streamed, finish = _accumulate(chunks)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+    assert finish == "tool_calls"
+    cut = _ask(client, "five", tool_choice="required", max_tokens=4).choices[0]  # before the arguments
+    assert (cut.message.content, cut.message.tool_calls, cut.finish_reason) == (REPLIES["five"][:12], None, "length")
+    assert _accumulate(_ask(client, "five", tool_choice="required", max_tokens=4, stream=True)) == (
+        REPLIES["five"][:12], [], "length")
 
 
 def test_tool_choice_none_is_not_parsed(client):
