@@ -99,6 +99,9 @@ class EngineArgs:
     layer_loop: LayerLoopChoice = "auto"
     seed: int = 0
     strict_compile: bool = False
+    # vLLM's sleep mode: the engine may free its KV cache and weights on the device and take them back
+    # (`jaxserve.engine.memory`); also opens the server's /sleep, /wake_up and /update_weights_from_disk.
+    enable_sleep_mode: bool = False
     warmup: bool = True
     max_logprobs: int = 20
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
@@ -298,6 +301,10 @@ class EngineArgs:
                        help="bytes of KV cache (default: a fraction of device memory, or 2 GiB on the CPU)")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="fraction of accelerator memory jaxserve may use for weights and KV cache")
+        g.add_argument("--enable-sleep-mode", action="store_true",
+                       help="allow sleep (KV cache and weights freed on the device, taken back on wake-up) and "
+                            "weight updates from disk without a restart: POST /sleep, /wake_up, "
+                            "/update_weights_from_disk, GET /is_sleeping")
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn the radix-tree prefix cache off")
         g.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,

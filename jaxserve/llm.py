@@ -178,6 +178,28 @@ class LLM:
         return beam_search(ids, params, max_model_len=engine.max_model_len, eos_token_ids=engine.eos_ids,
                            decode=engine.tokenizer.decode, next_logprobs=next_logprobs)
 
+    # -- sleep mode and weight updates (jaxserve.engine.memory; the engine must be idle) ---------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and the weights on the device: level 1 keeps the weights in host memory, level 2
+        drops them (`enable_sleep_mode=True` is needed)."""
+        self.engine.memory.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back: "weights", "kv_cache", or both (None)."""
+        self.engine.memory.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.memory.asleep
+
+    def load_weights(self, path: str | None = None) -> None:
+        """Replace the weights with a checkpoint's of the same shapes (default: the model's own, read again)."""
+        self.engine.memory.load_weights(path)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing changed) while a KV transfer holds some of its pages."""
+        return self.engine.reset_prefix_cache()
+
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -27,6 +27,7 @@ from server.prompts import chat_prompt, check_request_template
 from server.protocol import get_bool, get_str, parse_chat
 from server.scores import rerank, score
 from server.serving import handle_generate, read_json
+from server.sleep_admin import is_sleeping, reset_prefix_cache, sleep, update_weights_from_disk, wake_up
 from server.state import ServerState
 from server.trace import TraceStore, attach_tracer, request_trace, summarize_request
 
@@ -257,6 +258,11 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         *(Route(path, score, methods=["POST"]) for path in ("/score", "/v1/score")),
         *(Route(path, classify, methods=["POST"]) for path in ("/classify", "/v1/classify")),
         *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake_up", wake_up, methods=["POST"]),
+        Route("/is_sleeping", is_sleeping, methods=["GET"]),
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/kv_events", kv_events, methods=["GET"]),

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine.memory import EngineSleepingError
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_params
@@ -231,6 +232,8 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
         return JSONResponse(fmt.full(gen))
     except ValueError as e:  # the engine refused the request before generating
         raise ApiError(400, str(e), code="invalid_request") from e
+    except EngineSleepingError as e:  # it fell asleep after the request was admitted
+        raise ApiError(503, str(e), code="engine_sleeping") from e
     except ClientDisconnected:
         log["disconnected"] = True
         return Response(status_code=499)

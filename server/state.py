@@ -59,6 +59,7 @@ class ServerState:
         self.conversations = ConversationStore(config.responses_store_capacity)  # the Conversations API's
         self.created = int(time.time())
         self.draining = False
+        self.sleeping = False  # the engine is asleep (server/sleep_admin.py): requests get 503
         self.active: set[str] = set()
         self._idle: asyncio.Event | None = None
 
@@ -99,7 +100,11 @@ class ServerState:
                            headers=retry)
 
     def admit(self, count: int) -> None:
-        """429 if `count` more requests would push the engine's waiting queue past its limit."""
+        """503 while the engine sleeps; 429 if `count` more requests would push its waiting queue past its limit."""
+        if self.sleeping:
+            self.metrics.rejected.labels(self.model_name, "sleeping").inc()
+            raise ApiError(503, "the engine is sleeping (POST /wake_up wakes it)", code="engine_sleeping",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
         stats = self.engine.stats()
         # Requests handed to the engine but not yet seen by its loop are waiting too.
         waiting = max(stats.num_waiting, len(self.active) - stats.num_running)

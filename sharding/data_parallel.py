@@ -33,6 +33,7 @@ class DataParallelEngine:
         self.max_model_len = first.max_model_len
         self.sampling_defaults = first.sampling_defaults
         self.long_rope_context = first.long_rope_context
+        self.sleep_mode = first.sleep_mode
         self._in_flight = [0] * len(replicas)
         self._placed: dict[str, int] = {}
         self._lock = threading.Lock()

@@ -126,6 +126,17 @@ def test_drafted_adapter_requests_keep_their_tokens(tiny, engine):
         assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
 
 
+def test_adapters_in_slots_are_placed_again_over_new_weights(engine):
+    """A weight update (jaxserve.engine.memory) zeroes the slots with the rest; the adapters come back."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reqs = {n: (prompt(12, 3), params, n) for n in ("all4", "qv8")}
+    before = {k: v.outputs[0].token_ids for k, v in run(engine, reqs).items()}
+    assert engine.loras.slots[:2] == ["all4", "qv8"]
+    engine.memory.load_weights()  # the base checkpoint, read again
+    after = {k: v.outputs[0].token_ids for k, v in run(engine, reqs).items()}
+    assert after == before and engine.runner.compilations_after_warmup == 0
+
+
 def test_each_adapter_has_its_own_prefix_cache(engine):
     ids = prompt(50, 2)
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -24,7 +24,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -162,6 +162,17 @@ def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(resul
     assert r["compiles_after_warmup"] == 0
     # Each replica saw only its own requests' prompts (5 + 3 tokens, 11 + 4 tokens).
     assert r["per_replica_prompt_tokens"] == [8, 15]
+
+
+def test_sleep_and_weight_updates_keep_each_layout(results):
+    r = results["sleep"]
+    ref, new = r["ref"]
+    assert r["ref_differ"] and r["tp2_devices"] == 2
+    assert r["deleted"] == [True, True], "the sharded weights freed on every device"
+    assert r["tp2"] == [ref, ref, ref, new], "before sleeping, after levels 1 and 2, after new weights"
+    assert r["tp2_compiles_after_warmup"] == 0
+    assert [tokens for tokens, _ in r["dp"]] == [new, new]
+    assert [devices for _, devices in r["dp"]] == [[0, 1], [2, 3]], "each replica keeps its own devices"
 
 
 def test_communication_model_counts_the_layout_collectives():

@@ -364,7 +364,52 @@ def case_load() -> dict:
     return found
 
 
-CASES = {"load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
+def case_sleep() -> dict:
+    """Sleep mode and weight updates on a TP=2 engine and on each replica of DP=2 x TP=2: the same tokens after
+    waking (weights kept on the host, or read again from disk), new weights equal to one device on them."""
+    import dataclasses
+    import tempfile
+
+    import jax
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+    from jaxserve.models.params import init_params
+    from sharding.data_parallel import DataParallelEngine
+
+    cfg = dense_config()
+    tiny = _tiny_loaded(cfg)
+    paths = [tempfile.mkdtemp(), tempfile.mkdtemp()]
+    export_hf(paths[0], cfg, tiny.params, tiny.tokenizer)
+    export_hf(paths[1], cfg, init_params(cfg, jax.random.PRNGKey(1), scale=0.1), tiny.tokenizer)
+    args = EngineArgs(model=paths[0], dtype="float32", enable_sleep_mode=True, **ENGINE_ARGS)
+    ref = [_generate(LLMEngine(dataclasses.replace(args, model=p), progress=False), PROMPTS) for p in paths]
+    tp2 = LLMEngine(dataclasses.replace(args, tensor_parallel_size=2, strict_compile=True), progress=False)
+    found = {"ref_differ": ref[0] != ref[1], "tp2": [_generate(tp2, PROMPTS)]}
+    for level in (1, 2):
+        tp2.memory.sleep(level)
+        found.setdefault("deleted", []).append(all(x.is_deleted() for x in jax.tree.leaves(tp2.runner.params)))
+        tp2.memory.wake_up()
+        found["tp2"].append(_generate(tp2, PROMPTS))
+    tp2.memory.load_weights(paths[1])
+    found["tp2"].append(_generate(tp2, PROMPTS))
+    found["tp2_devices"] = len(jax.tree.leaves(tp2.runner.params)[0].sharding.device_set)
+    found["tp2_compiles_after_warmup"] = tp2.stats().compilations_after_warmup
+    dp = DataParallelEngine.from_engine_args(dataclasses.replace(args, tensor_parallel_size=2, data_parallel_size=2),
+                                             start=False, progress=False)
+    found["dp"] = []
+    for replica in dp.replicas:
+        e = replica.engine
+        e.memory.sleep(2)
+        e.memory.load_weights(paths[1])
+        e.memory.wake_up()
+        found["dp"].append([_generate(e, PROMPTS), sorted(d.id for d in e.runner.kv.k.sharding.device_set)])
+    found["ref"] = ref
+    return found
+
+
+CASES = {"sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
 
 
 def main(argv: list[str]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import EngineStats, LLMEngine
+from jaxserve.engine.memory import EngineSleepingError
 from jaxserve.engine_args import EngineArgs
 from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
@@ -79,6 +80,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.model.sampling_defaults  # the model's (`jaxserve.generation_config`)
         self.long_rope_context = engine.long_rope_context  # prompts past it are cached apart (jaxserve.rope)
+        self.sleep_mode = engine.args.enable_sleep_mode  # sleep and weight updates over HTTP (server/sleep_admin.py)
         self.classifier = getattr(engine, "classifier", None)
         """A sequence classification model's head (its labels), or None."""
         sched = engine.scheduler
@@ -202,6 +204,24 @@ class AsyncEngine:
         """`call_on_engine` for asyncio callers: the event loop is not blocked while it waits."""
         return await asyncio.to_thread(self.call_on_engine, fn, timeout)
 
+    # -- sleep mode and weight updates (jaxserve.engine.memory), between two steps ---------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.run_on_engine(lambda e: e.memory.sleep(level), timeout=600)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.run_on_engine(lambda e: e.memory.wake_up(tags), timeout=600)
+
+    async def load_weights(self, path: str | None = None) -> None:
+        await self.run_on_engine(lambda e: e.memory.load_weights(path), timeout=3600)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.run_on_engine(lambda e: e.reset_prefix_cache())
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.memory.asleep
+
     def subscribe_kv_events(self, callback: Callable[[Any], None]) -> bool:
         """Send the prefix cache's KV events to `callback` (on the engine thread); False without a cache.
 
@@ -266,7 +286,7 @@ class AsyncEngine:
             lora = {"lora_request": cmd.lora_request} if cmd.lora_request is not None else {}
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
                                     cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time, **lora)
-        except ValueError as e:
+        except (ValueError, EngineSleepingError) as e:
             self._finish_sink(cmd.request_id, e)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
             logger.exception("request %s failed to start", cmd.request_id)

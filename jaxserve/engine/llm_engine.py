@@ -17,8 +17,8 @@ import jax
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
-from jaxserve.engine.kv_scales import with_kv_cache_dtype
-from jaxserve.engine.lora_manager import LoraManager, lora_fields, with_lora_slots
+from jaxserve.engine.lora_manager import LoraManager, lora_fields
+from jaxserve.engine.memory import EngineMemory, prepare_model
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
@@ -27,7 +27,6 @@ from jaxserve.engine.model_loading import (
     max_model_length,
     params_bytes,
     resolve_attention_backend,
-    shard_model,
 )
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, engine_stats
@@ -73,12 +72,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, progress: bool = True):
         self.args = args = args or EngineArgs()
         enable_compile_cache(args.compile_cache_dir)
-        # A model spanning several devices carries its sharding plan; one device needs none.
-        model = shard_model(loaded or load_model(args, progress=progress), args)
-        self.model, self.kv_dtype = with_kv_cache_dtype(model, args)  # with calculated KV scales if asked
+        # Over several devices with its sharding plan, its KV dtype (scales), its LoRA slots.
+        self.model, self.kv_dtype = prepare_model(loaded or load_model(args, progress=progress), args)
         kv_dtype = self.kv_dtype
-        if args.enable_lora:  # zeroed adapter slots in every layer, filled by `LoraManager`
-            self.model = with_lora_slots(self.model, args.max_loras, args.max_lora_rank)
         plan = self.model.plan
         self.tokenizer = self.model.tokenizer
         cfg = self.model.config
@@ -141,6 +137,7 @@ class LLMEngine:
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
         costs = step_costs(self.runner, chunked) if spec and args.warmup and args.num_processes == 1 else None
         self.drafter = Drafter(spec, costs) if spec else None
+        self.memory = EngineMemory(self)  # sleep mode and weight updates
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
 
@@ -171,6 +168,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"this engine generates; {type(params).__name__} needs an embedding model "
                              "(runner 'pooling', --runner pooling)")
+        self.memory.check_serving()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = truncated_prompt(self.tokenize_prompt(prompt), params, self.max_model_len)

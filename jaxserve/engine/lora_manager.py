@@ -192,6 +192,12 @@ class LoraManager:
         e.model = dataclasses.replace(e.model, params=e.runner.params)
         self.slots[slot] = name
 
+    def place_all(self) -> None:
+        """Each slot's adapter placed again (the engine's weights were replaced, their slots zeroed)."""
+        for slot, name in enumerate(self.slots):
+            if name is not None:
+                self._place(name, slot)
+
     def slot_for(self, request: Any) -> int:
         """The slot of a running request's adapter (-1: none), placing the adapter there first if it holds
         none. The scheduler runs at most `max_loras` adapters at once, so a slot is always found."""

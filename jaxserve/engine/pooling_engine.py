@@ -114,6 +114,7 @@ class PoolingEngine(LLMEngine):
         if not isinstance(params, PoolingParams):
             raise ValueError("this engine runs an embedding model (--runner pooling): it computes embeddings, not "
                              f"generations; pass PoolingParams, not {type(params).__name__}")
+        self.memory.check_serving()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._check_task(params)

@@ -229,12 +229,10 @@ class ModelRunner:
                  shardings=None):
         """`shardings` (a `sharding.StepShardings`) pins the layouts of a model spread over a mesh."""
         self.model_cfg = model_cfg
-        if cfg.layer_loop == "unroll":
-            # Fused projections only where no sharding would have to be split across them.
-            params = unstack_layers(params, fuse=shardings is None)
-        self.params = params
-        self.kv = kv
         self.cfg = cfg
+        self._sharded = shardings is not None
+        self.params = params = self.layout(params)
+        self.kv = kv
         steps = compiled_steps.step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, self.params, kv,
                                               model_fn, shardings)
         self._steps = steps  # held: shared step functions live while a runner holds them
@@ -247,6 +245,11 @@ class ModelRunner:
         self.strict = False
         self.num_steps = 0
         self.last_step_time = 0.0
+
+    def layout(self, params: Params) -> Params:
+        """Loaded weights in the layout the steps take: per layer with the "unroll" layer loop (fused
+        projections only where no sharding would have to be split across them), else as they are."""
+        return unstack_layers(params, fuse=not self._sharded) if self.cfg.layer_loop == "unroll" else params
 
     # -- compile accounting ------------------------------------------------------------------------
 
