@@ -231,10 +231,8 @@ class EngineArgs:
             if modules:
                 raise ValueError("lora_modules needs enable_lora (--enable-lora)")
             return
-        for what, bad in (("expert parallelism", self.expert_parallel_size > 1),
-                          ("runner 'pooling'", self.is_pooling)):
-            if bad:
-                raise ValueError(f"LoRA adapters (enable_lora) are not served with {what}")
+        if self.is_pooling:
+            raise ValueError("LoRA adapters (enable_lora) are not served with runner 'pooling'")
 
     @property
     def is_pooling(self) -> bool:

@@ -111,6 +111,37 @@ def test_adapters_and_base_in_one_batch_equal_peft(tiny, engine):
     assert engine.stats().compilations_after_warmup == 0  # adapters are data: one executable per bucket
 
 
+def test_a_moe_models_attention_adapter_equals_peft(tmp_path):
+    """A MoE model (Qwen2-MoE: q/k/v biases, a shared expert) takes LoRA on its attention; its experts take
+    none, and an adapter on its shared expert is refused by name."""
+    import transformers
+
+    base = str(tmp_path / "moe")
+    save_tiny_hf("Qwen2MoeConfig", base, vocab_size=VOCAB, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=40, norm_topk_prob=False)
+    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "attn"), 5, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS),
+                       progress=False)
+    ids = prompt(40, 7)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    out = run(engine, {"a": (ids, p, "attn"), "base": (ids, p, None)})
+    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=2e-5)
+    with torch.no_grad():
+        greedy = peft_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    _adapter(hf, str(tmp_path / "shared"), 6, r=2, target_modules=["gate_proj"])
+    with pytest.raises(LoRAError, match="of a MoE model, whose experts take none"):
+        engine.loras.load("shared", str(tmp_path / "shared"))
+
+
 def test_drafted_adapter_requests_keep_their_tokens(tiny, engine):
     """Speculative decoding verifies an adapter's drafts with that adapter: the same greedy tokens as undrafted."""
     base, adapters, _ = tiny
@@ -229,7 +260,7 @@ def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
     for args, match in ((dict(lora_modules=("a=/x",)), "needs enable_lora"),
                         (dict(enable_lora=True, lora_modules=("a",)), "must be name=path"),
                         (dict(enable_lora=True, max_loras=2, max_cpu_loras=1), "max_cpu_loras must be an integer >= max_loras"),
-                        (dict(enable_lora=True, expert_parallel_size=2), "not served with expert parallelism")):
+                        (dict(enable_lora=True, runner="pooling"), "not served with runner 'pooling'")):
         with pytest.raises(ValueError, match=match):
             EngineArgs(**args)
     import argparse

@@ -145,3 +145,6 @@ def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_result
     assert all(len(t) == 12 for t in r["ref"])
     assert r["ep"] == r["ref"]
     assert r["compiles_after_warmup"] == 0
+    # A LoRA adapter on the attention: the same tokens at EP=2 x TP=2 as on one device, and not the base's.
+    assert r["lora_ep"] == r["lora_ref"] and r["lora_ref"] != r["ref"]
+    assert r["lora_compiles_after_warmup"] == 0

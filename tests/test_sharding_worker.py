@@ -177,11 +177,12 @@ ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, 
 PROMPTS = [[3, 4, 5, 6, 7], [9, 8, 7, 30, 31, 32, 33, 34, 35, 36, 37], [50, 2, 40]]
 
 
-def _generate(engine, prompts, max_tokens: int = 12) -> list[list[int]]:
+def _generate(engine, prompts, lora: str | None = None, max_tokens: int = 12) -> list[list[int]]:
     from jaxserve.sampling_params import SamplingParams
 
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                           lora_request=lora)
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -290,8 +291,38 @@ def case_engine_moe() -> dict:
     sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
     got = _generate(sharded, PROMPTS)
+    # A LoRA adapter on the attention (a MoE model's experts take none): EP=2 x TP=2 against one device.
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4, lora_modules=(("attn", _attention_adapter(loaded.config)),))
+    lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=loaded, progress=False), PROMPTS, "attn")
+    lora_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
+                                   strict_compile=True), loaded=loaded, progress=False)
     return {"ref": ref, "ep": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
-            "devices": len(sharded.runner.kv.k.sharding.device_set)}
+            "devices": len(sharded.runner.kv.k.sharding.device_set),
+            "lora_ref": lora_ref, "lora_ep": _generate(lora_ep, PROMPTS, "attn"),
+            "lora_compiles_after_warmup": lora_ep.stats().compilations_after_warmup}
+
+
+def _attention_adapter(cfg) -> str:
+    """A PEFT LoRA adapter directory (rank 4, random A and B) on q/k/v/o of every layer of `cfg`."""
+    import tempfile
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from jaxserve.models.lora import ATTENTION, target_dims
+
+    path, rng, dims = tempfile.mkdtemp(), np.random.default_rng(3), target_dims(cfg)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in ATTENTION:
+            k, n = dims[module]
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[key + ".lora_A.weight"] = rng.normal(0, 0.3, (4, k)).astype(np.float32)
+            tensors[key + ".lora_B.weight"] = rng.normal(0, 0.3, (n, 4)).astype(np.float32)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(ATTENTION)}, f)
+    return path
 
 
 def case_checkpoint() -> dict:

@@ -9,10 +9,10 @@ its KV differs from the base model's. Unloading an adapter drops its cached page
 the same name never reads them.
 
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
-attention and MLP projections of a dense model (q/k/v/o, gate/up/down), any rank up to
-`max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`). Refused by name: DoRA,
-biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other targets (embeddings,
-the LM head, experts).
+attention and MLP projections of a dense model (q/k/v/o, gate/up/down) and on the attention of a MoE
+model, any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`).
+Refused by name: DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other
+targets (embeddings, the LM head, experts, shared experts and routers).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
-from jaxserve.models.lora import TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
+from jaxserve.models.lora import ATTENTION, TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
 
 logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -75,11 +75,13 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     dims, L = target_dims(cfg), cfg.num_layers
     out = read_shapes(cfg, max_rank, dtype)
     seen = set()
+    served = ATTENTION if cfg.num_experts else tuple(TARGETS)  # a MoE model's MLP is its experts
     for name, w in load_file(weights).items():
         m = _KEY.match(name)
-        if not m or m.group(2) not in dims:
+        if not m or m.group(2) not in served:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "
-                            f"({', '.join(TARGETS)} of a dense model)")
+                            f"({', '.join(TARGETS)} of a dense model; {', '.join(ATTENTION)} of a MoE model, "
+                            "whose experts take none)")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
@@ -115,8 +117,6 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters; over a mesh
     they are replicated (a rank-r delta is small beside its projection: the partitioner slices it to each
     device's heads or MLP columns, and sums the partial products of o and down)."""
-    if loaded.config.num_experts:
-        raise LoRAError("LoRA adapters are served on dense models (this one has experts)")
     params = loaded.params
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy

@@ -27,6 +27,9 @@ TARGETS = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), "v_proj
            "down_proj": ("a_down", 0, "b_down")}
 
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the targets of a MoE model (its MLP is experts)
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class LoraLayer:
