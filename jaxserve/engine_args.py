@@ -21,6 +21,8 @@ Policy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
 LayerLoopChoice = Literal["auto", "scan", "unroll"]
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = LogprobsMode.__args__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,11 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     warmup: bool = True
     max_logprobs: int = 20
+    # What sampled tokens' logprobs report (vLLM's `--logprobs-mode`): "raw_logprobs" the model's distribution;
+    # "processed_logprobs" the one the token was drawn from (after logit_bias, penalties, bad words, the
+    # grammar, temperature, top-k/top-p/min-p: filtered tokens -inf); the "_logits" forms the values before
+    # normalization (`jaxserve.engine.sampler`). Prompt logprobs stay raw.
+    logprobs_mode: LogprobsMode = "raw_logprobs"
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     tensor_parallel_size: int = 1  # devices that split heads, MLP width and vocabulary
     expert_parallel_size: int = 1  # devices that split the experts of a MoE model
@@ -156,6 +163,9 @@ class EngineArgs:
                 self.override_generation_config, "override_generation_config", '{"temperature": 0.5}')))
         self._check_runner()
         self._check_lora()
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -299,6 +309,12 @@ class EngineArgs:
                        help="bytes of KV cache (default: a fraction of device memory, or 2 GiB on the CPU)")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="fraction of accelerator memory jaxserve may use for weights and KV cache")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="the most logprobs a request may ask for per token (top logprobs computed on the device)")
+        g.add_argument("--logprobs-mode", choices=list(LOGPROBS_MODES), default=d.logprobs_mode,
+                       help="what sampled tokens' logprobs report: raw_logprobs (the model's distribution), "
+                            "processed_logprobs (the distribution the token was drawn from, after penalties, "
+                            "temperature and top-k/top-p/min-p), or the logits of either")
         g.add_argument("--enable-sleep-mode", action="store_true",
                        help="allow sleep (KV cache and weights freed on the device, taken back on wake-up) and "
                             "weight updates from disk without a restart: POST /sleep, /wake_up, "

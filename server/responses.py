@@ -53,6 +53,12 @@ class TokenText:
         return text
 
 
+def _finite(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token filtered out (-inf, `--logprobs-mode processed_logprobs`) is
+    -9999.0, as vLLM writes it."""
+    return max(logprob, -9999.0)
+
+
 def _top(entries: TokenLogprobs, top_n: int) -> list[tuple[int, Any]]:
     ranked = [(tid, lp) for tid, lp in entries.items() if lp.rank is not None and lp.rank <= top_n]
     return sorted(ranked, key=lambda item: item[1].rank)
@@ -67,8 +73,8 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], entries: SampleLogpr
         top = []
         for t, e in _top(pos, top_n):
             s = text_of(t, e.decoded_token)
-            top.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode())})
-        out.append({"token": token, "logprob": lp.logprob if lp else None, "bytes": list(token.encode()),
+            top.append({"token": s, "logprob": _finite(e.logprob), "bytes": list(s.encode())})
+        out.append({"token": token, "logprob": _finite(lp.logprob) if lp else None, "bytes": list(token.encode()),
                     "top_logprobs": top})
     return out
 
@@ -82,8 +88,8 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], entries: Sampl
         lp = pos.get(tid) if pos is not None else None
         s = text_of(tid, lp.decoded_token if lp else None)
         tokens.append(s)
-        token_lps.append(lp.logprob if lp else None)
-        tops.append({text_of(t, e.decoded_token): e.logprob for t, e in _top(pos, top_n)}
+        token_lps.append(_finite(lp.logprob) if lp else None)
+        tops.append({text_of(t, e.decoded_token): _finite(e.logprob) for t, e in _top(pos, top_n)}
                     if top_n and pos is not None else None)
         offsets.append(offset)
         offset += len(s)

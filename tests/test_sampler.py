@@ -37,14 +37,14 @@ def pad(rows):
     return jnp.asarray(out)
 
 
-def run(logits, params, steps=None, counters=None, counts=None, prompt=None, k=0):
+def run(logits, params, steps=None, counters=None, counts=None, prompt=None, k=0, mode="raw_logprobs"):
     """Sample the first len(params) rows of `logits`, padded; returns the SamplerOutput rows."""
     n, V = len(params), logits.shape[1]
     counters = counters if counters is not None else list(range(n))
     t = tensors(params, V, steps, counters)
     counts = None if counts is None else jnp.asarray(np.pad(counts, ((0, ROWS[V] - n), (0, 0))))
     prompt = None if prompt is None else jnp.asarray(np.pad(prompt, ((0, ROWS[V] - n), (0, 0))))
-    out = sample(pad(logits), t, counts, prompt, num_top_logprobs=k)
+    out = sample(pad(logits), t, counts, prompt, num_top_logprobs=k, logprobs_mode=mode)
     return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
 
@@ -338,6 +338,30 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top():
     assert entry[int(out.top_ids[0, 0])] == Logprob(float(out.top_logprobs[0, 0]), 1)
 
 
+def test_logprobs_modes_report_the_distribution_the_token_was_drawn_from():
+    """vLLM's --logprobs-mode: raw or processed (bias, temperature, top-k/top-p/min-p: dropped tokens -inf),
+    as logprobs or logits; the tokens drawn never change."""
+    V, k = 16, 8
+    logits = np.random.default_rng(12).normal(size=(4, V)).astype(np.float32) * 2
+    params = [SP(temperature=0.7, top_k=5, seed=1), SP(temperature=1.3, top_p=0.6, seed=2),
+              SP(temperature=0.9, min_p=0.2, seed=3), SP(temperature=0, logit_bias={3: 4.0})]
+    biased = logits.astype(np.float64).copy()
+    biased[3, 3] += 4.0
+    processed = np.stack([np.where(allowed_ref(logits[i], p.temperature, p.top_k, p.top_p, p.min_p),
+                                   logits[i] / p.temperature, -np.inf) for i, p in enumerate(params[:3])] + [biased[3]])
+    want = {"raw_logprobs": np.log(np_softmax(logits.astype(np.float64))), "raw_logits": logits,
+            "processed_logits": processed, "processed_logprobs": processed - np.log(np.exp(processed).sum(-1))[:, None]}
+    tokens = run(logits, params).token_ids
+    for mode, ref in want.items():
+        out = run(logits, params, k=k, mode=mode)
+        np.testing.assert_array_equal(out.token_ids, tokens)
+        chosen = ref[np.arange(4), tokens]
+        np.testing.assert_allclose(out.logprobs, chosen, rtol=1e-5, atol=1e-5, err_msg=mode)
+        np.testing.assert_allclose(out.top_logprobs, np.sort(ref, -1)[:, ::-1][:, :k], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out.ranks, 1 + (ref > chosen[:, None]).sum(-1))
+    assert np.isneginf(run(logits, params, k=k, mode="processed_logprobs").top_logprobs[0, 5:]).all(), "top-5"
+
+
 def test_one_compilation_per_shape():
     logits = pad(np.random.default_rng(11).normal(size=(8, 16)))
     variants = [
@@ -417,9 +441,9 @@ def test_from_params_checks_the_bitmask():
 
 def test_exponential_noise_is_never_zero():
     """Every hash value maps strictly inside (0, 1): a zero noise would let its token win any draw."""
-    from jaxserve.engine.sampler import _open_unit
+    from jaxserve.engine.sampling_noise import open_unit
 
-    u = np.asarray(_open_unit(jnp.array([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 1], jnp.uint32)))
+    u = np.asarray(open_unit(jnp.array([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 1], jnp.uint32)))
     assert (u > 0).all() and (u < 1).all() and np.isfinite(-np.log(u)).all() and (-np.log(u) > 0).all()
 
 

@@ -96,10 +96,11 @@ def _build(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, layouts
     mixed_layout, decode_layout, pool_layout = layouts
     hidden = "return_hidden" in inspect.signature(model_fn).parameters
     common = dict(cfg=model_cfg, backend=cfg.backend, model_fn=model_fn)
-    mixed = jax.jit(functools.partial(mixed_step, top_k=cfg.max_logprobs, hidden=hidden, **common),
+    sampled = dict(top_k=cfg.max_logprobs, logprobs_mode=cfg.logprobs_mode)
+    mixed = jax.jit(functools.partial(mixed_step, hidden=hidden, **sampled, **common),
                     donate_argnums=(1,), **mixed_layout)
-    decode = jax.jit(functools.partial(decode_loop, top_k=cfg.max_logprobs, n_max=cfg.num_scheduler_steps,
-                                       **common), donate_argnums=(1,), **decode_layout)
+    decode = jax.jit(functools.partial(decode_loop, n_max=cfg.num_scheduler_steps, **sampled, **common),
+                     donate_argnums=(1,), **decode_layout)
     pool = jax.jit(functools.partial(pool_step, pooling_type=cfg.pooling_type, **common),
                    donate_argnums=(1,), **pool_layout) if cfg.pooling_type else None
     return StepFunctions(mixed, decode, pool, hidden)

@@ -36,10 +36,12 @@ class PromptLogprobs:
     top_logprobs: jax.Array  # [T, K] f32
 
 
-def top_logprobs(logits: jax.Array, want: jax.Array, k: int):
+def top_logprobs(logits: jax.Array, want: jax.Array, k: int, normalize: bool = True):
+    """The `k` largest of each row of `logits` [S, V] and their ids, as logprobs (`normalize`) or as they are
+    (scores a sampler already reports: `SamplerOutput.scores`); zeros unless `want`."""
     def compute(x):
         vals, ids = jax.lax.top_k(x, k)
-        return ids.astype(jnp.int32), vals - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+        return ids.astype(jnp.int32), vals - jax.nn.logsumexp(x, axis=-1, keepdims=True) if normalize else vals
 
     def skip(x):
         return jnp.zeros((x.shape[0], k), jnp.int32), jnp.zeros((x.shape[0], k), jnp.float32)

@@ -80,6 +80,8 @@ class RunnerConfig:
     long_rope: bool = False
     """Steps carry whether each token's sequence has a prompt longer than a LongRoPE model's original context
     (`ModelInputs.long_prompt`): an engine serving the model past that context."""
+    logprobs_mode: str = "raw_logprobs"
+    """What sampled tokens' logprobs report (`EngineArgs.logprobs_mode`, `sampler.sample`)."""
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
 
@@ -124,7 +126,7 @@ class StepOutput:
 
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
                plp: PromptLogprobInputs, want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend,
-               top_k: int, model_fn=forward, hidden: bool = False):
+               top_k: int, model_fn=forward, hidden: bool = False, logprobs_mode: str = "raw_logprobs"):
     """Forward over a ragged batch and sample one token per sequence row; with `hidden` (a model that
     returns its hidden states), also the prompt logprobs `plp` asks for."""
     prompt = None
@@ -134,8 +136,8 @@ def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: Sampl
     else:
         logits, kv = model_fn(params, kv, inputs, cfg, backend)  # [S, V]
     counts, mask = penalty_arrays(pen, sampling, cfg.vocab_size)
-    out = sample(logits, sampling, counts, mask)
-    top_ids, top_lp = top_logprobs(logits, want_top, top_k)
+    out = sample(logits, sampling, counts, mask, logprobs_mode=logprobs_mode)
+    top_ids, top_lp = top_logprobs(logits if out.scores is None else out.scores, want_top, top_k, out.scores is None)
     return StepOutput(out.token_ids, out.logprobs, out.ranks, top_ids, top_lp,
                       jnp.ones_like(out.token_ids), prompt), kv
 
@@ -158,7 +160,7 @@ class DecodeState:
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
                 want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, n_max: int,
-                model_fn=forward):
+                model_fn=forward, logprobs_mode: str = "raw_logprobs"):
     """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done."""
     S, P = st.block_tables.shape
     page_size = kv.k.shape[2]
@@ -181,8 +183,8 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             decode=True, lora_slots=st.lora_slots, long_prompt=st.long_prompt,
         )
         logits, kv = model_fn(params, kv, inputs, cfg, backend)
-        s = sample(logits, samp, counts, mask)
-        top_ids, top_lp = top_logprobs(logits, want_top, top_k)
+        s = sample(logits, samp, counts, mask, logprobs_mode=logprobs_mode)
+        top_ids, top_lp = top_logprobs(logits if s.scores is None else s.scores, want_top, top_k, s.scores is None)
         new = jnp.where(done, -1, s.token_ids)
         produced = out.num_generated + (~done)
         hit_stop = jnp.any(new[:, None] == st.stop_ids, axis=-1) & (produced >= st.min_tokens_left)

@@ -9,8 +9,12 @@ of that; random rows divide by their temperature, keep the tokens that pass top-
 in the chain does not matter), and draw with the exponential race: argmax(p / E), E ~ Exp(1) per
 token.
 
-Reported logprobs are the raw model distribution, log_softmax of the logits before any
-penalty, temperature or filter (vLLM's default "raw_logprobs").
+Reported logprobs (`logprobs_mode`, vLLM's `--logprobs-mode`): "raw_logprobs" (the default) the raw
+model distribution, log_softmax of the logits before any bias, penalty, mask, temperature or filter;
+"processed_logprobs" the distribution the token was drawn from: a greedy row's logits after bias,
+min_tokens, penalties and its grammar, a random row's those over its temperature with the tokens top-k,
+top-p and min-p drop at -inf, normalized; "raw_logits" and "processed_logits" the same before
+normalization. A token's rank and the top logprobs are taken in the same values.
 
 Randomness: each row's key is fold_in(PRNGKey(seed), tokens generated so far), or for rows
 without a seed fold_in(fold_in(PRNGKey(engine_seed), request_counter), tokens generated), so
@@ -39,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxserve.engine.penalties import apply_penalties
+from jaxserve.engine.sampling_noise import exponential_noise
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.structured_outputs import bitmask_width
 
@@ -184,22 +189,24 @@ class SamplingTensors:
 @functools.partial(jax.tree_util.register_dataclass)
 @dataclasses.dataclass(frozen=True)
 class SamplerOutput:
-    """The chosen tokens and their raw-distribution logprobs."""
+    """The chosen tokens and their logprobs (in the sampler's `logprobs_mode`)."""
 
     token_ids: jax.Array  # [S] int32
     logprobs: jax.Array  # [S] f32, of the chosen token
     ranks: jax.Array  # [S] int32, 1 + tokens strictly more likely than the chosen one
     top_ids: jax.Array  # [S, k] int32, most likely first
     top_logprobs: jax.Array  # [S, k] f32
+    scores: jax.Array | None = None  # [S, V] f32, every token's reported value; None in "raw_logprobs"
 
 
-@functools.partial(jax.jit, static_argnames=("num_top_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_top_logprobs", "logprobs_mode"))
 def sample(
     logits: jax.Array,
     tensors: SamplingTensors,
     output_token_counts: jax.Array | None = None,
     prompt_token_mask: jax.Array | None = None,
     num_top_logprobs: int = 0,
+    logprobs_mode: str = "raw_logprobs",
 ) -> SamplerOutput:
     """Pick one token per row from `logits` [S, V]; penalties need the count/mask arrays.
 
@@ -230,15 +237,26 @@ def sample(
         processed,
     )
 
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]  # [S]
-    ranks = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
+    scores = None if logprobs_mode == "raw_logprobs" else _reported(logits, processed, t, logprobs_mode)
+    values = logits if scores is None else scores
+    chosen = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]  # [S]
+    ranks = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)
+    shift = raw_lse if scores is None else jnp.zeros_like(raw_lse)
     if num_top_logprobs > 0:
-        top_vals, top_ids = lax.top_k(logits, num_top_logprobs)  # [S, k]
-        top_logprobs = top_vals - raw_lse[:, None]
+        top_vals, top_ids = lax.top_k(values, num_top_logprobs)  # [S, k]
+        top_logprobs = top_vals - shift[:, None]
     else:
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
-    return SamplerOutput(token_ids, chosen - raw_lse, ranks, top_ids.astype(jnp.int32), top_logprobs)
+    return SamplerOutput(token_ids, chosen - shift, ranks, top_ids.astype(jnp.int32), top_logprobs, scores)
+
+
+def _reported(logits: jax.Array, processed: jax.Array, t: SamplingTensors, mode: str) -> jax.Array:
+    """Every token's value in `mode` (see the module docstring): [S, V]."""
+    if mode.startswith("processed"):
+        z, _, threshold = _filtered(processed, t)  # as the draw filtered them (greedy rows: temperature 1)
+        logits = jnp.where(z >= jnp.where(t.greedy, -jnp.inf, threshold)[:, None], z, -jnp.inf)
+    return jax.nn.log_softmax(logits, axis=-1) if mode.endswith("logprobs") else logits
 
 
 def _bias_and_mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -268,7 +286,9 @@ def _apply_bitmask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def _filtered(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's logits over its temperature z [S, V], their unnormalized probabilities [S, V], and the
+    smallest z that top-k, top-p and min-p keep [S] (-inf: all)."""
     z = logits / t.temperature[:, None]  # [S, V]
     z_max = jnp.max(z, axis=-1)  # [S]
     e = jnp.exp(z - z_max[:, None])  # [S, V] unnormalized probabilities
@@ -281,8 +301,13 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         lambda: _thresholds(logits, z_max, total, t),
         lambda: jnp.full(z_max.shape, -jnp.inf),
     )
+    return z, e, threshold
+
+
+def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    z, e, threshold = _filtered(logits, t)
     keep = z >= threshold[:, None]
-    noise = _exponential_noise(_row_keys(t), z.shape[1])  # [S, V]
+    noise = exponential_noise(_row_keys(t), z.shape[1])  # [S, V]
     return jnp.argmax(jnp.where(keep, e, 0.0) / noise, axis=-1).astype(jnp.int32)
 
 
@@ -364,30 +389,6 @@ def _row_keys(t: SamplingTensors) -> jax.Array:
         return jax.random.key_data(jax.random.fold_in(key, step))
 
     return jax.vmap(one)(t.key_data, t.seeded, t.stream, t.step)
-
-
-def _exponential_noise(keys: jax.Array, vocab_size: int) -> jax.Array:
-    """Exp(1) noise [S, V] from a counter hash of (row key, token id); bijective in the id."""
-    ids = lax.broadcasted_iota(jnp.uint32, (1, vocab_size), 1)
-    x = _fmix32(ids * jnp.uint32(0x9E3779B9) ^ keys[:, :1])
-    x = _fmix32(x ^ keys[:, 1:])
-    return -jnp.log(_open_unit(x))
-
-
-def _open_unit(x: jax.Array) -> jax.Array:
-    """uint32 bits to a float32 strictly inside (0, 1): the top 23 bits, centred in their step. With
-    24 bits the top value's +0.5 rounds up to 2**24, u to 1.0 and the noise to 0, which made a token
-    win the race whatever its probability (~0.3% of draws over a 49152-token vocabulary)."""
-    return ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-
-
-def _fmix32(x: jax.Array) -> jax.Array:
-    # MurmurHash3's finalizer: a bijection on uint32 with full avalanche.
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
 
 
 def _threefry_key_data(seed: int) -> np.ndarray:
