@@ -144,6 +144,7 @@ class PDWorker:
 
         state = self.state
         state.check_serving()
+        state.check_awake()
         if self.role == "decode":
             raise ApiError(400, "this worker runs as --role decode", code="wrong_role")
         engine = self._engine()

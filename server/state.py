@@ -99,12 +99,16 @@ class ServerState:
             raise ApiError(503, "the model is still loading; retry shortly", code="model_not_ready",
                            headers=retry)
 
-    def admit(self, count: int) -> None:
-        """503 while the engine sleeps; 429 if `count` more requests would push its waiting queue past its limit."""
+    def check_awake(self) -> None:
+        """503 while the engine sleeps (server/sleep_admin.py)."""
         if self.sleeping:
             self.metrics.rejected.labels(self.model_name, "sleeping").inc()
             raise ApiError(503, "the engine is sleeping (POST /wake_up wakes it)", code="engine_sleeping",
                            headers={"Retry-After": str(self.config.retry_after_s)})
+
+    def admit(self, count: int) -> None:
+        """503 while the engine sleeps; 429 if `count` more requests would push its waiting queue past its limit."""
+        self.check_awake()
         stats = self.engine.stats()
         # Requests handed to the engine but not yet seen by its loop are waiting too.
         waiting = max(stats.num_waiting, len(self.active) - stats.num_running)
