@@ -160,10 +160,30 @@ def test_qwen3_coder_streams_text_values_and_gives_typed_ones_whole():
         "", [ParsedCall("f", '{"code": "a\\n"}')])
 
 
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                     | st.text(), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=st.lists(st.tuples(st.text(st.characters(codec="utf-8", exclude_characters="<>"), min_size=1,
+                                        max_size=8), st.dictionaries(st.text(max_size=5), _JSON, max_size=3)),
+                      min_size=1, max_size=3),
+       indent=st.sampled_from([None, 1]), ascii_only=st.booleans(), as_list=st.booleans(),
+       cuts=st.lists(st.floats(0, 1), max_size=10))
+def test_any_json_calls_stream_to_the_calls_written(calls, indent, ascii_only, as_list, cuts):
+    """Whatever the names, arguments, spacing and escapes, and wherever the reply is cut, the streamed
+    pieces join to each call's arguments as json.dumps writes them."""
+    objs = [{"name": n, "arguments": a} for n, a in calls]
+    dump = lambda v: json.dumps(v, indent=indent, ensure_ascii=ascii_only)  # noqa: E731
+    body = dump(objs) if as_list else "\n".join(dump(o) for o in objs)
+    reply = f"Sure. <tool_call>{body}</tool_call>"
+    want = [ParsedCall(n, json.dumps(a, ensure_ascii=False)) for n, a in calls]
+    assert _streamed("hermes", reply, [int(c * len(reply)) for c in cuts]) == ("Sure.", want)
+
+
 @settings(max_examples=200, deadline=None)
-@given(value=st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                                      max_size=3), max_leaves=8),
+@given(value=_JSON,
        indent=st.sampled_from([None, 0, 2]), ascii_only=st.booleans(), cuts=st.lists(st.floats(0, 1), max_size=8))
 def test_json_read_in_pieces_is_written_as_json_dumps_writes_it(value, indent, ascii_only, cuts):
     text = json.dumps(value, indent=indent, ensure_ascii=ascii_only, separators=(",", ":") if indent is None else None)
