@@ -192,9 +192,10 @@ class LLM:
     def is_sleeping(self) -> bool:
         return self.engine.memory.asleep
 
-    def load_weights(self, path: str | None = None) -> None:
-        """Replace the weights with a checkpoint's of the same shapes (default: the model's own, read again)."""
-        self.engine.memory.load_weights(path)
+    def load_weights(self, source: Any = None) -> None:
+        """Replace the weights with new ones of the same shapes: a checkpoint's (`source` a path; None: the model's
+        own, read again), or tensors in memory (a mapping, or pairs, of HF parameter names and arrays)."""
+        self.engine.memory.load_weights(source)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (nothing changed) while a KV transfer holds some of its pages."""

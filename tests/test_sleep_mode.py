@@ -113,6 +113,26 @@ def test_new_weights_serve_as_an_engine_started_on_them(engine, ckpts, reference
     assert tokens == reference["a"][0] and np.allclose(logprobs, reference["a"][1], atol=1e-5)
 
 
+def test_tensors_in_memory_load_as_their_checkpoint_does(engine, ckpts, reference):
+    """A trainer in the same process hands its tensors over, named as in an HF checkpoint."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader import CheckpointError
+
+    tensors = load_file(os.path.join(ckpts[1], "model.safetensors"))
+    engine.memory.load_weights({name: jax.numpy.asarray(t) for name, t in tensors.items()})
+    tokens, logprobs = _run(engine)
+    assert tokens == reference["b"][0] and np.allclose(logprobs, reference["b"][1], atol=1e-5)
+    assert engine.runner.compilations_after_warmup == 0
+    with pytest.raises(CheckpointError, match="missing 1 tensor"):
+        engine.memory.load_weights([(n, t) for n, t in tensors.items() if n != "lm_head.weight"])
+    wide = load_file(os.path.join(ckpts[2], "model.safetensors"))
+    with pytest.raises(CheckpointError, match="shape"):
+        engine.memory.load_weights(wide)
+    engine.memory.load_weights(load_file(os.path.join(ckpts[0], "model.safetensors")).items())
+    assert _run(engine)[0] == reference["a"][0]
+
+
 def test_refusals_name_the_problem_and_change_nothing(engine, ckpts, reference):
     with pytest.raises(ValueError, match="served model's configuration"):
         engine.memory.load_weights(ckpts[2])

@@ -212,8 +212,8 @@ class AsyncEngine:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.run_on_engine(lambda e: e.memory.wake_up(tags), timeout=600)
 
-    async def load_weights(self, path: str | None = None) -> None:
-        await self.run_on_engine(lambda e: e.memory.load_weights(path), timeout=3600)
+    async def load_weights(self, source: Any = None) -> None:
+        await self.run_on_engine(lambda e: e.memory.load_weights(source), timeout=3600)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.run_on_engine(lambda e: e.reset_prefix_cache())

@@ -12,8 +12,10 @@ sets of weights or loses its KV.
 - `wake_up(tags=None)`: "weights" back onto the device (from the host copy; after level 2, read again
   from the engine's checkpoint unless `load_weights` gave new ones), "kv_cache" allocated again (zeroed);
   no tags: both. Waking the weights alone lets new ones load before the KV cache takes its memory again.
-- `load_weights(path=None)`: the weights of a checkpoint (default: the engine's own) replace the engine's
-  through the same loading path as at start-up (sharding, KV scales, LoRA slots, the runner's layout).
+- `load_weights(source=None)`: the weights of a checkpoint (default: the engine's own), or tensors in
+  memory named as in an HF checkpoint (a trainer's, in the same process), replace the engine's through
+  the same loading path as at start-up (each tensor into its shards, KV scales, LoRA slots, the runner's
+  layout).
   The new weights must have the old ones' every shape, dtype and layout, so the compiled steps serve
   them as they are (nothing recompiles); a checkpoint of another shape is refused, naming the first
   array that differs. The prefix cache is emptied (its KV came from the old weights), and LoRA adapters
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import jax
@@ -40,6 +44,7 @@ from jaxserve.engine.errors import EngineError
 from jaxserve.engine.kv_scales import with_kv_cache_dtype
 from jaxserve.engine.lora_manager import with_lora_slots
 from jaxserve.engine.model_loading import load_model, shard_model
+from jaxserve.loader import load_params
 
 logger = logging.getLogger(__name__)
 TAGS = ("weights", "kv_cache")
@@ -133,6 +138,18 @@ def check_same_layout(new: Any, old: Any) -> None:
                              f"engine's as {b.sharding}")
 
 
+class _Tensors:
+    """Tensors in memory, named as in an HF checkpoint, read as a checkpoint's are (`loader.load_params`)."""
+
+    def __init__(self, named: Mapping[str, Any] | Iterable[tuple[str, Any]]):
+        self.named = named
+
+    def tensors(self, cfg: Any) -> Iterator[tuple[str, np.ndarray]]:
+        pairs = self.named.items() if isinstance(self.named, Mapping) else self.named
+        for name, array in pairs:
+            yield name, np.asarray(array, np.float32)
+
+
 class EngineMemory:
     """The sleep state of one engine (see the module docstring)."""
 
@@ -207,18 +224,31 @@ class EngineMemory:
             self.kv_on_device, self._kv_spec = True, None
         logger.info("engine woke (%s) in %.2f s", ", ".join(tags), time.perf_counter() - t0)
 
-    def load_weights(self, path: str | None = None) -> None:
+    def load_weights(self, source: str | Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> None:
+        """New weights from a checkpoint directory or file (`source` a path; None: the served checkpoint, read
+        again), or from tensors in memory: a mapping or pairs of HF parameter names and arrays (numpy or JAX,
+        unquantized), as a trainer in the same process holds them."""
         e = self.engine
         self._check_idle("a weight update")
         t0 = time.perf_counter()
-        args = e.args if path is None else dataclasses.replace(e.args, model=path, converted_checkpoint_dir=None)
-        mesh = None
-        if e.args.data_parallel_size > 1:  # read on the host, then laid out on this replica's own devices
-            args, mesh = args.replace(tensor_parallel_size=1, expert_parallel_size=1, data_parallel_size=1), e.model.plan.mesh
-        model, kv_dtype = prepare_model(load_model(args, progress=False), e.args, mesh)
+        if source is None or isinstance(source, (str, os.PathLike)):
+            args = e.args if source is None else dataclasses.replace(e.args, model=str(source),
+                                                                     converted_checkpoint_dir=None)
+            mesh = None
+            if e.args.data_parallel_size > 1:  # read on the host, then laid out on this replica's own devices
+                args = args.replace(tensor_parallel_size=1, expert_parallel_size=1, data_parallel_size=1)
+                mesh = e.model.plan.mesh
+            loaded, what = load_model(args, progress=False), f"the checkpoint at {args.model or 'the bundled model'}"
+        else:  # each tensor straight into its place (its shards, over several devices) as a checkpoint's would go
+            plan = e.model.plan
+            cfg = plan.source_cfg if plan is not None else e.model.config
+            params = load_params(_Tensors(source), cfg, e.model.dtype, place=plan.place if plan else None,
+                                 progress=False)
+            loaded, mesh, what = dataclasses.replace(e.model, params=params), None, "the given tensors"
+        model, kv_dtype = prepare_model(loaded, e.args, mesh)
         if model.config != e.model.config:
-            raise ValueError(f"the checkpoint at {args.model or 'the bundled model'} is not the served model's "
-                             "configuration; weights of the same architecture and shapes are needed")
+            raise ValueError(f"{what} are not the served model's configuration; weights of the same architecture "
+                             "and shapes are needed")
         if jnp.dtype(kv_dtype) != jnp.dtype(e.kv_dtype):
             raise ValueError(f"the new weights give a {kv_dtype} KV cache, the engine's is {e.kv_dtype}")
         params = e.runner.layout(model.params)
@@ -228,7 +258,7 @@ class EngineMemory:
         if self.weights == "device":
             _delete(e.runner.params)
         self._use_params(params)
-        logger.info("weights from %s loaded in %.2f s", args.model or "the bundled model", time.perf_counter() - t0)
+        logger.info("weights from %s loaded in %.2f s", what, time.perf_counter() - t0)
 
     def _use_params(self, params: Any) -> None:
         e = self.engine
