@@ -24,6 +24,7 @@ import re
 from typing import Any, ClassVar, Literal
 
 from server.json_calls import JsonCallReader, NamedArgsReader, Reader
+from server.py_calls import PythonCallReader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 from server.xml_calls import XmlCallReader, typed
 
@@ -203,6 +204,9 @@ class PythonicParser(ToolParser):
                 return None
             calls.append(ParsedCall(node.func.id, arguments))
         return calls
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        return PythonCallReader(opened=opener == "[")
 
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)

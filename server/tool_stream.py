@@ -4,8 +4,8 @@
 A `ToolCallStream` reads a reply as it grows: text that cannot be the start of a call goes out as
 content at once, and calls go out as they are written: a call's name once its arguments begin, then its
 arguments piece by piece, as `json.dumps` writes them (a `Reader` per format: server/json_calls.py for the
-JSON formats, server/xml_calls.py for `qwen3_coder`). A JSON call whose arguments come first or as a JSON
-string goes out whole once its object closes; a `pythonic` region (no reader) is held until it is whole.
+JSON formats, server/xml_calls.py for `qwen3_coder`, server/py_calls.py for `pythonic`). A JSON call whose
+arguments come first or as a JSON string goes out whole once its object closes.
 Text that opens a call and does not parse before the call goes out is content, so nothing is lost; a
 region that stops being calls after some went out gives the rest of its text as content, and a call cut
 short (by the token limit, or by the model closing the region) keeps the arguments written so far.

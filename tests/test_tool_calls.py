@@ -76,6 +76,13 @@ CASES = [
     ("pythonic", "[1, 2] is a list", "[1, 2] is a list", []),
     ("pythonic", "[f(*args)]", "[f(*args)]", []),
     ("pythonic", "Say [get_weather(city='Paris')]", "Say [get_weather(city='Paris')]", []),
+    ("pythonic", '[get_weather(city="Paris"), oops]', ", oops]", [W]),
+    ("pythonic", "[f(), g(a=1,), ]", "", [ParsedCall("f", "{}"), ParsedCall("g", '{"a": 1}')]),
+    ("pythonic", '[f(s="\\x41\\u00e9\\101\\N{BULLET}\\q", t=\'it\\\'s\')]', "",
+     [ParsedCall("f", json.dumps({"s": "AéA•\\q", "t": "it's"}, ensure_ascii=False))]),
+    ("pythonic", '[f(s="""a,b""", r=r"c\\d", e="", l=[1, (2, 3)], d={"k": None}, x=-1.5e3)]', "",
+     [ParsedCall("f", '{"s": "a,b", "r": "c\\\\d", "e": "", "l": [1, [2, 3]], "d": {"k": null}, "x": -1500.0}')]),
+    ("pythonic", "[f(a=1), g(b=unknown)]", ", g(b=unknown)]", [ParsedCall("f", '{"a": 1}')]),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                     "</tool_call>", "", [W]),
     ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -163,6 +170,15 @@ def test_qwen3_coder_streams_text_values_and_gives_typed_ones_whole():
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
                      | st.text(), lambda inner: st.lists(inner, max_size=3)
                      | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+
+
+def test_pythonic_streams_plain_strings_and_gives_other_literals_whole():
+    s = tool_parser("pythonic").stream()
+    assert s.feed("[write(path=") == ("", []), "no call before its first value"
+    assert s.feed('"a.py", text="def f():\\n') == ("", [CallDelta(0, "write", '{"path": "a.py", "text": "def f():\\n')])
+    assert s.feed('  return 1", n=[1,') == ("", [CallDelta(0, None, '  return 1", "n": ')])
+    assert s.feed(" 2]), ping()]") == ("", [CallDelta(0, None, "[1, 2]}"), CallDelta(1, "ping", "{}")])
+    assert s.finish() == ("", [])
 
 
 @settings(max_examples=150, deadline=None)
