@@ -263,6 +263,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/is_sleeping", is_sleeping, methods=["GET"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
+        Route("/flush_cache", reset_prefix_cache, methods=["GET", "POST"]),  # SGLang's name
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/kv_events", kv_events, methods=["GET"]),

@@ -1,8 +1,9 @@
 """Sleep mode and weight updates over HTTP, for reinforcement-learning rollouts (jaxserve.engine.memory):
 vLLM's `POST /sleep?level=1`, `POST /wake_up?tags=weights&tags=kv_cache`, `GET /is_sleeping` and
-`POST /reset_prefix_cache`, and SGLang's `POST /update_weights_from_disk` {"model_path": ...}.
+`POST /reset_prefix_cache`, and SGLang's `POST /update_weights_from_disk` {"model_path": ...} and
+`/flush_cache` (the prefix cache emptied, as `/reset_prefix_cache`).
 
-All but `/reset_prefix_cache` are served only by an engine started with `--enable-sleep-mode` (404 otherwise:
+All but the prefix cache's are served only by an engine started with `--enable-sleep-mode` (404 otherwise:
 anyone who can reach the server could otherwise take its memory away or load files from its disk). Each
 acts on every data-parallel replica, between engine steps; one that needs an idle engine is refused with
 409 while requests are in flight. While the engine sleeps, generation requests get 503.

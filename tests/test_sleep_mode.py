@@ -204,6 +204,10 @@ def test_sleep_and_weight_updates_over_http(engine, ckpts, reference):
             assert httpx.post(f"{url}/update_weights_from_disk", json={}, timeout=120).status_code == 200
             assert complete(url).json()["choices"][0]["token_ids"] == before
             assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200
+            complete(url)
+            assert engine.scheduler.cache.num_cached_pages > 0
+            assert httpx.get(f"{url}/flush_cache").status_code == 200
+            assert engine.scheduler.cache.num_cached_pages == 0
     finally:
         served.shutdown()
     plain = AsyncEngine(LLMEngine(EngineArgs(model=ckpts[0], **{**ARGS, "enable_sleep_mode": False,
