@@ -100,7 +100,7 @@ class ChatReplies:
             return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
         if cursor.calls_reader is None:  # "required": the list of calls, read as it grows
             cursor.calls_reader = JsonCallReader(lists=True)
-        calls = self._call_deltas(cursor, cursor.calls_reader.feed(d.text), parallel=True)
+        calls = self._call_deltas(cursor, cursor.calls_reader.feed(d.text), parallel=choice.parallel)
         if d.finish_reason is not None and not cursor.calls_sent:  # cut short before a call began
             return {"content": c.text}, d.finish_reason
         delta = {"tool_calls": calls} if calls else {}
@@ -143,7 +143,7 @@ class ChatReplies:
         choice = self.choice
         if choice is not None and choice.forced:
             calls = ([ParsedCall(choice.name, c.text)] if choice.name is not None
-                     else join_calls(JsonCallReader(lists=True).feed(c.text)))
+                     else join_calls(JsonCallReader(lists=True).feed(c.text))[:None if choice.parallel else 1])
             if not calls:
                 return {"role": "assistant", "content": c.text}, c.finish_reason
             return ({"role": "assistant", "content": None, "tool_calls": [_call_json(x) for x in calls]},

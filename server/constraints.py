@@ -21,7 +21,8 @@ class ToolChoice:
     """What the tools may do to the reply. "function" (`name` set) and "required" (a list of one or
     more calls of any of the tools) force it to be calls, through structured outputs; with "auto" the
     model chooses between text and calls, and the server's tool-call parser finds the calls it wrote.
-    `parallel` False (OpenAI's `parallel_tool_calls`) keeps only the first call of an "auto" reply."""
+    `parallel` False (OpenAI's `parallel_tool_calls`) keeps only the first call of an "auto" reply, and
+    makes a "required" reply one call."""
 
     mode: Literal["auto", "required", "function"]
     name: str | None = None
@@ -123,7 +124,7 @@ def tools_and_choice(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | No
     if choice == "none":
         return out, None
     if choice == "required":
-        return out, ToolChoice("required")
+        return out, ToolChoice("required", parallel=parallel is not False)
     fn = choice.get("function") if isinstance(choice, Mapping) else None
     if not isinstance(choice, Mapping) or choice.get("type") != "function" or not isinstance(fn, Mapping):
         raise bad_field("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or "
@@ -135,10 +136,11 @@ def tools_and_choice(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | No
 
 def tool_call_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema a forced reply follows: the named function's parameters (the reply is its
-    arguments), or for "required" a list of one or more {"name", "parameters"} objects."""
+    arguments), or for "required" a list of one or more {"name", "parameters"} objects (exactly one
+    without parallel tool calls)."""
     if choice.mode == "function":
         return next(t["function"]["parameters"] for t in tools if t["function"]["name"] == choice.name)
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                "parameters": t["function"]["parameters"]},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({} if choice.parallel else {"maxItems": 1})}

@@ -74,6 +74,9 @@ def test_tool_choice_becomes_an_output_constraint():
     schema = required.common.params.structured_outputs.json
     assert required.tool_choice.mode == "required" and schema["type"] == "array" and schema["minItems"] == 1
     assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    assert "maxItems" not in schema
+    one = parse_chat({"messages": MSG, "tools": [TOOL, bare], "tool_choice": "required", "parallel_tool_calls": False})
+    assert one.common.params.structured_outputs.json["maxItems"] == 1, "no parallel calls: exactly one"
     shown = parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"})
     assert shown.tools == [TOOL] and shown.tool_choice is None and shown.common.params.structured_outputs is None
     assert parse_chat({"messages": MSG, "tools": [], "tool_choice": "none"}).tools is None
