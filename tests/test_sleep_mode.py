@@ -167,6 +167,25 @@ def test_the_python_api(ckpts, reference):
     assert llm.reset_prefix_cache() is True
 
 
+def test_the_asyncio_api(engine, reference):
+    import asyncio
+
+    served = AsyncEngine(engine)
+
+    async def run() -> list[int]:
+        await served.sleep(1)
+        asleep = await served.is_sleeping()
+        await served.wake_up()
+        assert asleep and not await served.is_sleeping() and await served.reset_prefix_cache()
+        outs = [out async for out in served.generate(PROMPT, GREEDY, request_id="async")]
+        return list(outs[-1].outputs[0].token_ids)
+
+    try:
+        assert asyncio.run(run()) == reference["a"][0]
+    finally:
+        served.shutdown()
+
+
 def test_a_layout_that_differs_is_named():
     a = {"w": jax.numpy.zeros((2, 3)), "b": jax.numpy.zeros(3)}
     check_same_layout(a, a)

@@ -218,8 +218,7 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return await self.run_on_engine(lambda e: e.reset_prefix_cache())
 
-    @property
-    def is_sleeping(self) -> bool:
+    async def is_sleeping(self) -> bool:
         return self.engine.memory.asleep
 
     def subscribe_kv_events(self, callback: Callable[[Any], None]) -> bool:
