@@ -6,11 +6,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaxserve.config_fields import gemma_fields, granite_fields, int_if_whole
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
+                 "granite"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -22,13 +24,15 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "GraniteForCausalLM": "granite",
     # Mistral's architecture with its q/k/v and gate/up projections fused (split at load); a config written
     # back names the family's first architecture (Mistral's).
     "Phi3ForCausalLM": "mistral",
 }
 _HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                                       "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                                      "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral"}
+                                      "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral",
+                                      "granite": "granite"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
@@ -70,6 +74,13 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # cap * tanh(logit / cap) on attention logits (Gemma 2)
     final_logit_softcap: float | None = None  # ... and on the vocabulary logits
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (default: head_dim's)
+    # Granite's scalars: the embeddings times `embedding_multiplier`, the attention scale `attention_multiplier`
+    # itself, each block's output times `residual_multiplier` before its residual add, the logits over
+    # `logits_scaling`.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     rope_local_theta: float | None = None  # the sliding layers' own unscaled rotary base (Gemma 3)
     rotary_dim: int | None = None  # rotated leading dims of each head (partial rotary: Phi-4-mini); None: all
     # Mixture of experts (0 experts = a dense MLP): top-k routing over `num_experts` MLPs of width
@@ -136,6 +147,8 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -226,7 +239,7 @@ class ModelConfig:
                     "per-layer sliding windows (some layers windowed, some not: max_window_layers / layer_types) "
                     "are not supported"
                 )
-        gemma = _gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else {}
+        gemma = gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else {}
         if gemma:
             sliding = d.get("sliding_window")
         quant = d.get("quantization_config") or {}
@@ -262,14 +275,14 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "qwen3", "qwen3_moe") and bool(d.get("attention_bias"))),
-            mlp_bias=family == "llama" and bool(d.get("mlp_bias")),
+            or (family in ("llama", "qwen3", "qwen3_moe", "granite") and bool(d.get("attention_bias"))),
+            mlp_bias=family in ("llama", "granite") and bool(d.get("mlp_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
             **moe,
-            **({"hidden_act": d.get("hidden_act", "silu")} | gemma),
+            **({"hidden_act": d.get("hidden_act", "silu")} | gemma | (granite_fields(d) if family == "granite" else {})),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -292,7 +305,7 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "qwen3", "qwen3_moe"):
+        if self.family in ("llama", "qwen3", "qwen3_moe", "granite"):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
@@ -305,8 +318,11 @@ class ModelConfig:
                          norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
             if self.family == "qwen2_moe":
                 d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        if self.family == "llama":
+        if self.family in ("llama", "granite"):
             d["mlp_bias"] = self.mlp_bias
+        if self.family == "granite":
+            d.update(embedding_multiplier=self.embedding_multiplier, attention_multiplier=self.attention_multiplier,
+                     residual_multiplier=self.residual_multiplier, logits_scaling=self.logits_scaling)
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
             if self.family not in ("mistral", "mixtral"):
@@ -314,7 +330,7 @@ class ModelConfig:
                 d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
         if self.family in GEMMA_FAMILIES:
             d.update(model_type="gemma3_text" if self.family == "gemma3" else "gemma2",
-                     hidden_activation=self.hidden_act, query_pre_attn_scalar=_int_if_whole(self.query_pre_attn_scalar),
+                     hidden_activation=self.hidden_act, query_pre_attn_scalar=int_if_whole(self.query_pre_attn_scalar),
                      attn_logit_softcapping=self.attn_logit_softcap,
                      final_logit_softcapping=self.final_logit_softcap, layer_types=list(self.layer_types or ()))
             for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys: Gemma lists layer_types
@@ -356,33 +372,3 @@ class ModelConfig:
         from jaxserve.loader.gguf_config import config_from_gguf
 
         return config_from_gguf(meta, vocab_size, has_output_weight, rope_tensors)
-
-
-def _gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """The ModelConfig fields particular to Gemma 2 and Gemma 3 text models, from their HF config."""
-    num_layers = d["num_hidden_layers"]
-    layer_types = d.get("layer_types")
-    if not layer_types:
-        if family == "gemma2":  # HF Gemma 2 windows the even layers
-            layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-        else:  # Gemma 3: every `sliding_window_pattern`-th layer is global
-            pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
-            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                           for i in range(num_layers)]
-    fields: dict[str, Any] = dict(
-        layer_types=tuple(layer_types),
-        hidden_act=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
-        query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or head_dim),
-        attn_logit_softcap=d.get("attn_logit_softcapping"),
-        final_logit_softcap=d.get("final_logit_softcapping"),
-    )
-    if family == "gemma3":
-        local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
-        if local.get("rope_type", "default") != "default":
-            raise UnsupportedModelError(f"scaled rotary embeddings on the sliding layers ({local}) are not supported")
-        fields["rope_local_theta"] = float(local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0)
-    return fields
-
-
-def _int_if_whole(x: float | None) -> float | int | None:
-    return int(x) if x is not None and float(x).is_integer() else x

@@ -11,6 +11,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `pythonic` | a reply that is a Python list of calls, `[f(a=1), g(b="x")]` | Llama 3.2 / 4, ToolACE |
 | `qwen3_coder` | `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values typed by the tool's schema | Qwen3-Coder |
 | `phi4_mini_json` | `functools[{"name": ..., "arguments": {...}}, ...]`, between text | Phi-4-mini |
+| `granite` | a reply that is `<|tool_call|>` (or `<tool_call>`) and a JSON list of `{"name", "arguments"}` | Granite 3.x |
 
 A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
 """
@@ -28,7 +29,7 @@ from server.py_calls import PythonCallReader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 from server.xml_calls import XmlCallReader, typed
 
-ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json"]
+ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite"]
 
 
 def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
@@ -176,6 +177,19 @@ class Phi4MiniParser(ToolParser):
         return JsonCallReader(lists=True)
 
 
+class GraniteParser(ToolParser):
+    name = "granite"
+    openers = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's special token, 3.1's text
+    leading = True
+    keeps_special_tokens = True
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        return _json_calls(body)
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        return JsonCallReader(lists=None)
+
+
 class PythonicParser(ToolParser):
     name = "pythonic"
     openers = ("<|python_start|>", "[")
@@ -244,7 +258,8 @@ class Qwen3CoderParser(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
-                                                           Phi4MiniParser, PythonicParser, Qwen3CoderParser)}
+                                                           Phi4MiniParser, PythonicParser, Qwen3CoderParser,
+                                                           GraniteParser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

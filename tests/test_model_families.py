@@ -94,6 +94,11 @@ FAMILIES = {
                                      "partial_rotary_factor": 0.5, "original_max_position_embeddings": 48,
                                      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 1.2],
                                                       "long_factor": [9.0, 2.0, 17.0, 5.0]}}),
+    # Granite 3's scalars, none of them 1: embeddings x 12, attention scale 1/8 (not 1/sqrt(16)), block outputs
+    # x 0.22 into the residual, logits / 8; biases on attention and the MLP.
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.125,
+                                  "residual_multiplier": 0.22, "logits_scaling": 8.0, "attention_bias": True,
+                                  "mlp_bias": True, "tie_word_embeddings": True}),
     # Layer 0 windowed, layer 1 global; soft-caps small enough that tanh bends the logits.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),

@@ -70,6 +70,10 @@ CASES = [
     ("phi4_mini_json", 'Let me check. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
      "Let me check.", [W]),
     ("phi4_mini_json", "The functools module helps.", "The functools module helps.", []),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+                '"arguments": {"zone": "CET", "hours": [1, 2], "dst": true}}]', "", [W, T]),
+    ("granite", ' <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [W]),
+    ("granite", "No <|tool_call|> here.", "No <|tool_call|> here.", []),
     ("phi4_mini_json", 'functools{"name": "get_weather"}', 'functools{"name": "get_weather"}', []),
     ("pythonic", '[get_weather(city="Paris"), get_time(zone="CET", hours=[1, 2], dst=True)]', "", [W, T]),
     ("pythonic", '<|python_start|>[get_weather(city="Paris")]<|python_end|>', "", [W]),
@@ -222,8 +226,8 @@ def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen3_coder",
-                               "qwen3_xml"]
+    assert sorted(PARSERS) == ["granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
+                               "qwen3_coder", "qwen3_xml"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 
 

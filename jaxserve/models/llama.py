@@ -154,12 +154,12 @@ def _layer(
             out = out + lp.bo
         if lp.post_attn_norm is not None:
             out = model_norm(cfg, out, lp.post_attn_norm)
-        x = x + out
+        x = x + _residual(cfg, out)
 
     if lp.router is not None:
         with jax.named_scope("moe"):
             h = model_norm(cfg, x, lp.mlp_norm)
-            return (x + moe_mlp(h, lp, cfg, expert_layout), k_all, v_all), None
+            return (x + _residual(cfg, moe_mlp(h, lp, cfg, expert_layout)), k_all, v_all), None
 
     with jax.named_scope("mlp"):
         h = model_norm(cfg, x, lp.mlp_norm)
@@ -181,8 +181,13 @@ def _layer(
             down = down + lp.b_down
         if lp.post_mlp_norm is not None:
             down = model_norm(cfg, down, lp.post_mlp_norm)
-        x = x + down
+        x = x + _residual(cfg, down)
     return (x, k_all, v_all), None
+
+
+def _residual(cfg: ModelConfig, out: jax.Array) -> jax.Array:
+    """A block's output as its residual add takes it: scaled by Granite's `residual_multiplier`."""
+    return out if cfg.residual_multiplier == 1.0 else out * jnp.asarray(cfg.residual_multiplier, out.dtype)
 
 
 # The unrolled loop calls one traced layer: every layer has the same shapes, so the layer is traced
@@ -202,6 +207,8 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
         logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    if cfg.logits_scaling != 1.0:  # Granite
+        logits = logits / cfg.logits_scaling
     return logits
 
 
@@ -225,6 +232,8 @@ def forward(
         x = params.embed[inputs.token_ids]  # [T, E]
         if cfg.family in GEMMA_FAMILIES:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        if cfg.embedding_multiplier != 1.0:  # Granite
+            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     tables = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt)}
     tables[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else tables[False]
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
