@@ -176,6 +176,11 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
             w.add_float32("phi3.rope.scaling.attn_factor", math.sqrt(1 + math.log(factor) / math.log(original)))
             w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
             w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    if arch == "granite":  # its scalars, as llama.cpp's converter writes them
+        w.add_embedding_scale(c.embedding_multiplier)
+        w.add_residual_scale(c.residual_multiplier)
+        w.add_attention_scale(c.attention_multiplier)
+        w.add_logit_scale(c.logits_scaling)
     if gemma:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -205,9 +210,9 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
             continue
         parts = name.split(".")
         a = p.numpy().astype(np.float32)
-        if parts[-2] == "q_proj" and arch == "llama":
+        if parts[-2] == "q_proj" and arch in ("llama", "granite"):
             a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif parts[-2] == "k_proj" and arch == "llama":
+        elif parts[-2] == "k_proj" and arch in ("llama", "granite"):
             a = _llama_cpp_permute(a, c.num_key_value_heads)
         elif gemma and name.endswith("norm.weight"):
             a = a + 1.0
@@ -386,6 +391,23 @@ def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
         assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # GGUF stores it in float32
         assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps) == want
         np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_granite_gguf_logits_equal_the_hf_model(tmp_path):
+    """Granite as llama.cpp writes it (Llama's rotary row order, its four scalars as metadata): the HF model's
+    config and logits."""
+    from tests.test_model_families import FAMILIES, save_tiny_hf
+
+    config_cls, overrides = FAMILIES["granite"]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **{**overrides, "attention_bias": False, "mlp_bias": False})
+    path = _write_gguf(tmp_path / "granite.gguf", model, "granite")
+    cfg = open_checkpoint(path).config()
+    assert cfg.family == "granite" and (cfg.embedding_multiplier, cfg.attention_multiplier, cfg.residual_multiplier,
+                                        cfg.logits_scaling) == pytest.approx((12.0, 0.125, 0.22, 8.0))
+    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
 @pytest.mark.parametrize("family", ["phi3", "phi3_longrope"])

@@ -1,6 +1,6 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
-The Llama-family architectures map onto `ModelConfig` directly. Gemma 2, Gemma 3 and the mixture-of-experts
+The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3 and the mixture-of-experts
 files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE) become the HF config
 their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
 keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary
@@ -19,7 +19,10 @@ from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load).
 _LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                                      "phi3": "mistral"}
+                                      "phi3": "mistral", "granite": "granite"}
+# Granite's scalars: GGUF key (after the architecture) to ModelConfig field.
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
+                   "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
 _GEMMA = ("gemma2", "gemma3")
 # Architectures read through the HF config their converter read (`ModelConfig.from_hf`); llama's with
 # experts is Mixtral.
@@ -102,4 +105,5 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         qk_norm=family == "qwen3",
         sliding_window=int(sliding) if sliding else None,
         rotary_dim=rotary if rotary != head_dim else None,
+        **({f: float(get(k)) for k, f in _GRANITE_SCALES.items()} if family == "granite" else {}),
     )
