@@ -1,10 +1,11 @@
-"""Gemma 2 and Gemma 3 served by the engine against HF transformers' greedy tokens.
+"""Gemma 2, Gemma 3 and Granite served by the engine against HF transformers' greedy tokens.
 
-What sets them apart from the other families happens per layer or per step: sliding and global layers
+What sets Gemma apart from the other families happens per layer or per step: sliding and global layers
 alternate (each layer's window static: an unrolled loop, or a loop over the repeating groups), attention logits are
 soft-capped inside the attention kernel, Gemma 3's sliding layers rotate by their own base. Tiny random
 models saved from transformers' config classes, prompts longer than the window, chunked prefill and
-batched decode, on the XLA path and the generic Pallas kernel (interpreted).
+batched decode, on the XLA path and the generic Pallas kernel (interpreted). Granite scales its embeddings,
+residual adds and logits, and sets its own attention scale.
 """
 
 from __future__ import annotations
@@ -74,3 +75,29 @@ def test_engine_greedy_equals_transformers(gemma, backend):
                 final[int(out.request_id)] = out.outputs[0].token_ids
     engine.check_integrity()
     assert [final[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_granite_engine_greedy_equals_transformers(tmp_path):
+    """Granite's scalars (embeddings, attention scale, residual, logits) through the engine's own layouts (each
+    layer unrolled with fused projections on the CPU, one scanned layer elsewhere), chunked and batched."""
+    config_cls, overrides = FAMILIES["granite"]
+    model = save_tiny_hf(config_cls, tmp_path, vocab_size=VOCAB, **overrides)
+    ckpt = open_checkpoint(str(tmp_path))
+    cfg = ckpt.config()
+    loaded = LoadedModel(str(tmp_path), "granite", cfg, load_params(ckpt, cfg, jnp.float32, progress=False),
+                         fake_tokenizer(), jnp.float32, 0.0)
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    for loop in ("unroll", "scan"):
+        args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                          kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
+                          num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop)
+        engine = LLMEngine(args, loaded=loaded, progress=False)
+        greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, greedy)
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[int(out.request_id)] = out.outputs[0].token_ids
+        assert [final[i] for i in range(len(PROMPTS))] == expected, loop
