@@ -12,7 +12,7 @@ from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite"]
+                 "granite", "granitemoe"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -25,6 +25,7 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
     # Mistral's architecture with its q/k/v and gate/up projections fused (split at load); a config written
     # back names the family's first architecture (Mistral's).
     "Phi3ForCausalLM": "mistral",
@@ -32,8 +33,9 @@ _HF_ARCHITECTURES: dict[str, Family] = {
 _HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                                       "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                                       "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral",
-                                      "granite": "granite"}
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe")
+                                      "granite": "granite", "granitemoe": "granitemoe"}
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
+GRANITE_FAMILIES: tuple[str, ...] = ("granite", "granitemoe")
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
@@ -219,9 +221,11 @@ class ModelConfig:
             moe = dict(
                 num_experts=d.get("num_local_experts") or d.get("num_experts") or 0,
                 num_experts_per_tok=d.get("num_experts_per_tok", 2),
-                # Mixtral's experts have the dense MLP's width; Qwen MoE declares theirs apart.
-                moe_intermediate_size=d["intermediate_size"] if family == "mixtral" else d["moe_intermediate_size"],
-                norm_topk_prob=True if family == "mixtral" else bool(d.get("norm_topk_prob", False)),
+                # Mixtral's and Granite's experts have the config's MLP width; Qwen MoE declares theirs apart.
+                moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "granitemoe")
+                else d["moe_intermediate_size"],
+                # Granite: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
+                norm_topk_prob=True if family in ("mixtral", "granitemoe") else bool(d.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
                 if family == "qwen2_moe" else 0,
             )
@@ -275,14 +279,15 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "qwen3", "qwen3_moe", "granite") and bool(d.get("attention_bias"))),
+            or (family in ("llama", "qwen3", "qwen3_moe", *GRANITE_FAMILIES) and bool(d.get("attention_bias"))),
             mlp_bias=family in ("llama", "granite") and bool(d.get("mlp_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
             **moe,
-            **({"hidden_act": d.get("hidden_act", "silu")} | gemma | (granite_fields(d) if family == "granite" else {})),
+            **({"hidden_act": d.get("hidden_act", "silu")} | gemma | (granite_fields(d) if family in GRANITE_FAMILIES
+                                                                       else {})),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -305,13 +310,13 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "qwen3", "qwen3_moe", "granite"):
+        if self.family in ("llama", "qwen3", "qwen3_moe", *GRANITE_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
         if self.num_experts:
             d.update(num_experts_per_tok=self.num_experts_per_tok)
-            if self.family == "mixtral":
+            if self.family in ("mixtral", "granitemoe"):
                 d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             else:
                 d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
@@ -320,7 +325,7 @@ class ModelConfig:
                 d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if self.family in ("llama", "granite"):
             d["mlp_bias"] = self.mlp_bias
-        if self.family == "granite":
+        if self.family in GRANITE_FAMILIES:
             d.update(embedding_multiplier=self.embedding_multiplier, attention_multiplier=self.attention_multiplier,
                      residual_multiplier=self.residual_multiplier, logits_scaling=self.logits_scaling)
         if self.sliding_window is not None:

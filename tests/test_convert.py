@@ -86,6 +86,26 @@ def test_convert_hf_dir_round_trip(tmp_path, family):
     assert rel_err(hf_logits(again, ids), hf_logits(model, ids)) < 1e-6
 
 
+def test_convert_granite_moe_writes_its_fused_experts(tmp_path):
+    """Granite MoE's experts, split per expert at load, are written back fused (one tensor per kind), and
+    transformers reads the output as the model it built."""
+    from safetensors import safe_open
+
+    from tests.test_moe import FAMILIES as MOE_FAMILIES
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    model = save_tiny_hf(MOE_FAMILIES["granitemoe"][0], src, **MOE_FAMILIES["granitemoe"][1])
+    write_tiny_tokenizer(src)
+    convert(src, out)
+    with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:
+        assert sorted(f.keys()) == sorted(g.keys())
+        for key in g.keys():
+            np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = random_prompt(24)
+    assert rel_err(hf_logits(again, ids), hf_logits(model, ids)) < 1e-6
+
+
 def test_converted_logits_and_tokenizer(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     make_source(src, "llama")

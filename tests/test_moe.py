@@ -27,6 +27,10 @@ FAMILIES = {
     # Qwen2-MoE: no renormalization, plus a sigmoid-gated shared expert; q/k/v biases.
     "qwen2_moe": ("Qwen2MoeConfig", {**MOE, "num_experts": 8, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 40, "norm_topk_prob": False}),
+    # Granite MoE: a softmax over the top-k logits, experts fused in one tensor per kind, Granite's scalars.
+    "granitemoe": ("GraniteMoeConfig", {**MOE, "num_local_experts": 4, "intermediate_size": 48,
+                                        "embedding_multiplier": 12.0, "attention_multiplier": 0.125,
+                                        "residual_multiplier": 0.22, "logits_scaling": 8.0}),
     # Qwen3-MoE: renormalized top-k, q/k norms, no shared expert.
     "qwen3_moe": ("Qwen3MoeConfig", {**MOE, "num_experts": 8, "moe_intermediate_size": 32,
                                      "norm_topk_prob": True, "head_dim": 16}),
@@ -57,7 +61,7 @@ def test_moe_config_parsing_per_family(tiny_moe):
     cfg = HFDirectory(path).config()
     assert cfg.norm_topk_prob is (family != "qwen2_moe")
     assert (cfg.shared_expert_intermediate_size > 0) is (family == "qwen2_moe")
-    assert cfg.moe_intermediate_size == (48 if family == "mixtral" else 32)
+    assert cfg.moe_intermediate_size == (48 if family in ("mixtral", "granitemoe") else 32)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.keymap import KV_SCALE_PATHS, hf_names, hf_target, to_hf_tensor
+from jaxserve.loader.keymap import hf_tensors
 from jaxserve.models.params import Params, param_paths
 
 MAX_SHARD_BYTES = 2 << 30
@@ -46,9 +46,9 @@ def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str) -
     flat = {k: np.asarray(v) for k, v in param_paths(params).items()}
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name in hf_names(cfg):
-        scale = hf_target(name, cfg).path in KV_SCALE_PATHS  # stays float32
-        t = np.ascontiguousarray(to_hf_tensor(name, cfg, flat).astype(np.float32 if scale else np_dtype))
+    for name, t in hf_tensors(cfg, flat):
+        scale = name.endswith(("self_attn.k_scale", "self_attn.v_scale"))  # stays float32
+        t = np.ascontiguousarray(t.astype(np.float32 if scale else np_dtype))
         if size and size + t.nbytes > MAX_SHARD_BYTES:
             shards.append({})
             size = 0

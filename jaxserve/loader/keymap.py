@@ -8,7 +8,7 @@ refused with a message that names them.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +64,7 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
     if cfg.num_experts:
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
-        moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+        moe = _moe_module(cfg)
         t[f"{moe}.gate.weight"] = ("layers.router", lambda w: w.T, (X, E))
         if Fs:
             t["mlp.shared_expert.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
@@ -101,7 +101,7 @@ KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale")
 def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Per-expert MLP tensor names (after `...experts.{j}.`) to our stacked parameters; HF layout [out, in]."""
     E, Fe = cfg.hidden_size, cfg.moe_intermediate_size
-    if cfg.family == "mixtral":
+    if _moe_module(cfg) == "block_sparse_moe":
         return {"w1": ("layers.we_gate", (Fe, E)), "w3": ("layers.we_up", (Fe, E)), "w2": ("layers.we_down", (E, Fe))}
     return {"gate_proj": ("layers.we_gate", (Fe, E)), "up_proj": ("layers.we_up", (Fe, E)),
             "down_proj": ("layers.we_down", (E, Fe))}
@@ -113,6 +113,32 @@ _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\
 
 
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+# Granite MoE's experts, all in one tensor each: gate and up rows per expert, down, and its router.
+_GRANITE_MOE_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(input_linear|output_linear|router\.layer)"
+                             r"\.weight$")
+
+
+def _moe_module(cfg: ModelConfig) -> str:
+    """The name of a layer's MoE module: Mixtral's and Granite's `block_sparse_moe`, Qwen's `mlp`."""
+    return "block_sparse_moe" if cfg.family in ("mixtral", "granitemoe") else "mlp"
+
+
+def granite_experts(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """Granite MoE's fused expert tensors as Mixtral's per-expert ones (`experts.{j}.w1/w3/w2`, the router
+    `gate`), checked against the config."""
+    m = _GRANITE_MOE_RE.match(name)
+    assert m is not None
+    prefix, kind = m.groups()
+    X, F, E = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    want = {"input_linear": (X, 2 * F, E), "output_linear": (X, E, F), "router.layer": (X, E)}[kind]
+    if tuple(tensor.shape) != want:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
+    if kind == "router.layer":
+        return [(f"{prefix}gate.weight", tensor)]
+    if kind == "output_linear":
+        return [(f"{prefix}experts.{j}.w2.weight", tensor[j]) for j in range(X)]
+    return [(f"{prefix}experts.{j}.{w}.weight", part) for j in range(X)
+            for w, part in (("w1", tensor[j, :F]), ("w3", tensor[j, F:]))]
 
 
 def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
@@ -165,7 +191,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             path, transform, shape = spec
             return Target(path, layer, transform, shape)
         e = _EXPERT_RE.match(rest) if cfg.num_experts else None
-        if e and e.group(1) == ("block_sparse_moe" if cfg.family == "mixtral" else "mlp"):
+        if e and e.group(1) == _moe_module(cfg):
             expert, kind = int(e.group(2)), e.group(3)
             if expert >= cfg.num_experts:
                 raise CheckpointError(f"tensor {name!r} names expert {expert}, but the model has "
@@ -183,10 +209,38 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg))
-        moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+        moe = _moe_module(cfg)
         for j in range(cfg.num_experts):
             names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}.weight" for kind in _expert_targets(cfg))
     return names
+
+
+_MIXTRAL_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(?:experts\.(\d+)\.(w[123])|gate)\.weight$")
+
+
+def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
+    """Every (HF name, HF-layout tensor) of a checkpoint of `cfg`, from our (host) parameters; a Granite MoE
+    model's experts fused back into its one tensor per kind (the inverse of `granite_experts`)."""
+    pairs = ((name, to_hf_tensor(name, cfg, params_flat)) for name in hf_names(cfg))
+    if cfg.family != "granitemoe":
+        yield from pairs
+        return
+    held: dict[tuple[int, str], np.ndarray] = {}
+    for name, t in pairs:
+        m = _MIXTRAL_EXPERT_RE.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, j, kind = m.groups()
+        if j is None:
+            yield f"{prefix}router.layer.weight", t
+            continue
+        held[(int(j), kind)] = t
+        if len(held) == 3 * cfg.num_experts:  # the layer's every expert: its fused tensors
+            X = range(cfg.num_experts)
+            yield f"{prefix}input_linear.weight", np.stack([np.concatenate([held[(x, "w1")], held[(x, "w3")]]) for x in X])
+            yield f"{prefix}output_linear.weight", np.stack([held[(x, "w2")] for x in X])
+            held.clear()
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:
@@ -223,8 +277,9 @@ class WeightAssembler:
     def add(self, name: str, tensor: np.ndarray) -> None:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes."""
         name = canonical_name(name)
-        if _FUSED_RE.match(name):
-            for part_name, part in unfused(name, tensor, self.cfg):
+        if _FUSED_RE.match(name) or self.cfg.family == "granitemoe" and _GRANITE_MOE_RE.match(name):
+            split = unfused if _FUSED_RE.match(name) else granite_experts
+            for part_name, part in split(name, tensor, self.cfg):
                 self.add(part_name, part)
             return
         target = hf_target(name, self.cfg)
