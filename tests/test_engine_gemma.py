@@ -24,6 +24,7 @@ from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
 from jaxserve.models.inputs import KVCache  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import VOCAB, fake_tokenizer  # noqa: E402
+from tests.modelrun import drain  # noqa: E402
 from tests.test_model_families import FAMILIES, save_tiny_hf  # noqa: E402
 
 NEW_TOKENS = 10
@@ -65,16 +66,16 @@ def test_engine_greedy_equals_transformers(gemma, backend):
     engine = LLMEngine(args, loaded=loaded, progress=False)
     # Unrolled on the CPU's XLA path; elsewhere a loop over the groups of a sliding and a global layer.
     assert engine.runner.cfg.layer_loop == ("unroll" if backend == "xla" else "scan")
+    assert _greedy(engine) == expected  # the 21-token prompt is chunked: 16 + 5
+
+
+def _greedy(engine) -> list[list[int]]:
+    """The engine's greedy tokens for PROMPTS, batched."""
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):  # the 21-token prompt is chunked: 16 + 5
+    for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, greedy)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[int(out.request_id)] = out.outputs[0].token_ids
-    engine.check_integrity()
-    assert [final[i] for i in range(len(PROMPTS))] == expected
+    final = drain(engine)
+    return [list(final[str(i)].outputs[0].token_ids) for i in range(len(PROMPTS))]
 
 
 def test_granite_engine_greedy_equals_transformers(tmp_path):
@@ -91,13 +92,4 @@ def test_granite_engine_greedy_equals_transformers(tmp_path):
         args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
                           kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
                           num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop)
-        engine = LLMEngine(args, loaded=loaded, progress=False)
-        greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), prompt, greedy)
-        final = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final[int(out.request_id)] = out.outputs[0].token_ids
-        assert [final[i] for i in range(len(PROMPTS))] == expected, loop
+        assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected, loop
