@@ -17,6 +17,7 @@ as content.
 
 from __future__ import annotations
 
+import abc
 import json
 import string
 from dataclasses import dataclass
@@ -188,8 +189,11 @@ class CallDelta:
     arguments: str
 
 
-def _whole_call(obj: dict[str, Any]) -> tuple[str, str] | None:
-    """A call's name and arguments text from its decoded object; None if it is not a call."""
+def whole_call(obj: Any) -> tuple[str, str] | None:
+    """A call's name and arguments text (as json.dumps writes them) from its decoded object
+    `{"name": ..., "arguments" or "parameters": {...}}`; None if it is not a call."""
+    if not isinstance(obj, dict):
+        return None
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return None
@@ -202,7 +206,7 @@ def _whole_call(obj: dict[str, Any]) -> tuple[str, str] | None:
     return (name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
-class Reader:
+class Reader(abc.ABC):
     """What the readers share: the text read, how much of it went into calls, the calls given out."""
 
     def __init__(self) -> None:
@@ -235,8 +239,10 @@ class Reader:
         or not calls from some point on), given out as content; "" when it ended cleanly."""
         return "" if self.clean and not self.failed else self.text[self.used:]
 
+    @abc.abstractmethod
     def _step(self, ch: str, at: int, out: list[CallDelta]) -> None:
-        raise NotImplementedError
+        """Read one more character of the region (`at` its index in `text`), adding what it settles to `out`;
+        ValueError where the region stops being calls."""
 
     def _start_call(self, name: str, out: list[CallDelta]) -> None:
         out.append(CallDelta(self.calls, name, ""))
@@ -328,7 +334,7 @@ class JsonCallReader(Reader):
 
     def _end_call(self, at: int, out: list[CallDelta]) -> None:
         if not any(self.obj.get(k) is _STREAMED for k in ARGS_KEYS):  # did not stream: whole now
-            call = _whole_call(self.obj)
+            call = whole_call(self.obj)
             if call is None:
                 raise ValueError("not a call")
             self._start_call(call[0], out)

@@ -31,16 +31,15 @@ def _enabled(state: ServerState, request: Request) -> None:
                             f"{request.url.path}", code="not_found")
 
 
-async def _on_engines(state: ServerState, fn: Any, timeout: float) -> list[Any]:
-    """`fn(engine)` on every replica's engine thread; engine errors as API errors."""
+async def _on_engines(state: ServerState, fn: Any, timeout: float, param: str | None = None) -> list[Any]:
+    """`fn(engine)` on every replica's engine thread; engine errors as API errors (`param` the field a
+    refusal names)."""
     try:
         out = await asyncio.to_thread(state.engine.call_on_engine, fn, timeout)
     except EngineBusyError as e:
         raise ApiError(409, str(e), code="engine_busy") from e
-    except ValueError as e:
-        raise ApiError(400, str(e), code="invalid_request") from e
-    except EngineError as e:
-        raise ApiError(400, str(e), code="invalid_request") from e
+    except (ValueError, EngineError) as e:
+        raise ApiError(400, str(e), param=param, code="invalid_request") from e
     return out if isinstance(out, list) else [out]
 
 
@@ -87,11 +86,7 @@ async def update_weights_from_disk(request: Request) -> Response:
     if path is not None and not (isinstance(path, str) and path):
         raise bad_field("model_path", "'model_path' must be a path (a string)", "invalid_type")
     try:
-        await _on_engines(state, lambda e: e.memory.load_weights(path), timeout=3600)
-    except ApiError as e:
-        if e.status != 400:
-            raise
-        raise ApiError(400, e.message, param="model_path", code="invalid_request") from e
+        await _on_engines(state, lambda e: e.memory.load_weights(path), timeout=3600, param="model_path")
     finally:
         state.sleeping = any(await _on_engines(state, lambda e: e.memory.asleep, timeout=60))
     return JSONResponse({"success": True, "message": f"weights loaded from {path or 'the served checkpoint'}"})

@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
-from server.json_calls import JsonCallReader, NamedArgsReader, Reader
+from server.json_calls import JsonCallReader, NamedArgsReader, Reader, whole_call
 from server.py_calls import PythonCallReader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 from server.xml_calls import XmlCallReader, typed
@@ -32,23 +32,10 @@ from server.xml_calls import XmlCallReader, typed
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite"]
 
 
-def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+def _call(obj: Any) -> ParsedCall | None:
     """A call from a decoded `{"name": ..., "arguments": {...}}` object; None if it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args: Any = {}
-    for key in args_keys:
-        if key in obj:
-            args = obj[key]
-            break
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    call = whole_call(obj)
+    return None if call is None else ParsedCall(*call)
 
 
 def _calls(values: list[Any]) -> list[ParsedCall] | None:

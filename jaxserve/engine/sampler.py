@@ -230,14 +230,21 @@ def sample(
     processed = lax.cond(jnp.any(t.constrained), lambda x: _apply_bitmask(x, t), lambda x: x, processed)
 
     greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    token_ids = lax.cond(
-        jnp.any(~t.greedy),
-        lambda x: jnp.where(t.greedy, greedy_ids, _sample_random(x, t)),
-        lambda x: greedy_ids,
-        processed,
-    )
-
-    scores = None if logprobs_mode == "raw_logprobs" else _reported(logits, processed, t, logprobs_mode)
+    if logprobs_mode.startswith("processed"):  # the filtered distribution both draws and reports
+        z, e, threshold = _filtered(processed, t)
+        token_ids = lax.cond(jnp.any(~t.greedy), lambda: jnp.where(t.greedy, greedy_ids, _draw(z, e, threshold, t)),
+                             lambda: greedy_ids)
+        scores = jnp.where(z >= jnp.where(t.greedy, -jnp.inf, threshold)[:, None], z, -jnp.inf)  # greedy: T = 1
+    else:
+        token_ids = lax.cond(
+            jnp.any(~t.greedy),
+            lambda x: jnp.where(t.greedy, greedy_ids, _draw(*_filtered(x, t), t)),
+            lambda x: greedy_ids,
+            processed,
+        )
+        scores = None if logprobs_mode == "raw_logprobs" else logits
+    if scores is not None and logprobs_mode.endswith("logprobs"):
+        scores = jax.nn.log_softmax(scores, axis=-1)
     values = logits if scores is None else scores
     chosen = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]  # [S]
     ranks = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)
@@ -249,14 +256,6 @@ def sample(
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
         top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
     return SamplerOutput(token_ids, chosen - shift, ranks, top_ids.astype(jnp.int32), top_logprobs, scores)
-
-
-def _reported(logits: jax.Array, processed: jax.Array, t: SamplingTensors, mode: str) -> jax.Array:
-    """Every token's value in `mode` (see the module docstring): [S, V]."""
-    if mode.startswith("processed"):
-        z, _, threshold = _filtered(processed, t)  # as the draw filtered them (greedy rows: temperature 1)
-        logits = jnp.where(z >= jnp.where(t.greedy, -jnp.inf, threshold)[:, None], z, -jnp.inf)
-    return jax.nn.log_softmax(logits, axis=-1) if mode.endswith("logprobs") else logits
 
 
 def _bias_and_mask_stop_ids(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -304,8 +303,8 @@ def _filtered(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Arr
     return z, e, threshold
 
 
-def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    z, e, threshold = _filtered(logits, t)
+def _draw(z: jax.Array, e: jax.Array, threshold: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Each random row's token: the exponential race over the probabilities `e` its filters keep."""
     keep = z >= threshold[:, None]
     noise = exponential_noise(_row_keys(t), z.shape[1])  # [S, V]
     return jnp.argmax(jnp.where(keep, e, 0.0) / noise, axis=-1).astype(jnp.int32)
@@ -313,7 +312,7 @@ def _sample_random(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def _thresholds(logits: jax.Array, z_max: jax.Array, total: jax.Array, t: SamplingTensors) -> jax.Array:
     """Per row, the smallest scaled logit that survives top-k, top-p and min-p: [S]."""
-    z = logits / t.temperature[:, None]  # [S, V], as in _sample_random
+    z = logits / t.temperature[:, None]  # [S, V], as in _filtered
     S, V = z.shape
     K = min(TOP_K_CAP, V)
     cand_z, _ = lax.top_k(z, K)  # [S, K], descending
