@@ -46,6 +46,10 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
     num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
     rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
     sliding_window_pattern=6)
+# transformers' LlamaConfig defaults, which the text_config of LLaVA checkpoints leaves out.
+LLAMA_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,14 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of
-        Gemma 3's image-text models, the language model (served as text)."""
+        Gemma 3's image-text models, the language model (served as text); of LLaVA's, the language model (the
+        vision side is `models.vision.VisionConfig`'s)."""
+        if "LlavaForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "llava":
+            text = d.get("text_config") or {}
+            kind = text.get("model_type", "llama")
+            tied = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
+            d = {**(LLAMA_TEXT_DEFAULTS if kind == "llama" else {}), **text, "model_type": kind,
+                 "tie_word_embeddings": tied}
         if "Gemma3ForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "gemma3":
             text = d.get("text_config") or {}
             d = {**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaxserve.images import add_image_args, image_limits
 from jaxserve.json_options import json_object
 from jaxserve.pooling_params import PoolerConfig
 
@@ -149,6 +150,10 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters whose weights stay in host memory (None: max_loras)
+    # Images per prompt, as vLLM's `--limit-mm-per-prompt` ({"image": n}, a JSON object or a mapping; None: no
+    # limit); 0 serves an image-text model as text, its vision tower unloaded (`jaxserve.engine.multimodal`).
+    limit_mm_per_prompt: Mapping[str, int] | None = None
+    allowed_local_media_path: str | None = None  # the directory local image files (paths, file:// URLs) come from
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -161,6 +166,8 @@ class EngineArgs:
         if self.override_generation_config is not None:
             object.__setattr__(self, "override_generation_config", dict(json_object(
                 self.override_generation_config, "override_generation_config", '{"temperature": 0.5}')))
+        if self.limit_mm_per_prompt is not None:
+            object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
         self._check_runner()
         self._check_lora()
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -180,10 +187,9 @@ class EngineArgs:
             raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
-        if self.max_model_len is not None:
-            positive("max_model_len")
-        if self.kv_cache_memory_bytes is not None:
-            positive("kv_cache_memory_bytes")
+        for name in ("max_model_len", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                positive(name)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -374,6 +380,7 @@ class EngineArgs:
                        help="raise if anything compiles after warmup")
         g.add_argument("--no-warmup", dest="warmup", action="store_false",
                        help="skip compiling every shape bucket at start (first requests compile instead)")
+        add_image_args(parser)
         p = parser.add_argument_group("parallelism")
         p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices that split attention heads, MLP width and vocabulary")

@@ -15,10 +15,10 @@ from typing import Any
 
 import jax
 
-from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
+from jaxserve.engine.multimodal import admit_images, step_embeds
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
@@ -112,16 +112,17 @@ class LLMEngine:
                          layer_loop=default_layer_loop(backend) if args.layer_loop == "auto" else args.layer_loop,
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
                          lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
-                         long_rope=self.long_rope_context is not None),
+                         long_rope=self.long_rope_context is not None, images=self.model.vision is not None),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
         self.model = dataclasses.replace(self.model, params=self.runner.params)
         self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules, args.max_cpu_loras)
                       if args.enable_lora else None)
+        self.images, self.image_limit = self.model.vision, (args.limit_mm_per_prompt or {}).get("image")
         self.warmup_seconds = 0.0
         if args.warmup:
-            self.warmup_seconds = self.runner.warmup(progress=progress)
+            self.warmup_seconds = self.runner.warmup(progress=progress) + (self.images.warmup() if self.images else 0)
         self.runner.strict = args.strict_compile
         self._groups: dict[str, RequestGroup] = {}
         self._seq_group: dict[str, RequestGroup] = {}
@@ -162,16 +163,18 @@ class LLMEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | str | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> None:
-        """Queue a request (with a LoRA adapter: `lora_request`, or its name); raises ValueError (naming the
-        problem) if it can never run."""
+        """Queue a request (with a LoRA adapter: `lora_request`, or its name; with images: vLLM's
+        `multi_modal_data={"image": ...}`); raises ValueError (naming the problem) if it can never run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"this engine generates; {type(params).__name__} needs an embedding model "
                              "(runner 'pooling', --runner pooling)")
         self.memory.check_serving()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = truncated_prompt(self.tokenize_prompt(prompt), params, self.max_model_len)
+        prompt_ids, images = admit_images(self.images, truncated_prompt(self.tokenize_prompt(prompt), params,
+                                          self.max_model_len), multi_modal_data, self.image_limit, self.model.name)
         max_tokens, stop_ids = check_request(
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
@@ -183,21 +186,12 @@ class LLMEngine:
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
-                             prompt_logprobs={} if params.prompt_logprobs is not None else None)
-        stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else None
-            child = dataclasses.replace(params, n=1, seed=seed)
-            engine_id = request_id if params.n == 1 else f"{request_id}-{i}"
-            seq = SeqState(engine_id, i, child,
-                       IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
-                       StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
-                       logprobs=[] if params.logprobs is not None else None, bad_words=bad_words,
-                       matcher=None if matcher is None else matcher if i == 0 else matcher.copy())
-            group.seqs.append(seq)
+                             prompt_logprobs={} if params.prompt_logprobs is not None else None, images=images)
+        group.add_completions(params, self.tokenizer, stop_ids, bad_words, matcher)
         for seq in group.seqs:
             self.scheduler.add_request(Request(
-                request_id=seq.engine_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
+                request_id=seq.engine_id, max_tokens=max_tokens,
+                prompt_token_ids=images.cache_ids(prompt_ids) if images else prompt_ids,
                 sampling_params=seq.params, priority=priority, arrival_time=now, **lora,
                 # The first completion computes every prompt position for the prompt logprobs.
                 read_prefix_cache=group.prompt_logprobs is None or seq.index > 0,
@@ -301,12 +295,17 @@ class LLMEngine:
                                   lora_slots=loras, long_prompts=longs)
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
-            inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs)
+            inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs,
+                                     self._step_images if self.images else None)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])
             next_ids = prompt_next_ids(chunks, inputs.token_ids.shape[0])
             return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
+
+    def _step_images(self, rows: list[ScheduledRequest], T: int):
+        return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.hidden_size,
+                           self.images.dtype)
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
         """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add."""

@@ -21,6 +21,7 @@ from jaxserve.generation_config import sampling_defaults
 from jaxserve.loader import (
     checkpoint_tokenizer,
     load_params,
+    load_vision,
     model_display_name,
     open_checkpoint,
     resolve_model,
@@ -50,6 +51,8 @@ class LoadedModel:
     """The `sharding.ShardingPlan` when the model spans several devices (None on one device)."""
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What a request that leaves a sampling field out gets (`jaxserve.generation_config`)."""
+    vision: Any = None
+    """An image-text model's `multimodal.ImageEncoder` (None: a text model, or images turned off)."""
 
 
 def resolve_dtype(args: EngineArgs) -> Any:
@@ -113,10 +116,30 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)
     else:
         params = _convert(ckpt, cfg, plan, dtype, progress)
+    vision = _image_encoder(args, ckpt, cfg, dtype, path)
     loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0,
                          sampling_defaults=sampling_defaults(path, args.generation_config,
-                                                             args.override_generation_config))
+                                                             args.override_generation_config), vision=vision)
     return _with_plan(loaded, plan) if plan else loaded
+
+
+def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str) -> Any:
+    """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
+    from jaxserve.engine.multimodal import ImageEncoder
+    from jaxserve.images import ImageProcessor
+    from jaxserve.models.vision import VisionConfig, random_vision_params
+
+    vcfg = VisionConfig.from_hf(ckpt.hf_config) if hasattr(ckpt, "hf_config") else None
+    if vcfg is None or (args.limit_mm_per_prompt or {}).get("image") == 0 or args.is_pooling:
+        return None
+    if args.num_processes > 1:
+        raise UnsupportedModelError("images are not served on a multi-host cluster; serve the model as text with "
+                                    "--limit-mm-per-prompt '{\"image\": 0}'")
+    if args.load_format == "dummy":
+        params = random_vision_params(vcfg, dtype, args.seed)
+    else:
+        vcfg, params = load_vision(ckpt, cfg, dtype)
+    return ImageEncoder(vcfg, params, ImageProcessor.from_dir(path), args.allowed_local_media_path)
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:

@@ -158,6 +158,23 @@ class RequestGroup:
     metrics: RequestMetrics
     prompt_logprobs: dict[int, Any] | None = None
     """With `prompt_logprobs` asked: each prompt position's entry (position >= 1), as computed."""
+    images: Any = None
+    """Its prompt's images (`multimodal.ImagePrompt`), or None."""
+
+    def add_completions(self, params: SamplingParams, tokenizer: Any, stop_ids: tuple[int, ...],
+                        bad_words: list[list[int]], matcher: Any) -> None:
+        """Its `params.n` completions, each with its own seed (the request's + its index), detokenizer, stop
+        checker and grammar matcher (copies of `matcher`)."""
+        stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else None
+            child = dataclasses.replace(params, n=1, seed=seed)
+            engine_id = self.request_id if params.n == 1 else f"{self.request_id}-{i}"
+            self.seqs.append(SeqState(
+                engine_id, i, child, IncrementalDetokenizer(tokenizer, self.prompt_ids, params.skip_special_tokens),
+                StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
+                logprobs=[] if params.logprobs is not None else None, bad_words=bad_words,
+                matcher=None if matcher is None else matcher if i == 0 else matcher.copy()))
 
     @property
     def finished(self) -> bool:

@@ -82,6 +82,9 @@ class RunnerConfig:
     (`ModelInputs.long_prompt`): an engine serving the model past that context."""
     logprobs_mode: str = "raw_logprobs"
     """What sampled tokens' logprobs report (`EngineArgs.logprobs_mode`, `sampler.sample`)."""
+    images: bool = False
+    """Mixed steps carry image embeddings and which tokens take them (`ModelInputs.image_embeds`): an image-text
+    engine's."""
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
 
@@ -243,6 +246,7 @@ class ModelRunner:
         """Whether the model returns its hidden states, which prompt logprobs need."""
         self._no_penalty: dict[int, PenaltyInputs] = {}
         self._no_prompt_logprobs: dict[int, PromptLogprobInputs] = {}
+        self._no_images: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._baseline_compiles: int | None = None
         self.strict = False
         self.num_steps = 0
@@ -353,6 +357,12 @@ class ModelRunner:
         S = inputs.block_tables.shape[0]
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
         plp = self.prompt_logprob_inputs(prompt_next_ids, inputs.token_ids.shape[0])
+        if self.cfg.images and inputs.image_embeds is None:  # one executable per bucket, with images or none
+            T = inputs.token_ids.shape[0]
+            if T not in self._no_images:
+                self._no_images[T] = (jnp.zeros((T, self.model_cfg.hidden_size), self.params.embed.dtype),
+                                      jnp.zeros((T,), jnp.bool_))
+            inputs = dataclasses.replace(inputs, image_embeds=self._no_images[T][0], image_mask=self._no_images[T][1])
         t0 = time.perf_counter()
         out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, plp, np.bool_(want_top))
         return InFlightStep("mixed", out, t0, S)

@@ -120,7 +120,9 @@ class NgramIndex:
             suffix = t[L - n:L]
             for start in np.flatnonzero(codes[:L - n] == codes[L - n])[::-1]:
                 if np.array_equal(t[start:start + n], suffix):  # not a hash collision
-                    return t[start + n:min(start + n + k, L)].astype(np.int32)
+                    draft = t[start + n:min(start + n + k, L)].astype(np.int32)
+                    images = np.flatnonzero(draft < 0)  # an image's cache ids (`multimodal`) are no tokens
+                    return draft[:images[0]] if images.size else draft
         return np.empty(0, np.int32)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ def long_prompts(rows: Sequence[ScheduledRequest], request_of: Callable[[str], A
 
 def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                  lora_slots: Sequence[int] | None = None, merge: bool = False,
-                 long_prompts: Sequence[bool] | None = None) -> tuple[ModelInputs, int]:
+                 long_prompts: Sequence[bool] | None = None,
+                 images: Callable[[Sequence[ScheduledRequest], int], Any] | None = None) -> tuple[ModelInputs, int]:
     """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
     `lora_slots` (a LoRA engine's): each row's adapter slot; `long_prompts` (`RunnerConfig.long_rope`): whether
-    each row's prompt is longer than the LongRoPE model's original context.
+    each row's prompt is longer than the LongRoPE model's original context; `images(rows, T)` (an image-text
+    engine's): the step's image embeddings and mask (`multimodal.step_embeds`), or None.
 
     With `merge`, consecutive rows of one request at consecutive positions (a drafted decode's row and its
     draft rows, `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits
@@ -63,6 +66,9 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                                lora_slots=None if lora_slots is None else slots,
                                long_prompts=None if long_prompts is None else longs,
                                logit_rows=rows if merged else None)
+    got = images(scheduled, T) if images is not None else None
+    if got is not None:
+        inputs = dataclasses.replace(inputs, image_embeds=got[0], image_mask=got[1])
     return inputs, S
 
 

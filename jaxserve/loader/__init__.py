@@ -21,7 +21,7 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 __all__ = ["CheckpointError", "GGUFFile", "HFDirectory", "bundled_model_path", "open_checkpoint", "load_params",
-           "resolve_model", "model_display_name"]
+           "load_vision", "resolve_model", "model_display_name"]
 
 
 def bundled_model_path() -> str:
@@ -106,3 +106,17 @@ def load_params(
     if place is None:
         place = lambda _path, host: jax.device_put(host)  # noqa: E731
     return assembler.finish(place)
+
+
+def load_vision(ckpt: GGUFFile | HFDirectory, cfg: ModelConfig, dtype: Any) -> tuple[Any, Any] | None:
+    """An image-text checkpoint's vision config and weights (`models.vision`), on the default device; None for a
+    text model."""
+    from jaxserve.models.vision import VisionConfig, is_vision_tensor, load_vision_params
+
+    vcfg = VisionConfig.from_hf(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
+    if vcfg is None:
+        return None
+    if vcfg.text_hidden_size != cfg.hidden_size:
+        raise CheckpointError(f"the vision projector writes {vcfg.text_hidden_size} wide embeddings, the language "
+                              f"model takes {cfg.hidden_size}")
+    return vcfg, load_vision_params(vcfg, ckpt.tensors(cfg, select=is_vision_tensor), dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -57,23 +57,24 @@ class HFDirectory:
                 names.extend(f.keys())
         return names
 
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(self, cfg: ModelConfig, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array) one tensor at a time (bfloat16 files included); the quantized weights
-        its `quantization_config` describes come dequantized (`jaxserve.quantization`)."""
+        its `quantization_config` describes come dequantized (`jaxserve.quantization`). `select`: only the
+        tensors whose names it accepts (and their scales) are read."""
         quant = parse_quantization(self.hf_config.get("quantization_config"))
         if quant is None:
-            for name, array in self._stored_tensors():
+            for name, array in self._stored_tensors(select):
                 yield name, array.astype(np.float32, copy=False)
             return
         try:
-            yield from dequantized_tensors(self._stored_tensors(), quant)
+            yield from dequantized_tensors(self._stored_tensors(select), quant)
         except ValueError as e:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(str(e)) from e
 
-    def _stored_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """(HF name, array in its stored dtype), one tensor at a time."""
+    def _stored_tensors(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, array in its stored dtype), one tensor at a time; with `select`, those it accepts."""
         from safetensors import safe_open
 
         for file in self.files:
@@ -81,6 +82,8 @@ class HFDirectory:
                 with safe_open(file, framework="numpy") as f:
                     header = None
                     for name in f.keys():
+                        if select is not None and not select(name):
+                            continue
                         if f.get_slice(name).get_dtype() not in _FLOAT8:
                             yield name, f.get_tensor(name)
                             continue

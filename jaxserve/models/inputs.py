@@ -84,6 +84,10 @@ class ModelInputs:
     long_prompt: jax.Array | None = None
     """[T] bool: the token's sequence has a prompt longer than a LongRoPE model's original context, so all its
     positions take the long factors (`llama.rope_tables`); only in engines serving past that context."""
+    image_embeds: jax.Array | None = None
+    """[T, E]: the embeddings the decoder takes for image tokens, in place of their tokens'; image-text engines
+    only (`engine.multimodal`)."""
+    image_mask: jax.Array | None = None  # [T] bool: the tokens that take `image_embeds`
 
     @classmethod
     def build(

@@ -229,9 +229,12 @@ def forward(
     `expert_layout` (a `sharding.ExpertLayout`, MoE models only) places the experts on a mesh."""
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
-        x = params.embed[inputs.token_ids]  # [T, E]
+        ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
+        x = params.embed[ids]  # [T, E]; an image's tokens stand for it by a negative id (`engine.multimodal`)
         if cfg.family in GEMMA_FAMILIES:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        if inputs.image_embeds is not None:  # an image's tokens take its embeddings (scaled as inputs are after)
+            x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds.astype(x.dtype), x)
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     tables = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt)}

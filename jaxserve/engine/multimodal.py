@@ -1,0 +1,166 @@
+"""Images in an engine's requests: placeholders expanded, images encoded once at admission, their embeddings fed
+to the decoder in place of the placeholder tokens' embeddings, step by step as the prompt's chunks run.
+
+The prefix cache and the router's KV events key pages by token ids, and every placeholder of every image has the
+same id: there an image's tokens are keyed instead by an id made from a hash of its processed pixels (negative, so
+never a vocabulary token). Two prompts share cached pages over an image only when the images are the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.images import ImageError, ImageProcessor, load_image, pixels_digest
+from jaxserve.models.vision import VisionConfig, VisionParams, encode_images
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt's images: where each one's tokens sit, what the decoder takes there, and its cache id."""
+
+    spans: list[tuple[int, int]]  # (first position, number of tokens), in prompt order
+    embeds: list[np.ndarray]  # [tokens, E] each, in the model's dtype
+    keys: list[int]  # each image's negative id in the prefix cache
+
+    def cache_ids(self, ids: Sequence[int]) -> list[int]:
+        """The prompt as the prefix cache keys it: each image's tokens as that image's id."""
+        out = list(ids)
+        for (start, n), key in zip(self.spans, self.keys, strict=True):
+            out[start:start + n] = [key] * n
+        return out
+
+    def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int) -> None:
+        """The embeddings of positions [start, start + count) that are image tokens, into `out` rows from t0."""
+        for (first, n), emb in zip(self.spans, self.embeds, strict=True):
+            lo, hi = max(start, first), min(start + count, first + n)
+            if lo < hi:
+                out[t0 + lo - start:t0 + hi - start] = emb[lo - first:hi - first]
+                mask[t0 + lo - start:t0 + hi - start] = True
+
+
+class ImageEncoder:
+    """An image-text model's vision side on the device: its processor, tower and projector."""
+
+    def __init__(self, cfg: VisionConfig, params: VisionParams, processor: ImageProcessor,
+                 allowed_local_path: str | None = None):
+        self.cfg = cfg
+        self.params = params
+        self.dtype = params.patch.dtype  # the model's: what the decoder takes
+        self.processor = processor
+        self.allowed_local_path = allowed_local_path
+        self._encode = jax.jit(functools.partial(encode_images, cfg=cfg))
+
+    @property
+    def image_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    def warmup(self) -> float:
+        """Compile the encoder for one image (what every request's images run as); returns the seconds it took."""
+        t0, size = time.perf_counter(), self.cfg.image_size
+        self._encode(self.params, pixels=jnp.zeros((1, self.cfg.num_channels, size, size), jnp.float32))
+        return time.perf_counter() - t0
+
+    def pixels(self, image: Any) -> np.ndarray:
+        """One image, from anything `load_image` reads, as the tower's normalized pixels [C, S, S]."""
+        pixels = self.processor(load_image(image, self.allowed_local_path))
+        want = (self.cfg.num_channels, self.cfg.image_size, self.cfg.image_size)
+        if pixels.shape != want:
+            raise ImageError(f"the image processor made pixels of shape {pixels.shape}; the vision tower takes {want}")
+        return pixels
+
+    def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
+        """The prompt with each image's placeholder expanded to its tokens (a placeholder already expanded is kept),
+        and its images encoded. The prompt must hold one placeholder per image."""
+        tok, n = self.cfg.image_token_id, self.cfg.tokens_per_image
+        runs = _runs(ids, tok)
+        if len(runs) != len(images):
+            raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {tok}) for {len(images)} "
+                             "image(s): put one placeholder where each image goes")
+        bad = [length for _, length in runs if length not in (1, n)]
+        if bad:
+            raise ValueError(f"an image placeholder run of {bad[0]} tokens: each image takes one placeholder token "
+                             f"(expanded here) or exactly {n}")
+        out: list[int] = []
+        spans: list[tuple[int, int]] = []
+        prev = 0
+        for start, length in runs:
+            out.extend(ids[prev:start])
+            spans.append((len(out), n))
+            out.extend([tok] * n)
+            prev = start + length
+        out.extend(ids[prev:])
+        embeds, keys = [], []
+        for image in images:
+            pixels = self.pixels(image)
+            emb = self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0]
+            embeds.append(np.asarray(emb))
+            digest = pixels_digest(pixels)
+            keys.append(-1 - int.from_bytes(digest[:4], "little") % (2**31 - 2))
+        return out, ImagePrompt(spans, embeds, keys)
+
+
+def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of `tok` in ids."""
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] == tok:
+            j = i
+            while j < len(ids) and ids[j] == tok:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def admit_images(encoder: ImageEncoder | None, ids: list[int], multi_modal_data: Any, limit: int | None,
+                 model: str) -> tuple[list[int], ImagePrompt | None]:
+    """A request's prompt with its images' placeholders expanded, and its images encoded (None: it has none)."""
+    images = images_of(multi_modal_data)
+    if not images:
+        return ids, None
+    if encoder is None:
+        why = "its images are turned off (limit_mm_per_prompt image 0)" if limit == 0 else "it is a text model"
+        raise ValueError(f"model {model!r} takes no images: {why}")
+    if limit is not None and len(images) > limit:
+        raise ValueError(f"{len(images)} images exceed the limit of {limit} per prompt (limit_mm_per_prompt)")
+    return encoder.prompt(ids, images)
+
+
+def images_of(multi_modal_data: Any) -> list[Any]:
+    """The images of vLLM's `multi_modal_data` ({"image": one image or a list}); others are refused by name."""
+    if not multi_modal_data:
+        return []
+    if not isinstance(multi_modal_data, dict):
+        raise ValueError(f"multi_modal_data must be a dict like {{'image': ...}}, got {type(multi_modal_data).__name__}")
+    other = sorted(set(multi_modal_data) - {"image"})
+    if other:
+        raise ValueError(f"multi_modal_data {other} is not supported: images only ('image')")
+    images = multi_modal_data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+
+
+def step_embeds(rows: Sequence[Any], image_prompt: Callable[[str], ImagePrompt | None], num_tokens: int,
+                hidden: int, dtype: Any) -> tuple[jax.Array, jax.Array] | None:
+    """The image embeddings of a mixed step's packed tokens ([T, E]) and which tokens take them ([T] bool), for
+    rows (`ScheduledRequest`s) in packing order; None when no row has an image token."""
+    out = mask = None
+    t0 = 0
+    for s in rows:
+        prompt = image_prompt(s.request_id)
+        if prompt is not None and not s.is_decode:
+            if out is None:
+                out, mask = np.zeros((num_tokens, hidden), dtype), np.zeros(num_tokens, np.bool_)
+            prompt.fill(s.start_position, s.num_new_tokens, out, mask, t0)
+        t0 += s.num_new_tokens
+    return None if out is None or not mask.any() else (jnp.asarray(out), jnp.asarray(mask))

@@ -1,0 +1,234 @@
+"""Images in: read from what a client sends (a data URL, an http(s) URL, a local file, bytes or a PIL image) and
+turned into the pixel arrays a vision tower takes, the way the model's HF image processor makes them.
+
+The processing follows transformers' PIL image processors (CLIP's and SigLIP's), step for step: RGB (transparency
+over white), a resize with the processor's resampling filter (the shortest edge to a length, or to a fixed size),
+a center crop, a rescale to [0, 1] and a per-channel normalization.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import os
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAX_IMAGE_BYTES = 20 * 2**20
+FETCH_TIMEOUT_S = 10.0
+_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor")
+
+
+class ImageError(ValueError):
+    """An image could not be read, or is not allowed from where it was asked for."""
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as e:  # pragma: no cover - Pillow is a dependency
+        raise ImageError("reading images needs Pillow (pip install pillow)") from e
+    return Image
+
+
+def load_image(source: Any, allowed_local_path: str | None = None, timeout: float = FETCH_TIMEOUT_S):
+    """A PIL image from a PIL image, bytes, a `data:image/...;base64,` URL, an http(s) URL, or a local file
+    (`file://` URL or path; only under `allowed_local_path`, as vLLM's `--allowed-local-media-path`)."""
+    Image = _pil()
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, (bytes, bytearray)):
+        return _open(bytes(source), "image bytes")
+    if not isinstance(source, str):
+        raise ImageError(f"an image must be a URL, a path, bytes or a PIL image, got {type(source).__name__}")
+    if source.startswith("data:"):
+        header, sep, payload = source.partition(",")
+        if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):
+            raise ImageError("an image data URL must read data:image/<type>;base64,<data>")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ImageError(f"the image data URL is not valid base64: {e}") from e
+        return _open(data, "the image data URL")
+    scheme = urllib.parse.urlparse(source).scheme
+    if scheme in ("http", "https"):
+        return _open(_fetch(source, timeout), source)
+    path = urllib.parse.unquote(urllib.parse.urlparse(source).path) if scheme == "file" else source
+    if scheme not in ("", "file"):
+        raise ImageError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)")
+    if allowed_local_path is None:
+        raise ImageError(f"local image {source!r} refused: local files are read only under the directory given by "
+                         "--allowed-local-media-path")
+    real, root = os.path.realpath(path), os.path.realpath(allowed_local_path)
+    if os.path.commonpath([real, root]) != root:
+        raise ImageError(f"local image {source!r} is outside the allowed directory {allowed_local_path!r}")
+    try:
+        with open(real, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise ImageError(f"cannot read image {source!r}: {e.strerror}") from e
+    return _open(_capped(data, source), source)
+
+
+def _fetch(url: str, timeout: float) -> bytes:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "jaxserve"}),
+                                    timeout=timeout) as r:
+            return _capped(r.read(MAX_IMAGE_BYTES + 1), url)
+    except (OSError, ValueError) as e:
+        raise ImageError(f"cannot fetch image {url}: {e}") from e
+
+
+def _capped(data: bytes, where: str) -> bytes:
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"image {where} is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+    return data
+
+
+def _open(data: bytes, where: str):
+    Image = _pil()
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a bad file
+        raise ImageError(f"{where} is not an image Pillow can read: {e}") from e
+    return image
+
+
+def _rgb(image):
+    """RGB pixels as transformers makes them: transparency composited over white."""
+    Image = _pil()
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """A CLIP or SigLIP image processor's settings (`preprocessor_config.json`)."""
+
+    resize: tuple[str, int, int] | None  # ("shortest_edge", n, 0) or ("fixed", height, width)
+    resample: int
+    crop: tuple[int, int] | None
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    convert_rgb: bool
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
+        kind = (d.get("image_processor_type") or "CLIPImageProcessor").removesuffix("Fast").removesuffix("Pil")
+        if kind not in _SUPPORTED:
+            raise ImageError(f"image processor {kind!r} is not supported (supported: {', '.join(_SUPPORTED)})")
+        clip = kind == "CLIPImageProcessor"
+        size = d.get("size", {"shortest_edge": 224} if clip else {"height": 224, "width": 224})
+        if isinstance(size, int):
+            size = {"shortest_edge": size} if clip else {"height": size, "width": size}
+        if "shortest_edge" in size and "longest_edge" not in size:
+            resize = ("shortest_edge", int(size["shortest_edge"]), 0)
+        elif "height" in size and "width" in size:
+            resize = ("fixed", int(size["height"]), int(size["width"]))
+        else:
+            raise ImageError(f"image processor size {size} is not supported")
+        crop = d.get("crop_size", {"height": 224, "width": 224})
+        crop = (crop, crop) if isinstance(crop, int) else (int(crop["height"]), int(crop["width"]))
+        mean = d.get("image_mean", (0.48145466, 0.4578275, 0.40821073) if clip else (0.5, 0.5, 0.5))
+        std = d.get("image_std", (0.26862954, 0.26130258, 0.27577711) if clip else (0.5, 0.5, 0.5))
+        return cls(
+            resize=resize if d.get("do_resize", True) else None, resample=int(d.get("resample", 3)),
+            crop=crop if d.get("do_center_crop", clip) else None,
+            rescale=float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
+            mean=tuple(mean) if d.get("do_normalize", True) else None, std=tuple(std),
+            convert_rgb=bool(d.get("do_convert_rgb", True)))
+
+    @classmethod
+    def from_dir(cls, path: str) -> ImageProcessor:
+        """The processor an HF model directory declares (`preprocessor_config.json`, or the `image_processor` of
+        `processor_config.json`)."""
+        for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+            file = os.path.join(path, name)
+            if os.path.isfile(file):
+                with open(file) as f:
+                    d = json.load(f)
+                d = d.get(key) if key else d
+                if d:
+                    return cls.from_dict(d)
+        raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
+
+    def __call__(self, image) -> np.ndarray:
+        """The image as float32 pixels [C, H, W], normalized."""
+        Image = _pil()
+        image = _rgb(image) if self.convert_rgb else image
+        if self.resize is not None:
+            w, h = image.size
+            if self.resize[0] == "shortest_edge":
+                n = self.resize[1]
+                short, long = (w, h) if w <= h else (h, w)
+                new_long = int(n * long / short)
+                h, w = (new_long, n) if w <= h else (n, new_long)
+            else:
+                h, w = self.resize[1], self.resize[2]
+            image = image.resize((w, h), resample=Image.Resampling(self.resample))
+        pixels = np.array(image)
+        pixels = (pixels[None] if pixels.ndim == 2 else np.moveaxis(pixels, -1, 0))  # [C, H, W]
+        if self.crop is not None:
+            pixels = _center_crop(pixels, *self.crop)
+        out = pixels.astype(np.float64) * self.rescale if self.rescale is not None else pixels
+        out = out.astype(np.float32)
+        if self.mean is not None:
+            mean = np.asarray(self.mean, np.float32)[:, None, None]
+            std = np.asarray(self.std, np.float32)[:, None, None]
+            out = (out - mean) / std
+        return out
+
+
+def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """transformers' center crop: the middle (top and left rounded down), zero-padded where the image is smaller."""
+    _, h, w = pixels.shape
+    if h < height or w < width:
+        nh, nw = max(h, height), max(w, width)
+        padded = np.zeros(pixels.shape[:-2] + (nh, nw), pixels.dtype)
+        top, left = -(-(nh - h) // 2), -(-(nw - w) // 2)
+        padded[:, top:top + h, left:left + w] = pixels
+        pixels, h, w = padded, nh, nw
+    top, left = (h - height) // 2, (w - width) // 2
+    return pixels[:, top:top + height, left:left + width]
+
+
+def pixels_digest(pixels: np.ndarray) -> bytes:
+    """What identifies an image to the prefix cache: a hash of its processed pixels."""
+    return hashlib.sha256(np.ascontiguousarray(pixels).tobytes()).digest()
+
+
+def image_limits(value: Any) -> dict[str, int]:
+    """vLLM's `--limit-mm-per-prompt` (a JSON object or a mapping) checked: images only, a count >= 0."""
+    from jaxserve.json_options import json_object
+
+    limits = dict(json_object(value, "limit_mm_per_prompt", '{"image": 2}'))
+    other = sorted(set(limits) - {"image"})
+    if other:
+        raise ValueError(f"limit_mm_per_prompt names {other}: only 'image' inputs are served")
+    n = limits.get("image", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"limit_mm_per_prompt image must be an integer >= 0, got {n!r}")
+    return limits
+
+
+def add_image_args(parser) -> None:
+    """The engine's flags for image inputs."""
+    g = parser.add_argument_group("images")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='most images per prompt, e.g. \'{"image": 2}\' (default: no limit); {"image": 0} serves an '
+                        "image-text model as text, without loading its vision tower")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a directory whose image files requests may name (a path or a file:// URL); without it "
+                        "only data: and http(s) URLs are read")
