@@ -26,12 +26,21 @@ class ChatTemplateError(ValueError):
     """The chat template refused the conversation, or could not be compiled or rendered."""
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil")
+"""Content parts that carry an image: OpenAI's `image_url` (`{"url": ...}` or the URL), the Responses API's
+`input_image`, and `image` / `image_pil` (an image object or a URL), as vLLM takes them from Python."""
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]], images: list[Any] | None = None,
+                       placeholder: str | None = None) -> list[dict[str, Any]]:
     """Copies of `messages` ready for a template: None-valued keys dropped, text parts joined.
 
-    OpenAI clients send `content` either as a string or as a list of parts; only `{"type": "text"}`
-    parts are understood, and they are joined with newlines into one string so every template, even
-    one that concatenates `message['content']`, can render it.
+    OpenAI clients send `content` either as a string or as a list of parts. Text parts are joined with
+    newlines into one string so every template, even one that concatenates `message['content']`, can render
+    it. With `images` (a list, an image-text model's), image parts are understood too: their images are
+    appended to `images` in order, and each stands in the content as `placeholder` (the text of the model's
+    image token) or, without one, the content stays a list of parts, `{"type": "image"}` for an image, as
+    transformers gives it to templates that place images themselves.
     """
     out = []
     for index, message in enumerate(messages):
@@ -44,7 +53,11 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if isinstance(plain.get("tool_calls"), list):
             plain["tool_calls"] = [_tool_call_for_template(call) for call in plain["tool_calls"]]
         content = plain.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and images is not None:
+            parts = [_image_or_text(index, part, images) for part in content]
+            plain["content"] = parts if placeholder is None else "\n".join(
+                placeholder if p["type"] == "image" else p["text"] for p in parts)
+        elif isinstance(content, list):
             plain["content"] = "\n".join(_text_of_part(index, part) for part in content)
         elif content is not None and not isinstance(content, str):
             raise ValueError(
@@ -81,6 +94,8 @@ def _text_of_part(index: int, part: Any) -> str:
     if not isinstance(part, Mapping):
         raise ValueError(f"message {index} has a content part that is not an object: {part!r}")
     kind = part.get("type")
+    if kind in IMAGE_PARTS:
+        raise ValueError(f"message {index} has an image ({kind!r} part); this model takes text only")
     if kind != "text":
         raise ValueError(
             f"message {index} has a content part of type {kind!r}; only 'text' parts are supported"
@@ -91,6 +106,20 @@ def _text_of_part(index: int, part: Any) -> str:
     return text
 
 
+def _image_or_text(index: int, part: Any, images: list[Any]) -> dict[str, Any]:
+    """A content part as a template sees it; an image part's image goes to `images`."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind not in IMAGE_PARTS:
+        return {"type": "text", "text": _text_of_part(index, part)}
+    value = part.get("image_url" if kind == "input_image" else kind)
+    if kind in ("image_url", "input_image") and isinstance(value, Mapping):
+        value = value.get("url")
+    if value is None:
+        raise ValueError(f"message {index} has an {kind!r} part without its image")
+    images.append(value)
+    return {"type": "image"}
+
+
 def render_chat_template(
     template: str,
     messages: Sequence[Mapping[str, Any]],
@@ -98,17 +127,43 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
     documents: Sequence[Mapping[str, Any]] | None = None,
+    images: list[Any] | None = None,
+    image_placeholder: str | None = None,
     **variables: Any,
 ) -> str:
-    """Render `template` over `messages`; `variables` (e.g. `bos_token`, `enable_thinking`) reach the template."""
+    """Render `template` over `messages`; `variables` (e.g. `bos_token`, `enable_thinking`) reach the template.
+
+    With `images` (a list: an image-text model's), the messages' images are appended to it in order and the
+    text holds one `image_placeholder` for each, where it stands: from the template, when it writes the
+    placeholder for the image parts it is given, else (a template that only reads text) from the content
+    written as text with the placeholder in each image's place (vLLM's two content formats)."""
     if not messages:
         raise ValueError("cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(t, Mapping) for t in tools):
         raise ValueError("tools must be JSON schema objects")
     compiled = compile_chat_template(template)
+    seen: list[Any] = []
+    parts = normalize_messages(messages, seen) if images is not None else None
+    if seen:
+        text = None
+        try:
+            text = _render(compiled, parts, add_generation_prompt, tools, documents, variables)
+        except (ChatTemplateError, TypeError):  # a template that takes text content only
+            pass
+        if text is None or (image_placeholder is not None and text.count(image_placeholder) != len(seen)):
+            text = _render(compiled, normalize_messages(messages, [], image_placeholder), add_generation_prompt,
+                           tools, documents, variables)
+        images.extend(seen)
+        return text
+    return _render(compiled, normalize_messages(messages), add_generation_prompt, tools, documents, variables)
+
+
+def _render(compiled: jinja2.Template, messages: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: Sequence[Mapping[str, Any]] | None, documents: Sequence[Mapping[str, Any]] | None,
+            variables: dict[str, Any]) -> str:
     try:
         return compiled.render(
-            messages=normalize_messages(messages),
+            messages=messages,
             tools=None if tools is None else [dict(t) for t in tools],
             documents=None if documents is None else [dict(d) for d in documents],
             add_generation_prompt=add_generation_prompt,

@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, one_token_params
 from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.multimodal import image_spec
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import (
@@ -56,8 +57,10 @@ class LLM:
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]}), in input order; with
-        `lora_request` (one for all, or one per prompt), through a LoRA adapter (`enable_lora=True`)."""
+        """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]} / {"prompt": ...}, with
+        {"multi_modal_data": {"image": ...}} for an image-text model's images, one placeholder in the prompt for each),
+        in input order; with `lora_request` (one for all, or one per prompt), through a LoRA adapter
+        (`enable_lora=True`)."""
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts))
@@ -85,14 +88,16 @@ class LLM:
         starting a reply (`add_generation_prompt` is then off); `documents` go to the template, for
         retrieval-augmented models."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
+        tok, spec = self.engine.tokenizer, image_spec(self.engine)
         extra = dict(chat_template_kwargs or {}) | ({"documents": list(documents)} if documents is not None else {})
-        prompts = [
-            tok.encode_chat(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                            tools=tools, chat_template=chat_template, continue_final_message=continue_final_message,
-                            **extra)
-            for conv in conversations
-        ]
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            images: list[Any] = []  # an image-text model's: image parts' images (PIL images or URLs) in order
+            more = {"images": images, "image_placeholder": spec.placeholder} if spec else {}
+            ids = tok.encode_chat(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                  tools=tools, chat_template=chat_template,
+                                  continue_final_message=continue_final_message, **extra, **more)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
@@ -211,11 +216,13 @@ class LLM:
                  loras: Sequence[Any] | None = None) -> list[str]:
         ids = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            extra = {"lora_request": loras[i]} if loras and loras[i] is not None else {}
             if isinstance(prompt, dict):
+                if prompt.get("multi_modal_data"):
+                    extra["multi_modal_data"] = prompt["multi_modal_data"]
                 prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
             rid = str(next(self._ids))
-            lora = {"lora_request": loras[i]} if loras and loras[i] is not None else {}
-            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, **lora)
+            self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, **extra)
             ids.append(rid)
         return ids
 

@@ -182,7 +182,7 @@ async def tokenize(request: Request) -> Response:
     if "messages" in body:  # rendered exactly as a chat request's prompt (the same fields, the same checks)
         req = parse_chat({**body, "tool_choice": "none"} if body.get("tools") else body)
         check_request_template(req, state.config.trust_request_chat_template)
-        _, ids = chat_prompt(tok, req, state.config.chat_template)
+        _, ids, _ = chat_prompt(tok, req, state.config.chat_template, getattr(state.engine, "images", None))
     else:
         prompt = get_str(body, "prompt")
         if prompt is None:

@@ -33,6 +33,7 @@ class Job:
     prompt_text: str | None
     params: SamplingParams | PoolingParams
     beam: BeamSearchParams | None = None
+    images: list[Any] | None = None  # its images, read (`multimodal.ImageSpec.load`), for an image-text engine
 
 
 def generated_tokens(out: Any) -> int:
@@ -104,8 +105,9 @@ class Generation:
             except Exception as e:
                 self._queue.put_nowait((i, e))
             return
+        images = {"multi_modal_data": {"image": job.images}} if job.images else {}
         outputs = self._engine.generate(job.prompt_ids, job.params, job.engine_id, priority=priority,
-                                        cache_salt=cache_salt, **self._lora)
+                                        cache_salt=cache_salt, **self._lora, **images)
         try:
             async for out in outputs:
                 self._queue.put_nowait((i, out))

@@ -4,6 +4,7 @@ conversation's oldest turns until its prompt fits."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -66,21 +67,29 @@ def check_request_template(req: ChatRequest, trusted: bool) -> None:
                             "--trust-request-chat-template", param=given, code="unsupported_parameter")
 
 
-def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None) -> tuple[str, list[int]]:
-    """The request's conversation rendered by the chat template (`template`, else the tokenizer's), and its ids."""
+def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None,
+                images: Any = None) -> tuple[str, list[int], list[Any]]:
+    """The request's conversation rendered by the chat template (`template`, else the tokenizer's), its ids, and
+    its images' sources in order; with `images` (an image-text engine's `multimodal.ImageSpec`), image parts are
+    taken, each placeholder expanded to the image's tokens."""
+    found: list[Any] | None = [] if images is not None else None
     try:
+        kwargs = dict(req.chat_template_kwargs)
         if req.documents is not None:
-            kwargs = {"documents": req.documents, **req.chat_template_kwargs}
-        else:
-            kwargs = req.chat_template_kwargs
+            kwargs["documents"] = req.documents
+        if found is not None:
+            kwargs.update(images=found, image_placeholder=images.placeholder)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              tools=req.tools, chat_template=req.chat_template or template,
                                              continue_final_message=req.continue_final_message, **kwargs)
+        ids = tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
+        if found:
+            ids = images.expanded(ids, len(found))
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation
         raise ApiError(400, str(e), param="messages", code="invalid_messages") from e
-    return text, tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
+    return text, ids, found or []
 
 
 def prompt_fits(max_model_len: int, ids: list[int], req: ChatRequest) -> bool:
@@ -93,12 +102,35 @@ def prompt_fits(max_model_len: int, ids: list[int], req: ChatRequest) -> bool:
     return True
 
 
-def drop_turns_to_fit(tokenizer: Any, req: ChatRequest, template: str | None,
-                      max_model_len: int) -> tuple[ChatRequest, str, list[int]]:
-    """`req` without the fewest oldest turns that let its prompt fit (`drop_oldest_turns`), and that prompt."""
+def drop_turns_to_fit(tokenizer: Any, req: ChatRequest, template: str | None, max_model_len: int,
+                      images: Any = None) -> tuple[ChatRequest, str, list[int], list[Any]]:
+    """`req` without the fewest oldest turns that let its prompt fit (`drop_oldest_turns`), and that prompt (as
+    `chat_prompt` gives it)."""
     def fits(messages: list[dict[str, Any]]) -> bool:
         return prompt_fits(max_model_len, chat_prompt(tokenizer, dataclasses.replace(req, messages=messages),
-                                                      template)[1], req)
+                                                      template, images)[1], req)
 
     req = dataclasses.replace(req, messages=drop_oldest_turns(req.messages, fits))
-    return (req, *chat_prompt(tokenizer, req, template))
+    return (req, *chat_prompt(tokenizer, req, template, images))
+
+
+def fitted_chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None, max_model_len: int,
+                       images: Any = None) -> tuple[ChatRequest, str, list[int], list[Any]]:
+    """The request (without its oldest turns, under the Responses API's truncation "auto" when the whole does not
+    fit) and its prompt, as `chat_prompt` gives it."""
+    text, ids, found = chat_prompt(tokenizer, req, template, images)
+    if req.drop_turns_to_fit and not prompt_fits(max_model_len, ids, req):
+        return drop_turns_to_fit(tokenizer, req, template, max_model_len, images)
+    return req, text, ids, found
+
+
+async def read_images(spec: Any, sources: list[Any], beam: bool) -> list[Any]:
+    """A chat's images read (fetched, decoded) off the event loop (`multimodal.ImageSpec.load`); 400 naming what
+    is wrong with one."""
+    if beam:
+        raise ApiError(400, "beam search (use_beam_search) does not take images", param="use_beam_search",
+                       code="unsupported_parameter")
+    try:
+        return await asyncio.to_thread(spec.load, sources)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_image") from e

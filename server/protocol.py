@@ -194,7 +194,7 @@ def _check_body(body: Any) -> Mapping[str, Any]:
 
 
 def check_messages(value: Any) -> list[dict[str, Any]]:
-    """The `messages` list: non-empty, objects with a string role and text content."""
+    """The `messages` list: non-empty, objects with a string role and content of text (and image) parts."""
     if value is _UNSET or value is None:
         raise bad_field("messages", "'messages' is required", "missing_required_parameter")
     if not isinstance(value, list) or not value:
@@ -212,9 +212,15 @@ def check_messages(value: Any) -> list[dict[str, Any]]:
                 pw = f"{where}.content[{j}]"
                 if not isinstance(part, Mapping):
                     raise bad_field(pw, f"{pw} must be a content part object", "invalid_type")
+                if part.get("type") in ("image_url", "input_image"):
+                    url = part.get("image_url")
+                    if not isinstance(url.get("url") if isinstance(url, Mapping) else url, str):
+                        raise bad_field(f"{pw}.image_url", f"{pw}.image_url must be a URL or an object with a 'url'",
+                                        "invalid_type")
+                    continue
                 if part.get("type") != "text":
-                    raise bad_field(f"{pw}.type", f"{pw} has type {part.get('type')!r}; only 'text' content parts "
-                                                  "are supported by this model", "unsupported_content")
+                    raise bad_field(f"{pw}.type", f"{pw} has type {part.get('type')!r}; 'text' and 'image_url' "
+                                                  "content parts are supported", "unsupported_content")
                 if not isinstance(part.get("text"), str):
                     raise bad_field(f"{pw}.text", f"{pw}.text must be a string", "invalid_type")
         elif content is not None and not isinstance(content, str):

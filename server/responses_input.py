@@ -27,11 +27,27 @@ _REFUSED = {
 def _text(part: Any, where: str) -> str:
     if not isinstance(part, Mapping) or part.get("type") not in ("input_text", "output_text", "text"):
         kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        raise bad_field(where, f"{where} has type {kind!r}; only text content is supported by this model",
+        raise bad_field(where, f"{where} has type {kind!r}; text and input_image content are supported",
                         "unsupported_content")
     if not isinstance(part.get("text"), str):
         raise bad_field(f"{where}.text", f"{where}.text must be a string", "invalid_type")
     return part["text"]
+
+
+def _content(parts: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A message's content parts: their text joined, or (with `input_image` parts) chat content parts."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise bad_field(f"{where}[{j}].image_url", f"{where}[{j}].image_url must be an image URL (a data: or "
+                                                           "http(s) URL; file_id is not supported)", "invalid_type")
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            out.append({"type": "text", "text": _text(part, f"{where}[{j}]")})
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
+    return out
 
 
 def _instructions(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -64,7 +80,7 @@ def input_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                 raise bad_field(f"{where}.role", f"{where}.role must be user, assistant, system or developer")
             content = item.get("content")
             if isinstance(content, list):
-                content = "".join(_text(p, f"{where}.content[{j}]") for j, p in enumerate(content))
+                content = _content(content, f"{where}.content")
             elif not isinstance(content, str):
                 raise bad_field(f"{where}.content", f"{where}.content must be a string or a list of content parts",
                                 "invalid_type")
@@ -105,9 +121,10 @@ def listed_input_items(body: Mapping[str, Any], request_id: str) -> tuple[dict[s
         if kind == "message":
             part = "output_text" if item["role"] == "assistant" else "input_text"
             content = item["content"]
-            texts = [content] if isinstance(content, str) else [p["text"] for p in content]
-            parts = [{"type": part, "text": t, **({"annotations": []} if part == "output_text" else {})}
-                     for t in texts]
+            given = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            parts = [dict(p) if p.get("type") == "input_image" else
+                     {"type": part, "text": p["text"], **({"annotations": []} if part == "output_text" else {})}
+                     for p in given]
             out = {"type": "message", "role": item["role"], "content": parts, "status": "completed"}
         elif kind == "reasoning":
             out = {"type": "reasoning", "summary": item.get("summary") or [], "content": item.get("content") or []}

@@ -29,12 +29,11 @@ from server.errors import ApiError, sse_error
 from server.fields import with_sampling_defaults
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
 from server.prompts import (
-    chat_prompt,
     check_request_template,
-    drop_turns_to_fit,
     echoed_text,
     fit_to_context,
-    prompt_fits,
+    fitted_chat_prompt,
+    read_images,
     truncated_ids,
 )
 from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
@@ -98,11 +97,11 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
     engine = state.engine
     check_request_template(req, state.config.trust_request_chat_template)
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
-    text, ids = await _offload(chat_prompt, engine.tokenizer, req, state.config.chat_template,
-                               big=size > _OFFLOAD_CHARS)
-    if req.drop_turns_to_fit and not prompt_fits(engine.max_model_len, ids, req):
-        req, text, ids = await _offload(drop_turns_to_fit, engine.tokenizer, req, state.config.chat_template,
-                                        engine.max_model_len, big=True)
+    spec = getattr(engine, "images", None)
+    req, text, ids, images = await _offload(fitted_chat_prompt, engine.tokenizer, req, state.config.chat_template,
+                                            engine.max_model_len, spec, big=size > _OFFLOAD_CHARS or req.drop_turns_to_fit)
+    if images:
+        images = await read_images(spec, images, req.common.use_beam_search)
     params = req.common.params
     if req.tool_choice is not None and req.tool_choice.mode == "auto":
         parser = state.tool_parser
@@ -115,7 +114,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
     ids = truncated_ids(ids, params, engine.max_model_len)
     params = fit_to_context(engine.max_model_len, ids, params, max_tokens_given=req.common.max_tokens_given,
                             prompt_param="messages", cap=_defaults(state).get("max_tokens"))
-    return [Job(state.engine_id(request_id), ids, text, params, _beam(req, params))]
+    return [Job(state.engine_id(request_id), ids, text, params, _beam(req, params), images or None)]
 
 
 async def _completion_jobs(state: ServerState, req: CompletionRequest, request_id: str) -> list[Job]:

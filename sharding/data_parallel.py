@@ -34,6 +34,7 @@ class DataParallelEngine:
         self.sampling_defaults = first.sampling_defaults
         self.long_rope_context = first.long_rope_context
         self.sleep_mode = first.sleep_mode
+        self.images = first.images
         self._in_flight = [0] * len(replicas)
         self._placed: dict[str, int] = {}
         self._lock = threading.Lock()

@@ -117,3 +117,77 @@ def test_image_errors(llava, tmp_path):
     assert text_only.images is None
     with pytest.raises(ValueError, match="takes no images: its images are turned off"):
         text_only.add_request("z", PROMPTS[1], GREEDY, multi_modal_data={"image": IMAGES[1]})
+
+
+def png_url(image) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_with_images(llava, tmp_path):
+    """`LLM.chat` with image parts (objects, data URLs, local files) as the template places them, or, with a
+    template that reads text only, in each image's place in the text; over HTTP the same tokens, the Responses API
+    included."""
+    import httpx
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.llm import LLM
+    from server.config import ServerConfig
+    from server.runner import serve_in_thread
+
+    path, _ = llava
+    a, b = random_image(11), random_image(12, (50, 25))
+    b.save(tmp_path / "b.png")
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=8, dtype="float32",
+              warmup=False, compile_cache_dir=None, allowed_local_media_path=str(tmp_path))
+    words = "t5 t6 t7"
+    conversation = [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": a}, {"type": "text", "text": words},
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/b.png"}}]}]
+    got = llm.chat(conversation, GREEDY, use_tqdm=False)[0]
+    # The template writes "user : <image> t5 t6 t7 <image> <eos> assistant :": unknown words read as <pad> (0).
+    ids = [0, 0, IMAGE_TOKEN, 5, 6, 7, IMAGE_TOKEN, 1, 0, 0]
+    direct = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)[0]
+    assert got.prompt_token_ids == direct.prompt_token_ids == ids[:2] + [IMAGE_TOKEN] * 16 + [5, 6, 7] + \
+        [IMAGE_TOKEN] * 16 + [1, 0, 0]
+    assert got.outputs[0].token_ids == direct.outputs[0].token_ids
+    # A template that reads text only: each image's placeholder stands in the text, parts joined by newlines.
+    text_only = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    plain = llm.chat(conversation, GREEDY, chat_template=text_only, use_tqdm=False)[0]
+    assert plain.prompt_token_ids == [IMAGE_TOKEN] * 16 + [5, 6, 7] + [IMAGE_TOKEN] * 16
+
+    served = AsyncEngine(llm.engine)
+    http_conv = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_url(a)}}, {"type": "text", "text": words},
+        {"type": "image_url", "image_url": f"file://{tmp_path}/b.png"}]}]
+    body = {"messages": http_conv, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        with serve_in_thread(served, ServerConfig(port=0)) as srv:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == got.outputs[0].text
+            assert r.json()["usage"]["prompt_tokens"] == len(got.prompt_token_ids)
+            r = httpx.post(f"{srv.url}/v1/responses", timeout=60, json={
+                "input": [{"role": "user", "content": [
+                    {"type": "input_image", "image_url": png_url(a)}, {"type": "input_text", "text": words},
+                    {"type": "input_image", "image_url": png_url(b)}]}],
+                "max_output_tokens": NEW_TOKENS, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["input_tokens"] == len(got.prompt_token_ids)
+            assert r.json()["output"][-1]["content"][0]["text"] == got.outputs[0].text
+            for content, status, code in [
+                ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], 400, "invalid_image"),
+                ([{"type": "image_url", "image_url": {"url": "/etc/passwd"}}], 400, "invalid_image"),
+                ([{"type": "text", "text": "t5"}], 200, None),
+            ]:
+                r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
+                               json={**body, "messages": [{"role": "user", "content": content}]})
+                assert r.status_code == status, r.text
+                assert code is None or r.json()["error"]["code"] == code
+    finally:
+        served.shutdown()
+    llm.engine.check_integrity()

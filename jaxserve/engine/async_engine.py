@@ -20,6 +20,7 @@ from typing import Any
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import EngineStats, LLMEngine
 from jaxserve.engine.memory import EngineSleepingError
+from jaxserve.engine.multimodal import image_spec
 from jaxserve.engine_args import EngineArgs
 from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
@@ -38,6 +39,7 @@ class _Add:
     arrival_time: float
     sink: _Sink
     lora_request: Any = None
+    multi_modal_data: Any = None
 
 
 @dataclass
@@ -81,6 +83,7 @@ class AsyncEngine:
         self.sampling_defaults = engine.model.sampling_defaults  # the model's (`jaxserve.generation_config`)
         self.long_rope_context = engine.long_rope_context  # prompts past it are cached apart (jaxserve.rope)
         self.sleep_mode = engine.args.enable_sleep_mode  # sleep and weight updates over HTTP (server/sleep_admin.py)
+        self.images = image_spec(engine)  # an image-text model's placeholder and limits (None: text only)
         self.classifier = getattr(engine, "classifier", None)
         """A sequence classification model's head (its labels), or None."""
         sched = engine.scheduler
@@ -131,9 +134,10 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: Any = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs of one request; the last has `finished=True`. `lora_request`: a
-        `LoRARequest` or an adapter's name.
+        `LoRARequest` or an adapter's name; `multi_modal_data`: its images, as `LLMEngine.add_request` takes them.
 
         Raises ValueError before the first output for requests that can never run, and
         EngineError if the request fails inside the engine. Closing the iterator early
@@ -149,7 +153,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._sinks[request_id] = sink
         self._inbox.put(_Add(request_id, prompt, sampling_params, priority, cache_salt, time.time(), sink,
-                             lora_request))
+                             lora_request, multi_modal_data))
         finished = False
         try:
             while True:
@@ -282,9 +286,11 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            lora = {"lora_request": cmd.lora_request} if cmd.lora_request is not None else {}
+            extra = {"lora_request": cmd.lora_request} if cmd.lora_request is not None else {}
+            if cmd.multi_modal_data:
+                extra["multi_modal_data"] = cmd.multi_modal_data
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                                    cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time, **lora)
+                                    cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time, **extra)
         except (ValueError, EngineSleepingError) as e:
             self._finish_sink(cmd.request_id, e)
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop

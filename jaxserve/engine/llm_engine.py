@@ -18,7 +18,6 @@ import jax
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
-from jaxserve.engine.multimodal import admit_images, step_embeds
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
@@ -28,6 +27,7 @@ from jaxserve.engine.model_loading import (
     params_bytes,
     resolve_attention_backend,
 )
+from jaxserve.engine.multimodal import admit_images, step_embeds
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, engine_stats
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop

@@ -79,24 +79,7 @@ class ImageEncoder:
     def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
         """The prompt with each image's placeholder expanded to its tokens (a placeholder already expanded is kept),
         and its images encoded. The prompt must hold one placeholder per image."""
-        tok, n = self.cfg.image_token_id, self.cfg.tokens_per_image
-        runs = _runs(ids, tok)
-        if len(runs) != len(images):
-            raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {tok}) for {len(images)} "
-                             "image(s): put one placeholder where each image goes")
-        bad = [length for _, length in runs if length not in (1, n)]
-        if bad:
-            raise ValueError(f"an image placeholder run of {bad[0]} tokens: each image takes one placeholder token "
-                             f"(expanded here) or exactly {n}")
-        out: list[int] = []
-        spans: list[tuple[int, int]] = []
-        prev = 0
-        for start, length in runs:
-            out.extend(ids[prev:start])
-            spans.append((len(out), n))
-            out.extend([tok] * n)
-            prev = start + length
-        out.extend(ids[prev:])
+        out, spans = expand_placeholders(ids, self.cfg.image_token_id, self.cfg.tokens_per_image, len(images))
         embeds, keys = [], []
         for image in images:
             pixels = self.pixels(image)
@@ -105,6 +88,60 @@ class ImageEncoder:
             digest = pixels_digest(pixels)
             keys.append(-1 - int.from_bytes(digest[:4], "little") % (2**31 - 2))
         return out, ImagePrompt(spans, embeds, keys)
+
+
+def expand_placeholders(ids: Sequence[int], token: int, n: int, count: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """`ids` with each of its `count` image placeholders (a run of one `token`, or of `n` already expanded) as `n`
+    tokens, and where each image's tokens are (first position, n)."""
+    runs = _runs(ids, token)
+    if len(runs) != count:
+        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {token}) for {count} image(s): "
+                         "put one placeholder where each image goes")
+    bad = [length for _, length in runs if length not in (1, n)]
+    if bad:
+        raise ValueError(f"an image placeholder run of {bad[0]} tokens: each image takes one placeholder token "
+                         f"(expanded here) or exactly {n}")
+    out: list[int] = []
+    spans: list[tuple[int, int]] = []
+    prev = 0
+    for start, length in runs:
+        out.extend(ids[prev:start])
+        spans.append((len(out), n))
+        out.extend([token] * n)
+        prev = start + length
+    out.extend(ids[prev:])
+    return out, spans
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What a front end needs of an image-text engine: its placeholder, tokens per image, limit, local files."""
+
+    token_id: int
+    placeholder: str  # the image token's text, as a chat template writes it
+    tokens_per_image: int
+    limit: int | None
+    allowed_local_path: str | None
+
+    def expanded(self, ids: Sequence[int], count: int) -> list[int]:
+        """A rendered prompt with its `count` images' placeholders expanded; ValueError past the limit."""
+        if self.limit is not None and count > self.limit:
+            raise ValueError(f"{count} images exceed the limit of {self.limit} per prompt (limit_mm_per_prompt)")
+        return expand_placeholders(ids, self.token_id, self.tokens_per_image, count)[0]
+
+    def load(self, sources: Sequence[Any]) -> list[Any]:
+        """The images, read (fetched, decoded) as `load_image` reads them: slow, off the event loop."""
+        return [load_image(source, self.allowed_local_path) for source in sources]
+
+
+def image_spec(engine: Any) -> ImageSpec | None:
+    """An `LLMEngine`'s `ImageSpec`; None when it takes no images."""
+    encoder = getattr(engine, "images", None)
+    if encoder is None:
+        return None
+    token = encoder.image_token_id
+    return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.cfg.tokens_per_image,
+                     engine.image_limit, encoder.allowed_local_path)
 
 
 def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
