@@ -159,6 +159,8 @@ def test_completion_prompt_forms_and_defaults():
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "x"}]}]},
      "messages[0].content[0].type"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"messages": MSG, "prompt_logprobs": -1}, "prompt_logprobs"),
@@ -240,12 +242,12 @@ def test_tools_reach_the_chat_template():
     tok = fake_tokenizer()
     tok.chat_templates["tool_use"] = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
                                       "{% for m in messages %}{{ m.content }}{% endfor %}")
-    text, _ = chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}), None)
+    text, _, _ = chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL], "tool_choice": "none"}), None)
     assert text == "[get_weather]hello"
-    text, _ = chat_prompt(tok, parse_chat({"messages": MSG}), None)
+    text, _, _ = chat_prompt(tok, parse_chat({"messages": MSG}), None)
     assert "[get_weather]" not in text, "without tools the default template renders"
     # The server's --chat-template replaces the model's, tools or not.
-    text, _ = chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL]}), "<{{ messages[0].content }}>")
+    text, _, _ = chat_prompt(tok, parse_chat({"messages": MSG, "tools": [TOOL]}), "<{{ messages[0].content }}>")
     assert text == "<hello>"
 
 
