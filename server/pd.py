@@ -166,6 +166,9 @@ class PDWorker:
         if len(jobs) != 1 or req.common.params.n != 1:
             raise ApiError(400, "disaggregated requests take one prompt and n=1", code="invalid_request")
         job = jobs[0]
+        if job.images:  # the prefix cache keys an image's pages by its content, which a KV transfer does not carry
+            raise ApiError(400, "requests with images are not disaggregated; send them to a worker serving whole "
+                                "requests", param="messages", code="unsupported_parameter")
         salt = req.common.cache_salt
         t0 = time.time()
         self._trace(request, request_id, "prefill_start", prompt_tokens=len(job.prompt_ids))

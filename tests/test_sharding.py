@@ -24,7 +24,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -207,3 +207,10 @@ def test_load_model_places_hf_weights_into_their_shards(results):
     assert moe["kv_repeat"] == 1 and moe["has_expert_layout"] and not dense["has_expert_layout"]
     # Every split parameter holds at most half of itself on any one device.
     assert dense["max_shard_fraction"] <= 0.5 and moe["max_shard_fraction"] <= 0.5
+
+
+def test_images_on_sharded_engines(results):
+    """Images (encoded on one device, fed to every shard's step) give one device's tokens under TP and DP."""
+    r = results["images"]
+    assert r["tp2"] == r["ref"] and r["dp"] == [r["ref"], r["ref"]]
+    assert r["tp2_compiles_after_warmup"] == 0

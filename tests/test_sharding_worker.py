@@ -444,7 +444,45 @@ def case_sleep() -> dict:
     return found
 
 
-CASES = {"sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
+def case_images() -> dict:
+    """A LLaVA model with images on TP=2 and on each replica of DP=2 x TP=2, against one device: the same tokens,
+    nothing compiled after warmup."""
+    import dataclasses
+    import tempfile
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from sharding.data_parallel import DataParallelEngine
+    from tests.llava_model import IMAGE_TOKEN, random_image, save_tiny_llava
+
+    path = tempfile.mkdtemp()
+    save_tiny_llava(path)
+    args = EngineArgs(model=path, dtype="float32", **{**ENGINE_ARGS, "max_model_len": 96})
+    prompts = [[3, IMAGE_TOKEN, 4, 5], [IMAGE_TOKEN, 9, IMAGE_TOKEN, 8, 7]]
+    images = [[random_image(1)], [random_image(2, (60, 20)), random_image(3)]]
+
+    def generate(engine) -> list[list[int]]:
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        for i, (p, ims) in enumerate(zip(prompts, images, strict=True)):
+            engine.add_request(str(i), p, greedy, multi_modal_data={"image": ims})
+        outs: dict = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        return [outs[str(i)] for i in range(len(prompts))]
+
+    found = {"ref": generate(LLMEngine(args, progress=False))}
+    tp2 = LLMEngine(dataclasses.replace(args, tensor_parallel_size=2, strict_compile=True), progress=False)
+    found["tp2"] = generate(tp2)
+    found["tp2_compiles_after_warmup"] = tp2.stats().compilations_after_warmup
+    dp = DataParallelEngine.from_engine_args(dataclasses.replace(args, tensor_parallel_size=2, data_parallel_size=2),
+                                             start=False, progress=False)
+    found["dp"] = [generate(replica.engine) for replica in dp.replicas]
+    return found
+
+
+CASES = {"images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
 
 
 def main(argv: list[str]) -> None:
