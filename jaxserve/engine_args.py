@@ -143,8 +143,7 @@ class EngineArgs:
     # "compressed-tensors"), checked against it; None takes the checkpoint's. Weights are never quantized at load.
     quantization: str | None = None
     # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank` (adapters in one
-    # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) known from
-    # start-up.
+    # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) from start-up.
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
