@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from jaxserve.images import add_image_args, image_limits
 from jaxserve.json_options import json_object
+from jaxserve.lora_request import check_lora_args
 from jaxserve.pooling_params import PoolerConfig
 
 DType = Literal["auto", "float32", "bfloat16"]
@@ -153,6 +154,7 @@ class EngineArgs:
     # limit); 0 serves an image-text model as text, its vision tower unloaded (`jaxserve.engine.multimodal`).
     limit_mm_per_prompt: Mapping[str, int] | None = None
     allowed_local_media_path: str | None = None  # the directory local image files (paths, file:// URLs) come from
+    mm_processor_cache_gb: float = 4.0  # images' embeddings kept by their pixels' hash (a chat resends its images)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -165,10 +167,12 @@ class EngineArgs:
         if self.override_generation_config is not None:
             object.__setattr__(self, "override_generation_config", dict(json_object(
                 self.override_generation_config, "override_generation_config", '{"temperature": 0.5}')))
+        if not self.mm_processor_cache_gb >= 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
         self._check_runner()
-        self._check_lora()
+        object.__setattr__(self, "lora_modules", check_lora_args(self))
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
@@ -225,29 +229,6 @@ class EngineArgs:
         if self.num_processes > 1:
             raise ValueError("runner 'pooling' runs on one host (its devices split by -tp/-dp); a cluster of "
                              "num_processes > 1 serves generation only")
-
-    def _check_lora(self) -> None:
-        modules = []
-        for m in self.lora_modules:
-            if isinstance(m, str):
-                name, sep, path = m.partition("=")
-                if not sep or not name or not path:
-                    raise ValueError(f"lora module {m!r} must be name=path")
-                m = (name, path)
-            modules.append(tuple(m))
-        object.__setattr__(self, "lora_modules", tuple(modules))
-        for name in ("max_loras", "max_lora_rank"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        cpu = self.max_cpu_loras
-        if cpu is not None and (not isinstance(cpu, int) or cpu < self.max_loras):
-            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
-        if not self.enable_lora:
-            if modules:
-                raise ValueError("lora_modules needs enable_lora (--enable-lora)")
-            return
-        if self.is_pooling:
-            raise ValueError("LoRA adapters (enable_lora) are not served with runner 'pooling'")
 
     @property
     def is_pooling(self) -> bool:

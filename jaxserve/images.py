@@ -229,6 +229,9 @@ def add_image_args(parser) -> None:
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
                    help='most images per prompt, e.g. \'{"image": 2}\' (default: no limit); {"image": 0} serves an '
                         "image-text model as text, without loading its vision tower")
+    g.add_argument("--mm-processor-cache-gb", type=float, default=4.0, metavar="GIB",
+                   help="host memory for the embeddings of images seen before, by their pixels' hash (a "
+                        "conversation sends its images again each turn); 0 turns it off")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="a directory whose image files requests may name (a path or a file:// URL); without it "
                         "only data: and http(s) URLs are read")

@@ -89,8 +89,11 @@ def test_prefix_cache_keys_images_by_content(llava):
     out = drain(eng)["c"]
     second_image_start = 5 + 16 + 3
     assert 0 < out.metrics.num_cached_tokens <= second_image_start
-    eng_fresh = engine(path, enable_prefix_caching=False)
+    # The images seen before were not encoded again (the embeddings' cache), the new one was.
+    assert (eng.images.cache_queries, eng.images.cache_hits) == (6, 3)
+    eng_fresh = engine(path, enable_prefix_caching=False, mm_processor_cache_gb=0)
     assert list(out.outputs[0].token_ids) == run(eng_fresh, [prompt], [other])[0]
+    assert eng_fresh.images.cache_hits == 0 and not eng_fresh.images._cache
     eng.check_integrity()
 
 

@@ -139,7 +139,8 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         params = random_vision_params(vcfg, dtype, args.seed)
     else:
         vcfg, params = load_vision(ckpt, cfg, dtype)
-    return ImageEncoder(vcfg, params, ImageProcessor.from_dir(path), args.allowed_local_media_path)
+    return ImageEncoder(vcfg, params, ImageProcessor.from_dir(path), args.allowed_local_media_path,
+                        int(args.mm_processor_cache_gb * 2**30))
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,13 +51,17 @@ class ImageEncoder:
     """An image-text model's vision side on the device: its processor, tower and projector."""
 
     def __init__(self, cfg: VisionConfig, params: VisionParams, processor: ImageProcessor,
-                 allowed_local_path: str | None = None):
+                 allowed_local_path: str | None = None, cache_bytes: int = 0):
+        """`cache_bytes`: host memory for the embeddings of images seen before (least recently used go first)."""
         self.cfg = cfg
         self.params = params
         self.dtype = params.patch.dtype  # the model's: what the decoder takes
         self.processor = processor
         self.allowed_local_path = allowed_local_path
         self._encode = jax.jit(functools.partial(encode_images, cfg=cfg))
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache_limit, self._cache_bytes = cache_bytes, 0
+        self.cache_queries = self.cache_hits = 0
 
     @property
     def image_token_id(self) -> int:
@@ -83,11 +88,26 @@ class ImageEncoder:
         embeds, keys = [], []
         for image in images:
             pixels = self.pixels(image)
-            emb = self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0]
-            embeds.append(np.asarray(emb))
             digest = pixels_digest(pixels)
+            embeds.append(self._embeds(pixels, digest))
             keys.append(-1 - int.from_bytes(digest[:4], "little") % (2**31 - 2))
         return out, ImagePrompt(spans, embeds, keys)
+
+    def _embeds(self, pixels: np.ndarray, digest: bytes) -> np.ndarray:
+        """An image's embeddings: from the cache when its pixels were seen before, else encoded (and cached)."""
+        self.cache_queries += 1
+        emb = self._cache.get(digest)
+        if emb is not None:
+            self.cache_hits += 1
+            self._cache.move_to_end(digest)
+            return emb
+        emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
+        if emb.nbytes <= self._cache_limit:
+            self._cache[digest] = emb
+            self._cache_bytes += emb.nbytes
+            while self._cache_bytes > self._cache_limit:
+                self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
+        return emb
 
 
 def expand_placeholders(ids: Sequence[int], token: int, n: int, count: int) -> tuple[list[int], list[tuple[int, int]]]:
