@@ -191,7 +191,8 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of
         Gemma 3's image-text models, the language model (served as text); of LLaVA's, the language model (the
         vision side is `models.vision.VisionConfig`'s)."""
-        if "LlavaForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "llava":
+        if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"} & set(d.get("architectures") or []) \
+                or d.get("model_type") in ("llava", "llava_next"):
             text = d.get("text_config") or {}
             kind = text.get("model_type", "llama")
             tied = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))

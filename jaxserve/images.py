@@ -13,6 +13,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import os
 import urllib.parse
 import urllib.request
@@ -23,7 +24,7 @@ import numpy as np
 
 MAX_IMAGE_BYTES = 20 * 2**20
 FETCH_TIMEOUT_S = 10.0
-_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor")
+_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaNextImageProcessor")
 
 
 class ImageError(ValueError):
@@ -123,13 +124,16 @@ class ImageProcessor:
     mean: tuple[float, ...] | None
     std: tuple[float, ...] | None
     convert_rgb: bool
+    grid_pinpoints: tuple[tuple[int, int], ...] | None = None
+    """LLaVA-NeXT's resolutions (height, width): an image is also cut into crops at the one that fits it best."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
         kind = (d.get("image_processor_type") or "CLIPImageProcessor").removesuffix("Fast").removesuffix("Pil")
         if kind not in _SUPPORTED:
             raise ImageError(f"image processor {kind!r} is not supported (supported: {', '.join(_SUPPORTED)})")
-        clip = kind == "CLIPImageProcessor"
+        clip = kind != "SiglipImageProcessor"
+        pinpoints = d.get("image_grid_pinpoints", ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)))
         size = d.get("size", {"shortest_edge": 224} if clip else {"height": 224, "width": 224})
         if isinstance(size, int):
             size = {"shortest_edge": size} if clip else {"height": size, "width": size}
@@ -148,7 +152,8 @@ class ImageProcessor:
             crop=crop if d.get("do_center_crop", clip) else None,
             rescale=float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
             mean=tuple(mean) if d.get("do_normalize", True) else None, std=tuple(std),
-            convert_rgb=bool(d.get("do_convert_rgb", True)))
+            convert_rgb=bool(d.get("do_convert_rgb", True)),
+            grid_pinpoints=tuple(tuple(p) for p in pinpoints) if kind == "LlavaNextImageProcessor" else None)
 
     @classmethod
     def from_dir(cls, path: str) -> ImageProcessor:
@@ -165,19 +170,49 @@ class ImageProcessor:
         raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
 
     def __call__(self, image) -> np.ndarray:
-        """The image as float32 pixels [C, H, W], normalized."""
-        Image = _pil()
+        """The image as float32 pixels [C, H, W], normalized; a LLaVA-NeXT processor's: its crops [n, C, S, S], the
+        whole image first (`crops`)."""
         image = _rgb(image) if self.convert_rgb else image
-        if self.resize is not None:
-            w, h = image.size
-            if self.resize[0] == "shortest_edge":
-                n = self.resize[1]
-                short, long = (w, h) if w <= h else (h, w)
-                new_long = int(n * long / short)
-                h, w = (new_long, n) if w <= h else (n, new_long)
-            else:
-                h, w = self.resize[1], self.resize[2]
-            image = image.resize((w, h), resample=Image.Resampling(self.resample))
+        if self.grid_pinpoints is not None:
+            return self.crops(image)
+        return self._finish(self._resized(image))
+
+    def _resized(self, image):
+        if self.resize is None:
+            return image
+        w, h = image.size
+        if self.resize[0] == "shortest_edge":
+            n = self.resize[1]
+            short, long = (w, h) if w <= h else (h, w)
+            new_long = int(n * long / short)
+            h, w = (new_long, n) if w <= h else (n, new_long)
+        else:
+            h, w = self.resize[1], self.resize[2]
+        return self._resize(image, h, w)
+
+    def _resize(self, image, height: int, width: int):
+        return image.resize((width, height), resample=_pil().Resampling(self.resample))
+
+    def crops(self, image) -> np.ndarray:
+        """LLaVA-NeXT's crops as transformers' processor makes them: the whole image resized to one crop, then the
+        image resized into the best-fitting resolution (`best_resolution`; aspect kept, zero-padded around) and
+        cut into crops, row by row."""
+        Image = _pil()
+        w, h = image.size
+        best_h, best_w = best_resolution((h, w), self.grid_pinpoints)
+        new_h, new_w = fit_size((h, w), (best_h, best_w))
+        fitted = np.array(self._resize(image, new_h, new_w))
+        top, left = (best_h - new_h) // 2, (best_w - new_w) // 2
+        padded = np.zeros((best_h, best_w, fitted.shape[-1]), np.uint8)
+        padded[top:top + new_h, left:left + new_w] = fitted
+        side = self.crop[0] if self.crop is not None else self.resize[1]
+        size = self.resize[1]
+        pieces = [self._resize(image, size, size)] + [
+            Image.fromarray(padded[i:i + side, j:j + side]) for i in range(0, best_h, side) for j in range(0, best_w, side)]
+        return np.stack([self._finish(self._resized(piece)) for piece in pieces])
+
+    def _finish(self, image) -> np.ndarray:
+        """Crop, rescale and normalize a resized image."""
         pixels = np.array(image)
         pixels = (pixels[None] if pixels.ndim == 2 else np.moveaxis(pixels, -1, 0))  # [C, H, W]
         if self.crop is not None:
@@ -189,6 +224,29 @@ class ImageProcessor:
             std = np.asarray(self.std, np.float32)[:, None, None]
             out = (out - mean) / std
         return out
+
+
+def best_resolution(size: tuple[int, int], pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """transformers' `select_best_resolution`: of the (height, width) pinpoints, the one keeping most of the
+    image's pixels once it is scaled to fit, then the one wasting fewest."""
+    h, w = size
+    best, most, waste = pinpoints[0], 0, float("inf")
+    for ph, pw in pinpoints:
+        scale = min(pw / w, ph / h)
+        effective = min(int(w * scale) * int(h * scale), w * h)
+        wasted = ph * pw - effective
+        if effective > most or (effective == most and wasted < waste):
+            best, most, waste = (ph, pw), effective, wasted
+    return best
+
+
+def fit_size(size: tuple[int, int], target: tuple[int, int]) -> tuple[int, int]:
+    """transformers' `get_patch_output_size`: the image's (height, width) scaled to fit `target`, aspect kept."""
+    h, w = size
+    th, tw = target
+    if tw / w < th / h:
+        return min(math.ceil(h * tw / w), th), tw
+    return th, min(math.ceil(w * th / h), tw)
 
 
 def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -204,9 +262,11 @@ def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     return pixels[:, top:top + height, left:left + width]
 
 
-def pixels_digest(pixels: np.ndarray) -> bytes:
-    """What identifies an image to the prefix cache: a hash of its processed pixels."""
-    return hashlib.sha256(np.ascontiguousarray(pixels).tobytes()).digest()
+def pixels_digest(pixels: np.ndarray, size: tuple[int, int]) -> bytes:
+    """What identifies an image to the prefix cache: a hash of its processed pixels and its size."""
+    h = hashlib.sha256(np.ascontiguousarray(pixels).tobytes())
+    h.update(repr((pixels.shape, tuple(size))).encode())
+    return h.digest()
 
 
 def image_limits(value: Any) -> dict[str, int]:

@@ -23,7 +23,7 @@ from server.lora_admin import load_lora_adapter, unload_lora_adapter
 from server.middleware import ApiMiddleware
 from server.openai_responses import responses_api
 from server.pd import PDWorker, pd_ack_kv, pd_info, pd_prefill, pd_send_kv
-from server.prompts import chat_prompt, check_request_template
+from server.prompts import chat_prompt, check_request_template, read_images
 from server.protocol import get_bool, get_str, parse_chat
 from server.scores import rerank, score
 from server.serving import handle_generate, read_json
@@ -182,7 +182,10 @@ async def tokenize(request: Request) -> Response:
     if "messages" in body:  # rendered exactly as a chat request's prompt (the same fields, the same checks)
         req = parse_chat({**body, "tool_choice": "none"} if body.get("tools") else body)
         check_request_template(req, state.config.trust_request_chat_template)
-        _, ids, _ = chat_prompt(tok, req, state.config.chat_template, getattr(state.engine, "images", None))
+        spec = getattr(state.engine, "images", None)
+        _, ids, images = chat_prompt(tok, req, state.config.chat_template, spec)
+        if images:  # as a chat's prompt: each placeholder as its image's tokens
+            ids, _ = await read_images(spec, ids, images, False)
     else:
         prompt = get_str(body, "prompt")
         if prompt is None:

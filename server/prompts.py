@@ -71,7 +71,7 @@ def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None,
                 images: Any = None) -> tuple[str, list[int], list[Any]]:
     """The request's conversation rendered by the chat template (`template`, else the tokenizer's), its ids, and
     its images' sources in order; with `images` (an image-text engine's `multimodal.ImageSpec`), image parts are
-    taken, each placeholder expanded to the image's tokens."""
+    taken (their placeholders not yet expanded: `read_images`)."""
     found: list[Any] | None = [] if images is not None else None
     try:
         kwargs = dict(req.chat_template_kwargs)
@@ -84,7 +84,7 @@ def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None,
                                              continue_final_message=req.continue_final_message, **kwargs)
         ids = tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
         if found:
-            ids = images.expanded(ids, len(found))
+            images.check_count(len(found))
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation
@@ -124,13 +124,17 @@ def fitted_chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None, m
     return req, text, ids, found
 
 
-async def read_images(spec: Any, sources: list[Any], beam: bool) -> list[Any]:
-    """A chat's images read (fetched, decoded) off the event loop (`multimodal.ImageSpec.load`); 400 naming what
-    is wrong with one."""
+async def read_images(spec: Any, ids: list[int], sources: list[Any], beam: bool) -> tuple[list[int], list[Any]]:
+    """A chat's images read (fetched, decoded) off the event loop (`multimodal.ImageSpec.load`), and its prompt with
+    their placeholders expanded (an image's tokens may depend on its size); 400 naming what is wrong with one."""
     if beam:
         raise ApiError(400, "beam search (use_beam_search) does not take images", param="use_beam_search",
                        code="unsupported_parameter")
     try:
-        return await asyncio.to_thread(spec.load, sources)
+        images = await asyncio.to_thread(spec.load, sources)
     except ValueError as e:
         raise ApiError(400, str(e), param="messages", code="invalid_image") from e
+    try:
+        return spec.expanded(ids, images), images
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages", code="invalid_messages") from e

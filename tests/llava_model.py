@@ -16,6 +16,7 @@ from tests.fake_model import EOS, VOCAB
 IMAGE_TOKEN = VOCAB - 1
 IMAGE_SIZE = 32
 PATCH = 8
+PINPOINTS = [[32, 64], [64, 32], [64, 64], [96, 32]]  # LLaVA-NeXT's crop grids: 1x2, 2x1, 2x2, 3x1
 TEMPLATE = ("{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% else %}"
             "{% for c in m.content %}{% if c.type == 'image' %}<image> {% else %}{{ c.text }} {% endif %}{% endfor %}"
             "{% endif %}<eos> {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
@@ -40,9 +41,10 @@ def image_tokenizer() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[EOS], pad_token_id=0)
 
 
-def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str = "default", seed: int = 0):
-    """A random LLaVA model saved to `path` with its tokenizer, processor config and chat template; returns the
-    float32 torch model holding the saved weights."""
+def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str = "default", seed: int = 0,
+                    anyres: bool = False):
+    """A random LLaVA model (LLaVA-NeXT with `anyres`) saved to `path` with its tokenizer, processor config and chat
+    template; returns the float32 torch model holding the saved weights."""
     import torch
     import transformers
 
@@ -52,11 +54,14 @@ def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str =
     cls, fields, processor = TOWERS[tower]
     vision = getattr(transformers, cls)(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                         num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, **fields)
-    config = transformers.LlavaConfig(
+    config = (transformers.LlavaNextConfig if anyres else transformers.LlavaConfig)(
         vision_config=vision, text_config=transformers.LlamaConfig(**{**TINY, "vocab_size": VOCAB}),
         image_token_index=IMAGE_TOKEN, vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
-        projector_hidden_act="gelu")
-    model = transformers.LlavaForConditionalGeneration(config).eval()
+        projector_hidden_act="gelu", **({"image_grid_pinpoints": PINPOINTS} if anyres else {}))
+    model = (transformers.LlavaNextForConditionalGeneration if anyres
+             else transformers.LlavaForConditionalGeneration)(config).eval()
+    if anyres:
+        processor = {**processor, "image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": PINPOINTS}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1 and ("norm" in name or "layernorm" in name):

@@ -50,9 +50,9 @@ def hf_greedy(path: str, model, ids: list[int], images) -> list[int]:
 
 
 def engine(path: str, **kw) -> LLMEngine:
-    args = EngineArgs(model=path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=8,
-                      kv_cache_memory_bytes=64 * 2**20 // 64, dtype="float32", warmup=False, compile_cache_dir=None,
-                      **kw)
+    args = EngineArgs(model=path, **{**dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=8,
+                                            kv_cache_memory_bytes=2**20, dtype="float32", warmup=False,
+                                            compile_cache_dir=None), **kw})
     return LLMEngine(args, progress=False)
 
 
@@ -71,6 +71,36 @@ def test_engine_images_equal_transformers(llava):
     eng = engine(path, enable_prefix_caching=False)
     assert run(eng, PROMPTS, IMAGES) == expected
     assert run(eng, PROMPTS[1:], IMAGES[1:]) == expected[1:]
+    eng.check_integrity()
+
+
+def test_llava_next_engine_equals_transformers(tmp_path):
+    """LLaVA-NeXT: each image's tokens by its size (crops at the best grid, unpadded), two prompts batched and
+    chunked, against transformers' greedy tokens."""
+    from tests.llava_model import PINPOINTS, TOWERS
+
+    model = save_tiny_llava(tmp_path, anyres=True)
+    fields = {k: v for k, v in TOWERS["clip"][2].items() if k != "image_processor_type"}
+    hf = __import__("transformers").LlavaNextImageProcessorPil(**fields, image_grid_pinpoints=PINPOINTS)
+    eng = engine(str(tmp_path))
+    prompts = [[5, IMAGE_TOKEN, 6, 7], [IMAGE_TOKEN, 9, 8]]
+    images = [random_image(21, (90, 31)), random_image(22, (30, 64))]
+    counts = [eng.images.num_tokens(im) for im in images]
+    # The whole image's 16, then a 1x2 grid's 4 x 8 features unpadded to 2 rows, a 2x1 grid's 8 x 4 to 8 rows of 4,
+    # each row and its newline.
+    assert counts == [16 + 2 * 9, 16 + 8 * 5]
+    expected = []
+    for prompt, image, n in zip(prompts, images, counts, strict=True):
+        ids = [t for i in prompt for t in ([i] * n if i == IMAGE_TOKEN else [i])]
+        pixels = hf(image, return_tensors="pt")
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                logits = model(input_ids=torch.tensor([ids + out]), pixel_values=pixels["pixel_values"],
+                               image_sizes=pixels["image_sizes"]).logits[0, -1]
+                out.append(int(logits.argmax()))
+        expected.append(out)
+    assert run(eng, prompts, [[im] for im in images]) == expected
     eng.check_integrity()
 
 

@@ -16,7 +16,7 @@ from jaxserve.images import ImageError, ImageProcessor, load_image  # noqa: E402
 from jaxserve.loader import load_params, load_vision, open_checkpoint  # noqa: E402
 from jaxserve.models.inputs import KVCache, ModelInputs  # noqa: E402
 from jaxserve.models.vision import encode_images  # noqa: E402
-from tests.llava_model import IMAGE_TOKEN, TOWERS, random_image, save_tiny_llava  # noqa: E402
+from tests.llava_model import IMAGE_TOKEN, PINPOINTS, TOWERS, random_image, save_tiny_llava  # noqa: E402
 from tests.modelrun import bucket, jitted, pages_for  # noqa: E402
 
 # The tower's variants: which hidden states it reads and whether the first token is dropped.
@@ -92,6 +92,52 @@ def test_logits_with_images_equal_transformers(llava):
     logits, _ = jitted("xla")(params, kv, inputs, cfg, "xla")
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels)).logits[0].numpy()
+    ours = np.asarray(logits)[: len(ids)]
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("size", [(45, 37), (20, 64), (90, 31), (32, 32), (200, 13)])
+def test_anyres_crops_equal_transformers(size):
+    """LLaVA-NeXT's crops: the whole image, then the best grid's crops of it resized and padded."""
+    image = random_image(6, size)
+    config = {**TOWERS["clip"][2], "image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": PINPOINTS}
+    ours = ImageProcessor.from_dict(config)(image)
+    fields = {k: v for k, v in config.items() if k != "image_processor_type"}
+    ref = transformers.LlavaNextImageProcessorPil(**fields)(image, return_tensors="np")["pixel_values"][0]
+    assert ours.shape == ref.shape and ours.shape[0] in (3, 5, 4)
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [(45, 37), (90, 31), (30, 64)])
+def test_anyres_logits_equal_transformers(tmp_path, size):
+    """A LLaVA-NeXT image (its token count by its size: the whole image's, the grid's unpadded rows, a newline
+    each) through the decoder: logits equal transformers'."""
+    from jaxserve.engine.multimodal import ImageEncoder
+
+    model = save_tiny_llava(tmp_path, anyres=True)
+    ckpt = open_checkpoint(str(tmp_path))
+    cfg = ckpt.config()
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    encoder = ImageEncoder(*load_vision(ckpt, cfg, jnp.float32), ImageProcessor.from_dir(str(tmp_path)))
+    image = random_image(9, size)
+    ids, prompt = encoder.prompt([5, 6, IMAGE_TOKEN, 7, 8], [image])
+    (start, n), = prompt.spans
+    assert n == encoder.num_tokens(image) > encoder.cfg.tokens_per_image
+    T = bucket(len(ids), 16)
+    table = np.zeros((T, cfg.hidden_size), np.float32)
+    mask = np.zeros(T, np.bool_)
+    table[start:start + n], mask[start:start + n] = prompt.embeds[0], True
+    inputs = ModelInputs.build([(ids, 0, pages_for(0, len(ids), 16, stride=2))], 16, num_tokens=T, num_seqs=1,
+                               pages_per_seq=16, all_logits=True)
+    inputs = dataclasses.replace(inputs, image_embeds=jnp.asarray(table), image_mask=jnp.asarray(mask))
+    logits, _ = jitted("xla")(params, KVCache.allocate(cfg, 64, 16, jnp.float32), inputs, cfg, "xla")
+    hf = transformers.LlavaNextImageProcessorPil(**{k: v for k, v in TOWERS["clip"][2].items()
+                                                    if k != "image_processor_type"}, image_grid_pinpoints=PINPOINTS)
+    pixels = hf(image, return_tensors="pt")
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=pixels["pixel_values"],
+                    image_sizes=pixels["image_sizes"]).logits[0].numpy()
     ours = np.asarray(logits)[: len(ids)]
     assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.images import ImageError, ImageProcessor, load_image, pixels_digest
-from jaxserve.models.vision import VisionConfig, VisionParams, encode_images
+from jaxserve.models.vision import VisionConfig, VisionParams, anyres_tokens, encode_images, pack_anyres
 
 
 @dataclass
@@ -73,27 +73,34 @@ class ImageEncoder:
         self._encode(self.params, pixels=jnp.zeros((1, self.cfg.num_channels, size, size), jnp.float32))
         return time.perf_counter() - t0
 
+    def num_tokens(self, image: Any) -> int:
+        """The tokens an image (a PIL image) takes: fixed, or by its size for LLaVA-NeXT."""
+        if self.cfg.grid_pinpoints is None:
+            return self.cfg.tokens_per_image
+        return anyres_tokens(self.cfg, (image.size[1], image.size[0]))
+
     def pixels(self, image: Any) -> np.ndarray:
-        """One image, from anything `load_image` reads, as the tower's normalized pixels [C, S, S]."""
-        pixels = self.processor(load_image(image, self.allowed_local_path))
+        """One image (read) as the tower's normalized pixels: [C, S, S], or LLaVA-NeXT's crops [n, C, S, S]."""
+        pixels = self.processor(image)
         want = (self.cfg.num_channels, self.cfg.image_size, self.cfg.image_size)
-        if pixels.shape != want:
+        if pixels.shape[-3:] != want or pixels.ndim != 3 + (self.cfg.grid_pinpoints is not None):
             raise ImageError(f"the image processor made pixels of shape {pixels.shape}; the vision tower takes {want}")
         return pixels
 
     def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
         """The prompt with each image's placeholder expanded to its tokens (a placeholder already expanded is kept),
-        and its images encoded. The prompt must hold one placeholder per image."""
-        out, spans = expand_placeholders(ids, self.cfg.image_token_id, self.cfg.tokens_per_image, len(images))
+        and its images read and encoded. The prompt must hold one placeholder per image."""
+        images = [load_image(image, self.allowed_local_path) for image in images]
+        out, spans = expand_placeholders(ids, self.cfg.image_token_id, [self.num_tokens(im) for im in images])
         embeds, keys = [], []
         for image in images:
             pixels = self.pixels(image)
-            digest = pixels_digest(pixels)
-            embeds.append(self._embeds(pixels, digest))
+            digest = pixels_digest(pixels, image.size)
+            embeds.append(self._embeds(pixels, digest, (image.size[1], image.size[0])))
             keys.append(-1 - int.from_bytes(digest[:4], "little") % (2**31 - 2))
         return out, ImagePrompt(spans, embeds, keys)
 
-    def _embeds(self, pixels: np.ndarray, digest: bytes) -> np.ndarray:
+    def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int]) -> np.ndarray:
         """An image's embeddings: from the cache when its pixels were seen before, else encoded (and cached)."""
         self.cache_queries += 1
         emb = self._cache.get(digest)
@@ -101,7 +108,11 @@ class ImageEncoder:
             self.cache_hits += 1
             self._cache.move_to_end(digest)
             return emb
-        emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
+        if self.cfg.grid_pinpoints is None:
+            emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
+        else:  # one crop at a time: one compiled encoder for any number of crops
+            feats = np.stack([np.asarray(self._encode(self.params, pixels=jnp.asarray(c)[None])[0]) for c in pixels])
+            emb = pack_anyres(self.cfg, feats, np.asarray(self.params.newline), size)
         if emb.nbytes <= self._cache_limit:
             self._cache[digest] = emb
             self._cache_bytes += emb.nbytes
@@ -110,21 +121,21 @@ class ImageEncoder:
         return emb
 
 
-def expand_placeholders(ids: Sequence[int], token: int, n: int, count: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """`ids` with each of its `count` image placeholders (a run of one `token`, or of `n` already expanded) as `n`
-    tokens, and where each image's tokens are (first position, n)."""
+def expand_placeholders(ids: Sequence[int], token: int, counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """`ids` with the placeholder of each image i (a run of one `token`, or of `counts[i]` already expanded) as
+    `counts[i]` tokens, and where each image's tokens are (first position, number)."""
     runs = _runs(ids, token)
-    if len(runs) != count:
-        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {token}) for {count} image(s): "
-                         "put one placeholder where each image goes")
-    bad = [length for _, length in runs if length not in (1, n)]
+    if len(runs) != len(counts):
+        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {token}) for {len(counts)} "
+                         "image(s): put one placeholder where each image goes")
+    bad = [(length, n) for (_, length), n in zip(runs, counts, strict=True) if length not in (1, n)]
     if bad:
-        raise ValueError(f"an image placeholder run of {bad[0]} tokens: each image takes one placeholder token "
-                         f"(expanded here) or exactly {n}")
+        raise ValueError(f"an image placeholder run of {bad[0][0]} tokens: each image takes one placeholder token "
+                         f"(expanded here) or exactly its {bad[0][1]}")
     out: list[int] = []
     spans: list[tuple[int, int]] = []
     prev = 0
-    for start, length in runs:
+    for (start, length), n in zip(runs, counts, strict=True):
         out.extend(ids[prev:start])
         spans.append((len(out), n))
         out.extend([token] * n)
@@ -139,15 +150,18 @@ class ImageSpec:
 
     token_id: int
     placeholder: str  # the image token's text, as a chat template writes it
-    tokens_per_image: int
+    tokens: Callable[[Any], int]  # the tokens a (read) image takes
     limit: int | None
     allowed_local_path: str | None
 
-    def expanded(self, ids: Sequence[int], count: int) -> list[int]:
-        """A rendered prompt with its `count` images' placeholders expanded; ValueError past the limit."""
+    def expanded(self, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
+        """A rendered prompt with its (read) images' placeholders expanded."""
+        return expand_placeholders(ids, self.token_id, [self.tokens(im) for im in images])[0]
+
+    def check_count(self, count: int) -> None:
+        """ValueError past the images' limit."""
         if self.limit is not None and count > self.limit:
             raise ValueError(f"{count} images exceed the limit of {self.limit} per prompt (limit_mm_per_prompt)")
-        return expand_placeholders(ids, self.token_id, self.tokens_per_image, count)[0]
 
     def load(self, sources: Sequence[Any]) -> list[Any]:
         """The images, read (fetched, decoded) as `load_image` reads them: slow, off the event loop."""
@@ -160,7 +174,7 @@ def image_spec(engine: Any) -> ImageSpec | None:
     if encoder is None:
         return None
     token = encoder.image_token_id
-    return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.cfg.tokens_per_image,
+    return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.num_tokens,
                      engine.image_limit, encoder.allowed_local_path)
 
 

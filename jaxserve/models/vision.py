@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "LlavaNextForConditionalGeneration": "llava_next"}
 _TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 # transformers' defaults: LlavaConfig's tower when its config names none, and each tower config's own.
 _LLAVA_TOWER = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
@@ -54,6 +54,9 @@ class VisionConfig:
     projector_bias: bool
     text_hidden_size: int
     image_token_id: int
+    grid_pinpoints: tuple[tuple[int, int], ...] | None = None
+    """LLaVA-NeXT's resolutions (height, width): an image is the whole of it in one crop and crops of it at the
+    pinpoint that fits it best, their features unpadded and each row ended by a learned newline embedding."""
 
     @property
     def num_patches(self) -> int:
@@ -72,7 +75,8 @@ class VisionConfig:
     def from_hf(cls, d: dict[str, Any]) -> VisionConfig | None:
         """The vision side of an HF `config.json` (None for a text model); refuses what it cannot run, by name."""
         archs = d.get("architectures") or []
-        if d.get("model_type") != "llava" and not any(a in VISION_ARCHITECTURES for a in archs):
+        kind = next((VISION_ARCHITECTURES[a] for a in archs if a in VISION_ARCHITECTURES), d.get("model_type"))
+        if kind not in VISION_ARCHITECTURES.values():
             return None
         v = d.get("vision_config") or _LLAVA_TOWER
         tower = _TOWERS.get(v.get("model_type", "clip_vision_model"))
@@ -98,6 +102,8 @@ class VisionConfig:
             projector_bias=d.get("multimodal_projector_bias", True),
             text_hidden_size=text.get("hidden_size", 4096),
             image_token_id=d.get("image_token_index", d.get("image_token_id", 32000)),
+            grid_pinpoints=tuple(tuple(p) for p in d.get("image_grid_pinpoints", (
+                (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)))) if kind == "llava_next" else None,
         )
 
 
@@ -116,6 +122,7 @@ class VisionParams:
     proj1_bias: jax.Array | None
     proj2: jax.Array  # [E, E]
     proj2_bias: jax.Array | None
+    newline: jax.Array | None = None  # [E]: LLaVA-NeXT's end of a row of crop features
 
 
 # HF tensor (under `encoder.layers.N.`) -> our layer key; matrices are transposed to [in, out].
@@ -127,7 +134,7 @@ _LAYER_TENSORS = {
     "mlp.fc1.bias": "fc1_b", "mlp.fc2.weight": "fc2", "mlp.fc2.bias": "fc2_b",
 }
 # The Hub's names (`vision_tower.vision_model.`), and transformers 5's as it saves them (with `model.` or not).
-_VISION_RE = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.)")
+_VISION_RE = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.|image_newline$)")
 _UNUSED_RE = re.compile(r"^(post_layernorm|head)\.")  # the tower's pooled output, which LLaVA does not read
 
 
@@ -147,6 +154,9 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
         if m is None:
             continue
         rest = name[m.end():]
+        if m.group(2) == "image_newline":
+            top["image_newline"] = array
+            continue
         if m.group(2).startswith("multi_modal_projector"):
             top["projector." + rest] = array
             continue
@@ -164,6 +174,8 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
             "projector.linear_2.weight"]
     if cfg.tower == "clip":
         need += ["embeddings.class_embedding", "pre_layrnorm.weight", "pre_layrnorm.bias"]
+    if cfg.grid_pinpoints is not None:
+        need.append("image_newline")
     missing += [n for n in need if n not in top]
     if missing:
         raise UnsupportedModelError(f"the checkpoint lacks vision tensors: {', '.join(missing[:6])}"
@@ -187,6 +199,7 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
         layers={k: put(np.stack(v)) for k, v in layers.items()},
         proj1=put(top["projector.linear_1.weight"].T), proj1_bias=bias("projector.linear_1.bias"),
         proj2=put(top["projector.linear_2.weight"].T), proj2_bias=bias("projector.linear_2.bias"),
+        newline=bias("image_newline"),
     )
 
 
@@ -275,4 +288,45 @@ def random_vision_params(cfg: VisionConfig, dtype: Any, seed: int = 0) -> Vision
         class_embedding=r(Hv) if clip else None, positions=r(cfg.num_positions, Hv),
         pre_norm=(one(Hv), r(Hv)) if clip else None, layers=layers,
         proj1=r(Hv * len(cfg.feature_layers), E), proj1_bias=r(E) if cfg.projector_bias else None,
-        proj2=r(E, E), proj2_bias=r(E) if cfg.projector_bias else None)
+        proj2=r(E, E), proj2_bias=r(E) if cfg.projector_bias else None,
+        newline=r(E) if cfg.grid_pinpoints is not None else None)
+
+
+def anyres_layout(cfg: VisionConfig, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Where a LLaVA-NeXT image's crop features are kept: its crops' grid (rows, columns) at the best pinpoint, and
+    the rows and columns of the grid's features kept after unpadding (the features of the padding around the
+    image dropped), as transformers' model computes them."""
+    from jaxserve.images import best_resolution
+
+    h, w = size
+    best_h, best_w = best_resolution((h, w), cfg.grid_pinpoints)
+    rows, cols = best_h // cfg.image_size, best_w // cfg.image_size
+    side = cfg.image_size // cfg.patch_size
+    fh, fw = rows * side, cols * side  # the grid's features
+    if w / h > fw / fh:
+        new_h = int(round(h * (fw / w), 7))
+        pad = (fh - new_h) // 2
+        return rows, cols, fh - 2 * pad, fw
+    new_w = int(round(w * (fh / h), 7))
+    pad = (fw - new_w) // 2
+    return rows, cols, fh, fw - 2 * pad
+
+
+def anyres_tokens(cfg: VisionConfig, size: tuple[int, int]) -> int:
+    """Tokens of a LLaVA-NeXT image of (height, width) `size`: the whole image's, then the kept grid features with
+    a newline ending each of their rows."""
+    _, _, kh, kw = anyres_layout(cfg, size)
+    return cfg.tokens_per_image + kh * (kw + 1)
+
+
+def pack_anyres(cfg: VisionConfig, feats: np.ndarray, newline: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """A LLaVA-NeXT image's embeddings from its crops' projected features [1 + rows * cols, side * side, E] (the
+    whole image's first): those, then the grid's features in image order, unpadded, each row ended by `newline`."""
+    rows, cols, kh, kw = anyres_layout(cfg, size)
+    side = cfg.image_size // cfg.patch_size
+    E = feats.shape[-1]
+    grid = feats[1:].reshape(rows, cols, side, side, E).transpose(0, 2, 1, 3, 4).reshape(rows * side, cols * side, E)
+    top, left = (rows * side - kh) // 2, (cols * side - kw) // 2
+    kept = grid[top:top + kh, left:left + kw]
+    lines = np.concatenate([kept, np.broadcast_to(newline.astype(kept.dtype), (kh, 1, E))], axis=1)
+    return np.concatenate([feats[0], lines.reshape(-1, E)])
