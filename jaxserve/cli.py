@@ -108,7 +108,7 @@ def _cmd_convert(ns: argparse.Namespace) -> int:
         from jaxserve.engine.kv_scales import calculate_kv_scales
 
         loaded = calculate_kv_scales(loaded, jnp.float8_e4m3fn, page_size=16)
-    files = export_hf(ns.to_hf, loaded.config, loaded.params, loaded.tokenizer, dtype=ns.dtype)
+    files = export_hf(ns.to_hf, loaded.config, loaded.params, loaded.tokenizer, dtype=ns.dtype, vision=loaded.vision)
     print(f"wrote {len(files)} weight/config files and the tokenizer to {ns.to_hf}")
     return 0
 

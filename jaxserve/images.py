@@ -17,7 +17,7 @@ import math
 import os
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -126,6 +126,7 @@ class ImageProcessor:
     convert_rgb: bool
     grid_pinpoints: tuple[tuple[int, int], ...] | None = None
     """LLaVA-NeXT's resolutions (height, width): an image is also cut into crops at the one that fits it best."""
+    source: dict[str, Any] | None = field(default=None, compare=False)  # the config it was read from
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
@@ -153,7 +154,8 @@ class ImageProcessor:
             rescale=float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
             mean=tuple(mean) if d.get("do_normalize", True) else None, std=tuple(std),
             convert_rgb=bool(d.get("do_convert_rgb", True)),
-            grid_pinpoints=tuple(tuple(p) for p in pinpoints) if kind == "LlavaNextImageProcessor" else None)
+            grid_pinpoints=tuple(tuple(p) for p in pinpoints) if kind == "LlavaNextImageProcessor" else None,
+            source=dict(d))
 
     @classmethod
     def from_dir(cls, path: str) -> ImageProcessor:

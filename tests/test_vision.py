@@ -168,3 +168,30 @@ def test_load_image_sources(tmp_path):
     ]:
         with pytest.raises(ImageError, match=message):
             load_image(source, allowed_local_path=allowed)
+
+
+@pytest.mark.parametrize("anyres", [False, True])
+def test_convert_writes_the_whole_image_text_model(tmp_path, anyres):
+    """`jaxserve convert` of a LLaVA (-NeXT) model: transformers reads every weight back and computes the source's
+    logits over an image."""
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+
+    source = save_tiny_llava(tmp_path / "src", anyres=anyres)
+    loaded = load_model(EngineArgs(model=str(tmp_path / "src"), dtype="float32"), progress=False)
+    export_hf(str(tmp_path / "out"), loaded.config, loaded.params, loaded.tokenizer, vision=loaded.vision)
+    cls = type(source)
+    back, info = cls.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    image = random_image(4, (40, 70))
+    processor = (transformers.LlavaNextImageProcessorPil(image_grid_pinpoints=PINPOINTS, **{
+        k: v for k, v in TOWERS["clip"][2].items() if k != "image_processor_type"}) if anyres else hf_processor("clip"))
+    pixels = processor(image, return_tensors="pt")
+    n = loaded.vision.num_tokens(image)
+    ids = torch.tensor([[5, 6] + [IMAGE_TOKEN] * n + [7]])
+    extra = {"image_sizes": pixels["image_sizes"]} if anyres else {}
+    with torch.no_grad():
+        want = source(input_ids=ids, pixel_values=pixels["pixel_values"], **extra).logits
+        got = back.eval()(input_ids=ids, pixel_values=pixels["pixel_values"], **extra).logits
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)

@@ -135,12 +135,13 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
     if args.num_processes > 1:
         raise UnsupportedModelError("images are not served on a multi-host cluster; serve the model as text with "
                                     "--limit-mm-per-prompt '{\"image\": 0}'")
+    unused: dict[str, Any] = {}
     if args.load_format == "dummy":
         params = random_vision_params(vcfg, dtype, args.seed)
     else:
-        vcfg, params = load_vision(ckpt, cfg, dtype)
+        vcfg, params = load_vision(ckpt, cfg, dtype, unused)
     return ImageEncoder(vcfg, params, ImageProcessor.from_dir(path), args.allowed_local_media_path,
-                        int(args.mm_processor_cache_gb * 2**30))
+                        int(args.mm_processor_cache_gb * 2**30), dict(ckpt.hf_config), unused)
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:

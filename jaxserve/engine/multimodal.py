@@ -51,9 +51,14 @@ class ImageEncoder:
     """An image-text model's vision side on the device: its processor, tower and projector."""
 
     def __init__(self, cfg: VisionConfig, params: VisionParams, processor: ImageProcessor,
-                 allowed_local_path: str | None = None, cache_bytes: int = 0):
-        """`cache_bytes`: host memory for the embeddings of images seen before (least recently used go first)."""
+                 allowed_local_path: str | None = None, cache_bytes: int = 0, hf_config: dict | None = None,
+                 unused: dict[str, np.ndarray] | None = None):
+        """`cache_bytes`: host memory for the embeddings of images seen before (least recently used go first);
+        `hf_config`: the checkpoint's config.json and `unused` the tower's tensors the model does not read (on the
+        host), both for `jaxserve convert` to write back."""
         self.cfg = cfg
+        self.hf_config = hf_config or {}
+        self.unused = unused or {}
         self.params = params
         self.dtype = params.patch.dtype  # the model's: what the decoder takes
         self.processor = processor
@@ -62,6 +67,10 @@ class ImageEncoder:
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_limit, self._cache_bytes = cache_bytes, 0
         self.cache_queries = self.cache_hits = 0
+
+    @property
+    def processor_config(self) -> dict[str, Any]:
+        return dict(self.processor.source or {})
 
     @property
     def image_token_id(self) -> int:

@@ -108,9 +108,10 @@ def load_params(
     return assembler.finish(place)
 
 
-def load_vision(ckpt: GGUFFile | HFDirectory, cfg: ModelConfig, dtype: Any) -> tuple[Any, Any] | None:
+def load_vision(ckpt: GGUFFile | HFDirectory, cfg: ModelConfig, dtype: Any,
+                unused: dict[str, np.ndarray] | None = None) -> tuple[Any, Any] | None:
     """An image-text checkpoint's vision config and weights (`models.vision`), on the default device; None for a
-    text model."""
+    text model. `unused` takes the tower's tensors the model does not read (`load_vision_params`)."""
     from jaxserve.models.vision import VisionConfig, is_vision_tensor, load_vision_params
 
     vcfg = VisionConfig.from_hf(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
@@ -119,4 +120,4 @@ def load_vision(ckpt: GGUFFile | HFDirectory, cfg: ModelConfig, dtype: Any) -> t
     if vcfg.text_hidden_size != cfg.hidden_size:
         raise CheckpointError(f"the vision projector writes {vcfg.text_hidden_size} wide embeddings, the language "
                               f"model takes {cfg.hidden_size}")
-    return vcfg, load_vision_params(vcfg, ckpt.tensors(cfg, select=is_vision_tensor), dtype)
+    return vcfg, load_vision_params(vcfg, ckpt.tensors(cfg, select=is_vision_tensor), dtype, unused)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -16,13 +17,16 @@ MAX_SHARD_BYTES = 2 << 30
 
 
 def export_hf(out_dir: str, cfg: ModelConfig, params: Params | None, tokenizer: Any,
-              dtype: str = "float32") -> list[str]:
+              dtype: str = "float32", vision: Any = None) -> list[str]:
     """Write config.json, safetensors (sharded past 2 GiB, with an index), tokenizer files and
     the chat template to `out_dir`; returns the files written (tokenizer files aside). Without
-    `params`, no weights: a directory for `--load-format dummy`."""
+    `params`, no weights: a directory for `--load-format dummy`. With `vision` (an image-text model's
+    `multimodal.ImageEncoder`), the whole model: its language model as LLaVA nests it, the vision tower, the
+    projector, the source's config around the language model's, and the image processor's config."""
     os.makedirs(out_dir, exist_ok=True)
-    written = [] if params is None else _write_weights(out_dir, cfg, params, dtype)
-    config = cfg.to_hf()
+    written = [] if params is None else _write_weights(out_dir, cfg, params, dtype, vision)
+    config = cfg.to_hf() if vision is None else {**vision.hf_config, "text_config": cfg.to_hf()}
+    config.pop("quantization_config", None)
     config["torch_dtype"] = dtype
     config["bos_token_id"] = tokenizer.bos_token_id
     eos = list(tokenizer.eos_token_ids)
@@ -35,18 +39,27 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params | None, tokenizer: 
         with open(gen_path, "w") as f:
             json.dump({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": config["eos_token_id"]}, f, indent=2)
     tokenizer.save_hf(out_dir)
+    if vision is not None:
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(vision.processor_config, f, indent=2)
     return written
 
 
-def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str) -> list[str]:
+def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str, vision: Any) -> list[str]:
     import ml_dtypes
     from safetensors.numpy import save_file
 
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     flat = {k: np.asarray(v) for k, v in param_paths(params).items()}
+    tensors = hf_tensors(cfg, flat)
+    if vision is not None:  # the Hub's LLaVA layout
+        from jaxserve.models.vision import vision_tensors
+
+        tensors = itertools.chain(((f"language_model.{n}", t) for n, t in tensors),
+                                  vision_tensors(vision.params, vision.cfg), vision.unused.items())
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, t in hf_tensors(cfg, flat):
+    for name, t in tensors:
         scale = name.endswith(("self_attn.k_scale", "self_attn.v_scale"))  # stays float32
         t = np.ascontiguousarray(t.astype(np.float32 if scale else np_dtype))
         if size and size + t.nbytes > MAX_SHARD_BYTES:

@@ -10,7 +10,7 @@ per image token, which the decoder takes in place of the embeddings of the image
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,9 +143,11 @@ def is_vision_tensor(name: str) -> bool:
     return _VISION_RE.match(name) is not None
 
 
-def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: Any) -> VisionParams:
+def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: Any,
+                       unused: dict[str, np.ndarray] | None = None) -> VisionParams:
     """The vision weights from (HF name, array) pairs, converted to `dtype` on the default device; every tensor the
-    tower and projector need must be there."""
+    tower and projector need must be there. The tower's tensors LLaVA does not read (its pooled output's) go into
+    `unused`, under the Hub's names, for `jaxserve convert` to write back."""
     L = cfg.num_layers
     layers: dict[str, list] = {k: [None] * L for k in _LAYER_TENSORS.values()}
     top: dict[str, np.ndarray] = {}
@@ -164,6 +166,8 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
         if layer is None:
             if not _UNUSED_RE.match(rest):
                 top[rest] = array
+            elif unused is not None:
+                unused["vision_tower.vision_model." + rest] = array
             continue
         i, key = int(layer.group(1)), _LAYER_TENSORS.get(layer.group(2))
         if key is None or i >= L:
@@ -201,6 +205,32 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
         proj2=put(top["projector.linear_2.weight"].T), proj2_bias=bias("projector.linear_2.bias"),
         newline=bias("image_newline"),
     )
+
+
+def vision_tensors(params: VisionParams, cfg: VisionConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """The weights under the Hub's LLaVA names (`vision_tower.vision_model.`, `multi_modal_projector.`,
+    `image_newline`), float32, as `jaxserve convert` writes them."""
+    host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    tower = "vision_tower.vision_model."
+    conv = host(params.patch).T.reshape(cfg.hidden_size, cfg.num_channels, cfg.patch_size, cfg.patch_size)
+    named = {"embeddings.patch_embedding.weight": conv, "embeddings.patch_embedding.bias": params.patch_bias,
+             "embeddings.class_embedding": params.class_embedding,
+             "embeddings.position_embedding.weight": params.positions,
+             "pre_layrnorm.weight": params.pre_norm[0] if params.pre_norm else None,
+             "pre_layrnorm.bias": params.pre_norm[1] if params.pre_norm else None}
+    for name, value in named.items():
+        if value is not None:
+            yield tower + name, host(value)
+    for hf, key in _LAYER_TENSORS.items():
+        stacked = host(params.layers[key])
+        for i in range(cfg.num_layers):
+            yield f"{tower}encoder.layers.{i}.{hf}", stacked[i].T if stacked.ndim == 3 else stacked[i]
+    for i, (w, b) in enumerate(((params.proj1, params.proj1_bias), (params.proj2, params.proj2_bias)), 1):
+        yield f"multi_modal_projector.linear_{i}.weight", host(w).T
+        if b is not None:
+            yield f"multi_modal_projector.linear_{i}.bias", host(b)
+    if params.newline is not None:
+        yield "image_newline", host(params.newline)
 
 
 def _act(name: str, x: jax.Array) -> jax.Array:
