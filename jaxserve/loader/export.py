@@ -25,8 +25,10 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params | None, tokenizer: 
     projector, the source's config around the language model's, and the image processor's config."""
     os.makedirs(out_dir, exist_ok=True)
     written = [] if params is None else _write_weights(out_dir, cfg, params, dtype, vision)
-    config = cfg.to_hf() if vision is None else {**vision.hf_config, "text_config": cfg.to_hf()}
-    config.pop("quantization_config", None)
+    config = cfg.to_hf()
+    if vision is not None:  # the weights written are dequantized: the source's quantization goes
+        outer = {k: v for k, v in vision.hf_config.items() if k != "quantization_config"}
+        config = {**outer, "text_config": config}
     config["torch_dtype"] = dtype
     config["bos_token_id"] = tokenizer.bos_token_id
     eos = list(tokenizer.eos_token_ids)
