@@ -224,3 +224,31 @@ def test_chat_with_images(llava, tmp_path):
     finally:
         served.shutdown()
     llm.engine.check_integrity()
+
+
+def test_sleep_and_new_weights_take_the_vision_side_too(llava, tmp_path):
+    """Sleep frees the vision tower with the decoder and wakes it; new weights (from disk, or tensors in memory)
+    replace both and forget the embeddings of the old ones."""
+    import jax
+    from safetensors.numpy import load_file
+
+    path, _ = llava
+    other = tmp_path / "other"
+    save_tiny_llava(other, seed=1)
+    eng = engine(path, enable_sleep_mode=True, warmup=True)
+    prompts, images = PROMPTS[:1], IMAGES[:1]
+    ref = run(eng, prompts, images)
+    for level in (1, 2):
+        eng.memory.sleep(level)
+        assert all(x.is_deleted() for x in jax.tree.leaves(eng.images.params))
+        eng.memory.wake_up()
+        assert run(eng, prompts, images) == ref
+    eng.memory.load_weights(str(other))
+    new = run(engine(str(other)), prompts, images)
+    assert new != ref and run(eng, prompts, images) == new
+    tensors = load_file(f"{path}/model.safetensors")
+    with pytest.raises(ValueError, match="vision tower's and projector's tensors too"):
+        eng.memory.load_weights({k: v for k, v in tensors.items() if "language_model" in k})
+    eng.memory.load_weights(tensors)
+    assert run(eng, prompts, images) == ref
+    assert eng.runner.compilations_after_warmup == 0

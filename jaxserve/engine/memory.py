@@ -65,6 +65,9 @@ def prepare_model(loaded: Any, args: Any, mesh: Any = None) -> tuple[Any, Any]:
     model, kv_dtype = with_kv_cache_dtype(shard_model(loaded, args, mesh=mesh), args)
     if args.enable_lora:  # zeroed adapter slots in every layer, filled by `LoraManager`
         model = with_lora_slots(model, args.max_loras, args.max_lora_rank)
+    if model.vision is not None:  # an image-text model's vision side: each engine its own, on its first device
+        device = model.plan.mesh.devices.flat[0] if model.plan is not None else jax.devices()[0]
+        model = dataclasses.replace(model, vision=model.vision.on(device))
     return model, kv_dtype
 
 
@@ -150,6 +153,21 @@ class _Tensors:
             yield name, np.asarray(array, np.float32)
 
 
+def _vision_params(encoder: Any, source: Any, dtype: Any) -> Any:
+    """An image-text engine's new vision weights from tensors in memory (None for a text model); they must be
+    there with the decoder's."""
+    if encoder is None:
+        return None
+    from jaxserve.models.vision import is_vision_tensor, load_vision_params
+
+    tensors = [(n, a) for n, a in _Tensors(source).tensors(None) if is_vision_tensor(n)]
+    if not tensors:
+        raise ValueError("an image-text model's new weights need its vision tower's and projector's tensors too")
+    device = next(iter(jax.tree.leaves(encoder.params)[0].devices()))
+    with jax.default_device(device):
+        return load_vision_params(encoder.cfg, tensors, dtype)
+
+
 class EngineMemory:
     """The sleep state of one engine (see the module docstring)."""
 
@@ -198,7 +216,7 @@ class EngineMemory:
             _delete(jax.block_until_ready(e.runner.kv))
             self.kv_on_device = False
         if self.weights == "device":
-            params = e.runner.params
+            params = self._weights()
             self._params_spec = jax.tree.map(_Spec.of, params)
             if level == 1:
                 self._host = jax.tree.map(_HostArray.of, params)
@@ -231,6 +249,7 @@ class EngineMemory:
         e = self.engine
         self._check_idle("a weight update")
         t0 = time.perf_counter()
+        vision = None
         if source is None or isinstance(source, (str, os.PathLike)):
             args = e.args if source is None else dataclasses.replace(e.args, model=str(source),
                                                                      converted_checkpoint_dir=None)
@@ -245,23 +264,34 @@ class EngineMemory:
             params = load_params(_Tensors(source), cfg, e.model.dtype, place=plan.place if plan else None,
                                  progress=False)
             loaded, mesh, what = dataclasses.replace(e.model, params=params), None, "the given tensors"
+            vision = _vision_params(e.images, source, e.model.dtype)
         model, kv_dtype = prepare_model(loaded, e.args, mesh)
         if model.config != e.model.config:
             raise ValueError(f"{what} are not the served model's configuration; weights of the same architecture "
                              "and shapes are needed")
         if jnp.dtype(kv_dtype) != jnp.dtype(e.kv_dtype):
             raise ValueError(f"the new weights give a {kv_dtype} KV cache, the engine's is {e.kv_dtype}")
-        params = e.runner.layout(model.params)
-        check_same_layout(params, self._params_spec if self.weights != "device" else e.runner.params)
+        if vision is None and model.vision is not None:
+            vision = model.vision.params
+        params = (e.runner.layout(model.params), vision)
+        check_same_layout(params, self._params_spec if self.weights != "device" else self._weights())
         if self.kv_on_device:
             self._reset_prefix_cache("a weight update")
         if self.weights == "device":
-            _delete(e.runner.params)
+            _delete(self._weights())
         self._use_params(params)
         logger.info("weights from %s loaded in %.2f s", what, time.perf_counter() - t0)
 
-    def _use_params(self, params: Any) -> None:
+    def _weights(self) -> tuple[Any, Any]:
+        """The weights on the device: the decoder's (as the runner holds them) and the vision side's (or None)."""
         e = self.engine
+        return e.runner.params, e.images.params if e.images is not None else None
+
+    def _use_params(self, weights: tuple[Any, Any]) -> None:
+        e = self.engine
+        params, vision = weights
+        if e.images is not None:  # images' embeddings from the old weights are forgotten
+            e.images.use_params(vision)
         e.runner.params = params
         e.model = dataclasses.replace(e.model, params=params)
         self.weights, self._host, self._params_spec = "device", None, None

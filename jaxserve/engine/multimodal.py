@@ -8,6 +8,7 @@ never a vocabulary token). Two prompts share cached pages over an image only whe
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections import OrderedDict
@@ -67,6 +68,17 @@ class ImageEncoder:
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_limit, self._cache_bytes = cache_bytes, 0
         self.cache_queries = self.cache_hits = 0
+
+    def on(self, device: Any) -> ImageEncoder:
+        """A copy of this encoder with its weights on `device` and a cache of its own."""
+        other = copy.copy(self)
+        other.use_params(jax.device_put(self.params, device))
+        return other
+
+    def use_params(self, params: VisionParams) -> None:
+        """New weights; the embeddings of the old ones are forgotten."""
+        self.params = params
+        self._cache, self._cache_bytes = OrderedDict(), 0
 
     @property
     def processor_config(self) -> dict[str, Any]:
