@@ -103,6 +103,11 @@ def _workload_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
     w.add_argument("--random-input-len", type=int, default=d.random_input_len)
     w.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
                    help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    if not offline:
+        w.add_argument("--random-images", type=int, default=d.random_images,
+                       help="random: images per request, as chat messages (an image-text model's server)")
+        w.add_argument("--random-image-size", default="x".join(map(str, d.random_image_size)), metavar="WxH",
+                       help="random: the images' width x height in pixels (random pixels, PNG)")
     w.add_argument("--gsp-num-groups", type=int, default=d.gsp_num_groups)
     w.add_argument("--gsp-prompts-per-group", type=int, default=d.gsp_prompts_per_group)
     w.add_argument("--gsp-system-prompt-len", type=int, default=d.gsp_system_prompt_len)
@@ -113,6 +118,18 @@ def _workload_args(p: argparse.ArgumentParser, offline: bool = False) -> None:
                        help="multi-turn: tokens of each user message")
 
 
+def _size(value: str | None) -> tuple[int, int]:
+    """A `WxH` flag as (width, height); None: the workload's default."""
+    from bench.workloads import WorkloadSpec
+
+    if value is None:
+        return WorkloadSpec().random_image_size
+    w, sep, h = value.lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit():
+        raise SystemExit(f"--random-image-size must be WIDTHxHEIGHT, got {value!r}")
+    return int(w), int(h)
+
+
 def _workload_spec(ns: argparse.Namespace):
     from bench.workloads import WorkloadSpec
 
@@ -121,6 +138,7 @@ def _workload_spec(ns: argparse.Namespace):
         name=ns.workload, num_prompts=getattr(ns, "num_prompts", d.num_prompts), seed=ns.seed,
         dataset_path=ns.dataset_path, output_len=ns.output_len, random_input_len=ns.random_input_len,
         random_range_ratio=ns.random_range_ratio, gsp_num_groups=ns.gsp_num_groups,
+        random_images=getattr(ns, "random_images", 0), random_image_size=_size(getattr(ns, "random_image_size", None)),
         gsp_prompts_per_group=ns.gsp_prompts_per_group, gsp_system_prompt_len=ns.gsp_system_prompt_len,
         gsp_question_len=ns.gsp_question_len,
         multi_turn_num_turns=getattr(ns, "multi_turn_num_turns", d.multi_turn_num_turns),

@@ -26,7 +26,7 @@ WorkloadName = Literal["random", "fixed", "shared-prefix", "multi-turn"]
 WORKLOADS: tuple[str, ...] = ("random", "fixed", "shared-prefix", "multi-turn")
 DEFAULT_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,35 @@ def _lengths(mean: int, range_ratio: float, n: int, rng: random.Random) -> list[
 
 
 def random_requests(tokenizer: Tokenizer, num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, words: WordTokens | None = None) -> list[BenchRequest]:
-    """Raw completion prompts of `input_len` tokens (+- range_ratio), `output_len` (+- range_ratio) outputs."""
+                    seed: int = 0, words: WordTokens | None = None, images: int = 0,
+                    image_size: tuple[int, int] = (512, 512)) -> list[BenchRequest]:
+    """Raw completion prompts of `input_len` tokens (+- range_ratio), `output_len` (+- range_ratio) outputs; with
+    `images`, chat messages of that many random images (PNG data URLs of `image_size` (width, height), each its
+    own, as vLLM's random-mm) before the text, for an image-text model (the server counts their tokens)."""
     rng = random.Random(seed)
     words = words or WordTokens(tokenizer)
     ins = _lengths(input_len, range_ratio, num, rng)
     outs = _lengths(output_len, range_ratio, num, rng)
-    return [BenchRequest(prompt_len=i, output_len=o, prompt=words.text(i, rng)) for i, o in zip(ins, outs, strict=True)]
+    if not images:
+        return [BenchRequest(prompt_len=i, output_len=o, prompt=words.text(i, rng))
+                for i, o in zip(ins, outs, strict=True)]
+    return [BenchRequest(prompt_len=i, output_len=o, messages=({"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": random_png(image_size, rng)}} for _ in range(images)),
+        {"type": "text", "text": words.text(i, rng)}]},)) for i, o in zip(ins, outs, strict=True)]
+
+
+def random_png(size: tuple[int, int], rng: random.Random) -> str:
+    """A PNG of random pixels, (width, height), as a data URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(rng.getrandbits(32)).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 # -- fixed prompts ------------------------------------------------------------------------------------------
@@ -193,6 +215,8 @@ class WorkloadSpec:
     output_len: int = 128
     random_input_len: int = 200
     random_range_ratio: float = 0.0
+    random_images: int = 0  # images per request (chat messages, for an image-text model)
+    random_image_size: tuple[int, int] = (512, 512)  # (width, height)
     gsp_num_groups: int = 4
     gsp_prompts_per_group: int = 16
     gsp_system_prompt_len: int = 1024
@@ -207,12 +231,18 @@ class WorkloadSpec:
                   "gsp_system_prompt_len", "gsp_question_len", "multi_turn_num_turns", "multi_turn_input_len"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.random_images < 0 or min(self.random_image_size) < 1:
+            raise ValueError(f"random_images must be >= 0 and random_image_size positive, got {self.random_images} "
+                             f"and {self.random_image_size}")
+        if self.random_images and self.name != "random":
+            raise ValueError(f"random_images go with the random workload, not {self.name!r}")
 
     def build(self, tokenizer: Tokenizer) -> Workload:
         """The requests (or conversations) this spec describes."""
         if self.name == "random":
             return random_requests(tokenizer, self.num_prompts, self.random_input_len, self.output_len,
-                                   self.random_range_ratio, self.seed)
+                                   self.random_range_ratio, self.seed, images=self.random_images,
+                                   image_size=self.random_image_size)
         if self.name == "fixed":
             return fixed_requests(tokenizer, self.num_prompts, self.output_len,
                                   self.dataset_path or DEFAULT_PROMPTS)
@@ -229,6 +259,9 @@ class WorkloadSpec:
         prefix = {"random": ("random_",), "fixed": ("dataset_",), "shared-prefix": ("gsp_",),
                   "multi-turn": ("multi_turn_",)}[self.name]
         d = {k: v for k, v in self.__dict__.items() if k in keep or k.startswith(prefix)}
+        if not self.random_images:
+            d.pop("random_images", None)
+            d.pop("random_image_size", None)
         if self.name == "shared-prefix":
             d.pop("num_prompts")
         if self.name == "fixed" and d.get("dataset_path") is None:

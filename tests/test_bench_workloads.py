@@ -30,6 +30,31 @@ def words(tok):
     return WordTokens(tok)
 
 
+def test_random_image_requests(tok, words):
+    """vLLM's random-mm: chat messages holding distinct random images of the asked size before the text."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    spec = WorkloadSpec(name="random", num_prompts=3, random_input_len=20, output_len=4, random_images=2,
+                        random_image_size=(40, 30))
+    reqs = spec.build(tok)
+    urls = []
+    for r in reqs:
+        (msg,) = r.messages
+        *images, text = msg["content"]
+        assert r.is_chat and len(images) == 2 and len(tok.encode(text["text"])) == r.prompt_len == 20
+        for part in images:
+            url = part["image_url"]["url"]
+            assert Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).size == (40, 30)
+            urls.append(url)
+    assert len(set(urls)) == 6
+    assert spec.to_dict()["random_images"] == 2 and "random_images" not in WorkloadSpec(name="random").to_dict()
+    with pytest.raises(ValueError, match="go with the random workload"):
+        WorkloadSpec(name="fixed", random_images=1)
+
+
 def test_random_prompts_have_exact_token_lengths(tok, words):
     reqs = random_requests(tok, 40, 200, 64, range_ratio=0.5, seed=3, words=words)
     ins = [r.prompt_len for r in reqs]

@@ -252,3 +252,29 @@ def test_sleep_and_new_weights_take_the_vision_side_too(llava, tmp_path):
     eng.memory.load_weights(tensors)
     assert run(eng, prompts, images) == ref
     assert eng.runner.compilations_after_warmup == 0
+
+
+def test_bench_serve_sends_image_requests(llava):
+    """`jaxserve bench serve --random-images`: every request served, the server counting each image's tokens."""
+    import asyncio
+
+    from bench.serve import LoadConfig, run_load
+    from bench.workloads import WorkloadSpec
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.loader import bundled_model_path
+    from jaxserve.tokenizer import Tokenizer
+    from server.config import ServerConfig
+    from server.runner import serve_in_thread
+
+    path, _ = llava
+    words = Tokenizer.from_gguf(bundled_model_path())  # real words for the text; the model reads them as it can
+    spec = WorkloadSpec(name="random", num_prompts=4, random_input_len=6, output_len=4, random_images=1,
+                        random_image_size=(48, 40))
+    served = AsyncEngine(engine(path))
+    try:
+        with serve_in_thread(served, ServerConfig(port=0)) as srv:
+            res, _ = asyncio.run(run_load(srv.url, spec.build(words), LoadConfig(max_concurrency=4)))
+    finally:
+        served.shutdown()
+    assert all(r.success for r in res.records), [r.error for r in res.records]
+    assert all(r.output_len == 4 and r.prompt_len > 16 for r in res.records)  # an image is 16 tokens
