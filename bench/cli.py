@@ -178,6 +178,9 @@ def _add_serve(sub) -> None:
     o.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles")
     o.add_argument("--result-file", default=None, help="where to write the JSON (default bench/results/)")
     o.add_argument("--no-save-requests", action="store_true", help="leave per-request timings out of the JSON")
+    o.add_argument("--keep-caches", action="store_true",
+                   help="leave the server's prefix and image caches as they are between runs (by default each run "
+                        "starts with them emptied, when the server has /reset_prefix_cache and /reset_mm_cache)")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts there (needs matplotlib)")
 
 
@@ -198,7 +201,8 @@ def _run_serve(ns: argparse.Namespace) -> int:
     cfg = ServeBenchConfig(base_url=ns.base_url, model=ns.model, api_key=ns.api_key, label=ns.label,
                            concurrencies=tuple(ns.max_concurrency or [None]), load=load,
                            slos_ms=parse_slos(ns.goodput), percentiles=percentiles,
-                           warmup_requests=ns.warmup_requests, save_requests=not ns.no_save_requests)
+                           warmup_requests=ns.warmup_requests, save_requests=not ns.no_save_requests,
+                           reset_caches=not ns.keep_caches)
     tokenizer = _tokenizer(ns.tokenizer)
     result = run_serve_benchmark(cfg, spec, tokenizer, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_serve_report(result, percentiles))

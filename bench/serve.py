@@ -150,6 +150,24 @@ class ServeBenchConfig:
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     warmup_requests: int = 1
     save_requests: bool = True
+    reset_caches: bool = True
+    """Empty the server's prefix and image caches before each run (`/reset_prefix_cache`, `/reset_mm_cache`), so a
+    run does not find the requests of the runs (or the warmup) before it cached; a server without those endpoints
+    keeps its caches (each run says whether they were emptied)."""
+
+
+def reset_server_caches(base_url: str, api_key: str | None = None) -> bool:
+    """POST the server's cache resets; whether its prefix cache was emptied (an image cache it lacks is fine)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.Client(base_url=base_url, headers=headers, timeout=60) as client:
+            prefix = client.post("/reset_prefix_cache").status_code
+            images = client.post("/reset_mm_cache").status_code
+    except httpx.HTTPError:
+        return False
+    return prefix == 200 and images in (200, 404)
 
 
 def run_serve_benchmark(cfg: ServeBenchConfig, workload_spec: Any, tokenizer: Any, log=print) -> dict:
@@ -170,12 +188,13 @@ def run_serve_benchmark(cfg: ServeBenchConfig, workload_spec: Any, tokenizer: An
         load = dataclasses.replace(cfg.load, max_concurrency=conc)
         log(f"{workload_spec.name}: {len(workload)} items, max concurrency {conc or 'unbounded'}, "
             f"rate {load.request_rate} ...")
+        reset = reset_server_caches(cfg.base_url, cfg.api_key) if cfg.reset_caches else False
         res, model = asyncio.run(run_load(cfg.base_url, workload, load, model=model, api_key=cfg.api_key,
                                           count_tokens=count, chat_prompt_len=chat_len))
         metrics = compute_metrics(res.records, res.duration_s, cfg.slos_ms, cfg.percentiles)
         metrics["not_sent"] = res.not_sent
         run = {"max_concurrency": conc, "request_rate": _num(load.request_rate), "burstiness": load.burstiness,
-               "metrics": metrics}
+               "caches_reset": reset, "metrics": metrics}
         errors = sorted({r.error for r in res.records if r.error})
         if errors:
             run["errors"] = errors[:10]

@@ -27,7 +27,14 @@ from server.prompts import chat_prompt, check_request_template, read_images
 from server.protocol import get_bool, get_str, parse_chat
 from server.scores import rerank, score
 from server.serving import handle_generate, read_json
-from server.sleep_admin import is_sleeping, reset_prefix_cache, sleep, update_weights_from_disk, wake_up
+from server.sleep_admin import (
+    is_sleeping,
+    reset_mm_cache,
+    reset_prefix_cache,
+    sleep,
+    update_weights_from_disk,
+    wake_up,
+)
 from server.state import ServerState
 from server.trace import TraceStore, attach_tracer, request_trace, summarize_request
 
@@ -267,6 +274,7 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/flush_cache", reset_prefix_cache, methods=["GET", "POST"]),  # SGLang's name
+        Route("/reset_mm_cache", reset_mm_cache, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/kv_events", kv_events, methods=["GET"]),

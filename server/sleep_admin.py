@@ -92,6 +92,14 @@ async def update_weights_from_disk(request: Request) -> Response:
     return JSONResponse({"success": True, "message": f"weights loaded from {path or 'the served checkpoint'}"})
 
 
+async def reset_mm_cache(request: Request) -> Response:
+    """vLLM's `/reset_mm_cache`: the embeddings kept of images seen before are forgotten."""
+    state = request.app.state.server
+    state.check_serving()
+    await _on_engines(state, lambda e: e.images.clear_cache() if getattr(e, "images", None) else None, timeout=60)
+    return Response(status_code=200)
+
+
 async def reset_prefix_cache(request: Request) -> Response:
     state = request.app.state.server
     state.check_serving()

@@ -258,7 +258,7 @@ def test_bench_serve_sends_image_requests(llava):
     """`jaxserve bench serve --random-images`: every request served, the server counting each image's tokens."""
     import asyncio
 
-    from bench.serve import LoadConfig, run_load
+    from bench.serve import LoadConfig, reset_server_caches, run_load
     from bench.workloads import WorkloadSpec
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.loader import bundled_model_path
@@ -274,6 +274,10 @@ def test_bench_serve_sends_image_requests(llava):
     try:
         with serve_in_thread(served, ServerConfig(port=0)) as srv:
             res, _ = asyncio.run(run_load(srv.url, spec.build(words), LoadConfig(max_concurrency=4)))
+            # Between a sweep's runs the bench empties the server's caches: the images are forgotten.
+            assert len(served.engine.images._cache) == 4
+            assert reset_server_caches(srv.url)
+            assert not served.engine.images._cache and served.engine.scheduler.cache.num_cached_pages == 0
     finally:
         served.shutdown()
     assert all(r.success for r in res.records), [r.error for r in res.records]

@@ -78,6 +78,10 @@ class ImageEncoder:
     def use_params(self, params: VisionParams) -> None:
         """New weights; the embeddings of the old ones are forgotten."""
         self.params = params
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget the embeddings of the images seen before."""
         self._cache, self._cache_bytes = OrderedDict(), 0
 
     @property
