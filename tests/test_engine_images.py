@@ -168,6 +168,7 @@ def test_chat_with_images(llava, tmp_path):
     import httpx
 
     from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.multimodal import PreparedImage
     from jaxserve.llm import LLM
     from server.config import ServerConfig
     from server.runner import serve_in_thread
@@ -194,6 +195,11 @@ def test_chat_with_images(llava, tmp_path):
     assert plain.prompt_token_ids == [IMAGE_TOKEN] * 16 + [5, 6, 7] + [IMAGE_TOKEN] * 16
 
     served = AsyncEngine(llm.engine)
+    kinds: list[type] = []  # what reaches the engine's thread: images read and processed already
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda *a, multi_modal_data=None, **k: (
+        kinds.extend(type(im) for im in (multi_modal_data or {}).get("image", [])), add(
+            *a, multi_modal_data=multi_modal_data, **k))[1]
     http_conv = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_url(a)}}, {"type": "text", "text": words},
         {"type": "image_url", "image_url": f"file://{tmp_path}/b.png"}]}]
@@ -223,6 +229,7 @@ def test_chat_with_images(llava, tmp_path):
                 assert code is None or r.json()["error"]["code"] == code
     finally:
         served.shutdown()
+    assert kinds and set(kinds) == {PreparedImage}
     llm.engine.check_integrity()
 
 

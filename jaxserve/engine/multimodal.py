@@ -48,6 +48,16 @@ class ImagePrompt:
                 mask[t0 + lo - start:t0 + hi - start] = True
 
 
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image read and processed (the slow host work, done off the engine's thread by a server): its pixels as
+    the tower takes them, its (height, width), and the hash the caches key it by."""
+
+    pixels: np.ndarray
+    size: tuple[int, int]
+    digest: bytes
+
+
 class ImageEncoder:
     """An image-text model's vision side on the device: its processor, tower and projector."""
 
@@ -99,10 +109,18 @@ class ImageEncoder:
         return time.perf_counter() - t0
 
     def num_tokens(self, image: Any) -> int:
-        """The tokens an image (a PIL image) takes: fixed, or by its size for LLaVA-NeXT."""
+        """The tokens an image (a PIL image or a `PreparedImage`) takes: fixed, or by its size for LLaVA-NeXT."""
         if self.cfg.grid_pinpoints is None:
             return self.cfg.tokens_per_image
-        return anyres_tokens(self.cfg, (image.size[1], image.size[0]))
+        return anyres_tokens(self.cfg, image.size if isinstance(image, PreparedImage) else image.size[::-1])
+
+    def prepare(self, source: Any) -> PreparedImage:
+        """An image from anything `load_image` reads (or prepared already), read and processed."""
+        if isinstance(source, PreparedImage):
+            return source
+        image = load_image(source, self.allowed_local_path)
+        pixels = self.pixels(image)
+        return PreparedImage(pixels, image.size[::-1], pixels_digest(pixels, image.size))
 
     def pixels(self, image: Any) -> np.ndarray:
         """One image (read) as the tower's normalized pixels: [C, S, S], or LLaVA-NeXT's crops [n, C, S, S]."""
@@ -114,15 +132,13 @@ class ImageEncoder:
 
     def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
         """The prompt with each image's placeholder expanded to its tokens (a placeholder already expanded is kept),
-        and its images read and encoded. The prompt must hold one placeholder per image."""
-        images = [load_image(image, self.allowed_local_path) for image in images]
+        and its images (anything `prepare` takes) encoded. The prompt must hold one placeholder per image."""
+        images = [self.prepare(image) for image in images]
         out, spans = expand_placeholders(ids, self.cfg.image_token_id, [self.num_tokens(im) for im in images])
         embeds, keys = [], []
         for image in images:
-            pixels = self.pixels(image)
-            digest = pixels_digest(pixels, image.size)
-            embeds.append(self._embeds(pixels, digest, (image.size[1], image.size[0])))
-            keys.append(-1 - int.from_bytes(digest[:4], "little") % (2**31 - 2))
+            embeds.append(self._embeds(image.pixels, image.digest, image.size))
+            keys.append(-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2))
         return out, ImagePrompt(spans, embeds, keys)
 
     def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int]) -> np.ndarray:
@@ -175,12 +191,12 @@ class ImageSpec:
 
     token_id: int
     placeholder: str  # the image token's text, as a chat template writes it
-    tokens: Callable[[Any], int]  # the tokens a (read) image takes
+    tokens: Callable[[Any], int]  # the tokens a prepared image takes
+    prepare: Callable[[Any], PreparedImage]  # an image read and processed (`ImageEncoder.prepare`)
     limit: int | None
-    allowed_local_path: str | None
 
     def expanded(self, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
-        """A rendered prompt with its (read) images' placeholders expanded."""
+        """A rendered prompt with its (prepared) images' placeholders expanded."""
         return expand_placeholders(ids, self.token_id, [self.tokens(im) for im in images])[0]
 
     def check_count(self, count: int) -> None:
@@ -188,9 +204,9 @@ class ImageSpec:
         if self.limit is not None and count > self.limit:
             raise ValueError(f"{count} images exceed the limit of {self.limit} per prompt (limit_mm_per_prompt)")
 
-    def load(self, sources: Sequence[Any]) -> list[Any]:
-        """The images, read (fetched, decoded) as `load_image` reads them: slow, off the event loop."""
-        return [load_image(source, self.allowed_local_path) for source in sources]
+    def load(self, sources: Sequence[Any]) -> list[PreparedImage]:
+        """The images read (fetched, decoded) and processed: slow, so off the event loop and the engine's thread."""
+        return [self.prepare(source) for source in sources]
 
 
 def image_spec(engine: Any) -> ImageSpec | None:
@@ -200,7 +216,7 @@ def image_spec(engine: Any) -> ImageSpec | None:
         return None
     token = encoder.image_token_id
     return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.num_tokens,
-                     engine.image_limit, encoder.allowed_local_path)
+                     encoder.prepare, engine.image_limit)
 
 
 def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
