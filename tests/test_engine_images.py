@@ -289,3 +289,21 @@ def test_bench_serve_sends_image_requests(llava):
         served.shutdown()
     assert all(r.success for r in res.records), [r.error for r in res.records]
     assert all(r.output_len == 4 and r.prompt_len > 16 for r in res.records)  # an image is 16 tokens
+
+
+def test_images_with_speculative_decoding_equal_plain(llava):
+    """N-gram drafts over a prompt with images (an image's cache ids are never drafted) change no token."""
+    from jaxserve.engine.speculative import NgramIndex
+
+    index = NgramIndex(1, 2)
+    index.extend([5, 6, 9, -7, -7, 8, 5, 6])
+    assert index.propose(3).tolist() == [9]  # what followed "5 6", up to the image
+    index.extend([9])
+    assert index.propose(3).tolist() == []  # "5 6 9" was followed by the image
+    path, _ = llava
+    plain = run(engine(path), PROMPTS, IMAGES)
+    spec = engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                            "prompt_lookup_min": 1})
+    assert run(spec, PROMPTS, IMAGES) == plain
+    assert spec.stats().spec_num_drafts > 0
+    spec.check_integrity()
