@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Any
 
 from jaxserve.engine_args import EngineArgs
 
@@ -51,11 +53,26 @@ def _sampling_params(ns: argparse.Namespace):
                           seed=ns.sample_seed, structured_outputs=constraint)
 
 
+def _images(sources: list[str] | None) -> list[Any]:
+    """`--image` values: local files (the user's own, read here) and URLs."""
+    from jaxserve.images import load_image
+
+    out = []
+    for source in sources or []:
+        if os.path.isfile(source):
+            with open(source, "rb") as f:
+                source = f.read()
+        out.append(load_image(source))
+    return out
+
+
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from jaxserve.llm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
-    outs = llm.generate(ns.prompt, _sampling_params(ns), use_tqdm=False)
+    images = _images(ns.image)
+    prompts = [{"prompt": p, "multi_modal_data": {"image": images}} for p in ns.prompt] if images else ns.prompt
+    outs = llm.generate(prompts, _sampling_params(ns), use_tqdm=False)
     for out in outs:
         print(out.outputs[0].text)
     return 0
@@ -66,7 +83,8 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     params = _sampling_params(ns)
-    conversation: list[dict[str, str]] = []
+    images = _images(ns.image)  # go with the first message
+    conversation: list[dict[str, Any]] = []
     if ns.system:
         conversation.append({"role": "system", "content": ns.system})
     messages = ns.message or []
@@ -83,7 +101,9 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
             if not messages:
                 return 0
             text = messages.pop(0)
-        conversation.append({"role": "user", "content": text})
+        parts = [{"type": "image_pil", "image_pil": im} for im in images]
+        conversation.append({"role": "user", "content": [*parts, {"type": "text", "text": text}] if parts else text})
+        images = []
         reply = llm.chat([conversation], params, use_tqdm=False)[0].outputs[0].text
         conversation.append({"role": "assistant", "content": reply})
         print(reply, flush=True)
@@ -148,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen, with_model=False)
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     gen.add_argument("--model", default=None, help="a GGUF file or HF directory (default: bundled SmolLM2)")
+    gen.add_argument("--image", action="append", default=None, metavar="PATH_OR_URL",
+                     help="an image for an image-text model (repeat for several): each prompt holds one placeholder "
+                          "for each")
     _sampling_args(gen)
 
     chat = sub.add_parser("chat", help="chat with the model in the terminal",
@@ -156,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", default=None, help="a GGUF file or HF directory (default: bundled SmolLM2)")
     chat.add_argument("--system", default=None, help="a system prompt")
     chat.add_argument("-m", "--message", action="append", help="a user message (repeat for several turns)")
+    chat.add_argument("--image", action="append", default=None, metavar="PATH_OR_URL",
+                      help="an image for an image-text model, sent with the first message (repeat for several)")
     _sampling_args(chat)
 
     conv = sub.add_parser("convert", help="write the served weights as an HF model directory",

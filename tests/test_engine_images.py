@@ -307,3 +307,27 @@ def test_images_with_speculative_decoding_equal_plain(llava):
     assert run(spec, PROMPTS, IMAGES) == plain
     assert spec.stats().spec_num_drafts > 0
     spec.check_integrity()
+
+
+def test_cli_chat_and_generate_take_images(llava, tmp_path, capsys):
+    """`jaxserve chat --image FILE` and `jaxserve generate --image FILE` answer as `LLM.chat` and `LLM.generate` do."""
+    from jaxserve.cli import main
+    from jaxserve.llm import LLM
+
+    path, _ = llava
+    image = random_image(31)
+    image.save(tmp_path / "a.png")
+    flags = ["--model", path, "--dtype", "float32", "--no-warmup", "--compile-cache-dir", "", "--max-model-len", "96",
+             "--page-size", "8", "--kv-cache-memory-bytes", str(2**20), "--max-tokens", "8",
+             "--image", str(tmp_path / "a.png")]
+    assert main(["chat", *flags, "-m", "t5 t6 t7"]) == 0
+    assert main(["generate", *flags, "t5 <image> t6"]) == 0
+    chat, generated = capsys.readouterr().out.splitlines()[-2:]
+    llm = LLM(path, dtype="float32", warmup=False, compile_cache_dir=None, max_model_len=96, page_size=8,
+              kv_cache_memory_bytes=2**20)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                                  {"type": "text", "text": "t5 t6 t7"}]}], params, use_tqdm=False)
+    assert chat == want[0].outputs[0].text
+    want = llm.generate({"prompt": "t5 <image> t6", "multi_modal_data": {"image": image}}, params, use_tqdm=False)
+    assert generated == want[0].outputs[0].text
