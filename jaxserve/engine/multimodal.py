@@ -187,7 +187,8 @@ def expand_placeholders(ids: Sequence[int], token: int, counts: Sequence[int]) -
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """What a front end needs of an image-text engine: its placeholder, tokens per image, limit, local files."""
+    """What a front end needs of an image-text engine: its placeholder, the tokens an image takes, how images are
+    read and processed, and how many a prompt may hold."""
 
     token_id: int
     placeholder: str  # the image token's text, as a chat template writes it
@@ -200,9 +201,7 @@ class ImageSpec:
         return expand_placeholders(ids, self.token_id, [self.tokens(im) for im in images])[0]
 
     def check_count(self, count: int) -> None:
-        """ValueError past the images' limit."""
-        if self.limit is not None and count > self.limit:
-            raise ValueError(f"{count} images exceed the limit of {self.limit} per prompt (limit_mm_per_prompt)")
+        check_image_count(count, self.limit)
 
     def load(self, sources: Sequence[Any]) -> list[PreparedImage]:
         """The images read (fetched, decoded) and processed: slow, so off the event loop and the engine's thread."""
@@ -244,9 +243,14 @@ def admit_images(encoder: ImageEncoder | None, ids: list[int], multi_modal_data:
     if encoder is None:
         why = "its images are turned off (limit_mm_per_prompt image 0)" if limit == 0 else "it is a text model"
         raise ValueError(f"model {model!r} takes no images: {why}")
-    if limit is not None and len(images) > limit:
-        raise ValueError(f"{len(images)} images exceed the limit of {limit} per prompt (limit_mm_per_prompt)")
+    check_image_count(len(images), limit)
     return encoder.prompt(ids, images)
+
+
+def check_image_count(count: int, limit: int | None) -> None:
+    """ValueError past the images' limit per prompt."""
+    if limit is not None and count > limit:
+        raise ValueError(f"{count} images exceed the limit of {limit} per prompt (limit_mm_per_prompt)")
 
 
 def images_of(multi_modal_data: Any) -> list[Any]:
