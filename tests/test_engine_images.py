@@ -248,6 +248,9 @@ def test_sleep_and_new_weights_take_the_vision_side_too(llava, tmp_path):
     for level in (1, 2):
         eng.memory.sleep(level)
         assert all(x.is_deleted() for x in jax.tree.leaves(eng.images.params))
+        late = eng.images.prepare(random_image(40 + level))
+        eng.images.encode_ahead(late)  # a server's, meanwhile: nothing (and no error)
+        assert late.digest not in eng.images._cache
         eng.memory.wake_up()
         assert run(eng, prompts, images) == ref
     eng.memory.load_weights(str(other))
@@ -281,8 +284,11 @@ def test_bench_serve_sends_image_requests(llava):
     try:
         with serve_in_thread(served, ServerConfig(port=0)) as srv:
             res, _ = asyncio.run(run_load(srv.url, spec.build(words), LoadConfig(max_concurrency=4)))
+            # Each image was encoded as it arrived, off the engine's thread: the engine's thread found it cached.
+            images = served.engine.images
+            assert images.cache_queries == images.cache_hits == 4
             # Between a sweep's runs the bench empties the server's caches: the images are forgotten.
-            assert len(served.engine.images._cache) == 4
+            assert len(images._cache) == 4
             assert reset_server_caches(srv.url)
             assert not served.engine.images._cache and served.engine.scheduler.cache.num_cached_pages == 0
     finally:

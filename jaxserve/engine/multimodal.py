@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -77,11 +78,14 @@ class ImageEncoder:
         self._encode = jax.jit(functools.partial(encode_images, cfg=cfg))
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cache_limit, self._cache_bytes = cache_bytes, 0
+        self._lock = threading.Lock()  # the cache, filled ahead by a server's threads (`encode_ahead`)
+        self._generation = 0  # counts weight changes: embeddings of older weights never enter the cache
         self.cache_queries = self.cache_hits = 0
 
     def on(self, device: Any) -> ImageEncoder:
         """A copy of this encoder with its weights on `device` and a cache of its own."""
         other = copy.copy(self)
+        other._lock = threading.Lock()
         other.use_params(jax.device_put(self.params, device))
         return other
 
@@ -92,7 +96,9 @@ class ImageEncoder:
 
     def clear_cache(self) -> None:
         """Forget the embeddings of the images seen before."""
-        self._cache, self._cache_bytes = OrderedDict(), 0
+        with self._lock:
+            self._cache, self._cache_bytes = OrderedDict(), 0
+            self._generation += 1
 
     @property
     def processor_config(self) -> dict[str, Any]:
@@ -141,24 +147,38 @@ class ImageEncoder:
             keys.append(-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2))
         return out, ImagePrompt(spans, embeds, keys)
 
-    def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int]) -> np.ndarray:
+    def encode_ahead(self, image: PreparedImage) -> None:
+        """Encode an image into the cache from a thread other than the engine's (a server's, as the image arrives),
+        so the engine's thread finds it there and its steps are not held up; nothing without a cache, or while the
+        weights are off the device (the engine then refuses the request)."""
+        if self._cache_limit <= 0:
+            return
+        try:
+            self._embeds(image.pixels, image.digest, image.size, count=False)
+        except RuntimeError:  # the weights were freed (sleep mode)
+            pass
+
+    def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int], count: bool = True) -> np.ndarray:
         """An image's embeddings: from the cache when its pixels were seen before, else encoded (and cached)."""
-        self.cache_queries += 1
-        emb = self._cache.get(digest)
-        if emb is not None:
-            self.cache_hits += 1
-            self._cache.move_to_end(digest)
-            return emb
+        with self._lock:
+            self.cache_queries += count
+            emb = self._cache.get(digest)
+            if emb is not None:
+                self.cache_hits += count
+                self._cache.move_to_end(digest)
+                return emb
+            generation = self._generation
         if self.cfg.grid_pinpoints is None:
             emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
         else:  # one crop at a time: one compiled encoder for any number of crops
             feats = np.stack([np.asarray(self._encode(self.params, pixels=jnp.asarray(c)[None])[0]) for c in pixels])
             emb = pack_anyres(self.cfg, feats, np.asarray(self.params.newline), size)
-        if emb.nbytes <= self._cache_limit:
-            self._cache[digest] = emb
-            self._cache_bytes += emb.nbytes
-            while self._cache_bytes > self._cache_limit:
-                self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
+        with self._lock:
+            if emb.nbytes <= self._cache_limit and generation == self._generation and digest not in self._cache:
+                self._cache[digest] = emb
+                self._cache_bytes += emb.nbytes
+                while self._cache_bytes > self._cache_limit:
+                    self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
         return emb
 
 
@@ -194,6 +214,7 @@ class ImageSpec:
     placeholder: str  # the image token's text, as a chat template writes it
     tokens: Callable[[Any], int]  # the tokens a prepared image takes
     prepare: Callable[[Any], PreparedImage]  # an image read and processed (`ImageEncoder.prepare`)
+    encode_ahead: Callable[[PreparedImage], None]  # its embeddings into the engine's cache (`ImageEncoder`)
     limit: int | None
 
     def expanded(self, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
@@ -204,8 +225,12 @@ class ImageSpec:
         check_image_count(count, self.limit)
 
     def load(self, sources: Sequence[Any]) -> list[PreparedImage]:
-        """The images read (fetched, decoded) and processed: slow, so off the event loop and the engine's thread."""
-        return [self.prepare(source) for source in sources]
+        """The images read (fetched, decoded), processed and encoded ahead: slow, so off the event loop and the
+        engine's thread."""
+        images = [self.prepare(source) for source in sources]
+        for image in images:
+            self.encode_ahead(image)
+        return images
 
 
 def image_spec(engine: Any) -> ImageSpec | None:
@@ -215,7 +240,7 @@ def image_spec(engine: Any) -> ImageSpec | None:
         return None
     token = encoder.image_token_id
     return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.num_tokens,
-                     encoder.prepare, engine.image_limit)
+                     encoder.prepare, encoder.encode_ahead, engine.image_limit)
 
 
 def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
