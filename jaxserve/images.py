@@ -265,7 +265,7 @@ def _center_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def pixels_digest(pixels: np.ndarray, size: tuple[int, int]) -> bytes:
-    """What identifies an image to the prefix cache: a hash of its processed pixels and its size."""
+    """What identifies an image to the prefix cache: a hash of its processed pixels and its (height, width)."""
     h = hashlib.sha256(np.ascontiguousarray(pixels).tobytes())
     h.update(repr((pixels.shape, tuple(size))).encode())
     return h.digest()

@@ -85,7 +85,7 @@ def test_llava_next_engine_equals_transformers(tmp_path):
     eng = engine(str(tmp_path))
     prompts = [[5, IMAGE_TOKEN, 6, 7], [IMAGE_TOKEN, 9, 8]]
     images = [random_image(21, (90, 31)), random_image(22, (30, 64))]
-    counts = [eng.images.num_tokens(im) for im in images]
+    counts = [eng.images.num_tokens(eng.images.prepare(im)) for im in images]
     # The whole image's 16, then a 1x2 grid's 4 x 8 features unpadded to 2 rows, a 2x1 grid's 8 x 4 to 8 rows of 4,
     # each row and its newline.
     assert counts == [16 + 2 * 9, 16 + 8 * 5]
@@ -218,6 +218,12 @@ def test_chat_with_images(llava, tmp_path):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["input_tokens"] == len(got.prompt_token_ids)
             assert r.json()["output"][-1]["content"][0]["text"] == got.outputs[0].text
+            # /tokenize counts an image's tokens as a chat does, and runs no encoder for it.
+            fresh = random_image(13)
+            r = httpx.post(f"{srv.url}/tokenize", timeout=60, json={"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": png_url(fresh)}}]}]})
+            assert r.json()["tokens"].count(IMAGE_TOKEN) == 16
+            assert llm.engine.images.prepare(fresh).digest not in llm.engine.images._cache
             for content, status, code in [
                 ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], 400, "invalid_image"),
                 ([{"type": "image_url", "image_url": {"url": "/etc/passwd"}}], 400, "invalid_image"),
@@ -259,7 +265,7 @@ def test_sleep_and_new_weights_take_the_vision_side_too(llava, tmp_path):
     tensors = load_file(f"{path}/model.safetensors")
     with pytest.raises(ValueError, match="vision tower's and projector's tensors too"):
         eng.memory.load_weights({k: v for k, v in tensors.items() if "language_model" in k})
-    eng.memory.load_weights(tensors)
+    eng.memory.load_weights(iter(tensors.items()))  # pairs read once, as a trainer may yield them
     assert run(eng, prompts, images) == ref
     assert eng.runner.compilations_after_warmup == 0
 

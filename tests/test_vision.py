@@ -123,7 +123,7 @@ def test_anyres_logits_equal_transformers(tmp_path, size):
     image = random_image(9, size)
     ids, prompt = encoder.prompt([5, 6, IMAGE_TOKEN, 7, 8], [image])
     (start, n), = prompt.spans
-    assert n == encoder.num_tokens(image) > encoder.cfg.tokens_per_image
+    assert n == encoder.num_tokens(encoder.prepare(image)) > encoder.cfg.tokens_per_image
     T = bucket(len(ids), 16)
     table = np.zeros((T, cfg.hidden_size), np.float32)
     mask = np.zeros(T, np.bool_)
@@ -188,7 +188,7 @@ def test_convert_writes_the_whole_image_text_model(tmp_path, anyres):
     processor = (transformers.LlavaNextImageProcessorPil(image_grid_pinpoints=PINPOINTS, **{
         k: v for k, v in TOWERS["clip"][2].items() if k != "image_processor_type"}) if anyres else hf_processor("clip"))
     pixels = processor(image, return_tensors="pt")
-    n = loaded.vision.num_tokens(image)
+    n = loaded.vision.num_tokens(loaded.vision.prepare(image))
     ids = torch.tensor([[5, 6] + [IMAGE_TOKEN] * n + [7]])
     extra = {"image_sizes": pixels["image_sizes"]} if anyres else {}
     with torch.no_grad():

@@ -119,7 +119,7 @@ class LLMEngine:
         self.model = dataclasses.replace(self.model, params=self.runner.params)
         self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules, args.max_cpu_loras)
                       if args.enable_lora else None)
-        self.images, self.image_limit = self.model.vision, (args.limit_mm_per_prompt or {}).get("image")
+        self.image_limit = (args.limit_mm_per_prompt or {}).get("image")
         self.warmup_seconds = 0.0
         if args.warmup:
             self.warmup_seconds = self.runner.warmup(progress=progress) + (self.images.warmup() if self.images else 0)
@@ -141,6 +141,10 @@ class LLMEngine:
         self.memory = EngineMemory(self)  # sleep mode and weight updates
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
+
+    @property
+    def images(self) -> Any:  # an image-text model's `multimodal.ImageEncoder` (None: the engine takes no images)
+        return self.model.vision
 
     def _trace(self, engine_id: str, layer: str, event: str, **data: Any) -> None:
         group = self._seq_group.get(engine_id)

@@ -160,7 +160,8 @@ def _vision_params(encoder: Any, source: Any, dtype: Any) -> Any:
         return None
     from jaxserve.models.vision import is_vision_tensor, load_vision_params
 
-    tensors = [(n, a) for n, a in _Tensors(source).tensors(None) if is_vision_tensor(n)]
+    pairs = source.items() if isinstance(source, Mapping) else source
+    tensors = list(_Tensors([(n, a) for n, a in pairs if is_vision_tensor(n)]).tensors(None))
     if not tensors:
         raise ValueError("an image-text model's new weights need its vision tower's and projector's tensors too")
     device = next(iter(jax.tree.leaves(encoder.params)[0].devices()))
@@ -259,6 +260,7 @@ class EngineMemory:
                 mesh = e.model.plan.mesh
             loaded, what = load_model(args, progress=False), f"the checkpoint at {args.model or 'the bundled model'}"
         else:  # each tensor straight into its place (its shards, over several devices) as a checkpoint's would go
+            source = source if isinstance(source, Mapping) else list(source)  # read twice: decoder, vision side
             plan = e.model.plan
             cfg = plan.source_cfg if plan is not None else e.model.config
             params = load_params(_Tensors(source), cfg, e.model.dtype, place=plan.place if plan else None,

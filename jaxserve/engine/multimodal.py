@@ -111,22 +111,22 @@ class ImageEncoder:
     def warmup(self) -> float:
         """Compile the encoder for one image (what every request's images run as); returns the seconds it took."""
         t0, size = time.perf_counter(), self.cfg.image_size
-        self._encode(self.params, pixels=jnp.zeros((1, self.cfg.num_channels, size, size), jnp.float32))
+        jax.block_until_ready(self._encode(self.params, pixels=jnp.zeros((1, self.cfg.num_channels, size, size))))
         return time.perf_counter() - t0
 
-    def num_tokens(self, image: Any) -> int:
-        """The tokens an image (a PIL image or a `PreparedImage`) takes: fixed, or by its size for LLaVA-NeXT."""
+    def num_tokens(self, image: PreparedImage) -> int:
+        """The tokens an image takes: fixed, or by its size for LLaVA-NeXT."""
         if self.cfg.grid_pinpoints is None:
             return self.cfg.tokens_per_image
-        return anyres_tokens(self.cfg, image.size if isinstance(image, PreparedImage) else image.size[::-1])
+        return anyres_tokens(self.cfg, image.size)
 
     def prepare(self, source: Any) -> PreparedImage:
         """An image from anything `load_image` reads (or prepared already), read and processed."""
         if isinstance(source, PreparedImage):
             return source
         image = load_image(source, self.allowed_local_path)
-        pixels = self.pixels(image)
-        return PreparedImage(pixels, image.size[::-1], pixels_digest(pixels, image.size))
+        pixels, size = self.pixels(image), image.size[::-1]  # PIL's size is (width, height)
+        return PreparedImage(pixels, size, pixels_digest(pixels, size))
 
     def pixels(self, image: Any) -> np.ndarray:
         """One image (read) as the tower's normalized pixels: [C, S, S], or LLaVA-NeXT's crops [n, C, S, S]."""
@@ -224,11 +224,11 @@ class ImageSpec:
     def check_count(self, count: int) -> None:
         check_image_count(count, self.limit)
 
-    def load(self, sources: Sequence[Any]) -> list[PreparedImage]:
-        """The images read (fetched, decoded), processed and encoded ahead: slow, so off the event loop and the
-        engine's thread."""
+    def load(self, sources: Sequence[Any], encode: bool = True) -> list[PreparedImage]:
+        """The images read (fetched, decoded), processed and (with `encode`, for a request that will run) encoded
+        ahead: slow, so off the event loop and the engine's thread."""
         images = [self.prepare(source) for source in sources]
-        for image in images:
+        for image in images if encode else ():
             self.encode_ahead(image)
         return images
 
