@@ -51,6 +51,8 @@ from pallas_kernels.ragged_attention_args import (
     default_splits,
     logits,
     mask_keys,
+    meta_spans,
+    span_last,
     window_start,
 )
 
@@ -101,7 +103,9 @@ def _attention_body(
 
     plgpu.copy_gmem_to_smem(q_ref.at[blk, kv_head], q_smem, q_bar.at[0])
     seq, pos0, num_q = meta_ref[blk, 0], meta_ref[blk, 1], meta_ref[blk, 2]
-    kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
+    tok_end = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
+    spans = meta_spans(meta_ref, blk)
+    kv_len = functools.reduce(lambda n, span: jnp.maximum(n, span[1] + 1), spans, tok_end)  # spans reach further
     num_blocks = pl.cdiv(kv_len, block_kv)
     lo = jnp.minimum(window_start(pos0, window, block_kv), num_blocks)
     per_split = pl.cdiv(num_blocks - lo, num_splits)
@@ -127,10 +131,12 @@ def _attention_body(
     l0 = layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), wgmma_rows)
     acc0 = layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-    # Each row's last visible key: its token's position (padding rows: the block's last token's).
+    # Each row's position (padding rows: the block's last token's) and, in a span attended both ways, its last
+    # visible key.
     row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
     col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-    row_pos = jnp.minimum(pos0 + lax.div(row, group), kv_len - 1)
+    row_pos = jnp.minimum(pos0 + lax.div(row, group), tok_end - 1)
+    row_last = span_last(row_pos, spans) if spans else None
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
@@ -153,7 +159,7 @@ def _attention_body(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
-        s = mask_keys(logits(s, sm_scale, soft_cap), j * block_kv + col, row_pos, window)  # [ROWS, block_kv]
+        s = mask_keys(logits(s, sm_scale, soft_cap), j * block_kv + col, row_pos, window, row_last)  # [ROWS, bkv]
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # at least M_FLOOR: exp(-inf - m) below is 0, never NaN
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -290,7 +296,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
                             splits: int, group: int, interpret: bool, name: str, stages: int = 2,
                             soft_cap: float | None = None, window: int | None = None) -> jax.Array:
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
-    r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0) ->
+    r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0; or `[NB, 8]`
+    with the spans attended both ways of `block_spans`) ->
     `[NB, KVH, ROWS, D]` float32. With splits (flash decoding) each split walks a share of a block's KV blocks; a
     row that sees none of a split's keys gets nothing from it."""
     plgpu = plgpu_module()

@@ -6,6 +6,11 @@ Query tokens `q [num_tokens, num_q_heads, head_dim]` are packed by sequence: seq
 padding. The pages may be stored in another float dtype than q (float8 to halve a bfloat16 cache); the
 kernels upcast what they load. `check_attention_args` refuses arguments that break this contract;
 `token_metadata` maps each packed token back to its sequence and position.
+
+A token sees the keys up to its own position (causal), or with `last_key` (`[num_tokens]` int32) up to
+`last_key[t]`: the tokens of a span attended both ways (an image in Gemma 3) see up to the span's last position,
+the keys of their own span that come after them included. `last_key` below a token's position or past its
+sequence's last position counts as the nearest of the two; the sliding window stays behind the token's position.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def quantize_kv(x: jax.Array, page_dtype) -> jax.Array:
 
 
 def check_attention_args(
-    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key=None
 ) -> None:
     """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
     if q.ndim != 3:
@@ -87,6 +92,9 @@ def check_attention_args(
     ):
         if a.dtype != jnp.int32:
             raise TypeError(f"{name} must be int32, got {a.dtype}")
+    if last_key is not None and (last_key.shape != q.shape[:1] or last_key.dtype != jnp.int32):
+        raise ValueError(f"last_key must be int32 [{q.shape[0]}] (one per query token), got {last_key.dtype} "
+                         f"{last_key.shape}")
     check_score_args(sm_scale, soft_cap, sliding_window)
 
 
@@ -108,10 +116,10 @@ def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
     return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log_base)
 
 
-def mask_keys(s, key_pos, row_pos, window: int | None):
-    """`s` with -inf where a row does not see a key: keys past its position (causal) or, with a sliding window,
-    `window` or more positions before it."""
-    s = jnp.where(key_pos <= row_pos, s, -jnp.inf)
+def mask_keys(s, key_pos, row_pos, window: int | None, row_last=None):
+    """`s` with -inf where a row does not see a key: keys past its position (causal), or past `row_last` where
+    given (a span attended both ways), or, with a sliding window, `window` or more positions before it."""
+    s = jnp.where(key_pos <= (row_pos if row_last is None else row_last), s, -jnp.inf)
     if window is not None:
         s = jnp.where(key_pos > row_pos - window, s, -jnp.inf)
     return s
@@ -139,6 +147,65 @@ def token_metadata(
     pos = seq_lens[tok_seq] - q_lens[tok_seq] + (t - query_start_loc[tok_seq])
     valid = t < query_start_loc[num_seqs]
     return tok_seq, pos, valid
+
+
+def clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens: int):
+    """`last_key` held to the contract's range, [its token's position, its sequence's last position]; None
+    stays None."""
+    if last_key is None:
+        return None
+    tok_seq, pos, _ = token_metadata(seq_lens, query_start_loc, num_tokens)
+    return jnp.clip(last_key, pos, jnp.maximum(seq_lens[tok_seq] - 1, pos))
+
+
+# The spans attended both ways that one query block of a Mosaic GPU kernel can hold: those kernels read each
+# block's spans from its metadata (row r sees up to the end of the span holding it) rather than a vector per
+# row; a batch with a block that meets more goes to the generic kernel.
+BLOCK_SPANS = 2
+
+
+def block_spans(last_key, seq_lens, query_start_loc, gather_tok, meta):
+    """Per query block, its first and its last span attended both ways, as metadata columns
+    `(start, end, start, end)` (positions; an absent span is (0, -1)), and whether any block meets more than
+    `BLOCK_SPANS` spans. `last_key` is clamped (`clamp_last_key`); a token with `last_key` past its position
+    belongs to the span ending there (a span's last token, seeing no further, is causal anyway)."""
+    num_tokens = last_key.shape[0]
+    _, pos, _ = token_metadata(seq_lens, query_start_loc, num_tokens)
+    block_q = gather_tok.shape[1]
+    real = jnp.arange(block_q, dtype=jnp.int32)[None, :] < meta[:, 2:3]  # [NB, BQ]
+    tok_pos, tok_last = pos[gather_tok], last_key[gather_tok]
+    inside = real & (tok_last > tok_pos)
+    big = jnp.iinfo(jnp.int32).max
+    lasts = jnp.where(inside, tok_last, -1)
+    end0 = jnp.min(jnp.where(inside, tok_last, big), axis=1)
+    end1 = jnp.max(lasts, axis=1)
+    start0 = jnp.min(jnp.where(inside & (tok_last == end0[:, None]), tok_pos, big), axis=1)
+    start1 = jnp.min(jnp.where(inside & (tok_last == end1[:, None]), tok_pos, big), axis=1)
+    # Ends are nondecreasing along a block: a new span starts where a token's end exceeds all before it.
+    before = jnp.pad(lax.cummax(lasts, axis=1)[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    count = jnp.sum(inside & (lasts > before), axis=1)
+    some = jnp.any(inside, axis=1)
+    two = some & (end1 != end0)
+    spans = jnp.stack([jnp.where(some, start0, 0), jnp.where(some, end0, -1),
+                       jnp.where(two, start1, 0), jnp.where(two, end1, -1)], axis=1).astype(jnp.int32)
+    return spans, jnp.any(count > BLOCK_SPANS)
+
+
+def meta_spans(meta_ref, blk) -> tuple:
+    """The spans `block_spans` put in a block's metadata row (columns 4 on), as scalar (start, end) pairs; none
+    when the metadata has only the four columns of `block_layout`."""
+    if meta_ref.shape[1] <= 4:
+        return ()
+    return tuple((meta_ref[blk, 4 + 2 * i], meta_ref[blk, 5 + 2 * i]) for i in range(BLOCK_SPANS))
+
+
+def span_last(row_pos, spans):
+    """Each row's last visible key: the end of the span (`(start, end)` scalar pairs) holding its position,
+    else its position."""
+    last = row_pos
+    for start, end in spans:
+        last = jnp.where((row_pos >= start) & (row_pos <= end), end, last)
+    return last
 
 
 def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int, skip=None):

@@ -44,27 +44,35 @@ from pallas_kernels.mosaic_common import (
 )
 from pallas_kernels.paged_decode_mosaic import (
     ROWS,
-    SMEM_BYTES,
     check_mosaic_args,
     copy_kv_block,
     mosaic_attention_blocks,
-    mosaic_decode_supported,
     upcast_rows,
 )
 from pallas_kernels.ragged_attention_args import (
     M_FLOOR,
     block_layout,
+    block_spans,
     block_splits,
     blocks_to_tokens,
     check_attention_args,
+    clamp_last_key,
     logits,
     mask_keys,
+    meta_spans,
     queries_to_blocks,
+    span_last,
     window_start,
 )
+from pallas_kernels.ragged_mosaic_form import (  # noqa: F401 (re-exported: the backend and the tests read them)
+    COMPUTE_WGS,
+    STAGES,
+    kernel_form,
+    ragged_mosaic_supported,
+    ws_block_kv,
+    ws_smem_bytes,
+)
 
-COMPUTE_WGS = 2
-STAGES = 2  # the K/V ring: one stage multiplied while the next lands
 UPCAST_ROWS = 64  # float8 rows the loading warpgroup upcasts at once (a WGMMA-layout tile)
 # Registers per thread of the loading and the compute warpgroups (at most 512 in all, by 8), for pages of q's
 # dtype and for float8 pages, whose upcast needs the loader's 80: with 40 it spills 500 bytes at 128-key blocks
@@ -99,7 +107,9 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
     page_size = k_pages_ref.shape[1]
     head_dim = qo_smem.shape[-1]
     seq, pos0, num_q = meta_ref[blk, 0], meta_ref[blk, 1], meta_ref[blk, 2]
+    spans = meta_spans(meta_ref, blk)  # spans attended both ways reach past the block's last token
     kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
+    kv_len = functools.reduce(lambda n, span: jnp.maximum(n, span[1] + 1), spans, kv_len)
     stop = pl.cdiv(kv_len, block_kv)
     lo = jnp.minimum(window_start(pos0, window, block_kv), stop)  # blocks [lo, stop): loaded, walked by both
     last_page = jnp.clip(pl.cdiv(kv_len, page_size) - 1, 0, pages_per_seq - 1)
@@ -158,6 +168,9 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
         own = first < num_q
         last = jnp.minimum(lax.div(wg * ROWS + ROWS - 1, group), num_q - 1)
         own_len = jnp.where(own, pos0 + last + 1, 0)
+        for start, end in spans:  # a span holding some of this warpgroup's tokens
+            meets = own & (start <= pos0 + last) & (end >= pos0 + first)
+            own_len = jnp.where(meets, jnp.maximum(own_len, end + 1), own_len)
         # This warpgroup's blocks [own_lo, own_stop) (none: both at `stop`), in three runs: blocks where the
         # window of some row starts (masked), blocks every row sees whole (unmasked), blocks reaching past the
         # first token's position (masked).
@@ -168,13 +181,13 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
         unmasked = jnp.clip((pos0 + first + 1) // block_kv, whole, own_stop)
 
         def masked_keys(s, j):
-            """Row r (token (64 wg + r) // group) sees the keys up to its token's position (and within its
-            window). The index tiles are made here, in the few masked blocks, rather than held in registers
+            """Row r (token (64 wg + r) // group) sees the keys up to its token's position, or its span's end
+            (and within its window). The index tiles are made here, in the few masked blocks, rather than held in registers
             across the whole loop."""
             row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
             col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-            row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), own_len - 1)
-            return mask_keys(s, j * block_kv + col, row_pos, window)
+            row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), pos0 + last)
+            return mask_keys(s, j * block_kv + col, row_pos, window, span_last(row_pos, spans) if spans else None)
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         m0 = layout_cast(jnp.full((ROWS,), M_FLOOR, jnp.float32), rows_layout)
@@ -248,46 +261,6 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref,
         plgpu.wait_smem_to_gmem(0)
 
 
-def ws_smem_bytes(itemsize: int, head_dim: int, block_kv: int, kv_itemsize: int | None = None) -> int:
-    """Shared memory of one warp-specialized program: the q/output tiles of both compute warpgroups, the K/V
-    ring, and the ring the float8 pages land in when the pages are narrower than q."""
-    kv_itemsize = kv_itemsize or itemsize
-    landing = 2 * STAGES * block_kv * head_dim * kv_itemsize if kv_itemsize != itemsize else 0
-    return COMPUTE_WGS * ROWS * head_dim * itemsize + 2 * STAGES * block_kv * head_dim * itemsize + landing + 1024
-
-
-def ws_block_kv(itemsize: int, head_dim: int, page_size: int, kv_itemsize: int | None = None) -> int | None:
-    """The default KV block of the warp-specialized kernel: 128 keys where they fit, else 64 or 256."""
-    for block_kv in (128, 64, 256):
-        if block_kv % page_size == 0 and ws_smem_bytes(itemsize, head_dim, block_kv, kv_itemsize) <= SMEM_BYTES:
-            return block_kv
-    return None
-
-
-def _form(dtype, kv_dtype, head_dim: int, page_size: int, interpret: bool, compute_wgs: int | None = None,
-          block_kv: int | None = None) -> tuple[int, int, int | None]:
-    """(compute_wgs, block_kv, SMEM bytes of the program or None for the one-warpgroup kernel's own sum), the
-    defaults filled in: the warp-specialized form when compiled, 128-key blocks where they fit. In the
-    interpreter the three warpgroups are three threads blocking on each other inside host callbacks, which can
-    exhaust the CPU thread pool of a host with few cores (tests/mosaic_ws_worker.py)."""
-    itemsize, kv_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
-    if compute_wgs is None:  # one warpgroup where no warp-specialized block fits (256-wide float8 heads)
-        fits = block_kv is not None or ws_block_kv(itemsize, head_dim, page_size, kv_itemsize) is not None
-        compute_wgs = 1 if interpret or not fits else COMPUTE_WGS
-    if compute_wgs == 1:
-        return 1, block_kv or 64, None
-    block_kv = block_kv or ws_block_kv(itemsize, head_dim, page_size, kv_itemsize) or 64
-    return compute_wgs, block_kv, ws_smem_bytes(itemsize, head_dim, block_kv, kv_itemsize)
-
-
-def ragged_mosaic_supported(dtype, head_dim: int, page_size: int, group: int, kv_dtype=None,
-                            interpret: bool = False) -> str | None:
-    """None when the kernel in its default form takes these shapes, else the reason it does not."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
-    _, block_kv, smem = _form(dtype, kv_dtype, head_dim, page_size, interpret)
-    return mosaic_decode_supported(dtype, head_dim, page_size, group, block_kv, kv_dtype=kv_dtype, smem=smem)
-
-
 def _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, soft_cap, window, block_kv, group,
                          interpret, name):
     """The warp-specialized kernel over query blocks: qb `[NB, KVH, 2, ROWS, D]` -> the same shape, q's dtype."""
@@ -349,6 +322,7 @@ def ragged_paged_attention_mosaic(
     num_splits: int | None = None,
     interpret: bool = False,
     skip_seqs: jax.Array | None = None,
+    last_key: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention (the contract of `ragged_paged_attention`) on Mosaic GPU: q `[T, QH, D]`
     bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
@@ -358,15 +332,17 @@ def ragged_paged_attention_mosaic(
     `num_splits` (one warpgroup only): splits of each block's KV walk; None picks them by the blocks, the
     sequences and the page table's width (`block_splits`) when compiled, 1 in the interpreter.
     `skip_seqs` (`[S]` bool): sequences left out (no programs; their tokens come back zero), for a caller that
-    attends them elsewhere, as `ragged_paged_attention` does a mixed batch's decode tokens."""
+    attends them elsewhere, as `ragged_paged_attention` does a mixed batch's decode tokens.
+    `last_key`: spans attended both ways (the contract's); a batch where a query block meets more than
+    `BLOCK_SPANS` of them goes to the generic kernel whole."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
-                         sliding_window)
+                         sliding_window, last_key)
     if compute_wgs is not None and compute_wgs not in (1, COMPUTE_WGS):
         raise ValueError(f"compute_wgs must be 1 or {COMPUTE_WGS}, got {compute_wgs}")
     if num_splits is not None and (num_splits < 1 or (num_splits > 1 and compute_wgs != 1)):
         raise ValueError(f"num_splits must be a positive count, and above 1 only with compute_wgs=1, got {num_splits}")
     head_dim, page_size = q.shape[2], k_pages.shape[1]
-    compute_wgs, block_kv, smem = _form(q.dtype, k_pages.dtype, head_dim, page_size, interpret, compute_wgs,
+    compute_wgs, block_kv, smem = kernel_form(q.dtype, k_pages.dtype, head_dim, page_size, interpret, compute_wgs,
                                         block_kv)
     group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, smem=smem)
     num_tokens = q.shape[0]
@@ -379,6 +355,11 @@ def ragged_paged_attention_mosaic(
     _, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(seq_lens, query_start_loc, num_tokens,
                                                                      block_q, skip=skip_seqs)
     qb = queries_to_blocks(q, gather_tok, num_kv_heads, rows)  # [NB, KVH, rows, D]
+    over = None
+    if last_key is not None:
+        last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
+        spans, over = block_spans(last_key, seq_lens, query_start_loc, gather_tok, meta)
+        meta = jnp.concatenate([meta, spans], axis=1)  # [NB, 8]
     if compute_wgs == 1:
         capacity = block_tables.shape[1] * page_size
         if sliding_window is not None:  # a window bounds the keys any block reads
@@ -396,4 +377,14 @@ def ragged_paged_attention_mosaic(
                                   window=sliding_window, block_kv=block_kv, group=group, interpret=interpret,
                                   name=f"ragged_attention_mosaic_ws_bq{block_q}_bkv{block_kv}")
         ob = ob.reshape(num_blocks, num_kv_heads, rows, head_dim)
-    return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
+    out = blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
+    if over is None:
+        return out
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+    def generic():
+        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                                      sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                                      last_key=last_key, interpret=interpret)
+
+    return lax.cond(over, generic, lambda: out)

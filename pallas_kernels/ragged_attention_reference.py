@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_attention_args import check_attention_args, token_metadata
+from pallas_kernels.ragged_attention_args import check_attention_args, clamp_last_key, token_metadata
 
 # Masked logits are finite so that a padding token, which sees no position at all, gets a uniform softmax
 # instead of NaN (its output is zeroed afterwards).
@@ -30,11 +30,12 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    last_key: jax.Array | None = None,
 ) -> jax.Array:
     """Plain `jax.numpy` ragged paged attention, the kernels' oracle (the engine's `xla` backend computes
     the same in blocks of pages; a test holds the two equal)."""
     check_attention_args(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -55,7 +56,8 @@ def ragged_paged_attention_reference(
     v_seq = jnp.where(
         (kv_pos[None, :] < seq_lens[:, None])[..., None, None], v_seq, jnp.zeros((), v_seq.dtype)
     )
-    mask = valid[:, None] & (kv_pos[None, :] <= pos[:, None])  # [T, L]
+    last = pos if last_key is None else clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
+    mask = valid[:, None] & (kv_pos[None, :] <= last[:, None])  # [T, L]
     if sliding_window is not None:
         mask &= kv_pos[None, :] > pos[:, None] - sliding_window
 

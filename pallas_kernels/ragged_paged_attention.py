@@ -2,8 +2,9 @@
 
 The KV cache of one layer is a pool of pages `[num_pages, page_size, num_kv_heads, head_dim]`; page 0 is a
 reserved scratch page. Query tokens are packed by sequence. Query token `i` of sequence `s` sits at position
-`seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own (the last `sliding_window`
-positions, its own included, when a window is given). Softmax runs in float32. The pages may be stored
+`seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own, or up to `last_key[t]` where
+given (a span attended both ways; the last `sliding_window` positions before its own, its own included, when a
+window is given). Softmax runs in float32. The pages may be stored
 narrower than q (float8 or bfloat16): the kernel upcasts each block as it loads it, so a float8 cache moves
 half the bytes of a bfloat16 one.
 
@@ -27,6 +28,7 @@ from pallas_kernels.ragged_attention_args import (
     block_layout,
     blocks_to_tokens,
     check_attention_args,
+    clamp_last_key,
     combine_splits,
     logits,
     mask_keys,
@@ -94,7 +96,7 @@ def _attention_kernel(
     q_ref,
     k_pages_ref,
     v_pages_ref,
-    *out_refs,
+    *refs,
     group: int,
     block_kv: int,
     page_size: int,
@@ -103,8 +105,14 @@ def _attention_kernel(
     sliding_window: int | None,
     num_splits: int,
     use_mma: bool,
+    has_last: bool,
 ):
-    """One program: one block of query tokens of one sequence, one KV head with its whole query-head group."""
+    """One program: one block of query tokens of one sequence, one KV head with its whole query-head group.
+    With `has_last`, the first of `refs` holds each row's last visible key (`last_key` laid out as the rows)."""
+    if has_last:
+        last_ref, *out_refs = refs
+    else:
+        last_ref, out_refs = None, refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_pages = k_pages_ref.shape[0]
     pages_per_seq = block_tables_ref.shape[1]
@@ -117,8 +125,11 @@ def _attention_kernel(
     row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
     row_pos = pos0 + row_q  # [rows]
     row_valid = row_q < num_q
+    row_last = None if last_ref is None else last_ref[...]  # [rows]
 
     kv_hi = jnp.where(num_q > 0, pos0 + num_q, 0)  # the last real query sees KV positions < kv_hi
+    if row_last is not None:  # a span attended both ways reaches past it
+        kv_hi = jnp.maximum(kv_hi, jnp.max(jnp.where(row_valid, row_last, -1)) + 1)
     blk_lo = jnp.minimum(window_start(pos0, sliding_window, block_kv), pl.cdiv(kv_hi, block_kv))
     num_blocks = pl.cdiv(kv_hi, block_kv) - blk_lo
     per_split = pl.cdiv(num_blocks, num_splits)
@@ -145,7 +156,8 @@ def _attention_kernel(
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         else:
             s = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
-        s = mask_keys(logits(s, sm_scale, soft_cap), kv_pos[None, :], row_pos[:, None], sliding_window)
+        s = mask_keys(logits(s, sm_scale, soft_cap), kv_pos[None, :], row_pos[:, None], sliding_window,
+                      None if row_last is None else row_last[:, None])
         s = jnp.where(row_valid[:, None], s, -jnp.inf)  # [rows, block_kv]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_next)
@@ -214,12 +226,13 @@ def ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    last_key: jax.Array | None = None,
     interpret: bool = False,
     tuning: AttentionTuning = AttentionTuning(),
 ) -> jax.Array:
     """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype."""
     check_attention_args(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -229,6 +242,7 @@ def ragged_paged_attention(
         raise ValueError(f"the Pallas kernel needs a power-of-two head_dim, got {head_dim}")
     if num_tokens == 0:
         return jnp.zeros_like(q)
+    last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
     if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering):
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
         from pallas_kernels.ragged_attention_mosaic import ragged_mosaic_supported
@@ -241,8 +255,8 @@ def ragged_paged_attention(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
         if decode or prefill:
             return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
-                              soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
-                              tuning=tuning, decode_on_mosaic=decode, prefill_on_mosaic=prefill)
+                              soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key,
+                              interpret=interpret, tuning=tuning, decode_on_mosaic=decode, prefill_on_mosaic=prefill)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
         tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
@@ -263,6 +277,7 @@ def ragged_paged_attention(
         sliding_window=None if sliding_window is None else int(sliding_window),
         num_splits=splits,
         use_mma=use_mma,
+        has_last=last_key is not None,
     )
     # Metadata, block tables and the page pools are whole-array refs: pages are gathered inside the kernel.
     in_specs = [
@@ -272,6 +287,11 @@ def ragged_paged_attention(
         pl.BlockSpec(k_pages.shape, lambda b, h, k: (0, 0, 0, 0)),
         pl.BlockSpec(v_pages.shape, lambda b, h, k: (0, 0, 0, 0)),
     ]
+    operands = [meta, block_tables, qb, k_pages, v_pages]
+    if last_key is not None:  # each row's last visible key, rows laid out as in `qb` (padding rows: -1)
+        rows_last = jnp.repeat(last_key[gather_tok], group, axis=1)
+        operands.append(jnp.pad(rows_last, ((0, 0), (0, rows - block_q * group)), constant_values=-1))
+        in_specs.append(pl.BlockSpec((None, rows), lambda b, h, k: (b, 0)))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, k: (b, h, 0, 0))
@@ -295,7 +315,7 @@ def ragged_paged_attention(
         interpret=interpret,
         compiler_params=None if interpret else _triton_params(num_warps, tuning.num_stages),
         name=f"ragged_paged_attention_bq{block_q}_bkv{block_kv}_s{splits}",
-    )(meta, block_tables, qb, k_pages, v_pages)
+    )(*operands)
 
     if splits == 1:
         ob = result
@@ -306,10 +326,11 @@ def ragged_paged_attention(
 
 
 def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
-               interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
+               last_key, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
     prefill chunks on the ragged Mosaic GPU kernel (their decode tokens on the decode kernel with
-    `tuning.split_mixed`), each where `*_on_mosaic` says, else this file's kernel."""
+    `tuning.split_mixed`), each where `*_on_mosaic` says, else this file's kernel. `last_key` (clamped) matters
+    to chunks only: a sequence of one query token sees no key past it."""
     from pallas_kernels.paged_decode_mosaic import paged_decode_attention_mosaic
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 
@@ -319,7 +340,7 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
     general_tuning = dataclasses.replace(tuning, decode_lowering="triton", prefill_lowering="triton")
 
     def general():
-        return ragged_paged_attention(*args, **scores, interpret=interpret, tuning=general_tuning)
+        return ragged_paged_attention(*args, **scores, last_key=last_key, interpret=interpret, tuning=general_tuning)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
@@ -335,10 +356,10 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
         if not prefill_on_mosaic:
             return general()
         if not (decode_on_mosaic and tuning.split_mixed):
-            return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret)
+            return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, last_key=last_key)
         # The chunks on the ragged kernel, the decode tokens beside them on the decode kernel.
         one = q_lens == 1
-        chunks = ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, skip_seqs=one)
+        chunks = ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, skip_seqs=one, last_key=last_key)
         tokens = on_decode_kernel(jnp.where(one, seq_lens, 0))
         return jnp.where((one[tok_seq] & valid)[:, None, None], tokens, chunks)
 

@@ -19,10 +19,10 @@ import numpy as np
 
 from pallas_kernels.ragged_attention_args import quantize_kv
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
-from tests.test_kernels_cases import make_batch, naive_attention
+from tests.test_kernels_cases import make_batch, naive_attention, span_last_key
 
 # (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq, soft_cap, window,
-#  the pages' dtype)
+#  the pages' dtype[, spans attended both ways per sequence])
 CASES = [
     # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
     # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
@@ -37,6 +37,11 @@ CASES = [
     # warpgroup 1 only releasing.
     ("smollm-e4m3-window-cap", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141,
      jnp.float8_e4m3fn),
+    # Spans attended both ways: the 60-token chunk at 40-99 is a program of tokens 40-81 and one of 82-99. Span
+    # 30-70 starts in the cache and ends in warpgroup 1's tokens (warpgroup 0's walk reaches past its own last
+    # token), span 72-95 starts in warpgroup 1's and ends in the next program; a prompt is one span to its end.
+    ("smollm-spans", 16, 64, 3, 1, 64, [(60, 100), (1, 50), (0, 0), (20, 20)], 8, None, None, jnp.bfloat16,
+     [[(30, 70), (72, 95)], [], [], [(2, 19)]]),
 ]
 
 
@@ -48,22 +53,25 @@ GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 
 
 def run_cases(cases):
     """Per case: the kernel's output against the oracle, as a dict of plain values."""
-    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq, soft_cap, window, kv_dtype in cases:
+    for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq, soft_cap, window, kv_dtype, \
+            *spans in cases:
         rng = np.random.default_rng(len(name))
         batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
                            dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
         # The oracle reads the pages as stored: for float8, the attention of their float8 values.
         batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
                                     v_pages=quantize_kv(batch.v_pages, kv_dtype))
+        last_key = span_last_key(batch, spans[0]) if spans else None
         start = time.perf_counter()
         out = ragged_paged_attention_mosaic(
             batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
             sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window, block_kv=block_kv, compute_wgs=2,
-            interpret=jax.default_backend() == "cpu",
+            interpret=jax.default_backend() == "cpu", last_key=last_key,
         )
         out = np.asarray(out.astype(jnp.float32))
         seconds = time.perf_counter() - start
-        ref = naive_attention(batch, sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window)
+        ref = naive_attention(batch, sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window,
+                              last_key=None if last_key is None else np.asarray(last_key))
         n = batch.num_real_tokens
         yield {
             "case": name, "seconds": round(seconds, 1), "dtype": str(out.dtype), "shape_ok": out.shape == batch.q.shape,

@@ -14,9 +14,16 @@ from jax.experimental import pallas as pl
 from pallas_kernels import AttentionTuning, ragged_paged_attention, ragged_paged_attention_reference
 
 try:  # tests/ as a package, or tests/ itself on sys.path (pytest's rootdir-less layout)
-    from tests.test_kernels_cases import make_batch, naive_attention, standard_seqs
+    from tests.test_kernels_cases import (
+        SPAN_SEQS,
+        SPANS,
+        make_batch,
+        naive_attention,
+        span_last_key,
+        standard_seqs,
+    )
 except ImportError:
-    from test_kernels_cases import make_batch, naive_attention, standard_seqs
+    from test_kernels_cases import SPAN_SEQS, SPANS, make_batch, naive_attention, span_last_key, standard_seqs
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
 
@@ -303,3 +310,39 @@ def test_engine_xla_backend_matches_reference(soft_cap, sliding_window, seqs, qu
     n = batch.num_real_tokens
     np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(got[n:], 0.0)
+
+
+def _span_batch(rng, page_size=8, head_dim=32, group=3, kv_heads=2, dtype=jnp.float32):
+    batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads, dtype=dtype,
+                       seqs=SPAN_SEQS, pages_per_seq=7)
+    return batch, span_last_key(batch, SPANS, rng)
+
+
+@pytest.mark.parametrize("tuning,sliding_window", [
+    (AttentionTuning(), None),
+    (AttentionTuning(block_q=4, block_kv=16), 9),
+    (AttentionTuning(block_q=8, num_kv_splits=2), None),
+    (AttentionTuning(block_q=1, pad_rows_to_mma=True), None),
+])
+def test_spans_attended_both_ways(tuning, sliding_window):
+    """With `last_key`, the reference equals the float64 oracle, and the Pallas kernel (rows of one block
+    reading different ends) and the engine's CPU attention (prompt tiles and rows) equal the reference; a span's
+    tokens see the keys after them, so the outputs differ from causal ones."""
+    from jaxserve.models.attention import xla_ragged_paged_attention
+
+    rng = np.random.default_rng(21)
+    batch, last_key = _span_batch(rng)
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    kw = dict(sm_scale=0.3, sliding_window=sliding_window)
+    n = batch.num_real_tokens
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw, last_key=last_key))
+    want = naive_attention(batch, **kw, last_key=np.asarray(last_key))
+    np.testing.assert_allclose(ref[:n], want[:n], atol=2e-5, rtol=2e-5)
+    causal = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    assert np.abs(causal[:n] - ref[:n]).max() > 0.1
+    _check(batch, jnp.float32, **kw, last_key=last_key, tuning=tuning)
+    for query_block in (32, 4):
+        got = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, query_block=query_block))(
+            *args, last_key=last_key))
+        np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(got[n:], 0.0)

@@ -66,7 +66,30 @@ def make_batch(
     )
 
 
-def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None) -> np.ndarray:
+# Spans attended both ways (`last_key`): positions (first, last) per sequence, for `SPAN_SEQS`. They cross page
+# and query-block boundaries, start before the step's chunk (an image partly cached), end at the chunk's end,
+# sit back to back (0 and 1 text tokens apart) and several in one chunk; decode tokens and a plain chunk beside.
+SPAN_SEQS = [(40, 40), (1, 17), (20, 52), (30, 30), (6, 9)]
+SPANS = [[(3, 13), (14, 20), (22, 31), (33, 34)], [], [(28, 41), (45, 51)], [(0, 29)], [(4, 8)]]
+
+
+def span_last_key(b: Batch, spans_per_seq, rng=None) -> jnp.ndarray:
+    """`last_key` for the batch: a token inside one of its sequence's spans (inclusive (first, last) positions)
+    sees up to the span's last position, any other token its own position; padding tokens get junk, and with
+    `rng` a few causal tokens get a value below their position (both count as their position)."""
+    seq_lens, qsl = np.asarray(b.seq_lens), np.asarray(b.query_start_loc)
+    last = np.full(b.q.shape[0], 10**6, np.int32)
+    for s, spans in enumerate(spans_per_seq):
+        q_len = qsl[s + 1] - qsl[s]
+        for i in range(q_len):
+            pos = seq_lens[s] - q_len + i
+            ends = [e for a, e in spans if a <= pos <= e]
+            low = rng is not None and rng.random() < 0.2
+            last[qsl[s] + i] = ends[0] if ends else (pos - 3 if low else pos)
+    return jnp.asarray(last)
+
+
+def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, last_key=None) -> np.ndarray:
     """Loop-per-token float64 attention straight from the contract; independent of the library's reference."""
     q = np.asarray(b.q, np.float64)
     k = np.asarray(b.k_pages, np.float64)
@@ -83,7 +106,8 @@ def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None) -
             t = qsl[s] + i
             pos = seq_lens[s] - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            kv = np.arange(lo, pos + 1)
+            last = pos if last_key is None else min(max(pos, int(last_key[t])), seq_lens[s] - 1)
+            kv = np.arange(lo, last + 1)
             pages = tables[s, kv // page_size]
             for h in range(q.shape[1]):
                 kh = h // group

@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_attention_args import quantize_kv
+from pallas_kernels.ragged_attention_args import clamp_last_key, quantize_kv, token_metadata
 
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
 # pallas_mosaic: attention on the Mosaic GPU kernels (Hopper): decode-only batches on the decode kernel, batches
@@ -34,6 +34,7 @@ def xla_ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    last_key: jax.Array | None = None,
     pages_per_block: int | None = None,
     query_block: int = 32,
     decode: bool = False,
@@ -56,11 +57,13 @@ def xla_ragged_paged_attention(
     `row_pages_per_block(...)`.
 
     `kv_dtype` (static) is the dtype the pages hold when the pools are their raw bits (unsigned integers
-    of its width; see `kv_storage_bits`), else None.
+    of its width; see `kv_storage_bits`), else None. `last_key` [T]: spans attended both ways (the kernels'
+    contract, `pallas_kernels.ragged_attention_args`).
     """
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block,
               query_block=query_block, kv_dtype=kv_dtype)
-    args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    last_key = clamp_last_key(last_key, seq_lens, query_start_loc, q.shape[0])
+    args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key)
     if decode:
         return _per_token_attention(*args, **kw)
     return _tiled_attention(*args, **kw)
@@ -133,9 +136,10 @@ def _online_softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
     return m_new, denom, acc * alpha[..., None] + pv(p)
 
 
-def _key_mask(kpos: jax.Array, pos: jax.Array, sliding_window: int | None) -> jax.Array:
-    """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, within the window)."""
-    mask = kpos[None, :] <= pos[:, None]
+def _key_mask(kpos: jax.Array, pos: jax.Array, sliding_window: int | None, last: jax.Array | None = None) -> jax.Array:
+    """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, or up to `last` [R] where
+    given; within the window)."""
+    mask = kpos[None, :] <= (pos if last is None else last)[:, None]
     if sliding_window is not None:
         mask &= kpos[None, :] > pos[:, None] - sliding_window
     return mask
@@ -151,21 +155,21 @@ def _finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
     return out.reshape(out.shape[0], -1, out.shape[-1])
 
 
-def _rows_attention(qf, pos, tables, k_pages, v_pages, *, soft_cap, sliding_window, pages_per_block, kv_dtype):
+def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, sliding_window, pages_per_block, kv_dtype):
     """Each query row against its own pages, `pages_per_block` at a time (None: `row_pages_per_block`).
-    qf: [R, Hkv, G, D] f32, scaled; pos: [R] (-1: sees no key); tables: [R, P]. Returns [R, Hq, D]
-    f32 (zero for a row that sees no key)."""
+    qf: [R, Hkv, G, D] f32, scaled; pos: [R] (-1: sees no key); last: [R], each row's last visible key, or
+    None (causal); tables: [R, P]. Returns [R, Hq, D] f32 (zero for a row that sees no key)."""
     R, Hkv, G, D = qf.shape
     page_size = k_pages.shape[1]
     tables, B = _pad_to_blocks(tables, pages_per_block or row_pages_per_block(page_size, Hkv, D, k_pages.dtype.itemsize))
     J = B * page_size
-    num_blocks = jnp.minimum((jnp.max(pos) + J) // J, tables.shape[1] // B)
+    num_blocks = jnp.minimum((jnp.max(pos if last is None else last) + J) // J, tables.shape[1] // B)
 
     def body(j, carry):
         pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [R, B]
         k = _read_pages(k_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
         v = _read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
-        mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, sliding_window)
+        mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, sliding_window, last)
         # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
         s = _cap(jnp.einsum("tkgd,tjkd->tkgj", qf, k), soft_cap)
@@ -175,39 +179,39 @@ def _rows_attention(qf, pos, tables, k_pages, v_pages, *, soft_cap, sliding_wind
     return _finish(denom, acc)
 
 
-def _token_rows(seq_lens, query_start_loc, num_tokens: int):
-    """Per packed token: its sequence, its position (-1 for padding) and whether it is real."""
-    from pallas_kernels.ragged_attention_args import token_metadata  # the contract shared with the kernels
-
+def _token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
+    """Per packed token: its sequence, its position and its last visible key (-1 for padding; the key None
+    without `last_key`) and whether it is real."""
     seq, pos, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
-    return seq, jnp.where(valid, pos, -1), valid  # a padding token sees no key, so its output is zero
+    last = None if last_key is None else jnp.where(valid, last_key, -1)
+    return seq, jnp.where(valid, pos, -1), last, valid  # a padding token sees no key, so its output is zero
 
 
-def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
                          sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype):
     """Every token gathers its own sequence's pages, one block at a time: all tokens at once when
     they fit in one chunk of `query_block`, else the real tokens a chunk at a time."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
-    seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
+    seq, pos, last, valid = _token_rows(seq_lens, query_start_loc, T, last_key)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype)
     if T <= query_block:
         qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
-        return _rows_attention(qf, pos, block_tables[seq], k_pages, v_pages, **kw).astype(q.dtype)
+        return _rows_attention(qf, pos, last, block_tables[seq], k_pages, v_pages, **kw).astype(q.dtype)
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, 1), (0, 0), (0, 0))).reshape(T + 1, Hkv, Hq // Hkv, D)
     # A row whose table starts at the reserved page 0 is padding, or finished in the decode loop.
     live = valid & (block_tables[seq, 0] != 0)
-    out = _row_chunks(qf, seq, pos, live, block_tables, k_pages, v_pages, jnp.zeros((T + 1, Hq, D), jnp.float32),
-                      query_block, **kw)
+    out = _row_chunks(qf, seq, pos, last, live, block_tables, k_pages, v_pages,
+                      jnp.zeros((T + 1, Hq, D), jnp.float32), query_block, **kw)
     return out[:T].astype(q.dtype)
 
 
-def _row_chunks(qf, seq, pos, select, block_tables, k_pages, v_pages, out, chunk, **kw):
+def _row_chunks(qf, seq, pos, last, select, block_tables, k_pages, v_pages, out, chunk, **kw):
     """`_rows_attention` over the selected tokens only, compacted: `chunk` per loop iteration, then the rest
     8, 2 and 1 at a time, so no row is computed for nothing (each row reads its own pages, so smaller
     pieces read no more; a mixed step's few decode tokens cost those few rows).
 
-    qf: [T + pad, Hkv, G, D] with at least one row of padding; seq, pos, select: [T]; out: [T + pad,
+    qf: [T + pad, Hkv, G, D] with at least one row of padding; seq, pos, last (or None), select: [T]; out: [T + pad,
     Hq, D], returned with the selected rows written."""
     T = seq.shape[0]
     count = jnp.sum(select)
@@ -215,7 +219,8 @@ def _row_chunks(qf, seq, pos, select, block_tables, k_pages, v_pages, out, chunk
 
     def rows_from(first, n, out):
         idx = jax.lax.dynamic_slice_in_dim(order, first, n)
-        o = _rows_attention(qf[idx], pos[idx], block_tables[seq[idx]], k_pages, v_pages, **kw)
+        o = _rows_attention(qf[idx], pos[idx], None if last is None else last[idx], block_tables[seq[idx]],
+                            k_pages, v_pages, **kw)
         return out.at[idx].set(o)
 
     first = jnp.int32(0)
@@ -226,7 +231,7 @@ def _row_chunks(qf, seq, pos, select, block_tables, k_pages, v_pages, out, chunk
     return out
 
 
-def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
                      sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype):
     """A mixed batch. Each prompt chunk (a sequence with several query tokens) goes in tiles of
     `query_block` tokens; a tile reads each block of its sequence's pages once for all its tokens.
@@ -245,9 +250,11 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     J = B * page_size
 
     # Decode tokens, compacted: chunks of Bq, then pieces of 8, 2 and 1.
-    seq, pos, valid = _token_rows(seq_lens, query_start_loc, T)
-    out = _row_chunks(qf, seq, pos, valid & (q_lens[seq] == 1), block_tables, k_pages, v_pages,
+    seq, pos, last_all, valid = _token_rows(seq_lens, query_start_loc, T, last_key)
+    out = _row_chunks(qf, seq, pos, last_all, valid & (q_lens[seq] == 1), block_tables, k_pages, v_pages,
                       jnp.zeros((T + Bq, Hq, D), jnp.float32), Bq, **kw)
+    if last_all is not None:  # padded as qf is, for the tiles' windows
+        last_all = jnp.pad(last_all, (0, Bq), constant_values=-1)
 
     # Prompt chunks, in tiles of Bq; a chunk's last partial tile of at most SMALL_BLOCK tokens (a short chunk:
     # verified drafts, a prompt's tail) in a tile of that size.
@@ -274,6 +281,10 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             pos = jnp.where(real, ctx + q0 + rows, -1)  # [rows_per_tile]
             qt = jax.lax.dynamic_slice_in_dim(qf, start, rows_per_tile)
             last = ctx + jnp.minimum(q0 + rows_per_tile, q_lens[s])  # keys [first, last) are all the tile sees
+            row_last = None
+            if last_all is not None:  # spans attended both ways reach further
+                row_last = jnp.where(real, jax.lax.dynamic_slice_in_dim(last_all, start, rows_per_tile), -1)
+                last = jnp.maximum(last, jnp.max(row_last) + 1)
             first = 0 if sliding_window is None else jnp.maximum(ctx + q0 - sliding_window + 1, 0)
             table = tables[s]
 
@@ -285,7 +296,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
                 # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
                 v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
                 s = _cap(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap)
-                mask = _key_mask(kpos, pos, sliding_window)
+                mask = _key_mask(kpos, pos, sliding_window, row_last)
                 return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
 
             init = _init(rows_per_tile, Hkv, G, D)
@@ -336,13 +347,14 @@ def paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    last_key: jax.Array | None = None,
     decode: bool = False,
     kv_dtype=None,
 ) -> jax.Array:
     """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
-    pools of raw bits hold."""
-    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    pools of raw bits hold; `last_key` [T]: spans attended both ways."""
+    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           decode=decode, kv_dtype=kv_dtype, **kwargs)

@@ -81,3 +81,29 @@ def test_write_kv_compiles_for_sm90(spec, kvh, d, dtype):
     _compile(write_kv, pages, pages, new, new, slots)
     # jax_triton would ask a driver for the compute capability; there is none, so name sm_90.
     _compile(functools.partial(write_kv_triton, compute_capability=90), pages, pages, new, new, slots)
+
+
+# Spans attended both ways (`last_key`: Gemma 3's images) in a 2k-token prefill of Gemma-3-4B's heads (8 query
+# heads over 4 KV heads of 256, a 1024-key window) and of SmolLM2's: the generic kernel (a vector of row ends)
+# and the ragged Mosaic GPU kernel in both forms (spans in each block's metadata, the generic kernel behind a
+# cond for a block that meets more than two).
+@pytest.mark.parametrize("kvh,group,d,window,lowering,compute_wgs", [
+    (4, 2, 256, 1024, "triton", None), (3, 3, 64, None, "triton", None),
+    (4, 2, 256, 1024, "mosaic", None), (3, 3, 64, None, "mosaic", None), (3, 3, 64, None, "mosaic", 1),
+])
+def test_span_attention_compiles_for_sm90(spec, kvh, group, d, window, lowering, compute_wgs):
+    from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
+
+    T, S = 2048, 2
+    args = (*_attention_args(spec, T, S, 256, 16, kvh, group, d, jnp.bfloat16), spec((T,), jnp.int32))
+    if lowering == "triton":
+        def fn(*a):
+            return ragged_paged_attention(*a[:6], sm_scale=d**-0.5, sliding_window=window, last_key=a[6])
+    else:
+        def fn(*a):
+            return ragged_paged_attention_mosaic(*a[:6], sm_scale=d**-0.5, sliding_window=window, last_key=a[6],
+                                                 compute_wgs=compute_wgs)
+    text = _compile(fn, *args)
+    if lowering == "mosaic":
+        assert 'custom_call_target="mosaic_gpu' in text, "no Mosaic GPU kernel in the compiled function"
+    assert "triton" in text.lower(), "no generic kernel (the spans' fallback) in the compiled function"
