@@ -188,9 +188,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of
-        Gemma 3's image-text models, the language model (served as text); of LLaVA's, the language model (the
-        vision side is `models.vision.VisionConfig`'s)."""
+        """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
+        image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
+        `models.vision.VisionConfig`'s)."""
         if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"} & set(d.get("architectures") or []) \
                 or d.get("model_type") in ("llava", "llava_next"):
             text = d.get("text_config") or {}

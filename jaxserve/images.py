@@ -1,9 +1,9 @@
 """Images in: read from what a client sends (a data URL, an http(s) URL, a local file, bytes or a PIL image) and
 turned into the pixel arrays a vision tower takes, the way the model's HF image processor makes them.
 
-The processing follows transformers' PIL image processors (CLIP's and SigLIP's), step for step: RGB (transparency
-over white), a resize with the processor's resampling filter (the shortest edge to a length, or to a fixed size),
-a center crop, a rescale to [0, 1] and a per-channel normalization.
+The processing follows transformers' PIL image processors (CLIP's, SigLIP's and Gemma 3's), step for step: RGB
+(transparency over white), a resize with the processor's resampling filter (the shortest edge to a length, or to a
+fixed size), a center crop, a rescale to [0, 1] and a per-channel normalization.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.errors import UnsupportedModelError
+
 MAX_IMAGE_BYTES = 20 * 2**20
 FETCH_TIMEOUT_S = 10.0
-_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaNextImageProcessor")
+_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaNextImageProcessor", "Gemma3ImageProcessor")
+_SQUARE = ("SiglipImageProcessor", "Gemma3ImageProcessor")  # a fixed size, no crop, mean and std 0.5
 
 
 class ImageError(ValueError):
@@ -115,7 +118,7 @@ def _rgb(image):
 
 @dataclass(frozen=True)
 class ImageProcessor:
-    """A CLIP or SigLIP image processor's settings (`preprocessor_config.json`)."""
+    """A CLIP, SigLIP, LLaVA-NeXT or Gemma 3 image processor's settings (`preprocessor_config.json`)."""
 
     resize: tuple[str, int, int] | None  # ("shortest_edge", n, 0) or ("fixed", height, width)
     resample: int
@@ -129,11 +132,16 @@ class ImageProcessor:
     source: dict[str, Any] | None = field(default=None, compare=False)  # the config it was read from
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
-        kind = (d.get("image_processor_type") or "CLIPImageProcessor").removesuffix("Fast").removesuffix("Pil")
+    def from_dict(cls, config: dict[str, Any]) -> ImageProcessor:
+        """The processor a config describes; a setting left null is the processor's default, as in transformers."""
+        d = {k: v for k, v in config.items() if v is not None}
+        kind = d.get("image_processor_type", "CLIPImageProcessor").removesuffix("Fast").removesuffix("Pil")
         if kind not in _SUPPORTED:
             raise ImageError(f"image processor {kind!r} is not supported (supported: {', '.join(_SUPPORTED)})")
-        clip = kind != "SiglipImageProcessor"
+        if kind == "Gemma3ImageProcessor" and d.get("do_pan_and_scan"):
+            raise UnsupportedModelError("Gemma 3's pan and scan (do_pan_and_scan) is not supported: its crops add "
+                                        "images and text to a prompt; serve the model with it off")
+        clip, gemma3 = kind not in _SQUARE, kind == "Gemma3ImageProcessor"
         pinpoints = d.get("image_grid_pinpoints", ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)))
         size = d.get("size", {"shortest_edge": 224} if clip else {"height": 224, "width": 224})
         if isinstance(size, int):
@@ -149,13 +157,13 @@ class ImageProcessor:
         mean = d.get("image_mean", (0.48145466, 0.4578275, 0.40821073) if clip else (0.5, 0.5, 0.5))
         std = d.get("image_std", (0.26862954, 0.26130258, 0.27577711) if clip else (0.5, 0.5, 0.5))
         return cls(
-            resize=resize if d.get("do_resize", True) else None, resample=int(d.get("resample", 3)),
-            crop=crop if d.get("do_center_crop", clip) else None,
+            resize=resize if d.get("do_resize", True) else None, resample=int(d.get("resample", 2 if gemma3 else 3)),
+            crop=crop if d.get("do_center_crop", clip) and not gemma3 else None,  # Gemma 3's never crops
             rescale=float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
             mean=tuple(mean) if d.get("do_normalize", True) else None, std=tuple(std),
             convert_rgb=bool(d.get("do_convert_rgb", True)),
             grid_pinpoints=tuple(tuple(p) for p in pinpoints) if kind == "LlavaNextImageProcessor" else None,
-            source=dict(d))
+            source=dict(config))
 
     @classmethod
     def from_dir(cls, path: str) -> ImageProcessor:

@@ -44,6 +44,31 @@ def batch(plan):
 # -- expected plans --------------------------------------------------------------------------------
 
 
+def test_chunks_never_end_inside_a_whole_span():
+    """`whole_spans` (an image attended both ways): a chunk that would end inside one stops before it; a request
+    at a span's start waits for a step whose budget holds the span whole (running: skipped; waiting: admission
+    stops there); a chunk starting inside a span (a prefix cache hit into it) runs to its end or waits."""
+    spans = ((6, 14),)
+    p = prefill("p", 0, 20, computed=0)._replace(whole_spans=spans)
+    _, plan = schedule(state(running=[p]), config(max_num_batched_tokens=10))
+    assert batch(plan) == [("p", 6)]
+    at = prefill("p", 0, 20, computed=6, num_pages=2)._replace(whole_spans=spans)
+    _, plan = schedule(state(running=[decode("d", 1), at]), config(max_num_batched_tokens=8))
+    assert batch(plan) == [("d", 1)]  # 7 tokens left of the budget, 8 needed
+    _, plan = schedule(state(running=[at]), config(max_num_batched_tokens=8))
+    assert batch(plan) == [("p", 8)]
+    inside = prefill("p", 0, 20, computed=10, num_pages=3)._replace(whole_spans=spans)
+    _, plan = schedule(state(running=[inside]), config(max_num_batched_tokens=3, max_num_seqs=2))
+    assert batch(plan) == []
+    _, plan = schedule(state(running=[inside]), config(max_num_batched_tokens=5))
+    assert batch(plan) == [("p", 5)]
+    w = waiting("w", 2, 20, prefix=(1,))._replace(whole_spans=((4, 12),))
+    _, plan = schedule(state(waiting_=[w, waiting("x", 3, 2)]), config(max_num_batched_tokens=6))
+    assert batch(plan) == []  # from the cached 4 tokens, 6 would end inside the span: admission stops
+    _, plan = schedule(state(waiting_=[w]), config(max_num_batched_tokens=10))
+    assert batch(plan) == [("w", 10)]
+
+
 def test_decodes_come_first_then_prefills_then_admissions():
     s = state(
         running=[prefill("p", 0, 10, computed=4), decode("d", 1)],

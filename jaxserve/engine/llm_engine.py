@@ -27,7 +27,7 @@ from jaxserve.engine.model_loading import (
     params_bytes,
     resolve_attention_backend,
 )
-from jaxserve.engine.multimodal import admit_images, step_embeds
+from jaxserve.engine.multimodal import admit_images, request_fields, step_embeds
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, engine_stats
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop
@@ -93,8 +93,7 @@ class LLMEngine:
                 max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
                 page_size=args.page_size, policy=args.scheduling_policy,
                 long_prefill_token_threshold=args.long_prefill_token_threshold,
-                enable_prefix_caching=args.enable_prefix_caching,
-                max_loras=args.max_loras if args.enable_lora else None,
+                enable_prefix_caching=args.enable_prefix_caching, max_loras=args.max_loras if args.enable_lora else None,
             ),
             num_pages,
         )
@@ -112,7 +111,8 @@ class LLMEngine:
                          layer_loop=default_layer_loop(backend) if args.layer_loop == "auto" else args.layer_loop,
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
                          lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
-                         long_rope=self.long_rope_context is not None, images=self.model.vision is not None),
+                         long_rope=self.long_rope_context is not None, images=self.model.vision is not None,
+                         image_spans=self.model.vision is not None and self.model.vision.cfg.bidirectional),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -177,8 +177,8 @@ class LLMEngine:
         self.memory.check_serving()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids, images = admit_images(self.images, truncated_prompt(self.tokenize_prompt(prompt), params,
-                                          self.max_model_len), multi_modal_data, self.image_limit, self.model.name)
+        prompt_ids, images = admit_images(self, truncated_prompt(self.tokenize_prompt(prompt), params, self.max_model_len),
+                                          multi_modal_data)
         max_tokens, stop_ids = check_request(
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
@@ -195,7 +195,7 @@ class LLMEngine:
         for seq in group.seqs:
             self.scheduler.add_request(Request(
                 request_id=seq.engine_id, max_tokens=max_tokens,
-                prompt_token_ids=images.cache_ids(prompt_ids) if images else prompt_ids,
+                **request_fields(prompt_ids, images),
                 sampling_params=seq.params, priority=priority, arrival_time=now, **lora,
                 # The first completion computes every prompt position for the prompt logprobs.
                 read_prefix_cache=group.prompt_logprobs is None or seq.index > 0,
@@ -309,7 +309,7 @@ class LLMEngine:
 
     def _step_images(self, rows: list[ScheduledRequest], T: int):
         return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.hidden_size,
-                           self.images.dtype)
+                           self.images.dtype, self.runner.cfg.image_spans)
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
         """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add."""

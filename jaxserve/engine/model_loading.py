@@ -116,14 +116,14 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)
     else:
         params = _convert(ckpt, cfg, plan, dtype, progress)
-    vision = _image_encoder(args, ckpt, cfg, dtype, path)
+    vision = _image_encoder(args, ckpt, cfg, dtype, path, tokenizer)
     loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0,
                          sampling_defaults=sampling_defaults(path, args.generation_config,
                                                              args.override_generation_config), vision=vision)
     return _with_plan(loaded, plan) if plan else loaded
 
 
-def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str) -> Any:
+def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
     from jaxserve.images import ImageProcessor
@@ -141,7 +141,7 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
     else:
         vcfg, params = load_vision(ckpt, cfg, dtype, unused)
     return ImageEncoder(vcfg, params, ImageProcessor.from_dir(path), args.allowed_local_media_path,
-                        int(args.mm_processor_cache_gb * 2**30), dict(ckpt.hf_config), unused)
+                        int(args.mm_processor_cache_gb * 2**30), dict(ckpt.hf_config), unused, tokenizer)
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:

@@ -4,6 +4,11 @@ to the decoder in place of the placeholder tokens' embeddings, step by step as t
 The prefix cache and the router's KV events key pages by token ids, and every placeholder of every image has the
 same id: there an image's tokens are keyed instead by an id made from a hash of its processed pixels (negative, so
 never a vocabulary token). Two prompts share cached pages over an image only when the images are the same.
+
+Gemma 3 writes an image as "\n\n", `<start_of_image>`, its tokens, `<end_of_image>`, "\n\n" where the prompt has
+`<start_of_image>`, and its language model lets an image's tokens attend to each other both ways: each step then
+tells the attention every token's last visible key (`ModelInputs.last_key`), and the scheduler never ends a prefill
+chunk inside an image (`Request.whole_spans`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ class ImagePrompt:
     spans: list[tuple[int, int]]  # (first position, number of tokens), in prompt order
     embeds: list[np.ndarray]  # [tokens, E] each, in the model's dtype
     keys: list[int]  # each image's negative id in the prefix cache
+    bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
+
+    @property
+    def whole_spans(self) -> tuple[tuple[int, int], ...]:
+        """The positions [start, end) a prefill chunk must hold whole: each image's, when attended both ways."""
+        return tuple((first, first + n) for first, n in self.spans) if self.bidirectional else ()
 
     def cache_ids(self, ids: Sequence[int]) -> list[int]:
         """The prompt as the prefix cache keys it: each image's tokens as that image's id."""
@@ -40,13 +51,16 @@ class ImagePrompt:
             out[start:start + n] = [key] * n
         return out
 
-    def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int) -> None:
-        """The embeddings of positions [start, start + count) that are image tokens, into `out` rows from t0."""
+    def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int, last: np.ndarray) -> None:
+        """The embeddings of positions [start, start + count) that are image tokens, into `out` rows from t0, and
+        when attended both ways, each one's last visible key (its image's last position) into `last`."""
         for (first, n), emb in zip(self.spans, self.embeds, strict=True):
             lo, hi = max(start, first), min(start + count, first + n)
             if lo < hi:
                 out[t0 + lo - start:t0 + hi - start] = emb[lo - first:hi - first]
                 mask[t0 + lo - start:t0 + hi - start] = True
+                if self.bidirectional:
+                    last[t0 + lo - start:t0 + hi - start] = first + n - 1
 
 
 @dataclass(frozen=True)
@@ -64,11 +78,14 @@ class ImageEncoder:
 
     def __init__(self, cfg: VisionConfig, params: VisionParams, processor: ImageProcessor,
                  allowed_local_path: str | None = None, cache_bytes: int = 0, hf_config: dict | None = None,
-                 unused: dict[str, np.ndarray] | None = None):
+                 unused: dict[str, np.ndarray] | None = None, tokenizer: Any = None):
         """`cache_bytes`: host memory for the embeddings of images seen before (least recently used go first);
         `hf_config`: the checkpoint's config.json and `unused` the tower's tensors the model does not read (on the
-        host), both for `jaxserve convert` to write back."""
+        host), both for `jaxserve convert` to write back; `tokenizer`: the model's (Gemma 3's newlines around an
+        image are its tokens)."""
         self.cfg = cfg
+        self.tokenizer = tokenizer
+        self._newline_tokens: dict[int, int] = {}  # token -> the newlines it is (0: other text)
         self.hf_config = hf_config or {}
         self.unused = unused or {}
         self.params = params
@@ -108,6 +125,11 @@ class ImageEncoder:
     def image_token_id(self) -> int:
         return self.cfg.image_token_id
 
+    @property
+    def placeholder_token_id(self) -> int:
+        """The token a prompt marks an image with: Gemma 3's `<start_of_image>`, else the image token."""
+        return self.cfg.image_token_id if self.cfg.boi_token_id is None else self.cfg.boi_token_id
+
     def warmup(self) -> float:
         """Compile the encoder for one image (what every request's images run as); returns the seconds it took."""
         t0, size = time.perf_counter(), self.cfg.image_size
@@ -140,12 +162,57 @@ class ImageEncoder:
         """The prompt with each image's placeholder expanded to its tokens (a placeholder already expanded is kept),
         and its images (anything `prepare` takes) encoded. The prompt must hold one placeholder per image."""
         images = [self.prepare(image) for image in images]
-        out, spans = expand_placeholders(ids, self.cfg.image_token_id, [self.num_tokens(im) for im in images])
+        out, spans = self.expand(ids, [self.num_tokens(im) for im in images])
         embeds, keys = [], []
         for image in images:
             embeds.append(self._embeds(image.pixels, image.digest, image.size))
             keys.append(-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2))
-        return out, ImagePrompt(spans, embeds, keys)
+        return out, ImagePrompt(spans, embeds, keys, self.cfg.bidirectional)
+
+    def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """`expand_placeholders` for this model. Gemma 3's placeholder is `<start_of_image>`, which becomes "\n\n",
+        `<start_of_image>`, the image's tokens, `<end_of_image>`, "\n\n" as its processor writes them, newlines
+        next to them merged into one token as the tokenizer reads a run of newlines (a prompt holding image
+        tokens is taken as expanded)."""
+        cfg = self.cfg
+        if cfg.boi_token_id is None or cfg.image_token_id in ids:
+            return expand_placeholders(ids, cfg.image_token_id, counts)
+        at = [i for i, t in enumerate(ids) if t == cfg.boi_token_id]
+        if len(at) != len(counts):
+            raise ValueError(f"the prompt has {len(at)} image placeholder(s) (token {cfg.boi_token_id}) for "
+                             f"{len(counts)} image(s): put one placeholder where each image goes")
+        out: list[int] = []
+        spans: list[tuple[int, int]] = []
+        prev = 0
+        for i, n in zip(at, counts, strict=True):
+            out.extend(ids[prev:i])
+            self._add_newlines(out, 2)
+            out.append(cfg.boi_token_id)
+            spans.append((len(out), n))
+            out.extend([cfg.image_token_id] * n + [cfg.eoi_token_id])
+            prev = i + 1
+            after = 2
+            while prev < len(ids) and self._newlines(ids[prev]):  # newlines after the placeholder join these
+                after += self._newlines(ids[prev])
+                prev += 1
+            self._add_newlines(out, after)
+        out.extend(ids[prev:])
+        return out, spans
+
+    def _newlines(self, token: int) -> int:
+        """How many newlines `token` is (0: a token of other text)."""
+        if token not in self._newline_tokens:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            self._newline_tokens[token] = len(text) if text and set(text) == {"\n"} else 0
+        return self._newline_tokens[token]
+
+    def _add_newlines(self, out: list[int], count: int) -> None:
+        """`count` newlines onto `out`, merged with the newline tokens it ends with."""
+        if self.tokenizer is None:
+            raise RuntimeError("Gemma 3's image layout needs the model's tokenizer (ImageEncoder(tokenizer=...))")
+        while out and out[-1] >= 0 and self._newlines(out[-1]):
+            count += self._newlines(out.pop())
+        out.extend(self.tokenizer.encode("\n" * count))
 
     def encode_ahead(self, image: PreparedImage) -> None:
         """Encode an image into the cache from a thread other than the engine's (a server's, as the image arrives),
@@ -213,13 +280,14 @@ class ImageSpec:
     token_id: int
     placeholder: str  # the image token's text, as a chat template writes it
     tokens: Callable[[Any], int]  # the tokens a prepared image takes
+    expand: Callable[[Sequence[int], Sequence[int]], tuple[list[int], list[tuple[int, int]]]]  # `ImageEncoder`'s
     prepare: Callable[[Any], PreparedImage]  # an image read and processed (`ImageEncoder.prepare`)
     encode_ahead: Callable[[PreparedImage], None]  # its embeddings into the engine's cache (`ImageEncoder`)
     limit: int | None
 
     def expanded(self, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
         """A rendered prompt with its (prepared) images' placeholders expanded."""
-        return expand_placeholders(ids, self.token_id, [self.tokens(im) for im in images])[0]
+        return self.expand(ids, [self.tokens(im) for im in images])[0]
 
     def check_count(self, count: int) -> None:
         check_image_count(count, self.limit)
@@ -238,9 +306,9 @@ def image_spec(engine: Any) -> ImageSpec | None:
     encoder = getattr(engine, "images", None)
     if encoder is None:
         return None
-    token = encoder.image_token_id
+    token = encoder.placeholder_token_id
     return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.num_tokens,
-                     encoder.prepare, encoder.encode_ahead, engine.image_limit)
+                     encoder.expand, encoder.prepare, encoder.encode_ahead, engine.image_limit)
 
 
 def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
@@ -259,17 +327,32 @@ def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
     return runs
 
 
-def admit_images(encoder: ImageEncoder | None, ids: list[int], multi_modal_data: Any, limit: int | None,
-                 model: str) -> tuple[list[int], ImagePrompt | None]:
-    """A request's prompt with its images' placeholders expanded, and its images encoded (None: it has none)."""
+def admit_images(engine: Any, ids: list[int], multi_modal_data: Any) -> tuple[list[int], ImagePrompt | None]:
+    """A request's prompt with its images' placeholders expanded, and its images encoded (None: it has none), for an
+    `LLMEngine`; an image attended both ways must fit in one prefill chunk."""
     images = images_of(multi_modal_data)
     if not images:
         return ids, None
+    encoder, limit = engine.images, engine.image_limit
     if encoder is None:
         why = "its images are turned off (limit_mm_per_prompt image 0)" if limit == 0 else "it is a text model"
-        raise ValueError(f"model {model!r} takes no images: {why}")
+        raise ValueError(f"model {engine.model.name!r} takes no images: {why}")
     check_image_count(len(images), limit)
-    return encoder.prompt(ids, images)
+    ids, prompt = encoder.prompt(ids, images)
+    chunk = engine.scheduler.config.prefill_chunk_size
+    longest = max((end - start for start, end in prompt.whole_spans), default=0)
+    if longest > chunk:
+        raise ValueError(f"an image of {longest} tokens does not fit in a prefill chunk of {chunk} "
+                         "(max_num_batched_tokens, long_prefill_token_threshold): this model attends an image's "
+                         "tokens to each other, so each image runs in one chunk")
+    return ids, prompt
+
+
+def request_fields(ids: list[int], images: ImagePrompt | None) -> dict[str, Any]:
+    """A `Request`'s prompt as the prefix cache keys it, and the spans no prefill chunk may end inside."""
+    if images is None:
+        return {"prompt_token_ids": ids}
+    return {"prompt_token_ids": images.cache_ids(ids), "whole_spans": images.whole_spans}
 
 
 def check_image_count(count: int, limit: int | None) -> None:
@@ -292,16 +375,20 @@ def images_of(multi_modal_data: Any) -> list[Any]:
 
 
 def step_embeds(rows: Sequence[Any], image_prompt: Callable[[str], ImagePrompt | None], num_tokens: int,
-                hidden: int, dtype: Any) -> tuple[jax.Array, jax.Array] | None:
-    """The image embeddings of a mixed step's packed tokens ([T, E]) and which tokens take them ([T] bool), for
-    rows (`ScheduledRequest`s) in packing order; None when no row has an image token."""
-    out = mask = None
+                hidden: int, dtype: Any, spans: bool = False) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
+    """The image embeddings of a mixed step's packed tokens ([T, E]), which tokens take them ([T] bool) and, with
+    `spans` (images attended both ways), each token's last visible key ([T] int32, 0 for a causal token), for rows
+    (`ScheduledRequest`s) in packing order; None when no row has an image token."""
+    out = mask = last = None
     t0 = 0
     for s in rows:
         prompt = image_prompt(s.request_id)
         if prompt is not None and not s.is_decode:
             if out is None:
                 out, mask = np.zeros((num_tokens, hidden), dtype), np.zeros(num_tokens, np.bool_)
-            prompt.fill(s.start_position, s.num_new_tokens, out, mask, t0)
+                last = np.zeros(num_tokens, np.int32)
+            prompt.fill(s.start_position, s.num_new_tokens, out, mask, t0, last)
         t0 += s.num_new_tokens
-    return None if out is None or not mask.any() else (jnp.asarray(out), jnp.asarray(mask))
+    if out is None or not mask.any():
+        return None
+    return jnp.asarray(out), jnp.asarray(mask), jnp.asarray(last) if spans else None

@@ -67,6 +67,9 @@ class Request:
     """An embedding request: it ends when its prompt is computed, sampling nothing (`max_tokens` unused)."""
     lora_name: str | None = None
     """The LoRA adapter its tokens run with (None: the base model); at most `max_loras` run at once."""
+    whole_spans: tuple[tuple[int, int], ...] = ()
+    """Prompt positions [start, end) computed in one step (no prefill chunk ends inside one): an image whose tokens
+    attend to each other both ways (Gemma 3)."""
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     pages: list[int] = field(default_factory=list)

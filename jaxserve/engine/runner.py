@@ -85,6 +85,8 @@ class RunnerConfig:
     images: bool = False
     """Mixed steps carry image embeddings and which tokens take them (`ModelInputs.image_embeds`): an image-text
     engine's."""
+    image_spans: bool = False
+    """Mixed steps also carry each token's last visible key (`ModelInputs.last_key`): images attended both ways."""
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
 
@@ -246,7 +248,7 @@ class ModelRunner:
         """Whether the model returns its hidden states, which prompt logprobs need."""
         self._no_penalty: dict[int, PenaltyInputs] = {}
         self._no_prompt_logprobs: dict[int, PromptLogprobInputs] = {}
-        self._no_images: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_images: dict[int, tuple[jax.Array, jax.Array, jax.Array | None]] = {}
         self._baseline_compiles: int | None = None
         self.strict = False
         self.num_steps = 0
@@ -359,10 +361,12 @@ class ModelRunner:
         plp = self.prompt_logprob_inputs(prompt_next_ids, inputs.token_ids.shape[0])
         if self.cfg.images and inputs.image_embeds is None:  # one executable per bucket, with images or none
             T = inputs.token_ids.shape[0]
-            if T not in self._no_images:
+            if T not in self._no_images:  # (a last key of 0: causal)
                 self._no_images[T] = (jnp.zeros((T, self.model_cfg.hidden_size), self.params.embed.dtype),
-                                      jnp.zeros((T,), jnp.bool_))
-            inputs = dataclasses.replace(inputs, image_embeds=self._no_images[T][0], image_mask=self._no_images[T][1])
+                                      jnp.zeros((T,), jnp.bool_),
+                                      jnp.zeros((T,), jnp.int32) if self.cfg.image_spans else None)
+            inputs = dataclasses.replace(inputs, image_embeds=self._no_images[T][0], image_mask=self._no_images[T][1],
+                                         last_key=self._no_images[T][2])
         t0 = time.perf_counter()
         out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, plp, np.bool_(want_top))
         return InFlightStep("mixed", out, t0, S)

@@ -43,6 +43,8 @@ class RequestView(NamedTuple):
     all but its last token, or None when not looked up yet."""
     adapter: str | None = None
     """The LoRA adapter its tokens run with (None: the base model)."""
+    whole_spans: tuple[tuple[int, int], ...] = ()
+    """Positions [start, end) no chunk ends inside (`Request.whole_spans`)."""
 
     @property
     def is_decoding(self) -> bool:
@@ -213,7 +215,7 @@ class Planner:
             if self._budget == 0:
                 break
             while True:
-                n = min(view.num_tokens - view.num_computed_tokens, chunk, self._budget)
+                n = _chunk(view, view.num_computed_tokens, chunk, self._budget)
                 need = pages_needed(view.num_computed_tokens + n, ps) - num_pages[rid]
                 if need <= self._available:
                     break
@@ -231,7 +233,7 @@ class Planner:
                 self._preempted.append(victim)
                 if victim.request_id == rid:
                     break
-            if rid not in running:
+            if rid not in running or n == 0:  # n == 0: a span that does not fit this step's budget
                 continue
             if need > 0:
                 self._available -= need
@@ -263,7 +265,9 @@ class Planner:
             num_cached = len(prefix) * ps
             if num_cached >= view.num_tokens:
                 raise ValueError(f"{view.request_id!r}: a cached prefix must leave a token to compute")
-            n = min(view.num_tokens - num_cached, chunk, self._budget)
+            n = _chunk(view, num_cached, chunk, self._budget)
+            if n == 0:
+                break
             need = pages_needed(num_cached + n, ps) - len(prefix)
             lock_cost = 0
             if prefix:
@@ -339,6 +343,16 @@ class Planner:
             finished_ids=(),
         )
         return new_state, plan
+
+
+def _chunk(view: RequestView, start: int, chunk: int, budget: int) -> int:
+    """The tokens of `view` to compute from `start`: as many as the chunk size and the budget allow, cut before a
+    span of `whole_spans` the chunk would end inside (0 when the chunk starts at or inside that span)."""
+    n = min(view.num_tokens - start, chunk, budget)
+    for first, end in view.whole_spans:
+        if first < start + n < end:
+            return max(first - start, 0)
+    return n
 
 
 def _order_key(config: SchedulerConfig) -> Callable[[RequestView], tuple[int, ...]]:

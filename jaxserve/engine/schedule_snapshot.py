@@ -33,6 +33,7 @@ def _view(request: Request, prefix_pages: tuple[int, ...] | None) -> RequestView
         len(request.pages),
         prefix_pages,
         request.lora_name,
+        request.whole_spans,
     )
 
 

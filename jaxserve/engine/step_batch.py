@@ -68,7 +68,7 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                                logit_rows=rows if merged else None)
     got = images(scheduled, T) if images is not None else None
     if got is not None:
-        inputs = dataclasses.replace(inputs, image_embeds=got[0], image_mask=got[1])
+        inputs = dataclasses.replace(inputs, image_embeds=got[0], image_mask=got[1], last_key=got[2])
     return inputs, S
 
 

@@ -88,6 +88,9 @@ class ModelInputs:
     """[T, E]: the embeddings the decoder takes for image tokens, in place of their tokens'; image-text engines
     only (`engine.multimodal`)."""
     image_mask: jax.Array | None = None  # [T] bool: the tokens that take `image_embeds`
+    last_key: jax.Array | None = None
+    """[T] int32: the last key position each token attends to, past its own for the tokens of an image attended
+    both ways (Gemma 3; a value at or below the token's position: causal); None: all causal."""
 
     @classmethod
     def build(

@@ -141,7 +141,7 @@ def _layer(
             backend, q, k_all, v_all,
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
             sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
-            sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None,
+            sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
         )  # [T, Hq, D]
         if scaled:
             attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)

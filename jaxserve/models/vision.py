@@ -1,9 +1,10 @@
-"""The image side of LLaVA-style image-text models: a CLIP or SigLIP vision tower and the projector into the
-language model's embedding space, as pure functions.
+"""The image side of LLaVA-style and Gemma 3 image-text models: a CLIP or SigLIP vision tower and the projector
+into the language model's embedding space, as pure functions.
 
 An image of `image_size` pixels square is cut into `patch_size` patches; the tower's encoder layers (pre-norm
 transformer blocks, every patch attending to every other) run over them, and the hidden states of the chosen
-layers (`vision_feature_layer`) go through a two-layer projector. What comes out is one language-model embedding
+layers (`vision_feature_layer`) go through LLaVA's two-layer projector, or the last one (after the tower's final
+norm) through Gemma 3's pooling projector (`models.vision_gemma3`). What comes out is one language-model embedding
 per image token, which the decoder takes in place of the embeddings of the image's placeholder tokens.
 """
 
@@ -12,15 +13,17 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models.vision_gemma3 import PROJECTION, SOFT_NORM, gemma3_fields, gemma3_project
 
-VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "LlavaNextForConditionalGeneration": "llava_next"}
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "LlavaNextForConditionalGeneration": "llava_next",
+                        "Gemma3ForConditionalGeneration": "gemma3"}
 _TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 # transformers' defaults: LlavaConfig's tower when its config names none, and each tower config's own.
 _LLAVA_TOWER = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
@@ -57,6 +60,12 @@ class VisionConfig:
     grid_pinpoints: tuple[tuple[int, int], ...] | None = None
     """LLaVA-NeXT's resolutions (height, width): an image is the whole of it in one crop and crops of it at the
     pinpoint that fits it best, their features unpadded and each row ended by a learned newline embedding."""
+    projector: Literal["mlp", "gemma3"] = "mlp"  # LLaVA's two layers, or Gemma 3's pool, norm and matrix
+    post_norm: bool = False  # the tower's `post_layernorm` on its last layer's output (Gemma 3 reads it after)
+    pooled_tokens: int | None = None  # Gemma 3's mm_tokens_per_image: the patch grid pooled to these tokens
+    boi_token_id: int | None = None  # Gemma 3's `<start_of_image>`, before an image's tokens in a prompt
+    eoi_token_id: int | None = None  # Gemma 3's `<end_of_image>`, after them
+    bidirectional: bool = False  # the language model's attention within an image's tokens: both ways (Gemma 3)
 
     @property
     def num_patches(self) -> int:
@@ -69,6 +78,8 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         """Placeholder tokens (and embeddings) per image."""
+        if self.pooled_tokens is not None:
+            return self.pooled_tokens
         return self.num_positions - self.drop_first
 
     @classmethod
@@ -78,12 +89,20 @@ class VisionConfig:
         kind = next((VISION_ARCHITECTURES[a] for a in archs if a in VISION_ARCHITECTURES), d.get("model_type"))
         if kind not in VISION_ARCHITECTURES.values():
             return None
-        v = d.get("vision_config") or _LLAVA_TOWER
-        tower = _TOWERS.get(v.get("model_type", "clip_vision_model"))
-        if tower is None:
+        gemma3 = kind == "gemma3"
+        v = d.get("vision_config") or ({} if gemma3 else _LLAVA_TOWER)
+        tower = _TOWERS.get(v.get("model_type", "siglip_vision_model" if gemma3 else "clip_vision_model"))
+        if tower is None or (gemma3 and tower != "siglip"):
             raise UnsupportedModelError(f"vision tower {v.get('model_type')!r} is not supported (supported: "
-                                        f"{', '.join(_TOWERS)})")
-        v = {**_TOWER_DEFAULTS[tower], **v}
+                                        f"{'siglip_vision_model' if gemma3 else ', '.join(_TOWERS)})")
+        v = {**_TOWER_DEFAULTS[tower], **{k: x for k, x in v.items() if x is not None}}
+        tower_fields = dict(
+            tower=tower, hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+            num_layers=v["num_hidden_layers"], num_heads=v["num_attention_heads"], image_size=v["image_size"],
+            patch_size=v["patch_size"], num_channels=v["num_channels"], layer_norm_eps=v["layer_norm_eps"],
+            hidden_act=v["hidden_act"])
+        if gemma3:
+            return cls(**tower_fields, **gemma3_fields(d, v))
         layers = d.get("vision_feature_layer", -2)
         layers = [layers] if isinstance(layers, int) else list(layers)
         n = v["num_hidden_layers"]
@@ -94,10 +113,7 @@ class VisionConfig:
             raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
         text = d.get("text_config") or {}
         return cls(
-            tower=tower, hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"], num_layers=n,
-            num_heads=v["num_attention_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
-            num_channels=v["num_channels"], layer_norm_eps=v["layer_norm_eps"], hidden_act=v["hidden_act"],
-            feature_layers=tuple(i % (n + 1) for i in layers), drop_first=strategy == "default",
+            **tower_fields, feature_layers=tuple(i % (n + 1) for i in layers), drop_first=strategy == "default",
             projector_act=d.get("projector_hidden_act", "gelu"),
             projector_bias=d.get("multimodal_projector_bias", True),
             text_hidden_size=text.get("hidden_size", 4096),
@@ -118,11 +134,13 @@ class VisionParams:
     positions: jax.Array  # [num_positions, Hv]
     pre_norm: tuple[jax.Array, jax.Array] | None  # CLIP's norm before the encoder
     layers: dict[str, jax.Array]  # each [L, ...]: see `_LAYER_TENSORS`
-    proj1: jax.Array  # [Hv * len(feature_layers), E]
+    proj1: jax.Array  # [Hv * len(feature_layers), E]; Gemma 3's `mm_input_projection_weight`
     proj1_bias: jax.Array | None
-    proj2: jax.Array  # [E, E]
+    proj2: jax.Array | None  # [E, E] (LLaVA)
     proj2_bias: jax.Array | None
     newline: jax.Array | None = None  # [E]: LLaVA-NeXT's end of a row of crop features
+    post_norm: tuple[jax.Array, jax.Array] | None = None  # the tower's final norm (Gemma 3 reads after it)
+    soft_norm: jax.Array | None = None  # [Hv]: Gemma 3's RMSNorm of the pooled features (applied as 1 + w)
 
 
 # HF tensor (under `encoder.layers.N.`) -> our layer key; matrices are transposed to [in, out].
@@ -136,6 +154,7 @@ _LAYER_TENSORS = {
 # The Hub's names (`vision_tower.vision_model.`), and transformers 5's as it saves them (with `model.` or not).
 _VISION_RE = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.|image_newline$)")
 _UNUSED_RE = re.compile(r"^(post_layernorm|head)\.")  # the tower's pooled output, which LLaVA does not read
+_PROJECTOR = {"mlp": ("linear_1.weight", "linear_2.weight"), "gemma3": (PROJECTION, SOFT_NORM)}
 
 
 def is_vision_tensor(name: str) -> bool:
@@ -146,8 +165,8 @@ def is_vision_tensor(name: str) -> bool:
 def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: Any,
                        unused: dict[str, np.ndarray] | None = None) -> VisionParams:
     """The vision weights from (HF name, array) pairs, converted to `dtype` on the default device; every tensor the
-    tower and projector need must be there. The tower's tensors LLaVA does not read (its pooled output's) go into
-    `unused`, under the Hub's names, for `jaxserve convert` to write back."""
+    tower and projector need must be there. The tower's tensors the model does not read (its pooled output's) go
+    into `unused`, under the Hub's names, for `jaxserve convert` to write back."""
     L = cfg.num_layers
     layers: dict[str, list] = {k: [None] * L for k in _LAYER_TENSORS.values()}
     top: dict[str, np.ndarray] = {}
@@ -164,7 +183,7 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
             continue
         layer = re.match(r"encoder\.layers\.(\d+)\.(.+)$", rest)
         if layer is None:
-            if not _UNUSED_RE.match(rest):
+            if not _UNUSED_RE.match(rest) or cfg.post_norm and rest.startswith("post_layernorm."):
                 top[rest] = array
             elif unused is not None:
                 unused["vision_tower.vision_model." + rest] = array
@@ -174,8 +193,9 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
             raise UnsupportedModelError(f"unexpected vision tensor {name!r}")
         layers[key][i] = array.T if array.ndim == 2 else array
     missing = [f"encoder.layers.{i}.{hf}" for hf, k in _LAYER_TENSORS.items() for i in range(L) if layers[k][i] is None]
-    need = ["embeddings.patch_embedding.weight", "embeddings.position_embedding.weight", "projector.linear_1.weight",
-            "projector.linear_2.weight"]
+    need = ["embeddings.patch_embedding.weight", "embeddings.position_embedding.weight",
+            *(f"projector.{n}" for n in _PROJECTOR[cfg.projector])]
+    need += ["post_layernorm.weight", "post_layernorm.bias"] if cfg.post_norm else []
     if cfg.tower == "clip":
         need += ["embeddings.class_embedding", "pre_layrnorm.weight", "pre_layrnorm.bias"]
     if cfg.grid_pinpoints is not None:
@@ -196,19 +216,26 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
     if pos.shape[0] != cfg.num_positions:
         raise UnsupportedModelError(f"position_embedding has {pos.shape[0]} rows, the vision config {cfg.num_positions}")
     bias = lambda name: put(top.get(name))  # noqa: E731
+    if cfg.projector == "gemma3":  # stored [in, out]: as LLaVA's [out, in], read transposed
+        top["projector.linear_1.weight"] = top["projector." + PROJECTION].T
+    if top["projector.linear_1.weight"].shape != (cfg.text_hidden_size, cfg.hidden_size * len(cfg.feature_layers)):
+        raise UnsupportedModelError(f"the projector's first matrix is {top['projector.linear_1.weight'].shape} "
+                                    "([out, in]), the config's widths do not match it")
     return VisionParams(
         patch=put(conv.reshape(cfg.hidden_size, -1).T), patch_bias=bias("embeddings.patch_embedding.bias"),
         class_embedding=bias("embeddings.class_embedding"), positions=put(pos),
         pre_norm=(put(top["pre_layrnorm.weight"]), put(top["pre_layrnorm.bias"])) if cfg.tower == "clip" else None,
         layers={k: put(np.stack(v)) for k, v in layers.items()},
         proj1=put(top["projector.linear_1.weight"].T), proj1_bias=bias("projector.linear_1.bias"),
-        proj2=put(top["projector.linear_2.weight"].T), proj2_bias=bias("projector.linear_2.bias"),
-        newline=bias("image_newline"),
+        proj2=put(top["projector.linear_2.weight"].T) if cfg.projector == "mlp" else None,
+        proj2_bias=bias("projector.linear_2.bias"), newline=bias("image_newline"),
+        post_norm=(put(top["post_layernorm.weight"]), put(top["post_layernorm.bias"])) if cfg.post_norm else None,
+        soft_norm=bias("projector." + SOFT_NORM),
     )
 
 
 def vision_tensors(params: VisionParams, cfg: VisionConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """The weights under the Hub's LLaVA names (`vision_tower.vision_model.`, `multi_modal_projector.`,
+    """The weights under the Hub's LLaVA or Gemma 3 names (`vision_tower.vision_model.`, `multi_modal_projector.`,
     `image_newline`), float32, as `jaxserve convert` writes them."""
     host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
     tower = "vision_tower.vision_model."
@@ -217,7 +244,9 @@ def vision_tensors(params: VisionParams, cfg: VisionConfig) -> Iterator[tuple[st
              "embeddings.class_embedding": params.class_embedding,
              "embeddings.position_embedding.weight": params.positions,
              "pre_layrnorm.weight": params.pre_norm[0] if params.pre_norm else None,
-             "pre_layrnorm.bias": params.pre_norm[1] if params.pre_norm else None}
+             "pre_layrnorm.bias": params.pre_norm[1] if params.pre_norm else None,
+             "post_layernorm.weight": params.post_norm[0] if params.post_norm else None,
+             "post_layernorm.bias": params.post_norm[1] if params.post_norm else None}
     for name, value in named.items():
         if value is not None:
             yield tower + name, host(value)
@@ -225,6 +254,10 @@ def vision_tensors(params: VisionParams, cfg: VisionConfig) -> Iterator[tuple[st
         stacked = host(params.layers[key])
         for i in range(cfg.num_layers):
             yield f"{tower}encoder.layers.{i}.{hf}", stacked[i].T if stacked.ndim == 3 else stacked[i]
+    if cfg.projector == "gemma3":
+        yield f"multi_modal_projector.{PROJECTION}", host(params.proj1)
+        yield f"multi_modal_projector.{SOFT_NORM}", host(params.soft_norm)
+        return
     for i, (w, b) in enumerate(((params.proj1, params.proj1_bias), (params.proj2, params.proj2_bias)), 1):
         yield f"multi_modal_projector.linear_{i}.weight", host(w).T
         if b is not None:
@@ -292,6 +325,10 @@ def encode_images(params: VisionParams, cfg: VisionConfig, pixels: jax.Array) ->
     _, outs = jax.lax.scan(step, x, layers) if last else (x, x[None, :0])
     hidden = [x if i == 0 else outs[i - 1] for i in cfg.feature_layers]
     feats = jnp.concatenate(hidden, axis=-1)
+    if cfg.post_norm:  # on the last layer's output, the only one read
+        feats = _layer_norm(feats, *params.post_norm, cfg.layer_norm_eps)
+    if cfg.projector == "gemma3":
+        return gemma3_project(cfg, feats, params.soft_norm, params.proj1)
     if cfg.drop_first:
         feats = feats[:, 1:]
     h = feats @ params.proj1
@@ -312,14 +349,15 @@ def random_vision_params(cfg: VisionConfig, dtype: Any, seed: int = 0) -> Vision
     shapes = {"wq": (Hv, Hv), "wk": (Hv, Hv), "wv": (Hv, Hv), "wo": (Hv, Hv), "fc1": (Hv, inner), "fc2": (inner, Hv),
               "fc1_b": (inner,)}
     layers = {k: one(L, Hv) if k in ("ln1", "ln2") else r(L, *shapes.get(k, (Hv,))) for k in _LAYER_TENSORS.values()}
-    clip = cfg.tower == "clip"
+    clip, mlp = cfg.tower == "clip", cfg.projector == "mlp"
     return VisionParams(
         patch=r(cfg.num_channels * cfg.patch_size**2, Hv), patch_bias=None if clip else r(Hv),
         class_embedding=r(Hv) if clip else None, positions=r(cfg.num_positions, Hv),
         pre_norm=(one(Hv), r(Hv)) if clip else None, layers=layers,
         proj1=r(Hv * len(cfg.feature_layers), E), proj1_bias=r(E) if cfg.projector_bias else None,
-        proj2=r(E, E), proj2_bias=r(E) if cfg.projector_bias else None,
-        newline=r(E) if cfg.grid_pinpoints is not None else None)
+        proj2=r(E, E) if mlp else None, proj2_bias=r(E) if cfg.projector_bias else None,
+        newline=r(E) if cfg.grid_pinpoints is not None else None,
+        post_norm=(one(Hv), r(Hv)) if cfg.post_norm else None, soft_norm=None if mlp else r(Hv))
 
 
 def anyres_layout(cfg: VisionConfig, size: tuple[int, int]) -> tuple[int, int, int, int]:
