@@ -96,6 +96,20 @@ def test_gemma3_images_equal_transformers(gemma3):
     eng.check_integrity()
 
 
+def test_gemma3_images_on_the_pallas_kernel(gemma3):
+    """The same batch on the generic Pallas kernel (interpreted): each row of a query block reads its own last key."""
+    path, model = gemma3
+    eng = engine(path, attention_backend="pallas_interpret")
+    final = run(eng, PROMPTS, IMAGES)
+    for i, (prompt, images) in enumerate(zip(PROMPTS, IMAGES, strict=True)):
+        tokens, logprobs = hf_greedy(model, hf_inputs(path, prompt, images))
+        out = final[f"r{i}"].outputs[0]
+        assert list(out.token_ids) == tokens
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(out.logprobs, tokens, strict=True)], logprobs,
+                                   atol=2e-4)
+    eng.check_integrity()
+
+
 def test_chunks_never_end_inside_an_image(gemma3):
     """A prompt whose image starts 6 tokens into it: with 16-token steps the first chunk stops before the image and
     the second holds the image whole; an image longer than a chunk is refused by name."""

@@ -214,3 +214,4 @@ def test_images_on_sharded_engines(results):
     r = results["images"]
     assert r["tp2"] == r["ref"] and r["dp"] == [r["ref"], r["ref"]]
     assert r["tp2_compiles_after_warmup"] == 0
+    assert r["gemma3_tp2"] == r["gemma3_ref"] and r["gemma3_tp2_compiles_after_warmup"] == 0

@@ -446,7 +446,7 @@ def case_sleep() -> dict:
 
 def case_images() -> dict:
     """A LLaVA model with images on TP=2 and on each replica of DP=2 x TP=2, against one device: the same tokens,
-    nothing compiled after warmup."""
+    nothing compiled after warmup; a Gemma 3 model (its images attended both ways) on TP=2."""
     import dataclasses
     import tempfile
 
@@ -454,6 +454,7 @@ def case_images() -> dict:
     from jaxserve.engine_args import EngineArgs
     from jaxserve.sampling_params import SamplingParams
     from sharding.data_parallel import DataParallelEngine
+    from tests.gemma3_vision_model import save_tiny_gemma3
     from tests.llava_model import IMAGE_TOKEN, random_image, save_tiny_llava
 
     path = tempfile.mkdtemp()
@@ -479,6 +480,14 @@ def case_images() -> dict:
     dp = DataParallelEngine.from_engine_args(dataclasses.replace(args, tensor_parallel_size=2, data_parallel_size=2),
                                              start=False, progress=False)
     found["dp"] = [generate(replica.engine) for replica in dp.replicas]
+    gemma = tempfile.mkdtemp()
+    save_tiny_gemma3(gemma)
+    args = dataclasses.replace(args, model=gemma, max_num_batched_tokens=24, max_model_len=128)
+    prompts[:] = ["<bos>t20 t21<start_of_image>t22", "<bos>t30<start_of_image>t31 t32 t33<start_of_image>t34"]
+    found["gemma3_ref"] = generate(LLMEngine(args, progress=False))
+    gemma_tp2 = LLMEngine(dataclasses.replace(args, tensor_parallel_size=2, strict_compile=True), progress=False)
+    found["gemma3_tp2"] = generate(gemma_tp2)
+    found["gemma3_tp2_compiles_after_warmup"] = gemma_tp2.stats().compilations_after_warmup
     return found
 
 

@@ -60,3 +60,37 @@ def test_gemma_steps_compile_for_sm90(spec, backend):
     seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top, mosaic=backend == "pallas_mosaic",
                        triton=backend == "pallas", pool_bytes=POOL_BYTES)
     print(f"gemma2 decode_loop S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
+
+
+# Gemma 3's image-text engine step: Gemma-3-4B's attention (8 query heads over 4 KV heads of 256, windows of 1024
+# keys on five layers of six, per-layer rotary bases, q/k norms) on six layers of a narrower model, with the image
+# inputs a Gemma 3 engine's mixed steps carry: embeddings, their mask and each token's last visible key (an image's
+# tokens attending to each other both ways). On pallas_mosaic, the ragged Mosaic kernel reads the spans from its
+# blocks' metadata (the generic kernel behind a cond for a crowded block).
+GEMMA3 = ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                              "text_config": {"hidden_size": 640, "intermediate_size": 1536, "num_hidden_layers": 6,
+                                              "sliding_window": 1024, "vocab_size": 49152}})
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"])
+def test_gemma3_image_step_compiles_for_sm90(spec, backend):
+    import dataclasses
+
+    import numpy as np
+
+    assert GEMMA3.layer_types.count("full_attention") == 1 and GEMMA3.head_dim == 256
+    T, S = RC.token_buckets[-1], RC.max_num_seqs
+    params = _abstract(spec, abstract_params(GEMMA3, DTYPE))
+    shape = (GEMMA3.num_layers, NUM_PAGES, RC.page_size, GEMMA3.num_kv_heads, GEMMA3.head_dim)
+    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, GEMMA3.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
+    host = dataclasses.replace(host, image_embeds=np.zeros((T, GEMMA3.hidden_size), np.float32).astype(DTYPE),
+                               image_mask=np.zeros(T, np.bool_), last_key=np.zeros(T, np.int32))
+    step = functools.partial(mixed_step, cfg=GEMMA3, backend=backend, top_k=RC.max_logprobs, hidden=True)
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
+                       spec((), jnp.bool_), mosaic=backend == "pallas_mosaic", triton=True,
+                       pool_bytes=NUM_PAGES * KVCache.bytes_per_page(GEMMA3, RC.page_size, DTYPE))
+    print(f"gemma3 image mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
