@@ -40,8 +40,8 @@ CASES = [
     # Spans attended both ways: the 60-token chunk at 40-99 is a program of tokens 40-81 and one of 82-99. Span
     # 30-70 starts in the cache and ends in warpgroup 1's tokens (warpgroup 0's walk reaches past its own last
     # token), span 72-95 starts in warpgroup 1's and ends in the next program; a prompt is one span to its end.
-    ("smollm-spans", 16, 64, 3, 1, 64, [(60, 100), (1, 50), (0, 0), (20, 20)], 8, None, None, jnp.bfloat16,
-     [[(30, 70), (72, 95)], [], [], [(2, 19)]]),
+    ("smollm-spans", 16, 64, 3, 1, 64, [(60, 100), (20, 20)], 7, None, None, jnp.bfloat16,
+     [[(30, 70), (72, 95)], [(2, 19)]]),
 ]
 
 

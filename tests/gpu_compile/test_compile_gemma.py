@@ -65,15 +65,15 @@ def test_gemma_steps_compile_for_sm90(spec, backend):
 # Gemma 3's image-text engine step: Gemma-3-4B's attention (8 query heads over 4 KV heads of 256, windows of 1024
 # keys on five layers of six, per-layer rotary bases, q/k norms) on six layers of a narrower model, with the image
 # inputs a Gemma 3 engine's mixed steps carry: embeddings, their mask and each token's last visible key (an image's
-# tokens attending to each other both ways). On pallas_mosaic, the ragged Mosaic kernel reads the spans from its
-# blocks' metadata (the generic kernel behind a cond for a crowded block).
+# tokens attending to each other both ways), on pallas_mosaic: the warp-specialized ragged Mosaic kernel reads the
+# spans from its blocks' metadata, with the generic kernel behind a cond for a crowded block.
 GEMMA3 = ModelConfig.from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
                               "text_config": {"hidden_size": 640, "intermediate_size": 1536, "num_hidden_layers": 6,
                                               "sliding_window": 1024, "vocab_size": 49152}})
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("backend", ["pallas", "pallas_mosaic"])
+@pytest.mark.parametrize("backend", ["pallas_mosaic"])
 def test_gemma3_image_step_compiles_for_sm90(spec, backend):
     import dataclasses
 

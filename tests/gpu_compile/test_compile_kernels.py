@@ -83,13 +83,12 @@ def test_write_kv_compiles_for_sm90(spec, kvh, d, dtype):
     _compile(functools.partial(write_kv_triton, compute_capability=90), pages, pages, new, new, slots)
 
 
-# Spans attended both ways (`last_key`: Gemma 3's images) in a 2k-token prefill of Gemma-3-4B's heads (8 query
-# heads over 4 KV heads of 256, a 1024-key window) and of SmolLM2's: the generic kernel (a vector of row ends)
-# and the ragged Mosaic GPU kernel in both forms (spans in each block's metadata, the generic kernel behind a
-# cond for a block that meets more than two).
+# Spans attended both ways (`last_key`: Gemma 3's images) in a 2k-token prefill of SmolLM2's heads: the generic
+# kernel (a vector of row ends) and the ragged Mosaic GPU kernel's one-warpgroup form (spans in each block's
+# metadata, the generic kernel behind a cond for a block that meets more than two). Gemma 3's own heads, on the
+# warp-specialized form, are compiled in its engine step (test_compile_gemma.py).
 @pytest.mark.parametrize("kvh,group,d,window,lowering,compute_wgs", [
-    (4, 2, 256, 1024, "triton", None), (3, 3, 64, None, "triton", None),
-    (4, 2, 256, 1024, "mosaic", None), (3, 3, 64, None, "mosaic", None), (3, 3, 64, None, "mosaic", 1),
+    (3, 3, 64, 256, "triton", None), (3, 3, 64, None, "mosaic", 1),
 ])
 def test_span_attention_compiles_for_sm90(spec, kvh, group, d, window, lowering, compute_wgs):
     from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
