@@ -56,6 +56,8 @@ class _EngineCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("vllm:mm_cache_queries", "Images looked up in the embeddings cache.", s.mm_cache_queries)
+        yield counter("vllm:mm_cache_hits", "Images found in the embeddings cache.", s.mm_cache_hits)
         yield counter("vllm:num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prompt tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)

@@ -123,7 +123,7 @@ def test_prefix_cache_keys_images_by_content(llava):
     assert (eng.images.cache_queries, eng.images.cache_hits) == (6, 3)
     eng_fresh = engine(path, enable_prefix_caching=False, mm_processor_cache_gb=0)
     assert list(out.outputs[0].token_ids) == run(eng_fresh, [prompt], [other])[0]
-    assert eng_fresh.images.cache_hits == 0 and not eng_fresh.images._cache
+    assert eng_fresh.images.cache_hits == 0 and not eng_fresh.images.cache
     eng.check_integrity()
 
 
@@ -223,7 +223,7 @@ def test_chat_with_images(llava, tmp_path):
             r = httpx.post(f"{srv.url}/tokenize", timeout=60, json={"messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": png_url(fresh)}}]}]})
             assert r.json()["tokens"].count(IMAGE_TOKEN) == 16
-            assert llm.engine.images.prepare(fresh).digest not in llm.engine.images._cache
+            assert llm.engine.images.prepare(fresh).digest not in llm.engine.images.cache
             for content, status, code in [
                 ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], 400, "invalid_image"),
                 ([{"type": "image_url", "image_url": {"url": "/etc/passwd"}}], 400, "invalid_image"),
@@ -256,7 +256,7 @@ def test_sleep_and_new_weights_take_the_vision_side_too(llava, tmp_path):
         assert all(x.is_deleted() for x in jax.tree.leaves(eng.images.params))
         late = eng.images.prepare(random_image(40 + level))
         eng.images.encode_ahead(late)  # a server's, meanwhile: nothing (and no error)
-        assert late.digest not in eng.images._cache
+        assert late.digest not in eng.images.cache
         eng.memory.wake_up()
         assert run(eng, prompts, images) == ref
     eng.memory.load_weights(str(other))
@@ -273,6 +273,9 @@ def test_sleep_and_new_weights_take_the_vision_side_too(llava, tmp_path):
 def test_bench_serve_sends_image_requests(llava):
     """`jaxserve bench serve --random-images`: every request served, the server counting each image's tokens."""
     import asyncio
+    import re
+
+    import httpx
 
     from bench.serve import LoadConfig, reset_server_caches, run_load
     from bench.workloads import WorkloadSpec
@@ -293,10 +296,13 @@ def test_bench_serve_sends_image_requests(llava):
             # Each image was encoded as it arrived, off the engine's thread: the engine's thread found it cached.
             images = served.engine.images
             assert images.cache_queries == images.cache_hits == 4
+            metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text  # vLLM's names, counted in images
+            for name in ("vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total"):
+                assert re.search(rf"^{name}(\{{[^}}]*\}})? 4\.0$", metrics, re.M), name
             # Between a sweep's runs the bench empties the server's caches: the images are forgotten.
-            assert len(images._cache) == 4
+            assert len(images.cache) == 4
             assert reset_server_caches(srv.url)
-            assert not served.engine.images._cache and served.engine.scheduler.cache.num_cached_pages == 0
+            assert not served.engine.images.cache and served.engine.scheduler.cache.num_cached_pages == 0
     finally:
         served.shutdown()
     assert all(r.success for r in res.records), [r.error for r in res.records]

@@ -480,6 +480,9 @@ def case_images() -> dict:
     dp = DataParallelEngine.from_engine_args(dataclasses.replace(args, tensor_parallel_size=2, data_parallel_size=2),
                                              start=False, progress=False)
     found["dp"] = [generate(replica.engine) for replica in dp.replicas]
+    # One embeddings cache for the replicas: the second found the first's three images.
+    found["dp_cache_shared"] = dp.replicas[1].engine.images.cache is dp.replicas[0].engine.images.cache
+    found["dp_stats"] = [r.engine.stats().mm_cache_hits for r in dp.replicas]
     gemma = tempfile.mkdtemp()
     save_tiny_gemma3(gemma)
     args = dataclasses.replace(args, model=gemma, max_num_batched_tokens=24, max_model_len=128)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine.embedding_cache import EmbeddingCache
 from jaxserve.images import ImageError, ImageProcessor, load_image, pixels_digest
 from jaxserve.models.vision import VisionConfig, VisionParams, anyres_tokens, encode_images, pack_anyres
 
@@ -93,16 +92,14 @@ class ImageEncoder:
         self.processor = processor
         self.allowed_local_path = allowed_local_path
         self._encode = jax.jit(functools.partial(encode_images, cfg=cfg))
-        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self._cache_limit, self._cache_bytes = cache_bytes, 0
-        self._lock = threading.Lock()  # the cache, filled ahead by a server's threads (`encode_ahead`)
-        self._generation = 0  # counts weight changes: embeddings of older weights never enter the cache
-        self.cache_queries = self.cache_hits = 0
+        self.cache = EmbeddingCache(cache_bytes)
+        self.cache_queries = self.cache_hits = 0  # this encoder's lookups (an engine's), for its metrics
 
     def on(self, device: Any) -> ImageEncoder:
-        """A copy of this encoder with its weights on `device` and a cache of its own."""
+        """A copy of this encoder with its weights on `device`, sharing this one's embeddings cache (a data-parallel
+        engine's replicas: images encoded ahead by one serve all)."""
         other = copy.copy(self)
-        other._lock = threading.Lock()
+        other.cache_queries = other.cache_hits = 0
         other.use_params(jax.device_put(self.params, device))
         return other
 
@@ -113,9 +110,7 @@ class ImageEncoder:
 
     def clear_cache(self) -> None:
         """Forget the embeddings of the images seen before."""
-        with self._lock:
-            self._cache, self._cache_bytes = OrderedDict(), 0
-            self._generation += 1
+        self.cache.clear()
 
     @property
     def processor_config(self) -> dict[str, Any]:
@@ -218,7 +213,7 @@ class ImageEncoder:
         """Encode an image into the cache from a thread other than the engine's (a server's, as the image arrives),
         so the engine's thread finds it there and its steps are not held up; nothing without a cache, or while the
         weights are off the device (the engine then refuses the request)."""
-        if self._cache_limit <= 0:
+        if self.cache.limit_bytes <= 0:
             return
         try:
             self._embeds(image.pixels, image.digest, image.size, count=False)
@@ -227,25 +222,17 @@ class ImageEncoder:
 
     def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int], count: bool = True) -> np.ndarray:
         """An image's embeddings: from the cache when its pixels were seen before, else encoded (and cached)."""
-        with self._lock:
-            self.cache_queries += count
-            emb = self._cache.get(digest)
-            if emb is not None:
-                self.cache_hits += count
-                self._cache.move_to_end(digest)
-                return emb
-            generation = self._generation
+        emb, generation = self.cache.get(digest)
+        self.cache_queries += count
+        if emb is not None:
+            self.cache_hits += count
+            return emb
         if self.cfg.grid_pinpoints is None:
             emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
         else:  # one crop at a time: one compiled encoder for any number of crops
             feats = np.stack([np.asarray(self._encode(self.params, pixels=jnp.asarray(c)[None])[0]) for c in pixels])
             emb = pack_anyres(self.cfg, feats, np.asarray(self.params.newline), size)
-        with self._lock:
-            if emb.nbytes <= self._cache_limit and generation == self._generation and digest not in self._cache:
-                self._cache[digest] = emb
-                self._cache_bytes += emb.nbytes
-                while self._cache_bytes > self._cache_limit:
-                    self._cache_bytes -= self._cache.popitem(last=False)[1].nbytes
+        self.cache.put(digest, emb, generation)
         return emb
 
 

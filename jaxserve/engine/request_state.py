@@ -42,6 +42,8 @@ class EngineStats:
     max_lora: int = 0  # LoRA adapter slots (0: no LoRA)
     running_lora_adapters: tuple[str, ...] = ()  # adapters of running requests, and of waiting ones
     waiting_lora_adapters: tuple[str, ...] = ()
+    mm_cache_queries: int = 0  # images looked up in the embeddings cache (an image-text engine's)
+    mm_cache_hits: int = 0  # images found there
 
 
 @dataclass
@@ -218,6 +220,8 @@ def engine_stats(engine: Any) -> EngineStats:
         calculate_kv_scales=engine.args.calculate_kv_scales,
         **dataclasses.asdict(engine.drafter.counters if engine.drafter else SpecCounters()),
         **_lora_stats(engine),
+        mm_cache_queries=engine.images.cache_queries if engine.images else 0,
+        mm_cache_hits=engine.images.cache_hits if engine.images else 0,
     )
 
 
