@@ -5,7 +5,8 @@ the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generi
 GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and an 8k prefill over them (the
 generic kernel and both Mosaic GPU forms); a mixed step (32 decode tokens at 8k beside a 512-token chunk) with
 its decode tokens on the decode kernel or with the chunk on the ragged one; decode at 32k context under a
-sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read). Both for
+sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read); a 4k prefill
+holding 256-token images attended both ways (Gemma 3's; `last_key`) against the same prefill all causal. Both for
 SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
@@ -46,6 +47,7 @@ REF_LIMIT_BYTES = 24 << 30
 WINDOW = 4096  # the sliding window of the windowed decode row (Mistral 7B's)
 MIXED_CHUNK = 512  # the prefill chunk of the mixed-step row (beside its decode tokens)
 DRAFT_TOKENS = 5  # the drafts rows: a request's token and its 4 drafts, verified in one step
+IMAGE_TOKENS = 256  # the images row: Gemma 3's tokens an image, one every 512 positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,15 @@ def mixed_case(rng, heads: Heads, decodes: int, ctx: int, chunk: int, min_pool_b
     return sets, decode_bytes + chunk_bytes, decode_flops + chunk_flops
 
 
+def span_sets(sets, ctx: int):
+    """The sets of a one-sequence prefill with each set's `last_key` appended: an image of `IMAGE_TOKENS` tokens
+    (each seeing up to the image's last) after every `IMAGE_TOKENS` of text."""
+    last = np.arange(ctx, dtype=np.int32)
+    for start in range(IMAGE_TOKENS, ctx - IMAGE_TOKENS + 1, 2 * IMAGE_TOKENS):
+        last[start:start + IMAGE_TOKENS] = start + IMAGE_TOKENS - 1
+    return [(*s, jnp.asarray(last)) for s in sets]
+
+
 def work(heads: Heads, batch: int, ctx: int, q_len: int, kv_item: int) -> tuple[int, float]:
     """(bytes, FLOPs) of attention for `batch` sequences of `q_len` new tokens over `ctx` keys each: K and V
     read once, q read and the output written, QK^T and PV over the causal part."""
@@ -238,6 +249,11 @@ def kernels(heads: Heads) -> dict:
         "mosaic_1wg_bkv128": mosaic_ragged(1, 128),
         # A short step over long contexts: one warpgroup, each block's KV walk split (flash decoding).
         "mosaic_1wg_split": mosaic_ragged(1),
+        # Images attended both ways (`span_sets`: the last argument), and the same call all causal.
+        "pallas_spans": jax.jit(lambda *a: ragged_paged_attention(*a[:6], sm_scale=scale, last_key=a[6])),
+        "pallas_causal": jax.jit(lambda *a: ragged_paged_attention(*a[:6], sm_scale=scale)),
+        "mosaic_ws_spans": jax.jit(lambda *a: ragged_paged_attention_mosaic(*a[:6], sm_scale=scale, last_key=a[6])),
+        "mosaic_ws_causal": jax.jit(lambda *a: ragged_paged_attention_mosaic(*a[:6], sm_scale=scale)),
         "cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")),
         "cudnn_causal": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, implementation="cudnn")),
@@ -275,11 +291,12 @@ def main() -> int:
             if c != 8192 or b == 1]
     wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768)]
     drafts = [(h, "drafts", 4, 8192) for h in (llama, smollm)]
-    rows = target + [(llama, "mixed", 32, 8192)] + drafts + fp8 + [(llama, "window", 32, 32768)] + wide + rest
+    images = [(WIDE, "images", 1, 4096)]
+    rows = target + [(llama, "mixed", 32, 8192)] + drafts + fp8 + [(llama, "window", 32, 32768)] + wide + images + rest
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
                 (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "drafts", 2, 1024),
-                (llama, "window", 2, 8192)]
+                (llama, "window", 2, 8192), (WIDE, "images", 1, 1024)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
     fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE,)}
@@ -311,6 +328,11 @@ def main() -> int:
                     None, copy_bw)
             run_row(f"{label} {DRAFT_TOKENS} tokens as rows", pick(fns, ["pallas", "mosaic"]),
                     as_rows(sets, DRAFT_TOKENS), nbytes, flops, None, copy_bw)
+        elif kind == "images":  # the same prefill with its images attended both ways, and all causal
+            sets, nbytes, flops = decode_case(rng, heads, 1, ctx, num_tokens=ctx, min_pool_bytes=pool_bytes)
+            names = ["pallas_causal", "pallas_spans", "mosaic_ws_causal", "mosaic_ws_spans"]
+            run_row(f"{label} {IMAGE_TOKENS}-token images", pick(fns, names), span_sets(sets, ctx), nbytes, flops,
+                    None, copy_bw, matmul)
         elif kind == "window":
             sets, _, _ = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             nbytes, flops = work(heads, batch, WINDOW, 1, jnp.dtype(DTYPE).itemsize)  # the window's keys only
