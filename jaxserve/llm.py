@@ -12,7 +12,7 @@ import numpy as np
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, one_token_params
 from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.multimodal import image_spec
+from jaxserve.engine.multimodal import image_spec, images_of
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import (
@@ -171,17 +171,35 @@ class LLM:
         return results
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """The best `params.beam_width` beams of each prompt, best first (jaxserve/beam_search.py)."""
-        engine = self.engine
-        ids = [engine.tokenize_prompt(p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p)
-               for p in self._prompt_list(prompts)]
+        """The best `params.beam_width` beams of each prompt, best first (jaxserve/beam_search.py). A prompt with
+        images ({"multi_modal_data": ...}) is searched on its own, its placeholders expanded first, every step's
+        requests taking its images along."""
+        engine, spec = self.engine, image_spec(self.engine)
+        ids, media = [], []
+        for p in self._prompt_list(prompts):
+            tokens = engine.tokenize_prompt(p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p)
+            images = images_of(p.get("multi_modal_data")) if isinstance(p, dict) else []
+            if images and spec is not None:  # the beams extend the expanded prompt (else the engine refuses)
+                spec.check_count(len(images))
+                images = spec.load(images)
+                tokens = spec.expanded(tokens, images)
+            ids.append(tokens)
+            media.append({"image": images} if images else None)
 
-        def next_logprobs(token_lists: list[list[int]], k: int) -> list[TokenLogprobs]:
-            outs = self._run(self._add_all(token_lists, [one_token_params(k)] * len(token_lists)), False)
-            return [out.outputs[0].logprobs[0] for out in outs]
+        def search(indices: list[int], mm: dict | None) -> list[BeamSearchOutput]:
+            def next_logprobs(token_lists: list[list[int]], k: int) -> list[TokenLogprobs]:
+                asks = [{"prompt_token_ids": t, "multi_modal_data": mm} for t in token_lists] if mm else token_lists
+                outs = self._run(self._add_all(asks, [one_token_params(k)] * len(token_lists)), False)
+                return [out.outputs[0].logprobs[0] for out in outs]
 
-        return beam_search(ids, params, max_model_len=engine.max_model_len, eos_token_ids=engine.eos_ids,
-                           decode=engine.tokenizer.decode, next_logprobs=next_logprobs)
+            return beam_search([ids[i] for i in indices], params, max_model_len=engine.max_model_len,
+                               eos_token_ids=engine.eos_ids, decode=engine.tokenizer.decode,
+                               next_logprobs=next_logprobs)
+
+        text = [i for i, mm in enumerate(media) if mm is None]
+        found = dict(zip(text, search(text, None) if text else [], strict=True))
+        found.update({i: search([i], mm)[0] for i, mm in enumerate(media) if mm is not None})
+        return [found[i] for i in range(len(ids))]
 
     # -- sleep mode and weight updates (jaxserve.engine.memory; the engine must be idle) ---------------
 

@@ -192,7 +192,7 @@ async def tokenize(request: Request) -> Response:
         spec = getattr(state.engine, "images", None)
         _, ids, images = chat_prompt(tok, req, state.config.chat_template, spec)
         if images:  # as a chat's prompt: each placeholder as its image's tokens
-            ids, _ = await read_images(spec, ids, images, False, encode=False)
+            ids, _ = await read_images(spec, ids, images, encode=False)
     else:
         prompt = get_str(body, "prompt")
         if prompt is None:

@@ -95,17 +95,17 @@ class Generation:
                        for i, job in enumerate(jobs)]
 
     async def _pump(self, i: int, job: Job, priority: int, cache_salt: str | None) -> None:
-        if job.beam is not None:
+        images = {"multi_modal_data": {"image": job.images}} if job.images else {}
+        if job.beam is not None:  # each beam step's requests take the images along (encoded once, cached)
             try:
                 self._queue.put_nowait((i, await beam_search_output(
                     self._engine, job.engine_id, job.prompt_ids, job.params, job.beam, priority=priority,
-                    cache_salt=cache_salt, **self._lora)))
+                    cache_salt=cache_salt, **self._lora, **images)))
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self._queue.put_nowait((i, e))
             return
-        images = {"multi_modal_data": {"image": job.images}} if job.images else {}
         outputs = self._engine.generate(job.prompt_ids, job.params, job.engine_id, priority=priority,
                                         cache_salt=cache_salt, **self._lora, **images)
         try:

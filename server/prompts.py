@@ -124,14 +124,11 @@ def fitted_chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None, m
     return req, text, ids, found
 
 
-async def read_images(spec: Any, ids: list[int], sources: list[Any], beam: bool,
+async def read_images(spec: Any, ids: list[int], sources: list[Any],
                       encode: bool = True) -> tuple[list[int], list[Any]]:
     """A chat's images read (fetched, decoded) off the event loop (`multimodal.ImageSpec.load`; `encode`: encoded
     ahead too, for a request that will run), and its prompt with their placeholders expanded (an image's tokens
     may depend on its size); 400 naming what is wrong with one."""
-    if beam:
-        raise ApiError(400, "beam search (use_beam_search) does not take images", param="use_beam_search",
-                       code="unsupported_parameter")
     try:
         images = await asyncio.to_thread(spec.load, sources, encode)
     except ValueError as e:

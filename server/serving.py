@@ -101,7 +101,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
     req, text, ids, images = await _offload(fitted_chat_prompt, engine.tokenizer, req, state.config.chat_template,
                                             engine.max_model_len, spec, big=size > _OFFLOAD_CHARS or req.drop_turns_to_fit)
     if images:
-        ids, images = await read_images(spec, ids, images, req.common.use_beam_search)
+        ids, images = await read_images(spec, ids, images)
     params = req.common.params
     if req.tool_choice is not None and req.tool_choice.mode == "auto":
         parser = state.tool_parser

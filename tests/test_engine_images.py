@@ -349,3 +349,61 @@ def test_cli_chat_and_generate_take_images(llava, tmp_path, capsys):
     assert chat == want[0].outputs[0].text
     want = llm.generate({"prompt": "t5 <image> t6", "multi_modal_data": {"image": image}}, params, use_tqdm=False)
     assert generated == want[0].outputs[0].text
+
+
+def test_beam_search_with_images(llava):
+    """`LLM.beam_search` over a prompt with images (searched on its own, each step's requests taking its images)
+    and a text prompt: the beams transformers' logprobs give; over HTTP, `use_beam_search` with an image part gives
+    the same best beam."""
+    import httpx
+
+    from jaxserve.beam_search import BeamSearchParams, beam_search
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.llm import LLM
+    from jaxserve.outputs import Logprob
+    from server.config import ServerConfig
+    from server.runner import serve_in_thread
+
+    path, model = llava
+    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=8, dtype="float32",
+              warmup=False, compile_cache_dir=None)
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
+    prompt, images, words = PROMPTS[0], IMAGES[0], text(9, 5)
+    got = llm.beam_search([{"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, words], params)
+    pixels = torch.tensor(np.stack([ImageProcessor.from_dir(path)(im) for im in images]))
+
+    def hf_logprobs(lists, k, with_images):
+        out = []
+        with torch.no_grad():
+            for ids in lists:
+                kw = {"pixel_values": pixels} if with_images else {}
+                lp = torch.log_softmax(model(input_ids=torch.tensor([ids]), **kw).logits[0, -1].double(), -1)
+                top = torch.topk(lp, k)
+                pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                out.append({t: Logprob(v, r + 1) for r, (t, v) in enumerate(pairs)})
+        return out
+
+    expanded = [t for i in prompt for t in ([i] * 16 if i == IMAGE_TOKEN else [i])]
+    for g, ids, with_images in ((got[0], expanded, True), (got[1], words, False)):
+        (want,) = beam_search([ids], params, max_model_len=96, eos_token_ids=llm.engine.eos_ids,
+                              decode=llm.engine.tokenizer.decode,
+                              next_logprobs=lambda lists, k, w=with_images: hf_logprobs(lists, k, w))
+        assert [b.tokens for b in g.sequences] == [b.tokens for b in want.sequences]
+        np.testing.assert_allclose([b.cum_logprob for b in g.sequences], [b.cum_logprob for b in want.sequences],
+                                   atol=1e-3)
+
+    a = random_image(11)
+    chat_ids = [0, 0, IMAGE_TOKEN, 5, 6, 7, 1, 0, 0]  # "user : <image> t5 t6 t7 <eos> assistant :"
+    (best,) = llm.beam_search([{"prompt_token_ids": chat_ids, "multi_modal_data": {"image": a}}], params)
+    served = AsyncEngine(llm.engine)
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(a)}},
+                                                      {"type": "text", "text": "t5 t6 t7"}]}],
+            "use_beam_search": True, "n": 3, "max_tokens": 4, "ignore_eos": True}
+    try:
+        with serve_in_thread(served, ServerConfig(port=0)) as srv:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert [c["message"]["content"] for c in r.json()["choices"]] == [b.text for b in best.sequences]
+    finally:
+        served.shutdown()
+    llm.engine.check_integrity()
