@@ -119,8 +119,12 @@ def test_prefix_cache_keys_images_by_content(llava):
     out = drain(eng)["c"]
     second_image_start = 5 + 16 + 3
     assert 0 < out.metrics.num_cached_tokens <= second_image_start
-    # The images seen before were not encoded again (the embeddings' cache), the new one was.
-    assert (eng.images.cache_queries, eng.images.cache_hits) == (6, 3)
+    # An image whose pages the prefix cache holds is not even looked up: "b" encoded nothing, "c" its second image.
+    assert (eng.images.cache_queries, eng.images.cache_hits) == (3, 0)
+    # Without the prefix cache, the images seen before come from the embeddings' cache.
+    eng_embeds = engine(path, enable_prefix_caching=False)
+    assert run(eng_embeds, [prompt, prompt], [ims, other]) == [first[0], list(out.outputs[0].token_ids)]
+    assert (eng_embeds.images.cache_queries, eng_embeds.images.cache_hits) == (4, 1)
     eng_fresh = engine(path, enable_prefix_caching=False, mm_processor_cache_gb=0)
     assert list(out.outputs[0].token_ids) == run(eng_fresh, [prompt], [other])[0]
     assert eng_fresh.images.cache_hits == 0 and not eng_fresh.images.cache

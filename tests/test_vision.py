@@ -127,7 +127,7 @@ def test_anyres_logits_equal_transformers(tmp_path, size):
     T = bucket(len(ids), 16)
     table = np.zeros((T, cfg.hidden_size), np.float32)
     mask = np.zeros(T, np.bool_)
-    table[start:start + n], mask[start:start + n] = prompt.embeds[0], True
+    table[start:start + n], mask[start:start + n] = prompt.embeds(0), True
     inputs = ModelInputs.build([(ids, 0, pages_for(0, len(ids), 16, stride=2))], 16, num_tokens=T, num_seqs=1,
                                pages_per_seq=16, all_logits=True)
     inputs = dataclasses.replace(inputs, image_embeds=jnp.asarray(table), image_mask=jnp.asarray(mask))

@@ -17,7 +17,7 @@ import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -31,12 +31,23 @@ from jaxserve.models.vision import VisionConfig, VisionParams, anyres_tokens, en
 
 @dataclass
 class ImagePrompt:
-    """A prompt's images: where each one's tokens sit, what the decoder takes there, and its cache id."""
+    """A prompt's images: where each one's tokens sit, what the decoder takes there, and its cache id.
+
+    An image is encoded when a step first computes some of its tokens (`embeds`): one whose pages the prefix cache
+    (or a KV transfer) holds is never encoded."""
 
     spans: list[tuple[int, int]]  # (first position, number of tokens), in prompt order
-    embeds: list[np.ndarray]  # [tokens, E] each, in the model's dtype
     keys: list[int]  # each image's negative id in the prefix cache
     bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
+    images: Sequence[Any] = ()  # each image, as `encode` takes it
+    encode: Callable[[Any], np.ndarray] | None = None  # an image's embeddings [tokens, E], in the model's dtype
+    _embeds: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def embeds(self, i: int) -> np.ndarray:
+        """Image i's embeddings, encoded on first use."""
+        if i not in self._embeds:
+            self._embeds[i] = self.encode(self.images[i])
+        return self._embeds[i]
 
     @property
     def whole_spans(self) -> tuple[tuple[int, int], ...]:
@@ -53,10 +64,10 @@ class ImagePrompt:
     def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int, last: np.ndarray) -> None:
         """The embeddings of positions [start, start + count) that are image tokens, into `out` rows from t0, and
         when attended both ways, each one's last visible key (its image's last position) into `last`."""
-        for (first, n), emb in zip(self.spans, self.embeds, strict=True):
+        for i, (first, n) in enumerate(self.spans):
             lo, hi = max(start, first), min(start + count, first + n)
             if lo < hi:
-                out[t0 + lo - start:t0 + hi - start] = emb[lo - first:hi - first]
+                out[t0 + lo - start:t0 + hi - start] = self.embeds(i)[lo - first:hi - first]
                 mask[t0 + lo - start:t0 + hi - start] = True
                 if self.bidirectional:
                     last[t0 + lo - start:t0 + hi - start] = first + n - 1
@@ -155,14 +166,13 @@ class ImageEncoder:
 
     def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
         """The prompt with each image's placeholder expanded to its tokens (a placeholder already expanded is kept),
-        and its images (anything `prepare` takes) encoded. The prompt must hold one placeholder per image."""
+        and its images (anything `prepare` takes) read, to be encoded as steps reach them. The prompt must hold one
+        placeholder per image."""
         images = [self.prepare(image) for image in images]
         out, spans = self.expand(ids, [self.num_tokens(im) for im in images])
-        embeds, keys = [], []
-        for image in images:
-            embeds.append(self._embeds(image.pixels, image.digest, image.size))
-            keys.append(-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2))
-        return out, ImagePrompt(spans, embeds, keys, self.cfg.bidirectional)
+        keys = [-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2) for image in images]
+        return out, ImagePrompt(spans, keys, self.cfg.bidirectional, images,
+                                lambda im: self._embeds(im.pixels, im.digest, im.size))
 
     def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """`expand_placeholders` for this model. Gemma 3's placeholder is `<start_of_image>`, which becomes "\n\n",
