@@ -114,6 +114,7 @@ async def _traced_generate(request: Request, kind: str, **api: Any) -> Response:
     store.record(request_id, "L1", "received", summarize_request(kind, body))
     pd: PDWorker = request.app.state.pd
     imported = await pd.import_for(request, request_id)  # a disaggregated request's prompt KV
+    request.scope["state"]["kv_imported"] = imported is not None  # its images' tokens need no encoding
     try:
         return await handle_generate(request, "chat" if kind == "responses" else kind, **api)
     finally:

@@ -45,6 +45,7 @@ from jaxserve.engine.kv_transfer import (
     release_import,
     unpin,
 )
+from jaxserve.engine.multimodal import prompt_cache_ids
 from jaxserve.sampling_params import SamplingParams
 from server.errors import ApiError
 from server.trace import TraceStore
@@ -166,25 +167,25 @@ class PDWorker:
         if len(jobs) != 1 or req.common.params.n != 1:
             raise ApiError(400, "disaggregated requests take one prompt and n=1", code="invalid_request")
         job = jobs[0]
-        if job.images:  # the prefix cache keys an image's pages by its content, which a KV transfer does not carry
-            raise ApiError(400, "requests with images are not disaggregated; send them to a worker serving whole "
-                                "requests", param="messages", code="unsupported_parameter")
         salt = req.common.cache_salt
+        images = {"multi_modal_data": {"image": job.images}} if job.images else {}
         t0 = time.time()
         self._trace(request, request_id, "prefill_start", prompt_tokens=len(job.prompt_ids))
         last = None
         state.start(job.engine_id)
         try:
             async for out in engine.generate(job.prompt_ids, SamplingParams(max_tokens=1, temperature=0.0),
-                                             job.engine_id, priority=req.common.priority, cache_salt=salt):
+                                             job.engine_id, priority=req.common.priority, cache_salt=salt, **images):
                 last = out
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_request") from e
         finally:
             state.finish(job.engine_id)
         first = last.outputs[0].token_ids[0] if last is not None and last.outputs[0].token_ids else None
+        # The pages go under the ids the prefix cache keys them by (an image's tokens: its content's id), which
+        # the decode worker's admission of the same request computes alike.
         pin, layout = await engine.run_on_engine(
-            lambda e: (pin_prompt(e, job.prompt_ids, salt), KVLayout.of_engine(e)))
+            lambda e: (pin_prompt(e, prompt_cache_ids(e, job.prompt_ids, job.images), salt), KVLayout.of_engine(e)))
         if pin is None:
             raise ApiError(409, "the prompt has no full page to transfer", code="nothing_to_transfer")
         transfer_id = uuid.uuid4().hex

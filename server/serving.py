@@ -93,7 +93,7 @@ async def _offload(fn: Any, *args: Any, big: bool) -> Any:
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
-async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> list[Job]:
+async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, encode: bool = True) -> list[Job]:
     engine = state.engine
     check_request_template(req, state.config.trust_request_chat_template)
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
@@ -101,7 +101,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str) -> l
     req, text, ids, images = await _offload(fitted_chat_prompt, engine.tokenizer, req, state.config.chat_template,
                                             engine.max_model_len, spec, big=size > _OFFLOAD_CHARS or req.drop_turns_to_fit)
     if images:
-        ids, images = await read_images(spec, ids, images)
+        ids, images = await read_images(spec, ids, images, encode)  # (not encoded ahead over imported KV)
     params = req.common.params
     if req.tool_choice is not None and req.tool_choice.mode == "auto":
         parser = state.tool_parser
@@ -209,7 +209,7 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
             raise ApiError(400, f"'{name}' token id {outside[0]} is outside the vocabulary (size {vocab})",
                            param=name, code="invalid_value")
     request_id = _request_id(request)
-    jobs = await (_chat_jobs(state, req, request_id) if kind == "chat"
+    jobs = await (_chat_jobs(state, req, request_id, not request.scope["state"].get("kv_imported")) if kind == "chat"
                   else _completion_jobs(state, req, request_id))
     state.admit(len(jobs))
     log = _log(request)

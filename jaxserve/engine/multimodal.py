@@ -352,6 +352,15 @@ def request_fields(ids: list[int], images: ImagePrompt | None) -> dict[str, Any]
     return {"prompt_token_ids": images.cache_ids(ids), "whole_spans": images.whole_spans}
 
 
+def prompt_cache_ids(engine: Any, ids: list[int], images: Sequence[Any] | None) -> list[int]:
+    """A prompt (its placeholders expanded) as an `LLMEngine`'s prefix cache keys it: each image's tokens as its
+    image's id (nothing encoded)."""
+    if not images or engine.images is None:
+        return list(ids)
+    ids, prompt = engine.images.prompt(ids, images)
+    return prompt.cache_ids(ids)
+
+
 def check_image_count(count: int, limit: int | None) -> None:
     """ValueError past the images' limit per prompt."""
     if limit is not None and count > limit:
