@@ -137,8 +137,8 @@ def test_image_errors(llava, tmp_path):
     for prompt, images, message in [
         (PROMPTS[0], IMAGES[0], "exceed the limit of 1"),
         (PROMPTS[1], [], None),  # no images: the placeholder stays a token
-        (text(5, 4), [random_image(1)], "0 image placeholder"),
-        ([IMAGE_TOKEN, IMAGE_TOKEN, 5], [random_image(1)], "placeholder run of 2 tokens"),
+        (text(5, 4), [random_image(1)], r"image placeholders \(0 of token"),
+        ([IMAGE_TOKEN, IMAGE_TOKEN, 5], [random_image(1)], r"image placeholders \(2 of token \d+, in 1 run"),
         (PROMPTS[1], ["data:image/png;base64,AAAA"], "not an image Pillow can read"),
     ]:
         if message is None:
@@ -154,6 +154,20 @@ def test_image_errors(llava, tmp_path):
     assert text_only.images is None
     with pytest.raises(ValueError, match="takes no images: its images are turned off"):
         text_only.add_request("z", PROMPTS[1], GREEDY, multi_modal_data={"image": IMAGES[1]})
+
+
+def test_images_side_by_side():
+    """Placeholders or expanded images side by side make one run of the image token: read in image order, so an
+    expanded prompt (a beam's next step, a prompt sent back) is admitted again as it was."""
+    from jaxserve.engine.multimodal import expand_placeholders
+
+    assert expand_placeholders([5, 9, 9, 6], 9, [3, 2]) == ([5, 9, 9, 9, 9, 9, 6], [(1, 3), (4, 2)])
+    assert expand_placeholders([5, 9, 9, 9, 9, 9, 6], 9, [3, 2]) == ([5, 9, 9, 9, 9, 9, 6], [(1, 3), (4, 2)])
+    assert expand_placeholders([9, 9, 9, 9], 9, [3, 2]) == ([9] * 5, [(0, 3), (3, 2)])  # expanded, then one
+    assert expand_placeholders([9, 5, 9, 9, 6], 9, [3, 2])[1] == [(0, 3), (4, 2)]  # one, then expanded
+    for ids in ([5, 9, 9, 9, 6], [5, 9, 6], [9, 5, 9, 9, 9, 6]):
+        with pytest.raises(ValueError, match="do not match 2 image"):
+            expand_placeholders(ids, 9, [3, 2])
 
 
 def png_url(image) -> str:

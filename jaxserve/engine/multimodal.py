@@ -247,26 +247,31 @@ class ImageEncoder:
 
 
 def expand_placeholders(ids: Sequence[int], token: int, counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-    """`ids` with the placeholder of each image i (a run of one `token`, or of `counts[i]` already expanded) as
-    `counts[i]` tokens, and where each image's tokens are (first position, number)."""
-    runs = _runs(ids, token)
-    if len(runs) != len(counts):
-        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {token}) for {len(counts)} "
-                         "image(s): put one placeholder where each image goes")
-    bad = [(length, n) for (_, length), n in zip(runs, counts, strict=True) if length not in (1, n)]
-    if bad:
-        raise ValueError(f"an image placeholder run of {bad[0][0]} tokens: each image takes one placeholder token "
-                         f"(expanded here) or exactly its {bad[0][1]}")
+    """`ids` with the placeholder of each image i (one `token`, or `counts[i]` of them already expanded) as
+    `counts[i]` tokens, and where each image's tokens are (first position, number). Images side by side make one
+    run of `token`, read in image order: `counts[i]` tokens where that many remain, else one placeholder."""
     out: list[int] = []
     spans: list[tuple[int, int]] = []
-    prev = 0
-    for (start, length), n in zip(runs, counts, strict=True):
+    prev, i = 0, 0
+    runs = _runs(ids, token)
+    for start, length in runs:
         out.extend(ids[prev:start])
-        spans.append((len(out), n))
-        out.extend([token] * n)
+        left = length
+        while left > 0 and i < len(counts):
+            left -= counts[i] if left >= counts[i] else 1
+            spans.append((len(out), counts[i]))
+            out.extend([token] * counts[i])
+            i += 1
+        if left:
+            break
         prev = start + length
-    out.extend(ids[prev:])
-    return out, spans
+    else:
+        if i == len(counts):
+            out.extend(ids[prev:])
+            return out, spans
+    raise ValueError(f"the prompt's image placeholders ({sum(n for _, n in runs)} of token {token}, in {len(runs)} "
+                     f"run(s)) do not match {len(counts)} image(s) of {list(counts)} tokens: put one placeholder "
+                     "where each image goes (or each image's tokens expanded whole)")
 
 
 @dataclass(frozen=True)
