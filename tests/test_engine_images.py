@@ -159,7 +159,7 @@ def test_image_errors(llava, tmp_path):
 def test_images_side_by_side():
     """Placeholders or expanded images side by side make one run of the image token: read in image order, so an
     expanded prompt (a beam's next step, a prompt sent back) is admitted again as it was."""
-    from jaxserve.engine.multimodal import expand_placeholders
+    from jaxserve.engine.placeholders import expand_placeholders
 
     assert expand_placeholders([5, 9, 9, 6], 9, [3, 2]) == ([5, 9, 9, 9, 9, 9, 6], [(1, 3), (4, 2)])
     assert expand_placeholders([5, 9, 9, 9, 9, 9, 6], 9, [3, 2]) == ([5, 9, 9, 9, 9, 9, 6], [(1, 3), (4, 2)])
