@@ -7,6 +7,7 @@ and broadcasts its decisions before every step; the other processes (followers) 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -19,6 +20,7 @@ import numpy as np
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.multimodal import PreparedImage, images_of
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
@@ -116,18 +118,24 @@ class LockstepEngine(LLMEngine):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | str | None = None) -> None:
-        """Queue a request on process 0 (followers receive it at the next step)."""
+                    lora_request: LoRARequest | str | None = None, multi_modal_data: dict[str, Any] | None = None,
+                    ) -> None:
+        """Queue a request on process 0 (followers receive it at the next step). Its images are read and
+        processed here, and their pixels go to the followers, whose encoders make the same embeddings."""
         if not self.is_leader:
             raise RuntimeError("only process 0 takes requests; followers replay its steps")
         # The arrival time orders the queue: every process must use process 0's.
         arrival_time = time.time() if arrival_time is None else arrival_time
+        images = images_of(multi_modal_data)
+        if images and self.images is not None:
+            images = [self.images.prepare(image) for image in images]
+            multi_modal_data = {"image": images}
         super().add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                            arrival_time=arrival_time, lora_request=lora_request)
+                            arrival_time=arrival_time, lora_request=lora_request, multi_modal_data=multi_modal_data)
         lora = dataclasses.asdict(lora_request) if isinstance(lora_request, LoRARequest) else lora_request
         self._ops.append({"add": request_id, "prompt": prompt, "params": dataclasses.asdict(params),
                           "priority": priority, "cache_salt": cache_salt, "arrival_time": arrival_time,
-                          "lora_request": lora})
+                          "lora_request": lora, "images": [_image_message(im) for im in images]})
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request on process 0 (followers abort it at the next step)."""
@@ -193,10 +201,12 @@ class LockstepEngine(LLMEngine):
                 self.loras.load(name, path) if path is not None else self.loras.unload(name)
                 continue
             lora = op["lora_request"]
+            images = [_image_from_message(m) for m in op.get("images", ())]
             try:
                 super().add_request(op["add"], op["prompt"], SamplingParams(**op["params"]), priority=op["priority"],
                                     cache_salt=op["cache_salt"], arrival_time=op["arrival_time"],
-                                    lora_request=LoRARequest(**lora) if isinstance(lora, dict) else lora)
+                                    lora_request=LoRARequest(**lora) if isinstance(lora, dict) else lora,
+                                    multi_modal_data={"image": images} if images else None)
             except ValueError:
                 # Process 0 accepted it, so this process has diverged; say so loudly.
                 logger.exception("request %s, accepted by process 0, was refused here", op["add"])
@@ -210,6 +220,18 @@ class LockstepEngine(LLMEngine):
                     finished[out.request_id] = out
             if not self.last_busy:
                 return finished
+
+
+def _image_message(image: PreparedImage) -> dict[str, Any]:
+    """A prepared image as JSON for the step message: its pixels' bytes (base64), shape, size and digest."""
+    pixels = np.ascontiguousarray(image.pixels, np.float32)
+    return {"pixels": base64.b64encode(pixels.tobytes()).decode(), "shape": list(pixels.shape),
+            "size": list(image.size), "digest": image.digest.hex()}
+
+
+def _image_from_message(m: dict[str, Any]) -> PreparedImage:
+    pixels = np.frombuffer(base64.b64decode(m["pixels"]), np.float32).reshape(m["shape"])
+    return PreparedImage(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]))
 
 
 class LockstepAsyncEngine(AsyncEngine):

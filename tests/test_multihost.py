@@ -80,6 +80,29 @@ def test_lockstep_engine_across_processes_serves_single_device_tokens(cluster):
     assert all(r["engine_compiles_after_warmup"] == 0 for r in cluster)
 
 
+def test_images_across_processes_serve_single_device_tokens(cluster, tmp_path):
+    """Images on the lock-step cluster: process 0 reads them and sends their pixels with the request; each process
+    encodes them on its own device, and both serve the single-device engine's tokens."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from tests.llava_model import save_tiny_llava
+    from tests.test_multihost_worker import IMAGE_ENGINE_ARGS, image_requests
+
+    save_tiny_llava(tmp_path)
+    engine = LLMEngine(EngineArgs(model=str(tmp_path), **IMAGE_ENGINE_ARGS), progress=False)
+    for i, (prompt, images) in enumerate(image_requests()):
+        engine.add_request(f"img{i}", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           multi_modal_data={"image": images})
+    ref = {}
+    while engine.has_unfinished_requests():
+        ref.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    want = [ref["img0"], ref["img1"]]
+    assert [r["image_tokens"] for r in cluster] == [want, want]
+    assert [r["image_encoder_queries"] for r in cluster] == [3, 3]  # each process encoded the three images
+    assert all(r["image_compiles_after_warmup"] == 0 for r in cluster)
+
+
 def test_lora_adapters_across_processes_serve_single_device_tokens(cluster, tmp_path):
     """LoRA on the lock-step cluster: an adapter known at start-up, one process 0 loads when a request names
     it (the other process loads it at the same step), one slot handed from a to b, as on one device."""

@@ -60,6 +60,7 @@ def main(process_id: int, port: int) -> None:
     }
     found.update(serve(process_id))
     found.update(serve_lora(process_id, port))
+    found.update(serve_images(process_id))
     found["total_s"] = time.perf_counter() - t0
     print(RESULT_PREFIX + json.dumps(found), flush=True)
     jax.distributed.shutdown()
@@ -119,6 +120,42 @@ def serve_lora(process_id: int, port: int) -> dict:
     return {"lora_tokens": {k: v.outputs[0].token_ids for k, v in finished.items()} if finished else {},
             "lora_slots": list(engine.loras.slots), "lora_known": sorted(engine.loras.paths),
             "lora_compiles_after_warmup": engine.stats().compilations_after_warmup, "lora_b_path": shared}
+
+
+def image_requests():
+    """The images case's prompts (placeholders) and images: one image, then two side by side."""
+    from tests.llava_model import IMAGE_TOKEN, random_image
+
+    return [([3, IMAGE_TOKEN, 4, 5], [random_image(1)]),
+            ([9, IMAGE_TOKEN, IMAGE_TOKEN, 8], [random_image(2, (60, 20)), random_image(3)])]
+
+
+IMAGE_ENGINE_ARGS = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=96, page_size=8,
+                         kv_cache_memory_bytes=2**20, num_scheduler_steps=4, compile_cache_dir=None, dtype="float32")
+
+
+def serve_images(process_id: int) -> dict:
+    """A LLaVA model (each process saves the same seeded copy) on the lock-step TP=2 engine: process 0 reads the
+    images, the other process gets their pixels in the step message and encodes them on its own device."""
+    import tempfile
+
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from sharding.distributed import LockstepEngine
+    from tests.llava_model import save_tiny_llava
+
+    path = tempfile.mkdtemp()
+    save_tiny_llava(path)
+    engine = LockstepEngine(EngineArgs(model=path, tensor_parallel_size=2, strict_compile=True, **IMAGE_ENGINE_ARGS),
+                            progress=False)
+    if process_id == 0:
+        for i, (prompt, images) in enumerate(image_requests()):
+            engine.add_request(f"img{i}", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                               multi_modal_data={"image": images})
+    finished = engine.run_until_idle()
+    return {"image_tokens": [finished[f"img{i}"].outputs[0].token_ids for i in range(2)] if finished else [],
+            "image_encoder_queries": engine.images.cache_queries,
+            "image_compiles_after_warmup": engine.stats().compilations_after_warmup}
 
 
 if __name__ == "__main__":

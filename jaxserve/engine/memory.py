@@ -65,8 +65,10 @@ def prepare_model(loaded: Any, args: Any, mesh: Any = None) -> tuple[Any, Any]:
     model, kv_dtype = with_kv_cache_dtype(shard_model(loaded, args, mesh=mesh), args)
     if args.enable_lora:  # zeroed adapter slots in every layer, filled by `LoraManager`
         model = with_lora_slots(model, args.max_loras, args.max_lora_rank)
-    if model.vision is not None:  # an image-text model's vision side: each engine its own, on its first device
-        device = model.plan.mesh.devices.flat[0] if model.plan is not None else jax.devices()[0]
+    if model.vision is not None:  # an image-text model's vision side: each engine its own, on its first device (of
+        # this process: on a cluster each process encodes the images process 0 sends it)
+        mine = [d for d in model.plan.mesh.devices.flat if d.process_index == jax.process_index()] if model.plan else []
+        device = mine[0] if mine else jax.local_devices()[0]
         model = dataclasses.replace(model, vision=model.vision.on(device))
     return model, kv_dtype
 

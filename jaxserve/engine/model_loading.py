@@ -132,9 +132,6 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
     vcfg = VisionConfig.from_hf(ckpt.hf_config) if hasattr(ckpt, "hf_config") else None
     if vcfg is None or (args.limit_mm_per_prompt or {}).get("image") == 0 or args.is_pooling:
         return None
-    if args.num_processes > 1:
-        raise UnsupportedModelError("images are not served on a multi-host cluster; serve the model as text with "
-                                    "--limit-mm-per-prompt '{\"image\": 0}'")
     unused: dict[str, Any] = {}
     if args.load_format == "dummy":
         params = random_vision_params(vcfg, dtype, args.seed)
