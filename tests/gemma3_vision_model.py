@@ -15,6 +15,7 @@ import os
 import tokenizers
 
 from jaxserve.tokenizer import Tokenizer
+from tests.llava_model import randomize
 
 IMAGE_SIZE = 32
 PATCH = 4  # 8 x 8 patches, pooled 2 x 2 into 16 tokens
@@ -75,17 +76,7 @@ def save_tiny_gemma3(path, seed: int = 0):
 
     torch.manual_seed(seed)
     model = transformers.Gemma3ForConditionalGeneration(gemma3_config()).eval()
-    with torch.no_grad():
-        # transformers zeroes Gemma's norms (applied as 1 + w) and the projection: random, so a slip shows.
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and "norm" in name and "layernorm" not in name and "layer_norm" not in name:
-                p.copy_(0.3 * torch.randn_like(p))  # Gemma's RMSNorm: 1 + w
-            elif p.ndim == 1 and ("layernorm" in name or "layer_norm" in name) and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    randomize(model, gemma_norms=True)  # transformers zeroes Gemma's norms (applied as 1 + w) and the projection
     model.save_pretrained(path, safe_serialization=True)
     tok = gemma3_tokenizer()
     tok._backend.save(os.path.join(path, "tokenizer.json"))

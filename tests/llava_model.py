@@ -41,6 +41,25 @@ def image_tokenizer() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[EOS], pad_token_id=0)
 
 
+def randomize(model, gemma_norms: bool = False) -> None:
+    """Every weight of a torch model random, so that a slip shows (transformers zeroes or fills some): norm weights
+    around 1 (Gemma's RMSNorm, applied as 1 + w, around 0 with `gemma_norms`), other vectors small, matrices
+    N(0, 0.15^2)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            layer_norm = "layernorm" in name or "layer_norm" in name
+            if p.ndim == 1 and gemma_norms and "norm" in name and not layer_norm:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif p.ndim == 1 and "norm" in name and (not gemma_norms or name.endswith("weight")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+
+
 def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str = "default", seed: int = 0,
                     anyres: bool = False):
     """A random LLaVA model (LLaVA-NeXT with `anyres`) saved to `path` with its tokenizer, processor config and chat
@@ -62,14 +81,7 @@ def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str =
              else transformers.LlavaForConditionalGeneration)(config).eval()
     if anyres:
         processor = {**processor, "image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": PINPOINTS}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1 and ("norm" in name or "layernorm" in name):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
+    randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     tok = image_tokenizer()
     tok._backend.save(os.path.join(path, "tokenizer.json"))

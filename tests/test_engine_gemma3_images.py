@@ -142,9 +142,7 @@ def test_gemma3_chat(gemma3):
 
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.llm import LLM
-    from server.config import ServerConfig
-    from server.runner import serve_in_thread
-    from tests.test_engine_images import png_url
+    from tests.test_engine_images import chat_server, png_url
 
     path, model = gemma3
     a, b = random_image(11), random_image(12, (50, 25))
@@ -167,11 +165,7 @@ def test_gemma3_chat(gemma3):
                                               {"type": "image_url", "image_url": {"url": png_url(b)}}]}]
     body = {"messages": http_conv, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     try:
-        with serve_in_thread(served, ServerConfig(port=0)) as srv:
-            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"] == got.outputs[0].text
-            assert r.json()["usage"]["prompt_tokens"] == len(got.prompt_token_ids)
+        with chat_server(served, body, got) as srv:
             r = httpx.post(f"{srv.url}/tokenize", timeout=60, json={"messages": http_conv})
             assert r.json()["tokens"] == got.prompt_token_ids
     finally:

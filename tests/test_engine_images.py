@@ -3,6 +3,8 @@ across prefill chunks, batched against alone, and the prefix cache keyed by imag
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -170,6 +172,23 @@ def test_images_side_by_side():
             expand_placeholders(ids, 9, [3, 2])
 
 
+@contextlib.contextmanager
+def chat_server(served, body: dict, got):
+    """A server over the async engine `served` whose chat reply to `body` has `got`'s text and prompt tokens;
+    yields it for more requests."""
+    import httpx
+
+    from server.config import ServerConfig
+    from server.runner import serve_in_thread
+
+    with serve_in_thread(served, ServerConfig(port=0)) as srv:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == got.outputs[0].text
+        assert r.json()["usage"]["prompt_tokens"] == len(got.prompt_token_ids)
+        yield srv
+
+
 def png_url(image) -> str:
     import base64
     import io
@@ -188,8 +207,6 @@ def test_chat_with_images(llava, tmp_path):
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.engine.multimodal import PreparedImage
     from jaxserve.llm import LLM
-    from server.config import ServerConfig
-    from server.runner import serve_in_thread
 
     path, _ = llava
     a, b = random_image(11), random_image(12, (50, 25))
@@ -223,11 +240,7 @@ def test_chat_with_images(llava, tmp_path):
         {"type": "image_url", "image_url": f"file://{tmp_path}/b.png"}]}]
     body = {"messages": http_conv, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     try:
-        with serve_in_thread(served, ServerConfig(port=0)) as srv:
-            r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"] == got.outputs[0].text
-            assert r.json()["usage"]["prompt_tokens"] == len(got.prompt_token_ids)
+        with chat_server(served, body, got) as srv:
             r = httpx.post(f"{srv.url}/v1/responses", timeout=60, json={
                 "input": [{"role": "user", "content": [
                     {"type": "input_image", "image_url": png_url(a)}, {"type": "input_text", "text": words},

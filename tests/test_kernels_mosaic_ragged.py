@@ -23,14 +23,8 @@ from pallas_kernels import ragged_paged_attention
 from pallas_kernels.paged_decode_mosaic import ROWS
 from pallas_kernels.ragged_attention_args import block_splits, default_splits, quantize_kv
 from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
-from tests.test_kernels_cases import (
-    SPAN_SEQS,
-    SPANS,
-    make_batch,
-    naive_attention,
-    span_last_key,
-    standard_seqs,
-)
+from tests import test_kernels_cases as cases
+from tests.test_kernels_cases import make_batch, naive_attention, standard_seqs
 
 TOL = 3e-2  # bfloat16 queries and probabilities
 
@@ -157,10 +151,10 @@ def test_ragged_mosaic_spans_attended_both_ways(crowded):
     chunk, crossing blocks), the decode tokens beside; with `crowded`, a block meeting three spans, which sends
     the batch to the generic kernel (the Mosaic kernel would take its middle span's tokens as causal)."""
     rng = np.random.default_rng(7)
-    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16, seqs=SPAN_SEQS,
-                       pages_per_seq=4)
-    spans = [[(3, 6), (7, 10), (12, 15), (22, 31)], *SPANS[1:]] if crowded else SPANS
-    last_key = span_last_key(batch, spans, rng)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16,
+                       seqs=cases.SPAN_SEQS, pages_per_seq=4)
+    spans = [[(3, 6), (7, 10), (12, 15), (22, 31)], *cases.SPANS[1:]] if crowded else cases.SPANS
+    last_key = cases.span_last_key(batch, spans, rng)
     out = _run(batch, 0.125, last_key=last_key, sliding_window=None if crowded else 12)
     _check(out, batch, 0.125, last_key=np.asarray(last_key), sliding_window=None if crowded else 12)
 
