@@ -344,7 +344,7 @@ class EngineArgs:
         g.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help='sampling defaults set over the generation config\'s, e.g. \'{"temperature": 0.5}\'')
         g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
-                       help="the checkpoint's quantization method (fp8, compressed-tensors), checked against its "
+                       help="the checkpoint's quantization method (fp8, compressed-tensors, gptq, awq), checked against its "
                             "config; its weights are read dequantized (jaxserve does not quantize at load)")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
         g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",

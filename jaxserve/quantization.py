@@ -8,7 +8,13 @@ Two descriptions of quantized weights are read from a checkpoint's `quantization
 - `quant_method: "compressed-tensors"` (llm-compressor's checkpoints: RedHatAI's FP8-dynamic, W8A8, W4A16 models):
   its config groups' weights, float8 ("float-quantized"), int8 ("int-quantized", "naive-quantized") or integers of
   1 to 8 bits packed into int32 ("pack-quantized"), with a scale per tensor, per output channel, per group of input
-  columns or per block, and zero points when asymmetric.
+  columns or per block, and zero points when asymmetric;
+- `quant_method: "gptq"` (AutoGPTQ's and GPTQModel's checkpoints): 2-, 4- or 8-bit integers packed into int32
+  along the input (`qweight` [K / pack, N]), a zero point packed along the output (`qzeros`) and a float scale
+  (`scales`) per group of `group_size` input rows, the group of each row given by `g_idx` when the rows were
+  quantized in activation order (`desc_act`); the "gptq" checkpoint format stores each zero point minus one;
+- `quant_method: "awq"` (AutoAWQ's GEMM checkpoints): 4-bit integers packed into int32 along the output
+  (`qweight` [K, N / 8], in AWQ's interleaved order), zero points packed alike, a scale per group of input rows.
 
 Every quantized weight is dequantized to float32 (`(q - zero_point) * scale`, as compressed-tensors computes it)
 and served in the model's dtype: the matmuls run unquantized, activations too (their quantization, `input_scale`
@@ -28,7 +34,8 @@ import numpy as np
 from jaxserve.errors import UnsupportedModelError
 
 # Tensors of a quantized module besides its weight; the activations' are dropped (the matmuls run unquantized).
-WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape")
+WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
+                "qweight", "qzeros", "scales", "g_idx")
 DROPPED_PARTS = ("input_scale", "input_zero_point", "output_scale", "output_zero_point")
 _QUANTIZED_DTYPES = (np.dtype(np.int8), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 _FLOAT8_VALUES = {np.dtype(t): np.arange(256, dtype=np.uint8).view(t).astype(np.float32)
@@ -49,9 +56,15 @@ class WeightQuant:
     block: tuple[int, int] | None = None  # (rows, columns) of a block
     packed: bool = False  # integers packed into int32 (`weight_packed`, `weight_shape`)
     scale_name: str = "weight_scale"
+    layout: str = "compressed-tensors"  # or "gptq", "awq": their `qweight`, `qzeros`, `scales` (and `g_idx`)
+    zero_offset: int = 0  # added to each stored zero point (GPTQ's "gptq" format stores it minus one)
+    act_order: bool = False  # GPTQ's rows in activation order: each row's group from `g_idx`
 
     def needs(self) -> tuple[str, ...]:
         """The tensors (parts of the module) its weight is read from."""
+        if self.layout != "compressed-tensors":  # (AutoAWQ's symmetric weights store no zero points)
+            zeros = () if self.layout == "awq" and self.symmetric else ("qzeros",)
+            return ("qweight", "scales", *zeros) + (("g_idx",) if self.act_order else ())
         parts = ["weight_packed", "weight_shape"] if self.packed else ["weight"]
         parts.append(self.scale_name)
         if not self.symmetric:
@@ -102,10 +115,12 @@ def parse_quantization(quant: Mapping[str, Any] | None) -> CheckpointQuantizatio
                    if block else WeightQuant("float", 8, "tensor"))
         ignore = tuple(quant.get("modules_to_not_convert") or ()) + tuple(quant.get("ignored_layers") or ())
         return CheckpointQuantization((Group(("Linear",), weights),), ignore)
+    if method in ("gptq", "awq"):
+        return _gptq_or_awq(method, quant)
     if method not in (None, "compressed-tensors"):
         raise UnsupportedModelError(
             f"quantized weights (quantization_config quant_method {method!r}) are not supported; supported: fp8, "
-            "compressed-tensors (float8, int8 and packed integer weights)")
+            "compressed-tensors (float8, int8 and packed integer weights), gptq, awq")
     if not quant.get("config_groups"):
         return None
     for key in ("sparsity_config", "transform_config"):
@@ -145,8 +160,73 @@ def parse_quantization(quant: Mapping[str, Any] | None) -> CheckpointQuantizatio
     return CheckpointQuantization(tuple(groups), tuple(quant.get("ignore") or ()))
 
 
+def _gptq_or_awq(method: str, quant: Mapping[str, Any]) -> CheckpointQuantization:
+    """A GPTQ or AWQ `quantization_config`: one scheme for every linear layer but those left out."""
+    bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
+    if method == "awq":
+        version = str(quant.get("version", "gemm")).lower()
+        if version != "gemm" or bits != 4:
+            raise UnsupportedModelError(f"awq checkpoints of version {version!r} with {bits}-bit weights are not "
+                                        "supported (only AutoAWQ's GEMM layout, 4-bit)")
+        weights = WeightQuant("int", 4, "group", not quant.get("zero_point", True), group, layout="awq")
+    else:
+        fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"
+        if fmt not in ("gptq", "gptq_v2") or bits not in (2, 4, 8) or quant.get("dynamic"):
+            raise UnsupportedModelError(
+                f"gptq checkpoints with {bits}-bit weights in format {fmt!r}{' and dynamic per-module settings' if quant.get('dynamic') else ''} "
+                "are not supported (2-, 4- or 8-bit weights, format gptq or gptq_v2)")
+        weights = WeightQuant("int", bits, "group", bool(quant.get("sym", True)), group, layout="gptq",
+                              zero_offset=1 if fmt == "gptq" else 0, act_order=bool(quant.get("desc_act")))
+    ignore = tuple(quant.get("modules_to_not_convert") or ())
+    return CheckpointQuantization((Group(("Linear",), weights),), ignore)
+
+
+def _unpack_words(packed: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """Unsigned `bits`-bit integers packed into int32 words along `axis`, value i of a word at bits i * bits:
+    the axis grows `32 // bits` times."""
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    words = np.expand_dims(packed.astype("<i4").view(np.uint32), axis + 1)
+    shape = [1] * words.ndim
+    shape[axis + 1] = len(shifts)
+    values = (words >> shifts.reshape(shape)) & np.uint32((1 << bits) - 1)
+    out_shape = list(packed.shape)
+    out_shape[axis] *= len(shifts)
+    return values.reshape(out_shape).astype(np.int32)
+
+
+_AWQ_COLUMNS = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # column c of a word holds its value number _AWQ_COLUMNS[c]
+
+
+def _dequantize_gptq_or_awq(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> np.ndarray:
+    """A GPTQ or AWQ module's float32 weight [N, K]: `(q - zero) * scale` of each row's group."""
+    scales = np.asarray(parts["scales"], np.float32)  # [groups, N]
+    if q.layout == "awq":
+        values = _unpack_words(parts["qweight"], 4, 1)  # [K, N], each word's columns in AWQ's order
+        values = values.reshape(values.shape[0], -1, 8)[:, :, _AWQ_COLUMNS].reshape(values.shape)
+        if q.symmetric:
+            zeros = np.full(scales.shape, 8, np.int32)
+        else:
+            zeros = _unpack_words(parts["qzeros"], 4, 1)
+            zeros = zeros.reshape(zeros.shape[0], -1, 8)[:, :, _AWQ_COLUMNS].reshape(zeros.shape)
+    else:
+        values = _unpack_words(parts["qweight"], q.num_bits, 0)  # [K, N]
+        zeros = _unpack_words(parts["qzeros"], q.num_bits, 1) + q.zero_offset  # [groups, N]
+    K, N = values.shape
+    if scales.shape[1] != N or zeros.shape != scales.shape:
+        raise ValueError(f"{module}: scales {scales.shape} and zero points {zeros.shape} do not fit a weight of "
+                         f"{K} x {N}")
+    group = q.group_size if q.group_size and q.group_size > 0 else K
+    rows = (np.asarray(parts["g_idx"], np.int64) if q.act_order else np.arange(K) // group)
+    if rows.shape != (K,) or rows.max(initial=0) >= scales.shape[0]:
+        raise ValueError(f"{module}: the groups of its {K} input rows ({rows.shape}) do not fit {scales.shape[0]} "
+                         "scales")
+    return ((values - zeros[rows]) * scales[rows]).T.copy()
+
+
 def dequantize(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> np.ndarray:
     """A module's float32 weight [N, K] from its stored parts."""
+    if q.layout != "compressed-tensors":
+        return _dequantize_gptq_or_awq(q, parts, module)
     if q.packed:
         shape = tuple(int(s) for s in parts["weight_shape"])
         values = unpack_int32(parts["weight_packed"], q.num_bits, shape[-1])
@@ -220,6 +300,8 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]],
             if part in WEIGHT_PARTS[1:]:
                 raise ValueError(f"tensor {name!r}: {module} is not quantized in the checkpoint's quantization_config")
             yield name, array.astype(np.float32, copy=False)
+            continue
+        if part not in q.needs():  # GPTQ's `g_idx` of rows in order: each row's group is its index over the size
             continue
         parts = pending.setdefault(module, (q, {}))[1]
         parts[part] = array

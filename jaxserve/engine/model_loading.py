@@ -239,11 +239,11 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
 def check_quantization(method: str | None, path: str, hf_config: dict[str, Any]) -> None:
     """`--quantization` (vLLM's) must name the checkpoint's own method: quantized checkpoints are read, not made."""
     own = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if method is None or method == own:
+    if method is None or method == own or method.removesuffix("_marlin") == own:  # vLLM's kernel-named aliases
         return
     has = f"its weights are quantized with {own!r}" if own else "its weights are not quantized"
     raise UnsupportedModelError(
-        f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8 and compressed-tensors "
+        f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq and awq "
         "checkpoints (dequantized to the model's dtype) and does not quantize weights at load; leave --quantization "
         "out to serve the checkpoint as it is")
 
