@@ -189,7 +189,7 @@ def test_unpacking_matches_compressed_tensors_packing():
 
 
 @pytest.mark.parametrize("quant, message", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                            "group_size": 16}}}}, "format 'nvfp4-pack-quantized'"),
