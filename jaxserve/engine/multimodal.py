@@ -234,9 +234,10 @@ class ImageEncoder:
     def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int], count: bool = True) -> np.ndarray:
         """An image's embeddings: from the cache when its pixels were seen before, else encoded (and cached)."""
         emb, generation = self.cache.get(digest)
-        self.cache_queries += count
+        if count:  # the engine thread's lookups only (a server's thread encodes ahead without counting)
+            self.cache_queries += 1
+            self.cache_hits += emb is not None
         if emb is not None:
-            self.cache_hits += count
             return emb
         if self.cfg.grid_pinpoints is None:
             emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
