@@ -30,8 +30,8 @@ MAX_N = 128
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
 _REFUSED = ("audio", "prediction", "functions", "function_call", "prompt_embeds")
 # vLLM's hooks into code this server does not have (custom logits processors and their arguments, its KV
-# connectors): refused when they ask for something.
-_REFUSED_NONEMPTY = ("logits_processors", "vllm_xargs", "kv_transfer_params")
+# connectors, arguments to its multimodal processors): refused when they ask for something.
+_REFUSED_NONEMPTY = ("logits_processors", "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs")
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,7 @@ def test_request_chat_templates_need_trust_and_hooks_are_refused(server):
                          ({"logits_processors": ["my.Processor"]}, "logits_processors"),
                          ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
                          ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+                         ({"mm_processor_kwargs": {"do_pan_and_scan": True}}, "mm_processor_kwargs"),
                          ({"documents": "text"}, "documents")):
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 1, **extra},
                        timeout=10)
