@@ -37,10 +37,11 @@ CASES = [
     # warpgroup 1 only releasing.
     ("smollm-e4m3-window-cap", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141,
      jnp.float8_e4m3fn),
-    # Spans attended both ways: the 60-token chunk at 40-99 is a program of tokens 40-81 and one of 82-99. Span
-    # 30-70 starts in the cache and ends in warpgroup 1's tokens (warpgroup 0's walk reaches past its own last
-    # token), span 72-95 starts in warpgroup 1's and ends in the next program; a prompt is one span to its end.
-    ("smollm-spans", 16, 64, 3, 1, 64, [(60, 100), (20, 20)], 7, None, None, jnp.bfloat16,
+    # Spans attended both ways, under a 50-key window (Gemma 3's local layers): the 60-token chunk at 40-99 is a
+    # program of tokens 40-81 and one of 82-99. Span 30-70 starts in the cache and ends in warpgroup 1's tokens
+    # (warpgroup 0's walk reaches past its own last token), span 72-95 starts in warpgroup 1's and ends in the next
+    # program; a prompt is one span to its end.
+    ("smollm-spans-window", 16, 64, 3, 1, 64, [(60, 100), (20, 20)], 7, None, 50, jnp.bfloat16,
      [[(30, 70), (72, 95)], [(2, 19)]]),
 ]
 
