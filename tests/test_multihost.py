@@ -100,7 +100,6 @@ def test_images_across_processes_serve_single_device_tokens(cluster, tmp_path):
     want = [ref["img0"], ref["img1"]]
     assert [r["image_tokens"] for r in cluster] == [want, want]
     assert [r["image_encoder_queries"] for r in cluster] == [3, 3]  # each process encoded the three images
-    assert all(r["image_compiles_after_warmup"] == 0 for r in cluster)
 
 
 def test_lora_adapters_across_processes_serve_single_device_tokens(cluster, tmp_path):

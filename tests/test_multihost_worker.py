@@ -130,8 +130,10 @@ def image_requests():
             ([9, IMAGE_TOKEN, IMAGE_TOKEN, 8], [random_image(2, (60, 20)), random_image(3)])]
 
 
+# No warmup: only the buckets the requests use are compiled (the other cases check compiles after warmup).
 IMAGE_ENGINE_ARGS = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=96, page_size=8,
-                         kv_cache_memory_bytes=2**20, num_scheduler_steps=4, compile_cache_dir=None, dtype="float32")
+                         kv_cache_memory_bytes=2**20, num_scheduler_steps=4, compile_cache_dir=None, dtype="float32",
+                         warmup=False)
 
 
 def serve_images(process_id: int) -> dict:
@@ -146,16 +148,14 @@ def serve_images(process_id: int) -> dict:
 
     path = tempfile.mkdtemp()
     save_tiny_llava(path)
-    engine = LockstepEngine(EngineArgs(model=path, tensor_parallel_size=2, strict_compile=True, **IMAGE_ENGINE_ARGS),
-                            progress=False)
+    engine = LockstepEngine(EngineArgs(model=path, tensor_parallel_size=2, **IMAGE_ENGINE_ARGS), progress=False)
     if process_id == 0:
         for i, (prompt, images) in enumerate(image_requests()):
             engine.add_request(f"img{i}", prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                multi_modal_data={"image": images})
     finished = engine.run_until_idle()
     return {"image_tokens": [finished[f"img{i}"].outputs[0].token_ids for i in range(2)] if finished else [],
-            "image_encoder_queries": engine.images.cache_queries,
-            "image_compiles_after_warmup": engine.stats().compilations_after_warmup}
+            "image_encoder_queries": engine.images.cache_queries}
 
 
 if __name__ == "__main__":
