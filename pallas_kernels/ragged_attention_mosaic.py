@@ -360,31 +360,34 @@ def ragged_paged_attention_mosaic(
         last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
         spans, over = block_spans(last_key, seq_lens, query_start_loc, gather_tok, meta)
         meta = jnp.concatenate([meta, spans], axis=1)  # [NB, 8]
-    if compute_wgs == 1:
-        capacity = block_tables.shape[1] * page_size
-        if sliding_window is not None:  # a window bounds the keys any block reads
-            capacity = min(capacity, sliding_window + (block_q - 1) + block_kv)
-        splits = num_splits or (1 if interpret else block_splits(
-            qb.shape[0], seq_lens.shape[0], num_kv_heads, capacity, block_kv, ROWS, head_dim, k_pages.dtype.itemsize))
-        ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
-                                     block_kv=block_kv, splits=splits, group=group, interpret=interpret,
-                                     soft_cap=soft_cap, window=sliding_window,
-                                     name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}_s{splits}")
-    else:
-        num_blocks = qb.shape[0]
-        qb = qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim)
-        ob = _ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
-                                  window=sliding_window, block_kv=block_kv, group=group, interpret=interpret,
-                                  name=f"ragged_attention_mosaic_ws_bq{block_q}_bkv{block_kv}")
-        ob = ob.reshape(num_blocks, num_kv_heads, rows, head_dim)
-    out = blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
+    def mosaic():
+        if compute_wgs == 1:
+            capacity = block_tables.shape[1] * page_size
+            if sliding_window is not None:  # a window bounds the keys any block reads
+                capacity = min(capacity, sliding_window + (block_q - 1) + block_kv)
+            splits = num_splits or (1 if interpret else block_splits(
+                qb.shape[0], seq_lens.shape[0], num_kv_heads, capacity, block_kv, ROWS, head_dim,
+                k_pages.dtype.itemsize))
+            ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
+                                         block_kv=block_kv, splits=splits, group=group, interpret=interpret,
+                                         soft_cap=soft_cap, window=sliding_window,
+                                         name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}_s{splits}")
+        else:
+            num_blocks = qb.shape[0]
+            ob = _ws_attention_blocks(qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim), meta,
+                                      k_pages, v_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
+                                      window=sliding_window, block_kv=block_kv, group=group, interpret=interpret,
+                                      name=f"ragged_attention_mosaic_ws_bq{block_q}_bkv{block_kv}")
+            ob = ob.reshape(num_blocks, num_kv_heads, rows, head_dim)
+        return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
+
     if over is None:
-        return out
+        return mosaic()
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-    def generic():
+    def generic():  # a block meeting more spans than its metadata holds: the whole batch on the generic kernel
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
                                       last_key=last_key, interpret=interpret)
 
-    return lax.cond(over, generic, lambda: out)
+    return lax.cond(over, generic, mosaic)
