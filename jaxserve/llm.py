@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, one_token_params
 from jaxserve.engine.classifier import cross_encoder_prompt
+from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.multimodal import image_spec, images_of
 from jaxserve.engine_args import EngineArgs
@@ -264,7 +265,10 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                for request_id, error in getattr(self.engine, "take_failures", dict)().items():
+                    raise EngineError(f"request {request_id} failed in the engine: {error}") from error
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

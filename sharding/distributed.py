@@ -146,6 +146,11 @@ class LockstepEngine(LLMEngine):
             self._ops.append({"abort": request_id})
         return out
 
+    def _fail_images(self, failed: dict[str, Exception]) -> None:
+        """An image that failed to encode fails the whole step, as on one process: aborting its request here alone
+        would reach the followers only after they had stepped with it."""
+        raise next(iter(failed.values()))
+
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: requests to run, changes to send, or an idle broadcast due.
 

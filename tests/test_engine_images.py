@@ -158,6 +158,53 @@ def test_image_errors(llava, tmp_path):
         text_only.add_request("z", PROMPTS[1], GREEDY, multi_modal_data={"image": IMAGES[1]})
 
 
+def test_an_image_that_fails_to_encode_fails_alone(llava):
+    """A request whose image does not encode (the device out of memory, say) fails with that error; the requests
+    stepping with it (another with images, one of text) go on to their tokens, and every page comes back."""
+    import asyncio
+
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.errors import EngineError
+
+    path, _ = llava
+    eng = engine(path, enable_prefix_caching=False)
+    expected = run(eng, PROMPTS, IMAGES)
+    free = eng.scheduler.pool.num_free
+    bad_image = random_image(7, (40, 40))
+    bad, real = eng.images.prepare(bad_image).digest, eng.images._embeds
+
+    def embeds(pixels, digest, size, count=True):
+        if digest == bad:
+            raise RuntimeError("out of memory encoding the image")
+        return real(pixels, digest, size, count)
+
+    eng.images._embeds = embeds
+    eng.images.clear_cache()
+    # The sync engine: the failed request is gone from the step (no output), its error kept for the caller.
+    eng.add_request("bad", PROMPTS[1], GREEDY, multi_modal_data={"image": [bad_image]})
+    assert run(eng, PROMPTS, IMAGES) == expected
+    assert list(eng.take_failures()) == ["bad"] and not eng.take_failures()
+    assert eng.scheduler.pool.num_free == free
+
+    async def serve():
+        async def one(rid, prompt, images):
+            outs = [out async for out in served.generate(prompt, GREEDY, rid, multi_modal_data={"image": images})]
+            return list(outs[-1].outputs[0].token_ids)
+
+        jobs = [one("a", PROMPTS[0], IMAGES[0]), one("bad", PROMPTS[1], [bad_image]), one("b", PROMPTS[1], IMAGES[1])]
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    served = AsyncEngine(eng)
+    try:
+        got = asyncio.run(serve())
+    finally:
+        served.shutdown()
+    assert [got[0], got[2]] == expected
+    assert isinstance(got[1], EngineError) and "request bad failed" in str(got[1]) and "out of memory" in str(got[1])
+    assert eng.scheduler.pool.num_free == free
+    eng.check_integrity()
+
+
 def test_images_side_by_side():
     """Placeholders or expanded images side by side make one run of the image token: read in image order, so an
     expanded prompt (a beam's next step, a prompt sent back) is admitted again as it was."""

@@ -327,6 +327,7 @@ class AsyncEngine:
                 continue
             finally:
                 self._stats = engine.stats()
+                self._fail_alone()
             for out in outputs:
                 with self._lock:
                     sink = self._sinks.get(out.request_id)
@@ -335,6 +336,11 @@ class AsyncEngine:
                 if sink is not None:
                     sink.put(out)
         self._fail_all(EngineError("the engine was shut down"))
+
+    def _fail_alone(self) -> None:
+        """Requests the engine failed alone (an image that would not encode), the others stepping on."""
+        for request_id, error in getattr(self.engine, "take_failures", dict)().items():
+            self._finish_sink(request_id, EngineError(f"request {request_id} failed in the engine: {error}"))
 
     def _fail_running(self, error: BaseException) -> None:
         """A step failed: abort the requests that were in it, so the others can go on."""

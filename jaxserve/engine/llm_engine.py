@@ -27,10 +27,10 @@ from jaxserve.engine.model_loading import (
     params_bytes,
     resolve_attention_backend,
 )
-from jaxserve.engine.multimodal import admit_images, request_fields, step_embeds
-from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, engine_stats
-from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, StepOutput, default_layer_loop
+from jaxserve.engine.multimodal import admit_images, encode_step_images, request_fields, step_embeds
+from jaxserve.engine.request import Request
+from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, accept_step, engine_stats
+from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.speculative import Drafter, SpecStep, row_outputs, step_costs
@@ -130,6 +130,7 @@ class LLMEngine:
         self._counter = 0
         self._inflight: Launched | None = None  # dispatched, outputs not fetched
         self._launch_error: Exception | None = None
+        self.failures: dict[str, Exception] = {}  # see take_failures
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -255,7 +256,7 @@ class LLMEngine:
             out = self.runner.fetch(pending)
             if chunks:
                 take_prompt_logprobs(chunks, out.prompt, self.tokenizer)
-            touched = self._accept(plan, spec.verify(out) if spec else sampled_rows(plan, pending.kind, out))
+            touched = accept_step(self, plan, spec.verify(out) if spec else sampled_rows(plan, pending.kind, out))
         except BaseException:
             self._inflight = None
             raise
@@ -269,8 +270,7 @@ class LLMEngine:
     def _launch(self) -> Launched | None:
         """Schedule a step and dispatch it to the device (None when there is nothing to run), with the
         prompt chunks whose prompt logprobs it computes and the drafts it verifies."""
-        plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted_ids)
+        plan = self._plan()
         if plan.is_empty:
             return None
         now = time.time()
@@ -307,6 +307,27 @@ class LLMEngine:
             next_ids = prompt_next_ids(chunks, inputs.token_ids.shape[0])
             return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
 
+    def _plan(self) -> SchedulerOutput:
+        """The next step's plan, with the images its prefill chunks reach encoded: a request whose image fails to
+        encode fails alone (`_fail_images`) and the step is planned again without it."""
+        while True:
+            plan = self.scheduler.schedule()
+            self.num_preemptions += len(plan.preempted_ids)
+            if self.images is None or not (failed := encode_step_images(plan.scheduled, self._seq_group)):
+                return plan
+            self._fail_images(failed)
+
+    def _fail_images(self, failed: dict[str, Exception]) -> None:
+        """Abort the requests whose images failed to encode; their errors wait for `take_failures`."""
+        for request_id, error in failed.items():
+            self.abort_request(request_id)
+            self.failures[request_id] = error
+
+    def take_failures(self) -> dict[str, Exception]:
+        """The requests that failed alone since the last call (aborted, no output of theirs follows), by id."""
+        failures, self.failures = self.failures, {}
+        return failures
+
     def _step_images(self, rows: list[ScheduledRequest], T: int):
         return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.hidden_size,
                            self.images.dtype, self.runner.cfg.image_spans)
@@ -329,53 +350,8 @@ class LLMEngine:
 
     # -- host side of a step -----------------------------------------------------------------------
 
-    def _accept(self, plan: SchedulerOutput, sampled: dict[str, StepOutput]) -> dict[str, RequestGroup]:
-        """A step's tokens into its requests and the scheduler (stops, lengths, finished requests, freed
-        pages); returns the requests that progressed. Text waits for `_emit`."""
-        now = time.time()
-        accepted: dict[str, list[int]] = {}
-        stopped: list[str] = []
-        touched: dict[str, RequestGroup] = {}
-        for s in plan.scheduled:
-            seq = self._seq.get(s.request_id)
-            request = self.scheduler.get_request(s.request_id)
-            if not s.sample or seq is None or request is None:
-                continue
-            out = sampled[s.request_id]
-            room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens)
-            toks: list[int] = []
-            for j in range(min(len(out.token_ids), room)):
-                toks.append(int(out.token_ids[j]))
-                if seq.accept(toks[-1], out, j, self.tokenizer):
-                    stopped.append(s.request_id)
-                    break
-            accepted[s.request_id] = toks
-            if self.trace is not None and toks:
-                self._trace(s.request_id, "L5", "tokens", step=self.runner.num_steps - 1, token_ids=toks)
-            group = self._seq_group[s.request_id]
-            if group.metrics.first_token_time is None and toks:
-                group.metrics.first_token_time = now
-            touched[group.request_id] = group
-        self.generation_tokens += sum(len(t) for t in accepted.values())
-        for request in self.scheduler.update_after_step(plan, accepted, stopped):
-            seq = self._seq[request.request_id]
-            group = self._seq_group[request.request_id]
-            if request.status is RequestStatus.FINISHED_LENGTH and seq.finish_reason is None:
-                seq.finish_reason = "length"
-            group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, request.num_cached_tokens)
-            self._forget(seq)
-        for group in touched.values():
-            for seq in group.seqs:
-                r = self.scheduler.get_request(seq.engine_id)
-                if r is not None:
-                    group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, r.num_cached_tokens)
-            if group.finished:
-                group.metrics.finished_time = now
-                self._groups.pop(group.request_id, None)
-        return touched
-
     def _emit(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
-        """Detokenize what `_accept` took and build the outputs of the requests that progressed."""
+        """Detokenize what `accept_step` took and build the outputs of the requests that progressed."""
         outputs = []
         for group in touched.values():
             for seq in group.seqs:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,12 @@ class ImagePrompt:
         if i not in self._embeds:
             self._embeds[i] = self.encode(self.images[i])
         return self._embeds[i]
+
+    def encode_range(self, start: int, count: int) -> None:
+        """Encode the images positions [start, start + count) reach (those not encoded yet)."""
+        for i, (first, n) in enumerate(self.spans):
+            if max(start, first) < min(start + count, first + n):
+                self.embeds(i)
 
     @property
     def whole_spans(self) -> tuple[tuple[int, int], ...]:
@@ -341,6 +347,21 @@ def images_of(multi_modal_data: Any) -> list[Any]:
         raise ValueError(f"multi_modal_data {other} is not supported: images only ('image')")
     images = multi_modal_data.get("image")
     return list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+
+
+def encode_step_images(rows: Sequence[Any], group_of: Mapping[str, Any]) -> dict[str, Exception]:
+    """Encode the images the rows' (`ScheduledRequest`s) prefill chunks reach, before their step is built: the
+    requests (group ids) whose image failed to encode, with the error, so that they alone fail."""
+    failed: dict[str, Exception] = {}
+    for s in rows:
+        group = group_of.get(s.request_id)
+        if group is None or group.images is None or s.is_decode:
+            continue
+        try:
+            group.images.encode_range(s.start_position, s.num_new_tokens)
+        except Exception as e:  # noqa: BLE001 - that request fails, the step goes on without it
+            failed[group.request_id] = e
+    return failed
 
 
 def step_embeds(rows: Sequence[Any], image_prompt: Callable[[str], ImagePrompt | None], num_tokens: int,

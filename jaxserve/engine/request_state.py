@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.speculative import DraftBackoff
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
 from jaxserve.sampling_params import SamplingParams
 
-__all__ = ["EngineStats", "RequestGroup", "SeqState"]
+__all__ = ["EngineStats", "RequestGroup", "SeqState", "accept_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -235,3 +237,49 @@ def _lora_stats(engine: Any) -> dict[str, Any]:
 
     return {"max_lora": len(loras.slots), "running_lora_adapters": names(engine.scheduler.running),
             "waiting_lora_adapters": names(engine.scheduler.waiting)}
+
+
+def accept_step(engine: Any, plan: Any, sampled: dict[str, Any]) -> dict[str, RequestGroup]:
+    """A step's tokens (`StepOutput`s by row) into an `LLMEngine`'s requests and its scheduler (stops, lengths,
+    finished requests, freed pages); returns the requests that progressed. Text waits for the engine's `_emit`."""
+    now = time.time()
+    accepted: dict[str, list[int]] = {}
+    stopped: list[str] = []
+    touched: dict[str, RequestGroup] = {}
+    for s in plan.scheduled:
+        seq = engine._seq.get(s.request_id)
+        request = engine.scheduler.get_request(s.request_id)
+        if not s.sample or seq is None or request is None:
+            continue
+        out = sampled[s.request_id]
+        room = min(request.max_tokens - request.num_output_tokens, engine.max_model_len - request.num_tokens)
+        toks: list[int] = []
+        for j in range(min(len(out.token_ids), room)):
+            toks.append(int(out.token_ids[j]))
+            if seq.accept(toks[-1], out, j, engine.tokenizer):
+                stopped.append(s.request_id)
+                break
+        accepted[s.request_id] = toks
+        if engine.trace is not None and toks:
+            engine._trace(s.request_id, "L5", "tokens", step=engine.runner.num_steps - 1, token_ids=toks)
+        group = engine._seq_group[s.request_id]
+        if group.metrics.first_token_time is None and toks:
+            group.metrics.first_token_time = now
+        touched[group.request_id] = group
+    engine.generation_tokens += sum(len(t) for t in accepted.values())
+    for request in engine.scheduler.update_after_step(plan, accepted, stopped):
+        seq = engine._seq[request.request_id]
+        group = engine._seq_group[request.request_id]
+        if request.status is RequestStatus.FINISHED_LENGTH and seq.finish_reason is None:
+            seq.finish_reason = "length"
+        group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, request.num_cached_tokens)
+        engine._forget(seq)
+    for group in touched.values():
+        for seq in group.seqs:
+            r = engine.scheduler.get_request(seq.engine_id)
+            if r is not None:
+                group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, r.num_cached_tokens)
+        if group.finished:
+            group.metrics.finished_time = now
+            engine._groups.pop(group.request_id, None)
+    return touched

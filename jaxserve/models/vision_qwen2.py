@@ -1,0 +1,405 @@
+"""The vision side of Qwen2-VL and Qwen2.5-VL (transformers' `Qwen2VisionTransformerPretrainedModel` and
+`Qwen2_5_VisionTransformerPretrainedModel`), as pure functions.
+
+An image comes as `t * h * w` flattened patches (`jaxserve.images_qwen2.QwenImageProcessor`), ordered so that each
+`merge x merge` square of neighbouring patches is consecutive. A matrix embeds each patch (the checkpoint's Conv3d,
+whose stride equals its kernel); pre-norm blocks follow, each rotating q and k by the patch's row and column (2D
+rotary embedding, the same frequencies for both halves) and letting a patch attend only to patches of its own
+frame, or, on Qwen2.5-VL's windowed layers (those not in `fullatt_block_indexes`), of its own window of
+`window_size` pixels. The merger then norms each patch, concatenates each group of `merge**2` and maps it through
+Linear-GELU-Linear to the language model's width: one embedding per image token.
+
+Compiled shapes stay bounded: the patches of one or more images are padded up to a bucket (64 patches times a power
+of two), and the images' structure travels as arrays, each patch's (row, column) and a segment id per attention
+kind, so every layer is a dense attention under the mask "same segment". transformers reorders the patches by
+window before its windowed layers and back after the merger; a mask over the processor's order gives the same
+result, since attention is equivariant to a permutation of its tokens and windows hold whole merge groups. Padding
+patches have segment -1: they attend to each other only and no real patch attends to them. The dense attention's
+memory grows as the bucket squared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.errors import UnsupportedModelError
+
+QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
+                             "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+# transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig defaults (Qwen2-VL's `hidden_size` is the merger's
+# output width; its blocks' width is `embed_dim`), then the top-level config's token ids.
+_DEFAULTS = {
+    "qwen2_vl": dict(depth=32, embed_dim=1280, hidden_size=3584, hidden_act="quick_gelu", mlp_ratio=4, num_heads=16,
+                     in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+    "qwen2_5_vl": dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_size=3420, num_heads=16,
+                       in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       out_hidden_size=3584, fullatt_block_indexes=(7, 15, 23, 31)),
+}
+_TOKENS = dict(image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653)
+_ACTS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x), "silu": jax.nn.silu,
+         "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+         "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+_PREFIXES = ("model.visual.", "visual.")  # transformers 5's model tree, the Hub's (and transformers 5's files)
+BUCKET_UNIT = 64  # patches: a bucket is this times a power of two
+
+
+@dataclass(frozen=True)
+class QwenVisionConfig:
+    """A Qwen2-VL or Qwen2.5-VL vision tower and merger, and the token ids that stand for an image in a prompt."""
+
+    variant: Literal["qwen2_vl", "qwen2_5_vl"]
+    depth: int
+    embed_dim: int  # the blocks' width
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int  # the merger's output: the language model's width
+    window_size: int | None  # Qwen2.5-VL's windows, in pixels
+    fullatt_block_indexes: tuple[int, ...]  # the layers attending over whole frames (every layer in Qwen2-VL)
+    image_token_id: int  # `<|image_pad|>`, one per merged patch
+    vision_start_token_id: int  # `<|vision_start|>`, before an image's pads
+    vision_end_token_id: int  # `<|vision_end|>`, after them
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6  # transformers fixes it for every norm of the tower and merger
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixels per flattened patch: channels x frames x rows x columns."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    @property
+    def window_merged(self) -> int:
+        """A window's side in merged patches (Qwen2.5-VL)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size if self.window_size else 0
+
+    @property
+    def full_layers(self) -> tuple[bool, ...]:
+        return tuple(i in self.fullatt_block_indexes for i in range(self.depth))
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> QwenVisionConfig | None:
+        """The vision side of a whole HF `config.json` (None when it is not Qwen2-VL or Qwen2.5-VL); transformers'
+        defaults for what it leaves out; refuses what is not implemented, by name."""
+        archs = d.get("architectures") or []
+        variant = next((QWEN_VISION_ARCHITECTURES[a] for a in archs if a in QWEN_VISION_ARCHITECTURES), None)
+        if variant is None:
+            return None
+        given = {k: x for k, x in (d.get("vision_config") or {}).items() if x is not None}
+        v = {**_DEFAULTS[variant], **given}
+        qwen2 = variant == "qwen2_vl"
+        sizes = {}
+        for name in ("patch_size", "temporal_patch_size"):
+            x = v[name]
+            if isinstance(x, (list, tuple)):
+                if len(set(x)) != 1:
+                    raise UnsupportedModelError(f"vision_config {name} {list(x)}: only square patches are supported")
+                x = x[0]
+            sizes[name] = int(x)
+        embed = int(v["embed_dim"] if qwen2 else v["hidden_size"])
+        heads = int(v["num_heads"])
+        if embed % heads or (embed // heads) % 4:
+            raise UnsupportedModelError(f"vision width {embed} over {heads} heads: the 2D rotary embedding needs a "
+                                        "head size divisible by 4")
+        if v.get("head_dim") not in (None, embed // heads):
+            raise UnsupportedModelError(f"vision_config head_dim {v['head_dim']} differs from width / heads")
+        if v["hidden_act"] not in _ACTS:
+            raise UnsupportedModelError(f"vision hidden_act {v['hidden_act']!r} is not supported "
+                                        f"(supported: {', '.join(_ACTS)})")
+        rope = v.get("rope_parameters") or {}
+        if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
+            raise UnsupportedModelError(f"vision rope_type {rope.get('rope_type')!r}: only the axial 2D rotary "
+                                        "embedding is supported")
+        depth = int(v["depth"])
+        out = int(v["hidden_size"] if qwen2 else v["out_hidden_size"])
+        text_hidden = (d.get("text_config") or {}).get("hidden_size", d.get("hidden_size"))
+        if text_hidden is not None and int(text_hidden) != out:
+            raise UnsupportedModelError(f"the vision merger's output width {out} differs from the language model's "
+                                        f"hidden_size {text_hidden}")
+        window = None if qwen2 else int(v["window_size"])
+        merge = int(v["spatial_merge_size"])
+        if window is not None and window // merge // sizes["patch_size"] < 1:
+            raise UnsupportedModelError(f"vision window_size {window} is smaller than one merged patch "
+                                        f"({merge} x {sizes['patch_size']} pixels)")
+        return cls(
+            variant=variant, depth=depth, embed_dim=embed, num_heads=heads,
+            intermediate_size=int(embed * v["mlp_ratio"]) if qwen2 else int(v["intermediate_size"]),
+            hidden_act=v["hidden_act"], spatial_merge_size=merge, in_channels=int(v["in_channels"]),
+            out_hidden_size=out, window_size=window,
+            fullatt_block_indexes=tuple(range(depth)) if qwen2 else tuple(int(i) for i in v["fullatt_block_indexes"]),
+            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+            **sizes, **{k: int(d.get(k, default)) for k, default in _TOKENS.items()})
+
+
+def qwen_token_grid(grid: tuple[int, int, int], cfg: QwenVisionConfig) -> tuple[int, int, int]:
+    """An image's (t, h, w) patch grid as the language model sees it: (t, h / merge, w / merge) tokens."""
+    t, h, w = grid
+    return t, h // cfg.spatial_merge_size, w // cfg.spatial_merge_size
+
+
+def qwen_tokens(grid: tuple[int, int, int], cfg: QwenVisionConfig) -> int:
+    """How many `<|image_pad|>` tokens (and embeddings) an image of this patch grid has."""
+    t, h, w = qwen_token_grid(grid, cfg)
+    return t * h * w
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QwenVisionParams:
+    """The tower's and merger's weights, matrices stored [in, out]; the blocks' stacked on a leading axis."""
+
+    patch: jax.Array  # [C * T * P * P, E]: the patch embedding over (channel, frame, row, column)
+    layers: dict[str, jax.Array]  # each [L, ...]: see `_layer_tensors`
+    merger: dict[str, jax.Array]  # see `_merger_tensors`
+
+
+def _layer_tensors(cfg: QwenVisionConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The one declaration of a block's tensors: HF name (under `blocks.N.`) -> (our key, HF shape)."""
+    E, inner = cfg.embed_dim, cfg.intermediate_size
+    names = {"norm1.weight": ("norm1", (E,)), "norm2.weight": ("norm2", (E,)),
+             "attn.qkv.weight": ("wqkv", (3 * E, E)), "attn.qkv.bias": ("bqkv", (3 * E,)),
+             "attn.proj.weight": ("wo", (E, E)), "attn.proj.bias": ("bo", (E,))}
+    if cfg.variant == "qwen2_vl":  # LayerNorm and a two-matrix MLP
+        return {**names, "norm1.bias": ("norm1_b", (E,)), "norm2.bias": ("norm2_b", (E,)),
+                "mlp.fc1.weight": ("fc1", (inner, E)), "mlp.fc1.bias": ("fc1_b", (inner,)),
+                "mlp.fc2.weight": ("fc2", (E, inner)), "mlp.fc2.bias": ("fc2_b", (E,))}
+    return {**names, "mlp.gate_proj.weight": ("gate", (inner, E)), "mlp.gate_proj.bias": ("gate_b", (inner,)),
+            "mlp.up_proj.weight": ("up", (inner, E)), "mlp.up_proj.bias": ("up_b", (inner,)),
+            "mlp.down_proj.weight": ("down", (E, inner)), "mlp.down_proj.bias": ("down_b", (E,))}
+
+
+def _merger_tensors(cfg: QwenVisionConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The merger's tensors: HF name (under `merger.`) -> (our key, HF shape)."""
+    E, wide = cfg.embed_dim, cfg.embed_dim * cfg.merge_unit
+    names = {"ln_q.weight": ("norm", (E,)), "mlp.0.weight": ("w1", (wide, wide)), "mlp.0.bias": ("b1", (wide,)),
+             "mlp.2.weight": ("w2", (cfg.out_hidden_size, wide)), "mlp.2.bias": ("b2", (cfg.out_hidden_size,))}
+    return {**names, "ln_q.bias": ("norm_b", (E,))} if cfg.variant == "qwen2_vl" else names
+
+
+def _patch_shape(cfg: QwenVisionConfig) -> tuple[int, ...]:
+    return (cfg.embed_dim, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+
+
+def is_qwen_vision_tensor(name: str) -> bool:
+    """Whether an HF tensor belongs to the Qwen2-VL / Qwen2.5-VL vision tower or merger."""
+    return name.startswith(_PREFIXES)
+
+
+def load_qwen_vision_params(cfg: QwenVisionConfig, tensors: Iterable[tuple[str, np.ndarray]],
+                            dtype: Any) -> QwenVisionParams:
+    """The vision weights from (HF name, array) pairs under `visual.` or `model.visual.` (others are skipped),
+    converted to `dtype`; refuses a missing, duplicate, unknown or misshapen tensor by its name."""
+    layer_names, merger_names = _layer_tensors(cfg), _merger_tensors(cfg)
+    found: dict[str, np.ndarray] = {}
+    for name, array in tensors:
+        prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            continue
+        rest = name[len(prefix):]
+        if rest in found:
+            raise UnsupportedModelError(f"vision tensor {rest!r} appears twice in the checkpoint")
+        found[rest] = np.asarray(array)
+    expected = {"patch_embed.proj.weight": _patch_shape(cfg)}
+    expected |= {f"blocks.{i}.{n}": shape for i in range(cfg.depth) for n, (_, shape) in layer_names.items()}
+    expected |= {f"merger.{n}": shape for n, (_, shape) in merger_names.items()}
+    missing = [n for n in expected if n not in found]
+    if missing:
+        raise UnsupportedModelError(f"the checkpoint lacks vision tensors: visual.{', visual.'.join(missing[:6])}"
+                                    + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
+    unknown = sorted(set(found) - set(expected))
+    if unknown:
+        raise UnsupportedModelError(f"unexpected vision tensors: visual.{', visual.'.join(unknown[:6])}")
+    for n, shape in expected.items():
+        if found[n].shape != shape:
+            raise UnsupportedModelError(f"vision tensor visual.{n} has shape {found[n].shape}, the config says {shape}")
+
+    layers = {key: np.stack([found[f"blocks.{i}.{n}"] for i in range(cfg.depth)])
+              for n, (key, _) in layer_names.items()}
+    merger = {key: found[f"merger.{n}"] for n, (key, _) in merger_names.items()}
+    return QwenVisionParams(
+        patch=jnp.asarray(found["patch_embed.proj.weight"].astype(np.float32).reshape(cfg.embed_dim, -1).T, dtype),
+        layers={k: jnp.asarray(np.swapaxes(a, -1, -2) if a.ndim == 3 else a, dtype) for k, a in layers.items()},
+        merger={k: jnp.asarray(a.T if a.ndim == 2 else a, dtype) for k, a in merger.items()})
+
+
+def qwen_vision_tensors(params: QwenVisionParams, cfg: QwenVisionConfig,
+                        prefix: str = "model.visual.") -> Iterator[tuple[str, np.ndarray]]:
+    """The weights back under HF names (`prefix` then transformers' names), float32, for a checkpoint writer."""
+    host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    yield prefix + "patch_embed.proj.weight", host(params.patch).T.reshape(_patch_shape(cfg))
+    for n, (key, _) in _layer_tensors(cfg).items():
+        stacked = host(params.layers[key])
+        for i in range(cfg.depth):
+            yield f"{prefix}blocks.{i}.{n}", stacked[i].T if stacked.ndim == 3 else stacked[i]
+    for n, (key, _) in _merger_tensors(cfg).items():
+        a = host(params.merger[key])
+        yield f"{prefix}merger.{n}", a.T if a.ndim == 2 else a
+
+
+def random_qwen_vision_params(cfg: QwenVisionConfig, dtype: Any, seed: int = 0) -> QwenVisionParams:
+    """Random weights of the config's shapes (`--load-format dummy`): norms 1, the rest N(0, 0.02^2)."""
+    rng = np.random.default_rng(seed)
+
+    def make(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if "norm" in name or "ln_q" in name:
+            return np.ones(shape, np.float32) if name.endswith("weight") else np.zeros(shape, np.float32)
+        return rng.normal(0.0, 0.02, shape).astype(np.float32)
+
+    named = [("patch_embed.proj.weight", make("patch", _patch_shape(cfg)))]
+    named += [(f"blocks.{i}.{n}", make(n, shape)) for i in range(cfg.depth) for n, (_, shape) in
+              _layer_tensors(cfg).items()]
+    named += [(f"merger.{n}", make(n, shape)) for n, (_, shape) in _merger_tensors(cfg).items()]
+    return load_qwen_vision_params(cfg, (("visual." + n, a) for n, a in named), dtype)
+
+
+def _norm(cfg: QwenVisionConfig, x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    """Qwen2-VL's LayerNorm (with `b`) or Qwen2.5-VL's RMSNorm, in float32."""
+    xf = x.astype(jnp.float32)
+    if cfg.variant == "qwen2_vl":
+        xf = xf - xf.mean(-1, keepdims=True)
+        return (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + cfg.norm_eps) * w.astype(jnp.float32)
+                + b.astype(jnp.float32)).astype(x.dtype)
+    return w * (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + cfg.norm_eps)).astype(x.dtype)
+
+
+def _rotary(cfg: QwenVisionConfig, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [N, D] (float32) of patches at pos [N, 2] (row, column): D / 4 frequencies, turned by the row in
+    the first quarter and by the column in the second, the half repeated over the head's other half."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, half, 2, dtype=jnp.float32) / half)  # [D / 4]
+    angles = (pos[:, :, None].astype(jnp.float32) * inv_freq).reshape(pos.shape[0], half)  # [N, D / 2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [N, H, D] rotated (in float32) by cos, sin [N, D]: each dimension paired with the one half a head away."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    turned = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos[:, None] + turned * sin[:, None]).astype(x.dtype)
+
+
+def _block(cfg: QwenVisionConfig, x: jax.Array, lp: dict[str, jax.Array], rope: tuple[jax.Array, jax.Array],
+           allowed: jax.Array) -> jax.Array:
+    """One pre-norm block over the patches x [N, E]; patch q attends to patch k where allowed[q, k]."""
+    N, E = x.shape
+    H = cfg.num_heads
+    with jax.named_scope("qwen_vision_attention"):
+        h = _norm(cfg, x, lp["norm1"], lp.get("norm1_b"))
+        qkv = (h @ lp["wqkv"] + lp["bqkv"]).reshape(N, 3, H, cfg.head_dim)  # q, k, v: [N, H, D] each
+        q, k, v = _rotate(qkv[:, 0], *rope), _rotate(qkv[:, 1], *rope), qkv[:, 2]
+        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
+        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)  # [H, N, N]
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        x = x + jnp.einsum("hqk,khd->qhd", probs, v).reshape(N, E) @ lp["wo"] + lp["bo"]
+    with jax.named_scope("qwen_vision_mlp"):
+        h = _norm(cfg, x, lp["norm2"], lp.get("norm2_b"))
+        act = _ACTS[cfg.hidden_act]
+        if cfg.variant == "qwen2_vl":
+            return x + act(h @ lp["fc1"] + lp["fc1_b"]) @ lp["fc2"] + lp["fc2_b"]
+        return x + (act(h @ lp["gate"] + lp["gate_b"]) * (h @ lp["up"] + lp["up_b"])) @ lp["down"] + lp["down_b"]
+
+
+def _encode_padded(params: QwenVisionParams, cfg: QwenVisionConfig, patches: jax.Array, pos: jax.Array,
+                   frames: jax.Array, windows: jax.Array) -> jax.Array:
+    """A bucket of patches [B, C * T * P * P] with their (row, column) pos [B, 2] and segment ids (frames [B] for
+    full attention, windows [B] for windowed; -1 for padding) as embeddings [B / merge**2, out_hidden_size]."""
+    B = patches.shape[0]
+    x = patches.astype(params.patch.dtype) @ params.patch  # [B, E]
+    rope = _rotary(cfg, pos)
+    same_frame = frames[:, None] == frames[None, :]  # [B, B]
+    same_window = windows[:, None] == windows[None, :]
+
+    def step(x, layer):
+        lp, full = layer
+        return _block(cfg, x, lp, rope, jnp.where(full, same_frame, same_window)), None
+
+    with jax.named_scope("qwen_vision_blocks"):
+        x, _ = jax.lax.scan(step, x, (params.layers, jnp.asarray(cfg.full_layers)))
+    with jax.named_scope("qwen_vision_merger"):
+        m = params.merger
+        h = _norm(cfg, x, m["norm"], m.get("norm_b")).reshape(B // cfg.merge_unit, -1)  # [B / merge**2, merge**2 E]
+        return jax.nn.gelu(h @ m["w1"] + m["b1"], approximate=False) @ m["w2"] + m["b2"]
+
+
+_encode_jit = jax.jit(_encode_padded, static_argnums=1)
+
+
+def qwen_bucket(num_patches: int) -> int:
+    """The padded patch count a call compiles for: 64 patches times the least power of two that holds them."""
+    units = -(-max(num_patches, 1) // BUCKET_UNIT)
+    return BUCKET_UNIT * (1 << (units - 1).bit_length())
+
+
+def qwen_layout(cfg: QwenVisionConfig, grids: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, ...]:
+    """Each patch's (row, column) [N, 2], frame id [N] and window id [N] (ids unique across all the images), for
+    patches in the processor's order: frame by frame, merge groups row by row, each group's patches row by row."""
+    m, W = cfg.spatial_merge_size, cfg.window_merged
+    pos, frames, windows = [], [], []
+    next_frame = next_window = 0
+    for t, h, w in grids:
+        if h % m or w % m or t < 1:
+            raise ValueError(f"a patch grid {(t, h, w)} must have rows and columns divisible by the merge size {m}")
+        rc = np.stack(np.meshgrid(np.arange(h), np.arange(w), indexing="ij"), -1)  # [h, w, 2]
+        rc = rc.reshape(h // m, m, w // m, m, 2).transpose(0, 2, 1, 3, 4).reshape(h * w, 2)
+        r, c = rc[:, 0], rc[:, 1]
+        pos.append(np.tile(rc, (t, 1)))
+        frames.append(next_frame + np.repeat(np.arange(t), h * w))
+        if W:  # Qwen2.5-VL: windows of W x W merged patches, the last row and column of them cut short
+            across = -(-(w // m) // W)
+            per_frame = -(-(h // m) // W) * across
+            window = (r // m // W) * across + (c // m // W)
+            windows.append(next_window + (np.arange(t) * per_frame)[:, None] + window[None, :])
+            next_window += t * per_frame
+        next_frame += t
+    frames = np.concatenate(frames).astype(np.int32)
+    windows = np.concatenate([a.reshape(-1) for a in windows]).astype(np.int32) if windows else frames
+    return np.concatenate(pos).astype(np.int32), frames, windows
+
+
+def qwen_encode_many(params: QwenVisionParams, cfg: QwenVisionConfig,
+                     images: Sequence[tuple[np.ndarray, tuple[int, int, int]]]) -> list[np.ndarray]:
+    """Several images' patches [t * h * w, C * T * P * P] with their grids (t, h, w), encoded in one call (one
+    bucket holding them all): each image's embeddings [qwen_tokens(grid), out_hidden_size], in the params' dtype."""
+    if not images:
+        raise ValueError("no images to encode")
+    grids = [tuple(int(n) for n in grid) for _, grid in images]
+    for (patches, _), (t, h, w) in zip(images, grids, strict=True):
+        if patches.shape != (t * h * w, cfg.patch_dim):
+            raise ValueError(f"patches of shape {patches.shape} for grid {(t, h, w)}: expected "
+                             f"{(t * h * w, cfg.patch_dim)}")
+    pos, frames, windows = qwen_layout(cfg, grids)
+    n = pos.shape[0]
+    bucket = qwen_bucket(n)
+    pad = bucket - n
+    flat = np.concatenate([np.asarray(p, np.float32) for p, _ in images])
+    out = _encode_jit(params, cfg, np.pad(flat, ((0, pad), (0, 0))), np.pad(pos, ((0, pad), (0, 0))),
+                      np.pad(frames, (0, pad), constant_values=-1), np.pad(windows, (0, pad), constant_values=-1))
+    out = np.asarray(out)
+    ends = np.cumsum([qwen_tokens(g, cfg) for g in grids])
+    return np.split(out[:ends[-1]], ends[:-1])
+
+
+def qwen_encode(params: QwenVisionParams, cfg: QwenVisionConfig, patches: np.ndarray,
+                grid: tuple[int, int, int]) -> np.ndarray:
+    """One image's patches [t * h * w, C * T * P * P] (`QwenImageProcessor`'s) as language-model embeddings
+    [t * h * w / merge**2, out_hidden_size], in the params' dtype."""
+    return qwen_encode_many(params, cfg, [(patches, grid)])[0]
