@@ -102,8 +102,7 @@ class QwenVisionConfig:
         variant = next((QWEN_VISION_ARCHITECTURES[a] for a in archs if a in QWEN_VISION_ARCHITECTURES), None)
         if variant is None:
             return None
-        given = {k: x for k, x in (d.get("vision_config") or {}).items() if x is not None}
-        v = {**_DEFAULTS[variant], **given}
+        v = {**_DEFAULTS[variant], **{k: x for k, x in (d.get("vision_config") or {}).items() if x is not None}}
         qwen2 = variant == "qwen2_vl"
         sizes = {}
         for name in ("patch_size", "temporal_patch_size"):
@@ -127,14 +126,12 @@ class QwenVisionConfig:
         if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
             raise UnsupportedModelError(f"vision rope_type {rope.get('rope_type')!r}: only the axial 2D rotary "
                                         "embedding is supported")
-        depth = int(v["depth"])
-        out = int(v["hidden_size"] if qwen2 else v["out_hidden_size"])
+        depth, out = int(v["depth"]), int(v["hidden_size"] if qwen2 else v["out_hidden_size"])
         text_hidden = (d.get("text_config") or {}).get("hidden_size", d.get("hidden_size"))
         if text_hidden is not None and int(text_hidden) != out:
             raise UnsupportedModelError(f"the vision merger's output width {out} differs from the language model's "
                                         f"hidden_size {text_hidden}")
-        window = None if qwen2 else int(v["window_size"])
-        merge = int(v["spatial_merge_size"])
+        window, merge = None if qwen2 else int(v["window_size"]), int(v["spatial_merge_size"])
         if window is not None and window // merge // sizes["patch_size"] < 1:
             raise UnsupportedModelError(f"vision window_size {window} is smaller than one merged patch "
                                         f"({merge} x {sizes['patch_size']} pixels)")
@@ -230,13 +227,14 @@ def load_qwen_vision_params(cfg: QwenVisionConfig, tensors: Iterable[tuple[str, 
         if found[n].shape != shape:
             raise UnsupportedModelError(f"vision tensor visual.{n} has shape {found[n].shape}, the config says {shape}")
 
-    layers = {key: np.stack([found[f"blocks.{i}.{n}"] for i in range(cfg.depth)])
-              for n, (key, _) in layer_names.items()}
-    merger = {key: found[f"merger.{n}"] for n, (key, _) in merger_names.items()}
+    def stored(a: np.ndarray, shape: tuple[int, ...]) -> jax.Array:  # an HF matrix [out, in] is stored [in, out]
+        return jnp.asarray(np.swapaxes(a, -1, -2) if len(shape) == 2 else a, dtype)
+
     return QwenVisionParams(
         patch=jnp.asarray(found["patch_embed.proj.weight"].astype(np.float32).reshape(cfg.embed_dim, -1).T, dtype),
-        layers={k: jnp.asarray(np.swapaxes(a, -1, -2) if a.ndim == 3 else a, dtype) for k, a in layers.items()},
-        merger={k: jnp.asarray(a.T if a.ndim == 2 else a, dtype) for k, a in merger.items()})
+        layers={key: stored(np.stack([found[f"blocks.{i}.{n}"] for i in range(cfg.depth)]), shape)
+                for n, (key, shape) in layer_names.items()},
+        merger={key: stored(found[f"merger.{n}"], shape) for n, (key, shape) in merger_names.items()})
 
 
 def qwen_vision_tensors(params: QwenVisionParams, cfg: QwenVisionConfig,
@@ -244,13 +242,12 @@ def qwen_vision_tensors(params: QwenVisionParams, cfg: QwenVisionConfig,
     """The weights back under HF names (`prefix` then transformers' names), float32, for a checkpoint writer."""
     host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
     yield prefix + "patch_embed.proj.weight", host(params.patch).T.reshape(_patch_shape(cfg))
-    for n, (key, _) in _layer_tensors(cfg).items():
+    for n, (key, shape) in _layer_tensors(cfg).items():
         stacked = host(params.layers[key])
         for i in range(cfg.depth):
-            yield f"{prefix}blocks.{i}.{n}", stacked[i].T if stacked.ndim == 3 else stacked[i]
-    for n, (key, _) in _merger_tensors(cfg).items():
-        a = host(params.merger[key])
-        yield f"{prefix}merger.{n}", a.T if a.ndim == 2 else a
+            yield f"{prefix}blocks.{i}.{n}", stacked[i].T if len(shape) == 2 else stacked[i]
+    for n, (key, shape) in _merger_tensors(cfg).items():
+        yield f"{prefix}merger.{n}", host(params.merger[key]).T if len(shape) == 2 else host(params.merger[key])
 
 
 def random_qwen_vision_params(cfg: QwenVisionConfig, dtype: Any, seed: int = 0) -> QwenVisionParams:
@@ -258,8 +255,8 @@ def random_qwen_vision_params(cfg: QwenVisionConfig, dtype: Any, seed: int = 0) 
     rng = np.random.default_rng(seed)
 
     def make(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if "norm" in name or "ln_q" in name:
-            return np.ones(shape, np.float32) if name.endswith("weight") else np.zeros(shape, np.float32)
+        if "norm" in name or "ln_q" in name:  # weights 1, biases 0
+            return np.full(shape, float(name.endswith("weight")), np.float32)
         return rng.normal(0.0, 0.02, shape).astype(np.float32)
 
     named = [("patch_embed.proj.weight", make("patch", _patch_shape(cfg)))]
@@ -387,9 +384,7 @@ def qwen_encode_many(params: QwenVisionParams, cfg: QwenVisionConfig,
             raise ValueError(f"patches of shape {patches.shape} for grid {(t, h, w)}: expected "
                              f"{(t * h * w, cfg.patch_dim)}")
     pos, frames, windows = qwen_layout(cfg, grids)
-    n = pos.shape[0]
-    bucket = qwen_bucket(n)
-    pad = bucket - n
+    pad = qwen_bucket(pos.shape[0]) - pos.shape[0]
     flat = np.concatenate([np.asarray(p, np.float32) for p, _ in images])
     out = _encode_jit(params, cfg, np.pad(flat, ((0, pad), (0, 0))), np.pad(pos, ((0, pad), (0, 0))),
                       np.pad(frames, (0, pad), constant_values=-1), np.pad(windows, (0, pad), constant_values=-1))

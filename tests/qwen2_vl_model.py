@@ -1,0 +1,47 @@
+"""Tiny random Qwen2-VL and Qwen2.5-VL models saved as HF directories, for the vision tests: weights (every one
+random), config.json and the image processor's preprocessor_config.json.
+
+Patches are 4 pixels and merge 2 x 2, so a resized image's sides are multiples of 8 pixels; the processor keeps
+images between 256 and 4096 pixels (16 to 256 patches). Qwen2.5-VL's windows are 16 pixels (2 x 2 merged patches),
+several to an image, with block 1 of its 3 attending over the whole image."""
+
+from __future__ import annotations
+
+import json
+import os
+
+IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 290, 291, 292, 293
+VOCAB = 300
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+VISION = {
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                     temporal_patch_size=2, spatial_merge_size=2),
+    "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=4,
+                       temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1]),
+}
+PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", min_pixels=256, max_pixels=4096, patch_size=4,
+                 temporal_patch_size=2, merge_size=2, resample=3)
+
+
+def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
+    """A random Qwen2-VL (or Qwen2.5-VL) model saved to `path` with its processor config; returns the float32
+    torch model holding the saved weights."""
+    import torch
+    import transformers
+
+    from tests.llava_model import randomize
+
+    torch.manual_seed(seed)
+    qwen2 = variant == "qwen2_vl"
+    config = (transformers.Qwen2VLConfig if qwen2 else transformers.Qwen2_5_VLConfig)(
+        text_config=TEXT, vision_config=VISION[variant], image_token_id=IMAGE_TOKEN,
+        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VIDEO_TOKEN)
+    model = (transformers.Qwen2VLForConditionalGeneration if qwen2
+             else transformers.Qwen2_5_VLForConditionalGeneration)(config).eval()
+    randomize(model)
+    model.save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(PROCESSOR, f)
+    return model
