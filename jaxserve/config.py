@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jaxserve.config_fields import gemma_fields, granite_fields, int_if_whole
+from jaxserve.config_fields import gemma_fields, granite_fields, int_if_whole, is_qwen_vl, qwen_vl_text
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
@@ -99,6 +99,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     # Per-layer `k_scale` / `v_scale` tensors for a float8 KV cache (a compressed-tensors `kv_cache_scheme`).
     kv_cache_scales: bool = False
+    mrope_section: tuple[int, ...] | None = None
+    """Multimodal rotary embedding (Qwen2-VL): the rotary pairs, in order, turned by each token's temporal, height
+    and width position (`ModelInputs.rope_offsets`); None: by its position alone."""
 
     @property
     def rotary_dims(self) -> int:
@@ -202,6 +205,8 @@ class ModelConfig:
             text = d.get("text_config") or {}
             d = {**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,
                  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+        if is_qwen_vl(d):
+            d = qwen_vl_text(d)
         archs = d.get("architectures") or []
         family: Family | None = None
         for arch in archs:
@@ -297,6 +302,7 @@ class ModelConfig:
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
+            mrope_section=tuple(d["mrope_section"]) if d.get("mrope_section") else None,
             **moe,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma | (granite_fields(d) if family in GRANITE_FAMILIES
                                                                        else {})),

@@ -45,3 +45,35 @@ def granite_fields(d: dict[str, Any]) -> dict[str, Any]:
         if not value > 0:
             raise UnsupportedModelError(f"granite {key} must be positive, got {value}")
     return fields
+
+
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def is_qwen_vl(d: dict[str, Any]) -> bool:
+    return bool(set(QWEN_VL_ARCHITECTURES) & set(d.get("architectures") or [])) \
+        or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl")
+
+
+def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, with its multimodal rotary sections
+    (`mrope_section`: how many rotary pairs turn by each token's temporal, height and width position). transformers
+    5 nests it in `text_config` (M-RoPE in `rope_parameters`); the published checkpoints keep it at the top (in
+    `rope_scaling`, type "mrope")."""
+    outer = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
+    text = {**outer, **(d.get("text_config") or {})}
+    if "tie_word_embeddings" in d:
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
+    if rope.get("mrope_interleaved"):
+        raise UnsupportedModelError("interleaved multimodal rotary sections (mrope_interleaved) are not supported")
+    section = rope.pop("mrope_section", None) or [16, 24, 24]  # transformers' default
+    if rope.pop("type", None) == "mrope" or rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if sum(section) != head_dim // 2:
+        raise UnsupportedModelError(f"mrope_section {section} must split the {head_dim // 2} rotary pairs of a head")
+    if "rope_theta" in rope:
+        text["rope_theta"] = rope.pop("rope_theta")
+    return {**text, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_scaling": rope or None,
+            "rope_parameters": None, "mrope_section": [int(n) for n in section]}

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
+from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
 from jaxserve.engine.model_loading import (
@@ -27,7 +28,7 @@ from jaxserve.engine.model_loading import (
     params_bytes,
     resolve_attention_backend,
 )
-from jaxserve.engine.multimodal import admit_images, encode_step_images, request_fields, step_embeds
+from jaxserve.engine.multimodal import admit_images, request_fields
 from jaxserve.engine.request import Request
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, accept_step, engine_stats
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, default_layer_loop
@@ -112,7 +113,8 @@ class LLMEngine:
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
                          lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
                          long_rope=self.long_rope_context is not None, images=self.model.vision is not None,
-                         image_spans=self.model.vision is not None and self.model.vision.cfg.bidirectional),
+                         image_spans=self.model.vision is not None and self.model.vision.cfg.bidirectional,
+                         mrope=self.model.vision is not None and cfg.mrope_section is not None),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -296,11 +298,12 @@ class LLMEngine:
                 one = spec is not None or any(q.stepwise for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
-                                  lora_slots=loras, long_prompts=longs)
+                                  lora_slots=loras, long_prompts=longs, rope_deltas=self._rope_deltas(rows))
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
             inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs,
-                                     self._step_images if self.images else None)
+                                     self._step_images if self.images else None,
+                                     self._step_rope if self.runner.cfg.mrope else None)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])
@@ -331,6 +334,14 @@ class LLMEngine:
     def _step_images(self, rows: list[ScheduledRequest], T: int):
         return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.hidden_size,
                            self.images.dtype, self.runner.cfg.image_spans)
+
+    def _step_rope(self, rows: list[ScheduledRequest], T: int):
+        return step_rope_offsets(rows, lambda rid: self._seq_group[rid].images, T)
+
+    def _rope_deltas(self, rows: list[ScheduledRequest]) -> list[int] | None:
+        if not self.runner.cfg.mrope:
+            return None
+        return [0 if (p := self._seq_group[s.request_id].images) is None else p.rope_delta for s in rows]
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
         """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add."""

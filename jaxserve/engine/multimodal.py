@@ -1,5 +1,6 @@
-"""Images in an engine's requests: placeholders expanded, images encoded once at admission, their embeddings fed
-to the decoder in place of the placeholder tokens' embeddings, step by step as the prompt's chunks run.
+"""Images in an engine's requests: placeholders expanded, images read and processed at admission and encoded when a
+step first reaches them (`image_prompt`), their embeddings fed to the decoder in place of the placeholder tokens'
+embeddings, step by step as the prompt's chunks run.
 
 The prefix cache and the router's KV events key pages by token ids, and every placeholder of every image has the
 same id: there an image's tokens are keyed instead by an id made from a hash of its processed pixels (negative, so
@@ -16,8 +17,8 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -25,59 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.embedding_cache import EmbeddingCache
+from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.placeholders import expand_placeholders
 from jaxserve.images import ImageError, ImageProcessor, load_image, pixels_digest
 from jaxserve.models.vision import VisionConfig, VisionParams, anyres_tokens, encode_images, pack_anyres
-
-
-@dataclass
-class ImagePrompt:
-    """A prompt's images: where each one's tokens sit, what the decoder takes there, and its cache id.
-
-    An image is encoded when a step first computes some of its tokens (`embeds`): one whose pages the prefix cache
-    (or a KV transfer) holds is never encoded."""
-
-    spans: list[tuple[int, int]]  # (first position, number of tokens), in prompt order
-    keys: list[int]  # each image's negative id in the prefix cache
-    bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
-    images: Sequence[Any] = ()  # each image, as `encode` takes it
-    encode: Callable[[Any], np.ndarray] | None = None  # an image's embeddings [tokens, E], in the model's dtype
-    _embeds: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
-
-    def embeds(self, i: int) -> np.ndarray:
-        """Image i's embeddings, encoded on first use."""
-        if i not in self._embeds:
-            self._embeds[i] = self.encode(self.images[i])
-        return self._embeds[i]
-
-    def encode_range(self, start: int, count: int) -> None:
-        """Encode the images positions [start, start + count) reach (those not encoded yet)."""
-        for i, (first, n) in enumerate(self.spans):
-            if max(start, first) < min(start + count, first + n):
-                self.embeds(i)
-
-    @property
-    def whole_spans(self) -> tuple[tuple[int, int], ...]:
-        """The positions [start, end) a prefill chunk must hold whole: each image's, when attended both ways."""
-        return tuple((first, first + n) for first, n in self.spans) if self.bidirectional else ()
-
-    def cache_ids(self, ids: Sequence[int]) -> list[int]:
-        """The prompt as the prefix cache keys it: each image's tokens as that image's id."""
-        out = list(ids)
-        for (start, n), key in zip(self.spans, self.keys, strict=True):
-            out[start:start + n] = [key] * n
-        return out
-
-    def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int, last: np.ndarray) -> None:
-        """The embeddings of positions [start, start + count) that are image tokens, into `out` rows from t0, and
-        when attended both ways, each one's last visible key (its image's last position) into `last`."""
-        for i, (first, n) in enumerate(self.spans):
-            lo, hi = max(start, first), min(start + count, first + n)
-            if lo < hi:
-                out[t0 + lo - start:t0 + hi - start] = self.embeds(i)[lo - first:hi - first]
-                mask[t0 + lo - start:t0 + hi - start] = True
-                if self.bidirectional:
-                    last[t0 + lo - start:t0 + hi - start] = first + n - 1
 
 
 @dataclass(frozen=True)
@@ -347,38 +299,3 @@ def images_of(multi_modal_data: Any) -> list[Any]:
         raise ValueError(f"multi_modal_data {other} is not supported: images only ('image')")
     images = multi_modal_data.get("image")
     return list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
-
-
-def encode_step_images(rows: Sequence[Any], group_of: Mapping[str, Any]) -> dict[str, Exception]:
-    """Encode the images the rows' (`ScheduledRequest`s) prefill chunks reach, before their step is built: the
-    requests (group ids) whose image failed to encode, with the error, so that they alone fail."""
-    failed: dict[str, Exception] = {}
-    for s in rows:
-        group = group_of.get(s.request_id)
-        if group is None or group.images is None or s.is_decode:
-            continue
-        try:
-            group.images.encode_range(s.start_position, s.num_new_tokens)
-        except Exception as e:  # noqa: BLE001 - that request fails, the step goes on without it
-            failed[group.request_id] = e
-    return failed
-
-
-def step_embeds(rows: Sequence[Any], image_prompt: Callable[[str], ImagePrompt | None], num_tokens: int,
-                hidden: int, dtype: Any, spans: bool = False) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
-    """The image embeddings of a mixed step's packed tokens ([T, E]), which tokens take them ([T] bool) and, with
-    `spans` (images attended both ways), each token's last visible key ([T] int32, 0 for a causal token), for rows
-    (`ScheduledRequest`s) in packing order; None when no row has an image token."""
-    out = mask = last = None
-    t0 = 0
-    for s in rows:
-        prompt = image_prompt(s.request_id)
-        if prompt is not None and not s.is_decode:
-            if out is None:
-                out, mask = np.zeros((num_tokens, hidden), dtype), np.zeros(num_tokens, np.bool_)
-                last = np.zeros(num_tokens, np.int32)
-            prompt.fill(s.start_position, s.num_new_tokens, out, mask, t0, last)
-        t0 += s.num_new_tokens
-    if out is None or not mask.any():
-        return None
-    return jnp.asarray(out), jnp.asarray(mask), jnp.asarray(last) if spans else None

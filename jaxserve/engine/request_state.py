@@ -163,7 +163,7 @@ class RequestGroup:
     prompt_logprobs: dict[int, Any] | None = None
     """With `prompt_logprobs` asked: each prompt position's entry (position >= 1), as computed."""
     images: Any = None
-    """Its prompt's images (`multimodal.ImagePrompt`), or None."""
+    """Its prompt's images (`image_prompt.ImagePrompt`), or None."""
 
     def add_completions(self, params: SamplingParams, tokenizer: Any, stop_ids: tuple[int, ...],
                         bad_words: list[list[int]], matcher: Any) -> None:

@@ -87,6 +87,7 @@ class RunnerConfig:
     engine's."""
     image_spans: bool = False
     """Mixed steps also carry each token's last visible key (`ModelInputs.last_key`): images attended both ways."""
+    mrope: bool = False  # steps carry M-RoPE offsets (`ModelInputs.rope_offsets`): an M-RoPE model's images
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
 
@@ -161,6 +162,7 @@ class DecodeState:
     num_steps: jax.Array  # [] int32, most steps of this loop
     lora_slots: jax.Array | None = None  # [S] int32, each row's LoRA adapter slot (-1: none); LoRA engines only
     long_prompt: jax.Array | None = None  # [S] bool, `ModelInputs.long_prompt` of each row (`RunnerConfig.long_rope`)
+    rope_delta: jax.Array | None = None  # [S] int32, each row's `ModelInputs.rope_offsets` (`RunnerConfig.mrope`)
 
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
@@ -186,6 +188,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             block_tables=jnp.where(done[:, None], 0, st.block_tables),
             seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
             decode=True, lora_slots=st.lora_slots, long_prompt=st.long_prompt,
+            rope_offsets=None if st.rope_delta is None else jnp.broadcast_to(st.rope_delta, (3, S)),
         )
         logits, kv = model_fn(params, kv, inputs, cfg, backend)
         s = sample(logits, samp, counts, mask, logprobs_mode=logprobs_mode)
@@ -244,8 +247,7 @@ class ModelRunner:
                                               model_fn, shardings)
         self._steps = steps  # held: shared step functions live while a runner holds them
         self._mixed, self._decode, self._pool = steps.mixed, steps.decode, steps.pool
-        self.supports_prompt_logprobs = steps.hidden
-        """Whether the model returns its hidden states, which prompt logprobs need."""
+        self.supports_prompt_logprobs = steps.hidden  # the model returns its hidden states (prompt logprobs)
         self._no_penalty: dict[int, PenaltyInputs] = {}
         self._no_prompt_logprobs: dict[int, PromptLogprobInputs] = {}
         self._no_images: dict[int, tuple[jax.Array, jax.Array, jax.Array | None]] = {}
@@ -272,9 +274,7 @@ class ModelRunner:
 
     def _check_compiles(self) -> None:
         if self.strict and self.compilations_after_warmup > 0:
-            raise CompileAfterWarmupError(
-                f"{self.compilations_after_warmup} compilation(s) after warmup (strict mode)"
-            )
+            raise CompileAfterWarmupError(f"{self.compilations_after_warmup} compilation(s) after warmup (strict mode)")
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket of both step functions; returns the seconds it took."""
@@ -293,7 +293,7 @@ class ModelRunner:
                 inputs = ModelInputs.build(seqs, self.cfg.page_size, num_tokens=size, num_seqs=S,
                                            pages_per_seq=self.cfg.pages_per_seq,
                                            lora_slots=[-1] if self.cfg.lora else None,
-                                           long_prompts=[False] if self.cfg.long_rope else None)
+                                           long_prompts=[False] if self.cfg.long_rope else None, mrope=self.cfg.mrope)
                 if kind == "pool":
                     self.fetch(self.dispatch_pool(inputs))
                 else:
@@ -318,6 +318,7 @@ class ModelRunner:
             min_tokens_left=np.zeros(S, np.int32), num_steps=np.int32(0),
             lora_slots=np.full(S, -1, np.int32) if self.cfg.lora else None,
             long_prompt=np.zeros(S, np.bool_) if self.cfg.long_rope else None,
+            rope_delta=np.zeros(S, np.int32) if self.cfg.mrope else None,
         )
 
     def penalty_inputs(self, S: int, rows: list[tuple[list[int], list[int]]] | None) -> PenaltyInputs:

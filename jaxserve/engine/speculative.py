@@ -366,6 +366,6 @@ def step_costs(runner: Any, chunked: bool, repeats: int = 2) -> StepCosts:
         S = min(T, rc.max_num_seqs)
         inputs = ModelInputs.build([([0], 0, [0])] * S, rc.page_size, num_tokens=T, num_seqs=S,
                                    pages_per_seq=rc.pages_per_seq, lora_slots=[-1] * S if rc.lora else None,
-                                   long_prompts=[False] * S if rc.long_rope else None)
+                                   long_prompts=[False] * S if rc.long_rope else None, mrope=rc.mrope)
         mixed[T] = best(lambda i=inputs, S=S: runner.run_mixed(i, runner.inert_sampling(S), None, want_top=False))
     return StepCosts(decode, mixed)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.admission import banned_now
@@ -32,11 +33,13 @@ def long_prompts(rows: Sequence[ScheduledRequest], request_of: Callable[[str], A
 def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                  lora_slots: Sequence[int] | None = None, merge: bool = False,
                  long_prompts: Sequence[bool] | None = None,
-                 images: Callable[[Sequence[ScheduledRequest], int], Any] | None = None) -> tuple[ModelInputs, int]:
+                 images: Callable[[Sequence[ScheduledRequest], int], Any] | None = None,
+                 rope: Callable[[Sequence[ScheduledRequest], int], np.ndarray] | None = None) -> tuple[ModelInputs, int]:
     """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
     `lora_slots` (a LoRA engine's): each row's adapter slot; `long_prompts` (`RunnerConfig.long_rope`): whether
     each row's prompt is longer than the LongRoPE model's original context; `images(rows, T)` (an image-text
-    engine's): the step's image embeddings and mask (`multimodal.step_embeds`), or None.
+    engine's): the step's image embeddings and mask (`image_prompt.step_embeds`), or None; `rope(rows, T)` (an M-RoPE
+    image-text engine's): the step's rotary offsets (`image_prompt.step_rope_offsets`).
 
     With `merge`, consecutive rows of one request at consecutive positions (a drafted decode's row and its
     draft rows, `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits
@@ -69,19 +72,22 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
     got = images(scheduled, T) if images is not None else None
     if got is not None:
         inputs = dataclasses.replace(inputs, image_embeds=got[0], image_mask=got[1], last_key=got[2])
+    if rope is not None:
+        inputs = dataclasses.replace(inputs, rope_offsets=jnp.asarray(rope(scheduled, T)))
     return inputs, S
 
 
 def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], rcfg: RunnerConfig,
                  reserve_pages: Callable[[str, int], int], pages_of: Callable[[str], list[int]],
                  num_steps: int | None = None, lora_slots: Sequence[int] | None = None,
-                 long_prompts: Sequence[bool] | None = None) -> DecodeState:
+                 long_prompts: Sequence[bool] | None = None, rope_deltas: Sequence[int] | None = None) -> DecodeState:
     """The decode loop's state for running decodes, padded to their sequence bucket.
 
     `reserve_pages(request_id, n)` reserves the pages of up to n more tokens and returns how many
     tokens it covered; `pages_of(request_id)` is the request's page table after that. `num_steps`
     (at most the runner's `num_scheduler_steps`, its default) caps the loop's steps; `lora_slots` and
-    `long_prompts` are each row's as `mixed_inputs` takes them."""
+    `long_prompts` are each row's as `mixed_inputs` takes them; `rope_deltas` (an M-RoPE image-text engine's) each
+    row's rotary offset (`image_prompt.ImagePrompt.rope_delta`)."""
     S = rcfg.seq_bucket(len(scheduled))
     n = min(num_steps or rcfg.num_scheduler_steps, rcfg.num_scheduler_steps)
     tokens = np.zeros(S, np.int32)
@@ -108,7 +114,8 @@ def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState]
         return out
 
     return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)),
-                       padded(lora_slots, -1, np.int32), padded(long_prompts, False, np.bool_))
+                       padded(lora_slots, -1, np.int32), padded(long_prompts, False, np.bool_),
+                       padded(rope_deltas, 0, np.int32))
 
 
 def token_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int, vocab_size: int,

@@ -91,6 +91,10 @@ class ModelInputs:
     last_key: jax.Array | None = None
     """[T] int32: the last key position each token attends to, past its own for the tokens of an image attended
     both ways (Gemma 3; a value at or below the token's position: causal); None: all causal."""
+    rope_offsets: jax.Array | None = None
+    """[3, T] int32: what each token's temporal, height and width rotary positions add to its position (M-RoPE,
+    `ModelConfig.mrope_section`: an image's tokens by their place in it, the text after an image drawn back by
+    the positions its tokens did not take); M-RoPE engines with images only."""
 
     @classmethod
     def build(
@@ -104,6 +108,7 @@ class ModelInputs:
         lora_slots: list[int] | None = None,
         logit_rows: list[int] | None = None,
         long_prompts: list[bool] | None = None,
+        mrope: bool = False,
     ) -> ModelInputs:
         """Host-side builder from `(new_token_ids, start_position, page_table)` per sequence.
 
@@ -112,7 +117,7 @@ class ModelInputs:
         `logit_rows[s]` tokens, in order (a sequence verifying drafts: one row per position), padded to
         `num_seqs` rows. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none. `long_prompts`
         (an engine's serving a LongRoPE model past its original context): whether each sequence's prompt is
-        longer than that context.
+        longer than that context. `mrope`: with `rope_offsets`, all 0 (an M-RoPE engine's text).
         """
         real_tokens = sum(len(t) for t, _, _ in seqs)
         T = num_tokens or real_tokens
@@ -171,4 +176,5 @@ class ModelInputs:
             logits_indices=jnp.asarray(logits_indices),
             lora_slots=None if lora_slots is None else jnp.asarray(per_token(lora_slots, -1, np.int32)),
             long_prompt=None if long_prompts is None else jnp.asarray(per_token(long_prompts, False, np.bool_)),
+            rope_offsets=jnp.zeros((3, T), jnp.int32) if mrope else None,
         )

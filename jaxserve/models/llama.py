@@ -34,15 +34,18 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False,
-                long_prompt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, long_prompt: jax.Array | None = None,
+                offsets: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin, [T, rotary dims], for the half-split (rotate_half) rotary layout; `local`: the sliding
     layers' (see `rope_inv_freq_and_scale`). A LongRoPE model's tokens take the long factors at positions at or
     past its original context, and all of them in a sequence whose prompt is longer (`long_prompt` [T] bool, None:
     no such sequence). That is transformers' choice: it picks one set per forward call, the long one when the
     call's highest position is at or past the original context, so the prompt's call (all its tokens) when the
     prompt is longer, and each generated token's call from the token at the original context on. A token's set
-    is thus fixed by its position and its prompt's length, whatever chunks or batches compute it."""
+    is thus fixed by its position and its prompt's length, whatever chunks or batches compute it.
+
+    With M-RoPE (`cfg.mrope_section`), each section of rotary pairs turns by one of the token's three positions
+    (temporal, height, width): its position plus its `offsets` ([3, T] int32, `ModelInputs.rope_offsets`)."""
     inv_freq, attention_factor = rope_inv_freq_and_scale(cfg, local)
     inv = jnp.asarray(np.asarray(inv_freq, np.float32))[None, :]  # [1, D/2]
     if cfg.long_rope_context is not None and not local:
@@ -51,7 +54,12 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False,
             long = long | long_prompt
         inv_long = jnp.asarray(np.asarray(rope_inv_freq_and_scale(cfg, local, long=True)[0], np.float32))
         inv = jnp.where(long[:, None], inv_long[None, :], inv)  # [T, D/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
+    if cfg.mrope_section is not None:
+        axis = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)  # each pair's axis
+        turned = positions[None, :] if offsets is None else positions[None, :] + offsets  # [3 or 1, T]
+        angles = turned[np.minimum(axis, turned.shape[0] - 1)].T.astype(jnp.float32) * inv  # [T, D/2]
+    else:
+        angles = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
@@ -237,7 +245,7 @@ def forward(
             x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds.astype(x.dtype), x)
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
-    tables = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt)}
+    tables = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt, offsets=inputs.rope_offsets)}
     tables[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else tables[False]
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
     v_all = kv.v.reshape(L * N, page_size, hkv, d)
