@@ -386,6 +386,8 @@ class ModelConfig:
                     if getattr(rs, key) is not None:
                         scaling[key] = getattr(rs, key)
             d["rope_scaling"] = scaling
+        if self.mrope_section is not None:  # (no model has both)
+            d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(self.mrope_section)}
         return d
 
     @classmethod

@@ -45,3 +45,25 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(PROCESSOR, f)
     return model
+
+
+TEMPLATE = ("{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|> <|image_pad|> <|vision_end|> "
+            "{% else %}{{ c.text }} {% endif %}{% endfor %}{% endif %}<eos> {% endfor %}"
+            "{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def save_qwen_tokenizer(path) -> None:
+    """A word-level tokenizer of the tiny models' vocabulary (`t3` ... with Qwen2-VL's image tokens at their ids)
+    and a chat template writing `<|vision_start|><|image_pad|><|vision_end|>` where each image part stands."""
+    import tokenizers
+
+    special = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<|image_pad|>": IMAGE_TOKEN, "<|vision_start|>": VISION_START,
+               "<|vision_end|>": VISION_END, "<|video_pad|>": VIDEO_TOKEN}
+    vocab = special | {f"t{i}": i for i in range(3, VOCAB) if i not in special.values()}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in special if t != "<pad>"])
+    backend.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": TEMPLATE}, f)

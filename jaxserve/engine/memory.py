@@ -161,14 +161,17 @@ def _vision_params(encoder: Any, source: Any, dtype: Any) -> Any:
     if encoder is None:
         return None
     from jaxserve.models.vision import is_vision_tensor, load_vision_params
+    from jaxserve.models.vision_qwen2 import QwenVisionConfig, is_qwen_vision_tensor, load_qwen_vision_params
 
+    qwen = isinstance(encoder.cfg, QwenVisionConfig)
     pairs = source.items() if isinstance(source, Mapping) else source
-    tensors = list(_Tensors([(n, a) for n, a in pairs if is_vision_tensor(n)]).tensors(None))
+    select = is_qwen_vision_tensor if qwen else is_vision_tensor
+    tensors = list(_Tensors([(n, a) for n, a in pairs if select(n)]).tensors(None))
     if not tensors:
         raise ValueError("an image-text model's new weights need its vision tower's and projector's tensors too")
     device = next(iter(jax.tree.leaves(encoder.params)[0].devices()))
     with jax.default_device(device):
-        return load_vision_params(encoder.cfg, tensors, dtype)
+        return (load_qwen_vision_params if qwen else load_vision_params)(encoder.cfg, tensors, dtype)
 
 
 class EngineMemory:

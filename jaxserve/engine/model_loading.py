@@ -126,19 +126,25 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
+    from jaxserve.engine.multimodal_qwen import QwenImageEncoder, qwen_processor
     from jaxserve.images import ImageProcessor
     from jaxserve.models.vision import VisionConfig, random_vision_params
+    from jaxserve.models.vision_qwen2 import QwenVisionConfig, random_qwen_vision_params
 
-    vcfg = VisionConfig.from_hf(ckpt.hf_config) if hasattr(ckpt, "hf_config") else None
+    hf_config = getattr(ckpt, "hf_config", None)
+    qwen = hf_config is not None and QwenVisionConfig.from_hf(hf_config) is not None
+    vcfg = None if hf_config is None else QwenVisionConfig.from_hf(hf_config) or VisionConfig.from_hf(hf_config)
     if vcfg is None or (args.limit_mm_per_prompt or {}).get("image") == 0 or args.is_pooling:
         return None
     unused: dict[str, Any] = {}
     if args.load_format == "dummy":
-        params = random_vision_params(vcfg, dtype, args.seed)
+        params = (random_qwen_vision_params if qwen else random_vision_params)(vcfg, dtype, args.seed)
     else:
         vcfg, params = load_vision(ckpt, cfg, dtype, unused)
-    return ImageEncoder(vcfg, params, ImageProcessor.from_dir(path), args.allowed_local_media_path,
-                        int(args.mm_processor_cache_gb * 2**30), dict(ckpt.hf_config), unused, tokenizer)
+    encoder, processor = (QwenImageEncoder, qwen_processor(path)) if qwen else (ImageEncoder,
+                                                                                ImageProcessor.from_dir(path))
+    return encoder(vcfg, params, processor, args.allowed_local_media_path, int(args.mm_processor_cache_gb * 2**30),
+                   dict(hf_config), unused, tokenizer)
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:

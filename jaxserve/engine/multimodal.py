@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,14 @@ from jaxserve.engine.embedding_cache import EmbeddingCache
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.placeholders import expand_placeholders
 from jaxserve.images import ImageError, ImageProcessor, load_image, pixels_digest
-from jaxserve.models.vision import VisionConfig, VisionParams, anyres_tokens, encode_images, pack_anyres
+from jaxserve.models.vision import (
+    VisionConfig,
+    VisionParams,
+    anyres_tokens,
+    encode_images,
+    pack_anyres,
+    vision_tensors,
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,12 @@ class ImageEncoder:
         other.cache_queries = other.cache_hits = 0
         other.use_params(jax.device_put(self.params, device))
         return other
+
+    def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+        """The whole model's tensors as the Hub lays out LLaVA's and Gemma 3's (for `jaxserve convert`): the language
+        model's (`text`, under their HF names) nested in `language_model.`, then the tower's and projector's."""
+        return itertools.chain(((f"language_model.{n}", t) for n, t in text),
+                               vision_tensors(self.params, self.cfg), self.unused.items())
 
     def use_params(self, params: VisionParams) -> None:
         """New weights; the embeddings of the old ones are forgotten."""

@@ -113,7 +113,11 @@ def load_vision(ckpt: GGUFFile | HFDirectory, cfg: ModelConfig, dtype: Any,
     """An image-text checkpoint's vision config and weights (`models.vision`), on the default device; None for a
     text model. `unused` takes the tower's tensors the model does not read (`load_vision_params`)."""
     from jaxserve.models.vision import VisionConfig, is_vision_tensor, load_vision_params
+    from jaxserve.models.vision_qwen2 import QwenVisionConfig, is_qwen_vision_tensor, load_qwen_vision_params
 
+    qcfg = QwenVisionConfig.from_hf(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
+    if qcfg is not None:  # (its merger's width is checked against the language model's as its config is read)
+        return qcfg, load_qwen_vision_params(qcfg, ckpt.tensors(cfg, select=is_qwen_vision_tensor), dtype)
     vcfg = VisionConfig.from_hf(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
     if vcfg is None:
         return None

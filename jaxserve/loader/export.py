@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 from typing import Any
@@ -21,8 +20,8 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params | None, tokenizer: 
     """Write config.json, safetensors (sharded past 2 GiB, with an index), tokenizer files and
     the chat template to `out_dir`; returns the files written (tokenizer files aside). Without
     `params`, no weights: a directory for `--load-format dummy`. With `vision` (an image-text model's
-    `multimodal.ImageEncoder`), the whole model: its language model as LLaVA and Gemma 3 nest it, the vision
-    tower, the projector, the source's config around the language model's, and the image processor's config."""
+    `multimodal.ImageEncoder`), the whole model: its language model as the family's checkpoints hold it, the
+    vision tower, the projector, the source's config around the language model's, and the image processor's config."""
     os.makedirs(out_dir, exist_ok=True)
     written = [] if params is None else _write_weights(out_dir, cfg, params, dtype, vision)
     config = cfg.to_hf()
@@ -54,11 +53,8 @@ def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str, v
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     flat = {k: np.asarray(v) for k, v in param_paths(params).items()}
     tensors = hf_tensors(cfg, flat)
-    if vision is not None:  # the Hub's LLaVA and Gemma 3 layout
-        from jaxserve.models.vision import vision_tensors
-
-        tensors = itertools.chain(((f"language_model.{n}", t) for n, t in tensors),
-                                  vision_tensors(vision.params, vision.cfg), vision.unused.items())
+    if vision is not None:  # the Hub's layout of the model's family
+        tensors = vision.checkpoint_tensors(tensors)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, t in tensors:

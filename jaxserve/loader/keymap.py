@@ -37,7 +37,7 @@ _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight
 # Carry no backbone parameter: RoPE tables, a classification model's score head (read apart from the
 # backbone, by `jaxserve.engine.classifier`), and the vision tower of an image-text model served as text.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$"
-                      r"|^(model\.)?(vision_tower\.|multi_modal_projector\.|image_newline$)")
+                      r"|^(model\.)?(vision_tower\.|multi_modal_projector\.|image_newline$|visual\.)")
 
 
 def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:

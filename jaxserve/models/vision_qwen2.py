@@ -71,6 +71,7 @@ class QwenVisionConfig:
     vision_end_token_id: int  # `<|vision_end|>`, after them
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6  # transformers fixes it for every norm of the tower and merger
+    bidirectional = False  # (not a field) the language model attends causally over an image's tokens
 
     @property
     def head_dim(self) -> int:
@@ -81,9 +82,7 @@ class QwenVisionConfig:
         """Pixels per flattened patch: channels x frames x rows x columns."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size**2
+    merge_unit = property(lambda self: self.spatial_merge_size**2)
 
     @property
     def window_merged(self) -> int:

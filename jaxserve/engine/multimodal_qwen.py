@@ -1,0 +1,99 @@
+"""Qwen2-VL's and Qwen2.5-VL's images in an engine's requests.
+
+An image takes as many `<|image_pad|>` tokens as its resized size has merged patches (the processor keeps it
+between `min_pixels` and `max_pixels`), so its tokens depend on its size, as LLaVA-NeXT's do. Its tokens turn by
+their place in it (M-RoPE: temporal, row, column), and the text after it by the positions they did not take: the
+prompt keeps each image's token grid (`ImagePrompt.grids`) for the steps' rotary offsets. A chat template writes
+`<|vision_start|><|image_pad|><|vision_end|>` where an image goes; the one `<|image_pad|>` becomes the image's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxserve.engine.image_prompt import ImagePrompt
+from jaxserve.engine.multimodal import ImageEncoder, PreparedImage
+from jaxserve.engine.placeholders import expand_placeholders
+from jaxserve.images import ImageError
+from jaxserve.images_qwen2 import QwenImageProcessor
+from jaxserve.models.vision_qwen2 import (
+    QwenVisionConfig,
+    qwen_encode,
+    qwen_token_grid,
+    qwen_tokens,
+    qwen_vision_tensors,
+)
+
+
+def qwen_processor(path: str) -> QwenImageProcessor:
+    """The image processor a Qwen2-VL model directory declares (`preprocessor_config.json`)."""
+    file = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(file):
+        raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
+    with open(file) as f:
+        return QwenImageProcessor.from_dict(json.load(f))
+
+
+class QwenImageEncoder(ImageEncoder):
+    """The vision side of a Qwen2-VL or Qwen2.5-VL model on the device: its processor, tower and merger."""
+
+    cfg: QwenVisionConfig
+    processor: QwenImageProcessor
+
+    @property
+    def placeholder_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    def warmup(self) -> float:
+        """Compile the tower for the smallest image the processor makes (its bucket of patches); images in larger
+        buckets compile as they first come."""
+        t0 = time.perf_counter()
+        side = self.processor.factor
+        grid = self.processor.grid((side, side))
+        self._encode_image(np.zeros((int(np.prod(grid)), self.cfg.patch_dim), np.float32), grid)
+        return time.perf_counter() - t0
+
+    def num_tokens(self, image: PreparedImage) -> int:
+        return qwen_tokens(self.processor.grid(image.size), self.cfg)
+
+    def pixels(self, image: Any) -> np.ndarray:
+        """One image (read) as the tower's flattened patches [t * h * w, C * T * P * P]."""
+        patches = self.processor(image)
+        if patches.ndim != 2 or patches.shape[1] != self.cfg.patch_dim:
+            raise ImageError(f"the image processor made patches of shape {patches.shape}; the vision tower takes "
+                             f"{self.cfg.patch_dim} values a patch")
+        return patches
+
+    def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
+        out, prompt = super().prompt(ids, images)
+        prompt.grids = [qwen_token_grid(self.processor.grid(image.size), self.cfg) for image in prompt.images]
+        return out, prompt
+
+    def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        return expand_placeholders(ids, self.cfg.image_token_id, counts)
+
+    def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int], count: bool = True) -> np.ndarray:
+        emb, generation = self.cache.get(digest)
+        if count:
+            self.cache_queries += 1
+            self.cache_hits += emb is not None
+        if emb is None:
+            emb = self._encode_image(pixels, self.processor.grid(size))
+            self.cache.put(digest, emb, generation)
+        return emb
+
+    def _encode_image(self, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+        return qwen_encode(self.params, self.cfg, patches, grid)
+
+    def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+        """The whole model's tensors as the Hub lays out Qwen2-VL's: the language model's names as they are, the
+        vision side's under `visual.`."""
+        return itertools.chain(text, qwen_vision_tensors(self.params, self.cfg, prefix="visual."))
+

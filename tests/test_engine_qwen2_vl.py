@@ -1,0 +1,123 @@
+"""Qwen2-VL and Qwen2.5-VL through the engine: tiny random models' greedy tokens and logprobs against transformers',
+images of several sizes cut across prefill chunks, batched against alone, the prefix cache reused; M-RoPE's
+positions (an image's tokens by their place in it, the text after it drawn back) make the difference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxserve.engine.image_prompt import ImagePrompt  # noqa: E402
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.engine_args import EngineArgs  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from tests.llava_model import random_image  # noqa: E402
+from tests.modelrun import drain  # noqa: E402
+from tests.qwen2_vl_model import (  # noqa: E402
+    IMAGE_TOKEN,
+    PROCESSOR,
+    VISION_END,
+    VISION_START,
+    save_qwen_tokenizer,
+    save_tiny_qwen2_vl,
+)
+
+NEW_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def image_part() -> list[int]:
+    return [VISION_START, IMAGE_TOKEN, VISION_END]
+
+
+def text(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 280, n).tolist()
+
+
+# Images of 4 x 10, 6 x 4 and 8 x 8 tokens (two in one prompt, text between and after them).
+PROMPTS = [text(1, 5) + image_part() + text(2, 3) + image_part() + text(3, 4), image_part() + text(4, 6)]
+IMAGES = [[random_image(1, (80, 30)), random_image(2, (31, 50))], [random_image(3, (64, 64))]]
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_qwen2_vl(path, request.param)
+    with torch.no_grad():  # logits of 0 for the image and video tokens: never sampled (else not text)
+        model.lm_head.weight[IMAGE_TOKEN:] = 0.0
+    model.save_pretrained(path, safe_serialization=True)
+    save_qwen_tokenizer(path)
+    return str(path), model
+
+
+def hf_greedy(model, ids: list[int], images) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs (a full forward per token), its processor expanding each
+    image's `<|image_pad|>` to the image's tokens."""
+    fields = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
+    processed = transformers.Qwen2VLImageProcessorPil(**fields)(images, return_tensors="pt")
+    grids = processed["image_grid_thw"].tolist()
+    counts = iter(t * h * w // 4 for t, h, w in grids)
+    expanded = [x for i in ids for x in ([i] * next(counts) if i == IMAGE_TOKEN else [i])]
+    out, lps = [], []
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            ids_t = torch.tensor([expanded + out])
+            logits = model(input_ids=ids_t, pixel_values=processed["pixel_values"],
+                           image_grid_thw=processed["image_grid_thw"],
+                           mm_token_type_ids=(ids_t == IMAGE_TOKEN).int()).logits[0, -1]
+            out.append(int(logits.argmax()))
+            lps.append(float(torch.log_softmax(logits.double(), -1)[out[-1]]))
+    return out, lps
+
+
+def engine(path: str, **kw) -> LLMEngine:
+    args = EngineArgs(model=path, **{**dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
+                                            kv_cache_memory_bytes=2**21, dtype="float32", warmup=False,
+                                            compile_cache_dir=None), **kw})
+    return LLMEngine(args, progress=False)
+
+
+def run(eng: LLMEngine, prompts, images, ids=None) -> list[tuple[list[int], list[float]]]:
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, ims in zip(ids, prompts, images, strict=True):
+        eng.add_request(rid, prompt, GREEDY, multi_modal_data={"image": ims})
+    final = drain(eng)
+    out = []
+    for rid in ids:
+        c = final[rid].outputs[0]
+        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
+    return out
+
+
+def test_qwen2_vl_engine_equals_transformers(qwen):
+    """Both prompts in one batch, their images cut across 32-token prefill chunks; then each alone, the second time
+    from the prefix cache."""
+    path, model = qwen
+    expected = [hf_greedy(model, p, ims) for p, ims in zip(PROMPTS, IMAGES, strict=True)]
+    eng = engine(path)
+    assert eng.runner.cfg.mrope
+    counts = [eng.images.num_tokens(eng.images.prepare(im)) for im in IMAGES[0] + IMAGES[1]]
+    assert counts == [4 * 10, 6 * 4, 8 * 8]
+
+    def check(got):
+        for (tokens, lps), (want_tokens, want_lps) in zip(got, expected, strict=True):
+            assert tokens == want_tokens
+            np.testing.assert_allclose(lps, want_lps, atol=2e-4)
+
+    check(run(eng, PROMPTS, IMAGES))
+    hits = eng.scheduler.cache.hit_tokens
+    check(run(eng, PROMPTS[:1], IMAGES[:1], ["a"]) + run(eng, PROMPTS[1:], IMAGES[1:], ["b"]))
+    assert eng.scheduler.cache.hit_tokens - hits >= 72 + 64  # all full pages but each prompt's last token's
+    eng.check_integrity()
+
+
+def test_mrope_positions_make_the_difference(qwen, monkeypatch):
+    """With every token turned by its position alone (no M-RoPE offsets), the logprobs leave transformers'."""
+    path, model = qwen
+    _, want = hf_greedy(model, PROMPTS[0], IMAGES[0])
+    monkeypatch.setattr(ImagePrompt, "rope_offsets", lambda self, start, count, out: None)
+    (_, got), = run(engine(path), PROMPTS[:1], IMAGES[:1])
+    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
