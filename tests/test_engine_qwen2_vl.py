@@ -121,3 +121,43 @@ def test_mrope_positions_make_the_difference(qwen, monkeypatch):
     monkeypatch.setattr(ImagePrompt, "rope_offsets", lambda self, start, count, out: None)
     (_, got), = run(engine(path), PROMPTS[:1], IMAGES[:1])
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
+
+
+def test_convert_writes_the_whole_qwen2_vl_model(qwen, tmp_path):
+    """`jaxserve convert`: transformers reads every weight back and computes the source's logits over an image; the
+    written model serves as the source does."""
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.loader.export import export_hf
+
+    path, source = qwen
+    loaded = load_model(EngineArgs(model=path, dtype="float32"), progress=False)
+    out = tmp_path / "out"
+    export_hf(str(out), loaded.config, loaded.params, loaded.tokenizer, vision=loaded.vision)
+    back, info = type(source).from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    fields = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
+    processed = transformers.Qwen2VLImageProcessorPil(**fields)(IMAGES[1], return_tensors="pt")
+    ids = torch.tensor([[5, VISION_START] + [IMAGE_TOKEN] * 64 + [VISION_END, 7]])
+    kw = dict(input_ids=ids, pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
+              mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    with torch.no_grad():
+        np.testing.assert_allclose(back.eval()(**kw).logits.numpy(), source(**kw).logits.numpy(), atol=1e-5)
+    assert run(engine(str(out)), PROMPTS[1:], IMAGES[1:]) == run(engine(path), PROMPTS[1:], IMAGES[1:])
+
+
+def test_chat_with_an_image(qwen):
+    """`LLM.chat` with an image part: the chat template writes `<|vision_start|><|image_pad|><|vision_end|>`, which
+    the image's tokens fill; the reply is the engine's for that prompt."""
+    from jaxserve.llm import LLM
+
+    path, _ = qwen
+    llm = LLM(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
+              kv_cache_memory_bytes=2**21, dtype="float32", warmup=False, compile_cache_dir=None)
+    image = IMAGES[0][1]
+    message = {"role": "user", "content": [{"type": "text", "text": "t5 t6"},
+                                           {"type": "image_pil", "image_pil": image}, {"type": "text", "text": "t7"}]}
+    reply = llm.chat([message], GREEDY)[0]
+    words = "user : t5 t6 <|vision_start|> <|image_pad|> <|vision_end|> t7 <eos> assistant :".split()
+    ids = [llm.engine.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+    assert reply.prompt_token_ids == ids[:4] + [VISION_START] + [IMAGE_TOKEN] * 24 + [VISION_END] + ids[7:]
+    assert list(reply.outputs[0].token_ids) == run(engine(path), [ids], [[image]])[0][0]
