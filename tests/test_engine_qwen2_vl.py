@@ -161,3 +161,15 @@ def test_chat_with_an_image(qwen):
     ids = [llm.engine.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
     assert reply.prompt_token_ids == ids[:4] + [VISION_START] + [IMAGE_TOKEN] * 24 + [VISION_END] + ids[7:]
     assert list(reply.outputs[0].token_ids) == run(engine(path), [ids], [[image]])[0][0]
+
+
+def test_disaggregated_prefill_with_images(qwen):
+    """Prefill/decode disaggregation (`tests.pd_images`): the decode worker imports the prompt's pages, encodes no
+    image, and turns its tokens by the M-RoPE offset the images left: its reply and logprobs are the aggregated
+    worker's."""
+    from tests.pd_images import pd_chat_with_images
+
+    path, _ = qwen
+    args = EngineArgs(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
+                      kv_cache_memory_bytes=2**21, dtype="float32", warmup=False, compile_cache_dir=None)
+    pd_chat_with_images(args, IMAGES[0], 4 * 10 + 6 * 4, NEW_TOKENS)
