@@ -173,3 +173,17 @@ def test_disaggregated_prefill_with_images(qwen):
     args = EngineArgs(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
                       kv_cache_memory_bytes=2**21, dtype="float32", warmup=False, compile_cache_dir=None)
     pd_chat_with_images(args, IMAGES[0], 4 * 10 + 6 * 4, NEW_TOKENS)
+
+
+def test_speculative_decoding_with_images_equals_plain(qwen):
+    """N-gram drafts verified after a prompt with images: each draft row turns by the offset the images left."""
+    path, _ = qwen
+    plain = run(engine(path), PROMPTS, IMAGES)
+    for verify in ("rows", "chunks"):
+        spec = engine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1, "draft_verification": verify})
+        got = run(spec, PROMPTS, IMAGES)
+        assert [t for t, _ in got] == [t for t, _ in plain]
+        for (_, a), (_, b) in zip(got, plain, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+        assert spec.stats().spec_num_drafts > 0
