@@ -193,6 +193,20 @@ def test_encoder_equals_transformers(qwen, processed, variant):
     np.testing.assert_allclose(qwen_encode(params, cfg, *frames), reference(model, [frames])[0], atol=1e-4)
 
 
+def test_attention_by_blocks_of_queries(qwen, processed, monkeypatch):
+    """The attention run 64 queries at a time (of a 256-patch bucket) equals transformers' too."""
+    import jax
+
+    from jaxserve.models import vision_qwen2
+
+    monkeypatch.setattr(vision_qwen2, "QUERY_BLOCK", 64)
+    monkeypatch.setattr(vision_qwen2, "_encode_jit", jax.jit(vision_qwen2._encode_padded, static_argnums=1))
+    model, cfg, params, _ = qwen["qwen2_5_vl"]
+    assert qwen_bucket(sum(p.shape[0] for p, _ in processed)) == 256
+    for ours, ref in zip(qwen_encode_many(params, cfg, processed), reference(model, processed), strict=True):
+        np.testing.assert_allclose(ours, ref, atol=1e-4)
+
+
 def test_windows_matter(qwen, processed):
     """Qwen2.5-VL with every block attending over the whole image, or windows of the wrong size, and Qwen2-VL with
     the patches' rows and columns wrong, are far from transformers: the comparisons above can fail."""

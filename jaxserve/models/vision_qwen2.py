@@ -11,11 +11,9 @@ Linear-GELU-Linear to the language model's width: one embedding per image token.
 
 Compiled shapes stay bounded: the patches of one or more images are padded up to a bucket (64 patches times a power
 of two), and the images' structure travels as arrays, each patch's (row, column) and a segment id per attention
-kind, so every layer is a dense attention under the mask "same segment". transformers reorders the patches by
-window before its windowed layers and back after the merger; a mask over the processor's order gives the same
-result, since attention is equivariant to a permutation of its tokens and windows hold whole merge groups. Padding
-patches have segment -1: they attend to each other only and no real patch attends to them. The dense attention's
-memory grows as the bucket squared.
+kind: every layer attends within "same segment", a block of queries at a time (scores [heads, block, bucket]).
+transformers reorders the patches by window before its windowed layers and back after the merger; segments over
+the processor's order give the same result (windows hold whole merge groups). Padding patches have segment -1.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models.vision_qwen2_layout import BUCKET_UNIT, qwen_bucket, qwen_layout  # noqa: F401 (here too)
 
 QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                              "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
@@ -46,7 +45,7 @@ _ACTS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x), "silu": jax.nn.s
          "gelu": lambda x: jax.nn.gelu(x, approximate=False),
          "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 _PREFIXES = ("model.visual.", "visual.")  # transformers 5's model tree, the Hub's (and transformers 5's files)
-BUCKET_UNIT = 64  # patches: a bucket is this times a power of two
+QUERY_BLOCK = 1024  # patches whose attention is computed at once
 
 
 @dataclass(frozen=True)
@@ -293,19 +292,29 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None] + turned * sin[:, None]).astype(x.dtype)
 
 
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
+    """Attention of patches q, k, v [N, H, D] within their segments (seg [N]), QUERY_BLOCK queries at a time, so
+    the scores held at once are [H, QUERY_BLOCK, N], not [H, N, N]."""
+    (N, H, D), Q = q.shape, min(q.shape[0], QUERY_BLOCK)
+
+    def block(i: jax.Array) -> jax.Array:
+        qb, sb = jax.lax.dynamic_slice_in_dim(q, i * Q, Q), jax.lax.dynamic_slice_in_dim(seg, i * Q, Q)
+        scores = jnp.einsum("qhd,khd->hqk", qb, k, preferred_element_type=jnp.float32) * D**-0.5
+        scores = jnp.where(sb[:, None] == seg[None, :], scores, jnp.finfo(jnp.float32).min)  # [H, Q, N]
+        return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+    return jax.lax.map(block, jnp.arange(N // Q)).reshape(N, H, D)
+
+
 def _block(cfg: QwenVisionConfig, x: jax.Array, lp: dict[str, jax.Array], rope: tuple[jax.Array, jax.Array],
-           allowed: jax.Array) -> jax.Array:
-    """One pre-norm block over the patches x [N, E]; patch q attends to patch k where allowed[q, k]."""
+           seg: jax.Array) -> jax.Array:
+    """One pre-norm block over the patches x [N, E]; a patch attends to the patches of its segment (seg [N])."""
     N, E = x.shape
-    H = cfg.num_heads
     with jax.named_scope("qwen_vision_attention"):
         h = _norm(cfg, x, lp["norm1"], lp.get("norm1_b"))
-        qkv = (h @ lp["wqkv"] + lp["bqkv"]).reshape(N, 3, H, cfg.head_dim)  # q, k, v: [N, H, D] each
+        qkv = (h @ lp["wqkv"] + lp["bqkv"]).reshape(N, 3, cfg.num_heads, cfg.head_dim)  # q, k, v: [N, H, D] each
         q, k, v = _rotate(qkv[:, 0], *rope), _rotate(qkv[:, 1], *rope), qkv[:, 2]
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * cfg.head_dim**-0.5
-        scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)  # [H, N, N]
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        x = x + jnp.einsum("hqk,khd->qhd", probs, v).reshape(N, E) @ lp["wo"] + lp["bo"]
+        x = x + _attend(q, k, v, seg).reshape(N, E) @ lp["wo"] + lp["bo"]
     with jax.named_scope("qwen_vision_mlp"):
         h = _norm(cfg, x, lp["norm2"], lp.get("norm2_b"))
         act = _ACTS[cfg.hidden_act]
@@ -321,12 +330,10 @@ def _encode_padded(params: QwenVisionParams, cfg: QwenVisionConfig, patches: jax
     B = patches.shape[0]
     x = patches.astype(params.patch.dtype) @ params.patch  # [B, E]
     rope = _rotary(cfg, pos)
-    same_frame = frames[:, None] == frames[None, :]  # [B, B]
-    same_window = windows[:, None] == windows[None, :]
 
     def step(x, layer):
         lp, full = layer
-        return _block(cfg, x, lp, rope, jnp.where(full, same_frame, same_window)), None
+        return _block(cfg, x, lp, rope, jnp.where(full, frames, windows)), None
 
     with jax.named_scope("qwen_vision_blocks"):
         x, _ = jax.lax.scan(step, x, (params.layers, jnp.asarray(cfg.full_layers)))
@@ -337,38 +344,6 @@ def _encode_padded(params: QwenVisionParams, cfg: QwenVisionConfig, patches: jax
 
 
 _encode_jit = jax.jit(_encode_padded, static_argnums=1)
-
-
-def qwen_bucket(num_patches: int) -> int:
-    """The padded patch count a call compiles for: 64 patches times the least power of two that holds them."""
-    units = -(-max(num_patches, 1) // BUCKET_UNIT)
-    return BUCKET_UNIT * (1 << (units - 1).bit_length())
-
-
-def qwen_layout(cfg: QwenVisionConfig, grids: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, ...]:
-    """Each patch's (row, column) [N, 2], frame id [N] and window id [N] (ids unique across all the images), for
-    patches in the processor's order: frame by frame, merge groups row by row, each group's patches row by row."""
-    m, W = cfg.spatial_merge_size, cfg.window_merged
-    pos, frames, windows = [], [], []
-    next_frame = next_window = 0
-    for t, h, w in grids:
-        if h % m or w % m or t < 1:
-            raise ValueError(f"a patch grid {(t, h, w)} must have rows and columns divisible by the merge size {m}")
-        rc = np.stack(np.meshgrid(np.arange(h), np.arange(w), indexing="ij"), -1)  # [h, w, 2]
-        rc = rc.reshape(h // m, m, w // m, m, 2).transpose(0, 2, 1, 3, 4).reshape(h * w, 2)
-        r, c = rc[:, 0], rc[:, 1]
-        pos.append(np.tile(rc, (t, 1)))
-        frames.append(next_frame + np.repeat(np.arange(t), h * w))
-        if W:  # Qwen2.5-VL: windows of W x W merged patches, the last row and column of them cut short
-            across = -(-(w // m) // W)
-            per_frame = -(-(h // m) // W) * across
-            window = (r // m // W) * across + (c // m // W)
-            windows.append(next_window + (np.arange(t) * per_frame)[:, None] + window[None, :])
-            next_window += t * per_frame
-        next_frame += t
-    frames = np.concatenate(frames).astype(np.int32)
-    windows = np.concatenate([a.reshape(-1) for a in windows]).astype(np.int32) if windows else frames
-    return np.concatenate(pos).astype(np.int32), frames, windows
 
 
 def qwen_encode_many(params: QwenVisionParams, cfg: QwenVisionConfig,
