@@ -47,14 +47,19 @@ def batch(plan):
 def test_chunks_never_end_inside_a_whole_span():
     """`whole_spans` (an image attended both ways): a chunk that would end inside one stops before it; a request
     at a span's start waits for a step whose budget holds the span whole (running: skipped; waiting: admission
-    stops there); a chunk starting inside a span (a prefix cache hit into it) runs to its end or waits."""
+    stops there), the last decodes giving way when the span fits the budget but not beside them; a chunk starting
+    inside a span (a prefix cache hit into it) runs to its end or waits."""
     spans = ((6, 14),)
     p = prefill("p", 0, 20, computed=0)._replace(whole_spans=spans)
     _, plan = schedule(state(running=[p]), config(max_num_batched_tokens=10))
     assert batch(plan) == [("p", 6)]
     at = prefill("p", 0, 20, computed=6, num_pages=2)._replace(whole_spans=spans)
     _, plan = schedule(state(running=[decode("d", 1), at]), config(max_num_batched_tokens=8))
-    assert batch(plan) == [("d", 1)]  # 7 tokens left of the budget, 8 needed
+    assert batch(plan) == [("p", 8)]  # beside the decode 7 tokens are left, 8 needed: the decode gives way
+    _, plan = schedule(state(running=[decode("d", 1), decode("e", 2), at]), config(max_num_batched_tokens=9))
+    assert batch(plan) == [("d", 1), ("p", 8)]
+    _, plan = schedule(state(running=[decode("d", 1), at]), config(max_num_batched_tokens=7))
+    assert batch(plan) == [("d", 1)]  # the span does not fit the budget at all: the decodes go on
     _, plan = schedule(state(running=[at]), config(max_num_batched_tokens=8))
     assert batch(plan) == [("p", 8)]
     inside = prefill("p", 0, 20, computed=10, num_pages=3)._replace(whole_spans=spans)

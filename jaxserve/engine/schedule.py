@@ -208,12 +208,23 @@ class Planner:
         decodes.sort(key=key)
         prefills.sort(key=key)
         self._decode_ids = {v.request_id for v in decodes}
+        # The first prefill stands at (or in) an image whose tokens a chunk must hold whole: when they fit the
+        # step's budget but not beside the decodes, the last decodes give way for this step (else the image could
+        # wait as long as decodes keep coming).
+        reserve = 0
+        if prefills:
+            head, start = prefills[0], prefills[0].num_computed_tokens
+            rest = next((end - start for first, end in head.whole_spans if first <= start < end), 0)
+            if rest and rest <= self._budget and _chunk(head, start, chunk, self._budget - len(decodes)) == 0:
+                reserve = rest if _chunk(head, start, chunk, rest) == rest else 0
         for view in decodes + prefills:
             rid = view.request_id
             if rid not in running:
                 continue  # preempted earlier in this loop
             if self._budget == 0:
                 break
+            if rid in self._decode_ids and self._budget <= reserve:
+                continue  # giving way to the image's chunk
             while True:
                 n = _chunk(view, view.num_computed_tokens, chunk, self._budget)
                 need = pages_needed(view.num_computed_tokens + n, ps) - num_pages[rid]
