@@ -210,10 +210,11 @@ def test_load_model_places_hf_weights_into_their_shards(results):
 
 
 def test_images_on_sharded_engines(results):
-    """Images (encoded on one device, fed to every shard's step) give one device's tokens under TP and DP; the DP
-    replicas share one embeddings cache."""
+    """Images (encoded on one device, fed to every shard's step) give one device's tokens under TP and DP (LLaVA's,
+    Gemma 3's spans, Qwen2.5-VL's M-RoPE offsets); the DP replicas share one embeddings cache."""
     r = results["images"]
     assert r["tp2"] == r["ref"] and r["dp"] == [r["ref"], r["ref"]]
     assert r["tp2_compiles_after_warmup"] == 0
     assert r["gemma3_tp2"] == r["gemma3_ref"] and r["gemma3_tp2_compiles_after_warmup"] == 0
+    assert r["qwen_tp2"] == r["qwen_ref"] and r["qwen_tp2_compiles_after_warmup"] == 0
     assert r["dp_cache_shared"] and r["dp_stats"] == [0, 3]  # replica 1 found replica 0's images

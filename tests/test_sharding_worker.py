@@ -456,6 +456,8 @@ def case_images() -> dict:
     from sharding.data_parallel import DataParallelEngine
     from tests.gemma3_vision_model import save_tiny_gemma3
     from tests.llava_model import IMAGE_TOKEN, random_image, save_tiny_llava
+    from tests.qwen2_vl_model import IMAGE_TOKEN as QWEN_IMAGE
+    from tests.qwen2_vl_model import VISION_END, VISION_START, save_qwen_tokenizer, save_tiny_qwen2_vl
 
     path = tempfile.mkdtemp()
     save_tiny_llava(path)
@@ -491,6 +493,19 @@ def case_images() -> dict:
     gemma_tp2 = LLMEngine(dataclasses.replace(args, tensor_parallel_size=2, strict_compile=True), progress=False)
     found["gemma3_tp2"] = generate(gemma_tp2)
     found["gemma3_tp2_compiles_after_warmup"] = gemma_tp2.stats().compilations_after_warmup
+    # Qwen2.5-VL: images of their own sizes, M-RoPE offsets in every step.
+    qwen = tempfile.mkdtemp()
+    save_tiny_qwen2_vl(qwen, "qwen2_5_vl")
+    save_qwen_tokenizer(qwen)
+    args = dataclasses.replace(args, model=qwen, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256,
+                               kv_cache_memory_bytes=2**20)
+    image = [VISION_START, QWEN_IMAGE, VISION_END]
+    prompts[:] = [[5, *image, 6, 7], [*image, 9, *image, 8]]
+    images[:] = [[random_image(4, (80, 30))], [random_image(5, (31, 50)), random_image(6)]]
+    found["qwen_ref"] = generate(LLMEngine(dataclasses.replace(args, warmup=False), progress=False))
+    qwen_tp2 = LLMEngine(dataclasses.replace(args, tensor_parallel_size=2, strict_compile=True), progress=False)
+    found["qwen_tp2"] = generate(qwen_tp2)
+    found["qwen_tp2_compiles_after_warmup"] = qwen_tp2.stats().compilations_after_warmup
     return found
 
 
