@@ -194,10 +194,10 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"} & set(d.get("architectures") or []) \
-                or d.get("model_type") in ("llava", "llava_next"):
+        if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Mistral3ForConditionalGeneration"} \
+                & set(d.get("architectures") or []) or d.get("model_type") in ("llava", "llava_next", "mistral3"):
             text = d.get("text_config") or {}
-            kind = text.get("model_type", "llama")
+            kind = text.get("model_type", "mistral" if d.get("model_type") == "mistral3" else "llama")
             tied = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
             d = {**(LLAMA_TEXT_DEFAULTS if kind == "llama" else {}), **text, "model_type": kind,
                  "tie_word_embeddings": tied}

@@ -47,23 +47,34 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
     return model
 
 
-TEMPLATE = ("{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% else %}"
-            "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|> <|image_pad|> <|vision_end|> "
+
+def chat_template(image_text: str) -> str:
+    """A chat template writing `image_text` where each image part stands."""
+    return ("{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% else %}"
+            "{% for c in m.content %}{% if c.type == 'image' %}" + image_text + " "
             "{% else %}{{ c.text }} {% endif %}{% endfor %}{% endif %}<eos> {% endfor %}"
             "{% if add_generation_prompt %}assistant :{% endif %}")
 
 
-def save_qwen_tokenizer(path) -> None:
-    """A word-level tokenizer of the tiny models' vocabulary (`t3` ... with Qwen2-VL's image tokens at their ids)
-    and a chat template writing `<|vision_start|><|image_pad|><|vision_end|>` where each image part stands."""
+def save_word_tokenizer(path, special: dict[str, int], image_text: str, vocab: int = VOCAB) -> None:
+    """A word-level tokenizer of a tiny model's vocabulary (`t3` ..., `special` at their ids) and a chat template
+    writing `image_text` where each image part stands."""
     import tokenizers
 
-    special = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "<|image_pad|>": IMAGE_TOKEN, "<|vision_start|>": VISION_START,
-               "<|vision_end|>": VISION_END, "<|video_pad|>": VIDEO_TOKEN}
-    vocab = special | {f"t{i}": i for i in range(3, VOCAB) if i not in special.values()}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    special = {"<pad>": 0, "<bos>": 1, "<eos>": 2} | special
+    words = special | {f"t{i}": i for i in range(3, vocab) if i not in special.values()}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<pad>"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in special if t != "<pad>"])
     backend.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "chat_template": TEMPLATE}, f)
+        json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+                   "chat_template": chat_template(image_text)}, f)
+
+
+def save_qwen_tokenizer(path) -> None:
+    """The tiny Qwen2-VL models' tokenizer: a chat template writing `<|vision_start|><|image_pad|><|vision_end|>`
+    where each image part stands."""
+    save_word_tokenizer(path, {"<|image_pad|>": IMAGE_TOKEN, "<|vision_start|>": VISION_START,
+                               "<|vision_end|>": VISION_END, "<|video_pad|>": VIDEO_TOKEN},
+                        "<|vision_start|> <|image_pad|> <|vision_end|>")

@@ -26,6 +26,9 @@ class ImagePrompt:
     images: Sequence[Any] = ()  # each image, as `encode` takes it
     encode: Callable[[Any], np.ndarray] | None = None  # an image's embeddings [tokens, E], in the model's dtype
     grids: Sequence[tuple[int, int, int]] | None = None  # M-RoPE models: each image's tokens as (t, h, w)
+    takes: Sequence[np.ndarray] | None = None
+    """Per image, which of its span's positions take its embeddings, in order ([n] bool); the others keep their
+    tokens' (Pixtral's row breaks). None: all of them."""
     _embeds: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def embeds(self, i: int) -> np.ndarray:
@@ -65,10 +68,12 @@ class ImagePrompt:
         return tuple((first, first + n) for first, n in self.spans) if self.bidirectional else ()
 
     def cache_ids(self, ids: Sequence[int]) -> list[int]:
-        """The prompt as the prefix cache keys it: each image's tokens as that image's id."""
+        """The prompt as the prefix cache keys it (and as the engine feeds it): each image's tokens as that image's
+        id; the text in a span (`takes`) as it is."""
         out = list(ids)
-        for (start, n), key in zip(self.spans, self.keys, strict=True):
-            out[start:start + n] = [key] * n
+        for i, ((start, n), key) in enumerate(zip(self.spans, self.keys, strict=True)):
+            takes = np.ones(n, np.bool_) if self.takes is None else self.takes[i]
+            out[start:start + n] = [key if take else t for take, t in zip(takes, ids[start:start + n], strict=True)]
         return out
 
     def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int, last: np.ndarray) -> None:
@@ -77,8 +82,13 @@ class ImagePrompt:
         for i, (first, n) in enumerate(self.spans):
             lo, hi = max(start, first), min(start + count, first + n)
             if lo < hi:
-                out[t0 + lo - start:t0 + hi - start] = self.embeds(i)[lo - first:hi - first]
-                mask[t0 + lo - start:t0 + hi - start] = True
+                at = slice(t0 + lo - start, t0 + hi - start)
+                if self.takes is None:
+                    out[at], mask[at] = self.embeds(i)[lo - first:hi - first], True
+                else:  # the embedding rows of the positions that take one
+                    takes = self.takes[i][lo - first:hi - first]
+                    rows = (np.cumsum(self.takes[i]) - 1)[lo - first:hi - first]
+                    out[at][takes], mask[at] = self.embeds(i)[rows[takes]], takes
                 if self.bidirectional:
                     last[t0 + lo - start:t0 + hi - start] = first + n - 1
 

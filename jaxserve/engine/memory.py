@@ -160,18 +160,16 @@ def _vision_params(encoder: Any, source: Any, dtype: Any) -> Any:
     there with the decoder's."""
     if encoder is None:
         return None
-    from jaxserve.models.vision import is_vision_tensor, load_vision_params
-    from jaxserve.models.vision_qwen2 import QwenVisionConfig, is_qwen_vision_tensor, load_qwen_vision_params
+    from jaxserve.models.vision_towers import tower_for
 
-    qwen = isinstance(encoder.cfg, QwenVisionConfig)
+    tower = tower_for(encoder.cfg)
     pairs = source.items() if isinstance(source, Mapping) else source
-    select = is_qwen_vision_tensor if qwen else is_vision_tensor
-    tensors = list(_Tensors([(n, a) for n, a in pairs if select(n)]).tensors(None))
+    tensors = list(_Tensors([(n, a) for n, a in pairs if tower.is_tensor(n)]).tensors(None))
     if not tensors:
         raise ValueError("an image-text model's new weights need its vision tower's and projector's tensors too")
     device = next(iter(jax.tree.leaves(encoder.params)[0].devices()))
     with jax.default_device(device):
-        return (load_qwen_vision_params if qwen else load_vision_params)(encoder.cfg, tensors, dtype)
+        return tower.load(encoder.cfg, tensors, dtype, None)
 
 
 class EngineMemory:

@@ -126,25 +126,30 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
+    from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config, pixtral_processor
     from jaxserve.engine.multimodal_qwen import QwenImageEncoder, qwen_processor
     from jaxserve.images import ImageProcessor
-    from jaxserve.models.vision import VisionConfig, random_vision_params
-    from jaxserve.models.vision_qwen2 import QwenVisionConfig, random_qwen_vision_params
+    from jaxserve.models.vision_towers import tower_of
 
-    hf_config = getattr(ckpt, "hf_config", None)
-    qwen = hf_config is not None and QwenVisionConfig.from_hf(hf_config) is not None
-    vcfg = None if hf_config is None else QwenVisionConfig.from_hf(hf_config) or VisionConfig.from_hf(hf_config)
-    if vcfg is None or (args.limit_mm_per_prompt or {}).get("image") == 0 or args.is_pooling:
+    found = tower_of(ckpt.hf_config) if hasattr(ckpt, "hf_config") else None
+    if found is None or (args.limit_mm_per_prompt or {}).get("image") == 0 or args.is_pooling:
         return None
+    tower, vcfg = found
     unused: dict[str, Any] = {}
     if args.load_format == "dummy":
-        params = (random_qwen_vision_params if qwen else random_vision_params)(vcfg, dtype, args.seed)
+        params = tower.random(vcfg, dtype, args.seed)
     else:
         vcfg, params = load_vision(ckpt, cfg, dtype, unused)
-    encoder, processor = (QwenImageEncoder, qwen_processor(path)) if qwen else (ImageEncoder,
-                                                                                ImageProcessor.from_dir(path))
-    return encoder(vcfg, params, processor, args.allowed_local_media_path, int(args.mm_processor_cache_gb * 2**30),
-                   dict(hf_config), unused, tokenizer)
+    # Each tower's encoder and image processor (from the model directory, and for Pixtral its config's merge).
+    encoder, processor = {
+        "pixtral": (PixtralImageEncoder, lambda: pixtral_processor(path, vcfg)),
+        "qwen2_vl": (QwenImageEncoder, lambda: qwen_processor(path)),
+        "llava": (ImageEncoder, lambda: ImageProcessor.from_dir(path)),
+    }[tower.name]
+    if tower.name == "pixtral":  # its row breaks' and end's ids are the tokenizer's
+        vcfg = pixtral_config(vcfg, tokenizer)
+    return encoder(vcfg, params, processor(), args.allowed_local_media_path, int(args.mm_processor_cache_gb * 2**30),
+                   dict(ckpt.hf_config), unused, tokenizer)
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:

@@ -142,10 +142,15 @@ class ImageEncoder:
         and its images (anything `prepare` takes) read, to be encoded as steps reach them. The prompt must hold one
         placeholder per image."""
         images = [self.prepare(image) for image in images]
-        out, spans = self.expand(ids, [self.num_tokens(im) for im in images])
+        out, spans = self.layout(ids, images)
         keys = [-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2) for image in images]
         return out, ImagePrompt(spans, keys, self.cfg.bidirectional, images,
                                 lambda im: self._embeds(im.pixels, im.digest, im.size))
+
+    def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The prompt with each (prepared) image's placeholder expanded to its tokens, and where each image's tokens
+        are (first position, number)."""
+        return self.expand(ids, [self.num_tokens(im) for im in images])
 
     def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """`expand_placeholders` for this model. Gemma 3's placeholder is `<start_of_image>`, which becomes "\n\n",
@@ -209,15 +214,18 @@ class ImageEncoder:
         if count:  # the engine thread's lookups only (a server's thread encodes ahead without counting)
             self.cache_queries += 1
             self.cache_hits += emb is not None
-        if emb is not None:
-            return emb
-        if self.cfg.grid_pinpoints is None:
-            emb = np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
-        else:  # one crop at a time: one compiled encoder for any number of crops
-            feats = np.stack([np.asarray(self._encode(self.params, pixels=jnp.asarray(c)[None])[0]) for c in pixels])
-            emb = pack_anyres(self.cfg, feats, np.asarray(self.params.newline), size)
-        self.cache.put(digest, emb, generation)
+        if emb is None:
+            emb = self._encode_pixels(pixels, size)
+            self.cache.put(digest, emb, generation)
         return emb
+
+    def _encode_pixels(self, pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+        """One image's embeddings [tokens, E] from its pixels (`pixels`) and its size before processing."""
+        if self.cfg.grid_pinpoints is None:
+            return np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
+        # One crop at a time: one compiled encoder for any number of crops.
+        feats = np.stack([np.asarray(self._encode(self.params, pixels=jnp.asarray(c)[None])[0]) for c in pixels])
+        return pack_anyres(self.cfg, feats, np.asarray(self.params.newline), size)
 
 
 @dataclass(frozen=True)
@@ -227,15 +235,14 @@ class ImageSpec:
 
     token_id: int
     placeholder: str  # the image token's text, as a chat template writes it
-    tokens: Callable[[Any], int]  # the tokens a prepared image takes
-    expand: Callable[[Sequence[int], Sequence[int]], tuple[list[int], list[tuple[int, int]]]]  # `ImageEncoder`'s
+    layout: Callable[[Sequence[int], Sequence[PreparedImage]], tuple[list[int], list[tuple[int, int]]]]  # the encoder's
     prepare: Callable[[Any], PreparedImage]  # an image read and processed (`ImageEncoder.prepare`)
     encode_ahead: Callable[[PreparedImage], None]  # its embeddings into the engine's cache (`ImageEncoder`)
     limit: int | None
 
     def expanded(self, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
         """A rendered prompt with its (prepared) images' placeholders expanded."""
-        return self.expand(ids, [self.tokens(im) for im in images])[0]
+        return self.layout(ids, images)[0]
 
     def check_count(self, count: int) -> None:
         check_image_count(count, self.limit)
@@ -255,8 +262,8 @@ def image_spec(engine: Any) -> ImageSpec | None:
     if encoder is None:
         return None
     token = encoder.placeholder_token_id
-    return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.num_tokens,
-                     encoder.expand, encoder.prepare, encoder.encode_ahead, engine.image_limit)
+    return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.layout,
+                     encoder.prepare, encoder.encode_ahead, engine.image_limit)
 
 
 def admit_images(engine: Any, ids: list[int], multi_modal_data: Any) -> tuple[list[int], ImagePrompt | None]:

@@ -57,7 +57,7 @@ class QwenImageEncoder(ImageEncoder):
         t0 = time.perf_counter()
         side = self.processor.factor
         grid = self.processor.grid((side, side))
-        self._encode_image(np.zeros((int(np.prod(grid)), self.cfg.patch_dim), np.float32), grid)
+        self._encode_pixels(np.zeros((int(np.prod(grid)), self.cfg.patch_dim), np.float32), (side, side))
         return time.perf_counter() - t0
 
     def num_tokens(self, image: PreparedImage) -> int:
@@ -79,18 +79,8 @@ class QwenImageEncoder(ImageEncoder):
     def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
         return expand_placeholders(ids, self.cfg.image_token_id, counts)
 
-    def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int], count: bool = True) -> np.ndarray:
-        emb, generation = self.cache.get(digest)
-        if count:
-            self.cache_queries += 1
-            self.cache_hits += emb is not None
-        if emb is None:
-            emb = self._encode_image(pixels, self.processor.grid(size))
-            self.cache.put(digest, emb, generation)
-        return emb
-
-    def _encode_image(self, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
-        return qwen_encode(self.params, self.cfg, patches, grid)
+    def _encode_pixels(self, pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+        return qwen_encode(self.params, self.cfg, pixels, self.processor.grid(size))
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's tensors as the Hub lays out Qwen2-VL's: the language model's names as they are, the

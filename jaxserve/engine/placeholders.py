@@ -47,3 +47,37 @@ def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
         else:
             i += 1
     return runs
+
+
+def expand_grids(ids: Sequence[int], layouts: Sequence[list[int]], image: int,
+                 end: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """`ids` with each image's placeholder (one `image` token) as its layout (Pixtral's rows of image tokens and
+    breaks: `vision_pixtral.pixtral_prompt_tokens`), and where each image's layout is (first position, number of
+    tokens). A prompt holding `end` tokens is taken as expanded already: each image's layout runs from the first of
+    its image tokens to its image end, and must be the image's."""
+    out: list[int] = []
+    spans: list[tuple[int, int]] = []
+    if end in ids:
+        prev = 0
+        for layout in layouts:
+            first = next((j for j in range(prev, len(ids)) if ids[j] == image), None)
+            if first is None or list(ids[first:first + len(layout)]) != layout:
+                raise ValueError(f"the prompt's expanded image {len(spans) + 1} is not that image's layout of "
+                                 f"{len(layout)} tokens: send one placeholder (token {image}) per image instead")
+            spans.append((first, len(layout)))
+            prev = first + len(layout)
+        if image in ids[prev:] or end in ids[prev:]:
+            raise ValueError(f"the prompt holds more expanded images than its {len(layouts)} image(s)")
+        return list(ids), spans
+    at = [j for j, t in enumerate(ids) if t == image]
+    if len(at) != len(layouts):
+        raise ValueError(f"the prompt has {len(at)} image placeholder(s) (token {image}) for {len(layouts)} "
+                         "image(s): put one placeholder where each image goes")
+    prev = 0
+    for j, layout in zip(at, layouts, strict=True):
+        out.extend(ids[prev:j])
+        spans.append((len(out), len(layout)))
+        out.extend(layout)
+        prev = j + 1
+    out.extend(ids[prev:])
+    return out, spans

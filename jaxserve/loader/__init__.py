@@ -112,16 +112,14 @@ def load_vision(ckpt: GGUFFile | HFDirectory, cfg: ModelConfig, dtype: Any,
                 unused: dict[str, np.ndarray] | None = None) -> tuple[Any, Any] | None:
     """An image-text checkpoint's vision config and weights (`models.vision`), on the default device; None for a
     text model. `unused` takes the tower's tensors the model does not read (`load_vision_params`)."""
-    from jaxserve.models.vision import VisionConfig, is_vision_tensor, load_vision_params
-    from jaxserve.models.vision_qwen2 import QwenVisionConfig, is_qwen_vision_tensor, load_qwen_vision_params
+    from jaxserve.models.vision_towers import tower_of
 
-    qcfg = QwenVisionConfig.from_hf(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
-    if qcfg is not None:  # (its merger's width is checked against the language model's as its config is read)
-        return qcfg, load_qwen_vision_params(qcfg, ckpt.tensors(cfg, select=is_qwen_vision_tensor), dtype)
-    vcfg = VisionConfig.from_hf(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
-    if vcfg is None:
+    found = tower_of(ckpt.hf_config) if isinstance(ckpt, HFDirectory) else None
+    if found is None:
         return None
-    if vcfg.text_hidden_size != cfg.hidden_size:
-        raise CheckpointError(f"the vision projector writes {vcfg.text_hidden_size} wide embeddings, the language "
-                              f"model takes {cfg.hidden_size}")
-    return vcfg, load_vision_params(vcfg, ckpt.tensors(cfg, select=is_vision_tensor), dtype, unused)
+    tower, vcfg = found
+    width = getattr(vcfg, "text_hidden_size", getattr(vcfg, "out_hidden_size", None))
+    if width != cfg.hidden_size:
+        raise CheckpointError(f"the vision projector writes {width} wide embeddings, the language model takes "
+                              f"{cfg.hidden_size}")
+    return vcfg, tower.load(vcfg, ckpt.tensors(cfg, select=tower.is_tensor), dtype, unused)

@@ -1,0 +1,133 @@
+"""Pixtral-tower models through the engine (Mistral 3, and LLaVA over a Pixtral tower): tiny random models' greedy
+tokens and logprobs against transformers', each image laid out as its rows of `[IMG]` tokens with row breaks and an
+image end (text tokens keeping their own embeddings), cut across prefill chunks, batched, from the prefix cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.engine_args import EngineArgs  # noqa: E402
+from jaxserve.images_pixtral import PixtralImageProcessor  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from tests.llava_model import random_image  # noqa: E402
+from tests.modelrun import drain  # noqa: E402
+from tests.pixtral_model import IMAGE_BREAK, IMAGE_END, IMAGE_TOKEN, PROCESSOR, save_tiny_pixtral  # noqa: E402
+from tests.qwen2_vl_model import save_word_tokenizer  # noqa: E402
+
+NEW_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+MERGE = {"mistral3": 2, "llava": 1}
+
+
+def text(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 280, n).tolist()
+
+
+PROMPTS = [text(1, 5) + [IMAGE_TOKEN] + text(2, 3) + [IMAGE_TOKEN] + text(3, 4), [IMAGE_TOKEN] + text(4, 6)]
+IMAGES = [[random_image(1, (80, 30)), random_image(2, (31, 50))], [random_image(3, (64, 64))]]
+
+
+@pytest.fixture(scope="module", params=["mistral3", "llava"])
+def pixtral(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_pixtral(path, request.param)
+    with torch.no_grad():  # logits of 0 for the image tokens: never sampled
+        model.lm_head.weight[IMAGE_TOKEN:] = 0.0
+    model.save_pretrained(path, safe_serialization=True)
+    save_word_tokenizer(path, {"[IMG]": IMAGE_TOKEN, "[IMG_BREAK]": IMAGE_BREAK, "[IMG_END]": IMAGE_END}, "[IMG]")
+    return str(path), model, request.param
+
+
+def hf_greedy(model, kind: str, ids: list[int], images) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs (a full forward per token), each image's `[IMG]` laid out as
+    Mistral's processor does: rows of `[IMG]` each ended by `[IMG_BREAK]`, the last by `[IMG_END]`."""
+    pixels = [PixtralImageProcessor.from_dict(PROCESSOR, MERGE[kind])(im) for im in images]
+    unit = 4 * MERGE[kind]
+    layouts = iter([[IMAGE_TOKEN] * (p.shape[2] // unit) + [IMAGE_BREAK] for _ in range(p.shape[1] // unit)]
+                   for p in pixels)
+    expanded = []
+    for i in ids:
+        if i == IMAGE_TOKEN:
+            rows = [t for row in next(layouts) for t in row]
+            expanded += rows[:-1] + [IMAGE_END]
+        else:
+            expanded.append(i)
+    H, W = max(p.shape[1] for p in pixels), max(p.shape[2] for p in pixels)
+    batch = torch.tensor(np.stack([np.pad(p, ((0, 0), (0, H - p.shape[1]), (0, W - p.shape[2]))) for p in pixels]))
+    sizes = torch.tensor([p.shape[1:] for p in pixels])
+    out, lps = [], []
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = model(input_ids=torch.tensor([expanded + out]), pixel_values=batch,
+                           image_sizes=sizes).logits[0, -1]
+            out.append(int(logits.argmax()))
+            lps.append(float(torch.log_softmax(logits.double(), -1)[out[-1]]))
+    return out, lps
+
+
+def engine(path: str, **kw) -> LLMEngine:
+    args = EngineArgs(model=path, **{**dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, page_size=8,
+                                            kv_cache_memory_bytes=2**21, dtype="float32", warmup=False,
+                                            compile_cache_dir=None), **kw})
+    return LLMEngine(args, progress=False)
+
+
+def run(eng: LLMEngine, prompts, images, ids=None) -> list[tuple[list[int], list[float]]]:
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, ims in zip(ids, prompts, images, strict=True):
+        eng.add_request(rid, prompt, GREEDY, multi_modal_data={"image": ims})
+    final = drain(eng)
+    out = []
+    for rid in ids:
+        c = final[rid].outputs[0]
+        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
+    return out
+
+
+def test_pixtral_engine_equals_transformers(pixtral):
+    """Both prompts in one batch, their images cut across 32-token prefill chunks; then each alone, the second time
+    from the prefix cache; an expanded prompt is taken as it is."""
+    path, model, kind = pixtral
+    expected = [hf_greedy(model, kind, p, ims) for p, ims in zip(PROMPTS, IMAGES, strict=True)]
+    eng = engine(path)
+    # Images processed to 24 x 64, 56 x 32 (52 x 32 in 4-pixel patches) and 64 x 64 pixels: rows x (columns + 1).
+    want = {"mistral3": [3 * 9, 7 * 5, 8 * 9], "llava": [6 * 17, 13 * 9, 16 * 17]}[kind]
+    assert [eng.images.num_tokens(eng.images.prepare(im)) for im in IMAGES[0] + IMAGES[1]] == want
+
+    def check(got):
+        for (tokens, lps), (want_tokens, want_lps) in zip(got, expected, strict=True):
+            assert tokens == want_tokens
+            np.testing.assert_allclose(lps, want_lps, atol=2e-4)
+
+    check(run(eng, PROMPTS, IMAGES))
+    hits = eng.scheduler.cache.hit_tokens
+    check(run(eng, PROMPTS[:1], IMAGES[:1], ["a"]) + run(eng, PROMPTS[1:], IMAGES[1:], ["b"]))
+    assert eng.scheduler.cache.hit_tokens - hits > 0
+    expanded, _ = eng.images.layout(PROMPTS[1], [eng.images.prepare(im) for im in IMAGES[1]])
+    check([expected[0]] + run(eng, [expanded], IMAGES[1:], ["c"]))
+    with pytest.raises(ValueError, match="not that image's layout"):
+        eng.add_request("d", expanded[1:], GREEDY, multi_modal_data={"image": IMAGES[1]})  # a row one short
+    eng.check_integrity()
+
+
+def test_pixtral_chat(pixtral):
+    """`LLM.chat` with an image part: the template writes `[IMG]`, which the image's layout replaces."""
+    from jaxserve.llm import LLM
+
+    path, model, kind = pixtral
+    llm = LLM(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, page_size=8,
+              kv_cache_memory_bytes=2**21, dtype="float32", warmup=False, compile_cache_dir=None)
+    image = IMAGES[0][1]
+    message = {"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "image_pil", "image_pil": image},
+                                           {"type": "text", "text": "t7"}]}
+    reply = llm.chat([message], GREEDY)[0]
+    words = "user : t5 [IMG] t7 <eos> assistant :".split()
+    ids = [llm.engine.tokenizer.encode(w, add_special_tokens=False)[0] for w in words]
+    want, _ = hf_greedy(model, kind, ids, [image])
+    assert list(reply.outputs[0].token_ids) == want
+    assert reply.prompt_token_ids.count(IMAGE_END) == 1 and reply.prompt_token_ids[-5] == IMAGE_END  # then "t7 <eos> assistant :"
