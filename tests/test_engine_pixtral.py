@@ -131,3 +131,23 @@ def test_pixtral_chat(pixtral):
     want, _ = hf_greedy(model, kind, ids, [image])
     assert list(reply.outputs[0].token_ids) == want
     assert reply.prompt_token_ids.count(IMAGE_END) == 1 and reply.prompt_token_ids[-5] == IMAGE_END  # then "t7 <eos> assistant :"
+
+
+def test_convert_writes_the_whole_model(pixtral, tmp_path):
+    """`jaxserve convert`: transformers reads every weight back and computes the source's logits over an image; the
+    written model serves as the source does."""
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.loader.export import export_hf
+
+    path, source, kind = pixtral
+    loaded = load_model(EngineArgs(model=path, dtype="float32"), progress=False)
+    out = tmp_path / "out"
+    export_hf(str(out), loaded.config, loaded.params, loaded.tokenizer, vision=loaded.vision)
+    back, info = type(source).from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    pixels = PixtralImageProcessor.from_dict(PROCESSOR, MERGE[kind])(IMAGES[0][0])
+    ids = torch.tensor([loaded.vision.layout([5, IMAGE_TOKEN, 7], [loaded.vision.prepare(IMAGES[0][0])])[0]])
+    kw = dict(input_ids=ids, pixel_values=torch.tensor(pixels[None]), image_sizes=torch.tensor([pixels.shape[1:]]))
+    with torch.no_grad():
+        np.testing.assert_allclose(back.eval()(**kw).logits.numpy(), source(**kw).logits.numpy(), atol=1e-5)
+    assert run(engine(str(out)), PROMPTS[1:], IMAGES[1:]) == run(engine(path), PROMPTS[1:], IMAGES[1:])
