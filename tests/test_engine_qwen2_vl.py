@@ -114,6 +114,7 @@ def test_qwen2_vl_engine_equals_transformers(qwen):
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)  # one variant suffices
 def test_mrope_positions_make_the_difference(qwen, monkeypatch):
     """With every token turned by its position alone (no M-RoPE offsets), the logprobs leave transformers'."""
     path, model = qwen
@@ -145,6 +146,7 @@ def test_convert_writes_the_whole_qwen2_vl_model(qwen, tmp_path):
     assert run(engine(str(out)), PROMPTS[1:], IMAGES[1:]) == run(engine(path), PROMPTS[1:], IMAGES[1:])
 
 
+@pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)  # one variant suffices
 def test_chat_with_an_image(qwen):
     """`LLM.chat` with an image part: the chat template writes `<|vision_start|><|image_pad|><|vision_end|>`, which
     the image's tokens fill; the reply is the engine's for that prompt."""
@@ -163,6 +165,7 @@ def test_chat_with_an_image(qwen):
     assert list(reply.outputs[0].token_ids) == run(engine(path), [ids], [[image]])[0][0]
 
 
+@pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)  # one variant suffices
 def test_disaggregated_prefill_with_images(qwen):
     """Prefill/decode disaggregation (`tests.pd_images`): the decode worker imports the prompt's pages, encodes no
     image, and turns its tokens by the M-RoPE offset the images left: its reply and logprobs are the aggregated
@@ -175,6 +178,7 @@ def test_disaggregated_prefill_with_images(qwen):
     pd_chat_with_images(args, IMAGES[0], 4 * 10 + 6 * 4, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)  # one variant suffices
 def test_speculative_decoding_with_images_equals_plain(qwen):
     """N-gram drafts verified after a prompt with images: each draft row turns by the offset the images left."""
     path, _ = qwen
