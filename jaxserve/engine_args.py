@@ -155,6 +155,9 @@ class EngineArgs:
     limit_mm_per_prompt: Mapping[str, int] | None = None
     allowed_local_media_path: str | None = None  # the directory local image files (paths, file:// URLs) come from
     mm_processor_cache_gb: float = 4.0  # images' embeddings kept by their pixels' hash (a chat resends its images)
+    # The image processor's settings over its preprocessor_config.json's, as vLLM's `--mm-processor-kwargs` (e.g.
+    # Qwen2-VL's {"max_pixels": ...}: fewer tokens an image); the settings each processor takes (`images.py`).
+    mm_processor_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -171,6 +174,9 @@ class EngineArgs:
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
+        if self.mm_processor_kwargs is not None:
+            object.__setattr__(self, "mm_processor_kwargs", dict(json_object(
+                self.mm_processor_kwargs, "mm_processor_kwargs", '{"max_pixels": 1003520}')))
         self._check_runner()
         object.__setattr__(self, "lora_modules", check_lora_args(self))
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -17,6 +17,7 @@ import math
 import os
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,17 +168,8 @@ class ImageProcessor:
 
     @classmethod
     def from_dir(cls, path: str) -> ImageProcessor:
-        """The processor an HF model directory declares (`preprocessor_config.json`, or the `image_processor` of
-        `processor_config.json`)."""
-        for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
-            file = os.path.join(path, name)
-            if os.path.isfile(file):
-                with open(file) as f:
-                    d = json.load(f)
-                d = d.get(key) if key else d
-                if d:
-                    return cls.from_dict(d)
-        raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
+        """The processor an HF model directory declares (`preprocessor_config`)."""
+        return cls.from_dict(preprocessor_config(path))
 
     def __call__(self, image) -> np.ndarray:
         """The image as float32 pixels [C, H, W], normalized; a LLaVA-NeXT processor's: its crops [n, C, S, S], the
@@ -279,6 +271,30 @@ def pixels_digest(pixels: np.ndarray, size: tuple[int, int]) -> bytes:
     return h.digest()
 
 
+# The settings `--mm-processor-kwargs` may change, by processor (`ImageProcessor.from_dir`'s and the others').
+PROCESSOR_SETTINGS = {"qwen2_vl": ("min_pixels", "max_pixels", "size"), "pixtral": ("size",),
+                      "llava": ("do_pan_and_scan",)}
+
+
+def preprocessor_config(path: str, kwargs: Mapping[str, Any] | None = None, kind: str = "llava") -> dict[str, Any]:
+    """The image processor's settings an HF model directory declares (`preprocessor_config.json`, or the
+    `image_processor` of `processor_config.json`), with `--mm-processor-kwargs` over them: only the settings
+    `PROCESSOR_SETTINGS[kind]` names."""
+    other = sorted(set(kwargs or {}) - set(PROCESSOR_SETTINGS[kind]))
+    if other:
+        raise ValueError(f"mm_processor_kwargs {other}: this model's image processor takes "
+                         f"{', '.join(PROCESSOR_SETTINGS[kind])}")
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                d = json.load(f)
+            d = d.get(key) if key else d
+            if d:
+                return {**d, **(kwargs or {})}
+    raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
+
+
 def image_limits(value: Any) -> dict[str, int]:
     """vLLM's `--limit-mm-per-prompt` (a JSON object or a mapping) checked: images only, a count >= 0."""
     from jaxserve.json_options import json_object
@@ -302,6 +318,9 @@ def add_image_args(parser) -> None:
     g.add_argument("--mm-processor-cache-gb", type=float, default=4.0, metavar="GIB",
                    help="host memory for the embeddings of images seen before, by their pixels' hash (a "
                         "conversation sends its images again each turn); 0 turns it off")
+    g.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help="the image processor's settings over the model's, e.g. '{\"max_pixels\": 1003520}' for "
+                        "Qwen2-VL (at most 1280 tokens an image); each processor names the settings it takes")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="a directory whose image files requests may name (a path or a file:// URL); without it "
                         "only data: and http(s) URLs are read")

@@ -95,7 +95,8 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
     for name in _REFUSED_NONEMPTY:
         if body.get(name):
-            raise bad_field(name, f"'{name}' is not supported by this server", "unsupported_parameter")
+            hint = " per request (the server's --mm-processor-kwargs sets them)" if name == "mm_processor_kwargs" else ""
+            raise bad_field(name, f"'{name}' is not supported by this server{hint}", "unsupported_parameter")
     suffix = body.get("suffix")
     if suffix:
         raise bad_field("suffix", "'suffix' is not supported by this server", "unsupported_parameter")

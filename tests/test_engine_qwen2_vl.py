@@ -53,10 +53,10 @@ def qwen(request, tmp_path_factory):
     return str(path), model
 
 
-def hf_greedy(model, ids: list[int], images) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their logprobs (a full forward per token), its processor expanding each
-    image's `<|image_pad|>` to the image's tokens."""
-    fields = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
+def hf_greedy(model, ids: list[int], images, fields=None) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs (a full forward per token), its processor (of `fields`, by
+    default the models') expanding each image's `<|image_pad|>` to the image's tokens."""
+    fields = fields or {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
     processed = transformers.Qwen2VLImageProcessorPil(**fields)(images, return_tensors="pt")
     grids = processed["image_grid_thw"].tolist()
     counts = iter(t * h * w // 4 for t, h, w in grids)
@@ -191,3 +191,21 @@ def test_speculative_decoding_with_images_equals_plain(qwen):
         for (_, a), (_, b) in zip(got, plain, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-4)
         assert spec.stats().spec_num_drafts > 0
+
+
+@pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)
+def test_mm_processor_kwargs_set_the_processor(qwen):
+    """`--mm-processor-kwargs '{"max_pixels": 1024}'`: an image takes fewer tokens (80 x 30 pixels: 16 x 48 instead of
+    32 x 80, 12 tokens instead of 40), and its reply is transformers' for pixels processed so; a setting the
+    processor does not take is refused by name."""
+    path, model = qwen
+    eng = engine(path, mm_processor_kwargs='{"max_pixels": 1024}')
+    image = IMAGES[0][0]
+    assert eng.images.num_tokens(eng.images.prepare(image)) == 12
+    fields = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
+    want = hf_greedy(model, [5, *image_part(), 7], [image], {**fields, "max_pixels": 1024})
+    (tokens, lps), = run(eng, [[5, *image_part(), 7]], [[image]])
+    assert tokens == want[0] and np.allclose(lps, want[1], atol=2e-4)
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs \['resample'\]: this model's image processor takes "
+                                         "min_pixels, max_pixels, size"):
+        engine(path, mm_processor_kwargs={"resample": 2})

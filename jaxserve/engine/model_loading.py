@@ -126,9 +126,11 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
-    from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config, pixtral_processor
-    from jaxserve.engine.multimodal_qwen import QwenImageEncoder, qwen_processor
-    from jaxserve.images import ImageProcessor
+    from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config
+    from jaxserve.engine.multimodal_qwen import QwenImageEncoder
+    from jaxserve.images import ImageProcessor, preprocessor_config
+    from jaxserve.images_pixtral import PixtralImageProcessor
+    from jaxserve.images_qwen2 import QwenImageProcessor
     from jaxserve.models.vision_towers import tower_of
 
     found = tower_of(ckpt.hf_config) if hasattr(ckpt, "hf_config") else None
@@ -140,11 +142,13 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         params = tower.random(vcfg, dtype, args.seed)
     else:
         vcfg, params = load_vision(ckpt, cfg, dtype, unused)
-    # Each tower's encoder and image processor (from the model directory, and for Pixtral its config's merge).
+    # Each tower's encoder and image processor (the model directory's settings under --mm-processor-kwargs; for
+    # Pixtral, resizing to whole merged patches).
+    settings = preprocessor_config(path, args.mm_processor_kwargs, tower.name)
     encoder, processor = {
-        "pixtral": (PixtralImageEncoder, lambda: pixtral_processor(path, vcfg)),
-        "qwen2_vl": (QwenImageEncoder, lambda: qwen_processor(path)),
-        "llava": (ImageEncoder, lambda: ImageProcessor.from_dir(path)),
+        "pixtral": (PixtralImageEncoder, lambda: PixtralImageProcessor.from_dict(settings, vcfg.spatial_merge_size)),
+        "qwen2_vl": (QwenImageEncoder, lambda: QwenImageProcessor.from_dict(settings)),
+        "llava": (ImageEncoder, lambda: ImageProcessor.from_dict(settings)),
     }[tower.name]
     if tower.name == "pixtral":  # its row breaks' and end's ids are the tokenizer's
         vcfg = pixtral_config(vcfg, tokenizer)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -43,15 +41,6 @@ def pixtral_config(cfg: PixtralVisionConfig, tokenizer: Any) -> PixtralVisionCon
     if missing:
         raise ImageError(f"the tokenizer has no {' or '.join(missing)} token: a Pixtral image cannot be laid out")
     return dataclasses.replace(cfg, **{k: v for k, v in ids.items() if getattr(cfg, k) is None})
-
-
-def pixtral_processor(path: str, cfg: PixtralVisionConfig) -> PixtralImageProcessor:
-    """The image processor a model directory declares (`preprocessor_config.json`), resizing to whole merged patches."""
-    file = os.path.join(path, "preprocessor_config.json")
-    if not os.path.isfile(file):
-        raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
-    with open(file) as f:
-        return PixtralImageProcessor.from_dict(json.load(f), cfg.spatial_merge_size)
 
 
 class PixtralImageEncoder(ImageEncoder):

@@ -10,8 +10,6 @@ prompt keeps each image's token grid (`ImagePrompt.grids`) for the steps' rotary
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -30,15 +28,6 @@ from jaxserve.models.vision_qwen2 import (
     qwen_tokens,
     qwen_vision_tensors,
 )
-
-
-def qwen_processor(path: str) -> QwenImageProcessor:
-    """The image processor a Qwen2-VL model directory declares (`preprocessor_config.json`)."""
-    file = os.path.join(path, "preprocessor_config.json")
-    if not os.path.isfile(file):
-        raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
-    with open(file) as f:
-        return QwenImageProcessor.from_dict(json.load(f))
 
 
 class QwenImageEncoder(ImageEncoder):
