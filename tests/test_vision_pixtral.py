@@ -21,7 +21,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
 from jaxserve.images import ImageError  # noqa: E402
 from jaxserve.images_pixtral import PixtralImageProcessor  # noqa: E402
-from jaxserve.models import vision_pixtral, vision_qwen2  # noqa: E402
+from jaxserve.models import vision_blocks, vision_pixtral  # noqa: E402
 from jaxserve.models.vision_pixtral import (  # noqa: E402
     PixtralVisionConfig,
     is_pixtral_vision_tensor,
@@ -229,7 +229,7 @@ def test_feature_layer_and_query_blocks(tmp_path, processed, monkeypatch):
     assert cfg.layers_run == 1
     params = load_pixtral_vision_params(cfg, load_file(os.path.join(tmp_path, "model.safetensors")).items(),
                                         jnp.float32)
-    monkeypatch.setattr(vision_qwen2, "QUERY_BLOCK", 64)
+    monkeypatch.setattr(vision_blocks, "QUERY_BLOCK", 64)
     monkeypatch.setattr(vision_pixtral, "_encode_jit", fresh_jit())
     images = processed["llava"]
     assert vision_pixtral.qwen_bucket(sum(p.shape[1] * p.shape[2] // 16 for p in images)) == 256
@@ -243,10 +243,10 @@ def test_mutations_fail(pixtral, processed, monkeypatch):
     model, cfg, params, _ = pixtral["mistral3"]
     images = processed["mistral3"]
     refs = reference(model, images)
-    rotary, attend = vision_pixtral._rotary, vision_pixtral._attend
+    rotary, attend = vision_pixtral._rotary, vision_pixtral.attend
     mutations = {  # name -> (module attribute, its replacement)
         "rows and columns": ("_rotary", lambda cfg, pos: rotary(cfg, pos[:, ::-1])),
-        "attention across images": ("_attend", lambda q, k, v, seg: attend(q, k, v, jnp.where(seg >= 0, 0, -1))),
+        "attention across images": ("attend", lambda q, k, v, seg: attend(q, k, v, jnp.where(seg >= 0, 0, -1))),
     }
     for name, (attribute, wrong) in mutations.items():
         with monkeypatch.context() as m:

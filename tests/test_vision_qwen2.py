@@ -197,9 +197,9 @@ def test_attention_by_blocks_of_queries(qwen, processed, monkeypatch):
     """The attention run 64 queries at a time (of a 256-patch bucket) equals transformers' too."""
     import jax
 
-    from jaxserve.models import vision_qwen2
+    from jaxserve.models import vision_blocks, vision_qwen2
 
-    monkeypatch.setattr(vision_qwen2, "QUERY_BLOCK", 64)
+    monkeypatch.setattr(vision_blocks, "QUERY_BLOCK", 64)
     monkeypatch.setattr(vision_qwen2, "_encode_jit", jax.jit(vision_qwen2._encode_padded, static_argnums=1))
     model, cfg, params, _ = qwen["qwen2_5_vl"]
     assert qwen_bucket(sum(p.shape[0] for p, _ in processed)) == 256

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
-from jaxserve.models.vision_qwen2 import _ACTS, _attend, _rotate
+from jaxserve.models.vision_blocks import ACTIVATIONS, attend, rotate
 from jaxserve.models.vision_qwen2_layout import qwen_bucket
 
 # transformers' PixtralVisionConfig defaults, then those Mistral3Config gives a vision_config it leaves out whole.
@@ -127,8 +127,8 @@ class PixtralVisionConfig:
             raise UnsupportedModelError(f"vision width {width} over {heads} heads: the 2D rotary embedding needs a "
                                         "head size divisible by 4")
         for act in (v["hidden_act"], top["projector_hidden_act"]):
-            if act not in _ACTS:
-                raise UnsupportedModelError(f"activation {act!r} is not supported (supported: {', '.join(_ACTS)})")
+            if act not in ACTIVATIONS:
+                raise UnsupportedModelError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         rope = v.get("rope_parameters") or {}
         if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
             raise UnsupportedModelError(f"vision rope_type {rope.get('rope_type', rope.get('type'))!r}: only "
@@ -305,11 +305,11 @@ def _block(cfg: PixtralVisionConfig, x: jax.Array, lp: dict[str, jax.Array], rop
     heads = lambda a: a.reshape(N, cfg.num_heads, cfg.head_dim)  # noqa: E731  [N, H, D]
     with jax.named_scope("pixtral_vision_attention"):
         h = _rms_norm(x, lp["attention_norm"], cfg.norm_eps)
-        q, k = _rotate(heads(h @ lp["wq"]), *rope), _rotate(heads(h @ lp["wk"]), *rope)
-        x = x + _attend(q, k, heads(h @ lp["wv"]), seg).reshape(N, E) @ lp["wo"]
+        q, k = rotate(heads(h @ lp["wq"]), *rope), rotate(heads(h @ lp["wk"]), *rope)
+        x = x + attend(q, k, heads(h @ lp["wv"]), seg).reshape(N, E) @ lp["wo"]
     with jax.named_scope("pixtral_vision_mlp"):
         h = _rms_norm(x, lp["ffn_norm"], cfg.norm_eps)
-        return x + (_ACTS[cfg.hidden_act](h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+        return x + (ACTIVATIONS[cfg.hidden_act](h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
 
 
 def _encode_padded(params: PixtralVisionParams, cfg: PixtralVisionConfig, patches: jax.Array, pos: jax.Array,
@@ -328,7 +328,7 @@ def _encode_padded(params: PixtralVisionParams, cfg: PixtralVisionConfig, patche
             x = _rms_norm(x, p["norm"], cfg.projector_norm_eps)
             # a square's vector runs over (feature, row in the square, column in the square)
             x = x.reshape(B // m**2, m**2, E).transpose(0, 2, 1).reshape(B // m**2, E * m**2) @ p["merge"]
-        act = _ACTS[cfg.projector_hidden_act]
+        act = ACTIVATIONS[cfg.projector_hidden_act]
         h = act(x @ p["w1"] + p.get("b1", 0))
         return h @ p["w2"] + p.get("b2", 0)
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models.vision_blocks import ACTIVATIONS, attend, rotate
 from jaxserve.models.vision_qwen2_layout import BUCKET_UNIT, qwen_bucket, qwen_layout  # noqa: F401 (here too)
 
 QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -41,11 +42,7 @@ _DEFAULTS = {
                        out_hidden_size=3584, fullatt_block_indexes=(7, 15, 23, 31)),
 }
 _TOKENS = dict(image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653)
-_ACTS = {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x), "silu": jax.nn.silu,
-         "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-         "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 _PREFIXES = ("model.visual.", "visual.")  # transformers 5's model tree, the Hub's (and transformers 5's files)
-QUERY_BLOCK = 1024  # patches whose attention is computed at once
 
 
 @dataclass(frozen=True)
@@ -117,9 +114,9 @@ class QwenVisionConfig:
                                         "head size divisible by 4")
         if v.get("head_dim") not in (None, embed // heads):
             raise UnsupportedModelError(f"vision_config head_dim {v['head_dim']} differs from width / heads")
-        if v["hidden_act"] not in _ACTS:
+        if v["hidden_act"] not in ACTIVATIONS:
             raise UnsupportedModelError(f"vision hidden_act {v['hidden_act']!r} is not supported "
-                                        f"(supported: {', '.join(_ACTS)})")
+                                        f"(supported: {', '.join(ACTIVATIONS)})")
         rope = v.get("rope_parameters") or {}
         if rope.get("rope_type", rope.get("type", "axial")) not in ("axial", "default"):
             raise UnsupportedModelError(f"vision rope_type {rope.get('rope_type')!r}: only the axial 2D rotary "
@@ -284,28 +281,6 @@ def _rotary(cfg: QwenVisionConfig, pos: jax.Array) -> tuple[jax.Array, jax.Array
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [N, H, D] rotated (in float32) by cos, sin [N, D]: each dimension paired with the one half a head away."""
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    turned = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * cos[:, None] + turned * sin[:, None]).astype(x.dtype)
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
-    """Attention of patches q, k, v [N, H, D] within their segments (seg [N]), QUERY_BLOCK queries at a time, so
-    the scores held at once are [H, QUERY_BLOCK, N], not [H, N, N]."""
-    (N, H, D), Q = q.shape, min(q.shape[0], QUERY_BLOCK)
-
-    def block(i: jax.Array) -> jax.Array:
-        qb, sb = jax.lax.dynamic_slice_in_dim(q, i * Q, Q), jax.lax.dynamic_slice_in_dim(seg, i * Q, Q)
-        scores = jnp.einsum("qhd,khd->hqk", qb, k, preferred_element_type=jnp.float32) * D**-0.5
-        scores = jnp.where(sb[:, None] == seg[None, :], scores, jnp.finfo(jnp.float32).min)  # [H, Q, N]
-        return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
-
-    return jax.lax.map(block, jnp.arange(N // Q)).reshape(N, H, D)
-
-
 def _block(cfg: QwenVisionConfig, x: jax.Array, lp: dict[str, jax.Array], rope: tuple[jax.Array, jax.Array],
            seg: jax.Array) -> jax.Array:
     """One pre-norm block over the patches x [N, E]; a patch attends to the patches of its segment (seg [N])."""
@@ -313,11 +288,11 @@ def _block(cfg: QwenVisionConfig, x: jax.Array, lp: dict[str, jax.Array], rope: 
     with jax.named_scope("qwen_vision_attention"):
         h = _norm(cfg, x, lp["norm1"], lp.get("norm1_b"))
         qkv = (h @ lp["wqkv"] + lp["bqkv"]).reshape(N, 3, cfg.num_heads, cfg.head_dim)  # q, k, v: [N, H, D] each
-        q, k, v = _rotate(qkv[:, 0], *rope), _rotate(qkv[:, 1], *rope), qkv[:, 2]
-        x = x + _attend(q, k, v, seg).reshape(N, E) @ lp["wo"] + lp["bo"]
+        q, k, v = rotate(qkv[:, 0], *rope), rotate(qkv[:, 1], *rope), qkv[:, 2]
+        x = x + attend(q, k, v, seg).reshape(N, E) @ lp["wo"] + lp["bo"]
     with jax.named_scope("qwen_vision_mlp"):
         h = _norm(cfg, x, lp["norm2"], lp.get("norm2_b"))
-        act = _ACTS[cfg.hidden_act]
+        act = ACTIVATIONS[cfg.hidden_act]
         if cfg.variant == "qwen2_vl":
             return x + act(h @ lp["fc1"] + lp["fc1_b"]) @ lp["fc2"] + lp["fc2_b"]
         return x + (act(h @ lp["gate"] + lp["gate_b"]) * (h @ lp["up"] + lp["up_b"])) @ lp["down"] + lp["down_b"]
