@@ -228,6 +228,26 @@ class ImageProcessor:
         return out
 
 
+def scaled_pixels(image, size: tuple[int, int], resample: int, rescale: float | None,
+                  mean: tuple[float, ...] | None, std: tuple[float, ...]) -> np.ndarray:
+    """A PIL image resized to (height, width) `size` (when it differs) with `resample`, as float32 pixels [C, H, W],
+    rescaled and (with `mean`) normalized per channel, as transformers' PIL processors compute them."""
+    height, width = size
+    if (height, width) != (image.height, image.width):
+        image = image.resize((width, height), resample=_pil().Resampling(resample))
+    pixels = np.array(image)
+    pixels = pixels[None] if pixels.ndim == 2 else np.moveaxis(pixels, -1, 0)  # [C, H, W]
+    if rescale is not None:
+        pixels = (pixels.astype(np.float64) * rescale).astype(np.float32)
+    pixels = pixels.astype(np.float32)
+    if mean is not None:
+        if pixels.shape[0] != len(mean):
+            raise ImageError(f"an image of {pixels.shape[0]} channels: the processor normalizes {len(mean)} (turn "
+                             "do_convert_rgb on)")
+        pixels = (pixels - np.asarray(mean, np.float32)[:, None, None]) / np.asarray(std, np.float32)[:, None, None]
+    return np.ascontiguousarray(pixels, np.float32)
+
+
 def best_resolution(size: tuple[int, int], pinpoints: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     """transformers' `select_best_resolution`: of the (height, width) pinpoints, the one keeping most of the
     image's pixels once it is scaled to fit, then the one wasting fewest."""

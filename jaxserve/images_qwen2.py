@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
-from jaxserve.images import ImageError, _pil, _rgb
+from jaxserve.images import ImageError, _pil, _rgb, scaled_pixels
 
 _KINDS = ("Qwen2VLImageProcessor",)
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -119,21 +119,9 @@ class QwenImageProcessor:
     def __call__(self, image) -> np.ndarray:
         """A PIL image as float32 patches [t * h * w, C * T * P * P] (see the module's docstring for the order)."""
         image = _rgb(image) if self.convert_rgb else image
-        height, width = self.resized_size((image.height, image.width))
-        if (height, width) != (image.height, image.width):
-            image = image.resize((width, height), resample=_pil().Resampling(self.resample))
-        pixels = np.array(image)
-        pixels = pixels[None] if pixels.ndim == 2 else np.moveaxis(pixels, -1, 0)  # [C, H, W]
-        if self.rescale is not None:
-            pixels = (pixels.astype(np.float64) * self.rescale).astype(np.float32)
-        if self.mean is not None:
-            pixels = pixels.astype(np.float32)
-            if pixels.shape[0] != len(self.mean):
-                raise ImageError(f"an image of {pixels.shape[0]} channels: the processor normalizes "
-                                 f"{len(self.mean)} (turn do_convert_rgb on)")
-            pixels = (pixels - np.asarray(self.mean, np.float32)[:, None, None]) / np.asarray(self.std, np.float32)[
-                :, None, None]
-        return self.patches(pixels.astype(np.float32))
+        size = self.resized_size((image.height, image.width))
+        pixels = scaled_pixels(image, size, self.resample, self.rescale, self.mean, self.std)
+        return self.patches(pixels)
 
     def patches(self, pixels: np.ndarray) -> np.ndarray:
         """Processed pixels [C, H, W] cut into the flattened patches [h * w, C * T * P * P] of a still image."""

@@ -73,3 +73,27 @@ def drain(engine) -> dict:
                 final[out.request_id] = out
     engine.check_integrity()
     return final
+
+
+def image_engine(path: str, **kw):
+    """An engine over a tiny image-text model directory: float32, 32-token steps, no warmup."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+
+    args = EngineArgs(model=path, **{**dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, page_size=8,
+                                            kv_cache_memory_bytes=2**21, dtype="float32", warmup=False,
+                                            compile_cache_dir=None), **kw})
+    return LLMEngine(args, progress=False)
+
+
+def run_images(engine, prompts, images, params, ids=None) -> list[tuple[list[int], list[float]]]:
+    """Each prompt with its images run to the end together: its tokens and their logprobs (`params` asks for them)."""
+    ids = ids or [f"r{i}" for i in range(len(prompts))]
+    for rid, prompt, ims in zip(ids, prompts, images, strict=True):
+        engine.add_request(rid, prompt, params, multi_modal_data={"image": ims})
+    final = drain(engine)
+    out = []
+    for rid in ids:
+        c = final[rid].outputs[0]
+        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
+    return out

@@ -15,7 +15,7 @@ from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.images_pixtral import PixtralImageProcessor  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import drain  # noqa: E402
+from tests.modelrun import image_engine, run_images  # noqa: E402
 from tests.pixtral_model import IMAGE_BREAK, IMAGE_END, IMAGE_TOKEN, PROCESSOR, save_tiny_pixtral  # noqa: E402
 from tests.qwen2_vl_model import save_word_tokenizer  # noqa: E402
 
@@ -71,22 +71,11 @@ def hf_greedy(model, kind: str, ids: list[int], images) -> tuple[list[int], list
 
 
 def engine(path: str, **kw) -> LLMEngine:
-    args = EngineArgs(model=path, **{**dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, page_size=8,
-                                            kv_cache_memory_bytes=2**21, dtype="float32", warmup=False,
-                                            compile_cache_dir=None), **kw})
-    return LLMEngine(args, progress=False)
+    return image_engine(path, **kw)
 
 
 def run(eng: LLMEngine, prompts, images, ids=None) -> list[tuple[list[int], list[float]]]:
-    ids = ids or [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt, ims in zip(ids, prompts, images, strict=True):
-        eng.add_request(rid, prompt, GREEDY, multi_modal_data={"image": ims})
-    final = drain(eng)
-    out = []
-    for rid in ids:
-        c = final[rid].outputs[0]
-        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
-    return out
+    return run_images(eng, prompts, images, GREEDY, ids)
 
 
 def test_pixtral_engine_equals_transformers(pixtral):

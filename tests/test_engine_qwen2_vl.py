@@ -15,7 +15,7 @@ from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import drain  # noqa: E402
+from tests.modelrun import image_engine, run_images  # noqa: E402
 from tests.qwen2_vl_model import (  # noqa: E402
     IMAGE_TOKEN,
     PROCESSOR,
@@ -74,22 +74,11 @@ def hf_greedy(model, ids: list[int], images, fields=None) -> tuple[list[int], li
 
 
 def engine(path: str, **kw) -> LLMEngine:
-    args = EngineArgs(model=path, **{**dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
-                                            kv_cache_memory_bytes=2**21, dtype="float32", warmup=False,
-                                            compile_cache_dir=None), **kw})
-    return LLMEngine(args, progress=False)
+    return image_engine(path, **kw)
 
 
 def run(eng: LLMEngine, prompts, images, ids=None) -> list[tuple[list[int], list[float]]]:
-    ids = ids or [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt, ims in zip(ids, prompts, images, strict=True):
-        eng.add_request(rid, prompt, GREEDY, multi_modal_data={"image": ims})
-    final = drain(eng)
-    out = []
-    for rid in ids:
-        c = final[rid].outputs[0]
-        out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
-    return out
+    return run_images(eng, prompts, images, GREEDY, ids)
 
 
 def test_qwen2_vl_engine_equals_transformers(qwen):
