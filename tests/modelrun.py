@@ -86,7 +86,7 @@ def image_engine(path: str, **kw):
     return LLMEngine(args, progress=False)
 
 
-def run_images(engine, prompts, images, params, ids=None) -> list[tuple[list[int], list[float]]]:
+def run_images(engine, prompts, images, ids=None, *, params) -> list[tuple[list[int], list[float]]]:
     """Each prompt with its images run to the end together: its tokens and their logprobs (`params` asks for them)."""
     ids = ids or [f"r{i}" for i in range(len(prompts))]
     for rid, prompt, ims in zip(ids, prompts, images, strict=True):
@@ -97,3 +97,18 @@ def run_images(engine, prompts, images, params, ids=None) -> list[tuple[list[int
         c = final[rid].outputs[0]
         out.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
     return out
+
+
+def torch_greedy(forward, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """A torch model's n greedy tokens after `ids` and their logprobs, a full forward per token (`forward(ids)`: the
+    last position's logits)."""
+    import torch
+
+    out: list[int] = []
+    lps: list[float] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = forward(ids + out)
+            out.append(int(logits.argmax()))
+            lps.append(float(torch.log_softmax(logits.double(), -1)[out[-1]]))
+    return out, lps

@@ -4,18 +4,19 @@ image end (text tokens keeping their own embeddings), cut across prefill chunks,
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.images_pixtral import PixtralImageProcessor  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import image_engine, run_images  # noqa: E402
+from tests.modelrun import image_engine, run_images, torch_greedy  # noqa: E402
 from tests.pixtral_model import IMAGE_BREAK, IMAGE_END, IMAGE_TOKEN, PROCESSOR, save_tiny_pixtral  # noqa: E402
 from tests.qwen2_vl_model import save_word_tokenizer  # noqa: E402
 
@@ -60,22 +61,12 @@ def hf_greedy(model, kind: str, ids: list[int], images) -> tuple[list[int], list
     H, W = max(p.shape[1] for p in pixels), max(p.shape[2] for p in pixels)
     batch = torch.tensor(np.stack([np.pad(p, ((0, 0), (0, H - p.shape[1]), (0, W - p.shape[2]))) for p in pixels]))
     sizes = torch.tensor([p.shape[1:] for p in pixels])
-    out, lps = [], []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            logits = model(input_ids=torch.tensor([expanded + out]), pixel_values=batch,
-                           image_sizes=sizes).logits[0, -1]
-            out.append(int(logits.argmax()))
-            lps.append(float(torch.log_softmax(logits.double(), -1)[out[-1]]))
-    return out, lps
+    return torch_greedy(lambda ids: model(input_ids=torch.tensor([ids]), pixel_values=batch,
+                                          image_sizes=sizes).logits[0, -1], expanded, NEW_TOKENS)
 
 
-def engine(path: str, **kw) -> LLMEngine:
-    return image_engine(path, **kw)
-
-
-def run(eng: LLMEngine, prompts, images, ids=None) -> list[tuple[list[int], list[float]]]:
-    return run_images(eng, prompts, images, GREEDY, ids)
+engine = image_engine
+run = functools.partial(run_images, params=GREEDY)
 
 
 def test_pixtral_engine_equals_transformers(pixtral):

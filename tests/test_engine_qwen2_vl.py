@@ -4,6 +4,8 @@ positions (an image's tokens by their place in it, the text after it drawn back)
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -11,11 +13,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.engine.image_prompt import ImagePrompt  # noqa: E402
-from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import image_engine, run_images  # noqa: E402
+from tests.modelrun import image_engine, run_images, torch_greedy  # noqa: E402
 from tests.qwen2_vl_model import (  # noqa: E402
     IMAGE_TOKEN,
     PROCESSOR,
@@ -61,24 +62,16 @@ def hf_greedy(model, ids: list[int], images, fields=None) -> tuple[list[int], li
     grids = processed["image_grid_thw"].tolist()
     counts = iter(t * h * w // 4 for t, h, w in grids)
     expanded = [x for i in ids for x in ([i] * next(counts) if i == IMAGE_TOKEN else [i])]
-    out, lps = [], []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids_t = torch.tensor([expanded + out])
-            logits = model(input_ids=ids_t, pixel_values=processed["pixel_values"],
-                           image_grid_thw=processed["image_grid_thw"],
-                           mm_token_type_ids=(ids_t == IMAGE_TOKEN).int()).logits[0, -1]
-            out.append(int(logits.argmax()))
-            lps.append(float(torch.log_softmax(logits.double(), -1)[out[-1]]))
-    return out, lps
+    def forward(ids: list[int]):
+        ids_t = torch.tensor([ids])
+        return model(input_ids=ids_t, pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
+                     mm_token_type_ids=(ids_t == IMAGE_TOKEN).int()).logits[0, -1]
+
+    return torch_greedy(forward, expanded, NEW_TOKENS)
 
 
-def engine(path: str, **kw) -> LLMEngine:
-    return image_engine(path, **kw)
-
-
-def run(eng: LLMEngine, prompts, images, ids=None) -> list[tuple[list[int], list[float]]]:
-    return run_images(eng, prompts, images, GREEDY, ids)
+engine = image_engine
+run = functools.partial(run_images, params=GREEDY)
 
 
 def test_qwen2_vl_engine_equals_transformers(qwen):
@@ -142,7 +135,7 @@ def test_chat_with_an_image(qwen):
     from jaxserve.llm import LLM
 
     path, _ = qwen
-    llm = LLM(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
+    llm = LLM(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, page_size=8,
               kv_cache_memory_bytes=2**21, dtype="float32", warmup=False, compile_cache_dir=None)
     image = IMAGES[0][1]
     message = {"role": "user", "content": [{"type": "text", "text": "t5 t6"},
@@ -162,7 +155,7 @@ def test_disaggregated_prefill_with_images(qwen):
     from tests.pd_images import pd_chat_with_images
 
     path, _ = qwen
-    args = EngineArgs(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, page_size=8,
+    args = EngineArgs(model=path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512, page_size=8,
                       kv_cache_memory_bytes=2**21, dtype="float32", warmup=False, compile_cache_dir=None)
     pd_chat_with_images(args, IMAGES[0], 4 * 10 + 6 * 4, NEW_TOKENS)
 
