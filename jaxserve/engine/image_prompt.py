@@ -72,8 +72,8 @@ class ImagePrompt:
         id; the text in a span (`takes`) as it is."""
         out = list(ids)
         for i, ((start, n), key) in enumerate(zip(self.spans, self.keys, strict=True)):
-            takes = np.ones(n, np.bool_) if self.takes is None else self.takes[i]
-            out[start:start + n] = [key if take else t for take, t in zip(takes, ids[start:start + n], strict=True)]
+            out[start:start + n] = [key] * n if self.takes is None else \
+                np.where(self.takes[i], key, ids[start:start + n]).tolist()
         return out
 
     def fill(self, start: int, count: int, out: np.ndarray, mask: np.ndarray, t0: int, last: np.ndarray) -> None:

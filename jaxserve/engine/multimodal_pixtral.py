@@ -49,10 +49,6 @@ class PixtralImageEncoder(ImageEncoder):
     cfg: PixtralVisionConfig
     processor: PixtralImageProcessor
 
-    @property
-    def placeholder_token_id(self) -> int:
-        return self.cfg.image_token_id
-
     def warmup(self) -> float:
         """Compile the tower for the smallest image (its bucket of patches); larger ones compile as they first come."""
         t0, side = time.perf_counter(), self.cfg.patch_size * self.cfg.spatial_merge_size

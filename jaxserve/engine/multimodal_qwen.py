@@ -18,7 +18,6 @@ import numpy as np
 
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import ImageEncoder, PreparedImage
-from jaxserve.engine.placeholders import expand_placeholders
 from jaxserve.images import ImageError
 from jaxserve.images_qwen2 import QwenImageProcessor
 from jaxserve.models.vision_qwen2 import (
@@ -35,10 +34,6 @@ class QwenImageEncoder(ImageEncoder):
 
     cfg: QwenVisionConfig
     processor: QwenImageProcessor
-
-    @property
-    def placeholder_token_id(self) -> int:
-        return self.cfg.image_token_id
 
     def warmup(self) -> float:
         """Compile the tower for the smallest image the processor makes (its bucket of patches); images in larger
@@ -64,9 +59,6 @@ class QwenImageEncoder(ImageEncoder):
         out, prompt = super().prompt(ids, images)
         prompt.grids = [qwen_token_grid(self.processor.grid(image.size), self.cfg) for image in prompt.images]
         return out, prompt
-
-    def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        return expand_placeholders(ids, self.cfg.image_token_id, counts)
 
     def _encode_pixels(self, pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
         return qwen_encode(self.params, self.cfg, pixels, self.processor.grid(size))

@@ -54,10 +54,9 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, lon
             long = long | long_prompt
         inv_long = jnp.asarray(np.asarray(rope_inv_freq_and_scale(cfg, local, long=True)[0], np.float32))
         inv = jnp.where(long[:, None], inv_long[None, :], inv)  # [T, D/2]
-    if cfg.mrope_section is not None:
+    if cfg.mrope_section is not None and offsets is not None:  # (without offsets every axis is the position)
         axis = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)  # each pair's axis
-        turned = positions[None, :] if offsets is None else positions[None, :] + offsets  # [3 or 1, T]
-        angles = turned[np.minimum(axis, turned.shape[0] - 1)].T.astype(jnp.float32) * inv  # [T, D/2]
+        angles = (positions[None, :] + offsets)[axis].T.astype(jnp.float32) * inv  # [T, D/2]
     else:
         angles = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]

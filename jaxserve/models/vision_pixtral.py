@@ -80,6 +80,7 @@ class PixtralVisionConfig:
     norm_eps: float = 1e-5  # transformers fixes it for the tower's norms
     projector_norm_eps: float = 1e-6  # Mistral 3's norm before the merger: the language model's rms_norm_eps
     bidirectional = False  # (not a field) the language model attends causally over an image's tokens
+    boi_token_id = None  # (not a field) no start-of-image token: the image token is the placeholder
 
     @property
     def head_dim(self) -> int:

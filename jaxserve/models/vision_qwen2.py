@@ -68,6 +68,7 @@ class QwenVisionConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6  # transformers fixes it for every norm of the tower and merger
     bidirectional = False  # (not a field) the language model attends causally over an image's tokens
+    boi_token_id = None  # (not a field) no start-of-image token: the image token is the placeholder
 
     @property
     def head_dim(self) -> int:
