@@ -112,3 +112,11 @@ def torch_greedy(forward, ids: list[int], n: int) -> tuple[list[int], list[float
             out.append(int(logits.argmax()))
             lps.append(float(torch.log_softmax(logits.double(), -1)[out[-1]]))
     return out, lps
+
+
+def assert_same_greedy(got, expected, atol: float = 2e-4) -> None:
+    """Runs' (tokens, logprobs) the expected ones: the same tokens, logprobs within `atol`."""
+    assert len(got) == len(expected)
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(lps, want_lps, atol=atol)

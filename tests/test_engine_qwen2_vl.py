@@ -16,7 +16,7 @@ from jaxserve.engine.image_prompt import ImagePrompt  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import image_engine, run_images, torch_greedy  # noqa: E402
+from tests.modelrun import assert_same_greedy, image_engine, run_images, torch_greedy  # noqa: E402
 from tests.qwen2_vl_model import (  # noqa: E402
     IMAGE_TOKEN,
     PROCESSOR,
@@ -84,14 +84,9 @@ def test_qwen2_vl_engine_equals_transformers(qwen):
     counts = [eng.images.num_tokens(eng.images.prepare(im)) for im in IMAGES[0] + IMAGES[1]]
     assert counts == [4 * 10, 6 * 4, 8 * 8]
 
-    def check(got):
-        for (tokens, lps), (want_tokens, want_lps) in zip(got, expected, strict=True):
-            assert tokens == want_tokens
-            np.testing.assert_allclose(lps, want_lps, atol=2e-4)
-
-    check(run(eng, PROMPTS, IMAGES))
+    assert_same_greedy(run(eng, PROMPTS, IMAGES), expected)
     hits = eng.scheduler.cache.hit_tokens
-    check(run(eng, PROMPTS[:1], IMAGES[:1], ["a"]) + run(eng, PROMPTS[1:], IMAGES[1:], ["b"]))
+    assert_same_greedy(run(eng, PROMPTS[:1], IMAGES[:1], ["a"]) + run(eng, PROMPTS[1:], IMAGES[1:], ["b"]), expected)
     assert eng.scheduler.cache.hit_tokens - hits >= 72 + 64  # all full pages but each prompt's last token's
     eng.check_integrity()
 
