@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 
 # Under pytest-xdist two workers share the two cores: torch's (and BLAS's) OpenMP threads, one per core in
 # each worker, would oversubscribe them and spin against each other (a transformers reference ran 2-3x
@@ -88,9 +90,29 @@ def hf_smollm(smollm_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.set_num_threads(1 if _XDIST_WORKER else 2)
-    d, f = os.path.split(smollm_path)
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    # transformers' own reading of the GGUF (its dequantization and its tokenizer conversion, ~25 s) is kept on
+    # disk as it wrote it, keyed by the file and transformers' version, and read back in a second.
+    stat = os.stat(smollm_path)
+    cache = os.path.expanduser("~/.cache/jaxserve")
+    saved = os.path.join(cache, f"hf-smollm2-{transformers.__version__}-{stat.st_size}-{int(stat.st_mtime)}")
+    if not os.path.isdir(saved):
+        os.makedirs(cache, exist_ok=True)
+        d, f = os.path.split(smollm_path)
+        tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        tmp = tempfile.mkdtemp(dir=cache)
+        # Its weights are float32 already: saved as plain weights (transformers refuses to save a "gguf" model).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, saved)  # whole or not at all: another worker may be writing the same
+        except OSError:
+            shutil.rmtree(tmp)
+    tok = transformers.AutoTokenizer.from_pretrained(saved)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     model.eval()
     return model, tok
 
