@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.errors import UnsupportedModelError
-
 MAX_IMAGE_BYTES = 20 * 2**20
 FETCH_TIMEOUT_S = 10.0
 _SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaNextImageProcessor", "Gemma3ImageProcessor")
@@ -118,6 +116,30 @@ def _rgb(image):
 
 
 @dataclass(frozen=True)
+class PanAndScan:
+    """Gemma 3's pan and scan: an image whose sides differ by `min_ratio` or more is also cut along its long side
+    into 2 to `max_crops` equal crops (about as many as the ratio) of at least `min_crop` pixels a side, each then
+    processed as an image of its own."""
+
+    min_crop: int
+    max_crops: int
+    min_ratio: float
+
+    def boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
+        """The crops' (left, top, right, bottom), row by row, as transformers cuts them (none: the image alone)."""
+        long, short = max(width, height), min(width, height)
+        if long / short < self.min_ratio:
+            return []
+        n = min(self.max_crops, max(2, min(int(math.floor(long / short + 0.5)), long // self.min_crop)))
+        across, down = (n, 1) if width >= height else (1, n)
+        w, h = -(-width // across), -(-height // down)
+        if min(w, h) < self.min_crop:
+            return []
+        # The last crop stops at the image's edge (a slice, not padding).
+        return [(x, y, min(x + w, width), min(y + h, height)) for y in range(0, h * down, h) for x in range(0, w * across, w)]
+
+
+@dataclass(frozen=True)
 class ImageProcessor:
     """A CLIP, SigLIP, LLaVA-NeXT or Gemma 3 image processor's settings (`preprocessor_config.json`)."""
 
@@ -130,6 +152,7 @@ class ImageProcessor:
     convert_rgb: bool
     grid_pinpoints: tuple[tuple[int, int], ...] | None = None
     """LLaVA-NeXT's resolutions (height, width): an image is also cut into crops at the one that fits it best."""
+    pan_and_scan: PanAndScan | None = None  # Gemma 3's crops of a long image, each also an image
     source: dict[str, Any] | None = field(default=None, compare=False)  # the config it was read from
 
     @classmethod
@@ -139,10 +162,12 @@ class ImageProcessor:
         kind = d.get("image_processor_type", "CLIPImageProcessor").removesuffix("Fast").removesuffix("Pil")
         if kind not in _SUPPORTED:
             raise ImageError(f"image processor {kind!r} is not supported (supported: {', '.join(_SUPPORTED)})")
-        if kind == "Gemma3ImageProcessor" and d.get("do_pan_and_scan"):
-            raise UnsupportedModelError("Gemma 3's pan and scan (do_pan_and_scan) is not supported: its crops add "
-                                        "images and text to a prompt; serve the model with it off")
         clip, gemma3 = kind not in _SQUARE, kind == "Gemma3ImageProcessor"
+        pan_and_scan = None
+        if gemma3 and d.get("do_pan_and_scan"):  # its defaults are Gemma3Processor's
+            pan_and_scan = PanAndScan(int(d.get("pan_and_scan_min_crop_size", 256)),
+                                      int(d.get("pan_and_scan_max_num_crops", 4)),
+                                      float(d.get("pan_and_scan_min_ratio_to_activate", 1.2)))
         pinpoints = d.get("image_grid_pinpoints", ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)))
         size = d.get("size", {"shortest_edge": 224} if clip else {"height": 224, "width": 224})
         if isinstance(size, int):
@@ -164,7 +189,7 @@ class ImageProcessor:
             mean=tuple(mean) if d.get("do_normalize", True) else None, std=tuple(std),
             convert_rgb=bool(d.get("do_convert_rgb", True)),
             grid_pinpoints=tuple(tuple(p) for p in pinpoints) if kind == "LlavaNextImageProcessor" else None,
-            source=dict(config))
+            pan_and_scan=pan_and_scan, source=dict(config))
 
     @classmethod
     def from_dir(cls, path: str) -> ImageProcessor:
@@ -177,6 +202,9 @@ class ImageProcessor:
         image = _rgb(image) if self.convert_rgb else image
         if self.grid_pinpoints is not None:
             return self.crops(image)
+        boxes = self.pan_and_scan.boxes(*image.size) if self.pan_and_scan is not None else []
+        if boxes:
+            return np.stack([self._finish(self._resized(piece)) for piece in [image, *map(image.crop, boxes)]])
         return self._finish(self._resized(image))
 
     def _resized(self, image):
@@ -293,7 +321,8 @@ def pixels_digest(pixels: np.ndarray, size: tuple[int, int]) -> bytes:
 
 # The settings `--mm-processor-kwargs` may change, by processor (`ImageProcessor.from_dir`'s and the others').
 PROCESSOR_SETTINGS = {"qwen2_vl": ("min_pixels", "max_pixels", "size"), "pixtral": ("size",),
-                      "llava": ("do_pan_and_scan",)}
+                      "llava": ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                                "pan_and_scan_min_ratio_to_activate")}
 
 
 def preprocessor_config(path: str, kwargs: Mapping[str, Any] | None = None, kind: str = "llava") -> dict[str, Any]:

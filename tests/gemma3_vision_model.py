@@ -20,14 +20,17 @@ from tests.llava_model import randomize
 IMAGE_SIZE = 32
 PATCH = 4  # 8 x 8 patches, pooled 2 x 2 into 16 tokens
 TOKENS_PER_IMAGE = 16
-VOCAB = 64
+WORDS_END = 64  # t{i} for i from FIRST_WORD up to 63
+# The words of the processor's sentence around an image cut by pan and scan, after them.
+PAN_AND_SCAN_WORDS = "Here is the original image and here are some crops to help you see better".split()
+VOCAB = WORDS_END + len(PAN_AND_SCAN_WORDS) + 1
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
            "<image_soft_token>"]
 NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
 WORDS = ["user", "model", "system"]
 PAD, EOS, BOS, SOT, EOT, BOI, EOI, IMAGE = range(len(SPECIAL))
 NEWLINE, DOUBLE_NEWLINE, TRIPLE_NEWLINE, QUADRUPLE_NEWLINE = range(len(SPECIAL), len(SPECIAL) + len(NEWLINES))
-FIRST_WORD = len(SPECIAL) + len(NEWLINES) + len(WORDS)  # t{i} for i from here up to VOCAB - 1
+FIRST_WORD = len(SPECIAL) + len(NEWLINES) + len(WORDS)  # t{i} for i from here up to WORDS_END - 1
 # Gemma 3's template, its system turn left out: each image part is `<start_of_image>`, text parts trimmed.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
             "{% if m.content is string %}{{ m.content | trim }}{% else %}{% for c in m.content %}"
@@ -50,8 +53,9 @@ PROCESSOR = dict(image_processor_type="Gemma3ImageProcessor", processor_class="G
 
 def gemma3_tokenizer() -> Tokenizer:
     """The tiny vocabulary: Gemma 3's special tokens, runs of newlines (the longest run matched first), a few
-    words, then t{i}."""
-    vocab = {s: i for i, s in enumerate(SPECIAL + NEWLINES + WORDS)} | {f"t{i}": i for i in range(FIRST_WORD, VOCAB)}
+    words, t{i}, then the words of pan and scan's sentence."""
+    vocab = ({s: i for i, s in enumerate(SPECIAL + NEWLINES + WORDS)} | {f"t{i}": i for i in range(FIRST_WORD, WORDS_END)}
+             | {w: WORDS_END + i for i, w in enumerate(PAN_AND_SCAN_WORDS)})
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     backend.add_special_tokens([tokenizers.AddedToken(s, special=True) for s in SPECIAL[1:]])

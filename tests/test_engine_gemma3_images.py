@@ -34,14 +34,15 @@ def gemma3(tmp_path_factory):
     return str(path), model
 
 
-def hf_inputs(path: str, prompt: str, images) -> dict:
-    """transformers' processor over the text and images: input_ids, token_type_ids, pixel_values."""
+def hf_inputs(path: str, prompt: str, images, **kwargs) -> dict:
+    """transformers' processor over the text and images (with its `kwargs`): input_ids, token_type_ids,
+    pixel_values."""
     fields = {k: v for k, v in PROCESSOR.items()
               if v is not None and k not in ("image_processor_type", "processor_class", "image_seq_length")}
     processor = transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(**fields),
                                              tokenizer=transformers.AutoTokenizer.from_pretrained(path),
                                              image_seq_length=TOKENS_PER_IMAGE)
-    return processor(text=[prompt], images=[images], return_tensors="pt")
+    return processor(text=[prompt], images=[images], return_tensors="pt", **kwargs)
 
 
 def hf_greedy(model, inputs: dict, both_ways: bool = True) -> tuple[list[int], list[float]]:
@@ -93,6 +94,31 @@ def test_gemma3_images_equal_transformers(gemma3):
             assert list(out.outputs[0].token_ids) == tokens
             got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
             np.testing.assert_allclose(got, logprobs, atol=2e-4)
+    eng.check_integrity()
+
+
+def test_pan_and_scan_equals_transformers(gemma3):
+    """With pan and scan on (`--mm-processor-kwargs`), a long image becomes its processor's sentence around the image
+    and its three crops, each attended both ways in its own span, and a square image beside it is not cut: the
+    prompt is transformers' processor's, the greedy tokens and their logprobs its model's; again from the prefix
+    cache, each crop keyed by its own pixels."""
+    path, model = gemma3
+    kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 10}
+    prompt = ("<bos><start_of_turn>user\n<start_of_image>t30 t31<start_of_image>\n\nt40<end_of_turn>\n"
+              "<start_of_turn>model\n")
+    images = [random_image(8, (70, 24)), random_image(9, (40, 40))]
+    x = hf_inputs(path, prompt, images, **kwargs)
+    assert list(x["num_crops"]) == [3, 0] if "num_crops" in x else len(x["pixel_values"]) == 5
+    tokens, logprobs = hf_greedy(model, x)
+    eng = engine(path, mm_processor_kwargs=kwargs, max_model_len=192)
+    for attempt in range(2):
+        out = run(eng, [prompt], [images])["r0"]
+        assert list(out.prompt_token_ids) == x["input_ids"][0].tolist()
+        assert (out.metrics.num_cached_tokens > 4 * TOKENS_PER_IMAGE) == (attempt == 1)
+        assert list(out.outputs[0].token_ids) == tokens
+        got = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens, strict=True)]
+        np.testing.assert_allclose(got, logprobs, atol=2e-4)
+    assert eng.images.cache_queries == 5  # the image, its crops and the square image, encoded once
     eng.check_integrity()
 
 

@@ -128,9 +128,33 @@ def test_processor_defaults_equal_transformers():
     assert (siglip.resample, ImageProcessor.from_dict(PROCESSOR).resample) == (3, 2)
 
 
-def test_pan_and_scan_refused():
-    with pytest.raises(UnsupportedModelError, match="do_pan_and_scan"):
-        ImageProcessor.from_dict({**PROCESSOR, "do_pan_and_scan": True})
+PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 10, "pan_and_scan_max_num_crops": 3}
+
+
+@pytest.mark.parametrize("size,crops", [((95, 30), 3), ((30, 71), 2), ((200, 20), 3), ((36, 30), 0), ((51, 40), 2),
+                                        ((17, 12), 0), ((64, 64), 0)])
+def test_pan_and_scan_equals_transformers(size, crops):
+    """Gemma 3's pan and scan: a long image also cut along its long side (about as many crops as its ratio, at most
+    3 here, none under 10 pixels a side; the last crop stops at the edge), each crop processed as an image."""
+    image = random_image(7, size)
+    config = {**PROCESSOR, **PAN_AND_SCAN, "pan_and_scan_min_ratio_to_activate": 1.25}
+    ours = ImageProcessor.from_dict(config)(image)
+    ref = hf_processor(**config)(image, return_tensors="np")
+    assert list(ref["num_crops"]) == [crops]
+    assert ours.shape == ref["pixel_values"].shape[crops == 0:] == ((crops + 1,) if crops else ()) + (3, 32, 32)
+    np.testing.assert_allclose(ours, ref["pixel_values"][0] if crops == 0 else ref["pixel_values"], atol=1e-6)
+
+
+def test_pan_and_scan_defaults_are_the_processors():
+    """Its settings left null (as the Hub's configs leave them): crops of at least 256 pixels, at most 4, for images
+    whose sides differ by 1.2 times or more, as `Gemma3Processor` fills them."""
+    processor = ImageProcessor.from_dict({**PROCESSOR, "do_pan_and_scan": True})
+    assert (processor.pan_and_scan.min_crop, processor.pan_and_scan.max_crops,
+            processor.pan_and_scan.min_ratio) == (256, 4, 1.2)
+    assert processor.pan_and_scan.boxes(1200, 300) == [(0, 0, 300, 300), (300, 0, 600, 300), (600, 0, 900, 300),
+                                                     (900, 0, 1200, 300)]
+    assert processor.pan_and_scan.boxes(500, 300) == []  # 250-pixel crops: too small
+    assert ImageProcessor.from_dict(PROCESSOR).pan_and_scan is None
 
 
 def test_image_embeddings_equal_transformers(gemma3):

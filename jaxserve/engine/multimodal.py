@@ -115,8 +115,15 @@ class ImageEncoder:
         jax.block_until_ready(self._encode(self.params, pixels=jnp.zeros((1, self.cfg.num_channels, size, size))))
         return time.perf_counter() - t0
 
+    def views(self, image: PreparedImage) -> list[PreparedImage]:
+        """The images the decoder sees of one image, each in its own span: the image, or Gemma 3's image and its pan
+        and scan crops (each keyed by its own pixels: the first as the image would be without crops)."""
+        if image.pixels.ndim != 4 or self.cfg.grid_pinpoints is not None:  # LLaVA-NeXT's crops make one image
+            return [image]
+        return [PreparedImage(p, image.size, pixels_digest(p, image.size)) for p in image.pixels]
+
     def num_tokens(self, image: PreparedImage) -> int:
-        """The tokens an image takes: fixed, or by its size for LLaVA-NeXT."""
+        """The tokens an image (or a view of one) takes: fixed, or by its size for LLaVA-NeXT."""
         if self.cfg.grid_pinpoints is None:
             return self.cfg.tokens_per_image
         return anyres_tokens(self.cfg, image.size)
@@ -130,10 +137,12 @@ class ImageEncoder:
         return PreparedImage(pixels, size, pixels_digest(pixels, size))
 
     def pixels(self, image: Any) -> np.ndarray:
-        """One image (read) as the tower's normalized pixels: [C, S, S], or LLaVA-NeXT's crops [n, C, S, S]."""
+        """One image (read) as the tower's normalized pixels: [C, S, S], or LLaVA-NeXT's crops [n, C, S, S], or an
+        image cut by Gemma 3's pan and scan and its crops [1 + n, C, S, S]."""
         pixels = self.processor(image)
         want = (self.cfg.num_channels, self.cfg.image_size, self.cfg.image_size)
-        if pixels.shape[-3:] != want or pixels.ndim != 3 + (self.cfg.grid_pinpoints is not None):
+        ndims = (4,) if self.cfg.grid_pinpoints is not None else (3, 4) if self.processor.pan_and_scan else (3,)
+        if pixels.shape[-3:] != want or pixels.ndim not in ndims:
             raise ImageError(f"the image processor made pixels of shape {pixels.shape}; the vision tower takes {want}")
         return pixels
 
@@ -143,23 +152,25 @@ class ImageEncoder:
         placeholder per image."""
         images = [self.prepare(image) for image in images]
         out, spans = self.layout(ids, images)
-        keys = [-1 - int.from_bytes(image.digest[:4], "little") % (2**31 - 2) for image in images]
-        return out, ImagePrompt(spans, keys, self.cfg.bidirectional, images,
+        views = [view for image in images for view in self.views(image)]
+        keys = [-1 - int.from_bytes(view.digest[:4], "little") % (2**31 - 2) for view in views]
+        return out, ImagePrompt(spans, keys, self.cfg.bidirectional, views,
                                 lambda im: self._embeds(im.pixels, im.digest, im.size))
 
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
-        """The prompt with each (prepared) image's placeholder expanded to its tokens, and where each image's tokens
-        are (first position, number)."""
-        return self.expand(ids, [self.num_tokens(im) for im in images])
+        """The prompt with each (prepared) image's placeholder expanded to its tokens, and where each view of each
+        image (`views`) has its tokens (first position, number)."""
+        return self.expand(ids, [[self.num_tokens(view) for view in self.views(im)] for im in images])
 
-    def expand(self, ids: Sequence[int], counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """`expand_placeholders` for this model. Gemma 3's placeholder is `<start_of_image>`, which becomes "\n\n",
-        `<start_of_image>`, the image's tokens, `<end_of_image>`, "\n\n" as its processor writes them, newlines
-        next to them merged into one token as the tokenizer reads a run of newlines (a prompt holding image
-        tokens is taken as expanded)."""
+    def expand(self, ids: Sequence[int], counts: Sequence[Sequence[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """`expand_placeholders` for this model, `counts` the tokens of each image's views. Gemma 3's placeholder is
+        `<start_of_image>`, which becomes "\n\n", `<start_of_image>`, the image's tokens, `<end_of_image>`, "\n\n"
+        as its processor writes them, newlines next to them merged into one token as the tokenizer reads a run of
+        newlines (a prompt holding image tokens is taken as expanded); an image cut by pan and scan becomes its
+        processor's sentence with that sequence for the image, then for each crop."""
         cfg = self.cfg
         if cfg.boi_token_id is None or cfg.image_token_id in ids:
-            return expand_placeholders(ids, cfg.image_token_id, counts)
+            return expand_placeholders(ids, cfg.image_token_id, [n for views in counts for n in views])
         at = [i for i, t in enumerate(ids) if t == cfg.boi_token_id]
         if len(at) != len(counts):
             raise ValueError(f"the prompt has {len(at)} image placeholder(s) (token {cfg.boi_token_id}) for "
@@ -167,12 +178,21 @@ class ImageEncoder:
         out: list[int] = []
         spans: list[tuple[int, int]] = []
         prev = 0
-        for i, n in zip(at, counts, strict=True):
+        for i, views in zip(at, counts, strict=True):
             out.extend(ids[prev:i])
-            self._add_newlines(out, 2)
-            out.append(cfg.boi_token_id)
-            spans.append((len(out), n))
-            out.extend([cfg.image_token_id] * n + [cfg.eoi_token_id])
+            if len(views) == 1:
+                self._add_newlines(out, 2)
+                out.append(cfg.boi_token_id)
+                spans.append((len(out), views[0]))
+                out.extend([cfg.image_token_id] * views[0] + [cfg.eoi_token_id])
+            else:
+                n = iter(views)
+                for t in self._pan_and_scan_ids(len(views) - 1):
+                    if t == cfg.image_token_id:
+                        spans.append((len(out), next(n)))
+                        out.extend([t] * spans[-1][1])
+                    else:
+                        out.append(t)
             prev = i + 1
             after = 2
             while prev < len(ids) and self._newlines(ids[prev]):  # newlines after the placeholder join these
@@ -181,6 +201,16 @@ class ImageEncoder:
             self._add_newlines(out, after)
         out.extend(ids[prev:])
         return out, spans
+
+    def _pan_and_scan_ids(self, crops: int) -> list[int]:
+        """Gemma 3's processor's text for an image and its `crops`, one image token for each, up to the last
+        `<end_of_image>` (the newlines after it join the prompt's)."""
+        tok, cfg = self.tokenizer, self.cfg
+        image = "\n\n" + "".join(tok.decode([t], skip_special_tokens=False)
+                                  for t in (cfg.boi_token_id, cfg.image_token_id, cfg.eoi_token_id)) + "\n\n"
+        text = (f"Here is the original image {image} and here are some crops to help you see better "
+                + " ".join([image] * crops))
+        return tok.encode(text.removesuffix("\n\n"))
 
     def _newlines(self, token: int) -> int:
         """How many newlines `token` is (0: a token of other text)."""
@@ -204,7 +234,8 @@ class ImageEncoder:
         if self.cache.limit_bytes <= 0:
             return
         try:
-            self._embeds(image.pixels, image.digest, image.size, count=False)
+            for view in self.views(image):
+                self._embeds(view.pixels, view.digest, view.size, count=False)
         except RuntimeError:  # the weights were freed (sleep mode)
             pass
 
