@@ -6,13 +6,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jaxserve.config_fields import gemma_fields, granite_fields, int_if_whole, is_qwen_vl, qwen_vl_text
+from jaxserve import config_fields as fields
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite", "granitemoe"]
+                 "granite", "granitemoe", "smollm3"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -26,6 +26,7 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForCausalLM": "gemma3",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
+    "SmolLM3ForCausalLM": "smollm3",
     # Mistral's architecture with its q/k/v and gate/up projections fused (split at load); a config written
     # back names the family's first architecture (Mistral's).
     "Phi3ForCausalLM": "mistral",
@@ -33,7 +34,7 @@ _HF_ARCHITECTURES: dict[str, Family] = {
 _HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                                       "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                                       "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral",
-                                      "granite": "granite", "granitemoe": "granitemoe"}
+                                      "granite": "granite", "granitemoe": "granitemoe", "smollm3": "smollm3"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", "granitemoe")
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
@@ -102,6 +103,8 @@ class ModelConfig:
     mrope_section: tuple[int, ...] | None = None
     """Multimodal rotary embedding (Qwen2-VL): the rotary pairs, in order, turned by each token's temporal, height
     and width position (`ModelInputs.rope_offsets`); None: by its position alone."""
+    no_rope_layers: tuple[int, ...] | None = None
+    """SmolLM3: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all are."""
 
     @property
     def rotary_dims(self) -> int:
@@ -141,6 +144,10 @@ class ModelConfig:
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise UnsupportedModelError(f"layer_types must give one of {LAYER_TYPES} for each of the "
                                         f"{self.num_layers} layers, got {self.layer_types}")
+        if self.no_rope_layers is not None and (len(self.no_rope_layers) != self.num_layers
+                                                or not set(self.no_rope_layers) <= {0, 1}):
+            raise UnsupportedModelError(f"no_rope_layers must give 0 or 1 for each of the {self.num_layers} layers, "
+                                        f"got {self.no_rope_layers}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
@@ -162,20 +169,23 @@ class ModelConfig:
 
     @property
     def uniform_layers(self) -> bool:
-        """Whether every layer attends alike (else `is_local` and so the window and rotary tables differ by
-        layer)."""
-        return self.layer_types is None or len(set(self.layer_types)) == 1
+        """Whether every layer attends alike (else the window and rotary tables differ by layer: `layer_kind`)."""
+        return self.layer_period == 1
 
     @property
     def layer_period(self) -> int:
-        """The shortest period of `layer_types` (Gemma 2: 2, Gemma 3: 6; 1 when every layer is alike)."""
-        types = self.layer_types or ("",)
-        return next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+        """The shortest period of the layers' kinds (Gemma 2: 2, Gemma 3: 6, SmolLM3: 4; 1 when all are alike)."""
+        kinds = [self.layer_kind(i) for i in range(self.num_layers)]
+        return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
         windowed = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window is not None and windowed
+
+    def layer_kind(self, layer: int) -> tuple[bool, bool]:
+        """How `layer` attends: (a sliding-window layer, its queries and keys rotated by position)."""
+        return self.is_local(layer), self.no_rope_layers is None or bool(self.no_rope_layers[layer])
 
     @property
     def num_params(self) -> int:
@@ -205,8 +215,8 @@ class ModelConfig:
             text = d.get("text_config") or {}
             d = {**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,
                  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-        if is_qwen_vl(d):
-            d = qwen_vl_text(d)
+        if fields.is_qwen_vl(d):
+            d = fields.qwen_vl_text(d)
         archs = d.get("architectures") or []
         family: Family | None = None
         for arch in archs:
@@ -260,7 +270,7 @@ class ModelConfig:
                     "per-layer sliding windows (some layers windowed, some not: max_window_layers / layer_types) "
                     "are not supported"
                 )
-        gemma = gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else {}
+        gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else {}
         if gemma:
             sliding = d.get("sliding_window")
         quant = d.get("quantization_config") or {}
@@ -296,16 +306,18 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "qwen3", "qwen3_moe", *GRANITE_FAMILIES) and bool(d.get("attention_bias"))),
-            mlp_bias=family in ("llama", "granite") and bool(d.get("mlp_bias")),
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES)
+                and bool(d.get("attention_bias"))),
+            mlp_bias=family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
             mrope_section=tuple(d["mrope_section"]) if d.get("mrope_section") else None,
+            no_rope_layers=fields.smollm3_no_rope_layers(d) if family == "smollm3" else None,
             **moe,
-            **({"hidden_act": d.get("hidden_act", "silu")} | gemma | (granite_fields(d) if family in GRANITE_FAMILIES
-                                                                       else {})),
+            **({"hidden_act": d.get("hidden_act", "silu")} | gemma
+               | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -328,7 +340,7 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "qwen3", "qwen3_moe", *GRANITE_FAMILIES):
+        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
@@ -341,8 +353,10 @@ class ModelConfig:
                          norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
             if self.family == "qwen2_moe":
                 d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        if self.family in ("llama", "granite"):
+        if self.family in ("llama", "smollm3", "granite"):
             d["mlp_bias"] = self.mlp_bias
+        if self.no_rope_layers is not None:
+            d["no_rope_layers"] = list(self.no_rope_layers)
         if self.family in GRANITE_FAMILIES:
             d.update(embedding_multiplier=self.embedding_multiplier, attention_multiplier=self.attention_multiplier,
                      residual_multiplier=self.residual_multiplier, logits_scaling=self.logits_scaling)
@@ -353,7 +367,8 @@ class ModelConfig:
                 d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
         if self.family in GEMMA_FAMILIES:
             d.update(model_type="gemma3_text" if self.family == "gemma3" else "gemma2",
-                     hidden_activation=self.hidden_act, query_pre_attn_scalar=int_if_whole(self.query_pre_attn_scalar),
+                     hidden_activation=self.hidden_act,
+                     query_pre_attn_scalar=fields.int_if_whole(self.query_pre_attn_scalar),
                      attn_logit_softcapping=self.attn_logit_softcap,
                      final_logit_softcapping=self.final_logit_softcap, layer_types=list(self.layer_types or ()))
             for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys: Gemma lists layer_types
@@ -367,25 +382,8 @@ class ModelConfig:
                                     "symmetric": True}}
         if self.rotary_dim is not None:
             d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
-        rs = self.rope_scaling
-        if rs.rope_type == "factors":
-            raise UnsupportedModelError("rope frequency factors (a GGUF file's rope_freqs) have no HF config form")
-        if rs.rope_type != "default":
-            scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}
-            if rs.rope_type == "llama3":
-                scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
-                               original_max_position_embeddings=rs.original_max_position_embeddings)
-            if rs.rope_type == "longrope":
-                scaling.update(short_factor=list(rs.short_factor or ()), long_factor=list(rs.long_factor or ()),
-                               original_max_position_embeddings=rs.original_max_position_embeddings,
-                               attention_factor=rs.attention_factor)
-            if rs.rope_type == "yarn":
-                scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
-                               original_max_position_embeddings=rs.original_max_position_embeddings)
-                for key in ("mscale", "mscale_all_dim", "attention_factor"):
-                    if getattr(rs, key) is not None:
-                        scaling[key] = getattr(rs, key)
-            d["rope_scaling"] = scaling
+        if self.rope_scaling.rope_type != "default":
+            d["rope_scaling"] = fields.rope_scaling_hf(self.rope_scaling)
         if self.mrope_section is not None:  # (no model has both)
             d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(self.mrope_section)}
         return d

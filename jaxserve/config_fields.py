@@ -77,3 +77,33 @@ def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
         text["rope_theta"] = rope.pop("rope_theta")
     return {**text, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_scaling": rope or None,
             "rope_parameters": None, "mrope_section": [int(n) for n in section]}
+
+
+def smollm3_no_rope_layers(d: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers rotated by position (1) or not (0, NoPE): its `no_rope_layers`, else every
+    `no_rope_layer_interval`-th layer without; a sliding window is refused."""
+    if d.get("use_sliding_window") and d.get("sliding_window"):
+        raise UnsupportedModelError("SmolLM3 with use_sliding_window is not supported")
+    n, every = d["num_hidden_layers"], d.get("no_rope_layer_interval", 4)
+    return tuple(int(x) for x in d.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)])
+
+
+def rope_scaling_hf(rs: Any) -> dict[str, Any]:
+    """A `rope.RopeScaling` (not "default") as an HF config's `rope_scaling`."""
+    if rs.rope_type == "factors":
+        raise UnsupportedModelError("rope frequency factors (a GGUF file's rope_freqs) have no HF config form")
+    scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}
+    if rs.rope_type == "llama3":
+        scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
+                       original_max_position_embeddings=rs.original_max_position_embeddings)
+    if rs.rope_type == "longrope":
+        scaling.update(short_factor=list(rs.short_factor or ()), long_factor=list(rs.long_factor or ()),
+                       original_max_position_embeddings=rs.original_max_position_embeddings,
+                       attention_factor=rs.attention_factor)
+    if rs.rope_type == "yarn":
+        scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
+                       original_max_position_embeddings=rs.original_max_position_embeddings)
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(rs, key) is not None:
+                scaling[key] = getattr(rs, key)
+    return scaling

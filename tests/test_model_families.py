@@ -114,6 +114,9 @@ FAMILIES = {
     # Three layers in groups of two: the loop over groups, then the last layer alone.
     "gemma3_odd": ("Gemma3TextConfig", {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8,
                                         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Layer 1 not rotated by position (NoPE), layers 0 and 2 rotated: groups of two, then the last layer alone.
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0,
+                                  "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 
@@ -133,6 +136,31 @@ def test_family_logits_match_transformers(family, tmp_path):
     assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert cfg.sliding_window == getattr(hf, "sliding_window", None)
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+
+
+def test_smollm3_nope_layers(tmp_path):
+    """SmolLM3's layers without rotary embedding: its config's default (every 4th layer) and list, the logits of
+    the stacked and the unrolled layers and greedy decoding equal transformers', which rotating layer 1 too
+    changes; the config written back reads the same."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.params import unstack_layers
+    from tests.modelrun import greedy, torch_greedy
+
+    default = ModelConfig.from_hf({**TINY, "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8})
+    assert default.no_rope_layers == (1, 1, 1, 0, 1, 1, 1, 0) and default.layer_period == 4
+    model = save_tiny_hf("SmolLM3Config", tmp_path, **FAMILIES["smollm3"][1])
+    ckpt = open_checkpoint(str(tmp_path))
+    cfg = ckpt.config()
+    assert cfg.family == "smollm3" and cfg.no_rope_layers == (1, 0, 1) and cfg.layer_period == 2
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, unstack_layers(params), ids), ref) < REL_TOL
+    tokens, _ = torch_greedy(lambda x: model(torch.tensor([x])).logits[0, -1], ids[:12], 6)
+    assert greedy(cfg, params, ids[:12], 6) == tokens
+    model.model.layers[1].self_attn.use_rope = 1
+    assert rel_err(prompt_logits(cfg, params, ids), hf_logits(model, ids)) > 1e-2
 
 
 def test_sliding_window_changes_logits(tmp_path):

@@ -244,8 +244,12 @@ def forward(
             x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds.astype(x.dtype), x)
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
-    tables = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt, offsets=inputs.rope_offsets)}
-    tables[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else tables[False]
+    by_window = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt, offsets=inputs.rope_offsets)}
+    by_window[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else by_window[False]
+    # Each kind of layer's (cos, sin): a NoPE layer's leave its queries and keys as they are.
+    tables = {(local, rope): by_window[local] if rope else (jnp.ones_like(by_window[local][0]),
+                                                            jnp.zeros_like(by_window[local][1]))
+              for local, rope in {cfg.layer_kind(i) for i in range(cfg.num_layers)}}
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
     v_all = kv.v.reshape(L * N, page_size, hkv, d)
     # The CPU attention reads and writes narrow pages as their bits, the kernels as floats. A pool kept in
@@ -256,33 +260,33 @@ def forward(
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, want), jax.lax.bitcast_convert_type(v_all, want)
 
     def step(carry, xs):  # every layer alike
-        return _layer(cfg, backend, inputs, *tables[cfg.is_local(0)], carry, xs, expert_layout, kv_dtype,
+        return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], carry, xs, expert_layout, kv_dtype,
                       cfg.is_local(0))
 
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
-            local = cfg.is_local(layer)
-            carry, _ = _layer_once(cfg, backend, inputs, *tables[local], carry, (lp, jnp.int32(layer)), expert_layout,
-                                   kv_dtype, local)
+            carry, _ = _layer_once(cfg, backend, inputs, *tables[cfg.layer_kind(layer)], carry, (lp, jnp.int32(layer)),
+                                   expert_layout, kv_dtype, cfg.is_local(layer))
     elif cfg.uniform_layers:
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
-    else:  # stacked layers that attend differently (Gemma): a loop over the repeating groups of layers
+    else:  # stacked layers that attend differently (Gemma, SmolLM3): a loop over the repeating groups of layers
         period = cfg.layer_period
 
-        def one(layer, local: bool, carry):
+        def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
             xs = (lp, jnp.asarray(layer, jnp.int32))
-            return _layer(cfg, backend, inputs, *tables[local], carry, xs, expert_layout, kv_dtype, local)[0]
+            return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], carry, xs, expert_layout, kv_dtype,
+                          cfg.is_local(like))[0]
 
-        def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window
+        def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window and rotation
             for j in range(period):
-                carry = one(g * period + j, cfg.is_local(j), carry)
+                carry = one(g * period + j, j, carry)
             return carry
 
         carry = jax.lax.fori_loop(0, L // period, group, carry)
         for layer in range(L // period * period, L):  # past the last whole group
-            carry = one(layer, cfg.is_local(layer), carry)
+            carry = one(layer, layer, carry)
     x, k_all, v_all = carry
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]
