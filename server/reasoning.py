@@ -1,6 +1,6 @@
 """Reasoning parsers: a thinking model's reasoning split from its answer (`--reasoning-parser`).
 
-Reasoning models write their thoughts between `<think>` and `</think>`, then the answer. The server
+Reasoning models write their thoughts between markers (most between `<think>` and `</think>`), then the answer. The server
 returns the thoughts in the message's `reasoning` field (and in `reasoning_content`, the name
 DeepSeek's API and earlier vLLM use) and the answer in `content`; the answer alone goes on to the
 tool-call parser. The parsers are named as vLLM names them:
@@ -8,7 +8,9 @@ tool-call parser. The parsers are named as vLLM names them:
 | name | reasoning is | models |
 | --- | --- | --- |
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
-| `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3 |
+| `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
+| `granite` | a reply that opens with "Here is my thought process:" (or "Here's ..."), up to "Here is my response:" (or "Here's ..."); else all answer | Granite 3.2 and 3.3 with `chat_template_kwargs: {"thinking": true}` |
+| `mistral` | a reply that opens with `[THINK]`, up to `[/THINK]` (special tokens: the reply is detokenized with them); else all answer | Magistral |
 
 A `ReasoningStream` reads a reply as it grows, with the same results as reading it whole: text that
 may still be a marker is held until it is clear.
@@ -20,16 +22,17 @@ from typing import ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
 
-START, END = "<think>", "</think>"
-
 
 class ReasoningParser:
     name: ClassVar[str]
-    # Whether a reply that does not open with <think> is reasoning (True) or answer (False).
+    # Whether a reply that does not open with a start marker is reasoning (True) or answer (False).
     implicit_start: ClassVar[bool]
+    starts: ClassVar[tuple[str, ...]] = ("<think>",)  # what opens the reasoning (any of them)
+    ends: ClassVar[tuple[str, ...]] = ("</think>",)  # what closes it
+    keeps_special_tokens: ClassVar[bool] = False  # the markers are special tokens the parser must see
 
     def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.implicit_start)
+        return ReasoningStream(self.implicit_start, self.starts, self.ends)
 
     def parse(self, text: str) -> tuple[str | None, str]:
         """A whole reply's reasoning (None when it has none) and answer."""
@@ -49,7 +52,22 @@ class Qwen3Parser(ReasoningParser):
     implicit_start = False
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {p.name: p for p in (DeepSeekR1Parser, Qwen3Parser)}
+class GraniteParser(ReasoningParser):
+    name = "granite"
+    implicit_start = False
+    starts = ("Here is my thought process:", "Here's my thought process:")
+    ends = ("Here is my response:", "Here's my response:")
+
+
+class MistralParser(ReasoningParser):
+    name = "mistral"
+    implicit_start = False
+    starts, ends = ("[THINK]",), ("[/THINK]",)
+    keeps_special_tokens = True
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, GraniteParser, MistralParser)}
 
 
 def reasoning_parser(name: str) -> ReasoningParser:
@@ -61,8 +79,9 @@ def reasoning_parser(name: str) -> ReasoningParser:
 class ReasoningStream:
     """Splits one growing reply into reasoning and answer."""
 
-    def __init__(self, implicit_start: bool):
-        self.implicit_start = implicit_start
+    def __init__(self, implicit_start: bool, starts: tuple[str, ...] = ("<think>",),
+                 ends: tuple[str, ...] = ("</think>",)):
+        self.implicit_start, self.starts, self.ends = implicit_start, starts, ends
         self.mode: Literal["start", "reasoning", "gap", "answer"] = "start"
         self.buf = ""
         self.reasoned = False  # the reply has a reasoning part (possibly empty)
@@ -79,20 +98,22 @@ class ReasoningStream:
         reasoning, answer = "", ""
         if self.mode == "start":
             head = self.buf.lstrip()
-            if head.startswith(START):
-                self.mode, self.buf, self.reasoned = "reasoning", head[len(START):], True
-            elif not final and (not head or START.startswith(head)):
-                return "", ""  # may still open with <think>
+            start = next((m for m in self.starts if head.startswith(m)), None)
+            if start is not None:
+                self.mode, self.buf, self.reasoned = "reasoning", head[len(start):], True
+            elif not final and (not head or any(m.startswith(head) for m in self.starts)):
+                return "", ""  # may still open with a start marker
             elif self.implicit_start:
                 self.mode, self.reasoned = "reasoning", True
             else:
                 self.mode = "answer"
         if self.mode == "reasoning":
-            at = self.buf.find(END)
-            if at >= 0:
-                reasoning, self.buf, self.mode = self.buf[:at], self.buf[at + len(END):], "gap"
+            found = [(at, -len(m)) for m in self.ends if (at := self.buf.find(m)) >= 0]
+            if found:
+                at, size = min(found)  # the first end, the longest there
+                reasoning, self.buf, self.mode = self.buf[:at], self.buf[at - size:], "gap"
             else:
-                hold = 0 if final else partial_stop_suffix(self.buf, (END,))
+                hold = 0 if final else partial_stop_suffix(self.buf, self.ends)
                 reasoning, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
                 return reasoning, ""
         if self.mode == "gap":  # the whitespace between </think> and the answer is neither

@@ -28,6 +28,12 @@ CASES = [
     ("qwen3", "<thi", None, "<thi"),
     ("qwen3", "<think>cut short", "cut short", ""),
     ("qwen3", "", None, ""),
+    ("granite", "Here is my thought process:\n1 + 1 = 2.\nHere is my response:\nTwo.", "\n1 + 1 = 2.\n", "Two."),
+    ("granite", "Here's my thought process: short. Here's my response: Done", " short. ", "Done"),
+    ("granite", "Here is my answer, with no thought process.", None, "Here is my answer, with no thought process."),
+    ("granite", "Here is my thought process: Here is my respo", " Here is my respo", ""),
+    ("mistral", "[THINK]Check: 3 > 2.[/THINK]Three.", "Check: 3 > 2.", "Three."),
+    ("mistral", "Three, without [THINK].", None, "Three, without [THINK]."),
 ]
 
 
@@ -58,7 +64,23 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "mistral", "qwen3"]
+
+
+def test_mistral_markers_are_kept_in_the_text():
+    """Magistral's [THINK] and [/THINK] are special tokens: with the mistral parser the server asks the engine to
+    keep special tokens in the reply's text, and not with the others."""
+    for name, kept in (("mistral", True), ("qwen3", False)):
+        eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: "[THINK]Sure.[/THINK]Yes.")
+        try:
+            with serve_in_thread(eng, ServerConfig(port=0, reasoning_parser=name)) as srv:
+                c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+                m = _ask(c, "two").choices[0].message
+                assert eng.submitted[-1][2].skip_special_tokens is not kept
+                if kept:
+                    assert (m.model_extra["reasoning"], m.content) == ("Sure.", "Yes.")
+        finally:
+            eng.shutdown()
 
 
 REPLIES = {
