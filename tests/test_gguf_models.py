@@ -210,9 +210,9 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
             continue
         parts = name.split(".")
         a = p.numpy().astype(np.float32)
-        if parts[-2] == "q_proj" and arch in ("llama", "granite"):
+        if parts[-2] == "q_proj" and arch in ("llama", "granite", "smollm3"):
             a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif parts[-2] == "k_proj" and arch in ("llama", "granite"):
+        elif parts[-2] == "k_proj" and arch in ("llama", "granite", "smollm3"):
             a = _llama_cpp_permute(a, c.num_key_value_heads)
         elif gemma and name.endswith("norm.weight"):
             a = a + 1.0
@@ -405,6 +405,23 @@ def test_granite_gguf_logits_equal_the_hf_model(tmp_path):
     assert cfg.family == "granite" and (cfg.embedding_multiplier, cfg.attention_multiplier, cfg.residual_multiplier,
                                         cfg.logits_scaling) == pytest.approx((12.0, 0.125, 0.22, 8.0))
     ids = np.random.default_rng(7).integers(0, model.config.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_smollm3_gguf_logits_equal_the_hf_model(tmp_path):
+    """SmolLM3 as llama.cpp writes it (Llama's rotary row order, nothing saying which layers are unrotated: every
+    4th, as llama.cpp reads it): the HF model's logits."""
+    from tests.test_model_families import save_tiny_hf
+
+    model = save_tiny_hf("SmolLM3Config", tmp_path / "hf", num_hidden_layers=4, pad_token_id=0, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False)
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    path = _write_gguf(tmp_path / "smollm3.gguf", model, "smollm3")
+    cfg = open_checkpoint(path).config()
+    assert cfg.family == "smollm3" and cfg.no_rope_layers == (1, 1, 1, 0)
+    ids = np.random.default_rng(8).integers(0, model.config.vocab_size, 30).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)

@@ -19,7 +19,9 @@ from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load).
 _LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                                      "phi3": "mistral", "granite": "granite"}
+                                      "phi3": "mistral", "granite": "granite", "smollm3": "smollm3"}
+# llama.cpp's SmolLM3 leaves every 4th layer unrotated (a number in its code, not in the file).
+_SMOLLM3_NO_ROPE_STEP = 4
 # Granite's scalars: GGUF key (after the architecture) to ModelConfig field.
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
@@ -105,5 +107,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         qk_norm=family == "qwen3",
         sliding_window=int(sliding) if sliding else None,
         rotary_dim=rotary if rotary != head_dim else None,
+        no_rope_layers=tuple(int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0) for i in range(num_layers))
+        if family == "smollm3" else None,
         **({f: float(get(k)) for k, f in _GRANITE_SCALES.items()} if family == "granite" else {}),
     )

@@ -169,7 +169,8 @@ class GGUFFile:
         import gguf
 
         arch = self.metadata.get("general.architecture")
-        permuted = arch in ("llama", "mistral", "granite")  # llama.cpp writes their Q/K rows in its rotary order
+        # llama.cpp writes their Q/K rows in its rotary order
+        permuted = arch in ("llama", "mistral", "granite", "smollm3")
         gemma = cfg.family in GEMMA_FAMILIES
         for t in self.reader.tensors:
             if t.name in _ROPE_TENSORS:
