@@ -125,6 +125,12 @@ class PanAndScan:
     max_crops: int
     min_ratio: float
 
+    def __post_init__(self) -> None:
+        if self.min_crop < 1 or self.max_crops < 2 or self.min_ratio < 1:
+            raise ImageError(f"pan and scan needs pan_and_scan_min_crop_size >= 1 (got {self.min_crop}), "
+                             f"pan_and_scan_max_num_crops >= 2 (got {self.max_crops}) and "
+                             f"pan_and_scan_min_ratio_to_activate >= 1 (got {self.min_ratio})")
+
     def boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
         """The crops' (left, top, right, bottom), row by row, as transformers cuts them (none: the image alone)."""
         long, short = max(width, height), min(width, height)
@@ -136,7 +142,8 @@ class PanAndScan:
         if min(w, h) < self.min_crop:
             return []
         # The last crop stops at the image's edge (a slice, not padding).
-        return [(x, y, min(x + w, width), min(y + h, height)) for y in range(0, h * down, h) for x in range(0, w * across, w)]
+        return [(x, y, min(x + w, width), min(y + h, height))
+                for y in range(0, h * down, h) for x in range(0, w * across, w)]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
-from jaxserve.images import ImageProcessor  # noqa: E402
+from jaxserve.images import ImageError, ImageProcessor  # noqa: E402
 from jaxserve.loader import load_params, load_vision, open_checkpoint  # noqa: E402
 from jaxserve.models.inputs import KVCache, ModelInputs  # noqa: E402
 from jaxserve.models.params import param_paths  # noqa: E402
@@ -155,6 +155,8 @@ def test_pan_and_scan_defaults_are_the_processors():
                                                      (900, 0, 1200, 300)]
     assert processor.pan_and_scan.boxes(500, 300) == []  # 250-pixel crops: too small
     assert ImageProcessor.from_dict(PROCESSOR).pan_and_scan is None
+    with pytest.raises(ImageError, match="pan_and_scan_min_crop_size >= 1 \\(got 0\\)"):
+        ImageProcessor.from_dict({**PROCESSOR, **PAN_AND_SCAN, "pan_and_scan_min_crop_size": 0})
 
 
 def test_image_embeddings_equal_transformers(gemma3):
