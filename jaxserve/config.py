@@ -12,7 +12,7 @@ from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite", "granitemoe", "smollm3"]
+                 "granite", "granitemoe", "smollm3", "glm", "glm4"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -27,6 +27,8 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
     "SmolLM3ForCausalLM": "smollm3",
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm4",
     # Mistral's architecture with its q/k/v and gate/up projections fused (split at load); a config written
     # back names the family's first architecture (Mistral's).
     "Phi3ForCausalLM": "mistral",
@@ -34,24 +36,16 @@ _HF_ARCHITECTURES: dict[str, Family] = {
 _HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                                       "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                                       "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral",
-                                      "granite": "granite", "granitemoe": "granitemoe", "smollm3": "smollm3"}
+                                      "granite": "granite", "granitemoe": "granitemoe", "smollm3": "smollm3",
+                                      "glm": "glm", "glm4": "glm4"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", "granitemoe")
+GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")
+"""Rotary pairs interleaved (read into the half-split order at load), biases on q/k/v only, gate and up fused."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# transformers' Gemma3TextConfig defaults, which the text_config of Gemma 3's image-text checkpoints leaves out.
-GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
-    rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
-    sliding_window_pattern=6)
-# transformers' LlamaConfig defaults, which the text_config of LLaVA checkpoints leaves out.
-LLAMA_TEXT_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -209,11 +203,11 @@ class ModelConfig:
             text = d.get("text_config") or {}
             kind = text.get("model_type", "mistral" if d.get("model_type") == "mistral3" else "llama")
             tied = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
-            d = {**(LLAMA_TEXT_DEFAULTS if kind == "llama" else {}), **text, "model_type": kind,
+            d = {**(fields.LLAMA_TEXT_DEFAULTS if kind == "llama" else {}), **text, "model_type": kind,
                  "tie_word_embeddings": tied}
         if "Gemma3ForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "gemma3":
             text = d.get("text_config") or {}
-            d = {**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,
+            d = {**fields.GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,
                  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
         if fields.is_qwen_vl(d):
             d = fields.qwen_vl_text(d)
@@ -285,7 +279,8 @@ class ModelConfig:
         if isinstance(rope_params, dict) and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
             rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
         rope_dict = rope_params if isinstance(rope_params, dict) else {}
-        partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor") or 1.0)
+        partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor")
+                        or (0.5 if family in GLM_FAMILIES else 1.0))
         scaling = RopeScaling.from_hf(rope_params, max_pos)
         rope_theta = d.get("rope_theta")
         if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
@@ -306,8 +301,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES)
-                and bool(d.get("attention_bias"))),
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES, *GLM_FAMILIES)
+                and bool(d.get("attention_bias", family in GLM_FAMILIES))),
             mlp_bias=family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
@@ -340,7 +335,7 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES):
+        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES, *GLM_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias

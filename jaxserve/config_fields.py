@@ -6,6 +6,17 @@ from typing import Any
 
 from jaxserve.errors import UnsupportedModelError
 
+# transformers' Gemma3TextConfig defaults, which the text_config of Gemma 3's image-text checkpoints leaves out.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
+    sliding_window_pattern=6)
+# transformers' LlamaConfig defaults, which the text_config of LLaVA checkpoints leaves out.
+LLAMA_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+
 
 def gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     """The ModelConfig fields particular to Gemma 2 and Gemma 3 text models, from their HF config."""
@@ -107,3 +118,22 @@ def rope_scaling_hf(rs: Any) -> dict[str, Any]:
             if getattr(rs, key) is not None:
                 scaling[key] = getattr(rs, key)
     return scaling
+
+
+def has_output_norms(cfg: Any) -> bool:
+    """Whether a `ModelConfig`'s layers also norm the attention's and the MLP's outputs (Gemma, GLM-4)."""
+    return cfg.family in ("gemma2", "gemma3", "glm4")
+
+
+def output_biased(cfg: Any) -> bool:
+    """Whether a `ModelConfig` with attention biases biases the output projection too (Llama, Qwen3, Granite; not
+    Qwen2's nor GLM's, which bias q, k and v only)."""
+    return cfg.attention_bias and cfg.family not in ("qwen2", "qwen2_moe", "glm", "glm4")
+
+
+def interleaved_rows(head_dim: int, rotary: int) -> Any:
+    """The order that turns a head's rows with interleaved rotary pairs (GLM's: dims 2i and 2i + 1 turn together)
+    into the half-split order the model rotates (dims i and i + rotary / 2); the dims past `rotary` stay."""
+    import numpy as np
+
+    return np.concatenate([np.arange(0, rotary, 2), np.arange(1, rotary, 2), np.arange(rotary, head_dim)])

@@ -142,6 +142,34 @@ def test_a_moe_models_attention_adapter_equals_peft(tmp_path):
         engine.loras.load("shared", str(tmp_path / "shared"))
 
 
+def test_a_glm4_adapter_equals_peft(tmp_path):
+    """GLM-4's q and k rows are read into the half-split rotary order: an adapter's q and k B rows follow them, and
+    its attention adapter equals PEFT's; its fused gate_up_proj takes none (refused by name)."""
+    import transformers
+
+    from tests.test_model_families import FAMILIES
+
+    base = str(tmp_path / "glm4")
+    save_tiny_hf("Glm4Config", base, **{**FAMILIES["glm4"][1], "vocab_size": VOCAB})
+    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "attn"), 5, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS),
+                       progress=False)
+    ids = prompt(40, 7)
+    p = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    out = run(engine, {"a": (ids, p, "attn")})
+    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=2e-5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    _adapter(hf, str(tmp_path / "mlp"), 6, r=2, target_modules=["gate_up_proj"])
+    with pytest.raises(LoRAError, match="gate_up_proj"):
+        engine.loras.load("mlp", str(tmp_path / "mlp"))
+
+
 def test_drafted_adapter_requests_keep_their_tokens(tiny, engine):
     """Speculative decoding verifies an adapter's drafts with that adapter: the same greedy tokens as undrafted."""
     base, adapters, _ = tiny

@@ -117,6 +117,10 @@ FAMILIES = {
     # Layer 1 not rotated by position (NoPE), layers 0 and 2 rotated: groups of two, then the last layer alone.
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 3, "no_rope_layers": [1, 0, 1], "pad_token_id": 0,
                                   "bos_token_id": 1, "eos_token_id": 2}),
+    # Interleaved rotary pairs over half of each head, q/k/v biases, gate and up fused; GLM-4 also norms the
+    # attention's and the MLP's outputs.
+    "glm": ("GlmConfig", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "glm4": ("Glm4Config", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 
 

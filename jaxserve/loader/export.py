@@ -32,6 +32,8 @@ def export_hf(out_dir: str, cfg: ModelConfig, params: Params | None, tokenizer: 
     config["bos_token_id"] = tokenizer.bos_token_id
     eos = list(tokenizer.eos_token_ids)
     config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    # The tokenizer's (None: none), not the family's default (GLM's config class names an id past a small vocabulary).
+    config["pad_token_id"] = tokenizer.pad_token_id
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     written.append(os.path.join(out_dir, "config.json"))

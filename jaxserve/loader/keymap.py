@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, GLM_FAMILIES, ModelConfig
+from jaxserve.config_fields import interleaved_rows, output_biased
 from jaxserve.models.params import Params, declare_params, from_param_paths, param_paths
 
 
@@ -80,7 +81,7 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq), (Hq * D,))
         t["self_attn.k_proj.bias"] = ("layers.bk", bias(Hkv), (Hkv * D,))
         t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
-        if cfg.family not in ("qwen2", "qwen2_moe"):
+        if output_biased(cfg):
             t["self_attn.o_proj.bias"] = ("layers.bo", ident, (E,))
     if cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
@@ -89,10 +90,25 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
         t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
         t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
+    if cfg.family in GLM_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
+        order = interleaved_rows(D, cfg.rotary_dims)
+        for name, heads in (("q_proj", Hq), ("k_proj", Hkv)):
+            for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+                path, read, shape = t[f"self_attn.{name}.{kind}"]
+                t[f"self_attn.{name}.{kind}"] = (path, _rows_then(read, heads, D, order), shape)
+    if cfg.family == "glm4":  # a norm of the attention's and of the MLP's outputs
+        t["post_self_attn_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
+        t["post_mlp_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
     if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
         t["self_attn.k_scale"] = ("layers.k_scale", lambda s: s.reshape(()), ())
         t["self_attn.v_scale"] = ("layers.v_scale", lambda s: s.reshape(()), ())
     return t
+
+
+def _rows_then(read: Callable[[np.ndarray], np.ndarray], heads: int, head_dim: int,
+               order: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """`read` after each head's rows (a [heads * head_dim, ...] tensor's) are put in `order`."""
+    return lambda w: read(w.reshape(heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape))
 
 
 KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale")
@@ -221,8 +237,19 @@ _MIXTRAL_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(?:ex
 
 def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
     """Every (HF name, HF-layout tensor) of a checkpoint of `cfg`, from our (host) parameters; a Granite MoE
-    model's experts fused back into its one tensor per kind (the inverse of `granite_experts`)."""
+    model's experts fused back into its one tensor per kind (the inverse of `granite_experts`), GLM's gate and
+    up projections into its `gate_up_proj`."""
     pairs = ((name, to_hf_tensor(name, cfg, params_flat)) for name in hf_names(cfg))
+    if cfg.family in GLM_FAMILIES:
+        gate = None
+        for name, t in pairs:
+            if name.endswith("mlp.gate_proj.weight"):
+                gate = t
+            elif name.endswith("mlp.up_proj.weight"):
+                yield name.replace("up_proj", "gate_up_proj"), np.concatenate([gate, t])
+            else:
+                yield name, t
+        return
     if cfg.family != "granitemoe":
         yield from pairs
         return
@@ -255,6 +282,9 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value[target.expert].T
     if target.path == "layers.ws_mix":
         return value.reshape(1, -1)
+    if cfg.family in GLM_FAMILIES and target.path in ("layers.wq", "layers.wk", "layers.bq", "layers.bk"):
+        # Back to interleaved rotary pairs: each head's dims in the inverse of the order they were read in.
+        value = value[..., np.argsort(interleaved_rows(cfg.head_dim, cfg.rotary_dims))]
     if target.path in ("layers.wq", "layers.wk", "layers.wv"):
         return value.reshape(value.shape[0], -1).T
     if target.path == "layers.wo":

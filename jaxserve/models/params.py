@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config_fields import has_output_norms, output_biased
 
 Init = Literal["normal", "ones", "zeros"]
 
@@ -116,7 +117,7 @@ def declare_params(cfg: ModelConfig) -> Params:
         wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
         mlp_norm=p((L, E), ("layers", "embed"), norm),
     )
-    if gemma:
+    if has_output_norms(cfg):
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
     if cfg.num_experts:
@@ -138,7 +139,7 @@ def declare_params(cfg: ModelConfig) -> Params:
         layers.bq = p((L, Hq, D), ("layers", "q_heads", "head_dim"), "zeros")
         layers.bk = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
-        if cfg.family not in ("qwen2", "qwen2_moe"):  # HF Qwen2 biases q/k/v only; Llama and Qwen3 the output too
+        if output_biased(cfg):
             layers.bo = p((L, E), ("layers", "embed"), "zeros")
     if cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), norm)
