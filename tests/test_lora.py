@@ -111,14 +111,29 @@ def test_adapters_and_base_in_one_batch_equal_peft(tiny, engine):
     assert engine.stats().compilations_after_warmup == 0  # adapters are data: one executable per bucket
 
 
-def test_a_moe_models_attention_adapter_equals_peft(tmp_path):
-    """A MoE model (Qwen2-MoE: q/k/v biases, a shared expert) takes LoRA on its attention; its experts take
-    none, and an adapter on its shared expert is refused by name."""
+# Models whose attention takes LoRA but not all of their MLP: (config class, its settings, an MLP target refused,
+# what the refusal says).
+ATTENTION_ONLY = {
+    # Qwen2-MoE (q/k/v biases, a shared expert): its experts and shared expert take none.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=40, norm_topk_prob=False),
+                  "gate_proj", "of a MoE model, whose experts take none"),
+    # GLM-4: q and k rows read into the half-split rotary order, so an adapter's q and k B rows follow them; its
+    # fused gate_up_proj takes none.
+    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2), "gate_up_proj",
+             "gate_up_proj"),
+}
+
+
+@pytest.mark.parametrize("family", list(ATTENTION_ONLY))
+def test_an_attention_adapter_equals_peft(tmp_path, family):
+    """An adapter on q, k, v and o equals PEFT's (prompt logprobs and greedy tokens); one on the MLP target the
+    model does not serve is refused by name."""
     import transformers
 
-    base = str(tmp_path / "moe")
-    save_tiny_hf("Qwen2MoeConfig", base, vocab_size=VOCAB, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=32, shared_expert_intermediate_size=40, norm_topk_prob=False)
+    config_cls, settings, refused, message = ATTENTION_ONLY[family]
+    base = str(tmp_path / family)
+    save_tiny_hf(config_cls, base, vocab_size=VOCAB, **settings)
     fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
     with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<eos>"}, f)
@@ -137,36 +152,8 @@ def test_a_moe_models_attention_adapter_equals_peft(tmp_path):
                                      pad_token_id=0)[0, len(ids):].tolist()
     assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    _adapter(hf, str(tmp_path / "shared"), 6, r=2, target_modules=["gate_proj"])
-    with pytest.raises(LoRAError, match="of a MoE model, whose experts take none"):
-        engine.loras.load("shared", str(tmp_path / "shared"))
-
-
-def test_a_glm4_adapter_equals_peft(tmp_path):
-    """GLM-4's q and k rows are read into the half-split rotary order: an adapter's q and k B rows follow them, and
-    its attention adapter equals PEFT's; its fused gate_up_proj takes none (refused by name)."""
-    import transformers
-
-    from tests.test_model_families import FAMILIES
-
-    base = str(tmp_path / "glm4")
-    save_tiny_hf("Glm4Config", base, **{**FAMILIES["glm4"][1], "vocab_size": VOCAB})
-    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = _adapter(hf, str(tmp_path / "attn"), 5, r=4, lora_alpha=8,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS),
-                       progress=False)
-    ids = prompt(40, 7)
-    p = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
-    out = run(engine, {"a": (ids, p, "attn")})
-    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
-    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=2e-5)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    _adapter(hf, str(tmp_path / "mlp"), 6, r=2, target_modules=["gate_up_proj"])
-    with pytest.raises(LoRAError, match="gate_up_proj"):
+    _adapter(hf, str(tmp_path / "mlp"), 6, r=2, target_modules=[refused])
+    with pytest.raises(LoRAError, match=message):
         engine.loras.load("mlp", str(tmp_path / "mlp"))
 
 
