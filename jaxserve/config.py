@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
 from jaxserve.errors import UnsupportedModelError
@@ -33,11 +33,8 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     # back names the family's first architecture (Mistral's).
     "Phi3ForCausalLM": "mistral",
 }
-_HF_MODEL_TYPES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                                      "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                                      "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "mistral",
-                                      "granite": "granite", "granitemoe": "granitemoe", "smollm3": "smollm3",
-                                      "glm": "glm", "glm4": "glm4"}
+# A config's model_type: each family's own name, and two others.
+_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", "granitemoe")
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")
@@ -176,6 +173,16 @@ class ModelConfig:
         """Whether `layer` is a sliding-window layer."""
         windowed = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window is not None and windowed
+
+    @property
+    def output_norms(self) -> bool:
+        """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4)."""
+        return self.family in (*GEMMA_FAMILIES, "glm4")
+
+    @property
+    def output_bias(self) -> bool:
+        """Whether the attention's output projection has a bias (Qwen2's and GLM's biases are q, k and v's only)."""
+        return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", *GLM_FAMILIES)
 
     def layer_kind(self, layer: int) -> tuple[bool, bool]:
         """How `layer` attends: (a sliding-window layer, its queries and keys rotated by position)."""

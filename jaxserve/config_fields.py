@@ -118,22 +118,3 @@ def rope_scaling_hf(rs: Any) -> dict[str, Any]:
             if getattr(rs, key) is not None:
                 scaling[key] = getattr(rs, key)
     return scaling
-
-
-def has_output_norms(cfg: Any) -> bool:
-    """Whether a `ModelConfig`'s layers also norm the attention's and the MLP's outputs (Gemma, GLM-4)."""
-    return cfg.family in ("gemma2", "gemma3", "glm4")
-
-
-def output_biased(cfg: Any) -> bool:
-    """Whether a `ModelConfig` with attention biases biases the output projection too (Llama, Qwen3, Granite; not
-    Qwen2's nor GLM's, which bias q, k and v only)."""
-    return cfg.attention_bias and cfg.family not in ("qwen2", "qwen2_moe", "glm", "glm4")
-
-
-def interleaved_rows(head_dim: int, rotary: int) -> Any:
-    """The order that turns a head's rows with interleaved rotary pairs (GLM's: dims 2i and 2i + 1 turn together)
-    into the half-split order the model rotates (dims i and i + rotary / 2); the dims past `rotary` stay."""
-    import numpy as np
-
-    return np.concatenate([np.arange(0, rotary, 2), np.arange(1, rotary, 2), np.arange(rotary, head_dim)])

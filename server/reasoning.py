@@ -79,8 +79,7 @@ def reasoning_parser(name: str) -> ReasoningParser:
 class ReasoningStream:
     """Splits one growing reply into reasoning and answer."""
 
-    def __init__(self, implicit_start: bool, starts: tuple[str, ...] = ("<think>",),
-                 ends: tuple[str, ...] = ("</think>",)):
+    def __init__(self, implicit_start: bool, starts: tuple[str, ...], ends: tuple[str, ...]):
         self.implicit_start, self.starts, self.ends = implicit_start, starts, ends
         self.mode: Literal["start", "reasoning", "gap", "answer"] = "start"
         self.buf = ""

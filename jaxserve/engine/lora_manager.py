@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import GLM_FAMILIES, ModelConfig
-from jaxserve.config_fields import interleaved_rows
+from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import ATTENTION, TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
 
@@ -96,8 +96,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             out[a_field][layer, :, place * max_rank: place * max_rank + r] = w.T
         else:
             if cfg.family in GLM_FAMILIES and module in ("q_proj", "k_proj"):  # rows ordered as the model's were read
-                D = cfg.head_dim
-                w = w.reshape(-1, D, r)[:, interleaved_rows(D, cfg.rotary_dims)].reshape(w.shape)
+                w = halfsplit_rows(w, cfg)
             out[b_field][layer, :r, :] = w.T * scale
         seen.add((layer, module, which))
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})

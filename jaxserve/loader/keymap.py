@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import GEMMA_FAMILIES, GLM_FAMILIES, ModelConfig
-from jaxserve.config_fields import interleaved_rows, output_biased
 from jaxserve.models.params import Params, declare_params, from_param_paths, param_paths
 
 
@@ -81,7 +80,7 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq), (Hq * D,))
         t["self_attn.k_proj.bias"] = ("layers.bk", bias(Hkv), (Hkv * D,))
         t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
-        if output_biased(cfg):
+        if cfg.output_bias:
             t["self_attn.o_proj.bias"] = ("layers.bo", ident, (E,))
     if cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
@@ -91,11 +90,10 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
         t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
     if cfg.family in GLM_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
-        order = interleaved_rows(D, cfg.rotary_dims)
-        for name, heads in (("q_proj", Hq), ("k_proj", Hkv)):
+        for name in ("q_proj", "k_proj"):
             for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
                 path, read, shape = t[f"self_attn.{name}.{kind}"]
-                t[f"self_attn.{name}.{kind}"] = (path, _rows_then(read, heads, D, order), shape)
+                t[f"self_attn.{name}.{kind}"] = (path, lambda w, read=read: read(halfsplit_rows(w, cfg)), shape)
     if cfg.family == "glm4":  # a norm of the attention's and of the MLP's outputs
         t["post_self_attn_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["post_mlp_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
@@ -105,10 +103,17 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
     return t
 
 
-def _rows_then(read: Callable[[np.ndarray], np.ndarray], heads: int, head_dim: int,
-               order: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-    """`read` after each head's rows (a [heads * head_dim, ...] tensor's) are put in `order`."""
-    return lambda w: read(w.reshape(heads, head_dim, *w.shape[1:])[:, order].reshape(w.shape))
+def _halfsplit_order(head_dim: int, rotary: int) -> np.ndarray:
+    """The order that turns a head's dims with interleaved rotary pairs (GLM's: dims 2i and 2i + 1 turn together)
+    into the half-split order the model rotates (dims i and i + rotary / 2); the dims past `rotary` stay."""
+    return np.concatenate([np.arange(0, rotary, 2), np.arange(1, rotary, 2), np.arange(rotary, head_dim)])
+
+
+def halfsplit_rows(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """A q or k projection's tensor of GLM's ([heads * head_dim, ...]: weight, bias, a LoRA B) with each head's
+    rows in the half-split rotary order (the dot products of q and k are unchanged)."""
+    D = cfg.head_dim
+    return w.reshape(-1, D, *w.shape[1:])[:, _halfsplit_order(D, cfg.rotary_dims)].reshape(w.shape)
 
 
 KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale")
@@ -284,7 +289,7 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value.reshape(1, -1)
     if cfg.family in GLM_FAMILIES and target.path in ("layers.wq", "layers.wk", "layers.bq", "layers.bk"):
         # Back to interleaved rotary pairs: each head's dims in the inverse of the order they were read in.
-        value = value[..., np.argsort(interleaved_rows(cfg.head_dim, cfg.rotary_dims))]
+        value = value[..., np.argsort(_halfsplit_order(cfg.head_dim, cfg.rotary_dims))]
     if target.path in ("layers.wq", "layers.wk", "layers.wv"):
         return value.reshape(value.shape[0], -1).T
     if target.path == "layers.wo":

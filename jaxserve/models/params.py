@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
-from jaxserve.config_fields import has_output_norms, output_biased
 
 Init = Literal["normal", "ones", "zeros"]
 
@@ -117,7 +116,7 @@ def declare_params(cfg: ModelConfig) -> Params:
         wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
         mlp_norm=p((L, E), ("layers", "embed"), norm),
     )
-    if has_output_norms(cfg):
+    if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
     if cfg.num_experts:
@@ -139,7 +138,7 @@ def declare_params(cfg: ModelConfig) -> Params:
         layers.bq = p((L, Hq, D), ("layers", "q_heads", "head_dim"), "zeros")
         layers.bk = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
-        if output_biased(cfg):
+        if cfg.output_bias:
             layers.bo = p((L, E), ("layers", "embed"), "zeros")
     if cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), norm)
