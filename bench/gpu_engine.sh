@@ -9,7 +9,9 @@
 # Runs from the repository root without installing the package (JAX with its CUDA plugin, pytest, tokenizers
 # and jinja2 already there; no network). Under 5 minutes (100 + 2 x 100 s at most).
 # Settings (environment): MODEL (that directory), BACKENDS (default "pallas pallas_mosaic"), CONCURRENCY
-# (default 64), MAX_NUM_SEQS (64), MAX_TOKENS (step token budget, 1024), INPUT_LEN (512), OUTPUT_LEN (128).
+# (default 64), MAX_NUM_SEQS (64), MAX_TOKENS (step token budget, 1024), INPUT_LEN (512), OUTPUT_LEN (128),
+# QUANTIZATIONS (default none; e.g. "fp8 int8": one more run each, weights quantized at load, backend pallas,
+# 100 s each).
 # A dry run of the script on the CPU: BACKENDS=xla CONCURRENCY=4 MAX_NUM_SEQS=4 MAX_TOKENS=64 INPUT_LEN=32.
 # Output also goes to $OUT/gpu_engine.log (or bench/results/), with each run's JSON beside it.
 set -uo pipefail
@@ -41,6 +43,16 @@ LOG="$LOG_DIR/gpu_engine.log"
         --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' --quiet \
         --result-file "$LOG_DIR/gpu_engine_$backend.json"
       echo "bench exit code ($backend): $? ($(( $(date +%s) - start )) s total)"
+    done
+    for method in ${QUANTIZATIONS:-}; do
+      echo "== offline throughput, as above with backend pallas, weights quantized at load: $method"
+      # shellcheck disable=SC2086
+      timeout 100 "$PY" -m jaxserve.cli bench offline "$MODEL" --load-format dummy --dtype bfloat16 \
+        --quantization "$method" --attention-backend pallas --workload random \
+        --random-input-len "${INPUT_LEN:-512}" --output-len "${OUTPUT_LEN:-128}" --concurrency $CONCURRENCY \
+        --max-num-seqs "${MAX_NUM_SEQS:-64}" --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' \
+        --quiet --result-file "$LOG_DIR/gpu_engine_pallas_$method.json"
+      echo "bench exit code ($method): $? ($(( $(date +%s) - start )) s total)"
     done
   fi
 } 2>&1 | tee "$LOG"

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models.quantized import check_method
 from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
@@ -29,16 +30,13 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "SmolLM3ForCausalLM": "smollm3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
-    # Mistral's architecture with its q/k/v and gate/up projections fused (split at load); a config written
-    # back names the family's first architecture (Mistral's).
-    "Phi3ForCausalLM": "mistral",
+    "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", "granitemoe")
-GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")
-"""Rotary pairs interleaved (read into the half-split order at load), biases on q/k/v only, gate and up fused."""
+GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
@@ -96,6 +94,7 @@ class ModelConfig:
     and width position (`ModelInputs.rope_offsets`); None: by its position alone."""
     no_rope_layers: tuple[int, ...] | None = None
     """SmolLM3: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all are."""
+    weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
 
     @property
     def rotary_dims(self) -> int:
@@ -143,10 +142,11 @@ class ModelConfig:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
                                      and self.moe_intermediate_size > 0):
-            raise UnsupportedModelError(
-                f"a MoE model needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
-                f"({self.num_experts}) and a positive moe_intermediate_size ({self.moe_intermediate_size})"
-            )
+            raise UnsupportedModelError(f"a MoE model needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                                        f"num_experts ({self.num_experts}) and a positive moe_intermediate_size "
+                                        f"({self.moe_intermediate_size})")
+        if self.weight_quant:
+            check_method(self.weight_quant, self.num_experts)
 
     @property
     def q_per_kv(self) -> int:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.config import ModelConfig
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
+from jaxserve.models.quantized import QuantizedWeight
 from sharding.mesh import EXPERT, MODEL
 from sharding.rules import ShardingError, ShardingRules
 
@@ -40,7 +41,7 @@ _AXIS_NAMES = {
 def logical_sizes(cfg: ModelConfig) -> dict[str, int]:
     """The size of every logical axis the model's parameters use."""
     sizes: dict[str, int] = {}
-    for info in param_paths(declare_params(cfg)).values():
+    for info in jax.tree.leaves(declare_params(cfg), is_leaf=lambda x: isinstance(x, ParamInfo)):
         for name, n in zip(info.axes, info.shape, strict=True):
             if name is not None:
                 sizes[name] = n
@@ -108,9 +109,16 @@ class ShardingPlan:
 
     # -- placement -----------------------------------------------------------------------------------
 
-    def place(self, path: str, host: np.ndarray) -> jax.Array:
-        """Put one host parameter (source layout, e.g. "layers.wk") into its shards on the mesh."""
+    def place(self, path: str, host: Any) -> Any:
+        """Put one host parameter (source layout, e.g. "layers.wk") into its shards on the mesh (a quantized
+        weight's values and scales each into theirs)."""
         info = param_paths(declare_params(self.source_cfg))[path]
+        if isinstance(info, QuantizedWeight):
+            return QuantizedWeight(self._place(path, np.asarray(host.q), info.q),
+                                   self._place(path, np.asarray(host.scale), info.scale))
+        return self._place(path, host, info)
+
+    def _place(self, path: str, host: np.ndarray, info: ParamInfo) -> jax.Array:
         if tuple(host.shape) != info.shape:
             raise ShardingError(f"parameter {path} has shape {host.shape}, declared {info.shape}")
         if self.kv_repeat > 1 and "kv_heads" in info.axes:
@@ -121,7 +129,8 @@ class ShardingPlan:
 
     def shard_params(self, params: Params) -> Params:
         """Lay out a source-config parameter tree (host or single-device arrays) on the mesh."""
-        flat = {path: self.place(path, np.asarray(value)) for path, value in param_paths(params).items()}
+        flat = {path: self.place(path, value if isinstance(value, QuantizedWeight) else np.asarray(value))
+                for path, value in param_paths(params).items()}
         return from_param_paths(self.model_cfg, flat)
 
     def allocate_kv(self, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False) -> KVCache:

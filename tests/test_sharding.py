@@ -24,7 +24,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -207,6 +207,22 @@ def test_load_model_places_hf_weights_into_their_shards(results):
     assert moe["kv_repeat"] == 1 and moe["has_expert_layout"] and not dense["has_expert_layout"]
     # Every split parameter holds at most half of itself on any one device.
     assert dense["max_shard_fraction"] <= 0.5 and moe["max_shard_fraction"] <= 0.5
+
+
+def test_quantized_weights_shard_like_their_floats(results):
+    """Weights quantized at load (int8 under TP=4 with KV heads repeated; fp8 experts under EP=2 x TP=2) give one
+    device's logits; values split as their weight, scales along the weight's output axes (replicated over its
+    input axis); a quantized one-device model laid out over TP=2 by the engine gives one device's tokens."""
+    dense, moe = results["quant"]["dense"], results["quant"]["moe"]
+    assert dense["rel"] < REL_TOL and moe["rel"] < REL_TOL
+    assert dense["dtype"] == "int8" and moe["dtype"] == "float8_e4m3fn" and dense["kv_repeat"] == 2
+    # wk [L, E, Hkv, D] over TP=4 (KV heads 2 -> 4): split by KV head, its scale [L, 1, Hkv, D] too.
+    assert dense["q_spec"][:3] == ["None", "None", "model"] and dense["scale_spec"][:3] == ["None", "None", "model"]
+    assert dense["scale_shape"] == [2, 1, 4, 16]
+    # we_up [L, X, E, Fe]: experts over `expert`, their width over `model`; the scale [L, X, 1, Fe] alike.
+    assert moe["q_spec"] == ["None", "expert", "None", "model"] and moe["scale_spec"] == moe["q_spec"]
+    assert dense["laid_tokens"] == dense["ref_tokens"] and dense["laid_compiles_after_warmup"] == 0
+    assert dense["laid_wq_spec"][:2] == ["None", "model"]  # wq [E, Hq, D] of one layer: by query head
 
 
 def test_images_on_sharded_engines(results):

@@ -17,12 +17,12 @@ RESULT_PREFIX = "RESULT:"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cases(*cases: str, devices: int = 8, timeout: float = 300.0) -> dict:
+def run_cases(*cases: str, devices: int = 8, timeout: float = 600.0) -> dict:
     """Run the named cases in a fresh process with `devices` CPU devices; returns {case: findings}."""
     return run_module("tests.test_sharding_worker", *cases, devices=devices, timeout=timeout)
 
 
-def run_module(module: str, *args: str, devices: int, timeout: float = 300.0) -> dict:
+def run_module(module: str, *args: str, devices: int, timeout: float = 600.0) -> dict:
     """`python -m module args...` in a fresh process with `devices` CPU devices; returns the JSON it
     printed last after RESULT_PREFIX."""
     env = dict(os.environ)
@@ -395,6 +395,49 @@ def case_load() -> dict:
     return found
 
 
+def case_quant() -> dict:
+    """Weights quantized at load under TP=4 (KV heads repeated, int8) and EP=2 x TP=2 (a Qwen2-MoE model, fp8):
+    the two steps' logits against one device's quantized model, the stored dtype, each value and scale array
+    split like its weight; a model quantized on one device then laid out over TP=2 by the engine: its greedy
+    tokens against one device's."""
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+    from jaxserve.models.inputs import KVCache
+
+    found = {}
+    for name, cfg, method, tp, ep in (("dense", dense_config(), "int8", 4, 1), ("moe", moe_config(), "fp8", 2, 2)):
+        tiny = _tiny_loaded(cfg)
+        path = tempfile.mkdtemp()
+        export_hf(path, cfg, tiny.params, tiny.tokenizer)
+        args = EngineArgs(model=path, dtype="float32", quantization=method, **ENGINE_ARGS)
+        single = load_model(args, progress=False)
+        ref = _run_steps(single.config, single.params, KVCache.allocate(single.config, 16, 8, jnp.float32))
+        placed = load_model(args.replace(tensor_parallel_size=tp, expert_parallel_size=ep), progress=False)
+        plan = placed.plan
+        got = _run_steps(plan.model_cfg, placed.params, plan.allocate_kv(16, 8, jnp.float32), plan)
+        w = placed.params.layers.we_up if cfg.num_experts else placed.params.layers.wk
+        found[name] = {
+            "rel": max(_rel(got[0], ref[0]), _rel(got[1], ref[1])), "kv_repeat": plan.kv_repeat,
+            "dtype": str(w.q.dtype), "q_spec": [str(a) for a in w.q.sharding.spec],
+            "scale_spec": [str(a) for a in w.scale.sharding.spec], "scale_shape": list(w.scale.shape),
+        }
+        if not cfg.num_experts:
+            laid = LLMEngine(args.replace(tensor_parallel_size=2, strict_compile=True), loaded=single, progress=False)
+            found[name].update({
+                "ref_tokens": _generate(LLMEngine(args, loaded=single, progress=False), PROMPTS),
+                "laid_tokens": _generate(laid, PROMPTS),
+                "laid_wq_spec": [str(a) for a in laid.model.params.layers[0].wq.q.sharding.spec],  # one layer's
+                "laid_compiles_after_warmup": laid.stats().compilations_after_warmup,
+            })
+    return found
+
+
 def case_sleep() -> dict:
     """Sleep mode and weight updates on a TP=2 engine and on each replica of DP=2 x TP=2: the same tokens after
     waking (weights kept on the host, or read again from disk), new weights equal to one device on them."""
@@ -509,7 +552,7 @@ def case_images() -> dict:
     return found
 
 
-CASES = {"images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
+CASES = {"quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
 
 
 def main(argv: list[str]) -> None:

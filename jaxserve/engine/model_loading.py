@@ -28,7 +28,8 @@ from jaxserve.loader import (
 )
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
-from jaxserve.models.params import Params, random_params
+from jaxserve.models.params import Params, declare_params, random_params
+from jaxserve.models.quantized import METHODS, check_method, quantize_layers
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     dummy = args.load_format == "dummy"
     ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides)
     cfg = ckpt.config()
-    check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}))
+    weight_quant = check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}))
     arch = classification_architecture(getattr(ckpt, "hf_config", {}))
     if arch and not args.is_pooling:
         raise UnsupportedModelError(f"{path} is a sequence classification model ({arch}): it classifies, it does not "
@@ -116,6 +117,8 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)
     else:
         params = _convert(ckpt, cfg, plan, dtype, progress)
+    if weight_quant:
+        params, cfg, plan = quantize_model(params, cfg, plan, weight_quant)
     vision = _image_encoder(args, ckpt, cfg, dtype, path, tokenizer)
     loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0,
                          sampling_defaults=sampling_defaults(path, args.generation_config,
@@ -251,16 +254,37 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
     return int(pages)
 
 
-def check_quantization(method: str | None, path: str, hf_config: dict[str, Any]) -> None:
-    """`--quantization` (vLLM's) must name the checkpoint's own method: quantized checkpoints are read, not made."""
+def check_quantization(method: str | None, path: str, hf_config: dict[str, Any]) -> str | None:
+    """`--quantization` (vLLM's): the checkpoint's own method (its weights are read dequantized), or on an
+    unquantized checkpoint a method that quantizes the weights at load (`models.quantized.METHODS`), returned."""
     own = (hf_config.get("quantization_config") or {}).get("quant_method")
     if method is None or method == own or method.removesuffix("_marlin") == own:  # vLLM's kernel-named aliases
-        return
+        return None
+    if own is None and method in METHODS:
+        return method
     has = f"its weights are quantized with {own!r}" if own else "its weights are not quantized"
     raise UnsupportedModelError(
         f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq and awq "
-        "checkpoints (dequantized to the model's dtype) and does not quantize weights at load; leave --quantization "
-        "out to serve the checkpoint as it is")
+        f"checkpoints (dequantized to the model's dtype) and quantizes an unquantized checkpoint's weights at load "
+        f"with {', '.join(METHODS)}; leave --quantization out to serve the checkpoint as it is")
+
+
+def quantize_model(params: Params, cfg: ModelConfig, plan: Any, method: str) -> tuple[Params, ModelConfig, Any]:
+    """Freshly loaded float `params` with their projections quantized by `method` where they lie (each float
+    weight released as it goes); the config and plan that describe them."""
+    check_method(method, cfg.num_experts)
+    before = params_bytes(params)
+    cfg = dataclasses.replace(cfg, weight_quant=method)
+    shardings = None
+    if plan is not None:
+        plan = dataclasses.replace(plan, source_cfg=dataclasses.replace(plan.source_cfg, weight_quant=method),
+                                   model_cfg=dataclasses.replace(plan.model_cfg, weight_quant=method))
+        shardings = plan.param_shardings().layers
+    declared = declare_params(plan.model_cfg if plan else cfg).layers
+    params = dataclasses.replace(params, layers=quantize_layers(params.layers, declared, shardings, release=True))
+    logger.info("weights quantized at load (%s): %.1f -> %.1f MiB per device", method, before / 2**20,
+                params_bytes(params) / 2**20)
+    return params, cfg, plan
 
 
 def max_model_length(args: EngineArgs, cfg: ModelConfig, num_pages: int) -> int:

@@ -15,6 +15,7 @@ from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
+from jaxserve.models.quantized import dequantize
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
@@ -107,6 +108,7 @@ def _layer(
     """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ."""
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
     lp, layer = xs
+    lp = dequantize(lp, x.dtype)  # weights kept quantized are read at their stored size (`models.quantized`)
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
     num_pages = k_all.shape[0] // cfg.num_layers
     page_size = k_all.shape[1]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.models.quantized import quantized_info
 
 Init = Literal["normal", "ones", "zeros"]
 
@@ -28,6 +29,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: Init = "normal"
+    dtype: Any = None  # None: the model's dtype; a quantized weight's parts name their own (`quantized`)
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):
@@ -150,6 +152,9 @@ def declare_params(cfg: ModelConfig) -> Params:
     if cfg.kv_cache_scales:
         layers.k_scale = p((L,), ("layers",), "ones")
         layers.v_scale = p((L,), ("layers",), "ones")
+    if cfg.weight_quant:  # weights kept quantized: each projection as its stored value and scale
+        layers = LayerParams(**{f.name: quantized_info(f.name, getattr(layers, f.name), cfg.weight_quant)
+                                for f in dataclasses.fields(layers)})
     return Params(
         embed=p((V, E), ("vocab", "embed")),
         layers=layers,
@@ -182,11 +187,16 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
         lp = jax.tree.map(lambda a: a[i], layers)
         if not fuse:
             return lp
-        E = lp.wq.shape[0]
-        wqkv = jnp.concatenate([lp.wq.reshape(E, -1), lp.wk.reshape(E, -1), lp.wv.reshape(E, -1)], axis=1).T
-        w_gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=1).T
+        # Each op applies alike to a quantized weight's values and scales (its input axes of size 1).
+        def rows(w: jax.Array) -> jax.Array:  # [in, out...] -> [in, out]
+            return w.reshape(w.shape[0], -1)
+
+        wqkv = jax.tree.map(lambda q, k, v: jnp.concatenate([rows(q), rows(k), rows(v)], axis=1).T, lp.wq, lp.wk, lp.wv)
+        w_gate_up = jax.tree.map(lambda g, u: jnp.concatenate([g, u], axis=1).T, lp.w_gate, lp.w_up)
+        wo_t = jax.tree.map(lambda w: w.reshape(-1, w.shape[-1]).T, lp.wo)
+        w_down_t = jax.tree.map(jnp.transpose, lp.w_down)
         return dataclasses.replace(lp, wq=None, wk=None, wv=None, wo=None, w_gate=None, w_up=None, w_down=None,
-                                   wqkv=wqkv, w_gate_up=w_gate_up, wo_t=lp.wo.reshape(-1, E).T, w_down_t=lp.w_down.T)
+                                   wqkv=wqkv, w_gate_up=w_gate_up, wo_t=wo_t, w_down_t=w_down_t)
 
     def split(layers: LayerParams) -> tuple[LayerParams, ...]:
         return tuple(one_layer(layers, i) for i in range(num_layers))
@@ -202,13 +212,20 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
     return params
 
 
+def _float_only(cfg: ModelConfig) -> None:
+    if cfg.weight_quant:
+        raise ValueError("random weights are drawn in float: draw them for the config without weight_quant, then "
+                         "quantize them (models.quantized.quantize_layers)")
+
+
 def _is_info(x: Any) -> bool:
     return isinstance(x, ParamInfo)
 
 
 def abstract_params(cfg: ModelConfig, dtype: jnp.dtype) -> Params:
     """`ShapeDtypeStruct` leaves, for lowering without materializing weights."""
-    return jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, dtype), declare_params(cfg), is_leaf=_is_info)
+    return jax.tree.map(lambda i: jax.ShapeDtypeStruct(i.shape, i.dtype or dtype), declare_params(cfg),
+                        is_leaf=_is_info)
 
 
 def logical_axes(cfg: ModelConfig) -> Params:
@@ -218,6 +235,7 @@ def logical_axes(cfg: ModelConfig) -> Params:
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, scale: float = 0.02) -> Params:
     """Random parameters for tests: normal(0, scale) matrices, unit norms, zero biases."""
+    _float_only(cfg)
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
     keys = jax.random.split(key, len(infos))
     leaves = []
@@ -238,6 +256,7 @@ def random_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, shardings: 
 
     With `shardings` (a tree of `NamedSharding`s, as `ShardingPlan.param_shardings`), each leaf is
     created directly in its shards, so no device ever holds a whole weight it does not keep."""
+    _float_only(cfg)
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
     targets = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(infos)
     key = jax.random.key(seed)

@@ -27,6 +27,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import empty_lora
 from jaxserve.models.params import abstract_params
+from jaxserve.models.quantized import METHODS
 
 # SmolLM2-135M-Instruct as `ModelConfig.from_gguf_metadata` reads it from the bundled GGUF (the second venv
 # that runs the compile has no gguf reader; tests/test_engine_pallas.py keeps these in step with the file).
@@ -186,6 +187,20 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
                        mosaic=backend == "pallas_mosaic", kv_dtype=kv_dtype)
     print(f"decode_loop S={S} n={RC.num_scheduler_steps} {backend} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_decode_loop_with_quantized_weights_compiles_for_sm90(spec, method):
+    """`--quantization fp8 | int8`: every projection stored at one byte per weight with per-channel scales, the
+    decode loop (64 rows) dequantizing them where the matmuls read them."""
+    cfg = dataclasses.replace(SMOLLM2, weight_quant=method)
+    params, kv, sampling, pen, want_top = _common(spec, 64, DTYPE, cfg)
+    assert params.layers.w_up.q.dtype == jnp.dtype(METHODS[method].dtype)
+    loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps)
+    seconds = _compile(loop, params, kv, decode_state(spec, 64), sampling, pen, want_top)
+    print(f"decode_loop S=64 weights {method}: compiled for sm_90 in {seconds:.1f} s")
 
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence

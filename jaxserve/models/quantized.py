@@ -1,0 +1,132 @@
+"""Weights kept quantized in memory (`--quantization fp8 | int8 | experts_int8` on an unquantized checkpoint).
+
+A quantized projection is stored as `QuantizedWeight(q, scale)`: `q` in float8_e4m3fn or int8, `scale` one
+float32 per output channel (the weight's shape with its input axes kept as size 1), w = q * scale. Scales are
+each channel's largest magnitude over the type's largest value (448 for float8_e4m3fn, 127 for int8), so the
+largest weight of every channel is stored exactly; int8 rounds to the nearest step. Embeddings, the LM head,
+norms, biases and the MoE router stay in the model's dtype (as vLLM's fp8 leaves them).
+
+The forward pass dequantizes a layer's weights where it reads them (`dequantize`): the matmuls run in the
+model's dtype on weights read at one byte each, which XLA:GPU fuses into the matmul's operand load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.errors import UnsupportedModelError
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class QuantizedWeight:
+    """A weight stored as q * scale: q [..., in, out] quantized, scale float32 with the input axes of size 1."""
+
+    q: Any
+    scale: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+
+# The input (contracted) logical axes of each quantizable layer weight; the rest are output axes.
+INPUT_AXES: dict[str, tuple[str, ...]] = {
+    "wq": ("embed",), "wk": ("embed",), "wv": ("embed",), "wo": ("q_heads", "head_dim"),
+    "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp",),
+    "we_gate": ("embed",), "we_up": ("embed",), "we_down": ("expert_mlp",),
+    "ws_gate": ("embed",), "ws_up": ("embed",), "ws_down": ("mlp",),
+}
+_EXPERTS = ("we_gate", "we_up", "we_down")
+
+
+@dataclass(frozen=True)
+class Method:
+    """An online quantization method: the stored dtype and the layer weights it applies to."""
+
+    dtype: Any
+    fields: tuple[str, ...]
+    moe_only: bool = False
+
+
+METHODS: dict[str, Method] = {
+    "fp8": Method(jnp.float8_e4m3fn, tuple(INPUT_AXES)),  # every projection (vLLM's online fp8)
+    "int8": Method(jnp.int8, tuple(INPUT_AXES)),
+    "experts_int8": Method(jnp.int8, _EXPERTS, moe_only=True),  # vLLM's: the MoE experts only
+}
+
+
+def quantized_info(name: str, info: Any, method: str) -> Any:
+    """The declaration (`params.ParamInfo`) of layer weight `name` as stored by `method`: a `QuantizedWeight`
+    of two infos, or `info` itself for a weight the method leaves alone."""
+    m = METHODS[method]
+    if name not in m.fields or info is None:
+        return info
+    inputs = INPUT_AXES[name]
+    scale_shape = tuple(1 if a in inputs else n for a, n in zip(info.axes, info.shape, strict=True))
+    scale_axes = tuple(None if a in inputs else a for a in info.axes)
+    return QuantizedWeight(
+        q=dataclasses.replace(info, dtype=jnp.dtype(m.dtype)),
+        scale=dataclasses.replace(info, shape=scale_shape, axes=scale_axes, init="ones", dtype=jnp.dtype(jnp.float32)),
+    )
+
+
+def quantize(w: jax.Array, dtype: Any, reduce_axes: tuple[int, ...]) -> QuantizedWeight:
+    """`w` stored in `dtype` with one scale per slice over `reduce_axes` (the input axes)."""
+    dtype = jnp.dtype(dtype)
+    w = w.astype(jnp.float32)
+    top = float(jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max)
+    amax = jnp.max(jnp.abs(w), axis=reduce_axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    x = w / scale
+    if jnp.issubdtype(dtype, jnp.integer):
+        x = jnp.round(x)
+    return QuantizedWeight(jnp.clip(x, -top, top).astype(dtype), scale)
+
+
+def dequantize(tree: Any, dtype: Any) -> Any:
+    """`tree` with every `QuantizedWeight` replaced by q * scale in `dtype` (other leaves as they are)."""
+    def one(w: Any) -> Any:
+        if not isinstance(w, QuantizedWeight):
+            return w
+        return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def is_quantized(w: Any) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def check_method(method: str, num_experts: int) -> None:
+    """Refuse a method that is not one of `METHODS`, or `experts_int8` on a dense model, by name."""
+    if method not in METHODS:
+        raise UnsupportedModelError(f"unknown weight quantization {method!r}: jaxserve quantizes at load with "
+                                    f"{', '.join(METHODS)}")
+    if METHODS[method].moe_only and not num_experts:
+        raise UnsupportedModelError(f"quantization {method!r} quantizes a mixture-of-experts model's experts; this "
+                                    "model has none (fp8 or int8 quantize every projection)")
+
+
+def quantize_layers(layers: Any, declared: Any, shardings: Any = None, release: bool = False) -> Any:
+    """Stacked float `layers` (a `LayerParams`) stored as `declared` (its quantized declaration) says, each
+    weight quantized where it lies (into `shardings`, a `LayerParams` of `QuantizedWeight` shardings, if
+    given). With `release`, each float weight is deleted once its quantized form is made (the caller must
+    not read `layers` again), so the float model and its quantized copy are never both held whole."""
+    out = {}
+    for f in dataclasses.fields(layers):
+        w, info = getattr(layers, f.name), getattr(declared, f.name)
+        if not isinstance(info, QuantizedWeight) or w is None:
+            continue
+        reduce_axes = tuple(i for i, a in enumerate(info.q.axes) if a in INPUT_AXES[f.name])
+        target = getattr(shardings, f.name) if shardings is not None else None
+        out[f.name] = jax.jit(quantize, static_argnums=(1, 2), out_shardings=target)(w, info.q.dtype, reduce_axes)
+        if release and isinstance(w, jax.Array):
+            jax.block_until_ready(out[f.name])
+            w.delete()
+    return dataclasses.replace(layers, **out)
