@@ -107,6 +107,11 @@ class ShardingPlan:
     def expert_layout(self) -> ExpertLayout:
         return ExpertLayout(self.mesh, self.rules.mesh_axis("experts"), self.rules.mesh_axis("expert_mlp"))
 
+    def with_weight_quant(self, method: str | None) -> ShardingPlan:
+        """The same layout of the model with its weights stored as `method` quantizes them (None: in float)."""
+        return dataclasses.replace(self, source_cfg=dataclasses.replace(self.source_cfg, weight_quant=method),
+                                   model_cfg=dataclasses.replace(self.model_cfg, weight_quant=method))
+
     # -- placement -----------------------------------------------------------------------------------
 
     def place(self, path: str, host: Any) -> Any:

@@ -212,7 +212,7 @@ def test_load_model_places_hf_weights_into_their_shards(results):
 def test_quantized_weights_shard_like_their_floats(results):
     """Weights quantized at load (int8 under TP=4 with KV heads repeated; fp8 experts under EP=2 x TP=2) give one
     device's logits; values split as their weight, scales along the weight's output axes (replicated over its
-    input axis); a quantized one-device model laid out over TP=2 by the engine gives one device's tokens."""
+    input axis); a quantized one-device model laid out over TP=2 gives one device's logits."""
     dense, moe = results["quant"]["dense"], results["quant"]["moe"]
     assert dense["rel"] < REL_TOL and moe["rel"] < REL_TOL
     assert dense["dtype"] == "int8" and moe["dtype"] == "float8_e4m3fn" and dense["kv_repeat"] == 2
@@ -221,8 +221,7 @@ def test_quantized_weights_shard_like_their_floats(results):
     assert dense["scale_shape"] == [2, 1, 4, 16]
     # we_up [L, X, E, Fe]: experts over `expert`, their width over `model`; the scale [L, X, 1, Fe] alike.
     assert moe["q_spec"] == ["None", "expert", "None", "model"] and moe["scale_spec"] == moe["q_spec"]
-    assert dense["laid_tokens"] == dense["ref_tokens"] and dense["laid_compiles_after_warmup"] == 0
-    assert dense["laid_wq_spec"][:2] == ["None", "model"]  # wq [E, Hq, D] of one layer: by query head
+    assert dense["laid_rel"] < REL_TOL and dense["laid_wq_spec"][:3] == ["None", "None", "model"]
 
 
 def test_images_on_sharded_engines(results):

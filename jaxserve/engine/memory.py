@@ -43,7 +43,7 @@ import numpy as np
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.kv_scales import with_kv_cache_dtype
 from jaxserve.engine.lora_manager import with_lora_slots
-from jaxserve.engine.model_loading import load_model, shard_model
+from jaxserve.engine.model_loading import load_model, quantize_model, shard_model
 from jaxserve.loader import load_params
 
 logger = logging.getLogger(__name__)
@@ -249,7 +249,8 @@ class EngineMemory:
     def load_weights(self, source: str | Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> None:
         """New weights from a checkpoint directory or file (`source` a path; None: the served checkpoint, read
         again), or from tensors in memory: a mapping or pairs of HF parameter names and arrays (numpy or JAX,
-        unquantized), as a trainer in the same process holds them."""
+        unquantized), as a trainer in the same process holds them (quantized as at load when the engine's
+        weights are: `--quantization fp8`)."""
         e = self.engine
         self._check_idle("a weight update")
         t0 = time.perf_counter()
@@ -266,8 +267,14 @@ class EngineMemory:
             source = source if isinstance(source, Mapping) else list(source)  # read twice: decoder, vision side
             plan = e.model.plan
             cfg = plan.source_cfg if plan is not None else e.model.config
+            method = cfg.weight_quant  # read in float, then quantized as at load
+            if method:
+                cfg = dataclasses.replace(cfg, weight_quant=None)
+                plan = plan.with_weight_quant(None) if plan is not None else None
             params = load_params(_Tensors(source), cfg, e.model.dtype, place=plan.place if plan else None,
                                  progress=False)
+            if method:
+                params = quantize_model(params, cfg, plan, method)[0]
             loaded, mesh, what = dataclasses.replace(e.model, params=params), None, "the given tensors"
             vision = _vision_params(e.images, source, e.model.dtype)
         model, kv_dtype = prepare_model(loaded, e.args, mesh)

@@ -277,8 +277,7 @@ def quantize_model(params: Params, cfg: ModelConfig, plan: Any, method: str) -> 
     cfg = dataclasses.replace(cfg, weight_quant=method)
     shardings = None
     if plan is not None:
-        plan = dataclasses.replace(plan, source_cfg=dataclasses.replace(plan.source_cfg, weight_quant=method),
-                                   model_cfg=dataclasses.replace(plan.model_cfg, weight_quant=method))
+        plan = plan.with_weight_quant(method)
         shardings = plan.param_shardings().layers
     declared = declare_params(plan.model_cfg if plan else cfg).layers
     params = dataclasses.replace(params, layers=quantize_layers(params.layers, declared, shardings, release=True))

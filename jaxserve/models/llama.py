@@ -4,6 +4,7 @@ functions."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.params import LayerParams, Params
-from jaxserve.models.quantized import dequantize
+from jaxserve.models.quantized import project
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
@@ -108,7 +109,6 @@ def _layer(
     """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ."""
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
     lp, layer = xs
-    lp = dequantize(lp, x.dtype)  # weights kept quantized are read at their stored size (`models.quantized`)
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
     num_pages = k_all.shape[0] // cfg.num_layers
     page_size = k_all.shape[1]
@@ -117,14 +117,15 @@ def _layer(
         h = model_norm(cfg, x, lp.attn_norm)
         if lp.wqkv is not None:
             T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            qkv = _dot_out_major(h, lp.wqkv)  # [T, (Hq + 2 * Hkv) * D]
+            qkv = project(h, lp.wqkv, _dot_out_major)  # [T, (Hq + 2 * Hkv) * D]
             q = qkv[:, : Hq * D].reshape(T, Hq, D)
             k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
             v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
         else:
-            q = jnp.einsum("te,ehd->thd", h, lp.wq)  # [T, Hq, D]
-            k = jnp.einsum("te,ehd->thd", h, lp.wk)  # [T, Hkv, D]
-            v = jnp.einsum("te,ehd->thd", h, lp.wv)  # [T, Hkv, D]
+            heads = functools.partial(jnp.einsum, "te,ehd->thd")
+            q = project(h, lp.wq, heads)  # [T, Hq, D]
+            k = project(h, lp.wk, heads)  # [T, Hkv, D]
+            v = project(h, lp.wv, heads)  # [T, Hkv, D]
         if lora is not None:
             dq, dk, dv = lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_k, lora.b_v], inputs.lora_slots)
             q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
@@ -156,7 +157,10 @@ def _layer(
             attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
         attn = attn.reshape(attn.shape[0], -1)
-        out = _dot_out_major(attn, lp.wo_t) if lp.wo_t is not None else attn @ lp.wo.reshape(-1, lp.wo.shape[-1])
+        if lp.wo_t is not None:
+            out = project(attn, lp.wo_t, _dot_out_major)
+        else:
+            out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
         if lora is not None:
             out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
         if lp.bo is not None:
@@ -173,17 +177,17 @@ def _layer(
     with jax.named_scope("mlp"):
         h = model_norm(cfg, x, lp.mlp_norm)
         if lp.w_gate_up is not None:
-            gate, up = jnp.split(_dot_out_major(h, lp.w_gate_up), 2, axis=-1)  # [T, F] each
+            gate, up = jnp.split(project(h, lp.w_gate_up, _dot_out_major), 2, axis=-1)  # [T, F] each
         else:
-            gate = h @ lp.w_gate  # [T, F]
-            up = h @ lp.w_up
+            gate = project(h, lp.w_gate)  # [T, F]
+            up = project(h, lp.w_up)
         if lora is not None:
             dg, du = lora_deltas(h, lora.a_gate_up, [lora.b_gate, lora.b_up], inputs.lora_slots)
             gate, up = gate + dg, up + du
         if lp.b_gate is not None:
             gate, up = gate + lp.b_gate, up + lp.b_up
         act = (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
-        down = _dot_out_major(act, lp.w_down_t) if lp.w_down_t is not None else act @ lp.w_down
+        down = project(act, lp.w_down_t, _dot_out_major) if lp.w_down_t is not None else project(act, lp.w_down)
         if lora is not None:
             down = down + lora_deltas(act, lora.a_down, [lora.b_down], inputs.lora_slots)[0]
         if lp.b_down is not None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.quantized import QuantizedWeight, grouped, project
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -29,11 +30,12 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array,
     return weights.astype(h.dtype), experts.astype(jnp.int32)
 
 
-def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate: jax.Array, we_up: jax.Array,
-                  we_down: jax.Array, first_expert: jax.Array | int) -> jax.Array:
+def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate: Any, we_up: Any, we_down: Any,
+                  first_expert: jax.Array | int) -> jax.Array:
     """The weighted output ([T, E]) of experts `first_expert .. first_expert + X_local` for every token.
 
-    h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E].
+    h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
+    `QuantizedWeight`s).
     The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
     outside every group, and get weight zero.
     """
@@ -46,9 +48,10 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     token = order // k  # the token of each sorted pair
     group_sizes = jnp.bincount(key, length=x_local + 1)[:x_local].astype(jnp.int32)  # [X_local]
     xs = h[token]  # [T * k, E]
-    gate = jax.lax.ragged_dot(xs, we_gate, group_sizes)  # [T * k, Fe]
-    up = jax.lax.ragged_dot(xs, we_up, group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, we_down, group_sizes)  # [T * k, E]
+    row_expert = key[order]  # [T * k]: each sorted pair's local expert (x_local past the groups)
+    gate = grouped(xs, we_gate, group_sizes, row_expert)  # [T * k, Fe]
+    up = grouped(xs, we_up, group_sizes, row_expert)
+    ys = grouped(jax.nn.silu(gate) * up, we_down, group_sizes, row_expert)  # [T * k, E]
     w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
     return jnp.zeros_like(h).at[token].add(ys * w[:, None])
 
@@ -63,7 +66,7 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, expert_layout: Any = None) 
     else:
         out = _sharded_experts(h, weights, experts, lp, expert_layout)
     if lp.ws_gate is not None:
-        shared = (jax.nn.silu(h @ lp.ws_gate) * (h @ lp.ws_up)) @ lp.ws_down  # [T, E]
+        shared = project(jax.nn.silu(project(h, lp.ws_gate)) * project(h, lp.ws_up), lp.ws_down)  # [T, E]
         out = out + jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared
     return out
 
@@ -79,6 +82,8 @@ def _sharded_experts(h, weights, experts, lp, layout) -> jax.Array:
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
     up_spec, down_spec = P(ea, None, ma), P(ea, ma, None)
+    if isinstance(lp.we_down, QuantizedWeight):  # the scales of the down projection: per output channel, unsplit
+        down_spec = QuantizedWeight(down_spec, P(ea, None, None))
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec), out_specs=P(),
         check_vma=False,

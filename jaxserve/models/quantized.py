@@ -6,13 +6,16 @@ each channel's largest magnitude over the type's largest value (448 for float8_e
 largest weight of every channel is stored exactly; int8 rounds to the nearest step. Embeddings, the LM head,
 norms, biases and the MoE router stay in the model's dtype (as vLLM's fp8 leaves them).
 
-The forward pass dequantizes a layer's weights where it reads them (`dequantize`): the matmuls run in the
-model's dtype on weights read at one byte each, which XLA:GPU fuses into the matmul's operand load.
+Each matmul reads the stored values converted to the activations' dtype and multiplies its product by the
+scales (`project`, `grouped`): the conversion is fused into the matmul's operand load on a GPU, so a weight is
+read at one byte; the products equal the float model's on the dequantized weights (`dequantize`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,18 +92,39 @@ def quantize(w: jax.Array, dtype: Any, reduce_axes: tuple[int, ...]) -> Quantize
     return QuantizedWeight(jnp.clip(x, -top, top).astype(dtype), scale)
 
 
+def project(x: jax.Array, w: Any, matmul: Callable[[jax.Array, jax.Array], jax.Array] = jnp.matmul) -> jax.Array:
+    """`matmul(x, w)` for a float weight; for a `QuantizedWeight`, `matmul` of x and the stored values converted
+    to x's dtype, then times the per-output-channel scales (the product's trailing axes are the weight's output
+    axes). The conversion is all the matmul sees of the scales, so XLA:GPU fuses it into the matmul's operand
+    load and reads each weight at its stored byte; a scale multiplied into the weight first would be written
+    out as a whole bfloat16 copy of the weight (`tests/gpu_compile`)."""
+    if not isinstance(w, QuantizedWeight):
+        return matmul(x, w)
+    y = matmul(x, w.q.astype(x.dtype))
+    scale = w.scale
+    k = next(k for k in range(1, y.ndim + 1) if math.prod(y.shape[-k:]) == scale.size)
+    return (y.astype(jnp.float32) * scale.reshape(y.shape[-k:])).astype(y.dtype)
+
+
+def grouped(x: jax.Array, w: Any, group_sizes: jax.Array, row_group: jax.Array) -> jax.Array:
+    """`jax.lax.ragged_dot(x, w, group_sizes)` (w [G, K, N]) for a float or quantized weight; `row_group` [R] is
+    the group of each row of x (rows past the groups any group: they are dropped by the caller)."""
+    if not isinstance(w, QuantizedWeight):
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    y = jax.lax.ragged_dot(x, w.q.astype(x.dtype), group_sizes)
+    scale = w.scale[:, 0, :][jnp.minimum(row_group, w.scale.shape[0] - 1)]  # [R, N]
+    return (y.astype(jnp.float32) * scale).astype(y.dtype)
+
+
 def dequantize(tree: Any, dtype: Any) -> Any:
-    """`tree` with every `QuantizedWeight` replaced by q * scale in `dtype` (other leaves as they are)."""
+    """`tree` with every `QuantizedWeight` replaced by q * scale in `dtype` (other leaves as they are): the float
+    weights a quantized model computes with."""
     def one(w: Any) -> Any:
         if not isinstance(w, QuantizedWeight):
             return w
         return (w.q.astype(jnp.float32) * w.scale).astype(dtype)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-
-
-def is_quantized(w: Any) -> bool:
-    return isinstance(w, QuantizedWeight)
 
 
 def check_method(method: str, num_experts: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 
 import jax
@@ -189,18 +190,68 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
           f"compiled for sm_90 in {seconds:.1f} s")
 
 
+def copied_weights(text: str, dtype) -> list[str]:
+    """The types of the quantized arrays (of `dtype`) that an op other than a matmul fusion reads in the compiled
+    program's own computations (not inside fusions): weights converted and written out whole before a matmul
+    instead of converted where the matmul loads them."""
+    tok = {jnp.dtype(jnp.int8): "s8", jnp.dtype(jnp.float8_e4m3fn): "f8e4m3fn"}[jnp.dtype(dtype)]
+    typed: dict[str, str] = {}
+    copied = []
+    inside_fusion = False
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            inside_fusion = head.group(1).startswith(("fused_", "gemm_fusion")) or "_computation" in head.group(1)
+            continue
+        op = re.match(r"^\s*(?:ROOT )?%(\S+) = (\S+) (.*)$", line)
+        if inside_fusion or not op:
+            continue
+        name, typ, rhs = op.groups()
+        read = set(re.findall(r"%([\w.\-]+)", rhs.split("calls=")[0].split(", metadata=")[0])) & typed.keys()
+        if typ.startswith(tok + "["):
+            typed[name] = typ  # the weights, their slices and bitcasts
+        elif read and "gemm_fusion" not in rhs and not typ.startswith("("):
+            copied += [typed[r] for r in read]
+    return copied
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.parametrize("method", ["fp8", "int8"])
 def test_decode_loop_with_quantized_weights_compiles_for_sm90(spec, method):
     """`--quantization fp8 | int8`: every projection stored at one byte per weight with per-channel scales, the
-    decode loop (64 rows) dequantizing them where the matmuls read them."""
+    decode loop (64 rows) converting them inside the matmuls. The one copy XLA writes is SmolLM2's output
+    projection ([9, 64, 576]: its 576-long contraction, split 8 ways, is padded to 640 before the matmul)."""
     cfg = dataclasses.replace(SMOLLM2, weight_quant=method)
     params, kv, sampling, pen, want_top = _common(spec, 64, DTYPE, cfg)
     assert params.layers.w_up.q.dtype == jnp.dtype(METHODS[method].dtype)
     loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
     seconds = _compile(loop, params, kv, decode_state(spec, 64), sampling, pen, want_top)
-    print(f"decode_loop S=64 weights {method}: compiled for sm_90 in {seconds:.1f} s")
+    text = jax.jit(loop, donate_argnums=(1,)).trace(params, kv, decode_state(spec, 64), sampling, pen,
+                                                   want_top).lower().compile().as_text()
+    copied = copied_weights(text, METHODS[method].dtype)
+    assert copied and all(t.split("{")[0].endswith("9,64,576]") for t in copied), copied
+    print(f"decode_loop S=64 weights {method}: compiled for sm_90 in {seconds:.1f} s; copied before a matmul: "
+          f"{sorted(set(copied))}")
+
+
+@pytest.mark.gpu_compile
+def test_llama3_8b_layers_read_quantized_weights_in_their_matmuls(spec):
+    """Llama-3-8B's projections in fp8 (two layers, 64 decode rows): no weight is converted outside a matmul."""
+    cfg = ModelConfig(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=2,
+                      num_heads=32, num_kv_heads=8, head_dim=128, weight_quant="fp8")
+    params = _abstract(spec, abstract_params(cfg, DTYPE))
+    pages = 4096
+    kv = KVCache(k=spec((2, pages, RC.page_size, 8, 128), DTYPE), v=spec((2, pages, RC.page_size, 8, 128), DTYPE))
+    S = 64
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps)
+    args = (params, kv, decode_state(spec, S), sampling, pen, spec((), jnp.bool_))
+    text = jax.jit(loop, donate_argnums=(1,)).trace(*args).lower().compile().as_text()
+    assert copied_weights(text, jnp.float8_e4m3fn) == []
+    assert "f8e4m3fn[2,4096,14336]" in text  # the stacked MLP weights are what the program reads
 
 
 # The Mosaic GPU decode kernel alone: SmolLM2 and Llama-3-8B heads, a full decode batch, one long sequence
