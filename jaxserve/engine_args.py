@@ -330,7 +330,7 @@ class EngineArgs:
         g.add_argument("--layer-loop", choices=["auto", "scan", "unroll"], default=d.layer_loop,
                        help="unroll: each decoder layer compiled on its own (faster CPU steps at small batches, "
                             "3x the compile time at start); scan: one compiled layer for all; auto: unroll on "
-                            "the CPU with the xla backend, else scan")
+                            "the CPU with the xla backend (weights not quantized), else scan")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context, '

@@ -101,9 +101,10 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["int8"])
 def test_load_quantizes_and_the_engine_serves_it(tiny_dir, method):
-    """`--quantization int8` on an unquantized checkpoint (fp8 differs only in the stored dtype): projections stored at a quarter of float32's
-    bytes, and the engine's greedy tokens (fused per-layer matrices, decode loop, prefix cache) equal an engine's
-    on the float model holding the dequantized weights."""
+    """`--quantization int8` on an unquantized checkpoint (fp8 differs only in the stored dtype): projections
+    stored at a quarter of float32's bytes, and the engine's greedy tokens (scanned layers, the CPU's choice for
+    quantized weights; decode loop; prefix cache) equal an engine's on the float model holding the dequantized
+    weights (unrolled, fused layers)."""
     path, _ = tiny_dir
     args = EngineArgs(model=path, dtype="float32", **ENGINE_ARGS)
     loaded = load_model(args.replace(quantization=method), progress=False)
@@ -184,6 +185,6 @@ def test_sleep_and_weight_updates_keep_the_weights_quantized(tiny_dir, tmp_path)
     assert want != first
     engine.memory.load_weights(load_file(os.path.join(other, "model.safetensors")))
     assert _generate(engine, PROMPTS) == want
-    assert engine.runner.params.layers[0].wqkv.q.dtype == jnp.int8  # fused, quantized
+    assert engine.runner.params.layers.wq.q.dtype == jnp.int8  # stacked (scanned on the CPU), quantized
     engine.memory.load_weights(path)
     assert _generate(engine, PROMPTS) == first

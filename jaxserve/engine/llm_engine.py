@@ -109,7 +109,7 @@ class LLMEngine:
                          page_size=args.page_size, num_pages=num_pages,
                          num_scheduler_steps=args.num_scheduler_steps, backend=backend,
                          max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode,
-                         layer_loop=default_layer_loop(backend) if args.layer_loop == "auto" else args.layer_loop,
+                         layer_loop=default_layer_loop(backend, cfg.weight_quant) if args.layer_loop == "auto" else args.layer_loop,
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
                          lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
                          long_rope=self.long_rope_context is not None, images=self.model.vision is not None,

@@ -3,9 +3,9 @@
 Two jitted device functions serve every step:
 - `mixed_step`: one forward over a ragged batch of prefill chunks and decodes, then sampling.
   Shapes come from token buckets `T`; the sequence axis is `min(T, max_num_seqs)`.
-- `decode_loop`: up to `n` decode steps for every running sequence in one call, on the
-  device: sample, append, check stop ids and length, derive the next positions and slots from
-  the page tables, and stop early when every row is done. Sequence buckets `S`.
+- `decode_loop`: up to `n` decode steps for every running sequence in one call, on the device: sample, append,
+  check stop ids and length, derive the next positions and slots from the page tables, stop early when every
+  row is done. Sequence buckets `S`.
 All buckets compile at warmup; `compilations_after_warmup` counts any compile after it.
 """
 
@@ -38,11 +38,13 @@ LayerLoop = Literal["scan", "unroll"]
 MAX_STOP_IDS = 8  # stop token ids checked on the device per row (EOS ids + stop_token_ids)
 
 
-def default_layer_loop(backend: AttentionBackend) -> LayerLoop:
-    """Unrolled on the CPU, where a scanned layer copies its weights out of the stacked arrays
-    before every matmul (about twice the memory traffic of a decode step); scanned elsewhere (a model whose
-    layers attend differently, as Gemma's sliding and global ones, loops over its groups of layers)."""
-    return "unroll" if backend == "xla" and jax.default_backend() == "cpu" else "scan"
+def default_layer_loop(backend: AttentionBackend, weight_quant: str | None = None) -> LayerLoop:
+    """Unrolled on the CPU, where a scanned layer copies its weights out of the stacked arrays before every matmul
+    (about twice the memory traffic of a decode step), unless its weights are kept quantized (XLA:CPU reads a
+    layer's own int8 arrays 4x slower than slices of stacked ones: bench/README.md); scanned elsewhere (a model
+    whose layers attend differently, as Gemma's sliding and global ones, loops over its groups of layers)."""
+    unroll = backend == "xla" and jax.default_backend() == "cpu" and not weight_quant
+    return "unroll" if unroll else "scan"
 
 
 class CompileAfterWarmupError(RuntimeError):
@@ -70,13 +72,9 @@ class RunnerConfig:
     num_scheduler_steps: int
     backend: AttentionBackend
     max_logprobs: int = 20
-    layer_loop: LayerLoop = "scan"
-    """How a step runs the decoder layers: ``"scan"`` (one compiled layer, stacked weights) or
-    ``"unroll"`` (one per layer, weights split per layer; see `unstack_layers`)."""
-    pooling_type: str | None = None
-    """An embedding model's pooling (`pooler.pool_step` replaces both step functions), or None."""
-    lora: bool = False
-    """Steps carry each token's LoRA adapter slot (the parameters hold the slots)."""
+    layer_loop: LayerLoop = "scan"  # "scan": one compiled layer on stacked weights; "unroll" (`unstack_layers`)
+    pooling_type: str | None = None  # an embedding model's pooling (`pooler.pool_step` for both steps), or None
+    lora: bool = False  # steps carry each token's LoRA adapter slot (the parameters hold the slots)
     long_rope: bool = False
     """Steps carry whether each token's sequence has a prompt longer than a LongRoPE model's original context
     (`ModelInputs.long_prompt`): an engine serving the model past that context."""

@@ -8,7 +8,7 @@ norms, biases and the MoE router stay in the model's dtype (as vLLM's fp8 leaves
 
 Each matmul reads the stored values converted to the activations' dtype and multiplies its product by the
 scales (`project`, `grouped`): the conversion is fused into the matmul's operand load on a GPU, so a weight is
-read at one byte; the products equal the float model's on the dequantized weights (`dequantize`).
+read at one byte; the products are the float model's on the dequantized weights (`dequantize`), to rounding.
 """
 
 from __future__ import annotations
