@@ -224,6 +224,7 @@ def test_a_missing_scale_is_named(tmp_path):
 
 
 def test_the_quantization_flag_names_the_checkpoints_own_method(tmp_path):
+    """`--quantization` on a quantized checkpoint must name its own method (read dequantized)."""
     from jaxserve.engine.model_loading import check_quantization
 
     compressed_tensors_checkpoint(tmp_path, "FP8_DYNAMIC")
@@ -233,5 +234,8 @@ def test_the_quantization_flag_names_the_checkpoints_own_method(tmp_path):
     with pytest.raises(UnsupportedModelError, match="quantization 'fp8' does not match .*quantized with "
                                                     "'compressed-tensors'"):
         check_quantization("fp8", str(tmp_path), config)
-    with pytest.raises(UnsupportedModelError, match="its weights are not quantized. jaxserve .* does not quantize"):
-        check_quantization("fp8", "plain", {})
+    # On an unquantized checkpoint fp8 quantizes at load (tests/test_quantized.py); a method that cannot is refused.
+    assert check_quantization("fp8", "plain", {}) == "fp8"
+    with pytest.raises(UnsupportedModelError, match="its weights are not quantized. jaxserve .* quantizes an "
+                                                    "unquantized checkpoint's weights at load with fp8, int8"):
+        check_quantization("gptq", "plain", {})
