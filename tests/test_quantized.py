@@ -150,9 +150,9 @@ def test_quantization_refusals(tiny_dir):
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_bundled_model_quantized_keeps_its_predictions(smollm_path, smollm_f32, method):
-    """SmolLM2 with every projection quantized: its next-token choice over a sentence agrees with the float
-    model's at >= 90% of positions, its logits within a tolerance of the float ones, its layers' weights
-    at a quarter of their float32 bytes."""
+    """SmolLM2 with every projection quantized: its next-token choice over a passage agrees with the float
+    model's at >= 90% of positions, its next-token distributions close to the float ones (mean KL), its layers'
+    weights at a quarter of their float32 bytes."""
     cfg, params = smollm_f32
     qcfg = dataclasses.replace(cfg, weight_quant=method)
     qparams = dataclasses.replace(params, layers=quantize_layers(params.layers, declare_params(qcfg).layers))
@@ -162,8 +162,10 @@ def test_bundled_model_quantized_keeps_its_predictions(smollm_path, smollm_f32, 
     ref = prompt_logits(cfg, params, ids)
     got = prompt_logits(qcfg, qparams, ids)
     agree = np.mean(got.argmax(-1) == ref.argmax(-1))
-    assert agree >= 0.9, agree
-    assert np.abs(got - ref).max() < (1.5 if method == "int8" else 4.0)
+    assert agree >= 0.9, agree  # measured: 35 of 37 positions, either method
+    log_ref, log_got = jax.nn.log_softmax(ref), jax.nn.log_softmax(got)
+    kl = float(jnp.mean(jnp.sum(jnp.exp(log_ref) * (log_ref - log_got), axis=-1)))
+    assert kl < (0.01 if method == "int8" else 0.05), kl  # measured: 0.0041 (int8), 0.021 (fp8)
     assert params_bytes(qparams.layers) < 0.26 * params_bytes(params.layers)
 
 
