@@ -91,21 +91,19 @@ def test_quantized_forward_is_the_float_model_on_its_dequantized_weights(cfg, me
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """An HF checkpoint of `DENSE` with its float params."""
+def tiny_dir(tmp_path_factory) -> str:
+    """An HF checkpoint of `DENSE` (random weights)."""
     path = str(tmp_path_factory.mktemp("quant"))
-    params = init_params(DENSE, jax.random.key(3), scale=0.1)
-    export_hf(path, DENSE, params, fake_tokenizer())
-    return path, params
+    export_hf(path, DENSE, init_params(DENSE, jax.random.key(3), scale=0.1), fake_tokenizer())
+    return path
 
 
-@pytest.mark.parametrize("method", ["int8"])
-def test_load_quantizes_and_the_engine_serves_it(tiny_dir, method):
+def test_load_quantizes_and_the_engine_serves_it(tiny_dir):
     """`--quantization int8` on an unquantized checkpoint (fp8 differs only in the stored dtype): projections
     stored at a quarter of float32's bytes, and the engine's greedy tokens (scanned layers, the CPU's choice for
     quantized weights; decode loop; prefix cache) equal an engine's on the float model holding the dequantized
     weights (unrolled, fused layers)."""
-    path, _ = tiny_dir
+    path, method = tiny_dir, "int8"
     args = EngineArgs(model=path, dtype="float32", **ENGINE_ARGS)
     loaded = load_model(args.replace(quantization=method), progress=False)
     assert loaded.config.weight_quant == method
@@ -125,7 +123,7 @@ def test_load_quantizes_and_the_engine_serves_it(tiny_dir, method):
 
 
 def test_dummy_weights_quantize_too(tiny_dir):
-    loaded = load_model(EngineArgs(model=tiny_dir[0], load_format="dummy", quantization="fp8"), progress=False)
+    loaded = load_model(EngineArgs(model=tiny_dir, load_format="dummy", quantization="fp8"), progress=False)
     assert loaded.params.layers.w_down.q.dtype == jnp.float8_e4m3fn
 
 
@@ -141,7 +139,7 @@ def test_quantization_refusals(tiny_dir):
                                                     r"int8, experts_int8"):
         check_quantization("nf4", "m", {})
     with pytest.raises(UnsupportedModelError, match="experts_int8.*this model has none"):
-        load_model(EngineArgs(model=tiny_dir[0], quantization="experts_int8"), progress=False)
+        load_model(EngineArgs(model=tiny_dir, quantization="experts_int8"), progress=False)
     with pytest.raises(UnsupportedModelError, match="unknown weight quantization 'int4'"):
         dataclasses.replace(DENSE, weight_quant="int4")
     with pytest.raises(ValueError, match="random weights are drawn in float"):
@@ -174,7 +172,7 @@ def test_sleep_and_weight_updates_keep_the_weights_quantized(tiny_dir, tmp_path)
     checkpoint or as tensors in memory, are quantized as at load and serve as an engine started on them."""
     from safetensors.numpy import load_file
 
-    path, _ = tiny_dir
+    path = tiny_dir
     other = str(tmp_path / "other")
     export_hf(other, DENSE, init_params(DENSE, jax.random.key(4), scale=0.1), fake_tokenizer())
     args = EngineArgs(model=path, dtype="float32", quantization="int8", enable_sleep_mode=True, **ENGINE_ARGS)

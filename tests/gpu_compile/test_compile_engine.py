@@ -91,8 +91,9 @@ def _kv_pool_bytes(kv_dtype=DTYPE) -> int:
 
 
 def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple[int, ...] = (1,),
-             kv_dtype=DTYPE, pool_bytes: int | None = None) -> float:
-    """Compile for sm_90; check which Pallas lowerings the executable holds. Returns the seconds taken.
+             kv_dtype=DTYPE, pool_bytes: int | None = None, on_text=None) -> float:
+    """Compile for sm_90; check which Pallas lowerings the executable holds (and pass its HLO text to `on_text`,
+    if given). Returns the seconds taken.
 
     For an engine step (the pool donated), also check that the ~90 GB pool is updated in place: aliased to
     the output, never copied into a temporary.
@@ -109,6 +110,8 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
         assert "triton" in text.lower(), "no Pallas Triton kernel in the compiled step"
     if mosaic:
         assert 'custom_call_target="mosaic_gpu' in text, "no Mosaic GPU kernel in the compiled step"
+    if on_text is not None:
+        on_text(text)
     return seconds
 
 
@@ -226,10 +229,9 @@ def test_decode_loop_with_quantized_weights_compiles_for_sm90(spec, method):
     assert params.layers.w_up.q.dtype == jnp.dtype(METHODS[method].dtype)
     loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
-    seconds = _compile(loop, params, kv, decode_state(spec, 64), sampling, pen, want_top)
-    text = jax.jit(loop, donate_argnums=(1,)).trace(params, kv, decode_state(spec, 64), sampling, pen,
-                                                   want_top).lower().compile().as_text()
-    copied = copied_weights(text, METHODS[method].dtype)
+    copied: list[str] = []
+    seconds = _compile(loop, params, kv, decode_state(spec, 64), sampling, pen, want_top,
+                       on_text=lambda text: copied.extend(copied_weights(text, METHODS[method].dtype)))
     assert copied and all(t.split("{")[0].endswith("9,64,576]") for t in copied), copied
     print(f"decode_loop S=64 weights {method}: compiled for sm_90 in {seconds:.1f} s; copied before a matmul: "
           f"{sorted(set(copied))}")
