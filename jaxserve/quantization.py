@@ -16,15 +16,16 @@ Two descriptions of quantized weights are read from a checkpoint's `quantization
 - `quant_method: "awq"` (AutoAWQ's GEMM checkpoints): 4-bit integers packed into int32 along the output
   (`qweight` [K, N / 8], in AWQ's interleaved order), zero points packed alike, a scale per group of input rows.
 
-Every quantized weight is dequantized to float32 (`(q - zero_point) * scale`, as compressed-tensors computes it)
-and served in the model's dtype: the matmuls run unquantized, activations too (their quantization, `input_scale`
-and the like, is dropped).
+Float8 (e4m3) and int8 weights with one scale per tensor or per output channel, symmetric, are kept so in memory
+(`keepable`: `models.quantized` holds them exactly, a tensor's scale as every channel's). Every other quantized
+weight is dequantized to float32 (`(q - zero_point) * scale`, as compressed-tensors computes it) and served in the
+model's dtype. Activations are never quantized (their `input_scale` and the like is dropped).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,30 @@ class CheckpointQuantization:
             if any(t == "Linear" or _matches(t, module) for t in g.targets):
                 return g.weights
         return None
+
+
+def keepable(q: WeightQuant | None) -> str | None:
+    """The in-memory form (`models.quantized.METHODS`) that holds weights stored as `q` exactly, or None: float8 or
+    int8 values, symmetric, one scale per tensor or per output channel."""
+    if (q is None or q.layout != "compressed-tensors" or q.packed or not q.symmetric or q.num_bits != 8
+            or q.strategy not in ("tensor", "channel")):
+        return None
+    return "fp8" if q.type == "float" else "int8"
+
+
+_KEPT_DTYPES = {"fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype(np.int8)}
+
+
+def kept(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> tuple[np.ndarray, np.ndarray]:
+    """A keepable module's stored values [N, K] and their scales broadcast to [N, K] (a view: every column of a
+    row holds the row's scale)."""
+    values = parts["weight"]
+    want = _KEPT_DTYPES[keepable(q)]
+    if values.dtype != want or values.ndim != 2:
+        raise ValueError(f"{module}.weight is {values.dtype} {tuple(values.shape)}, not the {want.name} matrix its "
+                         "config names")
+    scale = expand(q, np.asarray(parts[q.scale_name], np.float32), values.shape, module)
+    return values, np.broadcast_to(scale, values.shape)
 
 
 def _matches(target: str, module: str) -> bool:
@@ -285,11 +310,13 @@ def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
     return values - (1 << (bits - 1))
 
 
-def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]],
-                        quant: CheckpointQuantization) -> Iterator[tuple[str, np.ndarray]]:
+def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], quant: CheckpointQuantization,
+                        keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """A checkpoint's (name, array) stream with each quantized module's parts replaced by its float32 `weight`
     (as soon as all have been read, in whatever order and file), the activations' scales dropped and every other
-    tensor as float32. Raises ValueError naming a module whose parts never all came."""
+    tensor as float32. A keepable module that `keep` accepts comes as its stored `weight` and a float32
+    `weight_scale` of the weight's shape (`kept`) instead. Raises ValueError naming a module whose parts never
+    all came."""
     pending: dict[str, tuple[WeightQuant, dict[str, np.ndarray]]] = {}
     for name, array in tensors:
         module, _, part = name.rpartition(".")
@@ -307,7 +334,12 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]],
         parts[part] = array
         if all(p in parts for p in q.needs()):
             del pending[module]
-            yield f"{module}.weight", dequantize(q, parts, module)
+            if keep is not None and keepable(q) and keep(module):
+                values, scale = kept(q, parts, module)
+                yield f"{module}.weight", values
+                yield f"{module}.weight_scale", scale
+            else:
+                yield f"{module}.weight", dequantize(q, parts, module)
     for module, (q, parts) in pending.items():
         missing = [f"{module}.{p}" for p in q.needs() if p not in parts]
         raise ValueError(f"quantized weight {module} is missing {', '.join(missing)}")

@@ -53,7 +53,8 @@ def save_params(path: str | os.PathLike, params: Params, cfg: ModelConfig,
         ckptr.save(os.path.join(path, PARAMS_DIR), params, force=True)
     if jax.process_index() == 0:
         dtype = jnp.dtype(jax.tree.leaves(params)[0].dtype).name
-        info = {"config": cfg.to_hf(), "num_kv_heads": cfg.num_kv_heads, "dtype": dtype, "source": source}
+        info = {"config": cfg.to_hf(), "num_kv_heads": cfg.num_kv_heads, "weight_quant": cfg.weight_quant,
+                "dtype": dtype, "source": source}
         tmp = os.path.join(path, CONFIG_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(info, f)
@@ -67,7 +68,8 @@ def saved_info(path: str | os.PathLike) -> SavedInfo | None:
         return None
     with open(file) as f:
         d = json.load(f)
-    cfg = dataclasses.replace(ModelConfig.from_hf(d["config"]), num_kv_heads=d["num_kv_heads"])
+    cfg = dataclasses.replace(ModelConfig.from_hf(d["config"]), num_kv_heads=d["num_kv_heads"],
+                              weight_quant=d.get("weight_quant"))
     return SavedInfo(cfg, d.get("dtype"), d.get("source"))
 
 

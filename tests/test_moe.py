@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.loader import CheckpointError, HFDirectory, load_params  # noqa: E402
-from jaxserve.loader.keymap import WeightAssembler  # noqa: E402
+from jaxserve.loader.assembler import WeightAssembler  # noqa: E402
 from jaxserve.models.moe import local_experts, route  # noqa: E402
 from tests.test_model_families import hf_logits, ours_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
 from tests.test_sharding_worker import moe_config, run_cases  # noqa: E402

@@ -130,9 +130,9 @@ def test_dummy_weights_quantize_too(tiny_dir):
 def test_quantization_refusals(tiny_dir):
     """A method not quantizing at load nor the checkpoint's own, experts_int8 on a dense model, a quantized
     checkpoint asked for another method: each refused by name."""
-    assert check_quantization(None, "m", {}) is None
-    assert check_quantization("int8", "m", {}) == "int8"
-    assert check_quantization("gptq_marlin", "m", {"quantization_config": {"quant_method": "gptq"}}) is None
+    assert check_quantization(None, "m", {}) == (None, None)
+    assert check_quantization("int8", "m", {}) == (None, "int8")
+    assert check_quantization("gptq_marlin", "m", {"quantization_config": {"quant_method": "gptq"}}) == (None, None)
     with pytest.raises(UnsupportedModelError, match=r"'int8' does not match m: its weights are quantized with 'gptq'"):
         check_quantization("int8", "m", {"quantization_config": {"quant_method": "gptq"}})
     with pytest.raises(UnsupportedModelError, match=r"'nf4' does not match m: its weights are not quantized.*fp8, "

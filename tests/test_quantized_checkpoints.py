@@ -224,18 +224,20 @@ def test_a_missing_scale_is_named(tmp_path):
 
 
 def test_the_quantization_flag_names_the_checkpoints_own_method(tmp_path):
-    """`--quantization` on a quantized checkpoint must name its own method (read dequantized)."""
+    """`--quantization` on a quantized checkpoint must name its own method (or the form its weights are held in:
+    tests/test_quantized_kept.py); 4-bit groups are read dequantized."""
     from jaxserve.engine.model_loading import check_quantization
 
-    compressed_tensors_checkpoint(tmp_path, "FP8_DYNAMIC")
+    compressed_tensors_checkpoint(tmp_path, "W4A16", group_size=32)
     config = json.loads((tmp_path / "config.json").read_text())
-    check_quantization(None, str(tmp_path), config)
-    check_quantization("compressed-tensors", str(tmp_path), config)
+    cfg = ModelConfig.from_hf(config)
+    assert check_quantization(None, str(tmp_path), config, cfg) == (None, None)
+    assert check_quantization("compressed-tensors", str(tmp_path), config, cfg) == (None, None)
     with pytest.raises(UnsupportedModelError, match="quantization 'fp8' does not match .*quantized with "
                                                     "'compressed-tensors'"):
-        check_quantization("fp8", str(tmp_path), config)
+        check_quantization("fp8", str(tmp_path), config, cfg)
     # On an unquantized checkpoint fp8 quantizes at load (tests/test_quantized.py); a method that cannot is refused.
-    assert check_quantization("fp8", "plain", {}) == "fp8"
+    assert check_quantization("fp8", "plain", {}) == (None, "fp8")
     with pytest.raises(UnsupportedModelError, match="its weights are not quantized. jaxserve .* quantizes an "
                                                     "unquantized checkpoint's weights at load with fp8, int8"):
         check_quantization("gptq", "plain", {})

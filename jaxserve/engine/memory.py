@@ -43,7 +43,7 @@ import numpy as np
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.kv_scales import with_kv_cache_dtype
 from jaxserve.engine.lora_manager import with_lora_slots
-from jaxserve.engine.model_loading import load_model, quantize_model, shard_model
+from jaxserve.engine.model_loading import load_model, shard_model
 from jaxserve.loader import load_params
 
 logger = logging.getLogger(__name__)
@@ -258,6 +258,8 @@ class EngineMemory:
         if source is None or isinstance(source, (str, os.PathLike)):
             args = e.args if source is None else dataclasses.replace(e.args, model=str(source),
                                                                      converted_checkpoint_dir=None)
+            if args.quantization is None and e.model.config.weight_quant:  # held as the served weights are
+                args = dataclasses.replace(args, quantization=e.model.config.weight_quant)
             mesh = None
             if e.args.data_parallel_size > 1:  # read on the host, then laid out on this replica's own devices
                 args = args.replace(tensor_parallel_size=1, expert_parallel_size=1, data_parallel_size=1)
@@ -267,14 +269,9 @@ class EngineMemory:
             source = source if isinstance(source, Mapping) else list(source)  # read twice: decoder, vision side
             plan = e.model.plan
             cfg = plan.source_cfg if plan is not None else e.model.config
-            method = cfg.weight_quant  # read in float, then quantized as at load
-            if method:
-                cfg = dataclasses.replace(cfg, weight_quant=None)
-                plan = plan.with_weight_quant(None) if plan is not None else None
+            # (float projections of a model held quantized are quantized as they come, as at load)
             params = load_params(_Tensors(source), cfg, e.model.dtype, place=plan.place if plan else None,
                                  progress=False)
-            if method:
-                params = quantize_model(params, cfg, plan, method)[0]
             loaded, mesh, what = dataclasses.replace(e.model, params=params), None, "the given tensors"
             vision = _vision_params(e.images, source, e.model.dtype)
         model, kv_dtype = prepare_model(loaded, e.args, mesh)

@@ -26,10 +26,12 @@ from jaxserve.loader import (
     open_checkpoint,
     resolve_model,
 )
+from jaxserve.loader.keymap import projection_modules
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
 from jaxserve.models.params import Params, declare_params, random_params
 from jaxserve.models.quantized import METHODS, quantize_layers
+from jaxserve.quantization import keepable, parse_quantization
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,10 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     dummy = args.load_format == "dummy"
     ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides)
     cfg = ckpt.config()
-    weight_quant = check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}))
+    kept, weight_quant = check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}), cfg)
+    if kept and dummy:  # random float weights, then held as the checkpoint's would be
+        kept, weight_quant = None, kept
+    cfg = dataclasses.replace(cfg, weight_quant=kept)
     arch = classification_architecture(getattr(ckpt, "hf_config", {}))
     if arch and not args.is_pooling:
         raise UnsupportedModelError(f"{path} is a sequence classification model ({arch}): it classifies, it does not "
@@ -254,19 +259,49 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
     return int(pages)
 
 
-def check_quantization(method: str | None, path: str, hf_config: dict[str, Any]) -> str | None:
-    """`--quantization` (vLLM's): the checkpoint's own method (its weights are read dequantized), or on an
-    unquantized checkpoint a method that quantizes the weights at load (`models.quantized.METHODS`), returned."""
+def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
+                       cfg: ModelConfig | None = None) -> tuple[str | None, str | None]:
+    """`--quantization` (vLLM's) against the checkpoint: (the form its own quantized weights are held in, None
+    where they are dequantized at load; the method quantizing an unquantized checkpoint's weights at load). A
+    quantized checkpoint's float8 and int8 weights with a scale per tensor or channel are held so (`kept_form`),
+    but float8 on the CPU only when asked for by name (the CPU has no float8 arithmetic: 4x slower than float)."""
     own = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if method is None or method == own or method.removesuffix("_marlin") == own:  # vLLM's kernel-named aliases
-        return None
-    if own is None and method in METHODS:
-        return method
+    if own is None and method in (None, *METHODS):
+        return None, method
+    form = kept_form(hf_config, cfg) if own is not None and cfg is not None else None
+    if method is None and form == "fp8" and jax.default_backend() == "cpu":
+        logger.info("the checkpoint's float8 weights are dequantized at load on the CPU (--quantization fp8 keeps "
+                    "them in float8)")
+        return None, None
+    if method is None or method in (own, form) or method.removesuffix("_marlin") == own:  # vLLM's kernel aliases
+        if form is None:
+            logger.info("the checkpoint's quantized weights (%s) are dequantized at load to the model's dtype", own)
+        return form, None
     has = f"its weights are quantized with {own!r}" if own else "its weights are not quantized"
     raise UnsupportedModelError(
         f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq and awq "
-        f"checkpoints (dequantized to the model's dtype) and quantizes an unquantized checkpoint's weights at load "
-        f"with {', '.join(METHODS)}; leave --quantization out to serve the checkpoint as it is")
+        f"checkpoints (float8 and int8 weights with a scale per tensor or channel held so, others dequantized to "
+        f"the model's dtype) and quantizes an unquantized checkpoint's weights at load with {', '.join(METHODS)}; "
+        "leave --quantization out to serve the checkpoint as it is")
+
+
+def kept_form(hf_config: dict[str, Any], cfg: ModelConfig) -> str | None:
+    """The in-memory form (`models.quantized.METHODS`) that holds a quantized checkpoint's projections exactly:
+    "fp8" or "int8" when every projection is stored so (`quantization.keepable`), "experts_int8" when a MoE
+    model's experts are int8 and the rest is not; None for any other checkpoint (its weights are dequantized)."""
+    quant = parse_quantization(hf_config.get("quantization_config"))
+    if quant is None or cfg.family == "granitemoe":  # (its experts are fused tensors, not linear modules)
+        return None
+    forms: dict[str, set[str | None]] = {}
+    for module, field in projection_modules(cfg).items():
+        forms.setdefault(field, set()).add(keepable(quant.scheme(module)))
+    held = set().union(*forms.values()) if forms else {None}
+    if len(held) == 1 and None not in held:
+        return held.pop()
+    experts = [v for f, v in forms.items() if f.startswith("we_")]
+    if experts and all(v == {"int8"} for v in experts):  # the rest dequantized
+        return "experts_int8"
+    return None
 
 
 def quantize_model(params: Params, cfg: ModelConfig, plan: Any, method: str) -> tuple[Params, ModelConfig, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable, Mapping
@@ -10,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.assembler import WeightAssembler
 from jaxserve.loader.gguf_file import GGUFFile
 from jaxserve.loader.hf_dir import HFDirectory
-from jaxserve.loader.keymap import CheckpointError, WeightAssembler
+from jaxserve.loader.keymap import CheckpointError, kept_module
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
 
@@ -95,7 +97,9 @@ def load_params(
 
     np_dtype = np.dtype(jnp.dtype(dtype))
     assembler = WeightAssembler(cfg, np_dtype)
-    tensors = ckpt.tensors(cfg)
+    # The projections `cfg` holds quantized come as the checkpoint stores them (with their scales) where it can.
+    keep = functools.partial(kept_module, cfg=cfg) if cfg.weight_quant and isinstance(ckpt, HFDirectory) else None
+    tensors = ckpt.tensors(cfg, keep=keep) if keep else ckpt.tensors(cfg)
     if progress:
         from tqdm.auto import tqdm
 

@@ -57,17 +57,19 @@ class HFDirectory:
                 names.extend(f.keys())
         return names
 
-    def tensors(self, cfg: ModelConfig, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    def tensors(self, cfg: ModelConfig, select: Callable[[str], bool] | None = None,
+                keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array) one tensor at a time (bfloat16 files included); the quantized weights
-        its `quantization_config` describes come dequantized (`jaxserve.quantization`). `select`: only the
-        tensors whose names it accepts (and their scales) are read."""
+        its `quantization_config` describes come dequantized (`jaxserve.quantization`), or as stored with their
+        scales for the modules `keep` accepts. `select`: only the tensors whose names it accepts (and their
+        scales) are read."""
         quant = parse_quantization(self.hf_config.get("quantization_config"))
         if quant is None:
             for name, array in self._stored_tensors(select):
                 yield name, array.astype(np.float32, copy=False)
             return
         try:
-            yield from dequantized_tensors(self._stored_tensors(select), quant)
+            yield from dequantized_tensors(self._stored_tensors(select), quant, keep)
         except ValueError as e:
             if isinstance(e, CheckpointError):
                 raise

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.config import GEMMA_FAMILIES, GLM_FAMILIES, ModelConfig
-from jaxserve.models.params import Params, declare_params, from_param_paths, param_paths
+from jaxserve.models.quantized import INPUT_AXES, METHODS
 
 
 class CheckpointError(ValueError):
@@ -182,6 +182,16 @@ def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, 
     return [(f"{prefix}{n}.weight", part) for n, part in zip(names, parts, strict=True)]
 
 
+def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]] | None:
+    """A tensor that packs several of ours (fused projections, Granite MoE's experts) as the tensors it packs,
+    under their own names; None for any other."""
+    if _FUSED_RE.match(name):
+        return unfused(name, tensor, cfg)
+    if cfg.family == "granitemoe" and _GRANITE_MOE_RE.match(name):
+        return granite_experts(name, tensor, cfg)
+    return None
+
+
 def canonical_name(name: str) -> str:
     """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
     (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix; an image-text
@@ -222,6 +232,31 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                 path, shape = _expert_targets(cfg)[kind]
                 return Target(path, layer, lambda w: w.T, shape, expert)
     raise CheckpointError(f"unknown tensor {name!r} for a {cfg.family} model")
+
+
+def projection_modules(cfg: ModelConfig) -> dict[str, str]:
+    """Every quantizable projection of a checkpoint of `cfg`: HF module name -> our layer field ("wq", ...)."""
+    out = {}
+    for name in hf_names(cfg):
+        target = hf_target(name, cfg)
+        field = target.path.removeprefix("layers.") if target is not None else ""
+        if field in INPUT_AXES and name.endswith(".weight"):
+            out[name.removesuffix(".weight")] = field
+    return out
+
+
+def kept_module(module: str, cfg: ModelConfig) -> bool:
+    """Whether checkpoint module `module`'s weight is held quantized by `cfg` (`cfg.weight_quant`); a fused
+    projection (Phi-3's `qkv_proj`, `gate_up_proj`) as the projections it packs."""
+    if not cfg.weight_quant:
+        return False
+    name = canonical_name(f"{module}.weight")
+    name = name.replace(".qkv_proj.", ".q_proj.").replace(".gate_up_proj.", ".gate_proj.")
+    try:
+        target = hf_target(name, cfg)
+    except CheckpointError:
+        return False
+    return target is not None and target.path.removeprefix("layers.") in METHODS[cfg.weight_quant].fields
 
 
 def hf_names(cfg: ModelConfig) -> list[str]:
@@ -298,65 +333,3 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
                        "layers.ws_gate", "layers.ws_up", "layers.ws_down"):
         return value.T
     return value.reshape(-1) if target.path in ("layers.bq", "layers.bk", "layers.bv") else value
-
-
-class WeightAssembler:
-    """Collects checkpoint tensors into host arrays of the declared shapes, checking each one."""
-
-    def __init__(self, cfg: ModelConfig, dtype: np.dtype):
-        self.cfg = cfg
-        self.dtype = np.dtype(dtype)
-        self._decl = param_paths(declare_params(cfg))
-        self._arrays: dict[str, np.ndarray] = {}
-        self._seen: set[str] = set()
-
-    def add(self, name: str, tensor: np.ndarray) -> None:
-        """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes."""
-        name = canonical_name(name)
-        if _FUSED_RE.match(name) or self.cfg.family == "granitemoe" and _GRANITE_MOE_RE.match(name):
-            split = unfused if _FUSED_RE.match(name) else granite_experts
-            for part_name, part in split(name, tensor, self.cfg):
-                self.add(part_name, part)
-            return
-        target = hf_target(name, self.cfg)
-        if target is None:
-            return
-        if target.path == "lm_head" and self.cfg.tie_word_embeddings:
-            return  # tied checkpoints may still carry a copy of the embedding
-        if name in self._seen:
-            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
-        if target.path in KV_SCALE_PATHS and tensor.size == 1:
-            tensor = tensor.reshape(())
-            if not np.isfinite(tensor) or tensor <= 0:
-                raise CheckpointError(f"tensor {name!r} is {float(tensor)}, a KV cache scale must be positive")
-        if tuple(tensor.shape) != target.hf_shape:
-            raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.hf_shape} for this config"
-            )
-        self._seen.add(name)
-        dtype = np.dtype(np.float32) if target.path in KV_SCALE_PATHS else self.dtype
-        value = np.asarray(target.transform(tensor)).astype(dtype, copy=False)
-        info = self._decl[target.path]
-        if target.path not in self._arrays:
-            self._arrays[target.path] = np.empty(info.shape, dtype)
-        if target.layer is None:
-            self._arrays[target.path][...] = value
-        elif target.expert is None:
-            self._arrays[target.path][target.layer] = value
-        else:
-            self._arrays[target.path][target.layer, target.expert] = value
-
-    def missing(self) -> list[str]:
-        return [n for n in hf_names(self.cfg) if n not in self._seen]
-
-    def finish(self, place: Callable[[str, np.ndarray], object] | None = None) -> Params:
-        """The parameter tree; `place(path, host_array)` moves each array to its device(s)."""
-        missing = self.missing()
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
-        flat = {}
-        for path in list(self._arrays):
-            host = self._arrays.pop(path)  # drop our reference so host memory is freed as we go
-            flat[path] = place(path, host) if place else host
-        return from_param_paths(self.cfg, flat)

@@ -1,0 +1,123 @@
+"""Collecting a checkpoint's tensors into the declared parameters, each checked as it comes (`keymap` names them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.keymap import (
+    KV_SCALE_PATHS,
+    CheckpointError,
+    Target,
+    canonical_name,
+    hf_names,
+    hf_target,
+    kept_module,
+    projection_modules,
+    split_packed,
+)
+from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
+from jaxserve.models.quantized import QuantizedWeight, quantize
+
+
+class WeightAssembler:
+    """Collects checkpoint tensors into host arrays of the declared shapes, checking each one."""
+
+    def __init__(self, cfg: ModelConfig, dtype: np.dtype):
+        self.cfg = cfg
+        self.dtype = np.dtype(dtype)
+        self._decl = param_paths(declare_params(cfg))
+        self._arrays: dict[str, np.ndarray] = {}
+        self._seen: set[str] = set()
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
+        held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
+        weight's shape (`...weight_scale`); a float one is quantized here as at load."""
+        name = canonical_name(name)
+        scale = name.endswith(".weight_scale")
+        weight_name = name.removesuffix("_scale")
+        parts = split_packed(weight_name, tensor, self.cfg)
+        if parts is not None:
+            for part_name, part in parts:
+                self.add(part_name + ("_scale" if scale else ""), part)
+            return
+        target = hf_target(weight_name, self.cfg)
+        if target is None:
+            return
+        if target.path == "lm_head" and self.cfg.tie_word_embeddings:
+            return  # tied checkpoints may still carry a copy of the embedding
+        if name in self._seen:
+            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+        if target.path in KV_SCALE_PATHS and tensor.size == 1:
+            tensor = tensor.reshape(())
+            if not np.isfinite(tensor) or tensor <= 0:
+                raise CheckpointError(f"tensor {name!r} is {float(tensor)}, a KV cache scale must be positive")
+        if tuple(tensor.shape) != target.hf_shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {target.hf_shape} for this config"
+            )
+        info = self._decl[target.path]
+        if isinstance(info, QuantizedWeight):
+            self._add_quantized(name, target, info, tensor, scale)
+            return
+        if scale:
+            raise CheckpointError(f"tensor {name!r}: {weight_name} is held in float, not quantized")
+        self._seen.add(name)
+        dtype = np.dtype(np.float32) if target.path in KV_SCALE_PATHS else self.dtype
+        self._put(target, info, np.asarray(target.transform(tensor)).astype(dtype, copy=False))
+
+    def _put(self, target: Target, info: ParamInfo, value: np.ndarray, part: str | None = None) -> None:
+        """`value` into its place of `target`'s stacked array (of a quantized weight's `part`, "q" or "scale")."""
+        if target.path not in self._arrays:
+            self._arrays[target.path] = (np.empty(info.shape, value.dtype) if part is None else QuantizedWeight(
+                np.empty(info.q.shape, info.q.dtype), np.empty(info.scale.shape, np.float32)))
+        array = self._arrays[target.path]
+        array = array if part is None else getattr(array, part)
+        if target.layer is None:
+            array[...] = value
+        elif target.expert is None:
+            array[target.layer] = value
+        else:
+            array[target.layer, target.expert] = value
+
+    def _add_quantized(self, name: str, target: Target, info: QuantizedWeight, tensor: np.ndarray,
+                       scale: bool) -> None:
+        # A scale is kept where its weight's input axes are: [..., 1, ...] of the transformed [N, K] broadcast.
+        item = info.scale.shape[1 if target.expert is None else 2:]
+        keep = tuple(slice(0, 1) if n == 1 else slice(None) for n in item)
+        value = np.asarray(target.transform(tensor))
+        self._seen.add(name)
+        if scale:
+            self._put(target, info, np.asarray(value[keep], np.float32), "scale")
+        elif value.dtype == info.q.dtype:
+            self._put(target, info, value, "q")
+        elif value.dtype in (np.int8, np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
+            raise CheckpointError(f"tensor {name!r} is {value.dtype}; the model holds it as {info.q.dtype}")
+        else:  # a projection the checkpoint left in float (its quantization config ignores it): quantized here
+            axes = tuple(i for i, n in enumerate(item) if n == 1)
+            w = quantize(value.astype(np.float32), info.q.dtype, axes)
+            self._put(target, info, np.asarray(w.q), "q")
+            self._put(target, info, np.asarray(w.scale), "scale")
+            self._seen.add(f"{name}_scale")
+
+    def missing(self) -> list[str]:
+        """The tensors still to come: each held-quantized weight's values and its scales."""
+        quantized = {f"{m}.weight" for m in projection_modules(self.cfg) if kept_module(m, self.cfg)}
+        names = [n for name in hf_names(self.cfg) for n in ((name, f"{name}_scale") if name in quantized else (name,))]
+        return [n for n in names if n not in self._seen]
+
+    def finish(self, place: Callable[[str, np.ndarray], object] | None = None) -> Params:
+        """The parameter tree; `place(path, host_array)` moves each array to its device(s)."""
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        flat = {}
+        for path in list(self._arrays):
+            host = self._arrays.pop(path)  # drop our reference so host memory is freed as we go
+            flat[path] = place(path, host) if place else host
+        return from_param_paths(self.cfg, flat)
