@@ -140,9 +140,10 @@ class EngineArgs:
     # (a JSON object or a mapping) sets fields over them.
     generation_config: str = "auto"
     override_generation_config: Mapping[str, Any] | None = None
-    # vLLM's `--quantization`: the method the checkpoint's own quantization_config names ("fp8", "compressed-tensors"),
-    # checked against it (None takes the checkpoint's), or for an unquantized checkpoint "fp8", "int8" or
-    # "experts_int8": its projections quantized at load and kept so in memory (`jaxserve.models.quantized`).
+    # vLLM's `--quantization`: the method the checkpoint's own quantization_config names ("fp8", "compressed-tensors")
+    # or the form its weights are held in ("fp8", "int8"), checked against it (None takes the checkpoint's), or for
+    # an unquantized checkpoint "fp8", "int8" or "experts_int8": its projections quantized at load and kept so in
+    # memory (`jaxserve.models.quantized`).
     quantization: str | None = None
     # LoRA adapters (`jaxserve.engine.lora_manager`): `max_loras` slots of rank `max_lora_rank` (adapters in one
     # batch), the adapters of `lora_modules` ((name, PEFT directory) pairs, or "name=path" strings) from start-up.
@@ -351,9 +352,10 @@ class EngineArgs:
         g.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help='sampling defaults set over the generation config\'s, e.g. \'{"temperature": 0.5}\'')
         g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
-                       help="a quantized checkpoint's own method (fp8, compressed-tensors, gptq, awq: read dequantized), "
-                            "or for an unquantized one fp8, int8 (every projection) or experts_int8 (a MoE model's "
-                            "experts): weights quantized at load, one scale per output channel, kept so in memory")
+                       help="a quantized checkpoint's own method (fp8, compressed-tensors, gptq, awq; float8 and "
+                            "int8 weights scaled per tensor or channel held as stored, others dequantized), or for an "
+                            "unquantized one fp8, int8 (every projection) or experts_int8 (a MoE model's experts): "
+                            "weights quantized at load, one scale per output channel, kept so in memory")
         g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
         g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=PATH",
                        help="LoRA adapters loaded at start-up; a request names one as its model")
