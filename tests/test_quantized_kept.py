@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
-from jaxserve.config import UnsupportedModelError  # noqa: E402
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine.model_loading import check_quantization, load_model, params_bytes  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
@@ -105,6 +105,23 @@ def test_which_checkpoints_are_held_quantized(checkpoint, tmp_path):
     config["quantization_config"]["ignore"] = ["lm_head", "model.layers.1.mlp.down_proj"]
     cfg = open_checkpoint(w8).config()
     assert check_quantization(None, "m", config, cfg) == (None, None)
+    # Only a KV cache scheme: no weight is quantized, so the weights may be quantized at load.
+    kv_only = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
+                                       "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}
+    assert check_quantization("int8", "m", kv_only, cfg) == (None, "int8")
+    assert check_quantization("compressed-tensors", "m", kv_only, cfg) == (None, None)
+    # A MoE model's int8 experts alone are held (experts_int8); its attention, in 4-bit groups, dequantized.
+    moe = ModelConfig("mixtral", 96, 32, 48, 2, 4, 2, 8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16)
+    groups = {"experts": {"targets": ["re:.*experts.*"], "format": "int-quantized",
+                          "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}},
+              "attention": {"targets": ["re:.*self_attn.*"], "format": "pack-quantized",
+                            "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16}}}
+    experts = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": groups}}
+    assert check_quantization(None, "m", experts, moe) == ("experts_int8", None)
+    groups["experts"]["weights"]["strategy"] = "group"
+    groups["experts"]["weights"]["group_size"] = 16
+    assert check_quantization(None, "m", experts, moe) == (None, None)
 
 
 def test_engine_on_kept_weights_serves_the_dequantized_tokens(checkpoint):
@@ -122,31 +139,46 @@ def test_engine_on_kept_weights_serves_the_dequantized_tokens(checkpoint):
     assert kept.stats().compilations_after_warmup == 0
 
 
-def test_per_tensor_fp8_experts_are_held_and_a_missing_scale_is_named(tmp_path):
-    """quant_method fp8 without blocks (one `weight_scale` per tensor), on a Mixtral whose router is left alone:
-    every projection and expert held in float8, the logits of the checkpoint read dequantized; a weight whose
-    scale never comes is named."""
+@pytest.mark.parametrize("form", ["fp8", "experts_int8"])
+def test_mixtral_experts_are_held_and_a_missing_scale_is_named(tmp_path, form):
+    """A Mixtral whose router is left alone. fp8: quant_method fp8 without blocks (one `weight_scale` per tensor),
+    every projection and expert held in float8. experts_int8: compressed-tensors int8 experts with a scale per
+    channel, the attention left in float: the experts held in int8, the attention in float32. Either way the
+    logits of the checkpoint read dequantized; a weight whose scale never comes is named."""
     from safetensors.torch import load_file, save_file
 
     model = _mixtral()
     model.save_pretrained(tmp_path / "plain")
     tensors = {}
+    quantized = (".w1.weight", ".w2.weight", ".w3.weight") + (("_proj.weight",) if form == "fp8" else ())
     for name, p in load_file(tmp_path / "plain" / "model.safetensors").items():
-        if p.ndim == 2 and name.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
-            scale = p.abs().amax() / 448.0
-            tensors[name], tensors[name + "_scale"] = (p / scale).to(torch.float8_e4m3fn), scale.reshape(1).float()
+        if p.ndim == 2 and name.endswith(quantized):
+            if form == "fp8":
+                scale = p.abs().amax().reshape(1) / 448.0
+                q = (p / scale).to(torch.float8_e4m3fn)
+            else:
+                scale = p.abs().amax(1, keepdim=True) / 127.0
+                q = torch.round(p / scale).to(torch.int8)
+            tensors[name], tensors[name + "_scale"] = q, scale.float()
         else:
             tensors[name] = p.contiguous()
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "plain" / "config.json").read_text()) | {"quantization_config": {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "gate"]}}
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "gate"]}
+    if form == "experts_int8":
+        quant = {"quant_method": "compressed-tensors", "config_groups": {"experts": {
+            "targets": ["re:.*experts.*"], "format": "int-quantized",
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}
+    config = json.loads((tmp_path / "plain" / "config.json").read_text()) | {"quantization_config": quant}
     (tmp_path / "config.json").write_text(json.dumps(config))
     fake_tokenizer().save_hf(str(tmp_path))
-    loaded = load_model(EngineArgs(model=str(tmp_path), dtype="float32", quantization="fp8"), progress=False)
+    loaded = load_model(EngineArgs(model=str(tmp_path), dtype="float32", quantization=form), progress=False)
     layers = loaded.params.layers
-    assert layers.we_gate.q.dtype == layers.wq.q.dtype == jnp.float8_e4m3fn and layers.router.dtype == jnp.float32
-    want = tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight_scale"].item()
-    assert np.all(np.asarray(layers.we_down.scale[1, 2]) == want)
+    assert loaded.config.weight_quant == form and layers.router.dtype == jnp.float32
+    assert layers.we_gate.q.dtype == (jnp.float8_e4m3fn if form == "fp8" else jnp.int8)
+    assert (layers.wq.q.dtype == jnp.float8_e4m3fn) if form == "fp8" else (layers.wq.dtype == jnp.float32)
+    want = tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight_scale"].reshape(-1).numpy()
+    np.testing.assert_array_equal(np.asarray(layers.we_down.scale[1, 2]).reshape(-1),
+                                  np.broadcast_to(want, (layers.we_down.q.shape[-1],)))
     ids = random_prompt()
     assert rel_err(prompt_logits(loaded.config, loaded.params, ids), ours(tmp_path, ids)) < 1e-5
     del tensors["model.layers.0.block_sparse_moe.experts.1.w3.weight_scale"]
@@ -154,7 +186,7 @@ def test_per_tensor_fp8_experts_are_held_and_a_missing_scale_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(
             "quantized weight model.layers.0.block_sparse_moe.experts.1.w3 is missing "
             "model.layers.0.block_sparse_moe.experts.1.w3.weight_scale")):
-        load_model(EngineArgs(model=str(tmp_path), quantization="fp8"), progress=False)
+        load_model(EngineArgs(model=str(tmp_path), quantization=form), progress=False)
 
 
 def test_a_converted_copy_of_kept_weights_restores_them(checkpoint, tmp_path, caplog):

@@ -31,7 +31,7 @@ from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
 from jaxserve.models.params import Params, declare_params, random_params
 from jaxserve.models.quantized import METHODS, quantize_layers
-from jaxserve.quantization import keepable, parse_quantization
+from jaxserve.quantization import CheckpointQuantization, keepable, parse_quantization
 from jaxserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -265,19 +265,21 @@ def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
     where they are dequantized at load; the method quantizing an unquantized checkpoint's weights at load). A
     quantized checkpoint's float8 and int8 weights with a scale per tensor or channel are held so (`kept_form`),
     but float8 on the CPU only when asked for by name (the CPU has no float8 arithmetic: 4x slower than float)."""
-    own = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if own is None and method in (None, *METHODS):
-        return None, method
-    form = kept_form(hf_config, cfg) if own is not None and cfg is not None else None
-    if method is None and form == "fp8" and jax.default_backend() == "cpu":
+    config = hf_config.get("quantization_config") or {}
+    own, quant = config.get("quant_method"), parse_quantization(config)  # quant None: no weight is quantized
+    named_own = method is not None and own is not None and method.removesuffix("_marlin") == own  # vLLM's aliases
+    if quant is None and (method in (None, *METHODS) or named_own):
+        return None, None if named_own else method
+    form = kept_form(quant, cfg) if quant is not None and cfg is not None else None
+    if quant is not None and method is None and form == "fp8" and jax.default_backend() == "cpu":
         logger.info("the checkpoint's float8 weights are dequantized at load on the CPU (--quantization fp8 keeps "
                     "them in float8)")
         return None, None
-    if method is None or method in (own, form) or method.removesuffix("_marlin") == own:  # vLLM's kernel aliases
+    if quant is not None and (method in (None, form) or named_own):
         if form is None:
             logger.info("the checkpoint's quantized weights (%s) are dequantized at load to the model's dtype", own)
         return form, None
-    has = f"its weights are quantized with {own!r}" if own else "its weights are not quantized"
+    has = f"its weights are quantized with {own!r}" if quant is not None else "its weights are not quantized"
     raise UnsupportedModelError(
         f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq and awq "
         f"checkpoints (float8 and int8 weights with a scale per tensor or channel held so, others dequantized to "
@@ -285,12 +287,11 @@ def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
         "leave --quantization out to serve the checkpoint as it is")
 
 
-def kept_form(hf_config: dict[str, Any], cfg: ModelConfig) -> str | None:
+def kept_form(quant: CheckpointQuantization, cfg: ModelConfig) -> str | None:
     """The in-memory form (`models.quantized.METHODS`) that holds a quantized checkpoint's projections exactly:
     "fp8" or "int8" when every projection is stored so (`quantization.keepable`), "experts_int8" when a MoE
-    model's experts are int8 and the rest is not; None for any other checkpoint (its weights are dequantized)."""
-    quant = parse_quantization(hf_config.get("quantization_config"))
-    if quant is None or cfg.family == "granitemoe":  # (its experts are fused tensors, not linear modules)
+    model's experts are int8 (the rest dequantized); None for any other checkpoint (its weights are dequantized)."""
+    if cfg.family == "granitemoe":  # (its experts are fused tensors, not linear modules)
         return None
     forms: dict[str, set[str | None]] = {}
     for module, field in projection_modules(cfg).items():
@@ -299,7 +300,7 @@ def kept_form(hf_config: dict[str, Any], cfg: ModelConfig) -> str | None:
     if len(held) == 1 and None not in held:
         return held.pop()
     experts = [v for f, v in forms.items() if f.startswith("we_")]
-    if experts and all(v == {"int8"} for v in experts):  # the rest dequantized
+    if experts and all(v == {"int8"} for v in experts):
         return "experts_int8"
     return None
 

@@ -106,7 +106,8 @@ class WeightAssembler:
 
     def missing(self) -> list[str]:
         """The tensors still to come: each held-quantized weight's values and its scales."""
-        quantized = {f"{m}.weight" for m in projection_modules(self.cfg) if kept_module(m, self.cfg)}
+        quantized = {f"{m}.weight" for m in projection_modules(self.cfg) if kept_module(m, self.cfg)
+                     } if self.cfg.weight_quant else set()
         names = [n for name in hf_names(self.cfg) for n in ((name, f"{name}_scale") if name in quantized else (name,))]
         return [n for n in names if n not in self._seen]
 
