@@ -39,7 +39,7 @@ class WeightAssembler:
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
         name = canonical_name(name)
         scale = name.endswith(".weight_scale")
-        weight_name = name.removesuffix("_scale")
+        weight_name = name.removesuffix("_scale") if scale else name
         parts = split_packed(weight_name, tensor, self.cfg)
         if parts is not None:
             for part_name, part in parts:
