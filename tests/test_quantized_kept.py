@@ -206,3 +206,16 @@ def test_a_converted_copy_of_kept_weights_restores_them(checkpoint, tmp_path, ca
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(again.params), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_convert_writes_kept_weights_dequantized(checkpoint, tmp_path):
+    """`jaxserve convert --to-hf` of a checkpoint held in int8 writes its weights dequantized (float32, no
+    quantization config): they give the logits of the checkpoint read dequantized."""
+    from jaxserve.cli import main
+
+    path = checkpoint("W8A8")
+    assert main(["convert", path, "--to-hf", str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config
+    ids = random_prompt()
+    assert rel_err(ours(tmp_path / "out", ids), ours(path, ids)) < 1e-6

@@ -11,6 +11,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.loader.keymap import hf_tensors
 from jaxserve.models.params import Params, param_paths
+from jaxserve.models.quantized import dequantize
 
 MAX_SHARD_BYTES = 2 << 30
 
@@ -53,7 +54,8 @@ def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str, v
     from safetensors.numpy import save_file
 
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    flat = {k: np.asarray(v) for k, v in param_paths(params).items()}
+    # (weights held quantized are written dequantized, as a quantized checkpoint's weights are read)
+    flat = {k: np.asarray(v) for k, v in param_paths(dequantize(params, np.float32)).items()}
     tensors = hf_tensors(cfg, flat)
     if vision is not None:  # the Hub's layout of the model's family
         tensors = vision.checkpoint_tensors(tensors)
