@@ -13,7 +13,7 @@ from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite", "granitemoe", "smollm3", "glm", "glm4"]
+                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -27,6 +27,8 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForCausalLM": "gemma3",
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # its attention layers only (Granite 4.0 without Mamba)
     "SmolLM3ForCausalLM": "smollm3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
@@ -34,8 +36,9 @@ _HF_ARCHITECTURES: dict[str, Family] = {
 }
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
-GRANITE_FAMILIES: tuple[str, ...] = ("granite", "granitemoe")
+GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES)
+GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
@@ -70,18 +73,16 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # cap * tanh(logit / cap) on attention logits (Gemma 2)
     final_logit_softcap: float | None = None  # ... and on the vocabulary logits
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (default: head_dim's)
-    # Granite's scalars: the embeddings times `embedding_multiplier`, the attention scale `attention_multiplier`
-    # itself, each block's output times `residual_multiplier` before its residual add, the logits over
-    # `logits_scaling`.
+    # Granite's scalars: embeddings times `embedding_multiplier`, the attention scale `attention_multiplier` itself,
+    # each block's output times `residual_multiplier` before its residual add, the logits over `logits_scaling`.
     embedding_multiplier: float = 1.0
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     rope_local_theta: float | None = None  # the sliding layers' own unscaled rotary base (Gemma 3)
     rotary_dim: int | None = None  # rotated leading dims of each head (partial rotary: Phi-4-mini); None: all
-    # Mixture of experts (0 experts = a dense MLP): top-k routing over `num_experts` MLPs of width
-    # `moe_intermediate_size`; `norm_topk_prob` renormalizes the k routing weights to sum to one;
-    # a shared expert of width `shared_expert_intermediate_size` (0 = none) sees every token.
+    # Mixture of experts (0 experts = a dense MLP): top-k routing over `num_experts` MLPs of width `moe_intermediate_size`;
+    # `norm_topk_prob` renormalizes the k weights; a shared expert (0 wide: none) sees every token.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -93,7 +94,8 @@ class ModelConfig:
     """Multimodal rotary embedding (Qwen2-VL): the rotary pairs, in order, turned by each token's temporal, height
     and width position (`ModelInputs.rope_offsets`); None: by its position alone."""
     no_rope_layers: tuple[int, ...] | None = None
-    """SmolLM3: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all are."""
+    """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None:
+    all are."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
 
     @property
@@ -115,9 +117,7 @@ class ModelConfig:
             if not isinstance(value, int) or value <= 0:
                 raise UnsupportedModelError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise UnsupportedModelError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         rotary = self.rotary_dims
@@ -195,7 +195,8 @@ class ModelConfig:
         mlp = 3 * h * i
         if self.num_experts:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
-            mlp += 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+            s = self.shared_expert_intermediate_size  # (Qwen's shared expert has a gate)
+            mlp += 3 * h * s + (h if s and self.family == "qwen2_moe" else 0)
         per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
@@ -218,6 +219,7 @@ class ModelConfig:
                  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
         if fields.is_qwen_vl(d):
             d = fields.qwen_vl_text(d)
+        d = fields.granite_hybrid(d)
         archs = d.get("architectures") or []
         family: Family | None = None
         for arch in archs:
@@ -250,12 +252,12 @@ class ModelConfig:
                 num_experts=d.get("num_local_experts") or d.get("num_experts") or 0,
                 num_experts_per_tok=d.get("num_experts_per_tok", 2),
                 # Mixtral's and Granite's experts have the config's MLP width; Qwen MoE declares theirs apart.
-                moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "granitemoe")
+                moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", *GRANITE_MOE_FAMILIES)
                 else d["moe_intermediate_size"],
                 # Granite: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
-                norm_topk_prob=True if family in ("mixtral", "granitemoe") else bool(d.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0)
-                if family == "qwen2_moe" else 0,
+                norm_topk_prob=family in ("mixtral", *GRANITE_MOE_FAMILIES) or bool(d.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family == "qwen2_moe"
+                                                      else "shared_intermediate_size") or 0,
             )
         if family in ("qwen2", "qwen3") and d.get("use_sliding_window") and d.get("sliding_window"):
             # HF Qwen windows only the layers from `max_window_layers` on (or as `layer_types` lists them).
@@ -316,7 +318,7 @@ class ModelConfig:
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
             mrope_section=tuple(d["mrope_section"]) if d.get("mrope_section") else None,
-            no_rope_layers=fields.smollm3_no_rope_layers(d) if family == "smollm3" else None,
+            no_rope_layers=fields.no_rope_layers(family, d),
             **moe,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
                | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})),
@@ -348,7 +350,7 @@ class ModelConfig:
             d["qkv_bias"] = self.attention_bias
         if self.num_experts:
             d.update(num_experts_per_tok=self.num_experts_per_tok)
-            if self.family in ("mixtral", "granitemoe"):
+            if self.family in ("mixtral", *GRANITE_MOE_FAMILIES):
                 d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
             else:
                 d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
@@ -357,11 +359,10 @@ class ModelConfig:
                 d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         if self.family in ("llama", "smollm3", "granite"):
             d["mlp_bias"] = self.mlp_bias
-        if self.no_rope_layers is not None:
-            d["no_rope_layers"] = list(self.no_rope_layers)
         if self.family in GRANITE_FAMILIES:
-            d.update(embedding_multiplier=self.embedding_multiplier, attention_multiplier=self.attention_multiplier,
-                     residual_multiplier=self.residual_multiplier, logits_scaling=self.logits_scaling)
+            d.update(fields.granite_hf(self))
+        elif self.no_rope_layers is not None:
+            d["no_rope_layers"] = list(self.no_rope_layers)
         if self.sliding_window is not None:
             d["sliding_window"] = self.sliding_window
             if self.family not in ("mistral", "mixtral"):

@@ -90,6 +90,44 @@ def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
             "rope_parameters": None, "mrope_section": [int(n) for n in section]}
 
 
+def granite_hybrid(d: dict[str, Any]) -> dict[str, Any]:
+    """A Granite 4.0 hybrid config of attention layers only (its Mamba layers are refused by name) as the model it
+    is: without experts, a dense model whose MLP is the shared one; any other config as it is."""
+    if d.get("model_type") != "granitemoehybrid" and "GraniteMoeHybridForCausalLM" not in (d.get("architectures") or []):
+        return d
+    kinds = set(d.get("layer_types") or d.get("layers_block_type") or ["linear_attention"])
+    if not kinds <= {"attention", "full_attention"}:
+        raise UnsupportedModelError(f"Granite hybrid layers of kinds {sorted(kinds - {'attention', 'full_attention'})} "
+                                    "(Mamba) are not supported: only Granite 4.0 models of attention layers")
+    if d.get("num_local_experts"):
+        return d
+    return {**d, "intermediate_size": d.get("shared_intermediate_size", 1024), "shared_intermediate_size": 0}
+
+
+def granite_hf(cfg: Any) -> dict[str, Any]:
+    """A Granite model's own HF config keys (the inverse of `granite_fields` and `granite_hybrid`)."""
+    d = {k: getattr(cfg, k) for k in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
+                                      "logits_scaling")}
+    if cfg.family in ("granitemoeshared", "granitemoehybrid"):
+        d["shared_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if cfg.family == "granitemoehybrid":
+        d.update(layer_types=["attention"] * cfg.num_layers, num_local_experts=cfg.num_experts,
+                 position_embedding_type=None if cfg.no_rope_layers else "rope")
+        if not cfg.num_experts:
+            d["shared_intermediate_size"] = cfg.intermediate_size
+    return d
+
+
+def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
+    """Per layer, 1 where queries and keys are rotated by position and 0 where not (None: all are): SmolLM3's,
+    or none of a Granite hybrid's without `position_embedding_type` "rope"."""
+    if family == "smollm3":
+        return smollm3_no_rope_layers(d)
+    if family == "granitemoehybrid" and d.get("position_embedding_type") != "rope":
+        return (0,) * d["num_hidden_layers"]
+    return None
+
+
 def smollm3_no_rope_layers(d: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's layers rotated by position (1) or not (0, NoPE): its `no_rope_layers`, else every
     `no_rope_layer_interval`-th layer without; a sliding window is refused."""

@@ -86,15 +86,19 @@ def test_convert_hf_dir_round_trip(tmp_path, family):
     assert rel_err(hf_logits(again, ids), hf_logits(model, ids)) < 1e-6
 
 
-def test_convert_granite_moe_writes_its_fused_experts(tmp_path):
-    """Granite MoE's experts, split per expert at load, are written back fused (one tensor per kind), and
-    transformers reads the output as the model it built."""
+@pytest.mark.parametrize("family", ["granitemoe", "granitemoehybrid", "granitemoehybrid_dense"])
+def test_convert_granite_moe_writes_its_fused_experts(tmp_path, family):
+    """Granite MoE's experts, split per expert at load, are written back fused (one tensor per kind), Granite
+    4.0's shared MLP (a shared expert, or a dense model's MLP) too, and transformers reads the output as the
+    model it built."""
     from safetensors import safe_open
 
+    from tests.test_model_families import FAMILIES as DENSE_FAMILIES
     from tests.test_moe import FAMILIES as MOE_FAMILIES
 
     src, out = tmp_path / "src", tmp_path / "out"
-    model = save_tiny_hf(MOE_FAMILIES["granitemoe"][0], src, **MOE_FAMILIES["granitemoe"][1])
+    config_cls, overrides = {**MOE_FAMILIES, **DENSE_FAMILIES}[family]
+    model = save_tiny_hf(config_cls, src, **overrides)
     write_tiny_tokenizer(src)
     convert(src, out)
     with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:

@@ -99,6 +99,12 @@ FAMILIES = {
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.125,
                                   "residual_multiplier": 0.22, "logits_scaling": 8.0, "attention_bias": True,
                                   "mlp_bias": True, "tie_word_embeddings": True}),
+    # Granite 4.0 dense (its hybrid architecture, attention layers only): the MLP is its shared MLP, gate and up
+    # in one tensor.
+    "granitemoehybrid_dense": ("GraniteMoeHybridConfig", {"num_local_experts": 0, "shared_intermediate_size": 96,
+                                                          "layer_types": ["attention"] * 2, "logits_scaling": 8.0,
+                                                          "position_embedding_type": "rope",
+                                                          "residual_multiplier": 0.22}),
     # Layer 0 windowed, layer 1 global; soft-caps small enough that tanh bends the logits.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
@@ -242,3 +248,15 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
     ref = hf_logits(model.eval(), ids)
     assert rel_err(ours, ref) < REL_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_granite_hybrid_mamba_layers_are_refused_by_name():
+    from jaxserve.config import ModelConfig, UnsupportedModelError
+
+    d = {**TINY, "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+         "num_local_experts": 0, "layer_types": ["mamba", "attention"]}
+    with pytest.raises(UnsupportedModelError, match=r"Granite hybrid layers of kinds \['mamba'\] \(Mamba\)"):
+        ModelConfig.from_hf(d)
+    cfg = ModelConfig.from_hf({**d, "layer_types": ["attention"] * 2, "shared_intermediate_size": 80})
+    assert cfg.num_experts == 0 and cfg.intermediate_size == 80 and cfg.no_rope_layers == (0, 0)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg

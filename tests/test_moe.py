@@ -31,6 +31,15 @@ FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", {**MOE, "num_local_experts": 4, "intermediate_size": 48,
                                         "embedding_multiplier": 12.0, "attention_multiplier": 0.125,
                                         "residual_multiplier": 0.22, "logits_scaling": 8.0}),
+    # Granite MoE with an ungated shared expert (its `shared_mlp`: gate and up in one tensor).
+    "granitemoeshared": ("GraniteMoeSharedConfig", {**MOE, "num_local_experts": 4, "intermediate_size": 48,
+                                                    "shared_intermediate_size": 40, "residual_multiplier": 0.22,
+                                                    "logits_scaling": 8.0}),
+    # Granite 4.0's hybrid of attention layers only, experts and a shared expert, no rotary embedding (NoPE).
+    "granitemoehybrid": ("GraniteMoeHybridConfig", {**MOE, "num_local_experts": 4, "intermediate_size": 48,
+                                                    "shared_intermediate_size": 40, "embedding_multiplier": 12.0,
+                                                    "attention_multiplier": 0.125, "layer_types": ["attention"] * 2,
+                                                    "position_embedding_type": None}),
     # Qwen3-MoE: renormalized top-k, q/k norms, no shared expert.
     "qwen3_moe": ("Qwen3MoeConfig", {**MOE, "num_experts": 8, "moe_intermediate_size": 32,
                                      "norm_topk_prob": True, "head_dim": 16}),
@@ -60,8 +69,10 @@ def test_moe_config_parsing_per_family(tiny_moe):
     family, path, _ = tiny_moe
     cfg = HFDirectory(path).config()
     assert cfg.norm_topk_prob is (family != "qwen2_moe")
-    assert (cfg.shared_expert_intermediate_size > 0) is (family == "qwen2_moe")
-    assert cfg.moe_intermediate_size == (48 if family in ("mixtral", "granitemoe") else 32)
+    assert cfg.shared_expert_intermediate_size == FAMILIES[family][1].get(
+        "shared_expert_intermediate_size", FAMILIES[family][1].get("shared_intermediate_size", 0))
+    assert cfg.moe_intermediate_size == (32 if family.startswith("qwen") else 48)
+    assert (cfg.no_rope_layers == (0, 0)) is (family == "granitemoehybrid")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
@@ -116,7 +127,8 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     assert params.layers.w_gate is None
     assert params.layers.we_gate.shape == (cfg.num_layers, cfg.num_experts, cfg.hidden_size,
                                            cfg.moe_intermediate_size)
-    assert (params.layers.ws_gate is not None) is (family == "qwen2_moe")
+    assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid"))
+    assert (params.layers.ws_mix is not None) is (family == "qwen2_moe")  # only Qwen's shared expert is gated
 
 
 # -- expert parallel on 8 simulated devices --------------------------------------------------------------

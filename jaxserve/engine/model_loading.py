@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig, UnsupportedModelError
+from jaxserve.config import GRANITE_MOE_FAMILIES, ModelConfig, UnsupportedModelError
 from jaxserve.engine.classifier import classification_architecture
 from jaxserve.engine_args import EngineArgs
 from jaxserve.generation_config import sampling_defaults
@@ -291,7 +291,7 @@ def kept_form(quant: CheckpointQuantization, cfg: ModelConfig) -> str | None:
     """The in-memory form (`models.quantized.METHODS`) that holds a quantized checkpoint's projections exactly:
     "fp8" or "int8" when every projection is stored so (`quantization.keepable`), "experts_int8" when a MoE
     model's experts are int8 (the rest dequantized); None for any other checkpoint (its weights are dequantized)."""
-    if cfg.family == "granitemoe":  # (its experts are fused tensors, not linear modules)
+    if cfg.family in GRANITE_MOE_FAMILIES:  # (its experts are fused tensors, not linear modules)
         return None
     forms: dict[str, set[str | None]] = {}
     for module, field in projection_modules(cfg).items():

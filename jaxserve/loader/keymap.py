@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, GLM_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, GLM_FAMILIES, GRANITE_MOE_FAMILIES, ModelConfig
 from jaxserve.models.quantized import INPUT_AXES, METHODS
 
 
@@ -71,7 +71,8 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
             t["mlp.shared_expert.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t["mlp.shared_expert.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t["mlp.shared_expert.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
-            t["mlp.shared_expert_gate.weight"] = ("layers.ws_mix", lambda w: w.reshape(E), (1, E))
+            if cfg.family == "qwen2_moe":
+                t["mlp.shared_expert_gate.weight"] = ("layers.ws_mix", lambda w: w.reshape(E), (1, E))
     else:
         t["mlp.gate_proj.weight"] = ("layers.w_gate", lambda w: w.T, (F, E))
         t["mlp.up_proj.weight"] = ("layers.w_up", lambda w: w.T, (F, E))
@@ -140,9 +141,29 @@ _GRANITE_MOE_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(input_l
                              r"\.weight$")
 
 
+# Granite's shared MLP (a dense Granite 4.0 model's only MLP): gate and up rows in one tensor, then down.
+_GRANITE_SHARED_RE = re.compile(r"^(model\.layers\.\d+\.)shared_mlp\.(input_linear|output_linear)\.weight$")
+
+
+def granite_shared(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+    """Granite's shared MLP tensors as a shared expert's (a MoE model's) or the MLP's (a dense one's) gate, up and
+    down projections, checked against the config."""
+    m = _GRANITE_SHARED_RE.match(name)
+    assert m is not None
+    prefix, kind = m.groups()
+    F = cfg.shared_expert_intermediate_size if cfg.num_experts else cfg.intermediate_size
+    want = (2 * F, cfg.hidden_size) if kind == "input_linear" else (cfg.hidden_size, F)
+    if tuple(tensor.shape) != want:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
+    mlp = f"{prefix}mlp.shared_expert." if cfg.num_experts else f"{prefix}mlp."
+    if kind == "output_linear":
+        return [(f"{mlp}down_proj.weight", tensor)]
+    return [(f"{mlp}gate_proj.weight", tensor[:F]), (f"{mlp}up_proj.weight", tensor[F:])]
+
+
 def _moe_module(cfg: ModelConfig) -> str:
     """The name of a layer's MoE module: Mixtral's and Granite's `block_sparse_moe`, Qwen's `mlp`."""
-    return "block_sparse_moe" if cfg.family in ("mixtral", "granitemoe") else "mlp"
+    return "block_sparse_moe" if cfg.family in ("mixtral", *GRANITE_MOE_FAMILIES) else "mlp"
 
 
 def granite_experts(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
@@ -187,8 +208,10 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     under their own names; None for any other."""
     if _FUSED_RE.match(name):
         return unfused(name, tensor, cfg)
-    if cfg.family == "granitemoe" and _GRANITE_MOE_RE.match(name):
+    if cfg.family in GRANITE_MOE_FAMILIES and _GRANITE_MOE_RE.match(name):
         return granite_experts(name, tensor, cfg)
+    if cfg.family in ("granitemoeshared", "granitemoehybrid") and _GRANITE_SHARED_RE.match(name):
+        return granite_shared(name, tensor, cfg)
     return None
 
 
@@ -277,8 +300,8 @@ _MIXTRAL_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(?:ex
 
 def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
     """Every (HF name, HF-layout tensor) of a checkpoint of `cfg`, from our (host) parameters; a Granite MoE
-    model's experts fused back into its one tensor per kind (the inverse of `granite_experts`), GLM's gate and
-    up projections into its `gate_up_proj`."""
+    model's experts fused back into its one tensor per kind (the inverse of `granite_experts`), its shared MLP
+    too, GLM's gate and up projections into its `gate_up_proj`."""
     pairs = ((name, to_hf_tensor(name, cfg, params_flat)) for name in hf_names(cfg))
     if cfg.family in GLM_FAMILIES:
         gate = None
@@ -290,7 +313,9 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
             else:
                 yield name, t
         return
-    if cfg.family != "granitemoe":
+    if cfg.family in ("granitemoeshared", "granitemoehybrid"):
+        pairs = _granite_shared_fused(pairs)
+    if cfg.family not in GRANITE_MOE_FAMILIES or not cfg.num_experts:
         yield from pairs
         return
     held: dict[tuple[int, str], np.ndarray] = {}
@@ -309,6 +334,24 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
             yield f"{prefix}input_linear.weight", np.stack([np.concatenate([held[(x, "w1")], held[(x, "w3")]]) for x in X])
             yield f"{prefix}output_linear.weight", np.stack([held[(x, "w2")] for x in X])
             held.clear()
+
+
+_OUR_SHARED_RE = re.compile(r"^(model\.layers\.\d+\.)mlp\.(?:shared_expert\.)?(gate|up|down)_proj\.weight$")
+
+
+def _granite_shared_fused(pairs: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """Granite's shared MLP fused back (the inverse of `granite_shared`)."""
+    gate = None
+    for name, t in pairs:
+        m = _OUR_SHARED_RE.match(name)
+        if m is None:
+            yield name, t
+        elif m.group(2) == "gate":
+            gate = t
+        elif m.group(2) == "up":
+            yield f"{m.group(1)}shared_mlp.input_linear.weight", np.concatenate([gate, t])
+        else:
+            yield f"{m.group(1)}shared_mlp.output_linear.weight", t
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:

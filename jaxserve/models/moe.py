@@ -67,7 +67,7 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, expert_layout: Any = None) 
         out = _sharded_experts(h, weights, experts, lp, expert_layout)
     if lp.ws_gate is not None:
         shared = project(jax.nn.silu(project(h, lp.ws_gate)) * project(h, lp.ws_up), lp.ws_down)  # [T, E]
-        out = out + jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared
+        out = out + (shared if lp.ws_mix is None else jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared)
     return out
 
 

@@ -131,7 +131,8 @@ def declare_params(cfg: ModelConfig) -> Params:
             layers.ws_gate = p((L, E, Fs), ("layers", "embed", "mlp"))
             layers.ws_up = p((L, E, Fs), ("layers", "embed", "mlp"))
             layers.ws_down = p((L, Fs, E), ("layers", "mlp", "embed"))
-            layers.ws_mix = p((L, E), ("layers", "embed"))
+            if cfg.family == "qwen2_moe":  # Qwen's shared expert is gated; Granite's is not
+                layers.ws_mix = p((L, E), ("layers", "embed"))
     else:
         layers.w_gate = p((L, E, F), ("layers", "embed", "mlp"))
         layers.w_up = p((L, E, F), ("layers", "embed", "mlp"))
