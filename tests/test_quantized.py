@@ -188,3 +188,21 @@ def test_sleep_and_weight_updates_keep_the_weights_quantized(tiny_dir, tmp_path)
     assert engine.runner.params.layers.wq.q.dtype == jnp.int8  # stacked (scanned on the CPU), quantized
     engine.memory.load_weights(path)
     assert _generate(engine, PROMPTS) == first
+
+
+def test_lora_adapters_over_quantized_weights(tiny_dir, tmp_path):
+    """A LoRA adapter served over int8 weights gives the tokens of the adapter over the dequantized float model
+    (the adapter's deltas are added to the quantized projections' outputs), and changes the base's tokens."""
+    from tests.lora_tp_worker import tiny_adapter
+
+    tiny_adapter(DENSE, str(tmp_path / "a"), seed=1)
+    base = EngineArgs(model=tiny_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+                      lora_modules=(("a", str(tmp_path / "a")),), **ENGINE_ARGS)
+    engine = LLMEngine(base.replace(quantization="int8"), progress=False)
+    loaded = load_model(EngineArgs(model=tiny_dir, dtype="float32", quantization="int8"), progress=False)
+    dequantized = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, weight_quant=None),
+                                      params=dataclasses.replace(loaded.params, layers=dequantize(
+                                          loaded.params.layers, jnp.float32)))
+    got = _generate(engine, PROMPTS, lora="a")
+    assert got == _generate(LLMEngine(base, loaded=dequantized, progress=False), PROMPTS, lora="a")
+    assert got != _generate(engine, PROMPTS)
