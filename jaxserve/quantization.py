@@ -98,19 +98,33 @@ class CheckpointQuantization:
 
 def keepable(q: WeightQuant | None) -> str | None:
     """The in-memory form (`models.quantized.METHODS`) that holds weights stored as `q` exactly, or None: float8 or
-    int8 values, symmetric, one scale per tensor or per output channel."""
-    if (q is None or q.layout != "compressed-tensors" or q.packed or not q.symmetric or q.num_bits != 8
-            or q.strategy not in ("tensor", "channel")):
+    8-bit integer values (compressed-tensors' packed ones too), symmetric, one scale per tensor or per output
+    channel; GPTQ's symmetric 8-bit weights with one group (`group_size` -1: a scale per channel)."""
+    if q is None or not q.symmetric or q.num_bits != 8 or q.layout == "awq":
         return None
-    return "fp8" if q.type == "float" else "int8"
+    if q.layout == "gptq":
+        return "int8" if not q.group_size or q.group_size < 0 else None
+    return ("fp8" if q.type == "float" else "int8") if q.strategy in ("tensor", "channel") else None
 
 
 _KEPT_DTYPES = {"fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype(np.int8)}
 
 
 def kept(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> tuple[np.ndarray, np.ndarray]:
-    """A keepable module's stored values [N, K] and their scales broadcast to [N, K] (a view: every column of a
-    row holds the row's scale)."""
+    """A keepable module's values [N, K] (float8, or int8: packed ones unpacked, GPTQ's less its zero point) and
+    their scales broadcast to [N, K] (a view: every column of a row holds the row's scale)."""
+    if q.layout == "gptq" or q.packed:
+        if q.layout == "gptq":  # [K, N] less the zero points [1, N]; scales [1, N]
+            values = (_unpack_words(parts["qweight"], 8, 0) - _unpack_words(parts["qzeros"], 8, 1) - q.zero_offset).T
+            scale = np.asarray(parts["scales"], np.float32).reshape(-1, 1)
+        else:
+            shape = tuple(int(s) for s in parts["weight_shape"])
+            values = unpack_int32(parts["weight_packed"], 8, shape[-1])
+            scale = expand(q, np.asarray(parts[q.scale_name], np.float32), shape, module)
+        if values.min(initial=0) < -128 or values.max(initial=0) > 127 or scale.shape[0] not in (1, values.shape[0]):
+            raise ValueError(f"{module}: 8-bit values or scales of shape {scale.shape} do not fit a symmetric int8 "
+                             f"weight of shape {values.shape}")
+        return np.ascontiguousarray(values.astype(np.int8)), np.broadcast_to(scale, values.shape)
     values = parts["weight"]
     want = _KEPT_DTYPES[keepable(q)]
     if values.dtype != want or values.ndim != 2:

@@ -22,14 +22,16 @@ GROUP = 32
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ packs column AWQ_ORDER[i] of each 8 into bits 4i
 
 
-def quantize(w: np.ndarray, bits: int, sym: bool, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """w [N, K] per group of GROUP input columns, in a random group order (activation order): the integers
-    [K, N], zero points and scales [groups, N], and each input row's group."""
+def quantize(w: np.ndarray, bits: int, sym: bool, rng, group: int = GROUP
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """w [N, K] per group of `group` input columns (-1: all), in a random group order (activation order): the
+    integers [K, N], zero points and scales [groups, N], and each input row's group."""
     N, K = w.shape
+    group = K if group < 0 else group
     top = (1 << bits) - 1
-    g_idx = rng.permutation(np.arange(K) // GROUP)
-    scales, zeros = np.zeros((K // GROUP, N), np.float32), np.zeros((K // GROUP, N), np.int64)
-    for g in range(K // GROUP):
+    g_idx = rng.permutation(np.arange(K) // group)
+    scales, zeros = np.zeros((K // group, N), np.float32), np.zeros((K // group, N), np.int64)
+    for g in range(K // group):
         cols = w[:, g_idx == g]
         if sym:
             s = np.abs(cols).max(1) / ((top + 1) // 2 - 0.5)
@@ -56,7 +58,7 @@ def pack(values: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
 
 
 def quantized_checkpoint(path, method: str, bits: int = 4, sym: bool = False, act_order: bool = False,
-                         fmt: str = "gptq"):
+                         fmt: str = "gptq", group: int = GROUP):
     """A tiny Llama's linear layers (not the LM head) quantized, packed and saved as `method` stores them;
     returns the float model holding the dequantized weights."""
     from safetensors.torch import save_file
@@ -69,7 +71,7 @@ def quantized_checkpoint(path, method: str, bits: int = 4, sym: bool = False, ac
         if not (name.endswith("proj.weight") and p.ndim == 2):
             tensors[name] = p.contiguous()
             continue
-        q, zeros, scales, g_idx = quantize(p.numpy(), bits, sym, rng)
+        q, zeros, scales, g_idx = quantize(p.numpy(), bits, sym, rng, group)
         if not act_order:
             order = np.argsort(g_idx, kind="stable")  # rows in order: regroup the quantization by index
             q, g_idx = q[order], g_idx[order]
@@ -89,7 +91,7 @@ def quantized_checkpoint(path, method: str, bits: int = 4, sym: bool = False, ac
     if method == "awq":
         quant = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": not sym, "version": "gemm"}
     else:
-        quant = {"quant_method": "gptq", "bits": bits, "group_size": GROUP, "sym": sym, "desc_act": act_order,
+        quant = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
                  "checkpoint_format": fmt}
     config["quantization_config"] = quant
     (path / "config.json").write_text(json.dumps(config))

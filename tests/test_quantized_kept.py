@@ -28,7 +28,8 @@ from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _generate  # noqa: 
 
 # compressed-tensors preset -> the form it is held in, its scales' strategy and weight overrides
 CASES = {"FP8": ("fp8", "tensor", {}), "FP8_DYNAMIC": ("fp8", "channel", {}), "W8A8": ("int8", "channel", {}),
-         "FP8_BLOCK": (None, "block", {"block_structure": [32, 32]})}
+         "FP8_BLOCK": (None, "block", {"block_structure": [32, 32]}),
+         "W8A16": ("int8", "channel", {"strategy": "channel", "group_size": None})}  # packed into int32
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,23 @@ def test_kept_weights_are_the_stored_bytes_and_give_the_dequantized_logits(check
     ckpt = open_checkpoint(path)
     floats = load_params(ckpt, ckpt.config(), jnp.float32, progress=False)
     assert params_bytes(layers) < 0.35 * params_bytes(floats.layers)
+
+
+@pytest.mark.parametrize("kind", ["W8A16", "gptq"])
+def test_packed_and_gptq_8bit_channels_are_held_in_int8(checkpoint, tmp_path, kind):
+    """compressed-tensors' 8-bit values packed into int32 words, and GPTQ's symmetric 8-bit weights with one group
+    (a scale per channel, zero point 128): held in int8, the logits of the checkpoint read dequantized."""
+    from tests.test_quantized_gptq_awq import quantized_checkpoint
+
+    path = checkpoint(kind) if kind == "W8A16" else str(tmp_path)
+    if kind == "gptq":
+        quantized_checkpoint(tmp_path, "gptq", bits=8, sym=True, group=-1)
+        fake_tokenizer().save_hf(path)
+    assert any(n.endswith("weight_packed" if kind == "W8A16" else "qweight") for n in open_checkpoint(path).tensor_names())
+    loaded = load_model(EngineArgs(model=path, dtype="float32"), progress=False)
+    assert loaded.config.weight_quant == "int8" and loaded.params.layers.w_up.q.dtype == jnp.int8
+    ids = random_prompt()
+    assert rel_err(prompt_logits(loaded.config, loaded.params, ids), ours(path, ids)) < 1e-5
 
 
 def test_which_checkpoints_are_held_quantized(checkpoint, tmp_path):
