@@ -222,6 +222,10 @@ def test_quantized_weights_shard_like_their_floats(results):
     # we_up [L, X, E, Fe]: experts over `expert`, their width over `model`; the scale [L, X, 1, Fe] alike.
     assert moe["q_spec"] == ["None", "expert", "None", "model"] and moe["scale_spec"] == moe["q_spec"]
     assert dense["laid_rel"] < REL_TOL and dense["laid_wq_spec"][:3] == ["None", "None", "model"]
+    # An int8 checkpoint held as stored (its own values, no rounding) laid out over TP=4: one device's logits.
+    kept = results["quant"]["kept"]
+    assert kept["held"] == ["int8", "int8"] and kept["exact"] and kept["dtype"] == "int8" and kept["rel"] < REL_TOL
+    assert kept["scale_spec"][:3] == ["None", "None", "model"]
 
 
 def test_images_on_sharded_engines(results):

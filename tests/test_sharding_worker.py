@@ -430,7 +430,47 @@ def case_quant() -> dict:
             got = _run_steps(laid.config, laid.params, laid.plan.allocate_kv(16, 8, jnp.float32), laid.plan)
             found[name].update({"laid_rel": max(_rel(got[0], ref[0]), _rel(got[1], ref[1])),
                                 "laid_wq_spec": [str(a) for a in laid.params.layers.wq.q.sharding.spec]})
+            found["kept"] = _kept_int8_checkpoint(path, args.replace(quantization=None))
     return found
+
+
+def _kept_int8_checkpoint(path: str, args) -> dict:
+    """`path`'s projections written as a compressed-tensors int8 checkpoint (a scale per channel), held in int8
+    on one device and under TP=4: the two steps' logits."""
+    import json
+    import os
+
+    import jax.numpy as jnp
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.models.inputs import KVCache
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = {}
+    for name, w in load_file(file).items():
+        if name.endswith("_proj.weight"):
+            scale = np.abs(w).max(1, keepdims=True) / 127.0
+            tensors[name], tensors[name + "_scale"] = np.round(w / scale).astype(np.int8), scale.astype(np.float32)
+        else:
+            tensors[name] = w
+    save_file(tensors, file)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    single = load_model(args, progress=False)
+    ref = _run_steps(single.config, single.params, KVCache.allocate(single.config, 16, 8, jnp.float32))
+    placed = load_model(args.replace(tensor_parallel_size=4), progress=False)
+    got = _run_steps(placed.plan.model_cfg, placed.params, placed.plan.allocate_kv(16, 8, jnp.float32), placed.plan)
+    wk = placed.params.layers.wk
+    return {"rel": max(_rel(got[0], ref[0]), _rel(got[1], ref[1])), "held": [single.config.weight_quant,
+            placed.config.weight_quant], "dtype": str(wk.q.dtype), "scale_spec": [str(a) for a in wk.scale.sharding.spec],
+            "exact": bool(np.array_equal(np.asarray(single.params.layers.wq.q[0]).reshape(-1, tensors[
+                "model.layers.0.self_attn.q_proj.weight"].shape[0]).T, tensors["model.layers.0.self_attn.q_proj.weight"]))}
 
 
 def case_sleep() -> dict:
