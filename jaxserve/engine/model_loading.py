@@ -124,6 +124,9 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         params = _convert(ckpt, cfg, plan, dtype, progress)
     if weight_quant:
         params, cfg, plan = quantize_model(params, cfg, plan, weight_quant)
+    elif kept:
+        logger.info("the checkpoint's quantized weights are held as stored (%s): %.1f MiB per device", kept,
+                    params_bytes(params) / 2**20)
     vision = _image_encoder(args, ckpt, cfg, dtype, path, tokenizer)
     loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0,
                          sampling_defaults=sampling_defaults(path, args.generation_config,
