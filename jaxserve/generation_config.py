@@ -60,18 +60,14 @@ def sampling_defaults(model_path: str, generation_config: str = "auto",
 
 
 def _read_gguf(path: str) -> dict[str, Any]:
-    import gguf
+    from jaxserve.loader.gguf_file import gguf_reader
 
     try:
-        fields = gguf.GGUFReader(path).fields
+        values = gguf_reader(path).values  # the loader's parse of the same file (cached)
     except Exception:  # noqa: BLE001 - not a GGUF file: the loader names that problem, not this
         return {}
-    out = {}
-    for key, name in _GGUF_KEYS.items():
-        if key in fields:
-            value = fields[key].contents()
-            out[name] = int(value) if name == "top_k" else float(value)
-    return out
+    return {name: int(values[key]) if name == "top_k" else float(values[key])
+            for key, name in _GGUF_KEYS.items() if key in values}
 
 
 def _read(path: str) -> dict[str, Any]:

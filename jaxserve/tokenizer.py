@@ -21,7 +21,7 @@ from jaxserve.chat_template import render_chat_template
 from jaxserve.tokenizer_gguf import SUPPORTED_GGUF_PRE, byte_alphabet, read_gguf_tokenizer
 
 if TYPE_CHECKING:
-    import gguf
+    from jaxserve.loader.gguf_header import GGUFHeader
 
 # Re-exported: callers import the byte alphabet and the supported GGUF families from here.
 __all__ = ["SUPPORTED_GGUF_PRE", "Tokenizer", "byte_alphabet"]
@@ -108,7 +108,7 @@ class Tokenizer:
     # ----- construction -----
 
     @classmethod
-    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, path_or_reader: str | os.PathLike[str] | GGUFHeader) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata (byte-level or SentencePiece BPE)."""
         spec = read_gguf_tokenizer(path_or_reader)
         return cls(

@@ -24,7 +24,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 if TYPE_CHECKING:
-    import gguf
+    from jaxserve.loader.gguf_header import GGUFHeader
 
 # llama.cpp's token kinds (`tokenizer.ggml.token_type`).
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
@@ -85,12 +85,12 @@ def byte_alphabet() -> dict[int, str]:
     return table
 
 
-def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader) -> GGUFTokenizer:
+def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | GGUFHeader) -> GGUFTokenizer:
     """Read the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
-    import gguf  # imported here: it is only needed for GGUF files
+    from jaxserve.loader.gguf_header import GGUFHeader
 
     reader = path_or_reader
-    if not isinstance(reader, gguf.GGUFReader):
+    if not isinstance(reader, GGUFHeader):
         if not Path(reader).is_file():
             raise FileNotFoundError(f"GGUF file not found: {reader}")
         from jaxserve.loader.gguf_file import gguf_reader
@@ -167,7 +167,7 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | gguf.GGUFReader
     )
 
 
-def _byte_level_backend(reader: gguf.GGUFReader, tokens: list[str], token_types: list[int]) -> tokenizers.Tokenizer:
+def _byte_level_backend(reader: GGUFHeader, tokens: list[str], token_types: list[int]) -> tokenizers.Tokenizer:
     pre = _gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
     normalizer, pre_tokenizer, ignore_merges = _byte_level_stages(pre)
     merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges")
@@ -189,7 +189,7 @@ def _byte_level_backend(reader: gguf.GGUFReader, tokens: list[str], token_types:
     return backend
 
 
-def _sentencepiece_backend(reader: gguf.GGUFReader, tokens: list[str], arch: str) -> tokenizers.Tokenizer:
+def _sentencepiece_backend(reader: GGUFHeader, tokens: list[str], arch: str) -> tokenizers.Tokenizer:
     gemma = arch.startswith("gemma")
     if gemma:  # Gemma's files store its whitespace tokens with spaces; its pieces spell those with ▁
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -286,9 +286,8 @@ def _split_then_bytes(pattern: str) -> Any:
     )
 
 
-def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _gguf_value(reader: GGUFHeader, key: str, default: Any = None) -> Any:
+    return reader.values.get(key, default)
 
 
 def _template_processing(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None) -> Any:

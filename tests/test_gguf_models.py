@@ -100,6 +100,49 @@ def test_every_tensor_reads_as_transformers_reads_it(mixed_gguf):
     assert seen == set(reference) - {"model.rotary_emb.inv_freq"}
 
 
+def test_header_equals_the_gguf_packages_reader(mixed_gguf, tmp_path):
+    """`GGUFHeader` parses what `gguf.GGUFReader` does: every value type, every tensor type's bytes and place."""
+    from jaxserve.loader.gguf_header import GGUFFormatError, GGUFHeader
+
+    path = str(tmp_path / "values.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for i, kind in enumerate(("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")):
+        getattr(w, f"add_{kind}")(f"v.{kind}", i + 1)
+    w.add_float32("v.f32", 0.25)
+    w.add_float64("v.f64", -1.5)
+    w.add_bool("v.bool", True)
+    w.add_string("v.str", "héllo ✓")
+    w.add_array("v.ints", [1, -2, 3])
+    w.add_array("v.floats", [0.5, 1.5])
+    w.add_array("v.bools", [True, False])
+    w.add_array("v.strs", ["a", "", "✓"])
+    w.add_array("v.nested", [[1, 2], [3]])
+    w.add_tensor("x.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (path, mixed_gguf[0]):
+        ours, theirs = GGUFHeader(file), gguf.GGUFReader(file)
+        nested = ours.values.pop("v.nested", None)  # (the gguf package's contents() flattens it)
+        assert ours.values == {k: f.contents() for k, f in theirs.fields.items()
+                               if not k.startswith("GGUF.") and k != "v.nested"}
+        assert nested in (None, [[1, 2], [3]])
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert (a.tensor_type, a.shape, a.n_bytes, a.data_offset) == (b.tensor_type, tuple(b.shape.tolist()),
+                                                                           b.n_bytes, b.data_offset), a.name
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    values = GGUFHeader(path).values
+    assert (values["v.strs"], values["v.uint64"], values["v.nested"]) == (["a", "", "✓"], 7, [[1, 2], [3]])
+    with open(path, "rb") as f:
+        head = f.read()
+    for cut in (30, len(head) // 2):
+        (tmp_path / "cut.gguf").write_bytes(head[:cut])
+        with pytest.raises(GGUFFormatError, match="cannot parse the GGUF header at byte"):
+            GGUFHeader(tmp_path / "cut.gguf")
+
+
 def test_logits_equal_transformers(mixed_gguf):
     path, model, _ = mixed_gguf
     ckpt = open_checkpoint(path)

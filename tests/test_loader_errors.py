@@ -51,14 +51,19 @@ def test_valid_directory_loads(tmp_path):
 
 
 def test_truncated_gguf(tmp_path, smollm_path):
-    # Cut inside the header (4 KiB) and inside the tensor data (4 MiB).
-    for size in (4096, 4 << 20):
+    # Cut inside the header (4 KiB: its vocabulary) and inside the tensor data (4 MiB).
+    for size, message in ((4096, r"not a readable GGUF file \(truncated or damaged\?\): cannot parse the GGUF header"),
+                          (4 << 20, r"is truncated: its tensors need 98362432 bytes, the file has 4194304")):
         path = tmp_path / f"cut-{size}.gguf"
         with open(smollm_path, "rb") as src, open(path, "wb") as dst:
             dst.write(src.read(size))
-        with pytest.raises(CheckpointError, match=r"not a readable GGUF file \(truncated or damaged\?\)") as info:
+        with pytest.raises(CheckpointError, match=message) as info:
             open_checkpoint(str(path))
         assert str(path) in str(info.value)
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(CheckpointError, match=r"not a GGUF file \(magic b'GGML', expected b'GGUF'\)"):
+        open_checkpoint(str(path))
 
 
 def test_wrong_shape(tmp_path):

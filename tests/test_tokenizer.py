@@ -306,10 +306,10 @@ def _pieces(tok: Tokenizer, text: str) -> list[str]:
 
 
 def test_llama3_and_qwen2_pre_tokenizers(tmp_path):
-    import gguf
+    from jaxserve.loader.gguf_header import GGUFHeader
 
     llama = Tokenizer.from_gguf(
-        gguf.GGUFReader(_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe", add_bos=True))
+        GGUFHeader(_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe", add_bos=True))
     )
     assert _pieces(llama, "I'm 12345 ok\n\nyes") == ["I", "'m", "Ġ", "123", "45", "Ġok", "ĊĊ", "yes"]
     assert llama.encode(" ok") == [257] and llama.encode(" ok", add_special_tokens=True) == [258, 257]

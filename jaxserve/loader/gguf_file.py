@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.loader.gguf_header import GGUFHeader
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -107,21 +108,18 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_reader(path: str | os.PathLike) -> Any:
-    """The `gguf.GGUFReader` of the file at `path`, parsed once per process while the file is unchanged
-    (same size and modification time): the gguf package takes ~7 s to parse SmolLM2's metadata (its
-    49k-token vocabulary and merges), and the config, the tokenizer and every engine on the same file
-    read it."""
+def gguf_reader(path: str | os.PathLike) -> GGUFHeader:
+    """The parsed header (`GGUFHeader`) of the file at `path`, parsed once per process while the file is
+    unchanged (same size and modification time): the config, the tokenizer, the sampling defaults and every
+    engine on the same file read it."""
     real = os.path.realpath(path)
     st = os.stat(real)
     return _parsed_reader(real, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_reader(path: str, size: int, mtime_ns: int) -> Any:
-    import gguf
-
-    return gguf.GGUFReader(path)  # read-only memory map; nothing here writes to it
+def _parsed_reader(path: str, size: int, mtime_ns: int) -> GGUFHeader:
+    return GGUFHeader(path)  # a read-only memory map
 
 
 class GGUFFile:
@@ -136,25 +134,21 @@ class GGUFFile:
         except Exception as e:  # the gguf package raises assorted errors on damaged files
             raise CheckpointError(f"{self.path} is not a readable GGUF file (truncated or damaged?): {e}") from e
         size = os.path.getsize(self.path)
-        end = max((t.data_offset + t.n_bytes for t in self.reader.tensors), default=0)
+        end = self.reader.data_end
         if end > size:
             raise CheckpointError(
                 f"{self.path} is truncated: its tensors need {end} bytes, the file has {size}"
             )
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-                continue  # large arrays, read by the tokenizer directly
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:  # noqa: BLE001 - unreadable optional metadata is skipped
-                continue
+        # The large arrays are the tokenizer's, which reads them from the header.
+        self.metadata: dict[str, Any] = {k: v for k, v in self.reader.values.items()
+                                         if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                                                      "tokenizer.ggml.token_type")}
 
     def config(self) -> ModelConfig:
         tensors = {t.name: t for t in self.reader.tensors}
         vocab = self.metadata.get(f"{self.metadata.get('general.architecture')}.vocab_size")
         if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+            vocab = len(self.reader.values.get("tokenizer.ggml.tokens", ()))
         rope = {}
         for name in _ROPE_TENSORS:
             t = tensors.get(name)
@@ -186,7 +180,7 @@ class GGUFFile:
                 arr = np.asarray(t.data).astype(np.float32)
             else:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            arr = arr.reshape(tuple(int(s) for s in reversed(t.shape.tolist())))
+            arr = arr.reshape(tuple(reversed(t.shape)))
             for name, a in hf_tensors(t.name, arr, cfg, arch):
                 if permuted and name.endswith("self_attn.q_proj.weight"):
                     a = unpermute_rotary(a, cfg.num_heads)
