@@ -13,7 +13,7 @@ from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4"]
+                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -32,12 +32,13 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "SmolLM3ForCausalLM": "smollm3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.6 (their multi-token prediction layers are not read)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES)
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
@@ -88,6 +89,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V3's routing (GLM-4.5), `router_scoring` "sigmoid": experts chosen by their sigmoid score plus a
+    # per-expert bias (`LayerParams.router_bias`), among the `expert_topk_groups` best of `expert_groups` groups,
+    # weighted by their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`.
+    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    expert_groups: int = 1
+    expert_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    first_dense_layers: int = 0  # the first layers' MLP is dense, `intermediate_size` wide (`Params.dense_layers`)
     # Per-layer `k_scale` / `v_scale` tensors for a float8 KV cache (a compressed-tensors `kv_cache_scheme`).
     kv_cache_scales: bool = False
     mrope_section: tuple[int, ...] | None = None
@@ -140,11 +149,7 @@ class ModelConfig:
                                         f"got {self.no_rope_layers}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
-        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
-                                     and self.moe_intermediate_size > 0):
-            raise UnsupportedModelError(f"a MoE model needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
-                                        f"num_experts ({self.num_experts}) and a positive moe_intermediate_size "
-                                        f"({self.moe_intermediate_size})")
+        fields.check_moe(self)
         if self.weight_quant:
             check_method(self.weight_quant, self.num_experts)
 
@@ -182,24 +187,11 @@ class ModelConfig:
     @property
     def output_bias(self) -> bool:
         """Whether the attention's output projection has a bias (Qwen2's and GLM's biases are q, k and v's only)."""
-        return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", *GLM_FAMILIES)
+        return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", "glm4_moe", *GLM_FAMILIES)
 
     def layer_kind(self, layer: int) -> tuple[bool, bool]:
         """How `layer` attends: (a sliding-window layer, its queries and keys rotated by position)."""
         return self.is_local(layer), self.no_rope_layers is None or bool(self.no_rope_layers[layer])
-
-    @property
-    def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * i
-        if self.num_experts:
-            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)
-            s = self.shared_expert_intermediate_size  # (Qwen's shared expert has a gate)
-            mlp += 3 * h * s + (h if s and self.family == "qwen2_moe" else 0)
-        per_layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
@@ -246,19 +238,7 @@ class ModelConfig:
                     f"{family} with dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
                     "is not supported"
                 )
-        moe: dict[str, Any] = {}
-        if family in MOE_FAMILIES:
-            moe = dict(
-                num_experts=d.get("num_local_experts") or d.get("num_experts") or 0,
-                num_experts_per_tok=d.get("num_experts_per_tok", 2),
-                # Mixtral's and Granite's experts have the config's MLP width; Qwen MoE declares theirs apart.
-                moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", *GRANITE_MOE_FAMILIES)
-                else d["moe_intermediate_size"],
-                # Granite: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
-                norm_topk_prob=family in ("mixtral", *GRANITE_MOE_FAMILIES) or bool(d.get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family == "qwen2_moe"
-                                                      else "shared_intermediate_size") or 0,
-            )
+        moe = fields.moe_fields(family, d) if family in MOE_FAMILIES else {}
         if family in ("qwen2", "qwen3") and d.get("use_sliding_window") and d.get("sliding_window"):
             # HF Qwen windows only the layers from `max_window_layers` on (or as `layer_types` lists them).
             num_layers = d["num_hidden_layers"]
@@ -289,7 +269,7 @@ class ModelConfig:
             rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
         rope_dict = rope_params if isinstance(rope_params, dict) else {}
         partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor")
-                        or (0.5 if family in GLM_FAMILIES else 1.0))
+                        or (0.5 if family in (*GLM_FAMILIES, "glm4_moe") else 1.0))
         scaling = RopeScaling.from_hf(rope_params, max_pos)
         rope_theta = d.get("rope_theta")
         if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
@@ -310,10 +290,10 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES, *GLM_FAMILIES)
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", *GRANITE_FAMILIES, *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in GLM_FAMILIES))),
             mlp_bias=family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3") or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
@@ -344,19 +324,12 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", *GRANITE_FAMILIES, *GLM_FAMILIES):
+        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", *GRANITE_FAMILIES, *GLM_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
         if self.num_experts:
-            d.update(num_experts_per_tok=self.num_experts_per_tok)
-            if self.family in ("mixtral", *GRANITE_MOE_FAMILIES):
-                d.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size)
-            else:
-                d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
-                         norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
-            if self.family == "qwen2_moe":
-                d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+            d.update(fields.moe_hf(self))
         if self.family in ("llama", "smollm3", "granite"):
             d["mlp_bias"] = self.mlp_bias
         if self.family in GRANITE_FAMILIES:

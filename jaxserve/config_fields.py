@@ -156,3 +156,69 @@ def rope_scaling_hf(rs: Any) -> dict[str, Any]:
             if getattr(rs, key) is not None:
                 scaling[key] = getattr(rs, key)
     return scaling
+
+
+def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
+    """A MoE family's ModelConfig fields from its HF config."""
+    fields: dict[str, Any] = dict(
+        num_experts=d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0,
+        num_experts_per_tok=d.get("num_experts_per_tok", 2),
+        # Mixtral's and Granite's experts have the config's MLP width; the others declare theirs apart.
+        moe_intermediate_size=d["intermediate_size"] if family == "mixtral" or family.startswith("granite")
+        else d["moe_intermediate_size"],
+        # Granite: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
+        norm_topk_prob=family == "mixtral" or family.startswith("granite") or bool(d.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family == "qwen2_moe"
+                                              else "shared_intermediate_size") or 0,
+    )
+    if family == "glm4_moe":
+        fields.update(router_scoring="sigmoid", expert_groups=int(d.get("n_group") or 1),
+                      expert_topk_groups=int(d.get("topk_group") or 1),
+                      routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                      first_dense_layers=int(d.get("first_k_dense_replace", 1)),
+                      shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
+                      norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+    return fields
+
+
+def moe_hf(cfg: Any) -> dict[str, Any]:
+    """A MoE model's HF config keys (the inverse of `moe_fields`)."""
+    d: dict[str, Any] = {"num_experts_per_tok": cfg.num_experts_per_tok}
+    if cfg.family == "mixtral" or cfg.family.startswith("granite"):
+        return {**d, "num_local_experts": cfg.num_experts, "intermediate_size": cfg.moe_intermediate_size}
+    d.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
+    if cfg.family == "glm4_moe":
+        shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
+        if rest:
+            raise UnsupportedModelError(f"a shared expert {cfg.shared_expert_intermediate_size} wide is no whole number "
+                                        f"of {cfg.moe_intermediate_size}-wide experts (GLM-4.5's n_shared_experts)")
+        return {**d, "n_routed_experts": cfg.num_experts, "n_shared_experts": shared, "n_group": cfg.expert_groups,
+                "topk_group": cfg.expert_topk_groups, "routed_scaling_factor": cfg.routed_scaling_factor,
+                "first_k_dense_replace": cfg.first_dense_layers, "use_qk_norm": cfg.qk_norm,
+                "num_nextn_predict_layers": 0}
+    d.update(num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
+    if cfg.family == "qwen2_moe":
+        d["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return d
+
+
+def check_moe(cfg: Any) -> None:
+    """Refuses MoE settings no model could run, by name."""
+    if cfg.num_experts and not (0 < cfg.num_experts_per_tok <= cfg.num_experts and cfg.moe_intermediate_size > 0):
+        raise UnsupportedModelError(f"a MoE model needs 0 < num_experts_per_tok ({cfg.num_experts_per_tok}) <= "
+                                    f"num_experts ({cfg.num_experts}) and a positive moe_intermediate_size "
+                                    f"({cfg.moe_intermediate_size})")
+    if not 0 <= cfg.first_dense_layers < cfg.num_layers or (cfg.first_dense_layers and not cfg.num_experts):
+        raise UnsupportedModelError(f"first_dense_layers ({cfg.first_dense_layers}) must leave a MoE layer of the "
+                                    f"{cfg.num_layers} (and the model must have experts)")
+    if cfg.first_dense_layers and cfg.layer_period != 1:
+        raise UnsupportedModelError("dense first layers in a model whose layers attend differently are not supported")
+    groups, top = cfg.expert_groups, cfg.expert_topk_groups
+    if cfg.router_scoring not in ("softmax", "sigmoid"):
+        raise UnsupportedModelError(f"router_scoring must be 'softmax' or 'sigmoid', got {cfg.router_scoring!r}")
+    if (groups, top) != (1, 1) and not (cfg.router_scoring == "sigmoid" and groups > 0 and cfg.num_experts % groups == 0
+                                        and cfg.num_experts // groups >= 2 and 0 < top <= groups
+                                        and cfg.num_experts_per_tok <= top * cfg.num_experts // groups):
+        raise UnsupportedModelError(
+            f"expert groups: {cfg.num_experts} experts in {groups} groups (at least 2 each), {top} of them chosen, must "
+            f"hold num_experts_per_tok ({cfg.num_experts_per_tok}) experts; grouped choice needs sigmoid scoring")

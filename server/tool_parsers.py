@@ -12,6 +12,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `qwen3_coder` | `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values typed by the tool's schema | Qwen3-Coder |
 | `phi4_mini_json` | `functools[{"name": ..., "arguments": {...}}, ...]`, between text | Phi-4-mini |
 | `granite` | a reply that is `<|tool_call|>` (or `<tool_call>`) and a JSON list of `{"name", "arguments"}` | Granite 3.x |
+| `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6 |
 
 A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
 """
@@ -29,7 +30,8 @@ from server.py_calls import PythonCallReader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 from server.xml_calls import XmlCallReader, typed
 
-ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite"]
+ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite",
+                     "glm45"]
 
 
 def _call(obj: Any) -> ParsedCall | None:
@@ -244,9 +246,47 @@ class Qwen3CoderParser(ToolParser):
         return XmlCallReader(schemas)
 
 
+_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_NAME = re.compile(r"[\w.:-]+")
+
+
+class Glm45Parser(ToolParser):
+    """`<tool_call>NAME` then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per argument (newlines
+    between), then `</tool_call>`. GLM-4.5's chat template writes a string value as it is and any other as
+    JSON: a value is a string where the tool's schema says so, else the JSON (or Python literal) it spells,
+    else its text. Each region is read once it is whole."""
+
+    name = "glm45"
+    openers = ("<tool_call>",)
+    closer = "</tool_call>"
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        first = body.find("<arg_key>")
+        name, rest = (body, "") if first < 0 else (body[:first], body[first:])
+        name = name.strip()
+        if not _NAME.fullmatch(name) or _ARGUMENT.sub("", rest).strip():
+            return None  # no name, or text between the arguments: not this format
+        props = (schemas.get(name) or {}).get("properties") or {}
+        args = {m.group(1).strip(): _glm_value(m.group(2), props.get(m.group(1).strip()))
+                for m in _ARGUMENT.finditer(body)}
+        return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
+
+
+def _glm_value(raw: str, schema: Any) -> Any:
+    if schema is not None:
+        return typed(raw, schema)
+    try:  # no schema: what the JSON the template wrote for a non-string spells, else the text
+        return json.loads(raw)
+    except ValueError:
+        try:
+            return ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            return raw
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                            Phi4MiniParser, PythonicParser, Qwen3CoderParser,
-                                                           GraniteParser)}
+                                                           GraniteParser, Glm45Parser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

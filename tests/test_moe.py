@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.loader import CheckpointError, HFDirectory, load_params  # noqa: E402
 from jaxserve.loader.assembler import WeightAssembler  # noqa: E402
+from jaxserve.loader.keymap import hf_names  # noqa: E402
 from jaxserve.models.moe import local_experts, route  # noqa: E402
 from tests.test_model_families import hf_logits, ours_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
 from tests.test_sharding_worker import moe_config, run_cases  # noqa: E402
@@ -43,7 +44,18 @@ FAMILIES = {
     # Qwen3-MoE: renormalized top-k, q/k norms, no shared expert.
     "qwen3_moe": ("Qwen3MoeConfig", {**MOE, "num_experts": 8, "moe_intermediate_size": 32,
                                      "norm_topk_prob": True, "head_dim": 16}),
+    # GLM-4.5: sigmoid scores with a bias for choosing, experts in 2 groups of which 1 is chosen, weights scaled
+    # by 2.5, an ungated shared expert, a dense first layer, q/k/v biases, half the head's dims rotated.
+    "glm4_moe": ("Glm4MoeConfig", {**MOE, "n_routed_experts": 8, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                                   "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                                   "routed_scaling_factor": 2.5, "attention_bias": True, "num_hidden_layers": 3,
+                                   "head_dim": 16}),
 }
+
+
+def _experts(family: str) -> int:
+    o = FAMILIES[family][1]
+    return o.get("num_local_experts") or o.get("num_experts") or o["n_routed_experts"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -58,8 +70,7 @@ def test_moe_logits_match_transformers(tiny_moe):
     family, path, model = tiny_moe
     ids = random_prompt()
     ours, cfg = ours_logits(path, ids)
-    assert cfg.family == family and cfg.num_experts == FAMILIES[family][1].get(
-        "num_local_experts", FAMILIES[family][1].get("num_experts"))
+    assert cfg.family == family and cfg.num_experts == _experts(family)
     ref = hf_logits(model, ids)
     assert rel_err(ours, ref) < REL_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
@@ -69,9 +80,11 @@ def test_moe_config_parsing_per_family(tiny_moe):
     family, path, _ = tiny_moe
     cfg = HFDirectory(path).config()
     assert cfg.norm_topk_prob is (family != "qwen2_moe")
-    assert cfg.shared_expert_intermediate_size == FAMILIES[family][1].get(
-        "shared_expert_intermediate_size", FAMILIES[family][1].get("shared_intermediate_size", 0))
-    assert cfg.moe_intermediate_size == (32 if family.startswith("qwen") else 48)
+    o = FAMILIES[family][1]
+    assert cfg.shared_expert_intermediate_size == o.get("shared_expert_intermediate_size", o.get(
+        "shared_intermediate_size", o.get("n_shared_experts", 0) * o.get("moe_intermediate_size", 0)))
+    assert cfg.moe_intermediate_size == (32 if family.startswith("qwen") or family == "glm4_moe" else 48)
+    assert (cfg.first_dense_layers, cfg.router_scoring) == ((1, "sigmoid") if family == "glm4_moe" else (0, "softmax"))
     assert (cfg.no_rope_layers == (0, 0)) is (family == "granitemoehybrid")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
@@ -125,9 +138,16 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     cfg = ckpt.config()
     params = load_params(ckpt, cfg, jnp.float32, progress=False)
     assert params.layers.w_gate is None
-    assert params.layers.we_gate.shape == (cfg.num_layers, cfg.num_experts, cfg.hidden_size,
+    dense = cfg.first_dense_layers  # GLM-4.5's first layer: a dense MLP, stacked apart
+    assert params.layers.we_gate.shape == (cfg.num_layers - dense, cfg.num_experts, cfg.hidden_size,
                                            cfg.moe_intermediate_size)
-    assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid"))
+    assert (params.dense_layers is not None) is (family == "glm4_moe")
+    if dense:
+        assert params.dense_layers.we_gate is None
+        assert params.dense_layers.w_gate.shape == (dense, cfg.hidden_size, cfg.intermediate_size)
+        assert params.layers.router_bias.dtype == jnp.float32 and np.abs(params.layers.router_bias).max() > 0
+    assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid",
+                                                              "glm4_moe"))
     assert (params.layers.ws_mix is not None) is (family == "qwen2_moe")  # only Qwen's shared expert is gated
 
 
@@ -155,6 +175,14 @@ def test_ep_qwen3_moe_equals_unsharded(ep_results):
     assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["experts_per_device"] == 2
 
 
+def test_ep_glm4_moe_equals_unsharded(ep_results):
+    """GLM-4.5's dense first layer (stacked apart, split by TP) and its MoE layers (sigmoid routing, router bias)
+    under EP=2 x TP=2."""
+    r = ep_results["glm4_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["experts_per_device"] == 4
+    assert r["dense_mlp_per_device"] == 128 // 2
+
+
 def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_results):
     r = ep_results["engine"]
     assert r["devices"] == 4
@@ -164,3 +192,79 @@ def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_result
     # A LoRA adapter on the attention: the same tokens at EP=2 x TP=2 as on one device, and not the base's.
     assert r["lora_ep"] == r["lora_ref"] and r["lora_ref"] != r["ref"]
     assert r["lora_compiles_after_warmup"] == 0
+
+
+def test_glm4_moe_engine_greedy_equals_transformers(tmp_path):
+    """GLM-4.5 through the engine, its dense first layer and its MoE layers unrolled (the CPU's default: one tuple
+    of every layer) and scanned (two stacks), chunked and batched: transformers' greedy tokens."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.models.inputs import KVCache
+    from tests.fake_model import VOCAB, fake_tokenizer
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    cls, overrides = FAMILIES["glm4_moe"]
+    model = save_tiny_hf(cls, tmp_path, **{**overrides, "vocab_size": VOCAB})
+    ckpt = HFDirectory(tmp_path)
+    cfg = ckpt.config()
+    loaded = LoadedModel(str(tmp_path), "glm4_moe", cfg, load_params(ckpt, cfg, jnp.float32, progress=False),
+                         fake_tokenizer(), jnp.float32, 0.0)
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    for loop in ("unroll", "scan"):
+        args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                          kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
+                          num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop)
+        engine = LLMEngine(args, loaded=loaded, progress=False)
+        assert isinstance(engine.runner.params.layers, tuple) is (loop == "unroll")
+        assert _greedy(engine) == expected, loop
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on a model whose first layers are dense"):
+        LLMEngine(args.replace(enable_lora=True, max_loras=1, max_lora_rank=8), loaded=loaded, progress=False)
+
+
+def test_glm4_moe_multi_token_prediction_layers_are_not_read(tiny_moe):
+    """GLM-4.5's checkpoints carry its multi-token prediction module as one more layer (`model.layers.{L}`);
+    the model reads past it. Another family's tensor of that layer is refused by name."""
+    family, _, _ = tiny_moe
+    cfg = moe_config("qwen3_moe")
+    L = cfg.num_layers
+    with pytest.raises(CheckpointError, match=f"names layer {L}, but the model has {L} layers"):
+        WeightAssembler(cfg, np.float32).add(f"model.layers.{L}.mlp.gate.weight", np.zeros((8, 64), np.float32))
+    if family != "glm4_moe":
+        return
+    cfg = HFDirectory(tiny_moe[1]).config()
+    asm = WeightAssembler(cfg, np.float32)
+    for name in (f"model.layers.{cfg.num_layers}.eh_proj.weight", f"model.layers.{cfg.num_layers}.mlp.gate.weight",
+                 f"model.layers.{cfg.num_layers}.shared_head.head.weight"):
+        asm.add(name, np.zeros((3, 3), np.float32))
+    assert len(asm.missing()) == len(hf_names(cfg))  # nothing taken
+    with pytest.raises(CheckpointError, match="unknown tensor 'model.layers.0.mlp.gate.weight' for a glm4_moe"):
+        asm.add("model.layers.0.mlp.gate.weight", np.zeros((8, 64), np.float32))  # layer 0 is dense
+
+
+def test_sigmoid_routing_chooses_within_the_best_groups():
+    """DeepSeek-V3's choice: by score plus bias, only among the experts of the best groups (each group ranked by
+    the sum of its two best); the weights are the chosen experts' scores, renormalized, times the scale."""
+    import dataclasses
+
+    cfg = dataclasses.replace(moe_config("qwen3_moe"), router_scoring="sigmoid", expert_groups=4,
+                              expert_topk_groups=2, routed_scaling_factor=2.0)
+    E, X = cfg.hidden_size, cfg.num_experts
+    h = np.zeros((1, E), np.float32)
+    h[0, 0] = 1.0
+    logits = np.array([3.0, -3.0, 0.5, 0.4, 2.5, 2.4, -1.0, -2.0], np.float32)  # groups {0,1} {2,3} {4,5} {6,7}
+    router = np.zeros((E, X), np.float32)
+    router[0] = logits
+    bias = np.zeros(X, np.float32)
+    weights, experts = route(jnp.asarray(h), jnp.asarray(router), cfg, jnp.asarray(bias))
+    # Group sums: {0,1} 0.95 + 0.05, {2,3} 0.62 + 0.60, {4,5} 0.92 + 0.92: groups {2,3} and {4,5} win, and
+    # expert 0 (the best score) is left out with its group.
+    assert sorted(np.asarray(experts)[0].tolist()) == [4, 5]
+    s = 1 / (1 + np.exp(-logits))
+    np.testing.assert_allclose(np.sort(np.asarray(weights)[0]), np.sort(2.0 * s[[4, 5]] / s[[4, 5]].sum()), rtol=1e-6)
+    bias[2] = 1.0  # the bias moves expert 2 (and its group) into the choice; its weight stays its own score
+    weights, experts = route(jnp.asarray(h), jnp.asarray(router), cfg, jnp.asarray(bias))
+    chosen = np.asarray(experts)[0].tolist()
+    assert 2 in chosen and 0 not in chosen
+    np.testing.assert_allclose(np.asarray(weights)[0].sum(), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(weights)[0][chosen.index(2)], 2.0 * s[2] / s[chosen].sum(), rtol=1e-6)

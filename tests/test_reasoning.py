@@ -28,6 +28,8 @@ CASES = [
     ("qwen3", "<thi", None, "<thi"),
     ("qwen3", "<think>cut short", "cut short", ""),
     ("qwen3", "", None, ""),
+    ("glm45", "<think>Paris is the capital.</think>Paris.", "Paris is the capital.", "Paris."),
+    ("glm45", "Paris.", None, "Paris."),  # thinking off: the template closed an empty <think></think> in the prompt
     ("granite", "Here is my thought process:\n1 + 1 = 2.\nHere is my response:\nTwo.", "\n1 + 1 = 2.\n", "Two."),
     ("granite", "Here's my thought process: short. Here's my response: Done", " short. ", "Done"),
     ("granite", "Here is my answer, with no thought process.", None, "Here is my answer, with no thought process."),
@@ -64,7 +66,7 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "granite", "mistral", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "glm45", "granite", "mistral", "qwen3"]
 
 
 def test_mistral_markers_are_kept_in_the_text():

@@ -61,11 +61,15 @@ def gemma_config():
 def moe_config(family: str = "qwen2_moe"):
     from jaxserve.config import ModelConfig
 
-    return ModelConfig(family=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=family == "qwen2_moe",
-                       qk_norm=family == "qwen3_moe", max_position_embeddings=512, num_experts=8,
-                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=family != "qwen2_moe",
-                       shared_expert_intermediate_size=48 if family == "qwen2_moe" else 0)
+    # GLM-4.5: a dense first layer, then MoE layers with sigmoid routing over 2 groups of 4 experts.
+    glm = dict(router_scoring="sigmoid", expert_groups=2, expert_topk_groups=1, routed_scaling_factor=2.5,
+               first_dense_layers=1, num_layers=3, rotary_dim=8) if family == "glm4_moe" else {}
+    return ModelConfig(**{**dict(
+        family=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, attention_bias=family in ("qwen2_moe", "glm4_moe"), qk_norm=family == "qwen3_moe",
+        max_position_embeddings=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=family != "qwen2_moe",
+        shared_expert_intermediate_size={"qwen2_moe": 48, "glm4_moe": 32}.get(family, 0)), **glm})
 
 
 def _steps(page_size: int = 8):
@@ -116,6 +120,8 @@ def _rel(a, b) -> float:
 
 def _sweep(cfg, layouts):
     """Logits of the two steps unsharded and under each (tp, ep) layout; relative errors and shard shapes."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
@@ -124,6 +130,9 @@ def _sweep(cfg, layouts):
     from sharding import ParallelConfig, make_mesh, make_plan
 
     params = init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    if params.layers.router_bias is not None:  # (initialized to zero)
+        bias = 0.2 * jax.random.normal(jax.random.PRNGKey(1), params.layers.router_bias.shape)
+        params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, router_bias=bias))
     ref = _run_steps(cfg, params, KVCache.allocate(cfg, 16, 8, jnp.float32))
     found = {}
     for tp, ep in layouts:
@@ -141,6 +150,8 @@ def _sweep(cfg, layouts):
             "embed_shard_vocab": sp.embed.addressable_shards[0].data.shape[0],
             "num_devices": len(sp.layers.wq.sharding.device_set),
         }
+        if sp.dense_layers is not None:  # a dense first layer's MLP, split like a dense model's
+            entry["dense_mlp_per_device"] = sp.dense_layers.w_gate.addressable_shards[0].data.shape[2]
         if cfg.num_experts:
             entry["experts_per_device"] = sp.layers.we_gate.addressable_shards[0].data.shape[1]
             entry["expert_width_per_device"] = sp.layers.we_gate.addressable_shards[0].data.shape[3]
@@ -157,6 +168,7 @@ def case_dense() -> dict:
 def case_moe() -> dict:
     out = _sweep(moe_config("qwen2_moe"), [(1, 1), (1, 2), (1, 4), (2, 2)])
     out.update({f"qwen3_{k}": v for k, v in _sweep(moe_config("qwen3_moe"), [(1, 4)]).items()})
+    out.update({f"glm4_{k}": v for k, v in _sweep(moe_config("glm4_moe"), [(2, 2)]).items()})
     return out
 
 

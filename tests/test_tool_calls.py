@@ -107,6 +107,20 @@ CASES = [
                     "Paris\n", "", [ParsedCall("get_time", "{}"), W]),
     ("qwen3_coder", "<tool_call><function=get_weather>so<parameter=city>Paris</parameter></function></tool_call>",
      "<tool_call><function=get_weather>so<parameter=city>Paris</parameter></function></tool_call>", []),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", "", [W]),
+    ("glm45", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
+              "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n<arg_key>hours</arg_key>\n"
+              "<arg_value>[1, 2]</arg_value>\n<arg_key>dst</arg_key>\n<arg_value>true</arg_value>\n</tool_call>",
+     "Checking.", [W, T]),
+    # No arguments; a tool without a schema (its values JSON where they are, else text).
+    ("glm45", "<tool_call>get_time\n</tool_call>", "", [ParsedCall("get_time", "{}")]),
+    ("glm45", "<tool_call>lookup\n<arg_key>n</arg_key>\n<arg_value>42</arg_value>\n<arg_key>q</arg_key>\n"
+              "<arg_value>a b</arg_value>\n<arg_key>o</arg_key>\n<arg_value>{\"k\": [1]}</arg_value>\n</tool_call>", "",
+     [ParsedCall("lookup", '{"n": 42, "q": "a b", "o": {"k": [1]}}')]),
+    # Not this format: JSON inside the tags, text between an argument's key and value.
+    ("glm45", '<tool_call>{"name": "get_weather"}</tool_call>', '<tool_call>{"name": "get_weather"}</tool_call>', []),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>so<arg_value>Paris</arg_value></tool_call>",
+     "<tool_call>get_weather\n<arg_key>city</arg_key>so<arg_value>Paris</arg_value></tool_call>", []),
 ]
 # The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -226,7 +240,7 @@ def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
+    assert sorted(PARSERS) == ["glm45", "granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
                                "qwen3_coder", "qwen3_xml"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 

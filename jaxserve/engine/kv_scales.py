@@ -92,13 +92,16 @@ def with_kv_scales(loaded: LoadedModel, k_scale: np.ndarray, v_scale: np.ndarray
     def place(host: np.ndarray) -> jax.Array:
         return jax.device_put(host, plan.sharding(("layers",)[:host.ndim])) if plan else jax.device_put(host)
 
-    layers = loaded.params.layers
+    layers, dense = loaded.params.layers, loaded.params.dense_layers
     if isinstance(layers, tuple):  # per-layer params (`unstack_layers`)
         layers = tuple(dataclasses.replace(lp, k_scale=place(k_scale[i]), v_scale=place(v_scale[i]))
                        for i, lp in enumerate(layers))
-    else:
-        layers = dataclasses.replace(layers, k_scale=place(k_scale), v_scale=place(v_scale))
-    params = dataclasses.replace(loaded.params, layers=layers)
+    else:  # stacked: a model's dense first layers apart (`Params.dense_layers`)
+        k = cfg.first_dense_layers
+        layers = dataclasses.replace(layers, k_scale=place(k_scale[k:]), v_scale=place(v_scale[k:]))
+        if dense is not None:
+            dense = dataclasses.replace(dense, k_scale=place(k_scale[:k]), v_scale=place(v_scale[:k]))
+    params = dataclasses.replace(loaded.params, layers=layers, dense_layers=dense)
     return dataclasses.replace(loaded, config=cfg, params=params, plan=plan)
 
 

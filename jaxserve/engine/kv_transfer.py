@@ -52,8 +52,9 @@ def scales_digest(engine: LLMEngine) -> str:
     if np.dtype(engine.kv_dtype).itemsize == 1 and engine.model.config.kv_cache_scales:
         import jax
 
-        layers = engine.runner.params.layers
-        layers = layers if isinstance(layers, tuple) else (layers,)  # per layer, or stacked
+        params = engine.runner.params
+        layers = params.layers if isinstance(params.layers, tuple) else (  # per layer, or stacked
+            (params.dense_layers, params.layers) if params.dense_layers is not None else (params.layers,))
         k, v = jax.device_get(([lp.k_scale for lp in layers], [lp.v_scale for lp in layers]))
         values = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in (*k, *v)])
         digest = hashlib.sha256(values.tobytes()).hexdigest()[:16]

@@ -121,6 +121,9 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     they are replicated (a rank-r delta is small beside its projection: the partitioner slices it to each
     device's heads or MLP columns, and sums the partial products of o and down)."""
     params = loaded.params
+    if params.dense_layers is not None:
+        raise LoRAError("LoRA adapters are not supported on a model whose first layers are dense and the rest MoE "
+                        f"({loaded.config.family}: first_k_dense_replace {loaded.config.first_dense_layers})")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()

@@ -67,7 +67,7 @@ class WeightAssembler:
         if scale:
             raise CheckpointError(f"tensor {name!r}: {weight_name} is held in float, not quantized")
         self._seen.add(name)
-        dtype = np.dtype(np.float32) if target.path in KV_SCALE_PATHS else self.dtype
+        dtype = np.dtype(np.float32) if target.path in KV_SCALE_PATHS else np.dtype(info.dtype or self.dtype)
         self._put(target, info, np.asarray(target.transform(tensor)).astype(dtype, copy=False))
 
     def _put(self, target: Target, info: ParamInfo, value: np.ndarray, part: str | None = None) -> None:

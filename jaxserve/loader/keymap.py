@@ -40,7 +40,10 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$"
                       r"|^(model\.)?(vision_tower\.|multi_modal_projector\.|image_newline$|visual\.)")
 
 
-def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
+def _layer_targets(cfg: ModelConfig, dense: bool = False
+                   ) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
+    """A layer's tensor names (after `model.layers.{i}.`) to our parameters (the MoE layers' of a MoE model; with
+    `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`)."""
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
 
@@ -63,14 +66,17 @@ def _layer_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarra
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
-    if cfg.num_experts:
+    if cfg.num_experts and not dense:
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
         moe = _moe_module(cfg)
         t[f"{moe}.gate.weight"] = ("layers.router", lambda w: w.T, (X, E))
+        if cfg.router_scoring == "sigmoid":
+            t[f"{moe}.gate.e_score_correction_bias"] = ("layers.router_bias", ident, (X,))
         if Fs:
-            t["mlp.shared_expert.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
-            t["mlp.shared_expert.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
-            t["mlp.shared_expert.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
+            shared = "mlp.shared_experts" if cfg.family == "glm4_moe" else "mlp.shared_expert"
+            t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
+            t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
+            t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
             if cfg.family == "qwen2_moe":
                 t["mlp.shared_expert_gate.weight"] = ("layers.ws_mix", lambda w: w.reshape(E), (1, E))
     else:
@@ -117,7 +123,7 @@ def halfsplit_rows(w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     return w.reshape(-1, D, *w.shape[1:])[:, _halfsplit_order(D, cfg.rotary_dims)].reshape(w.shape)
 
 
-KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale")
+KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale", "dense_layers.k_scale", "dense_layers.v_scale")
 """Parameters kept in float32 whatever the model's dtype."""
 
 
@@ -240,12 +246,17 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     if m:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= cfg.num_layers:
+            if cfg.family == "glm4_moe":  # its multi-token prediction layers follow the model's (not read)
+                return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
-        spec = _layer_targets(cfg).get(rest)
+        dense = layer < cfg.first_dense_layers
+        spec = _layer_targets(cfg, dense).get(rest)
         if spec is not None:
             path, transform, shape = spec
-            return Target(path, layer, transform, shape)
-        e = _EXPERT_RE.match(rest) if cfg.num_experts else None
+            if dense:
+                return Target("dense_" + path, layer, transform, shape)
+            return Target(path, layer - cfg.first_dense_layers, transform, shape)
+        e = _EXPERT_RE.match(rest) if cfg.num_experts and not dense else None
         if e and e.group(1) == _moe_module(cfg):
             expert, kind = int(e.group(2)), e.group(3)
             if expert >= cfg.num_experts:
@@ -253,7 +264,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                                       f"{cfg.num_experts} experts")
             if kind in _expert_targets(cfg):
                 path, shape = _expert_targets(cfg)[kind]
-                return Target(path, layer, lambda w: w.T, shape, expert)
+                return Target(path, layer - cfg.first_dense_layers, lambda w: w.T, shape, expert)
     raise CheckpointError(f"unknown tensor {name!r} for a {cfg.family} model")
 
 
@@ -262,7 +273,7 @@ def projection_modules(cfg: ModelConfig) -> dict[str, str]:
     out = {}
     for name in hf_names(cfg):
         target = hf_target(name, cfg)
-        field = target.path.removeprefix("layers.") if target is not None else ""
+        field = layer_field(target.path) if target is not None else ""
         if field in INPUT_AXES and name.endswith(".weight"):
             out[name.removesuffix(".weight")] = field
     return out
@@ -279,7 +290,12 @@ def kept_module(module: str, cfg: ModelConfig) -> bool:
         target = hf_target(name, cfg)
     except CheckpointError:
         return False
-    return target is not None and target.path.removeprefix("layers.") in METHODS[cfg.weight_quant].fields
+    return target is not None and layer_field(target.path) in METHODS[cfg.weight_quant].fields
+
+
+def layer_field(path: str) -> str:
+    """A parameter path's layer field ("layers.wq", "dense_layers.wq": "wq"); other paths as they are."""
+    return path.removeprefix("dense_").removeprefix("layers.")
 
 
 def hf_names(cfg: ModelConfig) -> list[str]:
@@ -288,9 +304,10 @@ def hf_names(cfg: ModelConfig) -> list[str]:
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
-        names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg))
+        dense = i < cfg.first_dense_layers
+        names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg, dense))
         moe = _moe_module(cfg)
-        for j in range(cfg.num_experts):
+        for j in range(0 if dense else cfg.num_experts):
             names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}.weight" for kind in _expert_targets(cfg))
     return names
 
@@ -363,16 +380,16 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         value = value[target.layer]
     if target.expert is not None:
         return value[target.expert].T
-    if target.path == "layers.ws_mix":
+    field = layer_field(target.path)
+    if field == "ws_mix":
         return value.reshape(1, -1)
-    if cfg.family in GLM_FAMILIES and target.path in ("layers.wq", "layers.wk", "layers.bq", "layers.bk"):
+    if cfg.family in GLM_FAMILIES and field in ("wq", "wk", "bq", "bk"):
         # Back to interleaved rotary pairs: each head's dims in the inverse of the order they were read in.
         value = value[..., np.argsort(_halfsplit_order(cfg.head_dim, cfg.rotary_dims))]
-    if target.path in ("layers.wq", "layers.wk", "layers.wv"):
+    if field in ("wq", "wk", "wv"):
         return value.reshape(value.shape[0], -1).T
-    if target.path == "layers.wo":
+    if field == "wo":
         return value.reshape(-1, value.shape[-1]).T
-    if target.path in ("layers.w_gate", "layers.w_up", "layers.w_down", "lm_head", "layers.router",
-                       "layers.ws_gate", "layers.ws_up", "layers.ws_down"):
+    if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down"):
         return value.T
-    return value.reshape(-1) if target.path in ("layers.bq", "layers.bk", "layers.bv") else value
+    return value.reshape(-1) if field in ("bq", "bk", "bv") else value

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3) as pure
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3, GLM) as pure
 functions."""
 
 from __future__ import annotations
@@ -275,7 +275,11 @@ def forward(
             carry, _ = _layer_once(cfg, backend, inputs, *tables[cfg.layer_kind(layer)], carry, (lp, jnp.int32(layer)),
                                    expert_layout, kv_dtype, cfg.is_local(layer))
     elif cfg.uniform_layers:
-        carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(L, dtype=jnp.int32)))
+        first = 0
+        if params.dense_layers is not None:  # dense first layers, then the MoE ones (layers all alike: `check_moe`)
+            first = cfg.first_dense_layers
+            carry, _ = jax.lax.scan(step, carry, (params.dense_layers, jnp.arange(first, dtype=jnp.int32)))
+        carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(first, L, dtype=jnp.int32)))
     else:  # stacked layers that attend differently (Gemma, SmolLM3): a loop over the repeating groups of layers
         period = cfg.layer_period
 

@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): top-k routing, grouped expert matmuls.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GLM-4.5): top-k routing, grouped
+expert matmuls.
 
 Tokens are sorted by the expert they were routed to and each expert multiplies only its own
 rows (`jax.lax.ragged_dot`), so no token is ever dropped and no capacity factor is needed.
@@ -19,14 +20,40 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.quantized import QuantizedWeight, grouped, project
 
 
-def route(h: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts per token and their weights: softmax over all experts (in float32), then the k
-    largest, renormalized to sum to one when the family does so. Returns ([T, k] in h's dtype, [T, k] int32)."""
+def route(h: jax.Array, router: jax.Array, cfg: ModelConfig,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts per token and their weights. Softmax scoring: a softmax over all experts (in float32), then
+    the k largest, renormalized to sum to one when the family does so. Sigmoid scoring (DeepSeek-V3's, GLM-4.5's):
+    each expert's sigmoid score, in float32; the k chosen by score plus `bias` ([X]) among the experts of the
+    `cfg.expert_topk_groups` groups whose two best such sums are largest; weighted by their scores (renormalized
+    by `norm_topk_prob`) times `routed_scaling_factor`. Returns ([T, k] in h's dtype, [T, k] int32)."""
+    if cfg.router_scoring == "sigmoid":
+        return _route_sigmoid(h, router, bias, cfg)
     logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(h.dtype), experts.astype(jnp.int32)
+
+
+def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    logits = jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))  # [T, X]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias.astype(jnp.float32)[None, :]
+    groups, top = cfg.expert_groups, cfg.expert_topk_groups
+    if top < groups:  # only the experts of the best groups (by the sum of each group's two best) may be chosen
+        T, X = choice.shape
+        by_group = choice.reshape(T, groups, X // groups)
+        group_scores = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [T, groups]
+        kept = jax.lax.top_k(group_scores, top)[1]  # [T, top]
+        keep = jnp.zeros((T, groups), bool).at[jnp.arange(T)[:, None], kept].set(True)
+        choice = jnp.where(keep[:, :, None], by_group, -jnp.inf).reshape(T, X)
+    experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]  # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
     return weights.astype(h.dtype), experts.astype(jnp.int32)
 
 
@@ -60,7 +87,7 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, expert_layout: Any = None) 
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
     router, experts and optional shared expert. `expert_layout` (a `sharding.ExpertLayout`) says
     which mesh axes split the experts and their width; None = every expert on this device."""
-    weights, experts = route(h, lp.router, cfg)
+    weights, experts = route(h, lp.router, cfg, lp.router_bias)
     if expert_layout is None:
         out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0)
     else:

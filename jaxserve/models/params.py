@@ -60,6 +60,7 @@ class LayerParams:
     b_up: Any = None  # [L, F]
     b_down: Any = None  # [L, E]
     router: Any = None  # [L, E, X]: MoE routing logits per expert
+    router_bias: Any = None  # [L, X] float32: added to the scores to choose experts (sigmoid routing)
     we_gate: Any = None  # [L, X, E, Fe]: the X experts' MLPs
     we_up: Any = None  # [L, X, E, Fe]
     we_down: Any = None  # [L, X, Fe, E]
@@ -98,18 +99,33 @@ class Params:
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
+    # A model whose first layers are dense and the rest MoE (GLM-4.5): those first layers, stacked apart (each
+    # stack's arrays alike across its layers); `layers` then holds the rest. None once unstacked (one tuple).
+    dense_layers: LayerParams | None = None
 
 
 def declare_params(cfg: ModelConfig) -> Params:
     """The abstract parameter tree of `cfg` (leaves are `ParamInfo`)."""
-    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    Hq, Hkv, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    E, V, k = cfg.hidden_size, cfg.vocab_size, cfg.first_dense_layers
+    norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"  # Gemma scales by (1 + w)
+    return Params(
+        embed=ParamInfo((V, E), ("vocab", "embed")),
+        layers=_declare_layers(cfg, cfg.num_layers - k, bool(cfg.num_experts)),
+        final_norm=ParamInfo((E,), ("embed",), norm),
+        lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
+        dense_layers=_declare_layers(cfg, k, False) if k else None,
+    )
 
-    def p(shape: tuple[int, ...], axes: tuple[str | None, ...], init: Init = "normal") -> ParamInfo:
-        return ParamInfo(shape, axes, init)
 
-    gemma = cfg.family in GEMMA_FAMILIES
-    norm: Init = "zeros" if gemma else "ones"  # Gemma scales by (1 + w)
+def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
+    """`L` stacked layers of `cfg`, with experts (`moe`) or a dense MLP."""
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def p(shape: tuple[int, ...], axes: tuple[str | None, ...], init: Init = "normal", dtype: Any = None) -> ParamInfo:
+        return ParamInfo(shape, axes, init, dtype)
+
+    norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"
     layers = LayerParams(
         attn_norm=p((L, E), ("layers", "embed"), norm),
         wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
@@ -121,9 +137,11 @@ def declare_params(cfg: ModelConfig) -> Params:
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
-    if cfg.num_experts:
+    if moe:
         X, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         layers.router = p((L, E, X), ("layers", "embed", None))
+        if cfg.router_scoring == "sigmoid":
+            layers.router_bias = p((L, X), ("layers", None), "zeros", jnp.float32)
         layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
         layers.we_up = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
         layers.we_down = p((L, X, Fe, E), ("layers", "experts", "expert_mlp", "embed"))
@@ -156,12 +174,7 @@ def declare_params(cfg: ModelConfig) -> Params:
     if cfg.weight_quant:  # weights kept quantized: each projection as its stored value and scale
         layers = LayerParams(**{f.name: quantized_info(f.name, getattr(layers, f.name), cfg.weight_quant)
                                 for f in dataclasses.fields(layers)})
-    return Params(
-        embed=p((V, E), ("vocab", "embed")),
-        layers=layers,
-        final_norm=p((E,), ("embed",), norm),
-        lm_head=None if cfg.tie_word_embeddings else p((E, V), ("embed", "vocab")),
-    )
+    return layers
 
 
 def unstack_layers(params: Params, fuse: bool = False) -> Params:
@@ -175,7 +188,6 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
     Anything else (unstacked params, another model's tree) passes through."""
     if not isinstance(params, Params) or isinstance(params.layers, tuple):
         return params
-    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
     fuse = fuse and params.layers.w_gate is not None
 
     def layer_sharding(a: Any) -> Any:
@@ -200,14 +212,20 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
                                    wqkv=wqkv, w_gate_up=w_gate_up, wo_t=wo_t, w_down_t=w_down_t)
 
     def split(layers: LayerParams) -> tuple[LayerParams, ...]:
-        return tuple(one_layer(layers, i) for i in range(num_layers))
+        return tuple(one_layer(layers, i) for i in range(jax.tree.leaves(layers)[0].shape[0]))
 
-    out_shardings = None
-    if not fuse:
-        out_shardings = tuple(jax.tree.map(layer_sharding, params.layers) for _ in range(num_layers))
-        if all(s is None for s in jax.tree.leaves(out_shardings)):
-            out_shardings = None
-    params = dataclasses.replace(params, layers=jax.jit(split, out_shardings=out_shardings)(params.layers))
+    def unstacked(layers: LayerParams) -> tuple[LayerParams, ...]:
+        out_shardings = None
+        if not fuse:
+            num_layers = jax.tree.leaves(layers)[0].shape[0]
+            out_shardings = tuple(jax.tree.map(layer_sharding, layers) for _ in range(num_layers))
+            if all(s is None for s in jax.tree.leaves(out_shardings)):
+                out_shardings = None
+        return jax.jit(split, out_shardings=out_shardings)(layers)
+
+    # Dense first layers (`dense_layers`) lead the one tuple of every layer.
+    first = unstacked(params.dense_layers) if params.dense_layers is not None else ()
+    params = dataclasses.replace(params, layers=first + unstacked(params.layers), dense_layers=None)
     if fuse and params.lm_head is not None:
         params = dataclasses.replace(params, lm_head=None, lm_head_t=jax.jit(jnp.transpose)(params.lm_head))
     return params
@@ -241,12 +259,13 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
     keys = jax.random.split(key, len(infos))
     leaves = []
     for k, info in zip(keys, infos, strict=True):
+        kind = info.dtype or dtype  # (a router's bias is float32 in any model)
         if info.init == "ones":
-            leaves.append(jnp.ones(info.shape, dtype))
+            leaves.append(jnp.ones(info.shape, kind))
         elif info.init == "zeros":
-            leaves.append(jnp.zeros(info.shape, dtype))
+            leaves.append(jnp.zeros(info.shape, kind))
         else:
-            leaves.append((scale * jax.random.normal(k, info.shape, jnp.float32)).astype(dtype))
+            leaves.append((scale * jax.random.normal(k, info.shape, jnp.float32)).astype(kind))
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -261,7 +280,7 @@ def random_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, shardings: 
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
     targets = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(infos)
     key = jax.random.key(seed)
-    leaves = [_random_leaf(info.shape, info.init, jnp.dtype(dtype), scale, target)(jax.random.fold_in(key, i))
+    leaves = [_random_leaf(info.shape, info.init, jnp.dtype(info.dtype or dtype), scale, target)(jax.random.fold_in(key, i))
               for i, (info, target) in enumerate(zip(infos, targets, strict=True))]
     return jax.tree.unflatten(treedef, leaves)
 
@@ -278,7 +297,7 @@ def _random_leaf(shape: tuple[int, ...], init: Init, dtype: jnp.dtype, scale: fl
 
 
 def param_paths(tree: Params) -> dict[str, Any]:
-    """Flatten a parameter tree to {"layers.wq": leaf, ...} (None fields omitted)."""
+    """Flatten a parameter tree to {"layers.wq": leaf, "dense_layers.wq": leaf, ...} (None fields omitted)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(tree):
         value = getattr(tree, f.name)
@@ -288,7 +307,7 @@ def param_paths(tree: Params) -> dict[str, Any]:
             for g in dataclasses.fields(value):
                 sub = getattr(value, g.name)
                 if sub is not None:
-                    out[f"layers.{g.name}"] = sub
+                    out[f"{f.name}.{g.name}"] = sub
         else:
             out[f.name] = value
     return out
@@ -297,14 +316,11 @@ def param_paths(tree: Params) -> dict[str, Any]:
 def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
     """Inverse of `param_paths` for the declaration of `cfg`."""
     decl = declare_params(cfg)
-    layer_kwargs = {
-        g.name: flat[f"layers.{g.name}"]
-        for g in dataclasses.fields(decl.layers)
-        if getattr(decl.layers, g.name) is not None
-    }
-    return Params(
-        embed=flat["embed"],
-        layers=LayerParams(**layer_kwargs),
-        final_norm=flat["final_norm"],
-        lm_head=flat.get("lm_head"),
-    )
+
+    def stack(name: str) -> LayerParams | None:
+        layers = getattr(decl, name)
+        return None if layers is None else LayerParams(**{
+            g.name: flat[f"{name}.{g.name}"] for g in dataclasses.fields(layers) if getattr(layers, g.name) is not None})
+
+    return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
+                  lm_head=flat.get("lm_head"), dense_layers=stack("dense_layers"))
