@@ -13,7 +13,8 @@ from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe"]
+                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
+                 "ernie4_5", "ernie4_5_moe"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -33,14 +34,19 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.6 (their multi-token prediction layers are not read)
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
+ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
+INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES)
+"""Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
@@ -90,9 +96,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     # DeepSeek-V3's routing (GLM-4.5), `router_scoring` "sigmoid": experts chosen by their sigmoid score plus a
-    # per-expert bias (`LayerParams.router_bias`), among the `expert_topk_groups` best of `expert_groups` groups,
-    # weighted by their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`.
+    # per-expert bias (`router_bias`: `LayerParams.router_bias`), among the `expert_topk_groups` best of
+    # `expert_groups` groups, weighted by their scores (renormalized by `norm_topk_prob`) times
+    # `routed_scaling_factor`. ERNIE 4.5's: softmax scores, the bias for choosing.
     router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    router_bias: bool = False
     expert_groups: int = 1
     expert_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -270,8 +278,10 @@ class ModelConfig:
         rope_dict = rope_params if isinstance(rope_params, dict) else {}
         partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor")
                         or (0.5 if family in (*GLM_FAMILIES, "glm4_moe") else 1.0))
+        if family in ERNIE_FAMILIES:
+            fields.check_ernie(family, d)
         scaling = RopeScaling.from_hf(rope_params, max_pos)
-        rope_theta = d.get("rope_theta")
+        rope_theta = d.get("rope_theta", 500000.0 if family in ERNIE_FAMILIES else None)
         if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
             rope_theta = rope_params["rope_theta"]
         return cls(
@@ -287,12 +297,13 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
             or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", *GRANITE_FAMILIES, *GLM_FAMILIES)
-                and bool(d.get("attention_bias", family in GLM_FAMILIES))),
-            mlp_bias=family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")),
+                and bool(d.get("attention_bias", family in GLM_FAMILIES))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
+            mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
+            or (family == "ernie4_5" and bool(d.get("use_bias"))),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3") or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
@@ -332,6 +343,8 @@ class ModelConfig:
             d.update(fields.moe_hf(self))
         if self.family in ("llama", "smollm3", "granite"):
             d["mlp_bias"] = self.mlp_bias
+        if self.family in ERNIE_FAMILIES:
+            d["use_bias"] = self.attention_bias
         if self.family in GRANITE_FAMILIES:
             d.update(fields.granite_hf(self))
         elif self.no_rope_layers is not None:

@@ -171,8 +171,13 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family == "qwen2_moe"
                                               else "shared_intermediate_size") or 0,
     )
+    if family == "ernie4_5_moe":
+        fields.update(num_experts=d["moe_num_experts"], num_experts_per_tok=d.get("moe_k", 6), router_bias=True,
+                      norm_topk_prob=True, first_dense_layers=int(d.get("moe_layer_start_index", 1)),
+                      shared_expert_intermediate_size=int(d.get("moe_num_shared_experts") or 0)
+                      * d["moe_intermediate_size"])
     if family == "glm4_moe":
-        fields.update(router_scoring="sigmoid", expert_groups=int(d.get("n_group") or 1),
+        fields.update(router_scoring="sigmoid", router_bias=True, expert_groups=int(d.get("n_group") or 1),
                       expert_topk_groups=int(d.get("topk_group") or 1),
                       routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
                       first_dense_layers=int(d.get("first_k_dense_replace", 1)),
@@ -187,11 +192,16 @@ def moe_hf(cfg: Any) -> dict[str, Any]:
     if cfg.family == "mixtral" or cfg.family.startswith("granite"):
         return {**d, "num_local_experts": cfg.num_experts, "intermediate_size": cfg.moe_intermediate_size}
     d.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
+    shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
+    if rest and cfg.family in ("glm4_moe", "ernie4_5_moe"):
+        raise UnsupportedModelError(f"a shared expert {cfg.shared_expert_intermediate_size} wide is no whole number "
+                                    f"of {cfg.moe_intermediate_size}-wide experts (the config counts them)")
+    if cfg.family == "ernie4_5_moe":
+        return {"moe_num_experts": cfg.num_experts, "moe_k": cfg.num_experts_per_tok,
+                "moe_intermediate_size": cfg.moe_intermediate_size, "moe_num_shared_experts": shared,
+                "moe_layer_start_index": cfg.first_dense_layers, "moe_layer_end_index": cfg.num_layers - 1,
+                "moe_layer_interval": 1}
     if cfg.family == "glm4_moe":
-        shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
-        if rest:
-            raise UnsupportedModelError(f"a shared expert {cfg.shared_expert_intermediate_size} wide is no whole number "
-                                        f"of {cfg.moe_intermediate_size}-wide experts (GLM-4.5's n_shared_experts)")
         return {**d, "n_routed_experts": cfg.num_experts, "n_shared_experts": shared, "n_group": cfg.expert_groups,
                 "topk_group": cfg.expert_topk_groups, "routed_scaling_factor": cfg.routed_scaling_factor,
                 "first_k_dense_replace": cfg.first_dense_layers, "use_qk_norm": cfg.qk_norm,
@@ -222,3 +232,16 @@ def check_moe(cfg: Any) -> None:
         raise UnsupportedModelError(
             f"expert groups: {cfg.num_experts} experts in {groups} groups (at least 2 each), {top} of them chosen, must "
             f"hold num_experts_per_tok ({cfg.num_experts_per_tok}) experts; grouped choice needs sigmoid scoring")
+
+
+def check_ernie(family: str, d: dict[str, Any]) -> None:
+    """Refuses ERNIE 4.5 configs jaxserve cannot run, by name: MoE layers other than every layer from
+    `moe_layer_start_index` to the last, biases in a MoE model's MLPs."""
+    if family != "ernie4_5_moe":
+        return
+    last, end = d["num_hidden_layers"] - 1, d.get("moe_layer_end_index", -1)
+    if d.get("moe_layer_interval", 1) != 1 or end not in (-1, last):
+        raise UnsupportedModelError(f"ERNIE 4.5 MoE layers every {d.get('moe_layer_interval')} layers up to layer {end} "
+                                    "are not supported: only every layer from moe_layer_start_index to the last")
+    if d.get("use_bias"):
+        raise UnsupportedModelError("ERNIE 4.5 MoE with use_bias (biased MLPs beside the experts) is not supported")

@@ -86,12 +86,13 @@ def test_convert_hf_dir_round_trip(tmp_path, family):
     assert rel_err(hf_logits(again, ids), hf_logits(model, ids)) < 1e-6
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "granitemoehybrid", "granitemoehybrid_dense", "glm4_moe"])
+@pytest.mark.parametrize("family", ["granitemoe", "granitemoehybrid", "granitemoehybrid_dense", "glm4_moe",
+                                    "ernie4_5_moe", "ernie4_5"])
 def test_convert_moe_writes_the_sources_tensors(tmp_path, family):
     """Granite MoE's experts, split per expert at load, are written back fused (one tensor per kind), Granite
-    4.0's shared MLP (a shared expert, or a dense model's MLP) too; GLM-4.5's dense first layer, stacked apart,
-    and its routers' biases are written where they came from; transformers reads the output as the model it
-    built."""
+    4.0's shared MLP (a shared expert, or a dense model's MLP) too; GLM-4.5's and ERNIE 4.5's dense first layer,
+    stacked apart, and their routers' biases are written where they came from, ERNIE's q and k rows in their
+    interleaved rotary order; transformers reads the output as the model it built."""
     from safetensors import safe_open
 
     from tests.test_model_families import FAMILIES as DENSE_FAMILIES

@@ -50,12 +50,17 @@ FAMILIES = {
                                    "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                                    "routed_scaling_factor": 2.5, "attention_bias": True, "num_hidden_layers": 3,
                                    "head_dim": 16}),
+    # ERNIE 4.5: softmax scores with a bias for choosing, an ungated shared expert, a dense first layer,
+    # interleaved rotary pairs over the whole head.
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
+                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
+                                            "num_hidden_layers": 3, "head_dim": 16}),
 }
 
 
 def _experts(family: str) -> int:
     o = FAMILIES[family][1]
-    return o.get("num_local_experts") or o.get("num_experts") or o["n_routed_experts"]
+    return o.get("num_local_experts") or o.get("num_experts") or o.get("n_routed_experts") or o["moe_num_experts"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -81,10 +86,12 @@ def test_moe_config_parsing_per_family(tiny_moe):
     cfg = HFDirectory(path).config()
     assert cfg.norm_topk_prob is (family != "qwen2_moe")
     o = FAMILIES[family][1]
+    shared = o.get("n_shared_experts", o.get("moe_num_shared_experts", 0)) * o.get("moe_intermediate_size", 0)
     assert cfg.shared_expert_intermediate_size == o.get("shared_expert_intermediate_size", o.get(
-        "shared_intermediate_size", o.get("n_shared_experts", 0) * o.get("moe_intermediate_size", 0)))
-    assert cfg.moe_intermediate_size == (32 if family.startswith("qwen") or family == "glm4_moe" else 48)
-    assert (cfg.first_dense_layers, cfg.router_scoring) == ((1, "sigmoid") if family == "glm4_moe" else (0, "softmax"))
+        "shared_intermediate_size", shared))
+    assert cfg.moe_intermediate_size == (32 if family.startswith("qwen") or "_moe" in family else 48)
+    assert (cfg.first_dense_layers, cfg.router_scoring, cfg.router_bias) == {
+        "glm4_moe": (1, "sigmoid", True), "ernie4_5_moe": (1, "softmax", True)}.get(family, (0, "softmax", False))
     assert (cfg.no_rope_layers == (0, 0)) is (family == "granitemoehybrid")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
@@ -141,13 +148,13 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     dense = cfg.first_dense_layers  # GLM-4.5's first layer: a dense MLP, stacked apart
     assert params.layers.we_gate.shape == (cfg.num_layers - dense, cfg.num_experts, cfg.hidden_size,
                                            cfg.moe_intermediate_size)
-    assert (params.dense_layers is not None) is (family == "glm4_moe")
+    assert (params.dense_layers is not None) is (family in ("glm4_moe", "ernie4_5_moe"))
     if dense:
         assert params.dense_layers.we_gate is None
         assert params.dense_layers.w_gate.shape == (dense, cfg.hidden_size, cfg.intermediate_size)
         assert params.layers.router_bias.dtype == jnp.float32 and np.abs(params.layers.router_bias).max() > 0
     assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid",
-                                                              "glm4_moe"))
+                                                              "glm4_moe", "ernie4_5_moe"))
     assert (params.layers.ws_mix is not None) is (family == "qwen2_moe")  # only Qwen's shared expert is gated
 
 
@@ -222,24 +229,31 @@ def test_glm4_moe_engine_greedy_equals_transformers(tmp_path):
         LLMEngine(args.replace(enable_lora=True, max_loras=1, max_lora_rank=8), loaded=loaded, progress=False)
 
 
-def test_glm4_moe_multi_token_prediction_layers_are_not_read(tiny_moe):
-    """GLM-4.5's checkpoints carry its multi-token prediction module as one more layer (`model.layers.{L}`);
-    the model reads past it. Another family's tensor of that layer is refused by name."""
-    family, _, _ = tiny_moe
+def test_multi_token_prediction_tensors_are_not_read():
+    """GLM-4.5's checkpoints carry its multi-token prediction module as one more layer (`model.layers.{L}`), ERNIE
+    4.5's under `model.mtp*`: the model reads past them. Another family's tensor of such a layer is refused by
+    name."""
+    from jaxserve.config import ModelConfig
+
     cfg = moe_config("qwen3_moe")
     L = cfg.num_layers
     with pytest.raises(CheckpointError, match=f"names layer {L}, but the model has {L} layers"):
         WeightAssembler(cfg, np.float32).add(f"model.layers.{L}.mlp.gate.weight", np.zeros((8, 64), np.float32))
-    if family != "glm4_moe":
-        return
-    cfg = HFDirectory(tiny_moe[1]).config()
-    asm = WeightAssembler(cfg, np.float32)
-    for name in (f"model.layers.{cfg.num_layers}.eh_proj.weight", f"model.layers.{cfg.num_layers}.mlp.gate.weight",
-                 f"model.layers.{cfg.num_layers}.shared_head.head.weight"):
-        asm.add(name, np.zeros((3, 3), np.float32))
-    assert len(asm.missing()) == len(hf_names(cfg))  # nothing taken
-    with pytest.raises(CheckpointError, match="unknown tensor 'model.layers.0.mlp.gate.weight' for a glm4_moe"):
-        asm.add("model.layers.0.mlp.gate.weight", np.zeros((8, 64), np.float32))  # layer 0 is dense
+    glm = moe_config("glm4_moe")
+    ernie = ModelConfig.from_hf({"architectures": ["Ernie4_5_MoeForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 16, "moe_num_experts": 8, "moe_k": 2,
+                                 "moe_intermediate_size": 32, "moe_num_shared_experts": 1})
+    for cfg, names in ((glm, [f"model.layers.{glm.num_layers}.{rest}" for rest in (
+            "eh_proj.weight", "mlp.gate.weight", "shared_head.head.weight")]),
+                       (ernie, ["model.mtp_block.0.input_layernorm.weight", "model.mtp_emb_norm.0.weight",
+                                "model.mtp_linear_proj.0.weight", "model.mtp.eh_proj.weight"])):
+        asm = WeightAssembler(cfg, np.float32)
+        for name in names:
+            asm.add(name, np.zeros((3, 3), np.float32))
+        assert len(asm.missing()) == len(hf_names(cfg))  # nothing taken
+        with pytest.raises(CheckpointError, match=f"unknown tensor 'model.layers.0.mlp.gate.weight' for a {cfg.family}"):
+            asm.add("model.layers.0.mlp.gate.weight", np.zeros((8, 64), np.float32))  # layer 0 is dense
 
 
 def test_sigmoid_routing_chooses_within_the_best_groups():

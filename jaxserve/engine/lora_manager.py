@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.config import GLM_FAMILIES, ModelConfig
+from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import ATTENTION, TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
@@ -95,7 +95,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         if which == "A":  # in its place among the down projections of the same input
             out[a_field][layer, :, place * max_rank: place * max_rank + r] = w.T
         else:
-            if cfg.family in GLM_FAMILIES and module in ("q_proj", "k_proj"):  # rows ordered as the model's were read
+            if cfg.family in INTERLEAVED_ROPE_FAMILIES and module in ("q_proj", "k_proj"):  # rows ordered as the model's were read
                 w = halfsplit_rows(w, cfg)
             out[b_field][layer, :r, :] = w.T * scale
         seen.add((layer, module, which))

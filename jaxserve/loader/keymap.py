@@ -13,12 +13,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, GLM_FAMILIES, GRANITE_MOE_FAMILIES, ModelConfig
+from jaxserve.config import (
+    GEMMA_FAMILIES,
+    GLM_FAMILIES,
+    GRANITE_MOE_FAMILIES,
+    INTERLEAVED_ROPE_FAMILIES,
+    ModelConfig,
+)
+from jaxserve.errors import CheckpointError
+from jaxserve.loader.granite_keys import (
+    GRANITE_MOE_RE,
+    GRANITE_SHARED_RE,
+    granite_experts,
+    granite_fused,
+    granite_shared,
+)
 from jaxserve.models.quantized import INPUT_AXES, METHODS
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model it claims to be."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +45,9 @@ _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight
 
 # Names some checkpoints carry that hold no parameters of ours.
 # Carry no backbone parameter: RoPE tables, a classification model's score head (read apart from the
-# backbone, by `jaxserve.engine.classifier`), and the vision tower of an image-text model served as text.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$"
+# backbone, by `jaxserve.engine.classifier`), ERNIE 4.5's multi-token prediction module (`model.mtp*`), and the
+# vision tower of an image-text model served as text.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]"
                       r"|^(model\.)?(vision_tower\.|multi_modal_projector\.|image_newline$|visual\.)")
 
 
@@ -70,10 +81,12 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
         moe = _moe_module(cfg)
         t[f"{moe}.gate.weight"] = ("layers.router", lambda w: w.T, (X, E))
-        if cfg.router_scoring == "sigmoid":
-            t[f"{moe}.gate.e_score_correction_bias"] = ("layers.router_bias", ident, (X,))
+        if cfg.router_bias:  # ERNIE's as [1, X]
+            ernie = cfg.family == "ernie4_5_moe"
+            t[f"{moe}.moe_statics.e_score_correction_bias" if ernie else f"{moe}.gate.e_score_correction_bias"] = (
+                "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
-            shared = "mlp.shared_experts" if cfg.family == "glm4_moe" else "mlp.shared_expert"
+            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe") else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
@@ -96,7 +109,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
         t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
         t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
-    if cfg.family in GLM_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
+    if cfg.family in INTERLEAVED_ROPE_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
         for name in ("q_proj", "k_proj"):
             for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
                 path, read, shape = t[f"self_attn.{name}.{kind}"]
@@ -142,52 +155,11 @@ _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\
 
 
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
-# Granite MoE's experts, all in one tensor each: gate and up rows per expert, down, and its router.
-_GRANITE_MOE_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(input_linear|output_linear|router\.layer)"
-                             r"\.weight$")
-
-
-# Granite's shared MLP (a dense Granite 4.0 model's only MLP): gate and up rows in one tensor, then down.
-_GRANITE_SHARED_RE = re.compile(r"^(model\.layers\.\d+\.)shared_mlp\.(input_linear|output_linear)\.weight$")
-
-
-def granite_shared(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """Granite's shared MLP tensors as a shared expert's (a MoE model's) or the MLP's (a dense one's) gate, up and
-    down projections, checked against the config."""
-    m = _GRANITE_SHARED_RE.match(name)
-    assert m is not None
-    prefix, kind = m.groups()
-    F = cfg.shared_expert_intermediate_size if cfg.num_experts else cfg.intermediate_size
-    want = (2 * F, cfg.hidden_size) if kind == "input_linear" else (cfg.hidden_size, F)
-    if tuple(tensor.shape) != want:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
-    mlp = f"{prefix}mlp.shared_expert." if cfg.num_experts else f"{prefix}mlp."
-    if kind == "output_linear":
-        return [(f"{mlp}down_proj.weight", tensor)]
-    return [(f"{mlp}gate_proj.weight", tensor[:F]), (f"{mlp}up_proj.weight", tensor[F:])]
 
 
 def _moe_module(cfg: ModelConfig) -> str:
     """The name of a layer's MoE module: Mixtral's and Granite's `block_sparse_moe`, Qwen's `mlp`."""
     return "block_sparse_moe" if cfg.family in ("mixtral", *GRANITE_MOE_FAMILIES) else "mlp"
-
-
-def granite_experts(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """Granite MoE's fused expert tensors as Mixtral's per-expert ones (`experts.{j}.w1/w3/w2`, the router
-    `gate`), checked against the config."""
-    m = _GRANITE_MOE_RE.match(name)
-    assert m is not None
-    prefix, kind = m.groups()
-    X, F, E = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    want = {"input_linear": (X, 2 * F, E), "output_linear": (X, E, F), "router.layer": (X, E)}[kind]
-    if tuple(tensor.shape) != want:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
-    if kind == "router.layer":
-        return [(f"{prefix}gate.weight", tensor)]
-    if kind == "output_linear":
-        return [(f"{prefix}experts.{j}.w2.weight", tensor[j]) for j in range(X)]
-    return [(f"{prefix}experts.{j}.{w}.weight", part) for j in range(X)
-            for w, part in (("w1", tensor[j, :F]), ("w3", tensor[j, F:]))]
 
 
 def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
@@ -214,9 +186,9 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     under their own names; None for any other."""
     if _FUSED_RE.match(name):
         return unfused(name, tensor, cfg)
-    if cfg.family in GRANITE_MOE_FAMILIES and _GRANITE_MOE_RE.match(name):
+    if cfg.family in GRANITE_MOE_FAMILIES and GRANITE_MOE_RE.match(name):
         return granite_experts(name, tensor, cfg)
-    if cfg.family in ("granitemoeshared", "granitemoehybrid") and _GRANITE_SHARED_RE.match(name):
+    if cfg.family in ("granitemoeshared", "granitemoehybrid") and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
     return None
 
@@ -312,9 +284,6 @@ def hf_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-_MIXTRAL_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.)(?:experts\.(\d+)\.(w[123])|gate)\.weight$")
-
-
 def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
     """Every (HF name, HF-layout tensor) of a checkpoint of `cfg`, from our (host) parameters; a Granite MoE
     model's experts fused back into its one tensor per kind (the inverse of `granite_experts`), its shared MLP
@@ -330,45 +299,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
             else:
                 yield name, t
         return
-    if cfg.family in ("granitemoeshared", "granitemoehybrid"):
-        pairs = _granite_shared_fused(pairs)
-    if cfg.family not in GRANITE_MOE_FAMILIES or not cfg.num_experts:
-        yield from pairs
-        return
-    held: dict[tuple[int, str], np.ndarray] = {}
-    for name, t in pairs:
-        m = _MIXTRAL_EXPERT_RE.match(name)
-        if m is None:
-            yield name, t
-            continue
-        prefix, j, kind = m.groups()
-        if j is None:
-            yield f"{prefix}router.layer.weight", t
-            continue
-        held[(int(j), kind)] = t
-        if len(held) == 3 * cfg.num_experts:  # the layer's every expert: its fused tensors
-            X = range(cfg.num_experts)
-            yield f"{prefix}input_linear.weight", np.stack([np.concatenate([held[(x, "w1")], held[(x, "w3")]]) for x in X])
-            yield f"{prefix}output_linear.weight", np.stack([held[(x, "w2")] for x in X])
-            held.clear()
-
-
-_OUR_SHARED_RE = re.compile(r"^(model\.layers\.\d+\.)mlp\.(?:shared_expert\.)?(gate|up|down)_proj\.weight$")
-
-
-def _granite_shared_fused(pairs: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-    """Granite's shared MLP fused back (the inverse of `granite_shared`)."""
-    gate = None
-    for name, t in pairs:
-        m = _OUR_SHARED_RE.match(name)
-        if m is None:
-            yield name, t
-        elif m.group(2) == "gate":
-            gate = t
-        elif m.group(2) == "up":
-            yield f"{m.group(1)}shared_mlp.input_linear.weight", np.concatenate([gate, t])
-        else:
-            yield f"{m.group(1)}shared_mlp.output_linear.weight", t
+    yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else pairs
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:
@@ -383,7 +314,9 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     field = layer_field(target.path)
     if field == "ws_mix":
         return value.reshape(1, -1)
-    if cfg.family in GLM_FAMILIES and field in ("wq", "wk", "bq", "bk"):
+    if field == "router_bias" and cfg.family == "ernie4_5_moe":
+        return value.reshape(1, -1)
+    if cfg.family in INTERLEAVED_ROPE_FAMILIES and field in ("wq", "wk", "bq", "bk"):
         # Back to interleaved rotary pairs: each head's dims in the inverse of the order they were read in.
         value = value[..., np.argsort(_halfsplit_order(cfg.head_dim, cfg.rotary_dims))]
     if field in ("wq", "wk", "wv"):

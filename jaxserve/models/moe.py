@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GLM-4.5): top-k routing, grouped
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GLM-4.5, ERNIE 4.5): top-k routing, grouped
 expert matmuls.
 
 Tokens are sorted by the expert they were routed to and each expert multiplies only its own
@@ -22,25 +22,31 @@ from jaxserve.models.quantized import QuantizedWeight, grouped, project
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig,
           bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts per token and their weights. Softmax scoring: a softmax over all experts (in float32), then
-    the k largest, renormalized to sum to one when the family does so. Sigmoid scoring (DeepSeek-V3's, GLM-4.5's):
-    each expert's sigmoid score, in float32; the k chosen by score plus `bias` ([X]) among the experts of the
-    `cfg.expert_topk_groups` groups whose two best such sums are largest; weighted by their scores (renormalized
-    by `norm_topk_prob`) times `routed_scaling_factor`. Returns ([T, k] in h's dtype, [T, k] int32)."""
+    """Top-k experts per token and their weights. Softmax scoring: a softmax over all experts (in float32), the k
+    largest (ERNIE 4.5: largest with `bias` [X] added), renormalized to sum to one when the family does so. Sigmoid
+    scoring (DeepSeek-V3's, GLM-4.5's): each expert's sigmoid score, in float32; the k chosen by score plus `bias`
+    among the experts of the `cfg.expert_topk_groups` groups whose two best such sums are largest; weighted by
+    their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`. Returns ([T, k] in h's dtype,
+    [T, k] int32)."""
     if cfg.router_scoring == "sigmoid":
         return _route_sigmoid(h, router, bias, cfg)
-    logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if bias is not None:  # (ERNIE computes its router in float32)
+        probs = jax.nn.softmax(jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
+        experts = jax.lax.top_k(probs + bias.astype(jnp.float32)[None, :], cfg.num_experts_per_tok)[1]
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
+    else:
+        logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-12)
     return weights.astype(h.dtype), experts.astype(jnp.int32)
 
 
 def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     logits = jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))  # [T, X]
     scores = jax.nn.sigmoid(logits)
-    choice = scores + bias.astype(jnp.float32)[None, :]
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)[None, :]
     groups, top = cfg.expert_groups, cfg.expert_topk_groups
     if top < groups:  # only the experts of the best groups (by the sum of each group's two best) may be chosen
         T, X = choice.shape

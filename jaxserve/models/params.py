@@ -60,7 +60,7 @@ class LayerParams:
     b_up: Any = None  # [L, F]
     b_down: Any = None  # [L, E]
     router: Any = None  # [L, E, X]: MoE routing logits per expert
-    router_bias: Any = None  # [L, X] float32: added to the scores to choose experts (sigmoid routing)
+    router_bias: Any = None  # [L, X] float32: added to the scores to choose experts (not to their weights)
     we_gate: Any = None  # [L, X, E, Fe]: the X experts' MLPs
     we_up: Any = None  # [L, X, E, Fe]
     we_down: Any = None  # [L, X, Fe, E]
@@ -140,7 +140,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     if moe:
         X, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
         layers.router = p((L, E, X), ("layers", "embed", None))
-        if cfg.router_scoring == "sigmoid":
+        if cfg.router_bias:
             layers.router_bias = p((L, X), ("layers", None), "zeros", jnp.float32)
         layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
         layers.we_up = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
