@@ -82,14 +82,21 @@ def test_granite_engine_greedy_equals_transformers(tmp_path):
     """Granite's scalars (embeddings, attention scale, residual, logits) through the engine's own layouts (each
     layer unrolled with fused projections on the CPU, one scanned layer elsewhere), chunked and batched."""
     config_cls, overrides = FAMILIES["granite"]
-    model = save_tiny_hf(config_cls, tmp_path, vocab_size=VOCAB, **overrides)
-    ckpt = open_checkpoint(str(tmp_path))
+    for loop, engine, expected in engines_by_layer_loop(tmp_path, config_cls, overrides):
+        assert _greedy(engine) == expected, loop
+
+
+def engines_by_layer_loop(path, config_cls: str, overrides: dict):
+    """A tiny model of `transformers.<config_cls>` saved at `path`, served by an engine with its layers unrolled,
+    then by one with them scanned: (the layer loop, the engine, transformers' greedy tokens for PROMPTS) each."""
+    model = save_tiny_hf(config_cls, path, **{**overrides, "vocab_size": VOCAB})
+    ckpt = open_checkpoint(str(path))
     cfg = ckpt.config()
-    loaded = LoadedModel(str(tmp_path), "granite", cfg, load_params(ckpt, cfg, jnp.float32, progress=False),
+    loaded = LoadedModel(str(path), cfg.family, cfg, load_params(ckpt, cfg, jnp.float32, progress=False),
                          fake_tokenizer(), jnp.float32, 0.0)
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     for loop in ("unroll", "scan"):
         args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
                           kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
                           num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop)
-        assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected, loop
+        yield loop, LLMEngine(args, loaded=loaded, progress=False), expected

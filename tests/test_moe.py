@@ -201,32 +201,20 @@ def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_result
     assert r["lora_compiles_after_warmup"] == 0
 
 
-def test_glm4_moe_engine_greedy_equals_transformers(tmp_path):
-    """GLM-4.5 through the engine, its dense first layer and its MoE layers unrolled (the CPU's default: one tuple
-    of every layer) and scanned (two stacks), chunked and batched: transformers' greedy tokens."""
+@pytest.mark.parametrize("family", ["glm4_moe", "ernie4_5_moe"])
+def test_dense_first_layers_engine_greedy_equals_transformers(tmp_path, family):
+    """GLM-4.5 and ERNIE 4.5 MoE through the engine, their dense first layer and their MoE layers unrolled (the
+    CPU's default: one tuple of every layer) and scanned (two stacks), chunked and batched: transformers' greedy
+    tokens."""
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.model_loading import LoadedModel
-    from jaxserve.engine_args import EngineArgs
-    from jaxserve.models.inputs import KVCache
-    from tests.fake_model import VOCAB, fake_tokenizer
-    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+    from tests.test_engine_gemma import _greedy, engines_by_layer_loop
 
-    cls, overrides = FAMILIES["glm4_moe"]
-    model = save_tiny_hf(cls, tmp_path, **{**overrides, "vocab_size": VOCAB})
-    ckpt = HFDirectory(tmp_path)
-    cfg = ckpt.config()
-    loaded = LoadedModel(str(tmp_path), "glm4_moe", cfg, load_params(ckpt, cfg, jnp.float32, progress=False),
-                         fake_tokenizer(), jnp.float32, 0.0)
-    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    for loop in ("unroll", "scan"):
-        args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
-                          kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
-                          num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop)
-        engine = LLMEngine(args, loaded=loaded, progress=False)
+    for loop, engine, expected in engines_by_layer_loop(tmp_path, *FAMILIES[family]):
         assert isinstance(engine.runner.params.layers, tuple) is (loop == "unroll")
         assert _greedy(engine) == expected, loop
     with pytest.raises(ValueError, match="LoRA adapters are not supported on a model whose first layers are dense"):
-        LLMEngine(args.replace(enable_lora=True, max_loras=1, max_lora_rank=8), loaded=loaded, progress=False)
+        LLMEngine(engine.args.replace(enable_lora=True, max_loras=1, max_lora_rank=8), loaded=engine.model,
+                  progress=False)
 
 
 def test_multi_token_prediction_tensors_are_not_read():
