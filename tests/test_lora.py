@@ -122,6 +122,13 @@ ATTENTION_ONLY = {
     # fused gate_up_proj takes none.
     "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2), "gate_up_proj",
              "gate_up_proj"),
+    # GLM-4.5: a dense first layer stacked apart from the MoE layers, each stack with its adapter slots (the engine
+    # here unrolls the layers; scanned, below, it keeps the two stacks). PEFT writes an adapter on its fused experts'
+    # down projections as target_parameters, which is refused.
+    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                       attention_bias=True, num_hidden_layers=3, head_dim=16),
+                 "down_proj", "sets target_parameters; it is not supported"),
 }
 
 
@@ -151,6 +158,11 @@ def test_an_attention_adapter_equals_peft(tmp_path, family):
         greedy = peft_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
                                      pad_token_id=0)[0, len(ids):].tolist()
     assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    if family == "glm4_moe":
+        scanned = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS,
+                                       layer_loop="scan"), progress=False)
+        assert scanned.runner.params.dense_layers.lora is not None
+        assert run(scanned, {"a": (ids, p, "attn")})["a"].outputs[0].token_ids == greedy
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     _adapter(hf, str(tmp_path / "mlp"), 6, r=2, target_modules=[refused])
     with pytest.raises(LoRAError, match=message):

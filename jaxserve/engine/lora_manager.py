@@ -121,14 +121,16 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     they are replicated (a rank-r delta is small beside its projection: the partitioner slices it to each
     device's heads or MLP columns, and sums the partial products of o and down)."""
     params = loaded.params
-    if params.dense_layers is not None:
-        raise LoRAError("LoRA adapters are not supported on a model whose first layers are dense and the rest MoE "
-                        f"({loaded.config.family}: first_k_dense_replace {loaded.config.first_dense_layers})")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()
         lora = jax.tree.map(
             lambda x: jax.make_array_from_callback(x.shape, sh, lambda i, h=np.asarray(x): h[i]), lora)
+    k = loaded.config.first_dense_layers
+    if params.dense_layers is not None:  # the dense first layers' slots in their own stack
+        params = dataclasses.replace(params, dense_layers=dataclasses.replace(
+            params.dense_layers, lora=jax.tree.map(lambda x: x[:k], lora)))
+        lora = jax.tree.map(lambda x: x[k:], lora)
     params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
     return dataclasses.replace(loaded, params=params)
 
@@ -274,11 +276,17 @@ def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
     if isinstance(params.layers, tuple):
         layers = tuple(dataclasses.replace(lp, lora=LoraLayer(**{
             f: put(getattr(lp.lora, f), slot, arrays[f][i]) for f in arrays})) for i, lp in enumerate(params.layers))
-    else:
-        lora = params.layers.lora
-        layers = dataclasses.replace(params.layers, lora=LoraLayer(**{
-            f: put(getattr(lora, f), (slice(None), slot), arrays[f]) for f in arrays}))
-    return jax.block_until_ready(dataclasses.replace(params, layers=layers))
+        return jax.block_until_ready(dataclasses.replace(params, layers=layers))
+
+    def stack(layers: Any, first: int) -> Any:  # the stack of layers `first` on
+        n = layers.lora.a_qkv.shape[0]
+        return dataclasses.replace(layers, lora=LoraLayer(**{
+            f: put(getattr(layers.lora, f), (slice(None), slot), arrays[f][first:first + n]) for f in arrays}))
+
+    dense = params.dense_layers  # a model's dense first layers, stacked apart
+    return jax.block_until_ready(dataclasses.replace(
+        params, dense_layers=None if dense is None else stack(dense, 0),
+        layers=stack(params.layers, 0 if dense is None else dense.lora.a_qkv.shape[0])))
 
 
 def lora_fields(manager: LoraManager | None, lora: LoRARequest | str | None, cache_salt: str | None) -> dict:
