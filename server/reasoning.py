@@ -10,6 +10,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
 | `glm45` | as `qwen3` | GLM-4.5, GLM-4.6 |
+| `ernie45` | as `deepseek_r1`; an answer between `<response>` and `</response>` is taken from between them | ERNIE-4.5-21B-A3B-Thinking |
 | `granite` | a reply that opens with "Here is my thought process:" (or "Here's ..."), up to "Here is my response:" (or "Here's ..."); else all answer | Granite 3.2 and 3.3 with `chat_template_kwargs: {"thinking": true}` |
 | `mistral` | a reply that opens with `[THINK]`, up to `[/THINK]` (special tokens: the reply is detokenized with them); else all answer | Magistral |
 
@@ -31,9 +32,10 @@ class ReasoningParser:
     starts: ClassVar[tuple[str, ...]] = ("<think>",)  # what opens the reasoning (any of them)
     ends: ClassVar[tuple[str, ...]] = ("</think>",)  # what closes it
     keeps_special_tokens: ClassVar[bool] = False  # the markers are special tokens the parser must see
+    wrap: ClassVar[tuple[str, str] | None] = None  # markers the answer may come between (dropped, with their newlines)
 
     def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.implicit_start, self.starts, self.ends)
+        return ReasoningStream(self.implicit_start, self.starts, self.ends, self.wrap)
 
     def parse(self, text: str) -> tuple[str | None, str]:
         """A whole reply's reasoning (None when it has none) and answer."""
@@ -57,6 +59,12 @@ class Glm45Parser(Qwen3Parser):
     name = "glm45"
 
 
+class Ernie45Parser(ReasoningParser):
+    name = "ernie45"
+    implicit_start = True
+    wrap = ("<response>", "</response>")
+
+
 class GraniteParser(ReasoningParser):
     name = "granite"
     implicit_start = False
@@ -72,7 +80,7 @@ class MistralParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, GraniteParser, MistralParser)}
+    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, GraniteParser, MistralParser)}
 
 
 def reasoning_parser(name: str) -> ReasoningParser:
@@ -84,11 +92,13 @@ def reasoning_parser(name: str) -> ReasoningParser:
 class ReasoningStream:
     """Splits one growing reply into reasoning and answer."""
 
-    def __init__(self, implicit_start: bool, starts: tuple[str, ...], ends: tuple[str, ...]):
-        self.implicit_start, self.starts, self.ends = implicit_start, starts, ends
-        self.mode: Literal["start", "reasoning", "gap", "answer"] = "start"
+    def __init__(self, implicit_start: bool, starts: tuple[str, ...], ends: tuple[str, ...],
+                 wrap: tuple[str, str] | None = None):
+        self.implicit_start, self.starts, self.ends, self.wrap = implicit_start, starts, ends, wrap
+        self.mode: Literal["start", "reasoning", "gap", "answer", "wrapped", "after"] = "start"
         self.buf = ""
         self.reasoned = False  # the reply has a reasoning part (possibly empty)
+        self.opened = False  # the wrapped answer's text has begun (the newlines after its opener are dropped)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the answer that `text`, the reply's next piece, adds."""
@@ -122,8 +132,30 @@ class ReasoningStream:
                 return reasoning, ""
         if self.mode == "gap":  # the whitespace between </think> and the answer is neither
             self.buf = self.buf.lstrip()
-            if self.buf:
+            if self.wrap and self.buf.startswith(self.wrap[0]):
+                self.buf, self.mode = self.buf[len(self.wrap[0]):], "wrapped"
+            elif self.wrap and not final and self.wrap[0].startswith(self.buf):
+                return reasoning, ""  # may still open the answer's wrapper
+            elif self.buf:
                 self.mode = "answer"
+        if self.mode == "wrapped":  # the answer up to the wrapper's end, less the newlines around it
+            if not self.opened:
+                self.buf = self.buf.lstrip("\n")
+                self.opened = bool(self.buf)
+            at = self.buf.find(self.wrap[1])
+            if at >= 0:
+                answer, self.buf, self.mode = self.buf[:at].rstrip("\n"), self.buf[at + len(self.wrap[1]):], "after"
+            else:
+                # Held: what may begin the wrapper's end, and the newlines before it.
+                body = self.buf[:len(self.buf) - partial_stop_suffix(self.buf, (self.wrap[1],))].rstrip("\n")
+                hold = 0 if final else len(self.buf) - len(body)
+                answer, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+                return reasoning, answer
+        if self.mode == "after":  # past the wrapper: whitespace alone is dropped, text kept as answer (held till known)
+            if self.buf.strip():
+                self.mode = "answer"
+            elif final:
+                self.buf = ""
         if self.mode == "answer":
-            answer, self.buf = self.buf, ""
+            answer, self.buf = answer + self.buf, ""
         return reasoning, answer

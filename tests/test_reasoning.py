@@ -30,6 +30,11 @@ CASES = [
     ("qwen3", "", None, ""),
     ("glm45", "<think>Paris is the capital.</think>Paris.", "Paris is the capital.", "Paris."),
     ("glm45", "Paris.", None, "Paris."),  # thinking off: the template closed an empty <think></think> in the prompt
+    ("ernie45", "Paris it is.\n</think>\n\n<response>\nParis.\n</response>\n", "Paris it is.\n", "Paris."),
+    ("ernie45", "Short.\n</think>\nParis.", "Short.\n", "Paris."),
+    ("ernie45", "a\n</think>\n<response>\nline one\n\nline two</response> and more", "a\n", "line one\n\nline two and more"),
+    ("ernie45", "a</think><response>\nParis, cut sho", "a", "Paris, cut sho"),
+    ("ernie45", "a</think><respo", "a", "<respo"),
     ("granite", "Here is my thought process:\n1 + 1 = 2.\nHere is my response:\nTwo.", "\n1 + 1 = 2.\n", "Two."),
     ("granite", "Here's my thought process: short. Here's my response: Done", " short. ", "Done"),
     ("granite", "Here is my answer, with no thought process.", None, "Here is my answer, with no thought process."),
@@ -66,7 +71,7 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "glm45", "granite", "mistral", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "glm45", "granite", "mistral", "qwen3"]
 
 
 def test_mistral_markers_are_kept_in_the_text():
