@@ -6,6 +6,8 @@ from typing import Any
 
 from jaxserve.errors import UnsupportedModelError
 
+GRANITE_SHARED_FAMILIES: tuple[str, ...] = ("granitemoeshared", "granitemoehybrid")  # a shared MLP, gate and up fused
+
 # transformers' Gemma3TextConfig defaults, which the text_config of Gemma 3's image-text checkpoints leaves out.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
     vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
@@ -108,7 +110,7 @@ def granite_hf(cfg: Any) -> dict[str, Any]:
     """A Granite model's own HF config keys (the inverse of `granite_fields` and `granite_hybrid`)."""
     d = {k: getattr(cfg, k) for k in ("embedding_multiplier", "attention_multiplier", "residual_multiplier",
                                       "logits_scaling")}
-    if cfg.family in ("granitemoeshared", "granitemoehybrid"):
+    if cfg.family in GRANITE_SHARED_FAMILIES:
         d["shared_intermediate_size"] = cfg.shared_expert_intermediate_size
     if cfg.family == "granitemoehybrid":
         d.update(layer_types=["attention"] * cfg.num_layers, num_local_experts=cfg.num_experts,

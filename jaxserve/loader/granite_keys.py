@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GRANITE_SHARED_FAMILIES, ModelConfig
 from jaxserve.errors import CheckpointError
 
 # Granite MoE's experts, all in one tensor each: gate and up rows per expert, down, and its router.
@@ -79,7 +79,7 @@ def _granite_shared_fused(pairs: Iterator[tuple[str, np.ndarray]]) -> Iterator[t
 def granite_fused(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """A Granite MoE checkpoint's (HF name, tensor) pairs with its experts and shared MLP fused back (the inverse
     of `granite_experts` and `granite_shared`)."""
-    if cfg.family in ("granitemoeshared", "granitemoehybrid"):
+    if cfg.family in GRANITE_SHARED_FAMILIES:
         pairs = _granite_shared_fused(pairs)
     if not cfg.num_experts:
         yield from pairs

@@ -17,6 +17,7 @@ from jaxserve.config import (
     GEMMA_FAMILIES,
     GLM_FAMILIES,
     GRANITE_MOE_FAMILIES,
+    GRANITE_SHARED_FAMILIES,
     INTERLEAVED_ROPE_FAMILIES,
     ModelConfig,
 )
@@ -188,7 +189,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return unfused(name, tensor, cfg)
     if cfg.family in GRANITE_MOE_FAMILIES and GRANITE_MOE_RE.match(name):
         return granite_experts(name, tensor, cfg)
-    if cfg.family in ("granitemoeshared", "granitemoehybrid") and GRANITE_SHARED_RE.match(name):
+    if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
     return None
 
