@@ -25,6 +25,7 @@ import json
 import re
 from typing import Any, ClassVar, Literal
 
+from server.glm_calls import GlmCallReader
 from server.json_calls import JsonCallReader, NamedArgsReader, Reader, whole_call
 from server.py_calls import PythonCallReader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
@@ -254,7 +255,7 @@ class Glm45Parser(ToolParser):
     """`<tool_call>NAME` then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` per argument (newlines
     between), then `</tool_call>`. GLM-4.5's chat template writes a string value as it is and any other as
     JSON: a value is a string where the tool's schema says so, else the JSON (or Python literal) it spells,
-    else its text. Each region is read once it is whole."""
+    else its text. String values stream (server/glm_calls.py)."""
 
     name = "glm45"
     openers = ("<tool_call>",)
@@ -270,6 +271,9 @@ class Glm45Parser(ToolParser):
         args = {m.group(1).strip(): _glm_value(m.group(2), props.get(m.group(1).strip()))
                 for m in _ARGUMENT.finditer(body)}
         return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        return GlmCallReader(schemas, _glm_value)
 
 
 def _glm_value(raw: str, schema: Any) -> Any:

@@ -121,6 +121,16 @@ CASES = [
     ("glm45", '<tool_call>{"name": "get_weather"}</tool_call>', '<tool_call>{"name": "get_weather"}</tool_call>', []),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>so<arg_value>Paris</arg_value></tool_call>",
      "<tool_call>get_weather\n<arg_key>city</arg_key>so<arg_value>Paris</arg_value></tool_call>", []),
+    # A string value is the text between the tags, newlines and markup included; one cut short by the reply's end
+    # is what was written; a call without arguments may end at the region's end.
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>São <b>Paulo</b>\n</arg_value>\n</tool_call>",
+     "", [ParsedCall("get_weather", '{"city": "São <b>Paulo</b>\\n"}')]),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", "",
+     [ParsedCall("get_weather", '{"city": "Par"}')]),
+    ("glm45", "<tool_call>get_time</tool_call>", "", [ParsedCall("get_time", "{}")]),
+    # Text after an argument: the call as it stood, the rest content.
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>oops</tool_call>",
+     "oops</tool_call>", [W]),
 ]
 # The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -169,6 +179,17 @@ def test_stream_gives_content_at_once_and_arguments_as_they_come():
     assert mistral.feed('[TOOL_CALLS]get_time[ARGS]{"zone": "C') == ("", [CallDelta(0, "get_time", '{"zone": "C')])
     assert mistral.feed('ET"}[TOOL_CALLS]get_weather[A') == ("", [CallDelta(0, None, 'ET"}')])
     assert mistral.feed('RGS]{"city"') == ("", [CallDelta(1, "get_weather", '{"city"')])
+
+
+def test_glm45_streams_string_values_and_gives_typed_ones_whole():
+    s = tool_parser("glm45").stream(SCHEMAS)
+    assert s.feed("Sure. <tool_call>get_time\n<arg_key>zo") == ("Sure.", []), "no call before a value begins"
+    assert s.feed("ne</arg_key>\n<arg_value>CE") == ("", [CallDelta(0, "get_time", '{"zone": "CE')])
+    assert s.feed("T</arg_val") == ("", [CallDelta(0, None, "T")]), "a possible end tag is held"
+    assert s.feed("ue>\n<arg_key>hours</arg_key><arg_value>[1,") == ("", [CallDelta(0, None, '", "hours": ')])
+    assert s.feed(" 2]</arg_value></tool_call>") == ("", [CallDelta(0, None, "[1, 2]"), CallDelta(0, None, "}")]), \
+        "typed: whole at its end"
+    assert s.finish() == ("", [])
 
 
 def test_qwen3_coder_streams_text_values_and_gives_typed_ones_whole():
