@@ -92,6 +92,19 @@ def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
             "rope_parameters": None, "mrope_section": [int(n) for n in section]}
 
 
+def seed_oss(d: dict[str, Any]) -> dict[str, Any]:
+    """A Seed-OSS config (ByteDance's Llama with q/k/v biases) as the Qwen2 config it is (refused by name with an
+    output projection's or the MLP's biases, which Qwen2 has not); any other config as it is."""
+    if d.get("model_type") != "seed_oss" and "SeedOssForCausalLM" not in (d.get("architectures") or []):
+        return d
+    for key in ("attention_out_bias", "mlp_bias"):
+        if d.get(key):
+            raise UnsupportedModelError(f"Seed-OSS with {key} is not supported")
+    if not d.get("attention_bias", True):
+        raise UnsupportedModelError("Seed-OSS without attention_bias is not supported")
+    return {**d, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
+
+
 def granite_hybrid(d: dict[str, Any]) -> dict[str, Any]:
     """A Granite 4.0 hybrid config of attention layers only (its Mamba layers are refused by name) as the model it
     is: without experts, a dense model whose MLP is the shared one; any other config as it is."""

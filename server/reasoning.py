@@ -10,6 +10,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
 | `glm45` | as `qwen3` | GLM-4.5, GLM-4.6 |
+| `seed_oss` | a reply that opens with `<seed:think>`, up to `</seed:think>` (special tokens: kept in the text); else all answer | Seed-OSS |
 | `ernie45` | as `deepseek_r1`; an answer between `<response>` and `</response>` is taken from between them | ERNIE-4.5-21B-A3B-Thinking |
 | `granite` | a reply that opens with "Here is my thought process:" (or "Here's ..."), up to "Here is my response:" (or "Here's ..."); else all answer | Granite 3.2 and 3.3 with `chat_template_kwargs: {"thinking": true}` |
 | `mistral` | a reply that opens with `[THINK]`, up to `[/THINK]` (special tokens: the reply is detokenized with them); else all answer | Magistral |
@@ -59,6 +60,13 @@ class Glm45Parser(Qwen3Parser):
     name = "glm45"
 
 
+class SeedOssParser(ReasoningParser):
+    name = "seed_oss"
+    implicit_start = False
+    starts, ends = ("<seed:think>",), ("</seed:think>",)
+    keeps_special_tokens = True
+
+
 class Ernie45Parser(ReasoningParser):
     name = "ernie45"
     implicit_start = True
@@ -80,7 +88,8 @@ class MistralParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, GraniteParser, MistralParser)}
+    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser, GraniteParser,
+                        MistralParser)}
 
 
 def reasoning_parser(name: str) -> ReasoningParser:

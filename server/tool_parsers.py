@@ -12,6 +12,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `qwen3_coder` | `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values typed by the tool's schema | Qwen3-Coder |
 | `phi4_mini_json` | `functools[{"name": ..., "arguments": {...}}, ...]`, between text | Phi-4-mini |
 | `granite` | a reply that is `<|tool_call|>` (or `<tool_call>`) and a JSON list of `{"name", "arguments"}` | Granite 3.x |
+| `seed_oss` | as `qwen3_coder`, in a `<seed:tool_call>` region (its markers special tokens) | Seed-OSS |
 | `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6 |
 
 A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
@@ -32,7 +33,7 @@ from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 from server.xml_calls import XmlCallReader, typed
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite",
-                     "glm45"]
+                     "glm45", "seed_oss"]
 
 
 def _call(obj: Any) -> ParsedCall | None:
@@ -247,6 +248,15 @@ class Qwen3CoderParser(ToolParser):
         return XmlCallReader(schemas)
 
 
+class SeedOssParser(Qwen3CoderParser):
+    """Qwen3-Coder's functions and parameters in `<seed:tool_call>` regions."""
+
+    name = "seed_oss"
+    openers = ("<seed:tool_call>",)
+    closer = "</seed:tool_call>"
+    keeps_special_tokens = True
+
+
 _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 _NAME = re.compile(r"[\w.:-]+")
 
@@ -290,7 +300,7 @@ def _glm_value(raw: str, schema: Any) -> Any:
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                            Phi4MiniParser, PythonicParser, Qwen3CoderParser,
-                                                           GraniteParser, Glm45Parser)}
+                                                           GraniteParser, Glm45Parser, SeedOssParser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

@@ -171,6 +171,19 @@ def test_refuses_unsupported_options(change, message):
         ModelConfig.from_hf({**hf_dict("LlamaConfig"), **change})
 
 
+@pytest.mark.parametrize("config_cls, change, message", [
+    ("SeedOssConfig", {"attention_out_bias": True}, "Seed-OSS with attention_out_bias is not supported"),
+    ("SeedOssConfig", {"mlp_bias": True}, "Seed-OSS with mlp_bias is not supported"),
+    ("Ernie4_5_MoeConfig", {"moe_layer_interval": 2}, "ERNIE 4.5 MoE layers every 2 layers"),
+    ("Ernie4_5_MoeConfig", {"use_bias": True}, "ERNIE 4.5 MoE with use_bias"),
+    ("Glm4MoeConfig", {"n_routed_experts": 6, "n_group": 4, "num_experts_per_tok": 2}, r"expert groups: 6 experts in 4 groups"),
+    ("Glm4MoeConfig", {"first_k_dense_replace": 4, "num_hidden_layers": 4}, r"first_dense_layers \(4\) must leave"),
+])
+def test_refuses_family_options_it_cannot_run(config_cls, change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf({**hf_dict(config_cls), **change})
+
+
 def test_gemma_configs_as_published():
     """Gemma 2 and Gemma 3 config.json files as published (before `layer_types` and per-type rotary
     parameters): the window pattern and the two rotary bases come from the older keys."""

@@ -30,6 +30,8 @@ CASES = [
     ("qwen3", "", None, ""),
     ("glm45", "<think>Paris is the capital.</think>Paris.", "Paris is the capital.", "Paris."),
     ("glm45", "Paris.", None, "Paris."),  # thinking off: the template closed an empty <think></think> in the prompt
+    ("seed_oss", "<seed:think>The capital.</seed:think>Paris.", "The capital.", "Paris."),
+    ("seed_oss", "Paris. <think>no</think>", None, "Paris. <think>no</think>"),
     ("ernie45", "Paris it is.\n</think>\n\n<response>\nParis.\n</response>\n", "Paris it is.\n", "Paris."),
     ("ernie45", "Short.\n</think>\nParis.", "Short.\n", "Paris."),
     ("ernie45", "a\n</think>\n<response>\nline one\n\nline two</response> and more", "a\n", "line one\n\nline two and more"),
@@ -71,7 +73,7 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "glm45", "granite", "mistral", "qwen3"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "glm45", "granite", "mistral", "qwen3", "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():

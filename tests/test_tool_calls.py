@@ -128,6 +128,10 @@ CASES = [
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", "",
      [ParsedCall("get_weather", '{"city": "Par"}')]),
     ("glm45", "<tool_call>get_time</tool_call>", "", [ParsedCall("get_time", "{}")]),
+    ("seed_oss", "Let me check.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</seed:tool_call>", "Let me check.", [W]),
+    ("seed_oss", "<tool_call><function=get_weather></function></tool_call>",
+     "<tool_call><function=get_weather></function></tool_call>", []),
     # Text after an argument: the call as it stood, the rest content.
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>oops</tool_call>",
      "oops</tool_call>", [W]),
@@ -262,7 +266,7 @@ def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
     assert sorted(PARSERS) == ["glm45", "granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
-                               "qwen3_coder", "qwen3_xml"]
+                               "qwen3_coder", "qwen3_xml", "seed_oss"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 
 
