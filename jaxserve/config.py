@@ -14,7 +14,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
-                 "ernie4_5", "ernie4_5_moe"]
+                 "ernie4_5", "ernie4_5_moe", "dots1"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -36,13 +36,15 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.6 (their multi-token prediction layers are not read)
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
+    "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
+                                  "dots1")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
@@ -301,11 +303,13 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", *GRANITE_FAMILIES, *GLM_FAMILIES)
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *GRANITE_FAMILIES,
+                           *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in GLM_FAMILIES))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3") or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1")
+            or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
@@ -336,7 +340,8 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", *GRANITE_FAMILIES, *GLM_FAMILIES):
+        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *GRANITE_FAMILIES,
+                           *GLM_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias

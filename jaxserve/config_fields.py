@@ -191,13 +191,16 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
                       norm_topk_prob=True, first_dense_layers=int(d.get("moe_layer_start_index", 1)),
                       shared_expert_intermediate_size=int(d.get("moe_num_shared_experts") or 0)
                       * d["moe_intermediate_size"])
-    if family == "glm4_moe":
+    if family in ("glm4_moe", "dots1"):  # DeepSeek-V3's experts
+        glm = family == "glm4_moe"
+        if "sliding_attention" in (d.get("layer_types") or ()):
+            raise UnsupportedModelError(f"{family} with sliding-window layers is not supported")
         fields.update(router_scoring="sigmoid", router_bias=True, expert_groups=int(d.get("n_group") or 1),
                       expert_topk_groups=int(d.get("topk_group") or 1),
                       routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                      first_dense_layers=int(d.get("first_k_dense_replace", 1)),
+                      first_dense_layers=int(d.get("first_k_dense_replace", 1 if glm else 0) or 0),
                       shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
-                      norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+                      norm_topk_prob=bool(d.get("norm_topk_prob", glm)))
     return fields
 
 
@@ -208,7 +211,7 @@ def moe_hf(cfg: Any) -> dict[str, Any]:
         return {**d, "num_local_experts": cfg.num_experts, "intermediate_size": cfg.moe_intermediate_size}
     d.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
     shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
-    if rest and cfg.family in ("glm4_moe", "ernie4_5_moe"):
+    if rest and cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1"):
         raise UnsupportedModelError(f"a shared expert {cfg.shared_expert_intermediate_size} wide is no whole number "
                                     f"of {cfg.moe_intermediate_size}-wide experts (the config counts them)")
     if cfg.family == "ernie4_5_moe":
@@ -216,11 +219,11 @@ def moe_hf(cfg: Any) -> dict[str, Any]:
                 "moe_intermediate_size": cfg.moe_intermediate_size, "moe_num_shared_experts": shared,
                 "moe_layer_start_index": cfg.first_dense_layers, "moe_layer_end_index": cfg.num_layers - 1,
                 "moe_layer_interval": 1}
-    if cfg.family == "glm4_moe":
-        return {**d, "n_routed_experts": cfg.num_experts, "n_shared_experts": shared, "n_group": cfg.expert_groups,
-                "topk_group": cfg.expert_topk_groups, "routed_scaling_factor": cfg.routed_scaling_factor,
-                "first_k_dense_replace": cfg.first_dense_layers, "use_qk_norm": cfg.qk_norm,
-                "num_nextn_predict_layers": 0}
+    if cfg.family in ("glm4_moe", "dots1"):
+        d.update(n_routed_experts=cfg.num_experts, n_shared_experts=shared, n_group=cfg.expert_groups,
+                 topk_group=cfg.expert_topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
+                 first_k_dense_replace=cfg.first_dense_layers)
+        return {**d, "use_qk_norm": cfg.qk_norm, "num_nextn_predict_layers": 0} if cfg.family == "glm4_moe" else d
     d.update(num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])
     if cfg.family == "qwen2_moe":
         d["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size

@@ -178,6 +178,7 @@ def test_refuses_unsupported_options(change, message):
     ("Ernie4_5_MoeConfig", {"use_bias": True}, "ERNIE 4.5 MoE with use_bias"),
     ("Glm4MoeConfig", {"n_routed_experts": 6, "n_group": 4, "num_experts_per_tok": 2}, r"expert groups: 6 experts in 4 groups"),
     ("Glm4MoeConfig", {"first_k_dense_replace": 4, "num_hidden_layers": 4}, r"first_dense_layers \(4\) must leave"),
+    ("Dots1Config", {"layer_types": ["sliding_attention", "full_attention"]}, "dots1 with sliding-window layers"),
 ])
 def test_refuses_family_options_it_cannot_run(config_cls, change, message):
     with pytest.raises(UnsupportedModelError, match=message):

@@ -50,6 +50,10 @@ FAMILIES = {
                                    "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                                    "routed_scaling_factor": 2.5, "attention_bias": True, "num_hidden_layers": 3,
                                    "head_dim": 16}),
+    # dots.llm1: Qwen3's attention (q/k norms), DeepSeek-V3's experts (as GLM-4.5's, not renormalized here).
+    "dots1": ("Dots1Config", {**MOE, "n_routed_experts": 8, "moe_intermediate_size": 32, "n_shared_experts": 2,
+                              "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 1.5,
+                              "num_hidden_layers": 3, "head_dim": 16}),
     # ERNIE 4.5: softmax scores with a bias for choosing, an ungated shared expert, a dense first layer,
     # interleaved rotary pairs over the whole head.
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
@@ -84,14 +88,15 @@ def test_moe_logits_match_transformers(tiny_moe):
 def test_moe_config_parsing_per_family(tiny_moe):
     family, path, _ = tiny_moe
     cfg = HFDirectory(path).config()
-    assert cfg.norm_topk_prob is (family != "qwen2_moe")
+    assert cfg.norm_topk_prob is (family not in ("qwen2_moe", "dots1"))
     o = FAMILIES[family][1]
     shared = o.get("n_shared_experts", o.get("moe_num_shared_experts", 0)) * o.get("moe_intermediate_size", 0)
     assert cfg.shared_expert_intermediate_size == o.get("shared_expert_intermediate_size", o.get(
         "shared_intermediate_size", shared))
-    assert cfg.moe_intermediate_size == (32 if family.startswith("qwen") or "_moe" in family else 48)
+    assert cfg.moe_intermediate_size == o.get("moe_intermediate_size", o.get("intermediate_size"))
     assert (cfg.first_dense_layers, cfg.router_scoring, cfg.router_bias) == {
-        "glm4_moe": (1, "sigmoid", True), "ernie4_5_moe": (1, "softmax", True)}.get(family, (0, "softmax", False))
+        "glm4_moe": (1, "sigmoid", True), "dots1": (1, "sigmoid", True), "ernie4_5_moe": (1, "softmax", True)}.get(
+        family, (0, "softmax", False))
     assert (cfg.no_rope_layers == (0, 0)) is (family == "granitemoehybrid")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
@@ -148,13 +153,13 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     dense = cfg.first_dense_layers  # GLM-4.5's first layer: a dense MLP, stacked apart
     assert params.layers.we_gate.shape == (cfg.num_layers - dense, cfg.num_experts, cfg.hidden_size,
                                            cfg.moe_intermediate_size)
-    assert (params.dense_layers is not None) is (family in ("glm4_moe", "ernie4_5_moe"))
+    assert (params.dense_layers is not None) is (family in ("glm4_moe", "ernie4_5_moe", "dots1"))
     if dense:
         assert params.dense_layers.we_gate is None
         assert params.dense_layers.w_gate.shape == (dense, cfg.hidden_size, cfg.intermediate_size)
         assert params.layers.router_bias.dtype == jnp.float32 and np.abs(params.layers.router_bias).max() > 0
     assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid",
-                                                              "glm4_moe", "ernie4_5_moe"))
+                                                              "glm4_moe", "ernie4_5_moe", "dots1"))
     assert (params.layers.ws_mix is not None) is (family == "qwen2_moe")  # only Qwen's shared expert is gated
 
 
@@ -201,7 +206,7 @@ def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_result
     assert r["lora_compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "ernie4_5_moe"])
+@pytest.mark.parametrize("family", ["glm4_moe", "ernie4_5_moe", "dots1"])
 def test_dense_first_layers_engine_greedy_equals_transformers(tmp_path, family):
     """GLM-4.5 and ERNIE 4.5 MoE through the engine, their dense first layer and their MoE layers unrolled (the
     CPU's default: one tuple of every layer) and scanned (two stacks), chunked and batched: transformers' greedy

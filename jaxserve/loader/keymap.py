@@ -87,7 +87,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{moe}.moe_statics.e_score_correction_bias" if ernie else f"{moe}.gate.e_score_correction_bias"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
-            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe") else "mlp.shared_expert"
+            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1") else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
