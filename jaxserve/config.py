@@ -14,7 +14,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
-                 "ernie4_5", "ernie4_5_moe", "dots1"]
+                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -37,6 +37,7 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
     "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
+    "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
@@ -192,8 +193,19 @@ class ModelConfig:
 
     @property
     def output_norms(self) -> bool:
-        """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4")
+        """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2)."""
+        return self.family in (*GEMMA_FAMILIES, "glm4", "olmo2")
+
+    @property
+    def input_norms(self) -> bool:
+        """Whether the layers norm the attention's and the MLP's inputs (all but OLMo 2, which norms outputs only)."""
+        return self.family != "olmo2"
+
+    @property
+    def qk_norm_heads(self) -> bool:
+        """Whether q and k are normed over all their heads at once, one weight per head and dim (OLMo 2), rather
+        than each head alike."""
+        return self.family == "olmo2"
 
     @property
     def output_bias(self) -> bool:
@@ -303,12 +315,12 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *GRANITE_FAMILIES,
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "olmo2", *GRANITE_FAMILIES,
                            *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in GLM_FAMILIES))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1")
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "olmo2")
             or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
@@ -340,7 +352,7 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *GRANITE_FAMILIES,
+        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "olmo2", *GRANITE_FAMILIES,
                            *GLM_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":

@@ -62,7 +62,8 @@ def load_f32(path):
     return cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_untied_bias", "qwen2", "qwen3", "mistral", "granite", "glm4"])
+@pytest.mark.parametrize("family", ["llama", "llama_untied_bias", "qwen2", "qwen3", "mistral", "granite", "glm4",
+                                    "olmo2"])
 def test_convert_hf_dir_round_trip(tmp_path, family):
     src, out = tmp_path / "src", tmp_path / "out"
     model = make_source(src, family)

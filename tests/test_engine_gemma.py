@@ -86,6 +86,14 @@ def test_granite_engine_greedy_equals_transformers(tmp_path):
         assert _greedy(engine) == expected, loop
 
 
+def test_olmo2_engine_greedy_equals_transformers(tmp_path):
+    """OLMo 2's norms after attention and the MLP only, and its q and k normed over all heads, through the engine's
+    layouts (unrolled with fused projections, and scanned), chunked and batched."""
+    config_cls, overrides = FAMILIES["olmo2"]
+    for loop, engine, expected in engines_by_layer_loop(tmp_path, config_cls, overrides):
+        assert _greedy(engine) == expected, loop
+
+
 def engines_by_layer_loop(path, config_cls: str, overrides: dict):
     """A tiny model of `transformers.<config_cls>` saved at `path`, served by an engine with its layers unrolled,
     then by one with them scanned: (the layer loop, the engine, transformers' greedy tokens for PROMPTS) each."""

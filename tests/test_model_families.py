@@ -132,6 +132,8 @@ FAMILIES = {
     "glm4": ("Glm4Config", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Interleaved rotary pairs over the whole head, biases on every projection (use_bias), tied embeddings.
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 16, "use_bias": True}),
+    # OLMo 2: norms after attention and the MLP only, q and k normed over all their heads.
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Seed-OSS: Llama with q/k/v biases, which is Qwen2.
     "seed_oss": ("SeedOssConfig", {"head_dim": 16}),
 }

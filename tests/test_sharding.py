@@ -124,6 +124,15 @@ def test_tp_logits_equal_unsharded(results, tp):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+def test_tp_olmo2_logits_equal_unsharded(results, tp):
+    """OLMo 2's q and k normed over all their heads, which tensor parallelism splits over devices (at TP=4 the two
+    KV heads repeated, their norm weights with them); its norms after attention and the MLP only."""
+    r = results["dense"][f"olmo2_tp{tp}_ep1"]
+    assert r["num_devices"] == tp and r["wq_shard_heads"] == 8 // tp and r["kv_repeat"] == max(1, tp // 2)
+    assert r["rel_prefill"] < REL_TOL and r["rel_decode"] < REL_TOL and r["argmax_equal"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
 def test_tp_gemma_logits_equal_unsharded(results, tp):
     """Gemma 2's alternating windows, soft-caps and extra norms under tensor parallelism."""
     r = results["dense"][f"gemma2_tp{tp}_ep1"]

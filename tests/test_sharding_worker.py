@@ -130,6 +130,10 @@ def _sweep(cfg, layouts):
     from sharding import ParallelConfig, make_mesh, make_plan
 
     params = init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+    if cfg.qk_norm_heads:  # a weight per head and dim, each its own (initialized to one)
+        q, k = (1 + 0.2 * jax.random.normal(jax.random.PRNGKey(i), w.shape) for i, w in
+                enumerate((params.layers.q_norm, params.layers.k_norm)))
+        params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, q_norm=q, k_norm=k))
     if params.layers.router_bias is not None:  # (initialized to zero)
         bias = 0.2 * jax.random.normal(jax.random.PRNGKey(1), params.layers.router_bias.shape)
         params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, router_bias=bias))
@@ -159,9 +163,19 @@ def _sweep(cfg, layouts):
     return found
 
 
+def olmo2_config():
+    from jaxserve.config import ModelConfig
+
+    # Norms after attention and the MLP only; q and k normed over all their heads, which TP splits (TP=4 repeats
+    # the two KV heads).
+    return ModelConfig(family="olmo2", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=512, qk_norm=True)
+
+
 def case_dense() -> dict:
     out = _sweep(dense_config(), [(1, 1), (2, 1), (4, 1), (8, 1)])
     out.update({f"gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1), (4, 1)]).items()})
+    out.update({f"olmo2_{k}": v for k, v in _sweep(olmo2_config(), [(2, 1), (4, 1)]).items()})
     return out
 
 

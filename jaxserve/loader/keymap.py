@@ -74,6 +74,10 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
         "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
     }
+    if not cfg.input_norms:  # OLMo 2: a norm after each of attention and the MLP, none before
+        del t["input_layernorm.weight"]
+        t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
+        t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
     if cfg.family in GEMMA_FAMILIES:  # a norm before and after each of attention and the MLP
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
@@ -103,7 +107,10 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
         if cfg.output_bias:
             t["self_attn.o_proj.bias"] = ("layers.bo", ident, (E,))
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_heads:  # one weight per head and dim
+        t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w.reshape(Hq, D), (Hq * D,))
+        t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w.reshape(Hkv, D), (Hkv * D,))
+    elif cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
     if cfg.mlp_bias:
@@ -326,4 +333,5 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value.reshape(-1, value.shape[-1]).T
     if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down"):
         return value.T
-    return value.reshape(-1) if field in ("bq", "bk", "bv") else value
+    return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and value.ndim == 2 \
+        else value

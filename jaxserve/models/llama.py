@@ -114,7 +114,7 @@ def _layer(
     page_size = k_all.shape[1]
 
     with jax.named_scope("attention"):
-        h = model_norm(cfg, x, lp.attn_norm)
+        h = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
         if lp.wqkv is not None:
             T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             qkv = project(h, lp.wqkv, _dot_out_major)  # [T, (Hq + 2 * Hkv) * D]
@@ -132,8 +132,8 @@ def _layer(
         if lp.bq is not None:
             q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
         if lp.q_norm is not None:
-            q = model_norm(cfg, q, lp.q_norm)
-            k = model_norm(cfg, k, lp.k_norm)
+            q = _qk_norm(cfg, q, lp.q_norm)
+            k = _qk_norm(cfg, k, lp.k_norm)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
@@ -171,11 +171,14 @@ def _layer(
 
     if lp.router is not None:
         with jax.named_scope("moe"):
-            h = model_norm(cfg, x, lp.mlp_norm)
-            return (x + _residual(cfg, moe_mlp(h, lp, cfg, expert_layout)), k_all, v_all), None
+            h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
+            out = moe_mlp(h, lp, cfg, expert_layout)
+            if lp.post_mlp_norm is not None:
+                out = model_norm(cfg, out, lp.post_mlp_norm)
+            return (x + _residual(cfg, out), k_all, v_all), None
 
     with jax.named_scope("mlp"):
-        h = model_norm(cfg, x, lp.mlp_norm)
+        h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
         if lp.w_gate_up is not None:
             gate, up = jnp.split(project(h, lp.w_gate_up, _dot_out_major), 2, axis=-1)  # [T, F] each
         else:
@@ -196,6 +199,16 @@ def _layer(
             down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + _residual(cfg, down)
     return (x, k_all, v_all), None
+
+
+def _qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """q or k ([T, H, D]) normed per head by a [D] weight, or (OLMo 2) over all heads at once by an [H, D] one (in
+    float32, its weight applied before the cast, as HF does)."""
+    if weight.ndim == 1:
+        return model_norm(cfg, x, weight)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + cfg.rms_norm_eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
 def _residual(cfg: ModelConfig, out: jax.Array) -> jax.Array:

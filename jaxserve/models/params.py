@@ -41,7 +41,7 @@ class ParamInfo:
 class LayerParams:
     """Decoder layer parameters, each stacked on a leading `layers` axis."""
 
-    attn_norm: Any  # [L, E]
+    attn_norm: Any  # [L, E]; None where the model norms outputs only (`ModelConfig.input_norms`)
     wq: Any  # [L, E, Hq, D]
     wk: Any  # [L, E, Hkv, D]
     wv: Any  # [L, E, Hkv, D]
@@ -54,8 +54,8 @@ class LayerParams:
     bk: Any = None  # [L, Hkv, D]
     bv: Any = None  # [L, Hkv, D]
     bo: Any = None  # [L, E]
-    q_norm: Any = None  # [L, D]
-    k_norm: Any = None  # [L, D]
+    q_norm: Any = None  # [L, D], or [L, Hq, D] normed over all heads at once (`ModelConfig.qk_norm_heads`)
+    k_norm: Any = None  # [L, D], or [L, Hkv, D]
     b_gate: Any = None  # [L, F]
     b_up: Any = None  # [L, F]
     b_down: Any = None  # [L, E]
@@ -127,12 +127,12 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
 
     norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"
     layers = LayerParams(
-        attn_norm=p((L, E), ("layers", "embed"), norm),
+        attn_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
         wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
         wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
-        mlp_norm=p((L, E), ("layers", "embed"), norm),
+        mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
     )
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
@@ -161,7 +161,10 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         if cfg.output_bias:
             layers.bo = p((L, E), ("layers", "embed"), "zeros")
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_heads:
+        layers.q_norm = p((L, Hq, D), ("layers", "q_heads", "head_dim"), norm)
+        layers.k_norm = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), norm)
+    elif cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), norm)
         layers.k_norm = p((L, D), ("layers", "head_dim"), norm)
     if cfg.mlp_bias:
@@ -319,8 +322,9 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 
     def stack(name: str) -> LayerParams | None:
         layers = getattr(decl, name)
-        return None if layers is None else LayerParams(**{
-            g.name: flat[f"{name}.{g.name}"] for g in dataclasses.fields(layers) if getattr(layers, g.name) is not None})
+        return None if layers is None else LayerParams(**{  # (a field the declaration leaves None stays None)
+            g.name: flat[f"{name}.{g.name}"] if getattr(layers, g.name) is not None else None
+            for g in dataclasses.fields(layers)})
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
                   lm_head=flat.get("lm_head"), dense_layers=stack("dense_layers"))
