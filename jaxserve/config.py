@@ -14,7 +14,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
-                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2"]
+                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3"]
 
 _HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -38,6 +38,7 @@ _HF_ARCHITECTURES: dict[str, Family] = {
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
     "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
+    "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
@@ -55,6 +56,7 @@ GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
+OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -194,18 +196,18 @@ class ModelConfig:
     @property
     def output_norms(self) -> bool:
         """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4", "olmo2")
+        return self.family in (*GEMMA_FAMILIES, "glm4", *OLMO_FAMILIES)
 
     @property
     def input_norms(self) -> bool:
         """Whether the layers norm the attention's and the MLP's inputs (all but OLMo 2, which norms outputs only)."""
-        return self.family != "olmo2"
+        return self.family not in OLMO_FAMILIES
 
     @property
     def qk_norm_heads(self) -> bool:
         """Whether q and k are normed over all their heads at once, one weight per head and dim (OLMo 2), rather
         than each head alike."""
-        return self.family == "olmo2"
+        return self.family in OLMO_FAMILIES
 
     @property
     def output_bias(self) -> bool:
@@ -262,21 +264,10 @@ class ModelConfig:
                     "is not supported"
                 )
         moe = fields.moe_fields(family, d) if family in MOE_FAMILIES else {}
-        if family in ("qwen2", "qwen3") and d.get("use_sliding_window") and d.get("sliding_window"):
-            # HF Qwen windows only the layers from `max_window_layers` on (or as `layer_types` lists them).
-            num_layers = d["num_hidden_layers"]
-            layer_types = d.get("layer_types") or [
-                "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
-                for i in range(num_layers)
-            ]
-            if set(layer_types) == {"sliding_attention"}:
-                sliding = d["sliding_window"]
-            elif set(layer_types) != {"full_attention"}:
-                raise UnsupportedModelError(
-                    "per-layer sliding windows (some layers windowed, some not: max_window_layers / layer_types) "
-                    "are not supported"
-                )
-        gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else {}
+        if family in ("qwen2", "qwen3"):
+            sliding = fields.qwen_window(d)
+        gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
+            fields.olmo3_fields(d) if family == "olmo3" else {})  # (layers that attend differently)
         if gemma:
             sliding = d.get("sliding_window")
         quant = d.get("quantization_config") or {}
@@ -315,12 +306,12 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "olmo2", *GRANITE_FAMILIES,
-                           *GLM_FAMILIES)
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *OLMO_FAMILIES,
+                           *GRANITE_FAMILIES, *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in GLM_FAMILIES))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "olmo2")
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", *OLMO_FAMILIES)
             or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
@@ -352,8 +343,8 @@ class ModelConfig:
             "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
-        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "olmo2", *GRANITE_FAMILIES,
-                           *GLM_FAMILIES):
+        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *OLMO_FAMILIES,
+                           *GRANITE_FAMILIES, *GLM_FAMILIES):
             d["attention_bias"] = self.attention_bias
         if self.family == "qwen2_moe":
             d["qkv_bias"] = self.attention_bias
@@ -372,6 +363,8 @@ class ModelConfig:
             if self.family not in ("mistral", "mixtral"):
                 d["use_sliding_window"] = True
                 d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
+        if self.family == "olmo3":
+            d.update(fields.olmo3_hf(self))
         if self.family in GEMMA_FAMILIES:
             d.update(model_type="gemma3_text" if self.family == "gemma3" else "gemma2",
                      hidden_activation=self.hidden_act,

@@ -263,3 +263,39 @@ def check_ernie(family: str, d: dict[str, Any]) -> None:
                                     "are not supported: only every layer from moe_layer_start_index to the last")
     if d.get("use_bias"):
         raise UnsupportedModelError("ERNIE 4.5 MoE with use_bias (biased MLPs beside the experts) is not supported")
+
+
+def qwen_window(d: dict[str, Any]) -> int | None:
+    """A Qwen2 or Qwen3 config's sliding window, which must cover every layer or none: HF Qwen windows only the
+    layers from `max_window_layers` on (or as `layer_types` lists them)."""
+    if not (d.get("use_sliding_window") and d.get("sliding_window")):
+        return None
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(d["num_hidden_layers"])]
+    if set(layer_types) == {"sliding_attention"}:
+        return d["sliding_window"]
+    if set(layer_types) != {"full_attention"}:
+        raise UnsupportedModelError("per-layer sliding windows (some layers windowed, some not: max_window_layers / "
+                                    "layer_types) are not supported")
+    return None
+
+
+def olmo3_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's windowed and global layers (three of four windowed by default), the windowed ones on an unscaled
+    rotary embedding of their own base (`rope_local_theta`)."""
+    n = d["num_hidden_layers"]
+    layer_types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    local = (d.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"scaled rotary embeddings on the sliding layers ({local}) are not supported")
+    theta = local.get("rope_theta") or d.get("rope_theta")
+    return dict(layer_types=tuple(layer_types), rope_local_theta=None if theta is None else float(theta))
+
+
+def olmo3_hf(cfg: Any) -> dict[str, Any]:
+    """An OLMo 3 model's own HF config keys (the inverse of `olmo3_fields`)."""
+    full = rope_scaling_hf(cfg.rope_scaling) if cfg.rope_scaling.rope_type != "default" else {"rope_type": "default"}
+    return {"layer_types": list(cfg.layer_types or ()), "rope_parameters": {
+        "full_attention": {**full, "rope_theta": cfg.rope_theta},
+        "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}}

@@ -134,6 +134,11 @@ FAMILIES = {
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 16, "use_bias": True}),
     # OLMo 2: norms after attention and the MLP only, q and k normed over all their heads.
     "olmo2": ("Olmo2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # OLMo 3: OLMo 2's layers, three windowed and one global, the windowed ones on their own unscaled rotary base.
+    "olmo3": ("Olmo3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "num_hidden_layers": 4,
+                              "sliding_window": 8, "rope_parameters": {
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}}),
     # Seed-OSS: Llama with q/k/v biases, which is Qwen2.
     "seed_oss": ("SeedOssConfig", {"head_dim": 16}),
 }
