@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig, rope_inv_freq_and_scale
+from jaxserve.config import GEMMA_FAMILIES, OLMO_FAMILIES, ModelConfig, rope_inv_freq_and_scale
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import lora_deltas
@@ -28,12 +28,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The model's RMSNorm: Gemma's scales by (1 + weight), in float32 (as HF does)."""
-    if cfg.family not in GEMMA_FAMILIES:
+    """The model's RMSNorm: Gemma's scales by (1 + weight), in float32, OLMo's by its weight in float32 (as HF
+    does)."""
+    if cfg.family not in (*GEMMA_FAMILIES, *OLMO_FAMILIES):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    scale = weight.astype(jnp.float32) + (1.0 if cfg.family in GEMMA_FAMILIES else 0.0)
+    return (xf * scale).astype(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, long_prompt: jax.Array | None = None,
