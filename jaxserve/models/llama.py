@@ -204,13 +204,10 @@ def _layer(
 
 
 def _qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """q or k ([T, H, D]) normed per head by a [D] weight, or (OLMo 2) over all heads at once by an [H, D] one (in
-    float32, its weight applied before the cast, as HF does)."""
+    """q or k ([T, H, D]) normed per head by a [D] weight, or (OLMo) over all heads at once by an [H, D] one."""
     if weight.ndim == 1:
         return model_norm(cfg, x, weight)
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + cfg.rms_norm_eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+    return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
 
 
 def _residual(cfg: ModelConfig, out: jax.Array) -> jax.Array:
