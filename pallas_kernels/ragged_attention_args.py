@@ -52,7 +52,8 @@ def quantize_kv(x: jax.Array, page_dtype) -> jax.Array:
 
 
 def check_attention_args(
-    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key=None
+    q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key=None,
+    sinks=None,
 ) -> None:
     """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
     if q.ndim != 3:
@@ -95,6 +96,9 @@ def check_attention_args(
     if last_key is not None and (last_key.shape != q.shape[:1] or last_key.dtype != jnp.int32):
         raise ValueError(f"last_key must be int32 [{q.shape[0]}] (one per query token), got {last_key.dtype} "
                          f"{last_key.shape}")
+    if sinks is not None and (sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise ValueError(f"sinks must be a float [{num_q_heads}] (one logit per query head), got {sinks.dtype} "
+                         f"{sinks.shape}")
     check_score_args(sm_scale, soft_cap, sliding_window)
 
 
@@ -263,13 +267,23 @@ def blocks_to_tokens(ob: jax.Array, tok_block, tok_row, tok_valid, block_q: int,
     return out.reshape(out.shape[0], num_kv_heads * group, head_dim)
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, denom: jax.Array) -> jax.Array:
+def combine_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """Flash-decoding partials of the KV splits (axis 0): unnormalized accumulators `[NS, ..., D]`, row maxima
-    and row sums `[NS, ...]` -> the normalized output `[..., D]` float32 (rows with no key: zero)."""
+    and row sums `[NS, ...]` -> the normalized output `[..., D]` float32 (rows with no key: zero). `sinks`
+    (broadcast to the rows `[...]`): each row's attention-sink logit, in the denominator once (`sink_denom`)."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp(m - m_max[None])
     l_sum = jnp.sum(w * denom, axis=0)
+    if sinks is not None:
+        l_sum = sink_denom(l_sum, m_max, sinks)
     return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+
+
+def sink_denom(denom: jax.Array, m: jax.Array, sinks: jax.Array) -> jax.Array:
+    """An online softmax's denominator (over scores whose running max is `m`) with each row's attention sink
+    (gpt-oss): a logit that joins the softmax and takes its share of the weight but has no value. A row that saw
+    no key (`m` at -inf or `M_FLOOR`) gets an infinite denominator, so its output stays zero."""
+    return denom + jnp.exp(sinks.astype(jnp.float32) - m)
 
 
 def default_splits(num_blocks: int, num_kv_heads: int, kv_capacity: int, block_kv: int) -> int:

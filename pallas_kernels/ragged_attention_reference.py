@@ -31,11 +31,14 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     last_key: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Plain `jax.numpy` ragged paged attention, the kernels' oracle (the engine's `xla` backend computes
-    the same in blocks of pages; a test holds the two equal)."""
+    the same in blocks of pages; a test holds the two equal). `sinks` [QH]: each head's attention-sink logit
+    (gpt-oss), one more column of the softmax whose probability is dropped."""
     check_attention_args(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
+        sinks,
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -77,7 +80,7 @@ def ragged_paged_attention_reference(
         ]  # [T,S,L]
         logits = jnp.where(full_mask[:, None, None], logits, _MASKED)
         shape = logits.shape
-        probs = jax.nn.softmax(logits.reshape(*shape[:3], -1), axis=-1).reshape(shape)
+        probs = _softmax(logits.reshape(*shape[:3], -1), sinks).reshape(shape)
         out = jnp.einsum("tkgsl,slkd->tkgd", probs, v_seq.astype(jnp.float32))
     else:
         k_tok = k_seq[tok_seq]  # [T, L, KVH, D]
@@ -85,7 +88,17 @@ def ragged_paged_attention_reference(
         logits = jnp.einsum("tkgd,tlkd->tkgl", qg, k_tok, preferred_element_type=jnp.float32)
         logits = finish(logits)
         logits = jnp.where(mask[:, None, None, :], logits, _MASKED)
-        probs = jax.nn.softmax(logits, axis=-1)
+        probs = _softmax(logits, sinks)
         out = jnp.einsum("tkgl,tlkd->tkgd", probs, v_tok.astype(jnp.float32))
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _softmax(logits: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """The softmax over the last axis of [T, KVH, G, N] logits; with `sinks` [KVH * G], over one more column
+    holding each head's sink, which is then dropped."""
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    T, kvh, g, _ = logits.shape
+    column = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, g, 1), (T, kvh, g, 1))
+    return jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]

@@ -33,6 +33,7 @@ from pallas_kernels.ragged_attention_args import (
     logits,
     mask_keys,
     queries_to_blocks,
+    sink_denom,
     token_metadata,
     window_start,
 )
@@ -106,13 +107,15 @@ def _attention_kernel(
     num_splits: int,
     use_mma: bool,
     has_last: bool,
+    has_sinks: bool,
 ):
     """One program: one block of query tokens of one sequence, one KV head with its whole query-head group.
-    With `has_last`, the first of `refs` holds each row's last visible key (`last_key` laid out as the rows)."""
-    if has_last:
-        last_ref, *out_refs = refs
-    else:
-        last_ref, out_refs = None, refs
+    With `has_last`, the first of `refs` holds each row's last visible key (`last_key` laid out as the rows); with
+    `has_sinks`, the next holds each row's attention-sink logit (applied here, or in `combine_splits`)."""
+    refs = list(refs)
+    last_ref = refs.pop(0) if has_last else None
+    sink_ref = refs.pop(0) if has_sinks else None
+    out_refs = refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_pages = k_pages_ref.shape[0]
     pages_per_seq = block_tables_ref.shape[1]
@@ -178,6 +181,8 @@ def _attention_kernel(
 
     if num_splits == 1:
         (o_ref,) = out_refs
+        if sink_ref is not None:
+            denom = sink_denom(denom, m, sink_ref[...])
         o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
     else:
         o_ref, m_ref, l_ref = out_refs
@@ -227,12 +232,16 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     last_key: jax.Array | None = None,
+    sinks: jax.Array | None = None,
     interpret: bool = False,
     tuning: AttentionTuning = AttentionTuning(),
 ) -> jax.Array:
-    """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype."""
+    """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
+    [QH]: each head's attention-sink logit (gpt-oss); such batches stay on this kernel (the Mosaic GPU kernels
+    have no sinks)."""
     check_attention_args(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key
+        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
+        sinks,
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -243,7 +252,7 @@ def ragged_paged_attention(
     if num_tokens == 0:
         return jnp.zeros_like(q)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
-    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering):
+    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering) and sinks is None:
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
         from pallas_kernels.ragged_attention_mosaic import ragged_mosaic_supported
 
@@ -278,6 +287,7 @@ def ragged_paged_attention(
         num_splits=splits,
         use_mma=use_mma,
         has_last=last_key is not None,
+        has_sinks=sinks is not None,
     )
     # Metadata, block tables and the page pools are whole-array refs: pages are gathered inside the kernel.
     in_specs = [
@@ -292,6 +302,12 @@ def ragged_paged_attention(
         rows_last = jnp.repeat(last_key[gather_tok], group, axis=1)
         operands.append(jnp.pad(rows_last, ((0, 0), (0, rows - block_q * group)), constant_values=-1))
         in_specs.append(pl.BlockSpec((None, rows), lambda b, h, k: (b, 0)))
+    sink_rows = None
+    if sinks is not None:  # [KVH, rows]: row r of KV head h is query head h * group + r % group (padding: 0)
+        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q))
+        sink_rows = jnp.pad(sink_rows, ((0, 0), (0, rows - block_q * group)))
+        operands.append(sink_rows)
+        in_specs.append(pl.BlockSpec((None, rows), lambda b, h, k: (h, 0)))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, k: (b, h, 0, 0))
@@ -320,7 +336,8 @@ def ragged_paged_attention(
     if splits == 1:
         ob = result
     else:
-        ob = combine_splits(*result)  # [NS, NB, KVH, rows, D], [NS, NB, KVH, rows] x2 -> [NB, KVH, rows, D]
+        # [NS, NB, KVH, rows, D], [NS, NB, KVH, rows] x2 -> [NB, KVH, rows, D]
+        ob = combine_splits(*result, sinks=None if sink_rows is None else sink_rows[None])
 
     return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
 

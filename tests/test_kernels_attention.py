@@ -236,6 +236,14 @@ def test_validation_messages(fn, mutate, error, match):
         fn(*args, sm_scale=0.125)
 
 
+@pytest.mark.parametrize(
+    "fn", [ragged_paged_attention_reference, functools.partial(ragged_paged_attention, interpret=True)]
+)
+def test_sinks_must_be_one_per_query_head(fn):
+    with pytest.raises(ValueError, match=r"sinks must be a float \[4\] \(one logit per query head\), got float32 \(2,\)"):
+        fn(*_args(), sm_scale=0.125, sinks=jnp.zeros((2,), jnp.float32))
+
+
 def test_row_pages_per_block():
     """A row's block of keys stays within 32 KiB: SmolLM2's float32 pages (16 x 3 x 64) go 2 at a time,
     bfloat16 ones 4, pages of 8 x 128 heads one at a time, tiny test heads 16."""
@@ -346,3 +354,39 @@ def test_spans_attended_both_ways(tuning, sliding_window):
             *args, last_key=last_key))
         np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
         np.testing.assert_array_equal(got[n:], 0.0)
+
+
+@pytest.mark.parametrize("tuning,sliding_window", [
+    (AttentionTuning(), None),
+    (AttentionTuning(block_q=4, block_kv=16), 9),
+    (AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8), None),
+])
+def test_attention_sinks(tuning, sliding_window):
+    """gpt-oss's attention sinks (a logit per head that joins the softmax and carries no value): the reference
+    equals the float64 oracle, and the Pallas kernel (whole and split over the KV length) and the engine's CPU
+    attention (prompt tiles and decode rows) equal the reference; the sinks change every output."""
+    from jaxserve.models.attention import xla_ragged_paged_attention
+
+    rng = np.random.default_rng(21)
+    group, kv_heads = 3, 2
+    batch = make_batch(rng, page_size=8, head_dim=32, group=group, num_kv_heads=kv_heads, dtype=jnp.float32,
+                       seqs=[(1, 19), (9, 20), (1, 1), (13, 16), (1, 12)], pages_per_seq=4)
+    sinks = jnp.asarray(rng.uniform(-1.0, 3.0, group * kv_heads), jnp.float32)
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    kw = dict(sm_scale=0.3, sliding_window=sliding_window)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw, sinks=sinks))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(ref[:n], naive_attention(batch, **kw, sinks=np.asarray(sinks))[:n], atol=2e-5)
+    plain = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    assert np.abs(ref[:n] - plain[:n]).max(axis=(1, 2)).min() > 1e-3  # every token's output moves
+    got = np.asarray(ragged_paged_attention(*args, **kw, sinks=sinks, interpret=_interpret(), tuning=tuning))
+    np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    for decode, seqs in ((False, None), (True, [(1, 19), (1, 1), (1, 12)])):
+        b = batch if seqs is None else make_batch(rng, page_size=8, head_dim=32, group=group, num_kv_heads=kv_heads,
+                                                   dtype=jnp.float32, seqs=seqs, pages_per_seq=4)
+        a = (b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens, b.query_start_loc)
+        want = np.asarray(ragged_paged_attention_reference(*a, **kw, sinks=sinks))
+        xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, query_block=4,
+                                                   decode=decode))(*a, sinks=sinks))
+        np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)

@@ -89,8 +89,9 @@ def span_last_key(b: Batch, spans_per_seq, rng=None) -> jnp.ndarray:
     return jnp.asarray(last)
 
 
-def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, last_key=None) -> np.ndarray:
-    """Loop-per-token float64 attention straight from the contract; independent of the library's reference."""
+def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, last_key=None, sinks=None) -> np.ndarray:
+    """Loop-per-token float64 attention straight from the contract; independent of the library's reference.
+    `sinks` [QH]: each head's sink logit, a share of the softmax with no value."""
     q = np.asarray(b.q, np.float64)
     k = np.asarray(b.k_pages, np.float64)
     v = np.asarray(b.v_pages, np.float64)
@@ -114,8 +115,10 @@ def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, l
                 logits = k[pages, kv % page_size, kh] @ q[t, h] * sm_scale
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
-                p = np.exp(logits - logits.max())
-                out[t, h] = (p / p.sum()) @ v[pages, kv % page_size, kh]
+                top = logits.max() if sinks is None else max(logits.max(), float(sinks[h]))
+                p = np.exp(logits - top)
+                denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - top))
+                out[t, h] = (p / denom) @ v[pages, kv % page_size, kh]
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_attention_args import clamp_last_key, quantize_kv, token_metadata
+from pallas_kernels.ragged_attention_args import clamp_last_key, quantize_kv, sink_denom, token_metadata
 
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
 # pallas_mosaic: attention on the Mosaic GPU kernels (Hopper): decode-only batches on the decode kernel, batches
@@ -39,6 +39,7 @@ def xla_ragged_paged_attention(
     query_block: int = 32,
     decode: bool = False,
     kv_dtype=None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention in plain JAX, with an online softmax over blocks of pages.
 
@@ -58,10 +59,10 @@ def xla_ragged_paged_attention(
 
     `kv_dtype` (static) is the dtype the pages hold when the pools are their raw bits (unsigned integers
     of its width; see `kv_storage_bits`), else None. `last_key` [T]: spans attended both ways (the kernels'
-    contract, `pallas_kernels.ragged_attention_args`).
+    contract, `pallas_kernels.ragged_attention_args`); `sinks` [Hq]: each head's attention-sink logit (gpt-oss).
     """
     kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block,
-              query_block=query_block, kv_dtype=kv_dtype)
+              query_block=query_block, kv_dtype=kv_dtype, sinks=sinks)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, q.shape[0])
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key)
     if decode:
@@ -150,12 +151,18 @@ def _init(R: int, Hkv: int, G: int, D: int):
             jnp.zeros((R, Hkv, G, D), jnp.float32))
 
 
-def _finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
+def _finish(carry, sinks: jax.Array | None) -> jax.Array:
+    """The normalized output [R, Hq, D] of an online softmax's (max, denominator, accumulator) over [R, Hkv, G];
+    with `sinks` [Hq], each head's sink in the denominator (a row that saw no key stays zero)."""
+    m, denom, acc = carry
+    if sinks is not None:
+        denom = sink_denom(denom, m, sinks.reshape(m.shape[1:]))
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(out.shape[0], -1, out.shape[-1])
 
 
-def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, sliding_window, pages_per_block, kv_dtype):
+def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, sliding_window, pages_per_block, kv_dtype,
+                    sinks):
     """Each query row against its own pages, `pages_per_block` at a time (None: `row_pages_per_block`).
     qf: [R, Hkv, G, D] f32, scaled; pos: [R] (-1: sees no key); last: [R], each row's last visible key, or
     None (causal); tables: [R, P]. Returns [R, Hq, D] f32 (zero for a row that sees no key)."""
@@ -175,8 +182,7 @@ def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, slidin
         s = _cap(jnp.einsum("tkgd,tjkd->tkgj", qf, k), soft_cap)
         return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("tkgj,tjkd->tkgd", p, v))
 
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, _init(R, Hkv, G, D))
-    return _finish(denom, acc)
+    return _finish(jax.lax.fori_loop(0, num_blocks, body, _init(R, Hkv, G, D)), sinks)
 
 
 def _token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
@@ -188,13 +194,14 @@ def _token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
 
 
 def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
-                         sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype):
+                         sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype, sinks):
     """Every token gathers its own sequence's pages, one block at a time: all tokens at once when
     they fit in one chunk of `query_block`, else the real tokens a chunk at a time."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2]
     seq, pos, last, valid = _token_rows(seq_lens, query_start_loc, T, last_key)
-    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype)
+    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
+              sinks=sinks)
     if T <= query_block:
         qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
         return _rows_attention(qf, pos, last, block_tables[seq], k_pages, v_pages, **kw).astype(q.dtype)
@@ -232,7 +239,7 @@ def _row_chunks(qf, seq, pos, last, select, block_tables, k_pages, v_pages, out,
 
 
 def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
-                     sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype):
+                     sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype, sinks):
     """A mixed batch. Each prompt chunk (a sequence with several query tokens) goes in tiles of
     `query_block` tokens; a tile reads each block of its sequence's pages once for all its tokens.
     Decode tokens (one query token in their sequence) go `query_block` at a time, each reading its own
@@ -245,7 +252,8 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
     # would shift it back instead).
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
-    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype)
+    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
+              sinks=sinks)
     tables, B = _pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)  # the tiles' blocks of pages
     J = B * page_size
 
@@ -300,8 +308,8 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
                 return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
 
             init = _init(rows_per_tile, Hkv, G, D)
-            _, denom, acc = jax.lax.fori_loop(first // J, (last + J - 1) // J, block, init)
-            new = jnp.where(real[:, None, None], _finish(denom, acc),
+            done = _finish(jax.lax.fori_loop(first // J, (last + J - 1) // J, block, init), sinks)
+            new = jnp.where(real[:, None, None], done,
                             jax.lax.dynamic_slice_in_dim(out, start, rows_per_tile))
             return jax.lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
 
@@ -350,11 +358,12 @@ def paged_attention(
     last_key: jax.Array | None = None,
     decode: bool = False,
     kv_dtype=None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
-    pools of raw bits hold; `last_key` [T]: spans attended both ways."""
-    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key)
+    pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits."""
+    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key, sinks=sinks)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           decode=decode, kv_dtype=kv_dtype, **kwargs)
