@@ -16,7 +16,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
                  "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3"]
 
-_HF_ARCHITECTURES: dict[str, Family] = {
+HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
@@ -240,15 +240,15 @@ class ModelConfig:
         archs = d.get("architectures") or []
         family: Family | None = None
         for arch in archs:
-            if arch in _HF_ARCHITECTURES:
-                family = _HF_ARCHITECTURES[arch]
+            if arch in HF_ARCHITECTURES:
+                family = HF_ARCHITECTURES[arch]
                 break
         if family is None:
             family = _HF_MODEL_TYPES.get(d.get("model_type", ""))
         if family is None:
             raise UnsupportedModelError(
                 f"architecture {archs or d.get('model_type')!r} is not supported "
-                f"(supported: {', '.join(_HF_ARCHITECTURES)})"
+                f"(supported: {', '.join(HF_ARCHITECTURES)})"
             )
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
@@ -325,68 +325,9 @@ class ModelConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict describing this model (for `jaxserve convert`)."""
-        arch = next(k for k, v in _HF_ARCHITECTURES.items() if v == self.family)
-        d: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": self.hidden_act,
-            "torch_dtype": "float32",
-        }
-        if self.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *OLMO_FAMILIES,
-                           *GRANITE_FAMILIES, *GLM_FAMILIES):
-            d["attention_bias"] = self.attention_bias
-        if self.family == "qwen2_moe":
-            d["qkv_bias"] = self.attention_bias
-        if self.num_experts:
-            d.update(fields.moe_hf(self))
-        if self.family in ("llama", "smollm3", "granite"):
-            d["mlp_bias"] = self.mlp_bias
-        if self.family in ERNIE_FAMILIES:
-            d["use_bias"] = self.attention_bias
-        if self.family in GRANITE_FAMILIES:
-            d.update(fields.granite_hf(self))
-        elif self.no_rope_layers is not None:
-            d["no_rope_layers"] = list(self.no_rope_layers)
-        if self.sliding_window is not None:
-            d["sliding_window"] = self.sliding_window
-            if self.family not in ("mistral", "mixtral"):
-                d["use_sliding_window"] = True
-                d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
-        if self.family == "olmo3":
-            d.update(fields.olmo3_hf(self))
-        if self.family in GEMMA_FAMILIES:
-            d.update(model_type="gemma3_text" if self.family == "gemma3" else "gemma2",
-                     hidden_activation=self.hidden_act,
-                     query_pre_attn_scalar=fields.int_if_whole(self.query_pre_attn_scalar),
-                     attn_logit_softcapping=self.attn_logit_softcap,
-                     final_logit_softcapping=self.final_logit_softcap, layer_types=list(self.layer_types or ()))
-            for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys: Gemma lists layer_types
-                d.pop(key, None)
-            if self.rope_local_theta is not None:
-                d["rope_local_base_freq"] = self.rope_local_theta
-        if self.kv_cache_scales:
-            d["quantization_config"] = {
-                "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-                "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                                    "symmetric": True}}
-        if self.rotary_dim is not None:
-            d["partial_rotary_factor"] = self.rotary_dim / self.head_dim
-        if self.rope_scaling.rope_type != "default":
-            d["rope_scaling"] = fields.rope_scaling_hf(self.rope_scaling)
-        if self.mrope_section is not None:  # (no model has both)
-            d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(self.mrope_section)}
-        return d
+        from jaxserve.config_hf import config_to_hf
+
+        return config_to_hf(self)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool,

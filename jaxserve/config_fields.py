@@ -167,6 +167,8 @@ def rope_scaling_hf(rs: Any) -> dict[str, Any]:
     if rs.rope_type == "yarn":
         scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
                        original_max_position_embeddings=rs.original_max_position_embeddings)
+        if not rs.truncate:
+            scaling["truncate"] = False
         for key in ("mscale", "mscale_all_dim", "attention_factor"):
             if getattr(rs, key) is not None:
                 scaling[key] = getattr(rs, key)

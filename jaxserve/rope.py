@@ -35,6 +35,7 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
+    truncate: bool = True  # YaRN: the correction range's ends rounded to whole dims (gpt-oss: not)
     freq_factors: tuple[float, ...] | None = None
     short_factor: tuple[float, ...] | None = None  # LongRoPE's
     long_factor: tuple[float, ...] | None = None
@@ -48,8 +49,6 @@ class RopeScaling:
             raise UnsupportedModelError(
                 f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
             )
-        if rope_type == "yarn" and d.get("truncate", True) is False:
-            raise UnsupportedModelError("yarn rope scaling with truncate=false is not supported")
         if rope_type == "default":
             # One canonical form, so equal models give equal (jit-static) configs whichever way HF wrote them.
             return cls()
@@ -163,8 +162,10 @@ def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False, long: bool = 
         def correction_dim(num_rotations: float) -> float:
             return (d * math.log(old / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
-        low = max(math.floor(correction_dim(rs.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(rs.beta_slow)), d - 1)
+        low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+        if rs.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
         if low == high:
             high += 0.001
         out = []

@@ -160,8 +160,6 @@ def test_refuses_heads_not_divisible():
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
      "rope_scaling type 'dynamic' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4, "truncate": False}},
-     "yarn rope scaling with truncate=false"),
     ({"head_dim": 15}, "head_dim must be even"),
     ({"partial_rotary_factor": 0.3125}, r"the rotary dims must be even and 1 to head_dim \(16\), got 5"),
     ({"num_hidden_layers": 0}, "num_layers must be a positive integer"),
@@ -242,6 +240,9 @@ ROPES = {
                     "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 1.0},
     "yarn-attention-factor": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 128, "attention_factor": 0.8},
+    # gpt-oss's: the correction range's ends not rounded
+    "yarn-untruncated": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
 }
 
 

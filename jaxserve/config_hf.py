@@ -1,0 +1,82 @@
+"""A `ModelConfig` as the HF `config.json` dict that describes it (the inverse of `ModelConfig.from_hf`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve import config_fields as fields
+from jaxserve.config import (
+    ERNIE_FAMILIES,
+    GEMMA_FAMILIES,
+    GLM_FAMILIES,
+    GRANITE_FAMILIES,
+    HF_ARCHITECTURES,
+    OLMO_FAMILIES,
+    ModelConfig,
+)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF `config.json` dict describing `cfg` (for `jaxserve convert`)."""
+    arch = next(k for k, v in HF_ARCHITECTURES.items() if v == cfg.family)
+    d: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": cfg.hidden_act,
+        "torch_dtype": "float32",
+    }
+    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *OLMO_FAMILIES,
+                       *GRANITE_FAMILIES, *GLM_FAMILIES):
+        d["attention_bias"] = cfg.attention_bias
+    if cfg.family == "qwen2_moe":
+        d["qkv_bias"] = cfg.attention_bias
+    if cfg.num_experts:
+        d.update(fields.moe_hf(cfg))
+    if cfg.family in ("llama", "smollm3", "granite"):
+        d["mlp_bias"] = cfg.mlp_bias
+    if cfg.family in ERNIE_FAMILIES:
+        d["use_bias"] = cfg.attention_bias
+    if cfg.family in GRANITE_FAMILIES:
+        d.update(fields.granite_hf(cfg))
+    elif cfg.no_rope_layers is not None:
+        d["no_rope_layers"] = list(cfg.no_rope_layers)
+    if cfg.sliding_window is not None:
+        d["sliding_window"] = cfg.sliding_window
+        if cfg.family not in ("mistral", "mixtral"):
+            d["use_sliding_window"] = True
+            d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
+    if cfg.family == "olmo3":
+        d.update(fields.olmo3_hf(cfg))
+    if cfg.family in GEMMA_FAMILIES:
+        d.update(model_type="gemma3_text" if cfg.family == "gemma3" else "gemma2",
+                 hidden_activation=cfg.hidden_act,
+                 query_pre_attn_scalar=fields.int_if_whole(cfg.query_pre_attn_scalar),
+                 attn_logit_softcapping=cfg.attn_logit_softcap,
+                 final_logit_softcapping=cfg.final_logit_softcap, layer_types=list(cfg.layer_types or ()))
+        for key in ("use_sliding_window", "max_window_layers"):  # Qwen's keys: Gemma lists layer_types
+            d.pop(key, None)
+        if cfg.rope_local_theta is not None:
+            d["rope_local_base_freq"] = cfg.rope_local_theta
+    if cfg.kv_cache_scales:
+        d["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+            "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                "symmetric": True}}
+    if cfg.rotary_dim is not None:
+        d["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    if cfg.rope_scaling.rope_type != "default":
+        d["rope_scaling"] = fields.rope_scaling_hf(cfg.rope_scaling)
+    if cfg.mrope_section is not None:  # (no model has both)
+        d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section)}
+    return d
