@@ -14,7 +14,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
-                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3"]
+                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -39,6 +39,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
     "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
@@ -46,7 +47,7 @@ _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1")
+                                  "dots1", "gpt_oss")
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
@@ -111,6 +112,10 @@ class ModelConfig:
     expert_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     first_dense_layers: int = 0  # the first layers' MLP is dense, `intermediate_size` wide (`Params.dense_layers`)
+    # gpt-oss's experts: biased, and a clamped SwiGLU, (min(up, limit) clipped both ways + 1) * g * sigmoid(alpha * g)
+    # for g = min(gate, limit); None: SiLU(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     # Per-layer `k_scale` / `v_scale` tensors for a float8 KV cache (a compressed-tensors `kv_cache_scheme`).
     kv_cache_scales: bool = False
     mrope_section: tuple[int, ...] | None = None
@@ -210,6 +215,11 @@ class ModelConfig:
         return self.family in OLMO_FAMILIES
 
     @property
+    def attention_sinks(self) -> bool:
+        """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss)."""
+        return self.family == "gpt_oss"
+
+    @property
     def output_bias(self) -> bool:
         """Whether the attention's output projection has a bias (Qwen2's and GLM's biases are q, k and v's only)."""
         return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", "glm4_moe", *GLM_FAMILIES)
@@ -267,7 +277,7 @@ class ModelConfig:
         if family in ("qwen2", "qwen3"):
             sliding = fields.qwen_window(d)
         gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
-            fields.olmo3_fields(d) if family == "olmo3" else {})  # (layers that attend differently)
+            fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else {})  # (layers that differ)
         if gemma:
             sliding = d.get("sliding_window")
         quant = d.get("quantization_config") or {}
@@ -306,9 +316,9 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *OLMO_FAMILIES,
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", *OLMO_FAMILIES,
                            *GRANITE_FAMILIES, *GLM_FAMILIES)
-                and bool(d.get("attention_bias", family in GLM_FAMILIES))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
+                and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", *OLMO_FAMILIES)

@@ -181,10 +181,11 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         num_experts=d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0,
         num_experts_per_tok=d.get("num_experts_per_tok", 2),
         # Mixtral's and Granite's experts have the config's MLP width; the others declare theirs apart.
-        moe_intermediate_size=d["intermediate_size"] if family == "mixtral" or family.startswith("granite")
+        moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "gpt_oss") or family.startswith("granite")
         else d["moe_intermediate_size"],
-        # Granite: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
-        norm_topk_prob=family == "mixtral" or family.startswith("granite") or bool(d.get("norm_topk_prob", False)),
+        # Granite, gpt-oss: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
+        norm_topk_prob=family in ("mixtral", "gpt_oss") or family.startswith("granite")
+        or bool(d.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family == "qwen2_moe"
                                               else "shared_intermediate_size") or 0,
     )
@@ -209,7 +210,7 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
 def moe_hf(cfg: Any) -> dict[str, Any]:
     """A MoE model's HF config keys (the inverse of `moe_fields`)."""
     d: dict[str, Any] = {"num_experts_per_tok": cfg.num_experts_per_tok}
-    if cfg.family == "mixtral" or cfg.family.startswith("granite"):
+    if cfg.family in ("mixtral", "gpt_oss") or cfg.family.startswith("granite"):
         return {**d, "num_local_experts": cfg.num_experts, "intermediate_size": cfg.moe_intermediate_size}
     d.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
     shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)
@@ -301,3 +302,21 @@ def olmo3_hf(cfg: Any) -> dict[str, Any]:
     return {"layer_types": list(cfg.layer_types or ()), "rope_parameters": {
         "full_attention": {**full, "rope_theta": cfg.rope_theta},
         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}}
+
+
+def gpt_oss_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's windowed and global layers (alternating by default) and its experts' clamped SwiGLU."""
+    n = d["num_hidden_layers"]
+    layer_types = d.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    return dict(layer_types=tuple(layer_types), swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
+
+
+def gpt_oss_hf(cfg: Any) -> dict[str, Any]:
+    """A gpt-oss model's own HF config keys (the inverse of `gpt_oss_fields`)."""
+    return {"layer_types": list(cfg.layer_types or ()), "swiglu_limit": cfg.swiglu_limit,
+            "swiglu_alpha": cfg.swiglu_alpha, "num_local_experts": cfg.num_experts}
+
+
+# Families whose layers differ (windowed or global), by the fields that say how.
+PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields}

@@ -36,7 +36,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "torch_dtype": "float32",
     }
-    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", *OLMO_FAMILIES,
+    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", *OLMO_FAMILIES,
                        *GRANITE_FAMILIES, *GLM_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
@@ -58,6 +58,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
     if cfg.family == "olmo3":
         d.update(fields.olmo3_hf(cfg))
+    if cfg.family == "gpt_oss":
+        d.update(fields.gpt_oss_hf(cfg))
+        del d["use_sliding_window"], d["max_window_layers"]
     if cfg.family in GEMMA_FAMILIES:
         d.update(model_type="gemma3_text" if cfg.family == "gemma3" else "gemma2",
                  hidden_activation=cfg.hidden_act,

@@ -14,7 +14,8 @@ Two descriptions of quantized weights are read from a checkpoint's `quantization
   (`scales`) per group of `group_size` input rows, the group of each row given by `g_idx` when the rows were
   quantized in activation order (`desc_act`); the "gptq" checkpoint format stores each zero point minus one;
 - `quant_method: "awq"` (AutoAWQ's GEMM checkpoints): 4-bit integers packed into int32 along the output
-  (`qweight` [K, N / 8], in AWQ's interleaved order), zero points packed alike, a scale per group of input rows.
+  (`qweight` [K, N / 8], in AWQ's interleaved order), zero points packed alike, a scale per group of input rows;
+- `quant_method: "mxfp4"` (gpt-oss's): 4-bit floats with a power-of-two scale per 32 inputs (`jaxserve.mxfp4`).
 
 Float8 (e4m3) and int8 weights with one scale per tensor or per output channel, symmetric, are kept so in memory
 (`keepable`: `models.quantized` holds them exactly, a tensor's scale as every channel's). Every other quantized
@@ -32,6 +33,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxserve import mxfp4
 from jaxserve.errors import UnsupportedModelError
 
 # Tensors of a quantized module besides its weight; the activations' are dropped (the matmuls run unquantized).
@@ -57,12 +59,14 @@ class WeightQuant:
     block: tuple[int, int] | None = None  # (rows, columns) of a block
     packed: bool = False  # integers packed into int32 (`weight_packed`, `weight_shape`)
     scale_name: str = "weight_scale"
-    layout: str = "compressed-tensors"  # or "gptq", "awq": their `qweight`, `qzeros`, `scales` (and `g_idx`)
+    layout: str = "compressed-tensors"  # or "gptq", "awq": their `qweight`, `qzeros`, `scales` (and `g_idx`); "mxfp4"
     zero_offset: int = 0  # added to each stored zero point (GPTQ's "gptq" format stores it minus one)
     act_order: bool = False  # GPTQ's rows in activation order: each row's group from `g_idx`
 
     def needs(self) -> tuple[str, ...]:
         """The tensors (parts of the module) its weight is read from."""
+        if self.layout == "mxfp4":
+            return mxfp4.PARTS
         if self.layout != "compressed-tensors":  # (AutoAWQ's symmetric weights store no zero points)
             zeros = () if self.layout == "awq" and self.symmetric else ("qzeros",)
             return ("qweight", "scales", *zeros) + (("g_idx",) if self.act_order else ())
@@ -156,10 +160,13 @@ def parse_quantization(quant: Mapping[str, Any] | None) -> CheckpointQuantizatio
         return CheckpointQuantization((Group(("Linear",), weights),), ignore)
     if method in ("gptq", "awq"):
         return _gptq_or_awq(method, quant)
+    if method == "mxfp4":  # (its modules_to_not_convert are globs; only `*_blocks` tensors are quantized anyway)
+        return CheckpointQuantization((Group(("Linear",), WeightQuant("float", 4, "group", group_size=32,
+                                                                        layout="mxfp4")),))
     if method not in (None, "compressed-tensors"):
         raise UnsupportedModelError(
             f"quantized weights (quantization_config quant_method {method!r}) are not supported; supported: fp8, "
-            "compressed-tensors (float8, int8 and packed integer weights), gptq, awq")
+            "compressed-tensors (float8, int8 and packed integer weights), gptq, awq, mxfp4")
     if not quant.get("config_groups"):
         return None
     for key in ("sparsity_config", "transform_config"):
@@ -332,11 +339,15 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], quant: Checkp
     `weight_scale` of the weight's shape (`kept`) instead. Raises ValueError naming a module whose parts never
     all came."""
     pending: dict[str, tuple[WeightQuant, dict[str, np.ndarray]]] = {}
+    is_mxfp4 = any(g.weights.layout == "mxfp4" for g in quant.groups)
     for name, array in tensors:
         module, _, part = name.rpartition(".")
         if part in DROPPED_PARTS:
             continue
-        q = quant.scheme(module) if part in WEIGHT_PARTS else None
+        packed = mxfp4.mxfp4_part(name) if is_mxfp4 else None
+        if packed is not None:  # `{module}_blocks`, `{module}_scales`: the tensor `{module}` itself
+            module, part = packed
+        q = quant.scheme(module) if part in WEIGHT_PARTS or packed else None
         if q is None or part == "weight" and array.dtype not in _QUANTIZED_DTYPES:  # norms, embeddings, ignored
             if part in WEIGHT_PARTS[1:]:
                 raise ValueError(f"tensor {name!r}: {module} is not quantized in the checkpoint's quantization_config")
@@ -348,12 +359,15 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], quant: Checkp
         parts[part] = array
         if all(p in parts for p in q.needs()):
             del pending[module]
-            if keep is not None and keepable(q) and keep(module):
+            if q.layout == "mxfp4":
+                yield module, mxfp4.dequantize_mxfp4(parts["blocks"], parts["scales"], module)
+            elif keep is not None and keepable(q) and keep(module):
                 values, scale = kept(q, parts, module)
                 yield f"{module}.weight", values
                 yield f"{module}.weight_scale", scale
             else:
                 yield f"{module}.weight", dequantize(q, parts, module)
     for module, (q, parts) in pending.items():
-        missing = [f"{module}.{p}" for p in q.needs() if p not in parts]
+        sep = "_" if q.layout == "mxfp4" else "."  # (an MXFP4 tensor's parts: `{name}_blocks`, `{name}_scales`)
+        missing = [f"{module}{sep}{p}" for p in q.needs() if p not in parts]
         raise ValueError(f"quantized weight {module} is missing {', '.join(missing)}")

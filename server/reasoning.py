@@ -14,6 +14,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | `ernie45` | as `deepseek_r1`; an answer between `<response>` and `</response>` is taken from between them | ERNIE-4.5-21B-A3B-Thinking |
 | `granite` | a reply that opens with "Here is my thought process:" (or "Here's ..."), up to "Here is my response:" (or "Here's ..."); else all answer | Granite 3.2 and 3.3 with `chat_template_kwargs: {"thinking": true}` |
 | `mistral` | a reply that opens with `[THINK]`, up to `[/THINK]` (special tokens: the reply is detokenized with them); else all answer | Magistral |
+| `openai_gptoss` | the `analysis` channel's messages of a harmony reply; the answer is the `final` channel's (and commentary preambles), tool calls passed on to the `openai` tool-call parser (server/harmony.py) | gpt-oss |
 
 A `ReasoningStream` reads a reply as it grows, with the same results as reading it whole: text that
 may still be a marker is held until it is clear.
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
+from server.harmony import HarmonyStream
 
 
 class ReasoningParser:
@@ -35,7 +37,7 @@ class ReasoningParser:
     keeps_special_tokens: ClassVar[bool] = False  # the markers are special tokens the parser must see
     wrap: ClassVar[tuple[str, str] | None] = None  # markers the answer may come between (dropped, with their newlines)
 
-    def stream(self) -> ReasoningStream:
+    def stream(self) -> ReasoningStream | HarmonyStream:
         return ReasoningStream(self.implicit_start, self.starts, self.ends, self.wrap)
 
     def parse(self, text: str) -> tuple[str | None, str]:
@@ -87,9 +89,18 @@ class MistralParser(ReasoningParser):
     keeps_special_tokens = True
 
 
+class GptOssParser(ReasoningParser):
+    name = "openai_gptoss"
+    implicit_start = False
+    keeps_special_tokens = True
+
+    def stream(self) -> HarmonyStream:
+        return HarmonyStream()
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser, GraniteParser,
-                        MistralParser)}
+                        MistralParser, GptOssParser)}
 
 
 def reasoning_parser(name: str) -> ReasoningParser:

@@ -14,6 +14,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `granite` | a reply that is `<|tool_call|>` (or `<tool_call>`) and a JSON list of `{"name", "arguments"}` | Granite 3.x |
 | `seed_oss` | as `qwen3_coder`, in a `<seed:tool_call>` region (its markers special tokens) | Seed-OSS |
 | `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6 |
+| `openai` | harmony messages to a recipient, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`, ended by `<|call|>` or the reply's end; with `--reasoning-parser openai_gptoss`, which puts every call in this form (server/harmony.py) | gpt-oss |
 
 A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
 """
@@ -27,13 +28,14 @@ import re
 from typing import Any, ClassVar, Literal
 
 from server.glm_calls import GlmCallReader
+from server.harmony import CALL, CALL_OPENER, MESSAGE
 from server.json_calls import JsonCallReader, NamedArgsReader, Reader, whole_call
 from server.py_calls import PythonCallReader
 from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
 from server.xml_calls import XmlCallReader, typed
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite",
-                     "glm45", "seed_oss"]
+                     "glm45", "seed_oss", "openai"]
 
 
 def _call(obj: Any) -> ParsedCall | None:
@@ -298,9 +300,27 @@ def _glm_value(raw: str, schema: Any) -> Any:
             return raw
 
 
+class OpenAIParser(ToolParser):
+    """gpt-oss's harmony calls: a message to `functions.NAME` (any other recipient is named as it is), its body the
+    arguments' JSON (server/harmony.py)."""
+
+    name = "openai"
+    openers = (CALL_OPENER,)
+    closer = CALL
+    keeps_special_tokens = True
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        header, sep, args = body.partition(MESSAGE)
+        recipient = header.split("<|")[0].split()[0] if header.strip() else ""
+        values = _json_values(args) if sep else None
+        if not recipient or not values or len(values) != 1 or not isinstance(values[0], dict):
+            return None
+        return [ParsedCall(recipient.removeprefix("functions."), json.dumps(values[0], ensure_ascii=False))]
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                            Phi4MiniParser, PythonicParser, Qwen3CoderParser,
-                                                           GraniteParser, Glm45Parser, SeedOssParser)}
+                                                           GraniteParser, Glm45Parser, SeedOssParser, OpenAIParser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

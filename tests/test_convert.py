@@ -88,10 +88,11 @@ def test_convert_hf_dir_round_trip(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "granitemoehybrid", "granitemoehybrid_dense", "glm4_moe",
-                                    "ernie4_5_moe", "ernie4_5", "dots1"])
+                                    "ernie4_5_moe", "ernie4_5", "dots1", "gpt_oss"])
 def test_convert_moe_writes_the_sources_tensors(tmp_path, family):
     """Granite MoE's experts, split per expert at load, are written back fused (one tensor per kind), Granite
-    4.0's shared MLP (a shared expert, or a dense model's MLP) too; GLM-4.5's and ERNIE 4.5's dense first layer,
+    4.0's shared MLP (a shared expert, or a dense model's MLP) too, gpt-oss's experts packed input-major with
+    gate and up interleaved, their biases too; GLM-4.5's and ERNIE 4.5's dense first layer,
     stacked apart, and their routers' biases are written where they came from, ERNIE's q and k rows in their
     interleaved rotary order; transformers reads the output as the model it built."""
     from safetensors import safe_open

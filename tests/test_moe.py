@@ -59,6 +59,14 @@ FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                                             "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
                                             "num_hidden_layers": 3, "head_dim": 16}),
+    # gpt-oss: attention sinks, every other layer windowed (8 of the 40-token prompt), YaRN unrounded; a biased
+    # router (top-k logits softmaxed) and biased experts packed input-major, gate and up columns interleaved, their
+    # SwiGLU clamped at 1.0 (the random weights cross it).
+    "gpt_oss": ("GptOssConfig", {**MOE, "num_local_experts": 4, "intermediate_size": 32, "head_dim": 16,
+                                 "sliding_window": 8, "swiglu_limit": 1.0, "num_hidden_layers": 3,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 64}}),
 }
 
 
@@ -130,7 +138,7 @@ def test_dispatch_equals_dense_computation_and_drops_no_token():
     wg, wu = (0.1 * jax.random.normal(k, (X, E, Fe)) for k in ks[2:4])
     wd = 0.1 * jax.random.normal(ks[4], (X, Fe, E))
     weights, experts = route(h, router, cfg)
-    got = np.asarray(local_experts(h, weights, experts, wg, wu, wd, 0))
+    got = np.asarray(local_experts(h, weights, experts, wg, wu, wd, 0, cfg))
     dense = np.zeros((T, E))
     for t in range(T):
         for j in range(cfg.num_experts_per_tok):
@@ -139,7 +147,7 @@ def test_dispatch_equals_dense_computation_and_drops_no_token():
             dense[t] += float(weights[t, j]) * np.asarray(y)
     assert np.allclose(got, dense, rtol=1e-5, atol=1e-5)
     # Split over 4 "devices" of 2 experts each, the partial outputs sum to the whole.
-    parts = sum(np.asarray(local_experts(h, weights, experts, wg[i:i + 2], wu[i:i + 2], wd[i:i + 2], i))
+    parts = sum(np.asarray(local_experts(h, weights, experts, wg[i:i + 2], wu[i:i + 2], wd[i:i + 2], i, cfg))
                 for i in range(0, X, 2))
     assert np.allclose(parts, got, rtol=1e-5, atol=1e-5)
 
@@ -195,6 +203,13 @@ def test_ep_glm4_moe_equals_unsharded(ep_results):
     assert r["dense_mlp_per_device"] == 128 // 2
 
 
+def test_ep_gpt_oss_equals_unsharded(ep_results):
+    """gpt-oss under EP=2 x TP=2: the sinks split with the heads, the experts' biases with the experts and their
+    width, the down projection's bias added by one slice of the width only."""
+    r = ep_results["gpt_oss_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["experts_per_device"] == 4
+
+
 def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_results):
     r = ep_results["engine"]
     assert r["devices"] == 4
@@ -216,6 +231,50 @@ def test_dense_first_layers_engine_greedy_equals_transformers(tmp_path, family):
     for loop, engine, expected in engines_by_layer_loop(tmp_path, *FAMILIES[family]):
         assert isinstance(engine.runner.params.layers, tuple) is (loop == "unroll")
         assert _greedy(engine) == expected, loop
+
+
+def test_gpt_oss_engine_greedy_equals_transformers(tmp_path):
+    """gpt-oss through the engine (attention sinks, windowed and global layers, biased experts), unrolled and as
+    groups of a windowed and a global layer, chunked and batched: transformers' greedy tokens."""
+    from tests.test_engine_gemma import _greedy, engines_by_layer_loop
+
+    for loop, engine, expected in engines_by_layer_loop(tmp_path, *FAMILIES["gpt_oss"]):
+        assert _greedy(engine) == expected, loop
+
+
+def test_gpt_oss_mxfp4_checkpoint_reads_as_its_dequantized_weights(tmp_path):
+    """gpt-oss's released checkpoints hold the experts in MXFP4 (`*_blocks` and `*_scales`, quant_method "mxfp4"):
+    read dequantized, they give transformers' logits of the model holding the weights that transformers' own
+    converter dequantizes them to."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = save_tiny_hf(FAMILIES["gpt_oss"][0], tmp_path, **FAMILIES["gpt_oss"][1])
+    tensors = load_file(tmp_path / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        X, K, N = tensors.pop(name).shape
+        blocks = rng.integers(0, 256, (X, N, K // 32, 16), dtype=np.uint8)
+        scales = rng.integers(121, 126, (X, N, K // 32), dtype=np.uint8)  # 2^-6 to 2^-2
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():
+            model.get_parameter(name).copy_(convert_moe_packed_tensors(
+                torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32))
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = random_prompt()
+    ours, _ = ours_logits(tmp_path, ids)
+    assert rel_err(ours, hf_logits(model, ids)) < REL_TOL
+    save_file({k: v for k, v in tensors.items() if not k.endswith("0.mlp.experts.down_proj_scales")},
+              tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="quantized weight model.layers.0.mlp.experts.down_proj is missing "
+                                              "model.layers.0.mlp.experts.down_proj_scales"):
+        ours_logits(tmp_path, ids)
 
 
 def test_multi_token_prediction_tensors_are_not_read():

@@ -43,6 +43,21 @@ CASES = [
     ("granite", "Here is my thought process: Here is my respo", " Here is my respo", ""),
     ("mistral", "[THINK]Check: 3 > 2.[/THINK]Three.", "Check: 3 > 2.", "Three."),
     ("mistral", "Three, without [THINK].", None, "Three, without [THINK]."),
+    # gpt-oss's harmony messages: analysis is reasoning, final (and a commentary preamble) the answer, a call kept
+    # in one form for the openai tool-call parser; the stop tokens <|return|> and <|call|> end the reply.
+    ("openai_gptoss", "<|channel|>analysis<|message|>2 + 2 = 4.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "Four.", "2 + 2 = 4.", "Four."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+     "Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done.<|return|>", "Think.", "Checking.Done."),
+    ("openai_gptoss", "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "Need the tool.",
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'),
+    ("openai_gptoss", '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>', None,
+     "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut <|en", "cut <|en", ""),
+    ("openai_gptoss", "<|channel|>final<|message|>No thoughts.", None, "No thoughts."),
+    ("openai_gptoss", "Plain text, no <|channel|> header first.", None, "Plain text, no <|channel|> header first."),
+    ("openai_gptoss", "<|chan", None, "<|chan"),  # no header after all: nothing is lost
 ]
 
 
@@ -73,7 +88,8 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "glm45", "granite", "mistral", "qwen3", "seed_oss"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "glm45", "granite", "mistral", "openai_gptoss",
+                                         "qwen3", "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():
@@ -157,3 +173,36 @@ def test_a_constrained_reply_is_all_answer(client):
     """Under an output constraint the model does not think: nothing is taken for reasoning."""
     m = _ask(client, "two", response_format={"type": "json_object"}).choices[0].message
     assert m.content == REPLIES["two"] and "reasoning" not in (m.model_extra or {})
+
+
+HARMONY = ("<|channel|>analysis<|message|>The user wants the weather in Paris.<|end|><|start|>assistant<|channel|>"
+           'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+
+
+def test_gpt_oss_harmony_reasoning_and_tool_calls_over_http():
+    """gpt-oss served with `--reasoning-parser openai_gptoss --tool-call-parser openai`: the analysis channel is
+    the reasoning, a message to `functions.NAME` a call, the final channel the content; special tokens are kept
+    in the reply for the parsers; streamed as whole."""
+    replies = {"seven": HARMONY, "eight": "<|channel|>analysis<|message|>Greet.<|end|><|start|>assistant"
+                                             "<|channel|>final<|message|>Hi!"}
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: next(
+        (replies[w] for w in p.split() if w in replies), None))
+    config = ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="openai",
+                          reasoning_parser="openai_gptoss")
+    try:
+        with serve_in_thread(eng, config) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            m = _ask(c, "seven", tools=TOOLS).choices[0]
+            assert eng.submitted[-1][2].skip_special_tokens is False
+            assert m.message.model_extra["reasoning"] == "The user wants the weather in Paris."
+            assert m.message.content is None and m.finish_reason == "tool_calls"
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in m.message.tool_calls] == [
+                ("get_weather", {"city": "Paris"})]
+            r, content, calls, finish = _accumulate(_ask(c, "seven", tools=TOOLS, stream=True))
+            assert (r, content, finish) == ("The user wants the weather in Paris.", "", "tool_calls")
+            assert calls == [(t.function.name, t.function.arguments) for t in m.message.tool_calls]
+            hi = _ask(c, "eight").choices[0].message
+            assert (hi.model_extra["reasoning"], hi.content) == ("Greet.", "Hi!")
+            assert _accumulate(_ask(c, "eight", stream=True)) == ("Greet.", "Hi!", [], "stop")
+    finally:
+        eng.shutdown()

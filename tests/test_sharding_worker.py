@@ -64,9 +64,12 @@ def moe_config(family: str = "qwen2_moe"):
     # GLM-4.5: a dense first layer, then MoE layers with sigmoid routing over 2 groups of 4 experts.
     glm = dict(router_scoring="sigmoid", expert_groups=2, expert_topk_groups=1, routed_scaling_factor=2.5,
                first_dense_layers=1, num_layers=3, rotary_dim=8) if family == "glm4_moe" else {}
+    # gpt-oss: attention sinks, a windowed and a global layer, biased router and experts, a clamped SwiGLU.
+    if family == "gpt_oss":
+        glm = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=8, swiglu_limit=0.3)
     return ModelConfig(**{**dict(
         family=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, attention_bias=family in ("qwen2_moe", "glm4_moe"), qk_norm=family == "qwen3_moe",
+        head_dim=16, attention_bias=family in ("qwen2_moe", "glm4_moe", "gpt_oss"), qk_norm=family == "qwen3_moe",
         max_position_embeddings=512, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=family != "qwen2_moe",
         shared_expert_intermediate_size={"qwen2_moe": 48, "glm4_moe": 32}.get(family, 0)), **glm})
@@ -134,9 +137,10 @@ def _sweep(cfg, layouts):
         q, k = (1 + 0.2 * jax.random.normal(jax.random.PRNGKey(i), w.shape) for i, w in
                 enumerate((params.layers.q_norm, params.layers.k_norm)))
         params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, q_norm=q, k_norm=k))
-    if params.layers.router_bias is not None:  # (initialized to zero)
-        bias = 0.2 * jax.random.normal(jax.random.PRNGKey(1), params.layers.router_bias.shape)
-        params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, router_bias=bias))
+    zeros = ("router_bias", "b_router", "be_gate", "be_up", "be_down", "sinks", "bq", "bk", "bv", "bo")
+    params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, **{  # (initialized to zero)
+        name: 0.2 * jax.random.normal(jax.random.PRNGKey(i), getattr(params.layers, name).shape)
+        for i, name in enumerate(zeros) if getattr(params.layers, name) is not None}))
     ref = _run_steps(cfg, params, KVCache.allocate(cfg, 16, 8, jnp.float32))
     found = {}
     for tp, ep in layouts:
@@ -183,6 +187,7 @@ def case_moe() -> dict:
     out = _sweep(moe_config("qwen2_moe"), [(1, 1), (1, 2), (1, 4), (2, 2)])
     out.update({f"qwen3_{k}": v for k, v in _sweep(moe_config("qwen3_moe"), [(1, 4)]).items()})
     out.update({f"glm4_{k}": v for k, v in _sweep(moe_config("glm4_moe"), [(2, 2)]).items()})
+    out.update({f"gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)]).items()})
     return out
 
 

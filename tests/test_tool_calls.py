@@ -135,6 +135,15 @@ CASES = [
     # Text after an argument: the call as it stood, the rest content.
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>oops</tool_call>",
      "oops</tool_call>", [W]),
+    # gpt-oss's harmony calls, as the openai_gptoss reasoning parser passes them on, or as the model writes them.
+    ("openai", 'Checking.<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+               "<|call|><|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
+     "Checking.", [W, ParsedCall("get_time", "{}")]),
+    ("openai", '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Paris"}', "", [W]),
+    ("openai", "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}", "",
+     [ParsedCall("browser.search", "{}")]),
+    ("openai", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>not json<|call|>",
+     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>not json<|call|>", []),
 ]
 # The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -265,8 +274,8 @@ def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["glm45", "granite", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic",
-                               "qwen3_coder", "qwen3_xml", "seed_oss"]
+    assert sorted(PARSERS) == ["glm45", "granite", "hermes", "llama3_json", "mistral", "openai", "phi4_mini_json",
+                               "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 
 

@@ -22,6 +22,7 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.errors import CheckpointError
+from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
     GRANITE_SHARED_RE,
@@ -42,7 +43,7 @@ class Target:
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weight|bias))$")
 
 # Names some checkpoints carry that hold no parameters of ours.
 # Carry no backbone parameter: RoPE tables, a classification model's score head (read apart from the
@@ -85,7 +86,10 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     if cfg.num_experts and not dense:
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
         moe = _moe_module(cfg)
-        t[f"{moe}.gate.weight"] = ("layers.router", lambda w: w.T, (X, E))
+        router = f"{moe}.router" if cfg.family == "gpt_oss" else f"{moe}.gate"
+        t[f"{router}.weight"] = ("layers.router", lambda w: w.T, (X, E))
+        if cfg.family == "gpt_oss":
+            t[f"{router}.bias"] = ("layers.b_router", ident, (X,))
         if cfg.router_bias:  # ERNIE's as [1, X]
             ernie = cfg.family == "ernie4_5_moe"
             t[f"{moe}.moe_statics.e_score_correction_bias" if ernie else f"{moe}.gate.e_score_correction_bias"] = (
@@ -125,6 +129,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     if cfg.family == "glm4":  # a norm of the attention's and of the MLP's outputs
         t["post_self_attn_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["post_mlp_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
+    if cfg.attention_sinks:
+        t["self_attn.sinks"] = ("layers.sinks", ident, (Hq,))
     if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
         t["self_attn.k_scale"] = ("layers.k_scale", lambda s: s.reshape(()), ())
         t["self_attn.v_scale"] = ("layers.v_scale", lambda s: s.reshape(()), ())
@@ -152,9 +158,14 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Per-expert MLP tensor names (after `...experts.{j}.`) to our stacked parameters; HF layout [out, in]."""
     E, Fe = cfg.hidden_size, cfg.moe_intermediate_size
     if _moe_module(cfg) == "block_sparse_moe":
-        return {"w1": ("layers.we_gate", (Fe, E)), "w3": ("layers.we_up", (Fe, E)), "w2": ("layers.we_down", (E, Fe))}
-    return {"gate_proj": ("layers.we_gate", (Fe, E)), "up_proj": ("layers.we_up", (Fe, E)),
-            "down_proj": ("layers.we_down", (E, Fe))}
+        return {"w1.weight": ("layers.we_gate", (Fe, E)), "w3.weight": ("layers.we_up", (Fe, E)),
+                "w2.weight": ("layers.we_down", (E, Fe))}
+    t = {"gate_proj.weight": ("layers.we_gate", (Fe, E)), "up_proj.weight": ("layers.we_up", (Fe, E)),
+         "down_proj.weight": ("layers.we_down", (E, Fe))}
+    if cfg.swiglu_limit is not None:  # gpt-oss's experts are biased (read from its packed tensors: `gpt_oss_keys`)
+        t.update({"gate_proj.bias": ("layers.be_gate", (Fe,)), "up_proj.bias": ("layers.be_up", (Fe,)),
+                  "down_proj.bias": ("layers.be_down", (E,))})
+    return t
 
 
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
@@ -198,6 +209,8 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return granite_experts(name, tensor, cfg)
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
+    if cfg.family == "gpt_oss" and GPT_OSS_EXPERTS_RE.match(name):
+        return gpt_oss_experts(name, tensor, cfg)
     return None
 
 
@@ -288,7 +301,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg, dense))
         moe = _moe_module(cfg)
         for j in range(0 if dense else cfg.num_experts):
-            names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}.weight" for kind in _expert_targets(cfg))
+            names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
     return names
 
 
@@ -306,6 +319,9 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
                 yield name.replace("up_proj", "gate_up_proj"), np.concatenate([gate, t])
             else:
                 yield name, t
+        return
+    if cfg.family == "gpt_oss":
+        yield from gpt_oss_packed(pairs, cfg)
         return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else pairs
 

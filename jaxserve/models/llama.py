@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3, GLM) as pure
-functions."""
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3, GLM, gpt-oss) as
+pure functions."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The model's RMSNorm: Gemma's scales by (1 + weight), in float32, OLMo's by its weight in float32 (as HF
-    does)."""
-    if cfg.family not in (*GEMMA_FAMILIES, *OLMO_FAMILIES):
+    """The model's RMSNorm: Gemma's scales by (1 + weight), in float32, OLMo's and gpt-oss's by its weight in float32
+    (as HF does)."""
+    if cfg.family not in (*GEMMA_FAMILIES, *OLMO_FAMILIES, "gpt_oss"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
@@ -154,6 +154,7 @@ def _layer(
             inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
             sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
             sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
+            sinks=lp.sinks,
         )  # [T, Hq, D]
         if scaled:
             attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)

@@ -1,5 +1,5 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GLM-4.5, ERNIE 4.5): top-k routing, grouped
-expert matmuls.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, GLM-4.5, ERNIE 4.5, gpt-oss): top-k routing,
+grouped expert matmuls.
 
 Tokens are sorted by the expert they were routed to and each expert multiplies only its own
 rows (`jax.lax.ragged_dot`), so no token is ever dropped and no capacity factor is needed.
@@ -20,14 +20,14 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.quantized import QuantizedWeight, grouped, project
 
 
-def route(h: jax.Array, router: jax.Array, cfg: ModelConfig,
-          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None,
+          logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights. Softmax scoring: a softmax over all experts (in float32), the k
     largest (ERNIE 4.5: largest with `bias` [X] added), renormalized to sum to one when the family does so. Sigmoid
     scoring (DeepSeek-V3's, GLM-4.5's): each expert's sigmoid score, in float32; the k chosen by score plus `bias`
     among the experts of the `cfg.expert_topk_groups` groups whose two best such sums are largest; weighted by
-    their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`. Returns ([T, k] in h's dtype,
-    [T, k] int32)."""
+    their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`. `logit_bias` [X] (gpt-oss) is
+    the router's own bias, added to its logits. Returns ([T, k] in h's dtype, [T, k] int32)."""
     if cfg.router_scoring == "sigmoid":
         return _route_sigmoid(h, router, bias, cfg)
     if bias is not None:  # (ERNIE computes its router in float32)
@@ -36,6 +36,8 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig,
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     else:
         logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
+        if logit_bias is not None:
+            logits = logits + logit_bias
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
@@ -63,12 +65,23 @@ def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelC
     return weights.astype(h.dtype), experts.astype(jnp.int32)
 
 
+def expert_activation(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """An expert's gated activation: SiLU(gate) * up, or gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`)."""
+    if cfg.swiglu_limit is None:
+        return jax.nn.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
+
+
 def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate: Any, we_up: Any, we_down: Any,
-                  first_expert: jax.Array | int) -> jax.Array:
+                  first_expert: jax.Array | int, cfg: ModelConfig, biases: tuple | None = None,
+                  down_bias: jax.Array | float = 1.0) -> jax.Array:
     """The weighted output ([T, E]) of experts `first_expert .. first_expert + X_local` for every token.
 
     h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
-    `QuantizedWeight`s).
+    `QuantizedWeight`s); `biases` (gpt-oss): the local experts' (gate [X_local, Fe], up [X_local, Fe], down
+    [X_local, E]), the down projection's times `down_bias` (0 where another device adds it).
     The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
     outside every group, and get weight zero.
     """
@@ -84,7 +97,11 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     row_expert = key[order]  # [T * k]: each sorted pair's local expert (x_local past the groups)
     gate = grouped(xs, we_gate, group_sizes, row_expert)  # [T * k, Fe]
     up = grouped(xs, we_up, group_sizes, row_expert)
-    ys = grouped(jax.nn.silu(gate) * up, we_down, group_sizes, row_expert)  # [T * k, E]
+    if biases is not None:  # (a pair routed elsewhere reads a clamped row: its weight is zero)
+        gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
+    ys = grouped(expert_activation(cfg, gate, up), we_down, group_sizes, row_expert)  # [T * k, E]
+    if biases is not None:
+        ys = ys + biases[2][row_expert] * jnp.asarray(down_bias, ys.dtype)
     w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
     return jnp.zeros_like(h).at[token].add(ys * w[:, None])
 
@@ -93,31 +110,34 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, expert_layout: Any = None) 
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
     router, experts and optional shared expert. `expert_layout` (a `sharding.ExpertLayout`) says
     which mesh axes split the experts and their width; None = every expert on this device."""
-    weights, experts = route(h, lp.router, cfg, lp.router_bias)
+    weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router)
+    biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
     if expert_layout is None:
-        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0)
+        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases)
     else:
-        out = _sharded_experts(h, weights, experts, lp, expert_layout)
+        out = _sharded_experts(h, weights, experts, lp, expert_layout, cfg, biases)
     if lp.ws_gate is not None:
         shared = project(jax.nn.silu(project(h, lp.ws_gate)) * project(h, lp.ws_up), lp.ws_down)  # [T, E]
         out = out + (shared if lp.ws_mix is None else jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared)
     return out
 
 
-def _sharded_experts(h, weights, experts, lp, layout) -> jax.Array:
+def _sharded_experts(h, weights, experts, lp, layout, cfg, biases) -> jax.Array:
     ea, ma = layout.expert_axis, layout.model_axis
     reduce_axes = tuple(a for a in (ea, ma) if a is not None)
 
-    def per_device(h, weights, experts, wg, wu, wd):
+    def per_device(h, weights, experts, wg, wu, wd, *biases):
         first = jax.lax.axis_index(ea) * wg.shape[0] if ea is not None else 0
-        y = local_experts(h, weights, experts, wg, wu, wd, first)
+        down_bias = 1.0 if ma is None else (jax.lax.axis_index(ma) == 0)  # one slice of the width adds it
+        y = local_experts(h, weights, experts, wg, wu, wd, first, cfg, biases or None, down_bias)
         # Each device holds some experts and a slice of their width: its output is a partial sum.
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
     up_spec, down_spec = P(ea, None, ma), P(ea, ma, None)
     if isinstance(lp.we_down, QuantizedWeight):  # the scales of the down projection: per output channel, unsplit
         down_spec = QuantizedWeight(down_spec, P(ea, None, None))
+    bias_specs = () if biases is None else (P(ea, ma), P(ea, ma), P(ea, None))
     return jax.shard_map(
-        per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec), out_specs=P(),
-        check_vma=False,
-    )(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down)
+        per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec, *bias_specs),
+        out_specs=P(), check_vma=False,
+    )(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, *(biases or ()))

@@ -61,9 +61,14 @@ class LayerParams:
     b_down: Any = None  # [L, E]
     router: Any = None  # [L, E, X]: MoE routing logits per expert
     router_bias: Any = None  # [L, X] float32: added to the scores to choose experts (not to their weights)
+    b_router: Any = None  # [L, X]: the router's logits' bias (gpt-oss)
     we_gate: Any = None  # [L, X, E, Fe]: the X experts' MLPs
     we_up: Any = None  # [L, X, E, Fe]
     we_down: Any = None  # [L, X, Fe, E]
+    be_gate: Any = None  # [L, X, Fe]: the experts' biases (gpt-oss)
+    be_up: Any = None  # [L, X, Fe]
+    be_down: Any = None  # [L, X, E]
+    sinks: Any = None  # [L, Hq] float32: each head's attention-sink logit (gpt-oss)
     ws_gate: Any = None  # [L, E, Fs]: the shared expert (Qwen2-MoE)
     ws_up: Any = None  # [L, E, Fs]
     ws_down: Any = None  # [L, Fs, E]
@@ -145,6 +150,11 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
         layers.we_up = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
         layers.we_down = p((L, X, Fe, E), ("layers", "experts", "expert_mlp", "embed"))
+        if cfg.swiglu_limit is not None:  # gpt-oss: biased router and experts
+            layers.b_router = p((L, X), ("layers", None), "zeros")
+            layers.be_gate = p((L, X, Fe), ("layers", "experts", "expert_mlp"), "zeros")
+            layers.be_up = p((L, X, Fe), ("layers", "experts", "expert_mlp"), "zeros")
+            layers.be_down = p((L, X, E), ("layers", "experts", "embed"), "zeros")
         if Fs:
             layers.ws_gate = p((L, E, Fs), ("layers", "embed", "mlp"))
             layers.ws_up = p((L, E, Fs), ("layers", "embed", "mlp"))
@@ -171,6 +181,8 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         layers.b_gate = p((L, F), ("layers", "mlp"), "zeros")
         layers.b_up = p((L, F), ("layers", "mlp"), "zeros")
         layers.b_down = p((L, E), ("layers", "embed"), "zeros")
+    if cfg.attention_sinks:
+        layers.sinks = p((L, Hq), ("layers", "q_heads"), "zeros", jnp.float32)
     if cfg.kv_cache_scales:
         layers.k_scale = p((L,), ("layers",), "ones")
         layers.v_scale = p((L,), ("layers",), "ones")

@@ -106,3 +106,22 @@ def test_span_attention_compiles_for_sm90(spec, kvh, group, d, window, lowering,
     if lowering == "mosaic":
         assert 'custom_call_target="mosaic_gpu' in text, "no Mosaic GPU kernel in the compiled function"
     assert "triton" in text.lower(), "no generic kernel (the spans' fallback) in the compiled function"
+
+
+# gpt-oss's attention sinks on its heads (64 q / 8 kv, 64 wide; every other layer windowed at 128): a decode bucket,
+# one long decode (KV splits: the sinks join in the combine), a windowed prefill chunk; with the Mosaic GPU
+# lowerings asked for, sink batches stay on the generic kernel.
+@pytest.mark.parametrize("T,S,P,window,tuning", [
+    (64, 64, 512, None, AttentionTuning()),
+    (1, 1, 2048, None, AttentionTuning()),
+    (2048, 1, 128, 128, AttentionTuning()),
+    (256, 256, 512, 128, AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic")),
+])
+def test_sink_attention_compiles_for_sm90(spec, T, S, P, window, tuning):
+    args = (*_attention_args(spec, T, S, P, 16, 8, 8, 64, jnp.bfloat16), spec((64,), jnp.float32))
+
+    def fn(*a):
+        return ragged_paged_attention(*a[:6], sm_scale=0.125, sliding_window=window, sinks=a[6], tuning=tuning)
+
+    text = _compile(fn, *args)
+    assert "triton" in text.lower() and 'custom_call_target="mosaic_gpu' not in text
