@@ -1,9 +1,9 @@
 """The model's tokenizer: text to token ids and back, its special tokens and its chat template.
 
 A `Tokenizer` wraps a HF `tokenizers.Tokenizer` (the Rust BPE) and adds what serving needs on top:
-the BOS/EOS/pad ids, every id that ends generation, and the chat template. It is built either from a
-GGUF file's metadata (`from_gguf`) or from a HF tokenizer directory (`from_hf_dir`), never from the
-network, and can be written back as a HF directory (`save_hf`) that `transformers` loads.
+the BOS/EOS/pad ids, every id that ends generation, and the chat template. It is built from a GGUF file's
+metadata (`from_gguf`), a HF tokenizer directory (`from_hf_dir`) or a Mistral tekken file (`from_tekken`), never
+from the network, and can be written back as a HF directory (`save_hf`) that `transformers` loads.
 """
 
 from __future__ import annotations
@@ -123,6 +123,24 @@ class Tokenizer:
             model_max_length=spec.model_max_length,
             vocab_size=spec.vocab_size,
         )
+
+    @classmethod
+    def from_tekken(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build the tokenizer of a Mistral `tekken.json` (`tokenizer_tekken`), with the chat template of its
+        version's instruct format (`chat_template_mistral`); `<s>` opens a prompt encoded with special tokens."""
+        from tokenizers.processors import TemplateProcessing
+
+        from jaxserve.chat_template_mistral import mistral_template
+        from jaxserve.tokenizer_tekken import read_tekken
+
+        spec = read_tekken(path)
+        bos, eos = spec.specials.index("<s>"), spec.specials.index("</s>")
+        spec.backend.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)])
+        pad = spec.specials.index("<pad>") if "<pad>" in spec.specials else None
+        return cls(spec.backend, bos_token_id=bos, eos_token_ids=[eos], pad_token_id=pad,
+                   unk_token_id=spec.specials.index("<unk>") if "<unk>" in spec.specials else None,
+                   chat_templates={"default": mistral_template(spec.version)}, add_bos_token=True,
+                   vocab_size=spec.vocab_size)
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:

@@ -15,6 +15,7 @@ from jaxserve.loader.assembler import WeightAssembler
 from jaxserve.loader.gguf_file import GGUFFile
 from jaxserve.loader.hf_dir import HFDirectory
 from jaxserve.loader.keymap import CheckpointError, kept_module
+from jaxserve.loader.mistral_dir import MistralDirectory, is_mistral_dir
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
 
@@ -65,6 +66,8 @@ def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any
     """Open a GGUF file or an HF directory for reading; `weights=False` lets an HF directory hold only
     its config and tokenizer (for random weights); `overrides` replace keys of an HF config.json."""
     if os.path.isdir(path):
+        if is_mistral_dir(path):  # params.json and consolidated weights, no config.json
+            return MistralDirectory(path, weights=weights, overrides=overrides)
         return HFDirectory(path, weights=weights, overrides=overrides)
     if overrides:
         raise ValueError(f"hf_overrides apply to HF model directories; {path!r} is not one")
@@ -74,9 +77,14 @@ def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any
 
 
 def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory) -> Tokenizer:
-    """The tokenizer a checkpoint carries: a GGUF file's metadata, or an HF directory's tokenizer files."""
+    """The tokenizer a checkpoint carries: a GGUF file's metadata, an HF directory's tokenizer files, or a Mistral
+    directory's `tekken.json` (also an HF directory's that has no `tokenizer.json`)."""
     if isinstance(ckpt, GGUFFile):
         return Tokenizer.from_gguf(ckpt.reader)
+    tekken = os.path.join(path, "tekken.json")
+    if isinstance(ckpt, MistralDirectory) and os.path.isfile(tekken) or not os.path.isfile(
+            os.path.join(path, "tokenizer.json")) and os.path.isfile(tekken):
+        return Tokenizer.from_tekken(tekken)
     return Tokenizer.from_hf_dir(path)
 
 
