@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 
 def plgpu_module():
@@ -50,3 +51,16 @@ def interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams(uninitialized_memory="zero")
+
+
+def copy_kv_block(pages_ref, dst, bar, block_tables_ref, seq, j, last_page, kv_head) -> None:
+    """Start the TMA copies of KV block j of sequence `seq` (its `dst.shape[0] // page_size` pages of one KV
+    head) into the SMEM tile `dst`, one copy and one arrival on `bar` per page; pages past `last_page`
+    re-read it."""
+    plgpu = plgpu_module()
+    num_pages, page_size = pages_ref.shape[:2]
+    pages_per_block = dst.shape[0] // page_size
+    for i in range(pages_per_block):
+        idx = jnp.minimum(j * pages_per_block + i, last_page)
+        page = jnp.clip(block_tables_ref[seq, idx], 0, num_pages - 1)
+        plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head, :], dst.at[pl.ds(i * page_size, page_size)], bar)

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mosaic_common import (
     compiler_params,
+    copy_kv_block,
     interpret_params,
     plgpu_module,
     register_layouts,
@@ -75,6 +76,7 @@ def _attention_body(
     soft_cap: float | None,
     window: int | None,
     num_splits: int,
+    partials: bool,
     group: int,
     interpret: bool,
 ):
@@ -84,17 +86,18 @@ def _attention_body(
     query heads of the KV head (row r: token r // group); `meta_ref[block]` = (sequence, position of the
     block's first token, number of tokens, unused). Row r sees the keys at positions up to its token's
     (causal) and, with a sliding window, after its token's position minus `window`; a decode token is a block
-    of one. The walk starts at the KV block where the first token's window starts.
+    of one. The walk starts at the KV block where the first token's window starts. With `partials` (splits, or
+    attention sinks) it writes the unnormalized accumulator and each row's max and sum, for `combine_splits`.
     """
     plgpu = plgpu_module()
     blk, kv_head, split = (lax.axis_index(name) for name in GRID_NAMES)
     layout_cast, iota = register_layouts(interpret)
 
     # Outputs, then scratch: q and output tiles, [split row max/sum], K/V blocks, [upcast K/V tiles], barriers.
-    n_out = 1 if num_splits == 1 else 3
+    n_out = 3 if partials else 1
     outs, (q_smem, o_smem), rest = refs[:n_out], refs[n_out:n_out + 2], refs[n_out + 2:]
     q_bar, k_bar, v_bar = rest[-3:]
-    if num_splits == 1:
+    if not partials:
         (o_ref,), (k_smem, v_smem, *upcast) = outs, rest[:-3]
     else:
         (o_ref, m_ref, l_ref), (m_smem, l_smem, k_smem, v_smem, *upcast) = outs, rest[:-3]
@@ -177,7 +180,7 @@ def _attention_body(
         return acc, m_next, l_next
 
     acc, m, denom = lax.fori_loop(start, stop, body, (acc0, m0, l0))
-    if num_splits == 1:
+    if not partials:
         safe = jnp.where(denom == 0.0, 1.0, denom)
         o_smem[...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
         plgpu.commit_smem()
@@ -194,19 +197,6 @@ def _attention_body(
         plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, blk, kv_head])
         plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, blk, kv_head])
     plgpu.wait_smem_to_gmem(0)
-
-
-def copy_kv_block(pages_ref, dst, bar, block_tables_ref, seq, j, last_page, kv_head) -> None:
-    """Start the TMA copies of KV block j of sequence `seq` (its `dst.shape[0] // page_size` pages of one KV
-    head) into the SMEM tile `dst`, one copy and one arrival on `bar` per page; pages past `last_page`
-    re-read it."""
-    plgpu = plgpu_module()
-    num_pages, page_size = pages_ref.shape[:2]
-    pages_per_block = dst.shape[0] // page_size
-    for i in range(pages_per_block):
-        idx = jnp.minimum(j * pages_per_block + i, last_page)
-        page = jnp.clip(block_tables_ref[seq, idx], 0, num_pages - 1)
-        plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head, :], dst.at[pl.ds(i * page_size, page_size)], bar)
 
 
 def upcast_rows(src, dst, rows: int = ROWS, cols: int = 128):
@@ -294,12 +284,14 @@ def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: in
 
 def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale: float, block_kv: int,
                             splits: int, group: int, interpret: bool, name: str, stages: int = 2,
-                            soft_cap: float | None = None, window: int | None = None) -> jax.Array:
+                            soft_cap: float | None = None, window: int | None = None,
+                            sinks: jax.Array | None = None) -> jax.Array:
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
     r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0; or `[NB, 8]`
     with the spans attended both ways of `block_spans`) ->
     `[NB, KVH, ROWS, D]` float32. With splits (flash decoding) each split walks a share of a block's KV blocks; a
-    row that sees none of a split's keys gets nothing from it."""
+    row that sees none of a split's keys gets nothing from it. `sinks` `[KVH, ROWS]`: each row's attention-sink
+    logit, applied where the partials (then written even for one split) are combined."""
     plgpu = plgpu_module()
     num_blocks, num_kv_heads, _, head_dim = qb.shape
     page_size = k_pages.shape[1]
@@ -307,7 +299,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     kv_tile = () if interpret else swizzled(k_pages.dtype, head_dim)
     # Every operand stays in GMEM and moves by explicit TMA copies: pages are gathered through the block table.
     scratch = [plgpu.SMEM((ROWS, head_dim), qb.dtype, transforms=tile)]
-    if splits == 1:
+    partials = splits > 1 or sinks is not None
+    if not partials:
         out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, ROWS, head_dim), qb.dtype)
         scratch.append(plgpu.SMEM((ROWS, head_dim), qb.dtype, transforms=tile))
     else:
@@ -334,7 +327,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     ]
     body = functools.partial(
         _attention_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
-        group=group, interpret=interpret, soft_cap=None if soft_cap is None else float(soft_cap),
+        partials=partials, group=group, interpret=interpret, soft_cap=None if soft_cap is None else float(soft_cap),
         window=None if window is None else int(window),
     )
     # A Mosaic GPU kernel over a (query block, KV head, split) grid of one-warpgroup programs; its scratch is
@@ -350,9 +343,10 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
         compiler_params=None if interpret else compiler_params(),
         kernel_name=name,
     )(meta, block_tables, qb, k_pages, v_pages)
-    if splits == 1:
+    if not partials:
         return result.astype(jnp.float32)
-    return combine_splits(result[0].astype(jnp.float32), *result[1:])  # [NS, NB, KVH, ROWS(, D)] -> [NB, KVH, ROWS, D]
+    # [NS, NB, KVH, ROWS(, D)] -> [NB, KVH, ROWS, D]
+    return combine_splits(result[0].astype(jnp.float32), *result[1:], sinks=None if sinks is None else sinks[None])
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "num_splits",
@@ -371,9 +365,10 @@ def paged_decode_attention_mosaic(
     num_splits: int | None = None,
     stages: int = 2,
     interpret: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU), with the
-    optional logit soft-cap and sliding window of `ragged_paged_attention`.
+    optional logit soft-cap, sliding window and attention sinks (`[QH]`) of `ragged_paged_attention`.
     `stages`: K/V blocks in the SMEM ring (in flight while one is multiplied: stages - 1)."""
     check_score_args(sm_scale, soft_cap, sliding_window)
     group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, stages=stages)
@@ -396,5 +391,7 @@ def paged_decode_attention_mosaic(
     ob = mosaic_attention_blocks(qg, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
                                  splits=splits, group=group, interpret=interpret, stages=stages,
                                  soft_cap=soft_cap, window=sliding_window,
+                                 sinks=None if sinks is None else jnp.pad(sinks.astype(jnp.float32).reshape(
+                                     num_kv_heads, group), ((0, 0), (0, ROWS - group))),
                                  name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")
     return ob[:, :, :group].reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mosaic_common import (
     compiler_params,
+    copy_kv_block,
     interpret_params,
     plgpu_module,
     register_layouts,
@@ -45,7 +46,6 @@ from pallas_kernels.mosaic_common import (
 from pallas_kernels.paged_decode_mosaic import (
     ROWS,
     check_mosaic_args,
-    copy_kv_block,
     mosaic_attention_blocks,
     upcast_rows,
 )

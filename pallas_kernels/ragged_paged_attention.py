@@ -237,8 +237,8 @@ def ragged_paged_attention(
     tuning: AttentionTuning = AttentionTuning(),
 ) -> jax.Array:
     """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
-    [QH]: each head's attention-sink logit (gpt-oss); such batches stay on this kernel (the Mosaic GPU kernels
-    have no sinks)."""
+    [QH]: each head's attention-sink logit (gpt-oss); batches with prefill chunks then stay on this kernel (the
+    ragged Mosaic GPU kernel has no sinks), decode batches may go to the Mosaic GPU decode kernel."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
         sinks,
@@ -252,7 +252,7 @@ def ragged_paged_attention(
     if num_tokens == 0:
         return jnp.zeros_like(q)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
-    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering) and sinks is None:
+    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering):
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
         from pallas_kernels.ragged_attention_mosaic import ragged_mosaic_supported
 
@@ -260,11 +260,11 @@ def ragged_paged_attention(
         # shapes (the two kernels' SMEM sums differ: 256-wide heads fit only the warp-specialized prefill).
         decode = tuning.decode_lowering == "mosaic" and mosaic_decode_supported(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None
-        prefill = tuning.prefill_lowering == "mosaic" and ragged_mosaic_supported(
+        prefill = tuning.prefill_lowering == "mosaic" and sinks is None and ragged_mosaic_supported(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
         if decode or prefill:
             return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
-                              soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key,
+                              soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key, sinks=sinks,
                               interpret=interpret, tuning=tuning, decode_on_mosaic=decode, prefill_on_mosaic=prefill)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
@@ -343,7 +343,7 @@ def ragged_paged_attention(
 
 
 def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
-               last_key, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
+               last_key, sinks, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
     prefill chunks on the ragged Mosaic GPU kernel (their decode tokens on the decode kernel with
     `tuning.split_mixed`), each where `*_on_mosaic` says, else this file's kernel. `last_key` (clamped) matters
@@ -357,7 +357,8 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
     general_tuning = dataclasses.replace(tuning, decode_lowering="triton", prefill_lowering="triton")
 
     def general():
-        return ragged_paged_attention(*args, **scores, last_key=last_key, interpret=interpret, tuning=general_tuning)
+        return ragged_paged_attention(*args, **scores, last_key=last_key, sinks=sinks, interpret=interpret,
+                                      tuning=general_tuning)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
@@ -365,7 +366,7 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
     def on_decode_kernel(lens):
         """The decode kernel's output per token, for the sequences with a token in `lens` (others: 0)."""
         first = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)  # each sequence's only query token
-        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, lens, **scores,
+        o = paged_decode_attention_mosaic(q[first], k_pages, v_pages, block_tables, lens, **scores, sinks=sinks,
                                           num_splits=tuning.num_kv_splits, interpret=interpret)  # [S, QH, D]
         return o[tok_seq]
 

@@ -79,18 +79,20 @@ def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_head
     _check(out, batch, head_dim**-0.5)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_mosaic_decode_window_and_soft_cap(splits):
+@pytest.mark.parametrize("splits,sinks", [(1, False), (4, False), (1, True), (4, True)])
+def test_mosaic_decode_window_and_soft_cap(splits, sinks):
     """A sliding window of 70 keys and a logit soft-cap: the walk starts at the window's first KV block (a token
     at 299 reads blocks 3-4 of 5), the window's edge is masked inside a block, and the flash-decoding splits
-    divide the window's blocks only."""
+    divide the window's blocks only; with attention sinks (gpt-oss), whole (its partials then written for one
+    split) or split, each head's sink joins the denominator once."""
     rng = np.random.default_rng(11)
     batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
                        seqs=[(1, n) for n in (300, 65, 15, 130, 1)], pages_per_seq=20, pad_tokens=0, pad_seqs=0)
+    extra = {"sinks": jnp.asarray(rng.uniform(0.0, 3.0, 9), jnp.float32)} if sinks else {}
     out = paged_decode_attention_mosaic(batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
                                         sm_scale=0.125, soft_cap=5.0, sliding_window=70, num_splits=splits,
-                                        interpret=_interpret())
-    _check(out, batch, 0.125, soft_cap=5.0, sliding_window=70)
+                                        interpret=_interpret(), **extra)
+    _check(out, batch, 0.125, soft_cap=5.0, sliding_window=70, **{k: np.asarray(v) for k, v in extra.items()})
     with pytest.raises(ValueError, match="sliding_window must be a positive int"):
         paged_decode_attention_mosaic(batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
                                       sm_scale=0.125, sliding_window=0, interpret=True)
@@ -124,6 +126,10 @@ def test_mosaic_dispatch_per_kernel():
     windowed = traced(64, interpret=True, soft_cap=30.0, sliding_window=16)
     assert "paged_decode_mosaic" in windowed and "ragged_attention_mosaic" in windowed
     assert "ragged_paged_attention_bq" not in windowed
+    # Attention sinks: decode batches on the decode kernel, batches with chunks on the generic kernel.
+    sinks = traced(64, interpret=False, sinks=jnp.zeros((4,), jnp.float32))
+    assert "paged_decode_mosaic" in sinks and "ragged_paged_attention_bq" in sinks
+    assert "ragged_attention_mosaic" not in sinks
 
 
 DECODE_SEQS, MIXED_SEQS = [(1, 40), (0, 0), (1, 17)], [(1, 40), (5, 21), (1, 17)]
