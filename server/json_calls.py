@@ -375,7 +375,8 @@ class NamedArgsReader(Reader):
         self.clean = False
         self.text_of_state += ch
         if self.state == "name" and self.text_of_state.endswith(self.args_marker):
-            name = self.text_of_state[:-len(self.args_marker)].strip()
+            # (Mistral's v11 format writes `name[CALL_ID]id[ARGS]`: the id is the model's own, not the call's name)
+            name = self.text_of_state[:-len(self.args_marker)].split("[CALL_ID]")[0].strip()
             if not name:
                 raise ValueError("a call without a name")
             self.state, self.text_of_state, self.value = "args", name, JsonValue()

@@ -148,6 +148,7 @@ class MistralParser(ToolParser):
         for piece in body.split(opener):  # `name[ARGS]{...}` per call, each after its own [TOOL_CALLS]
             name, sep, args = piece.partition("[ARGS]")
             values = _json_values(args) if sep else None
+            name = name.split("[CALL_ID]")[0]  # (v11's `name[CALL_ID]id[ARGS]{...}`)
             call = _call({"name": name.strip(), "arguments": values[0]}) if values and len(values) == 1 else None
             if call is None:
                 return None

@@ -135,6 +135,7 @@ CASES = [
     # Text after an argument: the call as it stood, the rest content.
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>oops</tool_call>",
      "oops</tool_call>", [W]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]abc123def[ARGS]{"city": "Paris"}', "", [W]),  # Mistral's v11
     # gpt-oss's harmony calls, as the openai_gptoss reasoning parser passes them on, or as the model writes them.
     ("openai", 'Checking.<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
                "<|call|><|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>",
