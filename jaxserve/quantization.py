@@ -15,7 +15,8 @@ Two descriptions of quantized weights are read from a checkpoint's `quantization
   quantized in activation order (`desc_act`); the "gptq" checkpoint format stores each zero point minus one;
 - `quant_method: "awq"` (AutoAWQ's GEMM checkpoints): 4-bit integers packed into int32 along the output
   (`qweight` [K, N / 8], in AWQ's interleaved order), zero points packed alike, a scale per group of input rows;
-- `quant_method: "mxfp4"` (gpt-oss's): 4-bit floats with a power-of-two scale per 32 inputs (`jaxserve.mxfp4`).
+- `quant_method: "mxfp4"` (gpt-oss's): 4-bit floats with a power-of-two scale per 32 inputs (`jaxserve.mxfp4`);
+- `quant_method: "bitsandbytes"` (transformers' 4-bit NF4/FP4 and 8-bit LLM.int8() checkpoints: `jaxserve.bnb`).
 
 Float8 (e4m3) and int8 weights with one scale per tensor or per output channel, symmetric, are kept so in memory
 (`keepable`: `models.quantized` holds them exactly, a tensor's scale as every channel's). Every other quantized
@@ -33,7 +34,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxserve import mxfp4
+from jaxserve import bnb, mxfp4
 from jaxserve.errors import UnsupportedModelError
 
 # Tensors of a quantized module besides its weight; the activations' are dropped (the matmuls run unquantized).
@@ -59,7 +60,9 @@ class WeightQuant:
     block: tuple[int, int] | None = None  # (rows, columns) of a block
     packed: bool = False  # integers packed into int32 (`weight_packed`, `weight_shape`)
     scale_name: str = "weight_scale"
-    layout: str = "compressed-tensors"  # or "gptq", "awq": their `qweight`, `qzeros`, `scales` (and `g_idx`); "mxfp4"
+    # or "gptq", "awq": their `qweight`, `qzeros`, `scales` (and `g_idx`); "mxfp4"; bitsandbytes' "bnb4" (with
+    # double quantization: "bnb4-double") and "bnb8"
+    layout: str = "compressed-tensors"
     zero_offset: int = 0  # added to each stored zero point (GPTQ's "gptq" format stores it minus one)
     act_order: bool = False  # GPTQ's rows in activation order: each row's group from `g_idx`
 
@@ -67,6 +70,9 @@ class WeightQuant:
         """The tensors (parts of the module) its weight is read from."""
         if self.layout == "mxfp4":
             return mxfp4.PARTS
+        if self.layout.startswith("bnb"):
+            return bnb.PARTS_8BIT if self.layout == "bnb8" else bnb.PARTS_4BIT + (
+                bnb.NESTED_PARTS if self.layout == "bnb4-double" else ())
         if self.layout != "compressed-tensors":  # (AutoAWQ's symmetric weights store no zero points)
             zeros = () if self.layout == "awq" and self.symmetric else ("qzeros",)
             return ("qweight", "scales", *zeros) + (("g_idx",) if self.act_order else ())
@@ -117,6 +123,9 @@ _KEPT_DTYPES = {"fp8": np.dtype(ml_dtypes.float8_e4m3fn), "int8": np.dtype(np.in
 def kept(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> tuple[np.ndarray, np.ndarray]:
     """A keepable module's values [N, K] (float8, or int8: packed ones unpacked, GPTQ's less its zero point) and
     their scales broadcast to [N, K] (a view: every column of a row holds the row's scale)."""
+    if q.layout == "bnb8":
+        values, scale = bnb.int8_values(parts, module)
+        return values, np.broadcast_to(scale, values.shape)
     if q.layout == "gptq" or q.packed:
         if q.layout == "gptq":  # [K, N] less the zero points [1, N]; scales [1, N]
             values = (_unpack_words(parts["qweight"], 8, 0) - _unpack_words(parts["qzeros"], 8, 1) - q.zero_offset).T
@@ -163,10 +172,19 @@ def parse_quantization(quant: Mapping[str, Any] | None) -> CheckpointQuantizatio
     if method == "mxfp4":  # (its modules_to_not_convert are globs; only `*_blocks` tensors are quantized anyway)
         return CheckpointQuantization((Group(("Linear",), WeightQuant("float", 4, "group", group_size=32,
                                                                         layout="mxfp4")),))
+    if method == "bitsandbytes":
+        if quant.get("load_in_8bit") or quant.get("_load_in_8bit"):
+            weights = WeightQuant("int", 8, "channel", layout="bnb8")
+        elif quant.get("load_in_4bit") or quant.get("_load_in_4bit"):
+            double = bool(quant.get("bnb_4bit_use_double_quant"))
+            weights = WeightQuant("float", 4, "block", layout="bnb4-double" if double else "bnb4")
+        else:
+            raise UnsupportedModelError("a bitsandbytes quantization_config that loads neither 4- nor 8-bit weights")
+        return CheckpointQuantization((Group(("Linear",), weights),), tuple(quant.get("llm_int8_skip_modules") or ()))
     if method not in (None, "compressed-tensors"):
         raise UnsupportedModelError(
             f"quantized weights (quantization_config quant_method {method!r}) are not supported; supported: fp8, "
-            "compressed-tensors (float8, int8 and packed integer weights), gptq, awq, mxfp4")
+            "compressed-tensors (float8, int8 and packed integer weights), gptq, awq, mxfp4, bitsandbytes")
     if not quant.get("config_groups"):
         return None
     for key in ("sparsity_config", "transform_config"):
@@ -271,6 +289,11 @@ def _dequantize_gptq_or_awq(q: WeightQuant, parts: Mapping[str, np.ndarray], mod
 
 def dequantize(q: WeightQuant, parts: Mapping[str, np.ndarray], module: str) -> np.ndarray:
     """A module's float32 weight [N, K] from its stored parts."""
+    if q.layout.startswith("bnb"):
+        if q.layout == "bnb8":
+            values, scale = bnb.int8_values(parts, module)
+            return values * scale
+        return bnb.dequantize_4bit(parts, module)
     if q.layout != "compressed-tensors":
         return _dequantize_gptq_or_awq(q, parts, module)
     if q.packed:
@@ -339,16 +362,20 @@ def dequantized_tensors(tensors: Iterable[tuple[str, np.ndarray]], quant: Checkp
     `weight_scale` of the weight's shape (`kept`) instead. Raises ValueError naming a module whose parts never
     all came."""
     pending: dict[str, tuple[WeightQuant, dict[str, np.ndarray]]] = {}
-    is_mxfp4 = any(g.weights.layout == "mxfp4" for g in quant.groups)
+    layouts = {g.weights.layout for g in quant.groups}
+    is_bnb = any(layout.startswith("bnb") for layout in layouts)
     for name, array in tensors:
         module, _, part = name.rpartition(".")
         if part in DROPPED_PARTS:
             continue
-        packed = mxfp4.mxfp4_part(name) if is_mxfp4 else None
-        if packed is not None:  # `{module}_blocks`, `{module}_scales`: the tensor `{module}` itself
-            module, part = packed
+        packed = mxfp4.mxfp4_part(name) if "mxfp4" in layouts else bnb.bnb_part(name) if is_bnb else None
+        if packed is not None:  # `{module}_blocks`, `{module}_scales`: the tensor `{module}` itself; bitsandbytes'
+            module, part = packed  # `{module}.weight.absmax`, `{module}.SCB`, ...: parts of `{module}.weight`
+            if part == "weight_format":
+                continue
         q = quant.scheme(module) if part in WEIGHT_PARTS or packed else None
-        if q is None or part == "weight" and array.dtype not in _QUANTIZED_DTYPES:  # norms, embeddings, ignored
+        stored = array.dtype in _QUANTIZED_DTYPES or is_bnb and array.dtype == np.uint8  # (4-bit codes)
+        if q is None or part == "weight" and not stored:  # norms, embeddings, ignored
             if part in WEIGHT_PARTS[1:]:
                 raise ValueError(f"tensor {name!r}: {module} is not quantized in the checkpoint's quantization_config")
             yield name, array.astype(np.float32, copy=False)

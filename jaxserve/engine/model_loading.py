@@ -284,7 +284,8 @@ def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
         return form, None
     has = f"its weights are quantized with {own!r}" if quant is not None else "its weights are not quantized"
     raise UnsupportedModelError(
-        f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq and awq "
+        f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq, awq, "
+        "mxfp4 and bitsandbytes "
         f"checkpoints (float8 and int8 weights with a scale per tensor or channel held so, others dequantized to "
         f"the model's dtype) and quantizes an unquantized checkpoint's weights at load with {', '.join(METHODS)}; "
         "leave --quantization out to serve the checkpoint as it is")
