@@ -189,7 +189,8 @@ def test_unpacking_matches_compressed_tensors_packing():
 
 
 @pytest.mark.parametrize("quant, message", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "bitsandbytes"}, "a bitsandbytes quantization_config that loads neither 4- nor 8-bit"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq'"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
                                            "group_size": 16}}}}, "format 'nvfp4-pack-quantized'"),
