@@ -357,9 +357,8 @@ def test_spans_attended_both_ways(tuning, sliding_window):
 
 
 @pytest.mark.parametrize("tuning,sliding_window", [
-    (AttentionTuning(), None),
-    (AttentionTuning(block_q=4, block_kv=16), 9),
-    (AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8), None),
+    (AttentionTuning(block_q=4, block_kv=16), 9),  # tensor-core rows (12 padded to 16), a window
+    (AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8), None),  # rows unpadded, the KV length split
 ])
 def test_attention_sinks(tuning, sliding_window):
     """gpt-oss's attention sinks (a logit per head that joins the softmax and carries no value): the reference

@@ -179,7 +179,7 @@ def ep_results() -> dict:
     return {**r["moe"], "engine": r["engine_moe"]}
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (1, 4), (2, 2)])
+@pytest.mark.parametrize("tp,ep", [(1, 4), (2, 2)])
 def test_ep_logits_equal_unsharded(ep_results, tp, ep):
     r = ep_results[f"tp{tp}_ep{ep}"]
     assert r["num_devices"] == tp * ep

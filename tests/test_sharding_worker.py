@@ -177,14 +177,15 @@ def olmo2_config():
 
 
 def case_dense() -> dict:
-    out = _sweep(dense_config(), [(1, 1), (2, 1), (4, 1), (8, 1)])
-    out.update({f"gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1), (4, 1)]).items()})
-    out.update({f"olmo2_{k}": v for k, v in _sweep(olmo2_config(), [(2, 1), (4, 1)]).items()})
+    # (Each layout compiles the model once more in this child: one device, the unsharded reference, is left out.)
+    out = _sweep(dense_config(), [(2, 1), (4, 1), (8, 1)])
+    out.update({f"gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1)]).items()})
+    out.update({f"olmo2_{k}": v for k, v in _sweep(olmo2_config(), [(4, 1)]).items()})
     return out
 
 
 def case_moe() -> dict:
-    out = _sweep(moe_config("qwen2_moe"), [(1, 1), (1, 2), (1, 4), (2, 2)])
+    out = _sweep(moe_config("qwen2_moe"), [(1, 4), (2, 2)])
     out.update({f"qwen3_{k}": v for k, v in _sweep(moe_config("qwen3_moe"), [(1, 4)]).items()})
     out.update({f"glm4_{k}": v for k, v in _sweep(moe_config("glm4_moe"), [(2, 2)]).items()})
     out.update({f"gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)]).items()})
