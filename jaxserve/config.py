@@ -14,7 +14,8 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
-                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss"]
+                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss",
+                 "exaone4"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -39,6 +40,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
     "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
+    "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
@@ -58,6 +60,8 @@ GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 after the MLP as well as before each."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3")
+POST_NORM_FAMILIES: tuple[str, ...] = (*OLMO_FAMILIES, "exaone4")
+"""Norms after attention and the MLP (on their outputs), none before them."""
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -201,12 +205,12 @@ class ModelConfig:
     @property
     def output_norms(self) -> bool:
         """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4", *OLMO_FAMILIES)
+        return self.family in (*GEMMA_FAMILIES, "glm4", *POST_NORM_FAMILIES)
 
     @property
     def input_norms(self) -> bool:
         """Whether the layers norm the attention's and the MLP's inputs (all but OLMo 2, which norms outputs only)."""
-        return self.family not in OLMO_FAMILIES
+        return self.family not in POST_NORM_FAMILIES
 
     @property
     def qk_norm_heads(self) -> bool:
@@ -321,7 +325,7 @@ class ModelConfig:
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", *OLMO_FAMILIES)
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", *OLMO_FAMILIES)
             or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,

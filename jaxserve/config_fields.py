@@ -140,6 +140,8 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
         return smollm3_no_rope_layers(d)
     if family == "granitemoehybrid" and d.get("position_embedding_type") != "rope":
         return (0,) * d["num_hidden_layers"]
+    if family == "exaone4" and d.get("sliding_window"):  # its global layers are not rotated (NoPE)
+        return tuple(int(t == "sliding_attention") for t in exaone4_fields(d)["layer_types"])
     return None
 
 
@@ -318,5 +320,18 @@ def gpt_oss_hf(cfg: Any) -> dict[str, Any]:
             "swiglu_alpha": cfg.swiglu_alpha, "num_local_experts": cfg.num_experts}
 
 
+def exaone4_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4's windowed and global layers (none without a sliding window): its `layer_types`, else by
+    `sliding_window_pattern`, a period (every fourth layer global) or a string of L (local) and G (global)."""
+    if not d.get("sliding_window"):
+        return {}
+    n, pattern = d["num_hidden_layers"], d.get("sliding_window_pattern") or 4
+    if isinstance(pattern, str):
+        kinds = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)]
+    else:
+        kinds = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n)]
+    return dict(layer_types=tuple(d.get("layer_types") or kinds))
+
+
 # Families whose layers differ (windowed or global), by the fields that say how.
-PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields}
+PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields, "exaone4": exaone4_fields}

@@ -61,6 +61,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "gpt_oss":
         d.update(fields.gpt_oss_hf(cfg))
         del d["use_sliding_window"], d["max_window_layers"]
+    if cfg.family == "exaone4":  # (its NoPE layers are its global ones, as layer_types says)
+        d.pop("no_rope_layers", None)
+        # (None written, and layer_types always: transformers' default is a window)
+        d.update(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or ["full_attention"] * cfg.num_layers))
+        if cfg.sliding_window is not None:
+            del d["use_sliding_window"], d["max_window_layers"]
     if cfg.family in GEMMA_FAMILIES:
         d.update(model_type="gemma3_text" if cfg.family == "gemma3" else "gemma2",
                  hidden_activation=cfg.hidden_act,

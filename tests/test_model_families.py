@@ -141,6 +141,15 @@ FAMILIES = {
                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}}),
     # Seed-OSS: Llama with q/k/v biases, which is Qwen2.
     "seed_oss": ("SeedOssConfig", {"head_dim": 16}),
+    # EXAONE 4: OLMo 2's norms after attention and the MLP, q and k normed per head; three windowed layers and a
+    # global one, not rotated (NoPE), on Llama 3's rope scaling; without a window every layer global and rotated.
+    "exaone4": ("Exaone4Config", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 8,
+                                  "sliding_window_pattern": 4, "rope_parameters": {
+                                      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                      "rope_theta": 10000.0}}),
+    "exaone4_global": ("Exaone4Config", {"head_dim": 16, "sliding_window": None,
+                                         "layer_types": ["full_attention"] * 2}),
 }
 
 
