@@ -15,7 +15,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
                  "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss",
-                 "exaone4"]
+                 "exaone4", "cohere", "cohere2"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -41,6 +41,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
     "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
     "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
+    "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
+    "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
@@ -53,7 +55,9 @@ MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_M
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
-INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES)
+COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2")
+"""LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
+INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES)
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
@@ -219,6 +223,16 @@ class ModelConfig:
         return self.family in OLMO_FAMILIES
 
     @property
+    def qk_norm_weights_per_head(self) -> bool:
+        """Whether the q and k norms have a weight per head and dim (OLMo 2; Command R+, each head normed apart)."""
+        return self.family in (*OLMO_FAMILIES, *COHERE_FAMILIES)
+
+    @property
+    def parallel_block(self) -> bool:
+        """Whether attention and the MLP read the same normed input, their outputs added to the residual (Cohere)."""
+        return self.family in COHERE_FAMILIES
+
+    @property
     def attention_sinks(self) -> bool:
         """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss)."""
         return self.family == "gpt_oss"
@@ -313,11 +327,12 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(d.get("layer_norm_eps" if family in COHERE_FAMILIES else "rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES,
+                                                                              *COHERE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
             or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", *OLMO_FAMILIES,
@@ -326,7 +341,7 @@ class ModelConfig:
             mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", *OLMO_FAMILIES)
-            or (family == "glm4_moe" and bool(d.get("use_qk_norm"))),
+            or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
@@ -334,7 +349,8 @@ class ModelConfig:
             no_rope_layers=fields.no_rope_layers(family, d),
             **moe,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
-               | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})),
+               | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})
+               | ({"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))} if family in COHERE_FAMILIES else {})),
         )
 
     def to_hf(self) -> dict[str, Any]:

@@ -140,7 +140,7 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
         return smollm3_no_rope_layers(d)
     if family == "granitemoehybrid" and d.get("position_embedding_type") != "rope":
         return (0,) * d["num_hidden_layers"]
-    if family == "exaone4" and d.get("sliding_window"):  # its global layers are not rotated (NoPE)
+    if family in ("exaone4", "cohere2") and d.get("sliding_window"):  # its global layers are not rotated (NoPE)
         return tuple(int(t == "sliding_attention") for t in exaone4_fields(d)["layer_types"])
     return None
 
@@ -334,4 +334,5 @@ def exaone4_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 # Families whose layers differ (windowed or global), by the fields that say how.
-PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields, "exaone4": exaone4_fields}
+PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields, "exaone4": exaone4_fields,
+                    "cohere2": exaone4_fields}  # (Command R7B's layers are laid out as EXAONE 4's)

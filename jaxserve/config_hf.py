@@ -6,6 +6,7 @@ from typing import Any
 
 from jaxserve import config_fields as fields
 from jaxserve.config import (
+    COHERE_FAMILIES,
     ERNIE_FAMILIES,
     GEMMA_FAMILIES,
     GLM_FAMILIES,
@@ -61,7 +62,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "gpt_oss":
         d.update(fields.gpt_oss_hf(cfg))
         del d["use_sliding_window"], d["max_window_layers"]
-    if cfg.family == "exaone4":  # (its NoPE layers are its global ones, as layer_types says)
+    if cfg.family in COHERE_FAMILIES:
+        d.update(layer_norm_eps=d.pop("rms_norm_eps"), logit_scale=1.0 / cfg.logits_scaling)
+        if cfg.family == "cohere":
+            d["use_qk_norm"] = cfg.qk_norm
+    if cfg.family in ("exaone4", "cohere2"):  # (its NoPE layers are its global ones, as layer_types says)
         d.pop("no_rope_layers", None)
         # (None written, and layer_types always: transformers' default is a window)
         d.update(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or ["full_attention"] * cfg.num_layers))

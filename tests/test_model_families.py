@@ -148,6 +148,13 @@ FAMILIES = {
                                       "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
                                       "rope_theta": 10000.0}}),
+    # Command R(+): LayerNorm, attention and the MLP side by side on the same normed input, interleaved rotary pairs,
+    # q and k normed per head (a weight per head and dim), tied embeddings, logits scaled.
+    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.125, "pad_token_id": 0, "bos_token_id": 1,
+                                "eos_token_id": 2}),
+    # Command R7B / Command A: Cohere's layers, three of four windowed, the global ones without rotary embedding.
+    "cohere2": ("Cohere2Config", {"num_hidden_layers": 4, "sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1,
+                                  "eos_token_id": 2}),
     "exaone4_global": ("Exaone4Config", {"head_dim": 16, "sliding_window": None,
                                          "layer_types": ["full_attention"] * 2}),
 }

@@ -75,6 +75,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
         "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
     }
+    if cfg.parallel_block:  # Cohere: the MLP reads the attention's normed input
+        del t["post_attention_layernorm.weight"]
     if not cfg.input_norms:  # OLMo 2: a norm after each of attention and the MLP, none before
         del t["input_layernorm.weight"]
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
@@ -114,6 +116,10 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     if cfg.qk_norm and cfg.qk_norm_heads:  # one weight per head and dim
         t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w.reshape(Hq, D), (Hq * D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w.reshape(Hkv, D), (Hkv * D,))
+    elif cfg.qk_norm and cfg.qk_norm_weights_per_head:  # Cohere's, [heads, head_dim] (dims in the rotary order below)
+        order = _halfsplit_order(D, cfg.rotary_dims)
+        t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w[:, order], (Hq, D))
+        t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w[:, order], (Hkv, D))
     elif cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
@@ -340,7 +346,8 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value.reshape(1, -1)
     if field == "router_bias" and cfg.family == "ernie4_5_moe":
         return value.reshape(1, -1)
-    if cfg.family in INTERLEAVED_ROPE_FAMILIES and field in ("wq", "wk", "bq", "bk"):
+    if cfg.family in INTERLEAVED_ROPE_FAMILIES and (field in ("wq", "wk", "bq", "bk")
+                                                    or field in ("q_norm", "k_norm") and value.ndim == 2):
         # Back to interleaved rotary pairs: each head's dims in the inverse of the order they were read in.
         value = value[..., np.argsort(_halfsplit_order(cfg.head_dim, cfg.rotary_dims))]
     if field in ("wq", "wk", "wv"):
@@ -349,5 +356,5 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value.reshape(-1, value.shape[-1]).T
     if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down"):
         return value.T
-    return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and value.ndim == 2 \
+    return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and cfg.qk_norm_heads \
         else value

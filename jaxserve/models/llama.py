@@ -10,7 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, OLMO_FAMILIES, ModelConfig, rope_inv_freq_and_scale
+from jaxserve.config import (
+    COHERE_FAMILIES,
+    GEMMA_FAMILIES,
+    OLMO_FAMILIES,
+    ModelConfig,
+    rope_inv_freq_and_scale,
+)
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import lora_deltas
@@ -29,10 +35,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     """The model's RMSNorm: Gemma's scales by (1 + weight), in float32, OLMo's and gpt-oss's by its weight in float32
-    (as HF does)."""
-    if cfg.family not in (*GEMMA_FAMILIES, *OLMO_FAMILIES, "gpt_oss"):
+    (as HF does); Cohere's LayerNorm (centered, no bias) likewise."""
+    if cfg.family not in (*GEMMA_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
+    if cfg.family in COHERE_FAMILIES:
+        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in GEMMA_FAMILIES else 0.0)
     return (xf * scale).astype(x.dtype)
@@ -116,7 +124,7 @@ def _layer(
     page_size = k_all.shape[1]
 
     with jax.named_scope("attention"):
-        h = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
+        h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
         if lp.wqkv is not None:
             T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             qkv = project(h, lp.wqkv, _dot_out_major)  # [T, (Hq + 2 * Hkv) * D]
@@ -181,7 +189,8 @@ def _layer(
             return (x + _residual(cfg, out), k_all, v_all), None
 
     with jax.named_scope("mlp"):
-        h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
+        # (Cohere's MLP reads the attention's input: x + attention + MLP, in one residual.)
+        h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
         if lp.w_gate_up is not None:
             gate, up = jnp.split(project(h, lp.w_gate_up, _dot_out_major), 2, axis=-1)  # [T, F] each
         else:
@@ -205,8 +214,9 @@ def _layer(
 
 
 def _qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """q or k ([T, H, D]) normed per head by a [D] weight, or (OLMo) over all heads at once by an [H, D] one."""
-    if weight.ndim == 1:
+    """q or k ([T, H, D]) normed per head by a [D] weight (or Cohere's [H, D]: each head's own), or (OLMo) over all
+    heads at once by an [H, D] one."""
+    if not cfg.qk_norm_heads:
         return model_norm(cfg, x, weight)
     return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
 

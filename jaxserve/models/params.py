@@ -137,7 +137,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
         wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
-        mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
+        mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and not cfg.parallel_block else None,
     )
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
@@ -171,7 +171,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         if cfg.output_bias:
             layers.bo = p((L, E), ("layers", "embed"), "zeros")
-    if cfg.qk_norm and cfg.qk_norm_heads:
+    if cfg.qk_norm and cfg.qk_norm_weights_per_head:
         layers.q_norm = p((L, Hq, D), ("layers", "q_heads", "head_dim"), norm)
         layers.k_norm = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), norm)
     elif cfg.qk_norm:
