@@ -88,7 +88,7 @@ def test_convert_hf_dir_round_trip(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "granitemoehybrid", "granitemoehybrid_dense", "glm4_moe",
-                                    "ernie4_5_moe", "ernie4_5", "dots1", "gpt_oss"])
+                                    "ernie4_5_moe", "ernie4_5", "dots1", "gpt_oss", "olmoe"])
 def test_convert_moe_writes_the_sources_tensors(tmp_path, family):
     """Granite MoE's experts, split per expert at load, are written back fused (one tensor per kind), Granite
     4.0's shared MLP (a shared expert, or a dense model's MLP) too, gpt-oss's experts packed input-major with

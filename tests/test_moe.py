@@ -59,6 +59,9 @@ FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                                             "moe_num_shared_experts": 1, "moe_layer_start_index": 1,
                                             "num_hidden_layers": 3, "head_dim": 16}),
+    # OLMoE: q and k normed over all their heads (OLMo's), softmax top-k not renormalized.
+    "olmoe": ("OlmoeConfig", {**MOE, "num_experts": 8, "intermediate_size": 32, "norm_topk_prob": False,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # gpt-oss: attention sinks, every other layer windowed (8 of the 40-token prompt), YaRN unrounded; a biased
     # router (top-k logits softmaxed) and biased experts packed input-major, gate and up columns interleaved, their
     # SwiGLU clamped at 1.0 (the random weights cross it).
@@ -96,7 +99,7 @@ def test_moe_logits_match_transformers(tiny_moe):
 def test_moe_config_parsing_per_family(tiny_moe):
     family, path, _ = tiny_moe
     cfg = HFDirectory(path).config()
-    assert cfg.norm_topk_prob is (family not in ("qwen2_moe", "dots1"))
+    assert cfg.norm_topk_prob is (family not in ("qwen2_moe", "dots1", "olmoe"))
     o = FAMILIES[family][1]
     shared = o.get("n_shared_experts", o.get("moe_num_shared_experts", 0)) * o.get("moe_intermediate_size", 0)
     assert cfg.shared_expert_intermediate_size == o.get("shared_expert_intermediate_size", o.get(
