@@ -56,8 +56,10 @@ def hf_config(params: Mapping[str, Any]) -> dict[str, Any]:
             "num_attention_heads": params["n_heads"], "num_key_value_heads": params.get("n_kv_heads", params["n_heads"]),
             "head_dim": params.get("head_dim") or params["dim"] // params["n_heads"],
             "rms_norm_eps": params.get("norm_eps", 1e-5), "vocab_size": params["vocab_size"],
-            "rope_theta": params.get("rope_theta", 10000.0), "sliding_window": params.get("sliding_window"),
-            "max_position_embeddings": params.get("max_position_embeddings") or params.get("max_seq_len") or 32768,
+            # (Mistral's own code turns at 1e6 where the file names no base; a file without a length is taken
+            # at 128k, as Mistral's recent models serve)
+            "rope_theta": params.get("rope_theta") or 1e6, "sliding_window": params.get("sliding_window"),
+            "max_position_embeddings": params.get("max_position_embeddings") or params.get("max_seq_len") or 128_000,
             "tie_word_embeddings": bool(params.get("tied_embeddings", False)), "hidden_act": "silu"}
     except KeyError as e:
         raise CheckpointError(f"Mistral params.json lacks {e}") from e
