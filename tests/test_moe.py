@@ -17,7 +17,14 @@ from jaxserve.loader import CheckpointError, HFDirectory, load_params  # noqa: E
 from jaxserve.loader.assembler import WeightAssembler  # noqa: E402
 from jaxserve.loader.keymap import hf_names  # noqa: E402
 from jaxserve.models.moe import local_experts, route  # noqa: E402
-from tests.test_model_families import hf_logits, ours_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    hf_logits,
+    ours_logits,
+    prompt_logits,
+    random_prompt,
+    rel_err,
+    save_tiny_hf,
+)
 from tests.test_sharding_worker import moe_config, run_cases  # noqa: E402
 
 REL_TOL = 1e-4
@@ -249,6 +256,7 @@ def test_gpt_oss_mxfp4_checkpoint_reads_as_its_dequantized_weights(tmp_path):
     """gpt-oss's released checkpoints hold the experts in MXFP4 (`*_blocks` and `*_scales`, quant_method "mxfp4"):
     read dequantized, they give transformers' logits of the model holding the weights that transformers' own
     converter dequantizes them to."""
+    import dataclasses
     import json
 
     from safetensors.numpy import load_file, save_file
@@ -271,8 +279,21 @@ def test_gpt_oss_mxfp4_checkpoint_reads_as_its_dequantized_weights(tmp_path):
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     ids = random_prompt()
-    ours, _ = ours_logits(tmp_path, ids)
+    ours, cfg = ours_logits(tmp_path, ids)
     assert rel_err(ours, hf_logits(model, ids)) < REL_TOL
+    # Held as int8 experts instead, each dequantized, then quantized on the host as it loads (gpt-oss-120b on one
+    # GPU): the same model as the dequantized one quantized once loaded, as an unquantized checkpoint's would be.
+    from jaxserve.engine.model_loading import check_quantization, quantize_model
+    from jaxserve.models.quantized import QuantizedWeight
+    assert check_quantization("experts_int8", str(tmp_path), config, cfg) == ("experts_int8", None)
+    held = dataclasses.replace(cfg, weight_quant="experts_int8")
+    params = load_params(HFDirectory(tmp_path), held, jnp.float32, progress=False)
+    assert isinstance(params.layers.we_gate, QuantizedWeight) and params.layers.we_gate.q.dtype == jnp.int8
+    after, after_cfg, _ = quantize_model(load_params(HFDirectory(tmp_path), cfg, jnp.float32, progress=False), cfg,
+                                         None, "experts_int8")
+    got = prompt_logits(held, params, ids)
+    np.testing.assert_allclose(got, prompt_logits(after_cfg, after, ids), rtol=1e-5, atol=1e-5)
+    assert rel_err(got, ours) > 1e-3  # (int8 experts, not the float ones)
     save_file({k: v for k, v in tensors.items() if not k.endswith("0.mlp.experts.down_proj_scales")},
               tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="quantized weight model.layers.0.mlp.experts.down_proj is missing "

@@ -267,7 +267,9 @@ def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
     """`--quantization` (vLLM's) against the checkpoint: (the form its own quantized weights are held in, None
     where they are dequantized at load; the method quantizing an unquantized checkpoint's weights at load). A
     quantized checkpoint's float8 and int8 weights with a scale per tensor or channel are held so (`kept_form`),
-    but float8 on the CPU only when asked for by name (the CPU has no float8 arithmetic: 4x slower than float)."""
+    but float8 on the CPU only when asked for by name (the CPU has no float8 arithmetic: 4x slower than float).
+    Weights dequantized at load (MXFP4, 4-bit, ...) may be held as one of `METHODS` instead, each quantized on the
+    host as it is read, so the float model never exists whole."""
     config = hf_config.get("quantization_config") or {}
     own, quant = config.get("quant_method"), parse_quantization(config)  # quant None: no weight is quantized
     named_own = method is not None and own is not None and method.removesuffix("_marlin") == own  # vLLM's aliases
@@ -282,6 +284,10 @@ def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
         if form is None:
             logger.info("the checkpoint's quantized weights (%s) are dequantized at load to the model's dtype", own)
         return form, None
+    if quant is not None and form is None and method in METHODS:  # (gpt-oss-120b's MXFP4 experts as int8 or fp8)
+        logger.info("the checkpoint's quantized weights (%s) are dequantized and quantized again as %s, tensor by "
+                    "tensor as they load", own, method)
+        return method, None
     has = f"its weights are quantized with {own!r}" if quant is not None else "its weights are not quantized"
     raise UnsupportedModelError(
         f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq, awq, "
