@@ -23,6 +23,7 @@ import re
 from typing import Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
+from server.split_stream import SplitStream
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -38,7 +39,7 @@ def parse_header(header: str) -> tuple[str | None, str | None]:
     return channel and channel.group(1), recipient and recipient.group(1)
 
 
-class HarmonyStream:
+class HarmonyStream(SplitStream):
     """Splits one growing harmony reply into reasoning and answer (tool calls in the answer, in one form)."""
 
     def __init__(self):
@@ -46,14 +47,6 @@ class HarmonyStream:
         self.mode: Literal["start", "header", "body", "plain"] = "start"
         self.kind: Literal["reasoning", "answer", "call"] = "answer"  # the open message's
         self.reasoned = False  # the reply has an analysis message (possibly empty)
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """The reasoning and the answer that `text`, the reply's next piece, adds."""
-        self.buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> tuple[str, str]:
         out = {"reasoning": [], "answer": []}

@@ -26,6 +26,7 @@ from typing import ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
 from server.harmony import HarmonyStream
+from server.split_stream import SplitStream
 
 
 class ReasoningParser:
@@ -109,7 +110,7 @@ def reasoning_parser(name: str) -> ReasoningParser:
     return REASONING_PARSERS[name]()
 
 
-class ReasoningStream:
+class ReasoningStream(SplitStream):
     """Splits one growing reply into reasoning and answer."""
 
     def __init__(self, implicit_start: bool, starts: tuple[str, ...], ends: tuple[str, ...],
@@ -119,14 +120,6 @@ class ReasoningStream:
         self.buf = ""
         self.reasoned = False  # the reply has a reasoning part (possibly empty)
         self.opened = False  # the wrapped answer's text has begun (the newlines after its opener are dropped)
-
-    def feed(self, text: str) -> tuple[str, str]:
-        """The reasoning and the answer that `text`, the reply's next piece, adds."""
-        self.buf += text
-        return self._drain(final=False)
-
-    def finish(self) -> tuple[str, str]:
-        return self._drain(final=True)
 
     def _drain(self, final: bool) -> tuple[str, str]:
         reasoning, answer = "", ""
