@@ -15,7 +15,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
                  "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss",
-                 "exaone4", "cohere", "cohere2", "olmoe"]
+                 "exaone4", "cohere", "cohere2", "olmoe", "arcee", "apertus"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -43,6 +43,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
     "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
     "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
+    "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
+    "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms
     "OlmoeForCausalLM": "olmoe",  # OLMoE: OLMo's q/k norms over all heads, 64 experts
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
@@ -165,8 +167,10 @@ class ModelConfig:
             if factors is not None and len(factors) != rotary // 2:
                 raise UnsupportedModelError(f"rope scaling {name} has {len(factors)} values; the {rotary} rotary dims "
                                             f"of head_dim {self.head_dim} make {rotary // 2} pairs")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported (silu, gelu_pytorch_tanh)")
+        acts = ("silu", "gelu_pytorch_tanh") if self.gated_mlp else ("relu2", "xielu")
+        if self.hidden_act not in acts:
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported for {self.family} "
+                                        f"({', '.join(acts)})")
         if self.layer_types is not None and (len(self.layer_types) != self.num_layers
                                              or not set(self.layer_types) <= set(LAYER_TYPES)):
             raise UnsupportedModelError(f"layer_types must give one of {LAYER_TYPES} for each of the "
@@ -227,6 +231,11 @@ class ModelConfig:
     def qk_norm_weights_per_head(self) -> bool:
         """Whether the q and k norms have a weight per head and dim (OLMo 2; Command R+, each head normed apart)."""
         return self.family in (*OLMO_FAMILIES, *COHERE_FAMILIES, "olmoe")
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether the MLP is gated, act(gate) * up (all but Arcee's and Apertus', act(up))."""
+        return self.family not in ("arcee", "apertus")
 
     @property
     def parallel_block(self) -> bool:
@@ -336,12 +345,12 @@ class ModelConfig:
                                                                               *COHERE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", *OLMO_FAMILIES,
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", *OLMO_FAMILIES,
                            *GRANITE_FAMILIES, *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            mlp_bias=(family in ("llama", "smollm3", "granite") and bool(d.get("mlp_bias")))
+            mlp_bias=(family in ("llama", "smollm3", "granite", "arcee") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", *OLMO_FAMILIES)
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", *OLMO_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
             rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
             sliding_window=sliding,

@@ -37,14 +37,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "torch_dtype": "float32",
     }
-    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", *OLMO_FAMILIES,
+    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", *OLMO_FAMILIES,
                        *GRANITE_FAMILIES, *GLM_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
         d["qkv_bias"] = cfg.attention_bias
     if cfg.num_experts:
         d.update(fields.moe_hf(cfg))
-    if cfg.family in ("llama", "smollm3", "granite"):
+    if cfg.family in ("llama", "smollm3", "granite", "arcee"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family in ERNIE_FAMILIES:
         d["use_bias"] = cfg.attention_bias

@@ -63,7 +63,7 @@ def load_f32(path):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_untied_bias", "qwen2", "qwen3", "mistral", "granite", "glm4",
-                                    "olmo2", "olmo3", "exaone4_global", "cohere"])
+                                    "olmo2", "olmo3", "exaone4_global", "cohere", "apertus"])
 def test_convert_hf_dir_round_trip(tmp_path, family):
     src, out = tmp_path / "src", tmp_path / "out"
     model = make_source(src, family)

@@ -155,6 +155,10 @@ FAMILIES = {
     # Command R7B / Command A: Cohere's layers, three of four windowed, the global ones without rotary embedding.
     "cohere2": ("Cohere2Config", {"num_hidden_layers": 4, "sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1,
                                   "eos_token_id": 2}),
+    # AFM (Arcee): Llama with an ungated MLP, down(relu(up)^2), biases on every projection.
+    "arcee": ("ArceeConfig", {"attention_bias": True, "mlp_bias": True}),
+    # Apertus: an ungated MLP with xIELU (its parameters learned per layer), q and k normed per head.
+    "apertus": ("ApertusConfig", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "exaone4_global": ("Exaone4Config", {"head_dim": 16, "sliding_window": None,
                                          "layer_types": ["full_attention"] * 2}),
 }

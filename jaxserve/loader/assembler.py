@@ -52,6 +52,8 @@ class WeightAssembler:
             return  # tied checkpoints may still carry a copy of the embedding
         if name in self._seen:
             raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint")
+        if target.path == "layers.xielu" and tensor.size == 1:  # (scalars, [] or [1] as they were saved)
+            tensor = tensor.reshape(target.hf_shape)
         if target.path in KV_SCALE_PATHS and tensor.size == 1:
             tensor = tensor.reshape(())
             if not np.isfinite(tensor) or tensor <= 0:

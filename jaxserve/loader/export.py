@@ -63,7 +63,7 @@ def _write_weights(out_dir: str, cfg: ModelConfig, params: Params, dtype: str, v
     size = 0
     for name, t in tensors:
         scale = name.endswith(("self_attn.k_scale", "self_attn.v_scale"))  # stays float32
-        t = np.ascontiguousarray(t.astype(np.float32 if scale else np_dtype))
+        t = np.require(t.astype(np.float32 if scale else np_dtype), requirements="C")  # (a scalar stays 0-d)
         if size and size + t.nbytes > MAX_SHARD_BYTES:
             shards.append({})
             size = 0

@@ -39,7 +39,7 @@ class Target:
     layer: int | None  # index on the stacked layer axis
     transform: Callable[[np.ndarray], np.ndarray]
     hf_shape: tuple[int, ...]
-    expert: int | None = None  # index on the experts axis (MoE expert tensors)
+    expert: int | None = None  # index on the axis after the layers' (an expert's tensors; an xIELU parameter)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -123,8 +123,14 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     elif cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
-    if cfg.mlp_bias:
+    if not cfg.gated_mlp:  # Arcee's and Apertus' MLP: up, an activation, down
+        t.pop("mlp.gate_proj.weight", None)
+    if cfg.family == "apertus":  # its norms' names
+        t["attention_layernorm.weight"] = t.pop("input_layernorm.weight")
+        t["feedforward_layernorm.weight"] = t.pop("post_attention_layernorm.weight")
+    if cfg.mlp_bias and cfg.gated_mlp:
         t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
+    if cfg.mlp_bias:
         t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
         t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
     if cfg.family in INTERLEAVED_ROPE_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
@@ -172,6 +178,11 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
         t.update({"gate_proj.bias": ("layers.be_gate", (Fe,)), "up_proj.bias": ("layers.be_up", (Fe,)),
                   "down_proj.bias": ("layers.be_down", (E,))})
     return t
+
+
+# Apertus' xIELU parameters (after `model.layers.{i}.`): their column of `layers.xielu` and their shape.
+_XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp.act_fn.beta": (2, ()),
+          "mlp.act_fn.eps": (3, ())}
 
 
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
@@ -249,6 +260,9 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                 return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
         dense = layer < cfg.first_dense_layers
+        if cfg.hidden_act == "xielu" and rest in _XIELU:  # its four scalars: one row of `layers.xielu` a layer
+            column, shape = _XIELU[rest]
+            return Target("layers.xielu", layer, lambda w: w.reshape(()), shape, column)
         spec = _layer_targets(cfg, dense).get(rest)
         if spec is not None:
             path, transform, shape = spec
@@ -305,6 +319,8 @@ def hf_names(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         dense = i < cfg.first_dense_layers
         names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg, dense))
+        if cfg.hidden_act == "xielu":
+            names.extend(f"model.layers.{i}.{rest}" for rest in _XIELU)
         moe = _moe_module(cfg)
         for j in range(0 if dense else cfg.num_experts):
             names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
@@ -339,6 +355,8 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     value = params_flat[target.path]
     if target.layer is not None:
         value = value[target.layer]
+    if target.path == "layers.xielu":
+        return value[target.expert].reshape(target.hf_shape)
     if target.expert is not None:
         return value[target.expert].T
     field = layer_field(target.path)

@@ -194,14 +194,14 @@ def _layer(
         if lp.w_gate_up is not None:
             gate, up = jnp.split(project(h, lp.w_gate_up, _dot_out_major), 2, axis=-1)  # [T, F] each
         else:
-            gate = project(h, lp.w_gate)  # [T, F]
+            gate = None if lp.w_gate is None else project(h, lp.w_gate)  # [T, F]; None: an ungated MLP
             up = project(h, lp.w_up)
         if lora is not None:
             dg, du = lora_deltas(h, lora.a_gate_up, [lora.b_gate, lora.b_up], inputs.lora_slots)
-            gate, up = gate + dg, up + du
-        if lp.b_gate is not None:
-            gate, up = gate + lp.b_gate, up + lp.b_up
-        act = (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
+            gate, up = None if gate is None else gate + dg, up + du
+        if lp.b_up is not None:
+            gate, up = None if gate is None else gate + lp.b_gate, up + lp.b_up
+        act = _mlp_activation(cfg, gate, up, lp.xielu)
         down = project(act, lp.w_down_t, _dot_out_major) if lp.w_down_t is not None else project(act, lp.w_down)
         if lora is not None:
             down = down + lora_deltas(act, lora.a_down, [lora.b_down], inputs.lora_slots)[0]
@@ -211,6 +211,20 @@ def _layer(
             down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + _residual(cfg, down)
     return (x, k_all, v_all), None
+
+
+def _mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xielu: jax.Array | None) -> jax.Array:
+    """act(gate) * up, or an ungated MLP's act(up): Arcee's squared ReLU, Apertus' xIELU (its learned alpha_p,
+    alpha_n and its beta, eps per layer: `xielu` [4])."""
+    if gate is not None:
+        return (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
+    if cfg.hidden_act == "relu2":
+        return jnp.square(jax.nn.relu(up))
+    alpha_p, beta, eps = jax.nn.softplus(xielu[0]), xielu[2], xielu[3]
+    alpha_n = beta + jax.nn.softplus(xielu[1])
+    x = up.astype(jnp.float32)
+    out = jnp.where(x > 0, alpha_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * alpha_n + beta * x)
+    return out.astype(up.dtype)
 
 
 def _qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:

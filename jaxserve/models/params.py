@@ -73,6 +73,7 @@ class LayerParams:
     ws_up: Any = None  # [L, E, Fs]
     ws_down: Any = None  # [L, Fs, E]
     ws_mix: Any = None  # [L, E]: the shared expert's sigmoid gate
+    xielu: Any = None  # [L, 4] float32: Apertus' xIELU per layer, its alpha_p, alpha_n (before softplus), beta, eps
     k_scale: Any = None  # [L] float32: a float8 KV cache holds K / k_scale (checkpoint or calibrated scales)
     v_scale: Any = None  # [L] float32: ... and V / v_scale
     post_attn_norm: Any = None  # [L, E]: Gemma's norms of the attention's and the MLP's outputs
@@ -162,7 +163,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             if cfg.family == "qwen2_moe":  # Qwen's shared expert is gated; Granite's is not
                 layers.ws_mix = p((L, E), ("layers", "embed"))
     else:
-        layers.w_gate = p((L, E, F), ("layers", "embed", "mlp"))
+        layers.w_gate = p((L, E, F), ("layers", "embed", "mlp")) if cfg.gated_mlp else None
         layers.w_up = p((L, E, F), ("layers", "embed", "mlp"))
         layers.w_down = p((L, F, E), ("layers", "mlp", "embed"))
     if cfg.attention_bias:
@@ -177,8 +178,10 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     elif cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), norm)
         layers.k_norm = p((L, D), ("layers", "head_dim"), norm)
+    if cfg.hidden_act == "xielu":
+        layers.xielu = p((L, 4), ("layers", None), "zeros", jnp.float32)
     if cfg.mlp_bias:
-        layers.b_gate = p((L, F), ("layers", "mlp"), "zeros")
+        layers.b_gate = p((L, F), ("layers", "mlp"), "zeros") if cfg.gated_mlp else None
         layers.b_up = p((L, F), ("layers", "mlp"), "zeros")
         layers.b_down = p((L, E), ("layers", "embed"), "zeros")
     if cfg.attention_sinks:
