@@ -133,8 +133,10 @@ def test_quantization_refusals(tiny_dir):
     assert check_quantization(None, "m", {}) == (None, None)
     assert check_quantization("int8", "m", {}) == (None, "int8")
     assert check_quantization("gptq_marlin", "m", {"quantization_config": {"quant_method": "gptq"}}) == (None, None)
-    with pytest.raises(UnsupportedModelError, match=r"'int8' does not match m: its weights are quantized with 'gptq'"):
-        check_quantization("int8", "m", {"quantization_config": {"quant_method": "gptq"}})
+    gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
+    assert check_quantization("int8", "m", gptq) == ("int8", None)  # dequantized at load, then held as int8
+    with pytest.raises(UnsupportedModelError, match=r"'awq' does not match m: its weights are quantized with 'gptq'"):
+        check_quantization("awq", "m", gptq)
     with pytest.raises(UnsupportedModelError, match=r"'nf4' does not match m: its weights are not quantized.*fp8, "
                                                     r"int8, experts_int8"):
         check_quantization("nf4", "m", {})

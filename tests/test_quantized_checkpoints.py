@@ -234,9 +234,11 @@ def test_the_quantization_flag_names_the_checkpoints_own_method(tmp_path):
     cfg = ModelConfig.from_hf(config)
     assert check_quantization(None, str(tmp_path), config, cfg) == (None, None)
     assert check_quantization("compressed-tensors", str(tmp_path), config, cfg) == (None, None)
-    with pytest.raises(UnsupportedModelError, match="quantization 'fp8' does not match .*quantized with "
+    # Its 4-bit weights are dequantized at load, so they may be held quantized again as fp8; another method is refused.
+    assert check_quantization("fp8", str(tmp_path), config, cfg) == ("fp8", None)
+    with pytest.raises(UnsupportedModelError, match="quantization 'awq' does not match .*quantized with "
                                                     "'compressed-tensors'"):
-        check_quantization("fp8", str(tmp_path), config, cfg)
+        check_quantization("awq", str(tmp_path), config, cfg)
     # On an unquantized checkpoint fp8 quantizes at load (tests/test_quantized.py); a method that cannot is refused.
     assert check_quantization("fp8", "plain", {}) == (None, "fp8")
     with pytest.raises(UnsupportedModelError, match="its weights are not quantized. jaxserve .* quantizes an "
