@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import json
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -344,13 +345,21 @@ class JsonCallReader(Reader):
         self.clean = not self.in_list
 
 
+def _mistral_name(text: str) -> str:
+    """The call's name before `[ARGS]` (Mistral's v11 format writes `name[CALL_ID]id[ARGS]`: the id is the model's
+    own, not the call's name)."""
+    return text.split("[CALL_ID]")[0].strip()
+
+
 class NamedArgsReader(Reader):
     """Mistral's `name[ARGS]{...}` calls, each after its own `[TOOL_CALLS]` (the first one's is the
-    region's opener)."""
+    region's opener); other formats of a name, a marker and a JSON object with their own markers and
+    `name_of` (the name in the text before the arguments' marker)."""
 
-    def __init__(self, args_marker: str = "[ARGS]", call_marker: str = "[TOOL_CALLS]"):
+    def __init__(self, args_marker: str = "[ARGS]", call_marker: str = "[TOOL_CALLS]",
+                 name_of: Callable[[str], str] = _mistral_name):
         super().__init__()
-        self.args_marker, self.call_marker = args_marker, call_marker
+        self.args_marker, self.call_marker, self.name_of = args_marker, call_marker, name_of
         self.state = "name"  # name | args | between
         self.text_of_state = ""  # the name, or the marker between calls, read so far
         self.value = JsonValue()
@@ -375,8 +384,7 @@ class NamedArgsReader(Reader):
         self.clean = False
         self.text_of_state += ch
         if self.state == "name" and self.text_of_state.endswith(self.args_marker):
-            # (Mistral's v11 format writes `name[CALL_ID]id[ARGS]`: the id is the model's own, not the call's name)
-            name = self.text_of_state[:-len(self.args_marker)].split("[CALL_ID]")[0].strip()
+            name = self.name_of(self.text_of_state[:-len(self.args_marker)])
             if not name:
                 raise ValueError("a call without a name")
             self.state, self.text_of_state, self.value = "args", name, JsonValue()

@@ -312,11 +312,24 @@ class OpenAIParser(ToolParser):
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         header, sep, args = body.partition(MESSAGE)
-        recipient = header.split("<|")[0].split()[0] if header.strip() else ""
         values = _json_values(args) if sep else None
-        if not recipient or not values or len(values) != 1 or not isinstance(values[0], dict):
+        if not _recipient(header) or not values or len(values) != 1 or not isinstance(values[0], dict):
             return None
-        return [ParsedCall(recipient.removeprefix("functions."), json.dumps(values[0], ensure_ascii=False))]
+        return [ParsedCall(_recipient(header), json.dumps(values[0], ensure_ascii=False))]
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        def name_of(header: str) -> str:
+            if not _recipient(header):
+                raise ValueError("a call without a recipient")
+            return _recipient(header)
+
+        return NamedArgsReader(args_marker=MESSAGE, call_marker=CALL, name_of=name_of)
+
+
+def _recipient(header: str) -> str:
+    """The call's name in a harmony call's header after `to=` (`functions.NAME <|constrain|>json`): NAME."""
+    words = header.split("<|")[0].split()
+    return words[0].removeprefix("functions.") if words else ""
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,

@@ -206,6 +206,15 @@ def test_glm45_streams_string_values_and_gives_typed_ones_whole():
     assert s.finish() == ("", [])
 
 
+def test_openai_streams_a_harmony_calls_arguments():
+    """gpt-oss's call (a file's text, say) goes out as it is written: its name once its arguments begin."""
+    s = tool_parser("openai").stream(SCHEMAS)
+    assert s.feed("<|channel|>commentary to=functions.write_file <|constrain|>json<|mess") == ("", [])
+    assert s.feed('age|>{"text": "line one') == ("", [CallDelta(0, "write_file", '{"text": "line one')])
+    assert s.feed('\\nline two"}') == ("", [CallDelta(0, None, '\\nline two"}')])
+    assert s.finish() == ("", [])
+
+
 def test_qwen3_coder_streams_text_values_and_gives_typed_ones_whole():
     s = tool_parser("qwen3_coder").stream(SCHEMAS)
     assert s.feed("<tool_call>\n<function=get_time>\n") == ("", []), "no call before its first parameter"
