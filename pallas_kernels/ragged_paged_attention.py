@@ -237,8 +237,8 @@ def ragged_paged_attention(
     tuning: AttentionTuning = AttentionTuning(),
 ) -> jax.Array:
     """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
-    [QH]: each head's attention-sink logit (gpt-oss); batches with prefill chunks then stay on this kernel (the
-    ragged Mosaic GPU kernel has no sinks), decode batches may go to the Mosaic GPU decode kernel."""
+    [QH]: each head's attention-sink logit (gpt-oss), a share of each softmax carrying no value (every kernel
+    here takes them)."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
         sinks,
@@ -260,7 +260,7 @@ def ragged_paged_attention(
         # shapes (the two kernels' SMEM sums differ: 256-wide heads fit only the warp-specialized prefill).
         decode = tuning.decode_lowering == "mosaic" and mosaic_decode_supported(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None
-        prefill = tuning.prefill_lowering == "mosaic" and sinks is None and ragged_mosaic_supported(
+        prefill = tuning.prefill_lowering == "mosaic" and ragged_mosaic_supported(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
         if decode or prefill:
             return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
@@ -374,10 +374,11 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
         if not prefill_on_mosaic:
             return general()
         if not (decode_on_mosaic and tuning.split_mixed):
-            return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, last_key=last_key)
+            return ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, last_key=last_key, sinks=sinks)
         # The chunks on the ragged kernel, the decode tokens beside them on the decode kernel.
         one = q_lens == 1
-        chunks = ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, skip_seqs=one, last_key=last_key)
+        chunks = ragged_paged_attention_mosaic(*args, **scores, interpret=interpret, skip_seqs=one, last_key=last_key,
+                                               sinks=sinks)
         tokens = on_decode_kernel(jnp.where(one, seq_lens, 0))
         return jnp.where((one[tok_seq] & valid)[:, None, None], tokens, chunks)
 

@@ -34,8 +34,9 @@ CASES = [
     # (tokens 200-220) walks window-edge blocks 0-1 masked, block 2 whole, block 3 causal; warpgroup 1 (tokens
     # 221-241) releases block 0 unread (its window starts at 81), then block 1 masked, 2 whole, 3 causal. The
     # decode token at 300 loads blocks 2-4 only (the ring starts at block 2); a 30-token prompt leaves
-    # warpgroup 1 only releasing.
-    ("smollm-e4m3-window-cap", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141,
+    # warpgroup 1 only releasing. With gpt-oss's attention sinks (a logit per query head in each row's sum:
+    # token 21's three rows are heads 0-2 across the warpgroups' boundary); the empty row's sinks leave it 0.
+    ("smollm-e4m3-window-cap-sinks", 16, 64, 3, 1, 64, [(42, 242), (1, 301), (0, 0), (30, 100)], 20, 5.0, 141,
      jnp.float8_e4m3fn),
     # Spans attended both ways, under a 50-key window (Gemma 3's local layers): the 60-token chunk at 40-99 is a
     # program of tokens 40-81 and one of 82-99. Span 30-70 starts in the cache and ends in warpgroup 1's tokens
@@ -63,16 +64,17 @@ def run_cases(cases):
         batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
                                     v_pages=quantize_kv(batch.v_pages, kv_dtype))
         last_key = span_last_key(batch, spans[0]) if spans else None
+        sinks = rng.uniform(0.0, 3.0, batch.q.shape[1]).astype(np.float32) if name.endswith("-sinks") else None
         start = time.perf_counter()
         out = ragged_paged_attention_mosaic(
             batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
             sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window, block_kv=block_kv, compute_wgs=2,
-            interpret=jax.default_backend() == "cpu", last_key=last_key,
+            interpret=jax.default_backend() == "cpu", last_key=last_key, sinks=None if sinks is None else jnp.asarray(sinks),
         )
         out = np.asarray(out.astype(jnp.float32))
         seconds = time.perf_counter() - start
         ref = naive_attention(batch, sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window,
-                              last_key=None if last_key is None else np.asarray(last_key))
+                              last_key=None if last_key is None else np.asarray(last_key), sinks=sinks)
         n = batch.num_real_tokens
         yield {
             "case": name, "seconds": round(seconds, 1), "dtype": str(out.dtype), "shape_ok": out.shape == batch.q.shape,

@@ -126,10 +126,10 @@ def test_mosaic_dispatch_per_kernel():
     windowed = traced(64, interpret=True, soft_cap=30.0, sliding_window=16)
     assert "paged_decode_mosaic" in windowed and "ragged_attention_mosaic" in windowed
     assert "ragged_paged_attention_bq" not in windowed
-    # Attention sinks: decode batches on the decode kernel, batches with chunks on the generic kernel.
+    # Attention sinks: decode batches on the decode kernel, batches with chunks on the warp-specialized one.
     sinks = traced(64, interpret=False, sinks=jnp.zeros((4,), jnp.float32))
-    assert "paged_decode_mosaic" in sinks and "ragged_paged_attention_bq" in sinks
-    assert "ragged_attention_mosaic" not in sinks
+    assert "paged_decode_mosaic" in sinks and "ragged_attention_mosaic_ws" in sinks
+    assert "ragged_paged_attention_bq" not in sinks
 
 
 DECODE_SEQS, MIXED_SEQS = [(1, 40), (0, 0), (1, 17)], [(1, 40), (5, 21), (1, 17)]

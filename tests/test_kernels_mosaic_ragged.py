@@ -80,30 +80,38 @@ def test_ragged_mosaic_block_kv_128_and_empty_batch_rows():
     _check(_run(batch, 0.125, block_kv=128), batch, 0.125)
 
 
-@pytest.mark.parametrize("window", [20, 70])
-def test_ragged_mosaic_window_and_soft_cap(window):
+def _sinks(rng, batch, on: bool) -> dict:
+    """gpt-oss's attention sinks (a logit per query head joining each softmax, carrying no value), or none."""
+    return {"sinks": jnp.asarray(rng.uniform(0.0, 3.0, batch.q.shape[1]), jnp.float32)} if on else {}
+
+
+@pytest.mark.parametrize("window,sinks", [(20, False), (70, True)])
+def test_ragged_mosaic_window_and_soft_cap(window, sinks):
     """A sliding window and a logit soft-cap: blocks of 21 tokens whose windows start in different KV blocks (a
     block's walk starts where its first token's window does; rows that see no key of an early block stay
-    finite), a window shorter than a block of queries (20), a decode token and a short prompt."""
+    finite), a window shorter than a block of queries (20), a decode token and a short prompt; with attention
+    sinks, the partials of a single split are written and combined with each row's sink."""
     rng = np.random.default_rng(window)
     batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16,
                        seqs=[(50, 110), (1, 137), (0, 0), (7, 7), (30, 200)], pages_per_seq=14)
-    _check(_run(batch, 0.125, soft_cap=4.0, sliding_window=window), batch, 0.125, soft_cap=4.0,
-           sliding_window=window)
+    extra = _sinks(rng, batch, sinks)
+    _check(_run(batch, 0.125, soft_cap=4.0, sliding_window=window, **extra), batch, 0.125, soft_cap=4.0,
+           sliding_window=window, **{k: np.asarray(v) for k, v in extra.items()})
 
 
-@pytest.mark.parametrize("splits,window", [(3, None), (4, 40)])
-def test_ragged_mosaic_splits_each_blocks_kv_walk(splits, window):
+@pytest.mark.parametrize("splits,window,sinks", [(3, None, False), (4, 40, True)])
+def test_ragged_mosaic_splits_each_blocks_kv_walk(splits, window, sinks):
     """Flash-decoding splits in the one-warpgroup form (a short step over long contexts: drafts verified as
     chunks). Blocks of several tokens whose causal limits fall in different splits, a prompt spanning two
     query blocks, a short sequence whose later splits are empty, and with a window, a walk starting past the
-    first splits' keys: the combined partials equal the oracle."""
+    first splits' keys: the combined partials (with attention sinks: and each row's sink) equal the oracle."""
     rng = np.random.default_rng(splits)
     seqs = [(5, 300), (1, 290), (4, 37), (25, 260), (0, 0)]
     batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16, seqs=seqs,
                        pages_per_seq=20)
-    _check(_run(batch, 0.125, compute_wgs=1, num_splits=splits, sliding_window=window), batch, 0.125,
-           sliding_window=window)
+    extra = _sinks(rng, batch, sinks)
+    _check(_run(batch, 0.125, compute_wgs=1, num_splits=splits, sliding_window=window, **extra), batch, 0.125,
+           sliding_window=window, **{k: np.asarray(v) for k, v in extra.items()})
 
 
 def test_ragged_mosaic_split_refusals_and_default():

@@ -110,7 +110,8 @@ def test_span_attention_compiles_for_sm90(spec, kvh, group, d, window, lowering,
 
 # gpt-oss's attention sinks on its heads (64 q / 8 kv, 64 wide; every other layer windowed at 128): a decode bucket,
 # one long decode (KV splits: the sinks join in the combine), a windowed prefill chunk; with the Mosaic GPU
-# lowerings asked for, decode batches go to the Mosaic decode kernel and batches with chunks to the generic one.
+# lowerings asked for, decode batches go to the Mosaic decode kernel and batches with chunks to the
+# warp-specialized ragged one (each row's sink joins its sum at the end), none to the generic kernel.
 @pytest.mark.parametrize("T,S,P,window,tuning", [
     (64, 64, 512, None, AttentionTuning()),
     (1, 1, 2048, None, AttentionTuning()),
@@ -124,5 +125,22 @@ def test_sink_attention_compiles_for_sm90(spec, T, S, P, window, tuning):
         return ragged_paged_attention(*a[:6], sm_scale=0.125, sliding_window=window, sinks=a[6], tuning=tuning)
 
     text = _compile(fn, *args)
-    assert "triton" in text.lower()
-    assert ('custom_call_target="mosaic_gpu' in text) is (tuning.decode_lowering == "mosaic")
+    mosaic = tuning.decode_lowering == "mosaic"
+    assert ('custom_call_target="mosaic_gpu' in text) is mosaic
+    assert ("triton" in text.lower()) is not mosaic
+
+
+# The ragged Mosaic GPU kernel's other forms with sinks: one warpgroup with its walk split (the sinks join in the
+# partials' combine), and the warp-specialized form over float8 pages (upcast by the loading warpgroup).
+@pytest.mark.parametrize("compute_wgs,num_splits,kv_dtype", [(1, 2, jnp.bfloat16), (2, None, jnp.float8_e4m3fn)])
+def test_sink_ragged_mosaic_forms_compile_for_sm90(spec, compute_wgs, num_splits, kv_dtype):
+    from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
+
+    args = (*_attention_args(spec, 512, 4, 128, 16, 8, 8, 64, jnp.bfloat16, kv_dtype=kv_dtype),
+            spec((64,), jnp.float32))
+
+    def fn(*a):
+        return ragged_paged_attention_mosaic(*a[:6], sm_scale=0.125, sliding_window=128, sinks=a[6],
+                                             compute_wgs=compute_wgs, num_splits=num_splits)
+
+    assert 'custom_call_target="mosaic_gpu' in _compile(fn, *args)
