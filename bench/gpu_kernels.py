@@ -6,7 +6,8 @@ GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and a
 generic kernel and both Mosaic GPU forms); a mixed step (32 decode tokens at 8k beside a 512-token chunk) with
 its decode tokens on the decode kernel or with the chunk on the ragged one; decode at 32k context under a
 sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read); a 4k prefill
-holding 256-token images attended both ways (Gemma 3's; `last_key`) against the same prefill all causal. Both for
+holding 256-token images attended both ways (Gemma 3's; `last_key`) against the same prefill all causal; gpt-oss's
+heads (64q/8kv/64) with and without attention sinks, in decode at 8k and a 4k prefill. Both for
 SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
 rounds of warm calls, rotating over input sets whose pages are scattered over a pool larger than L2, and is
 printed against a copy bandwidth and (prefill) a bfloat16 matmul rate measured in the same run; the rows that
@@ -16,7 +17,6 @@ decide the targets run first. Usage: `python bench/gpu_kernels.py [--budget-s N]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import statistics
 import sys
@@ -26,6 +26,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.gpu_inputs import (
+    DTYPE,
+    IMAGE_TOKENS,
+    MIN_POOL_BYTES,
+    PAGE_SIZE,
+    Heads,
+    as_rows,
+    decode_case,
+    dense_sets,
+    mixed_case,
+    span_sets,
+    work,
+)
 from pallas_kernels import (
     AttentionTuning,
     paged_decode_attention_mosaic,
@@ -38,30 +51,16 @@ from pallas_kernels import (
     write_kv_triton,
 )
 
-PAGE_SIZE = 16
-DTYPE = jnp.bfloat16
-MIN_POOL_BYTES = 512 << 20  # pages scattered over a pool well past the 60 MiB L2
-NUM_SETS = 3
 # The reference materializes per-token KV and logits; skip it (and cuDNN's dense copy) past this.
 REF_LIMIT_BYTES = 24 << 30
 WINDOW = 4096  # the sliding window of the windowed decode row (Mistral 7B's)
 MIXED_CHUNK = 512  # the prefill chunk of the mixed-step row (beside its decode tokens)
 DRAFT_TOKENS = 5  # the drafts rows: a request's token and its 4 drafts, verified in one step
-IMAGE_TOKENS = 256  # the images row: Gemma 3's tokens an image, one every 512 positions
-
-
-@dataclasses.dataclass(frozen=True)
-class Heads:
-    """Attention head shape of a model."""
-
-    name: str
-    q: int
-    kv: int
-    dim: int
 
 
 MODELS = (Heads("smollm2", 9, 3, 64), Heads("llama3-8b", 32, 8, 128))
 WIDE = Heads("gemma2-2b", 8, 4, 256)  # 256-wide heads: the Mosaic decode kernel's split partials in bfloat16
+GPT_OSS = Heads("gpt-oss", 64, 8, 64)  # its attention sinks: a logit per head in every softmax
 
 
 def timeit(fn, arg_sets, rounds=5, min_calls=3, target_s=0.05) -> float:
@@ -89,92 +88,6 @@ def copy_bandwidth(num_elements: int = 1 << 30) -> float:
     f = jax.jit(lambda a: a + jnp.asarray(1, DTYPE))
     sec = timeit(f, [(x,)], rounds=5, min_calls=5)
     return 2 * x.nbytes / sec
-
-
-def decode_case(
-    rng,
-    heads: Heads,
-    batch: int,
-    ctx: int,
-    num_tokens: int | None = None,
-    min_pool_bytes: int = MIN_POOL_BYTES,
-    kv_dtype=DTYPE,
-):
-    """Input sets for `batch` sequences of KV length `ctx` with `num_tokens // batch` new tokens each, the
-    pages in `kv_dtype` (float8 for `--kv-cache-dtype fp8`)."""
-    q_len = 1 if num_tokens is None else num_tokens // batch
-    pages_per_seq = -(-ctx // PAGE_SIZE)
-    needed = batch * pages_per_seq
-    kv_item = jnp.dtype(kv_dtype).itemsize
-    page_bytes = PAGE_SIZE * heads.kv * heads.dim * kv_item
-    num_pages = max(needed + 1, min_pool_bytes // (2 * page_bytes))
-    shape = (num_pages, PAGE_SIZE, heads.kv, heads.dim)
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    kk, kv, kq = jax.random.split(key, 3)
-    k_pages = jax.random.normal(kk, shape, DTYPE).astype(kv_dtype)
-    v_pages = jax.random.normal(kv, shape, DTYPE).astype(kv_dtype)
-    seq_lens = jnp.full((batch,), ctx, jnp.int32)
-    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
-    sets = []
-    for i in range(NUM_SETS):
-        pages = rng.choice(np.arange(1, num_pages), needed, replace=needed > num_pages - 1)
-        tables = jnp.asarray(pages.reshape(batch, pages_per_seq), jnp.int32)
-        q = jax.random.normal(jax.random.fold_in(kq, i), (batch * q_len, heads.q, heads.dim), DTYPE)
-        sets.append((q, k_pages, v_pages, tables, seq_lens, qsl))
-    return (sets, *work(heads, batch, ctx, q_len, kv_item))
-
-
-def as_rows(sets, q_len: int):
-    """The same queries as one-token rows (drafts verified as rows): each sequence's `q_len` tokens become rows
-    of its page table, at KV lengths ctx - q_len + 1 ... ctx."""
-    out = []
-    for q, k_pages, v_pages, tables, seq_lens, _ in sets:
-        offsets = jnp.tile(jnp.arange(1 - q_len, 1, dtype=jnp.int32), seq_lens.shape[0])
-        rows = q.shape[0]
-        out.append((q, k_pages, v_pages, jnp.repeat(tables, q_len, axis=0), jnp.repeat(seq_lens, q_len) + offsets,
-                    jnp.arange(rows + 1, dtype=jnp.int32)))
-    return out
-
-
-def mixed_case(rng, heads: Heads, decodes: int, ctx: int, chunk: int, min_pool_bytes: int = MIN_POOL_BYTES):
-    """Input sets for a mixed step: `decodes` decode tokens over `ctx` keys each, then one `chunk`-token prefill
-    chunk ending at its own `ctx` keys."""
-    sets, _, _ = decode_case(rng, heads, decodes + 1, ctx, min_pool_bytes=min_pool_bytes)
-    qsl = jnp.asarray([*range(decodes + 1), decodes + chunk], jnp.int32)
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    sets = [(jax.random.normal(jax.random.fold_in(key, i), (decodes + chunk, heads.q, heads.dim), DTYPE), *rest[1:5],
-             qsl) for i, rest in enumerate(sets)]
-    decode_bytes, decode_flops = work(heads, decodes, ctx, 1, jnp.dtype(DTYPE).itemsize)
-    chunk_bytes, chunk_flops = work(heads, 1, ctx, chunk, jnp.dtype(DTYPE).itemsize)
-    return sets, decode_bytes + chunk_bytes, decode_flops + chunk_flops
-
-
-def span_sets(sets, ctx: int):
-    """The sets of a one-sequence prefill with each set's `last_key` appended: an image of `IMAGE_TOKENS` tokens
-    (each seeing up to the image's last) after every `IMAGE_TOKENS` of text."""
-    last = np.arange(ctx, dtype=np.int32)
-    for start in range(IMAGE_TOKENS, ctx - IMAGE_TOKENS + 1, 2 * IMAGE_TOKENS):
-        last[start:start + IMAGE_TOKENS] = start + IMAGE_TOKENS - 1
-    return [(*s, jnp.asarray(last)) for s in sets]
-
-
-def work(heads: Heads, batch: int, ctx: int, q_len: int, kv_item: int) -> tuple[int, float]:
-    """(bytes, FLOPs) of attention for `batch` sequences of `q_len` new tokens over `ctx` keys each: K and V
-    read once, q read and the output written, QK^T and PV over the causal part."""
-    kv_bytes = 2 * batch * ctx * heads.kv * heads.dim * kv_item
-    io_bytes = 2 * batch * q_len * heads.q * heads.dim * 2
-    flops = 4 * batch * heads.q * heads.dim * (q_len * ctx - q_len * (q_len - 1) / 2)
-    return kv_bytes + io_bytes, flops
-
-
-def dense_sets(sets, heads: Heads, batch: int, ctx: int):
-    """The same attention with dense KV `[B, L, KVH, D]` for cuDNN (gathered once, outside the timing)."""
-    out = []
-    for q, k_pages, v_pages, tables, _, _ in sets:
-        k = k_pages[tables].reshape(batch, -1, heads.kv, heads.dim)[:, :ctx]
-        v = v_pages[tables].reshape(batch, -1, heads.kv, heads.dim)[:, :ctx]
-        out.append((q.reshape(batch, -1, heads.q, heads.dim), k, v))
-    return out
 
 
 def run_row(label, fns, sets, nbytes, flops, dense, copy_bw, matmul_flops=None):
@@ -254,6 +167,11 @@ def kernels(heads: Heads) -> dict:
         "pallas_causal": jax.jit(lambda *a: ragged_paged_attention(*a[:6], sm_scale=scale)),
         "mosaic_ws_spans": jax.jit(lambda *a: ragged_paged_attention_mosaic(*a[:6], sm_scale=scale, last_key=a[6])),
         "mosaic_ws_causal": jax.jit(lambda *a: ragged_paged_attention_mosaic(*a[:6], sm_scale=scale)),
+        # Attention sinks (the sets' last argument), and the same calls without them (`*_causal` above too).
+        "pallas_sinks": jax.jit(lambda *a: ragged_paged_attention(*a[:6], sm_scale=scale, sinks=a[6])),
+        "mosaic_ws_sinks": jax.jit(lambda *a: ragged_paged_attention_mosaic(*a[:6], sm_scale=scale, sinks=a[6])),
+        "mosaic_sinks": jax.jit(lambda *a: paged_decode_attention_mosaic(*a[:5], sm_scale=scale, sinks=a[6])),
+        "mosaic_causal": jax.jit(lambda *a: paged_decode_attention_mosaic(*a[:5], sm_scale=scale)),
         "cudnn": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, implementation="cudnn")),
         "cudnn_causal": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, implementation="cudnn")),
@@ -291,15 +209,16 @@ def main() -> int:
             if c != 8192 or b == 1]
     wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768)]
     drafts = [(h, "drafts", 4, 8192) for h in (llama, smollm)]
-    images = [(WIDE, "images", 1, 4096)]
+    images = [(WIDE, "images", 1, 4096), (GPT_OSS, "sinks", 32, 8192), (GPT_OSS, "sinks", 1, 4096)]
     rows = target + [(llama, "mixed", 32, 8192)] + drafts + fp8 + [(llama, "window", 32, 32768)] + wide + images + rest
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
                 (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "drafts", 2, 1024),
-                (llama, "window", 2, 8192), (WIDE, "images", 1, 1024)]
+                (llama, "window", 2, 8192), (WIDE, "images", 1, 1024), (GPT_OSS, "sinks", 2, 1024),
+                (GPT_OSS, "sinks", 1, 1024)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
-    fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE,)}
+    fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE, GPT_OSS)}
     for heads, kind, batch, ctx in rows:
         label = f"{heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}) {kind} b={batch:3d} ctx={ctx:5d}"
         if time.perf_counter() - start > args.budget_s:
@@ -333,6 +252,14 @@ def main() -> int:
             names = ["pallas_causal", "pallas_spans", "mosaic_ws_causal", "mosaic_ws_spans"]
             run_row(f"{label} {IMAGE_TOKENS}-token images", pick(fns, names), span_sets(sets, ctx), nbytes, flops,
                     None, copy_bw, matmul)
+        elif kind == "sinks":  # decode (batch > 1) or one prefill, with a sink logit per head appended to each set
+            sets, nbytes, flops = decode_case(rng, heads, batch, ctx, num_tokens=None if batch > 1 else ctx,
+                                              min_pool_bytes=pool_bytes)
+            sinks = jnp.asarray(rng.uniform(-1.0, 3.0, heads.q), jnp.float32)
+            names = ["pallas_causal", "pallas_sinks"] + (["mosaic_causal", "mosaic_sinks"] if batch > 1 else
+                                                         ["mosaic_ws_causal", "mosaic_ws_sinks"])
+            run_row(label, pick(fns, names), [(*s, sinks) for s in sets], nbytes, flops, None, copy_bw,
+                    None if batch > 1 else matmul)
         elif kind == "window":
             sets, _, _ = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             nbytes, flops = work(heads, batch, WINDOW, 1, jnp.dtype(DTYPE).itemsize)  # the window's keys only
