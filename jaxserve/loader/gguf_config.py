@@ -1,11 +1,12 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3 and the mixture-of-experts
-files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE) become the HF config
+files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE, gpt-oss) become the HF config
 their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
 keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary
 base) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads, the others
-by head_dim), and those are restored here as llama.cpp applies them.
+by head_dim; gpt-oss's SwiGLU clamp at 7 and alternating window), and those are restored here as llama.cpp
+applies them (gpt-oss's YaRN as the model defines it, its correction range unrounded).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ _GEMMA = ("gemma2", "gemma3")
 # Architectures read through the HF config their converter read (`ModelConfig.from_hf`); llama's with
 # experts is Mixtral.
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-            "qwen3moe": "Qwen3MoeForCausalLM"}
+            "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_HF_FORM)
@@ -85,6 +86,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if scaling.rope_type in ("linear", "yarn"):  # Gemma 3 scales its global layers' frequencies only
             d["rope_scaling"] = {"rope_type": scaling.rope_type, "factor": scaling.factor,
                                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
+            if arch == "gpt-oss":  # its YaRN correction range unrounded (the model's own config; not in the file)
+                d["rope_scaling"]["truncate"] = False
         elif scaling.rope_type != "default":
             raise UnsupportedModelError(f"GGUF rope scaling {scaling.rope_type!r} on {arch} is not supported")
         return ModelConfig.from_hf(d)

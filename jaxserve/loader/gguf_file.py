@@ -48,7 +48,7 @@ _GEMMA_NAMES = {
 # Mixture-of-experts layers: the router, the experts stacked in one tensor per projection (older Mixtral
 # files: one tensor per expert), and Qwen2-MoE's shared expert with its gate.
 _EXPERT_KINDS = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}  # (Qwen, Mixtral)
-_EXPERTS_RE = re.compile(r"^ffn_(gate|up|down)_exps\.weight$")
+_EXPERTS_RE = re.compile(r"^ffn_(gate|up|down)_exps\.(weight|bias)$")  # (biases: gpt-oss's)
 _ONE_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
                   "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
@@ -58,11 +58,14 @@ _SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
 # models). Part of the config, not parameters.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# gpt-oss: its sinks, the norm before its MLP (llama.cpp's post-attention norm), its biased router.
+_GPT_OSS_NAMES = {"attn_sinks.weight": "self_attn.sinks", "post_attention_norm.weight": "post_attention_layernorm.weight"}
 
 
-def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False) -> str:
+def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, gpt_oss: bool = False) -> str:
     """Translate a llama.cpp tensor name to the HF name (of a Gemma model with `gemma`, of Phi-3, whose
-    `ffn_up` holds the gate and up projections, with `phi3`); refuses names it does not know."""
+    `ffn_up` holds the gate and up projections, with `phi3`, of gpt-oss with `gpt_oss`); refuses names it does
+    not know."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -73,6 +76,8 @@ def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False) -> str:
     names = {**_GGUF_TO_HF, **_GEMMA_NAMES} if gemma else _GGUF_TO_HF
     if phi3:
         names = {**names, "ffn_up.weight": "mlp.gate_up_proj.weight"}
+    if gpt_oss:
+        names = {**names, **_GPT_OSS_NAMES}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise CheckpointError(f"unknown GGUF tensor {name!r}")
@@ -86,20 +91,21 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
         layer, rest = m.groups()
         prefix = f"model.layers.{layer}.{'block_sparse_moe' if cfg.family == 'mixtral' else 'mlp'}"
         stacked, single = _EXPERTS_RE.match(rest), _ONE_EXPERT_RE.match(rest)
-        if rest == "ffn_gate_inp.weight":
-            yield f"{prefix}.gate.weight", arr
+        if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
+            yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
             return
         if stacked or single:
             kind = _EXPERT_KINDS[(stacked or single).group(1)][cfg.family == "mixtral"]
             if single:
                 yield f"{prefix}.experts.{single.group(2)}.{kind}.weight", arr
             else:
-                yield from ((f"{prefix}.experts.{j}.{kind}.weight", arr[j]) for j in range(arr.shape[0]))
+                part = stacked.group(2)
+                yield from ((f"{prefix}.experts.{j}.{kind}.{part}", arr[j]) for j in range(arr.shape[0]))
             return
         if rest in _SHARED_EXPERT:
             yield f"model.layers.{layer}.{_SHARED_EXPERT[rest]}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
-    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES, arch == "phi3"), arr
+    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES, arch == "phi3", cfg.family == "gpt_oss"), arr
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
