@@ -148,6 +148,33 @@ def test_quantization_refusals(tiny_dir):
         init_params(dataclasses.replace(DENSE, weight_quant="int8"), jax.random.key(0))
 
 
+def test_a_quantized_gguf_held_quantized_is_quantized_tensor_by_tensor(smollm_path, smollm_f32, monkeypatch):
+    """The bundled GGUF's Q4_1 blocks are dequantized at load (`--quantization gguf` names them); with int8 each
+    tensor is quantized on the host as it is read: the model equals the float one quantized once loaded."""
+    from jaxserve.engine.model_loading import quantize_model
+
+    cfg, params = smollm_f32
+    assert open_checkpoint(smollm_path).quantized
+    assert check_quantization(None, smollm_path, {}, cfg, gguf_quantized=True) == (None, None)
+    assert check_quantization("gguf", smollm_path, {}, cfg, gguf_quantized=True) == (None, None)
+    assert check_quantization("int8", smollm_path, {}, cfg, gguf_quantized=True) == ("int8", None)
+    with pytest.raises(UnsupportedModelError, match="'awq' does not match .*its weights are quantized with 'gguf'"):
+        check_quantization("awq", smollm_path, {}, cfg, gguf_quantized=True)
+    from jaxserve.engine import model_loading
+
+    def whole(*_args):
+        raise AssertionError("the float model was loaded whole, then quantized")
+
+    monkeypatch.setattr(model_loading, "quantize_model", whole)
+    loaded = load_model(EngineArgs(model=smollm_path, quantization="int8", dtype="float32"), progress=False)
+    monkeypatch.undo()
+    assert loaded.config.weight_quant == "int8" and loaded.params.layers.wq.q.dtype == jnp.int8
+    after, after_cfg, _ = quantize_model(params, cfg, None, "int8")
+    ids = list(range(5, 37))
+    np.testing.assert_allclose(prompt_logits(loaded.config, loaded.params, ids), prompt_logits(after_cfg, after, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_bundled_model_quantized_keeps_its_predictions(smollm_path, smollm_f32, method):
     """SmolLM2 with every projection quantized: its next-token choice over a passage agrees with the float

@@ -19,6 +19,7 @@ from jaxserve.engine.classifier import classification_architecture
 from jaxserve.engine_args import EngineArgs
 from jaxserve.generation_config import sampling_defaults
 from jaxserve.loader import (
+    GGUFFile,
     checkpoint_tokenizer,
     load_params,
     load_vision,
@@ -99,7 +100,8 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     dummy = args.load_format == "dummy"
     ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides)
     cfg = ckpt.config()
-    kept, weight_quant = check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}), cfg)
+    kept, weight_quant = check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}), cfg,
+                                            gguf_quantized=isinstance(ckpt, GGUFFile) and ckpt.quantized)
     if kept and dummy:  # random float weights, then held as the checkpoint's would be
         kept, weight_quant = None, kept
     cfg = dataclasses.replace(cfg, weight_quant=kept)
@@ -262,36 +264,39 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
     return int(pages)
 
 
-def check_quantization(method: str | None, path: str, hf_config: dict[str, Any],
-                       cfg: ModelConfig | None = None) -> tuple[str | None, str | None]:
+def check_quantization(method: str | None, path: str, hf_config: dict[str, Any], cfg: ModelConfig | None = None,
+                       gguf_quantized: bool = False) -> tuple[str | None, str | None]:
     """`--quantization` (vLLM's) against the checkpoint: (the form its own quantized weights are held in, None
     where they are dequantized at load; the method quantizing an unquantized checkpoint's weights at load). A
     quantized checkpoint's float8 and int8 weights with a scale per tensor or channel are held so (`kept_form`),
     but float8 on the CPU only when asked for by name (the CPU has no float8 arithmetic: 4x slower than float).
     Weights dequantized at load (MXFP4, 4-bit, ...) may be held as one of `METHODS` instead, each quantized on the
-    host as it is read, so the float model never exists whole."""
-    config = hf_config.get("quantization_config") or {}
-    own, quant = config.get("quant_method"), parse_quantization(config)  # quant None: no weight is quantized
+    host as it is read, so the float model never exists whole: so are a GGUF file's llama.cpp block quants
+    (`gguf_quantized`: some tensor is stored quantized; `--quantization gguf` names them)."""
+    config = hf_config.get("quantization_config") or ({"quant_method": "gguf"} if gguf_quantized else {})
+    own = config.get("quant_method")
+    quant = parse_quantization(config) if own != "gguf" else None  # (llama.cpp's block quants: the file's reader's)
+    quantized = quant is not None or own == "gguf"
     named_own = method is not None and own is not None and method.removesuffix("_marlin") == own  # vLLM's aliases
-    if quant is None and (method in (None, *METHODS) or named_own):
+    if not quantized and (method in (None, *METHODS) or named_own):
         return None, None if named_own else method
     form = kept_form(quant, cfg) if quant is not None and cfg is not None else None
-    if quant is not None and method is None and form == "fp8" and jax.default_backend() == "cpu":
+    if quantized and method is None and form == "fp8" and jax.default_backend() == "cpu":
         logger.info("the checkpoint's float8 weights are dequantized at load on the CPU (--quantization fp8 keeps "
                     "them in float8)")
         return None, None
-    if quant is not None and (method in (None, form) or named_own):
+    if quantized and (method in (None, form) or named_own):
         if form is None:
             logger.info("the checkpoint's quantized weights (%s) are dequantized at load to the model's dtype", own)
         return form, None
-    if quant is not None and form is None and method in METHODS:  # (gpt-oss-120b's MXFP4 experts as int8 or fp8)
+    if quantized and form is None and method in METHODS:  # (gpt-oss-120b's MXFP4 experts as int8 or fp8)
         logger.info("the checkpoint's quantized weights (%s) are dequantized and quantized again as %s, tensor by "
                     "tensor as they load", own, method)
         return method, None
-    has = f"its weights are quantized with {own!r}" if quant is not None else "its weights are not quantized"
+    has = f"its weights are quantized with {own!r}" if quantized else "its weights are not quantized"
     raise UnsupportedModelError(
         f"quantization {method!r} does not match {path}: {has}. jaxserve reads fp8, compressed-tensors, gptq, awq, "
-        "mxfp4 and bitsandbytes "
+        "mxfp4, bitsandbytes and gguf "
         f"checkpoints (float8 and int8 weights with a scale per tensor or channel held so, others dequantized to "
         f"the model's dtype) and quantizes an unquantized checkpoint's weights at load with {', '.join(METHODS)}; "
         "leave --quantization out to serve the checkpoint as it is")

@@ -196,5 +196,10 @@ class GGUFFile:
                     a = a - 1.0
                 yield name, a
 
+    @property
+    def quantized(self) -> bool:
+        """Whether a tensor is stored in one of llama.cpp's quantized types (not F32, F16 or BF16)."""
+        return any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in self.reader.tensors)
+
     def __len__(self) -> int:
         return len(self.reader.tensors)
