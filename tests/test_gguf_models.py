@@ -188,6 +188,8 @@ _LLAMA_CPP_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_
                     "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "qkv_proj": "attn_qkv", "gate_up_proj": "ffn_up"}
 _LLAMA_CPP_GEMMA_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_LLAMA_CPP_OLMO2_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm",
+                          "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None = None,
@@ -247,7 +249,7 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
         w.add_eos_token_id(2)
         w.add_add_space_prefix(False)
         w.add_add_bos_token(True)
-    names = _LLAMA_CPP_GEMMA_NAMES if gemma else _LLAMA_CPP_NAMES
+    names = _LLAMA_CPP_GEMMA_NAMES if gemma else _LLAMA_CPP_OLMO2_NAMES if arch == "olmo2" else _LLAMA_CPP_NAMES
     for name, p in model.state_dict().items():
         if "rotary_emb" in name or (gemma and name == "lm_head.weight"):
             continue
@@ -355,6 +357,10 @@ MOE = {  # (HF config class and overrides, llama.cpp's architecture)
                                       "shared_expert_intermediate_size": 40, "norm_topk_prob": False}), "qwen2moe"),
     "qwen3_moe": (("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                       "norm_topk_prob": True, "head_dim": 16}), "qwen3moe"),
+    # OLMoE: q and k normed over all heads, the top-k weights not renormalized (nothing in the file says so)
+    "olmoe": (("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                               "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+              "olmoe"),
 }
 _LLAMA_CPP_MOE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -417,8 +423,8 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
 @pytest.mark.parametrize("family", list(MOE))
 def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
     """Mixtral (llama.cpp's "llama" with experts; stacked experts and, as older files, one tensor per expert),
-    Qwen2-MoE (with its gated shared expert) and Qwen3-MoE from GGUF: the config the HF model has, and its
-    logits."""
+    Qwen2-MoE (with its gated shared expert), Qwen3-MoE and OLMoE from GGUF: the config the HF model has, and
+    its logits."""
     from jaxserve.loader import HFDirectory
     from tests.test_model_families import save_tiny_hf
 
@@ -448,6 +454,23 @@ def test_granite_gguf_logits_equal_the_hf_model(tmp_path):
     assert cfg.family == "granite" and (cfg.embedding_multiplier, cfg.attention_multiplier, cfg.residual_multiplier,
                                         cfg.logits_scaling) == pytest.approx((12.0, 0.125, 0.22, 8.0))
     ids = np.random.default_rng(7).integers(0, model.config.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_olmo2_gguf_logits_equal_the_hf_model(tmp_path):
+    """OLMo 2 as llama.cpp writes it (its norms after attention and after the MLP under Gemma's names, q and k
+    normed over all heads, rotary pairs as HF's): the HF model's config and logits."""
+    from jaxserve.loader import HFDirectory
+    from tests.test_model_families import FAMILIES, save_tiny_hf
+
+    model = save_tiny_hf(FAMILIES["olmo2"][0], tmp_path / "hf", **FAMILIES["olmo2"][1])
+    path = _write_gguf(tmp_path / "olmo2.gguf", model, "olmo2")
+    cfg, want = open_checkpoint(path).config(), HFDirectory(str(tmp_path / "hf")).config()
+    assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # GGUF stores it in float32
+    assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps) == want
+    ids = np.random.default_rng(9).integers(0, model.config.vocab_size, 30).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)

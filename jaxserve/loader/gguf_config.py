@@ -1,12 +1,12 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
-The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3 and the mixture-of-experts
-files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE, gpt-oss) become the HF config
-their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
-keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary
-base) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads, the others
-by head_dim; gpt-oss's SwiGLU clamp at 7 and alternating window), and those are restored here as llama.cpp
-applies them (gpt-oss's YaRN as the model defines it, its correction range unrounded).
+The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
+OLMo 2 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE,
+Qwen3-MoE, OLMoE, gpt-oss) become the HF config their converter read, and go through `ModelConfig.from_hf`, so
+both sources give one config: llama.cpp keeps out of the file what it fixes per architecture (the layers' sliding
+pattern, Gemma 3's local rotary base, gpt-oss's SwiGLU clamp at 7 and alternating window) or per size (the
+attention scale: the 27B models scale queries by hidden_size / num_heads, the others by head_dim), and those are
+restored here as llama.cpp applies them (gpt-oss's YaRN as the model defines it, its correction range unrounded).
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ _GEMMA = ("gemma2", "gemma3")
 # Architectures read through the HF config their converter read (`ModelConfig.from_hf`); llama's with
 # experts is Mixtral.
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-            "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+            "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}
+# Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
+_UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_HF_FORM)
@@ -79,7 +82,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                      final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"))
         if experts:
             d.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
-                     norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")))
+                     norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch not in _UNNORMALIZED_TOPK)))
             if arch != "llama":  # Qwen's experts have their own width (Mixtral's are the dense MLP's)
                 d["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
                 d["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)

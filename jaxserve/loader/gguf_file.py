@@ -105,7 +105,9 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
         if rest in _SHARED_EXPERT:
             yield f"model.layers.{layer}.{_SHARED_EXPERT[rest]}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
-    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES, arch == "phi3", cfg.family == "gpt_oss"), arr
+    # (OLMo 2's norms after attention and after the MLP are named as Gemma's)
+    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch == "olmo2", arch == "phi3",
+                          cfg.family == "gpt_oss"), arr
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
