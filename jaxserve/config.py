@@ -371,8 +371,9 @@ class ModelConfig:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
-                           rope_tensors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
+                           rope_tensors: Mapping[str, Sequence[float]] | None = None,
+                           tensor_names: frozenset[str] = frozenset()) -> ModelConfig:
         """Parse llama.cpp GGUF metadata (jaxserve/loader/gguf_config.py)."""
         from jaxserve.loader.gguf_config import config_from_gguf
 
-        return config_from_gguf(meta, vocab_size, has_output_weight, rope_tensors)
+        return config_from_gguf(meta, vocab_size, has_output_weight, rope_tensors, tensor_names)

@@ -357,6 +357,12 @@ MOE = {  # (HF config class and overrides, llama.cpp's architecture)
                                       "shared_expert_intermediate_size": 40, "norm_topk_prob": False}), "qwen2moe"),
     "qwen3_moe": (("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                       "norm_topk_prob": True, "head_dim": 16}), "qwen3moe"),
+    # GLM-4.5: DeepSeek-V3's experts (sigmoid scores with a bias, chosen in groups, a shared expert, a dense
+    # first layer), q/k/v biases, half the head rotated; a multi-token prediction block after the model's.
+    "glm4_moe": (("Glm4MoeConfig", {"num_experts_per_tok": 2, "n_routed_experts": 8, "moe_intermediate_size": 32,
+                                    "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                                    "routed_scaling_factor": 2.5, "attention_bias": True, "num_hidden_layers": 3,
+                                    "head_dim": 16}), "glm4moe"),
     # OLMoE: q and k normed over all heads, the top-k weights not renormalized (nothing in the file says so)
     "olmoe": (("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
@@ -374,22 +380,34 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
     cfg = ckpt.config()
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("embedding_length", cfg.hidden_size), ("attention.head_count", cfg.num_heads),
-                       ("attention.head_count_kv", cfg.num_kv_heads), ("block_count", cfg.num_layers),
+                       ("attention.head_count_kv", cfg.num_kv_heads), ("block_count", cfg.num_layers + (arch == "glm4moe")),
                        ("context_length", cfg.max_position_embeddings), ("feed_forward_length", cfg.intermediate_size),
                        ("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
                        ("expert_count", cfg.num_experts), ("expert_used_count", cfg.num_experts_per_tok)):
         w.add_uint32(f"{arch}.{key}", value)
     if arch != "llama":
         w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size:
+    if cfg.shared_expert_intermediate_size and arch != "glm4moe":
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    if arch == "glm4moe":  # (as llama.cpp's converter writes GLM-4.5's)
+        for key, value in (("expert_shared_count", cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size),
+                           ("leading_dense_block_count", cfg.first_dense_layers), ("expert_group_count", cfg.expert_groups),
+                           ("expert_group_used_count", cfg.expert_topk_groups), ("rope.dimension_count", cfg.rotary_dim),
+                           ("nextn_predict_layers", 1)):
+            w.add_uint32(f"{arch}.{key}", value)
+        w.add_float32(f"{arch}.expert_weights_scale", cfg.routed_scaling_factor)
+        w.add_bool(f"{arch}.expert_weights_norm", cfg.norm_topk_prob)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     tensors = dict(ckpt.tensors(cfg))
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     shared = {"shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
-              "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp"}
+              "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp",
+              "shared_experts.gate_proj": "ffn_gate_shexp", "shared_experts.up_proj": "ffn_up_shexp",
+              "shared_experts.down_proj": "ffn_down_shexp"}
+    names = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm"} if arch == "glm4moe" else \
+        _LLAMA_CPP_NAMES
     for name, a in tensors.items():
         parts = name.split(".")
         if name == "lm_head.weight":
@@ -402,17 +420,24 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
                 experts.setdefault((layer, kind), {})[expert] = a
             else:
                 w.add_tensor(f"blk.{layer}.ffn_{kind}.{expert}.weight", a)
+        elif parts[-1] == "e_score_correction_bias":
+            w.add_tensor(f"blk.{parts[2]}.exp_probs_b.bias", a)
         elif parts[-2] == "gate" and parts[-3] in ("mlp", "block_sparse_moe"):
             w.add_tensor(f"blk.{parts[2]}.ffn_gate_inp.weight", a)
         elif ".".join(parts[4:-1]) in shared:
             w.add_tensor(f"blk.{parts[2]}.{shared['.'.join(parts[4:-1])]}.weight", a.reshape(-1) if a.shape[0] == 1 else a)
         else:
-            key = _LLAMA_CPP_NAMES[parts[-2]]
+            key = names[parts[-2]]
             if arch == "llama" and parts[-2] in ("q_proj", "k_proj"):
                 a = _llama_cpp_permute(a, cfg.num_heads if parts[-2] == "q_proj" else cfg.num_kv_heads)
             w.add_tensor(f"blk.{parts[2]}.{key}.{parts[-1]}", a)
     for (layer, kind), by_expert in experts.items():
         w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[j] for j in sorted(by_expert)]))
+    if arch == "glm4moe":  # a multi-token prediction block after the model's (its layer's tensors, and its own)
+        last = f"model.layers.{cfg.num_layers - 1}."
+        w.add_tensor(f"blk.{cfg.num_layers}.attn_q.weight", tensors[f"{last}self_attn.q_proj.weight"])
+        w.add_tensor(f"blk.{cfg.num_layers}.nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size),
+                                                                           np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

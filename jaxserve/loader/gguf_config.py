@@ -2,7 +2,7 @@
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
 OLMo 2 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE,
-Qwen3-MoE, OLMoE, gpt-oss) become the HF config their converter read, and go through `ModelConfig.from_hf`, so
+Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss) become the HF config their converter read, and go through `ModelConfig.from_hf`, so
 both sources give one config: llama.cpp keeps out of the file what it fixes per architecture (the layers' sliding
 pattern, Gemma 3's local rotary base, gpt-oss's SwiGLU clamp at 7 and alternating window) or per size (the
 attention scale: the 27B models scale queries by hidden_size / num_heads, the others by head_dim), and those are
@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.loader.gguf_file import prediction_blocks
 from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load).
@@ -31,7 +32,7 @@ _GEMMA = ("gemma2", "gemma3")
 # experts is Mixtral.
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -40,9 +41,11 @@ SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_HF_FORM)
 
 
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
-                     rope_tensors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
+                     rope_tensors: Mapping[str, Sequence[float]] | None = None,
+                     tensor_names: frozenset[str] = frozenset()) -> ModelConfig:
     """The configuration GGUF metadata `meta` describes; `rope_tensors` are the file's rope tensors
-    (`rope_freqs`, `rope_factors_short`, `rope_factors_long`) by name, if it has any."""
+    (`rope_freqs`, `rope_factors_short`, `rope_factors_long`) by name, if it has any; `tensor_names` all of its
+    tensors' (GLM-4.5's multi-token prediction blocks follow the model's, which they do not count in)."""
     arch = meta.get("general.architecture") or ""
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -60,6 +63,12 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
     max_pos = int(get("context_length", 4096))
     num_layers = int(get("block_count"))
+    prediction = prediction_blocks(tensor_names)
+    if prediction:
+        if prediction != set(range(num_layers - len(prediction), num_layers)):
+            raise UnsupportedModelError(f"GGUF multi-token prediction blocks {sorted(prediction)} are not the last "
+                                        f"of its {num_layers} blocks")
+        num_layers -= len(prediction)
     rotary = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)  # fewer: a partial rotary embedding
     scaling = RopeScaling.from_gguf(meta, arch, max_pos, rope_tensors)
     sliding = meta.get(f"{arch}.attention.sliding_window")
@@ -86,6 +95,14 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             if arch != "llama":  # Qwen's experts have their own width (Mixtral's are the dense MLP's)
                 d["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
                 d["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
+            if arch == "glm4moe":  # DeepSeek-V3's experts: sigmoid scores chosen in groups, dense first layers
+                d.update(n_routed_experts=experts, n_shared_experts=int(meta.get(f"{arch}.expert_shared_count") or 0),
+                         first_k_dense_replace=int(meta.get(f"{arch}.leading_dense_block_count") or 0),
+                         routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale") or 1.0),
+                         n_group=int(meta.get(f"{arch}.expert_group_count") or 1),
+                         topk_group=int(meta.get(f"{arch}.expert_group_used_count") or 1),
+                         use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+                         attention_bias="blk.0.attn_q.bias" in tensor_names)
         if scaling.rope_type in ("linear", "yarn"):  # Gemma 3 scales its global layers' frequencies only
             d["rope_scaling"] = {"rope_type": scaling.rope_type, "factor": scaling.factor,
                                  "original_max_position_embeddings": scaling.original_max_position_embeddings}

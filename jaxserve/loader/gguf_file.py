@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -58,14 +58,17 @@ _SHARED_EXPERT = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
 # models). Part of the config, not parameters.
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-# gpt-oss: its sinks, the norm before its MLP (llama.cpp's post-attention norm), its biased router.
-_GPT_OSS_NAMES = {"attn_sinks.weight": "self_attn.sinks", "post_attention_norm.weight": "post_attention_layernorm.weight"}
+# The norm before the MLP under llama.cpp's post-attention name (gpt-oss's, GLM-4.5's), gpt-oss's sinks.
+_POST_ATTENTION_NORM = {"post_attention_norm.weight": "post_attention_layernorm.weight"}
+_GPT_OSS_NAMES = {**_POST_ATTENTION_NORM, "attn_sinks.weight": "self_attn.sinks"}
+# GLM-4.5's multi-token prediction layers: blocks after the model's, each with `nextn.*` tensors (not read).
+NEXTN_RE = re.compile(r"^blk\.(\d+)\.nextn\.")
 
 
-def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, gpt_oss: bool = False) -> str:
+def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, extra: dict[str, str] | None = None) -> str:
     """Translate a llama.cpp tensor name to the HF name (of a Gemma model with `gemma`, of Phi-3, whose
-    `ffn_up` holds the gate and up projections, with `phi3`, of gpt-oss with `gpt_oss`); refuses names it does
-    not know."""
+    `ffn_up` holds the gate and up projections, with `phi3`; `extra`: an architecture's own block tensor names);
+    refuses names it does not know."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output_norm.weight":
@@ -76,8 +79,8 @@ def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, gpt_oss:
     names = {**_GGUF_TO_HF, **_GEMMA_NAMES} if gemma else _GGUF_TO_HF
     if phi3:
         names = {**names, "ffn_up.weight": "mlp.gate_up_proj.weight"}
-    if gpt_oss:
-        names = {**names, **_GPT_OSS_NAMES}
+    if extra:
+        names = {**names, **extra}
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise CheckpointError(f"unknown GGUF tensor {name!r}")
@@ -94,6 +97,9 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
         if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
             yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
             return
+        if rest == "exp_probs_b.bias":  # the bias choosing experts (DeepSeek-V3's, GLM-4.5's)
+            yield f"{prefix}.gate.e_score_correction_bias", arr
+            return
         if stacked or single:
             kind = _EXPERT_KINDS[(stacked or single).group(1)][cfg.family == "mixtral"]
             if single:
@@ -103,11 +109,19 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
                 yield from ((f"{prefix}.experts.{j}.{kind}.{part}", arr[j]) for j in range(arr.shape[0]))
             return
         if rest in _SHARED_EXPERT:
-            yield f"model.layers.{layer}.{_SHARED_EXPERT[rest]}", arr.reshape(1, -1) if arr.ndim == 1 else arr
+            hf = _SHARED_EXPERT[rest]
+            if cfg.family == "glm4_moe":  # (its shared experts, one module)
+                hf = hf.replace("shared_expert.", "shared_experts.")
+            yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
     # (OLMo 2's norms after attention and after the MLP are named as Gemma's)
-    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch == "olmo2", arch == "phi3",
-                          cfg.family == "gpt_oss"), arr
+    extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else None
+    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch == "olmo2", arch == "phi3", extra), arr
+
+
+def prediction_blocks(names: Iterable[str]) -> set[int]:
+    """The blocks holding multi-token prediction layers (`nextn.*` tensors: GLM-4.5's), which are not read."""
+    return {int(m.group(1)) for name in names if (m := NEXTN_RE.match(name))}
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -164,7 +178,8 @@ class GGUFFile:
                 raise CheckpointError(f"GGUF tensor {name!r} has type {t.tensor_type.name}; it must be F32")
             if t is not None:
                 rope[name.removesuffix(".weight")] = np.asarray(t.data, np.float32).ravel().tolist()
-        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, rope)
+        return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, rope,
+                                              frozenset(tensors))
 
     def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
@@ -174,8 +189,10 @@ class GGUFFile:
         # llama.cpp writes their Q/K rows in its rotary order
         permuted = arch in ("llama", "mistral", "granite", "smollm3")
         gemma = cfg.family in GEMMA_FAMILIES
+        prediction = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:
-            if t.name in _ROPE_TENSORS:
+            block = _BLK_RE.match(t.name)
+            if t.name in _ROPE_TENSORS or (block and int(block.group(1)) in prediction):
                 continue
             kind = t.tensor_type.name
             if kind not in SUPPORTED_TYPES:
