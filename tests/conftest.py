@@ -128,18 +128,3 @@ def chat_prompt_ids(hf_smollm) -> list[list[int]]:
         out.append(list(ids))
     return out
 
-
-# The longest files (`--durations` of the whole suite on 2 cores), started first: pytest-xdist hands each worker
-# one file at a time in collection order (with `--no-loadscope-reorder`; its default puts the files with the
-# most tests first), so a long file started last would leave the other worker idle at the end.
-LONGEST_FIRST = (
-    "test_engine_real.py", "test_sharding.py", "test_speculative.py", "test_multihost.py",
-    "test_engine_pallas_mosaic.py", "test_kernels_mosaic_ws.py", "test_kernels_mosaic_ragged.py",
-    "test_engine_pallas.py", "test_moe.py", "test_lora.py", "test_server_real.py", "test_engine_gemma3_images.py",
-    "test_logprobs_mode.py", "test_model_parity.py", "test_pd.py",
-)
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
