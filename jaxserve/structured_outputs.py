@@ -1,7 +1,8 @@
-"""Structured outputs: generation constrained to a JSON schema, a regex, a choice or a grammar.
+"""Structured outputs: generation constrained to a JSON schema, a regex, a choice, a grammar, or
+structural tags (free text in which each tool call the model begins follows its schema).
 
 `StructuredOutputsParams` names the constraint as vLLM's does (json, regex, choice, grammar,
-json_object; exactly one). The constraint is compiled by llguidance into a grammar, checked when
+json_object, structural_tag; exactly one). The constraint is compiled by llguidance into a grammar, checked when
 the parameters are made, so a bad schema or regex fails the request before it is queued.
 
 While a request is served, a `GrammarMatcher` follows its tokens on the host. Before each step,
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _llguidance():
@@ -44,6 +45,10 @@ class StructuredOutputsParams:
       choice: a list of strings; the output is exactly one of them.
       grammar: a context-free grammar in Lark syntax (llguidance's dialect) or in llama.cpp's GBNF.
       json_object: True for any JSON object (OpenAI's `response_format` {"type": "json_object"}).
+      structural_tag: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} (a dict, or its
+        JSON text; vLLM's and xgrammar's form): the output is free text until it writes a trigger, after
+        which it must go on with the `begin` of a structure starting with that trigger, a JSON value of
+        the structure's schema, and its `end` (then free text again).
     """
 
     json: str | Mapping[str, Any] | None = None
@@ -51,12 +56,13 @@ class StructuredOutputsParams:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _FIELDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, structural_tag; "
                 f"got {', '.join(given) if given else 'none'}"
             )
         if self.choice is not None:
@@ -67,8 +73,11 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs.{name} must be a string, got {type(value).__name__}")
-        if self.json is not None and not isinstance(self.json, (str, Mapping)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, Mapping)):
+                what = "a JSON schema object" if name == "json" else "a JSON object"
+                raise ValueError(f"structured_outputs.{name} must be {what}, got {type(value).__name__}")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when given")
         self.grammar_spec()  # compiled and checked now, so a bad constraint fails at the request
@@ -80,11 +89,11 @@ class StructuredOutputsParams:
     def grammar_spec(self) -> str:
         """The constraint as an llguidance grammar; ValueError naming the field if it does not compile."""
         value = getattr(self, self.kind)
-        if self.kind == "json" and isinstance(value, str):  # one cache entry (and grammar) per schema
+        if self.kind in ("json", "structural_tag") and isinstance(value, str):  # one cache entry per schema
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise ValueError(f"structured_outputs.json is invalid: {e}") from None
+                raise ValueError(f"structured_outputs.{self.kind} is invalid: {e}") from None
         return _compile(self.kind, _key(value))
 
 
@@ -114,6 +123,8 @@ def _compile(kind: str, value: Any) -> str:
             spec = llg.LLMatcher.grammar_from_regex(value)
         elif kind == "choice":
             spec = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+        elif kind == "structural_tag":
+            spec = llg.grammar_from("lark", llg.StructTag.to_grammar(_struct_tags(json.loads(value))))
         else:
             spec = llg.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
     except ValueError as e:
@@ -122,6 +133,28 @@ def _compile(kind: str, value: Any) -> str:
     if error and not error.startswith("WARNING"):
         raise ValueError(f"structured_outputs.{kind} is invalid: {error.strip()}")
     return spec
+
+
+def _struct_tags(tag: Any) -> list[Any]:
+    """llguidance's structural tags of a `structural_tag` object; ValueError naming what is malformed."""
+    llg = _llguidance()
+    if not isinstance(tag, Mapping):
+        raise ValueError("it must be an object with 'structures' and 'triggers'")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("'triggers' must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("'structures' must be a non-empty list of {'begin', 'schema', 'end'}")
+    tags = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, Mapping) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
+                or not isinstance(s.get("schema"), Mapping):
+            raise ValueError(f"structures[{i}] must be {{'begin': str, 'schema': {{...}}, 'end': str}}")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structures[{i}].begin {s['begin']!r} starts with none of the triggers {triggers}")
+        tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=dict(s["schema"]), end=s["end"]))
+    return tags
 
 
 def bitmask_width(vocab_size: int) -> int:

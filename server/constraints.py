@@ -48,7 +48,10 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
             raise bad_field("response_format", "response_format of type 'json_schema' needs 'json_schema': "
                                                "{'name': ..., 'schema': {...}}")
         return {"json": spec["schema"]}
-    raise bad_field("response_format", f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind == "structural_tag":  # vLLM's: {"type": "structural_tag", "structures": [...], "triggers": [...]}
+        return {"structural_tag": {k: v for k, v in fmt.items() if k != "type"}}
+    raise bad_field("response_format", "response_format type must be 'text', 'json_object', 'json_schema' or "
+                                       f"'structural_tag', got {kind!r}")
 
 
 def structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | None:
@@ -64,7 +67,7 @@ def structured_outputs(body: Mapping[str, Any]) -> StructuredOutputsParams | Non
     if so is not None:
         if not isinstance(so, Mapping):
             raise bad_field("structured_outputs", "'structured_outputs' must be an object", "invalid_type")
-        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"})
         if unknown:
             raise bad_field("structured_outputs", f"'structured_outputs' has unsupported fields: {', '.join(unknown)}",
                             "unsupported_parameter")

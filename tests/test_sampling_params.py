@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_frozen_and_replace_revalidates():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({}, "exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({}, "exactly one of json, regex, choice, grammar, json_object, structural_tag; got none"),
     ({"regex": "a", "choice": ["b"]}, "got regex, choice"),
     ({"choice": "yes"}, "choice must be a non-empty list of strings"),
     ({"choice": []}, "choice must be a non-empty list of strings"),
@@ -118,9 +119,19 @@ def test_frozen_and_replace_revalidates():
     ({"regex": "[a-"}, "structured_outputs.regex is invalid"),
     ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar is invalid"),
     ({"grammar": "root ::= ("}, "structured_outputs.grammar is invalid"),
+    ({"structural_tag": [1]}, "structural_tag must be a JSON object"),
+    ({"structural_tag": {"structures": [], "triggers": ["<f"]}}, "'structures' must be a non-empty list"),
+    ({"structural_tag": {"structures": [{"begin": "<f=a>", "schema": {}, "end": "</f>"}], "triggers": []}},
+     "'triggers' must be a non-empty list"),
+    ({"structural_tag": {"structures": [{"begin": "<g=a>", "schema": {}, "end": "</g>"}], "triggers": ["<f"]}},
+     "structures[0].begin '<g=a>' starts with none of the triggers ['<f']"),
+    ({"structural_tag": {"structures": [{"begin": "<f=a>", "end": "</f>"}], "triggers": ["<f"]}},
+     "structures[0] must be {'begin': str, 'schema': {...}, 'end': str}"),
+    ({"structural_tag": {"structures": [{"begin": "<f=a>", "schema": {"type": "wat"}, "end": "</f>"}],
+                         "triggers": ["<f"]}}, "structured_outputs.structural_tag is invalid"),
 ])
 def test_structured_outputs_name_what_is_wrong(fields, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         StructuredOutputsParams(**fields)
 
 
