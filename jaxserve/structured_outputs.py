@@ -49,6 +49,12 @@ class StructuredOutputsParams:
         JSON text; vLLM's and xgrammar's form): the output is free text until it writes a trigger, after
         which it must go on with the `begin` of a structure starting with that trigger, a JSON value of
         the structure's schema, and its `end` (then free text again).
+      after_reasoning: (start markers, end markers, implicit start) of a reasoning model's thoughts: the
+        constraint then holds from where its answer begins (the server sets it from `--reasoning-parser`, as
+        vLLM applies a constraint after the reasoning). The thoughts run from a start marker (or, with an
+        implicit start, from the first token) to an end marker; a reply that opens with no start marker is all
+        answer. A prompt whose last marker is an end marker (thinking switched off in the chat template) has
+        the answer begin at once.
     """
 
     json: str | Mapping[str, Any] | None = None
@@ -57,6 +63,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | Mapping[str, Any] | None = None
+    after_reasoning: tuple[tuple[str, ...], tuple[str, ...], bool] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _FIELDS if getattr(self, name) not in (None, False)]
@@ -80,6 +87,12 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be {what}, got {type(value).__name__}")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true when given")
+        if self.after_reasoning is not None:
+            starts, ends, implicit = self.after_reasoning
+            if not ends or not all(isinstance(m, str) and m for m in (*starts, *ends)) or not isinstance(implicit, bool):
+                raise ValueError("structured_outputs.after_reasoning must be (start markers, end markers, implicit "
+                                 f"start), with at least one end marker, got {self.after_reasoning!r}")
+            object.__setattr__(self, "after_reasoning", (tuple(starts), tuple(ends), implicit))
         self.grammar_spec()  # compiled and checked now, so a bad constraint fails at the request
 
     @property
@@ -208,6 +221,80 @@ class GrammarMatcher:
         return GrammarMatcher(self._m.deep_copy())
 
 
+class AfterReasoning:
+    """A grammar that holds once a reasoning model's answer begins (`StructuredOutputsParams.after_reasoning`),
+    with the `GrammarMatcher` interface. States: "open" (a reply that may open with a start marker: its first
+    token is one, or the grammar's), "reasoning" (every token allowed, until the tokens end with an end marker),
+    "answer" (the grammar's). Start markers must be single tokens to be told at the first token; end markers
+    may be several."""
+
+    def __init__(self, inner: GrammarMatcher, starts: list[list[int]], ends: list[list[int]], state: str,
+                 tail: tuple[int, ...] = ()):
+        self._inner, self._starts, self._ends, self._state, self._tail = inner, starts, ends, state, tail
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        if self._state == "reasoning":
+            bitmask[row] = -1
+            return
+        self._inner.fill_bitmask(bitmask, row)
+        if self._state == "open":
+            words = bitmask[row].view(np.uint32)
+            for (tok,) in self._starts:
+                words[tok >> 5] |= np.uint32(1 << (tok & 31))
+
+    def consume(self, token_id: int) -> bool:
+        if self._state == "open":
+            self._state = "reasoning" if [token_id] in self._starts else "answer"
+            if self._state == "reasoning":
+                return True
+        if self._state == "answer":
+            return self._inner.consume(token_id)
+        longest = max(len(e) for e in self._ends)
+        self._tail = (*self._tail, token_id)[-longest:]
+        if any(self._tail[-len(e):] == tuple(e) for e in self._ends):
+            self._state = "answer"
+        return True
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        if self._state == "answer":
+            return self._inner.valid_prefix(tokens)
+        probe = self.copy()
+        for i, tok in enumerate(tokens):
+            if not probe.consume(tok):
+                return i
+        return len(tokens)
+
+    def fill_bitmasks(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> None:
+        if self._state == "answer":
+            self._inner.fill_bitmasks(bitmask, row, drafts)
+            return
+        probe = self.copy()
+        probe.fill_bitmask(bitmask, row)
+        for j, tok in enumerate(drafts):
+            if not probe.consume(tok):
+                raise RuntimeError(f"draft token {tok} is outside the grammar: {probe.error}")
+            probe.fill_bitmask(bitmask, row + 1 + j)
+
+    @property
+    def stopped(self) -> bool:
+        return self._state == "answer" and self._inner.stopped
+
+    @property
+    def error(self) -> str:
+        return self._inner.error
+
+    def copy(self) -> AfterReasoning:
+        return AfterReasoning(self._inner.copy(), self._starts, self._ends, self._state, self._tail)
+
+
+def _last_marker_ends(ids: list[int], starts: list[list[int]], ends: list[list[int]]) -> bool:
+    """Whether the last reasoning marker in `ids` is an end marker."""
+    def last(markers: list[list[int]]) -> int:
+        return next((i for i in range(len(ids) - 1, -1, -1) if any(ids[i:i + len(m)] == m for m in markers)), -1)
+
+    return last(ends) > last(starts)
+
+
 class GrammarCompiler:
     """Makes matchers over one model's tokenizer (its llguidance form is built on first use, ~0.4 s
     for SmolLM2's 49152 tokens)."""
@@ -238,3 +325,18 @@ class GrammarCompiler:
         if m.is_error():
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {m.get_error()}")
         return GrammarMatcher(m)
+
+    def matcher_after(self, params: StructuredOutputsParams, prompt_ids: list[int]) -> GrammarMatcher | AfterReasoning:
+        """`matcher(params)`, waiting for the answer when `params.after_reasoning` says how a reply reasons (and
+        the start markers are single tokens of this vocabulary, which the first step can tell)."""
+        matcher = self.matcher(params)
+        if params.after_reasoning is None:
+            return matcher
+        starts, ends, implicit = params.after_reasoning
+        encode = functools.partial(self._tokenizer.encode, add_special_tokens=False)
+        start_ids, end_ids = [encode(m) for m in starts], [encode(m) for m in ends]
+        if not implicit and any(len(m) != 1 for m in start_ids):
+            return matcher  # (a start marker this vocabulary writes as several tokens: held throughout)
+        if _last_marker_ends(list(prompt_ids), start_ids, end_ids):
+            return matcher  # (thinking switched off: the answer begins at once)
+        return AfterReasoning(matcher, start_ids, end_ids, "reasoning" if implicit else "open")

@@ -22,11 +22,16 @@ may still be a marker is held until it is clear.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
+from jaxserve.sampling_params import SamplingParams
 from server.harmony import HarmonyStream
 from server.split_stream import SplitStream
+
+if TYPE_CHECKING:
+    from server.constraints import ToolChoice
 
 
 class ReasoningParser:
@@ -40,6 +45,12 @@ class ReasoningParser:
 
     def stream(self) -> ReasoningStream | HarmonyStream:
         return ReasoningStream(self.implicit_start, self.starts, self.ends, self.wrap)
+
+    def answer_markers(self) -> tuple[tuple[str, ...], tuple[str, ...], bool] | None:
+        """Where the answer begins, for an output constraint that holds from there
+        (`StructuredOutputsParams.after_reasoning`): (start markers, end markers, implicit start); None where
+        the engine cannot tell it (a start marker of several tokens: the constraint then holds throughout)."""
+        return self.starts, self.ends, self.implicit_start
 
     def parse(self, text: str) -> tuple[str | None, str]:
         """A whole reply's reasoning (None when it has none) and answer."""
@@ -82,6 +93,9 @@ class GraniteParser(ReasoningParser):
     starts = ("Here is my thought process:", "Here's my thought process:")
     ends = ("Here is my response:", "Here's my response:")
 
+    def answer_markers(self) -> None:  # (its start is words, not a token the first step can tell)
+        return None
+
 
 class MistralParser(ReasoningParser):
     name = "mistral"
@@ -98,10 +112,42 @@ class GptOssParser(ReasoningParser):
     def stream(self) -> HarmonyStream:
         return HarmonyStream()
 
+    def answer_markers(self) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+        return (), ("<|channel|>final<|message|>",), True  # (the final channel's message is the answer)
+
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser, GraniteParser,
                         MistralParser, GptOssParser)}
+
+
+def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams,
+                               choice: ToolChoice | None) -> SamplingParams | None:
+    """A chat request's sampling parameters with its output constraint holding from where the answer begins
+    (vLLM applies one after the reasoning), or None where it holds throughout: no reasoning parser, no
+    constraint, a forced tool call (`choice`), or markers the engine cannot tell."""
+    so = params.structured_outputs
+    markers = parser.answer_markers() if parser is not None else None
+    if so is None or (choice is not None and choice.forced) or markers is None:
+        return None
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after_reasoning=markers))
+
+
+def reasoning_params(parser: ReasoningParser | None, params: SamplingParams, choice: ToolChoice | None) -> SamplingParams:
+    """A chat request's sampling parameters under the reasoning parser: its special tokens kept in the text
+    where the parser reads them, its output constraint after the reasoning (`constraint_after_reasoning`)."""
+    if parser is not None and parser.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return constraint_after_reasoning(parser, params, choice) or params
+
+
+def constrained_throughout(parser: ReasoningParser | None, req: Any) -> bool:
+    """Whether a request's output constraint holds from its first token (its reply then has no reasoning to
+    split off): a completion's always, a chat reply's unless `constraint_after_reasoning` defers it."""
+    params, choice = req.common.params, getattr(req, "tool_choice", None)
+    chat = hasattr(req, "messages")
+    return params.structured_outputs is not None and (
+        not chat or constraint_after_reasoning(parser, params, choice) is None)
 
 
 def reasoning_parser(name: str) -> ReasoningParser:

@@ -37,6 +37,7 @@ from server.prompts import (
     truncated_ids,
 )
 from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
+from server.reasoning import constrained_throughout, reasoning_params
 from server.responses import (
     SSE_DONE,
     ChoiceCursor,
@@ -111,8 +112,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, enco
                                 "function, or 'none'", param="tool_choice", code="unsupported_parameter")
         if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
             params = dataclasses.replace(params, skip_special_tokens=False)
-    if state.reasoning_parser is not None and state.reasoning_parser.keeps_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    params = reasoning_params(state.reasoning_parser, params, req.tool_choice)
     ids = truncated_ids(ids, params, engine.max_model_len)
     params = fit_to_context(engine.max_model_len, ids, params, max_tokens_given=req.common.max_tokens_given,
                             prompt_param="messages", cap=_defaults(state).get("max_tokens"))
@@ -291,7 +291,7 @@ class _Formatter:
         chat = isinstance(req, ChatRequest)
         self.echo_text = echoed_text(req) if chat else ""
         self.replies = ChatReplies(req.tool_choice if chat else None, state.tool_parser, state.reasoning_parser,
-                                   constrained=req.common.params.structured_outputs is not None,
+                                   constrained=constrained_throughout(state.reasoning_parser, req),
                                    include_reasoning=chat and req.include_reasoning,
                                    function_tools=req.tools if chat else None)
 

@@ -232,6 +232,23 @@ def test_structured_outputs_hold_and_leave_the_batch_unchanged(engine, alone):
     assert pool_is_full(engine)
 
 
+def test_a_constraint_after_reasoning_holds_from_the_answer(engine, alone):
+    """A constraint deferred to a reasoning model's answer (`after_reasoning`, as the server sets it from its
+    reasoning parser): SmolLM2 never writes the end marker, so its reply stays free and equals the unconstrained
+    one; after a prompt that ends its thoughts (the marker last), the JSON schema holds from the first token."""
+    prompts, expected = alone
+    thoughts = ((), ("</think>",), True)  # reasoning from the first token, to "</think>" (several tokens here)
+    deferred = dataclasses.replace(GREEDY, structured_outputs=SO(json=CITY, after_reasoning=thoughts))
+    tok = engine.tokenizer
+    ended = tok.encode_chat([{"role": "user", "content": "Which city is the capital of France?"}]) + tok.encode(
+        "</think>", add_special_tokens=False)
+    now = SamplingParams(temperature=0, max_tokens=48, structured_outputs=SO(json=CITY, after_reasoning=thoughts))
+    free, answer = serve(engine, [prompts[0], ended], [deferred, now])
+    assert free.outputs[0].token_ids == expected[0]
+    assert answer.outputs[0].finish_reason == "stop" and _valid_city(answer.outputs[0].text), answer.outputs[0].text
+    assert pool_is_full(engine)
+
+
 def test_bad_words_and_allowed_ids_on_a_real_vocabulary(engine, alone):
     """SmolLM2 answers "Paris"; with "Paris" a bad word (its byte-level BPE forms, " Paris" among them) it never
     writes it, and with the allowed ids those of " Lyon" and "." it writes only them; batched with free requests

@@ -169,10 +169,29 @@ def test_reasoning_then_an_answer(client):
     assert cut.content is None and cut.model_extra["reasoning"] == REPLIES["three"]
 
 
-def test_a_constrained_reply_is_all_answer(client):
-    """Under an output constraint the model does not think: nothing is taken for reasoning."""
+def test_a_constrained_reply_thinks_first(client):
+    """Under an output constraint the model thinks first (the engine holds the constraint from the answer:
+    tests/test_constraint_after_reasoning.py): the reasoning is split off as without one."""
     m = _ask(client, "two", response_format={"type": "json_object"}).choices[0].message
-    assert m.content == REPLIES["two"] and "reasoning" not in (m.model_extra or {})
+    assert (m.model_extra["reasoning"], m.content) == ("Easy.", "It is sunny.")
+
+
+def test_the_engine_is_told_where_the_answer_begins():
+    """The server passes its parser's markers with a chat request's constraint (not a completion's, nor a forced
+    tool call's, which holds from the first token and is not split)."""
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: '{"city": "Paris"}')
+    try:
+        with serve_in_thread(eng, ServerConfig(port=0, reasoning_parser="qwen3")) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            _ask(c, "two", response_format={"type": "json_object"})
+            assert eng.submitted[-1][2].structured_outputs.after_reasoning == (("<think>",), ("</think>",), False)
+            m = _ask(c, "two", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            assert eng.submitted[-1][2].structured_outputs.after_reasoning is None
+            assert m.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+            c.completions.create(model="fake-model", prompt="two", extra_body={"response_format": {"type": "json_object"}})
+            assert eng.submitted[-1][2].structured_outputs.after_reasoning is None
+    finally:
+        eng.shutdown()
 
 
 HARMONY = ("<|channel|>analysis<|message|>The user wants the weather in Paris.<|end|><|start|>assistant<|channel|>"

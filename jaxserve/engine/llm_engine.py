@@ -189,7 +189,8 @@ class LLMEngine:
         # Its adapter and the cache namespace of its adapter and of its prompt's rotary factors.
         salt = prompt_cache_salt(self.long_rope_context, len(prompt_ids), cache_salt)
         lora = lora_fields(self.loras, lora_request, salt)
-        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        matcher = self.grammars.matcher_after(params.structured_outputs, prompt_ids) if params.structured_outputs \
+            else None
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
         now = arrival_time if arrival_time is not None else time.time()
         group = RequestGroup(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [], RequestMetrics(now),
