@@ -13,9 +13,10 @@ A reply made of calls has `content: null` and finishes with "tool_calls"; one cu
 keeps "length".
 
 Reasoning: with a reasoning parser (server/reasoning.py) the thoughts go to `reasoning` (and
-`reasoning_content`), and only the answer is content and is searched for "auto" tool calls. A reply
-under an output constraint (a forced tool call, a JSON schema, ...) is all answer: the constraint
-holds from its first token, so the model does not think.
+`reasoning_content`), and only the answer is content, is searched for "auto" tool calls, or is a forced
+call. An output constraint (a forced tool call, a JSON schema, ...) holds from where the answer begins
+(`server.reasoning.constraint_after_reasoning`), unless the engine cannot tell where that is: such a reply
+is all answer.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class ChatReplies:
         self.choice, self.tools = choice, tools
         # Each tool's parameter schema, for formats that write argument values untyped.
         self.schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in function_tools or ()}
-        self.reasoning = None if constrained or (choice is not None and choice.forced) else reasoning
+        self.reasoning = None if constrained else reasoning
         self.include_reasoning = include_reasoning
 
     def _auto_calls(self, calls: list[ParsedCall]) -> list[ParsedCall]:
@@ -69,8 +70,6 @@ class ChatReplies:
     def delta(self, cursor: ChoiceCursor, c: CompletionOutput, d: Delta) -> tuple[dict[str, Any], str | None]:
         """A streamed chunk's delta and finish reason. An empty delta with no finish reason means
         the text is held (a marker or a call not yet whole)."""
-        if self.choice is not None and self.choice.forced:
-            return self._forced_delta(cursor, c, d)
         reasoning, text = "", d.text
         if self.reasoning is not None:
             if cursor.reasoning_stream is None:
@@ -79,32 +78,36 @@ class ChatReplies:
             if d.finish_reason is not None:
                 more, rest = cursor.reasoning_stream.finish()
                 reasoning, text = reasoning + more, text + rest
-        if self.choice is None:
+        if self.choice is not None and self.choice.forced:
+            out, finish = self._forced_delta(cursor, text, d.finish_reason)
+        elif self.choice is None:
             out, finish = ({"content": text} if text else {}), d.finish_reason
         else:
             out, finish = self._auto_delta(cursor, text, d.finish_reason)
         return self._with_reasoning(out, reasoning or None), finish
 
-    def _forced_delta(self, cursor: ChoiceCursor, c: CompletionOutput, d: Delta) -> tuple[dict[str, Any], str | None]:
+    def _forced_delta(self, cursor: ChoiceCursor, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A forced call's chunk from the answer's new `text` (the reply after any reasoning)."""
         choice = self.choice
         assert choice is not None
+        cursor.answer += text
         if choice.mode == "function":
             delta: dict[str, Any] = {}
-            if d.text:
-                call: dict[str, Any] = {"index": 0, "function": {"arguments": d.text}}
+            if text:
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                 if not cursor.tool_call_id:
                     cursor.tool_call_id = new_tool_call_id()
                     call = {"index": 0, "id": cursor.tool_call_id, "type": "function",
-                            "function": {"name": choice.name, "arguments": d.text}}
+                            "function": {"name": choice.name, "arguments": text}}
                 delta = {"tool_calls": [call]}
-            return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+            return delta, "tool_calls" if finish == "stop" and cursor.tool_call_id else finish
         if cursor.calls_reader is None:  # "required": the list of calls, read as it grows
             cursor.calls_reader = JsonCallReader(lists=True)
-        calls = self._call_deltas(cursor, cursor.calls_reader.feed(d.text), parallel=choice.parallel)
-        if d.finish_reason is not None and not cursor.calls_sent:  # cut short before a call began
-            return {"content": c.text}, d.finish_reason
+        calls = self._call_deltas(cursor, cursor.calls_reader.feed(text), parallel=choice.parallel)
+        if finish is not None and not cursor.calls_sent:  # cut short before a call began
+            return {"content": cursor.answer}, finish
         delta = {"tool_calls": calls} if calls else {}
-        return delta, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+        return delta, "tool_calls" if finish == "stop" else finish
 
     def _auto_delta(self, cursor: ChoiceCursor, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         assert self.tools is not None
@@ -141,14 +144,17 @@ class ChatReplies:
     def message(self, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
         """A whole reply's message and finish reason."""
         choice = self.choice
-        if choice is not None and choice.forced:
-            calls = ([ParsedCall(choice.name, c.text)] if choice.name is not None
-                     else join_calls(JsonCallReader(lists=True).feed(c.text))[:None if choice.parallel else 1])
-            if not calls:
-                return {"role": "assistant", "content": c.text}, c.finish_reason
-            return ({"role": "assistant", "content": None, "tool_calls": [_call_json(x) for x in calls]},
-                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
         reasoning, text = self.reasoning.parse(c.text) if self.reasoning is not None else (None, c.text)
+        if choice is not None and choice.forced:
+            if choice.name is not None:  # (an empty answer: no call)
+                calls = [ParsedCall(choice.name, text)] if text else []
+            else:
+                calls = join_calls(JsonCallReader(lists=True).feed(text))[:None if choice.parallel else 1]
+            if not calls:
+                return self._with_reasoning({"role": "assistant", "content": text}, reasoning), c.finish_reason
+            return (self._with_reasoning({"role": "assistant", "content": None,
+                                          "tool_calls": [_call_json(x) for x in calls]}, reasoning),
+                    "tool_calls" if c.finish_reason == "stop" else c.finish_reason)
         content: str | None = text
         calls = None
         if choice is not None:

@@ -124,11 +124,11 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams,
                                choice: ToolChoice | None) -> SamplingParams | None:
     """A chat request's sampling parameters with its output constraint holding from where the answer begins
-    (vLLM applies one after the reasoning), or None where it holds throughout: no reasoning parser, no
-    constraint, a forced tool call (`choice`), or markers the engine cannot tell."""
+    (vLLM applies one after the reasoning; a forced tool call's (`choice`) too), or None where it holds
+    throughout: no reasoning parser, no constraint, or markers the engine cannot tell."""
     so = params.structured_outputs
     markers = parser.answer_markers() if parser is not None else None
-    if so is None or (choice is not None and choice.forced) or markers is None:
+    if so is None or markers is None:
         return None
     return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after_reasoning=markers))
 

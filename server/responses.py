@@ -141,6 +141,7 @@ class ChoiceCursor:
         self.calls_reader: Reader | None = None  # a "required" reply's reader of its list of calls
         self.calls_sent = 0  # the calls of an "auto" or "required" reply sent so far
         self.reasoning_stream: ReasoningStream | None = None  # the reasoning parser's state
+        self.answer = ""  # a forced tool call's reply after its reasoning, so far
 
     def advance(self, c: CompletionOutput) -> Delta | None:
         """The new part of `c`, or None if nothing changed."""

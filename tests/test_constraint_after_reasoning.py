@@ -1,7 +1,7 @@
 """An output constraint that holds from where a reasoning model's answer begins (vLLM applies one after the
 reasoning): the grammar matcher the engine masks with waits for the end of the thoughts (an end marker of one
 or several tokens), or, where a reply may open without thinking, tells at its first token; the server sets it
-from its reasoning parser for chat requests, not for forced tool calls. On the bundled model's tokenizer, with
+from its reasoning parser for chat requests, forced tool calls included. On the bundled model's tokenizer, with
 markers it writes as several tokens."""
 
 from __future__ import annotations
@@ -93,10 +93,12 @@ def test_the_server_defers_a_chat_constraint_to_the_answer():
     gptoss = reasoning_params(reasoning_parser("openai_gptoss"), params, None)
     assert gptoss.structured_outputs.after_reasoning == ((), ("<|channel|>final<|message|>",), True)
     assert not gptoss.skip_special_tokens  # (the harmony markers stay in the text for its parser)
-    # A forced tool call, a parser whose start the engine cannot tell, no parser: the constraint holds throughout.
+    # A forced tool call is an answer after the reasoning too; under a parser whose start the engine cannot tell,
+    # or none, the constraint holds throughout.
     forced = ToolChoice("function", "f")
-    for parser, choice in ((qwen3, forced), (granite, None), (None, None)):
-        assert reasoning_params(parser, params, choice).structured_outputs.after_reasoning is None
+    assert reasoning_params(qwen3, params, forced).structured_outputs.after_reasoning is not None
+    for parser in (granite, None):
+        assert reasoning_params(parser, params, forced).structured_outputs.after_reasoning is None
 
     class Chat:  # (the fields `constrained_throughout` reads)
         messages, common, tool_choice = [], type("Common", (), {"params": params}), None

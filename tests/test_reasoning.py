@@ -177,17 +177,29 @@ def test_a_constrained_reply_thinks_first(client):
 
 
 def test_the_engine_is_told_where_the_answer_begins():
-    """The server passes its parser's markers with a chat request's constraint (not a completion's, nor a forced
-    tool call's, which holds from the first token and is not split)."""
-    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: '{"city": "Paris"}')
+    """The server passes its parser's markers with a chat request's constraint, a forced tool call's too (not a
+    completion's); a forced call's reasoning is split off, whole and streamed."""
+    thought = '<think>The user wants Paris.</think>{"city": "Paris"}'
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: thought if "three" in p else '{"city": "Paris"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
     try:
         with serve_in_thread(eng, ServerConfig(port=0, reasoning_parser="qwen3")) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
             _ask(c, "two", response_format={"type": "json_object"})
             assert eng.submitted[-1][2].structured_outputs.after_reasoning == (("<think>",), ("</think>",), False)
-            m = _ask(c, "two", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-            assert eng.submitted[-1][2].structured_outputs.after_reasoning is None
-            assert m.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+            for word in ("two", "three"):
+                m = _ask(c, word, tools=TOOLS, tool_choice=named).choices[0]
+                assert eng.submitted[-1][2].structured_outputs.after_reasoning is not None
+                assert m.message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+                assert m.finish_reason == "tool_calls"
+                assert (m.message.model_extra or {}).get("reasoning") == ("The user wants Paris." if word == "three"
+                                                                          else None)
+            r, content, calls, finish = _accumulate(_ask(c, "three", tools=TOOLS, tool_choice=named, stream=True))
+            assert (r, content, calls, finish) == ("The user wants Paris.", "", [("get_weather", '{"city": "Paris"}')],
+                                                   "tool_calls")
+            m = _ask(c, "three", tools=TOOLS, tool_choice="required").choices[0]  # (the fake reply is no list)
+            assert m.message.model_extra["reasoning"] == "The user wants Paris." and m.message.content == (
+                '{"city": "Paris"}')
             c.completions.create(model="fake-model", prompt="two", extra_body={"response_format": {"type": "json_object"}})
             assert eng.submitted[-1][2].structured_outputs.after_reasoning is None
     finally:
