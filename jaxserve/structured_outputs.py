@@ -226,11 +226,26 @@ class AfterReasoning:
     with the `GrammarMatcher` interface. States: "open" (a reply that may open with a start marker: its first
     token is one, or the grammar's), "reasoning" (every token allowed, until the tokens end with an end marker),
     "answer" (the grammar's). Start markers must be single tokens to be told at the first token; end markers
-    may be several."""
+    may be several. Tokens before the answer never reach the grammar, so checking drafts copies nothing."""
 
     def __init__(self, inner: GrammarMatcher, starts: list[list[int]], ends: list[list[int]], state: str,
                  tail: tuple[int, ...] = ()):
         self._inner, self._starts, self._ends, self._state, self._tail = inner, starts, ends, state, tail
+
+    def _walk(self, tokens: list[int]) -> tuple[int | None, str, tuple[int, ...]]:
+        """`tokens` read from here up to where the answer begins: (the index of the first token the grammar
+        takes, None if none; the state and the reasoning's last tokens there)."""
+        state, tail, longest = self._state, self._tail, max(len(e) for e in self._ends)
+        for i, tok in enumerate(tokens):
+            if state == "open":
+                if [tok] not in self._starts:
+                    return i, "answer", tail
+                state = "reasoning"
+                continue
+            tail = (*tail, tok)[-longest:]
+            if any(tail[-len(e):] == tuple(e) for e in self._ends):
+                return i + 1, "answer", tail
+        return None, state, tail
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         if self._state == "reasoning":
@@ -243,37 +258,25 @@ class AfterReasoning:
                 words[tok >> 5] |= np.uint32(1 << (tok & 31))
 
     def consume(self, token_id: int) -> bool:
-        if self._state == "open":
-            self._state = "reasoning" if [token_id] in self._starts else "answer"
-            if self._state == "reasoning":
-                return True
         if self._state == "answer":
             return self._inner.consume(token_id)
-        longest = max(len(e) for e in self._ends)
-        self._tail = (*self._tail, token_id)[-longest:]
-        if any(self._tail[-len(e):] == tuple(e) for e in self._ends):
-            self._state = "answer"
-        return True
+        at, self._state, self._tail = self._walk([token_id])
+        return self._inner.consume(token_id) if at == 0 else True
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        if self._state == "answer":
-            return self._inner.valid_prefix(tokens)
-        probe = self.copy()
-        for i, tok in enumerate(tokens):
-            if not probe.consume(tok):
-                return i
-        return len(tokens)
+        at = 0 if self._state == "answer" else self._walk(tokens)[0]
+        return len(tokens) if at is None else at + self._inner.valid_prefix(tokens[at:])
 
     def fill_bitmasks(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> None:
-        if self._state == "answer":
-            self._inner.fill_bitmasks(bitmask, row, drafts)
-            return
-        probe = self.copy()
-        probe.fill_bitmask(bitmask, row)
-        for j, tok in enumerate(drafts):
-            if not probe.consume(tok):
-                raise RuntimeError(f"draft token {tok} is outside the grammar: {probe.error}")
-            probe.fill_bitmask(bitmask, row + 1 + j)
+        """Rows `row` .. `row + len(drafts)`: the reasoning's rows all allowed, the answer's its grammar's after
+        the drafts before (`GrammarMatcher.fill_bitmasks`); nothing is consumed."""
+        at = 0 if self._state == "answer" else self._walk(drafts)[0]
+        end = len(drafts) + 1 if at is None else at
+        bitmask[row:row + end] = -1
+        if at is not None:
+            self._inner.fill_bitmasks(bitmask, row + at, drafts[at:])
+        if self._state == "open":
+            self.fill_bitmask(bitmask, row)
 
     @property
     def stopped(self) -> bool:
@@ -290,7 +293,9 @@ class AfterReasoning:
 def _last_marker_ends(ids: list[int], starts: list[list[int]], ends: list[list[int]]) -> bool:
     """Whether the last reasoning marker in `ids` is an end marker."""
     def last(markers: list[list[int]]) -> int:
-        return next((i for i in range(len(ids) - 1, -1, -1) if any(ids[i:i + len(m)] == m for m in markers)), -1)
+        firsts = {m[0] for m in markers if m}
+        return next((i for i in range(len(ids) - 1, -1, -1)
+                     if ids[i] in firsts and any(ids[i:i + len(m)] == m for m in markers)), -1)
 
     return last(ends) > last(starts)
 

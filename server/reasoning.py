@@ -23,15 +23,12 @@ may still be a marker is held until it is clear.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
 from jaxserve.sampling_params import SamplingParams
 from server.harmony import HarmonyStream
 from server.split_stream import SplitStream
-
-if TYPE_CHECKING:
-    from server.constraints import ToolChoice
 
 
 class ReasoningParser:
@@ -121,11 +118,10 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
                         MistralParser, GptOssParser)}
 
 
-def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams,
-                               choice: ToolChoice | None) -> SamplingParams | None:
-    """A chat request's sampling parameters with its output constraint holding from where the answer begins
-    (vLLM applies one after the reasoning; a forced tool call's (`choice`) too), or None where it holds
-    throughout: no reasoning parser, no constraint, or markers the engine cannot tell."""
+def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams | None:
+    """A chat request's sampling parameters with its output constraint (a forced tool call's too) holding from
+    where the answer begins (vLLM applies one after the reasoning), or None where it holds throughout: no
+    reasoning parser, no constraint, or markers the engine cannot tell."""
     so = params.structured_outputs
     markers = parser.answer_markers() if parser is not None else None
     if so is None or markers is None:
@@ -133,21 +129,19 @@ def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingP
     return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after_reasoning=markers))
 
 
-def reasoning_params(parser: ReasoningParser | None, params: SamplingParams, choice: ToolChoice | None) -> SamplingParams:
+def reasoning_params(parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams:
     """A chat request's sampling parameters under the reasoning parser: its special tokens kept in the text
     where the parser reads them, its output constraint after the reasoning (`constraint_after_reasoning`)."""
     if parser is not None and parser.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return constraint_after_reasoning(parser, params, choice) or params
+    return constraint_after_reasoning(parser, params) or params
 
 
 def constrained_throughout(parser: ReasoningParser | None, req: Any) -> bool:
     """Whether a request's output constraint holds from its first token (its reply then has no reasoning to
     split off): a completion's always, a chat reply's unless `constraint_after_reasoning` defers it."""
-    params, choice = req.common.params, getattr(req, "tool_choice", None)
-    chat = hasattr(req, "messages")
-    return params.structured_outputs is not None and (
-        not chat or constraint_after_reasoning(parser, params, choice) is None)
+    params, chat = req.common.params, hasattr(req, "messages")
+    return params.structured_outputs is not None and (not chat or constraint_after_reasoning(parser, params) is None)
 
 
 def reasoning_parser(name: str) -> ReasoningParser:

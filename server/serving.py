@@ -112,7 +112,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, enco
                                 "function, or 'none'", param="tool_choice", code="unsupported_parameter")
         if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
             params = dataclasses.replace(params, skip_special_tokens=False)
-    params = reasoning_params(state.reasoning_parser, params, req.tool_choice)
+    params = reasoning_params(state.reasoning_parser, params)
     ids = truncated_ids(ids, params, engine.max_model_len)
     params = fit_to_context(engine.max_model_len, ids, params, max_tokens_given=req.common.max_tokens_given,
                             prompt_param="messages", cap=_defaults(state).get("max_tokens"))

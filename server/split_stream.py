@@ -3,8 +3,10 @@ same results as reading it whole (`ReasoningStream`, server/reasoning.py; `Harmo
 
 from __future__ import annotations
 
+import abc
 
-class SplitStream:
+
+class SplitStream(abc.ABC):
     """A reply's text, fed piece by piece; each piece gives the reasoning and the answer it settles."""
 
     buf: str  # text read and not yet given out
@@ -18,5 +20,6 @@ class SplitStream:
         """What is left at the end of the reply."""
         return self._drain(final=True)
 
+    @abc.abstractmethod
     def _drain(self, final: bool) -> tuple[str, str]:
-        raise NotImplementedError
+        """The reasoning and the answer `buf` settles (all of it when `final`), taken out of `buf`."""

@@ -17,7 +17,6 @@ from jaxserve.structured_outputs import (
     bitmask_width,
 )
 from jaxserve.tokenizer import Tokenizer
-from server.constraints import ToolChoice
 from server.reasoning import constrained_throughout, reasoning_params, reasoning_parser
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
@@ -76,6 +75,29 @@ def test_the_first_mask_allows_the_start_marker_or_the_answer(compiler, tokenize
     assert matcher.valid_prefix(drafts) == 2  # (the drafts consumed nothing)
 
 
+def test_drafts_across_the_end_of_the_thoughts(compiler, tokenizer):
+    """Speculative drafts checked in one step: rows up to the end marker's last token all allowed, the rows after
+    it the grammar's after the drafts before them; a draft breaking the answer cuts the prefix there; nothing is
+    consumed, and the grammar sees none of the thoughts."""
+    params = StructuredOutputsParams(json=SCHEMA, after_reasoning=((), ("</think>",), True))
+    matcher = compiler.matcher_after(params, [])
+    thoughts, answer = (tokenizer.encode(t, add_special_tokens=False) for t in ("ok.</think>", '{"'))
+    drafts = thoughts + answer
+    mask = np.zeros((len(drafts) + 1, bitmask_width(tokenizer.vocab_size)), np.int32)
+    matcher.fill_bitmasks(mask, 0, drafts)
+    counts = [int(np.unpackbits(row.view(np.uint8)).sum()) for row in mask]
+    assert counts[:len(thoughts)] == [tokenizer.vocab_size] * len(thoughts)
+    assert all(c < 1000 for c in counts[len(thoughts):])  # the JSON's openings, then its key's
+    assert (mask[len(thoughts), answer[0] >> 5] >> (answer[0] & 31)) & 1  # "{" may open the answer
+    assert matcher.valid_prefix(drafts) == len(drafts)
+    bad = thoughts + tokenizer.encode("Paris", add_special_tokens=False)
+    assert matcher.valid_prefix(bad) == len(thoughts)
+    rest = tokenizer.encode('a": 1}', add_special_tokens=False)
+    for tok in drafts + rest:  # taken one by one: the answer's tokens are the grammar's, which completes
+        assert not matcher.stopped and matcher.consume(tok)
+    assert matcher.stopped
+
+
 def test_a_start_marker_of_several_tokens_leaves_the_constraint_throughout(compiler, tokenizer):
     """SmolLM2 writes "<think>" as several tokens: the first step could not tell it from an answer."""
     assert len(tokenizer.encode("<think>", add_special_tokens=False)) > 1
@@ -87,18 +109,15 @@ def test_the_server_defers_a_chat_constraint_to_the_answer():
     so = StructuredOutputsParams(json=SCHEMA)
     params = SamplingParams(structured_outputs=so)
     qwen3, granite = reasoning_parser("qwen3"), reasoning_parser("granite")
-    assert reasoning_params(qwen3, params, None).structured_outputs.after_reasoning == (("<think>",), ("</think>",),
-                                                                                       False)
-    assert reasoning_params(reasoning_parser("deepseek_r1"), params, None).structured_outputs.after_reasoning[2]
-    gptoss = reasoning_params(reasoning_parser("openai_gptoss"), params, None)
+    assert reasoning_params(qwen3, params).structured_outputs.after_reasoning == (("<think>",), ("</think>",), False)
+    assert reasoning_params(reasoning_parser("deepseek_r1"), params).structured_outputs.after_reasoning[2]
+    gptoss = reasoning_params(reasoning_parser("openai_gptoss"), params)
     assert gptoss.structured_outputs.after_reasoning == ((), ("<|channel|>final<|message|>",), True)
     assert not gptoss.skip_special_tokens  # (the harmony markers stay in the text for its parser)
-    # A forced tool call is an answer after the reasoning too; under a parser whose start the engine cannot tell,
-    # or none, the constraint holds throughout.
-    forced = ToolChoice("function", "f")
-    assert reasoning_params(qwen3, params, forced).structured_outputs.after_reasoning is not None
+    # Under a parser whose start the engine cannot tell, or none, the constraint holds throughout (forced tool
+    # calls take the same parameters: tests/test_reasoning.py).
     for parser in (granite, None):
-        assert reasoning_params(parser, params, forced).structured_outputs.after_reasoning is None
+        assert reasoning_params(parser, params).structured_outputs.after_reasoning is None
 
     class Chat:  # (the fields `constrained_throughout` reads)
         messages, common, tool_choice = [], type("Common", (), {"params": params}), None
