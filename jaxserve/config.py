@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
+from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_fields, mla_moe_fields, mla_softmax_scale
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.quantized import check_method
 from jaxserve.quantization import parse_quantization
@@ -15,7 +16,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
                  "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss",
-                 "exaone4", "cohere", "cohere2", "olmoe", "arcee", "apertus"]
+                 "exaone4", "cohere", "cohere2", "olmoe", "arcee", "apertus", "deepseek_v2", "deepseek_v3"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -47,6 +48,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms
     "OlmoeForCausalLM": "olmoe",  # OLMoE: OLMo's q/k norms over all heads, 64 experts
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (`config_mla`), softmax-routed experts
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # ... sigmoid-routed (Kimi K2, Moonlight); MTP layers not read
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
 }
 # A config's model_type: each family's own name, and two others.
@@ -54,7 +57,7 @@ _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1", "gpt_oss", "olmoe")
+                                  "dots1", "gpt_oss", "olmoe", *MLA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
@@ -136,6 +139,11 @@ class ModelConfig:
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None:
     all are."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
+    # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per
+    # token; queries through a `q_lora_rank` bottleneck (0: none); values of `v_head_dim` dims (`config_mla`).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    v_head_dim: int = 0
 
     @property
     def rotary_dims(self) -> int:
@@ -182,6 +190,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
         fields.check_moe(self)
+        check_mla(self)
         if self.weight_quant:
             check_method(self.weight_quant, self.num_experts)
 
@@ -190,7 +199,17 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def kv_cache_dims(self) -> tuple[int, int]:
+        """The dims of a key's and of a value's page entries: an MLA model's pages hold its latent and rotary key
+        as keys, and no values (the latent serves as both)."""
+        if self.kv_lora_rank:
+            return self.kv_lora_rank + self.rotary_dims, 0
+        return self.head_dim, self.head_dim
+
+    @property
     def sm_scale(self) -> float:
+        if self.kv_lora_rank:
+            return mla_softmax_scale(self.head_dim, self.rope_scaling)
         if self.attention_multiplier is not None:
             return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -301,7 +320,9 @@ class ModelConfig:
                     f"{family} with dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
                     "is not supported"
                 )
-        moe = fields.moe_fields(family, d) if family in MOE_FAMILIES else {}
+        moe = (mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d) if family in MOE_FAMILIES else {}
+        mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
+        head_dim = mla.pop("head_dim", head_dim)
         if family in ("qwen2", "qwen3"):
             sliding = fields.qwen_window(d)
         gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
@@ -335,7 +356,7 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            num_kv_heads=1 if mla else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
             head_dim=head_dim,
             rms_norm_eps=float(d.get("layer_norm_eps" if family in COHERE_FAMILIES else "rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
@@ -352,12 +373,12 @@ class ModelConfig:
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", *OLMO_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
-            rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+            rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
             mrope_section=tuple(d["mrope_section"]) if d.get("mrope_section") else None,
             no_rope_layers=fields.no_rope_layers(family, d),
-            **moe,
+            **moe, **mla,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
                | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})
                | ({"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))} if family in COHERE_FAMILIES else {})),

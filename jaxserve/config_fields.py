@@ -254,12 +254,12 @@ def check_moe(cfg: Any) -> None:
     groups, top = cfg.expert_groups, cfg.expert_topk_groups
     if cfg.router_scoring not in ("softmax", "sigmoid"):
         raise UnsupportedModelError(f"router_scoring must be 'softmax' or 'sigmoid', got {cfg.router_scoring!r}")
-    if (groups, top) != (1, 1) and not (cfg.router_scoring == "sigmoid" and groups > 0 and cfg.num_experts % groups == 0
+    if (groups, top) != (1, 1) and not (groups > 0 and cfg.num_experts % groups == 0
                                         and cfg.num_experts // groups >= 2 and 0 < top <= groups
                                         and cfg.num_experts_per_tok <= top * cfg.num_experts // groups):
         raise UnsupportedModelError(
             f"expert groups: {cfg.num_experts} experts in {groups} groups (at least 2 each), {top} of them chosen, must "
-            f"hold num_experts_per_tok ({cfg.num_experts_per_tok}) experts; grouped choice needs sigmoid scoring")
+            f"hold num_experts_per_tok ({cfg.num_experts_per_tok}) experts")
 
 
 def check_ernie(family: str, d: dict[str, Any]) -> None:

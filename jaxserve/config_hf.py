@@ -15,6 +15,7 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_mla import mla_hf
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
         d["qkv_bias"] = cfg.attention_bias
-    if cfg.num_experts:
+    if cfg.num_experts and not cfg.kv_lora_rank:
         d.update(fields.moe_hf(cfg))
     if cfg.family in ("llama", "smollm3", "granite", "arcee"):
         d["mlp_bias"] = cfg.mlp_bias
@@ -91,6 +92,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if cfg.rope_scaling.rope_type != "default":
         d["rope_scaling"] = fields.rope_scaling_hf(cfg.rope_scaling)
+    if cfg.kv_lora_rank:  # (its rotary dims are its own key)
+        del d["partial_rotary_factor"]
+        d.update(mla_hf(cfg))
     if cfg.mrope_section is not None:  # (no model has both)
         d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section)}
     return d

@@ -45,6 +45,7 @@ def logical_sizes(cfg: ModelConfig) -> dict[str, int]:
         for name, n in zip(info.axes, info.shape, strict=True):
             if name is not None:
                 sizes[name] = n
+    sizes.setdefault("kv_heads", cfg.num_kv_heads)  # (an MLA model's one latent: the page pool's only use of it)
     return sizes
 
 

@@ -16,6 +16,7 @@ DEFAULT_RULES: dict[str, str | None] = {
     "layers": None,
     "embed": None,
     "head_dim": None,
+    "latent": None,  # MLA's latent and query bottleneck (`config_mla`): every device holds them whole
     "q_heads": MODEL,
     "kv_heads": MODEL,
     "mlp": MODEL,

@@ -30,6 +30,7 @@ from jaxserve.loader.granite_keys import (
     granite_fused,
     granite_shared,
 )
+from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
 from jaxserve.models.quantized import INPUT_AXES, METHODS
 
 
@@ -97,7 +98,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{moe}.moe_statics.e_score_correction_bias" if ernie else f"{moe}.gate.e_score_correction_bias"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
-            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1") else "mlp.shared_expert"
+            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "deepseek_v2",
+                                                            "deepseek_v3") else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
@@ -146,6 +148,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
         t["self_attn.k_scale"] = ("layers.k_scale", lambda s: s.reshape(()), ())
         t["self_attn.v_scale"] = ("layers.v_scale", lambda s: s.reshape(()), ())
+    if cfg.kv_lora_rank:  # DeepSeek's latent attention in place of q, k, v
+        t = {name: spec for name, spec in t.items() if not name.startswith("self_attn.")} | mla_targets(cfg)
     return t
 
 
@@ -228,6 +232,8 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return granite_shared(name, tensor, cfg)
     if cfg.family == "gpt_oss" and GPT_OSS_EXPERTS_RE.match(name):
         return gpt_oss_experts(name, tensor, cfg)
+    if cfg.kv_lora_rank and KV_B_RE.match(name):
+        return split_kv_b(name, tensor, cfg)
     return None
 
 
@@ -256,7 +262,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     if m:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= cfg.num_layers:
-            if cfg.family == "glm4_moe":  # its multi-token prediction layers follow the model's (not read)
+            if cfg.family in ("glm4_moe", "deepseek_v3"):  # multi-token prediction layers follow the model's (not read)
                 return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
         dense = layer < cfg.first_dense_layers
@@ -345,6 +351,9 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.family == "gpt_oss":
         yield from gpt_oss_packed(pairs, cfg)
         return
+    if cfg.kv_lora_rank:
+        yield from mla_fused(pairs, cfg)
+        return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else pairs
 
 
@@ -360,6 +369,8 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     if target.expert is not None:
         return value[target.expert].T
     field = layer_field(target.path)
+    if cfg.kv_lora_rank and field in MLA_FIELDS:
+        return mla_hf_tensor(field, value, cfg)
     if field == "ws_mix":
         return value.reshape(1, -1)
     if field == "router_bias" and cfg.family == "ernie4_5_moe":

@@ -339,7 +339,7 @@ def write_kv(
         return x if x.dtype == pool.dtype else jax.lax.bitcast_convert_type(x, pool.dtype)
 
     k_flat = k_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(rows(k, k_pages))
-    v_flat = v_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(rows(v, v_pages))
+    v_flat = v_pages.reshape(n * page_size, hkv, v_pages.shape[-1]).at[slot_mapping].set(rows(v, v_pages))
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
 

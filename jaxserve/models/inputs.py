@@ -18,7 +18,8 @@ from jaxserve.models.attention import kv_storage_bits
 class KVCache:
     """The page pool of every layer.
 
-    `k` and `v` are `[num_layers, num_pages, page_size, num_kv_heads, head_dim]`. Page 0 is
+    `k` and `v` are `[num_layers, num_pages, page_size, num_kv_heads, head_dim]` (an MLA model's latent entries
+    in `k`, `v` zero wide: `ModelConfig.kv_cache_dims`). Page 0 is
     reserved: padding tokens write there and no sequence reads it. Inside the forward pass the
     layer and page axes are merged (`[num_layers * num_pages, ...]`, a free reshape), so one
     layer's pages are addressed as `layer * num_pages + page` and no layer is ever copied out.
@@ -49,16 +50,17 @@ class KVCache:
     def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False) -> KVCache:
         """A zeroed pool; `as_bits` keeps pages narrower than float32 as their raw bits (the CPU attention's
         storage)."""
-        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        k_dim, v_dim = cfg.kv_cache_dims
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads)
         dtype = jnp.dtype(dtype)
         bits = kv_storage_bits(dtype) if as_bits else None
         if bits is not None:
-            return cls(k=jnp.zeros(shape, bits), v=jnp.zeros(shape, bits), dtype_name=dtype.name)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+            return cls(k=jnp.zeros((*shape, k_dim), bits), v=jnp.zeros((*shape, v_dim), bits), dtype_name=dtype.name)
+        return cls(k=jnp.zeros((*shape, k_dim), dtype), v=jnp.zeros((*shape, v_dim), dtype))
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
-        return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+        return cfg.num_layers * page_size * cfg.num_kv_heads * sum(cfg.kv_cache_dims) * np.dtype(dtype).itemsize
 
 
 @jax.tree_util.register_dataclass

@@ -20,17 +20,12 @@ from jaxserve.config import (
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.lora import lora_deltas
+from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
+from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, returned in x's dtype (as HF does)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
 
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -75,18 +70,6 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, lon
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x ([T, H, D]) by position, its leading cos.shape[-1] dims (all, but for a partial rotary
-    embedding; the others pass through); computed in float32."""
-    rot = cos.shape[-1]
-    xf = x.astype(jnp.float32)
-    turned, kept = xf[..., :rot], xf[..., rot:]
-    half = rot // 2
-    rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
-    out = turned * cos[:, None, :] + rotated * sin[:, None, :]
-    return (jnp.concatenate([out, kept], axis=-1) if rot < x.shape[-1] else out).astype(x.dtype)
-
-
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
 
 
@@ -117,57 +100,18 @@ def _layer(
     local: bool = False,
 ):
     """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ."""
-    x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D]
+    x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D] (`ModelConfig.kv_cache_dims`)
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
-    num_pages = k_all.shape[0] // cfg.num_layers
-    page_size = k_all.shape[1]
 
     with jax.named_scope("attention"):
         h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
-        if lp.wqkv is not None:
-            T, Hq, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            qkv = project(h, lp.wqkv, _dot_out_major)  # [T, (Hq + 2 * Hkv) * D]
-            q = qkv[:, : Hq * D].reshape(T, Hq, D)
-            k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
-            v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+        if cfg.kv_lora_rank:
+            attn, k_all, v_all = mla_attention(cfg, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype)
         else:
-            heads = functools.partial(jnp.einsum, "te,ehd->thd")
-            q = project(h, lp.wq, heads)  # [T, Hq, D]
-            k = project(h, lp.wk, heads)  # [T, Hkv, D]
-            v = project(h, lp.wv, heads)  # [T, Hkv, D]
-        if lora is not None:
-            dq, dk, dv = lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_k, lora.b_v], inputs.lora_slots)
-            q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
-        if lp.bq is not None:
-            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-        if lp.q_norm is not None:
-            q = _qk_norm(cfg, q, lp.q_norm)
-            k = _qk_norm(cfg, k, lp.k_norm)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-
-        # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
-        # over the stored keys, times v_scale, is the attention over the true ones (any backend).
-        scaled = lp.k_scale is not None and kv_dtype is not None and jnp.dtype(kv_dtype) in FP8_KV_DTYPES
-        if scaled:
-            ks, vs = lp.k_scale.astype(jnp.float32), lp.v_scale.astype(jnp.float32)
-            k, v = k.astype(jnp.float32) / ks, v.astype(jnp.float32) / vs
-            q = (q.astype(jnp.float32) * ks).astype(q.dtype)
-        slots = inputs.slot_mapping + layer * (num_pages * page_size)
-        k_all, v_all = write_kv(k_all, v_all, k, v, slots, kv_dtype)
-
-        attn = paged_attention(
-            backend, q, k_all, v_all,
-            inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
-            sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
-            sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
-            sinks=lp.sinks,
-        )  # [T, Hq, D]
-        if scaled:
-            attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
+            attn, k_all, v_all = _attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
+                                            local, lora)
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
-        attn = attn.reshape(attn.shape[0], -1)
         if lp.wo_t is not None:
             out = project(attn, lp.wo_t, _dot_out_major)
         else:
@@ -211,6 +155,57 @@ def _layer(
             down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + _residual(cfg, down)
     return (x, k_all, v_all), None
+
+
+def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
+               lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, kv_dtype,
+               local: bool, lora) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Multi-head (grouped-query) attention of normed inputs h [T, E]: its output [T, Hq * D] before the output
+    projection, and the page pools with this step's keys and values written."""
+    num_pages = k_all.shape[0] // cfg.num_layers
+    page_size = k_all.shape[1]
+    if lp.wqkv is not None:
+        T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = project(h, lp.wqkv, _dot_out_major)  # [T, (Hq + 2 * Hkv) * D]
+        q = qkv[:, : Hq * D].reshape(T, Hq, D)
+        k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
+        v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+    else:
+        heads = functools.partial(jnp.einsum, "te,ehd->thd")
+        q = project(h, lp.wq, heads)  # [T, Hq, D]
+        k = project(h, lp.wk, heads)  # [T, Hkv, D]
+        v = project(h, lp.wv, heads)  # [T, Hkv, D]
+    if lora is not None:
+        dq, dk, dv = lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_k, lora.b_v], inputs.lora_slots)
+        q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lp.q_norm is not None:
+        q = _qk_norm(cfg, q, lp.q_norm)
+        k = _qk_norm(cfg, k, lp.k_norm)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
+    # over the stored keys, times v_scale, is the attention over the true ones (any backend).
+    scaled = lp.k_scale is not None and kv_dtype is not None and jnp.dtype(kv_dtype) in FP8_KV_DTYPES
+    if scaled:
+        ks, vs = lp.k_scale.astype(jnp.float32), lp.v_scale.astype(jnp.float32)
+        k, v = k.astype(jnp.float32) / ks, v.astype(jnp.float32) / vs
+        q = (q.astype(jnp.float32) * ks).astype(q.dtype)
+    slots = inputs.slot_mapping + layer * (num_pages * page_size)
+    k_all, v_all = write_kv(k_all, v_all, k, v, slots, kv_dtype)
+
+    attn = paged_attention(
+        backend, q, k_all, v_all,
+        inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
+        sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
+        sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
+        sinks=lp.sinks,
+    )  # [T, Hq, D]
+    if scaled:
+        attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
+    return attn.reshape(attn.shape[0], -1), k_all, v_all
 
 
 def _mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xielu: jax.Array | None) -> jax.Array:
@@ -294,7 +289,7 @@ def forward(
                                                             jnp.zeros_like(by_window[local][1]))
               for local, rope in {cfg.layer_kind(i) for i in range(cfg.num_layers)}}
     k_all = kv.k.reshape(L * N, page_size, hkv, d)
-    v_all = kv.v.reshape(L * N, page_size, hkv, d)
+    v_all = kv.v.reshape(L * N, page_size, hkv, kv.v.shape[-1])  # (an MLA model's: 0 wide)
     # The CPU attention reads and writes narrow pages as their bits, the kernels as floats. A pool kept in
     # the other form is converted here, which copies it (the engine allocates each backend's own form).
     kv_dtype, bits = kv.dtype, kv_storage_bits(kv.dtype)

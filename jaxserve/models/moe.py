@@ -23,7 +23,8 @@ from jaxserve.models.quantized import QuantizedWeight, grouped, project
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None,
           logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights. Softmax scoring: a softmax over all experts (in float32), the k
-    largest (ERNIE 4.5: largest with `bias` [X] added), renormalized to sum to one when the family does so. Sigmoid
+    largest (ERNIE 4.5: largest with `bias` [X] added; DeepSeek-V2: among the experts of the `cfg.expert_topk_groups`
+    groups with the best single scores), renormalized to sum to one when the family does so. Sigmoid
     scoring (DeepSeek-V3's, GLM-4.5's): each expert's sigmoid score, in float32; the k chosen by score plus `bias`
     among the experts of the `cfg.expert_topk_groups` groups whose two best such sums are largest; weighted by
     their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`. `logit_bias` [X] (gpt-oss) is
@@ -34,6 +35,9 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | N
         probs = jax.nn.softmax(jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
         experts = jax.lax.top_k(probs + bias.astype(jnp.float32)[None, :], cfg.num_experts_per_tok)[1]
         weights = jnp.take_along_axis(probs, experts, axis=-1)
+    elif cfg.family == "deepseek_v2":  # (in float32, as DeepSeek's router)
+        probs = jax.nn.softmax(jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
+        weights, experts = jax.lax.top_k(_best_groups(probs, cfg, by="max", fill=0.0), cfg.num_experts_per_tok)
     else:
         logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
         if logit_bias is not None:
@@ -42,27 +46,33 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | N
         weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-12)
-    return weights.astype(h.dtype), experts.astype(jnp.int32)
+    return (weights * cfg.routed_scaling_factor).astype(h.dtype), experts.astype(jnp.int32)
+
+
+def _best_groups(choice: jax.Array, cfg: ModelConfig, by: str, fill: float) -> jax.Array:
+    """`choice` [T, X] with the experts outside each token's `cfg.expert_topk_groups` best groups set to `fill`;
+    a group's score is its best expert's (`by` "max": DeepSeek-V2's) or its two best's sum ("top2": V3's)."""
+    groups, top = cfg.expert_groups, cfg.expert_topk_groups
+    if top >= groups:
+        return choice
+    T, X = choice.shape
+    by_group = choice.reshape(T, groups, X // groups)
+    group_scores = jnp.max(by_group, axis=-1) if by == "max" else jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)
+    kept = jax.lax.top_k(group_scores, top)[1]  # [T, top]
+    keep = jnp.zeros((T, groups), bool).at[jnp.arange(T)[:, None], kept].set(True)
+    return jnp.where(keep[:, :, None], by_group, fill).reshape(T, X)
 
 
 def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     logits = jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))  # [T, X]
     scores = jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)[None, :]
-    groups, top = cfg.expert_groups, cfg.expert_topk_groups
-    if top < groups:  # only the experts of the best groups (by the sum of each group's two best) may be chosen
-        T, X = choice.shape
-        by_group = choice.reshape(T, groups, X // groups)
-        group_scores = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [T, groups]
-        kept = jax.lax.top_k(group_scores, top)[1]  # [T, top]
-        keep = jnp.zeros((T, groups), bool).at[jnp.arange(T)[:, None], kept].set(True)
-        choice = jnp.where(keep[:, :, None], by_group, -jnp.inf).reshape(T, X)
-    experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]  # [T, k]
+    # Only the experts of the best groups (by the sum of each group's two best) may be chosen.
+    experts = jax.lax.top_k(_best_groups(choice, cfg, by="top2", fill=-jnp.inf), cfg.num_experts_per_tok)[1]
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    weights = weights * cfg.routed_scaling_factor
-    return weights.astype(h.dtype), experts.astype(jnp.int32)
+    return (weights * cfg.routed_scaling_factor).astype(h.dtype), experts.astype(jnp.int32)
 
 
 def expert_activation(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:

@@ -86,6 +86,13 @@ class LayerParams:
     wo_t: Any = None  # [E, Hq * D]
     w_down_t: Any = None  # [E, F]
     lora: Any = None  # `lora.LoraLayer`: LoRA adapter slots, in an engine that serves adapters
+    # Multi-head latent attention (`config_mla`; wk and wv None, wq [L, Rq or E, Hq, D], wo [L, Hq, Dv, E]):
+    wq_a: Any = None  # [L, E, Rq]: the queries' bottleneck (`q_lora_rank`), normed by q_a_norm [L, Rq]
+    q_a_norm: Any = None
+    wkv_a: Any = None  # [L, E, R + Dr]: each token's latent (normed by kv_a_norm [L, R]) and rotary key
+    kv_a_norm: Any = None
+    w_uk: Any = None  # [L, Hq, D - Dr, R]: the keys' unrotated dims from the latent, absorbed into the queries
+    w_uv: Any = None  # [L, Hq, R, Dv]: the values from the latent, applied to the attention's output
 
 
 @jax.tree_util.register_dataclass
@@ -132,14 +139,17 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         return ParamInfo(shape, axes, init, dtype)
 
     norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"
-    layers = LayerParams(
-        attn_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
-        wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
-        wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
-        wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
-        wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
-        mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and not cfg.parallel_block else None,
-    )
+    if cfg.kv_lora_rank:
+        layers = _declare_mla(cfg, L)
+    else:
+        layers = LayerParams(
+            attn_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
+            wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
+            wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
+            wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
+            wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
+            mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and not cfg.parallel_block else None,
+        )
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
@@ -195,6 +205,24 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     return layers
 
 
+def _declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
+    """`L` stacked layers' attention of an MLA model (`config_mla`) and their norms (the MLP declared after)."""
+    E, Hq, D, Dr, R, Rq = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank, cfg.q_lora_rank
+    return LayerParams(
+        attn_norm=ParamInfo((L, E), ("layers", "embed"), "ones"),
+        wq=ParamInfo((L, Rq or E, Hq, D), ("layers", "latent" if Rq else "embed", "q_heads", "head_dim")),
+        wk=None, wv=None,
+        wo=ParamInfo((L, Hq, cfg.v_head_dim, E), ("layers", "q_heads", "head_dim", "embed")),
+        mlp_norm=ParamInfo((L, E), ("layers", "embed"), "ones"),
+        wq_a=ParamInfo((L, E, Rq), ("layers", "embed", "latent")) if Rq else None,
+        q_a_norm=ParamInfo((L, Rq), ("layers", "latent"), "ones") if Rq else None,
+        wkv_a=ParamInfo((L, E, R + Dr), ("layers", "embed", "latent")),
+        kv_a_norm=ParamInfo((L, R), ("layers", "latent"), "ones"),
+        w_uk=ParamInfo((L, Hq, D - Dr, R), ("layers", "q_heads", "head_dim", "latent")),
+        w_uv=ParamInfo((L, Hq, R, cfg.v_head_dim), ("layers", "q_heads", "latent", "head_dim")),
+    )
+
+
 def unstack_layers(params: Params, fuse: bool = False) -> Params:
     """`params` with its stacked layers split into a tuple of per-layer `LayerParams` (new arrays).
 
@@ -206,7 +234,7 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
     Anything else (unstacked params, another model's tree) passes through."""
     if not isinstance(params, Params) or isinstance(params.layers, tuple):
         return params
-    fuse = fuse and params.layers.w_gate is not None
+    fuse = fuse and params.layers.w_gate is not None and params.layers.wk is not None
 
     def layer_sharding(a: Any) -> Any:
         s = getattr(a, "sharding", None)

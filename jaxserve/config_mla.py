@@ -1,0 +1,101 @@
+"""DeepSeek-V2 and -V3's multi-head latent attention (MLA) and experts: their ModelConfig fields from an HF config,
+and back (`ModelConfig.from_hf`, `config_hf.config_to_hf`).
+
+An MLA layer projects each token to one latent of `kv_lora_rank` dims (normed) plus one rotary key of
+`qk_rope_head_dim` dims shared by every head; the pages hold just those (`ModelConfig.kv_cache_dims`). In the
+config, `head_dim` is a query's (and an expanded key's) dims, `qk_nope_head_dim + qk_rope_head_dim`, the last
+`rotary_dim` of them turned by position; `v_head_dim` is a value's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxserve.config_fields import moe_fields
+from jaxserve.errors import UnsupportedModelError
+
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
+
+
+def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The MLA fields of a DeepSeek-V2 / -V3 HF config (`head_dim` and `rotary_dim` included), refusing the options
+    jaxserve does not implement by name."""
+    if d.get("attention_bias"):
+        raise UnsupportedModelError(f"{family} with attention_bias is not supported")
+    if family == "deepseek_v3" and d.get("rope_interleave", True) is False:
+        raise UnsupportedModelError("deepseek_v3 with rope_interleave false is not supported (its released "
+                                    "checkpoints interleave the rotary pairs)")
+    nope, rope, rank = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"]), int(d["kv_lora_rank"])
+    if min(nope, rope, rank, int(d["v_head_dim"])) <= 0:
+        raise UnsupportedModelError(f"{family} needs positive qk_nope_head_dim ({nope}), qk_rope_head_dim ({rope}), "
+                                    f"kv_lora_rank ({rank}) and v_head_dim ({d['v_head_dim']})")
+    return dict(kv_lora_rank=rank, q_lora_rank=int(d.get("q_lora_rank") or 0), v_head_dim=int(d["v_head_dim"]),
+                head_dim=nope + rope, rotary_dim=rope)
+
+
+def check_mla(cfg: Any) -> None:
+    """Refuses MLA settings no model could run, by name."""
+    if cfg.kv_lora_rank < 0 or cfg.q_lora_rank < 0 or (cfg.kv_lora_rank == 0) != (cfg.v_head_dim == 0):
+        raise UnsupportedModelError(f"an MLA model needs kv_lora_rank ({cfg.kv_lora_rank}) and v_head_dim "
+                                    f"({cfg.v_head_dim}) both positive (and none other both 0)")
+    if cfg.kv_lora_rank and not (cfg.rotary_dim and cfg.rotary_dims < cfg.head_dim) or cfg.kv_lora_rank and (
+            cfg.attention_bias or cfg.qk_norm or cfg.sliding_window or cfg.family not in MLA_FAMILIES):
+        raise UnsupportedModelError(f"MLA (kv_lora_rank {cfg.kv_lora_rank}) needs {MLA_FAMILIES}, rotary dims "
+                                    f"({cfg.rotary_dim}) short of head_dim ({cfg.head_dim}), and no attention bias, "
+                                    "q/k norms or window")
+
+
+def mla_moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's experts: V3's as GLM-4.5's (sigmoid scores, a bias for choosing, groups by their two best); V2's
+    softmax scores, the k best ("greedy") or the best of the `topk_group` groups with the highest single score
+    ("group_limited_greedy"), never renormalized (as transformers' DeepSeek-V2 does). Both: shared experts, dense
+    first layers, weights times `routed_scaling_factor`."""
+    fields: dict[str, Any] = dict(
+        moe_fields(family, d),
+        shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
+        first_dense_layers=int(d.get("first_k_dense_replace") or 0),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
+    if family == "deepseek_v3":
+        return dict(fields, router_scoring="sigmoid", router_bias=True, expert_groups=int(d.get("n_group") or 1),
+                    expert_topk_groups=int(d.get("topk_group") or 1), norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+    method = d.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"deepseek_v2 topk_method {method!r} is not supported (greedy, "
+                                    "group_limited_greedy)")
+    grouped = method == "group_limited_greedy"
+    return dict(fields, norm_topk_prob=False, expert_groups=int(d.get("n_group") or 1) if grouped else 1,
+                expert_topk_groups=int(d.get("topk_group") or 1) if grouped else 1)
+
+
+def mla_hf(cfg: Any) -> dict[str, Any]:
+    """An MLA model's HF config keys (the inverse of `mla_fields` and `mla_moe_fields`)."""
+    d: dict[str, Any] = dict(
+        num_key_value_heads=cfg.num_heads,  # (transformers expands the latent to every head)
+        kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None, v_head_dim=cfg.v_head_dim,
+        qk_nope_head_dim=cfg.head_dim - cfg.rotary_dims, qk_rope_head_dim=cfg.rotary_dims, head_dim=cfg.rotary_dims,
+        attention_bias=False, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size, first_k_dense_replace=cfg.first_dense_layers,
+        routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.expert_groups, topk_group=cfg.expert_topk_groups,
+        norm_topk_prob=cfg.norm_topk_prob)
+    shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size or 1)
+    if rest:
+        raise UnsupportedModelError(f"a shared expert {cfg.shared_expert_intermediate_size} wide is no whole number "
+                                    f"of {cfg.moe_intermediate_size}-wide experts (the config counts them)")
+    d["n_shared_experts"] = shared
+    if cfg.family == "deepseek_v2":
+        d["topk_method"] = "group_limited_greedy" if cfg.expert_groups > 1 else "greedy"
+    else:
+        d.update(rope_interleave=True, num_nextn_predict_layers=0)
+    return d
+
+
+def mla_softmax_scale(head_dim: int, rope_scaling: Any) -> float:
+    """The attention scale of an MLA model: a query's dims to the -1/2, times YaRN's mscale(factor,
+    mscale_all_dim) squared when the rotary embedding is scaled (as DeepSeek's configs ask)."""
+    scale = head_dim ** -0.5
+    rs = rope_scaling
+    if rs.rope_type != "default" and rs.mscale_all_dim and rs.factor > 1:
+        mscale = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
+        scale *= mscale * mscale
+    return scale

@@ -1,0 +1,55 @@
+"""Multi-head latent attention (DeepSeek-V2 / -V3; `jaxserve.config_mla`) over the paged KV cache.
+
+Each token writes one page entry per layer: its normed latent (`kv_lora_rank` dims) and its rotated key
+(`rotary_dims`), shared by every head. Nothing is expanded per head: a query's unrotated dims are carried into
+the latent's space through the keys' up-projection (`w_uk`, absorbed), so every head attends over the same entries
+as multi-query attention with keys of R + Dr dims, and the values are the entries themselves. The attention's
+output (in latent space: its first R dims; the rotary ones are dropped) goes through the values' up-projection
+(`w_uv`) per head. The scores are those of transformers' expanded form exactly: q_nope · (W_uk c) = (W_ukᵀ q_nope) · c.
+
+The attention runs on the `xla` backend whatever the engine's: the Pallas kernels take heads of 64 to 256 dims,
+and an entry is 576 wide in DeepSeek-V3.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.models.attention import paged_attention, write_kv
+from jaxserve.models.ops import apply_rope, rms_norm
+from jaxserve.models.quantized import project
+
+
+def mla_attention(cfg: Any, inputs: Any, cos: jax.Array, sin: jax.Array, lp: Any, h: jax.Array, k_all: jax.Array,
+                  v_all: jax.Array, layer: jax.Array, kv_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
+    page pools with this step's entries written (`v_all`: the empty values pool, as it came)."""
+    T, D, Dr, R = h.shape[0], cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank
+    num_pages, page_size, hkv = k_all.shape[0] // cfg.num_layers, k_all.shape[1], k_all.shape[2]
+    heads = functools.partial(jnp.einsum, "te,ehd->thd")
+    if lp.wq_a is not None:  # the queries' bottleneck, normed
+        h_q = rms_norm(project(h, lp.wq_a), lp.q_a_norm, cfg.rms_norm_eps)
+    else:
+        h_q = h
+    q = project(h_q, lp.wq, heads)  # [T, Hq, D]: unrotated dims, then rotary ones
+    kv = project(h, lp.wkv_a)  # [T, R + Dr]
+    latent = rms_norm(kv[:, :R], lp.kv_a_norm, cfg.rms_norm_eps)
+    k_rot = apply_rope(kv[:, None, R:], cos, sin)  # [T, 1, Dr]
+    q_rot = apply_rope(q[..., D - Dr:], cos, sin)  # [T, Hq, Dr]
+    q_latent = jnp.einsum("thn,hnr->thr", q[..., : D - Dr], lp.w_uk, preferred_element_type=jnp.float32)
+    q = jnp.concatenate([q_latent.astype(q.dtype), q_rot], axis=-1)  # [T, Hq, R + Dr]
+    # One entry per token, copied to each KV head a tensor-parallel mesh gives a device (`sharding.plan`).
+    entry = jnp.broadcast_to(jnp.concatenate([latent[:, None, :], k_rot.astype(latent.dtype)], axis=-1),
+                             (T, hkv, R + Dr))
+    slots = inputs.slot_mapping + layer * (num_pages * page_size)
+    k_all, v_all = write_kv(k_all, v_all, entry, jnp.zeros((T, hkv, 0), entry.dtype), slots, kv_dtype)
+    out = paged_attention(
+        "xla", q, k_all, k_all, inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
+        sm_scale=cfg.sm_scale, decode=inputs.decode, kv_dtype=kv_dtype, last_key=inputs.last_key,
+    )  # [T, Hq, R + Dr]: the entries' latent part is the values
+    values = jnp.einsum("thr,hrv->thv", out[..., :R], lp.w_uv, preferred_element_type=jnp.float32)
+    return values.astype(h.dtype).reshape(T, -1), k_all, v_all

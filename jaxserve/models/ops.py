@@ -1,0 +1,25 @@
+"""The small numerical pieces every decoder layer shares: RMSNorm and the rotary embedding's rotation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in x's dtype (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x ([T, H, D]) by position, its leading cos.shape[-1] dims (all, but for a partial rotary
+    embedding; the others pass through); computed in float32."""
+    rot = cos.shape[-1]
+    xf = x.astype(jnp.float32)
+    turned, kept = xf[..., :rot], xf[..., rot:]
+    half = rot // 2
+    rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
+    out = turned * cos[:, None, :] + rotated * sin[:, None, :]
+    return (jnp.concatenate([out, kept], axis=-1) if rot < x.shape[-1] else out).astype(x.dtype)
