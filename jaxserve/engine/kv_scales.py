@@ -107,6 +107,9 @@ def with_kv_scales(loaded: LoadedModel, k_scale: np.ndarray, v_scale: np.ndarray
 
 def calculate_kv_scales(loaded: LoadedModel, kv_dtype, page_size: int) -> LoadedModel:
     """`loaded` with per-layer float8 KV scales measured on the calibration text."""
+    if loaded.config.kv_lora_rank:
+        raise ValueError(f"--calculate-kv-scales is not supported for {loaded.config.family}: its pages hold "
+                         "latents, which a float8 cache stores unscaled")
     t0 = time.perf_counter()
     k_max, v_max, tokens = measure_kv_amax(loaded, page_size)
     k_scale, v_scale = scales_from_amax(k_max, kv_dtype), scales_from_amax(v_max, kv_dtype)

@@ -78,18 +78,22 @@ class KVLayout:
     axes: str = LAYOUT_AXES
     scales: str = ""
     """A digest of the per-layer float8 scales the pages are stored with ("": none, scale 1)."""
+    value_dim: int | None = None
+    """A value's dims where they differ from a key's (an MLA model's pages hold no values: 0)."""
 
     @classmethod
     def of_engine(cls, engine: LLMEngine) -> KVLayout:
         """The layout of `engine`'s KV pool."""
         kv = engine.runner.kv
         k = kv.k  # [L, num_pages, page_size, Hkv, D]
+        v_dim = int(kv.v.shape[4])
         return cls(int(k.shape[0]), int(k.shape[2]), int(k.shape[3]), int(k.shape[4]), str(np.dtype(kv.dtype)),
-                   scales=scales_digest(engine))
+                   scales=scales_digest(engine), value_dim=None if v_dim == k.shape[4] else v_dim)
 
-    def page_shape(self, num_pages: int) -> tuple[int, ...]:
-        """The shape of `num_pages` pages of keys (or values)."""
-        return (self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+    def page_shape(self, num_pages: int, values: bool = False) -> tuple[int, ...]:
+        """The shape of `num_pages` pages of keys (of values with `values`)."""
+        dim = self.value_dim if values and self.value_dim is not None else self.head_dim
+        return (self.num_layers, num_pages, self.page_size, self.num_kv_heads, dim)
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ class KVPayload:
     def encode(self) -> bytes:
         """`[8-byte header length][header JSON][keys][values]`; the header holds the metadata and checksum."""
         header = json.dumps({"meta": self.meta.to_json(), "checksum": self.checksum, "shape": list(self.k.shape),
-                             "dtype": str(self.k.dtype)}).encode()
+                             "v_shape": list(self.v.shape), "dtype": str(self.k.dtype)}).encode()
         return struct.pack("<Q", len(header)) + header + self.k.tobytes() + self.v.tobytes()
 
     @classmethod
@@ -171,14 +175,15 @@ class KVPayload:
             meta = TransferMeta.from_json(header["meta"])
             dtype = _dtype(header["dtype"])
             shape = tuple(int(x) for x in header["shape"])
+            v_shape = tuple(int(x) for x in header.get("v_shape", shape))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"malformed payload header: {e}") from e
-        size = int(np.prod(shape)) * dtype.itemsize
+        size, v_size = int(np.prod(shape)) * dtype.itemsize, int(np.prod(v_shape)) * dtype.itemsize
         body = data[8 + n :]
-        if len(body) != 2 * size:
-            raise TransferError(f"payload has {len(body)} bytes of KV, expected {2 * size} (transfer cut?)")
+        if len(body) != size + v_size:
+            raise TransferError(f"payload has {len(body)} bytes of KV, expected {size + v_size} (transfer cut?)")
         k = np.frombuffer(body[:size], dtype).reshape(shape)
-        v = np.frombuffer(body[size:], dtype).reshape(shape)
+        v = np.frombuffer(body[size:], dtype).reshape(v_shape)
         return cls(meta, k, v, str(header["checksum"]))
 
 
@@ -202,9 +207,9 @@ def check_ready(meta: TransferMeta, payload: KVPayload, local: KVLayout) -> Read
         return Readiness(False, f"payload of transfer {payload.meta.transfer_id}, expected {meta.transfer_id}")
     if meta.layout != local:
         return Readiness(False, f"layout {meta.layout} differs from this pool's {local}")
-    shape = local.page_shape(len(meta.page_ids))
-    if payload.k.shape != shape or payload.v.shape != shape:
-        return Readiness(False, f"pages of shape {payload.k.shape}/{payload.v.shape}, expected {shape}")
+    shape, v_shape = local.page_shape(len(meta.page_ids)), local.page_shape(len(meta.page_ids), values=True)
+    if payload.k.shape != shape or payload.v.shape != v_shape:
+        return Readiness(False, f"pages of shape {payload.k.shape}/{payload.v.shape}, expected {shape}/{v_shape}")
     if str(payload.k.dtype) != local.dtype or str(payload.v.dtype) != local.dtype:
         return Readiness(False, f"dtype {payload.k.dtype}, expected {local.dtype}")
     if len(meta.token_ids) != len(meta.page_ids) * local.page_size:
@@ -319,7 +324,7 @@ def import_pages(engine: LLMEngine, payload: KVPayload) -> Imported | None:
     idx = np.zeros(size, np.int32)
     idx[:need] = new
     k = np.zeros(meta.layout.page_shape(size), payload.k.dtype)
-    v = np.zeros_like(k)
+    v = np.zeros(meta.layout.page_shape(size, values=True), payload.v.dtype)
     k[:, :need], v[:, :need] = payload.k[:, have:], payload.v[:, have:]
     stored = engine.runner.kv.k.dtype  # the pool's own element type (raw bits for narrow pages on the CPU)
     engine.runner.kv = _write_pages(engine.runner.kv, idx, k.view(stored), v.view(stored))

@@ -120,6 +120,9 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters; over a mesh
     they are replicated (a rank-r delta is small beside its projection: the partitioner slices it to each
     device's heads or MLP columns, and sums the partial products of o and down)."""
+    if loaded.config.kv_lora_rank:
+        raise LoRAError(f"LoRA adapters are not supported on {loaded.config.family}'s latent attention "
+                        "(multi-head latent attention has no q/k/v projections to adapt)")
     params = loaded.params
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy

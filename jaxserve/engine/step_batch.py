@@ -239,8 +239,10 @@ def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any, rows: Sequ
         bucket = {"kind": "mixed", "num_tokens": T, "num_seqs": min(T, rcfg.max_num_seqs),
                   "pages_per_seq": rcfg.pages_per_seq}
         q_tokens = T
-    kernel = {"backend": rcfg.backend, "q": [q_tokens, mcfg.num_heads, mcfg.head_dim],
-              "kv_pages": [mcfg.num_layers, rcfg.num_pages, rcfg.page_size, mcfg.num_kv_heads, mcfg.head_dim]}
+    k_dim = mcfg.kv_cache_dims[0]  # (an MLA model's queries are read in its latent's space, as wide as its entries)
+    kernel = {"backend": "xla" if mcfg.kv_lora_rank else rcfg.backend,
+              "q": [q_tokens, mcfg.num_heads, k_dim if mcfg.kv_lora_rank else mcfg.head_dim],
+              "kv_pages": [mcfg.num_layers, rcfg.num_pages, rcfg.page_size, mcfg.num_kv_heads, k_dim]}
     return bucket, kernel
 
 

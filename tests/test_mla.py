@@ -1,0 +1,177 @@
+"""DeepSeek-V2 and -V3 (multi-head latent attention, `jaxserve.config_mla`) against transformers.
+
+Tiny random models saved from transformers' config classes: DeepSeek-V2 without a query bottleneck and with its
+grouped softmax routing, DeepSeek-V3 with the bottleneck, YaRN (whose mscale changes the attention scale) and its
+grouped sigmoid routing. Logits of a prompt, greedy tokens through the engine (chunked and batched, layers
+unrolled and scanned), a prefix hit against a miss, the page pool's latent entries, and the checkpoint written back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.engine.lora_manager import LoRAError, with_lora_slots  # noqa: E402
+from jaxserve.engine.model_loading import LoadedModel  # noqa: E402
+from jaxserve.engine_args import EngineArgs  # noqa: E402
+from jaxserve.loader import HFDirectory, load_params  # noqa: E402
+from jaxserve.loader.assembler import WeightAssembler  # noqa: E402
+from jaxserve.loader.keymap import hf_tensors  # noqa: E402
+from jaxserve.models.inputs import KVCache  # noqa: E402
+from jaxserve.models.params import param_paths  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.modelrun import drain, prompt_logits  # noqa: E402
+from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+
+REL_TOL = 1e-4
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, num_hidden_layers=3)
+FAMILIES = {
+    # DeepSeek-V2 (as V2-Lite: no query bottleneck); experts in 2 groups, the one with the best single score open
+    # (with as many groups open as experts chosen, the choice would be the plain top-k).
+    "deepseek_v2": ("DeepseekV2Config", {**_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+                                         "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5}),
+    # DeepSeek-V3: a query bottleneck, YaRN with its mscale (the attention scale times mscale squared), sigmoid
+    # scores with a bias for choosing in 2 groups of which 1 is open, renormalized, times 2.5.
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1,
+                                         "routed_scaling_factor": 2.5,
+                                         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                             "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                                                             "beta_slow": 1.0, "rope_theta": 10000.0,
+                                                             "original_max_position_embeddings": 64}}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny_mla(request, tmp_path_factory):
+    """(family, checkpoint path, transformers' model, our config, our params)."""
+    cls, overrides = FAMILIES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_hf(cls, path, **overrides)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return request.param, path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def test_mla_config(tiny_mla):
+    family, _, _, cfg, _ = tiny_mla
+    o = FAMILIES[family][1]
+    assert cfg.family == family
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim) == (32, o["q_lora_rank"] or 0, 12)
+    assert (cfg.head_dim, cfg.rotary_dims, cfg.num_kv_heads) == (24, 8, 1)  # one latent, shared by the 4 heads
+    assert cfg.kv_cache_dims == (40, 0)
+    assert (cfg.expert_groups, cfg.expert_topk_groups, cfg.routed_scaling_factor) == (
+        o["n_group"], o["topk_group"], o["routed_scaling_factor"])
+    assert cfg.router_scoring == ("softmax" if family == "deepseek_v2" else "sigmoid")
+    mscale = 0.1 * np.log(4.0) + 1.0 if family == "deepseek_v3" else 1.0
+    assert cfg.sm_scale == pytest.approx(24 ** -0.5 * mscale**2)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_mla_logits_match_transformers(tiny_mla):
+    family, _, model, cfg, params = tiny_mla
+    ids = random_prompt()
+    ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
+    assert rel_err(ours, ref) < REL_TOL
+    # What the test would miss otherwise: the routing's groups, and (V3) YaRN's mscale in the attention scale.
+    ungrouped = dataclasses.replace(cfg, expert_groups=1, expert_topk_groups=1)
+    assert rel_err(prompt_logits(ungrouped, params, ids), ref) > 1e-3
+    if family == "deepseek_v3":
+        plain = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, mscale_all_dim=None))
+        assert rel_err(prompt_logits(plain, params, ids), ref) > 1e-3
+
+
+def test_mla_pages_hold_one_latent_per_token(tiny_mla):
+    _, _, _, cfg, _ = tiny_mla
+    kv = KVCache.allocate(cfg, 4, 8, jnp.float32)
+    assert kv.k.shape == (3, 4, 8, 1, 40) and kv.v.shape == (3, 4, 8, 1, 0)
+    # 40 floats a token a layer, against 2 x 4 heads x 24 dims expanded.
+    assert KVCache.bytes_per_page(cfg, 8, jnp.float32) == 3 * 8 * 40 * 4
+
+
+def test_mla_checkpoint_written_back_reads_the_same(tiny_mla):
+    """Our parameters as an HF checkpoint (rotary rows interleaved again, kv_b_proj joined) read back equal."""
+    from safetensors.numpy import load_file
+
+    _, path, _, cfg, params = tiny_mla
+    host = {k: np.asarray(v) for k, v in param_paths(params).items()}
+    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, host))
+    assert set(written) == set(saved)
+    for name, t in written.items():  # the checkpoint's own tensors, exactly
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    again = WeightAssembler(cfg, np.float32)
+    for name, t in written.items():
+        again.add(name, t)
+    for path, value in param_paths(again.finish()).items():
+        np.testing.assert_array_equal(np.asarray(value), host[path], err_msg=path)
+
+
+def _engine(cfg, params, loop: str, prefix_caching: bool = False) -> LLMEngine:
+    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
+                      dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop,
+                      enable_prefix_caching=prefix_caching)
+    return LLMEngine(args, loaded=loaded, progress=False)
+
+
+def test_mla_engine_greedy_equals_transformers(tiny_mla):
+    """Chunked prefill (21 tokens: 16 + 5) and batched decode, layers unrolled (V2) and scanned (V3):
+    transformers' tokens."""
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    family, _, model, cfg, params = tiny_mla
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    loop = "unroll" if family == "deepseek_v2" else "scan"  # (the dense first layer, then the MoE ones: 2 stacks)
+    engine = _engine(cfg, params, loop)
+    assert isinstance(engine.runner.params.layers, tuple) is (loop == "unroll")
+    assert _greedy(engine) == expected
+
+
+def test_mla_prefix_hit_equals_miss(tiny_mla):
+    """A prompt whose first two pages are cached (latent entries read from the cache) gives the tokens of a cold
+    engine."""
+    _, _, _, cfg, params = tiny_mla
+    rng = np.random.default_rng(5)
+    shared = rng.integers(2, cfg.vocab_size, 16).tolist()
+    first, second = shared + rng.integers(2, cfg.vocab_size, 5).tolist(), shared + [7, 9, 11]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(engine, rid, prompt):
+        engine.add_request(rid, prompt, greedy)
+        return drain(engine)[rid]
+
+    warm = _engine(cfg, params, "unroll", prefix_caching=True)
+    run(warm, "a", first)
+    hit = run(warm, "b", second)
+    assert hit.metrics.num_cached_tokens == 16
+    miss = run(_engine(cfg, params, "unroll"), "b", second)
+    assert miss.metrics.num_cached_tokens == 0
+    assert list(hit.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
+
+
+def test_mla_refusals(tiny_mla):
+    family, _, _, cfg, params = tiny_mla
+    loaded = LoadedModel("tiny", family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
+    with pytest.raises(LoRAError, match="latent attention"):
+        with_lora_slots(loaded, 2, 8)
+    d = cfg.to_hf()
+    with pytest.raises(UnsupportedModelError, match="attention_bias"):
+        ModelConfig.from_hf({**d, "attention_bias": True})
+    if family == "deepseek_v3":
+        with pytest.raises(UnsupportedModelError, match="rope_interleave"):
+            ModelConfig.from_hf({**d, "rope_interleave": False})
+    else:
+        with pytest.raises(UnsupportedModelError, match="topk_method"):
+            ModelConfig.from_hf({**d, "topk_method": "noaux_tc"})
