@@ -220,6 +220,14 @@ def test_ep_gpt_oss_equals_unsharded(ep_results):
     assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["experts_per_device"] == 4
 
 
+def test_ep_deepseek_v3_latent_attention_equals_unsharded(ep_results):
+    """DeepSeek-V3's latent attention under EP=2 x TP=2: the query heads and the up-projections split, the one
+    latent per token copied to each device's pages."""
+    r = ep_results["mla_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["experts_per_device"] == 4
+    assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
+
+
 def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_results):
     r = ep_results["engine"]
     assert r["devices"] == 4
