@@ -1,0 +1,59 @@
+"""The engine's jitted steps for a DeepSeek-V2-Lite-shaped model (multi-head latent attention), compiled for sm_90
+without a GPU.
+
+DeepSeek-V2-Lite's attention (16 heads; a 512-dim latent and a 64-dim rotary key per token, 576 wide in the pages;
+128 unrotated query dims absorbed into the latent, 128-dim values) on a dense layer and a MoE layer of 8 experts:
+the step runs the latent attention on the XLA path (no Pallas kernel takes 576-wide entries), with the page pool,
+which holds no values, updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.logprobs import PromptLogprobInputs
+from jaxserve.engine.penalties import PenaltyInputs
+from jaxserve.engine.runner import decode_loop, mixed_step
+from jaxserve.engine.sampler import SamplingTensors
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.params import abstract_params
+from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state
+
+V2_LITE = ModelConfig.from_hf({
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 2, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408, "n_shared_experts": 2, "first_k_dense_replace": 1, "max_position_embeddings": 8192,
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+                     "beta_slow": 1, "original_max_position_embeddings": 4096}})
+NUM_PAGES = 32768  # 16-token pages: 1.2 GB of bfloat16 latents over the 2 layers
+
+
+@pytest.mark.gpu_compile
+def test_mla_steps_compile_for_sm90(spec):
+    cfg = V2_LITE
+    assert cfg.kv_cache_dims == (576, 0) and cfg.num_kv_heads == 1
+    T, S = RC.token_buckets[-1], RC.max_num_seqs
+    params = _abstract(spec, abstract_params(cfg, DTYPE))
+    k_dim, v_dim = cfg.kv_cache_dims
+    shape = (cfg.num_layers, NUM_PAGES, RC.page_size, cfg.num_kv_heads)
+    kv = KVCache(k=spec((*shape, k_dim), DTYPE), v=spec((*shape, v_dim), DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    want_top = spec((), jnp.bool_)
+    pool_bytes = NUM_PAGES * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE)
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
+    step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
+                       want_top, triton=False, pool_bytes=pool_bytes)
+    print(f"deepseek_v2 mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+    loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps)
+    seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top, triton=False,
+                       pool_bytes=pool_bytes)
+    print(f"deepseek_v2 decode_loop S={S}: compiled for sm_90 in {seconds:.1f} s")
