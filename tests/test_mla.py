@@ -175,3 +175,22 @@ def test_mla_refusals(tiny_mla):
     else:
         with pytest.raises(UnsupportedModelError, match="topk_method"):
             ModelConfig.from_hf({**d, "topk_method": "noaux_tc"})
+
+
+def test_mla_weights_held_int8(tiny_mla):
+    """`--quantization int8`: the latent attention's projections (the query bottleneck or query, the latent's,
+    the output) held as int8 with per-channel scales give the float model's logits within int8's error."""
+    from jaxserve.models.params import declare_params
+    from jaxserve.models.quantized import QuantizedWeight, quantize_layers
+
+    _, _, _, cfg, params = tiny_mla
+    qcfg = dataclasses.replace(cfg, weight_quant="int8")
+    declared = declare_params(qcfg)
+    qparams = dataclasses.replace(params, layers=quantize_layers(params.layers, declared.layers),
+                                  dense_layers=quantize_layers(params.dense_layers, declared.dense_layers))
+    held = [f for f in ("wq", "wq_a", "wkv_a", "wo") if isinstance(getattr(qparams.layers, f), QuantizedWeight)]
+    assert held == (["wq", "wq_a", "wkv_a", "wo"] if cfg.q_lora_rank else ["wq", "wkv_a", "wo"])
+    ids = random_prompt()
+    ref = prompt_logits(cfg, params, ids)
+    err = rel_err(prompt_logits(qcfg, qparams, ids), ref)
+    assert 1e-5 < err < 2e-2
