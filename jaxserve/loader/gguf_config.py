@@ -2,7 +2,7 @@
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
 OLMo 2 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE,
-Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss) become the HF config their converter read, and go through
+Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's `deepseek2`: `gguf_deepseek`) become the HF config their converter read, and go through
 `ModelConfig.from_hf`, so both sources give one config: llama.cpp keeps out of the file what it fixes per
 architecture (the layers' sliding pattern, Gemma 3's local rotary base, gpt-oss's SwiGLU clamp at 7 and
 alternating window) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads,
@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
 from jaxserve.rope import RopeScaling
 
@@ -33,7 +34,7 @@ _GEMMA = ("gemma2", "gemma3")
 # experts is Mixtral.
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -61,7 +62,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_kv = int(get("attention.head_count_kv", num_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length_mla") or meta.get(f"{arch}.attention.key_length")
+                   or hidden // num_heads)  # (DeepSeek's key_length is its latent's page entry: the _mla one)
     max_pos = int(get("context_length", 4096))
     num_layers = int(get("block_count"))
     prediction = prediction_blocks(tensor_names)
@@ -109,6 +111,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
             if arch == "gpt-oss":  # its YaRN correction range unrounded (the model's own config; not in the file)
                 d["rope_scaling"]["truncate"] = False
+        if arch == "deepseek2":
+            d = deepseek2_hf(meta, d, experts)
         elif scaling.rope_type != "default":
             raise UnsupportedModelError(f"GGUF rope scaling {scaling.rope_type!r} on {arch} is not supported")
         return ModelConfig.from_hf(d)

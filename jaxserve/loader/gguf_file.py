@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
 from jaxserve.loader.keymap import CheckpointError
 
@@ -90,6 +91,11 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
     reversed) in a file of architecture `arch`: one, or one per expert of a stacked expert tensor."""
     m = _BLK_RE.match(name)
+    if cfg.kv_lora_rank and m:
+        found = mla_tensors(f"model.layers.{m.group(1)}.", m.group(2), arr)
+        if found is not None:
+            yield from found
+            return
     if cfg.num_experts and m:
         layer, rest = m.groups()
         prefix = f"model.layers.{layer}.{'block_sparse_moe' if cfg.family == 'mixtral' else 'mlp'}"
@@ -110,7 +116,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
         if rest in _SHARED_EXPERT:
             hf = _SHARED_EXPERT[rest]
-            if cfg.family == "glm4_moe":  # (its shared experts, one module)
+            if cfg.family in ("glm4_moe", "deepseek_v2", "deepseek_v3"):  # (their shared experts, one module)
                 hf = hf.replace("shared_expert.", "shared_experts.")
             yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
