@@ -14,6 +14,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `granite` | a reply that is `<|tool_call|>` (or `<tool_call>`) and a JSON list of `{"name", "arguments"}` | Granite 3.x |
 | `seed_oss` | as `qwen3_coder`, in a `<seed:tool_call>` region (its markers special tokens) | Seed-OSS |
 | `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6 |
+| `deepseek_v3`, `deepseek_v31`, `kimi_k2` | calls between special-token markers (server/marked_calls.py) | DeepSeek-V3 / R1-0528, DeepSeek-V3.1 / V3.2, Kimi K2 |
 | `openai` | harmony messages to a recipient, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`, ended by `<|call|>` or the reply's end; with `--reasoning-parser openai_gptoss`, which puts every call in this form (server/harmony.py) | gpt-oss |
 
 A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
@@ -21,89 +22,22 @@ A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it gr
 
 from __future__ import annotations
 
-import abc
 import ast
 import json
 import re
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from server.glm_calls import GlmCallReader
 from server.harmony import CALL, CALL_OPENER, MESSAGE
-from server.json_calls import JsonCallReader, NamedArgsReader, Reader, whole_call
+from server.json_calls import JsonCallReader, NamedArgsReader, Reader
+from server.marked_calls import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
 from server.py_calls import PythonCallReader
-from server.tool_stream import ParsedCall, Schemas, ToolCallStream, join_calls
+from server.tool_parser_base import ToolParser, call_of, calls_of, json_calls, json_values
+from server.tool_stream import ParsedCall, Schemas, join_calls  # noqa: F401 (importable from here)
 from server.xml_calls import XmlCallReader, typed
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite",
-                     "glm45", "seed_oss", "openai"]
-
-
-def _call(obj: Any) -> ParsedCall | None:
-    """A call from a decoded `{"name": ..., "arguments": {...}}` object; None if it is not one."""
-    call = whole_call(obj)
-    return None if call is None else ParsedCall(*call)
-
-
-def _calls(values: list[Any]) -> list[ParsedCall] | None:
-    calls = [_call(v) for v in values]
-    return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
-
-
-def _json_values(text: str, separators: str = "") -> list[Any] | None:
-    """The JSON values `text` holds one after another (whitespace and `separators` between them)."""
-    decoder = json.JSONDecoder()
-    values, at, text = [], 0, text.strip()
-    while at < len(text):
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except ValueError:
-            return None
-        values.append(value)
-        while at < len(text) and (text[at].isspace() or text[at] in separators):
-            at += 1
-    return values
-
-
-def _json_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of JSON call objects one after another, or of one JSON list of them."""
-    values = _json_values(text)
-    if values is not None and len(values) == 1 and isinstance(values[0], list):
-        values = values[0]
-    return None if values is None else _calls(values)
-
-
-class ToolParser(abc.ABC):
-    """A model's tool-call format. A call region opens at one of `openers`, anywhere in the reply (or,
-    with `leading`, only at its start, where the opener is part of the region); it closes at `closer`,
-    or runs to the end of the reply when `closer` is empty."""
-
-    name: ClassVar[str]
-    openers: ClassVar[tuple[str, ...]]
-    closer: ClassVar[str] = ""
-    leading: ClassVar[bool] = False
-    # The format's markers are special tokens, which the reply must keep to be parsed.
-    keeps_special_tokens: ClassVar[bool] = False
-
-    @abc.abstractmethod
-    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        """The calls in one region (`body` is what follows `opener`); None if it holds no valid call.
-        `schemas` maps each tool's name to its parameters' JSON schema, for formats that write values
-        untyped."""
-
-    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader | None:
-        """A reader of a region's calls as its text grows (`head` the body's first character besides
-        whitespace; `schemas` as for `parse_region`), or None when the region is held until it is whole."""
-        return None
-
-    def stream(self, schemas: Schemas | None = None) -> ToolCallStream:
-        return ToolCallStream(self, schemas)
-
-    def parse(self, text: str, schemas: Schemas | None = None) -> tuple[str, list[ParsedCall]]:
-        """A whole reply's content and calls."""
-        s = self.stream(schemas)
-        content, deltas = s.feed(text)
-        more, last = s.finish()
-        return content + more, join_calls(deltas + last)
+                     "glm45", "seed_oss", "openai", "deepseek_v3", "deepseek_v31", "kimi_k2"]
 
 
 class HermesParser(ToolParser):
@@ -112,7 +46,7 @@ class HermesParser(ToolParser):
     closer = "</tool_call>"
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        return _json_calls(body)  # an object per tag, or SmolLM2's list of calls in one tag
+        return json_calls(body)  # an object per tag, or SmolLM2's list of calls in one tag
 
     def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         return JsonCallReader(lists=None)
@@ -126,8 +60,8 @@ class Llama3JsonParser(ToolParser):
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         text = body if opener == "<|python_tag|>" else opener + body
-        values = _json_values(text, separators=";")
-        return None if values is None else _calls(values)
+        values = json_values(text, separators=";")
+        return None if values is None else calls_of(values)
 
     def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         r = JsonCallReader(lists=False, separators=";")
@@ -143,13 +77,13 @@ class MistralParser(ToolParser):
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         if "[ARGS]" not in body:
-            return _json_calls(body)
+            return json_calls(body)
         calls = []
         for piece in body.split(opener):  # `name[ARGS]{...}` per call, each after its own [TOOL_CALLS]
             name, sep, args = piece.partition("[ARGS]")
-            values = _json_values(args) if sep else None
+            values = json_values(args) if sep else None
             name = name.split("[CALL_ID]")[0]  # (v11's `name[CALL_ID]id[ARGS]{...}`)
-            call = _call({"name": name.strip(), "arguments": values[0]}) if values and len(values) == 1 else None
+            call = call_of({"name": name.strip(), "arguments": values[0]}) if values and len(values) == 1 else None
             if call is None:
                 return None
             calls.append(call)
@@ -164,8 +98,8 @@ class Phi4MiniParser(ToolParser):
     openers = ("functools",)
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        values = _json_values(body)  # the one JSON list of calls that follows the word
-        return _calls(values[0]) if values and len(values) == 1 and isinstance(values[0], list) else None
+        values = json_values(body)  # the one JSON list of calls that follows the word
+        return calls_of(values[0]) if values and len(values) == 1 and isinstance(values[0], list) else None
 
     def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         return JsonCallReader(lists=True)
@@ -178,7 +112,7 @@ class GraniteParser(ToolParser):
     keeps_special_tokens = True
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        return _json_calls(body)
+        return json_calls(body)
 
     def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
         return JsonCallReader(lists=None)
@@ -312,7 +246,7 @@ class OpenAIParser(ToolParser):
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         header, sep, args = body.partition(MESSAGE)
-        values = _json_values(args) if sep else None
+        values = json_values(args) if sep else None
         if not _recipient(header) or not values or len(values) != 1 or not isinstance(values[0], dict):
             return None
         return [ParsedCall(_recipient(header), json.dumps(values[0], ensure_ascii=False))]
@@ -334,7 +268,8 @@ def _recipient(header: str) -> str:
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                            Phi4MiniParser, PythonicParser, Qwen3CoderParser,
-                                                           GraniteParser, Glm45Parser, SeedOssParser, OpenAIParser)}
+                                                           GraniteParser, Glm45Parser, SeedOssParser, OpenAIParser,
+                                                           DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

@@ -145,6 +145,28 @@ CASES = [
      [ParsedCall("browser.search", "{}")]),
     ("openai", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>not json<|call|>",
      "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>not json<|call|>", []),
+    # DeepSeek-V3.1's calls between its markers; V3's with a type and a fenced JSON block; Kimi K2's by id.
+    ("deepseek_v31", 'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     '<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CET", "hours": [1, 2], '
+                     '"dst": true}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me check.", [W, T]),
+    ("deepseek_v31", "A<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>not json<｜tool▁call▁end｜>"
+                     "<｜tool▁calls▁end｜>", "A<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>not json"
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", []),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     "<｜tool▁call▁end｜>oops<｜tool▁calls▁end｜>", "oops<｜tool▁calls▁end｜>", [W]),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Par', "",
+     [ParsedCall("get_weather", '{"city": "Par')]),
+    ("deepseek_v3", 'Hi<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": '
+                    '"Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"zone": '
+                    '"CET", "hours": [1, 2], "dst": true}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Hi", [W, T]),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": }\n'
+                    "```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                    'get_weather\n```json\n{"city": }\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),
+    ("kimi_k2", 'Sure.<|tool_calls_section_begin|> <|tool_call_begin|> functions.get_weather:0 <|tool_call_argument_begin|>'
+                ' {"city": "Paris"} <|tool_call_end|> <|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+                '{"zone": "CET", "hours": [1, 2], "dst": true}<|tool_call_end|><|tool_calls_section_end|>', "Sure.", [W, T]),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+                '{"city": "Paris"}<|tool_call_end|>', "", [W]),
 ]
 # The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -193,6 +215,20 @@ def test_stream_gives_content_at_once_and_arguments_as_they_come():
     assert mistral.feed('[TOOL_CALLS]get_time[ARGS]{"zone": "C') == ("", [CallDelta(0, "get_time", '{"zone": "C')])
     assert mistral.feed('ET"}[TOOL_CALLS]get_weather[A') == ("", [CallDelta(0, None, 'ET"}')])
     assert mistral.feed('RGS]{"city"') == ("", [CallDelta(1, "get_weather", '{"city"')])
+
+
+def test_deepseek_v31_and_kimi_k2_stream_a_calls_arguments():
+    """A call's name goes out once its arguments begin, its arguments as they are written; the end markers are
+    the calls', not content."""
+    for name, begin, sep, end, header in (
+            ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "write"),
+            ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>", "<|tool_call_argument_begin|>",
+             "<|tool_call_end|>", "functions.write:0")):
+        s = tool_parser(name).stream(SCHEMAS)
+        assert s.feed(f"Writing.{begin}{header}") == ("Writing.", []), name
+        assert s.feed(f'{sep}{{"text": "line one') == ("", [CallDelta(0, "write", '{"text": "line one')]), name
+        assert s.feed('\\nline two"}' + end) == ("", [CallDelta(0, None, '\\nline two"}')]), name
+        assert s.finish() == ("", []), name
 
 
 def test_glm45_streams_string_values_and_gives_typed_ones_whole():
@@ -284,8 +320,9 @@ def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["glm45", "granite", "hermes", "llama3_json", "mistral", "openai", "phi4_mini_json",
-                               "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss"]
+    assert sorted(PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json",
+                               "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder", "qwen3_xml",
+                               "seed_oss"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 
 
