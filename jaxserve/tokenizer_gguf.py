@@ -52,7 +52,42 @@ _GPT4O_SPLIT = _CASED_WORD.replace("{c}", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"
 # llama.cpp's names for each split (files name their tokenizer's family, or a model that shares its split).
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3", "pixtral")
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
-SUPPORTED_GGUF_PRE = ("gpt-2", "smollm", *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o")
+# DeepSeek's splits, each splitting the pieces the ones before it left (llama.cpp's `llm_tokenizer_bpe`; DeepSeek-V3's
+# tokenizer.json has the same three), written with their non-ASCII characters as escapes.
+_DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
+    "deepseek-v3": (
+        "\\p{N}{1,3}",
+        "[\u4E00-\u9FA5\u3040-\u309F\u30A0-\u30FF]+",
+        ("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+         " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
+    ),
+    "deepseek-llm": (
+        "[\r\n]",
+        ("\\s?[A-Za-z\u00B5\u00C0-\u00D6\u00D8-\u00F6\u00F8-\u01BA\u01BC-\u01BF\u01C4-\u0293\u0295-\u02AF"
+         "\u0370-\u0373\u0376\u0377\u037B-\u037D\u037F\u0386\u0388-\u038A\u038C\u038E-\u03A1\u03A3-\u03F5"
+         "\u03F7-\u0481\u048A-\u052F\u0531-\u0556\u10A0-\u10C5\u13A0-\u13F5\u13F8-\u13FD\u1C90-\u1CBA"
+         "\u1CBD-\u1CBF\u1D00-\u1D2B\u1D6B-\u1D77\u1D79-\u1D9A\u1E00-\u1F15\u1F18-\u1F1D\u1F20-\u1F45"
+         "\u1F48-\u1F4D\u1F50-\u1F57\u1F59\u1F5B\u1F5D\u1F5F-\u1F7D\u1F80-\u1FB4\u1FB6-\u1FBC\u1FBE\u1FC2-"
+         "\u1FC4\u1FC6-\u1FCC\u1FD0-\u1FD3\u1FD6-\u1FDB\u1FE0-\u1FEC\u1FF2-\u1FF4\u1FF6-\u1FFC\u2102\u2107"
+         "\u210A-\u2113\u2115\u2119-\u211D\u2124\u2126\u2128\u212A-\u212D\u212F-\u2134\u2139\u213C-\u213F"
+         "\u2145-\u2149\u214E\u2183\u2184\u2C00-\u2C7B\u2C7E-\u2CE4\u2CEB-\u2CEE\u2CF2\u2CF3\uA640-\uA66D"
+         "\uA680-\uA69B\uA722-\uA76F\uA771-\uA787\uA78B-\uA78E\uAB70-\uABBF\uFB00-\uFB06\uFB13-\uFB17"
+         "\uFF21-\uFF3A\uFF41-\uFF5A\U00010400-\U0001044F\U000104B0-\U000104D3\U000104D8-\U000104FB"
+         "\U00010C80-\U00010CB2\U00010CC0-\U00010CF2\U000118A0-\U000118DF\U0001E900-\U0001E943]+"),
+        "\\s?[!-/:-~\uFF01-\uFF0F\uFF1A-\uFF5E\u2018-\u201F\u3000-\u3002]+",
+        "\\s+$",
+        "[\u4E00-\u9FA5\u0800-\u4E00\uAC00-\uD7FF]+",
+        "\\p{N}+",
+    ),
+    "deepseek-coder": (
+        "[\r\n]",
+        "\\s?\\p{L}+",
+        "\\s?\\p{P}+",
+        "[\u4E00-\u9FA5\u0800-\u4E00\uAC00-\uD7FF]+",
+        "\\p{N}",
+    ),
+}
+SUPPORTED_GGUF_PRE = ("gpt-2", "smollm", *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o", *_DEEPSEEK_SPLITS)
 
 
 @dataclass(frozen=True)
@@ -272,15 +307,18 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
         return None, _split_then_bytes(_LLAMA3_SPLIT), True
     if pre in _QWEN2_PRE:
         return normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT), False
+    if pre in _DEEPSEEK_SPLITS:
+        return None, _split_then_bytes(*_DEEPSEEK_SPLITS[pre]), False
     raise ValueError(
         f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; jaxserve supports {list(SUPPORTED_GGUF_PRE)}"
     )
 
 
-def _split_then_bytes(pattern: str) -> Any:
+def _split_then_bytes(*patterns: str) -> Any:
+    """Each pattern's matches isolated, one after another, then the byte-level alphabet."""
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            *(pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in patterns),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
         ]
     )

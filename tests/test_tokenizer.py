@@ -335,9 +335,43 @@ def test_more_byte_level_pre_tokenizers_split_as_transformers(tmp_path, pre):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, (pre, text)
 
 
+def _regex_pieces(patterns: tuple[str, ...], text: str) -> list[str]:
+    """`text` split by each pattern in turn (its matches isolated within the pieces the ones before left), by
+    Python's `regex`, each piece in the byte-level alphabet."""
+    regex = pytest.importorskip("regex")
+    pieces = [text]
+    for pattern in patterns:
+        out = []
+        for piece in pieces:
+            at = 0
+            for m in regex.finditer(pattern, piece):
+                out += [piece[at:m.start()]] if m.start() > at else []
+                out += [m.group()] if m.end() > m.start() else []
+                at = m.end()
+            out += [piece[at:]] if at < len(piece) else []
+        pieces = out
+    spell = byte_alphabet()
+    return ["".join(spell[b] for b in p.encode()) for p in pieces]
+
+
+@pytest.mark.parametrize("pre", ["deepseek-v3", "deepseek-llm", "deepseek-coder"])
+def test_deepseek_pre_tokenizers_split_as_their_regexes(tmp_path, pre):
+    """DeepSeek's splits, one after another: the pieces Python's `regex` cuts with llama.cpp's patterns (V3's:
+    digits up to three, a run of CJK and kana apart, a punctuation mark joined to the ASCII word after it)."""
+    from jaxserve.tokenizer_gguf import _DEEPSEEK_SPLITS
+
+    ours = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "d.gguf", pre=pre))
+    texts = ["I'm 12345 ok\n\nyes", "HelloWorld and CamelCaseWords' don't", "x = a/b;\r\n  tabs\tend ",
+             "Ünïcödé 東京タワー 123 45678 한국어", "It's THE end.\n", "（全角！） Ωmega Kelvin ᾳ ok", "a.b_c(d) -> #tag"]
+    for text in texts:
+        assert _pieces(ours, text) == _regex_pieces(_DEEPSEEK_SPLITS[pre], text), (pre, text)
+    if pre == "deepseek-v3":
+        assert _pieces(ours, "a.b 1234 東京タワー") == ["a", ".b", "Ġ", "123", "4", "Ġ", "æĿ±äº¬ãĤ¿ãĥ¯ãĥ¼"]
+
+
 def test_unsupported_gguf_tokenizers_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="'deepseek-coder'"):
-        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "p.gguf", pre="deepseek-coder"))
+    with pytest.raises(ValueError, match="'kimi-k2'"):
+        Tokenizer.from_gguf(_tiny_gguf(tmp_path / "p.gguf", pre="kimi-k2"))
     with pytest.raises(ValueError, match="'bert'.* supports 'gpt2' .* and 'llama'"):
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / "m.gguf", model="bert"))
 
