@@ -215,7 +215,7 @@ def test_released_deepseek_configs_parse():
     assert (lite.router_scoring, lite.expert_groups, lite.norm_topk_prob, lite.first_dense_layers) == (
         "softmax", 1, False, 1)
     assert lite.shared_expert_intermediate_size == 2 * 1408
-    # bfloat16 pages of 16 tokens: 27 layers x 16 x 576 x 2 bytes (the 16 heads. expanded K and V: 16 x 320 a token).
+    # bfloat16 pages of 16 tokens: 27 layers x 16 x 576 x 2 bytes (the 16 heads' expanded K and V: 16 x 320 a token).
     assert KVCache.bytes_per_page(lite, 16, jnp.bfloat16) == 27 * 16 * 576 * 2
     v3 = ModelConfig.from_hf({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
