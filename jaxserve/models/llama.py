@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3, GLM, gpt-oss) as
-pure functions."""
+"""The Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, their MoE forms, Gemma 2 and 3, GLM, gpt-oss;
+DeepSeek's latent attention in `mla`) as pure functions."""
 
 from __future__ import annotations
 

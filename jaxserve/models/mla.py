@@ -19,13 +19,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import ModelConfig
 from jaxserve.models.attention import paged_attention, write_kv
+from jaxserve.models.inputs import ModelInputs
 from jaxserve.models.ops import apply_rope, rms_norm
+from jaxserve.models.params import LayerParams
 from jaxserve.models.quantized import project
 
 
-def mla_attention(cfg: Any, inputs: Any, cos: jax.Array, sin: jax.Array, lp: Any, h: jax.Array, k_all: jax.Array,
-                  v_all: jax.Array, layer: jax.Array, kv_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+def mla_attention(cfg: ModelConfig, inputs: ModelInputs, cos: jax.Array, sin: jax.Array, lp: LayerParams,
+                  h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+                  kv_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
     page pools with this step's entries written (`v_all`: the empty values pool, as it came)."""
     T, D, Dr, R = h.shape[0], cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank
