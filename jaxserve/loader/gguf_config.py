@@ -2,8 +2,8 @@
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
 OLMo 2 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE,
-Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`) become the HF config their converter
-read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp keeps out of the file what it fixes per
+Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`), EXAONE 4 and Cohere's become the
+HF config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp keeps out of the file what it fixes per
 architecture (the layers' sliding pattern, Gemma 3's local rotary base, gpt-oss's SwiGLU clamp at 7 and
 alternating window) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads,
 the others by head_dim), and those are restored here as llama.cpp applies them (gpt-oss's YaRN as the model
@@ -12,6 +12,7 @@ defines it, its correction range unrounded).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,8 @@ _GEMMA = ("gemma2", "gemma3")
 # experts is Mixtral.
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
+            "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
+            "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -111,11 +113,20 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                                  "original_max_position_embeddings": scaling.original_max_position_embeddings}
             if arch == "gpt-oss":  # its YaRN correction range unrounded (the model's own config; not in the file)
                 d["rope_scaling"]["truncate"] = False
+        elif scaling.rope_type not in ("default", "factors"):  # (factors: `rope_freqs`, set below)
+            raise UnsupportedModelError(f"GGUF rope scaling {scaling.rope_type!r} on {arch} is not supported")
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if sliding and isinstance(pattern, (list, tuple)):  # per layer, True for a windowed one (EXAONE 4)
+            d["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif sliding and pattern:  # every pattern-th layer global
+            d["sliding_window_pattern"] = int(pattern)
         if arch == "deepseek2":
             d = deepseek2_hf(meta, d, experts)
-        elif scaling.rope_type != "default":
-            raise UnsupportedModelError(f"GGUF rope scaling {scaling.rope_type!r} on {arch} is not supported")
-        return ModelConfig.from_hf(d)
+        if arch in ("command-r", "cohere2"):  # LayerNorm, scaled logits; Command R+'s q/k norms by their tensors
+            d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), logit_scale=float(get("logit_scale")),
+                     use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
+        cfg = ModelConfig.from_hf(d)
+        return dataclasses.replace(cfg, rope_scaling=scaling) if scaling.rope_type == "factors" else cfg
     family = _LLAMA_FAMILIES[arch]
     return ModelConfig(
         family=family,

@@ -120,9 +120,9 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
                 hf = hf.replace("shared_expert.", "shared_experts.")
             yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
-    # (OLMo 2's norms after attention and after the MLP are named as Gemma's)
+    # (OLMo 2's and EXAONE 4's norms after attention and after the MLP are named as Gemma's)
     extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else None
-    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch == "olmo2", arch == "phi3", extra), arr
+    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch in ("olmo2", "exaone4"), arch == "phi3", extra), arr
 
 
 def prediction_blocks(names: Iterable[str]) -> set[int]:

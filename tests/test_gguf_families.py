@@ -1,0 +1,102 @@
+"""EXAONE 4, Command R (+) and Command R7B from llama.cpp GGUF files, against the HF models they come from.
+
+The tiny random models of tests/test_model_families.py written as llama.cpp's converter writes them: no row
+permutation (EXAONE 4 turns half-split pairs as llama.cpp's NEOX rope does, Cohere adjacent pairs as its NORM rope
+does); EXAONE 4's norms after attention and the MLP under Gemma's names, its windowed layers as a per-layer array,
+Llama 3's rope scaling as `rope_freqs`; Cohere's LayerNorm epsilon and logit scale, its embeddings tied (no
+`output`), Command R+'s per-head q/k norms found by their tensors, Command R7B's window with its pattern left to
+the reader (three windowed layers, then a global one without rotation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.loader import HFDirectory, open_checkpoint  # noqa: E402
+from tests.test_gguf_models import _llama3_rope_freqs, _ours  # noqa: E402
+from tests.test_model_families import FAMILIES, save_tiny_hf  # noqa: E402
+
+_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm", "q_proj": "attn_q",
+          "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
+          "k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+          "post_feedforward_layernorm": "post_ffw_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+          "down_proj": "ffn_down"}
+ARCHS = {"exaone4": "exaone4", "exaone4_alternating": "exaone4", "cohere": "command-r", "cohere2": "cohere2"}
+# EXAONE 4 with every other layer global: the file's per-layer array, not the period of 4 llama.cpp assumes.
+ALTERNATING = {**FAMILIES["exaone4"][1], "sliding_window_pattern": None,
+               "layer_types": ["sliding_attention", "full_attention"] * 2}
+
+
+def _write(path, hf_dir, model, arch: str) -> str:
+    from safetensors.numpy import load_file
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    rope = c.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    if arch == "exaone4":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        if rope.get("rope_type") == "llama3":
+            w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(head_dim, rope["rope_theta"], rope))
+    else:
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_logit_scale(c.logit_scale)
+        if arch == "cohere2":
+            w.add_sliding_window(c.sliding_window)
+            w.add_rope_dimension_count(head_dim)
+    tensors = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    for name, a in tensors.items():
+        parts = name.split(".")
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+        elif parts[1] != "layers":
+            w.add_tensor(f"{_NAMES[parts[1]]}.weight", a)
+        else:
+            w.add_tensor(f"blk.{parts[2]}.{_NAMES[parts[-2]]}.{parts[-1]}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("family", list(ARCHS))
+def test_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
+    config_cls, overrides = (FAMILIES["exaone4"][0], ALTERNATING) if family == "exaone4_alternating" else FAMILIES[family]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
+    want = HFDirectory(str(tmp_path / "hf")).config()
+    path = _write(tmp_path / "m.gguf", tmp_path / "hf", model, ARCHS[family])
+    cfg = open_checkpoint(path).config()
+    assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # (float32 in the file)
+    got = dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps)
+    if family.startswith("exaone4"):  # Llama 3's scaling as the file's divisors
+        assert cfg.rope_scaling.rope_type == "factors" and want.rope_scaling.rope_type == "llama3"
+        got = dataclasses.replace(got, rope_scaling=want.rope_scaling)
+    if family.startswith("cohere"):
+        assert cfg.logits_scaling == pytest.approx(want.logits_scaling, rel=1e-6)
+        got = dataclasses.replace(got, logits_scaling=want.logits_scaling)
+    assert got == want
+    assert (cfg.layer_types, cfg.no_rope_layers) == (want.layer_types, want.no_rope_layers)
+    ids = np.random.default_rng(9).integers(0, model.config.vocab_size, 30).tolist()  # (past the window of 8)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
