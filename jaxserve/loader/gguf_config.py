@@ -1,13 +1,13 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
-OLMo 2 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE,
-Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`), EXAONE 4 and Cohere's become the
-HF config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp keeps out of the file what it fixes per
-architecture (the layers' sliding pattern, Gemma 3's local rotary base, gpt-oss's SwiGLU clamp at 7 and
-alternating window) or per size (the attention scale: the 27B models scale queries by hidden_size / num_heads,
-the others by head_dim), and those are restored here as llama.cpp applies them (gpt-oss's YaRN as the model
-defines it, its correction range unrounded).
+OLMo 2, EXAONE 4, Cohere's and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with
+experts, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`) become the HF
+config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
+keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary base,
+gpt-oss's SwiGLU clamp at 7 and alternating window) or per size (the attention scale: the 27B models scale
+queries by hidden_size / num_heads, the others by head_dim), and those are restored here as llama.cpp applies
+them (gpt-oss's YaRN as the model defines it, its correction range unrounded).
 """
 
 from __future__ import annotations
