@@ -1,11 +1,14 @@
-"""EXAONE 4, Command R (+) and Command R7B from llama.cpp GGUF files, against the HF models they come from.
+"""EXAONE 4, Command R (+), Command R7B and ERNIE 4.5 (dense and MoE) from llama.cpp GGUF files, against the HF
+models they come from.
 
 The tiny random models of tests/test_model_families.py written as llama.cpp's converter writes them: no row
 permutation (EXAONE 4 turns half-split pairs as llama.cpp's NEOX rope does, Cohere adjacent pairs as its NORM rope
 does); EXAONE 4's norms after attention and the MLP under Gemma's names, its windowed layers as a per-layer array,
 Llama 3's rope scaling as `rope_freqs`; Cohere's LayerNorm epsilon and logit scale, its embeddings tied (no
 `output`), Command R+'s per-head q/k norms found by their tensors, Command R7B's window with its pattern left to
-the reader (three windowed layers, then a global one without rotation).
+the reader (three windowed layers, then a global one without rotation); ERNIE's interleaved pairs as they are,
+its experts stacked, its choosing bias `exp_probs_b` as [1, X], its shared experts' count (their width llama.cpp
+writes is a guess from other fields, not read), its MoE layers from `leading_dense_block_count`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm"
           "k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
           "post_feedforward_layernorm": "post_ffw_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
           "down_proj": "ffn_down"}
-ARCHS = {"exaone4": "exaone4", "exaone4_alternating": "exaone4", "cohere": "command-r", "cohere2": "cohere2"}
+ARCHS = {"exaone4": "exaone4", "exaone4_alternating": "exaone4", "cohere": "command-r", "cohere2": "cohere2",
+         "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe"}
+ERNIE_MOE = ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
+                                    "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_hidden_layers": 3,
+                                    "head_dim": 16})
 # EXAONE 4 with every other layer global: the file's per-layer array, not the period of 4 llama.cpp assumes.
 ALTERNATING = {**FAMILIES["exaone4"][1], "sliding_window_pattern": None,
                "layer_types": ["sliding_attention", "full_attention"] * 2}
@@ -49,7 +56,19 @@ def _write(path, hf_dir, model, arch: str) -> str:
     rope = c.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    if arch == "exaone4":
+    if arch.startswith("ernie4_5"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        if arch == "ernie4_5-moe":  # (as llama.cpp's converter writes them)
+            for key, value in (("expert_count", c.moe_num_experts), ("expert_used_count", c.moe_k),
+                               ("interleave_moe_layer_step", c.moe_layer_interval),
+                               ("leading_dense_block_count", c.moe_layer_start_index),
+                               ("expert_feed_forward_length", c.moe_intermediate_size),
+                               ("expert_shared_count", c.moe_num_shared_experts),
+                               ("expert_shared_feed_forward_length", c.intermediate_size // c.num_key_value_heads)):
+                w.add_uint32(f"{arch}.{key}", value)
+    elif arch == "exaone4":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -64,14 +83,26 @@ def _write(path, hf_dir, model, arch: str) -> str:
             w.add_sliding_window(c.sliding_window)
             w.add_rope_dimension_count(head_dim)
     tensors = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+    names = {**_NAMES, "post_attention_layernorm": "ffn_norm"} if arch.startswith("ernie") else _NAMES
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, a in tensors.items():
         parts = name.split(".")
         if name == "lm_head.weight":
             w.add_tensor("output.weight", a)
         elif parts[1] != "layers":
-            w.add_tensor(f"{_NAMES[parts[1]]}.weight", a)
+            w.add_tensor(f"{names[parts[1]]}.weight", a)
+        elif "experts" in parts:  # (stacked per projection)
+            experts.setdefault((parts[2], parts[-2]), {})[int(parts[5])] = a
+        elif "shared_experts" in parts:
+            w.add_tensor(f"blk.{parts[2]}.{names[parts[-2]]}_shexp.weight", a)
+        elif parts[-1] == "e_score_correction_bias":
+            w.add_tensor(f"blk.{parts[2]}.exp_probs_b.bias", a)  # ([1, X], as it is)
+        elif parts[-2] == "gate" and parts[-3] == "mlp":
+            w.add_tensor(f"blk.{parts[2]}.ffn_gate_inp.weight", a)
         else:
-            w.add_tensor(f"blk.{parts[2]}.{_NAMES[parts[-2]]}.{parts[-1]}", a)
+            w.add_tensor(f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}", a)
+    for (layer, kind), by_expert in experts.items():
+        w.add_tensor(f"blk.{layer}.{names[kind]}_exps.weight", np.stack([by_expert[j] for j in sorted(by_expert)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -81,7 +112,8 @@ def _write(path, hf_dir, model, arch: str) -> str:
 
 @pytest.mark.parametrize("family", list(ARCHS))
 def test_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
-    config_cls, overrides = (FAMILIES["exaone4"][0], ALTERNATING) if family == "exaone4_alternating" else FAMILIES[family]
+    config_cls, overrides = {"exaone4_alternating": (FAMILIES["exaone4"][0], ALTERNATING), "ernie4_5_moe": ERNIE_MOE,
+                             "ernie4_5": (FAMILIES["ernie4_5"][0], {"head_dim": 16})}.get(family) or FAMILIES[family]
     model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
     want = HFDirectory(str(tmp_path / "hf")).config()
     path = _write(tmp_path / "m.gguf", tmp_path / "hf", model, ARCHS[family])

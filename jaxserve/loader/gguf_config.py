@@ -1,7 +1,7 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
-OLMo 2, EXAONE 4, Cohere's and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with
+OLMo 2, EXAONE 4, Cohere's, ERNIE 4.5 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with
 experts, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`) become the HF
 config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
 keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary base,
@@ -36,7 +36,8 @@ _GEMMA = ("gemma2", "gemma3")
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
             "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
-            "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
+            "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
+            "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -122,6 +123,14 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d["sliding_window_pattern"] = int(pattern)
         if arch == "deepseek2":
             d = deepseek2_hf(meta, d, experts)
+        if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
+            d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
+            if experts:
+                d.update(moe_num_experts=experts, moe_k=d["num_experts_per_tok"], moe_intermediate_size=d[
+                    "moe_intermediate_size"], moe_num_shared_experts=int(meta.get(f"{arch}.expert_shared_count") or 0),
+                    moe_layer_start_index=int(meta.get(f"{arch}.leading_dense_block_count") or 0),
+                    moe_layer_interval=int(meta.get(f"{arch}.interleave_moe_layer_step") or 1),
+                    moe_layer_end_index=num_layers - 1)
         if arch in ("command-r", "cohere2"):  # LayerNorm, scaled logits; Command R+'s q/k norms by their tensors
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), logit_scale=float(get("logit_scale")),
                      use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names)

@@ -103,8 +103,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
         if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
             yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
             return
-        if rest == "exp_probs_b.bias":  # the bias choosing experts (DeepSeek-V3's, GLM-4.5's)
-            yield f"{prefix}.gate.e_score_correction_bias", arr
+        if rest == "exp_probs_b.bias":  # the bias choosing experts (DeepSeek-V3's, GLM-4.5's, ERNIE's [1, X])
+            yield f"{prefix}.{'moe_statics' if cfg.family == 'ernie4_5_moe' else 'gate'}.e_score_correction_bias", arr
             return
         if stacked or single:
             kind = _EXPERT_KINDS[(stacked or single).group(1)][cfg.family == "mixtral"]
@@ -116,7 +116,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
         if rest in _SHARED_EXPERT:
             hf = _SHARED_EXPERT[rest]
-            if cfg.family in ("glm4_moe", "deepseek_v2", "deepseek_v3"):  # (their shared experts, one module)
+            if cfg.family in ("glm4_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3"):  # (shared experts: one module)
                 hf = hf.replace("shared_expert.", "shared_experts.")
             yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
