@@ -87,7 +87,11 @@ _DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
         "\\p{N}",
     ),
 }
-SUPPORTED_GGUF_PRE = ("gpt-2", "smollm", *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o", *_DEEPSEEK_SPLITS)
+# GPT-2's split under other names (EXAONE 4's among them); SmolLM's (digits one at a time, then GPT-2's) under
+# others (Command R's, EXAONE 3's), as llama.cpp groups them.
+_GPT2_PRE = ("gpt-2", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling")
+_SMOLLM_PRE = ("smollm", "command-r", "exaone", "starcoder", "refact", "codeshell", "minerva-7b")
+SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o", *_DEEPSEEK_SPLITS)
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,7 @@ def _byte_level_vocab(tokens: list[str], token_types: list[int]) -> dict[str, in
 
 def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
     """`(normalizer, pre_tokenizer, ignore_merges)` of the byte-level BPE named by GGUF `tokenizer.ggml.pre`."""
-    if pre == "smollm":
+    if pre in _SMOLLM_PRE:
         # SmolLM's merges were learned on single digits, so digits are split before the GPT-2 regex.
         pre_tok = pre_tokenizers.Sequence(
             [
@@ -294,7 +298,7 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
             ]
         )
         return None, pre_tok, False
-    if pre == "gpt-2":
+    if pre in _GPT2_PRE:
         return (
             None,
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
