@@ -60,7 +60,7 @@ from server.conversations import Conversation, ConversationStore, conversation_o
 from server.errors import ApiError, error_body
 from server.generation import Generation, Job
 from server.protocol import ChatRequest
-from server.reasoning import constrained_throughout
+from server.reasoning import constrained_throughout, request_parser
 from server.response_store import ResponseStore, StoredResponse
 from server.responses import ChoiceCursor, TokenText, chat_logprobs
 from server.responses_input import chat_body, input_messages, listed_input_items
@@ -89,8 +89,9 @@ class ResponsesFormatter:
         self.id = f"resp_{request_id}"
         self.tokenizer = state.engine.tokenizer
         self.page_size = getattr(state.engine, "prefix_cache_page_size", None)
-        self.replies = ChatReplies(req.tool_choice, state.tool_parser, state.reasoning_parser,
-                                   constrained=constrained_throughout(state.reasoning_parser, req),
+        reasoning = request_parser(state.reasoning_parser, req)
+        self.replies = ChatReplies(req.tool_choice, state.tool_parser, reasoning,
+                                   constrained=constrained_throughout(reasoning, req),
                                    include_reasoning=True, function_tools=req.tools)
         self.cursor = ChoiceCursor()
         self.top_n = req.common.params.logprobs or 0

@@ -7,6 +7,7 @@ tool-call parser. The parsers are named as vLLM names them:
 
 | name | reasoning is | models |
 | --- | --- | --- |
+| `deepseek_v3` | as `deepseek_r1` in a request with `chat_template_kwargs` `{"thinking": true}` (or `enable_thinking`), else all answer | DeepSeek-V3.1, V3.2 (hybrid thinking) |
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
 | `glm45` | as `qwen3` | GLM-4.5, GLM-4.6 |
@@ -23,6 +24,7 @@ may still be a marker is held until it is clear.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from jaxserve.detokenizer import partial_stop_suffix
@@ -49,6 +51,10 @@ class ReasoningParser:
         the engine cannot tell it (a start marker of several tokens: the constraint then holds throughout)."""
         return self.starts, self.ends, self.implicit_start
 
+    def for_request(self, chat_template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
+        """The parser of a request with these chat template arguments; None where its reply is all answer."""
+        return self
+
     def parse(self, text: str) -> tuple[str | None, str]:
         """A whole reply's reasoning (None when it has none) and answer."""
         s = self.stream()
@@ -60,6 +66,14 @@ class ReasoningParser:
 class DeepSeekR1Parser(ReasoningParser):
     name = "deepseek_r1"
     implicit_start = True
+
+
+class DeepSeekV3Parser(DeepSeekR1Parser):
+    name = "deepseek_v3"
+
+    def for_request(self, chat_template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
+        thinking = chat_template_kwargs.get("thinking", chat_template_kwargs.get("enable_thinking"))
+        return DeepSeekR1Parser() if thinking else None
 
 
 class Qwen3Parser(ReasoningParser):
@@ -114,8 +128,8 @@ class GptOssParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser, GraniteParser,
-                        MistralParser, GptOssParser)}
+    p.name: p for p in (DeepSeekR1Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
+                        GraniteParser, MistralParser, GptOssParser)}
 
 
 def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams | None:
@@ -127,6 +141,11 @@ def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingP
     if so is None or markers is None:
         return None
     return dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after_reasoning=markers))
+
+
+def request_parser(parser: ReasoningParser | None, req: Any) -> ReasoningParser | None:
+    """The server's reasoning parser as it applies to request `req` (by its chat template arguments)."""
+    return None if parser is None else parser.for_request(getattr(req, "chat_template_kwargs", None) or {})
 
 
 def reasoning_params(parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams:

@@ -37,7 +37,7 @@ from server.prompts import (
     truncated_ids,
 )
 from server.protocol import ChatRequest, CompletionRequest, parse_chat, parse_completion
-from server.reasoning import constrained_throughout, reasoning_params
+from server.reasoning import constrained_throughout, reasoning_params, request_parser
 from server.responses import (
     SSE_DONE,
     ChoiceCursor,
@@ -112,7 +112,7 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, enco
                                 "function, or 'none'", param="tool_choice", code="unsupported_parameter")
         if parser.keeps_special_tokens:  # the format's markers are special tokens the parser must see
             params = dataclasses.replace(params, skip_special_tokens=False)
-    params = reasoning_params(state.reasoning_parser, params)
+    params = reasoning_params(request_parser(state.reasoning_parser, req), params)
     ids = truncated_ids(ids, params, engine.max_model_len)
     params = fit_to_context(engine.max_model_len, ids, params, max_tokens_given=req.common.max_tokens_given,
                             prompt_param="messages", cap=_defaults(state).get("max_tokens"))
@@ -285,13 +285,13 @@ class _Formatter:
         self.text_of = TokenText(state.engine.tokenizer, req.common.tokens_as_ids)
         self.want_ids = req.common.return_token_ids
         self.cursors: dict[int, ChoiceCursor] = {}
-        opts = req.common.stream_options
-        self.usage_field = opts.include_usage or opts.continuous_usage_stats
+        self.usage_field = req.common.stream_options.include_usage or req.common.stream_options.continuous_usage_stats
         self.echo = isinstance(req, CompletionRequest) and req.echo
         chat = isinstance(req, ChatRequest)
         self.echo_text = echoed_text(req) if chat else ""
-        self.replies = ChatReplies(req.tool_choice if chat else None, state.tool_parser, state.reasoning_parser,
-                                   constrained=constrained_throughout(state.reasoning_parser, req),
+        reasoning = request_parser(state.reasoning_parser, req)
+        self.replies = ChatReplies(req.tool_choice if chat else None, state.tool_parser, reasoning,
+                                   constrained=constrained_throughout(reasoning, req),
                                    include_reasoning=chat and req.include_reasoning,
                                    function_tools=req.tools if chat else None)
 

@@ -88,8 +88,8 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "glm45", "granite", "mistral", "openai_gptoss",
-                                         "qwen3", "seed_oss"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "glm45", "granite", "mistral",
+                                         "openai_gptoss", "qwen3", "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():
@@ -201,6 +201,31 @@ def test_the_engine_is_told_where_the_answer_begins():
             assert m.message.model_extra["reasoning"] == "The user wants Paris." and m.message.content == (
                 '{"city": "Paris"}')
             c.completions.create(model="fake-model", prompt="two", extra_body={"response_format": {"type": "json_object"}})
+            assert eng.submitted[-1][2].structured_outputs.after_reasoning is None
+    finally:
+        eng.shutdown()
+
+
+def test_deepseek_v3_splits_reasoning_only_when_the_request_thinks():
+    """DeepSeek-V3.1's hybrid thinking: with `chat_template_kwargs` `{"thinking": true}` the reply's thoughts end at
+    `</think>` (its template opened them in the prompt) and are split off, streamed too, and a constraint holds
+    after them; without, the reply is all answer and a constraint holds from its first token."""
+    reply = "The user greets.</think>Hello!"
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: reply)
+    try:
+        with serve_in_thread(eng, ServerConfig(port=0, reasoning_parser="deepseek_v3")) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            for kwargs in ({"thinking": True}, {"enable_thinking": True}):
+                m = _ask(c, "hi", extra_body={"chat_template_kwargs": kwargs}).choices[0].message
+                assert (m.model_extra["reasoning"], m.content) == ("The user greets.", "Hello!")
+            streamed = _ask(c, "hi", stream=True, extra_body={"chat_template_kwargs": {"thinking": True}})
+            assert _accumulate(streamed) == ("The user greets.", "Hello!", [], "stop")
+            _ask(c, "hi", response_format={"type": "json_object"}, extra_body={"chat_template_kwargs": {"thinking": True}})
+            assert eng.submitted[-1][2].structured_outputs.after_reasoning == (("<think>",), ("</think>",), True)
+            for kwargs in ({}, {"thinking": False}):
+                m = _ask(c, "hi", extra_body={"chat_template_kwargs": kwargs}).choices[0].message
+                assert m.content == reply and "reasoning" not in (m.model_extra or {})
+            _ask(c, "hi", response_format={"type": "json_object"})
             assert eng.submitted[-1][2].structured_outputs.after_reasoning is None
     finally:
         eng.shutdown()
