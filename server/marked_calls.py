@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from typing import ClassVar
 
 from server.json_calls import NamedArgsReader, Reader
 from server.tool_parser_base import ToolParser, call_of, json_values
@@ -87,27 +88,31 @@ class DeepSeekV3Parser(ToolParser):
         return calls or None
 
 
-class DeepSeekV31Parser(ToolParser):
+class _MarkedCallsParser(ToolParser):
+    """Calls `CALL header SEP {...} END`, one after another, in a region between special-token markers; a call's
+    name is `name_of(header)`."""
+
+    keeps_special_tokens = True
+    call: ClassVar[str]
+    sep: ClassVar[str]
+    end: ClassVar[str]
+    name_of: ClassVar[Callable[[str], str]] = staticmethod(str.strip)
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        return _marked_calls(body, self.call, self.sep, self.end, self.name_of)
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        return MarkedCallReader(self.call, self.sep, self.end, self.name_of)
+
+
+class DeepSeekV31Parser(_MarkedCallsParser):
     name = "deepseek_v31"
-    openers = (DS_CALLS,)
-    closer = DS_CALLS_END
-    keeps_special_tokens = True
-
-    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        return _marked_calls(body, DS_CALL, DS_SEP, DS_CALL_END, str.strip)
-
-    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
-        return MarkedCallReader(DS_CALL, DS_SEP, DS_CALL_END)
+    openers, closer = (DS_CALLS,), DS_CALLS_END
+    call, sep, end = DS_CALL, DS_SEP, DS_CALL_END
 
 
-class KimiK2Parser(ToolParser):
+class KimiK2Parser(_MarkedCallsParser):
     name = "kimi_k2"
-    openers = (KIMI_CALLS,)
-    closer = KIMI_CALLS_END
-    keeps_special_tokens = True
-
-    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        return _marked_calls(body, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, kimi_name)
-
-    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
-        return MarkedCallReader(KIMI_CALL, KIMI_ARGS, KIMI_CALL_END, kimi_name)
+    openers, closer = (KIMI_CALLS,), KIMI_CALLS_END
+    call, sep, end = KIMI_CALL, KIMI_ARGS, KIMI_CALL_END
+    name_of = staticmethod(kimi_name)

@@ -22,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.loader import HFDirectory, load_params, open_checkpoint  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_gguf_models import written  # noqa: E402
 from tests.test_mla import FAMILIES  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
@@ -96,11 +97,7 @@ def _write_deepseek2(path, hf_dir, split_kv_b: bool) -> str:
     for (layer, kind), by_expert in experts.items():
         w.add_tensor(f"blk.{layer}.ffn_{kind.removesuffix('_proj')}_exps.weight",
                      np.stack([by_expert[j] for j in sorted(by_expert)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return written(w, path)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

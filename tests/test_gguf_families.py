@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.loader import HFDirectory, open_checkpoint  # noqa: E402
-from tests.test_gguf_models import _llama3_rope_freqs, _ours  # noqa: E402
+from tests.test_gguf_models import _llama3_rope_freqs, _ours, written  # noqa: E402
 from tests.test_model_families import FAMILIES, save_tiny_hf  # noqa: E402
 
 _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm", "q_proj": "attn_q",
@@ -103,11 +103,7 @@ def _write(path, hf_dir, model, arch: str) -> str:
             w.add_tensor(f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}", a)
     for (layer, kind), by_expert in experts.items():
         w.add_tensor(f"blk.{layer}.{names[kind]}_exps.weight", np.stack([by_expert[j] for j in sorted(by_expert)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return written(w, path)
 
 
 @pytest.mark.parametrize("family", list(ARCHS))

@@ -192,6 +192,15 @@ _LLAMA_CPP_OLMO2_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_
                           "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def written(w, path) -> str:
+    """GGUF writer `w`'s file, written whole at `path`."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
 def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None = None,
                 vocab: tuple[list[str], list[int], list[float]] | None = None) -> str:
     """`model` (an HF Llama, Gemma 2, Gemma 3 or Phi-3) as an F32 GGUF, as llama.cpp's converter writes one:
@@ -270,11 +279,7 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
         w.add_tensor(key, a)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return written(w, path)
 
 
 def _ours(path: str, ids: list[int]) -> np.ndarray:
@@ -438,11 +443,7 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
         w.add_tensor(f"blk.{cfg.num_layers}.attn_q.weight", tensors[f"{last}self_attn.q_proj.weight"])
         w.add_tensor(f"blk.{cfg.num_layers}.nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size),
                                                                            np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
+    return written(w, path)
 
 
 @pytest.mark.parametrize("family", list(MOE))

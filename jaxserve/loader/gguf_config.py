@@ -122,7 +122,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         elif sliding and pattern:  # every pattern-th layer global
             d["sliding_window_pattern"] = int(pattern)
         if arch == "deepseek2":
-            d = deepseek2_hf(meta, d, experts)
+            d = deepseek2_hf(meta, get, d, experts)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
             d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
             if experts:

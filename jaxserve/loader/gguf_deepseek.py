@@ -12,7 +12,7 @@ head dims as `key_length` / `value_length`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,17 +31,11 @@ MLA_NAMES = {
 }
 
 
-def deepseek2_hf(meta: dict[str, Any], d: dict[str, Any], experts: int) -> dict[str, Any]:
+def deepseek2_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any], experts: int) -> dict[str, Any]:
     """The HF config of a "deepseek2" file: `d` (the common fields `config_from_gguf` read) with the latent
-    attention's, the experts' and the YaRN scale's."""
+    attention's, the experts' and the YaRN scale's; `get(key, default=None)`: the file's `deepseek2.{key}`, a
+    missing one refused by name."""
     arch = "deepseek2"
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise UnsupportedModelError(f"GGUF metadata is missing {arch}.{key}")
-        return value
-
     rope = int(get("rope.dimension_count"))
     rank = int(get("attention.kv_lora_rank"))
     if meta.get(f"{arch}.attention.key_length_mla") is not None:
