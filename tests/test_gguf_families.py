@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.loader import HFDirectory, open_checkpoint  # noqa: E402
-from tests.test_gguf_models import _llama3_rope_freqs, _ours, written  # noqa: E402
+from tests.test_gguf_models import _llama3_rope_freqs, _ours, shaped_writer, written  # noqa: E402
 from tests.test_model_families import FAMILIES, save_tiny_hf  # noqa: E402
 
 _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm", "q_proj": "attn_q",
@@ -46,13 +46,7 @@ def _write(path, hf_dir, model, arch: str) -> str:
 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
+    w = shaped_writer(path, arch, c)
     rope = c.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,6 +193,18 @@ _LLAMA_CPP_OLMO2_NAMES = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_
                           "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def shaped_writer(path, arch: str, c) -> Any:
+    """A GGUF writer for `arch` at `path` holding the shape of HF config `c` (as every converter writes it)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    return w
+
+
 def written(w, path) -> str:
     """GGUF writer `w`'s file, written whole at `path`."""
     w.write_header_to_file()
@@ -208,13 +221,7 @@ def _write_gguf(path, model, arch: str = "llama", rope_freqs: np.ndarray | None 
     the metadata its architecture reads."""
     c = model.config
     gemma = arch.startswith("gemma")
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
+    w = shaped_writer(path, arch, c)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = getattr(c, "rope_parameters", None) or {}
     global_rope = rope.get("full_attention", rope)
