@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+
+from jaxserve.tokenizer_tiktoken import ranked_bpe
 
 # Files before v7 name no special tokens; they are these (mistral_common's list for them).
 _DEPRECATED_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
@@ -35,27 +36,6 @@ class TekkenSpec:
     version: str  # "v3", "v7", "v11", "v13", ...: the instruct format (`chat_template.mistral_template`)
     specials: tuple[str, ...]  # by id
     vocab_size: int
-
-
-def _byte_level(data: bytes) -> str:
-    """`data` in the byte-level alphabet (GPT-2's: each byte one printable character)."""
-    return data.decode("latin-1").translate(_BYTE_TABLE)
-
-
-def _byte_table() -> dict[int, str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_TABLE = _byte_table()  # (a str.translate table: latin-1 character b -> byte b's character)
 
 
 def read_tekken(path: str | os.PathLike[str]) -> TekkenSpec:
@@ -80,27 +60,5 @@ def read_tekken(path: str | os.PathLike[str]) -> TekkenSpec:
     ranks = {base64.b64decode(t["token_bytes"]): i for i, t in enumerate(vocab[:inner])}
     if len(ranks) != inner:
         raise ValueError(f"{path}: its first {inner} tokens are not distinct")
-    # Each token's merge: its two parts that are tokens, the pair of lowest ranks first; merges in the order of
-    # the ranks of what they make (tiktoken's rule).
-    merges = []
-    for token, rank in ranks.items():
-        pairs = [(ranks[token[:i]], ranks[token[i:]], token[:i], token[i:]) for i in range(1, len(token))
-                 if token[:i] in ranks and token[i:] in ranks]
-        merges += [(rank, *p) for p in sorted(pairs)]
-    merges.sort()
-    ids = {_byte_level(t): r + num_special for t, r in ranks.items()}
-    if clash := set(specials) & set(ids):
-        raise ValueError(f"{path}: special tokens {sorted(clash)} are also regular tokens' text")
-    # The special tokens in the model's vocabulary too, so that as added tokens they keep their ids.
-    bpe = models.BPE({**{s: i for i, s in enumerate(specials)}, **ids},
-                     [(_byte_level(m[3]), _byte_level(m[4])) for m in merges], fuse_unk=False, ignore_merges=True)
-    backend = tokenizers.Tokenizer(bpe)
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([tokenizers.AddedToken(s, special=True, normalized=False) for s in specials])
-    for i, s in enumerate(specials):  # added tokens take the ids after the vocabulary's: check they landed first
-        if backend.token_to_id(s) != i:
-            raise ValueError(f"{path}: special token {s!r} did not land at id {i}")
+    backend = ranked_bpe(ranks, pattern, {s: i for i, s in enumerate(specials)}, first_id=num_special, source=path)
     return TekkenSpec(backend, version, specials, size)

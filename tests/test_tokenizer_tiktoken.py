@@ -1,0 +1,119 @@
+"""Moonshot's tiktoken vocabularies (Kimi K2, Moonlight: `tiktoken.model`, no `tokenizer.json`) against tiktoken's
+own rule, run here in Python: split by Moonshot's pattern (Python's `regex`, whose V1 mode reads its class
+intersections), then merge each piece's adjacent pair whose join has the lowest rank until none is a token.
+
+The vocabulary is learned here on a small corpus (single bytes ranked out of byte order, as tiktoken's are), its
+special tokens after the ranks as Moonshot's tokenizer_config.json names them, the rest filled in.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import random
+
+import pytest
+
+from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer_tiktoken import KIMI_PATTERN
+
+regex = pytest.importorskip("regex")
+
+CORPUS = ("Hello world, the quick brown fox jumps over the lazy dog. It's 2025 and we're testing 12345 tokens!\n"
+          "你好世界，这是一个测试。Hello世界 WÖRLD wörld CamelCaseWord don't\n\n  indented  code(x) -> y;")
+TEXTS = ["Hello world", "the fox's dog jumps 1234567", "你好世界Hello世界", "CamelCaseWord WÖRLD wörld",
+         "  two  spaces\n\nand\tTabs ", "x = f(a, b) -> [1, 2];", "It's<|im_end|>done[EOS]", "", "🙂 émoji"]
+
+
+def _learn_ranks(merges: int = 150) -> dict[bytes, int]:
+    order = list(range(256))
+    random.Random(0).shuffle(order)
+    ranks = {bytes([b]): i for i, b in enumerate(order)}
+    words = [[bytes([b]) for b in piece.encode()] for piece in regex.findall(KIMI_PATTERN, CORPUS, flags=regex.V1)]
+    for _ in range(merges):
+        pairs = collections.Counter(p for w in words for p in zip(w, w[1:], strict=False))
+        if not pairs:
+            break
+        (a, b), _count = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks[a + b] = len(ranks)
+        for w in words:
+            i = 0
+            while i < len(w) - 1:
+                if (w[i], w[i + 1]) == (a, b):
+                    w[i:i + 2] = [a + b]
+                i += 1
+    return ranks
+
+
+RANKS = _learn_ranks()
+BASE = len(RANKS)
+NAMED = {BASE: "[BOS]", BASE + 1: "[EOS]", BASE + 2: "<|im_end|>", BASE + 3: "<|im_user|>"}
+
+
+def _tiktoken(text: str) -> list[int]:
+    """tiktoken's encoding with every special token allowed."""
+    specials = {s: i for i, s in NAMED.items()}
+    out = []
+    for part in regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text):
+        if part in specials:
+            out.append(specials[part])
+            continue
+        for piece in regex.findall(KIMI_PATTERN, part, flags=regex.V1):
+            parts = [bytes([b]) for b in piece.encode()]
+            while len(parts) > 1:
+                joins = [RANKS.get(a + b, 1 << 30) for a, b in zip(parts, parts[1:], strict=False)]
+                rank, i = min((r, i) for i, r in enumerate(joins))
+                if rank == 1 << 30:
+                    break
+                parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            out += [RANKS[p] for p in parts]
+    return out
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kimi")
+    (root / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in RANKS.items()))
+    config = {"tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
+              "added_tokens_decoder": {str(i): {"content": s, "special": True} for i, s in NAMED.items()},
+              "chat_template": "{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}"}
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root, Tokenizer.from_hf_dir(root)
+
+
+def test_tiktoken_vocabulary_encodes_as_tiktoken(kimi):
+    _, tok = kimi
+    assert len([t for t in RANKS if len(t) > 1]) > 100  # (until every corpus word is one token)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == _tiktoken(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    # Han runs apart from the cased words beside them (the pattern's class intersections, read as such).
+    pieces = [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("Hello世界x")]
+    assert pieces == ["Hello", "ä¸ĸçķĮ", "x"]
+
+
+def test_tiktoken_special_tokens_follow_the_ranks(kimi):
+    _, tok = kimi
+    assert (tok.bos_token_id, tok.eos_token_ids[0]) == (BASE, BASE + 1)
+    assert tok.encode("<|im_end|>") == [BASE + 2]
+    assert tok.backend.token_to_id(f"<|reserved_token_{BASE + 10}|>") == BASE + 10
+    assert tok.backend.get_vocab_size() == BASE + 258
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert tok.encode(prompt) == [BASE + 3, *_tiktoken("Hi"), BASE + 2]
+
+
+def test_other_tiktoken_tokenizers_and_broken_files_are_refused(kimi, tmp_path):
+    root, _ = kimi
+    (tmp_path / "tiktoken.model").write_text((root / "tiktoken.model").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "QWenTokenizer"}))
+    with pytest.raises(ValueError, match="QWenTokenizer.* not supported"):
+        Tokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TikTokenTokenizer"}))
+    (tmp_path / "tiktoken.model").write_text("SGVsbG8= 0\nnot-base64! 1\n")
+    with pytest.raises(ValueError, match="tiktoken.model:2: not a base64 token"):
+        Tokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tiktoken.model").write_text("SGVsbG8= 0\nd29ybGQ= 2\n")
+    with pytest.raises(ValueError, match="ranks are not 0 to 1"):
+        Tokenizer.from_hf_dir(tmp_path)
