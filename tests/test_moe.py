@@ -162,6 +162,30 @@ def test_dispatch_equals_dense_computation_and_drops_no_token():
     assert np.allclose(parts, got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [2, 8, 24])
+def test_grouped_matmul_equals_each_rows_own_expert(rows):
+    """Rows sorted by group, each times its group's matrix: gathered per row (the CPU's form at no more rows than
+    groups) or as a ragged dot (more), float or int8 with per-channel scales; a row past the groups (an expert on
+    another device) is left to the caller."""
+    from jaxserve.models.quantized import grouped, quantize
+
+    G, K, N = 8, 32, 24
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(ks[0], (rows, K))
+    w = jax.random.normal(ks[1], (G, K, N))
+    row_group = jnp.sort(jax.random.randint(ks[2], (rows,), 0, G + 1))  # (G: a row routed elsewhere, sorted last)
+    sizes = jnp.bincount(row_group, length=G + 1)[:G].astype(jnp.int32)
+    inside = np.asarray(row_group) < G
+    want = np.einsum("rk,rkn->rn", np.asarray(x), np.asarray(w)[np.minimum(np.asarray(row_group), G - 1)])
+    got = np.asarray(jax.jit(grouped)(x, w, sizes, row_group))
+    np.testing.assert_allclose(got[inside], want[inside], rtol=1e-5, atol=1e-5)
+    qw = quantize(w, jnp.int8, (1,))
+    deq = np.asarray(qw.q, np.float32) * np.asarray(qw.scale)
+    want_q = np.einsum("rk,rkn->rn", np.asarray(x), deq[np.minimum(np.asarray(row_group), G - 1)])
+    got_q = np.asarray(jax.jit(grouped)(x, qw, sizes, row_group))
+    np.testing.assert_allclose(got_q[inside], want_q[inside], rtol=1e-4, atol=1e-4)
+
+
 def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     family, path, model = tiny_moe
     ckpt = HFDirectory(path)

@@ -108,11 +108,20 @@ def project(x: jax.Array, w: Any, matmul: Callable[[jax.Array, jax.Array], jax.A
 
 def grouped(x: jax.Array, w: Any, group_sizes: jax.Array, row_group: jax.Array) -> jax.Array:
     """`jax.lax.ragged_dot(x, w, group_sizes)` (w [G, K, N]) for a float or quantized weight; `row_group` [R] is
-    the group of each row of x (rows past the groups any group: they are dropped by the caller)."""
+    the group of each row of x (rows past the groups any group: they are dropped by the caller).
+
+    On the CPU, with no more rows than groups (a MoE layer's decode at small batch: rows are a token's k
+    experts), each row is multiplied by its own group's matrix, gathered: XLA:CPU's ragged dot reads every
+    group's matrix whatever the rows. Measured, 8 experts of 1024 x 704 in float32: 2 rows 4.0 -> 0.47 ms, 8 rows
+    4.7 -> 3.3 ms (32 rows: 7.2 ms ragged, 43 ms gathered)."""
+    groups = (w.q if isinstance(w, QuantizedWeight) else w).shape[0]
+    gather = x.shape[0] <= groups and jax.default_backend() == "cpu"
+    at = jnp.minimum(row_group, groups - 1)
     if not isinstance(w, QuantizedWeight):
-        return jax.lax.ragged_dot(x, w, group_sizes)
-    y = jax.lax.ragged_dot(x, w.q.astype(x.dtype), group_sizes)
-    scale = w.scale[:, 0, :][jnp.minimum(row_group, w.scale.shape[0] - 1)]  # [R, N]
+        return jnp.einsum("rk,rkn->rn", x, w[at]) if gather else jax.lax.ragged_dot(x, w, group_sizes)
+    q = w.q[at].astype(x.dtype) if gather else w.q.astype(x.dtype)
+    y = jnp.einsum("rk,rkn->rn", x, q) if gather else jax.lax.ragged_dot(x, q, group_sizes)
+    scale = w.scale[:, 0, :][at]  # [R, N]
     return (y.astype(jnp.float32) * scale).astype(y.dtype)
 
 
