@@ -26,7 +26,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("xla", "pallas", "pallas_interpret", "pal
 def xla_ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
-    v_pages: jax.Array,
+    v_pages: jax.Array | None,
     block_tables: jax.Array,
     seq_lens: jax.Array,
     query_start_loc: jax.Array,
@@ -43,7 +43,8 @@ def xla_ragged_paged_attention(
 ) -> jax.Array:
     """Ragged paged attention in plain JAX, with an online softmax over blocks of pages.
 
-    q: [T, Hq, D]; k_pages, v_pages: [N, page_size, Hkv, D]; block_tables: [S, P];
+    q: [T, Hq, D]; k_pages, v_pages: [N, page_size, Hkv, D], or [N, page_size, D] for one KV head (v_pages None:
+    the keys are the values, as an MLA model's latent entries are); block_tables: [S, P];
     seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
 
     Two forms. With `decode` (static: every sequence has at most one query token), each token reads
@@ -175,7 +176,7 @@ def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, slidin
     def body(j, carry):
         pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [R, B]
         k = _read_pages(k_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
-        v = _read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
+        v = k if v_pages is None else _read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
         mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, sliding_window, last)
         # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
@@ -198,7 +199,7 @@ def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_star
     """Every token gathers its own sequence's pages, one block at a time: all tokens at once when
     they fit in one chunk of `query_block`, else the real tokens a chunk at a time."""
     T, Hq, D = q.shape
-    Hkv = k_pages.shape[2]
+    Hkv = k_pages.shape[2] if k_pages.ndim == 4 else 1
     seq, pos, last, valid = _token_rows(seq_lens, query_start_loc, T, last_key)
     kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
               sinks=sinks)
@@ -245,7 +246,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     Decode tokens (one query token in their sequence) go `query_block` at a time, each reading its own
     pages. Loops run over the real tiles and chunks, and over the blocks of keys they can see."""
     T, Hq, D = q.shape
-    _, page_size, Hkv, _ = k_pages.shape
+    page_size, Hkv = k_pages.shape[1], k_pages.shape[2] if k_pages.ndim == 4 else 1
     S = block_tables.shape[0]
     G, Bq = Hq // Hkv, query_block
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -299,7 +300,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             def block(j, carry):
                 pages = jax.lax.dynamic_slice_in_dim(table, j * B, B)  # [B]
                 k = _read_pages(k_pages, pages, kv_dtype).reshape(J, Hkv, D)
-                v = _read_pages(v_pages, pages, kv_dtype).reshape(J, Hkv, D)
+                v = k if v_pages is None else _read_pages(v_pages, pages, kv_dtype).reshape(J, Hkv, D)
                 kpos = j * J + jnp.arange(J, dtype=jnp.int32)
                 # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
                 v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
@@ -325,8 +326,9 @@ def write_kv(
     k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, kv_dtype=None
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter new K/V ([T, Hkv, D]) into their slots (page * page_size + offset), as `kv_dtype` (float8
-    saturates; see `quantize_kv`) or the pages' dtype. Pools of raw bits (`kv_storage_bits`) get the bits."""
-    n, page_size, hkv, d = k_pages.shape
+    saturates; see `quantize_kv`) or the pages' dtype. Pools of raw bits (`kv_storage_bits`) get the bits; a pool
+    of one KV head may come without its head axis ([N, page_size, D]); an empty one is left as it is."""
+    n, page_size = k_pages.shape[:2]
     if k.shape[0] == 1:
         # XLA turns a one-row scatter into a dynamic-update-slice, which XLA:CPU does not always do
         # in place in an unrolled layer loop (it copied the whole pool per layer); a second row
@@ -338,16 +340,21 @@ def write_kv(
         x = quantize_kv(x, kv_dtype or pool.dtype)
         return x if x.dtype == pool.dtype else jax.lax.bitcast_convert_type(x, pool.dtype)
 
-    k_flat = k_pages.reshape(n * page_size, hkv, d).at[slot_mapping].set(rows(k, k_pages))
-    v_flat = v_pages.reshape(n * page_size, hkv, v_pages.shape[-1]).at[slot_mapping].set(rows(v, v_pages))
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    def scatter(pool, x):  # (a pool of [N, page_size, D]: one KV head, its axis dropped)
+        if pool.size == 0:  # (an MLA model's values: none)
+            return pool
+        slot = pool.shape[2:]
+        return pool.reshape(n * page_size, *slot).at[slot_mapping].set(rows(x, pool).reshape(-1, *slot)).reshape(
+            pool.shape)
+
+    return scatter(k_pages, k), scatter(v_pages, v)
 
 
 def paged_attention(
     backend: AttentionBackend,
     q: jax.Array,
     k_pages: jax.Array,
-    v_pages: jax.Array,
+    v_pages: jax.Array | None,
     block_tables: jax.Array,
     seq_lens: jax.Array,
     query_start_loc: jax.Array,

@@ -31,9 +31,11 @@ def mla_attention(cfg: ModelConfig, inputs: ModelInputs, cos: jax.Array, sin: ja
                   h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                   kv_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
-    page pools with this step's entries written (`v_all`: the empty values pool, as it came)."""
+    page pools with this step's entries written (`k_all`: [L * N, page_size, R + Dr], or with an axis of KV heads
+    under tensor parallelism; `v_all`: the empty values pool, as it came)."""
     T, D, Dr, R = h.shape[0], cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank
-    num_pages, page_size, hkv = k_all.shape[0] // cfg.num_layers, k_all.shape[1], k_all.shape[2]
+    num_pages, page_size = k_all.shape[0] // cfg.num_layers, k_all.shape[1]
+    hkv = 1 if k_all.ndim == 3 else k_all.shape[2]  # (`forward` drops the axis of one head: see there)
     heads = functools.partial(jnp.einsum, "te,ehd->thd")
     if lp.wq_a is not None:  # the queries' bottleneck, normed
         h_q = rms_norm(project(h, lp.wq_a), lp.q_a_norm, cfg.rms_norm_eps)
@@ -52,7 +54,7 @@ def mla_attention(cfg: ModelConfig, inputs: ModelInputs, cos: jax.Array, sin: ja
     slots = inputs.slot_mapping + layer * (num_pages * page_size)
     k_all, v_all = write_kv(k_all, v_all, entry, jnp.zeros((T, hkv, 0), entry.dtype), slots, kv_dtype)
     out = paged_attention(
-        "xla", q, k_all, k_all, inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
+        "xla", q, k_all, None, inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
         sm_scale=cfg.sm_scale, decode=inputs.decode, kv_dtype=kv_dtype, last_key=inputs.last_key,
     )  # [T, Hq, R + Dr]: the entries' latent part is the values
     values = jnp.einsum("thr,hrv->thv", out[..., :R], lp.w_uv, preferred_element_type=jnp.float32)
