@@ -38,9 +38,11 @@ def check_mla(cfg: Any) -> None:
     """Refuses MLA settings no model could run, by name."""
     if cfg.kv_lora_rank < 0 or cfg.q_lora_rank < 0 or (cfg.kv_lora_rank == 0) != (cfg.v_head_dim == 0):
         raise UnsupportedModelError(f"an MLA model needs kv_lora_rank ({cfg.kv_lora_rank}) and v_head_dim "
-                                    f"({cfg.v_head_dim}) both positive (and none other both 0)")
-    if cfg.kv_lora_rank and not (cfg.rotary_dim and cfg.rotary_dims < cfg.head_dim) or cfg.kv_lora_rank and (
-            cfg.attention_bias or cfg.qk_norm or cfg.sliding_window or cfg.family not in MLA_FAMILIES):
+                                    f"({cfg.v_head_dim}) both positive; any other model, both 0")
+    if not cfg.kv_lora_rank:
+        return
+    if (cfg.family not in MLA_FAMILIES or not cfg.rotary_dim or cfg.rotary_dims >= cfg.head_dim
+            or cfg.attention_bias or cfg.qk_norm or cfg.sliding_window):
         raise UnsupportedModelError(f"MLA (kv_lora_rank {cfg.kv_lora_rank}) needs {MLA_FAMILIES}, rotary dims "
                                     f"({cfg.rotary_dim}) short of head_dim ({cfg.head_dim}), and no attention bias, "
                                     "q/k norms or window")

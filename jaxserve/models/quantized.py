@@ -40,7 +40,8 @@ class QuantizedWeight:
 
 # The input (contracted) logical axes of each quantizable layer weight; the rest are output axes.
 INPUT_AXES: dict[str, tuple[str, ...]] = {
-    "wq": ("embed", "latent"), "wk": ("embed",), "wq_a": ("embed",), "wkv_a": ("embed",), "wv": ("embed",), "wo": ("q_heads", "head_dim"),
+    "wq": ("embed", "latent"), "wk": ("embed",), "wv": ("embed",), "wo": ("q_heads", "head_dim"),
+    "wq_a": ("embed",), "wkv_a": ("embed",),  # (MLA's query bottleneck and latent: `config_mla`)
     "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp",),
     "we_gate": ("embed",), "we_up": ("embed",), "we_down": ("expert_mlp",),
     "ws_gate": ("embed",), "ws_up": ("embed",), "ws_down": ("mlp",),
