@@ -72,12 +72,16 @@ class AttentionTuning:
     # query token) go to the decode kernel (flash-decoding splits, a 64-row tile) and only the chunks to the
     # ragged kernel, two calls in one step; False sends the whole batch to the ragged kernel.
     split_mixed: bool = True
+    # The latent attention kernel (latent_attention.py): query heads a program takes at most (None: 64 rows).
+    latent_heads: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "num_kv_splits"):
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"AttentionTuning.{name} must be a positive power of two, got {v}")
+        if self.latent_heads is not None and self.latent_heads < 1:
+            raise ValueError(f"AttentionTuning.latent_heads must be positive, got {self.latent_heads}")
         for name in ("decode_lowering", "prefill_lowering"):
             if getattr(self, name) not in ("triton", "mosaic"):
                 raise ValueError(f"AttentionTuning.{name} must be 'triton' or 'mosaic', got {getattr(self, name)!r}")

@@ -117,9 +117,9 @@ def test_mla_checkpoint_written_back_reads_the_same(tiny_mla):
         np.testing.assert_array_equal(np.asarray(value), host[path], err_msg=path)
 
 
-def _engine(cfg, params, loop: str, prefix_caching: bool = False) -> LLMEngine:
+def _engine(cfg, params, loop: str, prefix_caching: bool = False, backend: str = "auto") -> LLMEngine:
     loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+    args = EngineArgs(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
                       kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
                       dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop,
                       enable_prefix_caching=prefix_caching)
@@ -137,6 +137,23 @@ def test_mla_engine_greedy_equals_transformers(tiny_mla):
     engine = _engine(cfg, params, loop)
     assert isinstance(engine.runner.params.layers, tuple) is (loop == "unroll")
     assert _greedy(engine) == expected
+
+
+def test_mla_engine_on_the_latent_kernel(tiny_mla, monkeypatch):
+    """The Pallas backend (interpreted here) runs the latent attention kernel: chunked prefill and batched decode
+    give transformers' tokens, as the xla backend does."""
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    family, _, model, cfg, params = tiny_mla
+    import pallas_kernels.latent_attention as latent
+
+    traced = []
+    kernel = latent.latent_paged_attention
+    monkeypatch.setattr(latent, "latent_paged_attention", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = _engine(cfg, params, "unroll" if family == "deepseek_v2" else "scan", backend="pallas_interpret")
+    assert _greedy(engine) == expected
+    assert traced, "the steps did not go through the latent attention kernel"
 
 
 def test_mla_prefix_hit_equals_miss(tiny_mla):

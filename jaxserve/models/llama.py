@@ -107,7 +107,7 @@ def _layer(
     with jax.named_scope("attention"):
         h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
         if cfg.kv_lora_rank:
-            attn, k_all, v_all = mla_attention(cfg, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype)
+            attn, k_all, v_all = mla_attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype)
         else:
             attn, k_all, v_all = _attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
                                             local, lora)

@@ -7,8 +7,9 @@ as multi-query attention with keys of R + Dr dims, and the values are the entrie
 output (in latent space: its first R dims; the rotary ones are dropped) goes through the values' up-projection
 (`w_uv`) per head. The scores are those of transformers' expanded form exactly: q_nope · (W_uk c) = (W_ukᵀ q_nope) · c.
 
-The attention runs on the `xla` backend whatever the engine's: the Pallas kernels take heads of 64 to 256 dims,
-and an entry is 576 wide in DeepSeek-V3.
+On the `xla` backend the attention is the paged attention with the entries as keys and values; on the Pallas
+backends it is the latent attention kernel (`pallas_kernels.latent_attention`: the entries read once, as keys and
+as values; the Triton lowering on a GPU under the Mosaic GPU backends too, which have no latent form).
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import paged_attention, write_kv
+from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
 from jaxserve.models.inputs import ModelInputs
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams
 from jaxserve.models.quantized import project
 
 
-def mla_attention(cfg: ModelConfig, inputs: ModelInputs, cos: jax.Array, sin: jax.Array, lp: LayerParams,
-                  h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
+def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
+                  lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
                   kv_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
     page pools with this step's entries written (`k_all`: [L * N, page_size, R + Dr], or with an axis of KV heads
@@ -53,9 +54,18 @@ def mla_attention(cfg: ModelConfig, inputs: ModelInputs, cos: jax.Array, sin: ja
                              (T, hkv, R + Dr))
     slots = inputs.slot_mapping + layer * (num_pages * page_size)
     k_all, v_all = write_kv(k_all, v_all, entry, jnp.zeros((T, hkv, 0), entry.dtype), slots, kv_dtype)
-    out = paged_attention(
-        "xla", q, k_all, None, inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
-        sm_scale=cfg.sm_scale, decode=inputs.decode, kv_dtype=kv_dtype, last_key=inputs.last_key,
-    )  # [T, Hq, R + Dr]: the entries' latent part is the values
-    values = jnp.einsum("thr,hrv->thv", out[..., :R], lp.w_uv, preferred_element_type=jnp.float32)
+    tables = inputs.block_tables + layer * num_pages
+    if backend == "xla":
+        out = paged_attention(
+            "xla", q, k_all, None, tables, inputs.seq_lens, inputs.query_start_loc, sm_scale=cfg.sm_scale,
+            decode=inputs.decode, kv_dtype=kv_dtype, last_key=inputs.last_key,
+        )[..., :R]  # the entries' latent part is the values
+    else:
+        from pallas_kernels.latent_attention import latent_paged_attention
+
+        if inputs.last_key is not None:
+            raise ValueError("the latent attention kernel has no spans attended both ways (last_key)")
+        out = latent_paged_attention(q, k_all, tables, inputs.seq_lens, inputs.query_start_loc, value_dim=R,
+                                     sm_scale=cfg.sm_scale, interpret=backend.endswith("_interpret"))
+    values = jnp.einsum("thr,hrv->thv", out, lp.w_uv, preferred_element_type=jnp.float32)
     return values.astype(h.dtype).reshape(T, -1), k_all, v_all

@@ -3,8 +3,8 @@ without a GPU.
 
 DeepSeek-V2-Lite's attention (16 heads; a 512-dim latent and a 64-dim rotary key per token, 576 wide in the pages;
 128 unrotated query dims absorbed into the latent, 128-dim values) on a dense layer and a MoE layer of 8 experts:
-the step runs the latent attention on the XLA path (no Pallas kernel takes 576-wide entries), with the page pool,
-which holds no values, updated in place.
+the step runs the latent attention kernel (pallas_kernels/latent_attention.py, the Triton lowering), with the page
+pool, which holds no values, updated in place.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def test_mla_steps_compile_for_sm90(spec):
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
     step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
-                       want_top, triton=False, pool_bytes=pool_bytes)
+                       want_top, pool_bytes=pool_bytes)
     print(f"deepseek_v2 mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
     loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
-    seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top, triton=False,
+    seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top,
                        pool_bytes=pool_bytes)
     print(f"deepseek_v2 decode_loop S={S}: compiled for sm_90 in {seconds:.1f} s")

@@ -1,0 +1,103 @@
+"""Time the latent attention kernel (DeepSeek's multi-head latent attention over pages of 576-wide entries) on one
+GPU against the engine's XLA path, as achieved bytes/s.
+
+Decode at batch 32 and 128 with 8k context (the issue's target shape), batch 1 at 32k; prefill of 2k tokens of one
+sequence. DeepSeek-V2-Lite's 16 heads per entry and DeepSeek-V3's 128 (one device; under tensor parallelism over 8
+a device holds 16), bfloat16 entries (512-dim latent + 64-dim rotary key), page size 16, pages scattered over a
+pool past the L2. Bytes: the entries read once (the kernel reads each as key and as value) plus q and the output;
+FLOPs: the scores over 576 dims and the values over 512, per head, over the causal part. Each row is the median of
+rounds of warm calls rotating over input sets. Usage: `python bench/gpu_latent.py [--budget-s N] [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.gpu_inputs import DTYPE, MIN_POOL_BYTES, NUM_SETS, PAGE_SIZE
+from bench.gpu_kernels import copy_bandwidth, matmul_rate, run_row
+from jaxserve.models.attention import xla_ragged_paged_attention
+from pallas_kernels import AttentionTuning
+from pallas_kernels.latent_attention import latent_paged_attention
+
+LATENT, ROPE = 512, 64
+ENTRY = LATENT + ROPE
+SCALE = 192**-0.5  # DeepSeek's query head: 128 unrotated + 64 rotary dims (without YaRN's mscale)
+MODELS = {"deepseek-v2-lite": 16, "deepseek-v3": 128}
+
+
+def latent_case(rng, heads: int, batch: int, ctx: int, q_len: int = 1, min_pool_bytes: int = MIN_POOL_BYTES):
+    """Input sets (q, pages, tables, seq_lens, query_start_loc) and the row's bytes and FLOPs."""
+    pages_per_seq = -(-ctx // PAGE_SIZE)
+    needed = batch * pages_per_seq
+    item = jnp.dtype(DTYPE).itemsize
+    num_pages = max(needed + 1, min_pool_bytes // (PAGE_SIZE * ENTRY * item))
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    pages = jax.random.normal(key, (num_pages, PAGE_SIZE, ENTRY), DTYPE)
+    seq_lens = jnp.full((batch,), ctx, jnp.int32)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
+    sets = []
+    for i in range(NUM_SETS):
+        chosen = rng.choice(np.arange(1, num_pages), needed, replace=needed > num_pages - 1)
+        tables = jnp.asarray(chosen.reshape(batch, pages_per_seq), jnp.int32)
+        q = jax.random.normal(jax.random.fold_in(key, i + 1), (batch * q_len, heads, ENTRY), DTYPE)
+        sets.append((q, pages, tables, seq_lens, qsl))
+    nbytes = batch * ctx * ENTRY * item + batch * q_len * heads * (ENTRY + LATENT) * item
+    flops = 2 * batch * heads * (ENTRY + LATENT) * (q_len * ctx - q_len * (q_len - 1) / 2)
+    return sets, nbytes, flops
+
+
+def implementations(decode: bool) -> list:
+    kernel = functools.partial(latent_paged_attention, value_dim=LATENT, sm_scale=SCALE)
+    return [
+        ("pallas", jax.jit(kernel)),
+        ("pallas_h32", jax.jit(functools.partial(kernel, tuning=AttentionTuning(latent_heads=32)))),
+        ("pallas_bkv64", jax.jit(functools.partial(kernel, tuning=AttentionTuning(block_kv=64)))),
+        ("pallas_st3", jax.jit(functools.partial(kernel, tuning=AttentionTuning(num_stages=3)))),
+        # The engine's path without the kernel: the entries as keys and as values, cut to the latent.
+        ("xla", jax.jit(lambda q, p, t, s, qsl: xla_ragged_paged_attention(
+            q, p, None, t, s, qsl, sm_scale=SCALE, decode=decode)[..., :LATENT])),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=60.0, help="stop starting new rows after this")
+    parser.add_argument("--quick", action="store_true", help="small rows and pools (smoke test)")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
+    copy_bw = copy_bandwidth(1 << 24 if args.quick else 1 << 30)
+    matmul = matmul_rate(1024 if args.quick else 8192)
+    print(f"copy bandwidth (read+write): {copy_bw / 1e12:.2f} TB/s; bfloat16 matmul rate: {matmul / 1e12:.0f} "
+          "TFLOP/s", flush=True)
+    pool = 1 << 20 if args.quick else MIN_POOL_BYTES
+    rows = [(name, b, 8192, 1) for name in MODELS for b in (32, 128)]
+    rows += [(name, 1, 32768, 1) for name in MODELS] + [(name, 1, 2048, 2048) for name in MODELS]
+    if args.quick:
+        rows = [("deepseek-v2-lite", 4, 1024, 1), ("deepseek-v3", 2, 1024, 1), ("deepseek-v2-lite", 1, 512, 512)]
+    rng = np.random.default_rng(0)
+    print("latent decode / prefill: bytes = entries (576 x 2 B a token) read once + q/out; prefill FLOP/s against "
+          "the matmul rate")
+    for name, batch, ctx, q_len in rows:
+        heads = MODELS[name]
+        label = f"{name} ({heads} heads/entry) {'decode' if q_len == 1 else 'prefill'} b={batch:3d} ctx={ctx:5d}"
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{label}: skipped (time budget)")
+            continue
+        sets, nbytes, flops = latent_case(rng, heads, batch, ctx, q_len, pool)
+        run_row(label, implementations(q_len == 1), sets, nbytes, flops, None, copy_bw,
+                None if q_len == 1 else matmul)
+        del sets
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
