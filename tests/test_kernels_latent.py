@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import AttentionTuning
 from pallas_kernels.latent_attention import (
@@ -104,6 +106,35 @@ def test_narrow_pages_upcast_in_the_kernel(kv_dtype):
     batch = _batch(5, 16, 64, 32, 16, 1, jnp.float32)
     pages = batch.k_pages.astype(kv_dtype)
     _check(batch, 64, jnp.float32, pages=pages, tol=1e-4)
+
+
+MAX_TOKENS, MAX_SEQS, PAGES_PER_SEQ = 48, 5, 6
+
+
+@st.composite
+def _ragged_batches(draw):
+    """Up to MAX_SEQS sequences of random KV lengths (0 to a full table) and query lengths (decode tokens to whole
+    prompts), the batch padded to fixed sizes; heads per entry and page size drawn too."""
+    page_size = draw(st.sampled_from([8, 16]))
+    capacity, room, seqs = PAGES_PER_SEQ * page_size, MAX_TOKENS, []
+    for _ in range(draw(st.integers(1, MAX_SEQS))):
+        kv_len = draw(st.integers(0, capacity))
+        q_len = draw(st.integers(min(kv_len, 1), min(kv_len, room)))
+        seqs.append((q_len, kv_len))
+        room -= q_len
+    return page_size, draw(st.sampled_from([1, 2, 5, 16])), seqs, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(_ragged_batches())
+def test_random_ragged_batches_match_the_reference(case):
+    """Property: on any ragged batch (empty sequences, full tables, chunks and decode tokens mixed) the kernel
+    equals its reference."""
+    page_size, group, seqs, seed = case
+    total = sum(q for q, _ in seqs)
+    batch = _batch(seed, page_size, 32, 16, group, 1, jnp.float32, seqs=seqs, pages_per_seq=PAGES_PER_SEQ,
+                   pad_tokens=MAX_TOKENS - total, pad_seqs=MAX_SEQS + 1 - len(seqs), num_pages=MAX_SEQS * PAGES_PER_SEQ)
+    _check(batch, 32, jnp.float32)
 
 
 @pytest.mark.parametrize("mutate,error,match", [
