@@ -63,8 +63,7 @@ def _measure(cfg, params, tp: int, ep: int, kind: str, rounds: int) -> dict:
         run_cfg, p = plan.model_cfg, plan.shard_params(params)
         kv = plan.allocate_kv(num_pages, PAGE, jnp.float32)
         sh = plan.step_shardings()
-        extra = {"expert_layout": plan.expert_layout()} if cfg.num_experts else {}
-        step = jax.jit(functools.partial(forward, cfg=run_cfg, backend="xla", **extra), donate_argnums=(1,),
+        step = jax.jit(functools.partial(forward, cfg=run_cfg, backend="xla", layout=plan.layout()), donate_argnums=(1,),
                        in_shardings=(sh.params, sh.kv, sh.replicated), out_shardings=(sh.replicated, sh.kv))
     hlo = step.lower(p, kv, inputs).compile().as_text()
     ops: dict[str, int] = {}

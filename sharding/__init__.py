@@ -3,7 +3,7 @@
 from sharding.data_parallel import DataParallelEngine
 from sharding.mesh import DATA, EXPERT, MESH_AXES, MODEL, ParallelConfig, make_mesh, replica_meshes
 from sharding.plan import (
-    ExpertLayout,
+    MeshLayout,
     ShardingPlan,
     StepShardings,
     logical_sizes,
@@ -13,7 +13,7 @@ from sharding.plan import (
 from sharding.rules import DEFAULT_RULES, ShardingError, ShardingRules
 
 __all__ = [
-    "DATA", "DEFAULT_RULES", "DataParallelEngine", "EXPERT", "ExpertLayout", "MESH_AXES", "MODEL", "ParallelConfig", "ShardingError",
+    "DATA", "DEFAULT_RULES", "DataParallelEngine", "EXPERT", "MESH_AXES", "MeshLayout", "MODEL", "ParallelConfig", "ShardingError",
     "ShardingPlan", "ShardingRules", "StepShardings", "logical_sizes", "make_mesh", "make_plan", "replica_meshes",
     "replicated_array",
 ]

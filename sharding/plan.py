@@ -59,12 +59,15 @@ class StepShardings:
 
 
 @dataclass(frozen=True)
-class ExpertLayout:
-    """Where the MoE block finds its experts: the mesh and the axes it splits experts and their width over."""
+class MeshLayout:
+    """What a sharded model's step needs to know of its mesh where it runs code per device: the axes the MoE block
+    splits experts and their width over, and the one the attention kernels split heads over (query and KV heads
+    on the same axis, of more than one device; else None, and the kernels see whole arrays)."""
 
     mesh: Mesh
     expert_axis: str | None
     model_axis: str | None
+    head_axis: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,11 @@ class ShardingPlan:
         axis = self.rules.mesh_axis("kv_heads")
         return self.mesh.shape[axis] if axis is not None else 1
 
-    def expert_layout(self) -> ExpertLayout:
-        return ExpertLayout(self.mesh, self.rules.mesh_axis("experts"), self.rules.mesh_axis("expert_mlp"))
+    def layout(self) -> MeshLayout:
+        heads = self.rules.mesh_axis("q_heads")
+        if heads is None or heads != self.rules.mesh_axis("kv_heads") or self.mesh.shape[heads] == 1:
+            heads = None
+        return MeshLayout(self.mesh, self.rules.mesh_axis("experts"), self.rules.mesh_axis("expert_mlp"), heads)
 
     def with_weight_quant(self, method: str | None) -> ShardingPlan:
         """The same layout of the model with its weights stored as `method` quantizes them (None: in float)."""

@@ -252,6 +252,14 @@ def test_ep_deepseek_v3_latent_attention_equals_unsharded(ep_results):
     assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
 
 
+@pytest.mark.parametrize("name", ["pallas_gpt_oss", "pallas_mla"])
+def test_ep_kernels_on_each_devices_heads_equal_unsharded(ep_results, name):
+    """The Pallas kernels (interpreted) at EP=2 x TP=2, each device on its own heads: gpt-oss's sinks split with
+    them, DeepSeek-V3's latent attention kernel on each device's copy of the latents."""
+    r = ep_results[f"{name}_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["wq_shard_heads"] == 2
+
+
 def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_results):
     r = ep_results["engine"]
     assert r["devices"] == 4

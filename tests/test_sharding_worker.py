@@ -97,7 +97,7 @@ def _steps(page_size: int = 8):
     return prefill, decode
 
 
-def _run_steps(cfg, params, kv, plan=None):
+def _run_steps(cfg, params, kv, plan=None, backend: str = "xla"):
     import functools
 
     import jax
@@ -105,8 +105,7 @@ def _run_steps(cfg, params, kv, plan=None):
 
     from jaxserve.models.llama import forward
 
-    fn = functools.partial(forward, cfg=cfg, backend="xla",
-                           **({"expert_layout": plan.expert_layout()} if plan and cfg.num_experts else {}))
+    fn = functools.partial(forward, cfg=cfg, backend=backend, **({"layout": plan.layout()} if plan else {}))
     kw = {}
     if plan is not None:
         sh = plan.step_shardings()
@@ -126,8 +125,9 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _sweep(cfg, layouts):
-    """Logits of the two steps unsharded and under each (tp, ep) layout; relative errors and shard shapes."""
+def _sweep(cfg, layouts, backend: str = "xla"):
+    """Logits of the two steps unsharded (xla backend) and under each (tp, ep) layout on `backend`; relative errors
+    and shard shapes."""
     import dataclasses
 
     import jax
@@ -153,7 +153,7 @@ def _sweep(cfg, layouts):
         sp = plan.shard_params(params)
         kv = plan.allocate_kv(16, 8, jnp.float32)
         kv_shard_heads = kv.k.addressable_shards[0].data.shape[3]  # read before the steps donate it
-        got = _run_steps(plan.model_cfg, sp, kv, plan)
+        got = _run_steps(plan.model_cfg, sp, kv, plan, backend)
         entry = {
             "rel_prefill": _rel(got[0], ref[0]), "rel_decode": _rel(got[1], ref[1]),
             "argmax_equal": bool((got[0].argmax(-1) == ref[0].argmax(-1)).all()),
@@ -186,6 +186,9 @@ def case_dense() -> dict:
     out = _sweep(dense_config(), [(2, 1), (4, 1), (8, 1)])
     out.update({f"gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1)]).items()})
     out.update({f"olmo2_{k}": v for k, v in _sweep(olmo2_config(), [(4, 1)]).items()})
+    # The kernels (interpreted) on each device's heads: KV heads split (TP=2: windows, soft-caps) and repeated (TP=4).
+    out.update({f"pallas_gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1)], "pallas_interpret").items()})
+    out.update({f"pallas_{k}": v for k, v in _sweep(dense_config(), [(4, 1)], "pallas_interpret").items()})
     return out
 
 
@@ -195,6 +198,9 @@ def case_moe() -> dict:
     out.update({f"glm4_{k}": v for k, v in _sweep(moe_config("glm4_moe"), [(2, 2)]).items()})
     out.update({f"gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)]).items()})
     out.update({f"mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)]).items()})
+    # The kernels (interpreted) on each device's heads: gpt-oss's sinks split with them, DeepSeek's latents.
+    out.update({f"pallas_gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)], "pallas_interpret").items()})
+    out.update({f"pallas_mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)], "pallas_interpret").items()})
     return out
 
 
@@ -428,7 +434,7 @@ def case_load() -> dict:
             "devices": len(got["layers.wq"].sharding.device_set),
             "max_shard_fraction": max(x.addressable_shards[0].data.size / x.size for x in got.values()
                                       if x.sharding.spec != () and any(a is not None for a in x.sharding.spec)),
-            "has_expert_layout": "expert_layout" in getattr(loaded.forward_fn, "keywords", {}),
+            "layout": repr(getattr(loaded.forward_fn, "keywords", {}).get("layout")),
         }
     return found
 

@@ -222,9 +222,7 @@ def _parallel_plan(args: EngineArgs, cfg: ModelConfig, mesh: Any = None) -> Any:
 
 
 def _with_plan(loaded: LoadedModel, plan: Any) -> LoadedModel:
-    forward_fn = loaded.forward_fn
-    if plan.source_cfg.num_experts:
-        forward_fn = functools.partial(forward_fn, expert_layout=plan.expert_layout())
+    forward_fn = functools.partial(loaded.forward_fn, layout=plan.layout())
     return dataclasses.replace(loaded, config=plan.model_cfg, forward_fn=forward_fn, plan=plan)
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models.head_shards import on_head_shards
 from pallas_kernels.ragged_attention_args import clamp_last_key, quantize_kv, sink_denom, token_metadata
 
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
@@ -366,21 +367,27 @@ def paged_attention(
     decode: bool = False,
     kv_dtype=None,
     sinks: jax.Array | None = None,
+    layout=None,
 ) -> jax.Array:
     """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
-    pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits."""
-    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key, sinks=sinks)
+    pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
+    `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`)."""
+    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-                                          decode=decode, kv_dtype=kv_dtype, **kwargs)
+                                          decode=decode, kv_dtype=kv_dtype, last_key=last_key, sinks=sinks, **kwargs)
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
 
         lowering = "mosaic" if backend.startswith("pallas_mosaic") else "triton"
         tuning = AttentionTuning(decode_lowering=lowering, prefill_lowering=lowering)
-        return ragged_paged_attention(
-            q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
-            interpret=backend.endswith("_interpret"), tuning=tuning, **kwargs,
-        )
+
+        def kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, sinks):
+            return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                                          interpret=backend.endswith("_interpret"), tuning=tuning, last_key=last_key,
+                                          sinks=sinks, **kwargs)
+
+        return on_head_shards(layout, kernel, q, (k_pages, v_pages),
+                              (block_tables, seq_lens, query_start_loc, last_key), (sinks,))
     raise ValueError(f"unknown attention backend {backend!r} (choose from {', '.join(ATTENTION_BACKENDS)})")

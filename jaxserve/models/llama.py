@@ -95,7 +95,7 @@ def _layer(
     sin: jax.Array,
     carry: tuple[jax.Array, jax.Array, jax.Array],
     xs: tuple[LayerParams, jax.Array],
-    expert_layout=None,
+    layout=None,
     kv_dtype=None,
     local: bool = False,
 ):
@@ -107,10 +107,11 @@ def _layer(
     with jax.named_scope("attention"):
         h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
         if cfg.kv_lora_rank:
-            attn, k_all, v_all = mla_attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype)
+            attn, k_all, v_all = mla_attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
+                                               layout)
         else:
             attn, k_all, v_all = _attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
-                                            local, lora)
+                                            local, lora, layout)
         # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
         if lp.wo_t is not None:
             out = project(attn, lp.wo_t, _dot_out_major)
@@ -127,7 +128,7 @@ def _layer(
     if lp.router is not None:
         with jax.named_scope("moe"):
             h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
-            out = moe_mlp(h, lp, cfg, expert_layout)
+            out = moe_mlp(h, lp, cfg, layout)
             if lp.post_mlp_norm is not None:
                 out = model_norm(cfg, out, lp.post_mlp_norm)
             return (x + _residual(cfg, out), k_all, v_all), None
@@ -159,7 +160,7 @@ def _layer(
 
 def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
                lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, kv_dtype,
-               local: bool, lora) -> tuple[jax.Array, jax.Array, jax.Array]:
+               local: bool, lora, layout=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Multi-head (grouped-query) attention of normed inputs h [T, E]: its output [T, Hq * D] before the output
     projection, and the page pools with this step's keys and values written."""
     num_pages = k_all.shape[0] // cfg.num_layers
@@ -201,7 +202,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
         sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
         sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
-        sinks=lp.sinks,
+        sinks=lp.sinks, layout=layout,
     )  # [T, Hq, D]
     if scaled:
         attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
@@ -263,7 +264,7 @@ def forward(
     inputs: ModelInputs,
     cfg: ModelConfig,
     backend: AttentionBackend = "xla",
-    expert_layout=None,
+    layout=None,
     return_hidden: bool = False,
 ):
     """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
@@ -271,7 +272,8 @@ def forward(
     `return_hidden` (static), also every token's last hidden state [T, E] (before the final norm,
     for `lm_head`).
 
-    `expert_layout` (a `sharding.ExpertLayout`, MoE models only) places the experts on a mesh."""
+    `layout` (a `sharding.MeshLayout`, for a model sharded over a mesh): where the experts are, and the axis the
+    attention kernels split heads over."""
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
@@ -302,14 +304,14 @@ def forward(
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, want), jax.lax.bitcast_convert_type(v_all, want)
 
     def step(carry, xs):  # every layer alike
-        return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], carry, xs, expert_layout, kv_dtype,
+        return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], carry, xs, layout, kv_dtype,
                       cfg.is_local(0))
 
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
             carry, _ = _layer_once(cfg, backend, inputs, *tables[cfg.layer_kind(layer)], carry, (lp, jnp.int32(layer)),
-                                   expert_layout, kv_dtype, cfg.is_local(layer))
+                                   layout, kv_dtype, cfg.is_local(layer))
     elif cfg.uniform_layers:
         first = 0
         if params.dense_layers is not None:  # dense first layers, then the MoE ones (layers all alike: `check_moe`)
@@ -322,7 +324,7 @@ def forward(
         def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
             xs = (lp, jnp.asarray(layer, jnp.int32))
-            return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], carry, xs, expert_layout, kv_dtype,
+            return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], carry, xs, layout, kv_dtype,
                           cfg.is_local(like))[0]
 
         def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window and rotation

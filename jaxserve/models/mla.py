@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
+from jaxserve.models.head_shards import on_head_shards
 from jaxserve.models.inputs import ModelInputs
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams
@@ -30,10 +31,10 @@ from jaxserve.models.quantized import project
 
 def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
                   lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
-                  kv_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  kv_dtype: Any, layout=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
     page pools with this step's entries written (`k_all`: [L * N, page_size, R + Dr], or with an axis of KV heads
-    under tensor parallelism; `v_all`: the empty values pool, as it came)."""
+    under tensor parallelism; `v_all`: the empty values pool, as it came); `layout`: as `paged_attention`'s."""
     T, D, Dr, R = h.shape[0], cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank
     num_pages, page_size = k_all.shape[0] // cfg.num_layers, k_all.shape[1]
     hkv = 1 if k_all.ndim == 3 else k_all.shape[2]  # (`forward` drops the axis of one head: see there)
@@ -65,7 +66,8 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
 
         if inputs.last_key is not None:
             raise ValueError("the latent attention kernel has no spans attended both ways (last_key)")
-        out = latent_paged_attention(q, k_all, tables, inputs.seq_lens, inputs.query_start_loc, value_dim=R,
-                                     sm_scale=cfg.sm_scale, interpret=backend.endswith("_interpret"))
+        kernel = functools.partial(latent_paged_attention, value_dim=R, sm_scale=cfg.sm_scale,
+                                   interpret=backend.endswith("_interpret"))
+        out = on_head_shards(layout, kernel, q, (k_all,), (tables, inputs.seq_lens, inputs.query_start_loc))
     values = jnp.einsum("thr,hrv->thv", out, lp.w_uv, preferred_element_type=jnp.float32)
     return values.astype(h.dtype).reshape(T, -1), k_all, v_all

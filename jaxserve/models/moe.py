@@ -3,7 +3,7 @@ grouped expert matmuls.
 
 Tokens are sorted by the expert they were routed to and each expert multiplies only its own
 rows (`jax.lax.ragged_dot`), so no token is ever dropped and no capacity factor is needed.
-With experts split over devices (`ExpertLayout`), every device runs the same dispatch over the
+With experts split over devices (`sharding.MeshLayout`), every device runs the same dispatch over the
 experts it holds, writes their weighted outputs back into token order, and one all-reduce over
 the expert and model axes combines them: activations stay replicated, expert weights never do.
 """
@@ -116,16 +116,16 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     return jnp.zeros_like(h).at[token].add(ys * w[:, None])
 
 
-def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, expert_layout: Any = None) -> jax.Array:
+def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None) -> jax.Array:
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
-    router, experts and optional shared expert. `expert_layout` (a `sharding.ExpertLayout`) says
+    router, experts and optional shared expert. `layout` (a `sharding.MeshLayout`) says
     which mesh axes split the experts and their width; None = every expert on this device."""
     weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router)
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
-    if expert_layout is None:
+    if layout is None:
         out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases)
     else:
-        out = _sharded_experts(h, weights, experts, lp, expert_layout, cfg, biases)
+        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases)
     if lp.ws_gate is not None:
         shared = project(jax.nn.silu(project(h, lp.ws_gate)) * project(h, lp.ws_up), lp.ws_down)  # [T, E]
         out = out + (shared if lp.ws_mix is None else jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared)
