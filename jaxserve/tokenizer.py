@@ -55,6 +55,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
+def _keys_sorted(value: Any) -> Any:
+    """`value` with every mapping's keys in sorted order, at every depth (lists keep their order)."""
+    if isinstance(value, Mapping):
+        return {k: _keys_sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [_keys_sorted(v) for v in value]
+    return value
+
+
 def _tagged(message: Mapping[str, Any]) -> dict[str, Any]:
     """`message` with `_CONTINUE_TAG` after its text (its last text part's)."""
     content = message.get("content")
@@ -84,8 +93,11 @@ class Tokenizer:
         add_eos_token: bool = False,
         model_max_length: int | None = None,
         vocab_size: int | None = None,
+        sort_tool_keys: bool = False,
     ):
         self._backend = backend
+        # Kimi K2's tokenizer sorts the keys of the tools' schemas, at every depth, before its template renders them.
+        self.sort_tool_keys = sort_tool_keys
         self.bos_token_id = bos_token_id
         # Order is kept (the first is "the" EOS), duplicates dropped.
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
@@ -205,6 +217,7 @@ class Tokenizer:
             model_max_length=int(max_len)
             if isinstance(max_len, int | float) and max_len < _NO_LIMIT
             else None,
+            sort_tool_keys="tokenization_kimi." in json.dumps(config.get("auto_map")),
         )
 
     # ----- ids and text -----
@@ -305,6 +318,8 @@ class Tokenizer:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if continue_final_message:  # marked where the final message's text ends, as transformers marks it
             messages = [*messages[:-1], _tagged(messages[-1])]
+        if tools and self.sort_tool_keys:
+            tools = _keys_sorted(tools)
         text = render_chat_template(
             template,
             messages,

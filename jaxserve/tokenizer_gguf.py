@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from jaxserve.tokenizer_tiktoken import KIMI_PATTERN
+
 if TYPE_CHECKING:
     from jaxserve.loader.gguf_header import GGUFHeader
 
@@ -91,7 +93,8 @@ _DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
 # others (Command R's, EXAONE 3's), as llama.cpp groups them.
 _GPT2_PRE = ("gpt-2", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling")
 _SMOLLM_PRE = ("smollm", "command-r", "exaone", "starcoder", "refact", "codeshell", "minerva-7b")
-SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o", *_DEEPSEEK_SPLITS)
+SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o", *_DEEPSEEK_SPLITS,
+                      "kimi-k2")
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,8 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
         return normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT), False
     if pre in _DEEPSEEK_SPLITS:
         return None, _split_then_bytes(*_DEEPSEEK_SPLITS[pre]), False
+    if pre == "kimi-k2":  # Moonshot's split (llama.cpp's hand-written K2 handler); whole pieces looked up first, as
+        return None, _split_then_bytes(KIMI_PATTERN), True  # tiktoken, Kimi's own tokenizer, does
     raise ValueError(
         f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; jaxserve supports {list(SUPPORTED_GGUF_PRE)}"
     )

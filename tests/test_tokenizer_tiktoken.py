@@ -117,3 +117,78 @@ def test_other_tiktoken_tokenizers_and_broken_files_are_refused(kimi, tmp_path):
     (tmp_path / "tiktoken.model").write_text("SGVsbG8= 0\nd29ybGQ= 2\n")
     with pytest.raises(ValueError, match="ranks are not 0 to 1"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def _converter_merges() -> list[str]:
+    """The merges llama.cpp's converter writes for a tiktoken vocabulary: each token of two bytes or more, as the
+    two parts tiktoken's rule leaves when only lower ranks may merge, in rank order, in the byte-level alphabet."""
+    from jaxserve.tokenizer_gguf import byte_alphabet
+
+    spell = byte_alphabet()
+    merges = []
+    for token, rank in sorted(RANKS.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            joins = [RANKS.get(a + b, 1 << 30) for a, b in zip(parts, parts[1:], strict=False)]
+            best, i = min((r, i) for i, r in enumerate(joins))
+            if best >= rank:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        assert len(parts) == 2, token
+        merges.append(" ".join("".join(spell[b] for b in p) for p in parts))
+    return merges
+
+
+def test_gguf_kimi_k2_encodes_as_tiktoken(tmp_path):
+    """A GGUF of a Kimi tokenizer as llama.cpp's converter writes one (pre `kimi-k2`, the ranks as byte-level tokens
+    and their merges, the special tokens after them as control tokens): Moonshot's split, whole pieces looked up
+    first, as tiktoken encodes."""
+    gguf = pytest.importorskip("gguf")
+    from jaxserve.tokenizer_gguf import byte_alphabet
+
+    spell = byte_alphabet()
+    tokens = ["".join(spell[b] for b in t) for t, _ in sorted(RANKS.items(), key=lambda kv: kv[1])]
+    tokens += [NAMED[i] for i in sorted(NAMED)]
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "deepseek2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("kimi-k2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * BASE + [3] * len(NAMED))
+    writer.add_token_merges(_converter_merges())
+    writer.add_bos_token_id(BASE)
+    writer.add_eos_token_id(BASE + 1)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file,
+                  writer.close):
+        write()
+    tok = Tokenizer.from_gguf(tmp_path / "k.gguf")
+    for text in TEXTS:
+        assert tok.encode(text) == _tiktoken(text), text
+    assert [p for p, _ in tok.backend.pre_tokenizer.pre_tokenize_str("Hello世界x")] == ["Hello", "ä¸ĸçķĮ", "x"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"unit": {"enum": ["c", "f"], "type": "string"},
+                                                                         "city": {"type": "string"}}}}}]
+
+
+def test_kimi_tokenizer_sorts_tool_schemas(kimi, tmp_path):
+    """Kimi K2's tokenizer class (`tokenization_kimi.TikTokenTokenizer`) sorts the tools' keys at every depth before
+    its template renders them (`tools | tojson` keeps the order it is given); another tokenizer keeps them."""
+    root, _ = kimi
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ tools | tojson(separators=(',', ':')) }}{{ messages[0].content }}"
+    (tmp_path / "tiktoken.model").write_text((root / "tiktoken.model").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    plain = Tokenizer.from_hf_dir(tmp_path).apply_chat_template([{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert plain == json.dumps(TOOLS, separators=(",", ":"), ensure_ascii=False) + "Hi"
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.sort_tool_keys
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert text == json.dumps(TOOLS, separators=(",", ":"), ensure_ascii=False, sort_keys=True) + "Hi"
+    assert text.index('"city"') < text.index('"unit"') and text.index('"description"') < text.index('"name"')
+    assert text != plain
