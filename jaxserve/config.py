@@ -293,7 +293,7 @@ class ModelConfig:
                  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
         if fields.is_qwen_vl(d):
             d = fields.qwen_vl_text(d)
-        d = fields.seed_oss(fields.granite_hybrid(d))
+        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(d)))
         archs = d.get("architectures") or []
         family: Family | None = None
         for arch in archs:

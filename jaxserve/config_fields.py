@@ -105,6 +105,22 @@ def seed_oss(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
 
 
+def exaone(d: dict[str, Any]) -> dict[str, Any]:
+    """An EXAONE 3.0 / 3.5 config (LG's `ExaoneForCausalLM`: Llama's architecture under other names, full rotary
+    dims whatever its `rotary_pct`, as its own code and llama.cpp's converter read it) as the Llama config it is,
+    with `ExaoneConfig`'s defaults; any other config as it is. Its tensors are renamed by `keymap.canonical_name`."""
+    if d.get("model_type") != "exaone" and "ExaoneForCausalLM" not in (d.get("architectures") or []):
+        return d
+    if d.get("activation_function", "silu") != "silu":
+        raise UnsupportedModelError(f"EXAONE with activation_function {d['activation_function']!r} is not supported")
+    heads = d.get("num_attention_heads", 32)
+    return {**d, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "num_hidden_layers": d.get("num_layers", 32), "rms_norm_eps": d.get("layer_norm_epsilon", 1e-6),
+            "num_key_value_heads": d.get("num_key_value_heads") or heads, "num_attention_heads": heads,
+            "intermediate_size": d.get("intermediate_size") or 4 * d.get("hidden_size", 2048),
+            "tie_word_embeddings": d.get("tie_word_embeddings", True)}
+
+
 def granite_hybrid(d: dict[str, Any]) -> dict[str, Any]:
     """A Granite 4.0 hybrid config of attention layers only (its Mamba layers are refused by name) as the model it
     is: without experts, a dense model whose MLP is the shared one; any other config as it is."""

@@ -22,9 +22,10 @@ from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
 from jaxserve.rope import RopeScaling
 
-# Phi-3 is Mistral's architecture with fused projections (split at load).
+# Phi-3 is Mistral's architecture with fused projections (split at load), EXAONE 3 Llama's (rows not permuted).
 _LLAMA_FAMILIES: dict[str, Family] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                                      "phi3": "mistral", "granite": "granite", "smollm3": "smollm3"}
+                                      "phi3": "mistral", "granite": "granite", "smollm3": "smollm3",
+                                      "exaone": "llama"}
 # llama.cpp's SmolLM3 leaves every 4th layer unrotated (a number in its code, not in the file).
 _SMOLLM3_NO_ROPE_STEP = 4
 # Granite's scalars: GGUF key (after the architecture) to ModelConfig field.

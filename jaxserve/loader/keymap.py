@@ -22,6 +22,7 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.errors import CheckpointError
+from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -240,7 +241,9 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
 def canonical_name(name: str) -> str:
     """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
     (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix; an image-text
-    model nests its language model under `language_model`."""
+    model nests its language model under `language_model`; EXAONE 3 names Llama's modules its own way."""
+    if name.startswith("transformer."):
+        return exaone_name(name)
     m = _LANGUAGE_MODEL_RE.match(name)
     if m:
         name = name[m.end():] if m.group(1).startswith("language_model") else "model." + name[m.end():]
