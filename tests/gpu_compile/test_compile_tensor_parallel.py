@@ -62,6 +62,48 @@ def _compile(cfg: ModelConfig, backend: str, per_device: bool = True):
     return compiled.as_text(), compiled.memory_analysis(), pool_bytes
 
 
+def test_decode_loop_on_each_devices_heads():
+    """The engine's on-device decode loop (64 rows, the kernels' decode batches in a while loop) at TP=2: the
+    XLA path's collectives (its all-gathers are the vocabulary-split logits' and their top-k's) and temporaries,
+    no pool gathered."""
+    from jax.experimental import topologies
+
+    from jaxserve.engine.penalties import PenaltyInputs
+    from jaxserve.engine.runner import decode_loop
+    from jaxserve.engine.sampler import SamplingTensors
+    from sharding import ParallelConfig, make_mesh, make_plan
+    from tests.gpu_compile.conftest import h200_target_config
+    from tests.gpu_compile.test_compile_engine import RC, _abstract, decode_state
+
+    topo = topologies.get_topology_desc("h200", "cuda", target_config=h200_target_config(), topology="1x1x2")
+    mesh = make_mesh(ParallelConfig(2, 1), topo.devices[:2])
+    plan = make_plan(LLAMA, mesh)
+    whole = NamedSharding(mesh, P())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=whole)
+
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract_params(plan.model_cfg, jnp.bfloat16), plan.param_shardings())
+    pool = jax.eval_shape(lambda: KVCache.allocate(plan.model_cfg, NUM_PAGES, RC.page_size, jnp.bfloat16))
+    kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=plan.kv_sharding()), pool)
+    S = 64
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, LLAMA.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    texts, temps = {}, {}
+    for backend in ("xla", "pallas"):
+        loop = functools.partial(decode_loop, cfg=plan.model_cfg, backend=backend, top_k=RC.max_logprobs,
+                                 n_max=RC.num_scheduler_steps,
+                                 model_fn=functools.partial(forward, layout=plan.layout()))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = jax.jit(loop, donate_argnums=(1,)).trace(
+                params, kv, decode_state(spec, S), sampling, pen, spec((), jnp.bool_)).lower().compile()
+        texts[backend], temps[backend] = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+    assert "triton" in texts["pallas"].lower()
+    assert _collectives(texts["pallas"]) == _collectives(texts["xla"])
+    assert temps["pallas"] <= 1.01 * temps["xla"], temps
+
+
 def _collectives(text: str) -> dict[str, int]:
     ops: dict[str, int] = {}
     for op in re.findall(r" (all-gather|all-reduce|all-to-all|collective-permute)(?:-start)?\(", text):
