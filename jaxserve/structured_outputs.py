@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -223,60 +223,106 @@ class GrammarMatcher:
 
 class AfterReasoning:
     """A grammar that holds once a reasoning model's answer begins (`StructuredOutputsParams.after_reasoning`),
-    with the `GrammarMatcher` interface. States: "open" (a reply that may open with a start marker: its first
-    token is one, or the grammar's), "reasoning" (every token allowed, until the tokens end with an end marker),
-    "answer" (the grammar's). Start markers must be single tokens to be told at the first token; end markers
-    may be several. Tokens before the answer never reach the grammar, so checking drafts copies nothing."""
+    with the `GrammarMatcher` interface. States: "open" (a reply that may open with a start marker, as the
+    tokens it encodes to: its first token is a start marker's first token, or the grammar's; once a marker's
+    first tokens are written, `opened`, only its next tokens are allowed until it is whole: Granite's words),
+    "reasoning" (every token allowed, until the text, `text(token)` joined, holds an end marker: as a parser
+    reads it, whatever tokens wrote it), "answer" (the grammar's, from the token after the one that completed
+    the end marker). Tokens before the answer never reach the grammar, so checking drafts copies nothing."""
 
-    def __init__(self, inner: GrammarMatcher, starts: list[list[int]], ends: list[list[int]], state: str,
-                 tail: tuple[int, ...] = ()):
-        self._inner, self._starts, self._ends, self._state, self._tail = inner, starts, ends, state, tail
+    def __init__(self, inner: GrammarMatcher, starts: list[list[int]], ends: tuple[str, ...],
+                 text: Callable[[int], str], state: str, tail: str = "", opened: tuple[int, ...] = ()):
+        self._inner, self._starts, self._ends, self._text = inner, starts, ends, text
+        self._state, self._tail, self._opened = state, tail, opened
 
-    def _walk(self, tokens: list[int]) -> tuple[int | None, str, tuple[int, ...]]:
+    def _next_of_starts(self, opened: tuple[int, ...]) -> set[int]:
+        """The tokens that continue a start marker whose first tokens are `opened`."""
+        n = len(opened)
+        return {m[n] for m in self._starts if len(m) > n and tuple(m[:n]) == opened}
+
+    def _walk(self, tokens: list[int]) -> tuple[int | None, str, str, tuple[int, ...]]:
         """`tokens` read from here up to where the answer begins: (the index of the first token the grammar
-        takes, None if none; the state and the reasoning's last tokens there)."""
-        state, tail, longest = self._state, self._tail, max(len(e) for e in self._ends)
+        takes, None if none; the state, the reasoning's last tokens and the start marker's opened tokens there).
+        A token that breaks off an opened start marker is where the tokens stop being valid (`valid_prefix`)."""
+        state, tail, opened, longest = self._state, self._tail, self._opened, max(map(len, self._ends))
         for i, tok in enumerate(tokens):
             if state == "open":
-                if [tok] not in self._starts:
-                    return i, "answer", tail
-                state = "reasoning"
+                if tok not in self._next_of_starts(opened):
+                    if opened:
+                        return i, "broken", tail, opened
+                    return i, "answer", "", ()
+                opened = (*opened, tok)
+                if list(opened) in self._starts:
+                    state, opened = "reasoning", ()
                 continue
-            tail = (*tail, tok)[-longest:]
-            if any(tail[-len(e):] == tuple(e) for e in self._ends):
-                return i + 1, "answer", tail
-        return None, state, tail
+            piece = self._text(tok)
+            tail = (tail + piece)[-(longest + len(piece)):]  # (a marker may span tokens)
+            if any(e in tail for e in self._ends):
+                return i + 1, "answer", "", ()
+        return None, state, tail, opened
+
+    def _fill_open(self, bitmask: np.ndarray, row: int, opened: tuple[int, ...]) -> None:
+        """The "open" state's row: the grammar's tokens or a start marker's first (nothing opened), else only
+        the opened marker's next tokens."""
+        if opened:
+            bitmask[row] = 0
+        else:
+            self._inner.fill_bitmask(bitmask, row)
+        words = bitmask[row].view(np.uint32)
+        for tok in self._next_of_starts(opened):
+            words[tok >> 5] |= np.uint32(1 << (tok & 31))
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         if self._state == "reasoning":
             bitmask[row] = -1
-            return
-        self._inner.fill_bitmask(bitmask, row)
-        if self._state == "open":
-            words = bitmask[row].view(np.uint32)
-            for (tok,) in self._starts:
-                words[tok >> 5] |= np.uint32(1 << (tok & 31))
+        elif self._state == "open":
+            self._fill_open(bitmask, row, self._opened)
+        else:
+            self._inner.fill_bitmask(bitmask, row)
 
     def consume(self, token_id: int) -> bool:
         if self._state == "answer":
             return self._inner.consume(token_id)
-        at, self._state, self._tail = self._walk([token_id])
+        at, state, tail, opened = self._walk([token_id])
+        if state == "broken":
+            return False
+        self._state, self._tail, self._opened = state, tail, opened
         return self._inner.consume(token_id) if at == 0 else True
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        at = 0 if self._state == "answer" else self._walk(tokens)[0]
-        return len(tokens) if at is None else at + self._inner.valid_prefix(tokens[at:])
+        if self._state == "answer":
+            return self._inner.valid_prefix(tokens)
+        at, state, _, _ = self._walk(tokens)
+        if at is None or state == "broken":
+            return len(tokens) if at is None else at
+        return at + self._inner.valid_prefix(tokens[at:])
 
     def fill_bitmasks(self, bitmask: np.ndarray, row: int, drafts: list[int]) -> None:
-        """Rows `row` .. `row + len(drafts)`: the reasoning's rows all allowed, the answer's its grammar's after
-        the drafts before (`GrammarMatcher.fill_bitmasks`); nothing is consumed."""
-        at = 0 if self._state == "answer" else self._walk(drafts)[0]
-        end = len(drafts) + 1 if at is None else at
-        bitmask[row:row + end] = -1
-        if at is not None:
-            self._inner.fill_bitmasks(bitmask, row + at, drafts[at:])
-        if self._state == "open":
-            self.fill_bitmask(bitmask, row)
+        """Rows `row` .. `row + len(drafts)`: the reasoning's rows all allowed, the opening's its markers' (and at
+        first the grammar's), the answer's its grammar's after the drafts before (`GrammarMatcher.fill_bitmasks`);
+        nothing is consumed."""
+        if self._state == "answer":
+            self._inner.fill_bitmasks(bitmask, row, drafts)
+            return
+        state, tail, opened = self._state, self._tail, self._opened
+        for k in range(len(drafts) + 1):
+            if state == "open":
+                self._fill_open(bitmask, row + k, opened)
+            else:
+                bitmask[row + k] = -1
+            if k == len(drafts):
+                return
+            walker = AfterReasoning(self._inner, self._starts, self._ends, self._text, state, tail, opened)
+            at, state, tail, opened = walker._walk([drafts[k]])
+            if state == "broken":
+                bitmask[row + k + 1:row + len(drafts) + 1] = -1  # (past a refused draft: nothing is taken)
+                return
+            if at is not None:  # the answer begins at draft k (the grammar's first token) or after it (an end)
+                first = k + at
+                self._inner.fill_bitmasks(bitmask, row + first, drafts[first:])
+                if at == 0:  # (row k might still have opened a marker)
+                    self._fill_open(bitmask, row + k, ())
+                return
 
     @property
     def stopped(self) -> bool:
@@ -287,17 +333,17 @@ class AfterReasoning:
         return self._inner.error
 
     def copy(self) -> AfterReasoning:
-        return AfterReasoning(self._inner.copy(), self._starts, self._ends, self._state, self._tail)
+        return AfterReasoning(self._inner.copy(), self._starts, self._ends, self._text, self._state, self._tail,
+                              self._opened)
 
 
-def _last_marker_ends(ids: list[int], starts: list[list[int]], ends: list[list[int]]) -> bool:
-    """Whether the last reasoning marker in `ids` is an end marker."""
-    def last(markers: list[list[int]]) -> int:
-        firsts = {m[0] for m in markers if m}
-        return next((i for i in range(len(ids) - 1, -1, -1)
-                     if ids[i] in firsts and any(ids[i:i + len(m)] == m for m in markers)), -1)
+def _last_marker_ends(text: str, starts: tuple[str, ...], ends: tuple[str, ...]) -> bool:
+    """Whether the last reasoning marker in `text` is an end marker."""
+    return max((text.rfind(m) for m in ends), default=-1) > max((text.rfind(m) for m in starts), default=-1)
 
-    return last(ends) > last(starts)
+
+# The prompt's last tokens read for its last reasoning marker (thinking switched off in the template).
+_PROMPT_TAIL = 64
 
 
 class GrammarCompiler:
@@ -309,6 +355,9 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._ll_tokenizer = None
         self._lock = threading.Lock()
+        # Each token's text, special tokens' included (the reasoning's end markers are read in it).
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
     def _ll(self):
         with self._lock:
@@ -332,16 +381,15 @@ class GrammarCompiler:
         return GrammarMatcher(m)
 
     def matcher_after(self, params: StructuredOutputsParams, prompt_ids: list[int]) -> GrammarMatcher | AfterReasoning:
-        """`matcher(params)`, waiting for the answer when `params.after_reasoning` says how a reply reasons (and
-        the start markers are single tokens of this vocabulary, which the first step can tell)."""
+        """`matcher(params)`, waiting for the answer when `params.after_reasoning` says how a reply reasons."""
         matcher = self.matcher(params)
         if params.after_reasoning is None:
             return matcher
         starts, ends, implicit = params.after_reasoning
-        encode = functools.partial(self._tokenizer.encode, add_special_tokens=False)
-        start_ids, end_ids = [encode(m) for m in starts], [encode(m) for m in ends]
-        if not implicit and any(len(m) != 1 for m in start_ids):
-            return matcher  # (a start marker this vocabulary writes as several tokens: held throughout)
-        if _last_marker_ends(list(prompt_ids), start_ids, end_ids):
+        ends = tuple(m for m in ends if m)
+        recent = self._tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL:]), skip_special_tokens=False)
+        if _last_marker_ends(recent, starts, ends):
             return matcher  # (thinking switched off: the answer begins at once)
-        return AfterReasoning(matcher, start_ids, end_ids, "reasoning" if implicit else "open")
+        start_ids = [self._tokenizer.encode(m, add_special_tokens=False) for m in starts]
+        return AfterReasoning(matcher, [m for m in start_ids if m], ends, self._token_text,
+                              "reasoning" if implicit else "open")

@@ -48,7 +48,7 @@ class ReasoningParser:
     def answer_markers(self) -> tuple[tuple[str, ...], tuple[str, ...], bool] | None:
         """Where the answer begins, for an output constraint that holds from there
         (`StructuredOutputsParams.after_reasoning`): (start markers, end markers, implicit start); None where
-        the engine cannot tell it (a start marker of several tokens: the constraint then holds throughout)."""
+        the engine cannot tell it (the constraint then holds throughout)."""
         return self.starts, self.ends, self.implicit_start
 
     def for_request(self, chat_template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
@@ -103,9 +103,6 @@ class GraniteParser(ReasoningParser):
     implicit_start = False
     starts = ("Here is my thought process:", "Here's my thought process:")
     ends = ("Here is my response:", "Here's my response:")
-
-    def answer_markers(self) -> None:  # (its start is words, not a token the first step can tell)
-        return None
 
 
 class MistralParser(ReasoningParser):

@@ -98,11 +98,60 @@ def test_drafts_across_the_end_of_the_thoughts(compiler, tokenizer):
     assert matcher.stopped
 
 
-def test_a_start_marker_of_several_tokens_leaves_the_constraint_throughout(compiler, tokenizer):
-    """SmolLM2 writes "<think>" as several tokens: the first step could not tell it from an answer."""
-    assert len(tokenizer.encode("<think>", add_special_tokens=False)) > 1
-    params = StructuredOutputsParams(json=SCHEMA, after_reasoning=(("<think>",), ("</think>",), False))
-    assert not isinstance(compiler.matcher_after(params, []), AfterReasoning)
+GRANITE = (("Here is my thought process:", "Here's my thought process:"), ("Here is my response:",
+                                                                         "Here's my response:"))
+
+
+@pytest.mark.parametrize("text,taken", [
+    ('Here is my thought process: {free} words. Here is my response:{"a": 1}', "all"),
+    ("Here's my thought process:\nhmm\nHere's my response:{\"a\": 2}", "all"),
+    ("Here's my thought process: hmm. Here's my response:\n{}", "some"),  # (JSON takes no newline first)
+    ('{"a": 3}', "all"),  # opened without a marker: the answer at once
+    ("Here is my answer", "some"),  # a marker's first words, then off it: cut where it leaves the marker
+    ("Plain words", "none"),
+])
+def test_start_markers_of_several_tokens(compiler, tokenizer, text, taken):
+    """Granite's words: a reply opening with a start marker's first tokens must write the whole marker, then
+    thinks freely until an end marker; one opening otherwise is the answer."""
+    assert all(len(tokenizer.encode(m, add_special_tokens=False)) > 1 for m in GRANITE[0])
+    params = StructuredOutputsParams(json=SCHEMA, after_reasoning=(*GRANITE, False))
+    matcher = compiler.matcher_after(params, [])
+    assert isinstance(matcher, AfterReasoning)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    got = matcher.valid_prefix(ids)
+    assert ("all" if got == len(ids) else "none" if got == 0 else "some") == taken
+    if taken == "all":  # one by one, as the engine consumes them: the grammar completes
+        for tok in ids:
+            assert matcher.consume(tok)
+        assert matcher.stopped
+
+
+def test_masks_while_a_start_marker_of_several_tokens_opens(compiler, tokenizer):
+    """First row: the grammar's openings or the markers' first token ("Here"); while a marker is opened, only
+    its next tokens (both markers' after "Here", then one); after it, everything; drafts checked in one step
+    see the same masks, and a draft leaving the marker is refused."""
+    params = StructuredOutputsParams(json=SCHEMA, after_reasoning=(*GRANITE, False))
+    matcher = compiler.matcher_after(params, [])
+    marker = tokenizer.encode(GRANITE[0][0], add_special_tokens=False)
+    other = tokenizer.encode(GRANITE[0][1], add_special_tokens=False)
+    drafts = marker + tokenizer.encode(" x", add_special_tokens=False)
+    mask = np.zeros((len(drafts) + 1, bitmask_width(tokenizer.vocab_size)), np.int32)
+    matcher.fill_bitmasks(mask, 0, drafts)
+    allowed = [{t for t in range(tokenizer.vocab_size) if (row[t >> 5] >> (t & 31)) & 1} for row in mask]
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    assert marker[0] == other[0] and {marker[0], brace} <= allowed[0] and len(allowed[0]) < 1000
+    assert allowed[1] == {marker[1], other[1]}
+    assert all(allowed[k] == {marker[k]} for k in range(2, len(marker)))
+    assert all(len(allowed[k]) == tokenizer.vocab_size for k in range(len(marker), len(drafts) + 1))
+    single = np.zeros((1, mask.shape[1]), np.int32)
+    for k, tok in enumerate(drafts):  # one token at a time: the same masks
+        matcher.fill_bitmask(single, 0)
+        np.testing.assert_array_equal(single[0], mask[k])
+        assert matcher.consume(tok)
+    fresh = compiler.matcher_after(params, [])
+    off = marker[:2] + tokenizer.encode(" answer", add_special_tokens=False)
+    assert fresh.valid_prefix(off) == 2 and fresh.consume(off[0]) and fresh.consume(off[1])
+    assert not fresh.consume(off[2])
 
 
 def test_the_server_defers_a_chat_constraint_to_the_answer():
@@ -114,10 +163,10 @@ def test_the_server_defers_a_chat_constraint_to_the_answer():
     gptoss = reasoning_params(reasoning_parser("openai_gptoss"), params)
     assert gptoss.structured_outputs.after_reasoning == ((), ("<|channel|>final<|message|>",), True)
     assert not gptoss.skip_special_tokens  # (the harmony markers stay in the text for its parser)
-    # Under a parser whose start the engine cannot tell, or none, the constraint holds throughout (forced tool
-    # calls take the same parameters: tests/test_reasoning.py).
-    for parser in (granite, None):
-        assert reasoning_params(parser, params).structured_outputs.after_reasoning is None
+    # Granite's words too (told as they open: test_start_markers_of_several_tokens); without a parser the
+    # constraint holds throughout (forced tool calls take the same parameters: tests/test_reasoning.py).
+    assert reasoning_params(granite, params).structured_outputs.after_reasoning == (*GRANITE, False)
+    assert reasoning_params(None, params).structured_outputs.after_reasoning is None
 
     class Chat:  # (the fields `constrained_throughout` reads)
         messages, common, tool_choice = [], type("Common", (), {"params": params}), None
@@ -125,5 +174,6 @@ def test_the_server_defers_a_chat_constraint_to_the_answer():
     class Completion:
         common = Chat.common
 
-    assert not constrained_throughout(qwen3, Chat) and constrained_throughout(granite, Chat)
+    assert not constrained_throughout(qwen3, Chat) and not constrained_throughout(granite, Chat)
+    assert constrained_throughout(None, Chat)
     assert constrained_throughout(qwen3, Completion)
