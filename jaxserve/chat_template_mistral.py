@@ -8,14 +8,17 @@ which carries no template: Mistral writes its prompts in code (mistral_common), 
 | v11 | as v7 | as v3 | `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` per call | as v7 |
 | v13 (and later) | as v7 | `[AVAILABLE_TOOLS]` before the first user message | `[TOOL_CALLS]name[ARGS]{...}` per call | `[TOOL_RESULTS]content[/TOOL_RESULTS]` |
 
-Consecutive user messages are joined by a blank line; every assistant message ends with `</s>`. The template
+Consecutive user messages are joined by a blank line; every assistant message ends with `</s>`; an image part is
+`[IMG]` where it stands (the engine writes the image's rows of `[IMG]`, `[IMG_BREAK]`, `[IMG_END]` in its place). The template
 renders what mistral_common encodes for the same conversation (tests/test_tokenizer_tekken.py).
 """
 
 from __future__ import annotations
 
 _TEMPLATE = """{%- macro text(c) -%}
-{%- if c is string -%}{{ c }}{%- elif c -%}{%- for p in c if p.type == 'text' -%}{{ p.text }}{%- endfor -%}{%- endif -%}
+{%- if c is string -%}{{ c }}{%- elif c -%}{%- for p in c -%}
+{%- if p.type == 'text' -%}{{ p.text }}{%- elif p.type == 'image' -%}[IMG]{%- endif -%}
+{%- endfor -%}{%- endif -%}
 {%- endmacro -%}
 {%- set ns = namespace(msgs=[], system=[], last_user=-1, first_user=-1, listed=[], calls=[]) -%}
 {%- for m in messages -%}

@@ -348,6 +348,10 @@ def preprocessor_config(path: str, kwargs: Mapping[str, Any] | None = None, kind
             d = d.get(key) if key else d
             if d:
                 return {**d, **(kwargs or {})}
+    from jaxserve.loader.mistral_dir import image_processor_settings
+
+    if (mistral := image_processor_settings(path)) is not None:  # (Mistral's own format: mistral_common's)
+        return {**mistral, **(kwargs or {})}
     raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
 
 

@@ -128,12 +128,12 @@ def _consolidated(path, model, heads: int, kv_heads: int) -> None:
             w = state[f"model.layers.{i}.{hf}.weight"]
             w = interleaved(w, heads) if ours == "attention.wq" else interleaved(w, kv_heads) if ours == "attention.wk" else w
             out[f"layers.{i}.{ours}.weight"] = np.ascontiguousarray(w)
-    out["vision_encoder.patch_conv.weight"] = np.zeros((4, 3, 2, 2), np.float32)  # not read: text only
+    out["vision_encoder.patch_conv.weight"] = np.zeros((4, 3, 2, 2), np.float32)  # not read: params.json names none
     save_file(out, str(path / "consolidated.safetensors"))
     params = {"dim": cfg.hidden_size, "n_layers": cfg.num_hidden_layers, "head_dim": cfg.head_dim,
               "hidden_dim": cfg.intermediate_size, "n_heads": heads, "n_kv_heads": kv_heads,
               "norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_parameters["rope_theta"],
-              "max_seq_len": 256, "vision_encoder": {"hidden_size": 4}}
+              "max_seq_len": 256}
     (path / "params.json").write_text(json.dumps(params))
 
 

@@ -5,8 +5,11 @@ The directory is read as the HF Mistral model it is: `params.json` gives the con
 its HF name (`layers.{i}.attention.wq.weight` -> `model.layers.{i}.self_attn.q_proj.weight`, ...), and the q and
 k projections' rows are reordered from the interleaved rotary pairs Mistral's code turns (dims 2i and 2i + 1)
 into the half-split order the model turns (dims i and i + head_dim / 2), as transformers' converter does. A
-vision encoder's tensors are not read (the language model is served as text). Experts (`moe`), YaRN scaling and
-other options of newer files are refused by name.
+vision encoder (`vision_encoder` in params.json: Mistral Small 3.1 / 3.2, Magistral Small 1.2, Pixtral) is read as
+the HF model transformers' converter makes of it: Mistral 3 with a patch merger (`mm_projector_id` "patch_merge"),
+else LLaVA over a Pixtral tower, its q and k rows reordered as the language model's, its image processing from the
+tokenizer file's `image` settings (mistral_common's) or the encoder's. Experts (`moe`), YaRN scaling and other
+options of newer files are refused by name.
 """
 
 from __future__ import annotations
@@ -26,7 +29,23 @@ PARAMS_FILE = "params.json"
 _KNOWN = {"dim", "n_layers", "head_dim", "hidden_dim", "n_heads", "n_kv_heads", "norm_eps", "vocab_size",
           "rope_theta", "max_seq_len", "max_position_embeddings", "sliding_window", "tied_embeddings",
           "vision_encoder", "model_type", "max_batch_size", "use_biases"}
-_VISION = re.compile(r"^(vision_encoder|vision_language_adapter|patch_merger|pre_mm_projector_norm)\.")
+_VISION_PREFIX = re.compile(r"^(vision_encoder|vision_language_adapter|patch_merger|pre_mm_projector_norm)\.")
+_VISION_LAYER = re.compile(r"^vision_encoder\.transformer\.layers\.(\d+)\.(.+)$")
+_VISION_NAMES = {"attention_norm.weight": "attention_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+                 "attention.wq.weight": "attention.q_proj.weight", "attention.wk.weight": "attention.k_proj.weight",
+                 "attention.wv.weight": "attention.v_proj.weight", "attention.wo.weight": "attention.o_proj.weight",
+                 "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
+                 "feed_forward.w2.weight": "feed_forward.down_proj.weight",
+                 "feed_forward.w3.weight": "feed_forward.up_proj.weight"}
+_VISION_TOP = {"vision_encoder.patch_conv.weight": "vision_tower.patch_conv.weight",
+               "vision_encoder.ln_pre.weight": "vision_tower.ln_pre.weight",
+               "patch_merger.merging_layer.weight": "multi_modal_projector.patch_merger.merging_layer.weight",
+               "pre_mm_projector_norm.weight": "multi_modal_projector.norm.weight",
+               **{f"vision_language_adapter.w_{io}.{p}": f"multi_modal_projector.linear_{n}.{p}"
+                  for io, n in (("in", 1), ("out", 2)) for p in ("weight", "bias")}}
+# params.json's vision_encoder fields, as transformers' converter passes them to PixtralVisionConfig.
+_VISION_FIELDS = ("hidden_size", "num_channels", "image_size", "patch_size", "rope_theta", "intermediate_size",
+                  "num_hidden_layers", "num_attention_heads")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _NAMES = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
           "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
@@ -63,7 +82,57 @@ def hf_config(params: Mapping[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": bool(params.get("tied_embeddings", False)), "hidden_act": "silu"}
     except KeyError as e:
         raise CheckpointError(f"Mistral params.json lacks {e}") from e
-    return d
+    return d if params.get("vision_encoder") is None else _image_text_config(d, params["vision_encoder"])
+
+
+def _image_text_config(text: dict[str, Any], v: Mapping[str, Any]) -> dict[str, Any]:
+    """The HF config transformers' converter makes of a text config and params.json's `vision_encoder`: Mistral 3
+    with a patch merger (after its norm), or LLaVA over a Pixtral tower (vLLM's defaults where the file is
+    silent: an adapter with biases, no merger); what neither takes is refused by name."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "patch_size") if k not in v]
+    if missing:
+        raise CheckpointError(f"Mistral params.json vision_encoder lacks {missing}")
+    vision = {"model_type": "pixtral", "hidden_act": "silu", **{k: v[k] for k in _VISION_FIELDS if k in v}}
+    vision.setdefault("image_size", v.get("max_image_size", 1024))
+    top = {"text_config": text, "vision_config": vision, "image_token_index": v.get("image_token_id", 10),
+           "projector_hidden_act": "gelu", "vision_feature_layer": -1,
+           "tie_word_embeddings": text["tie_word_embeddings"]}
+    merged = v.get("mm_projector_id") == "patch_merge"
+    if merged and not v.get("add_pre_mm_projector_layer_norm"):
+        raise UnsupportedModelError("a Mistral vision_encoder with a patch merger and no add_pre_mm_projector_layer_"
+                                    "norm is not supported (Mistral 3's projector norms its input)")
+    if merged:
+        return {**top, "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                "spatial_merge_size": v.get("spatial_merge_size", 2),
+                "multimodal_projector_bias": bool(v.get("adapter_bias", False))}
+    other = {k: v[k] for k in ("mm_projector_id", "spatial_merge_size", "add_pre_mm_projector_layer_norm")
+             if v.get(k) not in (None, "", 1, False)}
+    if other:
+        raise UnsupportedModelError(f"Mistral vision_encoder options {other} are not supported")
+    return {**top, "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+            "vision_feature_select_strategy": "full", "multimodal_projector_bias": bool(v.get("adapter_bias", True))}
+
+
+def image_processor_settings(path: str) -> dict[str, Any] | None:
+    """The image processing of a Mistral-format image-text directory, which has no preprocessor_config.json: as
+    mistral_common's, images scaled down to fit `max_image_size` (the tokenizer file's `image` settings, else
+    params.json's encoder), sides in whole patches, bicubic, CLIP's mean and std (`PixtralImageProcessor`'s
+    settings); None for another directory."""
+    params = os.path.join(path, PARAMS_FILE)
+    if not os.path.isfile(params):
+        return None
+    with open(params) as f:
+        v = json.load(f).get("vision_encoder")
+    if not v:
+        return None
+    image: dict[str, Any] = {}
+    if os.path.isfile(tekken := os.path.join(path, "tekken.json")):
+        with open(tekken, encoding="utf-8") as f:
+            image = json.load(f).get("image") or {}
+    longest = image.get("max_image_size") or v.get("max_image_size") or v.get("image_size", 1024)
+    return {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": int(longest)},
+            "patch_size": int(image.get("image_patch_size") or v["patch_size"]), "resample": 3}
 
 
 def _half_split(w: np.ndarray, heads: int) -> np.ndarray:
@@ -85,15 +154,21 @@ class MistralDirectory(HFDirectory):
         self.files = [os.path.join(self.path, f) for f in files] if weights else []
 
     def _stored_tensors(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
-        heads = {"wq": self.hf_config["num_attention_heads"], "wk": self.hf_config["num_key_value_heads"]}
-        for name, array in super()._stored_tensors(lambda n: not _VISION.match(n)):
-            hf = _TOP.get(name)
-            m = _LAYER.match(name)
-            if m is not None and m.group(2) in _NAMES:
-                hf = f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}"
-                kind = m.group(2).split(".")[1]
-                if kind in heads:
-                    array = _half_split(np.asarray(array), heads[kind])
+        text = self.hf_config.get("text_config", self.hf_config)
+        heads = {"attention.wq.weight": text["num_attention_heads"], "attention.wk.weight": text["num_key_value_heads"]}
+        vision_heads = self.hf_config.get("vision_config", {}).get("num_attention_heads")
+        # (a vision encoder's tensors in a file whose params.json names none are not read)
+        for name, array in super()._stored_tensors(lambda n: bool(vision_heads) or not _VISION_PREFIX.match(n)):
+            hf, rows = _TOP.get(name), None
+            if (m := _LAYER.match(name)) is not None and m.group(2) in _NAMES:
+                hf, rows = f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}", heads.get(m.group(2))
+            elif (v := _VISION_LAYER.match(name)) is not None and v.group(2) in _VISION_NAMES:
+                hf = f"vision_tower.transformer.layers.{v.group(1)}.{_VISION_NAMES[v.group(2)]}"
+                rows = vision_heads if v.group(2) in ("attention.wq.weight", "attention.wk.weight") else None
+            elif name in _VISION_TOP:
+                hf = _VISION_TOP[name]
+            if rows is not None:  # (the tower's heads are all KV heads too)
+                array = _half_split(np.asarray(array), rows)
             if hf is None:
                 raise CheckpointError(f"unknown tensor {name!r} in a Mistral-format checkpoint")
             if select is None or select(hf):
