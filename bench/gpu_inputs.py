@@ -50,15 +50,22 @@ def decode_case(
     kk, kv, kq = jax.random.split(key, 3)
     k_pages = jax.random.normal(kk, shape, DTYPE).astype(kv_dtype)
     v_pages = jax.random.normal(kv, shape, DTYPE).astype(kv_dtype)
-    seq_lens = jnp.full((batch,), ctx, jnp.int32)
-    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
     sets = []
-    for i in range(NUM_SETS):
-        pages = rng.choice(np.arange(1, num_pages), needed, replace=needed > num_pages - 1)
-        tables = jnp.asarray(pages.reshape(batch, pages_per_seq), jnp.int32)
+    for i, (tables, seq_lens, qsl) in enumerate(table_sets(rng, num_pages, batch, ctx, q_len)):
         q = jax.random.normal(jax.random.fold_in(kq, i), (batch * q_len, heads.q, heads.dim), DTYPE)
         sets.append((q, k_pages, v_pages, tables, seq_lens, qsl))
     return (sets, *work(heads, batch, ctx, q_len, kv_item))
+
+
+def table_sets(rng, num_pages: int, batch: int, ctx: int, q_len: int) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """`NUM_SETS` (page tables, sequence lengths, query starts) of `batch` sequences of `ctx` keys and `q_len` new
+    tokens each, their pages drawn anew from pages 1 to `num_pages` - 1 for each set."""
+    pages_per_seq = -(-ctx // PAGE_SIZE)
+    needed = batch * pages_per_seq
+    seq_lens = jnp.full((batch,), ctx, jnp.int32)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
+    return [(jnp.asarray(rng.choice(np.arange(1, num_pages), needed, replace=needed > num_pages - 1).reshape(
+        batch, pages_per_seq), jnp.int32), seq_lens, qsl) for _ in range(NUM_SETS)]
 
 
 def as_rows(sets, q_len: int):

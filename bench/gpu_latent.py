@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.gpu_inputs import DTYPE, MIN_POOL_BYTES, NUM_SETS, PAGE_SIZE
+from bench.gpu_inputs import DTYPE, MIN_POOL_BYTES, PAGE_SIZE, table_sets
 from bench.gpu_kernels import copy_bandwidth, matmul_rate, run_row
 from jaxserve.models.attention import xla_ragged_paged_attention
 from pallas_kernels import AttentionTuning
@@ -40,12 +40,8 @@ def latent_case(rng, heads: int, batch: int, ctx: int, q_len: int = 1, min_pool_
     num_pages = max(needed + 1, min_pool_bytes // (PAGE_SIZE * ENTRY * item))
     key = jax.random.key(int(rng.integers(1 << 30)))
     pages = jax.random.normal(key, (num_pages, PAGE_SIZE, ENTRY), DTYPE)
-    seq_lens = jnp.full((batch,), ctx, jnp.int32)
-    qsl = jnp.arange(batch + 1, dtype=jnp.int32) * q_len
     sets = []
-    for i in range(NUM_SETS):
-        chosen = rng.choice(np.arange(1, num_pages), needed, replace=needed > num_pages - 1)
-        tables = jnp.asarray(chosen.reshape(batch, pages_per_seq), jnp.int32)
+    for i, (tables, seq_lens, qsl) in enumerate(table_sets(rng, num_pages, batch, ctx, q_len)):
         q = jax.random.normal(jax.random.fold_in(key, i + 1), (batch * q_len, heads, ENTRY), DTYPE)
         sets.append((q, pages, tables, seq_lens, qsl))
     nbytes = batch * ctx * ENTRY * item + batch * q_len * heads * (ENTRY + LATENT) * item

@@ -32,6 +32,7 @@ from pallas_kernels.ragged_attention_args import (
     default_splits,
     logits,
     queries_to_blocks,
+    store_rows,
 )
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention import AttentionTuning
@@ -134,14 +135,7 @@ def _latent_kernel(meta_ref, block_tables_ref, q_ref, pages_ref, *out_refs, head
     init = (jnp.zeros((rows, value_dim), jnp.float32), jnp.full((rows,), M_FLOOR, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, denom = lax.fori_loop(start, stop, body, init)
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = denom
+    store_rows(out_refs, acc, m, denom, num_splits)
 
 
 def _head_block(group: int, cap: int) -> int:

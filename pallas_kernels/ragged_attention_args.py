@@ -279,6 +279,22 @@ def combine_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Ar
     return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
 
 
+def store_rows(out_refs, acc, m, denom, num_splits: int, sinks=None) -> None:
+    """A program's end: with one split, its rows normalized into the one output ref (`sinks`: each row's
+    attention-sink logit, in the denominator); else its unnormalized accumulator, row maxima and row sums, for
+    `combine_splits`."""
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        if sinks is not None:
+            denom = sink_denom(denom, m, sinks)
+        o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
+
+
 def sink_denom(denom: jax.Array, m: jax.Array, sinks: jax.Array) -> jax.Array:
     """An online softmax's denominator (over scores whose running max is `m`) with each row's attention sink
     (gpt-oss): a logit that joins the softmax and takes its share of the weight but has no value. A row that saw

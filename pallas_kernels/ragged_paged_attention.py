@@ -33,7 +33,7 @@ from pallas_kernels.ragged_attention_args import (
     logits,
     mask_keys,
     queries_to_blocks,
-    sink_denom,
+    store_rows,
     token_metadata,
     window_start,
 )
@@ -182,17 +182,7 @@ def _attention_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     acc, m, denom = lax.fori_loop(start, stop, body, init)
-
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        if sink_ref is not None:
-            denom = sink_denom(denom, m, sink_ref[...])
-        o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = acc
-        m_ref[...] = m
-        l_ref[...] = denom
+    store_rows(out_refs, acc, m, denom, num_splits, None if sink_ref is None else sink_ref[...])
 
 
 def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads, group, kv_capacity):
