@@ -9,6 +9,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | --- | --- | --- |
 | `deepseek_v3` | as `deepseek_r1` in a request with `chat_template_kwargs` `{"thinking": true}` (or `enable_thinking`), else all answer | DeepSeek-V3.1, V3.2 (hybrid thinking) |
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
+| `olmo3` | as `deepseek_r1` (OLMo 3's markers are plain text, several tokens each; the parsers read text) | OLMo 3 Think |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
 | `glm45` | as `qwen3` | GLM-4.5, GLM-4.6 |
 | `seed_oss` | a reply that opens with `<seed:think>`, up to `</seed:think>` (special tokens: kept in the text); else all answer | Seed-OSS |
@@ -68,6 +69,10 @@ class DeepSeekR1Parser(ReasoningParser):
     implicit_start = True
 
 
+class Olmo3Parser(DeepSeekR1Parser):
+    name = "olmo3"
+
+
 class DeepSeekV3Parser(DeepSeekR1Parser):
     name = "deepseek_v3"
 
@@ -125,7 +130,7 @@ class GptOssParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
+    p.name: p for p in (DeepSeekR1Parser, Olmo3Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
                         GraniteParser, MistralParser, GptOssParser)}
 
 

@@ -21,6 +21,8 @@ CASES = [
     ("deepseek_r1", "The prompt opened the thought.\n</think>\n\nAnswer.", "The prompt opened the thought.\n",
      "Answer."),
     ("deepseek_r1", "Still thinking when cut", "Still thinking when cut", ""),
+    ("olmo3", "The template opened <think>; so 2 + 2 = 4.</think>\n\nFour.", "The template opened <think>; so 2 + 2 = 4.",
+     "Four."),
     ("deepseek_r1", "  <think></think>Direct.", "", "Direct."),
     ("deepseek_r1", "<think>a < b, and </thin is not the end</think>x", "a < b, and </thin is not the end", "x"),
     ("qwen3", "<think>\nok\n</think>\n\nAnswer", "\nok\n", "Answer"),
@@ -89,7 +91,7 @@ def test_stream_gives_reasoning_as_it_comes():
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
     assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "glm45", "granite", "mistral",
-                                         "openai_gptoss", "qwen3", "seed_oss"]
+                                         "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():
