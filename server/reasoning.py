@@ -9,6 +9,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | --- | --- | --- |
 | `deepseek_v3` | as `deepseek_r1` in a request with `chat_template_kwargs` `{"thinking": true}` (or `enable_thinking`), else all answer | DeepSeek-V3.1, V3.2 (hybrid thinking) |
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
+| `kimi_k2` | as `deepseek_r1`, the opening of a tool call section also ending it (the section kept in the answer, for the `kimi_k2` tool-call parser); all answer with `chat_template_kwargs` `{"thinking": false}` | Kimi K2 Thinking |
 | `olmo3` | as `deepseek_r1` (OLMo 3's markers are plain text, several tokens each; the parsers read text) | OLMo 3 Think |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
 | `glm45` | as `qwen3` | GLM-4.5, GLM-4.6 |
@@ -42,9 +43,10 @@ class ReasoningParser:
     ends: ClassVar[tuple[str, ...]] = ("</think>",)  # what closes it
     keeps_special_tokens: ClassVar[bool] = False  # the markers are special tokens the parser must see
     wrap: ClassVar[tuple[str, str] | None] = None  # markers the answer may come between (dropped, with their newlines)
+    opens_answer: ClassVar[tuple[str, ...]] = ()  # markers that end the reasoning and begin the answer (kept in it)
 
     def stream(self) -> ReasoningStream | HarmonyStream:
-        return ReasoningStream(self.implicit_start, self.starts, self.ends, self.wrap)
+        return ReasoningStream(self.implicit_start, self.starts, self.ends, self.wrap, self.opens_answer)
 
     def answer_markers(self) -> tuple[tuple[str, ...], tuple[str, ...], bool] | None:
         """Where the answer begins, for an output constraint that holds from there
@@ -71,6 +73,15 @@ class DeepSeekR1Parser(ReasoningParser):
 
 class Olmo3Parser(DeepSeekR1Parser):
     name = "olmo3"
+
+
+class KimiK2Parser(DeepSeekR1Parser):
+    name = "kimi_k2"
+    keeps_special_tokens = True
+    opens_answer = ("<|tool_calls_section_begin|>",)  # a tool call section ends the thoughts unclosed
+
+    def for_request(self, chat_template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
+        return self if chat_template_kwargs.get("thinking", True) else None
 
 
 class DeepSeekV3Parser(DeepSeekR1Parser):
@@ -130,7 +141,7 @@ class GptOssParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, Olmo3Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
+    p.name: p for p in (DeepSeekR1Parser, Olmo3Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
                         GraniteParser, MistralParser, GptOssParser)}
 
 
@@ -175,8 +186,9 @@ class ReasoningStream(SplitStream):
     """Splits one growing reply into reasoning and answer."""
 
     def __init__(self, implicit_start: bool, starts: tuple[str, ...], ends: tuple[str, ...],
-                 wrap: tuple[str, str] | None = None):
+                 wrap: tuple[str, str] | None = None, opens_answer: tuple[str, ...] = ()):
         self.implicit_start, self.starts, self.ends, self.wrap = implicit_start, starts, ends, wrap
+        self.opens_answer = opens_answer
         self.mode: Literal["start", "reasoning", "gap", "answer", "wrapped", "after"] = "start"
         self.buf = ""
         self.reasoned = False  # the reply has a reasoning part (possibly empty)
@@ -197,11 +209,12 @@ class ReasoningStream(SplitStream):
                 self.mode = "answer"
         if self.mode == "reasoning":
             found = [(at, -len(m)) for m in self.ends if (at := self.buf.find(m)) >= 0]
+            found += [(at, 0) for m in self.opens_answer if (at := self.buf.find(m)) >= 0]  # (kept: size 0)
             if found:
                 at, size = min(found)  # the first end, the longest there
                 reasoning, self.buf, self.mode = self.buf[:at], self.buf[at - size:], "gap"
             else:
-                hold = 0 if final else partial_stop_suffix(self.buf, self.ends)
+                hold = 0 if final else partial_stop_suffix(self.buf, self.ends + self.opens_answer)
                 reasoning, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
                 return reasoning, ""
         if self.mode == "gap":  # the whitespace between </think> and the answer is neither

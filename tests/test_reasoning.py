@@ -21,6 +21,10 @@ CASES = [
     ("deepseek_r1", "The prompt opened the thought.\n</think>\n\nAnswer.", "The prompt opened the thought.\n",
      "Answer."),
     ("deepseek_r1", "Still thinking when cut", "Still thinking when cut", ""),
+    ("kimi_k2", "<think>Need the weather.</think>Calling it.", "Need the weather.", "Calling it."),
+    ("kimi_k2", "Need the weather.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
+     "Need the weather.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"),
+    ("kimi_k2", "Still thinking <|tool_calls_sec", "Still thinking <|tool_calls_sec", ""),
     ("olmo3", "The template opened <think>; so 2 + 2 = 4.</think>\n\nFour.", "The template opened <think>; so 2 + 2 = 4.",
      "Four."),
     ("deepseek_r1", "  <think></think>Direct.", "", "Direct."),
@@ -90,8 +94,8 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "glm45", "granite", "mistral",
-                                         "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "glm45", "granite", "kimi_k2",
+                                         "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():
@@ -262,5 +266,33 @@ def test_gpt_oss_harmony_reasoning_and_tool_calls_over_http():
             hi = _ask(c, "eight").choices[0].message
             assert (hi.model_extra["reasoning"], hi.content) == ("Greet.", "Hi!")
             assert _accumulate(_ask(c, "eight", stream=True)) == ("Greet.", "Hi!", [], "stop")
+    finally:
+        eng.shutdown()
+
+
+def test_kimi_k2_thinking_ends_at_a_tool_call_section():
+    """Kimi K2 Thinking served with `--reasoning-parser kimi_k2 --tool-call-parser kimi_k2`: thoughts the prompt
+    opened end at `</think>`, or where a tool call section begins unclosed (the section goes on to the tool-call
+    parser); with `{"thinking": false}` the reply is all answer; streamed as whole."""
+    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    replies = {"one": "The user wants Paris's weather." + call, "two": "<think>Hi back.</think>Hello!"}
+    eng = FakeAsyncEngine(step_delay=0.001, scripted_reply=lambda p: next(
+        (r for w, r in replies.items() if w in p.split()), None))
+    config = ServerConfig(port=0, enable_auto_tool_choice=True, tool_call_parser="kimi_k2", reasoning_parser="kimi_k2")
+    try:
+        with serve_in_thread(eng, config) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+            m = _ask(c, "one", tools=TOOLS).choices[0]
+            assert m.message.model_extra["reasoning"] == "The user wants Paris's weather."
+            assert [(t.function.name, json.loads(t.function.arguments)) for t in m.message.tool_calls] == [
+                ("get_weather", {"city": "Paris"})] and m.finish_reason == "tool_calls"
+            assert _accumulate(_ask(c, "one", tools=TOOLS, stream=True)) == (
+                "The user wants Paris's weather.", "", [("get_weather", '{"city": "Paris"}')], "tool_calls")
+            assert not eng.submitted[-1][2].skip_special_tokens  # (the markers are special tokens)
+            m = _ask(c, "two").choices[0].message
+            assert (m.model_extra["reasoning"], m.content) == ("Hi back.", "Hello!")
+            m = _ask(c, "two", extra_body={"chat_template_kwargs": {"thinking": False}}).choices[0].message
+            assert m.content == replies["two"] and "reasoning" not in (m.model_extra or {})
     finally:
         eng.shutdown()
