@@ -9,6 +9,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | --- | --- | --- |
 | `deepseek_v3` | as `deepseek_r1` in a request with `chat_template_kwargs` `{"thinking": true}` (or `enable_thinking`), else all answer | DeepSeek-V3.1, V3.2 (hybrid thinking) |
 | `deepseek_r1` | everything up to `</think>` (a leading `<think>` dropped; the chat template often puts it in the prompt); a reply with no `</think>` is all reasoning, cut short | DeepSeek-R1 and its distills, QwQ, Qwen3 thinking-only models |
+| `exaone4` | as `deepseek_r1` in a request with `chat_template_kwargs` `{"enable_thinking": true}`, else all answer | EXAONE 4.0 (reasoning mode) |
 | `kimi_k2` | as `deepseek_r1`, the opening of a tool call section also ending it (the section kept in the answer, for the `kimi_k2` tool-call parser); all answer with `chat_template_kwargs` `{"thinking": false}` | Kimi K2 Thinking |
 | `olmo3` | as `deepseek_r1` (OLMo 3's markers are plain text, several tokens each; the parsers read text) | OLMo 3 Think |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
@@ -73,6 +74,13 @@ class DeepSeekR1Parser(ReasoningParser):
 
 class Olmo3Parser(DeepSeekR1Parser):
     name = "olmo3"
+
+
+class Exaone4Parser(DeepSeekR1Parser):
+    name = "exaone4"
+
+    def for_request(self, chat_template_kwargs: Mapping[str, Any]) -> ReasoningParser | None:
+        return DeepSeekR1Parser() if chat_template_kwargs.get("enable_thinking") else None
 
 
 class KimiK2Parser(DeepSeekR1Parser):
@@ -141,7 +149,7 @@ class GptOssParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, Olmo3Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
+    p.name: p for p in (DeepSeekR1Parser, Olmo3Parser, Exaone4Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
                         GraniteParser, MistralParser, GptOssParser)}
 
 

@@ -94,8 +94,8 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "glm45", "granite", "kimi_k2",
-                                         "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "exaone4", "glm45", "granite",
+                                         "kimi_k2", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():
@@ -268,6 +268,18 @@ def test_gpt_oss_harmony_reasoning_and_tool_calls_over_http():
             assert _accumulate(_ask(c, "eight", stream=True)) == ("Greet.", "Hi!", [], "stop")
     finally:
         eng.shutdown()
+
+
+def test_parsers_that_apply_as_the_request_asks():
+    """EXAONE 4.0 reasons only when asked with `enable_thinking` (its template opens `<think>` then); Kimi K2
+    Thinking unless asked not to; DeepSeek-V3.1 with either name."""
+    for name, kwargs, applies in (("exaone4", {"enable_thinking": True}, True), ("exaone4", {}, False),
+                                  ("exaone4", {"thinking": True}, False), ("kimi_k2", {}, True),
+                                  ("kimi_k2", {"thinking": False}, False), ("deepseek_v3", {"thinking": True}, True)):
+        parser = reasoning_parser(name).for_request(kwargs)
+        assert (parser is not None) is applies, (name, kwargs)
+        if applies:
+            assert parser.parse("Hm.</think>Yes.") == ("Hm.", "Yes.")
 
 
 def test_kimi_k2_thinking_ends_at_a_tool_call_section():
