@@ -14,6 +14,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | `olmo3` | as `deepseek_r1` (OLMo 3's markers are plain text, several tokens each; the parsers read text) | OLMo 3 Think |
 | `qwen3` | a reply that opens with `<think>`, up to `</think>`; a reply that does not open with it is all answer (thinking switched off with `enable_thinking: false`) | Qwen3, SmolLM3 |
 | `glm45` | as `qwen3` | GLM-4.5, GLM-4.6 |
+| `apertus` | a reply that opens with its inner-prefix special token, up to its inner-suffix one (kept in the text); else all answer | Apertus |
 | `seed_oss` | a reply that opens with `<seed:think>`, up to `</seed:think>` (special tokens: kept in the text); else all answer | Seed-OSS |
 | `ernie45` | as `deepseek_r1`; an answer between `<response>` and `</response>` is taken from between them | ERNIE-4.5-21B-A3B-Thinking |
 | `granite` | a reply that opens with "Here is my thought process:" (or "Here's ..."), up to "Here is my response:" (or "Here's ..."); else all answer | Granite 3.2 and 3.3 with `chat_template_kwargs: {"thinking": true}` |
@@ -109,6 +110,13 @@ class Glm45Parser(Qwen3Parser):
     name = "glm45"
 
 
+class ApertusParser(ReasoningParser):
+    name = "apertus"
+    implicit_start = False
+    starts, ends = ("<|inner_prefix|>",), ("<|inner_suffix|>",)
+    keeps_special_tokens = True
+
+
 class SeedOssParser(ReasoningParser):
     name = "seed_oss"
     implicit_start = False
@@ -149,7 +157,7 @@ class GptOssParser(ReasoningParser):
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1Parser, Olmo3Parser, Exaone4Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
+    p.name: p for p in (ApertusParser, DeepSeekR1Parser, Olmo3Parser, Exaone4Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
                         GraniteParser, MistralParser, GptOssParser)}
 
 

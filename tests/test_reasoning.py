@@ -25,6 +25,8 @@ CASES = [
     ("kimi_k2", "Need the weather.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
      "Need the weather.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"),
     ("kimi_k2", "Still thinking <|tool_calls_sec", "Still thinking <|tool_calls_sec", ""),
+    ("apertus", "<|inner_prefix|>Short.<|inner_suffix|>Answer.", "Short.", "Answer."),
+    ("apertus", "A direct answer.", None, "A direct answer."),
     ("olmo3", "The template opened <think>; so 2 + 2 = 4.</think>\n\nFour.", "The template opened <think>; so 2 + 2 = 4.",
      "Four."),
     ("deepseek_r1", "  <think></think>Direct.", "", "Direct."),
@@ -94,7 +96,7 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "deepseek_v3", "ernie45", "exaone4", "glm45", "granite",
+    assert sorted(REASONING_PARSERS) == ["apertus", "deepseek_r1", "deepseek_v3", "ernie45", "exaone4", "glm45", "granite",
                                          "kimi_k2", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
 
 
