@@ -3,7 +3,7 @@ Magistral Small 1.2 ship): a tiny Mistral 3 saved by transformers, written back 
 (the inverse of transformers' converter: Mistral's names, q and k rows of the language model and of the tower in
 interleaved rotary pairs), reads as the HF model (config, language model and tower weights, image processing); its
 chat template writes an image where the message has it, and the prompt it makes, images expanded, is the tokens
-mistral_common encodes."""
+mistral_common encodes (and, for images resized, the same grid of patches)."""
 
 from __future__ import annotations
 
@@ -180,3 +180,14 @@ def test_prompt_with_an_image_is_mistral_commons(dirs, tmp_path):
         messages=[UserMessage(content=[ImageChunk(image=image), TextChunk(text="What is it?")])]))
     assert expanded == ref.tokens
     np.testing.assert_allclose(pixels, ref.images[0], atol=1e-5)
+    # Images that are resized: the same grid as mistral_common's (the pixels differ a little: PIL's bicubic filter
+    # against OpenCV's).
+    from mistral_common.tokens.tokenizers.image import ImageConfig, ImageEncoder, SpecialImageIDs
+
+    encoder = ImageEncoder(ImageConfig(image_patch_size=4, max_image_size=64, spatial_merge_size=2),
+                           SpecialImageIDs(img=10, img_break=12, img_end=13))
+    for size in ((30, 50), (100, 37), (200, 300), (13, 9), (65, 20)):
+        resized = Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+        ours_px, theirs = processor(resized), encoder(ImageChunk(image=resized))
+        assert ours_px.shape == theirs.image.shape, size
+        assert pixtral_prompt_tokens(vcfg, pixtral_grid(vcfg, ours_px.shape[1:])) == theirs.tokens, size

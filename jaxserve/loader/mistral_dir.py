@@ -115,10 +115,11 @@ def _image_text_config(text: dict[str, Any], v: Mapping[str, Any]) -> dict[str, 
 
 
 def image_processor_settings(path: str) -> dict[str, Any] | None:
-    """The image processing of a Mistral-format image-text directory, which has no preprocessor_config.json: as
-    mistral_common's, images scaled down to fit `max_image_size` (the tokenizer file's `image` settings, else
-    params.json's encoder), sides in whole patches, bicubic, CLIP's mean and std (`PixtralImageProcessor`'s
-    settings); None for another directory."""
+    """The image processing of a Mistral-format image-text directory, which has no preprocessor_config.json:
+    mistral_common's sizes, images scaled down to fit `max_image_size` (the tokenizer file's `image` settings, else
+    params.json's encoder) with sides in whole patches, CLIP's mean and std, as `PixtralImageProcessor` settings
+    (which resize with PIL's bicubic filter where mistral_common uses OpenCV's: a resized image's pixels differ a
+    little; the grid of patches is the same); None for another directory."""
     params = os.path.join(path, PARAMS_FILE)
     if not os.path.isfile(params):
         return None
