@@ -122,6 +122,32 @@ def test_mistral_format_vision_reads_as_the_hf_model(dirs):
     assert PixtralImageProcessor.from_dict(settings, merge) == PixtralImageProcessor.from_dict(PROCESSOR, merge)
 
 
+def test_mistral_format_reads_only_the_tensors_asked_for(dirs, monkeypatch):
+    """The tower's load reads the tower's tensors from disk, not the language model's (24B of them in Mistral Small),
+    and the language model's load not the tower's."""
+    from jaxserve.loader import HFDirectory
+    from jaxserve.models.vision_towers import tower_of
+
+    _, path, _ = dirs
+    ckpt = open_checkpoint(str(path))
+    read: list[str] = []
+    stored = HFDirectory._stored_tensors
+
+    def spy(self, select=None):
+        for name, array in stored(self, select):
+            read.append(name)
+            yield name, array
+
+    monkeypatch.setattr(HFDirectory, "_stored_tensors", spy)
+    tower = tower_of(ckpt.hf_config)[0]
+    names = [name for name, _ in ckpt.tensors(ckpt.config(), select=tower.is_tensor)]
+    assert names and all(tower.is_tensor(n) for n in names)
+    assert read and all(n.startswith(("vision_", "patch_merger.", "pre_mm_")) for n in read), read
+    read.clear()
+    text = [name for name, _ in ckpt.tensors(ckpt.config(), select=lambda n: not tower.is_tensor(n))]
+    assert text and not any(n.startswith(("vision_", "patch_merger.", "pre_mm_")) for n in read)
+
+
 def test_mistral_format_projectors_refused_by_name(dirs, tmp_path):
     _, path, _ = dirs
     params = json.loads((path / "params.json").read_text())

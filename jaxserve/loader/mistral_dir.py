@@ -154,23 +154,32 @@ class MistralDirectory(HFDirectory):
         files = sorted(f for f in os.listdir(self.path) if f.startswith("consolidated") and f.endswith(".safetensors"))
         self.files = [os.path.join(self.path, f) for f in files] if weights else []
 
-    def _stored_tensors(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    def _hf_name(self, name: str) -> tuple[str | None, int | None]:
+        """A stored tensor's HF name (None if unknown), and the heads whose q or k rows it holds in Mistral's
+        interleaved order (None for any other tensor)."""
         text = self.hf_config.get("text_config", self.hf_config)
-        heads = {"attention.wq.weight": text["num_attention_heads"], "attention.wk.weight": text["num_key_value_heads"]}
         vision_heads = self.hf_config.get("vision_config", {}).get("num_attention_heads")
-        # (a vision encoder's tensors in a file whose params.json names none are not read)
-        for name, array in super()._stored_tensors(lambda n: bool(vision_heads) or not _VISION_PREFIX.match(n)):
-            hf, rows = _TOP.get(name), None
-            if (m := _LAYER.match(name)) is not None and m.group(2) in _NAMES:
-                hf, rows = f"model.layers.{m.group(1)}.{_NAMES[m.group(2)]}", heads.get(m.group(2))
-            elif (v := _VISION_LAYER.match(name)) is not None and v.group(2) in _VISION_NAMES:
-                hf = f"vision_tower.transformer.layers.{v.group(1)}.{_VISION_NAMES[v.group(2)]}"
-                rows = vision_heads if v.group(2) in ("attention.wq.weight", "attention.wk.weight") else None
-            elif name in _VISION_TOP:
-                hf = _VISION_TOP[name]
-            if rows is not None:  # (the tower's heads are all KV heads too)
-                array = _half_split(np.asarray(array), rows)
+        if (m := _LAYER.match(name)) is not None and m.group(2) in _NAMES:
+            kind = m.group(2)
+            rows = {"attention.wq.weight": text["num_attention_heads"],
+                    "attention.wk.weight": text["num_key_value_heads"]}.get(kind)
+            return f"model.layers.{m.group(1)}.{_NAMES[kind]}", rows
+        if (v := _VISION_LAYER.match(name)) is not None and v.group(2) in _VISION_NAMES:
+            rows = vision_heads if v.group(2) in ("attention.wq.weight", "attention.wk.weight") else None
+            return f"vision_tower.transformer.layers.{v.group(1)}.{_VISION_NAMES[v.group(2)]}", rows
+        return _TOP.get(name) or _VISION_TOP.get(name), None
+
+    def _stored_tensors(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+        vision = "vision_config" in self.hf_config
+
+        def wanted(name: str) -> bool:  # (read from disk only what `select` takes, and unknown names to refuse)
+            if not vision and _VISION_PREFIX.match(name):
+                return False  # (a vision encoder's tensors in a file whose params.json names none)
+            hf = self._hf_name(name)[0]
+            return hf is None or select is None or select(hf)
+
+        for name, array in super()._stored_tensors(wanted):
+            hf, rows = self._hf_name(name)
             if hf is None:
                 raise CheckpointError(f"unknown tensor {name!r} in a Mistral-format checkpoint")
-            if select is None or select(hf):
-                yield hf, array
+            yield hf, array if rows is None else _half_split(np.asarray(array), rows)
