@@ -31,7 +31,9 @@ from pallas_kernels.ragged_attention_args import (
     combine_splits,
     default_splits,
     logits,
+    next_pow2,
     queries_to_blocks,
+    row_tiling,
     store_rows,
 )
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
@@ -39,15 +41,10 @@ from pallas_kernels.ragged_paged_attention import AttentionTuning
 
 # Query rows (tokens x heads) a program holds at most, unless `AttentionTuning.latent_heads` says otherwise.
 LATENT_ROWS = 64
-_MMA_MIN_ROWS = 16
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def check_latent_args(q, pages, block_tables, seq_lens, query_start_loc, value_dim, sm_scale) -> None:
@@ -148,14 +145,10 @@ def latent_tuning(tuning: AttentionTuning, num_tokens: int, num_seqs: int, num_k
     """The kernel's static blocking for these shapes: heads and query tokens per program, rows, tensor-core dots,
     KV block, splits and warps."""
     heads = _head_block(group, tuning.latent_heads or LATENT_ROWS)
-    block_q = tuning.block_q or max(1, min(16, _next_pow2(pl.cdiv(num_tokens, num_seqs)),
-                                           (tuning.latent_heads or LATENT_ROWS) // _next_pow2(heads)))
-    rows = _next_pow2(block_q * heads)
-    use_mma = rows >= _MMA_MIN_ROWS or tuning.pad_rows_to_mma
-    if use_mma:
-        rows = max(rows, _MMA_MIN_ROWS)
+    block_q = tuning.block_q or max(1, min(16, next_pow2(pl.cdiv(num_tokens, num_seqs)),
+                                           (tuning.latent_heads or LATENT_ROWS) // next_pow2(heads)))
+    rows, use_mma, num_blocks = row_tiling(block_q, heads, tuning.pad_rows_to_mma, num_tokens, num_seqs)
     block_kv = tuning.block_kv or (32 if use_mma else 16)
-    num_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + (num_seqs if block_q > 1 else 0))
     programs = num_kv_heads * (group // heads)
     splits = tuning.num_kv_splits
     if splits is None:

@@ -212,6 +212,25 @@ def span_last(row_pos, spans):
     return last
 
 
+# Rows a tile needs for tensor-core dots; smaller tiles go without them unless padded.
+MMA_MIN_ROWS = 16
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def row_tiling(block_q: int, heads: int, pad_to_mma: bool, num_tokens: int, num_seqs: int) -> tuple[int, bool, int]:
+    """A program's query rows (`block_q` tokens x `heads` heads, to a power of two, and at least `MMA_MIN_ROWS`
+    where tensor-core dots are used), whether they are, and how many query blocks `block_layout` makes."""
+    rows = next_pow2(block_q * heads)
+    use_mma = rows >= MMA_MIN_ROWS or pad_to_mma
+    if use_mma:
+        rows = max(rows, MMA_MIN_ROWS)
+    num_blocks = min(num_tokens, -(-num_tokens // block_q) + (num_seqs if block_q > 1 else 0))
+    return rows, use_mma, num_blocks
+
+
 def block_layout(seq_lens, query_start_loc, num_tokens: int, block_q: int, skip=None):
     """Cut each sequence's query tokens into blocks of `block_q`; returns per-block and per-token maps.
     The sequences marked in `skip` (`[S]` bool) get no blocks, and their tokens count as padding."""

@@ -32,7 +32,9 @@ from pallas_kernels.ragged_attention_args import (
     combine_splits,
     logits,
     mask_keys,
+    next_pow2,
     queries_to_blocks,
+    row_tiling,
     store_rows,
     token_metadata,
     window_start,
@@ -49,7 +51,6 @@ __all__ = [
 
 # Hopper SM count: the split heuristic aims at a couple of programs per SM.
 _TARGET_PROGRAMS = 2 * 132
-_MMA_MIN_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,6 @@ class AttentionTuning:
         for name in ("decode_lowering", "prefill_lowering"):
             if getattr(self, name) not in ("triton", "mosaic"):
                 raise ValueError(f"AttentionTuning.{name} must be 'triton' or 'mosaic', got {getattr(self, name)!r}")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,13 +186,9 @@ def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads,
     block_q = tuning.block_q
     if block_q is None:
         # About the mean query length: 1 for decode batches, up to 16 tokens for prefill chunks.
-        block_q = min(16, _next_pow2(pl.cdiv(num_tokens, num_seqs)))
-    rows = _next_pow2(block_q * group)
-    use_mma = rows >= _MMA_MIN_ROWS or tuning.pad_rows_to_mma
-    if use_mma:
-        rows = max(rows, _MMA_MIN_ROWS)
+        block_q = min(16, next_pow2(pl.cdiv(num_tokens, num_seqs)))
+    rows, use_mma, num_blocks = row_tiling(block_q, group, tuning.pad_rows_to_mma, num_tokens, num_seqs)
     block_kv = tuning.block_kv or (64 if use_mma else 32)
-    num_blocks = min(num_tokens, pl.cdiv(num_tokens, block_q) + (num_seqs if block_q > 1 else 0))
     splits = tuning.num_kv_splits
     if splits is None:
         programs = num_blocks * num_kv_heads
