@@ -12,6 +12,7 @@ from jaxserve.images import add_image_args, image_limits
 from jaxserve.json_options import json_object
 from jaxserve.lora_request import check_lora_args
 from jaxserve.pooling_params import PoolerConfig
+from jaxserve.speculative_config import SpeculativeConfig
 
 DType = Literal["auto", "float32", "bfloat16"]
 # vLLM's names: "fp8" is float8_e4m3fn (3 mantissa bits, finite up to 448); "fp8_e5m2" trades precision for range.
@@ -25,50 +26,6 @@ Runner = Literal["auto", "generate", "pooling"]
 LayerLoopChoice = Literal["auto", "scan", "unroll"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = LogprobsMode.__args__  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How drafts are proposed (vLLM's `--speculative-config` keys)."""
-
-    method: Literal["ngram"] = "ngram"
-    num_speculative_tokens: int = 4
-    """Most drafts per request per step."""
-    prompt_lookup_max: int = 4
-    """Longest context suffix looked up."""
-    prompt_lookup_min: int = 2
-    """Shortest context suffix looked up."""
-    draft_verification: Literal["rows", "chunks"] = "rows"
-    """How a step verifies a request's token and drafts: "rows", one-token sequences of the decode step (each
-    reads the request's KV; the decode kernels split long contexts across the GPU); "chunks", one sequence of
-    several query tokens in a mixed step (the KV read once; the prefill kernels). On the CPU rows measure
-    7-9% cheaper; on a GPU, `bench/README.md` says what is measured."""
-
-    @property
-    def chunked(self) -> bool:
-        """Drafts are verified as chunks (`draft_verification == "chunks"`)."""
-        return self.draft_verification == "chunks"
-
-    def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram' (prompt lookup), got {self.method!r}")
-        if self.draft_verification not in ("rows", "chunks"):
-            raise ValueError(f"speculative draft_verification must be 'rows' or 'chunks', got "
-                             f"{self.draft_verification!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative {name} must be a positive integer, got {value!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
-
-    @classmethod
-    def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
-        """From a JSON object (the command line) or a mapping; unknown keys are named."""
-        return cls(**json_object(value, "speculative config", '{"method": "ngram", "num_speculative_tokens": 4}',
-                                 {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                                  "draft_verification"}))
 
 
 @dataclass(frozen=True)
@@ -124,8 +81,8 @@ class EngineArgs:
     # "dummy": random weights of the model's shapes (config and tokenizer still read from `model`), for
     # benchmarks and checks where the real weights are not at hand; an HF directory then needs no weight files.
     load_format: LoadFormat = "auto"
-    # Speculative decoding (n-gram drafts; see jaxserve/engine/speculative.py). A JSON object or a
-    # mapping is parsed into a `SpeculativeConfig`.
+    # Speculative decoding (n-gram drafts or a draft model; see jaxserve/engine/speculative.py). A JSON object
+    # or a mapping is parsed into a `SpeculativeConfig`.
     speculative_config: SpeculativeConfig | None = None
     # "pooling": the model computes embeddings (`jaxserve.engine.pooling_engine`), not generations;
     # "auto" = "generate".
@@ -334,8 +291,9 @@ class EngineArgs:
                             "the CPU with the xla backend (weights not quantized), else scan")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context, '
-                            'verified in one step; outputs are unchanged)')
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context) or '
+                            '\'{"model": "<draft model>", "num_speculative_tokens": 4}\' (drafts from a smaller '
+                            'model of the same vocabulary); verified in one step, outputs unchanged')
         g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
                        help="generate (auto), or pooling: serve the model's embeddings on /v1/embeddings")
         g.add_argument("--pooler-config", default=None, metavar="JSON",

@@ -464,3 +464,36 @@ def test_grammar_masks_along_drafts_and_back():
     assert (rows[len(abc)] == np.packbits(eos_only, bitorder="little").view(np.int32)).all()
     assert (rows[len(abc) + 1] == rows[len(abc)]).all()
     assert done.valid_prefix(abc) == len(abc) and not done.stopped
+
+
+@slow
+def test_a_draft_model_changes_nothing_but_the_number_of_steps(engines, smollm_f32):
+    """SmolLM2 drafting for itself, read again from its GGUF (the real vocabulary checked; no warmup: the shapes
+    it meets compile): the greedy outputs without drafts, nearly every draft accepted, in fewer steps than
+    tokens. tests/test_draft_model.py holds the rest on tiny models."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.loader import bundled_model_path
+    from jaxserve.tokenizer import Tokenizer
+
+    cfg, params = smollm_f32
+    path = bundled_model_path()
+    loaded = LoadedModel(path, "SmolLM2-135M-Instruct", cfg, params, Tokenizer.from_gguf(path), jnp.float32, 0.0)
+    args = dict(REAL_ENGINE_ARGS, kv_cache_memory_bytes=2 * REAL_ENGINE_ARGS["kv_cache_memory_bytes"], warmup=False,
+                speculative_config={"model": path, "num_speculative_tokens": 4})
+    engine = LLMEngine(EngineArgs(**args), loaded=loaded, progress=False)
+    assert engine.scheduler.pool.num_pages == engines.spec.scheduler.pool.num_pages  # the budget holds both pools
+    prompts = _prompts(engine.tokenizer)
+    jobs = [(p, sp) for p in prompts for sp in (PARAMS[0], PARAMS[3])]
+    want = engines.base([p for p, _ in jobs], [sp for _, sp in jobs])
+    got = serve(engine, [p for p, _ in jobs], [sp for _, sp in jobs])
+    assert_same_outputs(want, got)
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 100 and stats.spec_num_accepted_tokens > 0.9 * stats.spec_num_draft_tokens
+    steps = engine.runner.num_steps
+    out = serve(engine, [prompts[1]], PARAMS[0])[0].outputs[0]
+    assert out.token_ids == want[2].outputs[0].token_ids
+    assert engine.runner.num_steps - steps - 1 < len(out.token_ids) / 2  # the first step is the prefill
+    assert pool_is_full(engine)

@@ -292,14 +292,15 @@ class Imported:
 
 
 def import_pages(engine: LLMEngine, payload: KVPayload) -> Imported | None:
-    """Write a checked payload's pages into fresh pages of the pool and cache them; None if the pool is full.
+    """Write a checked payload's pages into fresh pages of the pool and cache them; None if the pool is full (or
+    the engine has a draft model, whose KV of the pages the payload lacks: the request recomputes).
 
     Pages already cached here (same tokens, same salt) are kept and not overwritten.
     """
     meta = payload.meta
     sched = engine.scheduler
     cache, pool = sched.cache, sched.pool
-    if cache is None:
+    if cache is None or getattr(engine, "draft", None) is not None:  # a draft model's KV of them is not sent
         return None
     ids = list(meta.token_ids)
     salt = prompt_cache_salt(engine.long_rope_context, meta.prompt_tokens, meta.cache_salt)  # as `add_request`'s

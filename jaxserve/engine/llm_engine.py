@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
+from jaxserve.engine.draft_model import load_draft
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -81,8 +82,10 @@ class LLMEngine:
         cfg = self.model.config
         # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
         self.pooler_config = args.pooler_config_for(self.model.path)
-        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params),
-                                   kv_shards=plan.kv_shards if plan else 1)
+        self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
+        extra = self.draft.memory(args.page_size) if self.draft else (0, 0)  # its weights' bytes, a page's bytes
+        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params) + extra[0],
+                                   kv_shards=plan.kv_shards if plan else 1, extra_bytes_per_page=extra[1])
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
         long_rope = cfg.long_rope_context
@@ -119,12 +122,15 @@ class LLMEngine:
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
         self.model = dataclasses.replace(self.model, params=self.runner.params)
+        if self.draft:  # its pool, of the target's pages, and its steps at the runner's shapes
+            self.draft.start(self.runner.cfg, strict=args.strict_compile)
         self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules, args.max_cpu_loras)
                       if args.enable_lora else None)
         self.image_limit = (args.limit_mm_per_prompt or {}).get("image")
         self.warmup_seconds = 0.0
         if args.warmup:
-            self.warmup_seconds = self.runner.warmup(progress=progress) + (self.images.warmup() if self.images else 0)
+            self.warmup_seconds = (self.runner.warmup(progress=progress) + (self.images.warmup() if self.images else 0)
+                                   + (self.draft.warmup() if self.draft else 0))
         self.runner.strict = args.strict_compile
         self._groups: dict[str, RequestGroup] = {}
         self._seq_group: dict[str, RequestGroup] = {}
@@ -140,7 +146,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
         costs = step_costs(self.runner, chunked) if spec and args.warmup and args.num_processes == 1 else None
-        self.drafter = Drafter(spec, costs) if spec else None
+        self.drafter = Drafter(spec, costs, self.draft) if spec else None
         self.memory = EngineMemory(self)  # sleep mode and weight updates
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None
         """When set, called as `trace(request_id, layer, event, data)` at each layer a request crosses."""
@@ -294,14 +300,17 @@ class LLMEngine:
         with jax.profiler.TraceAnnotation(f"jaxserve_step_{step_id}"):
             if (spec is None or not spec.drafter.chunked) and all(s.is_decode for s in scheduled):
                 seqs = [self._seq[s.request_id] for s in rows]
-                # A grammar's or bad words' next mask needs the token before it; drafts are checked on the host:
-                # such a batch steps one token (per row) at a time.
-                one = spec is not None or any(q.stepwise for q in seqs)
+                # A grammar's or bad words' next mask needs the token before it; drafts are checked on the host; a
+                # draft model follows each token: such a batch steps one token (per row) at a time.
+                one = spec is not None or self.draft is not None or any(q.stepwise for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
                                   lora_slots=loras, long_prompts=longs, rope_deltas=self._rope_deltas(rows))
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
-                return plan, self.runner.dispatch_decode(st, tensors, penalties, want_top), [], spec
+                pending = self.runner.dispatch_decode(st, tensors, penalties, want_top)
+                if self.draft:  # the draft model's KV of the same tokens
+                    self.draft.follow_decode(st)
+                return plan, pending, [], spec
             inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs,
                                      self._step_images if self.images else None,
                                      self._step_rope if self.runner.cfg.mrope else None)
@@ -309,7 +318,10 @@ class LLMEngine:
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])
             next_ids = prompt_next_ids(chunks, inputs.token_ids.shape[0])
-            return plan, self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids), chunks, spec
+            pending = self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids)
+            if self.draft:
+                self.draft.follow(inputs)
+            return plan, pending, chunks, spec
 
     def _plan(self) -> SchedulerOutput:
         """The next step's plan, with the images its prefill chunks reach encoded: a request whose image fails to

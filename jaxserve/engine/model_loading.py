@@ -237,10 +237,12 @@ def shard_model(loaded: LoadedModel, args: EngineArgs, mesh: Any = None) -> Load
     return _with_plan(dataclasses.replace(loaded, params=plan.shard_params(loaded.params)), plan)
 
 
-def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes: int, kv_shards: int = 1) -> int:
+def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes: int, kv_shards: int = 1,
+                   extra_bytes_per_page: int = 0) -> int:
     """Pages that fit the KV budget: `kv_cache_memory_bytes` (all devices together), else a share of
-    one device's memory; `weight_bytes` is one device's weights, `kv_shards` the devices a page is split over."""
-    per_page = KVCache.bytes_per_page(cfg, args.page_size, dtype)
+    one device's memory; `weight_bytes` is one device's weights, `kv_shards` the devices a page is split over,
+    `extra_bytes_per_page` what else a page holds (a draft model's pool of the same pages)."""
+    per_page = KVCache.bytes_per_page(cfg, args.page_size, dtype) + extra_bytes_per_page
     budget = args.kv_cache_memory_bytes
     if budget is None:
         device = jax.devices()[0]

@@ -211,13 +211,14 @@ def engine_stats(engine: Any) -> EngineStats:
     from jaxserve.engine.speculative import SpecCounters
 
     sched, runner = engine.scheduler, engine.runner
-    cache = sched.cache
+    cache, draft = sched.cache, engine.draft  # speculative decoding's draft model, or None
     return EngineStats(
         num_running=sched.num_running, num_waiting=sched.num_waiting, kv_cache_usage=sched.kv_cache_usage,
         num_pages=sched.pool.num_pages, page_size=sched.pool.page_size,
         prefix_cache_queries=cache.query_tokens if cache else 0, prefix_cache_hits=cache.hit_tokens if cache else 0,
         num_preemptions=engine.num_preemptions, prompt_tokens=engine.prompt_tokens,
-        generation_tokens=engine.generation_tokens, compilations_after_warmup=runner.compilations_after_warmup,
+        generation_tokens=engine.generation_tokens,
+        compilations_after_warmup=runner.compilations_after_warmup + (draft.compilations_after_warmup if draft else 0),
         step_time_s=runner.last_step_time, num_steps=runner.num_steps, kv_cache_dtype=engine.args.kv_cache_dtype,
         calculate_kv_scales=engine.args.calculate_kv_scales,
         **dataclasses.asdict(engine.drafter.counters if engine.drafter else SpecCounters()),

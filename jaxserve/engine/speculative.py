@@ -1,4 +1,7 @@
-"""Speculative decoding with n-gram drafts (prompt lookup), verified in one step.
+"""Speculative decoding with n-gram drafts (prompt lookup) or a draft model's, verified in one step.
+
+With a draft model (`SpeculativeConfig.model`), `draft_model.DraftModel` writes the drafts instead of the
+lookup below; how they are chosen, verified and taken is the same.
 
 A decoding request whose last tokens already appeared earlier in its context (code being edited,
 a document being quoted or summarized, a structured answer that repeats its keys) often goes on
@@ -45,15 +48,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import RunnerConfig, StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
-from jaxserve.engine_args import SpeculativeConfig
 from jaxserve.models.inputs import ModelInputs
+from jaxserve.speculative_config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from jaxserve.engine.draft_model import DraftModel
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
@@ -232,9 +238,10 @@ class Drafter:
     draft within the step's room is verified.
     """
 
-    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None):
+    def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None, model: DraftModel | None = None):
         self.cfg = cfg
         self.costs = costs
+        self.model = model  # a draft model writes the drafts (None: n-gram lookup)
         self.chunked = cfg.chunked
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
@@ -242,6 +249,25 @@ class Drafter:
     def record(self, num_drafts: int, accepted: int) -> None:
         self.counters.spec_num_accepted_tokens += accepted
         self.rate.record(num_drafts, accepted)
+
+    def propose(self, ready: Sequence[ScheduledRequest], request_of: Callable[[str], Request],
+                reserve: Callable[[str, int], int], pages_of: Callable[[str], list[int]]) -> dict[str, np.ndarray]:
+        """Up to `num_speculative_tokens` drafts for each of the `ready` decodes: from the draft model (the pages of
+        the drafted positions reserved first: it writes its KV there), else looked up in the request's context."""
+        cfg, k = self.cfg, self.cfg.num_speculative_tokens
+        if self.model is not None:
+            rows = []
+            for s in ready:
+                n = reserve(s.request_id, 1 + k) - 1
+                rows.append((s.request_id, s.token_ids[0], s.start_position, pages_of(s.request_id), n))
+            return self.model.propose(rows)
+        proposals = {}
+        for s in ready:
+            req = request_of(s.request_id)
+            if req.ngram_index is None:
+                req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            proposals[s.request_id] = req.ngram_index.sync(req).propose(k)
+        return proposals
 
     def choose(self, n: int, lengths: Mapping[str, int], room: int, decode_only: bool,
                seq_bucket: Callable[[int], int], verify_bucket: Callable[[int], int]) -> dict[str, int]:
@@ -281,18 +307,11 @@ class Drafter:
         else:
             most, verify_bucket = rc.max_num_seqs, rc.seq_bucket
         room = most - n if decode_only else min(T - num_batched_tokens, min(T, rc.max_num_seqs) - n)
-        cfg, proposals = self.cfg, {}
-        for s in scheduled:
-            pace = pace_of(s.request_id) if s.is_decode else None
-            if pace is not None and pace.ready():
-                req = request_of(s.request_id)
-                if req.ngram_index is None:
-                    req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-                d = req.ngram_index.sync(req).propose(cfg.num_speculative_tokens)
-                if d.size and valid is not None:
-                    d = d[:valid(s.request_id, d.tolist())]
-                if d.size:
-                    proposals[s.request_id] = d
+        ready = [s for s in scheduled if s.is_decode and (pace := pace_of(s.request_id)) is not None and pace.ready()]
+        proposals = self.propose(ready, request_of, reserve, pages_of) if room > 0 else {}
+        if valid is not None:
+            proposals = {rid: d[:valid(rid, d.tolist())] for rid, d in proposals.items()}
+        proposals = {rid: d for rid, d in proposals.items() if d.size}
         counts = self.choose(n, {rid: len(d) for rid, d in proposals.items()}, room, decode_only, rc.seq_bucket,
                              verify_bucket)
         drafts = {}

@@ -1,0 +1,232 @@
+"""A draft model for speculative decoding: a smaller model of the target's vocabulary writes the drafts.
+
+`--speculative-config '{"model": <draft>, "num_speculative_tokens": k}'` (vLLM's method "draft_model").
+Before a step, the draft model decodes k tokens greedily for each decode it drafts, from the request's
+last token, in one call on the device (`_draft_loop`); the target verifies them as it verifies n-gram
+drafts (`speculative.SpecStep`), so outputs are the target's own, greedy or sampled.
+
+The draft keeps its own KV pool with the target's page ids: a page of a request holds the target's keys
+and values in the target's pool and the draft's in the draft's, allocated, shared through the prefix cache,
+preempted and freed together by the one scheduler. The draft's pages are written in lockstep: every step the
+target runs, prefill chunks, decodes and draft rows alike, the draft runs too on the same inputs, keeping
+only its KV (`follow`, `follow_decode`; the logits are compiled away). Wherever the target's pages hold a
+position, the draft's do too, so a prefix cache hit, a recomputed preemption or a chunked prefill needs
+nothing more. Drafting writes the draft's KV at the drafted positions past the request's computed tokens;
+the step verifying them rewrites those it keeps with the same values and the rest lie past the request's
+length until later steps overwrite them, as the target's rejected rows do.
+
+Decode steps go one token at a time with a draft model (the draft follows each token). The draft's KV
+holds the draft model's dtype. Drafts past the draft model's own context are merely worse guesses.
+Not served with a draft model: image-text targets, targets spread over several devices or hosts, sleep
+mode; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.runner import DecodeState, RunnerConfig
+from jaxserve.engine_args import EngineArgs
+from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.params import unstack_layers
+
+logger = logging.getLogger(__name__)
+
+
+def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftModel | None:
+    """The draft model `args.speculative_config` names, loaded beside the `target` (a `LoadedModel`) and checked
+    against it; None when the config drafts otherwise (or there is none)."""
+    spec = args.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    for refused, why in ((target.vision is not None, "an image-text model"),
+                         (target.plan is not None or args.num_processes > 1, "a model spread over several devices"),
+                         (args.enable_sleep_mode, "sleep mode")):
+        if refused:
+            raise ValueError(f"a draft model (speculative method 'draft_model') is not supported with {why}; "
+                             "use method 'ngram', or no speculative config")
+    from jaxserve.engine.model_loading import load_model
+
+    draft = load_model(EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
+                                  load_format=args.load_format, seed=args.seed, limit_mm_per_prompt={"image": 0}),
+                       progress=progress)
+    check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    logger.info("draft model %s: %d layers, %d of hidden width, drafting %d tokens", draft.name,
+                draft.config.num_layers, draft.config.hidden_size, spec.num_speculative_tokens)
+    return DraftModel(draft, target.config.vocab_size, spec.num_speculative_tokens)
+
+
+def check_same_vocabulary(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
+    """Raises ValueError unless every token id both tokenizers know is the same token in each (drafts are token
+    ids of the target's vocabulary)."""
+    t = {i: s for s, i in target.backend.get_vocab(with_added_tokens=True).items()}
+    d = {i: s for s, i in draft.backend.get_vocab(with_added_tokens=True).items()}
+    shared = sorted(t.keys() & d.keys())
+    differ = [i for i in shared if t[i] != d[i]]
+    if differ or len(shared) < min(len(t), len(d)) // 2:
+        example = ", ".join(f"{i}: {t[i]!r} / {d[i]!r}" for i in differ[:3])
+        raise ValueError(f"the draft model {draft_name} does not share the vocabulary of {target_name}: "
+                         f"{len(differ)} of the {len(shared)} ids both have are other tokens"
+                         + (f" ({example})" if example else "") + "; a draft model must use the same tokenizer")
+
+
+def _follow(params: Any, kv: KVCache, inputs: ModelInputs, cfg: ModelConfig, backend: str,
+            model_fn: Callable) -> KVCache:
+    """The draft's forward over a target step's inputs, kept for its KV writes."""
+    inputs = dataclasses.replace(inputs, token_ids=jnp.minimum(inputs.token_ids, cfg.vocab_size - 1))
+    return model_fn(params, kv, inputs, cfg, backend)[1]
+
+
+def _draft_loop(params: Any, kv: KVCache, tokens: jax.Array, positions: jax.Array, tables: jax.Array,
+                counts: jax.Array, cfg: ModelConfig, backend: str, model_fn: Callable, vocab: int,
+                n_max: int) -> tuple[jax.Array, KVCache]:
+    """Greedy decoding of `counts[i]` (<= n_max) tokens for each row from its last token `tokens[i]` at
+    `positions[i]` (not yet in the KV): [n_max, S] drafts (-1 past a row's count) and the pool."""
+    S, P = tables.shape
+    page_size = kv.k.shape[2]
+    rows = jnp.arange(S, dtype=jnp.int32)
+    qsl = jnp.arange(S + 1, dtype=jnp.int32)
+
+    def body(j, c):
+        kv, tok, out = c
+        pos = positions + j
+        live = j < counts
+        page = tables[rows, jnp.clip(pos // page_size, 0, P - 1)]
+        inputs = ModelInputs(
+            token_ids=jnp.minimum(tok, cfg.vocab_size - 1), positions=pos,
+            slot_mapping=jnp.where(live, page * page_size + pos % page_size, 0),
+            block_tables=jnp.where(live[:, None], tables, 0), seq_lens=jnp.where(live, pos + 1, 1),
+            query_start_loc=qsl, logits_indices=rows, decode=True)
+        logits, kv = model_fn(params, kv, inputs, cfg, backend)
+        new = jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32)
+        return kv, jnp.where(live, new, tok), out.at[j].set(jnp.where(live, new, -1))
+
+    out = jnp.full((n_max, S), -1, jnp.int32)
+    kv, _, out = jax.lax.fori_loop(0, jnp.max(counts), body, (kv, tokens, out))
+    return out, kv
+
+
+@functools.lru_cache(maxsize=4)
+def _steps(cfg: ModelConfig, backend: str, model_fn: Callable, vocab: int, n_max: int) -> tuple[Callable, Callable]:
+    """The jitted lockstep forward and drafting loop, shared by the draft models of one process alike in these
+    (their executables, keyed by the arguments' shapes too, compile once: `compiled_steps` says why)."""
+    common = dict(cfg=cfg, backend=backend, model_fn=model_fn)
+    return (jax.jit(functools.partial(_follow, **common), donate_argnums=(1,)),
+            jax.jit(functools.partial(_draft_loop, vocab=vocab, n_max=n_max, **common), donate_argnums=(1,)))
+
+
+class DraftModel:
+    """A loaded draft model, then (`start`) on the device with its KV pool (the target's pages) and its jitted
+    steps."""
+
+    def __init__(self, loaded: Any, target_vocab: int, num_speculative_tokens: int):
+        self.loaded, self.name, self.cfg = loaded, loaded.name, loaded.config
+        self.vocab = min(self.cfg.vocab_size, target_vocab)  # drafts are ids of both vocabularies
+        self.num_speculative_tokens = num_speculative_tokens
+        self._baseline_compiles: int | None = None
+
+    def memory(self, page_size: int) -> tuple[int, int]:
+        """(bytes of the draft's weights, bytes of one page of its pool)."""
+        from jaxserve.engine.model_loading import params_bytes
+
+        return params_bytes(self.loaded.params), KVCache.bytes_per_page(self.cfg, page_size, self.loaded.dtype)
+
+    def start(self, rcfg: RunnerConfig, strict: bool = False) -> None:
+        """Lay out the weights, allocate the pool of the target runner's pages and build the steps at its shapes;
+        `strict`: a compile after warmup raises (`EngineArgs.strict_compile`)."""
+        self.rcfg, self.strict, loaded = rcfg, strict, self.loaded
+        self.params = unstack_layers(loaded.params, fuse=True) if rcfg.layer_loop == "unroll" else loaded.params
+        self.kv = KVCache.allocate(self.cfg, rcfg.num_pages, rcfg.page_size, loaded.dtype,
+                                   as_bits=rcfg.backend == "xla")
+        self._follow, self._draft = _steps(self.cfg, rcfg.backend, loaded.forward_fn, self.vocab,
+                                           self.num_speculative_tokens)
+        self.loaded = dataclasses.replace(loaded, params=self.params)  # one copy of the weights
+
+    # -- lockstep with the target ------------------------------------------------------------------
+
+    def follow(self, inputs: ModelInputs) -> None:
+        """Write the draft's KV of a target mixed step's tokens (what only the target reads is left out)."""
+        self.kv = self._follow(self.params, self.kv, dataclasses.replace(
+            inputs, lora_slots=None, long_prompt=None, image_embeds=None, image_mask=None, last_key=None,
+            rope_offsets=None))
+
+    def follow_decode(self, st: DecodeState) -> None:
+        """Write the draft's KV of a target decode step's tokens (its first step: the engine steps one token at a
+        time with a draft model)."""
+        tokens, positions, tables = np.asarray(st.tokens), np.asarray(st.positions), np.asarray(st.block_tables)
+        live = np.asarray(st.max_steps) > 0
+        self.kv = self._follow(self.params, self.kv, self._decode_inputs(tokens, positions, tables, live))
+
+    def _decode_inputs(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray,
+                       live: np.ndarray) -> ModelInputs:
+        S, P = tables.shape
+        ps = self.rcfg.page_size
+        page = tables[np.arange(S), np.clip(positions // ps, 0, P - 1)]
+        return ModelInputs(
+            token_ids=jnp.asarray(tokens, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
+            slot_mapping=jnp.asarray(np.where(live, page * ps + positions % ps, 0), jnp.int32),
+            block_tables=jnp.asarray(np.where(live[:, None], tables, 0), jnp.int32),
+            seq_lens=jnp.asarray(np.where(live, positions + 1, 1), jnp.int32),
+            query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), logits_indices=jnp.arange(S, dtype=jnp.int32),
+            decode=True)
+
+    # -- drafting ----------------------------------------------------------------------------------
+
+    def propose(self, rows: Sequence[tuple[str, int, int, Sequence[int], int]]) -> dict[str, np.ndarray]:
+        """Drafts for decoding requests, each `(request_id, last token, its position, page table, how many)`,
+        the pages of those positions already reserved: the draft model's greedy continuation of each."""
+        rows = [r for r in rows if r[4] > 0]
+        if not rows:
+            return {}
+        S, P = self.rcfg.seq_bucket(len(rows)), self.rcfg.pages_per_seq
+        tokens, positions, counts = (np.zeros(S, np.int32) for _ in range(3))
+        tables = np.zeros((S, P), np.int32)
+        for i, (_, token, position, pages, k) in enumerate(rows):
+            tokens[i], positions[i], counts[i] = token, position, min(k, self.num_speculative_tokens)
+            tables[i, :len(pages)] = pages
+        out, self.kv = self._draft(self.params, self.kv, tokens, positions, tables, counts)
+        out = np.asarray(jax.device_get(out))
+        self._check_compiles()
+        return {rid: out[:counts[i], i] for i, (rid, *_) in enumerate(rows)}
+
+    # -- compiles ----------------------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        """Compile the lockstep forward at every token and sequence bucket and the drafting loop at every
+        sequence bucket (into the reserved page 0); returns the seconds it took."""
+        t0, rc = time.perf_counter(), self.rcfg
+        for T in rc.token_buckets:
+            S = min(T, rc.max_num_seqs)
+            self.follow(ModelInputs.build([([0], 0, [0])], rc.page_size, num_tokens=T, num_seqs=S,
+                                          pages_per_seq=rc.pages_per_seq))
+        for S in rc.seq_buckets:
+            zeros, tables = np.zeros(S, np.int32), np.zeros((S, rc.pages_per_seq), np.int32)
+            self.kv = self._follow(self.params, self.kv, self._decode_inputs(zeros, zeros, tables, zeros > 0))
+            out, self.kv = self._draft(self.params, self.kv, zeros, zeros, tables, zeros)
+        jax.block_until_ready(self.kv)
+        self._baseline_compiles = self.num_compilations()
+        return time.perf_counter() - t0
+
+    def num_compilations(self) -> int:
+        return self._follow._cache_size() + self._draft._cache_size()
+
+    @property
+    def compilations_after_warmup(self) -> int:
+        return 0 if self._baseline_compiles is None else self.num_compilations() - self._baseline_compiles
+
+    def _check_compiles(self) -> None:
+        if self.strict and self.compilations_after_warmup > 0:
+            from jaxserve.engine.runner import CompileAfterWarmupError
+
+            raise CompileAfterWarmupError(f"{self.compilations_after_warmup} draft model compilation(s) after "
+                                          "warmup (strict mode)")

@@ -1,0 +1,72 @@
+"""Speculative decoding's configuration (vLLM's `--speculative-config` keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jaxserve.json_options import json_object
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed and verified.
+
+    `method` "ngram" looks the drafts up in the request's own context (`speculative.NgramIndex`);
+    "draft_model" has a smaller model of the same vocabulary write them (`draft_model.DraftModel`), and is
+    what a config naming a `model` means when it names no method."""
+
+    method: Literal["ngram", "draft_model"] | None = None
+    model: str | None = None
+    """The draft model (as `EngineArgs.model` names one: a directory, a GGUF file, a bundled name)."""
+    num_speculative_tokens: int = 4
+    """Most drafts per request per step."""
+    prompt_lookup_max: int = 4
+    """Longest context suffix looked up ("ngram")."""
+    prompt_lookup_min: int = 2
+    """Shortest context suffix looked up ("ngram")."""
+    quantization: str | None = None
+    """The draft model's weight quantization (as `EngineArgs.quantization`; "draft_model")."""
+    draft_verification: Literal["rows", "chunks"] = "rows"
+    """How a step verifies a request's token and drafts: "rows", one-token sequences of the decode step (each
+    reads the request's KV; the decode kernels split long contexts across the GPU); "chunks", one sequence of
+    several query tokens in a mixed step (the KV read once; the prefill kernels). On the CPU rows measure
+    7-9% cheaper; on a GPU, `bench/README.md` says what is measured."""
+
+    @property
+    def chunked(self) -> bool:
+        """Drafts are verified as chunks (`draft_verification == "chunks"`)."""
+        return self.draft_verification == "chunks"
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be 'ngram' (prompt lookup) or 'draft_model' (a smaller "
+                             f"model), got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative method 'draft_model' needs the draft model: add \"model\": <path or name>")
+        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative method 'ngram' drafts from the context and takes no model or "
+                             "quantization; for a draft model use method 'draft_model'")
+        if self.draft_verification not in ("rows", "chunks"):
+            raise ValueError(f"speculative draft_verification must be 'rows' or 'chunks', got "
+                             f"{self.draft_verification!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any]) -> SpeculativeConfig:
+        """From a JSON object (the command line) or a mapping; unknown keys are named."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**json_object(value, "speculative config", '{"method": "ngram", "num_speculative_tokens": 4} or '
+                                 '{"model": "<draft model>", "num_speculative_tokens": 4}', known))
