@@ -324,3 +324,25 @@ def test_ragged_mosaic_kernel_compiles_for_sm90(spec, T, S, kvh, group, d, block
     print(f"ragged mosaic T={T} S={S} {kvh}x{group}x{d} page {page_size} block_kv={block_kv} "
           f"compute_wgs={compute_wgs} soft_cap={soft_cap} window={window} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("S", [1, 64])
+def test_draft_model_steps_compile_for_sm90(spec, S):
+    """A draft model's steps (`engine.draft_model`), SmolLM2 drafting: the loop writing 4 greedy drafts a row, and
+    the lockstep forward over a decode step's rows and over the largest mixed step (its logits compiled away)."""
+    from jaxserve.engine.draft_model import _draft_loop, _follow
+    from jaxserve.models.llama import forward
+
+    params, kv, *_ = _common(spec, S)
+    common = dict(cfg=SMOLLM2, backend="pallas", model_fn=forward)
+    rows = [spec((S,), jnp.int32) for _ in range(4)]
+    loop = functools.partial(_draft_loop, vocab=SMOLLM2.vocab_size, n_max=4, **common)
+    seconds = _compile(loop, params, kv, rows[0], rows[1], spec((S, RC.pages_per_seq), jnp.int32), rows[2])
+    T = RC.token_buckets[-1]
+    for n, m in ((S, S), (T, min(T, RC.max_num_seqs))):
+        host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=n, num_seqs=m,
+                                 pages_per_seq=RC.pages_per_seq)
+        inputs = _abstract(spec, dataclasses.replace(host, decode=n == S))
+        seconds += _compile(functools.partial(_follow, **common), params, kv, inputs)
+    print(f"draft model S={S}: its drafting loop and lockstep steps compiled for sm_90 in {seconds:.1f} s")
