@@ -62,6 +62,16 @@ PARAMS = [
 ]
 
 
+def _engine(target: str, spec: dict, **args) -> LLMEngine:
+    """An engine drafting with `spec`, warmed up (a compile while serving raises), every draft the step has room
+    for verified: the costs measured at warmup would make the CPU draft little (drafting a token with these tiny
+    models costs about a step; `test_speculative.py` checks that choice)."""
+    engine = LLMEngine(EngineArgs(model=target, speculative_config=spec, **{**ARGS, **args}), progress=False)
+    assert engine.drafter.costs.draft is not None
+    engine.drafter.costs = None
+    return engine
+
+
 def _serve(engine: LLMEngine, prompts, params) -> dict:
     for i, p in enumerate(prompts):
         for j, sp in enumerate(params):
@@ -88,8 +98,7 @@ def test_outputs_are_the_targets_whatever_the_draft(models, base, draft):
     """Greedy, seeded sampling (n=2), penalties with logprobs, stop ids after min_tokens: the outputs without
     drafts, from the model itself (every greedy draft right), a smaller random one (almost never), or a
     perturbed copy (often)."""
-    spec = {"model": models[draft], "num_speculative_tokens": 3}
-    engine = LLMEngine(EngineArgs(model=models["target"], speculative_config=spec, **ARGS), progress=False)
+    engine = _engine(models["target"], {"model": models[draft], "num_speculative_tokens": 3})
     _same(base, _serve(engine, _prompts(), PARAMS))
     stats = engine.stats()
     assert stats.compilations_after_warmup == 0 and engine.draft.compilations_after_warmup == 0
@@ -105,8 +114,7 @@ def test_a_model_drafting_for_itself_is_always_right_greedy(models):
     of the model drafting for itself is accepted. Without the lockstep writes most are not."""
 
     def run(follow: bool) -> LLMEngine:
-        spec = {"model": models["target"], "num_speculative_tokens": 3}
-        engine = LLMEngine(EngineArgs(model=models["target"], speculative_config=spec, **ARGS), progress=False)
+        engine = _engine(models["target"], {"model": models["target"], "num_speculative_tokens": 3})
         if not follow:
             engine.draft.follow = engine.draft.follow_decode = lambda *a: None
         first = _prompts(16, seed=1)  # more than the pool holds at once
@@ -128,8 +136,8 @@ def test_a_model_drafting_for_itself_is_always_right_greedy(models):
 
 
 def test_drafts_verified_as_chunks(models, base):
-    spec = {"model": models["near"], "num_speculative_tokens": 4, "draft_verification": "chunks"}
-    engine = LLMEngine(EngineArgs(model=models["target"], speculative_config=spec, **ARGS), progress=False)
+    engine = _engine(models["target"], {"model": models["near"], "num_speculative_tokens": 4,
+                                        "draft_verification": "chunks"})
     kinds = []
     launch = engine._launch
 

@@ -198,6 +198,37 @@ def test_drafts_verified_are_those_worth_their_cost():
     assert linear.choose(3, {"a": 4}, room=2, decode_only=False, **buckets) == {"a": 2}
 
 
+def test_a_draft_model_drafts_only_when_its_drafts_can_pay():
+    """A draft model's loop is paid before its drafts are seen: a decode-only step drafts when the drafts it could
+    verify, at the acceptance so far, pay for the loop and their rows (measured costs), and skips the loop when
+    they cannot."""
+    rc = RunnerConfig(max_num_seqs=32, max_num_batched_tokens=32, max_model_len=64, page_size=8, num_pages=64,
+                      num_scheduler_steps=1, backend="xla")
+    asked = []
+
+    class Model:
+        def propose(self, rows):
+            asked.append([(rid, n) for rid, *_, n in rows])
+            return {rid: np.full(n, 5, np.int32) for rid, *_, n in rows}
+
+    def plan(draft_seconds: float, p: float) -> dict[str, list[int]]:
+        decode = {b: 1.0 for b in rc.seq_buckets}  # bound by reading the weights: rows cost nothing
+        drafter = Drafter(SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=3),
+                          StepCosts(decode, decode, {b: draft_seconds for b in rc.seq_buckets}), Model())
+        drafter.rate.hits = drafter.rate.tries * p
+        rows = [ScheduledRequest(f"r{i}", 1, 10, (3,), (1, 2), True, True) for i in range(2)]
+        step = drafter.plan(rows, 2, rc, request_of=None, pace_of=lambda rid: DraftBackoff(),
+                            reserve=lambda rid, n: n, pages_of=lambda rid: [1, 2])
+        return {} if step is None else step.drafts
+
+    # Two requests at p = 0.8 expect 2 * (0.8 + 0.64 + 0.512) = 3.9 more tokens a step: worth a loop costing half a
+    # step (5.9 tokens for 1.5 steps against 2 for 1), not one of three steps.
+    assert plan(0.5, 0.8) == {"r0": [5, 5, 5], "r1": [5, 5, 5]} and asked == [[("r0", 3), ("r1", 3)]]
+    asked.clear()
+    assert plan(3.0, 0.8) == {} and asked == []
+    assert plan(0.5, 0.1) == {} and asked == [], "at p = 0.1: 2.2 tokens for 1.5 steps"
+
+
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
 
 

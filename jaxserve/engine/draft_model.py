@@ -199,6 +199,14 @@ class DraftModel:
         self._check_compiles()
         return {rid: out[:counts[i], i] for i, (rid, *_) in enumerate(rows)}
 
+    def time_draft(self, S: int) -> None:
+        """A drafting loop of S rows, each writing `num_speculative_tokens` drafts into the reserved page 0, waited
+        for (what `speculative.step_costs` times)."""
+        zeros, tables = np.zeros(S, np.int32), np.zeros((S, self.rcfg.pages_per_seq), np.int32)
+        counts = np.full(S, self.num_speculative_tokens, np.int32)
+        out, self.kv = self._draft(self.params, self.kv, zeros, zeros, tables, counts)
+        jax.block_until_ready(out)
+
     # -- compiles ----------------------------------------------------------------------------------
 
     def warmup(self) -> float:

@@ -83,9 +83,8 @@ class LLMEngine:
         # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
         self.pooler_config = args.pooler_config_for(self.model.path)
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
-        extra = self.draft.memory(args.page_size) if self.draft else (0, 0)  # its weights' bytes, a page's bytes
-        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params) + extra[0],
-                                   kv_shards=plan.kv_shards if plan else 1, extra_bytes_per_page=extra[1])
+        kv_shards, beside = plan.kv_shards if plan else 1, self.draft.memory(args.page_size) if self.draft else (0, 0)
+        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), kv_shards, beside)
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
         long_rope = cfg.long_rope_context
@@ -145,7 +144,8 @@ class LLMEngine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
-        costs = step_costs(self.runner, chunked) if spec and args.warmup and args.num_processes == 1 else None
+        warm = spec and args.warmup and args.num_processes == 1
+        costs = step_costs(self.runner, chunked, model=self.draft) if warm else None
         self.drafter = Drafter(spec, costs, self.draft) if spec else None
         self.memory = EngineMemory(self)  # sleep mode and weight updates
         self.trace: Callable[[str, str, str, dict[str, Any]], None] | None = None

@@ -238,11 +238,13 @@ def shard_model(loaded: LoadedModel, args: EngineArgs, mesh: Any = None) -> Load
 
 
 def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes: int, kv_shards: int = 1,
-                   extra_bytes_per_page: int = 0) -> int:
+                   beside: tuple[int, int] = (0, 0)) -> int:
     """Pages that fit the KV budget: `kv_cache_memory_bytes` (all devices together), else a share of
     one device's memory; `weight_bytes` is one device's weights, `kv_shards` the devices a page is split over,
-    `extra_bytes_per_page` what else a page holds (a draft model's pool of the same pages)."""
-    per_page = KVCache.bytes_per_page(cfg, args.page_size, dtype) + extra_bytes_per_page
+    `beside` the weights and the bytes a page of another model served beside this one (a draft model's pool of
+    the same pages)."""
+    weight_bytes += beside[0]
+    per_page = KVCache.bytes_per_page(cfg, args.page_size, dtype) + beside[1]
     budget = args.kv_cache_memory_bytes
     if budget is None:
         device = jax.devices()[0]

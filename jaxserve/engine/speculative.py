@@ -218,10 +218,12 @@ class SpecStep:
 @dataclass(frozen=True)
 class StepCosts:
     """Seconds of a step, measured at warmup (`step_costs`): a decode step by sequence bucket, and a step
-    that verifies drafts by its bucket (chunked: the mixed step's tokens; as rows: the decode step's)."""
+    that verifies drafts by its bucket (chunked: the mixed step's tokens; as rows: the decode step's); with a
+    draft model, its drafting loop by sequence bucket (every row drafting `num_speculative_tokens`)."""
 
     decode: Mapping[int, float]
     verify: Mapping[int, float]
+    draft: Mapping[int, float] | None = None
 
 
 class Drafter:
@@ -270,9 +272,10 @@ class Drafter:
         return proposals
 
     def choose(self, n: int, lengths: Mapping[str, int], room: int, decode_only: bool,
-               seq_bucket: Callable[[int], int], verify_bucket: Callable[[int], int]) -> dict[str, int]:
+               seq_bucket: Callable[[int], int], verify_bucket: Callable[[int], int],
+               drafting: float = 0.0) -> dict[str, int]:
         """How many drafts each request verifies, of the `lengths` proposed, in a step of `n` rows with
-        `room` rows to spare."""
+        `room` rows to spare; `drafting`: seconds the drafts cost besides their verification."""
         order = sorted(((j, rid) for rid, k in lengths.items() for j in range(1, k + 1)), key=lambda x: x[0])
         order = order[:max(0, room)]
         if decode_only and self.costs:
@@ -280,7 +283,7 @@ class Drafter:
             best = n / self.costs.decode[seq_bucket(n)]
             for d, (j, _) in enumerate(order, 1):
                 gain += p ** j
-                score = (n + gain) / self.costs.verify[verify_bucket(n + d)]
+                score = (n + gain) / (self.costs.verify[verify_bucket(n + d)] + drafting)
                 if score > best:
                     best, best_d = score, d
             order = order[:best_d]
@@ -308,7 +311,13 @@ class Drafter:
             most, verify_bucket = rc.max_num_seqs, rc.seq_bucket
         room = most - n if decode_only else min(T - num_batched_tokens, min(T, rc.max_num_seqs) - n)
         ready = [s for s in scheduled if s.is_decode and (pace := pace_of(s.request_id)) is not None and pace.ready()]
-        proposals = self.propose(ready, request_of, reserve, pages_of) if room > 0 else {}
+        if room > 0 and decode_only and self.costs and self.costs.draft and ready:
+            # A draft model's loop is paid before its drafts are seen: draft only when drafts could pay for it.
+            k, drafting = self.cfg.num_speculative_tokens, self.costs.draft[rc.seq_bucket(len(ready))]
+            if not self.choose(n, {s.request_id: k for s in ready}, room, True, rc.seq_bucket, verify_bucket,
+                               drafting):
+                ready = []
+        proposals = self.propose(ready, request_of, reserve, pages_of) if room > 0 and ready else {}
         if valid is not None:
             proposals = {rid: d[:valid(rid, d.tolist())] for rid, d in proposals.items()}
         proposals = {rid: d for rid, d in proposals.items() if d.size}
@@ -358,10 +367,10 @@ def row_outputs(step: SpecStep, token_ids: Mapping[str, list[int]]) -> list[list
     return out
 
 
-def step_costs(runner: Any, chunked: bool, repeats: int = 2) -> StepCosts:
-    """Seconds of a decode step with every row of each sequence bucket active, and, `chunked`, of a mixed
-    step of one-token sequences in each token bucket up to the most rows a step holds (the best of
-    `repeats`, on a `ModelRunner`, into the reserved page 0): what the drafter weighs its drafts against."""
+def step_costs(runner: Any, chunked: bool, repeats: int = 2, model: DraftModel | None = None) -> StepCosts:
+    """Seconds of a decode step with every row of each sequence bucket active, `chunked`, of a mixed step of
+    one-token sequences in each token bucket up to the most rows a step holds, and of a draft `model`'s loop at
+    each sequence bucket (the best of `repeats`, on a `ModelRunner`, into page 0): what drafts are weighed against."""
     rc = runner.cfg
 
     def best(run) -> float:
@@ -376,8 +385,9 @@ def step_costs(runner: Any, chunked: bool, repeats: int = 2) -> StepCosts:
     for S in rc.seq_buckets:
         st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
         decode[S] = best(lambda st=st, S=S: runner.run_decode(st, runner.inert_sampling(S), None, want_top=False))
+    draft = {S: best(lambda S=S: model.time_draft(S)) for S in rc.seq_buckets} if model is not None else None
     if not chunked:
-        return StepCosts(decode, decode)
+        return StepCosts(decode, decode, draft)
     mixed = {}
     for T in rc.token_buckets:
         if T > rc.token_bucket(min(rc.max_num_seqs, rc.max_num_batched_tokens)):
@@ -387,4 +397,4 @@ def step_costs(runner: Any, chunked: bool, repeats: int = 2) -> StepCosts:
                                    pages_per_seq=rc.pages_per_seq, lora_slots=[-1] * S if rc.lora else None,
                                    long_prompts=[False] * S if rc.long_rope else None, mrope=rc.mrope)
         mixed[T] = best(lambda i=inputs, S=S: runner.run_mixed(i, runner.inert_sampling(S), None, want_top=False))
-    return StepCosts(decode, mixed)
+    return StepCosts(decode, mixed, draft)
