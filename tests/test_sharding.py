@@ -24,7 +24,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -170,6 +170,14 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     assert len(pooled["single"]) == len(PROMPTS) and all(len(v) == 64 for v in pooled["single"])
     np.testing.assert_allclose(pooled["tp2"], pooled["single"], atol=1e-5)
     assert pooled["tp2_compiles_after_warmup"] == 0 and pooled["single_compiles_after_warmup"] == 0
+
+
+def test_a_draft_model_drafts_whole_on_each_device_of_a_tp2_engine(results):
+    r = results["draft"]
+    assert r["devices"] == [2, 2, 2] and r["pages"][0] == r["pages"][1]
+    assert r["tp2"] == r["ref"] and all(len(t) == 24 for t in r["ref"])
+    assert r["drafted"] > 30 and r["accepted"] == r["drafted"]
+    assert r["compiles_after_warmup"] == 0
 
 
 def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(results):

@@ -285,6 +285,35 @@ def case_engine() -> dict:
     }
 
 
+def case_draft() -> dict:
+    """Speculative decoding with a draft model at TP=2 (the model drafting for itself, read back from a checkpoint
+    written of it): the draft and its pool whole on both devices, the greedy tokens without drafts, every draft
+    accepted, nothing compiled after warmup."""
+    import tempfile
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+
+    loaded = _tiny_loaded(dense_config())
+    args = dict(ENGINE_ARGS, max_num_seqs=16, kv_cache_memory_bytes=4 * ENGINE_ARGS["kv_cache_memory_bytes"])
+    with tempfile.TemporaryDirectory() as path:
+        export_hf(path, loaded.config, loaded.params, loaded.tokenizer)
+        engine = LLMEngine(EngineArgs(**args, tensor_parallel_size=2, strict_compile=True,
+                                      speculative_config={"model": path, "num_speculative_tokens": 3}),
+                           loaded=loaded, progress=False)
+    drafter, engine.drafter = engine.drafter, None
+    ref = _generate(engine, PROMPTS, max_tokens=24)  # without drafts (TP=2 equals one device: case_engine)
+    engine.drafter, drafter.costs = drafter, None  # every draft the step has room for
+    got = _generate(engine, PROMPTS, max_tokens=24)
+    stats = engine.stats()
+    return {"ref": ref, "tp2": got, "drafted": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens,
+            "compiles_after_warmup": stats.compilations_after_warmup,
+            "devices": [len(engine.draft.kv.k.sharding.device_set), len(engine.draft.params.embed.sharding.device_set),
+                        len(engine.runner.kv.k.sharding.device_set)],
+            "pages": [engine.scheduler.pool.num_pages, engine.draft.kv.k.shape[1]]}
+
+
 def case_dp() -> dict:
     """Two TP=2 replicas behind the data-parallel facade: placement, tokens, devices, compiles."""
     import asyncio
@@ -631,7 +660,8 @@ def case_images() -> dict:
     return found
 
 
-CASES = {"quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe}
+CASES = {"quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,
+         "draft": case_draft}
 
 
 def main(argv: list[str]) -> None:

@@ -17,8 +17,9 @@ length until later steps overwrite them, as the target's rejected rows do.
 
 Decode steps go one token at a time with a draft model (the draft follows each token). The draft's KV
 holds the draft model's dtype. Drafts past the draft model's own context are merely worse guesses.
-Not served with a draft model: image-text targets, targets spread over several devices or hosts, sleep
-mode; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
+Over several devices (tensor or expert parallel), every device of the target's holds the whole draft model and
+its pool (it is small) and runs it alike. Not served with a draft model: image-text targets, clusters of several
+hosts, sleep mode; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.runner import DecodeState, RunnerConfig
@@ -50,7 +52,7 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
     if spec is None or spec.method != "draft_model":
         return None
     for refused, why in ((target.vision is not None, "an image-text model"),
-                         (target.plan is not None or args.num_processes > 1, "a model spread over several devices"),
+                         (args.num_processes > 1, "a model served by several hosts"),
                          (args.enable_sleep_mode, "sleep mode")):
         if refused:
             raise ValueError(f"a draft model (speculative method 'draft_model') is not supported with {why}; "
@@ -117,12 +119,27 @@ def _draft_loop(params: Any, kv: KVCache, tokens: jax.Array, positions: jax.Arra
 
 
 @functools.lru_cache(maxsize=4)
-def _steps(cfg: ModelConfig, backend: str, model_fn: Callable, vocab: int, n_max: int) -> tuple[Callable, Callable]:
+def _steps(cfg: ModelConfig, backend: str, model_fn: Callable, vocab: int, n_max: int,
+           replicated: Any = None) -> tuple[Callable, Callable]:
     """The jitted lockstep forward and drafting loop, shared by the draft models of one process alike in these
-    (their executables, keyed by the arguments' shapes too, compile once: `compiled_steps` says why)."""
+    (their executables, keyed by the arguments' shapes too, compile once: `compiled_steps` says why); with
+    `replicated` (a sharding over a mesh), their outputs are laid out as it says."""
     common = dict(cfg=cfg, backend=backend, model_fn=model_fn)
-    return (jax.jit(functools.partial(_follow, **common), donate_argnums=(1,)),
-            jax.jit(functools.partial(_draft_loop, vocab=vocab, n_max=n_max, **common), donate_argnums=(1,)))
+    out = {} if replicated is None else dict(out_shardings=replicated)
+    return (jax.jit(functools.partial(_follow, **common), donate_argnums=(1,), **out),
+            jax.jit(functools.partial(_draft_loop, vocab=vocab, n_max=n_max, **common), donate_argnums=(1,), **out))
+
+
+def draft_memory(draft: DraftModel | None, page_size: int, plan: Any) -> tuple[int, int]:
+    """(bytes of the draft's weights, bytes of one page of its pool) a device holds, the page counted as the
+    target's are (over all `plan.kv_shards` devices a page is split over: the draft is whole on each); (0, 0)
+    without a draft model."""
+    if draft is None:
+        return 0, 0
+    from jaxserve.engine.model_loading import params_bytes
+
+    page = KVCache.bytes_per_page(draft.cfg, page_size, draft.loaded.dtype)
+    return params_bytes(draft.loaded.params), page * (plan.kv_shards if plan is not None else 1)
 
 
 class DraftModel:
@@ -135,21 +152,22 @@ class DraftModel:
         self.num_speculative_tokens = num_speculative_tokens
         self._baseline_compiles: int | None = None
 
-    def memory(self, page_size: int) -> tuple[int, int]:
-        """(bytes of the draft's weights, bytes of one page of its pool)."""
-        from jaxserve.engine.model_loading import params_bytes
-
-        return params_bytes(self.loaded.params), KVCache.bytes_per_page(self.cfg, page_size, self.loaded.dtype)
-
-    def start(self, rcfg: RunnerConfig, strict: bool = False) -> None:
-        """Lay out the weights, allocate the pool of the target runner's pages and build the steps at its shapes;
-        `strict`: a compile after warmup raises (`EngineArgs.strict_compile`)."""
+    def start(self, rcfg: RunnerConfig, strict: bool = False, mesh: Any = None) -> None:
+        """Lay out the weights, allocate the pool of the target runner's pages and build the steps at its shapes,
+        over the target's `mesh` (None: one device) whole on every device; `strict`: a compile after warmup raises
+        (`EngineArgs.strict_compile`)."""
         self.rcfg, self.strict, loaded = rcfg, strict, self.loaded
-        self.params = unstack_layers(loaded.params, fuse=True) if rcfg.layer_loop == "unroll" else loaded.params
-        self.kv = KVCache.allocate(self.cfg, rcfg.num_pages, rcfg.page_size, loaded.dtype,
-                                   as_bits=rcfg.backend == "xla")
+        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        params = loaded.params if rep is None else jax.device_put(loaded.params, rep)
+        self.params = unstack_layers(params, fuse=True) if rcfg.layer_loop == "unroll" else params
+
+        def pool() -> KVCache:
+            return KVCache.allocate(self.cfg, rcfg.num_pages, rcfg.page_size, loaded.dtype,
+                                    as_bits=rcfg.backend == "xla")
+
+        self.kv = pool() if rep is None else jax.jit(pool, out_shardings=rep)()
         self._follow, self._draft = _steps(self.cfg, rcfg.backend, loaded.forward_fn, self.vocab,
-                                           self.num_speculative_tokens)
+                                           self.num_speculative_tokens, rep)
         self.loaded = dataclasses.replace(loaded, params=self.params)  # one copy of the weights
 
     # -- lockstep with the target ------------------------------------------------------------------

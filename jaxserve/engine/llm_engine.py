@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
-from jaxserve.engine.draft_model import load_draft
+from jaxserve.engine.draft_model import draft_memory, load_draft
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -83,8 +83,8 @@ class LLMEngine:
         # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
         self.pooler_config = args.pooler_config_for(self.model.path)
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
-        kv_shards, beside = plan.kv_shards if plan else 1, self.draft.memory(args.page_size) if self.draft else (0, 0)
-        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), kv_shards, beside)
+        num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), plan.kv_shards if plan else 1,
+                                   beside=draft_memory(self.draft, args.page_size, plan))
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
         long_rope = cfg.long_rope_context
@@ -122,7 +122,7 @@ class LLMEngine:
         # The runner may hold the weights in another layout (per layer); keep one copy.
         self.model = dataclasses.replace(self.model, params=self.runner.params)
         if self.draft:  # its pool, of the target's pages, and its steps at the runner's shapes
-            self.draft.start(self.runner.cfg, strict=args.strict_compile)
+            self.draft.start(self.runner.cfg, strict=args.strict_compile, mesh=plan.mesh if plan else None)
         self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules, args.max_cpu_loras)
                       if args.enable_lora else None)
         self.image_limit = (args.limit_mm_per_prompt or {}).get("image")
