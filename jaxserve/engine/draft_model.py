@@ -3,7 +3,9 @@
 `--speculative-config '{"model": <draft>, "num_speculative_tokens": k}'` (vLLM's method "draft_model").
 Before a step, the draft model decodes k tokens greedily for each decode it drafts, from the request's
 last token, in one call on the device (`_draft_loop`); the target verifies them as it verifies n-gram
-drafts (`speculative.SpecStep`), so outputs are the target's own, greedy or sampled.
+drafts (`speculative.SpecStep`), so outputs are the target's own, greedy or sampled. The loop is paid before
+its drafts are seen: a decode step drafts only when the drafts it could verify pay for it, at the acceptance
+so far and the loop's cost measured at warmup (`speculative.Drafter.plan`).
 
 The draft keeps its own KV pool with the target's page ids: a page of a request holds the target's keys
 and values in the target's pool and the draft's in the draft's, allocated, shared through the prefix cache,
