@@ -7,7 +7,7 @@
 # The model's config and tokenizer come from a directory made on a machine with the bundled GGUF and carried:
 #   jaxserve convert --to-hf bench/results/smollm2-config --config-only     (3.4 MB, no weights)
 # Runs from the repository root without installing the package (JAX with its CUDA plugin, pytest, tokenizers
-# and jinja2 already there; no network). Under 5 minutes (100 + 2 x 100 s at most).
+# and jinja2 already there; no network). Under 6 minutes (130 + 2 x 100 s at most).
 # Settings (environment): MODEL (that directory), BACKENDS (default "pallas pallas_mosaic"), CONCURRENCY
 # (default 64), MAX_NUM_SEQS (64), MAX_TOKENS (step token budget, 1024), INPUT_LEN (512), OUTPUT_LEN (128),
 # QUANTIZATIONS (default none; e.g. "fp8 int8": one more run each, weights quantized at load, backend pallas,
@@ -25,9 +25,9 @@ LOG="$LOG_DIR/gpu_engine.log"
 {
   print_environment
 
-  echo "== the engine on the compiled kernels against its XLA path (also with drafts verified as chunks), float8 Mosaic against the generic kernel (greedy tokens)"
+  echo "== the engine on the compiled kernels against its XLA path (also with drafts verified as chunks, and with a draft model), float8 Mosaic against the generic kernel (greedy tokens)"
   # float32 references at full precision: the default lets XLA use TF32 for them.
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 100 "$PY" -m pytest -q --no-header -p no:cacheprovider \
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 130 "$PY" -m pytest -q --no-header -p no:cacheprovider \
     tests/test_engine_pallas.py -k "matches_xla or fp8_cache"
   echo "engine tests exit code: $? ($(( $(date +%s) - start )) s)"
 

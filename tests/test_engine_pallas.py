@@ -183,6 +183,30 @@ def test_pallas_engine_matches_xla_with_chunked_drafts(loaded):
     drafted_matches_xla(loaded, "pallas")
 
 
+def draft_model_matches_xla(loaded: LoadedModel, backend: str, tmp_path) -> None:
+    """Speculative decoding with a draft model on a kernel backend (the model drafting for itself, written out as a
+    checkpoint and read back): its loop and lockstep steps on the kernels, the xla backend's greedy tokens without
+    drafts, nearly every draft accepted."""
+    from jaxserve.loader.export import export_hf
+
+    export_hf(str(tmp_path), loaded.config, loaded.params, loaded.tokenizer)
+    ref, _ = serve(loaded, "xla")
+    engines: list = []
+    spec = {"model": str(tmp_path), "num_speculative_tokens": 3}
+    got, _ = serve(loaded, backend, ARGS.replace(speculative_config=spec, max_num_seqs=8), engines=engines)
+    assert got == ref
+    counters = engines[0].drafter.counters
+    assert engines[0].draft.rcfg.backend == backend
+    assert counters.spec_num_draft_tokens > 10
+    assert counters.spec_num_accepted_tokens > 0.9 * counters.spec_num_draft_tokens
+
+
+@pytest.mark.skipif(not GPU, reason="on the GPU only (bench/gpu_engine.sh): slow in the interpreter; the draft "
+                    "model's outputs are checked on the CPU in tests/test_draft_model.py, its steps compiled for sm_90")
+def test_pallas_engine_with_a_draft_model_matches_xla(loaded, tmp_path):
+    draft_model_matches_xla(loaded, "pallas", tmp_path)
+
+
 @pytest.mark.skipif(not GPU, reason="on the GPU only: the interpreted Mosaic kernels take 35 s on 2 cores, and "
                     "their float8 pages are checked at the kernel level (tests/test_engine_pallas_mosaic.py, "
                     "tests/test_kernels_mosaic_*.py)")
