@@ -179,9 +179,6 @@ def test_config_and_refusals(models, tmp_path):
     spec = {"model": _with_tokenizer(str(tmp_path / "other"), other)}
     with pytest.raises(ValueError, match=r"does not share the vocabulary .* 62 of the 64 ids .*'t2' / 'u2'"):
         LLMEngine(EngineArgs(model=models["target"], speculative_config=spec, **ARGS), progress=False)
-    with pytest.raises(ValueError, match="not supported with sleep mode"):
-        LLMEngine(EngineArgs(model=models["target"], speculative_config={"model": models["small"]},
-                             enable_sleep_mode=True, **ARGS), progress=False)
 
 
 def test_the_draft_pool_shares_the_kv_budget(models):
@@ -196,3 +193,28 @@ def test_the_draft_pool_shares_the_kv_budget(models):
     assert alone.scheduler.pool.num_pages == budget // t
     assert both.scheduler.pool.num_pages == budget // (t + d) < budget // t
     assert both.draft.kv.k.shape[1] == both.runner.kv.k.shape[1] == both.scheduler.pool.num_pages
+
+
+def test_the_draft_model_sleeps_and_wakes_with_the_engine(models):
+    """Sleep mode frees the draft's pool and weights with the target's (level 1 keeping a host copy, level 2 reading
+    its checkpoint again on waking); awake, the model drafting for itself serves as before, every draft right."""
+    import jax
+
+    engine = _engine(models["target"], {"model": models["target"], "num_speculative_tokens": 3},
+                     enable_sleep_mode=True)
+    greedy = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    want = {k: o.outputs[0].token_ids for k, o in _serve(engine, _prompts(), greedy).items()}
+    for level, tags in ((1, None), (2, ["weights"]), (1, ["weights"])):
+        held = jax.tree.leaves((engine.draft.params, engine.draft.kv))
+        engine.memory.sleep(level)
+        assert all(x.is_deleted() for x in held), "the draft's weights and pool freed on the device"
+        engine.memory.wake_up(tags)
+        if tags:
+            engine.memory.wake_up(["kv_cache"])
+        before = engine.stats()
+        got = {k: o.outputs[0].token_ids for k, o in _serve(engine, _prompts(), greedy).items()}
+        after = engine.stats()
+        assert got == want, level
+        assert after.spec_num_draft_tokens - before.spec_num_draft_tokens > 50
+        assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == \
+            after.spec_num_draft_tokens - before.spec_num_draft_tokens

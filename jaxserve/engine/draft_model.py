@@ -20,8 +20,9 @@ length until later steps overwrite them, as the target's rejected rows do.
 Decode steps go one token at a time with a draft model (the draft follows each token). The draft's KV
 holds the draft model's dtype. Drafts past the draft model's own context are merely worse guesses.
 Over several devices (tensor or expert parallel), every device of the target's holds the whole draft model and
-its pool (it is small) and runs it alike. Not served with a draft model: image-text targets, clusters of several
-hosts, sleep mode; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
+its pool (it is small) and runs it alike. Sleep mode frees, keeps or drops its weights and frees its pool with
+the target's (`memory.EngineMemory`). Not served with a draft model: image-text targets, clusters of several
+hosts; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
 """
 
 from __future__ import annotations
@@ -54,20 +55,19 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
     if spec is None or spec.method != "draft_model":
         return None
     for refused, why in ((target.vision is not None, "an image-text model"),
-                         (args.num_processes > 1, "a model served by several hosts"),
-                         (args.enable_sleep_mode, "sleep mode")):
+                         (args.num_processes > 1, "a model served by several hosts")):
         if refused:
             raise ValueError(f"a draft model (speculative method 'draft_model') is not supported with {why}; "
                              "use method 'ngram', or no speculative config")
     from jaxserve.engine.model_loading import load_model
 
-    draft = load_model(EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
-                                  load_format=args.load_format, seed=args.seed, limit_mm_per_prompt={"image": 0}),
-                       progress=progress)
+    draft_args = EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
+                            load_format=args.load_format, seed=args.seed, limit_mm_per_prompt={"image": 0})
+    draft = load_model(draft_args, progress=progress)
     check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
     logger.info("draft model %s: %d layers, %d of hidden width, drafting %d tokens", draft.name,
                 draft.config.num_layers, draft.config.hidden_size, spec.num_speculative_tokens)
-    return DraftModel(draft, target.config.vocab_size, spec.num_speculative_tokens)
+    return DraftModel(draft, target.config.vocab_size, spec.num_speculative_tokens, draft_args)
 
 
 def check_same_vocabulary(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
@@ -148,8 +148,9 @@ class DraftModel:
     """A loaded draft model, then (`start`) on the device with its KV pool (the target's pages) and its jitted
     steps."""
 
-    def __init__(self, loaded: Any, target_vocab: int, num_speculative_tokens: int):
-        self.loaded, self.name, self.cfg = loaded, loaded.name, loaded.config
+    def __init__(self, loaded: Any, target_vocab: int, num_speculative_tokens: int, args: EngineArgs | None = None):
+        """`args`: how it was loaded (`reload` reads it again so)."""
+        self.loaded, self.name, self.cfg, self.args = loaded, loaded.name, loaded.config, args
         self.vocab = min(self.cfg.vocab_size, target_vocab)  # drafts are ids of both vocabularies
         self.num_speculative_tokens = num_speculative_tokens
         self._baseline_compiles: int | None = None
@@ -159,9 +160,8 @@ class DraftModel:
         over the target's `mesh` (None: one device) whole on every device; `strict`: a compile after warmup raises
         (`EngineArgs.strict_compile`)."""
         self.rcfg, self.strict, loaded = rcfg, strict, self.loaded
-        rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        params = loaded.params if rep is None else jax.device_put(loaded.params, rep)
-        self.params = unstack_layers(params, fuse=True) if rcfg.layer_loop == "unroll" else params
+        self._rep = rep = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self.params = self.lay_out(loaded.params)
 
         def pool() -> KVCache:
             return KVCache.allocate(self.cfg, rcfg.num_pages, rcfg.page_size, loaded.dtype,
@@ -171,6 +171,18 @@ class DraftModel:
         self._follow, self._draft = _steps(self.cfg, rcfg.backend, loaded.forward_fn, self.vocab,
                                            self.num_speculative_tokens, rep)
         self.loaded = dataclasses.replace(loaded, params=self.params)  # one copy of the weights
+
+    def lay_out(self, params: Any) -> Any:
+        """Loaded weights as the steps take them: whole on each device of the mesh, per layer or stacked."""
+        params = params if self._rep is None else jax.device_put(params, self._rep)
+        return unstack_layers(params, fuse=True) if self.rcfg.layer_loop == "unroll" else params
+
+    def reload(self) -> None:
+        """Read the weights again from the draft's checkpoint (after sleep mode dropped them)."""
+        from jaxserve.engine.model_loading import load_model
+
+        self.params = self.lay_out(load_model(self.args, progress=False).params)
+        self.loaded = dataclasses.replace(self.loaded, params=self.params)
 
     # -- lockstep with the target ------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ sets of weights or loses its KV.
   The new weights must have the old ones' every shape, dtype and layout, so the compiled steps serve
   them as they are (nothing recompiles); a checkpoint of another shape is refused, naming the first
   array that differs. The prefix cache is emptied (its KV came from the old weights), and LoRA adapters
-  in slots are placed again.
+  in slots are placed again. A draft model (speculative decoding) sleeps and wakes with the engine's weights
+  and KV cache; weight updates leave its weights as they are.
 
 While asleep (weights or KV cache off the device) the engine refuses requests (`EngineSleepingError`).
 The engine accepts `sleep` only when started with `enable_sleep_mode` (vLLM's flag), which is also what
@@ -182,6 +183,7 @@ class EngineMemory:
         self._host: Any = None  # the weights' `_HostArray` tree, at level 1
         self._params_spec: Any = None  # the weights' shapes, dtypes and shardings, while off the device
         self._kv_spec: Any = None  # the KV cache's, while freed
+        self._draft_host: Any = None  # a draft model's weights' `_HostArray` tree, at level 1
 
     @property
     def asleep(self) -> bool:
@@ -216,18 +218,20 @@ class EngineMemory:
         t0 = time.perf_counter()
         if self.kv_on_device:
             self._reset_prefix_cache("sleep")
-            self._kv_spec = jax.tree.map(_Spec.of, e.runner.kv)
-            _delete(jax.block_until_ready(e.runner.kv))
+            pools = (e.runner.kv, e.draft.kv if e.draft else None)  # a draft model's pool of the same pages too
+            self._kv_spec = jax.tree.map(_Spec.of, pools)
+            _delete(jax.block_until_ready(pools))
             self.kv_on_device = False
         if self.weights == "device":
             params = self._weights()
             self._params_spec = jax.tree.map(_Spec.of, params)
             if level == 1:
                 self._host = jax.tree.map(_HostArray.of, params)
-            _delete(params)
+                self._draft_host = jax.tree.map(_HostArray.of, e.draft.params) if e.draft else None
+            _delete((params, e.draft.params if e.draft else None))
             self.weights = "host" if level == 1 else "discarded"
         elif self.weights == "host" and level == 2:
-            self._host, self.weights = None, "discarded"
+            self._host, self._draft_host, self.weights = None, None, "discarded"
         logger.info("engine asleep (level %d) in %.2f s", level, time.perf_counter() - t0)
 
     def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> None:
@@ -242,7 +246,9 @@ class EngineMemory:
         elif "weights" in tags and self.weights == "discarded":
             self.load_weights(None)
         if "kv_cache" in tags and not self.kv_on_device:
-            e.runner.kv = jax.tree.map(_Spec.zeros, self._kv_spec)
+            e.runner.kv, draft_kv = jax.tree.map(_Spec.zeros, self._kv_spec)
+            if e.draft:
+                e.draft.kv = draft_kv
             self.kv_on_device, self._kv_spec = True, None
         logger.info("engine woke (%s) in %.2f s", ", ".join(tags), time.perf_counter() - t0)
 
@@ -303,6 +309,11 @@ class EngineMemory:
             e.images.use_params(vision)
         e.runner.params = params
         e.model = dataclasses.replace(e.model, params=params)
-        self.weights, self._host, self._params_spec = "device", None, None
+        if self.weights != "device" and e.draft:  # a draft model's too: its host copy, or its checkpoint again
+            if self._draft_host is not None:
+                e.draft.params = jax.tree.map(_HostArray.to_device, self._draft_host)
+            else:
+                e.draft.reload()
+        self.weights, self._host, self._params_spec, self._draft_host = "device", None, None, None
         if e.loras is not None:  # the adapters in slots, placed again over the new weights
             e.loras.place_all()
