@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.structural_tag_format import format_to_lark
+
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
@@ -48,7 +50,8 @@ class StructuredOutputsParams:
       structural_tag: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]} (a dict, or its
         JSON text; vLLM's and xgrammar's form): the output is free text until it writes a trigger, after
         which it must go on with the `begin` of a structure starting with that trigger, a JSON value of
-        the structure's schema, and its `end` (then free text again).
+        the structure's schema, and its `end` (then free text again). Or {"format": {...}}: xgrammar's tree
+        of formats (`structural_tag_format`).
       after_reasoning: (start markers, end markers, implicit start) of a reasoning model's thoughts: the
         constraint then holds from where its answer begins (the server sets it from `--reasoning-parser`, as
         vLLM applies a constraint after the reasoning). The thoughts run from a start marker (or, with an
@@ -137,7 +140,9 @@ def _compile(kind: str, value: Any) -> str:
         elif kind == "choice":
             spec = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
         elif kind == "structural_tag":
-            spec = llg.grammar_from("lark", llg.StructTag.to_grammar(_struct_tags(json.loads(value))))
+            tag = json.loads(value)
+            lark = format_to_lark(tag) if isinstance(tag, Mapping) and "format" in tag else None
+            spec = llg.grammar_from("lark", lark or llg.StructTag.to_grammar(_struct_tags(tag)))
         else:
             spec = llg.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
     except ValueError as e:
@@ -152,7 +157,7 @@ def _struct_tags(tag: Any) -> list[Any]:
     """llguidance's structural tags of a `structural_tag` object; ValueError naming what is malformed."""
     llg = _llguidance()
     if not isinstance(tag, Mapping):
-        raise ValueError("it must be an object with 'structures' and 'triggers'")
+        raise ValueError("it must be an object with 'structures' and 'triggers', or with 'format'")
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise ValueError("'triggers' must be a non-empty list of non-empty strings")

@@ -48,7 +48,7 @@ def _response_format(fmt: Any) -> dict[str, Any] | None:
             raise bad_field("response_format", "response_format of type 'json_schema' needs 'json_schema': "
                                                "{'name': ..., 'schema': {...}}")
         return {"json": spec["schema"]}
-    if kind == "structural_tag":  # vLLM's: {"type": "structural_tag", "structures": [...], "triggers": [...]}
+    if kind == "structural_tag":  # vLLM's: {"type": "structural_tag", ...}, its structures and triggers or format
         return {"structural_tag": {k: v for k, v in fmt.items() if k != "type"}}
     raise bad_field("response_format", "response_format type must be 'text', 'json_object', 'json_schema' or "
                                        f"'structural_tag', got {kind!r}")

@@ -1,0 +1,200 @@
+"""Structural tags in their `format` form (xgrammar's, which vLLM passes through): a tree of formats, written as
+one Lark grammar for llguidance.
+
+`{"type": "structural_tag", "format": F}` where F is one of:
+- `const_string` {value}; `json_schema` {json_schema}; `regex` {pattern};
+- `any_text` {excludes?}: any text (without the `excludes` strings, where it ends the output);
+- `sequence` {elements}, `or` {elements}, `optional` / `plus` / `star` {content}, `repeat` {content, min, max};
+- `tag` {begin, content, end}: `begin`, the content, then `end` (a string or a list of strings);
+- `triggered_tags` {triggers, tags, at_least_one?, stop_after_first?}: free text in which each trigger opens one
+  of the tags whose begin it starts (the text never holds a trigger otherwise); `at_least_one`: the output opens
+  with a tag; `stop_after_first`: it ends with the first tag;
+- `tags_with_separator` {tags, separator, at_least_one?, stop_after_first?}: tags one after another with the
+  separator between them (none allowed unless `at_least_one`; one at most with `stop_after_first`).
+
+Text of `any_text` is matched as xgrammar matches it: inside a tag it ends at the tag's first end string; followed
+by a `const_string` it is any text that the string then ends; last, it runs to the end of the output. Anything
+else (an `any_text` before another kind of format, token formats, nested grammars) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TEXT = "(?s:.*)"
+_REPEAT_MAX = 64
+
+
+def _literal(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _regex(pattern: str) -> str:
+    return "/" + pattern.replace("/", "\\/") + "/"
+
+
+def _without(strings: Sequence[str]) -> str:
+    """A terminal's body: any text holding none of `strings`."""
+    text = _regex(TEXT)
+    if not strings:
+        return text
+    return f"{text} & ~{_regex(TEXT + '(' + '|'.join(re.escape(s) for s in strings) + ')' + TEXT)}"
+
+
+class _Writer:
+    """The rules of one grammar as they are made, each format a Lark expression."""
+
+    def __init__(self) -> None:
+        self.rules: list[str] = []
+
+    def rule(self, body: str, lazy: bool = False, terminal: bool = False) -> str:
+        name = f"{'R' if terminal else 'r'}{len(self.rules)}"
+        self.rules.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        return name
+
+    def format(self, f: Any, where: str, ends: list[str] | None = None, last: bool = False) -> tuple[str, bool]:
+        """`f`'s expression and whether it took the `ends` after it (an `any_text` that runs to them); `last`:
+        nothing follows it in the output."""
+        if not isinstance(f, Mapping) or not isinstance(f.get("type"), str):
+            raise ValueError(f"{where} must be an object with a 'type'")
+        kind = f["type"]
+        if kind == "any_text":
+            excludes = _strings(f.get("excludes", []), f"{where}.excludes", empty=True)
+            if ends:
+                if excludes:
+                    raise ValueError(f"{where}: any_text with excludes must end the output")
+                text = self.rule(_regex(TEXT), terminal=True)
+                return self.rule(f"{text} ({' | '.join(map(_literal, ends))})", lazy=True), True
+            if not last:
+                raise ValueError(f"{where}: any_text must end the output, be (or end) a tag's content, or be "
+                                 "followed by a const_string")
+            return self.rule(_without(excludes), terminal=True), False
+        if kind == "const_string":
+            return _literal(_string(f.get("value"), f"{where}.value")), False
+        if kind == "json_schema":
+            schema = f.get("json_schema")
+            if not isinstance(schema, (Mapping, bool)):
+                raise ValueError(f"{where}.json_schema must be a JSON schema")
+            return f"%json {json.dumps(schema)}", False
+        if kind == "regex":
+            return _regex(_string(f.get("pattern"), f"{where}.pattern")), False
+        if kind == "sequence":
+            return self.sequence(_formats(f, "elements", where), where, ends, last)
+        if kind == "or":
+            parts = [self.format(e, f"{where}.elements[{i}]", last=last)[0]
+                     for i, e in enumerate(_formats(f, "elements", where))]
+            return f"({' | '.join(parts)})", False
+        if kind in ("optional", "plus", "star"):
+            inner = self.format(f.get("content"), f"{where}.content", last=last and kind == "optional")[0]
+            return f"({inner}){ {'optional': '?', 'plus': '+', 'star': '*'}[kind]}", False
+        if kind == "repeat":
+            return self.repeat(f, where), False
+        if kind == "tag":
+            return self.tag(f, where), False
+        if kind == "triggered_tags":
+            return self.triggered(f, where, last), False
+        if kind == "tags_with_separator":
+            tags = "(" + " | ".join(self.tag(t, f"{where}.tags[{i}]") for i, t in enumerate(_formats(f, "tags", where))) + ")"
+            sep = _literal(_string(f.get("separator"), f"{where}.separator", empty=True))
+            one = tags if f.get("stop_after_first") else f"{tags} ({sep} {tags})*"
+            return one if f.get("at_least_one") else f"({one})?", False
+        raise ValueError(f"{where}: format type {kind!r} is not supported (supported: const_string, json_schema, "
+                         "regex, any_text, sequence, or, optional, plus, star, repeat, tag, triggered_tags, "
+                         "tags_with_separator)")
+
+    def sequence(self, elements: list[Any], where: str, ends: list[str] | None, last: bool) -> tuple[str, bool]:
+        parts, took, i = [], False, 0
+        while i < len(elements):
+            e, here, final = elements[i], f"{where}.elements[{i}]", i == len(elements) - 1
+            if isinstance(e, Mapping) and e.get("type") == "any_text" and not final \
+                    and isinstance(elements[i + 1], Mapping) and elements[i + 1].get("type") == "const_string":
+                if e.get("excludes"):
+                    raise ValueError(f"{here}: any_text with excludes must end the output")
+                value = _string(elements[i + 1].get("value"), f"{where}.elements[{i + 1}].value")
+                parts.append(self.rule(_regex(TEXT + re.escape(value)), terminal=True))
+                i += 2
+                continue
+            expr, took = self.format(e, here, ends if final else None, last and final)
+            parts.append(expr)
+            i += 1
+        return " ".join(parts) or '""', took
+
+    def repeat(self, f: Mapping[str, Any], where: str) -> str:
+        lo, hi = f.get("min", 0), f.get("max", -1)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo and (hi == -1 or lo <= hi <= _REPEAT_MAX)
+                and lo <= _REPEAT_MAX):
+            raise ValueError(f"{where}: repeat needs 0 <= min <= max <= {_REPEAT_MAX} (max -1: unbounded)")
+        inner = self.rule(self.format(f.get("content"), f"{where}.content")[0])
+        tail = f"{inner}*" if hi == -1 else " ".join([f"{inner}?"] * (hi - lo))
+        return "(" + " ".join([inner] * lo + [tail]) + ")"
+
+    def tag(self, f: Any, where: str, trigger: tuple[str, str] | None = None) -> str:
+        """A tag's expression; `trigger`: (a rule that matched text and then a trigger, that trigger), which the
+        rest of the begin follows."""
+        begin, ends = _tag_parts(f, where)
+        content, took = self.format(f.get("content"), f"{where}.content", ends)
+        head = [_literal(begin)]
+        if trigger is not None:
+            head = [trigger[0]] + ([_literal(begin[len(trigger[1]):])] if len(begin) > len(trigger[1]) else [])
+        end = "" if took else " (" + " | ".join(map(_literal, ends)) + ")"
+        return "(" + " ".join(head) + f" {content}{end})"
+
+    def triggered(self, f: Mapping[str, Any], where: str, last: bool) -> str:
+        triggers = _strings(f.get("triggers"), f"{where}.triggers")
+        if f.get("excludes"):
+            raise ValueError(f"{where}: triggered_tags' excludes are not supported")
+        if not last:
+            raise ValueError(f"{where}: triggered_tags must end the output")
+        free = self.rule(_without(triggers), terminal=True)  # text with no trigger in it
+        opened = {t: self.rule(f"{free} {_literal(t)}", lazy=True) for t in triggers}  # such text, then a trigger
+        first, later = [], []
+        for i, t in enumerate(_formats(f, "tags", where)):
+            begin, _ = _tag_parts(t, f"{where}.tags[{i}]")
+            trigger = [g for g in triggers if begin.startswith(g)]
+            if len(trigger) != 1:
+                raise ValueError(f"{where}.tags[{i}].begin {begin!r} must start with exactly one of the triggers "
+                                 f"{triggers}")
+            first.append(self.tag(t, f"{where}.tags[{i}]"))
+            later.append(self.tag(t, f"{where}.tags[{i}]", (opened[trigger[0]], trigger[0])))
+        at_least_one, stop = f.get("at_least_one", False), f.get("stop_after_first", False)
+        any_first, any_later = "(" + " | ".join(first) + ")", "(" + " | ".join(later) + ")"
+        if stop:
+            return any_first if at_least_one else f"({free} | {any_later})"
+        return f"{any_first} {any_later}* {free}" if at_least_one else f"{any_later}* {free}"
+
+
+def _string(value: Any, where: str, empty: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not empty):
+        raise ValueError(f"{where} must be a {'' if empty else 'non-empty '}string")
+    return value
+
+
+def _strings(value: Any, where: str, empty: bool = False) -> list[str]:
+    if not isinstance(value, list) or (not value and not empty):
+        raise ValueError(f"{where} must be a {'' if empty else 'non-empty '}list of strings")
+    return [_string(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
+def _formats(f: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    value = f.get(key)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where}.{key} must be a non-empty list of formats")
+    return value
+
+
+def _tag_parts(f: Any, where: str) -> tuple[str, list[str]]:
+    if not isinstance(f, Mapping) or f.get("type", "tag") != "tag":
+        raise ValueError(f"{where} must be a tag {{'begin', 'content', 'end'}}")
+    end = f.get("end")
+    ends = [end] if isinstance(end, str) else end
+    return _string(f.get("begin"), f"{where}.begin"), _strings(ends, f"{where}.end")
+
+
+def format_to_lark(tag: Mapping[str, Any]) -> str:
+    """The Lark grammar (llguidance's dialect) of a structural tag's `format`; ValueError naming what is wrong."""
+    w = _Writer()
+    start, _ = w.format(tag.get("format"), "format", last=True)
+    return "\n".join([f"start: {start}", *w.rules]) + "\n"
