@@ -59,6 +59,7 @@ def main(process_id: int, port: int) -> None:
         "big_broadcast": [big["from"], len(big["blob"]), big["blob"][:4]],
     }
     found.update(serve(process_id))
+    found.update(serve_draft(process_id))
     found.update(serve_lora(process_id, port))
     found.update(serve_images(process_id))
     found["total_s"] = time.perf_counter() - t0
@@ -82,6 +83,32 @@ def serve(process_id: int) -> dict:
     finished = engine.run_until_idle()
     return {"tokens": [finished[str(i)].outputs[0].token_ids for i in range(2)] if finished else [],
             "engine_compiles_after_warmup": engine.stats().compilations_after_warmup}
+
+
+def serve_draft(process_id: int) -> dict:
+    """The lock-step TP=2 engine with a draft model (the model drafting for itself, read from a checkpoint each host
+    writes of it), whole on both hosts' devices; process 0 takes the request."""
+    import tempfile
+
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+    from jaxserve.sampling_params import SamplingParams
+    from sharding.distributed import LockstepEngine
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, dense_config
+
+    loaded = _tiny_loaded(dense_config())
+    with tempfile.TemporaryDirectory() as path:
+        export_hf(path, loaded.config, loaded.params, loaded.tokenizer)
+        args = EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 4}, tensor_parallel_size=2, strict_compile=True,
+                          speculative_config={"model": path, "num_speculative_tokens": 3})
+        engine = LockstepEngine(args, loaded=loaded, progress=False)
+    if process_id == 0:
+        engine.add_request("0", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    finished = engine.run_until_idle()
+    stats = engine.stats()
+    return {"draft_tokens": [finished["0"].outputs[0].token_ids] if finished else [],
+            "draft_counts": [stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens],
+            "draft_compiles_after_warmup": stats.compilations_after_warmup}
 
 
 def lora_requests(adapter_b: str) -> list[tuple[str, object]]:

@@ -20,9 +20,9 @@ length until later steps overwrite them, as the target's rejected rows do.
 Decode steps go one token at a time with a draft model (the draft follows each token). The draft's KV
 holds the draft model's dtype. Drafts past the draft model's own context are merely worse guesses.
 Over several devices (tensor or expert parallel), every device of the target's holds the whole draft model and
-its pool (it is small) and runs it alike. Sleep mode frees, keeps or drops its weights and frees its pool with
-the target's (`memory.EngineMemory`). Not served with a draft model: image-text targets, clusters of several
-hosts; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
+its pool (it is small) and runs it alike, across the hosts of a cluster too. Sleep mode frees, keeps or drops its
+weights and frees its pool with the target's (`memory.EngineMemory`). Not served with a draft model: image-text
+targets; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
 """
 
 from __future__ import annotations
@@ -54,11 +54,9 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
     spec = args.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    for refused, why in ((target.vision is not None, "an image-text model"),
-                         (args.num_processes > 1, "a model served by several hosts")):
-        if refused:
-            raise ValueError(f"a draft model (speculative method 'draft_model') is not supported with {why}; "
-                             "use method 'ngram', or no speculative config")
+    if target.vision is not None:
+        raise ValueError("a draft model (speculative method 'draft_model') is not supported with an image-text "
+                         "model; use method 'ngram', or no speculative config")
     from jaxserve.engine.model_loading import load_model
 
     draft_args = EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
@@ -127,7 +125,7 @@ def _steps(cfg: ModelConfig, backend: str, model_fn: Callable, vocab: int, n_max
     (their executables, keyed by the arguments' shapes too, compile once: `compiled_steps` says why); with
     `replicated` (a sharding over a mesh), their outputs are laid out as it says."""
     common = dict(cfg=cfg, backend=backend, model_fn=model_fn)
-    out = {} if replicated is None else dict(out_shardings=replicated)
+    out = {} if replicated is None else dict(in_shardings=replicated, out_shardings=replicated)
     return (jax.jit(functools.partial(_follow, **common), donate_argnums=(1,), **out),
             jax.jit(functools.partial(_draft_loop, vocab=vocab, n_max=n_max, **common), donate_argnums=(1,), **out))
 
@@ -174,7 +172,11 @@ class DraftModel:
 
     def lay_out(self, params: Any) -> Any:
         """Loaded weights as the steps take them: whole on each device of the mesh, per layer or stacked."""
-        params = params if self._rep is None else jax.device_put(params, self._rep)
+        if self._rep is not None:  # (each host of a cluster places its own copy: they read the same checkpoint)
+            from sharding.plan import replicated_array
+
+            params = jax.tree.map(lambda x: replicated_array(self._rep.mesh, x), params) if jax.process_count() > 1 \
+                else jax.device_put(params, self._rep)
         return unstack_layers(params, fuse=True) if self.rcfg.layer_loop == "unroll" else params
 
     def reload(self) -> None:
@@ -227,7 +229,7 @@ class DraftModel:
             tokens[i], positions[i], counts[i] = token, position, min(k, self.num_speculative_tokens)
             tables[i, :len(pages)] = pages
         out, self.kv = self._draft(self.params, self.kv, tokens, positions, tables, counts)
-        out = np.asarray(jax.device_get(out))
+        out = np.asarray(out.addressable_data(0))  # (replicated: every host holds the drafts)
         self._check_compiles()
         return {rid: out[:counts[i], i] for i, (rid, *_) in enumerate(rows)}
 
