@@ -2,19 +2,20 @@
 one Lark grammar for llguidance.
 
 `{"type": "structural_tag", "format": F}` where F is one of:
-- `const_string` {value}; `json_schema` {json_schema}; `regex` {pattern};
+- `const_string` {value}; `json_schema` {json_schema}; `regex` {pattern}; `grammar` {grammar, syntax?} (EBNF / GBNF,
+  or "lark");
 - `any_text` {excludes?}: any text (without the `excludes` strings, where it ends the output);
 - `sequence` {elements}, `or` {elements}, `optional` / `plus` / `star` {content}, `repeat` {content, min, max};
 - `tag` {begin, content, end}: `begin`, the content, then `end` (a string or a list of strings);
-- `triggered_tags` {triggers, tags, at_least_one?, stop_after_first?}: free text in which each trigger opens one
-  of the tags whose begin it starts (the text never holds a trigger otherwise); `at_least_one`: the output opens
-  with a tag; `stop_after_first`: it ends with the first tag;
+- `triggered_tags` {triggers, tags, at_least_one?, stop_after_first?, excludes?}: free text in which each trigger
+  opens one of the tags whose begin it starts (the text never holds a trigger otherwise, nor an excluded string);
+  `at_least_one`: the output opens with a tag; `stop_after_first`: it ends with the first tag;
 - `tags_with_separator` {tags, separator, at_least_one?, stop_after_first?}: tags one after another with the
   separator between them (none allowed unless `at_least_one`; one at most with `stop_after_first`).
 
 Text of `any_text` is matched as xgrammar matches it: inside a tag it ends at the tag's first end string; followed
 by a `const_string` it is any text that the string then ends; last, it runs to the end of the output. Anything
-else (an `any_text` before another kind of format, token formats, nested grammars) is refused by name.
+else (an `any_text` before another kind of format, the formats of token ids) is refused by name.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Writer:
 
     def __init__(self) -> None:
         self.rules: list[str] = []
+        self.grammars: list[dict[str, str]] = []  # named sub-grammars (`grammar` formats), referenced as @name
 
     def rule(self, body: str, lazy: bool = False, terminal: bool = False) -> str:
         name = f"{'R' if terminal else 'r'}{len(self.rules)}"
@@ -81,6 +83,8 @@ class _Writer:
             return f"%json {json.dumps(schema)}", False
         if kind == "regex":
             return _regex(_string(f.get("pattern"), f"{where}.pattern")), False
+        if kind == "grammar":
+            return self.grammar(f, where), False
         if kind == "sequence":
             return self.sequence(_formats(f, "elements", where), where, ends, last)
         if kind == "or":
@@ -102,7 +106,7 @@ class _Writer:
             one = tags if f.get("stop_after_first") else f"{tags} ({sep} {tags})*"
             return one if f.get("at_least_one") else f"({one})?", False
         raise ValueError(f"{where}: format type {kind!r} is not supported (supported: const_string, json_schema, "
-                         "regex, any_text, sequence, or, optional, plus, star, repeat, tag, triggered_tags, "
+                         "regex, grammar, any_text, sequence, or, optional, plus, star, repeat, tag, triggered_tags, "
                          "tags_with_separator)")
 
     def sequence(self, elements: list[Any], where: str, ends: list[str] | None, last: bool) -> tuple[str, bool]:
@@ -121,6 +125,21 @@ class _Writer:
             parts.append(expr)
             i += 1
         return " ".join(parts) or '""', took
+
+    def grammar(self, f: Mapping[str, Any], where: str) -> str:
+        """A nested grammar (xgrammar's EBNF, llama.cpp's GBNF, or Lark), referenced as a grammar of its own."""
+        from jaxserve.structured_outputs import _llguidance
+
+        text, syntax = _string(f.get("grammar"), f"{where}.grammar"), f.get("syntax", "ebnf")
+        if syntax not in ("ebnf", "lark"):
+            raise ValueError(f"{where}.syntax must be 'ebnf' or 'lark', got {syntax!r}")
+        name = f"g{len(self.grammars)}"
+        try:
+            lark = _llguidance().grammar_from("grammar", text) if syntax == "ebnf" else text
+        except ValueError as e:
+            raise ValueError(f"{where}.grammar: {e}") from None
+        self.grammars.append({"name": name, "lark_grammar": lark})
+        return f"@{name}"
 
     def repeat(self, f: Mapping[str, Any], where: str) -> str:
         lo, hi = f.get("min", 0), f.get("max", -1)
@@ -144,11 +163,10 @@ class _Writer:
 
     def triggered(self, f: Mapping[str, Any], where: str, last: bool) -> str:
         triggers = _strings(f.get("triggers"), f"{where}.triggers")
-        if f.get("excludes"):
-            raise ValueError(f"{where}: triggered_tags' excludes are not supported")
+        excludes = _strings(f.get("excludes", []), f"{where}.excludes", empty=True)
         if not last:
             raise ValueError(f"{where}: triggered_tags must end the output")
-        free = self.rule(_without(triggers), terminal=True)  # text with no trigger in it
+        free = self.rule(_without(triggers + excludes), terminal=True)  # text with no trigger (nor excluded string)
         opened = {t: self.rule(f"{free} {_literal(t)}", lazy=True) for t in triggers}  # such text, then a trigger
         first, later = [], []
         for i, t in enumerate(_formats(f, "tags", where)):
@@ -193,8 +211,10 @@ def _tag_parts(f: Any, where: str) -> tuple[str, list[str]]:
     return _string(f.get("begin"), f"{where}.begin"), _strings(ends, f"{where}.end")
 
 
-def format_to_lark(tag: Mapping[str, Any]) -> str:
-    """The Lark grammar (llguidance's dialect) of a structural tag's `format`; ValueError naming what is wrong."""
+def format_grammar(tag: Mapping[str, Any]) -> str:
+    """The llguidance grammar of a structural tag's `format`: its Lark text, or with nested grammars the JSON of
+    all of them (the first the format's); ValueError naming what is wrong."""
     w = _Writer()
     start, _ = w.format(tag.get("format"), "format", last=True)
-    return "\n".join([f"start: {start}", *w.rules]) + "\n"
+    lark = "\n".join([f"start: {start}", *w.rules]) + "\n"
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *w.grammars]}) if w.grammars else lark

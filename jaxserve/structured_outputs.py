@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.structural_tag_format import format_to_lark
+from jaxserve.structural_tag_format import format_grammar
 
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -141,8 +141,8 @@ def _compile(kind: str, value: Any) -> str:
             spec = llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
         elif kind == "structural_tag":
             tag = json.loads(value)
-            lark = format_to_lark(tag) if isinstance(tag, Mapping) and "format" in tag else None
-            spec = llg.grammar_from("lark", lark or llg.StructTag.to_grammar(_struct_tags(tag)))
+            spec = format_grammar(tag) if isinstance(tag, Mapping) and "format" in tag else \
+                llg.grammar_from("lark", llg.StructTag.to_grammar(_struct_tags(tag)))
         else:
             spec = llg.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
     except ValueError as e:
