@@ -27,6 +27,14 @@ from typing import Any
 
 TEXT = "(?s:.*)"
 _REPEAT_MAX = 64
+# Each format's keys besides "type"; another key is refused unless it holds its default (as a client that dumps
+# xgrammar's models with every field sends them: None, False, [], the "json" style).
+_KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"pattern"},
+         "grammar": {"grammar", "syntax"}, "any_text": {"excludes"}, "sequence": {"elements"}, "or": {"elements"}, "optional": {"content"},
+         "plus": {"content"}, "star": {"content"}, "repeat": {"content", "min", "max"},
+         "tag": {"begin", "content", "end"},
+         "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
+         "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"}}
 
 
 def _literal(s: str) -> str:
@@ -63,6 +71,9 @@ class _Writer:
         if not isinstance(f, Mapping) or not isinstance(f.get("type"), str):
             raise ValueError(f"{where} must be an object with a 'type'")
         kind = f["type"]
+        for key, value in f.items():
+            if key != "type" and key not in _KEYS.get(kind, {key}) and value not in (None, False, [], "json"):
+                raise ValueError(f"{where}: {kind}'s {key!r} ({value!r}) is not supported")
         if kind == "any_text":
             excludes = _strings(f.get("excludes", []), f"{where}.excludes", empty=True)
             if ends:
@@ -101,7 +112,8 @@ class _Writer:
         if kind == "triggered_tags":
             return self.triggered(f, where, last), False
         if kind == "tags_with_separator":
-            tags = "(" + " | ".join(self.tag(t, f"{where}.tags[{i}]") for i, t in enumerate(_formats(f, "tags", where))) + ")"
+            each = [self.tag(t, f"{where}.tags[{i}]") for i, t in enumerate(_formats(f, "tags", where))]
+            tags = "(" + " | ".join(each) + ")"
             sep = _literal(_string(f.get("separator"), f"{where}.separator", empty=True))
             one = tags if f.get("stop_after_first") else f"{tags} ({sep} {tags})*"
             return one if f.get("at_least_one") else f"({one})?", False

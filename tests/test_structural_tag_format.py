@@ -126,6 +126,11 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
     params = structured_outputs({"response_format": {"type": "structural_tag", "format": fmt}})
     assert params == StructuredOutputsParams(structural_tag={"format": fmt})
     assert structured_outputs({"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": fmt}}})
+    # As xgrammar's models dump themselves: every field, defaults included.
+    dumped = {"type": "tag", "begin": "<t>", "content": {"type": "json_schema", "json_schema": {"type": "integer"},
+                                                         "style": "json", "max_whitespace": None, "excludes": []},
+              "end": "</t>"}
+    assert structured_outputs({"response_format": {"type": "structural_tag", "format": dumped}}).grammar_spec()
     compiler_cases = [
         ({"type": "token", "token": 5}, "format type 'token' is not supported"),
         ({"type": "sequence", "elements": [A, J({"type": "integer"})]}, r"format.elements\[0\]: any_text must end"),
@@ -135,6 +140,8 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
         ({"type": "repeat", "content": S("z"), "min": 3, "max": 2}, "repeat needs 0 <= min <= max"),
         ({"type": "grammar", "grammar": "root ::= \"x\" [", "syntax": "ebnf"}, r"format.grammar"),
         ({"type": "grammar", "grammar": "x", "syntax": "regex"}, r"format.syntax must be 'ebnf' or 'lark'"),
+        ({"type": "json_schema", "json_schema": {}, "style": "qwen_xml"}, r"json_schema's 'style' \('qwen_xml'\)"),
+        ({"type": "any_text", "max_tokens": 5}, r"any_text's 'max_tokens' \(5\) is not supported"),
     ]
     from server.errors import ApiError
 
