@@ -30,8 +30,8 @@ _REPEAT_MAX = 64
 # Each format's keys besides "type"; another key is refused unless it holds its default (as a client that dumps
 # xgrammar's models with every field sends them: None, False, [], the "json" style).
 _KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"pattern"},
-         "grammar": {"grammar", "syntax"}, "any_text": {"excludes"}, "sequence": {"elements"}, "or": {"elements"}, "optional": {"content"},
-         "plus": {"content"}, "star": {"content"}, "repeat": {"content", "min", "max"},
+         "grammar": {"grammar", "syntax"}, "any_text": {"excludes"}, "sequence": {"elements"}, "or": {"elements"},
+         "optional": {"content"}, "plus": {"content"}, "star": {"content"}, "repeat": {"content", "min", "max"},
          "tag": {"begin", "content", "end"},
          "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
          "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"}}
