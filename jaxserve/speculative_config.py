@@ -31,6 +31,8 @@ class SpeculativeConfig:
     """Shortest context suffix looked up ("ngram")."""
     quantization: str | None = None
     """The draft model's weight quantization (as `EngineArgs.quantization`; "draft_model")."""
+    draft_tensor_parallel_size: int = 1
+    """Devices the draft model is split over: 1, the draft whole on each device of the target's ("draft_model")."""
     draft_verification: Literal["rows", "chunks"] = "rows"
     """How a step verifies a request's token and drafts: "rows", one-token sequences of the decode step (each
     reads the request's KV; the decode kernels split long contexts across the GPU); "chunks", one sequence of
@@ -53,6 +55,9 @@ class SpeculativeConfig:
         if self.method == "ngram" and (self.model is not None or self.quantization is not None):
             raise ValueError("speculative method 'ngram' drafts from the context and takes no model or "
                              "quantization; for a draft model use method 'draft_model'")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(f"speculative draft_tensor_parallel_size must be 1 (the draft model whole on each device "
+                             f"of the target's), got {self.draft_tensor_parallel_size!r}")
         if self.draft_verification not in ("rows", "chunks"):
             raise ValueError(f"speculative draft_verification must be 'rows' or 'chunks', got "
                              f"{self.draft_verification!r}")

@@ -163,6 +163,9 @@ def test_config_and_refusals(models, tmp_path):
         SpeculativeConfig(method="ngram", model="m")
     with pytest.raises(ValueError, match="unknown keys draft"):
         SpeculativeConfig.parse({"draft": "m"})
+    assert SpeculativeConfig.parse({"model": "m", "draft_tensor_parallel_size": 1}).draft_tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
+        SpeculativeConfig.parse({"model": "m", "draft_tensor_parallel_size": 2})
     ns = EngineArgs.add_cli_args(__import__("argparse").ArgumentParser()).parse_args(
         ["--speculative-config", json.dumps({"model": models["small"]})])
     assert EngineArgs.from_cli_args(ns).speculative_config.method == "draft_model"
@@ -218,3 +221,36 @@ def test_the_draft_model_sleeps_and_wakes_with_the_engine(models):
         assert after.spec_num_draft_tokens - before.spec_num_draft_tokens > 50
         assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == \
             after.spec_num_draft_tokens - before.spec_num_draft_tokens
+
+
+def test_a_lora_adapter_on_the_target_and_none_on_the_draft(models, tmp_path):
+    """The target serves a request through its LoRA adapter, the draft model (the base model) drafts without one:
+    the adapter's outputs without drafts, the base model's drafts accepted where the adapter agrees with it."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from jaxserve.lora_request import LoRARequest
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32)
+    torch.manual_seed(3)
+    adapter = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in adapter.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.05)
+    adapter.save_pretrained(str(tmp_path / "ad"))
+    lora = dict(ARGS, enable_lora=True, max_loras=1, max_lora_rank=4, warmup=False)  # (no costs: drafts verified)
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+
+    def run(engine: LLMEngine) -> dict:
+        for i, p in enumerate(_prompts(2)):
+            engine.add_request(str(i), p, greedy[0], lora_request=LoRARequest("ad", 1, str(tmp_path / "ad")))
+        return {k: o.outputs[0].token_ids for k, o in drain(engine).items()}
+
+    want = run(LLMEngine(EngineArgs(model=models["target"], **lora), progress=False))
+    spec = {"model": models["target"], "num_speculative_tokens": 3}
+    engine = LLMEngine(EngineArgs(model=models["target"], speculative_config=spec, **lora), progress=False)
+    assert run(engine) == want
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 30 and 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
