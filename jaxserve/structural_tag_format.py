@@ -3,10 +3,12 @@ one Lark grammar for llguidance.
 
 `{"type": "structural_tag", "format": F}` where F is one of:
 - `const_string` {value}; `json_schema` {json_schema}; `regex` {pattern}; `grammar` {grammar, syntax?} (EBNF / GBNF,
-  or "lark");
+  or "lark"); `token` {token} (an id, or a special token's text `<...>`), `exclude_token` / `any_tokens`
+  {exclude_tokens} (one token, or any number, not among those ids);
 - `any_text` {excludes?}: any text (without the `excludes` strings, where it ends the output);
 - `sequence` {elements}, `or` {elements}, `optional` / `plus` / `star` {content}, `repeat` {content, min, max};
-- `tag` {begin, content, end}: `begin`, the content, then `end` (a string or a list of strings);
+- `tag` {begin, content, end}: `begin`, the content, then `end` (a string or a list of strings; either may be a
+  `token` format);
 - `triggered_tags` {triggers, tags, at_least_one?, stop_after_first?, excludes?}: free text in which each trigger
   opens one of the tags whose begin it starts (the text never holds a trigger otherwise, nor an excluded string);
   `at_least_one`: the output opens with a tag; `stop_after_first`: it ends with the first tag;
@@ -15,7 +17,7 @@ one Lark grammar for llguidance.
 
 Text of `any_text` is matched as xgrammar matches it: inside a tag it ends at the tag's first end string; followed
 by a `const_string` it is any text that the string then ends; last, it runs to the end of the output. Anything
-else (an `any_text` before another kind of format, the formats of token ids) is refused by name.
+else (an `any_text` before another kind of format, `token_triggered_tags`, `dispatch`) is refused by name.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ _KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"p
          "optional": {"content"}, "plus": {"content"}, "star": {"content"}, "repeat": {"content", "min", "max"},
          "tag": {"begin", "content", "end"},
          "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
-         "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"}}
+         "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
+         "token": {"token"}, "exclude_token": {"exclude_tokens"}, "any_tokens": {"exclude_tokens"}}
 
 
 def _literal(s: str) -> str:
@@ -96,6 +99,13 @@ class _Writer:
             return _regex(_string(f.get("pattern"), f"{where}.pattern")), False
         if kind == "grammar":
             return self.grammar(f, where), False
+        if kind == "token":
+            return _token(f.get("token"), f"{where}.token"), False
+        if kind in ("exclude_token", "any_tokens"):
+            ids = f.get("exclude_tokens")
+            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                raise ValueError(f"{where}.exclude_tokens must be a non-empty list of token ids")
+            return f"<[^{','.join(map(str, ids))}]>{'*' if kind == 'any_tokens' else ''}", False
         if kind == "sequence":
             return self.sequence(_formats(f, "elements", where), where, ends, last)
         if kind == "or":
@@ -118,8 +128,8 @@ class _Writer:
             one = tags if f.get("stop_after_first") else f"{tags} ({sep} {tags})*"
             return one if f.get("at_least_one") else f"({one})?", False
         raise ValueError(f"{where}: format type {kind!r} is not supported (supported: const_string, json_schema, "
-                         "regex, grammar, any_text, sequence, or, optional, plus, star, repeat, tag, triggered_tags, "
-                         "tags_with_separator)")
+                         "regex, grammar, token, exclude_token, any_tokens, any_text, sequence, or, optional, plus, "
+                         "star, repeat, tag, triggered_tags, tags_with_separator)")
 
     def sequence(self, elements: list[Any], where: str, ends: list[str] | None, last: bool) -> tuple[str, bool]:
         parts, took, i = [], False, 0
@@ -164,14 +174,21 @@ class _Writer:
 
     def tag(self, f: Any, where: str, trigger: tuple[str, str] | None = None) -> str:
         """A tag's expression; `trigger`: (a rule that matched text and then a trigger, that trigger), which the
-        rest of the begin follows."""
-        begin, ends = _tag_parts(f, where)
-        content, took = self.format(f.get("content"), f"{where}.content", ends)
-        head = [_literal(begin)]
-        if trigger is not None:
-            head = [trigger[0]] + ([_literal(begin[len(trigger[1]):])] if len(begin) > len(trigger[1]) else [])
-        end = "" if took else " (" + " | ".join(map(_literal, ends)) + ")"
-        return "(" + " ".join(head) + f" {content}{end})"
+        rest of the begin follows. A begin or an end may be a token format (`{"type": "token", ...}`)."""
+        if not isinstance(f, Mapping):
+            raise ValueError(f"{where} must be a tag {{'begin', 'content', 'end'}}")
+        begin, end = f.get("begin"), f.get("end")
+        head = _token(begin.get("token"), f"{where}.begin.token") if isinstance(begin, Mapping) else None
+        tail = _token(end.get("token"), f"{where}.end.token") if isinstance(end, Mapping) else None
+        text, ends = _tag_parts({**f, "begin": "-" if head else begin, "end": "-" if tail else end}, where)
+        content, took = self.format(f.get("content"), f"{where}.content", None if tail else ends)
+        if head is None and trigger is None:
+            head = _literal(text)
+        elif head is None:
+            rest = text[len(trigger[1]):]
+            head = f"{trigger[0]} {_literal(rest)}" if rest else trigger[0]
+        closing = tail or "(" + " | ".join(map(_literal, ends)) + ")"
+        return f"({head} {content}{'' if took else ' ' + closing})"
 
     def triggered(self, f: Mapping[str, Any], where: str, last: bool) -> str:
         triggers = _strings(f.get("triggers"), f"{where}.triggers")
@@ -194,6 +211,15 @@ class _Writer:
         if stop:
             return any_first if at_least_one else f"({free} | {any_later})"
         return f"{any_first} {any_later}* {free}" if at_least_one else f"{any_later}* {free}"
+
+
+def _token(value: Any, where: str) -> str:
+    """One token, by id or as a special token's text (`<...>`, as llguidance names them)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return f"<[{value}]>"
+    if isinstance(value, str) and re.fullmatch(r"<[^<>\s]+>", value):
+        return value
+    raise ValueError(f"{where} must be a token id or a special token's text written <...>, got {value!r}")
 
 
 def _string(value: Any, where: str, empty: bool = False) -> str:

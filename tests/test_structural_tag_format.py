@@ -133,7 +133,8 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
               "end": "</t>"}
     assert structured_outputs({"response_format": {"type": "structural_tag", "format": dumped}}).grammar_spec()
     compiler_cases = [
-        ({"type": "token", "token": 5}, "format type 'token' is not supported"),
+        ({"type": "token_triggered_tags", "trigger_tokens": [5], "tags": []},
+         "format type 'token_triggered_tags' is not supported"),
         ({"type": "sequence", "elements": [A, J({"type": "integer"})]}, r"format.elements\[0\]: any_text must end"),
         ({"type": "triggered_tags", "triggers": ["<f="], "tags": [call("a", close="</g>")]},
          r"begin '<g=a>' must start with exactly one of the triggers"),
@@ -147,5 +148,45 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
     from server.errors import ApiError
 
     for bad, message in compiler_cases:
+        with pytest.raises((ValueError, ApiError), match=message):
+            structured_outputs({"response_format": {"type": "structural_tag", "format": bad}}).grammar_spec()
+
+
+def test_token_formats(smollm_path):
+    """Tokens by id or by a special token's text, one token not among some, any number not among them, and tags
+    opened and closed by tokens: matched token by token (SmolLM2: 1 is <|im_start|>, 3 <repo_name>, 5 <file_sep>)."""
+    tokenizer = Tokenizer.from_gguf(smollm_path)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    eos = next(iter(tokenizer.eos_token_ids))
+    assert eos not in (1, 3, 5)
+
+    def takes(fmt: dict, ids: list[int]) -> bool:
+        matcher = compiler.matcher(StructuredOutputsParams(structural_tag={"format": fmt}))
+        if not all(matcher.consume(t) for t in ids):
+            return False
+        mask = np.zeros((1, bitmask_width(tokenizer.vocab_size)), np.int32)
+        matcher.fill_bitmask(mask, 0)
+        return bool((mask[0, eos // 32] >> (eos % 32)) & 1)
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    tag = {"type": "tag", "begin": {"type": "token", "token": "<|im_start|>"}, "content": J({"type": "integer"}),
+           "end": {"type": "token", "token": 5}}
+    assert takes(tag, [1, *enc("12"), 5])
+    assert not takes(tag, [1, *enc("x"), 5]) and not takes(tag, [1, *enc("12")]) and not takes(tag, [3, *enc("1"), 5])
+    upto = {"type": "sequence", "elements": [{"type": "any_tokens", "exclude_tokens": [5, eos]},
+                                             {"type": "token", "token": 5}]}
+    assert takes(upto, [*enc("hi there"), 5]) and takes(upto, [5])
+    assert not takes(upto, [*enc("hi"), 5, 5]) and not takes(upto, enc("hi"))
+    one = {"type": "exclude_token", "exclude_tokens": [1, 5]}
+    assert takes(one, [7]) and not takes(one, [1]) and not takes(one, [7, 8])
+    assert takes({"type": "token", "token": "<repo_name>"}, [3]) and not takes({"type": "token", "token": 3}, [4])
+    from server.errors import ApiError
+
+    for bad, message in [({"type": "token", "token": "hello"}, "must be a token id or a special token's text"),
+                         ({"type": "any_tokens", "exclude_tokens": []}, "non-empty list of token ids"),
+                         ({"type": "triggered_tags", "triggers": ["<f="], "tags": [{**call("a"), "begin": {
+                             "type": "token", "token": 1}}]}, r"begin must be a non-empty string")]:
         with pytest.raises((ValueError, ApiError), match=message):
             structured_outputs({"response_format": {"type": "structural_tag", "format": bad}}).grammar_spec()
