@@ -175,13 +175,12 @@ class _Writer:
     def tag(self, f: Any, where: str, trigger: tuple[str, str] | None = None) -> str:
         """A tag's expression; `trigger`: (a rule that matched text and then a trigger, that trigger), which the
         rest of the begin follows. A begin or an end may be a token format (`{"type": "token", ...}`)."""
-        if not isinstance(f, Mapping):
-            raise ValueError(f"{where} must be a tag {{'begin', 'content', 'end'}}")
-        begin, end = f.get("begin"), f.get("end")
+        begin, end = _check_tag(f, where)
         head = _token(begin.get("token"), f"{where}.begin.token") if isinstance(begin, Mapping) else None
         tail = _token(end.get("token"), f"{where}.end.token") if isinstance(end, Mapping) else None
-        text, ends = _tag_parts({**f, "begin": "-" if head else begin, "end": "-" if tail else end}, where)
-        content, took = self.format(f.get("content"), f"{where}.content", None if tail else ends)
+        text = "" if head else _string(begin, f"{where}.begin")
+        ends = [] if tail else _strings([end] if isinstance(end, str) else end, f"{where}.end")
+        content, took = self.format(f.get("content"), f"{where}.content", ends or None)
         if head is None and trigger is None:
             head = _literal(text)
         elif head is None:
@@ -199,7 +198,7 @@ class _Writer:
         opened = {t: self.rule(f"{free} {_literal(t)}", lazy=True) for t in triggers}  # such text, then a trigger
         first, later = [], []
         for i, t in enumerate(_formats(f, "tags", where)):
-            begin, _ = _tag_parts(t, f"{where}.tags[{i}]")
+            begin = _string(_check_tag(t, f"{where}.tags[{i}]")[0], f"{where}.tags[{i}].begin")
             trigger = [g for g in triggers if begin.startswith(g)]
             if len(trigger) != 1:
                 raise ValueError(f"{where}.tags[{i}].begin {begin!r} must start with exactly one of the triggers "
@@ -241,12 +240,11 @@ def _formats(f: Mapping[str, Any], key: str, where: str) -> list[Any]:
     return value
 
 
-def _tag_parts(f: Any, where: str) -> tuple[str, list[str]]:
+def _check_tag(f: Any, where: str) -> tuple[Any, Any]:
+    """A tag's begin and end, as given."""
     if not isinstance(f, Mapping) or f.get("type", "tag") != "tag":
         raise ValueError(f"{where} must be a tag {{'begin', 'content', 'end'}}")
-    end = f.get("end")
-    ends = [end] if isinstance(end, str) else end
-    return _string(f.get("begin"), f"{where}.begin"), _strings(ends, f"{where}.end")
+    return f.get("begin"), f.get("end")
 
 
 def format_grammar(tag: Mapping[str, Any]) -> str:
