@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# bench/gpu_check.sh and bench/gpu_engine.sh in one call on one NVIDIA GPU, under a deadline (DEADLINE_S,
+# default 570 s): first the timings, alone on the GPU (the kernels, then latent attention, then the engine's
+# offline throughput per backend), then the three test files' runs side by side (the kernel tests through the
+# Triton lowering, the Mosaic GPU kernel tests, the engine against its XLA path), each in its own process with
+# the GPU's memory taken as needed rather than preallocated. Each step's limit is its own or what is left
+# before the deadline, whichever is less; a step with under 20 s left is skipped, said so in the log.
+# Settings as bench/gpu_engine.sh's (BACKENDS, CONCURRENCY, MAX_NUM_SEQS, MAX_TOKENS, INPUT_LEN, OUTPUT_LEN).
+# Carry bench/wheels (bench/gpu_wheels.sh) and bench/results/smollm2-config (see bench/gpu_engine.sh).
+# Logs: $OUT/session.log (timings and the summary), $OUT/tests_{kernels,mosaic,engine}.log, and each offline
+# run's JSON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_common.sh
+MODEL=${MODEL:-bench/results/smollm2-config}
+DEADLINE_S=${DEADLINE_S:-570}
+LOG="$LOG_DIR/session.log"
+
+left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
+
+# limit LIMIT: the smaller of LIMIT and the time left, or nothing (and a line in the log) under 20 s.
+limit() {
+  local l
+  l=$(left)
+  if (( l < 20 )); then echo "skipped: $(( l < 0 ? 0 : l )) s left before the deadline" >&2; return 1; fi
+  echo $(( $1 < l ? $1 : l ))
+}
+
+stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+
+{
+  print_environment
+
+  stamp "== kernel timings"
+  if t=$(limit 160); then timeout "$t" "$PY" bench/gpu_kernels.py --budget-s $(( t - 45 )); echo "exit $?"; fi
+
+  stamp "== latent attention timings (DeepSeek's 576-wide entries)"
+  if t=$(limit 45); then timeout "$t" "$PY" bench/gpu_latent.py --budget-s $(( t - 22 )); echo "exit $?"; fi
+
+  for backend in ${BACKENDS:-pallas pallas_mosaic}; do
+    stamp "== offline throughput, random weights of SmolLM2's shapes, bfloat16, backend $backend"
+    if t=$(limit 85); then
+      timeout "$t" "$PY" -m jaxserve.cli bench offline "$MODEL" --load-format dummy --dtype bfloat16 \
+        --attention-backend "$backend" --workload random --random-input-len "${INPUT_LEN:-512}" \
+        --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-64}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
+        --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' --quiet \
+        --result-file "$LOG_DIR/gpu_engine_$backend.json"
+      echo "exit $?"
+    fi
+  done
+
+  stamp "== tests, compiled for the GPU, three processes side by side"
+  if t=$(limit 200); then
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
+    pytest=(timeout "$t" "$PY" -m pytest -v --no-header -p no:cacheprovider --durations=10 -rfE)
+    "${pytest[@]}" tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_latent.py \
+      tests/test_kv_cache_dtype.py -k "not real_model and not fp8_engine and not whole_pool" \
+      > "$LOG_DIR/tests_kernels.log" 2>&1 &
+    "${pytest[@]}" tests/test_engine_pallas_mosaic.py tests/test_kernels_mosaic_ragged.py \
+      tests/test_kernels_mosaic_ws.py > "$LOG_DIR/tests_mosaic.log" 2>&1 &
+    "${pytest[@]}" tests/test_engine_pallas.py -k "matches_xla or fp8_cache" > "$LOG_DIR/tests_engine.log" 2>&1 &
+    wait
+    for name in kernels mosaic engine; do
+      echo "-- tests_$name: $(grep -E '(passed|failed|error)' "$LOG_DIR/tests_$name.log" | tail -1)"
+      grep -E '^(FAILED|ERROR) ' "$LOG_DIR/tests_$name.log" | head -20
+    done
+  fi
+  stamp "done"
+} 2>&1 | tee "$LOG"
