@@ -35,11 +35,16 @@ from pallas_kernels.ragged_attention_args import (
 from pallas_kernels.ragged_mosaic_form import COMPUTE_WGS, STAGES
 
 UPCAST_ROWS = 64  # float8 rows the loading warpgroup upcasts at once (a WGMMA-layout tile)
-# Registers per thread of the loading and the compute warpgroups (at most 512 in all, by 8), for pages of q's
-# dtype and for float8 pages, whose upcast needs the loader's 80: with 40 it spills 500 bytes at 128-key blocks
-# and with 56 it spills 76 (ptxas, sm_90); with 80 and 216 neither form spills.
+# Registers per thread of the loading and the compute warpgroups, by 8. `setmaxnreg` only moves registers
+# between the warpgroups of a program: the pool is what the program was launched with, 168 a thread for 384
+# threads (65536 over 384, rounded down to 8), so the three warpgroups' counts add up to at most 504. Past it
+# the compute warpgroups' `setmaxnreg.inc` waits forever for registers that never come free: 80 + 2 x 216 hung
+# on an H200. Pages of q's dtype: 40 and 232. Float8 pages, whose upcast needs the loader's 80 (ptxas, sm_90:
+# 56 spills 76 bytes, 64 spills 44, 72 spills 16 at 128-wide heads): 80 and 208, no spills at 64- and
+# 128-wide heads, with or without sinks, window and soft-cap.
+REGISTER_POOL = 504
 LOADER_REGISTERS = {False: 40, True: 80}
-COMPUTE_REGISTERS = {False: 232, True: 216}
+COMPUTE_REGISTERS = {False: 232, True: 208}
 LOG2E = math.log2(math.e)
 
 

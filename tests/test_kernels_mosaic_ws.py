@@ -82,3 +82,17 @@ def test_warp_specialized_refusals():
     with pytest.raises(ValueError, match="needs 263168 bytes of shared memory"):
         ragged_paged_attention_mosaic(fp8.q, fp8.k_pages, fp8.v_pages, *big_args[3:], sm_scale=0.125, compute_wgs=2,
                                       interpret=True)
+
+
+def test_warpgroup_registers_fit_the_programs_pool():
+    """`setmaxnreg` moves registers between a program's warpgroups within what it was launched with (168 a thread
+    for 384 threads): counts past that pool hang the compute warpgroups' increase on a GPU, and the interpreter
+    cannot see it. (tests/gpu_compile checks the pool and the spills against ptxas.)"""
+    from pallas_kernels import ragged_mosaic_ws as ws
+
+    threads = (ws.COMPUTE_WGS + 1) * 128
+    assert ws.REGISTER_POOL == (ws.COMPUTE_WGS + 1) * (65536 // threads // 8 * 8)
+    for fp8 in (False, True):
+        loader, compute = ws.LOADER_REGISTERS[fp8], ws.COMPUTE_REGISTERS[fp8]
+        assert loader % 8 == 0 and compute % 8 == 0 and 24 <= loader <= compute <= 256
+        assert loader + ws.COMPUTE_WGS * compute <= ws.REGISTER_POOL, (fp8, loader, compute)
