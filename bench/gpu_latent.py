@@ -55,7 +55,7 @@ def implementations(decode: bool) -> list:
         ("pallas", jax.jit(kernel)),
         ("pallas_h32", jax.jit(functools.partial(kernel, tuning=AttentionTuning(latent_heads=32)))),
         ("pallas_bkv64", jax.jit(functools.partial(kernel, tuning=AttentionTuning(block_kv=64)))),
-        ("pallas_st3", jax.jit(functools.partial(kernel, tuning=AttentionTuning(num_stages=3)))),
+        ("pallas_st2", jax.jit(functools.partial(kernel, tuning=AttentionTuning(num_stages=2)))),
         # The engine's path without the kernel: the entries as keys and as values, cut to the latent.
         ("xla", jax.jit(lambda q, p, t, s, qsl: xla_ragged_paged_attention(
             q, p, None, t, s, qsl, sm_scale=SCALE, decode=decode)[..., :LATENT])),

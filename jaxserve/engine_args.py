@@ -282,8 +282,9 @@ class EngineArgs:
                        help="fcfs, or priority (lower value first, FCFS within a priority)")
         g.add_argument("--attention-backend", choices=list(BACKEND_CHOICES),
                        default=d.attention_backend,
-                       help="auto = pallas kernels on GPUs, plain XLA on the CPU; pallas_mosaic runs attention on "
-                            "the Mosaic GPU kernels (Hopper); the *_interpret forms run the kernels in their CPU "
+                       help="auto = plain XLA on the CPU, pallas_mosaic (attention on the Mosaic GPU kernels) on "
+                            "Hopper GPUs unless the KV cache is fp8, pallas (the generic kernel, through Triton) on "
+                            "other GPUs; the *_interpret forms run the kernels in their CPU "
                             "interpreters (for checking, slow)")
         g.add_argument("--layer-loop", choices=["auto", "scan", "unroll"], default=d.layer_loop,
                        help="unroll: each decoder layer compiled on its own (faster CPU steps at small batches, "

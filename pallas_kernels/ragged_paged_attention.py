@@ -62,7 +62,7 @@ class AttentionTuning:
     num_kv_splits: int | None = None  # flash-decoding partitions of the KV length
     pad_rows_to_mma: bool = False  # pad tiny head groups to 16 rows and use tensor-core dots
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None  # Triton's pipelining stages (None: 2; the latent kernel 3)
     # "mosaic": batches of one query token per sequence go to the Mosaic GPU decode kernel
     # (paged_decode_mosaic.py) when it supports the shapes; everything else stays on this kernel.
     decode_lowering: str = "triton"
@@ -316,7 +316,7 @@ def ragged_paged_attention(
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=None if interpret else _triton_params(num_warps, tuning.num_stages),
+        compiler_params=None if interpret else _triton_params(num_warps, tuning.num_stages or 2),
         name=f"ragged_paged_attention_bq{block_q}_bkv{block_kv}_s{splits}",
     )(*operands)
 

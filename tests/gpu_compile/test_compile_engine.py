@@ -116,11 +116,11 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
 
 
 @pytest.mark.gpu_compile
-# fp8: `--kv-cache-dtype fp8` (float8_e4m3fn pages, upcast in the kernel), in the largest bucket; pallas_mosaic:
-# a lax.cond over the Mosaic GPU decode kernel and the ragged Mosaic GPU kernel, in the largest bucket.
-@pytest.mark.parametrize("T,backend,kv_dtype", [(t, "pallas", DTYPE) for t in RC.token_buckets]
-                         + [(RC.token_buckets[-1], "pallas", jnp.float8_e4m3fn),
-                            (RC.token_buckets[-1], "pallas_mosaic", DTYPE)])
+# fp8: `--kv-cache-dtype fp8` (float8_e4m3fn pages, upcast in the kernel), in the largest bucket; pallas_mosaic
+# (the default on Hopper): a lax.cond over the Mosaic GPU decode kernel and the ragged Mosaic GPU kernel, in
+# every bucket, as pallas (the default on other GPUs and over float8 pages).
+@pytest.mark.parametrize("T,backend,kv_dtype", [(t, b, DTYPE) for b in ("pallas", "pallas_mosaic") for t in RC.token_buckets]
+                         + [(RC.token_buckets[-1], "pallas", jnp.float8_e4m3fn)])
 def test_mixed_step_compiles_for_sm90(spec, T, backend, kv_dtype):
     S = min(T, RC.max_num_seqs)
     params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype)
@@ -179,9 +179,8 @@ def decode_state(spec, S: int) -> DecodeState:
 # anything else on the Triton kernel), so one bucket compiles both lowerings inside the engine step.
 # Float8 pages go to either kernel (the Mosaic kernel upcasts them in SMEM); the float8 cases carry per-layer
 # KV scales (`--calculate-kv-scales` or a checkpoint's).
-@pytest.mark.parametrize("S,backend,kv_dtype", [(s, "pallas", DTYPE) for s in RC.seq_buckets]
-                         + [(64, "pallas_mosaic", DTYPE), (64, "pallas", jnp.float8_e4m3fn),
-                            (64, "pallas_mosaic", jnp.float8_e4m3fn)])
+@pytest.mark.parametrize("S,backend,kv_dtype", [(s, b, DTYPE) for b in ("pallas", "pallas_mosaic") for s in RC.seq_buckets]
+                         + [(64, "pallas", jnp.float8_e4m3fn), (64, "pallas_mosaic", jnp.float8_e4m3fn)])
 def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
     cfg = dataclasses.replace(SMOLLM2, kv_cache_scales=jnp.dtype(kv_dtype).itemsize == 1)
     params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype, cfg)
