@@ -138,8 +138,9 @@ def kernels(heads: Heads) -> dict:
 
     return {
         "pallas": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale)),
-        "pallas_mma": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale,
-                                                tuning=AttentionTuning(pad_rows_to_mma=True))),
+        # Decode rows unpadded, on the CUDA cores (the default pads them to 16 for the tensor cores).
+        "pallas_rows": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale,
+                                                 tuning=AttentionTuning(pad_rows_to_mma=False))),
         # Mixed steps through the dispatch of the `pallas_mosaic` backend: the decode tokens on the decode kernel
         # beside the chunks on the ragged one (split), or all on the ragged kernel (whole).
         "mosaic_split": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, tuning=AttentionTuning(
@@ -188,7 +189,13 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one small row per table, small pools (smoke test)"
     )
+    groups = ("targets", "mixed", "drafts", "fp8", "window", "wide", "images", "rest")
+    parser.add_argument("--rows", default=",".join(groups),
+                        help=f"the groups of rows to run, in the order given: a comma-separated subset of {','.join(groups)}")
     args = parser.parse_args()
+    chosen = args.rows.split(",")
+    if unknown := set(chosen) - set(groups):
+        parser.error(f"--rows: unknown groups {sorted(unknown)}; choose from {', '.join(groups)}")
     start = time.perf_counter()
     print(f"devices: {jax.devices()}  jax {jax.__version__}", flush=True)
     copy_bw = copy_bandwidth(1 << 24 if args.quick else 1 << 30)
@@ -210,7 +217,9 @@ def main() -> int:
     wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768)]
     drafts = [(h, "drafts", 4, 8192) for h in (llama, smollm)]
     images = [(WIDE, "images", 1, 4096), (GPT_OSS, "sinks", 32, 8192), (GPT_OSS, "sinks", 1, 4096)]
-    rows = target + [(llama, "mixed", 32, 8192)] + drafts + fp8 + [(llama, "window", 32, 32768)] + wide + images + rest
+    by_group = dict(targets=target, mixed=[(llama, "mixed", 32, 8192)], drafts=drafts, fp8=fp8,
+                    window=[(llama, "window", 32, 32768)], wide=wide, images=images, rest=rest)
+    rows = [row for group in dict.fromkeys(chosen) for row in by_group[group]]
     if args.quick:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
                 (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "drafts", 2, 1024),
@@ -268,9 +277,9 @@ def main() -> int:
         elif kind == "decode":
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             big = nbytes * 3 > REF_LIMIT_BYTES
-            names = ["pallas", "pallas_mma", "mosaic", "mosaic_st4", "mosaic_bkv128", None if big else "xla", "cudnn"]
+            names = ["pallas", "pallas_rows", "mosaic", "mosaic_st4", "mosaic_bkv128", None if big else "xla", "cudnn"]
             if heads is WIDE:  # deeper rings and 128-key blocks of 256-wide heads overflow shared memory
-                names = ["pallas", "pallas_mma", "mosaic", None if big else "xla", "cudnn"]
+                names = ["pallas", "pallas_rows", "mosaic", None if big else "xla", "cudnn"]
             dense = None if big else dense_sets(sets, heads, batch, ctx)
             run_row(label, pick(fns, names), sets, nbytes, flops, dense, copy_bw)
         else:

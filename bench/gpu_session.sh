@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bench/gpu_check.sh and bench/gpu_engine.sh in one call on one NVIDIA GPU, under a deadline (DEADLINE_S,
-# default 570 s): first the timings, alone on the GPU (the kernels, then latent attention, then the engine's
-# offline throughput per backend), then the three test files' runs side by side (the kernel tests through the
-# Triton lowering, the Mosaic GPU kernel tests, the engine against its XLA path), each in its own process with
-# the GPU's memory taken as needed rather than preallocated. Each step's limit is its own or what is left
+# default 570 s): first the three test files' runs side by side (the Mosaic GPU kernel tests, the kernel tests
+# through the Triton lowering, the engine against its XLA path), each in its own process with the GPU's memory
+# taken as needed rather than preallocated; then the timings, alone on the GPU: the kernels (ROWS: the groups
+# of bench/gpu_kernels.py's rows, in order), latent attention, and the engine's offline throughput per backend
+# (BACKENDS, default "pallas_mosaic pallas": Hopper's default first). Each step's limit is its own or what is left
 # before the deadline, whichever is less; a step with under 20 s left is skipped, said so in the log.
 # Settings as bench/gpu_engine.sh's (BACKENDS, CONCURRENCY, MAX_NUM_SEQS, MAX_TOKENS, INPUT_LEN, OUTPUT_LEN).
 # Carry bench/wheels (bench/gpu_wheels.sh) and bench/results/smollm2-config (see bench/gpu_engine.sh).
@@ -31,15 +32,41 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 {
   print_environment
 
+  stamp "== tests, compiled for the GPU, three processes side by side"
+  if t=$(limit 170); then
+    pytest=(timeout "$t" "$PY" -m pytest -v --no-header -p no:cacheprovider --durations=10 -rfE)
+    # A test that hangs (a kernel waiting on a barrier) ends its process with its stacks in the log, when
+    # pytest-timeout is there (the machine's image has it).
+    "$PY" -c "import pytest_timeout" 2>/dev/null && pytest+=(--timeout 90 --timeout-method thread)
+    (
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
+      "${pytest[@]}" tests/test_kernels_mosaic_ragged.py tests/test_kernels_mosaic_ws.py \
+        tests/test_engine_pallas_mosaic.py > "$LOG_DIR/tests_mosaic.log" 2>&1 &
+      "${pytest[@]}" tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_latent.py \
+        tests/test_kv_cache_dtype.py -k "not real_model and not fp8_engine and not whole_pool" \
+        > "$LOG_DIR/tests_kernels.log" 2>&1 &
+      "${pytest[@]}" tests/test_engine_pallas.py -k "matches_xla or fp8_cache" > "$LOG_DIR/tests_engine.log" 2>&1 &
+      wait
+    )
+    for name in mosaic kernels engine; do
+      echo "-- tests_$name: $(grep -E '(passed|failed|error)' "$LOG_DIR/tests_$name.log" | tail -1)"
+      grep -E '^(FAILED|ERROR) |(PASSED|FAILED|ERROR) +\[' "$LOG_DIR/tests_$name.log" | grep -v PASSED | head -20
+      grep -E '::.* $' "$LOG_DIR/tests_$name.log" | tail -1 | sed 's/^/   unfinished: /'
+    done
+  fi
+
   stamp "== kernel timings"
-  if t=$(limit 160); then timeout "$t" "$PY" bench/gpu_kernels.py --budget-s $(( t - 45 )); echo "exit $?"; fi
+  if t=$(limit 160); then
+    timeout "$t" "$PY" bench/gpu_kernels.py --budget-s $(( t - 45 )) ${ROWS:+--rows "$ROWS"}
+    echo "exit $?"
+  fi
 
   stamp "== latent attention timings (DeepSeek's 576-wide entries)"
   if t=$(limit 45); then timeout "$t" "$PY" bench/gpu_latent.py --budget-s $(( t - 22 )); echo "exit $?"; fi
 
-  for backend in ${BACKENDS:-pallas pallas_mosaic}; do
+  for backend in ${BACKENDS:-pallas_mosaic pallas}; do
     stamp "== offline throughput, random weights of SmolLM2's shapes, bfloat16, backend $backend"
-    if t=$(limit 85); then
+    if t=$(limit 130); then
       timeout "$t" "$PY" -m jaxserve.cli bench offline "$MODEL" --load-format dummy --dtype bfloat16 \
         --attention-backend "$backend" --workload random --random-input-len "${INPUT_LEN:-512}" \
         --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-64}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
@@ -48,25 +75,5 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
       echo "exit $?"
     fi
   done
-
-  stamp "== tests, compiled for the GPU, three processes side by side"
-  if t=$(limit 200); then
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
-    pytest=(timeout "$t" "$PY" -m pytest -v --no-header -p no:cacheprovider --durations=10 -rfE)
-    # A test that hangs (a kernel waiting on a barrier) fails alone, its stacks in the log, when pytest-timeout
-    # is there (the machine's image has it).
-    "$PY" -c "import pytest_timeout" 2>/dev/null && pytest+=(--timeout 90 --timeout-method thread)
-    "${pytest[@]}" tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_latent.py \
-      tests/test_kv_cache_dtype.py -k "not real_model and not fp8_engine and not whole_pool" \
-      > "$LOG_DIR/tests_kernels.log" 2>&1 &
-    "${pytest[@]}" tests/test_kernels_mosaic_ragged.py tests/test_kernels_mosaic_ws.py \
-      tests/test_engine_pallas_mosaic.py > "$LOG_DIR/tests_mosaic.log" 2>&1 &
-    "${pytest[@]}" tests/test_engine_pallas.py -k "matches_xla or fp8_cache" > "$LOG_DIR/tests_engine.log" 2>&1 &
-    wait
-    for name in kernels mosaic engine; do
-      echo "-- tests_$name: $(grep -E '(passed|failed|error)' "$LOG_DIR/tests_$name.log" | tail -1)"
-      grep -E '^(FAILED|ERROR) ' "$LOG_DIR/tests_$name.log" | head -20
-    done
-  fi
   stamp "done"
 } 2>&1 | tee "$LOG"

@@ -150,7 +150,7 @@ def latent_tuning(tuning: AttentionTuning, num_tokens: int, num_seqs: int, num_k
     heads = _head_block(group, tuning.latent_heads or LATENT_ROWS)
     block_q = tuning.block_q or max(1, min(16, next_pow2(pl.cdiv(num_tokens, num_seqs)),
                                            (tuning.latent_heads or LATENT_ROWS) // next_pow2(heads)))
-    rows, use_mma, num_blocks = row_tiling(block_q, heads, tuning.pad_rows_to_mma, num_tokens, num_seqs)
+    rows, use_mma, num_blocks = row_tiling(block_q, heads, bool(tuning.pad_rows_to_mma), num_tokens, num_seqs)
     block_kv = tuning.block_kv or (32 if use_mma else 16)
     programs = num_kv_heads * (group // heads)
     splits = tuning.num_kv_splits

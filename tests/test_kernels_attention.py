@@ -102,7 +102,8 @@ def test_kernel_matches_reference(
 
 
 def test_decode_batch_default_tuning():
-    """T == S (a decode bucket): one query per program, rows not padded to 16; sequences share pages."""
+    """T == S (a decode bucket): one query per program, rows not padded to 16 (in the interpreter; compiled, 16-bit
+    queries pad them for the tensor cores); sequences share pages."""
     rng = np.random.default_rng(3)
     seqs = [(1, n) for n in (1, 7, 8, 9, 16, 17, 31, 32)]
     batch = make_batch(
@@ -121,6 +122,25 @@ def test_decode_batch_default_tuning():
     tables = np.asarray(batch.block_tables)
     assert len(np.unique(tables[tables > 0])) < np.count_nonzero(tables)  # some pages are shared
     _check(batch, jnp.bfloat16, sm_scale=0.125)
+
+
+def test_decode_rows_pad_to_the_tensor_cores_by_default_when_compiled_with_16_bit_queries():
+    """`pad_rows_to_mma=None`: padded (64-key blocks, tensor-core dots) when compiled with bfloat16 or float16
+    queries; unpadded (32-key blocks) for float32 and in the interpreter; as given when set."""
+    rng = np.random.default_rng(5)
+    kernels = {}
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        batch = make_batch(rng, page_size=8, head_dim=64, group=3, num_kv_heads=3, dtype=dtype,
+                           seqs=[(1, 9), (1, 17)], pages_per_seq=4)
+        args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        for interpret, pad in ((False, None), (True, None), (False, False), (True, True)):
+            fn = functools.partial(ragged_paged_attention, sm_scale=0.125, interpret=interpret,
+                                   tuning=AttentionTuning(pad_rows_to_mma=pad))
+            text = str(jax.make_jaxpr(fn)(*args))
+            kernels[jnp.dtype(dtype).name, interpret, pad] = "bkv64" in text, "bkv32" in text
+    for (dtype, interpret, pad), (padded, unpadded) in kernels.items():
+        want = pad if pad is not None else (not interpret and dtype != "float32")
+        assert (padded, unpadded) == (want, not want), (dtype, interpret, pad)
 
 
 def test_long_decode_splits_by_default():
