@@ -209,7 +209,8 @@ def _triton_params(num_warps: int, num_stages: int):
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "tuning",
+                                             "decode"))
 def ragged_paged_attention(
     q,
     k_pages,
@@ -225,10 +226,13 @@ def ragged_paged_attention(
     sinks: jax.Array | None = None,
     interpret: bool = False,
     tuning: AttentionTuning = AttentionTuning(),
+    decode: bool = False,
 ) -> jax.Array:
     """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
     [QH]: each head's attention-sink logit (gpt-oss), a share of each softmax carrying no value (every kernel
-    here takes them)."""
+    here takes them). `decode` (static): the caller promises at most one query token per sequence (an engine's
+    decode loop), so a call that goes to the Mosaic GPU decode kernel holds that kernel alone, not a branch for
+    prefill chunks beside it."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
         sinks,
@@ -250,14 +254,15 @@ def ragged_paged_attention(
 
         # Each kind of batch goes to its Mosaic GPU kernel where the tuning asks for it and the kernel takes the
         # shapes (the two kernels' SMEM sums differ: 256-wide heads fit only the warp-specialized prefill).
-        decode = tuning.decode_lowering == "mosaic" and mosaic_decode_supported(
+        decode_on = tuning.decode_lowering == "mosaic" and mosaic_decode_supported(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None
         prefill = tuning.prefill_lowering == "mosaic" and ragged_mosaic_supported(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
-        if decode or prefill:
+        if decode_on or prefill:
             return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
                               soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key, sinks=sinks,
-                              interpret=interpret, tuning=tuning, decode_on_mosaic=decode, prefill_on_mosaic=prefill)
+                              interpret=interpret, tuning=tuning, decode_on_mosaic=decode_on, prefill_on_mosaic=prefill,
+                              decode_only=decode)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
         tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
@@ -335,7 +340,8 @@ def ragged_paged_attention(
 
 
 def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
-               last_key, sinks, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool):
+               last_key, sinks, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool,
+               decode_only: bool = False):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
     prefill chunks on the ragged Mosaic GPU kernel (their decode tokens on the decode kernel with
     `tuning.split_mixed`), each where `*_on_mosaic` says, else this file's kernel. `last_key` (clamped) matters
@@ -379,4 +385,6 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
             return general()
         return jnp.where(valid[:, None, None], on_decode_kernel(seq_lens), jnp.zeros((), q.dtype))
 
+    if decode_only and decode_on_mosaic:
+        return decode()
     return lax.cond(jnp.all(q_lens <= 1), decode, prefill)

@@ -209,3 +209,25 @@ def test_mosaic_refusals():
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         paged_decode_attention_mosaic(q, pages, pages, jnp.zeros((2, 2), jnp.int32), jnp.ones(2, jnp.int32),
                                       sm_scale=0.125, interpret=True)
+
+
+def test_decode_promise_calls_the_decode_kernel_alone():
+    """`decode=True` (an engine's decode loop): the call holds the Mosaic decode kernel only, not the branch for
+    prefill chunks on the ragged kernel (less to compile in every decode bucket); the oracle's output, padding
+    tokens zero. Without the promise the same batch traces both branches."""
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
+                       seqs=DECODE_SEQS, pages_per_seq=4, pad_tokens=1)
+    tuning = AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic")
+
+    def attend(*args, decode):
+        return ragged_paged_attention(*args, sm_scale=0.125, interpret=_interpret(), tuning=tuning, decode=decode)
+
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    promised = str(jax.make_jaxpr(functools.partial(attend, decode=True))(*args))
+    assert "paged_decode_mosaic" in promised
+    assert "ragged_attention_mosaic" not in promised and "ragged_paged_attention_bq" not in promised
+    assert "ragged_attention_mosaic" in str(jax.make_jaxpr(functools.partial(attend, decode=False))(*args))
+    out = attend(*args, decode=True)
+    _check(out, batch, 0.125)
+    assert not np.asarray(out[batch.num_real_tokens:], np.float32).any(), "padding tokens must be zero"

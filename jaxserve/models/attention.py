@@ -386,7 +386,7 @@ def paged_attention(
         def kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, sinks):
             return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           interpret=backend.endswith("_interpret"), tuning=tuning, last_key=last_key,
-                                          sinks=sinks, **kwargs)
+                                          sinks=sinks, decode=decode, **kwargs)
 
         return on_head_shards(layout, kernel, q, (k_pages, v_pages),
                               (block_tables, seq_lens, query_start_loc, last_key), (sinks,))
