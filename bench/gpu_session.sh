@@ -66,11 +66,12 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
   for backend in ${BACKENDS:-pallas_mosaic pallas}; do
     stamp "== offline throughput, random weights of SmolLM2's shapes, bfloat16, backend $backend"
-    if t=$(limit 130); then
+    # Progress bars kept (on stderr, in the log): a warmup cut by the limit shows how far it came.
+    if t=$(limit 150); then
       timeout "$t" "$PY" -m jaxserve.cli bench offline "$MODEL" --load-format dummy --dtype bfloat16 \
         --attention-backend "$backend" --workload random --random-input-len "${INPUT_LEN:-512}" \
         --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-64}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
-        --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' --quiet \
+        --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' \
         --result-file "$LOG_DIR/gpu_engine_$backend.json"
       echo "exit $?"
     fi
