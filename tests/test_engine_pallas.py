@@ -144,6 +144,13 @@ def assert_same_outputs(loaded: LoadedModel, backend: str, args: EngineArgs = AR
     assert steps == ref_steps, "the schedule depends only on host state; it must not differ by backend"
     assert any(p and d for p, d in steps), f"no mixed prefill + decode step in {steps}"
     assert any(p == 0 and d > 1 for p, d in steps), f"no batched decode step in {steps}"
+    assert_outputs_agree(ref, got, ref_lps, near_tie, backend)
+
+
+def assert_outputs_agree(ref: dict[str, list[int]], got: dict[str, list[int]], ref_lps: dict, near_tie: float | None,
+                         backend: str) -> None:
+    """`got` is `ref` token for token, or (with `near_tie`) parts from it once per request where `ref`'s top two
+    logprobs (`ref_lps`) lie within `near_tie` and `got` took the second, with half the tokens or more compared."""
     compared = 0
     for rid in ref:
         part = next((i for i, (a, b) in enumerate(zip(got[rid], ref[rid], strict=True)) if a != b), None)
@@ -159,6 +166,27 @@ def assert_same_outputs(loaded: LoadedModel, backend: str, args: EngineArgs = AR
         compared += part
     total = sum(len(t) for t in ref.values())
     assert compared >= total // 2, f"only {compared} of {total} tokens before the outputs part"
+
+
+def test_near_tie_comparison_refuses_what_is_no_near_tie():
+    """The bfloat16 comparison lets a request part at a near-tie only: not where the top two lie far apart, not
+    to a third token, not before half the tokens."""
+    from jaxserve.outputs import Logprob
+
+    def lps(*tops):  # per position: (top-1 id, its logprob, top-2 id, its logprob)
+        return [{a: Logprob(la, 1), b: Logprob(lb, 2)} for a, la, b, lb in tops]
+
+    ref = {"a": [5, 6, 7, 8]}
+    sure = (5, -0.1, 9, -3.0)
+    near = {"a": lps(sure, sure, (7, -0.70, 3, -0.72), sure)}  # a 0.02 tie at the third token
+    assert_outputs_agree(ref, {"a": [5, 6, 7, 8]}, {}, None, "k")
+    assert_outputs_agree(ref, {"a": [5, 6, 3, 2]}, near, 0.1, "k")  # parts there, to the second token
+    far = {"a": lps(sure, sure, (7, -0.1, 3, -2.0), sure)}
+    early = {"a": lps((5, -0.70, 9, -0.72), sure, sure, sure)}  # a tie at the first token: nothing compared
+    for got, lp in (({"a": [5, 6, 3, 2]}, far), ({"a": [5, 6, 4, 2]}, near), ({"a": [9, 6, 7, 8]}, early),
+                    ({"a": [5, 6, 3, 2]}, None)):
+        with pytest.raises(AssertionError):
+            assert_outputs_agree(ref, got, lp or {}, 0.1 if lp else None, "k")
 
 
 @pytest.mark.parametrize("backend", ["pallas"] if GPU else ["pallas_interpret"])
