@@ -13,11 +13,15 @@ one Lark grammar for llguidance.
   opens one of the tags whose begin it starts (the text never holds a trigger otherwise, nor an excluded string);
   `at_least_one`: the output opens with a tag; `stop_after_first`: it ends with the first tag;
 - `tags_with_separator` {tags, separator, at_least_one?, stop_after_first?}: tags one after another with the
-  separator between them (none allowed unless `at_least_one`; one at most with `stop_after_first`).
+  separator between them (none allowed unless `at_least_one`; one at most with `stop_after_first`);
+- `token_triggered_tags` {trigger_tokens, tags, exclude_tokens?, at_least_one?, stop_after_first?}: the same over
+  tokens (ids): tokens other than the triggers and the excluded ones, each trigger opening the tag whose begin is
+  that token; `at_least_one` opens the output with a tag, `stop_after_first` ends it with one.
 
 Text of `any_text` is matched as xgrammar matches it: inside a tag it ends at the tag's first end string; followed
 by a `const_string` it is any text that the string then ends; last, it runs to the end of the output. Anything
-else (an `any_text` before another kind of format, `token_triggered_tags`, `dispatch`) is refused by name.
+else (an `any_text` before another kind of format, `dispatch`) is refused by name. Before a closing token, an
+`any_text` is any text (special tokens aside).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ _KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"p
          "tag": {"begin", "content", "end"},
          "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
          "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
-         "token": {"token"}, "exclude_token": {"exclude_tokens"}, "any_tokens": {"exclude_tokens"}}
+         "token": {"token"}, "exclude_token": {"exclude_tokens"}, "any_tokens": {"exclude_tokens"},
+         "token_triggered_tags": {"trigger_tokens", "tags", "exclude_tokens", "at_least_one", "stop_after_first"}}
 
 
 def _literal(s: str) -> str:
@@ -102,10 +107,12 @@ class _Writer:
         if kind == "token":
             return _token(f.get("token"), f"{where}.token"), False
         if kind in ("exclude_token", "any_tokens"):
-            ids = f.get("exclude_tokens")
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise ValueError(f"{where}.exclude_tokens must be a non-empty list of token ids")
+            ids = _ids(f.get("exclude_tokens"), f"{where}.exclude_tokens")
             return f"<[^{','.join(map(str, ids))}]>{'*' if kind == 'any_tokens' else ''}", False
+        if kind == "token_triggered_tags":
+            if not last:
+                raise ValueError(f"{where}: token_triggered_tags must end the output")
+            return self.token_triggered(f, where), False
         if kind == "sequence":
             return self.sequence(_formats(f, "elements", where), where, ends, last)
         if kind == "or":
@@ -129,7 +136,7 @@ class _Writer:
             return one if f.get("at_least_one") else f"({one})?", False
         raise ValueError(f"{where}: format type {kind!r} is not supported (supported: const_string, json_schema, "
                          "regex, grammar, token, exclude_token, any_tokens, any_text, sequence, or, optional, plus, "
-                         "star, repeat, tag, triggered_tags, tags_with_separator)")
+                         "star, repeat, tag, triggered_tags, token_triggered_tags, tags_with_separator)")
 
     def sequence(self, elements: list[Any], where: str, ends: list[str] | None, last: bool) -> tuple[str, bool]:
         parts, took, i = [], False, 0
@@ -180,7 +187,11 @@ class _Writer:
         tail = _token(end.get("token"), f"{where}.end.token") if isinstance(end, Mapping) else None
         text = "" if head else _string(begin, f"{where}.begin")
         ends = [] if tail else _strings([end] if isinstance(end, str) else end, f"{where}.end")
-        content, took = self.format(f.get("content"), f"{where}.content", ends or None)
+        inner = f.get("content")
+        if tail and isinstance(inner, Mapping) and inner.get("type") == "any_text" and not inner.get("excludes"):
+            content, took = self.rule(_regex(TEXT), terminal=True), False  # any text, up to the closing token
+        else:
+            content, took = self.format(inner, f"{where}.content", ends or None)
         if head is None and trigger is None:
             head = _literal(text)
         elif head is None:
@@ -210,6 +221,33 @@ class _Writer:
         if stop:
             return any_first if at_least_one else f"({free} | {any_later})"
         return f"{any_first} {any_later}* {free}" if at_least_one else f"{any_later}* {free}"
+
+    def token_triggered(self, f: Mapping[str, Any], where: str) -> str:
+        """Tokens other than the triggers (and `exclude_tokens`), in which each trigger token opens the tag
+        that begins with it."""
+        triggers = _ids(f.get("trigger_tokens"), f"{where}.trigger_tokens")
+        excludes = _ids(f.get("exclude_tokens", []), f"{where}.exclude_tokens", empty=True)
+        free = f"<[^{','.join(map(str, dict.fromkeys(triggers + excludes)))}]>*"
+        tags = []
+        for i, t in enumerate(_formats(f, "tags", where)):
+            begin = _check_tag(t, f"{where}.tags[{i}]")[0]
+            token = begin.get("token") if isinstance(begin, Mapping) and begin.get("type") == "token" else None
+            if token not in triggers:
+                raise ValueError(f"{where}.tags[{i}].begin must be a token format whose token id is one of the "
+                                 f"trigger_tokens {triggers}, got {begin!r}")
+            tags.append(self.tag(t, f"{where}.tags[{i}]"))
+        tag = "(" + " | ".join(tags) + ")"
+        at_least_one, stop = f.get("at_least_one", False), f.get("stop_after_first", False)
+        if stop:  # (as with string triggers, `at_least_one` opens the output with a tag)
+            return tag if at_least_one else f"{free} {tag}?"
+        return f"{tag} ({free} {tag})* {free}" if at_least_one else f"({free} {tag})* {free}"
+
+
+def _ids(value: Any, where: str, empty: bool = False) -> list[int]:
+    if not isinstance(value, list) or (not value and not empty) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ValueError(f"{where} must be a {'' if empty else 'non-empty '}list of token ids")
+    return value
 
 
 def _token(value: Any, where: str) -> str:

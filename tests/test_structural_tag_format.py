@@ -85,21 +85,32 @@ OTHERS = [  # (format, taken, refused)
 
 
 @pytest.fixture(scope="module")
-def accepts(smollm_path):
+def token_matcher(smollm_path):
+    """(takes(format, ids): whether the constraint takes those tokens and then lets the output end, enc(text),
+    the EOS id), on SmolLM2's tokenizer."""
     tokenizer = Tokenizer.from_gguf(smollm_path)
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     eos = next(iter(tokenizer.eos_token_ids))
 
-    def whole(fmt: dict, text: str) -> bool:
-        """Whether the constraint takes every token of `text` and then lets the output end."""
-        matcher = compiler.matcher(StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt}))
-        if not all(matcher.consume(t) for t in tokenizer.encode(text, add_special_tokens=False)):
+    def takes(fmt: dict, ids: list[int]) -> bool:
+        matcher = compiler.matcher(StructuredOutputsParams(structural_tag={"format": fmt}))
+        if not all(matcher.consume(t) for t in ids):
             return False
         mask = np.zeros((1, bitmask_width(tokenizer.vocab_size)), np.int32)
         matcher.fill_bitmask(mask, 0)
         return bool((mask[0, eos // 32] >> (eos % 32)) & 1)
 
-    return whole
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return takes, enc, eos
+
+
+@pytest.fixture(scope="module")
+def accepts(token_matcher):
+    """Whether the constraint takes every token of a text and then lets the output end."""
+    takes, enc, _ = token_matcher
+    return lambda fmt, text: takes(fmt, enc(text))
 
 
 @pytest.mark.parametrize("at_least_one,stop_after_first", list(TRIGGERED))
@@ -133,8 +144,7 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
               "end": "</t>"}
     assert structured_outputs({"response_format": {"type": "structural_tag", "format": dumped}}).grammar_spec()
     compiler_cases = [
-        ({"type": "token_triggered_tags", "trigger_tokens": [5], "tags": []},
-         "format type 'token_triggered_tags' is not supported"),
+        ({"type": "dispatch", "rules": []}, "format type 'dispatch' is not supported"),
         ({"type": "sequence", "elements": [A, J({"type": "integer"})]}, r"format.elements\[0\]: any_text must end"),
         ({"type": "triggered_tags", "triggers": ["<f="], "tags": [call("a", close="</g>")]},
          r"begin '<g=a>' must start with exactly one of the triggers"),
@@ -152,24 +162,11 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
             structured_outputs({"response_format": {"type": "structural_tag", "format": bad}}).grammar_spec()
 
 
-def test_token_formats(smollm_path):
+def test_token_formats(token_matcher):
     """Tokens by id or by a special token's text, one token not among some, any number not among them, and tags
     opened and closed by tokens: matched token by token (SmolLM2: 1 is <|im_start|>, 3 <repo_name>, 5 <file_sep>)."""
-    tokenizer = Tokenizer.from_gguf(smollm_path)
-    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
-    eos = next(iter(tokenizer.eos_token_ids))
+    takes, enc, eos = token_matcher
     assert eos not in (1, 3, 5)
-
-    def takes(fmt: dict, ids: list[int]) -> bool:
-        matcher = compiler.matcher(StructuredOutputsParams(structural_tag={"format": fmt}))
-        if not all(matcher.consume(t) for t in ids):
-            return False
-        mask = np.zeros((1, bitmask_width(tokenizer.vocab_size)), np.int32)
-        matcher.fill_bitmask(mask, 0)
-        return bool((mask[0, eos // 32] >> (eos % 32)) & 1)
-
-    def enc(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
 
     tag = {"type": "tag", "begin": {"type": "token", "token": "<|im_start|>"}, "content": J({"type": "integer"}),
            "end": {"type": "token", "token": 5}}
@@ -188,5 +185,53 @@ def test_token_formats(smollm_path):
                          ({"type": "any_tokens", "exclude_tokens": []}, "non-empty list of token ids"),
                          ({"type": "triggered_tags", "triggers": ["<f="], "tags": [{**call("a"), "begin": {
                              "type": "token", "token": 1}}]}, r"begin must be a non-empty string")]:
+        with pytest.raises((ValueError, ApiError), match=message):
+            structured_outputs({"response_format": {"type": "structural_tag", "format": bad}}).grammar_spec()
+
+
+# token_triggered_tags, each row as xgrammar 0.2.9 matches it token by token on the same tokenizer (275 sequences
+# compared, none apart): tokens other than the triggers (and the excluded ones), each trigger opening its tag;
+# `at_least_one` opens the output with a tag, `stop_after_first` ends it with one. 8 and 10 open tags that 9 and
+# 11 close (SmolLM2's <issue_start>, <issue_closed>, <issue_comment>, <jupyter_start>); 12 is excluded.
+def test_token_triggered_tags(token_matcher):
+    takes, enc, _ = token_matcher
+    J_INT = J({"type": "integer"})
+
+    def tag(begin, end, content=J_INT):
+        return {"type": "tag", "begin": {"type": "token", "token": begin}, "content": content,
+                "end": {"type": "token", "token": end} if isinstance(end, int) else end}
+
+    def fmt(**kw):
+        return {"type": "token_triggered_tags", "trigger_tokens": [8, 10], "tags": [tag(8, 9), tag(10, 11)], **kw}
+
+    one, two = [8, *enc("12"), 9], [10, *enc("3"), 11]
+    rows = [  # ids, then taken by: plain, at_least_one, stop_after_first, both, plain with 12 excluded
+        ([], (True, False, True, False, True)),
+        (enc("hi"), (True, False, True, False, True)),
+        (one, (True, True, True, True, True)),
+        (enc("x") + one + enc("y"), (True, False, False, False, True)),
+        (one + two, (True, True, False, False, True)),
+        (one + enc("z") + two + enc("z"), (True, True, False, False, True)),
+        ([9], (True, False, True, False, True)),
+        ([8, *enc("x"), 9], (False,) * 5),
+        ([8, *enc("1")], (False,) * 5),
+        ([10, *enc("2"), 9], (False,) * 5),
+        (enc("x") + [12] + enc("y"), (True, False, True, False, False)),
+    ]
+    forms = [fmt(), fmt(at_least_one=True), fmt(stop_after_first=True), fmt(at_least_one=True, stop_after_first=True),
+             fmt(exclude_tokens=[12])]
+    for ids, taken in rows:
+        assert tuple(takes(f, ids) for f in forms) == taken, ids
+    # A tag closed by a string; any tokens up to the closing token.
+    assert takes({"type": "token_triggered_tags", "trigger_tokens": [8], "tags": [tag(8, "</f>")]},
+                 enc("q") + [8, *enc("7</f>r")])
+    upto = {"type": "token_triggered_tags", "trigger_tokens": [8], "tags": [tag(8, 9, {"type": "any_text"})]}
+    assert takes(upto, [8, *enc("any <f> text"), 9]) and not takes(upto, [8, *enc("x"), 9, 9, 8])
+    from server.errors import ApiError
+
+    for bad, message in [(fmt(trigger_tokens=["<issue_start>"]), r"trigger_tokens must be a non-empty list of token ids"),
+                         ({**fmt(), "tags": [tag(3, 9)]}, r"tags\[0\].begin must be a token format whose token id is one "
+                                                          r"of the trigger_tokens \[8, 10\]"),
+                         ({"type": "sequence", "elements": [fmt(), S("x")]}, "token_triggered_tags must end the output")]:
         with pytest.raises((ValueError, ApiError), match=message):
             structured_outputs({"response_format": {"type": "structural_tag", "format": bad}}).grammar_spec()
