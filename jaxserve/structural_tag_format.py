@@ -16,11 +16,14 @@ one Lark grammar for llguidance.
   separator between them (none allowed unless `at_least_one`; one at most with `stop_after_first`);
 - `token_triggered_tags` {trigger_tokens, tags, exclude_tokens?, at_least_one?, stop_after_first?}: the same over
   tokens (ids): tokens other than the triggers and the excluded ones, each trigger opening the tag whose begin is
-  that token; `at_least_one` opens the output with a tag, `stop_after_first` ends it with one.
+  that token; `at_least_one` opens the output with a tag, `stop_after_first` ends it with one;
+- `dispatch` {rules: [[pattern, format], ...], loop?, excludes?}: free text in which each pattern string is followed
+  by its format (without `loop`, the output ends after the first); `token_dispatch` {rules: [[token id, format],
+  ...], loop?, exclude_tokens?}: the same over tokens.
 
 Text of `any_text` is matched as xgrammar matches it: inside a tag it ends at the tag's first end string; followed
 by a `const_string` it is any text that the string then ends; last, it runs to the end of the output. Anything
-else (an `any_text` before another kind of format, `dispatch`) is refused by name. Before a closing token, an
+else (an `any_text` before another kind of format) is refused by name. Before a closing token, an
 `any_text` is any text (special tokens aside).
 """
 
@@ -42,7 +45,8 @@ _KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"p
          "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
          "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
          "token": {"token"}, "exclude_token": {"exclude_tokens"}, "any_tokens": {"exclude_tokens"},
-         "token_triggered_tags": {"trigger_tokens", "tags", "exclude_tokens", "at_least_one", "stop_after_first"}}
+         "token_triggered_tags": {"trigger_tokens", "tags", "exclude_tokens", "at_least_one", "stop_after_first"},
+         "dispatch": {"rules", "loop", "excludes"}, "token_dispatch": {"rules", "loop", "exclude_tokens"}}
 
 
 def _literal(s: str) -> str:
@@ -109,10 +113,10 @@ class _Writer:
         if kind in ("exclude_token", "any_tokens"):
             ids = _ids(f.get("exclude_tokens"), f"{where}.exclude_tokens")
             return f"<[^{','.join(map(str, ids))}]>{'*' if kind == 'any_tokens' else ''}", False
-        if kind == "token_triggered_tags":
+        if kind in ("token_triggered_tags", "dispatch", "token_dispatch"):
             if not last:
-                raise ValueError(f"{where}: token_triggered_tags must end the output")
-            return self.token_triggered(f, where), False
+                raise ValueError(f"{where}: {kind} must end the output")
+            return (self.token_triggered(f, where) if kind == "token_triggered_tags" else self.dispatch(f, where)), False
         if kind == "sequence":
             return self.sequence(_formats(f, "elements", where), where, ends, last)
         if kind == "or":
@@ -136,7 +140,8 @@ class _Writer:
             return one if f.get("at_least_one") else f"({one})?", False
         raise ValueError(f"{where}: format type {kind!r} is not supported (supported: const_string, json_schema, "
                          "regex, grammar, token, exclude_token, any_tokens, any_text, sequence, or, optional, plus, "
-                         "star, repeat, tag, triggered_tags, token_triggered_tags, tags_with_separator)")
+                         "star, repeat, tag, triggered_tags, token_triggered_tags, tags_with_separator, dispatch, "
+                         "token_dispatch)")
 
     def sequence(self, elements: list[Any], where: str, ends: list[str] | None, last: bool) -> tuple[str, bool]:
         parts, took, i = [], False, 0
@@ -222,6 +227,25 @@ class _Writer:
             return any_first if at_least_one else f"({free} | {any_later})"
         return f"{any_first} {any_later}* {free}" if at_least_one else f"{any_later}* {free}"
 
+    def dispatch(self, f: Mapping[str, Any], where: str) -> str:
+        """`dispatch`: free text in which each pattern string is followed by its format; `token_dispatch`: free
+        tokens in which each pattern token is. `loop` (the default): free text again after each; else the output
+        ends after the first."""
+        rules = _rules(f, where)
+        if f["type"] == "dispatch":
+            patterns = [_string(p, f"{where}.rules[{i}][0]") for i, (p, _) in enumerate(rules)]
+            excludes = _strings(f.get("excludes", []), f"{where}.excludes", empty=True)
+            free = self.rule(_without(patterns + excludes), terminal=True)
+            heads = [self.rule(f"{free} {_literal(p)}", lazy=True) for p in patterns]  # text, then the pattern
+        else:
+            patterns = _ids([p for p, _ in rules], f"{where}.rules' patterns")
+            excludes = _ids(f.get("exclude_tokens", []), f"{where}.exclude_tokens", empty=True)
+            free = f"<[^{','.join(map(str, dict.fromkeys(patterns + excludes)))}]>*"
+            heads = [f"{free} <[{p}]>" for p in patterns]
+        branch = "(" + " | ".join(f"{head} {self.format(fmt, f'{where}.rules[{i}][1]')[0]}"
+                                  for i, (head, (_, fmt)) in enumerate(zip(heads, rules, strict=True))) + ")"
+        return f"{branch}* {free}" if f.get("loop", True) else f"({free} | {branch})"
+
     def token_triggered(self, f: Mapping[str, Any], where: str) -> str:
         """Tokens other than the triggers (and `exclude_tokens`), in which each trigger token opens the tag
         that begins with it."""
@@ -241,6 +265,13 @@ class _Writer:
         if stop:  # (as with string triggers, `at_least_one` opens the output with a tag)
             return tag if at_least_one else f"{free} {tag}?"
         return f"{tag} ({free} {tag})* {free}" if at_least_one else f"({free} {tag})* {free}"
+
+
+def _rules(f: Mapping[str, Any], where: str) -> list[tuple[Any, Any]]:
+    rules = f.get("rules")
+    if not isinstance(rules, list) or not rules or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rules):
+        raise ValueError(f"{where}.rules must be a non-empty list of [pattern, format] pairs")
+    return [tuple(r) for r in rules]
 
 
 def _ids(value: Any, where: str, empty: bool = False) -> list[int]:

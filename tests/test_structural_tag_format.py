@@ -81,6 +81,12 @@ OTHERS = [  # (format, taken, refused)
       "end": "</g>"}, ["<g>ab</g>"], ["<g>a1</g>"]),
     ({"type": "triggered_tags", "triggers": ["<f="], "tags": [call("a")], "excludes": ["STOP", "<x>"]},
      ["hi", "S T O P<f=a>2</f>", "<f=a>1</f>"], ["hi STOP", "<f=a>1</f> STOP", "a<x>b"]),
+    # dispatch: free text, each pattern followed by its format; without `loop` the output ends after the first.
+    ({"type": "dispatch", "rules": [["<a>", J({"type": "integer"})], ["<b>", S("done")]]},
+     ["", "hi", "<a>1", "x<a>12 y", "<b>done", "<a>1<b>done", "q<a>1 r<a>2 s", "S<b>doneT"], ["<a>x", "<a>"]),
+    ({"type": "dispatch", "rules": [["<a>", J({"type": "integer"})], ["<b>", S("done")]], "loop": False,
+      "excludes": ["STOP"]},
+     ["", "hi", "<a>1", "<b>done"], ["x<a>12 y", "<a>1<b>done", "<a>", "STOP", "<a>1 STOP", "S<b>doneT"]),
 ]
 
 
@@ -144,7 +150,10 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
               "end": "</t>"}
     assert structured_outputs({"response_format": {"type": "structural_tag", "format": dumped}}).grammar_spec()
     compiler_cases = [
-        ({"type": "dispatch", "rules": []}, "format type 'dispatch' is not supported"),
+        ({"type": "dispatch", "rules": []}, r"format.rules must be a non-empty list of \[pattern, format\] pairs"),
+        ({"type": "sequence", "elements": [{"type": "dispatch", "rules": [["<a>", S("x")]]}, S("y")]},
+         r"format.elements\[0\]: dispatch must end the output"),
+        ({"type": "cohere_tags"}, "format type 'cohere_tags' is not supported"),
         ({"type": "sequence", "elements": [A, J({"type": "integer"})]}, r"format.elements\[0\]: any_text must end"),
         ({"type": "triggered_tags", "triggers": ["<f="], "tags": [call("a", close="</g>")]},
          r"begin '<g=a>' must start with exactly one of the triggers"),
@@ -235,3 +244,20 @@ def test_token_triggered_tags(token_matcher):
                          ({"type": "sequence", "elements": [fmt(), S("x")]}, "token_triggered_tags must end the output")]:
         with pytest.raises((ValueError, ApiError), match=message):
             structured_outputs({"response_format": {"type": "structural_tag", "format": bad}}).grammar_spec()
+
+
+def test_token_dispatch(token_matcher):
+    """Free tokens in which each pattern token is followed by its format (as xgrammar 0.2.9 matches them: 48
+    sequences compared, none apart); without `loop` the output ends after the first."""
+    takes, enc, _ = token_matcher
+    rules = [[8, J({"type": "integer"})], [10, S("done")]]
+    rows = [  # ids, then taken with loop, without it, with loop and 12 excluded
+        ([], (True, True, True)), (enc("hi"), (True, True, True)), ([8, *enc("12")], (True, True, True)),
+        (enc("x") + [8, *enc("1")] + enc(" y"), (True, False, True)), ([8, *enc("x")], (False, False, False)),
+        ([8, *enc("1"), 10, *enc("done")], (True, False, True)), ([8], (False, False, False)),
+        (enc("a") + [12], (True, True, False)), ([9], (True, True, True)),
+    ]
+    forms = [{"type": "token_dispatch", "rules": rules}, {"type": "token_dispatch", "rules": rules, "loop": False},
+             {"type": "token_dispatch", "rules": rules, "exclude_tokens": [12]}]
+    for ids, taken in rows:
+        assert tuple(takes(f, ids) for f in forms) == taken, ids
