@@ -4,8 +4,10 @@ one Lark grammar for llguidance.
 `{"type": "structural_tag", "format": F}` where F is one of:
 - `const_string` {value}; `json_schema` {json_schema}; `regex` {pattern}; `grammar` {grammar, syntax?} (EBNF / GBNF,
   or "lark"); `token` {token} (an id, or a special token's text `<...>`), `exclude_token` / `any_tokens`
-  {exclude_tokens} (one token, or any number, not among those ids);
-- `any_text` {excludes?}: any text (without the `excludes` strings, where it ends the output);
+  {exclude_tokens, max_tokens?} (one token, or any number up to `max_tokens`, not among those ids);
+- `any_text` {excludes?, max_chars?, max_tokens?}: any text (without the `excludes` strings, where it ends the
+  output; at most `max_chars` characters; at most `max_tokens` tokens where it ends the output or comes before a
+  closing token);
 - `sequence` {elements}, `or` {elements}, `optional` / `plus` / `star` {content}, `repeat` {content, min, max};
 - `tag` {begin, content, end}: `begin`, the content, then `end` (a string or a list of strings; either may be a
   `token` format);
@@ -36,15 +38,16 @@ from typing import Any
 
 TEXT = "(?s:.*)"
 _REPEAT_MAX = 64
+_TOKENS_MAX = 1024  # an any_tokens' max_tokens: its bound is written out as a repetition
 # Each format's keys besides "type"; another key is refused unless it holds its default (as a client that dumps
 # xgrammar's models with every field sends them: None, False, [], the "json" style).
 _KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"pattern"},
-         "grammar": {"grammar", "syntax"}, "any_text": {"excludes"}, "sequence": {"elements"}, "or": {"elements"},
+         "grammar": {"grammar", "syntax"}, "any_text": {"excludes", "max_chars", "max_tokens"}, "sequence": {"elements"}, "or": {"elements"},
          "optional": {"content"}, "plus": {"content"}, "star": {"content"}, "repeat": {"content", "min", "max"},
          "tag": {"begin", "content", "end"},
          "triggered_tags": {"triggers", "tags", "at_least_one", "stop_after_first", "excludes"},
          "tags_with_separator": {"tags", "separator", "at_least_one", "stop_after_first"},
-         "token": {"token"}, "exclude_token": {"exclude_tokens"}, "any_tokens": {"exclude_tokens"},
+         "token": {"token"}, "exclude_token": {"exclude_tokens"}, "any_tokens": {"exclude_tokens", "max_tokens"},
          "token_triggered_tags": {"trigger_tokens", "tags", "exclude_tokens", "at_least_one", "stop_after_first"},
          "dispatch": {"rules", "loop", "excludes"}, "token_dispatch": {"rules", "loop", "exclude_tokens"}}
 
@@ -57,12 +60,28 @@ def _regex(pattern: str) -> str:
     return "/" + pattern.replace("/", "\\/") + "/"
 
 
-def _without(strings: Sequence[str]) -> str:
-    """A terminal's body: any text holding none of `strings`."""
-    text = _regex(TEXT)
+def _without(strings: Sequence[str], text: str = TEXT) -> str:
+    """A terminal's body: text (`text`, a regex: any) holding none of `strings`."""
     if not strings:
-        return text
-    return f"{text} & ~{_regex(TEXT + '(' + '|'.join(re.escape(s) for s in strings) + ')' + TEXT)}"
+        return _regex(text)
+    return f"{_regex(text)} & ~{_regex(TEXT + '(' + '|'.join(re.escape(s) for s in strings) + ')' + TEXT)}"
+
+
+def _cap(f: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = f.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31):
+        raise ValueError(f"{where}.{key} must be a non-negative integer")
+    return value
+
+
+def _any_text(f: Mapping[str, Any], where: str, tokens_capped: bool) -> str:
+    """An `any_text`'s text as a regex: any, or at most `max_chars` characters. `tokens_capped`: whether its place
+    takes a `max_tokens` (where its text is a lexeme of its own)."""
+    if _cap(f, "max_tokens", where) is not None and not tokens_capped:
+        raise ValueError(f"{where}: any_text's max_tokens is taken where the any_text ends the output or comes "
+                         "before a closing token")
+    chars = _cap(f, "max_chars", where)
+    return TEXT if chars is None else f"(?s:.{{0,{chars}}})"
 
 
 class _Writer:
@@ -76,6 +95,14 @@ class _Writer:
         name = f"{'R' if terminal else 'r'}{len(self.rules)}"
         self.rules.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
         return name
+
+    def text(self, f: Mapping[str, Any], body: str) -> str:
+        """A terminal of `body` for an `any_text`, within its `max_tokens` if it has one."""
+        text = self.rule(body, terminal=True)
+        if f.get("max_tokens") is None:
+            return text
+        self.rules.append(f"r{len(self.rules)}[max_tokens={f['max_tokens']}]: {text}")
+        return f"r{len(self.rules) - 1}"
 
     def format(self, f: Any, where: str, ends: list[str] | None = None, last: bool = False) -> tuple[str, bool]:
         """`f`'s expression and whether it took the `ends` after it (an `any_text` that runs to them); `last`:
@@ -91,12 +118,12 @@ class _Writer:
             if ends:
                 if excludes:
                     raise ValueError(f"{where}: any_text with excludes must end the output")
-                text = self.rule(_regex(TEXT), terminal=True)
+                text = self.rule(_regex(_any_text(f, where, False)), terminal=True)
                 return self.rule(f"{text} ({' | '.join(map(_literal, ends))})", lazy=True), True
             if not last:
                 raise ValueError(f"{where}: any_text must end the output, be (or end) a tag's content, or be "
                                  "followed by a const_string")
-            return self.rule(_without(excludes), terminal=True), False
+            return self.text(f, _without(excludes, _any_text(f, where, True))), False
         if kind == "const_string":
             return _literal(_string(f.get("value"), f"{where}.value")), False
         if kind == "json_schema":
@@ -112,7 +139,13 @@ class _Writer:
             return _token(f.get("token"), f"{where}.token"), False
         if kind in ("exclude_token", "any_tokens"):
             ids = _ids(f.get("exclude_tokens"), f"{where}.exclude_tokens")
-            return f"<[^{','.join(map(str, ids))}]>{'*' if kind == 'any_tokens' else ''}", False
+            one = f"<[^{','.join(map(str, ids))}]>"
+            if kind == "exclude_token":
+                return one, False
+            cap = _cap(f, "max_tokens", where)
+            if cap is not None and cap > _TOKENS_MAX:
+                raise ValueError(f"{where}: any_tokens' max_tokens is taken up to {_TOKENS_MAX}")
+            return (f"{one}*" if cap is None else f"({one} ~ 0..{cap})"), False
         if kind in ("token_triggered_tags", "dispatch", "token_dispatch"):
             if not last:
                 raise ValueError(f"{where}: {kind} must end the output")
@@ -152,7 +185,7 @@ class _Writer:
                 if e.get("excludes"):
                     raise ValueError(f"{here}: any_text with excludes must end the output")
                 value = _string(elements[i + 1].get("value"), f"{where}.elements[{i + 1}].value")
-                parts.append(self.rule(_regex(TEXT + re.escape(value)), terminal=True))
+                parts.append(self.rule(_regex(_any_text(e, here, False) + re.escape(value)), terminal=True))
                 i += 2
                 continue
             expr, took = self.format(e, here, ends if final else None, last and final)
@@ -194,7 +227,8 @@ class _Writer:
         ends = [] if tail else _strings([end] if isinstance(end, str) else end, f"{where}.end")
         inner = f.get("content")
         if tail and isinstance(inner, Mapping) and inner.get("type") == "any_text" and not inner.get("excludes"):
-            content, took = self.rule(_regex(TEXT), terminal=True), False  # any text, up to the closing token
+            # any text, up to the closing token
+            content, took = self.text(inner, _regex(_any_text(inner, f"{where}.content", True))), False
         else:
             content, took = self.format(inner, f"{where}.content", ends or None)
         if head is None and trigger is None:

@@ -81,6 +81,12 @@ OTHERS = [  # (format, taken, refused)
       "end": "</g>"}, ["<g>ab</g>"], ["<g>a1</g>"]),
     ({"type": "triggered_tags", "triggers": ["<f="], "tags": [call("a")], "excludes": ["STOP", "<x>"]},
      ["hi", "S T O P<f=a>2</f>", "<f=a>1</f>"], ["hi STOP", "<f=a>1</f> STOP", "a<x>b"]),
+    # At most max_chars characters of any_text: ending the output, as a tag's content, before a const_string.
+    ({"type": "any_text", "max_chars": 5}, ["", "abc", "abcde"], ["abcdef", "hello world"]),
+    ({"type": "tag", "begin": "<t>", "content": {"type": "any_text", "max_chars": 4}, "end": "</t>"},
+     ["<t>abcd</t>", "<t></t>"], ["<t>abcde</t>", "<t>a</t>b</t>"]),
+    ({"type": "sequence", "elements": [{"type": "any_text", "max_chars": 3}, S("END")]}, ["END", "abcEND"],
+     ["abcdEND"]),
     # dispatch: free text, each pattern followed by its format; without `loop` the output ends after the first.
     ({"type": "dispatch", "rules": [["<a>", J({"type": "integer"})], ["<b>", S("done")]]},
      ["", "hi", "<a>1", "x<a>12 y", "<b>done", "<a>1<b>done", "q<a>1 r<a>2 s", "S<b>doneT"], ["<a>x", "<a>"]),
@@ -162,7 +168,11 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
         ({"type": "grammar", "grammar": "root ::= \"x\" [", "syntax": "ebnf"}, r"format.grammar"),
         ({"type": "grammar", "grammar": "x", "syntax": "regex"}, r"format.syntax must be 'ebnf' or 'lark'"),
         ({"type": "json_schema", "json_schema": {}, "style": "qwen_xml"}, r"json_schema's 'style' \('qwen_xml'\)"),
-        ({"type": "any_text", "max_tokens": 5}, r"any_text's 'max_tokens' \(5\) is not supported"),
+        ({"type": "tag", "begin": "<t>", "content": {"type": "any_text", "max_tokens": 5}, "end": "</t>"},
+         r"format.content: any_text's max_tokens is taken where the any_text ends the output or comes before a "
+         r"closing token"),
+        ({"type": "any_text", "max_chars": -1}, r"format.max_chars must be a non-negative integer"),
+        ({"type": "any_tokens", "exclude_tokens": [5], "max_tokens": 5000}, r"any_tokens' max_tokens is taken up to"),
     ]
     from server.errors import ApiError
 
@@ -261,3 +271,18 @@ def test_token_dispatch(token_matcher):
              {"type": "token_dispatch", "rules": rules, "exclude_tokens": [12]}]
     for ids, taken in rows:
         assert tuple(takes(f, ids) for f in forms) == taken, ids
+
+
+def test_token_budgets(token_matcher):
+    """`max_tokens` of an any_text (ending the output, or before a closing token) and of an any_tokens: a token
+    past the budget is refused, as xgrammar 0.2.9's mask refuses it (32 sequences with the character caps above
+    compared, mask-driven, none apart)."""
+    takes, enc, _ = token_matcher
+    last = {"type": "any_text", "max_tokens": 3}
+    assert [takes(last, enc(t)) for t in ("", "a b", "a b c", "a b c d")] == [True, True, True, False]
+    tag = {"type": "tag", "begin": {"type": "token", "token": 8}, "content": {"type": "any_text", "max_tokens": 2},
+           "end": {"type": "token", "token": 9}}
+    assert [takes(tag, [8, *enc(t), 9]) for t in ("", "a", "a b", "a b c")] == [True, True, True, False]
+    upto = {"type": "sequence", "elements": [{"type": "any_tokens", "exclude_tokens": [5], "max_tokens": 2},
+                                             {"type": "token", "token": 5}]}
+    assert [takes(upto, ids) for ids in ([5], [7, 5], [7, 8, 5], [7, 8, 9, 5])] == [True, True, True, False]
