@@ -2,8 +2,9 @@
 one Lark grammar for llguidance.
 
 `{"type": "structural_tag", "format": F}` where F is one of:
-- `const_string` {value}; `json_schema` {json_schema}; `regex` {pattern}; `grammar` {grammar, syntax?} (EBNF / GBNF,
-  or "lark"); `token` {token} (an id, or a special token's text `<...>`), `exclude_token` / `any_tokens`
+- `const_string` {value}; `json_schema` {json_schema, max_whitespace_cnt?} (at most that many whitespace characters
+  in a row); `regex` {pattern}; `grammar` {grammar, syntax?} (EBNF / GBNF, or "lark"); `token` {token} (an id, or a
+  special token's text `<...>`), `exclude_token` / `any_tokens`
   {exclude_tokens, max_tokens?} (one token, or any number up to `max_tokens`, not among those ids);
 - `any_text` {excludes?, max_chars?, max_tokens?}: any text (without the `excludes` strings, where it ends the
   output; at most `max_chars` characters; at most `max_tokens` tokens where it ends the output or comes before a
@@ -41,7 +42,7 @@ _REPEAT_MAX = 64
 _TOKENS_MAX = 1024  # an any_tokens' max_tokens: its bound is written out as a repetition
 # Each format's keys besides "type"; another key is refused unless it holds its default (as a client that dumps
 # xgrammar's models with every field sends them: None, False, [], the "json" style).
-_KEYS = {"const_string": {"value"}, "json_schema": {"json_schema"}, "regex": {"pattern"},
+_KEYS = {"const_string": {"value"}, "json_schema": {"json_schema", "max_whitespace_cnt"}, "regex": {"pattern"},
          "grammar": {"grammar", "syntax"}, "any_text": {"excludes", "max_chars", "max_tokens"}, "sequence": {"elements"}, "or": {"elements"},
          "optional": {"content"}, "plus": {"content"}, "star": {"content"}, "repeat": {"content", "min", "max"},
          "tag": {"begin", "content", "end"},
@@ -130,6 +131,13 @@ class _Writer:
             schema = f.get("json_schema")
             if not isinstance(schema, (Mapping, bool)):
                 raise ValueError(f"{where}.json_schema must be a JSON schema")
+            spaces = _cap(f, "max_whitespace_cnt", where)
+            if spaces == 0:
+                raise ValueError(f"{where}.max_whitespace_cnt must be a positive integer")
+            if spaces is not None:  # at most that many whitespace characters in a row, between the JSON's tokens
+                schema = {} if schema is True else {"not": {}} if schema is False else dict(schema)
+                options = {**schema.get("x-guidance", {}), "whitespace_pattern": f"[ \\n\\r\\t]{{0,{spaces}}}"}
+                schema = {**schema, "x-guidance": options}
             return f"%json {json.dumps(schema)}", False
         if kind == "regex":
             return _regex(_string(f.get("pattern"), f"{where}.pattern")), False

@@ -81,6 +81,13 @@ OTHERS = [  # (format, taken, refused)
       "end": "</g>"}, ["<g>ab</g>"], ["<g>a1</g>"]),
     ({"type": "triggered_tags", "triggers": ["<f="], "tags": [call("a")], "excludes": ["STOP", "<x>"]},
      ["hi", "S T O P<f=a>2</f>", "<f=a>1</f>"], ["hi STOP", "<f=a>1</f> STOP", "a<x>b"]),
+    # At most max_whitespace_cnt whitespace characters in a row in the JSON (84 texts compared, none apart).
+    ({"type": "json_schema", "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {
+        "type": "array", "items": {"type": "string"}}}, "required": ["a"]}, "max_whitespace_cnt": 2},
+     ['{"a":1}', '{  "a":  1}', '{"a":\n\n1}', '{"a": 1, "b": [ "x" ,  "y"]}'],
+     ['{   "a": 1}', '{"a":\n\n\n1}', '{"a": 1, "b": [   "x"]}', '{"a":1,\t\t\t"b":[]}']),
+    ({"type": "json_schema", "json_schema": True, "max_whitespace_cnt": 1}, ['[1, 2]', '{"q": {"r": 1}}'],
+     ['[1,  2]', '{"q": {"r":  1}}']),
     # At most max_chars characters of any_text: ending the output, as a tag's content, before a const_string.
     ({"type": "any_text", "max_chars": 5}, ["", "abc", "abcde"], ["abcdef", "hello world"]),
     ({"type": "tag", "begin": "<t>", "content": {"type": "any_text", "max_chars": 4}, "end": "</t>"},
@@ -172,6 +179,8 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
          r"format.content: any_text's max_tokens is taken where the any_text ends the output or comes before a "
          r"closing token"),
         ({"type": "any_text", "max_chars": -1}, r"format.max_chars must be a non-negative integer"),
+        ({"type": "json_schema", "json_schema": {}, "max_whitespace_cnt": 0},
+         r"format.max_whitespace_cnt must be a positive integer"),
         ({"type": "any_tokens", "exclude_tokens": [5], "max_tokens": 5000}, r"any_tokens' max_tokens is taken up to"),
     ]
     from server.errors import ApiError
