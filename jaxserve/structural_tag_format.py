@@ -68,6 +68,18 @@ def _without(strings: Sequence[str], text: str = TEXT) -> str:
     return f"{_regex(text)} & ~{_regex(TEXT + '(' + '|'.join(re.escape(s) for s in strings) + ')' + TEXT)}"
 
 
+def _check_keys(f: Mapping[str, Any], where: str) -> None:
+    kind = f["type"]
+    for key, value in f.items():
+        if key != "type" and key not in _KEYS.get(kind, {key}) and value not in (None, False, [], "json"):
+            raise ValueError(f"{where}: {kind}'s {key!r} ({value!r}) is not supported")
+
+
+def _other_tokens(ids: Sequence[int]) -> str:
+    """One token not among `ids`."""
+    return f"<[^{','.join(map(str, dict.fromkeys(ids)))}]>"
+
+
 def _cap(f: Mapping[str, Any], key: str, where: str) -> int | None:
     value = f.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**31):
@@ -92,18 +104,16 @@ class _Writer:
         self.rules: list[str] = []
         self.grammars: list[dict[str, str]] = []  # named sub-grammars (`grammar` formats), referenced as @name
 
-    def rule(self, body: str, lazy: bool = False, terminal: bool = False) -> str:
+    def rule(self, body: str, lazy: bool = False, terminal: bool = False, max_tokens: int | None = None) -> str:
         name = f"{'R' if terminal else 'r'}{len(self.rules)}"
-        self.rules.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        attrs = ["lazy"] * lazy + ([] if max_tokens is None else [f"max_tokens={max_tokens}"])
+        self.rules.append(f"{name}{'[' + ', '.join(attrs) + ']' if attrs else ''}: {body}")
         return name
 
     def text(self, f: Mapping[str, Any], body: str) -> str:
         """A terminal of `body` for an `any_text`, within its `max_tokens` if it has one."""
         text = self.rule(body, terminal=True)
-        if f.get("max_tokens") is None:
-            return text
-        self.rules.append(f"r{len(self.rules)}[max_tokens={f['max_tokens']}]: {text}")
-        return f"r{len(self.rules) - 1}"
+        return text if f.get("max_tokens") is None else self.rule(text, max_tokens=f["max_tokens"])
 
     def format(self, f: Any, where: str, ends: list[str] | None = None, last: bool = False) -> tuple[str, bool]:
         """`f`'s expression and whether it took the `ends` after it (an `any_text` that runs to them); `last`:
@@ -111,9 +121,7 @@ class _Writer:
         if not isinstance(f, Mapping) or not isinstance(f.get("type"), str):
             raise ValueError(f"{where} must be an object with a 'type'")
         kind = f["type"]
-        for key, value in f.items():
-            if key != "type" and key not in _KEYS.get(kind, {key}) and value not in (None, False, [], "json"):
-                raise ValueError(f"{where}: {kind}'s {key!r} ({value!r}) is not supported")
+        _check_keys(f, where)
         if kind == "any_text":
             excludes = _strings(f.get("excludes", []), f"{where}.excludes", empty=True)
             if ends:
@@ -147,17 +155,19 @@ class _Writer:
             return _token(f.get("token"), f"{where}.token"), False
         if kind in ("exclude_token", "any_tokens"):
             ids = _ids(f.get("exclude_tokens"), f"{where}.exclude_tokens")
-            one = f"<[^{','.join(map(str, ids))}]>"
+            one = _other_tokens(ids)
             if kind == "exclude_token":
                 return one, False
             cap = _cap(f, "max_tokens", where)
             if cap is not None and cap > _TOKENS_MAX:
                 raise ValueError(f"{where}: any_tokens' max_tokens is taken up to {_TOKENS_MAX}")
             return (f"{one}*" if cap is None else f"({one} ~ 0..{cap})"), False
-        if kind in ("token_triggered_tags", "dispatch", "token_dispatch"):
+        if kind in ("triggered_tags", "token_triggered_tags", "dispatch", "token_dispatch"):
             if not last:
                 raise ValueError(f"{where}: {kind} must end the output")
-            return (self.token_triggered(f, where) if kind == "token_triggered_tags" else self.dispatch(f, where)), False
+            write = {"triggered_tags": self.triggered, "token_triggered_tags": self.token_triggered}.get(kind,
+                                                                                                     self.dispatch)
+            return write(f, where), False
         if kind == "sequence":
             return self.sequence(_formats(f, "elements", where), where, ends, last)
         if kind == "or":
@@ -171,8 +181,6 @@ class _Writer:
             return self.repeat(f, where), False
         if kind == "tag":
             return self.tag(f, where), False
-        if kind == "triggered_tags":
-            return self.triggered(f, where, last), False
         if kind == "tags_with_separator":
             each = [self.tag(t, f"{where}.tags[{i}]") for i, t in enumerate(_formats(f, "tags", where))]
             tags = "(" + " | ".join(each) + ")"
@@ -190,6 +198,7 @@ class _Writer:
             e, here, final = elements[i], f"{where}.elements[{i}]", i == len(elements) - 1
             if isinstance(e, Mapping) and e.get("type") == "any_text" and not final \
                     and isinstance(elements[i + 1], Mapping) and elements[i + 1].get("type") == "const_string":
+                _check_keys(e, here)
                 if e.get("excludes"):
                     raise ValueError(f"{here}: any_text with excludes must end the output")
                 value = _string(elements[i + 1].get("value"), f"{where}.elements[{i + 1}].value")
@@ -247,11 +256,9 @@ class _Writer:
         closing = tail or "(" + " | ".join(map(_literal, ends)) + ")"
         return f"({head} {content}{'' if took else ' ' + closing})"
 
-    def triggered(self, f: Mapping[str, Any], where: str, last: bool) -> str:
+    def triggered(self, f: Mapping[str, Any], where: str) -> str:
         triggers = _strings(f.get("triggers"), f"{where}.triggers")
         excludes = _strings(f.get("excludes", []), f"{where}.excludes", empty=True)
-        if not last:
-            raise ValueError(f"{where}: triggered_tags must end the output")
         free = self.rule(_without(triggers + excludes), terminal=True)  # text with no trigger (nor excluded string)
         opened = {t: self.rule(f"{free} {_literal(t)}", lazy=True) for t in triggers}  # such text, then a trigger
         first, later = [], []
@@ -282,7 +289,7 @@ class _Writer:
         else:
             patterns = _ids([p for p, _ in rules], f"{where}.rules' patterns")
             excludes = _ids(f.get("exclude_tokens", []), f"{where}.exclude_tokens", empty=True)
-            free = f"<[^{','.join(map(str, dict.fromkeys(patterns + excludes)))}]>*"
+            free = f"{_other_tokens(patterns + excludes)}*"
             heads = [f"{free} <[{p}]>" for p in patterns]
         branch = "(" + " | ".join(f"{head} {self.format(fmt, f'{where}.rules[{i}][1]')[0]}"
                                   for i, (head, (_, fmt)) in enumerate(zip(heads, rules, strict=True))) + ")"
@@ -293,7 +300,7 @@ class _Writer:
         that begins with it."""
         triggers = _ids(f.get("trigger_tokens"), f"{where}.trigger_tokens")
         excludes = _ids(f.get("exclude_tokens", []), f"{where}.exclude_tokens", empty=True)
-        free = f"<[^{','.join(map(str, dict.fromkeys(triggers + excludes)))}]>*"
+        free = f"{_other_tokens(triggers + excludes)}*"
         tags = []
         for i, t in enumerate(_formats(f, "tags", where)):
             begin = _check_tag(t, f"{where}.tags[{i}]")[0]

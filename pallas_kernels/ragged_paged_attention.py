@@ -62,7 +62,8 @@ class AttentionTuning:
     num_kv_splits: int | None = None  # flash-decoding partitions of the KV length
     # Pad tiny head groups to 16 rows and use tensor-core dots. None: where compiled with 16-bit queries (decode
     # rows on an H200 at 8k contexts: 2371 against 417 us with Llama-3-8B's heads at 32 sequences, 486 against
-    # 429 with SmolLM2's; its probabilities meet V in q's dtype), not in the interpreter or for float32.
+    # 429 with SmolLM2's; its probabilities meet V in q's dtype), not in the interpreter or for float32. (The
+    # latent kernel, not measured so, reads None as False.)
     pad_rows_to_mma: bool | None = None
     num_warps: int | None = None
     num_stages: int | None = None  # Triton's pipelining stages (None: 2; the latent kernel 3)

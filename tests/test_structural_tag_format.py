@@ -179,6 +179,8 @@ def test_requests_name_the_format_as_vllm_does_and_bad_formats_are_named():
          r"format.content: any_text's max_tokens is taken where the any_text ends the output or comes before a "
          r"closing token"),
         ({"type": "any_text", "max_chars": -1}, r"format.max_chars must be a non-negative integer"),
+        ({"type": "sequence", "elements": [{"type": "any_text", "limit": 3}, S("x")]},
+         r"format.elements\[0\]: any_text's 'limit' \(3\) is not supported"),
         ({"type": "json_schema", "json_schema": {}, "max_whitespace_cnt": 0},
          r"format.max_whitespace_cnt must be a positive integer"),
         ({"type": "any_tokens", "exclude_tokens": [5], "max_tokens": 5000}, r"any_tokens' max_tokens is taken up to"),
