@@ -13,10 +13,10 @@ from jaxserve.models.quantized import check_method
 from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe",
-                 "ernie4_5", "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss",
-                 "exaone4", "cohere", "cohere2", "olmoe", "arcee", "apertus", "deepseek_v2", "deepseek_v3"]
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
+                 "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
+                 "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
+                 "apertus", "deepseek_v2", "deepseek_v3"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -133,8 +133,10 @@ class ModelConfig:
     # Per-layer `k_scale` / `v_scale` tensors for a float8 KV cache (a compressed-tensors `kv_cache_scheme`).
     kv_cache_scales: bool = False
     mrope_section: tuple[int, ...] | None = None
-    """Multimodal rotary embedding (Qwen2-VL): the rotary pairs, in order, turned by each token's temporal, height
-    and width position (`ModelInputs.rope_offsets`); None: by its position alone."""
+    """Multimodal rotary embedding (Qwen-VL): how many rotary pairs turn by each token's temporal, height and width
+    position (`ModelInputs.rope_offsets`), in order or, `mrope_interleaved` (Qwen3-VL), in turn; None: by position."""
+    mrope_interleaved: bool = False
+    deepstack_layers: int = 0  # Qwen3-VL: the first layers add the image tokens' deepstack embeddings (`llama.forward`)
     no_rope_layers: tuple[int, ...] | None = None
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None:
     all are."""
@@ -149,6 +151,12 @@ class ModelConfig:
     def rotary_dims(self) -> int:
         """How many leading dims of each head the rotary embedding turns (the rest pass through)."""
         return self.rotary_dim or self.head_dim
+
+    @property
+    def image_width(self) -> int:
+        """An image token's embeddings (`ModelInputs.image_embeds`): the model's width, once more for each deepstack
+        layer (Qwen3-VL's)."""
+        return self.hidden_size * (1 + self.deepstack_layers)
 
     @property
     def long_rope_context(self) -> int | None:
@@ -295,18 +303,11 @@ class ModelConfig:
             d = fields.qwen_vl_text(d)
         d = fields.exaone(fields.seed_oss(fields.granite_hybrid(d)))
         archs = d.get("architectures") or []
-        family: Family | None = None
-        for arch in archs:
-            if arch in HF_ARCHITECTURES:
-                family = HF_ARCHITECTURES[arch]
-                break
+        family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
+            or _HF_MODEL_TYPES.get(d.get("model_type", ""))
         if family is None:
-            family = _HF_MODEL_TYPES.get(d.get("model_type", ""))
-        if family is None:
-            raise UnsupportedModelError(
-                f"architecture {archs or d.get('model_type')!r} is not supported "
-                f"(supported: {', '.join(HF_ARCHITECTURES)})"
-            )
+            raise UnsupportedModelError(f"architecture {archs or d.get('model_type')!r} is not supported "
+                                        f"(supported: {', '.join(HF_ARCHITECTURES)})")
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         head_dim = d.get("head_dim") or hidden // num_heads
@@ -316,10 +317,8 @@ class ModelConfig:
             if d.get("use_sliding_window"):
                 raise UnsupportedModelError(f"{family} with use_sliding_window is not supported")
             if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
-                raise UnsupportedModelError(
-                    f"{family} with dense layers between the MoE layers (mlp_only_layers / decoder_sparse_step) "
-                    "is not supported"
-                )
+                raise UnsupportedModelError(f"{family} with dense layers between the MoE layers (mlp_only_layers / "
+                                            "decoder_sparse_step) is not supported")
         moe = (mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d) if family in MOE_FAMILIES else {}
         mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
         head_dim = mla.pop("head_dim", head_dim)
@@ -376,7 +375,7 @@ class ModelConfig:
             rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
             sliding_window=sliding,
             kv_cache_scales=bool(kv_scheme),
-            mrope_section=tuple(d["mrope_section"]) if d.get("mrope_section") else None,
+            **fields.mrope_fields(d),
             no_rope_layers=fields.no_rope_layers(family, d),
             **moe, **mla,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma

@@ -60,27 +60,30 @@ def granite_fields(d: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                         "Qwen3VLForConditionalGeneration")
 
 
 def is_qwen_vl(d: dict[str, Any]) -> bool:
     return bool(set(QWEN_VL_ARCHITECTURES) & set(d.get("architectures") or [])) \
-        or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl")
+        or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, with its multimodal rotary sections
-    (`mrope_section`: how many rotary pairs turn by each token's temporal, height and width position). transformers
-    5 nests it in `text_config` (M-RoPE in `rope_parameters`); the published checkpoints keep it at the top (in
-    `rope_scaling`, type "mrope")."""
+    """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, Qwen3-VL's as a Qwen3 config, with its
+    multimodal rotary sections (`mrope_section`: how many rotary pairs turn by each token's temporal, height and
+    width position; Qwen3-VL's interleaved) and Qwen3-VL's deepstack layers (`deepstack_layers`: as many as its
+    vision config's `deepstack_visual_indexes`). transformers 5 nests it in `text_config` (M-RoPE in
+    `rope_parameters`); the published checkpoints of Qwen2-VL keep it at the top (in `rope_scaling`, type "mrope")."""
+    qwen3 = "Qwen3VLForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "qwen3_vl"
     outer = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
     text = {**outer, **(d.get("text_config") or {})}
     if "tie_word_embeddings" in d:
         text["tie_word_embeddings"] = d["tie_word_embeddings"]
     rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
-    if rope.get("mrope_interleaved"):
-        raise UnsupportedModelError("interleaved multimodal rotary sections (mrope_interleaved) are not supported")
-    section = rope.pop("mrope_section", None) or [16, 24, 24]  # transformers' default
+    if rope.pop("mrope_interleaved", qwen3) != qwen3:  # (transformers interleaves Qwen3-VL's, whatever it says)
+        raise UnsupportedModelError(f"mrope_interleaved {not qwen3}: only Qwen3-VL's sections are interleaved")
+    section = rope.pop("mrope_section", None) or ([24, 20, 20] if qwen3 else [16, 24, 24])  # transformers' defaults
     if rope.pop("type", None) == "mrope" or rope.get("rope_type") == "mrope":
         rope["rope_type"] = "default"
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
@@ -88,8 +91,12 @@ def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError(f"mrope_section {section} must split the {head_dim // 2} rotary pairs of a head")
     if "rope_theta" in rope:
         text["rope_theta"] = rope.pop("rope_theta")
-    return {**text, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rope_scaling": rope or None,
-            "rope_parameters": None, "mrope_section": [int(n) for n in section]}
+    deep = (d.get("vision_config") or {}).get("deepstack_visual_indexes", (8, 16, 24)) if qwen3 else ()
+    if len(deep or ()) > int(text.get("num_hidden_layers", 32)):
+        raise UnsupportedModelError(f"{len(deep)} deepstack vision blocks for {text['num_hidden_layers']} layers")
+    return {**text, "architectures": ["Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"],
+            "model_type": "qwen3" if qwen3 else "qwen2", "rope_scaling": rope or None, "rope_parameters": None,
+            "mrope_section": [int(n) for n in section], "mrope_interleaved": qwen3, "deepstack_layers": len(deep or ())}
 
 
 def seed_oss(d: dict[str, Any]) -> dict[str, Any]:
@@ -357,3 +364,9 @@ def exaone4_fields(d: dict[str, Any]) -> dict[str, Any]:
 # Families whose layers differ (windowed or global), by the fields that say how.
 PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields, "exaone4": exaone4_fields,
                     "cohere2": exaone4_fields}  # (Command R7B's layers are laid out as EXAONE 4's)
+
+
+def mrope_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """`ModelConfig`'s M-RoPE and deepstack fields of a config made by `qwen_vl_text` (none for other models)."""
+    return dict(mrope_section=tuple(d["mrope_section"]) if d.get("mrope_section") else None,
+                mrope_interleaved=bool(d.get("mrope_interleaved")), deepstack_layers=int(d.get("deepstack_layers", 0)))

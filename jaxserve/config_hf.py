@@ -96,5 +96,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         del d["partial_rotary_factor"]
         d.update(mla_hf(cfg))
     if cfg.mrope_section is not None:  # (no model has both)
-        d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section)}
+        d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section),
+                             **({"mrope_interleaved": True} if cfg.mrope_interleaved else {})}
     return d

@@ -20,26 +20,35 @@ VISION = {
                      temporal_patch_size=2, spatial_merge_size=2),
     "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=4,
                        temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1]),
+    # A 5 x 5 grid of learned positions; blocks 2 and 0 feed the first two decoder layers (in that order).
+    "qwen3_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2, patch_size=4,
+                     temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=25,
+                     deepstack_visual_indexes=[2, 0]),
 }
+# Qwen3-VL's language model is Qwen3's (q/k norms, a head size of its own), its M-RoPE sections interleaved.
+TEXT3 = {**TEXT, "head_dim": 16, "num_hidden_layers": 3,
+         "rope_parameters": {**TEXT["rope_parameters"], "mrope_interleaved": True}}
+CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+           "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+           "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
 PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", min_pixels=256, max_pixels=4096, patch_size=4,
                  temporal_patch_size=2, merge_size=2, resample=3)
 
 
 def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
-    """A random Qwen2-VL (or Qwen2.5-VL) model saved to `path` with its processor config; returns the float32
-    torch model holding the saved weights."""
+    """A random Qwen2-VL (or Qwen2.5-VL, Qwen3-VL) model saved to `path` with its processor config; returns the
+    float32 torch model holding the saved weights."""
     import torch
     import transformers
 
     from tests.llava_model import randomize
 
     torch.manual_seed(seed)
-    qwen2 = variant == "qwen2_vl"
-    config = (transformers.Qwen2VLConfig if qwen2 else transformers.Qwen2_5_VLConfig)(
-        text_config=TEXT, vision_config=VISION[variant], image_token_id=IMAGE_TOKEN,
+    config_class, model_class = (getattr(transformers, name) for name in CLASSES[variant])
+    config = config_class(
+        text_config=TEXT3 if variant == "qwen3_vl" else TEXT, vision_config=VISION[variant], image_token_id=IMAGE_TOKEN,
         vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VIDEO_TOKEN)
-    model = (transformers.Qwen2VLForConditionalGeneration if qwen2
-             else transformers.Qwen2_5_VLForConditionalGeneration)(config).eval()
+    model = model_class(config).eval()
     randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:

@@ -4,8 +4,11 @@ positions (an image's tokens by their place in it, the text after it drawn back)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -43,7 +46,7 @@ PROMPTS = [text(1, 5) + image_part() + text(2, 3) + image_part() + text(3, 4), i
 IMAGES = [[random_image(1, (80, 30)), random_image(2, (31, 50))], [random_image(3, (64, 64))]]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def qwen(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_qwen2_vl(path, request.param)
@@ -99,6 +102,49 @@ def test_mrope_positions_make_the_difference(qwen, monkeypatch):
     monkeypatch.setattr(ImagePrompt, "rope_offsets", lambda self, start, count, out: None)
     (_, got), = run(engine(path), PROMPTS[:1], IMAGES[:1])
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
+
+
+@pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)
+def test_qwen3_vl_deepstack_and_interleaved_sections_make_the_difference(qwen, monkeypatch):
+    """Qwen3-VL with its deepstack embeddings zero, or with its M-RoPE sections in order instead of interleaved,
+    leaves transformers' logprobs: the equality above can fail on either."""
+    from jaxserve.models import llama
+
+    path, model = qwen
+    _, want = hf_greedy(model, PROMPTS[0], IMAGES[0])
+    eng = engine(path)
+    cfg = eng.model.config
+    assert (cfg.family, cfg.mrope_interleaved, cfg.deepstack_layers) == ("qwen3", True, 2)
+    params = eng.images.params
+    eng.images.use_params(dataclasses.replace(params, deep={**params.deep, "w2": params.deep["w2"] * 0,
+                                                            "b2": params.deep["b2"] * 0}))
+    (_, got), = run(eng, PROMPTS[:1], IMAGES[:1])
+    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
+    monkeypatch.setattr(llama, "mrope_axes", lambda cfg: np.repeat(np.arange(3), cfg.mrope_section))
+    jax.clear_caches()  # (the steps traced before hold the interleaved axes)
+    (_, got), = run(engine(path), PROMPTS[:1], IMAGES[:1])
+    assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
+
+
+def test_mrope_axes_as_transformers_interleaves_them():
+    """Each rotary pair's axis, as transformers' Qwen3-VL recomposes its frequencies (Qwen3-VL's sections, and the
+    tiny model's, whose last axis runs out of pairs), and Qwen2-VL's sections in order."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.llama import mrope_axes
+    from tests.qwen2_vl_model import TEXT3
+
+    for section, pairs in (([24, 20, 20], 64), ([2, 3, 3], 8)):
+        rotary = types.SimpleNamespace(mrope_section=section)
+        freq = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, pairs).clone()  # each axis its own id
+        want = Qwen3VLTextRotaryEmbedding.recomposition_frequencies(rotary, freq)[0, 0, :pairs]
+        cfg = types.SimpleNamespace(mrope_section=section, mrope_interleaved=True)
+        np.testing.assert_array_equal(mrope_axes(cfg), want.numpy())
+    cfg = ModelConfig.from_hf({"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": TEXT3,
+                               "vision_config": {"deepstack_visual_indexes": [2, 0]}})
+    assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.deepstack_layers) == ((2, 3, 3), True, 2)
+    assert mrope_axes(dataclasses.replace(cfg, mrope_interleaved=False)).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
 
 
 def test_convert_writes_the_whole_qwen2_vl_model(qwen, tmp_path):

@@ -52,7 +52,18 @@ HUB_QWEN2_5 = {
                       "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
                       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
 }
-VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+# Qwen/Qwen3-VL-8B-Instruct's, cut the same way.
+HUB_QWEN3 = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    "image_token_id": 151655, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "text_config": {"hidden_size": 4096, "head_dim": 128, "num_attention_heads": 32, "num_hidden_layers": 36,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+    "vision_config": {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_vl",
+                      "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+VARIANTS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # (width, height) in pixels: grids of 10 x 12, 12 x 6 and 4 x 4 patches (Qwen2.5-VL: 3 x 3, 3 x 2 and 1 x 1
 # windows of 2 x 2 merged patches; the last's sides are whole windows).
 ENCODER_IMAGES = ((45, 37), (25, 50), (16, 16))
@@ -80,11 +91,13 @@ def processed():
 
 
 def reference(model, images) -> list[np.ndarray]:
-    """transformers' image features (the merger's output, split per image) for (patches, grid) pairs."""
+    """transformers' image features (the merger's output, split per image; Qwen3-VL's deepstack features beside
+    them) for (patches, grid) pairs."""
     with torch.no_grad():
-        feats = model.model.get_image_features(torch.tensor(np.concatenate([p for p, _ in images])),
-                                               torch.tensor([g for _, g in images])).pooler_output
-    return [f.numpy() for f in feats]
+        out = model.model.get_image_features(torch.tensor(np.concatenate([p for p, _ in images])),
+                                             torch.tensor([g for _, g in images]))
+    deep = getattr(out, "deepstack_features", None) or []  # (each: per image)
+    return [torch.cat([f, *(d[i] for d in deep)], dim=-1).numpy() for i, f in enumerate(out.pooler_output)]
 
 
 def test_config_fields(qwen):
@@ -109,6 +122,11 @@ def test_config_fields(qwen):
     assert bare5 == dataclasses.replace(hub5, embed_dim=3584)
     assert QwenVisionConfig.from_hf({"architectures": ["Qwen2VLForConditionalGeneration"],
                                      "vision_config": {"embed_dim": 1280}}) == hub
+    hub3 = QwenVisionConfig.from_hf(HUB_QWEN3)
+    assert (hub3.variant, hub3.embed_dim, hub3.out_hidden_size, hub3.window_size, hub3.num_position_embeddings,
+            hub3.deepstack_visual_indexes, hub3.embed_width, hub3.patch_dim) == (
+        "qwen3_vl", 1152, 4096, None, 2304, (8, 16, 24), 4 * 4096, 3 * 2 * 16 * 16)
+    assert hub3.full_layers == (True,) * 27 and hub3.layer_norm and not hub5.layer_norm
     assert QwenVisionConfig.from_hf({"architectures": ["LlavaForConditionalGeneration"]}) is None
     assert QwenVisionConfig.from_hf({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}) is None
 
@@ -124,6 +142,16 @@ def test_config_fields(qwen):
 def test_config_refusals(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
         QwenVisionConfig.from_hf({**HUB_QWEN2_5, "vision_config": {**HUB_QWEN2_5["vision_config"], **change}})
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_position_embeddings": 2300}, "not a square grid"),
+    ({"deepstack_visual_indexes": [8, 27]}, "distinct blocks of the 27"),
+    ({"deepstack_visual_indexes": [8, 8]}, "distinct blocks"),
+])
+def test_qwen3_config_refusals(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        QwenVisionConfig.from_hf({**HUB_QWEN3, "vision_config": {**HUB_QWEN3["vision_config"], **change}})
 
 
 def test_token_grid():
@@ -183,7 +211,7 @@ def test_encoder_equals_transformers(qwen, processed, variant):
     refs = reference(model, processed)
     for (patches, grid), ref in zip(processed, refs, strict=True):
         ours = qwen_encode(params, cfg, patches, grid)
-        assert ours.shape == ref.shape == (qwen_tokens(grid, cfg), cfg.out_hidden_size)
+        assert ours.shape == ref.shape == (qwen_tokens(grid, cfg), cfg.embed_width)
         np.testing.assert_allclose(ours, ref, atol=1e-4)
         assert np.abs(ref).max() > 0.5  # the comparison is not of near-zero numbers
     for ours, ref in zip(qwen_encode_many(params, cfg, processed), refs, strict=True):
@@ -221,6 +249,21 @@ def test_windows_matter(qwen, processed):
     model, cfg, params, _ = qwen["qwen2_vl"]
     assert np.abs(qwen_encode(params, cfg, patches, (1, 12, 10)) - reference(model, [(patches, grid)])[0]).max() > 0.05
 
+
+def test_qwen3_positions_and_deepstack_matter(qwen, processed):
+    """Qwen3-VL without its learned positions, or with each deepstack block merged by the other's merger, is far
+    from transformers; its deepstack embeddings go in block order (0, then 2: the config lists 2, 0), which the
+    first layer and the second take apart."""
+    model, cfg, params, _ = qwen["qwen3_vl"]
+    patches, grid = processed[0]
+    ref = reference(model, [(patches, grid)])[0]
+    E = cfg.out_hidden_size
+    assert ref.shape[1] == 3 * E and np.abs(ref[:, E:2 * E] - ref[:, 2 * E:]).max() > 0.5
+    still = dataclasses.replace(params, extra={**params.extra, "pos_embed": params.extra["pos_embed"] * 0})
+    assert np.abs(qwen_encode(still, cfg, patches, grid)[:, :E] - ref[:, :E]).max() > 0.05
+    swapped = dataclasses.replace(params, deep={k: v[::-1] for k, v in params.deep.items()})
+    assert np.abs(qwen_encode(swapped, cfg, patches, grid)[:, E:] - ref[:, E:]).max() > 0.05
+
 def test_bfloat16_near_float32(qwen, processed):
     model, cfg, _, tensors = qwen["qwen2_5_vl"]
     params = load_qwen_vision_params(cfg, tensors.items(), jnp.bfloat16)
@@ -236,15 +279,16 @@ def test_weights_round_trip(qwen, variant):
     """Our names back equal the checkpoint's, under either prefix; the text model's tensors are not the tower's."""
     _, cfg, params, tensors = qwen[variant]
     back = dict(qwen_vision_tensors(params, cfg))
-    visual = {k: v for k, v in tensors.items() if is_qwen_vision_tensor(k)}
-    assert set(back) == {"model." + k for k in visual} and not is_qwen_vision_tensor("model.language_model.norm.weight")
+    # (transformers writes Qwen2-VL's under `visual.`, Qwen3-VL's under `model.visual.`)
+    visual = {k if k.startswith("model.") else "model." + k: v for k, v in tensors.items() if is_qwen_vision_tensor(k)}
+    assert set(back) == set(visual) and not is_qwen_vision_tensor("model.language_model.norm.weight")
     for name, array in visual.items():
-        np.testing.assert_array_equal(back["model." + name], array)
+        np.testing.assert_array_equal(back[name], array)
     again = load_qwen_vision_params(cfg, back.items(), jnp.float32)
     np.testing.assert_array_equal(again.layers["wqkv"], params.layers["wqkv"])
     dummy = random_qwen_vision_params(cfg, jnp.float32, seed=1)
     out = qwen_encode(dummy, cfg, np.ones((16, cfg.patch_dim), np.float32), (1, 4, 4))
-    assert out.shape == (4, 64) and np.isfinite(out).all()
+    assert out.shape == (4, cfg.embed_width) and np.isfinite(out).all()
 
 
 def test_loading_errors(qwen):

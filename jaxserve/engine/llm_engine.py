@@ -345,7 +345,7 @@ class LLMEngine:
         return failures
 
     def _step_images(self, rows: list[ScheduledRequest], T: int):
-        return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.hidden_size,
+        return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.image_width,
                            self.images.dtype, self.runner.cfg.image_spans)
 
     def _step_rope(self, rows: list[ScheduledRequest], T: int):

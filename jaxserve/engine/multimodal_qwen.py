@@ -1,4 +1,4 @@
-"""Qwen2-VL's and Qwen2.5-VL's images in an engine's requests.
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images in an engine's requests.
 
 An image takes as many `<|image_pad|>` tokens as its resized size has merged patches (the processor keeps it
 between `min_pixels` and `max_pixels`), so its tokens depend on its size, as LLaVA-NeXT's do. Its tokens turn by
@@ -30,7 +30,8 @@ from jaxserve.models.vision_qwen2 import (
 
 
 class QwenImageEncoder(ImageEncoder):
-    """The vision side of a Qwen2-VL or Qwen2.5-VL model on the device: its processor, tower and merger."""
+    """The vision side of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model on the device: its processor, tower and merger
+    (and Qwen3-VL's deepstack mergers)."""
 
     cfg: QwenVisionConfig
     processor: QwenImageProcessor
@@ -64,7 +65,12 @@ class QwenImageEncoder(ImageEncoder):
         return qwen_encode(self.params, self.cfg, pixels, self.processor.grid(size))
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-        """The whole model's tensors as the Hub lays out Qwen2-VL's: the language model's names as they are, the
-        vision side's under `visual.`."""
+        """The whole model's tensors as the Hub lays out Qwen2-VL's (the language model's names as they are, the
+        vision side's under `visual.`) or Qwen3-VL's (the language model's under `model.language_model.`, the
+        vision side's under `model.visual.`)."""
+        if self.cfg.variant == "qwen3_vl":
+            nested = ((f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n, t)
+                      for n, t in text)
+            return itertools.chain(nested, qwen_vision_tensors(self.params, self.cfg, prefix="model.visual."))
         return itertools.chain(text, qwen_vision_tensors(self.params, self.cfg, prefix="visual."))
 

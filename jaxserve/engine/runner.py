@@ -361,7 +361,7 @@ class ModelRunner:
         if self.cfg.images and inputs.image_embeds is None:  # one executable per bucket, with images or none
             T = inputs.token_ids.shape[0]
             if T not in self._no_images:  # (a last key of 0: causal)
-                self._no_images[T] = (jnp.zeros((T, self.model_cfg.hidden_size), self.params.embed.dtype),
+                self._no_images[T] = (jnp.zeros((T, self.model_cfg.image_width), self.params.embed.dtype),
                                       jnp.zeros((T,), jnp.bool_),
                                       jnp.zeros((T,), jnp.int32) if self.cfg.image_spans else None)
             inputs = dataclasses.replace(inputs, image_embeds=self._no_images[T][0], image_mask=self._no_images[T][1],

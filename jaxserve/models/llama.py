@@ -62,12 +62,22 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, lon
         inv_long = jnp.asarray(np.asarray(rope_inv_freq_and_scale(cfg, local, long=True)[0], np.float32))
         inv = jnp.where(long[:, None], inv_long[None, :], inv)  # [T, D/2]
     if cfg.mrope_section is not None and offsets is not None:  # (without offsets every axis is the position)
-        axis = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)  # each pair's axis
+        axis = mrope_axes(cfg)
         angles = (positions[None, :] + offsets)[axis].T.astype(jnp.float32) * inv  # [T, D/2]
     else:
         angles = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def mrope_axes(cfg: ModelConfig) -> np.ndarray:
+    """Each rotary pair's M-RoPE axis (0 temporal, 1 height, 2 width): `mrope_section[i]` pairs of axis i in turn,
+    or, interleaved (Qwen3-VL), pair j of axis j % 3 while that axis has pairs left (then temporal)."""
+    section = cfg.mrope_section
+    if not cfg.mrope_interleaved:
+        return np.repeat(np.arange(len(section)), section)
+    j = np.arange(sum(section))
+    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
 
 
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
@@ -280,8 +290,11 @@ def forward(
         x = params.embed[ids]  # [T, E]; an image's tokens stand for it by a negative id (`engine.multimodal`)
         if cfg.family in GEMMA_FAMILIES:
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        deep = None
         if inputs.image_embeds is not None:  # an image's tokens take its embeddings (scaled as inputs are after)
-            x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds.astype(x.dtype), x)
+            x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds[:, :x.shape[1]].astype(x.dtype), x)
+            if cfg.deepstack_layers:  # Qwen3-VL: then its deepstack embeddings, one [T, E] per early layer
+                deep = inputs.image_embeds[:, x.shape[1]:].reshape(x.shape[0], cfg.deepstack_layers, x.shape[1])
         if cfg.embedding_multiplier != 1.0:  # Granite
             x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
     by_window = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt, offsets=inputs.rope_offsets)}
@@ -303,15 +316,27 @@ def forward(
     if k_all.dtype != want:
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, want), jax.lax.bitcast_convert_type(v_all, want)
 
+    def deepstack(carry, layer):
+        """After layer `layer` of the first `cfg.deepstack_layers`, its deepstack embeddings added to the image's
+        tokens' hidden states."""
+        if deep is None:
+            return carry
+        x, *rest = carry
+        i = jnp.minimum(layer, cfg.deepstack_layers - 1)
+        add = (layer < cfg.deepstack_layers) & inputs.image_mask
+        return (x + jnp.where(add[:, None], jax.lax.dynamic_index_in_dim(deep, i, 1, False).astype(x.dtype), 0), *rest)
+
     def step(carry, xs):  # every layer alike
-        return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], carry, xs, layout, kv_dtype,
-                      cfg.is_local(0))
+        carry, _ = _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], carry, xs, layout, kv_dtype,
+                          cfg.is_local(0))
+        return deepstack(carry, xs[1]), None
 
     carry = (x, k_all, v_all)
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
             carry, _ = _layer_once(cfg, backend, inputs, *tables[cfg.layer_kind(layer)], carry, (lp, jnp.int32(layer)),
                                    layout, kv_dtype, cfg.is_local(layer))
+            carry = deepstack(carry, jnp.int32(layer))
     elif cfg.uniform_layers:
         first = 0
         if params.dense_layers is not None:  # dense first layers, then the MoE ones (layers all alike: `check_moe`)
@@ -324,8 +349,8 @@ def forward(
         def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
             xs = (lp, jnp.asarray(layer, jnp.int32))
-            return _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], carry, xs, layout, kv_dtype,
-                          cfg.is_local(like))[0]
+            return deepstack(_layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], carry, xs, layout, kv_dtype,
+                                    cfg.is_local(like))[0], xs[1])
 
         def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window and rotation
             for j in range(period):

@@ -1,5 +1,6 @@
-"""The vision side of Qwen2-VL and Qwen2.5-VL (transformers' `Qwen2VisionTransformerPretrainedModel` and
-`Qwen2_5_VisionTransformerPretrainedModel`), as pure functions.
+"""The vision side of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers' `Qwen2VisionTransformerPretrainedModel`,
+`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`: what it adds in `models.vision_qwen3`), as pure
+functions.
 
 An image comes as `t * h * w` flattened patches (`jaxserve.images_qwen2.QwenImageProcessor`), ordered so that each
 `merge x merge` square of neighbouring patches is consecutive. A matrix embeds each patch (the checkpoint's Conv3d,
@@ -27,11 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models import vision_qwen3 as qwen3
 from jaxserve.models.vision_blocks import ACTIVATIONS, attend, rotate
-from jaxserve.models.vision_qwen2_layout import BUCKET_UNIT, qwen_bucket, qwen_layout  # noqa: F401 (here too)
+from jaxserve.models.vision_qwen2_layout import (  # noqa: F401 (here too)
+    BUCKET_UNIT,
+    qwen_bucket,
+    qwen_layout,
+    qwen_token_grid,
+    qwen_tokens,
+)
 
 QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
-                             "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+                             "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                             "Qwen3VLForConditionalGeneration": "qwen3_vl"}
 # transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig defaults (Qwen2-VL's `hidden_size` is the merger's
 # output width; its blocks' width is `embed_dim`), then the top-level config's token ids.
 _DEFAULTS = {
@@ -40,6 +49,9 @@ _DEFAULTS = {
     "qwen2_5_vl": dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_size=3420, num_heads=16,
                        in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                        out_hidden_size=3584, fullatt_block_indexes=(7, 15, 23, 31)),
+    "qwen3_vl": dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16,
+                     in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
+                     num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24)),
 }
 _TOKENS = dict(image_token_id=151655, vision_start_token_id=151652, vision_end_token_id=151653)
 _PREFIXES = ("model.visual.", "visual.")  # transformers 5's model tree, the Hub's (and transformers 5's files)
@@ -47,9 +59,10 @@ _PREFIXES = ("model.visual.", "visual.")  # transformers 5's model tree, the Hub
 
 @dataclass(frozen=True)
 class QwenVisionConfig:
-    """A Qwen2-VL or Qwen2.5-VL vision tower and merger, and the token ids that stand for an image in a prompt."""
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL vision tower and merger, and the token ids that stand for an image in a
+    prompt."""
 
-    variant: Literal["qwen2_vl", "qwen2_5_vl"]
+    variant: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
     depth: int
     embed_dim: int  # the blocks' width
     num_heads: int
@@ -67,6 +80,8 @@ class QwenVisionConfig:
     vision_end_token_id: int  # `<|vision_end|>`, after them
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6  # transformers fixes it for every norm of the tower and merger
+    num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of position embeddings (0: none)
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose outputs feed the early decoder layers
     bidirectional = False  # (not a field) the language model attends causally over an image's tokens
     boi_token_id = None  # (not a field) no start-of-image token: the image token is the placeholder
 
@@ -80,6 +95,16 @@ class QwenVisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     merge_unit = property(lambda self: self.spatial_merge_size**2)
+
+    @property
+    def layer_norm(self) -> bool:
+        """LayerNorms with biases and an ungated MLP (Qwen2-VL, Qwen3-VL); Qwen2.5-VL's are RMSNorms and gated."""
+        return self.variant != "qwen2_5_vl"
+
+    @property
+    def embed_width(self) -> int:
+        """Each image token's embeddings: the merger's, then each deepstack merger's (Qwen3-VL), side by side."""
+        return self.out_hidden_size * (1 + len(self.deepstack_visual_indexes))
 
     @property
     def window_merged(self) -> int:
@@ -99,7 +124,7 @@ class QwenVisionConfig:
         if variant is None:
             return None
         v = {**_DEFAULTS[variant], **{k: x for k, x in (d.get("vision_config") or {}).items() if x is not None}}
-        qwen2 = variant == "qwen2_vl"
+        qwen2, is3 = variant == "qwen2_vl", variant == "qwen3_vl"
         sizes = {}
         for name in ("patch_size", "temporal_patch_size"):
             x = v[name]
@@ -127,30 +152,19 @@ class QwenVisionConfig:
         if text_hidden is not None and int(text_hidden) != out:
             raise UnsupportedModelError(f"the vision merger's output width {out} differs from the language model's "
                                         f"hidden_size {text_hidden}")
-        window, merge = None if qwen2 else int(v["window_size"]), int(v["spatial_merge_size"])
+        window, merge = None if qwen2 or is3 else int(v["window_size"]), int(v["spatial_merge_size"])
         if window is not None and window // merge // sizes["patch_size"] < 1:
             raise UnsupportedModelError(f"vision window_size {window} is smaller than one merged patch "
                                         f"({merge} x {sizes['patch_size']} pixels)")
         return cls(
+            **(qwen3.qwen3_fields(v, depth) if is3 else {}),
             variant=variant, depth=depth, embed_dim=embed, num_heads=heads,
             intermediate_size=int(embed * v["mlp_ratio"]) if qwen2 else int(v["intermediate_size"]),
             hidden_act=v["hidden_act"], spatial_merge_size=merge, in_channels=int(v["in_channels"]),
             out_hidden_size=out, window_size=window,
-            fullatt_block_indexes=tuple(range(depth)) if qwen2 else tuple(int(i) for i in v["fullatt_block_indexes"]),
+            fullatt_block_indexes=tuple(range(depth)) if window is None else tuple(int(i) for i in v["fullatt_block_indexes"]),
             rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
             **sizes, **{k: int(d.get(k, default)) for k, default in _TOKENS.items()})
-
-
-def qwen_token_grid(grid: tuple[int, int, int], cfg: QwenVisionConfig) -> tuple[int, int, int]:
-    """An image's (t, h, w) patch grid as the language model sees it: (t, h / merge, w / merge) tokens."""
-    t, h, w = grid
-    return t, h // cfg.spatial_merge_size, w // cfg.spatial_merge_size
-
-
-def qwen_tokens(grid: tuple[int, int, int], cfg: QwenVisionConfig) -> int:
-    """How many `<|image_pad|>` tokens (and embeddings) an image of this patch grid has."""
-    t, h, w = qwen_token_grid(grid, cfg)
-    return t * h * w
 
 
 @jax.tree_util.register_dataclass
@@ -161,6 +175,8 @@ class QwenVisionParams:
     patch: jax.Array  # [C * T * P * P, E]: the patch embedding over (channel, frame, row, column)
     layers: dict[str, jax.Array]  # each [L, ...]: see `_layer_tensors`
     merger: dict[str, jax.Array]  # see `_merger_tensors`
+    extra: dict[str, jax.Array] | None = None  # Qwen3-VL: the patch embedding's bias, the position embeddings
+    deep: dict[str, jax.Array] | None = None  # Qwen3-VL: the deepstack mergers', each [len(indexes), ...]
 
 
 def _layer_tensors(cfg: QwenVisionConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -169,10 +185,11 @@ def _layer_tensors(cfg: QwenVisionConfig) -> dict[str, tuple[str, tuple[int, ...
     names = {"norm1.weight": ("norm1", (E,)), "norm2.weight": ("norm2", (E,)),
              "attn.qkv.weight": ("wqkv", (3 * E, E)), "attn.qkv.bias": ("bqkv", (3 * E,)),
              "attn.proj.weight": ("wo", (E, E)), "attn.proj.bias": ("bo", (E,))}
-    if cfg.variant == "qwen2_vl":  # LayerNorm and a two-matrix MLP
+    if cfg.layer_norm:  # LayerNorm and a two-matrix MLP
+        fc = ("mlp.linear_fc1", "mlp.linear_fc2") if cfg.variant == "qwen3_vl" else ("mlp.fc1", "mlp.fc2")
         return {**names, "norm1.bias": ("norm1_b", (E,)), "norm2.bias": ("norm2_b", (E,)),
-                "mlp.fc1.weight": ("fc1", (inner, E)), "mlp.fc1.bias": ("fc1_b", (inner,)),
-                "mlp.fc2.weight": ("fc2", (E, inner)), "mlp.fc2.bias": ("fc2_b", (E,))}
+                f"{fc[0]}.weight": ("fc1", (inner, E)), f"{fc[0]}.bias": ("fc1_b", (inner,)),
+                f"{fc[1]}.weight": ("fc2", (E, inner)), f"{fc[1]}.bias": ("fc2_b", (E,))}
     return {**names, "mlp.gate_proj.weight": ("gate", (inner, E)), "mlp.gate_proj.bias": ("gate_b", (inner,)),
             "mlp.up_proj.weight": ("up", (inner, E)), "mlp.up_proj.bias": ("up_b", (inner,)),
             "mlp.down_proj.weight": ("down", (E, inner)), "mlp.down_proj.bias": ("down_b", (E,))}
@@ -181,6 +198,8 @@ def _layer_tensors(cfg: QwenVisionConfig) -> dict[str, tuple[str, tuple[int, ...
 def _merger_tensors(cfg: QwenVisionConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The merger's tensors: HF name (under `merger.`) -> (our key, HF shape)."""
     E, wide = cfg.embed_dim, cfg.embed_dim * cfg.merge_unit
+    if cfg.variant == "qwen3_vl":
+        return qwen3.merger_tensors(E, wide, cfg.out_hidden_size)
     names = {"ln_q.weight": ("norm", (E,)), "mlp.0.weight": ("w1", (wide, wide)), "mlp.0.bias": ("b1", (wide,)),
              "mlp.2.weight": ("w2", (cfg.out_hidden_size, wide)), "mlp.2.bias": ("b2", (cfg.out_hidden_size,))}
     return {**names, "ln_q.bias": ("norm_b", (E,))} if cfg.variant == "qwen2_vl" else names
@@ -212,6 +231,8 @@ def load_qwen_vision_params(cfg: QwenVisionConfig, tensors: Iterable[tuple[str, 
     expected = {"patch_embed.proj.weight": _patch_shape(cfg)}
     expected |= {f"blocks.{i}.{n}": shape for i in range(cfg.depth) for n, (_, shape) in layer_names.items()}
     expected |= {f"merger.{n}": shape for n, (_, shape) in merger_names.items()}
+    if cfg.variant == "qwen3_vl":
+        expected |= qwen3.expected_qwen3(cfg)
     missing = [n for n in expected if n not in found]
     if missing:
         raise UnsupportedModelError(f"the checkpoint lacks vision tensors: visual.{', visual.'.join(missing[:6])}"
@@ -230,7 +251,8 @@ def load_qwen_vision_params(cfg: QwenVisionConfig, tensors: Iterable[tuple[str, 
         patch=jnp.asarray(found["patch_embed.proj.weight"].astype(np.float32).reshape(cfg.embed_dim, -1).T, dtype),
         layers={key: stored(np.stack([found[f"blocks.{i}.{n}"] for i in range(cfg.depth)]), shape)
                 for n, (key, shape) in layer_names.items()},
-        merger={key: stored(found[f"merger.{n}"], shape) for n, (key, shape) in merger_names.items()})
+        merger={key: stored(found[f"merger.{n}"], shape) for n, (key, shape) in merger_names.items()},
+        **(qwen3.load_qwen3_extras(cfg, found, dtype) if cfg.variant == "qwen3_vl" else {}))
 
 
 def qwen_vision_tensors(params: QwenVisionParams, cfg: QwenVisionConfig,
@@ -244,6 +266,8 @@ def qwen_vision_tensors(params: QwenVisionParams, cfg: QwenVisionConfig,
             yield f"{prefix}blocks.{i}.{n}", stacked[i].T if len(shape) == 2 else stacked[i]
     for n, (key, shape) in _merger_tensors(cfg).items():
         yield f"{prefix}merger.{n}", host(params.merger[key]).T if len(shape) == 2 else host(params.merger[key])
+    if cfg.variant == "qwen3_vl":
+        yield from qwen3.qwen3_extra_tensors(params, cfg, prefix, host)
 
 
 def random_qwen_vision_params(cfg: QwenVisionConfig, dtype: Any, seed: int = 0) -> QwenVisionParams:
@@ -259,13 +283,15 @@ def random_qwen_vision_params(cfg: QwenVisionConfig, dtype: Any, seed: int = 0) 
     named += [(f"blocks.{i}.{n}", make(n, shape)) for i in range(cfg.depth) for n, (_, shape) in
               _layer_tensors(cfg).items()]
     named += [(f"merger.{n}", make(n, shape)) for n, (_, shape) in _merger_tensors(cfg).items()]
+    if cfg.variant == "qwen3_vl":
+        named += [(n, make(n, shape)) for n, shape in qwen3.expected_qwen3(cfg).items()]
     return load_qwen_vision_params(cfg, (("visual." + n, a) for n, a in named), dtype)
 
 
 def _norm(cfg: QwenVisionConfig, x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    """Qwen2-VL's LayerNorm (with `b`) or Qwen2.5-VL's RMSNorm, in float32."""
+    """Qwen2-VL's and Qwen3-VL's LayerNorm (with `b`) or Qwen2.5-VL's RMSNorm, in float32."""
     xf = x.astype(jnp.float32)
-    if cfg.variant == "qwen2_vl":
+    if cfg.layer_norm:
         xf = xf - xf.mean(-1, keepdims=True)
         return (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + cfg.norm_eps) * w.astype(jnp.float32)
                 + b.astype(jnp.float32)).astype(x.dtype)
@@ -294,29 +320,47 @@ def _block(cfg: QwenVisionConfig, x: jax.Array, lp: dict[str, jax.Array], rope: 
     with jax.named_scope("qwen_vision_mlp"):
         h = _norm(cfg, x, lp["norm2"], lp.get("norm2_b"))
         act = ACTIVATIONS[cfg.hidden_act]
-        if cfg.variant == "qwen2_vl":
+        if cfg.layer_norm:
             return x + act(h @ lp["fc1"] + lp["fc1_b"]) @ lp["fc2"] + lp["fc2_b"]
         return x + (act(h @ lp["gate"] + lp["gate_b"]) * (h @ lp["up"] + lp["up_b"])) @ lp["down"] + lp["down_b"]
 
 
+def _merge(cfg: QwenVisionConfig, x: jax.Array, m: dict[str, jax.Array], after: bool = False) -> jax.Array:
+    """Patches x [B, E] merged into image tokens [B / merge**2, out]: each normed (or, `after`, each merge group's
+    concatenation: Qwen3-VL's deepstack mergers), a group's concatenated, then Linear-GELU-Linear."""
+    h = _norm(cfg, x.reshape(x.shape[0] // cfg.merge_unit, -1) if after else x, m["norm"], m.get("norm_b"))
+    h = h.reshape(x.shape[0] // cfg.merge_unit, -1)
+    return jax.nn.gelu(h @ m["w1"] + m["b1"], approximate=False) @ m["w2"] + m["b2"]
+
+
 def _encode_padded(params: QwenVisionParams, cfg: QwenVisionConfig, patches: jax.Array, pos: jax.Array,
-                   frames: jax.Array, windows: jax.Array) -> jax.Array:
+                   frames: jax.Array, windows: jax.Array, taps: jax.Array | None = None,
+                   tap_weights: jax.Array | None = None) -> jax.Array:
     """A bucket of patches [B, C * T * P * P] with their (row, column) pos [B, 2] and segment ids (frames [B] for
-    full attention, windows [B] for windowed; -1 for padding) as embeddings [B / merge**2, out_hidden_size]."""
-    B = patches.shape[0]
+    full attention, windows [B] for windowed; -1 for padding) as embeddings [B / merge**2, embed_width]; Qwen3-VL's
+    position embeddings read through `taps` and `tap_weights` [B, 4] (`vision_qwen3.position_taps`)."""
     x = patches.astype(params.patch.dtype) @ params.patch  # [B, E]
+    if params.extra is not None:
+        x = qwen3.embed_positions(params, x, taps, tap_weights)
     rope = _rotary(cfg, pos)
 
     def step(x, layer):
         lp, full = layer
         return _block(cfg, x, lp, rope, jnp.where(full, frames, windows)), None
 
-    with jax.named_scope("qwen_vision_blocks"):
-        x, _ = jax.lax.scan(step, x, (params.layers, jnp.asarray(cfg.full_layers)))
-    with jax.named_scope("qwen_vision_merger"):
-        m = params.merger
-        h = _norm(cfg, x, m["norm"], m.get("norm_b")).reshape(B // cfg.merge_unit, -1)  # [B / merge**2, merge**2 E]
-        return jax.nn.gelu(h @ m["w1"] + m["b1"], approximate=False) @ m["w2"] + m["b2"]
+    deep, start = [], 0  # the blocks in runs, each ending at a deepstack block (whose output is kept)
+    for end in (*sorted(cfg.deepstack_visual_indexes), cfg.depth - 1):
+        run = jax.tree.map(lambda a, s=start, e=end: a[s:e + 1], (params.layers, jnp.asarray(cfg.full_layers)))
+        with jax.named_scope("qwen_vision_blocks"):
+            x, _ = jax.lax.scan(step, x, run)
+        deep.append(x)
+        start = end + 1
+    with jax.named_scope("qwen_vision_merger"):  # deepstack: in block order, each block by its own merger
+        out = [_merge(cfg, x, params.merger)]
+        for kept, block in zip(deep[:-1], sorted(cfg.deepstack_visual_indexes), strict=True):
+            i = cfg.deepstack_visual_indexes.index(block)
+            out.append(_merge(cfg, kept, jax.tree.map(lambda a, i=i: a[i], params.deep), after=True))
+        return jnp.concatenate(out, axis=-1)
 
 
 _encode_jit = jax.jit(_encode_padded, static_argnums=1)
@@ -325,7 +369,7 @@ _encode_jit = jax.jit(_encode_padded, static_argnums=1)
 def qwen_encode_many(params: QwenVisionParams, cfg: QwenVisionConfig,
                      images: Sequence[tuple[np.ndarray, tuple[int, int, int]]]) -> list[np.ndarray]:
     """Several images' patches [t * h * w, C * T * P * P] with their grids (t, h, w), encoded in one call (one
-    bucket holding them all): each image's embeddings [qwen_tokens(grid), out_hidden_size], in the params' dtype."""
+    bucket holding them all): each image's embeddings [qwen_tokens(grid), embed_width], in the params' dtype."""
     if not images:
         raise ValueError("no images to encode")
     grids = [tuple(int(n) for n in grid) for _, grid in images]
@@ -336,8 +380,11 @@ def qwen_encode_many(params: QwenVisionParams, cfg: QwenVisionConfig,
     pos, frames, windows = qwen_layout(cfg, grids)
     pad = qwen_bucket(pos.shape[0]) - pos.shape[0]
     flat = np.concatenate([np.asarray(p, np.float32) for p, _ in images])
+    taps = qwen3.position_taps(cfg, pos, grids) if cfg.num_position_embeddings else (None, None)
+    taps = [None if a is None else np.pad(a, ((0, pad), (0, 0))) for a in taps]  # (padding: cell 0, weight 0)
     out = _encode_jit(params, cfg, np.pad(flat, ((0, pad), (0, 0))), np.pad(pos, ((0, pad), (0, 0))),
-                      np.pad(frames, (0, pad), constant_values=-1), np.pad(windows, (0, pad), constant_values=-1))
+                      np.pad(frames, (0, pad), constant_values=-1), np.pad(windows, (0, pad), constant_values=-1),
+                      *taps)
     out = np.asarray(out)
     ends = np.cumsum([qwen_tokens(g, cfg) for g in grids])
     return np.split(out[:ends[-1]], ends[:-1])
@@ -346,5 +393,5 @@ def qwen_encode_many(params: QwenVisionParams, cfg: QwenVisionConfig,
 def qwen_encode(params: QwenVisionParams, cfg: QwenVisionConfig, patches: np.ndarray,
                 grid: tuple[int, int, int]) -> np.ndarray:
     """One image's patches [t * h * w, C * T * P * P] (`QwenImageProcessor`'s) as language-model embeddings
-    [t * h * w / merge**2, out_hidden_size], in the params' dtype."""
+    [t * h * w / merge**2, embed_width], in the params' dtype."""
     return qwen_encode_many(params, cfg, [(patches, grid)])[0]

@@ -41,3 +41,15 @@ def qwen_layout(cfg: Any, grids: Sequence[tuple[int, int, int]]) -> tuple[np.nda
     frames = np.concatenate(frames).astype(np.int32)
     windows = np.concatenate([a.reshape(-1) for a in windows]).astype(np.int32) if windows else frames
     return np.concatenate(pos).astype(np.int32), frames, windows
+
+
+def qwen_token_grid(grid: tuple[int, int, int], cfg: Any) -> tuple[int, int, int]:
+    """An image's (t, h, w) patch grid as the language model sees it: (t, h / merge, w / merge) tokens."""
+    t, h, w = grid
+    return t, h // cfg.spatial_merge_size, w // cfg.spatial_merge_size
+
+
+def qwen_tokens(grid: tuple[int, int, int], cfg: Any) -> int:
+    """How many `<|image_pad|>` tokens (and embeddings) an image of this patch grid has."""
+    t, h, w = qwen_token_grid(grid, cfg)
+    return t * h * w
