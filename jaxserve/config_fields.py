@@ -61,21 +61,24 @@ def granite_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                         "Qwen3VLForConditionalGeneration")
+                         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 def is_qwen_vl(d: dict[str, Any]) -> bool:
     return bool(set(QWEN_VL_ARCHITECTURES) & set(d.get("architectures") or [])) \
-        or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+        or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, Qwen3-VL's as a Qwen3 config, with its
+    """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, Qwen3-VL's as a Qwen3 config (Qwen3-VL-MoE's
+    as a Qwen3-MoE config, its top-k routing weights normalized), with its
     multimodal rotary sections (`mrope_section`: how many rotary pairs turn by each token's temporal, height and
     width position; Qwen3-VL's interleaved) and Qwen3-VL's deepstack layers (`deepstack_layers`: as many as its
     vision config's `deepstack_visual_indexes`). transformers 5 nests it in `text_config` (M-RoPE in
     `rope_parameters`); the published checkpoints of Qwen2-VL keep it at the top (in `rope_scaling`, type "mrope")."""
-    qwen3 = "Qwen3VLForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "qwen3_vl"
+    archs = set(d.get("architectures") or [])
+    moe = "Qwen3VLMoeForConditionalGeneration" in archs or d.get("model_type") == "qwen3_vl_moe"
+    qwen3 = moe or "Qwen3VLForConditionalGeneration" in archs or d.get("model_type") == "qwen3_vl"
     outer = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
     text = {**outer, **(d.get("text_config") or {})}
     if "tie_word_embeddings" in d:
@@ -94,8 +97,10 @@ def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
     deep = (d.get("vision_config") or {}).get("deepstack_visual_indexes", (8, 16, 24)) if qwen3 else ()
     if len(deep or ()) > int(text.get("num_hidden_layers", 32)):
         raise UnsupportedModelError(f"{len(deep)} deepstack vision blocks for {text['num_hidden_layers']} layers")
-    return {**text, "architectures": ["Qwen3ForCausalLM" if qwen3 else "Qwen2ForCausalLM"],
-            "model_type": "qwen3" if qwen3 else "qwen2", "rope_scaling": rope or None, "rope_parameters": None,
+    kind = "qwen3_moe" if moe else "qwen3" if qwen3 else "qwen2"
+    arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(kind, "Qwen2ForCausalLM")
+    return {**text, **({"norm_topk_prob": True} if moe else {}), "architectures": [arch],
+            "model_type": kind, "rope_scaling": rope or None, "rope_parameters": None,
             "mrope_section": [int(n) for n in section], "mrope_interleaved": qwen3, "deepstack_layers": len(deep or ())}
 
 

@@ -28,9 +28,13 @@ VISION = {
 # Qwen3-VL's language model is Qwen3's (q/k norms, a head size of its own), its M-RoPE sections interleaved.
 TEXT3 = {**TEXT, "head_dim": 16, "num_hidden_layers": 3,
          "rope_parameters": {**TEXT["rope_parameters"], "mrope_interleaved": True}}
+VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]
+# Qwen3-VL-MoE's: Qwen3-MoE's (4 experts, 2 a token; their gate and up projections packed in one tensor a layer).
+TEXT3_MOE = {**TEXT3, "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2}
 CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
            "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
-           "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")}
+           "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+           "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
 PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", min_pixels=256, max_pixels=4096, patch_size=4,
                  temporal_patch_size=2, merge_size=2, resample=3)
 
@@ -46,7 +50,8 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
     torch.manual_seed(seed)
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[variant])
     config = config_class(
-        text_config=TEXT3 if variant == "qwen3_vl" else TEXT, vision_config=VISION[variant], image_token_id=IMAGE_TOKEN,
+        text_config={"qwen3_vl": TEXT3, "qwen3_vl_moe": TEXT3_MOE}.get(variant, TEXT), vision_config=VISION[variant],
+        image_token_id=IMAGE_TOKEN,
         vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VIDEO_TOKEN)
     model = model_class(config).eval()
     randomize(model)

@@ -46,7 +46,7 @@ PROMPTS = [text(1, 5) + image_part() + text(2, 3) + image_part() + text(3, 4), i
 IMAGES = [[random_image(1, (80, 30)), random_image(2, (31, 50))], [random_image(3, (64, 64))]]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def qwen(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = save_tiny_qwen2_vl(path, request.param)
@@ -133,7 +133,7 @@ def test_mrope_axes_as_transformers_interleaves_them():
 
     from jaxserve.config import ModelConfig
     from jaxserve.models.llama import mrope_axes
-    from tests.qwen2_vl_model import TEXT3
+    from tests.qwen2_vl_model import TEXT3, TEXT3_MOE
 
     for section, pairs in (([24, 20, 20], 64), ([2, 3, 3], 8)):
         rotary = types.SimpleNamespace(mrope_section=section)
@@ -145,6 +145,10 @@ def test_mrope_axes_as_transformers_interleaves_them():
                                "vision_config": {"deepstack_visual_indexes": [2, 0]}})
     assert (cfg.mrope_section, cfg.mrope_interleaved, cfg.deepstack_layers) == ((2, 3, 3), True, 2)
     assert mrope_axes(dataclasses.replace(cfg, mrope_interleaved=False)).tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    # Qwen3-VL-MoE's language model: Qwen3-MoE's, its routing weights renormalized whatever the config says.
+    moe = ModelConfig.from_hf({"architectures": ["Qwen3VLMoeForConditionalGeneration"],
+                               "text_config": {**TEXT3_MOE, "norm_topk_prob": False}})
+    assert (moe.family, moe.num_experts, moe.norm_topk_prob, moe.deepstack_layers) == ("qwen3_moe", 4, True, 3)
 
 
 def test_convert_writes_the_whole_qwen2_vl_model(qwen, tmp_path):

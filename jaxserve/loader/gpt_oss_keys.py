@@ -1,7 +1,7 @@
-"""gpt-oss's packed expert tensors: each layer's experts in one tensor per kind, input-major (`gate_up_proj`
-[X, E, 2 * Fe] with the gate's and the up projection's columns interleaved, `down_proj` [X, Fe, E]) and their
-biases, split into the per-expert names the key map reads (`keymap.split_packed`), and packed back for
-`jaxserve convert` (`gpt_oss_packed`)."""
+"""gpt-oss's and Qwen3-VL-MoE's packed expert tensors: each layer's experts in one tensor per kind, input-major
+(`gate_up_proj` [X, E, 2 * Fe], `down_proj` [X, Fe, E]), split into the per-expert names the key map reads
+(`keymap.split_packed`), and packed back for `jaxserve convert` (`gpt_oss_packed`). gpt-oss interleaves the
+gate's and the up projection's columns and has biases too; Qwen3-VL-MoE puts the gate's columns first."""
 
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ GPT_OSS_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_
 
 def gpt_oss_experts(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
     """One packed tensor as every expert's own (`experts.{j}.gate_proj.weight` [Fe, E], its `.bias` [Fe], ...),
-    checked against the config: column 2i of `gate_up_proj` is the gate's i-th, column 2i + 1 the up's."""
+    checked against the config: column 2i of gpt-oss's `gate_up_proj` is the gate's i-th, column 2i + 1 the up's;
+    Qwen3-VL-MoE's first Fe columns are the gate's."""
     m = GPT_OSS_EXPERTS_RE.match(name)
     assert m is not None
     prefix, kind, bias = m.groups()
     X, F, E = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     want = {("gate_up_proj", None): (X, E, 2 * F), ("down_proj", None): (X, F, E),
             ("gate_up_proj", "_bias"): (X, 2 * F), ("down_proj", "_bias"): (X, E)}[kind, bias]
+    if cfg.family != "gpt_oss" and tuple(tensor.shape) == (X, want[2], want[1]):  # as transformers saves it
+        tensor = np.swapaxes(tensor, 1, 2)  # (output-major; the Hub's checkpoints are input-major)
     if tuple(tensor.shape) != want:
         raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
     part = "bias" if bias else "weight"
@@ -34,7 +37,8 @@ def gpt_oss_experts(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tup
         if kind == "down_proj":
             out.append((f"{prefix}{j}.down_proj.{part}", t))
         else:
-            out += [(f"{prefix}{j}.gate_proj.{part}", t[0::2]), (f"{prefix}{j}.up_proj.{part}", t[1::2])]
+            gate, up = (t[0::2], t[1::2]) if cfg.family == "gpt_oss" else (t[:F], t[F:])
+            out += [(f"{prefix}{j}.gate_proj.{part}", gate), (f"{prefix}{j}.up_proj.{part}", up)]
     return out
 
 
@@ -42,8 +46,9 @@ _ONE_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|
 
 
 def gpt_oss_packed(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-    """A gpt-oss checkpoint's (HF name, tensor) pairs with each layer's per-expert tensors packed back (the inverse
-    of `gpt_oss_experts`)."""
+    """A gpt-oss or Qwen3-VL-MoE checkpoint's (HF name, tensor) pairs with each layer's per-expert tensors packed
+    back (the inverse of `gpt_oss_experts`)."""
+    parts = ("weight", "bias") if cfg.family == "gpt_oss" else ("weight",)
     held: dict[tuple[str, int, str, str], np.ndarray] = {}
     for name, t in pairs:
         m = _ONE_EXPERT_RE.match(name)
@@ -52,16 +57,17 @@ def gpt_oss_packed(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) ->
             continue
         prefix, j, kind, part = m.groups()
         held[(prefix, int(j), kind, part)] = t
-        if len(held) < 6 * cfg.num_experts:
+        if len(held) < 3 * len(parts) * cfg.num_experts:
             continue
         X = range(cfg.num_experts)
-        for part in ("weight", "bias"):  # (a weight transposed back to input-major; `.T` leaves a bias as it is)
+        for part in parts:  # (a weight transposed back to input-major; `.T` leaves a bias as it is)
             suffix = "_bias" if part == "bias" else ""
             gate_up = []
             for x in X:
                 g, u = held[(prefix, x, "gate", part)].T, held[(prefix, x, "up", part)].T
-                both = np.empty(g.shape[:-1] + (2 * g.shape[-1],), g.dtype)
-                both[..., 0::2], both[..., 1::2] = g, u
+                both = np.concatenate([g, u], axis=-1)
+                if cfg.family == "gpt_oss":
+                    both[..., 0::2], both[..., 1::2] = g, u
                 gate_up.append(both)
             yield f"{prefix}gate_up_proj{suffix}", np.stack(gate_up)
             yield f"{prefix}down_proj{suffix}", np.stack([held[(prefix, x, "down", part)].T for x in X])

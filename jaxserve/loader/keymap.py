@@ -231,7 +231,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return granite_experts(name, tensor, cfg)
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
-    if cfg.family == "gpt_oss" and GPT_OSS_EXPERTS_RE.match(name):
+    if cfg.family in ("gpt_oss", "qwen3_moe") and GPT_OSS_EXPERTS_RE.match(name):  # (Qwen3-VL-MoE's: packed)
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)
@@ -351,7 +351,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
             else:
                 yield name, t
         return
-    if cfg.family == "gpt_oss":
+    if cfg.family == "gpt_oss" or (cfg.family == "qwen3_moe" and cfg.mrope_section is not None):  # Qwen3-VL-MoE
         yield from gpt_oss_packed(pairs, cfg)
         return
     if cfg.kv_lora_rank:

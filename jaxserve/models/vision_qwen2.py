@@ -40,7 +40,8 @@ from jaxserve.models.vision_qwen2_layout import (  # noqa: F401 (here too)
 
 QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                              "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                             "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+                             "Qwen3VLForConditionalGeneration": "qwen3_vl",
+                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl"}  # (the same tower)
 # transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig defaults (Qwen2-VL's `hidden_size` is the merger's
 # output width; its blocks' width is `embed_dim`), then the top-level config's token ids.
 _DEFAULTS = {
