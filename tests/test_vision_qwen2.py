@@ -264,8 +264,9 @@ def test_qwen3_positions_and_deepstack_matter(qwen, processed):
     swapped = dataclasses.replace(params, deep={k: v[::-1] for k, v in params.deep.items()})
     assert np.abs(qwen_encode(swapped, cfg, patches, grid)[:, E:] - ref[:, E:]).max() > 0.05
 
-def test_bfloat16_near_float32(qwen, processed):
-    model, cfg, _, tensors = qwen["qwen2_5_vl"]
+@pytest.mark.parametrize("variant", ["qwen2_5_vl", "qwen3_vl"])
+def test_bfloat16_near_float32(qwen, processed, variant):
+    model, cfg, _, tensors = qwen[variant]
     params = load_qwen_vision_params(cfg, tensors.items(), jnp.bfloat16)
     patches, grid = processed[0]
     ours = qwen_encode(params, cfg, patches, grid)

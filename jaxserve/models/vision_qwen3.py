@@ -95,5 +95,5 @@ def position_taps(cfg: Any, pos: np.ndarray, grids: Sequence[tuple[int, int, int
 def embed_positions(params: Any, x: jax.Array, taps: jax.Array, weights: jax.Array) -> jax.Array:
     """Patches x [B, E] (already embedded) with the patch embedding's bias and their resampled position
     embeddings added."""
-    pos = (params.extra["pos_embed"][taps] * weights[..., None].astype(x.dtype)).sum(axis=1)
+    pos = (params.extra["pos_embed"][taps].astype(jnp.float32) * weights[..., None]).sum(axis=1)  # (as transformers)
     return x + params.extra["patch_b"] + pos.astype(x.dtype)
