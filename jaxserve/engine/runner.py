@@ -27,6 +27,7 @@ from jaxserve.engine.logprobs import PromptLogprobInputs, PromptLogprobs, prompt
 from jaxserve.engine.penalties import PenaltyInputs, penalty_arrays, update_counts
 from jaxserve.engine.pooler import pool_step
 from jaxserve.engine.sampler import SamplingTensors, sample
+from jaxserve.engine.warmup import bucket_call, compile_all
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward
@@ -275,30 +276,15 @@ class ModelRunner:
             raise CompileAfterWarmupError(f"{self.compilations_after_warmup} compilation(s) after warmup (strict mode)")
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket of both step functions; returns the seconds it took."""
+        """Compile every bucket of both step functions, several at once (`warmup.compile_all`), then run each once;
+        returns the seconds it took."""
         t0 = time.perf_counter()
         shapes = ([("pool", t) for t in self.cfg.token_buckets] if self._pool is not None else
                   [("mixed", t) for t in self.cfg.token_buckets] + [("decode", s) for s in self.cfg.seq_buckets])
-        it = shapes
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(shapes, desc="Compiling shape buckets", unit="bucket", leave=False)
-        for kind, size in it:
-            if kind != "decode":
-                S = min(size, self.cfg.max_num_seqs)
-                seqs = [([0], 0, [0])]  # one token into the reserved page
-                inputs = ModelInputs.build(seqs, self.cfg.page_size, num_tokens=size, num_seqs=S,
-                                           pages_per_seq=self.cfg.pages_per_seq,
-                                           lora_slots=[-1] if self.cfg.lora else None,
-                                           long_prompts=[False] if self.cfg.long_rope else None, mrope=self.cfg.mrope)
-                if kind == "pool":
-                    self.fetch(self.dispatch_pool(inputs))
-                else:
-                    self.run_mixed(inputs, self.inert_sampling(S), None, want_top=False)
-            else:
-                st = self.inert_decode_state(size)
-                self.run_decode(st, self.inert_sampling(size), None, want_top=False)
+        calls = [bucket_call(self, kind, size) for kind, size in shapes]
+        compile_all([(fn, args) for fn, args, _ in calls], progress)
+        for _, _, run in calls:
+            run()
         self._baseline_compiles = self.num_compilations()
         compiled_steps.warn_near_mapping_limit()
         return time.perf_counter() - t0
@@ -355,6 +341,13 @@ class ModelRunner:
                        want_top: bool, prompt_next_ids: np.ndarray | None = None) -> InFlightStep:
         """Start a mixed step on the device and return at once; `fetch` waits for its outputs.
         `prompt_next_ids` ([T], -1 padded) asks for prompt logprobs (see `PromptLogprobInputs`)."""
+        args = self._mixed_args(inputs, sampling, penalties, want_top, prompt_next_ids)
+        t0 = time.perf_counter()
+        out, self.kv = self._mixed(*args)
+        return InFlightStep("mixed", out, t0, inputs.block_tables.shape[0])
+
+    def _mixed_args(self, inputs: ModelInputs, sampling: SamplingTensors, penalties, want_top: bool,
+                    prompt_next_ids: np.ndarray | None = None) -> tuple:
         S = inputs.block_tables.shape[0]
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
         plp = self.prompt_logprob_inputs(prompt_next_ids, inputs.token_ids.shape[0])
@@ -366,17 +359,18 @@ class ModelRunner:
                                       jnp.zeros((T,), jnp.int32) if self.cfg.image_spans else None)
             inputs = dataclasses.replace(inputs, image_embeds=self._no_images[T][0], image_mask=self._no_images[T][1],
                                          last_key=self._no_images[T][2])
-        t0 = time.perf_counter()
-        out, self.kv = self._mixed(self.params, self.kv, inputs, sampling, pen, plp, np.bool_(want_top))
-        return InFlightStep("mixed", out, t0, S)
+        return self.params, self.kv, inputs, sampling, pen, plp, np.bool_(want_top)
 
     def dispatch_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> InFlightStep:
         """Start a decode loop on the device and return at once; `fetch` waits for its outputs."""
-        S = st.tokens.shape[0]
-        pen = penalties if penalties is not None else self.penalty_inputs(S, None)
+        args = self._decode_args(st, sampling, penalties, want_top)
         t0 = time.perf_counter()
-        out, self.kv = self._decode(self.params, self.kv, st, sampling, pen, np.bool_(want_top))
+        out, self.kv = self._decode(*args)
         return InFlightStep("decode", out, t0, int(np.sum(np.asarray(st.max_steps) > 0)))
+
+    def _decode_args(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> tuple:
+        pen = penalties if penalties is not None else self.penalty_inputs(st.tokens.shape[0], None)
+        return self.params, self.kv, st, sampling, pen, np.bool_(want_top)
 
     def dispatch_pool(self, inputs: ModelInputs) -> InFlightStep:
         """Start an embedding model's step (`pooler.pool_step`); its outputs are [S, E] pooled rows."""
