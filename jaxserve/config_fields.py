@@ -71,11 +71,11 @@ def is_qwen_vl(d: dict[str, Any]) -> bool:
 
 def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
     """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, Qwen3-VL's as a Qwen3 config (Qwen3-VL-MoE's
-    as a Qwen3-MoE config, its top-k routing weights normalized), with its
-    multimodal rotary sections (`mrope_section`: how many rotary pairs turn by each token's temporal, height and
-    width position; Qwen3-VL's interleaved) and Qwen3-VL's deepstack layers (`deepstack_layers`: as many as its
-    vision config's `deepstack_visual_indexes`). transformers 5 nests it in `text_config` (M-RoPE in
-    `rope_parameters`); the published checkpoints of Qwen2-VL keep it at the top (in `rope_scaling`, type "mrope")."""
+    as a Qwen3-MoE config, its top-k routing weights normalized), with its multimodal rotary sections
+    (`mrope_section`: how many rotary pairs turn by each token's temporal, height and width position; Qwen3-VL's
+    interleaved) and Qwen3-VL's deepstack layers (`deepstack_layers`: as many as its vision config's
+    `deepstack_visual_indexes`). transformers 5 nests it in `text_config` (M-RoPE in `rope_parameters`); the
+    published checkpoints of Qwen2-VL keep it at the top (in `rope_scaling`, type "mrope")."""
     archs = set(d.get("architectures") or [])
     moe = "Qwen3VLMoeForConditionalGeneration" in archs or d.get("model_type") == "qwen3_vl_moe"
     qwen3 = moe or "Qwen3VLForConditionalGeneration" in archs or d.get("model_type") == "qwen3_vl"

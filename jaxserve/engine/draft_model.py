@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.runner import DecodeState, RunnerConfig
+from jaxserve.engine.warmup import compile_all
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.params import unstack_layers
@@ -190,9 +191,7 @@ class DraftModel:
 
     def follow(self, inputs: ModelInputs) -> None:
         """Write the draft's KV of a target mixed step's tokens (what only the target reads is left out)."""
-        self.kv = self._follow(self.params, self.kv, dataclasses.replace(
-            inputs, lora_slots=None, long_prompt=None, image_embeds=None, image_mask=None, last_key=None,
-            rope_offsets=None))
+        self.kv = self._follow(self.params, self.kv, _own(inputs))
 
     def follow_decode(self, st: DecodeState) -> None:
         """Write the draft's KV of a target decode step's tokens (its first step: the engine steps one token at a
@@ -247,13 +246,15 @@ class DraftModel:
         """Compile the lockstep forward at every token and sequence bucket and the drafting loop at every
         sequence bucket (into the reserved page 0); returns the seconds it took."""
         t0, rc = time.perf_counter(), self.rcfg
-        for T in rc.token_buckets:
-            S = min(T, rc.max_num_seqs)
-            self.follow(ModelInputs.build([([0], 0, [0])], rc.page_size, num_tokens=T, num_seqs=S,
-                                          pages_per_seq=rc.pages_per_seq))
-        for S in rc.seq_buckets:
-            zeros, tables = np.zeros(S, np.int32), np.zeros((S, rc.pages_per_seq), np.int32)
-            self.kv = self._follow(self.params, self.kv, self._decode_inputs(zeros, zeros, tables, zeros > 0))
+        steps = [_own(ModelInputs.build([([0], 0, [0])], rc.page_size, num_tokens=T, num_seqs=min(T, rc.max_num_seqs),
+                                        pages_per_seq=rc.pages_per_seq)) for T in rc.token_buckets]
+        rows = [(np.zeros(S, np.int32), np.zeros((S, rc.pages_per_seq), np.int32)) for S in rc.seq_buckets]
+        steps += [self._decode_inputs(zeros, zeros, tables, zeros > 0) for zeros, tables in rows]
+        compile_all([(self._follow, lambda i=i: (self.params, self.kv, i)) for i in steps]  # (side by side)
+                    + [(self._draft, lambda z=z, t=t: (self.params, self.kv, z, z, t, z)) for z, t in rows])
+        for inputs in steps:
+            self.kv = self._follow(self.params, self.kv, inputs)
+        for zeros, tables in rows:
             out, self.kv = self._draft(self.params, self.kv, zeros, zeros, tables, zeros)
         jax.block_until_ready(self.kv)
         self._baseline_compiles = self.num_compilations()
@@ -272,3 +273,9 @@ class DraftModel:
 
             raise CompileAfterWarmupError(f"{self.compilations_after_warmup} draft model compilation(s) after "
                                           "warmup (strict mode)")
+
+
+def _own(inputs: ModelInputs) -> ModelInputs:
+    """A target mixed step's inputs as the draft model's forward takes them: without what only the target reads."""
+    return dataclasses.replace(inputs, lora_slots=None, long_prompt=None, image_embeds=None, image_mask=None,
+                               last_key=None, rope_offsets=None)
