@@ -94,14 +94,14 @@ def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError(f"mrope_section {section} must split the {head_dim // 2} rotary pairs of a head")
     if "rope_theta" in rope:
         text["rope_theta"] = rope.pop("rope_theta")
-    deep = (d.get("vision_config") or {}).get("deepstack_visual_indexes", (8, 16, 24)) if qwen3 else ()
-    if len(deep or ()) > int(text.get("num_hidden_layers", 32)):
+    deep = ((d.get("vision_config") or {}).get("deepstack_visual_indexes", (8, 16, 24)) if qwen3 else ()) or ()
+    if len(deep) > int(text.get("num_hidden_layers", 32)):
         raise UnsupportedModelError(f"{len(deep)} deepstack vision blocks for {text['num_hidden_layers']} layers")
     kind = "qwen3_moe" if moe else "qwen3" if qwen3 else "qwen2"
     arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(kind, "Qwen2ForCausalLM")
     return {**text, **({"norm_topk_prob": True} if moe else {}), "architectures": [arch],
             "model_type": kind, "rope_scaling": rope or None, "rope_parameters": None,
-            "mrope_section": [int(n) for n in section], "mrope_interleaved": qwen3, "deepstack_layers": len(deep or ())}
+            "mrope_section": [int(n) for n in section], "mrope_interleaved": qwen3, "deepstack_layers": len(deep)}
 
 
 def seed_oss(d: dict[str, Any]) -> dict[str, Any]:

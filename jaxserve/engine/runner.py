@@ -244,7 +244,7 @@ class ModelRunner:
         self.kv = kv
         steps = compiled_steps.step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, self.params, kv,
                                               model_fn, shardings)
-        self._steps = steps  # held: shared step functions live while a runner holds them
+        self.steps = steps  # held: shared step functions live while a runner holds them (`warmup` reads them)
         self._mixed, self._decode, self._pool = steps.mixed, steps.decode, steps.pool
         self.supports_prompt_logprobs = steps.hidden  # the model returns its hidden states (prompt logprobs)
         self._no_penalty: dict[int, PenaltyInputs] = {}
@@ -341,12 +341,12 @@ class ModelRunner:
                        want_top: bool, prompt_next_ids: np.ndarray | None = None) -> InFlightStep:
         """Start a mixed step on the device and return at once; `fetch` waits for its outputs.
         `prompt_next_ids` ([T], -1 padded) asks for prompt logprobs (see `PromptLogprobInputs`)."""
-        args = self._mixed_args(inputs, sampling, penalties, want_top, prompt_next_ids)
+        args = self.mixed_args(inputs, sampling, penalties, want_top, prompt_next_ids)
         t0 = time.perf_counter()
         out, self.kv = self._mixed(*args)
         return InFlightStep("mixed", out, t0, inputs.block_tables.shape[0])
 
-    def _mixed_args(self, inputs: ModelInputs, sampling: SamplingTensors, penalties, want_top: bool,
+    def mixed_args(self, inputs: ModelInputs, sampling: SamplingTensors, penalties, want_top: bool,
                     prompt_next_ids: np.ndarray | None = None) -> tuple:
         S = inputs.block_tables.shape[0]
         pen = penalties if penalties is not None else self.penalty_inputs(S, None)
@@ -363,12 +363,12 @@ class ModelRunner:
 
     def dispatch_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> InFlightStep:
         """Start a decode loop on the device and return at once; `fetch` waits for its outputs."""
-        args = self._decode_args(st, sampling, penalties, want_top)
+        args = self.decode_args(st, sampling, penalties, want_top)
         t0 = time.perf_counter()
         out, self.kv = self._decode(*args)
         return InFlightStep("decode", out, t0, int(np.sum(np.asarray(st.max_steps) > 0)))
 
-    def _decode_args(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> tuple:
+    def decode_args(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> tuple:
         pen = penalties if penalties is not None else self.penalty_inputs(st.tokens.shape[0], None)
         return self.params, self.kv, st, sampling, pen, np.bool_(want_top)
 

@@ -5,7 +5,7 @@ computation, whichever way it was compiled).
 Measured on 2 cores, SmolLM2 at `jaxserve serve`'s defaults (6 mixed-step and 6 decode-loop buckets), one after
 another against side by side, alternated, two rounds: compiled afresh 126.5 and 139.3 s against 86.3 and 89.0 s;
 from the persistent compilation cache 27.5 and 28.3 s against 18.7 and 19.3 s (reading an executable back runs
-mostly outside Python's lock). Two threads did better there than 4 or 12 (20.2, 24.3, 26.5 s from the cache)."""
+mostly outside Python's lock). Two threads did better there than 4 or 12 (20.2, 24.3, 26.5 s from the cache, one run each)."""
 
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ def bucket_call(runner: Any, kind: str, size: int) -> tuple[Any, Callable[[], tu
     page)."""
     if kind == "decode":
         st, sampling = runner.inert_decode_state(size), runner.inert_sampling(size)
-        return (runner._decode, lambda: runner._decode_args(st, sampling, None, False),
+        return (runner.steps.decode, lambda: runner.decode_args(st, sampling, None, False),
                 lambda: runner.run_decode(st, sampling, None, want_top=False))
     S = min(size, runner.cfg.max_num_seqs)
     inputs = ModelInputs.build([([0], 0, [0])], runner.cfg.page_size, num_tokens=size, num_seqs=S,
                                pages_per_seq=runner.cfg.pages_per_seq, lora_slots=[-1] if runner.cfg.lora else None,
                                long_prompts=[False] if runner.cfg.long_rope else None, mrope=runner.cfg.mrope)
     if kind == "pool":
-        return runner._pool, lambda: (runner.params, runner.kv, inputs), lambda: runner.fetch(runner.dispatch_pool(inputs))
+        return runner.steps.pool, lambda: (runner.params, runner.kv, inputs), lambda: runner.fetch(runner.dispatch_pool(inputs))
     sampling = runner.inert_sampling(S)
-    return (runner._mixed, lambda: runner._mixed_args(inputs, sampling, None, False),
+    return (runner.steps.mixed, lambda: runner.mixed_args(inputs, sampling, None, False),
             lambda: runner.run_mixed(inputs, sampling, None, want_top=False))
