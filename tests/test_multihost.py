@@ -85,7 +85,9 @@ def test_a_draft_model_across_processes_serves_the_tokens_without_drafts(cluster
     without = [[r["tokens"][0]] for r in cluster]
     assert [r["draft_tokens"] for r in cluster] == without == [without[0]] * 2
     # Both hosts drafted alike (the drafts are the same on each); the model drafting for itself is nearly always
-    # right (its draft whole on each device, the target split over two: sums in another order).
+    # right (its draft whole on each device, the target split over two: sums in another order). No host weighed its
+    # drafts by step times it measured itself: those differ between hosts, and so would their steps.
+    assert [r["draft_costs_measured"] for r in cluster] == [False, False]
     assert cluster[0]["draft_counts"] == cluster[1]["draft_counts"]
     drafted, accepted = cluster[0]["draft_counts"]
     assert drafted >= 6 and accepted >= drafted - 2

@@ -108,6 +108,7 @@ def serve_draft(process_id: int) -> dict:
     stats = engine.stats()
     return {"draft_tokens": [finished["0"].outputs[0].token_ids] if finished else [],
             "draft_counts": [stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens],
+            "draft_costs_measured": engine.drafter.costs is not None,
             "draft_compiles_after_warmup": stats.compilations_after_warmup}
 
 

@@ -144,7 +144,7 @@ class LLMEngine:
         self.eos_ids = tuple(self.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
-        warm = spec and args.warmup and args.num_processes == 1
+        warm = spec and args.warmup and jax.process_count() == 1
         costs = step_costs(self.runner, chunked, model=self.draft) if warm else None
         self.drafter = Drafter(spec, costs, self.draft) if spec else None
         self.memory = EngineMemory(self)  # sleep mode and weight updates

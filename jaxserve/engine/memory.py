@@ -196,7 +196,7 @@ class EngineMemory:
 
     def _check_idle(self, what: str) -> None:
         e = self.engine
-        if e.args.num_processes > 1:
+        if jax.process_count() > 1:
             raise EngineError(f"{what} is not supported on a multi-host engine")
         if e.has_unfinished_requests():
             raise EngineBusyError(f"{what} needs an idle engine: {e.num_requests} request(s) are in flight "
