@@ -21,6 +21,8 @@ import jinja2.ext
 import jinja2.sandbox
 import jinja2.utils
 
+from jaxserve.videos import VideoRef
+
 
 class ChatTemplateError(ValueError):
     """The chat template refused the conversation, or could not be compiled or rendered."""
@@ -29,10 +31,12 @@ class ChatTemplateError(ValueError):
 IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil")
 """Content parts that carry an image: OpenAI's `image_url` (`{"url": ...}` or the URL), the Responses API's
 `input_image`, and `image` / `image_pil` (an image object or a URL), as vLLM takes them from Python."""
+VIDEO_PARTS = ("video_url", "video")
+"""Content parts that carry a video: vLLM's `video_url` (`{"url": ...}` or the URL) and `video` (frames, or a URL)."""
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]], images: list[Any] | None = None,
-                       placeholder: str | None = None) -> list[dict[str, Any]]:
+                       placeholder: str | None = None, video_placeholder: str = "") -> list[dict[str, Any]]:
     """Copies of `messages` ready for a template: None-valued keys dropped, text parts joined.
 
     OpenAI clients send `content` either as a string or as a list of parts. Text parts are joined with
@@ -40,7 +44,8 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], images: list[Any] 
     it. With `images` (a list, an image-text model's), image parts are understood too: their images are
     appended to `images` in order, and each stands in the content as `placeholder` (the text of the model's
     image token) or, without one, the content stays a list of parts, `{"type": "image"}` for an image, as
-    transformers gives it to templates that place images themselves.
+    transformers gives it to templates that place images themselves. Video parts likewise: each video goes to
+    `images` as a `VideoRef`, and stands as `video_placeholder` or `{"type": "video"}`.
     """
     out = []
     for index, message in enumerate(messages):
@@ -55,8 +60,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], images: list[Any] 
         content = plain.get("content")
         if isinstance(content, list) and images is not None:
             parts = [_image_or_text(index, part, images) for part in content]
+            stand = {"image": placeholder, "video": video_placeholder}
             plain["content"] = parts if placeholder is None else "\n".join(
-                placeholder if p["type"] == "image" else p["text"] for p in parts)
+                stand[p["type"]] if p["type"] in stand else p["text"] for p in parts)
         elif isinstance(content, list):
             plain["content"] = "\n".join(_text_of_part(index, part) for part in content)
         elif content is not None and not isinstance(content, str):
@@ -94,8 +100,9 @@ def _text_of_part(index: int, part: Any) -> str:
     if not isinstance(part, Mapping):
         raise ValueError(f"message {index} has a content part that is not an object: {part!r}")
     kind = part.get("type")
-    if kind in IMAGE_PARTS:
-        raise ValueError(f"message {index} has an image ({kind!r} part); this model takes text only")
+    if kind in IMAGE_PARTS + VIDEO_PARTS:
+        what = "an image" if kind in IMAGE_PARTS else "a video"
+        raise ValueError(f"message {index} has {what} ({kind!r} part); this model takes text only")
     if kind != "text":
         raise ValueError(
             f"message {index} has a content part of type {kind!r}; only 'text' parts are supported"
@@ -107,15 +114,19 @@ def _text_of_part(index: int, part: Any) -> str:
 
 
 def _image_or_text(index: int, part: Any, images: list[Any]) -> dict[str, Any]:
-    """A content part as a template sees it; an image part's image goes to `images`."""
+    """A content part as a template sees it; an image part's image (a video part's video, as a `VideoRef`) goes to
+    `images`."""
     kind = part.get("type") if isinstance(part, Mapping) else None
-    if kind not in IMAGE_PARTS:
+    if kind not in IMAGE_PARTS + VIDEO_PARTS:
         return {"type": "text", "text": _text_of_part(index, part)}
     value = part.get("image_url" if kind == "input_image" else kind)
-    if kind in ("image_url", "input_image") and isinstance(value, Mapping):
+    if kind in ("image_url", "input_image", "video_url") and isinstance(value, Mapping):
         value = value.get("url")
     if value is None:
-        raise ValueError(f"message {index} has an {kind!r} part without its image")
+        raise ValueError(f"message {index} has an {kind!r} part without its {'video' if 'video' in kind else 'image'}")
+    if kind in VIDEO_PARTS:
+        images.append(VideoRef(value))
+        return {"type": "video"}
     images.append(value)
     return {"type": "image"}
 
@@ -129,6 +140,7 @@ def render_chat_template(
     documents: Sequence[Mapping[str, Any]] | None = None,
     images: list[Any] | None = None,
     image_placeholder: str | None = None,
+    video_placeholder: str | None = None,
     **variables: Any,
 ) -> str:
     """Render `template` over `messages`; `variables` (e.g. `bos_token`, `enable_thinking`) reach the template.
@@ -136,7 +148,8 @@ def render_chat_template(
     With `images` (a list: an image-text model's), the messages' images are appended to it in order and the
     text holds one `image_placeholder` for each, where it stands: from the template, when it writes the
     placeholder for the image parts it is given, else (a template that only reads text) from the content
-    written as text with the placeholder in each image's place (vLLM's two content formats)."""
+    written as text with the placeholder in each image's place (vLLM's two content formats). Videos likewise, each
+    one a `videos.VideoRef` in `images`, `video_placeholder` its token's text."""
     if not messages:
         raise ValueError("cannot apply a chat template to an empty conversation")
     if tools is not None and not all(isinstance(t, Mapping) for t in tools):
@@ -150,9 +163,11 @@ def render_chat_template(
             text = _render(compiled, parts, add_generation_prompt, tools, documents, variables)
         except (ChatTemplateError, TypeError):  # a template that takes text content only
             pass
-        if text is None or (image_placeholder is not None and text.count(image_placeholder) != len(seen)):
-            text = _render(compiled, normalize_messages(messages, [], image_placeholder), add_generation_prompt,
-                           tools, documents, variables)
+        videos = sum(isinstance(x, VideoRef) for x in seen)
+        if text is None or (image_placeholder is not None and text.count(image_placeholder) != len(seen) - videos) \
+                or (videos and video_placeholder is not None and text.count(video_placeholder) != videos):
+            text = _render(compiled, normalize_messages(messages, [], image_placeholder, video_placeholder or ""),
+                           add_generation_prompt, tools, documents, variables)
         images.extend(seen)
         return text
     return _render(compiled, normalize_messages(messages), add_generation_prompt, tools, documents, variables)

@@ -49,49 +49,51 @@ def load_image(source: Any, allowed_local_path: str | None = None, timeout: floa
         return source
     if isinstance(source, (bytes, bytearray)):
         return _open(bytes(source), "image bytes")
+    data = media_bytes(source, "image", allowed_local_path, timeout, MAX_IMAGE_BYTES)
+    return _open(data, "the image data URL" if source.startswith("data:") else source)
+
+
+def media_bytes(source: Any, kind: str, allowed_local_path: str | None, timeout: float, limit: int) -> bytes:
+    """The bytes of an image or a video (`kind`) a URL names: a `data:<kind>/...;base64,` URL, an http(s) URL, or a
+    local file (`file://` URL or path) under `allowed_local_path`; at most `limit` bytes."""
     if not isinstance(source, str):
-        raise ImageError(f"an image must be a URL, a path, bytes or a PIL image, got {type(source).__name__}")
+        raise ImageError(f"an {kind} must be a URL, a path, bytes or a{'' if kind == 'video' else ' PIL'} {kind}, "
+                         f"got {type(source).__name__}")
     if source.startswith("data:"):
         header, sep, payload = source.partition(",")
-        if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):
-            raise ImageError("an image data URL must read data:image/<type>;base64,<data>")
+        if not sep or not header.endswith(";base64") or not header[5:].startswith(f"{kind}/"):
+            raise ImageError(f"an {kind} data URL must read data:{kind}/<type>;base64,<data>")
         try:
-            data = base64.b64decode(payload, validate=True)
+            return _capped(base64.b64decode(payload, validate=True), f"the {kind} data URL", kind, limit)
         except (binascii.Error, ValueError) as e:
-            raise ImageError(f"the image data URL is not valid base64: {e}") from e
-        return _open(data, "the image data URL")
+            raise ImageError(f"the {kind} data URL is not valid base64: {e}") from e
     scheme = urllib.parse.urlparse(source).scheme
     if scheme in ("http", "https"):
-        return _open(_fetch(source, timeout), source)
+        try:
+            with urllib.request.urlopen(urllib.request.Request(source, headers={"User-Agent": "jaxserve"}),
+                                        timeout=timeout) as r:
+                return _capped(r.read(limit + 1), source, kind, limit)
+        except (OSError, ValueError) as e:
+            raise ImageError(f"cannot fetch {kind} {source}: {e}") from e
     path = urllib.parse.unquote(urllib.parse.urlparse(source).path) if scheme == "file" else source
     if scheme not in ("", "file"):
-        raise ImageError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)")
+        raise ImageError(f"{kind} URL scheme {scheme!r} is not supported (data:, http(s):, file:)")
     if allowed_local_path is None:
-        raise ImageError(f"local image {source!r} refused: local files are read only under the directory given by "
+        raise ImageError(f"local {kind} {source!r} refused: local files are read only under the directory given by "
                          "--allowed-local-media-path")
     real, root = os.path.realpath(path), os.path.realpath(allowed_local_path)
     if os.path.commonpath([real, root]) != root:
-        raise ImageError(f"local image {source!r} is outside the allowed directory {allowed_local_path!r}")
+        raise ImageError(f"local {kind} {source!r} is outside the allowed directory {allowed_local_path!r}")
     try:
         with open(real, "rb") as f:
-            data = f.read(MAX_IMAGE_BYTES + 1)
+            return _capped(f.read(limit + 1), source, kind, limit)
     except OSError as e:
-        raise ImageError(f"cannot read image {source!r}: {e.strerror}") from e
-    return _open(_capped(data, source), source)
+        raise ImageError(f"cannot read {kind} {source!r}: {e.strerror}") from e
 
 
-def _fetch(url: str, timeout: float) -> bytes:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "jaxserve"}),
-                                    timeout=timeout) as r:
-            return _capped(r.read(MAX_IMAGE_BYTES + 1), url)
-    except (OSError, ValueError) as e:
-        raise ImageError(f"cannot fetch image {url}: {e}") from e
-
-
-def _capped(data: bytes, where: str) -> bytes:
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ImageError(f"image {where} is larger than {MAX_IMAGE_BYTES // 2**20} MiB")
+def _capped(data: bytes, where: str, kind: str, limit: int) -> bytes:
+    if len(data) > limit:
+        raise ImageError(f"{kind} {where} is larger than {limit // 2**20} MiB")
     return data
 
 
@@ -327,7 +329,8 @@ def pixels_digest(pixels: np.ndarray, size: tuple[int, int]) -> bytes:
 
 
 # The settings `--mm-processor-kwargs` may change, by processor (`ImageProcessor.from_dir`'s and the others').
-PROCESSOR_SETTINGS = {"qwen2_vl": ("min_pixels", "max_pixels", "size"), "pixtral": ("size",),
+PROCESSOR_SETTINGS = {"qwen2_vl": ("min_pixels", "max_pixels", "size", "fps", "min_frames", "max_frames"),
+                      "pixtral": ("size",),
                       "llava": ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
                                 "pan_and_scan_min_ratio_to_activate")}
 
@@ -356,16 +359,16 @@ def preprocessor_config(path: str, kwargs: Mapping[str, Any] | None = None, kind
 
 
 def image_limits(value: Any) -> dict[str, int]:
-    """vLLM's `--limit-mm-per-prompt` (a JSON object or a mapping) checked: images only, a count >= 0."""
+    """vLLM's `--limit-mm-per-prompt` (a JSON object or a mapping) checked: images and videos, counts >= 0."""
     from jaxserve.json_options import json_object
 
     limits = dict(json_object(value, "limit_mm_per_prompt", '{"image": 2}'))
-    other = sorted(set(limits) - {"image"})
+    other = sorted(set(limits) - {"image", "video"})
     if other:
-        raise ValueError(f"limit_mm_per_prompt names {other}: only 'image' inputs are served")
-    n = limits.get("image", 0)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"limit_mm_per_prompt image must be an integer >= 0, got {n!r}")
+        raise ValueError(f"limit_mm_per_prompt names {other}: only 'image' and 'video' inputs are served")
+    for kind, n in limits.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt {kind} must be an integer >= 0, got {n!r}")
     return limits
 
 
@@ -373,8 +376,8 @@ def add_image_args(parser) -> None:
     """The engine's flags for image inputs."""
     g = parser.add_argument_group("images")
     g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help='most images per prompt, e.g. \'{"image": 2}\' (default: no limit); {"image": 0} serves an '
-                        "image-text model as text, without loading its vision tower")
+                   help='most images and videos per prompt, e.g. \'{"image": 2, "video": 1}\' (default: no limit); '
+                        '{"image": 0} serves an image-text model as text, without loading its vision tower')
     g.add_argument("--mm-processor-cache-gb", type=float, default=4.0, metavar="GIB",
                    help="host memory for the embeddings of images seen before, by their pixels' hash (a "
                         "conversation sends its images again each turn); 0 turns it off")
@@ -382,5 +385,5 @@ def add_image_args(parser) -> None:
                    help="the image processor's settings over the model's, e.g. '{\"max_pixels\": 1003520}' for "
                         "Qwen2-VL (at most 1280 tokens an image); each processor names the settings it takes")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="a directory whose image files requests may name (a path or a file:// URL); without it "
+                   help="a directory whose image and video files requests may name (a path or a file:// URL); without it "
                         "only data: and http(s) URLs are read")

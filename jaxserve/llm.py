@@ -13,7 +13,7 @@ from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.multimodal import image_spec, images_of
+from jaxserve.engine.multimodal import image_spec, images_of, media_data
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import (
@@ -59,8 +59,8 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, token ids, or {"prompt_token_ids": [...]} / {"prompt": ...}, with
-        {"multi_modal_data": {"image": ...}} for an image-text model's images, one placeholder in the prompt for each),
-        in input order; with `lora_request` (one for all, or one per prompt), through a LoRA adapter
+        {"multi_modal_data": {"image": ..., "video": ...}} for an image-text model's images (and Qwen2-VL's videos),
+        one placeholder in the prompt for each), in input order; with `lora_request` (one for all, or one per prompt), through a LoRA adapter
         (`enable_lora=True`)."""
         prompts = self._prompt_list(prompts)
         params = self._params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
@@ -94,11 +94,12 @@ class LLM:
         prompts: list[Prompt] = []
         for conv in conversations:
             images: list[Any] = []  # an image-text model's: image parts' images (PIL images or URLs) in order
-            more = {"images": images, "image_placeholder": spec.placeholder} if spec else {}
+            more = {"images": images, "image_placeholder": spec.placeholder,
+                    "video_placeholder": spec.video_placeholder} if spec else {}
             ids = tok.encode_chat(conv, add_generation_prompt=add_generation_prompt and not continue_final_message,
                                   tools=tools, chat_template=chat_template,
                                   continue_final_message=continue_final_message, **extra, **more)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": media_data(images)} if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(
@@ -181,11 +182,11 @@ class LLM:
             tokens = engine.tokenize_prompt(p.get("prompt_token_ids", p.get("prompt")) if isinstance(p, dict) else p)
             images = images_of(p.get("multi_modal_data")) if isinstance(p, dict) else []
             if images and spec is not None:  # the beams extend the expanded prompt (else the engine refuses)
-                spec.check_count(len(images))
+                spec.check_count(images)
                 images = spec.load(images)
                 tokens = spec.expanded(tokens, images)
             ids.append(tokens)
-            media.append({"image": images} if images else None)
+            media.append(media_data(images) if images else None)
 
         def search(indices: list[int], mm: dict | None) -> list[BeamSearchOutput]:
             def next_logprobs(token_lists: list[list[int]], k: int) -> list[TokenLogprobs]:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine.multimodal import media_data
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -95,7 +96,7 @@ class Generation:
                        for i, job in enumerate(jobs)]
 
     async def _pump(self, i: int, job: Job, priority: int, cache_salt: str | None) -> None:
-        images = {"multi_modal_data": {"image": job.images}} if job.images else {}
+        images = {"multi_modal_data": media_data(job.images)} if job.images else {}
         if job.beam is not None:  # each beam step's requests take the images along (encoded once, cached)
             try:
                 self._queue.put_nowait((i, await beam_search_output(

@@ -45,7 +45,7 @@ from jaxserve.engine.kv_transfer import (
     release_import,
     unpin,
 )
-from jaxserve.engine.multimodal import prompt_cache_ids
+from jaxserve.engine.multimodal import media_data, prompt_cache_ids
 from jaxserve.sampling_params import SamplingParams
 from server.errors import ApiError
 from server.trace import TraceStore
@@ -168,7 +168,7 @@ class PDWorker:
             raise ApiError(400, "disaggregated requests take one prompt and n=1", code="invalid_request")
         job = jobs[0]
         salt = req.common.cache_salt
-        images = {"multi_modal_data": {"image": job.images}} if job.images else {}
+        images = {"multi_modal_data": media_data(job.images)} if job.images else {}
         t0 = time.time()
         self._trace(request, request_id, "prefill_start", prompt_tokens=len(job.prompt_ids))
         last = None

@@ -78,13 +78,14 @@ def chat_prompt(tokenizer: Any, req: ChatRequest, template: str | None,
         if req.documents is not None:
             kwargs["documents"] = req.documents
         if found is not None:
-            kwargs.update(images=found, image_placeholder=images.placeholder)
+            kwargs.update(images=found, image_placeholder=images.placeholder,
+                          video_placeholder=images.video_placeholder)
         text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
                                              tools=req.tools, chat_template=req.chat_template or template,
                                              continue_final_message=req.continue_final_message, **kwargs)
         ids = tokenizer.encode(text, add_special_tokens=req.common.add_special_tokens)
         if found:
-            images.check_count(len(found))
+            images.check_count(found)
     except TypeError as e:
         raise ApiError(400, f"chat_template_kwargs not accepted: {e}", param="chat_template_kwargs") from e
     except ValueError as e:  # ChatTemplateError included: the template refused the conversation

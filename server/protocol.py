@@ -213,15 +213,16 @@ def check_messages(value: Any) -> list[dict[str, Any]]:
                 pw = f"{where}.content[{j}]"
                 if not isinstance(part, Mapping):
                     raise bad_field(pw, f"{pw} must be a content part object", "invalid_type")
-                if part.get("type") in ("image_url", "input_image"):
-                    url = part.get("image_url")
+                if part.get("type") in ("image_url", "input_image", "video_url"):
+                    key = "video_url" if part["type"] == "video_url" else "image_url"
+                    url = part.get(key)
                     if not isinstance(url.get("url") if isinstance(url, Mapping) else url, str):
-                        raise bad_field(f"{pw}.image_url", f"{pw}.image_url must be a URL or an object with a 'url'",
+                        raise bad_field(f"{pw}.{key}", f"{pw}.{key} must be a URL or an object with a 'url'",
                                         "invalid_type")
                     continue
                 if part.get("type") != "text":
-                    raise bad_field(f"{pw}.type", f"{pw} has type {part.get('type')!r}; 'text' and 'image_url' "
-                                                  "content parts are supported", "unsupported_content")
+                    raise bad_field(f"{pw}.type", f"{pw} has type {part.get('type')!r}; 'text', 'image_url' and "
+                                                  "'video_url' content parts are supported", "unsupported_content")
                 if not isinstance(part.get("text"), str):
                     raise bad_field(f"{pw}.text", f"{pw}.text must be a string", "invalid_type")
         elif content is not None and not isinstance(content, str):

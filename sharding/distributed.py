@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.multimodal import PreparedImage, images_of
+from jaxserve.engine.multimodal import PreparedImage, PreparedVideo, images_of, media_data
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
@@ -129,7 +129,7 @@ class LockstepEngine(LLMEngine):
         images = images_of(multi_modal_data)
         if images and self.images is not None:
             images = [self.images.prepare(image) for image in images]
-            multi_modal_data = {"image": images}
+            multi_modal_data = media_data(images)
         super().add_request(request_id, prompt, params, priority=priority, cache_salt=cache_salt,
                             arrival_time=arrival_time, lora_request=lora_request, multi_modal_data=multi_modal_data)
         lora = dataclasses.asdict(lora_request) if isinstance(lora_request, LoRARequest) else lora_request
@@ -211,7 +211,7 @@ class LockstepEngine(LLMEngine):
                 super().add_request(op["add"], op["prompt"], SamplingParams(**op["params"]), priority=op["priority"],
                                     cache_salt=op["cache_salt"], arrival_time=op["arrival_time"],
                                     lora_request=LoRARequest(**lora) if isinstance(lora, dict) else lora,
-                                    multi_modal_data={"image": images} if images else None)
+                                    multi_modal_data=media_data(images) if images else None)
             except ValueError:
                 # Process 0 accepted it, so this process has diverged; say so loudly.
                 logger.exception("request %s, accepted by process 0, was refused here", op["add"])
@@ -228,14 +228,18 @@ class LockstepEngine(LLMEngine):
 
 
 def _image_message(image: PreparedImage) -> dict[str, Any]:
-    """A prepared image as JSON for the step message: its pixels' bytes (base64), shape, size and digest."""
+    """A prepared image (or video) as JSON for the step message: its pixels' bytes (base64), shape, size and digest
+    (a video's grid and time step too)."""
     pixels = np.ascontiguousarray(image.pixels, np.float32)
+    video = {"grid": list(image.grid), "time_step": image.time_step} if isinstance(image, PreparedVideo) else {}
     return {"pixels": base64.b64encode(pixels.tobytes()).decode(), "shape": list(pixels.shape),
-            "size": list(image.size), "digest": image.digest.hex()}
+            "size": list(image.size), "digest": image.digest.hex(), **video}
 
 
 def _image_from_message(m: dict[str, Any]) -> PreparedImage:
     pixels = np.frombuffer(base64.b64decode(m["pixels"]), np.float32).reshape(m["shape"])
+    if "grid" in m:
+        return PreparedVideo(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]), tuple(m["grid"]), m["time_step"])
     return PreparedImage(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]))
 
 

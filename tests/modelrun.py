@@ -90,7 +90,7 @@ def run_images(engine, prompts, images, ids=None, *, params) -> list[tuple[list[
     """Each prompt with its images run to the end together: its tokens and their logprobs (`params` asks for them)."""
     ids = ids or [f"r{i}" for i in range(len(prompts))]
     for rid, prompt, ims in zip(ids, prompts, images, strict=True):
-        engine.add_request(rid, prompt, params, multi_modal_data={"image": ims})
+        engine.add_request(rid, prompt, params, multi_modal_data=ims if isinstance(ims, dict) else {"image": ims})
     final = drain(engine)
     out = []
     for rid in ids:

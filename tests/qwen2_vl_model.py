@@ -62,15 +62,16 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
 
 
 
-def chat_template(image_text: str) -> str:
-    """A chat template writing `image_text` where each image part stands."""
+def chat_template(image_text: str, video_text: str = "") -> str:
+    """A chat template writing `image_text` where each image part stands (`video_text` where a video part does)."""
     return ("{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% else %}"
             "{% for c in m.content %}{% if c.type == 'image' %}" + image_text + " "
+            "{% elif c.type == 'video' %}" + video_text + " "
             "{% else %}{{ c.text }} {% endif %}{% endfor %}{% endif %}<eos> {% endfor %}"
             "{% if add_generation_prompt %}assistant :{% endif %}")
 
 
-def save_word_tokenizer(path, special: dict[str, int], image_text: str, vocab: int = VOCAB) -> None:
+def save_word_tokenizer(path, special: dict[str, int], image_text: str, vocab: int = VOCAB, video_text: str = "") -> None:
     """A word-level tokenizer of a tiny model's vocabulary (`t3` ..., `special` at their ids) and a chat template
     writing `image_text` where each image part stands."""
     import tokenizers
@@ -83,7 +84,7 @@ def save_word_tokenizer(path, special: dict[str, int], image_text: str, vocab: i
     backend.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-                   "chat_template": chat_template(image_text)}, f)
+                   "chat_template": chat_template(image_text, video_text)}, f)
 
 
 def save_qwen_tokenizer(path) -> None:
@@ -91,4 +92,5 @@ def save_qwen_tokenizer(path) -> None:
     where each image part stands."""
     save_word_tokenizer(path, {"<|image_pad|>": IMAGE_TOKEN, "<|vision_start|>": VISION_START,
                                "<|vision_end|>": VISION_END, "<|video_pad|>": VIDEO_TOKEN},
-                        "<|vision_start|> <|image_pad|> <|vision_end|>")
+                        "<|vision_start|> <|image_pad|> <|vision_end|>",
+                        video_text="<|vision_start|> <|video_pad|> <|vision_end|>")

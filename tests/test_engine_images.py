@@ -148,8 +148,10 @@ def test_image_errors(llava, tmp_path):
             continue
         with pytest.raises(ValueError, match=message):
             eng.add_request("x", prompt, GREEDY, multi_modal_data={"image": images})
-    with pytest.raises(ValueError, match="images only"):
-        eng.add_request("y", PROMPTS[1], GREEDY, multi_modal_data={"video": [1]})
+    with pytest.raises(ValueError, match="images and videos only"):
+        eng.add_request("y", PROMPTS[1], GREEDY, multi_modal_data={"audio": [1]})
+    with pytest.raises(ValueError, match=r"this model \(LLaVA's vision tower\) takes images, not videos"):
+        eng.add_request("y", PROMPTS[1], GREEDY, multi_modal_data={"video": np.zeros((2, 8, 8, 3), np.uint8)})
     drain(eng)
     eng.check_integrity()
     text_only = engine(path, limit_mm_per_prompt={"image": 0})
@@ -173,10 +175,10 @@ def test_an_image_that_fails_to_encode_fails_alone(llava):
     bad_image = random_image(7, (40, 40))
     bad, real = eng.images.prepare(bad_image).digest, eng.images._embeds
 
-    def embeds(pixels, digest, size, count=True):
-        if digest == bad:
+    def embeds(image, count=True):
+        if image.digest == bad:
             raise RuntimeError("out of memory encoding the image")
-        return real(pixels, digest, size, count)
+        return real(image, count)
 
     eng.images._embeds = embeds
     eng.images.clear_cache()

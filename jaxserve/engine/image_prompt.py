@@ -26,6 +26,7 @@ class ImagePrompt:
     images: Sequence[Any] = ()  # each image, as `encode` takes it
     encode: Callable[[Any], np.ndarray] | None = None  # an image's embeddings [tokens, E], in the model's dtype
     grids: Sequence[tuple[int, int, int]] | None = None  # M-RoPE models: each image's tokens as (t, h, w)
+    time_steps: Sequence[float] | None = None  # M-RoPE: each one's temporal position step (a video's; None: 1)
     takes: Sequence[np.ndarray] | None = None
     """Per image, which of its span's positions take its embeddings, in order ([n] bool); the others keep their
     tokens' (Pixtral's row breaks). None: all of them."""
@@ -37,23 +38,34 @@ class ImagePrompt:
             self._embeds[i] = self.encode(self.images[i])
         return self._embeds[i]
 
+    def _steps(self) -> Sequence[float]:
+        return self.time_steps or [1.0] * len(self.spans)
+
+    @staticmethod
+    def _extent(grid: tuple[int, int, int], step: float) -> int:
+        """The positions an image (or video) takes: one past its largest temporal, row or column index."""
+        t, h, w = grid
+        return max(int(np.float32(t - 1) * np.float32(step)) + 1, h, w)
+
     @property
     def rope_delta(self) -> int:
         """M-RoPE: what the rotary positions of the tokens after the last image add to their positions (each image
         takes as many positions as its longest side has tokens: fewer than its tokens)."""
-        return sum(max(h, w) - n for (_, n), (_, h, w) in zip(self.spans, self.grids or (), strict=False))
+        return sum(self._extent(g, s) - n for (_, n), g, s in zip(self.spans, self.grids or (), self._steps(),
+                                                                   strict=False))
 
     def rope_offsets(self, start: int, count: int, out: np.ndarray) -> None:
         """M-RoPE (`ModelInputs.rope_offsets`): positions [start, start + count)'s offsets into `out` [3, count]:
-        an image token's temporal, height and width indices in its image from the image's first position, a text
-        token's the deltas of the images before it (`rope_delta`)."""
+        an image token's temporal (times its `time_steps`, rounded down), height and width indices in its image from
+        the image's first position, a text token's the deltas of the images before it (`rope_delta`)."""
         delta = 0
-        for (first, n), (_, h, w) in zip(self.spans, self.grids or (), strict=True):
+        for (first, n), (t, h, w), step in zip(self.spans, self.grids or (), self._steps(), strict=True):
             lo, hi = max(start, first), min(start + count, first + n)
             if lo < hi:
                 k = np.arange(lo - first, hi - first)
-                out[:, lo - start:hi - start] = delta + np.stack([k // (h * w), k // w % h, k % w]) - k
-            delta += max(h, w) - n
+                frame = ((k // (h * w)).astype(np.float32) * np.float32(step)).astype(np.int64)  # (as transformers)
+                out[:, lo - start:hi - start] = delta + np.stack([frame, k // w % h, k % w]) - k
+            delta += self._extent((t, h, w), step) - n
             out[:, max(0, first + n - start):] = delta
 
     def encode_range(self, start: int, count: int) -> None:

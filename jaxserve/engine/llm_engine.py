@@ -125,7 +125,6 @@ class LLMEngine:
             self.draft.start(self.runner.cfg, strict=args.strict_compile, mesh=plan.mesh if plan else None)
         self.loras = (LoraManager(self, args.max_loras, args.max_lora_rank, args.lora_modules, args.max_cpu_loras)
                       if args.enable_lora else None)
-        self.image_limit = (args.limit_mm_per_prompt or {}).get("image")
         self.warmup_seconds = 0.0
         if args.warmup:
             self.warmup_seconds = (self.runner.warmup(progress=progress) + (self.images.warmup() if self.images else 0)

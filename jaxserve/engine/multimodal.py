@@ -18,7 +18,7 @@ import copy
 import functools
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from jaxserve.models.vision import (
     pack_anyres,
     vision_tensors,
 )
+from jaxserve.videos import VideoRef
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,21 @@ class PreparedImage:
     pixels: np.ndarray
     size: tuple[int, int]
     digest: bytes
+
+
+@dataclass(frozen=True)
+class PreparedVideo(PreparedImage):
+    """A video read and processed: its patches (`pixels`), its frames' (height, width) as given, the hash the caches
+    key it by (of its patches and `time_step`), its patch grid (t, h, w), and how far its M-RoPE temporal position
+    moves from one temporal patch to the next (Qwen2.5-VL: by the seconds between them)."""
+
+    grid: tuple[int, int, int]
+    time_step: float
+
+
+def cache_key(digest: bytes) -> int:
+    """An image's (or video's) id in the prefix cache: negative, so never a vocabulary token."""
+    return -1 - int.from_bytes(digest[:4], "little") % (2**31 - 2)
 
 
 class ImageEncoder:
@@ -129,12 +145,20 @@ class ImageEncoder:
         return anyres_tokens(self.cfg, image.size)
 
     def prepare(self, source: Any) -> PreparedImage:
-        """An image from anything `load_image` reads (or prepared already), read and processed."""
+        """An image from anything `load_image` reads (or prepared already), read and processed; a video (`VideoRef`)
+        as `prepare_video` makes it."""
         if isinstance(source, PreparedImage):
             return source
+        if isinstance(source, VideoRef):
+            return self.prepare_video(source.source)
         image = load_image(source, self.allowed_local_path)
         pixels, size = self.pixels(image), image.size[::-1]  # PIL's size is (width, height)
         return PreparedImage(pixels, size, pixels_digest(pixels, size))
+
+    def prepare_video(self, source: Any) -> PreparedVideo:
+        """A video read and processed (an image-text model of video too overrides this)."""
+        raise ValueError(f"this model ({type(self).__name__.removesuffix('ImageEncoder') or 'LLaVA'}'s vision tower) "
+                         "takes images, not videos")
 
     def pixels(self, image: Any) -> np.ndarray:
         """One image (read) as the tower's normalized pixels: [C, S, S], or LLaVA-NeXT's crops [n, C, S, S], or an
@@ -153,9 +177,8 @@ class ImageEncoder:
         images = [self.prepare(image) for image in images]
         out, spans = self.layout(ids, images)
         views = [view for image in images for view in self.views(image)]
-        keys = [-1 - int.from_bytes(view.digest[:4], "little") % (2**31 - 2) for view in views]
-        return out, ImagePrompt(spans, keys, self.cfg.bidirectional, views,
-                                lambda im: self._embeds(im.pixels, im.digest, im.size))
+        return out, ImagePrompt(spans, [cache_key(view.digest) for view in views], self.cfg.bidirectional, views,
+                                self._embeds)
 
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
         """The prompt with each (prepared) image's placeholder expanded to its tokens, and where each view of each
@@ -235,23 +258,24 @@ class ImageEncoder:
             return
         try:
             for view in self.views(image):
-                self._embeds(view.pixels, view.digest, view.size, count=False)
+                self._embeds(view, count=False)
         except RuntimeError:  # the weights were freed (sleep mode)
             pass
 
-    def _embeds(self, pixels: np.ndarray, digest: bytes, size: tuple[int, int], count: bool = True) -> np.ndarray:
+    def _embeds(self, image: PreparedImage, count: bool = True) -> np.ndarray:
         """An image's embeddings: from the cache when its pixels were seen before, else encoded (and cached)."""
-        emb, generation = self.cache.get(digest)
+        emb, generation = self.cache.get(image.digest)
         if count:  # the engine thread's lookups only (a server's thread encodes ahead without counting)
             self.cache_queries += 1
             self.cache_hits += emb is not None
         if emb is None:
-            emb = self._encode_pixels(pixels, size)
-            self.cache.put(digest, emb, generation)
+            emb = self._encode_pixels(image)
+            self.cache.put(image.digest, emb, generation)
         return emb
 
-    def _encode_pixels(self, pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-        """One image's embeddings [tokens, E] from its pixels (`pixels`) and its size before processing."""
+    def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
+        """One image's embeddings [tokens, E] from its pixels and its size before processing."""
+        pixels, size = image.pixels, image.size
         if self.cfg.grid_pinpoints is None:
             return np.asarray(self._encode(self.params, pixels=jnp.asarray(pixels)[None])[0])
         # One crop at a time: one compiled encoder for any number of crops.
@@ -269,14 +293,15 @@ class ImageSpec:
     layout: Callable[[Sequence[int], Sequence[PreparedImage]], tuple[list[int], list[tuple[int, int]]]]  # the encoder's
     prepare: Callable[[Any], PreparedImage]  # an image read and processed (`ImageEncoder.prepare`)
     encode_ahead: Callable[[PreparedImage], None]  # its embeddings into the engine's cache (`ImageEncoder`)
-    limit: int | None
+    limits: Mapping[str, int]  # most images ("image") and videos ("video") a prompt may hold
+    video_placeholder: str | None = None  # the video token's text (a model of videos too)
 
     def expanded(self, ids: Sequence[int], images: Sequence[Any]) -> list[int]:
         """A rendered prompt with its (prepared) images' placeholders expanded."""
         return self.layout(ids, images)[0]
 
-    def check_count(self, count: int) -> None:
-        check_image_count(count, self.limit)
+    def check_count(self, items: Sequence[Any]) -> None:
+        check_media_counts(items, self.limits)
 
     def load(self, sources: Sequence[Any], encode: bool = True) -> list[PreparedImage]:
         """The images read (fetched, decoded), processed and (with `encode`, for a request that will run) encoded
@@ -292,9 +317,11 @@ def image_spec(engine: Any) -> ImageSpec | None:
     encoder = getattr(engine, "images", None)
     if encoder is None:
         return None
-    token = encoder.placeholder_token_id
-    return ImageSpec(token, engine.tokenizer.decode([token], skip_special_tokens=False), encoder.layout,
-                     encoder.prepare, encoder.encode_ahead, engine.image_limit)
+    token, video = encoder.placeholder_token_id, getattr(encoder, "video_token_id", None)
+    text = functools.partial(engine.tokenizer.decode, skip_special_tokens=False)
+    return ImageSpec(token, text([token]), encoder.layout, encoder.prepare, encoder.encode_ahead,
+                     engine.args.limit_mm_per_prompt or {},
+                     text([video]) if video is not None and encoder.video_processor is not None else None)
 
 
 def admit_images(engine: Any, ids: list[int], multi_modal_data: Any) -> tuple[list[int], ImagePrompt | None]:
@@ -303,11 +330,12 @@ def admit_images(engine: Any, ids: list[int], multi_modal_data: Any) -> tuple[li
     images = images_of(multi_modal_data)
     if not images:
         return ids, None
-    encoder, limit = engine.images, engine.image_limit
+    encoder, limits = engine.images, engine.args.limit_mm_per_prompt or {}
     if encoder is None:
-        why = "its images are turned off (limit_mm_per_prompt image 0)" if limit == 0 else "it is a text model"
+        why = "its images are turned off (limit_mm_per_prompt image 0)" if limits.get("image") == 0 else \
+            "it is a text model"
         raise ValueError(f"model {engine.model.name!r} takes no images: {why}")
-    check_image_count(len(images), limit)
+    check_media_counts(images, limits)
     ids, prompt = encoder.prompt(ids, images)
     chunk = engine.scheduler.config.prefill_chunk_size
     longest = max((end - start for start, end in prompt.whole_spans), default=0)
@@ -334,20 +362,35 @@ def prompt_cache_ids(engine: Any, ids: list[int], images: Sequence[Any] | None) 
     return prompt.cache_ids(ids)
 
 
-def check_image_count(count: int, limit: int | None) -> None:
-    """ValueError past the images' limit per prompt."""
-    if limit is not None and count > limit:
-        raise ValueError(f"{count} images exceed the limit of {limit} per prompt (limit_mm_per_prompt)")
+def check_media_counts(items: Sequence[Any], limits: Mapping[str, int]) -> None:
+    """ValueError past the images' or the videos' limit per prompt (`items`: images and `VideoRef`s)."""
+    videos = sum(isinstance(x, (VideoRef, PreparedVideo)) for x in items)
+    for kind, count in (("image", len(items) - videos), ("video", videos)):
+        limit = limits.get(kind)
+        if limit is not None and count > limit:
+            raise ValueError(f"{count} {kind}s exceed the limit of {limit} per prompt (limit_mm_per_prompt)")
+
+
+def media_data(items: Sequence[Any]) -> dict[str, list[Any]]:
+    """Images and videos in one list (a chat's parts in order: videos as `VideoRef`s) as `multi_modal_data`."""
+    videos = [x.source if isinstance(x, VideoRef) else x for x in items if isinstance(x, (VideoRef, PreparedVideo))]
+    images = [x for x in items if not isinstance(x, (VideoRef, PreparedVideo))]
+    return {"image": images} | ({"video": videos} if videos else {})
 
 
 def images_of(multi_modal_data: Any) -> list[Any]:
-    """The images of vLLM's `multi_modal_data` ({"image": one image or a list}); others are refused by name."""
+    """The images of vLLM's `multi_modal_data` ({"image": one image or a list}), then its videos ({"video": one
+    video or a list}; each a `VideoRef`); others are refused by name."""
     if not multi_modal_data:
         return []
     if not isinstance(multi_modal_data, dict):
         raise ValueError(f"multi_modal_data must be a dict like {{'image': ...}}, got {type(multi_modal_data).__name__}")
-    other = sorted(set(multi_modal_data) - {"image"})
+    other = sorted(set(multi_modal_data) - {"image", "video"})
     if other:
-        raise ValueError(f"multi_modal_data {other} is not supported: images only ('image')")
+        raise ValueError(f"multi_modal_data {other} is not supported: images and videos only ('image', 'video')")
+    videos = multi_modal_data.get("video")
+    one = videos is not None and not isinstance(videos, list)  # (a (frames, metadata) pair is one video)
+    videos = [VideoRef(v) for v in ([videos] if one else videos or [])]
     images = multi_modal_data.get("image")
-    return list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+    images = list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+    return images + videos

@@ -52,7 +52,7 @@ class PixtralImageEncoder(ImageEncoder):
     def warmup(self) -> float:
         """Compile the tower for the smallest image (its bucket of patches); larger ones compile as they first come."""
         t0, side = time.perf_counter(), self.cfg.patch_size * self.cfg.spatial_merge_size
-        self._encode_pixels(np.zeros((self.cfg.num_channels, side, side), np.float32), (side, side))
+        pixtral_encode(self.params, self.cfg, np.zeros((self.cfg.num_channels, side, side), np.float32))
         return time.perf_counter() - t0
 
     def _grid(self, image: PreparedImage) -> tuple[int, int]:
@@ -81,8 +81,8 @@ class PixtralImageEncoder(ImageEncoder):
         prompt.takes = [np.asarray(out[first:first + n]) == self.cfg.image_token_id for first, n in prompt.spans]
         return out, prompt
 
-    def _encode_pixels(self, pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-        return pixtral_encode(self.params, self.cfg, pixels)
+    def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
+        return pixtral_encode(self.params, self.cfg, image.pixels)
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's tensors as the Hub lays out Mistral 3's and Pixtral's: the language model's nested in

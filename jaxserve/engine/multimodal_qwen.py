@@ -5,10 +5,18 @@ between `min_pixels` and `max_pixels`), so its tokens depend on its size, as LLa
 their place in it (M-RoPE: temporal, row, column), and the text after it by the positions they did not take: the
 prompt keeps each image's token grid (`ImagePrompt.grids`) for the steps' rotary offsets. A chat template writes
 `<|vision_start|><|image_pad|><|vision_end|>` where an image goes; the one `<|image_pad|>` becomes the image's.
+
+A video (Qwen2-VL, Qwen2.5-VL) is its temporal patches' tokens in one `<|video_pad|>` run, patch after patch, each
+patch's as an image's; its tokens turn by (temporal patch, row, column), the temporal index moving by the video's
+`time_step` from one patch to the next (Qwen2.5-VL: `tokens_per_second` a second; Qwen2-VL: 1), and the text after
+it goes on from its largest position (the original Qwen rule, and vLLM's). Its frames attend within their temporal
+patch in the tower. The i-th video fills the prompt's i-th `<|video_pad|>`, as the i-th image fills the i-th
+`<|image_pad|>`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -17,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from jaxserve.engine.image_prompt import ImagePrompt
-from jaxserve.engine.multimodal import ImageEncoder, PreparedImage
-from jaxserve.images import ImageError
+from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
+from jaxserve.engine.placeholders import expand_media
+from jaxserve.images import ImageError, pixels_digest
 from jaxserve.images_qwen2 import QwenImageProcessor
 from jaxserve.models.vision_qwen2 import (
     QwenVisionConfig,
@@ -27,14 +36,19 @@ from jaxserve.models.vision_qwen2 import (
     qwen_tokens,
     qwen_vision_tensors,
 )
+from jaxserve.videos import load_video
+from jaxserve.videos_qwen2 import QwenVideoProcessor
+
+VIDEO_TOKEN_ID = 151656  # Qwen2-VL's `<|video_pad|>`
 
 
 class QwenImageEncoder(ImageEncoder):
     """The vision side of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model on the device: its processor, tower and merger
-    (and Qwen3-VL's deepstack mergers)."""
+    (and Qwen3-VL's deepstack mergers); Qwen2-VL's and Qwen2.5-VL's take videos too (`video_processor`)."""
 
     cfg: QwenVisionConfig
     processor: QwenImageProcessor
+    video_processor: QwenVideoProcessor | None = None
 
     def warmup(self) -> float:
         """Compile the tower for the smallest image the processor makes (its bucket of patches); images in larger
@@ -42,11 +56,19 @@ class QwenImageEncoder(ImageEncoder):
         t0 = time.perf_counter()
         side = self.processor.factor
         grid = self.processor.grid((side, side))
-        self._encode_pixels(np.zeros((int(np.prod(grid)), self.cfg.patch_dim), np.float32), (side, side))
+        qwen_encode(self.params, self.cfg, np.zeros((int(np.prod(grid)), self.cfg.patch_dim), np.float32), grid)
         return time.perf_counter() - t0
 
+    @property
+    def video_token_id(self) -> int:
+        """`<|video_pad|>`: a video's placeholder in a prompt, one per merged patch of each temporal patch."""
+        return int(self.hf_config.get("video_token_id", VIDEO_TOKEN_ID))
+
+    def _grid(self, image: PreparedImage) -> tuple[int, int, int]:
+        return image.grid if isinstance(image, PreparedVideo) else self.processor.grid(image.size)
+
     def num_tokens(self, image: PreparedImage) -> int:
-        return qwen_tokens(self.processor.grid(image.size), self.cfg)
+        return qwen_tokens(self._grid(image), self.cfg)
 
     def pixels(self, image: Any) -> np.ndarray:
         """One image (read) as the tower's flattened patches [t * h * w, C * T * P * P]."""
@@ -56,13 +78,46 @@ class QwenImageEncoder(ImageEncoder):
                              f"{self.cfg.patch_dim} values a patch")
         return patches
 
-    def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
-        out, prompt = super().prompt(ids, images)
-        prompt.grids = [qwen_token_grid(self.processor.grid(image.size), self.cfg) for image in prompt.images]
-        return out, prompt
+    def prepare_video(self, source: Any) -> PreparedVideo:
+        """A video (anything `videos.load_video` reads) read, its frames sampled and processed."""
+        if isinstance(source, PreparedVideo):
+            return source
+        vp = self.video_processor
+        if vp is None:
+            why = "Qwen3-VL's videos (timestamps between frames) are not supported" if self.cfg.variant == "qwen3_vl" \
+                else "its videos are turned off (limit_mm_per_prompt video 0)"
+            raise ValueError(f"this model takes images, not videos: {why}")
+        given = isinstance(source, (np.ndarray, list, tuple))
+        video = vp.sampled(load_video(source, self.allowed_local_path, vp.sampler), given)
+        patches, grid = vp(video)
+        # Qwen2.5-VL: a temporal patch lasts temporal_patch_size frames; its position moves tokens_per_second a second.
+        per_second = self.hf_config.get("vision_config", {}).get("tokens_per_second")
+        step = 1.0 if per_second is None else per_second * vp.frame.temporal_patch_size / video.sampled_fps
+        size = video.frames.shape[1:3]
+        digest = hashlib.sha256(pixels_digest(patches, size) + np.float64(step).tobytes()).digest()
+        return PreparedVideo(patches, size, digest, grid, step)
 
-    def _encode_pixels(self, pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-        return qwen_encode(self.params, self.cfg, pixels, self.processor.grid(size))
+    def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
+        return self._expand(ids, images)[:2]
+
+    def _expand(self, ids: Sequence[int], items: Sequence[PreparedImage]) -> tuple[list[int], list, list]:
+        """The prompt expanded, each item's span and the items in prompt order: the i-th image at the i-th image
+        placeholder, the i-th video at the i-th video placeholder."""
+        kinds = {self.cfg.image_token_id: [x for x in items if not isinstance(x, PreparedVideo)],
+                 self.video_token_id: [x for x in items if isinstance(x, PreparedVideo)]}
+        kinds = {t: xs for t, xs in kinds.items() if xs or t == self.cfg.image_token_id}
+        out, spans, order = expand_media(ids, {t: [self.num_tokens(x) for x in xs] for t, xs in kinds.items()},
+                                         {self.cfg.image_token_id: "image", self.video_token_id: "video"})
+        return out, spans, [kinds[t][i] for t, i in order]
+
+    def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
+        out, spans, items = self._expand(ids, [self.prepare(image) for image in images])
+        steps = [x.time_step if isinstance(x, PreparedVideo) else 1.0 for x in items]
+        return out, ImagePrompt(spans, [cache_key(x.digest) for x in items], False, items, self._embeds,
+                                grids=[qwen_token_grid(self._grid(x), self.cfg) for x in items], time_steps=steps)
+
+    def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
+        return qwen_encode(self.params, self.cfg, image.pixels, self._grid(image))
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's tensors as the Hub lays out Qwen2-VL's (the language model's names as they are, the

@@ -2,45 +2,61 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def expand_placeholders(ids: Sequence[int], token: int, counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """`ids` with the placeholder of each image i (one `token`, or `counts[i]` of them already expanded) as
     `counts[i]` tokens, and where each image's tokens are (first position, number). Images side by side make one
     run of `token`, read in image order: `counts[i]` tokens where that many remain, else one placeholder."""
+    out, spans, _ = expand_media(ids, {token: counts}, {token: "image"})
+    return out, spans
+
+
+def expand_media(ids: Sequence[int], counts: Mapping[int, Sequence[int]],
+                 names: Mapping[int, str]) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+    """`expand_placeholders` over several kinds of item, each with its placeholder token (`counts`: each token's
+    items' token counts, in the order the prompt holds them; `names`: each kind's name, for errors): the prompt
+    expanded, each item's tokens (first position, number) in prompt order, and which item each is (token, index
+    among that token's items)."""
     out: list[int] = []
     spans: list[tuple[int, int]] = []
-    prev, i = 0, 0
-    runs = _runs(ids, token)
-    for start, length in runs:
+    order: list[tuple[int, int]] = []
+    taken = dict.fromkeys(counts, 0)
+    prev, bad = 0, None
+    for start, length in _runs(ids, set(counts)):
+        token, left = ids[start], length
         out.extend(ids[prev:start])
-        left = length
-        while left > 0 and i < len(counts):
-            left -= counts[i] if left >= counts[i] else 1
-            spans.append((len(out), counts[i]))
-            out.extend([token] * counts[i])
-            i += 1
+        while left > 0 and taken[token] < len(counts[token]):
+            n = counts[token][taken[token]]
+            left -= n if left >= n else 1
+            spans.append((len(out), n))
+            order.append((token, taken[token]))
+            out.extend([token] * n)
+            taken[token] += 1
         if left:
+            bad = token
             break
         prev = start + length
     else:
-        if i == len(counts):
-            out.extend(ids[prev:])
-            return out, spans
-    raise ValueError(f"the prompt's image placeholders ({sum(n for _, n in runs)} of token {token}, in {len(runs)} "
-                     f"run(s)) do not match {len(counts)} image(s) of {list(counts)} tokens: put one placeholder "
-                     "where each image goes (or each image's tokens expanded whole)")
+        bad = next((t for t in counts if taken[t] != len(counts[t])), None)
+    if bad is None:
+        out.extend(ids[prev:])
+        return out, spans, order
+    runs, name = _runs(ids, {bad}), names[bad]
+    raise ValueError(f"the prompt's {name} placeholders ({sum(n for _, n in runs)} of token {bad}, in {len(runs)} "
+                     f"run(s)) do not match {len(counts[bad])} {name}(s) of {list(counts[bad])} tokens: put one "
+                     f"placeholder where each {name} goes (or each {name}'s tokens expanded whole)")
 
 
-def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of `tok` in ids."""
+def _runs(ids: Sequence[int], tokens: set[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of one of `tokens` in ids (a run is of one token)."""
     runs: list[tuple[int, int]] = []
     i = 0
     while i < len(ids):
-        if ids[i] == tok:
+        if ids[i] in tokens:
             j = i
-            while j < len(ids) and ids[j] == tok:
+            while j < len(ids) and ids[j] == ids[i]:
                 j += 1
             runs.append((i, j - i))
             i = j

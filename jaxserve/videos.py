@@ -1,0 +1,148 @@
+"""Videos in: read from what a client sends (frames as an array or a list of images, with or without their frame
+rate; a data URL, an http(s) URL or a local file decoded with OpenCV), their frames chosen as transformers' video
+processors choose them.
+
+A video file is decoded with OpenCV (`pip install opencv-python-headless`, the `video` extra); frames given as
+arrays need nothing. A file's frames are sampled as they are read, so a long video never sits decoded in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxserve.images import FETCH_TIMEOUT_S, ImageError, _pil, media_bytes
+
+MAX_VIDEO_BYTES = 256 * 2**20
+MAX_DECODED_FRAMES = 4096  # frames a file may keep after sampling
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    """A video content part's video as a chat template's parts hand it on (beside the images, in prompt order)."""
+
+    source: Any
+
+
+@dataclass(frozen=True)
+class Video:
+    """A video's frames [T, H, W, 3] (uint8 RGB), the rate they were taken at from the source (frames a second;
+    None: not known), and how many frames the source had."""
+
+    frames: np.ndarray
+    fps: float | None
+    total_frames: int
+
+    @property
+    def sampled_fps(self) -> float:
+        """The rate of the frames kept, as transformers' `VideoMetadata.sampled_fps` gives it (24 when unknown)."""
+        if self.fps is None:
+            return 24.0
+        return len(self.frames) / self.total_frames * self.fps
+
+
+Sampler = Callable[[int, float | None], np.ndarray]
+"""Which frames of a video to keep: (frames in the source, its frame rate or None) -> their indexes, ascending."""
+
+
+def fps_sampler(fps: float, min_frames: int, max_frames: int, multiple: int) -> Sampler:
+    """transformers' `sample_frames` by frame rate: `fps` frames a second, at least `min_frames` and at most
+    `max_frames` (and the frames there are), rounded down to a `multiple` (the temporal patch); evenly spaced. A
+    source without a frame rate keeps every frame."""
+    def sample(total: int, rate: float | None) -> np.ndarray:
+        if rate is None or rate <= 0:
+            return np.arange(total)
+        most = math.floor(min(max_frames, total) / multiple) * multiple
+        n = min(max(total / rate * fps, min_frames), most, total)
+        n = math.floor(n / multiple) * multiple
+        if n <= 0:
+            raise ImageError(f"a video of {total} frames is too short: it needs at least {multiple}")
+        return np.arange(0, total, total / n).astype(np.int64)  # (torch.arange(0, total, total / n).int())
+    return sample
+
+
+def load_video(source: Any, allowed_local_path: str | None, sample: Sampler,
+               timeout: float = FETCH_TIMEOUT_S) -> Video:
+    """A video from frames ([T, H, W, 3] uint8, or a list of PIL images or [H, W, 3] arrays, kept as given), a
+    (frames, metadata) pair as vLLM takes one (the metadata's `fps`: the frames' rate), a `Video`, or a file's bytes
+    or URL (as `images.media_bytes` reads one; decoded with OpenCV, its frames chosen by `sample`)."""
+    if isinstance(source, Video):
+        return source
+    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], Mapping):
+        frames = _frames(source[0])
+        fps = source[1].get("fps")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+            raise ImageError(f"a video's metadata fps must be a number > 0, got {fps!r}")
+        return Video(frames, None if fps is None else float(fps), len(frames))
+    if isinstance(source, (np.ndarray, list)):
+        frames = _frames(source)
+        return Video(frames, None, len(frames))
+    data = bytes(source) if isinstance(source, (bytes, bytearray)) else \
+        media_bytes(source, "video", allowed_local_path, timeout, MAX_VIDEO_BYTES)
+    where = "video bytes" if not isinstance(source, str) else "the video data URL" if source.startswith("data:") \
+        else source
+    return decode_video(data, where, sample)
+
+
+def _frames(value: Any) -> np.ndarray:
+    """Frames as one uint8 array [T, H, W, 3] (grey frames made RGB; an alpha channel dropped)."""
+    if isinstance(value, list):
+        Image = _pil()
+        if not value:
+            raise ImageError("a video needs at least one frame")
+        value = [np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else np.asarray(f) for f in value]
+        if len({f.shape for f in value}) != 1:
+            raise ImageError(f"a video's frames must all have one size, got {sorted({f.shape for f in value})}")
+        value = np.stack(value)
+    frames = np.asarray(value)
+    if frames.ndim == 3:
+        frames = np.repeat(frames[..., None], 3, axis=-1)
+    if frames.ndim != 4 or frames.shape[-1] not in (3, 4) or not frames.shape[0] or 0 in frames.shape[1:3]:
+        raise ImageError(f"a video's frames must be an array [frames, height, width, 3], got shape {frames.shape}")
+    if frames.dtype != np.uint8:
+        raise ImageError(f"a video's frames must be uint8 RGB values, got {frames.dtype}")
+    return frames[..., :3]
+
+
+def decode_video(data: bytes, where: str, sample: Sampler) -> Video:
+    """A video file's frames chosen by `sample` (read in order, the others skipped as they are read), as RGB."""
+    try:
+        import cv2
+    except ImportError as e:
+        raise ImageError("reading video files needs OpenCV: pip install opencv-python-headless (or pass the frames "
+                         "as an array)") from e
+    with tempfile.NamedTemporaryFile(suffix=".video") as f:
+        f.write(data)
+        f.flush()
+        cap = cv2.VideoCapture(f.name)
+        try:
+            if not cap.isOpened():
+                raise ImageError(f"{where} is not a video OpenCV can read")
+            total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
+            rate = float(cap.get(cv2.CAP_PROP_FPS)) or None
+            if total <= 0:
+                raise ImageError(f"{where} has no frames OpenCV can count")
+            keep = sample(total, rate)
+            if len(keep) > MAX_DECODED_FRAMES:
+                raise ImageError(f"{where}: {len(keep)} frames sampled, more than {MAX_DECODED_FRAMES}")
+            frames, wanted = [], set(keep.tolist())
+            for i in range(int(keep[-1]) + 1 if len(keep) else 0):
+                if not cap.grab():
+                    break
+                if i in wanted:
+                    ok, frame = cap.retrieve()
+                    if not ok:
+                        break
+                    frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+        finally:
+            cap.release()
+    if len(frames) != len(keep):
+        raise ImageError(f"{where}: OpenCV read {len(frames)} of the {len(keep)} frames sampled (the file is cut short "
+                         "or its frame count is wrong)")
+    return Video(np.stack(frames), rate, total)
+
