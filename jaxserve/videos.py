@@ -32,11 +32,17 @@ class VideoRef:
 @dataclass(frozen=True)
 class Video:
     """A video's frames [T, H, W, 3] (uint8 RGB), the rate they were taken at from the source (frames a second;
-    None: not known), and how many frames the source had."""
+    None: not known), how many frames the source had, and which of them these are (None: the first T)."""
 
     frames: np.ndarray
     fps: float | None
     total_frames: int
+    indices: np.ndarray | None = None
+
+    @property
+    def frame_indices(self) -> np.ndarray:
+        """Each frame's index in the source."""
+        return np.arange(len(self.frames)) if self.indices is None else self.indices
 
     @property
     def sampled_fps(self) -> float:
@@ -144,5 +150,5 @@ def decode_video(data: bytes, where: str, sample: Sampler) -> Video:
     if len(frames) != len(keep):
         raise ImageError(f"{where}: OpenCV read {len(frames)} of the {len(keep)} frames sampled (the file is cut short "
                          "or its frame count is wrong)")
-    return Video(np.stack(frames), rate, total)
+    return Video(np.stack(frames), rate, total, keep)
 

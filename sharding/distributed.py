@@ -231,7 +231,8 @@ def _image_message(image: PreparedImage) -> dict[str, Any]:
     """A prepared image (or video) as JSON for the step message: its pixels' bytes (base64), shape, size and digest
     (a video's grid and time step too)."""
     pixels = np.ascontiguousarray(image.pixels, np.float32)
-    video = {"grid": list(image.grid), "time_step": image.time_step} if isinstance(image, PreparedVideo) else {}
+    video = {"grid": list(image.grid), "time_step": image.time_step, "timestamps": list(image.timestamps)} \
+        if isinstance(image, PreparedVideo) else {}
     return {"pixels": base64.b64encode(pixels.tobytes()).decode(), "shape": list(pixels.shape),
             "size": list(image.size), "digest": image.digest.hex(), **video}
 
@@ -239,7 +240,8 @@ def _image_message(image: PreparedImage) -> dict[str, Any]:
 def _image_from_message(m: dict[str, Any]) -> PreparedImage:
     pixels = np.frombuffer(base64.b64decode(m["pixels"]), np.float32).reshape(m["shape"])
     if "grid" in m:
-        return PreparedVideo(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]), tuple(m["grid"]), m["time_step"])
+        return PreparedVideo(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]), tuple(m["grid"]), m["time_step"],
+                             tuple(m["timestamps"]))
     return PreparedImage(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]))
 
 

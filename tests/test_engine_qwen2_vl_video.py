@@ -19,7 +19,7 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.videos import Video, load_video  # noqa: E402
 from jaxserve.videos_qwen2 import QwenVideoProcessor  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import assert_same_greedy, image_engine, run_images, torch_greedy  # noqa: E402
+from tests.modelrun import assert_same_greedy, drain, image_engine, run_images, torch_greedy  # noqa: E402
 from tests.qwen2_vl_model import (  # noqa: E402
     IMAGE_TOKEN,
     PROCESSOR,
@@ -260,3 +260,76 @@ def test_a_video_crosses_to_a_follower_whole():
     assert isinstance(back, PreparedVideo)
     assert (back.size, back.digest, back.grid, back.time_step) == ((16, 8), video.digest, (2, 1, 1), 0.5)
     np.testing.assert_array_equal(back.pixels, video.pixels)
+
+
+QWEN3_VIDEO = {"video_processor_type": "Qwen3VLVideoProcessor", "size": {"shortest_edge": 1024, "longest_edge": 8192},
+               "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
+
+
+@pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)
+def test_qwen3_vl_video_engine_equals_transformers(qwen):
+    """Qwen3-VL: given frames sampled evenly (9 at 6 a second: 4, frames 0, 3, 5 and 8), each temporal patch written
+    after its time as transformers' processor writes it, and its tokens turned as an image's; the greedy tokens and
+    logprobs of a prompt with a video and an image are transformers' on that prompt, again from the prefix cache."""
+    import json
+    import types
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    path, model = qwen
+    with open(f"{path}/video_preprocessor_config.json", "w") as f:
+        json.dump(QWEN3_VIDEO, f)
+    clip = frames(10, 9, 32, 24)
+    media = {"image": [random_image(2, (40, 40))], "video": [(clip, {"fps": 6})]}
+    prompt = text(1, 3) + part(VIDEO_TOKEN) + text(2, 3) + part(IMAGE_TOKEN) + text(3, 2)
+    eng = image_engine(path)
+    video = eng.images.prepare_video(media["video"][0])
+    assert video.grid == (2, 8, 6)
+    processor = types.SimpleNamespace(video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                                      vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                                      video_token="<|video_pad|>")
+    processor._calculate_timestamps = types.MethodType(Qwen3VLProcessor._calculate_timestamps, processor)
+    want_times = processor._calculate_timestamps([0, 3, 5, 8], 6, 2)
+    assert video.timestamps == pytest.approx(want_times) and len(want_times) == 2
+    written = Qwen3VLProcessor.replace_video_token(processor, {
+        "video_grid_thw": torch.tensor([video.grid]), "video_metadata": [types.SimpleNamespace(
+            fps=6, frames_indices=[0, 3, 5, 8])]}, 0)
+    processed = transformers.Qwen2VLImageProcessorPil(**FIELDS)(media["image"], return_tensors="pt")
+    image = [IMAGE_TOKEN] * (int(processed["image_grid_thw"].prod()) // 4)
+    ids = prompt[:3] + eng.tokenizer.encode(written) + prompt[6:10] + image + prompt[11:]
+
+    got = run_images(eng, [prompt], [media], params=GREEDY)
+    pixels, _ = QwenVideoProcessor.from_dict(QWEN3_VIDEO)(Video(clip[[0, 3, 5, 8]], 6.0, 9))
+    kw = dict(pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"],
+              pixel_values_videos=torch.from_numpy(pixels), video_grid_thw=torch.tensor([video.grid]))
+
+    def forward(ids: list[int]):
+        ids_t = torch.tensor([ids])
+        kinds = (ids_t == IMAGE_TOKEN).int() + 2 * (ids_t == VIDEO_TOKEN).int()
+        return model(input_ids=ids_t, mm_token_type_ids=kinds, **kw).logits[0, -1]
+
+    expected = torch_greedy(forward, ids, NEW_TOKENS)
+    assert_same_greedy(got, [expected])
+    hits = eng.scheduler.cache.hit_tokens
+    assert_same_greedy(run_images(eng, [prompt], [media], ["again"], params=GREEDY), [expected])
+    assert eng.scheduler.cache.hit_tokens - hits >= 40
+    eng.add_request("ids", prompt, GREEDY, multi_modal_data=media)
+    assert drain(eng)["ids"].prompt_token_ids == ids
+    eng.check_integrity()
+
+
+def test_qwen3_vl_video_prompt_layout():
+    """Each temporal patch after its time; the template's start and end around the one placeholder become the first
+    patch's start and the last's end; a bare placeholder gets both; a prompt written so before is kept."""
+    from jaxserve.engine.video_qwen3 import frames_of, timestamped
+
+    video = PreparedVideo(np.zeros((2 * 4, 3), np.float32), (8, 8), b"v" * 32, (2, 2, 2), 1.0, (0.25, 1.5))
+    times = lambda at: [100 + int(at * 10)]  # noqa: E731
+    S, E, P = VISION_START, VISION_END, VIDEO_TOKEN
+    want = [7, 102, S, P, E, 115, S, P, E, 8]
+    assert timestamped([7, S, P, E, 8], [video], [1], times, S, E, P) == want
+    assert timestamped([7, P, 8], [video], [1], times, S, E, P) == want
+    assert timestamped(want, [video], [1], times, S, E, P) == want
+    parts = frames_of(video)
+    assert [p.grid for p in parts] == [(1, 2, 2)] * 2 and len({p.digest for p in parts}) == 2
+    np.testing.assert_array_equal(np.concatenate([p.pixels for p in parts]), video.pixels)

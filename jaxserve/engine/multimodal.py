@@ -54,11 +54,13 @@ class PreparedImage:
 @dataclass(frozen=True)
 class PreparedVideo(PreparedImage):
     """A video read and processed: its patches (`pixels`), its frames' (height, width) as given, the hash the caches
-    key it by (of its patches and `time_step`), its patch grid (t, h, w), and how far its M-RoPE temporal position
-    moves from one temporal patch to the next (Qwen2.5-VL: by the seconds between them)."""
+    key it by (of its patches and `time_step`), its patch grid (t, h, w), how far its M-RoPE temporal position
+    moves from one temporal patch to the next (Qwen2.5-VL: by the seconds between them), and (Qwen3-VL) each
+    temporal patch's time in seconds, written before it in the prompt."""
 
     grid: tuple[int, int, int]
     time_step: float
+    timestamps: tuple[float, ...] = ()
 
 
 def cache_key(digest: bytes) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
 from jaxserve.engine.placeholders import expand_media
+from jaxserve.engine.video_qwen3 import frames_of, timestamped
 from jaxserve.images import ImageError, pixels_digest
 from jaxserve.images_qwen2 import QwenImageProcessor
 from jaxserve.models.vision_qwen2 import (
@@ -84,25 +85,33 @@ class QwenImageEncoder(ImageEncoder):
             return source
         vp = self.video_processor
         if vp is None:
-            why = "Qwen3-VL's videos (timestamps between frames) are not supported" if self.cfg.variant == "qwen3_vl" \
-                else "its videos are turned off (limit_mm_per_prompt video 0)"
-            raise ValueError(f"this model takes images, not videos: {why}")
+            raise ValueError("this model takes images, not videos: its videos are turned off (limit_mm_per_prompt "
+                             "video 0)")
         given = isinstance(source, (np.ndarray, list, tuple))
         video = vp.sampled(load_video(source, self.allowed_local_path, vp.sampler), given)
         patches, grid = vp(video)
         # Qwen2.5-VL: a temporal patch lasts temporal_patch_size frames; its position moves tokens_per_second a second.
         per_second = self.hf_config.get("vision_config", {}).get("tokens_per_second")
-        step = 1.0 if per_second is None else per_second * vp.frame.temporal_patch_size / video.sampled_fps
+        step = 1.0 if per_second is None or vp.qwen3 else \
+            per_second * vp.frame.temporal_patch_size / video.sampled_fps
+        times = tuple(vp.timestamps(video)) if vp.qwen3 else ()
         size = video.frames.shape[1:3]
-        digest = hashlib.sha256(pixels_digest(patches, size) + np.float64(step).tobytes()).digest()
-        return PreparedVideo(patches, size, digest, grid, step)
+        digest = hashlib.sha256(pixels_digest(patches, size) + np.float64(step).tobytes() + repr(times).encode())
+        return PreparedVideo(patches, size, digest.digest(), grid, step, times)
 
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
         return self._expand(ids, images)[:2]
 
     def _expand(self, ids: Sequence[int], items: Sequence[PreparedImage]) -> tuple[list[int], list, list]:
         """The prompt expanded, each item's span and the items in prompt order: the i-th image at the i-th image
-        placeholder, the i-th video at the i-th video placeholder."""
+        placeholder, the i-th video at the i-th video placeholder (Qwen3-VL's: its temporal patches, each after its
+        time, `video_qwen3`)."""
+        if self.cfg.variant == "qwen3_vl" and any(isinstance(x, PreparedVideo) for x in items):
+            videos = [x for x in items if isinstance(x, PreparedVideo)]
+            ids = timestamped(ids, videos, [qwen_tokens((1, *x.grid[1:]), self.cfg) for x in videos],
+                              lambda at: self.tokenizer.encode(f"<{at:.1f} seconds>"), self.cfg.vision_start_token_id,
+                              self.cfg.vision_end_token_id, self.video_token_id)
+            items = [y for x in items for y in (frames_of(x) if isinstance(x, PreparedVideo) else [x])]
         kinds = {self.cfg.image_token_id: [x for x in items if not isinstance(x, PreparedVideo)],
                  self.video_token_id: [x for x in items if isinstance(x, PreparedVideo)]}
         kinds = {t: xs for t, xs in kinds.items() if xs or t == self.cfg.image_token_id}
