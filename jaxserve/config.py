@@ -301,7 +301,7 @@ class ModelConfig:
                  "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
         if fields.is_qwen_vl(d):
             d = fields.qwen_vl_text(d)
-        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(d)))
+        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(fields.internvl_text(d))))
         archs = d.get("architectures") or []
         family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
             or _HF_MODEL_TYPES.get(d.get("model_type", ""))

@@ -69,6 +69,17 @@ def is_qwen_vl(d: dict[str, Any]) -> bool:
         or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
+def internvl_text(d: dict[str, Any]) -> dict[str, Any]:
+    """InternVL's (`InternVLForConditionalGeneration`) language model: its `text_config` (Qwen2's unless it says
+    otherwise: Qwen3's for InternVL3.5), its embeddings tied unless the top-level config says not (transformers'
+    default for InternVL, which ties by that flag)."""
+    if "InternVLForConditionalGeneration" not in (d.get("architectures") or []) and d.get("model_type") != "internvl":
+        return d
+    text = {k: v for k, v in (d.get("text_config") or {}).items() if v is not None}
+    return {**text, "architectures": [], "model_type": text.get("model_type", "qwen2"),
+            "tie_word_embeddings": bool(d.get("tie_word_embeddings", True))}
+
+
 def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
     """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, Qwen3-VL's as a Qwen3 config (Qwen3-VL-MoE's
     as a Qwen3-MoE config, its top-k routing weights normalized), with its multimodal rotary sections

@@ -146,9 +146,11 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
+    from jaxserve.engine.multimodal_internvl import InternVLImageEncoder
     from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config
     from jaxserve.engine.multimodal_qwen import QwenImageEncoder
     from jaxserve.images import ImageProcessor, preprocessor_config
+    from jaxserve.images_internvl import InternVLImageProcessor
     from jaxserve.images_pixtral import PixtralImageProcessor
     from jaxserve.images_qwen2 import QwenImageProcessor
     from jaxserve.models.vision_towers import tower_of
@@ -168,6 +170,8 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
     encoder, processor = {
         "pixtral": (PixtralImageEncoder, lambda: PixtralImageProcessor.from_dict(settings, vcfg.spatial_merge_size)),
         "qwen2_vl": (QwenImageEncoder, lambda: QwenImageProcessor.from_dict(settings)),
+        "internvl": (InternVLImageEncoder, lambda: InternVLImageProcessor.from_dict(
+            settings, vcfg.image_size, (args.mm_processor_kwargs or {}).get("crop_to_patches", True))),
         "llava": (ImageEncoder, lambda: ImageProcessor.from_dict(settings)),
     }[tower.name]
     if tower.name == "pixtral":  # its row breaks' and end's ids are the tokenizer's

@@ -97,3 +97,24 @@ def expand_grids(ids: Sequence[int], layouts: Sequence[list[int]], image: int,
         prev = j + 1
     out.extend(ids[prev:])
     return out, spans
+
+
+
+def wrap_placeholders(ids: Sequence[int], token: int, counts: Sequence[int], start: int, end: int) -> list[int]:
+    """`ids` with the i-th image's placeholder (one `token`) written as `start`, `counts[i]` tokens, `end` (InternVL's
+    `<img>`, `<IMG_CONTEXT>`..., `</img>`); a run of `token` right after `start` is one image written so already,
+    kept (`expand_placeholders` checks it), as is a placeholder past the last image."""
+    out: list[int] = []
+    i = prev = 0
+    for at, length in _runs(ids, {token}):
+        out.extend(ids[prev:at])
+        prev = at + length
+        if at > 0 and ids[at - 1] == start:
+            out.extend(ids[at:prev])
+            i += 1
+            continue
+        for _ in range(length):
+            out.extend([start, *[token] * counts[i], end] if i < len(counts) else [token])
+            i += 1
+    out.extend(ids[prev:])
+    return out

@@ -1,6 +1,6 @@
 """The vision towers jaxserve reads, each with how its config is found in an HF `config.json`, which tensors are
 its, and how its weights load: LLaVA's and Gemma 3's CLIP/SigLIP (`models.vision`), Qwen2-VL's
-(`models.vision_qwen2`) and Pixtral's (`models.vision_pixtral`)."""
+(`models.vision_qwen2`), Pixtral's (`models.vision_pixtral`) and InternVL's (`models.vision_internvl`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from typing import Any
 import numpy as np
 
 from jaxserve.models.vision import VisionConfig, is_vision_tensor, load_vision_params, random_vision_params
+from jaxserve.models.vision_internvl import (
+    InternVisionConfig,
+    is_internvl_vision_tensor,
+    load_internvl_vision_params,
+    random_internvl_vision_params,
+)
 from jaxserve.models.vision_pixtral import (
     PixtralVisionConfig,
     is_pixtral_vision_tensor,
@@ -44,6 +50,9 @@ TOWERS = (
           random_pixtral_vision_params),
     Tower("qwen2_vl", QwenVisionConfig, is_qwen_vision_tensor,
           lambda cfg, tensors, dtype, unused: load_qwen_vision_params(cfg, tensors, dtype), random_qwen_vision_params),
+    Tower("internvl", InternVisionConfig, is_internvl_vision_tensor,
+          lambda cfg, tensors, dtype, unused: load_internvl_vision_params(cfg, tensors, dtype),
+          random_internvl_vision_params),
     Tower("llava", VisionConfig, is_vision_tensor, load_vision_params, random_vision_params),
 )
 
