@@ -288,8 +288,9 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Mistral3ForConditionalGeneration"} \
-                & set(d.get("architectures") or []) or d.get("model_type") in ("llava", "llava_next", "mistral3"):
+        if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                "LlavaOnevisionForConditionalGeneration"} & set(d.get("architectures") or []) \
+                or d.get("model_type") in ("llava", "llava_next", "mistral3", "llava_onevision"):
             text = d.get("text_config") or {}
             kind = text.get("model_type", "mistral" if d.get("model_type") == "mistral3" else "llama")
             tied = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))

@@ -23,9 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.models.vision import NEXT_PINPOINTS, ONEVISION_PINPOINTS
+
 MAX_IMAGE_BYTES = 20 * 2**20
 FETCH_TIMEOUT_S = 10.0
-_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaNextImageProcessor", "Gemma3ImageProcessor")
+_SUPPORTED = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaNextImageProcessor", "LlavaOnevisionImageProcessor",
+              "Gemma3ImageProcessor")
 _SQUARE = ("SiglipImageProcessor", "Gemma3ImageProcessor")  # a fixed size, no crop, mean and std 0.5
 
 
@@ -171,14 +174,15 @@ class ImageProcessor:
         kind = d.get("image_processor_type", "CLIPImageProcessor").removesuffix("Fast").removesuffix("Pil")
         if kind not in _SUPPORTED:
             raise ImageError(f"image processor {kind!r} is not supported (supported: {', '.join(_SUPPORTED)})")
-        clip, gemma3 = kind not in _SQUARE, kind == "Gemma3ImageProcessor"
+        clip, gemma3, onevision = kind not in _SQUARE, kind == "Gemma3ImageProcessor", "Onevision" in kind
         pan_and_scan = None
         if gemma3 and d.get("do_pan_and_scan"):  # its defaults are Gemma3Processor's
             pan_and_scan = PanAndScan(int(d.get("pan_and_scan_min_crop_size", 256)),
                                       int(d.get("pan_and_scan_max_num_crops", 4)),
                                       float(d.get("pan_and_scan_min_ratio_to_activate", 1.2)))
-        pinpoints = d.get("image_grid_pinpoints", ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)))
-        size = d.get("size", {"shortest_edge": 224} if clip else {"height": 224, "width": 224})
+        pinpoints = d.get("image_grid_pinpoints", ONEVISION_PINPOINTS if onevision else NEXT_PINPOINTS)
+        size = d.get("size", {"shortest_edge": 224} if clip and not onevision else
+                     {"height": 384 if onevision else 224, "width": 384 if onevision else 224})
         if isinstance(size, int):
             size = {"shortest_edge": size} if clip else {"height": size, "width": size}
         if "shortest_edge" in size and "longest_edge" not in size:
@@ -193,11 +197,11 @@ class ImageProcessor:
         std = d.get("image_std", (0.26862954, 0.26130258, 0.27577711) if clip else (0.5, 0.5, 0.5))
         return cls(
             resize=resize if d.get("do_resize", True) else None, resample=int(d.get("resample", 2 if gemma3 else 3)),
-            crop=crop if d.get("do_center_crop", clip) and not gemma3 else None,  # Gemma 3's never crops
+            crop=crop if d.get("do_center_crop", clip and not onevision) and not gemma3 else None,  # (Gemma 3's never)
             rescale=float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
             mean=tuple(mean) if d.get("do_normalize", True) else None, std=tuple(std),
             convert_rgb=bool(d.get("do_convert_rgb", True)),
-            grid_pinpoints=tuple(tuple(p) for p in pinpoints) if kind == "LlavaNextImageProcessor" else None,
+            grid_pinpoints=tuple(tuple(p) for p in pinpoints) if "Llava" in kind else None,
             pan_and_scan=pan_and_scan, source=dict(config))
 
     @classmethod
@@ -215,6 +219,10 @@ class ImageProcessor:
         if boxes:
             return np.stack([self._finish(self._resized(piece)) for piece in [image, *map(image.crop, boxes)]])
         return self._finish(self._resized(image))
+
+    def whole(self, image) -> np.ndarray:
+        """The image as one crop's pixels [C, H, W] (resized, rescaled, normalized; never cut into crops)."""
+        return self._finish(self._resized(_rgb(image) if self.convert_rgb else image))
 
     def _resized(self, image):
         if self.resize is None:

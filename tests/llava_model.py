@@ -61,9 +61,10 @@ def randomize(model, gemma_norms: bool = False) -> None:
 
 
 def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str = "default", seed: int = 0,
-                    anyres: bool = False):
-    """A random LLaVA model (LLaVA-NeXT with `anyres`) saved to `path` with its tokenizer, processor config and chat
-    template; returns the float32 torch model holding the saved weights."""
+                    anyres: bool = False, onevision: str | None = None):
+    """A random LLaVA model (LLaVA-NeXT with `anyres`; LLaVA-OneVision with `onevision`, its vision_aspect_ratio)
+    saved to `path` with its tokenizer, processor config and chat template; returns the float32 torch model holding
+    the saved weights."""
     import torch
     import transformers
 
@@ -73,14 +74,16 @@ def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str =
     cls, fields, processor = TOWERS[tower]
     vision = getattr(transformers, cls)(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                         num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, **fields)
-    config = (transformers.LlavaNextConfig if anyres else transformers.LlavaConfig)(
+    kind = "LlavaOnevision" if onevision else "LlavaNext" if anyres else "Llava"
+    extra = {"image_grid_pinpoints": PINPOINTS} if anyres or onevision else {}
+    extra |= {"vision_aspect_ratio": onevision} if onevision else {}
+    config = getattr(transformers, f"{kind}Config")(
         vision_config=vision, text_config=transformers.LlamaConfig(**{**TINY, "vocab_size": VOCAB}),
         image_token_index=IMAGE_TOKEN, vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
-        projector_hidden_act="gelu", **({"image_grid_pinpoints": PINPOINTS} if anyres else {}))
-    model = (transformers.LlavaNextForConditionalGeneration if anyres
-             else transformers.LlavaForConditionalGeneration)(config).eval()
-    if anyres:
-        processor = {**processor, "image_processor_type": "LlavaNextImageProcessor", "image_grid_pinpoints": PINPOINTS}
+        projector_hidden_act="gelu", **extra)
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
+    if anyres or onevision:
+        processor = {**processor, "image_processor_type": f"{kind}ImageProcessor", "image_grid_pinpoints": PINPOINTS}
     randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     tok = image_tokenizer()

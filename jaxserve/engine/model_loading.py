@@ -147,6 +147,7 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
     from jaxserve.engine.multimodal_internvl import InternVLImageEncoder
+    from jaxserve.engine.multimodal_onevision import OnevisionImageEncoder
     from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config
     from jaxserve.engine.multimodal_qwen import QwenImageEncoder
     from jaxserve.images import ImageProcessor, preprocessor_config
@@ -172,7 +173,8 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         "qwen2_vl": (QwenImageEncoder, lambda: QwenImageProcessor.from_dict(settings)),
         "internvl": (InternVLImageEncoder, lambda: InternVLImageProcessor.from_dict(
             settings, vcfg.image_size, (args.mm_processor_kwargs or {}).get("crop_to_patches", True))),
-        "llava": (ImageEncoder, lambda: ImageProcessor.from_dict(settings)),
+        "llava": (ImageEncoder if getattr(vcfg, "max_crops", None) is None else OnevisionImageEncoder,
+                  lambda: ImageProcessor.from_dict(settings)),
     }[tower.name]
     if tower.name == "pixtral":  # its row breaks' and end's ids are the tokenizer's
         vcfg = pixtral_config(vcfg, tokenizer)

@@ -30,14 +30,8 @@ from jaxserve.engine.embedding_cache import EmbeddingCache
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.placeholders import expand_placeholders
 from jaxserve.images import ImageError, ImageProcessor, load_image, pixels_digest
-from jaxserve.models.vision import (
-    VisionConfig,
-    VisionParams,
-    anyres_tokens,
-    encode_images,
-    pack_anyres,
-    vision_tensors,
-)
+from jaxserve.models.vision import VisionConfig, VisionParams, encode_images, vision_tensors
+from jaxserve.models.vision_anyres import anyres_tokens, pack_anyres
 from jaxserve.videos import VideoRef
 
 

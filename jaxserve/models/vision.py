@@ -23,7 +23,10 @@ from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.vision_gemma3 import PROJECTION, SOFT_NORM, gemma3_fields, gemma3_project
 
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "LlavaNextForConditionalGeneration": "llava_next",
+                        "LlavaOnevisionForConditionalGeneration": "llava_onevision",
                         "Gemma3ForConditionalGeneration": "gemma3"}
+NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # transformers' defaults
+ONEVISION_PINPOINTS = tuple((384 * i, 384 * j) for i in range(1, 7) for j in range(1, 7))
 _TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
 # transformers' defaults: LlavaConfig's tower when its config names none, and each tower config's own.
 _LLAVA_TOWER = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
@@ -66,6 +69,7 @@ class VisionConfig:
     boi_token_id: int | None = None  # Gemma 3's `<start_of_image>`, before an image's tokens in a prompt
     eoi_token_id: int | None = None  # Gemma 3's `<end_of_image>`, after them
     bidirectional: bool = False  # the language model's attention within an image's tokens: both ways (Gemma 3)
+    max_crops: int | None = None  # LLaVA-OneVision's anyres_max_N: its crop features shrunk to about N crops'
 
     @property
     def num_patches(self) -> int:
@@ -112,14 +116,18 @@ class VisionConfig:
         if strategy not in ("default", "full"):
             raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
         text = d.get("text_config") or {}
+        aspect = d.get("vision_aspect_ratio", "anyres_max_9") if kind == "llava_onevision" else None
+        if aspect is not None and not re.fullmatch(r"anyres_max_[1-9]\d*", aspect):
+            raise UnsupportedModelError(f"vision_aspect_ratio {aspect!r} is not supported (anyres_max_N)")
+        pinpoints = d.get("image_grid_pinpoints", NEXT_PINPOINTS if kind == "llava_next" else ONEVISION_PINPOINTS)
         return cls(
             **tower_fields, feature_layers=tuple(i % (n + 1) for i in layers), drop_first=strategy == "default",
             projector_act=d.get("projector_hidden_act", "gelu"),
             projector_bias=d.get("multimodal_projector_bias", True),
             text_hidden_size=text.get("hidden_size", 4096),
             image_token_id=d.get("image_token_index", d.get("image_token_id", 32000)),
-            grid_pinpoints=tuple(tuple(p) for p in d.get("image_grid_pinpoints", (
-                (336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)))) if kind == "llava_next" else None,
+            grid_pinpoints=tuple(tuple(p) for p in pinpoints) if aspect or kind == "llava_next" else None,
+            max_crops=int(aspect.removeprefix("anyres_max_")) if aspect else None,
         )
 
 
@@ -358,43 +366,3 @@ def random_vision_params(cfg: VisionConfig, dtype: Any, seed: int = 0) -> Vision
         proj2=r(E, E) if mlp else None, proj2_bias=r(E) if cfg.projector_bias else None,
         newline=r(E) if cfg.grid_pinpoints is not None else None,
         post_norm=(one(Hv), r(Hv)) if cfg.post_norm else None, soft_norm=None if mlp else r(Hv))
-
-
-def anyres_layout(cfg: VisionConfig, size: tuple[int, int]) -> tuple[int, int, int, int]:
-    """Where a LLaVA-NeXT image's crop features are kept: its crops' grid (rows, columns) at the best pinpoint, and
-    the rows and columns of the grid's features kept after unpadding (the features of the padding around the
-    image dropped), as transformers' model computes them."""
-    from jaxserve.images import best_resolution
-
-    h, w = size
-    best_h, best_w = best_resolution((h, w), cfg.grid_pinpoints)
-    rows, cols = best_h // cfg.image_size, best_w // cfg.image_size
-    side = cfg.image_size // cfg.patch_size
-    fh, fw = rows * side, cols * side  # the grid's features
-    if w / h > fw / fh:
-        new_h = int(round(h * (fw / w), 7))
-        pad = (fh - new_h) // 2
-        return rows, cols, fh - 2 * pad, fw
-    new_w = int(round(w * (fh / h), 7))
-    pad = (fw - new_w) // 2
-    return rows, cols, fh, fw - 2 * pad
-
-
-def anyres_tokens(cfg: VisionConfig, size: tuple[int, int]) -> int:
-    """Tokens of a LLaVA-NeXT image of (height, width) `size`: the whole image's, then the kept grid features with
-    a newline ending each of their rows."""
-    _, _, kh, kw = anyres_layout(cfg, size)
-    return cfg.tokens_per_image + kh * (kw + 1)
-
-
-def pack_anyres(cfg: VisionConfig, feats: np.ndarray, newline: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """A LLaVA-NeXT image's embeddings from its crops' projected features [1 + rows * cols, side * side, E] (the
-    whole image's first): those, then the grid's features in image order, unpadded, each row ended by `newline`."""
-    rows, cols, kh, kw = anyres_layout(cfg, size)
-    side = cfg.image_size // cfg.patch_size
-    E = feats.shape[-1]
-    grid = feats[1:].reshape(rows, cols, side, side, E).transpose(0, 2, 1, 3, 4).reshape(rows * side, cols * side, E)
-    top, left = (rows * side - kh) // 2, (cols * side - kw) // 2
-    kept = grid[top:top + kh, left:left + kw]
-    lines = np.concatenate([kept, np.broadcast_to(newline.astype(kept.dtype), (kh, 1, E))], axis=1)
-    return np.concatenate([feats[0], lines.reshape(-1, E)])
