@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jaxserve.images import add_image_args, image_limits
 from jaxserve.json_options import json_object
 from jaxserve.lora_request import check_lora_args
+from jaxserve.media_args import add_image_args, image_limits
 from jaxserve.pooling_params import PoolerConfig
 from jaxserve.speculative_config import SpeculativeConfig
 

@@ -352,14 +352,9 @@ def preprocessor_config(path: str, kwargs: Mapping[str, Any] | None = None, kind
     if other:
         raise ValueError(f"mm_processor_kwargs {other}: this model's image processor takes "
                          f"{', '.join(PROCESSOR_SETTINGS[kind])}")
-    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file) as f:
-                d = json.load(f)
-            d = d.get(key) if key else d
-            if d:
-                return {**d, **(kwargs or {})}
+    if (found := first_settings(path, (("preprocessor_config.json", None),
+                                       ("processor_config.json", "image_processor")))) is not None:
+        return {**found, **(kwargs or {})}
     from jaxserve.loader.mistral_dir import image_processor_settings
 
     if (mistral := image_processor_settings(path)) is not None:  # (Mistral's own format: mistral_common's)
@@ -367,32 +362,13 @@ def preprocessor_config(path: str, kwargs: Mapping[str, Any] | None = None, kind
     raise ImageError(f"{path} has no preprocessor_config.json: its image processing is unknown")
 
 
-def image_limits(value: Any) -> dict[str, int]:
-    """vLLM's `--limit-mm-per-prompt` (a JSON object or a mapping) checked: images and videos, counts >= 0."""
-    from jaxserve.json_options import json_object
-
-    limits = dict(json_object(value, "limit_mm_per_prompt", '{"image": 2}'))
-    other = sorted(set(limits) - {"image", "video"})
-    if other:
-        raise ValueError(f"limit_mm_per_prompt names {other}: only 'image' and 'video' inputs are served")
-    for kind, n in limits.items():
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"limit_mm_per_prompt {kind} must be an integer >= 0, got {n!r}")
-    return limits
-
-
-def add_image_args(parser) -> None:
-    """The engine's flags for image inputs."""
-    g = parser.add_argument_group("images")
-    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
-                   help='most images and videos per prompt, e.g. \'{"image": 2, "video": 1}\' (default: no limit); '
-                        '{"image": 0} serves an image-text model as text, without loading its vision tower')
-    g.add_argument("--mm-processor-cache-gb", type=float, default=4.0, metavar="GIB",
-                   help="host memory for the embeddings of images seen before, by their pixels' hash (a "
-                        "conversation sends its images again each turn); 0 turns it off")
-    g.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
-                   help="the image processor's settings over the model's, e.g. '{\"max_pixels\": 1003520}' for "
-                        "Qwen2-VL (at most 1280 tokens an image); each processor names the settings it takes")
-    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="a directory whose image and video files requests may name (a path or a file:// URL); without it "
-                        "only data: and http(s) URLs are read")
+def first_settings(path: str, places: tuple[tuple[str, str | None], ...]) -> dict[str, Any] | None:
+    """The first non-empty settings in a model directory's `places`: (file, the key holding them or None: all)."""
+    for name, key in places:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                d = json.load(f)
+            if d := d.get(key) if key else d:
+                return d
+    return None

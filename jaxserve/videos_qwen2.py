@@ -17,13 +17,12 @@ processor resizes with torchvision's: the pixels differ a little.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from jaxserve.images import ImageError, _pil, scaled_pixels
+from jaxserve.images import ImageError, _pil, first_settings, scaled_pixels
 from jaxserve.images_qwen2 import QwenImageProcessor, smart_resize
 from jaxserve.videos import Sampler, Video, fps_sampler
 
@@ -158,15 +157,6 @@ def video_processor_config(path: str, kwargs: dict[str, Any] | None = None) -> d
     """A model directory's video processor settings as transformers finds them (`processor_config.json`'s
     `video_processor`, else `video_preprocessor_config.json`, else the image processor's `preprocessor_config.json`)
     with `--mm-processor-kwargs` over them; None when there is none."""
-    import json
-
-    for name, key in (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None),
-                      ("preprocessor_config.json", None)):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file) as fh:
-                d = json.load(fh)
-            d = d.get(key) if key else d
-            if d:
-                return {**d, **(kwargs or {})}
-    return None
+    found = first_settings(path, (("processor_config.json", "video_processor"), ("video_preprocessor_config.json", None),
+                                  ("preprocessor_config.json", None)))
+    return None if found is None else {**found, **(kwargs or {})}

@@ -99,6 +99,18 @@ def run_images(engine, prompts, images, ids=None, *, params) -> list[tuple[list[
     return out
 
 
+def assert_batched_then_cached(engine, prompts, media, expected, min_hits: int, *, params) -> None:
+    """All prompts (with their images) in one batch, then each alone again: every run the `expected` greedy tokens
+    and logprobs, the second time at least `min_hits` prompt tokens from the prefix cache; no page lost."""
+    assert_same_greedy(run_images(engine, prompts, media, params=params), expected)
+    hits = engine.scheduler.cache.hit_tokens
+    again = [run_images(engine, [p], [m], [f"again{i}"], params=params)[0]
+             for i, (p, m) in enumerate(zip(prompts, media, strict=True))]
+    assert_same_greedy(again, expected)
+    assert engine.scheduler.cache.hit_tokens - hits >= min_hits
+    engine.check_integrity()
+
+
 def torch_greedy(forward, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """A torch model's n greedy tokens after `ids` and their logprobs, a full forward per token (`forward(ids)`: the
     last position's logits)."""

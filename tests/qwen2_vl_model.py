@@ -62,6 +62,19 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
 
 
 
+def saved_tiny_qwen(path, variant: str) -> tuple[str, object]:
+    """A tiny random model of `variant` saved with its tokenizer, its logits for the image and video tokens 0 (never
+    sampled, so every reply is text); its path and the torch model."""
+    import torch
+
+    model = save_tiny_qwen2_vl(path, variant)
+    with torch.no_grad():
+        model.lm_head.weight[IMAGE_TOKEN:] = 0.0
+    model.save_pretrained(path, safe_serialization=True)
+    save_qwen_tokenizer(path)
+    return str(path), model
+
+
 def chat_template(image_text: str, video_text: str = "") -> str:
     """A chat template writing `image_text` where each image part stands (`video_text` where a video part does)."""
     return ("{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}{% else %}"

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.llava_model import random_image, randomize  # noqa: E402
-from tests.modelrun import assert_same_greedy, image_engine, run_images, torch_greedy  # noqa: E402
+from tests.modelrun import assert_batched_then_cached, image_engine, torch_greedy  # noqa: E402
 from tests.qwen2_vl_model import save_word_tokenizer  # noqa: E402
 
 CONTEXT, START, END = 290, 291, 292  # <IMG_CONTEXT>, <img>, </img>
@@ -107,13 +107,7 @@ def test_internvl_engine_equals_transformers(internvl):
     expected = [hf_greedy(model, p, ims) for p, ims in zip(PROMPTS, IMAGES, strict=True)]
     eng = image_engine(path)
     assert [eng.images.num_tokens(eng.images.prepare(im)) for im in IMAGES[0] + IMAGES[1]] == [12, 4, 28]
-    assert_same_greedy(run_images(eng, PROMPTS, IMAGES, params=GREEDY), expected)
-    hits = eng.scheduler.cache.hit_tokens
-    again = [run_images(eng, [p], [ims], [f"again{i}"], params=GREEDY)[0]
-             for i, (p, ims) in enumerate(zip(PROMPTS, IMAGES, strict=True))]
-    assert_same_greedy(again, expected)
-    assert eng.scheduler.cache.hit_tokens - hits >= 24 + 24
-    eng.check_integrity()
+    assert_batched_then_cached(eng, PROMPTS, IMAGES, expected, 24 + 24, params=GREEDY)
 
 
 @pytest.mark.parametrize("internvl", ["base"], indirect=True)

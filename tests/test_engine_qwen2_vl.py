@@ -25,8 +25,7 @@ from tests.qwen2_vl_model import (  # noqa: E402
     PROCESSOR,
     VISION_END,
     VISION_START,
-    save_qwen_tokenizer,
-    save_tiny_qwen2_vl,
+    saved_tiny_qwen,
 )
 
 NEW_TOKENS = 6
@@ -48,13 +47,7 @@ IMAGES = [[random_image(1, (80, 30)), random_image(2, (31, 50))], [random_image(
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def qwen(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = save_tiny_qwen2_vl(path, request.param)
-    with torch.no_grad():  # logits of 0 for the image and video tokens: never sampled (else not text)
-        model.lm_head.weight[IMAGE_TOKEN:] = 0.0
-    model.save_pretrained(path, safe_serialization=True)
-    save_qwen_tokenizer(path)
-    return str(path), model
+    return saved_tiny_qwen(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def hf_greedy(model, ids: list[int], images, fields=None) -> tuple[list[int], list[float]]:

@@ -19,15 +19,21 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.videos import Video, load_video  # noqa: E402
 from jaxserve.videos_qwen2 import QwenVideoProcessor  # noqa: E402
 from tests.llava_model import random_image  # noqa: E402
-from tests.modelrun import assert_same_greedy, drain, image_engine, run_images, torch_greedy  # noqa: E402
+from tests.modelrun import (  # noqa: E402
+    assert_batched_then_cached,
+    assert_same_greedy,
+    drain,
+    image_engine,
+    run_images,
+    torch_greedy,
+)
 from tests.qwen2_vl_model import (  # noqa: E402
     IMAGE_TOKEN,
     PROCESSOR,
     VIDEO_TOKEN,
     VISION_END,
     VISION_START,
-    save_qwen_tokenizer,
-    save_tiny_qwen2_vl,
+    saved_tiny_qwen,
 )
 
 NEW_TOKENS = 6
@@ -58,13 +64,7 @@ MEDIA = [{"image": [random_image(1, (31, 50))], "video": [(frames(5, 5, 40, 24),
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
 def qwen(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = save_tiny_qwen2_vl(path, request.param)
-    with torch.no_grad():  # logits of 0 for the image and video tokens: never sampled (else not text)
-        model.lm_head.weight[IMAGE_TOKEN:] = 0.0
-    model.save_pretrained(path, safe_serialization=True)
-    save_qwen_tokenizer(path)
-    return str(path), model
+    return saved_tiny_qwen(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def video_processor() -> QwenVideoProcessor:
@@ -133,13 +133,7 @@ def test_qwen2_vl_video_engine_equals_transformers(qwen):
     assert [eng.images.num_tokens(v) for v in videos] == [45, 32]
     steps = [1.0, 2.0] if "tokens_per_second" in model.config.vision_config.to_dict() else [1.0, 1.0]
     assert [v.time_step for v in videos] == steps
-    assert_same_greedy(run_images(eng, PROMPTS, MEDIA, params=GREEDY), expected)
-    hits = eng.scheduler.cache.hit_tokens
-    got = [run_images(eng, [p], [m], [f"again{i}"], params=GREEDY)[0]
-           for i, (p, m) in enumerate(zip(PROMPTS, MEDIA, strict=True))]
-    assert_same_greedy(got, expected)
-    assert eng.scheduler.cache.hit_tokens - hits >= 40 + 32
-    eng.check_integrity()
+    assert_batched_then_cached(eng, PROMPTS, MEDIA, expected, 40 + 32, params=GREEDY)
 
 
 @pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)
