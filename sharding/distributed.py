@@ -21,6 +21,7 @@ import numpy as np
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.multimodal import PreparedImage, PreparedVideo, images_of, media_data
+from jaxserve.engine.multimodal_onevision import OnevisionImage
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
@@ -227,22 +228,32 @@ class LockstepEngine(LLMEngine):
                 return finished
 
 
+def _array_message(a: np.ndarray) -> dict[str, Any]:
+    a = np.ascontiguousarray(a, np.float32)
+    return {"bytes": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape)}
+
+
+def _array_from_message(m: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(m["bytes"]), np.float32).reshape(m["shape"])
+
+
 def _image_message(image: PreparedImage) -> dict[str, Any]:
-    """A prepared image (or video) as JSON for the step message: its pixels' bytes (base64), shape, size and digest
-    (a video's grid and time step too)."""
-    pixels = np.ascontiguousarray(image.pixels, np.float32)
-    video = {"grid": list(image.grid), "time_step": image.time_step, "timestamps": list(image.timestamps)} \
+    """A prepared image (or video) as JSON for the step message: its pixels (base64 bytes and shape), size and digest
+    (a video's grid, time step and times too; LLaVA-OneVision's square form)."""
+    extra = {"grid": list(image.grid), "time_step": image.time_step, "timestamps": list(image.timestamps)} \
         if isinstance(image, PreparedVideo) else {}
-    return {"pixels": base64.b64encode(pixels.tobytes()).decode(), "shape": list(pixels.shape),
-            "size": list(image.size), "digest": image.digest.hex(), **video}
+    if isinstance(image, OnevisionImage):
+        extra = {"square": _array_message(image.square)}
+    return {"pixels": _array_message(image.pixels), "size": list(image.size), "digest": image.digest.hex(), **extra}
 
 
 def _image_from_message(m: dict[str, Any]) -> PreparedImage:
-    pixels = np.frombuffer(base64.b64decode(m["pixels"]), np.float32).reshape(m["shape"])
+    pixels, size, digest = _array_from_message(m["pixels"]), tuple(m["size"]), bytes.fromhex(m["digest"])
     if "grid" in m:
-        return PreparedVideo(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]), tuple(m["grid"]), m["time_step"],
-                             tuple(m["timestamps"]))
-    return PreparedImage(pixels, tuple(m["size"]), bytes.fromhex(m["digest"]))
+        return PreparedVideo(pixels, size, digest, tuple(m["grid"]), m["time_step"], tuple(m["timestamps"]))
+    if "square" in m:
+        return OnevisionImage(pixels, size, digest, _array_from_message(m["square"]))
+    return PreparedImage(pixels, size, digest)
 
 
 class LockstepAsyncEngine(AsyncEngine):

@@ -80,3 +80,15 @@ def test_the_shrink_is_torch_bilinear():
     x = np.random.default_rng(0).normal(size=(9, 7, 3)).astype(np.float32)
     want = torch.nn.functional.interpolate(torch.from_numpy(x).permute(2, 0, 1)[None], [5, 4], mode="bilinear")
     np.testing.assert_allclose(bilinear(x, 5, 4), want[0].permute(1, 2, 0).numpy(), atol=1e-6)
+
+
+def test_an_image_crosses_to_a_follower_with_its_square():
+    """A prepared LLaVA-OneVision image in the lock-step message (`sharding.distributed`) keeps both its forms."""
+    from jaxserve.engine.multimodal_onevision import OnevisionImage
+    from sharding.distributed import _image_from_message, _image_message
+
+    image = OnevisionImage(np.ones((3, 3, 4, 4), np.float32), (9, 5), b"\x02" * 32, np.full((3, 4, 4), 2, np.float32))
+    back = _image_from_message(_image_message(image))
+    assert isinstance(back, OnevisionImage) and (back.size, back.digest) == (image.size, image.digest)
+    np.testing.assert_array_equal(back.pixels, image.pixels)
+    np.testing.assert_array_equal(back.square, image.square)
