@@ -69,15 +69,23 @@ def is_qwen_vl(d: dict[str, Any]) -> bool:
         or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
+# Image-text models whose language model is their `text_config`: (model_type, the text's default type, transformers'
+# default for the top-level `tie_word_embeddings`, by which they tie).
+_NESTED_TEXT = {"InternVLForConditionalGeneration": ("internvl", "qwen2", True),
+                "Idefics3ForConditionalGeneration": ("idefics3", "llama", False),
+                "SmolVLMForConditionalGeneration": ("smolvlm", "llama", False)}
+
+
 def internvl_text(d: dict[str, Any]) -> dict[str, Any]:
-    """InternVL's (`InternVLForConditionalGeneration`) language model: its `text_config` (Qwen2's unless it says
-    otherwise: Qwen3's for InternVL3.5), its embeddings tied unless the top-level config says not (transformers'
-    default for InternVL, which ties by that flag)."""
-    if "InternVLForConditionalGeneration" not in (d.get("architectures") or []) and d.get("model_type") != "internvl":
+    """InternVL's, Idefics3's and SmolVLM's language model: its `text_config` (Qwen2's or Llama's unless it says
+    otherwise: Qwen3's for InternVL3.5), its embeddings tied by the top-level config's flag (as transformers ties)."""
+    archs = d.get("architectures") or []
+    found = next((v for a, v in _NESTED_TEXT.items() if a in archs or d.get("model_type") == v[0]), None)
+    if found is None:
         return d
     text = {k: v for k, v in (d.get("text_config") or {}).items() if v is not None}
-    return {**text, "architectures": [], "model_type": text.get("model_type", "qwen2"),
-            "tie_word_embeddings": bool(d.get("tie_word_embeddings", True))}
+    return {**text, "architectures": [], "model_type": text.get("model_type", found[1]),
+            "tie_word_embeddings": bool(d.get("tie_word_embeddings", found[2]))}
 
 
 def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:

@@ -146,11 +146,13 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
+    from jaxserve.engine.multimodal_idefics3 import Idefics3ImageEncoder
     from jaxserve.engine.multimodal_internvl import InternVLImageEncoder
     from jaxserve.engine.multimodal_onevision import OnevisionImageEncoder
     from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config
     from jaxserve.engine.multimodal_qwen import QwenImageEncoder
     from jaxserve.images import ImageProcessor, preprocessor_config
+    from jaxserve.images_idefics3 import Idefics3ImageProcessor
     from jaxserve.images_internvl import InternVLImageProcessor
     from jaxserve.images_pixtral import PixtralImageProcessor
     from jaxserve.images_qwen2 import QwenImageProcessor
@@ -167,15 +169,18 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         vcfg, params = load_vision(ckpt, cfg, dtype, unused)
     # Each tower's encoder and image processor (the model directory's settings under --mm-processor-kwargs; for
     # Pixtral, resizing to whole merged patches).
+    kind = tower.name if tower.name != "llava" else "idefics3" if vcfg.projector == "shuffle" else \
+        "llava" if vcfg.max_crops is None else "onevision"
     settings = preprocessor_config(path, args.mm_processor_kwargs, tower.name)
     encoder, processor = {
         "pixtral": (PixtralImageEncoder, lambda: PixtralImageProcessor.from_dict(settings, vcfg.spatial_merge_size)),
         "qwen2_vl": (QwenImageEncoder, lambda: QwenImageProcessor.from_dict(settings)),
         "internvl": (InternVLImageEncoder, lambda: InternVLImageProcessor.from_dict(
             settings, vcfg.image_size, (args.mm_processor_kwargs or {}).get("crop_to_patches", True))),
-        "llava": (ImageEncoder if getattr(vcfg, "max_crops", None) is None else OnevisionImageEncoder,
-                  lambda: ImageProcessor.from_dict(settings)),
-    }[tower.name]
+        "llava": (ImageEncoder, lambda: ImageProcessor.from_dict(settings)),
+        "onevision": (OnevisionImageEncoder, lambda: ImageProcessor.from_dict(settings)),
+        "idefics3": (Idefics3ImageEncoder, lambda: Idefics3ImageProcessor.from_dict(settings, vcfg.image_size)),
+    }[kind]
     if tower.name == "pixtral":  # its row breaks' and end's ids are the tokenizer's
         vcfg = pixtral_config(vcfg, tokenizer)
     made = encoder(vcfg, params, processor(), args.allowed_local_media_path, int(args.mm_processor_cache_gb * 2**30),

@@ -118,3 +118,27 @@ def wrap_placeholders(ids: Sequence[int], token: int, counts: Sequence[int], sta
             i += 1
     out.extend(ids[prev:])
     return out
+
+
+def expand_layouts(ids: Sequence[int], layouts: Sequence[list[int]], token: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """`ids` with the i-th image's placeholder (one `token`) as its layout `layouts[i]` (Idefics3's tiles with their
+    marks), a layout written out already kept as it is; and where each layout is (first position, number)."""
+    out: list[int] = []
+    spans: list[tuple[int, int]] = []
+    i = k = 0
+    while i < len(ids):
+        lay = layouts[k] if k < len(layouts) else None
+        written = lay is not None and ids[i] == lay[0] and list(ids[i:i + len(lay)]) == lay
+        if written or ids[i] == token:
+            if lay is None:
+                break
+            spans.append((len(out), len(lay)))
+            out.extend(lay)
+            i, k = i + (len(lay) if written else 1), k + 1
+            continue
+        out.append(ids[i])
+        i += 1
+    if k == len(layouts) and i == len(ids):
+        return out, spans
+    raise ValueError(f"the prompt's image placeholders ({sum(t == token for t in ids)} of token {token}) do not "
+                     f"match {len(layouts)} image(s): put one placeholder where each image goes")

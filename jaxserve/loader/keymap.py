@@ -52,7 +52,8 @@ _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weig
 # backbone, by `jaxserve.engine.classifier`), ERNIE 4.5's multi-token prediction module (`model.mtp*`), and the
 # vision tower of an image-text model served as text.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]"
-                      r"|^(model\.)?(vision_tower\.|multi_modal_projector\.|image_newline$|visual\.)")
+                      r"|^(model\.)?(vision_tower\.|vision_model\.|multi_modal_projector\.|connector\.|image_newline$"
+                      r"|visual\.)")
 
 
 def _layer_targets(cfg: ModelConfig, dense: bool = False
@@ -192,7 +193,7 @@ _XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp
 
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
 # An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
-_LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.)")
+_LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
 
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")

@@ -20,14 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models.vision_blocks import pixel_shuffle
 from jaxserve.models.vision_gemma3 import PROJECTION, SOFT_NORM, gemma3_fields, gemma3_project
+from jaxserve.models.vision_idefics3 import CONNECTOR, idefics3_fields
 
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "LlavaNextForConditionalGeneration": "llava_next",
                         "LlavaOnevisionForConditionalGeneration": "llava_onevision",
-                        "Gemma3ForConditionalGeneration": "gemma3"}
+                        "Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3",
+                        "SmolVLMForConditionalGeneration": "smolvlm"}
 NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # transformers' defaults
 ONEVISION_PINPOINTS = tuple((384 * i, 384 * j) for i in range(1, 7) for j in range(1, 7))
-_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip", "idefics3_vision": "siglip",
+           "smolvlm_vision": "siglip"}  # (Idefics3's and SmolVLM's towers are SigLIP's)
 # transformers' defaults: LlavaConfig's tower when its config names none, and each tower config's own.
 _LLAVA_TOWER = dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                     num_attention_heads=16, image_size=336, patch_size=14)
@@ -63,7 +67,9 @@ class VisionConfig:
     grid_pinpoints: tuple[tuple[int, int], ...] | None = None
     """LLaVA-NeXT's resolutions (height, width): an image is the whole of it in one crop and crops of it at the
     pinpoint that fits it best, their features unpadded and each row ended by a learned newline embedding."""
-    projector: Literal["mlp", "gemma3"] = "mlp"  # LLaVA's two layers, or Gemma 3's pool, norm and matrix
+    projector: Literal["mlp", "gemma3", "shuffle"] = "mlp"  # LLaVA's two layers, Gemma 3's pool, norm and matrix, or
+    # Idefics3's and SmolVLM's pixel shuffle (`shuffle` x `shuffle` features a token) and one matrix
+    shuffle: int = 1
     post_norm: bool = False  # the tower's `post_layernorm` on its last layer's output (Gemma 3 reads it after)
     pooled_tokens: int | None = None  # Gemma 3's mm_tokens_per_image: the patch grid pooled to these tokens
     boi_token_id: int | None = None  # Gemma 3's `<start_of_image>`, before an image's tokens in a prompt
@@ -84,7 +90,12 @@ class VisionConfig:
         """Placeholder tokens (and embeddings) per image."""
         if self.pooled_tokens is not None:
             return self.pooled_tokens
-        return self.num_positions - self.drop_first
+        return (self.num_positions - self.drop_first) // self.shuffle**2
+
+    @property
+    def feature_width(self) -> int:
+        """The projector's input: the features read, side by side (Idefics3's: of a square of patches)."""
+        return self.hidden_size * len(self.feature_layers) * self.shuffle**2
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> VisionConfig | None:
@@ -93,9 +104,9 @@ class VisionConfig:
         kind = next((VISION_ARCHITECTURES[a] for a in archs if a in VISION_ARCHITECTURES), d.get("model_type"))
         if kind not in VISION_ARCHITECTURES.values():
             return None
-        gemma3 = kind == "gemma3"
-        v = d.get("vision_config") or ({} if gemma3 else _LLAVA_TOWER)
-        tower = _TOWERS.get(v.get("model_type", "siglip_vision_model" if gemma3 else "clip_vision_model"))
+        gemma3, idefics = kind == "gemma3", kind in ("idefics3", "smolvlm")
+        v = d.get("vision_config") or ({} if gemma3 or idefics else _LLAVA_TOWER)
+        tower = _TOWERS.get(v.get("model_type", "siglip_vision_model" if gemma3 or idefics else "clip_vision_model"))
         if tower is None or (gemma3 and tower != "siglip"):
             raise UnsupportedModelError(f"vision tower {v.get('model_type')!r} is not supported (supported: "
                                         f"{'siglip_vision_model' if gemma3 else ', '.join(_TOWERS)})")
@@ -107,6 +118,8 @@ class VisionConfig:
             hidden_act=v["hidden_act"])
         if gemma3:
             return cls(**tower_fields, **gemma3_fields(d, v))
+        if idefics:
+            return cls(**tower_fields, **idefics3_fields(d, v, kind))
         layers = d.get("vision_feature_layer", -2)
         layers = [layers] if isinstance(layers, int) else list(layers)
         n = v["num_hidden_layers"]
@@ -160,9 +173,10 @@ _LAYER_TENSORS = {
     "mlp.fc1.bias": "fc1_b", "mlp.fc2.weight": "fc2", "mlp.fc2.bias": "fc2_b",
 }
 # The Hub's names (`vision_tower.vision_model.`), and transformers 5's as it saves them (with `model.` or not).
-_VISION_RE = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|multi_modal_projector\.|image_newline$)")
+_VISION_RE = re.compile(r"^(model\.)?(vision_tower\.(vision_model\.)?|vision_model\.|multi_modal_projector\.|connector\."
+                        r"|image_newline$)")
 _UNUSED_RE = re.compile(r"^(post_layernorm|head)\.")  # the tower's pooled output, which LLaVA does not read
-_PROJECTOR = {"mlp": ("linear_1.weight", "linear_2.weight"), "gemma3": (PROJECTION, SOFT_NORM)}
+_PROJECTOR = {"mlp": ("linear_1.weight", "linear_2.weight"), "gemma3": (PROJECTION, SOFT_NORM), "shuffle": (CONNECTOR,)}
 
 
 def is_vision_tensor(name: str) -> bool:
@@ -186,7 +200,7 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
         if m.group(2) == "image_newline":
             top["image_newline"] = array
             continue
-        if m.group(2).startswith("multi_modal_projector"):
+        if m.group(2).startswith(("multi_modal_projector", "connector")):
             top["projector." + rest] = array
             continue
         layer = re.match(r"encoder\.layers\.(\d+)\.(.+)$", rest)
@@ -226,7 +240,9 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
     bias = lambda name: put(top.get(name))  # noqa: E731
     if cfg.projector == "gemma3":  # stored [in, out]: as LLaVA's [out, in], read transposed
         top["projector.linear_1.weight"] = top["projector." + PROJECTION].T
-    if top["projector.linear_1.weight"].shape != (cfg.text_hidden_size, cfg.hidden_size * len(cfg.feature_layers)):
+    if cfg.projector == "shuffle":
+        top["projector.linear_1.weight"] = top["projector." + CONNECTOR]
+    if top["projector.linear_1.weight"].shape != (cfg.text_hidden_size, cfg.feature_width):
         raise UnsupportedModelError(f"the projector's first matrix is {top['projector.linear_1.weight'].shape} "
                                     "([out, in]), the config's widths do not match it")
     return VisionParams(
@@ -244,9 +260,10 @@ def load_vision_params(cfg: VisionConfig, tensors: Iterable[tuple[str, np.ndarra
 
 def vision_tensors(params: VisionParams, cfg: VisionConfig) -> Iterator[tuple[str, np.ndarray]]:
     """The weights under the Hub's LLaVA or Gemma 3 names (`vision_tower.vision_model.`, `multi_modal_projector.`,
-    `image_newline`), float32, as `jaxserve convert` writes them."""
+    `image_newline`) or Idefics3's and SmolVLM's (`model.vision_model.`, `model.connector.`), float32, as
+    `jaxserve convert` writes them."""
     host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
-    tower = "vision_tower.vision_model."
+    tower = "model.vision_model." if cfg.projector == "shuffle" else "vision_tower.vision_model."
     conv = host(params.patch).T.reshape(cfg.hidden_size, cfg.num_channels, cfg.patch_size, cfg.patch_size)
     named = {"embeddings.patch_embedding.weight": conv, "embeddings.patch_embedding.bias": params.patch_bias,
              "embeddings.class_embedding": params.class_embedding,
@@ -265,6 +282,9 @@ def vision_tensors(params: VisionParams, cfg: VisionConfig) -> Iterator[tuple[st
     if cfg.projector == "gemma3":
         yield f"multi_modal_projector.{PROJECTION}", host(params.proj1)
         yield f"multi_modal_projector.{SOFT_NORM}", host(params.soft_norm)
+        return
+    if cfg.projector == "shuffle":
+        yield f"model.connector.{CONNECTOR}", host(params.proj1).T
         return
     for i, (w, b) in enumerate(((params.proj1, params.proj1_bias), (params.proj2, params.proj2_bias)), 1):
         yield f"multi_modal_projector.linear_{i}.weight", host(w).T
@@ -337,6 +357,8 @@ def encode_images(params: VisionParams, cfg: VisionConfig, pixels: jax.Array) ->
         feats = _layer_norm(feats, *params.post_norm, cfg.layer_norm_eps)
     if cfg.projector == "gemma3":
         return gemma3_project(cfg, feats, params.soft_norm, params.proj1)
+    if cfg.projector == "shuffle":
+        return pixel_shuffle(feats, cfg.shuffle) @ params.proj1
     if cfg.drop_first:
         feats = feats[:, 1:]
     h = feats @ params.proj1
@@ -362,7 +384,7 @@ def random_vision_params(cfg: VisionConfig, dtype: Any, seed: int = 0) -> Vision
         patch=r(cfg.num_channels * cfg.patch_size**2, Hv), patch_bias=None if clip else r(Hv),
         class_embedding=r(Hv) if clip else None, positions=r(cfg.num_positions, Hv),
         pre_norm=(one(Hv), r(Hv)) if clip else None, layers=layers,
-        proj1=r(Hv * len(cfg.feature_layers), E), proj1_bias=r(E) if cfg.projector_bias else None,
+        proj1=r(cfg.feature_width, E), proj1_bias=r(E) if cfg.projector_bias else None,
         proj2=r(E, E) if mlp else None, proj2_bias=r(E) if cfg.projector_bias else None,
         newline=r(E) if cfg.grid_pinpoints is not None else None,
-        post_norm=(one(Hv), r(Hv)) if cfg.post_norm else None, soft_norm=None if mlp else r(Hv))
+        post_norm=(one(Hv), r(Hv)) if cfg.post_norm else None, soft_norm=r(Hv) if cfg.projector == "gemma3" else None)

@@ -33,3 +33,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Arra
         return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
 
     return jax.lax.map(block, jnp.arange(N // Q)).reshape(N, H, D)
+
+
+def pixel_shuffle(x: jax.Array, s: int) -> jax.Array:
+    """Features [B, g * g, E] of a g x g grid folded s x s into [B, (g / s)**2, E * s * s] (InternVL's and Idefics3's
+    pixel shuffle): tokens row by row, each one's channels over (row in its square, column in it, channel)."""
+    B, N, E = x.shape
+    g = round(N**0.5)
+    x = x.reshape(B, g // s, s, g // s, s, E).transpose(0, 1, 3, 2, 4, 5)
+    return x.reshape(B, (g // s) ** 2, s * s * E)

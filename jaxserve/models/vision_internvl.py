@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
-from jaxserve.models.vision_blocks import ACTIVATIONS
+from jaxserve.models.vision_blocks import ACTIVATIONS, pixel_shuffle
 
 ARCHITECTURES = ("InternVLForConditionalGeneration",)
 _RE = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
@@ -293,8 +293,7 @@ def encode_internvl(params: InternVisionParams, cfg: InternVisionConfig, tiles: 
     if feats.shape[1] != g * g:
         raise UnsupportedModelError("vision_feature_select_strategy 'full' keeps the class token: its features are "
                                     "not a square grid to fold")
-    # Pixel shuffle: each s x s square of the g x g grid one token, channels over (row, column, channel).
-    feats = feats.reshape(B, g // s, s, g // s, s, -1).transpose(0, 1, 3, 2, 4, 5).reshape(B, (g // s) ** 2, -1)
+    feats = pixel_shuffle(feats, s)
     pr = params.projector
     h = _norm(feats, pr["norm"], pr["norm_b"], 1e-5)  # (the projector's LayerNorm: torch's default eps)
     return ACTIVATIONS[cfg.projector_act](h @ pr["w1"] + pr["b1"]) @ pr["w2"] + pr["b2"]
