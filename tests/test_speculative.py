@@ -229,6 +229,39 @@ def test_a_draft_model_drafts_only_when_its_drafts_can_pay():
     assert plan(0.5, 0.1) == {} and asked == [], "at p = 0.1: 2.2 tokens for 1.5 steps"
 
 
+def test_drafts_turned_down_are_probed_and_their_rate_learned():
+    """Costs that turn a draft model's loop down at the rate so far: after PROBE_EVERY such steps one step drafts
+    anyway; drafts always accepted raise the rate until drafting pays on its own, drafts never accepted leave it to
+    a probe every PROBE_EVERY steps."""
+    from jaxserve.engine.speculative import PROBE_EVERY
+
+    rc = RunnerConfig(max_num_seqs=32, max_num_batched_tokens=32, max_model_len=64, page_size=8, num_pages=64,
+                      num_scheduler_steps=1, backend="xla")
+
+    class Model:
+        def propose(self, rows):
+            return {rid: np.full(n, 5, np.int32) for rid, *_, n in rows}
+
+    def drafted(accept: bool) -> list[int]:
+        decode = {b: 1.0 for b in rc.seq_buckets}  # the loop costs 1.5 steps: it pays from a rate of about 0.74
+        drafter = Drafter(SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=3),
+                          StepCosts(decode, decode, {b: 1.5 for b in rc.seq_buckets}), Model())
+        rows = [ScheduledRequest(f"r{i}", 1, 10, (3,), (1, 2), True, True) for i in range(2)]
+        counts = []
+        for _ in range(3 * PROBE_EVERY):
+            step = drafter.plan(rows, 2, rc, request_of=None, pace_of=lambda rid: DraftBackoff(),
+                                reserve=lambda rid, n: n, pages_of=lambda rid: [1, 2])
+            counts.append(0 if step is None else sum(len(d) for d in step.drafts.values()))
+            for d in (step.drafts.values() if step else ()):
+                drafter.record(len(d), len(d) if accept else 0)
+        return counts
+
+    accepted = drafted(True)
+    assert accepted[:PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1) and min(accepted[PROBE_EVERY - 1:]) == 6
+    rejected = drafted(False)
+    assert [i for i, n in enumerate(rejected) if n] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+
+
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
 
 

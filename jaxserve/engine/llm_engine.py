@@ -35,7 +35,7 @@ from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, a
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.speculative import Drafter, SpecStep, row_outputs, step_costs
+from jaxserve.engine.speculative import Drafter, SpecStep, row_outputs
 from jaxserve.engine.step_batch import (
     PromptChunk,
     decode_state,
@@ -48,6 +48,7 @@ from jaxserve.engine.step_batch import (
     take_prompt_logprobs,
     trace_plan,
 )
+from jaxserve.engine.step_costs import step_costs
 from jaxserve.engine_args import EngineArgs
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.inputs import KVCache

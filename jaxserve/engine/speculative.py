@@ -44,22 +44,22 @@ converts no token list; a hash match is confirmed on the tokens themselves.
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import RunnerConfig, StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
-from jaxserve.models.inputs import ModelInputs
+from jaxserve.engine.step_costs import StepCosts
 from jaxserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from jaxserve.engine.draft_model import DraftModel
+
+PROBE_EVERY = 64  # decode steps in a row whose drafts the costs turn down, then one verifies drafts anyway
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
@@ -215,17 +215,6 @@ class SpecStep:
         return got
 
 
-@dataclass(frozen=True)
-class StepCosts:
-    """Seconds of a step, measured at warmup (`step_costs`): a decode step by sequence bucket, and a step
-    that verifies drafts by its bucket (chunked: the mixed step's tokens; as rows: the decode step's); with a
-    draft model, its drafting loop by sequence bucket (every row drafting `num_speculative_tokens`)."""
-
-    decode: Mapping[int, float]
-    verify: Mapping[int, float]
-    draft: Mapping[int, float] | None = None
-
-
 class Drafter:
     """Proposes a step's drafts and decides how many of them to verify.
 
@@ -237,7 +226,8 @@ class Drafter:
     the j-th worth p**j tokens (p: `AcceptanceRate`). Small batches, bound by reading the weights, verify
     drafts almost for free; large ones, bound by compute, verify few or none. A step with a prefill chunk
     verifies drafts only in the padding of its token bucket. Without costs (no warmup), every proposed
-    draft within the step's room is verified.
+    draft within the step's room is verified. After PROBE_EVERY decode steps in a row whose drafts the costs turned
+    down, one step verifies drafts anyway (`_probe`): drafts that are accepted raise the rate until they pay.
     """
 
     def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None, model: DraftModel | None = None):
@@ -247,6 +237,17 @@ class Drafter:
         self.chunked = cfg.chunked
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
+        self.declined = 0  # decode steps in a row whose drafts the costs turned down
+
+    def _probe(self) -> bool:
+        """Whether this step, whose drafts the costs turn down, verifies some anyway (one a request; a draft model's
+        whose loop, then run, is paid: those that pay given it): one such step in PROBE_EVERY, so that the acceptance
+        rate is still learned when the rate so far says drafts do not pay."""
+        self.declined += 1
+        if self.declined < PROBE_EVERY:
+            return False
+        self.declined = 0
+        return True
 
     def record(self, num_drafts: int, accepted: int) -> None:
         self.counters.spec_num_accepted_tokens += accepted
@@ -311,18 +312,25 @@ class Drafter:
             most, verify_bucket = rc.max_num_seqs, rc.seq_bucket
         room = most - n if decode_only else min(T - num_batched_tokens, min(T, rc.max_num_seqs) - n)
         ready = [s for s in scheduled if s.is_decode and (pace := pace_of(s.request_id)) is not None and pace.ready()]
+        probe = None  # whether a step the costs turn drafts down in verifies some anyway (decided once a step)
         if room > 0 and decode_only and self.costs and self.costs.draft and ready:
             # A draft model's loop is paid before its drafts are seen: draft only when drafts could pay for it.
             k, drafting = self.cfg.num_speculative_tokens, self.costs.draft[rc.seq_bucket(len(ready))]
             if not self.choose(n, {s.request_id: k for s in ready}, room, True, rc.seq_bucket, verify_bucket,
                                drafting):
-                ready = []
+                probe = self._probe()
+                ready = ready if probe else []
         proposals = self.propose(ready, request_of, reserve, pages_of) if room > 0 and ready else {}
         if valid is not None:
             proposals = {rid: d[:valid(rid, d.tolist())] for rid, d in proposals.items()}
         proposals = {rid: d for rid, d in proposals.items() if d.size}
         counts = self.choose(n, {rid: len(d) for rid, d in proposals.items()}, room, decode_only, rc.seq_bucket,
                              verify_bucket)
+        if not counts and proposals and decode_only and self.costs:
+            if probe if probe is not None else self._probe():  # one draft a request, within the room
+                counts = {rid: 1 for rid in list(proposals)[:room]}
+        elif counts:
+            self.declined = 0
         drafts = {}
         for rid, k in counts.items():
             k = min(k, reserve(rid, 1 + k) - 1)
@@ -365,36 +373,3 @@ def row_outputs(step: SpecStep, token_ids: Mapping[str, list[int]]) -> list[list
         out.extend(base + d[:j + 1] for j in range(len(d)))
         i += 1 + len(d)
     return out
-
-
-def step_costs(runner: Any, chunked: bool, repeats: int = 2, model: DraftModel | None = None) -> StepCosts:
-    """Seconds of a decode step with every row of each sequence bucket active, `chunked`, of a mixed step of
-    one-token sequences in each token bucket up to the most rows a step holds, and of a draft `model`'s loop at
-    each sequence bucket (the best of `repeats`, on a `ModelRunner`, into page 0): what drafts are weighed against."""
-    rc = runner.cfg
-
-    def best(run) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    decode = {}
-    for S in rc.seq_buckets:
-        st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
-        decode[S] = best(lambda st=st, S=S: runner.run_decode(st, runner.inert_sampling(S), None, want_top=False))
-    draft = {S: best(lambda S=S: model.time_draft(S)) for S in rc.seq_buckets} if model is not None else None
-    if not chunked:
-        return StepCosts(decode, decode, draft)
-    mixed = {}
-    for T in rc.token_buckets:
-        if T > rc.token_bucket(min(rc.max_num_seqs, rc.max_num_batched_tokens)):
-            break
-        S = min(T, rc.max_num_seqs)
-        inputs = ModelInputs.build([([0], 0, [0])] * S, rc.page_size, num_tokens=T, num_seqs=S,
-                                   pages_per_seq=rc.pages_per_seq, lora_slots=[-1] * S if rc.lora else None,
-                                   long_prompts=[False] * S if rc.long_rope else None, mrope=rc.mrope)
-        mixed[T] = best(lambda i=inputs, S=S: runner.run_mixed(i, runner.inert_sampling(S), None, want_top=False))
-    return StepCosts(decode, mixed, draft)
