@@ -92,3 +92,25 @@ def test_an_image_crosses_to_a_follower_with_its_square():
     assert isinstance(back, OnevisionImage) and (back.size, back.digest) == (image.size, image.digest)
     np.testing.assert_array_equal(back.pixels, image.pixels)
     np.testing.assert_array_equal(back.square, image.square)
+
+
+def test_convert_writes_the_whole_model(onevision, tmp_path):
+    """`jaxserve convert`: transformers reads every weight back (the newline embedding too) and computes the source's
+    logits over an image."""
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader.export import export_hf
+
+    path, source = onevision
+    loaded = load_model(EngineArgs(model=path, dtype="float32"), progress=False)
+    out = tmp_path / "out"
+    export_hf(str(out), loaded.config, loaded.params, loaded.tokenizer, vision=loaded.vision)
+    back, info = type(source).from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    fields = {k: v for k, v in TOWERS["siglip"][2].items() if k != "image_processor_type"}
+    pixels = transformers.LlavaOnevisionImageProcessorPil(**fields, image_grid_pinpoints=PINPOINTS)(
+        [IMAGES[0]], return_tensors="pt")
+    kw = dict(input_ids=torch.tensor([[5] + [IMAGE_TOKEN] * (16 + 2 * 9) + [7]]), pixel_values=pixels["pixel_values"],
+              image_sizes=pixels["image_sizes"], batch_num_images=pixels["batch_num_images"])
+    with torch.no_grad():
+        np.testing.assert_allclose(back.eval()(**kw).logits.numpy(), source(**kw).logits.numpy(), atol=1e-5)
