@@ -309,6 +309,14 @@ def test_qwen3_vl_video_engine_equals_transformers(qwen):
     assert eng.scheduler.cache.hit_tokens - hits >= 40
     eng.add_request("ids", prompt, GREEDY, multi_modal_data=media)
     assert drain(eng)["ids"].prompt_token_ids == ids
+    # Encoded ahead (a server's thread, as the video arrives), the video's two patches a prompt looks up are in the
+    # cache (the image, not encoded ahead, is not).
+    assert eng.reset_prefix_cache()
+    eng.images.clear_cache()
+    eng.images.encode_ahead(video)
+    queries, found = eng.images.cache_queries, eng.images.cache_hits
+    assert_same_greedy(run_images(eng, [prompt], [media], ["ahead"], params=GREEDY), [expected])
+    assert (eng.images.cache_queries - queries, eng.images.cache_hits - found) == (3, 2)
     eng.check_integrity()
 
 

@@ -65,6 +65,11 @@ class QwenImageEncoder(ImageEncoder):
         """`<|video_pad|>`: a video's placeholder in a prompt, one per merged patch of each temporal patch."""
         return int(self.hf_config.get("video_token_id", VIDEO_TOKEN_ID))
 
+    def views(self, image: PreparedImage) -> list[PreparedImage]:
+        """What the decoder sees of an image or video: itself; a Qwen3-VL video's temporal patches, one by one."""
+        qwen3_video = self.cfg.variant == "qwen3_vl" and isinstance(image, PreparedVideo)
+        return frames_of(image) if qwen3_video else [image]
+
     def _grid(self, image: PreparedImage) -> tuple[int, int, int]:
         return image.grid if isinstance(image, PreparedVideo) else self.processor.grid(image.size)
 
@@ -111,7 +116,7 @@ class QwenImageEncoder(ImageEncoder):
             ids = timestamped(ids, videos, [qwen_tokens((1, *x.grid[1:]), self.cfg) for x in videos],
                               lambda at: self.tokenizer.encode(f"<{at:.1f} seconds>"), self.cfg.vision_start_token_id,
                               self.cfg.vision_end_token_id, self.video_token_id)
-            items = [y for x in items for y in (frames_of(x) if isinstance(x, PreparedVideo) else [x])]
+            items = [y for x in items for y in self.views(x)]
         kinds = {self.cfg.image_token_id: [x for x in items if not isinstance(x, PreparedVideo)],
                  self.video_token_id: [x for x in items if isinstance(x, PreparedVideo)]}
         kinds = {t: xs for t, xs in kinds.items() if xs or t == self.cfg.image_token_id}
