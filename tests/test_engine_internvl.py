@@ -20,7 +20,9 @@ from tests.llava_model import random_image, randomize  # noqa: E402
 from tests.modelrun import assert_batched_then_cached, image_engine, torch_greedy  # noqa: E402
 from tests.qwen2_vl_model import save_word_tokenizer  # noqa: E402
 
-CONTEXT, START, END = 290, 291, 292  # <IMG_CONTEXT>, <img>, </img>
+CONTEXT, START, END, VIDEO = 290, 291, 292, 293  # <IMG_CONTEXT>, <img>, </img>, <video>
+WORDS = {"<IMG_CONTEXT>": CONTEXT, "<img>": START, "</img>": END, "<video>": VIDEO, "Frame1:": 294, "Frame2:": 295,
+         "Frame3:": 296}
 NEW_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -59,7 +61,7 @@ def internvl(request, tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(PROCESSOR, f)
-    save_word_tokenizer(path, {"<IMG_CONTEXT>": CONTEXT, "<img>": START, "</img>": END}, "<IMG_CONTEXT>")
+    save_word_tokenizer(path, WORDS, "<IMG_CONTEXT>", video_text="<video>")
     return str(path), model
 
 
@@ -162,3 +164,35 @@ def test_the_refusals():
                             ({"vision_feature_layer": [-1, -2]}, "vision_feature_layer")]:
         with pytest.raises(UnsupportedModelError, match=message):
             InternVisionConfig.from_hf({**base, **change})
+
+
+@pytest.mark.parametrize("internvl", ["base"], indirect=True)
+def test_a_video_equals_transformers(internvl):
+    """A video beside an image: each frame one tile, written as InternVL's processor writes a video ("Frame1: <img>
+    ...</img>", a newline, "Frame2: ..."); greedy tokens and logprobs are transformers' on that prompt, with the
+    image's tiles and the frames in prompt order; the prompt the engine writes is that one."""
+    import types
+
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    from tests.modelrun import assert_same_greedy, drain, run_images
+
+    path, model = internvl
+    clip = np.random.default_rng(9).integers(0, 256, (3, 20, 24, 3), dtype=np.uint8)
+    media = {"image": [IMAGES[0][1]], "video": [clip]}
+    prompt = text(5, 3) + [CONTEXT] + text(6, 2) + [VIDEO] + text(7, 2)
+    eng = image_engine(path)
+    video = eng.images.prepare_video(clip)
+    assert video.pixels.shape == (3, 3, 16, 16)
+    fake = types.SimpleNamespace(start_image_token="<img>", end_image_token="</img>", image_token="<IMG_CONTEXT>",
+                                 image_seq_length=4)
+    written = InternVLProcessor.replace_video_token(fake, {"pixel_values_videos": [torch.zeros(3, 3, 16, 16)]}, 0)
+    ids = prompt[:3] + [START] + [CONTEXT] * 4 + [END] + prompt[4:6] + eng.tokenizer.encode(written) + prompt[7:]
+    assert ids.count(294) == ids.count(295) == ids.count(296) == 1
+    pixels = torch.cat([processed(media["image"])["pixel_values"], torch.from_numpy(video.pixels)])
+    expected = torch_greedy(lambda x: model(input_ids=torch.tensor([x]), pixel_values=pixels).logits[0, -1], ids,
+                            NEW_TOKENS)
+    assert_same_greedy(run_images(eng, [prompt], [media], params=GREEDY), [expected])
+    eng.add_request("ids", prompt, GREEDY, multi_modal_data=media)
+    assert drain(eng)["ids"].prompt_token_ids == ids
+    eng.check_integrity()

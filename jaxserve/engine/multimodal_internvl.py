@@ -1,10 +1,13 @@
-"""InternVL's images in an engine's requests. An image is cut into square tiles (`images_internvl`), each tile
-`tokens_per_tile` tokens (256 for InternVL3's 448-pixel tiles); a chat template writes `<IMG_CONTEXT>` where an image
-goes, which becomes `<img>`, the image's tiles' `<IMG_CONTEXT>` tokens, `</img>`, as InternVL's processor writes it.
+"""InternVL's images and videos in an engine's requests. An image is cut into square tiles (`images_internvl`), each
+tile `tokens_per_tile` tokens (256 for InternVL3's 448-pixel tiles); a chat template writes `<IMG_CONTEXT>` where an
+image goes, which becomes `<img>`, the image's tiles' `<IMG_CONTEXT>` tokens, `</img>`, as InternVL's processor
+writes it. A video's frames are a tile each; the template's `<video>` becomes "Frame1: " and the first frame's
+`<img>`...`</img>`, then "\nFrame2: " and the second's, and so on. The text between takes no embeddings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -15,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.multimodal import ImageEncoder, PreparedImage
-from jaxserve.engine.placeholders import expand_placeholders, wrap_placeholders
-from jaxserve.images import ImageError
-from jaxserve.images_internvl import InternVLImageProcessor
+from jaxserve.engine.image_prompt import ImagePrompt
+from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
+from jaxserve.engine.placeholders import expand_kinds
+from jaxserve.images import ImageError, pixels_digest
+from jaxserve.images_internvl import InternVLImageProcessor, InternVLVideoProcessor
 from jaxserve.models.vision_internvl import InternVisionConfig, encode_internvl, internvl_vision_tensors
+from jaxserve.videos import load_video
 
 
 class InternVLImageEncoder(ImageEncoder):
@@ -27,6 +32,7 @@ class InternVLImageEncoder(ImageEncoder):
 
     cfg: InternVisionConfig
     processor: InternVLImageProcessor
+    video_processor: InternVLVideoProcessor | None = None
 
     def __init__(self, cfg: InternVisionConfig, *args: Any, **kwargs: Any):
         super().__init__(cfg, *args, **kwargs)
@@ -61,10 +67,50 @@ class InternVLImageEncoder(ImageEncoder):
                              f"of {(self.cfg.num_channels, S, S)}")
         return pixels
 
+    @property
+    def video_token_id(self) -> int | None:
+        """`<video>`: where a video goes in a prompt (None: the tokenizer has no such token)."""
+        ids = self.tokenizer.encode("<video>")
+        return ids[0] if len(ids) == 1 else None
+
+    def prepare_video(self, source: Any) -> PreparedVideo:
+        """A video (anything `videos.load_video` reads) read, its frames sampled and made tiles."""
+        if isinstance(source, PreparedVideo):
+            return source
+        vp = self.video_processor
+        if vp is None or self.video_token_id is None:
+            raise ValueError("this model takes images, not videos (its videos are turned off, or its tokenizer has "
+                             "no <video> token)")
+        video = load_video(source, self.allowed_local_path, vp.sampler)
+        if isinstance(source, (np.ndarray, list, tuple)) and vp.sample_given_frames:
+            video = dataclasses.replace(video, frames=video.frames[vp.sampler(len(video.frames), video.fps)])
+        tiles, size = vp(video.frames), video.frames.shape[1:3]
+        return PreparedVideo(tiles, size, pixels_digest(tiles, size), (len(tiles), 1, 1), 1.0)
+
+    def item_layout(self, item: PreparedImage) -> list[int]:
+        """The tokens an image (or a video) stands as in a prompt (see the module's docstring)."""
+        start, end = self._marks
+        tile = [start, *[self.cfg.image_token_id] * self.cfg.tokens_per_tile, end]
+        if not isinstance(item, PreparedVideo):
+            return [start, *[self.cfg.image_token_id] * self.num_tokens(item), end]
+        return [t for i in range(len(item.pixels))
+                for t in (*self.tokenizer.encode(f"{chr(10) if i else ''}Frame{i + 1}: "), *tile)]
+
+    def _expand(self, ids: Sequence[int], items: Sequence[PreparedImage]) -> tuple[list[int], list, list]:
+        kinds = {self.cfg.image_token_id: [x for x in items if not isinstance(x, PreparedVideo)]}
+        if any(isinstance(x, PreparedVideo) for x in items):
+            kinds[self.video_token_id] = [x for x in items if isinstance(x, PreparedVideo)]
+        out, spans, order = expand_kinds(ids, {t: [self.item_layout(x) for x in xs] for t, xs in kinds.items()},
+                                         {self.cfg.image_token_id: "image", self.video_token_id: "video"})
+        return out, spans, [kinds[t][i] for t, i in order]
+
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
-        counts = [self.num_tokens(image) for image in images]
-        return expand_placeholders(wrap_placeholders(ids, self.cfg.image_token_id, counts, *self._marks),
-                                   self.cfg.image_token_id, counts)
+        return self._expand(ids, images)[:2]
+
+    def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
+        out, spans, items = self._expand(ids, [self.prepare(image) for image in images])
+        takes = [np.asarray(out[first:first + n]) == self.cfg.image_token_id for first, n in spans]
+        return out, ImagePrompt(spans, [cache_key(x.digest) for x in items], False, items, self._embeds, takes=takes)
 
     def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
         # One tile at a time: one compiled tower for any number of tiles.

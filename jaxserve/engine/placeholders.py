@@ -100,45 +100,45 @@ def expand_grids(ids: Sequence[int], layouts: Sequence[list[int]], image: int,
 
 
 
-def wrap_placeholders(ids: Sequence[int], token: int, counts: Sequence[int], start: int, end: int) -> list[int]:
-    """`ids` with the i-th image's placeholder (one `token`) written as `start`, `counts[i]` tokens, `end` (InternVL's
-    `<img>`, `<IMG_CONTEXT>`..., `</img>`); a run of `token` right after `start` is one image written so already,
-    kept (`expand_placeholders` checks it), as is a placeholder past the last image."""
-    out: list[int] = []
-    i = prev = 0
-    for at, length in _runs(ids, {token}):
-        out.extend(ids[prev:at])
-        prev = at + length
-        if at > 0 and ids[at - 1] == start:
-            out.extend(ids[at:prev])
-            i += 1
-            continue
-        for _ in range(length):
-            out.extend([start, *[token] * counts[i], end] if i < len(counts) else [token])
-            i += 1
-    out.extend(ids[prev:])
-    return out
-
 
 def expand_layouts(ids: Sequence[int], layouts: Sequence[list[int]], token: int) -> tuple[list[int], list[tuple[int, int]]]:
     """`ids` with the i-th image's placeholder (one `token`) as its layout `layouts[i]` (Idefics3's tiles with their
     marks), a layout written out already kept as it is; and where each layout is (first position, number)."""
+    out, spans, _ = expand_kinds(ids, {token: layouts}, {token: "image"})
+    return out, spans
+
+
+def expand_kinds(ids: Sequence[int], layouts: Mapping[int, Sequence[list[int]]], names: Mapping[int, str]
+                 ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+    """`expand_layouts` over several kinds of item, each with its placeholder token (`layouts`: each token's items'
+    layouts in prompt order; `names`: each kind's name, for errors): the prompt expanded, where each layout is (first
+    position, number) in prompt order, and which item each is (token, index among that token's items). At each
+    place, the next item of a kind whose layout is written out there is taken as written; a placeholder, as the next
+    item of its kind."""
     out: list[int] = []
     spans: list[tuple[int, int]] = []
-    i = k = 0
+    order: list[tuple[int, int]] = []
+    taken = dict.fromkeys(layouts, 0)
+    i = 0
     while i < len(ids):
-        lay = layouts[k] if k < len(layouts) else None
-        written = lay is not None and ids[i] == lay[0] and list(ids[i:i + len(lay)]) == lay
-        if written or ids[i] == token:
-            if lay is None:
-                break
-            spans.append((len(out), len(lay)))
-            out.extend(lay)
-            i, k = i + (len(lay) if written else 1), k + 1
+        pending = {t: layouts[t][taken[t]] for t in layouts if taken[t] < len(layouts[t])}
+        written = next((t for t, lay in pending.items() if ids[i] == lay[0] and list(ids[i:i + len(lay)]) == lay),
+                       None)
+        kind = written if written is not None else ids[i] if ids[i] in layouts else None
+        if kind is None:
+            out.append(ids[i])
+            i += 1
             continue
-        out.append(ids[i])
-        i += 1
-    if k == len(layouts) and i == len(ids):
-        return out, spans
-    raise ValueError(f"the prompt's image placeholders ({sum(t == token for t in ids)} of token {token}) do not "
-                     f"match {len(layouts)} image(s): put one placeholder where each image goes")
+        if kind not in pending:
+            break
+        spans.append((len(out), len(pending[kind])))
+        order.append((kind, taken[kind]))
+        out.extend(pending[kind])
+        i += len(pending[kind]) if written is not None else 1
+        taken[kind] += 1
+    short = next((t for t in layouts if taken[t] != len(layouts[t])), None)
+    if i == len(ids) and short is None:
+        return out, spans, order
+    t = short if short is not None else ids[i]
+    raise ValueError(f"the prompt's {names[t]} placeholders ({sum(x == t for x in ids)} of token {t}) do not match "
+                     f"{len(layouts[t])} {names[t]}(s): put one placeholder where each {names[t]} goes")
