@@ -104,32 +104,3 @@ class InternVLImageProcessor:
             tiles.append(norm(image))
         return np.stack(tiles)
 
-
-@dataclass(frozen=True)
-class InternVLVideoProcessor:
-    """InternVL's video processor (transformers' `InternVLVideoProcessor`): each frame resized to one tile, rescaled
-    and normalized; a file's `num_frames` frames (8 unless set) taken evenly, each from the middle of its stretch
-    (`initial_shift`), given frames as they are unless `do_sample_frames`."""
-
-    frame: InternVLImageProcessor  # a tile's size, filter, rescale and normalization (never cut into tiles)
-    num_frames: int
-    sample_given_frames: bool
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any], tile: int) -> InternVLVideoProcessor:
-        d = {k: v for k, v in config.items() if v is not None and k not in ("image_processor_type",
-                                                                              "video_processor_type")}
-        n = int(d.get("num_frames", 8))
-        if n < 1:
-            raise UnsupportedModelError(f"InternVL video processor num_frames {n}: need at least 1")
-        return cls(InternVLImageProcessor.from_dict(d, tile, crop=False), n, bool(d.get("do_sample_frames", False)))
-
-    def sampler(self, total: int, rate: float | None) -> np.ndarray:
-        """transformers' `sample_frames` with `num_frames` and the shift to the middle of each stretch."""
-        n = min(self.num_frames, total)
-        return np.arange(total / n / 2, total, total / n).astype(np.int64)
-
-    def __call__(self, frames: np.ndarray) -> np.ndarray:
-        """Frames [T, H, W, 3] (uint8) as tiles [T, C, tile, tile]."""
-        Image = _pil()
-        return np.stack([self.frame(Image.fromarray(f))[0] for f in frames])

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.images import FETCH_TIMEOUT_S, ImageError, _pil, media_bytes
+from jaxserve.images import FETCH_TIMEOUT_S, ImageError, _pil, media_bytes, scaled_pixels
 
 MAX_VIDEO_BYTES = 256 * 2**20
 MAX_DECODED_FRAMES = 4096  # frames a file may keep after sampling
@@ -152,3 +152,56 @@ def decode_video(data: bytes, where: str, sample: Sampler) -> Video:
                          "or its frame count is wrong)")
     return Video(np.stack(frames), rate, total, keep)
 
+
+
+@dataclass(frozen=True)
+class FrameVideoProcessor:
+    """A video processor that makes each frame one square input of the tower (InternVL's, LLaVA-OneVision's): each
+    frame resized to `side` x `side` (PIL, `resample`), rescaled and normalized; a file's `num_frames` frames taken
+    evenly (`middle`: each from the middle of its stretch, InternVL's `initial_shift`), given frames as they are
+    unless `do_sample_frames`."""
+
+    side: int
+    resample: int
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...]
+    num_frames: int
+    sample_given_frames: bool
+    middle: bool
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], side: int, middle: bool,
+                  mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073),
+                  std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)) -> FrameVideoProcessor:
+        """The processor a config describes (`side`: the tower's input, which a `size` given must be; `mean`, `std`:
+        the defaults of the model's processor)."""
+        d = {k: v for k, v in config.items() if v is not None}
+        size = d.get("size", {"height": side, "width": side})
+        if (size.get("height"), size.get("width")) != (side, side):
+            raise ImageError(f"video processor size {size}: the vision tower takes {side} x {side} frames")
+        n = int(d.get("num_frames", 8))
+        if n < 1:
+            raise ImageError(f"video processor num_frames {n}: need at least 1")
+        return cls(side, int(d.get("resample", 3)),
+                   float(d.get("rescale_factor", 1 / 255)) if d.get("do_rescale", True) else None,
+                   tuple(d.get("image_mean", mean)) if d.get("do_normalize", True) else None,
+                   tuple(d.get("image_std", std)), n, bool(d.get("do_sample_frames", False)), middle)
+
+    def sampler(self, total: int, rate: float | None) -> np.ndarray:
+        """transformers' `sample_frames` with `num_frames` (and InternVL's shift to the middle of each stretch)."""
+        n = min(self.num_frames, total)
+        return np.arange(total / n / 2 if self.middle else 0, total, total / n).astype(np.int64)
+
+    def sampled(self, video: Video, given: bool) -> Video:
+        """The frames kept: a file's were sampled as read; given frames as they are unless `do_sample_frames`."""
+        if not given or not self.sample_given_frames:
+            return video
+        keep = self.sampler(len(video.frames), video.fps)
+        return Video(video.frames[keep], video.fps, video.total_frames, video.frame_indices[keep])
+
+    def __call__(self, frames: np.ndarray) -> np.ndarray:
+        """Frames [T, H, W, 3] (uint8) as the tower's inputs [T, C, side, side]."""
+        Image = _pil()
+        return np.stack([scaled_pixels(Image.fromarray(f), (self.side, self.side), self.resample, self.rescale,
+                                       self.mean, self.std) for f in frames])

@@ -14,6 +14,7 @@ from jaxserve.tokenizer import Tokenizer
 from tests.fake_model import EOS, VOCAB
 
 IMAGE_TOKEN = VOCAB - 1
+VIDEO_TOKEN = VOCAB - 2  # LLaVA-OneVision's `<video>` (a word of the tokenizer's otherwise)
 IMAGE_SIZE = 32
 PATCH = 8
 PINPOINTS = [[32, 64], [64, 32], [64, 64], [96, 32]]  # LLaVA-NeXT's crop grids: 1x2, 2x1, 2x2, 3x1
@@ -76,7 +77,7 @@ def save_tiny_llava(path, tower: str = "clip", feature_layer=-2, strategy: str =
                                         num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH, **fields)
     kind = "LlavaOnevision" if onevision else "LlavaNext" if anyres else "Llava"
     extra = {"image_grid_pinpoints": PINPOINTS} if anyres or onevision else {}
-    extra |= {"vision_aspect_ratio": onevision} if onevision else {}
+    extra |= {"vision_aspect_ratio": onevision, "video_token_index": VIDEO_TOKEN} if onevision else {}
     config = getattr(transformers, f"{kind}Config")(
         vision_config=vision, text_config=transformers.LlamaConfig(**{**TINY, "vocab_size": VOCAB}),
         image_token_index=IMAGE_TOKEN, vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from tests.llava_model import IMAGE_TOKEN, PINPOINTS, TOWERS, random_image, save_tiny_llava  # noqa: E402
+from tests.llava_model import IMAGE_TOKEN, PINPOINTS, TOWERS, VIDEO_TOKEN, random_image, save_tiny_llava  # noqa: E402
 from tests.modelrun import image_engine  # noqa: E402
 from tests.test_engine_images import drain  # noqa: E402
 
@@ -114,3 +114,30 @@ def test_convert_writes_the_whole_model(onevision, tmp_path):
               image_sizes=pixels["image_sizes"], batch_num_images=pixels["batch_num_images"])
     with torch.no_grad():
         np.testing.assert_allclose(back.eval()(**kw).logits.numpy(), source(**kw).logits.numpy(), atol=1e-5)
+
+
+def test_a_video_beside_an_image_equals_transformers(onevision):
+    """A video (each frame one crop, its 4 x 4 features pooled to 2 x 2, then a newline) in a prompt with an image (the
+    prompt's only image: its crops); transformers' greedy tokens on the frames as ours processes them."""
+    path, model = onevision
+    clip = np.random.default_rng(7).integers(0, 256, (3, 40, 24, 3), dtype=np.uint8)
+    prompt = [5, VIDEO_TOKEN, 6, IMAGE_TOKEN, 7]
+    media = {"image": [IMAGES[0][0]], "video": [clip]}
+    eng = image_engine(path, max_model_len=256)
+    video = eng.images.prepare_video(clip)
+    assert video.pixels.shape == (3, 3, 32, 32) and eng.images.num_tokens(video) == 3 * 4 + 1
+    fields = {k: v for k, v in TOWERS["siglip"][2].items() if k != "image_processor_type"}
+    image = transformers.LlavaOnevisionImageProcessorPil(**fields, image_grid_pinpoints=PINPOINTS)([media["image"]],
+                                                                                                     return_tensors="pt")
+    ids = [5] + [VIDEO_TOKEN] * 13 + [6] + [IMAGE_TOKEN] * (16 + 2 * 9) + [7]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            logits = model(input_ids=torch.tensor([ids + out]), pixel_values=image["pixel_values"],
+                           image_sizes=image["image_sizes"], batch_num_images=image["batch_num_images"],
+                           pixel_values_videos=torch.from_numpy(video.pixels)[None]).logits[0, -1]
+            out.append(int(logits.argmax()))
+    eng.add_request("v", prompt, GREEDY, multi_modal_data=media)
+    done = drain(eng)["v"]
+    assert done.prompt_token_ids == ids and list(done.outputs[0].token_ids) == out
+    eng.check_integrity()

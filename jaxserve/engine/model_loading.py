@@ -185,13 +185,13 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         vcfg = pixtral_config(vcfg, tokenizer)
     made = encoder(vcfg, params, processor(), args.allowed_local_media_path, int(args.mm_processor_cache_gb * 2**30),
                    dict(ckpt.hf_config), unused, tokenizer)
-    if tower.name in ("qwen2_vl", "internvl") and (args.limit_mm_per_prompt or {}).get("video") != 0:
-        from jaxserve.images_internvl import InternVLVideoProcessor
+    if kind in ("qwen2_vl", "internvl", "onevision") and (args.limit_mm_per_prompt or {}).get("video") != 0:
+        from jaxserve.videos import FrameVideoProcessor
         from jaxserve.videos_qwen2 import QwenVideoProcessor, video_processor_config
 
         video = video_processor_config(path, args.mm_processor_kwargs) or {}
-        made.video_processor = InternVLVideoProcessor.from_dict(video, vcfg.image_size) if tower.name == "internvl" \
-            else QwenVideoProcessor.from_dict(video, qwen3=vcfg.variant == "qwen3_vl")
+        made.video_processor = QwenVideoProcessor.from_dict(video, qwen3=vcfg.variant == "qwen3_vl") if kind == "qwen2_vl" \
+            else FrameVideoProcessor.from_dict(video, vcfg.image_size, middle=kind == "internvl")
     return made
 
 

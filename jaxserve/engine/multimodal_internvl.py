@@ -7,7 +7,6 @@ writes it. A video's frames are a tile each; the template's `<video>` becomes "F
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import time
@@ -22,9 +21,9 @@ from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
 from jaxserve.engine.placeholders import expand_kinds
 from jaxserve.images import ImageError, pixels_digest
-from jaxserve.images_internvl import InternVLImageProcessor, InternVLVideoProcessor
+from jaxserve.images_internvl import InternVLImageProcessor
 from jaxserve.models.vision_internvl import InternVisionConfig, encode_internvl, internvl_vision_tensors
-from jaxserve.videos import load_video
+from jaxserve.videos import FrameVideoProcessor, load_video
 
 
 class InternVLImageEncoder(ImageEncoder):
@@ -32,7 +31,7 @@ class InternVLImageEncoder(ImageEncoder):
 
     cfg: InternVisionConfig
     processor: InternVLImageProcessor
-    video_processor: InternVLVideoProcessor | None = None
+    video_processor: FrameVideoProcessor | None = None
 
     def __init__(self, cfg: InternVisionConfig, *args: Any, **kwargs: Any):
         super().__init__(cfg, *args, **kwargs)
@@ -81,9 +80,8 @@ class InternVLImageEncoder(ImageEncoder):
         if vp is None or self.video_token_id is None:
             raise ValueError("this model takes images, not videos (its videos are turned off, or its tokenizer has "
                              "no <video> token)")
-        video = load_video(source, self.allowed_local_path, vp.sampler)
-        if isinstance(source, (np.ndarray, list, tuple)) and vp.sample_given_frames:
-            video = dataclasses.replace(video, frames=video.frames[vp.sampler(len(video.frames), video.fps)])
+        video = vp.sampled(load_video(source, self.allowed_local_path, vp.sampler),
+                           isinstance(source, (np.ndarray, list, tuple)))
         tiles, size = vp(video.frames), video.frames.shape[1:3]
         return PreparedVideo(tiles, size, pixels_digest(tiles, size), (len(tiles), 1, 1), 1.0)
 
