@@ -205,3 +205,13 @@ class FrameVideoProcessor:
         Image = _pil()
         return np.stack([scaled_pixels(Image.fromarray(f), (self.side, self.side), self.resample, self.rescale,
                                        self.mean, self.std) for f in frames])
+
+
+def read_video(processor: Any, source: Any, allowed_local_path: str | None) -> Video:
+    """A video read (`load_video`) and its frames kept as the model's video `processor` keeps them (a file's sampled
+    as read; given frames as its `sampled` says); refused when the model takes no videos (`processor` None)."""
+    if processor is None:
+        raise ValueError("this model takes images, not videos (or its videos are turned off: limit_mm_per_prompt "
+                         "video 0)")
+    return processor.sampled(load_video(source, allowed_local_path, processor.sampler),
+                             isinstance(source, (np.ndarray, list, tuple)))

@@ -10,32 +10,24 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.image_prompt import ImagePrompt
-from jaxserve.engine.multimodal import ImageEncoder, PreparedImage
+from jaxserve.engine.multimodal import PreparedImage
+from jaxserve.engine.multimodal_tiles import TileImageEncoder
 from jaxserve.engine.placeholders import expand_layouts
 from jaxserve.images import ImageError
 from jaxserve.images_idefics3 import Idefics3ImageProcessor
 from jaxserve.models.vision import vision_tensors
 
 
-class Idefics3ImageEncoder(ImageEncoder):
+class Idefics3ImageEncoder(TileImageEncoder):
     """The vision side of an Idefics3 or SmolVLM model: its SigLIP tower and connector."""
 
     processor: Idefics3ImageProcessor
-
-    def warmup(self) -> float:
-        """Compile the tower for a tile (every image runs tile by tile)."""
-        t0, S = time.perf_counter(), self.cfg.image_size
-        jax.block_until_ready(self._encode(self.params, pixels=jnp.zeros((1, self.cfg.num_channels, S, S))))
-        return time.perf_counter() - t0
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - the encoder lives as long as its engine
     def _mark(self, text: str) -> int:
@@ -55,20 +47,8 @@ class Idefics3ImageEncoder(ImageEncoder):
             out += self.tokenizer.encode("\n" if r < rows - 1 else "\n\n")
         return out + [fake, self._mark("<global-img>"), *seq, fake]
 
-    def views(self, image: PreparedImage) -> list[PreparedImage]:
-        return [image]
-
     def num_tokens(self, image: PreparedImage) -> int:
         return len(self.image_layout(image))
-
-    def pixels(self, image: Any) -> np.ndarray:
-        """One image (read) as its tiles' normalized pixels [n, C, S, S]."""
-        pixels = self.processor(image)
-        S = self.cfg.image_size
-        if pixels.ndim != 4 or pixels.shape[1:] != (self.cfg.num_channels, S, S):
-            raise ImageError(f"the image processor made pixels of shape {pixels.shape}; the vision tower takes tiles "
-                             f"of {(self.cfg.num_channels, S, S)}")
-        return pixels
 
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
         return expand_layouts(ids, [self.image_layout(image) for image in images], self.cfg.image_token_id)
@@ -77,11 +57,6 @@ class Idefics3ImageEncoder(ImageEncoder):
         out, prompt = super().prompt(ids, images)
         prompt.takes = [np.asarray(out[first:first + n]) == self.cfg.image_token_id for first, n in prompt.spans]
         return out, prompt
-
-    def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
-        # One tile at a time: one compiled tower for any number of tiles.
-        return np.concatenate([np.asarray(self._encode(self.params, pixels=jnp.asarray(t)[None])[0])
-                               for t in image.pixels])
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's tensors as transformers lays out Idefics3's and SmolVLM's: the language model's under

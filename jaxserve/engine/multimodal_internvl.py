@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.image_prompt import ImagePrompt
-from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
+from jaxserve.engine.multimodal import PreparedImage, PreparedVideo, cache_key
+from jaxserve.engine.multimodal_tiles import TileImageEncoder
 from jaxserve.engine.placeholders import expand_kinds
 from jaxserve.images import ImageError, pixels_digest
 from jaxserve.images_internvl import InternVLImageProcessor
 from jaxserve.models.vision_internvl import InternVisionConfig, encode_internvl, internvl_vision_tensors
-from jaxserve.videos import FrameVideoProcessor, load_video
+from jaxserve.videos import FrameVideoProcessor, read_video
 
 
-class InternVLImageEncoder(ImageEncoder):
+class InternVLImageEncoder(TileImageEncoder):
     """The vision side of an InternVL model on the device: its processor, InternViT and projector."""
 
     cfg: InternVisionConfig
@@ -37,12 +36,6 @@ class InternVLImageEncoder(ImageEncoder):
         super().__init__(cfg, *args, **kwargs)
         self._encode = jax.jit(functools.partial(encode_internvl, cfg=cfg))
 
-    def warmup(self) -> float:
-        """Compile the tower for a tile (every image runs tile by tile)."""
-        t0, S = time.perf_counter(), self.cfg.image_size
-        jax.block_until_ready(self._encode(self.params, tiles=jnp.zeros((1, self.cfg.num_channels, S, S))))
-        return time.perf_counter() - t0
-
     @functools.cached_property
     def _marks(self) -> tuple[int, int]:
         """`<img>` and `</img>`: the tokens around an image's."""
@@ -51,20 +44,8 @@ class InternVLImageEncoder(ImageEncoder):
             raise ImageError(f"InternVL's tokenizer must have <img> and </img> as tokens, it reads them as {marks}")
         return marks[0][0], marks[1][0]
 
-    def views(self, image: PreparedImage) -> list[PreparedImage]:
-        return [image]
-
     def num_tokens(self, image: PreparedImage) -> int:
         return image.pixels.shape[0] * self.cfg.tokens_per_tile
-
-    def pixels(self, image: Any) -> np.ndarray:
-        """One image (read) as its tiles' normalized pixels [n, C, S, S]."""
-        pixels = self.processor(image)
-        S = self.cfg.image_size
-        if pixels.ndim != 4 or pixels.shape[1:] != (self.cfg.num_channels, S, S):
-            raise ImageError(f"the image processor made pixels of shape {pixels.shape}; the vision tower takes tiles "
-                             f"of {(self.cfg.num_channels, S, S)}")
-        return pixels
 
     @property
     def video_token_id(self) -> int | None:
@@ -76,13 +57,10 @@ class InternVLImageEncoder(ImageEncoder):
         """A video (anything `videos.load_video` reads) read, its frames sampled and made tiles."""
         if isinstance(source, PreparedVideo):
             return source
-        vp = self.video_processor
-        if vp is None or self.video_token_id is None:
-            raise ValueError("this model takes images, not videos (its videos are turned off, or its tokenizer has "
-                             "no <video> token)")
-        video = vp.sampled(load_video(source, self.allowed_local_path, vp.sampler),
-                           isinstance(source, (np.ndarray, list, tuple)))
-        tiles, size = vp(video.frames), video.frames.shape[1:3]
+        if self.video_token_id is None:
+            raise ValueError("this model takes images, not videos: its tokenizer has no <video> token")
+        video = read_video(self.video_processor, source, self.allowed_local_path)
+        tiles, size = self.video_processor(video.frames), video.frames.shape[1:3]
         return PreparedVideo(tiles, size, pixels_digest(tiles, size), (len(tiles), 1, 1), 1.0)
 
     def item_layout(self, item: PreparedImage) -> list[int]:
@@ -109,11 +87,6 @@ class InternVLImageEncoder(ImageEncoder):
         out, spans, items = self._expand(ids, [self.prepare(image) for image in images])
         takes = [np.asarray(out[first:first + n]) == self.cfg.image_token_id for first, n in spans]
         return out, ImagePrompt(spans, [cache_key(x.digest) for x in items], False, items, self._embeds, takes=takes)
-
-    def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
-        # One tile at a time: one compiled tower for any number of tiles.
-        return np.concatenate([np.asarray(self._encode(self.params, tiles=jnp.asarray(t)[None])[0])
-                               for t in image.pixels])
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's tensors as transformers lays out InternVL's: the language model's under

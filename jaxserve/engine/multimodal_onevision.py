@@ -19,7 +19,7 @@ from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVide
 from jaxserve.engine.placeholders import expand_media
 from jaxserve.images import _pil, _rgb, load_image, pixels_digest
 from jaxserve.models.vision_anyres import bilinear
-from jaxserve.videos import FrameVideoProcessor, VideoRef, load_video
+from jaxserve.videos import FrameVideoProcessor, VideoRef, read_video
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' default `image_mean` for the processor
 
@@ -62,13 +62,8 @@ class OnevisionImageEncoder(ImageEncoder):
         """A video (anything `videos.load_video` reads) read, its frames sampled and processed one crop each."""
         if isinstance(source, PreparedVideo):
             return source
-        vp = self.video_processor
-        if vp is None:
-            raise ValueError("this model takes images, not videos: its videos are turned off (limit_mm_per_prompt "
-                             "video 0)")
-        video = vp.sampled(load_video(source, self.allowed_local_path, vp.sampler),
-                           isinstance(source, (np.ndarray, list, tuple)))
-        frames, size = vp(video.frames), video.frames.shape[1:3]
+        video = read_video(self.video_processor, source, self.allowed_local_path)
+        frames, size = self.video_processor(video.frames), video.frames.shape[1:3]
         return PreparedVideo(frames, size, pixels_digest(frames, size), (len(frames), 1, 1), 1.0)
 
     def _views(self, images: Sequence[PreparedImage]) -> list[PreparedImage]:

@@ -37,7 +37,7 @@ from jaxserve.models.vision_qwen2 import (
     qwen_tokens,
     qwen_vision_tensors,
 )
-from jaxserve.videos import load_video
+from jaxserve.videos import read_video
 from jaxserve.videos_qwen2 import QwenVideoProcessor
 
 VIDEO_TOKEN_ID = 151656  # Qwen2-VL's `<|video_pad|>`
@@ -89,11 +89,7 @@ class QwenImageEncoder(ImageEncoder):
         if isinstance(source, PreparedVideo):
             return source
         vp = self.video_processor
-        if vp is None:
-            raise ValueError("this model takes images, not videos: its videos are turned off (limit_mm_per_prompt "
-                             "video 0)")
-        given = isinstance(source, (np.ndarray, list, tuple))
-        video = vp.sampled(load_video(source, self.allowed_local_path, vp.sampler), given)
+        video = read_video(vp, source, self.allowed_local_path)
         patches, grid = vp(video)
         # Qwen2.5-VL: a temporal patch lasts temporal_patch_size frames; its position moves tokens_per_second a second.
         per_second = self.hf_config.get("vision_config", {}).get("tokens_per_second")

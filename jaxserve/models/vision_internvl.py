@@ -276,12 +276,13 @@ def _block(cfg: InternVisionConfig, x: jax.Array, lp: dict[str, jax.Array]) -> j
     return x + lp["scale2"] * (act(h @ lp["fc1"] + lp["fc1_b"]) @ lp["fc2"] + lp["fc2_b"])
 
 
-def encode_internvl(params: InternVisionParams, cfg: InternVisionConfig, tiles: jax.Array) -> jax.Array:
-    """Tiles [B, C, S, S] (normalized, `images_internvl`'s) as language-model embeddings [B, tokens_per_tile, E]."""
-    B = tiles.shape[0]
+def encode_internvl(params: InternVisionParams, cfg: InternVisionConfig, pixels: jax.Array) -> jax.Array:
+    """Tiles `pixels` [B, C, S, S] (normalized, `images_internvl`'s) as language-model embeddings
+    [B, tokens_per_tile, E]."""
+    B = pixels.shape[0]
     p, g, s = cfg.patch_size, cfg.grid, cfg.shuffle
     dtype = params.patch.dtype
-    patches = tiles.astype(dtype).reshape(B, cfg.num_channels, g, p, g, p).transpose(0, 2, 4, 1, 3, 5)
+    patches = pixels.astype(dtype).reshape(B, cfg.num_channels, g, p, g, p).transpose(0, 2, 4, 1, 3, 5)
     x = patches.reshape(B, g * g, -1) @ params.patch + params.patch_bias
     x = jnp.concatenate([jnp.broadcast_to(params.cls, (B, 1, x.shape[-1])), x], axis=1) + params.positions
     layers = jax.tree.map(lambda a: a[:cfg.feature_layer], params.layers)  # blocks past the one read never run
