@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from jaxserve.json_options import json_object
 from jaxserve.lora_request import check_lora_args
-from jaxserve.media_args import add_image_args, image_limits
+from jaxserve.media_args import add_image_args, image_limits, media_io_options
 from jaxserve.pooling_params import PoolerConfig
 from jaxserve.speculative_config import SpeculativeConfig
 
@@ -117,6 +117,7 @@ class EngineArgs:
     # The image processor's settings over its preprocessor_config.json's, as vLLM's `--mm-processor-kwargs` (e.g.
     # Qwen2-VL's {"max_pixels": ...}: fewer tokens an image); the settings each processor takes (`images.py`).
     mm_processor_kwargs: Mapping[str, Any] | None = None
+    media_io_kwargs: Mapping[str, Any] | None = None  # vLLM's `--media-io-kwargs` ({"video": {"num_frames": n}})
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -133,6 +134,8 @@ class EngineArgs:
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
+        if self.media_io_kwargs is not None:
+            object.__setattr__(self, "media_io_kwargs", media_io_options(self.media_io_kwargs))
         if self.mm_processor_kwargs is not None:
             object.__setattr__(self, "mm_processor_kwargs", dict(json_object(
                 self.mm_processor_kwargs, "mm_processor_kwargs", '{"max_pixels": 1003520}')))

@@ -19,6 +19,20 @@ def image_limits(value: Any) -> dict[str, int]:
     return limits
 
 
+def media_io_options(value: Any) -> dict[str, Any]:
+    """vLLM's `--media-io-kwargs` (a JSON object or a mapping) checked: {"video": {"num_frames": n}}, the frames a
+    video file is sampled to (evenly, first and last included; -1: every frame), before the model's processor."""
+    from jaxserve.json_options import json_object
+
+    example = '{"video": {"num_frames": 32}}'
+    options = {k: dict(json_object(v, f"media_io_kwargs {k}", example, known={"num_frames"}))
+               for k, v in json_object(value, "media_io_kwargs", example, known={"video"}).items()}
+    n = options.get("video", {}).get("num_frames")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not (n == -1 or n >= 1)):
+        raise ValueError(f"media_io_kwargs video num_frames must be an integer >= 1 (or -1: every frame), got {n!r}")
+    return options
+
+
 def add_image_args(parser) -> None:
     """The engine's flags for image and video inputs."""
     g = parser.add_argument_group("images")
@@ -31,6 +45,10 @@ def add_image_args(parser) -> None:
     g.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
                    help="the image (and video) processor's settings over the model's, e.g. '{\"max_pixels\": 1003520}' "
                         "for Qwen2-VL (at most 1280 tokens an image); each processor names the settings it takes")
+    g.add_argument("--media-io-kwargs", default=None, metavar="JSON",
+                   help='how media are read, e.g. \'{"video": {"num_frames": 32}}\': the frames a video file is '
+                        "sampled to (evenly; -1 every frame) before the model's video processor (default: its own "
+                        "sampling)")
     g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="a directory whose image and video files requests may name (a path or a file:// URL); "
                         "without it only data: and http(s) URLs are read")

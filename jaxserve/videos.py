@@ -207,11 +207,21 @@ class FrameVideoProcessor:
                                        self.mean, self.std) for f in frames])
 
 
-def read_video(processor: Any, source: Any, allowed_local_path: str | None) -> Video:
+def read_video(processor: Any, source: Any, allowed_local_path: str | None, num_frames: int | None = None) -> Video:
     """A video read (`load_video`) and its frames kept as the model's video `processor` keeps them (a file's sampled
-    as read; given frames as its `sampled` says); refused when the model takes no videos (`processor` None)."""
+    as read, to `num_frames` when given: `--media-io-kwargs`; given frames as its `sampled` says); refused when the
+    model takes no videos (`processor` None)."""
     if processor is None:
         raise ValueError("this model takes images, not videos (or its videos are turned off: limit_mm_per_prompt "
                          "video 0)")
-    return processor.sampled(load_video(source, allowed_local_path, processor.sampler),
+    sampler = processor.sampler if num_frames is None else evenly(num_frames)
+    return processor.sampled(load_video(source, allowed_local_path, sampler),
                              isinstance(source, (np.ndarray, list, tuple)))
+
+
+def evenly(num_frames: int) -> Sampler:
+    """vLLM's video loader's sampling: `num_frames` frames evenly from the first to the last (-1: every frame)."""
+    def sample(total: int, rate: float | None) -> np.ndarray:
+        n = total if num_frames == -1 else min(num_frames, total)
+        return np.unique(np.linspace(0, total - 1, n).astype(np.int64))
+    return sample

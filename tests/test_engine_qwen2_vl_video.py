@@ -335,3 +335,24 @@ def test_qwen3_vl_video_prompt_layout():
     parts = frames_of(video)
     assert [p.grid for p in parts] == [(1, 2, 2)] * 2 and len({p.digest for p in parts}) == 2
     np.testing.assert_array_equal(np.concatenate([p.pixels for p in parts]), video.pixels)
+
+
+@pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)
+def test_media_io_kwargs_set_a_files_frames(qwen, tmp_path):
+    """vLLM's `--media-io-kwargs '{"video": {"num_frames": n}}'`: a video file sampled to n frames evenly, first and
+    last included (-1: every frame), before the model's processor; refusals by name."""
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.videos import read_video
+
+    path, _ = qwen
+    clip = np.repeat(np.repeat(frames(8, 10, 4, 3), 8, axis=1), 8, axis=2)
+    url = mjpeg_video(tmp_path, clip, 5.0)
+    got = read_video(video_processor(), url, None, 6)
+    assert (got.frame_indices.tolist(), got.sampled_fps) == ([0, 1, 3, 5, 7, 9], 3.0)
+    assert len(read_video(video_processor(), url, None, -1).frames) == 10
+    eng = image_engine(path, media_io_kwargs='{"video": {"num_frames": 6}}')
+    assert eng.images.prepare_video(url).grid == (3, 8, 6)
+    for bad, message in [('{"audio": {}}', "audio"), ('{"video": {"num_frames": 0}}', "num_frames must be"),
+                         ('{"video": {"fps": 2}}', "fps")]:
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=path, media_io_kwargs=bad)

@@ -190,6 +190,7 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         from jaxserve.videos_qwen2 import QwenVideoProcessor, video_processor_config
 
         video = video_processor_config(path, args.mm_processor_kwargs) or {}
+        made.video_frames = (args.media_io_kwargs or {}).get("video", {}).get("num_frames")
         made.video_processor = QwenVideoProcessor.from_dict(video, qwen3=vcfg.variant == "qwen3_vl") if kind == "qwen2_vl" \
             else FrameVideoProcessor.from_dict(video, vcfg.image_size, middle=kind == "internvl")
     return made

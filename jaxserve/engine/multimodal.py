@@ -65,6 +65,8 @@ def cache_key(digest: bytes) -> int:
 class ImageEncoder:
     """An image-text model's vision side on the device: its processor, tower and projector."""
 
+    video_frames: int | None = None  # `--media-io-kwargs` video num_frames: a video file's frames (None: as processed)
+
     def __init__(self, cfg: VisionConfig, params: VisionParams, processor: ImageProcessor,
                  allowed_local_path: str | None = None, cache_bytes: int = 0, hf_config: dict | None = None,
                  unused: dict[str, np.ndarray] | None = None, tokenizer: Any = None):

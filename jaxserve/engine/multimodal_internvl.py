@@ -59,7 +59,7 @@ class InternVLImageEncoder(TileImageEncoder):
             return source
         if self.video_token_id is None:
             raise ValueError("this model takes images, not videos: its tokenizer has no <video> token")
-        video = read_video(self.video_processor, source, self.allowed_local_path)
+        video = read_video(self.video_processor, source, self.allowed_local_path, self.video_frames)
         tiles, size = self.video_processor(video.frames), video.frames.shape[1:3]
         return PreparedVideo(tiles, size, pixels_digest(tiles, size), (len(tiles), 1, 1), 1.0)
 

@@ -62,7 +62,7 @@ class OnevisionImageEncoder(ImageEncoder):
         """A video (anything `videos.load_video` reads) read, its frames sampled and processed one crop each."""
         if isinstance(source, PreparedVideo):
             return source
-        video = read_video(self.video_processor, source, self.allowed_local_path)
+        video = read_video(self.video_processor, source, self.allowed_local_path, self.video_frames)
         frames, size = self.video_processor(video.frames), video.frames.shape[1:3]
         return PreparedVideo(frames, size, pixels_digest(frames, size), (len(frames), 1, 1), 1.0)
 

@@ -89,7 +89,7 @@ class QwenImageEncoder(ImageEncoder):
         if isinstance(source, PreparedVideo):
             return source
         vp = self.video_processor
-        video = read_video(vp, source, self.allowed_local_path)
+        video = read_video(vp, source, self.allowed_local_path, self.video_frames)
         patches, grid = vp(video)
         # Qwen2.5-VL: a temporal patch lasts temporal_patch_size frames; its position moves tokens_per_second a second.
         per_second = self.hf_config.get("vision_config", {}).get("tokens_per_second")
