@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import PreparedImage, PreparedVideo, cache_key
 from jaxserve.engine.multimodal_tiles import TileImageEncoder
-from jaxserve.engine.placeholders import expand_kinds
+from jaxserve.engine.placeholders import expand_by_kind, expand_kinds
 from jaxserve.images import ImageError, pixels_digest
 from jaxserve.images_internvl import InternVLImageProcessor
 from jaxserve.models.vision_internvl import InternVisionConfig, encode_internvl, internvl_vision_tensors
@@ -47,7 +47,7 @@ class InternVLImageEncoder(TileImageEncoder):
     def num_tokens(self, image: PreparedImage) -> int:
         return image.pixels.shape[0] * self.cfg.tokens_per_tile
 
-    @property
+    @functools.cached_property
     def video_token_id(self) -> int | None:
         """`<video>`: where a video goes in a prompt (None: the tokenizer has no such token)."""
         ids = self.tokenizer.encode("<video>")
@@ -73,12 +73,8 @@ class InternVLImageEncoder(TileImageEncoder):
                 for t in (*self.tokenizer.encode(f"{chr(10) if i else ''}Frame{i + 1}: "), *tile)]
 
     def _expand(self, ids: Sequence[int], items: Sequence[PreparedImage]) -> tuple[list[int], list, list]:
-        kinds = {self.cfg.image_token_id: [x for x in items if not isinstance(x, PreparedVideo)]}
-        if any(isinstance(x, PreparedVideo) for x in items):
-            kinds[self.video_token_id] = [x for x in items if isinstance(x, PreparedVideo)]
-        out, spans, order = expand_kinds(ids, {t: [self.item_layout(x) for x in xs] for t, xs in kinds.items()},
-                                         {self.cfg.image_token_id: "image", self.video_token_id: "video"})
-        return out, spans, [kinds[t][i] for t, i in order]
+        return expand_by_kind(ids, items, lambda x: isinstance(x, PreparedVideo), self.cfg.image_token_id,
+                              self.video_token_id, self.item_layout, expand_kinds)
 
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
         return self._expand(ids, images)[:2]

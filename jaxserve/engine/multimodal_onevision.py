@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
-from jaxserve.engine.placeholders import expand_media
+from jaxserve.engine.placeholders import expand_by_kind, expand_media
 from jaxserve.images import _pil, _rgb, load_image, pixels_digest
 from jaxserve.models.vision_anyres import bilinear
 from jaxserve.videos import FrameVideoProcessor, VideoRef, read_video
@@ -85,13 +85,8 @@ class OnevisionImageEncoder(ImageEncoder):
         return super().num_tokens(image)
 
     def _expand(self, ids: Sequence[int], items: Sequence[PreparedImage]) -> tuple[list[int], list, list]:
-        views = self._views(items)
-        kinds = {self.cfg.image_token_id: [v for v in views if not isinstance(v, PreparedVideo)]}
-        if len(kinds[self.cfg.image_token_id]) < len(views):
-            kinds[self.video_token_id] = [v for v in views if isinstance(v, PreparedVideo)]
-        out, spans, order = expand_media(ids, {t: [self.num_tokens(v) for v in vs] for t, vs in kinds.items()},
-                                         {self.cfg.image_token_id: "image", self.video_token_id: "video"})
-        return out, spans, [kinds[t][i] for t, i in order]
+        return expand_by_kind(ids, self._views(items), lambda x: isinstance(x, PreparedVideo), self.cfg.image_token_id,
+                              self.video_token_id, self.num_tokens, expand_media)
 
     def layout(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> tuple[list[int], list[tuple[int, int]]]:
         return self._expand(ids, images)[:2]

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
-from jaxserve.engine.placeholders import expand_media
+from jaxserve.engine.placeholders import expand_by_kind, expand_media
 from jaxserve.engine.video_qwen3 import frames_of, timestamped
 from jaxserve.images import ImageError, pixels_digest
 from jaxserve.images_qwen2 import QwenImageProcessor
@@ -113,12 +113,8 @@ class QwenImageEncoder(ImageEncoder):
                               lambda at: self.tokenizer.encode(f"<{at:.1f} seconds>"), self.cfg.vision_start_token_id,
                               self.cfg.vision_end_token_id, self.video_token_id)
             items = [y for x in items for y in self.views(x)]
-        kinds = {self.cfg.image_token_id: [x for x in items if not isinstance(x, PreparedVideo)],
-                 self.video_token_id: [x for x in items if isinstance(x, PreparedVideo)]}
-        kinds = {t: xs for t, xs in kinds.items() if xs or t == self.cfg.image_token_id}
-        out, spans, order = expand_media(ids, {t: [self.num_tokens(x) for x in xs] for t, xs in kinds.items()},
-                                         {self.cfg.image_token_id: "image", self.video_token_id: "video"})
-        return out, spans, [kinds[t][i] for t, i in order]
+        return expand_by_kind(ids, items, lambda x: isinstance(x, PreparedVideo), self.cfg.image_token_id,
+                              self.video_token_id, self.num_tokens, expand_media)
 
     def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
         out, spans, items = self._expand(ids, [self.prepare(image) for image in images])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 
 def expand_placeholders(ids: Sequence[int], token: int, counts: Sequence[int]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -99,6 +100,20 @@ def expand_grids(ids: Sequence[int], layouts: Sequence[list[int]], image: int,
     return out, spans
 
 
+
+
+def expand_by_kind(ids: Sequence[int], items: Sequence[Any], is_video: Callable[[Any], bool], image: int, video: int,
+                   measure: Callable[[Any], Any], expand: Callable[..., tuple[list[int], list, list]]
+                   ) -> tuple[list[int], list[tuple[int, int]], list[Any]]:
+    """A prompt's images and videos (`items`, each kind in its order) placed at their placeholders (`image`, `video`
+    tokens) by `expand` (`expand_media`, each item `measure`d as its token count, or `expand_kinds`, as its layout): the
+    prompt expanded, each item's span and the items in prompt order."""
+    kinds = {image: [x for x in items if not is_video(x)]}
+    if len(kinds[image]) < len(items):
+        kinds[video] = [x for x in items if is_video(x)]
+    out, spans, order = expand(ids, {t: [measure(x) for x in xs] for t, xs in kinds.items()},
+                               {image: "image", video: "video"})
+    return out, spans, [kinds[t][i] for t, i in order]
 
 
 def expand_layouts(ids: Sequence[int], layouts: Sequence[list[int]], token: int) -> tuple[list[int], list[tuple[int, int]]]:

@@ -327,7 +327,8 @@ class Drafter:
         counts = self.choose(n, {rid: len(d) for rid, d in proposals.items()}, room, decode_only, rc.seq_bucket,
                              verify_bucket)
         if not counts and proposals and decode_only and self.costs:
-            if probe if probe is not None else self._probe():  # one draft a request, within the room
+            probe = self._probe() if probe is None else probe
+            if probe:  # one draft a request, within the room
                 counts = {rid: 1 for rid in list(proposals)[:room]}
         elif counts:
             self.declined = 0
