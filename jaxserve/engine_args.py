@@ -81,8 +81,8 @@ class EngineArgs:
     # "dummy": random weights of the model's shapes (config and tokenizer still read from `model`), for
     # benchmarks and checks where the real weights are not at hand; an HF directory then needs no weight files.
     load_format: LoadFormat = "auto"
-    # Speculative decoding (n-gram drafts or a draft model; see jaxserve/engine/speculative.py). A JSON object
-    # or a mapping is parsed into a `SpeculativeConfig`.
+    # Speculative decoding (n-gram drafts, a draft model or the model's multi-token prediction layer; see
+    # jaxserve/engine/speculative.py). A JSON object or a mapping is parsed into a `SpeculativeConfig`.
     speculative_config: SpeculativeConfig | None = None
     # "pooling": the model computes embeddings (`jaxserve.engine.pooling_engine`), not generations;
     # "auto" = "generate".
@@ -297,7 +297,9 @@ class EngineArgs:
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context) or '
                             '\'{"model": "<draft model>", "num_speculative_tokens": 4}\' (drafts from a smaller '
-                            'model of the same vocabulary); verified in one step, outputs unchanged')
+                            'model of the same vocabulary) or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
+                            '(from the model\'s multi-token prediction layer: DeepSeek-V3, GLM-4.5); verified in one '
+                            'step, outputs unchanged')
         g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
                        help="generate (auto), or pooling: serve the model's embeddings on /v1/embeddings")
         g.add_argument("--pooler-config", default=None, metavar="JSON",

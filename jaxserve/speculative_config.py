@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from jaxserve.json_options import json_object
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")  # vLLM's model-specific names of method "mtp"
 
 
 @dataclass(frozen=True)
@@ -18,9 +19,10 @@ class SpeculativeConfig:
 
     `method` "ngram" looks the drafts up in the request's own context (`speculative.NgramIndex`);
     "draft_model" has a smaller model of the same vocabulary write them (`draft_model.DraftModel`), and is
-    what a config naming a `model` means when it names no method."""
+    what a config naming a `model` means when it names no method; "mtp" has the model's own multi-token prediction
+    layer write them (`engine.mtp`: DeepSeek-V3's, GLM-4.5's)."""
 
-    method: Literal["ngram", "draft_model"] | None = None
+    method: Literal["ngram", "draft_model", "mtp"] | None = None
     model: str | None = None
     """The draft model (as `EngineArgs.model` names one: a directory, a GGUF file, a bundled name)."""
     num_speculative_tokens: int = 4
@@ -47,9 +49,14 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method is None:
             object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
+        if self.method in MTP_ALIASES:
+            object.__setattr__(self, "method", "mtp")
         if self.method not in METHODS:
-            raise ValueError(f"speculative method must be 'ngram' (prompt lookup) or 'draft_model' (a smaller "
-                             f"model), got {self.method!r}")
+            raise ValueError(f"speculative method must be 'ngram' (prompt lookup), 'draft_model' (a smaller model) "
+                             f"or 'mtp' (the model's multi-token prediction layer), got {self.method!r}")
+        if self.method == "mtp" and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative method 'mtp' drafts with the served model's own multi-token prediction "
+                             "layer and takes no model or quantization")
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative method 'draft_model' needs the draft model: add \"model\": <path or name>")
         if self.method == "ngram" and (self.model is not None or self.quantization is not None):

@@ -53,6 +53,10 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
     """The draft model `args.speculative_config` names, loaded beside the `target` (a `LoadedModel`) and checked
     against it; None when the config drafts otherwise (or there is none)."""
     spec = args.speculative_config
+    if spec is not None and spec.method == "mtp":  # the model's own multi-token prediction layer
+        from jaxserve.engine.mtp import load_mtp
+
+        return load_mtp(args, target)
     if spec is None or spec.method != "draft_model":
         return None
     if target.vision is not None:
@@ -147,6 +151,8 @@ class DraftModel:
     """A loaded draft model, then (`start`) on the device with its KV pool (the target's pages) and its jitted
     steps."""
 
+    needs_hidden = False  # whether it drafts from the target's hidden states (`RunnerConfig.keep_hidden`)
+
     def __init__(self, loaded: Any, target_vocab: int, num_speculative_tokens: int, args: EngineArgs | None = None):
         """`args`: how it was loaded (`reload` reads it again so)."""
         self.loaded, self.name, self.cfg, self.args = loaded, loaded.name, loaded.config, args
@@ -167,21 +173,31 @@ class DraftModel:
                                     as_bits=rcfg.backend == "xla")
 
         self.kv = pool() if rep is None else jax.jit(pool, out_shardings=rep)()
-        self._follow, self._draft = _steps(self.cfg, rcfg.backend, loaded.forward_fn, self.vocab,
-                                           self.num_speculative_tokens, rep)
+        self._follow, self._draft = self.build_steps(rep)
         self.loaded = dataclasses.replace(loaded, params=self.params)  # one copy of the weights
 
-    def lay_out(self, params: Any) -> Any:
-        """Loaded weights as the steps take them: whole on each device of the mesh, per layer or stacked."""
+    def build_steps(self, rep: Any) -> tuple[Callable, Callable | None]:
+        """The jitted lockstep forward and drafting loop (outputs laid out by `rep`, a sharding, or None)."""
+        return _steps(self.cfg, self.rcfg.backend, self.loaded.forward_fn, self.vocab, self.num_speculative_tokens,
+                      rep)
+
+    def replicated(self, params: Any) -> Any:
+        """`params` whole on each device of the mesh (as they are on one device)."""
         if self._rep is not None:  # (each host of a cluster places its own copy: they read the same checkpoint)
             from sharding.plan import replicated_array
 
             params = jax.tree.map(lambda x: replicated_array(self._rep.mesh, x), params) if jax.process_count() > 1 \
                 else jax.device_put(params, self._rep)
+        return params
+
+    def lay_out(self, params: Any) -> Any:
+        """Loaded weights as the steps take them: whole on each device of the mesh, per layer or stacked."""
+        params = self.replicated(params)
         return unstack_layers(params, fuse=True) if self.rcfg.layer_loop == "unroll" else params
 
-    def reload(self) -> None:
-        """Read the weights again from the draft's checkpoint (after sleep mode dropped them)."""
+    def reload(self, target_params: Any = None) -> None:
+        """Read the weights again from the draft's checkpoint (after sleep mode dropped them; `target_params`: the
+        target's, read again before)."""
         from jaxserve.engine.model_loading import load_model
 
         self.params = self.lay_out(load_model(self.args, progress=False).params)
@@ -189,13 +205,15 @@ class DraftModel:
 
     # -- lockstep with the target ------------------------------------------------------------------
 
-    def follow(self, inputs: ModelInputs) -> None:
-        """Write the draft's KV of a target mixed step's tokens (what only the target reads is left out)."""
+    def follow(self, inputs: ModelInputs, out: Any = None, rows: Any = None, request_of: Any = None) -> None:
+        """Write the draft's KV of a target mixed step's tokens (what only the target reads is left out); `out`, the
+        step's outputs (on the device), its `rows` (`ScheduledRequest`s) and `request_of` are for drafters that
+        read them (`mtp.MtpDraft`)."""
         self.kv = self._follow(self.params, self.kv, _own(inputs))
 
-    def follow_decode(self, st: DecodeState) -> None:
+    def follow_decode(self, st: DecodeState, out: Any = None, rows: Any = None) -> None:
         """Write the draft's KV of a target decode step's tokens (its first step: the engine steps one token at a
-        time with a draft model)."""
+        time with a draft model); `out` and `rows` as for `follow`."""
         tokens, positions, tables = np.asarray(st.tokens), np.asarray(st.positions), np.asarray(st.block_tables)
         live = np.asarray(st.max_steps) > 0
         self.kv = self._follow(self.params, self.kv, self._decode_inputs(tokens, positions, tables, live))
@@ -244,24 +262,37 @@ class DraftModel:
 
     def warmup(self) -> float:
         """Compile the lockstep forward at every token and sequence bucket and the drafting loop at every
-        sequence bucket (into the reserved page 0); returns the seconds it took."""
-        t0, rc = time.perf_counter(), self.rcfg
-        steps = [_own(ModelInputs.build([([0], 0, [0])], rc.page_size, num_tokens=T, num_seqs=min(T, rc.max_num_seqs),
-                                        pages_per_seq=rc.pages_per_seq)) for T in rc.token_buckets]
-        rows = [(np.zeros(S, np.int32), np.zeros((S, rc.pages_per_seq), np.int32)) for S in rc.seq_buckets]
-        steps += [self._decode_inputs(zeros, zeros, tables, zeros > 0) for zeros, tables in rows]
-        compile_all([(self._follow, lambda i=i: (self.params, self.kv, i)) for i in steps]  # (side by side)
-                    + [(self._draft, lambda z=z, t=t: (self.params, self.kv, z, z, t, z)) for z, t in rows])
-        for inputs in steps:
-            self.kv = self._follow(self.params, self.kv, inputs)
-        for zeros, tables in rows:
-            out, self.kv = self._draft(self.params, self.kv, zeros, zeros, tables, zeros)
+        sequence bucket (into the reserved page 0), side by side, then run each once; returns the seconds it took."""
+        t0 = time.perf_counter()
+        calls = self.warm_calls()
+        compile_all(calls)
+        for fn, args in calls:
+            got = fn(*args())
+            self.kv = next(x for x in (got if isinstance(got, tuple) else (got,)) if isinstance(x, KVCache))
         jax.block_until_ready(self.kv)
         self._baseline_compiles = self.num_compilations()
         return time.perf_counter() - t0
 
+    def warm_inputs(self) -> tuple[list[ModelInputs], list[ModelInputs]]:
+        """Inert inputs of the lockstep forward: a mixed step's at each token bucket, a decode step's at each
+        sequence bucket."""
+        rc = self.rcfg
+        mixed = [_own(ModelInputs.build([([0], 0, [0])], rc.page_size, num_tokens=T, num_seqs=min(T, rc.max_num_seqs),
+                                        pages_per_seq=rc.pages_per_seq)) for T in rc.token_buckets]
+        zeros = [np.zeros(S, np.int32) for S in rc.seq_buckets]
+        return mixed, [self._decode_inputs(z, z, np.zeros((len(z), rc.pages_per_seq), np.int32), z > 0) for z in zeros]
+
+    def warm_calls(self) -> list[tuple[Callable, Callable[[], tuple]]]:
+        """Each compiled step with its inert arguments (`warmup`)."""
+        mixed, decode = self.warm_inputs()
+        calls = [(self._follow, lambda i=i: (self.params, self.kv, i)) for i in mixed + decode]
+        for S in self.rcfg.seq_buckets:
+            z, t = np.zeros(S, np.int32), np.zeros((S, self.rcfg.pages_per_seq), np.int32)
+            calls.append((self._draft, lambda z=z, t=t: (self.params, self.kv, z, z, t, z)))
+        return calls
+
     def num_compilations(self) -> int:
-        return self._follow._cache_size() + self._draft._cache_size()
+        return sum(f._cache_size() for f in (self._follow, self._draft) if f is not None)
 
     @property
     def compilations_after_warmup(self) -> int:

@@ -77,10 +77,8 @@ class LLMEngine:
         enable_compile_cache(args.compile_cache_dir)
         # Over several devices with its sharding plan, its KV dtype (scales), its LoRA slots.
         self.model, self.kv_dtype = prepare_model(loaded or load_model(args, progress=progress), args)
-        kv_dtype = self.kv_dtype
-        plan = self.model.plan
+        kv_dtype, plan, cfg = self.kv_dtype, self.model.plan, self.model.config
         self.tokenizer = self.model.tokenizer
-        cfg = self.model.config
         # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
         self.pooler_config = args.pooler_config_for(self.model.path)
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
@@ -117,7 +115,8 @@ class LLMEngine:
                          lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
                          long_rope=self.long_rope_context is not None, images=self.model.vision is not None,
                          image_spans=self.model.vision is not None and self.model.vision.cfg.bidirectional,
-                         mrope=self.model.vision is not None and cfg.mrope_section is not None),
+                         mrope=self.model.vision is not None and cfg.mrope_section is not None,
+                         keep_hidden=self.draft is not None and self.draft.needs_hidden),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.
@@ -309,7 +308,7 @@ class LLMEngine:
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 pending = self.runner.dispatch_decode(st, tensors, penalties, want_top)
                 if self.draft:  # the draft model's KV of the same tokens
-                    self.draft.follow_decode(st)
+                    self.draft.follow_decode(st, pending.outputs, rows)
                 return plan, pending, [], spec
             inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs,
                                      self._step_images if self.images else None,
@@ -320,7 +319,7 @@ class LLMEngine:
             next_ids = prompt_next_ids(chunks, inputs.token_ids.shape[0])
             pending = self.runner.dispatch_mixed(inputs, tensors, penalties, want_top, next_ids)
             if self.draft:
-                self.draft.follow(inputs)
+                self.draft.follow(inputs, pending.outputs, rows, self.scheduler.get_request)
             return plan, pending, chunks, spec
 
     def _plan(self) -> SchedulerOutput:

@@ -313,7 +313,7 @@ class EngineMemory:
             if self._draft_host is not None:
                 e.draft.params = jax.tree.map(_HostArray.to_device, self._draft_host)
             else:
-                e.draft.reload()
+                e.draft.reload(params)
         self.weights, self._host, self._params_spec, self._draft_host = "device", None, None, None
         if e.loras is not None:  # the adapters in slots, placed again over the new weights
             e.loras.place_all()

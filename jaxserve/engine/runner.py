@@ -89,6 +89,9 @@ class RunnerConfig:
     mrope: bool = False  # steps carry M-RoPE offsets (`ModelInputs.rope_offsets`): an M-RoPE model's images
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
+    keep_hidden: bool = False
+    """Steps keep every token's last hidden state on the device (`StepOutput.hidden`): multi-token prediction drafts
+    from them (`engine.mtp`)."""
 
     @property
     def pages_per_seq(self) -> int:
@@ -127,14 +130,18 @@ class StepOutput:
     top_logprobs: jax.Array  # [S, K] or [n, S, K] f32
     num_generated: jax.Array  # [S] int32 (decode loop: tokens produced per row)
     prompt: PromptLogprobs | None = None  # mixed steps of a model that returns its hidden states
+    hidden: jax.Array | None = None
+    """[T, E] (a decode loop's: its last step's [S, E]) last hidden states before the final norm, with
+    `RunnerConfig.keep_hidden`; they stay on the device (`fetch` leaves them out)."""
 
 
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
                plp: PromptLogprobInputs, want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend,
-               top_k: int, model_fn=forward, hidden: bool = False, logprobs_mode: str = "raw_logprobs"):
+               top_k: int, model_fn=forward, hidden: bool = False, logprobs_mode: str = "raw_logprobs",
+               keep_hidden: bool = False):
     """Forward over a ragged batch and sample one token per sequence row; with `hidden` (a model that
-    returns its hidden states), also the prompt logprobs `plp` asks for."""
-    prompt = None
+    returns its hidden states), also the prompt logprobs `plp` asks for; with `keep_hidden`, the hidden states."""
+    prompt = h = None
     if hidden:
         logits, kv, h = model_fn(params, kv, inputs, cfg, backend, return_hidden=True)  # [S, V], [T, E]
         prompt = prompt_logprobs(params, cfg, h, plp.next_ids, top_k)
@@ -144,7 +151,7 @@ def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: Sampl
     out = sample(logits, sampling, counts, mask, logprobs_mode=logprobs_mode)
     top_ids, top_lp = top_logprobs(logits if out.scores is None else out.scores, want_top, top_k, out.scores is None)
     return StepOutput(out.token_ids, out.logprobs, out.ranks, top_ids, top_lp,
-                      jnp.ones_like(out.token_ids), prompt), kv
+                      jnp.ones_like(out.token_ids), prompt, h if keep_hidden else None), kv
 
 
 @jax.tree_util.register_dataclass
@@ -166,8 +173,9 @@ class DecodeState:
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
                 want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, n_max: int,
-                model_fn=forward, logprobs_mode: str = "raw_logprobs"):
-    """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done."""
+                model_fn=forward, logprobs_mode: str = "raw_logprobs", keep_hidden: bool = False):
+    """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done; with
+    `keep_hidden`, the last step's hidden states too (`StepOutput.hidden`)."""
     S, P = st.block_tables.shape
     page_size = kv.k.shape[2]
     counts0, mask = penalty_arrays(pen, sampling, cfg.vocab_size)
@@ -189,7 +197,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             decode=True, lora_slots=st.lora_slots, long_prompt=st.long_prompt,
             rope_offsets=None if st.rope_delta is None else jnp.broadcast_to(st.rope_delta, (3, S)),
         )
-        logits, kv = model_fn(params, kv, inputs, cfg, backend)
+        logits, kv, *h = model_fn(params, kv, inputs, cfg, backend, **({"return_hidden": True} if keep_hidden else {}))
         s = sample(logits, samp, counts, mask, logprobs_mode=logprobs_mode)
         top_ids, top_lp = top_logprobs(logits if s.scores is None else s.scores, want_top, top_k, s.scores is None)
         new = jnp.where(done, -1, s.token_ids)
@@ -198,6 +206,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
         out = StepOutput(
             out.token_ids.at[i].set(new), out.logprobs.at[i].set(s.logprobs), out.ranks.at[i].set(s.ranks),
             out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp), produced,
+            hidden=h[0].astype(out.hidden.dtype) if keep_hidden else None,
         )
         done = done | hit_stop | (produced >= st.max_steps)
         counts = update_counts(counts, new)
@@ -206,7 +215,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
     out0 = StepOutput(
         jnp.full((n_max, S), -1, jnp.int32), jnp.zeros((n_max, S), jnp.float32), jnp.zeros((n_max, S), jnp.int32),
         jnp.zeros((n_max, S, top_k), jnp.int32), jnp.zeros((n_max, S, top_k), jnp.float32),
-        jnp.zeros((S,), jnp.int32),
+        jnp.zeros((S,), jnp.int32), hidden=jnp.zeros((S, cfg.hidden_size), params.embed.dtype) if keep_hidden else None,
     )
     done0 = st.max_steps <= 0
     c = (jnp.int32(0), kv, st.tokens, st.positions, sampling, done0, counts0, out0)
@@ -226,6 +235,8 @@ class InFlightStep:
 
 def _fetch(out):
     """Step outputs on the host; on a multi-process mesh they are replicated, so the local copy serves."""
+    if isinstance(out, StepOutput) and out.hidden is not None:
+        out = dataclasses.replace(out, hidden=None)  # (kept on the device)
     if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(out)):
         return jax.device_get(out)
     return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)

@@ -268,6 +268,23 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return logits
 
 
+def _embed(params: Params, inputs: ModelInputs, cfg: ModelConfig) -> tuple[jax.Array, jax.Array | None]:
+    """The tokens' embeddings [T, E] (an image's tokens take its own), and Qwen3-VL's deepstack embeddings of an
+    image's tokens [T, deepstack layers, E] (None without)."""
+    ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
+    x = params.embed[ids]  # [T, E]; an image's tokens stand for it by a negative id (`engine.multimodal`)
+    if cfg.family in GEMMA_FAMILIES:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    deep = None
+    if inputs.image_embeds is not None:  # an image's tokens take its embeddings (scaled as inputs are after)
+        x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds[:, :x.shape[1]].astype(x.dtype), x)
+        if cfg.deepstack_layers:  # Qwen3-VL: then its deepstack embeddings, one [T, E] per early layer
+            deep = inputs.image_embeds[:, x.shape[1]:].reshape(x.shape[0], cfg.deepstack_layers, x.shape[1])
+    if cfg.embedding_multiplier != 1.0:  # Granite
+        x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    return x, deep
+
+
 def forward(
     params: Params,
     kv: KVCache,
@@ -276,27 +293,19 @@ def forward(
     backend: AttentionBackend = "xla",
     layout=None,
     return_hidden: bool = False,
+    embeds: jax.Array | None = None,
 ):
     """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
     and the KV cache with this step's keys and values written into their pages; with
     `return_hidden` (static), also every token's last hidden state [T, E] (before the final norm,
-    for `lm_head`).
+    for `lm_head`). `embeds` [T, E]: the first layer's inputs in place of the tokens' embeddings (a multi-token
+    prediction layer's, `models.mtp`).
 
     `layout` (a `sharding.MeshLayout`, for a model sharded over a mesh): where the experts are, and the axis the
     attention kernels split heads over."""
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
-        ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
-        x = params.embed[ids]  # [T, E]; an image's tokens stand for it by a negative id (`engine.multimodal`)
-        if cfg.family in GEMMA_FAMILIES:
-            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
-        deep = None
-        if inputs.image_embeds is not None:  # an image's tokens take its embeddings (scaled as inputs are after)
-            x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds[:, :x.shape[1]].astype(x.dtype), x)
-            if cfg.deepstack_layers:  # Qwen3-VL: then its deepstack embeddings, one [T, E] per early layer
-                deep = inputs.image_embeds[:, x.shape[1]:].reshape(x.shape[0], cfg.deepstack_layers, x.shape[1])
-        if cfg.embedding_multiplier != 1.0:  # Granite
-            x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+        x, deep = (embeds, None) if embeds is not None else _embed(params, inputs, cfg)
     by_window = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt, offsets=inputs.rope_offsets)}
     by_window[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else by_window[False]
     # Each kind of layer's (cos, sin): a NoPE layer's leave its queries and keys as they are.
