@@ -24,7 +24,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft", "mtp")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -177,6 +177,14 @@ def test_a_draft_model_drafts_whole_on_each_device_of_a_tp2_engine(results):
     assert r["devices"] == [2, 2, 2] and r["pages"][0] == r["pages"][1]
     assert r["tp2"] == r["ref"] and all(len(t) == 24 for t in r["ref"])
     assert r["drafted"] > 30 and r["accepted"] == r["drafted"]
+    assert r["compiles_after_warmup"] == 0
+
+
+def test_an_mtp_layer_drafts_whole_on_each_device_of_a_tp2_engine(results):
+    r = results["mtp"]
+    assert r["devices"] == [2, 2, 2]
+    assert r["tp2"] == r["ref"] and all(len(t) == 24 for t in r["ref"])
+    assert r["drafted"] > 20 and r["accepted"] > 5
     assert r["compiles_after_warmup"] == 0
 
 

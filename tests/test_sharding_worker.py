@@ -314,6 +314,34 @@ def case_draft() -> dict:
             "pages": [engine.scheduler.pool.num_pages, engine.draft.kv.k.shape[1]]}
 
 
+def case_mtp() -> dict:
+    """Speculative decoding with GLM-4.5's multi-token prediction layer at TP=2 (`test_mtp`'s tiny checkpoint): the
+    layer and its pool whole on both devices, the model's hidden states read from its sharded steps, the greedy
+    tokens without drafts, drafts taken, nothing compiled after warmup."""
+    import tempfile
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from tests.test_mtp import ARGS, PROMPTS, save_with_mtp
+
+    with tempfile.TemporaryDirectory() as path:
+        save_with_mtp("glm4_moe", path)
+        engine = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": True}, tensor_parallel_size=2,
+                                      strict_compile=True, speculative_config={"method": "mtp",
+                                                                               "num_speculative_tokens": 2}),
+                           progress=False)
+    drafter, engine.drafter = engine.drafter, None
+    ref = _generate(engine, PROMPTS, max_tokens=24)
+    engine.drafter, drafter.costs = drafter, None  # every draft the step has room for
+    got = _generate(engine, PROMPTS, max_tokens=24)
+    stats = engine.stats()
+    return {"ref": ref, "tp2": got, "drafted": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens,
+            "compiles_after_warmup": stats.compilations_after_warmup,
+            "devices": [len(engine.draft.kv.k.sharding.device_set),
+                        len(engine.draft.params.eh_proj.sharding.device_set),
+                        len(engine.runner.kv.k.sharding.device_set)]}
+
+
 def case_dp() -> dict:
     """Two TP=2 replicas behind the data-parallel facade: placement, tokens, devices, compiles."""
     import asyncio
@@ -661,7 +689,7 @@ def case_images() -> dict:
 
 
 CASES = {"quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,
-         "draft": case_draft}
+         "draft": case_draft, "mtp": case_mtp}
 
 
 def main(argv: list[str]) -> None:

@@ -213,7 +213,7 @@ class MtpDraft(DraftModel):
         if self._draft is None:
             return
         z, tables = np.zeros(S, np.int32), np.zeros((S, self.rcfg.pages_per_seq), np.int32)
-        outs = jnp.zeros((self.rcfg.max_num_seqs, self.cfg.hidden_size), self.loaded.dtype)
+        outs = self.replicated(jnp.zeros((self.rcfg.max_num_seqs, self.cfg.hidden_size), self.loaded.dtype))
         counts = np.full(S, self.num_speculative_tokens - 1, np.int32)
         out, self.kv = self._draft(self.params, self.kv, outs, z, z, z, tables, counts)
         jax.block_until_ready(out)
@@ -221,17 +221,19 @@ class MtpDraft(DraftModel):
     # -- compiles ----------------------------------------------------------------------------------
 
     def warm_calls(self) -> list[tuple[Callable, Callable[[], tuple]]]:
+        """The steps' executables: the step's outputs (hidden states, sampled tokens) placed as the target's steps
+        place them (over a mesh, whole on each device), as they come while serving."""
         rc, E, dtype = self.rcfg, self.cfg.hidden_size, self.loaded.dtype
         mixed, decode = self.warm_inputs()
         calls = []
         for inputs, sampled in ([(i, (i.logits_indices.shape[0],)) for i in mixed]
                                 + [(i, (rc.num_scheduler_steps, i.token_ids.shape[0])) for i in decode]):
             T = inputs.token_ids.shape[0]
-            args = (jnp.zeros((T, E), dtype), jnp.zeros(sampled, jnp.int32), np.full(T, -1, np.int32),
-                    np.zeros(T, np.int32))
+            args = (*self.replicated((jnp.zeros((T, E), dtype), jnp.zeros(sampled, jnp.int32))),
+                    np.full(T, -1, np.int32), np.zeros(T, np.int32))
             calls.append((self._follow, lambda i=inputs, a=args: (self.params, self.kv, i, *a)))
         if self._draft is not None:
-            outs = jnp.zeros((rc.max_num_seqs, E), dtype)
+            outs = self.replicated(jnp.zeros((rc.max_num_seqs, E), dtype))
             for S in rc.seq_buckets:
                 z, t = np.zeros(S, np.int32), np.zeros((S, rc.pages_per_seq), np.int32)
                 calls.append((self._draft, lambda z=z, t=t: (self.params, self.kv, outs, z, z, z, t, z)))
