@@ -246,7 +246,7 @@ class DraftModel:
             tokens[i], positions[i], counts[i] = token, position, min(k, self.num_speculative_tokens)
             tables[i, :len(pages)] = pages
         out, self.kv = self._draft(self.params, self.kv, tokens, positions, tables, counts)
-        out = np.asarray(out.addressable_data(0))  # (replicated: every host holds the drafts)
+        out = host_copy(out)
         self._check_compiles()
         return {rid: out[:counts[i], i] for i, (rid, *_) in enumerate(rows)}
 
@@ -304,6 +304,11 @@ class DraftModel:
 
             raise CompileAfterWarmupError(f"{self.compilations_after_warmup} draft model compilation(s) after "
                                           "warmup (strict mode)")
+
+
+def host_copy(x: jax.Array) -> np.ndarray:
+    """A replicated array on the host (every host of a cluster holds it whole)."""
+    return np.asarray(x.addressable_data(0))
 
 
 def _own(inputs: ModelInputs) -> ModelInputs:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.draft_model import DraftModel, _own
+from jaxserve.engine.draft_model import DraftModel, _own, host_copy
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.mtp import MtpParams, load_mtp_params, mtp_config, mtp_forward, unstacked
@@ -185,7 +185,7 @@ class MtpDraft(DraftModel):
         if self._last is None:
             return {}
         firsts, outs, read = self._last
-        firsts, read = _host(firsts), _host(read)
+        firsts, read = host_copy(firsts), host_copy(read)
         picked = []
         for rid, token, position, pages, k in rows:
             j = self._rows.get((rid, position - 1))
@@ -201,7 +201,7 @@ class MtpDraft(DraftModel):
                 at[i], tokens[i], positions[i], counts[i] = j, firsts[j], position, k - 1
                 tables[i, :len(pages)] = pages
             more, self.kv = self._draft(self.params, self.kv, outs, at, tokens, positions, tables, counts)
-            more = _host(more)
+            more = host_copy(more)
             self._check_compiles()
             for i, (rid, *_) in enumerate(deeper):
                 drafts[rid] += more[:counts[i], i].tolist()
@@ -238,8 +238,3 @@ class MtpDraft(DraftModel):
                 z, t = np.zeros(S, np.int32), np.zeros((S, rc.pages_per_seq), np.int32)
                 calls.append((self._draft, lambda z=z, t=t: (self.params, self.kv, outs, z, z, z, t, z)))
         return calls
-
-
-def _host(x: jax.Array) -> np.ndarray:
-    return np.asarray(x.addressable_data(0))  # (replicated: every host holds it)
-

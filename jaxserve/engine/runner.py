@@ -89,9 +89,7 @@ class RunnerConfig:
     mrope: bool = False  # steps carry M-RoPE offsets (`ModelInputs.rope_offsets`): an M-RoPE model's images
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
-    keep_hidden: bool = False
-    """Steps keep every token's last hidden state on the device (`StepOutput.hidden`): multi-token prediction drafts
-    from them (`engine.mtp`)."""
+    keep_hidden: bool = False  # steps keep their last hidden states on the device (`StepOutput.hidden`; `engine.mtp`)
 
     @property
     def pages_per_seq(self) -> int:
@@ -130,9 +128,7 @@ class StepOutput:
     top_logprobs: jax.Array  # [S, K] or [n, S, K] f32
     num_generated: jax.Array  # [S] int32 (decode loop: tokens produced per row)
     prompt: PromptLogprobs | None = None  # mixed steps of a model that returns its hidden states
-    hidden: jax.Array | None = None
-    """[T, E] (a decode loop's: its last step's [S, E]) last hidden states before the final norm, with
-    `RunnerConfig.keep_hidden`; they stay on the device (`fetch` leaves them out)."""
+    hidden: jax.Array | None = None  # [T, E] (decode loop: its last step's [S, E]), before the final norm; not fetched
 
 
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
