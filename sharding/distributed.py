@@ -239,9 +239,9 @@ def _array_from_message(m: dict[str, Any]) -> np.ndarray:
 
 def _image_message(image: PreparedImage) -> dict[str, Any]:
     """A prepared image (or video) as JSON for the step message: its pixels (base64 bytes and shape), size and digest
-    (a video's grid, time step and times too; LLaVA-OneVision's square form)."""
-    extra = {"grid": list(image.grid), "time_step": image.time_step, "timestamps": list(image.timestamps)} \
-        if isinstance(image, PreparedVideo) else {}
+    (a video's grid, time step, times and texts too; LLaVA-OneVision's square form)."""
+    extra = {"grid": list(image.grid), "time_step": image.time_step, "timestamps": list(image.timestamps),
+             "texts": list(image.texts)} if isinstance(image, PreparedVideo) else {}
     if isinstance(image, OnevisionImage):
         extra = {"square": _array_message(image.square)}
     return {"pixels": _array_message(image.pixels), "size": list(image.size), "digest": image.digest.hex(), **extra}
@@ -250,7 +250,8 @@ def _image_message(image: PreparedImage) -> dict[str, Any]:
 def _image_from_message(m: dict[str, Any]) -> PreparedImage:
     pixels, size, digest = _array_from_message(m["pixels"]), tuple(m["size"]), bytes.fromhex(m["digest"])
     if "grid" in m:
-        return PreparedVideo(pixels, size, digest, tuple(m["grid"]), m["time_step"], tuple(m["timestamps"]))
+        return PreparedVideo(pixels, size, digest, tuple(m["grid"]), m["time_step"], tuple(m["timestamps"]),
+                             tuple(m["texts"]))
     if "square" in m:
         return OnevisionImage(pixels, size, digest, _array_from_message(m["square"]))
     return PreparedImage(pixels, size, digest)

@@ -10,12 +10,13 @@ from jaxserve.sampling_params import SamplingParams
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int,
-                     add_special_tokens: bool = False) -> list[int]:
-    """A prompt's token ids: text tokenized, ids checked against the vocabulary."""
+                     add_special_tokens: bool = False, placeholders: Sequence[int] = ()) -> list[int]:
+    """A prompt's token ids: text tokenized, ids checked against the vocabulary (and the media `placeholders` past
+    it, `ImageEncoder.placeholder_ids`)."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     ids = [int(t) for t in prompt]
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = [t for t in ids if not 0 <= t < vocab_size and t not in placeholders]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     return ids

@@ -163,7 +163,8 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A text prompt's ids (with the tokenizer's BOS and the like, as vLLM adds them), or token ids checked."""
-        return prompt_token_ids(self.tokenizer, prompt, self.model.config.vocab_size, add_special_tokens)
+        return prompt_token_ids(self.tokenizer, prompt, self.model.config.vocab_size, add_special_tokens,
+                                self.images.placeholder_ids if self.images else ())
 
     def add_request(
         self,

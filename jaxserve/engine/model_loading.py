@@ -185,14 +185,19 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
         vcfg = pixtral_config(vcfg, tokenizer)
     made = encoder(vcfg, params, processor(), args.allowed_local_media_path, int(args.mm_processor_cache_gb * 2**30),
                    dict(ckpt.hf_config), unused, tokenizer)
-    if kind in ("qwen2_vl", "internvl", "onevision") and (args.limit_mm_per_prompt or {}).get("video") != 0:
+    if kind in ("qwen2_vl", "internvl", "onevision", "idefics3") and (args.limit_mm_per_prompt or {}).get("video") != 0:
         from jaxserve.videos import FrameVideoProcessor
+        from jaxserve.videos_idefics3 import SmolVLMVideoProcessor
         from jaxserve.videos_qwen2 import QwenVideoProcessor, video_processor_config
 
         video = video_processor_config(path, args.mm_processor_kwargs) or {}
         made.video_frames = (args.media_io_kwargs or {}).get("video", {}).get("num_frames")
-        made.video_processor = QwenVideoProcessor.from_dict(video, qwen3=vcfg.variant == "qwen3_vl") if kind == "qwen2_vl" \
-            else FrameVideoProcessor.from_dict(video, vcfg.image_size, middle=kind == "internvl")
+        if kind == "idefics3":  # SmolVLM2's (its settings' video_sampling); Idefics3's and SmolVLM's take images only
+            if "video_sampling" in video or str(video.get("video_processor_type")).startswith("SmolVLMVideo"):
+                made.take_videos(SmolVLMVideoProcessor.from_dict(video, vcfg.image_size))
+        else:
+            made.video_processor = QwenVideoProcessor.from_dict(video, qwen3=vcfg.variant == "qwen3_vl") \
+                if kind == "qwen2_vl" else FrameVideoProcessor.from_dict(video, vcfg.image_size, middle=kind == "internvl")
     return made
 
 

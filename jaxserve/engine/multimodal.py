@@ -50,11 +50,13 @@ class PreparedVideo(PreparedImage):
     """A video read and processed: its patches (`pixels`), its frames' (height, width) as given, the hash the caches
     key it by (of its patches and `time_step`), its patch grid (t, h, w), how far its M-RoPE temporal position
     moves from one temporal patch to the next (Qwen2.5-VL: by the seconds between them), and (Qwen3-VL) each
-    temporal patch's time in seconds, written before it in the prompt."""
+    temporal patch's time in seconds, written before it in the prompt; (SmolVLM2) the text written with it, its
+    introduction and then each frame's time."""
 
     grid: tuple[int, int, int]
     time_step: float
     timestamps: tuple[float, ...] = ()
+    texts: tuple[str, ...] = ()
 
 
 def cache_key(digest: bytes) -> int:
@@ -66,6 +68,7 @@ class ImageEncoder:
     """An image-text model's vision side on the device: its processor, tower and projector."""
 
     video_frames: int | None = None  # `--media-io-kwargs` video num_frames: a video file's frames (None: as processed)
+    placeholder_ids: tuple[int, ...] = ()  # placeholders past the model's vocabulary (SmolVLM2's added `<video>`)
 
     def __init__(self, cfg: VisionConfig, params: VisionParams, processor: ImageProcessor,
                  allowed_local_path: str | None = None, cache_bytes: int = 0, hf_config: dict | None = None,
