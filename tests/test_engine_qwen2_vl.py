@@ -213,6 +213,33 @@ def test_speculative_decoding_with_images_equals_plain(qwen):
         assert spec.stats().spec_num_drafts > 0
 
 
+@pytest.mark.parametrize("qwen", ["qwen2_5_vl"], indirect=True)
+def test_a_draft_model_for_an_image_text_target_equals_plain(qwen):
+    """A draft model for an image-text target (its own language model, read from the same directory, images off):
+    drafts verified after prompts with images and a text-only one; the target's tokens and logprobs, and the drafts
+    of the text-only prompt (where the draft is the target exactly: M-RoPE's positions are plain without images) all
+    taken."""
+    path, _ = qwen
+    prompts, images = PROMPTS + [text(8, 9)], IMAGES + [[]]
+    plain = run(engine(path), prompts, images)
+    spec = engine(path, speculative_config={"model": path, "num_speculative_tokens": 3})
+    assert spec.draft.loaded.vision is None and spec.draft.cfg.num_layers == spec.model.config.num_layers
+    spec.drafter.costs = None  # (every draft the step has room for)
+    def same(got, want) -> None:
+        assert [t for t, _ in got] == [t for t, _ in want]
+        for (_, a), (_, b) in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+
+    before = spec.stats()
+    same(run(spec, prompts[2:], images[2:]), plain[2:])
+    alone = spec.stats()
+    assert alone.spec_num_accepted_tokens - before.spec_num_accepted_tokens == \
+        alone.spec_num_draft_tokens - before.spec_num_draft_tokens >= 3
+    same(run(spec, prompts, images), plain)
+    assert spec.stats().spec_num_draft_tokens > alone.spec_num_draft_tokens
+    spec.check_integrity()
+
+
 @pytest.mark.parametrize("qwen", ["qwen2_vl"], indirect=True)
 def test_mm_processor_kwargs_set_the_processor(qwen):
     """`--mm-processor-kwargs '{"max_pixels": 1024}'`: an image takes fewer tokens (80 x 30 pixels: 16 x 48 instead of

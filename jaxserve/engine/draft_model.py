@@ -21,8 +21,12 @@ Decode steps go one token at a time with a draft model (the draft follows each t
 holds the draft model's dtype. Drafts past the draft model's own context are merely worse guesses.
 Over several devices (tensor or expert parallel), every device of the target's holds the whole draft model and
 its pool (it is small) and runs it alike, across the hosts of a cluster too. Sleep mode frees, keeps or drops its
-weights and frees its pool with the target's (`memory.EngineMemory`). Not served with a draft model: image-text
-targets; a prefill/decode worker with one recomputes an imported prompt (`kv_transfer.import_pages`).
+weights and frees its pool with the target's (`memory.EngineMemory`). A prefill/decode worker with one recomputes an
+imported prompt (`kv_transfer.import_pages`).
+
+An image-text target's draft is a text model (an image-text checkpoint's language model, its images off): it reads
+an image's tokens as token 0 and every token at its plain position (the target's M-RoPE offsets are its own), so its
+drafts after an image are guesses from the text around it; what is taken is the target's, as always.
 """
 
 from __future__ import annotations
@@ -59,9 +63,6 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
         return load_mtp(args, target)
     if spec is None or spec.method != "draft_model":
         return None
-    if target.vision is not None:
-        raise ValueError("a draft model (speculative method 'draft_model') is not supported with an image-text "
-                         "model; use method 'ngram', or no speculative config")
     from jaxserve.engine.model_loading import load_model
 
     draft_args = EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
@@ -90,7 +91,7 @@ def check_same_vocabulary(target: Any, draft: Any, target_name: str, draft_name:
 def _follow(params: Any, kv: KVCache, inputs: ModelInputs, cfg: ModelConfig, backend: str,
             model_fn: Callable) -> KVCache:
     """The draft's forward over a target step's inputs, kept for its KV writes."""
-    inputs = dataclasses.replace(inputs, token_ids=jnp.minimum(inputs.token_ids, cfg.vocab_size - 1))
+    inputs = dataclasses.replace(inputs, token_ids=jnp.clip(inputs.token_ids, 0, cfg.vocab_size - 1))  # (images: < 0)
     return model_fn(params, kv, inputs, cfg, backend)[1]
 
 
