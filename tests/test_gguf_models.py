@@ -420,9 +420,13 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
               "shared_experts.down_proj": "ffn_down_shexp"}
     names = {**_LLAMA_CPP_NAMES, "post_attention_layernorm": "post_attention_norm"} if arch == "glm4moe" else \
         _LLAMA_CPP_NAMES
+    nextn = {"enorm", "hnorm", "eh_proj", "embed_tokens", "shared_head"}  # a multi-token prediction layer's own
+    mtp = f"model.layers.{cfg.num_layers}.enorm.weight" in tensors
     for name, a in tensors.items():
         parts = name.split(".")
-        if name == "lm_head.weight":
+        if parts[1] == "layers" and parts[3] in nextn:
+            w.add_tensor(f"blk.{parts[2]}.nextn.{'_'.join(parts[3:-1])}.{parts[-1]}", a)
+        elif name == "lm_head.weight":
             w.add_tensor("output.weight", a)
         elif parts[1] != "layers":
             w.add_tensor({"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight", a)
@@ -445,7 +449,7 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
             w.add_tensor(f"blk.{parts[2]}.{key}.{parts[-1]}", a)
     for (layer, kind), by_expert in experts.items():
         w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", np.stack([by_expert[j] for j in sorted(by_expert)]))
-    if arch == "glm4moe":  # a multi-token prediction block after the model's (its layer's tensors, and its own)
+    if arch == "glm4moe" and not mtp:  # a multi-token prediction block after the model's (its layer's, and its own)
         last = f"model.layers.{cfg.num_layers - 1}."
         w.add_tensor(f"blk.{cfg.num_layers}.attn_q.weight", tensors[f"{last}self_attn.q_proj.weight"])
         w.add_tensor(f"blk.{cfg.num_layers}.nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size),

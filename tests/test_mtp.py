@@ -267,3 +267,42 @@ def test_config_and_refusals(tiny, tmp_path):
     save_tiny_hf("LlamaConfig", llama)
     with pytest.raises(ValueError, match="jaxserve reads for DeepSeek-V3 and GLM-4.5 checkpoints; llama has none"):
         LLMEngine(EngineArgs(model=_with_tokenizer(llama), speculative_config=SPEC, **ARGS), progress=False)
+
+
+@pytest.mark.parametrize("tiny", ["glm4_moe"], indirect=True)
+def test_a_gguf_files_nextn_block_drafts_as_the_directory(tiny, tmp_path, monkeypatch):
+    """GLM-4.5 as llama.cpp writes it (F32: the MTP layer as block `blk.N` with its `nextn.*` tensors): the same
+    drafts, step for step, and outputs as the HF directory it was written from."""
+    from tests.test_gguf_models import _write_moe_gguf
+
+    _, path, _ = tiny
+    gguf = _write_moe_gguf(tmp_path / "glm.gguf", path, "glm4moe")
+    proposed: list[list] = []
+    propose = MtpDraft.propose
+
+    def watch(self, rows):
+        got = propose(self, rows)
+        proposed[-1].extend((rid, position, got[rid].tolist()) for rid, _, position, _, _ in rows if rid in got)
+        return got
+
+    monkeypatch.setattr(MtpDraft, "propose", watch)
+    import jax.numpy as jnp
+
+    from jaxserve.engine.model_loading import LoadedModel, load_model
+    from jaxserve.loader import load_params
+    from jaxserve.loader.gguf_file import GGUFFile
+
+    file = GGUFFile(gguf)
+    cfg = file.config()
+    tokenizer = load_model(EngineArgs(model=path, load_format="dummy"), progress=False).tokenizer
+    loaded = LoadedModel(gguf, "glm", cfg, load_params(file, cfg, jnp.float32, progress=False), tokenizer,
+                         jnp.float32, 0.0)
+    outputs = []
+    for model in (path, loaded):
+        proposed.append([])
+        engine = LLMEngine(EngineArgs(model=path if model is path else gguf, speculative_config=SPEC, **ARGS),
+                           loaded=None if model is path else model, progress=False)
+        assert engine.draft.cfg.num_layers == 1
+        outputs.append(_serve(engine, PROMPTS))
+    assert outputs[0] == outputs[1]
+    assert len(proposed[0]) > 10 and proposed[0] == proposed[1]

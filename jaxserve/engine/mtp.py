@@ -1,6 +1,7 @@
 """Speculative decoding with the model's own multi-token prediction layer: `--speculative-config '{"method": "mtp",
 "num_speculative_tokens": k}'` (vLLM's method; "deepseek_mtp" and "glm4_moe_mtp" name it too). `models.mtp`
-describes the layer; the drafts are verified as any others (`speculative.SpecStep`), so outputs are the target's own.
+describes the layer, read from an HF directory or from a GGUF file's `nextn` block (GLM-4.5's, as llama.cpp writes
+it); the drafts are verified as any others (`speculative.SpecStep`), so outputs are the target's own.
 
 The layer keeps a one-layer KV pool of the target's pages, allocated, shared, preempted and freed with the target's
 as a draft model's is (`draft_model.DraftModel`), and written in lockstep from the target's steps themselves: every
@@ -41,22 +42,31 @@ from jaxserve.models.params import unstack_layers
 
 def load_mtp(args: EngineArgs, target: Any) -> MtpDraft:
     """The first multi-token prediction layer of the `target`'s checkpoint (a `LoadedModel`), ready to `start`."""
-    from jaxserve.loader import HFDirectory, open_checkpoint
-
     if target.vision is not None:
         raise ValueError("speculative method 'mtp' is not supported with an image-text model; use method 'ngram', "
                          "or no speculative config")
-    ckpt = open_checkpoint(target.path, overrides=args.hf_overrides)
-    if not isinstance(ckpt, HFDirectory):
-        raise ValueError(f"speculative method 'mtp' reads the multi-token prediction layers of an HF model "
-                         f"directory; {target.path} is not one")
-    cfg = mtp_config(ckpt.hf_config, target.config)
-    params = load_mtp_params(ckpt, cfg, target.params, target.config, target.dtype)
+    layers, tensors = _mtp_tensors(target.path, args.hf_overrides, target.config)
+    cfg = mtp_config(target.config, layers)
+    params = load_mtp_params(tensors(cfg), cfg, target.params, target.config.num_layers, target.dtype)
     loaded = dataclasses.replace(target, params=params, config=cfg, name=f"{target.name} (MTP layer)", vision=None,
                                  plan=None)
     draft = MtpDraft(loaded, target.config.vocab_size, args.speculative_config.num_speculative_tokens, args)
     draft.target_cfg = target.config
     return draft
+
+
+def _mtp_tensors(path: str, overrides: Any, target: ModelConfig) -> tuple[int, Callable[[ModelConfig], Any]]:
+    """How many MTP layers the checkpoint at `path` has (an HF directory's `num_nextn_predict_layers`, a GGUF file's
+    `nextn` blocks: GLM-4.5's as llama.cpp writes them) and its tensors that may be theirs, by the layer's config."""
+    from jaxserve.loader import HFDirectory, open_checkpoint
+    from jaxserve.loader.gguf_file import prediction_blocks
+
+    ckpt = open_checkpoint(path, overrides=overrides)
+    if isinstance(ckpt, HFDirectory):
+        first = f"model.layers.{target.num_layers}."
+        return (int(ckpt.hf_config.get("num_nextn_predict_layers") or 0),
+                lambda cfg: ckpt.tensors(cfg, select=lambda n: n.startswith(first)))
+    return len(prediction_blocks(t.name for t in ckpt.reader.tensors)), lambda _: ckpt.tensors(target, prediction=True)
 
 
 def _follow(p: MtpParams, kv: KVCache, inputs: ModelInputs, hidden: jax.Array, sampled: jax.Array,
@@ -135,10 +145,9 @@ class MtpDraft(DraftModel):
         return unstacked(params, lambda m: unstack_layers(m, fuse=True)) if self.rcfg.layer_loop == "unroll" else params
 
     def reload(self, target_params: Any = None) -> None:
-        from jaxserve.loader import open_checkpoint
-
-        ckpt = open_checkpoint(self.loaded.path, overrides=self.args.hf_overrides)
-        self.params = self.lay_out(load_mtp_params(ckpt, self.cfg, target_params, self.target_cfg, self.loaded.dtype))
+        tensors = _mtp_tensors(self.loaded.path, self.args.hf_overrides, self.target_cfg)[1](self.cfg)
+        self.params = self.lay_out(load_mtp_params(tensors, self.cfg, target_params, self.target_cfg.num_layers,
+                                                   self.loaded.dtype))
         self.loaded = dataclasses.replace(self.loaded, params=self.params)
 
     # -- lockstep with the target ------------------------------------------------------------------

@@ -62,8 +62,10 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # The norm before the MLP under llama.cpp's post-attention name (gpt-oss's, GLM-4.5's), gpt-oss's sinks.
 _POST_ATTENTION_NORM = {"post_attention_norm.weight": "post_attention_layernorm.weight"}
 _GPT_OSS_NAMES = {**_POST_ATTENTION_NORM, "attn_sinks.weight": "self_attn.sinks"}
-# GLM-4.5's multi-token prediction layers: blocks after the model's, each with `nextn.*` tensors (not read).
+# GLM-4.5's multi-token prediction layers: blocks after the model's, each with `nextn.*` tensors (read for
+# speculative decoding alone, `engine.mtp`), named here as the HF checkpoints name them.
 NEXTN_RE = re.compile(r"^blk\.(\d+)\.nextn\.")
+_NEXTN_NAMES = {"shared_head_head.weight": "shared_head.head.weight", "shared_head_norm.weight": "shared_head.norm.weight"}
 
 
 def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, extra: dict[str, str] | None = None) -> str:
@@ -126,7 +128,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
 
 
 def prediction_blocks(names: Iterable[str]) -> set[int]:
-    """The blocks holding multi-token prediction layers (`nextn.*` tensors: GLM-4.5's), which are not read."""
+    """The blocks holding multi-token prediction layers (`nextn.*` tensors: GLM-4.5's), read for drafting alone."""
     return {int(m.group(1)) for name in names if (m := NEXTN_RE.match(name))}
 
 
@@ -187,18 +189,20 @@ class GGUFFile:
         return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, rope,
                                               frozenset(tensors))
 
-    def tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
-        """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time."""
+    def tensors(self, cfg: ModelConfig, prediction: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time; the multi-token
+        prediction blocks' alone with `prediction` (as `model.layers.N.`: the block's decoder layer, and its `nextn`
+        tensors under DeepSeek's names, `eh_proj`, `shared_head.head` ...)."""
         import gguf
 
         arch = self.metadata.get("general.architecture")
         # llama.cpp writes their Q/K rows in its rotary order
         permuted = arch in ("llama", "mistral", "granite", "smollm3")
         gemma = cfg.family in GEMMA_FAMILIES
-        prediction = prediction_blocks(t.name for t in self.reader.tensors)
+        predicting = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:
             block = _BLK_RE.match(t.name)
-            if t.name in _ROPE_TENSORS or (block and int(block.group(1)) in prediction):
+            if t.name in _ROPE_TENSORS or (block is not None and int(block.group(1)) in predicting) != prediction:
                 continue
             kind = t.tensor_type.name
             if kind not in SUPPORTED_TYPES:
@@ -212,6 +216,10 @@ class GGUFFile:
             else:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             arr = arr.reshape(tuple(reversed(t.shape)))
+            if (nextn := NEXTN_RE.match(t.name)) is not None:
+                rest = t.name[nextn.end():]
+                yield f"model.layers.{nextn.group(1)}.{_NEXTN_NAMES.get(rest, rest)}", arr
+                continue
             for name, a in hf_tensors(t.name, arr, cfg, arch):
                 if permuted and name.endswith("self_attn.q_proj.weight"):
                     a = unpermute_rotary(a, cfg.num_heads)

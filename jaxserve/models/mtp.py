@@ -21,7 +21,7 @@ The layer is held as a one-layer model of the target's config (`mtp_config`), so
 from __future__ import annotations
 
 import dataclasses
-import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +33,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward, model_norm
 from jaxserve.models.params import Params
-
-logger = logging.getLogger(__name__)
 
 MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
 
@@ -51,21 +49,19 @@ class MtpParams:
     norm: Any  # [E]: the target model's final norm (its hidden states are read normed)
 
 
-def mtp_config(hf: dict[str, Any], target: ModelConfig) -> ModelConfig:
-    """The one-layer model config the MTP layer runs as, from the checkpoint's config.json (`hf`); ValueError when
-    the model has none."""
+def mtp_config(target: ModelConfig, layers: int) -> ModelConfig:
+    """The one-layer model config the MTP layer runs as (the `target`'s, its experts in its one layer, untied, held in
+    float), the checkpoint having `layers` of them; ValueError when the model has none."""
     if target.family not in MTP_FAMILIES:
         raise ValueError(f"speculative method 'mtp' drafts with a model's multi-token prediction layers, which "
                          f"jaxserve reads for DeepSeek-V3 and GLM-4.5 checkpoints; {target.family} has none here: use "
                          "method 'ngram' or 'draft_model'")
-    n = int(hf.get("num_nextn_predict_layers") or 0)
-    if n < 1:
+    if layers < 1:
         raise ValueError("speculative method 'mtp' needs the model's multi-token prediction layers, and this "
-                         "checkpoint has none (its config's num_nextn_predict_layers is 0); use method 'ngram' or "
-                         "'draft_model'")
-    d = {k: v for k, v in hf.items() if k != "quantization_config"}  # (the layer is held in float)
-    d.update(num_hidden_layers=1, first_k_dense_replace=0, tie_word_embeddings=False, num_nextn_predict_layers=0)
-    return ModelConfig.from_hf(d)
+                         "checkpoint has none (its config's num_nextn_predict_layers is 0; a GGUF file: no "
+                         "blk.N.nextn tensors); use method 'ngram' or 'draft_model'")
+    return dataclasses.replace(target, num_layers=1, first_dense_layers=0, tie_word_embeddings=False,
+                               weight_quant=None, kv_cache_scales=False)
 
 
 def mtp_tensor_name(name: str, first: int) -> str | None:
@@ -81,17 +77,19 @@ def mtp_tensor_name(name: str, first: int) -> str | None:
             "shared_head.head.weight": "lm_head.weight"}.get(rest, "model.layers.0." + rest)
 
 
-def load_mtp_params(ckpt: Any, cfg: ModelConfig, target: Params, target_cfg: ModelConfig, dtype: Any) -> MtpParams:
-    """The first MTP layer's weights from an HF directory `ckpt` (`loader.HFDirectory`), as `cfg` (`mtp_config`)
-    declares them; the embedding or head a checkpoint leaves out is the `target`'s."""
+def load_mtp_params(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig, target: Params, first: int,
+                    dtype: Any) -> MtpParams:
+    """The MTP layer `model.layers.{first}.` from a checkpoint's `tensors` (HF names; the others are skipped), as `cfg`
+    (`mtp_config`) declares it; the embedding or head a checkpoint leaves out is the `target`'s."""
     from jaxserve.loader.assembler import WeightAssembler
     from jaxserve.loader.keymap import CheckpointError
 
-    first = target_cfg.num_layers
     np_dtype = np.dtype(jnp.dtype(dtype))
     assembler, own, seen = WeightAssembler(cfg, np_dtype), {}, set()
-    for name, array in ckpt.tensors(cfg, select=lambda n: mtp_tensor_name(n, first) is not None):
+    for name, array in tensors:
         renamed = mtp_tensor_name(name, first)
+        if renamed is None:
+            continue
         seen.add(renamed)
         if renamed.startswith("mtp."):
             own[renamed] = array
