@@ -153,9 +153,25 @@ def decode_video(data: bytes, where: str, sample: Sampler) -> Video:
     return Video(np.stack(frames), rate, total, keep)
 
 
+class SamplesFiles:
+    """A video processor that samples a file's frames as they are read (its `sampler`) and takes frames given as they
+    are unless `do_sample_frames` (its `sample_given_frames`)."""
+
+    sample_given_frames: bool
+
+    def sampler(self, total: int, rate: float | None) -> np.ndarray:
+        raise NotImplementedError
+
+    def sampled(self, video: Video, given: bool) -> Video:
+        """The frames kept: a file's were sampled as read; given frames as they are unless `do_sample_frames`."""
+        if not given or not self.sample_given_frames:
+            return video
+        keep = self.sampler(len(video.frames), video.fps)
+        return Video(video.frames[keep], video.fps, video.total_frames, video.frame_indices[keep])
+
 
 @dataclass(frozen=True)
-class FrameVideoProcessor:
+class FrameVideoProcessor(SamplesFiles):
     """A video processor that makes each frame one square input of the tower (InternVL's, LLaVA-OneVision's): each
     frame resized to `side` x `side` (PIL, `resample`), rescaled and normalized; a file's `num_frames` frames taken
     evenly (`middle`: each from the middle of its stretch, InternVL's `initial_shift`), given frames as they are
@@ -192,13 +208,6 @@ class FrameVideoProcessor:
         """transformers' `sample_frames` with `num_frames` (and InternVL's shift to the middle of each stretch)."""
         n = min(self.num_frames, total)
         return np.arange(total / n / 2 if self.middle else 0, total, total / n).astype(np.int64)
-
-    def sampled(self, video: Video, given: bool) -> Video:
-        """The frames kept: a file's were sampled as read; given frames as they are unless `do_sample_frames`."""
-        if not given or not self.sample_given_frames:
-            return video
-        keep = self.sampler(len(video.frames), video.fps)
-        return Video(video.frames[keep], video.fps, video.total_frames, video.frame_indices[keep])
 
     def __call__(self, frames: np.ndarray) -> np.ndarray:
         """Frames [T, H, W, 3] (uint8) as the tower's inputs [T, C, side, side]."""

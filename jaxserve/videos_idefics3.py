@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxserve.images import ImageError, _pil, scaled_pixels
 from jaxserve.images_idefics3 import longest_to
-from jaxserve.videos import Video
+from jaxserve.videos import SamplesFiles, Video
 
 ASSUMED_FPS = 24.0  # transformers' frame rate for frames given without theirs
 _ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
@@ -51,7 +51,7 @@ def number_words(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class SmolVLMVideoProcessor:
+class SmolVLMVideoProcessor(SamplesFiles):
     """SmolVLM2's video settings (`preprocessor_config.json`'s `video_sampling`, or a video processor's own)."""
 
     tile: int  # the tower's side: each frame's final square
@@ -98,13 +98,6 @@ class SmolVLMVideoProcessor:
         if start >= end:
             start, end = 0, total - 1
         return np.unique(np.linspace(start, end, wanted, dtype=int))
-
-    def sampled(self, video: Video, given: bool) -> Video:
-        """The frames kept: a file's were sampled as read; given frames as they are unless `do_sample_frames`."""
-        if not given or not self.sample_given_frames:
-            return video
-        keep = self.sampler(len(video.frames), video.fps)
-        return Video(video.frames[keep], video.fps, video.total_frames, video.frame_indices[keep])
 
     def __call__(self, frames: np.ndarray) -> np.ndarray:
         """Frames [T, H, W, 3] (uint8) as the tower's inputs [T, C, tile, tile]."""
