@@ -73,14 +73,16 @@ def _follow(p: MtpParams, kv: KVCache, inputs: ModelInputs, hidden: jax.Array, s
             next_ids: jax.Array, next_from: jax.Array, cfg: ModelConfig, backend: str, vocab: int, rows: int):
     """The layer over a target step's rows (`hidden` their last hidden states), each row's next token `next_ids`
     where known (else -1: the step's sampled token `sampled.ravel()[next_from]`). Returns the pool, and at each
-    sampling row (`inputs.logits_indices`), padded to `rows`: the first draft, the layer's output, the token read."""
+    sampling row (`inputs.logits_indices`), padded to `rows`: the first draft and the token read ([2, rows], one
+    transfer to the host), and the layer's output."""
     ids = jnp.where(next_ids >= 0, next_ids, sampled.reshape(-1)[next_from])
     ids = jnp.clip(ids, 0, cfg.vocab_size - 1)  # (padding rows sample -1)
     logits, kv, h = mtp_forward(p, kv, dataclasses.replace(inputs, token_ids=ids), hidden, cfg, backend, True)
     at = inputs.logits_indices
     pad = rows - at.shape[0]
     first = jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32)
-    return (kv, jnp.pad(first, (0, pad)), jnp.pad(h[at], ((0, pad), (0, 0))), jnp.pad(ids[at], (0, pad), constant_values=-1))
+    tokens = jnp.stack([jnp.pad(first, (0, pad)), jnp.pad(ids[at], (0, pad), constant_values=-1)])
+    return kv, tokens, jnp.pad(h[at], ((0, pad), (0, 0)))
 
 
 def _draft_loop(p: MtpParams, kv: KVCache, outs: jax.Array, at: jax.Array, tokens: jax.Array, positions: jax.Array,
@@ -132,7 +134,7 @@ class MtpDraft(DraftModel):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._last: tuple[jax.Array, jax.Array, jax.Array] | None = None  # the last step's (firsts, outputs, tokens)
+        self._last: tuple[jax.Array, jax.Array] | None = None  # the last step's ([firsts, tokens read], outputs)
         self._rows: dict[tuple[str, int], int] = {}  # (request, position) -> its sampling row of the last step
         self.target_cfg: ModelConfig | None = None  # the target's (its layer count places the layer's tensors)
 
@@ -193,8 +195,8 @@ class MtpDraft(DraftModel):
         last token), then its own continuation."""
         if self._last is None:
             return {}
-        firsts, outs, read = self._last
-        firsts, read = host_copy(firsts), host_copy(read)
+        pair, outs = self._last
+        firsts, read = host_copy(pair)
         picked = []
         for rid, token, position, pages, k in rows:
             j = self._rows.get((rid, position - 1))
