@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from jaxserve.json_options import json_object
 
-METHODS = ("ngram", "draft_model", "mtp")
+METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
 MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")  # vLLM's model-specific names of method "mtp"
 
 
@@ -19,12 +19,14 @@ class SpeculativeConfig:
 
     `method` "ngram" looks the drafts up in the request's own context (`speculative.NgramIndex`);
     "draft_model" has a smaller model of the same vocabulary write them (`draft_model.DraftModel`), and is
-    what a config naming a `model` means when it names no method; "mtp" has the model's own multi-token prediction
-    layer write them (`engine.mtp`: DeepSeek-V3's, GLM-4.5's)."""
+    what a config naming a `model` means when it names no method (an EAGLE checkpoint's config is read as one);
+    "mtp" has the model's own multi-token prediction layer write them (`engine.mtp`: DeepSeek-V3's, GLM-4.5's);
+    "eagle" and "eagle3" an EAGLE or EAGLE-3 draft head reading the model's hidden states (`engine.eagle`)."""
 
-    method: Literal["ngram", "draft_model", "mtp"] | None = None
+    method: Literal["ngram", "draft_model", "mtp", "eagle", "eagle3"] | None = None
     model: str | None = None
-    """The draft model (as `EngineArgs.model` names one: a directory, a GGUF file, a bundled name)."""
+    """The draft model (as `EngineArgs.model` names one: a directory, a GGUF file, a bundled name; an EAGLE
+    head's directory)."""
     num_speculative_tokens: int = 4
     """Most drafts per request per step."""
     prompt_lookup_max: int = 4
@@ -52,13 +54,17 @@ class SpeculativeConfig:
         if self.method in MTP_ALIASES:
             object.__setattr__(self, "method", "mtp")
         if self.method not in METHODS:
-            raise ValueError(f"speculative method must be 'ngram' (prompt lookup), 'draft_model' (a smaller model) "
-                             f"or 'mtp' (the model's multi-token prediction layer), got {self.method!r}")
+            raise ValueError(f"speculative method must be 'ngram' (prompt lookup), 'draft_model' (a smaller model), "
+                             f"'mtp' (the model's multi-token prediction layer) or 'eagle' / 'eagle3' (an EAGLE draft "
+                             f"head), got {self.method!r}")
         if self.method == "mtp" and (self.model is not None or self.quantization is not None):
             raise ValueError("speculative method 'mtp' drafts with the served model's own multi-token prediction "
                              "layer and takes no model or quantization")
-        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
-            raise ValueError("speculative method 'draft_model' needs the draft model: add \"model\": <path or name>")
+        if self.method in ("draft_model", "eagle", "eagle3") and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative method {self.method!r} needs the draft model: add \"model\": <path or "
+                             "name>")
+        if self.method in ("eagle", "eagle3") and self.quantization is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no quantization (the head is held as read)")
         if self.method == "ngram" and (self.model is not None or self.quantization is not None):
             raise ValueError("speculative method 'ngram' drafts from the context and takes no model or "
                              "quantization; for a draft model use method 'draft_model'")

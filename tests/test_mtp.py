@@ -238,8 +238,8 @@ def test_config_and_refusals(tiny, tmp_path):
         assert SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 1}).method == "mtp"
     with pytest.raises(ValueError, match="'mtp' drafts with the served model's own .* takes no model"):
         SpeculativeConfig(method="mtp", model=path)
-    with pytest.raises(ValueError, match="'mtp' .*, got 'eagle'"):
-        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="'mtp' .*, got 'medusa'"):
+        SpeculativeConfig(method="medusa")
     import shutil
 
     def edited(name: str, **changes) -> str:

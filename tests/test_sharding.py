@@ -24,7 +24,7 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft", "mtp")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft", "mtp", "eagle")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -183,6 +183,14 @@ def test_a_draft_model_drafts_whole_on_each_device_of_a_tp2_engine(results):
 def test_an_mtp_layer_drafts_whole_on_each_device_of_a_tp2_engine(results):
     r = results["mtp"]
     assert r["devices"] == [2, 2, 2]
+    assert r["tp2"] == r["ref"] and all(len(t) == 24 for t in r["ref"])
+    assert r["drafted"] > 20 and r["accepted"] > 5
+    assert r["compiles_after_warmup"] == 0
+
+
+def test_an_eagle3_head_drafts_whole_on_each_device_of_a_tp2_engine(results):
+    r = results["eagle"]
+    assert r["devices"] == [2, 2, 2] and r["hidden_layers"] == [1, 3, 4]
     assert r["tp2"] == r["ref"] and all(len(t) == 24 for t in r["ref"])
     assert r["drafted"] > 20 and r["accepted"] > 5
     assert r["compiles_after_warmup"] == 0

@@ -342,6 +342,32 @@ def case_mtp() -> dict:
                         len(engine.runner.kv.k.sharding.device_set)]}
 
 
+def case_eagle() -> dict:
+    """Speculative decoding with an EAGLE-3 head at TP=2 (`test_eagle`'s tiny target and head): the head and its pool
+    whole on both devices, the hidden states entering three layers read from the sharded steps, the greedy tokens
+    without drafts, drafts taken, nothing compiled after warmup."""
+    import tempfile
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from tests.test_eagle import ARGS, PROMPTS, _spec, _target, save_head
+
+    with tempfile.TemporaryDirectory() as path:
+        save_head("eagle3", f"{path}/head", _target(path))
+        engine = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": True}, tensor_parallel_size=2,
+                                      strict_compile=True, speculative_config=_spec("eagle3", f"{path}/head", 2)),
+                           progress=False)
+    drafter, engine.drafter = engine.drafter, None
+    ref = _generate(engine, PROMPTS, max_tokens=24)
+    engine.drafter, drafter.costs = drafter, None  # every draft the step has room for
+    got = _generate(engine, PROMPTS, max_tokens=24)
+    stats = engine.stats()
+    return {"ref": ref, "tp2": got, "drafted": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens,
+            "compiles_after_warmup": stats.compilations_after_warmup, "hidden_layers": engine.runner.cfg.hidden_layers,
+            "devices": [len(engine.draft.kv.k.sharding.device_set), len(engine.draft.params.fc.sharding.device_set),
+                        len(engine.runner.kv.k.sharding.device_set)]}
+
+
 def case_dp() -> dict:
     """Two TP=2 replicas behind the data-parallel facade: placement, tokens, devices, compiles."""
     import asyncio
@@ -689,7 +715,7 @@ def case_images() -> dict:
 
 
 CASES = {"quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,
-         "draft": case_draft, "mtp": case_mtp}
+         "draft": case_draft, "mtp": case_mtp, "eagle": case_eagle}
 
 
 def main(argv: list[str]) -> None:

@@ -88,7 +88,8 @@ def test_config_is_checked_and_named():
     assert EngineArgs(speculative_config={"num_speculative_tokens": 2}).speculative_config.num_speculative_tokens == 2
     chunks = EngineArgs(speculative_config={"draft_verification": "chunks"}).speculative_config
     assert chunks.chunked and not SpeculativeConfig().chunked
-    for bad, match in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    for bad, match in [({"method": "medusa"}, "ngram"), ({"method": "eagle"}, "needs the draft model"),
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"draft_verification": "tree"}, "draft_verification"),
                        ({"prompt_lookup_min": 5}, "prompt_lookup_min"), ({"draft_model": "x"}, "draft_model"),
                        ("{not json", "not JSON"), ("[1]", "JSON object")]:

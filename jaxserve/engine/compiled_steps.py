@@ -96,7 +96,8 @@ def _build(mixed_step, decode_loop, pool_step, model_cfg, cfg, model_fn, layouts
     mixed_layout, decode_layout, pool_layout = layouts
     hidden = "return_hidden" in inspect.signature(model_fn).parameters
     common = dict(cfg=model_cfg, backend=cfg.backend, model_fn=model_fn)
-    sampled = dict(top_k=cfg.max_logprobs, logprobs_mode=cfg.logprobs_mode, keep_hidden=cfg.keep_hidden)
+    sampled = dict(top_k=cfg.max_logprobs, logprobs_mode=cfg.logprobs_mode, keep_hidden=cfg.keep_hidden,
+                   hidden_layers=cfg.hidden_layers)
     mixed = jax.jit(functools.partial(mixed_step, hidden=hidden, **sampled, **common),
                     donate_argnums=(1,), **mixed_layout)
     decode = jax.jit(functools.partial(decode_loop, n_max=cfg.num_scheduler_steps, **sampled, **common),

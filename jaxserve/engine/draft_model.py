@@ -61,8 +61,13 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
         from jaxserve.engine.mtp import load_mtp
 
         return load_mtp(args, target)
-    if spec is None or spec.method != "draft_model":
+    if spec is None or spec.method not in ("draft_model", "eagle", "eagle3"):
         return None
+    from jaxserve.engine.eagle import eagle_method, load_eagle
+
+    method = spec.method if spec.method != "draft_model" else eagle_method(spec.model)
+    if method is not None:  # an EAGLE head (a config naming only the model of one: as vLLM reads speculators')
+        return load_eagle(args, target, method)
     from jaxserve.engine.model_loading import load_model
 
     draft_args = EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
@@ -148,11 +153,18 @@ def draft_memory(draft: DraftModel | None, page_size: int, plan: Any) -> tuple[i
     return params_bytes(draft.loaded.params), page * (plan.kv_shards if plan is not None else 1)
 
 
+def draft_fields(draft: DraftModel | None) -> dict[str, Any]:
+    """The `RunnerConfig` fields the target's steps take for the `draft`: what hidden states they keep."""
+    needs = draft is not None and draft.needs_hidden
+    return {"keep_hidden": needs, "hidden_layers": draft.hidden_layers if needs else ()}
+
+
 class DraftModel:
     """A loaded draft model, then (`start`) on the device with its KV pool (the target's pages) and its jitted
     steps."""
 
     needs_hidden = False  # whether it drafts from the target's hidden states (`RunnerConfig.keep_hidden`)
+    hidden_layers: tuple[int, ...] = ()  # the target's layers whose entering hidden states (`RunnerConfig`)
 
     def __init__(self, loaded: Any, target_vocab: int, num_speculative_tokens: int, args: EngineArgs | None = None):
         """`args`: how it was loaded (`reload` reads it again so)."""

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
-from jaxserve.engine.draft_model import draft_memory, load_draft
+from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -116,7 +116,7 @@ class LLMEngine:
                          long_rope=self.long_rope_context is not None, images=self.model.vision is not None,
                          image_spans=self.model.vision is not None and self.model.vision.cfg.bidirectional,
                          mrope=self.model.vision is not None and cfg.mrope_section is not None,
-                         keep_hidden=self.draft is not None and self.draft.needs_hidden),
+                         **draft_fields(self.draft)),
             model_fn=self.model.forward_fn, shardings=plan.step_shardings(kv) if plan else None,
         )
         # The runner may hold the weights in another layout (per layer); keep one copy.

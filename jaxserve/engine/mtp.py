@@ -69,24 +69,31 @@ def _mtp_tensors(path: str, overrides: Any, target: ModelConfig) -> tuple[int, C
     return len(prediction_blocks(t.name for t in ckpt.reader.tensors)), lambda _: ckpt.tensors(target, prediction=True)
 
 
-def _follow(p: MtpParams, kv: KVCache, inputs: ModelInputs, hidden: jax.Array, sampled: jax.Array,
-            next_ids: jax.Array, next_from: jax.Array, cfg: ModelConfig, backend: str, vocab: int, rows: int):
-    """The layer over a target step's rows (`hidden` their last hidden states), each row's next token `next_ids`
-    where known (else -1: the step's sampled token `sampled.ravel()[next_from]`). Returns the pool, and at each
-    sampling row (`inputs.logits_indices`), padded to `rows`: the first draft and the token read ([2, rows], one
-    transfer to the host), and the layer's output."""
+def mtp_layer(p: MtpParams, kv: KVCache, inputs: ModelInputs, prev: jax.Array, from_target: bool, cfg: ModelConfig,
+              backend: str, vocab: int) -> tuple[jax.Array, KVCache, jax.Array]:
+    """The layer as the drafting steps run it (`mtp_forward`): its greedy drafts at `inputs.logits_indices` [R], the
+    pool and its outputs [T, E]."""
+    logits, kv, h = mtp_forward(p, kv, inputs, prev, cfg, backend, from_target)
+    return jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32), kv, h
+
+
+def _follow(p: Any, kv: KVCache, inputs: ModelInputs, hidden: jax.Array, sampled: jax.Array,
+            next_ids: jax.Array, next_from: jax.Array, layer: Callable, num_ids: int, rows: int):
+    """The `layer` (as `mtp_layer`) over a target step's rows (`hidden` the hidden states it keeps), each row's next
+    token `next_ids` where known (else -1: the step's sampled token `sampled.ravel()[next_from]`). Returns the pool,
+    and at each sampling row (`inputs.logits_indices`), padded to `rows`: the first draft and the token read ([2,
+    rows], one transfer to the host), and the layer's output."""
     ids = jnp.where(next_ids >= 0, next_ids, sampled.reshape(-1)[next_from])
-    ids = jnp.clip(ids, 0, cfg.vocab_size - 1)  # (padding rows sample -1)
-    logits, kv, h = mtp_forward(p, kv, dataclasses.replace(inputs, token_ids=ids), hidden, cfg, backend, True)
+    ids = jnp.clip(ids, 0, num_ids - 1)  # (padding rows sample -1)
+    first, kv, h = layer(p, kv, dataclasses.replace(inputs, token_ids=ids), hidden, True)
     at = inputs.logits_indices
     pad = rows - at.shape[0]
-    first = jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32)
     tokens = jnp.stack([jnp.pad(first, (0, pad)), jnp.pad(ids[at], (0, pad), constant_values=-1)])
     return kv, tokens, jnp.pad(h[at], ((0, pad), (0, 0)))
 
 
-def _draft_loop(p: MtpParams, kv: KVCache, outs: jax.Array, at: jax.Array, tokens: jax.Array, positions: jax.Array,
-                tables: jax.Array, counts: jax.Array, cfg: ModelConfig, backend: str, vocab: int,
+def _draft_loop(p: Any, kv: KVCache, outs: jax.Array, at: jax.Array, tokens: jax.Array, positions: jax.Array,
+                tables: jax.Array, counts: jax.Array, layer: Callable, num_ids: int,
                 n_max: int) -> tuple[jax.Array, KVCache]:
     """Drafts after the first: row i from the layer's output `outs[at[i]]` and its first draft `tokens[i]`, the
     layer at `positions[i]` (the request's last token's) and on, `counts[i]` (<= n_max) more greedy tokens:
@@ -101,12 +108,11 @@ def _draft_loop(p: MtpParams, kv: KVCache, outs: jax.Array, at: jax.Array, token
         live = j < counts
         page = tables[rows, jnp.clip(pos // page_size, 0, P - 1)]
         inputs = ModelInputs(
-            token_ids=jnp.clip(tok, 0, cfg.vocab_size - 1), positions=pos,
+            token_ids=jnp.clip(tok, 0, num_ids - 1), positions=pos,
             slot_mapping=jnp.where(live, page * page_size + pos % page_size, 0),
             block_tables=jnp.where(live[:, None], tables, 0), seq_lens=jnp.where(live, pos + 1, 1),
             query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), logits_indices=rows, decode=True)
-        logits, kv, h = mtp_forward(p, kv, inputs, prev, cfg, backend, False)
-        new = jnp.argmax(logits[:, :vocab], axis=-1).astype(jnp.int32)
+        new, kv, h = layer(p, kv, inputs, prev, False)
         return kv, jnp.where(live, new, tok), jnp.where(live[:, None], h, prev), out.at[j].set(jnp.where(live, new, -1))
 
     out = jnp.full((n_max, S), -1, jnp.int32)
@@ -115,12 +121,12 @@ def _draft_loop(p: MtpParams, kv: KVCache, outs: jax.Array, at: jax.Array, token
 
 
 @functools.lru_cache(maxsize=4)
-def _steps(cfg: ModelConfig, backend: str, vocab: int, n_max: int, rows: int,
+def _steps(layer: Callable, static: tuple[tuple[str, Any], ...], num_ids: int, n_max: int, rows: int,
            replicated: Any = None) -> tuple[Callable, Callable | None]:
-    """The jitted lockstep forward and (for more than one draft) drafting loop; `replicated` as in
-    `draft_model._steps`."""
+    """The jitted lockstep forward and (for more than one draft) drafting loop of `layer` (as `mtp_layer`, its
+    `static` keyword arguments given); `replicated` as in `draft_model._steps`."""
     out = {} if replicated is None else dict(in_shardings=replicated, out_shardings=replicated)
-    common = dict(cfg=cfg, backend=backend, vocab=vocab)
+    common = dict(layer=functools.partial(layer, **dict(static)), num_ids=num_ids)
     follow = jax.jit(functools.partial(_follow, rows=rows, **common), donate_argnums=(1,), **out)
     loop = jax.jit(functools.partial(_draft_loop, n_max=n_max - 1, **common), donate_argnums=(1,), **out) \
         if n_max > 1 else None
@@ -139,8 +145,14 @@ class MtpDraft(DraftModel):
         self.target_cfg: ModelConfig | None = None  # the target's (its layer count places the layer's tensors)
 
     def build_steps(self, rep: Any) -> tuple[Callable, Callable | None]:
-        return _steps(self.cfg, self.rcfg.backend, self.vocab, self.num_speculative_tokens, self.rcfg.max_num_seqs,
+        static = (("cfg", self.cfg), ("backend", self.rcfg.backend), ("vocab", self.vocab))
+        return _steps(mtp_layer, static, self.cfg.vocab_size, self.num_speculative_tokens, self.rcfg.max_num_seqs,
                       rep)
+
+    @property
+    def hidden_width(self) -> int:
+        """The width of the hidden states the target's steps keep for it ([T, width])."""
+        return self.target_cfg.hidden_size
 
     def lay_out(self, params: Any) -> Any:
         params = self.replicated(params)
@@ -240,7 +252,7 @@ class MtpDraft(DraftModel):
         for inputs, sampled in ([(i, (i.logits_indices.shape[0],)) for i in mixed]
                                 + [(i, (rc.num_scheduler_steps, i.token_ids.shape[0])) for i in decode]):
             T = inputs.token_ids.shape[0]
-            args = (*self.replicated((jnp.zeros((T, E), dtype), jnp.zeros(sampled, jnp.int32))),
+            args = (*self.replicated((jnp.zeros((T, self.hidden_width), dtype), jnp.zeros(sampled, jnp.int32))),
                     np.full(T, -1, np.int32), np.zeros(T, np.int32))
             calls.append((self._follow, lambda i=inputs, a=args: (self.params, self.kv, i, *a)))
         if self._draft is not None:

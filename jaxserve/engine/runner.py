@@ -53,11 +53,9 @@ class CompileAfterWarmupError(RuntimeError):
 
 
 def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
-    out, b = [], lo
+    out, b = [hi], lo
     while b < hi:
-        out.append(b)
-        b *= factor
-    out.append(hi)
+        out, b = out + [b], b * factor
     return tuple(sorted(set(out)))
 
 
@@ -90,6 +88,7 @@ class RunnerConfig:
     min_token_bucket: int = 16
     """The smallest mixed step's tokens (4 with speculative decoding: a few requests verifying their drafts)."""
     keep_hidden: bool = False  # steps keep their last hidden states on the device (`StepOutput.hidden`; `engine.mtp`)
+    hidden_layers: tuple[int, ...] = ()  # ... those entering these layers, side by side (EAGLE-3: `engine.eagle`)
 
     @property
     def pages_per_seq(self) -> int:
@@ -134,20 +133,21 @@ class StepOutput:
 def mixed_step(params: Params, kv: KVCache, inputs: ModelInputs, sampling: SamplingTensors, pen: PenaltyInputs,
                plp: PromptLogprobInputs, want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend,
                top_k: int, model_fn=forward, hidden: bool = False, logprobs_mode: str = "raw_logprobs",
-               keep_hidden: bool = False):
-    """Forward over a ragged batch and sample one token per sequence row; with `hidden` (a model that
-    returns its hidden states), also the prompt logprobs `plp` asks for; with `keep_hidden`, the hidden states."""
-    prompt = h = None
+               keep_hidden: bool = False, hidden_layers: tuple[int, ...] = ()):
+    """Forward over a ragged batch and sample one token per sequence row; with `hidden` (a model that returns its
+    hidden states), also the prompt logprobs `plp` asks for; with `keep_hidden`, the hidden states (`hidden_layers`')."""
+    prompt, h = None, [None]
     if hidden:
-        logits, kv, h = model_fn(params, kv, inputs, cfg, backend, return_hidden=True)  # [S, V], [T, E]
-        prompt = prompt_logprobs(params, cfg, h, plp.next_ids, top_k)
+        aux = {"aux_layers": hidden_layers} if keep_hidden and hidden_layers else {}
+        logits, kv, *h = model_fn(params, kv, inputs, cfg, backend, return_hidden=True, **aux)  # [S, V], [T, E]...
+        prompt = prompt_logprobs(params, cfg, h[0], plp.next_ids, top_k)
     else:
         logits, kv = model_fn(params, kv, inputs, cfg, backend)  # [S, V]
     counts, mask = penalty_arrays(pen, sampling, cfg.vocab_size)
     out = sample(logits, sampling, counts, mask, logprobs_mode=logprobs_mode)
     top_ids, top_lp = top_logprobs(logits if out.scores is None else out.scores, want_top, top_k, out.scores is None)
     return StepOutput(out.token_ids, out.logprobs, out.ranks, top_ids, top_lp,
-                      jnp.ones_like(out.token_ids), prompt, h if keep_hidden else None), kv
+                      jnp.ones_like(out.token_ids), prompt, h[-1] if keep_hidden else None), kv
 
 
 @jax.tree_util.register_dataclass
@@ -169,9 +169,9 @@ class DecodeState:
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
                 want_top: jax.Array, cfg: ModelConfig, backend: AttentionBackend, top_k: int, n_max: int,
-                model_fn=forward, logprobs_mode: str = "raw_logprobs", keep_hidden: bool = False):
+                model_fn=forward, logprobs_mode: str = "raw_logprobs", keep_hidden: bool = False, hidden_layers=()):
     """Up to `st.num_steps` (<= n_max) decode steps on the device, ending early when all rows are done; with
-    `keep_hidden`, the last step's hidden states too (`StepOutput.hidden`)."""
+    `keep_hidden`, the last step's hidden states too (`StepOutput.hidden`; as `mixed_step` keeps them)."""
     S, P = st.block_tables.shape
     page_size = kv.k.shape[2]
     counts0, mask = penalty_arrays(pen, sampling, cfg.vocab_size)
@@ -193,7 +193,8 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             decode=True, lora_slots=st.lora_slots, long_prompt=st.long_prompt,
             rope_offsets=None if st.rope_delta is None else jnp.broadcast_to(st.rope_delta, (3, S)),
         )
-        logits, kv, *h = model_fn(params, kv, inputs, cfg, backend, **({"return_hidden": True} if keep_hidden else {}))
+        want = {"return_hidden": True, **({"aux_layers": hidden_layers} if hidden_layers else {})} if keep_hidden else {}
+        logits, kv, *h = model_fn(params, kv, inputs, cfg, backend, **want)
         s = sample(logits, samp, counts, mask, logprobs_mode=logprobs_mode)
         top_ids, top_lp = top_logprobs(logits if s.scores is None else s.scores, want_top, top_k, s.scores is None)
         new = jnp.where(done, -1, s.token_ids)
@@ -202,7 +203,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
         out = StepOutput(
             out.token_ids.at[i].set(new), out.logprobs.at[i].set(s.logprobs), out.ranks.at[i].set(s.ranks),
             out.top_ids.at[i].set(top_ids), out.top_logprobs.at[i].set(top_lp), produced,
-            hidden=h[0].astype(out.hidden.dtype) if keep_hidden else None,
+            hidden=h[-1].astype(out.hidden.dtype) if keep_hidden else None,
         )
         done = done | hit_stop | (produced >= st.max_steps)
         counts = update_counts(counts, new)
@@ -210,8 +211,8 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
 
     out0 = StepOutput(
         jnp.full((n_max, S), -1, jnp.int32), jnp.zeros((n_max, S), jnp.float32), jnp.zeros((n_max, S), jnp.int32),
-        jnp.zeros((n_max, S, top_k), jnp.int32), jnp.zeros((n_max, S, top_k), jnp.float32),
-        jnp.zeros((S,), jnp.int32), hidden=jnp.zeros((S, cfg.hidden_size), params.embed.dtype) if keep_hidden else None,
+        jnp.zeros((n_max, S, top_k), jnp.int32), jnp.zeros((n_max, S, top_k), jnp.float32), jnp.zeros((S,), jnp.int32),
+        hidden=jnp.zeros((S, cfg.hidden_size * (len(hidden_layers) or 1)), params.embed.dtype) if keep_hidden else None,
     )
     done0 = st.max_steps <= 0
     c = (jnp.int32(0), kv, st.tokens, st.positions, sampling, done0, counts0, out0)

@@ -75,6 +75,10 @@ class HFDirectory:
                 raise
             raise CheckpointError(str(e)) from e
 
+    def stored_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, array in its stored dtype: integer ones too), one tensor at a time."""
+        return self._stored_tensors()
+
     def _stored_tensors(self, select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, array in its stored dtype), one tensor at a time; with `select`, those it accepts."""
         from safetensors import safe_open

@@ -108,14 +108,18 @@ def _layer(
     layout=None,
     kv_dtype=None,
     local: bool = False,
+    attn_in: jax.Array | None = None,
 ):
-    """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ."""
+    """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ; `attn_in`: what
+    its attention projects in place of its normed input (an EAGLE-3 draft's first layer: `models.eagle`)."""
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D] (`ModelConfig.kv_cache_dims`)
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
 
     with jax.named_scope("attention"):
         h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
+        if attn_in is not None:
+            h = attn_in
         if cfg.kv_lora_rank:
             attn, k_all, v_all = mla_attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
                                                layout)
@@ -252,9 +256,9 @@ _layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8, 9))
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Logits [R, V] float32 of last hidden states x [R, E]: the final norm, then the vocabulary (and the
-    model's soft-cap)."""
-    x = model_norm(cfg, x, params.final_norm)
+    """Logits [R, V] float32 of last hidden states x [R, E]: the final norm (none when `final_norm` is None: an EAGLE
+    head's), then the vocabulary (and the model's soft-cap)."""
+    x = x if params.final_norm is None else model_norm(cfg, x, params.final_norm)
     if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
         logits = _dot_out_major(x, params.lm_head_t, jnp.float32)
     elif params.lm_head is None:
@@ -294,12 +298,17 @@ def forward(
     layout=None,
     return_hidden: bool = False,
     embeds: jax.Array | None = None,
+    aux_layers: tuple[int, ...] = (),
+    attn_inputs: jax.Array | None = None,
 ):
     """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
     and the KV cache with this step's keys and values written into their pages; with
     `return_hidden` (static), also every token's last hidden state [T, E] (before the final norm,
     for `lm_head`). `embeds` [T, E]: the first layer's inputs in place of the tokens' embeddings (a multi-token
-    prediction layer's, `models.mtp`).
+    prediction layer's, `models.mtp`; an EAGLE draft's, `models.eagle`). `aux_layers` (static, with `return_hidden`):
+    also the hidden states entering each of these layers, side by side [T, len * E] (layer 0's are the embeddings,
+    layer L's the last), the inputs of an EAGLE-3 draft. `attn_inputs` [T, E']: what the first layer's attention
+    projects in place of its normed input (an EAGLE-3 draft's; unstacked layers only).
 
     `layout` (a `sharding.MeshLayout`, for a model sharded over a mesh): where the experts are, and the axis the
     attention kernels split heads over."""
@@ -335,17 +344,37 @@ def forward(
         add = (layer < cfg.deepstack_layers) & inputs.image_mask
         return (x + jnp.where(add[:, None], jax.lax.dynamic_index_in_dim(deep, i, 1, False).astype(x.dtype), 0), *rest)
 
+    # The hidden states entering `aux_layers` (each kept once, in a slot of `kept` by `slot_of` the layer; the last
+    # slot takes the other layers' writes): written in place as the loops pass those layers.
+    kept_layers = sorted(set(aux_layers))
+    slot_of = np.full(L + 1, len(kept_layers), np.int32)
+    slot_of[kept_layers] = np.arange(len(kept_layers))
+
+    def keep(carry, layer):
+        if not aux_layers:
+            return carry
+        x, k, v, kept = carry
+        return x, k, v, jax.lax.dynamic_update_index_in_dim(kept, x, jnp.asarray(slot_of)[layer], 0)
+
+    def run(layer_fn, carry, layer):  # one layer over (x, k, v[, kept])
+        carry = keep(carry, layer)
+        out, _ = layer_fn(carry[:3])
+        return deepstack(out, layer) + carry[3:]
+
     def step(carry, xs):  # every layer alike
-        carry, _ = _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], carry, xs, layout, kv_dtype,
-                          cfg.is_local(0))
-        return deepstack(carry, xs[1]), None
+        return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
+                                    cfg.is_local(0)), carry, xs[1]), None
 
     carry = (x, k_all, v_all)
+    if aux_layers:
+        carry += (jnp.zeros((len(kept_layers) + 1, *x.shape), x.dtype),)
+    if attn_inputs is not None and not isinstance(params.layers, tuple):
+        raise ValueError("attn_inputs takes a model's layers unstacked (`params.unstack_layers`)")
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
-            carry, _ = _layer_once(cfg, backend, inputs, *tables[cfg.layer_kind(layer)], carry, (lp, jnp.int32(layer)),
-                                   layout, kv_dtype, cfg.is_local(layer))
-            carry = deepstack(carry, jnp.int32(layer))
+            carry = run(lambda c, lp=lp, layer=layer: _layer_once(
+                cfg, backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
+                cfg.is_local(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
     elif cfg.uniform_layers:
         first = 0
         if params.dense_layers is not None:  # dense first layers, then the MoE ones (layers all alike: `check_moe`)
@@ -358,8 +387,8 @@ def forward(
         def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
             xs = (lp, jnp.asarray(layer, jnp.int32))
-            return deepstack(_layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], carry, xs, layout, kv_dtype,
-                                    cfg.is_local(like))[0], xs[1])
+            return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype,
+                                        cfg.is_local(like)), carry, xs[1])
 
         def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window and rotation
             for j in range(period):
@@ -369,12 +398,16 @@ def forward(
         carry = jax.lax.fori_loop(0, L // period, group, carry)
         for layer in range(L // period * period, L):  # past the last whole group
             carry = one(layer, layer, carry)
-    x, k_all, v_all = carry
+    carry = keep(carry, L)
+    x, k_all, v_all = carry[:3]
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]
     if k_all.dtype != kv.k.dtype:
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, kv.k.dtype), jax.lax.bitcast_convert_type(v_all, kv.k.dtype)
     kv = dataclasses.replace(kv, k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
+    if return_hidden and aux_layers:
+        kept = carry[3]
+        return logits, kv, x, jnp.concatenate([kept[slot_of[j]] for j in aux_layers], axis=-1)
     if return_hidden:
         return logits, kv, x
     return logits, kv
