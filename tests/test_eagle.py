@@ -2,13 +2,14 @@
 
 A tiny random Llama target (saved from transformers) and heads written here in the released checkpoints' formats: an
 EAGLE-3 head as the EAGLE-3 releases write it (`LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` over a draft vocabulary
-of part of the target's ids, its own embedding) and as speculators writes it (`Eagle3Speculator`, the decoder's config
-under `transformer_layer_config`, `layers.0.*`, no embedding: the target's), and an EAGLE head (one Llama layer
-without its input norm, `fc` with its bias, in a `pytorch_model.bin` as the EAGLE releases ship). The reference runs each head in torch from transformers' Llama
-attention, MLP and rotary embedding over the target's hidden states as transformers gives them
-(`output_hidden_states`: the states entering each layer). Every draft the engine proposes, through batched and chunked
-prefills, decodes verifying drafts and a prefix cache hit, equals the reference's for the context it had; outputs
-equal decoding without drafts; drafts are taken."""
+of part of the target's ids, its own embedding); one as speculators writes it (`Eagle3Speculator`, the decoder's
+config under `transformer_layer_config`, `layers.0.*`, no embedding: the target's; its residual the normed hidden
+state); and an EAGLE head (one Llama layer without its input norm, `fc` with its bias) in a `pytorch_model.bin`, as
+the EAGLE releases ship. The reference runs each head in torch from transformers' Llama attention, MLP and rotary
+embedding over the target's hidden states as transformers gives them (`output_hidden_states`: the states entering
+each layer). The head's outputs over a context equal the reference's; every draft the engine proposes, through
+batched and chunked prefills, decodes verifying drafts and a prefix cache hit, equals the reference's for the context
+it had; outputs equal decoding without drafts; drafts are taken."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def _target(path):
 class Reference:
     """A head in torch: transformers' Llama attention (EAGLE-3: its q/k/v reading 2E), MLP and rotary embedding."""
 
-    def __init__(self, target, method: str, w: dict[str, np.ndarray], layer_cfg: dict, aux=()):
-        self.target, self.method, self.aux = target, method, aux
+    def __init__(self, target, method: str, w: dict[str, np.ndarray], layer_cfg: dict, aux=(), before=False):
+        self.target, self.method, self.aux, self.before = target, method, aux, before
         self.w = {k: torch.from_numpy(np.asarray(v)) for k, v in w.items()}
         cfg = transformers.LlamaConfig(**layer_cfg)
         self.eps = cfg.rms_norm_eps
@@ -95,7 +96,7 @@ class Reference:
             hidden = self._norm(prev, self.w[self.prefix + "hidden_norm.weight"])
             x = torch.cat([layer.input_layernorm(emb), hidden], -1)
             attn = layer.self_attn(x[None], position_embeddings=rot, attention_mask=mask)[0][0]
-            r = prev + attn
+            r = (hidden if self.before else prev) + attn  # (`norm_before_residual`: the normed hidden state)
         else:
             emb = self.target.model.embed_tokens.weight[ids]
             r = torch.cat([emb, prev], -1) @ self.w["fc.weight"].T + self.w["fc.bias"]
@@ -164,7 +165,7 @@ def save_head(kind: str, path, target) -> Reference:
             w.update({f"layers.0.{k}": v for k, v in layer.items()})
             config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                       "transformer_layer_config": {"model_type": "llama", **layer_cfg}, "draft_vocab_size": len(keep),
-                      "norm_before_residual": False, "target_hidden_size": E, "eagle_aux_hidden_state_layer_ids": aux,
+                      "norm_before_residual": True, "target_hidden_size": E, "eagle_aux_hidden_state_layer_ids": aux,
                       "speculators_config": {"algorithm": "eagle3", "num_speculative_tokens": 3}}
     else:
         aux = ()
@@ -178,7 +179,7 @@ def save_head(kind: str, path, target) -> Reference:
         save_file(w, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    return Reference(target, method, w, layer_cfg, aux)
+    return Reference(target, method, w, layer_cfg, aux, before=kind == "eagle3_speculators")
 
 
 @pytest.fixture(scope="module")
@@ -209,18 +210,26 @@ def _plain(path: str) -> dict[str, list[int]]:
     return _serve(LLMEngine(EngineArgs(model=path, **ARGS), progress=False), PROMPTS)
 
 
-def test_forward_keeps_the_hidden_states_entering_layers(target):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_forward_keeps_the_hidden_states_entering_layers(target, family, tmp_path):
     """`forward(aux_layers=...)`: the hidden states entering the named layers, side by side, as transformers' hidden
-    states give them (layer 0's: the embeddings), in order and repeated as named, scanned and unrolled."""
+    states give them (layer 0's: the embeddings), in order and repeated as named: scanned, unrolled, and looped over
+    groups of layers (Gemma 2's windowed and global layers)."""
     import jax
 
     from jaxserve.engine.model_loading import load_model
     from jaxserve.models.inputs import KVCache, ModelInputs
     from jaxserve.models.llama import forward
     from jaxserve.models.params import unstack_layers
+    from tests.test_model_families import FAMILIES
 
     path, model = target
+    if family == "gemma2":
+        path = str(tmp_path)
+        model = save_tiny_hf(FAMILIES[family][0], path, num_hidden_layers=LAYERS, **FAMILIES[family][1])
+        _with_tokenizer(path)
     loaded = load_model(EngineArgs(model=path, dtype="float32"), progress=False)
+    assert loaded.config.uniform_layers is (family == "llama")
     prompt = list(range(3, 20))
     with torch.no_grad():
         hs = model.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
