@@ -77,7 +77,11 @@ class Reference:
             state["input_layernorm.weight"] = torch.ones(cfg.hidden_size)  # (unused: no input norm)
         layer.load_state_dict({k: v for k, v in state.items() if k != "hidden_norm.weight"})
         self.layer, self.rotary = layer.eval(), transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
-        self.prefix = prefix
+        self.prefix, self.more = prefix, []
+        for i in range(1, cfg.num_hidden_layers):  # further layers: Llama's
+            more = transformers.models.llama.modeling_llama.LlamaDecoderLayer(cfg, layer_idx=i)
+            more.load_state_dict({k[len(f"layers.{i}."):]: v for k, v in self.w.items() if k.startswith(f"layers.{i}.")})
+            self.more.append(more.eval())
 
     def _norm(self, x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
@@ -101,7 +105,11 @@ class Reference:
             emb = self.target.model.embed_tokens.weight[ids]
             r = torch.cat([emb, prev], -1) @ self.w["fc.weight"].T + self.w["fc.bias"]
             r = r + layer.self_attn(r[None], position_embeddings=rot, attention_mask=mask)[0][0]
-        return r + layer.mlp(layer.post_attention_layernorm(r))
+        x = r + layer.mlp(layer.post_attention_layernorm(r))
+        for more in self.more:
+            out = more(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rot)
+            x = (out[0] if isinstance(out, tuple) else out)[0]
+        return x
 
     def _draft(self, out):
         if self.method == "eagle":
@@ -131,14 +139,14 @@ class Reference:
             return drafts
 
 
-def save_head(kind: str, path, target) -> Reference:
-    """A head of `kind` (`HEADS`) for `target` at `path`: it mostly drafts the token it reads again (its `fc` passes
-    the hidden state entering the target's last layer, led by the token's embedding)."""
+def save_head(kind: str, path, target, layers: int = 1) -> Reference:
+    """A head of `kind` (`HEADS`) for `target` at `path`, of `layers` decoder layers: it mostly drafts the token it
+    reads again (its `fc` passes the hidden state entering the target's last layer, led by the token's embedding)."""
     E, V = TINY["hidden_size"], TINY["vocab_size"]
     rng = np.random.default_rng({"eagle3": 7, "eagle3_speculators": 8, "eagle": 9}[kind])
     layer_cfg = dict(hidden_size=E, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=V,
-                     num_hidden_layers=1)
+                     num_hidden_layers=layers)
     Hq, Hkv, D = 4, 2, E // 4
     r = lambda *shape, s=0.15: (s * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
     norm = lambda: (1 + 0.2 * rng.standard_normal(E)).astype(np.float32)  # noqa: E731
@@ -172,6 +180,12 @@ def save_head(kind: str, path, target) -> Reference:
         fc = np.concatenate([np.eye(E), r(E, E, s=0.005)], 1).astype(np.float32)  # (the hidden state: normed)
         w = {"fc.weight": fc, "fc.bias": r(E, s=0.01), **{f"layers.0.{k}": v for k, v in layer.items()}}
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **layer_cfg}
+    for i in range(1, layers):
+        w.update({f"layers.{i}.{k}": r(*v.shape) if v.ndim == 2 else norm() for k, v in layer.items()
+                  if k != "hidden_norm.weight"})
+        w.update({f"layers.{i}.{k}": r(E, Hq * D if "q" in k else Hkv * D).T.copy() for k in (
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")})
+        w[f"layers.{i}.input_layernorm.weight"] = norm()
     os.makedirs(path, exist_ok=True)
     if kind == "eagle":  # (as the EAGLE releases ship it)
         torch.save({k: torch.from_numpy(v) for k, v in w.items()}, os.path.join(path, "pytorch_model.bin"))
@@ -248,6 +262,16 @@ def test_forward_keeps_the_hidden_states_entering_layers(target, family, tmp_pat
 def test_head_outputs_equal_the_reference(target, head):
     """The head over a context, from the hidden states the target's forward keeps: its outputs at every position
     (within 1e-4) and its drafts (ids of the target's vocabulary) equal the reference's."""
+    _same_outputs(target, head)
+
+
+@pytest.mark.parametrize("kind", ["eagle3_speculators", "eagle"])
+def test_heads_of_two_layers(target, kind, tmp_path):
+    """Heads of two decoder layers (the second a Llama layer over the first's outputs): the reference's outputs."""
+    _same_outputs(target, (kind, str(tmp_path), save_head(kind, str(tmp_path), target[1], layers=2)))
+
+
+def _same_outputs(target, head):
     import jax.numpy as jnp
 
     from jaxserve.engine.eagle import _read
