@@ -353,6 +353,32 @@ def test_drafts_change_nothing_but_the_number_of_steps(engines):
 
 
 @slow
+def test_suffix_decoding_drafts_from_earlier_responses(engines):
+    """Suffix decoding (`engine.suffix_decoding`): the same outputs as without drafts; asked again, a question's
+    answer is drafted from the cached response, nearly all of it taken, in under half the steps."""
+    spec = engines.spec
+    # (costs None: every draft the step has room for verified; on the CPU the measured costs draft little)
+    ngram, spec.drafter = spec.drafter, Drafter(SpeculativeConfig(method="suffix"), None)
+    try:
+        prompts = _prompts(spec.tokenizer)[1:]
+        jobs = [(p, sp) for p in prompts for sp in PARAMS[:3]]
+        want = engines.base([p for p, _ in jobs], [sp for _, sp in jobs])
+        got = serve(spec, [p for p, _ in jobs], [sp for _, sp in jobs])
+        assert_same_outputs(want, got)
+        assert len(spec.drafter.suffix._cached) == 3 * 4  # (n=2: two responses)
+        first = spec.drafter.counters.spec_num_accepted_tokens
+        steps = spec.runner.num_steps
+        out = serve(spec, [prompts[0]], PARAMS[0])[0].outputs[0]
+        assert out.token_ids == want[0].outputs[0].token_ids
+        taken = spec.drafter.counters.spec_num_accepted_tokens - first
+        assert taken >= 0.8 * len(out.token_ids), (taken, len(out.token_ids))
+        assert spec.runner.num_steps - steps - 1 < len(out.token_ids) / 2  # the first step is the prefill
+        assert spec.stats().compilations_after_warmup == 0
+    finally:
+        spec.drafter = ngram
+
+
+@slow
 def test_drafts_verified_as_chunks_change_nothing(engines):
     """The GPU backends' form on the CPU: each drafted request one sequence of its token and drafts, with
     logits at each, in a mixed step (every proposed draft verified: no costs); the same outputs again."""

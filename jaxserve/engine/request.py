@@ -82,7 +82,8 @@ class Request:
     cache_node: Any = field(default=None, repr=False)
     """The radix-cache node this request holds locked (scheduler-managed), or None."""
     ngram_index: Any = field(default=None, repr=False)
-    """Speculative decoding's n-gram index of its tokens (`speculative.NgramIndex`), made on first use."""
+    """Speculative decoding's index of its tokens (`speculative.NgramIndex`, suffix decoding's store), made on first
+    use."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -274,6 +274,8 @@ def accept_step(engine: Any, plan: Any, sampled: dict[str, Any]) -> dict[str, Re
         if request.status is RequestStatus.FINISHED_LENGTH and seq.finish_reason is None:
             seq.finish_reason = "length"
         group.metrics.num_cached_tokens = max(group.metrics.num_cached_tokens, request.num_cached_tokens)
+        if engine.drafter is not None:
+            engine.drafter.finished(request)
         engine._forget(seq)
     for group in touched.values():
         for seq in group.seqs:

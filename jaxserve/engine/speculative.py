@@ -1,7 +1,8 @@
 """Speculative decoding with n-gram drafts (prompt lookup) or a draft model's, verified in one step.
 
 With a draft model (`SpeculativeConfig.model`), `draft_model.DraftModel` writes the drafts instead of the
-lookup below; how they are chosen, verified and taken is the same.
+lookup below (an MTP layer or EAGLE head likewise: `mtp`, `eagle`), and with method "suffix",
+`suffix_decoding.SuffixDecoding`; how they are chosen, verified and taken is the same.
 
 A decoding request whose last tokens already appeared earlier in its context (code being edited,
 a document being quoted or summarized, a structured answer that repeats its keys) often goes on
@@ -54,6 +55,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.runner import RunnerConfig, StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.engine.step_costs import StepCosts
+from jaxserve.engine.suffix_decoding import SuffixDecoding
 from jaxserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -233,7 +235,10 @@ class Drafter:
     def __init__(self, cfg: SpeculativeConfig, costs: StepCosts | None = None, model: DraftModel | None = None):
         self.cfg = cfg
         self.costs = costs
-        self.model = model  # a draft model writes the drafts (None: n-gram lookup)
+        self.model = model  # a draft model writes the drafts (None: n-gram lookup, or suffix decoding's)
+        self.suffix = SuffixDecoding(cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
+                                     cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) \
+            if cfg.method == "suffix" else None
         self.chunked = cfg.chunked
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
@@ -248,6 +253,11 @@ class Drafter:
             return False
         self.declined = 0
         return True
+
+    def finished(self, request: Request) -> None:
+        """A request finished (suffix decoding caches its response)."""
+        if self.suffix is not None:
+            self.suffix.finished(request)
 
     def record(self, num_drafts: int, accepted: int) -> None:
         self.counters.spec_num_accepted_tokens += accepted
@@ -267,6 +277,9 @@ class Drafter:
         proposals = {}
         for s in ready:
             req = request_of(s.request_id)
+            if self.suffix is not None:
+                proposals[s.request_id] = self.suffix.propose(req, k)
+                continue
             if req.ngram_index is None:
                 req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             proposals[s.request_id] = req.ngram_index.sync(req).propose(k)
