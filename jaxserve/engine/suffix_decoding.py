@@ -81,17 +81,24 @@ class TokenStore:
     def speculate(self, pattern: np.ndarray, max_tokens: int, depth: int, factor: float,
                   min_prob: float) -> tuple[list[int], float]:
         """The best draft after `pattern` (the context's last tokens) and its score: see the module."""
-        best: tuple[list[int], float] = ([], 0.0)
-        ends = self.occurrences(int(pattern[-1]))  # where each match of the last l tokens ends
+        matches = []  # where each match of the context's last l tokens ends, l = 1, 2, ...
+        ends = self.occurrences(int(pattern[-1]))
         for length in range(1, min(len(pattern), depth) + 1):
             if length > 1:
                 before = ends - (length - 1)
                 ends = ends[(before >= self.start) & (self.tokens[np.maximum(before, 0)] == pattern[-length])]
             if not ends.size:
                 break
+            matches.append(ends)
+        # The longest matches first: a length whose drafts could not reach the best score so far (each adds at most
+        # 1) is passed over; on equal scores the shorter match's draft is kept.
+        best: tuple[list[int], float] = ([], 0.0)
+        for length in range(len(matches), 0, -1):
             most = min(max_tokens, int(length * factor + 1e-6), depth - length)
-            draft, score = self._follow(ends, most, min_prob)
-            if score > best[1]:
+            if most <= 0 or most < best[1]:
+                continue
+            draft, score = self._follow(matches[length - 1], most, min_prob)
+            if score > 0 and score >= best[1]:
                 best = (draft, score)
         return best
 
@@ -100,6 +107,13 @@ class TokenStore:
         draft: list[int] = []
         prob, score = 1.0, 0.0
         while len(draft) < most and ends.size:
+            if ends.size == 1:  # one match left: what follows it, each token at the same probability, to its end
+                run = self.tokens[int(ends[0]) + 1:int(ends[0]) + 1 + most - len(draft)]
+                stop = np.flatnonzero(run == SEPARATOR)
+                run = run[:stop[0]] if stop.size else run
+                draft.extend(run.tolist())
+                score += prob * len(run)
+                break
             nxt = self.tokens[ends + 1]  # (a sequence's last position is followed by its separator)
             ids, counts = np.unique(nxt[nxt != SEPARATOR], return_counts=True)
             if not ids.size:
