@@ -267,7 +267,8 @@ def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,
     st = engine.stats()
     if st.spec_num_draft_tokens:
         result["speculative"] = {"drafts": st.spec_num_drafts, "draft_tokens": st.spec_num_draft_tokens,
-                                 "accepted_tokens": st.spec_num_accepted_tokens}
+                                 "accepted_tokens": st.spec_num_accepted_tokens,
+                                 "accepted_per_position": list(st.spec_num_accepted_tokens_per_pos)}
     result["targets"] = evaluate_targets(result)
     return result
 

@@ -65,6 +65,12 @@ class _EngineCollector(Collector):
                       s.spec_num_drafts)
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their place among their request's drafts.",
+                                      labels=[*label, "position"])
+        for position, accepted in enumerate(getattr(s, "spec_num_accepted_tokens_per_pos", ())):
+            per_pos.add_metric([self._model, str(position)], accepted)
+        yield per_pos
         if getattr(s, "max_lora", 0):  # vLLM's: the adapters in use, for LoRA-aware routers (its value: a time)
             lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of running and waiting requests.",
                                      labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])

@@ -9,6 +9,7 @@ but the host, so one replica's prefix cache does not serve another's requests.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -127,9 +128,11 @@ class DataParallelEngine:
         counts = [f.name for f in dataclasses.fields(first) if type(getattr(first, f.name)) in (int, float)
                   and f.name not in ("kv_cache_usage", "page_size", "step_time_s", "max_lora")]
         summed = {name: sum(getattr(p, name) for p in parts) for name in counts}
-        # Names (the LoRA adapters in use): those of any replica.
+        # Names (the LoRA adapters in use): those of any replica; counts by position, summed.
+        per_pos = "spec_num_accepted_tokens_per_pos"
         unions = {f.name: tuple(sorted({x for p in parts for x in getattr(p, f.name)}))
-                  for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), tuple)}
+                  for f in dataclasses.fields(first) if isinstance(getattr(first, f.name), tuple) and f.name != per_pos}
+        unions[per_pos] = tuple(map(sum, itertools.zip_longest(*(getattr(p, per_pos) for p in parts), fillvalue=0)))
         return dataclasses.replace(first, **summed, **unions,
                                    kv_cache_usage=sum(p.kv_cache_usage for p in parts) / len(parts),
                                    step_time_s=max(p.step_time_s for p in parts))

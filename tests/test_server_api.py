@@ -364,6 +364,23 @@ def test_metrics_names(server, client):
     assert 'block_size="16"' in text and 'num_gpu_blocks="256"' in text
 
 
+def test_accepted_drafts_by_position_as_vllm_names_them():
+    import dataclasses
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from server.fake_engine import zero_engine_stats
+    from server.metrics import _EngineCollector
+
+    stats = dataclasses.replace(zero_engine_stats(), spec_num_accepted_tokens=7, spec_num_accepted_tokens_per_pos=(4, 2, 1))
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(type("E", (), {"stats": lambda self: stats})(), "m"))
+    text = generate_latest(registry).decode()
+    for position, count in enumerate((4, 2, 1)):
+        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} {count}.0' \
+            in text
+
+
 def test_fake_and_loading_engines_report_the_real_stats_type():
     """The fake engine and the loading placeholder answer with the engine's own `EngineStats`, so
     the metrics code never sees fields the real engine lacks (or misses ones it has)."""
@@ -467,3 +484,19 @@ def test_a_client_leaving_aborts_the_beams_step(server, engine):
         assert _wait(lambda: not server.state.active)
     finally:
         engine.resume()
+
+
+def test_data_parallel_stats_sum_accepted_drafts_by_position():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from server.fake_engine import zero_engine_stats
+    from sharding.data_parallel import DataParallelEngine
+
+    a = dataclasses.replace(zero_engine_stats(), spec_num_accepted_tokens_per_pos=(4, 2), running_lora_adapters=("x",))
+    b = dataclasses.replace(zero_engine_stats(), spec_num_accepted_tokens_per_pos=(1, 1, 1),
+                            running_lora_adapters=("y",))
+    dp = DataParallelEngine.__new__(DataParallelEngine)
+    dp.replicas = [SimpleNamespace(stats=lambda: a), SimpleNamespace(stats=lambda: b)]
+    stats = dp.stats()
+    assert stats.spec_num_accepted_tokens_per_pos == (5, 3, 1) and stats.running_lora_adapters == ("x", "y")

@@ -131,6 +131,11 @@ def test_verify_takes_drafts_while_the_samples_agree():
     assert {k: v.token_ids.tolist() for k, v in got.items()} == {"a": [11, 12, 99], "b": [7], "c": [21]}
     c = drafter.counters
     assert (c.spec_num_drafts, c.spec_num_draft_tokens, c.spec_num_accepted_tokens) == (2, 4, 2)
+    assert c.spec_num_accepted_tokens_per_pos == [1, 1]  # a's first and second drafts
+    other = Drafter(SpeculativeConfig())
+    other.record(4, 3)
+    other.record(2, 1)
+    assert other.counters.spec_num_accepted_tokens_per_pos == [2, 1, 1]
     # The step runs each drafted request as one sequence of its token and drafts, with logits at each: a's 4
     # tokens, then b's chunk (its last token's logits), then c's 2; a row per sampled token, in the rows' order.
     rc = RunnerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64, page_size=16, num_pages=8,

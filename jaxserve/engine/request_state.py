@@ -39,6 +39,7 @@ class EngineStats:
     spec_num_drafts: int = 0  # speculative decoding: requests drafted (summed over steps)
     spec_num_draft_tokens: int = 0  # draft tokens proposed
     spec_num_accepted_tokens: int = 0  # draft tokens the model's own samples confirmed
+    spec_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # ... by their place among their request's drafts
     kv_cache_dtype: str = "auto"  # as configured (`--kv-cache-dtype`), vLLM's `cache_dtype`
     calculate_kv_scales: bool = False  # float8 KV scales measured at start-up (`--calculate-kv-scales`)
     max_lora: int = 0  # LoRA adapter slots (0: no LoRA)
@@ -221,7 +222,8 @@ def engine_stats(engine: Any) -> EngineStats:
         compilations_after_warmup=runner.compilations_after_warmup + (draft.compilations_after_warmup if draft else 0),
         step_time_s=runner.last_step_time, num_steps=runner.num_steps, kv_cache_dtype=engine.args.kv_cache_dtype,
         calculate_kv_scales=engine.args.calculate_kv_scales,
-        **dataclasses.asdict(engine.drafter.counters if engine.drafter else SpecCounters()),
+        **{k: tuple(v) if isinstance(v, list) else v
+           for k, v in dataclasses.asdict(engine.drafter.counters if engine.drafter else SpecCounters()).items()},
         **_lora_stats(engine),
         mm_cache_queries=engine.images.cache_queries if engine.images else 0,
         mm_cache_hits=engine.images.cache_hits if engine.images else 0,

@@ -164,6 +164,7 @@ class SpecCounters:
     spec_num_drafts: int = 0  # requests drafted, summed over steps
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # by draft position: the first, ...
 
 
 class AcceptanceRate:
@@ -260,7 +261,11 @@ class Drafter:
             self.suffix.finished(request)
 
     def record(self, num_drafts: int, accepted: int) -> None:
-        self.counters.spec_num_accepted_tokens += accepted
+        c = self.counters
+        c.spec_num_accepted_tokens += accepted
+        c.spec_num_accepted_tokens_per_pos.extend([0] * (accepted - len(c.spec_num_accepted_tokens_per_pos)))
+        for i in range(accepted):
+            c.spec_num_accepted_tokens_per_pos[i] += 1
         self.rate.record(num_drafts, accepted)
 
     def propose(self, ready: Sequence[ScheduledRequest], request_of: Callable[[str], Request],
