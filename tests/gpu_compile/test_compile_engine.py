@@ -345,3 +345,66 @@ def test_draft_model_steps_compile_for_sm90(spec, S):
         inputs = _abstract(spec, dataclasses.replace(host, decode=n == S))
         seconds += _compile(functools.partial(_follow, **common), params, kv, inputs)
     print(f"draft model S={S}: its drafting loop and lockstep steps compiled for sm_90 in {seconds:.1f} s")
+
+
+def _eagle3_head(spec):
+    """An EAGLE-3 head for SmolLM2 (one layer, a draft vocabulary of 32k ids), abstract: its config and weights."""
+    from jaxserve.models.eagle import EagleConfig, EagleParams
+    from jaxserve.models.params import LayerParams, Params
+
+    E, F, Hq, Hkv, D = (SMOLLM2.hidden_size, SMOLLM2.intermediate_size, SMOLLM2.num_heads, SMOLLM2.num_kv_heads,
+                        SMOLLM2.head_dim)
+    L, Vd = SMOLLM2.num_layers, 32000
+    ecfg = EagleConfig("eagle3", dataclasses.replace(SMOLLM2, num_layers=1, tie_word_embeddings=False), SMOLLM2,
+                       (2, L // 2, L - 3), Vd)
+    layer = LayerParams(attn_norm=None, wq=spec((2 * E, Hq, D), DTYPE), wk=spec((2 * E, Hkv, D), DTYPE),
+                        wv=spec((2 * E, Hkv, D), DTYPE), wo=spec((Hq, D, E), DTYPE), mlp_norm=spec((E,), DTYPE),
+                        w_gate=spec((E, F), DTYPE), w_up=spec((E, F), DTYPE), w_down=spec((F, E), DTYPE))
+    model = Params(embed=spec((SMOLLM2.vocab_size, E), DTYPE), layers=(layer,), final_norm=spec((E,), DTYPE),
+                   lm_head=spec((E, Vd), DTYPE))
+    params = EagleParams(model=model, fc=spec((3 * E, E), DTYPE), fc_bias=None,
+                         norms=(spec((E,), DTYPE), spec((E,), DTYPE)), to_target=spec((Vd,), jnp.int32),
+                         target_norm=None)
+    return ecfg, params
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("S", [1, 64])
+def test_eagle3_steps_compile_for_sm90(spec, S):
+    """Speculative decoding with an EAGLE-3 head (`engine.eagle`), SmolLM2 the target: its decode loop and largest
+    mixed step keeping the hidden states entering three layers, and the head's steps (the lockstep forward over a
+    decode step's rows and over the largest mixed step, and its drafting loop of 3 more drafts a row)."""
+    from jaxserve.engine.eagle import eagle_layer
+    from jaxserve.engine.mtp import _draft_loop, _follow
+
+    ecfg, head = _eagle3_head(spec)
+    params, kv, sampling, pen, want_top = _common(spec, S)
+    kept = dict(keep_hidden=True, hidden_layers=ecfg.aux_layers)
+    loop = functools.partial(decode_loop, cfg=SMOLLM2, backend="pallas", top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps, **kept)
+    seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top)
+    T = RC.token_buckets[-1]
+    M = min(T, RC.max_num_seqs)
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=M, pages_per_seq=RC.pages_per_seq)
+    step = functools.partial(mixed_step, cfg=SMOLLM2, backend="pallas", top_k=RC.max_logprobs, hidden=True, **kept)
+    if S == 1:
+        seconds += _compile(step, params, kv, _abstract(spec, host), *_common(spec, M)[2:4],
+                            PromptLogprobInputs(spec((T,), jnp.int32)), want_top)
+    shape = (1, RC.num_pages, RC.page_size, SMOLLM2.num_kv_heads, SMOLLM2.head_dim)
+    head_kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
+    pool = RC.num_pages * KVCache.bytes_per_page(ecfg.model, RC.page_size, DTYPE)
+    layer = functools.partial(eagle_layer, ecfg=ecfg, backend="pallas")
+    common = dict(layer=layer, num_ids=SMOLLM2.vocab_size)
+    width = ecfg.hidden_width
+    for n, m, sampled in ((S, S, (RC.num_scheduler_steps, S)), (T, M, (M,))):
+        host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=n, num_seqs=m, pages_per_seq=RC.pages_per_seq)
+        inputs = _abstract(spec, dataclasses.replace(host, decode=n == S))
+        seconds += _compile(functools.partial(_follow, rows=RC.max_num_seqs, **common), head, head_kv, inputs,
+                            spec((n, width), DTYPE), spec(sampled, jnp.int32), spec((n,), jnp.int32),
+                            spec((n,), jnp.int32), pool_bytes=pool)
+    rows = [spec((S,), jnp.int32) for _ in range(4)]
+    seconds += _compile(functools.partial(_draft_loop, n_max=3, **common), head, head_kv,
+                        spec((RC.max_num_seqs, SMOLLM2.hidden_size), DTYPE), rows[0], rows[1], rows[2],
+                        spec((S, RC.pages_per_seq), jnp.int32), rows[3], pool_bytes=pool)
+    print(f"EAGLE-3 S={S}: the target's steps keeping 3 layers' hidden states and the head's steps compiled for "
+          f"sm_90 in {seconds:.1f} s")
