@@ -29,17 +29,13 @@ from jaxserve.engine.eagle import EagleDraft  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.loader.keymap import CheckpointError  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.speculative_config import SpeculativeConfig  # noqa: E402
-from tests.modelrun import drain  # noqa: E402
 from tests.test_draft_model import _with_tokenizer  # noqa: E402
 from tests.test_model_families import TINY, save_tiny_hf  # noqa: E402
+from tests.test_mtp import ARGS, PROMPTS, _same, _serve, _serve_all, sleep_and_wake  # noqa: E402
 
 LAYERS = 5  # the target's
 SCALE = 0.3  # the target's layers' output projections scaled: each token's embedding leads its residual stream
-ARGS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=96, page_size=8,
-            kv_cache_memory_bytes=1 << 20, warmup=False)
-PROMPTS = [[5, 9, 13, 2, 7], list(range(3, 40)), [11, 4] * 9]  # a short prompt, one of three chunks, one of two
 HEADS = ("eagle3", "eagle3_speculators", "eagle")
 
 
@@ -213,12 +209,6 @@ def _spec(kind: str, path: str, k: int = 3) -> dict:
     return {"method": "eagle" if kind == "eagle" else "eagle3", "model": path, "num_speculative_tokens": k}
 
 
-def _serve(engine: LLMEngine, prompts, max_tokens: int = 24, prefix: str = "") -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    return {rid: list(out.outputs[0].token_ids) for rid, out in drain(engine).items()}
-
-
 @functools.cache
 def _plain(path: str) -> dict[str, list[int]]:
     return _serve(LLMEngine(EngineArgs(model=path, **ARGS), progress=False), PROMPTS)
@@ -330,19 +320,6 @@ def test_drafts_equal_the_reference_and_outputs_the_targets(target, head, monkey
     engine.check_integrity()
 
 
-PARAMS = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-          SamplingParams(temperature=0.8, seed=5, max_tokens=24, n=2, ignore_eos=True),
-          SamplingParams(temperature=0, max_tokens=20, logprobs=2, frequency_penalty=0.4, ignore_eos=True)]
-
-
-def _serve_all(engine: LLMEngine, prompts) -> dict:
-    for i, p in enumerate(prompts):
-        for j, sp in enumerate(PARAMS):
-            engine.add_request(f"{i}/{j}", p, sp)
-    return {rid: [(list(o.token_ids), o.finish_reason, o.logprobs) for o in out.outputs]
-            for rid, out in drain(engine).items()}
-
-
 @pytest.mark.parametrize("head", ["eagle3"], indirect=True)
 @pytest.mark.parametrize("k", [1, 2])
 def test_warmed_up_sampled_and_preempted(target, head, k):
@@ -359,13 +336,7 @@ def test_warmed_up_sampled_and_preempted(target, head, k):
     engine = LLMEngine(EngineArgs(model=target[0], speculative_config=_spec(kind, path, k), **args), progress=False)
     assert (engine.draft._draft is None) is (k == 1)
     engine.drafter.costs = None  # (every draft the step has room for verified: on the CPU the costs draft little)
-    got = _serve_all(engine, prompts)
-    assert want.keys() == got.keys()
-    for rid, outs in want.items():
-        for (ids, why, lps), (ids2, why2, lps2) in zip(outs, got[rid], strict=True):
-            assert (ids2, why2) == (ids, why), rid
-            for a, b in zip(lps or [], lps2 or [], strict=True):
-                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    _same(want, _serve_all(engine, prompts))
     assert engine.num_preemptions > 0
     assert engine.drafter.counters.spec_num_accepted_tokens > 5
     assert engine.draft.compilations_after_warmup == 0 and engine.runner.compilations_after_warmup == 0
@@ -376,23 +347,12 @@ def test_warmed_up_sampled_and_preempted(target, head, k):
 def test_sleeps_and_wakes_with_the_engine(target, head):
     """Sleep mode frees the head's weights and pool with the model's; awake (from the host copy at level 1, read
     again at level 2), it drafts as before."""
-    import jax
-
     kind, path, _ = head
     engine = LLMEngine(EngineArgs(model=target[0], speculative_config=_spec(kind, path), enable_sleep_mode=True,
                                   **ARGS), progress=False)
     want = _serve(engine, PROMPTS)
     assert want == _plain(target[0])
-    drafted = engine.drafter.counters.spec_num_accepted_tokens
-    for level, tags in ((1, None), (2, ["weights"])):
-        held = jax.tree.leaves((engine.draft.params, engine.draft.kv))
-        engine.memory.sleep(level)
-        assert all(x.is_deleted() for x in held), "the head's weights and pool freed on the device"
-        engine.memory.wake_up(tags)
-        if tags:
-            engine.memory.wake_up(["kv_cache"])
-        assert _serve(engine, PROMPTS) == want, level
-        assert engine.drafter.counters.spec_num_accepted_tokens >= 2 * drafted - 3
+    sleep_and_wake(engine, want)
 
 
 def test_config_and_refusals(target, tmp_path):

@@ -214,17 +214,22 @@ def test_warmed_up_sampled_and_preempted(tiny, k):
 def test_sleeps_and_wakes_with_the_engine(tiny):
     """Sleep mode frees the layer's weights and pool with the model's; awake (its weights from the host copy at level
     1, read again from the checkpoint at level 2), it drafts as before."""
-    import jax
-
     _, path, _ = tiny
     engine = LLMEngine(EngineArgs(model=path, speculative_config=SPEC, enable_sleep_mode=True, **ARGS),
                        progress=False)
-    want = _serve(engine, PROMPTS)
+    sleep_and_wake(engine, _serve(engine, PROMPTS))
+
+
+def sleep_and_wake(engine: LLMEngine, want: dict) -> None:
+    """Sleep levels 1 and 2, each followed by waking: the drafter's weights and pool freed while asleep, and awake,
+    `PROMPTS` served as `want` with drafts taken as before."""
+    import jax
+
     drafted = engine.drafter.counters.spec_num_accepted_tokens
     for level, tags in ((1, None), (2, ["weights"])):
         held = jax.tree.leaves((engine.draft.params, engine.draft.kv))
         engine.memory.sleep(level)
-        assert all(x.is_deleted() for x in held), "the layer's weights and pool freed on the device"
+        assert all(x.is_deleted() for x in held), "the drafter's weights and pool freed on the device"
         engine.memory.wake_up(tags)
         if tags:
             engine.memory.wake_up(["kv_cache"])

@@ -314,32 +314,39 @@ def case_draft() -> dict:
             "pages": [engine.scheduler.pool.num_pages, engine.draft.kv.k.shape[1]]}
 
 
-def case_mtp() -> dict:
-    """Speculative decoding with GLM-4.5's multi-token prediction layer at TP=2 (`test_mtp`'s tiny checkpoint): the
-    layer and its pool whole on both devices, the model's hidden states read from its sharded steps, the greedy
-    tokens without drafts, drafts taken, nothing compiled after warmup."""
-    import tempfile
-
+def _drafting_tp2(path: str, speculative_config: dict, weight: str) -> dict:
+    """A TP=2 engine of the model at `path` (`test_mtp`'s and `test_eagle`'s settings), warmed up, drafting as
+    `speculative_config` says: its greedy tokens without drafts and with them (every draft verified), the drafts
+    taken, compiles after warmup, and the devices holding the drafter's pool, its `weight` and the model's pool."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine_args import EngineArgs
-    from tests.test_mtp import ARGS, PROMPTS, save_with_mtp
+    from tests.test_mtp import ARGS, PROMPTS
 
-    with tempfile.TemporaryDirectory() as path:
-        save_with_mtp("glm4_moe", path)
-        engine = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": True}, tensor_parallel_size=2,
-                                      strict_compile=True, speculative_config={"method": "mtp",
-                                                                               "num_speculative_tokens": 2}),
-                           progress=False)
+    engine = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": True}, tensor_parallel_size=2, strict_compile=True,
+                                  speculative_config=speculative_config), progress=False)
     drafter, engine.drafter = engine.drafter, None
     ref = _generate(engine, PROMPTS, max_tokens=24)
     engine.drafter, drafter.costs = drafter, None  # every draft the step has room for
     got = _generate(engine, PROMPTS, max_tokens=24)
     stats = engine.stats()
     return {"ref": ref, "tp2": got, "drafted": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens,
-            "compiles_after_warmup": stats.compilations_after_warmup,
+            "compiles_after_warmup": stats.compilations_after_warmup, "hidden_layers": engine.runner.cfg.hidden_layers,
             "devices": [len(engine.draft.kv.k.sharding.device_set),
-                        len(engine.draft.params.eh_proj.sharding.device_set),
+                        len(getattr(engine.draft.params, weight).sharding.device_set),
                         len(engine.runner.kv.k.sharding.device_set)]}
+
+
+def case_mtp() -> dict:
+    """Speculative decoding with GLM-4.5's multi-token prediction layer at TP=2 (`test_mtp`'s tiny checkpoint): the
+    layer and its pool whole on both devices, the model's hidden states read from its sharded steps, the greedy
+    tokens without drafts, drafts taken, nothing compiled after warmup."""
+    import tempfile
+
+    from tests.test_mtp import save_with_mtp
+
+    with tempfile.TemporaryDirectory() as path:
+        save_with_mtp("glm4_moe", path)
+        return _drafting_tp2(path, {"method": "mtp", "num_speculative_tokens": 2}, "eh_proj")
 
 
 def case_eagle() -> dict:
@@ -348,24 +355,11 @@ def case_eagle() -> dict:
     without drafts, drafts taken, nothing compiled after warmup."""
     import tempfile
 
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine_args import EngineArgs
-    from tests.test_eagle import ARGS, PROMPTS, _spec, _target, save_head
+    from tests.test_eagle import _spec, _target, save_head
 
     with tempfile.TemporaryDirectory() as path:
         save_head("eagle3", f"{path}/head", _target(path))
-        engine = LLMEngine(EngineArgs(model=path, **{**ARGS, "warmup": True}, tensor_parallel_size=2,
-                                      strict_compile=True, speculative_config=_spec("eagle3", f"{path}/head", 2)),
-                           progress=False)
-    drafter, engine.drafter = engine.drafter, None
-    ref = _generate(engine, PROMPTS, max_tokens=24)
-    engine.drafter, drafter.costs = drafter, None  # every draft the step has room for
-    got = _generate(engine, PROMPTS, max_tokens=24)
-    stats = engine.stats()
-    return {"ref": ref, "tp2": got, "drafted": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens,
-            "compiles_after_warmup": stats.compilations_after_warmup, "hidden_layers": engine.runner.cfg.hidden_layers,
-            "devices": [len(engine.draft.kv.k.sharding.device_set), len(engine.draft.params.fc.sharding.device_set),
-                        len(engine.runner.kv.k.sharding.device_set)]}
+        return _drafting_tp2(path, _spec("eagle3", f"{path}/head", 2), "fc")
 
 
 def case_dp() -> dict:
