@@ -99,6 +99,9 @@ class Reference:
             r = (hidden if self.before else prev) + attn  # (`norm_before_residual`: the normed hidden state)
         else:
             emb = self.target.model.embed_tokens.weight[ids]
+            if "embedding_layernorm.weight" in self.w:  # a HASS head's norms of both halves
+                emb = self._norm(emb, self.w["embedding_layernorm.weight"])
+                prev = self._norm(prev, self.w["hidden_states_layernorm.weight"])
             r = torch.cat([emb, prev], -1) @ self.w["fc.weight"].T + self.w["fc.bias"]
             r = r + layer.self_attn(r[None], position_embeddings=rot, attention_mask=mask)[0][0]
         x = r + layer.mlp(layer.post_attention_layernorm(r))
@@ -135,9 +138,10 @@ class Reference:
             return drafts
 
 
-def save_head(kind: str, path, target, layers: int = 1) -> Reference:
-    """A head of `kind` (`HEADS`) for `target` at `path`, of `layers` decoder layers: it mostly drafts the token it
-    reads again (its `fc` passes the hidden state entering the target's last layer, led by the token's embedding)."""
+def save_head(kind: str, path, target, layers: int = 1, hass: bool = False) -> Reference:
+    """A head of `kind` (`HEADS`) for `target` at `path`, of `layers` decoder layers (`hass`: an EAGLE head with
+    HASS' norms of the embedding and the hidden state): it mostly drafts the token it reads again (its `fc` passes
+    the hidden state entering the target's last layer, led by the token's embedding)."""
     E, V = TINY["hidden_size"], TINY["vocab_size"]
     rng = np.random.default_rng({"eagle3": 7, "eagle3_speculators": 8, "eagle": 9}[kind])
     layer_cfg = dict(hidden_size=E, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
@@ -175,7 +179,9 @@ def save_head(kind: str, path, target, layers: int = 1) -> Reference:
         aux = ()
         fc = np.concatenate([np.eye(E), r(E, E, s=0.005)], 1).astype(np.float32)  # (the hidden state: normed)
         w = {"fc.weight": fc, "fc.bias": r(E, s=0.01), **{f"layers.0.{k}": v for k, v in layer.items()}}
-        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **layer_cfg}
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **layer_cfg, "add_para_norm": hass}
+        if hass:
+            w.update({"embedding_layernorm.weight": norm(), "hidden_states_layernorm.weight": norm()})
     for i in range(1, layers):
         w.update({f"layers.{i}.{k}": r(*v.shape) if v.ndim == 2 else norm() for k, v in layer.items()
                   if k != "hidden_norm.weight"})
@@ -259,6 +265,11 @@ def test_head_outputs_equal_the_reference(target, head):
 def test_heads_of_two_layers(target, kind, tmp_path):
     """Heads of two decoder layers (the second a Llama layer over the first's outputs): the reference's outputs."""
     _same_outputs(target, (kind, str(tmp_path), save_head(kind, str(tmp_path), target[1], layers=2)))
+
+
+def test_a_hass_head(target, tmp_path):
+    """An EAGLE head trained by HASS (`add_para_norm`: the embedding and the hidden state normed before `fc`)."""
+    _same_outputs(target, ("eagle", str(tmp_path), save_head("eagle", str(tmp_path), target[1], hass=True)))
 
 
 def _same_outputs(target, head):
