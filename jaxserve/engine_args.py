@@ -33,6 +33,7 @@ class EngineArgs:
     """Everything that shapes an engine; names follow vLLM's flags where they exist."""
 
     model: str | None = None  # a GGUF file or HF directory; None = the bundled SmolLM2
+    tokenizer: str | None = None  # the tokenizer's HF directory or GGUF file (None: the model's own)
     dtype: DType = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -247,6 +248,9 @@ class EngineArgs:
         g.add_argument("--converted-checkpoint-dir", default=None, metavar="PATH",
                        help="keep the converted weights here: the first start converts the checkpoint and saves "
                             "them, later starts restore them straight into each device's shards (orbax)")
+        g.add_argument("--tokenizer", default=None, metavar="PATH",
+                       help="the tokenizer (and chat template) from this HF directory or GGUF file instead of the "
+                            "model's: e.g. a GGUF model served with its original tokenizer")
         g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
                        help="auto = the model's weights; dummy = random weights of its shapes (config and "
                             "tokenizer from the model, which then needs no weight files): for benchmarks")

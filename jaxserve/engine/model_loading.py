@@ -26,6 +26,7 @@ from jaxserve.loader import (
     model_display_name,
     open_checkpoint,
     resolve_model,
+    tokenizer_at,
 )
 from jaxserve.loader.keymap import projection_modules
 from jaxserve.models.inputs import KVCache
@@ -121,7 +122,7 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         # ship without one); the unused logits of the step read the embedding instead and are compiled away.
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     dtype = resolve_dtype(args)
-    tokenizer = checkpoint_tokenizer(path, ckpt)
+    tokenizer = checkpoint_tokenizer(path, ckpt) if args.tokenizer is None else tokenizer_at(args.tokenizer, cfg)
     plan = _parallel_plan(args, cfg)
     if dummy:
         params = random_params(plan.model_cfg if plan else cfg, dtype, seed=args.seed,

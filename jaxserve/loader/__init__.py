@@ -88,6 +88,25 @@ def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory) -> Tokenizer:
     return Tokenizer.from_hf_dir(path)
 
 
+def tokenizer_at(path: str, cfg: ModelConfig) -> Tokenizer:
+    """The tokenizer given apart from the model (`EngineArgs.tokenizer`): an HF directory's tokenizer files (no
+    config.json needed), a Mistral directory's `tekken.json`, or a GGUF file's; ValueError when it has more tokens
+    than the model of config `cfg` has embeddings."""
+    root = os.path.expanduser(path)
+    if os.path.isdir(root):
+        tekken = os.path.join(root, "tekken.json")
+        tokenizer = Tokenizer.from_hf_dir(root) if not os.path.isfile(tekken) or os.path.isfile(
+            os.path.join(root, "tokenizer.json")) else Tokenizer.from_tekken(tekken)
+    elif os.path.isfile(root):
+        tokenizer = Tokenizer.from_gguf(root)
+    else:
+        raise FileNotFoundError(f"tokenizer {path!r} is neither an HF directory nor a GGUF file")
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer at {path} has {tokenizer.vocab_size} tokens; the model's vocabulary has "
+                         f"{cfg.vocab_size}: a tokenizer of another model")
+    return tokenizer
+
+
 def load_params(
     ckpt: GGUFFile | HFDirectory,
     cfg: ModelConfig,
