@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -292,4 +293,8 @@ def build_app(engine: Any, config: ServerConfig | None = None, state: ServerStat
     app.state.kv_feed = KVEventFeed()
     app.state.pd = PDWorker(state, app.state.trace)
     app.add_middleware(ApiMiddleware, state=state)
+    # CORS outermost: a browser's preflight is answered before the API key is asked for.
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_credentials=config.allow_credentials, allow_methods=list(config.allowed_methods),
+                       allow_headers=list(config.allowed_headers))
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 
 from jaxserve.chat_template import load_chat_template
@@ -49,6 +50,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--responses-store-capacity", type=int, default=d.responses_store_capacity,
                    help="/v1/responses answers kept in memory for previous_response_id and GET /v1/responses/{id} "
                         "(the newest ones; 0 keeps none)")
+    g.add_argument("--allowed-origins", type=_json_list, default=list(d.allowed_origins), metavar="JSON",
+                   help='CORS: origins browsers may call from (a JSON list; default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--allowed-methods", type=_json_list, default=list(d.allowed_methods), metavar="JSON",
+                   help='CORS: allowed methods (a JSON list; default ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list, default=list(d.allowed_headers), metavar="JSON",
+                   help='CORS: allowed headers (a JSON list; default ["*"])')
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
+    g.add_argument("--ssl-certfile", default=None, help="... and this certificate (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="over HTTPS, ask clients for certificates these CAs signed")
+    g.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under (e.g. /llm)")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
                         "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
@@ -64,7 +76,22 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         chat_template=None if ns.chat_template is None else load_chat_template(ns.chat_template),
                         trust_request_chat_template=ns.trust_request_chat_template,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-                        reasoning_parser=ns.reasoning_parser, responses_store_capacity=ns.responses_store_capacity)
+                        reasoning_parser=ns.reasoning_parser, responses_store_capacity=ns.responses_store_capacity,
+                        allowed_origins=ns.allowed_origins, allow_credentials=ns.allow_credentials,
+                        allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
+                        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
+                        root_path=ns.root_path)
+
+
+def _json_list(value: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form for the CORS flags)."""
+    try:
+        got = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}") from e
+    if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return got
 
 
 def setup_logging(level: str) -> None:

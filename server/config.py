@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from jaxserve.chat_template import compile_chat_template
@@ -33,6 +34,10 @@ class ServerConfig:
       reasoning_parser: splits a thinking model's reasoning from its answer (server/reasoning.py).
       responses_store_capacity: `/v1/responses` answers kept in memory for `previous_response_id` and
         `GET /v1/responses/{id}` (the newest ones; with 0 none is, and responses say `store: false`).
+      allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, as vLLM's flags (and its
+        defaults: any origin, method and header, no credentials), so browser clients may call the API.
+      ssl_keyfile, ssl_certfile, ssl_ca_certs: HTTPS with this key and certificate (and client certificates
+        checked against these CAs); root_path: the path prefix a proxy serves the API under.
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +56,14 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     responses_store_capacity: int = 1000
+    allowed_origins: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    root_path: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -58,6 +71,17 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to turn auth off)")
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs checks clients' certificates over HTTPS: give ssl_keyfile and ssl_certfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name} {getattr(self, name)!r} is not a file")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with '/' and not end with one, got {self.root_path!r}")
         if any(not n for n in self.served_model_names):
             raise ValueError("served_model_names must not contain an empty name")
         if self.shutdown_timeout < 0:

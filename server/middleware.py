@@ -75,10 +75,16 @@ class ApiMiddleware:
             return ApiError(400, f"X-Request-Id must be printable and at most "
                                  f"{self.state.config.max_request_id_length} characters",
                             param="X-Request-Id", code="invalid_request_id")
-        if self._expected is None or scope.get("path") in OPEN_PATHS:
+        if self._expected is None or route_path(scope) in OPEN_PATHS:
             return None
         got = headers.get("authorization", "").encode("latin-1")
         if not hmac.compare_digest(got, self._expected):
             return ApiError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return None
+
+
+def route_path(scope: Any) -> str:
+    """A request's path without the root path a proxy serves the API under (`ServerConfig.root_path`), if it has it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path

@@ -36,10 +36,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def hypercorn_config(sock: socket.socket) -> HypercornConfig:
-    """Hypercorn's config over `sock` (whose file descriptor Hypercorn takes over)."""
+def hypercorn_config(sock: socket.socket, config: ServerConfig | None = None) -> HypercornConfig:
+    """Hypercorn's config over `sock` (whose file descriptor Hypercorn takes over): HTTPS and the root path as
+    `config` says."""
     cfg = HypercornConfig()
     cfg.bind = [f"fd://{sock.detach()}"]
+    if config is not None:
+        cfg.certfile, cfg.keyfile, cfg.ca_certs = config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs
+        cfg.root_path = config.root_path
     cfg.accesslog = None  # the API middleware writes the access log
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.graceful_timeout = _GRACE_S
@@ -63,8 +67,8 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        """`http://host:port`."""
-        return f"http://{self.host}:{self.port}"
+        """`http://host:port` (https with a certificate)."""
+        return f"{scheme(self.state.config)}://{self.host}:{self.port}"
 
     @property
     def state(self) -> ServerState:
@@ -76,7 +80,8 @@ class ServerThread:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             self._started.set()
-            await hypercorn_serve(self.app, hypercorn_config(self._sock), shutdown_trigger=self._stop.wait)
+            await hypercorn_serve(self.app, hypercorn_config(self._sock, self.state.config),
+                                  shutdown_trigger=self._stop.wait)
 
         try:
             asyncio.run(main())
@@ -132,7 +137,11 @@ def run_server(config: ServerConfig, load_engine: Callable[[], Any], placeholder
     sock = bind_socket(config.host, config.port)
     sock.listen(2048)
     host, port = sock.getsockname()[:2]
-    return asyncio.run(_serve(app, state, config, sock, load_engine, f"http://{host}:{port}"))
+    return asyncio.run(_serve(app, state, config, sock, load_engine, f"{scheme(config)}://{host}:{port}"))
+
+
+def scheme(config: ServerConfig) -> str:
+    return "https" if config.ssl_certfile else "http"
 
 
 async def _serve(app: Any, state: ServerState, config: ServerConfig, sock: socket.socket,
@@ -181,7 +190,7 @@ async def _serve(app: Any, state: ServerState, config: ServerConfig, sock: socke
     threading.Thread(target=load, name="jaxserve-load", daemon=True).start()
     logger.info("listening on %s", url)
     try:
-        await hypercorn_serve(app, hypercorn_config(sock), shutdown_trigger=stop.wait)
+        await hypercorn_serve(app, hypercorn_config(sock, config), shutdown_trigger=stop.wait)
     finally:
         state.engine.shutdown()
     logger.info("stopped")

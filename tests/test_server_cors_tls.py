@@ -1,0 +1,98 @@
+"""The server's CORS, HTTPS and root path (vLLM's `--allowed-origins` ..., `--ssl-keyfile` / `--ssl-certfile`,
+`--root-path`), over the fake engine."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+
+import httpx
+import pytest
+
+from server.cli import add_serve_args, server_config_from_args
+from server.config import ServerConfig
+from server.fake_engine import FakeAsyncEngine
+from server.runner import serve_in_thread
+
+PREFLIGHT = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = FakeAsyncEngine(step_delay=0.001)
+    yield eng
+    eng.shutdown()
+
+
+def test_browsers_may_call_from_any_origin_by_default(engine):
+    with serve_in_thread(engine, ServerConfig(port=0, api_key="k", served_model_names=("fake-model",))) as srv:
+        pre = httpx.options(srv.url + "/v1/completions", headers=PREFLIGHT)
+        assert pre.status_code == 200  # answered before the API key is asked for
+        assert pre.headers["access-control-allow-origin"] == "*"
+        assert "POST" in pre.headers["access-control-allow-methods"]
+        got = httpx.post(srv.url + "/v1/completions", json=BODY,
+                         headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+        assert got.status_code == 200 and got.headers["access-control-allow-origin"] == "*"
+        refused = httpx.post(srv.url + "/v1/completions", json=BODY, headers={"Origin": "http://ui.example"})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_origins_limited_as_configured(engine):
+    config = ServerConfig(port=0, allowed_origins=("http://ui.example",), allow_credentials=True,
+                          allowed_methods=("GET", "POST"), served_model_names=("fake-model",))
+    with serve_in_thread(engine, config) as srv:
+        pre = httpx.options(srv.url + "/v1/completions", headers=PREFLIGHT)
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+        assert pre.headers["access-control-allow-credentials"] == "true"
+        other = httpx.options(srv.url + "/v1/completions", headers={**PREFLIGHT, "Origin": "http://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        put = httpx.options(srv.url + "/v1/completions", headers={**PREFLIGHT, "Access-Control-Request-Method": "PUT"})
+        assert put.status_code == 400
+
+
+def test_a_proxys_root_path(engine):
+    with serve_in_thread(engine, ServerConfig(port=0, api_key="k", root_path="/llm",
+                                              served_model_names=("fake-model",))) as srv:
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(srv.url + "/llm/v1/models", headers=auth).json()["data"][0]["id"] == "fake-model"
+        assert httpx.get(srv.url + "/v1/models", headers=auth).status_code == 200  # (a proxy that strips it)
+        assert httpx.get(srv.url + "/llm/health").status_code == 200  # open, as without the prefix
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https_with_the_given_certificate(engine, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    config = ServerConfig(port=0, ssl_keyfile=str(key), ssl_certfile=str(cert), served_model_names=("fake-model",))
+    with serve_in_thread(engine, config) as srv:
+        assert srv.url.startswith("https://127.0.0.1:")
+        context = ssl.create_default_context(cafile=str(cert))
+        got = httpx.post(srv.url + "/v1/completions", json=BODY, verify=context)
+        assert got.status_code == 200 and got.json()["choices"][0]["text"]
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
+            httpx.get(srv.url + "/health")
+        with pytest.raises(httpx.HTTPError):  # plain HTTP to the HTTPS port
+            httpx.get(srv.url.replace("https", "http") + "/health")
+
+
+def test_the_flags_and_their_checks(tmp_path):
+    import argparse
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--allowed-origins", '["http://a.example"]', "--allow-credentials", "--root-path", "/llm"])
+    config = server_config_from_args(ns)
+    assert config.allowed_origins == ("http://a.example",) and config.allow_credentials
+    assert config.allowed_methods == ("*",) and config.root_path == "/llm"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--allowed-origins", "http://a.example"])  # not a JSON list
+    with pytest.raises(ValueError, match="HTTPS needs both ssl_keyfile and ssl_certfile"):
+        ServerConfig(ssl_keyfile=str(tmp_path / "k"))
+    with pytest.raises(ValueError, match="ssl_keyfile .* is not a file"):
+        ServerConfig(ssl_keyfile=str(tmp_path / "k"), ssl_certfile=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="root_path must start with '/'"):
+        ServerConfig(root_path="llm/")
