@@ -302,8 +302,10 @@ class EngineArgs:
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context) or '
                             '\'{"model": "<draft model>", "num_speculative_tokens": 4}\' (drafts from a smaller '
                             'model of the same vocabulary) or \'{"method": "mtp", "num_speculative_tokens": 1}\' '
-                            '(from the model\'s multi-token prediction layer: DeepSeek-V3, GLM-4.5); verified in one '
-                            'step, outputs unchanged')
+                            '(from the model\'s multi-token prediction layer: DeepSeek-V3, GLM-4.5) or '
+                            '\'{"method": "eagle3", "model": "<EAGLE-3 head>"}\' ("eagle": an EAGLE head) or '
+                            '\'{"method": "suffix"}\' (from the request\'s tokens and earlier responses); verified in '
+                            'one step, outputs unchanged')
         g.add_argument("--runner", choices=["auto", "generate", "pooling"], default=d.runner,
                        help="generate (auto), or pooling: serve the model's embeddings on /v1/embeddings")
         g.add_argument("--pooler-config", default=None, metavar="JSON",
