@@ -51,6 +51,9 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     # The stop string or stop token id that ended the completion; None for EOS or length.
     stop_reason: int | str | None = None
+    # With a predicted output (`SamplingParams.prediction`): drafts from it accepted, and its other tokens.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def finished(self) -> bool:
         """Whether this completion has ended."""

@@ -82,6 +82,10 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     truncate_prompt_tokens: int | None = None
+    prediction: str | Sequence[int] | None = None
+    """OpenAI's predicted output: text (or token ids) the output is expected to mostly be. With speculative decoding
+    that drafts from tokens (methods "ngram" and "suffix"), drafts are also taken from it where the output so far
+    matches it; the output itself never depends on it (`CompletionOutput.accepted_prediction_tokens`)."""
 
     def __post_init__(self) -> None:
         # Normalize first so that the checks and every later reader see one form.
@@ -104,6 +108,12 @@ class SamplingParams:
         if self.bad_words is not None:
             words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
             object.__setattr__(self, "bad_words", words)
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            if isinstance(self.prediction, bytes) or not isinstance(self.prediction, Sequence):
+                raise ValueError(f"prediction must be a string or a list of token ids, got {self.prediction!r}")
+            for t in self.prediction:
+                _check_int("prediction token id", t)
+            object.__setattr__(self, "prediction", [int(t) for t in self.prediction])
         so = self.structured_outputs
         if isinstance(so, Mapping):
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))

@@ -19,6 +19,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_search_output
+from server.responses import usage
 from server.state import ServerState
 
 logger = logging.getLogger("jaxserve.server")
@@ -171,6 +172,18 @@ class Generation:
         if not self._finished[i]:
             self._finished[i] = True
             self._state.finish(self.jobs[i].engine_id)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's `usage` object so far; with predicted outputs, `completion_tokens_details` counts the tokens
+        taken from them and the rest of them."""
+        counts = usage(*self.usage_counts())
+        outs = [c for out in self.latest if isinstance(out, RequestOutput) for c in out.outputs
+                if c.accepted_prediction_tokens is not None]
+        if outs:
+            counts["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(c.accepted_prediction_tokens for c in outs),
+                "rejected_prediction_tokens": sum(c.rejected_prediction_tokens for c in outs)}
+        return counts
 
     def usage_counts(self) -> tuple[int, int, int]:
         """(prompt tokens, generated tokens, cached prompt tokens) so far."""

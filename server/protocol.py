@@ -28,7 +28,7 @@ from server.fields import str_list as _str_list
 
 MAX_N = 128
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
-_REFUSED = ("audio", "prediction", "functions", "function_call", "prompt_embeds")
+_REFUSED = ("audio", "functions", "function_call", "prompt_embeds")
 # vLLM's hooks into code this server does not have (custom logits processors and their arguments, its KV
 # connectors, arguments to its multimodal processors): refused when they ask for something.
 _REFUSED_NONEMPTY = ("logits_processors", "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs")
@@ -171,7 +171,7 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
             logit_bias=_logit_bias(body), structured_outputs=structured, prompt_logprobs=prompt_logprobs,
             allowed_token_ids=_int_list(body, "allowed_token_ids") if _get(body, "allowed_token_ids") not in (
                 _UNSET, None) else None, bad_words=_str_list(body, "bad_words"),
-            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, -1))
+            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, -1), prediction=_prediction(body))
     except ValueError as e:  # a check we do not repeat above; SamplingParams names the field first
         raise bad_field(str(e).split(" ", 1)[0], str(e)) from e
     use_beam_search, length_penalty = get_bool(body, "use_beam_search", False), get_number(body, "length_penalty", 1.0)
@@ -186,6 +186,21 @@ def _common(body: Mapping[str, Any], *, logprobs: int | None, max_tokens_names: 
         use_beam_search=use_beam_search, length_penalty=length_penalty,
         return_token_ids=get_bool(body, "return_token_ids", False),
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False))
+
+
+def _prediction(body: Mapping[str, Any]) -> str | None:
+    """OpenAI's predicted output, `{"type": "content", "content": text or [text parts]}`: its text."""
+    p = _get(body, "prediction")
+    if p is _UNSET or p is None:
+        return None
+    content = p.get("content") if isinstance(p, Mapping) and p.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(x, Mapping) and x.get("type") == "text"
+                                         and isinstance(x.get("text"), str) for x in content):
+        content = "".join(x["text"] for x in content)
+    if not isinstance(content, str):
+        raise bad_field("prediction", "'prediction' must be {\"type\": \"content\", \"content\": <text or text "
+                        "parts>}", "invalid_type")
+    return content
 
 
 def _check_body(body: Any) -> Mapping[str, Any]:

@@ -47,7 +47,6 @@ from server.responses import (
     echo_logprobs,
     prompt_logprobs_json,
     sse,
-    usage,
 )
 from server.state import ServerState
 
@@ -300,7 +299,7 @@ class _Formatter:
                "created": self.created, "model": self.model, "choices": choices}
         if self.usage_field:
             opts = self.req.common.stream_options
-            obj["usage"] = usage(*gen.usage_counts()) if opts.continuous_usage_stats and gen else None
+            obj["usage"] = gen.usage() if opts.continuous_usage_stats and gen else None
         return obj
 
     def deltas(self, job: int, out: RequestOutput, gen: Generation) -> list[bytes]:
@@ -358,7 +357,7 @@ class _Formatter:
         if not self.req.common.stream_options.include_usage:
             return []
         obj = self._envelope([], gen)
-        obj["usage"] = usage(*gen.usage_counts())
+        obj["usage"] = gen.usage()
         return [sse(obj)]
 
     def full(self, gen: Generation) -> dict:
@@ -392,7 +391,7 @@ class _Formatter:
                 choices.append(choice)
         response = {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                     "created": self.created, "model": self.model, "choices": choices,
-                    "usage": usage(*gen.usage_counts())}
+                    "usage": gen.usage()}
         if self.kind == "chat" and self.req.common.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(gen.latest[0].prompt_logprobs)
         if self.kind == "chat" and self.want_ids:

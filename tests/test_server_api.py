@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -500,3 +501,30 @@ def test_data_parallel_stats_sum_accepted_drafts_by_position():
     dp.replicas = [SimpleNamespace(stats=lambda: a), SimpleNamespace(stats=lambda: b)]
     stats = dp.stats()
     assert stats.spec_num_accepted_tokens_per_pos == (5, 3, 1) and stats.running_lora_adapters == ("x", "y")
+
+
+def test_a_predicted_output_is_taken_and_checked(server):
+    body = {"model": "fake-model", "messages": MSG, "max_tokens": 3,
+            "prediction": {"type": "content", "content": [{"type": "text", "text": "hello there"}]}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
+    for bad in ({"type": "content"}, {"type": "content", "content": 3}, "hello", {"type": "other", "content": "x"}):
+        got = httpx.post(server.url + "/v1/chat/completions", json={**body, "prediction": bad})
+        assert got.status_code == 400 and got.json()["error"]["param"] == "prediction", bad
+
+
+def test_usage_counts_predicted_tokens():
+    from jaxserve.outputs import CompletionOutput, RequestOutput
+    from server.generation import Generation
+
+    gen = Generation.__new__(Generation)
+    gen.jobs = [SimpleNamespace(prompt_ids=[1, 2, 3])]
+    done = [CompletionOutput(0, "ab", [5, 6], None, None, "length", accepted_prediction_tokens=1,
+                             rejected_prediction_tokens=4),
+            CompletionOutput(1, "cd", [7, 8], None, None, "length", accepted_prediction_tokens=0,
+                             rejected_prediction_tokens=5)]
+    gen.latest = [RequestOutput("r", None, [1, 2, 3], done, True)]
+    usage = gen.usage()
+    assert usage["completion_tokens"] == 4 and usage["prompt_tokens"] == 3
+    assert usage["completion_tokens_details"] == {"accepted_prediction_tokens": 1, "rejected_prediction_tokens": 9}
+    done[0].accepted_prediction_tokens = done[1].accepted_prediction_tokens = None
+    assert "completion_tokens_details" not in gen.usage()

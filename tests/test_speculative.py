@@ -384,6 +384,31 @@ def test_suffix_decoding_drafts_from_earlier_responses(engines):
 
 
 @slow
+def test_a_predicted_output_drafts_and_changes_nothing(engines):
+    """OpenAI's predicted outputs (`SamplingParams.prediction`): a right prediction is drafted from, nearly all of it
+    taken, in under half the steps; a wrong one is not taken; the outputs are the same either way."""
+    spec = engines.spec
+    costs, spec.drafter.costs = spec.drafter.costs, None  # (every draft the step has room for verified)
+    try:
+        prompt = _prompts(spec.tokenizer)[2]  # the days of the week
+        want = engines.base([prompt], PARAMS[0])[0].outputs[0]
+        steps = spec.runner.num_steps
+        got = serve(spec, [prompt], dataclasses.replace(PARAMS[0], prediction=want.text))[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.text == want.text
+        n, decodes = len(spec.tokenizer.encode(want.text)), spec.runner.num_steps - steps - 1  # (and a prefill)
+        assert decodes < len(got.token_ids) / 4  # 4 drafts a step, nearly all taken
+        # Every token but the prefill's and each decode step's own came from the prediction, or nearly.
+        assert got.accepted_prediction_tokens >= len(got.token_ids) - 1 - decodes - 4, (got, decodes)
+        assert got.rejected_prediction_tokens == n - got.accepted_prediction_tokens
+        wrong = serve(spec, [prompt], dataclasses.replace(PARAMS[0], prediction="zebra " * 30))[0].outputs[0]
+        assert wrong.token_ids == want.token_ids and wrong.accepted_prediction_tokens == 0
+        plain = serve(spec, [prompt], PARAMS[0])[0].outputs[0]
+        assert plain.accepted_prediction_tokens is None and plain.rejected_prediction_tokens is None
+    finally:
+        spec.drafter.costs = costs
+
+
+@slow
 def test_drafts_verified_as_chunks_change_nothing(engines):
     """The GPU backends' form on the CPU: each drafted request one sequence of its token and drafts, with
     logits at each, in a mixed step (every proposed draft verified: no costs); the same outputs again."""

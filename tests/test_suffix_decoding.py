@@ -120,3 +120,21 @@ def test_config():
                        ({"suffix_decoding_min_token_prob": 1.5}, r"min_token_prob must be within \[0, 1\]")]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig(method="suffix", **bad)
+
+
+def test_drafts_from_a_predicted_output():
+    """`prediction_drafts`: where the output's last tokens are found in the prediction, what follows them there (all
+    `k` of it, whatever the match's length); nothing without a match or a prediction."""
+    from jaxserve.engine.suffix_decoding import prediction_drafts
+    from jaxserve.sampling_params import SamplingParams
+
+    request = Request("p", [1, 2], max_tokens=50, sampling_params=SamplingParams(prediction=[5, 6, 7, 8, 9, 6, 3]))
+    request.output_token_ids = [5]
+    assert prediction_drafts(request, 4).tolist() == [6, 7, 8, 9]
+    request.output_token_ids = [5, 6, 7, 8, 9, 6]
+    assert prediction_drafts(request, 4).tolist() == [3]  # "9 6" is found once: its end
+    request.output_token_ids = [4]
+    assert prediction_drafts(request, 4).size == 0
+    assert prediction_drafts(Request("q", [1], max_tokens=5, sampling_params=SamplingParams()), 4).size == 0
+    with pytest.raises(ValueError, match="prediction must be a string or a list of token ids"):
+        SamplingParams(prediction={"type": "content"})

@@ -81,6 +81,10 @@ class Request:
     """Order of arrival at the scheduler (set by it): FCFS order and the preemption tie-break."""
     cache_node: Any = field(default=None, repr=False)
     """The radix-cache node this request holds locked (scheduler-managed), or None."""
+    prediction_index: Any = field(default=None, repr=False)
+    """The tokens of its predicted output, indexed for drafting (`suffix_decoding.prediction_drafts`)."""
+    prediction_accepted: int = 0
+    """Drafts taken from its predicted output that were accepted."""
     ngram_index: Any = field(default=None, repr=False)
     """Speculative decoding's index of its tokens (`speculative.NgramIndex`, suffix decoding's store), made on first
     use."""

@@ -74,6 +74,7 @@ class SeqState:
     undecoded: list[tuple[int, Any, int, str]] = field(default_factory=list)
     flushed: bool = False  # the held-back text went out at the length limit
     draft_pace: DraftBackoff = field(default_factory=DraftBackoff)  # speculative decoding's pace
+    prediction_accepted: int = 0  # drafts from its predicted output accepted (`Request.prediction_accepted`)
 
     @property
     def masked(self) -> bool:
@@ -173,7 +174,8 @@ class RequestGroup:
         stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else None
-            child = dataclasses.replace(params, n=1, seed=seed)
+            child = dataclasses.replace(params, n=1, seed=seed, prediction=params.prediction if not isinstance(
+                params.prediction, str) else tokenizer.encode(params.prediction))
             engine_id = self.request_id if params.n == 1 else f"{self.request_id}-{i}"
             self.seqs.append(SeqState(
                 engine_id, i, child, IncrementalDetokenizer(tokenizer, self.prompt_ids, params.skip_special_tokens),
@@ -200,11 +202,20 @@ class RequestGroup:
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                **prediction_counts(s.params.prediction, s.prediction_accepted),
             )
             for s in self.seqs
         ]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs, self.finished,
                              dataclasses.replace(self.metrics), prompt_logprobs=self.prompt_logprob_list())
+
+
+def prediction_counts(prediction: Any, accepted: int) -> dict[str, int]:
+    """A completion's predicted-output counts (OpenAI's usage details): drafts from the prediction accepted, and the
+    prediction's other tokens; none without a prediction."""
+    if prediction is None:
+        return {}
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": max(0, len(prediction) - accepted)}
 
 
 def engine_stats(engine: Any) -> EngineStats:
@@ -263,6 +274,7 @@ def accept_step(engine: Any, plan: Any, sampled: dict[str, Any]) -> dict[str, Re
                 stopped.append(s.request_id)
                 break
         accepted[s.request_id] = toks
+        seq.prediction_accepted = request.prediction_accepted
         if engine.trace is not None and toks:
             engine._trace(s.request_id, "L5", "tokens", step=engine.runner.num_steps - 1, token_ids=toks)
         group = engine._seq_group[s.request_id]

@@ -55,7 +55,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.runner import RunnerConfig, StepOutput
 from jaxserve.engine.scheduler_output import ScheduledRequest
 from jaxserve.engine.step_costs import StepCosts
-from jaxserve.engine.suffix_decoding import SuffixDecoding
+from jaxserve.engine.suffix_decoding import SuffixDecoding, prediction_drafts
 from jaxserve.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -212,6 +212,8 @@ class SpecStep:
                 if d:
                     self.drafter.record(len(d), n - 1)
                     self.paces[s.request_id].record(n - 1)
+                    if (req := self.drafter.predicted.get(s.request_id)) is not None:
+                        req.prediction_accepted += n - 1
                 got[s.request_id] = StepOutput(out.token_ids[i:i + n], out.logprobs[i:i + n], out.ranks[i:i + n],
                                                out.top_ids[i:i + n], out.top_logprobs[i:i + n], np.int32(n))
             i += 1 + len(d)
@@ -244,6 +246,7 @@ class Drafter:
         self.counters = SpecCounters()
         self.rate = AcceptanceRate()
         self.declined = 0  # decode steps in a row whose drafts the costs turned down
+        self.predicted: dict[str, Request] = {}  # this step's requests drafted from their predicted outputs
 
     def _probe(self) -> bool:
         """Whether this step, whose drafts the costs turn down, verifies some anyway (one a request; a draft model's
@@ -280,14 +283,16 @@ class Drafter:
                 rows.append((s.request_id, s.token_ids[0], s.start_position, pages_of(s.request_id), n))
             return self.model.propose(rows)
         proposals = {}
+        self.predicted = {}
         for s in ready:
             req = request_of(s.request_id)
-            if self.suffix is not None:
-                proposals[s.request_id] = self.suffix.propose(req, k)
-                continue
-            if req.ngram_index is None:
+            if self.suffix is None and req.ngram_index is None:
                 req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            proposals[s.request_id] = req.ngram_index.sync(req).propose(k)
+            own = self.suffix.propose(req, k) if self.suffix is not None else req.ngram_index.sync(req).propose(k)
+            predicted = prediction_drafts(req, k)  # (a predicted output's, when at least as long)
+            if predicted.size and predicted.size >= own.size:
+                own, self.predicted[s.request_id] = predicted, req
+            proposals[s.request_id] = own
         return proposals
 
     def choose(self, n: int, lengths: Mapping[str, int], room: int, decode_only: bool,

@@ -169,6 +169,24 @@ class SuffixDecoding:
                 self._cached = deque(at - moved for at in self._cached)
 
 
+def prediction_drafts(request: Request, k: int) -> np.ndarray:
+    """Up to `k` drafts from the request's predicted output (`SamplingParams.prediction`, token ids): what follows
+    where its output's last tokens are found in the prediction (the continuation most such places share), each
+    match length allowed all `k`; empty without a prediction or a match."""
+    prediction = getattr(request.sampling_params, "prediction", None)
+    if not prediction or not request.output_token_ids:
+        return np.empty(0, np.int32)
+    if request.prediction_index is None:
+        request.prediction_index = TokenStore()
+        request.prediction_index.extend(prediction)
+    pattern = np.asarray(request.output_token_ids[-SUFFIX_MATCH:], np.int64)
+    draft, _ = request.prediction_index.speculate(pattern, k, len(pattern) + k, float(k), 0.0)
+    return np.asarray(draft, np.int32)
+
+
+SUFFIX_MATCH = 24  # the output's last tokens looked up in a prediction
+
+
 class _Own:
     """A request's own store (its prompt and output), kept on it (`Request.ngram_index`)."""
 
