@@ -68,7 +68,12 @@ class ServerThread:
     @property
     def url(self) -> str:
         """`http://host:port` (https with a certificate)."""
-        return f"{scheme(self.state.config)}://{self.host}:{self.port}"
+        return f"{scheme(self.config)}://{self.host}:{self.port}"
+
+    @property
+    def config(self) -> ServerConfig | None:
+        """The server's config (HTTPS, root path), for jaxserve's app; None for another app (a router's)."""
+        return getattr(getattr(getattr(self.app, "state", None), "server", None), "config", None)
 
     @property
     def state(self) -> ServerState:
@@ -80,7 +85,7 @@ class ServerThread:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             self._started.set()
-            await hypercorn_serve(self.app, hypercorn_config(self._sock, self.state.config),
+            await hypercorn_serve(self.app, hypercorn_config(self._sock, self.config),
                                   shutdown_trigger=self._stop.wait)
 
         try:
@@ -140,8 +145,8 @@ def run_server(config: ServerConfig, load_engine: Callable[[], Any], placeholder
     return asyncio.run(_serve(app, state, config, sock, load_engine, f"{scheme(config)}://{host}:{port}"))
 
 
-def scheme(config: ServerConfig) -> str:
-    return "https" if config.ssl_certfile else "http"
+def scheme(config: ServerConfig | None) -> str:
+    return "https" if config is not None and config.ssl_certfile else "http"
 
 
 async def _serve(app: Any, state: ServerState, config: ServerConfig, sock: socket.socket,
