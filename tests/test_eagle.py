@@ -32,23 +32,24 @@ from jaxserve.loader.keymap import CheckpointError  # noqa: E402
 from jaxserve.speculative_config import SpeculativeConfig  # noqa: E402
 from tests.test_draft_model import _with_tokenizer  # noqa: E402
 from tests.test_model_families import TINY, save_tiny_hf  # noqa: E402
-from tests.test_mtp import ARGS, PROMPTS, _same, _serve, _serve_all, sleep_and_wake  # noqa: E402
+from tests.test_mtp import (  # noqa: E402
+    ARGS,
+    PROMPTS,
+    _same,
+    _serve,
+    _serve_all,
+    check_drafts,
+    save_repeating,
+    sleep_and_wake,
+)
 
 LAYERS = 5  # the target's
-SCALE = 0.3  # the target's layers' output projections scaled: each token's embedding leads its residual stream
 HEADS = ("eagle3", "eagle3_speculators", "eagle")
 
 
 def _target(path):
-    """The target: it mostly repeats its last token (its head is its embedding, its layers' outputs scaled down)."""
-    model = save_tiny_hf("LlamaConfig", path, seed=3, tie_word_embeddings=False, num_hidden_layers=LAYERS)
-    with torch.no_grad():
-        model.model.norm.weight.fill_(1.0)
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-        for name, p in model.model.layers.named_parameters():
-            if "o_proj" in name or "down_proj" in name:
-                p.mul_(SCALE)
-    model.save_pretrained(path, safe_serialization=True)
+    """The target: a tiny Llama that mostly repeats its last token (`test_mtp.save_repeating`)."""
+    model = save_repeating("LlamaConfig", path, num_hidden_layers=LAYERS)
     _with_tokenizer(str(path))
     return model
 
@@ -302,33 +303,12 @@ def _same_outputs(target, head):
 
 def test_drafts_equal_the_reference_and_outputs_the_targets(target, head, monkeypatch):
     kind, path, ref = head
-    proposed = []
-    propose = EagleDraft.propose
-
-    def watch(self, rows):
-        got = propose(self, rows)
-        proposed.extend((rid, position, got[rid].tolist()) for rid, _, position, _, _ in rows if rid in got)
-        return got
-
-    monkeypatch.setattr(EagleDraft, "propose", watch)
-    want = _plain(target[0])
     spec = _spec(kind, path) if kind != "eagle3_speculators" else {"model": path, "num_speculative_tokens": 3}
     engine = LLMEngine(EngineArgs(model=target[0], speculative_config=spec, enable_prefix_caching=True, **ARGS),
                        progress=False)
     assert isinstance(engine.draft, EagleDraft) and engine.runner.cfg.keep_hidden
     assert engine.runner.cfg.hidden_layers == ref.aux
-    got = _serve(engine, PROMPTS)
-    assert got == want
-    again = _serve(engine, PROMPTS[1:2], prefix="again")  # the prompt's pages from the prefix cache
-    assert again["again0"] == want["1"]
-    full = {**{rid: PROMPTS[int(rid)] + out for rid, out in want.items()}, "again0": PROMPTS[1] + want["1"]}
-    assert {rid for rid, *_ in proposed} == set(full)
-    for rid, position, drafts in proposed:
-        assert 1 <= len(drafts) <= 3
-        assert drafts == ref.drafts(full[rid][:position + 1], len(drafts)), (rid, position)
-    stats = engine.drafter.counters
-    assert stats.spec_num_draft_tokens > 40 and stats.spec_num_accepted_tokens > 10, stats
-    engine.check_integrity()
+    check_drafts(engine, EagleDraft, monkeypatch, _plain(target[0]), ref.drafts, 3)
 
 
 @pytest.mark.parametrize("head", ["eagle3"], indirect=True)

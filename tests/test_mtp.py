@@ -84,6 +84,20 @@ class Reference:
             return out
 
 
+def save_repeating(cls: str, path, **overrides):
+    """A tiny model of `transformers.<cls>` saved at `path` that mostly repeats its last token: its head is its
+    embedding (untied), its final norm's weights ones, its layers' output projections scaled down; the model."""
+    model = save_tiny_hf(cls, path, seed=3, tie_word_embeddings=False, **overrides)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        for name, p in model.model.layers.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.mul_(SCALE)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
 def save_with_mtp(family: str, path) -> Reference:
     """A tiny checkpoint of `family` with one MTP layer (config `num_nextn_predict_layers` 1) at `path`; its reference.
 
@@ -92,14 +106,7 @@ def save_with_mtp(family: str, path) -> Reference:
     the next token's embedding (with some of the hidden state), so it mostly drafts that token again."""
     cls, overrides = FAMILIES[family]
     n = overrides["num_hidden_layers"]
-    full = save_tiny_hf(cls, path, seed=3, tie_word_embeddings=False, **{**overrides, "num_hidden_layers": n + 1})
-    with torch.no_grad():
-        full.model.norm.weight.fill_(1.0)
-        full.lm_head.weight.copy_(full.model.embed_tokens.weight)
-        for name, p in full.model.layers.named_parameters():
-            if "o_proj" in name or "down_proj" in name:
-                p.mul_(SCALE)
-    full.save_pretrained(path, safe_serialization=True)
+    full = save_repeating(cls, path, **{**overrides, "num_hidden_layers": n + 1})
     tensors = load_file(os.path.join(path, "model.safetensors"))
     E = full.config.hidden_size
     rng = np.random.default_rng(4)
@@ -137,30 +144,36 @@ def _serve(engine: LLMEngine, prompts, max_tokens: int = 24, prefix: str = "") -
 
 def test_drafts_equal_the_reference_and_outputs_the_targets(tiny, monkeypatch):
     family, path, ref = tiny
+    want = _serve(LLMEngine(EngineArgs(model=path, **ARGS), progress=False), PROMPTS)
+    engine = LLMEngine(EngineArgs(model=path, speculative_config=SPEC, enable_prefix_caching=True, **ARGS),
+                       progress=False)
+    assert engine.runner.cfg.keep_hidden and engine.draft.cfg.num_layers == 1
+    check_drafts(engine, MtpDraft, monkeypatch, want, ref.drafts, SPEC["num_speculative_tokens"])
+
+
+def check_drafts(engine: LLMEngine, drafter: type, monkeypatch, want: dict, reference, most: int) -> None:
+    """`PROMPTS` served by `engine`, then the second again (its pages from the prefix cache): the outputs `want`
+    (decoding without drafts), and every proposal of its `drafter` (1 to `most` drafts) what `reference(context,
+    k)` drafts for the context it had; drafts taken."""
     proposed = []
-    propose = MtpDraft.propose
+    propose = drafter.propose
 
     def watch(self, rows):
         got = propose(self, rows)
         proposed.extend((rid, position, got[rid].tolist()) for rid, _, position, _, _ in rows if rid in got)
         return got
 
-    monkeypatch.setattr(MtpDraft, "propose", watch)
-    want = _serve(LLMEngine(EngineArgs(model=path, **ARGS), progress=False), PROMPTS)
-    engine = LLMEngine(EngineArgs(model=path, speculative_config=SPEC, enable_prefix_caching=True, **ARGS),
-                       progress=False)
-    assert engine.runner.cfg.keep_hidden and engine.draft.cfg.num_layers == 1
-    got = _serve(engine, PROMPTS)
-    assert got == want
-    again = _serve(engine, PROMPTS[1:2], prefix="again")  # the prompt's pages from the prefix cache
+    monkeypatch.setattr(drafter, "propose", watch)
+    assert _serve(engine, PROMPTS) == want
+    again = _serve(engine, PROMPTS[1:2], prefix="again")
     assert again["again0"] == want["1"]
-    stats = engine.drafter.counters
-    assert stats.spec_num_draft_tokens > 40 and stats.spec_num_accepted_tokens > 10, stats
     full = {**{rid: PROMPTS[int(rid)] + out for rid, out in want.items()}, "again0": PROMPTS[1] + want["1"]}
     assert {rid for rid, *_ in proposed} == set(full)
     for rid, position, drafts in proposed:
-        assert 1 <= len(drafts) <= SPEC["num_speculative_tokens"]
-        assert drafts == ref.drafts(full[rid][:position + 1], len(drafts)), (rid, position)
+        assert 1 <= len(drafts) <= most
+        assert drafts == reference(full[rid][:position + 1], len(drafts)), (rid, position)
+    stats = engine.drafter.counters
+    assert stats.spec_num_draft_tokens > 40 and stats.spec_num_accepted_tokens > 10, stats
     engine.check_integrity()
 
 
