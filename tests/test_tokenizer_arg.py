@@ -1,65 +1,65 @@
 """`--tokenizer` (`EngineArgs.tokenizer`): the tokenizer and chat template from a path apart from the model's, as
-vLLM's flag: the bundled GGUF model served with the tokenizer of an HF directory (written from its own, then given
-another chat template), another model's tokenizer refused by its size."""
+vLLM's flag: a model served with the tokenizer of a directory of tokenizer files alone (its own chat template
+used), the bundled GGUF's tokenizer read from the file and from an HF copy, another model's refused by its size."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from jaxserve.engine_args import EngineArgs
 from jaxserve.llm import LLM
+from jaxserve.loader import tokenizer_at
 from jaxserve.sampling_params import SamplingParams
-from tests.conftest import REAL_ENGINE_ARGS
+from jaxserve.tokenizer import Tokenizer
 
-MESSAGES = [{"role": "user", "content": "Name a colour."}]
+ARGS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+            kv_cache_memory_bytes=1 << 20, warmup=False, progress=False)
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory, smollm_path):
-    from jaxserve.tokenizer import Tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    Tokenizer.from_gguf(smollm_path).save_hf(path)
-    return str(path)
-
-
-def test_the_model_served_with_a_tokenizer_from_elsewhere(smollm_path, tokenizer_dir, tmp_path):
-    args = dict(**{**REAL_ENGINE_ARGS, "max_num_seqs": 4}, warmup=False, progress=False)
-    params = SamplingParams(temperature=0, max_tokens=12)
-    own = LLM(smollm_path, **args)
-    want = own.chat(MESSAGES, params)[0]
-    other = LLM(smollm_path, tokenizer=tokenizer_dir, **args)
-    got = other.chat(MESSAGES, params)[0]
-    assert other.get_tokenizer() is not own.get_tokenizer()
-    assert (got.prompt_token_ids, got.outputs[0].token_ids, got.outputs[0].text) == \
-        (want.prompt_token_ids, want.outputs[0].token_ids, want.outputs[0].text)
-    # Its own chat template: the prompt as that template writes it.
-    with open(os.path.join(tokenizer_dir, "tokenizer_config.json")) as f:
-        config = json.load(f)
-    config["chat_template"] = "{% for m in messages %}<|im_start|>Q: {{ m['content'] }}\nA:{% endfor %}"
-    changed = tmp_path / "changed"
-    changed.mkdir()
-    for name in os.listdir(tokenizer_dir):
-        (changed / name).write_bytes(open(os.path.join(tokenizer_dir, name), "rb").read())
-    (changed / "tokenizer_config.json").write_text(json.dumps(config))
-    llm = LLM(smollm_path, tokenizer=str(changed), **args)
-    out = llm.chat(MESSAGES, params)[0]
-    assert out.prompt_token_ids == llm.get_tokenizer().encode("<|im_start|>Q: Name a colour.\nA:")
-
-
-def test_another_models_tokenizer_is_refused(tokenizer_dir, tmp_path):
-    from jaxserve.engine.model_loading import load_model
+def tiny(tmp_path_factory):
+    pytest.importorskip("transformers")
     from tests.test_draft_model import _with_tokenizer
     from tests.test_model_families import save_tiny_hf
 
-    pytest.importorskip("transformers")
-    save_tiny_hf("LlamaConfig", tmp_path / "tiny")
-    tiny = _with_tokenizer(str(tmp_path / "tiny"))
+    path = tmp_path_factory.mktemp("tiny")
+    save_tiny_hf("LlamaConfig", path)
+    return _with_tokenizer(str(path))
+
+
+def test_the_model_served_with_a_tokenizer_from_elsewhere(tiny, tmp_path):
+    other = tmp_path / "tokenizer"  # tokenizer files alone, with a chat template of their own
+    Tokenizer.from_hf_dir(tiny).save_hf(other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}t5 {{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(tiny, **ARGS).generate({"prompt_token_ids": [5, 7, 9]}, params)[0].outputs[0].token_ids
+    llm = LLM(tiny, tokenizer=str(other), **ARGS)
+    assert llm.get_tokenizer().chat_template == config["chat_template"]
+    out = llm.chat([{"role": "user", "content": "t7 t9"}], params)[0]
+    assert out.prompt_token_ids == [5, 7, 9] and out.outputs[0].token_ids == want
+
+
+def test_a_gguf_files_tokenizer_and_its_hf_copy(smollm_path, tmp_path):
+    from jaxserve.loader import GGUFFile
+
+    cfg = GGUFFile(smollm_path).config()
+    own = Tokenizer.from_gguf(smollm_path)
+    own.save_hf(tmp_path / "copy")
+    text = "Hello, world! The numbers 1, 22 and 333 <|im_start|>user\n"
+    for path in (smollm_path, str(tmp_path / "copy")):
+        got = tokenizer_at(path, cfg)
+        assert got.encode(text) == own.encode(text) and got.chat_template == own.chat_template, path
+
+
+def test_another_models_tokenizer_is_refused(tiny, smollm_path, tmp_path):
+    from jaxserve.engine.model_loading import load_model
+
     with pytest.raises(ValueError, match=r"the tokenizer at .* has 49152 tokens; the model's vocabulary has 160"):
-        load_model(EngineArgs(model=tiny, tokenizer=tokenizer_dir, dtype="float32"), progress=False)
+        load_model(EngineArgs(model=tiny, tokenizer=smollm_path, dtype="float32"), progress=False)
     with pytest.raises(FileNotFoundError, match="neither an HF directory nor a GGUF file"):
         load_model(EngineArgs(model=tiny, tokenizer=str(tmp_path / "nowhere"), dtype="float32"), progress=False)
 
