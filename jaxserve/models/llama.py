@@ -19,6 +19,7 @@ from jaxserve.config import (
 )
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
@@ -306,9 +307,8 @@ def forward(
     `return_hidden` (static), also every token's last hidden state [T, E] (before the final norm,
     for `lm_head`). `embeds` [T, E]: the first layer's inputs in place of the tokens' embeddings (a multi-token
     prediction layer's, `models.mtp`; an EAGLE draft's, `models.eagle`). `aux_layers` (static, with `return_hidden`):
-    also the hidden states entering each of these layers, side by side [T, len * E] (layer 0's are the embeddings,
-    layer L's the last), the inputs of an EAGLE-3 draft. `attn_inputs` [T, E']: what the first layer's attention
-    projects in place of its normed input (an EAGLE-3 draft's; unstacked layers only).
+    also the hidden states entering these layers, side by side [T, len * E] (`kept_layers`). `attn_inputs` [T, E']:
+    what the first layer's attention projects in place of its normed input (an EAGLE-3 draft's; unstacked only).
 
     `layout` (a `sharding.MeshLayout`, for a model sharded over a mesh): where the experts are, and the axis the
     attention kernels split heads over."""
@@ -344,20 +344,10 @@ def forward(
         add = (layer < cfg.deepstack_layers) & inputs.image_mask
         return (x + jnp.where(add[:, None], jax.lax.dynamic_index_in_dim(deep, i, 1, False).astype(x.dtype), 0), *rest)
 
-    # The hidden states entering `aux_layers` (each kept once, in a slot of `kept` by `slot_of` the layer; the last
-    # slot takes the other layers' writes): written in place as the loops pass those layers.
-    kept_layers = sorted(set(aux_layers))
-    slot_of = np.full(L + 1, len(kept_layers), np.int32)
-    slot_of[kept_layers] = np.arange(len(kept_layers))
-
-    def keep(carry, layer):
-        if not aux_layers:
-            return carry
-        x, k, v, kept = carry
-        return x, k, v, jax.lax.dynamic_update_index_in_dim(kept, x, jnp.asarray(slot_of)[layer], 0)
+    kept = KeptLayers(aux_layers, L)  # the hidden states entering `aux_layers`, carried beside (x, k, v)
 
     def run(layer_fn, carry, layer):  # one layer over (x, k, v[, kept])
-        carry = keep(carry, layer)
+        carry = kept.keep(carry, layer)
         out, _ = layer_fn(carry[:3])
         return deepstack(out, layer) + carry[3:]
 
@@ -365,9 +355,7 @@ def forward(
         return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
                                     cfg.is_local(0)), carry, xs[1]), None
 
-    carry = (x, k_all, v_all)
-    if aux_layers:
-        carry += (jnp.zeros((len(kept_layers) + 1, *x.shape), x.dtype),)
+    carry = (x, k_all, v_all) + kept.start(x)
     if attn_inputs is not None and not isinstance(params.layers, tuple):
         raise ValueError("attn_inputs takes a model's layers unstacked (`params.unstack_layers`)")
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
@@ -398,7 +386,7 @@ def forward(
         carry = jax.lax.fori_loop(0, L // period, group, carry)
         for layer in range(L // period * period, L):  # past the last whole group
             carry = one(layer, layer, carry)
-    carry = keep(carry, L)
+    carry = kept.keep(carry, L)
     x, k_all, v_all = carry[:3]
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]
@@ -406,8 +394,7 @@ def forward(
         k_all, v_all = jax.lax.bitcast_convert_type(k_all, kv.k.dtype), jax.lax.bitcast_convert_type(v_all, kv.k.dtype)
     kv = dataclasses.replace(kv, k=k_all.reshape(kv.k.shape), v=v_all.reshape(kv.v.shape))
     if return_hidden and aux_layers:
-        kept = carry[3]
-        return logits, kv, x, jnp.concatenate([kept[slot_of[j]] for j in aux_layers], axis=-1)
+        return logits, kv, x, kept.states(carry[3])
     if return_hidden:
         return logits, kv, x
     return logits, kv
