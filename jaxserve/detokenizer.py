@@ -83,6 +83,19 @@ class IncrementalDetokenizer:
         return self._chunks[0] if self._chunks else ""
 
 
+class NoText:
+    """In place of an `IncrementalDetokenizer` where the output is not turned into text (`SamplingParams.detokenize`
+    False, or an engine without a tokenizer): token ids in, no text out."""
+
+    text = ""
+
+    def add(self, token_ids: Sequence[int] | int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 @dataclass(frozen=True)
 class StopMatch:
     """Where a text must end because of stop strings, and how much of it may still begin one."""

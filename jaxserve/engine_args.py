@@ -34,6 +34,9 @@ class EngineArgs:
 
     model: str | None = None  # a GGUF file or HF directory; None = the bundled SmolLM2
     tokenizer: str | None = None  # the tokenizer's HF directory or GGUF file (None: the model's own)
+    # vLLM's: no tokenizer at all. Prompts are token ids, outputs token ids without text; what needs the tokenizer
+    # (text prompts, chat, stop strings, bad words, structured outputs) is refused, named.
+    skip_tokenizer_init: bool = False
     dtype: DType = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -141,6 +144,10 @@ class EngineArgs:
             object.__setattr__(self, "mm_processor_kwargs", dict(json_object(
                 self.mm_processor_kwargs, "mm_processor_kwargs", '{"max_pixels": 1003520}')))
         self._check_runner()
+        if self.skip_tokenizer_init and (self.tokenizer is not None or self.calculate_kv_scales):
+            raise ValueError("skip_tokenizer_init leaves the tokenizer out; " + (
+                f"a tokenizer was given too ({self.tokenizer!r})" if self.tokenizer is not None else
+                "calculate_kv_scales tokenizes its calibration texts"))
         object.__setattr__(self, "lora_modules", check_lora_args(self))
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
@@ -251,6 +258,9 @@ class EngineArgs:
         g.add_argument("--tokenizer", default=None, metavar="PATH",
                        help="the tokenizer (and chat template) from this HF directory or GGUF file instead of the "
                             "model's: e.g. a GGUF model served with its original tokenizer")
+        g.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="load no tokenizer: prompts are token ids and outputs token ids without text (for a "
+                            "client that tokenizes itself); text prompts, chat, stop strings are refused")
         g.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
                        help="auto = the model's weights; dummy = random weights of its shapes (config and "
                             "tokenizer from the model, which then needs no weight files): for benchmarks")

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search, one_token_params
+from jaxserve.engine.admission import without_tokenizer
 from jaxserve.engine.classifier import cross_encoder_prompt
 from jaxserve.engine.errors import EngineError
 from jaxserve.engine.llm_engine import LLMEngine
@@ -90,6 +91,8 @@ class LLM:
         retrieval-augmented models."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok, spec = self.engine.tokenizer, image_spec(self.engine)
+        if tok is None:
+            raise without_tokenizer("chat (the chat template renders text)")
         extra = dict(chat_template_kwargs or {}) | ({"documents": list(documents)} if documents is not None else {})
         prompts: list[Prompt] = []
         for conv in conversations:
@@ -157,7 +160,8 @@ class LLM:
             if not head.is_cross_encoder:
                 raise ValueError(f"this model classifies into {head.num_labels} labels; scoring needs a cross-encoder "
                                  "(one label) or an embedding model")
-            tok = self.engine.tokenizer
+            if (tok := self.engine.tokenizer) is None:
+                raise without_tokenizer("scoring text pairs")
             pairs = [cross_encoder_prompt(tok, a, b, chat_template) for a, b in zip(first, second, strict=True)]
             outs = self.classify(pairs, PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
             return [ScoringRequestOutput(str(next(self._ids)), o.prompt_token_ids, ScoringOutput(o.outputs.probs[0]))
@@ -195,7 +199,8 @@ class LLM:
                 return [out.outputs[0].logprobs[0] for out in outs]
 
             return beam_search([ids[i] for i in indices], params, max_model_len=engine.max_model_len,
-                               eos_token_ids=engine.eos_ids, decode=engine.tokenizer.decode,
+                               eos_token_ids=engine.eos_ids,  # (no tokenizer, `skip_tokenizer_init`: no text)
+                               decode=engine.tokenizer.decode if engine.tokenizer else lambda *_, **__: "",
                                next_logprobs=next_logprobs)
 
         text = [i for i, mm in enumerate(media) if mm is None]

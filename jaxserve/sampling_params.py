@@ -45,6 +45,8 @@ class SamplingParams:
         token's own), None returns none. The first prompt token has none (None in the list); such
         a request computes its whole prompt (it reads no cached prefix).
       skip_special_tokens: leave special tokens out of the detokenized text.
+      detokenize: turn the output into text (False: `text` stays empty and logprob entries carry no
+        `decoded_token`; for a client that reads `token_ids` only). Stop strings need it.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
       logit_bias: {token id: bias} added to the logits before any penalty or filter; biases
         are clamped to [-100, 100] (OpenAI's range): -100 bans a token, +100 all but forces it.
@@ -76,6 +78,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -98,6 +101,9 @@ class SamplingParams:
             stop = list(stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if stop and not self.detokenize:
+            raise ValueError("stop strings are found in the output's text: they need detokenize=True (stop_token_ids "
+                             "work without it)")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

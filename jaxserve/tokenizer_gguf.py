@@ -127,6 +127,22 @@ def byte_alphabet() -> dict[int, str]:
     return table
 
 
+def _eos_ids(reader: Any, kinds: list[tuple[str, int]]) -> list[int]:
+    """The ids that end generation: the file's EOS, and (as llama.cpp) its end-of-turn / end-of-message tokens when
+    it names them and the control tokens that end a turn in the chat formats it knows (a Gemma file names no
+    <end_of_turn>)."""
+    named = (_gguf_value(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id"))
+    eos_ids = [int(i) for i in named if i is not None]
+    return eos_ids + [i for i, (t, k) in enumerate(kinds) if k == _CONTROL and t in _TURN_ENDS and i not in eos_ids]
+
+
+def gguf_eos_ids(reader: GGUFHeader) -> tuple[int, ...]:
+    """A GGUF file's ids that end generation, as its tokenizer gives them, without building the tokenizer."""
+    tokens = _gguf_value(reader, "tokenizer.ggml.tokens") or []
+    types = _gguf_value(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    return tuple(_eos_ids(reader, list(zip(tokens, types, strict=False))))
+
+
 def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | GGUFHeader) -> GGUFTokenizer:
     """Read the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
     from jaxserve.loader.gguf_header import GGUFHeader
@@ -171,10 +187,7 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | GGUFHeader) -> 
     bos_id, eos_id, pad_id, unk_id = (
         token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
     )
-    # llama.cpp also ends generation at end-of-turn / end-of-message tokens when a file names them, and at
-    # the control tokens that end a turn in the chat formats it knows (a Gemma file names no <end_of_turn>).
-    eos_ids = [i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
-    eos_ids += [i for i, (t, k) in enumerate(kinds) if k == _CONTROL and t in _TURN_ENDS and i not in eos_ids]
+    eos_ids = _eos_ids(reader, kinds)
     # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp and transformers give it.
     add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False))

@@ -187,7 +187,7 @@ async def tokenize(request: Request) -> Response:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
     state.check_model(get_str(body, "model"))
-    tok = state.engine.tokenizer
+    tok = state.tokenizer_for("/tokenize")
     if "messages" in body:  # rendered exactly as a chat request's prompt (the same fields, the same checks)
         req = parse_chat({**body, "tool_choice": "none"} if body.get("tools") else body)
         check_request_template(req, state.config.trust_request_chat_template)
@@ -216,7 +216,7 @@ async def detokenize(request: Request) -> Response:
         raise ApiError(400, "the request body must be a JSON object", code="invalid_type")
     state.check_model(get_str(body, "model"))
     ids = body.get("tokens")
-    tok = state.engine.tokenizer
+    tok = state.tokenizer_for("/detokenize")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
     bad = [t for t in ids if not 0 <= t < tok.vocab_size]

@@ -94,8 +94,9 @@ async def beam_search_output(engine: Any, engine_id: str, prompt_ids: list[int],
         return [o.outputs[0].logprobs[0] for o in outs]
 
     (result,) = await beam_search_async(
-        [prompt_ids], beam, max_model_len=engine.max_model_len, eos_token_ids=tok.eos_token_ids,
-        decode=lambda ids: tok.decode(ids, params.skip_special_tokens), next_logprobs=next_logprobs,
+        [prompt_ids], beam, max_model_len=engine.max_model_len,
+        eos_token_ids=tok.eos_token_ids if tok else engine.eos_ids,  # (no tokenizer: --skip-tokenizer-init)
+        decode=lambda ids: tok.decode(ids, params.skip_special_tokens) if tok else "", next_logprobs=next_logprobs,
         top_k=params.logprobs or 0)
     metrics.finished_time = time.time()
     n = len(prompt_ids)

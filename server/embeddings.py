@@ -33,7 +33,7 @@ _KNOWN = {"input", "messages", "model", "encoding_format", "dimensions", "user",
 
 def request_prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
     """Each input's token ids (a chat's rendered prompt for `messages`); 400 for any that cannot be embedded."""
-    tok = state.engine.tokenizer
+    vocab = state.vocab_size()
     if ("input" in body) == ("messages" in body):
         raise bad_field("input", "send exactly one of 'input' and 'messages'", "missing_required_parameter")
     if "messages" in body:
@@ -41,6 +41,7 @@ def request_prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise bad_field("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+        tok = state.tokenizer_for("'messages'")
         try:
             text = tok.apply_chat_template(check_messages(body["messages"]), tools=tools,
                                            add_generation_prompt=get_bool(body, "add_generation_prompt", False),
@@ -51,10 +52,11 @@ def request_prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
     special = get_bool(body, "add_special_tokens", True)
     out = []
     for i, item in enumerate(check_prompts(body["input"], "input")):
-        ids = tok.encode(item, add_special_tokens=special) if isinstance(item, str) else list(item)
-        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+        ids = state.tokenizer_for("a text input").encode(item, add_special_tokens=special) if isinstance(item, str) \
+            else list(item)
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise bad_field("input", f"input[{i}] has token id {bad[0]}, outside the vocabulary (size {tok.vocab_size})")
+            raise bad_field("input", f"input[{i}] has token id {bad[0]}, outside the vocabulary (size {vocab})")
         out.append(ids)
     return out
 

@@ -35,7 +35,8 @@ class TokenText:
     """Each token id's own text, as logprobs report it (cached: the same ids come back often)."""
 
     def __init__(self, tokenizer: Any, as_ids: bool = False):
-        """`as_ids`: each token as "token_id:N" (vLLM's `return_tokens_as_token_ids`), whatever its text."""
+        """`as_ids`: each token as "token_id:N" (vLLM's `return_tokens_as_token_ids`), whatever its text (the form
+        a server without a tokenizer, --skip-tokenizer-init, writes)."""
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
         self._as_ids = as_ids

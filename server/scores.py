@@ -59,7 +59,7 @@ async def _scores(request: Request, state: Any, body: Mapping[str, Any], arrival
     computed: a cross-encoder's, or the cosine similarities of embeddings (every distinct text embedded once)."""
     max_len = state.engine.max_model_len
     params = request_pooling_params({k: body[k] for k in ("truncate_prompt_tokens",) if k in body}, max_len)
-    tok = state.engine.tokenizer
+    tok = state.tokenizer_for("scoring texts")
     head = getattr(state.engine, "classifier", None)
     if head is not None:
         return await _cross_scores(request, state, body, arrival, firsts, seconds, params, head)
@@ -85,7 +85,7 @@ async def _cross_scores(request: Request, state: Any, body: Mapping[str, Any], a
     if not head.is_cross_encoder:
         raise ApiError(400, f"model {state.model_name!r} classifies into {head.num_labels} labels; scoring needs a "
                             "cross-encoder (one label) or an embedding model", code="invalid_request")
-    tok, max_len = state.engine.tokenizer, state.engine.max_model_len
+    tok, max_len = state.tokenizer_for("scoring texts"), state.engine.max_model_len
     template = state.config.chat_template  # a score template, when the server has one
     try:
         pairs = [fit_prompt(cross_encoder_prompt(tok, a, b, template), params, max_len, i, name)

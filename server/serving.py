@@ -94,11 +94,11 @@ async def _offload(fn: Any, *args: Any, big: bool) -> Any:
 
 
 async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, encode: bool = True) -> list[Job]:
-    engine = state.engine
+    engine, tok = state.engine, state.tokenizer_for("a chat (its template renders text)")
     check_request_template(req, state.config.trust_request_chat_template)
     size = sum(len(str(m.get("content") or "")) for m in req.messages)
     spec = getattr(engine, "images", None)
-    req, text, ids, images = await _offload(fitted_chat_prompt, engine.tokenizer, req, state.config.chat_template,
+    req, text, ids, images = await _offload(fitted_chat_prompt, tok, req, state.config.chat_template,
                                             engine.max_model_len, spec, big=size > _OFFLOAD_CHARS or req.drop_turns_to_fit)
     if images:
         ids, images = await read_images(spec, ids, images, encode)  # (not encoded ahead over imported KV)
@@ -120,17 +120,17 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, enco
 
 async def _completion_jobs(state: ServerState, req: CompletionRequest, request_id: str) -> list[Job]:
     engine = state.engine
-    tok = engine.tokenizer
+    tok, vocab = engine.tokenizer, state.vocab_size()
     jobs = []
     for i, prompt in enumerate(req.prompts):
         if isinstance(prompt, str):
-            ids = await _offload(tok.encode, prompt, req.common.add_special_tokens,
+            ids = await _offload(state.tokenizer_for("a text prompt").encode, prompt, req.common.add_special_tokens,
                                  big=len(prompt) > _OFFLOAD_CHARS)
             text = prompt
         else:
-            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {tok.vocab_size})",
+                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})",
                                param="prompt", code="invalid_value")
             ids, text = list(prompt), None
         kept = truncated_ids(ids, req.common.params, engine.max_model_len)
@@ -202,7 +202,7 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
     if prepare is not None:
         req = prepare(req)
     lora = state.check_model(req.common.model)
-    vocab = state.engine.tokenizer.vocab_size
+    vocab = state.vocab_size()
     for name, ids in (("logit_bias", req.common.params.logit_bias),
                       ("allowed_token_ids", req.common.params.allowed_token_ids or ())):
         outside = sorted(t for t in ids if t >= vocab)
@@ -281,7 +281,7 @@ class _Formatter:
         self.n = req.common.params.n
         self.top_n = req.common.params.logprobs or 0
         self.want_logprobs = req.common.params.logprobs is not None
-        self.text_of = TokenText(state.engine.tokenizer, req.common.tokens_as_ids)
+        self.text_of = TokenText(state.engine.tokenizer, req.common.tokens_as_ids or state.engine.tokenizer is None)
         self.want_ids = req.common.return_token_ids
         self.cursors: dict[int, ChoiceCursor] = {}
         self.usage_field = req.common.stream_options.include_usage or req.common.stream_options.continuous_usage_stats

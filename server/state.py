@@ -99,6 +99,19 @@ class ServerState:
             raise ApiError(503, "the model is still loading; retry shortly", code="model_not_ready",
                            headers=retry)
 
+    def tokenizer_for(self, what: str) -> Any:
+        """The engine's tokenizer, for `what`; 400 naming it when the server runs without one
+        (--skip-tokenizer-init: prompts are token ids, outputs token ids)."""
+        if (tok := self.engine.tokenizer) is None:
+            raise ApiError(400, f"{what} needs the tokenizer, and the server was started with --skip-tokenizer-init: "
+                                "send prompts as token ids to /v1/completions", code="unsupported_parameter")
+        return tok
+
+    def vocab_size(self) -> int:
+        """Token ids a request may name: the tokenizer's, else (without one) the model's."""
+        tok = self.engine.tokenizer
+        return tok.vocab_size if tok is not None else self.engine.vocab_size
+
     def check_awake(self) -> None:
         """503 while the engine sleeps (server/sleep_admin.py)."""
         if self.sleeping:

@@ -8,11 +8,30 @@ from typing import Any
 from jaxserve.engine.runner import MAX_STOP_IDS
 from jaxserve.sampling_params import SamplingParams
 
+NO_TOKENIZER = "the engine was started without a tokenizer (skip_tokenizer_init, --skip-tokenizer-init)"
+
+
+def without_tokenizer(what: str) -> ValueError:
+    """The error for what an engine without a tokenizer cannot do."""
+    return ValueError(f"{what} needs the tokenizer; {NO_TOKENIZER}")
+
+
+def _check_tokenizer_free(params: SamplingParams) -> None:
+    """For an engine without a tokenizer: a ValueError naming the first part of the request that needs one."""
+    needs = [("stop strings (give stop_token_ids)", bool(params.stop)), ("bad_words", bool(params.bad_words)),
+             ("structured outputs", params.structured_outputs is not None),
+             ("a text prediction (give token ids)", isinstance(params.prediction, str))]
+    for what, asked in needs:
+        if asked:
+            raise without_tokenizer(what)
+
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: int,
                      add_special_tokens: bool = False, placeholders: Sequence[int] = ()) -> list[int]:
     """A prompt's token ids: text tokenized, ids checked against the vocabulary (and the media `placeholders` past
     it, `ImageEncoder.placeholder_ids`)."""
+    if isinstance(prompt, str) and tokenizer is None:
+        raise without_tokenizer("a text prompt (give token ids)")
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     ids = [int(t) for t in prompt]
@@ -23,9 +42,12 @@ def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], vocab_size: in
 
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, *, max_model_len: int, max_logprobs: int,
-                  vocab_size: int, eos_ids: Sequence[int], supports_prompt_logprobs: bool) -> tuple[int, tuple[int, ...]]:
+                  vocab_size: int, eos_ids: Sequence[int], supports_prompt_logprobs: bool,
+                  has_tokenizer: bool = True) -> tuple[int, tuple[int, ...]]:
     """The request's max_tokens (the room left in the context when not given) and its stop ids; a
-    ValueError naming the problem if it can never run."""
+    ValueError naming the problem if it can never run (`has_tokenizer` False: also what needs a tokenizer)."""
+    if not has_tokenizer:
+        _check_tokenizer_free(params)
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     room = max_model_len - len(prompt_ids)

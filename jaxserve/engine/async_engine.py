@@ -80,6 +80,7 @@ class AsyncEngine:
         self.lora_modules = engine.loras.paths if getattr(engine, "loras", None) else {}
         """LoRA adapters, name to path (the engine's own map: adapters loaded later appear in it)."""
         self.max_model_len = engine.max_model_len
+        self.vocab_size, self.eos_ids = engine.model.config.vocab_size, engine.eos_ids
         self.sampling_defaults = engine.model.sampling_defaults  # the model's (`jaxserve.generation_config`)
         self.long_rope_context = engine.long_rope_context  # prompts past it are cached apart (jaxserve.rope)
         self.sleep_mode = engine.args.enable_sleep_mode  # sleep and weight updates over HTTP (server/sleep_admin.py)

@@ -130,6 +130,9 @@ def _from_tokens(model_path: str, config: Mapping[str, Any], hidden_size: int, t
             method == "from_2_way_softmax" and len(tokens) != 2):
         raise ValueError(f"method {method!r} with {len(tokens)} classifier_from_token tokens is not supported "
                          "(from_2_way_softmax takes two; no_post_processing any number)")
+    if tokenizer is None:
+        raise ValueError("classifier_from_token names its labels' tokens as text: it needs the tokenizer, which "
+                         "skip_tokenizer_init leaves out")
     ids = [tokenizer.token_to_id(t) for t in tokens]
     if None in ids:
         raise ValueError(f"classifier_from_token: {tokens[ids.index(None)]!r} is not a token of the model's "

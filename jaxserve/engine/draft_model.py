@@ -73,7 +73,8 @@ def load_draft(args: EngineArgs, target: Any, progress: bool = True) -> DraftMod
     draft_args = EngineArgs(model=spec.model, dtype=args.dtype, quantization=spec.quantization,
                             load_format=args.load_format, seed=args.seed, limit_mm_per_prompt={"image": 0})
     draft = load_model(draft_args, progress=progress)
-    check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
+    if target.tokenizer is not None:  # (without one, `skip_tokenizer_init`: ids are taken as they come)
+        check_same_vocabulary(target.tokenizer, draft.tokenizer, target.name, draft.name)
     logger.info("draft model %s: %d layers, %d of hidden width, drafting %d tokens", draft.name,
                 draft.config.num_layers, draft.config.hidden_size, spec.num_speculative_tokens)
     return DraftModel(draft, target.config.vocab_size, spec.num_speculative_tokens, draft_args)

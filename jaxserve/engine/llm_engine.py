@@ -140,7 +140,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.eos_ids = tuple(self.tokenizer.eos_token_ids)
+        self.eos_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model.eos_ids
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
         warm = spec and args.warmup and jax.process_count() == 1
@@ -190,7 +190,7 @@ class LLMEngine:
                                           multi_modal_data)
         max_tokens, stop_ids = check_request(
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
-            vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids,
+            vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids, has_tokenizer=self.tokenizer is not None,
             supports_prompt_logprobs=self.runner.supports_prompt_logprobs)
         # Its adapter and the cache namespace of its adapter and of its prompt's rotary factors.
         salt = prompt_cache_salt(self.long_rope_context, len(prompt_ids), cache_salt)

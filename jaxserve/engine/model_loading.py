@@ -20,6 +20,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.generation_config import sampling_defaults
 from jaxserve.loader import (
     GGUFFile,
+    checkpoint_eos_ids,
     checkpoint_tokenizer,
     load_params,
     load_vision,
@@ -47,7 +48,7 @@ class LoadedModel:
     name: str
     config: ModelConfig
     params: Params
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # (None: loaded without one, `EngineArgs.skip_tokenizer_init`)
     dtype: Any
     load_seconds: float
     forward_fn: Callable = forward
@@ -58,6 +59,8 @@ class LoadedModel:
     """What a request that leaves a sampling field out gets (`jaxserve.generation_config`)."""
     vision: Any = None
     """An image-text model's `multimodal.ImageEncoder` (None: a text model, or images turned off)."""
+    eos_ids: tuple[int, ...] = ()
+    """Without a tokenizer, the ids that end generation, read from the checkpoint (`loader.checkpoint_eos_ids`)."""
 
 
 def resolve_dtype(args: EngineArgs) -> Any:
@@ -122,7 +125,8 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         # ship without one); the unused logits of the step read the embedding instead and are compiled away.
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     dtype = resolve_dtype(args)
-    tokenizer = checkpoint_tokenizer(path, ckpt) if args.tokenizer is None else tokenizer_at(args.tokenizer, cfg)
+    tokenizer = None if args.skip_tokenizer_init else checkpoint_tokenizer(path, ckpt) if args.tokenizer is None \
+        else tokenizer_at(args.tokenizer, cfg)
     plan = _parallel_plan(args, cfg)
     if dummy:
         params = random_params(plan.model_cfg if plan else cfg, dtype, seed=args.seed,
@@ -140,7 +144,8 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
     vision = _image_encoder(args, ckpt, cfg, dtype, path, tokenizer)
     loaded = LoadedModel(path, model_display_name(path), cfg, params, tokenizer, dtype, time.perf_counter() - t0,
                          sampling_defaults=sampling_defaults(path, args.generation_config,
-                                                             args.override_generation_config), vision=vision)
+                                                             args.override_generation_config), vision=vision,
+                         eos_ids=checkpoint_eos_ids(path, ckpt) if tokenizer is None else ())
     return _with_plan(loaded, plan) if plan else loaded
 
 
@@ -203,7 +208,6 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
 
 
 def _convert(ckpt: Any, cfg: ModelConfig, plan: Any, dtype: Any, progress: bool) -> Params:
-    # On several devices each weight goes straight from the host into its shards.
     return load_params(ckpt, cfg, dtype, place=plan.place if plan else None, progress=progress)
 
 

@@ -319,7 +319,8 @@ def image_spec(engine: Any) -> ImageSpec | None:
     if encoder is None:
         return None
     token, video = encoder.placeholder_token_id, getattr(encoder, "video_token_id", None)
-    text = functools.partial(engine.tokenizer.decode, skip_special_tokens=False)
+    # (without a tokenizer, `skip_tokenizer_init`, no placeholder text: prompts come as token ids)
+    text = functools.partial(engine.tokenizer.decode, skip_special_tokens=False) if engine.tokenizer else lambda _: None
     return ImageSpec(token, text([token]), encoder.layout, encoder.prepare, encoder.encode_ahead,
                      engine.args.limit_mm_per_prompt or {},
                      text([video]) if video is not None and encoder.video_processor is not None else None)

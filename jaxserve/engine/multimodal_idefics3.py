@@ -36,6 +36,8 @@ class Idefics3ImageEncoder(TileImageEncoder):
     def take_videos(self, processor: SmolVLMVideoProcessor) -> None:
         """Serve videos with `processor`; `<video>` (which transformers' processor finds in the text) becomes a token
         of the tokenizer where it is not one, so that a chat template's `<video>` is one placeholder."""
+        if self.tokenizer is None:  # (`skip_tokenizer_init`: a video's placeholder would be unknown; images only)
+            return
         self.video_processor = processor
         if self.tokenizer.token_to_id("<video>") is None:
             import tokenizers

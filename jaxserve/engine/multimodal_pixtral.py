@@ -34,10 +34,14 @@ from jaxserve.models.vision_pixtral import (
 
 
 def pixtral_config(cfg: PixtralVisionConfig, tokenizer: Any) -> PixtralVisionConfig:
-    """The config with the `[IMG_BREAK]` and `[IMG_END]` ids the model's tokenizer gives them (no config holds them)."""
-    ids = {name: tokenizer.token_to_id(token) for name, token in
+    """The config with the `[IMG_BREAK]` and `[IMG_END]` ids the model's tokenizer gives them (no config holds them;
+    without a tokenizer, `skip_tokenizer_init`, they must be in the config)."""
+    ids = {name: tokenizer.token_to_id(token) if tokenizer is not None else None for name, token in
            (("image_break_token_id", IMAGE_BREAK_TOKEN), ("image_end_token_id", IMAGE_END_TOKEN))}
-    missing = [token for token, i in zip((IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN), ids.values(), strict=True) if i is None]
+    missing = [token for (name, i), token in zip(ids.items(), (IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN), strict=True)
+               if i is None and getattr(cfg, name) is None]
+    if missing and tokenizer is None:
+        raise ImageError(f"Pixtral's {' and '.join(missing)} ids are its tokenizer's: not with skip_tokenizer_init")
     if missing:
         raise ImageError(f"the tokenizer has no {' or '.join(missing)} token: a Pixtral image cannot be laid out")
     return dataclasses.replace(cfg, **{k: v for k, v in ids.items() if getattr(cfg, k) is None})

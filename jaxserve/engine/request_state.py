@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxserve.detokenizer import IncrementalDetokenizer, NoText, StopChecker
 from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.speculative import DraftBackoff
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, token_logprobs
@@ -56,7 +56,7 @@ class SeqState:
     engine_id: str
     index: int
     params: SamplingParams
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | NoText  # (NoText: its output is not turned into text)
     stops: StopChecker
     stop_ids: tuple[int, ...]
     counter: int = 0  # the engine's request counter: a distinct random stream for unseeded sampling
@@ -75,6 +75,10 @@ class SeqState:
     flushed: bool = False  # the held-back text went out at the length limit
     draft_pace: DraftBackoff = field(default_factory=DraftBackoff)  # speculative decoding's pace
     prediction_accepted: int = 0  # drafts from its predicted output accepted (`Request.prediction_accepted`)
+
+    @property
+    def has_text(self) -> bool:
+        return not isinstance(self.detok, NoText)
 
     @property
     def masked(self) -> bool:
@@ -132,7 +136,7 @@ class SeqState:
                 entry = token_logprobs(tok, lp, int(out.ranks[j]), out.top_ids[j][:k].tolist(),
                                        out.top_logprobs[j][:k].tolist())
                 for tid, item in entry.items():
-                    item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
+                    item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False) if self.has_text else None
                 self.logprobs.append(entry)
             if end == "id":
                 self.text += self.stops.add(self.detok.flush()).text + self.stops.flush()
@@ -172,13 +176,15 @@ class RequestGroup:
         """Its `params.n` completions, each with its own seed (the request's + its index), detokenizer, stop
         checker and grammar matcher (copies of `matcher`)."""
         stop_strs = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        text = params.detokenize and tokenizer is not None
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else None
             child = dataclasses.replace(params, n=1, seed=seed, prediction=params.prediction if not isinstance(
                 params.prediction, str) else tokenizer.encode(params.prediction))
             engine_id = self.request_id if params.n == 1 else f"{self.request_id}-{i}"
             self.seqs.append(SeqState(
-                engine_id, i, child, IncrementalDetokenizer(tokenizer, self.prompt_ids, params.skip_special_tokens),
+                engine_id, i, child, IncrementalDetokenizer(tokenizer, self.prompt_ids, params.skip_special_tokens)
+                if text else NoText(),
                 StopChecker(stop_strs, params.include_stop_str_in_output), stop_ids,
                 logprobs=[] if params.logprobs is not None else None, bad_words=bad_words,
                 matcher=None if matcher is None else matcher if i == 0 else matcher.copy()))

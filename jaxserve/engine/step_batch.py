@@ -195,14 +195,16 @@ def prompt_next_ids(chunks: Sequence[PromptChunk], num_tokens: int) -> np.ndarra
 
 
 def take_prompt_logprobs(chunks: Sequence[PromptChunk], prompt: Any, tokenizer: Any) -> None:
-    """A fetched step's prompt logprobs (`PromptLogprobs` on the host) into their requests."""
+    """A fetched step's prompt logprobs (`PromptLogprobs` on the host) into their requests (their tokens' text unless
+    the request's output is not detokenized)."""
     for c in chunks:
+        text = tokenizer is not None and c.group.seqs[0].has_text
         for i in range(c.count):
             q, p = c.q0 + i, c.first + i
             entry = token_logprobs(c.group.prompt_ids[p], prompt.logprobs[q], prompt.ranks[q],
                                    prompt.top_ids[q][:c.top].tolist(), prompt.top_logprobs[q][:c.top].tolist())
             for tid, item in entry.items():
-                item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
+                item.decoded_token = tokenizer.decode([tid], skip_special_tokens=False) if text else None
             c.group.prompt_logprobs[p] = entry
 
 

