@@ -4,8 +4,9 @@ A tiny random Llama target (saved from transformers) and heads written here in t
 EAGLE-3 head as the EAGLE-3 releases write it (`LlamaForCausalLMEagle3`, `midlayer.*`, `d2t` over a draft vocabulary
 of part of the target's ids, its own embedding); one as speculators writes it (`Eagle3Speculator`, the decoder's
 config under `transformer_layer_config`, `layers.0.*`, no embedding: the target's; its residual the normed hidden
-state); and an EAGLE head (one Llama layer without its input norm, `fc` with its bias) in a `pytorch_model.bin`, as
-the EAGLE releases ship. The reference runs each head in torch from transformers' Llama attention, MLP and rotary
+state); an EAGLE head (one Llama layer without its input norm, `fc` with its bias) in a `pytorch_model.bin`, as
+the EAGLE releases ship; and one as speculators writes it (`EagleSpeculator`: `fusion_fc`, `transformer.*`, with its
+`layernorms`: the embedding's, the layer's input norm and one before the head). The reference runs each head in torch from transformers' Llama attention, MLP and rotary
 embedding over the target's hidden states as transformers gives them (`output_hidden_states`: the states entering
 each layer). The head's outputs over a context equal the reference's; every draft the engine proposes, through
 batched and chunked prefills, decodes verifying drafts and a prefix cache hit, equals the reference's for the context
@@ -44,7 +45,7 @@ from tests.test_mtp import (  # noqa: E402
 )
 
 LAYERS = 5  # the target's
-HEADS = ("eagle3", "eagle3_speculators", "eagle")
+HEADS = ("eagle3", "eagle3_speculators", "eagle", "eagle_speculators")
 
 
 def _target(path):
@@ -70,7 +71,8 @@ class Reference:
                 setattr(attn, name, torch.nn.Linear(2 * cfg.hidden_size, old.out_features, bias=False))
         prefix = "midlayer." if "midlayer.self_attn.q_proj.weight" in self.w else "layers.0."
         state = {k[len(prefix):]: v for k, v in self.w.items() if k.startswith(prefix)}
-        if method == "eagle":
+        self.input_norm = method == "eagle3" or "input_layernorm.weight" in state  # (speculators' `layernorms`)
+        if not self.input_norm:
             state["input_layernorm.weight"] = torch.ones(cfg.hidden_size)  # (unused: no input norm)
         layer.load_state_dict({k: v for k, v in state.items() if k != "hidden_norm.weight"})
         self.layer, self.rotary = layer.eval(), transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
@@ -100,11 +102,13 @@ class Reference:
             r = (hidden if self.before else prev) + attn  # (`norm_before_residual`: the normed hidden state)
         else:
             emb = self.target.model.embed_tokens.weight[ids]
-            if "embedding_layernorm.weight" in self.w:  # a HASS head's norms of both halves
+            if "embedding_layernorm.weight" in self.w:  # a HASS head's norms of both halves; speculators' of one
                 emb = self._norm(emb, self.w["embedding_layernorm.weight"])
+            if "hidden_states_layernorm.weight" in self.w:
                 prev = self._norm(prev, self.w["hidden_states_layernorm.weight"])
             r = torch.cat([emb, prev], -1) @ self.w["fc.weight"].T + self.w["fc.bias"]
-            r = r + layer.self_attn(r[None], position_embeddings=rot, attention_mask=mask)[0][0]
+            a = layer.input_layernorm(r) if self.input_norm else r
+            r = r + layer.self_attn(a[None], position_embeddings=rot, attention_mask=mask)[0][0]
         x = r + layer.mlp(layer.post_attention_layernorm(r))
         for more in self.more:
             out = more(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rot)
@@ -113,6 +117,8 @@ class Reference:
 
     def _draft(self, out):
         if self.method == "eagle":
+            if "pre_lm_head_layernorm.weight" in self.w:  # (speculators' `layernorms`)
+                out = self._norm(out, self.w["pre_lm_head_layernorm.weight"])
             return int(torch.argmax(out @ self.target.lm_head.weight.T))
         d = int(torch.argmax(self._norm(out, self.w["norm.weight"]) @ self.w["lm_head.weight"].T))
         return d + int(self.w["d2t"][d]) if "d2t" in self.w else d
@@ -139,19 +145,20 @@ class Reference:
             return drafts
 
 
-def save_head(kind: str, path, target, layers: int = 1, hass: bool = False) -> Reference:
+def save_head(kind: str, path, target, layers: int = 1, hass: bool = False, layernorms: bool = True) -> Reference:
     """A head of `kind` (`HEADS`) for `target` at `path`, of `layers` decoder layers (`hass`: an EAGLE head with
-    HASS' norms of the embedding and the hidden state): it mostly drafts the token it reads again (its `fc` passes
-    the hidden state entering the target's last layer, led by the token's embedding)."""
+    HASS' norms of the embedding and the hidden state; `layernorms`: speculators' EAGLE head with its norms): it
+    mostly drafts the token it reads again (its `fc` passes the hidden state entering the target's last layer, led by
+    the token's embedding)."""
     E, V = TINY["hidden_size"], TINY["vocab_size"]
-    rng = np.random.default_rng({"eagle3": 7, "eagle3_speculators": 8, "eagle": 9}[kind])
+    rng = np.random.default_rng({"eagle3": 7, "eagle3_speculators": 8, "eagle": 9, "eagle_speculators": 10}[kind])
     layer_cfg = dict(hidden_size=E, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=V,
                      num_hidden_layers=layers)
     Hq, Hkv, D = 4, 2, E // 4
     r = lambda *shape, s=0.15: (s * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
     norm = lambda: (1 + 0.2 * rng.standard_normal(E)).astype(np.float32)  # noqa: E731
-    method = "eagle" if kind == "eagle" else "eagle3"
+    method = "eagle3" if kind.startswith("eagle3") else "eagle"
     width = 2 * E if method == "eagle3" else E
     layer = {"self_attn.q_proj.weight": r(Hq * D, width), "self_attn.k_proj.weight": r(Hkv * D, width),
              "self_attn.v_proj.weight": r(Hkv * D, width), "self_attn.o_proj.weight": r(E, Hq * D, s=0.05),
@@ -183,6 +190,14 @@ def save_head(kind: str, path, target, layers: int = 1, hass: bool = False) -> R
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **layer_cfg, "add_para_norm": hass}
         if hass:
             w.update({"embedding_layernorm.weight": norm(), "hidden_states_layernorm.weight": norm()})
+        if kind == "eagle_speculators":  # (its tensors saved under speculators' names below)
+            config = {"architectures": ["EagleSpeculator", "LlamaDecoderLayer"], "speculators_model_type": "eagle",
+                      "transformer_layer_architecture": "LlamaDecoderLayer", "layernorms": layernorms,
+                      "fusion_bias": True, "transformer_layer_config": {"model_type": "llama", **layer_cfg},
+                      "speculators_config": {"algorithm": "eagle", "num_speculative_tokens": 3}}
+            if layernorms:
+                w.update({"embedding_layernorm.weight": norm(), "layers.0.input_layernorm.weight": norm(),
+                          "pre_lm_head_layernorm.weight": norm()})
     for i in range(1, layers):
         w.update({f"layers.{i}.{k}": r(*v.shape) if v.ndim == 2 else norm() for k, v in layer.items()
                   if k != "hidden_norm.weight"})
@@ -192,6 +207,10 @@ def save_head(kind: str, path, target, layers: int = 1, hass: bool = False) -> R
     os.makedirs(path, exist_ok=True)
     if kind == "eagle":  # (as the EAGLE releases ship it)
         torch.save({k: torch.from_numpy(v) for k, v in w.items()}, os.path.join(path, "pytorch_model.bin"))
+    elif kind == "eagle_speculators":
+        renamed = {"fc.": "fusion_fc.", "layers.0.": "transformer."}
+        save_file({next((new + k[len(old):] for old, new in renamed.items() if k.startswith(old)), k): v
+                   for k, v in w.items()}, os.path.join(path, "model.safetensors"))
     else:
         save_file(w, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -213,7 +232,7 @@ def head(request, target, tmp_path_factory):
 
 
 def _spec(kind: str, path: str, k: int = 3) -> dict:
-    return {"method": "eagle" if kind == "eagle" else "eagle3", "model": path, "num_speculative_tokens": k}
+    return {"method": "eagle3" if kind.startswith("eagle3") else "eagle", "model": path, "num_speculative_tokens": k}
 
 
 @functools.cache
@@ -275,6 +294,12 @@ def test_a_hass_head(target, tmp_path):
     _same_outputs(target, ("eagle", str(tmp_path), save_head("eagle", str(tmp_path), target[1], hass=True)))
 
 
+def test_a_speculators_eagle_head_without_its_norms(target, tmp_path):
+    """speculators' EAGLE head with `layernorms` false: the EAGLE releases' head under speculators' names."""
+    ref = save_head("eagle_speculators", str(tmp_path), target[1], layernorms=False)
+    _same_outputs(target, ("eagle_speculators", str(tmp_path), ref))
+
+
 def _same_outputs(target, head):
     import jax.numpy as jnp
 
@@ -286,7 +311,7 @@ def _same_outputs(target, head):
 
     kind, path, ref = head
     loaded = load_model(EngineArgs(model=target[0], dtype="float32"), progress=False)
-    ecfg, params = _read(path, "eagle" if kind == "eagle" else "eagle3", loaded.config, loaded.params, jnp.float32)
+    ecfg, params = _read(path, _spec(kind, path)["method"], loaded.config, loaded.params, jnp.float32)
     context = [*range(3, 20), 7, 7]
     n = len(context) - 1
     inputs = ModelInputs.build([(context[:-1], 0, [1, 2, 3])], 8, all_logits=True)
@@ -305,7 +330,8 @@ def _same_outputs(target, head):
 
 def test_drafts_equal_the_reference_and_outputs_the_targets(target, head, monkeypatch):
     kind, path, ref = head
-    spec = _spec(kind, path) if kind != "eagle3_speculators" else {"model": path, "num_speculative_tokens": 3}
+    # (speculators' configs named by the model alone, as vLLM reads them)
+    spec = {"model": path, "num_speculative_tokens": 3} if kind.endswith("_speculators") else _spec(kind, path)
     engine = LLMEngine(EngineArgs(model=target[0], speculative_config=spec, enable_prefix_caching=True, **ARGS),
                        progress=False)
     assert isinstance(engine.draft, EagleDraft) and engine.runner.cfg.keep_hidden

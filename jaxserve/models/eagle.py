@@ -18,7 +18,9 @@ reads its own output (before `norm`) in place of r. Tensors: `midlayer.*` or `la
 EAGLE (vLLM's "eagle"; the EAGLE releases' Llama configs): x = fc([embed(x_{i+1}), final_norm(h_i)]) (`fc.bias` when
 the checkpoint has one; HASS heads, `add_para_norm`, norm both halves first), then Llama decoder layers whose first
 has no input norm, and the served model's head straight from the output (no norm); embedding and head are the served
-model's."""
+model's. speculators' `EagleSpeculator` writes the same head as `fusion_fc` and one layer `transformer.*`; with its
+`layernorms`, the embedding alone is normed before `fusion_fc` (`embedding_layernorm`), the layer has its input norm,
+and the output is normed before the head (`pre_lm_head_layernorm`)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class EagleConfig:
     draft_vocab: int = 0  # EAGLE-3: its vocabulary's size
     norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(r)
     para_norms: bool = False  # EAGLE (HASS): the embedding and the hidden state normed before `fc`
+    layernorms: bool = False  # EAGLE (speculators'): the embedding normed before `fc`, input and output norms
 
     @property
     def hidden_width(self) -> int:
@@ -76,9 +79,6 @@ def eagle_config(d: dict[str, Any], method: str, target: ModelConfig, name: str)
     if kind is not None and kind != method:
         raise ValueError(f"{name} is an {kind.upper().replace('EAGLE3', 'EAGLE-3')} head; use speculative method "
                          f"{kind!r}, not {method!r}")
-    if d.get("speculators_model_type") == "eagle" or "EagleSpeculator" in (d.get("architectures") or []):
-        raise ValueError(f"{name}: EAGLE heads in speculators' format are not supported (EAGLE-3 ones are); use the "
-                         "head's original checkpoint")
     layer = dict(d.get("transformer_layer_config") or d)
     if layer.get("model_type", "llama") != "llama":
         raise ValueError(f"{name}: an EAGLE head of {layer.get('model_type')!r} layers is not supported (Llama's are)")
@@ -109,7 +109,7 @@ def eagle_config(d: dict[str, Any], method: str, target: ModelConfig, name: str)
                                                                 target.max_position_embeddings)})
     return EagleConfig(method, model, target, aux, int(d.get("draft_vocab_size") or vocab),
                        bool(d.get("norm_before_residual", layer.get("norm_before_residual", False))),
-                       bool(layer.get("add_para_norm", False)))
+                       bool(layer.get("add_para_norm", False)), method == "eagle" and bool(d.get("layernorms")))
 
 
 @jax.tree_util.register_dataclass
@@ -126,14 +126,20 @@ class EagleParams:
 
 
 def _renamed(name: str) -> str:
-    """A head's tensor named without the `model.` prefix, its first layer `midlayer` as `layers.0`."""
+    """A head's tensor named without the `model.` prefix, its first layer `midlayer` (speculators' EAGLE: `transformer`)
+    as `layers.0`, speculators' `fusion_fc` as `fc`."""
     name = name.removeprefix("model.")
-    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+    for old, new in (("midlayer.", "layers.0."), ("transformer.", "layers.0."), ("fusion_fc.", "fc.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
-def _layer(w: dict[str, np.ndarray], i: int, cfg: ModelConfig, first: bool, method: str, put) -> LayerParams:
+def _layer(w: dict[str, np.ndarray], i: int, cfg: ModelConfig, first: bool, method: str, put,
+           first_norm: bool = False) -> LayerParams:
     """Decoder layer `i` of tensors `w` as the model's forward takes it (unstacked); an EAGLE-3 head's first reads
-    [embedding, hidden state] (2E) and its norms are the head's own; an EAGLE head's first has no input norm."""
+    [embedding, hidden state] (2E) and its norms are the head's own; an EAGLE head's first has no input norm (but
+    with `first_norm`, speculators' `layernorms`)."""
     from jaxserve.loader.keymap import CheckpointError
 
     Hq, Hkv, D, E = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
@@ -142,7 +148,7 @@ def _layer(w: dict[str, np.ndarray], i: int, cfg: ModelConfig, first: bool, meth
             "self_attn.v_proj.weight": (Hkv * D, width), "self_attn.o_proj.weight": (E, Hq * D),
             "mlp.gate_proj.weight": (cfg.intermediate_size, E), "mlp.up_proj.weight": (cfg.intermediate_size, E),
             "mlp.down_proj.weight": (E, cfg.intermediate_size), "post_attention_layernorm.weight": (E,)}
-    if not (first and method == "eagle"):
+    if not (first and method == "eagle") or first_norm:
         want["input_layernorm.weight"] = (E,)
     for key, shape in want.items():
         got = w.get(f"layers.{i}.{key}")
@@ -153,7 +159,7 @@ def _layer(w: dict[str, np.ndarray], i: int, cfg: ModelConfig, first: bool, meth
     t = lambda key: w[f"layers.{i}.{key}"]  # noqa: E731
     bias = lambda key, shape: None if f"layers.{i}.{key}" not in w else put(t(key).reshape(shape))  # noqa: E731
     return LayerParams(
-        attn_norm=None if first else put(t("input_layernorm.weight")),
+        attn_norm=put(t("input_layernorm.weight")) if not first or first_norm else None,
         wq=put(t("self_attn.q_proj.weight").T.reshape(width, Hq, D)),
         wk=put(t("self_attn.k_proj.weight").T.reshape(width, Hkv, D)),
         wv=put(t("self_attn.v_proj.weight").T.reshape(width, Hkv, D)),
@@ -179,7 +185,7 @@ def load_eagle_params(tensors: Iterable[tuple[str, np.ndarray]], ecfg: EagleConf
     if w.get("fc.weight", np.zeros(0)).shape != (E, width):
         raise CheckpointError(f"the EAGLE head's fc.weight has shape {w.get('fc.weight', np.zeros(0)).shape}, "
                               f"expected {(E, width)}")
-    layers = tuple(_layer(w, i, cfg, i == 0, ecfg.method, put) for i in range(cfg.num_layers))
+    layers = tuple(_layer(w, i, cfg, i == 0, ecfg.method, put, ecfg.layernorms) for i in range(cfg.num_layers))
     embed = put(w["embed_tokens.weight"]) if eagle3 and "embed_tokens.weight" in w else target.embed
     if embed.shape != (cfg.vocab_size, E):
         raise CheckpointError(f"the EAGLE head's embedding has shape {embed.shape}, expected {(cfg.vocab_size, E)}")
@@ -199,9 +205,14 @@ def load_eagle_params(tensors: Iterable[tuple[str, np.ndarray]], ecfg: EagleConf
         model = Params(embed=embed, layers=layers, final_norm=put(w["norm.weight"]), lm_head=put(head.T))
         norms = (put(w["layers.0.input_layernorm.weight"]), put(w["layers.0.hidden_norm.weight"]))
     else:
-        model = Params(embed=embed, layers=layers, final_norm=None, lm_head=target.lm_head, lm_head_t=target.lm_head_t)
-        norms = (put(w["embedding_layernorm.weight"]), put(w["hidden_states_layernorm.weight"])) \
-            if ecfg.para_norms else None
+        named = ("embedding_layernorm.weight", "hidden_states_layernorm.weight") if ecfg.para_norms else \
+            ("embedding_layernorm.weight", "pre_lm_head_layernorm.weight") if ecfg.layernorms else ()
+        if missing := [n for n in named if n not in w]:
+            raise CheckpointError(f"the EAGLE head is missing {', '.join(missing)}")
+        model = Params(embed=embed, layers=layers, final_norm=put(w[named[1]]) if ecfg.layernorms else None,
+                       lm_head=target.lm_head, lm_head_t=target.lm_head_t)
+        # (the embedding's norm and the hidden state's: HASS normed both, speculators' the embedding alone)
+        norms = (put(w[named[0]]), None if ecfg.layernorms else put(w[named[1]])) if named else None
         to_target = None
     return EagleParams(model=model, fc=put(w["fc.weight"].T),
                        fc_bias=put(w["fc.bias"]) if "fc.bias" in w else None, norms=norms, to_target=to_target,
@@ -231,7 +242,8 @@ def eagle_forward(p: EagleParams, kv: KVCache, inputs: ModelInputs, prev: jax.Ar
             prev = model_norm(ecfg.target, prev, p.target_norm)
         prev = prev.astype(emb.dtype)
         if p.norms is not None:
-            emb, prev = rms_norm(emb, p.norms[0], cfg.rms_norm_eps), rms_norm(prev, p.norms[1], cfg.rms_norm_eps)
+            emb = rms_norm(emb, p.norms[0], cfg.rms_norm_eps)
+            prev = prev if p.norms[1] is None else rms_norm(prev, p.norms[1], cfg.rms_norm_eps)
         x = jnp.dot(jnp.concatenate([emb, prev], axis=-1), p.fc, preferred_element_type=jnp.float32)
         x = (x if p.fc_bias is None else x + p.fc_bias).astype(emb.dtype)
         logits, kv, out = forward(p.model, kv, inputs, cfg, backend, return_hidden=True, embeds=x)
