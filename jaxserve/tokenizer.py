@@ -156,19 +156,13 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load `tokenizer.json` (or Moonshot's `tiktoken.model`: `tokenizer_tiktoken`) + `tokenizer_config.json`
-        (+ `chat_template.jinja`, `generation_config.json`)."""
-        root = Path(path)
-        tokenizer_file = root / "tokenizer.json"
-        if not tokenizer_file.is_file() and not (root / "tiktoken.model").is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file}")
-        config = _read_json(root / "tokenizer_config.json")
-        if tokenizer_file.is_file():
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        else:  # Moonshot's tiktoken vocabulary (Kimi K2, Moonlight)
-            from jaxserve.tokenizer_tiktoken import read_tiktoken_dir
+        """Load `tokenizer.json` (or Moonshot's `tiktoken.model`: `tokenizer_tiktoken`; or a slow tokenizer's
+        `vocab.json` and `merges.txt`: `tokenizer_slow`) + `tokenizer_config.json` (+ `chat_template.jinja`,
+        `generation_config.json`)."""
+        from jaxserve.tokenizer_slow import read_tokenizer_files
 
-            backend = read_tiktoken_dir(root, config)
+        root = Path(path)
+        backend, config = read_tokenizer_files(root)
         gen_file = root / "generation_config.json"
         generation = _read_json(gen_file) if gen_file.is_file() else {}
 
