@@ -111,24 +111,23 @@ def test_adapters_and_base_in_one_batch_equal_peft(tiny, engine):
     assert engine.stats().compilations_after_warmup == 0  # adapters are data: one executable per bucket
 
 
+GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=2,
+                topk_group=1, first_k_dense_replace=1, attention_bias=True, num_hidden_layers=3, head_dim=16)
 # Models whose attention takes LoRA but not all of their MLP: (config class, its settings, an MLP target refused,
 # what the refusal says).
 ATTENTION_ONLY = {
-    # Qwen2-MoE (q/k/v biases, a shared expert): its experts and shared expert take none.
+    # Qwen2-MoE (q/k/v biases, a shared expert): its shared expert takes none (its experts: tests/test_lora_experts.py).
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=40, norm_topk_prob=False),
-                  "gate_proj", "of a MoE model, whose experts take none"),
+                  "gate_proj", "not its shared experts or router"),
     # GLM-4: q and k rows read into the half-split rotary order, so an adapter's q and k B rows follow them; its
     # fused gate_up_proj takes none.
     "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2), "gate_up_proj",
              "gate_up_proj"),
     # GLM-4.5: a dense first layer stacked apart from the MoE layers, each stack with its adapter slots (the engine
-    # here unrolls the layers; scanned, below, it keeps the two stacks). PEFT writes an adapter on its fused experts'
-    # down projections as target_parameters, which is refused.
-    "glm4_moe": ("Glm4MoeConfig", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                       n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                       attention_bias=True, num_hidden_layers=3, head_dim=16),
-                 "down_proj", "sets target_parameters; it is not supported"),
+    # here unrolls the layers; scanned, below, it keeps the two stacks). The LM head takes none (its experts:
+    # tests/test_lora_experts.py).
+    "glm4_moe": ("Glm4MoeConfig", GLM4_MOE, "lm_head", "not LoRA on a projection jaxserve serves"),
 }
 
 

@@ -9,10 +9,11 @@ its KV differs from the base model's. Unloading an adapter drops its cached page
 the same name never reads them.
 
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
-attention and MLP projections of a dense model (q/k/v/o, gate/up/down) and on the attention of a MoE
-model, any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`).
+attention and MLP projections of a dense model (q/k/v/o, gate/up/down) and on the attention and the experts of
+a MoE model (`engine.lora_experts`: per expert, or on the fused expert parameters as `target_parameters`; on one
+device), any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`).
 Refused by name: DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other
-targets (embeddings, the LM head, experts, shared experts and routers).
+targets (embeddings, the LM head, shared experts and routers).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
+from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import ATTENTION, TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
@@ -42,11 +44,13 @@ class LoRAError(ValueError):
     """A LoRA adapter that cannot be served, or a request for one that is not there."""
 
 
-def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1) -> dict[str, np.ndarray]:
+def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1,
+                 experts: bool = True) -> dict[str, np.ndarray]:
     """A PEFT adapter directory as `LoraLayer` field arrays for one slot ([L, ...] of `lora_shapes`: each A
     in its place among the down projections of its input, ranks zero-padded, the scale folded into B).
     `kv_repeat` > 1 (tensor parallelism over fewer KV heads than devices) repeats each KV head's columns of
-    the k and v B's as the sharding plan repeats the KV heads of the weights."""
+    the k and v B's as the sharding plan repeats the KV heads of the weights. `experts`: a MoE model's experts take
+    adapters (`engine.lora_experts`; not when they are split over devices)."""
     from safetensors.numpy import load_file
 
     cfg_file, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
@@ -64,7 +68,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     if ac.get("bias", "none") != "none":
         raise LoRAError(f"adapter {path!r} trains biases (bias {ac['bias']!r}); only bias 'none' is supported")
     for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias", "layer_replication",
-                "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "use_qalora"):
+                "trainable_token_indices", "alora_invocation_tokens", "use_qalora"):
         if ac.get(key):
             raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
     r = ac.get("r")
@@ -74,15 +78,19 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         raise LoRAError(f"adapter {path!r} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
     scale = float(ac.get("lora_alpha", r)) / (math.sqrt(r) if ac.get("use_rslora") else r)
     dims, L = target_dims(cfg), cfg.num_layers
-    out = read_shapes(cfg, max_rank, dtype)
-    seen = set()
+    out = read_shapes(cfg, max_rank, dtype, experts)
+    seen: set = set()
     served = ATTENTION if cfg.num_experts else tuple(TARGETS)  # a MoE model's MLP is its experts
+    experts_read = ExpertTensors(out, fused_parameters(ac, cfg, path, LoRAError), cfg, r, max_rank, scale, seen, path,
+                                 LoRAError)
     for name, w in load_file(weights).items():
+        if experts_read.take(name, w):
+            continue
         m = _KEY.match(name)
         if not m or m.group(2) not in served:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "
-                            f"({', '.join(TARGETS)} of a dense model; {', '.join(ATTENTION)} of a MoE model, "
-                            "whose experts take none)")
+                            f"({', '.join(TARGETS)} of a dense model; {', '.join(ATTENTION)} and the experts of a "
+                            "MoE model, not its shared experts or router)")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
@@ -99,6 +107,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
                 w = halfsplit_rows(w, cfg)
             out[b_field][layer, :r, :] = w.T * scale
         seen.add((layer, module, which))
+    experts_read.finish()
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
     if unpaired:
         raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
@@ -111,9 +120,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     return out
 
 
-def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
+def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any, experts: bool = True) -> dict[str, np.ndarray]:
     """Zeroed arrays of one adapter's `read_adapter` shapes."""
-    return {f: np.zeros((cfg.num_layers, *shape), dtype) for f, shape in lora_shapes(cfg, max_rank).items()}
+    return {f: np.zeros((cfg.num_layers, *shape), dtype) for f, shape in lora_shapes(cfg, max_rank, experts).items()}
 
 
 def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
@@ -124,7 +133,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
         raise LoRAError(f"LoRA adapters are not supported on {loaded.config.family}'s latent attention "
                         "(multi-head latent attention has no q/k/v projections to adapt)")
     params = loaded.params
-    lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
+    # (a MoE model's experts take adapters on one device: split over devices, their slots are left out)
+    lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype, experts=loaded.plan is None)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()
         lora = jax.tree.map(
@@ -181,7 +191,7 @@ class LoraManager:
     def _read(self, path: str) -> dict[str, np.ndarray]:
         e, plan = self.engine, self.engine.model.plan
         return read_adapter(path, plan.source_cfg if plan else e.model.config, self.max_rank,
-                            np.dtype(e.model.dtype), plan.kv_repeat if plan else 1)
+                            np.dtype(e.model.dtype), plan.kv_repeat if plan else 1, experts=plan is None)
 
     def _keep(self, name: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Hold `name`'s host weights as the most recently used, dropping the least recent beyond the limit."""

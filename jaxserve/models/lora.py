@@ -8,6 +8,11 @@ request's slot (`ModelInputs.lora_slots`, -1 for none); a projection's output ga
 the token's slot s, computed for all slots at once (one A matmul per input, one B matmul per
 projection, of width slots x rank), the other slots' columns masked to zero. Base weights are never changed, so requests of
 different adapters (and none) share one batch.
+
+A MoE model's experts (on one device) hold slots too, per expert: `ae_gate_up` [slots, X, E, 2 x rank] (the gate's
+and the up projection's A side by side), `be_gate`, `be_up` [slots, X, rank, Fe], `ae_down` [slots, X, Fe, rank],
+`be_down` [slots, X, rank, E]; the (token, expert) pairs, sorted by expert, go through their expert's A of every
+slot and their slot's B (`expert_lora_deltas`, grouped matmuls as the experts' own).
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ class LoraLayer:
     b_up: Any
     a_down: Any
     b_down: Any
+    ae_gate_up: Any = None  # a MoE model's experts (None: a dense model, or experts split over devices)
+    be_gate: Any = None
+    be_up: Any = None
+    ae_down: Any = None
+    be_down: Any = None
 
 
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -57,20 +67,24 @@ def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (E, F), "down_proj": (F, E)}
 
 
-def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
-    """Each `LoraLayer` field's shape for one slot of one layer."""
+def lora_shapes(cfg: ModelConfig, rank: int, experts: bool = True) -> dict[str, tuple[int, ...]]:
+    """Each `LoraLayer` field's shape for one slot of one layer (a MoE model's experts' with `experts`)."""
     dims, shapes = target_dims(cfg), {}
     for module, (a, _, b) in TARGETS.items():
         k, n = dims[module]
         shapes[a] = (k, rank * sum(1 for x, _, _ in TARGETS.values() if x == a))
         shapes[b] = (rank, n)
+    if cfg.num_experts and experts:
+        X, E, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        shapes |= {"ae_gate_up": (X, E, 2 * rank), "be_gate": (X, rank, F), "be_up": (X, rank, F),
+                   "ae_down": (X, F, rank), "be_down": (X, rank, E)}
     return shapes
 
 
-def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any) -> LoraLayer:
+def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any, experts: bool = True) -> LoraLayer:
     """Zeroed adapter slots for every layer: [L, slots, ...] of `lora_shapes`."""
     return LoraLayer(**{f: jnp.zeros((cfg.num_layers, num_slots, *shape), dtype)
-                        for f, shape in lora_shapes(cfg, rank).items()})
+                        for f, shape in lora_shapes(cfg, rank, experts).items()})
 
 
 def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[jax.Array]:
@@ -90,3 +104,26 @@ def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Arra
         return [jnp.zeros((x.shape[0], b.shape[-1]), x.dtype) for b in bs]
 
     return jax.lax.cond(jnp.any(slots >= 0), some, none)
+
+
+def expert_lora_deltas(xs: jax.Array, a: jax.Array, bs: list[jax.Array], group_sizes: jax.Array,
+                       row_expert: jax.Array, row_slot: jax.Array) -> list[jax.Array]:
+    """A MoE layer's (token, expert) pairs `xs` [R, in], sorted by expert (`group_sizes`, `row_expert` [R]), through
+    their slot's (`row_slot` [R], -1 none) adapter of their expert: one [R, out] per B in `bs` ([S, X, r, out]),
+    whose A's sit side by side in `a` [S, X, in, len(bs) x r]. Zeros when no pair has a slot."""
+    from jaxserve.models.quantized import grouped
+
+    S, X, k, nr = a.shape
+    r, R = nr // len(bs), xs.shape[0]
+
+    def some() -> list[jax.Array]:
+        every = jnp.moveaxis(a, 0, 2).reshape(X, k, S * nr)  # each expert's A of every slot, side by side
+        xa = grouped(xs, every, group_sizes, row_expert).reshape(R, S, nr)
+        xa = jnp.where((row_slot[:, None] == jnp.arange(S, dtype=row_slot.dtype))[:, :, None], xa, 0)
+        return [grouped(xa[:, :, i * r:(i + 1) * r].reshape(R, S * r), jnp.moveaxis(b, 0, 1).reshape(X, S * r, -1),
+                        group_sizes, row_expert) for i, b in enumerate(bs)]
+
+    def none() -> list[jax.Array]:
+        return [jnp.zeros((R, b.shape[-1]), xs.dtype) for b in bs]
+
+    return jax.lax.cond(jnp.any(row_slot >= 0), some, none)

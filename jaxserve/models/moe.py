@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.lora import expert_lora_deltas
 from jaxserve.models.quantized import QuantizedWeight, grouped, project
 
 
@@ -86,12 +87,13 @@ def expert_activation(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.A
 
 def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate: Any, we_up: Any, we_down: Any,
                   first_expert: jax.Array | int, cfg: ModelConfig, biases: tuple | None = None,
-                  down_bias: jax.Array | float = 1.0) -> jax.Array:
+                  down_bias: jax.Array | float = 1.0, lora: tuple | None = None) -> jax.Array:
     """The weighted output ([T, E]) of experts `first_expert .. first_expert + X_local` for every token.
 
     h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
     `QuantizedWeight`s); `biases` (gpt-oss): the local experts' (gate [X_local, Fe], up [X_local, Fe], down
-    [X_local, E]), the down projection's times `down_bias` (0 where another device adds it).
+    [X_local, E]), the down projection's times `down_bias` (0 where another device adds it). `lora`: (the layer's
+    `LoraLayer`, each token's adapter slot [T]), every expert on this device (`models.lora.expert_lora_deltas`).
     The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
     outside every group, and get weight zero.
     """
@@ -107,23 +109,34 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     row_expert = key[order]  # [T * k]: each sorted pair's local expert (x_local past the groups)
     gate = grouped(xs, we_gate, group_sizes, row_expert)  # [T * k, Fe]
     up = grouped(xs, we_up, group_sizes, row_expert)
+    if lora is not None:
+        adapters, row_slot = lora[0], lora[1][token]
+        dg, du = expert_lora_deltas(xs, adapters.ae_gate_up, [adapters.be_gate, adapters.be_up], group_sizes,
+                                    row_expert, row_slot)
+        gate, up = gate + dg, up + du
     if biases is not None:  # (a pair routed elsewhere reads a clamped row: its weight is zero)
         gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
-    ys = grouped(expert_activation(cfg, gate, up), we_down, group_sizes, row_expert)  # [T * k, E]
+    act = expert_activation(cfg, gate, up)
+    ys = grouped(act, we_down, group_sizes, row_expert)  # [T * k, E]
+    if lora is not None:
+        ys = ys + expert_lora_deltas(act, adapters.ae_down, [adapters.be_down], group_sizes, row_expert, row_slot)[0]
     if biases is not None:
         ys = ys + biases[2][row_expert] * jnp.asarray(down_bias, ys.dtype)
     w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
     return jnp.zeros_like(h).at[token].add(ys * w[:, None])
 
 
-def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None) -> jax.Array:
+def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: tuple | None = None) -> jax.Array:
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
     router, experts and optional shared expert. `layout` (a `sharding.MeshLayout`) says
-    which mesh axes split the experts and their width; None = every expert on this device."""
+    which mesh axes split the experts and their width; None = every expert on this device. `lora`: (the layer's
+    `LoraLayer`, each token's adapter slot), in a LoRA engine's step (its experts' slots when it has them)."""
     weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router)
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
+    if lora is not None and lora[0].ae_gate_up is None:
+        lora = None  # (experts split over devices take no adapters)
     if layout is None:
-        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases)
+        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=lora)
     else:
         out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases)
     if lp.ws_gate is not None:

@@ -1,0 +1,151 @@
+"""LoRA on a MoE model's experts (`engine.lora_experts`): PEFT's adapter on the fused expert parameters
+(`target_parameters`, with attention targets beside them) gives PEFT's prompt logprobs and greedy tokens; the same
+weights written per expert (as PEFT writes them for models whose experts are modules) give the same tokens; an
+adapter request, another adapter's and the base model's share one batch; what cannot be served is refused, named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.engine.lora_manager import LoRAError  # noqa: E402
+from jaxserve.engine_args import EngineArgs  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.test_lora import ARGS, GLM4_MOE, VOCAB, _adapter, hf_prompt_logprobs, prompt, run  # noqa: E402
+from tests.test_model_families import save_tiny_hf  # noqa: E402
+
+X, F = 8, 32  # experts, their width
+QWEN2_MOE = dict(num_experts=X, num_experts_per_tok=2, moe_intermediate_size=F, shared_expert_intermediate_size=40,
+                 norm_topk_prob=False)
+FUSED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """(base directory, {adapter: (path, its PEFT model)}, the base HF model)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("lora_experts")
+    base = str(root / "base")
+    save_tiny_hf("Qwen2MoeConfig", base, vocab_size=VOCAB, **QWEN2_MOE)
+    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    specs = {"experts": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], target_parameters=FUSED),
+             # down_proj listed first: PEFT nests it innermost
+             "down": dict(r=2, lora_alpha=6, target_modules=[], target_parameters=FUSED[::-1])}
+    adapters = {}
+    for seed, (name, spec) in enumerate(specs.items()):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapters[name] = (str(root / name), _adapter(hf, str(root / name), seed + 20, **spec))
+    return base, adapters, transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
+def _per_expert(fused: str, out: str, r: int) -> None:
+    """The adapter at `fused` written per expert (`layers.N.mlp.experts.E.gate_proj.lora_A.weight` ...)."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.load(open(os.path.join(fused, "adapter_config.json")))
+    params = [t.rsplit(".", 1)[-1] for t in cfg["target_parameters"]]
+    tensors = {}
+    for name, w in load_file(os.path.join(fused, "adapter_model.safetensors")).items():
+        if ".experts." not in name:
+            tensors[name] = w
+            continue
+        head, tail = name.split(".experts.")
+        param = params[len(params) - 1 - tail.count("base_layer.")]
+        which = tail[-len("lora_A.weight"):]
+        for e in range(X):
+            if which.startswith("lora_A"):
+                parts = {"gate_proj": w.reshape(X, r, -1)[e], "up_proj": w.reshape(X, r, -1)[e]} \
+                    if param == "gate_up_proj" else {"down_proj": w.reshape(X, r, -1)[e]}
+            else:
+                b = w.reshape(w.shape[0], r, X)[:, :, e]
+                parts = {"gate_proj": b[:F], "up_proj": b[F:]} if param == "gate_up_proj" else {"down_proj": b}
+            for module, t in parts.items():
+                tensors[f"{head}.experts.{e}.{module}.{which}"] = np.ascontiguousarray(t)
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+    json.dump({**cfg, "target_parameters": None, "target_modules": [*cfg["target_modules"], "gate_proj", "up_proj",
+                                                                    "down_proj"]},
+              open(os.path.join(out, "adapter_config.json"), "w"))
+
+
+def test_expert_adapters_equal_peft_in_one_batch(moe, tmp_path):
+    base, adapters, hf_base = moe
+    _per_expert(adapters["experts"][0], str(tmp_path / "per_expert"), r=4)
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("experts", adapters["experts"][0]),
+                                                            ("down", adapters["down"][0]),
+                                                            ("per_expert", str(tmp_path / "per_expert"))), **ARGS),
+                       progress=False)
+    layers = engine.runner.params.layers  # (unrolled on the CPU)
+    assert (layers[0] if isinstance(layers, tuple) else layers).lora.ae_gate_up is not None
+    ids = prompt(40, 3)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    out = run(engine, {"a": (ids, p, "experts"), "d": (ids, p, "down"), "base": (ids, p, None)})
+    for rid, model in {"a": adapters["experts"][1], "d": adapters["down"][1], "base": hf_base}.items():
+        got = np.array([e[t].logprob for e, t in zip(out[rid].prompt_logprobs[1:], ids[1:], strict=True)])
+        np.testing.assert_allclose(got, hf_prompt_logprobs(model, ids), atol=3e-5, err_msg=rid)
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+        assert out[rid].outputs[0].token_ids == greedy, rid
+    assert len({tuple(out[r].outputs[0].token_ids) for r in out}) == 3
+    alone = run(engine, {"pe": (ids, p, "per_expert")})["pe"]
+    assert alone.outputs[0].token_ids == out["a"].outputs[0].token_ids
+    np.testing.assert_allclose([e[t].logprob for e, t in zip(alone.prompt_logprobs[1:], ids[1:], strict=True)],
+                               [e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)],
+                               atol=1e-5)
+    engine.check_integrity()
+
+
+def test_a_glm4_moe_adapter_on_its_experts_down_projections(tmp_path):
+    """GLM-4.5 (a dense first layer stacked apart, shared experts, grouped sigmoid routing): PEFT turns
+    `target_modules=["down_proj"]` into the experts' `down_proj` alone (`target_parameters`); PEFT's logprobs."""
+    import transformers
+
+    base = str(tmp_path / "glm")
+    save_tiny_hf("Glm4MoeConfig", base, vocab_size=VOCAB, **GLM4_MOE)
+    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = _adapter(hf, str(tmp_path / "down"), 4, r=2, lora_alpha=4, target_modules=["down_proj"])
+    assert json.load(open(tmp_path / "down" / "adapter_config.json"))["target_parameters"] == ["down_proj"]
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("down", str(tmp_path / "down")),), layer_loop="scan",
+                                  **ARGS), progress=False)
+    ids = prompt(30, 5)
+    out = run(engine, {"a": (ids, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True),
+                             "down")})["a"]
+    got = np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(model, ids), atol=3e-5)
+
+
+def test_what_experts_cannot_take_is_refused(moe, tmp_path):
+    import transformers
+
+    from jaxserve.engine.lora_manager import read_adapter
+    from jaxserve.loader import open_checkpoint
+
+    base, adapters, _ = moe
+    cfg = open_checkpoint(base, weights=False).config()
+    read = lambda path, c=cfg, **kw: read_adapter(path, c, 8, np.float32, **kw)  # noqa: E731
+    assert read(adapters["down"][0])["be_down"].any()
+    with pytest.raises(LoRAError, match="experts split over devices take no adapters"):
+        read(adapters["experts"][0], experts=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    _adapter(hf, str(tmp_path / "router"), 3, r=2, target_modules=[], target_parameters=["mlp.gate.weight"])
+    with pytest.raises(LoRAError, match="name other parameters than the experts' gate_up_proj and down_proj"):
+        read(str(tmp_path / "router"))
+    dense = str(tmp_path / "dense")
+    save_tiny_hf("LlamaConfig", dense, vocab_size=VOCAB)
+    with pytest.raises(LoRAError, match="adapts experts; llama's model has none"):
+        read(adapters["experts"][0], open_checkpoint(dense, weights=False).config())
