@@ -37,6 +37,8 @@ class EngineArgs:
     # vLLM's: no tokenizer at all. Prompts are token ids, outputs token ids without text; what needs the tokenizer
     # (text prompts, chat, stop strings, bad words, structured outputs) is refused, named.
     skip_tokenizer_init: bool = False
+    # vLLM's: prompts may be embeddings [N, hidden] (`engine.prompt_embeds`; over HTTP, `prompt_embeds`).
+    enable_prompt_embeds: bool = False
     dtype: DType = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -144,6 +146,8 @@ class EngineArgs:
             object.__setattr__(self, "mm_processor_kwargs", dict(json_object(
                 self.mm_processor_kwargs, "mm_processor_kwargs", '{"max_pixels": 1003520}')))
         self._check_runner()
+        if self.enable_prompt_embeds and self.num_processes > 1:
+            raise ValueError("enable_prompt_embeds is served by one process (num_processes 1)")
         if self.skip_tokenizer_init and (self.tokenizer is not None or self.calculate_kv_scales):
             raise ValueError("skip_tokenizer_init leaves the tokenizer out; " + (
                 f"a tokenizer was given too ({self.tokenizer!r})" if self.tokenizer is not None else
@@ -258,6 +262,9 @@ class EngineArgs:
         g.add_argument("--tokenizer", default=None, metavar="PATH",
                        help="the tokenizer (and chat template) from this HF directory or GGUF file instead of the "
                             "model's: e.g. a GGUF model served with its original tokenizer")
+        g.add_argument("--enable-prompt-embeds", action="store_true",
+                       help="take prompts given as embeddings (vLLM's `prompt_embeds`: a base64 torch.save'd "
+                            "[tokens, hidden] tensor over HTTP, an array in Python)")
         g.add_argument("--skip-tokenizer-init", action="store_true",
                        help="load no tokenizer: prompts are token ids and outputs token ids without text (for a "
                             "client that tokenizes itself); text prompts, chat, stop strings are refused")

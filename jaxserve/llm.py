@@ -245,7 +245,7 @@ class LLM:
             if isinstance(prompt, dict):
                 if prompt.get("multi_modal_data"):
                     extra["multi_modal_data"] = prompt["multi_modal_data"]
-                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+                prompt = prompt.get("prompt_token_ids", prompt.get("prompt", prompt.get("prompt_embeds")))
             rid = str(next(self._ids))
             self.engine.add_request(rid, prompt, p, priority=priority[i] if priority else 0, **extra)
             ids.append(rid)

@@ -27,15 +27,20 @@ logger = logging.getLogger("jaxserve.server")
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One engine request: its id, prompt ids, prompt text (for echo) and sampling parameters; with `beam`,
-    a beam search (server/beam.py) whose engine requests are the beams' steps."""
+    """One engine request: its id, prompt ids (or embeddings [N, E], `prompt_embeds`), prompt text (for echo) and
+    sampling parameters; with `beam`, a beam search (server/beam.py) whose engine requests are the beams' steps."""
 
     engine_id: str
-    prompt_ids: list[int]
+    prompt_ids: Any
     prompt_text: str | None
     params: SamplingParams | PoolingParams
     beam: BeamSearchParams | None = None
     images: list[Any] | None = None  # its images, read (`multimodal.ImageSpec.load`), for an image-text engine
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Its prompt's token ids, as a response reports them (a prompt of embeddings has none)."""
+        return [] if getattr(self.prompt_ids, "ndim", 1) == 2 else list(self.prompt_ids)
 
 
 def generated_tokens(out: Any) -> int:

@@ -28,7 +28,7 @@ from server.fields import str_list as _str_list
 
 MAX_N = 128
 # Fields that change what a client gets back and that jaxserve cannot honour: refused, not ignored.
-_REFUSED = ("audio", "functions", "function_call", "prompt_embeds")
+_REFUSED = ("audio", "functions", "function_call")
 # vLLM's hooks into code this server does not have (custom logits processors and their arguments, its KV
 # connectors, arguments to its multimodal processors): refused when they ask for something.
 _REFUSED_NONEMPTY = ("logits_processors", "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs")
@@ -82,10 +82,11 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """A checked `/v1/completions` body; `prompts` holds strings or token id lists."""
+    """A checked `/v1/completions` body; `prompts` holds strings, token id lists or embeddings ([N, E] arrays from
+    `prompt_embeds`, before the others)."""
 
     common: CommonFields
-    prompts: list[str | list[int]]
+    prompts: list[Any]
     echo: bool
 
 
@@ -323,7 +324,11 @@ def check_prompts(value: Any, param: str = "prompt") -> list[str | list[int]]:
 def parse_completion(body: Any) -> CompletionRequest:
     """Check a `/v1/completions` body."""
     body = _check_body(body)
-    prompts = check_prompts(_get(body, "prompt"))
+    embeds = prompt_embeds(body)
+    prompt = _get(body, "prompt")  # (with prompt_embeds, it may be left out)
+    prompts = [*embeds, *(check_prompts(prompt) if not embeds or prompt not in (_UNSET, None, "", []) else [])]
+    if embeds and get_bool(body, "use_beam_search", False):
+        raise bad_field("use_beam_search", "beam search takes token prompts, not prompt_embeds")
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     # `echo` with `logprobs` reports the prompt tokens' logprobs too (how evaluation harnesses score text).
@@ -332,3 +337,29 @@ def parse_completion(body: Any) -> CompletionRequest:
     # vLLM adds the model's BOS for completions by default; keep that unless the client says otherwise.
     common = CommonFields(**{**common.__dict__, "add_special_tokens": get_bool(body, "add_special_tokens", True)})
     return CompletionRequest(common=common, prompts=prompts, echo=echo)
+
+
+def prompt_embeds(body: Mapping[str, Any]) -> list[Any]:
+    """vLLM's `prompt_embeds`: each base64 string (or one) a tensor `torch.save` wrote, [tokens, hidden]; as arrays."""
+    import base64
+    import binascii
+
+    from jaxserve.loader.keymap import CheckpointError
+    from jaxserve.loader.torch_bin import read_torch_tensor
+
+    value = _get(body, "prompt_embeds")
+    if value in (_UNSET, None):
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) for x in items):
+        raise bad_field("prompt_embeds", "'prompt_embeds' must be a base64 string or a list of them", "invalid_type")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            tensor = read_torch_tensor(base64.b64decode(item, validate=True), f"prompt_embeds[{i}]")
+        except (binascii.Error, CheckpointError) as e:
+            raise bad_field("prompt_embeds", f"prompt_embeds[{i}] is not a base64 torch.save'd tensor: {e}") from e
+        if tensor.ndim != 2:
+            raise bad_field("prompt_embeds", f"prompt_embeds[{i}] has shape {tensor.shape}; [tokens, hidden] is needed")
+        out.append(tensor)
+    return out

@@ -119,14 +119,14 @@ async def _chat_jobs(state: ServerState, req: ChatRequest, request_id: str, enco
 
 
 async def _completion_jobs(state: ServerState, req: CompletionRequest, request_id: str) -> list[Job]:
-    engine = state.engine
-    tok, vocab = engine.tokenizer, state.vocab_size()
-    jobs = []
+    engine, tok, vocab, jobs = state.engine, state.engine.tokenizer, state.vocab_size(), []
     for i, prompt in enumerate(req.prompts):
         if isinstance(prompt, str):
             ids = await _offload(state.tokenizer_for("a text prompt").encode, prompt, req.common.add_special_tokens,
                                  big=len(prompt) > _OFFLOAD_CHARS)
             text = prompt
+        elif getattr(prompt, "ndim", 1) == 2:  # embeddings (`prompt_embeds`), checked by the engine
+            ids, text = prompt, None
         else:
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
@@ -314,7 +314,7 @@ class _Formatter:
                 role = self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], gen)
                 if self.want_ids and index == 0:  # the prompt's ids lead the stream, once
-                    role["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
+                    role["prompt_token_ids"] = self.jobs[job].token_ids
                 chunks.append(sse(role))
                 if self.echo_text:
                     chunks.append(sse(self._envelope([{"index": index, "delta": {"content": self.echo_text},
@@ -338,7 +338,7 @@ class _Formatter:
                 cursor.started = True
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
                 if self.want_ids and first:
-                    choice["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
+                    choice["prompt_token_ids"] = self.jobs[job].token_ids
                 if self.want_logprobs and first and self.echo:  # the prompt's logprobs lead the first chunk
                     choice["logprobs"], cursor.text_offset = echo_logprobs(
                         self.text_of, out, d.token_ids, d.logprobs, self.top_n)
@@ -384,7 +384,7 @@ class _Formatter:
                     if self.req.common.prompt_logprobs is not None:
                         choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
                     if self.want_ids:
-                        choice["prompt_token_ids"] = list(self.jobs[job].prompt_ids)
+                        choice["prompt_token_ids"] = self.jobs[job].token_ids
                 choice.update(logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason)
                 if self.want_ids:
                     choice["token_ids"] = list(c.token_ids)
@@ -395,5 +395,5 @@ class _Formatter:
         if self.kind == "chat" and self.req.common.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(gen.latest[0].prompt_logprobs)
         if self.kind == "chat" and self.want_ids:
-            response["prompt_token_ids"] = list(self.jobs[0].prompt_ids)
+            response["prompt_token_ids"] = self.jobs[0].token_ids
         return response

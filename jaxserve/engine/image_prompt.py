@@ -30,6 +30,7 @@ class ImagePrompt:
     takes: Sequence[np.ndarray] | None = None
     """Per image, which of its span's positions take its embeddings, in order ([n] bool); the others keep their
     tokens' (Pixtral's row breaks). None: all of them."""
+    prompt_embeds: bool = False  # the whole prompt given as embeddings (`engine.prompt_embeds`), no images
     _embeds: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def embeds(self, i: int) -> np.ndarray:

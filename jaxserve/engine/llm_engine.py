@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids, truncated_prompt
+from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids
 from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
@@ -29,7 +29,8 @@ from jaxserve.engine.model_loading import (
     params_bytes,
     resolve_attention_backend,
 )
-from jaxserve.engine.multimodal import admit_images, request_fields
+from jaxserve.engine.multimodal import request_fields
+from jaxserve.engine.prompt_embeds import admit_prompt
 from jaxserve.engine.request import Request
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, accept_step, engine_stats
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, default_layer_loop
@@ -113,7 +114,7 @@ class LLMEngine:
                          layer_loop=default_layer_loop(backend, cfg.weight_quant) if args.layer_loop == "auto" else args.layer_loop,
                          pooling_type=self.pooler_config.pooling_type if self.pooler_config else None,
                          lora=args.enable_lora, min_token_bucket=4 if chunked else 16,
-                         long_rope=self.long_rope_context is not None, images=self.model.vision is not None,
+                         long_rope=self.long_rope_context is not None, images=self.model.vision is not None or args.enable_prompt_embeds,
                          image_spans=self.model.vision is not None and self.model.vision.cfg.bidirectional,
                          mrope=self.model.vision is not None and cfg.mrope_section is not None,
                          **draft_fields(self.draft)),
@@ -178,16 +179,15 @@ class LLMEngine:
         lora_request: LoRARequest | str | None = None,
         multi_modal_data: dict[str, Any] | None = None,
     ) -> None:
-        """Queue a request (with a LoRA adapter: `lora_request`, or its name; with images: vLLM's
-        `multi_modal_data={"image": ...}`); raises ValueError (naming the problem) if it can never run."""
+        """Queue a request of text, token ids or embeddings [N, E] (`engine.prompt_embeds`), with a LoRA adapter
+        (`lora_request`, or its name), images (vLLM's `multi_modal_data`); ValueError naming what can never run."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"this engine generates; {type(params).__name__} needs an embedding model "
                              "(runner 'pooling', --runner pooling)")
         self.memory.check_serving()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids, images = admit_images(self, truncated_prompt(self.tokenize_prompt(prompt), params, self.max_model_len),
-                                          multi_modal_data)
+        prompt_ids, images = admit_prompt(self, prompt, params, multi_modal_data)
         max_tokens, stop_ids = check_request(
             prompt_ids, params, max_model_len=self.max_model_len, max_logprobs=self.args.max_logprobs,
             vocab_size=self.model.config.vocab_size, eos_ids=self.eos_ids, has_tokenizer=self.tokenizer is not None,
@@ -312,7 +312,7 @@ class LLMEngine:
                     self.draft.follow_decode(st, pending.outputs, rows)
                 return plan, pending, [], spec
             inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs,
-                                     self._step_images if self.images else None,
+                                     self._step_images if self.runner.cfg.images else None,
                                      self._step_rope if self.runner.cfg.mrope else None)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
@@ -346,7 +346,7 @@ class LLMEngine:
 
     def _step_images(self, rows: list[ScheduledRequest], T: int):
         return step_embeds(rows, lambda rid: self._seq_group[rid].images, T, self.model.config.image_width,
-                           self.images.dtype, self.runner.cfg.image_spans)
+                           self.model.dtype, self.runner.cfg.image_spans)
 
     def _step_rope(self, rows: list[ScheduledRequest], T: int):
         return step_rope_offsets(rows, lambda rid: self._seq_group[rid].images, T)

@@ -171,6 +171,10 @@ class RequestGroup:
     images: Any = None
     """Its prompt's images (`image_prompt.ImagePrompt`), or None."""
 
+    def __post_init__(self) -> None:
+        if self.images is not None and self.images.prompt_embeds:  # (`engine.prompt_embeds`: no token ids)
+            self.prompt_ids = []
+
     def add_completions(self, params: SamplingParams, tokenizer: Any, stop_ids: tuple[int, ...],
                         bad_words: list[list[int]], matcher: Any) -> None:
         """Its `params.n` completions, each with its own seed (the request's + its index), detokenizer, stop

@@ -8,6 +8,7 @@ this form (`engine.eagle`)."""
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import zipfile
 from typing import Any
@@ -75,10 +76,26 @@ class _Unpickler(pickle.Unpickler):
 
 def read_torch_file(path: str) -> dict[str, np.ndarray]:
     """The tensors of the state dict `torch.save` wrote to `path` (zip format), by name, as numpy arrays."""
-    if not zipfile.is_zipfile(path):
+    state = _read(path, path)
+    if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
+        raise CheckpointError(f"{path} does not hold a state dict of tensors")
+    return dict(state)
+
+
+def read_torch_tensor(data: bytes, what: str = "the data") -> np.ndarray:
+    """The one tensor `torch.save` wrote into `data` (a client's serialized tensor, e.g. vLLM's `prompt_embeds`)."""
+    tensor = _read(io.BytesIO(data), what)
+    if not isinstance(tensor, np.ndarray):
+        raise CheckpointError(f"{what} holds a {type(tensor).__name__}, not one tensor")
+    return tensor
+
+
+def _read(source: Any, path: str) -> Any:
+    """The object (tensors, storages, dicts only) `torch.save` wrote to `source`, a path or a file."""
+    if not zipfile.is_zipfile(source):
         raise CheckpointError(f"{path} is not a PyTorch zip archive (the format torch.save writes since torch 1.6); "
                               "convert it to safetensors")
-    with zipfile.ZipFile(path) as archive:
+    with zipfile.ZipFile(source) as archive:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
         if len(pickles) != 1:
             raise CheckpointError(f"{path} holds {len(pickles)} data.pkl records, expected one")
@@ -90,6 +107,4 @@ def read_torch_file(path: str) -> dict[str, np.ndarray]:
                 if isinstance(e, CheckpointError):
                     raise
                 raise CheckpointError(f"cannot read {path}: {e}") from e
-    if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
-        raise CheckpointError(f"{path} does not hold a state dict of tensors")
-    return dict(state)
+    return state
