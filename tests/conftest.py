@@ -13,11 +13,6 @@ import tempfile
 _XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if _XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-# XLA:CPU without its expensive LLVM passes: the suite mostly compiles (tiny models, many shapes); measured cold,
-# compile-heavy files took 5% less time, the real model's runs the same. (The child processes tests start set
-# their own flags.)
-if "--xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_llvm_disable_expensive_passes=true").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
