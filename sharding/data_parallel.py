@@ -61,6 +61,10 @@ class DataParallelEngine:
             logger.info("data-parallel replica %d of %d on devices %s", i, len(meshes),
                         [d.id for d in mesh.devices.flat])
             replicas.append(AsyncEngine(LLMEngine(args, loaded=placed, progress=progress), start=start))
+        drafters = [r.engine.drafter for r in replicas]
+        if drafters[0] is not None and drafters[0].suffix is not None:  # one cache of every replica's responses
+            for d in drafters[1:]:
+                d.suffix = drafters[0].suffix
         return cls(replicas)
 
     # -- lifecycle ---------------------------------------------------------------------------------

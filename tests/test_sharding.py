@@ -205,6 +205,8 @@ def test_dp2_replicas_on_disjoint_devices_least_loaded_and_token_identical(resul
     assert r["compiles_after_warmup"] == 0
     # Each replica saw only its own requests' prompts (5 + 3 tokens, 11 + 4 tokens).
     assert r["per_replica_prompt_tokens"] == [8, 15]
+    # Suffix decoding (drafts change no token): one response cache for both replicas, all four responses in it.
+    assert r["suffix_shared"] and r["suffix_cached"] == 4
 
 
 def test_sleep_and_weight_updates_keep_each_layout(results):

@@ -374,7 +374,8 @@ def case_dp() -> dict:
     loaded = _tiny_loaded(dense_config())
     prompts = PROMPTS + [[1, 2, 3, 4]]
     ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=loaded, progress=False), prompts)
-    args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, data_parallel_size=2, strict_compile=True)
+    args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, data_parallel_size=2, strict_compile=True,
+                      speculative_config={"method": "suffix"})
     dp = DataParallelEngine.from_engine_args(args, loaded=loaded, progress=False)
     placed: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}
@@ -397,6 +398,9 @@ def case_dp() -> dict:
         "devices": devices, "in_flight_after": dp.in_flight(),
         "compiles_after_warmup": dp.stats().compilations_after_warmup,
         "per_replica_prompt_tokens": [r.stats().prompt_tokens for r in dp.replicas],
+        # suffix decoding: one cache of both replicas' responses
+        "suffix_shared": dp.replicas[1].engine.drafter.suffix is dp.replicas[0].engine.drafter.suffix,
+        "suffix_cached": len(dp.replicas[0].engine.drafter.suffix._cached),
     }
     dp.shutdown()
     return found

@@ -138,3 +138,27 @@ def test_drafts_from_a_predicted_output():
     assert prediction_drafts(Request("q", [1], max_tokens=5, sampling_params=SamplingParams()), 4).size == 0
     with pytest.raises(ValueError, match="prediction must be a string or a list of token ids"):
         SamplingParams(prediction={"type": "content"})
+
+
+def test_an_aborted_requests_response_is_cached_as_far_as_it_got():
+    """As vLLM keeps them: a request aborted mid-answer leaves its response so far in the cache; one aborted before
+    any output leaves nothing."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from tests.fake_model import fake_loaded_model
+
+    engine = LLMEngine(EngineArgs(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                                  warmup=False, speculative_config={"method": "suffix"}),
+                       loaded=fake_loaded_model(), progress=False)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("waits", [9], params)  # (one sequence at a time: it waits for "a")
+    while not any(len(o.outputs[0].token_ids) >= 4 for o in engine.step() if o.request_id == "a"):
+        pass
+    engine.abort_request("waits")
+    got = engine.abort_request("a").outputs[0].token_ids
+    suffix = engine.drafter.suffix
+    assert len(suffix._cached) == 1
+    assert suffix.responses.tokens[:len(got)].tolist() == got and len(got) >= 4
+    engine.check_integrity()

@@ -138,9 +138,7 @@ class LLMEngine:
         self._inflight: Launched | None = None  # dispatched, outputs not fetched
         self._launch_error: Exception | None = None
         self.failures: dict[str, Exception] = {}  # see take_failures
-        self.num_preemptions = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+        self.num_preemptions = self.prompt_tokens = self.generation_tokens = 0
         self.eos_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model.eos_ids
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size)
         # Speculative decoding's drafts. Hosts in lockstep must draft alike: their measured costs would differ.
@@ -227,6 +225,8 @@ class LLMEngine:
         if group is None:
             return None
         for seq in group.seqs:
+            if self.drafter is not None and (req := self.scheduler.get_request(seq.engine_id)) is not None:
+                self.drafter.finished(req)  # (suffix decoding caches its response as far as it got)
             self.scheduler.abort(seq.engine_id)
             self._forget(seq)
             if seq.finish_reason is None:

@@ -18,6 +18,7 @@ as they are written); the oldest leave first."""
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Sequence
 
@@ -136,6 +137,8 @@ class SuffixDecoding:
         self.depth, self.max_cached, self.factor, self.min_prob = depth, max_cached_requests, factor, min_prob
         self.responses = TokenStore()
         self._cached: deque[int] = deque()  # where each cached response starts, oldest first
+        # Data-parallel replicas share one (`sharding.data_parallel`), each stepping in its own thread.
+        self._lock = threading.Lock()
 
     def propose(self, request: Request, k: int) -> np.ndarray:
         """Up to `k` drafts after the request's tokens: the best of its own store's and the cache's."""
@@ -149,18 +152,24 @@ class SuffixDecoding:
         pattern = store.tokens[max(0, store.size - self.depth):store.size]
         if pattern.size == 0 or pattern[-1] < 0:  # (an image's cache ids, `multimodal`, are no tokens)
             return np.empty(0, np.int32)
-        drafts = [s.speculate(pattern, k, self.depth, self.factor, self.min_prob) for s in (store, self.responses)
-                  if self.max_cached or s is store]
+        drafts = [store.speculate(pattern, k, self.depth, self.factor, self.min_prob)]
+        if self.max_cached:
+            with self._lock:
+                drafts.append(self.responses.speculate(pattern, k, self.depth, self.factor, self.min_prob))
         draft = np.asarray(max(drafts, key=lambda d: d[1])[0][:k], np.int32)
         images = np.flatnonzero(draft < 0)  # an image's cache ids are no tokens to draft
         return draft[:images[0]] if images.size else draft
 
     def finished(self, request: Request) -> None:
-        """Cache a finished request's response (the oldest cached one leaving when the cache is full)."""
+        """Cache a finished (or aborted) request's response (the oldest cached one leaving when the cache is full)."""
         if not self.max_cached or not request.output_token_ids:
             return
+        with self._lock:
+            self._cache(request.output_token_ids)
+
+    def _cache(self, response: Sequence[int]) -> None:
         self._cached.append(self.responses.size)
-        self.responses.extend(request.output_token_ids)
+        self.responses.extend(response)
         self.responses.end_sequence()
         if len(self._cached) > self.max_cached:
             self._cached.popleft()
