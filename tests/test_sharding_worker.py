@@ -416,7 +416,7 @@ def case_engine_moe() -> dict:
     sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
     got = _generate(sharded, PROMPTS)
-    # A LoRA adapter on the attention (a MoE model's experts take none): EP=2 x TP=2 against one device.
+    # A LoRA adapter on the attention and the experts: EP=2 x TP=2 against one device.
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4, lora_modules=(("attn", _attention_adapter(loaded.config)),))
     lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=loaded, progress=False), PROMPTS, "attn")
     lora_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
@@ -428,7 +428,8 @@ def case_engine_moe() -> dict:
 
 
 def _attention_adapter(cfg) -> str:
-    """A PEFT LoRA adapter directory (rank 4, random A and B) on q/k/v/o of every layer of `cfg`."""
+    """A PEFT LoRA adapter directory (rank 4, random A and B) on q/k/v/o of every layer of `cfg`, and on its experts'
+    gate, up and down projections (per expert) when it has experts."""
     import tempfile
 
     import numpy as np
@@ -444,6 +445,12 @@ def _attention_adapter(cfg) -> str:
             key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[key + ".lora_A.weight"] = rng.normal(0, 0.3, (4, k)).astype(np.float32)
             tensors[key + ".lora_B.weight"] = rng.normal(0, 0.3, (n, 4)).astype(np.float32)
+        for e in range(cfg.num_experts):
+            E, F = cfg.hidden_size, cfg.moe_intermediate_size
+            for module, (k, n) in {"gate_proj": (E, F), "up_proj": (E, F), "down_proj": (F, E)}.items():
+                key = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{module}"
+                tensors[key + ".lora_A.weight"] = rng.normal(0, 0.3, (4, k)).astype(np.float32)
+                tensors[key + ".lora_B.weight"] = rng.normal(0, 0.3, (n, 4)).astype(np.float32)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(ATTENTION)}, f)

@@ -103,9 +103,6 @@ class ExpertTensors:
             self._write(layer, fits[0], None, "B", b.reshape(b.shape[0], r, X).transpose(2, 0, 1))
 
     def _check_layer(self, name: str, layer: int) -> None:
-        if "ae_down" not in self.out:
-            raise self.error(f"adapter {self.path!r} adapts experts; experts split over devices take no adapters "
-                             "(serve it on one device)")
         if layer >= self.cfg.num_layers or layer < self.cfg.first_dense_layers:
             raise self.error(f"adapter {self.path!r}: tensor {name!r} names layer {layer}, which has no experts")
 

@@ -10,8 +10,8 @@ the same name never reads them.
 
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
 attention and MLP projections of a dense model (q/k/v/o, gate/up/down) and on the attention and the experts of
-a MoE model (`engine.lora_experts`: per expert, or on the fused expert parameters as `target_parameters`; on one
-device), any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`).
+a MoE model (`engine.lora_experts`: per expert, or on the fused expert parameters as `target_parameters`; split
+over devices as the experts are), any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`).
 Refused by name: DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other
 targets (embeddings, the LM head, shared experts and routers).
 """
@@ -44,13 +44,12 @@ class LoRAError(ValueError):
     """A LoRA adapter that cannot be served, or a request for one that is not there."""
 
 
-def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1,
-                 experts: bool = True) -> dict[str, np.ndarray]:
+def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1) -> dict[str, np.ndarray]:
     """A PEFT adapter directory as `LoraLayer` field arrays for one slot ([L, ...] of `lora_shapes`: each A
     in its place among the down projections of its input, ranks zero-padded, the scale folded into B).
     `kv_repeat` > 1 (tensor parallelism over fewer KV heads than devices) repeats each KV head's columns of
-    the k and v B's as the sharding plan repeats the KV heads of the weights. `experts`: a MoE model's experts take
-    adapters (`engine.lora_experts`; not when they are split over devices)."""
+    the k and v B's as the sharding plan repeats the KV heads of the weights. A MoE model's experts' tensors:
+    `engine.lora_experts`."""
     from safetensors.numpy import load_file
 
     cfg_file, weights = os.path.join(path, "adapter_config.json"), os.path.join(path, "adapter_model.safetensors")
@@ -78,7 +77,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         raise LoRAError(f"adapter {path!r} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
     scale = float(ac.get("lora_alpha", r)) / (math.sqrt(r) if ac.get("use_rslora") else r)
     dims, L = target_dims(cfg), cfg.num_layers
-    out = read_shapes(cfg, max_rank, dtype, experts)
+    out = read_shapes(cfg, max_rank, dtype)
     seen: set = set()
     served = ATTENTION if cfg.num_experts else tuple(TARGETS)  # a MoE model's MLP is its experts
     experts_read = ExpertTensors(out, fused_parameters(ac, cfg, path, LoRAError), cfg, r, max_rank, scale, seen, path,
@@ -120,9 +119,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     return out
 
 
-def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any, experts: bool = True) -> dict[str, np.ndarray]:
+def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:
     """Zeroed arrays of one adapter's `read_adapter` shapes."""
-    return {f: np.zeros((cfg.num_layers, *shape), dtype) for f, shape in lora_shapes(cfg, max_rank, experts).items()}
+    return {f: np.zeros((cfg.num_layers, *shape), dtype) for f, shape in lora_shapes(cfg, max_rank).items()}
 
 
 def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
@@ -133,8 +132,7 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
         raise LoRAError(f"LoRA adapters are not supported on {loaded.config.family}'s latent attention "
                         "(multi-head latent attention has no q/k/v projections to adapt)")
     params = loaded.params
-    # (a MoE model's experts take adapters on one device: split over devices, their slots are left out)
-    lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype, experts=loaded.plan is None)
+    lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()
         lora = jax.tree.map(
@@ -191,7 +189,7 @@ class LoraManager:
     def _read(self, path: str) -> dict[str, np.ndarray]:
         e, plan = self.engine, self.engine.model.plan
         return read_adapter(path, plan.source_cfg if plan else e.model.config, self.max_rank,
-                            np.dtype(e.model.dtype), plan.kv_repeat if plan else 1, experts=plan is None)
+                            np.dtype(e.model.dtype), plan.kv_repeat if plan else 1)
 
     def _keep(self, name: str, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Hold `name`'s host weights as the most recently used, dropping the least recent beyond the limit."""

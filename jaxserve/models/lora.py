@@ -9,7 +9,7 @@ the token's slot s, computed for all slots at once (one A matmul per input, one 
 projection, of width slots x rank), the other slots' columns masked to zero. Base weights are never changed, so requests of
 different adapters (and none) share one batch.
 
-A MoE model's experts (on one device) hold slots too, per expert: `ae_gate_up` [slots, X, E, 2 x rank] (the gate's
+A MoE model's experts hold slots too, per expert: `ae_gate_up` [slots, X, E, 2 x rank] (the gate's
 and the up projection's A side by side), `be_gate`, `be_up` [slots, X, rank, Fe], `ae_down` [slots, X, Fe, rank],
 `be_down` [slots, X, rank, E]; the (token, expert) pairs, sorted by expert, go through their expert's A of every
 slot and their slot's B (`expert_lora_deltas`, grouped matmuls as the experts' own).
@@ -52,7 +52,7 @@ class LoraLayer:
     b_up: Any
     a_down: Any
     b_down: Any
-    ae_gate_up: Any = None  # a MoE model's experts (None: a dense model, or experts split over devices)
+    ae_gate_up: Any = None  # a MoE model's experts (None: a dense model)
     be_gate: Any = None
     be_up: Any = None
     ae_down: Any = None
@@ -67,24 +67,24 @@ def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "up_proj": (E, F), "down_proj": (F, E)}
 
 
-def lora_shapes(cfg: ModelConfig, rank: int, experts: bool = True) -> dict[str, tuple[int, ...]]:
-    """Each `LoraLayer` field's shape for one slot of one layer (a MoE model's experts' with `experts`)."""
+def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
+    """Each `LoraLayer` field's shape for one slot of one layer (a MoE model's experts' too)."""
     dims, shapes = target_dims(cfg), {}
     for module, (a, _, b) in TARGETS.items():
         k, n = dims[module]
         shapes[a] = (k, rank * sum(1 for x, _, _ in TARGETS.values() if x == a))
         shapes[b] = (rank, n)
-    if cfg.num_experts and experts:
+    if cfg.num_experts:
         X, E, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         shapes |= {"ae_gate_up": (X, E, 2 * rank), "be_gate": (X, rank, F), "be_up": (X, rank, F),
                    "ae_down": (X, F, rank), "be_down": (X, rank, E)}
     return shapes
 
 
-def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any, experts: bool = True) -> LoraLayer:
+def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any) -> LoraLayer:
     """Zeroed adapter slots for every layer: [L, slots, ...] of `lora_shapes`."""
     return LoraLayer(**{f: jnp.zeros((cfg.num_layers, num_slots, *shape), dtype)
-                        for f, shape in lora_shapes(cfg, rank, experts).items()})
+                        for f, shape in lora_shapes(cfg, rank).items()})
 
 
 def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[jax.Array]:

@@ -92,8 +92,9 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
 
     h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
     `QuantizedWeight`s); `biases` (gpt-oss): the local experts' (gate [X_local, Fe], up [X_local, Fe], down
-    [X_local, E]), the down projection's times `down_bias` (0 where another device adds it). `lora`: (the layer's
-    `LoraLayer`, each token's adapter slot [T]), every expert on this device (`models.lora.expert_lora_deltas`).
+    [X_local, E]), the down projection's times `down_bias` (0 where another device adds it). `lora`: the local
+    experts' adapter slots (ae_gate_up, be_gate, be_up, ae_down, be_down of `LoraLayer`, their width sliced as the
+    experts') and each token's slot [T] (`models.lora.expert_lora_deltas`).
     The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
     outside every group, and get weight zero.
     """
@@ -110,16 +111,16 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     gate = grouped(xs, we_gate, group_sizes, row_expert)  # [T * k, Fe]
     up = grouped(xs, we_up, group_sizes, row_expert)
     if lora is not None:
-        adapters, row_slot = lora[0], lora[1][token]
-        dg, du = expert_lora_deltas(xs, adapters.ae_gate_up, [adapters.be_gate, adapters.be_up], group_sizes,
-                                    row_expert, row_slot)
+        ae_gate_up, be_gate, be_up, ae_down, be_down, row_slot = *lora[:5], lora[5][token]
+        dg, du = expert_lora_deltas(xs, ae_gate_up, [be_gate, be_up], group_sizes, row_expert, row_slot)
         gate, up = gate + dg, up + du
     if biases is not None:  # (a pair routed elsewhere reads a clamped row: its weight is zero)
         gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
     act = expert_activation(cfg, gate, up)
     ys = grouped(act, we_down, group_sizes, row_expert)  # [T * k, E]
     if lora is not None:
-        ys = ys + expert_lora_deltas(act, adapters.ae_down, [adapters.be_down], group_sizes, row_expert, row_slot)[0]
+        # (a slice of the width gives a partial sum, as the down projection does: summed over the devices)
+        ys = ys + expert_lora_deltas(act, ae_down, [be_down], group_sizes, row_expert, row_slot)[0]
     if biases is not None:
         ys = ys + biases[2][row_expert] * jnp.asarray(down_bias, ys.dtype)
     w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
@@ -133,26 +134,29 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     `LoraLayer`, each token's adapter slot), in a LoRA engine's step (its experts' slots when it has them)."""
     weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router)
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
-    if lora is not None and lora[0].ae_gate_up is None:
-        lora = None  # (experts split over devices take no adapters)
+    if lora is not None:  # (a dense first layer's slots hold experts' too: `lora` is None there)
+        a = lora[0]
+        lora = None if a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down, a.be_down, lora[1])
     if layout is None:
         out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=lora)
     else:
-        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases)
+        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora)
     if lp.ws_gate is not None:
         shared = project(jax.nn.silu(project(h, lp.ws_gate)) * project(h, lp.ws_up), lp.ws_down)  # [T, E]
         out = out + (shared if lp.ws_mix is None else jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared)
     return out
 
 
-def _sharded_experts(h, weights, experts, lp, layout, cfg, biases) -> jax.Array:
+def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None) -> jax.Array:
     ea, ma = layout.expert_axis, layout.model_axis
     reduce_axes = tuple(a for a in (ea, ma) if a is not None)
+    nb = 0 if biases is None else 3
 
-    def per_device(h, weights, experts, wg, wu, wd, *biases):
+    def per_device(h, weights, experts, wg, wu, wd, *rest):
         first = jax.lax.axis_index(ea) * wg.shape[0] if ea is not None else 0
         down_bias = 1.0 if ma is None else (jax.lax.axis_index(ma) == 0)  # one slice of the width adds it
-        y = local_experts(h, weights, experts, wg, wu, wd, first, cfg, biases or None, down_bias)
+        y = local_experts(h, weights, experts, wg, wu, wd, first, cfg, rest[:nb] or None, down_bias,
+                          lora=rest[nb:] or None)
         # Each device holds some experts and a slice of their width: its output is a partial sum.
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
@@ -160,7 +164,11 @@ def _sharded_experts(h, weights, experts, lp, layout, cfg, biases) -> jax.Array:
     if isinstance(lp.we_down, QuantizedWeight):  # the scales of the down projection: per output channel, unsplit
         down_spec = QuantizedWeight(down_spec, P(ea, None, None))
     bias_specs = () if biases is None else (P(ea, ma), P(ea, ma), P(ea, None))
+    # The experts' adapter slots [S, X, ...] split as the experts are: A's over the experts (the down A's rows with
+    # the width), B's over the experts and the gate's and up's columns with the width.
+    lora_specs = () if lora is None else (P(None, ea), P(None, ea, None, ma), P(None, ea, None, ma), P(None, ea, ma),
+                                          P(None, ea), P())
     return jax.shard_map(
-        per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec, *bias_specs),
+        per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec, *bias_specs, *lora_specs),
         out_specs=P(), check_vma=False,
-    )(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, *(biases or ()))
+    )(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, *(biases or ()), *(lora or ()))
