@@ -66,6 +66,18 @@ def _release_compiled_code():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A directory of a tiny random Llama (transformers' config class) with a word-level tokenizer's files."""
+    pytest.importorskip("transformers")
+    from tests.test_draft_model import _with_tokenizer
+    from tests.test_model_families import save_tiny_hf
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny_hf("LlamaConfig", path)
+    return _with_tokenizer(str(path))
+
+
+@pytest.fixture(scope="session")
 def smollm_path() -> str:
     from jaxserve.loader import bundled_model_path
 

@@ -28,20 +28,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from tests.test_draft_model import _with_tokenizer
-    from tests.test_model_families import save_tiny_hf
-
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_hf("LlamaConfig", path)
-    return _with_tokenizer(str(path))
-
-
-@pytest.fixture(scope="module")
-def want(tiny):
+def want(tiny_llama):
     """The engine with its tokenizer: the output of PROMPT, and the same asked not to detokenize."""
-    llm = LLM(tiny, progress=False, **ARGS)
+    llm = LLM(tiny_llama, progress=False, **ARGS)
     out = llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0]
     bare = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(**{**_fields(PARAMS), "detokenize": False}))[0]
     return out, bare
@@ -71,8 +60,8 @@ def test_detokenize_false_gives_the_ids_without_text(want):
         SamplingParams(stop=["t9"], detokenize=False)
 
 
-def test_an_engine_without_a_tokenizer_gives_the_same_ids_and_refuses_text(tiny, want):
-    llm = LLM(tiny, skip_tokenizer_init=True, progress=False, **ARGS)
+def test_an_engine_without_a_tokenizer_gives_the_same_ids_and_refuses_text(tiny_llama, want):
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, progress=False, **ARGS)
     assert llm.get_tokenizer() is None
     _same_numbers(llm.generate({"prompt_token_ids": PROMPT}, PARAMS)[0], want[0])
     ids = dict(max_tokens=4)
@@ -96,12 +85,12 @@ def test_an_engine_without_a_tokenizer_gives_the_same_ids_and_refuses_text(tiny,
     llm.engine.check_integrity()
 
 
-def test_generation_ends_at_the_checkpoints_eos_ids(tiny, want, tmp_path):
+def test_generation_ends_at_the_checkpoints_eos_ids(tiny_llama, want, tmp_path):
     """Without the tokenizer, EOS comes from config.json and generation_config.json: generation stops at the first
     token that one of them names."""
     tokens = want[0].outputs[0].token_ids
     path = tmp_path / "model"
-    shutil.copytree(tiny, path)
+    shutil.copytree(tiny_llama, path)
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "eos_token_id": 60}))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [61, tokens[5]]}))
@@ -126,8 +115,8 @@ def test_the_flag_and_its_refusals():
         EngineArgs(skip_tokenizer_init=True, kv_cache_dtype="fp8", calculate_kv_scales=True)
 
 
-def test_over_http_token_ids_in_and_out(tiny, want):
-    engine = AsyncEngine(LLMEngine(EngineArgs(model=tiny, skip_tokenizer_init=True, **ARGS), progress=False))
+def test_over_http_token_ids_in_and_out(tiny_llama, want):
+    engine = AsyncEngine(LLMEngine(EngineArgs(model=tiny_llama, skip_tokenizer_init=True, **ARGS), progress=False))
     tokens = want[0].outputs[0].token_ids
     try:
         with serve_in_thread(engine, ServerConfig(port=0)) as srv:

@@ -18,26 +18,15 @@ ARGS = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_mode
             kv_cache_memory_bytes=1 << 20, warmup=False, progress=False)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from tests.test_draft_model import _with_tokenizer
-    from tests.test_model_families import save_tiny_hf
-
-    path = tmp_path_factory.mktemp("tiny")
-    save_tiny_hf("LlamaConfig", path)
-    return _with_tokenizer(str(path))
-
-
-def test_the_model_served_with_a_tokenizer_from_elsewhere(tiny, tmp_path):
+def test_the_model_served_with_a_tokenizer_from_elsewhere(tiny_llama, tmp_path):
     other = tmp_path / "tokenizer"  # tokenizer files alone, with a chat template of their own
-    Tokenizer.from_hf_dir(tiny).save_hf(other)
+    Tokenizer.from_hf_dir(tiny_llama).save_hf(other)
     config = json.loads((other / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}t5 {{ m['content'] }}{% endfor %}"
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    want = LLM(tiny, **ARGS).generate({"prompt_token_ids": [5, 7, 9]}, params)[0].outputs[0].token_ids
-    llm = LLM(tiny, tokenizer=str(other), **ARGS)
+    want = LLM(tiny_llama, **ARGS).generate({"prompt_token_ids": [5, 7, 9]}, params)[0].outputs[0].token_ids
+    llm = LLM(tiny_llama, tokenizer=str(other), **ARGS)
     assert llm.get_tokenizer().chat_template == config["chat_template"]
     out = llm.chat([{"role": "user", "content": "t7 t9"}], params)[0]
     assert out.prompt_token_ids == [5, 7, 9] and out.outputs[0].token_ids == want
@@ -55,13 +44,13 @@ def test_a_gguf_files_tokenizer_and_its_hf_copy(smollm_path, tmp_path):
         assert got.encode(text) == own.encode(text) and got.chat_template == own.chat_template, path
 
 
-def test_another_models_tokenizer_is_refused(tiny, smollm_path, tmp_path):
+def test_another_models_tokenizer_is_refused(tiny_llama, smollm_path, tmp_path):
     from jaxserve.engine.model_loading import load_model
 
     with pytest.raises(ValueError, match=r"the tokenizer at .* has 49152 tokens; the model's vocabulary has 160"):
-        load_model(EngineArgs(model=tiny, tokenizer=smollm_path, dtype="float32"), progress=False)
+        load_model(EngineArgs(model=tiny_llama, tokenizer=smollm_path, dtype="float32"), progress=False)
     with pytest.raises(FileNotFoundError, match="neither an HF directory nor a GGUF file"):
-        load_model(EngineArgs(model=tiny, tokenizer=str(tmp_path / "nowhere"), dtype="float32"), progress=False)
+        load_model(EngineArgs(model=tiny_llama, tokenizer=str(tmp_path / "nowhere"), dtype="float32"), progress=False)
 
 
 def test_the_flag():
