@@ -15,6 +15,7 @@ from typing import Any
 
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.engine.multimodal import media_data
+from jaxserve.engine.prompt_embeds import is_embeds
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -40,7 +41,7 @@ class Job:
     @property
     def token_ids(self) -> list[int]:
         """Its prompt's token ids, as a response reports them (a prompt of embeddings has none)."""
-        return [] if getattr(self.prompt_ids, "ndim", 1) == 2 else list(self.prompt_ids)
+        return [] if is_embeds(self.prompt_ids) else list(self.prompt_ids)
 
 
 def generated_tokens(out: Any) -> int:

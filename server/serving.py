@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.engine.memory import EngineSleepingError
+from jaxserve.engine.prompt_embeds import is_embeds
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_params
@@ -125,7 +126,7 @@ async def _completion_jobs(state: ServerState, req: CompletionRequest, request_i
             ids = await _offload(state.tokenizer_for("a text prompt").encode, prompt, req.common.add_special_tokens,
                                  big=len(prompt) > _OFFLOAD_CHARS)
             text = prompt
-        elif getattr(prompt, "ndim", 1) == 2:  # embeddings (`prompt_embeds`), checked by the engine
+        elif is_embeds(prompt):  # (`prompt_embeds`, checked by the engine)
             ids, text = prompt, None
         else:
             bad = [t for t in prompt if not 0 <= t < vocab]
