@@ -52,7 +52,9 @@ def tiny(tmp_path_factory):
     with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<eos>"}, f)
     adapters = {}
-    specs = {"all4": dict(r=4, lora_alpha=8, target_modules=ALL),
+    # all4: per-module ranks and alphas (PEFT's rank_pattern and alpha_pattern: the first key to match the module's end)
+    specs = {"all4": dict(r=4, lora_alpha=8, target_modules=ALL, rank_pattern={"down_proj": 2, r"1\.self_attn\.q_proj": 6},
+                          alpha_pattern={"o_proj": 2, "up_proj": 12}),
              "qv8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=True),
              "mlp2": dict(r=2, lora_alpha=3, target_modules=["gate_proj", "down_proj"])}
     for seed, (name, spec) in enumerate(specs.items()):
@@ -116,10 +118,11 @@ GLM4_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size
 # Models whose attention takes LoRA but not all of their MLP: (config class, its settings, an MLP target refused,
 # what the refusal says).
 ATTENTION_ONLY = {
-    # Qwen2-MoE (q/k/v biases, a shared expert): its shared expert takes none (its experts: tests/test_lora_experts.py).
+    # Qwen2-MoE (q/k/v biases, a shared expert): its embeddings take none (its experts, router and shared expert:
+    # tests/test_lora_experts.py).
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=40, norm_topk_prob=False),
-                  "gate_proj", "not its shared experts or router"),
+                  "embed_tokens", "not LoRA on a projection jaxserve serves"),
     # GLM-4: q and k rows read into the half-split rotary order, so an adapter's q and k B rows follow them; its
     # fused gate_up_proj takes none.
     "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2), "gate_up_proj",

@@ -129,6 +129,79 @@ def test_a_glm4_moe_adapter_on_its_experts_down_projections(tmp_path):
     np.testing.assert_allclose(got, hf_prompt_logprobs(model, ids), atol=3e-5)
 
 
+# Adapters on a MoE model's every other linear layer (the layer loop each runs). Qwen2-MoE: PEFT's "all-linear" (the attention, the shared expert
+# and its sigmoid gate), the router and the fused experts named as parameters. GLM-4.5: PEFT moves the usual list's
+# gate/up/down to the fused experts (gate_up_proj at rank 2 r: `rank_pattern`), the sigmoid router's weight named as a
+# parameter; the dense first layer's MLP and the shared experts' projections added as adapters of transformers 4's
+# modules hold them (`_module_lora`).
+EVERY_LINEAR = {
+    "qwen2_moe": ("Qwen2MoeConfig", QWEN2_MOE, "unroll", dict(target_modules="all-linear",
+                                                    target_parameters=[*FUSED, "mlp.gate.weight"])),
+    "glm4_moe": ("Glm4MoeConfig", GLM4_MOE, "scan", dict(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj",
+                                                                          "down_proj"],
+                                                 target_parameters=["mlp.gate.weight"])),
+}
+
+
+def _module_lora(model, path: str, modules: list[str], seed: int) -> None:
+    """LoRA pairs on `modules` (of the PEFT `model`'s base, "model.layers.0.mlp.gate_proj") added to the adapter at
+    `path` at its rank and alpha, and merged into `model`'s weights (W + alpha / r B A: LoRA's effect on a linear
+    layer), so `model` stays the reference."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.load(open(os.path.join(path, "adapter_config.json")))
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    rng, r = np.random.default_rng(seed), cfg["r"]
+    for name in modules:
+        linear = model.get_submodule("base_model.model." + name)
+        a = rng.normal(0, 0.2, (r, linear.in_features)).astype(np.float32)
+        b = rng.normal(0, 0.2, (linear.out_features, r)).astype(np.float32)
+        tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+        with torch.no_grad():
+            linear.weight += torch.from_numpy(b @ a) * (cfg["lora_alpha"] / r)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("family", list(EVERY_LINEAR))
+def test_router_shared_expert_and_dense_layer_adapters_equal_peft(tmp_path, family):
+    """An adapter on a MoE model's router, shared expert and dense first layer's MLP (beside its attention and
+    experts) gives PEFT's prompt logprobs and greedy tokens, in one batch with the base model (GLM-4.5 scanned: its
+    dense first layer in its own stack)."""
+    import transformers
+
+    config_cls, settings, loop, targets = EVERY_LINEAR[family]
+    base = str(tmp_path / family)
+    save_tiny_hf(config_cls, base, vocab_size=VOCAB, **settings)
+    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    path = str(tmp_path / "all")
+    model = _adapter(hf, path, 7, r=4, lora_alpha=8, **targets)
+    if family == "glm4_moe":
+        assert json.load(open(os.path.join(path, "adapter_config.json")))["rank_pattern"] == {r".*\.gate_up_proj": 8}
+        _module_lora(model, path, [f"model.layers.{i}.mlp.{m}_proj" for i in (0,) for m in ("gate", "up", "down")]
+                     + [f"model.layers.{i}.mlp.shared_experts.{m}_proj" for i in (1, 2) for m in ("gate", "up", "down")],
+                     8)
+    from safetensors.numpy import load_file
+
+    names = set(load_file(os.path.join(path, "adapter_model.safetensors")))
+    wanted = {"qwen2_moe": ("1.mlp.gate.", "shared_expert.up_proj", "shared_expert_gate", "experts.lora_A"),
+              "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A")}[family]
+    assert all(any(w in n for n in names) for w in wanted), sorted(names)
+    ids = prompt(40, 11)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **ARGS), progress=False)
+    out = run(engine, {"a": (ids, p, "all"), "base": (ids, p, None)})
+    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(model, ids), atol=3e-5)
+    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    engine.check_integrity()
+
+
 def test_what_experts_cannot_take_is_refused(moe, tmp_path):
     import transformers
 
@@ -140,9 +213,10 @@ def test_what_experts_cannot_take_is_refused(moe, tmp_path):
     read = lambda path, c=cfg, **kw: read_adapter(path, c, 8, np.float32, **kw)  # noqa: E731
     assert read(adapters["down"][0])["be_down"].any()
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    _adapter(hf, str(tmp_path / "router"), 3, r=2, target_modules=[], target_parameters=["mlp.gate.weight"])
+    _adapter(hf, str(tmp_path / "q"), 3, r=2, target_modules=[],
+             target_parameters=["mlp.experts.down_proj", "self_attn.q_proj.weight"])
     with pytest.raises(LoRAError, match="name other parameters than the experts' gate_up_proj and down_proj"):
-        read(str(tmp_path / "router"))
+        read(str(tmp_path / "q"))
     dense = str(tmp_path / "dense")
     save_tiny_hf("LlamaConfig", dense, vocab_size=VOCAB)
     with pytest.raises(LoRAError, match="adapts experts; llama's model has none"):

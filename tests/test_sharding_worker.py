@@ -416,7 +416,7 @@ def case_engine_moe() -> dict:
     sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
     got = _generate(sharded, PROMPTS)
-    # A LoRA adapter on the attention and the experts: EP=2 x TP=2 against one device.
+    # A LoRA adapter on the attention, the experts, the router and the shared expert: EP=2 x TP=2 against one device.
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4, lora_modules=(("attn", _attention_adapter(loaded.config)),))
     lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=loaded, progress=False), PROMPTS, "attn")
     lora_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
@@ -429,20 +429,21 @@ def case_engine_moe() -> dict:
 
 def _attention_adapter(cfg) -> str:
     """A PEFT LoRA adapter directory (rank 4, random A and B) on q/k/v/o of every layer of `cfg`, and on its experts'
-    gate, up and down projections (per expert) when it has experts."""
+    gate, up and down projections (per expert), router and shared expert when it has experts."""
     import tempfile
 
     import numpy as np
     from safetensors.numpy import save_file
 
-    from jaxserve.models.lora import ATTENTION, target_dims
+    from jaxserve.models.lora import ATTENTION, moe_targets, target_dims
 
     path, rng, dims = tempfile.mkdtemp(), np.random.default_rng(3), target_dims(cfg)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for module in ATTENTION:
+        for module in (*ATTENTION, *moe_targets(cfg)):
             k, n = dims[module]
-            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            where = "self_attn" if module in ATTENTION else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{where}.{module.replace('shared.', 'shared_expert.')}"
             tensors[key + ".lora_A.weight"] = rng.normal(0, 0.3, (4, k)).astype(np.float32)
             tensors[key + ".lora_B.weight"] = rng.normal(0, 0.3, (n, 4)).astype(np.float32)
         for e in range(cfg.num_experts):

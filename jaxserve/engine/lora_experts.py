@@ -30,15 +30,17 @@ _PARAMS = ("gate_up_proj", "down_proj")
 
 def fused_parameters(ac: dict[str, Any], cfg: ModelConfig, path: str, error: type[Exception]) -> tuple[str, ...]:
     """The expert parameters an adapter's `target_parameters` names, in its order ("gate_up_proj", "down_proj");
-    `error` naming any other target, or a model whose experts take none."""
-    names = tuple(t.rsplit(".", 1)[-1] for t in ac.get("target_parameters") or ())
+    `error` naming any other target, or a model whose experts take none. The router's weight ("mlp.gate.weight") may
+    be named beside them: PEFT saves its pair as a module's (`lora_manager`)."""
+    given = [t for t in ac.get("target_parameters") or () if t.rsplit(".", 2)[-2:] != ["gate", "weight"]]
+    names = tuple(t.rsplit(".", 1)[-1] for t in given)
     if not names:
         return ()
     # (PEFT names them as given: "mlp.experts.down_proj", or "down_proj" from target_modules it moved there)
     if any(t.rsplit(".", 2)[-2:-1] not in ([], ["experts"]) or n not in _PARAMS for t, n in zip(
-            ac["target_parameters"], names, strict=True)) or len(set(names)) != len(names):
+            given, names, strict=True)) or len(set(names)) != len(names):
         raise error(f"adapter {path!r}: target_parameters {ac['target_parameters']} name other parameters than the "
-                    f"experts' {' and '.join(_PARAMS)}; it is not supported")
+                    f"experts' {' and '.join(_PARAMS)} and the router's weight; it is not supported")
     check_experts(cfg, path, error)
     return names
 
@@ -54,14 +56,15 @@ class ExpertTensors:
     tensor (True when it is an expert adapter's), then `finish`. A fused parameter's pair (A and B under the same
     `base_layer.` depth) is told by its shapes: A's input (E for gate_up, Fe for down), else B's output (2 Fe, E)."""
 
-    def __init__(self, out: dict[str, np.ndarray], params: tuple[str, ...], cfg: ModelConfig, r: int, max_rank: int,
-                 scale: float, seen: set, path: str, error: type[Exception]):
-        self.out, self.params, self.cfg, self.r, self.max_rank, self.scale = out, params, cfg, r, max_rank, scale
+    def __init__(self, out: dict[str, np.ndarray], params: tuple[str, ...], cfg: ModelConfig, rank: Any, max_rank: int,
+                 seen: set, path: str, error: type[Exception]):
+        # rank(key): (rank, scale) of the module or parameter PEFT names `key` ("model.layers.N.mlp.experts...")
+        self.out, self.params, self.cfg, self.rank, self.max_rank = out, params, cfg, rank, max_rank
         self.seen, self.path, self.error = seen, path, error
         self.pending: dict[tuple[int, int], dict[str, tuple[str, np.ndarray]]] = {}
 
     def take(self, name: str, w: np.ndarray) -> bool:
-        cfg, r = self.cfg, self.r
+        cfg = self.cfg
         X, E, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         if m := _PER_EXPERT.match(name):
             layer, expert, module, which = int(m.group(1)), int(m.group(2)), _NAMES.get(m.group(3), m.group(3)), \
@@ -71,8 +74,9 @@ class ExpertTensors:
             if expert >= X:
                 raise self.error(f"adapter {self.path!r}: tensor {name!r} names expert {expert}; the model has {X}")
             k, n = (F, E) if module == "down_proj" else (E, F)
+            r, scale = self.rank(f"model.layers.{layer}.mlp.experts.{expert}.{m.group(3)}")
             self._check_shape(name, w, (r, k) if which == "A" else (n, r))
-            self._write(layer, module, expert, which, w.astype(np.float32)[None])
+            self._write(layer, module, expert, which, w.astype(np.float32)[None], scale)
             return True
         if m := _FUSED.match(name):
             if not self.params:
@@ -86,10 +90,12 @@ class ExpertTensors:
 
     def finish(self) -> None:
         """The fused parameters' pairs written, each told by its shapes."""
-        cfg, r = self.cfg, self.r
+        cfg = self.cfg
         X, E, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        want = {"gate_up_proj": ((r * X, E), (2 * F, r * X)), "down_proj": ((r * X, F), (E, r * X))}
         for (layer, _), pair in sorted(self.pending.items()):
+            ranks = {p: self.rank(f"model.layers.{layer}.mlp.experts.{p}") for p in self.params}
+            want = {p: ((r * X, E if p == "gate_up_proj" else F), (2 * F if p == "gate_up_proj" else E, r * X))
+                    for p, (r, _) in ranks.items()}
             if set(pair) != {"A", "B"}:
                 raise self.error(f"adapter {self.path!r}: {next(iter(pair.values()))[0]!r} has no lora_"
                                  f"{'B' if 'A' in pair else 'A'} beside it")
@@ -99,8 +105,9 @@ class ExpertTensors:
                 raise self.error(f"adapter {self.path!r}: {pair['A'][0]!r} and its lora_B have shapes {shapes}, "
                                  f"expected those of {' or '.join(f'{p} {want[p]}' for p in self.params)}")
             a, b = (pair[k][1].astype(np.float32) for k in "AB")
-            self._write(layer, fits[0], None, "A", a.reshape(X, r, -1))
-            self._write(layer, fits[0], None, "B", b.reshape(b.shape[0], r, X).transpose(2, 0, 1))
+            r, scale = ranks[fits[0]]
+            self._write(layer, fits[0], None, "A", a.reshape(X, r, -1), scale)
+            self._write(layer, fits[0], None, "B", b.reshape(b.shape[0], r, X).transpose(2, 0, 1), scale)
 
     def _check_layer(self, name: str, layer: int) -> None:
         if layer >= self.cfg.num_layers or layer < self.cfg.first_dense_layers:
@@ -110,12 +117,14 @@ class ExpertTensors:
         if tuple(w.shape) != shape:
             raise self.error(f"adapter {self.path!r}: tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
 
-    def _write(self, layer: int, module: str, expert: int | None, which: str, per: np.ndarray) -> None:
-        """A [x, r, in] or B [x, out, r] of `module` for expert `expert` (None: all) into the fields."""
-        out, r, max_rank, F = self.out, self.r, self.max_rank, self.cfg.moe_intermediate_size
+    def _write(self, layer: int, module: str, expert: int | None, which: str, per: np.ndarray, scale: float) -> None:
+        """A [x, r, in] or B [x, out, r] of `module` for expert `expert` (None: all) into the fields, B times
+        `scale`."""
+        out, max_rank, F = self.out, self.max_rank, self.cfg.moe_intermediate_size
         self.seen.add((layer, f"{module} {'' if expert is None else expert}".strip(), which))
         experts = slice(None) if expert is None else slice(expert, expert + 1)
-        ts = per.transpose(0, 2, 1) * (1.0 if which == "A" else self.scale)  # A [x, in, r]; B [x, r, out]
+        ts = per.transpose(0, 2, 1) * (1.0 if which == "A" else scale)  # A [x, in, r]; B [x, r, out]
+        r = ts.shape[-1] if which == "A" else ts.shape[1]
         if which == "A" and module == "down_proj":
             out["ae_down"][layer, experts, :, :r] = ts
         elif which == "A":  # the gate's A, the up's, or (fused) one A for both

@@ -9,11 +9,13 @@ its KV differs from the base model's. Unloading an adapter drops its cached page
 the same name never reads them.
 
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors`. Read: LoRA on the
-attention and MLP projections of a dense model (q/k/v/o, gate/up/down) and on the attention and the experts of
-a MoE model (`engine.lora_experts`: per expert, or on the fused expert parameters as `target_parameters`; split
-over devices as the experts are), any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with `use_rslora`).
-Refused by name: DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other
-targets (embeddings, the LM head, shared experts and routers).
+attention and MLP projections of a dense model (q/k/v/o, gate/up/down) and of a MoE model's dense first layers, and on
+the attention, the experts (`engine.lora_experts`: per expert, or on the fused expert parameters as
+`target_parameters`; split over devices as the experts are), the router (`mlp.gate`, as a module or as
+`target_parameters`) and the shared expert (`shared_expert` / `shared_experts` gate/up/down, Qwen2-MoE's
+`shared_expert_gate`) of its MoE layers; any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with
+`use_rslora`). Refused by name: DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other
+targets (embeddings, the LM head, Granite's shared MLP).
 """
 
 from __future__ import annotations
@@ -34,10 +36,19 @@ from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
-from jaxserve.models.lora import ATTENTION, TARGETS, LoraLayer, empty_lora, lora_shapes, target_dims
+from jaxserve.models.lora import (
+    ATTENTION,
+    TARGETS,
+    LoraLayer,
+    empty_lora,
+    lora_shapes,
+    moe_targets,
+    target_dims,
+)
 
 logger = logging.getLogger(__name__)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\."
+                  r"((?:shared_experts?\.)?\w+)\.lora_([AB])\.weight$")
 
 
 class LoRAError(ValueError):
@@ -66,38 +77,37 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
     if ac.get("bias", "none") != "none":
         raise LoRAError(f"adapter {path!r} trains biases (bias {ac['bias']!r}); only bias 'none' is supported")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias", "layer_replication",
+    for key in ("modules_to_save", "lora_bias", "layer_replication",
                 "trainable_token_indices", "alora_invocation_tokens", "use_qalora"):
         if ac.get(key):
             raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
-    r = ac.get("r")
-    if not isinstance(r, int) or r < 1:
-        raise LoRAError(f"adapter {path!r}: adapter_config.json gives rank r {r!r}; a positive integer is needed")
-    if r > max_rank:
-        raise LoRAError(f"adapter {path!r} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
-    scale = float(ac.get("lora_alpha", r)) / (math.sqrt(r) if ac.get("use_rslora") else r)
+    rank = _ranks(ac, path, max_rank)
     dims, L = target_dims(cfg), cfg.num_layers
     out = read_shapes(cfg, max_rank, dtype)
     seen: set = set()
-    served = ATTENTION if cfg.num_experts else tuple(TARGETS)  # a MoE model's MLP is its experts
-    experts_read = ExpertTensors(out, fused_parameters(ac, cfg, path, LoRAError), cfg, r, max_rank, scale, seen, path,
+    moe = moe_targets(cfg)  # a MoE layer's targets: the attention's, its router's and shared expert's (and experts)
+    experts_read = ExpertTensors(out, fused_parameters(ac, cfg, path, LoRAError), cfg, rank, max_rank, seen, path,
                                  LoRAError)
     for name, w in load_file(weights).items():
         if experts_read.take(name, w):
             continue
         m = _KEY.match(name)
-        if not m or m.group(2) not in served:
+        layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
+            if m else (0, "", "")
+        targets = {t: TARGETS[t] for t in ATTENTION} | moe if moe and layer >= cfg.first_dense_layers else TARGETS
+        if module not in targets:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "
-                            f"({', '.join(TARGETS)} of a dense model; {', '.join(ATTENTION)} and the experts of a "
-                            "MoE model, not its shared experts or router)")
-        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+                            f"({', '.join(TARGETS)} of a dense model or layer; {', '.join(ATTENTION)}, the experts, "
+                            "router (gate) and shared expert of a MoE layer" + (
+                                f"; {cfg.family}'s: {', '.join(targets)}" if moe else "") + ")")
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
         k, n = dims[module]
+        r, scale = rank(name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0])
         want = (r, k) if which == "A" else (n, r)
         if tuple(w.shape) != want:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} has shape {tuple(w.shape)}, expected {want}")
-        a_field, place, b_field = TARGETS[module]
+        a_field, place, b_field = targets[module]
         w = w.astype(np.float32)
         if which == "A":  # in its place among the down projections of the same input
             out[a_field][layer, :, place * max_rank: place * max_rank + r] = w.T
@@ -117,6 +127,29 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             b = out[f].reshape(L, max_rank, cfg.num_kv_heads, cfg.head_dim)
             out[f] = np.repeat(b, kv_repeat, axis=2).reshape(L, max_rank, -1)
     return out
+
+
+def _ranks(ac: dict[str, Any], path: str, max_rank: int) -> Any:
+    """`rank(key)`: the (rank, scale) of the module or parameter PEFT names `key` ("model.layers.0.self_attn.q_proj"):
+    `r` and `lora_alpha`, or the first of `rank_pattern`'s and `alpha_pattern`'s keys (regular expressions) to match the
+    end of the key, as PEFT picks them (its conversion of fused experts writes them: the gate_up_proj rank 2 r)."""
+    r, rslora = ac.get("r"), bool(ac.get("use_rslora"))
+    ranks, alphas = ac.get("rank_pattern") or {}, ac.get("alpha_pattern") or {}
+    for given in (r, *ranks.values()):
+        if not isinstance(given, int) or isinstance(given, bool) or given < 1:
+            raise LoRAError(f"adapter {path!r}: adapter_config.json gives rank {given!r}; a positive integer is needed")
+
+    def pick(pattern: dict[str, Any], key: str, default: Any) -> Any:
+        return next((v for p, v in pattern.items() if re.match(rf"(.*\.)?({p})$", key)), default)
+
+    def rank(key: str) -> tuple[int, float]:
+        rk = pick(ranks, key, r)
+        if rk > max_rank:
+            raise LoRAError(f"adapter {path!r} has rank {rk}, above max_lora_rank {max_rank}, at {key} (raise "
+                            "--max-lora-rank)")
+        return rk, float(pick(alphas, key, ac.get("lora_alpha", r))) / (math.sqrt(rk) if rslora else rk)
+
+    return rank
 
 
 def read_shapes(cfg: ModelConfig, max_rank: int, dtype: Any) -> dict[str, np.ndarray]:

@@ -12,7 +12,9 @@ different adapters (and none) share one batch.
 A MoE model's experts hold slots too, per expert: `ae_gate_up` [slots, X, E, 2 x rank] (the gate's
 and the up projection's A side by side), `be_gate`, `be_up` [slots, X, rank, Fe], `ae_down` [slots, X, Fe, rank],
 `be_down` [slots, X, rank, E]; the (token, expert) pairs, sorted by expert, go through their expert's A of every
-slot and their slot's B (`expert_lora_deltas`, grouped matmuls as the experts' own).
+slot and their slot's B (`expert_lora_deltas`, grouped matmuls as the experts' own). Its layers' other targets
+(`moe_targets`): the router and the shared expert, whose projections of the MLP's input share `a_moe`, and the shared
+expert's down projection; its dense first layers' MLP takes the dense model's fields.
 """
 
 from __future__ import annotations
@@ -32,7 +34,22 @@ TARGETS = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), "v_proj
            "down_proj": ("a_down", 0, "b_down")}
 
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # the targets of a MoE model (its MLP is experts)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The B fields of a MoE layer's projections of its MLP's input (A's side by side in `a_moe`), in their order there.
+_MOE_IN = {"shared.gate_proj": "bs_gate", "shared.up_proj": "bs_up", "gate": "b_route", "shared_expert_gate": "b_mix"}
+
+
+def moe_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
+    """A MoE model's targets in its MoE layers besides the attention and the experts, as `TARGETS`: the router
+    ("gate"), the shared expert's projections ("shared.gate_proj" ...) and Qwen2-MoE's shared-expert gate."""
+    if not cfg.num_experts:
+        return {}
+    shared = cfg.shared_expert_intermediate_size > 0
+    # (the sigmoid gate on the shared expert is Qwen2-MoE's alone)
+    reading = [m for m in _MOE_IN if (shared or not m.startswith("shared"))
+               and (m != "shared_expert_gate" or cfg.family == "qwen2_moe")]
+    targets = {m: ("a_moe", i, _MOE_IN[m]) for i, m in enumerate(reading)}
+    return targets | ({"shared.down_proj": ("as_down", 0, "bs_down")} if shared else {})
 
 
 @jax.tree_util.register_dataclass
@@ -57,22 +74,32 @@ class LoraLayer:
     be_up: Any = None
     ae_down: Any = None
     be_down: Any = None
+    a_moe: Any = None  # a MoE layer's projections of the MLP's input (`moe_targets`): [slots, E, n x rank]
+    bs_gate: Any = None  # the shared expert's (None: no shared expert)
+    bs_up: Any = None
+    as_down: Any = None
+    bs_down: Any = None
+    b_route: Any = None  # the router's [slots, rank, X]
+    b_mix: Any = None  # Qwen2-MoE's shared-expert gate's [slots, rank, 1]
 
 
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target projection, by HF module name."""
+    """(in, out) features of each target projection, by HF module name (`TARGETS`, `moe_targets`)."""
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    Fs = cfg.shared_expert_intermediate_size
+    moe = {"gate": (E, cfg.num_experts), "shared.gate_proj": (E, Fs), "shared.up_proj": (E, Fs),
+           "shared.down_proj": (Fs, E), "shared_expert_gate": (E, 1)}
     return {"q_proj": (E, q), "k_proj": (E, kv), "v_proj": (E, kv), "o_proj": (q, E), "gate_proj": (E, F),
-            "up_proj": (E, F), "down_proj": (F, E)}
+            "up_proj": (E, F), "down_proj": (F, E)} | {m: moe[m] for m in moe_targets(cfg)}
 
 
 def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
     """Each `LoraLayer` field's shape for one slot of one layer (a MoE model's experts' too)."""
-    dims, shapes = target_dims(cfg), {}
-    for module, (a, _, b) in TARGETS.items():
+    dims, shapes, targets = target_dims(cfg), {}, TARGETS | moe_targets(cfg)
+    for module, (a, _, b) in targets.items():
         k, n = dims[module]
-        shapes[a] = (k, rank * sum(1 for x, _, _ in TARGETS.values() if x == a))
+        shapes[a] = (k, rank * sum(1 for x, _, _ in targets.values() if x == a))
         shapes[b] = (rank, n)
     if cfg.num_experts:
         X, E, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size

@@ -17,30 +17,31 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.lora import expert_lora_deltas
+from jaxserve.models.lora import expert_lora_deltas, lora_deltas
 from jaxserve.models.quantized import QuantizedWeight, grouped, project
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None,
-          logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          logit_bias: jax.Array | None = None, delta: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-k experts per token and their weights. Softmax scoring: a softmax over all experts (in float32), the k
     largest (ERNIE 4.5: largest with `bias` [X] added; DeepSeek-V2: among the experts of the `cfg.expert_topk_groups`
     groups with the best single scores), renormalized to sum to one when the family does so. Sigmoid
     scoring (DeepSeek-V3's, GLM-4.5's): each expert's sigmoid score, in float32; the k chosen by score plus `bias`
     among the experts of the `cfg.expert_topk_groups` groups whose two best such sums are largest; weighted by
     their scores (renormalized by `norm_topk_prob`) times `routed_scaling_factor`. `logit_bias` [X] (gpt-oss) is
-    the router's own bias, added to its logits. Returns ([T, k] in h's dtype, [T, k] int32)."""
+    the router's own bias, added to its logits; `delta` [T, X] a LoRA adapter's, added to them too. Returns ([T, k]
+    in h's dtype, [T, k] int32)."""
     if cfg.router_scoring == "sigmoid":
-        return _route_sigmoid(h, router, bias, cfg)
+        return _route_sigmoid(h, router, bias, cfg, delta)
     if bias is not None:  # (ERNIE computes its router in float32)
-        probs = jax.nn.softmax(jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
+        probs = jax.nn.softmax(_logits(h, router, delta, jnp.float32), axis=-1)
         experts = jax.lax.top_k(probs + bias.astype(jnp.float32)[None, :], cfg.num_experts_per_tok)[1]
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     elif cfg.family == "deepseek_v2":  # (in float32, as DeepSeek's router)
-        probs = jax.nn.softmax(jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
+        probs = jax.nn.softmax(_logits(h, router, delta, jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(_best_groups(probs, cfg, by="max", fill=0.0), cfg.num_experts_per_tok)
     else:
-        logits = jnp.einsum("te,ex->tx", h, router)  # [T, X]
+        logits = _logits(h, router, delta)  # [T, X]
         if logit_bias is not None:
             logits = logits + logit_bias
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -48,6 +49,14 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | N
     if cfg.norm_topk_prob:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-12)
     return (weights * cfg.routed_scaling_factor).astype(h.dtype), experts.astype(jnp.int32)
+
+
+def _logits(h: jax.Array, router: jax.Array, delta: jax.Array | None, dtype: Any = None) -> jax.Array:
+    """The router's logits [T, X] (computed in `dtype`, else h's), plus `delta` when given."""
+    if dtype is not None:
+        h, router = h.astype(dtype), router.astype(dtype)
+    logits = jnp.einsum("te,ex->tx", h, router)
+    return logits if delta is None else logits + delta.astype(logits.dtype)
 
 
 def _best_groups(choice: jax.Array, cfg: ModelConfig, by: str, fill: float) -> jax.Array:
@@ -64,9 +73,9 @@ def _best_groups(choice: jax.Array, cfg: ModelConfig, by: str, fill: float) -> j
     return jnp.where(keep[:, :, None], by_group, fill).reshape(T, X)
 
 
-def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    logits = jnp.einsum("te,ex->tx", h.astype(jnp.float32), router.astype(jnp.float32))  # [T, X]
-    scores = jax.nn.sigmoid(logits)
+def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelConfig,
+                   delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    scores = jax.nn.sigmoid(_logits(h, router, delta, jnp.float32))  # [T, X]
     choice = scores if bias is None else scores + bias.astype(jnp.float32)[None, :]
     # Only the experts of the best groups (by the sum of each group's two best) may be chosen.
     experts = jax.lax.top_k(_best_groups(choice, cfg, by="top2", fill=-jnp.inf), cfg.num_experts_per_tok)[1]
@@ -131,19 +140,31 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
     router, experts and optional shared expert. `layout` (a `sharding.MeshLayout`) says
     which mesh axes split the experts and their width; None = every expert on this device. `lora`: (the layer's
-    `LoraLayer`, each token's adapter slot), in a LoRA engine's step (its experts' slots when it has them)."""
-    weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router)
+    `LoraLayer`, each token's adapter slot), in a LoRA engine's step: its experts', router's and shared expert's."""
+    slots, a = (None, None) if lora is None else (lora[1], lora[0])
+    # The adapters' deltas of the projections of h (`models.lora.moe_targets`), by their B field
+    bs = {} if a is None else {f: getattr(a, f) for f in ("bs_gate", "bs_up", "b_route", "b_mix")
+                               if getattr(a, f) is not None}
+    d = dict(zip(bs, lora_deltas(h, a.a_moe, list(bs.values()), slots), strict=True)) if bs else {}
+    weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router, d.get("b_route"))
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
-    if lora is not None:  # (a dense first layer's slots hold experts' too: `lora` is None there)
-        a = lora[0]
-        lora = None if a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down, a.be_down, lora[1])
+    experts_lora = None if a is None or a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down, a.be_down, slots)
     if layout is None:
-        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=lora)
+        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=experts_lora)
     else:
-        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora)
+        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, experts_lora)
     if lp.ws_gate is not None:
-        shared = project(jax.nn.silu(project(h, lp.ws_gate)) * project(h, lp.ws_up), lp.ws_down)  # [T, E]
-        out = out + (shared if lp.ws_mix is None else jax.nn.sigmoid(h @ lp.ws_mix[:, None]) * shared)
+        gate, up = project(h, lp.ws_gate), project(h, lp.ws_up)
+        if "bs_gate" in d:
+            gate, up = gate + d["bs_gate"], up + d["bs_up"]
+        act = jax.nn.silu(gate) * up
+        shared = project(act, lp.ws_down)  # [T, E]
+        if "bs_gate" in d:
+            shared = shared + lora_deltas(act, a.as_down, [a.bs_down], slots)[0]
+        if lp.ws_mix is not None:
+            mix = h @ lp.ws_mix[:, None]
+            shared = jax.nn.sigmoid(mix if "b_mix" not in d else mix + d["b_mix"]) * shared
+        out = out + shared
     return out
 
 
