@@ -43,7 +43,8 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
       "${pytest[@]}" tests/test_kernels_mosaic_ragged.py tests/test_kernels_mosaic_ws.py \
         tests/test_engine_pallas_mosaic.py > "$LOG_DIR/tests_mosaic.log" 2>&1 &
       "${pytest[@]}" tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_latent.py \
-        tests/test_kv_cache_dtype.py -k "not real_model and not fp8_engine and not whole_pool" \
+        tests/test_kv_cache_dtype.py tests/test_kernels_grouped_matmul.py \
+        -k "not real_model and not fp8_engine and not whole_pool" \
         > "$LOG_DIR/tests_kernels.log" 2>&1 &
       "${pytest[@]}" tests/test_engine_pallas.py -k "matches_xla or fp8_cache" > "$LOG_DIR/tests_engine.log" 2>&1 &
       wait
@@ -63,6 +64,9 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
   stamp "== latent attention timings (DeepSeek's 576-wide entries)"
   if t=$(limit 45); then timeout "$t" "$PY" bench/gpu_latent.py --budget-s $(( t - 22 )); echo "exit $?"; fi
+
+  stamp "== MoE grouped matmul timings (Qwen3-30B-A3B's experts: Pallas against XLA's ragged dot)"
+  if t=$(limit 45); then timeout "$t" "$PY" bench/gpu_grouped_matmul.py --budget-s $(( t - 20 )); echo "exit $?"; fi
 
   for backend in ${BACKENDS:-pallas_mosaic pallas}; do
     stamp "== offline throughput, random weights of SmolLM2's shapes, bfloat16, backend $backend"

@@ -3,6 +3,8 @@ map's refusals for expert tensors, and expert parallelism on 8 simulated CPU dev
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,7 @@ from jaxserve.loader import CheckpointError, HFDirectory, load_params  # noqa: E
 from jaxserve.loader.assembler import WeightAssembler  # noqa: E402
 from jaxserve.loader.keymap import hf_names  # noqa: E402
 from jaxserve.models.moe import local_experts, route  # noqa: E402
+from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     hf_logits,
     ours_logits,
@@ -156,10 +159,14 @@ def test_dispatch_equals_dense_computation_and_drops_no_token():
             y = (jax.nn.silu(h[t] @ wg[x]) * (h[t] @ wu[x])) @ wd[x]
             dense[t] += float(weights[t, j]) * np.asarray(y)
     assert np.allclose(got, dense, rtol=1e-5, atol=1e-5)
-    # Split over 4 "devices" of 2 experts each, the partial outputs sum to the whole.
-    parts = sum(np.asarray(local_experts(h, weights, experts, wg[i:i + 2], wu[i:i + 2], wd[i:i + 2], i, cfg))
-                for i in range(0, X, 2))
-    assert np.allclose(parts, got, rtol=1e-5, atol=1e-5)
+    # Split over 4 "devices" of 2 experts each, the partial outputs sum to the whole; so with the Pallas grouped
+    # matmul (interpreted) as the experts' matmuls.
+    kernel = functools.partial(grouped_matmul, interpret=True)
+    assert np.allclose(local_experts(h, weights, experts, wg, wu, wd, 0, cfg, matmul=kernel), dense, atol=1e-5)
+    for matmul in (None, kernel):
+        parts = sum(np.asarray(local_experts(h, weights, experts, wg[i:i + 2], wu[i:i + 2], wd[i:i + 2], i, cfg,
+                                             matmul=matmul)) for i in range(0, X, 2))
+        assert np.allclose(parts, got, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [2, 8, 24])

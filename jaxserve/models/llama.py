@@ -143,7 +143,7 @@ def _layer(
     if lp.router is not None:
         with jax.named_scope("moe"):
             h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
-            out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots))
+            out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots), backend)
             if lp.post_mlp_norm is not None:
                 out = model_norm(cfg, out, lp.post_mlp_norm)
             return (x + _residual(cfg, out), k_all, v_all), None

@@ -134,10 +134,11 @@ def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Arra
 
 
 def expert_lora_deltas(xs: jax.Array, a: jax.Array, bs: list[jax.Array], group_sizes: jax.Array,
-                       row_expert: jax.Array, row_slot: jax.Array) -> list[jax.Array]:
+                       row_expert: jax.Array, row_slot: jax.Array, matmul: Any = None) -> list[jax.Array]:
     """A MoE layer's (token, expert) pairs `xs` [R, in], sorted by expert (`group_sizes`, `row_expert` [R]), through
     their slot's (`row_slot` [R], -1 none) adapter of their expert: one [R, out] per B in `bs` ([S, X, r, out]),
-    whose A's sit side by side in `a` [S, X, in, len(bs) x r]. Zeros when no pair has a slot."""
+    whose A's sit side by side in `a` [S, X, in, len(bs) x r]. Zeros when no pair has a slot. `matmul`: the grouped
+    matmul kernel (`models.quantized.grouped`)."""
     from jaxserve.models.quantized import grouped
 
     S, X, k, nr = a.shape
@@ -145,10 +146,10 @@ def expert_lora_deltas(xs: jax.Array, a: jax.Array, bs: list[jax.Array], group_s
 
     def some() -> list[jax.Array]:
         every = jnp.moveaxis(a, 0, 2).reshape(X, k, S * nr)  # each expert's A of every slot, side by side
-        xa = grouped(xs, every, group_sizes, row_expert).reshape(R, S, nr)
+        xa = grouped(xs, every, group_sizes, row_expert, matmul).reshape(R, S, nr)
         xa = jnp.where((row_slot[:, None] == jnp.arange(S, dtype=row_slot.dtype))[:, :, None], xa, 0)
         return [grouped(xa[:, :, i * r:(i + 1) * r].reshape(R, S * r), jnp.moveaxis(b, 0, 1).reshape(X, S * r, -1),
-                        group_sizes, row_expert) for i, b in enumerate(bs)]
+                        group_sizes, row_expert, matmul) for i, b in enumerate(bs)]
 
     def none() -> list[jax.Array]:
         return [jnp.zeros((R, b.shape[-1]), xs.dtype) for b in bs]

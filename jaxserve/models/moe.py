@@ -10,6 +10,7 @@ the expert and model axes combines them: activations stay replicated, expert wei
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.models.lora import expert_lora_deltas, lora_deltas
 from jaxserve.models.quantized import QuantizedWeight, grouped, project
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | None = None,
@@ -96,15 +98,15 @@ def expert_activation(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.A
 
 def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate: Any, we_up: Any, we_down: Any,
                   first_expert: jax.Array | int, cfg: ModelConfig, biases: tuple | None = None,
-                  down_bias: jax.Array | float = 1.0, lora: tuple | None = None) -> jax.Array:
+                  down_bias: jax.Array | float = 1.0, lora: tuple | None = None, matmul: Any = None) -> jax.Array:
     """The weighted output ([T, E]) of experts `first_expert .. first_expert + X_local` for every token.
 
     h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
     `QuantizedWeight`s); `biases` (gpt-oss): the local experts' (gate [X_local, Fe], up [X_local, Fe], down
     [X_local, E]), the down projection's times `down_bias` (0 where another device adds it). `lora`: the local
     experts' adapter slots (ae_gate_up, be_gate, be_up, ae_down, be_down of `LoraLayer`, their width sliced as the
-    experts') and each token's slot [T] (`models.lora.expert_lora_deltas`).
-    The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
+    experts') and each token's slot [T] (`models.lora.expert_lora_deltas`). `matmul`: the attention backend's grouped
+    matmul kernel (`models.quantized.grouped`). The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
     outside every group, and get weight zero.
     """
     T, k = experts.shape
@@ -117,30 +119,35 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     group_sizes = jnp.bincount(key, length=x_local + 1)[:x_local].astype(jnp.int32)  # [X_local]
     xs = h[token]  # [T * k, E]
     row_expert = key[order]  # [T * k]: each sorted pair's local expert (x_local past the groups)
-    gate = grouped(xs, we_gate, group_sizes, row_expert)  # [T * k, Fe]
-    up = grouped(xs, we_up, group_sizes, row_expert)
+    gate = grouped(xs, we_gate, group_sizes, row_expert, matmul)  # [T * k, Fe]
+    up = grouped(xs, we_up, group_sizes, row_expert, matmul)
     if lora is not None:
         ae_gate_up, be_gate, be_up, ae_down, be_down, row_slot = *lora[:5], lora[5][token]
-        dg, du = expert_lora_deltas(xs, ae_gate_up, [be_gate, be_up], group_sizes, row_expert, row_slot)
+        dg, du = expert_lora_deltas(xs, ae_gate_up, [be_gate, be_up], group_sizes, row_expert, row_slot, matmul)
         gate, up = gate + dg, up + du
     if biases is not None:  # (a pair routed elsewhere reads a clamped row: its weight is zero)
         gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
     act = expert_activation(cfg, gate, up)
-    ys = grouped(act, we_down, group_sizes, row_expert)  # [T * k, E]
+    ys = grouped(act, we_down, group_sizes, row_expert, matmul)  # [T * k, E]
     if lora is not None:
         # (a slice of the width gives a partial sum, as the down projection does: summed over the devices)
-        ys = ys + expert_lora_deltas(act, ae_down, [be_down], group_sizes, row_expert, row_slot)[0]
+        ys = ys + expert_lora_deltas(act, ae_down, [be_down], group_sizes, row_expert, row_slot, matmul)[0]
     if biases is not None:
         ys = ys + biases[2][row_expert] * jnp.asarray(down_bias, ys.dtype)
     w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
     return jnp.zeros_like(h).at[token].add(ys * w[:, None])
 
 
-def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: tuple | None = None) -> jax.Array:
+def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: tuple | None = None,
+            backend: str = "xla") -> jax.Array:
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
     router, experts and optional shared expert. `layout` (a `sharding.MeshLayout`) says
     which mesh axes split the experts and their width; None = every expert on this device. `lora`: (the layer's
-    `LoraLayer`, each token's adapter slot), in a LoRA engine's step: its experts', router's and shared expert's."""
+    `LoraLayer`, each token's adapter slot), in a LoRA engine's step: its experts', router's and shared expert's.
+    `backend`: the attention backend's name; with a Pallas one, the experts' matmuls run on the Pallas grouped matmul
+    (`pallas_kernels/grouped_matmul.py`: XLA:GPU's ragged dot on Hopper does as many times the work as there are
+    experts), else `jax.lax.ragged_dot`."""
+    matmul = None if backend == "xla" else functools.partial(grouped_matmul, interpret=backend.endswith("_interpret"))
     slots, a = (None, None) if lora is None else (lora[1], lora[0])
     # The adapters' deltas of the projections of h (`models.lora.moe_targets`), by their B field
     bs = {} if a is None else {f: getattr(a, f) for f in ("bs_gate", "bs_up", "b_route", "b_mix")
@@ -150,9 +157,10 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
     experts_lora = None if a is None or a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down, a.be_down, slots)
     if layout is None:
-        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=experts_lora)
+        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=experts_lora,
+                            matmul=matmul)
     else:
-        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, experts_lora)
+        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, experts_lora, matmul)
     if lp.ws_gate is not None:
         gate, up = project(h, lp.ws_gate), project(h, lp.ws_up)
         if "bs_gate" in d:
@@ -168,7 +176,7 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     return out
 
 
-def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None) -> jax.Array:
+def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None, matmul=None) -> jax.Array:
     ea, ma = layout.expert_axis, layout.model_axis
     reduce_axes = tuple(a for a in (ea, ma) if a is not None)
     nb = 0 if biases is None else 3
@@ -177,7 +185,7 @@ def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None) ->
         first = jax.lax.axis_index(ea) * wg.shape[0] if ea is not None else 0
         down_bias = 1.0 if ma is None else (jax.lax.axis_index(ma) == 0)  # one slice of the width adds it
         y = local_experts(h, weights, experts, wg, wu, wd, first, cfg, rest[:nb] or None, down_bias,
-                          lora=rest[nb:] or None)
+                          lora=rest[nb:] or None, matmul=matmul)
         # Each device holds some experts and a slice of their width: its output is a partial sum.
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
 
