@@ -72,8 +72,8 @@ def test_expert_adapters_through_the_kernel_equal_ragged_dot():
     row_expert = jnp.asarray(np.repeat(np.arange(X), [9, 0, 14, 5]).tolist() + [X, X], jnp.int32)
     row_slot = jnp.asarray(rng.integers(-1, S, R), jnp.int32)
     xs = jnp.asarray(rng.normal(size=(R, E)), jnp.float32)
-    a = jnp.asarray(rng.normal(size=(S, X, E, 2 * r)), jnp.float32)
-    bs = [jnp.asarray(rng.normal(size=(S, X, r, F)), jnp.float32) for _ in range(2)]
+    a = jnp.asarray(rng.normal(size=(X, E, S, 2 * r)), jnp.float32)
+    bs = [jnp.asarray(rng.normal(size=(X, S, r, F)), jnp.float32) for _ in range(2)]
     kernel = functools.partial(grouped_matmul, interpret=INTERPRET)
     for want, got in zip(expert_lora_deltas(xs, a, bs, sizes, row_expert, row_slot),
                          expert_lora_deltas(xs, a, bs, sizes, row_expert, row_slot, kernel), strict=True):

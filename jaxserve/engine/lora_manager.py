@@ -38,6 +38,7 @@ from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import (
     ATTENTION,
+    SLOT_AXIS,
     TARGETS,
     LoraLayer,
     empty_lora,
@@ -311,21 +312,22 @@ class LoraManager:
 
 
 def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
-    """`params` with adapter slot `slot` of every layer set to `arrays` (stacked or per-layer layouts)."""
-    def put(old: jax.Array, index: Any, host: np.ndarray) -> jax.Array:
-        new = old.at[index].set(host.astype(old.dtype))
+    """`params` with adapter slot `slot` of every layer set to `arrays` (stacked or per-layer layouts; each field's
+    slots at its `SLOT_AXIS`)."""
+    def put(old: jax.Array, f: str, stacked: bool, host: np.ndarray) -> jax.Array:
+        new = old.at[(slice(None),) * (SLOT_AXIS.get(f, 0) + stacked) + (slot,)].set(host.astype(old.dtype))
         # Over a mesh, kept on its layout: the step's input layouts are fixed.
         return jax.device_put(new, old.sharding) if isinstance(old.sharding, jax.sharding.NamedSharding) else new
 
     if isinstance(params.layers, tuple):
         layers = tuple(dataclasses.replace(lp, lora=LoraLayer(**{
-            f: put(getattr(lp.lora, f), slot, arrays[f][i]) for f in arrays})) for i, lp in enumerate(params.layers))
+            f: put(getattr(lp.lora, f), f, False, arrays[f][i]) for f in arrays})) for i, lp in enumerate(params.layers))
         return jax.block_until_ready(dataclasses.replace(params, layers=layers))
 
     def stack(layers: Any, first: int) -> Any:  # the stack of layers `first` on
         n = layers.lora.a_qkv.shape[0]
         return dataclasses.replace(layers, lora=LoraLayer(**{
-            f: put(getattr(layers.lora, f), (slice(None), slot), arrays[f][first:first + n]) for f in arrays}))
+            f: put(getattr(layers.lora, f), f, True, arrays[f][first:first + n]) for f in arrays}))
 
     dense = params.dense_layers  # a model's dense first layers, stacked apart
     return jax.block_until_ready(dataclasses.replace(

@@ -9,10 +9,11 @@ the token's slot s, computed for all slots at once (one A matmul per input, one 
 projection, of width slots x rank), the other slots' columns masked to zero. Base weights are never changed, so requests of
 different adapters (and none) share one batch.
 
-A MoE model's experts hold slots too, per expert: `ae_gate_up` [slots, X, E, 2 x rank] (the gate's
-and the up projection's A side by side), `be_gate`, `be_up` [slots, X, rank, Fe], `ae_down` [slots, X, Fe, rank],
-`be_down` [slots, X, rank, E]; the (token, expert) pairs, sorted by expert, go through their expert's A of every
-slot and their slot's B (`expert_lora_deltas`, grouped matmuls as the experts' own). Its layers' other targets
+A MoE model's experts hold slots too, per expert, the slot axis beside the rank (`SLOT_AXIS`): `ae_gate_up`
+[X, E, slots, 2 x rank] (the gate's and the up projection's A side by side), `be_gate`, `be_up` [X, slots, rank, Fe],
+`ae_down` [X, Fe, slots, rank], `be_down` [X, slots, rank, E]; the (token, expert) pairs, sorted by expert, go through
+their expert's A of every slot and their slot's B (`expert_lora_deltas`, grouped matmuls as the experts' own, each
+reading the slots where they lie). Its layers' other targets
 (`moe_targets`): the router and the shared expert, whose projections of the MLP's input share `a_moe`, and the shared
 expert's down projection; its dense first layers' MLP takes the dense model's fields.
 """
@@ -108,10 +109,18 @@ def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Where a field's slot axis lies in one layer's array (0 where not named): the experts' next to their rank, so their
+# grouped matmuls read every slot of an expert as one matrix without moving them.
+SLOT_AXIS = {"ae_gate_up": 2, "ae_down": 2, "be_gate": 1, "be_up": 1, "be_down": 1}
+
+
 def empty_lora(cfg: ModelConfig, num_slots: int, rank: int, dtype: Any) -> LoraLayer:
-    """Zeroed adapter slots for every layer: [L, slots, ...] of `lora_shapes`."""
-    return LoraLayer(**{f: jnp.zeros((cfg.num_layers, num_slots, *shape), dtype)
-                        for f, shape in lora_shapes(cfg, rank).items()})
+    """Zeroed adapter slots for every layer: [L, ...] of `lora_shapes` with the slots at `SLOT_AXIS`."""
+    def shape(f: str, one: tuple[int, ...]) -> tuple[int, ...]:
+        at = SLOT_AXIS.get(f, 0)
+        return (cfg.num_layers, *one[:at], num_slots, *one[at:])
+
+    return LoraLayer(**{f: jnp.zeros(shape(f, one), dtype) for f, one in lora_shapes(cfg, rank).items()})
 
 
 def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Array) -> list[jax.Array]:
@@ -136,19 +145,19 @@ def lora_deltas(x: jax.Array, a: jax.Array, bs: list[jax.Array], slots: jax.Arra
 def expert_lora_deltas(xs: jax.Array, a: jax.Array, bs: list[jax.Array], group_sizes: jax.Array,
                        row_expert: jax.Array, row_slot: jax.Array, matmul: Any = None) -> list[jax.Array]:
     """A MoE layer's (token, expert) pairs `xs` [R, in], sorted by expert (`group_sizes`, `row_expert` [R]), through
-    their slot's (`row_slot` [R], -1 none) adapter of their expert: one [R, out] per B in `bs` ([S, X, r, out]),
-    whose A's sit side by side in `a` [S, X, in, len(bs) x r]. Zeros when no pair has a slot. `matmul`: the grouped
+    their slot's (`row_slot` [R], -1 none) adapter of their expert: one [R, out] per B in `bs` ([X, S, r, out]),
+    whose A's sit side by side in `a` [X, in, S, len(bs) x r]. Zeros when no pair has a slot. `matmul`: the grouped
     matmul kernel (`models.quantized.grouped`)."""
     from jaxserve.models.quantized import grouped
 
-    S, X, k, nr = a.shape
+    X, k, S, nr = a.shape
     r, R = nr // len(bs), xs.shape[0]
 
     def some() -> list[jax.Array]:
-        every = jnp.moveaxis(a, 0, 2).reshape(X, k, S * nr)  # each expert's A of every slot, side by side
+        every = a.reshape(X, k, S * nr)  # each expert's A of every slot, side by side
         xa = grouped(xs, every, group_sizes, row_expert, matmul).reshape(R, S, nr)
         xa = jnp.where((row_slot[:, None] == jnp.arange(S, dtype=row_slot.dtype))[:, :, None], xa, 0)
-        return [grouped(xa[:, :, i * r:(i + 1) * r].reshape(R, S * r), jnp.moveaxis(b, 0, 1).reshape(X, S * r, -1),
+        return [grouped(xa[:, :, i * r:(i + 1) * r].reshape(R, S * r), b.reshape(X, S * r, -1),
                         group_sizes, row_expert, matmul) for i, b in enumerate(bs)]
 
     def none() -> list[jax.Array]:

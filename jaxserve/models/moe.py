@@ -193,10 +193,9 @@ def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None, ma
     if isinstance(lp.we_down, QuantizedWeight):  # the scales of the down projection: per output channel, unsplit
         down_spec = QuantizedWeight(down_spec, P(ea, None, None))
     bias_specs = () if biases is None else (P(ea, ma), P(ea, ma), P(ea, None))
-    # The experts' adapter slots [S, X, ...] split as the experts are: A's over the experts (the down A's rows with
-    # the width), B's over the experts and the gate's and up's columns with the width.
-    lora_specs = () if lora is None else (P(None, ea), P(None, ea, None, ma), P(None, ea, None, ma), P(None, ea, ma),
-                                          P(None, ea), P())
+    # The experts' adapter slots ([X, in, S, r] A's, [X, S, r, out] B's) split as the experts are: A's over the experts
+    # (the down A's rows with the width), B's over the experts and the gate's and up's columns with the width.
+    lora_specs = () if lora is None else (P(ea), P(ea, None, None, ma), P(ea, None, None, ma), P(ea, ma), P(ea), P())
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec, *bias_specs, *lora_specs),
         out_specs=P(), check_vma=False,

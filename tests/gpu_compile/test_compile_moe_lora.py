@@ -41,7 +41,7 @@ def test_moe_step_with_expert_adapters_compiles_for_sm90(spec):
     kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
     sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
     lora = jax.eval_shape(lambda: empty_lora(cfg, 4, 16, DTYPE))
-    assert lora.ae_gate_up.shape == (2, 4, 16, 2048, 32)
+    assert lora.ae_gate_up.shape == (2, 16, 2048, 4, 32)
     params.layers = dataclasses.replace(params.layers, lora=jax.tree.map(lambda a: spec(a.shape, a.dtype), lora))
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq,
                              lora_slots=[1])
