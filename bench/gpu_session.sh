@@ -68,15 +68,20 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
   stamp "== MoE grouped matmul timings (Qwen3-30B-A3B's experts: Pallas against XLA's ragged dot)"
   if t=$(limit 45); then timeout "$t" "$PY" bench/gpu_grouped_matmul.py --budget-s $(( t - 20 )); echo "exit $?"; fi
 
-  for backend in ${BACKENDS:-pallas_mosaic pallas}; do
-    stamp "== offline throughput, random weights of SmolLM2's shapes, bfloat16, backend $backend"
+  # BACKENDS: attention backends, each optionally with its layer loop after a colon ("pallas_mosaic:unroll"): the
+  # scanned step's sm_90 program copies each layer's weights out of the stacked arrays (loop_dynamic_slice_fusion),
+  # which the unrolled one does not.
+  for entry in ${BACKENDS:-pallas_mosaic pallas}; do
+    backend=${entry%%:*} loop=auto
+    [[ $entry == *:* ]] && loop=${entry#*:}
+    stamp "== offline throughput, random weights of SmolLM2's shapes, bfloat16, backend $backend, layer loop $loop"
     # Progress bars kept (on stderr, in the log): a warmup cut by the limit shows how far it came.
     if t=$(limit 150); then
       timeout "$t" "$PY" -m jaxserve.cli bench offline "$MODEL" --load-format dummy --dtype bfloat16 \
         --attention-backend "$backend" --workload random --random-input-len "${INPUT_LEN:-512}" \
         --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-64}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
-        --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' \
-        --result-file "$LOG_DIR/gpu_engine_$backend.json"
+        --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' --layer-loop "$loop" \
+        --result-file "$LOG_DIR/gpu_engine_${backend}_$loop.json"
       echo "exit $?"
     fi
   done
