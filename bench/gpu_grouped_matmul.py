@@ -1,8 +1,8 @@
 """Timings of a MoE layer's expert matmuls on the GPU: the Pallas grouped matmul against XLA's ragged dot, at a
 Qwen3-30B-A3B layer's shapes (128 experts, 2048 wide, 768 per expert; gate/up and down), decode (64 tokens x 8
 experts = 512 rows) and prefill (512 tokens: 4096 rows), bfloat16; several input sets of random routing. Each row:
-median time per call, the weight bytes read per second against the copy bandwidth measured in the same run, and the
-outputs' largest difference. Usage: python bench/gpu_grouped_matmul.py [--budget-s S]"""
+the outputs' largest difference, then per implementation the median time per call, the weight bytes read per second
+against the copy bandwidth measured in the same run, and FLOP/s. Usage: python bench/gpu_grouped_matmul.py [--budget-s S]"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.gpu_kernels import copy_bandwidth, timeit
+from bench.gpu_kernels import copy_bandwidth, run_row
 from pallas_kernels.grouped_matmul import grouped_matmul
 
 G, E, FE = 128, 2048, 768
@@ -44,18 +44,13 @@ def main() -> int:
                 print("budget spent: rows left out")
                 return 0
             args = sets(rows, k, n)
-            diff = float(jnp.max(jnp.abs(pallas(*args[0]).astype(jnp.float32) - ragged(*args[0]).astype(jnp.float32))))
-            cells = [f"{label} {proj} rows={rows}"]
-            for name, fn in (("pallas", pallas), ("ragged_dot", ragged)):
-                try:
-                    sec = timeit(fn, args)
-                except Exception as e:  # one failing implementation must not end the run
-                    cells.append(f"{name}: FAIL {type(e).__name__}")
-                    print(f"  [{label} {name}] {str(e).splitlines()[0][:300]}", file=sys.stderr)
-                    continue
-                bw = args[0][1].nbytes / sec
-                cells.append(f"{name}: {sec * 1e6:8.1f} us {bw / 1e9:6.0f} GB/s ({100 * bw / copy_bw:5.1f}%)")
-            print(" | ".join(cells) + f" | max |diff| {diff:.3g}", flush=True)
+            try:  # (a failing kernel must not hide XLA's timings: run_row reports it)
+                got, want = (f(*args[0]).astype(jnp.float32) for f in (pallas, ragged))
+                diff = f"{float(jnp.max(jnp.abs(got - want))):.3g}"
+            except Exception as e:
+                diff = f"n/a: {type(e).__name__}"
+            run_row(f"{label} {proj} rows={rows} (max |diff| {diff})", [("pallas", pallas), ("ragged_dot", ragged)],
+                    args, args[0][1].nbytes, 2 * rows * k * n, None, copy_bw)
     return 0
 
 

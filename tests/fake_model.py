@@ -6,6 +6,9 @@ around a trivial forward, so engine-loop tests need no weights and compile in se
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import tokenizers
@@ -33,6 +36,13 @@ def fake_tokenizer() -> Tokenizer:
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     backend.add_special_tokens([tokenizers.AddedToken("<eos>", special=True)])
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[EOS], pad_token_id=0)
+
+
+def save_fake_tokenizer(path: str) -> None:
+    """`fake_tokenizer()`'s tokenizer.json and a tokenizer_config.json (EOS "<eos>") into the model directory `path`."""
+    fake_tokenizer()._backend.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>"}, f)
 
 
 def fake_loaded_model() -> LoadedModel:

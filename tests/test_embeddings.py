@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.loader import CheckpointError  # noqa: E402
 from jaxserve.pooling_params import PoolerConfig, PoolingParams  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.fake_model import save_fake_tokenizer  # noqa: E402
 
 VOCAB = 64
 LENGTHS = (5, 23, 40, 61)  # with a 32-token budget the longer prompts are chunked, beside the others
@@ -44,9 +43,7 @@ def _save_backbone(path, seed: int = 0, config_cls: str = "LlamaConfig", **confi
         for _, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.15)
     model.save_pretrained(path, safe_serialization=True)
-    fake_tokenizer()._backend.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(path)
     return model.eval()
 
 

@@ -4,7 +4,6 @@ adapters served as models over HTTP."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -19,7 +18,7 @@ from jaxserve.engine.lora_manager import LoRAError  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.lora_request import LoRARequest, lora_cache_salt  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.fake_model import save_fake_tokenizer  # noqa: E402
 from tests.modelrun import drain  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
@@ -48,9 +47,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = str(root / "base")
     save_tiny_hf("LlamaConfig", base, vocab_size=VOCAB, tie_word_embeddings=False)
-    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(base)
     adapters = {}
     # all4: per-module ranks and alphas (PEFT's rank_pattern and alpha_pattern: the first key to match the module's end)
     specs = {"all4": dict(r=4, lora_alpha=8, target_modules=ALL, rank_pattern={"down_proj": 2, r"1\.self_attn\.q_proj": 6},
@@ -143,9 +140,7 @@ def test_an_attention_adapter_equals_peft(tmp_path, family):
     config_cls, settings, refused, message = ATTENTION_ONLY[family]
     base = str(tmp_path / family)
     save_tiny_hf(config_cls, base, vocab_size=VOCAB, **settings)
-    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(base)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     peft_model = _adapter(hf, str(tmp_path / "attn"), 5, r=4, lora_alpha=8,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -18,7 +18,7 @@ from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine.lora_manager import LoRAError  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.fake_model import save_fake_tokenizer  # noqa: E402
 from tests.test_lora import ARGS, GLM4_MOE, VOCAB, _adapter, hf_prompt_logprobs, prompt, run  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
@@ -36,9 +36,7 @@ def moe(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_experts")
     base = str(root / "base")
     save_tiny_hf("Qwen2MoeConfig", base, vocab_size=VOCAB, **QWEN2_MOE)
-    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(base)
     specs = {"experts": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], target_parameters=FUSED),
              # down_proj listed first: PEFT nests it innermost
              "down": dict(r=2, lora_alpha=6, target_modules=[], target_parameters=FUSED[::-1])}
@@ -114,9 +112,7 @@ def test_a_glm4_moe_adapter_on_its_experts_down_projections(tmp_path):
 
     base = str(tmp_path / "glm")
     save_tiny_hf("Glm4MoeConfig", base, vocab_size=VOCAB, **GLM4_MOE)
-    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(base)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = _adapter(hf, str(tmp_path / "down"), 4, r=2, lora_alpha=4, target_modules=["down_proj"])
     assert json.load(open(tmp_path / "down" / "adapter_config.json"))["target_parameters"] == ["down_proj"]
@@ -172,9 +168,7 @@ def test_router_shared_expert_and_dense_layer_adapters_equal_peft(tmp_path, fami
     config_cls, settings, loop, targets = EVERY_LINEAR[family]
     base = str(tmp_path / family)
     save_tiny_hf(config_cls, base, vocab_size=VOCAB, **settings)
-    fake_tokenizer()._backend.save(os.path.join(base, "tokenizer.json"))
-    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(base)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     path = str(tmp_path / "all")
     model = _adapter(hf, path, 7, r=4, lora_alpha=8, **targets)

@@ -4,7 +4,6 @@ refusals, and the HTTP endpoints."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import httpx
@@ -23,7 +22,7 @@ from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from server.config import ServerConfig  # noqa: E402
 from server.runner import serve_in_thread  # noqa: E402
-from tests.fake_model import fake_tokenizer  # noqa: E402
+from tests.fake_model import save_fake_tokenizer  # noqa: E402
 from tests.modelrun import drain  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
@@ -36,9 +35,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0
 
 def _checkpoint(path: str, seed: int, **overrides) -> str:
     save_tiny_hf("LlamaConfig", path, seed=seed, vocab_size=VOCAB, tie_word_embeddings=False, **overrides)
-    fake_tokenizer()._backend.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<eos>"}, f)
+    save_fake_tokenizer(path)
     return path
 
 
