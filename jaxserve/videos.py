@@ -8,6 +8,7 @@ arrays need nothing. A file's frames are sampled as they are read, so a long vid
 
 from __future__ import annotations
 
+import abc
 import math
 import tempfile
 from collections.abc import Callable, Mapping
@@ -153,14 +154,15 @@ def decode_video(data: bytes, where: str, sample: Sampler) -> Video:
     return Video(np.stack(frames), rate, total, keep)
 
 
-class SamplesFiles:
+class SamplesFiles(abc.ABC):
     """A video processor that samples a file's frames as they are read (its `sampler`) and takes frames given as they
     are unless `do_sample_frames` (its `sample_given_frames`)."""
 
     sample_given_frames: bool
 
+    @abc.abstractmethod
     def sampler(self, total: int, rate: float | None) -> np.ndarray:
-        raise NotImplementedError
+        """The indices of the frames kept of `total` frames at `rate` frames per second (None: unknown)."""
 
     def sampled(self, video: Video, given: bool) -> Video:
         """The frames kept: a file's were sampled as read; given frames as they are unless `do_sample_frames`."""

@@ -61,13 +61,12 @@ def _kernel(meta_ref, x_ref, w_ref, out_ref, *, block_m: int, block_n: int, bloc
     b, j = pl.program_id(0), pl.program_id(1)
     group, first, used = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2]
     local = lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    valid = local < used
-    rows = jnp.where(valid, first + local, 0)
+    # A partly used block's other rows read row 0: their outputs are never gathered back.
+    rows = jnp.where(local < used, first + local, 0)
     k_steps = x_ref.shape[1] // block_k
 
     def body(step, acc):
         xt = x_ref[rows, pl.ds(step * block_k, block_k)]  # [block_m, block_k] gathered rows
-        xt = jnp.where(valid[:, None], xt, jnp.zeros_like(xt))
         wt = w_ref[group, pl.ds(step * block_k, block_k), pl.ds(j * block_n, block_n)].astype(xt.dtype)
         return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
 

@@ -14,8 +14,8 @@ the attention, the experts (`engine.lora_experts`: per expert, or on the fused e
 `target_parameters`; split over devices as the experts are), the router (`mlp.gate`, as a module or as
 `target_parameters`) and the shared expert (`shared_expert` / `shared_experts` gate/up/down, Qwen2-MoE's
 `shared_expert_gate`) of its MoE layers; any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with
-`use_rslora`). Refused by name: DoRA, biases, `modules_to_save`, per-module ranks or alphas, `fan_in_fan_out`, other
-targets (embeddings, the LM head, Granite's shared MLP).
+`use_rslora`), per module where `rank_pattern` / `alpha_pattern` say. Refused by name: DoRA, biases, `modules_to_save`,
+`fan_in_fan_out`, other targets (embeddings, the LM head, Granite's shared MLP).
 """
 
 from __future__ import annotations

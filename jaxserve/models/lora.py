@@ -37,7 +37,7 @@ TARGETS = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), "v_proj
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 # The B fields of a MoE layer's projections of its MLP's input (A's side by side in `a_moe`), in their order there.
-_MOE_IN = {"shared.gate_proj": "bs_gate", "shared.up_proj": "bs_up", "gate": "b_route", "shared_expert_gate": "b_mix"}
+MOE_IN = {"shared.gate_proj": "bs_gate", "shared.up_proj": "bs_up", "gate": "b_route", "shared_expert_gate": "b_mix"}
 
 
 def moe_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
@@ -47,9 +47,9 @@ def moe_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
         return {}
     shared = cfg.shared_expert_intermediate_size > 0
     # (the sigmoid gate on the shared expert is Qwen2-MoE's alone)
-    reading = [m for m in _MOE_IN if (shared or not m.startswith("shared"))
+    reading = [m for m in MOE_IN if (shared or not m.startswith("shared"))
                and (m != "shared_expert_gate" or cfg.family == "qwen2_moe")]
-    targets = {m: ("a_moe", i, _MOE_IN[m]) for i, m in enumerate(reading)}
+    targets = {m: ("a_moe", i, MOE_IN[m]) for i, m in enumerate(reading)}
     return targets | ({"shared.down_proj": ("as_down", 0, "bs_down")} if shared else {})
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.lora import expert_lora_deltas, lora_deltas
+from jaxserve.models.lora import MOE_IN, expert_lora_deltas, lora_deltas
 from jaxserve.models.quantized import QuantizedWeight, grouped, project
 from pallas_kernels.grouped_matmul import grouped_matmul
 
@@ -105,9 +105,9 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     `QuantizedWeight`s); `biases` (gpt-oss): the local experts' (gate [X_local, Fe], up [X_local, Fe], down
     [X_local, E]), the down projection's times `down_bias` (0 where another device adds it). `lora`: the local
     experts' adapter slots (ae_gate_up, be_gate, be_up, ae_down, be_down of `LoraLayer`, their width sliced as the
-    experts') and each token's slot [T] (`models.lora.expert_lora_deltas`). `matmul`: the attention backend's grouped
-    matmul kernel (`models.quantized.grouped`). The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere sort last,
-    outside every group, and get weight zero.
+    experts') and each token's slot [T] (`models.lora.expert_lora_deltas`). `matmul`: the grouped matmul kernel
+    (`models.quantized.grouped`). The T * k (token, expert) pairs are sorted by local expert; pairs routed elsewhere
+    sort last, outside every group, and get weight zero.
     """
     T, k = experts.shape
     x_local = we_gate.shape[0]
@@ -150,12 +150,12 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     matmul = None if backend == "xla" else functools.partial(grouped_matmul, interpret=backend.endswith("_interpret"))
     slots, a = (None, None) if lora is None else (lora[1], lora[0])
     # The adapters' deltas of the projections of h (`models.lora.moe_targets`), by their B field
-    bs = {} if a is None else {f: getattr(a, f) for f in ("bs_gate", "bs_up", "b_route", "b_mix")
-                               if getattr(a, f) is not None}
+    bs = {} if a is None else {f: getattr(a, f) for f in MOE_IN.values() if getattr(a, f) is not None}
     d = dict(zip(bs, lora_deltas(h, a.a_moe, list(bs.values()), slots), strict=True)) if bs else {}
     weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router, d.get("b_route"))
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
-    experts_lora = None if a is None or a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down, a.be_down, slots)
+    experts_lora = None if a is None or a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down,
+                                                                   a.be_down, slots)
     if layout is None:
         out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=experts_lora,
                             matmul=matmul)
