@@ -40,7 +40,6 @@ def main() -> dict:
     from jaxserve.sampling_params import SamplingParams
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     cfg = dense_config()
     loaded = _tiny_loaded(cfg)
     path = os.path.join(tempfile.mkdtemp(), "a")

@@ -25,7 +25,6 @@ def main(process_id: int, port: int) -> None:
     from tests.test_sharding_worker import _steps, dense_config
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     t0 = time.perf_counter()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id)

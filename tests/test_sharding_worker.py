@@ -728,7 +728,6 @@ def main(argv: list[str]) -> None:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     results = {}
     for name in argv:
         t0 = time.perf_counter()
