@@ -1,5 +1,5 @@
-"""The chat templates of Mistral's instruct formats, for models whose tokenizer is a tekken file (`tekken.json`),
-which carries no template: Mistral writes its prompts in code (mistral_common), one format per tokenizer version.
+"""The chat templates of Mistral's instruct formats, for models whose tokenizer is a tekken file (`tekken.json`) or
+a SentencePiece `tokenizer.model.v3` / `.v7`, which carry no template: Mistral writes its prompts in code (mistral_common), one format per tokenizer version.
 
 | version | system prompt | tools | a call | a tool's result |
 | --- | --- | --- | --- | --- |

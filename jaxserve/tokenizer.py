@@ -138,14 +138,16 @@ class Tokenizer:
 
     @classmethod
     def from_tekken(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Build the tokenizer of a Mistral `tekken.json` (`tokenizer_tekken`), with the chat template of its
-        version's instruct format (`chat_template_mistral`); `<s>` opens a prompt encoded with special tokens."""
+        """Build the tokenizer of a Mistral `tekken.json` (`tokenizer_tekken`) or SentencePiece `tokenizer.model.vN`
+        (`tokenizer_sentencepiece`), with the chat template of its version's instruct format (`chat_template_mistral`);
+        `<s>` opens a prompt encoded with special tokens."""
         from tokenizers.processors import TemplateProcessing
 
         from jaxserve.chat_template_mistral import mistral_template
+        from jaxserve.tokenizer_sentencepiece import read_mistral_sentencepiece
         from jaxserve.tokenizer_tekken import read_tekken
 
-        spec = read_tekken(path)
+        spec = read_tekken(path) if str(path).endswith(".json") else read_mistral_sentencepiece(path)
         bos, eos = spec.specials.index("<s>"), spec.specials.index("</s>")
         spec.backend.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos)])
         pad = spec.specials.index("<pad>") if "<pad>" in spec.specials else None

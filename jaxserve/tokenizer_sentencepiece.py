@@ -281,3 +281,38 @@ def _spm_backend(sp: SentencePieceModel, pieces: list[str], legacy: bool) -> tok
         steps.append(decoders.Fuse())
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+_MISTRAL_NAME = re.compile(r"^(?:.*\.)?model\.v(\d+)(?:m\d+)?$")
+
+
+def mistral_tokenizer_file(root: str | Path) -> Path | None:
+    """A Mistral-format directory's tokenizer: `tekken.json`, else its newest SentencePiece `tokenizer.model.vN`."""
+    root = Path(root)
+    if (root / "tekken.json").is_file():
+        return root / "tekken.json"
+    found = [(int(m.group(1)), p) for p in root.glob("*.model.v*") if (m := _MISTRAL_NAME.match(p.name)) and p.is_file()]
+    return max(found)[1] if found else None
+
+
+def read_mistral_sentencepiece(path: str | Path) -> Any:
+    """Mistral's SentencePiece tokenizer file (`tokenizer.model.v3`, `.v7`: Mistral 7B v0.3, Codestral 22B, Mistral
+    Large 2) as mistral_common encodes: each text between control tokens with its own leading space, `[INST]` and the
+    other control pieces special; a `TekkenSpec` (`tokenizer_tekken`) with the version its file name gives."""
+    from jaxserve.tokenizer_tekken import TekkenSpec
+
+    path = Path(path)
+    m = _MISTRAL_NAME.match(path.name)
+    if m is None:
+        raise ValueError(f"{path}: a Mistral SentencePiece tokenizer file is named *.model.vN")
+    if int(m.group(1)) < 3:
+        raise ValueError(f"{path}: Mistral's instruct formats before v3 (its [INST] spacing and system prompt) are not "
+                         "rendered; an HF directory with this model's tokenizer.json and chat template is read "
+                         "(--tokenizer)")
+    sp = read_model_proto(path)
+    pieces = [p for p, _, _ in sp.pieces]
+    backend = _spm_backend(sp, pieces, legacy=True)
+    backend.add_special_tokens([AddedToken(p, special=True, normalized=False)
+                                for p, _, k in sp.pieces if k == _CONTROL])
+    leading = next((i for i, (_, _, k) in enumerate(sp.pieces) if k not in (_CONTROL, 2)), len(pieces))
+    return TekkenSpec(backend, f"v{m.group(1)}", tuple(pieces[:leading]), len(pieces))

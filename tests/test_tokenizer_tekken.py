@@ -5,6 +5,7 @@ checkpoint read as the HF Mistral model it was made from (logits against transfo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -105,6 +106,40 @@ def test_chat_template_encodes_as_mistral_common(tekken_files, version):
             for call in m.get("tool_calls") or []:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
         assert ours.encode_chat(sent, tools=tools) == want, (version, messages[-1])
+
+
+SENTENCEPIECE = {v: os.path.join(os.path.dirname(mistral_common.__file__), "data", f"mistral_instruct_tokenizer_{d}.model.{v}")
+                 for v, d in (("v2", "240216"), ("v3", "240323"), ("v7", "241114"))}
+
+
+@pytest.mark.parametrize("version", ["v3", "v7"])
+def test_sentencepiece_files_encode_as_mistral_common(tmp_path, version):
+    """Mistral's SentencePiece tokenizer files (`tokenizer.model.v3`: Mistral 7B v0.3, Codestral; `.v7`: Mistral
+    Large 2): text, and each instruct prompt token for token; found as a Mistral directory's tokenizer (its newest)."""
+    from jaxserve.loader import tokenizer_at
+    from jaxserve.tokenizer_sentencepiece import mistral_tokenizer_file
+    from tests.test_sharding_worker import dense_config
+
+    ref = MistralTokenizer.from_file(SENTENCEPIECE[version])
+    (tmp_path / "params.json").write_text("{}")
+    for name, v in (("tokenizer.model.v2", "v2"), (f"tokenizer.model.{version}", version)):
+        os.symlink(SENTENCEPIECE[v], tmp_path / name)
+    assert mistral_tokenizer_file(tmp_path).name == f"tokenizer.model.{version}"
+    ours = tokenizer_at(str(tmp_path), dataclasses.replace(dense_config(), vocab_size=32768))
+    inner = ref.instruct_tokenizer.tokenizer
+    assert ours.vocab_size == inner.n_words and (ours.bos_token_id, ours.eos_token_ids) == (1, (2,))
+    for text in TEXTS:
+        assert ours.encode(text, add_special_tokens=True) == inner.encode(text, bos=True, eos=False), text
+        assert ours.decode(ours.encode(text)) == inner.decode(inner.encode(text, bos=False, eos=False)), text
+    for messages, tools in ((CHAT, None), (TOOL_CHAT, TOOLS[:1]), (TWO_CALLS[:2], TOOLS[1:])):
+        want = ref.encode_chat_completion(ChatCompletionRequest(messages=messages, tools=tools)).tokens
+        sent = copy.deepcopy(messages)
+        for m in sent:
+            for call in m.get("tool_calls") or []:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        assert ours.encode_chat(sent, tools=tools) == want, (version, messages[-1])
+    with pytest.raises(ValueError, match="Mistral's instruct formats before v3 .* are not rendered"):
+        Tokenizer.from_tekken(tmp_path / "tokenizer.model.v2")
 
 
 def _consolidated(path, model, heads: int, kv_heads: int) -> None:

