@@ -215,3 +215,41 @@ def test_what_experts_cannot_take_is_refused(moe, tmp_path):
     save_tiny_hf("LlamaConfig", dense, vocab_size=VOCAB)
     with pytest.raises(LoRAError, match="adapts experts; llama's model has none"):
         read(adapters["experts"][0], open_checkpoint(dense, weights=False).config())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_adapters_equal_peft(tmp_path, family):
+    """PEFT's "all-linear" adapter on DeepSeek-V2 (queries projected directly) and -V3 (a query bottleneck: q_a_proj
+    normed, then q_b_proj): the latent attention's projections, `kv_b_proj` (applied through the absorbed key and value
+    up-projections), the output projection, the router and the experts give PEFT's prompt logprobs and greedy tokens,
+    in one batch with the base model, whose own are transformers'."""
+    import transformers
+
+    from tests.test_mla import FAMILIES
+
+    config_cls, settings = FAMILIES[family]
+    base = str(tmp_path / family)
+    save_tiny_hf(config_cls, base, vocab_size=VOCAB, **settings)
+    save_fake_tokenizer(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    path = str(tmp_path / "all")
+    model = _adapter(hf, path, 5, r=4, lora_alpha=8, target_modules="all-linear")
+    from safetensors.numpy import load_file
+
+    names = set(load_file(os.path.join(path, "adapter_model.safetensors")))
+    wanted = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "experts.lora_A", "mlp.gate."]
+    wanted += ["q_a_proj", "q_b_proj"] if family == "deepseek_v3" else ["self_attn.q_proj"]
+    assert all(any(w in n for n in names) for w in wanted), sorted(names)
+    ids = prompt(40, 13)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                pad_token_id=0)[0, len(ids):].tolist()
+    loop = "unroll" if family == "deepseek_v2" else "scan"
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **ARGS), progress=False)
+    out = run(engine, {"a": (ids, p, "all"), "base": (ids, p, None)})
+    for rid, ref in (("a", model), ("base", transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))):
+        got = np.array([e[t].logprob for e, t in zip(out[rid].prompt_logprobs[1:], ids[1:], strict=True)])
+        np.testing.assert_allclose(got, hf_prompt_logprobs(ref.eval(), ids), atol=3e-5)
+    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    engine.check_integrity()

@@ -19,7 +19,6 @@ pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxserve.engine.lora_manager import LoRAError, with_lora_slots  # noqa: E402
 from jaxserve.engine.model_loading import LoadedModel  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.loader import HFDirectory, load_params  # noqa: E402
@@ -180,9 +179,6 @@ def test_mla_prefix_hit_equals_miss(tiny_mla):
 
 def test_mla_refusals(tiny_mla):
     family, _, _, cfg, params = tiny_mla
-    loaded = LoadedModel("tiny", family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    with pytest.raises(LoRAError, match="latent attention"):
-        with_lora_slots(loaded, 2, 8)
     d = cfg.to_hf()
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         ModelConfig.from_hf({**d, "attention_bias": True})

@@ -421,32 +421,42 @@ def case_engine_moe() -> dict:
     lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=loaded, progress=False), PROMPTS, "attn")
     lora_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
+    # DeepSeek-V3's latent attention (kv_b_proj's delta applied through the absorbed up-projections) under TP=2 x EP=2.
+    mla = _tiny_loaded(moe_config("deepseek_v3"))
+    lora["lora_modules"] = (("attn", _attention_adapter(mla.config)),)
+    mla_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=mla, progress=False), PROMPTS, "attn")
+    mla_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
+                                  strict_compile=True), loaded=mla, progress=False)
     return {"ref": ref, "ep": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
             "devices": len(sharded.runner.kv.k.sharding.device_set),
             "lora_ref": lora_ref, "lora_ep": _generate(lora_ep, PROMPTS, "attn"),
-            "lora_compiles_after_warmup": lora_ep.stats().compilations_after_warmup}
+            "lora_compiles_after_warmup": lora_ep.stats().compilations_after_warmup,
+            "mla_lora_ref": mla_ref, "mla_lora_ep": _generate(mla_ep, PROMPTS, "attn"),
+            "mla_lora_base": _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=mla, progress=False), PROMPTS)}
 
 
 def _attention_adapter(cfg) -> str:
-    """A PEFT LoRA adapter directory (rank 4, random A and B) on q/k/v/o of every layer of `cfg`, and on its experts'
-    gate, up and down projections (per expert), router and shared expert when it has experts."""
+    """A PEFT LoRA adapter directory (rank 4, random A and B) on the attention of every layer of `cfg` (q/k/v/o, or
+    latent attention's projections), and on its experts' gate, up and down projections (per expert), router and shared
+    expert when it has experts (a dense first layer's MLP is left alone)."""
     import tempfile
 
     import numpy as np
     from safetensors.numpy import save_file
 
-    from jaxserve.models.lora import ATTENTION, moe_targets, target_dims
+    from jaxserve.models.lora import attention_targets, moe_targets, target_dims
 
-    path, rng, dims = tempfile.mkdtemp(), np.random.default_rng(3), target_dims(cfg)
+    path, rng, dims, attention = tempfile.mkdtemp(), np.random.default_rng(3), target_dims(cfg), attention_targets(cfg)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for module in (*ATTENTION, *moe_targets(cfg)):
+        moe = layer >= cfg.first_dense_layers
+        for module in (*attention, *(moe_targets(cfg) if moe else ())):
             k, n = dims[module]
-            where = "self_attn" if module in ATTENTION else "mlp"
+            where = "self_attn" if module in attention else "mlp"
             key = f"base_model.model.model.layers.{layer}.{where}.{module.replace('shared.', 'shared_expert.')}"
             tensors[key + ".lora_A.weight"] = rng.normal(0, 0.3, (4, k)).astype(np.float32)
             tensors[key + ".lora_B.weight"] = rng.normal(0, 0.3, (n, 4)).astype(np.float32)
-        for e in range(cfg.num_experts):
+        for e in range(cfg.num_experts if moe else 0):
             E, F = cfg.hidden_size, cfg.moe_intermediate_size
             for module, (k, n) in {"gate_proj": (E, F), "up_proj": (E, F), "down_proj": (F, E)}.items():
                 key = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{module}"
@@ -454,7 +464,7 @@ def _attention_adapter(cfg) -> str:
                 tensors[key + ".lora_B.weight"] = rng.normal(0, 0.3, (n, 4)).astype(np.float32)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(ATTENTION)}, f)
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": list(attention)}, f)
     return path
 
 

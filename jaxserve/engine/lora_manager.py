@@ -35,12 +35,13 @@ import numpy as np
 from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.loader.keymap import halfsplit_rows
+from jaxserve.loader.mla_keys import kv_rows, q_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import (
-    ATTENTION,
     SLOT_AXIS,
-    TARGETS,
     LoraLayer,
+    attention_targets,
+    dense_targets,
     empty_lora,
     lora_shapes,
     moe_targets,
@@ -95,12 +96,12 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         m = _KEY.match(name)
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
-        targets = {t: TARGETS[t] for t in ATTENTION} | moe if moe and layer >= cfg.first_dense_layers else TARGETS
+        targets = attention_targets(cfg) | moe if moe and layer >= cfg.first_dense_layers else dense_targets(cfg)
         if module not in targets:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "
-                            f"({', '.join(TARGETS)} of a dense model or layer; {', '.join(ATTENTION)}, the experts, "
-                            "router (gate) and shared expert of a MoE layer" + (
-                                f"; {cfg.family}'s: {', '.join(targets)}" if moe else "") + ")")
+                            f"({', '.join(dense_targets(cfg))} of a dense model or layer; "
+                            f"{', '.join(attention_targets(cfg))}, the experts, router (gate) and shared expert of a "
+                            "MoE layer" + (f"; {cfg.family}'s: {', '.join(targets)}" if moe else "") + ")")
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
         k, n = dims[module]
@@ -113,7 +114,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         if which == "A":  # in its place among the down projections of the same input
             out[a_field][layer, :, place * max_rank: place * max_rank + r] = w.T
         else:
-            if cfg.family in INTERLEAVED_ROPE_FAMILIES and module in ("q_proj", "k_proj"):  # rows ordered as the model's were read
+            if cfg.kv_lora_rank and module in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):  # rotary rows half-split
+                w = kv_rows(w, cfg) if module == "kv_a_proj_with_mqa" else q_rows(w, cfg)
+            elif cfg.family in INTERLEAVED_ROPE_FAMILIES and module in ("q_proj", "k_proj"):  # as the model's were read
                 w = halfsplit_rows(w, cfg)
             out[b_field][layer, :r, :] = w.T * scale
         seen.add((layer, module, which))
@@ -123,7 +126,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
     if not seen:
         raise LoRAError(f"adapter {path!r} holds no LoRA weights")
-    if kv_repeat > 1:
+    if kv_repeat > 1 and not cfg.kv_lora_rank:
         for f in ("b_k", "b_v"):
             b = out[f].reshape(L, max_rank, cfg.num_kv_heads, cfg.head_dim)
             out[f] = np.repeat(b, kv_repeat, axis=2).reshape(L, max_rank, -1)
@@ -162,9 +165,6 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     """`loaded` (a `LoadedModel`) with zeroed adapter slots in every layer of its parameters; over a mesh
     they are replicated (a rank-r delta is small beside its projection: the partitioner slices it to each
     device's heads or MLP columns, and sums the partial products of o and down)."""
-    if loaded.config.kv_lora_rank:
-        raise LoRAError(f"LoRA adapters are not supported on {loaded.config.family}'s latent attention "
-                        "(multi-head latent attention has no q/k/v projections to adapt)")
     params = loaded.params
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy

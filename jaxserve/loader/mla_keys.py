@@ -28,14 +28,14 @@ def _rotary_order(width: int, rotary: int) -> np.ndarray:
     return np.concatenate([np.arange(first), first + np.arange(0, rotary, 2), first + np.arange(1, rotary, 2)])
 
 
-def _q_rows(w: np.ndarray, cfg: ModelConfig, back: bool = False) -> np.ndarray:
+def q_rows(w: np.ndarray, cfg: ModelConfig, back: bool = False) -> np.ndarray:
     """A query projection [Hq * D, in] with each head's rotary rows half-split (`back`: interleaved again)."""
     order = _rotary_order(cfg.head_dim, cfg.rotary_dims)
     order = np.argsort(order) if back else order
     return w.reshape(cfg.num_heads, cfg.head_dim, -1)[:, order].reshape(w.shape)
 
 
-def _kv_rows(w: np.ndarray, cfg: ModelConfig, back: bool = False) -> np.ndarray:
+def kv_rows(w: np.ndarray, cfg: ModelConfig, back: bool = False) -> np.ndarray:
     """`kv_a_proj_with_mqa` [R + Dr, E] with its rotary key's rows half-split (`back`: interleaved again)."""
     order = _rotary_order(w.shape[0], cfg.rotary_dims)
     return w[np.argsort(order) if back else order]
@@ -47,7 +47,7 @@ def mla_targets(cfg: ModelConfig) -> dict[str, Spec]:
                                cfg.q_lora_rank, cfg.v_head_dim)
     Dn = D - Dr
     t: dict[str, Spec] = {
-        "self_attn.kv_a_proj_with_mqa.weight": ("layers.wkv_a", lambda w: _kv_rows(w, cfg).T, (R + Dr, E)),
+        "self_attn.kv_a_proj_with_mqa.weight": ("layers.wkv_a", lambda w: kv_rows(w, cfg).T, (R + Dr, E)),
         "self_attn.kv_a_layernorm.weight": ("layers.kv_a_norm", lambda w: w, (R,)),
         _KV_B_PARTS[0]: ("layers.w_uk", lambda w: w.reshape(Hq, Dn, R), (Hq * Dn, R)),
         _KV_B_PARTS[1]: ("layers.w_uv", lambda w: w.reshape(Hq, Dv, R).transpose(0, 2, 1), (Hq * Dv, R)),
@@ -56,9 +56,9 @@ def mla_targets(cfg: ModelConfig) -> dict[str, Spec]:
     if Rq:
         t["self_attn.q_a_proj.weight"] = ("layers.wq_a", lambda w: w.T, (Rq, E))
         t["self_attn.q_a_layernorm.weight"] = ("layers.q_a_norm", lambda w: w, (Rq,))
-        t["self_attn.q_b_proj.weight"] = ("layers.wq", lambda w: _q_rows(w, cfg).T.reshape(Rq, Hq, D), (Hq * D, Rq))
+        t["self_attn.q_b_proj.weight"] = ("layers.wq", lambda w: q_rows(w, cfg).T.reshape(Rq, Hq, D), (Hq * D, Rq))
     else:
-        t["self_attn.q_proj.weight"] = ("layers.wq", lambda w: _q_rows(w, cfg).T.reshape(E, Hq, D), (Hq * D, E))
+        t["self_attn.q_proj.weight"] = ("layers.wq", lambda w: q_rows(w, cfg).T.reshape(E, Hq, D), (Hq * D, E))
     return t
 
 
@@ -77,9 +77,9 @@ def split_kv_b(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[st
 def mla_hf_tensor(field: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """One layer's MLA parameter (`MLA_FIELDS`) as its HF tensor (a part of `kv_b_proj` for w_uk, w_uv)."""
     if field == "wq":
-        return _q_rows(value.reshape(value.shape[0], -1).T, cfg, back=True)
+        return q_rows(value.reshape(value.shape[0], -1).T, cfg, back=True)
     if field == "wkv_a":
-        return _kv_rows(value.T, cfg, back=True)
+        return kv_rows(value.T, cfg, back=True)
     if field == "wq_a":
         return value.T
     if field == "wo":

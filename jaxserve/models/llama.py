@@ -123,7 +123,7 @@ def _layer(
             h = attn_in
         if cfg.kv_lora_rank:
             attn, k_all, v_all = mla_attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
-                                               layout)
+                                               layout, lora)
         else:
             attn, k_all, v_all = _attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
                                             local, lora, layout)

@@ -36,6 +36,26 @@ TARGETS = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), "v_proj
 
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+# Latent attention's targets (DeepSeek-V2 / -V3): the projections of the layer's input (the queries, or their
+# bottleneck, and the latent with the rotary key) share `a_qkv`; the query bottleneck's up projection, `kv_b_proj`
+# (applied where its weights are absorbed: `latent_lora`) and the output projection have their own.
+LATENT = {"q_proj": ("a_qkv", 0, "b_q"), "q_a_proj": ("a_qkv", 0, "b_q"), "kv_a_proj_with_mqa": ("a_qkv", 1, "b_kva"),
+          "q_b_proj": ("a_qb", 0, "b_qb"), "kv_b_proj": ("a_kvb", 0, "b_kvb"), "o_proj": ("a_o", 0, "b_o")}
+
+
+def attention_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
+    """The attention's targets, as `TARGETS`: q/k/v/o, or latent attention's (`LATENT`: q_proj without a query
+    bottleneck, q_a_proj and q_b_proj with one)."""
+    if not cfg.kv_lora_rank:
+        return {t: TARGETS[t] for t in ATTENTION}
+    skip = ("q_proj",) if cfg.q_lora_rank else ("q_a_proj", "q_b_proj")
+    return {t: v for t, v in LATENT.items() if t not in skip}
+
+
+def dense_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
+    """A dense layer's targets: the attention's and the MLP's."""
+    return attention_targets(cfg) | {t: TARGETS[t] for t in MLP}
 # The B fields of a MoE layer's projections of its MLP's input (A's side by side in `a_moe`), in their order there.
 MOE_IN = {"shared.gate_proj": "bs_gate", "shared.up_proj": "bs_up", "gate": "b_route", "shared_expert_gate": "b_mix"}
 
@@ -61,8 +81,6 @@ class LoraLayer:
 
     a_qkv: Any
     b_q: Any
-    b_k: Any
-    b_v: Any
     a_o: Any
     b_o: Any
     a_gate_up: Any
@@ -82,6 +100,13 @@ class LoraLayer:
     bs_down: Any = None
     b_route: Any = None  # the router's [slots, rank, X]
     b_mix: Any = None  # Qwen2-MoE's shared-expert gate's [slots, rank, 1]
+    b_k: Any = None  # (None: latent attention)
+    b_v: Any = None
+    b_kva: Any = None  # latent attention's (`LATENT`; None: another attention)
+    a_qb: Any = None
+    b_qb: Any = None
+    a_kvb: Any = None
+    b_kvb: Any = None
 
 
 def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -91,13 +116,18 @@ def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     Fs = cfg.shared_expert_intermediate_size
     moe = {"gate": (E, cfg.num_experts), "shared.gate_proj": (E, Fs), "shared.up_proj": (E, Fs),
            "shared.down_proj": (Fs, E), "shared_expert_gate": (E, 1)}
-    return {"q_proj": (E, q), "k_proj": (E, kv), "v_proj": (E, kv), "o_proj": (q, E), "gate_proj": (E, F),
-            "up_proj": (E, F), "down_proj": (F, E)} | {m: moe[m] for m in moe_targets(cfg)}
+    mlp = {"gate_proj": (E, F), "up_proj": (E, F), "down_proj": (F, E)} | {m: moe[m] for m in moe_targets(cfg)}
+    if cfg.kv_lora_rank:
+        R, Rq, Dv, Dr = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim, cfg.rotary_dims
+        latent = {"q_proj": (E, q), "q_a_proj": (E, Rq), "q_b_proj": (Rq, q), "kv_a_proj_with_mqa": (E, R + Dr),
+                  "kv_b_proj": (R, cfg.num_heads * (D - Dr + Dv)), "o_proj": (cfg.num_heads * Dv, E)}
+        return {t: latent[t] for t in attention_targets(cfg)} | mlp
+    return {"q_proj": (E, q), "k_proj": (E, kv), "v_proj": (E, kv), "o_proj": (q, E)} | mlp
 
 
 def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
     """Each `LoraLayer` field's shape for one slot of one layer (a MoE model's experts' too)."""
-    dims, shapes, targets = target_dims(cfg), {}, TARGETS | moe_targets(cfg)
+    dims, shapes, targets = target_dims(cfg), {}, dense_targets(cfg) | moe_targets(cfg)
     for module, (a, _, b) in targets.items():
         k, n = dims[module]
         shapes[a] = (k, rank * sum(1 for x, _, _ in targets.values() if x == a))
@@ -164,3 +194,32 @@ def expert_lora_deltas(xs: jax.Array, a: jax.Array, bs: list[jax.Array], group_s
         return [jnp.zeros((R, b.shape[-1]), xs.dtype) for b in bs]
 
     return jax.lax.cond(jnp.any(row_slot >= 0), some, none)
+
+
+def latent_lora(q_nope: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, nope: int, value: bool = False
+                ) -> jax.Array:
+    """`kv_b_proj`'s adapter where latent attention absorbs its weights (`models.mla`): its A [S, R, r] and B
+    [S, r, Hq * (Dn + Dv)] (each head's key rows, then its value rows). Keys: the queries' unrotated dims
+    q_nope [T, Hq, Dn] carried into the latent space, (B_k A)ᵀ q -> [T, Hq, R]. `value`: the attention's output in
+    the latent space [T, Hq, R] through the values' delta, B_v A o -> [T, Hq, Dv]. Per token's slot; zeros when no
+    token has one."""
+    S, _, r = a.shape
+    T, H = q_nope.shape[:2]
+    heads = b.reshape(S, r, H, -1)
+    bk, bv = heads[..., :nope], heads[..., nope:]
+    mine = (slots[:, None] == jnp.arange(S, dtype=slots.dtype))[:, :, None, None]  # [T, S, 1, 1]
+
+    def some() -> jax.Array:
+        f32 = jnp.float32
+        if value:
+            oa = jnp.einsum("thk,skr->tshr", q_nope, a, preferred_element_type=f32)
+            oa = jnp.where(mine, oa, 0.0).astype(q_nope.dtype)
+            return jnp.einsum("tshr,srhv->thv", oa, bv, preferred_element_type=f32).astype(q_nope.dtype)
+        qb = jnp.einsum("thn,srhn->tshr", q_nope, bk, preferred_element_type=f32)
+        qb = jnp.where(mine, qb, 0.0).astype(q_nope.dtype)
+        return jnp.einsum("tshr,skr->thk", qb, a, preferred_element_type=f32).astype(q_nope.dtype)
+
+    def none() -> jax.Array:
+        return jnp.zeros((T, H, bv.shape[-1] if value else a.shape[1]), q_nope.dtype)
+
+    return jax.lax.cond(jnp.any(slots >= 0), some, none)

@@ -24,6 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
 from jaxserve.models.head_shards import on_head_shards
 from jaxserve.models.inputs import ModelInputs
+from jaxserve.models.lora import latent_lora, lora_deltas
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams
 from jaxserve.models.quantized import project
@@ -31,24 +32,33 @@ from jaxserve.models.quantized import project
 
 def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
                   lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
-                  kv_dtype: Any, layout=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  kv_dtype: Any, layout=None, lora: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
     page pools with this step's entries written (`k_all`: [L * N, page_size, R + Dr], or with an axis of KV heads
-    under tensor parallelism; `v_all`: the empty values pool, as it came); `layout`: as `paged_attention`'s."""
+    under tensor parallelism; `v_all`: the empty values pool, as it came); `layout`: as `paged_attention`'s; `lora`:
+    the layer's adapter slots (`models.lora.LATENT`), by `inputs.lora_slots`."""
     T, D, Dr, R = h.shape[0], cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank
     num_pages, page_size = k_all.shape[0] // cfg.num_layers, k_all.shape[1]
     hkv = 1 if k_all.ndim == 3 else k_all.shape[2]  # (`forward` drops the axis of one head: see there)
     heads = functools.partial(jnp.einsum, "te,ehd->thd")
+    ls = inputs.lora_slots
+    dq, dkv = (None, None) if lora is None else lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_kva], ls)
     if lp.wq_a is not None:  # the queries' bottleneck, normed
-        h_q = rms_norm(project(h, lp.wq_a), lp.q_a_norm, cfg.rms_norm_eps)
+        q_a = project(h, lp.wq_a)
+        h_q = rms_norm(q_a if dq is None else q_a + dq, lp.q_a_norm, cfg.rms_norm_eps)
+        dq = None if lora is None else lora_deltas(h_q, lora.a_qb, [lora.b_qb], ls)[0]
     else:
         h_q = h
     q = project(h_q, lp.wq, heads)  # [T, Hq, D]: unrotated dims, then rotary ones
+    q = q if dq is None else q + dq.reshape(q.shape)
     kv = project(h, lp.wkv_a)  # [T, R + Dr]
+    kv = kv if dkv is None else kv + dkv
     latent = rms_norm(kv[:, :R], lp.kv_a_norm, cfg.rms_norm_eps)
     k_rot = apply_rope(kv[:, None, R:], cos, sin)  # [T, 1, Dr]
     q_rot = apply_rope(q[..., D - Dr:], cos, sin)  # [T, Hq, Dr]
     q_latent = jnp.einsum("thn,hnr->thr", q[..., : D - Dr], lp.w_uk, preferred_element_type=jnp.float32)
+    if lora is not None:  # kv_b_proj's keys' delta, absorbed as its weights are
+        q_latent = q_latent + latent_lora(q[..., : D - Dr], lora.a_kvb, lora.b_kvb, ls, D - Dr)
     q = jnp.concatenate([q_latent.astype(q.dtype), q_rot], axis=-1)  # [T, Hq, R + Dr]
     # One entry per token, copied to each KV head a tensor-parallel mesh gives a device (`sharding.plan`).
     entry = jnp.broadcast_to(jnp.concatenate([latent[:, None, :], k_rot.astype(latent.dtype)], axis=-1),
@@ -70,4 +80,6 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
                                    interpret=backend.endswith("_interpret"))
         out = on_head_shards(layout, kernel, q, (k_all,), (tables, inputs.seq_lens, inputs.query_start_loc))
     values = jnp.einsum("thr,hrv->thv", out, lp.w_uv, preferred_element_type=jnp.float32)
+    if lora is not None:  # and its values'
+        values = values + latent_lora(out.astype(h.dtype), lora.a_kvb, lora.b_kvb, ls, D - Dr, value=True)
     return values.astype(h.dtype).reshape(T, -1), k_all, v_all
