@@ -120,10 +120,10 @@ ATTENTION_ONLY = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=40, norm_topk_prob=False),
                   "embed_tokens", "not LoRA on a projection jaxserve serves"),
-    # GLM-4: q and k rows read into the half-split rotary order, so an adapter's q and k B rows follow them; its
-    # fused gate_up_proj takes none.
-    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2), "gate_up_proj",
-             "gate_up_proj"),
+    # GLM-4: q and k rows read into the half-split rotary order, so an adapter's q and k B rows follow them (its
+    # fused gate_up_proj: below).
+    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2), "embed_tokens",
+             "not LoRA on a projection jaxserve serves"),
     # GLM-4.5: a dense first layer stacked apart from the MoE layers, each stack with its adapter slots (the engine
     # here unrolls the layers; scanned, below, it keeps the two stacks). The LM head takes none (its experts:
     # tests/test_lora_experts.py).
@@ -438,3 +438,48 @@ def test_adapters_under_tensor_parallelism_equal_one_device():
         assert r[tp]["compiles_after_warmup"] == 0
     assert all(len(t) == 8 for t in r["tp1"]["adapter"]) and len(r["tp1"]["adapter"]) == len(PROMPTS)
     assert r["tp1"]["adapter"] != r["tp1"]["base"]
+
+
+# Models whose projections are fused: (config class, settings, PEFT's targets, a tensor name the adapter has).
+FUSED = {
+    "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             dict(target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]), "self_attn.qkv_proj"),
+    "glm4": ("Glm4Config", dict(head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             dict(target_modules=["q_proj", "k_proj", "gate_up_proj", "down_proj"]), "mlp.gate_up_proj"),
+    # Granite MoE's shared MLP (gate and up in `input_linear`) and its router (`router.layer`).
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(num_experts_per_tok=2, num_local_experts=4,
+                                                        intermediate_size=48, shared_intermediate_size=40,
+                                                        residual_multiplier=0.22, logits_scaling=8.0),
+                         dict(target_modules=["q_proj", "v_proj", "input_linear", "output_linear"],
+                              target_parameters=["block_sparse_moe.router.weight",
+                                                 "block_sparse_moe.experts.gate_up_proj",
+                                                 "block_sparse_moe.experts.down_proj"]), "router.lora_B"),
+}
+
+
+@pytest.mark.parametrize("family", list(FUSED))
+def test_fused_projection_adapters_equal_peft(tmp_path, family):
+    """An adapter on fused projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite MoE's shared
+    MLP and router) gives PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
+    import transformers
+
+    config_cls, settings, targets, fused = FUSED[family]
+    base = str(tmp_path / family)
+    save_tiny_hf(config_cls, base, vocab_size=VOCAB, **settings)
+    save_fake_tokenizer(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "a"), 9, r=4, lora_alpha=8, **targets)
+    from safetensors.numpy import load_file
+
+    names = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear"))
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **ARGS), progress=False)
+    ids = prompt(40, 17)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    out = run(engine, {"a": (ids, p, "a"), "base": (ids, p, None)})
+    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=3e-5)
+    with torch.no_grad():
+        greedy = peft_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids

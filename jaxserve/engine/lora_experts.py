@@ -22,8 +22,8 @@ from jaxserve.config import ModelConfig
 
 _PER_EXPERT = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.lora_([AB])\.weight$")
-_FUSED = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
-                    r"lora_([AB])\.weight$")
+_FUSED = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(mlp|block_sparse_moe)\.experts\."
+                    r"((?:base_layer\.)*)lora_([AB])\.weight$")
 _NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _PARAMS = ("gate_up_proj", "down_proj")
 
@@ -32,7 +32,8 @@ def fused_parameters(ac: dict[str, Any], cfg: ModelConfig, path: str, error: typ
     """The expert parameters an adapter's `target_parameters` names, in its order ("gate_up_proj", "down_proj");
     `error` naming any other target, or a model whose experts take none. The router's weight ("mlp.gate.weight") may
     be named beside them: PEFT saves its pair as a module's (`lora_manager`)."""
-    given = [t for t in ac.get("target_parameters") or () if t.rsplit(".", 2)[-2:] != ["gate", "weight"]]
+    given = [t for t in ac.get("target_parameters") or () if t.rsplit(".", 2)[-2:] not in (["gate", "weight"],
+                                                                                           ["router", "weight"])]
     names = tuple(t.rsplit(".", 1)[-1] for t in given)
     if not names:
         return ()
@@ -84,7 +85,7 @@ class ExpertTensors:
                                  "adapter_config.json names in no target_parameters")
             layer = int(m.group(1))
             self._check_layer(name, layer)
-            self.pending.setdefault((layer, m.group(2).count("base_layer.")), {})[m.group(3)] = (name, w)
+            self.pending.setdefault((layer, m.group(3).count("base_layer."), m.group(2)), {})[m.group(4)] = (name, w)
             return True
         return False
 
@@ -92,8 +93,8 @@ class ExpertTensors:
         """The fused parameters' pairs written, each told by its shapes."""
         cfg = self.cfg
         X, E, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        for (layer, _), pair in sorted(self.pending.items()):
-            ranks = {p: self.rank(f"model.layers.{layer}.mlp.experts.{p}") for p in self.params}
+        for (layer, _, moe), pair in sorted(self.pending.items()):
+            ranks = {p: self.rank(f"model.layers.{layer}.{moe}.experts.{p}") for p in self.params}
             want = {p: ((r * X, E if p == "gate_up_proj" else F), (2 * F if p == "gate_up_proj" else E, r * X))
                     for p, (r, _) in ranks.items()}
             if set(pair) != {"A", "B"}:

@@ -14,8 +14,10 @@ the attention, the experts (`engine.lora_experts`: per expert, or on the fused e
 `target_parameters`; split over devices as the experts are), the router (`mlp.gate`, as a module or as
 `target_parameters`) and the shared expert (`shared_expert` / `shared_experts` gate/up/down, Qwen2-MoE's
 `shared_expert_gate`) of its MoE layers; any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with
-`use_rslora`), per module where `rank_pattern` / `alpha_pattern` say. Refused by name: DoRA, biases, `modules_to_save`,
-`fan_in_fan_out`, other targets (embeddings, the LM head, Granite's shared MLP).
+`use_rslora`), per module where `rank_pattern` / `alpha_pattern` say; fused projections as the ones they pack (Phi-3's
+`qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`, Granite MoE's shared `input_linear`; its `output_linear`,
+router and experts too). Refused by name: DoRA, biases, `modules_to_save`, `fan_in_fan_out`, other targets (embeddings,
+the LM head).
 """
 
 from __future__ import annotations
@@ -49,8 +51,14 @@ from jaxserve.models.lora import (
 )
 
 logger = logging.getLogger(__name__)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp|block_sparse_moe)\."
-                  r"((?:shared_experts?\.)?\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:(?:self_attn|mlp|block_sparse_moe)\.)?"
+                  r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
+# Modules under another name (Granite MoE's shared MLP and router), and fused projections as the targets they pack
+# (their B's rows in this order; one A for all): Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite's
+# shared input_linear.
+_ALIASES = {"shared_mlp.output_linear": "shared.down_proj", "router": "gate"}
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "shared_mlp.input_linear": ("shared.gate_proj", "shared.up_proj")}
 
 
 class LoRAError(ValueError):
@@ -96,29 +104,33 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         m = _KEY.match(name)
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
+        module = _ALIASES.get(module, module)
+        parts = _FUSED.get(module, (module,))
         targets = attention_targets(cfg) | moe if moe and layer >= cfg.first_dense_layers else dense_targets(cfg)
-        if module not in targets:
+        if not all(p in targets for p in parts):
             raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "
                             f"({', '.join(dense_targets(cfg))} of a dense model or layer; "
                             f"{', '.join(attention_targets(cfg))}, the experts, router (gate) and shared expert of a "
                             "MoE layer" + (f"; {cfg.family}'s: {', '.join(targets)}" if moe else "") + ")")
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
-        k, n = dims[module]
+        k, outs = dims[parts[0]][0], [dims[p][1] for p in parts]
         r, scale = rank(name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0])
-        want = (r, k) if which == "A" else (n, r)
+        want = (r, k) if which == "A" else (sum(outs), r)
         if tuple(w.shape) != want:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} has shape {tuple(w.shape)}, expected {want}")
-        a_field, place, b_field = targets[module]
         w = w.astype(np.float32)
-        if which == "A":  # in its place among the down projections of the same input
-            out[a_field][layer, :, place * max_rank: place * max_rank + r] = w.T
-        else:
-            if cfg.kv_lora_rank and module in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):  # rotary rows half-split
-                w = kv_rows(w, cfg) if module == "kv_a_proj_with_mqa" else q_rows(w, cfg)
-            elif cfg.family in INTERLEAVED_ROPE_FAMILIES and module in ("q_proj", "k_proj"):  # as the model's were read
-                w = halfsplit_rows(w, cfg)
-            out[b_field][layer, :r, :] = w.T * scale
+        for part, rows in zip(parts, np.split(w, np.cumsum(outs)[:-1]) if which == "B" else [w] * len(parts),
+                              strict=True):
+            a_field, place, b_field = targets[part]
+            if which == "A":  # in its place among the down projections of the same input
+                out[a_field][layer, :, place * max_rank: place * max_rank + r] = rows.T
+                continue
+            if cfg.kv_lora_rank and part in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):  # rotary rows half-split
+                rows = kv_rows(rows, cfg) if part == "kv_a_proj_with_mqa" else q_rows(rows, cfg)
+            elif cfg.family in INTERLEAVED_ROPE_FAMILIES and part in ("q_proj", "k_proj"):  # as the model's were read
+                rows = halfsplit_rows(rows, cfg)
+            out[b_field][layer, :r, :] = rows.T * scale
         seen.add((layer, module, which))
     experts_read.finish()
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
