@@ -138,9 +138,9 @@ class ModelConfig:
     mrope_interleaved: bool = False
     deepstack_layers: int = 0  # Qwen3-VL: the first layers add the image tokens' deepstack embeddings (`llama.forward`)
     no_rope_layers: tuple[int, ...] | None = None
-    """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None:
-    all are."""
+    """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
+    moe_runner: str = "auto"  # the experts' matmuls (`models.moe.moe_mlp`): auto (by the attention backend), xla, pallas
     # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per
     # token; queries through a `q_lora_rank` bottleneck (0: none); values of `v_head_dim` dims (`config_mla`).
     kv_lora_rank: int = 0

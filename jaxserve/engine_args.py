@@ -24,6 +24,7 @@ Policy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "dummy"]
 Runner = Literal["auto", "generate", "pooling"]
 LayerLoopChoice = Literal["auto", "scan", "unroll"]
+MOE_RUNNER_CHOICES = ("auto", "xla", "pallas")
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = LogprobsMode.__args__  # type: ignore[attr-defined]
 
@@ -64,6 +65,9 @@ class EngineArgs:
     # decode step in 60% of the time, for 3x the compile time), "scan" one layer for all; "auto" unrolls on
     # the CPU with the xla backend and scans elsewhere.
     layer_loop: LayerLoopChoice = "auto"
+    # The MoE experts' grouped matmuls (SGLang's --moe-runner-backend): "pallas", the Pallas grouped-matmul kernel;
+    # "xla", `jax.lax.ragged_dot`; "auto", the kernel under a Pallas attention backend, ragged_dot under xla.
+    moe_runner_backend: str = "auto"
     seed: int = 0
     strict_compile: bool = False
     # vLLM's sleep mode: the engine may free its KV cache and weights on the device and take them back
@@ -185,6 +189,9 @@ class EngineArgs:
         if self.attention_backend not in BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if self.moe_runner_backend not in MOE_RUNNER_CHOICES:
+            raise ValueError(f"moe_runner_backend must be one of {', '.join(MOE_RUNNER_CHOICES)}, "
+                             f"got {self.moe_runner_backend!r}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             raise ValueError(f"layer_loop must be auto, scan or unroll, got {self.layer_loop!r}")
         if self.load_format not in ("auto", "dummy"):
@@ -314,6 +321,10 @@ class EngineArgs:
                        help="unroll: each decoder layer compiled on its own (faster CPU steps at small batches, "
                             "3x the compile time at start); scan: one compiled layer for all; auto: unroll on "
                             "the CPU with the xla backend (weights not quantized), else scan")
+        g.add_argument("--moe-runner-backend", choices=list(MOE_RUNNER_CHOICES), default=d.moe_runner_backend,
+                       help="the MoE experts' matmuls: pallas (the grouped-matmul kernel; through Triton on a GPU, "
+                            "its interpreter on the CPU), xla (jax.lax.ragged_dot), auto (pallas under a Pallas "
+                            "attention backend, else xla)")
         g.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (drafts from the context) or '

@@ -3,6 +3,7 @@ map's refusals for expert tensors, and expert parallelism on 8 simulated CPU dev
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -403,3 +404,31 @@ def test_sigmoid_routing_chooses_within_the_best_groups():
     assert 2 in chosen and 0 not in chosen
     np.testing.assert_allclose(np.asarray(weights)[0].sum(), 2.0, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(weights)[0][chosen.index(2)], 2.0 * s[2] / s[chosen].sum(), rtol=1e-6)
+
+
+def test_moe_runner_backend_picks_the_experts_matmul(tmp_path, monkeypatch):
+    """`--moe-runner-backend`: pallas runs the experts on the grouped-matmul kernel (its interpreter on the CPU) under
+    the xla attention backend, xla keeps ragged_dot under a Pallas one; either way transformers' greedy tokens."""
+    import argparse
+
+    import jaxserve.models.moe as moe
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from tests.test_engine_gemma import _greedy, engines_by_layer_loop
+
+    calls = []
+    real = moe.grouped_matmul
+    monkeypatch.setattr(moe, "grouped_matmul", lambda *a, **k: calls.append(k["interpret"]) or real(*a, **k))
+    _, engine, expected = next(engines_by_layer_loop(tmp_path, *FAMILIES["qwen3_moe"]))
+    assert _greedy(engine) == expected and calls == []  # auto under xla: ragged_dot
+    loaded = dataclasses.replace(engine.model, params=engine.runner.params)
+    for runner, backend, kernel in (("pallas", "xla", True), ("xla", "pallas_interpret", False)):
+        args = dataclasses.replace(engine.args, moe_runner_backend=runner, attention_backend=backend)
+        other = LLMEngine(args, loaded=loaded, progress=False)
+        assert other.model.config.moe_runner == runner
+        assert _greedy(other) == expected and bool(calls) is kernel and all(calls), runner
+        calls.clear()
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--moe-runner-backend", "pallas"])
+    assert EngineArgs.from_cli_args(ns).moe_runner_backend == "pallas"
+    with pytest.raises(ValueError, match="moe_runner_backend must be one of auto, xla, pallas"):
+        EngineArgs(moe_runner_backend="triton")

@@ -63,6 +63,7 @@ def prepare_model(loaded: Any, args: Any, mesh: Any = None) -> tuple[Any, Any]:
     """A loaded model made ready to serve, as `args` asks: laid out over the devices (of `mesh`, when given),
     with its KV cache dtype (float8 scales measured when asked) and its LoRA adapter slots. Returns the model
     and the KV dtype."""
+    loaded = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, moe_runner=args.moe_runner_backend))
     model, kv_dtype = with_kv_cache_dtype(shard_model(loaded, args, mesh=mesh), args)
     if args.enable_lora:  # zeroed adapter slots in every layer, filled by `LoraManager`
         model = with_lora_slots(model, args.max_loras, args.max_lora_rank)

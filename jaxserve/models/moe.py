@@ -146,8 +146,10 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     `LoraLayer`, each token's adapter slot), in a LoRA engine's step: its experts', router's and shared expert's.
     `backend`: the attention backend's name; with a Pallas one, the experts' matmuls run on the Pallas grouped matmul
     (`pallas_kernels/grouped_matmul.py`: XLA:GPU's ragged dot on Hopper does as many times the work as there are
-    experts), else `jax.lax.ragged_dot`."""
-    matmul = None if backend == "xla" else functools.partial(grouped_matmul, interpret=backend.endswith("_interpret"))
+    experts), else `jax.lax.ragged_dot`, unless `cfg.moe_runner` names one ("pallas" on the CPU: its interpreter)."""
+    runner = cfg.moe_runner if cfg.moe_runner != "auto" else "xla" if backend == "xla" else "pallas"
+    interpret = backend.endswith("_interpret") or jax.default_backend() == "cpu"
+    matmul = None if runner == "xla" else functools.partial(grouped_matmul, interpret=interpret)
     slots, a = (None, None) if lora is None else (lora[1], lora[0])
     # The adapters' deltas of the projections of h (`models.lora.moe_targets`), by their B field
     bs = {} if a is None else {f: getattr(a, f) for f in MOE_IN.values() if getattr(a, f) is not None}
