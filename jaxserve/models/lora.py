@@ -196,15 +196,15 @@ def expert_lora_deltas(xs: jax.Array, a: jax.Array, bs: list[jax.Array], group_s
     return jax.lax.cond(jnp.any(row_slot >= 0), some, none)
 
 
-def latent_lora(q_nope: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, nope: int, value: bool = False
+def latent_lora(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, nope: int, value: bool = False
                 ) -> jax.Array:
     """`kv_b_proj`'s adapter where latent attention absorbs its weights (`models.mla`): its A [S, R, r] and B
-    [S, r, Hq * (Dn + Dv)] (each head's key rows, then its value rows). Keys: the queries' unrotated dims
-    q_nope [T, Hq, Dn] carried into the latent space, (B_k A)ᵀ q -> [T, Hq, R]. `value`: the attention's output in
-    the latent space [T, Hq, R] through the values' delta, B_v A o -> [T, Hq, Dv]. Per token's slot; zeros when no
-    token has one."""
+    [S, r, Hq * (Dn + Dv)] (each head's `nope` key rows, then its value rows), per token's slot (zeros when no token
+    has one). x: the queries' unrotated dims [T, Hq, Dn], carried into the latent space: (B_k A)ᵀ x -> [T, Hq, R];
+    with `value`, the attention's output in the latent space [T, Hq, R], through the values' delta: B_v A x ->
+    [T, Hq, Dv]."""
     S, _, r = a.shape
-    T, H = q_nope.shape[:2]
+    T, H = x.shape[:2]
     heads = b.reshape(S, r, H, -1)
     bk, bv = heads[..., :nope], heads[..., nope:]
     mine = (slots[:, None] == jnp.arange(S, dtype=slots.dtype))[:, :, None, None]  # [T, S, 1, 1]
@@ -212,14 +212,14 @@ def latent_lora(q_nope: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array,
     def some() -> jax.Array:
         f32 = jnp.float32
         if value:
-            oa = jnp.einsum("thk,skr->tshr", q_nope, a, preferred_element_type=f32)
-            oa = jnp.where(mine, oa, 0.0).astype(q_nope.dtype)
-            return jnp.einsum("tshr,srhv->thv", oa, bv, preferred_element_type=f32).astype(q_nope.dtype)
-        qb = jnp.einsum("thn,srhn->tshr", q_nope, bk, preferred_element_type=f32)
-        qb = jnp.where(mine, qb, 0.0).astype(q_nope.dtype)
-        return jnp.einsum("tshr,skr->thk", qb, a, preferred_element_type=f32).astype(q_nope.dtype)
+            xa = jnp.einsum("thk,skr->tshr", x, a, preferred_element_type=f32)
+            xa = jnp.where(mine, xa, 0.0).astype(x.dtype)
+            return jnp.einsum("tshr,srhv->thv", xa, bv, preferred_element_type=f32).astype(x.dtype)
+        xb = jnp.einsum("thn,srhn->tshr", x, bk, preferred_element_type=f32)
+        xb = jnp.where(mine, xb, 0.0).astype(x.dtype)
+        return jnp.einsum("tshr,skr->thk", xb, a, preferred_element_type=f32).astype(x.dtype)
 
     def none() -> jax.Array:
-        return jnp.zeros((T, H, bv.shape[-1] if value else a.shape[1]), q_nope.dtype)
+        return jnp.zeros((T, H, bv.shape[-1] if value else a.shape[1]), x.dtype)
 
     return jax.lax.cond(jnp.any(slots >= 0), some, none)
