@@ -88,6 +88,21 @@ def prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(2, VOCAB, n).tolist()
 
 
+def adapter_equals_peft(engine, peft_model, adapter: str, seed: int, atol: float) -> dict:
+    """A 40-token prompt of `adapter` and of the base model in one batch: the adapter's prompt logprobs are the PEFT
+    model's (to `atol`) and so are its 6 greedy tokens, which are not the base's. Returns the outputs by request."""
+    ids = prompt(40, seed)
+    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    out = run(engine, {"a": (ids, p, adapter), "base": (ids, p, None)})
+    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=atol)
+    with torch.no_grad():
+        greedy = peft_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                                     pad_token_id=0)[0, len(ids):].tolist()
+    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    return out
+
+
 def test_adapters_and_base_in_one_batch_equal_peft(tiny, engine):
     """Every prompt position's logprob under each adapter, and the base model's, in one batch of chunked
     prompts (40 tokens, 32 a step), equals PEFT's; so do greedy continuations."""
@@ -146,20 +161,13 @@ def test_an_attention_adapter_equals_peft(tmp_path, family):
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS),
                        progress=False)
-    ids = prompt(40, 7)
-    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
-    out = run(engine, {"a": (ids, p, "attn"), "base": (ids, p, None)})
-    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
-    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=2e-5)
-    with torch.no_grad():
-        greedy = peft_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
-                                     pad_token_id=0)[0, len(ids):].tolist()
-    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    greedy = adapter_equals_peft(engine, peft_model, "attn", 7, atol=2e-5)["a"].outputs[0].token_ids
     if family == "glm4_moe":
         scanned = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS,
                                        layer_loop="scan"), progress=False)
         assert scanned.runner.params.dense_layers.lora is not None
-        assert run(scanned, {"a": (ids, p, "attn")})["a"].outputs[0].token_ids == greedy
+        p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        assert run(scanned, {"a": (prompt(40, 7), p, "attn")})["a"].outputs[0].token_ids == greedy
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     _adapter(hf, str(tmp_path / "mlp"), 6, r=2, target_modules=[refused])
     with pytest.raises(LoRAError, match=message):
@@ -474,12 +482,4 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
     names = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
     assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear"))
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **ARGS), progress=False)
-    ids = prompt(40, 17)
-    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
-    out = run(engine, {"a": (ids, p, "a"), "base": (ids, p, None)})
-    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
-    np.testing.assert_allclose(got, hf_prompt_logprobs(peft_model, ids), atol=3e-5)
-    with torch.no_grad():
-        greedy = peft_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
-                                     pad_token_id=0)[0, len(ids):].tolist()
-    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    adapter_equals_peft(engine, peft_model, "a", 17, atol=3e-5)

@@ -19,7 +19,16 @@ from jaxserve.engine.lora_manager import LoRAError  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import save_fake_tokenizer  # noqa: E402
-from tests.test_lora import ARGS, GLM4_MOE, VOCAB, _adapter, hf_prompt_logprobs, prompt, run  # noqa: E402
+from tests.test_lora import (  # noqa: E402
+    ARGS,
+    GLM4_MOE,
+    VOCAB,
+    _adapter,
+    adapter_equals_peft,
+    hf_prompt_logprobs,
+    prompt,
+    run,
+)
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
 X, F = 8, 32  # experts, their width
@@ -183,16 +192,8 @@ def test_router_shared_expert_and_dense_layer_adapters_equal_peft(tmp_path, fami
     wanted = {"qwen2_moe": ("1.mlp.gate.", "shared_expert.up_proj", "shared_expert_gate", "experts.lora_A"),
               "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A")}[family]
     assert all(any(w in n for n in names) for w in wanted), sorted(names)
-    ids = prompt(40, 11)
-    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
-    with torch.no_grad():
-        greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
-                                pad_token_id=0)[0, len(ids):].tolist()
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **ARGS), progress=False)
-    out = run(engine, {"a": (ids, p, "all"), "base": (ids, p, None)})
-    got = np.array([e[t].logprob for e, t in zip(out["a"].prompt_logprobs[1:], ids[1:], strict=True)])
-    np.testing.assert_allclose(got, hf_prompt_logprobs(model, ids), atol=3e-5)
-    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    adapter_equals_peft(engine, model, "all", 11, atol=3e-5)
     engine.check_integrity()
 
 
@@ -240,16 +241,10 @@ def test_latent_attention_adapters_equal_peft(tmp_path, family):
     wanted = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "experts.lora_A", "mlp.gate."]
     wanted += ["q_a_proj", "q_b_proj"] if family == "deepseek_v3" else ["self_attn.q_proj"]
     assert all(any(w in n for n in names) for w in wanted), sorted(names)
-    ids = prompt(40, 13)
-    p = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
-    with torch.no_grad():
-        greedy = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6,
-                                pad_token_id=0)[0, len(ids):].tolist()
     loop = "unroll" if family == "deepseek_v2" else "scan"
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **ARGS), progress=False)
-    out = run(engine, {"a": (ids, p, "all"), "base": (ids, p, None)})
-    for rid, ref in (("a", model), ("base", transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))):
-        got = np.array([e[t].logprob for e, t in zip(out[rid].prompt_logprobs[1:], ids[1:], strict=True)])
-        np.testing.assert_allclose(got, hf_prompt_logprobs(ref.eval(), ids), atol=3e-5)
-    assert out["a"].outputs[0].token_ids == greedy != out["base"].outputs[0].token_ids
+    out = adapter_equals_peft(engine, model, "all", 13, atol=3e-5)
+    ids, base_model = prompt(40, 13), transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    got = np.array([e[t].logprob for e, t in zip(out["base"].prompt_logprobs[1:], ids[1:], strict=True)])
+    np.testing.assert_allclose(got, hf_prompt_logprobs(base_model.eval(), ids), atol=3e-5)
     engine.check_integrity()
