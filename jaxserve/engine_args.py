@@ -69,6 +69,10 @@ class EngineArgs:
     # "xla", `jax.lax.ragged_dot`; "auto", the kernel under a Pallas attention backend, ragged_dot under xla.
     moe_runner_backend: str = "auto"
     seed: int = 0
+    # vLLM's, taken so its launch commands and `LLM(...)` calls run: jaxserve runs no code a checkpoint ships (a model
+    # it does not implement is refused by name); prefills are always chunked (`max_num_batched_tokens` a step).
+    trust_remote_code: bool = False
+    enable_chunked_prefill: bool | None = None
     strict_compile: bool = False
     # vLLM's sleep mode: the engine may free its KV cache and weights on the device and take them back
     # (`jaxserve.engine.memory`); also opens the server's /sleep, /wake_up and /update_weights_from_disk.
@@ -189,6 +193,9 @@ class EngineArgs:
         if self.attention_backend not in BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill false is not supported: jaxserve always chunks prompts into "
+                             "steps of max_num_batched_tokens (raise it to max_model_len for whole-prompt steps)")
         if self.moe_runner_backend not in MOE_RUNNER_CHOICES:
             raise ValueError(f"moe_runner_backend must be one of {', '.join(MOE_RUNNER_CHOICES)}, "
                              f"got {self.moe_runner_backend!r}")
@@ -364,6 +371,11 @@ class EngineArgs:
                        help="LoRA adapters whose weights stay in host memory (default: --max-loras); others are "
                             "read from their paths again when they take a slot")
         g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
+        g.add_argument("--trust-remote-code", action="store_true",
+                       help="taken for vLLM's commands; no effect (jaxserve runs no code a checkpoint ships)")
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="taken for vLLM's commands: prefills are always chunked (--no-enable-chunked-prefill "
+                            "is refused)")
         g.add_argument("--strict-compile", action="store_true",
                        help="raise if anything compiles after warmup")
         g.add_argument("--no-warmup", dest="warmup", action="store_false",

@@ -19,6 +19,7 @@ from server.config import ServerConfig
 from server.conversations import conversation_routes, list_page
 from server.embeddings import embeddings
 from server.errors import ApiError
+from server.fields import with_server_defaults
 from server.kv_feed import KVEventFeed, kv_events
 from server.lora_admin import load_lora_adapter, unload_lora_adapter
 from server.middleware import ApiMiddleware
@@ -189,6 +190,7 @@ async def tokenize(request: Request) -> Response:
     state.check_model(get_str(body, "model"))
     tok = state.tokenizer_for("/tokenize")
     if "messages" in body:  # rendered exactly as a chat request's prompt (the same fields, the same checks)
+        body = with_server_defaults(body, state.config)
         req = parse_chat({**body, "tool_choice": "none"} if body.get("tools") else body)
         check_request_template(req, state.config.trust_request_chat_template)
         spec = getattr(state.engine, "images", None)

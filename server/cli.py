@@ -61,6 +61,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="over HTTPS, ask clients for certificates these CAs signed")
     g.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under (e.g. /llm)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
+                   help='what every chat\'s template gets, under a request\'s own chat_template_kwargs, e.g. '
+                        '\'{"enable_thinking": false}\'')
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs\' tokens as "token_id:N" unless a request says otherwise')
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="taken for vLLM's commands: usage always reports prompt_tokens_details.cached_tokens")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
                         "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
@@ -80,7 +87,8 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         allowed_origins=ns.allowed_origins, allow_credentials=ns.allow_credentials,
                         allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
                         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
-                        root_path=ns.root_path)
+                        root_path=ns.root_path, default_chat_template_kwargs=ns.default_chat_template_kwargs,
+                        return_tokens_as_token_ids=ns.return_tokens_as_token_ids)
 
 
 def _json_list(value: str) -> list[str]:
@@ -91,6 +99,17 @@ def _json_list(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}") from e
     if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return got
+
+
+def _json_object(value: str) -> dict:
+    """A flag's JSON object."""
+    try:
+        got = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}") from e
+    if not isinstance(got, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return got
 
 

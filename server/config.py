@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.chat_template import compile_chat_template
 from server.reasoning import REASONING_PARSERS
@@ -38,6 +40,9 @@ class ServerConfig:
         defaults: any origin, method and header, no credentials), so browser clients may call the API.
       ssl_keyfile, ssl_certfile, ssl_ca_certs: HTTPS with this key and certificate (and client certificates
         checked against these CAs); root_path: the path prefix a proxy serves the API under.
+      default_chat_template_kwargs: what every chat's template gets (`{"enable_thinking": false}`), under a
+        request's own `chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`).
+      return_tokens_as_token_ids: logprobs' tokens as "token_id:N" unless a request says otherwise (vLLM's flag).
     """
 
     host: str = "127.0.0.1"
@@ -64,6 +69,8 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     root_path: str = ""
+    default_chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -103,6 +110,10 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
                              f"got {self.reasoning_parser!r}")
+        if not isinstance(self.default_chat_template_kwargs, Mapping) or not all(
+                isinstance(k, str) for k in self.default_chat_template_kwargs):
+            raise ValueError("default_chat_template_kwargs must be an object of named values, got "
+                             f"{self.default_chat_template_kwargs!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
 

@@ -41,6 +41,7 @@ def request_prompts(state: Any, body: Mapping[str, Any]) -> list[list[int]]:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, Mapping):
             raise bad_field("chat_template_kwargs", "'chat_template_kwargs' must be an object", "invalid_type")
+        kwargs = {**state.config.default_chat_template_kwargs, **kwargs}
         tok = state.tokenizer_for("'messages'")
         try:
             text = tok.apply_chat_template(check_messages(body["messages"]), tools=tools,

@@ -124,3 +124,16 @@ def with_sampling_defaults(body: Any, defaults: Mapping[str, Any]) -> Any:
         return body
     fill = {k: v for k, v in defaults.items() if k != "max_tokens" and body.get(k) is None}
     return {**body, **fill} if fill else body
+
+
+def with_server_defaults(body: Any, config: Any) -> Any:
+    """`body` with the server's request defaults (`ServerConfig`): a chat's `chat_template_kwargs` over
+    `default_chat_template_kwargs` (the request's keys win), `return_tokens_as_token_ids` where it leaves it out."""
+    if not isinstance(body, Mapping):
+        return body
+    given = body.get("chat_template_kwargs")
+    if "messages" in body and config.default_chat_template_kwargs and (given is None or isinstance(given, Mapping)):
+        body = {**body, "chat_template_kwargs": {**config.default_chat_template_kwargs, **(given or {})}}
+    if config.return_tokens_as_token_ids and body.get("return_tokens_as_token_ids") is None:
+        body = {**body, "return_tokens_as_token_ids": True}
+    return body

@@ -273,6 +273,30 @@ def test_a_trusted_request_template_with_documents_and_reasoning_effort(engine):
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 
 
+def test_server_defaults_for_chat_template_kwargs_and_token_ids(engine):
+    """`--default-chat-template-kwargs` reaches every chat's template (chat, /tokenize), a request's own keys win;
+    `--return-tokens-as-token-ids` makes "token_id:N" the default, which a request may turn off."""
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{{ flag }} {{ other }}"
+    config = ServerConfig(port=0, chat_template=template, default_chat_template_kwargs={"flag": "one", "other": "two"},
+                          return_tokens_as_token_ids=True)
+    with serve_in_thread(engine, config) as srv:
+        body = {"messages": MSG, "max_tokens": 2, "temperature": 0, "logprobs": True}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "dflt-1"}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]] == ["token_id:3", "token_id:4"]
+        _, ids, _, _, _ = next(s for s in engine.submitted if s[0] == "dflt-1")
+        assert ids == [22, 3, 4]  # "hello one two"
+        mine = {**body, "chat_template_kwargs": {"other": "world"}, "return_tokens_as_token_ids": False}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=mine, headers={"X-Request-Id": "dflt-2"}, timeout=10)
+        assert [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]] == ["one", "two"]
+        _, ids, _, _, _ = next(s for s in engine.submitted if s[0] == "dflt-2")
+        assert ids == [22, 3, 23]  # "hello one world"
+        r = httpx.post(srv.url + "/tokenize", json={"messages": MSG}, timeout=10)
+        assert r.json()["tokens"] == [22, 3, 4]
+    with pytest.raises(ValueError, match="default_chat_template_kwargs must be an object"):
+        ServerConfig(default_chat_template_kwargs=["flag"])
+
+
 def test_chat_echo_leads_with_the_final_assistant_message(client, server):
     """vLLM's chat `echo`: the final assistant message being continued leads the reply, whole and streamed."""
     msgs = MSG + [{"role": "assistant", "content": "one two"}]

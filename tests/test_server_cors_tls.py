@@ -1,8 +1,9 @@
 """The server's CORS, HTTPS and root path (vLLM's `--allowed-origins` ..., `--ssl-keyfile` / `--ssl-certfile`,
-`--root-path`), over the fake engine."""
+`--root-path`), over the fake engine; vLLM's other launch flags parsed."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import ssl
 import subprocess
@@ -96,3 +97,24 @@ def test_the_flags_and_their_checks(tmp_path):
         ServerConfig(ssl_keyfile=str(tmp_path / "k"), ssl_certfile=str(tmp_path / "c"))
     with pytest.raises(ValueError, match="root_path must start with '/'"):
         ServerConfig(root_path="llm/")
+
+
+def test_vllm_launch_flags_are_taken():
+    """Flags of vLLM launch commands: the server defaults (chat template kwargs, token ids) set the config; the
+    compatibility flags parse and change nothing, and turning chunked prefill off is refused, named."""
+    import argparse
+
+    from jaxserve.engine_args import EngineArgs
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false}', "--trust-remote-code",
+                            "--return-tokens-as-token-ids", "--enable-chunked-prefill", "--enable-prompt-tokens-details"])
+    config = server_config_from_args(ns)
+    assert config.default_chat_template_kwargs == {"enable_thinking": False} and config.return_tokens_as_token_ids
+    args = EngineArgs.from_cli_args(ns)
+    assert args.trust_remote_code and args.enable_chunked_prefill
+    assert dataclasses.replace(args, trust_remote_code=False, enable_chunked_prefill=None) == EngineArgs()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--default-chat-template-kwargs", "[1]"])  # not a JSON object
+    with pytest.raises(ValueError, match="enable_chunked_prefill false is not supported"):
+        EngineArgs.from_cli_args(parser.parse_args(["--no-enable-chunked-prefill"]))
