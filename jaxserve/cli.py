@@ -208,9 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """`argv` with each long flag's underscores as dashes (`--tokenizer_mode=mistral` -> `--tokenizer-mode=mistral`),
+    as vLLM's parser takes them; values are left alone."""
+    def dashed(arg: str) -> str:
+        if not arg.startswith("--"):
+            return arg
+        name, eq, value = arg.partition("=")
+        return name.replace("_", "-") + eq + value
+
+    return [dashed(a) for a in argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))
     if ns.command is None:
         parser.print_help()
         return 2

@@ -192,3 +192,43 @@ def test_consolidated_checkpoint_is_the_hf_model(tmp_path, tekken_files):
                                                    "moe": {"num_experts": 8}}))
     with pytest.raises(ValueError, match=r"Mistral params.json options \['moe'\] are not supported"):
         open_checkpoint(str(path))
+
+
+def test_a_directory_with_both_formats_reads_the_one_the_flags_name(tmp_path, tekken_files):
+    """Mistral's releases ship the HF files beside their own: config.json and tokenizer.json by default, params.json
+    and tekken.json with vLLM's `--config-format mistral` / `--load-format mistral` / `--tokenizer-mode mistral`
+    (taken with underscores too, as vLLM's model cards write them)."""
+    import argparse
+
+    from jaxserve.cli import build_parser, dashed_flags
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.loader import CheckpointError, HFDirectory
+    from tests.fake_model import save_fake_tokenizer
+
+    path = tmp_path / "both"
+    path.mkdir()
+    model = save_tiny_hf("MistralConfig", path, head_dim=16, rope_theta=1e6)
+    save_fake_tokenizer(str(path))
+    _consolidated(path, model, heads=4, kv_heads=2)
+    (path / "tekken.json").symlink_to(tekken_files["v7"])
+    hf, mistral = open_checkpoint(str(path)), open_checkpoint(str(path), fmt="mistral")
+    assert type(hf) is HFDirectory and isinstance(mistral, MistralDirectory)
+    assert mistral.config().num_layers == hf.config().num_layers
+    fake, tekken = 64, Tokenizer.from_tekken(tekken_files["v7"]).vocab_size  # tokenizer.json's, tekken.json's
+    assert checkpoint_tokenizer(str(path), hf).vocab_size == fake
+    assert checkpoint_tokenizer(str(path), hf, "mistral").vocab_size == tekken != fake
+    assert checkpoint_tokenizer(str(path), mistral).vocab_size == tekken
+    assert checkpoint_tokenizer(str(path), mistral, "hf").vocab_size == fake
+    with pytest.raises(CheckpointError, match="has no params.json: it is not a Mistral-format directory"):
+        open_checkpoint(str(tmp_path), fmt="mistral")
+    with pytest.raises(FileNotFoundError, match="tokenizer_mode mistral: .* has no tekken.json"):
+        checkpoint_tokenizer(str(tmp_path), hf, "mistral")
+    ns = build_parser().parse_args(dashed_flags(["serve", str(path), "--tokenizer_mode", "mistral",
+                                                 "--config_format=mistral", "--load_format", "mistral"]))
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.tokenizer_mode, args.checkpoint_format) == ("mistral", "mistral")
+    assert EngineArgs(config_format="hf").checkpoint_format == "hf" and EngineArgs().checkpoint_format is None
+    with pytest.raises(ValueError, match="config_format 'hf' contradicts it"):
+        EngineArgs(load_format="mistral", config_format="hf")
+    with pytest.raises(SystemExit):
+        EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--tokenizer-mode", "slow"])

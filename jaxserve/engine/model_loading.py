@@ -109,7 +109,7 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     path = resolve_model(args.model)
     dummy = args.load_format == "dummy"
-    ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides)
+    ckpt = open_checkpoint(path, weights=not dummy, overrides=args.hf_overrides, fmt=args.checkpoint_format)
     cfg = ckpt.config()
     kept, weight_quant = check_quantization(args.quantization, path, getattr(ckpt, "hf_config", {}), cfg,
                                             gguf_quantized=isinstance(ckpt, GGUFFile) and ckpt.quantized)
@@ -125,8 +125,8 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         # ship without one); the unused logits of the step read the embedding instead and are compiled away.
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     dtype = resolve_dtype(args)
-    tokenizer = None if args.skip_tokenizer_init else checkpoint_tokenizer(path, ckpt) if args.tokenizer is None \
-        else tokenizer_at(args.tokenizer, cfg)
+    tokenizer = None if args.skip_tokenizer_init else checkpoint_tokenizer(path, ckpt, args.tokenizer_mode) \
+        if args.tokenizer is None else tokenizer_at(args.tokenizer, cfg, args.tokenizer_mode)
     plan = _parallel_plan(args, cfg)
     if dummy:
         params = random_params(plan.model_cfg if plan else cfg, dtype, seed=args.seed,

@@ -17,7 +17,7 @@ from jaxserve.loader.assembler import WeightAssembler
 from jaxserve.loader.gguf_file import GGUFFile
 from jaxserve.loader.hf_dir import HFDirectory
 from jaxserve.loader.keymap import CheckpointError, kept_module
-from jaxserve.loader.mistral_dir import MistralDirectory, is_mistral_dir
+from jaxserve.loader.mistral_dir import PARAMS_FILE, MistralDirectory, is_mistral_dir
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.tokenizer_gguf import gguf_eos_ids
@@ -69,13 +69,21 @@ def model_display_name(path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
-def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any] | None = None) -> GGUFFile | HFDirectory:
+def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any] | None = None,
+                    fmt: str | None = None) -> GGUFFile | HFDirectory:
     """Open a GGUF file or an HF directory for reading; `weights=False` lets an HF directory hold only
-    its config and tokenizer (for random weights); `overrides` replace keys of an HF config.json."""
+    its config and tokenizer (for random weights); `overrides` replace keys of an HF config.json. `fmt`: a
+    directory's format, "hf" or "mistral" (params.json and consolidated weights); None: Mistral's where there is
+    no config.json."""
     if os.path.isdir(path):
-        if is_mistral_dir(path):  # params.json and consolidated weights, no config.json
+        if fmt == "mistral" and not os.path.isfile(os.path.join(path, PARAMS_FILE)):
+            raise CheckpointError(f"{path} has no {PARAMS_FILE}: it is not a Mistral-format directory "
+                                  "(config_format / load_format mistral)")
+        if fmt == "mistral" or fmt is None and is_mistral_dir(path):  # params.json and consolidated weights
             return MistralDirectory(path, weights=weights, overrides=overrides)
         return HFDirectory(path, weights=weights, overrides=overrides)
+    if fmt is not None:
+        raise ValueError(f"config_format / load_format {fmt!r} name a directory's files; {path!r} is not a directory")
     if overrides:
         raise ValueError(f"hf_overrides apply to HF model directories; {path!r} is not one")
     if path.endswith(".gguf") or os.path.isfile(path):
@@ -83,25 +91,28 @@ def open_checkpoint(path: str, weights: bool = True, overrides: Mapping[str, Any
     raise FileNotFoundError(f"model {path!r} is neither a GGUF file nor an HF directory")
 
 
-def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory) -> Tokenizer:
+def checkpoint_tokenizer(path: str, ckpt: GGUFFile | HFDirectory, mode: str = "auto") -> Tokenizer:
     """The tokenizer a checkpoint carries: a GGUF file's metadata, an HF directory's tokenizer files, or a Mistral
-    directory's `tekken.json` or `tokenizer.model.vN` (also an HF directory's that has no `tokenizer.json`)."""
+    directory's `tekken.json` or `tokenizer.model.vN` (also an HF directory's that has no `tokenizer.json`); `mode`
+    ("hf", "mistral": `EngineArgs.tokenizer_mode`) names a directory's files to read."""
     if isinstance(ckpt, GGUFFile):
         return Tokenizer.from_gguf(ckpt.reader)
-    return _dir_tokenizer(path, isinstance(ckpt, MistralDirectory))
+    return _dir_tokenizer(path, isinstance(ckpt, MistralDirectory), mode)
 
 
-def _dir_tokenizer(root: str, mistral: bool) -> Tokenizer:
+def _dir_tokenizer(root: str, mistral: bool, mode: str = "auto") -> Tokenizer:
     """A directory's tokenizer: Mistral's file (`tokenizer_sentencepiece.mistral_tokenizer_file`) in a Mistral-format
     directory, or where there is no `tokenizer.json` (for a SentencePiece `tokenizer.model.vN`, no
-    `tokenizer_config.json` either), else the HF files."""
+    `tokenizer_config.json` either), else the HF files; `mode` "mistral" or "hf" picks."""
     own = mistral_tokenizer_file(root)
+    if mode == "mistral" and own is None:
+        raise FileNotFoundError(f"tokenizer_mode mistral: {root} has no tekken.json nor tokenizer.model.vN")
 
     def has(name: str) -> bool:
         return os.path.isfile(os.path.join(root, name))
 
-    if own is not None and (mistral or not has("tokenizer.json") and (own.suffix == ".json"
-                                                                      or not has("tokenizer_config.json"))):
+    if own is not None and mode != "hf" and (mistral or mode == "mistral" or not has("tokenizer.json") and (
+            own.suffix == ".json" or not has("tokenizer_config.json"))):
         return Tokenizer.from_tekken(own)
     return Tokenizer.from_hf_dir(root)
 
@@ -125,13 +136,13 @@ def checkpoint_eos_ids(path: str, ckpt: GGUFFile | HFDirectory) -> tuple[int, ..
     return ids
 
 
-def tokenizer_at(path: str, cfg: ModelConfig) -> Tokenizer:
+def tokenizer_at(path: str, cfg: ModelConfig, mode: str = "auto") -> Tokenizer:
     """The tokenizer given apart from the model (`EngineArgs.tokenizer`): an HF directory's tokenizer files (no
     config.json needed), a Mistral directory's `tekken.json`, or a GGUF file's; ValueError when it has more tokens
     than the model of config `cfg` has embeddings."""
     root = os.path.expanduser(path)
     if os.path.isdir(root):
-        tokenizer = _dir_tokenizer(root, is_mistral_dir(root))
+        tokenizer = _dir_tokenizer(root, is_mistral_dir(root), mode)
     elif os.path.isfile(root):
         tokenizer = Tokenizer.from_gguf(root)
     else:
