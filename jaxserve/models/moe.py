@@ -148,7 +148,9 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     (`pallas_kernels/grouped_matmul.py`: XLA:GPU's ragged dot on Hopper does as many times the work as there are
     experts), else `jax.lax.ragged_dot`, unless `cfg.moe_runner` names one ("pallas" on the CPU: its interpreter)."""
     runner = cfg.moe_runner if cfg.moe_runner != "auto" else "xla" if backend == "xla" else "pallas"
-    interpret = backend.endswith("_interpret") or jax.default_backend() == "cpu"
+    # (its interpreter under the interpreted backends, and on the CPU's xla backend: a deviceless GPU compile runs
+    # with the CPU as JAX's default backend and a Pallas backend named)
+    interpret = backend.endswith("_interpret") or backend == "xla" and jax.default_backend() == "cpu"
     matmul = None if runner == "xla" else functools.partial(grouped_matmul, interpret=interpret)
     slots, a = (None, None) if lora is None else (lora[1], lora[0])
     # The adapters' deltas of the projections of h (`models.lora.moe_targets`), by their B field

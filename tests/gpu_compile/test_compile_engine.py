@@ -106,8 +106,8 @@ def _compile(fn, *args, mosaic: bool = False, triton: bool = True, donate: tuple
         assert mem.alias_size_in_bytes >= (pool_bytes or _kv_pool_bytes(kv_dtype)), "the KV pool is not updated in place"
         assert mem.temp_size_in_bytes < (1 << 30), f"{mem.temp_size_in_bytes / 1e9:.1f} GB of temporaries"
     text = compiled.as_text()
-    if triton:
-        assert "triton" in text.lower(), "no Pallas Triton kernel in the compiled step"
+    if triton:  # (the Pallas Triton lowering's custom call: XLA's own Triton fusions are no Pallas kernel)
+        assert 'custom_call_target="__gpu$xla.gpu.triton"' in text, "no Pallas Triton kernel in the compiled step"
     if mosaic:
         assert 'custom_call_target="mosaic_gpu' in text, "no Mosaic GPU kernel in the compiled step"
     if on_text is not None:

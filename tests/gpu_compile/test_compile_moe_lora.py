@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,14 @@ def test_moe_step_with_expert_adapters_compiles_for_sm90(spec):
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq,
                              lora_slots=[1])
     step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
+    # The experts (and their adapters) on the grouped matmul's Triton kernel, not its interpreter's XLA loop.
+    grouped = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton".*op_name="[^"]*grouped_matmul')
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
-                       want_top, pool_bytes=NUM_PAGES * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE))
+                       want_top, pool_bytes=NUM_PAGES * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE),
+                       on_text=lambda text: _count(grouped, text))
     print(f"qwen3_moe mixed_step with expert LoRA T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+
+
+def _count(pattern: re.Pattern, text: str) -> None:
+    found = sum(1 for line in text.splitlines() if pattern.search(line))
+    assert found >= 4, f"{found} grouped-matmul Triton kernels in the step: the experts' matmuls are not on the kernel"
