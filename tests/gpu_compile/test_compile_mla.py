@@ -57,3 +57,34 @@ def test_mla_steps_compile_for_sm90(spec):
     seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top,
                        pool_bytes=pool_bytes)
     print(f"deepseek_v2 decode_loop S={S}: compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+def test_mla_step_with_adapters_compiles_for_sm90(spec):
+    """The mixed step with LoRA slots on the latent attention (q_proj, kv_a_proj_with_mqa, kv_b_proj through the
+    absorbed up-projections, o_proj), the dense layer's MLP and the MoE layer's experts, router and shared experts."""
+    import dataclasses
+
+    import jax
+
+    from jaxserve.models.lora import empty_lora
+
+    cfg = V2_LITE
+    T, S = RC.token_buckets[-1], RC.max_num_seqs
+    params = _abstract(spec, abstract_params(cfg, DTYPE))
+    lora = jax.tree.map(lambda a: spec(a.shape, a.dtype), jax.eval_shape(lambda: empty_lora(cfg, 4, 16, DTYPE)))
+    assert lora.b_kvb.shape == (2, 4, 16, 16 * (128 + 128)) and lora.b_k is None
+    k = cfg.first_dense_layers
+    rows = lambda n: jax.tree.map(lambda a: spec((n, *a.shape[1:]), a.dtype), lora)  # noqa: E731 (layers' slots)
+    params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=rows(cfg.num_layers - k)),
+                                 dense_layers=dataclasses.replace(params.dense_layers, lora=rows(k)))
+    shape = (cfg.num_layers, NUM_PAGES, RC.page_size, cfg.num_kv_heads)
+    kv = KVCache(k=spec((*shape, 576), DTYPE), v=spec((*shape, 0), DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq,
+                             lora_slots=[1])
+    step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
+                       spec((), jnp.bool_), pool_bytes=NUM_PAGES * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE))
+    print(f"deepseek_v2 mixed_step with LoRA T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
