@@ -114,6 +114,8 @@ class ServerConfig:
                 isinstance(k, str) for k in self.default_chat_template_kwargs):
             raise ValueError("default_chat_template_kwargs must be an object of named values, got "
                              f"{self.default_chat_template_kwargs!r}")
+        if "chat_template" in self.default_chat_template_kwargs:
+            raise ValueError("default_chat_template_kwargs may not hold a chat_template: give it as --chat-template")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
 

@@ -295,6 +295,8 @@ def test_server_defaults_for_chat_template_kwargs_and_token_ids(engine):
         assert r.json()["tokens"] == [22, 3, 4]
     with pytest.raises(ValueError, match="default_chat_template_kwargs must be an object"):
         ServerConfig(default_chat_template_kwargs=["flag"])
+    with pytest.raises(ValueError, match="may not hold a chat_template: give it as --chat-template"):
+        ServerConfig(default_chat_template_kwargs={"chat_template": "{{ messages }}"})
 
 
 def test_chat_echo_leads_with_the_final_assistant_message(client, server):
