@@ -118,3 +118,8 @@ def test_vllm_launch_flags_are_taken():
         parser.parse_args(["--default-chat-template-kwargs", "[1]"])  # not a JSON object
     with pytest.raises(ValueError, match="enable_chunked_prefill false is not supported"):
         EngineArgs.from_cli_args(parser.parse_args(["--no-enable-chunked-prefill"]))
+    # vLLM's parser takes flags with underscores; so does `jaxserve` (values are left alone).
+    from jaxserve.cli import dashed_flags
+
+    assert dashed_flags(["--max_model_len=64", "--chat_template", "{{ a_b }}", "-tp", "x_y"]) == [
+        "--max-model-len=64", "--chat-template", "{{ a_b }}", "-tp", "x_y"]
