@@ -88,6 +88,9 @@ class EngineArgs:
     compile_cache_dir: str | None = "~/.cache/jaxserve/xla"
     tensor_parallel_size: int = 1  # devices that split heads, MLP width and vocabulary
     expert_parallel_size: int = 1  # devices that split the experts of a MoE model
+    # vLLM's --enable-expert-parallel: a MoE model's experts split whole over the tensor-parallel devices (each holds
+    # num_experts / tensor_parallel_size of them) instead of each expert's width split over them.
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1  # engine replicas, each on its own tensor x expert slice of the devices
     coordinator_address: str | None = None  # host:port of process 0, for a multi-host cluster
     num_processes: int = 1  # processes (hosts) in the cluster
@@ -199,6 +202,9 @@ class EngineArgs:
         if self.attention_backend not in BACKEND_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKEND_CHOICES)}, "
                              f"got {self.attention_backend!r}")
+        if self.enable_expert_parallel and self.expert_parallel_size > 1:
+            raise ValueError("enable_expert_parallel splits the experts over the tensor-parallel devices; "
+                             "expert_parallel_size adds devices of its own: give one of them")
         if self.enable_chunked_prefill is False:
             raise ValueError("enable_chunked_prefill false is not supported: jaxserve always chunks prompts into "
                              "steps of max_num_batched_tokens (raise it to max_model_len for whole-prompt steps)")

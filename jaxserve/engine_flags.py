@@ -155,6 +155,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                    help="devices that split attention heads, MLP width and vocabulary")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split a MoE model's experts whole over the tensor-parallel devices (vLLM's flag) instead "
+                        "of each expert's width")
     p.add_argument("--expert-parallel-size", "-ep", type=int, default=d.expert_parallel_size,
                    help="devices that split the experts of a mixture-of-experts model")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,

@@ -277,6 +277,10 @@ def test_ep2_tp2_engine_greedy_is_token_identical_and_never_recompiles(ep_result
     # A LoRA adapter on the attention: the same tokens at EP=2 x TP=2 as on one device, and not the base's.
     assert r["lora_ep"] == r["lora_ref"] and r["lora_ref"] != r["ref"]
     assert r["lora_compiles_after_warmup"] == 0
+    # vLLM's --enable-expert-parallel at TP=2: each device holds half of the experts, whole; the same tokens.
+    whole = r["whole_experts"]
+    assert whole["tokens"] == r["ref"] and whole["compiles_after_warmup"] == 0
+    assert (whole["experts_per_device"], whole["width_per_device"]) == (8 // 2, 32)
     # DeepSeek-V3's latent attention with an adapter on its projections, kv_b_proj, router and experts: the same.
     assert r["mla_lora_ep"] == r["mla_lora_ref"] != r["mla_lora_base"]
 

@@ -116,6 +116,9 @@ def test_vllm_launch_flags_are_taken():
     assert dataclasses.replace(args, trust_remote_code=False, enable_chunked_prefill=None) == EngineArgs()
     with pytest.raises(SystemExit):
         parser.parse_args(["--default-chat-template-kwargs", "[1]"])  # not a JSON object
+    assert EngineArgs.from_cli_args(parser.parse_args(["-tp", "2", "--enable-expert-parallel"])).enable_expert_parallel
+    with pytest.raises(ValueError, match="expert_parallel_size adds devices of its own: give one of them"):
+        EngineArgs(enable_expert_parallel=True, expert_parallel_size=2)
     with pytest.raises(ValueError, match="enable_chunked_prefill false is not supported"):
         EngineArgs.from_cli_args(parser.parse_args(["--no-enable-chunked-prefill"]))
     # vLLM's parser takes flags with underscores; so does `jaxserve` (values are left alone).

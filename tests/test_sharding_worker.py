@@ -416,6 +416,14 @@ def case_engine_moe() -> dict:
     sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
     got = _generate(sharded, PROMPTS)
+    # vLLM's --enable-expert-parallel: TP=2 with the experts whole, half of them on each device.
+    whole = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, enable_expert_parallel=True,
+                                 strict_compile=True), loaded=loaded, progress=False)
+    layers = whole.runner.params.layers
+    we_gate = (layers[0] if isinstance(layers, tuple) else layers).we_gate
+    shard = we_gate.addressable_shards[0].data.shape  # [(L,) X, E, Fe] of one device
+    whole_found = {"tokens": _generate(whole, PROMPTS), "experts_per_device": shard[-3], "width_per_device": shard[-1],
+                   "compiles_after_warmup": whole.stats().compilations_after_warmup}
     # A LoRA adapter on the attention, the experts, the router and the shared expert: EP=2 x TP=2 against one device.
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4, lora_modules=(("attn", _attention_adapter(loaded.config)),))
     lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=loaded, progress=False), PROMPTS, "attn")
@@ -431,6 +439,7 @@ def case_engine_moe() -> dict:
             "devices": len(sharded.runner.kv.k.sharding.device_set),
             "lora_ref": lora_ref, "lora_ep": _generate(lora_ep, PROMPTS, "attn"),
             "lora_compiles_after_warmup": lora_ep.stats().compilations_after_warmup,
+            "whole_experts": whole_found,
             "mla_lora_ref": mla_ref, "mla_lora_ep": _generate(mla_ep, PROMPTS, "attn"),
             "mla_lora_base": _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=mla, progress=False), PROMPTS)}
 

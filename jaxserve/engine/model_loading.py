@@ -249,11 +249,11 @@ def _converted_params(directory: str, path: str, ckpt: Any, cfg: ModelConfig, pl
 def _parallel_plan(args: EngineArgs, cfg: ModelConfig, mesh: Any = None) -> Any:
     if mesh is None and args.tensor_parallel_size * args.expert_parallel_size == 1:
         return None
-    from sharding import ParallelConfig, make_mesh, make_plan
+    from sharding import ParallelConfig, ShardingRules, make_mesh, make_plan
 
-    if mesh is None:
-        mesh = make_mesh(ParallelConfig(args.tensor_parallel_size, args.expert_parallel_size))
-    plan = make_plan(cfg, mesh)
+    mesh = mesh or make_mesh(ParallelConfig(args.tensor_parallel_size, args.expert_parallel_size))
+    whole = args.enable_expert_parallel and cfg.num_experts  # the experts whole over the tensor-parallel devices
+    plan = make_plan(cfg, mesh, ShardingRules().replace(experts="model", expert_mlp=None) if whole else None)
     logger.info("sharding: %s", plan.describe())
     return plan
 

@@ -186,8 +186,9 @@ def test_decode_loop_compiles_for_sm90(spec, S, backend, kv_dtype):
     params, kv, sampling, pen, want_top = _common(spec, S, kv_dtype, cfg)
     loop = functools.partial(decode_loop, cfg=cfg, backend=backend, top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
+    # (pallas_mosaic's decode steps hold the Mosaic GPU decode kernel alone)
     seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top,
-                       mosaic=backend == "pallas_mosaic", kv_dtype=kv_dtype)
+                       mosaic=backend == "pallas_mosaic", triton=backend == "pallas", kv_dtype=kv_dtype)
     print(f"decode_loop S={S} n={RC.num_scheduler_steps} {backend} KV {jnp.dtype(kv_dtype).name}: "
           f"compiled for sm_90 in {seconds:.1f} s")
 
