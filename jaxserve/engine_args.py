@@ -22,6 +22,7 @@ BackendChoice = Literal["auto", "xla", "pallas", "pallas_mosaic", "pallas_interp
 BACKEND_CHOICES = ("auto", "xla", "pallas", "pallas_mosaic", "pallas_interpret", "pallas_mosaic_interpret")
 Policy = Literal["fcfs", "priority"]
 LoadFormat = Literal["auto", "safetensors", "mistral", "dummy"]
+LOAD_FORMATS: tuple[str, ...] = LoadFormat.__args__  # type: ignore[attr-defined]
 FORMAT_CHOICES = ("auto", "hf", "mistral")  # --tokenizer-mode, --config-format
 Runner = Literal["auto", "generate", "pooling"]
 LayerLoopChoice = Literal["auto", "scan", "unroll"]
@@ -213,8 +214,8 @@ class EngineArgs:
                              f"got {self.moe_runner_backend!r}")
         if self.layer_loop not in ("auto", "scan", "unroll"):
             raise ValueError(f"layer_loop must be auto, scan or unroll, got {self.layer_loop!r}")
-        if self.load_format not in ("auto", "safetensors", "mistral", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors, mistral or dummy, got {self.load_format!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         for name in ("tokenizer_mode", "config_format"):
             if getattr(self, name) not in FORMAT_CHOICES:
                 raise ValueError(f"{name} must be one of {', '.join(FORMAT_CHOICES)}, got {getattr(self, name)!r}")

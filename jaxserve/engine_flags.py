@@ -8,6 +8,7 @@ from jaxserve.engine_args import (
     BACKEND_CHOICES,
     FORMAT_CHOICES,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     LOGPROBS_MODES,
     MOE_RUNNER_CHOICES,
     EngineArgs,
@@ -47,7 +48,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts are token ids and outputs token ids without text (for a "
                         "client that tokenizes itself); text prompts, chat, stop strings are refused")
-    g.add_argument("--load-format", choices=["auto", "safetensors", "mistral", "dummy"], default=d.load_format,
+    g.add_argument("--load-format", choices=list(LOAD_FORMATS), default=d.load_format,
                    help="auto (or safetensors) = the model's weights; mistral = a Mistral-format directory's "
                         "consolidated weights and params.json; dummy = random weights of its shapes (config "
                         "and tokenizer from the model, which then needs no weight files): for benchmarks")

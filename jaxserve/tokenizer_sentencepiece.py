@@ -32,7 +32,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from jaxserve.tokenizer_gguf import _template_processing
 
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # SentencePiece's piece kinds (UNKNOWN 2, UNUSED 5, BYTE 6)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4  # SentencePiece's piece kinds (UNUSED 5, BYTE 6)
 _UNIGRAM = 1
 _LLAMA = ("LlamaTokenizer", "LlamaTokenizerFast")
 _GEMMA = ("GemmaTokenizer", "GemmaTokenizerFast")
@@ -314,5 +314,5 @@ def read_mistral_sentencepiece(path: str | Path) -> Any:
     backend = _spm_backend(sp, pieces, legacy=True)
     backend.add_special_tokens([AddedToken(p, special=True, normalized=False)
                                 for p, _, k in sp.pieces if k == _CONTROL])
-    leading = next((i for i, (_, _, k) in enumerate(sp.pieces) if k not in (_CONTROL, 2)), len(pieces))
+    leading = next((i for i, (_, _, k) in enumerate(sp.pieces) if k not in (_CONTROL, _UNKNOWN)), len(pieces))
     return TekkenSpec(backend, f"v{m.group(1)}", tuple(pieces[:leading]), len(pieces))

@@ -61,7 +61,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="over HTTPS, ask clients for certificates these CAs signed")
     g.add_argument("--root-path", default="", help="the path prefix a proxy serves the API under (e.g. /llm)")
-    g.add_argument("--default-chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
+    g.add_argument("--default-chat-template-kwargs", default={}, metavar="JSON",
                    help='what every chat\'s template gets, under a request\'s own chat_template_kwargs, e.g. '
                         '\'{"enable_thinking": false}\'')
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -99,17 +99,6 @@ def _json_list(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}") from e
     if not isinstance(got, list) or not all(isinstance(x, str) for x in got):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
-    return got
-
-
-def _json_object(value: str) -> dict:
-    """A flag's JSON object."""
-    try:
-        got = json.loads(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}") from e
-    if not isinstance(got, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return got
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.chat_template import compile_chat_template
+from jaxserve.json_options import json_object
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
@@ -69,7 +70,7 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     root_path: str = ""
-    default_chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    default_chat_template_kwargs: str | Mapping[str, Any] = dataclasses.field(default_factory=dict)
     return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
@@ -110,10 +111,8 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
                              f"got {self.reasoning_parser!r}")
-        if not isinstance(self.default_chat_template_kwargs, Mapping) or not all(
-                isinstance(k, str) for k in self.default_chat_template_kwargs):
-            raise ValueError("default_chat_template_kwargs must be an object of named values, got "
-                             f"{self.default_chat_template_kwargs!r}")
+        object.__setattr__(self, "default_chat_template_kwargs", dict(json_object(
+            self.default_chat_template_kwargs, "default_chat_template_kwargs", '{"enable_thinking": false}')))
         if "chat_template" in self.default_chat_template_kwargs:
             raise ValueError("default_chat_template_kwargs may not hold a chat_template: give it as --chat-template")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

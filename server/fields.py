@@ -126,9 +126,11 @@ def with_sampling_defaults(body: Any, defaults: Mapping[str, Any]) -> Any:
     return {**body, **fill} if fill else body
 
 
-def with_server_defaults(body: Any, config: Any) -> Any:
+def with_server_defaults(body: Any, config: Any, sampling: Mapping[str, Any] | None = None) -> Any:
     """`body` with the server's request defaults (`ServerConfig`): a chat's `chat_template_kwargs` over
-    `default_chat_template_kwargs` (the request's keys win), `return_tokens_as_token_ids` where it leaves it out."""
+    `default_chat_template_kwargs` (the request's keys win), `return_tokens_as_token_ids` where it leaves it out; and
+    the model's `sampling` defaults (`with_sampling_defaults`)."""
+    body = with_sampling_defaults(body, sampling or {})
     if not isinstance(body, Mapping):
         return body
     given = body.get("chat_template_kwargs")

@@ -139,7 +139,7 @@ class PDWorker:
 
     async def prefill(self, request: Request) -> Response:
         """`POST /v1/pd/prefill`: compute the prompt's KV and first token, pin the pages, answer the metadata."""
-        from server.fields import with_sampling_defaults, with_server_defaults
+        from server.fields import with_server_defaults
         from server.protocol import parse_chat, parse_completion
         from server.serving import _chat_jobs, _completion_jobs, _defaults, read_json
 
@@ -154,7 +154,7 @@ class PDWorker:
         if kind not in ("chat", "completion") or not isinstance(outer.get("body"), dict):
             raise ApiError(400, "expected {'kind': 'chat'|'completion', 'body': {...}}", code="invalid_request")
         # the first token is drawn as the decode's
-        body = with_server_defaults(with_sampling_defaults(outer["body"], _defaults(state)), state.config)
+        body = with_server_defaults(outer["body"], state.config, _defaults(state))
         req = parse_chat(body) if kind == "chat" else parse_completion(body)
         if state.check_model(req.common.model) is not None:
             raise ApiError(400, f"the LoRA adapter {req.common.model!r} is served by aggregated workers only, not "

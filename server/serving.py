@@ -27,7 +27,7 @@ from jaxserve.sampling_params import SamplingParams
 from server.beam import beam_params
 from server.chat_replies import ChatReplies
 from server.errors import ApiError, sse_error
-from server.fields import with_sampling_defaults, with_server_defaults
+from server.fields import with_server_defaults
 from server.generation import ClientDisconnected, Generation, Job, race_disconnect, wait_disconnect
 from server.prompts import (
     check_request_template,
@@ -198,8 +198,7 @@ async def handle_generate(request: Request, kind: Kind, *, translate: Callable[[
     state.check_serving()
     arrival = time.time()
     body = await read_json(request, state.config.max_request_body_bytes)
-    body = with_server_defaults(with_sampling_defaults(translate(body) if translate else body, _defaults(state)),
-                                state.config)
+    body = with_server_defaults(translate(body) if translate else body, state.config, _defaults(state))
     req = parse_chat(body) if kind == "chat" else parse_completion(body)
     if prepare is not None:
         req = prepare(req)

@@ -141,7 +141,7 @@ def test_flag_and_validation():
     ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(["--load-format", "dummy"])
     assert EngineArgs.from_cli_args(ns).load_format == "dummy"
     assert EngineArgs().load_format == "auto"
-    with pytest.raises(ValueError, match="load_format must be auto, safetensors, mistral or dummy, got 'pt'"):
+    with pytest.raises(ValueError, match="load_format must be one of auto, safetensors, mistral, dummy, got 'pt'"):
         EngineArgs(load_format="pt")
     with pytest.raises(ValueError, match="cannot be combined with converted_checkpoint_dir"):
         EngineArgs(load_format="dummy", converted_checkpoint_dir="/tmp/x")

@@ -293,7 +293,7 @@ def test_server_defaults_for_chat_template_kwargs_and_token_ids(engine):
         assert ids == [22, 3, 23]  # "hello one world"
         r = httpx.post(srv.url + "/tokenize", json={"messages": MSG}, timeout=10)
         assert r.json()["tokens"] == [22, 3, 4]
-    with pytest.raises(ValueError, match="default_chat_template_kwargs must be an object"):
+    with pytest.raises(ValueError, match="default_chat_template_kwargs must be a JSON object"):
         ServerConfig(default_chat_template_kwargs=["flag"])
     with pytest.raises(ValueError, match="may not hold a chat_template: give it as --chat-template"):
         ServerConfig(default_chat_template_kwargs={"chat_template": "{{ messages }}"})

@@ -114,8 +114,8 @@ def test_vllm_launch_flags_are_taken():
     args = EngineArgs.from_cli_args(ns)
     assert args.trust_remote_code and args.enable_chunked_prefill
     assert dataclasses.replace(args, trust_remote_code=False, enable_chunked_prefill=None) == EngineArgs()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--default-chat-template-kwargs", "[1]"])  # not a JSON object
+    with pytest.raises(ValueError, match="default_chat_template_kwargs must be a JSON object"):
+        server_config_from_args(parser.parse_args(["--default-chat-template-kwargs", "[1]"]))
     assert EngineArgs.from_cli_args(parser.parse_args(["-tp", "2", "--enable-expert-parallel"])).enable_expert_parallel
     with pytest.raises(ValueError, match="expert_parallel_size adds devices of its own: give one of them"):
         EngineArgs(enable_expert_parallel=True, expert_parallel_size=2)

@@ -251,7 +251,7 @@ def _parallel_plan(args: EngineArgs, cfg: ModelConfig, mesh: Any = None) -> Any:
         return None
     from sharding import ParallelConfig, ShardingRules, make_mesh, make_plan
 
-    mesh = mesh or make_mesh(ParallelConfig(args.tensor_parallel_size, args.expert_parallel_size))
+    mesh = mesh if mesh is not None else make_mesh(ParallelConfig(args.tensor_parallel_size, args.expert_parallel_size))
     whole = args.enable_expert_parallel and cfg.num_experts  # the experts whole over the tensor-parallel devices
     plan = make_plan(cfg, mesh, ShardingRules().replace(experts="model", expert_mlp=None) if whole else None)
     logger.info("sharding: %s", plan.describe())

@@ -138,7 +138,8 @@ def checkpoint_eos_ids(path: str, ckpt: GGUFFile | HFDirectory) -> tuple[int, ..
 
 def tokenizer_at(path: str, cfg: ModelConfig, mode: str = "auto") -> Tokenizer:
     """The tokenizer given apart from the model (`EngineArgs.tokenizer`): an HF directory's tokenizer files (no
-    config.json needed), a Mistral directory's `tekken.json`, or a GGUF file's; ValueError when it has more tokens
+    config.json needed), a Mistral directory's `tekken.json` or `tokenizer.model.vN` (`mode` as
+    `checkpoint_tokenizer`'s), or a GGUF file's; ValueError when it has more tokens
     than the model of config `cfg` has embeddings."""
     root = os.path.expanduser(path)
     if os.path.isdir(root):

@@ -1,5 +1,6 @@
 """Mistral's own checkpoint format: a directory of `params.json`, `consolidated*.safetensors` and (for the tokenizer)
-`tekken.json` or, in older releases, `tokenizer.model.v3` / `.v7`, as Mistral publishes its models (some, such as Mistral Small 3.2, Magistral and Devstral, only so).
+`tekken.json` (older releases: `tokenizer.model.v3` / `.v7`), as Mistral publishes its models (some, such as Mistral
+Small 3.2, Magistral and Devstral, only so).
 
 The directory is read as the HF Mistral model it is: `params.json` gives the config (`hf_config`), each tensor
 its HF name (`layers.{i}.attention.wq.weight` -> `model.layers.{i}.self_attn.q_proj.weight`, ...), and the q and
