@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
+from jaxserve.config_mamba import MambaConfig, mamba_config
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_fields, mla_moe_fields, mla_softmax_scale
+from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.quantized import check_method
 from jaxserve.quantization import parse_quantization
@@ -146,6 +148,12 @@ class ModelConfig:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     v_head_dim: int = 0
+    mamba: MambaConfig | None = None  # a hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba`); None: none
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers)."""
+        return tuple(i for i in range(self.num_layers) if self.mamba is None or i not in self.mamba.layers)
 
     @property
     def rotary_dims(self) -> int:
@@ -160,7 +168,7 @@ class ModelConfig:
 
     @property
     def long_rope_context(self) -> int | None:
-        """A LongRoPE model's original context, past which its long factors apply (`models.llama.rope_tables`);
+        """A LongRoPE model's original context, past which its long factors apply (`models.rotary.rope_tables`);
         None for other models."""
         rs = self.rope_scaling
         return rs.original_max_position_embeddings if rs.rope_type == "longrope" else None
@@ -199,6 +207,8 @@ class ModelConfig:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
         fields.check_moe(self)
         check_mla(self)
+        if self.mamba is not None:
+            self.mamba.check(self.num_layers)
         if self.weight_quant:
             check_method(self.weight_quant, self.num_experts)
 
@@ -288,21 +298,7 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        if {"LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                "LlavaOnevisionForConditionalGeneration"} & set(d.get("architectures") or []) \
-                or d.get("model_type") in ("llava", "llava_next", "mistral3", "llava_onevision"):
-            text = d.get("text_config") or {}
-            kind = text.get("model_type", "mistral" if d.get("model_type") == "mistral3" else "llama")
-            tied = bool(d.get("tie_word_embeddings")) or bool(text.get("tie_word_embeddings"))
-            d = {**(fields.LLAMA_TEXT_DEFAULTS if kind == "llama" else {}), **text, "model_type": kind,
-                 "tie_word_embeddings": tied}
-        if "Gemma3ForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "gemma3":
-            text = d.get("text_config") or {}
-            d = {**fields.GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": d.get("tie_word_embeddings", True), **text,
-                 "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
-        if fields.is_qwen_vl(d):
-            d = fields.qwen_vl_text(d)
-        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(fields.internvl_text(d))))
+        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(language_model(d))))
         archs = d.get("architectures") or []
         family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
             or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -378,6 +374,7 @@ class ModelConfig:
             kv_cache_scales=bool(kv_scheme),
             **fields.mrope_fields(d),
             no_rope_layers=fields.no_rope_layers(family, d),
+            mamba=mamba_config(d) if family == "granitemoehybrid" else None,
             **moe, **mla,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
                | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})

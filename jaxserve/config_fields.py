@@ -4,21 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.config_mamba import mamba_hf
 from jaxserve.errors import UnsupportedModelError
 
 GRANITE_SHARED_FAMILIES: tuple[str, ...] = ("granitemoeshared", "granitemoehybrid")  # a shared MLP, gate and up fused
-
-# transformers' Gemma3TextConfig defaults, which the text_config of Gemma 3's image-text checkpoints leaves out.
-GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
-    rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0, query_pre_attn_scalar=256, sliding_window=4096,
-    sliding_window_pattern=6)
-# transformers' LlamaConfig defaults, which the text_config of LLaVA checkpoints leaves out.
-LLAMA_TEXT_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-    max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
-
 
 def gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     """The ModelConfig fields particular to Gemma 2 and Gemma 3 text models, from their HF config."""
@@ -60,69 +49,6 @@ def granite_fields(d: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                         "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
-
-
-def is_qwen_vl(d: dict[str, Any]) -> bool:
-    return bool(set(QWEN_VL_ARCHITECTURES) & set(d.get("architectures") or [])) \
-        or d.get("model_type") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-
-
-# Image-text models whose language model is their `text_config`: (model_type, the text's default type, transformers'
-# default for the top-level `tie_word_embeddings`, by which they tie).
-_NESTED_TEXT = {"InternVLForConditionalGeneration": ("internvl", "qwen2", True),
-                "Idefics3ForConditionalGeneration": ("idefics3", "llama", False),
-                "SmolVLMForConditionalGeneration": ("smolvlm", "llama", False)}
-
-
-def internvl_text(d: dict[str, Any]) -> dict[str, Any]:
-    """InternVL's, Idefics3's and SmolVLM's language model: its `text_config` (Qwen2's or Llama's unless it says
-    otherwise: Qwen3's for InternVL3.5), its embeddings tied by the top-level config's flag (as transformers ties)."""
-    archs = d.get("architectures") or []
-    found = next((v for a, v in _NESTED_TEXT.items() if a in archs or d.get("model_type") == v[0]), None)
-    if found is None:
-        return d
-    text = {k: v for k, v in (d.get("text_config") or {}).items() if v is not None}
-    return {**text, "architectures": [], "model_type": text.get("model_type", found[1]),
-            "tie_word_embeddings": bool(d.get("tie_word_embeddings", found[2]))}
-
-
-def qwen_vl_text(d: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen2-VL or Qwen2.5-VL config's language model as a Qwen2 config, Qwen3-VL's as a Qwen3 config (Qwen3-VL-MoE's
-    as a Qwen3-MoE config, its top-k routing weights normalized), with its multimodal rotary sections
-    (`mrope_section`: how many rotary pairs turn by each token's temporal, height and width position; Qwen3-VL's
-    interleaved) and Qwen3-VL's deepstack layers (`deepstack_layers`: as many as its vision config's
-    `deepstack_visual_indexes`). transformers 5 nests it in `text_config` (M-RoPE in `rope_parameters`); the
-    published checkpoints of Qwen2-VL keep it at the top (in `rope_scaling`, type "mrope")."""
-    archs = set(d.get("architectures") or [])
-    moe = "Qwen3VLMoeForConditionalGeneration" in archs or d.get("model_type") == "qwen3_vl_moe"
-    qwen3 = moe or "Qwen3VLForConditionalGeneration" in archs or d.get("model_type") == "qwen3_vl"
-    outer = {k: v for k, v in d.items() if k not in ("text_config", "vision_config")}
-    text = {**outer, **(d.get("text_config") or {})}
-    if "tie_word_embeddings" in d:
-        text["tie_word_embeddings"] = d["tie_word_embeddings"]
-    rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
-    if rope.pop("mrope_interleaved", qwen3) != qwen3:  # (transformers interleaves Qwen3-VL's, whatever it says)
-        raise UnsupportedModelError(f"mrope_interleaved {not qwen3}: only Qwen3-VL's sections are interleaved")
-    section = rope.pop("mrope_section", None) or ([24, 20, 20] if qwen3 else [16, 24, 24])  # transformers' defaults
-    if rope.pop("type", None) == "mrope" or rope.get("rope_type") == "mrope":
-        rope["rope_type"] = "default"
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    if sum(section) != head_dim // 2:
-        raise UnsupportedModelError(f"mrope_section {section} must split the {head_dim // 2} rotary pairs of a head")
-    if "rope_theta" in rope:
-        text["rope_theta"] = rope.pop("rope_theta")
-    deep = ((d.get("vision_config") or {}).get("deepstack_visual_indexes", (8, 16, 24)) if qwen3 else ()) or ()
-    if len(deep) > int(text.get("num_hidden_layers", 32)):
-        raise UnsupportedModelError(f"{len(deep)} deepstack vision blocks for {text['num_hidden_layers']} layers")
-    kind = "qwen3_moe" if moe else "qwen3" if qwen3 else "qwen2"
-    arch = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(kind, "Qwen2ForCausalLM")
-    return {**text, **({"norm_topk_prob": True} if moe else {}), "architectures": [arch],
-            "model_type": kind, "rope_scaling": rope or None, "rope_parameters": None,
-            "mrope_section": [int(n) for n in section], "mrope_interleaved": qwen3, "deepstack_layers": len(deep)}
-
-
 def seed_oss(d: dict[str, Any]) -> dict[str, Any]:
     """A Seed-OSS config (ByteDance's Llama with q/k/v biases) as the Qwen2 config it is (refused by name with an
     output projection's or the MLP's biases, which Qwen2 has not); any other config as it is."""
@@ -153,14 +79,10 @@ def exaone(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def granite_hybrid(d: dict[str, Any]) -> dict[str, Any]:
-    """A Granite 4.0 hybrid config of attention layers only (its Mamba layers are refused by name) as the model it
-    is: without experts, a dense model whose MLP is the shared one; any other config as it is."""
+    """A Granite 4.0 config (its layers' kinds are read by `config_mamba`) as the model it is: without experts, a
+    dense model whose MLP is the shared one; any other config as it is."""
     if d.get("model_type") != "granitemoehybrid" and "GraniteMoeHybridForCausalLM" not in (d.get("architectures") or []):
         return d
-    kinds = set(d.get("layer_types") or d.get("layers_block_type") or ["linear_attention"])
-    if not kinds <= {"attention", "full_attention"}:
-        raise UnsupportedModelError(f"Granite hybrid layers of kinds {sorted(kinds - {'attention', 'full_attention'})} "
-                                    "(Mamba) are not supported: only Granite 4.0 models of attention layers")
     if d.get("num_local_experts"):
         return d
     return {**d, "intermediate_size": d.get("shared_intermediate_size", 1024), "shared_intermediate_size": 0}
@@ -175,6 +97,7 @@ def granite_hf(cfg: Any) -> dict[str, Any]:
     if cfg.family == "granitemoehybrid":
         d.update(layer_types=["attention"] * cfg.num_layers, num_local_experts=cfg.num_experts,
                  position_embedding_type=None if cfg.no_rope_layers else "rope")
+        d.update(mamba_hf(cfg.mamba, cfg.num_layers, cfg.hidden_size) if cfg.mamba else {})
         if not cfg.num_experts:
             d["shared_intermediate_size"] = cfg.intermediate_size
     return d

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jaxserve.engine.scheduler_config import SchedulerConfig
 from jaxserve.json_options import json_object
 from jaxserve.lora_request import check_lora_args
 from jaxserve.media_args import image_limits, media_io_options
@@ -241,6 +242,15 @@ class EngineArgs:
         if self.num_processes > 1:
             raise ValueError("runner 'pooling' runs on one host (its devices split by -tp/-dp); a cluster of "
                              "num_processes > 1 serves generation only")
+
+    def scheduler_config(self, max_model_len: int, num_state_slots: int = 0) -> SchedulerConfig:
+        """The scheduler's limits for an engine of `max_model_len` tokens (and a hybrid model's state slots)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
+            max_model_len=max_model_len, page_size=self.page_size, policy=self.scheduling_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_prefix_caching=self.enable_prefix_caching, max_loras=self.max_loras if self.enable_lora else None,
+            num_state_slots=num_state_slots)
 
     @property
     def is_pooling(self) -> bool:

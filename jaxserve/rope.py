@@ -23,7 +23,7 @@ class RopeScaling:
 
     LongRoPE (Phi-3's long-context models, Phi-3.5, Phi-4-mini) divides each pair's frequency by its
     `short_factor` or its `long_factor`, with one attention factor for both. Which set a token takes is
-    transformers' choice for a sequence generated token by token after its prompt (`models.llama.rope_tables`)."""
+    transformers' choice for a sequence generated token by token after its prompt (`models.rotary.rope_tables`)."""
 
     rope_type: RopeType = "default"
     factor: float = 1.0
@@ -108,7 +108,7 @@ LONG_ROPE_SALT_PREFIX = "longrope:"
 def prompt_cache_salt(long_rope_context: int | None, prompt_len: int, salt: str | None) -> str | None:
     """The prefix-cache namespace of a request: its own `salt`, or, when its prompt is longer than the original
     context of the LongRoPE model an engine serves past it (`long_rope_context`), a namespace of such prompts,
-    whose every token takes the long factors (`models.llama.rope_tables`): the same tokens after a shorter prompt hold
+    whose every token takes the long factors (`models.rotary.rope_tables`): the same tokens after a shorter prompt hold
     other keys. Salts of that form are refused from requests."""
     if salt is not None and salt.startswith(LONG_ROPE_SALT_PREFIX):
         raise ValueError(f"cache_salt {salt!r}: salts beginning {LONG_ROPE_SALT_PREFIX!r} name the cache namespace "
@@ -122,7 +122,7 @@ def rope_inv_freq_and_scale(cfg: ModelConfig, local: bool = False, long: bool = 
     """Inverse frequencies for each rotary pair and the attention scaling factor, per `cfg.rope_scaling`;
     with `local`, those of the sliding-window layers of a model that gives them their own base
     (`rope_local_theta`, unscaled: Gemma 3); with `long`, LongRoPE's long factors (its short ones otherwise;
-    see `models.llama.rope_tables`). A partial rotary embedding spreads its frequencies over the rotary dims
+    see `models.rotary.rope_tables`). A partial rotary embedding spreads its frequencies over the rotary dims
     (`cfg.rotary_dims`) alone."""
     d = cfg.rotary_dims
     if local and cfg.rope_local_theta is not None:

@@ -24,7 +24,10 @@ def pages_for(seq_index: int, num_tokens: int, page_size: int, stride: int = 64)
 
 
 def run_chunks(cfg, params, kv, seqs, page_size, all_logits=True, backend="xla", **bucket):
-    """One step over `(new_ids, start, pages)` per sequence; returns (logits as numpy, kv)."""
+    """One step over `(new_ids, start, pages)` per sequence; returns (logits as numpy, kv). A hybrid model's
+    sequence i keeps its states in slot i + 1."""
+    if cfg.mamba is not None:
+        bucket = {"state_slots": list(range(1, len(seqs) + 1)), **bucket}
     inputs = ModelInputs.build(seqs, page_size, all_logits=all_logits, **bucket)
     logits, kv = jitted(backend)(params, kv, inputs, cfg, backend)
     return np.asarray(logits), kv
@@ -38,7 +41,7 @@ def bucket(n: int, step: int = 64) -> int:
 def prompt_logits(cfg, params, ids, page_size=16, num_pages=256, dtype=jnp.float32, backend="xla"):
     """Logits at every position of one prompt, computed in one step on a fresh page pool (a LongRoPE model's
     prompt past its original context on the long factors throughout, as transformers computes it)."""
-    kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
+    kv = KVCache.allocate(cfg, num_pages, page_size, dtype, state_slots=2)
     pages = pages_for(0, len(ids), page_size, stride=max(1, (num_pages - 1) // max(1, -(-len(ids) // page_size))))
     long = None if cfg.long_rope_context is None else [len(ids) > cfg.long_rope_context]
     logits, _ = run_chunks(cfg, params, kv, [(list(ids), 0, pages)], page_size, backend=backend,
@@ -49,7 +52,7 @@ def prompt_logits(cfg, params, ids, page_size=16, num_pages=256, dtype=jnp.float
 
 def greedy(cfg, params, ids, max_new, page_size=16, num_pages=64, dtype=jnp.float32):
     """Greedy continuation: one prefill step, then one decode step per token."""
-    kv = KVCache.allocate(cfg, num_pages, page_size, dtype)
+    kv = KVCache.allocate(cfg, num_pages, page_size, dtype, state_slots=2)
     total = len(ids) + max_new
     pages = pages_for(0, total, page_size, stride=1)
     P = bucket(len(pages), 16)

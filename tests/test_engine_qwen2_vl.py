@@ -125,7 +125,7 @@ def test_mrope_axes_as_transformers_interleaves_them():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
     from jaxserve.config import ModelConfig
-    from jaxserve.models.llama import mrope_axes
+    from jaxserve.models.rotary import mrope_axes
     from tests.qwen2_vl_model import TEXT3, TEXT3_MOE
 
     for section, pairs in (([24, 20, 20], 64), ([2, 3, 3], 8)):

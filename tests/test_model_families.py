@@ -284,13 +284,16 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_granite_hybrid_mamba_layers_are_refused_by_name():
+def test_granite_hybrid_layer_kinds():
+    """A Granite 4.0 config's layers: its Mamba ones read as such (`tests/test_hybrid.py` serves them), an unknown
+    kind refused by name; with attention layers only, a Granite 4.0 of the attention kind (its MLP the shared one)."""
     from jaxserve.config import ModelConfig, UnsupportedModelError
 
     d = {**TINY, "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
-         "num_local_experts": 0, "layer_types": ["mamba", "attention"]}
-    with pytest.raises(UnsupportedModelError, match=r"Granite hybrid layers of kinds \['mamba'\] \(Mamba\)"):
-        ModelConfig.from_hf(d)
+         "num_local_experts": 0, "layer_types": ["mamba", "attention"], "mamba_n_heads": 8}
+    assert ModelConfig.from_hf(d).mamba.layers == (0,)
+    with pytest.raises(UnsupportedModelError, match=r"hybrid layer kinds \['conv'\] are not supported"):
+        ModelConfig.from_hf({**d, "layer_types": ["conv", "attention"]})
     cfg = ModelConfig.from_hf({**d, "layer_types": ["attention"] * 2, "shared_intermediate_size": 80})
-    assert cfg.num_experts == 0 and cfg.intermediate_size == 80 and cfg.no_rope_layers == (0, 0)
+    assert cfg.num_experts == 0 and cfg.intermediate_size == 80 and cfg.no_rope_layers == (0, 0) and cfg.mamba is None
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg

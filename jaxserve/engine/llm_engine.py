@@ -17,6 +17,7 @@ import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids
 from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
+from jaxserve.engine.hybrid import hybrid_args, state_bytes, state_slots
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -35,7 +36,7 @@ from jaxserve.engine.request import Request
 from jaxserve.engine.request_state import EngineStats, RequestGroup, SeqState, accept_step, engine_stats
 from jaxserve.engine.runner import InFlightStep, ModelRunner, RunnerConfig, default_layer_loop
 from jaxserve.engine.sampler import SamplingTensors
-from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from jaxserve.engine.speculative import Drafter, SpecStep, row_outputs
 from jaxserve.engine.step_batch import (
     PromptChunk,
@@ -77,34 +78,29 @@ class LLMEngine:
         self.args = args = args or EngineArgs()
         enable_compile_cache(args.compile_cache_dir)
         # Over several devices with its sharding plan, its KV dtype (scales), its LoRA slots.
-        self.model, self.kv_dtype = prepare_model(loaded or load_model(args, progress=progress), args)
+        loaded = loaded or load_model(args, progress=progress)
+        self.args = args = hybrid_args(args, loaded.config)  # (a hybrid model's: no prefix caching)
+        self.model, self.kv_dtype = prepare_model(loaded, args)
         kv_dtype, plan, cfg = self.kv_dtype, self.model.plan, self.model.config
         self.tokenizer = self.model.tokenizer
         # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
         self.pooler_config = args.pooler_config_for(self.model.path)
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), plan.kv_shards if plan else 1,
-                                   beside=draft_memory(self.draft, args.page_size, plan))
+                                   beside=draft_memory(self.draft, args.page_size, plan),
+                                   states=state_bytes(cfg, args.max_num_seqs))
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
         long_rope = cfg.long_rope_context
         self.long_rope_context = long_rope if long_rope is not None and max_model_len > long_rope else None
         max_seqs = args.max_num_seqs
         batched = max(args.max_num_batched_tokens, max_seqs)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
-                page_size=args.page_size, policy=args.scheduling_policy,
-                long_prefill_token_threshold=args.long_prefill_token_threshold,
-                enable_prefix_caching=args.enable_prefix_caching, max_loras=args.max_loras if args.enable_lora else None,
-            ),
-            num_pages,
-        )
+        self.scheduler = Scheduler(args.scheduler_config(max_model_len, state_slots(cfg, max_seqs)), num_pages)
         backend, spec = resolve_attention_backend(args), args.speculative_config
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv(num_pages, args.page_size, kv_dtype, as_bits) if plan
-              else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype, as_bits))
+              else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype, as_bits, state_slots(cfg, max_seqs)))
         self.runner = ModelRunner(
             cfg, self.model.params, kv,
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
@@ -293,6 +289,7 @@ class LLMEngine:
         rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
         loras = [self.loras.slot_for(self.scheduler.get_request(s.request_id)) for s in rows] if self.loras else None
         longs = long_prompts(rows, self.scheduler.get_request, self.long_rope_context)
+        states = [self.scheduler.get_request(s.request_id).state_slot for s in rows] if self.scheduler.states else None
         if self.trace is not None:
             trace_plan(plan, step_id, self.runner.cfg, self.model.config, self.scheduler.get_request, self._trace,
                        spec)
@@ -305,7 +302,8 @@ class LLMEngine:
                 one = spec is not None or self.draft is not None or any(q.stepwise for q in seqs)
                 st = decode_state(rows, seqs, self.runner.cfg, self.scheduler.reserve_decode_pages,
                                   lambda rid: self.scheduler.get_request(rid).pages, num_steps=1 if one else None,
-                                  lora_slots=loras, long_prompts=longs, rope_deltas=self._rope_deltas(rows))
+                                  lora_slots=loras, long_prompts=longs, rope_deltas=self._rope_deltas(rows),
+                                  state_slots=states)
                 tensors, want_top, penalties = self._sampling(rows, st.tokens.shape[0], spec)
                 pending = self.runner.dispatch_decode(st, tensors, penalties, want_top)
                 if self.draft:  # the draft model's KV of the same tokens
@@ -313,7 +311,7 @@ class LLMEngine:
                 return plan, pending, [], spec
             inputs, S = mixed_inputs(rows, self.runner.cfg, loras, spec is not None and spec.drafter.chunked, longs,
                                      self._step_images if self.runner.cfg.images else None,
-                                     self._step_rope if self.runner.cfg.mrope else None)
+                                     self._step_rope if self.runner.cfg.mrope else None, states)
             tensors, want_top, penalties = self._sampling(rows, S, spec)
             chunks = prompt_logprob_chunks(rows, [self._seq.get(s.request_id) for s in rows],
                                            [self._seq_group.get(s.request_id) for s in rows])

@@ -161,3 +161,21 @@ class PagePool:
             if (page in free) != (expected[page] == 0):
                 state = "free" if page in free else "not free"
                 raise IntegrityError(f"page {page} is {state} with {expected[page]} owners")
+
+
+class StateSlots:
+    """A hybrid model's state slots (`engine.hybrid`), one per running request (`Request.state_slot`): taken at
+    admission, given back when it stops running (finished, aborted, preempted: it then starts again at position 0)."""
+
+    def __init__(self, num_slots: int):
+        self.free = list(range(num_slots - 1, 0, -1))  # (slot 0 is the padding's)
+
+    def take(self, request) -> None:
+        if not self.free:
+            raise IntegrityError(f"no state slot left for {request.request_id!r}")
+        request.state_slot = self.free.pop()
+
+    def give(self, request) -> None:
+        if request.state_slot:
+            self.free.append(request.state_slot)
+            request.state_slot = 0

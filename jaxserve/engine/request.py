@@ -80,6 +80,7 @@ class Request:
     arrival_index: int = -1
     """Order of arrival at the scheduler (set by it): FCFS order and the preemption tie-break."""
     cache_node: Any = field(default=None, repr=False)
+    state_slot: int = 0  # a hybrid model's: the slot of its Mamba states while it runs (`hybrid.StateSlots`; 0: none)
     """The radix-cache node this request holds locked (scheduler-managed), or None."""
     prediction_index: Any = field(default=None, repr=False)
     """The tokens of its predicted output, indexed for drafting (`suffix_decoding.prediction_drafts`)."""

@@ -165,6 +165,7 @@ class DecodeState:
     lora_slots: jax.Array | None = None  # [S] int32, each row's LoRA adapter slot (-1: none); LoRA engines only
     long_prompt: jax.Array | None = None  # [S] bool, `ModelInputs.long_prompt` of each row (`RunnerConfig.long_rope`)
     rope_delta: jax.Array | None = None  # [S] int32, each row's `ModelInputs.rope_offsets` (`RunnerConfig.mrope`)
+    state_slots: jax.Array | None = None  # [S] int32, each row's state slot (`ModelInputs.state_slots`); hybrid only
 
 
 def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: SamplingTensors, pen: PenaltyInputs,
@@ -191,6 +192,7 @@ def decode_loop(params: Params, kv: KVCache, st: DecodeState, sampling: Sampling
             block_tables=jnp.where(done[:, None], 0, st.block_tables),
             seq_lens=jnp.where(done, 1, pos + 1), query_start_loc=qsl, logits_indices=rows.astype(jnp.int32),
             decode=True, lora_slots=st.lora_slots, long_prompt=st.long_prompt,
+            state_slots=None if st.state_slots is None else jnp.where(done, 0, st.state_slots),  # (done: padding's)
             rope_offsets=None if st.rope_delta is None else jnp.broadcast_to(st.rope_delta, (3, S)),
         )
         want = {"return_hidden": True, **({"aux_layers": hidden_layers} if hidden_layers else {})} if keep_hidden else {}
@@ -301,17 +303,6 @@ class ModelRunner:
 
     def inert_sampling(self, S: int) -> SamplingTensors:
         return SamplingTensors.from_params([], [], S, self.model_cfg.vocab_size, [])
-
-    def inert_decode_state(self, S: int) -> DecodeState:
-        P = self.cfg.pages_per_seq
-        return DecodeState(
-            tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32), block_tables=np.zeros((S, P), np.int32),
-            max_steps=np.zeros(S, np.int32), stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
-            min_tokens_left=np.zeros(S, np.int32), num_steps=np.int32(0),
-            lora_slots=np.full(S, -1, np.int32) if self.cfg.lora else None,
-            long_prompt=np.zeros(S, np.bool_) if self.cfg.long_rope else None,
-            rope_delta=np.zeros(S, np.int32) if self.cfg.mrope else None,
-        )
 
     def penalty_inputs(self, S: int, rows: list[tuple[list[int], list[int]]] | None) -> PenaltyInputs:
         """History arrays for rows (prompt ids, output ids); a cached inert array when None."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
 
-from jaxserve.engine.page_pool import IntegrityError, PagePool, pages_needed
+from jaxserve.engine.page_pool import IntegrityError, PagePool, StateSlots, pages_needed
 from jaxserve.engine.radix_cache import MatchResult, RadixCache
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.schedule import PageAction, Planner
@@ -41,6 +41,7 @@ class Scheduler:
         self.config = config
         self.pool = PagePool(num_pages, config.page_size)
         self.cache = RadixCache(self.pool) if config.enable_prefix_caching else None
+        self.states = StateSlots(config.num_state_slots) if config.num_state_slots else None
         self.waiting: list[Request] = []
         """Waiting and preempted requests, in policy order."""
         self.running: list[Request] = []
@@ -134,6 +135,8 @@ class Scheduler:
             request.cache_node = None
         self.pool.decref(request.pages)
         request.pages = []
+        if self.states is not None:
+            self.states.give(request)
 
     def _cache_unfinished(self, request: Request) -> None:
         """Share a running request's full computed pages through the cache and lock them for it."""
@@ -141,9 +144,7 @@ class Scheduler:
         num_full = request.num_computed_tokens // ps
         if self.cache is None or not num_full:
             return
-        result = self.cache.insert(
-            request.token_ids_in(0, num_full * ps), request.pages[:num_full], request.cache_salt
-        )
+        result = self.cache.insert(request.token_ids_in(0, num_full * ps), request.pages[:num_full], request.cache_salt)
         # Where another request cached the same prefix first, switch to its pages (same tokens at the
         # same positions, so the same KV) and free ours, so the prefix is stored once.
         for i, page in enumerate(result.pages):
@@ -177,9 +178,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is not a running decode")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        n = min(
-            n, request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens
-        )
+        n = min(n, request.max_tokens - request.num_output_tokens, self.config.max_model_len - request.num_tokens)
         ps = self.config.page_size
         need = pages_needed(request.num_computed_tokens + n, ps) - len(request.pages)
         evictable = self.cache.num_evictable_pages if self.cache is not None else 0
@@ -270,6 +269,8 @@ class Scheduler:
         request.pages = cached_pages + self._allocate(num_new_pages)
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
+        if self.states is not None:
+            self.states.take(request)
         self.running.append(self.waiting.pop(i))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached

@@ -27,6 +27,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_loras: int | None = None
     """Most LoRA adapters among the running requests (None: no limit), as an engine holds that many slots."""
+    num_state_slots: int = 0
+    """A hybrid model's state slots (`hybrid.StateSlots`), one per running request besides slot 0; 0: none."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):

@@ -34,12 +34,14 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                  lora_slots: Sequence[int] | None = None, merge: bool = False,
                  long_prompts: Sequence[bool] | None = None,
                  images: Callable[[Sequence[ScheduledRequest], int], Any] | None = None,
-                 rope: Callable[[Sequence[ScheduledRequest], int], np.ndarray] | None = None) -> tuple[ModelInputs, int]:
+                 rope: Callable[[Sequence[ScheduledRequest], int], np.ndarray] | None = None,
+                 state_slots: Sequence[int] | None = None) -> tuple[ModelInputs, int]:
     """Inputs of one mixed step (prefill chunks and decodes) padded to its token bucket, and its row count;
     `lora_slots` (a LoRA engine's): each row's adapter slot; `long_prompts` (`RunnerConfig.long_rope`): whether
     each row's prompt is longer than the LongRoPE model's original context; `images(rows, T)` (an image-text
     engine's): the step's image embeddings and mask (`image_prompt.step_embeds`), or None; `rope(rows, T)` (an M-RoPE
-    image-text engine's): the step's rotary offsets (`image_prompt.step_rope_offsets`).
+    image-text engine's): the step's rotary offsets (`image_prompt.step_rope_offsets`); `state_slots` (a hybrid
+    model's engine): each row's state slot (rows are never merged there: hybrid models are not drafted).
 
     With `merge`, consecutive rows of one request at consecutive positions (a drafted decode's row and its
     draft rows, `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits
@@ -68,7 +70,8 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
     inputs = ModelInputs.build(seqs, rcfg.page_size, num_tokens=T, num_seqs=S, pages_per_seq=rcfg.pages_per_seq,
                                lora_slots=None if lora_slots is None else slots,
                                long_prompts=None if long_prompts is None else longs,
-                               logit_rows=rows if merged else None)
+                               logit_rows=rows if merged else None,
+                               state_slots=None if state_slots is None else list(state_slots))
     got = images(scheduled, T) if images is not None else None
     if got is not None:
         inputs = dataclasses.replace(inputs, image_embeds=got[0], image_mask=got[1], last_key=got[2])
@@ -80,14 +83,15 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
 def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], rcfg: RunnerConfig,
                  reserve_pages: Callable[[str, int], int], pages_of: Callable[[str], list[int]],
                  num_steps: int | None = None, lora_slots: Sequence[int] | None = None,
-                 long_prompts: Sequence[bool] | None = None, rope_deltas: Sequence[int] | None = None) -> DecodeState:
+                 long_prompts: Sequence[bool] | None = None, rope_deltas: Sequence[int] | None = None,
+                 state_slots: Sequence[int] | None = None) -> DecodeState:
     """The decode loop's state for running decodes, padded to their sequence bucket.
 
     `reserve_pages(request_id, n)` reserves the pages of up to n more tokens and returns how many
     tokens it covered; `pages_of(request_id)` is the request's page table after that. `num_steps`
     (at most the runner's `num_scheduler_steps`, its default) caps the loop's steps; `lora_slots` and
     `long_prompts` are each row's as `mixed_inputs` takes them; `rope_deltas` (an M-RoPE image-text engine's) each
-    row's rotary offset (`image_prompt.ImagePrompt.rope_delta`)."""
+    row's rotary offset (`image_prompt.ImagePrompt.rope_delta`); `state_slots` (a hybrid model's) each row's state slot."""
     S = rcfg.seq_bucket(len(scheduled))
     n = min(num_steps or rcfg.num_scheduler_steps, rcfg.num_scheduler_steps)
     tokens = np.zeros(S, np.int32)
@@ -115,7 +119,7 @@ def decode_state(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState]
 
     return DecodeState(tokens, positions, tables, max_steps, stop_ids, min_left, np.int32(max(max_steps)),
                        padded(lora_slots, -1, np.int32), padded(long_prompts, False, np.bool_),
-                       padded(rope_deltas, 0, np.int32))
+                       padded(rope_deltas, 0, np.int32), padded(state_slots, 0, np.int32))
 
 
 def token_bitmask(scheduled: Sequence[ScheduledRequest], seqs: Sequence[SeqState], S: int, vocab_size: int,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxserve.engine.warmup import inert_decode_state
 from jaxserve.models.inputs import ModelInputs
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def step_costs(runner: Any, chunked: bool, repeats: int = 2, model: DraftModel |
 
     decode = {}
     for S in rc.seq_buckets:
-        st = dataclasses.replace(runner.inert_decode_state(S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
+        st = dataclasses.replace(inert_decode_state(runner, S), max_steps=np.ones(S, np.int32), num_steps=np.int32(1))
         decode[S] = best(lambda st=st, S=S: runner.run_decode(st, runner.inert_sampling(S), None, want_top=False))
     draft = {S: best(lambda S=S: model.time_draft(S)) for S in rc.seq_buckets} if model is not None else None
     if not chunked:
@@ -55,6 +56,7 @@ def step_costs(runner: Any, chunked: bool, repeats: int = 2, model: DraftModel |
         S = min(T, rc.max_num_seqs)
         inputs = ModelInputs.build([([0], 0, [0])] * S, rc.page_size, num_tokens=T, num_seqs=S,
                                    pages_per_seq=rc.pages_per_seq, lora_slots=[-1] * S if rc.lora else None,
-                                   long_prompts=[False] * S if rc.long_rope else None, mrope=rc.mrope)
+                                   long_prompts=[False] * S if rc.long_rope else None, mrope=rc.mrope,
+                                   state_slots=[0] * S if runner.model_cfg.mamba else None)
         mixed[T] = best(lambda i=inputs, S=S: runner.run_mixed(i, runner.inert_sampling(S), None, want_top=False))
     return StepCosts(decode, mixed, draft)

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxserve.models.inputs import ModelInputs
 
@@ -56,18 +57,35 @@ def compile_all(jobs: Sequence[Job], progress: bool = False, desc: str = "Compil
             future.result()
 
 
+def inert_decode_state(runner: Any, S: int) -> Any:
+    """A decode loop's state (`runner.DecodeState`) of `S` padding rows (no steps to run) for a `ModelRunner`."""
+    from jaxserve.engine.runner import MAX_STOP_IDS, DecodeState
+
+    P, cfg = runner.cfg.pages_per_seq, runner.cfg
+    return DecodeState(
+        tokens=np.zeros(S, np.int32), positions=np.zeros(S, np.int32), block_tables=np.zeros((S, P), np.int32),
+        max_steps=np.zeros(S, np.int32), stop_ids=np.full((S, MAX_STOP_IDS), -1, np.int32),
+        min_tokens_left=np.zeros(S, np.int32), num_steps=np.int32(0),
+        lora_slots=np.full(S, -1, np.int32) if cfg.lora else None,
+        long_prompt=np.zeros(S, np.bool_) if cfg.long_rope else None,
+        rope_delta=np.zeros(S, np.int32) if cfg.mrope else None,
+        state_slots=np.zeros(S, np.int32) if runner.model_cfg.mamba else None,
+    )
+
+
 def bucket_call(runner: Any, kind: str, size: int) -> tuple[Any, Callable[[], tuple[Any, ...]], Callable[[], Any]]:
     """A `ModelRunner`'s bucket ("mixed" or "pool" of `size` tokens, "decode" of `size` rows): its jitted step, a
     function giving the step's arguments, and a run of the step on inert inputs (one token, into the reserved
     page)."""
     if kind == "decode":
-        st, sampling = runner.inert_decode_state(size), runner.inert_sampling(size)
+        st, sampling = inert_decode_state(runner, size), runner.inert_sampling(size)
         return (runner.steps.decode, lambda: runner.decode_args(st, sampling, None, False),
                 lambda: runner.run_decode(st, sampling, None, want_top=False))
     S = min(size, runner.cfg.max_num_seqs)
     inputs = ModelInputs.build([([0], 0, [0])], runner.cfg.page_size, num_tokens=size, num_seqs=S,
                                pages_per_seq=runner.cfg.pages_per_seq, lora_slots=[-1] if runner.cfg.lora else None,
-                               long_prompts=[False] if runner.cfg.long_rope else None, mrope=runner.cfg.mrope)
+                               long_prompts=[False] if runner.cfg.long_rope else None, mrope=runner.cfg.mrope,
+                               state_slots=[0] if runner.model_cfg.mamba else None)
     if kind == "pool":
         return runner.steps.pool, lambda: (runner.params, runner.kv, inputs), lambda: runner.fetch(runner.dispatch_pool(inputs))
     sampling = runner.inert_sampling(S)

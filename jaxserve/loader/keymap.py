@@ -31,6 +31,7 @@ from jaxserve.loader.granite_keys import (
     granite_fused,
     granite_shared,
 )
+from jaxserve.loader.mamba_keys import hybrid_layer_names, hybrid_spec
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
 from jaxserve.models.quantized import INPUT_AXES, METHODS
 
@@ -274,6 +275,10 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             column, shape = _XIELU[rest]
             return Target("layers.xielu", layer, lambda w: w.reshape(()), shape, column)
         spec = _layer_targets(cfg, dense).get(rest)
+        if cfg.mamba is not None:  # a hybrid model: its mixers' tensors on their own stacks
+            spec = hybrid_spec(cfg, layer, rest, spec)
+            if spec is not None:
+                return Target(spec[0], spec[3], spec[1], spec[2])
         if spec is not None:
             path, transform, shape = spec
             if dense:
@@ -318,7 +323,7 @@ def kept_module(module: str, cfg: ModelConfig) -> bool:
 
 def layer_field(path: str) -> str:
     """A parameter path's layer field ("layers.wq", "dense_layers.wq": "wq"); other paths as they are."""
-    return path.removeprefix("dense_").removeprefix("layers.")
+    return path.removeprefix("dense_").removeprefix("attn_").removeprefix("mamba_").removeprefix("layers.")
 
 
 def hf_names(cfg: ModelConfig) -> list[str]:
@@ -328,7 +333,9 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         dense = i < cfg.first_dense_layers
-        names.extend(f"model.layers.{i}.{rest}" for rest in _layer_targets(cfg, dense))
+        rests = list(_layer_targets(cfg, dense))
+        names.extend(f"model.layers.{i}.{rest}" for rest in (
+            rests if cfg.mamba is None else hybrid_layer_names(cfg, i, rests)))
         if cfg.hidden_act == "xielu":
             names.extend(f"model.layers.{i}.{rest}" for rest in _XIELU)
         moe = _moe_module(cfg)

@@ -32,6 +32,10 @@ class KVCache:
     k: jax.Array
     v: jax.Array
     dtype_name: str | None = field(default=None, metadata=dict(static=True))
+    # A hybrid model's (`ModelConfig.mamba`): its Mamba layers' states, float32, a slot per running sequence
+    # (`ModelInputs.state_slots`; slot 0 takes the padding's writes). `k` and `v` then hold the attention layers' pages.
+    conv: jax.Array | None = None  # [mamba layers, slots, conv_dim, conv_kernel - 1]
+    ssm: jax.Array | None = None  # [mamba layers, slots, heads, head_dim, state_size]
 
     @property
     def dtype(self) -> np.dtype:
@@ -47,20 +51,34 @@ class KVCache:
         return self.k.shape[2]
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False) -> KVCache:
+    def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False,
+                 state_slots: int = 0) -> KVCache:
         """A zeroed pool; `as_bits` keeps pages narrower than float32 as their raw bits (the CPU attention's
-        storage)."""
+        storage); a hybrid model's states for `state_slots` slots (`state_shapes`)."""
         k_dim, v_dim = cfg.kv_cache_dims
-        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads)
+        shape = (len(cfg.attention_layers), num_pages, page_size, cfg.num_kv_heads)
         dtype = jnp.dtype(dtype)
         bits = kv_storage_bits(dtype) if as_bits else None
+        states = {name: jnp.zeros(s, jnp.float32) for name, s in cls.state_shapes(cfg, state_slots).items()}
         if bits is not None:
-            return cls(k=jnp.zeros((*shape, k_dim), bits), v=jnp.zeros((*shape, v_dim), bits), dtype_name=dtype.name)
-        return cls(k=jnp.zeros((*shape, k_dim), dtype), v=jnp.zeros((*shape, v_dim), dtype))
+            return cls(k=jnp.zeros((*shape, k_dim), bits), v=jnp.zeros((*shape, v_dim), bits), dtype_name=dtype.name,
+                       **states)
+        return cls(k=jnp.zeros((*shape, k_dim), dtype), v=jnp.zeros((*shape, v_dim), dtype), **states)
+
+    @staticmethod
+    def state_shapes(cfg: ModelConfig, slots: int) -> dict[str, tuple[int, ...]]:
+        """A hybrid model's state pools of `slots` slots, by field ({} for other models)."""
+        m = cfg.mamba
+        if m is None:
+            return {}
+        Lm = len(m.layers)
+        return {"conv": (Lm, slots, m.conv_dim, m.conv_kernel - 1),
+                "ssm": (Lm, slots, m.num_heads, m.head_dim, m.state_size)}
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
-        return cfg.num_layers * page_size * cfg.num_kv_heads * sum(cfg.kv_cache_dims) * np.dtype(dtype).itemsize
+        return (len(cfg.attention_layers) * page_size * cfg.num_kv_heads * sum(cfg.kv_cache_dims)
+                * np.dtype(dtype).itemsize)
 
 
 @jax.tree_util.register_dataclass
@@ -83,9 +101,10 @@ class ModelInputs:
     decode: bool = field(default=False, metadata=dict(static=True))
     """Static: every sequence has at most one query token (the decode loop's batches)."""
     lora_slots: jax.Array | None = None  # [T] int32: each token's LoRA adapter slot (-1: none); LoRA engines only
+    state_slots: jax.Array | None = None  # [S] int32: each sequence's state slot (0: padding); hybrid models only
     long_prompt: jax.Array | None = None
     """[T] bool: the token's sequence has a prompt longer than a LongRoPE model's original context, so all its
-    positions take the long factors (`llama.rope_tables`); only in engines serving past that context."""
+    positions take the long factors (`rotary.rope_tables`); only in engines serving past that context."""
     image_embeds: jax.Array | None = None
     """[T, E]: the embeddings the decoder takes for image tokens, in place of their tokens'; image-text engines
     only (`engine.multimodal`)."""
@@ -111,6 +130,7 @@ class ModelInputs:
         logit_rows: list[int] | None = None,
         long_prompts: list[bool] | None = None,
         mrope: bool = False,
+        state_slots: list[int] | None = None,
     ) -> ModelInputs:
         """Host-side builder from `(new_token_ids, start_position, page_table)` per sequence.
 
@@ -119,7 +139,8 @@ class ModelInputs:
         `logit_rows[s]` tokens, in order (a sequence verifying drafts: one row per position), padded to
         `num_seqs` rows. `lora_slots` (a LoRA engine's): each sequence's adapter slot, -1 none. `long_prompts`
         (an engine's serving a LongRoPE model past its original context): whether each sequence's prompt is
-        longer than that context. `mrope`: with `rope_offsets`, all 0 (an M-RoPE engine's text).
+        longer than that context. `mrope`: with `rope_offsets`, all 0 (an M-RoPE engine's text). `state_slots` (a hybrid
+        model's): each sequence's state slot.
         """
         real_tokens = sum(len(t) for t, _, _ in seqs)
         T = num_tokens or real_tokens
@@ -179,4 +200,6 @@ class ModelInputs:
             lora_slots=None if lora_slots is None else jnp.asarray(per_token(lora_slots, -1, np.int32)),
             long_prompt=None if long_prompts is None else jnp.asarray(per_token(long_prompts, False, np.bool_)),
             rope_offsets=jnp.zeros((3, T), jnp.int32) if mrope else None,
+            state_slots=None if state_slots is None else jnp.asarray(
+                np.pad(np.asarray(state_slots, np.int32), (0, S - len(seqs)))),
         )

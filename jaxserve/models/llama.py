@@ -8,24 +8,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxserve.config import (
-    COHERE_FAMILIES,
-    GEMMA_FAMILIES,
-    OLMO_FAMILIES,
-    ModelConfig,
-    rope_inv_freq_and_scale,
-)
+from jaxserve.config import COHERE_FAMILIES, GEMMA_FAMILIES, OLMO_FAMILIES, ModelConfig
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
+from jaxserve.models.mamba import hybrid_layers
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
+from jaxserve.models.rotary import rope_tables
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
@@ -40,45 +35,6 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in GEMMA_FAMILIES else 0.0)
     return (xf * scale).astype(x.dtype)
-
-
-def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, long_prompt: jax.Array | None = None,
-                offsets: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos and sin, [T, rotary dims], for the half-split (rotate_half) rotary layout; `local`: the sliding
-    layers' (see `rope_inv_freq_and_scale`). A LongRoPE model's tokens take the long factors at positions at or
-    past its original context, and all of them in a sequence whose prompt is longer (`long_prompt` [T] bool, None:
-    no such sequence). That is transformers' choice: it picks one set per forward call, the long one when the
-    call's highest position is at or past the original context, so the prompt's call (all its tokens) when the
-    prompt is longer, and each generated token's call from the token at the original context on. A token's set
-    is thus fixed by its position and its prompt's length, whatever chunks or batches compute it.
-
-    With M-RoPE (`cfg.mrope_section`), each section of rotary pairs turns by one of the token's three positions
-    (temporal, height, width): its position plus its `offsets` ([3, T] int32, `ModelInputs.rope_offsets`)."""
-    inv_freq, attention_factor = rope_inv_freq_and_scale(cfg, local)
-    inv = jnp.asarray(np.asarray(inv_freq, np.float32))[None, :]  # [1, D/2]
-    if cfg.long_rope_context is not None and not local:
-        long = positions >= cfg.long_rope_context
-        if long_prompt is not None:
-            long = long | long_prompt
-        inv_long = jnp.asarray(np.asarray(rope_inv_freq_and_scale(cfg, local, long=True)[0], np.float32))
-        inv = jnp.where(long[:, None], inv_long[None, :], inv)  # [T, D/2]
-    if cfg.mrope_section is not None and offsets is not None:  # (without offsets every axis is the position)
-        axis = mrope_axes(cfg)
-        angles = (positions[None, :] + offsets)[axis].T.astype(jnp.float32) * inv  # [T, D/2]
-    else:
-        angles = positions.astype(jnp.float32)[:, None] * inv  # [T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, D]
-    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
-
-
-def mrope_axes(cfg: ModelConfig) -> np.ndarray:
-    """Each rotary pair's M-RoPE axis (0 temporal, 1 height, 2 width): `mrope_section[i]` pairs of axis i in turn,
-    or, interleaved (Qwen3-VL), pair j of axis j % 3 while that axis has pairs left (then temporal)."""
-    section = cfg.mrope_section
-    if not cfg.mrope_interleaved:
-        return np.repeat(np.arange(len(section)), section)
-    j = np.arange(sum(section))
-    return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
 
 
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
@@ -110,9 +66,11 @@ def _layer(
     kv_dtype=None,
     local: bool = False,
     attn_in: jax.Array | None = None,
+    mixer=None,
 ):
     """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ; `attn_in`: what
-    its attention projects in place of its normed input (an EAGLE-3 draft's first layer: `models.eagle`)."""
+    its attention projects in place of its normed input (an EAGLE-3 draft's first layer: `models.eagle`); `mixer`:
+    a hybrid model's Mamba layer (`mamba.hybrid_layers`), in attention's place, its states in the pages'."""
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D] (`ModelConfig.kv_cache_dims`)
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
@@ -121,19 +79,19 @@ def _layer(
         h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
         if attn_in is not None:
             h = attn_in
-        if cfg.kv_lora_rank:
-            attn, k_all, v_all = mla_attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
-                                               layout, lora)
+        if mixer is not None:
+            out, k_all, v_all = mixer(h, k_all, v_all)
         else:
-            attn, k_all, v_all = _attention(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
-                                            local, lora, layout)
-        # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
-        if lp.wo_t is not None:
-            out = project(attn, lp.wo_t, _dot_out_major)
-        else:
-            out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
-        if lora is not None:
-            out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
+            attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local)
+            attn, k_all, v_all = attend(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
+                                        layout=layout, lora=lora)
+            # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
+            if lp.wo_t is not None:
+                out = project(attn, lp.wo_t, _dot_out_major)
+            else:
+                out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
+            if lora is not None:
+                out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
         if lp.bo is not None:
             out = out + lp.bo
         if lp.post_attn_norm is not None:
@@ -178,7 +136,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
                local: bool, lora, layout=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Multi-head (grouped-query) attention of normed inputs h [T, E]: its output [T, Hq * D] before the output
     projection, and the page pools with this step's keys and values written."""
-    num_pages = k_all.shape[0] // cfg.num_layers
+    num_pages = k_all.shape[0] // len(cfg.attention_layers)
     page_size = k_all.shape[1]
     if lp.wqkv is not None:
         T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -363,6 +321,11 @@ def forward(
             carry = run(lambda c, lp=lp, layer=layer: _layer_once(
                 cfg, backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
                 cfg.is_local(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
+    elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
+        carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
+            cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype, False,
+            mixer=mixer)[0])
+        kv = dataclasses.replace(kv, conv=conv, ssm=ssm)
     elif cfg.uniform_layers:
         first = 0
         if params.dense_layers is not None:  # dense first layers, then the MoE ones (layers all alike: `check_moe`)

@@ -93,6 +93,17 @@ class LayerParams:
     kv_a_norm: Any = None
     w_uk: Any = None  # [L, Hq, D - Dr, R]: the keys' unrotated dims from the latent, absorbed into the queries
     w_uv: Any = None  # [L, Hq, R, Dv]: the values from the latent, applied to the attention's output
+    # A hybrid model's Mamba-2 mixer (`config_mamba.MambaConfig`; Lm stacked layers, `Params.mamba_layers`):
+    m_in: Any = None  # [Lm, E, z + conv + heads]: the input projection (z, x B C, dt)
+    m_in_b: Any = None  # [Lm, z + conv + heads]
+    m_conv: Any = None  # [Lm, conv, kernel]: the depthwise causal convolution of x, B and C
+    m_conv_b: Any = None  # [Lm, conv]
+    m_dt_bias: Any = None  # [Lm, heads] float32
+    m_a_log: Any = None  # [Lm, heads] float32: each head's decay rate is -exp(a_log)
+    m_d: Any = None  # [Lm, heads] float32: the skip connection's weight
+    m_norm: Any = None  # [Lm, inner]: the gated norm's weight
+    m_out: Any = None  # [Lm, inner, E]
+    m_out_b: Any = None  # [Lm, E]
 
 
 @jax.tree_util.register_dataclass
@@ -115,12 +126,20 @@ class Params:
     # A model whose first layers are dense and the rest MoE (GLM-4.5): those first layers, stacked apart (each
     # stack's arrays alike across its layers); `layers` then holds the rest. None once unstacked (one tuple).
     dense_layers: LayerParams | None = None
+    # A hybrid model (`ModelConfig.mamba`): `layers` holds every layer's norms and MLP, and the mixers apart, the
+    # attention layers' projections (their other fields None) and the Mamba layers' (`LayerParams.m_*`).
+    attn_layers: LayerParams | None = None
+    mamba_layers: LayerParams | None = None
 
 
 def declare_params(cfg: ModelConfig) -> Params:
     """The abstract parameter tree of `cfg` (leaves are `ParamInfo`)."""
     E, V, k = cfg.hidden_size, cfg.vocab_size, cfg.first_dense_layers
     norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"  # Gemma scales by (1 + w)
+    if cfg.mamba is not None:
+        from jaxserve.models.mamba import declare_hybrid
+
+        return declare_hybrid(cfg, _declare_layers)
     return Params(
         embed=ParamInfo((V, E), ("vocab", "embed")),
         layers=_declare_layers(cfg, cfg.num_layers - k, bool(cfg.num_experts)),
@@ -205,6 +224,9 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     return layers
 
 
+ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "sinks", "k_scale", "v_scale")
+
+
 def _declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
     """`L` stacked layers' attention of an MLA model (`config_mla`) and their norms (the MLP declared after)."""
     E, Hq, D, Dr, R, Rq = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank, cfg.q_lora_rank
@@ -232,8 +254,8 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
     `lm_head_t`): a matrix-vector
     product then streams whole rows, which on XLA:CPU reads the weights ~10% faster at batch 1 to 32.
     Anything else (unstacked params, another model's tree) passes through."""
-    if not isinstance(params, Params) or isinstance(params.layers, tuple):
-        return params
+    if not isinstance(params, Params) or isinstance(params.layers, tuple) or params.mamba_layers is not None:
+        return params  # (a hybrid model's layers stay stacked: `hybrid.hybrid_layers` reads each from its stacks)
     fuse = fuse and params.layers.w_gate is not None and params.layers.wk is not None
 
     def layer_sharding(a: Any) -> Any:
@@ -370,4 +392,5 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
             for g in dataclasses.fields(layers)})
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
-                  lm_head=flat.get("lm_head"), dense_layers=stack("dense_layers"))
+                  lm_head=flat.get("lm_head"), dense_layers=stack("dense_layers"), attn_layers=stack("attn_layers"),
+                  mamba_layers=stack("mamba_layers"))

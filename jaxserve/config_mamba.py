@@ -1,0 +1,101 @@
+"""The Mamba-2 layers of a hybrid model (Granite 4.0-H): their shapes, read from its HF config (`ModelConfig.mamba`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.errors import UnsupportedModelError
+
+# A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names).
+MAMBA_KINDS = ("mamba", "linear_attention")
+ATTENTION_KINDS = ("attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    """The Mamba-2 (SSD) mixer that takes attention's place in `layers`: an input projection into the gate z, the
+    convolved x, B and C and the step dt per head; a causal depthwise convolution of `conv_kernel` taps over (x, B,
+    C); the selective scan of `num_heads` heads of `head_dim` channels, each with a state of `state_size` per channel
+    (B and C shared by the heads of each of `n_groups` groups); a norm of the output gated by z, per group; the output
+    projection. Per sequence it keeps a convolution state (the last `conv_kernel - 1` inputs) and an SSM state."""
+
+    layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_min: float = 0.0  # dt clamped to [min, max] after its softplus (transformers' `time_step_limit`)
+    time_step_max: float = math.inf
+    norm_eps: float = 1e-6  # the gated norm's (the model's `rms_norm_eps`)
+
+    @property
+    def inner(self) -> int:
+        """The scan's width: `num_heads * head_dim`."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, then B and C of each group."""
+        return self.inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def proj_dim(self) -> int:
+        """The input projection's outputs: z, the convolved channels, dt."""
+        return self.inner + self.conv_dim + self.num_heads
+
+    def state_floats(self) -> int:
+        """One sequence's state in one layer, in float32 numbers: its convolution and SSM states."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.inner * self.state_size
+
+    def check(self, num_layers: int) -> None:
+        for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedModelError(f"mamba {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.n_groups:
+            raise UnsupportedModelError(f"mamba_n_heads ({self.num_heads}) must be a multiple of mamba_n_groups "
+                                        f"({self.n_groups})")
+        if not self.layers or len(set(self.layers)) != len(self.layers) or not all(
+                0 <= i < num_layers for i in self.layers):
+            raise UnsupportedModelError(f"mamba layers {self.layers} must be distinct layers of the {num_layers}")
+        if len(self.layers) == num_layers:
+            raise UnsupportedModelError("a hybrid model of Mamba layers only is not supported (it holds no pages)")
+
+
+def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
+    """A Granite 4.0 hybrid config's Mamba layers (None when all its layers attend)."""
+    kinds = d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * d["num_hidden_layers"]
+    unknown = set(kinds) - set(MAMBA_KINDS) - set(ATTENTION_KINDS)
+    if unknown or len(kinds) != d["num_hidden_layers"]:
+        raise UnsupportedModelError(f"hybrid layer kinds {sorted(unknown) or kinds} are not supported (one of mamba / "
+                                    f"attention for each of {d['num_hidden_layers']} layers)")
+    layers = tuple(i for i, k in enumerate(kinds) if k in MAMBA_KINDS)
+    if not layers:
+        return None
+    heads = d.get("mamba_n_heads", 128)
+    inner = d.get("mamba_expand", 2) * d["hidden_size"]
+    head_dim = d.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+    if heads * head_dim != inner:
+        raise UnsupportedModelError(f"mamba_n_heads x mamba_d_head ({heads} x {head_dim}) must be mamba_expand x "
+                                    f"hidden_size ({inner})")
+    # (transformers writes an infinite limit as {"__float__": "Infinity"})
+    limit = [float(x["__float__"] if isinstance(x, dict) else x) for x in d.get("time_step_limit") or (0.0, math.inf)]
+    return MambaConfig(layers=layers, num_heads=heads, head_dim=head_dim, state_size=d.get("mamba_d_state", 256),
+                       n_groups=d.get("mamba_n_groups", 1), conv_kernel=d.get("mamba_d_conv", 4),
+                       conv_bias=bool(d.get("mamba_conv_bias", True)), proj_bias=bool(d.get("mamba_proj_bias", False)),
+                       time_step_min=limit[0], time_step_max=limit[1],
+                       norm_eps=float(d.get("rms_norm_eps", 1e-6)))
+
+
+def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int) -> dict[str, Any]:
+    """The HF config keys of `m` (the inverse of `mamba_config`)."""
+    return {"layer_types": ["mamba" if i in m.layers else "attention" for i in range(num_layers)],
+            "mamba_n_heads": m.num_heads, "mamba_d_head": m.head_dim, "mamba_d_state": m.state_size,
+            "mamba_n_groups": m.n_groups, "mamba_d_conv": m.conv_kernel, "mamba_conv_bias": m.conv_bias,
+            "mamba_proj_bias": m.proj_bias, "mamba_expand": m.inner // hidden_size,
+            "time_step_limit": [m.time_step_min, m.time_step_max]}

@@ -1,0 +1,52 @@
+"""A hybrid model's checkpoint names (Granite 4.0-H): its Mamba layers' tensors, its attention layers' apart
+(`Params.mamba_layers`, `Params.attn_layers`); every layer's norms and MLP as other models' (`keymap`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
+    """A Mamba layer's tensor names (after `model.layers.{i}.`) to our parameters, their load transform and their
+    checkpoint shape."""
+    m, E = cfg.mamba, cfg.hidden_size
+    ident = lambda w: w  # noqa: E731
+    t = {"mamba.in_proj.weight": ("mamba_layers.m_in", lambda w: w.T, (m.proj_dim, E)),
+         "mamba.conv1d.weight": ("mamba_layers.m_conv", lambda w: w[:, 0, :], (m.conv_dim, 1, m.conv_kernel)),
+         "mamba.dt_bias": ("mamba_layers.m_dt_bias", ident, (m.num_heads,)),
+         "mamba.A_log": ("mamba_layers.m_a_log", ident, (m.num_heads,)),
+         "mamba.D": ("mamba_layers.m_d", ident, (m.num_heads,)),
+         "mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,)),
+         "mamba.out_proj.weight": ("mamba_layers.m_out", lambda w: w.T, (E, m.inner))}
+    if m.conv_bias:
+        t["mamba.conv1d.bias"] = ("mamba_layers.m_conv_b", ident, (m.conv_dim,))
+    if m.proj_bias:
+        t["mamba.in_proj.bias"] = ("mamba_layers.m_in_b", ident, (m.proj_dim,))
+        t["mamba.out_proj.bias"] = ("mamba_layers.m_out_b", ident, (E,))
+    return t
+
+
+def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> tuple | None:
+    """Where tensor `rest` of layer `layer` goes in a hybrid model: (path, load transform, checkpoint shape, index on
+    its stack), given what other models make of it (`spec`: path, transform, shape; None: nothing); None where
+    the layer holds no such tensor."""
+    m = cfg.mamba
+    if layer in m.layers:
+        if rest in mamba_targets(cfg):
+            return (*mamba_targets(cfg)[rest], m.layers.index(layer))
+        return None if spec is None or rest.startswith("self_attn.") else (*spec, layer)
+    if spec is not None and rest.startswith("self_attn."):
+        return ("attn_" + spec[0], *spec[1:], cfg.attention_layers.index(layer))
+    return None if spec is None else (*spec, layer)
+
+
+def hybrid_layer_names(cfg: ModelConfig, layer: int, names: list[str]) -> list[str]:
+    """Layer `layer`'s tensor names (after `model.layers.{i}.`) given other models' `names`: a Mamba layer's
+    mixer in attention's place."""
+    if layer not in cfg.mamba.layers:
+        return names
+    return [n for n in names if not n.startswith("self_attn.")] + list(mamba_targets(cfg))

@@ -1,0 +1,154 @@
+"""A hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba.MambaConfig`) over a ragged batch, each sequence's
+convolution and SSM states kept in a slot of the state pools (`KVCache.conv`, `KVCache.ssm`; `ModelInputs.state_slots`).
+
+A sequence whose step starts at position 0 starts from zero states; any other continues from its slot's, which the
+step leaves holding the states after its last token. Prefix caching does not apply (a state is not per page)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.config_mamba import MambaConfig
+from jaxserve.models.inputs import ModelInputs
+from jaxserve.models.params import ATTENTION_FIELDS, LayerParams, ParamInfo, Params
+
+
+def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int, bool], LayerParams]) -> Params:
+    """A hybrid model's parameters: every layer's norms and MLP in `layers`, the attention layers' projections in
+    `attn_layers`, the Mamba layers' in `mamba_layers` (`Params`)."""
+    m, E, V = cfg.mamba, cfg.hidden_size, cfg.vocab_size
+    La, Lm = len(cfg.attention_layers), len(cfg.mamba.layers)
+    none = {f.name: None for f in dataclasses.fields(LayerParams)}
+    attn = declare_layers(cfg, La, bool(cfg.num_experts))
+
+    def p(shape, axes, init="normal", dtype=None) -> ParamInfo:
+        return ParamInfo((Lm, *shape), ("layers", *axes), init, dtype)
+
+    mamba = LayerParams(**none | dict(
+        m_in=p((E, m.proj_dim), ("embed", None)), m_in_b=p((m.proj_dim,), (None,), "zeros") if m.proj_bias else None,
+        m_conv=p((m.conv_dim, m.conv_kernel), (None, None)),
+        m_conv_b=p((m.conv_dim,), (None,), "zeros") if m.conv_bias else None,
+        m_dt_bias=p((m.num_heads,), (None,), "ones", jnp.float32), m_a_log=p((m.num_heads,), (None,), "zeros", jnp.float32),
+        m_d=p((m.num_heads,), (None,), "ones", jnp.float32), m_norm=p((m.inner,), (None,), "ones"),
+        m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
+    return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
+                  layers=dataclasses.replace(declare_layers(cfg, cfg.num_layers, bool(cfg.num_experts)),
+                                             **{f: None for f in ATTENTION_FIELDS}),
+                  final_norm=ParamInfo((E,), ("embed",), "ones"),
+                  lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
+                  attn_layers=LayerParams(**none | {f: getattr(attn, f) for f in ATTENTION_FIELDS}),
+                  mamba_layers=mamba)
+
+
+def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Array, ssm: jax.Array,
+                  inputs: ModelInputs, layer: Callable) -> tuple[tuple, jax.Array, jax.Array]:
+    """Every layer of a hybrid model in order, unrolled: `layer(i, lp, carry, index, mixer)` runs layer i (its
+    `LayerParams` lp) over `carry` (x, k, v), or with `mixer` over (x, conv, ssm), `index` its place among the
+    attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools."""
+    x, k, v = carry
+    a = j = 0
+    for i in range(cfg.num_layers):
+        lp = jax.tree.map(lambda w, i=i: w[i], params.layers)
+        if i in cfg.mamba.layers:
+            mp = jax.tree.map(lambda w, j=j: w[j], params.mamba_layers)
+
+            def mixer(h, conv, ssm, mp=mp, j=j):
+                out, c, s = mamba_mixer(cfg.mamba, mp, h, inputs, conv[j], ssm[j])
+                return out, conv.at[j].set(c), ssm.at[j].set(s)
+
+            x, conv, ssm = layer(i, lp, (x, conv, ssm), j, mixer)
+            j += 1
+        else:
+            ap = jax.tree.map(lambda w, a=a: w[a], params.attn_layers)
+            lp = dataclasses.replace(lp, **{f: getattr(ap, f) for f in ATTENTION_FIELDS})
+            x, k, v = layer(i, lp, (x, k, v), a, None)
+            a += 1
+    return (x, k, v), conv, ssm
+
+
+def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInputs, conv: jax.Array,
+                ssm: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One Mamba-2 mixer over normed inputs h [T, E]: its output [T, E] and the layer's state pools (conv
+    [slots, conv_dim, kernel - 1], ssm [slots, heads, head_dim, state], float32) with each sequence's slot
+    holding its states after this step."""
+    T, S = h.shape[0], inputs.seq_lens.shape[0]
+    qsl, slots = inputs.query_start_loc, inputs.state_slots
+    if slots is None or conv is None:
+        raise ValueError("a hybrid model's step needs each sequence's state slot (ModelInputs.state_slots) and the "
+                         "state pools (KVCache.allocate with state_slots)")
+    q_len = qsl[1:] - qsl[:-1]
+    fresh = inputs.seq_lens - q_len == 0  # [S]: the sequence starts here (position 0)
+    tok = jnp.arange(T, dtype=jnp.int32)
+    real = tok < qsl[S]
+    seq = jnp.clip(jnp.searchsorted(qsl, tok, side="right") - 1, 0, S - 1)
+    i = tok - qsl[seq]  # each token's place in its sequence's chunk
+
+    proj = jnp.dot(h, lp.m_in, preferred_element_type=jnp.float32)
+    if lp.m_in_b is not None:
+        proj = proj + lp.m_in_b.astype(jnp.float32)
+    z, xbc, dt = proj[:, :m.inner], proj[:, m.inner:m.inner + m.conv_dim], proj[:, m.inner + m.conv_dim:]
+
+    # The causal convolution: tap j reads the input K - 1 - j tokens back, from the chunk or the slot's state.
+    K = m.conv_kernel
+    prev = jnp.where(fresh[:, None, None], 0.0, conv[slots])  # [S, C, K - 1]
+    acc = jnp.zeros_like(xbc)
+    for j in range(K):
+        back = K - 1 - j
+        col = jnp.clip(K - 1 - (back - i), 0, K - 2)
+        value = jnp.where((i >= back)[:, None], xbc[jnp.maximum(tok - back, 0)], prev[seq, :, col])
+        acc = acc + value * lp.m_conv[:, j].astype(jnp.float32)
+    if lp.m_conv_b is not None:
+        acc = acc + lp.m_conv_b.astype(jnp.float32)
+    xbc_out = jax.nn.silu(acc)
+    # The new state: each sequence's last K - 1 inputs (from before the chunk where it is shorter).
+    cols = jnp.arange(K - 1)
+    at = q_len[:, None] - 1 - (K - 2 - cols[None, :])  # [S, K - 1]: the chunk index each column takes
+    from_chunk = xbc[jnp.clip(qsl[:-1, None] + at, 0, T - 1)]  # [S, K - 1, C]
+    from_prev = jnp.take_along_axis(prev, jnp.clip(q_len[:, None] + cols[None, :], 0, K - 2)[:, None, :], axis=2)
+    new_conv = jnp.where((at >= 0)[:, None, :], jnp.swapaxes(from_chunk, 1, 2), from_prev)
+    conv = conv.at[slots].set(new_conv)
+
+    H, P, N, G = m.num_heads, m.head_dim, m.state_size, m.n_groups
+    x = xbc_out[:, :m.inner].reshape(T, H, P)
+    B = jnp.repeat(xbc_out[:, m.inner:m.inner + G * N].reshape(T, G, N), H // G, axis=1)  # [T, H, N]
+    C = jnp.repeat(xbc_out[:, m.inner + G * N:].reshape(T, G, N), H // G, axis=1)
+    dt = jnp.clip(jax.nn.softplus(dt + lp.m_dt_bias), m.time_step_min, m.time_step_max)  # [T, H]
+    decay = jnp.exp(dt * -jnp.exp(lp.m_a_log))  # [T, H]
+    dx = dt[:, :, None] * x  # [T, H, P]
+
+    if inputs.decode:  # one token per sequence, token t of sequence t: every state steps at once
+        start = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
+        states = start * decay[:, :, None, None] + dx[..., None] * B[:, :, None, :]
+        y = jnp.einsum("thpn,thn->thp", states, C)
+        ssm = ssm.at[slots].set(states)
+    else:  # token by token, each sequence from its slot's state; its last token's state written back
+        first = (i == 0) | ~real
+        last = (tok == qsl[seq + 1] - 1) | ~real
+        tok_slot = jnp.where(real, slots[seq], 0)
+        tok_fresh = fresh[seq] | ~real
+
+        def step(c, xs):
+            state, pool = c
+            is_first, is_last, slot, is_fresh, a, u, b, c_t = xs
+            begin = jnp.where(is_fresh, 0.0, pool[slot])
+            state = jnp.where(is_first, begin, state) * a[:, None, None] + u[:, :, None] * b[:, None, :]
+            pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(is_last, state, pool[slot]), slot, 0)
+            return (state, pool), jnp.einsum("hpn,hn->hp", state, c_t)
+
+        (_, ssm), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), ssm),
+                                   (first, last, tok_slot, tok_fresh, decay, dx, B, C))
+    y = (y + lp.m_d[:, None] * x).reshape(T, m.inner)
+
+    # The norm of y gated by z, over each group's channels, then the output projection.
+    g = (y * jax.nn.silu(z)).reshape(T, G, m.inner // G)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + m.norm_eps)
+    g = (g.reshape(T, m.inner).astype(h.dtype) * lp.m_norm).astype(h.dtype)
+    out = jnp.dot(g, lp.m_out, preferred_element_type=jnp.float32)
+    if lp.m_out_b is not None:
+        out = out + lp.m_out_b.astype(jnp.float32)
+    return out.astype(h.dtype), conv, ssm

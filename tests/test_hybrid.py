@@ -1,0 +1,169 @@
+"""Hybrid models (Granite 4.0-H: Mamba-2 layers beside attention) against HF transformers: logits, chunked against
+whole, batched against alone, and through the engine (its state slots, the device decode loop, preemption)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.engine.hybrid import state_bytes  # noqa: E402
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.engine.model_loading import LoadedModel  # noqa: E402
+from jaxserve.engine_args import EngineArgs  # noqa: E402
+from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
+from jaxserve.models.inputs import KVCache, ModelInputs  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from tests.fake_model import VOCAB, fake_tokenizer  # noqa: E402
+from tests.modelrun import drain, jitted, pages_for, run_chunks  # noqa: E402
+from tests.test_engine_gemma import hf_greedy  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+
+# Three Mamba layers around an attention layer; 8 heads of 16 channels in 2 groups, a state of 16 per channel.
+HYBRID = dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8,
+              mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
+              position_embedding_type="rope", residual_multiplier=0.5, logits_scaling=4.0, vocab_size=VOCAB)
+VARIANTS = {
+    "dense": dict(num_local_experts=0, shared_intermediate_size=96),
+    # Experts beside the shared MLP; biased Mamba projections, dt clamped from below.
+    "moe": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, intermediate_size=32,
+                mamba_proj_bias=True, time_step_limit=[0.05, 100.0]),
+}
+NEW_TOKENS = 10
+PROMPTS = [np.random.default_rng(seed).integers(2, VOCAB, n).tolist() for seed, n in ((1, 21), (2, 13), (3, 30))]
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(variant: str, tmp_path_factory) -> tuple:
+    """(HF model, our config, our params, its directory) of a tiny Granite 4.0-H, built once per module."""
+    if variant not in _BUILT:
+        path = tmp_path_factory.mktemp(f"hybrid_{variant}")
+        model = save_tiny_hf("GraniteMoeHybridConfig", path, **HYBRID, **VARIANTS[variant])
+        ckpt = open_checkpoint(str(path))
+        cfg = ckpt.config()
+        _BUILT[variant] = model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
+    return _BUILT[variant]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def hybrid(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """The dense variant (the engine's tests: the MoE variant's Mamba layers are the same code)."""
+    return _build("dense", tmp_path_factory)
+
+
+def test_config_reads_the_mamba_layers(hybrid):
+    model, cfg, _, _ = hybrid
+    m = cfg.mamba
+    assert m.layers == (0, 2, 3) and cfg.attention_layers == (1,)
+    assert (m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel) == (8, 16, 16, 2, 4)
+    assert (m.proj_bias, m.time_step_min) == ((True, 0.05) if model.config.num_local_experts else (False, 0.0))
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    # The pages hold the attention layer only.
+    assert KVCache.bytes_per_page(cfg, 8, jnp.float32) == 8 * cfg.num_kv_heads * 2 * cfg.head_dim * 4
+
+
+def test_logits_match_transformers(hybrid):
+    from tests.modelrun import prompt_logits
+
+    model, cfg, params, _ = hybrid
+    ids = PROMPTS[2] + PROMPTS[0]
+    ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
+    assert rel_err(ours, ref) < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_chunks_and_batches_equal_one_whole_prompt(hybrid):
+    """A prompt in chunks of 7, 1 and the rest (its states carried in its slot between steps) gives the logits of
+    the whole prompt at once; two prompts in one step give each one's logits alone."""
+    _, cfg, params, _ = hybrid
+    a, b = PROMPTS[2], PROMPTS[1]
+    pages_a, pages_b = pages_for(0, len(a), 8), pages_for(1, len(b), 8)
+
+    def pool():
+        return KVCache.allocate(cfg, 128, 8, jnp.float32, state_slots=3)
+
+    def run(kv, seqs):  # (one compiled shape for every call)
+        return run_chunks(cfg, params, kv, seqs, 8, num_tokens=64, num_seqs=2, pages_per_seq=8)
+
+    whole, _ = run(pool(), [(a, 0, pages_a)])
+    kv, chunks = pool(), []
+    for start, end in ((0, 7), (7, 8), (8, len(a))):
+        logits, kv = run(kv, [(a[start:end], start, pages_a)])
+        chunks.append(logits[: end - start])
+    np.testing.assert_allclose(np.concatenate(chunks), whole[: len(a)], rtol=2e-5, atol=2e-5)
+    both, _ = run(pool(), [(b, 0, pages_b), (a, 0, pages_a)])
+    alone_b, _ = run(pool(), [(b, 0, pages_b)])
+    np.testing.assert_allclose(both[: len(b)], alone_b[: len(b)], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(both[len(b): len(b) + len(a)], whole[: len(a)], rtol=2e-5, atol=2e-5)
+
+
+def _engine(cfg, params, path, pages: int = 40, **kw) -> LLMEngine:
+    loaded = LoadedModel(path, cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
+    args = EngineArgs(**{**dict(
+        max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_scheduler_steps=4,
+        kv_cache_memory_bytes=pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_bytes(cfg, 4),
+        dtype="float32", warmup=False, compile_cache_dir=None), **kw})
+    return LLMEngine(args, loaded=loaded, progress=False)
+
+
+def _greedy(engine, prompts=PROMPTS) -> list[list[int]]:
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy)
+    final = drain(engine)
+    return [list(final[str(i)].outputs[0].token_ids) for i in range(len(prompts))]
+
+
+def test_engine_greedy_equals_transformers(dense):
+    """Chunked prefills (16-token steps) beside decodes, then the device's decode loop of 4 steps, three requests in
+    one batch: transformers' greedy tokens; every state slot is back when they are done; the pages' budget holds
+    the states beside them; prefix caching is off."""
+    model, cfg, params, path = dense
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = _engine(cfg, params, path)
+    assert engine.scheduler.cache is None and engine.runner.cfg.num_pages == 40
+    assert engine.runner.kv.ssm.shape == (3, 5, 8, 16, 16) and engine.runner.kv.k.shape[0] == 1
+    assert _greedy(engine) == expected
+    assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
+    # Again on the same engine (slots reused, their old states not read): the same tokens, one by one too.
+    assert _greedy(engine) == expected
+    assert [_greedy(engine, [p])[0] for p in PROMPTS[:2]] == expected[:2]
+
+
+def test_preempted_requests_start_again_and_give_the_same_tokens(dense):
+    """Pages for barely two of the three requests: one is preempted (its slot given back) and recomputed from its
+    first token, and every request still gets transformers' tokens."""
+    model, cfg, params, path = dense
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = _engine(cfg, params, path, pages=10)
+    assert _greedy(engine) == expected
+    assert engine.stats().num_preemptions > 0
+    assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
+
+
+def test_what_a_hybrid_model_refuses(dense):
+    _, cfg, params, path = dense
+    for kw, match in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                       "speculative decoding"),
+                      (dict(enable_lora=True), "LoRA"),
+                      (dict(tensor_parallel_size=2), "one device")):
+        with pytest.raises(UnsupportedModelError, match=match):
+            _engine(cfg, params, path, **kw)
+    with pytest.raises(ValueError, match="state slot"):
+        inputs = dataclasses.replace(ModelInputs.build([([1, 2], 0, [1])], 8), state_slots=None)
+        jitted()(params, KVCache.allocate(cfg, 4, 8, jnp.float32, state_slots=2), inputs, cfg, "xla")
+    with pytest.raises(UnsupportedModelError, match="Mamba layers only"):
+        dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, layers=(0, 1, 2, 3)))
