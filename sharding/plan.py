@@ -98,9 +98,15 @@ class ShardingPlan:
     def step_shardings(self, kv_cache: KVCache | None = None) -> StepShardings:
         """Shardings of a step's parameters, KV cache (of `kv_cache`'s form; a plain float pool by
         default) and replicated outputs."""
-        kv = self.kv_sharding()
-        kv_tree = KVCache(k=kv, v=kv) if kv_cache is None else jax.tree.map(lambda _: kv, kv_cache)
-        return StepShardings(self.param_shardings(), kv_tree, self.replicated())
+        return StepShardings(self.param_shardings(), self._pool_shardings(kv_cache or KVCache(k=0, v=0)),
+                             self.replicated())
+
+    def _pool_shardings(self, kv_cache: KVCache) -> KVCache:
+        """A pool's shardings: its pages split by KV head; a hybrid model's states whole on every device (its Mamba
+        layers run whole on each: their parameters' axes are replicated)."""
+        kv, whole = self.kv_sharding(), self.replicated()
+        return dataclasses.replace(jax.tree.map(lambda _: kv, kv_cache),
+                                   **{name: whole for name in ("conv", "ssm") if getattr(kv_cache, name) is not None})
 
     @property
     def kv_shards(self) -> int:
@@ -145,15 +151,14 @@ class ShardingPlan:
                 for path, value in param_paths(params).items()}
         return from_param_paths(self.model_cfg, flat)
 
-    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False) -> KVCache:
-        """A zeroed page pool created directly in its shards (split by KV head); `as_bits` as in
+    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False,
+                    state_slots: int = 0) -> KVCache:
+        """A zeroed page pool created directly in its shards (split by KV head); `as_bits` and `state_slots` as in
         `KVCache.allocate`."""
-        sh = self.kv_sharding()
-
         def make():
-            return KVCache.allocate(self.model_cfg, num_pages, page_size, dtype, as_bits)
+            return KVCache.allocate(self.model_cfg, num_pages, page_size, dtype, as_bits, state_slots)
 
-        return jax.jit(make, out_shardings=jax.tree.map(lambda _: sh, jax.eval_shape(make)))()
+        return jax.jit(make, out_shardings=self._pool_shardings(jax.eval_shape(make)))()
 
     def describe(self) -> str:
         shape = dict(self.mesh.shape)

@@ -101,7 +101,7 @@ def test_mrope_positions_make_the_difference(qwen, monkeypatch):
 def test_qwen3_vl_deepstack_and_interleaved_sections_make_the_difference(qwen, monkeypatch):
     """Qwen3-VL with its deepstack embeddings zero, or with its M-RoPE sections in order instead of interleaved,
     leaves transformers' logprobs: the equality above can fail on either."""
-    from jaxserve.models import llama
+    from jaxserve.models import rotary
 
     path, model = qwen
     _, want = hf_greedy(model, PROMPTS[0], IMAGES[0])
@@ -113,7 +113,7 @@ def test_qwen3_vl_deepstack_and_interleaved_sections_make_the_difference(qwen, m
                                                             "b2": params.deep["b2"] * 0}))
     (_, got), = run(eng, PROMPTS[:1], IMAGES[:1])
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
-    monkeypatch.setattr(llama, "mrope_axes", lambda cfg: np.repeat(np.arange(3), cfg.mrope_section))
+    monkeypatch.setattr(rotary, "mrope_axes", lambda cfg: np.repeat(np.arange(3), cfg.mrope_section))
     jax.clear_caches()  # (the steps traced before hold the interleaved axes)
     (_, got), = run(engine(path), PROMPTS[:1], IMAGES[:1])
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3

@@ -79,7 +79,7 @@ def test_logits_match_transformers(hybrid):
     from tests.modelrun import prompt_logits
 
     model, cfg, params, _ = hybrid
-    ids = PROMPTS[2] + PROMPTS[0]
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2  # 102 tokens: two of the scan's chunks
     ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
     assert rel_err(ours, ref) < 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
@@ -87,16 +87,17 @@ def test_logits_match_transformers(hybrid):
 
 def test_chunks_and_batches_equal_one_whole_prompt(hybrid):
     """A prompt in chunks of 7, 1 and the rest (its states carried in its slot between steps) gives the logits of
-    the whole prompt at once; two prompts in one step give each one's logits alone."""
+    the whole prompt at once; two prompts in one step give each one's logits alone. 100 tokens in 128-token steps:
+    the scan's two chunks of 64 (`mamba.CHUNK`) split the prompt, alone and after the other prompt."""
     _, cfg, params, _ = hybrid
-    a, b = PROMPTS[2], PROMPTS[1]
+    a, b = (PROMPTS[2] * 4)[:100], PROMPTS[1]
     pages_a, pages_b = pages_for(0, len(a), 8), pages_for(1, len(b), 8)
 
     def pool():
         return KVCache.allocate(cfg, 128, 8, jnp.float32, state_slots=3)
 
     def run(kv, seqs):  # (one compiled shape for every call)
-        return run_chunks(cfg, params, kv, seqs, 8, num_tokens=64, num_seqs=2, pages_per_seq=8)
+        return run_chunks(cfg, params, kv, seqs, 8, num_tokens=128, num_seqs=2, pages_per_seq=16)
 
     whole, _ = run(pool(), [(a, 0, pages_a)])
     kv, chunks = pool(), []
@@ -159,7 +160,8 @@ def test_what_a_hybrid_model_refuses(dense):
     for kw, match in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                        "speculative decoding"),
                       (dict(enable_lora=True), "LoRA"),
-                      (dict(tensor_parallel_size=2), "one device")):
+                      (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), "calculated float8 KV scales"),
+                      (dict(data_parallel_size=2), "data parallelism")):
         with pytest.raises(UnsupportedModelError, match=match):
             _engine(cfg, params, path, **kw)
     with pytest.raises(ValueError, match="state slot"):

@@ -24,7 +24,8 @@ def mesh(tp: int = 1, ep: int = 1) -> AbstractMesh:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft", "mtp", "eagle")
+    return run_cases("dense", "engine", "dp", "checkpoint", "load", "sleep", "images", "quant", "draft", "mtp", "eagle",
+                     "hybrid")
 
 
 # -- rules, in process --------------------------------------------------------------------------------
@@ -170,6 +171,15 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
     assert len(pooled["single"]) == len(PROMPTS) and all(len(v) == 64 for v in pooled["single"])
     np.testing.assert_allclose(pooled["tp2"], pooled["single"], atol=1e-5)
     assert pooled["tp2_compiles_after_warmup"] == 0 and pooled["single_compiles_after_warmup"] == 0
+
+
+def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
+    """Granite 4.0-H's layers at TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole
+    on each device; one device's greedy tokens, nothing compiled after warmup."""
+    r = results["hybrid"]
+    assert len(r["ref"]) == len(PROMPTS) and all(len(t) == 12 for t in r["ref"])
+    assert r["tp2"] == r["ref"] and r["compiles_after_warmup"] == 0
+    assert r["pages_devices"] == 2 and r["pages_split"] == 1 and r["ssm_whole"]
 
 
 def test_a_draft_model_drafts_whole_on_each_device_of_a_tp2_engine(results):

@@ -739,7 +739,34 @@ def case_images() -> dict:
     return found
 
 
-CASES = {"quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,
+def hybrid_config():
+    from jaxserve.config import ModelConfig
+
+    # Granite 4.0-H's layers: Mamba-2 (8 heads of 16 channels, 2 groups) around one attention layer, 8 query heads.
+    return ModelConfig.from_hf(dict(
+        architectures=["GraniteMoeHybridForCausalLM"], model_type="granitemoehybrid", vocab_size=64, hidden_size=64,
+        num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, num_local_experts=0,
+        shared_intermediate_size=128, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=2, position_embedding_type="rope", max_position_embeddings=512))
+
+
+def case_hybrid() -> dict:
+    """A hybrid model through the engine, one device vs TP=2: its attention layer's heads split, its Mamba layers
+    and their states whole on each device."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+
+    loaded = _tiny_loaded(hybrid_config())
+    args = dict(ENGINE_ARGS, kv_cache_memory_bytes=2**20)
+    ref = _generate(LLMEngine(EngineArgs(**args, warmup=False), loaded=loaded, progress=False), PROMPTS)
+    tp2 = LLMEngine(EngineArgs(**args, tensor_parallel_size=2, strict_compile=True), loaded=loaded, progress=False)
+    kv = tp2.runner.kv
+    return {"ref": ref, "tp2": _generate(tp2, PROMPTS), "compiles_after_warmup": tp2.stats().compilations_after_warmup,
+            "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
+            "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape}
+
+
+CASES = {"hybrid": case_hybrid, "quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,
          "draft": case_draft, "mtp": case_mtp, "eagle": case_eagle}
 
 

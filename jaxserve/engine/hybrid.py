@@ -21,13 +21,15 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     if cfg.mamba is None:
         return args
     refused = (("speculative_config", "speculative decoding (its rejected drafts would have advanced the states)"),
-               ("enable_lora", "LoRA adapters"), ("enable_prompt_embeds", "prompt embeddings"))
+               ("enable_lora", "LoRA adapters"), ("enable_prompt_embeds", "prompt embeddings"),
+               ("calculate_kv_scales", "calculated float8 KV scales"))
     for name, what in refused:
         if getattr(args, name, None):
             raise UnsupportedModelError(f"{what} ({name}) is not supported for a hybrid (Mamba) model")
-    if args.tensor_parallel_size * args.expert_parallel_size * args.data_parallel_size * args.num_processes > 1:
-        raise UnsupportedModelError("a hybrid (Mamba) model is served on one device: tensor, expert and data "
-                                    "parallelism and multi-host are not supported for it yet")
+    if args.data_parallel_size * args.num_processes > 1:
+        raise UnsupportedModelError("a hybrid (Mamba) model is served by one engine on one host: data parallelism "
+                                    "and multi-host serving are not supported for it yet (tensor and expert "
+                                    "parallelism are)")
     if args.is_pooling:
         raise UnsupportedModelError("runner 'pooling' is not supported for a hybrid (Mamba) model")
     if args.enable_prefix_caching:

@@ -8,6 +8,7 @@ drives it to completion for offline batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -99,8 +100,8 @@ class LLMEngine:
         backend, spec = resolve_attention_backend(args), args.speculative_config
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
-        kv = (plan.allocate_kv(num_pages, args.page_size, kv_dtype, as_bits) if plan
-              else KVCache.allocate(cfg, num_pages, args.page_size, kv_dtype, as_bits, state_slots(cfg, max_seqs)))
+        kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(
+            num_pages, args.page_size, kv_dtype, as_bits, state_slots(cfg, max_seqs))
         self.runner = ModelRunner(
             cfg, self.model.params, kv,
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,

@@ -7,6 +7,7 @@ step leaves holding the states after its last token. Prefix caching does not app
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -126,22 +127,10 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
         states = start * decay[:, :, None, None] + dx[..., None] * B[:, :, None, :]
         y = jnp.einsum("thpn,thn->thp", states, C)
         ssm = ssm.at[slots].set(states)
-    else:  # token by token, each sequence from its slot's state; its last token's state written back
-        first = (i == 0) | ~real
-        last = (tok == qsl[seq + 1] - 1) | ~real
-        tok_slot = jnp.where(real, slots[seq], 0)
-        tok_fresh = fresh[seq] | ~real
-
-        def step(c, xs):
-            state, pool = c
-            is_first, is_last, slot, is_fresh, a, u, b, c_t = xs
-            begin = jnp.where(is_fresh, 0.0, pool[slot])
-            state = jnp.where(is_first, begin, state) * a[:, None, None] + u[:, :, None] * b[:, None, :]
-            pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(is_last, state, pool[slot]), slot, 0)
-            return (state, pool), jnp.einsum("hpn,hn->hp", state, c_t)
-
-        (_, ssm), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), ssm),
-                                   (first, last, tok_slot, tok_fresh, decay, dx, B, C))
+    else:  # chunk by chunk (`_chunked_scan`), each sequence from its slot's state, its last one written back
+        own = jnp.where(real, seq, S + tok)  # (each padding token a sequence of its own, in slot 0)
+        y, ssm = _chunked_scan(jnp.log(decay), dx, B, C, own, jnp.where(real, slots[seq], 0),
+                               fresh[seq] | ~real, (tok == qsl[seq + 1] - 1) | ~real, ssm)
     y = (y + lp.m_d[:, None] * x).reshape(T, m.inner)
 
     # The norm of y gated by z, over each group's channels, then the output projection.
@@ -152,3 +141,45 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     if lp.m_out_b is not None:
         out = out + lp.m_out_b.astype(jnp.float32)
     return out.astype(h.dtype), conv, ssm
+
+
+CHUNK = 64  # tokens whose states one step of `_chunked_scan` computes at once
+
+
+def _chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array, slot: jax.Array,
+                  fresh: jax.Array, last: jax.Array, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The selective scan over a ragged batch, `CHUNK` tokens a step: the outputs y [T, H, P] and the pool with each
+    sequence's state after its last token (`last`) in its slot.
+
+    Per head, a token t's state is h_t = exp(a_t) h_(t-1) + dx_t B_t, starting from the state before its sequence's
+    first token (zero where `fresh`, else its slot's). Within a chunk every token's state is computed at once: its
+    sequence's starting state decayed by the sum of a since, plus its sequence's tokens s <= t in the chunk, each
+    dx_s B_s decayed by the sum of a over (s, t] (a masked [CHUNK, CHUNK] matrix per head, then one matmul). Only the
+    state after a chunk's last token passes to the next, to the tokens of a sequence that goes on there."""
+    T, H, P = dx.shape
+    N = B.shape[-1]
+    Q = math.gcd(T, CHUNK)
+    idx = jnp.arange(Q)
+    causal = idx[:, None] >= idx[None, :]
+    starts_before = jnp.concatenate([jnp.zeros(1, bool), seq[1:] == seq[:-1]]) & (jnp.arange(T) % Q == 0)
+
+    def step(carry, xs):
+        h_in, pool = carry  # the state after the previous chunk's last token [H, P, N]
+        a, u, b, c, sq, sl, fr, la, before = xs
+        acum = jnp.cumsum(a, axis=0)  # [Q, H]
+        same = causal & (sq[:, None] == sq[None, :])
+        w = jnp.exp(jnp.where(same[:, :, None], acum[:, None, :] - acum[None, :, :], -jnp.inf))  # [t, s, H]
+        # Each token's sequence's first token in the chunk (the chunk's first, for one that started before it).
+        first = jax.lax.cummax(jnp.where((idx == 0) | (sq != jnp.roll(sq, 1)), idx, 0), axis=0)
+        cont = before[0] & (sq == sq[0])  # the sequence that went on from the previous chunk
+        base = jnp.where(cont[:, None], 0.0, acum[first] - a[first])  # [Q, H]: the sum of a before its start
+        init = jnp.where(cont[:, None, None, None], h_in[None],
+                         jnp.where(fr[:, None, None, None], 0.0, pool[sl]))  # [Q, H, P, N]
+        states = (jnp.exp(acum - base)[:, :, None, None] * init
+                  + jnp.einsum("tsh,shpn->thpn", w, u[..., None] * b[:, :, None, :]))
+        pool = pool.at[jnp.where(la, sl, pool.shape[0])].set(states, mode="drop")
+        return (states[-1], pool), jnp.einsum("thpn,thn->thp", states, c)
+
+    chunks = [x.reshape(T // Q, Q, *x.shape[1:]) for x in (log_decay, dx, B, C, seq, slot, fresh, last, starts_before)]
+    (_, pool), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), pool), chunks)
+    return y.reshape(T, H, P), pool

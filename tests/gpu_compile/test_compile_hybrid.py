@@ -1,0 +1,75 @@
+"""A hybrid model's steps (Granite 4.0-H: Mamba-2 layers beside attention), compiled for sm_90 without a GPU.
+
+Granite-4.0-H-Tiny's shapes (48 Mamba heads of 64 channels, a state of 128 per channel; 12 query and 4 KV heads)
+cut to a Mamba layer, an attention layer and a Mamba layer, dense, at the default engine's buckets: the mixed step
+in the largest token bucket (the scan over its tokens, each sequence from its slot's state) and the decode loop in
+the largest sequence bucket (every row's state stepped at once). The page pool and the state pools are updated in
+place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.engine.logprobs import PromptLogprobInputs
+from jaxserve.engine.runner import decode_loop, mixed_step
+from jaxserve.engine.sampler import SamplingTensors
+from jaxserve.models.inputs import KVCache, ModelInputs
+from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _common, _compile, decode_state
+
+GRANITE_H = ModelConfig.from_hf({
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "vocab_size": 100352,
+    "hidden_size": 1536, "num_hidden_layers": 3, "num_attention_heads": 12, "num_key_value_heads": 4,
+    "num_local_experts": 0, "shared_intermediate_size": 1024, "layer_types": ["mamba", "attention", "mamba"],
+    "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_expand": 2,
+    "mamba_d_conv": 4, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+    "logits_scaling": 6.0})
+NUM_PAGES = 65536  # 16-token pages of the one attention layer: 1 GB of bfloat16 keys and values
+
+
+def _pool(spec) -> tuple[KVCache, int]:
+    cfg = GRANITE_H
+    shape = (len(cfg.attention_layers), NUM_PAGES, RC.page_size, cfg.num_kv_heads, cfg.head_dim)
+    states = KVCache.state_shapes(cfg, RC.max_num_seqs + 1)
+    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE),
+                 **{name: spec(s, jnp.float32) for name, s in states.items()})
+    pages = NUM_PAGES * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE)
+    return kv, pages + 4 * sum(math.prod(s) for s in states.values())
+
+
+@pytest.mark.gpu_compile
+def test_hybrid_mixed_step_compiles_for_sm90(spec):
+    cfg = GRANITE_H
+    T = RC.token_buckets[-1]
+    S = min(T, RC.max_num_seqs)
+    params, _, _, pen, want_top = _common(spec, S, cfg=cfg)
+    kv, pool_bytes = _pool(spec)
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq,
+                             state_slots=[0])
+    step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
+                       want_top, pool_bytes=pool_bytes)
+    print(f"granite-4.0-h mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+def test_hybrid_decode_loop_compiles_for_sm90(spec):
+    cfg = GRANITE_H
+    S = RC.seq_buckets[-1]
+    params, _, _, pen, want_top = _common(spec, S, cfg=cfg)
+    kv, pool_bytes = _pool(spec)
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    st = dataclasses.replace(decode_state(spec, S), state_slots=spec((S,), jnp.int32))
+    loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
+                             n_max=RC.num_scheduler_steps)
+    seconds = _compile(loop, params, kv, st, sampling, pen, want_top, pool_bytes=pool_bytes)
+    print(f"granite-4.0-h decode_loop S={S}: compiled for sm_90 in {seconds:.1f} s")
+
