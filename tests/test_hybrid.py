@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.engine.hybrid import state_bytes  # noqa: E402
@@ -169,3 +169,22 @@ def test_what_a_hybrid_model_refuses(dense):
         jitted()(params, KVCache.allocate(cfg, 4, 8, jnp.float32, state_slots=2), inputs, cfg, "xla")
     with pytest.raises(UnsupportedModelError, match="Mamba layers only"):
         dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, layers=(0, 1, 2, 3)))
+
+
+def test_convert_writes_the_sources_tensors(tmp_path):
+    """`jaxserve convert` of a Granite 4.0-H with experts: every tensor as the checkpoint had it (the Mamba layers'
+    apart from the attention layer's, the experts fused back); transformers reads the output as the model."""
+    from safetensors import safe_open
+
+    from tests.test_convert import convert, write_tiny_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    model = save_tiny_hf("GraniteMoeHybridConfig", src, **HYBRID, **VARIANTS["moe"])
+    write_tiny_tokenizer(src)
+    convert(src, out)
+    with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:
+        assert sorted(f.keys()) == sorted(g.keys()) and any(".mamba.conv1d." in k for k in g.keys())
+        for key in g.keys():
+            np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-6

@@ -394,7 +394,7 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value.reshape(value.shape[0], -1).T
     if field == "wo":
         return value.reshape(-1, value.shape[-1]).T
-    if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down"):
+    if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down", "m_in", "m_out"):
         return value.T
     return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and cfg.qk_norm_heads \
-        else value
+        else value.reshape(target.hf_shape)  # (a Mamba layer's convolution: [channels, 1, taps])
