@@ -129,13 +129,15 @@ def _greedy(engine, prompts=PROMPTS) -> list[list[int]]:
     return [list(final[str(i)].outputs[0].token_ids) for i in range(len(prompts))]
 
 
-def test_engine_greedy_equals_transformers(dense):
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_engine_greedy_equals_transformers(dense, backend):
     """Chunked prefills (16-token steps) beside decodes, then the device's decode loop of 4 steps, three requests in
     one batch: transformers' greedy tokens; every state slot is back when they are done; the pages' budget holds
-    the states beside them; prefix caching is off."""
+    the states beside them; prefix caching is off. On the XLA backend the prompts are scanned token by token, on
+    the Pallas ones (here its interpreter) chunk by chunk."""
     model, cfg, params, path = dense
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(cfg, params, path)
+    engine = _engine(cfg, params, path, attention_backend=backend)
     assert engine.scheduler.cache is None and engine.runner.cfg.num_pages == 40
     assert engine.runner.kv.ssm.shape == (3, 5, 8, 16, 16) and engine.runner.kv.k.shape[0] == 1
     assert _greedy(engine) == expected
@@ -207,11 +209,12 @@ def _scan_reference(log_decay, dx, B, C, seq, slot, fresh, last, pool):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_chunked_scan_equals_the_recurrence(seed):
-    """`mamba._chunked_scan` over random ragged batches of 256 tokens (four chunks): sequences of 1 to 150 tokens
-    (decodes, chunks inside one chunk, across two or three), each fresh or from its slot's state, padding after:
-    the outputs and the slots' states of the recurrence token by token."""
-    from jaxserve.models.mamba import _chunked_scan
+@pytest.mark.parametrize("scan", ["chunked_scan", "token_scan"])
+def test_the_scans_equal_the_recurrence(scan, seed):
+    """`mamba.chunked_scan` and `mamba.token_scan` over random ragged batches of 256 tokens (four chunks): sequences
+    of 1 to 150 tokens (decodes, chunks inside one chunk, across two or three), each fresh or from its slot's state,
+    padding after: the outputs and the slots' states of the recurrence token by token (numpy)."""
+    from jaxserve.models import mamba
 
     rng = np.random.default_rng(seed)
     T, H, P, N, slots = 256, 3, 4, 5, 12
@@ -230,7 +233,7 @@ def test_the_chunked_scan_equals_the_recurrence(seed):
             rng.normal(size=(T, H, N)).astype(f32), rng.normal(size=(T, H, N)).astype(f32))
     pool = rng.normal(size=(slots, H, P, N)).astype(f32)
     want_y, want_pool = _scan_reference(*args, seq, slot, fresh, last, pool)
-    y, got_pool = jax.jit(_chunked_scan)(*args, jnp.asarray(seq, jnp.int32), jnp.asarray(slot, jnp.int32),
+    y, got_pool = jax.jit(getattr(mamba, scan))(*args, jnp.asarray(seq, jnp.int32), jnp.asarray(slot, jnp.int32),
                                          jnp.asarray(fresh), jnp.asarray(last), jnp.asarray(pool))
     real = seq < len(lens)
     np.testing.assert_allclose(np.asarray(y)[real], want_y[real], rtol=1e-4, atol=1e-4)

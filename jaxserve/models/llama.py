@@ -324,7 +324,7 @@ def forward(
     elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
         carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
             cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype, False,
-            mixer=mixer)[0])
+            mixer=mixer)[0], chunked=backend != "xla")
         kv = dataclasses.replace(kv, conv=conv, ssm=ssm)
     elif cfg.uniform_layers:
         first = 0

@@ -47,10 +47,11 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
 
 
 def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Array, ssm: jax.Array,
-                  inputs: ModelInputs, layer: Callable) -> tuple[tuple, jax.Array, jax.Array]:
+                  inputs: ModelInputs, layer: Callable, chunked: bool) -> tuple[tuple, jax.Array, jax.Array]:
     """Every layer of a hybrid model in order, unrolled: `layer(i, lp, carry, index, mixer)` runs layer i (its
     `LayerParams` lp) over `carry` (x, k, v), or with `mixer` over (x, conv, ssm), `index` its place among the
-    attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools."""
+    attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools. `chunked`:
+    the prompt tokens' scan by `chunked_scan`, else `token_scan`."""
     x, k, v = carry
     a = j = 0
     for i in range(cfg.num_layers):
@@ -59,7 +60,7 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
             mp = jax.tree.map(lambda w, j=j: w[j], params.mamba_layers)
 
             def mixer(h, conv, ssm, mp=mp, j=j):
-                out, c, s = mamba_mixer(cfg.mamba, mp, h, inputs, conv[j], ssm[j])
+                out, c, s = mamba_mixer(cfg.mamba, mp, h, inputs, conv[j], ssm[j], chunked)
                 return out, conv.at[j].set(c), ssm.at[j].set(s)
 
             x, conv, ssm = layer(i, lp, (x, conv, ssm), j, mixer)
@@ -73,10 +74,12 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
 
 
 def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInputs, conv: jax.Array,
-                ssm: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                ssm: jax.Array, chunked: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Mamba-2 mixer over normed inputs h [T, E]: its output [T, E] and the layer's state pools (conv
     [slots, conv_dim, kernel - 1], ssm [slots, heads, head_dim, state], float32) with each sequence's slot
-    holding its states after this step."""
+    holding its states after this step. A decode step's states step at once; other steps' tokens are scanned by
+    `chunked_scan` (`chunked`: the Pallas backends', for a GPU) or `token_scan` (the CPU's XLA backend: on 2 cores
+    5x faster at Granite-4.0-H-Tiny's shapes, bench/hybrid_scan.py)."""
     T, S = h.shape[0], inputs.seq_lens.shape[0]
     qsl, slots = inputs.query_start_loc, inputs.state_slots
     if slots is None or conv is None:
@@ -119,17 +122,17 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     B = jnp.repeat(xbc_out[:, m.inner:m.inner + G * N].reshape(T, G, N), H // G, axis=1)  # [T, H, N]
     C = jnp.repeat(xbc_out[:, m.inner + G * N:].reshape(T, G, N), H // G, axis=1)
     dt = jnp.clip(jax.nn.softplus(dt + lp.m_dt_bias), m.time_step_min, m.time_step_max)  # [T, H]
-    decay = jnp.exp(dt * -jnp.exp(lp.m_a_log))  # [T, H]
+    log_decay = dt * -jnp.exp(lp.m_a_log)  # [T, H]
     dx = dt[:, :, None] * x  # [T, H, P]
 
     if inputs.decode:  # one token per sequence, token t of sequence t: every state steps at once
         start = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
-        states = start * decay[:, :, None, None] + dx[..., None] * B[:, :, None, :]
+        states = start * jnp.exp(log_decay)[:, :, None, None] + dx[..., None] * B[:, :, None, :]
         y = jnp.einsum("thpn,thn->thp", states, C)
         ssm = ssm.at[slots].set(states)
-    else:  # chunk by chunk (`_chunked_scan`), each sequence from its slot's state, its last one written back
+    else:  # each sequence from its slot's state, its last one written back
         own = jnp.where(real, seq, S + tok)  # (each padding token a sequence of its own, in slot 0)
-        y, ssm = _chunked_scan(jnp.log(decay), dx, B, C, own, jnp.where(real, slots[seq], 0),
+        y, ssm = (chunked_scan if chunked else token_scan)(log_decay, dx, B, C, own, jnp.where(real, slots[seq], 0),
                                fresh[seq] | ~real, (tok == qsl[seq + 1] - 1) | ~real, ssm)
     y = (y + lp.m_d[:, None] * x).reshape(T, m.inner)
 
@@ -143,22 +146,44 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     return out.astype(h.dtype), conv, ssm
 
 
-CHUNK = 64  # tokens whose states one step of `_chunked_scan` computes at once
+def token_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array, slot: jax.Array,
+               fresh: jax.Array, last: jax.Array, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The selective scan over a ragged batch one token a step (arguments and outputs as `chunked_scan`'s)."""
+    H, P, N = dx.shape[1], dx.shape[2], B.shape[2]
+    first = jnp.concatenate([jnp.ones(1, bool), seq[1:] != seq[:-1]])
+
+    def step(carry, xs):
+        state, pool = carry
+        is_first, is_last, sl, is_fresh, a, u, b, c = xs
+        begin = jnp.where(is_fresh, 0.0, pool[sl])
+        state = jnp.where(is_first, begin, state) * jnp.exp(a)[:, None, None] + u[:, :, None] * b[:, None, :]
+        pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(is_last, state, pool[sl]), sl, 0)
+        return (state, pool), jnp.einsum("hpn,hn->hp", state, c)
+
+    (_, pool), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), pool),
+                                (first, last, slot, fresh, log_decay, dx, B, C))
+    return y, pool
 
 
-def _chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array, slot: jax.Array,
-                  fresh: jax.Array, last: jax.Array, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The selective scan over a ragged batch, `CHUNK` tokens a step: the outputs y [T, H, P] and the pool with each
-    sequence's state after its last token (`last`) in its slot.
+CHUNK = 64  # tokens whose states one step of `chunked_scan` computes at once
 
-    Per head, a token t's state is h_t = exp(a_t) h_(t-1) + dx_t B_t, starting from the state before its sequence's
-    first token (zero where `fresh`, else its slot's). Within a chunk every token's state is computed at once: its
-    sequence's starting state decayed by the sum of a since, plus its sequence's tokens s <= t in the chunk, each
-    dx_s B_s decayed by the sum of a over (s, t] (a masked [CHUNK, CHUNK] matrix per head, then one matmul). Only the
-    state after a chunk's last token passes to the next, to the tokens of a sequence that goes on there."""
+
+def chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array, slot: jax.Array,
+                 fresh: jax.Array, last: jax.Array, pool: jax.Array, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """The selective scan over a ragged batch, `chunk` tokens a step: the outputs y [T, H, P] and the pool with each
+    sequence's state after its last token (`last`) in its slot. Token t: its log decay [H], dt x [H, P], B and C [H, N];
+    its sequence (`seq`, contiguous), that sequence's slot and whether it starts from zero (`fresh`).
+
+    Per head, a token t's state is h_t = exp(a_t) h_(t-1) + dx_t B_t, from the state before its sequence's first
+    token (zero where `fresh`, else its slot's), and y_t = h_t C_t. Within a chunk, as state space duality has it:
+    y_t is its run's starting state (its sequence's tokens in the chunk) decayed by the sum of a since and read by
+    C_t, plus the run's tokens s <= t, each dx_s weighted by (C_t . B_s) and by the decay over (s, t] (a masked
+    [chunk, chunk] matrix per head); a run's state after its last token in the chunk is its starting state decayed,
+    plus each of its tokens' dx_s B_s decayed to that token (a sum by run), and no token's state is formed
+    otherwise. That state of the chunk's last run passes to the next chunk, where its sequence goes on."""
     T, H, P = dx.shape
     N = B.shape[-1]
-    Q = math.gcd(T, CHUNK)
+    Q = math.gcd(T, chunk)
     idx = jnp.arange(Q)
     causal = idx[:, None] >= idx[None, :]
     starts_before = jnp.concatenate([jnp.zeros(1, bool), seq[1:] == seq[:-1]]) & (jnp.arange(T) % Q == 0)
@@ -167,18 +192,24 @@ def _chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Arra
         h_in, pool = carry  # the state after the previous chunk's last token [H, P, N]
         a, u, b, c, sq, sl, fr, la, before = xs
         acum = jnp.cumsum(a, axis=0)  # [Q, H]
+        start, end = (idx == 0) | (sq != jnp.roll(sq, 1)), (idx == Q - 1) | (sq != jnp.roll(sq, -1))
+        run = jnp.cumsum(start) - 1  # [Q]: each token's run
+        first = jax.lax.cummax(jnp.where(start, idx, 0), axis=0)
+        final = jax.lax.cummin(jnp.where(end, idx, Q - 1), axis=0, reverse=True)
+        cont = before[0] & (run == 0)  # the run that goes on from the previous chunk
+        base = jnp.where(cont[:, None], 0.0, acum[first] - a[first])  # [Q, H]: the sum of a before its run
+        init = jnp.where(cont[:, None, None, None], h_in[None],
+                         jnp.where(fr[:, None, None, None], 0.0, pool[sl]))  # [Q, H, P, N]: its run's start
         same = causal & (sq[:, None] == sq[None, :])
         w = jnp.exp(jnp.where(same[:, :, None], acum[:, None, :] - acum[None, :, :], -jnp.inf))  # [t, s, H]
-        # Each token's sequence's first token in the chunk (the chunk's first, for one that started before it).
-        first = jax.lax.cummax(jnp.where((idx == 0) | (sq != jnp.roll(sq, 1)), idx, 0), axis=0)
-        cont = before[0] & (sq == sq[0])  # the sequence that went on from the previous chunk
-        base = jnp.where(cont[:, None], 0.0, acum[first] - a[first])  # [Q, H]: the sum of a before its start
-        init = jnp.where(cont[:, None, None, None], h_in[None],
-                         jnp.where(fr[:, None, None, None], 0.0, pool[sl]))  # [Q, H, P, N]
-        states = (jnp.exp(acum - base)[:, :, None, None] * init
-                  + jnp.einsum("tsh,shpn->thpn", w, u[..., None] * b[:, :, None, :]))
-        pool = pool.at[jnp.where(la, sl, pool.shape[0])].set(states, mode="drop")
-        return (states[-1], pool), jnp.einsum("thpn,thn->thp", states, c)
+        y = (jnp.einsum("tsh,shp->thp", w * jnp.einsum("thn,shn->tsh", c, b), u)
+             + jnp.exp(acum - base)[:, :, None] * jnp.einsum("thn,thpn->thp", c, init))
+        # Each run's state after its last token in the chunk, on each of its tokens' rows.
+        own = jnp.exp(acum[final] - acum)[:, :, None, None] * u[..., None] * b[:, :, None, :]
+        ends = (jnp.exp(acum[final] - base)[:, :, None, None] * init
+                + jax.ops.segment_sum(own, run, num_segments=Q)[run])
+        pool = pool.at[jnp.where(la, sl, pool.shape[0])].set(ends, mode="drop")
+        return (ends[-1], pool), y
 
     chunks = [x.reshape(T // Q, Q, *x.shape[1:]) for x in (log_decay, dx, B, C, seq, slot, fresh, last, starts_before)]
     (_, pool), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), pool), chunks)
