@@ -3,7 +3,8 @@
 # default 570 s): first the three test files' runs side by side (the Mosaic GPU kernel tests, the kernel tests
 # through the Triton lowering, the engine against its XLA path), each in its own process with the GPU's memory
 # taken as needed rather than preallocated; then the timings, alone on the GPU: the kernels (ROWS: the groups
-# of bench/gpu_kernels.py's rows, in order), latent attention, and the engine's offline throughput per backend
+# of bench/gpu_kernels.py's rows, in order), latent attention, the MoE grouped matmul, a hybrid model's selective
+# scan, and the engine's offline throughput per backend
 # (BACKENDS, default "pallas_mosaic pallas": Hopper's default first). Each step's limit is its own or what is left
 # before the deadline, whichever is less; a step with under 20 s left is skipped, said so in the log.
 # Settings as bench/gpu_engine.sh's (BACKENDS, CONCURRENCY, MAX_NUM_SEQS, MAX_TOKENS, INPUT_LEN, OUTPUT_LEN).
@@ -67,6 +68,9 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
   stamp "== MoE grouped matmul timings (Qwen3-30B-A3B's experts: Pallas against XLA's ragged dot)"
   if t=$(limit 45); then timeout "$t" "$PY" bench/gpu_grouped_matmul.py --budget-s $(( t - 20 )); echo "exit $?"; fi
+
+  stamp "== hybrid models' selective scan (Granite-4.0-H-Tiny's heads: chunked against one token a step)"
+  if t=$(limit 40); then timeout "$t" "$PY" bench/hybrid_scan.py --budget-s $(( t - 20 )); echo "exit $?"; fi
 
   # BACKENDS: attention backends, each optionally with its layer loop after a colon ("pallas_mosaic:unroll"): the
   # scanned step's sm_90 program copies each layer's weights out of the stacked arrays (loop_dynamic_slice_fusion),
