@@ -86,11 +86,11 @@ def test_logits_match_transformers(hybrid):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_chunks_and_batches_equal_one_whole_prompt(hybrid):
+def test_chunks_and_batches_equal_one_whole_prompt(dense):
     """A prompt in chunks of 7, 1 and the rest (its states carried in its slot between steps) gives the logits of
     the whole prompt at once; two prompts in one step give each one's logits alone. 100 tokens in 128-token steps:
     the scan's two chunks of 64 (`mamba.CHUNK`) split the prompt, alone and after the other prompt."""
-    _, cfg, params, _ = hybrid
+    _, cfg, params, _ = dense
     a, b = (PROMPTS[2] * 4)[:100], PROMPTS[1]
     pages_a, pages_b = pages_for(0, len(a), 8), pages_for(1, len(b), 8)
 
