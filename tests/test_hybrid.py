@@ -163,8 +163,7 @@ def test_what_a_hybrid_model_refuses(dense):
     for kw, match in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                        "speculative decoding"),
                       (dict(enable_lora=True), "LoRA"),
-                      (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), "calculated float8 KV scales"),
-                      (dict(data_parallel_size=2), "data parallelism")):
+                      (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), "calculated float8 KV scales")):
         with pytest.raises(UnsupportedModelError, match=match):
             _engine(cfg, params, path, **kw)
     with pytest.raises(ValueError, match="state slot"):

@@ -80,6 +80,18 @@ def test_lockstep_engine_across_processes_serves_single_device_tokens(cluster):
     assert all(r["engine_compiles_after_warmup"] == 0 for r in cluster)
 
 
+def test_a_hybrid_model_across_processes_serves_single_device_tokens(cluster):
+    """Granite 4.0-H's layers over the two processes' devices (attention heads split, Mamba layers whole on each,
+    each process's state slots given by its own scheduler in lock-step): one device's greedy tokens."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _generate, _tiny_loaded, hybrid_config
+
+    args = EngineArgs(**{**ENGINE_ARGS, "kv_cache_memory_bytes": 2**20, "warmup": False})
+    ref = _generate(LLMEngine(args, loaded=_tiny_loaded(hybrid_config()), progress=False), PROMPTS)
+    assert len(ref) == 3 and [r["hybrid_tokens"] for r in cluster] == [ref, ref]
+
+
 def test_a_draft_model_across_processes_serves_the_tokens_without_drafts(cluster):
     # The same lock-step TP=2 engine's tokens without a draft model (`serve`), on both hosts.
     without = [[r["tokens"][0]] for r in cluster]

@@ -61,6 +61,7 @@ def main(process_id: int, port: int) -> None:
     found.update(serve_draft(process_id))
     found.update(serve_lora(process_id, port))
     found.update(serve_images(process_id))
+    found.update(serve_hybrid(process_id))
     found["total_s"] = time.perf_counter() - t0
     print(RESULT_PREFIX + json.dumps(found), flush=True)
     jax.distributed.shutdown()
@@ -82,6 +83,23 @@ def serve(process_id: int) -> dict:
     finished = engine.run_until_idle()
     return {"tokens": [finished[str(i)].outputs[0].token_ids for i in range(2)] if finished else [],
             "engine_compiles_after_warmup": engine.stats().compilations_after_warmup}
+
+
+def serve_hybrid(process_id: int) -> dict:
+    """A hybrid model (`test_sharding_worker.hybrid_config`) on the lock-step TP=2 engine: each process keeps the
+    Mamba layers' states of the slots its own scheduler gives, alike on both; process 0 takes the requests."""
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.sampling_params import SamplingParams
+    from sharding.distributed import LockstepEngine
+    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, hybrid_config
+
+    args = EngineArgs(**{**ENGINE_ARGS, "kv_cache_memory_bytes": 2**20, "warmup": False}, tensor_parallel_size=2)
+    engine = LockstepEngine(args, loaded=_tiny_loaded(hybrid_config()), progress=False)
+    if process_id == 0:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    finished = engine.run_until_idle()
+    return {"hybrid_tokens": [finished[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] if finished else []}
 
 
 def serve_draft(process_id: int) -> dict:

@@ -763,7 +763,32 @@ def case_hybrid() -> dict:
     kv = tp2.runner.kv
     return {"ref": ref, "tp2": _generate(tp2, PROMPTS), "compiles_after_warmup": tp2.stats().compilations_after_warmup,
             "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
-            "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape}
+            "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
+            "dp2": _dp_generate(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded, PROMPTS)}
+
+
+def _dp_generate(args, loaded, prompts) -> list[list[int]]:
+    """Greedy tokens of `prompts` from a data-parallel engine of `args`, all requests at once."""
+    import asyncio
+
+    from jaxserve.sampling_params import SamplingParams
+    from sharding import DataParallelEngine
+
+    dp = DataParallelEngine.from_engine_args(args, loaded=loaded, progress=False)
+    tokens: dict[int, list[int]] = {}
+
+    async def one(i: int, prompt: list[int]) -> None:
+        async for out in dp.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), f"r{i}"):
+            if out.finished:
+                tokens[i] = out.outputs[0].token_ids
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    asyncio.run(main())
+    dp.check_integrity()
+    dp.shutdown()
+    return [tokens[i] for i in range(len(prompts))]
 
 
 CASES = {"hybrid": case_hybrid, "quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,

@@ -26,10 +26,6 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     for name, what in refused:
         if getattr(args, name, None):
             raise UnsupportedModelError(f"{what} ({name}) is not supported for a hybrid (Mamba) model")
-    if args.data_parallel_size * args.num_processes > 1:
-        raise UnsupportedModelError("a hybrid (Mamba) model is served by one engine on one host: data parallelism "
-                                    "and multi-host serving are not supported for it yet (tensor and expert "
-                                    "parallelism are)")
     if args.is_pooling:
         raise UnsupportedModelError("runner 'pooling' is not supported for a hybrid (Mamba) model")
     if args.enable_prefix_caching:
