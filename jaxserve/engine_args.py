@@ -56,6 +56,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    max_mamba_cache_size: int | None = None  # a hybrid model's prefix cache: states kept (None: max_num_seqs; 0: off)
     # Decode tokens per host round trip. On this project's 2-core CPU, 8 saved 5% of a batch-1 step and
     # nothing at 32 (bench/offline.py), while streaming in bursts of 8 tokens; 1 streams every token.
     num_scheduler_steps: int = 1
@@ -157,6 +158,9 @@ class EngineArgs:
                 self.override_generation_config, "override_generation_config", '{"temperature": 0.5}')))
         if not self.mm_processor_cache_gb >= 0:
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb!r}")
+        if self.max_mamba_cache_size is not None and not (isinstance(self.max_mamba_cache_size, int)
+                                                          and self.max_mamba_cache_size >= 0):
+            raise ValueError(f"max_mamba_cache_size must be an integer >= 0, got {self.max_mamba_cache_size!r}")
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
         if self.media_io_kwargs is not None:
@@ -243,14 +247,15 @@ class EngineArgs:
             raise ValueError("runner 'pooling' runs on one host (its devices split by -tp/-dp); a cluster of "
                              "num_processes > 1 serves generation only")
 
-    def scheduler_config(self, max_model_len: int, num_state_slots: int = 0) -> SchedulerConfig:
+    def scheduler_config(self, max_model_len: int, num_state_slots: int = 0, num_state_snapshots: int = 0
+                         ) -> SchedulerConfig:
         """The scheduler's limits for an engine of `max_model_len` tokens (and a hybrid model's state slots)."""
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
             max_model_len=max_model_len, page_size=self.page_size, policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_prefix_caching=self.enable_prefix_caching, max_loras=self.max_loras if self.enable_lora else None,
-            num_state_slots=num_state_slots)
+            num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots)
 
     @property
     def is_pooling(self) -> bool:

@@ -82,6 +82,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
                         "/update_weights_from_disk, GET /is_sleeping")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn the radix-tree prefix cache off")
+    g.add_argument("--max-mamba-cache-size", type=int, default=d.max_mamba_cache_size,
+                   help="a hybrid (Mamba) model's prefix cache: how many prompts' Mamba states it keeps beside their "
+                        "pages (default: --max-num-seqs; 0 turns its prefix caching off)")
     g.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
                    help="decode steps run on the device per host round trip (tokens stream in "
                         "bursts of this size; raise it where the host step costs more than the device step)")

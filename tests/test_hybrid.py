@@ -113,12 +113,13 @@ def test_chunks_and_batches_equal_one_whole_prompt(dense):
 
 
 def _engine(cfg, params, path, pages: int = 40, **kw) -> LLMEngine:
+    """An engine of `pages` pages besides its states (`kw`: other EngineArgs)."""
     loaded = LoadedModel(path, cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
     args = EngineArgs(**{**dict(
         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_scheduler_steps=4,
-        kv_cache_memory_bytes=pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_bytes(cfg, 4),
         dtype="float32", warmup=False, compile_cache_dir=None), **kw})
-    return LLMEngine(args, loaded=loaded, progress=False)
+    budget = pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_bytes(cfg, args)
+    return LLMEngine(dataclasses.replace(args, kv_cache_memory_bytes=budget), loaded=loaded, progress=False)
 
 
 def _greedy(engine, prompts=PROMPTS) -> list[list[int]]:
@@ -137,7 +138,7 @@ def test_engine_greedy_equals_transformers(dense, backend):
     the Pallas ones (here its interpreter) chunk by chunk."""
     model, cfg, params, path = dense
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(cfg, params, path, attention_backend=backend)
+    engine = _engine(cfg, params, path, attention_backend=backend, enable_prefix_caching=False)
     assert engine.scheduler.cache is None and engine.runner.cfg.num_pages == 40
     assert engine.runner.kv.ssm.shape == (3, 5, 8, 16, 16) and engine.runner.kv.k.shape[0] == 1
     assert _greedy(engine) == expected
@@ -147,12 +148,14 @@ def test_engine_greedy_equals_transformers(dense, backend):
     assert [_greedy(engine, [p])[0] for p in PROMPTS[:2]] == expected[:2]
 
 
-def test_preempted_requests_start_again_and_give_the_same_tokens(dense):
+@pytest.mark.parametrize("caching", [False, True])
+def test_preempted_requests_start_again_and_give_the_same_tokens(dense, caching):
     """Pages for barely two of the three requests: one is preempted (its slot given back) and recomputed from its
-    first token, and every request still gets transformers' tokens."""
+    first token (or, with prefix caching, from its prompt's kept states if its pages were not evicted), and every
+    request still gets transformers' tokens."""
     model, cfg, params, path = dense
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(cfg, params, path, pages=10)
+    engine = _engine(cfg, params, path, pages=10, enable_prefix_caching=caching)
     assert _greedy(engine) == expected
     assert engine.stats().num_preemptions > 0
     assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
@@ -166,6 +169,10 @@ def test_what_a_hybrid_model_refuses(dense):
                       (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), "calculated float8 KV scales")):
         with pytest.raises(UnsupportedModelError, match=match):
             _engine(cfg, params, path, **kw)
+    with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 0, got -1"):
+        EngineArgs(max_mamba_cache_size=-1)
+    off = _engine(cfg, params, path, max_mamba_cache_size=0)  # (no states kept: no prefix cache)
+    assert off.scheduler.cache is None and off.runner.kv.ssm.shape[1] == 1 + 4
     with pytest.raises(ValueError, match="state slot"):
         inputs = dataclasses.replace(ModelInputs.build([([1, 2], 0, [1])], 8), state_slots=None)
         jitted()(params, KVCache.allocate(cfg, 4, 8, jnp.float32, state_slots=2), inputs, cfg, "xla")
@@ -237,3 +244,37 @@ def test_the_scans_equal_the_recurrence(scan, seed):
     real = seq < len(lens)
     np.testing.assert_allclose(np.asarray(y)[real], want_y[real], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(got_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
+
+
+def _run(engine, prompt: list[int], rid: str) -> tuple[list[int], int]:
+    """One request's greedy tokens and its prompt tokens served from the prefix cache."""
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    out = drain(engine)[rid]
+    return list(out.outputs[0].token_ids), out.metrics.num_cached_tokens
+
+
+def test_prefix_cache_hits_give_the_tokens_of_misses(dense):
+    """Prefix caching for a hybrid model: a prompt's states are kept at its last page boundary before its last token
+    (24 of 30 tokens: a prefill chunk ends there); the same prompt again, and a next turn that extends it, start
+    from there (24 cached tokens) and give transformers' tokens. With one snapshot kept, another prompt's takes its
+    place: the next turn then misses, and still gives the same tokens."""
+    model, cfg, params, path = dense
+    first = PROMPTS[2]
+    engine = _engine(cfg, params, path)
+    assert engine.scheduler.snapshots is not None and engine.runner.kv.ssm.shape[1] == 1 + 4 + 4
+    want = hf_greedy(model, first, NEW_TOKENS)
+    assert _run(engine, first, "a") == (want, 0)
+    assert len(engine.scheduler.snapshots) == 1
+    assert _run(engine, first, "b") == (want, 24)
+    turn = first + want + [7, 8, 9]
+    turn_want = hf_greedy(model, turn, NEW_TOKENS)
+    assert _run(engine, turn, "c") == (turn_want, 24)
+    engine.check_integrity()
+    # One snapshot slot: the second prompt's states replace the first's.
+    small = _engine(cfg, params, path, max_mamba_cache_size=1)
+    assert small.runner.kv.ssm.shape[1] == 1 + 4 + 1
+    assert _run(small, first, "a") == (want, 0)
+    assert _run(small, PROMPTS[0], "b")[0] == hf_greedy(model, PROMPTS[0], NEW_TOKENS)
+    assert _run(small, turn, "c") == (turn_want, 0)
+    assert _run(small, turn, "d") == (turn_want, 40)  # (the turn's own states, kept at 40 of its 43 tokens)
+    small.check_integrity()

@@ -761,7 +761,9 @@ def case_hybrid() -> dict:
     ref = _generate(LLMEngine(EngineArgs(**args, warmup=False), loaded=loaded, progress=False), PROMPTS)
     tp2 = LLMEngine(EngineArgs(**args, tensor_parallel_size=2, strict_compile=True), loaded=loaded, progress=False)
     kv = tp2.runner.kv
-    return {"ref": ref, "tp2": _generate(tp2, PROMPTS), "compiles_after_warmup": tp2.stats().compilations_after_warmup,
+    got = _generate(tp2, PROMPTS)
+    return {"ref": ref, "tp2": got, "compiles_after_warmup": tp2.stats().compilations_after_warmup,
+            "tp2_cached": [_generate(tp2, PROMPTS), tp2.scheduler.cache.hit_tokens],  # (from kept states)
             "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
             "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
             "dp2": _dp_generate(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded, PROMPTS)}

@@ -28,17 +28,26 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
             raise UnsupportedModelError(f"{what} ({name}) is not supported for a hybrid (Mamba) model")
     if args.is_pooling:
         raise UnsupportedModelError("runner 'pooling' is not supported for a hybrid (Mamba) model")
-    if args.enable_prefix_caching:
-        logger.info("prefix caching is off: a hybrid model's Mamba states are not per page")
+    if args.enable_prefix_caching and args.max_mamba_cache_size == 0:
+        logger.info("prefix caching is off: --max-mamba-cache-size 0 keeps no Mamba states for it")
         args = dataclasses.replace(args, enable_prefix_caching=False)
     return args
 
 
 def state_slots(cfg: ModelConfig, max_num_seqs: int) -> int:
-    """The state pools' slots: one per running request and slot 0, which the padding writes (0 without states)."""
+    """The state pools' slots for running requests: one each and slot 0, which the padding writes (0 without
+    states)."""
     return 0 if cfg.mamba is None else max_num_seqs + 1
 
 
-def state_bytes(cfg: ModelConfig, max_num_seqs: int) -> int:
+def state_snapshots(cfg: ModelConfig, args: EngineArgs) -> int:
+    """The state pools' slots after those for the prefix cache's snapshots (`state_cache`; 0 without)."""
+    if cfg.mamba is None or not args.enable_prefix_caching:
+        return 0
+    return args.max_num_seqs if args.max_mamba_cache_size is None else args.max_mamba_cache_size
+
+
+def state_bytes(cfg: ModelConfig, args: EngineArgs) -> int:
     """The state pools' bytes (float32), taken from the KV cache's budget."""
-    return 4 * sum(math.prod(s) for s in KVCache.state_shapes(cfg, state_slots(cfg, max_num_seqs)).values())
+    slots = state_slots(cfg, args.max_num_seqs) + state_snapshots(cfg, args)
+    return 4 * sum(math.prod(s) for s in KVCache.state_shapes(cfg, slots).values())

@@ -18,7 +18,7 @@ import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids
 from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
-from jaxserve.engine.hybrid import hybrid_args, state_bytes, state_slots
+from jaxserve.engine.hybrid import hybrid_args, state_bytes, state_slots, state_snapshots
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -76,11 +76,10 @@ class LLMEngine:
         return super().__new__(cls)
 
     def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, progress: bool = True):
-        self.args = args = args or EngineArgs()
-        enable_compile_cache(args.compile_cache_dir)
+        enable_compile_cache((args := args or EngineArgs()).compile_cache_dir)
         # Over several devices with its sharding plan, its KV dtype (scales), its LoRA slots.
         loaded = loaded or load_model(args, progress=progress)
-        self.args = args = hybrid_args(args, loaded.config)  # (a hybrid model's: no prefix caching)
+        self.args = args = hybrid_args(args, loaded.config)  # (what a hybrid model cannot serve refused)
         self.model, self.kv_dtype = prepare_model(loaded, args)
         kv_dtype, plan, cfg = self.kv_dtype, self.model.plan, self.model.config
         self.tokenizer = self.model.tokenizer
@@ -89,19 +88,20 @@ class LLMEngine:
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), plan.kv_shards if plan else 1,
                                    beside=draft_memory(self.draft, args.page_size, plan),
-                                   states=state_bytes(cfg, args.max_num_seqs))
+                                   states=state_bytes(cfg, args))
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
         long_rope = cfg.long_rope_context
         self.long_rope_context = long_rope if long_rope is not None and max_model_len > long_rope else None
         max_seqs = args.max_num_seqs
         batched = max(args.max_num_batched_tokens, max_seqs)
-        self.scheduler = Scheduler(args.scheduler_config(max_model_len, state_slots(cfg, max_seqs)), num_pages)
+        slots, snapshots = state_slots(cfg, max_seqs), state_snapshots(cfg, args)
+        self.scheduler = Scheduler(args.scheduler_config(max_model_len, slots, snapshots), num_pages)
         backend, spec = resolve_attention_backend(args), args.speculative_config
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(
-            num_pages, args.page_size, kv_dtype, as_bits, state_slots(cfg, max_seqs))
+            num_pages, args.page_size, kv_dtype, as_bits, slots + snapshots)
         self.runner = ModelRunner(
             cfg, self.model.params, kv,
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
@@ -277,6 +277,8 @@ class LLMEngine:
         """Schedule a step and dispatch it to the device (None when there is nothing to run), with the
         prompt chunks whose prompt logprobs it computes and the drafts it verifies."""
         plan = self._plan()
+        if self.scheduler.states is not None and (copies := self.scheduler.take_state_copies()):
+            self.runner.copy_states(copies)  # a hybrid model's states kept in, or taken from, the prefix cache
         if plan.is_empty:
             return None
         now = time.time()
@@ -351,9 +353,8 @@ class LLMEngine:
         return step_rope_offsets(rows, lambda rid: self._seq_group[rid].images, T)
 
     def _rope_deltas(self, rows: list[ScheduledRequest]) -> list[int] | None:
-        if not self.runner.cfg.mrope:
-            return None
-        return [0 if (p := self._seq_group[s.request_id].images) is None else p.rope_delta for s in rows]
+        return [0 if (p := self._seq_group[s.request_id].images) is None else p.rope_delta
+                for s in rows] if self.runner.cfg.mrope else None
 
     def _drafts(self, plan: SchedulerOutput) -> SpecStep | None:
         """Drafts for the plan's decodes (cut where a grammar refuses one), within the rows its step can add."""

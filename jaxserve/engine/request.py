@@ -81,6 +81,7 @@ class Request:
     """Order of arrival at the scheduler (set by it): FCFS order and the preemption tie-break."""
     cache_node: Any = field(default=None, repr=False)
     state_slot: int = 0  # a hybrid model's: the slot of its Mamba states while it runs (`hybrid.StateSlots`; 0: none)
+    state_stop: int = 0  # ... with prefix caching: where its prompt's states are kept (`state_cache`; 0: nowhere)
     """The radix-cache node this request holds locked (scheduler-managed), or None."""
     prediction_index: Any = field(default=None, repr=False)
     """The tokens of its predicted output, indexed for drafting (`suffix_decoding.prediction_drafts`)."""

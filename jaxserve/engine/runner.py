@@ -1,13 +1,9 @@
-"""The model runner (L5-L6): scheduler output to padded device arrays, jitted steps, warmup.
-
-Two jitted device functions serve every step:
-- `mixed_step`: one forward over a ragged batch of prefill chunks and decodes, then sampling.
-  Shapes come from token buckets `T`; the sequence axis is `min(T, max_num_seqs)`.
-- `decode_loop`: up to `n` decode steps for every running sequence in one call, on the device: sample, append,
-  check stop ids and length, derive the next positions and slots from the page tables, stop early when every
-  row is done. Sequence buckets `S`.
-All buckets compile at warmup; `compilations_after_warmup` counts any compile after it.
-"""
+"""The model runner (L5-L6): scheduler output to padded device arrays, jitted steps, warmup. Two jitted device
+functions serve every step: `mixed_step`, one forward over a ragged batch of prefill chunks and decodes, then
+sampling (token buckets `T`; the sequence axis is `min(T, max_num_seqs)`); `decode_loop`, up to `n` decode steps for
+every running sequence in one call, on the device: sample, append, check stop ids and length, derive the next
+positions and slots from the page tables, stop early when every row is done (sequence buckets `S`). All buckets
+compile at warmup; `compilations_after_warmup` counts any compile after it."""
 
 from __future__ import annotations
 
@@ -31,6 +27,7 @@ from jaxserve.engine.warmup import bucket_call, compile_all
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward
+from jaxserve.models.mamba import copy_state_slots
 from jaxserve.models.params import Params, unstack_layers
 
 logger = logging.getLogger(__name__)
@@ -252,6 +249,8 @@ class ModelRunner:
         self._sharded = shardings is not None
         self.params = params = self.layout(params)
         self.kv = kv
+        self._copy_states = jax.jit(copy_state_slots, donate_argnums=0,  # (a hybrid model's: `copy_states`)
+                                    out_shardings=jax.tree.map(lambda a: a.sharding, kv))
         steps = compiled_steps.step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, self.params, kv,
                                               model_fn, shardings)
         self.steps = steps  # held: shared step functions live while a runner holds them (`warmup` reads them)
@@ -295,6 +294,8 @@ class ModelRunner:
         compile_all([(fn, args) for fn, args, _ in calls], progress)
         for _, _, run in calls:
             run()
+        if self.kv.conv is not None:  # (a hybrid model's state copies)
+            self.copy_states([])
         self._baseline_compiles = self.num_compilations()
         compiled_steps.warn_near_mapping_limit()
         return time.perf_counter() - t0
@@ -335,6 +336,13 @@ class ModelRunner:
 
     def run_decode(self, st: DecodeState, sampling: SamplingTensors, penalties, want_top: bool) -> StepOutput:
         return self.fetch(self.dispatch_decode(st, sampling, penalties, want_top))
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy a hybrid model's states between slots in order (`Scheduler.take_state_copies`), padded with copies of
+        slot 0 to itself to 2 * max_num_seqs a call (one compile)."""
+        pairs = np.zeros((max(2 * self.cfg.max_num_seqs, len(copies)), 2), np.int32)
+        pairs[: len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2)
+        self.kv = self._copy_states(self.kv, pairs)
 
     def dispatch_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties,
                        want_top: bool, prompt_next_ids: np.ndarray | None = None) -> InFlightStep:

@@ -45,6 +45,8 @@ class RequestView(NamedTuple):
     """The LoRA adapter its tokens run with (None: the base model)."""
     whole_spans: tuple[tuple[int, int], ...] = ()
     """Positions [start, end) no chunk ends inside (`Request.whole_spans`)."""
+    stops: tuple[int, ...] = ()
+    """Positions a chunk that reaches past them ends at (`Request.state_stop`)."""
 
     @property
     def is_decoding(self) -> bool:
@@ -363,7 +365,7 @@ def _chunk(view: RequestView, start: int, chunk: int, budget: int) -> int:
     for first, end in view.whole_spans:
         if first < start + n < end:
             return max(first - start, 0)
-    return n
+    return min([n] + [stop - start for stop in view.stops if start < stop < start + n])
 
 
 def _order_key(config: SchedulerConfig) -> Callable[[RequestView], tuple[int, ...]]:

@@ -34,6 +34,7 @@ def _view(request: Request, prefix_pages: tuple[int, ...] | None) -> RequestView
         prefix_pages,
         request.lora_name,
         request.whole_spans,
+        (request.state_stop,) if request.state_stop else (),
     )
 
 

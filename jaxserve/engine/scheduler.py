@@ -10,8 +10,10 @@ from jaxserve.engine.radix_cache import MatchResult, RadixCache
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.schedule import PageAction, Planner
 from jaxserve.engine.schedule_snapshot import locked_pages, snapshot
+from jaxserve.engine.scheduler_checks import check_scheduler
 from jaxserve.engine.scheduler_config import SchedulerConfig
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.engine.state_cache import StateSnapshots, state_stop
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
@@ -42,6 +44,9 @@ class Scheduler:
         self.pool = PagePool(num_pages, config.page_size)
         self.cache = RadixCache(self.pool) if config.enable_prefix_caching else None
         self.states = StateSlots(config.num_state_slots) if config.num_state_slots else None
+        self.snapshots = (StateSnapshots(self.cache, config.num_state_slots, config.num_state_snapshots)
+                          if self.cache is not None and config.num_state_snapshots else None)
+        self._state_copies: list[tuple[int, int]] = []  # (from slot, to slot), in order (`take_state_copies`)
         self.waiting: list[Request] = []
         """Waiting and preempted requests, in policy order."""
         self.running: list[Request] = []
@@ -96,6 +101,8 @@ class Scheduler:
                 f"request {request.request_id!r} may need {pages_needed(longest, cfg.page_size)} KV pages, "
                 f"more than the pool's {self.pool.num_usable_pages}"
             )
+        if self.snapshots is not None:
+            request.state_stop = state_stop(request.num_prompt_tokens, cfg.page_size)
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
         self._requests[request.request_id] = request
@@ -157,6 +164,18 @@ class Scheduler:
             self.cache.unlock(request.cache_node)
         request.cache_node = result.last_node
 
+    def _keep_state(self, request: Request) -> None:
+        """Cache a hybrid model's request's prompt up to its `state_stop` (its computed tokens), with its states."""
+        self._cache_unfinished(request)
+        slot = self.snapshots.keep(request.cache_node)
+        if slot is not None:
+            self._state_copies.append((request.state_slot, slot))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The state copies (from slot, to slot) to make, in order, before the next step runs; forgotten here."""
+        copies, self._state_copies = self._state_copies, []
+        return copies
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
@@ -215,6 +234,8 @@ class Scheduler:
             # A request that reads no cached prefix matches the empty one (no pages).
             end = request.num_tokens - 1 if request.read_prefix_cache else 0
             match = self.cache.match_prefix(request.token_ids_in(0, end), request.cache_salt, record=False)
+            if self.snapshots is not None:  # (a hybrid model: as far as states are kept)
+                match = self.snapshots.usable(match)
             lookups[lookup_id] = match
             planner.provide_prefix(lookup_id, match.pages, locked_pages(match.last_node))
         _, plan = planner.result()
@@ -271,6 +292,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if self.states is not None:
             self.states.take(request)
+            if num_cached:  # its states after the cached prefix, from the snapshot there
+                self._state_copies.append((self.snapshots.slot_of(match.last_node), request.state_slot))
         self.running.append(self.waiting.pop(i))
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
@@ -311,6 +334,8 @@ class Scheduler:
                 if tokens or s.request_id in stopped:
                     raise ValueError(f"{s.request_id!r} did not sample in this step (prefill chunk)")
                 request.num_computed_tokens += s.num_new_tokens
+                if request.state_stop and request.num_computed_tokens == request.state_stop:
+                    self._keep_state(request)
                 continue
             if request.pooling:  # its prompt is computed: the embedding is out
                 if tokens:
@@ -360,41 +385,5 @@ class Scheduler:
         return held / self.pool.num_usable_pages
 
     def check_integrity(self) -> None:
-        """Raise ``IntegrityError`` unless the queues, pages, cache and locks are consistent."""
-        ps = self.config.page_size
-        owners = [r.pages for r in self.running]
-        if self.cache is not None:
-            owners += self.cache.owners()
-            self.cache.check_integrity(locked_nodes=[r.cache_node for r in self.running if r.cache_node])
-        self.pool.check_integrity(owners)
-        queued = sorted(id(r) for r in self.waiting + self.running)
-        if queued != sorted(id(r) for r in self._requests.values()):
-            raise IntegrityError("waiting + running differ from the unfinished requests")
-        if len(self.running) > self.config.max_num_seqs:
-            raise IntegrityError(f"{len(self.running)} running > max_num_seqs")
-        if self.config.max_loras is not None and len({r.lora_name for r in self.running} - {None}) > self.config.max_loras:
-            raise IntegrityError("more LoRA adapters running than max_loras")
-        keys = [self._order_key(r) for r in self.waiting]
-        if keys != sorted(keys):
-            raise IntegrityError("waiting queue out of policy order")
-        for r in self.waiting:
-            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                raise IntegrityError(f"waiting {r.request_id!r} has status {r.status}")
-            if r.pages or r.num_computed_tokens or r.cache_node is not None:
-                raise IntegrityError(f"waiting {r.request_id!r} holds pages or computed tokens")
-        for r in self.running:
-            if r.status is not RequestStatus.RUNNING:
-                raise IntegrityError(f"running {r.request_id!r} has status {r.status}")
-            if not 0 <= r.num_computed_tokens < r.num_tokens:
-                raise IntegrityError(f"{r.request_id!r}: {r.num_computed_tokens} computed of {r.num_tokens}")
-            if len(r.pages) < pages_needed(r.num_computed_tokens, ps):
-                raise IntegrityError(f"{r.request_id!r}: computed KV does not fit its pages")
-            if r.cache_node is not None:
-                path = self.cache.path_pages(r.cache_node)
-                if r.pages[: len(path)] != path:
-                    raise IntegrityError(f"{r.request_id!r}: locked cache path is not its page-table prefix")
-        if self.cache is not None:
-            # _can_allocate counts on eviction freeing every unlocked cached page.
-            for node in self.cache.nodes():
-                if node.lock_ref == 0 and any(self.pool.refcount(p) != 1 for p in node.pages):
-                    raise IntegrityError(f"unlocked {node} has pages another owner holds")
+        """Raise ``IntegrityError`` unless the queues, pages, cache, locks and state slots are consistent."""
+        check_scheduler(self)

@@ -29,6 +29,8 @@ class SchedulerConfig:
     """Most LoRA adapters among the running requests (None: no limit), as an engine holds that many slots."""
     num_state_slots: int = 0
     """A hybrid model's state slots (`hybrid.StateSlots`), one per running request besides slot 0; 0: none."""
+    num_state_snapshots: int = 0
+    """... and its prefix cache's snapshot slots after those (`state_cache.StateSnapshots`); 0: none."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):

@@ -146,6 +146,16 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     return out.astype(h.dtype), conv, ssm
 
 
+def copy_state_slots(kv, copies: jax.Array):
+    """The pool `kv` (`KVCache`) with its state slots copied, in order: `copies` [K, 2] int32, (from, to) each."""
+    def one(i, pools):
+        return tuple(jax.lax.dynamic_update_index_in_dim(
+            p, jax.lax.dynamic_index_in_dim(p, copies[i, 0], 1), copies[i, 1], 1) for p in pools)
+
+    conv, ssm = jax.lax.fori_loop(0, copies.shape[0], one, (kv.conv, kv.ssm))
+    return dataclasses.replace(kv, conv=conv, ssm=ssm)
+
+
 def token_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array, slot: jax.Array,
                fresh: jax.Array, last: jax.Array, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The selective scan over a ragged batch one token a step (arguments and outputs as `chunked_scan`'s)."""
