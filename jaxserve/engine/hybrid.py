@@ -1,5 +1,6 @@
 """Serving a hybrid model (Mamba-2 layers beside attention: `ModelConfig.mamba`): a state slot per running request,
-and the features that a per-sequence recurrent state rules out, refused by name."""
+snapshot slots for the prefix cache (`state_cache`), and the features that a per-sequence recurrent state rules out,
+refused by name."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
-    """`args` for serving `cfg`: a hybrid model's without prefix caching (its states are not per page: a cached
-    prefix's pages would leave its Mamba layers' states unknown); features it cannot serve refused."""
+    """`args` for serving `cfg`: a hybrid model's features it cannot serve refused; without prefix caching where no
+    Mamba states are kept for it (a cached prefix's pages alone leave its Mamba layers' states unknown)."""
     if cfg.mamba is None:
         return args
     refused = (("speculative_config", "speculative decoding (its rejected drafts would have advanced the states)"),

@@ -2,7 +2,8 @@
 convolution and SSM states kept in a slot of the state pools (`KVCache.conv`, `KVCache.ssm`; `ModelInputs.state_slots`).
 
 A sequence whose step starts at position 0 starts from zero states; any other continues from its slot's, which the
-step leaves holding the states after its last token. Prefix caching does not apply (a state is not per page)."""
+step leaves holding the states after its last token (a prefix cache hit's slot holds a copy of the states kept there:
+`engine.state_cache`)."""
 
 from __future__ import annotations
 
