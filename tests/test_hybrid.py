@@ -165,7 +165,6 @@ def test_what_a_hybrid_model_refuses(dense):
     _, cfg, params, path = dense
     for kw, match in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                        "speculative decoding"),
-                      (dict(enable_lora=True), "LoRA"),
                       (dict(kv_cache_dtype="fp8", calculate_kv_scales=True), "calculated float8 KV scales")):
         with pytest.raises(UnsupportedModelError, match=match):
             _engine(cfg, params, path, **kw)

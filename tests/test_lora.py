@@ -462,13 +462,20 @@ FUSED = {
                               target_parameters=["block_sparse_moe.router.weight",
                                                  "block_sparse_moe.experts.gate_up_proj",
                                                  "block_sparse_moe.experts.down_proj"]), "router.lora_B"),
+    # Granite 4.0-H: a Mamba layer (which takes none) and an attention layer; both layers' MLPs take it.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+        position_embedding_type="rope", num_local_experts=0, shared_intermediate_size=40, residual_multiplier=0.5),
+        dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"]),
+        "self_attn.o_proj"),
 }
 
 
 @pytest.mark.parametrize("family", list(FUSED))
 def test_fused_projection_adapters_equal_peft(tmp_path, family):
     """An adapter on fused projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite MoE's shared
-    MLP and router) gives PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
+    MLP and router; Granite 4.0-H's, whose Mamba layer takes none) gives PEFT's prompt logprobs and greedy tokens, in
+    one batch with the base model."""
     import transformers
 
     config_cls, settings, targets, fused = FUSED[family]

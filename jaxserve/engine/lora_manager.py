@@ -106,6 +106,8 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             if m else (0, "", "")
         module = _ALIASES.get(module, module)
         parts = _FUSED.get(module, (module,))
+        if not moe and module.startswith("shared"):  # a dense Granite 4.0's MLP is its shared MLP
+            parts = tuple(p.removeprefix("shared.") for p in parts)
         targets = attention_targets(cfg) | moe if moe and layer >= cfg.first_dense_layers else dense_targets(cfg)
         if not all(p in targets for p in parts):
             raise LoRAError(f"adapter {path!r}: tensor {name!r} is not LoRA on a projection jaxserve serves "

@@ -90,7 +90,7 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     fresh = inputs.seq_lens - q_len == 0  # [S]: the sequence starts here (position 0)
     tok = jnp.arange(T, dtype=jnp.int32)
     real = tok < qsl[S]
-    seq = jnp.clip(jnp.searchsorted(qsl, tok, side="right") - 1, 0, S - 1)
+    seq = jnp.minimum(jnp.sum(tok[:, None] >= qsl[None, 1:], axis=1), S - 1)  # each token's sequence
     i = tok - qsl[seq]  # each token's place in its sequence's chunk
 
     proj = jnp.dot(h, lp.m_in, preferred_element_type=jnp.float32)
@@ -98,24 +98,21 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
         proj = proj + lp.m_in_b.astype(jnp.float32)
     z, xbc, dt = proj[:, :m.inner], proj[:, m.inner:m.inner + m.conv_dim], proj[:, m.inner + m.conv_dim:]
 
-    # The causal convolution: tap j reads the input K - 1 - j tokens back, from the chunk or the slot's state.
+    # The causal convolution: tap j reads the input K - 1 - j tokens back, from the chunk or from the slot's state
+    # (its last K - 1 inputs), both gathered at once from the step's inputs followed by every sequence's state.
     K = m.conv_kernel
     prev = jnp.where(fresh[:, None, None], 0.0, conv[slots])  # [S, C, K - 1]
-    acc = jnp.zeros_like(xbc)
-    for j in range(K):
-        back = K - 1 - j
-        col = jnp.clip(K - 1 - (back - i), 0, K - 2)
-        value = jnp.where((i >= back)[:, None], xbc[jnp.maximum(tok - back, 0)], prev[seq, :, col])
-        acc = acc + value * lp.m_conv[:, j].astype(jnp.float32)
+    inputs_then_states = jnp.concatenate([xbc, jnp.swapaxes(prev, 1, 2).reshape(S * (K - 1), -1)])
+    back = K - 1 - jnp.arange(K)  # [K]
+    taps = jnp.where(i[:, None] >= back, tok[:, None] - back, T + seq[:, None] * (K - 1) + K - 1 - back + i[:, None])
+    acc = jnp.einsum("tkc,ck->tc", inputs_then_states[taps], lp.m_conv.astype(jnp.float32))
     if lp.m_conv_b is not None:
         acc = acc + lp.m_conv_b.astype(jnp.float32)
     xbc_out = jax.nn.silu(acc)
     # The new state: each sequence's last K - 1 inputs (from before the chunk where it is shorter).
-    cols = jnp.arange(K - 1)
-    at = q_len[:, None] - 1 - (K - 2 - cols[None, :])  # [S, K - 1]: the chunk index each column takes
-    from_chunk = xbc[jnp.clip(qsl[:-1, None] + at, 0, T - 1)]  # [S, K - 1, C]
-    from_prev = jnp.take_along_axis(prev, jnp.clip(q_len[:, None] + cols[None, :], 0, K - 2)[:, None, :], axis=2)
-    new_conv = jnp.where((at >= 0)[:, None, :], jnp.swapaxes(from_chunk, 1, 2), from_prev)
+    at = q_len[:, None] - (K - 1) + jnp.arange(K - 1)  # [S, K - 1]: the chunk index each column takes
+    rows = jnp.where(at >= 0, qsl[:-1, None] + at, T + jnp.arange(S)[:, None] * (K - 1) + at + K - 1)
+    new_conv = jnp.swapaxes(inputs_then_states[rows], 1, 2)  # [S, C, K - 1]
     conv = conv.at[slots].set(new_conv)
 
     H, P, N, G = m.num_heads, m.head_dim, m.state_size, m.n_groups
