@@ -364,11 +364,9 @@ def case_eagle() -> dict:
 
 def case_dp() -> dict:
     """Two TP=2 replicas behind the data-parallel facade: placement, tokens, devices, compiles."""
-    import asyncio
 
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine_args import EngineArgs
-    from jaxserve.sampling_params import SamplingParams
     from sharding import DataParallelEngine
 
     loaded = _tiny_loaded(dense_config())
@@ -377,24 +375,10 @@ def case_dp() -> dict:
     args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, data_parallel_size=2, strict_compile=True,
                       speculative_config={"method": "suffix"})
     dp = DataParallelEngine.from_engine_args(args, loaded=loaded, progress=False)
-    placed: dict[int, int] = {}
-    tokens: dict[int, list[int]] = {}
-
-    async def one(i: int, prompt: list[int]) -> None:
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        async for out in dp.generate(prompt, params, f"r{i}"):
-            placed.setdefault(i, dp.replica_of(f"r{i}"))
-            if out.finished:
-                tokens[i] = out.outputs[0].token_ids
-
-    async def main() -> None:
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-    asyncio.run(main())
-    dp.check_integrity()
+    tokens, placed = _dp_generate(dp, prompts)
     devices = [sorted(d.id for d in r.engine.runner.kv.k.sharding.device_set) for r in dp.replicas]
     found = {
-        "ref": ref, "dp": [tokens[i] for i in range(len(prompts))], "placed": [placed[i] for i in range(len(prompts))],
+        "ref": ref, "dp": tokens, "placed": placed,
         "devices": devices, "in_flight_after": dp.in_flight(),
         "compiles_after_warmup": dp.stats().compilations_after_warmup,
         "per_replica_prompt_tokens": [r.stats().prompt_tokens for r in dp.replicas],
@@ -766,21 +750,30 @@ def case_hybrid() -> dict:
             "tp2_cached": [_generate(tp2, PROMPTS), tp2.scheduler.cache.hit_tokens],  # (from kept states)
             "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
             "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
-            "dp2": _dp_generate(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded, PROMPTS)}
+            "dp2": _dp_hybrid(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded)}
 
 
-def _dp_generate(args, loaded, prompts) -> list[list[int]]:
-    """Greedy tokens of `prompts` from a data-parallel engine of `args`, all requests at once."""
-    import asyncio
-
-    from jaxserve.sampling_params import SamplingParams
+def _dp_hybrid(args, loaded) -> list[list[int]]:
     from sharding import DataParallelEngine
 
     dp = DataParallelEngine.from_engine_args(args, loaded=loaded, progress=False)
+    tokens, _ = _dp_generate(dp, PROMPTS)
+    dp.shutdown()
+    return tokens
+
+
+def _dp_generate(dp, prompts) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of `prompts` from a data-parallel engine, all requests at once, and the replica each went to."""
+    import asyncio
+
+    from jaxserve.sampling_params import SamplingParams
+
+    placed: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}
 
     async def one(i: int, prompt: list[int]) -> None:
         async for out in dp.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), f"r{i}"):
+            placed.setdefault(i, dp.replica_of(f"r{i}"))
             if out.finished:
                 tokens[i] = out.outputs[0].token_ids
 
@@ -789,8 +782,7 @@ def _dp_generate(args, loaded, prompts) -> list[list[int]]:
 
     asyncio.run(main())
     dp.check_integrity()
-    dp.shutdown()
-    return [tokens[i] for i in range(len(prompts))]
+    return [tokens[i] for i in range(len(prompts))], [placed[i] for i in range(len(prompts))]
 
 
 CASES = {"hybrid": case_hybrid, "quant": case_quant, "images": case_images, "sleep": case_sleep, "load": case_load, "checkpoint": case_checkpoint, "dense": case_dense, "moe": case_moe, "engine": case_engine, "dp": case_dp, "engine_moe": case_engine_moe,
