@@ -277,3 +277,20 @@ def test_prefix_cache_hits_give_the_tokens_of_misses(dense):
     assert _run(small, turn, "c") == (turn_want, 0)
     assert _run(small, turn, "d") == (turn_want, 40)  # (the turn's own states, kept at 40 of its 43 tokens)
     small.check_integrity()
+
+
+def test_aborts_samples_and_async_steps_leave_the_states_right(dense):
+    """An aborted request (mid-prompt) gives its slot back and the next request in that slot starts from zero; two
+    samples of one prompt (n=2, greedy) each get the same tokens; the next step dispatched before this one's outputs
+    are read (async scheduling) changes nothing."""
+    model, cfg, params, path = dense
+    want = hf_greedy(model, PROMPTS[2], NEW_TOKENS)
+    engine = _engine(cfg, params, path, async_scheduling=True)
+    engine.add_request("gone", PROMPTS[0] * 2, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    engine.step()  # its first 16-token chunk
+    assert engine.scheduler.get_request("gone").state_slot and engine.abort_request("gone") is not None
+    assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
+    engine.add_request("two", PROMPTS[2], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, n=2, ignore_eos=True))
+    out = drain(engine)["two"]
+    assert [list(c.token_ids) for c in out.outputs] == [want, want]
+    engine.check_integrity()
