@@ -57,6 +57,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_mamba_cache_size: int | None = None  # a hybrid model's prefix cache: states kept (None: max_num_seqs; 0: off)
+    mamba_cache_dtype: str = "float32"  # a hybrid model's states (auto: the model's dtype), vLLM's flag
+    mamba_ssm_cache_dtype: str = "auto"  # ... its SSM states apart (auto: as mamba_cache_dtype)
     # Decode tokens per host round trip. On this project's 2-core CPU, 8 saved 5% of a batch-1 step and
     # nothing at 32 (bench/offline.py), while streaming in bursts of 8 tokens; 1 streams every token.
     num_scheduler_steps: int = 1
@@ -161,6 +163,9 @@ class EngineArgs:
         if self.max_mamba_cache_size is not None and not (isinstance(self.max_mamba_cache_size, int)
                                                           and self.max_mamba_cache_size >= 0):
             raise ValueError(f"max_mamba_cache_size must be an integer >= 0, got {self.max_mamba_cache_size!r}")
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
         if self.media_io_kwargs is not None:

@@ -85,6 +85,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
     g.add_argument("--max-mamba-cache-size", type=int, default=d.max_mamba_cache_size,
                    help="a hybrid (Mamba) model's prefix cache: how many prompts' Mamba states it keeps beside their "
                         "pages (default: --max-num-seqs; 0 turns its prefix caching off)")
+    g.add_argument("--mamba-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   default=d.mamba_cache_dtype, help="a hybrid model's Mamba states (auto: the model's dtype)")
+    g.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   default=d.mamba_ssm_cache_dtype, help="its SSM states apart (auto: as --mamba-cache-dtype)")
     g.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
                    help="decode steps run on the device per host round trip (tokens stream in "
                         "bursts of this size; raise it where the host step costs more than the device step)")

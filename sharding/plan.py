@@ -151,12 +151,12 @@ class ShardingPlan:
                 for path, value in param_paths(params).items()}
         return from_param_paths(self.model_cfg, flat)
 
-    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False,
-                    state_slots: int = 0) -> KVCache:
-        """A zeroed page pool created directly in its shards (split by KV head); `as_bits` and `state_slots` as in
-        `KVCache.allocate`."""
+    def allocate_kv(self, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False, state_slots: int = 0,
+                    state_dtypes: tuple[Any, Any] = (np.float32, np.float32)) -> KVCache:
+        """A zeroed page pool created directly in its shards (split by KV head); `as_bits`, `state_slots` and
+        `state_dtypes` as in `KVCache.allocate`."""
         def make():
-            return KVCache.allocate(self.model_cfg, num_pages, page_size, dtype, as_bits, state_slots)
+            return KVCache.allocate(self.model_cfg, num_pages, page_size, dtype, as_bits, state_slots, state_dtypes)
 
         return jax.jit(make, out_shardings=self._pool_shardings(jax.eval_shape(make)))()
 

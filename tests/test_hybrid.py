@@ -118,7 +118,7 @@ def _engine(cfg, params, path, pages: int = 40, **kw) -> LLMEngine:
     args = EngineArgs(**{**dict(
         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_scheduler_steps=4,
         dtype="float32", warmup=False, compile_cache_dir=None), **kw})
-    budget = pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_bytes(cfg, args)
+    budget = pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_bytes(cfg, args, jnp.float32)
     return LLMEngine(dataclasses.replace(args, kv_cache_memory_bytes=budget), loaded=loaded, progress=False)
 
 
@@ -294,3 +294,25 @@ def test_aborts_samples_and_async_steps_leave_the_states_right(dense):
     out = drain(engine)["two"]
     assert [list(c.token_ids) for c in out.outputs] == [want, want]
     engine.check_integrity()
+
+
+def test_bfloat16_states_stay_close_to_float32(dense):
+    """`--mamba-cache-dtype bfloat16`: the states kept in bfloat16 (computed in float32 within a step), half the
+    memory; prompts in 16-token chunks and the decode loop give the float32 states' greedy tokens, and the prompt
+    logprobs stay within 0.05 of theirs."""
+    _, cfg, params, path = dense
+    p = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = _engine(cfg, params, path, mamba_cache_dtype=dtype, enable_prefix_caching=False)
+        assert engine.runner.kv.conv.dtype == engine.runner.kv.ssm.dtype == jnp.dtype(dtype)
+        engine.add_request("a", PROMPTS[2], p)
+        outs[dtype] = drain(engine)["a"]
+    assert outs["bfloat16"].outputs[0].token_ids == outs["float32"].outputs[0].token_ids
+    got, want = ([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], PROMPTS[2][1:], strict=True)]
+                 for o in (outs["bfloat16"], outs["float32"]))
+    assert 0 < np.max(np.abs(np.subtract(got, want))) < 0.05
+    args = EngineArgs(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32")
+    assert state_bytes(cfg, args, jnp.float32) < state_bytes(cfg, EngineArgs(), jnp.float32)
+    with pytest.raises(ValueError, match="mamba_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"):
+        EngineArgs(mamba_cache_dtype="fp8")

@@ -8,6 +8,9 @@ import dataclasses
 import logging
 import math
 
+import jax.numpy as jnp
+import numpy as np
+
 from jaxserve.config import ModelConfig
 from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import UnsupportedModelError
@@ -48,7 +51,16 @@ def state_snapshots(cfg: ModelConfig, args: EngineArgs) -> int:
     return args.max_num_seqs if args.max_mamba_cache_size is None else args.max_mamba_cache_size
 
 
-def state_bytes(cfg: ModelConfig, args: EngineArgs) -> int:
-    """The state pools' bytes (float32), taken from the KV cache's budget."""
+def state_dtypes(args: EngineArgs, model_dtype) -> tuple[np.dtype, np.dtype]:
+    """The convolution's and the SSM's state dtypes: `--mamba-cache-dtype` (auto: the model's), the SSM's
+    `--mamba-ssm-cache-dtype` where that is not auto."""
+    conv = np.dtype(model_dtype if args.mamba_cache_dtype == "auto" else jnp.dtype(args.mamba_cache_dtype))
+    return conv, conv if args.mamba_ssm_cache_dtype == "auto" else np.dtype(jnp.dtype(args.mamba_ssm_cache_dtype))
+
+
+def state_bytes(cfg: ModelConfig, args: EngineArgs, model_dtype) -> int:
+    """The state pools' bytes, taken from the KV cache's budget."""
     slots = state_slots(cfg, args.max_num_seqs) + state_snapshots(cfg, args)
-    return 4 * sum(math.prod(s) for s in KVCache.state_shapes(cfg, slots).values())
+    shapes = KVCache.state_shapes(cfg, slots)
+    return sum(math.prod(shapes[name]) * t.itemsize
+               for name, t in zip(("conv", "ssm"), state_dtypes(args, model_dtype), strict=True) if name in shapes)

@@ -18,7 +18,7 @@ import jax
 
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids
 from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
-from jaxserve.engine.hybrid import hybrid_args, state_bytes, state_slots, state_snapshots
+from jaxserve.engine.hybrid import hybrid_args, state_bytes, state_dtypes, state_slots, state_snapshots
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -88,7 +88,7 @@ class LLMEngine:
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), plan.kv_shards if plan else 1,
                                    beside=draft_memory(self.draft, args.page_size, plan),
-                                   states=state_bytes(cfg, args))
+                                   states=state_bytes(cfg, args, self.model.dtype))
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
         long_rope = cfg.long_rope_context
@@ -101,7 +101,7 @@ class LLMEngine:
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(
-            num_pages, args.page_size, kv_dtype, as_bits, slots + snapshots)
+            num_pages, args.page_size, kv_dtype, as_bits, slots + snapshots, state_dtypes(args, self.model.dtype))
         self.runner = ModelRunner(
             cfg, self.model.params, kv,
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,

@@ -32,10 +32,10 @@ class KVCache:
     k: jax.Array
     v: jax.Array
     dtype_name: str | None = field(default=None, metadata=dict(static=True))
-    # A hybrid model's (`ModelConfig.mamba`): its Mamba layers' states, float32, a slot per running sequence
+    # A hybrid model's (`ModelConfig.mamba`): its Mamba layers' states, a slot per running sequence
     # (`ModelInputs.state_slots`; slot 0 takes the padding's writes). `k` and `v` then hold the attention layers' pages.
-    conv: jax.Array | None = None  # [mamba layers, slots, conv_dim, conv_kernel - 1]
-    ssm: jax.Array | None = None  # [mamba layers, slots, heads, head_dim, state_size]
+    conv: jax.Array | None = None  # [mamba layers, slots, conv_dim, conv_kernel - 1] (`--mamba-cache-dtype`)
+    ssm: jax.Array | None = None  # [mamba layers, slots, heads, head_dim, state_size] (`--mamba-ssm-cache-dtype`)
 
     @property
     def dtype(self) -> np.dtype:
@@ -52,14 +52,17 @@ class KVCache:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, as_bits: bool = False,
-                 state_slots: int = 0) -> KVCache:
+                 state_slots: int = 0, state_dtypes: tuple[Any, Any] = (jnp.float32, jnp.float32)) -> KVCache:
         """A zeroed pool; `as_bits` keeps pages narrower than float32 as their raw bits (the CPU attention's
-        storage); a hybrid model's states for `state_slots` slots (`state_shapes`)."""
+        storage); a hybrid model's states for `state_slots` slots (`state_shapes`), its convolution's and its SSM's
+        in `state_dtypes`."""
         k_dim, v_dim = cfg.kv_cache_dims
         shape = (len(cfg.attention_layers), num_pages, page_size, cfg.num_kv_heads)
         dtype = jnp.dtype(dtype)
         bits = kv_storage_bits(dtype) if as_bits else None
-        states = {name: jnp.zeros(s, jnp.float32) for name, s in cls.state_shapes(cfg, state_slots).items()}
+        shapes = cls.state_shapes(cfg, state_slots)  # ({} without states)
+        states = {name: jnp.zeros(shapes[name], t) for name, t in zip(("conv", "ssm"), state_dtypes, strict=True)
+                  if name in shapes}
         if bits is not None:
             return cls(k=jnp.zeros((*shape, k_dim), bits), v=jnp.zeros((*shape, v_dim), bits), dtype_name=dtype.name,
                        **states)

@@ -101,7 +101,7 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     # The causal convolution: tap j reads the input K - 1 - j tokens back, from the chunk or from the slot's state
     # (its last K - 1 inputs), both gathered at once from the step's inputs followed by every sequence's state.
     K = m.conv_kernel
-    prev = jnp.where(fresh[:, None, None], 0.0, conv[slots])  # [S, C, K - 1]
+    prev = jnp.where(fresh[:, None, None], 0.0, conv[slots].astype(jnp.float32))  # [S, C, K - 1]
     inputs_then_states = jnp.concatenate([xbc, jnp.swapaxes(prev, 1, 2).reshape(S * (K - 1), -1)])
     back = K - 1 - jnp.arange(K)  # [K]
     taps = jnp.where(i[:, None] >= back, tok[:, None] - back, T + seq[:, None] * (K - 1) + K - 1 - back + i[:, None])
@@ -113,7 +113,7 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     at = q_len[:, None] - (K - 1) + jnp.arange(K - 1)  # [S, K - 1]: the chunk index each column takes
     rows = jnp.where(at >= 0, qsl[:-1, None] + at, T + jnp.arange(S)[:, None] * (K - 1) + at + K - 1)
     new_conv = jnp.swapaxes(inputs_then_states[rows], 1, 2)  # [S, C, K - 1]
-    conv = conv.at[slots].set(new_conv)
+    conv = conv.at[slots].set(new_conv.astype(conv.dtype))
 
     H, P, N, G = m.num_heads, m.head_dim, m.state_size, m.n_groups
     x = xbc_out[:, :m.inner].reshape(T, H, P)
@@ -124,10 +124,10 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     dx = dt[:, :, None] * x  # [T, H, P]
 
     if inputs.decode:  # one token per sequence, token t of sequence t: every state steps at once
-        start = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots])
+        start = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots].astype(jnp.float32))
         states = start * jnp.exp(log_decay)[:, :, None, None] + dx[..., None] * B[:, :, None, :]
         y = jnp.einsum("thpn,thn->thp", states, C)
-        ssm = ssm.at[slots].set(states)
+        ssm = ssm.at[slots].set(states.astype(ssm.dtype))
     else:  # each sequence from its slot's state, its last one written back
         own = jnp.where(real, seq, S + tok)  # (each padding token a sequence of its own, in slot 0)
         y, ssm = (chunked_scan if chunked else token_scan)(log_decay, dx, B, C, own, jnp.where(real, slots[seq], 0),
@@ -163,9 +163,9 @@ def token_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, 
     def step(carry, xs):
         state, pool = carry
         is_first, is_last, sl, is_fresh, a, u, b, c = xs
-        begin = jnp.where(is_fresh, 0.0, pool[sl])
+        begin = jnp.where(is_fresh, 0.0, pool[sl].astype(jnp.float32))
         state = jnp.where(is_first, begin, state) * jnp.exp(a)[:, None, None] + u[:, :, None] * b[:, None, :]
-        pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(is_last, state, pool[sl]), sl, 0)
+        pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(is_last, state.astype(pool.dtype), pool[sl]), sl, 0)
         return (state, pool), jnp.einsum("hpn,hn->hp", state, c)
 
     (_, pool), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), pool),
@@ -207,7 +207,7 @@ def chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array
         cont = before[0] & (run == 0)  # the run that goes on from the previous chunk
         base = jnp.where(cont[:, None], 0.0, acum[first] - a[first])  # [Q, H]: the sum of a before its run
         init = jnp.where(cont[:, None, None, None], h_in[None],
-                         jnp.where(fr[:, None, None, None], 0.0, pool[sl]))  # [Q, H, P, N]: its run's start
+                         jnp.where(fr[:, None, None, None], 0.0, pool[sl].astype(jnp.float32)))  # [Q, H, P, N]
         same = causal & (sq[:, None] == sq[None, :])
         w = jnp.exp(jnp.where(same[:, :, None], acum[:, None, :] - acum[None, :, :], -jnp.inf))  # [t, s, H]
         y = (jnp.einsum("tsh,shp->thp", w * jnp.einsum("thn,shn->tsh", c, b), u)
@@ -216,7 +216,7 @@ def chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array
         own = jnp.exp(acum[final] - acum)[:, :, None, None] * u[..., None] * b[:, :, None, :]
         ends = (jnp.exp(acum[final] - base)[:, :, None, None] * init
                 + jax.ops.segment_sum(own, run, num_segments=Q)[run])
-        pool = pool.at[jnp.where(la, sl, pool.shape[0])].set(ends, mode="drop")
+        pool = pool.at[jnp.where(la, sl, pool.shape[0])].set(ends.astype(pool.dtype), mode="drop")
         return (ends[-1], pool), y
 
     chunks = [x.reshape(T // Q, Q, *x.shape[1:]) for x in (log_decay, dx, B, C, seq, slot, fresh, last, starts_before)]
