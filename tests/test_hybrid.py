@@ -316,3 +316,18 @@ def test_bfloat16_states_stay_close_to_float32(dense):
     assert state_bytes(cfg, args, jnp.float32) < state_bytes(cfg, EngineArgs(), jnp.float32)
     with pytest.raises(ValueError, match="mamba_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"):
         EngineArgs(mamba_cache_dtype="fp8")
+
+
+def test_prompt_embeddings_give_what_their_tokens_give(dense):
+    """`--enable-prompt-embeds`: a prompt given as its tokens' embedding rows (in 16-token chunks, its states
+    carried between them) gives the token prompt's greedy tokens, alone and again from the prefix cache."""
+    model, cfg, params, path = dense
+    want = hf_greedy(model, PROMPTS[2], NEW_TOKENS)
+    engine = _engine(cfg, params, path, enable_prompt_embeds=True)
+    rows = np.asarray(params.embed)[PROMPTS[2]]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for rid, cached in (("a", 0), ("b", 24)):
+        engine.add_request(rid, rows, greedy)
+        out = drain(engine)[rid]
+        assert (list(out.outputs[0].token_ids), out.metrics.num_cached_tokens) == (want, cached)
+    engine.check_integrity()

@@ -25,7 +25,6 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     if cfg.mamba is None:
         return args
     refused = (("speculative_config", "speculative decoding (its rejected drafts would have advanced the states)"),
-               ("enable_prompt_embeds", "prompt embeddings"),
                ("calculate_kv_scales", "calculated float8 KV scales"))
     for name, what in refused:
         if getattr(args, name, None):
