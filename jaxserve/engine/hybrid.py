@@ -24,11 +24,9 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     Mamba states are kept for it (a cached prefix's pages alone leave its Mamba layers' states unknown)."""
     if cfg.mamba is None:
         return args
-    refused = (("speculative_config", "speculative decoding (its rejected drafts would have advanced the states)"),
-               ("calculate_kv_scales", "calculated float8 KV scales"))
-    for name, what in refused:
-        if getattr(args, name, None):
-            raise UnsupportedModelError(f"{what} ({name}) is not supported for a hybrid (Mamba) model")
+    if args.speculative_config is not None:
+        raise UnsupportedModelError("speculative decoding (speculative_config) is not supported for a hybrid (Mamba) "
+                                    "model: its rejected drafts would have advanced the Mamba states")
     if args.is_pooling:
         raise UnsupportedModelError("runner 'pooling' is not supported for a hybrid (Mamba) model")
     if args.enable_prefix_caching and args.max_mamba_cache_size == 0:

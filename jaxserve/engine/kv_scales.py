@@ -11,6 +11,7 @@ reach past what the calibration text did. Checkpoint scales (`self_attn.k_scale`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -50,7 +51,8 @@ def calibration_ids(loaded: LoadedModel) -> list[list[int]]:
 
 
 def measure_kv_amax(loaded: LoadedModel, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Each layer's largest |K| and |V| (float32, [L] each) over the calibration text, and its token count."""
+    """Each attention layer's largest |K| and |V| (float32, [L] each) over the calibration text, and its token
+    count."""
     cfg, plan = loaded.config, loaded.plan
     seqs, next_page = [], 1  # page 0 is the padding tokens' page
     for ids in calibration_ids(loaded):
@@ -58,10 +60,12 @@ def measure_kv_amax(loaded: LoadedModel, page_size: int) -> tuple[np.ndarray, np
         seqs.append((ids, 0, list(range(next_page, next_page + n))))
         next_page += n
     tokens = sum(len(ids) for ids, _, _ in seqs)
+    slots = len(seqs) + 1 if cfg.mamba is not None else 0  # (a hybrid model's Mamba states: sequence i in slot i + 1)
     inputs = ModelInputs.build(seqs, page_size, num_tokens=-(-tokens // 64) * 64, num_seqs=len(seqs),
-                               pages_per_seq=max(len(p) for _, _, p in seqs))
-    kv = (plan.allocate_kv(next_page, page_size, jnp.float32, False) if plan
-          else KVCache.allocate(cfg, next_page, page_size, jnp.float32))
+                               pages_per_seq=max(len(p) for _, _, p in seqs),
+                               state_slots=list(range(1, slots)) if slots else None)
+    kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(
+        next_page, page_size, jnp.float32, False, slots)
 
     def amax(params, kv, inputs):
         _, kv = loaded.forward_fn(params, kv, inputs, cfg, "xla")
@@ -93,6 +97,10 @@ def with_kv_scales(loaded: LoadedModel, k_scale: np.ndarray, v_scale: np.ndarray
         return jax.device_put(host, plan.sharding(("layers",)[:host.ndim])) if plan else jax.device_put(host)
 
     layers, dense = loaded.params.layers, loaded.params.dense_layers
+    if loaded.params.attn_layers is not None:  # a hybrid model's: on its attention layers' own stack
+        attn = dataclasses.replace(loaded.params.attn_layers, k_scale=place(k_scale), v_scale=place(v_scale))
+        return dataclasses.replace(loaded, config=cfg, params=dataclasses.replace(loaded.params, attn_layers=attn),
+                                   plan=plan)
     if isinstance(layers, tuple):  # per-layer params (`unstack_layers`)
         layers = tuple(dataclasses.replace(lp, k_scale=place(k_scale[i]), v_scale=place(v_scale[i]))
                        for i, lp in enumerate(layers))
