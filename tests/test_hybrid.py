@@ -346,3 +346,26 @@ def test_a_float8_cache_on_calculated_scales(dense):
     assert scales.k_scale.shape == scales.v_scale.shape == (1,) and float(scales.k_scale[0]) != 1.0
     assert engine.runner.kv.dtype == jnp.float8_e4m3fn
     assert 0 < np.max(np.abs(np.subtract(*logprobs))) < 0.1
+
+
+def test_weights_quantized_at_load(dense):
+    """`--quantization int8` on a hybrid checkpoint: the attention layers' projections (on their own stack) and the
+    MLPs' held int8, the Mamba layers' in float; prompt logprobs within 0.05 of the float model's."""
+    from jaxserve.models.quantized import QuantizedWeight
+    from tests.fake_model import save_fake_tokenizer
+
+    _, _, _, path = dense
+    save_fake_tokenizer(path)
+    p = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    logprobs = []
+    for quantization in (None, "int8"):
+        engine = LLMEngine(EngineArgs(model=path, quantization=quantization, max_num_seqs=4, max_num_batched_tokens=16,
+                                      max_model_len=64, kv_cache_memory_bytes=1 << 22, dtype="float32", warmup=False),
+                           progress=False)
+        engine.add_request("a", PROMPTS[2], p)
+        out = drain(engine)["a"]
+        logprobs.append([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], PROMPTS[2][1:], strict=True)])
+    held = engine.model.params
+    assert isinstance(held.attn_layers.wq, QuantizedWeight) and isinstance(held.layers.w_up, QuantizedWeight)
+    assert not isinstance(held.mamba_layers.m_in, QuantizedWeight)
+    assert 0 < np.max(np.abs(np.subtract(*logprobs))) < 0.05
