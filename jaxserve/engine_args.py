@@ -252,15 +252,16 @@ class EngineArgs:
             raise ValueError("runner 'pooling' runs on one host (its devices split by -tp/-dp); a cluster of "
                              "num_processes > 1 serves generation only")
 
-    def scheduler_config(self, max_model_len: int, num_state_slots: int = 0, num_state_snapshots: int = 0
-                         ) -> SchedulerConfig:
-        """The scheduler's limits for an engine of `max_model_len` tokens (and a hybrid model's state slots)."""
+    def scheduler_config(self, max_model_len: int, states: Any = None) -> SchedulerConfig:
+        """The scheduler's limits for an engine of `max_model_len` tokens (and a hybrid model's state slots: `states`,
+        an `engine.hybrid.StateLayout`)."""
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max(self.max_num_batched_tokens, self.max_num_seqs),
             max_model_len=max_model_len, page_size=self.page_size, policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_prefix_caching=self.enable_prefix_caching, max_loras=self.max_loras if self.enable_lora else None,
-            num_state_slots=num_state_slots, num_state_snapshots=num_state_snapshots)
+            num_state_slots=states.running if states else 0, num_state_snapshots=states.snapshots if states else 0,
+            first_snapshot_slot=states.first_snapshot if states else 0)
 
     @property
     def is_pooling(self) -> bool:

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
-from jaxserve.engine.hybrid import state_bytes  # noqa: E402
+from jaxserve.engine.hybrid import state_layout  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine.model_loading import LoadedModel  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
@@ -117,7 +117,7 @@ def _engine(cfg, params, path, pages: int = 40, **kw) -> LLMEngine:
     args = EngineArgs(**{**dict(
         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, num_scheduler_steps=4,
         dtype="float32", warmup=False, compile_cache_dir=None), **kw})
-    budget = pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_bytes(cfg, args, jnp.float32)
+    budget = pages * KVCache.bytes_per_page(cfg, 8, jnp.float32) + state_layout(cfg, args, jnp.float32).bytes
     return LLMEngine(dataclasses.replace(args, kv_cache_memory_bytes=budget), loaded=loaded, progress=False)
 
 
@@ -162,8 +162,8 @@ def test_preempted_requests_start_again_and_give_the_same_tokens(dense, caching)
 
 def test_what_a_hybrid_model_refuses(dense):
     _, cfg, params, path = dense
-    with pytest.raises(UnsupportedModelError, match="speculative decoding"):
-        _engine(cfg, params, path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(UnsupportedModelError, match="speculative decoding by draft_model is not supported"):
+        _engine(cfg, params, path, speculative_config={"method": "draft_model", "model": path})
     with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 0, got -1"):
         EngineArgs(max_mamba_cache_size=-1)
     off = _engine(cfg, params, path, max_mamba_cache_size=0)  # (no states kept: no prefix cache)
@@ -262,7 +262,7 @@ def test_bfloat16_states_stay_close_to_float32(dense):
                  for o in (outs["bfloat16"], outs["float32"]))
     assert 0 < np.max(np.abs(np.subtract(got, want))) < 0.05
     args = EngineArgs(mamba_cache_dtype="bfloat16", mamba_ssm_cache_dtype="float32")
-    assert state_bytes(cfg, args, jnp.float32) < state_bytes(cfg, EngineArgs(), jnp.float32)
+    assert state_layout(cfg, args, jnp.float32).bytes < state_layout(cfg, EngineArgs(), jnp.float32).bytes
     with pytest.raises(ValueError, match="mamba_cache_dtype must be auto, float32, bfloat16 or float16, got 'fp8'"):
         EngineArgs(mamba_cache_dtype="fp8")
 
@@ -321,3 +321,24 @@ def test_weights_quantized_at_load(dense):
     assert isinstance(held.attn_layers.wq, QuantizedWeight) and isinstance(held.layers.w_up, QuantizedWeight)
     assert not isinstance(held.mamba_layers.m_in, QuantizedWeight)
     assert 0 < np.max(np.abs(np.subtract(*logprobs))) < 0.05
+
+
+def test_drafts_change_nothing_but_the_number_of_steps(dense):
+    """Speculative decoding (suffix drafts, verified as chunks): a request's states are kept aside before the step
+    that verifies its drafts, and put back when one is rejected (the tokens it took then computed again), so the
+    tokens are transformers' greedy ones. The same prompts twice: the second time, drafts from the earlier
+    responses, some taken and some rejected."""
+    model, cfg, params, path = dense
+    prompts = [(p * 3)[:40] for p in PROMPTS]
+    want = [hf_greedy(model, p, 16) for p in prompts]
+    engine = _engine(cfg, params, path, max_model_len=96, speculative_config={
+        "method": "suffix", "num_speculative_tokens": 3})
+    assert engine.args.speculative_config.chunked and engine.runner.kv.ssm.shape[1] == 1 + 4 + 4 + 4
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for again in (False, True):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{i}{again}", p, greedy)
+        final = drain(engine)
+        assert [list(final[f"{i}{again}"].outputs[0].token_ids) for i in range(len(prompts))] == want
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens > 0

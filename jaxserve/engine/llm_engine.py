@@ -16,9 +16,9 @@ from typing import Any
 
 import jax
 
+from jaxserve.engine import hybrid
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids
 from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
-from jaxserve.engine.hybrid import hybrid_args, state_bytes, state_dtypes, state_slots, state_snapshots
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
@@ -79,29 +79,27 @@ class LLMEngine:
         enable_compile_cache((args := args or EngineArgs()).compile_cache_dir)
         # Over several devices with its sharding plan, its KV dtype (scales), its LoRA slots.
         loaded = loaded or load_model(args, progress=progress)
-        self.args = args = hybrid_args(args, loaded.config)  # (what a hybrid model cannot serve refused)
+        self.args = args = hybrid.hybrid_args(args, loaded.config)  # (what a hybrid model cannot serve refused)
         self.model, self.kv_dtype = prepare_model(loaded, args)
         kv_dtype, plan, cfg = self.kv_dtype, self.model.plan, self.model.config
         self.tokenizer = self.model.tokenizer
         # An embedding model's pooling (`PoolingEngine`), or None: this engine generates.
         self.pooler_config = args.pooler_config_for(self.model.path)
         self.draft = load_draft(args, self.model, progress)  # speculative decoding's draft model (None: none)
+        states = hybrid.state_layout(cfg, args, self.model.dtype)  # (a hybrid model's Mamba states)
         num_pages = kv_cache_pages(args, cfg, kv_dtype, params_bytes(self.model.params), plan.kv_shards if plan else 1,
-                                   beside=draft_memory(self.draft, args.page_size, plan),
-                                   states=state_bytes(cfg, args, self.model.dtype))
+                                   beside=draft_memory(self.draft, args.page_size, plan), states=states.bytes)
         self.max_model_len = max_model_len = max_model_length(args, cfg, num_pages)
         # A LongRoPE model served past its original context: steps say whose prompts are longer than it.
-        long_rope = cfg.long_rope_context
-        self.long_rope_context = long_rope if long_rope is not None and max_model_len > long_rope else None
+        self.long_rope_context = lr if (lr := cfg.long_rope_context) is not None and max_model_len > lr else None
         max_seqs = args.max_num_seqs
         batched = max(args.max_num_batched_tokens, max_seqs)
-        slots, snapshots = state_slots(cfg, max_seqs), state_snapshots(cfg, args)
-        self.scheduler = Scheduler(args.scheduler_config(max_model_len, slots, snapshots), num_pages)
+        self.scheduler = Scheduler(args.scheduler_config(max_model_len, states), num_pages)
         backend, spec = resolve_attention_backend(args), args.speculative_config
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(
-            num_pages, args.page_size, kv_dtype, as_bits, slots + snapshots, state_dtypes(args, self.model.dtype))
+            num_pages, args.page_size, kv_dtype, as_bits, states.slots, states.dtypes)
         self.runner = ModelRunner(
             cfg, self.model.params, kv,
             RunnerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=batched, max_model_len=max_model_len,
@@ -263,6 +261,7 @@ class LLMEngine:
             if chunks:
                 take_prompt_logprobs(chunks, out.prompt, self.tokenizer)
             touched = accept_step(self, plan, spec.verify(out) if spec else sampled_rows(plan, pending.kind, out))
+            hybrid.roll_back_rejected(self, spec)  # (a hybrid model's states)
         except BaseException:
             self._inflight = None
             raise
@@ -289,6 +288,7 @@ class LLMEngine:
                 group.metrics.first_scheduled_time = now
         scheduled = list(plan.scheduled)
         spec = self._drafts(plan) if self.drafter is not None else None
+        hybrid.back_up_drafted(self, spec)
         rows = spec.rows if spec else scheduled  # a drafted decode: a row per position it verifies
         loras = [self.loras.slot_for(self.scheduler.get_request(s.request_id)) for s in rows] if self.loras else None
         longs = long_prompts(rows, self.scheduler.get_request, self.long_rope_context)

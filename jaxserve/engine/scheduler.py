@@ -44,7 +44,8 @@ class Scheduler:
         self.pool = PagePool(num_pages, config.page_size)
         self.cache = RadixCache(self.pool) if config.enable_prefix_caching else None
         self.states = StateSlots(config.num_state_slots) if config.num_state_slots else None
-        self.snapshots = (StateSnapshots(self.cache, config.num_state_slots, config.num_state_snapshots)
+        self.snapshots = (StateSnapshots(self.cache, config.first_snapshot_slot or config.num_state_slots,
+                                         config.num_state_snapshots)
                           if self.cache is not None and config.num_state_snapshots else None)
         self._state_copies: list[tuple[int, int]] = []  # (from slot, to slot), in order (`take_state_copies`)
         self.waiting: list[Request] = []
@@ -170,6 +171,12 @@ class Scheduler:
         slot = self.snapshots.keep(request.cache_node)
         if slot is not None:
             self._state_copies.append((request.state_slot, slot))
+
+    def roll_back(self, request: Request, position: int, backup: int) -> None:
+        """A hybrid model's request whose states ran past its accepted drafts: its states back from slot `backup`,
+        its tokens from `position` on computed again."""
+        request.num_computed_tokens = position
+        self._state_copies.append((backup, request.state_slot))
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The state copies (from slot, to slot) to make, in order, before the next step runs; forgotten here."""

@@ -30,7 +30,9 @@ class SchedulerConfig:
     num_state_slots: int = 0
     """A hybrid model's state slots (`hybrid.StateSlots`), one per running request besides slot 0; 0: none."""
     num_state_snapshots: int = 0
-    """... and its prefix cache's snapshot slots after those (`state_cache.StateSnapshots`); 0: none."""
+    """... and its prefix cache's snapshot slots (`state_cache.StateSnapshots`), from `first_snapshot_slot` on
+    (0: right after those); 0: none."""
+    first_snapshot_slot: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):

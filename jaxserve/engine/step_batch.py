@@ -41,7 +41,7 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
     each row's prompt is longer than the LongRoPE model's original context; `images(rows, T)` (an image-text
     engine's): the step's image embeddings and mask (`image_prompt.step_embeds`), or None; `rope(rows, T)` (an M-RoPE
     image-text engine's): the step's rotary offsets (`image_prompt.step_rope_offsets`); `state_slots` (a hybrid
-    model's engine): each row's state slot (rows are never merged there: hybrid models are not drafted).
+    model's engine): each row's state slot.
 
     With `merge`, consecutive rows of one request at consecutive positions (a drafted decode's row and its
     draft rows, `speculative.draft_rows`) go as one sequence of that many query tokens, with the logits
@@ -52,6 +52,7 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
     rows: list[int] = []
     slots: list[int] = []
     longs: list[bool] = []
+    states: list[int] = []
     prev = None
     for i, s in enumerate(scheduled):
         if (merge and prev is not None and s.request_id == prev.request_id
@@ -63,6 +64,8 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
             rows.append(1)
             if lora_slots is not None:
                 slots.append(lora_slots[i])
+            if state_slots is not None:
+                states.append(state_slots[i])
             if long_prompts is not None:
                 longs.append(long_prompts[i])
         prev = s
@@ -71,7 +74,7 @@ def mixed_inputs(scheduled: Sequence[ScheduledRequest], rcfg: RunnerConfig,
                                lora_slots=None if lora_slots is None else slots,
                                long_prompts=None if long_prompts is None else longs,
                                logit_rows=rows if merged else None,
-                               state_slots=None if state_slots is None else list(state_slots))
+                               state_slots=None if state_slots is None else states)
     got = images(scheduled, T) if images is not None else None
     if got is not None:
         inputs = dataclasses.replace(inputs, image_embeds=got[0], image_mask=got[1], last_key=got[2])
