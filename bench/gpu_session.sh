@@ -4,7 +4,7 @@
 # through the Triton lowering, the engine against its XLA path), each in its own process with the GPU's memory
 # taken as needed rather than preallocated; then the timings, alone on the GPU: the kernels (ROWS: the groups
 # of bench/gpu_kernels.py's rows, in order), latent attention, the MoE grouped matmul, a hybrid model's selective
-# scan, and the engine's offline throughput per backend
+# scan, the engine's offline throughput per backend, then a hybrid model's (bench/hybrid_config.py)
 # (BACKENDS, default "pallas_mosaic pallas": Hopper's default first). Each step's limit is its own or what is left
 # before the deadline, whichever is less; a step with under 20 s left is skipped, said so in the log.
 # Settings as bench/gpu_engine.sh's (BACKENDS, CONCURRENCY, MAX_NUM_SEQS, MAX_TOKENS, INPUT_LEN, OUTPUT_LEN).
@@ -89,5 +89,14 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
       echo "exit $?"
     fi
   done
+  stamp "== offline throughput, a hybrid model: random weights of Granite-4.0-H-Tiny's Mamba and attention shapes (12 layers, 3 attending, dense), bfloat16, backend pallas"
+  if t=$(limit 150); then
+    "$PY" bench/hybrid_config.py "$MODEL" "$LOG_DIR/granite-h-config" --layers 12 &&
+      timeout "$t" "$PY" -m jaxserve.cli bench offline "$LOG_DIR/granite-h-config" --load-format dummy --dtype bfloat16 \
+        --attention-backend pallas --workload random --random-input-len "${INPUT_LEN:-512}" \
+        --output-len "${OUTPUT_LEN:-128}" --concurrency "${CONCURRENCY:-64}" --max-num-seqs "${MAX_NUM_SEQS:-64}" \
+        --max-num-batched-tokens "${MAX_TOKENS:-1024}" --compile-cache-dir '' --result-file "$LOG_DIR/gpu_engine_hybrid.json"
+    echo "exit $?"
+  fi
   stamp "done"
 } 2>&1 | tee "$LOG"

@@ -180,13 +180,15 @@ def decode_bytes_per_step(engine: Any, context_lens: Sequence[float]) -> tuple[i
 
 
 def kv_budget_for(loaded: Any, args: Any, num_seqs: int, max_len: int) -> int:
-    """KV bytes that hold `num_seqs` sequences of `max_len` tokens at once, with a little slack."""
+    """KV bytes that hold `num_seqs` sequences of `max_len` tokens at once, with a little slack (and a hybrid
+    model's Mamba states)."""
+    from jaxserve.engine.hybrid import state_layout
     from jaxserve.engine.model_loading import resolve_kv_cache_dtype
     from jaxserve.models.inputs import KVCache
 
     pages_per_seq = -(-max_len // args.page_size) + 1
     per_page = KVCache.bytes_per_page(loaded.config, args.page_size, resolve_kv_cache_dtype(args, loaded.dtype))
-    return int((num_seqs * pages_per_seq + 16) * per_page)
+    return int((num_seqs * pages_per_seq + 16) * per_page) + state_layout(loaded.config, args, loaded.dtype).bytes
 
 
 def run_offline(engine_args: Any, cfg: OfflineConfig, progress: bool = True,

@@ -342,3 +342,13 @@ def test_drafts_change_nothing_but_the_number_of_steps(dense):
         assert [list(final[f"{i}{again}"].outputs[0].token_ids) for i in range(len(prompts))] == want
     stats = engine.stats()
     assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens > 0
+
+
+def test_nothing_compiles_after_warmup(dense):
+    """Warmed up and strict (a compile after warmup raises): prompts whose states are kept and taken again from the
+    prefix cache (the state copies between steps) and the decode loop compile nothing more."""
+    model, cfg, params, path = dense
+    engine = _engine(cfg, params, path, warmup=True, strict_compile=True)
+    want = hf_greedy(model, PROMPTS[2], NEW_TOKENS)
+    assert [_run(engine, PROMPTS[2], rid) for rid in "ab"] == [(want, 0), (want, 24)]
+    assert engine.stats().compilations_after_warmup == 0

@@ -279,7 +279,8 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
     """Pages that fit the KV budget: `kv_cache_memory_bytes` (all devices together), else a share of
     one device's memory; `weight_bytes` is one device's weights, `kv_shards` the devices a page is split over,
     `beside` the weights and the bytes a page of another model served beside this one (a draft model's pool of
-    the same pages); `states` the bytes of a hybrid model's states, which the budget holds beside the pages."""
+    the same pages); `states` the bytes of a hybrid model's states, which a budget given or a device's share holds
+    beside the pages (the CPU's default pages come on top of them)."""
     weight_bytes += beside[0]
     per_page = KVCache.bytes_per_page(cfg, args.page_size, dtype) + beside[1]
     budget = args.kv_cache_memory_bytes
@@ -291,12 +292,12 @@ def kv_cache_pages(args: EngineArgs, cfg: ModelConfig, dtype: Any, weight_bytes:
             # Activations and sampling buffers need room too.
             budget = int(budget * 0.9) * kv_shards  # every device holds 1 / kv_shards of each page
         else:
-            budget = CPU_DEFAULT_KV_BYTES
-    budget -= states * kv_shards  # (a hybrid model's states are whole on every device)
-    pages = budget // per_page
+            budget = CPU_DEFAULT_KV_BYTES + states * kv_shards
+    pages = (budget - states * kv_shards) // per_page  # (a hybrid model's states are whole on every device)
     if pages < 2:
-        raise ValueError(f"the KV cache budget ({budget} bytes{' beside the Mamba states' if states else ''}) holds no "
-                         f"pages of {per_page} bytes; raise --kv-cache-memory-bytes or --gpu-memory-utilization")
+        of_states = f", {states * kv_shards} of them the Mamba states" if states else ""
+        raise ValueError(f"the KV cache budget ({budget} bytes{of_states}) holds no two pages of {per_page} bytes; "
+                         "raise --kv-cache-memory-bytes or --gpu-memory-utilization")
     logger.info("KV cache: %d pages of %d tokens (%d tokens) in %s, %.1f MiB", pages, args.page_size,
                 pages * args.page_size, jnp.dtype(dtype).name, pages * per_page / 2**20)
     return int(pages)

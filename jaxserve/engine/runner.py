@@ -250,7 +250,7 @@ class ModelRunner:
         self.params = params = self.layout(params)
         self.kv = kv
         self._copy_states = jax.jit(copy_state_slots, donate_argnums=0,  # (a hybrid model's: `copy_states`)
-                                    out_shardings=jax.tree.map(lambda a: a.sharding, kv))
+                                    out_shardings=jax.tree.map(lambda a: a.sharding, kv) if self._sharded else None)
         steps = compiled_steps.step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, self.params, kv,
                                               model_fn, shardings)
         self.steps = steps  # held: shared step functions live while a runner holds them (`warmup` reads them)
