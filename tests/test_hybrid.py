@@ -166,6 +166,15 @@ def test_what_a_hybrid_model_refuses(dense):
         _engine(cfg, params, path, speculative_config={"method": "draft_model", "model": path})
     with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 0, got -1"):
         EngineArgs(max_mamba_cache_size=-1)
+    # The CPU's default pages come on top of the states; a budget given holds both.
+    from jaxserve.engine.model_loading import CPU_DEFAULT_KV_BYTES, kv_cache_pages
+
+    per_page = KVCache.bytes_per_page(cfg, 16, jnp.float32)
+    assert kv_cache_pages(EngineArgs(), cfg, jnp.float32, 0, states=1 << 30) == CPU_DEFAULT_KV_BYTES // per_page
+    assert kv_cache_pages(EngineArgs(kv_cache_memory_bytes=(1 << 20) + 10 * per_page), cfg, jnp.float32, 0,
+                          states=1 << 20) == 10
+    with pytest.raises(ValueError, match=r"budget \(1048576 bytes, 1048576 of them the Mamba states\) holds no two"):
+        kv_cache_pages(EngineArgs(kv_cache_memory_bytes=1 << 20), cfg, jnp.float32, 0, states=1 << 20)
     off = _engine(cfg, params, path, max_mamba_cache_size=0)  # (no states kept: no prefix cache)
     assert off.scheduler.cache is None and off.runner.kv.ssm.shape[1] == 1 + 4
     with pytest.raises(ValueError, match="state slot"):
