@@ -48,10 +48,6 @@ class MambaConfig:
         """The input projection's outputs: z, the convolved channels, dt."""
         return self.inner + self.conv_dim + self.num_heads
 
-    def state_floats(self) -> int:
-        """One sequence's state in one layer, in float32 numbers: its convolution and SSM states."""
-        return self.conv_dim * (self.conv_kernel - 1) + self.inner * self.state_size
-
     def check(self, num_layers: int) -> None:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
             if getattr(self, name) <= 0:

@@ -28,6 +28,7 @@ FORMAT_CHOICES = ("auto", "hf", "mistral")  # --tokenizer-mode, --config-format
 Runner = Literal["auto", "generate", "pooling"]
 LayerLoopChoice = Literal["auto", "scan", "unroll"]
 MOE_RUNNER_CHOICES = ("auto", "xla", "pallas")
+MAMBA_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # a hybrid model's states (auto: the model's)
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = LogprobsMode.__args__  # type: ignore[attr-defined]
 
@@ -164,8 +165,9 @@ class EngineArgs:
                                                           and self.max_mamba_cache_size >= 0):
             raise ValueError(f"max_mamba_cache_size must be an integer >= 0, got {self.max_mamba_cache_size!r}")
         for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
-            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
-                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {getattr(self, name)!r}")
+            if getattr(self, name) not in MAMBA_CACHE_DTYPES:
+                raise ValueError(f"{name} must be {', '.join(MAMBA_CACHE_DTYPES[:-1])} or {MAMBA_CACHE_DTYPES[-1]}, "
+                                 f"got {getattr(self, name)!r}")
         if self.limit_mm_per_prompt is not None:
             object.__setattr__(self, "limit_mm_per_prompt", image_limits(self.limit_mm_per_prompt))
         if self.media_io_kwargs is not None:

@@ -10,6 +10,7 @@ from jaxserve.engine_args import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     LOGPROBS_MODES,
+    MAMBA_CACHE_DTYPES,
     MOE_RUNNER_CHOICES,
     EngineArgs,
 )
@@ -85,9 +86,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
     g.add_argument("--max-mamba-cache-size", type=int, default=d.max_mamba_cache_size,
                    help="a hybrid (Mamba) model's prefix cache: how many prompts' Mamba states it keeps beside their "
                         "pages (default: --max-num-seqs; 0 turns its prefix caching off)")
-    g.add_argument("--mamba-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--mamba-cache-dtype", choices=list(MAMBA_CACHE_DTYPES),
                    default=d.mamba_cache_dtype, help="a hybrid model's Mamba states (auto: the model's dtype)")
-    g.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--mamba-ssm-cache-dtype", choices=list(MAMBA_CACHE_DTYPES),
                    default=d.mamba_ssm_cache_dtype, help="its SSM states apart (auto: as --mamba-cache-dtype)")
     g.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
                    help="decode steps run on the device per host round trip (tokens stream in "

@@ -338,11 +338,11 @@ class ModelRunner:
         return self.fetch(self.dispatch_decode(st, sampling, penalties, want_top))
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Copy a hybrid model's states between slots in order (`Scheduler.take_state_copies`), padded with copies of
-        slot 0 to itself to 2 * max_num_seqs a call (one compile)."""
+        """Copy a hybrid model's states between slots in order (`Scheduler.take_state_copies`): the pairs padded to
+        2 * max_num_seqs (one compile), only the real ones copied."""
         pairs = np.zeros((max(2 * self.cfg.max_num_seqs, len(copies)), 2), np.int32)
         pairs[: len(copies)] = np.asarray(copies, np.int32).reshape(-1, 2)
-        self.kv = self._copy_states(self.kv, pairs)
+        self.kv = self._copy_states(self.kv, pairs, np.int32(len(copies)))
 
     def dispatch_mixed(self, inputs: ModelInputs, sampling: SamplingTensors, penalties,
                        want_top: bool, prompt_next_ids: np.ndarray | None = None) -> InFlightStep:

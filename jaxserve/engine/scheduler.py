@@ -46,7 +46,7 @@ class Scheduler:
         self.states = StateSlots(config.num_state_slots) if config.num_state_slots else None
         self.snapshots = (StateSnapshots(self.cache, config.first_snapshot_slot or config.num_state_slots,
                                          config.num_state_snapshots)
-                          if self.cache is not None and config.num_state_snapshots else None)
+                          if self.cache is not None and self.states is not None else None)  # (hits need states)
         self._state_copies: list[tuple[int, int]] = []  # (from slot, to slot), in order (`take_state_copies`)
         self.waiting: list[Request] = []
         """Waiting and preempted requests, in policy order."""

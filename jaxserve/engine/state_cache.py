@@ -49,7 +49,7 @@ class StateSnapshots:
     def keep(self, node: RadixNode) -> int | None:
         """A slot for the states at the end of `node` (None: kept already); the least recently used snapshot gives
         its slot up when none is free."""
-        if self.slot_of(node) is not None:
+        if self.slot_of(node) is not None or not self.free and not self.held:  # (kept, or no snapshot slots)
             return None
         self._sweep()
         if not self.free:

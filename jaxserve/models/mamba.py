@@ -144,13 +144,14 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     return out.astype(h.dtype), conv, ssm
 
 
-def copy_state_slots(kv, copies: jax.Array):
-    """The pool `kv` (`KVCache`) with its state slots copied, in order: `copies` [K, 2] int32, (from, to) each."""
+def copy_state_slots(kv, copies: jax.Array, count: jax.Array):
+    """The pool `kv` (`KVCache`) with its state slots copied, in order: the first `count` (a traced scalar: one
+    executable for any number) of `copies` [K, 2] int32, (from, to) each."""
     def one(i, pools):
         return tuple(jax.lax.dynamic_update_index_in_dim(
             p, jax.lax.dynamic_index_in_dim(p, copies[i, 0], 1), copies[i, 1], 1) for p in pools)
 
-    conv, ssm = jax.lax.fori_loop(0, copies.shape[0], one, (kv.conv, kv.ssm))
+    conv, ssm = jax.lax.fori_loop(0, count, one, (kv.conv, kv.ssm))
     return dataclasses.replace(kv, conv=conv, ssm=ssm)
 
 
