@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
-from jaxserve.config_mamba import MambaConfig, mamba_config
+from jaxserve.config_mamba import MambaConfig, bamba, mamba_config
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_fields, mla_moe_fields, mla_softmax_scale
 from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
@@ -18,7 +18,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
                  "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
-                 "apertus", "deepseek_v2", "deepseek_v3"]
+                 "apertus", "deepseek_v2", "deepseek_v3", "bamba"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -33,7 +33,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GraniteForCausalLM": "granite",
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # its attention layers only (Granite 4.0 without Mamba)
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: attention only, or Mamba-2 layers beside it
+    "BambaForCausalLM": "bamba",  # Mamba-2 layers beside Llama's attention
     "SmolLM3ForCausalLM": "smollm3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
@@ -298,7 +299,7 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(language_model(d))))
+        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(bamba(language_model(d)))))
         archs = d.get("architectures") or []
         family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
             or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -362,10 +363,10 @@ class ModelConfig:
                                                                               *COHERE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", *OLMO_FAMILIES,
-                           *GRANITE_FAMILIES, *GLM_FAMILIES)
+            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
+                           *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            mlp_bias=(family in ("llama", "smollm3", "granite", "arcee") and bool(d.get("mlp_bias")))
+            mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", *OLMO_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
@@ -374,7 +375,7 @@ class ModelConfig:
             kv_cache_scales=bool(kv_scheme),
             **fields.mrope_fields(d),
             no_rope_layers=fields.no_rope_layers(family, d),
-            mamba=mamba_config(d) if family == "granitemoehybrid" else None,
+            mamba=mamba_config(d) if family in ("granitemoehybrid", "bamba") else None,
             **moe, **mla,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
                | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})

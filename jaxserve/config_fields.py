@@ -97,7 +97,7 @@ def granite_hf(cfg: Any) -> dict[str, Any]:
     if cfg.family == "granitemoehybrid":
         d.update(layer_types=["attention"] * cfg.num_layers, num_local_experts=cfg.num_experts,
                  position_embedding_type=None if cfg.no_rope_layers else "rope")
-        d.update(mamba_hf(cfg.mamba, cfg.num_layers, cfg.hidden_size) if cfg.mamba else {})
+        d.update(mamba_hf(cfg.mamba, cfg.num_layers, cfg.hidden_size, cfg.family) if cfg.mamba else {})
         if not cfg.num_experts:
             d["shared_intermediate_size"] = cfg.intermediate_size
     return d

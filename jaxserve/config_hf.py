@@ -15,6 +15,7 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_mla import mla_hf
 
 
@@ -38,15 +39,17 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "torch_dtype": "float32",
     }
-    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", *OLMO_FAMILIES,
-                       *GRANITE_FAMILIES, *GLM_FAMILIES):
+    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
+                      *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
         d["qkv_bias"] = cfg.attention_bias
     if cfg.num_experts and not cfg.kv_lora_rank:
         d.update(fields.moe_hf(cfg))
-    if cfg.family in ("llama", "smollm3", "granite", "arcee"):
+    if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba"):
         d["mlp_bias"] = cfg.mlp_bias
+    if cfg.family == "bamba":
+        d.update(mamba_hf(cfg.mamba, cfg.num_layers, cfg.hidden_size, cfg.family))
     if cfg.family in ERNIE_FAMILIES:
         d["use_bias"] = cfg.attention_bias
     if cfg.family in GRANITE_FAMILIES:

@@ -1,4 +1,5 @@
-"""The Mamba-2 layers of a hybrid model (Granite 4.0-H): their shapes, read from its HF config (`ModelConfig.mamba`)."""
+"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba): their shapes, read from its HF config
+(`ModelConfig.mamba`)."""
 
 from __future__ import annotations
 
@@ -62,8 +63,20 @@ class MambaConfig:
             raise UnsupportedModelError("a hybrid model of Mamba layers only is not supported (it holds no pages)")
 
 
+def bamba(d: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba config with its layers' kinds listed (from `attn_layer_indices`) and its rotary embedding over half
+    of each head (transformers' `BambaConfig` sets 0.5 whatever the config says); any other config as it is."""
+    if d.get("model_type") != "bamba" and "BambaForCausalLM" not in (d.get("architectures") or []):
+        return d
+    attn = set(d.get("attn_layer_indices") or ())
+    kinds = ["attention" if i in attn else "mamba" for i in range(d["num_hidden_layers"])]
+    rope = {k: {**d[k], "partial_rotary_factor": 0.5} for k in ("rope_parameters", "rope_scaling")
+            if isinstance(d.get(k), dict)}
+    return {**d, **rope, "layer_types": kinds, "partial_rotary_factor": 0.5}
+
+
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
-    """A Granite 4.0 hybrid config's Mamba layers (None when all its layers attend)."""
+    """A Granite 4.0 hybrid or Bamba config's Mamba layers (None when all its layers attend)."""
     kinds = d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * d["num_hidden_layers"]
     unknown = set(kinds) - set(MAMBA_KINDS) - set(ATTENTION_KINDS)
     if unknown or len(kinds) != d["num_hidden_layers"]:
@@ -88,10 +101,11 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        norm_eps=float(d.get("rms_norm_eps", 1e-6)))
 
 
-def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int) -> dict[str, Any]:
-    """The HF config keys of `m` (the inverse of `mamba_config`)."""
-    return {"layer_types": ["mamba" if i in m.layers else "attention" for i in range(num_layers)],
-            "mamba_n_heads": m.num_heads, "mamba_d_head": m.head_dim, "mamba_d_state": m.state_size,
+def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int, family: str) -> dict[str, Any]:
+    """The HF config keys of `m` (the inverse of `mamba_config`; Bamba's attention layers by index)."""
+    kinds = {"attn_layer_indices": [i for i in range(num_layers) if i not in m.layers]} if family == "bamba" else {
+        "layer_types": ["mamba" if i in m.layers else "attention" for i in range(num_layers)]}
+    return {**kinds, "mamba_n_heads": m.num_heads, "mamba_d_head": m.head_dim, "mamba_d_state": m.state_size,
             "mamba_n_groups": m.n_groups, "mamba_d_conv": m.conv_kernel, "mamba_conv_bias": m.conv_bias,
             "mamba_proj_bias": m.proj_bias, "mamba_expand": m.inner // hidden_size,
             "time_step_limit": [m.time_step_min, m.time_step_max]}

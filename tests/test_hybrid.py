@@ -1,4 +1,4 @@
-"""Hybrid models (Granite 4.0-H: Mamba-2 layers beside attention) against HF transformers: logits, chunked against
+"""Hybrid models (Granite 4.0-H, Bamba: Mamba-2 layers beside attention) against HF transformers: logits, chunked against
 whole, batched against alone, and through the engine (its state slots, the device decode loop, preemption)."""
 
 from __future__ import annotations
@@ -30,11 +30,23 @@ HYBRID = dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "
               mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4,
               position_embedding_type="rope", residual_multiplier=0.5, logits_scaling=4.0, vocab_size=VOCAB)
 VARIANTS = {
-    "dense": dict(num_local_experts=0, shared_intermediate_size=96),
+    "dense": ("GraniteMoeHybridConfig", dict(num_local_experts=0, shared_intermediate_size=96)),
     # Experts beside the shared MLP; biased Mamba projections, dt clamped from below.
-    "moe": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48, intermediate_size=32,
-                mamba_proj_bias=True, time_step_limit=[0.05, 100.0]),
+    "moe": ("GraniteMoeHybridConfig", dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+                                           intermediate_size=32, mamba_proj_bias=True, time_step_limit=[0.05, 100.0])),
+    # Bamba: Llama's attention (rotated over half of each head) and MLP under its own names, no Granite scalars;
+    # biased projections, dt clamped from above.
+    "bamba": ("BambaConfig", dict(attn_layer_indices=[1], intermediate_size=96, attention_bias=True, mlp_bias=True,
+                                  mamba_proj_bias=True, time_step_limit=[0.0, 0.5])),
 }
+_GRANITE_ONLY = ("layer_types", "position_embedding_type", "residual_multiplier", "logits_scaling")
+
+
+def _overrides(variant: str) -> tuple[str, dict]:
+    """The transformers config class and arguments of a tiny hybrid model of `variant`."""
+    config_cls, kw = VARIANTS[variant]
+    base = {k: v for k, v in HYBRID.items() if config_cls != "BambaConfig" or k not in _GRANITE_ONLY}
+    return config_cls, {**base, **kw}
 NEW_TOKENS = 10
 PROMPTS = [np.random.default_rng(seed).integers(2, VOCAB, n).tolist() for seed, n in ((1, 21), (2, 13), (3, 30))]
 
@@ -46,7 +58,8 @@ def _build(variant: str, tmp_path_factory) -> tuple:
     """(HF model, our config, our params, its directory) of a tiny Granite 4.0-H, built once per module."""
     if variant not in _BUILT:
         path = tmp_path_factory.mktemp(f"hybrid_{variant}")
-        model = save_tiny_hf("GraniteMoeHybridConfig", path, **HYBRID, **VARIANTS[variant])
+        config_cls, kw = _overrides(variant)
+        model = save_tiny_hf(config_cls, path, **kw)
         ckpt = open_checkpoint(str(path))
         cfg = ckpt.config()
         _BUILT[variant] = model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
@@ -69,7 +82,9 @@ def test_config_reads_the_mamba_layers(hybrid):
     m = cfg.mamba
     assert m.layers == (0, 2, 3) and cfg.attention_layers == (1,)
     assert (m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel) == (8, 16, 16, 2, 4)
-    assert (m.proj_bias, m.time_step_min) == ((True, 0.05) if model.config.num_local_experts else (False, 0.0))
+    assert (m.proj_bias, m.time_step_min, m.time_step_max) == {
+        "granitemoehybrid": (True, 0.05, 100.0) if getattr(model.config, "num_local_experts", 0) else
+        (False, 0.0, np.inf), "bamba": (True, 0.0, 0.5)}[cfg.family]
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     # The pages hold the attention layer only.
     assert KVCache.bytes_per_page(cfg, 8, jnp.float32) == 8 * cfg.num_kv_heads * 2 * cfg.head_dim * 4
@@ -184,15 +199,18 @@ def test_what_a_hybrid_model_refuses(dense):
         dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, layers=(0, 1, 2, 3)))
 
 
-def test_convert_writes_the_sources_tensors(tmp_path):
-    """`jaxserve convert` of a Granite 4.0-H with experts: every tensor as the checkpoint had it (the Mamba layers'
-    apart from the attention layer's, the experts fused back); transformers reads the output as the model."""
+@pytest.mark.parametrize("variant", ["moe", "bamba"])
+def test_convert_writes_the_sources_tensors(tmp_path, variant):
+    """`jaxserve convert` of a Granite 4.0-H with experts, and of a Bamba: every tensor as the checkpoint had it
+    (the Mamba layers' apart from the attention layer's, the experts fused back; Bamba's names for Llama's
+    modules); transformers reads the output as the model."""
     from safetensors import safe_open
 
     from tests.test_convert import convert, write_tiny_tokenizer
 
     src, out = tmp_path / "src", tmp_path / "out"
-    model = save_tiny_hf("GraniteMoeHybridConfig", src, **HYBRID, **VARIANTS["moe"])
+    config_cls, kw = _overrides(variant)
+    model = save_tiny_hf(config_cls, src, **kw)
     write_tiny_tokenizer(src)
     convert(src, out)
     with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:

@@ -448,7 +448,8 @@ def test_adapters_under_tensor_parallelism_equal_one_device():
     assert r["tp1"]["adapter"] != r["tp1"]["base"]
 
 
-# Models whose projections are fused: (config class, settings, PEFT's targets, a tensor name the adapter has).
+# Models whose projections are fused or named their own way: (config class, settings, PEFT's targets, a tensor name
+# the adapter has).
 FUSED = {
     "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
              dict(target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]), "self_attn.qkv_proj"),
@@ -468,13 +469,17 @@ FUSED = {
         position_embedding_type="rope", num_local_experts=0, shared_intermediate_size=40, residual_multiplier=0.5),
         dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"]),
         "self_attn.o_proj"),
+    # Bamba: a Mamba layer and an attention layer, Llama's MLP named `feed_forward`.
+    "bamba": ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                                  mamba_n_groups=2),
+              dict(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]), "feed_forward.gate_proj"),
 }
 
 
 @pytest.mark.parametrize("family", list(FUSED))
 def test_fused_projection_adapters_equal_peft(tmp_path, family):
     """An adapter on fused projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite MoE's shared
-    MLP and router; Granite 4.0-H's, whose Mamba layer takes none) gives PEFT's prompt logprobs and greedy tokens, in
+    MLP and router; Granite 4.0-H's and Bamba's, whose Mamba layers take none) gives PEFT's prompt logprobs and greedy tokens, in
     one batch with the base model."""
     import transformers
 
@@ -487,7 +492,7 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
     from safetensors.numpy import load_file
 
     names = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear"))
+    assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear", "feed_"))
     # (No warmup: only the buckets the two requests use are compiled.)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **ARGS, warmup=False),
                        progress=False)

@@ -31,7 +31,7 @@ from jaxserve.loader.granite_keys import (
     granite_fused,
     granite_shared,
 )
-from jaxserve.loader.mamba_keys import hybrid_layer_names, hybrid_spec
+from jaxserve.loader.mamba_keys import bamba_hf_name, bamba_name, hybrid_layer_names, hybrid_spec
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
 from jaxserve.models.quantized import INPUT_AXES, METHODS
 
@@ -48,8 +48,7 @@ class Target:
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weight|bias))$")
 
-# Names some checkpoints carry that hold no parameters of ours.
-# Carry no backbone parameter: RoPE tables, a classification model's score head (read apart from the
+# Names some checkpoints carry that hold no parameter of ours: RoPE tables, a classification model's score head (read apart from the
 # backbone, by `jaxserve.engine.classifier`), ERNIE 4.5's multi-token prediction module (`model.mtp*`), and the
 # vision tower of an image-text model served as text.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]"
@@ -192,7 +191,7 @@ _XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp
           "mlp.act_fn.eps": (3, ())}
 
 
-_BACKBONE_RE = re.compile(r"^(embed_tokens|norm|layers)\.")
+_BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 # An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
@@ -243,13 +242,13 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
 def canonical_name(name: str) -> str:
     """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
     (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix; an image-text
-    model nests its language model under `language_model`; EXAONE 3 names Llama's modules its own way."""
+    model nests its language model under `language_model`; EXAONE 3 and Bamba name Llama's modules their own way."""
     if name.startswith("transformer."):
         return exaone_name(name)
     m = _LANGUAGE_MODEL_RE.match(name)
     if m:
         name = name[m.end():] if m.group(1).startswith("language_model") else "model." + name[m.end():]
-    return "model." + name if _BACKBONE_RE.match(name) else name
+    return bamba_name("model." + name if _BACKBONE_RE.match(name) else name)
 
 
 def hf_target(name: str, cfg: ModelConfig) -> Target | None:
@@ -365,7 +364,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:
         yield from mla_fused(pairs, cfg)
         return
-    yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else pairs
+    yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
+        ((bamba_hf_name(name), t) for name, t in pairs) if cfg.family == "bamba" else pairs)
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:

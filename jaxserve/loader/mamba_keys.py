@@ -1,8 +1,9 @@
-"""A hybrid model's checkpoint names (Granite 4.0-H): its Mamba layers' tensors, its attention layers' apart
-(`Params.mamba_layers`, `Params.attn_layers`); every layer's norms and MLP as other models' (`keymap`)."""
+"""A hybrid model's checkpoint names (Granite 4.0-H, Bamba): its Mamba layers' tensors, its attention layers'
+apart (`Params.mamba_layers`, `Params.attn_layers`); every layer's norms and MLP as other models' (`keymap`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -50,3 +51,26 @@ def hybrid_layer_names(cfg: ModelConfig, layer: int, names: list[str]) -> list[s
     if layer not in cfg.mamba.layers:
         return names
     return [n for n in names if not n.startswith("self_attn.")] + list(mamba_targets(cfg))
+
+
+# Bamba's names for Llama's modules (its MLP "feed_forward", the norm before it "pre_ff_layernorm", the final norm
+# "final_layernorm"), read as Llama's and written back as Bamba's.
+_BAMBA_RE = re.compile(r"^(model\.layers\.\d+\.)(feed_forward\.|pre_ff_layernorm\.)")
+_BAMBA_MODULES = {"feed_forward.": "mlp.", "pre_ff_layernorm.": "post_attention_layernorm."}
+
+
+def bamba_name(name: str) -> str:
+    """A Bamba tensor's Llama name; any other name as it is."""
+    if name == "model.final_layernorm.weight":
+        return "model.norm.weight"
+    m = _BAMBA_RE.match(name)
+    return m.group(1) + _BAMBA_MODULES[m.group(2)] + name[m.end():] if m else name
+
+
+def bamba_hf_name(name: str) -> str:
+    """A Llama tensor name as a Bamba checkpoint spells it (the inverse of `bamba_name`)."""
+    if name == "model.norm.weight":
+        return "model.final_layernorm.weight"
+    m = re.match(r"^(model\.layers\.\d+\.)(mlp\.|post_attention_layernorm\.)", name)
+    inverse = {v: k for k, v in _BAMBA_MODULES.items()}
+    return m.group(1) + inverse[m.group(2)] + name[m.end():] if m else name
