@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
-from jaxserve.config_mamba import MambaConfig, bamba, mamba_config
+from jaxserve.config_mamba import HYBRID_FAMILIES, MambaConfig, hybrid_config, mamba_config
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_fields, mla_moe_fields, mla_softmax_scale
 from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
@@ -18,7 +18,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
                  "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
-                 "apertus", "deepseek_v2", "deepseek_v3", "bamba"]
+                 "apertus", "deepseek_v2", "deepseek_v3", "bamba", "nemotron_h"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -35,6 +35,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: attention only, or Mamba-2 layers beside it
     "BambaForCausalLM": "bamba",  # Mamba-2 layers beside Llama's attention
+    "NemotronHForCausalLM": "nemotron_h",  # Mamba-2, attention (no rotary embedding) and MLP blocks (`config_nemotron`)
     "SmolLM3ForCausalLM": "smollm3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
@@ -153,8 +154,9 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers)."""
-        return tuple(i for i in range(self.num_layers) if self.mamba is None or i not in self.mamba.layers)
+        """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers and MLPs alone)."""
+        m = self.mamba
+        return tuple(i for i in range(self.num_layers) if m is None or i not in m.layers and i not in m.no_mixer)
 
     @property
     def rotary_dims(self) -> int:
@@ -273,7 +275,7 @@ class ModelConfig:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLP is gated, act(gate) * up (all but Arcee's and Apertus', act(up))."""
-        return self.family not in ("arcee", "apertus")
+        return self.family not in ("arcee", "apertus", "nemotron_h")
 
     @property
     def parallel_block(self) -> bool:
@@ -299,7 +301,7 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(bamba(language_model(d)))))
+        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d)))))
         archs = d.get("architectures") or []
         family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
             or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -366,7 +368,7 @@ class ModelConfig:
             or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
                            *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES)
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba") and bool(d.get("mlp_bias")))
+            mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", *OLMO_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
@@ -375,7 +377,7 @@ class ModelConfig:
             kv_cache_scales=bool(kv_scheme),
             **fields.mrope_fields(d),
             no_rope_layers=fields.no_rope_layers(family, d),
-            mamba=mamba_config(d) if family in ("granitemoehybrid", "bamba") else None,
+            mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
             **moe, **mla,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
                | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})

@@ -17,6 +17,7 @@ from jaxserve.config import (
 )
 from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_mla import mla_hf
+from jaxserve.config_nemotron import nemotron_hf
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -101,4 +102,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.mrope_section is not None:  # (no model has both)
         d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section),
                              **({"mrope_interleaved": True} if cfg.mrope_interleaved else {})}
+    if cfg.family == "nemotron_h":  # (no rotary embedding: no per-layer list)
+        d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "hidden_act", "no_rope_layers")} | nemotron_hf(cfg)
     return d

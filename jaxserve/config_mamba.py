@@ -1,5 +1,5 @@
-"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba): their shapes, read from its HF config
-(`ModelConfig.mamba`)."""
+"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H): their shapes, read from its HF config
+(`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
 
 from __future__ import annotations
 
@@ -7,11 +7,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.config_nemotron import nemotron_h
 from jaxserve.errors import UnsupportedModelError
 
-# A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names).
+HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h")  # with Mamba-2 layers
+
+# A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
+# "mlp": a layer of an MLP alone, Nemotron-H's).
 MAMBA_KINDS = ("mamba", "linear_attention")
 ATTENTION_KINDS = ("attention", "full_attention")
+MLP_KINDS = ("mlp",)
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,9 @@ class MambaConfig:
     convolved x, B and C and the step dt per head; a causal depthwise convolution of `conv_kernel` taps over (x, B,
     C); the selective scan of `num_heads` heads of `head_dim` channels, each with a state of `state_size` per channel
     (B and C shared by the heads of each of `n_groups` groups); a norm of the output gated by z, per group; the output
-    projection. Per sequence it keeps a convolution state (the last `conv_kernel - 1` inputs) and an SSM state."""
+    projection. Per sequence it keeps a convolution state (the last `conv_kernel - 1` inputs) and an SSM state.
+    Nemotron-H's blocks hold a mixer or an MLP; paired into layers, some layers have no MLP (`no_mlp`, their MLPs
+    stacked apart: `Params.mlp_layers`) or no mixer (`no_mixer`: an MLP alone)."""
 
     layers: tuple[int, ...]
     num_heads: int
@@ -33,6 +40,12 @@ class MambaConfig:
     time_step_min: float = 0.0  # dt clamped to [min, max] after its softplus (transformers' `time_step_limit`)
     time_step_max: float = math.inf
     norm_eps: float = 1e-6  # the gated norm's (the model's `rms_norm_eps`)
+    no_mlp: tuple[int, ...] = ()  # layers of a mixer alone
+    no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
+
+    def mlp_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers with an MLP."""
+        return tuple(i for i in range(num_layers) if i not in self.no_mlp)
 
     @property
     def inner(self) -> int:
@@ -59,7 +72,9 @@ class MambaConfig:
         if not self.layers or len(set(self.layers)) != len(self.layers) or not all(
                 0 <= i < num_layers for i in self.layers):
             raise UnsupportedModelError(f"mamba layers {self.layers} must be distinct layers of the {num_layers}")
-        if len(self.layers) == num_layers:
+        if set(self.layers) & set(self.no_mixer) or set(self.no_mlp) & set(self.no_mixer):
+            raise UnsupportedModelError(f"a layer without a mixer ({self.no_mixer}) has an MLP and no Mamba mixer")
+        if len(self.layers) + len(self.no_mixer) == num_layers:
             raise UnsupportedModelError("a hybrid model of Mamba layers only is not supported (it holds no pages)")
 
 
@@ -75,10 +90,16 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, **rope, "layer_types": kinds, "partial_rotary_factor": 0.5}
 
 
+def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba or Nemotron-H config in Granite 4.0-H's keys (`bamba`, `config_nemotron.nemotron_h`); any other as
+    it is."""
+    return nemotron_h(bamba(d))
+
+
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
     """A Granite 4.0 hybrid or Bamba config's Mamba layers (None when all its layers attend)."""
     kinds = d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * d["num_hidden_layers"]
-    unknown = set(kinds) - set(MAMBA_KINDS) - set(ATTENTION_KINDS)
+    unknown = set(kinds) - set(MAMBA_KINDS) - set(ATTENTION_KINDS) - set(MLP_KINDS)
     if unknown or len(kinds) != d["num_hidden_layers"]:
         raise UnsupportedModelError(f"hybrid layer kinds {sorted(unknown) or kinds} are not supported (one of mamba / "
                                     f"attention for each of {d['num_hidden_layers']} layers)")
@@ -89,7 +110,7 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
     inner = d.get("mamba_expand", 2) * d["hidden_size"]
     head_dim = d.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim in (None, "auto") else head_dim
-    if heads * head_dim != inner:
+    if heads * head_dim != inner and d.get("model_type") != "nemotron_h":  # (Nemotron-H's inner width is its own)
         raise UnsupportedModelError(f"mamba_n_heads x mamba_d_head ({heads} x {head_dim}) must be mamba_expand x "
                                     f"hidden_size ({inner})")
     # (transformers writes an infinite limit as {"__float__": "Infinity"})
@@ -98,7 +119,8 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        n_groups=d.get("mamba_n_groups", 1), conv_kernel=d.get("mamba_d_conv", 4),
                        conv_bias=bool(d.get("mamba_conv_bias", True)), proj_bias=bool(d.get("mamba_proj_bias", False)),
                        time_step_min=limit[0], time_step_max=limit[1],
-                       norm_eps=float(d.get("rms_norm_eps", 1e-6)))
+                       norm_eps=float(d.get("rms_norm_eps", 1e-6)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
+                       no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS))
 
 
 def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int, family: str) -> dict[str, Any]:

@@ -473,13 +473,17 @@ FUSED = {
     "bamba": ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                                   mamba_n_groups=2),
               dict(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]), "feed_forward.gate_proj"),
+    # Nemotron-H: blocks paired into layers (Mamba + MLP, attention + MLP, Mamba alone), its MLP ungated.
+    "nemotron_h": ("NemotronHConfig", dict(hybrid_override_pattern="M-*-M", head_dim=16, mamba_num_heads=8,
+                                           mamba_head_dim=16, ssm_state_size=16, n_groups=2),
+                   dict(target_modules=["q_proj", "o_proj", "up_proj", "down_proj"]), "layers.3.mixer.up_proj"),
 }
 
 
 @pytest.mark.parametrize("family", list(FUSED))
 def test_fused_projection_adapters_equal_peft(tmp_path, family):
     """An adapter on fused projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite MoE's shared
-    MLP and router; Granite 4.0-H's and Bamba's, whose Mamba layers take none) gives PEFT's prompt logprobs and greedy tokens, in
+    MLP and router; Granite 4.0-H's, Bamba's and Nemotron-H's, whose Mamba layers take none) gives PEFT's prompt logprobs and greedy tokens, in
     one batch with the base model."""
     import transformers
 
@@ -492,7 +496,7 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
     from safetensors.numpy import load_file
 
     names = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear", "feed_"))
+    assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear", "feed_", "mixer"))
     # (No warmup: only the buckets the two requests use are compiled.)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **ARGS, warmup=False),
                        progress=False)

@@ -750,7 +750,23 @@ def case_hybrid() -> dict:
             "tp2_cached": [_generate(tp2, PROMPTS), tp2.scheduler.cache.hit_tokens],  # (from kept states)
             "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
             "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
-            "dp2": _dp_hybrid(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded)}
+            "dp2": _dp_hybrid(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded),
+            "nemotron": _nemotron_tp2(args)}
+
+
+def _nemotron_tp2(args: dict) -> list[list[list[int]]]:
+    """A Nemotron-H's greedy tokens on one device and at TP=2 (its MLPs stacked apart, split by column / row)."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+
+    loaded = _tiny_loaded(ModelConfig.from_hf(dict(
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=64, hidden_size=64,
+        hybrid_override_pattern="M-M*-", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+        intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+        max_position_embeddings=512)))
+    return [_generate(LLMEngine(EngineArgs(**args, tensor_parallel_size=tp, warmup=False), loaded=loaded,
+                                progress=False), PROMPTS) for tp in (1, 2)]
 
 
 def _dp_hybrid(args, loaded) -> list[list[int]]:

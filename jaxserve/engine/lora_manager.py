@@ -38,6 +38,7 @@ from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.loader.mla_keys import kv_rows, q_rows
+from jaxserve.loader.nemotron_keys import nemotron_adapter_key
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import (
     SLOT_AXIS,
@@ -101,7 +102,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     for name, w in load_file(weights).items():
         if experts_read.take(name, w):
             continue
-        m = _KEY.match(name)
+        m = _KEY.match(nemotron_adapter_key(name, cfg) if cfg.family == "nemotron_h" else name)  # (blocks: layers)
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
         module = _ALIASES.get(module, module)

@@ -372,7 +372,7 @@ def quantize_model(params: Params, cfg: ModelConfig, plan: Any, method: str) -> 
     params = dataclasses.replace(params, **{  # (a model's dense first layers, a hybrid's attention layers apart too)
         name: quantize_layers(getattr(params, name), getattr(declared, name),
                               None if shardings is None else getattr(shardings, name), release=True)
-        for name in ("layers", "dense_layers", "attn_layers") if getattr(params, name) is not None})
+        for name in ("layers", "dense_layers", "attn_layers", "mlp_layers") if getattr(params, name) is not None})
     logger.info("weights quantized at load (%s): %.1f -> %.1f MiB per device", method, before / 2**20,
                 params_bytes(params) / 2**20)
     return params, cfg, plan

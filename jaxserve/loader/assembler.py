@@ -37,7 +37,7 @@ class WeightAssembler:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
         held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
-        name = canonical_name(name)
+        name = canonical_name(name, self.cfg)
         scale = name.endswith(".weight_scale")
         weight_name = name.removesuffix("_scale") if scale else name
         parts = split_packed(weight_name, tensor, self.cfg)
@@ -75,8 +75,9 @@ class WeightAssembler:
     def _put(self, target: Target, info: ParamInfo, value: np.ndarray, part: str | None = None) -> None:
         """`value` into its place of `target`'s stacked array (of a quantized weight's `part`, "q" or "scale")."""
         if target.path not in self._arrays:
-            self._arrays[target.path] = (np.empty(info.shape, value.dtype) if part is None else QuantizedWeight(
-                np.empty(info.q.shape, info.q.dtype), np.empty(info.scale.shape, np.float32)))
+            # (zeros: a hybrid layer without a mixer or an MLP leaves that part's norm row unread and unwritten)
+            self._arrays[target.path] = (np.zeros(info.shape, value.dtype) if part is None else QuantizedWeight(
+                np.zeros(info.q.shape, info.q.dtype), np.zeros(info.scale.shape, np.float32)))
         array = self._arrays[target.path]
         array = array if part is None else getattr(array, part)
         if target.layer is None:

@@ -31,7 +31,7 @@ from jaxserve.loader.granite_keys import (
     granite_fused,
     granite_shared,
 )
-from jaxserve.loader.mamba_keys import bamba_hf_name, bamba_name, hybrid_layer_names, hybrid_spec
+from jaxserve.loader.mamba_keys import hybrid_hf_name, hybrid_layer_names, hybrid_name, hybrid_spec
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
 from jaxserve.models.quantized import INPUT_AXES, METHODS
 
@@ -239,16 +239,16 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     return None
 
 
-def canonical_name(name: str) -> str:
+def canonical_name(name: str, cfg: ModelConfig | None = None) -> str:
     """A tensor name as a `*ForCausalLM` checkpoint spells it: checkpoints saved from the bare backbone
     (`AutoModel`, as embedding models such as Qwen3-Embedding ship) drop the `model.` prefix; an image-text
-    model nests its language model under `language_model`; EXAONE 3 and Bamba name Llama's modules their own way."""
+    model nests its language model under `language_model`; EXAONE 3, Bamba, Nemotron-H (`cfg`) rename modules."""
     if name.startswith("transformer."):
         return exaone_name(name)
     m = _LANGUAGE_MODEL_RE.match(name)
     if m:
         name = name[m.end():] if m.group(1).startswith("language_model") else "model." + name[m.end():]
-    return bamba_name("model." + name if _BACKBONE_RE.match(name) else name)
+    return hybrid_name("model." + name if _BACKBONE_RE.match(name) else name, cfg)
 
 
 def hf_target(name: str, cfg: ModelConfig) -> Target | None:
@@ -311,7 +311,7 @@ def kept_module(module: str, cfg: ModelConfig) -> bool:
     projection (Phi-3's `qkv_proj`, `gate_up_proj`) as the projections it packs."""
     if not cfg.weight_quant:
         return False
-    name = canonical_name(f"{module}.weight")
+    name = canonical_name(f"{module}.weight", cfg)
     name = name.replace(".qkv_proj.", ".q_proj.").replace(".gate_up_proj.", ".gate_proj.")
     try:
         target = hf_target(name, cfg)
@@ -322,7 +322,7 @@ def kept_module(module: str, cfg: ModelConfig) -> bool:
 
 def layer_field(path: str) -> str:
     """A parameter path's layer field ("layers.wq", "dense_layers.wq": "wq"); other paths as they are."""
-    return path.removeprefix("dense_").removeprefix("attn_").removeprefix("mamba_").removeprefix("layers.")
+    return re.sub(r"^(dense_|attn_|mamba_|mlp_)?layers\.", "", path)
 
 
 def hf_names(cfg: ModelConfig) -> list[str]:
@@ -365,7 +365,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
         yield from mla_fused(pairs, cfg)
         return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
-        ((bamba_hf_name(name), t) for name, t in pairs) if cfg.family == "bamba" else pairs)
+        ((hybrid_hf_name(name, cfg), t) for name, t in pairs))
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.nemotron_keys import nemotron_hf_name, nemotron_name
+from jaxserve.models.params import MLP_FIELDS
 
 
 def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
@@ -36,18 +38,34 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
     its stack), given what other models make of it (`spec`: path, transform, shape; None: nothing); None where
     the layer holds no such tensor."""
     m = cfg.mamba
+    field = None if spec is None else spec[0].removeprefix("layers.")
+    if not _held(cfg, layer, rest):
+        return None
     if layer in m.layers:
         if rest in mamba_targets(cfg):
             return (*mamba_targets(cfg)[rest], m.layers.index(layer))
-        return None if spec is None or rest.startswith("self_attn.") else (*spec, layer)
-    if spec is not None and rest.startswith("self_attn."):
+        if rest.startswith("self_attn."):
+            return None
+    elif spec is not None and rest.startswith("self_attn."):
         return ("attn_" + spec[0], *spec[1:], cfg.attention_layers.index(layer))
+    if spec is not None and m.no_mlp and field in MLP_FIELDS:  # (the MLPs stacked apart)
+        return ("mlp_" + spec[0], *spec[1:], m.mlp_layers(cfg.num_layers).index(layer))
     return None if spec is None else (*spec, layer)
+
+
+def _held(cfg: ModelConfig, layer: int, rest: str) -> bool:
+    """Whether layer `layer` holds other models' tensor `rest`: not the MLP's (and its norm's) of a mixer alone,
+    nor the attention's and its input norm's of an MLP alone."""
+    m = cfg.mamba
+    if layer in m.no_mlp and rest.startswith(("mlp.", "post_attention_layernorm.")):
+        return False
+    return not (layer in m.no_mixer and rest.startswith(("self_attn.", "input_layernorm.")))
 
 
 def hybrid_layer_names(cfg: ModelConfig, layer: int, names: list[str]) -> list[str]:
     """Layer `layer`'s tensor names (after `model.layers.{i}.`) given other models' `names`: a Mamba layer's
-    mixer in attention's place."""
+    mixer in attention's place, none of a part the layer lacks."""
+    names = [n for n in names if _held(cfg, layer, n)]
     if layer not in cfg.mamba.layers:
         return names
     return [n for n in names if not n.startswith("self_attn.")] + list(mamba_targets(cfg))
@@ -74,3 +92,15 @@ def bamba_hf_name(name: str) -> str:
     m = re.match(r"^(model\.layers\.\d+\.)(mlp\.|post_attention_layernorm\.)", name)
     inverse = {v: k for k, v in _BAMBA_MODULES.items()}
     return m.group(1) + inverse[m.group(2)] + name[m.end():] if m else name
+
+
+def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
+    """A Bamba or Nemotron-H tensor's name as a hybrid model's layer holds it (Nemotron-H's by `cfg`, its blocks
+    paired into layers); other names as they are."""
+    return nemotron_name(name, cfg) if cfg is not None and cfg.family == "nemotron_h" else bamba_name(name)
+
+
+def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
+    """The inverse of `hybrid_name`: a tensor name as the model's own checkpoints spell it."""
+    return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n)}.get(
+        cfg.family, lambda n, _: n)(name, cfg)

@@ -14,7 +14,7 @@ from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_a
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
-from jaxserve.models.mamba import hybrid_layers
+from jaxserve.models.mamba import NO_MIXER, hybrid_layers
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
 from jaxserve.models.ops import apply_rope, rms_norm
@@ -70,16 +70,18 @@ def _layer(
 ):
     """One decoder layer; `local` (static): a sliding-window layer of a model whose layers differ; `attn_in`: what
     its attention projects in place of its normed input (an EAGLE-3 draft's first layer: `models.eagle`); `mixer`:
-    a hybrid model's Mamba layer (`mamba.hybrid_layers`), in attention's place, its states in the pages'."""
+    a hybrid model's Mamba layer (`mamba.hybrid_layers`), in attention's place, its states in the pages', or
+    `NO_MIXER` (an MLP alone); a layer with no MLP weights (a hybrid model's mixer alone) ends after its mixer."""
     x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D] (`ModelConfig.kv_cache_dims`)
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
 
+    h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm)
     with jax.named_scope("attention"):
-        h = h_attn = x if lp.attn_norm is None else model_norm(cfg, x, lp.attn_norm)
-        if attn_in is not None:
-            h = attn_in
-        if mixer is not None:
+        h = h_attn if attn_in is None else attn_in
+        if mixer is NO_MIXER:
+            pass
+        elif mixer is not None:
             out, k_all, v_all = mixer(h, k_all, v_all)
         else:
             attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local)
@@ -92,12 +94,15 @@ def _layer(
                 out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
             if lora is not None:
                 out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
-        if lp.bo is not None:
-            out = out + lp.bo
-        if lp.post_attn_norm is not None:
-            out = model_norm(cfg, out, lp.post_attn_norm)
-        x = x + _residual(cfg, out)
+        if mixer is not NO_MIXER:
+            if lp.bo is not None:
+                out = out + lp.bo
+            if lp.post_attn_norm is not None:
+                out = model_norm(cfg, out, lp.post_attn_norm)
+            x = x + _residual(cfg, out)
 
+    if lp.w_up is None and lp.w_gate_up is None and lp.router is None:
+        return (x, k_all, v_all), None
     if lp.router is not None:
         with jax.named_scope("moe"):
             h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)

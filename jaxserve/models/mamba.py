@@ -1,4 +1,4 @@
-"""A hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba.MambaConfig`) over a ragged batch, each sequence's
+"""A hybrid model's Mamba-2 layers (Granite 4.0-H, Bamba, Nemotron-H; `config_mamba.MambaConfig`) over a ragged batch, each sequence's
 convolution and SSM states kept in a slot of the state pools (`KVCache.conv`, `KVCache.ssm`; `ModelInputs.state_slots`).
 
 A sequence whose step starts at position 0 starts from zero states; any other continues from its slot's, which the
@@ -17,16 +17,26 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.config_mamba import MambaConfig
 from jaxserve.models.inputs import ModelInputs
-from jaxserve.models.params import ATTENTION_FIELDS, LayerParams, ParamInfo, Params
+from jaxserve.models.params import ATTENTION_FIELDS, MLP_FIELDS, LayerParams, ParamInfo, Params
+
+NO_MIXER = "no mixer"  # a layer's mixer where it has none: an MLP alone (`MambaConfig.no_mixer`)
 
 
 def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int, bool], LayerParams]) -> Params:
     """A hybrid model's parameters: every layer's norms and MLP in `layers`, the attention layers' projections in
-    `attn_layers`, the Mamba layers' in `mamba_layers` (`Params`)."""
+    `attn_layers`, the Mamba layers' in `mamba_layers` (`Params`); where some layers have no MLP, the MLPs of the
+    others in `mlp_layers`."""
     m, E, V = cfg.mamba, cfg.hidden_size, cfg.vocab_size
     La, Lm = len(cfg.attention_layers), len(cfg.mamba.layers)
     none = {f.name: None for f in dataclasses.fields(LayerParams)}
     attn = declare_layers(cfg, La, bool(cfg.num_experts))
+    layers = dataclasses.replace(declare_layers(cfg, cfg.num_layers, bool(cfg.num_experts)),
+                                 **{f: None for f in ATTENTION_FIELDS})
+    mlps = None
+    if m.no_mlp:
+        mlps = declare_layers(cfg, len(m.mlp_layers(cfg.num_layers)), bool(cfg.num_experts))
+        mlps = LayerParams(**none | {f: getattr(mlps, f) for f in MLP_FIELDS})
+        layers = dataclasses.replace(layers, **{f: None for f in MLP_FIELDS})
 
     def p(shape, axes, init="normal", dtype=None) -> ParamInfo:
         return ParamInfo((Lm, *shape), ("layers", *axes), init, dtype)
@@ -39,12 +49,11 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
         m_d=p((m.num_heads,), (None,), "ones", jnp.float32), m_norm=p((m.inner,), (None,), "ones"),
         m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
     return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
-                  layers=dataclasses.replace(declare_layers(cfg, cfg.num_layers, bool(cfg.num_experts)),
-                                             **{f: None for f in ATTENTION_FIELDS}),
+                  layers=layers,
                   final_norm=ParamInfo((E,), ("embed",), "ones"),
                   lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
                   attn_layers=LayerParams(**none | {f: getattr(attn, f) for f in ATTENTION_FIELDS}),
-                  mamba_layers=mamba)
+                  mamba_layers=mamba, mlp_layers=mlps)
 
 
 def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Array, ssm: jax.Array,
@@ -52,12 +61,19 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
     """Every layer of a hybrid model in order, unrolled: `layer(i, lp, carry, index, mixer)` runs layer i (its
     `LayerParams` lp) over `carry` (x, k, v), or with `mixer` over (x, conv, ssm), `index` its place among the
     attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools. `chunked`:
-    the prompt tokens' scan by `chunked_scan`, else `token_scan`."""
+    the prompt tokens' scan by `chunked_scan`, else `token_scan`. A layer of an MLP alone runs with `NO_MIXER`; a
+    layer without an MLP gets no MLP weights."""
     x, k, v = carry
-    a = j = 0
+    a = j = f = 0
     for i in range(cfg.num_layers):
         lp = jax.tree.map(lambda w, i=i: w[i], params.layers)
-        if i in cfg.mamba.layers:
+        if params.mlp_layers is not None and i not in cfg.mamba.no_mlp:
+            fp = jax.tree.map(lambda w, f=f: w[f], params.mlp_layers)
+            lp = dataclasses.replace(lp, **{name: getattr(fp, name) for name in MLP_FIELDS})
+            f += 1
+        if i in cfg.mamba.no_mixer:
+            x, k, v = layer(i, lp, (x, k, v), 0, NO_MIXER)
+        elif i in cfg.mamba.layers:
             mp = jax.tree.map(lambda w, j=j: w[j], params.mamba_layers)
 
             def mixer(h, conv, ssm, mp=mp, j=j):

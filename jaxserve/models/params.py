@@ -130,6 +130,7 @@ class Params:
     # attention layers' projections (their other fields None) and the Mamba layers' (`LayerParams.m_*`).
     attn_layers: LayerParams | None = None
     mamba_layers: LayerParams | None = None
+    mlp_layers: LayerParams | None = None  # ... the MLPs apart when some layers have none (`MambaConfig.no_mlp`)
 
 
 def declare_params(cfg: ModelConfig) -> Params:
@@ -225,6 +226,8 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
 
 
 ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "sinks", "k_scale", "v_scale")
+MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "router", "router_bias", "b_router", "we_gate",
+              "we_up", "we_down", "be_gate", "be_up", "be_down", "ws_gate", "ws_up", "ws_down", "ws_mix", "xielu")
 
 
 def _declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
@@ -393,4 +396,4 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
                   lm_head=flat.get("lm_head"), dense_layers=stack("dense_layers"), attn_layers=stack("attn_layers"),
-                  mamba_layers=stack("mamba_layers"))
+                  mamba_layers=stack("mamba_layers"), mlp_layers=stack("mlp_layers"))

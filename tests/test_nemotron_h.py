@@ -1,0 +1,101 @@
+"""Nemotron-H (blocks of a Mamba-2 mixer, attention without rotary embedding, or a squared-ReLU MLP) against HF
+transformers: its blocks paired into hybrid layers (a mixer alone, an MLP alone), logits, the checkpoint's names
+both ways, and the engine's greedy tokens."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.config_nemotron import pair_blocks  # noqa: E402
+from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
+from jaxserve.models.inputs import KVCache  # noqa: E402
+from tests.fake_model import VOCAB  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_engine_gemma import hf_greedy  # noqa: E402
+from tests.test_hybrid import NEW_TOKENS, PROMPTS, _engine, _greedy, _run  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+
+# Blocks: Mamba + MLP, Mamba alone, attention + MLP, Mamba + MLP, an MLP alone (five layers of eight blocks);
+# biased Mamba projections and MLP, dt clamped from above.
+PATTERN = "M-M*-M--"
+TINY = dict(hybrid_override_pattern=PATTERN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+            max_position_embeddings=256, vocab_size=VOCAB, mlp_bias=True, use_bias=True, time_step_limit=[0.0, 0.5])
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    """(HF model, our config, our params, its directory) of a tiny Nemotron-H."""
+    path = tmp_path_factory.mktemp("nemotron_h")
+    model = save_tiny_hf("NemotronHConfig", path, **TINY)
+    ckpt = open_checkpoint(str(path))
+    cfg = ckpt.config()
+    return model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
+
+
+def test_blocks_pair_into_layers(nemotron):
+    assert pair_blocks(PATTERN) == [("M", True), ("M", False), ("*", True), ("M", True), ("", True)]
+    assert pair_blocks("--M*") == [("", True), ("", True), ("M", False), ("*", False)]
+    _, cfg, params, _ = nemotron
+    m = cfg.mamba
+    assert (cfg.num_layers, m.layers, cfg.attention_layers, m.no_mlp, m.no_mixer) == (5, (0, 1, 3), (2,), (1,), (4,))
+    assert (cfg.hidden_act, cfg.gated_mlp, cfg.no_rope_layers, m.proj_bias, m.time_step_max) == (
+        "relu2", False, (0,) * 5, True, 0.5)
+    # Four MLPs stacked apart; the pages hold the attention layer only.
+    assert params.mlp_layers.w_up.shape == (4, 64, 96) and params.layers.w_up is None
+    assert KVCache.bytes_per_page(cfg, 8, jnp.float32) == 8 * 2 * 2 * 16 * 4
+    again = ModelConfig.from_hf(cfg.to_hf())
+    assert again == cfg and "".join({"linear_attention": "M", "full_attention": "*", "mlp": "-"}[b]
+                                    for b in cfg.to_hf()["layers_block_type"]) == PATTERN
+    d = cfg.to_hf()
+    for key, value, error in (("layers_block_type", ["moe", "full_attention", "mlp"], "MoE blocks"),
+                              ("attention_bias", True, "attention_bias True"),
+                              ("mamba_hidden_act", "gelu", "mamba_hidden_act 'gelu'"),
+                              ("layers_block_type", ["mlp", "linear_attention"], "needs Mamba and attention")):
+        with pytest.raises(UnsupportedModelError, match=error):
+            ModelConfig.from_hf({**d, key: value})
+
+
+def test_logits_match_transformers(nemotron):
+    model, cfg, params, _ = nemotron
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2  # 102 tokens: two of the chunked scan's chunks
+    ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
+    assert rel_err(ours, ref) < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_convert_writes_the_sources_tensors(tmp_path):
+    """`jaxserve convert`: every tensor under its block's name (`backbone.layers.{block}.mixer...`) as the
+    checkpoint had it; transformers reads the output as the model."""
+    from safetensors import safe_open
+
+    from tests.test_convert import convert, write_tiny_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    model = save_tiny_hf("NemotronHConfig", src, **TINY)
+    write_tiny_tokenizer(src)
+    convert(src, out)
+    with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:
+        assert sorted(f.keys()) == sorted(g.keys()) and "backbone.layers.7.mixer.up_proj.weight" in g.keys()
+        for key in g.keys():
+            np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-6
+
+
+def test_engine_greedy_equals_transformers(nemotron):
+    """Chunked prefills beside decodes and the device's decode loop, three requests in one batch, and again with
+    prefix caching from the same prompts' kept states: transformers' greedy tokens; every state slot back."""
+    model, cfg, params, path = nemotron
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = _engine(cfg, params, path)
+    assert _greedy(engine) == expected
+    assert _run(engine, PROMPTS[2], "again") == (expected[2], 24)  # (its states kept at 24 of its 30 tokens)
+    assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
+    engine.check_integrity()
