@@ -168,7 +168,7 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
                       norm_topk_prob=True, first_dense_layers=int(d.get("moe_layer_start_index", 1)),
                       shared_expert_intermediate_size=int(d.get("moe_num_shared_experts") or 0)
                       * d["moe_intermediate_size"])
-    if family in ("glm4_moe", "dots1"):  # DeepSeek-V3's experts
+    if family in ("glm4_moe", "dots1", "nemotron_h"):  # DeepSeek-V3's experts (Nemotron 3's ungated)
         glm = family == "glm4_moe"
         if "sliding_attention" in (d.get("layer_types") or ()):
             raise UnsupportedModelError(f"{family} with sliding-window layers is not supported")
@@ -178,6 +178,12 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
                       first_dense_layers=int(d.get("first_k_dense_replace", 1 if glm else 0) or 0),
                       shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
                       norm_topk_prob=bool(d.get("norm_topk_prob", glm)))
+    if family == "nemotron_h":  # (its shared expert's width its own; a dense model's `moe_*` keys unread)
+        fields.update(shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 7688),
+                      norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+        if not fields["num_experts"]:
+            fields.update(moe_intermediate_size=0, shared_expert_intermediate_size=0, router_scoring="softmax",
+                          router_bias=False, expert_groups=1, expert_topk_groups=1)
     return fields
 
 

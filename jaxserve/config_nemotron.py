@@ -34,13 +34,13 @@ def nemotron_blocks(d: dict[str, Any]) -> str:
 
 
 def pair_blocks(pattern: str) -> list[tuple[str, bool]]:
-    """Layers from blocks: (mixer "M", "*" or "" for none, whether an MLP follows it)."""
+    """Layers from blocks: (mixer "M", "*" or "" for none, whether an MLP or MoE block follows it)."""
     layers: list[tuple[str, bool]] = []
     for b in pattern:
-        if b == "-" and layers and layers[-1][0] and not layers[-1][1]:
+        if b in "-E" and layers and layers[-1][0] and not layers[-1][1]:
             layers[-1] = (layers[-1][0], True)
         else:
-            layers.append(("", True) if b == "-" else (b, False))
+            layers.append(("", True) if b in "-E" else (b, False))
     return layers
 
 
@@ -50,8 +50,12 @@ def nemotron_h(d: dict[str, Any]) -> dict[str, Any]:
     if not is_nemotron_h(d):
         return d
     pattern = nemotron_blocks(d)
-    if "E" in pattern:
-        raise UnsupportedModelError("Nemotron-H's MoE blocks (Nemotron 3) are not supported")
+    if "E" in pattern and "-" in pattern:
+        raise UnsupportedModelError("a Nemotron-H model of both MLP and MoE blocks is not supported")
+    if "E" in pattern and d.get("moe_latent_size") is not None:
+        raise UnsupportedModelError("Nemotron-H's latent MoE projections (moe_latent_size) are not supported")
+    if "E" in pattern and d.get("mlp_bias"):
+        raise UnsupportedModelError("Nemotron-H's MoE blocks with mlp_bias (a biased shared expert) are not supported")
     if "M" not in pattern or "*" not in pattern:
         raise UnsupportedModelError(f"a Nemotron-H model needs Mamba and attention blocks, got {pattern!r}")
     for key, value, default in (("mamba_hidden_act", d.get("mamba_hidden_act"), "silu"),
@@ -73,7 +77,9 @@ def nemotron_h(d: dict[str, Any]) -> dict[str, Any]:
             "mamba_n_heads": d.get("mamba_num_heads", 128), "mamba_d_head": d.get("mamba_head_dim", 64),
             "mamba_d_state": d.get("ssm_state_size", 128), "mamba_n_groups": get("n_groups", 8),
             "mamba_d_conv": get("conv_kernel", 4), "mamba_conv_bias": get("use_conv_bias", True),
-            "mamba_proj_bias": d.get("use_bias", False), "time_step_limit": get("time_step_limit", (0.0, math.inf))}
+            "mamba_proj_bias": d.get("use_bias", False), "time_step_limit": get("time_step_limit", (0.0, math.inf)),
+            **dict.fromkeys(("num_local_experts", "n_routed_experts"), d.get("n_routed_experts", 8) if "E" in pattern else 0),
+            "moe_intermediate_size": d.get("moe_intermediate_size", 7688)}
 
 
 def nemotron_hf(cfg: Any) -> dict[str, Any]:
@@ -85,7 +91,13 @@ def nemotron_hf(cfg: Any) -> dict[str, Any]:
             blocks.append("linear_attention" if i in m.layers else "full_attention")
         if i not in m.no_mlp:
             blocks.append("mlp")
-    return {"layers_block_type": blocks, "num_hidden_layers": len(blocks), "mlp_hidden_act": "relu2",
+    moe = {"n_routed_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
+           "moe_shared_expert_intermediate_size": cfg.shared_expert_intermediate_size, "n_shared_experts": 1,
+           "n_group": cfg.expert_groups, "topk_group": cfg.expert_topk_groups, "norm_topk_prob": cfg.norm_topk_prob,
+           "routed_scaling_factor": cfg.routed_scaling_factor} if cfg.num_experts else {}
+    if cfg.num_experts:
+        blocks = ["moe" if b == "mlp" else b for b in blocks]
+    return {**moe, "layers_block_type": blocks, "num_hidden_layers": len(blocks), "mlp_hidden_act": "relu2",
             "layer_norm_epsilon": cfg.rms_norm_eps, "mamba_num_heads": m.num_heads, "mamba_head_dim": m.head_dim,
             "ssm_state_size": m.state_size, "n_groups": m.n_groups, "conv_kernel": m.conv_kernel,
             "use_conv_bias": m.conv_bias, "use_bias": m.proj_bias, "mlp_bias": cfg.mlp_bias,

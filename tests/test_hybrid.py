@@ -331,9 +331,18 @@ def test_weights_quantized_at_load(dense):
     """`--quantization int8` on a hybrid checkpoint: the attention layers' projections (on their own stack) and the
     MLPs' held int8, the Mamba layers' in float; prompt logprobs within 0.05 of the float model's."""
     from jaxserve.models.quantized import QuantizedWeight
+
+    held, difference = int8_prompt_logprobs(dense[3])
+    assert isinstance(held.attn_layers.wq, QuantizedWeight) and isinstance(held.layers.w_up, QuantizedWeight)
+    assert not isinstance(held.mamba_layers.m_in, QuantizedWeight)
+    assert 0 < difference < 0.05
+
+
+def int8_prompt_logprobs(path: str) -> tuple:
+    """The parameters an engine holds of checkpoint `path` under `--quantization int8`, and the largest difference
+    of its prompt logprobs from the float model's."""
     from tests.fake_model import save_fake_tokenizer
 
-    _, _, _, path = dense
     save_fake_tokenizer(path)
     p = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     logprobs = []
@@ -344,10 +353,7 @@ def test_weights_quantized_at_load(dense):
         engine.add_request("a", PROMPTS[2], p)
         out = drain(engine)["a"]
         logprobs.append([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], PROMPTS[2][1:], strict=True)])
-    held = engine.model.params
-    assert isinstance(held.attn_layers.wq, QuantizedWeight) and isinstance(held.layers.w_up, QuantizedWeight)
-    assert not isinstance(held.mamba_layers.m_in, QuantizedWeight)
-    assert 0 < np.max(np.abs(np.subtract(*logprobs))) < 0.05
+    return engine.model.params, float(np.max(np.abs(np.subtract(*logprobs))))
 
 
 def test_drafts_change_nothing_but_the_number_of_steps(dense):

@@ -755,18 +755,20 @@ def case_hybrid() -> dict:
 
 
 def _nemotron_tp2(args: dict) -> list[list[list[int]]]:
-    """A Nemotron-H's greedy tokens on one device and at TP=2 (its MLPs stacked apart, split by column / row)."""
+    """A Nemotron 3 (Nemotron-H with MoE blocks)'s greedy tokens on one device, at TP=2 (its MLPs stacked apart,
+    its ungated experts split by width) and with its experts over the two devices (EP)."""
     from jaxserve.config import ModelConfig
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine_args import EngineArgs
 
     loaded = _tiny_loaded(ModelConfig.from_hf(dict(
         architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=64, hidden_size=64,
-        hybrid_override_pattern="M-M*-", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-        intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
-        max_position_embeddings=512)))
-    return [_generate(LLMEngine(EngineArgs(**args, tensor_parallel_size=tp, warmup=False), loaded=loaded,
-                                progress=False), PROMPTS) for tp in (1, 2)]
+        hybrid_override_pattern="MEM*E", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=2,
+        topk_group=1, max_position_embeddings=512)))
+    return [_generate(LLMEngine(EngineArgs(**args, tensor_parallel_size=tp, enable_expert_parallel=ep, warmup=False),
+                                loaded=loaded, progress=False), PROMPTS) for tp, ep in ((1, False), (2, False), (2, True))]
 
 
 def _dp_hybrid(args, loaded) -> list[list[int]]:

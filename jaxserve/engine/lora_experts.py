@@ -47,9 +47,10 @@ def fused_parameters(ac: dict[str, Any], cfg: ModelConfig, path: str, error: typ
 
 
 def check_experts(cfg: ModelConfig, path: str, error: type[Exception]) -> None:
-    if not cfg.num_experts or cfg.family == "gpt_oss":
+    if not cfg.num_experts or cfg.family == "gpt_oss" or not cfg.gated_mlp:
         raise error(f"adapter {path!r} adapts experts; {cfg.family}'s " + (
-            "interleaved experts take no adapters" if cfg.num_experts else "model has none"))
+            "model has none" if not cfg.num_experts else "interleaved experts take no adapters"
+            if cfg.family == "gpt_oss" else "ungated experts take no adapters"))
 
 
 class ExpertTensors:

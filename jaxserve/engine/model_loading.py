@@ -29,7 +29,7 @@ from jaxserve.loader import (
     resolve_model,
     tokenizer_at,
 )
-from jaxserve.loader.keymap import projection_modules
+from jaxserve.loader.quantized_keys import projection_modules
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
 from jaxserve.models.params import Params, declare_params, random_params

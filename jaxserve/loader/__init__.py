@@ -16,8 +16,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.loader.assembler import WeightAssembler
 from jaxserve.loader.gguf_file import GGUFFile
 from jaxserve.loader.hf_dir import HFDirectory
-from jaxserve.loader.keymap import CheckpointError, kept_module
+from jaxserve.loader.keymap import CheckpointError
 from jaxserve.loader.mistral_dir import PARAMS_FILE, MistralDirectory, is_mistral_dir
+from jaxserve.loader.quantized_keys import kept_module
 from jaxserve.models.params import Params
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.tokenizer_gguf import gguf_eos_ids

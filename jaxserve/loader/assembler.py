@@ -15,10 +15,9 @@ from jaxserve.loader.keymap import (
     canonical_name,
     hf_names,
     hf_target,
-    kept_module,
-    projection_modules,
     split_packed,
 )
+from jaxserve.loader.quantized_keys import kept_module, projection_modules
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
 from jaxserve.models.quantized import QuantizedWeight, quantize
 

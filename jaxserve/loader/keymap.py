@@ -33,7 +33,6 @@ from jaxserve.loader.granite_keys import (
 )
 from jaxserve.loader.mamba_keys import hybrid_hf_name, hybrid_layer_names, hybrid_name, hybrid_spec
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
-from jaxserve.models.quantized import INPUT_AXES, METHODS
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
             shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "deepseek_v2",
-                                                            "deepseek_v3") else "mlp.shared_expert"
+                                                            "deepseek_v3", "nemotron_h") else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
@@ -127,8 +126,9 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     elif cfg.qk_norm:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
-    if not cfg.gated_mlp:  # Arcee's and Apertus' MLP: up, an activation, down
+    if not cfg.gated_mlp:  # Arcee's, Apertus' and Nemotron-H's MLP (and shared expert): up, an activation, down
         t.pop("mlp.gate_proj.weight", None)
+        t.pop("mlp.shared_experts.gate_proj.weight", None)
     if cfg.family == "apertus":  # its norms' names
         t["attention_layernorm.weight"] = t.pop("input_layernorm.weight")
         t["feedforward_layernorm.weight"] = t.pop("post_attention_layernorm.weight")
@@ -180,6 +180,8 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
                 "w2.weight": ("layers.we_down", (E, Fe))}
     t = {"gate_proj.weight": ("layers.we_gate", (Fe, E)), "up_proj.weight": ("layers.we_up", (Fe, E)),
          "down_proj.weight": ("layers.we_down", (E, Fe))}
+    if not cfg.gated_mlp:  # (Nemotron 3's: up, a squared ReLU, down)
+        del t["gate_proj.weight"]
     if cfg.swiglu_limit is not None:  # gpt-oss's experts are biased (read from its packed tensors: `gpt_oss_keys`)
         t.update({"gate_proj.bias": ("layers.be_gate", (Fe,)), "up_proj.bias": ("layers.be_up", (Fe,)),
                   "down_proj.bias": ("layers.be_down", (E,))})
@@ -291,33 +293,11 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                                       f"{cfg.num_experts} experts")
             if kind in _expert_targets(cfg):
                 path, shape = _expert_targets(cfg)[kind]
-                return Target(path, layer - cfg.first_dense_layers, lambda w: w.T, shape, expert)
+                spec = (path, lambda w: w.T, shape, layer - cfg.first_dense_layers)
+                spec = spec if cfg.mamba is None else hybrid_spec(cfg, layer, rest, spec[:3])  # (a hybrid's MLPs apart)
+                if spec is not None:
+                    return Target(spec[0], spec[3], spec[1], spec[2], expert)
     raise CheckpointError(f"unknown tensor {name!r} for a {cfg.family} model")
-
-
-def projection_modules(cfg: ModelConfig) -> dict[str, str]:
-    """Every quantizable projection of a checkpoint of `cfg`: HF module name -> our layer field ("wq", ...)."""
-    out = {}
-    for name in hf_names(cfg):
-        target = hf_target(name, cfg)
-        field = layer_field(target.path) if target is not None else ""
-        if field in INPUT_AXES and name.endswith(".weight"):
-            out[name.removesuffix(".weight")] = field
-    return out
-
-
-def kept_module(module: str, cfg: ModelConfig) -> bool:
-    """Whether checkpoint module `module`'s weight is held quantized by `cfg` (`cfg.weight_quant`); a fused
-    projection (Phi-3's `qkv_proj`, `gate_up_proj`) as the projections it packs."""
-    if not cfg.weight_quant:
-        return False
-    name = canonical_name(f"{module}.weight", cfg)
-    name = name.replace(".qkv_proj.", ".q_proj.").replace(".gate_up_proj.", ".gate_proj.")
-    try:
-        target = hf_target(name, cfg)
-    except CheckpointError:
-        return False
-    return target is not None and layer_field(target.path) in METHODS[cfg.weight_quant].fields
 
 
 def layer_field(path: str) -> str:
@@ -338,7 +318,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         if cfg.hidden_act == "xielu":
             names.extend(f"model.layers.{i}.{rest}" for rest in _XIELU)
         moe = _moe_module(cfg)
-        for j in range(0 if dense else cfg.num_experts):
+        for j in range(0 if dense or cfg.mamba is not None and i in cfg.mamba.no_mlp else cfg.num_experts):
             names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
     return names
 

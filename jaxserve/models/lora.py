@@ -63,7 +63,7 @@ MOE_IN = {"shared.gate_proj": "bs_gate", "shared.up_proj": "bs_up", "gate": "b_r
 def moe_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
     """A MoE model's targets in its MoE layers besides the attention and the experts, as `TARGETS`: the router
     ("gate"), the shared expert's projections ("shared.gate_proj" ...) and Qwen2-MoE's shared-expert gate."""
-    if not cfg.num_experts:
+    if not cfg.num_experts or not cfg.gated_mlp:  # (Nemotron 3's ungated experts: its attention's targets only)
         return {}
     shared = cfg.shared_expert_intermediate_size > 0
     # (the sigmoid gate on the shared expert is Qwen2-MoE's alone)

@@ -87,8 +87,11 @@ def _route_sigmoid(h: jax.Array, router: jax.Array, bias: jax.Array, cfg: ModelC
     return (weights * cfg.routed_scaling_factor).astype(h.dtype), experts.astype(jnp.int32)
 
 
-def expert_activation(cfg: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
-    """An expert's gated activation: SiLU(gate) * up, or gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`)."""
+def expert_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array) -> jax.Array:
+    """An expert's activation: SiLU(gate) * up, gpt-oss's clamped SwiGLU (`ModelConfig.swiglu_limit`), or an
+    ungated expert's squared ReLU of up (Nemotron 3's: no gate)."""
+    if gate is None:
+        return jnp.square(jax.nn.relu(up))
     if cfg.swiglu_limit is None:
         return jax.nn.silu(gate) * up
     limit = cfg.swiglu_limit
@@ -101,7 +104,7 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
                   down_bias: jax.Array | float = 1.0, lora: tuple | None = None, matmul: Any = None) -> jax.Array:
     """The weighted output ([T, E]) of experts `first_expert .. first_expert + X_local` for every token.
 
-    h: [T, E]; weights, experts: [T, k]; we_gate, we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
+    h: [T, E]; weights, experts: [T, k]; we_gate (None: ungated), we_up: [X_local, E, Fe]; we_down: [X_local, Fe, E] (float, or
     `QuantizedWeight`s); `biases` (gpt-oss): the local experts' (gate [X_local, Fe], up [X_local, Fe], down
     [X_local, E]), the down projection's times `down_bias` (0 where another device adds it). `lora`: the local
     experts' adapter slots (ae_gate_up, be_gate, be_up, ae_down, be_down of `LoraLayer`, their width sliced as the
@@ -110,7 +113,7 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     sort last, outside every group, and get weight zero.
     """
     T, k = experts.shape
-    x_local = we_gate.shape[0]
+    x_local = we_up.shape[0]
     flat = experts.reshape(T * k) - first_expert  # [T * k]
     is_local = (flat >= 0) & (flat < x_local)
     key = jnp.where(is_local, flat, x_local)
@@ -119,12 +122,12 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     group_sizes = jnp.bincount(key, length=x_local + 1)[:x_local].astype(jnp.int32)  # [X_local]
     xs = h[token]  # [T * k, E]
     row_expert = key[order]  # [T * k]: each sorted pair's local expert (x_local past the groups)
-    gate = grouped(xs, we_gate, group_sizes, row_expert, matmul)  # [T * k, Fe]
+    gate = None if we_gate is None else grouped(xs, we_gate, group_sizes, row_expert, matmul)  # [T * k, Fe]
     up = grouped(xs, we_up, group_sizes, row_expert, matmul)
     if lora is not None:
         ae_gate_up, be_gate, be_up, ae_down, be_down, row_slot = *lora[:5], lora[5][token]
         dg, du = expert_lora_deltas(xs, ae_gate_up, [be_gate, be_up], group_sizes, row_expert, row_slot, matmul)
-        gate, up = gate + dg, up + du
+        gate, up = None if gate is None else gate + dg, up + du
     if biases is not None:  # (a pair routed elsewhere reads a clamped row: its weight is zero)
         gate, up = gate + biases[0][row_expert], up + biases[1][row_expert]
     act = expert_activation(cfg, gate, up)
@@ -165,11 +168,11 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
                             matmul=matmul)
     else:
         out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, experts_lora, matmul)
-    if lp.ws_gate is not None:
-        gate, up = project(h, lp.ws_gate), project(h, lp.ws_up)
+    if lp.ws_up is not None:
+        gate, up = None if lp.ws_gate is None else project(h, lp.ws_gate), project(h, lp.ws_up)
         if "bs_gate" in d:
             gate, up = gate + d["bs_gate"], up + d["bs_up"]
-        act = jax.nn.silu(gate) * up
+        act = jnp.square(jax.nn.relu(up)) if gate is None else jax.nn.silu(gate) * up
         shared = project(act, lp.ws_down)  # [T, E]
         if "bs_gate" in d:
             shared = shared + lora_deltas(act, a.as_down, [a.bs_down], slots)[0]
@@ -185,10 +188,12 @@ def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None, ma
     reduce_axes = tuple(a for a in (ea, ma) if a is not None)
     nb = 0 if biases is None else 3
 
+    gated = lp.we_gate is not None  # (an ungated model's up projection stands in for its gate: never read)
+
     def per_device(h, weights, experts, wg, wu, wd, *rest):
-        first = jax.lax.axis_index(ea) * wg.shape[0] if ea is not None else 0
+        first = jax.lax.axis_index(ea) * wu.shape[0] if ea is not None else 0
         down_bias = 1.0 if ma is None else (jax.lax.axis_index(ma) == 0)  # one slice of the width adds it
-        y = local_experts(h, weights, experts, wg, wu, wd, first, cfg, rest[:nb] or None, down_bias,
+        y = local_experts(h, weights, experts, wg if gated else None, wu, wd, first, cfg, rest[:nb] or None, down_bias,
                           lora=rest[nb:] or None, matmul=matmul)
         # Each device holds some experts and a slice of their width: its output is a partial sum.
         return jax.lax.psum(y, reduce_axes) if reduce_axes else y
@@ -203,4 +208,4 @@ def _sharded_experts(h, weights, experts, lp, layout, cfg, biases, lora=None, ma
     return jax.shard_map(
         per_device, mesh=layout.mesh, in_specs=(P(), P(), P(), up_spec, up_spec, down_spec, *bias_specs, *lora_specs),
         out_specs=P(), check_vma=False,
-    )(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, *(biases or ()), *(lora or ()))
+    )(h, weights, experts, lp.we_gate if gated else lp.we_up, lp.we_up, lp.we_down, *(biases or ()), *(lora or ()))

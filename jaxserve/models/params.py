@@ -178,7 +178,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         layers.router = p((L, E, X), ("layers", "embed", None))
         if cfg.router_bias:
             layers.router_bias = p((L, X), ("layers", None), "zeros", jnp.float32)
-        layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
+        layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp")) if cfg.gated_mlp else None
         layers.we_up = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
         layers.we_down = p((L, X, Fe, E), ("layers", "experts", "expert_mlp", "embed"))
         if cfg.swiglu_limit is not None:  # gpt-oss: biased router and experts
@@ -187,7 +187,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             layers.be_up = p((L, X, Fe), ("layers", "experts", "expert_mlp"), "zeros")
             layers.be_down = p((L, X, E), ("layers", "experts", "embed"), "zeros")
         if Fs:
-            layers.ws_gate = p((L, E, Fs), ("layers", "embed", "mlp"))
+            layers.ws_gate = p((L, E, Fs), ("layers", "embed", "mlp")) if cfg.gated_mlp else None
             layers.ws_up = p((L, E, Fs), ("layers", "embed", "mlp"))
             layers.ws_down = p((L, Fs, E), ("layers", "mlp", "embed"))
             if cfg.family == "qwen2_moe":  # Qwen's shared expert is gated; Granite's is not
