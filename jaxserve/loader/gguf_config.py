@@ -20,6 +20,7 @@ from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
+from jaxserve.loader.gguf_hybrid import granite_hybrid_hf
 from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load), EXAONE 3 Llama's (rows not permuted).
@@ -38,7 +39,8 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
             "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
             "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
-            "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM"}
+            "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
+            "granitehybrid": "GraniteMoeHybridForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -65,7 +67,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
-    num_kv = int(get("attention.head_count_kv", num_heads))
+    kv_heads = get("attention.head_count_kv", num_heads)  # (per layer in a hybrid's file: 0 in a Mamba layer)
+    num_kv = int(max(kv_heads) if isinstance(kv_heads, (list, tuple)) else kv_heads)
     head_dim = int(meta.get(f"{arch}.attention.key_length_mla") or meta.get(f"{arch}.attention.key_length")
                    or hidden // num_heads)  # (DeepSeek's key_length is its latent's page entry: the _mla one)
     max_pos = int(get("context_length", 4096))
@@ -100,7 +103,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
                      norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch not in _UNNORMALIZED_TOPK)))
             if arch != "llama":  # Qwen's experts have their own width (Mixtral's are the dense MLP's)
-                d["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+                d["moe_intermediate_size"] = int(meta.get(f"{arch}.expert_feed_forward_length")  # (Granite's: the
+                                                 or get("feed_forward_length"))  # MLP width, as Mixtral's)
                 d["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
             if arch == "glm4moe":  # DeepSeek-V3's experts: sigmoid scores chosen in groups, dense first layers
                 d.update(n_routed_experts=experts, n_shared_experts=int(meta.get(f"{arch}.expert_shared_count") or 0),
@@ -124,6 +128,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d["sliding_window_pattern"] = int(pattern)
         if arch == "deepseek2":
             d = deepseek2_hf(meta, get, d, experts)
+        if arch == "granitehybrid":
+            d = granite_hybrid_hf(meta, get, d, experts, list(kv_heads) if isinstance(kv_heads, (list, tuple))
+                                  else [num_kv] * num_layers, tensor_names)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
             d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
             if experts:

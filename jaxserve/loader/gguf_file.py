@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, ModelConfig
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
+from jaxserve.loader.gguf_hybrid import ssm_tensor
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -93,6 +94,9 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
     reversed) in a file of architecture `arch`: one, or one per expert of a stacked expert tensor."""
     m = _BLK_RE.match(name)
+    if cfg.mamba is not None and m and (found := ssm_tensor(*m.groups(), arr)) is not None:
+        yield found
+        return
     if cfg.kv_lora_rank and m:
         found = mla_tensors(f"model.layers.{m.group(1)}.", m.group(2), arr)
         if found is not None:
@@ -100,7 +104,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
     if cfg.num_experts and m:
         layer, rest = m.groups()
-        prefix = f"model.layers.{layer}.{'block_sparse_moe' if cfg.family == 'mixtral' else 'mlp'}"
+        fused = cfg.family in ("mixtral", *GRANITE_MOE_FAMILIES)  # (Mixtral's names: Granite's experts split so)
+        prefix = f"model.layers.{layer}.{'block_sparse_moe' if fused else 'mlp'}"
         stacked, single = _EXPERTS_RE.match(rest), _ONE_EXPERT_RE.match(rest)
         if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
             yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
@@ -109,7 +114,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             yield f"{prefix}.{'moe_statics' if cfg.family == 'ernie4_5_moe' else 'gate'}.e_score_correction_bias", arr
             return
         if stacked or single:
-            kind = _EXPERT_KINDS[(stacked or single).group(1)][cfg.family == "mixtral"]
+            kind = _EXPERT_KINDS[(stacked or single).group(1)][fused]
             if single:
                 yield f"{prefix}.experts.{single.group(2)}.{kind}.weight", arr
             else:
@@ -197,7 +202,7 @@ class GGUFFile:
 
         arch = self.metadata.get("general.architecture")
         # llama.cpp writes their Q/K rows in its rotary order
-        permuted = arch in ("llama", "mistral", "granite", "smollm3")
+        permuted = arch in ("llama", "mistral", "granite", "smollm3", "granitehybrid")
         gemma = cfg.family in GEMMA_FAMILIES
         predicting = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:

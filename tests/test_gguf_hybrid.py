@@ -1,0 +1,109 @@
+"""Granite 4.0-H from llama.cpp GGUF files (architecture "granitehybrid"), dense and with experts, against the HF
+models they come from.
+
+The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
+gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
+[channels, taps], the gated norm as [groups, channels per group], dt's bias as `ssm_dt.bias`; KV heads per layer (0 in
+a Mamba layer); Llama's rotary row order on the attention layer; Granite's shared MLP's gate and up split (the MLP of a
+dense model, a shared expert beside experts), the experts' fused gate and up split and stacked; Granite's scalars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.loader import open_checkpoint  # noqa: E402
+from tests.test_gguf_models import _llama_cpp_permute, _ours, written  # noqa: E402
+from tests.test_hybrid import PROMPTS, _overrides  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+
+
+def _write(path, model, hf_dir) -> str:
+    """`model` (an HF Granite 4.0-H, saved at `hf_dir`) as an F32 GGUF, as llama.cpp's converter writes one from
+    the checkpoint's tensors."""
+    from safetensors.numpy import load_file
+
+    c = model.config
+    ssm = [i for i, k in enumerate(c.layer_types) if k in ("mamba", "linear_attention")]
+    experts = c.num_local_experts
+    w = gguf.GGUFWriter(str(path), "granitehybrid")
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(2**20)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([0 if i in ssm else c.num_key_value_heads for i in range(c.num_hidden_layers)])
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_scaling_finetuned(False)  # (a hybrid: llama.cpp's flag that it is not rotated)
+    w.add_embedding_scale(c.embedding_multiplier)
+    w.add_residual_scale(c.residual_multiplier)
+    w.add_logit_scale(c.logits_scaling)
+    w.add_attention_scale(c.attention_multiplier)
+    w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_group_count(c.mamba_n_groups)
+    w.add_ssm_inner_size(c.mamba_n_heads * c.mamba_d_head)
+    w.add_ssm_time_step_rank(c.mamba_n_heads)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GRANITE_HYBRID, c.num_hidden_layers)
+    inner = c.mamba_n_heads * c.mamba_d_head
+    for name, a in load_file(str(hf_dir / "model.safetensors")).items():
+        a = a.astype(np.float32)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("input_linear.weight"):  # gate and up rows: split
+            F = a.shape[-2] // 2
+            kind = "shexp" if "shared_mlp" in name and experts else "exps" if "block_sparse_moe" in name else None
+            for part, rows in (("gate", a[..., :F, :]), ("up", a[..., F:, :])):
+                w.add_tensor(f"blk.{layer}.ffn_{part}{'_' + kind if kind else ''}.weight", rows)
+            continue
+        if name.endswith("shared_mlp.output_linear.weight") and not experts:
+            w.add_tensor(f"blk.{layer}.ffn_down.weight", a)
+            continue
+        if name.endswith(".dt_bias"):
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert key is not None, name
+        if name.endswith("conv1d.weight"):
+            a = a.squeeze()
+        elif name.endswith((".A_log", ".D")):
+            a = (-np.exp(a) if name.endswith("A_log") else a).reshape(-1, 1)
+        elif name.endswith("mamba.norm.weight"):
+            a = a.reshape(c.mamba_n_groups, inner // c.mamba_n_groups)
+        elif name.endswith("self_attn.q_proj.weight"):
+            a = _llama_cpp_permute(a, c.num_attention_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            a = _llama_cpp_permute(a, c.num_key_value_heads)
+        w.add_tensor(key, a)
+    return written(w, path)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_granite_hybrid_gguf_equals_the_hf_model(tmp_path, variant):
+    """The file's config is the HF model's (its Mamba layers, groups, biases; its experts and shared MLP; its
+    scalars), and its logits the HF model's over 102 tokens."""
+    config_cls, kw = _overrides(variant)
+    # (no clamp on dt: llama.cpp's file has none, and applies none)
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **{**kw, "position_embedding_type": "nope",
+                                                         "time_step_limit": [0.0, float("inf")]})
+    path = _write(tmp_path / "granite-h.gguf", model, tmp_path / "hf")
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    assert dataclasses.replace(cfg.mamba, norm_eps=1e-6) == hf_cfg.mamba and cfg.mamba.norm_eps == pytest.approx(1e-6)
+    assert cfg.no_rope_layers == hf_cfg.no_rope_layers == (0,) * 4
+    assert (cfg.num_experts, cfg.intermediate_size, cfg.shared_expert_intermediate_size, cfg.residual_multiplier,
+            cfg.logits_scaling) == (hf_cfg.num_experts, hf_cfg.intermediate_size,
+                                    hf_cfg.shared_expert_intermediate_size, 0.5, 4.0)
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
