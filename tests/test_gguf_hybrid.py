@@ -107,3 +107,88 @@ def test_granite_hybrid_gguf_equals_the_hf_model(tmp_path, variant):
                                     hf_cfg.shared_expert_intermediate_size, 0.5, 4.0)
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
+
+
+def _write_nemotron(path, model, hf_dir) -> str:
+    """`model` (an HF Nemotron-H, saved at `hf_dir`) as an F32 GGUF, as llama.cpp's converter writes one: a block per
+    layer, its kind told by its KV heads and MLP width; the experts stacked; the Mamba blocks' tensors as
+    Granite 4.0-H's."""
+    from safetensors.numpy import load_file
+
+    c = model.config
+    blocks = [{"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}[b] for b in c.layers_block_type]
+    experts = c.n_routed_experts if "E" in blocks else 0
+    arch = gguf.MODEL_ARCH.NEMOTRON_H_MOE if experts else gguf.MODEL_ARCH.NEMOTRON_H
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(len(blocks))
+    w.add_context_length(2**20)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if b == "*" else 0 for b in blocks])
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    width = c.moe_intermediate_size if experts else c.intermediate_size
+    w.add_feed_forward_length([width if b in "-E" else 0 for b in blocks])
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    w.add_rope_scaling_finetuned(False)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.moe_shared_expert_intermediate_size)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_group_count(c.n_group)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_state_size(c.ssm_state_size)
+    w.add_ssm_group_count(c.n_groups)
+    w.add_ssm_inner_size(c.mamba_num_heads * c.mamba_head_dim)
+    w.add_ssm_time_step_rank(c.mamba_num_heads)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = gguf.TensorNameMap(arch, len(blocks))
+    stacked: dict[str, list] = {}
+    for name, a in load_file(str(hf_dir / "model.safetensors")).items():
+        a = a.astype(np.float32)
+        parts = name.split(".")
+        if ".mixer.experts." in name:  # stacked per block and kind, in expert order
+            stacked.setdefault(f"model.layers.{parts[2]}.mlp.experts.{parts[6]}.weight", []).append((int(parts[5]), a))
+            continue
+        name = name.replace(".dt_bias", ".dt.bias").replace("e_score_correction_bias", "e_score_correction.bias")
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert key is not None, name
+        if name.endswith("conv1d.weight"):
+            a = a.squeeze()
+        elif name.endswith((".A_log", ".D")):
+            a = (-np.exp(a) if name.endswith("A_log") else a).reshape(-1, 1)
+        elif name.endswith("mixer.norm.weight") and key.endswith("ssm_norm.weight"):
+            a = a.reshape(c.n_groups, -1)
+        elif name.endswith("mixer.q_proj.weight"):
+            a = _llama_cpp_permute(a, c.num_attention_heads)
+        elif name.endswith("mixer.k_proj.weight"):
+            a = _llama_cpp_permute(a, c.num_key_value_heads)
+        w.add_tensor(key, a)
+    for name, parts in stacked.items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.stack([a for _, a in sorted(parts)]))
+    return written(w, path)
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_nemotron_h_gguf_equals_the_hf_model(tmp_path, variant):
+    """Nemotron-H (its blocks paired into the layers of tests/test_nemotron_h.py) and Nemotron 3's MoE from their
+    GGUF files: the HF model's config and logits."""
+    from tests.test_nemotron_h import MOE, TINY
+
+    # (no clamp on dt, one group of experts: the file holds neither)
+    kw = {**(TINY if variant == "dense" else MOE), "time_step_limit": [0.0, float("inf")], "n_group": 1,
+          "topk_group": 1}
+    model = save_tiny_hf("NemotronHConfig", tmp_path / "hf", **kw)
+    path = _write_nemotron(tmp_path / "nemotron-h.gguf", model, tmp_path / "hf")
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    # (float32 epsilons; a MoE model's dense MLP width, which nothing reads, is not in the file)
+    assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, mamba=dataclasses.replace(
+        cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps), max_position_embeddings=hf_cfg.max_position_embeddings,
+        intermediate_size=hf_cfg.intermediate_size if cfg.num_experts else cfg.intermediate_size) == hf_cfg
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4

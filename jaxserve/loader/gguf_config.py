@@ -1,8 +1,9 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
-OLMo 2, EXAONE 4, Cohere's, ERNIE 4.5 and the mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with
-experts, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`) become the HF
+OLMo 2, EXAONE 4, Cohere's, ERNIE 4.5, the hybrids (Granite 4.0-H, Nemotron-H: `gguf_hybrid`) and the
+mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`) become the HF
 config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
 keeps out of the file what it fixes per architecture (the layers' sliding pattern, Gemma 3's local rotary base,
 gpt-oss's SwiGLU clamp at 7 and alternating window) or per size (the attention scale: the 27B models scale
@@ -20,7 +21,7 @@ from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
-from jaxserve.loader.gguf_hybrid import granite_hybrid_hf
+from jaxserve.loader.gguf_hybrid import granite_hybrid_hf, nemotron_h_hf
 from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load), EXAONE 3 Llama's (rows not permuted).
@@ -40,7 +41,8 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
             "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
-            "granitehybrid": "GraniteMoeHybridForCausalLM"}
+            "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+            "nemotron_h_moe": "NemotronHForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -84,10 +86,12 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     sliding = meta.get(f"{arch}.attention.sliding_window")
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     hf_arch = _HF_FORM.get(arch) or ("MixtralForCausalLM" if arch == "llama" and experts else None)
+    ffn = meta.get(f"{arch}.feed_forward_length")  # (per block in Nemotron-H's file: 0 but in an MLP block)
+    ffn = list(ffn) if isinstance(ffn, (list, tuple)) else [ffn] * num_layers
     if hf_arch is not None:
         d: dict[str, Any] = dict(
             architectures=[hf_arch], vocab_size=vocab_size, hidden_size=hidden,
-            intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or get("expert_feed_forward_length")),
+            intermediate_size=int(max(ffn) if ffn[0] is not None else get("expert_feed_forward_length")),
             num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv,
             head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6 if arch in _GEMMA
                                                       else 1e-5)),
@@ -104,7 +108,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                      norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", arch not in _UNNORMALIZED_TOPK)))
             if arch != "llama":  # Qwen's experts have their own width (Mixtral's are the dense MLP's)
                 d["moe_intermediate_size"] = int(meta.get(f"{arch}.expert_feed_forward_length")  # (Granite's: the
-                                                 or get("feed_forward_length"))  # MLP width, as Mixtral's)
+                                                 or max(ffn))  # MLP width, as Mixtral's)
                 d["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
             if arch == "glm4moe":  # DeepSeek-V3's experts: sigmoid scores chosen in groups, dense first layers
                 d.update(n_routed_experts=experts, n_shared_experts=int(meta.get(f"{arch}.expert_shared_count") or 0),
@@ -128,6 +132,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d["sliding_window_pattern"] = int(pattern)
         if arch == "deepseek2":
             d = deepseek2_hf(meta, get, d, experts)
+        if arch.startswith("nemotron_h"):
+            d = nemotron_h_hf(meta, arch, get, d, experts, list(kv_heads) if isinstance(kv_heads, (list, tuple))
+                              else [num_kv] * num_layers, ffn, tensor_names)
         if arch == "granitehybrid":
             d = granite_hybrid_hf(meta, get, d, experts, list(kv_heads) if isinstance(kv_heads, (list, tuple))
                                   else [num_kv] * num_layers, tensor_names)

@@ -13,7 +13,7 @@ import numpy as np
 from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, ModelConfig
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
-from jaxserve.loader.gguf_hybrid import ssm_tensor
+from jaxserve.loader.gguf_hybrid import nemotron_h_tensors, ssm_tensor
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -94,7 +94,10 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
     reversed) in a file of architecture `arch`: one, or one per expert of a stacked expert tensor."""
     m = _BLK_RE.match(name)
-    if cfg.mamba is not None and m and (found := ssm_tensor(*m.groups(), arr)) is not None:
+    if cfg.family == "nemotron_h" and m and (blocks := nemotron_h_tensors(*m.groups(), arr)) is not None:
+        yield from blocks
+        return
+    if cfg.mamba is not None and m and (found := ssm_tensor(f"model.layers.{m.group(1)}.mamba.", m.group(2), arr)):
         yield found
         return
     if cfg.kv_lora_rank and m:
@@ -202,7 +205,7 @@ class GGUFFile:
 
         arch = self.metadata.get("general.architecture")
         # llama.cpp writes their Q/K rows in its rotary order
-        permuted = arch in ("llama", "mistral", "granite", "smollm3", "granitehybrid")
+        permuted = arch in ("llama", "mistral", "granite", "smollm3", "granitehybrid", "nemotron_h", "nemotron_h_moe")
         gemma = cfg.family in GEMMA_FAMILIES
         predicting = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:
@@ -226,9 +229,9 @@ class GGUFFile:
                 yield f"model.layers.{nextn.group(1)}.{_NEXTN_NAMES.get(rest, rest)}", arr
                 continue
             for name, a in hf_tensors(t.name, arr, cfg, arch):
-                if permuted and name.endswith("self_attn.q_proj.weight"):
+                if permuted and name.endswith(("self_attn.q_proj.weight", "mixer.q_proj.weight")):
                     a = unpermute_rotary(a, cfg.num_heads)
-                elif permuted and name.endswith("self_attn.k_proj.weight"):
+                elif permuted and name.endswith(("self_attn.k_proj.weight", "mixer.k_proj.weight")):
                     a = unpermute_rotary(a, cfg.num_kv_heads)
                 elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
                     a = a - 1.0

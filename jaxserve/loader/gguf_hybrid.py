@@ -1,5 +1,6 @@
-"""Granite 4.0-H's llama.cpp GGUF files (architecture "granitehybrid"): Mamba-2 layers beside attention, told apart by
-their KV head count (0 in a Mamba layer), as the HF config and tensors their converter read.
+"""Hybrid models' llama.cpp GGUF files as the HF config and tensors their converter read: Granite 4.0-H's
+("granitehybrid": Mamba-2 layers beside attention, told apart by their KV head count, 0 in a Mamba layer) and
+Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width).
 
 llama.cpp writes each Mamba layer's A as -exp(A_log) and A and D as [heads, 1], the convolution as [channels, taps],
 the gated norm as [groups, channels per group] and the step's bias as `ssm_dt.bias`; those are read back here. A clamp
@@ -50,8 +51,9 @@ def granite_hybrid_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str
                 ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))}}
 
 
-def ssm_tensor(layer: str, rest: str, arr: np.ndarray) -> tuple[str, np.ndarray] | None:
-    """A Mamba layer's tensor (`rest` after `blk.{layer}.`) by its HF name, in HF layout; None for any other."""
+def ssm_tensor(prefix: str, rest: str, arr: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """A Mamba layer's tensor (`rest` after `blk.N.`) by its HF name (after the mixer's `prefix`), in HF layout; None
+    for any other."""
     if rest not in _SSM:
         return None
     if rest == "ssm_a":
@@ -60,4 +62,57 @@ def ssm_tensor(layer: str, rest: str, arr: np.ndarray) -> tuple[str, np.ndarray]
         arr = arr.reshape(arr.shape[0], 1, -1)
     elif rest in ("ssm_d", "ssm_norm.weight"):
         arr = arr.reshape(-1)
-    return f"model.layers.{layer}.mamba.{_SSM[rest]}", arr
+    return prefix + _SSM[rest], arr
+
+
+def nemotron_h_hf(meta: dict[str, Any], arch: str, get: Callable[..., Any], d: dict[str, Any], experts: int,
+                  kv_heads: list[int], ffn: list[int], tensor_names: frozenset[str]) -> dict[str, Any]:
+    """The Nemotron-H HF config of a "nemotron_h" / "nemotron_h_moe" file (`kv_heads`, `ffn`: per block)."""
+    if len(kv_heads) != len(ffn):
+        raise UnsupportedModelError(f"GGUF {arch} KV heads ({len(kv_heads)}) and MLP widths ({len(ffn)}) per block differ")
+    blocks = ["attention" if kv else ("moe" if experts else "mlp") if f else "mamba"
+              for kv, f in zip(kv_heads, ffn, strict=True)]
+    if "mamba" not in blocks:
+        raise UnsupportedModelError(f"a {arch} GGUF file without Mamba blocks is not supported")
+    heads, inner, first = int(get("ssm.time_step_rank")), int(get("ssm.inner_size")), f"blk.{blocks.index('mamba')}."
+    groups = int(meta.get(f"{arch}.expert_group_count") or 1)
+    moe = {"n_routed_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+           "moe_intermediate_size": int(get("expert_feed_forward_length")),
+           "moe_shared_expert_intermediate_size": int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+           "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+           "routed_scaling_factor": float(meta.get(f"{arch}.expert_weights_scale") or 1.0),
+           # (no count of groups chosen in the file: every group open to the choice)
+           "n_group": groups, "topk_group": int(meta.get(f"{arch}.expert_group_used_count") or groups),
+           "moe_latent_size": meta.get(f"{arch}.moe_latent_size")} if experts else {}
+    return {**d, **moe, "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+            "layers_block_type": blocks, "num_hidden_layers": len(blocks), "layer_norm_epsilon": d["rms_norm_eps"],
+            "intermediate_size": max(ffn), "mamba_num_heads": heads, "mamba_head_dim": inner // heads,
+            "ssm_state_size": int(get("ssm.state_size")), "n_groups": int(get("ssm.group_count")),
+            "conv_kernel": int(get("ssm.conv_kernel")), "use_conv_bias": first + "ssm_conv1d.bias" in tensor_names,
+            "use_bias": first + "ssm_in.bias" in tensor_names,
+            "mlp_bias": any(n.endswith("ffn_up.bias") for n in tensor_names)}
+
+
+# A Nemotron-H block's tensors other than its Mamba mixer's: llama.cpp's name to the HF one (after the block's
+# `backbone.layers.N.`); the experts, stacked in the file, one by one.
+_NEMOTRON = {"attn_norm.weight": "norm.weight", "attn_q.weight": "mixer.q_proj.weight",
+             "attn_k.weight": "mixer.k_proj.weight", "attn_v.weight": "mixer.v_proj.weight",
+             "attn_output.weight": "mixer.o_proj.weight", "ffn_up.weight": "mixer.up_proj.weight",
+             "ffn_up.bias": "mixer.up_proj.bias", "ffn_down.weight": "mixer.down_proj.weight",
+             "ffn_down.bias": "mixer.down_proj.bias", "ffn_gate_inp.weight": "mixer.gate.weight",
+             "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+             "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
+             "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight"}
+
+
+def nemotron_h_tensors(block: str, rest: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """A Nemotron-H block's tensor by its HF names (the checkpoints', `backbone.layers.{block}.`, which the key map
+    pairs into layers), in HF layout; None for a name it does not know."""
+    prefix = f"backbone.layers.{block}."
+    if rest in ("ffn_up_exps.weight", "ffn_down_exps.weight"):
+        kind = rest.split("_exps")[0].removeprefix("ffn_")
+        return [(f"{prefix}mixer.experts.{j}.{kind}_proj.weight", arr[j]) for j in range(arr.shape[0])]
+    found = ssm_tensor(prefix + "mixer.", rest, arr)
+    if found is not None:
+        return [found]
+    return [(prefix + _NEMOTRON[rest], arr)] if rest in _NEMOTRON else None
