@@ -18,7 +18,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
                  "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
-                 "apertus", "deepseek_v2", "deepseek_v3", "bamba", "nemotron_h"]
+                 "apertus", "deepseek_v2", "deepseek_v3", "bamba", "nemotron_h", "lfm2"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -36,6 +36,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: attention only, or Mamba-2 layers beside it
     "BambaForCausalLM": "bamba",  # Mamba-2 layers beside Llama's attention
     "NemotronHForCausalLM": "nemotron_h",  # Mamba-2, attention (no rotary embedding) and MLP blocks (`config_nemotron`)
+    "Lfm2ForCausalLM": "lfm2",  # short gated convolutions beside attention (`config_lfm2`)
     "SmolLM3ForCausalLM": "smollm3",
     "GlmForCausalLM": "glm",
     "Glm4ForCausalLM": "glm4",
@@ -361,8 +362,7 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES,
-                                                                              *COHERE_FAMILIES))),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES))),
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
             or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
@@ -370,7 +370,7 @@ class ModelConfig:
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", *OLMO_FAMILIES)
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", *OLMO_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
             rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
             sliding_window=sliding,

@@ -15,6 +15,7 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
@@ -102,6 +103,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.mrope_section is not None:  # (no model has both)
         d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section),
                              **({"mrope_interleaved": True} if cfg.mrope_interleaved else {})}
+    if cfg.family == "lfm2":
+        d.update(lfm2_hf(cfg))
     if cfg.family == "nemotron_h":  # (no rotary embedding: no per-layer list)
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "hidden_act", "no_rope_layers", "num_experts",
                                                      "decoder_sparse_step", "mlp_only_layers")} | nemotron_hf(cfg)

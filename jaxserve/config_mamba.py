@@ -1,5 +1,5 @@
-"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H): their shapes, read from its HF config
-(`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
+"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H), or its short convolutions (LFM2): their
+shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.config_lfm2 import lfm2
 from jaxserve.config_nemotron import nemotron_h
 from jaxserve.errors import UnsupportedModelError
 
-HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h")  # with Mamba-2 layers
+HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2")  # with Mamba-2 / conv layers
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
 # "mlp": a layer of an MLP alone, Nemotron-H's).
@@ -27,7 +28,10 @@ class MambaConfig:
     (B and C shared by the heads of each of `n_groups` groups); a norm of the output gated by z, per group; the output
     projection. Per sequence it keeps a convolution state (the last `conv_kernel - 1` inputs) and an SSM state.
     Nemotron-H's blocks hold a mixer or an MLP; paired into layers, some layers have no MLP (`no_mlp`, their MLPs
-    stacked apart: `Params.mlp_layers`) or no mixer (`no_mixer`: an MLP alone)."""
+    stacked apart: `Params.mlp_layers`) or no mixer (`no_mixer`: an MLP alone).
+
+    `kind` "short_conv" (LFM2's): the input projection into B, C and x, the causal convolution of B * x, times C,
+    the output projection; its width `inner` (one head of the model's width, no state: `state_size` 0)."""
 
     layers: tuple[int, ...]
     num_heads: int
@@ -42,6 +46,7 @@ class MambaConfig:
     norm_eps: float = 1e-6  # the gated norm's (the model's `rms_norm_eps`)
     no_mlp: tuple[int, ...] = ()  # layers of a mixer alone
     no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
+    kind: str = "mamba2"  # or "short_conv"
 
     def mlp_layers(self, num_layers: int) -> tuple[int, ...]:
         """The layers with an MLP."""
@@ -59,12 +64,14 @@ class MambaConfig:
 
     @property
     def proj_dim(self) -> int:
-        """The input projection's outputs: z, the convolved channels, dt."""
-        return self.inner + self.conv_dim + self.num_heads
+        """The input projection's outputs: z, the convolved channels, dt (a short convolution's: B, C, x)."""
+        return 3 * self.inner if self.kind == "short_conv" else self.inner + self.conv_dim + self.num_heads
 
     def check(self, num_layers: int) -> None:
+        if self.kind not in ("mamba2", "short_conv"):
+            raise UnsupportedModelError(f"mamba kind {self.kind!r} is not supported (mamba2, short_conv)")
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) <= 0 and (name, self.kind) != ("state_size", "short_conv"):
                 raise UnsupportedModelError(f"mamba {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.n_groups:
             raise UnsupportedModelError(f"mamba_n_heads ({self.num_heads}) must be a multiple of mamba_n_groups "
@@ -91,9 +98,9 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba or Nemotron-H config in Granite 4.0-H's keys (`bamba`, `config_nemotron.nemotron_h`); any other as
-    it is."""
-    return nemotron_h(bamba(d))
+    """A Bamba, Nemotron-H or LFM2 config in Granite 4.0-H's keys (`bamba`, `config_nemotron.nemotron_h`,
+    `config_lfm2.lfm2`); any other as it is."""
+    return lfm2(nemotron_h(bamba(d)))
 
 
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
@@ -120,7 +127,8 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        conv_bias=bool(d.get("mamba_conv_bias", True)), proj_bias=bool(d.get("mamba_proj_bias", False)),
                        time_step_min=limit[0], time_step_max=limit[1],
                        norm_eps=float(d.get("rms_norm_eps", 1e-6)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
-                       no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS))
+                       no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS),
+                       kind=d.get("mamba_kind", "mamba2"))
 
 
 def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int, family: str) -> dict[str, Any]:

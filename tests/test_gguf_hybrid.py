@@ -1,5 +1,5 @@
-"""Granite 4.0-H from llama.cpp GGUF files (architecture "granitehybrid"), dense and with experts, against the HF
-models they come from.
+"""Hybrid models from llama.cpp GGUF files against the HF models they come from: Granite 4.0-H ("granitehybrid"),
+dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 ("lfm2").
 
 The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
 gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
@@ -190,5 +190,40 @@ def test_nemotron_h_gguf_equals_the_hf_model(tmp_path, variant):
     assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, mamba=dataclasses.replace(
         cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps), max_position_embeddings=hf_cfg.max_position_embeddings,
         intermediate_size=hf_cfg.intermediate_size if cfg.num_experts else cfg.intermediate_size) == hf_cfg
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
+
+
+def test_lfm2_gguf_equals_the_hf_model(tmp_path):
+    """LFM2 as llama.cpp writes it (KV heads 0 in its convolution layers, the convolution as [channels, taps], the
+    MLP's width as the model makes it, its final norm as `token_embd_norm`): the HF model's config and logits."""
+    from safetensors.numpy import load_file
+
+    from tests.test_lfm2 import TINY
+
+    model = save_tiny_hf("Lfm2Config", tmp_path / "hf", **TINY)
+    c = model.config
+    w = gguf.GGUFWriter(str(tmp_path / "lfm2.gguf"), "lfm2")
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if t != "conv" else 0 for t in c.layer_types])
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_shortconv_l_cache(c.conv_L_cache)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_feed_forward_length(96)  # (2/3 of 144, rounded up to 32)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    for name, a in load_file(str(tmp_path / "hf" / "model.safetensors")).items():
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert key is not None, name
+        w.add_tensor(key, a.astype(np.float32).squeeze(1) if "conv.conv.weight" in name else a.astype(np.float32))
+    path = written(w, tmp_path / "lfm2.gguf")
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, mamba=dataclasses.replace(
+        cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps)) == hf_cfg
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4

@@ -21,7 +21,7 @@ from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
-from jaxserve.loader.gguf_hybrid import granite_hybrid_hf, nemotron_h_hf
+from jaxserve.loader.gguf_hybrid import granite_hybrid_hf, lfm2_gguf_hf, nemotron_h_hf
 from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load), EXAONE 3 Llama's (rows not permuted).
@@ -42,7 +42,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-            "nemotron_h_moe": "NemotronHForCausalLM"}
+            "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -71,6 +71,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     num_heads = int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", num_heads)  # (per layer in a hybrid's file: 0 in a Mamba layer)
     num_kv = int(max(kv_heads) if isinstance(kv_heads, (list, tuple)) else kv_heads)
+    kv_heads = list(kv_heads) if isinstance(kv_heads, (list, tuple)) else [num_kv] * int(get("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length_mla") or meta.get(f"{arch}.attention.key_length")
                    or hidden // num_heads)  # (DeepSeek's key_length is its latent's page entry: the _mla one)
     max_pos = int(get("context_length", 4096))
@@ -133,11 +134,11 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if arch == "deepseek2":
             d = deepseek2_hf(meta, get, d, experts)
         if arch.startswith("nemotron_h"):
-            d = nemotron_h_hf(meta, arch, get, d, experts, list(kv_heads) if isinstance(kv_heads, (list, tuple))
-                              else [num_kv] * num_layers, ffn, tensor_names)
+            d = nemotron_h_hf(meta, arch, get, d, experts, kv_heads, ffn, tensor_names)
+        if arch == "lfm2":
+            d = lfm2_gguf_hf(meta, get, d, kv_heads, tensor_names)
         if arch == "granitehybrid":
-            d = granite_hybrid_hf(meta, get, d, experts, list(kv_heads) if isinstance(kv_heads, (list, tuple))
-                                  else [num_kv] * num_layers, tensor_names)
+            d = granite_hybrid_hf(meta, get, d, experts, kv_heads, tensor_names)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
             d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
             if experts:

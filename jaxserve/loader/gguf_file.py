@@ -13,7 +13,7 @@ import numpy as np
 from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, ModelConfig
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
-from jaxserve.loader.gguf_hybrid import nemotron_h_tensors, ssm_tensor
+from jaxserve.loader.gguf_hybrid import nemotron_h_tensors, shortconv_tensor, ssm_tensor
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -94,6 +94,11 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
     reversed) in a file of architecture `arch`: one, or one per expert of a stacked expert tensor."""
     m = _BLK_RE.match(name)
+    if cfg.family == "lfm2":  # (its final norm under the embeddings' name)
+        lfm2 = ("model.norm.weight", arr) if name == "token_embd_norm.weight" else m and shortconv_tensor(*m.groups(), arr)
+        if lfm2:
+            yield lfm2
+            return
     if cfg.family == "nemotron_h" and m and (blocks := nemotron_h_tensors(*m.groups(), arr)) is not None:
         yield from blocks
         return

@@ -1,6 +1,7 @@
 """Hybrid models' llama.cpp GGUF files as the HF config and tensors their converter read: Granite 4.0-H's
-("granitehybrid": Mamba-2 layers beside attention, told apart by their KV head count, 0 in a Mamba layer) and
-Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width).
+("granitehybrid": Mamba-2 layers beside attention, told apart by their KV head count, 0 in a Mamba layer),
+Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width) and
+LFM2's ("lfm2": short convolutions, told by their KV heads too; the convolution as [channels, taps]).
 
 llama.cpp writes each Mamba layer's A as -exp(A_log) and A and D as [heads, 1], the convolution as [channels, taps],
 the gated norm as [groups, channels per group] and the step's bias as `ssm_dt.bias`; those are read back here. A clamp
@@ -116,3 +117,30 @@ def nemotron_h_tensors(block: str, rest: str, arr: np.ndarray) -> list[tuple[str
     if found is not None:
         return [found]
     return [(prefix + _NEMOTRON[rest], arr)] if rest in _NEMOTRON else None
+
+
+def lfm2_gguf_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int],
+                 tensor_names: frozenset[str]) -> dict[str, Any]:
+    """The LFM2 HF config of an "lfm2" file (its MLP width as the file gives it)."""
+    kinds = ["full_attention" if n else "conv" for n in kv_heads]
+    if "conv" not in kinds:
+        raise UnsupportedModelError("an lfm2 GGUF file without convolution layers (KV heads 0) is not supported")
+    return {**d, "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "layer_types": kinds,
+            "conv_L_cache": int(get("shortconv.l_cache")), "norm_eps": d["rms_norm_eps"],
+            "conv_bias": f"blk.{kinds.index('conv')}.shortconv.conv.bias" in tensor_names,
+            "block_auto_adjust_ff_dim": False}
+
+
+# An LFM2 convolution layer's tensors: llama.cpp's name (after `blk.N.`) to the hybrid layer's (after
+# `model.layers.N.`).
+_SHORTCONV = {"shortconv.in_proj.weight": "mamba.in_proj.weight", "shortconv.in_proj.bias": "mamba.in_proj.bias",
+              "shortconv.conv.weight": "mamba.conv1d.weight", "shortconv.conv.bias": "mamba.conv1d.bias",
+              "shortconv.out_proj.weight": "mamba.out_proj.weight", "shortconv.out_proj.bias": "mamba.out_proj.bias"}
+
+
+def shortconv_tensor(layer: str, rest: str, arr: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """An LFM2 convolution layer's tensor by its hybrid layer's name, in HF layout; None for any other."""
+    if rest not in _SHORTCONV:
+        return None
+    return f"model.layers.{layer}.{_SHORTCONV[rest]}", arr.reshape(arr.shape[0], 1, -1) if rest.endswith(
+        "conv.weight") else arr

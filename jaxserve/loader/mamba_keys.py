@@ -20,11 +20,12 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
     ident = lambda w: w  # noqa: E731
     t = {"mamba.in_proj.weight": ("mamba_layers.m_in", lambda w: w.T, (m.proj_dim, E)),
          "mamba.conv1d.weight": ("mamba_layers.m_conv", lambda w: w[:, 0, :], (m.conv_dim, 1, m.conv_kernel)),
-         "mamba.dt_bias": ("mamba_layers.m_dt_bias", ident, (m.num_heads,)),
-         "mamba.A_log": ("mamba_layers.m_a_log", ident, (m.num_heads,)),
-         "mamba.D": ("mamba_layers.m_d", ident, (m.num_heads,)),
-         "mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,)),
          "mamba.out_proj.weight": ("mamba_layers.m_out", lambda w: w.T, (E, m.inner))}
+    if m.kind == "mamba2":  # (a short convolution has no scan)
+        t.update({"mamba.dt_bias": ("mamba_layers.m_dt_bias", ident, (m.num_heads,)),
+                  "mamba.A_log": ("mamba_layers.m_a_log", ident, (m.num_heads,)),
+                  "mamba.D": ("mamba_layers.m_d", ident, (m.num_heads,)),
+                  "mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,))})
     if m.conv_bias:
         t["mamba.conv1d.bias"] = ("mamba_layers.m_conv_b", ident, (m.conv_dim,))
     if m.proj_bias:
@@ -95,12 +96,37 @@ def bamba_hf_name(name: str) -> str:
 
 
 def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
-    """A Bamba or Nemotron-H tensor's name as a hybrid model's layer holds it (Nemotron-H's by `cfg`, its blocks
-    paired into layers); other names as they are."""
-    return nemotron_name(name, cfg) if cfg is not None and cfg.family == "nemotron_h" else bamba_name(name)
+    """A Bamba, Nemotron-H or LFM2 tensor's name as a hybrid model's layer holds it (Nemotron-H's and LFM2's by
+    `cfg`: Nemotron-H's blocks paired into layers); other names as they are."""
+    family = None if cfg is None else cfg.family
+    return nemotron_name(name, cfg) if family == "nemotron_h" else lfm2_name(name) if family == "lfm2" \
+        else bamba_name(name)
 
 
 def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
     """The inverse of `hybrid_name`: a tensor name as the model's own checkpoints spell it."""
+    if cfg.family == "lfm2":
+        return lfm2_name(name, to_hf=True)
     return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n)}.get(
         cfg.family, lambda n, _: n)(name, cfg)
+
+
+# LFM2's names for Llama's and the convolution's modules (after `model.layers.N.`; its final norm `embedding_norm`).
+LFM2_NAMES = {"operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
+              "feed_forward.w1.": "mlp.gate_proj.", "feed_forward.w3.": "mlp.up_proj.",
+              "feed_forward.w2.": "mlp.down_proj.", "self_attn.out_proj.": "self_attn.o_proj.",
+              "self_attn.q_layernorm.": "self_attn.q_norm.", "self_attn.k_layernorm.": "self_attn.k_norm.",
+              "conv.in_proj.": "mamba.in_proj.", "conv.conv.": "mamba.conv1d.", "conv.out_proj.": "mamba.out_proj."}
+
+
+def lfm2_name(name: str, to_hf: bool = False) -> str:
+    """An LFM2 tensor's name as a hybrid model's layer holds it (Llama's and the Mamba layers' names), or back
+    (`to_hf`); other names as they are."""
+    top, modules = {"model.embedding_norm.weight": "model.norm.weight"}, LFM2_NAMES
+    if to_hf:
+        top, modules = {v: k for k, v in top.items()}, {v: k for k, v in modules.items()}
+    if name in top:
+        return top[name]
+    m = re.match(r"^(model\.layers\.\d+\.)(.+)$", name)
+    old = next((k for k in modules if m and m.group(2).startswith(k)), None)
+    return m.group(1) + modules[old] + m.group(2)[len(old):] if old else name

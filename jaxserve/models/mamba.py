@@ -41,12 +41,15 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
     def p(shape, axes, init="normal", dtype=None) -> ParamInfo:
         return ParamInfo((Lm, *shape), ("layers", *axes), init, dtype)
 
+    scan = m.kind == "mamba2"  # (a short convolution has no scan: no dt, A, D or gated norm)
     mamba = LayerParams(**none | dict(
         m_in=p((E, m.proj_dim), ("embed", None)), m_in_b=p((m.proj_dim,), (None,), "zeros") if m.proj_bias else None,
         m_conv=p((m.conv_dim, m.conv_kernel), (None, None)),
         m_conv_b=p((m.conv_dim,), (None,), "zeros") if m.conv_bias else None,
-        m_dt_bias=p((m.num_heads,), (None,), "ones", jnp.float32), m_a_log=p((m.num_heads,), (None,), "zeros", jnp.float32),
-        m_d=p((m.num_heads,), (None,), "ones", jnp.float32), m_norm=p((m.inner,), (None,), "ones"),
+        m_dt_bias=p((m.num_heads,), (None,), "ones", jnp.float32) if scan else None,
+        m_a_log=p((m.num_heads,), (None,), "zeros", jnp.float32) if scan else None,
+        m_d=p((m.num_heads,), (None,), "ones", jnp.float32) if scan else None,
+        m_norm=p((m.inner,), (None,), "ones") if scan else None,
         m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
     return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
                   layers=layers,
@@ -92,7 +95,8 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
 
 def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInputs, conv: jax.Array,
                 ssm: jax.Array, chunked: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One Mamba-2 mixer over normed inputs h [T, E]: its output [T, E] and the layer's state pools (conv
+    """One Mamba-2 mixer (or LFM2's short convolution: `MambaConfig.kind`) over normed inputs h [T, E]: its output
+    [T, E] and the layer's state pools (conv
     [slots, conv_dim, kernel - 1], ssm [slots, heads, head_dim, state], float32) with each sequence's slot
     holding its states after this step. A decode step's states step at once; other steps' tokens are scanned by
     `chunked_scan` (`chunked`: the Pallas backends', for a GPU) or `token_scan` (the CPU's XLA backend: on 2 cores
@@ -112,24 +116,16 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     proj = jnp.dot(h, lp.m_in, preferred_element_type=jnp.float32)
     if lp.m_in_b is not None:
         proj = proj + lp.m_in_b.astype(jnp.float32)
+    if m.kind == "short_conv":  # LFM2's: C * conv(B * x), no scan
+        b, c, x = proj[:, :m.inner], proj[:, m.inner:2 * m.inner], proj[:, 2 * m.inner:]
+        acc, conv = _causal_conv(m, lp, b * x, conv, slots, fresh, q_len, qsl, seq, i, tok)
+        out = jnp.dot((c * acc).astype(h.dtype), lp.m_out, preferred_element_type=jnp.float32)
+        if lp.m_out_b is not None:
+            out = out + lp.m_out_b.astype(jnp.float32)
+        return out.astype(h.dtype), conv, ssm
     z, xbc, dt = proj[:, :m.inner], proj[:, m.inner:m.inner + m.conv_dim], proj[:, m.inner + m.conv_dim:]
-
-    # The causal convolution: tap j reads the input K - 1 - j tokens back, from the chunk or from the slot's state
-    # (its last K - 1 inputs), both gathered at once from the step's inputs followed by every sequence's state.
-    K = m.conv_kernel
-    prev = jnp.where(fresh[:, None, None], 0.0, conv[slots].astype(jnp.float32))  # [S, C, K - 1]
-    inputs_then_states = jnp.concatenate([xbc, jnp.swapaxes(prev, 1, 2).reshape(S * (K - 1), -1)])
-    back = K - 1 - jnp.arange(K)  # [K]
-    taps = jnp.where(i[:, None] >= back, tok[:, None] - back, T + seq[:, None] * (K - 1) + K - 1 - back + i[:, None])
-    acc = jnp.einsum("tkc,ck->tc", inputs_then_states[taps], lp.m_conv.astype(jnp.float32))
-    if lp.m_conv_b is not None:
-        acc = acc + lp.m_conv_b.astype(jnp.float32)
+    acc, conv = _causal_conv(m, lp, xbc, conv, slots, fresh, q_len, qsl, seq, i, tok)
     xbc_out = jax.nn.silu(acc)
-    # The new state: each sequence's last K - 1 inputs (from before the chunk where it is shorter).
-    at = q_len[:, None] - (K - 1) + jnp.arange(K - 1)  # [S, K - 1]: the chunk index each column takes
-    rows = jnp.where(at >= 0, qsl[:-1, None] + at, T + jnp.arange(S)[:, None] * (K - 1) + at + K - 1)
-    new_conv = jnp.swapaxes(inputs_then_states[rows], 1, 2)  # [S, C, K - 1]
-    conv = conv.at[slots].set(new_conv.astype(conv.dtype))
 
     H, P, N, G = m.num_heads, m.head_dim, m.state_size, m.n_groups
     x = xbc_out[:, :m.inner].reshape(T, H, P)
@@ -158,6 +154,28 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     if lp.m_out_b is not None:
         out = out + lp.m_out_b.astype(jnp.float32)
     return out.astype(h.dtype), conv, ssm
+
+
+def _causal_conv(m: MambaConfig, lp: LayerParams, xbc: jax.Array, conv: jax.Array, slots: jax.Array,
+                 fresh: jax.Array, q_len: jax.Array, qsl: jax.Array, seq: jax.Array, i: jax.Array,
+                 tok: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise convolution of `xbc` [T, channels] over a ragged batch (before any activation), and the
+    pool `conv` with each sequence's slot holding its last K - 1 inputs. Tap j reads the input K - 1 - j tokens
+    back, from the chunk or from the slot's state, both gathered at once from the step's inputs followed by every
+    sequence's state."""
+    T, S, K = xbc.shape[0], slots.shape[0], m.conv_kernel
+    prev = jnp.where(fresh[:, None, None], 0.0, conv[slots].astype(jnp.float32))  # [S, C, K - 1]
+    inputs_then_states = jnp.concatenate([xbc, jnp.swapaxes(prev, 1, 2).reshape(S * (K - 1), -1)])
+    back = K - 1 - jnp.arange(K)  # [K]
+    taps = jnp.where(i[:, None] >= back, tok[:, None] - back, T + seq[:, None] * (K - 1) + K - 1 - back + i[:, None])
+    acc = jnp.einsum("tkc,ck->tc", inputs_then_states[taps], lp.m_conv.astype(jnp.float32))
+    if lp.m_conv_b is not None:
+        acc = acc + lp.m_conv_b.astype(jnp.float32)
+    # The new state: each sequence's last K - 1 inputs (from before the chunk where it is shorter).
+    at = q_len[:, None] - (K - 1) + jnp.arange(K - 1)  # [S, K - 1]: the chunk index each column takes
+    rows = jnp.where(at >= 0, qsl[:-1, None] + at, T + jnp.arange(S)[:, None] * (K - 1) + at + K - 1)
+    new_conv = jnp.swapaxes(inputs_then_states[rows], 1, 2)  # [S, C, K - 1]
+    return acc, conv.at[slots].set(new_conv.astype(conv.dtype))
 
 
 def copy_state_slots(kv, copies: jax.Array, count: jax.Array):
