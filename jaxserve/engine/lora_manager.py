@@ -37,8 +37,8 @@ import numpy as np
 from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.loader.keymap import halfsplit_rows
+from jaxserve.loader.mamba_keys import hybrid_adapter_key
 from jaxserve.loader.mla_keys import kv_rows, q_rows
-from jaxserve.loader.nemotron_keys import nemotron_adapter_key
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import (
     SLOT_AXIS,
@@ -52,7 +52,7 @@ from jaxserve.models.lora import (
 )
 
 logger = logging.getLogger(__name__)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:(?:self_attn|mlp|block_sparse_moe|feed_forward)\.)?"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:(?:self_attn|mlp|block_sparse_moe)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
 # Modules under another name (Granite MoE's shared MLP and router), and fused projections as the targets they pack
 # (their B's rows in this order; one A for all): Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite's
@@ -102,7 +102,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     for name, w in load_file(weights).items():
         if experts_read.take(name, w):
             continue
-        m = _KEY.match(nemotron_adapter_key(name, cfg) if cfg.family == "nemotron_h" else name)  # (blocks: layers)
+        m = _KEY.match(hybrid_adapter_key(name, cfg) if cfg.mamba is not None else name)  # (their own names)
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
         module = _ALIASES.get(module, module)

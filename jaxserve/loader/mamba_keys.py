@@ -130,3 +130,11 @@ def lfm2_name(name: str, to_hf: bool = False) -> str:
     m = re.match(r"^(model\.layers\.\d+\.)(.+)$", name)
     old = next((k for k in modules if m and m.group(2).startswith(k)), None)
     return m.group(1) + modules[old] + m.group(2)[len(old):] if old else name
+
+
+def hybrid_adapter_key(name: str, cfg: ModelConfig) -> str:
+    """A PEFT adapter's tensor of a Bamba, Nemotron-H or LFM2 model (`base_model.model.backbone.layers.{block}.mixer.
+    q_proj.lora_A.weight`, `...feed_forward.w1.lora_A.weight`) under its hybrid layer's module name
+    (`model.layers.{layer}.self_attn.q_proj.lora_A.weight`, `...mlp.gate_proj...`)."""
+    body, sep, tail = name.removeprefix("base_model.model.").partition(".lora_")
+    return hybrid_name(body + ".weight", cfg).removesuffix(".weight") + sep + tail if sep else name

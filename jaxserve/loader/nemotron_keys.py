@@ -57,9 +57,3 @@ def nemotron_hf_name(name: str, cfg: ModelConfig) -> str:
     block = next(b for b, (i, kind) in enumerate(_blocks(cfg)) if i == layer and kind in kinds)
     return f"backbone.layers.{block}.{'norm' if module.endswith('layernorm') else 'mixer'}.{rest}"
 
-
-def nemotron_adapter_key(name: str, cfg: ModelConfig) -> str:
-    """A PEFT adapter's tensor of a Nemotron-H (`base_model.model.backbone.layers.{block}.mixer.q_proj.lora_A.weight`)
-    under its layer's module (`model.layers.{layer}.self_attn.q_proj.lora_A.weight`)."""
-    body, sep, tail = name.removeprefix("base_model.model.").partition(".lora_")
-    return nemotron_name(body + ".weight", cfg).removesuffix(".weight") + sep + tail if sep else name
