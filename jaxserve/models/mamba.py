@@ -87,7 +87,7 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
             j += 1
         else:
             ap = jax.tree.map(lambda w, a=a: w[a], params.attn_layers)
-            lp = dataclasses.replace(lp, **{f: getattr(ap, f) for f in ATTENTION_FIELDS})
+            lp = dataclasses.replace(lp, **{name: getattr(ap, name) for name in ATTENTION_FIELDS})
             x, k, v = layer(i, lp, (x, k, v), a, None)
             a += 1
     return (x, k, v), conv, ssm

@@ -4,7 +4,10 @@ Granite-4.0-H-Tiny's shapes (48 Mamba heads of 64 channels, a state of 128 per c
 cut to a Mamba layer, an attention layer and a Mamba layer, dense, at the default engine's buckets: the mixed step
 in the largest token bucket (the scan over its tokens, each sequence from its slot's state) and the decode loop in
 the largest sequence bucket (every row's state stepped at once). The page pool and the state pools are updated in
-place.
+place. The mixed step too of Nemotron 3 Nano's blocks (Mamba + MoE of ungated experts, a Mamba block alone,
+attention + MoE; 16 of its 128 experts, as tests/gpu_compile/test_compile_moe_lora.py cuts Qwen3-MoE's, the
+temporaries then under the 1 GB the engine tests allow) and of LFM2-1.2B's layers (short convolutions: a convolution
+state alone, no SSM state).
 """
 
 from __future__ import annotations
@@ -31,11 +34,22 @@ GRANITE_H = ModelConfig.from_hf({
     "mamba_d_conv": 4, "max_position_embeddings": 131072, "tie_word_embeddings": True,
     "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
     "logits_scaling": 6.0})
-NUM_PAGES = 65536  # 16-token pages of the one attention layer: 1 GB of bfloat16 keys and values
+NEMOTRON_3 = ModelConfig.from_hf({
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072, "hidden_size": 2688,
+    "hybrid_override_pattern": "MEM*E", "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+    "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+    "n_routed_experts": 16, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 262144})
+LFM2 = ModelConfig.from_hf({
+    "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 65536, "hidden_size": 2048,
+    "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_attention_heads": 32,
+    "num_key_value_heads": 8, "intermediate_size": 12288, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+    "conv_L_cache": 3, "max_position_embeddings": 128000})
+NUM_PAGES = 65536  # 16-token pages of the one attention layer: 1 GB of bfloat16 keys and values (Granite's)
 
 
-def _pool(spec) -> tuple[KVCache, int]:
-    cfg = GRANITE_H
+def _pool(spec, cfg=GRANITE_H) -> tuple[KVCache, int]:
     shape = (len(cfg.attention_layers), NUM_PAGES, RC.page_size, cfg.num_kv_heads, cfg.head_dim)
     states = KVCache.state_shapes(cfg, RC.max_num_seqs + 1)
     kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE),
@@ -45,19 +59,20 @@ def _pool(spec) -> tuple[KVCache, int]:
 
 
 @pytest.mark.gpu_compile
-def test_hybrid_mixed_step_compiles_for_sm90(spec):
-    cfg = GRANITE_H
+@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2"])
+def test_hybrid_mixed_step_compiles_for_sm90(spec, name):
+    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2}[name]
     T = RC.token_buckets[-1]
     S = min(T, RC.max_num_seqs)
     params, _, _, pen, want_top = _common(spec, S, cfg=cfg)
-    kv, pool_bytes = _pool(spec)
+    kv, pool_bytes = _pool(spec, cfg)
     sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq,
                              state_slots=[0])
     step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
                        want_top, pool_bytes=pool_bytes)
-    print(f"granite-4.0-h mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+    print(f"{name} mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
 
 
 @pytest.mark.gpu_compile
