@@ -469,10 +469,6 @@ FUSED = {
         position_embedding_type="rope", num_local_experts=0, shared_intermediate_size=40, residual_multiplier=0.5),
         dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "input_linear", "output_linear"]),
         "self_attn.o_proj"),
-    # Bamba: a Mamba layer and an attention layer, Llama's MLP named `feed_forward`.
-    "bamba": ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
-                                  mamba_n_groups=2),
-              dict(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]), "feed_forward.gate_proj"),
     # Nemotron-H: blocks paired into layers (Mamba + MLP, attention + MLP, Mamba alone), its MLP ungated.
     "nemotron_h": ("NemotronHConfig", dict(hybrid_override_pattern="M-*-M", head_dim=16, mamba_num_heads=8,
                                            mamba_head_dim=16, ssm_state_size=16, n_groups=2),
@@ -486,7 +482,7 @@ FUSED = {
 @pytest.mark.parametrize("family", list(FUSED))
 def test_fused_projection_adapters_equal_peft(tmp_path, family):
     """An adapter on fused projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite MoE's shared
-    MLP and router; Granite 4.0-H's, Bamba's, Nemotron-H's and LFM2's, whose Mamba and convolution layers take none)
+    MLP and router; Granite 4.0-H's, Nemotron-H's and LFM2's, whose Mamba and convolution layers take none)
     gives PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
     import transformers
 

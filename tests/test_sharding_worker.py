@@ -751,24 +751,32 @@ def case_hybrid() -> dict:
             "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
             "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
             "dp2": _dp_hybrid(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded),
-            "nemotron": _nemotron_tp2(args)}
+            # Nemotron 3 (Nemotron-H with MoE blocks): its MLPs stacked apart, its ungated experts split by width
+            # (TP) or over the two devices (EP); LFM2: its short convolutions' states (no SSM state) whole.
+            "nemotron": _tp_tokens(args, dict(
+                architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=64, hidden_size=64,
+                hybrid_override_pattern="MEM*E", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=2,
+                topk_group=1, max_position_embeddings=512), ep=True),
+            "lfm2": _tp_tokens(args, dict(
+                architectures=["Lfm2ForCausalLM"], model_type="lfm2", vocab_size=64, hidden_size=64,
+                num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=8,
+                num_key_value_heads=2, intermediate_size=192, block_multiple_of=32, max_position_embeddings=512))}
 
 
-def _nemotron_tp2(args: dict) -> list[list[list[int]]]:
-    """A Nemotron 3 (Nemotron-H with MoE blocks)'s greedy tokens on one device, at TP=2 (its MLPs stacked apart,
-    its ungated experts split by width) and with its experts over the two devices (EP)."""
+def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:
+    """A hybrid model's greedy tokens (random weights of `hf_config`) on one device, at TP=2 and, with `ep`, with its
+    experts over the two devices."""
     from jaxserve.config import ModelConfig
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine_args import EngineArgs
 
-    loaded = _tiny_loaded(ModelConfig.from_hf(dict(
-        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=64, hidden_size=64,
-        hybrid_override_pattern="MEM*E", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=2,
-        topk_group=1, max_position_embeddings=512)))
-    return [_generate(LLMEngine(EngineArgs(**args, tensor_parallel_size=tp, enable_expert_parallel=ep, warmup=False),
-                                loaded=loaded, progress=False), PROMPTS) for tp, ep in ((1, False), (2, False), (2, True))]
+    loaded = _tiny_loaded(ModelConfig.from_hf(hf_config))
+    runs = ((1, False), (2, False)) + (((2, True),) if ep else ())
+    return [_generate(LLMEngine(EngineArgs(**args, tensor_parallel_size=tp, enable_expert_parallel=with_ep,
+                                           warmup=False), loaded=loaded, progress=False), PROMPTS)
+            for tp, with_ep in runs]
 
 
 def _dp_hybrid(args, loaded) -> list[list[int]]:
