@@ -178,6 +178,10 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
                       first_dense_layers=int(d.get("first_k_dense_replace", 1 if glm else 0) or 0),
                       shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
                       norm_topk_prob=bool(d.get("norm_topk_prob", glm)))
+    if family == "lfm2" and fields["num_experts"]:  # LFM2-MoE: sigmoid scores, a bias to choose, dense first layers
+        fields.update(router_scoring="sigmoid", router_bias=bool(d.get("use_expert_bias", True)),
+                      routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                      first_dense_layers=int(d.get("num_dense_layers", 2)), norm_topk_prob=bool(d.get("norm_topk_prob", True)))
     if family == "nemotron_h":  # (its shared expert's width its own; a dense model's `moe_*` keys unread)
         fields.update(shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 7688),
                       norm_topk_prob=bool(d.get("norm_topk_prob", True)))

@@ -104,7 +104,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section),
                              **({"mrope_interleaved": True} if cfg.mrope_interleaved else {})}
     if cfg.family == "lfm2":
-        d.update(lfm2_hf(cfg))
+        d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers")} | lfm2_hf(cfg)
     if cfg.family == "nemotron_h":  # (no rotary embedding: no per-layer list)
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "hidden_act", "no_rope_layers", "num_experts",
                                                      "decoder_sparse_step", "mlp_only_layers")} | nemotron_hf(cfg)

@@ -48,9 +48,10 @@ class MambaConfig:
     no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
     kind: str = "mamba2"  # or "short_conv"
 
-    def mlp_layers(self, num_layers: int) -> tuple[int, ...]:
-        """The layers with an MLP."""
-        return tuple(i for i in range(num_layers) if i not in self.no_mlp)
+    def mlp_layers(self, num_layers: int, first: int = 0) -> tuple[int, ...]:
+        """The layers with an MLP, from layer `first` on (after a model's dense first layers: their MLPs stacked
+        apart, `Params.dense_layers`)."""
+        return tuple(i for i in range(first, num_layers) if i not in self.no_mlp)
 
     @property
     def inner(self) -> int:

@@ -1,5 +1,6 @@
 """Hybrid models from llama.cpp GGUF files against the HF models they come from: Granite 4.0-H ("granitehybrid"),
-dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 ("lfm2").
+dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 and LFM2-MoE ("lfm2",
+"lfm2moe").
 
 The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
 gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
@@ -194,16 +195,20 @@ def test_nemotron_h_gguf_equals_the_hf_model(tmp_path, variant):
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
 
 
-def test_lfm2_gguf_equals_the_hf_model(tmp_path):
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_lfm2_gguf_equals_the_hf_model(tmp_path, variant):
     """LFM2 as llama.cpp writes it (KV heads 0 in its convolution layers, the convolution as [channels, taps], the
-    MLP's width as the model makes it, its final norm as `token_embd_norm`): the HF model's config and logits."""
+    MLP's width as the model makes it, its final norm as `token_embd_norm`) and LFM2-MoE ("lfm2moe": its experts
+    stacked, its dense first layers counted, its choosing bias as `exp_probs_b`): the HF model's config and logits."""
     from safetensors.numpy import load_file
 
-    from tests.test_lfm2 import TINY
+    from tests.test_lfm2 import MOE, TINY
 
-    model = save_tiny_hf("Lfm2Config", tmp_path / "hf", **TINY)
+    moe = variant == "moe"
+    model = save_tiny_hf("Lfm2MoeConfig" if moe else "Lfm2Config", tmp_path / "hf", **(MOE if moe else TINY))
     c = model.config
-    w = gguf.GGUFWriter(str(tmp_path / "lfm2.gguf"), "lfm2")
+    arch = gguf.MODEL_ARCH.LFM2MOE if moe else gguf.MODEL_ARCH.LFM2
+    w = gguf.GGUFWriter(str(tmp_path / "lfm2.gguf"), gguf.MODEL_ARCH_NAMES[arch])
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -213,13 +218,27 @@ def test_lfm2_gguf_equals_the_hf_model(tmp_path):
     w.add_vocab_size(c.vocab_size)
     w.add_shortconv_l_cache(c.conv_L_cache)
     w.add_layer_norm_rms_eps(c.norm_eps)
-    w.add_feed_forward_length(96)  # (2/3 of 144, rounded up to 32)
+    w.add_feed_forward_length(96)  # (2/3 of 144, rounded up to 32; LFM2-MoE's dense layers' as given)
+    if moe:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_leading_dense_block_count(c.num_dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
+    names = gguf.TensorNameMap(arch, c.num_hidden_layers)
+    experts: dict[str, list] = {}
     for name, a in load_file(str(tmp_path / "hf" / "model.safetensors")).items():
-        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if ".experts." in name:  # stacked per layer and kind, in expert order
+            parts = name.split(".")
+            experts.setdefault(f"layers.{parts[2]}.feed_forward.experts.{parts[6]}.weight", []).append((int(parts[5]), a))
+            continue
+        key = names.get_name(name.replace("expert_bias", "expert_bias.bias"), try_suffixes=(".weight", ".bias"))
         assert key is not None, name
         w.add_tensor(key, a.astype(np.float32).squeeze(1) if "conv.conv.weight" in name else a.astype(np.float32))
+    for name, parts in experts.items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.stack([a for _, a in sorted(parts)]))
     path = written(w, tmp_path / "lfm2.gguf")
     cfg = open_checkpoint(path).config()
     hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()

@@ -1,7 +1,7 @@
-"""LFM2 (short gated convolutions beside attention with q and k normed per head) against HF transformers: its
-convolution layers as a hybrid model's, each keeping a convolution state and no SSM state; logits, the checkpoint's
-names both ways, and the engine's greedy tokens (chunked prefills, the decode loop, the prefix cache's kept
-states)."""
+"""LFM2 (short gated convolutions beside attention with q and k normed per head) and LFM2-MoE (experts after dense
+first layers) against HF transformers: the convolution layers as a hybrid model's, each keeping a convolution state
+and no SSM state; logits, the checkpoint's names both ways, and the engine's greedy tokens (chunked prefills, the
+decode loop, the prefix cache's kept states)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,28 @@ from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: 
 TINY = dict(layer_types=["conv", "full_attention", "conv", "conv"], num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=144, block_multiple_of=32, conv_bias=True, vocab_size=VOCAB,
             max_position_embeddings=256)
+# LFM2-MoE: two dense first layers (a convolution's, the attention's), then 8 experts (2 a token, sigmoid scores
+# and a bias choosing them, their weights scaled by 1.5).
+MOE = dict(TINY, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+           num_dense_layers=2, routed_scaling_factor=1.5)
+_BUILT: dict[str, tuple] = {}
 
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory):
-    """(HF model, our config, our params, its directory) of a tiny LFM2."""
-    path = tmp_path_factory.mktemp("lfm2")
-    model = save_tiny_hf("Lfm2Config", path, **TINY)
-    ckpt = open_checkpoint(str(path))
-    cfg = ckpt.config()
-    return model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
+def _build(variant: str, tmp_path_factory) -> tuple:
+    """(HF model, our config, our params, its directory) of a tiny LFM2 or LFM2-MoE, built once per module."""
+    if variant not in _BUILT:
+        path = tmp_path_factory.mktemp(f"lfm2_{variant}")
+        model = save_tiny_hf("Lfm2Config" if variant == "dense" else "Lfm2MoeConfig", path,
+                             **(TINY if variant == "dense" else MOE))
+        ckpt = open_checkpoint(str(path))
+        cfg = ckpt.config()
+        _BUILT[variant] = model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
+    return _BUILT[variant]
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def lfm2(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
 
 
 def test_config_reads_the_convolution_layers(lfm2):
@@ -45,6 +57,11 @@ def test_config_reads_the_convolution_layers(lfm2):
     assert (cfg.intermediate_size, cfg.qk_norm, cfg.tie_word_embeddings) == (96, True, True)
     assert params.mamba_layers.m_in.shape == (3, 64, 3 * 64) and params.mamba_layers.m_a_log is None
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    if cfg.num_experts:  # the dense first layers' MLPs and the experts' stacked apart
+        assert (cfg.first_dense_layers, cfg.router_scoring, cfg.router_bias, cfg.routed_scaling_factor) == (
+            2, "sigmoid", True, 1.5)
+        assert params.dense_layers.w_gate.shape == (2, 64, 96) and params.mlp_layers.we_gate.shape == (2, 8, 64, 32)
+        assert params.layers.w_gate is None and params.dense_layers.lora is None
 
 
 def test_logits_match_transformers(lfm2):
@@ -55,15 +72,17 @@ def test_logits_match_transformers(lfm2):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_convert_writes_the_sources_tensors(tmp_path):
-    """`jaxserve convert`: every tensor under LFM2's names as the checkpoint had it; transformers reads the output
-    as the model."""
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_convert_writes_the_sources_tensors(tmp_path, variant):
+    """`jaxserve convert`: every tensor under LFM2's names as the checkpoint had it (LFM2-MoE's experts one by one,
+    its choosing bias); transformers reads the output as the model."""
     from safetensors import safe_open
 
     from tests.test_convert import convert, write_tiny_tokenizer
 
     src, out = tmp_path / "src", tmp_path / "out"
-    model = save_tiny_hf("Lfm2Config", src, **TINY)
+    model = save_tiny_hf("Lfm2Config" if variant == "dense" else "Lfm2MoeConfig", src,
+                         **(TINY if variant == "dense" else MOE))
     write_tiny_tokenizer(src)
     convert(src, out)
     with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:

@@ -44,8 +44,8 @@ def save_tiny_hf(config_cls: str, path, dtype: str = "float32", max_shard_size: 
                 p.copy_(0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
-        for name, b in model.named_buffers():  # a router's bias for choosing experts (DeepSeek-V3's, GLM-4.5's)
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():  # a router's bias for choosing experts (DeepSeek-V3's, GLM-4.5's, LFM2-MoE's)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(0.2 * torch.randn_like(b))
     model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

@@ -187,7 +187,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
         lora = jax.tree.map(
             lambda x: jax.make_array_from_callback(x.shape, sh, lambda i, h=np.asarray(x): h[i]), lora)
     k = loaded.config.first_dense_layers
-    if params.dense_layers is not None:  # the dense first layers' slots in their own stack
+    if params.dense_layers is not None and loaded.config.mamba is None:  # the dense first layers' slots apart
+        # (a hybrid model's slots, every layer's, stay in `layers`: its `dense_layers` hold MLPs alone)
         params = dataclasses.replace(params, dense_layers=dataclasses.replace(
             params.dense_layers, lora=jax.tree.map(lambda x: x[:k], lora)))
         lora = jax.tree.map(lambda x: x[k:], lora)
@@ -344,9 +345,10 @@ def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
         return dataclasses.replace(layers, lora=LoraLayer(**{
             f: put(getattr(layers.lora, f), f, True, arrays[f][first:first + n]) for f in arrays}))
 
-    dense = params.dense_layers  # a model's dense first layers, stacked apart
+    dense = params.dense_layers  # a model's dense first layers, stacked apart, with their slots (not a hybrid's)
+    dense = None if dense is None or dense.lora is None else dense
     return jax.block_until_ready(dataclasses.replace(
-        params, dense_layers=None if dense is None else stack(dense, 0),
+        params, dense_layers=params.dense_layers if dense is None else stack(dense, 0),
         layers=stack(params.layers, 0 if dense is None else dense.lora.a_qkv.shape[0])))
 
 

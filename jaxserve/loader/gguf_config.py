@@ -42,7 +42,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-            "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM"}
+            "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM"}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -135,8 +135,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = deepseek2_hf(meta, get, d, experts)
         if arch.startswith("nemotron_h"):
             d = nemotron_h_hf(meta, arch, get, d, experts, kv_heads, ffn, tensor_names)
-        if arch == "lfm2":
-            d = lfm2_gguf_hf(meta, get, d, kv_heads, tensor_names)
+        if arch.startswith("lfm2"):
+            d = lfm2_gguf_hf(meta, arch, get, d, kv_heads, tensor_names)
         if arch == "granitehybrid":
             d = granite_hybrid_hf(meta, get, d, experts, kv_heads, tensor_names)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names

@@ -1,7 +1,7 @@
 """Hybrid models' llama.cpp GGUF files as the HF config and tensors their converter read: Granite 4.0-H's
 ("granitehybrid": Mamba-2 layers beside attention, told apart by their KV head count, 0 in a Mamba layer),
 Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width) and
-LFM2's ("lfm2": short convolutions, told by their KV heads too; the convolution as [channels, taps]).
+LFM2's ("lfm2", "lfm2moe": short convolutions, told by their KV heads too; the convolution as [channels, taps]).
 
 llama.cpp writes each Mamba layer's A as -exp(A_log) and A and D as [heads, 1], the convolution as [channels, taps],
 the gated norm as [groups, channels per group] and the step's bias as `ssm_dt.bias`; those are read back here. A clamp
@@ -119,13 +119,19 @@ def nemotron_h_tensors(block: str, rest: str, arr: np.ndarray) -> list[tuple[str
     return [(prefix + _NEMOTRON[rest], arr)] if rest in _NEMOTRON else None
 
 
-def lfm2_gguf_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int],
+def lfm2_gguf_hf(meta: dict[str, Any], arch: str, get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int],
                  tensor_names: frozenset[str]) -> dict[str, Any]:
-    """The LFM2 HF config of an "lfm2" file (its MLP width as the file gives it)."""
+    """The LFM2 HF config of an "lfm2" or "lfm2moe" file (its MLP width as the file gives it; LFM2-MoE's experts
+    after its `leading_dense_block_count` dense layers, a bias choosing them where `exp_probs_b` is stored)."""
     kinds = ["full_attention" if n else "conv" for n in kv_heads]
     if "conv" not in kinds:
-        raise UnsupportedModelError("an lfm2 GGUF file without convolution layers (KV heads 0) is not supported")
-    return {**d, "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "layer_types": kinds,
+        raise UnsupportedModelError(f"an {arch} GGUF file without convolution layers (KV heads 0) is not supported")
+    if arch == "lfm2moe":
+        d = {**d, "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe",
+             "num_dense_layers": int(get("leading_dense_block_count")),
+             "use_expert_bias": any(n.endswith("exp_probs_b.bias") for n in tensor_names),
+             "routed_scaling_factor": float(meta.get(f"{arch}.expert_weights_scale") or 1.0)}
+    return {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", **d, "layer_types": kinds,
             "conv_L_cache": int(get("shortconv.l_cache")), "norm_eps": d["rms_norm_eps"],
             "conv_bias": f"blk.{kinds.index('conv')}.shortconv.conv.bias" in tensor_names,
             "block_auto_adjust_ff_dim": False}

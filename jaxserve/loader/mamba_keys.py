@@ -49,8 +49,10 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
             return None
     elif spec is not None and rest.startswith("self_attn."):
         return ("attn_" + spec[0], *spec[1:], cfg.attention_layers.index(layer))
-    if spec is not None and m.no_mlp and field in MLP_FIELDS:  # (the MLPs stacked apart)
-        return ("mlp_" + spec[0], *spec[1:], m.mlp_layers(cfg.num_layers).index(layer))
+    k = cfg.first_dense_layers
+    if spec is not None and (m.no_mlp or k) and field in MLP_FIELDS:  # (the MLPs stacked apart)
+        return ("dense_" + spec[0], *spec[1:], layer) if layer < k else (
+            "mlp_" + spec[0], *spec[1:], m.mlp_layers(cfg.num_layers, k).index(layer))
     return None if spec is None else (*spec, layer)
 
 
@@ -112,7 +114,8 @@ def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
 
 
 # LFM2's names for Llama's and the convolution's modules (after `model.layers.N.`; its final norm `embedding_norm`).
-LFM2_NAMES = {"operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
+LFM2_NAMES = {"feed_forward.expert_bias": "mlp.gate.e_score_correction_bias", "feed_forward.experts.": "mlp.experts.",
+              "feed_forward.gate.": "mlp.gate.", "operator_norm.": "input_layernorm.", "ffn_norm.": "post_attention_layernorm.",
               "feed_forward.w1.": "mlp.gate_proj.", "feed_forward.w3.": "mlp.up_proj.",
               "feed_forward.w2.": "mlp.down_proj.", "self_attn.out_proj.": "self_attn.o_proj.",
               "self_attn.q_layernorm.": "self_attn.q_norm.", "self_attn.k_layernorm.": "self_attn.k_norm.",
@@ -129,7 +132,13 @@ def lfm2_name(name: str, to_hf: bool = False) -> str:
         return top[name]
     m = re.match(r"^(model\.layers\.\d+\.)(.+)$", name)
     old = next((k for k in modules if m and m.group(2).startswith(k)), None)
-    return m.group(1) + modules[old] + m.group(2)[len(old):] if old else name
+    if old is None:
+        return name
+    name = m.group(1) + modules[old] + m.group(2)[len(old):]
+    experts = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # (LFM2-MoE's experts)
+    experts = {v: k for k, v in experts.items()} if to_hf else experts
+    return re.sub(r"(\.experts\.\d+\.)(\w+)(\.weight)$", lambda e: e.group(1) + experts.get(e.group(2), e.group(2))
+                  + e.group(3), name)
 
 
 def hybrid_adapter_key(name: str, cfg: ModelConfig) -> str:

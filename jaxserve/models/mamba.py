@@ -24,18 +24,21 @@ NO_MIXER = "no mixer"  # a layer's mixer where it has none: an MLP alone (`Mamba
 
 def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int, bool], LayerParams]) -> Params:
     """A hybrid model's parameters: every layer's norms and MLP in `layers`, the attention layers' projections in
-    `attn_layers`, the Mamba layers' in `mamba_layers` (`Params`); where some layers have no MLP, the MLPs of the
-    others in `mlp_layers`."""
+    `attn_layers`, the Mamba layers' in `mamba_layers` (`Params`); where some layers have no MLP, or the first
+    layers' are dense and the others' experts, the MLPs apart: the dense first layers' in `dense_layers`, the others'
+    in `mlp_layers`."""
     m, E, V = cfg.mamba, cfg.hidden_size, cfg.vocab_size
     La, Lm = len(cfg.attention_layers), len(cfg.mamba.layers)
     none = {f.name: None for f in dataclasses.fields(LayerParams)}
     attn = declare_layers(cfg, La, bool(cfg.num_experts))
     layers = dataclasses.replace(declare_layers(cfg, cfg.num_layers, bool(cfg.num_experts)),
                                  **{f: None for f in ATTENTION_FIELDS})
-    mlps = None
-    if m.no_mlp:
-        mlps = declare_layers(cfg, len(m.mlp_layers(cfg.num_layers)), bool(cfg.num_experts))
+    mlps = dense = None
+    k = cfg.first_dense_layers
+    if m.no_mlp or k:
+        mlps = declare_layers(cfg, len(m.mlp_layers(cfg.num_layers, k)), bool(cfg.num_experts))
         mlps = LayerParams(**none | {f: getattr(mlps, f) for f in MLP_FIELDS})
+        dense = LayerParams(**none | {f: getattr(declare_layers(cfg, k, False), f) for f in MLP_FIELDS}) if k else None
         layers = dataclasses.replace(layers, **{f: None for f in MLP_FIELDS})
 
     def p(shape, axes, init="normal", dtype=None) -> ParamInfo:
@@ -56,7 +59,7 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
                   final_norm=ParamInfo((E,), ("embed",), "ones"),
                   lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
                   attn_layers=LayerParams(**none | {f: getattr(attn, f) for f in ATTENTION_FIELDS}),
-                  mamba_layers=mamba, mlp_layers=mlps)
+                  mamba_layers=mamba, mlp_layers=mlps, dense_layers=dense)
 
 
 def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Array, ssm: jax.Array,
@@ -70,7 +73,10 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
     a = j = f = 0
     for i in range(cfg.num_layers):
         lp = jax.tree.map(lambda w, i=i: w[i], params.layers)
-        if params.mlp_layers is not None and i not in cfg.mamba.no_mlp:
+        if i < cfg.first_dense_layers:  # (a dense first layer's MLP)
+            fp = jax.tree.map(lambda w, i=i: w[i], params.dense_layers)
+            lp = dataclasses.replace(lp, **{name: getattr(fp, name) for name in MLP_FIELDS})
+        elif params.mlp_layers is not None and i not in cfg.mamba.no_mlp:
             fp = jax.tree.map(lambda w, f=f: w[f], params.mlp_layers)
             lp = dataclasses.replace(lp, **{name: getattr(fp, name) for name in MLP_FIELDS})
             f += 1
