@@ -473,16 +473,19 @@ FUSED = {
     "nemotron_h": ("NemotronHConfig", dict(hybrid_override_pattern="M-*-M", head_dim=16, mamba_num_heads=8,
                                            mamba_head_dim=16, ssm_state_size=16, n_groups=2),
                    dict(target_modules=["q_proj", "o_proj", "up_proj", "down_proj"]), "layers.3.mixer.up_proj"),
-    # LFM2: a convolution layer and an attention layer; its MLP's w1, w3, w2 (gate, up, down).
-    "lfm2": ("Lfm2Config", dict(layer_types=["conv", "full_attention"], intermediate_size=144, block_multiple_of=32),
-             dict(target_modules=["q_proj", "v_proj", "w1", "w2", "w3"]), "feed_forward.w1"),
+    # LFM2-MoE: a convolution layer and an attention layer with dense MLPs (w1, w3, w2: gate, up, down), then a
+    # convolution layer with experts (which take none).
+    "lfm2_moe": ("Lfm2MoeConfig", dict(layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3,
+                                       intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                       num_experts_per_tok=2, num_dense_layers=2),
+                 dict(target_modules=["q_proj", "v_proj", "w1", "w2", "w3"]), "feed_forward.w1"),
 }
 
 
 @pytest.mark.parametrize("family", list(FUSED))
 def test_fused_projection_adapters_equal_peft(tmp_path, family):
     """An adapter on fused projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite MoE's shared
-    MLP and router; Granite 4.0-H's, Nemotron-H's and LFM2's, whose Mamba and convolution layers take none)
+    MLP and router; Granite 4.0-H's, Nemotron-H's and LFM2-MoE's, whose Mamba and convolution layers take none)
     gives PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
     import transformers
 
