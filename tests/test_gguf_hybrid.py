@@ -1,6 +1,6 @@
 """Hybrid models from llama.cpp GGUF files against the HF models they come from: Granite 4.0-H ("granitehybrid"),
 dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 and LFM2-MoE ("lfm2",
-"lfm2moe").
+"lfm2moe"); and Granite MoE ("granitemoe"), whose experts are written as Granite 4.0-H's.
 
 The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
 gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
@@ -26,40 +26,43 @@ from tests.test_hybrid import PROMPTS, _overrides  # noqa: E402
 from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
 
 
-def _write(path, model, hf_dir) -> str:
-    """`model` (an HF Granite 4.0-H, saved at `hf_dir`) as an F32 GGUF, as llama.cpp's converter writes one from
-    the checkpoint's tensors."""
+def _write(path, model, hf_dir, hybrid: bool = True) -> str:
+    """`model` (an HF Granite 4.0-H, or with `hybrid` False a Granite MoE, saved at `hf_dir`) as an F32 GGUF, as
+    llama.cpp's converter writes one from the checkpoint's tensors."""
     from safetensors.numpy import load_file
 
     c = model.config
-    ssm = [i for i, k in enumerate(c.layer_types) if k in ("mamba", "linear_attention")]
+    ssm = [i for i, k in enumerate(getattr(c, "layer_types", None) or ()) if k in ("mamba", "linear_attention")]
     experts = c.num_local_experts
-    w = gguf.GGUFWriter(str(path), "granitehybrid")
+    w = gguf.GGUFWriter(str(path), "granitehybrid" if hybrid else "granitemoe")
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(2**20)
+    w.add_context_length(2**20 if hybrid else c.max_position_embeddings)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv([0 if i in ssm else c.num_key_value_heads for i in range(c.num_hidden_layers)])
+    w.add_head_count_kv([0 if i in ssm else c.num_key_value_heads for i in range(c.num_hidden_layers)] if hybrid
+                        else c.num_key_value_heads)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_rope_scaling_finetuned(False)  # (a hybrid: llama.cpp's flag that it is not rotated)
     w.add_embedding_scale(c.embedding_multiplier)
     w.add_residual_scale(c.residual_multiplier)
     w.add_logit_scale(c.logits_scaling)
     w.add_attention_scale(c.attention_multiplier)
-    w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+    if getattr(c, "shared_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-    w.add_ssm_conv_kernel(c.mamba_d_conv)
-    w.add_ssm_state_size(c.mamba_d_state)
-    w.add_ssm_group_count(c.mamba_n_groups)
-    w.add_ssm_inner_size(c.mamba_n_heads * c.mamba_d_head)
-    w.add_ssm_time_step_rank(c.mamba_n_heads)
+    if hybrid:
+        w.add_rope_scaling_finetuned(False)  # (llama.cpp's flag that a hybrid is not rotated)
+        w.add_ssm_conv_kernel(c.mamba_d_conv)
+        w.add_ssm_state_size(c.mamba_d_state)
+        w.add_ssm_group_count(c.mamba_n_groups)
+        w.add_ssm_inner_size(c.mamba_n_heads * c.mamba_d_head)
+        w.add_ssm_time_step_rank(c.mamba_n_heads)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GRANITE_HYBRID, c.num_hidden_layers)
-    inner = c.mamba_n_heads * c.mamba_d_head
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.GRANITE_HYBRID if hybrid else gguf.MODEL_ARCH.GRANITE_MOE,
+                               c.num_hidden_layers)
     for name, a in load_file(str(hf_dir / "model.safetensors")).items():
         a = a.astype(np.float32)
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -81,7 +84,7 @@ def _write(path, model, hf_dir) -> str:
         elif name.endswith((".A_log", ".D")):
             a = (-np.exp(a) if name.endswith("A_log") else a).reshape(-1, 1)
         elif name.endswith("mamba.norm.weight"):
-            a = a.reshape(c.mamba_n_groups, inner // c.mamba_n_groups)
+            a = a.reshape(c.mamba_n_groups, -1)
         elif name.endswith("self_attn.q_proj.weight"):
             a = _llama_cpp_permute(a, c.num_attention_heads)
         elif name.endswith("self_attn.k_proj.weight"):
@@ -106,6 +109,24 @@ def test_granite_hybrid_gguf_equals_the_hf_model(tmp_path, variant):
     assert (cfg.num_experts, cfg.intermediate_size, cfg.shared_expert_intermediate_size, cfg.residual_multiplier,
             cfg.logits_scaling) == (hf_cfg.num_experts, hf_cfg.intermediate_size,
                                     hf_cfg.shared_expert_intermediate_size, 0.5, 4.0)
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "granitemoeshared"])
+def test_granite_moe_gguf_equals_the_hf_model(tmp_path, family):
+    """Granite MoE ("granitemoe": its experts' fused gate and up split and stacked, Llama's rotary row order, its
+    scalars) and with a shared MLP (GraniteMoeShared's, by its width): the HF model's config and logits."""
+    from tests.test_moe import FAMILIES
+
+    config_cls, overrides = FAMILIES[family]
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
+    path = _write(tmp_path / "granite-moe.gguf", model, tmp_path / "hf", hybrid=False)
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    scalars = ("rms_norm_eps", "embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+    assert [getattr(cfg, f) for f in scalars] == pytest.approx([getattr(hf_cfg, f) for f in scalars])  # (float32)
+    assert dataclasses.replace(cfg, **{f: getattr(hf_cfg, f) for f in scalars}) == hf_cfg
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
 

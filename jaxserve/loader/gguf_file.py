@@ -210,7 +210,8 @@ class GGUFFile:
 
         arch = self.metadata.get("general.architecture")
         # llama.cpp writes their Q/K rows in its rotary order
-        permuted = arch in ("llama", "mistral", "granite", "smollm3", "granitehybrid", "nemotron_h", "nemotron_h_moe")
+        permuted = arch in ("llama", "mistral", "granite", "granitemoe", "smollm3", "granitehybrid", "nemotron_h",
+                            "nemotron_h_moe")
         gemma = cfg.family in GEMMA_FAMILIES
         predicting = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:

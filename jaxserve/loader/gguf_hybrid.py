@@ -47,9 +47,14 @@ def granite_hybrid_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str
             "num_local_experts": experts, "shared_intermediate_size": shared or d["intermediate_size"],
             "intermediate_size": int(meta.get(f"{arch}.expert_feed_forward_length") or d["intermediate_size"])
             if experts else d["intermediate_size"],
-            **{hf: float(meta.get(f"{arch}.{key}", 1.0)) for key, hf in (
-                ("embedding_scale", "embedding_multiplier"), ("attention.scale", "attention_multiplier"),
-                ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))}}
+            **granite_scalars(meta, arch)}
+
+
+def granite_scalars(meta: dict[str, Any], arch: str) -> dict[str, float]:
+    """Granite's four scalars (HF config keys) from a file of `arch` (1.0 where absent, as transformers defaults)."""
+    return {hf: float(meta.get(f"{arch}.{key}", 1.0)) for key, hf in (
+        ("embedding_scale", "embedding_multiplier"), ("attention.scale", "attention_multiplier"),
+        ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling"))}
 
 
 def ssm_tensor(prefix: str, rest: str, arr: np.ndarray) -> tuple[str, np.ndarray] | None:
