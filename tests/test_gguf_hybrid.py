@@ -55,11 +55,7 @@ def _write(path, model, hf_dir, hybrid: bool = True) -> str:
         w.add_expert_used_count(c.num_experts_per_tok)
     if hybrid:
         w.add_rope_scaling_finetuned(False)  # (llama.cpp's flag that a hybrid is not rotated)
-        w.add_ssm_conv_kernel(c.mamba_d_conv)
-        w.add_ssm_state_size(c.mamba_d_state)
-        w.add_ssm_group_count(c.mamba_n_groups)
-        w.add_ssm_inner_size(c.mamba_n_heads * c.mamba_d_head)
-        w.add_ssm_time_step_rank(c.mamba_n_heads)
+        _add_ssm(w, c.mamba_d_conv, c.mamba_d_state, c.mamba_n_groups, c.mamba_n_heads, c.mamba_d_head)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.GRANITE_HYBRID if hybrid else gguf.MODEL_ARCH.GRANITE_MOE,
                                c.num_hidden_layers)
@@ -79,18 +75,34 @@ def _write(path, model, hf_dir, hybrid: bool = True) -> str:
             name = name.replace(".dt_bias", ".dt_proj.bias")
         key = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert key is not None, name
-        if name.endswith("conv1d.weight"):
-            a = a.squeeze()
-        elif name.endswith((".A_log", ".D")):
-            a = (-np.exp(a) if name.endswith("A_log") else a).reshape(-1, 1)
-        elif name.endswith("mamba.norm.weight"):
-            a = a.reshape(c.mamba_n_groups, -1)
-        elif name.endswith("self_attn.q_proj.weight"):
-            a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            a = _llama_cpp_permute(a, c.num_key_value_heads)
-        w.add_tensor(key, a)
+        w.add_tensor(key, _as_written(name, key, a, c, getattr(c, "mamba_n_groups", 1)))
     return written(w, path)
+
+
+def _add_ssm(w, conv_kernel: int, state: int, groups: int, heads: int, head_dim: int) -> None:
+    """The Mamba layers' shape, as llama.cpp's converter writes it (its `time_step_rank` the head count)."""
+    w.add_ssm_conv_kernel(conv_kernel)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(heads * head_dim)
+    w.add_ssm_time_step_rank(heads)
+
+
+def _as_written(name: str, key: str, a: np.ndarray, c, groups: int) -> np.ndarray:
+    """Tensor `name` (the GGUF's `key`) as llama.cpp's converter writes it: a Mamba layer's convolution squeezed, A as
+    -exp(A_log) and D as [heads, 1], its gated norm as [groups, channels per group]; q and k rows in Llama's rotary
+    order."""
+    if name.endswith("conv1d.weight"):
+        return a.squeeze()
+    if name.endswith((".A_log", ".D")):
+        return (-np.exp(a) if name.endswith("A_log") else a).reshape(-1, 1)
+    if key.endswith("ssm_norm.weight"):
+        return a.reshape(groups, -1)
+    if name.endswith("q_proj.weight"):
+        return _llama_cpp_permute(a, c.num_attention_heads)
+    if name.endswith("k_proj.weight"):
+        return _llama_cpp_permute(a, c.num_key_value_heads)
+    return a
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe"])
@@ -162,11 +174,7 @@ def _write_nemotron(path, model, hf_dir) -> str:
         w.add_expert_weights_norm(c.norm_topk_prob)
         w.add_expert_weights_scale(c.routed_scaling_factor)
         w.add_expert_group_count(c.n_group)
-    w.add_ssm_conv_kernel(c.conv_kernel)
-    w.add_ssm_state_size(c.ssm_state_size)
-    w.add_ssm_group_count(c.n_groups)
-    w.add_ssm_inner_size(c.mamba_num_heads * c.mamba_head_dim)
-    w.add_ssm_time_step_rank(c.mamba_num_heads)
+    _add_ssm(w, c.conv_kernel, c.ssm_state_size, c.n_groups, c.mamba_num_heads, c.mamba_head_dim)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     names = gguf.TensorNameMap(arch, len(blocks))
     stacked: dict[str, list] = {}
@@ -179,17 +187,7 @@ def _write_nemotron(path, model, hf_dir) -> str:
         name = name.replace(".dt_bias", ".dt.bias").replace("e_score_correction_bias", "e_score_correction.bias")
         key = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert key is not None, name
-        if name.endswith("conv1d.weight"):
-            a = a.squeeze()
-        elif name.endswith((".A_log", ".D")):
-            a = (-np.exp(a) if name.endswith("A_log") else a).reshape(-1, 1)
-        elif name.endswith("mixer.norm.weight") and key.endswith("ssm_norm.weight"):
-            a = a.reshape(c.n_groups, -1)
-        elif name.endswith("mixer.q_proj.weight"):
-            a = _llama_cpp_permute(a, c.num_attention_heads)
-        elif name.endswith("mixer.k_proj.weight"):
-            a = _llama_cpp_permute(a, c.num_key_value_heads)
-        w.add_tensor(key, a)
+        w.add_tensor(key, _as_written(name, key, a, c, c.n_groups))
     for name, parts in stacked.items():
         w.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.stack([a for _, a in sorted(parts)]))
     return written(w, path)
