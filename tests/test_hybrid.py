@@ -177,8 +177,8 @@ def test_preempted_requests_start_again_and_give_the_same_tokens(dense, caching)
 
 def test_what_a_hybrid_model_refuses(dense):
     _, cfg, params, path = dense
-    with pytest.raises(UnsupportedModelError, match="speculative decoding by draft_model is not supported"):
-        _engine(cfg, params, path, speculative_config={"method": "draft_model", "model": path})
+    with pytest.raises(UnsupportedModelError, match="speculative decoding by mtp is not supported"):
+        _engine(cfg, params, path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 0, got -1"):
         EngineArgs(max_mamba_cache_size=-1)
     # The CPU's default pages come on top of the states; a budget given holds both.
@@ -356,16 +356,23 @@ def int8_prompt_logprobs(path: str) -> tuple:
     return engine.model.params, float(np.max(np.abs(np.subtract(*logprobs))))
 
 
-def test_drafts_change_nothing_but_the_number_of_steps(dense):
-    """Speculative decoding (suffix drafts, verified as chunks): a request's states are kept aside before the step
-    that verifies its drafts, and put back when one is rejected (the tokens it took then computed again), so the
-    tokens are transformers' greedy ones. The same prompts twice: the second time, drafts from the earlier
-    responses, some taken and some rejected."""
+@pytest.mark.parametrize("method", ["suffix", "draft_model"])
+def test_drafts_change_nothing_but_the_number_of_steps(dense, tmp_path, method):
+    """Speculative decoding (suffix drafts, or a small dense draft model's, verified as chunks): a request's states
+    are kept aside before the step that verifies its drafts, and put back when one is rejected (the tokens it took
+    then computed again), so the tokens are transformers' greedy ones. The same prompts twice: the second time,
+    suffix drafts from the earlier responses, some taken and some rejected; the random draft model's are rejected."""
+    from tests.fake_model import save_fake_tokenizer
+
     model, cfg, params, path = dense
     prompts = [(p * 3)[:40] for p in PROMPTS]
     want = [hf_greedy(model, p, 16) for p in prompts]
-    engine = _engine(cfg, params, path, max_model_len=96, speculative_config={
-        "method": "suffix", "num_speculative_tokens": 3})
+    spec = {"method": "suffix"}
+    if method == "draft_model":
+        save_tiny_hf("LlamaConfig", tmp_path, vocab_size=VOCAB, num_hidden_layers=1)
+        save_fake_tokenizer(str(tmp_path))
+        spec = {"model": str(tmp_path)}
+    engine = _engine(cfg, params, path, max_model_len=96, speculative_config={**spec, "num_speculative_tokens": 3})
     assert engine.args.speculative_config.chunked and engine.runner.kv.ssm.shape[1] == 1 + 4 + 4 + 4
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for again in (False, True):
@@ -374,7 +381,9 @@ def test_drafts_change_nothing_but_the_number_of_steps(dense):
         final = drain(engine)
         assert [list(final[f"{i}{again}"].outputs[0].token_ids) for i in range(len(prompts))] == want
     stats = engine.stats()
-    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens >= (method == "suffix")
+    assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
+    engine.check_integrity()
 
 
 def test_nothing_compiles_after_warmup(dense):

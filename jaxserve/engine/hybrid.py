@@ -1,6 +1,7 @@
 """Serving a hybrid model (Mamba-2 layers beside attention: `ModelConfig.mamba`): a state slot per running request,
 a backup slot each for speculative decoding's rejected drafts, snapshot slots for the prefix cache (`state_cache`),
-and the drafters that a per-sequence recurrent state rules out, refused by name."""
+and the drafters not served with one (EAGLE's and MTP's, which draft from the target's hidden states), refused by
+name."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     if cfg.mamba is None:
         return args
     spec = args.speculative_config
-    if spec is not None and spec.method not in ("ngram", "suffix"):
+    if spec is not None and spec.method not in ("ngram", "suffix", "draft_model"):
         raise UnsupportedModelError(f"speculative decoding by {spec.method} is not supported for a hybrid (Mamba) "
-                                    "model (ngram and suffix drafts are)")
+                                    "model (ngram, suffix and draft-model drafts are)")
     if spec is not None and not spec.chunked:
         args = dataclasses.replace(args, speculative_config=dataclasses.replace(spec, draft_verification="chunks"))
     if args.is_pooling:

@@ -77,24 +77,22 @@ def _layer(
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
 
     h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm)
-    with jax.named_scope("attention"):
-        h = h_attn if attn_in is None else attn_in
-        if mixer is NO_MIXER:
-            pass
-        elif mixer is not None:
-            out, k_all, v_all = mixer(h, k_all, v_all)
-        else:
-            attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local)
-            attn, k_all, v_all = attend(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
-                                        layout=layout, lora=lora)
-            # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
-            if lp.wo_t is not None:
-                out = project(attn, lp.wo_t, _dot_out_major)
+    if mixer is not NO_MIXER:  # (a hybrid model's layer of an MLP alone has none)
+        with jax.named_scope("attention"):
+            h = h_attn if attn_in is None else attn_in
+            if mixer is not None:
+                out, k_all, v_all = mixer(h, k_all, v_all)
             else:
-                out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
-            if lora is not None:
-                out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
-        if mixer is not NO_MIXER:
+                attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local)
+                attn, k_all, v_all = attend(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
+                                            layout=layout, lora=lora)
+                # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
+                if lp.wo_t is not None:
+                    out = project(attn, lp.wo_t, _dot_out_major)
+                else:
+                    out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
+                if lora is not None:
+                    out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
             if lp.bo is not None:
                 out = out + lp.bo
             if lp.post_attn_norm is not None:
