@@ -60,7 +60,7 @@ def lfm2(d: dict[str, Any]) -> dict[str, Any]:
             "rope_theta": d.get("rope_theta", 1000000.0), "max_position_embeddings": d.get("max_position_embeddings",
                                                                                           128000),
             "layer_types": ["mamba" if k == "conv" else "attention" for k in kinds], "mamba_kind": "short_conv",
-            "mamba_n_heads": 1, "mamba_d_head": hidden, "mamba_d_state": 0, "mamba_n_groups": 1, "mamba_expand": 1,
+            "mamba_n_heads": 1, "mamba_d_head": hidden, "mamba_d_state": 0, "mamba_n_groups": 1,
             "mamba_d_conv": int(d.get("conv_L_cache", 3)), "mamba_conv_bias": bias, "mamba_proj_bias": bias}
 
 

@@ -115,12 +115,12 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
     if not layers:
         return None
     heads = d.get("mamba_n_heads", 128)
-    inner = d.get("mamba_expand", 2) * d["hidden_size"]
     head_dim = d.get("mamba_d_head", "auto")
-    head_dim = inner // heads if head_dim in (None, "auto") else head_dim
-    if heads * head_dim != inner and d.get("model_type") != "nemotron_h":  # (Nemotron-H's inner width is its own)
-        raise UnsupportedModelError(f"mamba_n_heads x mamba_d_head ({heads} x {head_dim}) must be mamba_expand x "
-                                    f"hidden_size ({inner})")
+    if head_dim in (None, "auto"):  # (the scan's width, heads x head_dim, from mamba_expand x hidden_size)
+        inner = d.get("mamba_expand", 2) * d["hidden_size"]
+        if inner % heads:
+            raise UnsupportedModelError(f"mamba_n_heads ({heads}) must divide mamba_expand x hidden_size ({inner})")
+        head_dim = inner // heads
     # (transformers writes an infinite limit as {"__float__": "Infinity"})
     limit = [float(x["__float__"] if isinstance(x, dict) else x) for x in d.get("time_step_limit") or (0.0, math.inf)]
     return MambaConfig(layers=layers, num_heads=heads, head_dim=head_dim, state_size=d.get("mamba_d_state", 256),

@@ -79,10 +79,8 @@ def test_blocks_pair_into_layers(nemotron):
             ModelConfig.from_hf({**d, key: value})
 
 
-def test_moe_blocks(both):
-    _, cfg, params, _ = both
-    if not cfg.num_experts:
-        return
+def test_moe_blocks(tmp_path_factory):
+    _, cfg, params, _ = _build("moe", tmp_path_factory)
     m = cfg.mamba
     assert (cfg.num_layers, m.layers, cfg.attention_layers, m.no_mlp, m.no_mixer) == (4, (0, 1, 3), (2,), (1,), ())
     assert (cfg.num_experts, cfg.router_scoring, cfg.expert_groups, cfg.shared_expert_intermediate_size,

@@ -44,9 +44,8 @@ def granite_hybrid_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str
             "mamba_proj_bias": first + "ssm_in.bias" in tensor_names,
             # (llama.cpp's flag for a hybrid whose attention is rotated)
             "position_embedding_type": "rope" if meta.get(f"{arch}.rope.scaling.finetuned") else "nope",
+            # (the experts' width is `feed_forward_length`, as Granite MoE's; a dense model's MLP is its shared one)
             "num_local_experts": experts, "shared_intermediate_size": shared or d["intermediate_size"],
-            "intermediate_size": int(meta.get(f"{arch}.expert_feed_forward_length") or d["intermediate_size"])
-            if experts else d["intermediate_size"],
             **granite_scalars(meta, arch)}
 
 

@@ -1,5 +1,7 @@
-"""A hybrid model's checkpoint names (Granite 4.0-H, Bamba): its Mamba layers' tensors, its attention layers'
-apart (`Params.mamba_layers`, `Params.attn_layers`); every layer's norms and MLP as other models' (`keymap`)."""
+"""A hybrid model's checkpoint names: its Mamba (or short convolution) layers' tensors, its attention layers' apart
+(`Params.mamba_layers`, `Params.attn_layers`), its MLPs apart where some layers have none or the first are dense
+(`Params.mlp_layers`, `Params.dense_layers`); every layer's norms and MLP as other models' (`keymap`). Bamba's,
+Nemotron-H's (`nemotron_keys`) and LFM2's own names for the same modules are read and written back here."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""A hybrid model's Mamba-2 layers (Granite 4.0-H, Bamba, Nemotron-H; `config_mamba.MambaConfig`) over a ragged batch, each sequence's
-convolution and SSM states kept in a slot of the state pools (`KVCache.conv`, `KVCache.ssm`; `ModelInputs.state_slots`).
+"""A hybrid model's Mamba-2 layers (Granite 4.0-H, Bamba, Nemotron-H) or short convolutions (LFM2;
+`config_mamba.MambaConfig`) over a ragged batch, each sequence's convolution and SSM states kept in a slot of the
+state pools (`KVCache.conv`, `KVCache.ssm`; `ModelInputs.state_slots`).
 
 A sequence whose step starts at position 0 starts from zero states; any other continues from its slot's, which the
 step leaves holding the states after its last token (a prefix cache hit's slot holds a copy of the states kept there:
@@ -102,9 +103,8 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
 def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInputs, conv: jax.Array,
                 ssm: jax.Array, chunked: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Mamba-2 mixer (or LFM2's short convolution: `MambaConfig.kind`) over normed inputs h [T, E]: its output
-    [T, E] and the layer's state pools (conv
-    [slots, conv_dim, kernel - 1], ssm [slots, heads, head_dim, state], float32) with each sequence's slot
-    holding its states after this step. A decode step's states step at once; other steps' tokens are scanned by
+    [T, E] and the layer's state pools (conv [slots, conv_dim, kernel - 1], ssm [slots, heads, head_dim, state])
+    with each sequence's slot holding its states after this step. A decode step's states step at once; other steps' tokens are scanned by
     `chunked_scan` (`chunked`: the Pallas backends', for a GPU) or `token_scan` (the CPU's XLA backend: on 2 cores
     5x faster at Granite-4.0-H-Tiny's shapes, bench/hybrid_scan.py)."""
     T, S = h.shape[0], inputs.seq_lens.shape[0]
