@@ -7,62 +7,22 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
+from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_mamba import HYBRID_FAMILIES, MambaConfig, hybrid_config, mamba_config
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_fields, mla_moe_fields, mla_softmax_scale
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.quantized import check_method
 from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
-                 "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
-                 "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
-                 "apertus", "deepseek_v2", "deepseek_v3", "bamba", "nemotron_h", "lfm2"]
-
-HF_ARCHITECTURES: dict[str, Family] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    "GraniteForCausalLM": "granite",
-    "GraniteMoeForCausalLM": "granitemoe",
-    "GraniteMoeSharedForCausalLM": "granitemoeshared",
-    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: attention only, or Mamba-2 layers beside it
-    "BambaForCausalLM": "bamba",  # Mamba-2 layers beside Llama's attention
-    "NemotronHForCausalLM": "nemotron_h",  # Mamba-2, attention (no rotary embedding) and MLP blocks (`config_nemotron`)
-    "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2",  # short gated convolutions beside attention (`config_lfm2`)
-    "SmolLM3ForCausalLM": "smollm3",
-    "GlmForCausalLM": "glm",
-    "Glm4ForCausalLM": "glm4",
-    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.6 (their multi-token prediction layers are not read)
-    "Ernie4_5ForCausalLM": "ernie4_5",
-    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
-    "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
-    "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
-    "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
-    "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
-    "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
-    "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
-    "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
-    "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms
-    "OlmoeForCausalLM": "olmoe",  # OLMoE: OLMo's q/k norms over all heads, 64 experts
-    "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
-    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (`config_mla`), softmax-routed experts
-    "DeepseekV3ForCausalLM": "deepseek_v3",  # ... sigmoid-routed (Kimi K2, Moonlight); MTP layers not read
-    "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
-}
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", *MLA_FAMILIES)
+                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", *MLA_FAMILIES, *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
@@ -73,6 +33,7 @@ INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *C
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
+UNIT_NORM_FAMILIES: tuple[str, ...] = (*GEMMA_FAMILIES, *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3")
 POST_NORM_FAMILIES: tuple[str, ...] = (*OLMO_FAMILIES, "exaone4")
@@ -279,6 +240,22 @@ class ModelConfig:
         return self.family not in ("arcee", "apertus", "nemotron_h")
 
     @property
+    def attn_output_gate(self) -> bool:
+        """Whether attention's output is gated per channel by the sigmoid of a second query projection (each head's
+        gate after its query in `wq`'s last axis: Qwen3-Next's)."""
+        return self.family in GATED_DELTA_FAMILIES
+
+    @property
+    def q_head_dim(self) -> int:
+        """A head's outputs of the query projection: its query, then its gate where attention's output is gated."""
+        return self.head_dim * (2 if self.attn_output_gate else 1)
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Whether the shared expert's output is scaled by a sigmoid of the input (`LayerParams.ws_mix`: Qwen's)."""
+        return self.family in ("qwen2_moe", *GATED_DELTA_FAMILIES)
+
+    @property
     def parallel_block(self) -> bool:
         """Whether attention and the MLP read the same normed input, their outputs added to the residual (Cohere)."""
         return self.family in COHERE_FAMILIES
@@ -366,11 +343,12 @@ class ModelConfig:
             # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
             attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
             or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                           *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES)
+                           *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES)
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", *OLMO_FAMILIES)
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", *OLMO_FAMILIES,
+                               *GATED_DELTA_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
             rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
             sliding_window=sliding,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.config_mamba import mamba_hf
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.errors import UnsupportedModelError
 
 GRANITE_SHARED_FAMILIES: tuple[str, ...] = ("granitemoeshared", "granitemoehybrid")  # a shared MLP, gate and up fused
@@ -158,8 +159,8 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         # Granite, gpt-oss: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
         norm_topk_prob=family in ("mixtral", "gpt_oss") or family.startswith("granite")
         or bool(d.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family == "qwen2_moe"
-                                              else "shared_intermediate_size") or 0,
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family in (
+            "qwen2_moe", *GATED_DELTA_FAMILIES) else "shared_intermediate_size") or 0,
     )
     if family == "olmoe" and d.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"OLMoE with clip_qkv ({d['clip_qkv']}) is not supported")

@@ -19,6 +19,7 @@ from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next_hf
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                      *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES):
+                      *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
         d["qkv_bias"] = cfg.attention_bias
@@ -105,6 +106,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                              **({"mrope_interleaved": True} if cfg.mrope_interleaved else {})}
     if cfg.family == "lfm2":
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers")} | lfm2_hf(cfg)
+    if cfg.family in GATED_DELTA_FAMILIES:
+        d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
+             } | qwen3_next_hf(cfg)
     if cfg.family == "nemotron_h":  # (no rotary embedding: no per-layer list)
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "hidden_act", "no_rope_layers", "num_experts",
                                                      "decoder_sparse_step", "mlp_only_layers")} | nemotron_hf(cfg)

@@ -1,5 +1,5 @@
-"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H), or its short convolutions (LFM2): their
-shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
+"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H), its short convolutions (LFM2) or its
+Gated DeltaNet layers (Qwen3-Next, Qwen3.5): their shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Any
 
 from jaxserve.config_lfm2 import lfm2
 from jaxserve.config_nemotron import nemotron_h
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next
 from jaxserve.errors import UnsupportedModelError
 
-HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2")  # with Mamba-2 / conv layers
+HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", *GATED_DELTA_FAMILIES)
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
 # "mlp": a layer of an MLP alone, Nemotron-H's).
@@ -46,7 +47,7 @@ class MambaConfig:
     norm_eps: float = 1e-6  # the gated norm's (the model's `rms_norm_eps`)
     no_mlp: tuple[int, ...] = ()  # layers of a mixer alone
     no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
-    kind: str = "mamba2"  # or "short_conv"
+    kind: str = "mamba2"  # or "short_conv", "gated_delta"
 
     def mlp_layers(self, num_layers: int, first: int = 0) -> tuple[int, ...]:
         """The layers with an MLP, from layer `first` on (after a model's dense first layers: their MLPs stacked
@@ -60,17 +61,20 @@ class MambaConfig:
 
     @property
     def conv_dim(self) -> int:
-        """The convolved channels: x, then B and C of each group."""
+        """The convolved channels: x, then B and C of each group (q and k of each key head, then v)."""
         return self.inner + 2 * self.n_groups * self.state_size
 
     @property
     def proj_dim(self) -> int:
-        """The input projection's outputs: z, the convolved channels, dt (a short convolution's: B, C, x)."""
-        return 3 * self.inner if self.kind == "short_conv" else self.inner + self.conv_dim + self.num_heads
+        """The input projection's outputs: z, the convolved channels, dt (a short convolution's: B, C, x; a Gated
+        DeltaNet's: the convolved channels, z, beta, a)."""
+        if self.kind == "short_conv":
+            return 3 * self.inner
+        return self.inner + self.conv_dim + self.num_heads * (2 if self.kind == "gated_delta" else 1)
 
     def check(self, num_layers: int) -> None:
-        if self.kind not in ("mamba2", "short_conv"):
-            raise UnsupportedModelError(f"mamba kind {self.kind!r} is not supported (mamba2, short_conv)")
+        if self.kind not in ("mamba2", "short_conv", "gated_delta"):
+            raise UnsupportedModelError(f"mamba kind {self.kind!r} is not supported (mamba2, short_conv, gated_delta)")
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
             if getattr(self, name) <= 0 and (name, self.kind) != ("state_size", "short_conv"):
                 raise UnsupportedModelError(f"mamba {name} must be positive, got {getattr(self, name)}")
@@ -99,9 +103,9 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba, Nemotron-H or LFM2 config in Granite 4.0-H's keys (`bamba`, `config_nemotron.nemotron_h`,
-    `config_lfm2.lfm2`); any other as it is."""
-    return lfm2(nemotron_h(bamba(d)))
+    """A Bamba, Nemotron-H, LFM2, Qwen3-Next or Qwen3.5 config in Granite 4.0-H's keys (`bamba`,
+    `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`); any other as it is."""
+    return qwen3_next(lfm2(nemotron_h(bamba(d))))
 
 
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:

@@ -79,12 +79,9 @@ class WeightAssembler:
                 np.zeros(info.q.shape, info.q.dtype), np.zeros(info.scale.shape, np.float32)))
         array = self._arrays[target.path]
         array = array if part is None else getattr(array, part)
-        if target.layer is None:
-            array[...] = value
-        elif target.expert is None:
-            array[target.layer] = value
-        else:
-            array[target.layer, target.expert] = value
+        index = () if target.layer is None else (target.layer,) if target.expert is None else (
+            target.layer, target.expert)
+        array[(*index, ...) if target.cols is None else (*index, ..., slice(*target.cols))] = value
 
     def _add_quantized(self, name: str, target: Target, info: QuantizedWeight, tensor: np.ndarray,
                        scale: bool) -> None:

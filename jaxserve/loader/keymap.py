@@ -33,6 +33,7 @@ from jaxserve.loader.granite_keys import (
 )
 from jaxserve.loader.mamba_keys import hybrid_hf_name, hybrid_layer_names, hybrid_name, hybrid_spec
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
+from jaxserve.loader.qwen3_next_keys import QWEN3_NEXT_FUSED_RE, qwen3_next_fused, qwen3_next_split
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Target:
     transform: Callable[[np.ndarray], np.ndarray]
     hf_shape: tuple[int, ...]
     expert: int | None = None  # index on the axis after the layers' (an expert's tensors; an xIELU parameter)
+    cols: tuple[int, int] | None = None  # the part of the last axis it fills (a Gated DeltaNet's input projections)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -50,7 +52,7 @@ _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weig
 # Names some checkpoints carry that hold no parameter of ours: RoPE tables, a classification model's score head (read apart from the
 # backbone, by `jaxserve.engine.classifier`), ERNIE 4.5's multi-token prediction module (`model.mtp*`), and the
 # vision tower of an image-text model served as text.
-_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]"
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]|^mtp\."
                       r"|^(model\.)?(vision_tower\.|vision_model\.|multi_modal_projector\.|connector\.|image_newline$"
                       r"|visual\.)")
 
@@ -60,18 +62,18 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
     """A layer's tensor names (after `model.layers.{i}.`) to our parameters (the MoE layers' of a MoE model; with
     `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`)."""
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
+    Hq, Hkv, Dq = cfg.num_heads, cfg.num_kv_heads, cfg.q_head_dim
 
-    def proj_in(heads: int) -> Callable[[np.ndarray], np.ndarray]:
+    def proj_in(heads: int, D: int = D) -> Callable[[np.ndarray], np.ndarray]:
         return lambda w: w.T.reshape(E, heads, D)
 
-    def bias(heads: int) -> Callable[[np.ndarray], np.ndarray]:
+    def bias(heads: int, D: int = D) -> Callable[[np.ndarray], np.ndarray]:
         return lambda b: b.reshape(heads, D)
 
     ident = lambda w: w  # noqa: E731
     t: dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]] = {
         "input_layernorm.weight": ("layers.attn_norm", ident, (E,)),
-        "self_attn.q_proj.weight": ("layers.wq", proj_in(Hq), (Hq * D, E)),
+        "self_attn.q_proj.weight": ("layers.wq", proj_in(Hq, Dq), (Hq * Dq, E)),
         "self_attn.k_proj.weight": ("layers.wk", proj_in(Hkv), (Hkv * D, E)),
         "self_attn.v_proj.weight": ("layers.wv", proj_in(Hkv), (Hkv * D, E)),
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
@@ -104,14 +106,14 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
-            if cfg.family == "qwen2_moe":
+            if cfg.shared_expert_gated:
                 t["mlp.shared_expert_gate.weight"] = ("layers.ws_mix", lambda w: w.reshape(E), (1, E))
     else:
         t["mlp.gate_proj.weight"] = ("layers.w_gate", lambda w: w.T, (F, E))
         t["mlp.up_proj.weight"] = ("layers.w_up", lambda w: w.T, (F, E))
         t["mlp.down_proj.weight"] = ("layers.w_down", lambda w: w.T, (E, F))
     if cfg.attention_bias:
-        t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq), (Hq * D,))
+        t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq, Dq), (Hq * Dq,))
         t["self_attn.k_proj.bias"] = ("layers.bk", bias(Hkv), (Hkv * D,))
         t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
         if cfg.output_bias:
@@ -238,6 +240,8 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)
+    if cfg.family == "qwen3_next" and QWEN3_NEXT_FUSED_RE.match(name):
+        return qwen3_next_split(name, tensor, cfg)
     return None
 
 
@@ -279,7 +283,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         if cfg.mamba is not None:  # a hybrid model: its mixers' tensors on their own stacks
             spec = hybrid_spec(cfg, layer, rest, spec)
             if spec is not None:
-                return Target(spec[0], spec[3], spec[1], spec[2])
+                return Target(spec[0], spec[3], spec[1], spec[2], cols=spec[4] if len(spec) > 4 else None)
         if spec is not None:
             path, transform, shape = spec
             if dense:
@@ -344,6 +348,9 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:
         yield from mla_fused(pairs, cfg)
         return
+    if cfg.family == "qwen3_next":
+        yield from qwen3_next_fused(pairs, cfg)
+        return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
         ((hybrid_hf_name(name, cfg), t) for name, t in pairs))
 
@@ -355,6 +362,8 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     value = params_flat[target.path]
     if target.layer is not None:
         value = value[target.layer]
+    if target.cols is not None:
+        value = value[..., target.cols[0]:target.cols[1]]
     if target.path == "layers.xielu":
         return value[target.expert].reshape(target.hf_shape)
     if target.expert is not None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.nemotron_keys import nemotron_hf_name, nemotron_name
+from jaxserve.loader.qwen3_next_keys import gated_delta_targets
 from jaxserve.models.params import MLP_FIELDS
 
 
@@ -20,6 +21,8 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
     checkpoint shape."""
     m, E = cfg.mamba, cfg.hidden_size
     ident = lambda w: w  # noqa: E731
+    if m.kind == "gated_delta":
+        return gated_delta_targets(cfg)
     t = {"mamba.in_proj.weight": ("mamba_layers.m_in", lambda w: w.T, (m.proj_dim, E)),
          "mamba.conv1d.weight": ("mamba_layers.m_conv", lambda w: w[:, 0, :], (m.conv_dim, 1, m.conv_kernel)),
          "mamba.out_proj.weight": ("mamba_layers.m_out", lambda w: w.T, (E, m.inner))}
@@ -45,8 +48,9 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
     if not _held(cfg, layer, rest):
         return None
     if layer in m.layers:
-        if rest in mamba_targets(cfg):
-            return (*mamba_targets(cfg)[rest], m.layers.index(layer))
+        if rest in mamba_targets(cfg):  # (path, transform, shape[, columns]): the index on the stack after the shape
+            path, transform, shape, *cols = mamba_targets(cfg)[rest]
+            return (path, transform, shape, m.layers.index(layer), *cols)
         if rest.startswith("self_attn."):
             return None
     elif spec is not None and rest.startswith("self_attn."):

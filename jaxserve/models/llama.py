@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import COHERE_FAMILIES, GEMMA_FAMILIES, OLMO_FAMILIES, ModelConfig
+from jaxserve.config import COHERE_FAMILIES, GEMMA_FAMILIES, OLMO_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
@@ -25,15 +25,15 @@ from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The model's RMSNorm: Gemma's scales by (1 + weight), in float32, OLMo's and gpt-oss's by its weight in float32
-    (as HF does); Cohere's LayerNorm (centered, no bias) likewise."""
-    if cfg.family not in (*GEMMA_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss"):
+    """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo's and gpt-oss's by its
+    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise."""
+    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
     if cfg.family in COHERE_FAMILIES:
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    scale = weight.astype(jnp.float32) + (1.0 if cfg.family in GEMMA_FAMILIES else 0.0)
+    scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
     return (xf * scale).astype(x.dtype)
 
 
@@ -157,6 +157,9 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    gate = None
+    if cfg.attn_output_gate:  # (each head's gate after its query)
+        q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
     if lp.q_norm is not None:
         q = _qk_norm(cfg, q, lp.q_norm)
         k = _qk_norm(cfg, k, lp.k_norm)
@@ -182,6 +185,8 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     )  # [T, Hq, D]
     if scaled:
         attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
+    if gate is not None:
+        attn = attn * jax.nn.sigmoid(gate).astype(attn.dtype)
     return attn.reshape(attn.shape[0], -1), k_all, v_all
 
 

@@ -66,9 +66,9 @@ def moe_targets(cfg: ModelConfig) -> dict[str, tuple[str, int, str]]:
     if not cfg.num_experts or not cfg.gated_mlp:  # (Nemotron 3's ungated experts: its attention's targets only)
         return {}
     shared = cfg.shared_expert_intermediate_size > 0
-    # (the sigmoid gate on the shared expert is Qwen2-MoE's alone)
+    # (the sigmoid gate on the shared expert is Qwen's alone)
     reading = [m for m in MOE_IN if (shared or not m.startswith("shared"))
-               and (m != "shared_expert_gate" or cfg.family == "qwen2_moe")]
+               and (m != "shared_expert_gate" or cfg.shared_expert_gated)]
     targets = {m: ("a_moe", i, MOE_IN[m]) for i, m in enumerate(reading)}
     return targets | ({"shared.down_proj": ("as_down", 0, "bs_down")} if shared else {})
 

@@ -45,15 +45,15 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
     def p(shape, axes, init="normal", dtype=None) -> ParamInfo:
         return ParamInfo((Lm, *shape), ("layers", *axes), init, dtype)
 
-    scan = m.kind == "mamba2"  # (a short convolution has no scan: no dt, A, D or gated norm)
+    scan = m.kind != "short_conv"  # (a short convolution has no scan: no dt, A, D or gated norm; a DeltaNet no D)
     mamba = LayerParams(**none | dict(
         m_in=p((E, m.proj_dim), ("embed", None)), m_in_b=p((m.proj_dim,), (None,), "zeros") if m.proj_bias else None,
         m_conv=p((m.conv_dim, m.conv_kernel), (None, None)),
         m_conv_b=p((m.conv_dim,), (None,), "zeros") if m.conv_bias else None,
         m_dt_bias=p((m.num_heads,), (None,), "ones", jnp.float32) if scan else None,
         m_a_log=p((m.num_heads,), (None,), "zeros", jnp.float32) if scan else None,
-        m_d=p((m.num_heads,), (None,), "ones", jnp.float32) if scan else None,
-        m_norm=p((m.inner,), (None,), "ones") if scan else None,
+        m_d=p((m.num_heads,), (None,), "ones", jnp.float32) if m.kind == "mamba2" else None,
+        m_norm=p((m.head_dim if m.kind == "gated_delta" else m.inner,), (None,), "ones") if scan else None,
         m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
     return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
                   layers=layers,
@@ -70,6 +70,9 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
     attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools. `chunked`:
     the prompt tokens' scan by `chunked_scan`, else `token_scan`. A layer of an MLP alone runs with `NO_MIXER`; a
     layer without an MLP gets no MLP weights."""
+    from jaxserve.models.gated_delta import gated_delta_mixer
+
+    mix = gated_delta_mixer if cfg.mamba.kind == "gated_delta" else mamba_mixer
     x, k, v = carry
     a = j = f = 0
     for i in range(cfg.num_layers):
@@ -87,7 +90,7 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
             mp = jax.tree.map(lambda w, j=j: w[j], params.mamba_layers)
 
             def mixer(h, conv, ssm, mp=mp, j=j):
-                out, c, s = mamba_mixer(cfg.mamba, mp, h, inputs, conv[j], ssm[j], chunked)
+                out, c, s = mix(cfg.mamba, mp, h, inputs, conv[j], ssm[j], chunked)
                 return out, conv.at[j].set(c), ssm.at[j].set(s)
 
             x, conv, ssm = layer(i, lp, (x, conv, ssm), j, mixer)
@@ -198,19 +201,30 @@ def copy_state_slots(kv, copies: jax.Array, count: jax.Array):
 def token_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array, slot: jax.Array,
                fresh: jax.Array, last: jax.Array, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The selective scan over a ragged batch one token a step (arguments and outputs as `chunked_scan`'s)."""
-    H, P, N = dx.shape[1], dx.shape[2], B.shape[2]
+    def update(state, a, u, b, c):
+        state = state * jnp.exp(a)[:, None, None] + u[:, :, None] * b[:, None, :]
+        return state, jnp.einsum("hpn,hn->hp", state, c)
+
+    return ragged_scan(update, (log_decay, dx, B, C), seq, slot, fresh, last, pool)
+
+
+def ragged_scan(update: Callable, xs: tuple, seq: jax.Array, slot: jax.Array, fresh: jax.Array, last: jax.Array,
+                pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A recurrence over a ragged batch one token a step: `update(state, *x_t)` -> (state, y_t) with token t's
+    inputs `x_t` (`xs` [T, ...] each) from the state before it, a float32 [H, P, N] as the pool's slots; each
+    sequence's first token (`seq`, contiguous) from zero (`fresh`) or its slot's state, its last token's (`last`)
+    state written to its slot. Returns y [T, ...] and the pool."""
     first = jnp.concatenate([jnp.ones(1, bool), seq[1:] != seq[:-1]])
 
-    def step(carry, xs):
+    def step(carry, x):
         state, pool = carry
-        is_first, is_last, sl, is_fresh, a, u, b, c = xs
+        is_first, is_last, sl, is_fresh, *rest = x
         begin = jnp.where(is_fresh, 0.0, pool[sl].astype(jnp.float32))
-        state = jnp.where(is_first, begin, state) * jnp.exp(a)[:, None, None] + u[:, :, None] * b[:, None, :]
+        state, y = update(jnp.where(is_first, begin, state), *rest)
         pool = jax.lax.dynamic_update_index_in_dim(pool, jnp.where(is_last, state.astype(pool.dtype), pool[sl]), sl, 0)
-        return (state, pool), jnp.einsum("hpn,hn->hp", state, c)
+        return (state, pool), y
 
-    (_, pool), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), pool),
-                                (first, last, slot, fresh, log_decay, dx, B, C))
+    (_, pool), y = jax.lax.scan(step, (jnp.zeros(pool.shape[1:], jnp.float32), pool), (first, last, slot, fresh, *xs))
     return y, pool
 
 

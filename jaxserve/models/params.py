@@ -16,7 +16,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import GEMMA_FAMILIES, ModelConfig
+from jaxserve.config import UNIT_NORM_FAMILIES, ModelConfig
 from jaxserve.models.quantized import quantized_info
 
 Init = Literal["normal", "ones", "zeros"]
@@ -136,7 +136,7 @@ class Params:
 def declare_params(cfg: ModelConfig) -> Params:
     """The abstract parameter tree of `cfg` (leaves are `ParamInfo`)."""
     E, V, k = cfg.hidden_size, cfg.vocab_size, cfg.first_dense_layers
-    norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"  # Gemma scales by (1 + w)
+    norm: Init = "zeros" if cfg.family in UNIT_NORM_FAMILIES else "ones"  # Gemma scales by (1 + w)
     if cfg.mamba is not None:
         from jaxserve.models.mamba import declare_hybrid
 
@@ -158,13 +158,13 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     def p(shape: tuple[int, ...], axes: tuple[str | None, ...], init: Init = "normal", dtype: Any = None) -> ParamInfo:
         return ParamInfo(shape, axes, init, dtype)
 
-    norm: Init = "zeros" if cfg.family in GEMMA_FAMILIES else "ones"
+    norm: Init = "zeros" if cfg.family in UNIT_NORM_FAMILIES else "ones"
     if cfg.kv_lora_rank:
         layers = _declare_mla(cfg, L)
     else:
         layers = LayerParams(
             attn_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
-            wq=p((L, E, Hq, D), ("layers", "embed", "q_heads", "head_dim")),
+            wq=p((L, E, Hq, cfg.q_head_dim), ("layers", "embed", "q_heads", "head_dim")),  # (gate after query)
             wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
             wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
             wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
@@ -190,14 +190,14 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             layers.ws_gate = p((L, E, Fs), ("layers", "embed", "mlp")) if cfg.gated_mlp else None
             layers.ws_up = p((L, E, Fs), ("layers", "embed", "mlp"))
             layers.ws_down = p((L, Fs, E), ("layers", "mlp", "embed"))
-            if cfg.family == "qwen2_moe":  # Qwen's shared expert is gated; Granite's is not
+            if cfg.shared_expert_gated:  # Qwen's shared expert is gated; Granite's is not
                 layers.ws_mix = p((L, E), ("layers", "embed"))
     else:
         layers.w_gate = p((L, E, F), ("layers", "embed", "mlp")) if cfg.gated_mlp else None
         layers.w_up = p((L, E, F), ("layers", "embed", "mlp"))
         layers.w_down = p((L, F, E), ("layers", "mlp", "embed"))
     if cfg.attention_bias:
-        layers.bq = p((L, Hq, D), ("layers", "q_heads", "head_dim"), "zeros")
+        layers.bq = p((L, Hq, cfg.q_head_dim), ("layers", "q_heads", "head_dim"), "zeros")
         layers.bk = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         layers.bv = p((L, Hkv, D), ("layers", "kv_heads", "head_dim"), "zeros")
         if cfg.output_bias:

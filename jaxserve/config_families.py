@@ -1,0 +1,50 @@
+"""The model families jaxserve serves and the HF architectures read as each (`ModelConfig.from_hf`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
+                 "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
+                 "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
+                 "apertus", "deepseek_v2", "deepseek_v3", "bamba", "nemotron_h", "lfm2", "qwen3_next", "qwen3_5"]
+
+HF_ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "GraniteForCausalLM": "granite",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoeshared",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: attention only, or Mamba-2 layers beside it
+    "BambaForCausalLM": "bamba",  # Mamba-2 layers beside Llama's attention
+    "NemotronHForCausalLM": "nemotron_h",  # Mamba-2, attention (no rotary embedding) and MLP blocks (`config_nemotron`)
+    "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2",  # short gated convolutions beside attention (`config_lfm2`)
+    "SmolLM3ForCausalLM": "smollm3",
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.6 (their multi-token prediction layers are not read)
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
+    "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
+    "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
+    "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
+    "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
+    "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
+    "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
+    "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
+    "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms
+    "OlmoeForCausalLM": "olmoe",  # OLMoE: OLMo's q/k norms over all heads, 64 experts
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (`config_mla`), softmax-routed experts
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # ... sigmoid-routed (Kimi K2, Moonlight); MTP layers not read
+    "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral
+    # Gated DeltaNet layers beside gated attention (`config_qwen3_next`): Qwen3-Next, Qwen3.5 (dense and MoE)
+    "Qwen3NextForCausalLM": "qwen3_next", "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5",
+}
