@@ -479,6 +479,14 @@ FUSED = {
                                        intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                                        num_experts_per_tok=2, num_dense_layers=2),
                  dict(target_modules=["q_proj", "v_proj", "w1", "w2", "w3"]), "feed_forward.w1"),
+    # Qwen3-Next: its attention's q_proj also projects each head's output gate; the shared expert and its sigmoid
+    # gate (its Gated DeltaNet layers take none).
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        layer_types=["linear_attention", "full_attention"], head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=40),
+        dict(target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"]),
+        "shared_expert_gate"),
 }
 
 
@@ -498,7 +506,8 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
     from safetensors.numpy import load_file
 
     names = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
-    assert any(fused in n for n in names) and any(t in n for n in names for t in ("qkv", "gate_up", "input_linear", "feed_", "mixer"))
+    assert any(fused in n for n in names) and any(t in n for n in names for t in (
+        "qkv", "gate_up", "input_linear", "feed_", "mixer", "expert_gate"))
     # (No warmup: only the buckets the two requests use are compiled.)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **ARGS, warmup=False),
                        progress=False)

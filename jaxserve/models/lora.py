@@ -122,7 +122,8 @@ def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         latent = {"q_proj": (E, q), "q_a_proj": (E, Rq), "q_b_proj": (Rq, q), "kv_a_proj_with_mqa": (E, R + Dr),
                   "kv_b_proj": (R, cfg.num_heads * (D - Dr + Dv)), "o_proj": (cfg.num_heads * Dv, E)}
         return {t: latent[t] for t in attention_targets(cfg)} | mlp
-    return {"q_proj": (E, q), "k_proj": (E, kv), "v_proj": (E, kv), "o_proj": (q, E)} | mlp
+    # (a gated attention's q_proj also projects each head's gate: `ModelConfig.q_head_dim`)
+    return {"q_proj": (E, cfg.num_heads * cfg.q_head_dim), "k_proj": (E, kv), "v_proj": (E, kv), "o_proj": (q, E)} | mlp
 
 
 def lora_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:

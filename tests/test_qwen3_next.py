@@ -1,0 +1,120 @@
+"""Qwen3-Next and Qwen3.5 (Gated DeltaNet layers beside attention gated per channel, (1 + w) norms, experts with a
+gated shared expert or a dense MLP) against HF transformers: the DeltaNet layers as a hybrid model's, each keeping a
+convolution state and a delta-rule state per sequence; logits, the checkpoints' names both ways (Qwen3-Next's fused
+projections split and fused back), and the engine's greedy tokens (chunked prefills, the decode loop, the prefix
+cache's kept states)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
+from jaxserve.loader.keymap import hf_target  # noqa: E402
+from tests.fake_model import VOCAB  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_engine_gemma import hf_greedy  # noqa: E402
+from tests.test_hybrid import NEW_TOKENS, PROMPTS, _engine, _greedy, _run  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+
+# Three DeltaNet layers around an attention layer: 2 key heads of 8 dims, each shared by 2 value heads of 12 dims;
+# attention of 4 heads of 16 dims (a quarter rotated) over 2 KV heads.
+TINY = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                              "linear_attention"], num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=12, vocab_size=VOCAB, max_position_embeddings=256)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+VARIANTS = {"qwen3_next": ("Qwen3NextConfig", {**TINY, **MOE}), "qwen3_5": ("Qwen3_5TextConfig", TINY),
+            "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {**TINY, **MOE})}
+_BUILT: dict[str, tuple] = {}
+
+
+def _build(variant: str, tmp_path_factory) -> tuple:
+    """(HF model, our config, our params, its directory) of a tiny model of `variant`, built once per module."""
+    if variant not in _BUILT:
+        path = tmp_path_factory.mktemp(variant)
+        model = save_tiny_hf(VARIANTS[variant][0], path, **VARIANTS[variant][1])
+        ckpt = open_checkpoint(str(path))
+        cfg = ckpt.config()
+        _BUILT[variant] = model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
+    return _BUILT[variant]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def qwen(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
+
+
+def test_config_reads_the_deltanet_layers(qwen):
+    _, cfg, params, _ = qwen
+    m = cfg.mamba
+    assert (m.kind, m.layers, cfg.attention_layers, m.num_heads, m.head_dim, m.state_size, m.n_groups) == (
+        "gated_delta", (0, 2, 3), (1,), 4, 12, 8, 2)
+    assert (cfg.rotary_dims, cfg.q_head_dim, cfg.qk_norm, cfg.attn_output_gate) == (4, 32, True, True)
+    # q, k (2 x 2 x 8), v, z (2 x 4 x 12), b, a (4 each): one projection; its gated norm one head wide
+    assert params.mamba_layers.m_in.shape == (3, 64, 32 + 96 + 8) and params.mamba_layers.m_norm.shape == (3, 12)
+    assert params.mamba_layers.m_d is None and params.attn_layers.wq.shape == (1, 64, 4, 32)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    if cfg.num_experts:
+        assert (cfg.num_experts, cfg.shared_expert_intermediate_size, cfg.norm_topk_prob) == (8, 48, True)
+        assert params.layers.ws_mix.shape == (4, 64)
+    assert hf_target("mtp.layers.0.mlp.gate.weight", cfg) is None  # (the multi-token prediction layers: not read)
+
+
+def test_logits_match_transformers(qwen):
+    model, cfg, params, _ = qwen
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
+    assert rel_err(ours, ref) < 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5_moe"])
+def test_convert_writes_the_sources_tensors(tmp_path, variant):
+    """`jaxserve convert`: every tensor under the source's names as its checkpoint had it (Qwen3-Next's q/k/v/z and
+    b/a projections fused per key head again); transformers reads the output as the model."""
+    from safetensors import safe_open
+
+    from tests.test_convert import convert, write_tiny_tokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    model = save_tiny_hf(VARIANTS[variant][0], src, **VARIANTS[variant][1])
+    write_tiny_tokenizer(src)
+    convert(src, out)
+    fused = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:
+        assert sorted(f.keys()) == sorted(g.keys()) and (fused in g.keys()) == (variant == "qwen3_next")
+        for key in g.keys():
+            np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert type(again) is type(model)
+    assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-6
+
+
+@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5"])
+def test_engine_greedy_equals_transformers(tmp_path_factory, variant):
+    """Chunked prefills beside decodes and the device's decode loop, three requests in one batch, and again from
+    the prefix cache's kept states: transformers' greedy tokens; every state slot back."""
+    model, cfg, params, path = _build(variant, tmp_path_factory)
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    engine = _engine(cfg, params, path)
+    assert engine.runner.kv.ssm.shape[:5] == (3, 1 + 4 + 4, 4, 12, 8)
+    assert _greedy(engine) == expected
+    assert _run(engine, PROMPTS[2], "again") == (expected[2], 24)  # (its states kept at 24 of its 30 tokens)
+    assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
+    engine.check_integrity()
+
+
+def test_qwen3_5_image_text_config_serves_its_language_model():
+    """A Qwen3.5 image-text checkpoint's config (`Qwen3_5ForConditionalGeneration`) is read as its language model
+    (its multimodal rotary sections turn a text token's pairs alike); dense layers between experts are refused."""
+    outer = transformers.Qwen3_5Config(text_config={k: v for k, v in TINY.items()}).to_dict()
+    cfg = ModelConfig.from_hf(outer)
+    assert (cfg.family, cfg.mamba.layers, cfg.rotary_dims, cfg.num_experts) == ("qwen3_5", (0, 2, 3), 4, 0)
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        ModelConfig.from_hf(transformers.Qwen3NextConfig(**TINY, **MOE, mlp_only_layers=[1]).to_dict())
