@@ -6,8 +6,8 @@ in the largest token bucket (the scan over its tokens, each sequence from its sl
 the largest sequence bucket (every row's state stepped at once). The page pool and the state pools are updated in
 place. The mixed step too of Nemotron 3 Nano's blocks (Mamba + MoE of ungated experts, a Mamba block alone,
 attention + MoE; 16 of its 128 experts, as tests/gpu_compile/test_compile_moe_lora.py cuts Qwen3-MoE's, the
-temporaries then under the 1 GB the engine tests allow) and of LFM2-1.2B's layers (short convolutions: a convolution
-state alone, no SSM state).
+temporaries then under the 1 GB the engine tests allow), of LFM2-1.2B's layers (short convolutions: a convolution
+state alone, no SSM state) and of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts).
 """
 
 from __future__ import annotations
@@ -46,6 +46,15 @@ LFM2 = ModelConfig.from_hf({
     "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_attention_heads": 32,
     "num_key_value_heads": 8, "intermediate_size": 12288, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
     "conv_L_cache": 3, "max_position_embeddings": 128000})
+# Qwen3-Next-80B-A3B's shapes (Gated DeltaNet: 16 key heads of 128 dims, 32 value heads of 128; gated attention of
+# 16 heads of 256 over 2 KV heads), its layers cut to DeltaNet, attention, DeltaNet and its 512 experts to 16.
+QWEN3_NEXT = ModelConfig.from_hf({
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+    "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "num_experts": 16, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "max_position_embeddings": 262144})
 NUM_PAGES = 65536  # 16-token pages of the one attention layer: 1 GB of bfloat16 keys and values (Granite's)
 
 
@@ -59,9 +68,9 @@ def _pool(spec, cfg=GRANITE_H) -> tuple[KVCache, int]:
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2"])
+@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2", "qwen3-next"])
 def test_hybrid_mixed_step_compiles_for_sm90(spec, name):
-    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2}[name]
+    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2, "qwen3-next": QWEN3_NEXT}[name]
     T = RC.token_buckets[-1]
     S = min(T, RC.max_num_seqs)
     params, _, _, pen, want_top = _common(spec, S, cfg=cfg)
