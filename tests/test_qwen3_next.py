@@ -96,13 +96,15 @@ def test_convert_writes_the_sources_tensors(tmp_path, variant):
     assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-6
 
 
-@pytest.mark.parametrize("variant", ["qwen3_next", "qwen3_5"])
-def test_engine_greedy_equals_transformers(tmp_path_factory, variant):
+@pytest.mark.parametrize("variant,backend", [("qwen3_next", "xla"), ("qwen3_5", "xla"),
+                                             ("qwen3_5", "pallas_interpret")])
+def test_engine_greedy_equals_transformers(tmp_path_factory, variant, backend):
     """Chunked prefills beside decodes and the device's decode loop, three requests in one batch, and again from
-    the prefix cache's kept states: transformers' greedy tokens; every state slot back."""
+    the prefix cache's kept states: transformers' greedy tokens; every state slot back. On the XLA backend the
+    prompts' delta rule runs token by token, on the Pallas ones (here its interpreter) chunk by chunk."""
     model, cfg, params, path = _build(variant, tmp_path_factory)
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(cfg, params, path)
+    engine = _engine(cfg, params, path, attention_backend=backend)
     assert engine.runner.kv.ssm.shape[:5] == (3, 1 + 4 + 4, 4, 12, 8)
     assert _greedy(engine) == expected
     assert _run(engine, PROMPTS[2], "again") == (expected[2], 24)  # (its states kept at 24 of its 30 tokens)
