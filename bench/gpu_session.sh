@@ -72,6 +72,9 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
   stamp "== hybrid models' selective scan (Granite-4.0-H-Tiny's heads: chunked against one token a step)"
   if t=$(limit 40); then timeout "$t" "$PY" bench/hybrid_scan.py --budget-s $(( t - 20 )); echo "exit $?"; fi
 
+  stamp "== Gated DeltaNet's delta rule (Qwen3-Next's heads: chunked against one token a step)"
+  if t=$(limit 40); then timeout "$t" "$PY" bench/hybrid_scan.py --rule delta --budget-s $(( t - 20 )); echo "exit $?"; fi
+
   # BACKENDS: attention backends, each optionally with its layer loop after a colon ("pallas_mosaic:unroll"): the
   # scanned step's sm_90 program copies each layer's weights out of the stacked arrays (loop_dynamic_slice_fusion),
   # which the unrolled one does not.
