@@ -762,7 +762,16 @@ def case_hybrid() -> dict:
             "lfm2": _tp_tokens(args, dict(
                 architectures=["Lfm2ForCausalLM"], model_type="lfm2", vocab_size=64, hidden_size=64,
                 num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=8,
-                num_key_value_heads=2, intermediate_size=192, block_multiple_of=32, max_position_embeddings=512))}
+                num_key_value_heads=2, intermediate_size=192, block_multiple_of=32, max_position_embeddings=512)),
+            # Qwen3-Next: its gated attention's heads (each query with its gate) split, its DeltaNet layers and
+            # their states whole, its experts split by width or over the two devices, the shared expert's gate.
+            "qwen3_next": _tp_tokens(args, dict(
+                architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=64, hidden_size=64,
+                num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                max_position_embeddings=512), ep=True)}
 
 
 def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:
