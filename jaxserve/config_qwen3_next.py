@@ -1,7 +1,8 @@
 """Qwen3-Next and Qwen3.5 configs (`Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the
 language model of Qwen3.5's image-text checkpoints): Gated DeltaNet layers ("linear_attention") beside attention
 whose output is gated per channel by a sigmoid of a second query projection, every RMSNorm scaled by (1 + w), q and k
-normed per head, a quarter of each head rotated; experts with a gated shared expert (Qwen3-Next, Qwen3.5-MoE) or a
+normed per head, a quarter of each head rotated (Qwen3.5's by M-RoPE, as Qwen3-VL's: an image's tokens by their
+place in it); experts with a gated shared expert (Qwen3-Next, Qwen3.5-MoE) or a
 dense MLP (Qwen3.5). Read as a hybrid model (`config_mamba.MambaConfig`, kind "gated_delta"): each DeltaNet layer
 keeps a convolution state and a [value heads, value dim, key dim] state per sequence."""
 
@@ -25,8 +26,7 @@ def _family(d: dict[str, Any]) -> str | None:
 def qwen3_next(d: dict[str, Any]) -> dict[str, Any]:
     """A Qwen3-Next or Qwen3.5 config in Granite 4.0-H's keys (its DeltaNet layers as "mamba" layers of kind
     "gated_delta": value heads as the scan's heads, value dim as their width, key dim as the state, key heads as the
-    groups sharing q and k), with transformers' defaults; any other config as it is. The multimodal rotary sections
-    of Qwen3.5 (`mrope_section`) turn a text token's pairs by one position each, as a plain rotary embedding does."""
+    groups sharing q and k), with transformers' defaults; any other config as it is."""
     family = _family(d)
     if family is None:
         return d
@@ -41,8 +41,13 @@ def qwen3_next(d: dict[str, Any]) -> dict[str, Any]:
                                     "decoder_sparse_step) is not supported")
     if d.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{family} with hidden_act {d['hidden_act']!r} is not supported (silu)")
-    rope = {k: v for k, v in (d.get("rope_parameters") or d.get("rope_scaling") or {}).items()
-            if k not in ("mrope_section", "mrope_interleaved")}
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    # Qwen3.5's multimodal rotary sections, interleaved as Qwen3-VL's (transformers' default where none is given;
+    # pairs past the sections turn by the temporal position)
+    section = rope.pop("mrope_section", None) or [11, 11, 10]
+    if rope.pop("mrope_interleaved", True) is not True:
+        raise UnsupportedModelError(f"{family} with mrope_interleaved false is not supported (its sections interleave)")
+    mrope = {"mrope_section": [int(n) for n in section], "mrope_interleaved": True} if family == "qwen3_5" else {}
     rope.setdefault("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
     if "rope_theta" in d:
         rope.setdefault("rope_theta", d["rope_theta"])
@@ -59,7 +64,7 @@ def qwen3_next(d: dict[str, Any]) -> dict[str, Any]:
             "num_attention_heads": heads, "num_key_value_heads": d.get("num_key_value_heads") or heads,
             "head_dim": int(d.get("head_dim", 256)), "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
             "max_position_embeddings": d.get("max_position_embeddings", 32768), "rope_parameters": rope,
-            "rope_scaling": None, "attention_bias": bool(d.get("attention_bias", False)), **moe,
+            "rope_scaling": None, "attention_bias": bool(d.get("attention_bias", False)), **moe, **mrope,
             "layer_types": ["mamba" if k == "linear_attention" else "attention" for k in kinds],
             "mamba_kind": "gated_delta", "mamba_n_heads": int(d.get("linear_num_value_heads", 32)),
             "mamba_d_head": int(d.get("linear_value_head_dim", 128)),

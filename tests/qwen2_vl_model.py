@@ -31,10 +31,19 @@ TEXT3 = {**TEXT, "head_dim": 16, "num_hidden_layers": 3,
 VISION["qwen3_vl_moe"] = VISION["qwen3_vl"]
 # Qwen3-VL-MoE's: Qwen3-MoE's (4 experts, 2 a token; their gate and up projections packed in one tensor a layer).
 TEXT3_MOE = {**TEXT3, "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2}
+# Qwen3.5's: Gated DeltaNet layers around a gated attention layer (a quarter of each 32-wide head rotated: 4 pairs,
+# sections interleaved), Qwen3-VL's tower without deepstack mergers.
+TEXT35 = {**TEXT, "head_dim": 32, "num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention",
+                                                                          "linear_attention"],
+          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+          "rope_parameters": {**TEXT["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                              "partial_rotary_factor": 0.25}}
+VISION["qwen3_5"] = {k: v for k, v in VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
 CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
            "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
-           "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration")}
+           "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+           "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
 PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", min_pixels=256, max_pixels=4096, patch_size=4,
                  temporal_patch_size=2, merge_size=2, resample=3)
 
@@ -50,7 +59,8 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
     torch.manual_seed(seed)
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[variant])
     config = config_class(
-        text_config={"qwen3_vl": TEXT3, "qwen3_vl_moe": TEXT3_MOE}.get(variant, TEXT), vision_config=VISION[variant],
+        text_config={"qwen3_vl": TEXT3, "qwen3_vl_moe": TEXT3_MOE, "qwen3_5": TEXT35}.get(variant, TEXT),
+        vision_config=VISION[variant],
         image_token_id=IMAGE_TOKEN,
         vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VIDEO_TOKEN)
     model = model_class(config).eval()

@@ -45,7 +45,7 @@ PROMPTS = [text(1, 5) + image_part() + text(2, 3) + image_part() + text(3, 4), i
 IMAGES = [[random_image(1, (80, 30)), random_image(2, (31, 50))], [random_image(3, (64, 64))]]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def qwen(request, tmp_path_factory):
     return saved_tiny_qwen(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -120,19 +120,20 @@ def test_qwen3_vl_deepstack_and_interleaved_sections_make_the_difference(qwen, m
 
 
 def test_mrope_axes_as_transformers_interleaves_them():
-    """Each rotary pair's axis, as transformers' Qwen3-VL recomposes its frequencies (Qwen3-VL's sections, and the
-    tiny model's, whose last axis runs out of pairs), and Qwen2-VL's sections in order."""
+    """Each rotary pair's axis, as transformers' Qwen3-VL recomposes its frequencies (Qwen3-VL's sections, the tiny
+    model's, whose last axis runs out of pairs, and Qwen3.5's default sections over a tiny head's 2 pairs), and
+    Qwen2-VL's sections in order."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
     from jaxserve.config import ModelConfig
     from jaxserve.models.rotary import mrope_axes
     from tests.qwen2_vl_model import TEXT3, TEXT3_MOE
 
-    for section, pairs in (([24, 20, 20], 64), ([2, 3, 3], 8)):
+    for section, pairs in (([24, 20, 20], 64), ([2, 3, 3], 8), ([11, 11, 10], 2)):
         rotary = types.SimpleNamespace(mrope_section=section)
         freq = torch.arange(3.0)[:, None, None, None].expand(3, 1, 1, pairs).clone()  # each axis its own id
         want = Qwen3VLTextRotaryEmbedding.recomposition_frequencies(rotary, freq)[0, 0, :pairs]
-        cfg = types.SimpleNamespace(mrope_section=section, mrope_interleaved=True)
+        cfg = types.SimpleNamespace(mrope_section=section, mrope_interleaved=True, rotary_dims=2 * pairs)
         np.testing.assert_array_equal(mrope_axes(cfg), want.numpy())
     cfg = ModelConfig.from_hf({"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": TEXT3,
                                "vision_config": {"deepstack_visual_indexes": [2, 0]}})

@@ -40,9 +40,10 @@ def rope_tables(cfg: ModelConfig, positions: jax.Array, local: bool = False, lon
 
 def mrope_axes(cfg: ModelConfig) -> np.ndarray:
     """Each rotary pair's M-RoPE axis (0 temporal, 1 height, 2 width): `mrope_section[i]` pairs of axis i in turn,
-    or, interleaved (Qwen3-VL), pair j of axis j % 3 while that axis has pairs left (then temporal)."""
+    or, interleaved (Qwen3-VL), pair j of axis j % 3 while that axis has pairs left (then temporal), for each of
+    the head's rotary pairs (Qwen3.5's sections may count more)."""
     section = cfg.mrope_section
     if not cfg.mrope_interleaved:
         return np.repeat(np.arange(len(section)), section)
-    j = np.arange(sum(section))
+    j = np.arange(cfg.rotary_dims // 2)
     return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))

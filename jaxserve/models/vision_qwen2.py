@@ -41,7 +41,10 @@ from jaxserve.models.vision_qwen2_layout import (  # noqa: F401 (here too)
 QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
                              "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                              "Qwen3VLForConditionalGeneration": "qwen3_vl",
-                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl"}  # (the same tower)
+                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",  # (the same tower)
+                             # Qwen3.5's: Qwen3-VL's without deepstack mergers
+                             "Qwen3_5ForConditionalGeneration": "qwen3_vl",
+                             "Qwen3_5MoeForConditionalGeneration": "qwen3_vl"}
 # transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig defaults (Qwen2-VL's `hidden_size` is the merger's
 # output width; its blocks' width is `embed_dim`), then the top-level config's token ids.
 _DEFAULTS = {
@@ -125,6 +128,8 @@ class QwenVisionConfig:
         if variant is None:
             return None
         v = {**_DEFAULTS[variant], **{k: x for k, x in (d.get("vision_config") or {}).items() if x is not None}}
+        if any(a.startswith("Qwen3_5") for a in archs):
+            v["deepstack_visual_indexes"] = ()
         qwen2, is3 = variant == "qwen2_vl", variant == "qwen3_vl"
         sizes = {}
         for name in ("patch_size", "temporal_patch_size"):
