@@ -260,9 +260,9 @@ QWEN3_VIDEO = {"video_processor_type": "Qwen3VLVideoProcessor", "size": {"shorte
                "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
 
 
-@pytest.mark.parametrize("qwen", ["qwen3_vl"], indirect=True)
+@pytest.mark.parametrize("qwen", ["qwen3_vl", "qwen3_5"], indirect=True)
 def test_qwen3_vl_video_engine_equals_transformers(qwen):
-    """Qwen3-VL: given frames sampled evenly (9 at 6 a second: 4, frames 0, 3, 5 and 8), each temporal patch written
+    """Qwen3-VL (and Qwen3.5, whose videos are Qwen3-VL's): given frames sampled evenly (9 at 6 a second: 4, frames 0, 3, 5 and 8), each temporal patch written
     after its time as transformers' processor writes it, and its tokens turned as an image's; the greedy tokens and
     logprobs of a prompt with a video and an image are transformers' on that prompt, again from the prefix cache."""
     import json
