@@ -10,7 +10,7 @@ from typing import Any, Literal
 from jaxserve.json_options import json_object
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3", "suffix")
-MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")  # vLLM's model-specific names of method "mtp"
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp")  # vLLM's model-specific names of method "mtp"
 
 
 @dataclass(frozen=True)

@@ -326,6 +326,7 @@ def host_copy(x: jax.Array) -> np.ndarray:
 
 
 def _own(inputs: ModelInputs) -> ModelInputs:
-    """A target mixed step's inputs as the draft model's forward takes them: without what only the target reads."""
+    """A target mixed step's inputs as the draft model's forward takes them: without what only the target reads (a
+    hybrid target's state slots among them)."""
     return dataclasses.replace(inputs, lora_slots=None, long_prompt=None, image_embeds=None, image_mask=None,
-                               last_key=None, rope_offsets=None)
+                               last_key=None, rope_offsets=None, state_slots=None)

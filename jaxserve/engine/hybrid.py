@@ -1,6 +1,6 @@
 """Serving a hybrid model (Mamba-2 layers beside attention: `ModelConfig.mamba`): a state slot per running request,
 a backup slot each for speculative decoding's rejected drafts, snapshot slots for the prefix cache (`state_cache`),
-and the drafters not served with one (EAGLE's and MTP's, which draft from the target's hidden states), refused by
+and the drafters not served with one (EAGLE's, and MTP's but for Qwen3-Next's and Qwen3.5's own layer), refused by
 name."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.inputs import KVCache
@@ -28,9 +29,11 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
     if cfg.mamba is None:
         return args
     spec = args.speculative_config
-    if spec is not None and spec.method not in ("ngram", "suffix", "draft_model"):
+    mtp = spec is not None and spec.method == "mtp" and cfg.family in GATED_DELTA_FAMILIES  # (its own MTP layer)
+    if spec is not None and spec.method not in ("ngram", "suffix", "draft_model") and not mtp:
         raise UnsupportedModelError(f"speculative decoding by {spec.method} is not supported for a hybrid (Mamba) "
-                                    "model (ngram, suffix and draft-model drafts are)")
+                                    "model (ngram, suffix and draft-model drafts are; Qwen3-Next's and Qwen3.5's "
+                                    "MTP layer too)")
     if spec is not None and not spec.chunked:
         args = dataclasses.replace(args, speculative_config=dataclasses.replace(spec, draft_verification="chunks"))
     if args.is_pooling:

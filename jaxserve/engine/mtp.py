@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.engine.draft_model import DraftModel, _own, host_copy
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
@@ -64,7 +65,10 @@ def _mtp_tensors(path: str, overrides: Any, target: ModelConfig) -> tuple[int, C
     ckpt = open_checkpoint(path, overrides=overrides)
     if isinstance(ckpt, HFDirectory):
         first = f"model.layers.{target.num_layers}."
-        return (int(ckpt.hf_config.get("num_nextn_predict_layers") or 0),
+        if target.family in GATED_DELTA_FAMILIES:  # (Qwen3-Next's, Qwen3.5's: `mtp.*`)
+            first = "mtp."
+        hf = ckpt.hf_config.get("text_config") or ckpt.hf_config
+        return (int(hf.get("num_nextn_predict_layers") or hf.get("mtp_num_hidden_layers") or 0),
                 lambda cfg: ckpt.tensors(cfg, select=lambda n: n.startswith(first)))
     return len(prediction_blocks(t.name for t in ckpt.reader.tensors)), lambda _: ckpt.tensors(target, prediction=True)
 

@@ -15,6 +15,11 @@ then its decoder layer, attending over its own keys and values of positions 0..i
 head: logits for x_{i+2}. Drafting further, the layer reads its own output (before `shared_head.norm`) in place
 of h (one layer drafts any number of tokens; it was trained for the first).
 
+Qwen3-Next's and Qwen3.5's (`mtp_num_hidden_layers`) are the same rule under other names, after the model's own
+tensors: `mtp.pre_fc_norm_embedding` and `mtp.pre_fc_norm_hidden` (enorm, hnorm; scaled by 1 + w as all their
+norms), `mtp.fc` (eh_proj), `mtp.layers.0.` (a gated attention layer with the model's MLP or experts) and `mtp.norm`
+(its final norm), the model's embedding and head; the embedding is not zeroed at position 0 (as vLLM runs theirs).
+
 The layer is held as a one-layer model of the target's config (`mtp_config`), so the model's own forward
 (`llama.forward` with `embeds`) runs it: paged attention, latent attention, experts and all."""
 
@@ -30,11 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward, model_norm
 from jaxserve.models.params import Params
 
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", *GATED_DELTA_FAMILIES)
+_QWEN_MTP = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm."}
 
 
 @jax.tree_util.register_dataclass
@@ -54,19 +61,28 @@ def mtp_config(target: ModelConfig, layers: int) -> ModelConfig:
     float), the checkpoint having `layers` of them; ValueError when the model has none."""
     if target.family not in MTP_FAMILIES:
         raise ValueError(f"speculative method 'mtp' drafts with a model's multi-token prediction layers, which "
-                         f"jaxserve reads for DeepSeek-V3 and GLM-4.5 checkpoints; {target.family} has none here: use "
+                         f"jaxserve reads for DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 checkpoints; {target.family} "
+                         "has none here: use "
                          "method 'ngram' or 'draft_model'")
     if layers < 1:
         raise ValueError("speculative method 'mtp' needs the model's multi-token prediction layers, and this "
                          "checkpoint has none (its config's num_nextn_predict_layers is 0; a GGUF file: no "
                          "blk.N.nextn tensors); use method 'ngram' or 'draft_model'")
     return dataclasses.replace(target, num_layers=1, first_dense_layers=0, tie_word_embeddings=False,
-                               weight_quant=None, kv_cache_scales=False)
+                               weight_quant=None, kv_cache_scales=False, mamba=None)  # (a hybrid's: an attention layer)
 
 
 def mtp_tensor_name(name: str, first: int) -> str | None:
-    """A checkpoint tensor of the MTP layer `model.layers.{first}.` as the one-layer model names it (the layer's own
-    parts `mtp.enorm.weight`, `mtp.hnorm.weight`, `mtp.eh_proj.weight`); None for the model's other tensors."""
+    """A checkpoint tensor of the MTP layer `model.layers.{first}.` (or Qwen3-Next's `mtp.`) as the one-layer model
+    names it (the layer's own parts `mtp.enorm.weight`, `mtp.hnorm.weight`, `mtp.eh_proj.weight`); None for the
+    model's other tensors."""
+    if name.startswith("mtp."):  # Qwen3-Next's, Qwen3.5's
+        rest = name[len("mtp."):]
+        own = next((k for k in _QWEN_MTP if rest.startswith(k)), None)
+        if own is not None:
+            return "mtp." + _QWEN_MTP[own] + rest[len(own):]
+        return "model.norm.weight" if rest == "norm.weight" else "model." + rest if rest.startswith("layers.0.") \
+            else None
     prefix = f"model.layers.{first}."
     if not name.startswith(prefix):
         return None
@@ -126,7 +142,8 @@ def mtp_forward(p: MtpParams, kv: KVCache, inputs: ModelInputs, prev: jax.Array,
     if from_target:
         prev = model_norm(cfg, prev, p.norm)
     emb = p.model.embed[inputs.token_ids]
-    emb = jnp.where((inputs.positions == 0)[:, None], jnp.zeros_like(emb), emb)
+    if cfg.family not in GATED_DELTA_FAMILIES:
+        emb = jnp.where((inputs.positions == 0)[:, None], jnp.zeros_like(emb), emb)
     x = jnp.concatenate([model_norm(cfg, emb, p.enorm), model_norm(cfg, prev.astype(emb.dtype), p.hnorm)], axis=-1)
     x = jnp.dot(x, p.eh_proj, preferred_element_type=jnp.float32).astype(emb.dtype)
     return forward(p.model, kv, inputs, cfg, backend, return_hidden=True, embeds=x)
