@@ -22,6 +22,7 @@ from jaxserve.errors import UnsupportedModelError
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
 from jaxserve.loader.gguf_hybrid import granite_hybrid_hf, granite_scalars, lfm2_gguf_hf, nemotron_h_hf
+from jaxserve.loader.gguf_qwen3_next import QWEN3_NEXT_GGUF, qwen3_next_gguf_hf
 from jaxserve.rope import RopeScaling
 
 # Phi-3 is Mistral's architecture with fused projections (split at load), EXAONE 3 Llama's (rows not permuted).
@@ -43,7 +44,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
-            "granitemoe": "GraniteMoeForCausalLM"}
+            "granitemoe": "GraniteMoeForCausalLM", **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -138,6 +139,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = nemotron_h_hf(meta, arch, get, d, experts, kv_heads, ffn, tensor_names)
         if arch.startswith("lfm2"):
             d = lfm2_gguf_hf(meta, arch, get, d, kv_heads, tensor_names)
+        if arch in QWEN3_NEXT_GGUF:
+            d = qwen3_next_gguf_hf(meta, arch, get, d)
         if arch == "granitemoe":  # Granite's scalars; a shared MLP beside the experts (GraniteMoeShared's) by its width
             shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
             d.update(granite_scalars(meta, arch), shared_intermediate_size=shared,

@@ -10,10 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
+from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
 from jaxserve.loader.gguf_hybrid import nemotron_h_tensors, shortconv_tensor, ssm_tensor
+from jaxserve.loader.gguf_qwen3_next import NAMES as QWEN3_NEXT_NAMES
+from jaxserve.loader.gguf_qwen3_next import gated_delta_tensor
 from jaxserve.loader.keymap import CheckpointError
 
 # Every tensor type the gguf package dequantizes (llama.cpp's legacy, K- and I-quants, ternary and MXFP4),
@@ -102,6 +105,9 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     if cfg.family == "nemotron_h" and m and (blocks := nemotron_h_tensors(*m.groups(), arr)) is not None:
         yield from blocks
         return
+    if cfg.family in GATED_DELTA_FAMILIES and m and (found := gated_delta_tensor(*m.groups(), arr, cfg, arch)):
+        yield found
+        return
     if cfg.mamba is not None and m and (found := ssm_tensor(f"model.layers.{m.group(1)}.mamba.", m.group(2), arr)):
         yield found
         return
@@ -136,7 +142,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
     # (OLMo 2's and EXAONE 4's norms after attention and after the MLP are named as Gemma's)
-    extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else None
+    extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else \
+        QWEN3_NEXT_NAMES if cfg.family in GATED_DELTA_FAMILIES else None
     yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch in ("olmo2", "exaone4"), arch == "phi3", extra), arr
 
 
@@ -212,7 +219,7 @@ class GGUFFile:
         # llama.cpp writes their Q/K rows in its rotary order
         permuted = arch in ("llama", "mistral", "granite", "granitemoe", "smollm3", "granitehybrid", "nemotron_h",
                             "nemotron_h_moe")
-        gemma = cfg.family in GEMMA_FAMILIES
+        unit = cfg.family in UNIT_NORM_FAMILIES  # (RMSNorms scaled by 1 + w, stored as 1 + w)
         predicting = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:
             block = _BLK_RE.match(t.name)
@@ -239,8 +246,8 @@ class GGUFFile:
                     a = unpermute_rotary(a, cfg.num_heads)
                 elif permuted and name.endswith(("self_attn.k_proj.weight", "mixer.k_proj.weight")):
                     a = unpermute_rotary(a, cfg.num_kv_heads)
-                elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
-                    a = a - 1.0
+                elif unit and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                    a = a - 1.0  # llama.cpp stores Gemma's and Qwen3-Next's (1 + w) norms as 1 + w
                 yield name, a
 
     @property
