@@ -40,6 +40,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's (`Qwen3_5Tokenizer`): Qwen2's with combining marks kept in words.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Control tokens that end a model's turn in the chat formats llama.cpp recognizes by their text (not
 # <|endoftext|>, which files whose turns end otherwise keep as a document separator).
 _TURN_ENDS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
@@ -93,8 +98,8 @@ _DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
 # others (Command R's, EXAONE 3's), as llama.cpp groups them.
 _GPT2_PRE = ("gpt-2", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling")
 _SMOLLM_PRE = ("smollm", "command-r", "exaone", "starcoder", "refact", "codeshell", "minerva-7b")
-SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_QWEN2_PRE, "tekken", "gpt-4o", *_DEEPSEEK_SPLITS,
-                      "kimi-k2")
+SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_QWEN2_PRE, "qwen35", "tekken", "gpt-4o",
+                      *_DEEPSEEK_SPLITS, "kimi-k2")
 
 
 @dataclass(frozen=True)
@@ -325,8 +330,8 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
     if pre in _LLAMA3_PRE:
         # Llama 3's own tokenizer.json looks whole words up in the vocabulary before merging.
         return None, _split_then_bytes(_LLAMA3_SPLIT), True
-    if pre in _QWEN2_PRE:
-        return normalizers.NFC(), _split_then_bytes(_QWEN2_SPLIT), False
+    if pre in _QWEN2_PRE or pre == "qwen35":  # (NFC, as their tokenizer.json files have it)
+        return normalizers.NFC(), _split_then_bytes(_QWEN35_SPLIT if pre == "qwen35" else _QWEN2_SPLIT), False
     if pre in _DEEPSEEK_SPLITS:
         return None, _split_then_bytes(*_DEEPSEEK_SPLITS[pre]), False
     if pre == "kimi-k2":  # Moonshot's split (llama.cpp's hand-written K2 handler); whole pieces looked up first, as

@@ -307,6 +307,7 @@ def _pieces(tok: Tokenizer, text: str) -> list[str]:
 
 def test_llama3_and_qwen2_pre_tokenizers(tmp_path):
     from jaxserve.loader.gguf_header import GGUFHeader
+    from jaxserve.tokenizer_gguf import _QWEN35_SPLIT
 
     llama = Tokenizer.from_gguf(
         GGUFHeader(_tiny_gguf(tmp_path / "l.gguf", pre="llama-bpe", add_bos=True))
@@ -320,6 +321,13 @@ def test_llama3_and_qwen2_pre_tokenizers(tmp_path):
     assert _pieces(qwen, "I'm 12345 ok") == ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]
     assert qwen.encode("e\u0301") == qwen.encode("\u00e9")  # NFC, as Qwen2's tokenizer.json has
     assert qwen.encode(" ok", add_special_tokens=True) == [257]
+    # Qwen3.5's: combining marks kept in words, where Qwen2's cuts them off; NFC too
+    qwen35 = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "q35.gguf", pre="qwen35"))
+    assert _pieces(qwen35, "I'm 12345 ok") == _pieces(qwen, "I'm 12345 ok")
+    marked = "xa\u0308\u0301y ok"
+    assert _pieces(qwen35, marked) == _regex_pieces((_QWEN35_SPLIT,), marked)
+    assert len(_pieces(qwen35, marked)) == 2 and len(_pieces(qwen, marked)) == 4
+    assert qwen35.encode("e\u0301") == qwen35.encode("\u00e9")
 
 
 @pytest.mark.parametrize("pre", ["tekken", "gpt-4o", "deepseek-r1-qwen", "dbrx"])
