@@ -145,3 +145,26 @@ def test_weights_quantized_at_load(tmp_path_factory):
     ours = prompt_logits(held_cfg, held, ids)
     assert rel_err(ours, prompt_logits(cfg, dequantize(held, jnp.float32), ids)) < 1e-4
     assert rel_err(ours, prompt_logits(cfg, _build("qwen3_next", tmp_path_factory)[2], ids)) > 1e-3  # (int8 indeed)
+
+
+def test_qwen3_5_moe_packed_experts_read_as_one_by_one(tmp_path_factory, tmp_path):
+    """A Qwen3.5-MoE checkpoint with each layer's experts packed (`mlp.experts.gate_up_proj` [X, 2F, E], gate rows
+    first, and `down_proj` [X, E, F], as transformers holds them) loads as the one saved expert by expert."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, cfg, params, path = _build("qwen3_5_moe", tmp_path_factory)
+    tensors = load_file(f"{path}/model.safetensors")
+    packed = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(cfg.num_layers):
+        at = f"model.layers.{layer}.mlp.experts."
+        one = [[tensors[f"{at}{j}.{kind}_proj.weight"] for j in range(cfg.num_experts)] for kind in ("gate", "up", "down")]
+        packed[f"{at}gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(one[0], one[1], strict=True)])
+        packed[f"{at}down_proj"] = np.stack(one[2])
+    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    save_file(packed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = open_checkpoint(str(tmp_path))
+    again = load_params(ckpt, ckpt.config(), jnp.float32, progress=False)
+    np.testing.assert_array_equal(np.asarray(again.layers.we_gate), np.asarray(params.layers.we_gate))
+    np.testing.assert_array_equal(np.asarray(again.layers.we_down), np.asarray(params.layers.we_down))

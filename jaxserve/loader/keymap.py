@@ -236,7 +236,8 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return granite_experts(name, tensor, cfg)
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
-    if cfg.family in ("gpt_oss", "qwen3_moe") and GPT_OSS_EXPERTS_RE.match(name):  # (Qwen3-VL-MoE's: packed)
+    # (gpt-oss's, Qwen3-VL-MoE's and Qwen3.5-MoE's experts: packed)
+    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5") and GPT_OSS_EXPERTS_RE.match(name):
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)
