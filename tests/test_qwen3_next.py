@@ -93,7 +93,8 @@ def test_convert_writes_the_sources_tensors(tmp_path, variant):
             np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert type(again) is type(model)
-    assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-6
+    # (the same bytes: transformers' own chunked delta rule differs by up to 1.2e-6 between two loads)
+    assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-5
 
 
 @pytest.mark.parametrize("variant,backend", [("qwen3_next", "xla"), ("qwen3_5", "xla"),
