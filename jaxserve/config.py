@@ -106,6 +106,7 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] | None = None
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
+    moe_latent_size: int = 0  # the experts' width in and out, projected to and from (Nemotron 3 Super); 0: hidden_size
     moe_runner: str = "auto"  # the experts' matmuls (`models.moe.moe_mlp`): auto (by the attention backend), xla, pallas
     # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per
     # token; queries through a `q_lora_rank` bottleneck (0: none); values of `v_head_dim` dims (`config_mla`).
@@ -249,6 +250,11 @@ class ModelConfig:
     def q_head_dim(self) -> int:
         """A head's outputs of the query projection: its query, then its gate where attention's output is gated."""
         return self.head_dim * (2 if self.attn_output_gate else 1)
+
+    @property
+    def expert_width(self) -> int:
+        """The experts' input and output width: a latent MoE's (`moe_latent_size`), else the model's."""
+        return self.moe_latent_size or self.hidden_size
 
     @property
     def shared_expert_gated(self) -> bool:

@@ -185,10 +185,11 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
                       first_dense_layers=int(d.get("num_dense_layers", 2)), norm_topk_prob=bool(d.get("norm_topk_prob", True)))
     if family == "nemotron_h":  # (its shared expert's width its own; a dense model's `moe_*` keys unread)
         fields.update(shared_expert_intermediate_size=d.get("moe_shared_expert_intermediate_size", 7688),
-                      norm_topk_prob=bool(d.get("norm_topk_prob", True)))
+                      norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+                      moe_latent_size=int(d.get("moe_latent_size") or 0))  # (Nemotron 3 Super's latent MoE)
         if not fields["num_experts"]:
             fields.update(moe_intermediate_size=0, shared_expert_intermediate_size=0, router_scoring="softmax",
-                          router_bias=False, expert_groups=1, expert_topk_groups=1)
+                          router_bias=False, expert_groups=1, expert_topk_groups=1, moe_latent_size=0)
     return fields
 
 

@@ -52,8 +52,6 @@ def nemotron_h(d: dict[str, Any]) -> dict[str, Any]:
     pattern = nemotron_blocks(d)
     if "E" in pattern and "-" in pattern:
         raise UnsupportedModelError("a Nemotron-H model of both MLP and MoE blocks is not supported")
-    if "E" in pattern and d.get("moe_latent_size") is not None:
-        raise UnsupportedModelError("Nemotron-H's latent MoE projections (moe_latent_size) are not supported")
     if "E" in pattern and d.get("mlp_bias"):
         raise UnsupportedModelError("Nemotron-H's MoE blocks with mlp_bias (a biased shared expert) are not supported")
     if "M" not in pattern or "*" not in pattern:
@@ -94,7 +92,8 @@ def nemotron_hf(cfg: Any) -> dict[str, Any]:
     moe = {"n_routed_experts": cfg.num_experts, "moe_intermediate_size": cfg.moe_intermediate_size,
            "moe_shared_expert_intermediate_size": cfg.shared_expert_intermediate_size, "n_shared_experts": 1,
            "n_group": cfg.expert_groups, "topk_group": cfg.expert_topk_groups, "norm_topk_prob": cfg.norm_topk_prob,
-           "routed_scaling_factor": cfg.routed_scaling_factor} if cfg.num_experts else {}
+           "routed_scaling_factor": cfg.routed_scaling_factor, "moe_latent_size": cfg.moe_latent_size or None
+           } if cfg.num_experts else {}
     if cfg.num_experts:
         blocks = ["moe" if b == "mlp" else b for b in blocks]
     return {**moe, "layers_block_type": blocks, "num_hidden_layers": len(blocks), "mlp_hidden_act": "relu2",

@@ -174,6 +174,8 @@ def _write_nemotron(path, model, hf_dir) -> str:
         w.add_expert_weights_norm(c.norm_topk_prob)
         w.add_expert_weights_scale(c.routed_scaling_factor)
         w.add_expert_group_count(c.n_group)
+        if c.moe_latent_size:
+            w.add_moe_latent_size(c.moe_latent_size)
     _add_ssm(w, c.conv_kernel, c.ssm_state_size, c.n_groups, c.mamba_num_heads, c.mamba_head_dim)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     names = gguf.TensorNameMap(arch, len(blocks))
@@ -193,14 +195,15 @@ def _write_nemotron(path, model, hf_dir) -> str:
     return written(w, path)
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "latent"])
 def test_nemotron_h_gguf_equals_the_hf_model(tmp_path, variant):
-    """Nemotron-H (its blocks paired into the layers of tests/test_nemotron_h.py) and Nemotron 3's MoE from their
-    GGUF files: the HF model's config and logits."""
-    from tests.test_nemotron_h import MOE, TINY
+    """Nemotron-H (its blocks paired into the layers of tests/test_nemotron_h.py) and Nemotron 3's MoE (Nano's, and
+    Super's latent MoE: `ffn_latent_down` / `ffn_latent_up`) from their GGUF files: the HF model's config and
+    logits."""
+    from tests.test_nemotron_h import LATENT, MOE, TINY
 
     # (no clamp on dt, one group of experts: the file holds neither)
-    kw = {**(TINY if variant == "dense" else MOE), "time_step_limit": [0.0, float("inf")], "n_group": 1,
+    kw = {**{"dense": TINY, "moe": MOE, "latent": LATENT}[variant], "time_step_limit": [0.0, float("inf")], "n_group": 1,
           "topk_group": 1}
     model = save_tiny_hf("NemotronHConfig", tmp_path / "hf", **kw)
     path = _write_nemotron(tmp_path / "nemotron-h.gguf", model, tmp_path / "hf")

@@ -32,6 +32,8 @@ TINY = dict(hybrid_override_pattern=PATTERN, num_attention_heads=4, num_key_valu
 MOE = {**TINY, "hybrid_override_pattern": "MEM*EME", "n_routed_experts": 8, "num_experts_per_tok": 2,
        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48, "n_group": 2, "topk_group": 1,
        "routed_scaling_factor": 2.5, "mlp_bias": False}
+# Nemotron 3 Super's latent MoE: the experts read and write 24 wide, projected to it from the 64-wide model and back.
+LATENT = {**MOE, "moe_latent_size": 24}
 _BUILT: dict[str, tuple] = {}
 
 
@@ -39,7 +41,7 @@ def _build(variant: str, tmp_path_factory) -> tuple:
     """(HF model, our config, our params, its directory) of a tiny Nemotron-H, built once per module."""
     if variant not in _BUILT:
         path = tmp_path_factory.mktemp(f"nemotron_h_{variant}")
-        model = save_tiny_hf("NemotronHConfig", path, **(TINY if variant == "dense" else MOE))
+        model = save_tiny_hf("NemotronHConfig", path, **{"dense": TINY, "moe": MOE, "latent": LATENT}[variant])
         ckpt = open_checkpoint(str(path))
         cfg = ckpt.config()
         _BUILT[variant] = model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
@@ -87,13 +89,23 @@ def test_moe_blocks(tmp_path_factory):
             cfg.routed_scaling_factor) == (8, "sigmoid", 2, 48, 2.5)
     assert params.mlp_layers.we_gate is None and params.mlp_layers.we_up.shape == (3, 8, 64, 32)
     assert params.mlp_layers.ws_gate is None and params.mlp_layers.router_bias.shape == (3, 8)
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
-    with pytest.raises(UnsupportedModelError, match="latent MoE projections"):
-        ModelConfig.from_hf({**cfg.to_hf(), "moe_latent_size": 16})
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg and cfg.moe_latent_size == 0
     with pytest.raises(UnsupportedModelError, match="MoE blocks with mlp_bias"):
         ModelConfig.from_hf({**cfg.to_hf(), "mlp_bias": True})
     with pytest.raises(UnsupportedModelError, match="both MLP and MoE blocks"):
         ModelConfig.from_hf({**cfg.to_hf(), "layers_block_type": ["mamba", "mlp", "attention", "moe"]})
+
+
+def test_latent_moe_blocks_match_transformers(tmp_path_factory):
+    """Nemotron 3 Super's latent MoE: routed on the model's width, the experts run 24 wide between the two latent
+    projections (the shared expert on the model's width); logits of transformers'."""
+    model, cfg, params, _ = _build("latent", tmp_path_factory)
+    assert (cfg.moe_latent_size, cfg.expert_width) == (24, 24) and ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert params.mlp_layers.we_up.shape == (3, 8, 24, 32) and params.mlp_layers.we_down.shape == (3, 8, 32, 24)
+    assert params.mlp_layers.we_latent_in.shape == (3, 64, 24) and params.mlp_layers.we_latent_out.shape == (3, 24, 64)
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
+    assert rel_err(ours, ref) < 1e-4 and (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
 def test_logits_match_transformers(both):
@@ -104,21 +116,22 @@ def test_logits_match_transformers(both):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "latent"])
 def test_convert_writes_the_sources_tensors(tmp_path, variant):
     """`jaxserve convert`: every tensor under its block's name (`backbone.layers.{block}.mixer...`, the experts one
-    by one) as the checkpoint had it; transformers reads the output as the model."""
+    by one, the latent projections) as the checkpoint had it; transformers reads the output as the model."""
     from safetensors import safe_open
 
     from tests.test_convert import convert, write_tiny_tokenizer
 
     src, out = tmp_path / "src", tmp_path / "out"
-    model = save_tiny_hf("NemotronHConfig", src, **(TINY if variant == "dense" else MOE))
+    model = save_tiny_hf("NemotronHConfig", src, **{"dense": TINY, "moe": MOE, "latent": LATENT}[variant])
     write_tiny_tokenizer(src)
     convert(src, out)
     with safe_open(str(out / "model.safetensors"), "numpy") as f, safe_open(str(src / "model.safetensors"), "numpy") as g:
         assert sorted(f.keys()) == sorted(g.keys()) and any(k.endswith("mixer.up_proj.weight") or k.endswith(
             "mixer.experts.7.up_proj.weight") for k in g.keys())
+        assert any(k.endswith("mixer.fc2_latent_proj.weight") for k in g.keys()) == (variant == "latent")
         for key in g.keys():
             np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
     again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()

@@ -751,14 +751,14 @@ def case_hybrid() -> dict:
             "pages_devices": len(kv.k.sharding.device_set), "pages_split": kv.k.sharding.shard_shape(kv.k.shape)[3],
             "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
             "dp2": _dp_hybrid(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded),
-            # Nemotron 3 (Nemotron-H with MoE blocks): its MLPs stacked apart, its ungated experts split by width
-            # (TP) or over the two devices (EP); LFM2: its short convolutions' states (no SSM state) whole.
+            # Nemotron 3 Super (Nemotron-H with latent MoE blocks): its MLPs stacked apart, its ungated experts
+            # split by width (TP) or over the two devices (EP), between its latent projections; LFM2: its short convolutions' states (no SSM state) whole.
             "nemotron": _tp_tokens(args, dict(
                 architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=64, hidden_size=64,
                 hybrid_override_pattern="MEM*E", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                 mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=2,
-                topk_group=1, max_position_embeddings=512), ep=True),
+                topk_group=1, max_position_embeddings=512, moe_latent_size=24), ep=True),
             "lfm2": _tp_tokens(args, dict(
                 architectures=["Lfm2ForCausalLM"], model_type="lfm2", vocab_size=64, hidden_size=64,
                 num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=8,

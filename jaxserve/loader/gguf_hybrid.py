@@ -107,7 +107,9 @@ _NEMOTRON = {"attn_norm.weight": "norm.weight", "attn_q.weight": "mixer.q_proj.w
              "ffn_down.bias": "mixer.down_proj.bias", "ffn_gate_inp.weight": "mixer.gate.weight",
              "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
              "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
-             "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight"}
+             "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
+             "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight",  # (Nemotron 3 Super's latent MoE)
+             "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight"}
 
 
 def nemotron_h_tensors(block: str, rest: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]] | None:

@@ -94,6 +94,9 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         moe = _moe_module(cfg)
         router = f"{moe}.router" if cfg.family == "gpt_oss" else f"{moe}.gate"
         t[f"{router}.weight"] = ("layers.router", lambda w: w.T, (X, E))
+        if cfg.moe_latent_size:  # (Nemotron 3 Super's latent MoE)
+            t["mlp.fc1_latent_proj.weight"] = ("layers.we_latent_in", lambda w: w.T, (cfg.moe_latent_size, E))
+            t["mlp.fc2_latent_proj.weight"] = ("layers.we_latent_out", lambda w: w.T, (E, cfg.moe_latent_size))
         if cfg.family == "gpt_oss":
             t[f"{router}.bias"] = ("layers.b_router", ident, (X,))
         if cfg.router_bias:  # ERNIE's as [1, X]
@@ -176,7 +179,7 @@ KV_SCALE_PATHS = ("layers.k_scale", "layers.v_scale", "dense_layers.k_scale", "d
 
 def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Per-expert MLP tensor names (after `...experts.{j}.`) to our stacked parameters; HF layout [out, in]."""
-    E, Fe = cfg.hidden_size, cfg.moe_intermediate_size
+    E, Fe = cfg.expert_width, cfg.moe_intermediate_size
     if _moe_module(cfg) == "block_sparse_moe":
         return {"w1.weight": ("layers.we_gate", (Fe, E)), "w3.weight": ("layers.we_up", (Fe, E)),
                 "w2.weight": ("layers.we_down", (E, Fe))}
@@ -384,7 +387,8 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
         return value.reshape(value.shape[0], -1).T
     if field == "wo":
         return value.reshape(-1, value.shape[-1]).T
-    if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down", "m_in", "m_out"):
+    if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down", "m_in", "m_out",
+                 "we_latent_in", "we_latent_out"):
         return value.T
     return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and cfg.qk_norm_heads \
         else value.reshape(target.hf_shape)  # (a Mamba layer's convolution: [channels, 1, taps])

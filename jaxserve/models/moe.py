@@ -163,11 +163,15 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
     experts_lora = None if a is None or a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down,
                                                                    a.be_down, slots)
+    # (a latent MoE's experts read and write a narrower width: projected to it and back, routed on h)
+    x = h if lp.we_latent_in is None else project(h, lp.we_latent_in)
     if layout is None:
-        out = local_experts(h, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=experts_lora,
+        out = local_experts(x, weights, experts, lp.we_gate, lp.we_up, lp.we_down, 0, cfg, biases, lora=experts_lora,
                             matmul=matmul)
     else:
-        out = _sharded_experts(h, weights, experts, lp, layout, cfg, biases, experts_lora, matmul)
+        out = _sharded_experts(x, weights, experts, lp, layout, cfg, biases, experts_lora, matmul)
+    if lp.we_latent_out is not None:
+        out = project(out, lp.we_latent_out)
     if lp.ws_up is not None:
         gate, up = None if lp.ws_gate is None else project(h, lp.ws_gate), project(h, lp.ws_up)
         if "bs_gate" in d:

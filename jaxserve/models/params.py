@@ -1,10 +1,9 @@
 """Parameters of a Llama-family model, declared once abstractly.
 
-Every parameter is declared by a `ParamInfo` (shape, logical axis names, initializer).
-From that single declaration come random initialization for tests, the loader's target
-shapes, abstract `ShapeDtypeStruct`s, and the logical axes that sharding rules map to a mesh.
-Per-layer parameters are stacked on a leading `layers` axis so the forward pass scans them.
-"""
+Every parameter is declared by a `ParamInfo` (shape, logical axis names, initializer). From that single declaration
+come random initialization for tests, the loader's target shapes, abstract `ShapeDtypeStruct`s, and the logical axes
+that sharding rules map to a mesh. Per-layer parameters are stacked on a leading `layers` axis so the forward pass
+scans them."""
 
 from __future__ import annotations
 
@@ -62,9 +61,11 @@ class LayerParams:
     router: Any = None  # [L, E, X]: MoE routing logits per expert
     router_bias: Any = None  # [L, X] float32: added to the scores to choose experts (not to their weights)
     b_router: Any = None  # [L, X]: the router's logits' bias (gpt-oss)
-    we_gate: Any = None  # [L, X, E, Fe]: the X experts' MLPs
+    we_gate: Any = None  # [L, X, E, Fe]: the X experts' MLPs (E: `ModelConfig.expert_width`)
     we_up: Any = None  # [L, X, E, Fe]
     we_down: Any = None  # [L, X, Fe, E]
+    we_latent_in: Any = None  # [L, E, Le]: a latent MoE's projections to its experts' width
+    we_latent_out: Any = None  # [L, Le, E]: ... and back
     be_gate: Any = None  # [L, X, Fe]: the experts' biases (gpt-oss)
     be_up: Any = None  # [L, X, Fe]
     be_down: Any = None  # [L, X, E]
@@ -78,9 +79,9 @@ class LayerParams:
     v_scale: Any = None  # [L] float32: ... and V / v_scale
     post_attn_norm: Any = None  # [L, E]: Gemma's norms of the attention's and the MLP's outputs
     post_mlp_norm: Any = None  # [L, E]
-    # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then
-    # leave wq/wk/wv, wo, w_gate/w_up and w_down None: fewer, larger matmuls per layer, each matrix
-    # out-major ([out, in], the checkpoints' own order), which XLA:CPU's dots read fastest.
+    # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then leave wq/wk/wv,
+    # wo, w_gate/w_up and w_down None: fewer, larger matmuls per layer, each matrix out-major ([out, in], the
+    # checkpoints' own order), which XLA:CPU's dots read fastest.
     wqkv: Any = None  # [(Hq + 2 * Hkv) * D, E]: q, k and v projections stacked
     w_gate_up: Any = None  # [2 * F, E]: gate and up projections stacked
     wo_t: Any = None  # [E, Hq * D]
@@ -111,10 +112,10 @@ class LayerParams:
 class Params:
     """All parameters of a Llama-family model.
 
-    `layers` is one `LayerParams` stacked on a leading `layers` axis (how checkpoints load, shard
-    and save), or a tuple of per-layer `LayerParams` (`unstack_layers`), which the forward pass runs
-    as an unrolled loop: XLA:CPU copies a layer's weights out of a stacked array before every
-    matmul, so on the CPU the unstacked form reads each weight once per step instead of twice."""
+    `layers` is one `LayerParams` stacked on a leading `layers` axis (how checkpoints load, shard and save), or a
+    tuple of per-layer `LayerParams` (`unstack_layers`), which the forward pass runs as an unrolled loop: XLA:CPU
+    copies a layer's weights out of a stacked array before every matmul, so on the CPU the unstacked form reads
+    each weight once per step instead of twice."""
 
     embed: Any  # [V, E]
     layers: LayerParams | tuple[LayerParams, ...]
@@ -123,9 +124,8 @@ class Params:
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
-    # A model whose first layers are dense and the rest MoE (GLM-4.5): those first layers, stacked apart (each
-    # stack's arrays alike across its layers); `layers` then holds the rest. None once unstacked (one tuple).
-    dense_layers: LayerParams | None = None
+    dense_layers: LayerParams | None = None  # the dense first layers of a MoE model (GLM-4.5), stacked apart (None
+    # once unstacked: one tuple); `layers` then holds the rest
     # A hybrid model (`ModelConfig.mamba`): `layers` holds every layer's norms and MLP, and the mixers apart, the
     # attention layers' projections (their other fields None) and the Mamba layers' (`LayerParams.m_*`).
     attn_layers: LayerParams | None = None
@@ -174,13 +174,15 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
     if moe:
-        X, Fe, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        X, Fe, Fs, Ew = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.expert_width
         layers.router = p((L, E, X), ("layers", "embed", None))
+        layers.we_latent_in = p((L, E, Ew), ("layers", "embed", None)) if cfg.moe_latent_size else None
+        layers.we_latent_out = p((L, Ew, E), ("layers", None, "embed")) if cfg.moe_latent_size else None
         if cfg.router_bias:
             layers.router_bias = p((L, X), ("layers", None), "zeros", jnp.float32)
-        layers.we_gate = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp")) if cfg.gated_mlp else None
-        layers.we_up = p((L, X, E, Fe), ("layers", "experts", "embed", "expert_mlp"))
-        layers.we_down = p((L, X, Fe, E), ("layers", "experts", "expert_mlp", "embed"))
+        layers.we_gate = p((L, X, Ew, Fe), ("layers", "experts", "embed", "expert_mlp")) if cfg.gated_mlp else None
+        layers.we_up = p((L, X, Ew, Fe), ("layers", "experts", "embed", "expert_mlp"))
+        layers.we_down = p((L, X, Fe, Ew), ("layers", "experts", "expert_mlp", "embed"))
         if cfg.swiglu_limit is not None:  # gpt-oss: biased router and experts
             layers.b_router = p((L, X), ("layers", None), "zeros")
             layers.be_gate = p((L, X, Fe), ("layers", "experts", "expert_mlp"), "zeros")
@@ -227,7 +229,8 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
 
 ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm", "sinks", "k_scale", "v_scale")
 MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "router", "router_bias", "b_router", "we_gate",
-              "we_up", "we_down", "be_gate", "be_up", "be_down", "ws_gate", "ws_up", "ws_down", "ws_mix", "xielu")
+              "we_up", "we_down", "we_latent_in", "we_latent_out", "be_gate", "be_up", "be_down", "ws_gate", "ws_up", "ws_down", "ws_mix",
+              "xielu")
 
 
 def _declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
@@ -251,12 +254,11 @@ def _declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
 def unstack_layers(params: Params, fuse: bool = False) -> Params:
     """`params` with its stacked layers split into a tuple of per-layer `LayerParams` (new arrays).
 
-    A layer slice keeps the stacked array's sharding of its other axes. With `fuse` (dense models on
-    one device), each layer's q/k/v and gate/up projections become one matrix each (`wqkv`,
-    `w_gate_up`), and every projection is stored out-major (`wo_t`, `w_down_t`, an untied head as
-    `lm_head_t`): a matrix-vector
-    product then streams whole rows, which on XLA:CPU reads the weights ~10% faster at batch 1 to 32.
-    Anything else (unstacked params, another model's tree) passes through."""
+    A layer slice keeps the stacked array's sharding of its other axes. With `fuse` (dense models on one device),
+    each layer's q/k/v and gate/up projections become one matrix each (`wqkv`, `w_gate_up`), and every projection is
+    stored out-major (`wo_t`, `w_down_t`, an untied head as `lm_head_t`): a matrix-vector product then streams whole
+    rows, which on XLA:CPU reads the weights ~10% faster at batch 1 to 32. Anything else (unstacked params, another
+    model's tree) passes through."""
     if not isinstance(params, Params) or isinstance(params.layers, tuple) or params.mamba_layers is not None:
         return params  # (a hybrid model's layers stay stacked: `hybrid.hybrid_layers` reads each from its stacks)
     fuse = fuse and params.layers.w_gate is not None and params.layers.wk is not None
@@ -342,11 +344,10 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
 
 def random_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, shardings: Params | None = None,
                   scale: float = 0.02) -> Params:
-    """Random weights of `cfg`'s shapes, made on the device(s) in `dtype` (for `--load-format dummy`):
-    normal(0, scale) matrices, unit norms, zero biases, leaf i drawn from fold_in(key(seed), i).
-
-    With `shardings` (a tree of `NamedSharding`s, as `ShardingPlan.param_shardings`), each leaf is
-    created directly in its shards, so no device ever holds a whole weight it does not keep."""
+    """Random weights of `cfg`'s shapes, made on the device(s) in `dtype` (for `--load-format dummy`): normal(0,
+    scale) matrices, unit norms, zero biases, leaf i drawn from fold_in(key(seed), i). With `shardings` (a tree of
+    `NamedSharding`s, as `ShardingPlan.param_shardings`), each leaf is created directly in its shards, so no device
+    ever holds a whole weight it does not keep."""
     _float_only(cfg)
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
     targets = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(infos)
