@@ -183,8 +183,8 @@ def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
     assert r["pages_devices"] == 2 and r["pages_split"] == 1 and r["ssm_whole"]
     assert r["dp2"] == r["ref"]  # two replicas, each with its own state slots
     assert r["tp2_cached"][0] == r["ref"] and r["tp2_cached"][1] == 8  # the 11-token prompt's first page again
-    # Nemotron 3 (a Mamba layer without an MLP, the MoE MLPs stacked apart, ungated experts): TP=2, and EP over
-    # the two devices, give one device's tokens.
+    # Nemotron 3 Super (a Mamba layer without an MLP, the MoE MLPs stacked apart, ungated latent experts): TP=2,
+    # and EP over the two devices, give one device's tokens.
     assert r["nemotron"][1] == r["nemotron"][0] == r["nemotron"][2] and all(len(t) == 12 for t in r["nemotron"][0])
     assert r["lfm2"][1] == r["lfm2"][0] and all(len(t) == 12 for t in r["lfm2"][0])  # (LFM2: no SSM state)
     assert r["qwen3_next"][1] == r["qwen3_next"][0] == r["qwen3_next"][2] and all(
