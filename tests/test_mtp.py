@@ -70,6 +70,10 @@ class Reference:
         x = torch.cat([self._norm(e, self.w["enorm.weight"]), self._norm(prev, self.w["hnorm.weight"])])
         return x @ self.w["eh_proj.weight"].T
 
+    def _head(self, g):
+        """The MTP layer's logits of its output g."""
+        return self._norm(g, self.w["shared_head.norm.weight"]) @ self.w["shared_head.head.weight"].T
+
     def drafts(self, context: list[int], k: int) -> list[int]:
         """The k drafts after `context` (its last token not yet computed by the target)."""
         with torch.no_grad():
@@ -78,8 +82,7 @@ class Reference:
             out = []
             for _ in range(k):
                 g = self._layer(torch.stack(rows))[-1]
-                logits = self._norm(g, self.w["shared_head.norm.weight"]) @ self.w["shared_head.head.weight"].T
-                out.append(int(torch.argmax(logits)))
+                out.append(int(torch.argmax(self._head(g))))
                 rows.append(self._input(out[-1], len(rows), g))
             return out
 

@@ -52,17 +52,8 @@ class QwenReference(Reference):
                        self._norm(prev, self.w["pre_fc_norm_hidden.weight"])])
         return x @ self.w["fc.weight"].T
 
-    def drafts(self, context: list[int], k: int) -> list[int]:
-        with torch.no_grad():
-            h = self.target.model(torch.tensor([context[:-1]])).last_hidden_state[0]  # normed
-            rows = [self._input(context[i + 1], i, h[i]) for i in range(len(context) - 1)]
-            out = []
-            for _ in range(k):
-                g = self._layer(torch.stack(rows))[-1]
-                logits = self._norm(g, self.w["norm.weight"]) @ self.full.lm_head.weight.T
-                out.append(int(torch.argmax(logits)))
-                rows.append(self._input(out[-1], len(rows), g))
-            return out
+    def _head(self, g):
+        return self._norm(g, self.w["norm.weight"]) @ self.full.lm_head.weight.T  # (the model's head)
 
 
 def save_qwen3_next_with_mtp(path) -> QwenReference:

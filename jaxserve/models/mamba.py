@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,30 +111,22 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     with each sequence's slot holding its states after this step. A decode step's states step at once; other steps' tokens are scanned by
     `chunked_scan` (`chunked`: the Pallas backends', for a GPU) or `token_scan` (the CPU's XLA backend: on 2 cores
     5x faster at Granite-4.0-H-Tiny's shapes, bench/hybrid_scan.py)."""
-    T, S = h.shape[0], inputs.seq_lens.shape[0]
-    qsl, slots = inputs.query_start_loc, inputs.state_slots
-    if slots is None or conv is None:
-        raise ValueError("a hybrid model's step needs each sequence's state slot (ModelInputs.state_slots) and the "
-                         "state pools (KVCache.allocate with state_slots)")
-    q_len = qsl[1:] - qsl[:-1]
-    fresh = inputs.seq_lens - q_len == 0  # [S]: the sequence starts here (position 0)
-    tok = jnp.arange(T, dtype=jnp.int32)
-    real = tok < qsl[S]
-    seq = jnp.minimum(jnp.sum(tok[:, None] >= qsl[None, 1:], axis=1), S - 1)  # each token's sequence
-    i = tok - qsl[seq]  # each token's place in its sequence's chunk
+    T = h.shape[0]
+    r = ragged_tokens(inputs, T, conv)
+    qsl = inputs.query_start_loc
 
     proj = jnp.dot(h, lp.m_in, preferred_element_type=jnp.float32)
     if lp.m_in_b is not None:
         proj = proj + lp.m_in_b.astype(jnp.float32)
     if m.kind == "short_conv":  # LFM2's: C * conv(B * x), no scan
         b, c, x = proj[:, :m.inner], proj[:, m.inner:2 * m.inner], proj[:, 2 * m.inner:]
-        acc, conv = _causal_conv(m, lp, b * x, conv, slots, fresh, q_len, qsl, seq, i, tok)
+        acc, conv = _causal_conv(m, lp, b * x, conv, r, qsl)
         out = jnp.dot((c * acc).astype(h.dtype), lp.m_out, preferred_element_type=jnp.float32)
         if lp.m_out_b is not None:
             out = out + lp.m_out_b.astype(jnp.float32)
         return out.astype(h.dtype), conv, ssm
     z, xbc, dt = proj[:, :m.inner], proj[:, m.inner:m.inner + m.conv_dim], proj[:, m.inner + m.conv_dim:]
-    acc, conv = _causal_conv(m, lp, xbc, conv, slots, fresh, q_len, qsl, seq, i, tok)
+    acc, conv = _causal_conv(m, lp, xbc, conv, r, qsl)
     xbc_out = jax.nn.silu(acc)
 
     H, P, N, G = m.num_heads, m.head_dim, m.state_size, m.n_groups
@@ -145,14 +138,12 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     dx = dt[:, :, None] * x  # [T, H, P]
 
     if inputs.decode:  # one token per sequence, token t of sequence t: every state steps at once
-        start = jnp.where(fresh[:, None, None, None], 0.0, ssm[slots].astype(jnp.float32))
+        start = jnp.where(r.fresh[:, None, None, None], 0.0, ssm[r.slots].astype(jnp.float32))
         states = start * jnp.exp(log_decay)[:, :, None, None] + dx[..., None] * B[:, :, None, :]
         y = jnp.einsum("thpn,thn->thp", states, C)
-        ssm = ssm.at[slots].set(states.astype(ssm.dtype))
+        ssm = ssm.at[r.slots].set(states.astype(ssm.dtype))
     else:  # each sequence from its slot's state, its last one written back
-        own = jnp.where(real, seq, S + tok)  # (each padding token a sequence of its own, in slot 0)
-        y, ssm = (chunked_scan if chunked else token_scan)(log_decay, dx, B, C, own, jnp.where(real, slots[seq], 0),
-                               fresh[seq] | ~real, (tok == qsl[seq + 1] - 1) | ~real, ssm)
+        y, ssm = (chunked_scan if chunked else token_scan)(log_decay, dx, B, C, *r.scan, ssm)
     y = (y + lp.m_d[:, None] * x).reshape(T, m.inner)
 
     # The norm of y gated by z, over each group's channels, then the output projection.
@@ -165,13 +156,44 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
     return out.astype(h.dtype), conv, ssm
 
 
-def _causal_conv(m: MambaConfig, lp: LayerParams, xbc: jax.Array, conv: jax.Array, slots: jax.Array,
-                 fresh: jax.Array, q_len: jax.Array, qsl: jax.Array, seq: jax.Array, i: jax.Array,
-                 tok: jax.Array) -> tuple[jax.Array, jax.Array]:
+class RaggedTokens(NamedTuple):
+    """Where the tokens of a hybrid model's step sit: per sequence its state slot, query length and whether it starts
+    at position 0 (`fresh`); per token its index, its sequence and its place in that sequence's chunk; and `scan`,
+    per token (its sequence, contiguous, each padding token one of its own; its slot, 0 for padding; whether it
+    starts from zero; whether its state is written back, after its sequence's last token) as the scans take them."""
+
+    slots: jax.Array
+    q_len: jax.Array
+    fresh: jax.Array
+    tok: jax.Array
+    seq: jax.Array
+    i: jax.Array
+    scan: tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def ragged_tokens(inputs: ModelInputs, T: int, conv: jax.Array | None) -> RaggedTokens:
+    """`RaggedTokens` of a step of T tokens; ValueError without the state slots or pools (`conv`)."""
+    S, qsl, slots = inputs.seq_lens.shape[0], inputs.query_start_loc, inputs.state_slots
+    if slots is None or conv is None:
+        raise ValueError("a hybrid model's step needs each sequence's state slot (ModelInputs.state_slots) and the "
+                         "state pools (KVCache.allocate with state_slots)")
+    q_len = qsl[1:] - qsl[:-1]
+    fresh = inputs.seq_lens - q_len == 0  # [S]: the sequence starts here (position 0)
+    tok = jnp.arange(T, dtype=jnp.int32)
+    real = tok < qsl[S]
+    seq = jnp.minimum(jnp.sum(tok[:, None] >= qsl[None, 1:], axis=1), S - 1)  # each token's sequence
+    scan = (jnp.where(real, seq, S + tok), jnp.where(real, slots[seq], 0), fresh[seq] | ~real,
+            (tok == qsl[seq + 1] - 1) | ~real)
+    return RaggedTokens(slots, q_len, fresh, tok, seq, tok - qsl[seq], scan)
+
+
+def _causal_conv(m: MambaConfig, lp: LayerParams, xbc: jax.Array, conv: jax.Array, r: RaggedTokens,
+                 qsl: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The causal depthwise convolution of `xbc` [T, channels] over a ragged batch (before any activation), and the
     pool `conv` with each sequence's slot holding its last K - 1 inputs. Tap j reads the input K - 1 - j tokens
     back, from the chunk or from the slot's state, both gathered at once from the step's inputs followed by every
     sequence's state."""
+    slots, fresh, q_len, seq, i, tok = r.slots, r.fresh, r.q_len, r.seq, r.i, r.tok
     T, S, K = xbc.shape[0], slots.shape[0], m.conv_kernel
     prev = jnp.where(fresh[:, None, None], 0.0, conv[slots].astype(jnp.float32))  # [S, C, K - 1]
     inputs_then_states = jnp.concatenate([xbc, jnp.swapaxes(prev, 1, 2).reshape(S * (K - 1), -1)])
@@ -244,16 +266,35 @@ def chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array
     [chunk, chunk] matrix per head); a run's state after its last token in the chunk is its starting state decayed,
     plus each of its tokens' dx_s B_s decayed to that token (a sum by run), and no token's state is formed
     otherwise. That state of the chunk's last run passes to the next chunk, where its sequence goes on."""
-    T, H, P = dx.shape
-    N = B.shape[-1]
+    def body(w, lead, init, u, b, c):
+        y = (jnp.einsum("tsh,shp->thp", w * jnp.einsum("thn,shn->tsh", c, b), u)
+             + lead[:, :, None] * jnp.einsum("thn,thpn->thp", c, init))
+        return y, u, b
+
+    return chunk_scan(body, log_decay, (dx, B, C), seq, slot, fresh, last, pool, chunk)
+
+
+def chunk_scan(body: Callable, log_decay: jax.Array, xs: tuple, seq: jax.Array, slot: jax.Array, fresh: jax.Array,
+               last: jax.Array, pool: jax.Array, chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """A linear recurrence over a ragged batch, `chunk` tokens a step (`chunked_scan`'s, the gated delta rule's):
+    the outputs [T, H, P] and the pool with each sequence's state after its last token (`last`) in its slot. Per
+    chunk it finds each token's run (its sequence's tokens in the chunk), the run's start state (the previous
+    chunk's last where the sequence goes on, else zero (`fresh`) or its slot's) and calls `body(w, lead, init, *x)`
+    with w [t, s, H] the decay from token s to t within a run (exp of the sum of `log_decay` over (s, t]; 0 across
+    runs and for s > t), lead [Q, H] each token's decay since its run's start, init [Q, H, P, N] its run's start
+    state and x the chunk's `xs`: it returns the outputs [Q, H, P] and what each token writes to the state, u [Q, H,
+    P] and k [Q, H, N] (u k^T); a run's state after its last token is its start state decayed plus those writes,
+    each decayed from its token. No other token's state is formed."""
+    T, H = log_decay.shape
+    P, N = pool.shape[2], pool.shape[3]
     Q = math.gcd(T, chunk)
     idx = jnp.arange(Q)
     causal = idx[:, None] >= idx[None, :]
     starts_before = jnp.concatenate([jnp.zeros(1, bool), seq[1:] == seq[:-1]]) & (jnp.arange(T) % Q == 0)
 
-    def step(carry, xs):
+    def step(carry, x):
         h_in, pool = carry  # the state after the previous chunk's last token [H, P, N]
-        a, u, b, c, sq, sl, fr, la, before = xs
+        a, sq, sl, fr, la, before, *rest = x
         acum = jnp.cumsum(a, axis=0)  # [Q, H]
         start, end = (idx == 0) | (sq != jnp.roll(sq, 1)), (idx == Q - 1) | (sq != jnp.roll(sq, -1))
         run = jnp.cumsum(start) - 1  # [Q]: each token's run
@@ -265,15 +306,14 @@ def chunked_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array
                          jnp.where(fr[:, None, None, None], 0.0, pool[sl].astype(jnp.float32)))  # [Q, H, P, N]
         same = causal & (sq[:, None] == sq[None, :])
         w = jnp.exp(jnp.where(same[:, :, None], acum[:, None, :] - acum[None, :, :], -jnp.inf))  # [t, s, H]
-        y = (jnp.einsum("tsh,shp->thp", w * jnp.einsum("thn,shn->tsh", c, b), u)
-             + jnp.exp(acum - base)[:, :, None] * jnp.einsum("thn,thpn->thp", c, init))
+        y, u, k = body(w, jnp.exp(acum - base), init, *rest)
         # Each run's state after its last token in the chunk, on each of its tokens' rows.
-        own = jnp.exp(acum[final] - acum)[:, :, None, None] * u[..., None] * b[:, :, None, :]
+        own = jnp.exp(acum[final] - acum)[:, :, None, None] * u[..., None] * k[:, :, None, :]
         ends = (jnp.exp(acum[final] - base)[:, :, None, None] * init
                 + jax.ops.segment_sum(own, run, num_segments=Q)[run])
         pool = pool.at[jnp.where(la, sl, pool.shape[0])].set(ends.astype(pool.dtype), mode="drop")
         return (ends[-1], pool), y
 
-    chunks = [x.reshape(T // Q, Q, *x.shape[1:]) for x in (log_decay, dx, B, C, seq, slot, fresh, last, starts_before)]
+    chunks = [x.reshape(T // Q, Q, *x.shape[1:]) for x in (log_decay, seq, slot, fresh, last, starts_before, *xs)]
     (_, pool), y = jax.lax.scan(step, (jnp.zeros((H, P, N), jnp.float32), pool), chunks)
     return y.reshape(T, H, P), pool
