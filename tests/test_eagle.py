@@ -32,7 +32,7 @@ from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.loader.keymap import CheckpointError  # noqa: E402
 from jaxserve.speculative_config import SpeculativeConfig  # noqa: E402
 from tests.test_draft_model import _with_tokenizer  # noqa: E402
-from tests.test_model_families import TINY, save_tiny_hf  # noqa: E402
+from tests.test_model_families import save_tiny_hf  # noqa: E402
 from tests.test_mtp import (  # noqa: E402
     ARGS,
     PROMPTS,
@@ -145,12 +145,13 @@ class Reference:
             return drafts
 
 
-def save_head(kind: str, path, target, layers: int = 1, hass: bool = False, layernorms: bool = True) -> Reference:
+def save_head(kind: str, path, target, layers: int = 1, hass: bool = False, layernorms: bool = True,
+              aux: tuple[int, ...] | None = None) -> Reference:
     """A head of `kind` (`HEADS`) for `target` at `path`, of `layers` decoder layers (`hass`: an EAGLE head with
     HASS' norms of the embedding and the hidden state; `layernorms`: speculators' EAGLE head with its norms): it
     mostly drafts the token it reads again (its `fc` passes the hidden state entering the target's last layer, led by
-    the token's embedding)."""
-    E, V = TINY["hidden_size"], TINY["vocab_size"]
+    the token's embedding; `aux`: the target's layers an EAGLE-3 head reads, by default three of `_target`'s five)."""
+    E, V = target.config.hidden_size, target.config.vocab_size
     rng = np.random.default_rng({"eagle3": 7, "eagle3_speculators": 8, "eagle": 9, "eagle_speculators": 10}[kind])
     layer_cfg = dict(hidden_size=E, intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=V,
@@ -167,7 +168,7 @@ def save_head(kind: str, path, target, layers: int = 1, hass: bool = False, laye
     embed = target.model.embed_tokens.weight.detach().numpy()
     if method == "eagle3":
         layer.update({"input_layernorm.weight": norm(), "hidden_norm.weight": norm()})
-        aux = (1, 3, LAYERS - 1) if kind == "eagle3" else (2, 3, LAYERS - 1)
+        aux = aux or ((1, 3, LAYERS - 1) if kind == "eagle3" else (2, 3, LAYERS - 1))
         fc = np.concatenate([r(E, E, s=0.02), r(E, E, s=0.02), np.eye(E, dtype=np.float32)], 1)
         keep = np.asarray([i for i in range(V) if not 20 <= i < 38])  # (ids the target writes here kept)
         w = {"fc.weight": fc, "norm.weight": norm(), "lm_head.weight": embed[keep].copy(),

@@ -133,3 +133,20 @@ def test_warmed_up_sampled_and_preempted(tiny):
     assert engine.num_preemptions > 0 and engine.drafter.counters.spec_num_accepted_tokens > 10
     assert engine.draft.compilations_after_warmup == 0 and engine.runner.compilations_after_warmup == 0
     engine.check_integrity()
+
+
+def test_an_eagle3_head_drafts_for_the_hybrid_model(tiny, tmp_path, monkeypatch):
+    """An EAGLE-3 head on the hybrid model: its steps keep the hidden states entering three of its layers (DeltaNet
+    and attention layers alike), the head drafts from them, drafts verified as chunks: every proposal the torch
+    reference's (transformers' hidden states of the Qwen3-Next model), the outputs those of decoding without drafts."""
+    from jaxserve.engine.eagle import EagleDraft
+    from tests.test_eagle import save_head
+
+    path, ref = tiny
+    head = save_head("eagle3", str(tmp_path / "head"), ref.target, aux=(0, 2, 3))  # (DeltaNet layers, attention's)
+    want = _serve(LLMEngine(EngineArgs(model=path, **ARGS), progress=False), PROMPTS)
+    engine = LLMEngine(EngineArgs(model=path, speculative_config={"method": "eagle3", "model": str(tmp_path / "head"),
+                                                                 "num_speculative_tokens": 3},
+                                  enable_prefix_caching=True, **ARGS), progress=False)
+    assert engine.runner.cfg.hidden_layers == head.aux == (0, 2, 3) and engine.args.speculative_config.chunked
+    check_drafts(engine, EagleDraft, monkeypatch, want, head.drafts, 3, accepted=5)  # (9 taken of 49)

@@ -1,7 +1,6 @@
 """Serving a hybrid model (Mamba-2 layers beside attention: `ModelConfig.mamba`): a state slot per running request,
 a backup slot each for speculative decoding's rejected drafts, snapshot slots for the prefix cache (`state_cache`),
-and the drafters not served with one (EAGLE's, and MTP's but for Qwen3-Next's and Qwen3.5's own layer), refused by
-name."""
+and the drafters not served with one (MTP's but for Qwen3-Next's and Qwen3.5's own layer), refused by name."""
 
 from __future__ import annotations
 
@@ -30,10 +29,10 @@ def hybrid_args(args: EngineArgs, cfg: ModelConfig) -> EngineArgs:
         return args
     spec = args.speculative_config
     mtp = spec is not None and spec.method == "mtp" and cfg.family in GATED_DELTA_FAMILIES  # (its own MTP layer)
-    if spec is not None and spec.method not in ("ngram", "suffix", "draft_model") and not mtp:
+    if spec is not None and spec.method not in ("ngram", "suffix", "draft_model", "eagle", "eagle3") and not mtp:
         raise UnsupportedModelError(f"speculative decoding by {spec.method} is not supported for a hybrid (Mamba) "
-                                    "model (ngram, suffix and draft-model drafts are; Qwen3-Next's and Qwen3.5's "
-                                    "MTP layer too)")
+                                    "model (ngram, suffix, draft-model and EAGLE drafts are; Qwen3-Next's and "
+                                    "Qwen3.5's MTP layer too)")
     if spec is not None and not spec.chunked:
         args = dataclasses.replace(args, speculative_config=dataclasses.replace(spec, draft_verification="chunks"))
     if args.is_pooling:

@@ -310,7 +310,7 @@ def forward(
         add = (layer < cfg.deepstack_layers) & inputs.image_mask
         return (x + jnp.where(add[:, None], jax.lax.dynamic_index_in_dim(deep, i, 1, False).astype(x.dtype), 0), *rest)
 
-    kept = KeptLayers(aux_layers, L)  # the hidden states entering `aux_layers`, carried beside (x, k, v)
+    kept = KeptLayers(aux_layers, cfg.num_layers)  # the states entering `aux_layers`, carried beside (x, k, v)
 
     def run(layer_fn, carry, layer):  # one layer over (x, k, v[, kept])
         carry = kept.keep(carry, layer)
@@ -332,7 +332,7 @@ def forward(
     elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
         carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
             cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype, False,
-            mixer=mixer)[0], chunked=backend != "xla")
+            mixer=mixer)[0], chunked=backend != "xla", keep=kept.keep)
         kv = dataclasses.replace(kv, conv=conv, ssm=ssm)
     elif cfg.uniform_layers:
         first = 0
@@ -357,7 +357,7 @@ def forward(
         carry = jax.lax.fori_loop(0, L // period, group, carry)
         for layer in range(L // period * period, L):  # past the last whole group
             carry = one(layer, layer, carry)
-    carry = kept.keep(carry, L)
+    carry = kept.keep(carry, cfg.num_layers)
     x, k_all, v_all = carry[:3]
     with jax.named_scope("lm_head"):
         logits = lm_head(params, cfg, x[inputs.logits_indices])  # [R, V]

@@ -65,18 +65,21 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
 
 
 def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Array, ssm: jax.Array,
-                  inputs: ModelInputs, layer: Callable, chunked: bool) -> tuple[tuple, jax.Array, jax.Array]:
+                  inputs: ModelInputs, layer: Callable, chunked: bool,
+                  keep: Callable = lambda carry, i: carry) -> tuple[tuple, jax.Array, jax.Array]:
     """Every layer of a hybrid model in order, unrolled: `layer(i, lp, carry, index, mixer)` runs layer i (its
     `LayerParams` lp) over `carry` (x, k, v), or with `mixer` over (x, conv, ssm), `index` its place among the
     attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools. `chunked`:
     the prompt tokens' scan by `chunked_scan`, else `token_scan`. A layer of an MLP alone runs with `NO_MIXER`; a
-    layer without an MLP gets no MLP weights."""
+    layer without an MLP gets no MLP weights. `carry` may hold a fourth part, the states entering some layers, which
+    `keep(carry, i)` (`KeptLayers.keep`) writes before layer i (an EAGLE-3 draft's inputs)."""
     from jaxserve.models.gated_delta import gated_delta_mixer
 
     mix = gated_delta_mixer if cfg.mamba.kind == "gated_delta" else mamba_mixer
-    x, k, v = carry
+    x, k, v, *kept = carry
     a = j = f = 0
     for i in range(cfg.num_layers):
+        x, k, v, *kept = keep((x, k, v, *kept), i)
         lp = jax.tree.map(lambda w, i=i: w[i], params.layers)
         if i < cfg.first_dense_layers:  # (a dense first layer's MLP)
             fp = jax.tree.map(lambda w, i=i: w[i], params.dense_layers)
@@ -101,7 +104,7 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
             lp = dataclasses.replace(lp, **{name: getattr(ap, name) for name in ATTENTION_FIELDS})
             x, k, v = layer(i, lp, (x, k, v), a, None)
             a += 1
-    return (x, k, v), conv, ssm
+    return (x, k, v, *kept), conv, ssm
 
 
 def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInputs, conv: jax.Array,
