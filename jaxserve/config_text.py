@@ -33,7 +33,7 @@ def is_qwen_vl(d: dict[str, Any]) -> bool:
 _NESTED_TEXT = {"InternVLForConditionalGeneration": ("internvl", "qwen2", True),
                 "Idefics3ForConditionalGeneration": ("idefics3", "llama", False),
                 "SmolVLMForConditionalGeneration": ("smolvlm", "llama", False),
-                # (Qwen3.5's served as text: its vision tower is not read)
+                # (Qwen3.5's: its tower, Qwen3-VL's, read by `models.vision_qwen2`)
                 "Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5_text", False),
                 "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "qwen3_5_moe_text", False)}
 

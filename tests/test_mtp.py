@@ -273,7 +273,7 @@ def test_config_and_refusals(tiny, tmp_path):
             json.dump({**config, **changes}, f)
         return target
 
-    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0"):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers or mtp_num_hidden_layers is 0"):
         LLMEngine(EngineArgs(model=edited("none", num_nextn_predict_layers=0), speculative_config=SPEC, **ARGS),
                   progress=False)
     n = json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"]

@@ -169,3 +169,20 @@ def test_qwen3_5_moe_packed_experts_read_as_one_by_one(tmp_path_factory, tmp_pat
     again = load_params(ckpt, ckpt.config(), jnp.float32, progress=False)
     np.testing.assert_array_equal(np.asarray(again.layers.we_gate), np.asarray(params.layers.we_gate))
     np.testing.assert_array_equal(np.asarray(again.layers.we_down), np.asarray(params.layers.we_down))
+
+
+def test_a_gated_attention_layer_fused_as_the_cpu_lays_it_out(tmp_path_factory):
+    """Qwen3.5's MTP layer is a one-layer dense model of gated attention, which the CPU's unrolled layout fuses
+    (`unstack_layers(fuse=True)`: q with its gates, k and v in one matrix): the logits of the stacked layout."""
+    import dataclasses
+
+    import jax
+
+    from jaxserve.models.params import init_params, unstack_layers
+
+    cfg = dataclasses.replace(_build("qwen3_5", tmp_path_factory)[1], num_layers=1, mamba=None)
+    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
+    fused = unstack_layers(params, fuse=True)
+    assert fused.layers[0].wqkv is not None and fused.layers[0].wqkv.shape == (4 * 32 + 2 * 2 * 16, 64)
+    ids = PROMPTS[2]
+    np.testing.assert_allclose(prompt_logits(cfg, fused, ids), prompt_logits(cfg, params, ids), rtol=1e-4, atol=1e-4)

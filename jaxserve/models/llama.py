@@ -142,11 +142,11 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     num_pages = k_all.shape[0] // len(cfg.attention_layers)
     page_size = k_all.shape[1]
     if lp.wqkv is not None:
-        T, Hq, Hkv, D = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = project(h, lp.wqkv, _dot_out_major)  # [T, (Hq + 2 * Hkv) * D]
-        q = qkv[:, : Hq * D].reshape(T, Hq, D)
-        k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
-        v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
+        T, Hq, Hkv, D, Q = h.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads * cfg.q_head_dim
+        qkv = project(h, lp.wqkv, _dot_out_major)  # [T, Q + 2 * Hkv * D] (Q: the queries, and gates where gated)
+        q = qkv[:, :Q].reshape(T, Hq, cfg.q_head_dim)
+        k = qkv[:, Q: Q + Hkv * D].reshape(T, Hkv, D)
+        v = qkv[:, Q + Hkv * D:].reshape(T, Hkv, D)
     else:
         heads = functools.partial(jnp.einsum, "te,ehd->thd")
         q = project(h, lp.wq, heads)  # [T, Hq, D]

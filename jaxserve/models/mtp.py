@@ -62,11 +62,11 @@ def mtp_config(target: ModelConfig, layers: int) -> ModelConfig:
     if target.family not in MTP_FAMILIES:
         raise ValueError(f"speculative method 'mtp' drafts with a model's multi-token prediction layers, which "
                          f"jaxserve reads for DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 checkpoints; {target.family} "
-                         "has none here: use "
-                         "method 'ngram' or 'draft_model'")
+                         "has none here: use method 'ngram' or 'draft_model'")
     if layers < 1:
         raise ValueError("speculative method 'mtp' needs the model's multi-token prediction layers, and this "
-                         "checkpoint has none (its config's num_nextn_predict_layers is 0; a GGUF file: no "
+                         "checkpoint has none (its config's num_nextn_predict_layers or mtp_num_hidden_layers is 0; a "
+                         "GGUF file: no "
                          "blk.N.nextn tensors); use method 'ngram' or 'draft_model'")
     return dataclasses.replace(target, num_layers=1, first_dense_layers=0, tie_word_embeddings=False,
                                weight_quant=None, kv_cache_scales=False, mamba=None)  # (a hybrid's: an attention layer)

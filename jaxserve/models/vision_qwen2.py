@@ -1,6 +1,6 @@
-"""The vision side of Qwen2-VL, Qwen2.5-VL and Qwen3-VL (transformers' `Qwen2VisionTransformerPretrainedModel`,
-`Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`: what it adds in `models.vision_qwen3`), as pure
-functions.
+"""The vision side of Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (transformers'
+`Qwen2VisionTransformerPretrainedModel`, `Qwen2_5_VisionTransformerPretrainedModel`, `Qwen3VLVisionModel`: its
+additions in `models.vision_qwen3`), as pure functions.
 
 An image comes as `t * h * w` flattened patches (`jaxserve.images_qwen2.QwenImageProcessor`), ordered so that each
 `merge x merge` square of neighbouring patches is consecutive. A matrix embeds each patch (the checkpoint's Conv3d,
@@ -14,8 +14,7 @@ Compiled shapes stay bounded: the patches of one or more images are padded up to
 of two), and the images' structure travels as arrays, each patch's (row, column) and a segment id per attention
 kind: every layer attends within "same segment", a block of queries at a time (scores [heads, block, bucket]).
 transformers reorders the patches by window before its windowed layers and back after the merger; segments over
-the processor's order give the same result (windows hold whole merge groups). Padding patches have segment -1.
-"""
+the processor's order give the same result (windows hold whole merge groups). Padding patches have segment -1."""
 
 from __future__ import annotations
 
@@ -38,13 +37,12 @@ from jaxserve.models.vision_qwen2_layout import (  # noqa: F401 (here too)
     qwen_tokens,
 )
 
-QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl",
-                             "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
-                             "Qwen3VLForConditionalGeneration": "qwen3_vl",
-                             "Qwen3VLMoeForConditionalGeneration": "qwen3_vl",  # (the same tower)
-                             # Qwen3.5's: Qwen3-VL's without deepstack mergers
-                             "Qwen3_5ForConditionalGeneration": "qwen3_vl",
-                             "Qwen3_5MoeForConditionalGeneration": "qwen3_vl"}
+# (Qwen3-VL-MoE's tower is Qwen3-VL's; Qwen3.5's too, without its deepstack mergers)
+QWEN_VISION_ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration":
+                             "qwen2_5_vl", **dict.fromkeys(("Qwen3VLForConditionalGeneration",
+                                                             "Qwen3VLMoeForConditionalGeneration",
+                                                             "Qwen3_5ForConditionalGeneration",
+                                                             "Qwen3_5MoeForConditionalGeneration"), "qwen3_vl")}
 # transformers' Qwen2VLVisionConfig and Qwen2_5_VLVisionConfig defaults (Qwen2-VL's `hidden_size` is the merger's
 # output width; its blocks' width is `embed_dim`), then the top-level config's token ids.
 _DEFAULTS = {
@@ -128,8 +126,7 @@ class QwenVisionConfig:
         if variant is None:
             return None
         v = {**_DEFAULTS[variant], **{k: x for k, x in (d.get("vision_config") or {}).items() if x is not None}}
-        if any(a.startswith("Qwen3_5") for a in archs):
-            v["deepstack_visual_indexes"] = ()
+        v = {**v, "deepstack_visual_indexes": ()} if any(a.startswith("Qwen3_5") for a in archs) else v
         qwen2, is3 = variant == "qwen2_vl", variant == "qwen3_vl"
         sizes = {}
         for name in ("patch_size", "temporal_patch_size"):
