@@ -113,6 +113,11 @@ class ModelConfig:
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     v_head_dim: int = 0
+    # DeepSeek Sparse Attention (`config_mla.DSA_FAMILIES`; 0: none): an indexer of `index_heads` heads of
+    # `index_head_dim` dims picks the `index_topk` keys each token's MLA attends.
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
     mamba: MambaConfig | None = None  # a hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba`); None: none
 
     @property
@@ -185,9 +190,9 @@ class ModelConfig:
     @property
     def kv_cache_dims(self) -> tuple[int, int]:
         """The dims of a key's and of a value's page entries: an MLA model's pages hold its latent and rotary key
-        as keys, and no values (the latent serves as both)."""
+        (and its indexer's key) as keys, and no values (the latent serves as both)."""
         if self.kv_lora_rank:
-            return self.kv_lora_rank + self.rotary_dims, 0
+            return self.kv_lora_rank + self.rotary_dims + self.index_head_dim, 0
         return self.head_dim, self.head_dim
 
     @property

@@ -15,7 +15,10 @@ from typing import Any
 from jaxserve.config_fields import moe_fields
 from jaxserve.errors import UnsupportedModelError
 
-MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3")
+DSA_FAMILIES: tuple[str, ...] = ("deepseek_v32", "glm_moe_dsa")
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer picks the `index_topk` keys each token's MLA attends
+(`models.sparse_mla`); its one key per token rides in the token's page entry after the latent and rotary key."""
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", *DSA_FAMILIES)
 
 
 def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -23,15 +26,44 @@ def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     jaxserve does not implement by name."""
     if d.get("attention_bias"):
         raise UnsupportedModelError(f"{family} with attention_bias is not supported")
-    if family == "deepseek_v3" and d.get("rope_interleave", True) is False:
-        raise UnsupportedModelError("deepseek_v3 with rope_interleave false is not supported (its released "
+    if family != "deepseek_v2" and d.get("rope_interleave", True) is False:
+        raise UnsupportedModelError(f"{family} with rope_interleave false is not supported (its released "
                                     "checkpoints interleave the rotary pairs)")
     nope, rope, rank = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"]), int(d["kv_lora_rank"])
     if min(nope, rope, rank, int(d["v_head_dim"])) <= 0:
         raise UnsupportedModelError(f"{family} needs positive qk_nope_head_dim ({nope}), qk_rope_head_dim ({rope}), "
                                     f"kv_lora_rank ({rank}) and v_head_dim ({d['v_head_dim']})")
-    return dict(kv_lora_rank=rank, q_lora_rank=int(d.get("q_lora_rank") or 0), v_head_dim=int(d["v_head_dim"]),
-                head_dim=nope + rope, rotary_dim=rope)
+    fields = dict(kv_lora_rank=rank, q_lora_rank=int(d.get("q_lora_rank") or 0), v_head_dim=int(d["v_head_dim"]),
+                  head_dim=nope + rope, rotary_dim=rope)
+    return fields | (_dsa_fields(family, d) if family in DSA_FAMILIES else {})
+
+
+def _dsa_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The indexer's fields of a DeepSeek-V3.2 / GLM-5 config; GLM's layers that reuse an earlier layer's choice
+    (`indexer_types` "shared", as transformers derives them) and dense layers other than the first refused by name."""
+    L = int(d["num_hidden_layers"])
+    types = d.get("indexer_types")
+    if types is None and d.get("index_topk_pattern"):
+        types = ["full" if c == "F" else "shared" for c in d["index_topk_pattern"]]
+    elif types is None:
+        freq, offset = max(int(d.get("index_topk_freq", 1)), 1), int(d.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
+    if any(t != "full" for t in types):
+        raise UnsupportedModelError(f"{family} with layers sharing an earlier layer's top-k keys (indexer_types "
+                                    f"{types}) is not supported: every layer's indexer must be 'full'")
+    dense = int(d.get("first_k_dense_replace") or 0)
+    mlp_types = d.get("mlp_layer_types")
+    if mlp_types is not None and list(mlp_types) != ["dense"] * dense + ["sparse"] * (L - dense):
+        raise UnsupportedModelError(f"{family} mlp_layer_types {mlp_types} is not supported: dense layers first "
+                                    f"(first_k_dense_replace), then the experts'")
+    if not d.get("q_lora_rank"):
+        raise UnsupportedModelError(f"{family} needs q_lora_rank: its indexer reads the queries' bottleneck")
+    fields = dict(index_heads=int(d.get("index_n_heads", 64 if family == "deepseek_v32" else 32)),
+                  index_head_dim=int(d.get("index_head_dim", 128)), index_topk=int(d.get("index_topk", 2048)))
+    if min(fields.values()) <= 0 or fields["index_head_dim"] < int(d["qk_rope_head_dim"]):
+        raise UnsupportedModelError(f"{family} needs positive index_n_heads, index_head_dim and index_topk, and "
+                                    f"index_head_dim at least qk_rope_head_dim: {fields}")
+    return fields
 
 
 def check_mla(cfg: Any) -> None:
@@ -40,7 +72,15 @@ def check_mla(cfg: Any) -> None:
         raise UnsupportedModelError(f"an MLA model needs kv_lora_rank ({cfg.kv_lora_rank}) and v_head_dim "
                                     f"({cfg.v_head_dim}) both positive; any other model, both 0")
     if not cfg.kv_lora_rank:
+        if cfg.index_topk:
+            raise UnsupportedModelError("an indexer (index_topk) picks keys for an MLA model's attention only")
         return
+    index = (cfg.index_heads, cfg.index_head_dim, cfg.index_topk)
+    if (cfg.family in DSA_FAMILIES) != (min(index) > 0) or min(index) < 0 or (
+            cfg.index_topk and (cfg.index_head_dim < cfg.rotary_dims or not cfg.q_lora_rank)):
+        raise UnsupportedModelError(f"an indexer's heads, dims and top-k {index} must all be positive in "
+                                    f"{DSA_FAMILIES} (dims at least the rotary {cfg.rotary_dims}, with a query "
+                                    "bottleneck) and 0 elsewhere")
     if (cfg.family not in MLA_FAMILIES or not cfg.rotary_dim or cfg.rotary_dims >= cfg.head_dim
             or cfg.attention_bias or cfg.qk_norm or cfg.sliding_window):
         raise UnsupportedModelError(f"MLA (kv_lora_rank {cfg.kv_lora_rank}) needs {MLA_FAMILIES}, rotary dims "
@@ -58,7 +98,7 @@ def mla_moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
         first_dense_layers=int(d.get("first_k_dense_replace") or 0),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
-    if family == "deepseek_v3":
+    if family != "deepseek_v2":
         return dict(fields, router_scoring="sigmoid", router_bias=True, expert_groups=int(d.get("n_group") or 1),
                     expert_topk_groups=int(d.get("topk_group") or 1), norm_topk_prob=bool(d.get("norm_topk_prob", True)))
     method = d.get("topk_method", "greedy")
@@ -87,8 +127,10 @@ def mla_hf(cfg: Any) -> dict[str, Any]:
     d["n_shared_experts"] = shared
     if cfg.family == "deepseek_v2":
         d["topk_method"] = "group_limited_greedy" if cfg.expert_groups > 1 else "greedy"
-    else:
+    elif cfg.family == "deepseek_v3":
         d.update(rope_interleave=True, num_nextn_predict_layers=0)
+    else:
+        d.update(index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
     return d
 
 

@@ -21,6 +21,7 @@ from jaxserve.config import (
     INTERLEAVED_ROPE_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
@@ -104,8 +105,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{moe}.moe_statics.e_score_correction_bias" if ernie else f"{moe}.gate.e_score_correction_bias"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
-            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "deepseek_v2",
-                                                            "deepseek_v3", "nemotron_h") else "mlp.shared_expert"
+            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h",
+                                                            *MLA_FAMILIES) else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
@@ -276,7 +277,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     if m:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= cfg.num_layers:
-            if cfg.family in ("glm4_moe", "deepseek_v3"):  # multi-token prediction layers follow the model's (not read)
+            if cfg.family in ("glm4_moe", "deepseek_v3", *DSA_FAMILIES):  # multi-token prediction layers (not read)
                 return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
         dense = layer < cfg.first_dense_layers

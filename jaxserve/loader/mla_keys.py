@@ -4,6 +4,8 @@
 DeepSeek interleaves each rotary pair (dims 2i and 2i + 1 turn together, as the complex form of DeepSeek-V2
 writes it and `rope_interleave` of V3 says); the rotary rows of the query projection and of the rotary key are
 read into the half-split order the model turns (the scores are unchanged), and written back interleaved.
+DeepSeek-V3.2's indexer turns its first `qk_rope_head_dim` dims half-split, GLM-5's interleaved (read as V3.2's:
+its query rows, key rows and the key's LayerNorm alike).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from jaxserve.config import ModelConfig
 
 KV_B_RE = re.compile(r"^(model\.layers\.\d+\.self_attn\.kv_b_proj)\.weight$")
 _KV_B_PARTS = ("self_attn.kv_b_proj.k.weight", "self_attn.kv_b_proj.v.weight")
-MLA_FIELDS = ("wq", "wo", "wq_a", "q_a_norm", "wkv_a", "kv_a_norm", "w_uk", "w_uv")
+MLA_FIELDS = ("wq", "wo", "wq_a", "q_a_norm", "wkv_a", "kv_a_norm", "w_uk", "w_uv", "idx_wq", "idx_wk", "idx_k_norm",
+              "idx_k_norm_b", "idx_w")
 
 Spec = tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]
 
@@ -41,6 +44,27 @@ def kv_rows(w: np.ndarray, cfg: ModelConfig, back: bool = False) -> np.ndarray:
     return w[np.argsort(order) if back else order]
 
 
+def _index_order(cfg: ModelConfig, back: bool = False) -> np.ndarray:
+    """An indexer head's dims in the order the model reads them: GLM-5's leading rotary pairs half-split."""
+    Di, Dr = cfg.index_head_dim, cfg.rotary_dims
+    if cfg.family != "glm_moe_dsa":
+        return np.arange(Di)
+    order = np.concatenate([np.arange(0, Dr, 2), np.arange(1, Dr, 2), np.arange(Dr, Di)])
+    return np.argsort(order) if back else order
+
+
+def _indexer_targets(cfg: ModelConfig) -> dict[str, Spec]:
+    """DeepSeek Sparse Attention's indexer tensors (after `model.layers.{i}.self_attn.indexer.`)."""
+    E, Rq, Hi, Di, order = cfg.hidden_size, cfg.q_lora_rank, cfg.index_heads, cfg.index_head_dim, _index_order(cfg)
+    return {
+        "wq_b.weight": ("layers.idx_wq", lambda w: w.reshape(Hi, Di, Rq)[:, order].transpose(2, 0, 1), (Hi * Di, Rq)),
+        "wk.weight": ("layers.idx_wk", lambda w: w[order].T, (Di, E)),
+        "k_norm.weight": ("layers.idx_k_norm", lambda w: w[order], (Di,)),
+        "k_norm.bias": ("layers.idx_k_norm_b", lambda w: w[order], (Di,)),
+        "weights_proj.weight": ("layers.idx_w", lambda w: w.T, (Hi, E)),
+    }
+
+
 def mla_targets(cfg: ModelConfig) -> dict[str, Spec]:
     """A layer's attention tensors (after `model.layers.{i}.`) to our parameters."""
     E, Hq, D, Dr, R, Rq, Dv = (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank,
@@ -59,6 +83,8 @@ def mla_targets(cfg: ModelConfig) -> dict[str, Spec]:
         t["self_attn.q_b_proj.weight"] = ("layers.wq", lambda w: q_rows(w, cfg).T.reshape(Rq, Hq, D), (Hq * D, Rq))
     else:
         t["self_attn.q_proj.weight"] = ("layers.wq", lambda w: q_rows(w, cfg).T.reshape(E, Hq, D), (Hq * D, E))
+    if cfg.index_topk:
+        t |= {f"self_attn.indexer.{name}": spec for name, spec in _indexer_targets(cfg).items()}
     return t
 
 
@@ -88,6 +114,15 @@ def mla_hf_tensor(field: str, value: np.ndarray, cfg: ModelConfig) -> np.ndarray
         return value.reshape(-1, value.shape[-1])
     if field == "w_uv":
         return value.transpose(0, 2, 1).reshape(-1, value.shape[1])
+    back = _index_order(cfg, back=True)
+    if field == "idx_wq":
+        return value.transpose(1, 2, 0)[:, back].reshape(-1, value.shape[0])
+    if field == "idx_wk":
+        return value.T[back]
+    if field in ("idx_k_norm", "idx_k_norm_b"):
+        return value[back]
+    if field == "idx_w":
+        return value.T
     return value  # the norms
 
 

@@ -113,7 +113,7 @@ def kv_storage_bits(dtype) -> jnp.dtype | None:
     return None if dtype.itemsize >= 4 else jnp.dtype(f"uint{8 * dtype.itemsize}")
 
 
-def _read_pages(pool: jax.Array, pages: jax.Array, kv_dtype) -> jax.Array:
+def read_pages(pool: jax.Array, pages: jax.Array, kv_dtype) -> jax.Array:
     """The given pages of a pool in float32; a pool of raw bits is gathered as integers, then read as
     `kv_dtype`."""
     block = pool[pages]
@@ -176,8 +176,8 @@ def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, slidin
 
     def body(j, carry):
         pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [R, B]
-        k = _read_pages(k_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
-        v = k if v_pages is None else _read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
+        k = read_pages(k_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
+        v = k if v_pages is None else read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
         mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, sliding_window, last)
         # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
@@ -300,8 +300,8 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
 
             def block(j, carry):
                 pages = jax.lax.dynamic_slice_in_dim(table, j * B, B)  # [B]
-                k = _read_pages(k_pages, pages, kv_dtype).reshape(J, Hkv, D)
-                v = k if v_pages is None else _read_pages(v_pages, pages, kv_dtype).reshape(J, Hkv, D)
+                k = read_pages(k_pages, pages, kv_dtype).reshape(J, Hkv, D)
+                v = k if v_pages is None else read_pages(v_pages, pages, kv_dtype).reshape(J, Hkv, D)
                 kpos = j * J + jnp.arange(J, dtype=jnp.int32)
                 # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
                 v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)

@@ -9,7 +9,9 @@ output (in latent space: its first R dims; the rotary ones are dropped) goes thr
 
 On the `xla` backend the attention is the paged attention with the entries as keys and values; on the Pallas
 backends it is the latent attention kernel (`pallas_kernels.latent_attention`: the entries read once, as keys and
-as values; the Triton lowering on a GPU under the Mosaic GPU backends too, which have no latent form).
+as values; the Triton lowering on a GPU under the Mosaic GPU backends too, which have no latent form). With
+DeepSeek Sparse Attention (`cfg.index_topk`) each entry also holds the indexer's key, and each token attends only
+the keys its indexer picks (`models.sparse_mla`, on every backend).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from jaxserve.models.head_shards import on_head_shards
 from jaxserve.models.inputs import ModelInputs
 from jaxserve.models.lora import latent_lora, lora_deltas
 from jaxserve.models.ops import apply_rope, rms_norm
-from jaxserve.models.params import LayerParams
+from jaxserve.models.params import LayerParams, ParamInfo
 from jaxserve.models.quantized import project
+from jaxserve.models.sparse_mla import indexer, sparse_mla_attention
 
 
 def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
@@ -60,13 +63,23 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     if lora is not None:  # kv_b_proj's keys' delta, absorbed as its weights are
         q_latent = q_latent + latent_lora(q[..., : D - Dr], lora.a_kvb, lora.b_kvb, ls, D - Dr)
     q = jnp.concatenate([q_latent.astype(q.dtype), q_rot], axis=-1)  # [T, Hq, R + Dr]
+    parts = [latent[:, None, :], k_rot.astype(latent.dtype)]
+    if cfg.index_topk:  # (DeepSeek Sparse Attention: the indexer's key rides in the entry)
+        index_q, index_w, index_k = indexer(cfg, lp, h, h_q, cos, sin)
+        parts.append(index_k[:, None, :].astype(latent.dtype))
     # One entry per token, copied to each KV head a tensor-parallel mesh gives a device (`sharding.plan`).
-    entry = jnp.broadcast_to(jnp.concatenate([latent[:, None, :], k_rot.astype(latent.dtype)], axis=-1),
-                             (T, hkv, R + Dr))
+    entry = jnp.concatenate(parts, axis=-1)
+    entry = jnp.broadcast_to(entry, (T, hkv, entry.shape[-1]))
     slots = inputs.slot_mapping + layer * (num_pages * page_size)
     k_all, v_all = write_kv(k_all, v_all, entry, jnp.zeros((T, hkv, 0), entry.dtype), slots, kv_dtype)
     tables = inputs.block_tables + layer * num_pages
-    if backend == "xla":
+    if cfg.index_topk:
+        if inputs.last_key is not None:
+            raise ValueError("DeepSeek Sparse Attention has no spans attended both ways (last_key)")
+        out = sparse_mla_attention(q, index_q, index_w, k_all, tables, inputs.seq_lens, inputs.query_start_loc,
+                                   key_dim=R + Dr, value_dim=R, topk=cfg.index_topk, sm_scale=cfg.sm_scale,
+                                   kv_dtype=kv_dtype)
+    elif backend == "xla":
         out = paged_attention(
             "xla", q, k_all, None, tables, inputs.seq_lens, inputs.query_start_loc, sm_scale=cfg.sm_scale,
             decode=inputs.decode, kv_dtype=kv_dtype, last_key=inputs.last_key,
@@ -83,3 +96,29 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     if lora is not None:  # and its values'
         values = values + latent_lora(out.astype(h.dtype), lora.a_kvb, lora.b_kvb, ls, D - Dr, value=True)
     return values.astype(h.dtype).reshape(T, -1), k_all, v_all
+
+
+def declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
+    """`L` stacked layers' attention of an MLA model (`config_mla`) and their norms (the MLP declared after)."""
+    E, Hq, D, Dr, R, Rq = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank, cfg.q_lora_rank
+    Hi, Di = cfg.index_heads, cfg.index_head_dim
+    dsa = bool(cfg.index_topk)
+    return LayerParams(
+        attn_norm=ParamInfo((L, E), ("layers", "embed"), "ones"),
+        wq=ParamInfo((L, Rq or E, Hq, D), ("layers", "latent" if Rq else "embed", "q_heads", "head_dim")),
+        wk=None, wv=None,
+        wo=ParamInfo((L, Hq, cfg.v_head_dim, E), ("layers", "q_heads", "head_dim", "embed")),
+        mlp_norm=ParamInfo((L, E), ("layers", "embed"), "ones"),
+        wq_a=ParamInfo((L, E, Rq), ("layers", "embed", "latent")) if Rq else None,
+        q_a_norm=ParamInfo((L, Rq), ("layers", "latent"), "ones") if Rq else None,
+        wkv_a=ParamInfo((L, E, R + Dr), ("layers", "embed", "latent")),
+        kv_a_norm=ParamInfo((L, R), ("layers", "latent"), "ones"),
+        w_uk=ParamInfo((L, Hq, D - Dr, R), ("layers", "q_heads", "head_dim", "latent")),
+        w_uv=ParamInfo((L, Hq, R, cfg.v_head_dim), ("layers", "q_heads", "latent", "head_dim")),
+        # The indexer: every device holds it whole (its heads are summed into one score a key).
+        idx_wq=ParamInfo((L, Rq, Hi, Di), ("layers", "latent", None, "head_dim")) if dsa else None,
+        idx_wk=ParamInfo((L, E, Di), ("layers", "embed", "head_dim")) if dsa else None,
+        idx_k_norm=ParamInfo((L, Di), ("layers", "head_dim"), "ones") if dsa else None,
+        idx_k_norm_b=ParamInfo((L, Di), ("layers", "head_dim"), "zeros") if dsa else None,
+        idx_w=ParamInfo((L, E, Hi), ("layers", "embed", None), dtype=jnp.float32) if dsa else None,
+    )

@@ -1,4 +1,4 @@
-"""The small numerical pieces every decoder layer shares: RMSNorm and the rotary embedding's rotation."""
+"""The small numerical pieces decoder layers share: RMSNorm, LayerNorm and the rotary embedding's rotation."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm (weight and bias) computed in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -94,6 +94,12 @@ class LayerParams:
     kv_a_norm: Any = None
     w_uk: Any = None  # [L, Hq, D - Dr, R]: the keys' unrotated dims from the latent, absorbed into the queries
     w_uv: Any = None  # [L, Hq, R, Dv]: the values from the latent, applied to the attention's output
+    # ... and DeepSeek Sparse Attention's indexer (`models.sparse_mla`):
+    idx_wq: Any = None  # [L, Rq, Hi, Di]: its queries, from the queries' bottleneck
+    idx_wk: Any = None  # [L, E, Di]: its one key per token, LayerNormed by idx_k_norm, idx_k_norm_b [L, Di]
+    idx_k_norm: Any = None
+    idx_k_norm_b: Any = None
+    idx_w: Any = None  # [L, E, Hi] float32: each head's weight per token
     # A hybrid model's Mamba-2 mixer (`config_mamba.MambaConfig`; Lm stacked layers, `Params.mamba_layers`):
     m_in: Any = None  # [Lm, E, z + conv + heads]: the input projection (z, x B C, dt)
     m_in_b: Any = None  # [Lm, z + conv + heads]
@@ -160,7 +166,9 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
 
     norm: Init = "zeros" if cfg.family in UNIT_NORM_FAMILIES else "ones"
     if cfg.kv_lora_rank:
-        layers = _declare_mla(cfg, L)
+        from jaxserve.models.mla import declare_mla
+
+        layers = declare_mla(cfg, L)
     else:
         layers = LayerParams(
             attn_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms else None,
@@ -231,24 +239,6 @@ ATTENTION_FIELDS = ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k
 MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "router", "router_bias", "b_router", "we_gate",
               "we_up", "we_down", "we_latent_in", "we_latent_out", "be_gate", "be_up", "be_down", "ws_gate", "ws_up", "ws_down", "ws_mix",
               "xielu")
-
-
-def _declare_mla(cfg: ModelConfig, L: int) -> LayerParams:
-    """`L` stacked layers' attention of an MLA model (`config_mla`) and their norms (the MLP declared after)."""
-    E, Hq, D, Dr, R, Rq = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank, cfg.q_lora_rank
-    return LayerParams(
-        attn_norm=ParamInfo((L, E), ("layers", "embed"), "ones"),
-        wq=ParamInfo((L, Rq or E, Hq, D), ("layers", "latent" if Rq else "embed", "q_heads", "head_dim")),
-        wk=None, wv=None,
-        wo=ParamInfo((L, Hq, cfg.v_head_dim, E), ("layers", "q_heads", "head_dim", "embed")),
-        mlp_norm=ParamInfo((L, E), ("layers", "embed"), "ones"),
-        wq_a=ParamInfo((L, E, Rq), ("layers", "embed", "latent")) if Rq else None,
-        q_a_norm=ParamInfo((L, Rq), ("layers", "latent"), "ones") if Rq else None,
-        wkv_a=ParamInfo((L, E, R + Dr), ("layers", "embed", "latent")),
-        kv_a_norm=ParamInfo((L, R), ("layers", "latent"), "ones"),
-        w_uk=ParamInfo((L, Hq, D - Dr, R), ("layers", "q_heads", "head_dim", "latent")),
-        w_uv=ParamInfo((L, Hq, R, cfg.v_head_dim), ("layers", "q_heads", "latent", "head_dim")),
-    )
 
 
 def unstack_layers(params: Params, fuse: bool = False) -> Params:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.models.ops import layer_norm
 from jaxserve.models.vision_blocks import pixel_shuffle
 from jaxserve.models.vision_gemma3 import PROJECTION, SOFT_NORM, gemma3_fields, gemma3_project
 from jaxserve.models.vision_idefics3 import CONNECTOR, idefics3_fields
@@ -306,25 +307,18 @@ def _act(name: str, x: jax.Array) -> jax.Array:
     raise UnsupportedModelError(f"activation {name!r} is not supported in the vision tower")
 
 
-def _layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    mean = xf.mean(-1, keepdims=True)
-    var = jnp.square(xf - mean).mean(-1, keepdims=True)
-    return ((xf - mean) * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
-
-
 def _encoder_layer(cfg: VisionConfig, x: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
     """One pre-norm block over x [B, N, Hv]: every token attends to every other."""
     B, N, Hv = x.shape
     H = cfg.num_heads
-    h = _layer_norm(x, lp["ln1"], lp["ln1_b"], cfg.layer_norm_eps)
+    h = layer_norm(x, lp["ln1"], lp["ln1_b"], cfg.layer_norm_eps)
     q = (h @ lp["wq"] + lp["bq"]).reshape(B, N, H, -1)
     k = (h @ lp["wk"] + lp["bk"]).reshape(B, N, H, -1)
     v = (h @ lp["wv"] + lp["bv"]).reshape(B, N, H, -1)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * (Hv // H) ** -0.5
     attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v).reshape(B, N, Hv)
     x = x + attn @ lp["wo"] + lp["bo"]
-    h = _layer_norm(x, lp["ln2"], lp["ln2_b"], cfg.layer_norm_eps)
+    h = layer_norm(x, lp["ln2"], lp["ln2_b"], cfg.layer_norm_eps)
     return x + _act(cfg.hidden_act, h @ lp["fc1"] + lp["fc1_b"]) @ lp["fc2"] + lp["fc2_b"]
 
 
@@ -342,7 +336,7 @@ def encode_images(params: VisionParams, cfg: VisionConfig, pixels: jax.Array) ->
         x = jnp.concatenate([jnp.broadcast_to(params.class_embedding, (B, 1, x.shape[-1])), x], axis=1)
     x = x + params.positions
     if params.pre_norm is not None:
-        x = _layer_norm(x, *params.pre_norm, cfg.layer_norm_eps)
+        x = layer_norm(x, *params.pre_norm, cfg.layer_norm_eps)
 
     def step(x, lp):
         x = _encoder_layer(cfg, x, lp)
@@ -354,7 +348,7 @@ def encode_images(params: VisionParams, cfg: VisionConfig, pixels: jax.Array) ->
     hidden = [x if i == 0 else outs[i - 1] for i in cfg.feature_layers]
     feats = jnp.concatenate(hidden, axis=-1)
     if cfg.post_norm:  # on the last layer's output, the only one read
-        feats = _layer_norm(feats, *params.post_norm, cfg.layer_norm_eps)
+        feats = layer_norm(feats, *params.post_norm, cfg.layer_norm_eps)
     if cfg.projector == "gemma3":
         return gemma3_project(cfg, feats, params.soft_norm, params.proj1)
     if cfg.projector == "shuffle":

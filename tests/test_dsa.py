@@ -1,0 +1,216 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5: `config_mla.DSA_FAMILIES`, `models.sparse_mla`).
+
+The sparse attention against a numpy reference (every key scored, the best ones attended) over ragged batches of
+random pages; tiny random models of both families against transformers with a top-k of 6 keys a token, so prompts
+of 21-40 tokens attend sparsely (the logits of the dense attention are far from transformers'): logits, the
+engine's greedy tokens (chunked prefill, batched decode reading the indexer keys back from the pages, layers unrolled
+and scanned), a prefix hit against a miss, the checkpoint written back; the released configs' page entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig, UnsupportedModelError
+from jaxserve.models.attention import kv_storage_bits
+from jaxserve.models.inputs import KVCache
+from jaxserve.models.sparse_mla import sparse_mla_attention
+
+
+def _reference(q, iq, iw, pool, tables, seq_lens, qsl, key_dim, value_dim, topk, sm_scale):
+    """Per token, in numpy: every key it sees scored, the `topk` best attended (a pool of one KV head)."""
+    T, Hq, _ = q.shape
+    Di = pool.shape[-1] - key_dim
+    out = np.zeros((T, Hq, value_dim), np.float32)
+    for s in range(len(seq_lens)):
+        lo, hi = qsl[s], qsl[s + 1]
+        entries = pool[tables[s]].reshape(-1, pool.shape[-1])[: seq_lens[s]]
+        for t in range(lo, hi):
+            pos = seq_lens[s] - (hi - t)
+            keys = entries[: pos + 1]
+            scores = (iw[t][:, None] * np.maximum(iq[t] @ keys[:, key_dim:].T * Di ** -0.5, 0)).sum(0)
+            chosen = np.argsort(-scores, kind="stable")[:topk]
+            logits = (q[t] @ keys[chosen, :key_dim].T) * sm_scale
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            out[t] = (p / p.sum(-1, keepdims=True)) @ keys[chosen, :value_dim]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_sparse_attention_matches_reference(dtype, kv_heads):
+    """A mixed batch (a prompt chunk after a cached prefix, a whole prompt, two decode tokens; one sequence shorter
+    than the top-k) over shuffled pages of 4; pools in the engine's forms (bfloat16 as its bits, one entry copied
+    to each KV head)."""
+    rng = np.random.default_rng(0)
+    key_dim, value_dim, Di, Hq, Hi, topk, page_size = 12, 8, 16, 4, 3, 5, 4
+    seq_lens, q_lens = np.array([19, 9, 23, 3]), np.array([7, 9, 1, 1])
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(qsl[-1]) + 3  # (padding tokens)
+    pages = rng.permutation(np.arange(1, 40))
+    tables = np.zeros((4, 8), np.int32)
+    for s, n in enumerate(-(-seq_lens // page_size)):
+        tables[s, :n], pages = pages[:n], pages[n:]
+    pool = rng.normal(size=(40, page_size, key_dim + Di)).astype(np.float32)
+    q = rng.normal(size=(T, Hq, key_dim)).astype(np.float32)
+    iq, iw = rng.normal(size=(T, Hi, Di)).astype(np.float32), rng.normal(size=(T, Hi)).astype(np.float32)
+    pool, q, iq = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (pool, q, iq))
+    want = _reference(q, iq, iw, pool, tables, seq_lens, qsl, key_dim, value_dim, topk, 0.3)
+    stored = jnp.broadcast_to(jnp.asarray(pool, dtype)[:, :, None], (40, page_size, kv_heads, key_dim + Di))
+    stored = stored[:, :, 0] if kv_heads == 1 else stored
+    bits = kv_storage_bits(dtype)
+    if bits is not None:
+        stored = jax.lax.bitcast_convert_type(stored, bits)
+    got = sparse_mla_attention(jnp.asarray(q, dtype), jnp.asarray(iq, dtype), jnp.asarray(iw), stored,
+                               jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(qsl),
+                               key_dim=key_dim, value_dim=value_dim, topk=topk, sm_scale=0.3,
+                               kv_dtype=None if bits is None else dtype)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[: qsl[-1]], np.float32), want[: qsl[-1]], atol=tol, rtol=tol)
+    assert not np.asarray(got[qsl[-1]:]).any()  # padding tokens: zero
+    # The choice matters: attending all keys (a top-k past every length) gives other outputs.
+    dense = _reference(q, iq, iw, pool, tables, seq_lens, qsl, key_dim, value_dim, 64, 0.3)
+    assert np.abs(dense[: qsl[-1]] - want[: qsl[-1]]).max() > 0.1
+
+
+def test_released_configs_parse():
+    """DeepSeek-V3.2's config.json fields and transformers' GLM-5 defaults: 704-wide page entries (latent 512,
+    rotary key 64, indexer key 128), top-2048 keys a token."""
+    v32 = ModelConfig.from_hf({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
+        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "scoring_func": "sigmoid",
+        "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+        "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                         "beta_slow": 1, "original_max_position_embeddings": 4096}})
+    assert (v32.kv_cache_dims, v32.index_heads, v32.index_head_dim, v32.index_topk) == ((704, 0), 64, 128, 2048)
+    assert (v32.router_scoring, v32.expert_groups, v32.expert_topk_groups, v32.first_dense_layers) == (
+        "sigmoid", 8, 4, 3)
+    assert KVCache.bytes_per_page(v32, 64, jnp.bfloat16) == 61 * 64 * 704 * 2
+    transformers = pytest.importorskip("transformers")
+    glm5 = ModelConfig.from_hf(transformers.GlmMoeDsaConfig().to_dict())
+    assert (glm5.family, glm5.kv_cache_dims, glm5.index_heads, glm5.num_layers) == ("glm_moe_dsa", (704, 0), 32, 78)
+    assert ModelConfig.from_hf(glm5.to_hf()) == glm5
+
+
+def test_refusals():
+    transformers = pytest.importorskip("transformers")
+    d = transformers.GlmMoeDsaConfig(num_hidden_layers=4).to_dict()
+    with pytest.raises(UnsupportedModelError, match="indexer_types"):
+        ModelConfig.from_hf({**d, "indexer_types": ["full", "shared", "full", "shared"]})
+    with pytest.raises(UnsupportedModelError, match="mlp_layer_types"):
+        ModelConfig.from_hf({**d, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]})
+    with pytest.raises(UnsupportedModelError, match="q_lora_rank"):
+        ModelConfig.from_hf({**d, "q_lora_rank": None})
+    cfg = ModelConfig.from_hf(d)
+    with pytest.raises(UnsupportedModelError, match="indexer"):
+        dataclasses.replace(cfg, index_topk=0)
+    with pytest.raises(UnsupportedModelError, match="indexer"):
+        dataclasses.replace(cfg, index_head_dim=cfg.rotary_dims - 2)
+
+
+_TINY = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+             first_k_dense_replace=1, num_hidden_layers=3, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+             index_n_heads=8, index_head_dim=16, index_topk=6)
+FAMILIES = {"deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig"}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny_dsa(request, tmp_path_factory):
+    """(family, checkpoint path, transformers' model, our config, our params)."""
+    pytest.importorskip("torch")
+    from jaxserve.loader import HFDirectory, load_params
+    from tests.test_model_families import save_tiny_hf
+
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_hf(FAMILIES[request.param], path, **_TINY)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return request.param, path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def test_dsa_logits_match_transformers(tiny_dsa):
+    from tests.modelrun import prompt_logits
+    from tests.test_model_families import hf_logits, random_prompt, rel_err
+
+    family, _, model, cfg, params = tiny_dsa
+    assert (cfg.family, cfg.kv_cache_dims, cfg.index_topk) == (family, (56, 0), 6)
+    ids = random_prompt()
+    ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
+    assert rel_err(ours, ref) < 1e-4
+    # What the test would miss otherwise: the keys the indexer leaves out.
+    assert rel_err(prompt_logits(dataclasses.replace(cfg, index_topk=64), params, ids), ref) > 1e-3
+
+
+def test_dsa_checkpoint_written_back_reads_the_same(tiny_dsa):
+    """Our parameters as an HF checkpoint (GLM-5's indexer rows interleaved again) equal the checkpoint's own."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader.keymap import hf_tensors
+    from jaxserve.models.params import param_paths
+
+    _, path, _, cfg, params = tiny_dsa
+    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
+    assert set(written) == set(saved)
+    for name, t in written.items():
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def _engine(cfg, params, loop: str, prefix_caching: bool = False):
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.engine_args import EngineArgs
+    from tests.fake_model import fake_tokenizer
+
+    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
+                      dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop,
+                      enable_prefix_caching=prefix_caching)
+    return LLMEngine(args, loaded=loaded, progress=False)
+
+
+def test_dsa_engine_greedy_equals_transformers(tiny_dsa):
+    """Chunked prefill (21 tokens: 16 + 5) and batched decode over the pages' indexer keys, layers unrolled
+    (DeepSeek-V3.2) and scanned (GLM-5): transformers' tokens."""
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    family, _, model, cfg, params = tiny_dsa
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert _greedy(_engine(cfg, params, "unroll" if family == "deepseek_v32" else "scan")) == expected
+
+
+def test_dsa_prefix_hit_equals_miss(tiny_dsa):
+    """A prompt whose first two pages come from the prefix cache (their indexer keys too) gives a cold engine's
+    tokens."""
+    from jaxserve.sampling_params import SamplingParams
+    from tests.modelrun import drain
+
+    _, _, _, cfg, params = tiny_dsa
+    rng = np.random.default_rng(5)
+    shared = rng.integers(2, cfg.vocab_size, 16).tolist()
+    first, second = shared + rng.integers(2, cfg.vocab_size, 5).tolist(), shared + [7, 9, 11]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(engine, rid, prompt):
+        engine.add_request(rid, prompt, greedy)
+        return drain(engine)[rid]
+
+    warm = _engine(cfg, params, "unroll", prefix_caching=True)
+    run(warm, "a", first)
+    hit = run(warm, "b", second)
+    assert hit.metrics.num_cached_tokens == 16
+    miss = run(_engine(cfg, params, "unroll"), "b", second)
+    assert list(hit.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
