@@ -260,6 +260,14 @@ def test_ep_deepseek_v3_latent_attention_equals_unsharded(ep_results):
     assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
 
 
+def test_ep_deepseek_v32_sparse_attention_equals_unsharded(ep_results):
+    """DeepSeek-V3.2's sparse attention under EP=2 x TP=2: the indexer whole on each device, its keys in each
+    device's copy of the entries, the query heads split."""
+    r = ep_results["dsa_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["experts_per_device"] == 4
+    assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
+
+
 @pytest.mark.parametrize("name", ["pallas_gpt_oss", "pallas_mla"])
 def test_ep_kernels_on_each_devices_heads_equal_unsharded(ep_results, name):
     """The Pallas kernels (interpreted) at EP=2 x TP=2, each device on its own heads: gpt-oss's sinks split with

@@ -61,8 +61,8 @@ def mtp_config(target: ModelConfig, layers: int) -> ModelConfig:
     float), the checkpoint having `layers` of them; ValueError when the model has none."""
     if target.family not in MTP_FAMILIES:
         raise ValueError(f"speculative method 'mtp' drafts with a model's multi-token prediction layers, which "
-                         f"jaxserve reads for DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 checkpoints; {target.family} "
-                         "has none here: use method 'ngram' or 'draft_model'")
+                         f"jaxserve reads for DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 checkpoints; {target.family}'s "
+                         "are not read: use method 'ngram' or 'draft_model'")
     if layers < 1:
         raise ValueError("speculative method 'mtp' needs the model's multi-token prediction layers, and this "
                          "checkpoint has none (its config's num_nextn_predict_layers or mtp_num_hidden_layers is 0; a "

@@ -1,5 +1,5 @@
-"""The engine's jitted steps for a DeepSeek-V2-Lite-shaped model (multi-head latent attention), compiled for sm_90
-without a GPU.
+"""The engine's jitted steps for a DeepSeek-V2-Lite-shaped model (multi-head latent attention) and a DeepSeek-V3.2-shaped
+one (its sparse attention), compiled for sm_90 without a GPU.
 
 DeepSeek-V2-Lite's attention (16 heads; a 512-dim latent and a 64-dim rotary key per token, 576 wide in the pages;
 128 unrotated query dims absorbed into the latent, 128-dim values) on a dense layer and a MoE layer of 8 experts:
@@ -32,12 +32,23 @@ V2_LITE = ModelConfig.from_hf({
     "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                      "beta_slow": 1, "original_max_position_embeddings": 4096}})
 NUM_PAGES = 32768  # 16-token pages: 1.2 GB of bfloat16 latents over the 2 layers
+# DeepSeek-V3.2's attention (128 heads; the indexer's 64 heads of 128 dims, its key in the pages: 704 wide; the top
+# 2048 keys a token) on a dense layer and a MoE layer of 8 of its 256 experts: the sparse attention (in XLA).
+V32 = ModelConfig.from_hf({
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 2, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 8, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048, "max_position_embeddings": 163840,
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                     "beta_slow": 1, "original_max_position_embeddings": 4096}})
 
 
 @pytest.mark.gpu_compile
-def test_mla_steps_compile_for_sm90(spec):
-    cfg = V2_LITE
-    assert cfg.kv_cache_dims == (576, 0) and cfg.num_kv_heads == 1
+@pytest.mark.parametrize("cfg", [V2_LITE, V32], ids=["deepseek_v2", "deepseek_v32"])
+def test_mla_steps_compile_for_sm90(spec, cfg):
+    assert cfg.kv_cache_dims == ((704 if cfg.index_topk else 576), 0) and cfg.num_kv_heads == 1
     T, S = RC.token_buckets[-1], RC.max_num_seqs
     params = _abstract(spec, abstract_params(cfg, DTYPE))
     k_dim, v_dim = cfg.kv_cache_dims
@@ -51,12 +62,14 @@ def test_mla_steps_compile_for_sm90(spec):
     step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
                        want_top, pool_bytes=pool_bytes)
-    print(f"deepseek_v2 mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+    print(f"{cfg.family} mixed_step T={T} S={S}: compiled for sm_90 in {seconds:.1f} s")
+    if cfg.index_topk:  # (the decode loop's steps run the same sparse attention)
+        return
     loop = functools.partial(decode_loop, cfg=cfg, backend="pallas", top_k=RC.max_logprobs,
                              n_max=RC.num_scheduler_steps)
     seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, want_top,
                        pool_bytes=pool_bytes)
-    print(f"deepseek_v2 decode_loop S={S}: compiled for sm_90 in {seconds:.1f} s")
+    print(f"{cfg.family} decode_loop S={S}: compiled for sm_90 in {seconds:.1f} s")
 
 
 @pytest.mark.gpu_compile
