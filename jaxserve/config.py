@@ -22,7 +22,8 @@ _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", *MLA_FAMILIES, *GATED_DELTA_FAMILIES)
+                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", *MLA_FAMILIES,
+                                  *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
@@ -233,12 +234,12 @@ class ModelConfig:
     def qk_norm_heads(self) -> bool:
         """Whether q and k are normed over all their heads at once, one weight per head and dim (OLMo 2), rather
         than each head alike."""
-        return self.family in (*OLMO_FAMILIES, "olmoe")
+        return self.family in (*OLMO_FAMILIES, "olmoe", "minimax_m2")
 
     @property
     def qk_norm_weights_per_head(self) -> bool:
         """Whether the q and k norms have a weight per head and dim (OLMo 2; Command R+, each head normed apart)."""
-        return self.family in (*OLMO_FAMILIES, *COHERE_FAMILIES, "olmoe")
+        return self.family in (*OLMO_FAMILIES, *COHERE_FAMILIES, "olmoe", "minimax_m2")
 
     @property
     def gated_mlp(self) -> bool:
@@ -290,7 +291,7 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        d = fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d)))))
+        d = fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d))))))
         archs = d.get("architectures") or []
         family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
             or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -358,7 +359,8 @@ class ModelConfig:
                 and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
             mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
             or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", *OLMO_FAMILIES,
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", "minimax_m2",
+                               *OLMO_FAMILIES,
                                *GATED_DELTA_FAMILIES)
             or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
             rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),

@@ -63,6 +63,25 @@ def seed_oss(d: dict[str, Any]) -> dict[str, Any]:
     return {**d, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False}
 
 
+def minimax_m2(d: dict[str, Any]) -> dict[str, Any]:
+    """A MiniMax-M2 config with its rotary dims (the released configs' `rotary_dim`) as a partial rotary factor;
+    MiniMax's lightning-attention layers (`attn_type_list` 0) and routing other than sigmoid refused by name; any
+    other config as it is."""
+    if d.get("model_type") != "minimax_m2" and "MiniMaxM2ForCausalLM" not in (d.get("architectures") or []):
+        return d
+    if 0 in (d.get("attn_type_list") or ()):
+        raise UnsupportedModelError("MiniMax-M2 with lightning-attention layers (attn_type_list 0) is not supported")
+    if d.get("scoring_func", "sigmoid") != "sigmoid" or d.get("use_routing_bias") is False:
+        raise UnsupportedModelError(f"MiniMax-M2 with scoring_func {d.get('scoring_func')!r} or without its routing "
+                                    "bias is not supported")
+    if d.get("shared_intermediate_size"):
+        raise UnsupportedModelError("MiniMax-M2 with shared_intermediate_size is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if d.get("rotary_dim") and not d.get("partial_rotary_factor") and not rope.get("partial_rotary_factor"):
+        d = {**d, "partial_rotary_factor": d["rotary_dim"] / (d.get("head_dim") or 128)}
+    return d
+
+
 def exaone(d: dict[str, Any]) -> dict[str, Any]:
     """An EXAONE 3.0 / 3.5 config (LG's `ExaoneForCausalLM`: Llama's architecture under other names, full rotary
     dims whatever its `rotary_pct`, as its own code and llama.cpp's converter read it) as the Llama config it is,
@@ -154,14 +173,16 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         num_experts=d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0,
         num_experts_per_tok=d.get("num_experts_per_tok", 2),
         # Mixtral's and Granite's experts have the config's MLP width; the others declare theirs apart.
-        moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "gpt_oss", "olmoe")
+        moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "gpt_oss", "olmoe", "minimax_m2")
         or family.startswith("granite") else d["moe_intermediate_size"],
         # Granite, gpt-oss: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
-        norm_topk_prob=family in ("mixtral", "gpt_oss") or family.startswith("granite")
+        norm_topk_prob=family in ("mixtral", "gpt_oss", "minimax_m2") or family.startswith("granite")
         or bool(d.get("norm_topk_prob", False)),
         shared_expert_intermediate_size=d.get("shared_expert_intermediate_size" if family in (
             "qwen2_moe", *GATED_DELTA_FAMILIES) else "shared_intermediate_size") or 0,
     )
+    if family == "minimax_m2":  # sigmoid scores, a bias for choosing (as DeepSeek-V3's, in one group), renormalized
+        fields.update(router_scoring="sigmoid", router_bias=True)
     if family == "olmoe" and d.get("clip_qkv") is not None:
         raise UnsupportedModelError(f"OLMoE with clip_qkv ({d['clip_qkv']}) is not supported")
     if family == "ernie4_5_moe":
@@ -196,7 +217,7 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
 def moe_hf(cfg: Any) -> dict[str, Any]:
     """A MoE model's HF config keys (the inverse of `moe_fields`)."""
     d: dict[str, Any] = {"num_experts_per_tok": cfg.num_experts_per_tok}
-    if cfg.family in ("mixtral", "gpt_oss") or cfg.family.startswith("granite"):
+    if cfg.family in ("mixtral", "gpt_oss", "minimax_m2") or cfg.family.startswith("granite"):
         return {**d, "num_local_experts": cfg.num_experts, "intermediate_size": cfg.moe_intermediate_size}
     d.update(moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
     shared, rest = divmod(cfg.shared_expert_intermediate_size, cfg.moe_intermediate_size)

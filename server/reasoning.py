@@ -93,6 +93,13 @@ class KimiK2Parser(DeepSeekR1Parser):
         return self if chat_template_kwargs.get("thinking", True) else None
 
 
+class MiniMaxM2Parser(DeepSeekR1Parser):
+    """MiniMax-M2's replies begin in its thoughts (its template opens them), which end at `</think>`."""
+
+    name = "minimax_m2"
+    keeps_special_tokens = True  # (its markers are added tokens of its vocabulary)
+
+
 class DeepSeekV3Parser(DeepSeekR1Parser):
     name = "deepseek_v3"
 
@@ -158,7 +165,7 @@ class GptOssParser(ReasoningParser):
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (ApertusParser, DeepSeekR1Parser, Olmo3Parser, Exaone4Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
-                        GraniteParser, MistralParser, GptOssParser)}
+                        GraniteParser, MistralParser, GptOssParser, MiniMaxM2Parser)}
 
 
 def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams | None:

@@ -34,7 +34,7 @@ from server.marked_calls import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parse
 from server.py_calls import PythonCallReader
 from server.tool_parser_base import ToolParser, call_of, calls_of, json_calls, json_values
 from server.tool_stream import ParsedCall, Schemas, join_calls  # noqa: F401 (importable from here)
-from server.xml_calls import XmlCallReader, typed
+from server.xml_calls import MINIMAX, QWEN3_CODER, Tags, XmlCallReader, typed
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite",
                      "glm45", "seed_oss", "openai", "deepseek_v3", "deepseek_v31", "kimi_k2"]
@@ -151,8 +151,13 @@ class PythonicParser(ToolParser):
         return PythonCallReader(opened=opener == "[")
 
 
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+def _patterns(tags: Tags) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """A dialect's function and parameter (name, body) patterns, each ending where the format lets it end."""
+    e = re.escape
+    function = re.compile(rf"{e(tags.function)}([^>\n]+)>(.*?)(?:{e(tags.end_function)}|\Z)", re.S)
+    parameter = re.compile(rf"{e(tags.parameter)}([^>\n]+)>(.*?)(?:{e(tags.end_parameter)}|(?={e(tags.parameter)})|\Z)",
+                           re.S)
+    return function, parameter
 
 
 class Qwen3CoderParser(ToolParser):
@@ -162,19 +167,21 @@ class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
     openers = ("<tool_call>",)
     closer = "</tool_call>"
+    tags: Tags = QWEN3_CODER
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
-        if _FUNCTION.sub("", body).strip():
+        functions, parameters = _patterns(self.tags)
+        if functions.sub("", body).strip():
             return None  # text beside the functions: not this format
         calls = []
-        for fn in _FUNCTION.finditer(body):
-            name = fn.group(1).strip()
-            if not name or _PARAMETER.sub("", fn.group(2)).strip():
+        for fn in functions.finditer(body):
+            name = self.tags.name(fn.group(1))
+            if not name or parameters.sub("", fn.group(2)).strip():
                 return None  # text between the parameters
             props = (schemas.get(name) or {}).get("properties") or {}
             args = {}
-            for param in _PARAMETER.finditer(fn.group(2)):
-                key, value = param.group(1).strip(), param.group(2)
+            for param in parameters.finditer(fn.group(2)):
+                key, value = self.tags.name(param.group(1)), param.group(2)
                 value = value[1:] if value.startswith("\n") else value  # the newlines the format puts
                 value = value[:-1] if value.endswith("\n") else value  # around each value
                 args[key] = typed(value, props.get(key))
@@ -182,7 +189,7 @@ class Qwen3CoderParser(ToolParser):
         return calls or None
 
     def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
-        return XmlCallReader(schemas)
+        return XmlCallReader(schemas, self.tags)
 
 
 class SeedOssParser(Qwen3CoderParser):
@@ -192,6 +199,17 @@ class SeedOssParser(Qwen3CoderParser):
     openers = ("<seed:tool_call>",)
     closer = "</seed:tool_call>"
     keeps_special_tokens = True
+
+
+class MiniMaxM2Parser(Qwen3CoderParser):
+    """MiniMax-M2's: `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">VALUE</parameter>...</invoke>
+    </minimax:tool_call>`, values typed by the tool's parameter schema as Qwen3-Coder's."""
+
+    name = "minimax_m2"
+    openers = ("<minimax:tool_call>",)
+    closer = "</minimax:tool_call>"
+    tags = MINIMAX
+    keeps_special_tokens = True  # (its tags are added tokens of its vocabulary)
 
 
 _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -269,7 +287,8 @@ def _recipient(header: str) -> str:
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser,
                                                            Phi4MiniParser, PythonicParser, Qwen3CoderParser,
                                                            GraniteParser, Glm45Parser, SeedOssParser, OpenAIParser,
-                                                           DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser)}
+                                                           DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser,
+                                                           MiniMaxM2Parser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 
 

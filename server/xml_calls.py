@@ -4,7 +4,8 @@ writes them.
 The format: `<function=NAME>` then `<parameter=KEY>VALUE</parameter>` per argument, then `</function>`,
 one or more functions in a `<tool_call>` region; a value is bare text (code, a path, JSON) between a newline
 after its tag and one before its end, and ends at `</parameter>`, at the next `<parameter=`, at
-`</function>` or at the region's end. Values are typed by the tool's parameter schema (`typed`).
+`</function>` or at the region's end. Values are typed by the tool's parameter schema (`typed`). MiniMax-M2
+writes the same with its own tags (`MINIMAX`): `<invoke name="NAME">`, `<parameter name="KEY">`, `</invoke>`.
 
 `XmlCallReader` gives out a call once its first parameter begins (or, with none, once it ends): its name,
 then its arguments as the JSON object `json.dumps` writes. A string value (or one without a schema) goes
@@ -18,15 +19,38 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.detokenizer import partial_stop_suffix
 from server.json_calls import CallDelta, Reader, write_json_chars
 
-FUNCTION, END_FUNCTION = "<function=", "</function>"
-PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
-_VALUE_ENDS = (END_PARAMETER, PARAMETER, END_FUNCTION)
 _SPACE = " \t\n\r"
+
+
+@dataclass(frozen=True)
+class Tags:
+    """A dialect's tags: a function's and a parameter's opening (their name follows, up to `>`, in quotes where
+    `quoted`), and their ends."""
+
+    function: str = "<function="
+    end_function: str = "</function>"
+    parameter: str = "<parameter="
+    end_parameter: str = "</parameter>"
+    quoted: bool = False
+
+    @property
+    def value_ends(self) -> tuple[str, ...]:
+        return self.end_parameter, self.parameter, self.end_function
+
+    def name(self, text: str) -> str:
+        """A function's or parameter's name as written between its opening and `>`."""
+        text = text.strip()
+        return text[:-1] if self.quoted and text.endswith('"') else text
+
+
+QWEN3_CODER = Tags()
+MINIMAX = Tags('<invoke name="', "</invoke>", '<parameter name="', "</parameter>", quoted=True)
 
 
 def schema_type(schema: Any) -> str | None:
@@ -68,9 +92,10 @@ class XmlCallReader(Reader):
     """Qwen3-Coder's calls in one region (see the module docstring); `schemas` maps each tool's name to
     its parameters' JSON schema."""
 
-    def __init__(self, schemas: Mapping[str, Any]):
+    def __init__(self, schemas: Mapping[str, Any], tags: Tags = QWEN3_CODER):
         super().__init__()
         self.schemas = schemas
+        self.tags = tags
         self.state = "between"  # between | name | body | key | value
         self.text_of_state = ""  # the marker, name or key being read
         self.name = ""
@@ -102,26 +127,27 @@ class XmlCallReader(Reader):
             if ch != ">":
                 self.text_of_state += ch
             elif state == "name":
-                self.name, self.text_of_state = self.text_of_state.strip(), ""
+                self.name, self.text_of_state = self.tags.name(self.text_of_state), ""
                 if not self.name:
                     raise ValueError("a function without a name")
                 props = (self.schemas.get(self.name) or {}).get("properties")
                 self.state, self.params, self.props = "body", 0, props if isinstance(props, Mapping) else {}
             else:
-                self._begin_value(self.text_of_state.strip(), out)
+                self._begin_value(self.tags.name(self.text_of_state), out)
         elif not self.text_of_state and ch in _SPACE:
             pass
         else:  # a marker, between functions or between parameters
             self.clean = False
             self.text_of_state += ch
-            markers = (FUNCTION,) if state == "between" else (PARAMETER, END_FUNCTION)
+            tags = self.tags
+            markers = (tags.function,) if state == "between" else (tags.parameter, tags.end_function)
             if not any(m.startswith(self.text_of_state) for m in markers):
                 raise ValueError("text that is not this format")
-            if self.text_of_state == FUNCTION:
+            if self.text_of_state == tags.function:
                 self.state, self.text_of_state = "name", ""
-            elif self.text_of_state == PARAMETER:
+            elif self.text_of_state == tags.parameter:
                 self.state, self.text_of_state = "key", ""
-            elif self.text_of_state == END_FUNCTION:
+            elif self.text_of_state == tags.end_function:
                 self.text_of_state = ""
                 self._end_function(out)
         if self.state in ("body", "value") and self.open or self.state == "between" and state != "between":
@@ -145,16 +171,17 @@ class XmlCallReader(Reader):
         if not began and ch == "\n":
             return  # the newline after the tag
         self.value += ch
-        end = next((m for m in _VALUE_ENDS if self.value.endswith(m)), None)
+        ends = self.tags.value_ends
+        end = next((m for m in ends if self.value.endswith(m)), None)
         if end is not None:
             self._end_value(self.value[:-len(end)], out)
-            if end == PARAMETER:
+            if end == self.tags.parameter:
                 self.state = "key"
-            elif end == END_FUNCTION:
+            elif end == self.tags.end_function:
                 self._end_function(out)
             return
         if self.streams:  # give out all but what may be an end tag and the newline before it
-            hold = partial_stop_suffix(self.value, _VALUE_ENDS)
+            hold = partial_stop_suffix(self.value, ends)
             safe = self.value[:len(self.value) - hold]
             safe = safe[:-1] if safe.endswith("\n") else safe
             self._arguments(write_json_chars(safe), out)

@@ -81,6 +81,10 @@ FAMILIES = {
                                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                                                      "original_max_position_embeddings": 64}}),
+    # MiniMax-M2: q and k normed over all their heads, the first half of each head rotated (its released configs'
+    # `rotary_dim`); sigmoid scores with a bias for choosing, renormalized; Mixtral's tensor names.
+    "minimax_m2": ("MiniMaxM2Config", {**MOE, "num_local_experts": 8, "intermediate_size": 32, "head_dim": 16,
+                                       "rotary_dim": 8}),
 }
 
 
@@ -117,7 +121,8 @@ def test_moe_config_parsing_per_family(tiny_moe):
         "shared_intermediate_size", shared))
     assert cfg.moe_intermediate_size == o.get("moe_intermediate_size", o.get("intermediate_size"))
     assert (cfg.first_dense_layers, cfg.router_scoring, cfg.router_bias) == {
-        "glm4_moe": (1, "sigmoid", True), "dots1": (1, "sigmoid", True), "ernie4_5_moe": (1, "softmax", True)}.get(
+        "glm4_moe": (1, "sigmoid", True), "dots1": (1, "sigmoid", True), "ernie4_5_moe": (1, "softmax", True),
+        "minimax_m2": (0, "sigmoid", True)}.get(
         family, (0, "softmax", False))
     assert (cfg.no_rope_layers == (0, 0)) is (family == "granitemoehybrid")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg

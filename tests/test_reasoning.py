@@ -39,6 +39,7 @@ CASES = [
     ("glm45", "<think>Paris is the capital.</think>Paris.", "Paris is the capital.", "Paris."),
     ("glm45", "Paris.", None, "Paris."),  # thinking off: the template closed an empty <think></think> in the prompt
     ("seed_oss", "<seed:think>The capital.</seed:think>Paris.", "The capital.", "Paris."),
+    ("minimax_m2", "The capital of France.\n</think>\n\nParis.", "The capital of France.\n", "Paris."),
     ("seed_oss", "Paris. <think>no</think>", None, "Paris. <think>no</think>"),
     ("ernie45", "Paris it is.\n</think>\n\n<response>\nParis.\n</response>\n", "Paris it is.\n", "Paris."),
     ("ernie45", "Short.\n</think>\nParis.", "Short.\n", "Paris."),
@@ -97,7 +98,8 @@ def test_stream_gives_reasoning_as_it_comes():
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
     assert sorted(REASONING_PARSERS) == ["apertus", "deepseek_r1", "deepseek_v3", "ernie45", "exaone4", "glm45", "granite",
-                                         "kimi_k2", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss"]
+                                         "kimi_k2", "minimax_m2", "mistral", "olmo3", "openai_gptoss", "qwen3",
+                                         "seed_oss"]
 
 
 def test_mistral_markers_are_kept_in_the_text():

@@ -132,6 +132,15 @@ CASES = [
                  "</function>\n</seed:tool_call>", "Let me check.", [W]),
     ("seed_oss", "<tool_call><function=get_weather></function></tool_call>",
      "<tool_call><function=get_weather></function></tool_call>", []),
+    # MiniMax-M2's tags (names in quotes); values typed by their schemas; not this format: Qwen3-Coder's tags.
+    ("minimax_m2", 'Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+                   '</parameter>\n</invoke>\n<invoke name="get_time">\n<parameter name="zone">CET</parameter>\n'
+                   '<parameter name="hours">[1, 2]</parameter>\n<parameter name="dst">true</parameter>\n</invoke>\n'
+                   "</minimax:tool_call>", "Checking.", [W, T]),
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_time"></invoke></minimax:tool_call>', "",
+     [ParsedCall("get_time", "{}")]),
+    ("minimax_m2", "<minimax:tool_call><function=get_weather></function></minimax:tool_call>",
+     "<minimax:tool_call><function=get_weather></function></minimax:tool_call>", []),
     # Text after an argument: the call as it stood, the rest content.
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value>oops</tool_call>",
      "oops</tool_call>", [W]),
@@ -321,8 +330,8 @@ def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
     assert sorted(PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json",
-                               "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder", "qwen3_xml",
-                               "seed_oss"]
+                               "minimax_m2", "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder",
+                               "qwen3_xml", "seed_oss"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
 
 

@@ -100,9 +100,10 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t["mlp.fc2_latent_proj.weight"] = ("layers.we_latent_out", lambda w: w.T, (E, cfg.moe_latent_size))
         if cfg.family == "gpt_oss":
             t[f"{router}.bias"] = ("layers.b_router", ident, (X,))
-        if cfg.router_bias:  # ERNIE's as [1, X]
+        if cfg.router_bias:  # ERNIE's as [1, X]; MiniMax-M2's beside its gate
             ernie = cfg.family == "ernie4_5_moe"
-            t[f"{moe}.moe_statics.e_score_correction_bias" if ernie else f"{moe}.gate.e_score_correction_bias"] = (
+            bias = {"ernie4_5_moe": "moe_statics.", "minimax_m2": ""}.get(cfg.family, "gate.")
+            t[f"{moe}.{bias}e_score_correction_bias"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
             shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h",
@@ -209,7 +210,7 @@ _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_u
 
 def _moe_module(cfg: ModelConfig) -> str:
     """The name of a layer's MoE module: Mixtral's and Granite's `block_sparse_moe`, Qwen's `mlp`."""
-    return "block_sparse_moe" if cfg.family in ("mixtral", *GRANITE_MOE_FAMILIES) else "mlp"
+    return "block_sparse_moe" if cfg.family in ("mixtral", "minimax_m2", *GRANITE_MOE_FAMILIES) else "mlp"
 
 
 def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
