@@ -107,6 +107,9 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] | None = None
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
+    # Ministral 3 (Llama 4's attention scaling): queries times 1 + beta * log(1 + floor(position / length)); 0: none
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 0
     moe_latent_size: int = 0  # the experts' width in and out, projected to and from (Nemotron 3 Super); 0: hidden_size
     moe_runner: str = "auto"  # the experts' matmuls (`models.moe.moe_mlp`): auto (by the attention backend), xla, pallas
     # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per
@@ -177,6 +180,9 @@ class ModelConfig:
                                         f"got {self.no_rope_layers}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.query_scale_beta and (self.query_scale_length <= 0 or self.kv_lora_rank):
+            raise UnsupportedModelError(f"query_scale_beta ({self.query_scale_beta}) needs a positive "
+                                        f"query_scale_length ({self.query_scale_length}) and no latent attention")
         fields.check_moe(self)
         check_mla(self)
         if self.mamba is not None:
@@ -291,7 +297,7 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        d = fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d))))))
+        d = fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d)))))))
         archs = d.get("architectures") or []
         family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
             or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -369,6 +375,7 @@ class ModelConfig:
             **fields.mrope_fields(d),
             no_rope_layers=fields.no_rope_layers(family, d),
             mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
+            query_scale_beta=float(d.get("query_scale_beta", 0.0)), query_scale_length=int(d.get("query_scale_length", 0)),
             **moe, **mla,
             **({"hidden_act": d.get("hidden_act", "silu")} | gemma
                | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})

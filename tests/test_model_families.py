@@ -89,6 +89,10 @@ FAMILIES = {
     "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
+    # Ministral 3: YaRN over an original context of 8, queries scaled up past each multiple of it (Llama 4's).
+    "ministral3": ("Ministral3Config", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}),
     # Mistral's architecture with fused q/k/v and gate/up projections, split at load.
     "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # As Phi-4-mini: LongRoPE within its original context of 48 (the short factors and the attention factor of
@@ -180,6 +184,26 @@ def test_family_logits_match_transformers(family, tmp_path):
     assert cfg.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert cfg.sliding_window == getattr(hf, "sliding_window", None)
     assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+
+
+def test_ministral3_queries_scaled_by_position(tmp_path):
+    """Ministral 3's queries scaled by 1 + 0.1 log(1 + floor(position / 8)): without the scale the logits are not
+    transformers'; the config written back (and an image-text one's language model) reads the same."""
+    import dataclasses
+
+    from jaxserve.config import ModelConfig
+
+    model = save_tiny_hf("Ministral3Config", tmp_path, **FAMILIES["ministral3"][1])
+    ckpt = open_checkpoint(str(tmp_path))
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.query_scale_beta, cfg.query_scale_length) == ("mistral", 0.1, 8)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert ModelConfig.from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                                "text_config": model.config.to_dict()}) == cfg
+    ids = random_prompt()
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    plain = prompt_logits(dataclasses.replace(cfg, query_scale_beta=0.0, query_scale_length=0), params, ids)
+    assert rel_err(plain, hf_logits(model, ids)) > 1e-3
 
 
 def test_smollm3_nope_layers(tmp_path):

@@ -165,6 +165,9 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         k = _qk_norm(cfg, k, lp.k_norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    if cfg.query_scale_beta:  # (Ministral 3: queries scaled up past each multiple of the original context)
+        scale = 1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(inputs.positions / cfg.query_scale_length))
+        q = q * scale.astype(q.dtype)[:, None, None]
 
     # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
     # over the stored keys, times v_scale, is the attention over the true ones (any backend).
