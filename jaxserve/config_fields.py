@@ -82,6 +82,26 @@ def minimax_m2(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def hy_v3(d: dict[str, Any]) -> dict[str, Any]:
+    """A Hy3 config (Tencent's `HYV3ForCausalLM`: Qwen3's attention with q/k norms, DeepSeek-V3's sigmoid-routed
+    experts in one group with a shared expert, dense first layers) as the dots.llm1 config it is (its tensors renamed
+    by `keymap.canonical_name`); any other config as it is."""
+    if d.get("model_type") != "hy_v3" and "HYV3ForCausalLM" not in (d.get("architectures") or []):
+        return d
+    n = d["num_hidden_layers"]
+    kinds = list(d.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1))
+    dense = kinds.index("sparse") if "sparse" in kinds else n
+    if kinds != ["dense"] * dense + ["sparse"] * (n - dense):
+        raise UnsupportedModelError(f"Hy3 mlp_layer_types {kinds} is not supported: dense layers first, then the "
+                                    "experts'")
+    return {**d, "architectures": ["Dots1ForCausalLM"], "model_type": "dots1",
+            "n_routed_experts": d.get("num_experts") or d.get("num_local_experts", 192),
+            "num_experts_per_tok": d.get("num_experts_per_tok", 8), "n_shared_experts": d.get("num_shared_experts", 1),
+            "routed_scaling_factor": d.get("router_scaling_factor", 2.826), "first_k_dense_replace": dense,
+            "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
+            "moe_intermediate_size": d.get("moe_intermediate_size", 1536)}
+
+
 def ministral3(d: dict[str, Any]) -> dict[str, Any]:
     """A Ministral 3 config (Mistral's layers, its queries scaled by position as Llama 4's: `llama_4_scaling_beta`
     over the rope's `original_max_position_embeddings`) as the Mistral config it is, the scaling in jaxserve's

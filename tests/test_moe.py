@@ -81,6 +81,9 @@ FAMILIES = {
                                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                                                      "original_max_position_embeddings": 64}}),
+    # Hy3: read as dots.llm1 (its modules renamed), a dense first layer (its mlp_layer_types), one group of experts.
+    "hy_v3": ("HYV3Config", {**MOE, "num_experts": 8, "moe_intermediate_size": 32, "num_shared_experts": 1,
+                             "router_scaling_factor": 2.5, "head_dim": 16, "num_hidden_layers": 3}),
     # MiniMax-M2: q and k normed over all their heads, the first half of each head rotated (its released configs'
     # `rotary_dim`); sigmoid scores with a bias for choosing, renormalized; Mixtral's tensor names.
     "minimax_m2": ("MiniMaxM2Config", {**MOE, "num_local_experts": 8, "intermediate_size": 32, "head_dim": 16,
@@ -105,7 +108,7 @@ def test_moe_logits_match_transformers(tiny_moe):
     family, path, model = tiny_moe
     ids = random_prompt()
     ours, cfg = ours_logits(path, ids)
-    assert cfg.family == family and cfg.num_experts == _experts(family)
+    assert cfg.family == {"hy_v3": "dots1"}.get(family, family) and cfg.num_experts == _experts(family)
     ref = hf_logits(model, ids)
     assert rel_err(ours, ref) < REL_TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.97
@@ -116,13 +119,14 @@ def test_moe_config_parsing_per_family(tiny_moe):
     cfg = HFDirectory(path).config()
     assert cfg.norm_topk_prob is (family not in ("qwen2_moe", "dots1", "olmoe"))
     o = FAMILIES[family][1]
-    shared = o.get("n_shared_experts", o.get("moe_num_shared_experts", 0)) * o.get("moe_intermediate_size", 0)
+    shared = o.get("n_shared_experts", o.get("moe_num_shared_experts", o.get("num_shared_experts", 0))) * o.get(
+        "moe_intermediate_size", 0)
     assert cfg.shared_expert_intermediate_size == o.get("shared_expert_intermediate_size", o.get(
         "shared_intermediate_size", shared))
     assert cfg.moe_intermediate_size == o.get("moe_intermediate_size", o.get("intermediate_size"))
     assert (cfg.first_dense_layers, cfg.router_scoring, cfg.router_bias) == {
         "glm4_moe": (1, "sigmoid", True), "dots1": (1, "sigmoid", True), "ernie4_5_moe": (1, "softmax", True),
-        "minimax_m2": (0, "sigmoid", True)}.get(
+        "minimax_m2": (0, "sigmoid", True), "hy_v3": (1, "sigmoid", True)}.get(
         family, (0, "softmax", False))
     assert (cfg.no_rope_layers == (0, 0)) is (family == "granitemoehybrid")
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
@@ -208,13 +212,13 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     dense = cfg.first_dense_layers  # GLM-4.5's first layer: a dense MLP, stacked apart
     assert params.layers.we_gate.shape == (cfg.num_layers - dense, cfg.num_experts, cfg.hidden_size,
                                            cfg.moe_intermediate_size)
-    assert (params.dense_layers is not None) is (family in ("glm4_moe", "ernie4_5_moe", "dots1"))
+    assert (params.dense_layers is not None) is (family in ("glm4_moe", "ernie4_5_moe", "dots1", "hy_v3"))
     if dense:
         assert params.dense_layers.we_gate is None
         assert params.dense_layers.w_gate.shape == (dense, cfg.hidden_size, cfg.intermediate_size)
         assert params.layers.router_bias.dtype == jnp.float32 and np.abs(params.layers.router_bias).max() > 0
     assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid",
-                                                              "glm4_moe", "ernie4_5_moe", "dots1"))
+                                                              "glm4_moe", "ernie4_5_moe", "dots1", "hy_v3"))
     assert (params.layers.ws_mix is not None) is (family == "qwen2_moe")  # only Qwen's shared expert is gated
 
 

@@ -205,6 +205,9 @@ _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
 
+_HY3_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
+              "mlp.shared_mlp.": "mlp.shared_experts."}
+_HY3_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HY3_NAMES) + ")")
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
 
 
@@ -260,7 +263,10 @@ def canonical_name(name: str, cfg: ModelConfig | None = None) -> str:
     m = _LANGUAGE_MODEL_RE.match(name)
     if m:
         name = name[m.end():] if m.group(1).startswith("language_model") else "model." + name[m.end():]
-    return hybrid_name("model." + name if _BACKBONE_RE.match(name) else name, cfg)
+    name = hybrid_name("model." + name if _BACKBONE_RE.match(name) else name, cfg)
+    if cfg is not None and cfg.family == "dots1":  # (Hy3's names for dots.llm1's modules)
+        name = _HY3_RE.sub(lambda m: _HY3_NAMES[m.group(1)], name)
+    return name
 
 
 def hf_target(name: str, cfg: ModelConfig) -> Target | None:
@@ -278,7 +284,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     if m:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= cfg.num_layers:
-            if cfg.family in ("glm4_moe", "deepseek_v3", *DSA_FAMILIES):  # multi-token prediction layers (not read)
+            if cfg.family in ("glm4_moe", "deepseek_v3", "dots1", *DSA_FAMILIES):  # (MTP layers, Hy3's too: not read)
                 return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
         dense = layer < cfg.first_dense_layers
