@@ -7,35 +7,34 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
-from jaxserve.config_families import HF_ARCHITECTURES, Family
-from jaxserve.config_mamba import HYBRID_FAMILIES, MambaConfig, hybrid_config, mamba_config
-from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_fields, mla_moe_fields, mla_softmax_scale
+from jaxserve.config_families import Family
+from jaxserve.config_mamba import MambaConfig
+from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_softmax_scale
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
-from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.quantized import check_method
-from jaxserve.quantization import parse_quantization
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 # A config's model_type: each family's own name, and two others.
-_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral"}
+_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral",
+                                      "llama4_text": "llama4"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", *MLA_FAMILIES,
+                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
 COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2")
 """LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
-INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES)
+INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4")
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 """Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
 after the MLP as well as before each."""
 UNIT_NORM_FAMILIES: tuple[str, ...] = (*GEMMA_FAMILIES, *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3")
 POST_NORM_FAMILIES: tuple[str, ...] = (*OLMO_FAMILIES, "exaone4")
 """Norms after attention and the MLP (on their outputs), none before them."""
@@ -108,8 +107,12 @@ class ModelConfig:
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
     # Ministral 3 (Llama 4's attention scaling): queries times 1 + beta * log(1 + floor(position / length)); 0: none
+    # (Llama 4's temperature tuning: its unrotated layers' queries only, by 1 + beta * log(1 + floor((position + 1) /
+    # length)))
     query_scale_beta: float = 0.0
     query_scale_length: int = 0
+    attention_chunk: int | None = None  # Llama 4: "chunked_attention" layers see their chunk of positions only
+    rope_qk_norm: bool = False  # Llama 4: rotated layers' q and k normed after the rotation, with no weight
     moe_latent_size: int = 0  # the experts' width in and out, projected to and from (Nemotron 3 Super); 0: hidden_size
     moe_runner: str = "auto"  # the experts' matmuls (`models.moe.moe_mlp`): auto (by the attention backend), xla, pallas
     # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per
@@ -178,8 +181,9 @@ class ModelConfig:
                                                 or not set(self.no_rope_layers) <= {0, 1}):
             raise UnsupportedModelError(f"no_rope_layers must give 0 or 1 for each of the {self.num_layers} layers, "
                                         f"got {self.no_rope_layers}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise UnsupportedModelError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.sliding_window is not None and self.sliding_window <= 0 or (self.attention_chunk or 1) <= 0:
+            raise UnsupportedModelError(f"sliding_window ({self.sliding_window}) and attention_chunk "
+                                        f"({self.attention_chunk}) must be positive")
         if self.query_scale_beta and (self.query_scale_length <= 0 or self.kv_lora_rank):
             raise UnsupportedModelError(f"query_scale_beta ({self.query_scale_beta}) needs a positive "
                                         f"query_scale_length ({self.query_scale_length}) and no latent attention")
@@ -223,6 +227,8 @@ class ModelConfig:
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
+        if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk is not None  # (a chunk's own keys, as a window's)
         windowed = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window is not None and windowed
 
@@ -297,90 +303,9 @@ class ModelConfig:
         """Parse an HF `config.json` dict; refuses architectures and options jaxserve does not implement. Of an
         image-text model (LLaVA's, Gemma 3's), the language model (the vision side is
         `models.vision.VisionConfig`'s)."""
-        d = fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d))))))))
-        archs = d.get("architectures") or []
-        family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
-            or _HF_MODEL_TYPES.get(d.get("model_type", ""))
-        if family is None:
-            raise UnsupportedModelError(f"architecture {archs or d.get('model_type')!r} is not supported "
-                                        f"(supported: {', '.join(HF_ARCHITECTURES)})")
-        num_heads = d["num_attention_heads"]
-        hidden = d["hidden_size"]
-        head_dim = d.get("head_dim") or hidden // num_heads
-        max_pos = d.get("max_position_embeddings", 4096)
-        sliding = d.get("sliding_window") if family in ("mistral", "mixtral") else None
-        if family in ("qwen2_moe", "qwen3_moe"):
-            if d.get("use_sliding_window"):
-                raise UnsupportedModelError(f"{family} with use_sliding_window is not supported")
-            if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
-                raise UnsupportedModelError(f"{family} with dense layers between the MoE layers (mlp_only_layers / "
-                                            "decoder_sparse_step) is not supported")
-        moe = (mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d) if family in MOE_FAMILIES else {}
-        mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
-        head_dim = mla.pop("head_dim", head_dim)
-        if family in ("qwen2", "qwen3"):
-            sliding = fields.qwen_window(d)
-        gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
-            fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else {})  # (layers that differ)
-        if gemma:
-            sliding = d.get("sliding_window")
-        quant = d.get("quantization_config") or {}
-        parse_quantization(quant)  # quantized weights (dequantized at load) of a form read, or refused by name
-        kv_scheme = quant.get("kv_cache_scheme") or {}
-        if kv_scheme and (kv_scheme.get("strategy", "tensor"), kv_scheme.get("type", "float"),
-                          kv_scheme.get("num_bits", 8)) != ("tensor", "float", 8):
-            raise UnsupportedModelError(f"kv_cache_scheme {kv_scheme} is not supported (only 8-bit float, per tensor)")
-        rope_params = d.get("rope_scaling") or d.get("rope_parameters")
-        if isinstance(rope_params, dict) and "full_attention" in rope_params:  # per layer type (Gemma 3)
-            rope_params = rope_params["full_attention"]
-        if isinstance(rope_params, dict) and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
-            rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
-        rope_dict = rope_params if isinstance(rope_params, dict) else {}
-        partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor")
-                        or (0.5 if family in (*GLM_FAMILIES, "glm4_moe") else 1.0))
-        if family in ERNIE_FAMILIES:
-            fields.check_ernie(family, d)
-        scaling = RopeScaling.from_hf(rope_params, max_pos)
-        rope_theta = d.get("rope_theta", 500000.0 if family in ERNIE_FAMILIES else None)
-        if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
-            rope_theta = rope_params["rope_theta"]
-        return cls(
-            family=family,
-            vocab_size=d["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=1 if mla else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("layer_norm_eps" if family in COHERE_FAMILIES else "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES))),
-            # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
-            attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-            or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                           *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES)
-                and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
-            or (family == "ernie4_5" and bool(d.get("use_bias"))),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", "minimax_m2",
-                               *OLMO_FAMILIES,
-                               *GATED_DELTA_FAMILIES)
-            or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
-            rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
-            sliding_window=sliding,
-            kv_cache_scales=bool(kv_scheme),
-            **fields.mrope_fields(d),
-            no_rope_layers=fields.no_rope_layers(family, d),
-            mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
-            query_scale_beta=float(d.get("query_scale_beta", 0.0)), query_scale_length=int(d.get("query_scale_length", 0)),
-            **moe, **mla,
-            **({"hidden_act": d.get("hidden_act", "silu")} | gemma
-               | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})
-               | ({"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))} if family in COHERE_FAMILIES else {})),
-        )
+        from jaxserve.config_parse import config_from_hf
+
+        return config_from_hf(cls, d)
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict describing this model (for `jaxserve convert`)."""

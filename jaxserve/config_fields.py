@@ -166,6 +166,10 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
         return (0,) * d["num_hidden_layers"]
     if family in ("exaone4", "cohere2") and d.get("sliding_window"):  # its global layers are not rotated (NoPE)
         return tuple(int(t == "sliding_attention") for t in exaone4_fields(d)["layer_types"])
+    if family == "llama4":
+        from jaxserve.config_llama4 import no_rope_layers as llama4_no_rope
+
+        return llama4_no_rope(d)
     return None
 
 

@@ -11,11 +11,12 @@ from jaxserve.config import (
     GEMMA_FAMILIES,
     GLM_FAMILIES,
     GRANITE_FAMILIES,
-    HF_ARCHITECTURES,
     OLMO_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_lfm2 import lfm2_hf
+from jaxserve.config_llama4 import llama4_hf
 from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
@@ -109,10 +110,15 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
-    if cfg.query_scale_beta:  # Ministral 3's
+    if cfg.query_scale_beta and cfg.family == "mistral":  # Ministral 3's
         rope = {"rope_type": "default", **d.pop("rope_scaling", {}), "rope_theta": cfg.rope_theta,
                 "llama_4_scaling_beta": cfg.query_scale_beta, "original_max_position_embeddings": cfg.query_scale_length}
         d.update(architectures=["Ministral3ForCausalLM"], model_type="ministral3", rope_parameters=rope)
+    if cfg.family == "llama4":
+        d = {k: v for k, v in d.items() if k not in ("num_experts", "decoder_sparse_step", "mlp_only_layers",
+                                                     "moe_intermediate_size", "norm_topk_prob", "layer_types",
+                                                     "shared_expert_intermediate_size")} | llama4_hf(cfg)
+        d["model_type"] = "llama4_text"
     if cfg.family == "nemotron_h":  # (no rotary embedding: no per-layer list)
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "hidden_act", "no_rope_layers", "num_experts",
                                                      "decoder_sparse_step", "mlp_only_layers")} | nemotron_hf(cfg)

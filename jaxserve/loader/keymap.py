@@ -24,6 +24,7 @@ from jaxserve.config import (
 from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
+from jaxserve.loader.family_names import family_hf_name, family_name
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -205,9 +206,6 @@ _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
 
-_HY3_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
-              "mlp.shared_mlp.": "mlp.shared_experts."}
-_HY3_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HY3_NAMES) + ")")
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
 
 
@@ -245,7 +243,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
     # (gpt-oss's, Qwen3-VL-MoE's and Qwen3.5-MoE's experts: packed)
-    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5") and GPT_OSS_EXPERTS_RE.match(name):
+    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4") and GPT_OSS_EXPERTS_RE.match(name):
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)
@@ -263,10 +261,7 @@ def canonical_name(name: str, cfg: ModelConfig | None = None) -> str:
     m = _LANGUAGE_MODEL_RE.match(name)
     if m:
         name = name[m.end():] if m.group(1).startswith("language_model") else "model." + name[m.end():]
-    name = hybrid_name("model." + name if _BACKBONE_RE.match(name) else name, cfg)
-    if cfg is not None and cfg.family == "dots1":  # (Hy3's names for dots.llm1's modules)
-        name = _HY3_RE.sub(lambda m: _HY3_NAMES[m.group(1)], name)
-    return name
+    return family_name(hybrid_name("model." + name if _BACKBONE_RE.match(name) else name, cfg), cfg)
 
 
 def hf_target(name: str, cfg: ModelConfig) -> Target | None:
@@ -356,6 +351,9 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
         return
     if cfg.family == "gpt_oss" or (cfg.family == "qwen3_moe" and cfg.mrope_section is not None):  # Qwen3-VL-MoE
         yield from gpt_oss_packed(pairs, cfg)
+        return
+    if cfg.family == "llama4":  # (packed, under its own module names)
+        yield from ((family_hf_name(n, cfg), t) for n, t in gpt_oss_packed(pairs, cfg))
         return
     if cfg.kv_lora_rank:
         yield from mla_fused(pairs, cfg)

@@ -41,6 +41,7 @@ def xla_ragged_paged_attention(
     decode: bool = False,
     kv_dtype=None,
     sinks: jax.Array | None = None,
+    chunk: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention in plain JAX, with an online softmax over blocks of pages.
 
@@ -48,23 +49,22 @@ def xla_ragged_paged_attention(
     the keys are the values, as an MLA model's latent entries are); block_tables: [S, P];
     seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
 
-    Two forms. With `decode` (static: every sequence has at most one query token), each token reads
-    its own sequence's pages: all tokens at once, or `query_block` real tokens at a time when there
-    are more rows than that (padding and finished rows cost nothing). Otherwise each prompt chunk's
-    queries go in tiles of `query_block` tokens that share one read of the sequence's pages, so a
-    chunk reads its context once per tile instead of once per token, and decode tokens go
-    `query_block` at a time (the rest in pieces of 8, 2 and 1); a chunk's last 1 to `SMALL_BLOCK`
-    queries (a short chunk: drafts being verified) go in a tile of that many rows. Both walk the KV in
-    blocks of `pages_per_block` pages, only as far as the keys the queries can see; by default (None) a
-    prompt tile reads `TILE_PAGES_PER_BLOCK` pages at a time and a token reading its own pages
-    `row_pages_per_block(...)`.
+    Two forms. With `decode` (static: every sequence has at most one query token), each token reads its own
+    sequence's pages: all tokens at once, or `query_block` real tokens at a time when there are more rows than
+    that (padding and finished rows cost nothing). Otherwise each prompt chunk's queries go in tiles of
+    `query_block` tokens that share one read of the sequence's pages, so a chunk reads its context once per tile
+    instead of once per token, and decode tokens go `query_block` at a time (the rest in pieces of 8, 2 and 1); a
+    chunk's last 1 to `SMALL_BLOCK` queries (a short chunk: drafts being verified) go in a tile of that many rows.
+    Both walk the KV in blocks of `pages_per_block` pages, only as far as the keys the queries can see; by default
+    (None) a prompt tile reads `TILE_PAGES_PER_BLOCK` pages at a time and a token its own `row_pages_per_block`.
 
     `kv_dtype` (static) is the dtype the pages hold when the pools are their raw bits (unsigned integers
     of its width; see `kv_storage_bits`), else None. `last_key` [T]: spans attended both ways (the kernels'
-    contract, `pallas_kernels.ragged_attention_args`); `sinks` [Hq]: each head's attention-sink logit (gpt-oss).
+    contract, `pallas_kernels.ragged_attention_args`); `sinks` [Hq]: each head's attention-sink logit (gpt-oss);
+    `chunk`: a query sees the keys of its own chunk of positions only (Llama 4's chunked attention).
     """
-    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block,
-              query_block=query_block, kv_dtype=kv_dtype, sinks=sinks)
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=(sliding_window, chunk),
+              pages_per_block=pages_per_block, query_block=query_block, kv_dtype=kv_dtype, sinks=sinks)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, q.shape[0])
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key)
     if decode:
@@ -85,9 +85,7 @@ def _pad_to_blocks(tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, 
 # chunks after 0/128/384 cached tokens: SmolLM2's heads 2.30/4.39/8.69 ms with 8 pages, 1.36/3.64/8.07
 # with 4; heads of 8 x 128: 14.8/25.7/47.9 ms with 8, 7.6/19.1/42.3 with 4.
 TILE_PAGES_PER_BLOCK = 4
-# The rows of a prompt chunk's last, small tile (its last 1-8 queries), and of the pieces decode tokens
-# go in after the whole chunks of `query_block`.
-SMALL_BLOCK = 8
+SMALL_BLOCK = 8  # rows of a prompt chunk's last, small tile, and of the decode pieces after whole `query_block`s
 _ROW_BLOCK_BYTES = 32 << 10
 
 
@@ -139,13 +137,17 @@ def _online_softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
     return m_new, denom, acc * alpha[..., None] + pv(p)
 
 
-def _key_mask(kpos: jax.Array, pos: jax.Array, sliding_window: int | None, last: jax.Array | None = None) -> jax.Array:
-    """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, or up to `last` [R] where
-    given; within the window)."""
-    mask = kpos[None, :] <= (pos if last is None else last)[:, None]
-    if sliding_window is not None:
-        mask &= kpos[None, :] > pos[:, None] - sliding_window
-    return mask
+def _key_mask(kpos: jax.Array, pos: jax.Array, sliding_window: tuple, last: jax.Array | None = None) -> jax.Array:
+    """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, or up to `last` [R] where given;
+    within the window, or the chunk: `sliding_window` is (window, chunk), either None)."""
+    return (kpos[None, :] <= (pos if last is None else last)[:, None]) & (
+        kpos[None, :] >= _first_key(pos, sliding_window)[:, None])
+
+
+def _first_key(pos: jax.Array, sliding_window: tuple) -> jax.Array:
+    """The first key position query position `pos` sees: its window's, or its chunk's."""
+    window, chunk = sliding_window
+    return pos - window + 1 if window is not None else pos - pos % chunk if chunk is not None else jnp.zeros_like(pos)
 
 
 def _init(R: int, Hkv: int, G: int, D: int):
@@ -295,7 +297,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             if last_all is not None:  # spans attended both ways reach further
                 row_last = jnp.where(real, jax.lax.dynamic_slice_in_dim(last_all, start, rows_per_tile), -1)
                 last = jnp.maximum(last, jnp.max(row_last) + 1)
-            first = 0 if sliding_window is None else jnp.maximum(ctx + q0 - sliding_window + 1, 0)
+            first = jnp.maximum(_first_key(ctx + q0, sliding_window), 0)
             table = tables[s]
 
             def block(j, carry):
@@ -368,15 +370,19 @@ def paged_attention(
     kv_dtype=None,
     sinks: jax.Array | None = None,
     layout=None,
+    chunk: int | None = None,
 ) -> jax.Array:
     """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
     pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
-    `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`)."""
+    `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`); `chunk`:
+    Llama 4's chunked attention, on the xla backend (the engine serves no longer sequences on the others)."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
-        return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+        return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, chunk=chunk,
                                           decode=decode, kv_dtype=kv_dtype, last_key=last_key, sinks=sinks, **kwargs)
+    if chunk is not None:
+        raise ValueError("chunked attention runs on the xla backend only")
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
 

@@ -65,6 +65,7 @@ def _layer(
     layout=None,
     kv_dtype=None,
     local: bool = False,
+    rope: bool = True,
     attn_in: jax.Array | None = None,
     mixer=None,
 ):
@@ -83,7 +84,7 @@ def _layer(
             if mixer is not None:
                 out, k_all, v_all = mixer(h, k_all, v_all)
             else:
-                attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local)
+                attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local, rope=rope)
                 attn, k_all, v_all = attend(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
                                             layout=layout, lora=lora)
                 # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
@@ -136,7 +137,7 @@ def _layer(
 
 def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
                lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array, kv_dtype,
-               local: bool, lora, layout=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+               local: bool, lora, layout=None, rope: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Multi-head (grouped-query) attention of normed inputs h [T, E]: its output [T, Hq * D] before the output
     projection, and the page pools with this step's keys and values written."""
     num_pages = k_all.shape[0] // len(cfg.attention_layers)
@@ -165,9 +166,11 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         k = _qk_norm(cfg, k, lp.k_norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-    if cfg.query_scale_beta:  # (Ministral 3: queries scaled up past each multiple of the original context)
-        scale = 1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(inputs.positions / cfg.query_scale_length))
-        q = q * scale.astype(q.dtype)[:, None, None]
+    if cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, after the rotation)
+        q, k = (rms_norm(x, jnp.ones((), x.dtype), cfg.rms_norm_eps) for x in (q, k))
+    if cfg.query_scale_beta and (cfg.family != "llama4" or not rope):  # queries scaled up by position (Ministral 3;
+        pos = inputs.positions + (cfg.family == "llama4")  # Llama 4's unrotated layers, counting from 1)
+        q = q * (1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(pos / cfg.query_scale_length))).astype(q.dtype)[:, None, None]
 
     # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
     # over the stored keys, times v_scale, is the attention over the true ones (any backend).
@@ -184,6 +187,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
         sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
         sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
+        chunk=cfg.attention_chunk if local and backend == "xla" else None,  # (elsewhere, no longer sequences)
         sinks=lp.sinks, layout=layout,
     )  # [T, Hq, D]
     if scaled:
@@ -222,7 +226,7 @@ def _residual(cfg: ModelConfig, out: jax.Array) -> jax.Array:
 
 # The unrolled loop calls one traced layer: every layer has the same shapes, so the layer is traced
 # and lowered once and called L times (XLA inlines the calls), instead of traced L times.
-_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8, 9))
+_layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8, 9, 10))
 
 
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -322,7 +326,7 @@ def forward(
 
     def step(carry, xs):  # every layer alike
         return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
-                                    cfg.is_local(0)), carry, xs[1]), None
+                                    *cfg.layer_kind(0)), carry, xs[1]), None
 
     carry = (x, k_all, v_all) + kept.start(x)
     if attn_inputs is not None and not isinstance(params.layers, tuple):
@@ -331,7 +335,7 @@ def forward(
         for layer, lp in enumerate(params.layers):
             carry = run(lambda c, lp=lp, layer=layer: _layer_once(
                 cfg, backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
-                cfg.is_local(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
+                *cfg.layer_kind(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
     elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
         carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
             cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype, False,
@@ -350,7 +354,7 @@ def forward(
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
             xs = (lp, jnp.asarray(layer, jnp.int32))
             return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype,
-                                        cfg.is_local(like)), carry, xs[1])
+                                        *cfg.layer_kind(like)), carry, xs[1])
 
         def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window and rotation
             for j in range(period):

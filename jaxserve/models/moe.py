@@ -121,6 +121,9 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
     token = order // k  # the token of each sorted pair
     group_sizes = jnp.bincount(key, length=x_local + 1)[:x_local].astype(jnp.int32)  # [X_local]
     xs = h[token]  # [T * k, E]
+    w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
+    if cfg.family == "llama4":  # (its routing weights weigh each chosen expert's input, not its output)
+        xs, w = xs * w[:, None].astype(xs.dtype), is_local[order].astype(w.dtype)
     row_expert = key[order]  # [T * k]: each sorted pair's local expert (x_local past the groups)
     gate = None if we_gate is None else grouped(xs, we_gate, group_sizes, row_expert, matmul)  # [T * k, Fe]
     up = grouped(xs, we_up, group_sizes, row_expert, matmul)
@@ -137,7 +140,6 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
         ys = ys + expert_lora_deltas(act, ae_down, [be_down], group_sizes, row_expert, row_slot, matmul)[0]
     if biases is not None:
         ys = ys + biases[2][row_expert] * jnp.asarray(down_bias, ys.dtype)
-    w = jnp.where(is_local, weights.reshape(T * k), 0)[order]  # [T * k]
     return jnp.zeros_like(h).at[token].add(ys * w[:, None])
 
 

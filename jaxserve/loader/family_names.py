@@ -1,0 +1,28 @@
+"""Module names some families' checkpoints give to what the key map reads under other names: Hy3's router, router
+bias and shared expert (read as dots.llm1's), Llama 4's MLP and router (`feed_forward`, `feed_forward.router`: read
+as `mlp`, `mlp.gate`, and written back as its own)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_HY3_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
+              "mlp.shared_mlp.": "mlp.shared_experts."}
+_HY3_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HY3_NAMES) + ")")
+
+
+def family_name(name: str, cfg: Any) -> str:
+    """A tensor's name as the key map reads it."""
+    if cfg is not None and cfg.family == "dots1":
+        return _HY3_RE.sub(lambda m: _HY3_NAMES[m.group(1)], name)
+    if cfg is not None and cfg.family == "llama4":
+        return name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+    return name
+
+
+def family_hf_name(name: str, cfg: Any) -> str:
+    """The inverse of `family_name` for a family written back under its own names (Llama 4's)."""
+    if cfg.family == "llama4":
+        return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
+    return name
