@@ -184,9 +184,9 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0 or (self.attention_chunk or 1) <= 0:
             raise UnsupportedModelError(f"sliding_window ({self.sliding_window}) and attention_chunk "
                                         f"({self.attention_chunk}) must be positive")
-        if self.query_scale_beta and (self.query_scale_length <= 0 or self.kv_lora_rank):
+        if self.query_scale_beta and self.query_scale_length <= 0:
             raise UnsupportedModelError(f"query_scale_beta ({self.query_scale_beta}) needs a positive "
-                                        f"query_scale_length ({self.query_scale_length}) and no latent attention")
+                                        f"query_scale_length ({self.query_scale_length})")
         fields.check_moe(self)
         check_mla(self)
         if self.mamba is not None:

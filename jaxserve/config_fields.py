@@ -106,14 +106,16 @@ def ministral3(d: dict[str, Any]) -> dict[str, Any]:
     """A Ministral 3 config (Mistral's layers, its queries scaled by position as Llama 4's: `llama_4_scaling_beta`
     over the rope's `original_max_position_embeddings`) as the Mistral config it is, the scaling in jaxserve's
     `query_scale_*` keys; any other config as it is."""
-    if d.get("model_type") != "ministral3" and "Ministral3ForCausalLM" not in (d.get("architectures") or []):
+    mistral4 = d.get("model_type") == "mistral4" or "Mistral4ForCausalLM" in (d.get("architectures") or [])
+    if d.get("model_type") != "ministral3" and "Ministral3ForCausalLM" not in (d.get("architectures") or []) \
+            and not mistral4:
         return d
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     beta, length = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
     if beta and not length:
         raise UnsupportedModelError("Ministral 3's llama_4_scaling_beta needs the rope's original_max_position_embeddings")
-    return {**d, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-            "query_scale_beta": float(beta or 0.0), "query_scale_length": int(length or 0) if beta else 0}
+    scale = {"query_scale_beta": float(beta or 0.0), "query_scale_length": int(length or 0) if beta else 0}
+    return {**d, **scale} if mistral4 else {**d, "architectures": ["MistralForCausalLM"], "model_type": "mistral", **scale}
 
 
 def exaone(d: dict[str, Any]) -> dict[str, Any]:

@@ -110,10 +110,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
-    if cfg.query_scale_beta and cfg.family == "mistral":  # Ministral 3's
+    if cfg.query_scale_beta and cfg.family in ("mistral", "mistral4"):  # Ministral 3's, Mistral 4's
         rope = {"rope_type": "default", **d.pop("rope_scaling", {}), "rope_theta": cfg.rope_theta,
                 "llama_4_scaling_beta": cfg.query_scale_beta, "original_max_position_embeddings": cfg.query_scale_length}
-        d.update(architectures=["Ministral3ForCausalLM"], model_type="ministral3", rope_parameters=rope)
+        d.update(rope_parameters=rope)
+        if cfg.family == "mistral":
+            d.update(architectures=["Ministral3ForCausalLM"], model_type="ministral3")
     if cfg.family == "llama4":
         d = {k: v for k, v in d.items() if k not in ("num_experts", "decoder_sparse_step", "mlp_only_layers",
                                                      "moe_intermediate_size", "norm_topk_prob", "layer_types",

@@ -18,7 +18,9 @@ from jaxserve.errors import UnsupportedModelError
 DSA_FAMILIES: tuple[str, ...] = ("deepseek_v32", "glm_moe_dsa")
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer picks the `index_topk` keys each token's MLA attends
 (`models.sparse_mla`); its one key per token rides in the token's page entry after the latent and rotary key."""
-MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", *DSA_FAMILIES)
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "mistral4", *DSA_FAMILIES)  # (Mistral 4: Mistral
+# Small 4's language model, DeepSeek-V3's attention with Llama 4's query scaling, softmax-routed experts in groups)
+LATENT_NORM_EPS = 1e-6  # the queries' bottleneck's and the latent's norms (transformers': fixed, whatever rms_norm_eps)
 
 
 def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -98,6 +100,9 @@ def mla_moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
         first_dense_layers=int(d.get("first_k_dense_replace") or 0),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
+    if family == "mistral4":  # softmax scores, chosen in the groups with the best two-score sums, renormalized
+        return dict(fields, expert_groups=int(d.get("n_group") or 1), expert_topk_groups=int(d.get("topk_group") or 1),
+                    norm_topk_prob=bool(d.get("norm_topk_prob", True)))
     if family != "deepseek_v2":
         return dict(fields, router_scoring="sigmoid", router_bias=True, expert_groups=int(d.get("n_group") or 1),
                     expert_topk_groups=int(d.get("topk_group") or 1), norm_topk_prob=bool(d.get("norm_topk_prob", True)))
@@ -129,6 +134,8 @@ def mla_hf(cfg: Any) -> dict[str, Any]:
         d["topk_method"] = "group_limited_greedy" if cfg.expert_groups > 1 else "greedy"
     elif cfg.family == "deepseek_v3":
         d.update(rope_interleave=True, num_nextn_predict_layers=0)
+    elif cfg.family == "mistral4":
+        d.update(rope_interleave=True)
     else:
         d.update(index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
     return d

@@ -245,3 +245,35 @@ def test_released_deepseek_configs_parse():
     assert (v3.kv_cache_dims, v3.q_lora_rank, v3.num_layers, v3.first_dense_layers) == ((576, 0), 1536, 61, 3)
     assert (v3.router_scoring, v3.router_bias, v3.expert_groups, v3.expert_topk_groups) == ("sigmoid", True, 8, 4)
     assert v3.sm_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
+
+
+def test_mistral4_matches_transformers(tmp_path):
+    """Mistral Small 4's language model: DeepSeek-V3's attention with its queries scaled by position (Llama 4's,
+    past 8 positions here), softmax scores chosen in the groups with the best two-score sums, renormalized: logits
+    (without the query scaling or with DeepSeek-V2's groups they are not transformers'), the checkpoint written back
+    (experts packed), the config read back."""
+    from safetensors.numpy import load_file
+
+    model = save_tiny_hf("Mistral4Config", tmp_path, model_cls="Mistral4ForCausalLM", **{
+        **_MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}})
+    ckpt = HFDirectory(tmp_path)
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.router_scoring, cfg.norm_topk_prob, cfg.query_scale_beta) == ("mistral4", "softmax", True, 0.1)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert ModelConfig.from_hf({"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+                                "text_config": model.config.to_dict()}) == cfg
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, params, ids), ref) < REL_TOL
+    assert rel_err(prompt_logits(dataclasses.replace(cfg, query_scale_beta=0.0, query_scale_length=0), params, ids),
+                   ref) > 1e-3
+    assert rel_err(prompt_logits(dataclasses.replace(cfg, family="deepseek_v2"), params, ids), ref) > 1e-3
+    saved = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
+    assert set(written) == set(saved)
+    for name, t in written.items():
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)

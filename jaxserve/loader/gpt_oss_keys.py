@@ -1,4 +1,4 @@
-"""gpt-oss's and Qwen3-VL-MoE's packed expert tensors: each layer's experts in one tensor per kind, input-major
+"""gpt-oss's, Qwen3-VL-MoE's, Llama 4's and Mistral 4's packed expert tensors: each layer's experts in one tensor per kind, input-major
 (`gate_up_proj` [X, E, 2 * Fe], `down_proj` [X, Fe, E]), split into the per-expert names the key map reads
 (`keymap.split_packed`), and packed back for `jaxserve convert` (`gpt_oss_packed`). gpt-oss interleaves the
 gate's and the up projection's columns and has biases too; Qwen3-VL-MoE puts the gate's columns first."""
@@ -49,6 +49,8 @@ def gpt_oss_packed(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) ->
     """A gpt-oss or Qwen3-VL-MoE checkpoint's (HF name, tensor) pairs with each layer's per-expert tensors packed
     back (the inverse of `gpt_oss_experts`)."""
     parts = ("weight", "bias") if cfg.family == "gpt_oss" else ("weight",)
+    major = (lambda t: np.swapaxes(t, 1, 2)) if cfg.family == "mistral4" else (lambda t: t)  # (Mistral 4's: as
+    # transformers' modules hold them, output-major)
     held: dict[tuple[str, int, str, str], np.ndarray] = {}
     for name, t in pairs:
         m = _ONE_EXPERT_RE.match(name)
@@ -69,6 +71,6 @@ def gpt_oss_packed(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) ->
                 if cfg.family == "gpt_oss":
                     both[..., 0::2], both[..., 1::2] = g, u
                 gate_up.append(both)
-            yield f"{prefix}gate_up_proj{suffix}", np.stack(gate_up)
-            yield f"{prefix}down_proj{suffix}", np.stack([held[(prefix, x, "down", part)].T for x in X])
+            yield f"{prefix}gate_up_proj{suffix}", major(np.stack(gate_up))
+            yield f"{prefix}down_proj{suffix}", major(np.stack([held[(prefix, x, "down", part)].T for x in X]))
         held.clear()

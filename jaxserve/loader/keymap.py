@@ -243,7 +243,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
     # (gpt-oss's, Qwen3-VL-MoE's and Qwen3.5-MoE's experts: packed)
-    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4") and GPT_OSS_EXPERTS_RE.match(name):
+    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4") and GPT_OSS_EXPERTS_RE.match(name):
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)
@@ -355,8 +355,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.family == "llama4":  # (packed, under its own module names)
         yield from ((family_hf_name(n, cfg), t) for n, t in gpt_oss_packed(pairs, cfg))
         return
-    if cfg.kv_lora_rank:
-        yield from mla_fused(pairs, cfg)
+    if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
+        yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
     if cfg.family == "qwen3_next":
         yield from qwen3_next_fused(pairs, cfg)

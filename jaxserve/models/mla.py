@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_mla import LATENT_NORM_EPS
 from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
 from jaxserve.models.head_shards import on_head_shards
 from jaxserve.models.inputs import ModelInputs
@@ -48,7 +49,7 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     dq, dkv = (None, None) if lora is None else lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_kva], ls)
     if lp.wq_a is not None:  # the queries' bottleneck, normed
         q_a = project(h, lp.wq_a)
-        h_q = rms_norm(q_a if dq is None else q_a + dq, lp.q_a_norm, cfg.rms_norm_eps)
+        h_q = rms_norm(q_a if dq is None else q_a + dq, lp.q_a_norm, LATENT_NORM_EPS)
         dq = None if lora is None else lora_deltas(h_q, lora.a_qb, [lora.b_qb], ls)[0]
     else:
         h_q = h
@@ -56,13 +57,16 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     q = q if dq is None else q + dq.reshape(q.shape)
     kv = project(h, lp.wkv_a)  # [T, R + Dr]
     kv = kv if dkv is None else kv + dkv
-    latent = rms_norm(kv[:, :R], lp.kv_a_norm, cfg.rms_norm_eps)
+    latent = rms_norm(kv[:, :R], lp.kv_a_norm, LATENT_NORM_EPS)
     k_rot = apply_rope(kv[:, None, R:], cos, sin)  # [T, 1, Dr]
     q_rot = apply_rope(q[..., D - Dr:], cos, sin)  # [T, Hq, Dr]
     q_latent = jnp.einsum("thn,hnr->thr", q[..., : D - Dr], lp.w_uk, preferred_element_type=jnp.float32)
     if lora is not None:  # kv_b_proj's keys' delta, absorbed as its weights are
         q_latent = q_latent + latent_lora(q[..., : D - Dr], lora.a_kvb, lora.b_kvb, ls, D - Dr)
     q = jnp.concatenate([q_latent.astype(q.dtype), q_rot], axis=-1)  # [T, Hq, R + Dr]
+    if cfg.query_scale_beta:  # (Mistral 4: Llama 4's scaling by position)
+        q = q * (1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(inputs.positions / cfg.query_scale_length))
+                 ).astype(q.dtype)[:, None, None]
     parts = [latent[:, None, :], k_rot.astype(latent.dtype)]
     if cfg.index_topk:  # (DeepSeek Sparse Attention: the indexer's key rides in the entry)
         index_q, index_w, index_k = indexer(cfg, lp, h, h_q, cos, sin)

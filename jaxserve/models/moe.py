@@ -39,9 +39,10 @@ def route(h: jax.Array, router: jax.Array, cfg: ModelConfig, bias: jax.Array | N
         probs = jax.nn.softmax(_logits(h, router, delta, jnp.float32), axis=-1)
         experts = jax.lax.top_k(probs + bias.astype(jnp.float32)[None, :], cfg.num_experts_per_tok)[1]
         weights = jnp.take_along_axis(probs, experts, axis=-1)
-    elif cfg.family == "deepseek_v2":  # (in float32, as DeepSeek's router)
-        probs = jax.nn.softmax(_logits(h, router, delta, jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(_best_groups(probs, cfg, by="max", fill=0.0), cfg.num_experts_per_tok)
+    elif cfg.family in ("deepseek_v2", "mistral4"):  # (in float32, as DeepSeek's router; Mistral 4's groups by their
+        probs = jax.nn.softmax(_logits(h, router, delta, jnp.float32), axis=-1)  # two best scores' sums)
+        by = "max" if cfg.family == "deepseek_v2" else "top2"
+        weights, experts = jax.lax.top_k(_best_groups(probs, cfg, by=by, fill=0.0), cfg.num_experts_per_tok)
     else:
         logits = _logits(h, router, delta)  # [T, X]
         if logit_bias is not None:
