@@ -168,24 +168,11 @@ def test_dsa_checkpoint_written_back_reads_the_same(tiny_dsa):
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
-def _engine(cfg, params, loop: str, prefix_caching: bool = False):
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.model_loading import LoadedModel
-    from jaxserve.engine_args import EngineArgs
-    from tests.fake_model import fake_tokenizer
-
-    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
-                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
-                      dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop,
-                      enable_prefix_caching=prefix_caching)
-    return LLMEngine(args, loaded=loaded, progress=False)
-
-
 def test_dsa_engine_greedy_equals_transformers(tiny_dsa):
     """Chunked prefill (21 tokens: 16 + 5) and batched decode over the pages' indexer keys, layers unrolled
     (DeepSeek-V3.2) and scanned (GLM-5): transformers' tokens."""
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+    from tests.test_mla import _engine
 
     family, _, model, cfg, params = tiny_dsa
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
@@ -196,22 +183,7 @@ def test_dsa_engine_greedy_equals_transformers(tiny_dsa):
 def test_dsa_prefix_hit_equals_miss(tiny_dsa):
     """A prompt whose first two pages come from the prefix cache (their indexer keys too) gives a cold engine's
     tokens."""
-    from jaxserve.sampling_params import SamplingParams
-    from tests.modelrun import drain
+    from tests.test_mla import prefix_hit_equals_miss
 
     _, _, _, cfg, params = tiny_dsa
-    rng = np.random.default_rng(5)
-    shared = rng.integers(2, cfg.vocab_size, 16).tolist()
-    first, second = shared + rng.integers(2, cfg.vocab_size, 5).tolist(), shared + [7, 9, 11]
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-    def run(engine, rid, prompt):
-        engine.add_request(rid, prompt, greedy)
-        return drain(engine)[rid]
-
-    warm = _engine(cfg, params, "unroll", prefix_caching=True)
-    run(warm, "a", first)
-    hit = run(warm, "b", second)
-    assert hit.metrics.num_cached_tokens == 16
-    miss = run(_engine(cfg, params, "unroll"), "b", second)
-    assert list(hit.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
+    prefix_hit_equals_miss(cfg, params)

@@ -159,6 +159,11 @@ def test_mla_prefix_hit_equals_miss(tiny_mla):
     """A prompt whose first two pages are cached (latent entries read from the cache) gives the tokens of a cold
     engine."""
     _, _, _, cfg, params = tiny_mla
+    prefix_hit_equals_miss(cfg, params)
+
+
+def prefix_hit_equals_miss(cfg, params) -> None:
+    """A prompt whose first two pages come from the prefix cache gives the tokens of a cold engine."""
     rng = np.random.default_rng(5)
     shared = rng.integers(2, cfg.vocab_size, 16).tolist()
     first, second = shared + rng.integers(2, cfg.vocab_size, 5).tolist(), shared + [7, 9, 11]
