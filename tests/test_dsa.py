@@ -81,17 +81,11 @@ def test_sparse_attention_matches_reference(dtype, kv_heads):
 def test_released_configs_parse():
     """DeepSeek-V3.2's config.json fields and transformers' GLM-5 defaults: 704-wide page entries (latent 512,
     rotary key 64, indexer key 128), top-2048 keys a token."""
-    v32 = ModelConfig.from_hf({
-        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
-        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
-        "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
-        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "scoring_func": "sigmoid",
-        "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
-        "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
-                         "beta_slow": 1, "original_max_position_embeddings": 4096}})
+    pytest.importorskip("torch")
+    from tests.test_mla import DEEPSEEK_V3
+
+    v32 = ModelConfig.from_hf({**DEEPSEEK_V3, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                               "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048})
     assert (v32.kv_cache_dims, v32.index_heads, v32.index_head_dim, v32.index_topk) == ((704, 0), 64, 128, 2048)
     assert (v32.router_scoring, v32.expert_groups, v32.expert_topk_groups, v32.first_dense_layers) == (
         "sigmoid", 8, 4, 3)

@@ -215,6 +215,19 @@ def test_mla_weights_held_int8(tiny_mla):
     assert rel_err(got, prompt_logits(cfg, params, ids)) > 1e-4
 
 
+# DeepSeek-V3's config.json (its quantization aside).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "scoring_func": "sigmoid",
+    "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
+    "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                     "beta_slow": 1, "original_max_position_embeddings": 4096}}
+
+
 def test_released_deepseek_configs_parse():
     """DeepSeek-V2-Lite's and DeepSeek-V3's own config.json fields: 576-wide page entries (one per token and
     layer, against 2 x heads x 192 expanded), their YaRN attention scale, their routing."""
@@ -235,18 +248,8 @@ def test_released_deepseek_configs_parse():
     assert lite.shared_expert_intermediate_size == 2 * 1408
     # bfloat16 pages of 16 tokens: 27 layers x 16 x 576 x 2 bytes (the 16 heads' expanded K and V: 16 x 320 a token).
     assert KVCache.bytes_per_page(lite, 16, jnp.bfloat16) == 27 * 16 * 576 * 2
-    v3 = ModelConfig.from_hf({
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-        "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
-        "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
-        "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "scoring_func": "sigmoid",
-        "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "max_position_embeddings": 163840,
-        "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
-                         "beta_slow": 1, "original_max_position_embeddings": 4096},
-        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": [128, 128]}})
+    v3 = ModelConfig.from_hf({**DEEPSEEK_V3, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}})
     assert (v3.kv_cache_dims, v3.q_lora_rank, v3.num_layers, v3.first_dense_layers) == ((576, 0), 1536, 61, 3)
     assert (v3.router_scoring, v3.router_bias, v3.expert_groups, v3.expert_topk_groups) == ("sigmoid", True, 8, 4)
     assert v3.sm_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
