@@ -103,8 +103,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{router}.bias"] = ("layers.b_router", ident, (X,))
         if cfg.router_bias:  # ERNIE's as [1, X]; MiniMax-M2's beside its gate
             ernie = cfg.family == "ernie4_5_moe"
-            bias = {"ernie4_5_moe": "moe_statics.", "minimax_m2": ""}.get(cfg.family, "gate.")
-            t[f"{moe}.{bias}e_score_correction_bias"] = (
+            beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": ""}.get(cfg.family, "gate.")
+            t[f"{moe}.{beside}e_score_correction_bias"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
             shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h",
