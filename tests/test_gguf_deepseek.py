@@ -32,13 +32,15 @@ _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-def _write_deepseek2(path, hf_dir, split_kv_b: bool) -> str:
+_INDEXER = {"wq_b": "attn_q_b", "wk": "attn_k", "k_norm": "k_norm", "weights_proj": "proj"}
+
+
+def _write_deepseek2(path, hf_dir, split_kv_b: bool, arch: str = "deepseek2") -> str:
     from safetensors.numpy import load_file
 
     cfg = HFDirectory(str(hf_dir)).config()
     H, Dr, R = cfg.num_heads, cfg.rotary_dims, cfg.kv_lora_rank
     Dn, Dv = cfg.head_dim - Dr, cfg.v_head_dim
-    arch = "deepseek2"
     w = gguf.GGUFWriter(str(path), arch)
     u32 = {"embedding_length": cfg.hidden_size, "attention.head_count": H, "block_count": cfg.num_layers,
            "context_length": cfg.max_position_embeddings, "feed_forward_length": cfg.intermediate_size,
@@ -55,6 +57,9 @@ def _write_deepseek2(path, hf_dir, split_kv_b: bool) -> str:
         u32.update({"attention.head_count_kv": H, "attention.key_length": Dn + Dr, "attention.value_length": Dv})
     if cfg.q_lora_rank:
         u32["attention.q_lora_rank"] = cfg.q_lora_rank
+    if cfg.index_topk:  # (GLM-5's indexer)
+        u32.update({"attention.indexer.head_count": cfg.index_heads, "attention.indexer.key_length": cfg.index_head_dim,
+                    "attention.indexer.top_k": cfg.index_topk})
     for key, value in u32.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
@@ -86,6 +91,8 @@ def _write_deepseek2(path, hf_dir, split_kv_b: bool) -> str:
             w.add_tensor(f"blk.{parts[2]}.ffn_gate_inp.weight", a)
         elif "shared_experts" in parts:
             w.add_tensor(f"blk.{parts[2]}.{_NAMES[parts[-2]]}_shexp.weight", a)
+        elif "indexer" in parts:
+            w.add_tensor(f"blk.{parts[2]}.indexer.{_INDEXER[parts[-2]]}.{parts[-1]}", a)
         elif parts[-2] == "kv_b_proj" and split_kv_b:
             heads = a.reshape(H, Dn + Dv, R)
             w.add_tensor(f"blk.{parts[2]}.attn_k_b.weight", np.ascontiguousarray(heads[:, :Dn].transpose(0, 2, 1)))
@@ -117,6 +124,23 @@ def test_deepseek2_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
         got = dataclasses.replace(got, rope_scaling=want.rope_scaling,
                                   routed_scaling_factor=pytest.approx(want.routed_scaling_factor))
     assert got == want
+    ids = np.random.default_rng(5).integers(0, want.vocab_size, 24).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    ours = prompt_logits(cfg, load_params(ckpt, cfg, jnp.float32, progress=False), ids)
+    np.testing.assert_allclose(ours, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_glm5_gguf_config_and_logits_equal_the_hf_model(tmp_path):
+    """GLM-5 ("glm-dsa"): DeepSeek-V3's form with the indexer's keys and tensors; its top-k of 6 keys a token."""
+    from tests.test_dsa import _TINY
+
+    model = save_tiny_hf("GlmMoeDsaConfig", tmp_path / "hf", **_TINY)
+    want = HFDirectory(str(tmp_path / "hf")).config()
+    ckpt = open_checkpoint(_write_deepseek2(tmp_path / "m.gguf", tmp_path / "hf", split_kv_b=True, arch="glm-dsa"))
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.index_heads, cfg.index_head_dim, cfg.index_topk) == ("glm_moe_dsa", 8, 16, 6)
+    assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps) == want
     ids = np.random.default_rng(5).integers(0, want.vocab_size, 24).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()

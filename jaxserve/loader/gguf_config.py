@@ -40,6 +40,7 @@ _GEMMA = ("gemma2", "gemma3")
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
             "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
+            "glm-dsa": "GlmMoeDsaForCausalLM",
             "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
@@ -133,8 +134,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
         elif sliding and pattern:  # every pattern-th layer global
             d["sliding_window_pattern"] = int(pattern)
-        if arch == "deepseek2":
-            d = deepseek2_hf(meta, get, d, experts)
+        if arch in ("deepseek2", "glm-dsa"):
+            d = deepseek2_hf(meta, get, d, experts, arch)
         if arch.startswith("nemotron_h"):
             d = nemotron_h_hf(meta, arch, get, d, experts, kv_heads, ffn, tensor_names)
         if arch.startswith("lfm2"):

@@ -7,7 +7,8 @@ interleaved as DeepSeek's checkpoints do (no row permutation), the queries' and 
 `attention.key_length_mla` / `value_length_mla` (`key_length` / `value_length` are the latent's page entry), the
 YaRN mscale as `rope.scaling.yarn_log_multiplier` (0.1 x mscale_all_dim), and `kv_b_proj` split per head into
 `attn_k_b` ([H, R, Dn], transposed) and `attn_v_b` ([H, Dv, R]); older files hold `attn_kv_b` whole and give the
-head dims as `key_length` / `value_length`.
+head dims as `key_length` / `value_length`. GLM-5 ("glm-dsa") adds DeepSeek Sparse Attention's indexer
+(`attention.indexer.*` keys, `indexer.*` tensors) to the same form.
 """
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ MLA_NAMES = {
     "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
 }
 
 
-def deepseek2_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any], experts: int) -> dict[str, Any]:
-    """The HF config of a "deepseek2" file: `d` (the common fields `config_from_gguf` read) with the latent
-    attention's, the experts' and the YaRN scale's; `get(key, default=None)`: the file's `deepseek2.{key}`, a
-    missing one refused by name."""
-    arch = "deepseek2"
+def deepseek2_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any], experts: int,
+                 arch: str = "deepseek2") -> dict[str, Any]:
+    """The HF config of a "deepseek2" (or "glm-dsa") file: `d` (the common fields `config_from_gguf` read) with the
+    latent attention's, the experts' and the YaRN scale's (and the indexer's); `get(key, default=None)`: the file's
+    `{arch}.{key}`, a missing one refused by name."""
     rope = int(get("rope.dimension_count"))
     rank = int(get("attention.kv_lora_rank"))
     if meta.get(f"{arch}.attention.key_length_mla") is not None:
@@ -47,7 +53,8 @@ def deepseek2_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any
     out = {k: val for k, val in d.items() if k not in ("head_dim", "partial_rotary_factor", "num_local_experts",
                                                         "num_experts")}
     out.update(
-        architectures=["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        architectures=["GlmMoeDsaForCausalLM" if arch == "glm-dsa" else
+                       "DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
         num_key_value_heads=d["num_attention_heads"], kv_lora_rank=rank,
         q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank") or 0) or None,
         qk_nope_head_dim=qk - rope, qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=experts,
@@ -55,6 +62,9 @@ def deepseek2_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str, Any
         first_k_dense_replace=int(meta.get(f"{arch}.leading_dense_block_count") or 0),
         routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale") or 1.0),
         norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", False)), n_group=groups, topk_group=used)
+    if arch == "glm-dsa":
+        out.update(index_n_heads=int(get("attention.indexer.head_count")),
+                   index_head_dim=int(get("attention.indexer.key_length")), index_topk=int(get("attention.indexer.top_k")))
     if not sigmoid:
         out["topk_method"] = "group_limited_greedy" if used < groups else "greedy"
         if out["norm_topk_prob"]:

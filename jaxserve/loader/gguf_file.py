@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
+from jaxserve.config_mla import MLA_FAMILIES
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
@@ -137,7 +138,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
         if rest in _SHARED_EXPERT:
             hf = _SHARED_EXPERT[rest]
-            if cfg.family in ("glm4_moe", "ernie4_5_moe", "deepseek_v2", "deepseek_v3"):  # (shared experts: one module)
+            if cfg.family in ("glm4_moe", "ernie4_5_moe", *MLA_FAMILIES):  # (shared experts: one module)
                 hf = hf.replace("shared_expert.", "shared_experts.")
             yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
