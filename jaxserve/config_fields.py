@@ -104,8 +104,9 @@ def hy_v3(d: dict[str, Any]) -> dict[str, Any]:
 
 def ministral3(d: dict[str, Any]) -> dict[str, Any]:
     """A Ministral 3 config (Mistral's layers, its queries scaled by position as Llama 4's: `llama_4_scaling_beta`
-    over the rope's `original_max_position_embeddings`) as the Mistral config it is, the scaling in jaxserve's
-    `query_scale_*` keys; any other config as it is."""
+    over the rope's `original_max_position_embeddings`) as the Mistral config it is, a Mistral 4 config as its own
+    (the same scaling on its latent attention), the scaling in jaxserve's `query_scale_*` keys; any other config as
+    it is."""
     mistral4 = d.get("model_type") == "mistral4" or "Mistral4ForCausalLM" in (d.get("architectures") or [])
     if d.get("model_type") != "ministral3" and "Ministral3ForCausalLM" not in (d.get("architectures") or []) \
             and not mistral4:

@@ -96,9 +96,6 @@ class LLMEngine:
         batched = max(args.max_num_batched_tokens, max_seqs)
         self.scheduler = Scheduler(args.scheduler_config(max_model_len, states), num_pages)
         backend, spec = resolve_attention_backend(args), args.speculative_config
-        if cfg.attention_chunk and backend != "xla" and max_model_len > cfg.attention_chunk:
-            raise ValueError(f"chunked attention (chunks of {cfg.attention_chunk}: Llama 4's) runs on the xla attention "
-                             f"backend only; on {backend}, serve at most --max-model-len {cfg.attention_chunk}")
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(

@@ -1,7 +1,8 @@
-"""gpt-oss's, Qwen3-VL-MoE's, Llama 4's and Mistral 4's packed expert tensors: each layer's experts in one tensor per kind, input-major
-(`gate_up_proj` [X, E, 2 * Fe], `down_proj` [X, Fe, E]), split into the per-expert names the key map reads
-(`keymap.split_packed`), and packed back for `jaxserve convert` (`gpt_oss_packed`). gpt-oss interleaves the
-gate's and the up projection's columns and has biases too; Qwen3-VL-MoE puts the gate's columns first."""
+"""gpt-oss's, Qwen3-VL-MoE's, Llama 4's and Mistral 4's packed expert tensors: each layer's experts in one tensor
+per kind, input-major (`gate_up_proj` [X, E, 2 * Fe], `down_proj` [X, Fe, E]; transformers' own modules, and so
+Mistral 4's, output-major), split into the per-expert names the key map reads (`keymap.split_packed`), and packed
+back for `jaxserve convert` (`gpt_oss_packed`). gpt-oss interleaves the gate's and the up projection's columns and
+has biases too; the others put the gate's columns first."""
 
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def xla_ragged_paged_attention(
     contract, `pallas_kernels.ragged_attention_args`); `sinks` [Hq]: each head's attention-sink logit (gpt-oss);
     `chunk`: a query sees the keys of its own chunk of positions only (Llama 4's chunked attention).
     """
-    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=(sliding_window, chunk),
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, span=(sliding_window, chunk),
               pages_per_block=pages_per_block, query_block=query_block, kv_dtype=kv_dtype, sinks=sinks)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, q.shape[0])
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key)
@@ -72,7 +72,7 @@ def xla_ragged_paged_attention(
     return _tiled_attention(*args, **kw)
 
 
-def _pad_to_blocks(tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
+def pad_to_blocks(tables: jax.Array, pages_per_block: int) -> tuple[jax.Array, int]:
     """Page tables [S, P] padded with page 0 to whole blocks (its keys lie past every position, so
     they are masked), and the block size: at most P pages."""
     B = min(pages_per_block, tables.shape[1])
@@ -137,16 +137,16 @@ def _online_softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
     return m_new, denom, acc * alpha[..., None] + pv(p)
 
 
-def _key_mask(kpos: jax.Array, pos: jax.Array, sliding_window: tuple, last: jax.Array | None = None) -> jax.Array:
+def _key_mask(kpos: jax.Array, pos: jax.Array, span: tuple, last: jax.Array | None = None) -> jax.Array:
     """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, or up to `last` [R] where given;
-    within the window, or the chunk: `sliding_window` is (window, chunk), either None)."""
+    within the window, or the chunk: `span` is (window, chunk), either None)."""
     return (kpos[None, :] <= (pos if last is None else last)[:, None]) & (
-        kpos[None, :] >= _first_key(pos, sliding_window)[:, None])
+        kpos[None, :] >= _first_key(pos, span)[:, None])
 
 
-def _first_key(pos: jax.Array, sliding_window: tuple) -> jax.Array:
+def _first_key(pos: jax.Array, span: tuple) -> jax.Array:
     """The first key position query position `pos` sees: its window's, or its chunk's."""
-    window, chunk = sliding_window
+    window, chunk = span
     return pos - window + 1 if window is not None else pos - pos % chunk if chunk is not None else jnp.zeros_like(pos)
 
 
@@ -165,14 +165,14 @@ def _finish(carry, sinks: jax.Array | None) -> jax.Array:
     return out.reshape(out.shape[0], -1, out.shape[-1])
 
 
-def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, sliding_window, pages_per_block, kv_dtype,
+def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, span, pages_per_block, kv_dtype,
                     sinks):
     """Each query row against its own pages, `pages_per_block` at a time (None: `row_pages_per_block`).
     qf: [R, Hkv, G, D] f32, scaled; pos: [R] (-1: sees no key); last: [R], each row's last visible key, or
     None (causal); tables: [R, P]. Returns [R, Hq, D] f32 (zero for a row that sees no key)."""
     R, Hkv, G, D = qf.shape
     page_size = k_pages.shape[1]
-    tables, B = _pad_to_blocks(tables, pages_per_block or row_pages_per_block(page_size, Hkv, D, k_pages.dtype.itemsize))
+    tables, B = pad_to_blocks(tables, pages_per_block or row_pages_per_block(page_size, Hkv, D, k_pages.dtype.itemsize))
     J = B * page_size
     num_blocks = jnp.minimum((jnp.max(pos if last is None else last) + J) // J, tables.shape[1] // B)
 
@@ -180,7 +180,7 @@ def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, slidin
         pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [R, B]
         k = read_pages(k_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
         v = k if v_pages is None else read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
-        mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, sliding_window, last)
+        mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, span, last)
         # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
         s = _cap(jnp.einsum("tkgd,tjkd->tkgj", qf, k), soft_cap)
@@ -189,7 +189,7 @@ def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, slidin
     return _finish(jax.lax.fori_loop(0, num_blocks, body, _init(R, Hkv, G, D)), sinks)
 
 
-def _token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
+def token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
     """Per packed token: its sequence, its position and its last visible key (-1 for padding; the key None
     without `last_key`) and whether it is real."""
     seq, pos, valid = token_metadata(seq_lens, query_start_loc, num_tokens)
@@ -198,13 +198,13 @@ def _token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
 
 
 def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
-                         sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype, sinks):
+                         sm_scale, soft_cap, span, pages_per_block, query_block, kv_dtype, sinks):
     """Every token gathers its own sequence's pages, one block at a time: all tokens at once when
     they fit in one chunk of `query_block`, else the real tokens a chunk at a time."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2] if k_pages.ndim == 4 else 1
-    seq, pos, last, valid = _token_rows(seq_lens, query_start_loc, T, last_key)
-    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
+    seq, pos, last, valid = token_rows(seq_lens, query_start_loc, T, last_key)
+    kw = dict(soft_cap=soft_cap, span=span, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
               sinks=sinks)
     if T <= query_block:
         qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
@@ -243,7 +243,7 @@ def _row_chunks(qf, seq, pos, last, select, block_tables, k_pages, v_pages, out,
 
 
 def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
-                     sm_scale, soft_cap, sliding_window, pages_per_block, query_block, kv_dtype, sinks):
+                     sm_scale, soft_cap, span, pages_per_block, query_block, kv_dtype, sinks):
     """A mixed batch. Each prompt chunk (a sequence with several query tokens) goes in tiles of
     `query_block` tokens; a tile reads each block of its sequence's pages once for all its tokens.
     Decode tokens (one query token in their sequence) go `query_block` at a time, each reading its own
@@ -256,13 +256,13 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
     # would shift it back instead).
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
-    kw = dict(soft_cap=soft_cap, sliding_window=sliding_window, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
+    kw = dict(soft_cap=soft_cap, span=span, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
               sinks=sinks)
-    tables, B = _pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)  # the tiles' blocks of pages
+    tables, B = pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)  # the tiles' blocks of pages
     J = B * page_size
 
     # Decode tokens, compacted: chunks of Bq, then pieces of 8, 2 and 1.
-    seq, pos, last_all, valid = _token_rows(seq_lens, query_start_loc, T, last_key)
+    seq, pos, last_all, valid = token_rows(seq_lens, query_start_loc, T, last_key)
     out = _row_chunks(qf, seq, pos, last_all, valid & (q_lens[seq] == 1), block_tables, k_pages, v_pages,
                       jnp.zeros((T + Bq, Hq, D), jnp.float32), Bq, **kw)
     if last_all is not None:  # padded as qf is, for the tiles' windows
@@ -297,7 +297,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             if last_all is not None:  # spans attended both ways reach further
                 row_last = jnp.where(real, jax.lax.dynamic_slice_in_dim(last_all, start, rows_per_tile), -1)
                 last = jnp.maximum(last, jnp.max(row_last) + 1)
-            first = jnp.maximum(_first_key(ctx + q0, sliding_window), 0)
+            first = jnp.maximum(_first_key(ctx + q0, span), 0)
             table = tables[s]
 
             def block(j, carry):
@@ -308,7 +308,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
                 # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
                 v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
                 s = _cap(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap)
-                mask = _key_mask(kpos, pos, sliding_window, row_last)
+                mask = _key_mask(kpos, pos, span, row_last)
                 return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
 
             init = _init(rows_per_tile, Hkv, G, D)
@@ -376,13 +376,12 @@ def paged_attention(
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
     pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
     `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`); `chunk`:
-    Llama 4's chunked attention, on the xla backend (the engine serves no longer sequences on the others)."""
+    Llama 4's chunked attention, on the xla backend (the kernels have no chunks: the engine serves them no sequence
+    longer than one, `compiled_steps.step_functions`)."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, chunk=chunk,
                                           decode=decode, kv_dtype=kv_dtype, last_key=last_key, sinks=sinks, **kwargs)
-    if chunk is not None:
-        raise ValueError("chunked attention runs on the xla backend only")
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
 

@@ -20,7 +20,7 @@ from jaxserve.models.moe import moe_mlp
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
-from jaxserve.models.rotary import rope_tables
+from jaxserve.models.rotary import query_scale, rope_tables
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
@@ -168,9 +168,8 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     k = apply_rope(k, cos, sin)
     if cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, after the rotation)
         q, k = (rms_norm(x, jnp.ones((), x.dtype), cfg.rms_norm_eps) for x in (q, k))
-    if cfg.query_scale_beta and (cfg.family != "llama4" or not rope):  # queries scaled up by position (Ministral 3;
-        pos = inputs.positions + (cfg.family == "llama4")  # Llama 4's unrotated layers, counting from 1)
-        q = q * (1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(pos / cfg.query_scale_length))).astype(q.dtype)[:, None, None]
+    if cfg.query_scale_beta and (cfg.family != "llama4" or not rope):  # (Llama 4's: its unrotated layers only)
+        q = q * query_scale(cfg, inputs.positions).astype(q.dtype)[:, None, None]
 
     # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
     # over the stored keys, times v_scale, is the attention over the true ones (any backend).
@@ -187,7 +186,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
         sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
         sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
-        chunk=cfg.attention_chunk if local and backend == "xla" else None,  # (elsewhere, no longer sequences)
+        chunk=cfg.attention_chunk if local else None,
         sinks=lp.sinks, layout=layout,
     )  # [T, Hq, D]
     if scaled:

@@ -31,6 +31,7 @@ from jaxserve.models.lora import latent_lora, lora_deltas
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, ParamInfo
 from jaxserve.models.quantized import project
+from jaxserve.models.rotary import query_scale
 from jaxserve.models.sparse_mla import indexer, sparse_mla_attention
 
 
@@ -64,9 +65,8 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     if lora is not None:  # kv_b_proj's keys' delta, absorbed as its weights are
         q_latent = q_latent + latent_lora(q[..., : D - Dr], lora.a_kvb, lora.b_kvb, ls, D - Dr)
     q = jnp.concatenate([q_latent.astype(q.dtype), q_rot], axis=-1)  # [T, Hq, R + Dr]
-    if cfg.query_scale_beta:  # (Mistral 4: Llama 4's scaling by position)
-        q = q * (1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(inputs.positions / cfg.query_scale_length))
-                 ).astype(q.dtype)[:, None, None]
+    if cfg.query_scale_beta:  # (Mistral 4's)
+        q = q * query_scale(cfg, inputs.positions).astype(q.dtype)[:, None, None]
     parts = [latent[:, None, :], k_rot.astype(latent.dtype)]
     if cfg.index_topk:  # (DeepSeek Sparse Attention: the indexer's key rides in the entry)
         index_q, index_w, index_k = indexer(cfg, lp, h, h_q, cos, sin)

@@ -47,3 +47,10 @@ def mrope_axes(cfg: ModelConfig) -> np.ndarray:
         return np.repeat(np.arange(len(section)), section)
     j = np.arange(cfg.rotary_dims // 2)
     return np.where((j % 3 == 1) & (j < 3 * section[1]), 1, np.where((j % 3 == 2) & (j < 3 * section[2]), 2, 0))
+
+
+def query_scale(cfg: ModelConfig, positions: jax.Array) -> jax.Array:
+    """[T]: Llama 4's scaling of queries by position (Ministral 3's and Mistral 4's on every layer; Llama 4's on its
+    unrotated layers, positions counted from 1): 1 + beta * log(1 + floor(position / length))."""
+    pos = positions + (cfg.family == "llama4")
+    return 1.0 + cfg.query_scale_beta * jnp.log1p(jnp.floor(pos / cfg.query_scale_length))

@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import read_pages
+from jaxserve.models.attention import pad_to_blocks, read_pages, token_rows
 from jaxserve.models.ops import apply_rope, layer_norm
 from jaxserve.models.params import LayerParams
-from pallas_kernels.ragged_attention_args import token_metadata
 
 INDEX_KEY_NORM_EPS = 1e-6  # the indexer key's LayerNorm (transformers': fixed)
 ROWS = 8  # query tokens per loop iteration
@@ -57,16 +56,13 @@ def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, p
     page_size, W = pool.shape[1], pool.shape[-1]
     Hkv = pool.shape[2] if pool.ndim == 4 else 1
     Di = W - key_dim
-    P = tables.shape[1]
-    B = max(1, min(P, BLOCK_KEYS // page_size))
-    if P % B:
-        tables = jnp.pad(tables, ((0, 0), (0, B - P % B)))  # (page 0's keys lie past every position: masked)
+    tables, B = pad_to_blocks(tables, max(1, BLOCK_KEYS // page_size))
     J = B * page_size
-    seq, pos, valid = token_metadata(seq_lens, query_start_loc, T)
+    seq, pos, _, valid = token_rows(seq_lens, query_start_loc, T)
     pad = lambda x: jnp.pad(x, ((0, ROWS),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731 (rows past T: padding)
     qf = pad(q.astype(jnp.float32) * sm_scale).reshape(T + ROWS, Hkv, Hq // Hkv, key_dim)
     iq, iw = pad(index_q.astype(jnp.float32)), pad(index_w)
-    seq, pos = pad(seq), jnp.pad(jnp.where(valid, pos, -1), (0, ROWS), constant_values=-1)
+    seq, pos = pad(seq), jnp.pad(pos, (0, ROWS), constant_values=-1)
     order = jnp.pad(jnp.argsort(~valid, stable=True).astype(jnp.int32), (0, ROWS), constant_values=T)
     flat = pool.reshape(-1, W)  # an entry a row (of each KV head's copy, head-minor)
 
