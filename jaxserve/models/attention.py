@@ -377,7 +377,7 @@ def paged_attention(
     pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
     `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`); `chunk`:
     Llama 4's chunked attention, on the xla backend (the kernels have no chunks: the engine serves them no sequence
-    longer than one, `compiled_steps.step_functions`)."""
+    longer than one, `compiled_steps.check_backend`)."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, chunk=chunk,
