@@ -50,6 +50,7 @@ from pallas_kernels.ragged_attention_args import (
     check_score_args,
     combine_splits,
     default_splits,
+    key_capacity,
     logits,
     mask_keys,
     meta_spans,
@@ -75,6 +76,7 @@ def _attention_body(
     sm_scale: float,
     soft_cap: float | None,
     window: int | None,
+    chunk: int | None,
     num_splits: int,
     partials: bool,
     group: int,
@@ -85,8 +87,9 @@ def _attention_body(
     A query block is up to `ROWS // group` consecutive query tokens of one sequence, each with the `group`
     query heads of the KV head (row r: token r // group); `meta_ref[block]` = (sequence, position of the
     block's first token, number of tokens, unused). Row r sees the keys at positions up to its token's
-    (causal) and, with a sliding window, after its token's position minus `window`; a decode token is a block
-    of one. The walk starts at the KV block where the first token's window starts. With `partials` (splits, or
+    (causal) and, with a sliding window, after its token's position minus `window` (with chunks, none before
+    its chunk of `chunk` positions); a decode token is a block of one. The walk starts at the KV block where the
+    first token's window (or chunk) starts. With `partials` (splits, or
     attention sinks) it writes the unnormalized accumulator and each row's max and sum, for `combine_splits`.
     """
     plgpu = plgpu_module()
@@ -110,7 +113,7 @@ def _attention_body(
     spans = meta_spans(meta_ref, blk)
     kv_len = functools.reduce(lambda n, span: jnp.maximum(n, span[1] + 1), spans, tok_end)  # spans reach further
     num_blocks = pl.cdiv(kv_len, block_kv)
-    lo = jnp.minimum(window_start(pos0, window, block_kv), num_blocks)
+    lo = jnp.minimum(window_start(pos0, window, block_kv, chunk), num_blocks)
     per_split = pl.cdiv(num_blocks - lo, num_splits)
     start = lo + split * per_split
     stop = jnp.minimum(num_blocks, start + per_split)
@@ -162,7 +165,8 @@ def _attention_body(
                 return acc_ref[...]
 
             s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32))
-        s = mask_keys(logits(s, sm_scale, soft_cap), j * block_kv + col, row_pos, window, row_last)  # [ROWS, bkv]
+        s = mask_keys(logits(s, sm_scale, soft_cap), j * block_kv + col, row_pos, window, row_last,
+                      chunk)  # [ROWS, bkv]
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # at least M_FLOOR: exp(-inf - m) below is 0, never NaN
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -284,7 +288,7 @@ def check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv: int, smem: in
 
 def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale: float, block_kv: int,
                             splits: int, group: int, interpret: bool, name: str, stages: int = 2,
-                            soft_cap: float | None = None, window: int | None = None,
+                            soft_cap: float | None = None, window: int | None = None, chunk: int | None = None,
                             sinks: jax.Array | None = None) -> jax.Array:
     """The kernel over query blocks: qb `[NB, KVH, ROWS, D]` (row r: token r // group of the block, head
     r % group of the KV head's group), meta `[NB, 4]` int32 (sequence, first position, tokens, 0; or `[NB, 8]`
@@ -328,7 +332,7 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     body = functools.partial(
         _attention_body, page_size=page_size, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits,
         partials=partials, group=group, interpret=interpret, soft_cap=None if soft_cap is None else float(soft_cap),
-        window=None if window is None else int(window),
+        window=None if window is None else int(window), chunk=None if chunk is None else int(chunk),
     )
     # A Mosaic GPU kernel over a (query block, KV head, split) grid of one-warpgroup programs; its scratch is
     # allocated per program. `plgpu.kernel` is the entry point both JAX 0.10 and 0.11 lower for the GPU
@@ -349,8 +353,8 @@ def mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scal
     return combine_splits(result[0].astype(jnp.float32), *result[1:], sinks=None if sinks is None else sinks[None])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "num_splits",
-                                             "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "attention_chunk", "block_kv",
+                                             "num_splits", "stages", "interpret"))
 def paged_decode_attention_mosaic(
     q,
     k_pages,
@@ -366,20 +370,19 @@ def paged_decode_attention_mosaic(
     stages: int = 2,
     interpret: bool = False,
     sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """Decode attention, one query token per sequence: q `[S, QH, D]` -> `[S, QH, D]` (Mosaic GPU), with the
-    optional logit soft-cap, sliding window and attention sinks (`[QH]`) of `ragged_paged_attention`.
+    optional logit soft-cap, sliding window, chunks and attention sinks (`[QH]`) of `ragged_paged_attention`.
     `stages`: K/V blocks in the SMEM ring (in flight while one is multiplied: stages - 1)."""
-    check_score_args(sm_scale, soft_cap, sliding_window)
+    check_score_args(sm_scale, soft_cap, sliding_window, attention_chunk)
     group = check_mosaic_args(q, k_pages, v_pages, block_tables, block_kv, stages=stages)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     if block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {block_tables.shape} and seq_lens {seq_lens.shape} must have {num_seqs} rows")
-    # A window bounds the keys any token reads, hence the useful splits.
-    capacity = block_tables.shape[1] * page_size
-    if sliding_window is not None:
-        capacity = min(capacity, sliding_window + block_kv)
+    # A window or a chunk bounds the keys any token reads, hence the useful splits.
+    capacity = key_capacity(block_tables.shape[1] * page_size, sliding_window, attention_chunk, 1, block_kv)
     splits = num_splits or default_splits(num_seqs, num_kv_heads, capacity, block_kv)
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -390,7 +393,7 @@ def paged_decode_attention_mosaic(
                       jnp.zeros_like(seq_lens)], axis=1)
     ob = mosaic_attention_blocks(qg, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale, block_kv=block_kv,
                                  splits=splits, group=group, interpret=interpret, stages=stages,
-                                 soft_cap=soft_cap, window=sliding_window,
+                                 soft_cap=soft_cap, window=sliding_window, chunk=attention_chunk,
                                  sinks=None if sinks is None else jnp.pad(sinks.astype(jnp.float32).reshape(
                                      num_kv_heads, group), ((0, 0), (0, ROWS - group))),
                                  name=f"paged_decode_mosaic_bkv{block_kv}_s{splits}_st{stages}")

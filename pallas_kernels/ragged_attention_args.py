@@ -11,6 +11,8 @@ A token sees the keys up to its own position (causal), or with `last_key` (`[num
 `last_key[t]`: the tokens of a span attended both ways (an image in Gemma 3) see up to the span's last position,
 the keys of their own span that come after them included. `last_key` below a token's position or past its
 sequence's last position counts as the nearest of the two; the sliding window stays behind the token's position.
+With `attention_chunk` (Llama 4's chunked attention) a token sees no key before its chunk of positions
+(`pos - pos % attention_chunk`); a window and chunks may be given together (the later first key counts).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def quantize_kv(x: jax.Array, page_dtype) -> jax.Array:
 
 def check_attention_args(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key=None,
-    sinks=None,
+    sinks=None, attention_chunk=None,
 ) -> None:
     """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
     if q.ndim != 3:
@@ -99,17 +101,19 @@ def check_attention_args(
     if sinks is not None and (sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
         raise ValueError(f"sinks must be a float [{num_q_heads}] (one logit per query head), got {sinks.dtype} "
                          f"{sinks.shape}")
-    check_score_args(sm_scale, soft_cap, sliding_window)
+    check_score_args(sm_scale, soft_cap, sliding_window, attention_chunk)
 
 
-def check_score_args(sm_scale, soft_cap, sliding_window) -> None:
-    """Raise ValueError naming the problem when the scale, soft-cap or window is out of range."""
+def check_score_args(sm_scale, soft_cap, sliding_window, attention_chunk=None) -> None:
+    """Raise ValueError naming the problem when the scale, soft-cap, window or chunk is out of range."""
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be positive, got {sm_scale}")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap must be positive or None, got {soft_cap}")
     if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if attention_chunk is not None and (int(attention_chunk) != attention_chunk or attention_chunk < 1):
+        raise ValueError(f"attention_chunk must be a positive int or None, got {attention_chunk}")
 
 
 def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
@@ -120,20 +124,42 @@ def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
     return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log_base)
 
 
-def mask_keys(s, key_pos, row_pos, window: int | None, row_last=None):
+def mask_keys(s, key_pos, row_pos, window: int | None, row_last=None, chunk: int | None = None):
     """`s` with -inf where a row does not see a key: keys past its position (causal), or past `row_last` where
-    given (a span attended both ways), or, with a sliding window, `window` or more positions before it."""
+    given (a span attended both ways), or before its first key (`first_key`: a sliding window, a chunk)."""
     s = jnp.where(key_pos <= (row_pos if row_last is None else row_last), s, -jnp.inf)
     if window is not None:
         s = jnp.where(key_pos > row_pos - window, s, -jnp.inf)
+    if chunk is not None:  # each bound on its own: no constant tile to lay out in the Mosaic GPU kernels
+        s = jnp.where(key_pos >= row_pos - lax.rem(row_pos, chunk), s, -jnp.inf)
     return s
 
 
-def window_start(pos, window: int | None, block_kv: int):
+def first_key(pos, window: int | None, chunk: int | None = None):
+    """The first key position `pos` sees: 0, or with a sliding window `pos - window + 1`, or with chunked
+    attention the start of its chunk, whichever is later. Nondecreasing in `pos`."""
+    first = jnp.zeros_like(pos)
+    if window is not None:
+        first = jnp.maximum(first, pos - (window - 1))
+    if chunk is not None:
+        first = jnp.maximum(first, pos - lax.rem(pos, chunk))
+    return first
+
+
+def window_start(pos, window: int | None, block_kv: int, chunk: int | None = None):
     """The first KV block holding a key that position `pos` sees."""
-    if window is None:
+    if window is None and chunk is None:
         return jnp.zeros_like(pos)
-    return lax.div(jnp.maximum(pos - window + 1, 0), block_kv)
+    return lax.div(first_key(pos, window, chunk), block_kv)
+
+
+def key_capacity(capacity: int, window: int | None, chunk: int | None, rows_span: int, block_kv: int) -> int:
+    """The keys a block of queries `rows_span` positions long can read of a `capacity`-key sequence, bounded by
+    a window or a chunk (plus one partial KV block)."""
+    for reach in (window, chunk):
+        if reach is not None:
+            capacity = min(capacity, reach + (rows_span - 1) + block_kv)
+    return capacity
 
 
 def token_metadata(

@@ -6,8 +6,8 @@ token r // group). A block walks the KV blocks up to its last token's position, 
 pages arrive by TMA through the block table into SMEM, the products run on the tensor cores into float32
 accumulators, and the softmax is online in float32. The one-warpgroup form can split each block's walk over the
 KV (flash decoding), for a short step over long contexts (drafts verified as chunks); the other cannot.
-The optional logit soft-cap, sliding window and attention sinks are those of the generic kernel; with a window
-a block walks only the KV blocks its tokens' windows reach, and each row's sink logit joins its softmax sum
+The optional logit soft-cap, sliding window, chunks and attention sinks are those of the generic kernel; with a
+window (or chunks) a block walks only the KV blocks its tokens' windows (chunks) reach, and each row's sink logit joins its softmax sum
 (in the warp-specialized form at the end of the walk, in the other where the partials are combined).
 
 Two forms:
@@ -42,6 +42,7 @@ from pallas_kernels.ragged_attention_args import (
     blocks_to_tokens,
     check_attention_args,
     clamp_last_key,
+    key_capacity,
     queries_to_blocks,
 )
 from pallas_kernels.ragged_mosaic_form import (  # noqa: F401 (re-exported: the backend and the tests read them)
@@ -55,8 +56,8 @@ from pallas_kernels.ragged_mosaic_form import (  # noqa: F401 (re-exported: the 
 from pallas_kernels.ragged_mosaic_ws import ws_attention_blocks
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_kv", "compute_wgs",
-                                             "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "attention_chunk", "block_kv",
+                                             "compute_wgs", "num_splits", "interpret"))
 def ragged_paged_attention_mosaic(
     q,
     k_pages,
@@ -75,6 +76,7 @@ def ragged_paged_attention_mosaic(
     skip_seqs: jax.Array | None = None,
     last_key: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """Ragged paged attention (the contract of `ragged_paged_attention`) on Mosaic GPU: q `[T, QH, D]`
     bfloat16 or float16, pages of q's dtype or float8 -> `[T, QH, D]` in q's dtype.
@@ -87,9 +89,9 @@ def ragged_paged_attention_mosaic(
     attends them elsewhere, as `ragged_paged_attention` does a mixed batch's decode tokens.
     `last_key`: spans attended both ways (the contract's); a batch where a query block meets more than
     `BLOCK_SPANS` of them goes to the generic kernel whole. `sinks` `[QH]`: each head's attention-sink logit
-    (gpt-oss), in the softmax's sum and carrying no value."""
+    (gpt-oss), in the softmax's sum and carrying no value. `attention_chunk`: Llama 4's chunked attention."""
     check_attention_args(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap,
-                         sliding_window, last_key, sinks)
+                         sliding_window, last_key, sinks, attention_chunk)
     if compute_wgs is not None and compute_wgs not in (1, COMPUTE_WGS):
         raise ValueError(f"compute_wgs must be 1 or {COMPUTE_WGS}, got {compute_wgs}")
     if num_splits is not None and (num_splits < 1 or (num_splits > 1 and compute_wgs != 1)):
@@ -120,21 +122,22 @@ def ragged_paged_attention_mosaic(
 
     def mosaic():
         if compute_wgs == 1:
-            capacity = block_tables.shape[1] * page_size
-            if sliding_window is not None:  # a window bounds the keys any block reads
-                capacity = min(capacity, sliding_window + (block_q - 1) + block_kv)
+            # A window or a chunk bounds the keys any block reads.
+            capacity = key_capacity(block_tables.shape[1] * page_size, sliding_window, attention_chunk, block_q,
+                                    block_kv)
             splits = num_splits or (1 if interpret else block_splits(
                 qb.shape[0], seq_lens.shape[0], num_kv_heads, capacity, block_kv, ROWS, head_dim,
                 k_pages.dtype.itemsize))
             ob = mosaic_attention_blocks(qb, meta, k_pages, v_pages, block_tables, sm_scale=sm_scale,
                                          block_kv=block_kv, splits=splits, group=group, interpret=interpret,
-                                         soft_cap=soft_cap, window=sliding_window, sinks=sink_rows,
+                                         soft_cap=soft_cap, window=sliding_window, chunk=attention_chunk,
+                                         sinks=sink_rows,
                                          name=f"ragged_attention_mosaic_bq{block_q}_bkv{block_kv}_s{splits}")
         else:
             num_blocks = qb.shape[0]
             ob = ws_attention_blocks(qb.reshape(num_blocks, num_kv_heads, COMPUTE_WGS, ROWS, head_dim), meta,
                                      k_pages, v_pages, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
-                                     window=sliding_window, block_kv=block_kv, group=group, interpret=interpret,
+                                     window=sliding_window, chunk=attention_chunk, block_kv=block_kv, group=group, interpret=interpret,
                                      sinks=sink_rows, name=f"ragged_attention_mosaic_ws_bq{block_q}_bkv{block_kv}")
             ob = ob.reshape(num_blocks, num_kv_heads, rows, head_dim)
         return blocks_to_tokens(ob, tok_block, tok_row, tok_valid, block_q, group).astype(q.dtype)
@@ -146,6 +149,6 @@ def ragged_paged_attention_mosaic(
     def generic():  # a block meeting more spans than its metadata holds: the whole batch on the generic kernel
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                       sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                                      last_key=last_key, sinks=sinks, interpret=interpret)
+                                      attention_chunk=attention_chunk, last_key=last_key, sinks=sinks, interpret=interpret)
 
     return lax.cond(over, generic, mosaic)

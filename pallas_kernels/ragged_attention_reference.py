@@ -18,7 +18,7 @@ from pallas_kernels.ragged_attention_args import check_attention_args, clamp_las
 _MASKED = -1e30
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "attention_chunk"))
 def ragged_paged_attention_reference(
     q,
     k_pages,
@@ -32,13 +32,15 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     last_key: jax.Array | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """Plain `jax.numpy` ragged paged attention, the kernels' oracle (the engine's `xla` backend computes
     the same in blocks of pages; a test holds the two equal). `sinks` [QH]: each head's attention-sink logit
-    (gpt-oss), one more column of the softmax whose probability is dropped."""
+    (gpt-oss), one more column of the softmax whose probability is dropped. `attention_chunk`: Llama 4's chunked
+    attention (a token sees no key before its chunk of positions)."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
-        sinks,
+        sinks, attention_chunk,
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -63,6 +65,8 @@ def ragged_paged_attention_reference(
     mask = valid[:, None] & (kv_pos[None, :] <= last[:, None])  # [T, L]
     if sliding_window is not None:
         mask &= kv_pos[None, :] > pos[:, None] - sliding_window
+    if attention_chunk is not None:
+        mask &= kv_pos[None, :] >= (pos - pos % attention_chunk)[:, None]
 
     def finish(logits):
         logits = logits * sm_scale

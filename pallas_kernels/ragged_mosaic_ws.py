@@ -26,6 +26,7 @@ from pallas_kernels.mosaic_common import (
 from pallas_kernels.paged_decode_mosaic import ROWS, upcast_rows
 from pallas_kernels.ragged_attention_args import (
     M_FLOOR,
+    first_key,
     logits,
     mask_keys,
     meta_spans,
@@ -49,7 +50,8 @@ LOG2E = math.log2(math.e)
 
 
 def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs, block_kv: int, sm_scale: float,
-             soft_cap: float | None, window: int | None, group: int, has_sinks: bool, interpret: bool):
+             soft_cap: float | None, window: int | None, chunk: int | None, group: int, has_sinks: bool,
+             interpret: bool):
     """One (query block, KV head): warpgroups 0 and 1 compute rows 0-63 and 64-127, warpgroup 2 loads K/V.
 
     Barriers: `k_bar`/`v_bar[stage]` complete when the stage holds its block; `k_free`/`v_free[stage]` when
@@ -79,7 +81,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
     kv_len = jnp.where(num_q > 0, pos0 + num_q, 0)  # the keys the block's last token sees
     kv_len = functools.reduce(lambda n, span: jnp.maximum(n, span[1] + 1), spans, kv_len)
     stop = pl.cdiv(kv_len, block_kv)
-    lo = jnp.minimum(window_start(pos0, window, block_kv), stop)  # blocks [lo, stop): loaded, walked by both
+    lo = jnp.minimum(window_start(pos0, window, block_kv, chunk), stop)  # blocks [lo, stop): loaded, walked by both
     last_page = jnp.clip(pl.cdiv(kv_len, page_size) - 1, 0, pages_per_seq - 1)
 
     def rendezvous():
@@ -140,22 +142,24 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
             meets = own & (start <= pos0 + last) & (end >= pos0 + first)
             own_len = jnp.where(meets, jnp.maximum(own_len, end + 1), own_len)
         # This warpgroup's blocks [own_lo, own_stop) (none: both at `stop`), in three runs: blocks where the
-        # window of some row starts (masked), blocks every row sees whole (unmasked), blocks reaching past the
-        # first token's position (masked).
+        # window (or chunk) of some row starts (masked), blocks every row sees whole (unmasked), blocks reaching
+        # past the first token's position (masked).
         own_stop = jnp.where(own, pl.cdiv(own_len, block_kv), stop)
-        own_lo = jnp.where(own, window_start(pos0 + first, window, block_kv), stop)
-        whole = jnp.clip(pl.cdiv(jnp.maximum(pos0 + last + 1 - window, 0), block_kv) if window else own_lo,
+        own_lo = jnp.where(own, window_start(pos0 + first, window, block_kv, chunk), stop)
+        bounded = window is not None or chunk is not None  # first keys past 0: nondecreasing along the rows
+        whole = jnp.clip(pl.cdiv(first_key(pos0 + last, window, chunk), block_kv) if bounded else own_lo,
                          own_lo, own_stop)
         unmasked = jnp.clip((pos0 + first + 1) // block_kv, whole, own_stop)
 
         def masked_keys(s, j):
             """Row r (token (64 wg + r) // group) sees the keys up to its token's position, or its span's end
-            (and within its window). The index tiles are made here, in the few masked blocks, rather than held in registers
+            (and within its window or chunk). The index tiles are made here, in the few masked blocks, rather than held in registers
             across the whole loop."""
             row = iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
             col = iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
             row_pos = jnp.minimum(pos0 + lax.div(wg * ROWS + row, group), pos0 + last)
-            return mask_keys(s, j * block_kv + col, row_pos, window, span_last(row_pos, spans) if spans else None)
+            return mask_keys(s, j * block_kv + col, row_pos, window, span_last(row_pos, spans) if spans else None,
+                             chunk)
 
         rows_layout = plgpu.Layout.WGMMA.reduce(1)
         m0 = layout_cast(jnp.full((ROWS,), M_FLOOR, jnp.float32), rows_layout)
@@ -215,7 +219,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
         plgpu.barrier_wait(q_bar.at[wg])
         lax.fori_loop(lo, own_lo, drain, None)
         carry = (acc0, m0, l0)
-        if window is not None:
+        if bounded:
             carry = lax.fori_loop(own_lo, whole, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(whole, unmasked, functools.partial(step, masked=False), carry)
         acc, m, denom = lax.fori_loop(unmasked, own_stop, functools.partial(step, masked=True), carry)
@@ -237,7 +241,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
 
 
 def ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, soft_cap, window, block_kv, group,
-                        interpret, name, sinks=None):
+                        interpret, name, sinks=None, chunk=None):
     """The warp-specialized kernel over query blocks: qb `[NB, KVH, 2, ROWS, D]` -> the same shape, q's dtype.
     `sinks` `[KVH, 2 * ROWS]` float32: each row's attention-sink logit."""
     plgpu = plgpu_module()
@@ -266,6 +270,7 @@ def ws_attention_blocks(qb, meta, k_pages, v_pages, block_tables, *, sm_scale, s
     body = functools.partial(_ws_body, block_kv=block_kv, sm_scale=float(sm_scale), group=group,
                              soft_cap=None if soft_cap is None else float(soft_cap),
                              window=None if window is None else int(window), has_sinks=sinks is not None,
+                             chunk=None if chunk is None else int(chunk),
                              interpret=interpret)
     return plgpu.kernel(
         body,

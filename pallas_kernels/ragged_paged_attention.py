@@ -4,7 +4,7 @@ The KV cache of one layer is a pool of pages `[num_pages, page_size, num_kv_head
 reserved scratch page. Query tokens are packed by sequence. Query token `i` of sequence `s` sits at position
 `seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own, or up to `last_key[t]` where
 given (a span attended both ways; the last `sliding_window` positions before its own, its own included, when a
-window is given). Softmax runs in float32. The pages may be stored
+window is given; none before its chunk of `attention_chunk` positions, when chunks are). Softmax runs in float32. The pages may be stored
 narrower than q (float8 or bfloat16): the kernel upcasts each block as it loads it, so a float8 cache moves
 half the bytes of a bfloat16 one.
 
@@ -109,6 +109,7 @@ def _attention_kernel(
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    chunk: int | None,
     num_splits: int,
     use_mma: bool,
     has_last: bool,
@@ -138,7 +139,7 @@ def _attention_kernel(
     kv_hi = jnp.where(num_q > 0, pos0 + num_q, 0)  # the last real query sees KV positions < kv_hi
     if row_last is not None:  # a span attended both ways reaches past it
         kv_hi = jnp.maximum(kv_hi, jnp.max(jnp.where(row_valid, row_last, -1)) + 1)
-    blk_lo = jnp.minimum(window_start(pos0, sliding_window, block_kv), pl.cdiv(kv_hi, block_kv))
+    blk_lo = jnp.minimum(window_start(pos0, sliding_window, block_kv, chunk), pl.cdiv(kv_hi, block_kv))
     num_blocks = pl.cdiv(kv_hi, block_kv) - blk_lo
     per_split = pl.cdiv(num_blocks, num_splits)
     start = blk_lo + split * per_split
@@ -165,7 +166,7 @@ def _attention_kernel(
         else:
             s = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
         s = mask_keys(logits(s, sm_scale, soft_cap), kv_pos[None, :], row_pos[:, None], sliding_window,
-                      None if row_last is None else row_last[:, None])
+                      None if row_last is None else row_last[:, None], chunk)
         s = jnp.where(row_valid[:, None], s, -jnp.inf)  # [rows, block_kv]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp(m_prev - m_next)
@@ -210,8 +211,8 @@ def _triton_params(num_warps: int, num_stages: int):
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "tuning",
-                                             "decode"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "attention_chunk",
+                                             "interpret", "tuning", "decode"))
 def ragged_paged_attention(
     q,
     k_pages,
@@ -228,15 +229,16 @@ def ragged_paged_attention(
     interpret: bool = False,
     tuning: AttentionTuning = AttentionTuning(),
     decode: bool = False,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
     [QH]: each head's attention-sink logit (gpt-oss), a share of each softmax carrying no value (every kernel
     here takes them). `decode` (static): the caller promises at most one query token per sequence (an engine's
     decode loop), so a call that goes to the Mosaic GPU decode kernel holds that kernel alone, not a branch for
-    prefill chunks beside it."""
+    prefill chunks beside it. `attention_chunk`: Llama 4's chunked attention (no key before a token's chunk)."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
-        sinks,
+        sinks, attention_chunk,
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -261,7 +263,8 @@ def ragged_paged_attention(
             q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
         if decode_on or prefill:
             return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
-                              soft_cap=soft_cap, sliding_window=sliding_window, last_key=last_key, sinks=sinks,
+                              soft_cap=soft_cap, sliding_window=sliding_window, attention_chunk=attention_chunk,
+                              last_key=last_key, sinks=sinks,
                               interpret=interpret, tuning=tuning, decode_on_mosaic=decode_on, prefill_on_mosaic=prefill,
                               decode_only=decode)
 
@@ -282,6 +285,7 @@ def ragged_paged_attention(
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
+        chunk=None if attention_chunk is None else int(attention_chunk),
         num_splits=splits,
         use_mma=use_mma,
         has_last=last_key is not None,
@@ -341,7 +345,7 @@ def ragged_paged_attention(
 
 
 def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
-               last_key, sinks, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool,
+               attention_chunk, last_key, sinks, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool,
                decode_only: bool = False):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
     prefill chunks on the ragged Mosaic GPU kernel (their decode tokens on the decode kernel with
@@ -352,7 +356,7 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
 
     num_tokens = q.shape[0]
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
-    scores = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    scores = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, attention_chunk=attention_chunk)
     general_tuning = dataclasses.replace(tuning, decode_lowering="triton", prefill_lowering="triton")
 
     def general():

@@ -22,7 +22,7 @@ from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
 from tests.test_kernels_cases import make_batch, naive_attention, span_last_key
 
 # (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq, soft_cap, window,
-#  the pages' dtype[, spans attended both ways per sequence])
+#  the pages' dtype[, {"spans": spans attended both ways per sequence, "chunk": Llama 4's chunk of positions}])
 CASES = [
     # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
     # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
@@ -43,7 +43,14 @@ CASES = [
     # (warpgroup 0's walk reaches past its own last token), span 72-95 starts in warpgroup 1's and ends in the next
     # program; a prompt is one span to its end.
     ("smollm-spans-window", 16, 64, 3, 1, 64, [(60, 100), (20, 20)], 7, None, 50, jnp.bfloat16,
-     [[(30, 70), (72, 95)], [(2, 19)]]),
+     {"spans": [[(30, 70), (72, 95)], [(2, 19)]]}),
+    # Llama 4's chunked attention, chunks of 48 positions: the 60-token chunk at 70-129 is a program of tokens
+    # 70-111 and one of 112-129. In the first, warpgroup 0 (70-90) walks block 0 masked (its chunk starts at 48)
+    # and block 1 causal; warpgroup 1 (91-111) straddles the edge at 96, so its rows before it see from 48 and
+    # those after from 96: blocks 0-1 masked. The decode token at 149 loads block 2 only; the 60-token prompt
+    # crosses the edge at 48.
+    ("smollm-chunks", 16, 64, 3, 1, 64, [(60, 130), (1, 150), (60, 60)], 10, None, None, jnp.bfloat16,
+     {"chunk": 48}),
 ]
 
 
@@ -56,24 +63,28 @@ GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 
 def run_cases(cases):
     """Per case: the kernel's output against the oracle, as a dict of plain values."""
     for name, page_size, head_dim, group, kv_heads, block_kv, seqs, pages_per_seq, soft_cap, window, kv_dtype, \
-            *spans in cases:
+            *extra in cases:
+        extra = extra[0] if extra else {}
         rng = np.random.default_rng(len(name))
         batch = make_batch(rng, page_size=page_size, head_dim=head_dim, group=group, num_kv_heads=kv_heads,
                            dtype=jnp.bfloat16, seqs=seqs, pages_per_seq=pages_per_seq)
         # The oracle reads the pages as stored: for float8, the attention of their float8 values.
         batch = dataclasses.replace(batch, k_pages=quantize_kv(batch.k_pages, kv_dtype),
                                     v_pages=quantize_kv(batch.v_pages, kv_dtype))
-        last_key = span_last_key(batch, spans[0]) if spans else None
+        last_key = span_last_key(batch, extra["spans"]) if "spans" in extra else None
+        chunk = extra.get("chunk")
         sinks = rng.uniform(0.0, 3.0, batch.q.shape[1]).astype(np.float32) if name.endswith("-sinks") else None
         start = time.perf_counter()
         out = ragged_paged_attention_mosaic(
             batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window, block_kv=block_kv, compute_wgs=2,
+            sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window, attention_chunk=chunk,
+            block_kv=block_kv, compute_wgs=2,
             interpret=jax.default_backend() == "cpu", last_key=last_key, sinks=None if sinks is None else jnp.asarray(sinks),
         )
         out = np.asarray(out.astype(jnp.float32))
         seconds = time.perf_counter() - start
         ref = naive_attention(batch, sm_scale=head_dim**-0.5, soft_cap=soft_cap, sliding_window=window,
+                              attention_chunk=chunk,
                               last_key=None if last_key is None else np.asarray(last_key), sinks=sinks)
         n = batch.num_real_tokens
         yield {

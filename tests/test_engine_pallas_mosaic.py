@@ -98,6 +98,19 @@ def test_mosaic_decode_window_and_soft_cap(splits, sinks):
                                       sm_scale=0.125, sliding_window=0, interpret=True)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_mosaic_decode_chunks(splits):
+    """Llama 4's chunked attention, chunks of 96 positions: a token at 299 walks block 4 alone (its chunk starts at
+    288), one at 129 blocks 1-2 (from 96, masked inside block 1), one at 95 a whole first chunk; the
+    flash-decoding splits divide the chunk's blocks only."""
+    rng = np.random.default_rng(12)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=3, dtype=jnp.bfloat16,
+                       seqs=[(1, n) for n in (300, 96, 15, 130, 1)], pages_per_seq=20, pad_tokens=0, pad_seqs=0)
+    out = paged_decode_attention_mosaic(batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens,
+                                        sm_scale=0.125, attention_chunk=96, num_splits=splits, interpret=_interpret())
+    _check(out, batch, 0.125, attention_chunk=96)
+
+
 def test_mosaic_dispatch_per_kernel():
     """Each kind of batch goes to its own Mosaic kernel by that kernel's limits: 256-wide heads fit the
     warp-specialized prefill kernel (compiled form) and the decode kernel (its split partials in bfloat16); with

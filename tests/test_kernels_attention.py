@@ -300,6 +300,8 @@ def test_validation_of_options():
         ragged_paged_attention_reference(*_args(), sm_scale=0.1, sliding_window=0)
     with pytest.raises(ValueError, match="soft_cap"):
         ragged_paged_attention_reference(*_args(), sm_scale=0.1, soft_cap=-1.0)
+    with pytest.raises(ValueError, match="attention_chunk must be a positive int"):
+        ragged_paged_attention(*_args(), sm_scale=0.1, attention_chunk=0, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         AttentionTuning(block_q=3)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
@@ -409,3 +411,33 @@ def test_attention_sinks(tuning, sliding_window):
                                                    decode=decode))(*a, sinks=sinks))
         np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
         np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)
+
+
+@pytest.mark.parametrize("tuning,sliding_window", [
+    (AttentionTuning(block_q=4, block_kv=16), None),  # tensor-core rows, blocks of 4 tokens across chunk edges
+    (AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8), None),  # decode rows, the KV walk split
+    (AttentionTuning(block_q=8, block_kv=8), 5),  # a window inside the chunks too (the later first key counts)
+])
+def test_chunked_attention(tuning, sliding_window):
+    """Llama 4's chunked attention (chunks of 12 positions): the reference equals the float64 oracle, the Pallas
+    kernel (each block's walk starting at its first token's chunk) and the engine's CPU attention (prompt tiles
+    and decode rows) equal the reference; tokens past the first chunk see fewer keys than causal ones."""
+    from jaxserve.models.attention import xla_ragged_paged_attention
+
+    rng = np.random.default_rng(8)
+    batch = make_batch(rng, page_size=8, head_dim=32, group=3, num_kv_heads=2, dtype=jnp.float32,
+                       seqs=[(1, 29), (14, 26), (1, 1), (11, 11), (1, 12), (1, 13)], pages_per_seq=4)
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    kw = dict(sm_scale=0.3, sliding_window=sliding_window)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw, attention_chunk=12))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(ref[:n], naive_attention(batch, **kw, attention_chunk=12)[:n], atol=2e-5)
+    causal = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    assert np.abs(causal[:n] - ref[:n]).max() > 0.1
+    got = np.asarray(ragged_paged_attention(*args, **kw, attention_chunk=12, interpret=_interpret(), tuning=tuning))
+    np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got[n:], 0.0)
+    for query_block, decode in ((4, False), (32, False)):
+        xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, chunk=12, query_block=query_block,
+                                                   decode=decode))(*args))
+        np.testing.assert_allclose(xla[:n], ref[:n], atol=2e-5, rtol=2e-5)

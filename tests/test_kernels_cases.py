@@ -89,9 +89,11 @@ def span_last_key(b: Batch, spans_per_seq, rng=None) -> jnp.ndarray:
     return jnp.asarray(last)
 
 
-def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, last_key=None, sinks=None) -> np.ndarray:
+def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, last_key=None, sinks=None,
+                    attention_chunk=None) -> np.ndarray:
     """Loop-per-token float64 attention straight from the contract; independent of the library's reference.
-    `sinks` [QH]: each head's sink logit, a share of the softmax with no value."""
+    `sinks` [QH]: each head's sink logit, a share of the softmax with no value; `attention_chunk`: no key before
+    the token's chunk of positions."""
     q = np.asarray(b.q, np.float64)
     k = np.asarray(b.k_pages, np.float64)
     v = np.asarray(b.v_pages, np.float64)
@@ -107,6 +109,8 @@ def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, l
             t = qsl[s] + i
             pos = seq_lens[s] - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            if attention_chunk is not None:
+                lo = max(lo, pos // attention_chunk * attention_chunk)
             last = pos if last_key is None else min(max(pos, int(last_key[t])), seq_lens[s] - 1)
             kv = np.arange(lo, last + 1)
             pages = tables[s, kv // page_size]

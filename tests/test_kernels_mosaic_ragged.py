@@ -99,6 +99,18 @@ def test_ragged_mosaic_window_and_soft_cap(window, sinks):
            sliding_window=window, **{k: np.asarray(v) for k, v in extra.items()})
 
 
+@pytest.mark.parametrize("window,splits", [(None, None), (20, 3)])
+def test_ragged_mosaic_chunks(window, splits):
+    """Llama 4's chunked attention, chunks of 48 positions: blocks of 21 tokens whose rows fall in two chunks (a
+    block's walk starts at its first token's chunk; its later rows see none of the earlier chunk), a decode token
+    past a chunk edge, a prompt across one; with a window inside the chunks too, and the KV walk split."""
+    rng = np.random.default_rng(48)
+    batch = make_batch(rng, page_size=16, head_dim=64, group=3, num_kv_heads=2, dtype=jnp.bfloat16,
+                       seqs=[(50, 110), (1, 150), (0, 0), (60, 60)], pages_per_seq=10)
+    kw = dict(sliding_window=window, attention_chunk=48)
+    _check(_run(batch, 0.125, compute_wgs=1, num_splits=splits, **kw), batch, 0.125, **kw)
+
+
 @pytest.mark.parametrize("splits,window,sinks", [(3, None, False), (4, 40, True)])
 def test_ragged_mosaic_splits_each_blocks_kv_walk(splits, window, sinks):
     """Flash-decoding splits in the one-warpgroup form (a short step over long contexts: drafts verified as

@@ -50,15 +50,6 @@ def _signature(tree: Any) -> tuple:
     return treedef, tuple((tuple(a.shape), str(a.dtype)) for a in leaves)
 
 
-def check_backend(model_cfg, cfg) -> None:
-    """Refuses a model with chunked attention (Llama 4's) on a Pallas backend past one chunk (`cfg`: the runner's
-    `RunnerConfig`): the kernels have no chunks (`attention.paged_attention` leaves them out there)."""
-    chunk = model_cfg.attention_chunk
-    if chunk and cfg.backend != "xla" and cfg.max_model_len > chunk:
-        raise ValueError(f"chunked attention (chunks of {chunk}: Llama 4's) runs on the xla attention backend only; "
-                         f"on {cfg.backend}, serve at most --max-model-len {chunk}")
-
-
 def step_functions(mixed_step, decode_loop, pool_step, model_cfg, cfg, params, kv, model_fn,
                    shardings=None) -> StepFunctions:
     """The jitted `mixed_step`, `decode_loop` and (for a pooling model) `pool_step` of a runner; `cfg`: its

@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.head_shards import on_head_shards
-from pallas_kernels.ragged_attention_args import clamp_last_key, quantize_kv, sink_denom, token_metadata
+from pallas_kernels.ragged_attention_args import (
+    clamp_last_key,
+    first_key,
+    quantize_kv,
+    sink_denom,
+    token_metadata,
+)
 
 AttentionBackend = Literal["xla", "pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"]
 # pallas_mosaic: attention on the Mosaic GPU kernels (Hopper): decode-only batches on the decode kernel, batches
@@ -139,15 +145,9 @@ def _online_softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
 
 def _key_mask(kpos: jax.Array, pos: jax.Array, span: tuple, last: jax.Array | None = None) -> jax.Array:
     """[R, J]: key position kpos [J] is visible to query position pos [R] (causal, or up to `last` [R] where given;
-    within the window, or the chunk: `span` is (window, chunk), either None)."""
+    from its first key on: `span` is (window, chunk), either None, see `first_key`)."""
     return (kpos[None, :] <= (pos if last is None else last)[:, None]) & (
-        kpos[None, :] >= _first_key(pos, span)[:, None])
-
-
-def _first_key(pos: jax.Array, span: tuple) -> jax.Array:
-    """The first key position query position `pos` sees: its window's, or its chunk's."""
-    window, chunk = span
-    return pos - window + 1 if window is not None else pos - pos % chunk if chunk is not None else jnp.zeros_like(pos)
+        kpos[None, :] >= first_key(pos, *span)[:, None])
 
 
 def _init(R: int, Hkv: int, G: int, D: int):
@@ -297,7 +297,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             if last_all is not None:  # spans attended both ways reach further
                 row_last = jnp.where(real, jax.lax.dynamic_slice_in_dim(last_all, start, rows_per_tile), -1)
                 last = jnp.maximum(last, jnp.max(row_last) + 1)
-            first = jnp.maximum(_first_key(ctx + q0, span), 0)
+            first = first_key(ctx + q0, *span)
             table = tables[s]
 
             def block(j, carry):
@@ -376,8 +376,7 @@ def paged_attention(
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
     pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
     `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`); `chunk`:
-    Llama 4's chunked attention, on the xla backend (the kernels have no chunks: the engine serves them no sequence
-    longer than one, `compiled_steps.check_backend`)."""
+    Llama 4's chunked attention (a query sees no key before its chunk of positions)."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, chunk=chunk,
@@ -391,7 +390,7 @@ def paged_attention(
         def kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, sinks):
             return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           interpret=backend.endswith("_interpret"), tuning=tuning, last_key=last_key,
-                                          sinks=sinks, decode=decode, **kwargs)
+                                          sinks=sinks, decode=decode, attention_chunk=chunk, **kwargs)
 
         return on_head_shards(layout, kernel, q, (k_pages, v_pages),
                               (block_tables, seq_lens, query_start_loc, last_key), (sinks,))

@@ -144,3 +144,29 @@ def test_sink_ragged_mosaic_forms_compile_for_sm90(spec, compute_wgs, num_splits
                                              compute_wgs=compute_wgs, num_splits=num_splits)
 
     assert 'custom_call_target="mosaic_gpu' in _compile(fn, *args)
+
+
+# Llama 4's chunked attention on its heads (40 q / 8 kv, 128 wide; chunks of 8192 positions) over 16k contexts: a
+# decode bucket and a 2k-token prefill chunk on the generic kernel, then with the Mosaic GPU lowerings asked for
+# (decode batches on the decode kernel; chunks on the warp-specialized ragged one), and the ragged kernel's
+# one-warpgroup form with its walk split.
+@pytest.mark.parametrize("T,S,tuning,compute_wgs", [
+    (64, 64, AttentionTuning(), None),
+    (2048, 1, AttentionTuning(), None),
+    (64, 64, AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic"), None),
+    (2048, 1, AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic"), None),
+    (512, 4, None, 1),
+])
+def test_chunked_attention_compiles_for_sm90(spec, T, S, tuning, compute_wgs):
+    from pallas_kernels.ragged_attention_mosaic import ragged_paged_attention_mosaic
+
+    args = _attention_args(spec, T, S, 1024, 16, 8, 5, 128, jnp.bfloat16, num_pages=8192)
+    if tuning is None:
+        fn = functools.partial(ragged_paged_attention_mosaic, sm_scale=128**-0.5, attention_chunk=8192,
+                               compute_wgs=compute_wgs, num_splits=2)
+    else:
+        fn = functools.partial(ragged_paged_attention, sm_scale=128**-0.5, attention_chunk=8192, tuning=tuning)
+    text = _compile(fn, *args)
+    mosaic = tuning is None or tuning.decode_lowering == "mosaic"
+    assert ('custom_call_target="mosaic_gpu' in text) is mosaic
+    assert ("triton" in text.lower()) is not mosaic
