@@ -136,13 +136,15 @@ def mask_keys(s, key_pos, row_pos, window: int | None, row_last=None, chunk: int
 
 
 def first_key(pos, window: int | None, chunk: int | None = None):
-    """The first key position `pos` sees: 0, or with a sliding window `pos - window + 1`, or with chunked
-    attention the start of its chunk, whichever is later. Nondecreasing in `pos`."""
-    first = jnp.zeros_like(pos)
-    if window is not None:
-        first = jnp.maximum(first, pos - (window - 1))
+    """The first key position `pos` sees: 0, or with a sliding window `pos - window + 1` (negative near the start:
+    clamp it where it indexes), or with chunked attention the start of its chunk, whichever is later.
+    Nondecreasing in `pos`."""
+    if window is None and chunk is None:
+        return jnp.zeros_like(pos)
+    first = None if window is None else pos - window + 1
     if chunk is not None:
-        first = jnp.maximum(first, pos - lax.rem(pos, chunk))
+        start = pos - lax.rem(pos, chunk)
+        first = start if first is None else jnp.maximum(first, start)
     return first
 
 
@@ -150,7 +152,7 @@ def window_start(pos, window: int | None, block_kv: int, chunk: int | None = Non
     """The first KV block holding a key that position `pos` sees."""
     if window is None and chunk is None:
         return jnp.zeros_like(pos)
-    return lax.div(first_key(pos, window, chunk), block_kv)
+    return lax.div(jnp.maximum(first_key(pos, window, chunk), 0), block_kv)
 
 
 def key_capacity(capacity: int, window: int | None, chunk: int | None, rows_span: int, block_kv: int) -> int:

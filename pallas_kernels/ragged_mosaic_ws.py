@@ -147,7 +147,7 @@ def _ws_body(meta_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, *refs,
         own_stop = jnp.where(own, pl.cdiv(own_len, block_kv), stop)
         own_lo = jnp.where(own, window_start(pos0 + first, window, block_kv, chunk), stop)
         bounded = window is not None or chunk is not None  # first keys past 0: nondecreasing along the rows
-        whole = jnp.clip(pl.cdiv(first_key(pos0 + last, window, chunk), block_kv) if bounded else own_lo,
+        whole = jnp.clip(pl.cdiv(jnp.maximum(first_key(pos0 + last, window, chunk), 0), block_kv) if bounded else own_lo,
                          own_lo, own_stop)
         unmasked = jnp.clip((pos0 + first + 1) // block_kv, whole, own_stop)
 

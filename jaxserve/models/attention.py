@@ -297,7 +297,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
             if last_all is not None:  # spans attended both ways reach further
                 row_last = jnp.where(real, jax.lax.dynamic_slice_in_dim(last_all, start, rows_per_tile), -1)
                 last = jnp.maximum(last, jnp.max(row_last) + 1)
-            first = first_key(ctx + q0, *span)
+            first = jnp.maximum(first_key(ctx + q0, *span), 0)
             table = tables[s]
 
             def block(j, carry):
