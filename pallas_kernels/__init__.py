@@ -1,5 +1,5 @@
-"""L7 kernels: ragged paged attention, latent attention (DeepSeek's) and the paged KV write, with their references
-and a backend switch."""
+"""L7 kernels: ragged paged attention, latent attention (DeepSeek's) and its sparse form (DeepSeek Sparse
+Attention's), and the paged KV write, with their references and a backend switch."""
 
 from pallas_kernels.backend import AttentionBackend, attention_backend
 from pallas_kernels.kv_write import write_kv, write_kv_reference
@@ -12,6 +12,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.sparse_latent_attention import sparse_latent_attention, sparse_latent_attention_reference
 
 __all__ = [
     "AttentionBackend",
@@ -24,6 +25,8 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_mosaic",
     "ragged_paged_attention_reference",
+    "sparse_latent_attention",
+    "sparse_latent_attention_reference",
     "triton_available",
     "write_kv",
     "write_kv_reference",

@@ -46,7 +46,7 @@ LATENT_ROWS = 64
 LATENT_STAGES = 3
 
 
-def _pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
@@ -58,7 +58,7 @@ def check_latent_args(q, pages, block_tables, seq_lens, query_start_loc, value_d
         raise ValueError(f"value_dim must be in 1..head_dim ({head_dim}), got {value_dim}")
 
 
-def _as_4d(pages: jax.Array) -> jax.Array:
+def as_4d(pages: jax.Array) -> jax.Array:
     """Pages of one entry per token, with or without their axis of KV heads (a pool of one drops it)."""
     if pages.ndim == 3:
         return pages[:, :, None, :]
@@ -69,7 +69,7 @@ def _as_4d(pages: jax.Array) -> jax.Array:
 def latent_paged_attention_reference(q, pages, block_tables, seq_lens, query_start_loc, *, value_dim: int,
                                      sm_scale: float) -> jax.Array:
     """The kernel's oracle: ragged paged attention with the pages as both keys and values, cut to the latent."""
-    pages = _as_4d(pages)
+    pages = as_4d(pages)
     check_latent_args(q, pages, block_tables, seq_lens, query_start_loc, value_dim, sm_scale)
     out = ragged_paged_attention_reference(q, pages, pages, block_tables, seq_lens, query_start_loc,
                                            sm_scale=sm_scale)
@@ -138,7 +138,7 @@ def _latent_kernel(meta_ref, block_tables_ref, q_ref, pages_ref, *out_refs, head
     store_rows(out_refs, acc, m, denom, num_splits)
 
 
-def _head_block(group: int, cap: int) -> int:
+def head_block(group: int, cap: int) -> int:
     """The most heads of a group a program takes: the largest divisor of `group` not above `cap`."""
     return max(d for d in range(1, min(group, cap) + 1) if group % d == 0)
 
@@ -147,7 +147,7 @@ def latent_tuning(tuning: AttentionTuning, num_tokens: int, num_seqs: int, num_k
                   kv_capacity: int, head_dim: int, value_dim: int, kv_itemsize: int) -> dict:
     """The kernel's static blocking for these shapes: heads and query tokens per program, rows, tensor-core dots,
     KV block, splits and warps."""
-    heads = _head_block(group, tuning.latent_heads or LATENT_ROWS)
+    heads = head_block(group, tuning.latent_heads or LATENT_ROWS)
     block_q = tuning.block_q or max(1, min(16, next_pow2(pl.cdiv(num_tokens, num_seqs)),
                                            (tuning.latent_heads or LATENT_ROWS) // next_pow2(heads)))
     rows, use_mma, num_blocks = row_tiling(block_q, heads, bool(tuning.pad_rows_to_mma), num_tokens, num_seqs)
@@ -171,13 +171,13 @@ def latent_paged_attention(q, pages, block_tables, seq_lens, query_start_loc, *,
     """Pallas paged latent attention; `[T, QH, value_dim]` in q's dtype. q `[T, QH, head_dim]` (the absorbed
     queries: latent dims, then rotary ones); pages `[N, page_size, KVH, head_dim]`, or `[N, page_size, head_dim]`
     for one KV head; the rest as `ragged_paged_attention`."""
-    pages = _as_4d(pages)
+    pages = as_4d(pages)
     check_latent_args(q, pages, block_tables, seq_lens, query_start_loc, value_dim, sm_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = pages.shape
     num_seqs, pages_per_seq = block_tables.shape
     rope_dim = head_dim - value_dim
-    if not _pow2(value_dim) or (rope_dim and not _pow2(rope_dim)):
+    if not is_pow2(value_dim) or (rope_dim and not is_pow2(rope_dim)):
         raise ValueError(f"the latent attention kernel needs power-of-two latent and rotary dims, got {value_dim} + "
                          f"{rope_dim}")
     if num_tokens == 0:

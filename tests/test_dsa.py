@@ -1,10 +1,10 @@
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5: `config_mla.DSA_FAMILIES`, `models.sparse_mla`).
 
-The sparse attention against a numpy reference (every key scored, the best ones attended) over ragged batches of
-random pages; tiny random models of both families against transformers with a top-k of 6 keys a token, so prompts
+The sparse attention (in XLA and on the sparse latent kernel) against a numpy reference (every key scored, the best
+ones attended) over ragged batches of random pages; tiny random models of both families against transformers with a top-k of 6 keys a token, so prompts
 of 21-40 tokens attend sparsely (the logits of the dense attention are far from transformers'): logits, the
 engine's greedy tokens (chunked prefill, batched decode reading the indexer keys back from the pages, layers unrolled
-and scanned), a prefix hit against a miss, the checkpoint written back; the released configs' page entries.
+and scanned, the xla backend and the Pallas one), a prefix hit against a miss, the checkpoint written back; the released configs' page entries.
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def _reference(q, iq, iw, pool, tables, seq_lens, qsl, key_dim, value_dim, topk,
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_sparse_attention_matches_reference(dtype, kv_heads):
+@pytest.mark.parametrize("kv_heads,backend", [(1, "xla"), (2, "xla"), (1, "pallas_interpret"), (2, "pallas_interpret")])
+def test_sparse_attention_matches_reference(dtype, kv_heads, backend):
     """A mixed batch (a prompt chunk after a cached prefix, a whole prompt, two decode tokens; one sequence shorter
-    than the top-k) over shuffled pages of 4; pools in the engine's forms (bfloat16 as its bits, one entry copied
-    to each KV head)."""
+    than the top-k) over shuffled pages of 4; pools in the engine's forms (on xla bfloat16 as its bits; one entry
+    copied to each KV head); the attention in XLA and on the sparse latent kernel."""
     rng = np.random.default_rng(0)
-    key_dim, value_dim, Di, Hq, Hi, topk, page_size = 12, 8, 16, 4, 3, 5, 4
+    key_dim, value_dim, Di, Hq, Hi, topk, page_size = 12, 8, 16, 4, 3, 5, 4  # (latent 8, rotary 4: powers of two)
     seq_lens, q_lens = np.array([19, 9, 23, 3]), np.array([7, 9, 1, 1])
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     T = int(qsl[-1]) + 3  # (padding tokens)
@@ -63,13 +63,13 @@ def test_sparse_attention_matches_reference(dtype, kv_heads):
     want = _reference(q, iq, iw, pool, tables, seq_lens, qsl, key_dim, value_dim, topk, 0.3)
     stored = jnp.broadcast_to(jnp.asarray(pool, dtype)[:, :, None], (40, page_size, kv_heads, key_dim + Di))
     stored = stored[:, :, 0] if kv_heads == 1 else stored
-    bits = kv_storage_bits(dtype)
+    bits = kv_storage_bits(dtype) if backend == "xla" else None
     if bits is not None:
         stored = jax.lax.bitcast_convert_type(stored, bits)
     got = sparse_mla_attention(jnp.asarray(q, dtype), jnp.asarray(iq, dtype), jnp.asarray(iw), stored,
                                jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(qsl),
                                key_dim=key_dim, value_dim=value_dim, topk=topk, sm_scale=0.3,
-                               kv_dtype=None if bits is None else dtype)
+                               kv_dtype=None if bits is None else dtype, backend=backend)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[: qsl[-1]], np.float32), want[: qsl[-1]], atol=tol, rtol=tol)
     assert not np.asarray(got[qsl[-1]:]).any()  # padding tokens: zero
@@ -164,13 +164,15 @@ def test_dsa_checkpoint_written_back_reads_the_same(tiny_dsa):
 
 def test_dsa_engine_greedy_equals_transformers(tiny_dsa):
     """Chunked prefill (21 tokens: 16 + 5) and batched decode over the pages' indexer keys, layers unrolled
-    (DeepSeek-V3.2) and scanned (GLM-5): transformers' tokens."""
+    (DeepSeek-V3.2) and scanned (GLM-5), and on the Pallas backend: transformers' tokens."""
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
     from tests.test_mla import _engine
 
     family, _, model, cfg, params = tiny_dsa
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     assert _greedy(_engine(cfg, params, "unroll" if family == "deepseek_v32" else "scan")) == expected
+    if family == "deepseek_v32":  # the sparse latent kernel (interpreted; GLM-5's attention is V3.2's)
+        assert _greedy(_engine(cfg, params, "scan", backend="pallas_interpret")) == expected
 
 
 @pytest.mark.parametrize("tiny_dsa", ["deepseek_v32"], indirect=True)  # (GLM-5's sparse attention is V3.2's)

@@ -277,10 +277,11 @@ def test_ep_deepseek_v32_sparse_attention_equals_unsharded(ep_results):
     assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
 
 
-@pytest.mark.parametrize("name", ["pallas_gpt_oss", "pallas_mla"])
+@pytest.mark.parametrize("name", ["pallas_gpt_oss", "pallas_mla", "pallas_dsa"])
 def test_ep_kernels_on_each_devices_heads_equal_unsharded(ep_results, name):
     """The Pallas kernels (interpreted) at EP=2 x TP=2, each device on its own heads: gpt-oss's sinks split with
-    them, DeepSeek-V3's latent attention kernel on each device's copy of the latents."""
+    them, DeepSeek-V3's latent attention kernel on each device's copy of the latents, DeepSeek-V3.2's sparse latent
+    kernel on each device's copy of the entries, with its copy's chosen slots."""
     r = ep_results[f"{name}_tp2_ep2"]
     assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["wq_shard_heads"] == 2
 

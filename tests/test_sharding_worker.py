@@ -203,6 +203,7 @@ def case_moe() -> dict:
     # The kernels (interpreted) on each device's heads: gpt-oss's sinks split with them, DeepSeek's latents.
     out.update({f"pallas_gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)], "pallas_interpret").items()})
     out.update({f"pallas_mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)], "pallas_interpret").items()})
+    out.update({f"pallas_dsa_{k}": v for k, v in _sweep(moe_config("deepseek_v32"), [(2, 2)], "pallas_interpret").items()})
     return out
 
 

@@ -8,8 +8,9 @@ from jax.sharding import PartitionSpec as P
 
 def on_head_shards(layout, kernel, q: jax.Array, pools: tuple, replicated: tuple, per_head: tuple = ()):
     """`kernel(q, *pools, *replicated, *per_head)` ([T, Hq, ...] out), run on each device's own heads where
-    `layout` splits heads over a mesh axis: q [T, Hq, D] and the per-head vectors [Hq] split by query head, the
-    pools [N, page_size, Hkv, D] by KV head, the rest (page tables, lengths) whole. A kernel is an opaque call to
+    `layout` splits heads over a mesh axis: q [T, Hq, D] split by query head, the per-head arrays on their first
+    axis (vectors [Hq] by query head, or arrays [Hkv, ...] by KV head), the pools [N, page_size, Hkv, D] by KV head,
+    the rest (page tables, lengths) whole. A kernel is an opaque call to
     XLA's partitioner, which would otherwise gather every device's heads, pages included, into each device (a whole
     pool a layer). None arguments pass through as None."""
     axis = None if layout is None else layout.head_axis

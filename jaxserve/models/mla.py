@@ -11,7 +11,7 @@ On the `xla` backend the attention is the paged attention with the entries as ke
 backends it is the latent attention kernel (`pallas_kernels.latent_attention`: the entries read once, as keys and
 as values; the Triton lowering on a GPU under the Mosaic GPU backends too, which have no latent form). With
 DeepSeek Sparse Attention (`cfg.index_topk`) each entry also holds the indexer's key, and each token attends only
-the keys its indexer picks (`models.sparse_mla`, on every backend).
+the keys its indexer picks (`models.sparse_mla`; on the Pallas backends its attention on the sparse latent kernel).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
             raise ValueError("DeepSeek Sparse Attention has no spans attended both ways (last_key)")
         out = sparse_mla_attention(q, index_q, index_w, k_all, tables, inputs.seq_lens, inputs.query_start_loc,
                                    key_dim=R + Dr, value_dim=R, topk=cfg.index_topk, sm_scale=cfg.sm_scale,
-                                   kv_dtype=kv_dtype)
+                                   kv_dtype=kv_dtype, backend=backend, layout=layout)
     elif backend == "xla":
         out = paged_attention(
             "xla", q, k_all, None, tables, inputs.seq_lens, inputs.query_start_loc, sm_scale=cfg.sm_scale,

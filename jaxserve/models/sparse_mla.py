@@ -7,9 +7,10 @@ the rotary key, so prefix caching, preemption and KV transfer carry it as they c
 query: sum over heads h of w_h * relu(q_h . k_j / sqrt(Di)), w the query token's head weights over sqrt(heads), in
 float32. A token that sees at most `index_topk` keys attends all of them (the dense MLA); past that, the best ones.
 
-On every attention backend the sparse attention runs here, in plain JAX (a sparse latent kernel is not written yet):
-rows of tokens walk their sequences' pages in blocks, keeping each row's running best `index_topk` (score, position),
-then gather those entries and attend them as the MLA attends its pages (their latent part the values).
+The choice runs in plain JAX on every backend: rows of tokens walk their sequences' pages in blocks, keeping each
+row's running best `index_topk` (score, position). The attention over the chosen entries (as the MLA attends its
+pages, their latent part the values) runs here on the xla backend, and on the Pallas backends in the sparse latent
+kernel (`pallas_kernels.sparse_latent_attention`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import pad_to_blocks, read_pages, token_rows
+from jaxserve.models.head_shards import on_head_shards
 from jaxserve.models.ops import apply_rope, layer_norm
 from jaxserve.models.params import LayerParams
 
@@ -44,15 +46,36 @@ def indexer(cfg: ModelConfig, lp: LayerParams, h: jax.Array, h_q: jax.Array, cos
 
 def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array,
                          seq_lens: jax.Array, query_start_loc: jax.Array, *, key_dim: int, value_dim: int, topk: int,
-                         sm_scale: float, kv_dtype: Any = None) -> jax.Array:
+                         sm_scale: float, kv_dtype: Any = None, backend: str = "xla", layout=None) -> jax.Array:
     """Each token's attention over the `topk` keys its indexer scores best.
 
     q: [T, Hq, key_dim] (the latent-space queries and rotary ones); index_q: [T, Hi, Di]; index_w: [T, Hi] float32;
     pool: [N, page_size, W] or [N, page_size, Hkv, W] with W = key_dim + Di (an MLA model's entries: the first
     `value_dim` dims the values, the last Di the indexer's keys), its pages of raw bits read as `kv_dtype` (see
     `attention.kv_storage_bits`); tables: [S, P] (this layer's pages); seq_lens, query_start_loc as
-    `attention.paged_attention`'s. Returns [T, Hq, value_dim] in q's dtype (zero for padding tokens)."""
-    T, Hq, _ = q.shape
+    `attention.paged_attention`'s; `backend`: the attention backend (the Pallas ones attend on the sparse latent
+    kernel, each device its own KV heads where `layout` splits them). Returns [T, Hq, value_dim] in q's dtype (zero
+    for padding tokens)."""
+    slots, lens = chosen_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim, topk=topk,
+                              kv_dtype=kv_dtype)
+    if backend == "xla":
+        return _attend(q, pool, slots, lens, value_dim=value_dim, sm_scale=sm_scale, kv_dtype=kv_dtype)
+    from pallas_kernels.sparse_latent_attention import sparse_latent_attention
+
+    def kernel(q, pool, lens, slots):
+        return sparse_latent_attention(q, pool, slots, lens, key_dim=key_dim, value_dim=value_dim, sm_scale=sm_scale,
+                                       interpret=backend.endswith("_interpret"))
+
+    return on_head_shards(layout, kernel, q, (pool,), (lens,), (slots,))
+
+
+def chosen_keys(index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array, seq_lens: jax.Array,
+                query_start_loc: jax.Array, *, key_dim: int, topk: int, kv_dtype: Any = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """The keys each token attends, as `sparse_latent_attention` takes them: slots [Hkv, T, topk] int32 (flat entries
+    of the pool, page * page_size + offset, best first; one row per KV head's copy of the pool) and their count per
+    token [T] int32 (all it sees, at most `topk`; 0 for padding). Arguments as `sparse_mla_attention`'s."""
+    T = index_q.shape[0]
     page_size, W = pool.shape[1], pool.shape[-1]
     Hkv = pool.shape[2] if pool.ndim == 4 else 1
     Di = W - key_dim
@@ -60,13 +83,11 @@ def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, p
     J = B * page_size
     seq, pos, _, valid = token_rows(seq_lens, query_start_loc, T)
     pad = lambda x: jnp.pad(x, ((0, ROWS),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731 (rows past T: padding)
-    qf = pad(q.astype(jnp.float32) * sm_scale).reshape(T + ROWS, Hkv, Hq // Hkv, key_dim)
-    iq, iw = pad(index_q.astype(jnp.float32)), pad(index_w)
-    seq, pos = pad(seq), jnp.pad(pos, (0, ROWS), constant_values=-1)
-    order = jnp.pad(jnp.argsort(~valid, stable=True).astype(jnp.int32), (0, ROWS), constant_values=T)
-    flat = pool.reshape(-1, W)  # an entry a row (of each KV head's copy, head-minor)
+    iq, iw, seq = pad(index_q.astype(jnp.float32)), pad(index_w), pad(seq)
+    pos = jnp.pad(pos, (0, ROWS), constant_values=-1)
+    order = _order(valid)
 
-    def rows(c, out):
+    def rows(c, slots):
         idx = jax.lax.dynamic_slice_in_dim(order, c * ROWS, ROWS)
         r_pos, r_tables, r_q, r_w = pos[idx], tables[seq[idx]], iq[idx], iw[idx]
 
@@ -83,18 +104,47 @@ def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, p
 
         init = (jnp.full((ROWS, Hkv, topk), -jnp.inf, jnp.float32), jnp.zeros((ROWS, Hkv, topk), jnp.int32))
         scores, chosen = jax.lax.fori_loop(0, (jnp.max(r_pos) + J) // J, block, init)
-        seen = scores > -jnp.inf
-        chosen = jnp.where(seen, chosen, 0)
+        chosen = jnp.where(scores > -jnp.inf, chosen, 0)  # (past the count: position 0's entry, never read)
         pages = jnp.take_along_axis(r_tables[:, None, :], chosen // page_size, axis=-1)
-        slots = pages * page_size + chosen % page_size  # [R, Hkv, K]
-        entries = read_pages(flat, slots * Hkv + jnp.arange(Hkv, dtype=jnp.int32)[None, :, None], kv_dtype)
+        return slots.at[idx].set(pages * page_size + chosen % page_size)  # [R, Hkv, K]
+
+    slots = jax.lax.fori_loop(0, _row_blocks(valid), rows, jnp.zeros((T + ROWS, Hkv, topk), jnp.int32))
+    lens = jnp.where(valid, jnp.minimum(pos[:T] + 1, topk), 0).astype(jnp.int32)
+    return slots[:T].transpose(1, 0, 2), lens
+
+
+def _order(valid: jax.Array) -> jax.Array:
+    """The real tokens first, then the padding ones, then `ROWS` indices past the end (rows of `ROWS`)."""
+    return jnp.pad(jnp.argsort(~valid, stable=True).astype(jnp.int32), (0, ROWS), constant_values=valid.shape[0])
+
+
+def _row_blocks(valid: jax.Array) -> jax.Array:
+    return (jnp.sum(valid) + ROWS - 1) // ROWS
+
+
+def _attend(q: jax.Array, pool: jax.Array, slots: jax.Array, lens: jax.Array, *, value_dim: int, sm_scale: float,
+            kv_dtype: Any) -> jax.Array:
+    """The xla backend's attention over the chosen entries (`chosen_keys`), `ROWS` tokens at a time."""
+    T, Hq, key_dim = q.shape
+    Hkv, W = slots.shape[0], pool.shape[-1]
+    flat = pool.reshape(-1, W)  # an entry a row (of each KV head's copy, head-minor)
+    valid = lens > 0
+    pad = lambda x: jnp.pad(x, ((0, ROWS),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731 (rows past T: padding)
+    qf = pad(q.astype(jnp.float32) * sm_scale).reshape(T + ROWS, Hkv, Hq // Hkv, key_dim)
+    slots, lens = pad(slots.transpose(1, 0, 2)), pad(lens)  # [T + ROWS, Hkv, K], [T + ROWS]
+    order = _order(valid)
+
+    def rows(c, out):
+        idx = jax.lax.dynamic_slice_in_dim(order, c * ROWS, ROWS)
+        seen = jnp.arange(slots.shape[-1], dtype=jnp.int32)[None, :] < lens[idx][:, None]  # [R, K]
+        entries = read_pages(flat, slots[idx] * Hkv + jnp.arange(Hkv, dtype=jnp.int32)[None, :, None], kv_dtype)
         s = jnp.einsum("rkgd,rkjd->rkgj", qf[idx], entries[..., :key_dim])
-        s = jnp.where(seen[:, :, None, :], s, -jnp.inf)
+        s = jnp.where(seen[:, None, None, :], s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
         denom = p.sum(axis=-1, keepdims=True)
         o = jnp.einsum("rkgj,rkjv->rkgv", p / jnp.where(denom > 0, denom, 1.0), entries[..., :value_dim])
         return out.at[idx].set(o.reshape(ROWS, Hq, value_dim))
 
-    out = jax.lax.fori_loop(0, (jnp.sum(valid) + ROWS - 1) // ROWS, rows, jnp.zeros((T + ROWS, Hq, value_dim)))
+    out = jax.lax.fori_loop(0, _row_blocks(valid), rows, jnp.zeros((T + ROWS, Hq, value_dim)))
     return out[:T].astype(q.dtype)

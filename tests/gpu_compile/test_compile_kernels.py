@@ -170,3 +170,16 @@ def test_chunked_attention_compiles_for_sm90(spec, T, S, tuning, compute_wgs):
     mosaic = tuning is None or tuning.decode_lowering == "mosaic"
     assert ('custom_call_target="mosaic_gpu' in text) is mosaic
     assert ("triton" in text.lower()) is not mosaic
+
+
+# DeepSeek Sparse Attention's attention step at DeepSeek-V3.2's shapes (128 heads over one 704-wide entry a token: a
+# 512-dim latent, a 64-dim rotary key, the indexer's 128-dim key; the top 2048 entries a token): a decode bucket of
+# 64 tokens (flash-decoding splits) and a 2k-token prefill, over bfloat16 and float8 pages.
+@pytest.mark.parametrize("T,kv_dtype", [(64, jnp.bfloat16), (2048, jnp.bfloat16), (64, jnp.float8_e4m3fn)])
+def test_sparse_latent_attention_compiles_for_sm90(spec, T, kv_dtype):
+    from pallas_kernels.sparse_latent_attention import sparse_latent_attention
+
+    fn = functools.partial(sparse_latent_attention, key_dim=576, value_dim=512, sm_scale=0.1)
+    text = _compile(fn, spec((T, 128, 576), jnp.bfloat16), spec((8192, 64, 704), kv_dtype),
+                    spec((1, T, 2048), jnp.int32), spec((T,), jnp.int32))
+    assert "triton" in text.lower(), "the attention did not go through the Triton lowering"
