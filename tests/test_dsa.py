@@ -1,10 +1,11 @@
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5: `config_mla.DSA_FAMILIES`, `models.sparse_mla`).
 
 The sparse attention (in XLA and on the sparse latent kernel) against a numpy reference (every key scored, the best
-ones attended) over ragged batches of random pages; tiny random models of both families against transformers with a top-k of 6 keys a token, so prompts
-of 21-40 tokens attend sparsely (the logits of the dense attention are far from transformers'): logits, the
-engine's greedy tokens (chunked prefill, batched decode reading the indexer keys back from the pages, layers unrolled
-and scanned, the xla backend and the Pallas one), a prefix hit against a miss, the checkpoint written back; the released configs' page entries.
+ones attended) over ragged batches of random pages; tiny random models of both families against transformers with a
+top-k of 6 keys a token, so prompts of 21-40 tokens attend sparsely (the logits of the dense attention are far from
+transformers'): logits, the engine's greedy tokens (chunked prefill, batched decode reading the indexer keys back from
+the pages, layers unrolled and scanned, the xla backend and the Pallas one), a prefix hit against a miss, the
+checkpoint written back; the released configs' page entries.
 """
 
 from __future__ import annotations
