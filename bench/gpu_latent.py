@@ -2,7 +2,9 @@
 GPU against the engine's XLA path, as achieved bytes/s.
 
 Decode at batch 32 and 128 with 8k context (the issue's target shape), batch 1 at 32k; prefill of 2k tokens of one
-sequence. DeepSeek-V2-Lite's 16 heads per entry and DeepSeek-V3's 128 (one device; under tensor parallelism over 8
+sequence. Then the sparse latent kernel (DeepSeek-V3.2: 128 heads over 704-wide entries, each token attending the
+2048 entries its indexer chose, here at random from a 32k context) at decode batch 64 and a 2k-token prefill, against
+the engine's XLA path (`sparse_mla.attend_chosen`); bytes: the chosen entries' 576 scored dims once per token. DeepSeek-V2-Lite's 16 heads per entry and DeepSeek-V3's 128 (one device; under tensor parallelism over 8
 a device holds 16), bfloat16 entries (512-dim latent + 64-dim rotary key), page size 16, pages scattered over a
 pool past the L2. Bytes: the entries read once (the kernel reads each as key and as value) plus q and the output;
 FLOPs: the scores over 576 dims and the values over 512, per head, over the causal part. Each row is the median of
@@ -23,8 +25,10 @@ import numpy as np
 from bench.gpu_inputs import DTYPE, MIN_POOL_BYTES, PAGE_SIZE, table_sets
 from bench.gpu_kernels import copy_bandwidth, matmul_rate, run_row
 from jaxserve.models.attention import xla_ragged_paged_attention
+from jaxserve.models.sparse_mla import attend_chosen
 from pallas_kernels import AttentionTuning
 from pallas_kernels.latent_attention import latent_paged_attention
+from pallas_kernels.sparse_latent_attention import sparse_latent_attention
 
 LATENT, ROPE = 512, 64
 ENTRY = LATENT + ROPE
@@ -62,6 +66,38 @@ def implementations(decode: bool) -> list:
     ]
 
 
+SPARSE_ENTRY, SPARSE_TOPK, SPARSE_CTX = ENTRY + 128, 2048, 32768  # DeepSeek-V3.2: the indexer's key in the entry
+
+
+def sparse_case(rng, tokens: int, min_pool_bytes: int = MIN_POOL_BYTES, heads: int = 128, topk: int = SPARSE_TOPK,
+                ctx: int = SPARSE_CTX):
+    """Input sets (q, pages, slots, lens): each token's `topk` entries drawn from its own `ctx`-token span of the
+    pool; and the row's bytes and FLOPs."""
+    item = jnp.dtype(DTYPE).itemsize
+    num_pages = max(-(-tokens * ctx // PAGE_SIZE) + 1, min_pool_bytes // (PAGE_SIZE * SPARSE_ENTRY * item))
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    pages = jax.random.normal(key, (num_pages, PAGE_SIZE, SPARSE_ENTRY), DTYPE)
+    sets = []
+    for i in range(3):
+        first = rng.integers(PAGE_SIZE, num_pages * PAGE_SIZE - ctx, size=(tokens, 1))
+        slots = (first + np.stack([rng.choice(ctx, topk, replace=False) for _ in range(tokens)])).astype(np.int32)
+        q = jax.random.normal(jax.random.fold_in(key, i + 1), (tokens, heads, ENTRY), DTYPE)
+        sets.append((q, pages, jnp.asarray(slots)[None], jnp.full((tokens,), topk, jnp.int32)))
+    nbytes = tokens * topk * ENTRY * item + tokens * heads * (ENTRY + LATENT) * item
+    flops = 2 * tokens * heads * (ENTRY + LATENT) * topk
+    return sets, nbytes, flops
+
+
+def sparse_implementations() -> list:
+    kernel = functools.partial(sparse_latent_attention, key_dim=ENTRY, value_dim=LATENT, sm_scale=SCALE)
+    return [
+        ("pallas", jax.jit(kernel)),
+        ("pallas_bkv64", jax.jit(functools.partial(kernel, tuning=AttentionTuning(block_kv=64)))),
+        ("xla", jax.jit(lambda q, p, s, n: attend_chosen(q, p, s, n, value_dim=LATENT, sm_scale=SCALE,
+                                                          kv_dtype=None))),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop starting new rows after this")
@@ -90,6 +126,17 @@ def main() -> int:
         sets, nbytes, flops = latent_case(rng, heads, batch, ctx, q_len, pool)
         run_row(label, implementations(q_len == 1), sets, nbytes, flops, None, copy_bw,
                 None if q_len == 1 else matmul)
+        del sets
+    print("sparse latent (DeepSeek-V3.2, 128 heads, top 2048 of 32k): bytes = the chosen entries' 576 dims once "
+          "+ q/out")
+    for tokens in (4, 64) if args.quick else (64, 2048):
+        label = f"deepseek-v3.2 sparse {'decode' if tokens < 2048 else 'prefill'} tokens={tokens:4d}"
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{label}: skipped (time budget)")
+            continue
+        sets, nbytes, flops = sparse_case(rng, tokens, pool, topk=64 if args.quick else SPARSE_TOPK,
+                                          ctx=1024 if args.quick else SPARSE_CTX)
+        run_row(label, sparse_implementations(), sets, nbytes, flops, None, copy_bw, matmul)
         del sets
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0

@@ -59,7 +59,7 @@ def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, p
     slots, lens = chosen_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim, topk=topk,
                               kv_dtype=kv_dtype)
     if backend == "xla":
-        return _attend(q, pool, slots, lens, value_dim=value_dim, sm_scale=sm_scale, kv_dtype=kv_dtype)
+        return attend_chosen(q, pool, slots, lens, value_dim=value_dim, sm_scale=sm_scale, kv_dtype=kv_dtype)
     from pallas_kernels.sparse_latent_attention import sparse_latent_attention
 
     def kernel(q, pool, lens, slots):
@@ -122,7 +122,7 @@ def _row_blocks(valid: jax.Array) -> jax.Array:
     return (jnp.sum(valid) + ROWS - 1) // ROWS
 
 
-def _attend(q: jax.Array, pool: jax.Array, slots: jax.Array, lens: jax.Array, *, value_dim: int, sm_scale: float,
+def attend_chosen(q: jax.Array, pool: jax.Array, slots: jax.Array, lens: jax.Array, *, value_dim: int, sm_scale: float,
             kv_dtype: Any) -> jax.Array:
     """The xla backend's attention over the chosen entries (`chosen_keys`), `ROWS` tokens at a time."""
     T, Hq, key_dim = q.shape
