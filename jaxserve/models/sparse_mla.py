@@ -122,8 +122,8 @@ def _row_blocks(valid: jax.Array) -> jax.Array:
     return (jnp.sum(valid) + ROWS - 1) // ROWS
 
 
-def attend_chosen(q: jax.Array, pool: jax.Array, slots: jax.Array, lens: jax.Array, *, value_dim: int, sm_scale: float,
-            kv_dtype: Any) -> jax.Array:
+def attend_chosen(q: jax.Array, pool: jax.Array, slots: jax.Array, lens: jax.Array, *, value_dim: int,
+                  sm_scale: float, kv_dtype: Any) -> jax.Array:
     """The xla backend's attention over the chosen entries (`chosen_keys`), `ROWS` tokens at a time."""
     T, Hq, key_dim = q.shape
     Hkv, W = slots.shape[0], pool.shape[-1]
