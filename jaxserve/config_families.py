@@ -8,7 +8,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
-                 "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4"]
+                 "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -45,6 +45,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
     "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (`config_mla`), softmax-routed experts
     "DeepseekV3ForCausalLM": "deepseek_v3",  # ... sigmoid-routed (Kimi K2, Moonlight); MTP layers not read
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",  # GLM-4.7-Flash: DeepSeek-V3's attention and experts (GLM-4.5's)
     # ... DeepSeek Sparse Attention: an indexer picks the keys each token attends (`config_mla.DSA_FAMILIES`)
     "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa",  # (GLM-5)
     "Phi3ForCausalLM": "mistral",  # q/k/v and gate/up fused (split at load); written back as Mistral

@@ -18,8 +18,9 @@ from jaxserve.errors import UnsupportedModelError
 DSA_FAMILIES: tuple[str, ...] = ("deepseek_v32", "glm_moe_dsa")
 """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer picks the `index_topk` keys each token's MLA attends
 (`models.sparse_mla`); its one key per token rides in the token's page entry after the latent and rotary key."""
-MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "mistral4", *DSA_FAMILIES)  # (Mistral 4: Mistral
-# Small 4's language model, DeepSeek-V3's attention with Llama 4's query scaling, softmax-routed experts in groups)
+MLA_FAMILIES: tuple[str, ...] = ("deepseek_v2", "deepseek_v3", "mistral4", "glm4_moe_lite", *DSA_FAMILIES)  # (Mistral
+# 4: Mistral Small 4's language model, DeepSeek-V3's attention with Llama 4's query scaling, softmax-routed experts in
+# groups; GLM-4.7-Flash: DeepSeek-V3's attention and experts, its dense layers named by `mlp_layer_types`)
 LATENT_NORM_EPS = 1e-6  # the queries' bottleneck's and the latent's norms (transformers': fixed, whatever rms_norm_eps)
 
 
@@ -35,14 +36,28 @@ def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     if min(nope, rope, rank, int(d["v_head_dim"])) <= 0:
         raise UnsupportedModelError(f"{family} needs positive qk_nope_head_dim ({nope}), qk_rope_head_dim ({rope}), "
                                     f"kv_lora_rank ({rank}) and v_head_dim ({d['v_head_dim']})")
+    L, dense = int(d["num_hidden_layers"]), _dense_layers(family, d)
+    mlp_types = d.get("mlp_layer_types")
+    if mlp_types is not None and list(mlp_types) != ["dense"] * dense + ["sparse"] * (L - dense):
+        raise UnsupportedModelError(f"{family} mlp_layer_types {mlp_types} is not supported: dense layers first, then "
+                                    f"the experts'")
     fields = dict(kv_lora_rank=rank, q_lora_rank=int(d.get("q_lora_rank") or 0), v_head_dim=int(d["v_head_dim"]),
                   head_dim=nope + rope, rotary_dim=rope)
     return fields | (_dsa_fields(family, d) if family in DSA_FAMILIES else {})
 
 
+def _dense_layers(family: str, d: dict[str, Any]) -> int:
+    """The dense layers before the experts': `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` (the
+    first one by default)."""
+    if family == "glm4_moe_lite":
+        types = d.get("mlp_layer_types") or ["dense"]
+        return next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    return int(d.get("first_k_dense_replace") or 0)
+
+
 def _dsa_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     """The indexer's fields of a DeepSeek-V3.2 / GLM-5 config; GLM's layers that reuse an earlier layer's choice
-    (`indexer_types` "shared", as transformers derives them) and dense layers other than the first refused by name."""
+    (`indexer_types` "shared", as transformers derives them) refused by name."""
     L = int(d["num_hidden_layers"])
     types = d.get("indexer_types")
     if types is None and d.get("index_topk_pattern"):
@@ -53,11 +68,6 @@ def _dsa_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     if any(t != "full" for t in types):
         raise UnsupportedModelError(f"{family} with layers sharing an earlier layer's top-k keys (indexer_types "
                                     f"{types}) is not supported: every layer's indexer must be 'full'")
-    dense = int(d.get("first_k_dense_replace") or 0)
-    mlp_types = d.get("mlp_layer_types")
-    if mlp_types is not None and list(mlp_types) != ["dense"] * dense + ["sparse"] * (L - dense):
-        raise UnsupportedModelError(f"{family} mlp_layer_types {mlp_types} is not supported: dense layers first "
-                                    f"(first_k_dense_replace), then the experts'")
     if not d.get("q_lora_rank"):
         raise UnsupportedModelError(f"{family} needs q_lora_rank: its indexer reads the queries' bottleneck")
     fields = dict(index_heads=int(d.get("index_n_heads", 64 if family == "deepseek_v32" else 32)),
@@ -98,7 +108,7 @@ def mla_moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         moe_fields(family, d),
         shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
-        first_dense_layers=int(d.get("first_k_dense_replace") or 0),
+        first_dense_layers=_dense_layers(family, d),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
     if family == "mistral4":  # softmax scores, chosen in the groups with the best two-score sums, renormalized
         return dict(fields, expert_groups=int(d.get("n_group") or 1), expert_topk_groups=int(d.get("topk_group") or 1),
@@ -136,6 +146,10 @@ def mla_hf(cfg: Any) -> dict[str, Any]:
         d.update(rope_interleave=True, num_nextn_predict_layers=0)
     elif cfg.family == "mistral4":
         d.update(rope_interleave=True)
+    elif cfg.family == "glm4_moe_lite":
+        d.update(rope_interleave=True, mlp_layer_types=["dense"] * cfg.first_dense_layers
+                 + ["sparse"] * (cfg.num_layers - cfg.first_dense_layers))
+        del d["first_k_dense_replace"]
     else:
         d.update(index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
     return d

@@ -285,3 +285,26 @@ def test_mistral4_matches_transformers(tmp_path):
     assert set(written) == set(saved)
     for name, t in written.items():
         np.testing.assert_array_equal(t, saved[name], err_msg=name)
+
+
+def test_glm4_moe_lite_matches_transformers(tmp_path):
+    """GLM-4.7-Flash (`Glm4MoeLiteForCausalLM`): DeepSeek-V3's latent attention and sigmoid-routed experts, its dense
+    first layer named by `mlp_layer_types`: logits, the config and the checkpoint written back."""
+    from safetensors.numpy import load_file
+
+    overrides = {k: v for k, v in _MLA.items() if k != "first_k_dense_replace"}
+    model = save_tiny_hf("Glm4MoeLiteConfig", tmp_path, **overrides, q_lora_rank=24, routed_scaling_factor=1.8)
+    ckpt = HFDirectory(tmp_path)
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.first_dense_layers, cfg.q_lora_rank, cfg.router_scoring) == ("glm4_moe_lite", 1, 24,
+                                                                                         "sigmoid")
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg and cfg.to_hf()["architectures"] == ["Glm4MoeLiteForCausalLM"]
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    assert rel_err(prompt_logits(cfg, params, random_prompt()), hf_logits(model, random_prompt())) < REL_TOL
+    saved = {k: v for f in sorted(tmp_path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
+    assert set(written) == set(saved)
+    for name, t in written.items():
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    with pytest.raises(UnsupportedModelError, match="mlp_layer_types"):
+        ModelConfig.from_hf({**cfg.to_hf(), "mlp_layer_types": ["dense", "sparse", "dense"]})

@@ -279,7 +279,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     if m:
         layer, rest = int(m.group(1)), m.group(2)
         if layer >= cfg.num_layers:
-            if cfg.family in ("glm4_moe", "deepseek_v3", "dots1", *DSA_FAMILIES):  # (MTP layers, Hy3's too: not read)
+            if cfg.family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "dots1", *DSA_FAMILIES):  # (MTP: not read)
                 return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
         dense = layer < cfg.first_dense_layers
