@@ -13,7 +13,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `phi4_mini_json` | `functools[{"name": ..., "arguments": {...}}, ...]`, between text | Phi-4-mini |
 | `granite` | a reply that is `<|tool_call|>` (or `<tool_call>`) and a JSON list of `{"name", "arguments"}` | Granite 3.x |
 | `seed_oss` | as `qwen3_coder`, in a `<seed:tool_call>` region (its markers special tokens) | Seed-OSS |
-| `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6 |
+| `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6; as `glm47`, GLM-4.7 (no newlines between them) |
 | `deepseek_v3`, `deepseek_v31`, `kimi_k2` | calls between special-token markers (server/marked_calls.py) | DeepSeek-V3 / R1-0528, DeepSeek-V3.1 / V3.2, Kimi K2 |
 | `openai` | harmony messages to a recipient, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`, ended by `<|call|>` or the reply's end; with `--reasoning-parser openai_gptoss`, which puts every call in this form (server/harmony.py) | gpt-oss |
 
@@ -290,6 +290,7 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3
                                                            DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser,
                                                            MiniMaxM2Parser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
+PARSERS["glm47"] = Glm45Parser  # GLM-4.7's calls (no newlines between the name and the arguments): vLLM's name
 
 
 def tool_parser(name: str) -> ToolParser:

@@ -128,6 +128,10 @@ CASES = [
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", "",
      [ParsedCall("get_weather", '{"city": "Par"}')]),
     ("glm45", "<tool_call>get_time</tool_call>", "", [ParsedCall("get_time", "{}")]),
+    # GLM-4.7's template writes no newlines between the name and the arguments (vLLM's `glm47`: the same reader).
+    ("glm47", "Checking.<tool_call>get_time<arg_key>zone</arg_key><arg_value>CET</arg_value><arg_key>hours</arg_key>"
+              "<arg_value>[1, 2]</arg_value><arg_key>dst</arg_key><arg_value>true</arg_value></tool_call>",
+     "Checking.", [T]),
     ("seed_oss", "Let me check.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                  "</function>\n</seed:tool_call>", "Let me check.", [W]),
     ("seed_oss", "<tool_call><function=get_weather></function></tool_call>",
@@ -329,7 +333,7 @@ def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "granite", "hermes", "kimi_k2", "llama3_json",
+    assert sorted(PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "glm47", "granite", "hermes", "kimi_k2", "llama3_json",
                                "minimax_m2", "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder",
                                "qwen3_xml", "seed_oss"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
