@@ -1,5 +1,5 @@
 """An image-text model's config read as its language model's (`language_model`: LLaVA, Mistral 3, Gemma 3, Qwen-VL,
-InternVL, Idefics3, SmolVLM), for `ModelConfig.from_hf`; the vision side is `models.vision.VisionConfig`'s."""
+InternVL, Idefics3, SmolVLM, Kimi K2.5), for `ModelConfig.from_hf`; the vision side is `models.vision.VisionConfig`'s."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ _NESTED_TEXT = {"InternVLForConditionalGeneration": ("internvl", "qwen2", True),
                 "SmolVLMForConditionalGeneration": ("smolvlm", "llama", False),
                 # (Qwen3.5's: its tower, Qwen3-VL's, read by `models.vision_qwen2`)
                 "Qwen3_5ForConditionalGeneration": ("qwen3_5", "qwen3_5_text", False),
-                "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "qwen3_5_moe_text", False)}
+                "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "qwen3_5_moe_text", False),
+                # Kimi K2.5 (its language model Kimi K2's, DeepSeek-V3's; its MoonViT tower not read)
+                "KimiK25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True),
+                "Kimi_K25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True)}
+# Language models' own model types read as another's.
+_TEXT_TYPES = {"kimi_k2": "deepseek_v3"}
 
 
 def language_model(d: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +68,8 @@ def internvl_text(d: dict[str, Any]) -> dict[str, Any]:
     if found is None:
         return d
     text = {k: v for k, v in (d.get("text_config") or {}).items() if v is not None}
-    return {**text, "architectures": [], "model_type": text.get("model_type", found[1]),
+    kind = text.get("model_type", found[1])
+    return {**text, "architectures": [], "model_type": _TEXT_TYPES.get(kind, kind),
             "tie_word_embeddings": bool(d.get("tie_word_embeddings", found[2]))}
 
 

@@ -308,3 +308,31 @@ def test_glm4_moe_lite_matches_transformers(tmp_path):
         np.testing.assert_array_equal(t, saved[name], err_msg=name)
     with pytest.raises(UnsupportedModelError, match="mlp_layer_types"):
         ModelConfig.from_hf({**cfg.to_hf(), "mlp_layer_types": ["dense", "sparse", "dense"]})
+
+
+def test_kimi_k25_language_model_matches_transformers(tmp_path):
+    """Kimi K2.5 (`Kimi_K25ForConditionalGeneration`) served as text: its `text_config` (Kimi K2's, DeepSeek-V3's)
+    and the tensors under `model.language_model`, the MoonViT tower and projector left out: the logits of a text
+    prompt. Its embeddings tie by the top-level flag (transformers' default: tied)."""
+    from tests.test_model_families import TINY
+
+    text = {**TINY, **_MLA, "model_type": "kimi_k2", "q_lora_rank": 24, "n_group": 2, "topk_group": 1,
+            "tie_word_embeddings": False}
+    vision = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=48, pos_emb_height=4,
+                  pos_emb_width=4)
+    model = save_tiny_hf("Kimi_K25Config", tmp_path, model_cls="Kimi_K25ForConditionalGeneration", tiny=False,
+                         text_config=text, vision_config=vision, projection_hidden_size=32,
+                         tie_word_embeddings=False)
+    # transformers writes the language model's layers back as `blocks` (its vision renames undone on every name); the
+    # released checkpoints name them `language_model.model.layers.N`, as here.
+    from safetensors.numpy import load_file, save_file
+
+    for f in tmp_path.glob("*.safetensors"):
+        save_file({k.replace(".model.blocks.", ".model.layers."): v for k, v in load_file(f).items()}, f)
+    ckpt = HFDirectory(tmp_path)
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.q_lora_rank, cfg.tie_word_embeddings) == ("deepseek_v3", 24, False)
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    assert rel_err(prompt_logits(cfg, params, random_prompt()), hf_logits(model, random_prompt())) < REL_TOL
+    untold = {k: v for k, v in ckpt.hf_config.items() if k != "tie_word_embeddings"}
+    assert ModelConfig.from_hf(untold).tie_word_embeddings

@@ -29,12 +29,13 @@ REL_TOL = 1e-4
 
 
 def save_tiny_hf(config_cls: str, path, dtype: str = "float32", max_shard_size: str | None = None,
-                 seed: int = 0, model_cls: str | None = None, **overrides):
-    """Build a random model of `transformers.<config_cls>` (TINY shape + overrides; `model_cls`: a model class
-    transformers' auto classes do not map it to), save it to `path` as safetensors and return the float32 torch
+                 seed: int = 0, model_cls: str | None = None, tiny: bool = True, **overrides):
+    """Build a random model of `transformers.<config_cls>` (TINY shape + overrides, or the overrides alone without
+    `tiny`: an image-text config's sub-configs; `model_cls`: a model class transformers' auto classes do not map it
+    to), save it to `path` as safetensors and return the float32 torch
     model holding the very saved weights."""
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    config = getattr(transformers, config_cls)(**({**TINY, **overrides} if tiny else overrides))
     config._attn_implementation = "eager"
     model = (getattr(transformers, model_cls)(config) if model_cls else
              transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"))

@@ -55,7 +55,7 @@ _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weig
 # backbone, by `jaxserve.engine.classifier`), ERNIE 4.5's and Qwen3-Next's multi-token prediction modules (`model.mtp*`,
 # `mtp.*`: read apart, by `models.mtp`), and the vision tower of an image-text model served as text.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]|^mtp\."
-                      r"|^(model\.)?(vision_tower\.|vision_model\.|multi_modal_projector\.|connector\.|image_newline$"
+                      r"|^(model\.)?(vision_tower\.|vision_model\.|multi_modal_projector\.|mm_projector\.|connector\.|image_newline$"
                       r"|visual\.)")
 
 
