@@ -21,7 +21,7 @@ _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", *MLA_FAMILIES,
+                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
@@ -112,7 +112,7 @@ class ModelConfig:
     query_scale_beta: float = 0.0
     query_scale_length: int = 0
     attention_chunk: int | None = None  # Llama 4: "chunked_attention" layers see their chunk of positions only
-    rope_qk_norm: bool = False  # Llama 4: rotated layers' q and k normed after the rotation, with no weight
+    rope_qk_norm: bool = False  # rotated layers' q and k normed after the rotation (Hunyuan), with no weight (Llama 4)
     moe_latent_size: int = 0  # the experts' width in and out, projected to and from (Nemotron 3 Super); 0: hidden_size
     moe_runner: str = "auto"  # the experts' matmuls (`models.moe.moe_mlp`): auto (by the attention backend), xla, pallas
     # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per

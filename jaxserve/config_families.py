@@ -8,7 +8,8 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
-                 "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite"]
+                 "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
+                 "hunyuan_v1_dense", "hunyuan_v1_moe"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -56,4 +57,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "Llama4ForCausalLM": "llama4",  # Llama 4's language model (`config_llama4`)
     "Mistral4ForCausalLM": "mistral4",  # Mistral Small 4's language model (`config_mla`)
+    # Hunyuan (Tencent): q and k normed after the rotation, NTK-alpha rotary bases; A13B's softmax-routed experts beside
+    # an ungated shared MLP (`config_fields.hunyuan`)
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
 }

@@ -18,6 +18,7 @@ from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_llama4 import llama4_hf
 from jaxserve.config_mamba import mamba_hf
+from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next_hf
@@ -44,12 +45,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                      *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES):
+                      *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
         d["qkv_bias"] = cfg.attention_bias
     if cfg.num_experts and not cfg.kv_lora_rank:
-        d.update(fields.moe_hf(cfg))
+        d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else fields.moe_hf(cfg))
     if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "bamba":

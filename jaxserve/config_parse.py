@@ -22,6 +22,7 @@ from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
 from jaxserve.config_mla import MLA_FAMILIES, mla_fields, mla_moe_fields
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
+from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.quantization import parse_quantization
@@ -31,6 +32,7 @@ from jaxserve.rope import RopeScaling
 def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     """See `ModelConfig.from_hf`."""
     d = llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d)))))))))
+    d = hunyuan_config(d)
     archs = d.get("architectures") or []
     family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
         or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -48,8 +50,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
             raise UnsupportedModelError(f"{family} with dense layers between the MoE layers (mlp_only_layers / "
                                         "decoder_sparse_step) is not supported")
-    moe = (llama4_moe_fields(d) if family == "llama4" else (mla_moe_fields if family in MLA_FAMILIES else
-                                                              fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
+    moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else (
+        mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
     mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
     head_dim = mla.pop("head_dim", head_dim)
     if family in ("qwen2", "qwen3"):
@@ -96,13 +98,12 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
         attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
         or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                       *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES)
+                       *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
         mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", "minimax_m2",
-                           *OLMO_FAMILIES,
-                           *GATED_DELTA_FAMILIES)
+                           *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,
@@ -111,7 +112,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         no_rope_layers=fields.no_rope_layers(family, d),
         mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
         **moe, **mla,
-        **({"hidden_act": d.get("hidden_act", "silu"), "query_scale_beta": float(d.get("query_scale_beta", 0.0)),
+        **({"hidden_act": d.get("hidden_act", "silu"), "rope_qk_norm": family in HUNYUAN_FAMILIES, "query_scale_beta": float(d.get("query_scale_beta", 0.0)),
             "query_scale_length": int(d.get("query_scale_length", 0))} | gemma
            | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})
            | ({"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))} if family in COHERE_FAMILIES else {})),

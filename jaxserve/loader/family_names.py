@@ -1,6 +1,7 @@
 """Module names some families' checkpoints give to what the key map reads under other names: Hy3's router, router
 bias and shared expert (read as dots.llm1's), Llama 4's MLP and router (`feed_forward`, `feed_forward.router`: read
-as `mlp`, `mlp.gate`, and written back as its own)."""
+as `mlp`, `mlp.gate`, and written back as its own), Hunyuan's q/k norms, router and shared MLP (`query_layernorm`,
+`key_layernorm`, `mlp.gate.wg`, `mlp.shared_mlp`: written back as its own)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import Any
 _HY3_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
               "mlp.shared_mlp.": "mlp.shared_experts."}
 _HY3_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HY3_NAMES) + ")")
+_HUNYUAN_NAMES = {"self_attn.query_layernorm.": "self_attn.q_norm.", "self_attn.key_layernorm.": "self_attn.k_norm.",
+                  "mlp.gate.wg.": "mlp.gate.", "mlp.shared_mlp.": "mlp.shared_expert."}
+_HUNYUAN_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HUNYUAN_NAMES) + ")")
 
 
 def family_name(name: str, cfg: Any) -> str:
@@ -18,6 +22,8 @@ def family_name(name: str, cfg: Any) -> str:
         return _HY3_RE.sub(lambda m: _HY3_NAMES[m.group(1)], name)
     if cfg is not None and cfg.family == "llama4":
         return name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+    if cfg is not None and cfg.family in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+        return _HUNYUAN_RE.sub(lambda m: _HUNYUAN_NAMES[m.group(1)], name)
     return name
 
 
@@ -25,4 +31,7 @@ def family_hf_name(name: str, cfg: Any) -> str:
     """The inverse of `family_name` for a family written back under its own names (Llama 4's)."""
     if cfg.family == "llama4":
         return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
+    if cfg.family in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+        for theirs, ours in _HUNYUAN_NAMES.items():
+            name = name.replace("." + ours, "." + theirs)
     return name

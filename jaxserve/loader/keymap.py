@@ -362,7 +362,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
         yield from qwen3_next_fused(pairs, cfg)
         return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
-        ((hybrid_hf_name(name, cfg), t) for name, t in pairs))
+        ((family_hf_name(hybrid_hf_name(name, cfg), cfg), t) for name, t in pairs))
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:

@@ -161,12 +161,14 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     gate = None
     if cfg.attn_output_gate:  # (each head's gate after its query)
         q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
-    if lp.q_norm is not None:
+    if lp.q_norm is not None and not cfg.rope_qk_norm:
         q = _qk_norm(cfg, q, lp.q_norm)
         k = _qk_norm(cfg, k, lp.k_norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-    if cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, after the rotation)
+    if cfg.rope_qk_norm and lp.q_norm is not None:  # (Hunyuan's: after the rotation)
+        q, k = _qk_norm(cfg, q, lp.q_norm), _qk_norm(cfg, k, lp.k_norm)
+    elif cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, its rotated layers only)
         q, k = (rms_norm(x, jnp.ones((), x.dtype), cfg.rms_norm_eps) for x in (q, k))
     if cfg.query_scale_beta and (cfg.family != "llama4" or not rope):  # (Llama 4's: its unrotated layers only)
         q = q * query_scale(cfg, inputs.positions).astype(q.dtype)[:, None, None]

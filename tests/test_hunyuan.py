@@ -1,0 +1,93 @@
+"""Tencent's Hunyuan (`config_hunyuan`) against transformers: tiny random dense and MoE models with q/k norms after the
+rotation and an NTK-alpha rotary base; logits of a 40-token prompt (each part checked by the logits it changes), the
+MoE model's greedy tokens through the engine, the checkpoints and configs written back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
+from jaxserve.loader import HFDirectory, load_params  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+
+ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
+FAMILIES = {"hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
+            "hunyuan_v1_moe": ("HunYuanMoEV1Config", {"num_experts": 4, "moe_topk": 2})}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request, tmp_path_factory):
+    cls, extra = FAMILIES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_hf(cls, path, head_dim=16, rope_parameters=ROPE, **extra)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return request.param, path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def test_hunyuan_config(tiny):
+    family, _, model, cfg, _ = tiny
+    assert (cfg.family, cfg.qk_norm, cfg.rope_qk_norm, cfg.rope_scaling.rope_type) == (family, True, True, "default")
+    assert cfg.rope_theta == pytest.approx(10000.0 * 1000.0 ** (16 / 14))
+    if family == "hunyuan_v1_moe":
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
+        assert cfg.moe_intermediate_size == cfg.shared_expert_intermediate_size == cfg.intermediate_size
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    per_layer = {**model.config.to_dict(), "num_experts": [4, 8], "moe_topk": [2, 2]}
+    with pytest.raises(UnsupportedModelError, match="num_experts differing by layer"):
+        ModelConfig.from_hf(per_layer)
+    if family == "hunyuan_v1_moe":
+        same = {**model.config.to_dict(), "num_experts": [4, 4], "moe_topk": [2, 2]}
+        assert ModelConfig.from_hf(same) == cfg
+
+
+def test_hunyuan_logits_match_transformers(tiny):
+    """Transformers' logits; normed before the rotation, or with the base unstretched, they are not."""
+    _, _, model, cfg, params = tiny
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
+    for change in (dict(rope_qk_norm=False), dict(rope_theta=10000.0)):
+        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+
+
+def test_hunyuan_checkpoint_written_back_reads_the_same(tiny):
+    """Our parameters as an HF checkpoint (under Hunyuan's own module names) equal the checkpoint's tensors."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader.keymap import hf_tensors
+    from jaxserve.models.params import param_paths
+
+    _, path, _, cfg, params = tiny
+    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
+    assert set(written) == set(saved)
+    for name, t in written.items():
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+
+
+@pytest.mark.parametrize("tiny", ["hunyuan_v1_moe"], indirect=True)
+def test_hunyuan_engine_greedy_equals_transformers(tiny):
+    """Prompts of 21 and 13 tokens prefilled 16 tokens a step, then decoded together."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.models.inputs import KVCache
+    from tests.fake_model import fake_tokenizer
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    _, _, model, cfg, params = tiny
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
+                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
+                      dtype="float32", warmup=False, compile_cache_dir=None)
+    assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected
