@@ -15,10 +15,10 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.config_families import HF_ARCHITECTURES
+from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_llama4 import llama4_hf
 from jaxserve.config_mamba import mamba_hf
-from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next_hf

@@ -18,11 +18,11 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.config_families import HF_ARCHITECTURES, Family
+from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
 from jaxserve.config_mla import MLA_FAMILIES, mla_fields, mla_moe_fields
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
-from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_text import language_model
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.quantization import parse_quantization
