@@ -1,5 +1,6 @@
 """Speculative decoding with a model's multi-token prediction layer (`engine.mtp`), DeepSeek-V3's (latent attention)
-and GLM-4.5's (grouped-query attention), each with its experts.
+and GLM-4.5's (grouped-query attention), each with its experts; DeepSeek-V3.2's (its own indexer choosing the keys)
+and GLM-4.7-Flash's drafts against the reference.
 
 Tiny random checkpoints saved from transformers' config classes with one more decoder layer, whose tensors become the
 MTP layer's, plus its `enorm`, `hnorm`, `eh_proj` and `shared_head` under `model.layers.{num_hidden_layers}.` (as the
@@ -30,11 +31,17 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.speculative_config import SpeculativeConfig  # noqa: E402
 from tests.modelrun import drain  # noqa: E402
 from tests.test_draft_model import _with_tokenizer  # noqa: E402
+from tests.test_dsa import _TINY as DSA_TINY  # noqa: E402
 from tests.test_mla import FAMILIES as MLA  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 from tests.test_moe import FAMILIES as MOE  # noqa: E402
 
-FAMILIES = {"deepseek_v3": MLA["deepseek_v3"], "glm4_moe": MOE["glm4_moe"]}
+FAMILIES = {"deepseek_v3": MLA["deepseek_v3"], "glm4_moe": MOE["glm4_moe"],
+            # (their drafts against the reference only: DeepSeek Sparse Attention's layer, GLM-4.7-Flash's)
+            "deepseek_v32": ("DeepseekV32Config", DSA_TINY),
+            "glm4_moe_lite": ("Glm4MoeLiteConfig", {**{k: v for k, v in MLA["deepseek_v3"][1].items()
+                                                      if k not in ("first_k_dense_replace", "rope_parameters")}})}
+MORE = ["deepseek_v3", "glm4_moe"]  # the families the other tests run
 SCALE = 0.3  # the decoder layers' output projections scaled: each token's embedding leads its residual stream
 ARGS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16, max_model_len=96, page_size=8,
             kv_cache_memory_bytes=1 << 20, warmup=False)
@@ -47,8 +54,9 @@ class Reference:
     def __init__(self, full, n: int, mtp: dict[str, np.ndarray]):
         self.full, self.n = full, n
         cfg = full.config
+        d = {k: v[:n] if k.endswith("layer_types") and isinstance(v, list) else v for k, v in cfg.to_dict().items()}
         self.target = transformers.AutoModelForCausalLM.from_config(
-            type(cfg)(**{**cfg.to_dict(), "num_hidden_layers": n}), attn_implementation="eager").eval()
+            type(cfg)(**{**d, "num_hidden_layers": n}), attn_implementation="eager").eval()
         self.target.load_state_dict(full.state_dict(), strict=False)
         self.w = {k: torch.from_numpy(v) for k, v in mtp.items()}
         self.eps = cfg.rms_norm_eps
@@ -124,6 +132,9 @@ def save_with_mtp(family: str, path) -> Reference:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    for key in ("mlp_layer_types", "layer_types", "indexer_types"):  # (per decoder layer, where the config lists them)
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:n]
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     _with_tokenizer(str(path))
@@ -151,7 +162,9 @@ def test_drafts_equal_the_reference_and_outputs_the_targets(tiny, monkeypatch):
     engine = LLMEngine(EngineArgs(model=path, speculative_config=SPEC, enable_prefix_caching=True, **ARGS),
                        progress=False)
     assert engine.runner.cfg.keep_hidden and engine.draft.cfg.num_layers == 1
-    check_drafts(engine, MtpDraft, monkeypatch, want, ref.drafts, SPEC["num_speculative_tokens"])
+    # (the tiny DeepSeek-V3.2 and GLM-4.7-Flash models repeat their tokens less: fewer of their drafts are right)
+    check_drafts(engine, MtpDraft, monkeypatch, want, ref.drafts, SPEC["num_speculative_tokens"],
+                 accepted=10 if family in MORE else 5)
 
 
 def check_drafts(engine: LLMEngine, drafter: type, monkeypatch, want: dict, reference, most: int,
@@ -203,6 +216,7 @@ def _same(want: dict, got: dict) -> None:
                 assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
+@pytest.mark.parametrize("tiny", MORE, indirect=True)
 @pytest.mark.parametrize("k", [1, 2])
 def test_warmed_up_sampled_and_preempted(tiny, k):
     """Warmed up with compiles refused after (every bucket of the layer's steps compiled), greedy, seeded and
@@ -228,6 +242,7 @@ def test_warmed_up_sampled_and_preempted(tiny, k):
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("tiny", MORE, indirect=True)
 def test_sleeps_and_wakes_with_the_engine(tiny):
     """Sleep mode frees the layer's weights and pool with the model's; awake (its weights from the host copy at level
     1, read again from the checkpoint at level 2), it drafts as before."""
@@ -254,6 +269,7 @@ def sleep_and_wake(engine: LLMEngine, want: dict) -> None:
         assert engine.drafter.counters.spec_num_accepted_tokens >= 2 * drafted - 3
 
 
+@pytest.mark.parametrize("tiny", MORE, indirect=True)
 def test_config_and_refusals(tiny, tmp_path):
     _, path, _ = tiny
     for method in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):

@@ -1,6 +1,7 @@
 """A model's multi-token prediction (MTP) layer, which drafts tokens for speculative decoding (`engine.mtp`).
 
-DeepSeek-V3 (and R1, V3.1, Kimi-like variants that keep it) and GLM-4.5 / 4.6 checkpoints carry
+DeepSeek-V3 (and R1, V3.1, Kimi-like variants that keep it), DeepSeek-V3.2, GLM-4.5 / 4.6, GLM-4.7-Flash and GLM-5
+checkpoints carry
 `num_nextn_predict_layers` such layers after their decoder layers, under `model.layers.{num_hidden_layers + i}.`:
 a decoder layer of the model's own kind (its attention and experts), and
 - `embed_tokens` (the model's embedding, repeated), `enorm` and `hnorm` (RMSNorms), `eh_proj` [E, 2E];
@@ -35,12 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_mla import DSA_FAMILIES
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward, model_norm
 from jaxserve.models.params import Params
 
-MTP_FAMILIES = ("deepseek_v3", "glm4_moe", *GATED_DELTA_FAMILIES)
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", *DSA_FAMILIES, *GATED_DELTA_FAMILIES)
 _QWEN_MTP = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm."}
 
 
@@ -61,7 +63,8 @@ def mtp_config(target: ModelConfig, layers: int) -> ModelConfig:
     float), the checkpoint having `layers` of them; ValueError when the model has none."""
     if target.family not in MTP_FAMILIES:
         raise ValueError(f"speculative method 'mtp' drafts with a model's multi-token prediction layers, which "
-                         f"jaxserve reads for DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 checkpoints; {target.family}'s "
+                         f"jaxserve reads for DeepSeek-V3 and V3.2, GLM-4.5, GLM-4.7-Flash, GLM-5, Qwen3-Next and Qwen3.5 "
+                         f"checkpoints; {target.family}'s "
                          "are not read: use method 'ngram' or 'draft_model'")
     if layers < 1:
         raise ValueError("speculative method 'mtp' needs the model's multi-token prediction layers, and this "
