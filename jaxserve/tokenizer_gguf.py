@@ -58,6 +58,11 @@ _TEKKEN_SPLIT = _CASED_WORD.replace("{c}", "") + r"|\p{N}" + _TAIL
 _GPT4O_SPLIT = _CASED_WORD.replace("{c}", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?") + r"|\p{N}{1,3}" + _TAIL
 # llama.cpp's names for each split (files name their tokenizer's family, or a model that shares its split).
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3", "pixtral")
+# GLM-4's (GLM-4.5's files too): Llama 3's split, its merges always applied, and no BOS (llama.cpp drops the file's:
+# GLM's chat template writes its [gMASK]<sop> prefix itself).
+_GLM4_PRE = ("glm4", "chatglm-bpe")
+# o200k's split under MiniMax-M2's name.
+_GPT4O_PRE = ("gpt-4o", "minimax-m2")
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
 # DeepSeek's splits, each splitting the pieces the ones before it left (llama.cpp's `llm_tokenizer_bpe`; DeepSeek-V3's
 # tokenizer.json has the same three), written with their non-ASCII characters as escapes.
@@ -98,8 +103,8 @@ _DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
 # others (Command R's, EXAONE 3's), as llama.cpp groups them.
 _GPT2_PRE = ("gpt-2", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling")
 _SMOLLM_PRE = ("smollm", "command-r", "exaone", "starcoder", "refact", "codeshell", "minerva-7b")
-SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_QWEN2_PRE, "qwen35", "tekken", "gpt-4o",
-                      *_DEEPSEEK_SPLITS, "kimi-k2")
+SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_GLM4_PRE, *_QWEN2_PRE, "qwen35", "tekken",
+                      *_GPT4O_PRE, *_DEEPSEEK_SPLITS, "kimi-k2")
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,8 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | GGUFHeader) -> 
     bos_id, eos_id, pad_id, unk_id = (
         token_id(k) for k in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
     )
+    if _gguf_value(reader, "tokenizer.ggml.pre") in _GLM4_PRE:
+        bos_id = None
     eos_ids = _eos_ids(reader, kinds)
     # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp and transformers give it.
     add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
@@ -325,8 +332,10 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
             False,
         )
-    if pre in ("tekken", "gpt-4o"):
+    if pre == "tekken" or pre in _GPT4O_PRE:
         return None, _split_then_bytes(_TEKKEN_SPLIT if pre == "tekken" else _GPT4O_SPLIT), False
+    if pre in _GLM4_PRE:
+        return None, _split_then_bytes(_LLAMA3_SPLIT), False
     if pre in _LLAMA3_PRE:
         # Llama 3's own tokenizer.json looks whole words up in the vocabulary before merging.
         return None, _split_then_bytes(_LLAMA3_SPLIT), True

@@ -377,14 +377,20 @@ def test_deepseek_pre_tokenizers_split_as_their_regexes(tmp_path, pre):
         assert _pieces(ours, "a.b 1234 東京タワー") == ["a", ".b", "Ġ", "123", "4", "Ġ", "æĿ±äº¬ãĤ¿ãĥ¯ãĥ¼"]
 
 
-@pytest.mark.parametrize("pre,same_as", [("command-r", "smollm"), ("exaone", "smollm"), ("exaone4", "gpt-2")])
-def test_pre_tokenizers_under_other_names_split_as_theirs(tmp_path, pre, same_as):
-    """Command R's and EXAONE 3's files name SmolLM's split (each digit apart, then GPT-2's), EXAONE 4's GPT-2's."""
-    ours = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "a.gguf", pre=pre))
+@pytest.mark.parametrize("pre,same_as,twelve", [
+    ("command-r", "smollm", ["Ġ", "1", "2"]), ("exaone", "smollm", ["Ġ", "1", "2"]), ("exaone4", "gpt-2", ["Ġ12"]),
+    ("glm4", "llama-bpe", ["Ġ", "12"]), ("chatglm-bpe", "llama-bpe", ["Ġ", "12"]), ("minimax-m2", "gpt-4o", ["Ġ", "12"]),
+])
+def test_pre_tokenizers_under_other_names_split_as_theirs(tmp_path, pre, same_as, twelve):
+    """Command R's and EXAONE 3's files name SmolLM's split (each digit apart, then GPT-2's), EXAONE 4's GPT-2's,
+    GLM-4's Llama 3's, MiniMax-M2's o200k's."""
+    ours = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "a.gguf", pre=pre, add_bos=True))
     theirs = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "b.gguf", pre=same_as))
     text = "I'm 12345 ok\n\nyes, x=a/b  end"
     assert _pieces(ours, text) == _pieces(theirs, text)
-    assert _pieces(ours, " 12") == (["Ġ12"] if same_as == "gpt-2" else ["Ġ", "1", "2"])
+    assert _pieces(ours, " 12") == twelve
+    # GLM-4's files get no BOS, whatever they say (llama.cpp's rule: the chat template writes GLM's prefix)
+    assert (ours.bos_token_id is None) == pre.startswith(("glm4", "chatglm"))
 
 
 def test_unsupported_gguf_tokenizers_are_refused(tmp_path):
