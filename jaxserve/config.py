@@ -21,7 +21,8 @@ _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
-                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", *MLA_FAMILIES,
+                                  "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
+                                  *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases

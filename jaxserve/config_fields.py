@@ -167,7 +167,7 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
         return smollm3_no_rope_layers(d)
     if family == "granitemoehybrid" and d.get("position_embedding_type") != "rope" or family == "nemotron_h":
         return (0,) * d["num_hidden_layers"]
-    if family in ("exaone4", "cohere2") and d.get("sliding_window"):  # its global layers are not rotated (NoPE)
+    if family in ("exaone4", "cohere2", "exaone_moe") and d.get("sliding_window"):  # its global layers: NoPE
         return tuple(int(t == "sliding_attention") for t in exaone4_fields(d)["layer_types"])
     if family == "llama4":
         from jaxserve.config_llama4 import no_rope_layers as llama4_no_rope
@@ -293,8 +293,6 @@ def check_moe(cfg: Any) -> None:
     if not 0 <= cfg.first_dense_layers < cfg.num_layers or (cfg.first_dense_layers and not cfg.num_experts):
         raise UnsupportedModelError(f"first_dense_layers ({cfg.first_dense_layers}) must leave a MoE layer of the "
                                     f"{cfg.num_layers} (and the model must have experts)")
-    if cfg.first_dense_layers and cfg.layer_period != 1:
-        raise UnsupportedModelError("dense first layers in a model whose layers attend differently are not supported")
     groups, top = cfg.expert_groups, cfg.expert_topk_groups
     if cfg.router_scoring not in ("softmax", "sigmoid"):
         raise UnsupportedModelError(f"router_scoring must be 'softmax' or 'sigmoid', got {cfg.router_scoring!r}")
@@ -384,7 +382,7 @@ def exaone4_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 # Families whose layers differ (windowed or global), by the fields that say how.
 PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields, "exaone4": exaone4_fields,
-                    "cohere2": exaone4_fields}  # (Command R7B's layers are laid out as EXAONE 4's)
+                    "cohere2": exaone4_fields, "exaone_moe": exaone4_fields}  # (Command R7B's, K-EXAONE's as EXAONE 4's)
 
 
 def mrope_fields(d: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.config_families import HF_ARCHITECTURES, Family
+from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
@@ -50,7 +51,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
             raise UnsupportedModelError(f"{family} with dense layers between the MoE layers (mlp_only_layers / "
                                         "decoder_sparse_step) is not supported")
-    moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else (
+    moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else
+           exaone_moe_fields(d) if family == "exaone_moe" else (
         mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
     mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
     head_dim = mla.pop("head_dim", head_dim)
@@ -102,7 +104,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
         mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "olmoe", "apertus", "lfm2", "minimax_m2",
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2",
                            *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),

@@ -103,11 +103,11 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{router}.bias"] = ("layers.b_router", ident, (X,))
         if cfg.router_bias:  # ERNIE's as [1, X]; MiniMax-M2's beside its gate
             ernie = cfg.family == "ernie4_5_moe"
-            beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": ""}.get(cfg.family, "gate.")
+            beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": "", "exaone_moe": ""}.get(cfg.family, "gate.")
             t[f"{moe}.{beside}e_score_correction_bias"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
-            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h",
+            shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h", "exaone_moe",
                                                             *MLA_FAMILIES) else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))

@@ -344,26 +344,31 @@ def forward(
         kv = dataclasses.replace(kv, conv=conv, ssm=ssm)
     elif cfg.uniform_layers:
         first = 0
-        if params.dense_layers is not None:  # dense first layers, then the MoE ones (layers all alike: `check_moe`)
+        if params.dense_layers is not None:  # dense first layers, then the MoE ones
             first = cfg.first_dense_layers
             carry, _ = jax.lax.scan(step, carry, (params.dense_layers, jnp.arange(first, dtype=jnp.int32)))
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(first, L, dtype=jnp.int32)))
     else:  # stacked layers that attend differently (Gemma, SmolLM3): a loop over the repeating groups of layers
         period = cfg.layer_period
+        first = cfg.first_dense_layers if params.dense_layers is not None else 0  # (dense first layers: K-EXAONE's)
 
-        def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does
-            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), params.layers)
+        def one(layer, like: int, carry, stack=params.layers, offset=first):  # `layer` attends as layer `like`
+            # (static) does; its weights are stack[layer - offset]
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer - offset, keepdims=False), stack)
             xs = (lp, jnp.asarray(layer, jnp.int32))
             return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype,
                                         *cfg.layer_kind(like)), carry, xs[1])
 
-        def group(g, carry):  # layers g * period to (g + 1) * period - 1, each with its place's window and rotation
+        def group(g, carry):  # layers first + g * period on, `period` of them, each with its place's window and rotation
             for j in range(period):
-                carry = one(g * period + j, j, carry)
+                carry = one(first + g * period + j, first + j, carry)
             return carry
 
-        carry = jax.lax.fori_loop(0, L // period, group, carry)
-        for layer in range(L // period * period, L):  # past the last whole group
+        for layer in range(first):
+            carry = one(layer, layer, carry, params.dense_layers, 0)
+        whole = (L - first) // period
+        carry = jax.lax.fori_loop(0, whole, group, carry)
+        for layer in range(first + whole * period, L):  # past the last whole group
             carry = one(layer, layer, carry)
     carry = kept.keep(carry, cfg.num_layers)
     x, k_all, v_all = carry[:3]

@@ -1,0 +1,87 @@
+"""LG's K-EXAONE (`ExaoneMoeForCausalLM`, `config_exaone_moe`) against transformers: a tiny random model with a dense
+first layer, then four MoE layers of which three are windowed (8 keys) and the fourth global and unrotated, so the dense
+layer and the MoE ones attend differently; logits of a 40-token prompt, greedy tokens through the engine (chunked
+prefill past the window, batched decode), the checkpoint and config written back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.loader import HFDirectory, load_params  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+
+TINY = dict(num_hidden_layers=5, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+            num_shared_experts=1, n_group=2, topk_group=1, sliding_window=8, sliding_window_pattern=4,
+            first_k_dense_replace=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("exaone_moe")
+    model = save_tiny_hf("ExaoneMoeConfig", path, **TINY)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def test_exaone_moe_config(tiny):
+    _, _, cfg, _ = tiny
+    assert (cfg.family, cfg.first_dense_layers, cfg.qk_norm, cfg.router_scoring, cfg.router_bias) == (
+        "exaone_moe", 1, True, "sigmoid", True)
+    assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention", "sliding_attention")
+    assert cfg.no_rope_layers == (1, 1, 1, 0, 1) and cfg.layer_period == 4
+    assert (cfg.shared_expert_intermediate_size, cfg.expert_groups, cfg.routed_scaling_factor) == (24, 2, 2.5)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_exaone_moe_logits_match_transformers(tiny):
+    """Transformers' logits; without the window, or with the global layer rotated, they are not."""
+    _, model, cfg, params = tiny
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
+    for change in (dict(sliding_window=None), dict(no_rope_layers=None)):
+        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+
+
+def test_exaone_moe_checkpoint_written_back_reads_the_same(tiny):
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader.keymap import hf_tensors
+    from jaxserve.models.params import param_paths
+
+    path, _, cfg, params = tiny
+    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
+    assert set(written) == set(saved)
+    for name, t in written.items():
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+
+
+def test_exaone_moe_engine_greedy_equals_transformers(tiny):
+    """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
+    layers scanned (a dense layer, then groups of four) and unrolled."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.model_loading import LoadedModel
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.models.inputs import KVCache
+    from tests.fake_model import fake_tokenizer
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    _, model, cfg, params = tiny
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
+    for loop in ("scan", "unroll"):
+        args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, layer_loop=loop,
+                          kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
+                          num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None)
+        assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected, loop
