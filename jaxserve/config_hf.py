@@ -14,8 +14,8 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
-from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_exaone_moe import exaone_moe_hf
+from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_llama4 import llama4_hf

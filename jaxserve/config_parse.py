@@ -17,8 +17,8 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
-from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_exaone_moe import exaone_moe_fields
+from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
