@@ -69,7 +69,7 @@ def test_exaone_moe_checkpoint_written_back_reads_the_same(tiny):
 
 def test_exaone_moe_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
-    layers scanned (a dense layer, then groups of four) and unrolled."""
+    layers stacked (the dense layer, then the MoE stack in groups of four)."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.model_loading import LoadedModel
     from jaxserve.engine_args import EngineArgs
@@ -80,8 +80,7 @@ def test_exaone_moe_engine_greedy_equals_transformers(tiny):
     _, model, cfg, params = tiny
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    for loop in ("scan", "unroll"):
-        args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, layer_loop=loop,
-                          kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
-                          num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None)
-        assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected, loop
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, layer_loop="scan",
+                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
+                      num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None)
+    assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected
