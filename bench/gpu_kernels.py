@@ -5,7 +5,8 @@ the Mosaic GPU decode kernel); prefill: 2k/8k tokens of one sequence (the generi
 GPU kernel in both forms); decode over float8 pages at 8k (both lowerings) and an 8k prefill over them (the
 generic kernel and both Mosaic GPU forms); a mixed step (32 decode tokens at 8k beside a 512-token chunk) with
 its decode tokens on the decode kernel or with the chunk on the ragged one; decode at 32k context under a
-sliding window of 4096 keys (bytes: the window's KV only, which is all a kernel needs to read); a 4k prefill
+sliding window of 4096 keys, and under chunked attention (Llama 4's chunks of 8192: the last chunk's keys) (bytes:
+the window's or the chunk's KV only, which is all a kernel needs to read); a 4k prefill
 holding 256-token images attended both ways (Gemma 3's; `last_key`) against the same prefill all causal; gpt-oss's
 heads (64q/8kv/64) with and without attention sinks, in decode at 8k and a 4k prefill. Both for
 SmolLM2 heads (9q/3kv/64) and Llama-3-8B heads (32q/8kv/128), bfloat16, page size 16. Each row is the median of several
@@ -54,6 +55,7 @@ from pallas_kernels import (
 # The reference materializes per-token KV and logits; skip it (and cuDNN's dense copy) past this.
 REF_LIMIT_BYTES = 24 << 30
 WINDOW = 4096  # the sliding window of the windowed decode row (Mistral 7B's)
+CHUNK = 8192  # the chunks of the chunked decode row (Llama 4's): at 32k context, the last 8192 keys
 MIXED_CHUNK = 512  # the prefill chunk of the mixed-step row (beside its decode tokens)
 DRAFT_TOKENS = 5  # the drafts rows: a request's token and its 4 drafts, verified in one step
 
@@ -127,9 +129,10 @@ def kernels(heads: Heads) -> dict:
     scale = heads.dim**-0.5
 
     # The Mosaic GPU decode kernel takes one query token per sequence: q [S, QH, D] is the decode batch as is.
-    def mosaic_decode(block_kv, stages=2, window=None):
+    def mosaic_decode(block_kv, stages=2, window=None, chunk=None):
         return jax.jit(lambda q, k, v, tables, lens, qsl: paged_decode_attention_mosaic(
-            q, k, v, tables, lens, sm_scale=scale, sliding_window=window, block_kv=block_kv, stages=stages))
+            q, k, v, tables, lens, sm_scale=scale, sliding_window=window, attention_chunk=chunk, block_kv=block_kv,
+            stages=stages))
 
     # The ragged Mosaic GPU kernel takes the packed prompt as the generic kernel does.
     def mosaic_ragged(compute_wgs, block_kv=None):
@@ -155,6 +158,9 @@ def kernels(heads: Heads) -> dict:
         # Decode under a sliding window: both start at the window's first KV block.
         "pallas_window": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, sliding_window=WINDOW)),
         "mosaic_window": mosaic_decode(64, window=WINDOW),
+        # ... and under chunked attention: both start at the chunk's first KV block.
+        "pallas_chunk": jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, attention_chunk=CHUNK)),
+        "mosaic_chunk": mosaic_decode(64, chunk=CHUNK),
         # Prefill: warp-specialized (two compute warpgroups; 128-key blocks where they fit, and 64) and one
         # warpgroup (64- and 128-key blocks).
         "mosaic_ws": mosaic_ragged(2),
@@ -273,6 +279,9 @@ def main() -> int:
             sets, _, _ = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
             nbytes, flops = work(heads, batch, WINDOW, 1, jnp.dtype(DTYPE).itemsize)  # the window's keys only
             run_row(f"{label} window={WINDOW}", pick(fns, ["pallas_window", "mosaic_window"]), sets, nbytes, flops,
+                    None, copy_bw)
+            nbytes, flops = work(heads, batch, CHUNK, 1, jnp.dtype(DTYPE).itemsize)  # the last chunk's keys only
+            run_row(f"{label} chunk={CHUNK}", pick(fns, ["pallas_chunk", "mosaic_chunk"]), sets, nbytes, flops,
                     None, copy_bw)
         elif kind == "decode":
             sets, nbytes, flops = decode_case(rng, heads, batch, ctx, min_pool_bytes=pool_bytes)
