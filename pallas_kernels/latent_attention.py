@@ -83,8 +83,7 @@ def _latent_kernel(meta_ref, block_tables_ref, q_ref, pages_ref, *out_refs, head
     b, virtual_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = virtual_head // head_blocks
     num_pages, pages_per_seq = pages_ref.shape[0], block_tables_ref.shape[1]
-    rows, head_dim = q_ref.shape
-    rope_dim = head_dim - value_dim
+    rows = q_ref.shape[0]
     seq, pos0, num_q = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2]
 
     row_q = lax.broadcasted_iota(jnp.int32, (rows,), 0) // heads
@@ -96,11 +95,41 @@ def _latent_kernel(meta_ref, block_tables_ref, q_ref, pages_ref, *out_refs, head
     start = split * per_split
     stop = jnp.minimum(num_blocks, start + per_split)
 
-    q_latent = q_ref[:, pl.ds(0, value_dim)]  # [rows, R]
-    q_rope = q_ref[:, pl.ds(value_dim, rope_dim)] if rope_dim else None  # [rows, Dr]
+    q = latent_queries(q_ref, value_dim, use_mma)
+
+    def body(j, carry):
+        kv_pos = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+        slot = jnp.minimum(kv_pos // page_size, pages_per_seq - 1)
+        page = jnp.clip(block_tables_ref[seq, slot], 0, num_pages - 1)
+        seen = (kv_pos[None, :] <= row_pos[:, None]) & row_valid[:, None]
+        # Stale pages may hold anything; zero the values past the sequence so 0 * garbage cannot poison the sum.
+        return latent_block(carry, q, pages_ref, page, kv_pos % page_size, kv_head, seen, kv_pos < kv_hi,
+                            sm_scale=sm_scale, use_mma=use_mma)
+
+    init = (jnp.zeros((rows, value_dim), jnp.float32), jnp.full((rows,), M_FLOOR, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, denom = lax.fori_loop(start, stop, body, init)
+    store_rows(out_refs, acc, m, denom, num_splits)
+
+
+def latent_queries(q_ref, value_dim: int, use_mma: bool) -> tuple:
+    """A program's queries as (latent dims [rows, R], rotary dims [rows, Dr] or None), float32 off the tensor cores."""
+    rope_dim = q_ref.shape[1] - value_dim
+    q_latent = q_ref[:, pl.ds(0, value_dim)]
+    q_rope = q_ref[:, pl.ds(value_dim, rope_dim)] if rope_dim else None
     if not use_mma:
         q_latent = q_latent.astype(jnp.float32)
         q_rope = None if q_rope is None else q_rope.astype(jnp.float32)
+    return q_latent, q_rope
+
+
+def latent_block(carry, q, pages_ref, page, offset, kv_head, seen, keep, *, sm_scale: float, use_mma: bool):
+    """The online softmax `carry` (acc [rows, R], row max, row sum) with one block of entries folded in: entry i at
+    `pages_ref[page[i], offset[i], kv_head]` scored by the queries `q` (`latent_queries`) where `seen` [rows, block]
+    says, its latent the value where `keep` [block] says (elsewhere zero: a stale entry may hold anything)."""
+    acc, m_prev, l_prev = carry
+    q_latent, q_rope = q
+    value_dim = q_latent.shape[1]
 
     def score(qp, kp):
         if use_mma:
@@ -108,34 +137,21 @@ def _latent_kernel(meta_ref, block_tables_ref, q_ref, pages_ref, *out_refs, head
                                    preferred_element_type=jnp.float32)
         return jnp.sum(qp[:, None, :] * kp.astype(jnp.float32)[None, :, :], axis=-1)
 
-    def body(j, carry):
-        acc, m_prev, l_prev = carry
-        kv_pos = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-        slot = jnp.minimum(kv_pos // page_size, pages_per_seq - 1)
-        page = jnp.clip(block_tables_ref[seq, slot], 0, num_pages - 1)
-        offset = kv_pos % page_size
-        latent = pages_ref[page, offset, kv_head, pl.ds(0, value_dim)]  # [block_kv, R]: keys and values
-        s = score(q_latent, latent)
-        if q_rope is not None:
-            s = s + score(q_rope, pages_ref[page, offset, kv_head, pl.ds(value_dim, rope_dim)])
-        s = logits(s, sm_scale, None)
-        s = jnp.where((kv_pos[None, :] <= row_pos[:, None]) & row_valid[:, None], s, -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        # Stale pages may hold anything; zero the values past the sequence so 0 * garbage cannot poison the sum.
-        values = jnp.where((kv_pos < kv_hi)[:, None], latent, jnp.zeros_like(latent))
-        if use_mma:
-            pv = jnp.dot(p.astype(q_latent.dtype), values.astype(q_latent.dtype), preferred_element_type=jnp.float32)
-        else:
-            pv = jnp.sum(p[:, :, None] * values.astype(jnp.float32)[None, :, :], axis=1)
-        return acc * alpha[:, None] + pv, m_next, l_next
-
-    init = (jnp.zeros((rows, value_dim), jnp.float32), jnp.full((rows,), M_FLOOR, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, denom = lax.fori_loop(start, stop, body, init)
-    store_rows(out_refs, acc, m, denom, num_splits)
+    latent = pages_ref[page, offset, kv_head, pl.ds(0, value_dim)]  # [block, R]: keys and values
+    s = score(q_latent, latent)
+    if q_rope is not None:
+        s = s + score(q_rope, pages_ref[page, offset, kv_head, pl.ds(value_dim, q_rope.shape[1])])
+    s = jnp.where(seen, logits(s, sm_scale, None), -jnp.inf)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next[:, None])
+    l_next = alpha * l_prev + jnp.sum(p, axis=1)
+    values = jnp.where(keep[:, None], latent, jnp.zeros_like(latent))
+    if use_mma:
+        pv = jnp.dot(p.astype(q_latent.dtype), values.astype(q_latent.dtype), preferred_element_type=jnp.float32)
+    else:
+        pv = jnp.sum(p[:, :, None] * values.astype(jnp.float32)[None, :, :], axis=1)
+    return acc * alpha[:, None] + pv, m_next, l_next
 
 
 def head_block(group: int, cap: int) -> int:

@@ -23,14 +23,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.latent_attention import LATENT_ROWS, LATENT_STAGES, as_4d, head_block, is_pow2
+from pallas_kernels.latent_attention import (
+    LATENT_ROWS,
+    LATENT_STAGES,
+    as_4d,
+    head_block,
+    is_pow2,
+    latent_block,
+    latent_queries,
+)
 from pallas_kernels.ragged_attention_args import (
     M_FLOOR,
     MMA_MIN_ROWS,
     check_kv_page_dtype,
     combine_splits,
     default_splits,
-    logits,
     next_pow2,
     store_rows,
 )
@@ -94,53 +101,26 @@ def sparse_latent_attention_reference(q, pages, slots, lens, *, key_dim: int, va
     return out.reshape(num_tokens, num_q_heads, value_dim).astype(q.dtype)
 
 
-def _sparse_kernel(lens_ref, slots_ref, q_ref, pages_ref, *out_refs, head_blocks: int, value_dim: int, key_dim: int,
-                   block_kv: int, sm_scale: float, num_splits: int, use_mma: bool):
+def _sparse_kernel(lens_ref, slots_ref, q_ref, pages_ref, *out_refs, head_blocks: int, value_dim: int, block_kv: int,
+                   sm_scale: float, num_splits: int, use_mma: bool):
     """One program: one query token, `rows` of its KV head's query heads, over the blocks of one split of its
     chosen entries."""
     t, virtual_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_head = virtual_head // head_blocks
     num_pages, page_size = pages_ref.shape[0], pages_ref.shape[1]
-    rope_dim = key_dim - value_dim
     count = lens_ref[t]
     num_blocks = pl.cdiv(count, block_kv)
     per_split = pl.cdiv(num_blocks, num_splits)
     start = split * per_split
     stop = jnp.minimum(num_blocks, start + per_split)
 
-    q_latent = q_ref[:, pl.ds(0, value_dim)]  # [rows, R]
-    q_rope = q_ref[:, pl.ds(value_dim, rope_dim)] if rope_dim else None  # [rows, Dr]
-    if not use_mma:
-        q_latent = q_latent.astype(jnp.float32)
-        q_rope = None if q_rope is None else q_rope.astype(jnp.float32)
-
-    def score(qp, kp):
-        if use_mma:
-            return lax.dot_general(qp, kp.astype(qp.dtype), (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-        return jnp.sum(qp[:, None, :] * kp.astype(jnp.float32)[None, :, :], axis=-1)
+    q = latent_queries(q_ref, value_dim, use_mma)
 
     def body(j, carry):
-        acc, m_prev, l_prev = carry
-        i = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0)  # [block_kv]: which chosen entries
-        chosen = i < count
+        chosen = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv,), 0) < count  # [block_kv]
         flat = jnp.clip(slots_ref[pl.ds(j * block_kv, block_kv)], 0, num_pages * page_size - 1)
-        page, offset = flat // page_size, flat % page_size
-        latent = pages_ref[page, offset, kv_head, pl.ds(0, value_dim)]  # [block_kv, R]: keys and values
-        s = score(q_latent, latent)
-        if q_rope is not None:
-            s = s + score(q_rope, pages_ref[page, offset, kv_head, pl.ds(value_dim, rope_dim)])
-        s = jnp.where(chosen[None, :], logits(s, sm_scale, None), -jnp.inf)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        values = jnp.where(chosen[:, None], latent, jnp.zeros_like(latent))  # past the count: anything
-        if use_mma:
-            pv = jnp.dot(p.astype(q_latent.dtype), values.astype(q_latent.dtype), preferred_element_type=jnp.float32)
-        else:
-            pv = jnp.sum(p[:, :, None] * values.astype(jnp.float32)[None, :, :], axis=1)
-        return acc * alpha[:, None] + pv, m_next, l_next
+        return latent_block(carry, q, pages_ref, flat // page_size, flat % page_size, kv_head, chosen[None, :], chosen,
+                            sm_scale=sm_scale, use_mma=use_mma)
 
     rows = q_ref.shape[0]
     init = (jnp.zeros((rows, value_dim), jnp.float32), jnp.full((rows,), M_FLOOR, jnp.float32),
@@ -186,8 +166,7 @@ def sparse_latent_attention(q, pages, slots, lens, *, key_dim: int, value_dim: i
     qb = q.reshape(num_tokens, virtual, heads, key_dim)
     qb = jnp.pad(qb, ((0, 0), (0, 0), (0, rows - heads), (0, 0)))
     head_blocks = group // heads
-    kernel = functools.partial(_sparse_kernel, head_blocks=head_blocks, value_dim=value_dim, key_dim=key_dim,
-                               block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits, use_mma=use_mma)
+    kernel = functools.partial(_sparse_kernel, head_blocks=head_blocks, value_dim=value_dim, block_kv=block_kv, sm_scale=float(sm_scale), num_splits=splits, use_mma=use_mma)
     in_specs = [
         pl.BlockSpec(lens.shape, lambda t, h, k: (0,)),
         pl.BlockSpec((None, None, slots.shape[2]), lambda t, h, k: (h // head_blocks, t, 0)),
