@@ -149,31 +149,24 @@ def test_dsa_logits_match_transformers(tiny_dsa):
 
 def test_dsa_checkpoint_written_back_reads_the_same(tiny_dsa):
     """Our parameters as an HF checkpoint (GLM-5's indexer rows interleaved again) equal the checkpoint's own."""
-    from safetensors.numpy import load_file
-
-    from jaxserve.loader.keymap import hf_tensors
-    from jaxserve.models.params import param_paths
+    from tests.test_model_families import assert_written_back
 
     _, path, _, cfg, params = tiny_dsa
-    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
-    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
-    assert set(written) == set(saved)
-    for name, t in written.items():
-        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    assert_written_back(path, cfg, params)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
 def test_dsa_engine_greedy_equals_transformers(tiny_dsa):
     """Chunked prefill (21 tokens: 16 + 5) and batched decode over the pages' indexer keys, layers unrolled
     (DeepSeek-V3.2) and scanned (GLM-5), and on the Pallas backend: transformers' tokens."""
+    from tests.modelrun import tiny_engine
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
-    from tests.test_mla import _engine
 
     family, _, model, cfg, params = tiny_dsa
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    assert _greedy(_engine(cfg, params, "unroll" if family == "deepseek_v32" else "scan")) == expected
+    assert _greedy(tiny_engine(cfg, params, "unroll" if family == "deepseek_v32" else "scan")) == expected
     if family == "deepseek_v32":  # the sparse latent kernel (interpreted; GLM-5's attention is V3.2's)
-        assert _greedy(_engine(cfg, params, "scan", backend="pallas_interpret")) == expected
+        assert _greedy(tiny_engine(cfg, params, "scan", backend="pallas_interpret")) == expected
 
 
 @pytest.mark.parametrize("tiny_dsa", ["deepseek_v32"], indirect=True)  # (GLM-5's sparse attention is V3.2's)

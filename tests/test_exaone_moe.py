@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -17,7 +16,13 @@ pytest.importorskip("transformers")
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.loader import HFDirectory, load_params  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
-from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    assert_written_back,
+    hf_logits,
+    random_prompt,
+    rel_err,
+    save_tiny_hf,
+)
 
 TINY = dict(num_hidden_layers=5, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
             num_shared_experts=1, n_group=2, topk_group=1, sliding_window=8, sliding_window_pattern=4,
@@ -54,33 +59,15 @@ def test_exaone_moe_logits_match_transformers(tiny):
 
 
 def test_exaone_moe_checkpoint_written_back_reads_the_same(tiny):
-    from safetensors.numpy import load_file
-
-    from jaxserve.loader.keymap import hf_tensors
-    from jaxserve.models.params import param_paths
-
     path, _, cfg, params = tiny
-    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
-    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
-    assert set(written) == set(saved)
-    for name, t in written.items():
-        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    assert_written_back(path, cfg, params)
 
 
 def test_exaone_moe_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
     layers stacked (the dense layer, then the MoE stack in groups of four)."""
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.model_loading import LoadedModel
-    from jaxserve.engine_args import EngineArgs
-    from jaxserve.models.inputs import KVCache
-    from tests.fake_model import fake_tokenizer
+    from tests.modelrun import tiny_engine
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
 
     _, model, cfg, params = tiny
-    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8, layer_loop="scan",
-                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
-                      num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None)
-    assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected
+    assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]

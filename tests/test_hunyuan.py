@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -16,7 +15,13 @@ pytest.importorskip("transformers")
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.loader import HFDirectory, load_params  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
-from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    assert_written_back,
+    hf_logits,
+    random_prompt,
+    rel_err,
+    save_tiny_hf,
+)
 
 ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
 FAMILIES = {"hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
@@ -61,33 +66,15 @@ def test_hunyuan_logits_match_transformers(tiny):
 
 def test_hunyuan_checkpoint_written_back_reads_the_same(tiny):
     """Our parameters as an HF checkpoint (under Hunyuan's own module names) equal the checkpoint's tensors."""
-    from safetensors.numpy import load_file
-
-    from jaxserve.loader.keymap import hf_tensors
-    from jaxserve.models.params import param_paths
-
     _, path, _, cfg, params = tiny
-    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
-    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
-    assert set(written) == set(saved)
-    for name, t in written.items():
-        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    assert_written_back(path, cfg, params)
 
 
 @pytest.mark.parametrize("tiny", ["hunyuan_v1_moe"], indirect=True)
 def test_hunyuan_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step, then decoded together."""
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.model_loading import LoadedModel
-    from jaxserve.engine_args import EngineArgs
-    from jaxserve.models.inputs import KVCache
-    from tests.fake_model import fake_tokenizer
+    from tests.modelrun import tiny_engine
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
 
     _, _, model, cfg, params = tiny
-    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
-                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
-                      dtype="float32", warmup=False, compile_cache_dir=None)
-    assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected
+    assert _greedy(tiny_engine(cfg, params)) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]

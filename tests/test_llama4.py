@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -19,9 +18,14 @@ pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from jaxserve.loader import HFDirectory, load_params  # noqa: E402
-from jaxserve.models.inputs import KVCache  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
-from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    assert_written_back,
+    hf_logits,
+    random_prompt,
+    rel_err,
+    save_tiny_hf,
+)
 
 TINY = dict(intermediate_size=24, intermediate_size_mlp=48, num_hidden_layers=4, head_dim=16, num_local_experts=4,
             num_experts_per_tok=2, attention_chunk_size=8, floor_scale=8, attn_scale=0.1, use_qk_norm=True,
@@ -68,35 +72,18 @@ def test_llama4_logits_match_transformers(tiny):
 def test_llama4_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step (across chunks of 8), then decoded together, on the
     xla attention backend and on the Pallas kernels."""
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.model_loading import LoadedModel
-    from jaxserve.engine_args import EngineArgs
-    from tests.fake_model import fake_tokenizer
+    from tests.modelrun import tiny_engine
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
 
     _, model, cfg, params = tiny
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
-                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
-                      dtype="float32", warmup=False, compile_cache_dir=None)
-    assert _greedy(LLMEngine(args, loaded=loaded, progress=False)) == expected
+    assert _greedy(tiny_engine(cfg, params)) == expected
     # The Pallas kernel (interpreted) walks and masks the chunks too.
-    pallas = LLMEngine(dataclasses.replace(args, attention_backend="pallas_interpret"), loaded=loaded, progress=False)
-    assert _greedy(pallas) == expected
+    assert _greedy(tiny_engine(cfg, params, backend="pallas_interpret")) == expected
 
 
 def test_llama4_checkpoint_written_back_reads_the_same(tiny):
     """Our parameters as an HF checkpoint (rotary rows interleaved again, experts packed input-major under
     `feed_forward`) equal the checkpoint's own tensors."""
-    from safetensors.numpy import load_file
-
-    from jaxserve.loader.keymap import hf_tensors
-    from jaxserve.models.params import param_paths
-
     path, _, cfg, params = tiny
-    saved = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
-    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
-    assert set(written) == set(saved)
-    for name, t in written.items():
-        np.testing.assert_array_equal(t, saved[name], err_msg=name)
+    assert_written_back(path, cfg, params)

@@ -18,17 +18,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
-from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
-from jaxserve.engine.model_loading import LoadedModel  # noqa: E402
-from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.loader import HFDirectory, load_params  # noqa: E402
 from jaxserve.loader.assembler import WeightAssembler  # noqa: E402
 from jaxserve.loader.keymap import hf_tensors  # noqa: E402
 from jaxserve.models.inputs import KVCache  # noqa: E402
 from jaxserve.models.params import param_paths  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from tests.fake_model import fake_tokenizer  # noqa: E402
-from tests.modelrun import drain, prompt_logits  # noqa: E402
+from tests.modelrun import drain, prompt_logits, tiny_engine  # noqa: E402
 from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
 
 REL_TOL = 1e-4
@@ -116,15 +112,6 @@ def test_mla_checkpoint_written_back_reads_the_same(tiny_mla):
         np.testing.assert_array_equal(np.asarray(value), host[path], err_msg=path)
 
 
-def _engine(cfg, params, loop: str, prefix_caching: bool = False, backend: str = "auto") -> LLMEngine:
-    loaded = LoadedModel("tiny", cfg.family, cfg, params, fake_tokenizer(), jnp.float32, 0.0)
-    args = EngineArgs(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, page_size=8,
-                      kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32), num_scheduler_steps=4,
-                      dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop,
-                      enable_prefix_caching=prefix_caching)
-    return LLMEngine(args, loaded=loaded, progress=False)
-
-
 def test_mla_engine_greedy_equals_transformers(tiny_mla):
     """Chunked prefill (21 tokens: 16 + 5) and batched decode, layers unrolled (V2) and scanned (V3):
     transformers' tokens."""
@@ -133,7 +120,7 @@ def test_mla_engine_greedy_equals_transformers(tiny_mla):
     family, _, model, cfg, params = tiny_mla
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     loop = "unroll" if family == "deepseek_v2" else "scan"  # (the dense first layer, then the MoE ones: 2 stacks)
-    engine = _engine(cfg, params, loop)
+    engine = tiny_engine(cfg, params, loop)
     assert isinstance(engine.runner.params.layers, tuple) is (loop == "unroll")
     assert _greedy(engine) == expected
 
@@ -150,7 +137,7 @@ def test_mla_engine_on_the_latent_kernel(tiny_mla, monkeypatch):
     kernel = latent.latent_paged_attention
     monkeypatch.setattr(latent, "latent_paged_attention", lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(cfg, params, "unroll" if family == "deepseek_v2" else "scan", backend="pallas_interpret")
+    engine = tiny_engine(cfg, params, "unroll" if family == "deepseek_v2" else "scan", backend="pallas_interpret")
     assert _greedy(engine) == expected
     assert traced, "the steps did not go through the latent attention kernel"
 
@@ -173,11 +160,11 @@ def prefix_hit_equals_miss(cfg, params) -> None:
         engine.add_request(rid, prompt, greedy)
         return drain(engine)[rid]
 
-    warm = _engine(cfg, params, "unroll", prefix_caching=True)
+    warm = tiny_engine(cfg, params, "unroll", prefix_caching=True)
     run(warm, "a", first)
     hit = run(warm, "b", second)
     assert hit.metrics.num_cached_tokens == 16
-    miss = run(_engine(cfg, params, "unroll"), "b", second)
+    miss = run(tiny_engine(cfg, params, "unroll"), "b", second)
     assert miss.metrics.num_cached_tokens == 0
     assert list(hit.outputs[0].token_ids) == list(miss.outputs[0].token_ids)
 

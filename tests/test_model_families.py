@@ -7,6 +7,7 @@ with `save_pretrained`, read back through our safetensors loader and compared lo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,6 +73,20 @@ def ours_logits(path, ids: list[int]) -> tuple[np.ndarray, object]:
     cfg = ckpt.config()
     params = load_params(ckpt, cfg, jnp.float32, progress=False)
     return prompt_logits(cfg, params, ids), cfg
+
+
+def assert_written_back(path, cfg, params) -> None:
+    """Our parameters as an HF checkpoint (`keymap.hf_tensors`) are the tensors of the checkpoint at `path`, exactly."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader.keymap import hf_tensors
+    from jaxserve.models.params import param_paths
+
+    saved = {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+    written = dict(hf_tensors(cfg, {k: np.asarray(v) for k, v in param_paths(params).items()}))
+    assert set(written) == set(saved)
+    for name, t in written.items():
+        np.testing.assert_array_equal(t, saved[name], err_msg=name)
 
 
 def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
