@@ -303,7 +303,7 @@ def test_config_and_refusals(tiny, tmp_path):
         LLMEngine(EngineArgs(model=bare, speculative_config=SPEC, **ARGS), progress=False)
     llama = str(tmp_path / "llama")
     save_tiny_hf("LlamaConfig", llama)
-    with pytest.raises(ValueError, match="jaxserve reads for DeepSeek-V3, GLM-4.5, .* checkpoints; llama.s are not read"):
+    with pytest.raises(ValueError, match="jaxserve reads for DeepSeek-V3 and V3.2, GLM-4.5, .* checkpoints; llama.s are not read"):
         LLMEngine(EngineArgs(model=_with_tokenizer(llama), speculative_config=SPEC, **ARGS), progress=False)
 
 
