@@ -16,6 +16,7 @@ from pallas_kernels.ragged_attention_args import quantize_kv
 from pallas_kernels.sparse_latent_attention import sparse_latent_attention, sparse_latent_attention_reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}
+INTERPRET = jax.default_backend() == "cpu"  # (on a GPU: the compiled kernel, bench/gpu_check.sh)
 
 
 def _case(rng, *, tokens=7, q_heads=8, kv_heads=1, value_dim=32, rope_dim=16, extra=16, topk=20, page_size=8,
@@ -74,7 +75,7 @@ def test_kernel_matches_reference_and_oracle(case, tuning):
     want = _oracle(q, pages, slots, lens, key_dim, value_dim, 0.2)
     tol = TOL[jnp.dtype(q.dtype).type]
     np.testing.assert_allclose(np.asarray(ref, np.float32), want, atol=tol, rtol=tol)
-    got = sparse_latent_attention(q, pages, slots, lens, **kw, interpret=True, tuning=tuning)
+    got = sparse_latent_attention(q, pages, slots, lens, **kw, interpret=INTERPRET, tuning=tuning)
     got = np.asarray(got.astype(jnp.float32))
     assert np.isfinite(got).all(), "a stale slot's NaN reached the output"
     np.testing.assert_allclose(got, np.asarray(ref, np.float32), atol=tol, rtol=tol)
@@ -86,8 +87,8 @@ def test_three_dim_pages_are_one_kv_head():
     q, pages, slots, lens, key_dim, value_dim = _case(rng)
     kw = dict(key_dim=key_dim, value_dim=value_dim, sm_scale=0.2)
     np.testing.assert_array_equal(
-        np.asarray(sparse_latent_attention(q, pages[:, :, 0], slots, lens, **kw, interpret=True)),
-        np.asarray(sparse_latent_attention(q, pages, slots, lens, **kw, interpret=True)))
+        np.asarray(sparse_latent_attention(q, pages[:, :, 0], slots, lens, **kw, interpret=INTERPRET)),
+        np.asarray(sparse_latent_attention(q, pages, slots, lens, **kw, interpret=INTERPRET)))
 
 
 def test_refusals():
@@ -114,7 +115,7 @@ def test_kernel_under_jit_with_traced_counts():
     rng = np.random.default_rng(5)
     q, pages, slots, lens, key_dim, value_dim = _case(rng)
     fn = jax.jit(lambda *a: sparse_latent_attention(*a, key_dim=key_dim, value_dim=value_dim, sm_scale=0.2,
-                                                    interpret=True))
+                                                    interpret=INTERPRET))
     for n in (lens, jnp.minimum(lens, 3)):
         want = sparse_latent_attention_reference(q, pages, slots, n, key_dim=key_dim, value_dim=value_dim,
                                                  sm_scale=0.2)
