@@ -375,6 +375,10 @@ MOE = {  # (HF config class and overrides, llama.cpp's architecture)
                                     "n_shared_experts": 1, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                                     "routed_scaling_factor": 2.5, "attention_bias": True, "num_hidden_layers": 3,
                                     "head_dim": 16}), "glm4moe"),
+    # MiniMax-M2: q and k normed over all their heads, half of each head rotated (`rope.dimension_count`), sigmoid
+    # scores with a bias for choosing (`exp_probs_b`), experts as wide as the MLP under Mixtral's names
+    "minimax_m2": (("MiniMaxM2Config", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                        "head_dim": 16, "rotary_dim": 8}), "minimax-m2"),
     # OLMoE: q and k normed over all heads, the top-k weights not renormalized (nothing in the file says so)
     "olmoe": (("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
@@ -401,6 +405,9 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
         w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size and arch != "glm4moe":
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    if arch == "minimax-m2":  # (as llama.cpp's converter writes MiniMax-M2's: its rotary dims, sigmoid gating)
+        w.add_uint32(f"{arch}.rope.dimension_count", cfg.rotary_dim)
+        w.add_uint32(f"{arch}.expert_gating_func", 2)
     if arch == "glm4moe":  # (as llama.cpp's converter writes GLM-4.5's)
         for key, value in (("expert_shared_count", cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size),
                            ("leading_dense_block_count", cfg.first_dense_layers), ("expert_group_count", cfg.expert_groups),

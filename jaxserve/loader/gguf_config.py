@@ -40,7 +40,7 @@ _GEMMA = ("gemma2", "gemma3")
 _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
             "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
-            "glm-dsa": "GlmMoeDsaForCausalLM",
+            "glm-dsa": "GlmMoeDsaForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM",
             "exaone4": "Exaone4ForCausalLM", "command-r": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM",
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
@@ -142,6 +142,10 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = lfm2_gguf_hf(meta, arch, get, d, kv_heads, tensor_names)
         if arch in QWEN3_NEXT_GGUF:
             d = qwen3_next_gguf_hf(meta, arch, get, d)
+        if arch == "minimax-m2":  # its experts as wide as the MLP (Mixtral's names); the routing the file names
+            gating = {1: "softmax", 2: "sigmoid"}.get(int(meta.get(f"{arch}.expert_gating_func") or 2), "other")
+            d.update(scoring_func=gating, use_routing_bias="blk.0.exp_probs_b.bias" in tensor_names,
+                     intermediate_size=d["moe_intermediate_size"])
         if arch == "granitemoe":  # Granite's scalars; a shared MLP beside the experts (GraniteMoeShared's) by its width
             shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
             d.update(granite_scalars(meta, arch), shared_intermediate_size=shared,

@@ -119,14 +119,17 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
     if cfg.num_experts and m:
         layer, rest = m.groups()
-        fused = cfg.family in ("mixtral", *GRANITE_MOE_FAMILIES)  # (Mixtral's names: Granite's experts split so)
+        fused = cfg.family in ("mixtral", "minimax_m2", *GRANITE_MOE_FAMILIES)  # (Mixtral's names: Granite's experts
+        # split so)
         prefix = f"model.layers.{layer}.{'block_sparse_moe' if fused else 'mlp'}"
         stacked, single = _EXPERTS_RE.match(rest), _ONE_EXPERT_RE.match(rest)
         if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
             yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
             return
-        if rest == "exp_probs_b.bias":  # the bias choosing experts (DeepSeek-V3's, GLM-4.5's, ERNIE's [1, X])
-            yield f"{prefix}.{'moe_statics' if cfg.family == 'ernie4_5_moe' else 'gate'}.e_score_correction_bias", arr
+        if rest == "exp_probs_b.bias":  # the bias choosing experts (DeepSeek-V3's, GLM-4.5's, ERNIE's [1, X];
+            # MiniMax-M2's beside its router)
+            beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": ""}.get(cfg.family, "gate.")
+            yield f"{prefix}.{beside}e_score_correction_bias", arr
             return
         if stacked or single:
             kind = _EXPERT_KINDS[(stacked or single).group(1)][fused]
