@@ -42,8 +42,13 @@ def hunyuan_config(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hunyuan_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """Hunyuan-A13B's experts (see the module doc)."""
-    return dict(num_experts=int(d.get("num_experts") or 1), num_experts_per_tok=int(d.get("moe_topk") or 1),
+    """Hunyuan-A13B's experts (see the module doc; a GGUF file's top-k as `num_experts_per_tok`)."""
+    width = d.get("moe_intermediate_size")
+    if width is not None and int(width) != int(d["intermediate_size"]):
+        raise UnsupportedModelError(f"Hunyuan with experts {width} wide beside an MLP {d['intermediate_size']} wide is "
+                                    "not supported (transformers gives its experts the MLP's width)")
+    return dict(num_experts=int(d.get("num_experts") or 1),
+                num_experts_per_tok=int(d.get("moe_topk") or d.get("num_experts_per_tok") or 1),
                 moe_intermediate_size=int(d["intermediate_size"]), norm_topk_prob=True,
                 shared_expert_intermediate_size=int(d["intermediate_size"]))
 

@@ -63,7 +63,7 @@ _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe", "falcon3"
 _GLM4_PRE = ("glm4", "chatglm-bpe")
 # o200k's split under MiniMax-M2's name.
 _GPT4O_PRE = ("gpt-4o", "minimax-m2")
-_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen")
+_QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "hunyuan")
 # DeepSeek's splits, each splitting the pieces the ones before it left (llama.cpp's `llm_tokenizer_bpe`; DeepSeek-V3's
 # tokenizer.json has the same three), written with their non-ASCII characters as escapes.
 _DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
@@ -104,7 +104,7 @@ _DEEPSEEK_SPLITS: dict[str, tuple[str, ...]] = {
 _GPT2_PRE = ("gpt-2", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling")
 _SMOLLM_PRE = ("smollm", "command-r", "exaone", "starcoder", "refact", "codeshell", "minerva-7b")
 SUPPORTED_GGUF_PRE = (*_GPT2_PRE, *_SMOLLM_PRE, *_LLAMA3_PRE, *_GLM4_PRE, *_QWEN2_PRE, "qwen35", "tekken",
-                      *_GPT4O_PRE, *_DEEPSEEK_SPLITS, "kimi-k2")
+                      *_GPT4O_PRE, *_DEEPSEEK_SPLITS, "hunyuan-dense", "kimi-k2")
 
 
 @dataclass(frozen=True)
@@ -341,8 +341,8 @@ def _byte_level_stages(pre: str) -> tuple[Any, Any, bool]:
         return None, _split_then_bytes(_LLAMA3_SPLIT), True
     if pre in _QWEN2_PRE or pre == "qwen35":  # (NFC, as their tokenizer.json files have it)
         return normalizers.NFC(), _split_then_bytes(_QWEN35_SPLIT if pre == "qwen35" else _QWEN2_SPLIT), False
-    if pre in _DEEPSEEK_SPLITS:
-        return None, _split_then_bytes(*_DEEPSEEK_SPLITS[pre]), False
+    if pre in _DEEPSEEK_SPLITS or pre == "hunyuan-dense":  # (Hunyuan's dense models: DeepSeek-V3's splits)
+        return None, _split_then_bytes(*_DEEPSEEK_SPLITS.get(pre, _DEEPSEEK_SPLITS["deepseek-v3"])), False
     if pre == "kimi-k2":  # Moonshot's split (llama.cpp's hand-written K2 handler); whole pieces looked up first, as
         return None, _split_then_bytes(KIMI_PATTERN), True  # tiktoken, Kimi's own tokenizer, does
     raise ValueError(

@@ -419,7 +419,9 @@ def _write_moe_gguf(path, hf_dir, arch: str, stacked: bool = True) -> str:
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    tensors = dict(ckpt.tensors(cfg))
+    from jaxserve.loader.family_names import family_name
+
+    tensors = {family_name(k, cfg): v for k, v in ckpt.tensors(cfg)}  # (Hunyuan's modules under the names read)
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     shared = {"shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
               "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp",
@@ -484,6 +486,28 @@ def test_moe_gguf_logits_equal_the_hf_model(tmp_path, family):
         assert cfg.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)  # GGUF stores it in float32
         assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps) == want
         np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+@pytest.mark.parametrize("family,arch,extra", [("hunyuan_v1_dense", "hunyuan-dense", {}),
+                                               ("hunyuan_v1_moe", "hunyuan-moe", {"num_experts": 4, "moe_topk": 2})])
+def test_hunyuan_gguf_logits_equal_the_hf_model(tmp_path, family, arch, extra):
+    """Hunyuan's files as llama.cpp's converter writes them (the NTK-alpha base folded into `rope.freq_base`; the
+    q/k norms, router and shared MLP under llama.cpp's names; the experts' top-k as `expert_used_count`): the HF
+    model's config and logits."""
+    from jaxserve.loader import HFDirectory
+    from tests.test_hunyuan import FAMILIES, ROPE
+    from tests.test_model_families import save_tiny_hf
+
+    model = save_tiny_hf(FAMILIES[family][0], tmp_path / "hf", head_dim=16, rope_parameters=ROPE, **extra)
+    want = HFDirectory(str(tmp_path / "hf")).config()
+    ids = np.random.default_rng(5).integers(0, want.vocab_size, 24).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    path = _write_moe_gguf(tmp_path / f"{family}.gguf", tmp_path / "hf", arch)
+    cfg = open_checkpoint(path).config()
+    assert dataclasses.replace(cfg, rms_norm_eps=want.rms_norm_eps, rope_theta=want.rope_theta) == want
+    assert cfg.rope_theta == pytest.approx(want.rope_theta, rel=1e-6)  # (the file's float32)
+    np.testing.assert_allclose(_ours(path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
 def test_granite_gguf_logits_equal_the_hf_model(tmp_path):

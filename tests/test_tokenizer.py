@@ -380,10 +380,11 @@ def test_deepseek_pre_tokenizers_split_as_their_regexes(tmp_path, pre):
 @pytest.mark.parametrize("pre,same_as,twelve", [
     ("command-r", "smollm", ["Ġ", "1", "2"]), ("exaone", "smollm", ["Ġ", "1", "2"]), ("exaone4", "gpt-2", ["Ġ12"]),
     ("glm4", "llama-bpe", ["Ġ", "12"]), ("chatglm-bpe", "llama-bpe", ["Ġ", "12"]), ("minimax-m2", "gpt-4o", ["Ġ", "12"]),
+    ("hunyuan", "qwen2", ["Ġ", "1", "2"]), ("hunyuan-dense", "deepseek-v3", ["Ġ", "12"]),
 ])
 def test_pre_tokenizers_under_other_names_split_as_theirs(tmp_path, pre, same_as, twelve):
     """Command R's and EXAONE 3's files name SmolLM's split (each digit apart, then GPT-2's), EXAONE 4's GPT-2's,
-    GLM-4's Llama 3's, MiniMax-M2's o200k's."""
+    GLM-4's Llama 3's, MiniMax-M2's o200k's, Hunyuan-A13B's Qwen2's, Hunyuan's dense models' DeepSeek-V3's."""
     ours = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "a.gguf", pre=pre, add_bos=True))
     theirs = Tokenizer.from_gguf(_tiny_gguf(tmp_path / "b.gguf", pre=same_as))
     text = "I'm 12345 ok\n\nyes, x=a/b  end"
