@@ -93,6 +93,7 @@ class ModelConfig:
     expert_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     first_dense_layers: int = 0  # the first layers' MLP is dense, `intermediate_size` wide (`Params.dense_layers`)
+    moe_layer_step: int = 1  # Llama 4 Maverick's: only every `moe_layer_step`-th layer has experts, the others dense
     # gpt-oss's experts: biased, and a clamped SwiGLU, (min(up, limit) clipped both ways + 1) * g * sigmoid(alpha * g)
     # for g = min(gate, limit); None: SiLU(gate) * up.
     swiglu_limit: float | None = None
@@ -219,6 +220,23 @@ class ModelConfig:
     def uniform_layers(self) -> bool:
         """Whether every layer attends alike (else the window and rotary tables differ by layer: `layer_kind`)."""
         return self.layer_period == 1
+
+    def dense_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is dense in a MoE model (its weights in `Params.dense_layers`): the first
+        `first_dense_layers`, or all but every `moe_layer_step`-th."""
+        return layer < self.first_dense_layers or (self.moe_layer_step > 1 and (layer + 1) % self.moe_layer_step != 0)
+
+    @property
+    def num_dense_layers(self) -> int:
+        """How many layers `Params.dense_layers` stacks."""
+        return sum(self.dense_layer(i) for i in range(self.num_layers)) if self.num_experts else 0
+
+    def stack_index(self, layer, dense: bool):
+        """`layer`'s row in its stack (`Params.dense_layers` when `dense`, else `Params.layers`); `layer` an int or
+        traced, `dense` what `dense_layer` says of it."""
+        if self.moe_layer_step > 1:  # (experts at layers step - 1, 2 step - 1, ...: layer // step before `layer`)
+            return layer - layer // self.moe_layer_step if dense else layer // self.moe_layer_step
+        return layer if dense else layer - self.first_dense_layers
 
     @property
     def layer_period(self) -> int:

@@ -293,6 +293,9 @@ def check_moe(cfg: Any) -> None:
     if not 0 <= cfg.first_dense_layers < cfg.num_layers or (cfg.first_dense_layers and not cfg.num_experts):
         raise UnsupportedModelError(f"first_dense_layers ({cfg.first_dense_layers}) must leave a MoE layer of the "
                                     f"{cfg.num_layers} (and the model must have experts)")
+    if cfg.moe_layer_step > 1 and (not cfg.num_experts or cfg.first_dense_layers or cfg.mamba is not None):
+        raise UnsupportedModelError(f"experts every {cfg.moe_layer_step} layers need a MoE model without dense first "
+                                    "layers or Mamba layers")
     groups, top = cfg.expert_groups, cfg.expert_topk_groups
     if cfg.router_scoring not in ("softmax", "sigmoid"):
         raise UnsupportedModelError(f"router_scoring must be 'softmax' or 'sigmoid', got {cfg.router_scoring!r}")

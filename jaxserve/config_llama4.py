@@ -4,10 +4,10 @@
 Three of four layers turn queries and keys by position (complex rotary pairs, read half-split as GLM's), norm them
 after the rotation with no weight (`use_qk_norm`) and attend within chunks of `attention_chunk_size` positions
 (`ModelConfig.attention_chunk`); the fourth (NoPE) attends to everything, its queries scaled up by position
-(temperature tuning: 1 + attn_scale * log(1 + floor((position + 1) / floor_scale))). Every layer has experts: the
-router's top-k, weighted by the sigmoid of its logit, weigh each chosen expert's input (not its output), beside a
-shared expert; experts packed input-major (`gate_up_proj` [X, E, 2F]). Maverick's dense layers between the MoE ones
-are refused by name.
+(temperature tuning: 1 + attn_scale * log(1 + floor((position + 1) / floor_scale))). Scout's every layer has experts,
+Maverick's every second (`interleave_moe_layer_step`: `ModelConfig.moe_layer_step`), the others a dense MLP of
+`intermediate_size_mlp`: the router's top-k, weighted by the sigmoid of its logit, weigh each chosen expert's input
+(not its output), beside a shared expert; experts packed input-major (`gate_up_proj` [X, E, 2F]).
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ def is_llama4(d: dict[str, Any]) -> bool:
 
 
 def llama4_text(d: dict[str, Any]) -> dict[str, Any]:
-    """Llama 4's image-text config as its language model's (`text_config`; its vision tower is not read); any other
-    config as it is."""
+    """Llama 4's image-text config as its language model's (`text_config`; its vision tower is not read), and with
+    dense layers between its MoE ones (Maverick's) `intermediate_size` the dense MLPs' (`intermediate_size_mlp`), the
+    experts' kept as `expert_intermediate_size`; any other config as it is."""
     if "Llama4ForConditionalGeneration" in (d.get("architectures") or []) or d.get("model_type") == "llama4":
-        return {**(d.get("text_config") or {}), "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
-                "tie_word_embeddings": bool(d.get("tie_word_embeddings", False))}
+        d = {**(d.get("text_config") or {}), "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+             "tie_word_embeddings": bool(d.get("tie_word_embeddings", False))}
+    if is_llama4(d) and int(d.get("interleave_moe_layer_step", 1)) > 1 and "expert_intermediate_size" not in d:
+        d = {**d, "intermediate_size": int(d.get("intermediate_size_mlp", 16384)),
+             "expert_intermediate_size": int(d.get("intermediate_size", 8192))}
     return d
 
 
@@ -43,14 +47,14 @@ def llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
     step = int(d.get("interleave_moe_layer_step", 1))
     moe = d.get("moe_layers")
     moe = list(range(step - 1, n, step)) if moe is None else list(moe)
-    if sorted(moe) != list(range(n)):
-        raise UnsupportedModelError(f"Llama 4 with dense layers between its MoE layers (moe_layers {moe}, "
-                                    f"interleave_moe_layer_step {step}: Maverick's) is not supported")
+    if step < 1 or sorted(moe) != list(range(step - 1, n, step)):
+        raise UnsupportedModelError(f"Llama 4 with MoE layers {moe} is not supported: every "
+                                    f"interleave_moe_layer_step-th ({step}) layer, the others dense")
     rope = no_rope_layers(d)
     chunk = d.get("attention_chunk_size")
     fields: dict[str, Any] = dict(layer_types=tuple("chunked_attention" if r and chunk else "full_attention"
                                                     for r in rope), attention_chunk=int(chunk) if chunk else None,
-                                  rope_qk_norm=bool(d.get("use_qk_norm", True)))
+                                  rope_qk_norm=bool(d.get("use_qk_norm", True)), moe_layer_step=step)
     if d.get("attn_temperature_tuning", True):
         fields.update(query_scale_beta=float(d.get("attn_scale", 0.1)),
                       query_scale_length=int(d.get("floor_scale", 8192)))
@@ -59,7 +63,7 @@ def llama4_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 def llama4_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     """Its experts: as wide as `intermediate_size`, as is its shared expert; chosen by sigmoid scores, unnormalized."""
-    width = int(d.get("intermediate_size", 8192))
+    width = int(d.get("expert_intermediate_size") or d.get("intermediate_size", 8192))
     return dict(num_experts=int(d.get("num_local_experts", 16)), num_experts_per_tok=int(d.get("num_experts_per_tok", 1)),
                 moe_intermediate_size=width, shared_expert_intermediate_size=width, router_scoring="sigmoid",
                 norm_topk_prob=False)
@@ -70,7 +74,7 @@ def llama4_hf(cfg: Any) -> dict[str, Any]:
     d: dict[str, Any] = dict(
         num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
         intermediate_size=cfg.moe_intermediate_size, intermediate_size_mlp=cfg.intermediate_size,
-        interleave_moe_layer_step=1, no_rope_layers=list(cfg.no_rope_layers or (1,) * cfg.num_layers),
+        interleave_moe_layer_step=cfg.moe_layer_step, no_rope_layers=list(cfg.no_rope_layers or (1,) * cfg.num_layers),
         attention_chunk_size=cfg.attention_chunk, use_qk_norm=cfg.rope_qk_norm,
         attn_temperature_tuning=bool(cfg.query_scale_beta), attention_bias=False)
     if cfg.query_scale_beta:

@@ -53,8 +53,8 @@ def test_llama4_config(tiny):
     image_text = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
                   "text_config": model.config.to_dict(), "vision_config": {"hidden_size": 32}}
     assert ModelConfig.from_hf(image_text) == cfg
-    with pytest.raises(UnsupportedModelError, match="dense layers between its MoE layers"):
-        ModelConfig.from_hf({**model.config.to_dict(), "interleave_moe_layer_step": 2, "moe_layers": None})
+    with pytest.raises(UnsupportedModelError, match="MoE layers \\[0, 2, 3\\] is not supported"):
+        ModelConfig.from_hf({**model.config.to_dict(), "moe_layers": [0, 2, 3]})
 
 
 def test_llama4_logits_match_transformers(tiny):
@@ -87,3 +87,27 @@ def test_llama4_checkpoint_written_back_reads_the_same(tiny):
     `feed_forward`) equal the checkpoint's own tensors."""
     path, _, cfg, params = tiny
     assert_written_back(path, cfg, params)
+
+
+def test_llama4_maverick_layers_match_transformers(tmp_path):
+    """Maverick's layout: experts in every second layer (`interleave_moe_layer_step` 2), the others a dense MLP of
+    `intermediate_size_mlp`, with Scout's rotated, chunked and NoPE layers: logits stacked (a loop over groups of 4
+    layers, each from its own stack) and unrolled (the layers in order), the engine's greedy tokens, the checkpoint
+    and config written back."""
+    from jaxserve.models.params import unstack_layers
+    from tests.modelrun import tiny_engine
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    model = save_tiny_hf("Llama4TextConfig", tmp_path, **{**TINY, "interleave_moe_layer_step": 2})
+    ckpt = HFDirectory(tmp_path)
+    cfg = ckpt.config()
+    assert (cfg.moe_layer_step, cfg.num_dense_layers, cfg.intermediate_size, cfg.moe_intermediate_size) == (2, 2, 48, 24)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    assert params.dense_layers.w_gate.shape == (2, 64, 48) and params.layers.router.shape[0] == 2
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
+    assert rel_err(prompt_logits(cfg, unstack_layers(params, cfg=cfg), ids), ref) < 1e-4
+    assert_written_back(tmp_path, cfg, params)
+    assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]

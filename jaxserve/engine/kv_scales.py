@@ -104,11 +104,11 @@ def with_kv_scales(loaded: LoadedModel, k_scale: np.ndarray, v_scale: np.ndarray
     if isinstance(layers, tuple):  # per-layer params (`unstack_layers`)
         layers = tuple(dataclasses.replace(lp, k_scale=place(k_scale[i]), v_scale=place(v_scale[i]))
                        for i, lp in enumerate(layers))
-    else:  # stacked: a model's dense first layers apart (`Params.dense_layers`)
-        k = cfg.first_dense_layers
-        layers = dataclasses.replace(layers, k_scale=place(k_scale[k:]), v_scale=place(v_scale[k:]))
+    else:  # stacked: a MoE model's dense layers apart (`Params.dense_layers`: its first ones, or Llama 4 Maverick's)
+        rows = np.array([dense is not None and cfg.dense_layer(i) for i in range(cfg.num_layers)])
+        layers = dataclasses.replace(layers, k_scale=place(k_scale[~rows]), v_scale=place(v_scale[~rows]))
         if dense is not None:
-            dense = dataclasses.replace(dense, k_scale=place(k_scale[:k]), v_scale=place(v_scale[:k]))
+            dense = dataclasses.replace(dense, k_scale=place(k_scale[rows]), v_scale=place(v_scale[rows]))
     params = dataclasses.replace(loaded.params, layers=layers, dense_layers=dense)
     return dataclasses.replace(loaded, config=cfg, params=params, plan=plan)
 

@@ -267,7 +267,8 @@ class ModelRunner:
     def layout(self, params: Params) -> Params:
         """Loaded weights in the layout the steps take: per layer with the "unroll" layer loop (fused
         projections only where no sharding would have to be split across them), else as they are."""
-        return unstack_layers(params, fuse=not self._sharded) if self.cfg.layer_loop == "unroll" else params
+        return unstack_layers(params, fuse=not self._sharded, cfg=self.model_cfg) if self.cfg.layer_loop == "unroll" \
+            else params
 
     # -- compile accounting ------------------------------------------------------------------------
 

@@ -282,7 +282,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             if cfg.family in ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "dots1", *DSA_FAMILIES):  # (MTP: not read)
                 return None
             raise CheckpointError(f"tensor {name!r} names layer {layer}, but the model has {cfg.num_layers} layers")
-        dense = layer < cfg.first_dense_layers
+        dense = cfg.dense_layer(layer)
         if cfg.hidden_act == "xielu" and rest in _XIELU:  # its four scalars: one row of `layers.xielu` a layer
             column, shape = _XIELU[rest]
             return Target("layers.xielu", layer, lambda w: w.reshape(()), shape, column)
@@ -293,9 +293,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                 return Target(spec[0], spec[3], spec[1], spec[2], cols=spec[4] if len(spec) > 4 else None)
         if spec is not None:
             path, transform, shape = spec
-            if dense:
-                return Target("dense_" + path, layer, transform, shape)
-            return Target(path, layer - cfg.first_dense_layers, transform, shape)
+            return Target(("dense_" if dense else "") + path, cfg.stack_index(layer, dense), transform, shape)
         e = _EXPERT_RE.match(rest) if cfg.num_experts and not dense else None
         if e and e.group(1) == _moe_module(cfg):
             expert, kind = int(e.group(2)), e.group(3)
@@ -304,7 +302,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                                       f"{cfg.num_experts} experts")
             if kind in _expert_targets(cfg):
                 path, shape = _expert_targets(cfg)[kind]
-                spec = (path, lambda w: w.T, shape, layer - cfg.first_dense_layers)
+                spec = (path, lambda w: w.T, shape, cfg.stack_index(layer, False))
                 spec = spec if cfg.mamba is None else hybrid_spec(cfg, layer, rest, spec[:3])  # (a hybrid's MLPs apart)
                 if spec is not None:
                     return Target(spec[0], spec[3], spec[1], spec[2], expert)
@@ -322,7 +320,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
-        dense = i < cfg.first_dense_layers
+        dense = cfg.dense_layer(i)
         rests = list(_layer_targets(cfg, dense))
         names.extend(f"model.layers.{i}.{rest}" for rest in (
             rests if cfg.mamba is None else hybrid_layer_names(cfg, i, rests)))

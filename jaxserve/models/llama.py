@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -342,19 +343,22 @@ def forward(
             cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype, False,
             mixer=mixer)[0], chunked=backend != "xla", keep=kept.keep)
         kv = dataclasses.replace(kv, conv=conv, ssm=ssm)
-    elif cfg.uniform_layers:
+    elif cfg.uniform_layers and cfg.moe_layer_step == 1:
         first = 0
         if params.dense_layers is not None:  # dense first layers, then the MoE ones
             first = cfg.first_dense_layers
             carry, _ = jax.lax.scan(step, carry, (params.dense_layers, jnp.arange(first, dtype=jnp.int32)))
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(first, L, dtype=jnp.int32)))
-    else:  # stacked layers that attend differently (Gemma, SmolLM3): a loop over the repeating groups of layers
-        period = cfg.layer_period
+    else:  # stacked layers that attend differently (Gemma, SmolLM3) or alternate dense and MoE MLPs (Llama 4
+        # Maverick): a loop over the repeating groups of layers
+        period = math.lcm(cfg.layer_period, cfg.moe_layer_step)
         first = cfg.first_dense_layers if params.dense_layers is not None else 0  # (dense first layers: K-EXAONE's)
 
-        def one(layer, like: int, carry, stack=params.layers, offset=first):  # `layer` attends as layer `like`
-            # (static) does; its weights are stack[layer - offset]
-            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer - offset, keepdims=False), stack)
+        def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does, with its kind of MLP
+            dense = params.dense_layers is not None and cfg.dense_layer(like)
+            stack = params.dense_layers if dense else params.layers
+            i = cfg.stack_index(layer, dense)
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
             xs = (lp, jnp.asarray(layer, jnp.int32))
             return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype,
                                         *cfg.layer_kind(like)), carry, xs[1])
@@ -365,7 +369,7 @@ def forward(
             return carry
 
         for layer in range(first):
-            carry = one(layer, layer, carry, params.dense_layers, 0)
+            carry = one(layer, layer, carry)
         whole = (L - first) // period
         carry = jax.lax.fori_loop(0, whole, group, carry)
         for layer in range(first + whole * period, L):  # past the last whole group

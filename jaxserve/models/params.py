@@ -141,7 +141,7 @@ class Params:
 
 def declare_params(cfg: ModelConfig) -> Params:
     """The abstract parameter tree of `cfg` (leaves are `ParamInfo`)."""
-    E, V, k = cfg.hidden_size, cfg.vocab_size, cfg.first_dense_layers
+    E, V, k = cfg.hidden_size, cfg.vocab_size, cfg.num_dense_layers
     norm: Init = "zeros" if cfg.family in UNIT_NORM_FAMILIES else "ones"  # Gemma scales by (1 + w)
     if cfg.mamba is not None:
         from jaxserve.models.mamba import declare_hybrid
@@ -241,7 +241,7 @@ MLP_FIELDS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down", "router", 
               "xielu")
 
 
-def unstack_layers(params: Params, fuse: bool = False) -> Params:
+def unstack_layers(params: Params, fuse: bool = False, cfg: ModelConfig | None = None) -> Params:
     """`params` with its stacked layers split into a tuple of per-layer `LayerParams` (new arrays).
 
     A layer slice keeps the stacked array's sharding of its other axes. With `fuse` (dense models on one device),
@@ -286,9 +286,16 @@ def unstack_layers(params: Params, fuse: bool = False) -> Params:
                 out_shardings = None
         return jax.jit(split, out_shardings=out_shardings)(layers)
 
-    # Dense first layers (`dense_layers`) lead the one tuple of every layer.
-    first = unstacked(params.dense_layers) if params.dense_layers is not None else ()
-    params = dataclasses.replace(params, layers=first + unstacked(params.layers), dense_layers=None)
+    # Dense first layers (`dense_layers`) lead the one tuple of every layer; `cfg`'s dense layers between its MoE ones
+    # (Llama 4 Maverick's) take their places.
+    dense = unstacked(params.dense_layers) if params.dense_layers is not None else ()
+    moe = unstacked(params.layers)
+    if cfg is not None and cfg.moe_layer_step > 1 and dense:
+        layers = tuple((dense if d else moe)[cfg.stack_index(i, d)]
+                       for i, d in enumerate(cfg.dense_layer(j) for j in range(cfg.num_layers)))
+    else:
+        layers = dense + moe
+    params = dataclasses.replace(params, layers=layers, dense_layers=None)
     if fuse and params.lm_head is not None:
         params = dataclasses.replace(params, lm_head=None, lm_head_t=jax.jit(jnp.transpose)(params.lm_head))
     return params
