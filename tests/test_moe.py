@@ -277,6 +277,14 @@ def test_ep_deepseek_v32_sparse_attention_equals_unsharded(ep_results):
     assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
 
 
+def test_ep_llama4_maverick_dense_and_moe_layers_equal_unsharded(ep_results):
+    """Llama 4 Maverick's layers under EP=2 x TP=2: its dense layers' MLP split as a dense model's, the MoE layers'
+    experts over the expert axis."""
+    r = ep_results["maverick_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"]
+    assert (r["experts_per_device"], r["dense_mlp_per_device"]) == (2, 24)
+
+
 @pytest.mark.parametrize("name", ["pallas_gpt_oss", "pallas_mla", "pallas_dsa"])
 def test_ep_kernels_on_each_devices_heads_equal_unsharded(ep_results, name):
     """The Pallas kernels (interpreted) at EP=2 x TP=2, each device on its own heads: gpt-oss's sinks split with

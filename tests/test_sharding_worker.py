@@ -81,6 +81,17 @@ def moe_config(family: str = "qwen2_moe"):
         shared_expert_intermediate_size={"qwen2_moe": 48, "glm4_moe": 32}.get(family, 0)), **glm})
 
 
+def maverick_config():
+    """Llama 4 Maverick's layout, tiny: experts in every second layer, a dense MLP in the others; Scout's attention."""
+    import transformers
+
+    from jaxserve.config import ModelConfig
+    from tests.test_llama4 import TINY
+    from tests.test_model_families import TINY as BASE
+
+    return ModelConfig.from_hf(transformers.Llama4TextConfig(**{**BASE, **TINY, "interleave_moe_layer_step": 2}).to_dict())
+
+
 def _steps(page_size: int = 8):
     """Two steps over two sequences: a prefill of 13 and 7 tokens, then one decode token each."""
     import numpy as np
@@ -200,6 +211,7 @@ def case_moe() -> dict:
     out.update({f"gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)]).items()})
     out.update({f"mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)]).items()})
     out.update({f"dsa_{k}": v for k, v in _sweep(moe_config("deepseek_v32"), [(2, 2)]).items()})
+    out.update({f"maverick_{k}": v for k, v in _sweep(maverick_config(), [(2, 2)]).items()})
     # The kernels (interpreted) on each device's heads: gpt-oss's sinks split with them, DeepSeek's latents.
     out.update({f"pallas_gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)], "pallas_interpret").items()})
     out.update({f"pallas_mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)], "pallas_interpret").items()})
