@@ -130,8 +130,8 @@ class Params:
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
-    dense_layers: LayerParams | None = None  # the dense first layers of a MoE model (GLM-4.5), stacked apart (None
-    # once unstacked: one tuple); `layers` then holds the rest
+    dense_layers: LayerParams | None = None  # a MoE model's dense layers (GLM-4.5's first ones, Llama 4 Maverick's
+    # every second: `ModelConfig.dense_layer`), stacked apart (None once unstacked: one tuple); `layers` the rest
     # A hybrid model (`ModelConfig.mamba`): `layers` holds every layer's norms and MLP, and the mixers apart, the
     # attention layers' projections (their other fields None) and the Mamba layers' (`LayerParams.m_*`).
     attn_layers: LayerParams | None = None
