@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.config_fields import leading_dense_layers
 from jaxserve.errors import UnsupportedModelError
 
 
 def exaone_moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     """K-EXAONE's experts' fields."""
-    n = int(d["num_hidden_layers"])
-    kinds = list(d.get("mlp_layer_types") or
-                 ["dense"] * int(d.get("first_k_dense_replace", 1)) + ["sparse"] * n)[:n]
-    dense = kinds.index("sparse") if "sparse" in kinds else n
-    if kinds != ["dense"] * dense + ["sparse"] * (n - dense):
-        raise UnsupportedModelError(f"K-EXAONE mlp_layer_types {kinds} is not supported: dense layers first, then the "
-                                    "experts'")
+    dense = leading_dense_layers(d, "K-EXAONE", 1)
     width = int(d.get("moe_intermediate_size", 1024))
     return dict(num_experts=int(d.get("num_experts", 64)), num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
                 moe_intermediate_size=width, norm_topk_prob=bool(d.get("norm_topk_prob", True)),

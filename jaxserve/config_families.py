@@ -58,7 +58,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Llama4ForCausalLM": "llama4",  # Llama 4's language model (`config_llama4`)
     "Mistral4ForCausalLM": "mistral4",  # Mistral Small 4's language model (`config_mla`)
     # Hunyuan (Tencent): q and k normed after the rotation, NTK-alpha rotary bases; A13B's softmax-routed experts beside
-    # an ungated shared MLP (`config_fields.hunyuan`)
+    # an ungated shared MLP (`config_hunyuan`)
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",  # K-EXAONE: EXAONE 4's attention, DeepSeek-V3's experts (`config_exaone_moe`)
 }

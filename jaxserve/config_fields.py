@@ -88,18 +88,23 @@ def hy_v3(d: dict[str, Any]) -> dict[str, Any]:
     by `keymap.canonical_name`); any other config as it is."""
     if d.get("model_type") != "hy_v3" and "HYV3ForCausalLM" not in (d.get("architectures") or []):
         return d
-    n = d["num_hidden_layers"]
-    kinds = list(d.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1))
-    dense = kinds.index("sparse") if "sparse" in kinds else n
-    if kinds != ["dense"] * dense + ["sparse"] * (n - dense):
-        raise UnsupportedModelError(f"Hy3 mlp_layer_types {kinds} is not supported: dense layers first, then the "
-                                    "experts'")
+    dense = leading_dense_layers(d, "Hy3", 1)
     return {**d, "architectures": ["Dots1ForCausalLM"], "model_type": "dots1",
             "n_routed_experts": d.get("num_experts") or d.get("num_local_experts", 192),
             "num_experts_per_tok": d.get("num_experts_per_tok", 8), "n_shared_experts": d.get("num_shared_experts", 1),
             "routed_scaling_factor": d.get("router_scaling_factor", 2.826), "first_k_dense_replace": dense,
             "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
             "moe_intermediate_size": d.get("moe_intermediate_size", 1536)}
+
+
+def leading_dense_layers(d: dict[str, Any], name: str, default: int = 0) -> int:
+    """How many dense layers lead a MoE model's: from its `mlp_layer_types` ("dense", "sparse"), else its
+    `first_k_dense_replace`, else `default`; UnsupportedModelError naming `name` where a dense layer follows a MoE one."""
+    kinds = list(d["mlp_layer_types"]) if d.get("mlp_layer_types") is not None else None
+    dense = (kinds.index("sparse") if "sparse" in kinds else len(kinds)) if kinds is not None else None
+    if kinds is not None and kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense):
+        raise UnsupportedModelError(f"{name} mlp_layer_types {kinds} is not supported: dense layers first, then the experts'")
+    return dense if kinds is not None else int(d.get("first_k_dense_replace", default) or 0)
 
 
 def ministral3(d: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxserve.config_fields import moe_fields
+from jaxserve.config_fields import leading_dense_layers, moe_fields
 from jaxserve.errors import UnsupportedModelError
 
 DSA_FAMILIES: tuple[str, ...] = ("deepseek_v32", "glm_moe_dsa")
@@ -36,23 +36,9 @@ def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     if min(nope, rope, rank, int(d["v_head_dim"])) <= 0:
         raise UnsupportedModelError(f"{family} needs positive qk_nope_head_dim ({nope}), qk_rope_head_dim ({rope}), "
                                     f"kv_lora_rank ({rank}) and v_head_dim ({d['v_head_dim']})")
-    L, dense = int(d["num_hidden_layers"]), _dense_layers(family, d)
-    mlp_types = d.get("mlp_layer_types")
-    if mlp_types is not None and list(mlp_types) != ["dense"] * dense + ["sparse"] * (L - dense):
-        raise UnsupportedModelError(f"{family} mlp_layer_types {mlp_types} is not supported: dense layers first, then "
-                                    f"the experts'")
     fields = dict(kv_lora_rank=rank, q_lora_rank=int(d.get("q_lora_rank") or 0), v_head_dim=int(d["v_head_dim"]),
                   head_dim=nope + rope, rotary_dim=rope)
     return fields | (_dsa_fields(family, d) if family in DSA_FAMILIES else {})
-
-
-def _dense_layers(family: str, d: dict[str, Any]) -> int:
-    """The dense layers before the experts': `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` (the
-    first one by default)."""
-    if family == "glm4_moe_lite":
-        types = d.get("mlp_layer_types") or ["dense"]
-        return next((i for i, t in enumerate(types) if t != "dense"), len(types))
-    return int(d.get("first_k_dense_replace") or 0)
 
 
 def _dsa_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +94,7 @@ def mla_moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
         moe_fields(family, d),
         shared_expert_intermediate_size=int(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
-        first_dense_layers=_dense_layers(family, d),
+        first_dense_layers=leading_dense_layers(d, family, 1 if family == "glm4_moe_lite" else 0),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)))
     if family == "mistral4":  # softmax scores, chosen in the groups with the best two-score sums, renormalized
         return dict(fields, expert_groups=int(d.get("n_group") or 1), expert_topk_groups=int(d.get("topk_group") or 1),

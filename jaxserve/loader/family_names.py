@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from jaxserve.config_hunyuan import HUNYUAN_FAMILIES
+
 _HY3_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
               "mlp.shared_mlp.": "mlp.shared_experts."}
 _HY3_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HY3_NAMES) + ")")
@@ -22,7 +24,7 @@ def family_name(name: str, cfg: Any) -> str:
         return _HY3_RE.sub(lambda m: _HY3_NAMES[m.group(1)], name)
     if cfg is not None and cfg.family == "llama4":
         return name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
-    if cfg is not None and cfg.family in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+    if cfg is not None and cfg.family in HUNYUAN_FAMILIES:
         return _HUNYUAN_RE.sub(lambda m: _HUNYUAN_NAMES[m.group(1)], name)
     return name
 
@@ -31,7 +33,14 @@ def family_hf_name(name: str, cfg: Any) -> str:
     """The inverse of `family_name` for a family written back under its own names (Llama 4's)."""
     if cfg.family == "llama4":
         return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
-    if cfg.family in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
+    if cfg.family in HUNYUAN_FAMILIES:
         for theirs, ours in _HUNYUAN_NAMES.items():
             name = name.replace("." + ours, "." + theirs)
     return name
+
+
+def router_bias_name(family: str) -> str:
+    """Where a family's checkpoints keep the bias for choosing experts, after the MoE module's name: under the router
+    (DeepSeek-V3's, GLM-4.5's), in ERNIE's `moe_statics`, or beside the router (MiniMax-M2's, K-EXAONE's)."""
+    beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": "", "exaone_moe": ""}.get(family, "gate.")
+    return f"{beside}e_score_correction_bias"

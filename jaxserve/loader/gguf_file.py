@@ -13,6 +13,7 @@ import numpy as np
 from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
 from jaxserve.config_mla import MLA_FAMILIES
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
+from jaxserve.loader.family_names import router_bias_name
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
 from jaxserve.loader.gguf_hybrid import nemotron_h_tensors, shortconv_tensor, ssm_tensor
@@ -126,10 +127,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
         if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
             yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
             return
-        if rest == "exp_probs_b.bias":  # the bias choosing experts (DeepSeek-V3's, GLM-4.5's, ERNIE's [1, X];
-            # MiniMax-M2's beside its router)
-            beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": ""}.get(cfg.family, "gate.")
-            yield f"{prefix}.{beside}e_score_correction_bias", arr
+        if rest == "exp_probs_b.bias":  # the bias choosing experts (ERNIE's [1, X])
+            yield f"{prefix}.{router_bias_name(cfg.family)}", arr
             return
         if stacked or single:
             kind = _EXPERT_KINDS[(stacked or single).group(1)][fused]

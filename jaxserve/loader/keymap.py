@@ -24,7 +24,7 @@ from jaxserve.config import (
 from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
-from jaxserve.loader.family_names import family_hf_name, family_name
+from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -103,8 +103,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
             t[f"{router}.bias"] = ("layers.b_router", ident, (X,))
         if cfg.router_bias:  # ERNIE's as [1, X]; MiniMax-M2's beside its gate
             ernie = cfg.family == "ernie4_5_moe"
-            beside = {"ernie4_5_moe": "moe_statics.", "minimax_m2": "", "exaone_moe": ""}.get(cfg.family, "gate.")
-            t[f"{moe}.{beside}e_score_correction_bias"] = (
+            t[f"{moe}.{router_bias_name(cfg.family)}"] = (
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
             shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h", "exaone_moe",
