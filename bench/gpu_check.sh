@@ -16,7 +16,7 @@ LOG="$LOG_DIR/gpu_check.log"
   # float32 references at full precision: the default lets XLA use TF32, far outside the tests' tolerance.
   JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "$PY" -m pytest -q -x --no-header -p no:cacheprovider \
     tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_latent.py \
-    tests/test_kernels_sparse.py \
+    tests/test_kernels_sparse.py tests/test_kernels_sparse_index.py \
     tests/test_kv_cache_dtype.py tests/test_kernels_grouped_matmul.py tests/test_mamba_scan.py \
     -k "not real_model and not fp8_engine and not whole_pool"
   echo "tests exit code: $? ($(( $(date +%s) - start )) s)"

@@ -4,7 +4,11 @@ GPU against the engine's XLA path, as achieved bytes/s.
 Decode at batch 32 and 128 with 8k context (the issue's target shape), batch 1 at 32k; prefill of 2k tokens of one
 sequence. Then the sparse latent kernel (DeepSeek-V3.2: 128 heads over 704-wide entries, each token attending the
 2048 entries its indexer chose, here at random from a 32k context) at decode batch 64 and a 2k-token prefill, against
-the engine's XLA path (`sparse_mla.attend_chosen`); bytes: the chosen entries' 576 scored dims once per token. DeepSeek-V2-Lite's 16 heads per entry and DeepSeek-V3's 128 (one device; under tensor parallelism over 8
+the engine's XLA path (`sparse_mla.attend_chosen`); bytes: the chosen entries' 576 scored dims once per token. Then
+its indexer's choice (64 heads of 128 dims; every key a token sees scored, the best 2048 kept) at decode batch 64
+over 32k contexts and a 2k-token prefill chunk ending at 32k: the kernel's scores and their top-k
+(`sparse_mla.scored_keys`), the scores alone, and the XLA path's running top-k (`sparse_mla.chosen_keys`); bytes:
+each token's keys (128 dims) once, FLOPs: the heads' dots over the keys each token sees. DeepSeek-V2-Lite's 16 heads per entry and DeepSeek-V3's 128 (one device; under tensor parallelism over 8
 a device holds 16), bfloat16 entries (512-dim latent + 64-dim rotary key), page size 16, pages scattered over a
 pool past the L2. Bytes: the entries read once (the kernel reads each as key and as value) plus q and the output;
 FLOPs: the scores over 576 dims and the values over 512, per head, over the causal part. Each row is the median of
@@ -24,10 +28,11 @@ import numpy as np
 
 from bench.gpu_inputs import DTYPE, MIN_POOL_BYTES, PAGE_SIZE, table_sets
 from bench.gpu_kernels import copy_bandwidth, matmul_rate, run_row
-from jaxserve.models.attention import xla_ragged_paged_attention
-from jaxserve.models.sparse_mla import attend_chosen
+from jaxserve.models.attention import token_rows, xla_ragged_paged_attention
+from jaxserve.models.sparse_mla import attend_chosen, chosen_keys, scored_keys
 from pallas_kernels import AttentionTuning
 from pallas_kernels.latent_attention import latent_paged_attention
+from pallas_kernels.sparse_index import index_scores
 from pallas_kernels.sparse_latent_attention import sparse_latent_attention
 
 LATENT, ROPE = 512, 64
@@ -98,6 +103,35 @@ def sparse_implementations() -> list:
     ]
 
 
+INDEX_HEADS, INDEX_DIM = 64, 128  # DeepSeek-V3.2's indexer
+
+
+def index_case(rng, batch: int, ctx: int, q_len: int, min_pool_bytes: int = MIN_POOL_BYTES):
+    """Input sets (index q, head weights, pages, tables, seq_lens, query_start_loc) of `batch` sequences of `ctx` keys,
+    the last `q_len` of each the new tokens; and the row's bytes and FLOPs."""
+    item = jnp.dtype(DTYPE).itemsize
+    num_pages = max(batch * -(-ctx // PAGE_SIZE) + 1, min_pool_bytes // (PAGE_SIZE * SPARSE_ENTRY * item))
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    pages = jax.random.normal(key, (num_pages, PAGE_SIZE, SPARSE_ENTRY), DTYPE)
+    T = batch * q_len
+    sets = [(jax.random.normal(jax.random.fold_in(key, 2 * i + 1), (T, INDEX_HEADS, INDEX_DIM), DTYPE),
+             jax.random.normal(jax.random.fold_in(key, 2 * i + 2), (T, INDEX_HEADS), jnp.float32), pages, *t)
+            for i, t in enumerate(table_sets(rng, num_pages, batch, ctx, q_len))]
+    seen = batch * (q_len * ctx - q_len * (q_len - 1) / 2)  # keys seen, summed over the tokens
+    return sets, T * ctx * INDEX_DIM * item, 2 * INDEX_HEADS * INDEX_DIM * seen
+
+
+def index_implementations(topk: int) -> list:
+    kw = dict(key_dim=ENTRY, topk=topk)
+
+    def scores(iq, iw, pages, tables, seq_lens, qsl):
+        seq, pos, _, _ = token_rows(seq_lens, qsl, iq.shape[0])
+        return index_scores(iq, iw, pages, tables, seq, pos, key_offset=ENTRY, scale=INDEX_DIM ** -0.5)
+
+    return [("pallas", jax.jit(functools.partial(scored_keys, **kw))), ("scores", jax.jit(scores)),
+            ("xla", jax.jit(functools.partial(chosen_keys, **kw)))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop starting new rows after this")
@@ -137,6 +171,17 @@ def main() -> int:
         sets, nbytes, flops = sparse_case(rng, tokens, pool, topk=64 if args.quick else SPARSE_TOPK,
                                           ctx=1024 if args.quick else SPARSE_CTX)
         run_row(label, sparse_implementations(), sets, nbytes, flops, None, copy_bw, matmul)
+        del sets
+    print("indexer (DeepSeek-V3.2: 64 heads x 128, top 2048): bytes = each token's keys once; FLOP/s against the "
+          "matmul rate")
+    for batch, ctx, q_len in ((4, 1024, 1), (1, 1024, 64)) if args.quick else ((64, 32768, 1), (1, 32768, 2048)):
+        label = f"deepseek-v3.2 indexer {'decode' if q_len == 1 else 'prefill'} tokens={batch * q_len:4d} ctx={ctx}"
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{label}: skipped (time budget)")
+            continue
+        sets, nbytes, flops = index_case(rng, batch, ctx, q_len, pool)
+        run_row(label, index_implementations(64 if args.quick else SPARSE_TOPK), sets, nbytes, flops, None, copy_bw,
+                matmul)
         del sets
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0

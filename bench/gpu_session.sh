@@ -44,7 +44,7 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
       "${pytest[@]}" tests/test_kernels_mosaic_ragged.py tests/test_kernels_mosaic_ws.py \
         tests/test_engine_pallas_mosaic.py > "$LOG_DIR/tests_mosaic.log" 2>&1 &
       "${pytest[@]}" tests/test_kernels_attention.py tests/test_kernels_kv_write.py tests/test_kernels_latent.py \
-        tests/test_kernels_sparse.py \
+        tests/test_kernels_sparse.py tests/test_kernels_sparse_index.py \
         tests/test_kv_cache_dtype.py tests/test_kernels_grouped_matmul.py tests/test_mamba_scan.py \
         -k "not real_model and not fp8_engine and not whole_pool" \
         > "$LOG_DIR/tests_kernels.log" 2>&1 &

@@ -1,5 +1,5 @@
 """L7 kernels: ragged paged attention, latent attention (DeepSeek's) and its sparse form (DeepSeek Sparse
-Attention's), and the paged KV write, with their references and a backend switch."""
+Attention's, with its indexer's scores), and the paged KV write, with their references and a backend switch."""
 
 from pallas_kernels.backend import AttentionBackend, attention_backend
 from pallas_kernels.kv_write import write_kv, write_kv_reference
@@ -12,12 +12,15 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.sparse_index import index_scores, index_scores_reference
 from pallas_kernels.sparse_latent_attention import sparse_latent_attention, sparse_latent_attention_reference
 
 __all__ = [
     "AttentionBackend",
     "AttentionTuning",
     "attention_backend",
+    "index_scores",
+    "index_scores_reference",
     "latent_paged_attention",
     "latent_paged_attention_reference",
     "mosaic_decode_supported",

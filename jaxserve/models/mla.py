@@ -11,7 +11,8 @@ On the `xla` backend the attention is the paged attention with the entries as ke
 backends it is the latent attention kernel (`pallas_kernels.latent_attention`: the entries read once, as keys and
 as values; the Triton lowering on a GPU under the Mosaic GPU backends too, which have no latent form). With
 DeepSeek Sparse Attention (`cfg.index_topk`) each entry also holds the indexer's key, and each token attends only
-the keys its indexer picks (`models.sparse_mla`; on the Pallas backends its attention on the sparse latent kernel).
+the keys its indexer picks (`models.sparse_mla`; on the Pallas backends the indexer's scores and the attention in
+kernels).
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ the rotary key, so prefix caching, preemption and KV transfer carry it as they c
 query: sum over heads h of w_h * relu(q_h . k_j / sqrt(Di)), w the query token's head weights over sqrt(heads), in
 float32. A token that sees at most `index_topk` keys attends all of them (the dense MLA); past that, the best ones.
 
-The choice runs in plain JAX on every backend: rows of tokens walk their sequences' pages in blocks, keeping each
-row's running best `index_topk` (score, position). The attention over the chosen entries (as the MLA attends its
-pages, their latent part the values) runs here on the xla backend, and on the Pallas backends in the sparse latent
-kernel (`pallas_kernels.sparse_latent_attention`).
+On the xla backend the choice runs in plain JAX: rows of tokens walk their sequences' pages in blocks, keeping each
+row's running best `index_topk` (score, position); the attention over the chosen entries (as the MLA attends its
+pages, their latent part the values) follows in XLA. On the Pallas backends the indexer kernel
+(`pallas_kernels.sparse_index`) scores every key a token sees at once, `lax.top_k` takes each row's best, and the
+sparse latent kernel (`pallas_kernels.sparse_latent_attention`) attends them, each device over its own KV heads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxserve.models.params import LayerParams
 INDEX_KEY_NORM_EPS = 1e-6  # the indexer key's LayerNorm (transformers': fixed)
 ROWS = 8  # query tokens per loop iteration
 BLOCK_KEYS = 256  # keys scored per block (whole pages, at least one)
+SCORE_BYTES = 256 << 20  # the indexer kernel's scores at once, at most (`scored_keys`)
 
 
 def indexer(cfg: ModelConfig, lp: LayerParams, h: jax.Array, h_q: jax.Array, cos: jax.Array, sin: jax.Array
@@ -56,17 +58,56 @@ def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, p
     `attention.paged_attention`'s; `backend`: the attention backend (the Pallas ones attend on the sparse latent
     kernel, each device its own KV heads where `layout` splits them). Returns [T, Hq, value_dim] in q's dtype (zero
     for padding tokens)."""
-    slots, lens = chosen_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim, topk=topk,
-                              kv_dtype=kv_dtype)
     if backend == "xla":
+        slots, lens = chosen_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim,
+                                  topk=topk, kv_dtype=kv_dtype)
         return attend_chosen(q, pool, slots, lens, value_dim=value_dim, sm_scale=sm_scale, kv_dtype=kv_dtype)
     from pallas_kernels.sparse_latent_attention import sparse_latent_attention
 
-    def kernel(q, pool, lens, slots):
-        return sparse_latent_attention(q, pool, slots, lens, key_dim=key_dim, value_dim=value_dim, sm_scale=sm_scale,
-                                       interpret=backend.endswith("_interpret"))
+    interpret = backend.endswith("_interpret")
 
-    return on_head_shards(layout, kernel, q, (pool,), (lens,), (slots,))
+    def kernel(q, pool, index_q, index_w, tables, seq_lens, query_start_loc):  # (each device: its own KV heads)
+        slots, lens = scored_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim,
+                                  topk=topk, interpret=interpret)
+        return sparse_latent_attention(q, pool, slots, lens, key_dim=key_dim, value_dim=value_dim, sm_scale=sm_scale,
+                                       interpret=interpret)
+
+    return on_head_shards(layout, kernel, q, (pool,), (index_q, index_w, tables, seq_lens, query_start_loc))
+
+
+def scored_keys(index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array, seq_lens: jax.Array,
+                query_start_loc: jax.Array, *, key_dim: int, topk: int, interpret: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """`chosen_keys` on the Pallas backends: every key a token sees scored by the indexer kernel
+    (`pallas_kernels.sparse_index`), the best `topk` of each row taken at once (`lax.top_k`); `SCORE_BYTES` of scores
+    at most, so long contexts take the tokens in rows. The pool's pages in their own dtype (no bits)."""
+    from pallas_kernels.sparse_index import index_scores, score_capacity
+
+    T = index_q.shape[0]
+    page_size, Hkv = pool.shape[1], pool.shape[2] if pool.ndim == 4 else 1
+    Di = index_q.shape[-1]
+    L = score_capacity(tables, page_size)
+    K = min(topk, L)
+    seq, pos, _, valid = token_rows(seq_lens, query_start_loc, T)
+
+    def choose(iq, iw, seq, pos):  # a row of tokens: its slots [R, topk]
+        s = index_scores(iq, iw, pool, tables, seq, pos, key_offset=key_dim, scale=Di ** -0.5, interpret=interpret)
+        top, chosen = jax.lax.top_k(s, K)
+        chosen = jnp.where(top > -jnp.inf, chosen, 0)  # (past the count: position 0's entry, never read)
+        pages = jnp.take_along_axis(tables[seq], chosen // page_size, axis=-1)
+        return jnp.pad(pages * page_size + chosen % page_size, ((0, 0), (0, topk - K)))
+
+    R = max(1, min(T, SCORE_BYTES // (4 * L)))
+    if R == T:
+        slots = choose(index_q, index_w, seq, pos)
+    else:
+        n = -(-T // R)
+        rows = lambda x, fill=0: jnp.pad(x, ((0, n * R - T),) + ((0, 0),) * (x.ndim - 1),  # noqa: E731
+                                         constant_values=fill).reshape(n, R, *x.shape[1:])
+        slots = jax.lax.map(lambda a: choose(*a), (rows(index_q), rows(index_w), rows(seq), rows(pos, -1)))
+        slots = slots.reshape(n * R, topk)[:T]
+    lens = jnp.where(valid, jnp.minimum(pos + 1, topk), 0).astype(jnp.int32)
+    return jnp.broadcast_to(slots[None], (Hkv, T, topk)), lens
 
 
 def chosen_keys(index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array, seq_lens: jax.Array,

@@ -183,3 +183,18 @@ def test_sparse_latent_attention_compiles_for_sm90(spec, T, kv_dtype):
     text = _compile(fn, spec((T, 128, 576), jnp.bfloat16), spec((8192, 64, 704), kv_dtype),
                     spec((1, T, 2048), jnp.int32), spec((T,), jnp.int32))
     assert "triton" in text.lower(), "the attention did not go through the Triton lowering"
+
+
+# DeepSeek Sparse Attention's indexer scores at DeepSeek-V3.2's shapes (64 heads of 128 dims; the key at dims 576..704
+# of the entry): a decode bucket of 64 tokens over 32k contexts, a 2k-token prefill over a 160k context (its scores
+# 1.3 GB), bfloat16 and float8 pages; GLM-5's 32 heads.
+@pytest.mark.parametrize("T,S,P,heads,kv_dtype", [(64, 64, 512, 64, jnp.bfloat16), (2048, 1, 2560, 64, jnp.bfloat16),
+                                                  (64, 64, 512, 64, jnp.float8_e4m3fn), (64, 64, 512, 32, jnp.bfloat16)])
+def test_index_scores_compile_for_sm90(spec, T, S, P, heads, kv_dtype):
+    from pallas_kernels.sparse_index import index_scores
+
+    fn = functools.partial(index_scores, key_offset=576, scale=128 ** -0.5)
+    text = _compile(fn, spec((T, heads, 128), jnp.bfloat16), spec((T, heads), jnp.float32),
+                    spec((8192, 64, 704), kv_dtype), spec((S, P), jnp.int32), spec((T,), jnp.int32),
+                    spec((T,), jnp.int32))
+    assert "triton" in text.lower(), "the indexer did not go through the Triton lowering"

@@ -43,6 +43,7 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tests.gpu_compile.conftest import _h200_mesh
 from pallas_kernels.latent_attention import latent_paged_attention
+from pallas_kernels.sparse_index import index_scores
 from pallas_kernels.sparse_latent_attention import sparse_latent_attention
 jax.config.update("jax_enable_compilation_cache", False)
 mesh = _h200_mesh()
@@ -58,12 +59,15 @@ with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 spec((T,), jnp.int32))
         fn = functools.partial(sparse_latent_attention, key_dim=576, value_dim=512, sm_scale=0.07)
         jax.jit(fn).trace(*args).lower().compile()
+    args = (spec((64, 64, 128), jnp.bfloat16), spec((64, 64), jnp.float32), spec((8192, 64, 704), jnp.bfloat16),
+            spec((64, 512), jnp.int32), spec((64,), jnp.int32), spec((64,), jnp.int32))  # (its indexer's scores)
+    jax.jit(functools.partial(index_scores, key_offset=576, scale=0.09)).trace(*args).lower().compile()
 """
 
 
 def test_latent_attention_defaults_do_not_spill(tmp_path):
     """ptxas on the default blockings' PTX (DeepSeek-V3's 128 heads and V2-Lite's 16 in decode, a V2-Lite prefill;
-    the sparse kernel's at DeepSeek-V3.2's shapes, decode and prefill): no register spills. The float32 accumulator is rows x 512; 64 rows over 8 warps took 237 registers a thread
+    the sparse kernel's at DeepSeek-V3.2's shapes, decode and prefill, and its indexer's): no register spills. The float32 accumulator is rows x 512; 64 rows over 8 warps took 237 registers a thread
     (CUDA 12.8's ptxas), 64 rows over 4 warps spilled 4 KB."""
     import os
     import pathlib
@@ -79,9 +83,9 @@ def test_latent_attention_defaults_do_not_spill(tmp_path):
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path}", JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1",
                JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", _SPILL_CHILD], env=env, check=True, timeout=600)
-    names = ("latent_paged_attention", "sparse_latent_attention")
+    names = ("latent_paged_attention", "sparse_latent_attention", "index_scores")
     kernels = [(p, n) for p in tmp_path.glob("*.ptx") for n in names if f".entry {n}" in p.read_text()]
-    assert sorted(n for _, n in kernels) == [names[0]] * 3 + [names[1]] * 2, [p.name for p, _ in kernels]
+    assert sorted(n for _, n in kernels) == [names[2]] + [names[0]] * 3 + [names[1]] * 2, [p.name for p, _ in kernels]
     for ptx, name in kernels:
         report = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", os.devnull],
                                 capture_output=True, text=True, check=True).stderr

@@ -33,8 +33,8 @@ V2_LITE = ModelConfig.from_hf({
                      "beta_slow": 1, "original_max_position_embeddings": 4096}})
 NUM_PAGES = 32768  # 16-token pages: 1.2 GB of bfloat16 latents over the 2 layers
 # DeepSeek-V3.2's attention (128 heads; the indexer's 64 heads of 128 dims, its key in the pages: 704 wide; the top
-# 2048 keys a token) on a dense layer and a MoE layer of 8 of its 256 experts: the indexer's choice
-# in XLA, the attention over the chosen entries on the sparse latent kernel.
+# 2048 keys a token) on a dense layer and a MoE layer of 8 of its 256 experts: the indexer's scores on the indexer
+# kernel, their top-k in XLA, the attention over the chosen entries on the sparse latent kernel.
 V32 = ModelConfig.from_hf({
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
     "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 2, "num_attention_heads": 128,
