@@ -22,6 +22,7 @@ GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "gran
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
+                                  "afmoe",
                                   *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
@@ -253,8 +254,8 @@ class ModelConfig:
 
     @property
     def output_norms(self) -> bool:
-        """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4", *POST_NORM_FAMILIES)
+        """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2, AFMoE)."""
+        return self.family in (*GEMMA_FAMILIES, "glm4", "afmoe", *POST_NORM_FAMILIES)
 
     @property
     def input_norms(self) -> bool:
@@ -280,8 +281,8 @@ class ModelConfig:
     @property
     def attn_output_gate(self) -> bool:
         """Whether attention's output is gated per channel by the sigmoid of a second query projection (each head's
-        gate after its query in `wq`'s last axis: Qwen3-Next's)."""
-        return self.family in GATED_DELTA_FAMILIES
+        gate after its query in `wq`'s last axis: Qwen3-Next's; AFMoE's `gate_proj` read there)."""
+        return self.family in (*GATED_DELTA_FAMILIES, "afmoe")
 
     @property
     def q_head_dim(self) -> int:

@@ -14,6 +14,7 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_afmoe import afmoe_hf
 from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
@@ -52,7 +53,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["qkv_bias"] = cfg.attention_bias
     if cfg.num_experts and not cfg.kv_lora_rank:
         d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else exaone_moe_hf(cfg) if cfg.family == "exaone_moe"
-                 else fields.moe_hf(cfg))
+                 else afmoe_hf(cfg) if cfg.family == "afmoe" else fields.moe_hf(cfg))
     if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "bamba":
@@ -68,6 +69,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.family not in ("mistral", "mixtral"):
             d["use_sliding_window"] = True
             d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
+    if cfg.family == "afmoe":  # (its NoPE layers are its global ones; its window as layer_types says)
+        d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "use_sliding_window", "max_window_layers")}
     if cfg.family == "olmo3":
         d.update(fields.olmo3_hf(cfg))
     if cfg.family == "gpt_oss":

@@ -17,6 +17,7 @@ from jaxserve.config import (
     OLMO_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_afmoe import afmoe_layer_fields, afmoe_moe_fields, afmoe_no_rope_layers
 from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
@@ -52,7 +53,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
             raise UnsupportedModelError(f"{family} with dense layers between the MoE layers (mlp_only_layers / "
                                         "decoder_sparse_step) is not supported")
     moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else
-           exaone_moe_fields(d) if family == "exaone_moe" else (
+           exaone_moe_fields(d) if family == "exaone_moe" else afmoe_moe_fields(d) if family == "afmoe" else (
         mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
     mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
     head_dim = mla.pop("head_dim", head_dim)
@@ -60,7 +61,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         sliding = fields.qwen_window(d)
     gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
-        if family == "llama4" else {})  # (layers that differ)
+        if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else {})  # (layers that differ)
     if gemma:
         sliding = d.get("sliding_window")
     quant = d.get("quantization_config") or {}
@@ -104,14 +105,14 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
         mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2",
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,
         kv_cache_scales=bool(kv_scheme),
         **fields.mrope_fields(d),
-        no_rope_layers=fields.no_rope_layers(family, d),
+        no_rope_layers=afmoe_no_rope_layers(d) if family == "afmoe" else fields.no_rope_layers(family, d),
         mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
         **moe, **mla,
         **({"hidden_act": d.get("hidden_act", "silu"), "rope_qk_norm": family in HUNYUAN_FAMILIES, "query_scale_beta": float(d.get("query_scale_beta", 0.0)),

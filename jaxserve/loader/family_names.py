@@ -1,7 +1,8 @@
 """Module names some families' checkpoints give to what the key map reads under other names: Hy3's router, router
 bias and shared expert (read as dots.llm1's), Llama 4's MLP and router (`feed_forward`, `feed_forward.router`: read
 as `mlp`, `mlp.gate`, and written back as its own), Hunyuan's q/k norms, router and shared MLP (`query_layernorm`,
-`key_layernorm`, `mlp.gate.wg`, `mlp.shared_mlp`: written back as its own)."""
+`key_layernorm`, `mlp.gate.wg`, `mlp.shared_mlp`: written back as its own), AFMoE's router, routing bias and MLP norms
+(read as DeepSeek-V3's and Gemma's, written back as its own)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ _HY3_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HY3_NAMES) + 
 _HUNYUAN_NAMES = {"self_attn.query_layernorm.": "self_attn.q_norm.", "self_attn.key_layernorm.": "self_attn.k_norm.",
                   "mlp.gate.wg.": "mlp.gate.", "mlp.shared_mlp.": "mlp.shared_expert."}
 _HUNYUAN_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HUNYUAN_NAMES) + ")")
+_AFMOE_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
+                "pre_mlp_layernorm.": "pre_feedforward_layernorm.", "post_mlp_layernorm.": "post_feedforward_layernorm."}
+_AFMOE_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _AFMOE_NAMES) + ")")
 
 
 def family_name(name: str, cfg: Any) -> str:
@@ -26,16 +30,18 @@ def family_name(name: str, cfg: Any) -> str:
         return name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
     if cfg is not None and cfg.family in HUNYUAN_FAMILIES:
         return _HUNYUAN_RE.sub(lambda m: _HUNYUAN_NAMES[m.group(1)], name)
+    if cfg is not None and cfg.family == "afmoe":
+        return _AFMOE_RE.sub(lambda m: _AFMOE_NAMES[m.group(1)], name)
     return name
 
 
 def family_hf_name(name: str, cfg: Any) -> str:
-    """The inverse of `family_name` for a family written back under its own names (Llama 4's)."""
+    """The inverse of `family_name` for a family written back under its own names (Llama 4's, Hunyuan's, AFMoE's)."""
     if cfg.family == "llama4":
         return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
-    if cfg.family in HUNYUAN_FAMILIES:
-        for theirs, ours in _HUNYUAN_NAMES.items():
-            name = name.replace("." + ours, "." + theirs)
+    names = _HUNYUAN_NAMES if cfg.family in HUNYUAN_FAMILIES else _AFMOE_NAMES if cfg.family == "afmoe" else {}
+    for theirs, ours in sorted(names.items(), key=lambda kv: -len(kv[1])):  # (the longest of ours first)
+        name = name.replace("." + ours, "." + theirs)
     return name
 
 

@@ -60,7 +60,7 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^mode
 
 
 def _layer_targets(cfg: ModelConfig, dense: bool = False
-                   ) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple[int, ...]]]:
+                   ) -> dict[str, tuple]:
     """A layer's tensor names (after `model.layers.{i}.`) to our parameters (the MoE layers' of a MoE model; with
     `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`)."""
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -87,7 +87,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         del t["input_layernorm.weight"]
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
-    if cfg.family in GEMMA_FAMILIES:  # a norm before and after each of attention and the MLP
+    if cfg.family in (*GEMMA_FAMILIES, "afmoe"):  # a norm before and after each of attention and the MLP
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
@@ -107,7 +107,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
             shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h", "exaone_moe",
-                                                            *MLA_FAMILIES) else "mlp.shared_expert"
+                                                            "afmoe", *MLA_FAMILIES) else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))
@@ -154,6 +154,9 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False
         t["post_mlp_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
     if cfg.attention_sinks:
         t["self_attn.sinks"] = ("layers.sinks", ident, (Hq,))
+    if cfg.family == "afmoe":  # its output gate's own projection, read beside each head's query (`wq`'s last axis)
+        t["self_attn.q_proj.weight"] = ("layers.wq", proj_in(Hq), (Hq * D, E), (0, D))
+        t["self_attn.gate_proj.weight"] = ("layers.wq", proj_in(Hq), (Hq * D, E), (D, 2 * D))
     if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
         t["self_attn.k_scale"] = ("layers.k_scale", lambda s: s.reshape(()), ())
         t["self_attn.v_scale"] = ("layers.v_scale", lambda s: s.reshape(()), ())
@@ -291,8 +294,8 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
             if spec is not None:
                 return Target(spec[0], spec[3], spec[1], spec[2], cols=spec[4] if len(spec) > 4 else None)
         if spec is not None:
-            path, transform, shape = spec
-            return Target(("dense_" if dense else "") + path, cfg.stack_index(layer, dense), transform, shape)
+            path, transform, shape, *cols = spec
+            return Target(("dense_" if dense else "") + path, cfg.stack_index(layer, dense), transform, shape, cols=(cols or [None])[0])
         e = _EXPERT_RE.match(rest) if cfg.num_experts and not dense else None
         if e and e.group(1) == _moe_module(cfg):
             expert, kind = int(e.group(2)), e.group(3)

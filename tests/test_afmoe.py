@@ -1,0 +1,95 @@
+"""Arcee's AFMoE (Trinity: `AfmoeForCausalLM`, `config_afmoe`) against transformers: a tiny random model with a dense
+first layer, then four MoE layers of which three are windowed (8 keys) and rotated and the fourth global and unrotated;
+attention's output gated by its own projection, four norms a layer, sigmoid-routed experts with a bias for choosing
+and a route scale, muP's embedding scale. Logits of a 40-token prompt (and not them without each feature), greedy
+tokens through the engine (chunked prefill past the window, batched decode), the checkpoint and config written back,
+LoRA refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.errors import UnsupportedModelError  # noqa: E402
+from jaxserve.loader import HFDirectory, load_params  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    assert_written_back,
+    hf_logits,
+    random_prompt,
+    rel_err,
+    save_tiny_hf,
+)
+
+TINY = dict(num_hidden_layers=5, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+            num_shared_experts=1, num_dense_layers=1, sliding_window=8, global_attn_every_n_layers=4, route_scale=2.5,
+            mup_enabled=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("afmoe")
+    model = save_tiny_hf("AfmoeConfig", path, **TINY)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def test_afmoe_config(tiny):
+    _, _, cfg, _ = tiny
+    assert (cfg.family, cfg.first_dense_layers, cfg.qk_norm, cfg.router_scoring, cfg.router_bias) == (
+        "afmoe", 1, True, "sigmoid", True)
+    assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention", "sliding_attention")
+    assert cfg.no_rope_layers == (1, 1, 1, 0, 1) and cfg.sliding_window == 8
+    assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (24, 2.5, True)
+    assert cfg.attn_output_gate and cfg.output_norms and cfg.embedding_multiplier == math.sqrt(cfg.hidden_size)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    with pytest.raises(UnsupportedModelError, match="AFMoE with attention_bias"):
+        ModelConfig.from_hf({**cfg.to_hf(), "attention_bias": True})
+
+
+def test_afmoe_logits_match_transformers(tiny):
+    """Transformers' logits; without the window, with the global layer rotated, without muP's scale, or with the
+    output gate's half of `wq` zeroed (a gate of 1/2), they are not."""
+    _, model, cfg, params = tiny
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
+    for change in (dict(sliding_window=None), dict(no_rope_layers=None), dict(embedding_multiplier=1.0)):
+        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+    D = cfg.head_dim
+    no_gate = jax.tree.map(lambda x: x, params)
+    no_gate.layers.wq = params.layers.wq.at[..., D:].set(0)
+    assert rel_err(prompt_logits(cfg, no_gate, ids), ref) > 1e-3
+
+
+def test_afmoe_checkpoint_written_back_reads_the_same(tiny):
+    path, _, cfg, params = tiny
+    assert_written_back(path, cfg, params)
+
+
+def test_afmoe_engine_greedy_equals_transformers(tiny):
+    """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
+    layers stacked (the dense layer, then the MoE stack in groups of four)."""
+    from tests.modelrun import tiny_engine
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    _, model, cfg, params = tiny
+    assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_afmoe_lora_refused_by_name(tiny):
+    from jaxserve.engine.lora_manager import LoRAError, with_lora_slots
+
+    _, _, cfg, params = tiny
+    loaded = type("Loaded", (), dict(params=params, config=cfg, plan=None, dtype=jnp.float32))()
+    with pytest.raises(LoRAError, match="AFMoE"):
+        with_lora_slots(loaded, 2, 4)
