@@ -22,7 +22,7 @@ GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "gran
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
-                                  "afmoe",
+                                  "afmoe", "flex_olmo",
                                   *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
@@ -37,7 +37,7 @@ GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 after the MLP as well as before each."""
 UNIT_NORM_FAMILIES: tuple[str, ...] = (*GEMMA_FAMILIES, *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3")
+OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo")
 POST_NORM_FAMILIES: tuple[str, ...] = (*OLMO_FAMILIES, "exaone4")
 """Norms after attention and the MLP (on their outputs), none before them."""
 

@@ -9,7 +9,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
-                 "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe"]
+                 "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -43,6 +43,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
     "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms
     "OlmoeForCausalLM": "olmoe",  # OLMoE: OLMo's q/k norms over all heads, 64 experts
+    "FlexOlmoForCausalLM": "flex_olmo",  # FlexOlmo: OLMo 2's layers (norms after attention and the MLP), OLMoE's experts
     "GptOssForCausalLM": "gpt_oss",  # attention sinks, every other layer windowed; biased experts (MXFP4 dequantized)
     "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (`config_mla`), softmax-routed experts
     "DeepseekV3ForCausalLM": "deepseek_v3",  # ... sigmoid-routed (Kimi K2, Moonlight); MTP layers not read

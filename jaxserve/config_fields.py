@@ -219,7 +219,7 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
         num_experts=d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0,
         num_experts_per_tok=d.get("num_experts_per_tok", 2),
         # Mixtral's and Granite's experts have the config's MLP width; the others declare theirs apart.
-        moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "gpt_oss", "olmoe", "minimax_m2")
+        moe_intermediate_size=d["intermediate_size"] if family in ("mixtral", "gpt_oss", "olmoe", "flex_olmo", "minimax_m2")
         or family.startswith("granite") else d["moe_intermediate_size"],
         # Granite, gpt-oss: a softmax over the top-k logits, which is the renormalized top-k of the softmax.
         norm_topk_prob=family in ("mixtral", "gpt_oss", "minimax_m2") or family.startswith("granite")
@@ -280,7 +280,7 @@ def moe_hf(cfg: Any) -> dict[str, Any]:
                  topk_group=cfg.expert_topk_groups, routed_scaling_factor=cfg.routed_scaling_factor,
                  first_k_dense_replace=cfg.first_dense_layers)
         return {**d, "use_qk_norm": cfg.qk_norm, "num_nextn_predict_layers": 0} if cfg.family == "glm4_moe" else d
-    if cfg.family == "olmoe":  # (its experts are as wide as `intermediate_size` says)
+    if cfg.family in ("olmoe", "flex_olmo"):  # (their experts are as wide as `intermediate_size` says)
         return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
                 "intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob}
     d.update(num_experts=cfg.num_experts, decoder_sparse_step=1, mlp_only_layers=[])

@@ -73,6 +73,10 @@ FAMILIES = {
     # OLMoE: q and k normed over all their heads (OLMo's), softmax top-k not renormalized.
     "olmoe": ("OlmoeConfig", {**MOE, "num_experts": 8, "intermediate_size": 32, "norm_topk_prob": False,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # FlexOlmo: OLMo 2's layers (norms after attention and the MLP only, q and k normed over all their heads) with
+    # OLMoE's experts.
+    "flex_olmo": ("FlexOlmoConfig", {**MOE, "num_experts": 8, "intermediate_size": 32, "norm_topk_prob": False,
+                                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # gpt-oss: attention sinks, every other layer windowed (8 of the 40-token prompt), YaRN unrounded; a biased
     # router (top-k logits softmaxed) and biased experts packed input-major, gate and up columns interleaved, their
     # SwiGLU clamped at 1.0 (the random weights cross it).
@@ -117,7 +121,8 @@ def test_moe_logits_match_transformers(tiny_moe):
 def test_moe_config_parsing_per_family(tiny_moe):
     family, path, _ = tiny_moe
     cfg = HFDirectory(path).config()
-    assert cfg.norm_topk_prob is (family not in ("qwen2_moe", "dots1", "olmoe"))
+    assert cfg.norm_topk_prob is (family not in ("qwen2_moe", "dots1", "olmoe", "flex_olmo"))
+    assert cfg.output_norms is (family == "flex_olmo") and cfg.input_norms is (family != "flex_olmo")
     o = FAMILIES[family][1]
     shared = o.get("n_shared_experts", o.get("moe_num_shared_experts", o.get("num_shared_experts", 0))) * o.get(
         "moe_intermediate_size", 0)
@@ -220,6 +225,11 @@ def test_loaded_moe_params_have_experts_stacked(tiny_moe):
     assert (params.layers.ws_gate is not None) is (family in ("qwen2_moe", "granitemoeshared", "granitemoehybrid",
                                                               "glm4_moe", "ernie4_5_moe", "dots1", "hy_v3"))
     assert (params.layers.ws_mix is not None) is (family == "qwen2_moe")  # only Qwen's shared expert is gated
+    if family in ("olmoe", "flex_olmo"):  # (FlexOlmo's post norms and OLMoE's experts under their own names)
+        from tests.test_model_families import assert_written_back
+
+        assert_written_back(path, cfg, params)
+        assert ModelConfig.from_hf(cfg.to_hf()) == cfg
 
 
 # -- expert parallel on 8 simulated devices --------------------------------------------------------------
