@@ -22,7 +22,7 @@ GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "gran
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
-                                  "afmoe", "flex_olmo",
+                                  "afmoe", "flex_olmo", "mimo_v2_flash",
                                   *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
@@ -117,6 +117,10 @@ class ModelConfig:
     attention_chunk: int | None = None  # Llama 4: "chunked_attention" layers see their chunk of positions only
     rope_qk_norm: bool = False  # rotated layers' q and k normed after the rotation (Hunyuan), with no weight (Llama 4)
     moe_latent_size: int = 0  # the experts' width in and out, projected to and from (Nemotron 3 Super); 0: hidden_size
+    # MiMo-V2-Flash: values `attention_value_dim` wide (0: head_dim; held padded with zeros to head_dim), attention's
+    # output times `attention_value_scale`.
+    attention_value_dim: int = 0
+    attention_value_scale: float = 1.0
     moe_runner: str = "auto"  # the experts' matmuls (`models.moe.moe_mlp`): auto (by the attention backend), xla, pallas
     # Multi-head latent attention (DeepSeek; 0: none): one latent of `kv_lora_rank` dims and one rotary key per
     # token; queries through a `q_lora_rank` bottleneck (0: none); values of `v_head_dim` dims (`config_mla`).
@@ -306,8 +310,14 @@ class ModelConfig:
 
     @property
     def attention_sinks(self) -> bool:
-        """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss)."""
-        return self.family == "gpt_oss"
+        """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss, MiMo-V2-Flash's windowed
+        layers: `sinks_in`)."""
+        return self.family in ("gpt_oss", "mimo_v2_flash")
+
+    def sinks_in(self, layer: int) -> bool:
+        """Whether `layer`'s checkpoint holds sinks (elsewhere its `LayerParams.sinks` row is -inf: none)."""
+        return self.attention_sinks and (self.family == "gpt_oss" or self.layer_types is not None
+                                         and self.layer_types[layer] == "sliding_attention")
 
     @property
     def output_bias(self) -> bool:

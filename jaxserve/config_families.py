@@ -9,7 +9,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
-                 "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo"]
+                 "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -62,5 +62,6 @@ HF_ARCHITECTURES: dict[str, Family] = {
     # an ungated shared MLP (`config_hunyuan`)
     "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "ExaoneMoeForCausalLM": "exaone_moe",  # K-EXAONE: EXAONE 4's attention, DeepSeek-V3's experts (`config_exaone_moe`)
+    "MiMoV2FlashForCausalLM": "mimo_v2_flash",  # windowed layers with sinks beside full ones, narrower values (`config_mimo`)
     "AfmoeForCausalLM": "afmoe",  # Arcee Trinity: gated attention, Gemma's four norms, sigmoid-routed experts (`config_afmoe`)
 }

@@ -21,6 +21,7 @@ from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_llama4 import llama4_hf
 from jaxserve.config_mamba import mamba_hf
+from jaxserve.config_mimo import mimo_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next_hf
@@ -53,7 +54,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["qkv_bias"] = cfg.attention_bias
     if cfg.num_experts and not cfg.kv_lora_rank:
         d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else exaone_moe_hf(cfg) if cfg.family == "exaone_moe"
-                 else afmoe_hf(cfg) if cfg.family == "afmoe" else fields.moe_hf(cfg))
+                 else afmoe_hf(cfg) if cfg.family == "afmoe" else mimo_hf(cfg) if cfg.family == "mimo_v2_flash"
+                 else fields.moe_hf(cfg))
     if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "bamba":
@@ -69,8 +71,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         if cfg.family not in ("mistral", "mixtral"):
             d["use_sliding_window"] = True
             d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
-    if cfg.family == "afmoe":  # (its NoPE layers are its global ones; its window as layer_types says)
-        d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "use_sliding_window", "max_window_layers")}
+    if cfg.family in ("afmoe", "mimo_v2_flash"):  # (AFMoE's NoPE layers its global ones; windows as layer_types says)
+        d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "use_sliding_window", "max_window_layers") and (
+            cfg.family == "afmoe" or k not in ("rope_theta", "partial_rotary_factor"))}  # (MiMo's: rope_parameters)
     if cfg.family == "olmo3":
         d.update(fields.olmo3_hf(cfg))
     if cfg.family == "gpt_oss":

@@ -23,6 +23,8 @@ from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
+from jaxserve.config_mimo import FAMILY as MIMO
+from jaxserve.config_mimo import mimo_kv_heads, mimo_layer_fields, mimo_moe_fields
 from jaxserve.config_mla import MLA_FAMILIES, mla_fields, mla_moe_fields
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.config_text import language_model
@@ -53,7 +55,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
             raise UnsupportedModelError(f"{family} with dense layers between the MoE layers (mlp_only_layers / "
                                         "decoder_sparse_step) is not supported")
     moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else
-           exaone_moe_fields(d) if family == "exaone_moe" else afmoe_moe_fields(d) if family == "afmoe" else (
+           exaone_moe_fields(d) if family == "exaone_moe" else afmoe_moe_fields(d) if family == "afmoe" else
+           mimo_moe_fields(d) if family == MIMO else (
         mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
     mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
     head_dim = mla.pop("head_dim", head_dim)
@@ -61,7 +64,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         sliding = fields.qwen_window(d)
     gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
-        if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else {})  # (layers that differ)
+        if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
+        if family == MIMO else {})  # (layers that differ)
     if gemma:
         sliding = d.get("sliding_window")
     quant = d.get("quantization_config") or {}
@@ -91,7 +95,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         intermediate_size=d["intermediate_size"],
         num_layers=d["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=1 if mla else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
+        num_kv_heads=1 if mla else mimo_kv_heads(d) if family == MIMO else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
         head_dim=head_dim,
         rms_norm_eps=float(d.get("layer_norm_eps" if family in COHERE_FAMILIES else "rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta if rope_theta is not None else 10000.0),

@@ -91,5 +91,5 @@ def test_afmoe_lora_refused_by_name(tiny):
 
     _, _, cfg, params = tiny
     loaded = type("Loaded", (), dict(params=params, config=cfg, plan=None, dtype=jnp.float32))()
-    with pytest.raises(LoRAError, match="AFMoE"):
+    with pytest.raises(LoRAError, match="afmoe"):
         with_lora_slots(loaded, 2, 4)

@@ -95,7 +95,7 @@ class LLMEngine:
         max_seqs = args.max_num_seqs
         batched = max(args.max_num_batched_tokens, max_seqs)
         self.scheduler = Scheduler(args.scheduler_config(max_model_len, states), num_pages)
-        backend, spec = resolve_attention_backend(args), args.speculative_config
+        backend, spec = resolve_attention_backend(args, None if cfg.kv_lora_rank else cfg.head_dim), args.speculative_config
         chunked = spec is not None and spec.chunked  # drafts verified as chunks, in mixed steps
         as_bits = backend == "xla"  # narrow pages as their bits: see attention.kv_storage_bits
         kv = (plan.allocate_kv if plan else functools.partial(KVCache.allocate, cfg))(

@@ -184,8 +184,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick) are not "
                         "supported")
-    if loaded.config.family == "afmoe":  # (its q_proj and gate_proj share `wq`, the adapters' q_proj the first)
-        raise LoRAError("LoRA adapters on AFMoE (Arcee Trinity) models are not supported")
+    if loaded.config.family in ("afmoe", "mimo_v2_flash"):  # (their attention's weights held in another layout)
+        raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()

@@ -17,6 +17,7 @@ from jaxserve.loader.keymap import (
     hf_target,
     split_packed,
 )
+from jaxserve.loader.mimo_keys import mimo_uniform
 from jaxserve.loader.quantized_keys import kept_module, projection_modules
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
 from jaxserve.models.quantized import QuantizedWeight, quantize
@@ -39,6 +40,8 @@ class WeightAssembler:
         name = canonical_name(name, self.cfg)
         scale = name.endswith(".weight_scale")
         weight_name = name.removesuffix("_scale") if scale else name
+        if self.cfg.family == "mimo_v2_flash":  # (its layers' heads and values made uniform)
+            tensor = mimo_uniform(weight_name, tensor, self.cfg)
         parts = split_packed(weight_name, tensor, self.cfg)
         if parts is not None:
             for part_name, part in parts:
@@ -74,8 +77,10 @@ class WeightAssembler:
     def _put(self, target: Target, info: ParamInfo, value: np.ndarray, part: str | None = None) -> None:
         """`value` into its place of `target`'s stacked array (of a quantized weight's `part`, "q" or "scale")."""
         if target.path not in self._arrays:
-            # (zeros: a hybrid layer without a mixer or an MLP leaves that part's norm row unread and unwritten)
-            self._arrays[target.path] = (np.zeros(info.shape, value.dtype) if part is None else QuantizedWeight(
+            # (zeros: a hybrid layer without a mixer or an MLP leaves that part's norm row unread and unwritten; -inf:
+            # a layer without sinks, MiMo-V2-Flash's full ones, has none)
+            fill = -np.inf if target.path.endswith("layers.sinks") else 0
+            self._arrays[target.path] = (np.full(info.shape, fill, value.dtype) if part is None else QuantizedWeight(
                 np.zeros(info.q.shape, info.q.dtype), np.zeros(info.scale.shape, np.float32)))
         array = self._arrays[target.path]
         array = array if part is None else getattr(array, part)
@@ -116,6 +121,9 @@ class WeightAssembler:
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        for path, info in self._decl.items():  # (sinks no layer of a stack holds: none)
+            if path.endswith("layers.sinks") and path not in self._arrays:
+                self._arrays[path] = np.full(info.shape, -np.inf, np.dtype(info.dtype or self.dtype))
         flat = {}
         for path in list(self._arrays):
             host = self._arrays.pop(path)  # drop our reference so host memory is freed as we go

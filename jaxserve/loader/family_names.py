@@ -2,7 +2,7 @@
 bias and shared expert (read as dots.llm1's), Llama 4's MLP and router (`feed_forward`, `feed_forward.router`: read
 as `mlp`, `mlp.gate`, and written back as its own), Hunyuan's q/k norms, router and shared MLP (`query_layernorm`,
 `key_layernorm`, `mlp.gate.wg`, `mlp.shared_mlp`: written back as its own), AFMoE's router, routing bias and MLP norms
-(read as DeepSeek-V3's and Gemma's, written back as its own)."""
+(read as DeepSeek-V3's and Gemma's, written back as its own), MiMo-V2-Flash's sinks (`attention_sink_bias`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ def family_name(name: str, cfg: Any) -> str:
         return _HUNYUAN_RE.sub(lambda m: _HUNYUAN_NAMES[m.group(1)], name)
     if cfg is not None and cfg.family == "afmoe":
         return _AFMOE_RE.sub(lambda m: _AFMOE_NAMES[m.group(1)], name)
+    if cfg is not None and cfg.family == "mimo_v2_flash":  # (its sinks under its own name)
+        return name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
     return name
 
 
@@ -39,7 +41,8 @@ def family_hf_name(name: str, cfg: Any) -> str:
     """The inverse of `family_name` for a family written back under its own names (Llama 4's, Hunyuan's, AFMoE's)."""
     if cfg.family == "llama4":
         return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
-    names = _HUNYUAN_NAMES if cfg.family in HUNYUAN_FAMILIES else _AFMOE_NAMES if cfg.family == "afmoe" else {}
+    names = _HUNYUAN_NAMES if cfg.family in HUNYUAN_FAMILIES else _AFMOE_NAMES if cfg.family == "afmoe" else {
+        "self_attn.attention_sink_bias": "self_attn.sinks"} if cfg.family == "mimo_v2_flash" else {}
     for theirs, ours in sorted(names.items(), key=lambda kv: -len(kv[1])):  # (the longest of ours first)
         name = name.replace("." + ours, "." + theirs)
     return name

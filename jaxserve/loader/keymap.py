@@ -34,6 +34,7 @@ from jaxserve.loader.granite_keys import (
     granite_shared,
 )
 from jaxserve.loader.mamba_keys import hybrid_hf_name, hybrid_layer_names, hybrid_name, hybrid_spec
+from jaxserve.loader.mimo_keys import mimo_written
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
 from jaxserve.loader.qwen3_next_keys import QWEN3_NEXT_FUSED_RE, qwen3_next_fused, qwen3_next_split
 
@@ -51,9 +52,9 @@ class Target:
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weight|bias))$")
 
-# Names some checkpoints carry that hold no parameter of ours: RoPE tables, a classification model's score head (read apart from the
-# backbone, by `jaxserve.engine.classifier`), ERNIE 4.5's and Qwen3-Next's multi-token prediction modules (`model.mtp*`,
-# `mtp.*`: read apart, by `models.mtp`), and the vision tower of an image-text model served as text.
+# Names some checkpoints carry that hold no parameter of ours: RoPE tables, a classification model's score head (read apart
+# by `jaxserve.engine.classifier`), ERNIE 4.5's and Qwen3-Next's multi-token prediction modules (`model.mtp*`, `mtp.*`:
+# read apart, by `models.mtp`; MiMo-V2-Flash's not read), the vision tower of an image-text model served as text.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]|^mtp\."
                       r"|^(model\.)?(vision_tower\.|vision_model\.|multi_modal_projector\.|mm_projector\.|connector\.|image_newline$"
                       r"|visual\.)")
@@ -202,7 +203,6 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 _XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp.act_fn.beta": (2, ()),
           "mlp.act_fn.eps": (3, ())}
 
-
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 # An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
@@ -323,7 +323,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         dense = cfg.dense_layer(i)
-        rests = list(_layer_targets(cfg, dense))
+        rests = [r for r in _layer_targets(cfg, dense) if r != "self_attn.sinks" or cfg.sinks_in(i)]
         names.extend(f"model.layers.{i}.{rest}" for rest in (
             rests if cfg.mamba is None else hybrid_layer_names(cfg, i, rests)))
         if cfg.hidden_act == "xielu":
@@ -358,8 +358,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    if cfg.family == "qwen3_next":
-        yield from qwen3_next_fused(pairs, cfg)
+    if cfg.family in ("qwen3_next", "mimo_v2_flash"):  # (Qwen3-Next's projections fused; MiMo's own heads and values)
+        yield from qwen3_next_fused(pairs, cfg) if cfg.family == "qwen3_next" else mimo_written(pairs, cfg)
         return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
         ((family_hf_name(hybrid_hf_name(name, cfg), cfg), t) for name, t in pairs))

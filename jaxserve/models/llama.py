@@ -196,6 +196,8 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
     if gate is not None:
         attn = attn * jax.nn.sigmoid(gate).astype(attn.dtype)
+    if cfg.attention_value_scale != 1.0:  # (MiMo-V2-Flash's values scaled: the output alike)
+        attn = attn * jnp.asarray(cfg.attention_value_scale, attn.dtype)
     return attn.reshape(attn.shape[0], -1), k_all, v_all
 
 
@@ -371,7 +373,7 @@ def forward(
         for layer in range(first):
             carry = one(layer, layer, carry)
         whole = (L - first) // period
-        carry = jax.lax.fori_loop(0, whole, group, carry)
+        carry = jax.lax.fori_loop(0, whole, group, carry) if whole else carry  # (none: a group's places past L)
         for layer in range(first + whole * period, L):  # past the last whole group
             carry = one(layer, layer, carry)
     carry = kept.keep(carry, cfg.num_layers)

@@ -1,0 +1,88 @@
+"""Xiaomi's MiMo-V2-Flash (`MiMoV2FlashForCausalLM`, `config_mimo`, `loader.mimo_keys`) against transformers: a tiny
+random model with a dense first layer (full attention, one KV head) and three MoE layers windowed at 8 keys (two KV
+heads and attention sinks each, their own rotary base), queries and keys 24 wide and values 16 (padded to 24 when
+held), a third of each head rotated, values scaled by 0.707. Logits of a 40-token prompt (and not them without the
+window, the sinks, the value scale or the windowed layers' rotary base), greedy tokens through the engine (chunked
+prefill past the window, batched decode), the checkpoint and config written back, LoRA refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.loader import HFDirectory, load_params  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    assert_written_back,
+    hf_logits,
+    random_prompt,
+    rel_err,
+    save_tiny_hf,
+)
+
+TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_group=2, topk_group=1,
+            sliding_window=8, rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.334},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.334}})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mimo")
+    model = save_tiny_hf("MiMoV2FlashConfig", path, **TINY)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def test_mimo_config_and_uniform_layers(tiny):
+    _, _, cfg, params = tiny
+    assert (cfg.family, cfg.num_kv_heads, cfg.head_dim, cfg.attention_value_dim, cfg.rotary_dims) == (
+        "mimo_v2_flash", 2, 24, 16, 8)
+    assert cfg.layer_types == ("full_attention",) + ("sliding_attention",) * 3 and cfg.sliding_window == 8
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.attention_value_scale) == (50000.0, 100.0, 0.707)
+    assert (cfg.first_dense_layers, cfg.router_scoring, cfg.expert_groups, cfg.shared_expert_intermediate_size) == (
+        1, "sigmoid", 2, 0)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    # The full layer: its one KV head held twice, no sinks; values padded with zeros, the output's extra rows zero.
+    wk = np.asarray(params.dense_layers.wk[0])  # [E, 2, 24]
+    np.testing.assert_array_equal(wk[:, 0], wk[:, 1])
+    assert np.isneginf(np.asarray(params.dense_layers.sinks)).all() and np.isfinite(np.asarray(params.layers.sinks)).all()
+    assert not np.asarray(params.layers.wv)[..., 16:].any() and not np.asarray(params.layers.wo)[:, :, 16:].any()
+
+
+def test_mimo_logits_match_transformers(tiny):
+    """Transformers' logits; without the window, the sinks, the value scale or the windowed layers' own rotary base,
+    they are not."""
+    _, model, cfg, params = tiny
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
+    for change in (dict(sliding_window=None), dict(attention_value_scale=1.0), dict(rope_local_theta=None)):
+        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+    no_sinks = dataclasses.replace(params, layers=dataclasses.replace(
+        params.layers, sinks=jnp.full_like(params.layers.sinks, -jnp.inf)))
+    assert rel_err(prompt_logits(cfg, no_sinks, ids), ref) > 1e-3
+
+
+def test_mimo_checkpoint_written_back_reads_the_same(tiny):
+    path, _, cfg, params = tiny
+    assert_written_back(path, cfg, params)
+
+
+def test_mimo_engine_greedy_equals_transformers(tiny):
+    """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
+    layers stacked (the dense full layer, then the windowed MoE layers)."""
+    from tests.modelrun import tiny_engine
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    _, model, cfg, params = tiny
+    assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
