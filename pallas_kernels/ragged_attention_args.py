@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 # The float8 formats a KV page may be stored in (one byte an element); the kernels upcast on load.
 FP8_KV_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -326,18 +327,28 @@ def combine_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, sinks: jax.Ar
     return jnp.sum(w[..., None] * acc, axis=0) / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
 
 
-def store_rows(out_refs, acc, m, denom, num_splits: int, sinks=None) -> None:
+def head_pieces(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """A head's dims as (offset, width) parts of power-of-two widths, widest first (96: (0, 64), (64, 32)): the
+    Triton lowering's blocks are powers of two."""
+    widths = [1 << b for b in reversed(range(head_dim.bit_length())) if head_dim >> b & 1]
+    return tuple((sum(widths[:i]), w) for i, w in enumerate(widths))
+
+
+def store_rows(out_refs, acc, m, denom, num_splits: int, sinks=None, pieces=None) -> None:
     """A program's end: with one split, its rows normalized into the one output ref (`sinks`: each row's
     attention-sink logit, in the denominator); else its unnormalized accumulator, row maxima and row sums, for
-    `combine_splits`."""
+    `combine_splits`. With `pieces` (`head_pieces`), `acc` is one accumulator a part, each stored to its dims."""
+    parts = tuple(zip(pieces, acc, strict=True)) if pieces is not None else (((0, acc.shape[1]), acc),)
     if num_splits == 1:
         (o_ref,) = out_refs
         if sinks is not None:
             denom = sink_denom(denom, m, sinks)
-        o_ref[...] = (acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
+        for (o, w), a in parts:
+            o_ref[:, pl.ds(o, w)] = (a / jnp.where(denom == 0.0, 1.0, denom)[:, None]).astype(o_ref.dtype)
     else:
         o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = acc
+        for (o, w), a in parts:
+            o_ref[:, pl.ds(o, w)] = a
         m_ref[...] = m
         l_ref[...] = denom
 

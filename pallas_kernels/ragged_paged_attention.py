@@ -30,6 +30,7 @@ from pallas_kernels.ragged_attention_args import (
     check_attention_args,
     clamp_last_key,
     combine_splits,
+    head_pieces,
     logits,
     mask_keys,
     next_pow2,
@@ -145,9 +146,10 @@ def _attention_kernel(
     start = blk_lo + split * per_split
     stop = jnp.minimum(blk_lo + num_blocks, start + per_split)
 
-    q = q_ref[...]  # [rows, D]
+    pieces = head_pieces(head_dim)  # (a head that is no power of two: in power-of-two parts, e.g. 192 = 128 + 64)
+    qs = [q_ref[:, pl.ds(o, w)] for o, w in pieces]  # [rows, w] each
     if not use_mma:
-        q = q.astype(jnp.float32)
+        qs = [q.astype(jnp.float32) for q in qs]
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
@@ -155,16 +157,18 @@ def _attention_kernel(
         slot = jnp.minimum(kv_pos // page_size, pages_per_seq - 1)
         page = jnp.clip(block_tables_ref[seq, slot], 0, num_pages - 1)  # page ids read from the table
         offset = kv_pos % page_size
-        k = k_pages_ref[page, offset, kv_head, :]  # [block_kv, D]
-        v = v_pages_ref[page, offset, kv_head, :]
-        if use_mma and k.dtype != q.dtype:  # narrower pages (float8): tensor-core dots in q's dtype
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        ks = [k_pages_ref[page, offset, kv_head, pl.ds(o, w)] for o, w in pieces]  # [block_kv, w] each
+        vs = [v_pages_ref[page, offset, kv_head, pl.ds(o, w)] for o, w in pieces]
+        if use_mma and ks[0].dtype != qs[0].dtype:  # narrower pages (float8): tensor-core dots in q's dtype
+            ks, vs = [k.astype(qs[0].dtype) for k in ks], [v.astype(qs[0].dtype) for v in vs]
         # Stale pages may hold anything; zero V past the sequence so 0 * garbage cannot poison the sum.
-        v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))
+        vs = [jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v)) for v in vs]
         if use_mma:
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = sum(lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    for q, k in zip(qs, ks, strict=True))
         else:
-            s = jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+            s = sum(jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
+                    for q, k in zip(qs, ks, strict=True))
         s = mask_keys(logits(s, sm_scale, soft_cap), kv_pos[None, :], row_pos[:, None], sliding_window,
                       None if row_last is None else row_last[:, None], chunk)
         s = jnp.where(row_valid[:, None], s, -jnp.inf)  # [rows, block_kv]
@@ -173,18 +177,18 @@ def _attention_kernel(
         p = jnp.exp(s - m_next[:, None])
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         if use_mma:
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            pv = [jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) for v in vs]
         else:
-            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-        return acc * alpha[:, None] + pv, m_next, l_next
+            pv = [jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1) for v in vs]
+        return tuple(a * alpha[:, None] + x for a, x in zip(acc, pv, strict=True)), m_next, l_next
 
     init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
+        tuple(jnp.zeros((rows, w), jnp.float32) for _, w in pieces),
         jnp.full((rows,), M_FLOOR, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
     acc, m, denom = lax.fori_loop(start, stop, body, init)
-    store_rows(out_refs, acc, m, denom, num_splits, None if sink_ref is None else sink_ref[...])
+    store_rows(out_refs, acc, m, denom, num_splits, None if sink_ref is None else sink_ref[...], pieces)
 
 
 def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads, group, kv_capacity):
@@ -244,8 +248,9 @@ def ragged_paged_attention(
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"the Pallas kernel needs a power-of-two head_dim, got {head_dim}")
+    if head_dim % 16:
+        raise ValueError(f"the Pallas kernel needs head_dim a multiple of 16 (read in power-of-two parts of 16 or "
+                         f"more), got {head_dim}")
     if num_tokens == 0:
         return jnp.zeros_like(q)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)

@@ -306,7 +306,8 @@ def test_compiled_runner_config_is_the_engine_default():
 
 def test_auto_backend_is_the_mosaic_kernels_on_hopper(monkeypatch):
     """`auto`: XLA on the CPU; on Hopper GPUs the Mosaic GPU kernels, but the generic kernel over float8 pages; on
-    other GPUs (or a mix) the generic kernel; XLA for heads that are no power of two; a named backend as named."""
+    other GPUs (or a mix) the generic kernel; XLA for heads the kernels do not read (not a multiple of 16); a named
+    backend as named."""
     from types import SimpleNamespace
 
     from jaxserve.engine.model_loading import resolve_attention_backend
@@ -322,8 +323,8 @@ def test_auto_backend_is_the_mosaic_kernels_on_hopper(monkeypatch):
     assert resolve_attention_backend(auto) == "pallas_mosaic"
     assert resolve_attention_backend(auto.replace(kv_cache_dtype="fp8")) == "pallas"
     assert resolve_attention_backend(auto.replace(attention_backend="pallas")) == "pallas"
-    assert resolve_attention_backend(auto, head_dim=192) == "xla" and resolve_attention_backend(auto, 128) == "pallas_mosaic"
-    assert resolve_attention_backend(auto.replace(attention_backend="pallas"), head_dim=96) == "pallas"
+    assert resolve_attention_backend(auto, head_dim=72) == "xla" and resolve_attention_backend(auto, 96) == "pallas_mosaic"
+    assert resolve_attention_backend(auto.replace(attention_backend="pallas"), head_dim=72) == "pallas"
     for capabilities in (("8.0",), ("10.0",), ("9.0", "8.9")):
         on("gpu", *capabilities)
         assert resolve_attention_backend(auto) == "pallas"

@@ -1,9 +1,10 @@
 """Xiaomi's MiMo-V2-Flash (`MiMoV2FlashForCausalLM`, `config_mimo`, `loader.mimo_keys`) against transformers: a tiny
 random model with a dense first layer (full attention, one KV head) and three MoE layers windowed at 8 keys (two KV
-heads and attention sinks each, their own rotary base), queries and keys 24 wide and values 16 (padded to 24 when
-held), a third of each head rotated, values scaled by 0.707. Logits of a 40-token prompt (and not them without the
-window, the sinks, the value scale or the windowed layers' rotary base), greedy tokens through the engine (chunked
-prefill past the window, batched decode), the checkpoint and config written back, LoRA refused by name."""
+heads and attention sinks each, their own rotary base), queries and keys 48 wide and values 32 (padded to 48 when
+held), a third of each head rotated, values scaled by 0.707. Logits of a 40-token prompt, in XLA and on the Pallas
+kernel (interpreted; its heads read as 32 + 16 dims, as 192 = 128 + 64), and not them without the window, the sinks,
+the value scale or the windowed layers' rotary base; greedy tokens through the engine (chunked prefill past the
+window, batched decode), the checkpoint and config written back."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.test_model_families import (  # noqa: E402
     save_tiny_hf,
 )
 
-TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=24, v_head_dim=16,
+TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=48, v_head_dim=32,
             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_group=2, topk_group=1,
             sliding_window=8, rope_parameters={
                 "full_attention": {"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.334},
@@ -46,17 +47,17 @@ def tiny(tmp_path_factory):
 def test_mimo_config_and_uniform_layers(tiny):
     _, _, cfg, params = tiny
     assert (cfg.family, cfg.num_kv_heads, cfg.head_dim, cfg.attention_value_dim, cfg.rotary_dims) == (
-        "mimo_v2_flash", 2, 24, 16, 8)
+        "mimo_v2_flash", 2, 48, 32, 16)
     assert cfg.layer_types == ("full_attention",) + ("sliding_attention",) * 3 and cfg.sliding_window == 8
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.attention_value_scale) == (50000.0, 100.0, 0.707)
     assert (cfg.first_dense_layers, cfg.router_scoring, cfg.expert_groups, cfg.shared_expert_intermediate_size) == (
         1, "sigmoid", 2, 0)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     # The full layer: its one KV head held twice, no sinks; values padded with zeros, the output's extra rows zero.
-    wk = np.asarray(params.dense_layers.wk[0])  # [E, 2, 24]
+    wk = np.asarray(params.dense_layers.wk[0])  # [E, 2, 48]
     np.testing.assert_array_equal(wk[:, 0], wk[:, 1])
     assert np.isneginf(np.asarray(params.dense_layers.sinks)).all() and np.isfinite(np.asarray(params.layers.sinks)).all()
-    assert not np.asarray(params.layers.wv)[..., 16:].any() and not np.asarray(params.layers.wo)[:, :, 16:].any()
+    assert not np.asarray(params.layers.wv)[..., 32:].any() and not np.asarray(params.layers.wo)[:, :, 32:].any()
 
 
 def test_mimo_logits_match_transformers(tiny):
@@ -66,6 +67,7 @@ def test_mimo_logits_match_transformers(tiny):
     ids = random_prompt()
     ref = hf_logits(model, ids)
     assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
+    assert rel_err(prompt_logits(cfg, params, ids, backend="pallas_interpret"), ref) < 1e-4
     for change in (dict(sliding_window=None), dict(attention_value_scale=1.0), dict(rope_local_theta=None)):
         assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
     no_sinks = dataclasses.replace(params, layers=dataclasses.replace(

@@ -72,14 +72,14 @@ def resolve_dtype(args: EngineArgs) -> Any:
 
 
 def resolve_attention_backend(args: EngineArgs, head_dim: int | None = None) -> str:
-    """The attention backend: "auto" is XLA on the CPU and for heads the kernels' power-of-two blocks do not fit
-    (`head_dim`: Phi-3-mini's 96, MiMo-V2-Flash's 192); on Hopper the Mosaic GPU kernels (`pallas_mosaic`; on an H200,
+    """The attention backend: "auto" is XLA on the CPU and for heads the kernels do not read (`head_dim` not a multiple
+    of 16; they read others in power-of-two parts); on Hopper the Mosaic GPU kernels (`pallas_mosaic`; on an H200,
     8k-token decode at 93% of the copy bandwidth against the generic kernel's 14%, 8k prefill at 73% of the bf16 matmul
     rate against 32%) but over float8 pages (the generic kernel, until the Mosaic ragged kernel's float8 form has run
     on a GPU); on other GPUs the generic kernel (`pallas`)."""
     if args.attention_backend != "auto":
         return args.attention_backend
-    if jax.default_backend() == "cpu" or head_dim is not None and head_dim & (head_dim - 1):
+    if jax.default_backend() == "cpu" or head_dim is not None and head_dim % 16:
         return "xla"
     hopper = all(getattr(d, "compute_capability", "").split(".")[0] == "9" for d in jax.local_devices())
     return "pallas_mosaic" if hopper and not args.kv_cache_dtype.startswith("fp8") else "pallas"

@@ -43,6 +43,11 @@ ATTENTION_CASES = [
     (512, 4, 64, 16, 3, 3, 64, jnp.bfloat16, AttentionTuning(), {"sliding_window": 256, "soft_cap": 30.0}),
     (64, 64, 32, 8, 3, 3, 64, jnp.float32, AttentionTuning(pad_rows_to_mma=True), {}),
     (128, 8, 16, 32, 8, 4, 128, jnp.float32, AttentionTuning(block_q=32, block_kv=64, num_kv_splits=4), {}),
+    # Heads that are no power of two, read in power-of-two parts: Phi-3-mini's decode (32 x 96), MiMo-V2-Flash's
+    # windowed prefill (64 heads over 8, 192 wide) and long decode (KV splits).
+    (32, 32, 256, 16, 32, 1, 96, jnp.bfloat16, AttentionTuning(), {}),
+    (2048, 1, 128, 16, 8, 8, 192, jnp.bfloat16, AttentionTuning(), {"sliding_window": 128}),
+    (1, 1, 2048, 16, 8, 8, 192, jnp.bfloat16, AttentionTuning(), {}),
 ]
 
 
