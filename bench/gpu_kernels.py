@@ -63,6 +63,8 @@ DRAFT_TOKENS = 5  # the drafts rows: a request's token and its 4 drafts, verifie
 MODELS = (Heads("smollm2", 9, 3, 64), Heads("llama3-8b", 32, 8, 128))
 WIDE = Heads("gemma2-2b", 8, 4, 256)  # 256-wide heads: the Mosaic decode kernel's split partials in bfloat16
 GPT_OSS = Heads("gpt-oss", 64, 8, 64)  # its attention sinks: a logit per head in every softmax
+# Heads that are no power of two, read by the generic kernel in power-of-two parts (the Mosaic GPU kernels: 192 only)
+PHI3, MIMO = Heads("phi3-mini", 32, 32, 96), Heads("mimo-v2-flash", 64, 8, 192)
 
 
 def timeit(fn, arg_sets, rounds=5, min_calls=3, target_s=0.05) -> float:
@@ -214,13 +216,14 @@ def main() -> int:
     llama, smollm = MODELS[1], MODELS[0]
     # Rows in order of what they decide, so that the time budget cuts the least telling ones: the targets
     # (decode at batch >= 32 with 8k context, prefill), the mixed step (which decides `split_mixed`), float8
-    # pages, the windowed decode, 256-wide heads, then the rest of the decode grid.
+    # pages, the windowed decode, 256-wide heads and heads in parts, then the rest of the decode grid.
     target = [(h, "decode", b, 8192) for h in (llama, smollm) for b in (32, 256)]
     target += [(h, "prefill", 1, t) for h in (llama, smollm) for t in (2048, 8192)]
     fp8 = [(h, "fp8", b, 8192) for h in (llama, smollm) for b in (32, 256)] + [(llama, "fp8_prefill", 1, 8192)]
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
-    wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768)]
+    wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768), (PHI3, "decode", 32, 8192),
+            (MIMO, "decode", 32, 8192), (MIMO, "prefill", 1, 8192)]
     drafts = [(h, "drafts", 4, 8192) for h in (llama, smollm)]
     images = [(WIDE, "images", 1, 4096), (GPT_OSS, "sinks", 32, 8192), (GPT_OSS, "sinks", 1, 4096)]
     by_group = dict(targets=target, mixed=[(llama, "mixed", 32, 8192)], drafts=drafts, fp8=fp8,
@@ -233,7 +236,7 @@ def main() -> int:
                 (GPT_OSS, "sinks", 1, 1024)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
-    fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE, GPT_OSS)}
+    fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE, GPT_OSS, PHI3, MIMO)}
     for heads, kind, batch, ctx in rows:
         label = f"{heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}) {kind} b={batch:3d} ctx={ctx:5d}"
         if time.perf_counter() - start > args.budget_s:
