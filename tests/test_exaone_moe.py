@@ -5,23 +5,17 @@ prefill past the window, batched decode), the checkpoint and config written back
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig  # noqa: E402
-from jaxserve.loader import HFDirectory, load_params  # noqa: E402
-from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
+    assert_engine_greedy,
+    assert_logits_match,
     assert_written_back,
-    hf_logits,
-    random_prompt,
-    rel_err,
-    save_tiny_hf,
+    tiny_loaded,
 )
 
 TINY = dict(num_hidden_layers=5, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -31,11 +25,7 @@ TINY = dict(num_hidden_layers=5, head_dim=16, num_experts=8, num_experts_per_tok
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("exaone_moe")
-    model = save_tiny_hf("ExaoneMoeConfig", path, **TINY)
-    ckpt = HFDirectory(path)
-    cfg = ckpt.config()
-    return path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+    return tiny_loaded(tmp_path_factory, "ExaoneMoeConfig", "exaone_moe", **TINY)
 
 
 def test_exaone_moe_config(tiny):
@@ -51,11 +41,7 @@ def test_exaone_moe_config(tiny):
 def test_exaone_moe_logits_match_transformers(tiny):
     """Transformers' logits; without the window, or with the global layer rotated, they are not."""
     _, model, cfg, params = tiny
-    ids = random_prompt()
-    ref = hf_logits(model, ids)
-    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
-    for change in (dict(sliding_window=None), dict(no_rope_layers=None)):
-        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+    assert_logits_match(model, cfg, params, dict(sliding_window=None), dict(no_rope_layers=None))
 
 
 def test_exaone_moe_checkpoint_written_back_reads_the_same(tiny):
@@ -66,8 +52,5 @@ def test_exaone_moe_checkpoint_written_back_reads_the_same(tiny):
 def test_exaone_moe_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
     layers stacked (the dense layer, then the MoE stack in groups of four)."""
-    from tests.modelrun import tiny_engine
-    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
-
     _, model, cfg, params = tiny
-    assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert_engine_greedy(model, cfg, params, "scan")

@@ -4,23 +4,17 @@ MoE model's greedy tokens through the engine, the checkpoints and configs writte
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
-from jaxserve.loader import HFDirectory, load_params  # noqa: E402
-from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
+    assert_engine_greedy,
+    assert_logits_match,
     assert_written_back,
-    hf_logits,
-    random_prompt,
-    rel_err,
-    save_tiny_hf,
+    tiny_loaded,
 )
 
 ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}
@@ -31,11 +25,7 @@ FAMILIES = {"hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def tiny(request, tmp_path_factory):
     cls, extra = FAMILIES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
-    model = save_tiny_hf(cls, path, head_dim=16, rope_parameters=ROPE, **extra)
-    ckpt = HFDirectory(path)
-    cfg = ckpt.config()
-    return request.param, path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+    return request.param, *tiny_loaded(tmp_path_factory, cls, request.param, head_dim=16, rope_parameters=ROPE, **extra)
 
 
 def test_hunyuan_config(tiny):
@@ -57,11 +47,7 @@ def test_hunyuan_config(tiny):
 def test_hunyuan_logits_match_transformers(tiny):
     """Transformers' logits; normed before the rotation, or with the base unstretched, they are not."""
     _, _, model, cfg, params = tiny
-    ids = random_prompt()
-    ref = hf_logits(model, ids)
-    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
-    for change in (dict(rope_qk_norm=False), dict(rope_theta=10000.0)):
-        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+    assert_logits_match(model, cfg, params, dict(rope_qk_norm=False), dict(rope_theta=10000.0))
 
 
 def test_hunyuan_checkpoint_written_back_reads_the_same(tiny):
@@ -73,8 +59,5 @@ def test_hunyuan_checkpoint_written_back_reads_the_same(tiny):
 @pytest.mark.parametrize("tiny", ["hunyuan_v1_moe"], indirect=True)
 def test_hunyuan_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step, then decoded together."""
-    from tests.modelrun import tiny_engine
-    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
-
     _, _, model, cfg, params = tiny
-    assert _greedy(tiny_engine(cfg, params)) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert_engine_greedy(model, cfg, params)

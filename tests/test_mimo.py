@@ -18,14 +18,13 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig  # noqa: E402
-from jaxserve.loader import HFDirectory, load_params  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
+    assert_engine_greedy,
+    assert_logits_match,
     assert_written_back,
-    hf_logits,
-    random_prompt,
     rel_err,
-    save_tiny_hf,
+    tiny_loaded,
 )
 
 TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=48, v_head_dim=32,
@@ -37,11 +36,7 @@ TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, h
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mimo")
-    model = save_tiny_hf("MiMoV2FlashConfig", path, **TINY)
-    ckpt = HFDirectory(path)
-    cfg = ckpt.config()
-    return path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+    return tiny_loaded(tmp_path_factory, "MiMoV2FlashConfig", "mimo", **TINY)
 
 
 def test_mimo_config_and_uniform_layers(tiny):
@@ -64,12 +59,8 @@ def test_mimo_logits_match_transformers(tiny):
     """Transformers' logits; without the window, the sinks, the value scale or the windowed layers' own rotary base,
     they are not."""
     _, model, cfg, params = tiny
-    ids = random_prompt()
-    ref = hf_logits(model, ids)
-    assert rel_err(prompt_logits(cfg, params, ids), ref) < 1e-4
-    assert rel_err(prompt_logits(cfg, params, ids, backend="pallas_interpret"), ref) < 1e-4
-    for change in (dict(sliding_window=None), dict(attention_value_scale=1.0), dict(rope_local_theta=None)):
-        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+    ids, ref = assert_logits_match(model, cfg, params, dict(sliding_window=None), dict(attention_value_scale=1.0),
+                                   dict(rope_local_theta=None), backends=("xla", "pallas_interpret"))
     no_sinks = dataclasses.replace(params, layers=dataclasses.replace(
         params.layers, sinks=jnp.full_like(params.layers.sinks, -jnp.inf)))
     assert rel_err(prompt_logits(cfg, no_sinks, ids), ref) > 1e-3
@@ -83,8 +74,5 @@ def test_mimo_checkpoint_written_back_reads_the_same(tiny):
 def test_mimo_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together, the
     layers stacked (the dense full layer, then the windowed MoE layers)."""
-    from tests.modelrun import tiny_engine
-    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
-
     _, model, cfg, params = tiny
-    assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert_engine_greedy(model, cfg, params, "scan")

@@ -58,6 +58,40 @@ def save_tiny_hf(config_cls: str, path, dtype: str = "float32", max_shard_size: 
     return model.float().eval()
 
 
+def tiny_loaded(tmp_path_factory, config_cls: str, name: str, **overrides) -> tuple:
+    """A tiny random model of `transformers.<config_cls>` saved in a fresh folder (`save_tiny_hf`): (its path, the
+    torch model, our config of it, our float32 parameters read from it)."""
+    path = tmp_path_factory.mktemp(name)
+    model = save_tiny_hf(config_cls, path, **overrides)
+    ckpt = HFDirectory(path)
+    cfg = ckpt.config()
+    return path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
+
+
+def assert_logits_match(model, cfg, params, *changes: dict, backends=("xla",)) -> tuple[list[int], np.ndarray]:
+    """Our logits of a random prompt are the torch `model`'s (relative error under 1e-4) on each attention backend;
+    with each config change in `changes` they are not (over 1e-3), so each one is needed. (ids, the reference)."""
+    import dataclasses
+
+    ids = random_prompt()
+    ref = hf_logits(model, ids)
+    for backend in backends:
+        assert rel_err(prompt_logits(cfg, params, ids, backend=backend), ref) < 1e-4, backend
+    for change in changes:
+        assert rel_err(prompt_logits(dataclasses.replace(cfg, **change), params, ids), ref) > 1e-3, change
+    return ids, ref
+
+
+def assert_engine_greedy(model, cfg, params, loop: str = "auto", backend: str = "auto") -> None:
+    """The engine's greedy tokens are the torch `model`'s: prompts of 21 and 13 tokens prefilled 16 tokens a step,
+    then decoded together (`test_engine_gemma.PROMPTS`)."""
+    from tests.modelrun import tiny_engine
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    assert _greedy(tiny_engine(cfg, params, loop, backend=backend)) == [hf_greedy(model, p, NEW_TOKENS)
+                                                                         for p in PROMPTS]
+
+
 def random_prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
     return np.random.default_rng(seed).integers(0, VOCAB, n).tolist()
 
