@@ -27,6 +27,36 @@ def mimo_layer_types(d: dict[str, Any]) -> tuple[str, ...]:
                                           for i in range(n)])
 
 
+def mimo_hub_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A MiMo-V2-Flash config in the form its released checkpoints use (`hybrid_layer_pattern`, `moe_layer_freq`,
+    `swa_*` keys, `sliding_window_size`) as the transformers form the rest reads; any other config as it is. The
+    windowed layers must have the full ones' query heads and widths and twice their KV heads, sinks only on the
+    windowed layers, and no shared expert (as every released model)."""
+    if d.get("model_type") != FAMILY or "hybrid_layer_pattern" not in d:
+        return d
+    n, kv = d["num_hidden_layers"], d["num_key_value_heads"]
+    want = {"swa_num_attention_heads": d["num_attention_heads"], "swa_num_key_value_heads": 2 * kv,
+            "swa_head_dim": d.get("head_dim"), "swa_v_head_dim": d.get("v_head_dim"),
+            "add_swa_attention_sink_bias": True, "add_full_attention_sink_bias": False}
+    for key, value in want.items():
+        if d.get(key, value) != value:
+            raise UnsupportedModelError(f"MiMo-V2-Flash with {key} {d[key]!r} is not supported (jaxserve serves "
+                                        f"{value!r})")
+    if d.get("n_shared_experts"):
+        raise UnsupportedModelError("MiMo-V2-Flash with shared experts is not supported")
+    partial = d.get("partial_rotary_factor", 1.0)
+    rope = lambda theta: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}  # noqa: E731
+    out = {k: v for k, v in d.items() if k not in ("hybrid_layer_pattern", "moe_layer_freq", "sliding_window_size")}
+    out.update(layer_types=["sliding_attention" if p else "full_attention" for p in d["hybrid_layer_pattern"]],
+               mlp_layer_types=["sparse" if f else "dense" for f in d.get("moe_layer_freq") or [0] + [1] * (n - 1)],
+               rope_parameters={"full_attention": rope(d.get("rope_theta", 5e6)),
+                                "sliding_attention": rope(d.get("swa_rope_theta", 1e4))},
+               rms_norm_eps=d.get("layernorm_epsilon", d.get("rms_norm_eps", 1e-5)))
+    if d.get("sliding_window_size") is not None:  # (it attends that many keys before the query: transformers' + 1)
+        out["sliding_window"] = d["sliding_window_size"] + 1
+    return out
+
+
 def _rope(d: dict[str, Any], kind: str) -> dict[str, Any]:
     rope = d.get("rope_parameters") or {}
     return rope.get(kind) or {}

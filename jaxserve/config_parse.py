@@ -24,7 +24,7 @@ from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_mo
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
 from jaxserve.config_mimo import FAMILY as MIMO
-from jaxserve.config_mimo import mimo_kv_heads, mimo_layer_fields, mimo_moe_fields
+from jaxserve.config_mimo import mimo_hub_config, mimo_kv_heads, mimo_layer_fields, mimo_moe_fields
 from jaxserve.config_mla import MLA_FAMILIES, mla_fields, mla_moe_fields
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.config_text import language_model
@@ -36,7 +36,7 @@ from jaxserve.rope import RopeScaling
 def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     """See `ModelConfig.from_hf`."""
     d = llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d)))))))))
-    d = hunyuan_config(d)
+    d = mimo_hub_config(hunyuan_config(d))
     archs = d.get("architectures") or []
     family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
         or _HF_MODEL_TYPES.get(d.get("model_type", ""))

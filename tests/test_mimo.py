@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     assert_engine_greedy,
@@ -76,3 +76,19 @@ def test_mimo_engine_greedy_equals_transformers(tiny):
     layers stacked (the dense full layer, then the windowed MoE layers)."""
     _, model, cfg, params = tiny
     assert_engine_greedy(model, cfg, params, "scan")
+
+
+def test_mimo_released_config_form_reads_as_transformers_form(tiny):
+    """The released checkpoints' config keys (`hybrid_layer_pattern`, `moe_layer_freq`, `swa_*`, a window of the keys
+    before the query) give the same config; forms jaxserve does not serve are refused by name."""
+    _, _, cfg, _ = tiny
+    hub = {k: v for k, v in cfg.to_hf().items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters")}
+    hub.update(hybrid_layer_pattern=[0, 1, 1, 1], moe_layer_freq=[0, 1, 1, 1], sliding_window_size=7,
+               swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=48, swa_v_head_dim=32,
+               rope_theta=50000.0, swa_rope_theta=100.0, partial_rotary_factor=0.334, add_swa_attention_sink_bias=True,
+               add_full_attention_sink_bias=False, layernorm_epsilon=cfg.rms_norm_eps)
+    del hub["sliding_window"]
+    assert ModelConfig.from_hf(hub) == cfg
+    for key, value in (("swa_num_key_value_heads", 3), ("add_full_attention_sink_bias", True), ("swa_head_dim", 64)):
+        with pytest.raises(UnsupportedModelError, match=key):
+            ModelConfig.from_hf({**hub, key: value})
