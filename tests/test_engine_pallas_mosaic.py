@@ -57,9 +57,11 @@ def _check(out, batch, sm_scale, **scores):
         (16, 256, 2, 1, [200, 1, 64], 4, jnp.bfloat16, 2),
         # 256-wide float8 pages: each block upcast in 64 x 128 chunks.
         (16, 256, 2, 1, [130, 9], 1, jnp.float8_e4m3fn, 2),
+        # 192-wide heads (MiMo-V2-Flash's), group 8, with splits.
+        (16, 192, 8, 1, [130, 9, 64], 2, jnp.bfloat16, 2),
     ],
     ids=["bf16-smollm", "bf16-llama-splits", "bf16-4-stages", "e4m3-smollm-3-stages", "e5m2-llama-splits",
-         "bf16-256-splits", "e4m3-256"],
+         "bf16-256-splits", "e4m3-256", "bf16-192-group8"],
 )
 def test_mosaic_decode_kernel_matches_oracle(page_size, head_dim, group, kv_heads, kv_lens, splits, kv_dtype,
                                              stages):

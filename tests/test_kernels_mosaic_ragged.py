@@ -53,8 +53,9 @@ def _check(out, batch, sm_scale, **scores):
         (8, 128, 4, 2, jnp.bfloat16),  # Llama-3-8B heads: 16 tokens per block, 8 page copies per KV block
         (16, 64, 1, 2, jnp.float8_e4m3fn),  # MHA: 64 tokens per block; float8 pages upcast in SMEM
         (16, 64, 8, 1, jnp.float8_e5m2),  # 8 tokens per block
+        (16, 192, 8, 1, jnp.bfloat16),  # MiMo-V2-Flash's 192-wide heads
     ],
-    ids=["smollm", "llama-8-token-pages", "mha-e4m3", "group8-e5m2"],
+    ids=["smollm", "llama-8-token-pages", "mha-e4m3", "group8-e5m2", "mimo-192"],
 )
 def test_ragged_mosaic_matches_oracle(page_size, head_dim, group, kv_heads, kv_dtype):
     rng = np.random.default_rng(page_size * group + head_dim)
