@@ -31,9 +31,15 @@ def mimo_hub_config(d: dict[str, Any]) -> dict[str, Any]:
     """A MiMo-V2-Flash config in the form its released checkpoints use (`hybrid_layer_pattern`, `moe_layer_freq`,
     `swa_*` keys, `sliding_window_size`) as the transformers form the rest reads; any other config as it is. The
     windowed layers must have the full ones' query heads and widths and twice their KV heads, sinks only on the
-    windowed layers, and no shared expert (as every released model)."""
-    if d.get("model_type") != FAMILY or "hybrid_layer_pattern" not in d:
+    windowed layers, and no shared expert (as every released model). A config in transformers' form without
+    `rope_parameters` gets transformers' defaults (bases 5e6 and 1e4, a third of each head rotated)."""
+    if d.get("model_type") != FAMILY and "MiMoV2FlashForCausalLM" not in (d.get("architectures") or []):
         return d
+    if "hybrid_layer_pattern" not in d:
+        default = {"full_attention": 5e6, "sliding_attention": 1e4}
+        return d if d.get("rope_parameters") else {**d, "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.334}
+            for kind, theta in default.items()}}
     n, kv = d["num_hidden_layers"], d["num_key_value_heads"]
     want = {"swa_num_attention_heads": d["num_attention_heads"], "swa_num_key_value_heads": 2 * kv,
             "swa_head_dim": d.get("head_dim"), "swa_v_head_dim": d.get("v_head_dim"),

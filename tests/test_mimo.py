@@ -92,3 +92,6 @@ def test_mimo_released_config_form_reads_as_transformers_form(tiny):
     for key, value in (("swa_num_key_value_heads", 3), ("add_full_attention_sink_bias", True), ("swa_head_dim", 64)):
         with pytest.raises(UnsupportedModelError, match=key):
             ModelConfig.from_hf({**hub, key: value})
+    # transformers' form without rope_parameters: its defaults (bases 5e6 and 1e4, a third of each head rotated)
+    bare = ModelConfig.from_hf({k: v for k, v in cfg.to_hf().items() if k != "rope_parameters"})
+    assert (bare.rope_theta, bare.rope_local_theta, bare.rotary_dims) == (5e6, 1e4, 16)
