@@ -85,6 +85,18 @@ def _common(spec, S: int, kv_dtype=DTYPE, cfg: ModelConfig = SMOLLM2):
     return params, kv, sampling, pen, spec((), jnp.bool_)
 
 
+def model_inputs(spec, cfg: ModelConfig, num_pages: int, S: int) -> tuple:
+    """A model's own step inputs, abstract: its stacked parameters, a pool of `num_pages` pages of its entries,
+    sampling and penalty inputs for S rows, the top-k flag; and the pool's bytes."""
+    params = _abstract(spec, abstract_params(cfg, DTYPE))
+    k_dim, v_dim = cfg.kv_cache_dims
+    shape = (cfg.num_layers, num_pages, RC.page_size, cfg.num_kv_heads)
+    kv = KVCache(k=spec((*shape, k_dim), DTYPE), v=spec((*shape, v_dim), DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    return params, kv, sampling, pen, spec((), jnp.bool_), num_pages * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE)
+
+
 def _kv_pool_bytes(kv_dtype=DTYPE) -> int:
     """K and V of every layer: ~91 GB in bfloat16."""
     return RC.num_pages * KVCache.bytes_per_page(SMOLLM2, RC.page_size, kv_dtype)

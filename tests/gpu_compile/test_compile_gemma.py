@@ -20,7 +20,7 @@ from jaxserve.engine.runner import decode_loop, default_layer_loop, mixed_step
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.params import abstract_params
-from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state
+from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state, model_inputs
 
 GEMMA2 = ModelConfig(
     family="gemma2", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=5, num_heads=8,
@@ -34,12 +34,7 @@ NUM_PAGES = 32768  # 16-token pages: 10.7 GB of bfloat16 K and V over the 5 laye
 
 def _inputs(spec, S: int):
     assert default_layer_loop("pallas_mosaic") == "scan" and GEMMA2.layer_period == 2
-    params = _abstract(spec, abstract_params(GEMMA2, DTYPE))  # stacked, as the engine keeps them on a GPU
-    shape = (GEMMA2.num_layers, NUM_PAGES, RC.page_size, GEMMA2.num_kv_heads, GEMMA2.head_dim)
-    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
-    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, GEMMA2.vocab_size, []))
-    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
-    return params, kv, sampling, pen, spec((), jnp.bool_)
+    return model_inputs(spec, GEMMA2, NUM_PAGES, S)[:5]  # (parameters stacked, as the engine keeps them on a GPU)
 
 
 POOL_BYTES = NUM_PAGES * KVCache.bytes_per_page(GEMMA2, RC.page_size, DTYPE)

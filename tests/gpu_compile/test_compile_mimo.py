@@ -16,12 +16,9 @@ import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.logprobs import PromptLogprobInputs
-from jaxserve.engine.penalties import PenaltyInputs
 from jaxserve.engine.runner import decode_loop, mixed_step
-from jaxserve.engine.sampler import SamplingTensors
-from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.params import abstract_params
-from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state
+from jaxserve.models.inputs import ModelInputs
+from tests.gpu_compile.test_compile_engine import RC, _abstract, _compile, decode_state, model_inputs
 
 MIMO = ModelConfig.from_hf({
     "architectures": ["MiMoV2FlashForCausalLM"], "model_type": "mimo_v2_flash", "vocab_size": 152576,
@@ -35,13 +32,7 @@ NUM_PAGES = 16384  # 16-token pages: 5.6 GB of bfloat16 K and V over the 7 layer
 def test_mimo_steps_compile_for_sm90(spec):
     assert (MIMO.num_kv_heads, MIMO.head_dim, MIMO.attention_value_dim, MIMO.rotary_dims) == (8, 192, 128, 64)
     T, S = RC.token_buckets[-1], RC.max_num_seqs
-    params = _abstract(spec, abstract_params(MIMO, DTYPE))
-    shape = (MIMO.num_layers, NUM_PAGES, RC.page_size, MIMO.num_kv_heads, MIMO.head_dim)
-    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
-    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, MIMO.vocab_size, []))
-    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
-    want_top = spec((), jnp.bool_)
-    pool_bytes = NUM_PAGES * KVCache.bytes_per_page(MIMO, RC.page_size, DTYPE)
+    params, kv, sampling, pen, want_top, pool_bytes = model_inputs(spec, MIMO, NUM_PAGES, S)
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
     step = functools.partial(mixed_step, cfg=MIMO, backend="pallas_mosaic", top_k=RC.max_logprobs, hidden=True)
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),

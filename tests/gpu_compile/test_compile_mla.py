@@ -21,7 +21,7 @@ from jaxserve.engine.runner import decode_loop, mixed_step
 from jaxserve.engine.sampler import SamplingTensors
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.params import abstract_params
-from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state
+from tests.gpu_compile.test_compile_engine import DTYPE, RC, _abstract, _compile, decode_state, model_inputs
 
 V2_LITE = ModelConfig.from_hf({
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -51,14 +51,7 @@ V32 = ModelConfig.from_hf({
 def test_mla_steps_compile_for_sm90(spec, cfg):
     assert cfg.kv_cache_dims == ((704 if cfg.index_topk else 576), 0) and cfg.num_kv_heads == 1
     T, S = RC.token_buckets[-1], RC.max_num_seqs
-    params = _abstract(spec, abstract_params(cfg, DTYPE))
-    k_dim, v_dim = cfg.kv_cache_dims
-    shape = (cfg.num_layers, NUM_PAGES, RC.page_size, cfg.num_kv_heads)
-    kv = KVCache(k=spec((*shape, k_dim), DTYPE), v=spec((*shape, v_dim), DTYPE))
-    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
-    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
-    want_top = spec((), jnp.bool_)
-    pool_bytes = NUM_PAGES * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE)
+    params, kv, sampling, pen, want_top, pool_bytes = model_inputs(spec, cfg, NUM_PAGES, S)
     host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
     step = functools.partial(mixed_step, cfg=cfg, backend="pallas", top_k=RC.max_logprobs, hidden=True)
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
