@@ -132,6 +132,7 @@ class ModelConfig:
     index_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_shared_layers: tuple[int, ...] = ()  # GLM-5.2's: layers that reuse the last indexer layer's choice
     mamba: MambaConfig | None = None  # a hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba`); None: none
 
     @property

@@ -42,26 +42,29 @@ def mla_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dsa_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
-    """The indexer's fields of a DeepSeek-V3.2 / GLM-5 config; GLM's layers that reuse an earlier layer's choice
-    (`indexer_types` "shared", as transformers derives them) refused by name."""
+    """The indexer's fields of a DeepSeek-V3.2 / GLM-5 config; GLM's layers that reuse the last full layer's choice
+    (`indexer_types` "shared", as transformers derives them: GLM-5.2's IndexShare) as `index_shared_layers`."""
     L = int(d["num_hidden_layers"])
     types = d.get("indexer_types")
     if types is None and d.get("index_topk_pattern"):
-        types = ["full" if c == "F" else "shared" for c in d["index_topk_pattern"]]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in d["index_topk_pattern"]]
     elif types is None:
         freq, offset = max(int(d.get("index_topk_freq", 1)), 1), int(d.get("index_skip_topk_offset", 2))
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
-    if any(t != "full" for t in types):
-        raise UnsupportedModelError(f"{family} with layers sharing an earlier layer's top-k keys (indexer_types "
-                                    f"{types}) is not supported: every layer's indexer must be 'full'")
+    if len(types) != L or not set(types) <= {"full", "shared"} or types[0] != "full" or (
+            family != "glm_moe_dsa" and "shared" in types):
+        raise UnsupportedModelError(f"{family}'s indexer_types {types} must give 'full' (the layer's indexer chooses "
+                                    "its keys) or, in glm_moe_dsa, 'shared' (the last full layer's choice) for each "
+                                    f"of its {L} layers, the first 'full'")
     if not d.get("q_lora_rank"):
         raise UnsupportedModelError(f"{family} needs q_lora_rank: its indexer reads the queries' bottleneck")
     fields = dict(index_heads=int(d.get("index_n_heads", 64 if family == "deepseek_v32" else 32)),
                   index_head_dim=int(d.get("index_head_dim", 128)), index_topk=int(d.get("index_topk", 2048)))
+    shared = tuple(i for i, t in enumerate(types) if t == "shared")
     if min(fields.values()) <= 0 or fields["index_head_dim"] < int(d["qk_rope_head_dim"]):
         raise UnsupportedModelError(f"{family} needs positive index_n_heads, index_head_dim and index_topk, and "
                                     f"index_head_dim at least qk_rope_head_dim: {fields}")
-    return fields
+    return dict(fields, index_shared_layers=shared)
 
 
 def check_mla(cfg: Any) -> None:
@@ -70,9 +73,14 @@ def check_mla(cfg: Any) -> None:
         raise UnsupportedModelError(f"an MLA model needs kv_lora_rank ({cfg.kv_lora_rank}) and v_head_dim "
                                     f"({cfg.v_head_dim}) both positive; any other model, both 0")
     if not cfg.kv_lora_rank:
-        if cfg.index_topk:
+        if cfg.index_topk or cfg.index_shared_layers:
             raise UnsupportedModelError("an indexer (index_topk) picks keys for an MLA model's attention only")
         return
+    shared = cfg.index_shared_layers
+    if shared and (cfg.family != "glm_moe_dsa" or list(shared) != sorted(set(shared)) or shared[0] < 1
+                   or shared[-1] >= cfg.num_layers):
+        raise UnsupportedModelError(f"index_shared_layers {shared} (layers reusing the last full layer's choice of "
+                                    f"keys) must be ascending layers 1 to {cfg.num_layers - 1} of a glm_moe_dsa model")
     index = (cfg.index_heads, cfg.index_head_dim, cfg.index_topk)
     if (cfg.family in DSA_FAMILIES) != (min(index) > 0) or min(index) < 0 or (
             cfg.index_topk and (cfg.index_head_dim < cfg.rotary_dims or not cfg.q_lora_rank)):
@@ -138,6 +146,8 @@ def mla_hf(cfg: Any) -> dict[str, Any]:
         del d["first_k_dense_replace"]
     else:
         d.update(index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk)
+        if cfg.family == "glm_moe_dsa":
+            d["indexer_types"] = ["shared" if i in cfg.index_shared_layers else "full" for i in range(cfg.num_layers)]
     return d
 
 

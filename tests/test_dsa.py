@@ -100,8 +100,20 @@ def test_released_configs_parse():
 def test_refusals():
     transformers = pytest.importorskip("transformers")
     d = transformers.GlmMoeDsaConfig(num_hidden_layers=4).to_dict()
-    with pytest.raises(UnsupportedModelError, match="indexer_types"):
-        ModelConfig.from_hf({**d, "indexer_types": ["full", "shared", "full", "shared"]})
+    for types in (["shared", "full", "full", "full"], ["full", "full", "full"], ["full", "skip", "full", "full"]):
+        with pytest.raises(UnsupportedModelError, match="indexer_types"):
+            ModelConfig.from_hf({**d, "indexer_types": types})
+    with pytest.raises(UnsupportedModelError, match="indexer_types"):  # (DeepSeek-V3.2's indexers all choose)
+        ModelConfig.from_hf({**d, "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+                             "indexer_types": ["full", "shared", "full", "full"]})
+    # GLM-5.2's config.json: the layer types from a frequency and an offset (of 78 layers, 21 choose)
+    released = {k: v for k, v in d.items() if k != "indexer_types"} | dict(
+        num_hidden_layers=8, index_topk_freq=4, index_skip_topk_offset=3)
+    shared = ModelConfig.from_hf(released)
+    assert shared.index_shared_layers == (3, 4, 5, 7) and ModelConfig.from_hf(shared.to_hf()) == shared
+    assert len(ModelConfig.from_hf(released | dict(num_hidden_layers=78)).index_shared_layers) == 78 - 21
+    with pytest.raises(UnsupportedModelError, match="index_shared_layers"):
+        dataclasses.replace(shared, index_shared_layers=(0, 1))
     with pytest.raises(UnsupportedModelError, match="mlp_layer_types"):
         ModelConfig.from_hf({**d, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"]})
     with pytest.raises(UnsupportedModelError, match="q_lora_rank"):
@@ -117,7 +129,11 @@ _TINY = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_hea
              v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
              first_k_dense_replace=1, num_hidden_layers=3, n_group=2, topk_group=1, routed_scaling_factor=2.5,
              index_n_heads=8, index_head_dim=16, index_topk=6)
-FAMILIES = {"deepseek_v32": "DeepseekV32Config", "glm_moe_dsa": "GlmMoeDsaConfig"}
+# GLM-5.2's IndexShare: layers 1 and 2 reuse layer 0's choice of keys (the first dense, the next in the MoE stack),
+# layer 3 chooses its own.
+SHARED = dict(num_hidden_layers=4, index_topk_freq=3, index_skip_topk_offset=1)
+FAMILIES = {"deepseek_v32": ("DeepseekV32Config", {}), "glm_moe_dsa": ("GlmMoeDsaConfig", {}),
+            "glm_index_share": ("GlmMoeDsaConfig", SHARED)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -128,7 +144,8 @@ def tiny_dsa(request, tmp_path_factory):
     from tests.test_model_families import save_tiny_hf
 
     path = tmp_path_factory.mktemp(request.param)
-    model = save_tiny_hf(FAMILIES[request.param], path, **_TINY)
+    config_cls, overrides = FAMILIES[request.param]
+    model = save_tiny_hf(config_cls, path, **_TINY | overrides)
     ckpt = HFDirectory(path)
     cfg = ckpt.config()
     return request.param, path, model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False)
@@ -139,12 +156,18 @@ def test_dsa_logits_match_transformers(tiny_dsa):
     from tests.test_model_families import hf_logits, random_prompt, rel_err
 
     family, _, model, cfg, params = tiny_dsa
-    assert (cfg.family, cfg.kv_cache_dims, cfg.index_topk) == (family, (56, 0), 6)
+    assert (cfg.family, cfg.kv_cache_dims, cfg.index_topk) == (family.replace("glm_index_share", "glm_moe_dsa"),
+                                                               (56, 0), 6)
+    assert cfg.index_shared_layers == ((1, 2) if family == "glm_index_share" else ())
     ids = random_prompt()
     ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
     assert rel_err(ours, ref) < 1e-4
-    # What the test would miss otherwise: the keys the indexer leaves out.
+    # What the test would miss otherwise: the keys the indexer leaves out; a shared layer choosing its own.
     assert rel_err(prompt_logits(dataclasses.replace(cfg, index_topk=64), params, ids), ref) > 1e-3
+    if family == "glm_index_share":
+        assert rel_err(prompt_logits(dataclasses.replace(cfg, index_shared_layers=(1,)), params, ids), ref) > 1e-3
+        # The Pallas backends' choice (the indexer kernel, interpreted), carried alike.
+        assert rel_err(prompt_logits(cfg, params, ids, backend="pallas_interpret"), ref) < 1e-4
 
 
 def test_dsa_checkpoint_written_back_reads_the_same(tiny_dsa):
@@ -158,13 +181,13 @@ def test_dsa_checkpoint_written_back_reads_the_same(tiny_dsa):
 
 def test_dsa_engine_greedy_equals_transformers(tiny_dsa):
     """Chunked prefill (21 tokens: 16 + 5) and batched decode over the pages' indexer keys, layers unrolled
-    (DeepSeek-V3.2) and scanned (GLM-5), and on the Pallas backend: transformers' tokens."""
+    (DeepSeek-V3.2, GLM-5.2's IndexShare) and scanned (GLM-5), and on the Pallas backend: transformers' tokens."""
     from tests.modelrun import tiny_engine
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
 
     family, _, model, cfg, params = tiny_dsa
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    assert _greedy(tiny_engine(cfg, params, "unroll" if family == "deepseek_v32" else "scan")) == expected
+    assert _greedy(tiny_engine(cfg, params, "scan" if family == "glm_moe_dsa" else "unroll")) == expected
     if family == "deepseek_v32":  # the sparse latent kernel (interpreted; GLM-5's attention is V3.2's)
         assert _greedy(tiny_engine(cfg, params, "scan", backend="pallas_interpret")) == expected
 

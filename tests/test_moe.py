@@ -298,8 +298,9 @@ def test_ep_llama4_maverick_dense_and_moe_layers_equal_unsharded(ep_results):
 @pytest.mark.parametrize("name", ["pallas_gpt_oss", "pallas_mla", "pallas_dsa"])
 def test_ep_kernels_on_each_devices_heads_equal_unsharded(ep_results, name):
     """The Pallas kernels (interpreted) at EP=2 x TP=2, each device on its own heads: gpt-oss's sinks split with
-    them, DeepSeek-V3's latent attention kernel on each device's copy of the latents, DeepSeek-V3.2's sparse latent
-    kernel on each device's copy of the entries, with the slots its indexer kernel chose over that copy."""
+    them, DeepSeek-V3's latent attention kernel on each device's copy of the latents, the sparse latent kernel (of a
+    GLM-5.2-like model, its second layer reusing the first's choice) on each device's copy of the entries, with the
+    slots its indexer kernel chose over that copy."""
     r = ep_results[f"{name}_tp2_ep2"]
     assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"] and r["wq_shard_heads"] == 2
 

@@ -68,11 +68,13 @@ def moe_config(family: str = "qwen2_moe"):
     if family == "gpt_oss":
         glm = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=8, swiglu_limit=0.3)
     # DeepSeek-V3: latent attention (one latent, copied to each TP device), GLM-4.5's experts.
-    if family in ("deepseek_v3", "deepseek_v32"):  # (V3.2: its indexer picks 4 keys a token)
+    # (V3.2: its indexer picks 4 keys a token; GLM-5.2: layer 1 reuses layer 0's choice)
+    if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         glm = {**moe_config("glm4_moe").__dict__, **dict(
             num_kv_heads=1, head_dim=24, rotary_dim=8, attention_bias=False, kv_lora_rank=32, q_lora_rank=24,
             v_head_dim=12, family=family), **(dict(index_heads=4, index_head_dim=16, index_topk=4)
-                                              if family == "deepseek_v32" else {})}
+                                              if family != "deepseek_v3" else {}),
+               **(dict(index_shared_layers=(1,)) if family == "glm_moe_dsa" else {})}
     return ModelConfig(**{**dict(
         family=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, attention_bias=family in ("qwen2_moe", "glm4_moe", "gpt_oss"), qk_norm=family == "qwen3_moe",
@@ -215,7 +217,7 @@ def case_moe() -> dict:
     # The kernels (interpreted) on each device's heads: gpt-oss's sinks split with them, DeepSeek's latents.
     out.update({f"pallas_gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)], "pallas_interpret").items()})
     out.update({f"pallas_mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)], "pallas_interpret").items()})
-    out.update({f"pallas_dsa_{k}": v for k, v in _sweep(moe_config("deepseek_v32"), [(2, 2)], "pallas_interpret").items()})
+    out.update({f"pallas_dsa_{k}": v for k, v in _sweep(moe_config("glm_moe_dsa"), [(2, 2)], "pallas_interpret").items()})
     return out
 
 

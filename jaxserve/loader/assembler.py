@@ -22,6 +22,16 @@ from jaxserve.loader.quantized_keys import kept_module, projection_modules
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
 from jaxserve.models.quantized import QuantizedWeight, quantize
 
+# Stacks a checkpoint may leave whole, and what their rows hold where no tensor lands: MiMo-V2-Flash's full layers have
+# no sinks (-inf: none). Any other stack's rows no tensor lands in are zeros (a hybrid layer without a mixer or an MLP
+# leaves that part's norm row unread).
+ABSENT_FILL = {"layers.sinks": -np.inf}
+
+
+def _blank(path: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A stacked array before its checkpoint tensors land."""
+    return np.full(shape, next((v for suffix, v in ABSENT_FILL.items() if path.endswith(suffix)), 0), dtype)
+
 
 class WeightAssembler:
     """Collects checkpoint tensors into host arrays of the declared shapes, checking each one."""
@@ -77,11 +87,9 @@ class WeightAssembler:
     def _put(self, target: Target, info: ParamInfo, value: np.ndarray, part: str | None = None) -> None:
         """`value` into its place of `target`'s stacked array (of a quantized weight's `part`, "q" or "scale")."""
         if target.path not in self._arrays:
-            # (zeros: a hybrid layer without a mixer or an MLP leaves that part's norm row unread and unwritten; -inf:
-            # a layer without sinks, MiMo-V2-Flash's full ones, has none)
-            fill = -np.inf if target.path.endswith("layers.sinks") else 0
-            self._arrays[target.path] = (np.full(info.shape, fill, value.dtype) if part is None else QuantizedWeight(
-                np.zeros(info.q.shape, info.q.dtype), np.zeros(info.scale.shape, np.float32)))
+            self._arrays[target.path] = (_blank(target.path, info.shape, value.dtype) if part is None else
+                                         QuantizedWeight(np.zeros(info.q.shape, info.q.dtype),
+                                                         np.zeros(info.scale.shape, np.float32)))
         array = self._arrays[target.path]
         array = array if part is None else getattr(array, part)
         index = () if target.layer is None else (target.layer,) if target.expert is None else (
@@ -122,8 +130,8 @@ class WeightAssembler:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
         for path, info in self._decl.items():  # (sinks no layer of a stack holds: none)
-            if path.endswith("layers.sinks") and path not in self._arrays:
-                self._arrays[path] = np.full(info.shape, -np.inf, np.dtype(info.dtype or self.dtype))
+            if path.endswith(tuple(ABSENT_FILL)) and path not in self._arrays:
+                self._arrays[path] = _blank(path, info.shape, np.dtype(info.dtype or self.dtype))
         flat = {}
         for path in list(self._arrays):
             host = self._arrays.pop(path)  # drop our reference so host memory is freed as we go

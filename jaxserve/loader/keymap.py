@@ -60,8 +60,7 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^mode
                       r"|visual\.)")
 
 
-def _layer_targets(cfg: ModelConfig, dense: bool = False
-                   ) -> dict[str, tuple]:
+def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     """A layer's tensor names (after `model.layers.{i}.`) to our parameters (the MoE layers' of a MoE model; with
     `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`)."""
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -323,7 +322,8 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):
         dense = cfg.dense_layer(i)
-        rests = [r for r in _layer_targets(cfg, dense) if r != "self_attn.sinks" or cfg.sinks_in(i)]
+        rests = [r for r in _layer_targets(cfg, dense) if (r != "self_attn.sinks" or cfg.sinks_in(i)) and (
+            not r.startswith("self_attn.indexer.") or i not in cfg.index_shared_layers)]
         names.extend(f"model.layers.{i}.{rest}" for rest in (
             rests if cfg.mamba is None else hybrid_layer_names(cfg, i, rests)))
         if cfg.hidden_act == "xielu":

@@ -25,11 +25,11 @@ class KeptLayers:
         return (jnp.zeros((self.num_slots, *x.shape), x.dtype),) if self.layers else ()
 
     def keep(self, carry: tuple, layer) -> tuple:
-        """`carry` (x, k, v[, buffer]) with x kept as the state entering `layer` (traced or static)."""
+        """`carry` (x, ...[, buffer]) with x kept as the state entering `layer` (traced or static)."""
         if not self.layers:
             return carry
-        x, k, v, kept = carry
-        return x, k, v, jax.lax.dynamic_update_index_in_dim(kept, x, jnp.asarray(self.slot_of)[layer], 0)
+        *head, kept = carry
+        return (*head, jax.lax.dynamic_update_index_in_dim(kept, head[0], jnp.asarray(self.slot_of)[layer], 0))
 
     def states(self, kept: jax.Array) -> jax.Array:
         """The kept states side by side in the order asked: [T, len(layers) * E]."""

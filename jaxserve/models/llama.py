@@ -74,7 +74,9 @@ def _layer(
     its attention projects in place of its normed input (an EAGLE-3 draft's first layer: `models.eagle`); `mixer`:
     a hybrid model's Mamba layer (`mamba.hybrid_layers`), in attention's place, its states in the pages', or
     `NO_MIXER` (an MLP alone); a layer with no MLP weights (a hybrid model's mixer alone) ends after its mixer."""
-    x, k_all, v_all = carry  # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D] (`ModelConfig.kv_cache_dims`)
+    # x: [T, E]; k_all, v_all: [L * N, page_size, Hkv, D] (`ModelConfig.kv_cache_dims`); `shared`: the keys chosen
+    # for layers that reuse them (`mla.mla_attention`), in a model with such layers
+    x, k_all, v_all, *shared = carry
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
 
@@ -85,9 +87,11 @@ def _layer(
             if mixer is not None:
                 out, k_all, v_all = mixer(h, k_all, v_all)
             else:
-                attend = mla_attention if cfg.kv_lora_rank else functools.partial(_attention, local=local, rope=rope)
-                attn, k_all, v_all = attend(cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype,
-                                            layout=layout, lora=lora)
+                args = (cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype)
+                if cfg.kv_lora_rank:
+                    attn, k_all, v_all, *shared = mla_attention(*args, layout=layout, lora=lora, shared=shared)
+                else:
+                    attn, k_all, v_all = _attention(*args, local=local, rope=rope, layout=layout, lora=lora)
                 # As one [T, Hq*D] x [Hq*D, E] matmul: the einsum form made XLA:CPU transpose wo every step.
                 if lp.wo_t is not None:
                     out = project(attn, lp.wo_t, _dot_out_major)
@@ -102,14 +106,14 @@ def _layer(
             x = x + _residual(cfg, out)
 
     if lp.w_up is None and lp.w_gate_up is None and lp.router is None:
-        return (x, k_all, v_all), None
+        return (x, k_all, v_all, *shared), None
     if lp.router is not None:
         with jax.named_scope("moe"):
             h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
             out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots), backend)
             if lp.post_mlp_norm is not None:
                 out = model_norm(cfg, out, lp.post_mlp_norm)
-            return (x + _residual(cfg, out), k_all, v_all), None
+            return (x + _residual(cfg, out), k_all, v_all, *shared), None
 
     with jax.named_scope("mlp"):
         # (Cohere's MLP reads the attention's input: x + attention + MLP, in one residual.)
@@ -133,7 +137,7 @@ def _layer(
         if lp.post_mlp_norm is not None:
             down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + _residual(cfg, down)
-    return (x, k_all, v_all), None
+    return (x, k_all, v_all, *shared), None
 
 
 def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
@@ -323,16 +327,21 @@ def forward(
 
     kept = KeptLayers(aux_layers, cfg.num_layers)  # the states entering `aux_layers`, carried beside (x, k, v)
 
-    def run(layer_fn, carry, layer):  # one layer over (x, k, v[, kept])
+    # A model whose layers may reuse an earlier layer's choice of keys carries it (`mla.mla_attention`'s `shared`).
+    shared = ((jnp.zeros((hkv, x.shape[0], cfg.index_topk), jnp.int32), jnp.zeros(x.shape[:1], jnp.int32)),
+              ) if cfg.index_shared_layers else ()
+    n = 3 + len(shared)
+
+    def run(layer_fn, carry, layer):  # one layer over (x, k, v[, shared][, kept])
         carry = kept.keep(carry, layer)
-        out, _ = layer_fn(carry[:3])
-        return deepstack(out, layer) + carry[3:]
+        out, _ = layer_fn(carry[:n])
+        return deepstack(out, layer) + carry[n:]
 
     def step(carry, xs):  # every layer alike
         return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
                                     *cfg.layer_kind(0)), carry, xs[1]), None
 
-    carry = (x, k_all, v_all) + kept.start(x)
+    carry = (x, k_all, v_all, *shared) + kept.start(x)
     if attn_inputs is not None and not isinstance(params.layers, tuple):
         raise ValueError("attn_inputs takes a model's layers unstacked (`params.unstack_layers`)")
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop

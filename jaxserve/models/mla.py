@@ -33,16 +33,20 @@ from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, ParamInfo
 from jaxserve.models.quantized import project
 from jaxserve.models.rotary import query_scale
-from jaxserve.models.sparse_mla import indexer, sparse_mla_attention
+from jaxserve.models.sparse_mla import attend_keys, choose_keys, indexer
 
 
 def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
                   lp: LayerParams, h: jax.Array, k_all: jax.Array, v_all: jax.Array, layer: jax.Array,
-                  kv_dtype: Any, layout=None, lora: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  kv_dtype: Any, layout=None, lora: Any = None, shared: list | tuple = ()) -> tuple:
     """The attention block's output [T, Hq * Dv] of normed inputs h [T, E] (before the output projection), and the
     page pools with this step's entries written (`k_all`: [L * N, page_size, R + Dr], or with an axis of KV heads
     under tensor parallelism; `v_all`: the empty values pool, as it came); `layout`: as `paged_attention`'s; `lora`:
-    the layer's adapter slots (`models.lora.LATENT`), by `inputs.lora_slots`."""
+    the layer's adapter slots (`models.lora.LATENT`), by `inputs.lora_slots`.
+
+    `shared`, in a model whose layers may reuse the last full layer's choice of keys (`index_shared_layers`: GLM-5.2's
+    IndexShare), is [(slots, counts)]: that choice (`sparse_mla.choose_keys`' form, its slots less their layer's
+    offset into the pool), returned after the pools as this layer leaves it (its own where it chooses)."""
     T, D, Dr, R = h.shape[0], cfg.head_dim, cfg.rotary_dims, cfg.kv_lora_rank
     num_pages, page_size = k_all.shape[0] // cfg.num_layers, k_all.shape[1]
     hkv = 1 if k_all.ndim == 3 else k_all.shape[2]  # (`forward` drops the axis of one head: see there)
@@ -81,9 +85,17 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     if cfg.index_topk:
         if inputs.last_key is not None:
             raise ValueError("DeepSeek Sparse Attention has no spans attended both ways (last_key)")
-        out = sparse_mla_attention(q, index_q, index_w, k_all, tables, inputs.seq_lens, inputs.query_start_loc,
-                                   key_dim=R + Dr, value_dim=R, topk=cfg.index_topk, sm_scale=cfg.sm_scale,
-                                   kv_dtype=kv_dtype, backend=backend, layout=layout)
+        kw = dict(kv_dtype=kv_dtype, backend=backend, layout=layout)
+        choose = lambda: choose_keys(index_q, index_w, k_all, tables, inputs.seq_lens,  # noqa: E731
+                                     inputs.query_start_loc, key_dim=R + Dr, topk=cfg.index_topk, **kw)
+        if shared:  # (the slots carried as the pages of layer 0 hold them)
+            offset = layer * (num_pages * page_size)
+            full = jnp.asarray([i not in cfg.index_shared_layers for i in range(cfg.num_layers)])[layer]
+            slots, lens = jax.lax.cond(full, choose, lambda: (shared[0][0] + offset, shared[0][1]))
+            shared = [(slots - offset, lens)]
+        else:
+            slots, lens = choose()
+        out = attend_keys(q, k_all, slots, lens, key_dim=R + Dr, value_dim=R, sm_scale=cfg.sm_scale, **kw)
     elif backend == "xla":
         out = paged_attention(
             "xla", q, k_all, None, tables, inputs.seq_lens, inputs.query_start_loc, sm_scale=cfg.sm_scale,
@@ -100,7 +112,7 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
     values = jnp.einsum("thr,hrv->thv", out, lp.w_uv, preferred_element_type=jnp.float32)
     if lora is not None:  # and its values'
         values = values + latent_lora(out.astype(h.dtype), lora.a_kvb, lora.b_kvb, ls, D - Dr, value=True)
-    return values.astype(h.dtype).reshape(T, -1), k_all, v_all
+    return values.astype(h.dtype).reshape(T, -1), k_all, v_all, *shared
 
 
 def declare_mla(cfg: ModelConfig, L: int) -> LayerParams:

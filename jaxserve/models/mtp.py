@@ -72,7 +72,8 @@ def mtp_config(target: ModelConfig, layers: int) -> ModelConfig:
                          "GGUF file: no "
                          "blk.N.nextn tensors); use method 'ngram' or 'draft_model'")
     return dataclasses.replace(target, num_layers=1, first_dense_layers=0, tie_word_embeddings=False,
-                               weight_quant=None, kv_cache_scales=False, mamba=None)  # (a hybrid's: an attention layer)
+                               weight_quant=None, kv_cache_scales=False,
+                               mamba=None, index_shared_layers=())  # (a hybrid's: an attention layer; its own indexer)
 
 
 def mtp_tensor_name(name: str, first: int) -> str | None:

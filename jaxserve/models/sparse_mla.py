@@ -49,30 +49,53 @@ def indexer(cfg: ModelConfig, lp: LayerParams, h: jax.Array, h_q: jax.Array, cos
 def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array,
                          seq_lens: jax.Array, query_start_loc: jax.Array, *, key_dim: int, value_dim: int, topk: int,
                          sm_scale: float, kv_dtype: Any = None, backend: str = "xla", layout=None) -> jax.Array:
-    """Each token's attention over the `topk` keys its indexer scores best.
+    """Each token's attention over the `topk` keys its indexer scores best (`choose_keys`, then `attend_keys`).
 
     q: [T, Hq, key_dim] (the latent-space queries and rotary ones); index_q: [T, Hi, Di]; index_w: [T, Hi] float32;
     pool: [N, page_size, W] or [N, page_size, Hkv, W] with W = key_dim + Di (an MLA model's entries: the first
     `value_dim` dims the values, the last Di the indexer's keys), its pages of raw bits read as `kv_dtype` (see
     `attention.kv_storage_bits`); tables: [S, P] (this layer's pages); seq_lens, query_start_loc as
-    `attention.paged_attention`'s; `backend`: the attention backend (the Pallas ones attend on the sparse latent
-    kernel, each device its own KV heads where `layout` splits them). Returns [T, Hq, value_dim] in q's dtype (zero
-    for padding tokens)."""
+    `attention.paged_attention`'s; `backend`: the attention backend (the Pallas ones score keys in the indexer kernel
+    and attend on the sparse latent kernel, each device its own KV heads where `layout` splits them). Returns
+    [T, Hq, value_dim] in q's dtype (zero for padding tokens)."""
+    kw = dict(kv_dtype=kv_dtype, backend=backend, layout=layout)
+    slots, lens = choose_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim, topk=topk,
+                              **kw)
+    return attend_keys(q, pool, slots, lens, key_dim=key_dim, value_dim=value_dim, sm_scale=sm_scale, **kw)
+
+
+def choose_keys(index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array, seq_lens: jax.Array,
+                query_start_loc: jax.Array, *, key_dim: int, topk: int, kv_dtype: Any = None, backend: str = "xla",
+                layout=None) -> tuple[jax.Array, jax.Array]:
+    """The keys each token attends, as `chosen_keys` gives them (slots [Hkv, T, topk], counts [T]): on the xla backend
+    its running top-k, on the Pallas ones the indexer kernel's scores (`scored_keys`), each device over its own copy
+    of the pool. Arguments as `sparse_mla_attention`'s."""
     if backend == "xla":
-        slots, lens = chosen_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim,
-                                  topk=topk, kv_dtype=kv_dtype)
+        return chosen_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim, topk=topk,
+                           kv_dtype=kv_dtype)
+    interpret = backend.endswith("_interpret")
+
+    def kernel(_, pool, index_q, index_w, tables, seq_lens, query_start_loc):
+        return scored_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim, topk=topk,
+                           interpret=interpret)
+
+    return on_head_shards(layout, kernel, None, (pool,), (index_q, index_w, tables, seq_lens, query_start_loc),
+                          out_heads=(0, None))
+
+
+def attend_keys(q: jax.Array, pool: jax.Array, slots: jax.Array, lens: jax.Array, *, key_dim: int, value_dim: int,
+                sm_scale: float, kv_dtype: Any = None, backend: str = "xla", layout=None) -> jax.Array:
+    """Each token's attention over its chosen keys (`choose_keys`' slots and counts); the rest as
+    `sparse_mla_attention`'s."""
+    if backend == "xla":
         return attend_chosen(q, pool, slots, lens, value_dim=value_dim, sm_scale=sm_scale, kv_dtype=kv_dtype)
     from pallas_kernels.sparse_latent_attention import sparse_latent_attention
 
-    interpret = backend.endswith("_interpret")
-
-    def kernel(q, pool, index_q, index_w, tables, seq_lens, query_start_loc):  # (each device: its own KV heads)
-        slots, lens = scored_keys(index_q, index_w, pool, tables, seq_lens, query_start_loc, key_dim=key_dim,
-                                  topk=topk, interpret=interpret)
+    def kernel(q, pool, lens, slots):  # (each device: its own KV heads)
         return sparse_latent_attention(q, pool, slots, lens, key_dim=key_dim, value_dim=value_dim, sm_scale=sm_scale,
-                                       interpret=interpret)
+                                       interpret=backend.endswith("_interpret"))
 
-    return on_head_shards(layout, kernel, q, (pool,), (index_q, index_w, tables, seq_lens, query_start_loc))
+    return on_head_shards(layout, kernel, q, (pool,), (lens,), (slots,))
 
 
 def scored_keys(index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array, seq_lens: jax.Array,

@@ -1,5 +1,5 @@
-"""The engine's jitted steps for a DeepSeek-V2-Lite-shaped model (multi-head latent attention) and a DeepSeek-V3.2-shaped
-one (its sparse attention), compiled for sm_90 without a GPU.
+"""The engine's jitted steps for a DeepSeek-V2-Lite-shaped model (multi-head latent attention), a DeepSeek-V3.2-shaped
+one (its sparse attention) and a GLM-5.2-like one (layers sharing a choice of keys), compiled for sm_90 without a GPU.
 
 DeepSeek-V2-Lite's attention (16 heads; a 512-dim latent and a 64-dim rotary key per token, 576 wide in the pages;
 128 unrotated query dims absorbed into the latent, 128-dim values) on a dense layer and a MoE layer of 8 experts:
@@ -35,7 +35,7 @@ NUM_PAGES = 32768  # 16-token pages: 1.2 GB of bfloat16 latents over the 2 layer
 # DeepSeek-V3.2's attention (128 heads; the indexer's 64 heads of 128 dims, its key in the pages: 704 wide; the top
 # 2048 keys a token) on a dense layer and a MoE layer of 8 of its 256 experts: the indexer's scores on the indexer
 # kernel, their top-k in XLA, the attention over the chosen entries on the sparse latent kernel.
-V32 = ModelConfig.from_hf({
+V32_HF = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "vocab_size": 129280,
     "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 2, "num_attention_heads": 128,
     "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
@@ -43,11 +43,17 @@ V32 = ModelConfig.from_hf({
     "moe_intermediate_size": 2048, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048, "max_position_embeddings": 163840,
     "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
-                     "beta_slow": 1, "original_max_position_embeddings": 4096}})
+                     "beta_slow": 1, "original_max_position_embeddings": 4096}}
+V32 = ModelConfig.from_hf(V32_HF)
+# GLM-5.2's IndexShare on V3.2's shapes (GLM-5's 32 indexer heads): its second and third layers attend the first's
+# choice (carried through the layer loop, past the dense layer into the MoE stack), the fourth chooses its own.
+GLM52 = ModelConfig.from_hf(V32_HF | {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+                                      "num_hidden_layers": 4, "index_n_heads": 32,
+                                      "indexer_types": ["full", "shared", "shared", "full"]})
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("cfg", [V2_LITE, V32], ids=["deepseek_v2", "deepseek_v32"])
+@pytest.mark.parametrize("cfg", [V2_LITE, V32, GLM52], ids=["deepseek_v2", "deepseek_v32", "glm_5_2"])
 def test_mla_steps_compile_for_sm90(spec, cfg):
     assert cfg.kv_cache_dims == ((704 if cfg.index_topk else 576), 0) and cfg.num_kv_heads == 1
     T, S = RC.token_buckets[-1], RC.max_num_seqs
