@@ -22,13 +22,13 @@ GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "gran
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
-                                  "afmoe", "flex_olmo", "mimo_v2_flash",
+                                  "afmoe", "flex_olmo", "mimo_v2_flash", "cohere2_moe",
                                   *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
-COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2")
+COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2", "cohere2_moe")
 """LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
 INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4")
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
@@ -93,6 +93,8 @@ class ModelConfig:
     expert_groups: int = 1
     expert_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    shared_expert_scale: float = 1.0  # the shared experts' output times this (Command A MoE's "average": 0.5, and 0.5
+    # the routed ones')
     first_dense_layers: int = 0  # the first layers' MLP is dense, `intermediate_size` wide (`Params.dense_layers`)
     moe_layer_step: int = 1  # Llama 4 Maverick's: only every `moe_layer_step`-th layer has experts, the others dense
     # gpt-oss's experts: biased, and a clamped SwiGLU, (min(up, limit) clipped both ways + 1) * g * sigmoid(alpha * g)

@@ -9,7 +9,8 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
-                 "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash"]
+                 "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
+                 "cohere2_moe"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -40,6 +41,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
     "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
     "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
+    "Cohere2MoeForCausalLM": "cohere2_moe",  # Command A MoE: Command R7B's layers with experts (`config_cohere2_moe`)
     "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
     "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms
     "OlmoeForCausalLM": "olmoe",  # OLMoE: OLMo's q/k norms over all heads, 64 experts

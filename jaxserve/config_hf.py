@@ -15,6 +15,7 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.config_afmoe import afmoe_hf
+from jaxserve.config_cohere2_moe import cohere2_moe_hf
 from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
@@ -55,7 +56,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.num_experts and not cfg.kv_lora_rank:
         d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else exaone_moe_hf(cfg) if cfg.family == "exaone_moe"
                  else afmoe_hf(cfg) if cfg.family == "afmoe" else mimo_hf(cfg) if cfg.family == "mimo_v2_flash"
-                 else fields.moe_hf(cfg))
+                 else cohere2_moe_hf(cfg) if cfg.family == "cohere2_moe" else fields.moe_hf(cfg))
     if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "bamba":
@@ -83,7 +84,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(layer_norm_eps=d.pop("rms_norm_eps"), logit_scale=1.0 / cfg.logits_scaling)
         if cfg.family == "cohere":
             d["use_qk_norm"] = cfg.qk_norm
-    if cfg.family in ("exaone4", "cohere2", "exaone_moe"):  # (its NoPE layers are its global ones, as layer_types says)
+    if cfg.family in ("exaone4", "cohere2", "exaone_moe", "cohere2_moe"):  # (NoPE: its global layers, by layer_types)
         d.pop("no_rope_layers", None)
         # (None written, and layer_types always: transformers' default is a window)
         d.update(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or ["full_attention"] * cfg.num_layers))

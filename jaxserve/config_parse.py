@@ -18,6 +18,7 @@ from jaxserve.config import (
     ModelConfig,
 )
 from jaxserve.config_afmoe import afmoe_layer_fields, afmoe_moe_fields, afmoe_no_rope_layers
+from jaxserve.config_cohere2_moe import cohere2_moe_fields
 from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
@@ -56,8 +57,10 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
                                         "decoder_sparse_step) is not supported")
     moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else
            exaone_moe_fields(d) if family == "exaone_moe" else afmoe_moe_fields(d) if family == "afmoe" else
-           mimo_moe_fields(d) if family == MIMO else (
+           mimo_moe_fields(d) if family == MIMO else cohere2_moe_fields(d) if family == "cohere2_moe" else (
         mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
+    # (its own layer kinds, and its dense layers' width)
+    per_layer = {k: moe.pop(k) for k in ("layer_types", "no_rope_layers", "intermediate_size") if k in moe}
     mla = mla_fields(family, d) if family in MLA_FAMILIES else {}
     head_dim = mla.pop("head_dim", head_dim)
     if family in ("qwen2", "qwen3"):
@@ -66,7 +69,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
         if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
         if family == MIMO else {})  # (layers that differ)
-    if gemma:
+    if gemma or family == "cohere2_moe":
         sliding = d.get("sliding_window")
     quant = d.get("quantization_config") or {}
     parse_quantization(quant)  # quantized weights (dequantized at load) of a form read, or refused by name
@@ -92,7 +95,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         family=family,
         vocab_size=d["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=d["intermediate_size"],
+        intermediate_size=per_layer.get("intermediate_size", d["intermediate_size"]),
         num_layers=d["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=1 if mla else mimo_kv_heads(d) if family == MIMO else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
@@ -116,10 +119,11 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         sliding_window=sliding,
         kv_cache_scales=bool(kv_scheme),
         **fields.mrope_fields(d),
-        no_rope_layers=afmoe_no_rope_layers(d) if family == "afmoe" else fields.no_rope_layers(family, d),
+        no_rope_layers=afmoe_no_rope_layers(d) if family == "afmoe" else per_layer.get(
+            "no_rope_layers", fields.no_rope_layers(family, d)),
         mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
         **moe, **mla,
-        **({"hidden_act": d.get("hidden_act", "silu"), "rope_qk_norm": family in HUNYUAN_FAMILIES, "query_scale_beta": float(d.get("query_scale_beta", 0.0)),
+        **({"hidden_act": d.get("hidden_act", "silu"), **({"layer_types": per_layer["layer_types"]} if per_layer else {}), "rope_qk_norm": family in HUNYUAN_FAMILIES, "query_scale_beta": float(d.get("query_scale_beta", 0.0)),
             "query_scale_length": int(d.get("query_scale_length", 0))} | gemma
            | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})
            | ({"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))} if family in COHERE_FAMILIES else {})),

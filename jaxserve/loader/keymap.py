@@ -107,7 +107,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
                 "layers.router_bias", lambda b: b.reshape(-1), (1, X) if ernie else (X,))
         if Fs:
             shared = "mlp.shared_experts" if cfg.family in ("glm4_moe", "ernie4_5_moe", "dots1", "nemotron_h", "exaone_moe",
-                                                            "afmoe", *MLA_FAMILIES) else "mlp.shared_expert"
+                                                            "afmoe", "cohere2_moe", *MLA_FAMILIES) else "mlp.shared_expert"
             t[f"{shared}.gate_proj.weight"] = ("layers.ws_gate", lambda w: w.T, (Fs, E))
             t[f"{shared}.up_proj.weight"] = ("layers.ws_up", lambda w: w.T, (Fs, E))
             t[f"{shared}.down_proj.weight"] = ("layers.ws_down", lambda w: w.T, (E, Fs))

@@ -109,7 +109,7 @@ def _layer(
         return (x, k_all, v_all, *shared), None
     if lp.router is not None:
         with jax.named_scope("moe"):
-            h = x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
+            h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
             out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots), backend)
             if lp.post_mlp_norm is not None:
                 out = model_norm(cfg, out, lp.post_mlp_norm)

@@ -186,7 +186,8 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
         if lp.ws_mix is not None:
             mix = h @ lp.ws_mix[:, None]
             shared = jax.nn.sigmoid(mix if "b_mix" not in d else mix + d["b_mix"]) * shared
-        out = out + shared
+        out = out + (shared if cfg.shared_expert_scale == 1.0 else shared * jnp.asarray(cfg.shared_expert_scale,
+                                                                                           shared.dtype))
     return out
 
 
