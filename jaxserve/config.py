@@ -282,8 +282,8 @@ class ModelConfig:
 
     @property
     def gated_mlp(self) -> bool:
-        """Whether the MLP is gated, act(gate) * up (all but Arcee's and Apertus', act(up))."""
-        return self.family not in ("arcee", "apertus", "nemotron_h")
+        """Whether the MLP is gated, act(gate) * up (all but Arcee's, Apertus', Jais 2's: act(up))."""
+        return self.family not in ("arcee", "apertus", "nemotron_h", "jais2")
 
     @property
     def attn_output_gate(self) -> bool:
@@ -321,6 +321,11 @@ class ModelConfig:
         """Whether `layer`'s checkpoint holds sinks (elsewhere its `LayerParams.sinks` row is -inf: none)."""
         return self.attention_sinks and (self.family == "gpt_oss" or self.layer_types is not None
                                          and self.layer_types[layer] == "sliding_attention")
+
+    @property
+    def norm_bias(self) -> bool:
+        """Whether the norms are LayerNorms with a bias (Jais 2)."""
+        return self.family == "jais2"
 
     @property
     def output_bias(self) -> bool:

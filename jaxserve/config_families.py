@@ -10,7 +10,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
-                 "cohere2_moe"]
+                 "cohere2_moe", "jais2"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -41,6 +41,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed
     "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
     "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
+    "Jais2ForCausalLM": "jais2",  # Jais 2: Llama's attention (biased), LayerNorms with biases, a squared-ReLU MLP
     "Cohere2MoeForCausalLM": "cohere2_moe",  # Command A MoE: Command R7B's layers with experts (`config_cohere2_moe`)
     "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
     "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms

@@ -48,7 +48,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": cfg.hidden_act,
         "torch_dtype": "float32",
     }
-    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
+    if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba", "jais2",
                       *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
@@ -57,8 +57,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else exaone_moe_hf(cfg) if cfg.family == "exaone_moe"
                  else afmoe_hf(cfg) if cfg.family == "afmoe" else mimo_hf(cfg) if cfg.family == "mimo_v2_flash"
                  else cohere2_moe_hf(cfg) if cfg.family == "cohere2_moe" else fields.moe_hf(cfg))
-    if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba"):
+    if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba", "jais2"):
         d["mlp_bias"] = cfg.mlp_bias
+    if cfg.family == "jais2":
+        d["layer_norm_eps"] = d.pop("rms_norm_eps")
     if cfg.family == "bamba":
         d.update(mamba_hf(cfg.mamba, cfg.num_layers, cfg.hidden_size, cfg.family))
     if cfg.family in ERNIE_FAMILIES:

@@ -100,17 +100,18 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=1 if mla else mimo_kv_heads(d) if family == MIMO else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("layer_norm_eps" if family in COHERE_FAMILIES else "rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(d.get("layer_norm_eps" if family in (*COHERE_FAMILIES, "jais2") else "rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES))),
         # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
         attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-        or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
+        or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba", "jais2",
                        *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
-            and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h") and bool(d.get("mlp_bias")))
+            and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss", "jais2")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
+        mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h", "jais2")
+                  and bool(d.get("mlp_bias", family == "jais2")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)

@@ -32,8 +32,9 @@ from jaxserve.loader import (
 from jaxserve.loader.quantized_keys import projection_modules
 from jaxserve.models.inputs import KVCache
 from jaxserve.models.llama import forward
-from jaxserve.models.params import Params, declare_params, random_params
+from jaxserve.models.params import Params, declare_params
 from jaxserve.models.quantized import METHODS, quantize_layers
+from jaxserve.models.random_weights import random_params
 from jaxserve.quantization import CheckpointQuantization, keepable, parse_quantization
 from jaxserve.tokenizer import Tokenizer
 
@@ -129,8 +130,7 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
         if args.tokenizer is None else tokenizer_at(args.tokenizer, cfg, args.tokenizer_mode)
     plan = _parallel_plan(args, cfg)
     if dummy:
-        params = random_params(plan.model_cfg if plan else cfg, dtype, seed=args.seed,
-                               shardings=plan.param_shardings() if plan else None)
+        params = random_params(plan.model_cfg if plan else cfg, dtype, args.seed, plan and plan.param_shardings())
         logger.info("random weights (--load-format dummy) of %s's shapes", path)
     elif args.converted_checkpoint_dir:
         params = _converted_params(args.converted_checkpoint_dir, path, ckpt, cfg, plan, dtype, progress)

@@ -36,9 +36,9 @@ def pool_step(params: Params, kv: KVCache, inputs: ModelInputs, cfg: ModelConfig
         rows = h[jnp.minimum(inputs.query_start_loc[:S], T - 1)]
     else:  # MEAN: each token's row by the query offsets; padding tokens fall past the last row and drop out
         seg = jnp.searchsorted(inputs.query_start_loc, jnp.arange(T, dtype=jnp.int32), side="right") - 1
-        normed = model_norm(cfg, h, params.final_norm).astype(jnp.float32)
+        normed = model_norm(cfg, h, params.final_norm, params.final_norm_b).astype(jnp.float32)
         return jax.ops.segment_sum(normed, seg, num_segments=S), kv
-    return model_norm(cfg, rows, params.final_norm).astype(jnp.float32), kv
+    return model_norm(cfg, rows, params.final_norm, params.final_norm_b).astype(jnp.float32), kv
 
 
 @dataclass

@@ -142,24 +142,25 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     if cfg.mlp_bias and cfg.gated_mlp:
         t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
     if cfg.mlp_bias:
-        t["mlp.up_proj.bias"] = ("layers.b_up", ident, (F,))
-        t["mlp.down_proj.bias"] = ("layers.b_down", ident, (E,))
+        t |= {"mlp.up_proj.bias": ("layers.b_up", ident, (F,)), "mlp.down_proj.bias": ("layers.b_down", ident, (E,))}
+    if cfg.norm_bias:  # (Jais 2's LayerNorms)
+        t |= {f"{n}.bias": (f"layers.{p}_b", ident, (E,)) for n, p in (("input_layernorm", "attn_norm"),
+                                                                    ("post_attention_layernorm", "mlp_norm"))}
     if cfg.family in INTERLEAVED_ROPE_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
         for name in ("q_proj", "k_proj"):
             for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
                 path, read, shape = t[f"self_attn.{name}.{kind}"]
                 t[f"self_attn.{name}.{kind}"] = (path, lambda w, read=read: read(halfsplit_rows(w, cfg)), shape)
     if cfg.family == "glm4":  # a norm of the attention's and of the MLP's outputs
-        t["post_self_attn_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
-        t["post_mlp_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
+        t |= {"post_self_attn_layernorm.weight": ("layers.post_attn_norm", ident, (E,)),
+              "post_mlp_layernorm.weight": ("layers.post_mlp_norm", ident, (E,))}
     if cfg.attention_sinks:
         t["self_attn.sinks"] = ("layers.sinks", ident, (Hq,))
     if cfg.family == "afmoe":  # its output gate's own projection, read beside each head's query (`wq`'s last axis)
         t["self_attn.q_proj.weight"] = ("layers.wq", proj_in(Hq), (Hq * D, E), (0, D))
         t["self_attn.gate_proj.weight"] = ("layers.wq", proj_in(Hq), (Hq * D, E), (D, 2 * D))
     if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
-        t["self_attn.k_scale"] = ("layers.k_scale", lambda s: s.reshape(()), ())
-        t["self_attn.v_scale"] = ("layers.v_scale", lambda s: s.reshape(()), ())
+        t |= {f"self_attn.{k}_scale": (f"layers.{k}_scale", lambda s: s.reshape(()), ()) for k in "kv"}
     if cfg.kv_lora_rank:  # DeepSeek's latent attention in place of q, k, v
         t = {name: spec for name, spec in t.items() if not name.startswith("self_attn.")} | mla_targets(cfg)
     return t
@@ -205,7 +206,6 @@ _XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 # An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
-
 
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
 
@@ -272,8 +272,8 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     E, V = cfg.hidden_size, cfg.vocab_size
     if name == "model.embed_tokens.weight":
         return Target("embed", None, lambda w: w, (V, E))
-    if name == "model.norm.weight":
-        return Target("final_norm", None, lambda w: w, (E,))
+    if name in ("model.norm.weight", "model.norm.bias") and (name.endswith("weight") or cfg.norm_bias):
+        return Target("final_norm" + "_b" * name.endswith("bias"), None, lambda w: w, (E,))
     if name == "lm_head.weight":
         return Target("lm_head", None, lambda w: w.T, (V, E))
     m = _LAYER_RE.match(name)
@@ -317,7 +317,7 @@ def layer_field(path: str) -> str:
 
 def hf_names(cfg: ModelConfig) -> list[str]:
     """Every HF tensor name a checkpoint of `cfg` must hold (the inverse of `hf_target`)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    names = ["model.embed_tokens.weight", "model.norm.weight", *["model.norm.bias"] * cfg.norm_bias]
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(cfg.num_layers):

@@ -25,17 +25,17 @@ from jaxserve.models.rotary import query_scale, rope_tables
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
 
 
-def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo's and gpt-oss's by its
-    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise."""
-    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss"):
+    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, Jais 2's with its `bias`."""
+    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss", "jais2"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
-    if cfg.family in COHERE_FAMILIES:
+    if cfg.family in (*COHERE_FAMILIES, "jais2"):
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
-    return (xf * scale).astype(x.dtype)
+    return (xf * scale + (0.0 if bias is None else bias.astype(jnp.float32))).astype(x.dtype)
 
 
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
@@ -80,7 +80,7 @@ def _layer(
     lp, layer = xs
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
 
-    h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm)
+    h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm, lp.attn_norm_b)
     if mixer is not NO_MIXER:  # (a hybrid model's layer of an MLP alone has none)
         with jax.named_scope("attention"):
             h = h_attn if attn_in is None else attn_in
@@ -109,7 +109,7 @@ def _layer(
         return (x, k_all, v_all, *shared), None
     if lp.router is not None:
         with jax.named_scope("moe"):
-            h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
+            h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm, lp.mlp_norm_b)
             out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots), backend)
             if lp.post_mlp_norm is not None:
                 out = model_norm(cfg, out, lp.post_mlp_norm)
@@ -117,7 +117,7 @@ def _layer(
 
     with jax.named_scope("mlp"):
         # (Cohere's MLP reads the attention's input: x + attention + MLP, in one residual.)
-        h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm)
+        h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm, lp.mlp_norm_b)
         if lp.w_gate_up is not None:
             gate, up = jnp.split(project(h, lp.w_gate_up, _dot_out_major), 2, axis=-1)  # [T, F] each
         else:
@@ -240,7 +240,7 @@ _layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8, 9, 10))
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Logits [R, V] float32 of last hidden states x [R, E]: the final norm (none when `final_norm` is None: an EAGLE
     head's), then the vocabulary (and the model's soft-cap)."""
-    x = x if params.final_norm is None else model_norm(cfg, x, params.final_norm)
+    x = x if params.final_norm is None else model_norm(cfg, x, params.final_norm, params.final_norm_b)
     if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
         logits = _dot_out_major(x, params.lm_head_t, jnp.float32)
     elif params.lm_head is None:

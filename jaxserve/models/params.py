@@ -8,7 +8,6 @@ scans them."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,6 +77,8 @@ class LayerParams:
     k_scale: Any = None  # [L] float32: a float8 KV cache holds K / k_scale (checkpoint or calibrated scales)
     v_scale: Any = None  # [L] float32: ... and V / v_scale
     post_attn_norm: Any = None  # [L, E]: Gemma's norms of the attention's and the MLP's outputs
+    attn_norm_b: Any = None  # [L, E]: LayerNorm biases of attn_norm and mlp_norm (`ModelConfig.norm_bias`)
+    mlp_norm_b: Any = None
     post_mlp_norm: Any = None  # [L, E]
     # Fused layouts, only in unstacked per-layer params (`unstack_layers(..., fuse=True)`), which then leave wq/wk/wv,
     # wo, w_gate/w_up and w_down None: fewer, larger matmuls per layer, each matrix out-major ([out, in], the
@@ -127,6 +128,7 @@ class Params:
     layers: LayerParams | tuple[LayerParams, ...]
     final_norm: Any  # [E]
     lm_head: Any = None  # [E, V]; None when tied to `embed`
+    final_norm_b: Any = None  # [E]: final_norm's LayerNorm bias (`ModelConfig.norm_bias`)
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
@@ -153,6 +155,7 @@ def declare_params(cfg: ModelConfig) -> Params:
         final_norm=ParamInfo((E,), ("embed",), norm),
         lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
         dense_layers=_declare_layers(cfg, k, False) if k else None,
+        final_norm_b=ParamInfo((E,), ("embed",), "zeros") if cfg.norm_bias else None,
     )
 
 
@@ -178,6 +181,8 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
             mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and not cfg.parallel_block else None,
         )
+    if cfg.norm_bias:
+        layers.attn_norm_b, layers.mlp_norm_b = (p((L, E), ("layers", "embed"), "zeros") for _ in range(2))
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
@@ -339,32 +344,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
     return jax.tree.unflatten(treedef, leaves)
 
 
-def random_params(cfg: ModelConfig, dtype: jnp.dtype, seed: int = 0, shardings: Params | None = None,
-                  scale: float = 0.02) -> Params:
-    """Random weights of `cfg`'s shapes, made on the device(s) in `dtype` (for `--load-format dummy`): normal(0,
-    scale) matrices, unit norms, zero biases, leaf i drawn from fold_in(key(seed), i). With `shardings` (a tree of
-    `NamedSharding`s, as `ShardingPlan.param_shardings`), each leaf is created directly in its shards, so no device
-    ever holds a whole weight it does not keep."""
-    _float_only(cfg)
-    infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
-    targets = treedef.flatten_up_to(shardings) if shardings is not None else [None] * len(infos)
-    key = jax.random.key(seed)
-    leaves = [_random_leaf(info.shape, info.init, jnp.dtype(info.dtype or dtype), scale, target)(jax.random.fold_in(key, i))
-              for i, (info, target) in enumerate(zip(infos, targets, strict=True))]
-    return jax.tree.unflatten(treedef, leaves)
-
-
-@functools.lru_cache(maxsize=256)
-def _random_leaf(shape: tuple[int, ...], init: Init, dtype: jnp.dtype, scale: float, target: Any) -> Any:
-    """The jitted maker of one random leaf (cached: a second model of the same shapes compiles nothing)."""
-    def make(key: jax.Array) -> jax.Array:
-        if init == "normal":
-            return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-        return jnp.full(shape, 1.0 if init == "ones" else 0.0, dtype)
-
-    return jax.jit(make, out_shardings=target)
-
-
 def param_paths(tree: Params) -> dict[str, Any]:
     """Flatten a parameter tree to {"layers.wq": leaf, "dense_layers.wq": leaf, ...} (None fields omitted)."""
     out: dict[str, Any] = {}
@@ -393,5 +372,5 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
             for g in dataclasses.fields(layers)})
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
-                  lm_head=flat.get("lm_head"), dense_layers=stack("dense_layers"), attn_layers=stack("attn_layers"),
-                  mamba_layers=stack("mamba_layers"), mlp_layers=stack("mlp_layers"))
+                  lm_head=flat.get("lm_head"), final_norm_b=flat.get("final_norm_b"), dense_layers=stack("dense_layers"),
+                  attn_layers=stack("attn_layers"), mamba_layers=stack("mamba_layers"), mlp_layers=stack("mlp_layers"))
