@@ -143,6 +143,14 @@ ATTENTION_ONLY = {
     # here unrolls the layers; scanned, below, it keeps the two stacks). The LM head takes none (its experts:
     # tests/test_lora_experts.py).
     "glm4_moe": ("Glm4MoeConfig", GLM4_MOE, "lm_head", "not LoRA on a projection jaxserve serves"),
+    # Jais 2: biased attention after a LayerNorm with a bias.
+    "jais2": ("Jais2Config", dict(head_dim=16, bos_token_id=1, eos_token_id=2), "embed_tokens",
+              "not LoRA on a projection jaxserve serves"),
+    # Command A MoE's layers: the experts read the attention's normed input, beside a dense first layer.
+    "cohere2_moe": ("Cohere2MoeConfig", dict(head_dim=16, num_experts=8, intermediate_size=24, num_shared_experts=1,
+                                             first_k_dense_replace=1, prefix_dense_intermediate_size=40,
+                                             sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                    "lm_head", "not LoRA on a projection jaxserve serves"),
 }
 
 
