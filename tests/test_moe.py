@@ -287,6 +287,14 @@ def test_ep_deepseek_v32_sparse_attention_equals_unsharded(ep_results):
     assert (r["kv_repeat"], r["kv_shard_heads"], r["wq_shard_heads"]) == (2, 1, 2)
 
 
+def test_ep_cohere2_moe_equals_unsharded(ep_results):
+    """Command A MoE's layers under EP=2 x TP=2: the experts and the shared expert (averaged with them) reading the
+    attention's normed input, the dense first layer's MLP split as a dense model's."""
+    r = ep_results["cohere2_moe_tp2_ep2"]
+    assert r["rel_prefill"] < 1e-5 and r["rel_decode"] < 1e-5 and r["argmax_equal"]
+    assert (r["experts_per_device"], r["dense_mlp_per_device"]) == (4, 48)
+
+
 def test_ep_llama4_maverick_dense_and_moe_layers_equal_unsharded(ep_results):
     """Llama 4 Maverick's layers under EP=2 x TP=2: its dense layers' MLP split as a dense model's, the MoE layers'
     experts over the expert axis."""

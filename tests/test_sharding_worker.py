@@ -75,6 +75,13 @@ def moe_config(family: str = "qwen2_moe"):
             v_head_dim=12, family=family), **(dict(index_heads=4, index_head_dim=16, index_topk=4)
                                               if family != "deepseek_v3" else {}),
                **(dict(index_shared_layers=(1,)) if family == "glm_moe_dsa" else {})}
+    # Command A MoE's layers: attention and experts side by side on one LayerNormed input, a dense first layer of its
+    # own width, windowed and NoPE layers, a shared expert averaged with the routed ones.
+    if family == "cohere2_moe":
+        glm = dict(first_dense_layers=1, num_layers=3, intermediate_size=96, sliding_window=8, rotary_dim=None,
+                   layer_types=("full_attention", "sliding_attention", "full_attention"), no_rope_layers=(1, 1, 0),
+                   shared_expert_intermediate_size=32, routed_scaling_factor=0.5, shared_expert_scale=0.5,
+                   norm_topk_prob=True, tie_word_embeddings=True)
     return ModelConfig(**{**dict(
         family=family, vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16, attention_bias=family in ("qwen2_moe", "glm4_moe", "gpt_oss"), qk_norm=family == "qwen3_moe",
@@ -214,6 +221,7 @@ def case_moe() -> dict:
     out.update({f"mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)]).items()})
     out.update({f"dsa_{k}": v for k, v in _sweep(moe_config("deepseek_v32"), [(2, 2)]).items()})
     out.update({f"maverick_{k}": v for k, v in _sweep(maverick_config(), [(2, 2)]).items()})
+    out.update({f"cohere2_moe_{k}": v for k, v in _sweep(moe_config("cohere2_moe"), [(2, 2)]).items()})
     # The kernels (interpreted) on each device's heads: gpt-oss's sinks split with them, DeepSeek's latents.
     out.update({f"pallas_gpt_oss_{k}": v for k, v in _sweep(moe_config("gpt_oss"), [(2, 2)], "pallas_interpret").items()})
     out.update({f"pallas_mla_{k}": v for k, v in _sweep(moe_config("deepseek_v3"), [(2, 2)], "pallas_interpret").items()})
