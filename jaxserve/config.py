@@ -249,8 +249,12 @@ class ModelConfig:
     @property
     def layer_period(self) -> int:
         """The shortest period of the layers' kinds (Gemma 2: 2, Gemma 3: 6, SmolLM3: 4; 1 when all are alike)."""
-        kinds = [self.layer_kind(i) for i in range(self.num_layers)]
-        return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
+        return self.period_from(0)
+
+    def period_from(self, start: int) -> int:
+        """The shortest period of the kinds of layers `start` on (Command A MoE's past its dense first layer)."""
+        kinds = [self.layer_kind(i) for i in range(start, self.num_layers)]
+        return next((p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))), 1)
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""

@@ -37,6 +37,7 @@ def test_cohere2_moe_config(tiny):
         "cohere2_moe", 1, 40, 24)
     assert cfg.layer_types == ("full_attention",) + ("sliding_attention",) * 3 + ("full_attention", "sliding_attention")
     assert cfg.no_rope_layers == (1, 1, 1, 1, 0, 1) and cfg.parallel_block and cfg.tie_word_embeddings
+    assert (cfg.layer_period, cfg.period_from(1)) == (6, 4)  # (the stacked MoE layers loop in groups of 4)
     assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor, cfg.shared_expert_scale) == (24, 0.5, 0.5)
     assert (cfg.router_scoring, cfg.norm_topk_prob) == ("softmax", True)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg

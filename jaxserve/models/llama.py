@@ -35,7 +35,8 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Arra
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
-    return (xf * scale + (0.0 if bias is None else bias.astype(jnp.float32))).astype(x.dtype)
+    out = xf * scale if bias is None else xf * scale + bias.astype(jnp.float32)  # (no add without a bias)
+    return out.astype(x.dtype)
 
 
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
@@ -362,8 +363,8 @@ def forward(
         carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(first, L, dtype=jnp.int32)))
     else:  # stacked layers that attend differently (Gemma, SmolLM3) or alternate dense and MoE MLPs (Llama 4
         # Maverick): a loop over the repeating groups of layers
-        period = math.lcm(cfg.layer_period, cfg.moe_layer_step)
         first = cfg.first_dense_layers if params.dense_layers is not None else 0  # (dense first layers: K-EXAONE's)
+        period = math.lcm(cfg.period_from(first), cfg.moe_layer_step)
 
         def one(layer, like: int, carry):  # `layer` attends as layer `like` (static) does, with its kind of MLP
             dense = params.dense_layers is not None and cfg.dense_layer(like)

@@ -33,7 +33,7 @@ from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, ParamInfo
 from jaxserve.models.quantized import project
 from jaxserve.models.rotary import query_scale
-from jaxserve.models.sparse_mla import attend_keys, choose_keys, indexer
+from jaxserve.models.sparse_mla import attend_keys, choose_keys, index_key, index_queries
 
 
 def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs, cos: jax.Array, sin: jax.Array,
@@ -74,8 +74,7 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
         q = q * query_scale(cfg, inputs.positions).astype(q.dtype)[:, None, None]
     parts = [latent[:, None, :], k_rot.astype(latent.dtype)]
     if cfg.index_topk:  # (DeepSeek Sparse Attention: the indexer's key rides in the entry)
-        index_q, index_w, index_k = indexer(cfg, lp, h, h_q, cos, sin)
-        parts.append(index_k[:, None, :].astype(latent.dtype))
+        parts.append(index_key(cfg, lp, h, cos, sin)[:, None, :].astype(latent.dtype))
     # One entry per token, copied to each KV head a tensor-parallel mesh gives a device (`sharding.plan`).
     entry = jnp.concatenate(parts, axis=-1)
     entry = jnp.broadcast_to(entry, (T, hkv, entry.shape[-1]))
@@ -86,9 +85,12 @@ def mla_attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInpu
         if inputs.last_key is not None:
             raise ValueError("DeepSeek Sparse Attention has no spans attended both ways (last_key)")
         kw = dict(kv_dtype=kv_dtype, backend=backend, layout=layout)
-        choose = lambda: choose_keys(index_q, index_w, k_all, tables, inputs.seq_lens,  # noqa: E731
-                                     inputs.query_start_loc, key_dim=R + Dr, topk=cfg.index_topk, **kw)
-        if shared:  # (the slots carried as the pages of layer 0 hold them)
+        choose = lambda: choose_keys(*index_queries(cfg, lp, h, h_q, cos, sin), k_all, tables,  # noqa: E731
+                                     inputs.seq_lens, inputs.query_start_loc, key_dim=R + Dr, topk=cfg.index_topk,
+                                     **kw)
+        # A layer sharing the last full layer's choice projects no indexer queries (its key, zeros, is still
+        # written: every layer's entries are one width). The slots carried as the pages of layer 0 hold them.
+        if shared:
             offset = layer * (num_pages * page_size)
             full = jnp.asarray([i not in cfg.index_shared_layers for i in range(cfg.num_layers)])[layer]
             slots, lens = jax.lax.cond(full, choose, lambda: (shared[0][0] + offset, shared[0][1]))

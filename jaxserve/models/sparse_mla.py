@@ -33,17 +33,22 @@ BLOCK_KEYS = 256  # keys scored per block (whole pages, at least one)
 SCORE_BYTES = 256 << 20  # the indexer kernel's scores at once, at most (`scored_keys`)
 
 
-def indexer(cfg: ModelConfig, lp: LayerParams, h: jax.Array, h_q: jax.Array, cos: jax.Array, sin: jax.Array
-            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def index_queries(cfg: ModelConfig, lp: LayerParams, h: jax.Array, h_q: jax.Array, cos: jax.Array, sin: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
     """The indexer's queries [T, Hi, Di] and head weights [T, Hi] (float32) of a layer's normed inputs h [T, E] and
-    normed query bottleneck h_q [T, Rq]; and its keys [T, Di], each turned by position over its first rotary dims."""
+    normed query bottleneck h_q [T, Rq], the queries turned by position over their first rotary dims."""
     Dr, Hi = cfg.rotary_dims, cfg.index_heads
     q = jnp.einsum("tr,rhd->thd", h_q, lp.idx_wq)
     q = jnp.concatenate([apply_rope(q[..., :Dr], cos, sin), q[..., Dr:]], axis=-1)
-    k = layer_norm(h @ lp.idx_wk, lp.idx_k_norm, lp.idx_k_norm_b, INDEX_KEY_NORM_EPS)
-    k = jnp.concatenate([apply_rope(k[:, None, :Dr], cos, sin)[:, 0], k[:, Dr:]], axis=-1)
     w = jnp.dot(h.astype(jnp.float32), lp.idx_w.astype(jnp.float32), preferred_element_type=jnp.float32)
-    return q, w * Hi ** -0.5, k
+    return q, w * Hi ** -0.5
+
+
+def index_key(cfg: ModelConfig, lp: LayerParams, h: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """The indexer's keys [T, Di] of a layer's normed inputs h [T, E], turned as its queries are."""
+    Dr = cfg.rotary_dims
+    k = layer_norm(h @ lp.idx_wk, lp.idx_k_norm, lp.idx_k_norm_b, INDEX_KEY_NORM_EPS)
+    return jnp.concatenate([apply_rope(k[:, None, :Dr], cos, sin)[:, 0], k[:, Dr:]], axis=-1)
 
 
 def sparse_mla_attention(q: jax.Array, index_q: jax.Array, index_w: jax.Array, pool: jax.Array, tables: jax.Array,
