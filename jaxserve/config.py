@@ -37,8 +37,8 @@ GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
 after the MLP as well as before each."""
 UNIT_NORM_FAMILIES: tuple[str, ...] = (*GEMMA_FAMILIES, *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo")
-POST_NORM_FAMILIES: tuple[str, ...] = (*OLMO_FAMILIES, "exaone4")
+OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "olmo_hybrid")
+POST_NORM_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "exaone4")  # (OLMo Hybrid's by layer kind)
 """Norms after attention and the MLP (on their outputs), none before them."""
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ class ModelConfig:
     @property
     def output_norms(self) -> bool:
         """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2, AFMoE)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4", "afmoe", *POST_NORM_FAMILIES)
+        return self.family in (*GEMMA_FAMILIES, "glm4", "afmoe", "olmo_hybrid", *POST_NORM_FAMILIES)
 
     @property
     def input_norms(self) -> bool:

@@ -170,7 +170,8 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
     or none of a Granite hybrid's without `position_embedding_type` "rope"."""
     if family == "smollm3":
         return smollm3_no_rope_layers(d)
-    if family == "granitemoehybrid" and d.get("position_embedding_type") != "rope" or family == "nemotron_h":
+    if family in ("granitemoehybrid", "olmo_hybrid") and d.get("position_embedding_type") != "rope" or (
+            family == "nemotron_h"):
         return (0,) * d["num_hidden_layers"]
     if family in ("exaone4", "cohere2", "exaone_moe") and d.get("sliding_window"):  # its global layers: NoPE
         return tuple(int(t == "sliding_attention") for t in exaone4_fields(d)["layer_types"])

@@ -25,6 +25,7 @@ from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_mimo import mimo_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
+from jaxserve.config_olmo_hybrid import olmo_hybrid_hf
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next_hf
 
 
@@ -122,6 +123,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
+    if cfg.family == "olmo_hybrid":  # (NoPE: `rope_parameters` null)
+        d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "rope_theta")} | olmo_hybrid_hf(cfg)
     if cfg.query_scale_beta and cfg.family in ("mistral", "mistral4"):  # Ministral 3's, Mistral 4's
         rope = {"rope_type": "default", **d.pop("rope_scaling", {}), "rope_theta": cfg.rope_theta,
                 "llama_4_scaling_beta": cfg.query_scale_beta, "original_max_position_embeddings": cfg.query_scale_length}

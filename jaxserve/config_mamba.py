@@ -1,5 +1,5 @@
 """The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H), its short convolutions (LFM2) or its
-Gated DeltaNet layers (Qwen3-Next, Qwen3.5): their shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
+Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo Hybrid): their shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from typing import Any
 
 from jaxserve.config_lfm2 import lfm2
 from jaxserve.config_nemotron import nemotron_h
+from jaxserve.config_olmo_hybrid import olmo_hybrid
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next
 from jaxserve.errors import UnsupportedModelError
 
-HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", *GATED_DELTA_FAMILIES)
+HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", *GATED_DELTA_FAMILIES,
+                                    "olmo_hybrid")
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
 # "mlp": a layer of an MLP alone, Nemotron-H's).
@@ -44,7 +46,8 @@ class MambaConfig:
     proj_bias: bool = False
     time_step_min: float = 0.0  # dt clamped to [min, max] after its softplus (transformers' `time_step_limit`)
     time_step_max: float = math.inf
-    norm_eps: float = 1e-6  # the gated norm's (the model's `rms_norm_eps`)
+    norm_eps: float = 1e-6  # the gated norm's (the model's `rms_norm_eps`; OLMo Hybrid's 1e-5)
+    beta_scale: float = 1.0  # a DeltaNet's beta, sigmoid(b) times this (OLMo Hybrid's 2: eigenvalues down to -1)
     no_mlp: tuple[int, ...] = ()  # layers of a mixer alone
     no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
     kind: str = "mamba2"  # or "short_conv", "gated_delta"
@@ -103,9 +106,10 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba, Nemotron-H, LFM2, Qwen3-Next or Qwen3.5 config in Granite 4.0-H's keys (`bamba`,
-    `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`); any other as it is."""
-    return qwen3_next(lfm2(nemotron_h(bamba(d))))
+    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5 or OLMo Hybrid config in Granite 4.0-H's keys (`bamba`,
+    `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
+    `config_olmo_hybrid.olmo_hybrid`); any other as it is."""
+    return olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d)))))
 
 
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
@@ -131,7 +135,8 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        n_groups=d.get("mamba_n_groups", 1), conv_kernel=d.get("mamba_d_conv", 4),
                        conv_bias=bool(d.get("mamba_conv_bias", True)), proj_bias=bool(d.get("mamba_proj_bias", False)),
                        time_step_min=limit[0], time_step_max=limit[1],
-                       norm_eps=float(d.get("rms_norm_eps", 1e-6)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
+                       norm_eps=float(d.get("mamba_norm_eps", d.get("rms_norm_eps", 1e-6))),
+                       beta_scale=float(d.get("mamba_beta_scale", 1.0)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
                        no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS),
                        kind=d.get("mamba_kind", "mamba2"))
 

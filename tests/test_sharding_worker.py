@@ -796,7 +796,14 @@ def case_hybrid() -> dict:
                 num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=96,
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                max_position_embeddings=512), ep=True)}
+                max_position_embeddings=512), ep=True),
+            # OLMo Hybrid: q and k normed over all their heads (split), norms by layer kind, beta doubled.
+            "olmo_hybrid": _tp_tokens(args, dict(
+                architectures=["OlmoHybridForCausalLM"], model_type="olmo_hybrid", vocab_size=64, hidden_size=64,
+                num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                max_position_embeddings=512))}
 
 
 def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:

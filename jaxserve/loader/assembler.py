@@ -18,6 +18,7 @@ from jaxserve.loader.keymap import (
     split_packed,
 )
 from jaxserve.loader.mimo_keys import mimo_uniform
+from jaxserve.loader.olmo_hybrid_keys import CONV_RE, joined_conv
 from jaxserve.loader.quantized_keys import kept_module, projection_modules
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
 from jaxserve.models.quantized import QuantizedWeight, quantize
@@ -42,12 +43,18 @@ class WeightAssembler:
         self._decl = param_paths(declare_params(cfg))
         self._arrays: dict[str, np.ndarray] = {}
         self._seen: set[str] = set()
+        self._held: dict[str, dict[str, np.ndarray]] = {}  # (parts of one parameter tensor, until all have come)
 
     def add(self, name: str, tensor: np.ndarray) -> None:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
         held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
         name = canonical_name(name, self.cfg)
+        if self.cfg.family == "olmo_hybrid" and CONV_RE.match(name):  # (its q, k and v convolutions: one tensor)
+            joined = joined_conv(self._held, name, tensor)
+            if joined is None:
+                return
+            name, tensor = joined
         scale = name.endswith(".weight_scale")
         weight_name = name.removesuffix("_scale") if scale else name
         if self.cfg.family == "mimo_v2_flash":  # (its layers' heads and values made uniform)
@@ -125,6 +132,9 @@ class WeightAssembler:
 
     def finish(self, place: Callable[[str, np.ndarray], object] | None = None) -> Params:
         """The parameter tree; `place(path, host_array)` moves each array to its device(s)."""
+        for prefix, parts in self._held.items():
+            raise CheckpointError(f"checkpoint has {prefix}{{{', '.join(sorted(parts))}}}_conv1d.weight but not its "
+                                  f"{', '.join(p for p in 'qkv' if p not in parts)} part")
         missing = self.missing()
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -36,6 +36,7 @@ from jaxserve.loader.granite_keys import (
 from jaxserve.loader.mamba_keys import hybrid_hf_name, hybrid_layer_names, hybrid_name, hybrid_spec
 from jaxserve.loader.mimo_keys import mimo_written
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
+from jaxserve.loader.olmo_hybrid_keys import split_conv
 from jaxserve.loader.qwen3_next_keys import QWEN3_NEXT_FUSED_RE, qwen3_next_fused, qwen3_next_split
 
 
@@ -139,9 +140,8 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     if cfg.family == "apertus":  # its norms' names
         t["attention_layernorm.weight"] = t.pop("input_layernorm.weight")
         t["feedforward_layernorm.weight"] = t.pop("post_attention_layernorm.weight")
-    if cfg.mlp_bias and cfg.gated_mlp:
-        t["mlp.gate_proj.bias"] = ("layers.b_gate", ident, (F,))
-    if cfg.mlp_bias:
+    if cfg.mlp_bias:  # (and a gated MLP's gate)
+        t |= {"mlp.gate_proj.bias": ("layers.b_gate", ident, (F,))} if cfg.gated_mlp else {}
         t |= {"mlp.up_proj.bias": ("layers.b_up", ident, (F,)), "mlp.down_proj.bias": ("layers.b_down", ident, (E,))}
     if cfg.norm_bias:  # (Jais 2's LayerNorms)
         t |= {f"{n}.bias": (f"layers.{p}_b", ident, (E,)) for n, p in (("input_layernorm", "attn_norm"),
@@ -335,9 +335,8 @@ def hf_names(cfg: ModelConfig) -> list[str]:
 
 
 def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
-    """Every (HF name, HF-layout tensor) of a checkpoint of `cfg`, from our (host) parameters; a Granite MoE
-    model's experts fused back into its one tensor per kind (the inverse of `granite_experts`), its shared MLP
-    too, GLM's gate and up projections into its `gate_up_proj`."""
+    """Every (HF name, HF-layout tensor) of a checkpoint of `cfg`, from our (host) parameters, packed as the family's
+    checkpoints pack them (Granite MoE's experts and shared MLP, GLM's `gate_up_proj`, ...) and under its names."""
     pairs = ((name, to_hf_tensor(name, cfg, params_flat)) for name in hf_names(cfg))
     if cfg.family in GLM_FAMILIES:
         gate = None
@@ -358,8 +357,9 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    if cfg.family in ("qwen3_next", "mimo_v2_flash"):  # (Qwen3-Next's projections fused; MiMo's own heads and values)
-        yield from qwen3_next_fused(pairs, cfg) if cfg.family == "qwen3_next" else mimo_written(pairs, cfg)
+    written = {"qwen3_next": qwen3_next_fused, "mimo_v2_flash": mimo_written, "olmo_hybrid": split_conv}
+    if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; OLMo Hybrid's convolutions)
+        yield from written[cfg.family](pairs, cfg)
         return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
         ((family_hf_name(hybrid_hf_name(name, cfg), cfg), t) for name, t in pairs))

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.nemotron_keys import nemotron_hf_name, nemotron_name
+from jaxserve.loader.olmo_hybrid_keys import OLMO_HYBRID_NORMS, olmo_hybrid_name, olmo_hybrid_targets
 from jaxserve.loader.qwen3_next_keys import gated_delta_targets
 from jaxserve.models.params import MLP_FIELDS
 
@@ -22,7 +23,7 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
     m, E = cfg.mamba, cfg.hidden_size
     ident = lambda w: w  # noqa: E731
     if m.kind == "gated_delta":
-        return gated_delta_targets(cfg)
+        return olmo_hybrid_targets(cfg) if cfg.family == "olmo_hybrid" else gated_delta_targets(cfg)
     t = {"mamba.in_proj.weight": ("mamba_layers.m_in", lambda w: w.T, (m.proj_dim, E)),
          "mamba.conv1d.weight": ("mamba_layers.m_conv", lambda w: w[:, 0, :], (m.conv_dim, 1, m.conv_kernel)),
          "mamba.out_proj.weight": ("mamba_layers.m_out", lambda w: w.T, (E, m.inner))}
@@ -47,6 +48,9 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
     field = None if spec is None else spec[0].removeprefix("layers.")
     if not _held(cfg, layer, rest):
         return None
+    if cfg.family == "olmo_hybrid" and rest in OLMO_HYBRID_NORMS:
+        path = OLMO_HYBRID_NORMS[rest][layer in m.layers]
+        return None if path is None else (path, lambda w: w, (cfg.hidden_size,), layer)
     if layer in m.layers:
         if rest in mamba_targets(cfg):  # (path, transform, shape[, columns]): the index on the stack after the shape
             path, transform, shape, *cols = mamba_targets(cfg)[rest]
@@ -75,6 +79,9 @@ def hybrid_layer_names(cfg: ModelConfig, layer: int, names: list[str]) -> list[s
     """Layer `layer`'s tensor names (after `model.layers.{i}.`) given other models' `names`: a Mamba layer's
     mixer in attention's place, none of a part the layer lacks."""
     names = [n for n in names if _held(cfg, layer, n)]
+    if cfg.family == "olmo_hybrid":
+        names = [n for n in names if olmo_hybrid_name("." + n)[1:] not in OLMO_HYBRID_NORMS] + [
+            n for n, paths in OLMO_HYBRID_NORMS.items() if paths[layer in cfg.mamba.layers]]
     if layer not in cfg.mamba.layers:
         return names
     return [n for n in names if not n.startswith("self_attn.")] + list(mamba_targets(cfg))
@@ -104,11 +111,11 @@ def bamba_hf_name(name: str) -> str:
 
 
 def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
-    """A Bamba, Nemotron-H or LFM2 tensor's name as a hybrid model's layer holds it (Nemotron-H's and LFM2's by
-    `cfg`: Nemotron-H's blocks paired into layers); other names as they are."""
+    """A Bamba, Nemotron-H, LFM2 or OLMo Hybrid tensor's name as a hybrid model's layer holds it (Nemotron-H's, LFM2's
+    and OLMo Hybrid's by `cfg`: Nemotron-H's blocks paired into layers); other names as they are."""
     family = None if cfg is None else cfg.family
     return nemotron_name(name, cfg) if family == "nemotron_h" else lfm2_name(name) if family == "lfm2" \
-        else bamba_name(name)
+        else olmo_hybrid_name(name) if family == "olmo_hybrid" else bamba_name(name)
 
 
 def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:

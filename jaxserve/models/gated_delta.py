@@ -1,11 +1,11 @@
-"""A hybrid model's Gated DeltaNet layers (Qwen3-Next, Qwen3.5; `config_mamba.MambaConfig` kind "gated_delta") over a
-ragged batch, each sequence's convolution state and its heads' delta-rule states kept in a slot of the state pools
-(`KVCache.conv`, `KVCache.ssm`), as for the Mamba layers (`models.mamba`).
+"""A hybrid model's Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo Hybrid; `config_mamba.MambaConfig` kind
+"gated_delta") over a ragged batch, each sequence's convolution state and its heads' delta-rule states kept in a slot
+of the state pools (`KVCache.conv`, `KVCache.ssm`), as for the Mamba layers (`models.mamba`).
 
 Per value head, with q and k L2-normed (q also scaled by key dim ** -1/2) and shared by the value heads of their key
 head, each token t decays the state S [value dim, key dim] by exp(g_t) (g_t = -exp(A_log) softplus(a_t + dt_bias)),
-then writes its value where its key reads: S += beta_t (v_t - S k_t) k_t^T (beta_t = sigmoid(b_t)); its output is
-S q_t, normed per head and gated by silu(z_t)."""
+then writes its value where its key reads: S += beta_t (v_t - S k_t) k_t^T (beta_t = sigmoid(b_t), times
+`MambaConfig.beta_scale`); its output is S q_t, normed per head and gated by silu(z_t)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def gated_delta_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: Mod
     q, k = (jnp.repeat(_l2norm(qkv[:, j * G * N:(j + 1) * G * N].reshape(T, G, N)), H // G, axis=1) for j in (0, 1))
     q = q * N**-0.5
     v = qkv[:, 2 * G * N:].reshape(T, H, P)
-    beta = jax.nn.sigmoid(b)  # [T, H]
+    beta = jax.nn.sigmoid(b) * m.beta_scale  # [T, H]
     g = -jnp.exp(lp.m_a_log) * jax.nn.softplus(a + lp.m_dt_bias)  # [T, H]: each head's log decay
 
     if inputs.decode:  # one token per sequence, token t of sequence t: every state steps at once

@@ -97,14 +97,23 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
                 out, c, s = mix(cfg.mamba, mp, h, inputs, conv[j], ssm[j], chunked)
                 return out, conv.at[j].set(c), ssm.at[j].set(s)
 
-            x, conv, ssm = layer(i, lp, (x, conv, ssm), j, mixer)
+            x, conv, ssm = layer(i, _kind_norms(cfg, lp, False), (x, conv, ssm), j, mixer)
             j += 1
         else:
             ap = jax.tree.map(lambda w, a=a: w[a], params.attn_layers)
             lp = dataclasses.replace(lp, **{name: getattr(ap, name) for name in ATTENTION_FIELDS})
-            x, k, v = layer(i, lp, (x, k, v), a, None)
+            x, k, v = layer(i, _kind_norms(cfg, lp, True), (x, k, v), a, None)
             a += 1
     return (x, k, v, *kept), conv, ssm
+
+
+def _kind_norms(cfg: ModelConfig, lp: LayerParams, attention: bool) -> LayerParams:
+    """Layer `lp` with only its kind's norms: OLMo Hybrid's attention layers norm after attention and the MLP, its
+    DeltaNet layers before them (`Params.layers` holds all four norms for every layer)."""
+    if cfg.family != "olmo_hybrid":
+        return lp
+    drop = ("attn_norm", "mlp_norm") if attention else ("post_attn_norm", "post_mlp_norm")
+    return dataclasses.replace(lp, **dict.fromkeys(drop))
 
 
 def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInputs, conv: jax.Array,
