@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
+from jaxserve.config_falcon_h1 import FalconScales
 from jaxserve.config_families import Family
 from jaxserve.config_mamba import MambaConfig
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_softmax_scale
@@ -136,12 +137,15 @@ class ModelConfig:
     index_topk: int = 0
     index_shared_layers: tuple[int, ...] = ()  # GLM-5.2's: layers that reuse the last indexer layer's choice
     mamba: MambaConfig | None = None  # a hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba`); None: none
+    falcon: FalconScales | None = None  # Falcon-H1's multipliers (folded into its weights at load)
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers and MLPs alone)."""
+        """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers and MLPs alone; all of
+        Falcon-H1's, whose Mamba layers attend too)."""
         m = self.mamba
-        return tuple(i for i in range(self.num_layers) if m is None or i not in m.layers and i not in m.no_mixer)
+        return tuple(i for i in range(self.num_layers) if m is None or m.parallel or i not in m.layers
+                     and i not in m.no_mixer)
 
     @property
     def rotary_dims(self) -> int:

@@ -17,6 +17,7 @@ from jaxserve.config import (
 from jaxserve.config_afmoe import afmoe_hf
 from jaxserve.config_cohere2_moe import cohere2_moe_hf
 from jaxserve.config_exaone_moe import exaone_moe_hf
+from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_lfm2 import lfm2_hf
@@ -123,6 +124,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
+    if cfg.family == "falcon_h1":
+        d = {k: v for k, v in d.items() if k != "no_rope_layers"} | falcon_hf(cfg)
     if cfg.family == "olmo_hybrid":  # (NoPE: `rope_parameters` null)
         d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "rope_theta")} | olmo_hybrid_hf(cfg)
     if cfg.query_scale_beta and cfg.family in ("mistral", "mistral4"):  # Ministral 3's, Mistral 4's

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.config_falcon_h1 import falcon_h1
 from jaxserve.config_lfm2 import lfm2
 from jaxserve.config_nemotron import nemotron_h
 from jaxserve.config_olmo_hybrid import olmo_hybrid
@@ -14,7 +15,7 @@ from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next
 from jaxserve.errors import UnsupportedModelError
 
 HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", *GATED_DELTA_FAMILIES,
-                                    "olmo_hybrid")
+                                    "olmo_hybrid", "falcon_h1")
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
 # "mlp": a layer of an MLP alone, Nemotron-H's).
@@ -51,6 +52,10 @@ class MambaConfig:
     no_mlp: tuple[int, ...] = ()  # layers of a mixer alone
     no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
     kind: str = "mamba2"  # or "short_conv", "gated_delta"
+    parallel: bool = False  # each Mamba layer also attends, both on one normed input (Falcon-H1)
+    # The mixer's output: normed per group after its gate silu(z) ("gated", Mamba-2's), before it ("before"), or not
+    # normed ("none": y * silu(z))
+    gate_norm: str = "gated"
 
     def mlp_layers(self, num_layers: int, first: int = 0) -> tuple[int, ...]:
         """The layers with an MLP, from layer `first` on (after a model's dense first layers: their MLPs stacked
@@ -89,7 +94,9 @@ class MambaConfig:
             raise UnsupportedModelError(f"mamba layers {self.layers} must be distinct layers of the {num_layers}")
         if set(self.layers) & set(self.no_mixer) or set(self.no_mlp) & set(self.no_mixer):
             raise UnsupportedModelError(f"a layer without a mixer ({self.no_mixer}) has an MLP and no Mamba mixer")
-        if len(self.layers) + len(self.no_mixer) == num_layers:
+        if self.gate_norm not in ("gated", "before", "none"):
+            raise UnsupportedModelError(f"mamba gate_norm {self.gate_norm!r} is not supported (gated, before, none)")
+        if len(self.layers) + len(self.no_mixer) == num_layers and not self.parallel:
             raise UnsupportedModelError("a hybrid model of Mamba layers only is not supported (it holds no pages)")
 
 
@@ -106,10 +113,10 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5 or OLMo Hybrid config in Granite 4.0-H's keys (`bamba`,
-    `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
-    `config_olmo_hybrid.olmo_hybrid`); any other as it is."""
-    return olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d)))))
+    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5, OLMo Hybrid or Falcon-H1 config in Granite 4.0-H's keys
+    (`bamba`, `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
+    `config_olmo_hybrid.olmo_hybrid`, `config_falcon_h1.falcon_h1`); any other as it is."""
+    return falcon_h1(olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d))))))
 
 
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
@@ -138,7 +145,8 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        norm_eps=float(d.get("mamba_norm_eps", d.get("rms_norm_eps", 1e-6))),
                        beta_scale=float(d.get("mamba_beta_scale", 1.0)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
                        no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS),
-                       kind=d.get("mamba_kind", "mamba2"))
+                       kind=d.get("mamba_kind", "mamba2"), parallel=bool(d.get("mamba_parallel", False)),
+                       gate_norm=d.get("mamba_gate_norm", "gated"))
 
 
 def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int, family: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from jaxserve.config import (
 from jaxserve.config_afmoe import afmoe_layer_fields, afmoe_moe_fields, afmoe_no_rope_layers
 from jaxserve.config_cohere2_moe import cohere2_moe_fields
 from jaxserve.config_exaone_moe import exaone_moe_fields
+from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
@@ -126,6 +127,6 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         **moe, **mla,
         **({"hidden_act": d.get("hidden_act", "silu"), **({"layer_types": per_layer["layer_types"]} if per_layer else {}), "rope_qk_norm": family in HUNYUAN_FAMILIES, "query_scale_beta": float(d.get("query_scale_beta", 0.0)),
             "query_scale_length": int(d.get("query_scale_length", 0))} | gemma
-           | (fields.granite_fields(d) if family in GRANITE_FAMILIES else {})
+           | (fields.granite_fields(d) if family in GRANITE_FAMILIES else falcon_fields(d) if family == "falcon_h1" else {})
            | ({"logits_scaling": 1.0 / float(d.get("logit_scale", 0.0625))} if family in COHERE_FAMILIES else {})),
     )

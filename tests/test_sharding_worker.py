@@ -803,7 +803,13 @@ def case_hybrid() -> dict:
                 num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                 num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, linear_num_key_heads=2,
                 linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-                max_position_embeddings=512))}
+                max_position_embeddings=512)),
+            # Falcon-H1: each layer's attention heads split beside its mixer, whole on each device.
+            "falcon_h1": _tp_tokens(args, dict(
+                architectures=["FalconH1ForCausalLM"], model_type="falcon_h1", vocab_size=64, hidden_size=64,
+                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96,
+                mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2, mamba_rms_norm=True,
+                key_multiplier=0.5, max_position_embeddings=512))}
 
 
 def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:

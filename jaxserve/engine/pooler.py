@@ -19,7 +19,8 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.llama import forward, model_norm
+from jaxserve.models.llama import forward
+from jaxserve.models.ops import model_norm
 from jaxserve.models.params import Params
 from jaxserve.pooling_params import PoolingParams, PoolingType
 

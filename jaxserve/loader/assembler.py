@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.falcon_keys import falcon_folded
 from jaxserve.loader.keymap import (
     KV_SCALE_PATHS,
     CheckpointError,
@@ -59,6 +60,8 @@ class WeightAssembler:
         weight_name = name.removesuffix("_scale") if scale else name
         if self.cfg.family == "mimo_v2_flash":  # (its layers' heads and values made uniform)
             tensor = mimo_uniform(weight_name, tensor, self.cfg)
+        if self.cfg.family == "falcon_h1":  # (its multipliers into its weights)
+            tensor = falcon_folded(weight_name, tensor, self.cfg)
         parts = split_packed(weight_name, tensor, self.cfg)
         if parts is not None:
             for part_name, part in parts:

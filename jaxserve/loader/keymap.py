@@ -33,10 +33,9 @@ from jaxserve.loader.granite_keys import (
     granite_fused,
     granite_shared,
 )
-from jaxserve.loader.mamba_keys import hybrid_hf_name, hybrid_layer_names, hybrid_name, hybrid_spec
+from jaxserve.loader.mamba_keys import hybrid_layer_names, hybrid_name, hybrid_spec, hybrid_written
 from jaxserve.loader.mimo_keys import mimo_written
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
-from jaxserve.loader.olmo_hybrid_keys import split_conv
 from jaxserve.loader.qwen3_next_keys import QWEN3_NEXT_FUSED_RE, qwen3_next_fused, qwen3_next_split
 
 
@@ -357,12 +356,12 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    written = {"qwen3_next": qwen3_next_fused, "mimo_v2_flash": mimo_written, "olmo_hybrid": split_conv}
-    if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; OLMo Hybrid's convolutions)
+    written = {"qwen3_next": qwen3_next_fused, "mimo_v2_flash": mimo_written}
+    if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values)
         yield from written[cfg.family](pairs, cfg)
         return
     yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
-        ((family_hf_name(hybrid_hf_name(name, cfg), cfg), t) for name, t in pairs))
+        (family_hf_name(name, cfg), t) for name, t in hybrid_written(pairs, cfg))
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:

@@ -1,18 +1,25 @@
 """A hybrid model's checkpoint names: its Mamba (or short convolution) layers' tensors, its attention layers' apart
 (`Params.mamba_layers`, `Params.attn_layers`), its MLPs apart where some layers have none or the first are dense
-(`Params.mlp_layers`, `Params.dense_layers`); every layer's norms and MLP as other models' (`keymap`). Bamba's,
-Nemotron-H's (`nemotron_keys`) and LFM2's own names for the same modules are read and written back here."""
+(`Params.mlp_layers`, `Params.dense_layers`); every layer's norms and MLP as other models' (`keymap`). Bamba's (and
+Falcon-H1's), Nemotron-H's (`nemotron_keys`), LFM2's and OLMo Hybrid's (`olmo_hybrid_keys`) own names for the same
+modules are read and written back here."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.falcon_keys import falcon_unfolded
 from jaxserve.loader.nemotron_keys import nemotron_hf_name, nemotron_name
-from jaxserve.loader.olmo_hybrid_keys import OLMO_HYBRID_NORMS, olmo_hybrid_name, olmo_hybrid_targets
+from jaxserve.loader.olmo_hybrid_keys import (
+    OLMO_HYBRID_NORMS,
+    olmo_hybrid_name,
+    olmo_hybrid_targets,
+    split_conv,
+)
 from jaxserve.loader.qwen3_next_keys import gated_delta_targets
 from jaxserve.models.params import MLP_FIELDS
 
@@ -31,7 +38,7 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
         t.update({"mamba.dt_bias": ("mamba_layers.m_dt_bias", ident, (m.num_heads,)),
                   "mamba.A_log": ("mamba_layers.m_a_log", ident, (m.num_heads,)),
                   "mamba.D": ("mamba_layers.m_d", ident, (m.num_heads,)),
-                  "mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,))})
+                  **({"mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,))} if m.gate_norm != "none" else {})})
     if m.conv_bias:
         t["mamba.conv1d.bias"] = ("mamba_layers.m_conv_b", ident, (m.conv_dim,))
     if m.proj_bias:
@@ -55,9 +62,9 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
         if rest in mamba_targets(cfg):  # (path, transform, shape[, columns]): the index on the stack after the shape
             path, transform, shape, *cols = mamba_targets(cfg)[rest]
             return (path, transform, shape, m.layers.index(layer), *cols)
-        if rest.startswith("self_attn."):
+        if rest.startswith("self_attn.") and not m.parallel:
             return None
-    elif spec is not None and rest.startswith("self_attn."):
+    if spec is not None and rest.startswith("self_attn."):
         return ("attn_" + spec[0], *spec[1:], cfg.attention_layers.index(layer))
     k = cfg.first_dense_layers
     if spec is not None and (m.no_mlp or k) and field in MLP_FIELDS:  # (the MLPs stacked apart)
@@ -77,14 +84,15 @@ def _held(cfg: ModelConfig, layer: int, rest: str) -> bool:
 
 def hybrid_layer_names(cfg: ModelConfig, layer: int, names: list[str]) -> list[str]:
     """Layer `layer`'s tensor names (after `model.layers.{i}.`) given other models' `names`: a Mamba layer's
-    mixer in attention's place, none of a part the layer lacks."""
+    mixer in attention's place (or beside it), none of a part the layer lacks."""
     names = [n for n in names if _held(cfg, layer, n)]
     if cfg.family == "olmo_hybrid":
         names = [n for n in names if olmo_hybrid_name("." + n)[1:] not in OLMO_HYBRID_NORMS] + [
             n for n, paths in OLMO_HYBRID_NORMS.items() if paths[layer in cfg.mamba.layers]]
     if layer not in cfg.mamba.layers:
         return names
-    return [n for n in names if not n.startswith("self_attn.")] + list(mamba_targets(cfg))
+    # (a Mamba layer beside attention, Falcon-H1's, keeps attention's tensors)
+    return [n for n in names if cfg.mamba.parallel or not n.startswith("self_attn.")] + list(mamba_targets(cfg))
 
 
 # Bamba's names for Llama's modules (its MLP "feed_forward", the norm before it "pre_ff_layernorm", the final norm
@@ -118,11 +126,21 @@ def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
         else olmo_hybrid_name(name) if family == "olmo_hybrid" else bamba_name(name)
 
 
+def hybrid_written(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, tensor) pairs as the model's own checkpoints hold them (`hybrid_hf_name`; OLMo Hybrid's convolutions
+    apart, Falcon-H1's multipliers out of its weights); any other model's as they are."""
+    if cfg.family == "olmo_hybrid":
+        pairs = split_conv(pairs, cfg)
+    for name, t in pairs:
+        yield hybrid_hf_name(name, cfg), falcon_unfolded(name, t, cfg) if cfg.family == "falcon_h1" else t
+
+
 def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
     """The inverse of `hybrid_name`: a tensor name as the model's own checkpoints spell it."""
     if cfg.family == "lfm2":
         return lfm2_name(name, to_hf=True)
-    return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n)}.get(
+    return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n),
+            "falcon_h1": lambda n, _: bamba_hf_name(n)}.get(
         cfg.family, lambda n, _: n)(name, cfg)
 
 

@@ -34,8 +34,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.llama import forward, model_norm
-from jaxserve.models.ops import rms_norm
+from jaxserve.models.llama import forward
+from jaxserve.models.ops import model_norm, rms_norm
 from jaxserve.models.params import LayerParams, Params
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")

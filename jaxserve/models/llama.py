@@ -10,34 +10,19 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import COHERE_FAMILIES, GEMMA_FAMILIES, OLMO_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
+from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
-from jaxserve.models.mamba import NO_MIXER, hybrid_layers
+from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
-from jaxserve.models.ops import apply_rope, rms_norm
+from jaxserve.models.ops import apply_rope, model_norm, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
 from jaxserve.models.rotary import query_scale, rope_tables
 from pallas_kernels.ragged_attention_args import FP8_KV_DTYPES
-
-
-def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo's and gpt-oss's by its
-    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, Jais 2's with its `bias`."""
-    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss", "jais2"):
-        return rms_norm(x, weight, cfg.rms_norm_eps)
-    xf = x.astype(jnp.float32)
-    if cfg.family in (*COHERE_FAMILIES, "jais2"):
-        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
-    out = xf * scale if bias is None else xf * scale + bias.astype(jnp.float32)  # (no add without a bias)
-    return out.astype(x.dtype)
-
 
 _SWAP_ROWS = (2, 64)  # measured: no gain at 1 row (a matrix-vector product) nor from 128 rows
 
@@ -85,7 +70,7 @@ def _layer(
     if mixer is not NO_MIXER:  # (a hybrid model's layer of an MLP alone has none)
         with jax.named_scope("attention"):
             h = h_attn if attn_in is None else attn_in
-            if mixer is not None:
+            if mixer is not None and not isinstance(mixer, Beside):
                 out, k_all, v_all = mixer(h, k_all, v_all)
             else:
                 args = (cfg, backend, inputs, cos, sin, lp, h, k_all, v_all, layer, kv_dtype)
@@ -102,6 +87,8 @@ def _layer(
                     out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
             if lp.bo is not None:
                 out = out + lp.bo
+            if isinstance(mixer, Beside):
+                out = out + mixer.run(h)
             if lp.post_attn_norm is not None:
                 out = model_norm(cfg, out, lp.post_attn_norm)
             x = x + _residual(cfg, out)

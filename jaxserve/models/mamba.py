@@ -24,6 +24,13 @@ from jaxserve.models.params import ATTENTION_FIELDS, MLP_FIELDS, LayerParams, Pa
 NO_MIXER = "no mixer"  # a layer's mixer where it has none: an MLP alone (`MambaConfig.no_mixer`)
 
 
+class Beside(NamedTuple):
+    """A layer's Mamba mixer beside its attention (`MambaConfig.parallel`): `run(h)` its output of the attention's
+    normed input h, added to attention's (the layer's state pools updated as it runs)."""
+
+    run: Callable[[jax.Array], jax.Array]
+
+
 def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int, bool], LayerParams]) -> Params:
     """A hybrid model's parameters: every layer's norms and MLP in `layers`, the attention layers' projections in
     `attn_layers`, the Mamba layers' in `mamba_layers` (`Params`); where some layers have no MLP, or the first
@@ -54,7 +61,8 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
         m_dt_bias=p((m.num_heads,), (None,), "ones", jnp.float32) if scan else None,
         m_a_log=p((m.num_heads,), (None,), "zeros", jnp.float32) if scan else None,
         m_d=p((m.num_heads,), (None,), "ones", jnp.float32) if m.kind == "mamba2" else None,
-        m_norm=p((m.head_dim if m.kind == "gated_delta" else m.inner,), (None,), "ones") if scan else None,
+        m_norm=p((m.head_dim if m.kind == "gated_delta" else m.inner,), (None,), "ones")
+        if scan and m.gate_norm != "none" else None,
         m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
     return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
                   layers=layers,
@@ -71,7 +79,8 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
     `LayerParams` lp) over `carry` (x, k, v), or with `mixer` over (x, conv, ssm), `index` its place among the
     attention layers (its pages) or the Mamba layers (its states). Returns the carry and the state pools. `chunked`:
     the prompt tokens' scan by `chunked_scan`, else `token_scan`. A layer of an MLP alone runs with `NO_MIXER`; a
-    layer without an MLP gets no MLP weights. `carry` may hold a fourth part, the states entering some layers, which
+    layer without an MLP gets no MLP weights; a layer whose mixer is beside its attention (Falcon-H1's) runs over
+    (x, k, v) with `Beside`. `carry` may hold a fourth part, the states entering some layers, which
     `keep(carry, i)` (`KeptLayers.keep`) writes before layer i (an EAGLE-3 draft's inputs)."""
     from jaxserve.models.gated_delta import gated_delta_mixer
 
@@ -90,6 +99,20 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
             f += 1
         if i in cfg.mamba.no_mixer:
             x, k, v = layer(i, lp, (x, k, v), 0, NO_MIXER)
+        elif cfg.mamba.parallel:  # (Falcon-H1: the mixer beside attention, on its normed input)
+            mp = jax.tree.map(lambda w, j=j: w[j], params.mamba_layers)
+            ap = jax.tree.map(lambda w, a=a: w[a], params.attn_layers)
+            lp = dataclasses.replace(lp, **{name: getattr(ap, name) for name in ATTENTION_FIELDS})
+            states = []
+
+            def beside(h, mp=mp, j=j, conv=conv, ssm=ssm, states=states):
+                out, c, s = mix(cfg.mamba, mp, h, inputs, conv[j], ssm[j], chunked)
+                states.extend([conv.at[j].set(c), ssm.at[j].set(s)])
+                return out
+
+            x, k, v = layer(i, lp, (x, k, v), a, Beside(beside))
+            conv, ssm = states
+            a, j = a + 1, j + 1
         elif i in cfg.mamba.layers:
             mp = jax.tree.map(lambda w, j=j: w[j], params.mamba_layers)
 
@@ -158,11 +181,16 @@ def mamba_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInpu
         y, ssm = (chunked_scan if chunked else token_scan)(log_decay, dx, B, C, *r.scan, ssm)
     y = (y + lp.m_d[:, None] * x).reshape(T, m.inner)
 
-    # The norm of y gated by z, over each group's channels, then the output projection.
-    g = (y * jax.nn.silu(z)).reshape(T, G, m.inner // G)
-    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + m.norm_eps)
-    g = (g.reshape(T, m.inner).astype(h.dtype) * lp.m_norm).astype(h.dtype)
-    out = jnp.dot(g, lp.m_out, preferred_element_type=jnp.float32)
+    # y gated by z and normed over each group's channels (after the gate, before it, or not: `gate_norm`), then the
+    # output projection.
+    g = y if m.gate_norm == "before" else y * jax.nn.silu(z)
+    if m.gate_norm != "none":
+        g = g.reshape(T, G, m.inner // G)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + m.norm_eps)
+        g = (g.reshape(T, m.inner).astype(h.dtype) * lp.m_norm).astype(h.dtype)
+    if m.gate_norm == "before":
+        g = g.astype(jnp.float32) * jax.nn.silu(z)
+    out = jnp.dot(g.astype(h.dtype), lp.m_out, preferred_element_type=jnp.float32)
     if lp.m_out_b is not None:
         out = out + lp.m_out_b.astype(jnp.float32)
     return out.astype(h.dtype), conv, ssm

@@ -39,7 +39,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.config_mla import DSA_FAMILIES
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.llama import forward, model_norm
+from jaxserve.models.llama import forward
+from jaxserve.models.ops import model_norm
 from jaxserve.models.params import Params
 
 MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", *DSA_FAMILIES, *GATED_DELTA_FAMILIES)

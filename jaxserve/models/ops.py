@@ -1,9 +1,12 @@
-"""The small numerical pieces decoder layers share: RMSNorm, LayerNorm and the rotary embedding's rotation."""
+"""The small numerical pieces decoder layers share: RMSNorm, LayerNorm, each family's norm and the rotary
+embedding's rotation."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.config import COHERE_FAMILIES, OLMO_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -31,3 +34,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-turned[..., half:], turned[..., :half]], axis=-1)
     out = turned * cos[:, None, :] + rotated * sin[:, None, :]
     return (jnp.concatenate([out, kept], axis=-1) if rot < x.shape[-1] else out).astype(x.dtype)
+
+
+def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo's and gpt-oss's by its
+    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, Jais 2's with its `bias`."""
+    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss", "jais2"):
+        return rms_norm(x, weight, cfg.rms_norm_eps)
+    xf = x.astype(jnp.float32)
+    if cfg.family in (*COHERE_FAMILIES, "jais2"):
+        xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
+    out = xf * scale if bias is None else xf * scale + bias.astype(jnp.float32)  # (no add without a bias)
+    return out.astype(x.dtype)

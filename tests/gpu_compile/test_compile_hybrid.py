@@ -7,7 +7,9 @@ the largest sequence bucket (every row's state stepped at once). The page pool a
 place. The mixed step too of Nemotron 3 Nano's blocks (Mamba + MoE of ungated experts, a Mamba block alone,
 attention + MoE; 16 of its 128 experts, as tests/gpu_compile/test_compile_moe_lora.py cuts Qwen3-MoE's, the
 temporaries then under the 1 GB the engine tests allow), of LFM2-1.2B's layers (short convolutions: a convolution
-state alone, no SSM state) and of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts).
+state alone, no SSM state), of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts), of
+OLMo Hybrid's (DeltaNet layers normed before, attention normed after) and of Falcon-H1's (each layer's mixer beside
+its attention).
 """
 
 from __future__ import annotations
@@ -55,6 +57,19 @@ QWEN3_NEXT = ModelConfig.from_hf({
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     "num_experts": 16, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "max_position_embeddings": 262144})
+# OLMo Hybrid 7B's shapes (transformers' defaults: DeltaNet of 30 key heads of 96 dims, 30 value heads of 192;
+# attention of 30 heads of 128), cut to three DeltaNet layers and an attention layer.
+OLMO_HYBRID = ModelConfig.from_hf({
+    "architectures": ["OlmoHybridForCausalLM"], "model_type": "olmo_hybrid", "vocab_size": 100352,
+    "hidden_size": 3840, "intermediate_size": 11008, "num_hidden_layers": 4, "num_attention_heads": 30,
+    "max_position_embeddings": 65536, "rope_parameters": None})
+# Falcon-H1: two layers, each a mixer of 24 heads of 128 channels (a state of 256, one group) beside attention of
+# 12 heads of 128 over 2 KV heads, its mixer's output normed before its gate.
+FALCON_H1 = ModelConfig.from_hf({
+    "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1", "vocab_size": 65537, "hidden_size": 3072,
+    "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
+    "intermediate_size": 12288, "mamba_d_ssm": 3072, "mamba_n_heads": 24, "mamba_d_state": 256, "mamba_n_groups": 1,
+    "mamba_rms_norm": True, "max_position_embeddings": 262144, "key_multiplier": 0.5})
 NUM_PAGES = 65536  # 16-token pages of the one attention layer: 1 GB of bfloat16 keys and values (Granite's)
 
 
@@ -68,9 +83,10 @@ def _pool(spec, cfg=GRANITE_H) -> tuple[KVCache, int]:
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2", "qwen3-next"])
+@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2", "qwen3-next", "olmo-hybrid", "falcon-h1"])
 def test_hybrid_mixed_step_compiles_for_sm90(spec, name):
-    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2, "qwen3-next": QWEN3_NEXT}[name]
+    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2, "qwen3-next": QWEN3_NEXT,
+           "olmo-hybrid": OLMO_HYBRID, "falcon-h1": FALCON_H1}[name]
     T = RC.token_buckets[-1]
     S = min(T, RC.max_num_seqs)
     params, _, _, pen, want_top = _common(spec, S, cfg=cfg)
