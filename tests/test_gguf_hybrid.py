@@ -1,6 +1,7 @@
 """Hybrid models from llama.cpp GGUF files against the HF models they come from: Granite 4.0-H ("granitehybrid"),
 dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 and LFM2-MoE ("lfm2",
-"lfm2moe"); and Granite MoE ("granitemoe"), whose experts are written as Granite 4.0-H's.
+"lfm2moe"); Granite MoE ("granitemoe"), whose experts are written as Granite 4.0-H's; and Falcon-H1 ("falcon-h1"),
+its multipliers folded into its weights.
 
 The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
 gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
@@ -266,5 +267,65 @@ def test_lfm2_gguf_equals_the_hf_model(tmp_path, variant):
     hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
     assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, mamba=dataclasses.replace(
         cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps)) == hf_cfg
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
+
+
+def _write_falcon_h1(path, model, hf_dir) -> str:
+    """`model` (an HF Falcon-H1, saved at `hf_dir`) as an F32 GGUF, as llama.cpp's converter writes one: every
+    multiplier folded into the weights (the embedding's into the embeddings, the LM head's into the head), the
+    mixer's tensors as Granite 4.0-H's, Llama's rotary row order on q and k."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader.falcon_keys import falcon_folded
+
+    c = model.config
+    cfg = open_checkpoint(str(hf_dir)).config()
+    w = gguf.GGUFWriter(str(path), "falcon-h1")
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    _add_ssm(w, c.mamba_d_conv, c.mamba_d_state, c.mamba_n_groups, c.mamba_n_heads, c.mamba_d_head)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.FALCON_H1, c.num_hidden_layers)
+    for name, a in load_file(str(hf_dir / "model.safetensors")).items():
+        ours = name.replace(".feed_forward.", ".mlp.")  # (the fold's names for the MLP)
+        a = falcon_folded(ours, a.astype(np.float32), cfg)
+        if name == "model.embed_tokens.weight":
+            a = a * c.embedding_multiplier
+        if name == "lm_head.weight":
+            a = a * c.lm_head_multiplier
+        if name.endswith(".dt_bias"):
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert key is not None, name
+        if name.endswith(".weight") and not key.endswith(".weight"):  # (the gguf package maps `pre_ff_layernorm.weight`
+            # whole)
+            key += "." + name.rsplit(".", 1)[1]
+        w.add_tensor(key, _as_written(name, key, a, c, c.mamba_n_groups))
+    return written(w, path)
+
+
+@pytest.mark.parametrize("rms_norm", [False, True])
+def test_falcon_h1_gguf_equals_the_hf_model(tmp_path, rms_norm):
+    """The file's config is the HF model's but its multipliers (1: in the weights) and its mixer's norm's place
+    (after the gate, as llama.cpp norms it: the same where the HF model has none); its logits the HF model's over
+    102 tokens."""
+    from tests.test_falcon_h1 import TINY
+
+    kw = {**TINY, "mamba_rms_norm": rms_norm, "mamba_norm_before_gate": False}
+    model = save_tiny_hf("FalconH1Config", tmp_path / "hf", **kw)
+    path = _write_falcon_h1(tmp_path / "falcon-h1.gguf", model, tmp_path / "hf")
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    assert dataclasses.replace(cfg.mamba, norm_eps=1e-5) == hf_cfg.mamba and cfg.attention_layers == (0, 1, 2)
+    assert cfg.falcon.key == cfg.falcon.ssm[0] == cfg.embedding_multiplier == cfg.logits_scaling == 1.0
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4

@@ -1,7 +1,7 @@
 """A model configuration from llama.cpp GGUF metadata (`general.architecture`, `{arch}.*` keys).
 
 The Llama-family architectures (Granite's scalars included) map onto `ModelConfig` directly. Gemma 2, Gemma 3,
-OLMo 2, EXAONE 4, Cohere's, ERNIE 4.5, the hybrids (Granite 4.0-H, Nemotron-H: `gguf_hybrid`) and the
+OLMo 2, EXAONE 4, Cohere's, ERNIE 4.5, the hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1: `gguf_hybrid`) and the
 mixture-of-experts files (Mixtral, which llama.cpp writes as "llama" with experts, Qwen2-MoE, Qwen3-MoE, OLMoE,
 GLM-4.5, gpt-oss, DeepSeek's "deepseek2": `gguf_deepseek`) become the HF
 config their converter read, and go through `ModelConfig.from_hf`, so both sources give one config: llama.cpp
@@ -21,7 +21,13 @@ from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
-from jaxserve.loader.gguf_hybrid import granite_hybrid_hf, granite_scalars, lfm2_gguf_hf, nemotron_h_hf
+from jaxserve.loader.gguf_hybrid import (
+    falcon_h1_gguf_hf,
+    granite_hybrid_hf,
+    granite_scalars,
+    lfm2_gguf_hf,
+    nemotron_h_hf,
+)
 from jaxserve.loader.gguf_qwen3_next import QWEN3_NEXT_GGUF, qwen3_next_gguf_hf
 from jaxserve.rope import RopeScaling
 
@@ -46,7 +52,8 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
-            "granitemoe": "GraniteMoeForCausalLM", **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
+            "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM",
+            **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
 # Layer counts of the 27B models, whose queries llama.cpp scales by hidden_size / num_heads.
@@ -153,6 +160,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                      architectures=["GraniteMoeSharedForCausalLM" if shared else "GraniteMoeForCausalLM"])
         if arch == "granitehybrid":
             d = granite_hybrid_hf(meta, get, d, experts, kv_heads, tensor_names)
+        if arch == "falcon-h1":
+            d = falcon_h1_gguf_hf(get, d, tensor_names)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
             d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
             if experts:

@@ -1,7 +1,8 @@
 """Hybrid models' llama.cpp GGUF files as the HF config and tensors their converter read: Granite 4.0-H's
 ("granitehybrid": Mamba-2 layers beside attention, told apart by their KV head count, 0 in a Mamba layer),
 Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width) and
-LFM2's ("lfm2", "lfm2moe": short convolutions, told by their KV heads too; the convolution as [channels, taps]).
+LFM2's ("lfm2", "lfm2moe": short convolutions, told by their KV heads too; the convolution as [channels, taps]) and
+Falcon-H1's ("falcon-h1": a mixer beside attention in every layer).
 
 llama.cpp writes each Mamba layer's A as -exp(A_log) and A and D as [heads, 1], the convolution as [channels, taps],
 the gated norm as [groups, channels per group] and the step's bias as `ssm_dt.bias`; those are read back here. A clamp
@@ -47,6 +48,20 @@ def granite_hybrid_hf(meta: dict[str, Any], get: Callable[..., Any], d: dict[str
             # (the experts' width is `feed_forward_length`, as Granite MoE's; a dense model's MLP is its shared one)
             "num_local_experts": experts, "shared_intermediate_size": shared or d["intermediate_size"],
             **granite_scalars(meta, arch)}
+
+
+def falcon_h1_gguf_hf(get: Callable[..., Any], d: dict[str, Any], tensor_names: frozenset[str]) -> dict[str, Any]:
+    """The Falcon-H1 HF config of a "falcon-h1" file: its mixer's shape and biases; a norm of the mixer's output
+    where the file has one, after its gate (as llama.cpp applies it); no multipliers (llama.cpp's converter folds
+    every one, the embedding's and the LM head's too, into the weights)."""
+    heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
+    if inner % heads:
+        raise UnsupportedModelError(f"GGUF ssm.inner_size {inner} must be a multiple of ssm.time_step_rank {heads}")
+    return {**d, "mamba_n_heads": heads, "mamba_d_ssm": inner, "mamba_d_head": inner // heads,
+            "mamba_d_state": int(get("ssm.state_size")), "mamba_n_groups": int(get("ssm.group_count")),
+            "mamba_d_conv": int(get("ssm.conv_kernel")), "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in tensor_names,
+            "mamba_proj_bias": "blk.0.ssm_in.bias" in tensor_names, "projectors_bias": "blk.0.ssm_out.bias" in
+            tensor_names, "mamba_rms_norm": "blk.0.ssm_norm.weight" in tensor_names, "mamba_norm_before_gate": False}
 
 
 def granite_scalars(meta: dict[str, Any], arch: str) -> dict[str, float]:
