@@ -1,5 +1,5 @@
-"""EXAONE 4, Command R (+), Command R7B and ERNIE 4.5 (dense and MoE) from llama.cpp GGUF files, against the HF
-models they come from.
+"""EXAONE 4, Command R (+), Command R7B, ERNIE 4.5 (dense and MoE) and Jais 2 from llama.cpp GGUF files, against the
+HF models they come from.
 
 The tiny random models of tests/test_model_families.py written as llama.cpp's converter writes them: no row
 permutation (EXAONE 4 turns half-split pairs as llama.cpp's NEOX rope does, Cohere adjacent pairs as its NORM rope
@@ -8,7 +8,8 @@ Llama 3's rope scaling as `rope_freqs`; Cohere's LayerNorm epsilon and logit sca
 `output`), Command R+'s per-head q/k norms found by their tensors, Command R7B's window with its pattern left to
 the reader (three windowed layers, then a global one without rotation); ERNIE's interleaved pairs as they are,
 its experts stacked, its choosing bias `exp_probs_b` as [1, X], its shared experts' count (their width llama.cpp
-writes is a guess from other fields, not read), its MoE layers from `leading_dense_block_count`.
+writes is a guess from other fields, not read), its MoE layers from `leading_dense_block_count`; Jais 2's rows as they
+are (half-split pairs, NEOX's), its LayerNorms' and projections' biases, its squared-ReLU MLP (llama.cpp's for it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm"
           "post_feedforward_layernorm": "post_ffw_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
           "down_proj": "ffn_down"}
 ARCHS = {"exaone4": "exaone4", "exaone4_alternating": "exaone4", "cohere": "command-r", "cohere2": "cohere2",
-         "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe"}
+         "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe", "jais2": "jais2"}
 ERNIE_MOE = ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                                     "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_hidden_layers": 3,
                                     "head_dim": 16})
@@ -70,6 +71,9 @@ def _write(path, hf_dir, model, arch: str) -> str:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
         if rope.get("rope_type") == "llama3":
             w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(head_dim, rope["rope_theta"], rope))
+    elif arch == "jais2":  # (its converter's: the rotary dims beside the shape)
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        w.add_rope_dimension_count(head_dim)
     else:
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_logit_scale(c.logit_scale)
@@ -77,14 +81,14 @@ def _write(path, hf_dir, model, arch: str) -> str:
             w.add_sliding_window(c.sliding_window)
             w.add_rope_dimension_count(head_dim)
     tensors = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-    names = {**_NAMES, "post_attention_layernorm": "ffn_norm"} if arch.startswith("ernie") else _NAMES
+    names = {**_NAMES, "post_attention_layernorm": "ffn_norm"} if arch.startswith(("ernie", "jais2")) else _NAMES
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, a in tensors.items():
         parts = name.split(".")
         if name == "lm_head.weight":
             w.add_tensor("output.weight", a)
         elif parts[1] != "layers":
-            w.add_tensor(f"{names[parts[1]]}.weight", a)
+            w.add_tensor(f"{names[parts[1]]}.{parts[-1]}", a)
         elif "experts" in parts:  # (stacked per projection)
             experts.setdefault((parts[2], parts[-2]), {})[int(parts[5])] = a
         elif "shared_experts" in parts:
@@ -103,7 +107,9 @@ def _write(path, hf_dir, model, arch: str) -> str:
 @pytest.mark.parametrize("family", list(ARCHS))
 def test_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
     config_cls, overrides = {"exaone4_alternating": (FAMILIES["exaone4"][0], ALTERNATING), "ernie4_5_moe": ERNIE_MOE,
-                             "ernie4_5": (FAMILIES["ernie4_5"][0], {"head_dim": 16})}.get(family) or FAMILIES[family]
+                             "ernie4_5": (FAMILIES["ernie4_5"][0], {"head_dim": 16}),
+                             "jais2": ("Jais2Config", {"head_dim": 16, "bos_token_id": 1, "eos_token_id": 2})}.get(
+        family) or FAMILIES[family]
     model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
     want = HFDirectory(str(tmp_path / "hf")).config()
     path = _write(tmp_path / "m.gguf", tmp_path / "hf", model, ARCHS[family])
@@ -113,7 +119,7 @@ def test_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
     if family.startswith("exaone4"):  # Llama 3's scaling as the file's divisors
         assert cfg.rope_scaling.rope_type == "factors" and want.rope_scaling.rope_type == "llama3"
         got = dataclasses.replace(got, rope_scaling=want.rope_scaling)
-    if family.startswith("cohere"):
+    if family.startswith("cohere"):  # (Jais 2's LayerNorm epsilon: `rms_norm_eps` above)
         assert cfg.logits_scaling == pytest.approx(want.logits_scaling, rel=1e-6)
         got = dataclasses.replace(got, logits_scaling=want.logits_scaling)
     assert got == want

@@ -52,7 +52,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "ernie4_5": "Ernie4_5ForCausalLM", "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
-            "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM",
+            "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
@@ -162,6 +162,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = granite_hybrid_hf(meta, get, d, experts, kv_heads, tensor_names)
         if arch == "falcon-h1":
             d = falcon_h1_gguf_hf(get, d, tensor_names)
+        if arch == "jais2":  # LayerNorms with biases, a squared-ReLU MLP (llama.cpp's for the architecture)
+            d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
+                     attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
             d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
             if experts:

@@ -44,6 +44,11 @@ _GGUF_TO_HF = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # (LayerNorms' and the MLP's biases: Jais 2's)
+    "attn_norm.bias": "input_layernorm.bias",
+    "ffn_norm.bias": "post_attention_layernorm.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
 # Gemma's norms: after attention and around the MLP (llama's `ffn_norm` is its pre-MLP norm, named
 # `post_attention_layernorm` in HF Llama; in HF Gemma that name is the norm after attention).
@@ -80,8 +85,8 @@ def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, extra: d
     refuses names it does not know."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
+    if name in ("output_norm.weight", "output_norm.bias"):
+        return "model.norm." + name.rsplit(".", 1)[1]
     if name == "output.weight":
         return "lm_head.weight"
     m = _BLK_RE.match(name)
