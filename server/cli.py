@@ -68,6 +68,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='logprobs\' tokens as "token_id:N" unless a request says otherwise')
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="taken for vLLM's commands: usage always reports prompt_tokens_details.cached_tokens")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters as it is submitted")
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="log no request's prompt (the default; vLLM's older flag)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="log each request's outputs as it finishes")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="at most this many characters of text (and token ids) in each logged prompt and output")
     g.add_argument("--role", choices=["both", "prefill", "decode"], default="both",
                    help="part in disaggregated serving: both (aggregated), prefill (computes prompts and "
                         "hands their KV over) or decode (imports the KV and generates); see server/pd.py")
@@ -88,7 +96,9 @@ def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
                         allowed_methods=ns.allowed_methods, allowed_headers=ns.allowed_headers,
                         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, ssl_ca_certs=ns.ssl_ca_certs,
                         root_path=ns.root_path, default_chat_template_kwargs=ns.default_chat_template_kwargs,
-                        return_tokens_as_token_ids=ns.return_tokens_as_token_ids)
+                        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+                        enable_log_requests=ns.enable_log_requests, enable_log_outputs=ns.enable_log_outputs,
+                        max_log_len=ns.max_log_len)
 
 
 def _json_list(value: str) -> list[str]:

@@ -44,6 +44,9 @@ class ServerConfig:
       default_chat_template_kwargs: what every chat's template gets (`{"enable_thinking": false}`), under a
         request's own `chat_template_kwargs` (vLLM's `--default-chat-template-kwargs`).
       return_tokens_as_token_ids: logprobs' tokens as "token_id:N" unless a request says otherwise (vLLM's flag).
+      enable_log_requests, enable_log_outputs: log each engine request's prompt (text and token ids) and sampling
+        parameters as it is submitted, and its outputs as it finishes (`jaxserve.server.requests`, INFO; vLLM's
+        flags); max_log_len: at most this many characters of text and token ids in each (None: all).
     """
 
     host: str = "127.0.0.1"
@@ -72,10 +75,15 @@ class ServerConfig:
     root_path: str = ""
     default_chat_template_kwargs: str | Mapping[str, Any] = dataclasses.field(default_factory=dict)
     return_tokens_as_token_ids: bool = False
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to turn auth off)")
         object.__setattr__(self, "served_model_names", tuple(self.served_model_names))

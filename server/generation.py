@@ -24,6 +24,31 @@ from server.responses import usage
 from server.state import ServerState
 
 logger = logging.getLogger("jaxserve.server")
+requests_logger = logging.getLogger("jaxserve.server.requests")  # (`--enable-log-requests`, `--enable-log-outputs`)
+
+
+def _cut(value: Any, limit: int | None) -> Any:
+    """Text or token ids, at most `limit` long (None: all)."""
+    return value if limit is None or value is None else value[:limit]
+
+
+def log_request(job: Job, limit: int | None, lora: str | None) -> None:
+    """One engine request's submission, as vLLM logs it: its prompt's text and token ids, its parameters."""
+    ids = None if is_embeds(job.prompt_ids) else _cut(list(job.prompt_ids), limit)
+    embeds = f", prompt_embeds shape: {tuple(job.prompt_ids.shape)}" if is_embeds(job.prompt_ids) else ""
+    requests_logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s%s, lora_request: %s.",
+                         job.engine_id, _cut(job.prompt_text, limit), job.params, ids, embeds, lora)
+
+
+def log_outputs(job: Job, out: Any, limit: int | None) -> None:
+    """A finished engine request's outputs: each completion's text, token ids and finish reason."""
+    if not isinstance(out, RequestOutput):  # (an embedding's output: nothing to show)
+        requests_logger.info("Finished request %s.", job.engine_id)
+        return
+    for c in out.outputs:
+        requests_logger.info("Generated response %s (completion %d): output: %r, output_token_ids: %s, "
+                             "finish_reason: %s", job.engine_id, c.index, _cut(c.text, limit),
+                             _cut(list(c.token_ids), limit), c.finish_reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +122,11 @@ class Generation:
         self._ttft: list[float | None] = [None] * len(jobs)
         self._closed = False
         self._lora = {"lora_request": lora} if lora else {}  # a LoRA adapter's name
+        config = state.config
         for job in jobs:
             state.start(job.engine_id)
+            if config.enable_log_requests:
+                log_request(job, config.max_log_len, lora)
         self._tasks = [asyncio.ensure_future(self._pump(i, job, priority, cache_salt))
                        for i, job in enumerate(jobs)]
 
@@ -173,6 +201,8 @@ class Generation:
             self._tokens[i], self._last_time[i] = total, now
         if out.finished:
             self._state.metrics.observe_finished(out, self._ttft[i], now - self._arrival)
+            if self._state.config.enable_log_outputs:
+                log_outputs(self.jobs[i], out, self._state.config.max_log_len)
 
     def _end(self, i: int) -> None:
         if not self._finished[i]:

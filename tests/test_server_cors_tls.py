@@ -126,3 +126,33 @@ def test_vllm_launch_flags_are_taken():
 
     assert dashed_flags(["--max_model_len=64", "--chat_template", "{{ a_b }}", "-tp", "x_y"]) == [
         "--max-model-len=64", "--chat-template", "{{ a_b }}", "-tp", "x_y"]
+
+
+def test_requests_and_outputs_logged_when_asked(engine, caplog):
+    """`--enable-log-requests` / `--enable-log-outputs` (vLLM's): each engine request's prompt, token ids and
+    parameters as it is submitted, its outputs as it finishes, cut to `--max-log-len`; by default (and with
+    `--disable-log-requests`) neither."""
+    import logging
+
+    parser = add_serve_args(__import__("argparse").ArgumentParser())
+    flags = ["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "3"]
+    config = dataclasses.replace(server_config_from_args(parser.parse_args(flags)), port=0,
+                                 served_model_names=("fake-model",))
+    assert not server_config_from_args(parser.parse_args(["--disable-log-requests"])).enable_log_requests
+    with caplog.at_level(logging.INFO, logger="jaxserve.server.requests"):
+        with serve_in_thread(engine, config) as srv:
+            got = httpx.post(srv.url + "/v1/completions", json={**BODY, "prompt": "hello there", "n": 2},
+                             headers={"X-Request-Id": "logme"})
+        assert got.status_code == 200
+        lines = [r.getMessage() for r in caplog.records if r.name == "jaxserve.server.requests"]
+        received = [line for line in lines if line.startswith("Received request")]
+        assert len(received) == 1 and "logme" in received[0] and "prompt: 'hel'," in received[0]
+        assert "max_tokens=2" in received[0] and "lora_request: None" in received[0]
+        generated = [line for line in lines if line.startswith("Generated response")]
+        text = [c["text"] for c in got.json()["choices"]]
+        assert len(generated) == 2 and all(f"output: {t[:3]!r}," in g for t, g in zip(text, generated, strict=True))
+        caplog.clear()
+        with serve_in_thread(engine, dataclasses.replace(config, enable_log_requests=False,
+                                                         enable_log_outputs=False)) as srv:
+            assert httpx.post(srv.url + "/v1/completions", json=BODY).status_code == 200
+        assert not [r for r in caplog.records if r.name == "jaxserve.server.requests"]
