@@ -158,10 +158,9 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load `tokenizer.json` (or Moonshot's `tiktoken.model`: `tokenizer_tiktoken`; or a slow tokenizer's
-        `vocab.json` and `merges.txt`: `tokenizer_slow`; or SentencePiece's `tokenizer.model`:
-        `tokenizer_sentencepiece`) + `tokenizer_config.json` (+ `chat_template.jinja`,
-        `generation_config.json`)."""
+        """Load `tokenizer.json` (or Moonshot's `tiktoken.model`, Hunyuan's `hy.tiktoken`: `tokenizer_tiktoken`; or
+        a slow tokenizer's `vocab.json` and `merges.txt`: `tokenizer_slow`; or SentencePiece's `tokenizer.model`:
+        `tokenizer_sentencepiece`) + `tokenizer_config.json` (+ `chat_template.jinja`, `generation_config.json`)."""
         from jaxserve.tokenizer_slow import read_tokenizer_files
 
         root = Path(path)

@@ -26,13 +26,14 @@ _CLASS_SPLIT = {"GPT2Tokenizer": "gpt-2", "GPT2TokenizerFast": "gpt-2", "Qwen2To
 
 def read_tokenizer_files(root: Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
     """The tokenizer of HF directory `root` and its `tokenizer_config.json`: from `tokenizer.json`, else Moonshot's
-    `tiktoken.model` (`tokenizer_tiktoken`), else `vocab.json` and `merges.txt` (`read_slow_bpe`), else SentencePiece's
-    `tokenizer.model` (`tokenizer_sentencepiece`)."""
+    `tiktoken.model` or Hunyuan's `hy.tiktoken` (`tokenizer_tiktoken`), else `vocab.json` and `merges.txt`
+    (`read_slow_bpe`), else SentencePiece's `tokenizer.model` (`tokenizer_sentencepiece`)."""
     tokenizer_file, slow = root / "tokenizer.json", (root / "vocab.json").is_file() and (root / "merges.txt").is_file()
     spm = (root / "tokenizer.model").is_file()
-    if not tokenizer_file.is_file() and not (root / "tiktoken.model").is_file() and not slow and not spm:
-        raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file} (nor tiktoken.model, nor vocab.json with "
-                                "merges.txt, nor tokenizer.model)")
+    tiktoken = any((root / name).is_file() for name in ("tiktoken.model", "hy.tiktoken"))
+    if not tokenizer_file.is_file() and not tiktoken and not slow and not spm:
+        raise FileNotFoundError(f"tokenizer file not found: {tokenizer_file} (nor tiktoken.model or hy.tiktoken, nor "
+                                "vocab.json with merges.txt, nor tokenizer.model)")
     if not (root / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"tokenizer file not found: {root / 'tokenizer_config.json'}")
     with (root / "tokenizer_config.json").open(encoding="utf-8") as f:
@@ -41,7 +42,7 @@ def read_tokenizer_files(root: Path) -> tuple[tokenizers.Tokenizer, dict[str, An
         return tokenizers.Tokenizer.from_file(str(tokenizer_file)), config
     if slow:
         return read_slow_bpe(root, config), config
-    if not (root / "tiktoken.model").is_file():
+    if not tiktoken:
         from jaxserve.tokenizer_sentencepiece import read_sentencepiece_dir
 
         return read_sentencepiece_dir(root, config), config

@@ -1,5 +1,6 @@
 """tiktoken's byte-level BPE (mergeable ranks) as a `tokenizers` BPE, and the tiktoken vocabularies of Moonshot's
-models (Kimi K2, Moonlight: `tiktoken.model` with `TikTokenTokenizer`, no `tokenizer.json`).
+models (Kimi K2, Moonlight: `tiktoken.model` with `TikTokenTokenizer`, no `tokenizer.json`) and Tencent's Hunyuan
+(`hy.tiktoken` with `HYTokenizer`).
 
 tiktoken merges the adjacent pair whose join has the lowest rank and takes a piece that is itself a token whole:
 the same as a BPE whose merges are ordered by the rank of what they make and that ignores merges for whole
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 # Moonshot's split (its `TikTokenTokenizer.pat_str`): Han runs apart, cased words without Han, digits up to three.
 KIMI_PATTERN = "|".join([
@@ -32,6 +33,14 @@ KIMI_PATTERN = "|".join([
 ])
 # Moonshot's special tokens follow the ranks: 256 reserved and 2 more, named by the config or filled in.
 _KIMI_SPECIALS = 256 + 2
+# Hunyuan's split (its `tokenization_hy.PAT_STR`: GPT-2's, each digit apart) and its special tokens after the ranks
+# (named by the config where it names them).
+HY_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+HY_SPECIALS = ("<|endoftext|>", "<|startoftext|>", "<|bos|>", "<|eos|>", "<|pad|>",
+               *(f"<|extra_{i}|>" for i in range(205)))
+# tokenizer_config.json's `tokenizer_class` -> (its vocabulary's file, its split)
+TIKTOKEN_FILES = {"TikTokenTokenizer": "tiktoken.model", "HYTokenizer": "hy.tiktoken"}
 
 
 def _byte_table() -> dict[int, str]:
@@ -87,24 +96,37 @@ def ranked_bpe(ranks: Mapping[bytes, int], pattern: str, specials: Mapping[str, 
 
 
 def read_tiktoken_dir(root: str | os.PathLike[str], config: Mapping[str, Any]) -> tokenizers.Tokenizer:
-    """The tokenizer of a directory holding Moonshot's `tiktoken.model` (lines of base64 token bytes and rank) and
-    its `tokenizer_config.json` (`config`: `added_tokens_decoder` names the special tokens after the ranks);
-    ValueError for another tokenizer class, whose split is not known."""
-    path = Path(root) / "tiktoken.model"
-    if config.get("tokenizer_class") != "TikTokenTokenizer":
-        raise ValueError(f"{path}: tokenizer_class {config.get('tokenizer_class')!r} is not supported (Moonshot's "
-                         "TikTokenTokenizer is, whose split is known; give a tokenizer.json)")
+    """The tokenizer of a directory holding Moonshot's `tiktoken.model` (lines of base64 token bytes and rank) or
+    Hunyuan's `hy.tiktoken` (ranked by line, a repeated token skipped, as its `HYTokenizer` reads it; text NFC
+    normalized first) and its `tokenizer_config.json` (`config`: `added_tokens_decoder` names the special tokens
+    after the ranks); ValueError for another tokenizer class, whose split is not known."""
+    cls = config.get("tokenizer_class")
+    name = TIKTOKEN_FILES.get(cls) or next((f for f in TIKTOKEN_FILES.values() if (Path(root) / f).is_file()), "")
+    path = Path(root) / name
+    if cls not in TIKTOKEN_FILES or not path.is_file():
+        raise ValueError(f"{path}: tokenizer_class {cls!r} is not supported (Moonshot's TikTokenTokenizer with "
+                         "tiktoken.model and Hunyuan's HYTokenizer with hy.tiktoken are, whose splits are known; give "
+                         "a tokenizer.json)")
+    hy = cls == "HYTokenizer"
     ranks: dict[bytes, int] = {}
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
             try:
                 token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
+                token_bytes = base64.b64decode(token, validate=True)
+                if not (hy and token_bytes in ranks):
+                    ranks[token_bytes] = len(ranks) if hy else int(rank)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not a base64 token and its rank: {line[:60]!r}") from e
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: its {len(ranks)} ranks are not 0 to {len(ranks) - 1}, each once")
     named = {int(i): t["content"] for i, t in (config.get("added_tokens_decoder") or {}).items()}
     base = len(ranks)
-    specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + _KIMI_SPECIALS)}
-    return ranked_bpe(ranks, KIMI_PATTERN, specials, source=path)
+    if hy:
+        specials = {named.get(base + j, s): base + j for j, s in enumerate(HY_SPECIALS)}
+    else:
+        specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + _KIMI_SPECIALS)}
+    backend = ranked_bpe(ranks, HY_PATTERN if hy else KIMI_PATTERN, specials, source=path)
+    if hy:
+        backend.normalizer = normalizers.NFC()
+    return backend

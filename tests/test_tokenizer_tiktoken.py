@@ -192,3 +192,54 @@ def test_kimi_tokenizer_sorts_tool_schemas(kimi, tmp_path):
     assert text == json.dumps(TOOLS, separators=(",", ":"), ensure_ascii=False, sort_keys=True) + "Hi"
     assert text.index('"city"') < text.index('"unit"') and text.index('"description"') < text.index('"name"')
     assert text != plain
+
+
+HY_NAMED = {1: "<|startoftext|>", 3: "<|eos|>", 5: "<|extra_0|>"}  # (after the ranks)
+HY_RENAMED = {209: "<|hy_custom|>"}  # (a name the config gives in place of <|extra_204|>)
+
+
+def _hy_tiktoken(text: str) -> list[int]:
+    """Hunyuan's encoding (`HYTokenizer`: NFC first, every special token allowed, its split, tiktoken's merges)."""
+    import unicodedata
+
+    from jaxserve.tokenizer_tiktoken import HY_PATTERN, HY_SPECIALS
+
+    specials = {s: BASE + j for j, s in enumerate(HY_SPECIALS)}
+    out = []
+    text = unicodedata.normalize("NFC", text)
+    for part in regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text):
+        if part in specials:
+            out.append(specials[part])
+            continue
+        for piece in regex.findall(HY_PATTERN, part):
+            parts = [bytes([b]) for b in piece.encode()]
+            while len(parts) > 1:
+                joins = [RANKS.get(a + b, 1 << 30) for a, b in zip(parts, parts[1:], strict=False)]
+                rank, i = min((r, i) for i, r in enumerate(joins))
+                if rank == 1 << 30:
+                    break
+                parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            out += [RANKS[p] for p in parts]
+    return out
+
+
+def test_hunyuan_tiktoken_vocabulary_encodes_as_its_tokenizer(tmp_path):
+    """Hunyuan's `hy.tiktoken` (`HYTokenizer`): ranks by line, a repeated token skipped (the rank column not read),
+    text NFC normalized, GPT-2's split with each digit apart; its 210 special tokens after the ranks
+    (`<|endoftext|>`, `<|startoftext|>`, `<|bos|>`, `<|eos|>`, `<|pad|>`, `<|extra_0|>` ...)."""
+    lines = [f"{base64.b64encode(t).decode()} {7 * r}" for t, r in sorted(RANKS.items(), key=lambda kv: kv[1])]
+    lines.insert(300, lines[5])  # (a repeat: skipped, as HYTokenizer skips it)
+    (tmp_path / "hy.tiktoken").write_text("\n".join(lines) + "\n")
+    config = {"tokenizer_class": "HYTokenizer", "bos_token": "<|startoftext|>", "eos_token": "<|eos|>",
+              "added_tokens_decoder": {str(BASE + i): {"content": s, "special": True}
+                                       for i, s in {**HY_NAMED, **HY_RENAMED}.items()}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    decomposed = "Cafe\u0301 1234 n\u0303"  # (NFC turns these into é and ñ, as HYTokenizer's encode does)
+    for text in [*TEXTS, decomposed, "<|startoftext|>Hi<|extra_4|>x<|eos|>"]:
+        assert tok.encode(text) == _hy_tiktoken(text), text
+    assert tok.encode("1234") == [RANKS[d] for d in (b"1", b"2", b"3", b"4")]  # (one digit a piece)
+    assert (tok.bos_token_id, tok.eos_token_ids[0]) == (BASE + 1, BASE + 3)
+    assert tok.backend.get_vocab_size() == BASE + 210 and tok.backend.token_to_id("<|extra_203|>") == BASE + 208
+    assert tok.backend.token_to_id("<|hy_custom|>") == BASE + 209 and tok.backend.token_to_id("<|extra_204|>") is None
+    assert tok.decode(tok.encode("Hello world"), skip_special_tokens=False) == "Hello world"
