@@ -23,7 +23,7 @@ GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "gran
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
-                                  "afmoe", "flex_olmo", "mimo_v2_flash", "cohere2_moe",
+                                  "afmoe", "flex_olmo", "mimo_v2_flash", "cohere2_moe", "jamba",
                                   *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)

@@ -170,7 +170,7 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
     or none of a Granite hybrid's without `position_embedding_type` "rope"."""
     if family == "smollm3":
         return smollm3_no_rope_layers(d)
-    if family in ("granitemoehybrid", "olmo_hybrid") and d.get("position_embedding_type") != "rope" or (
+    if family in ("granitemoehybrid", "olmo_hybrid", "jamba") and d.get("position_embedding_type") != "rope" or (
             family == "nemotron_h"):
         return (0,) * d["num_hidden_layers"]
     if family in ("exaone4", "cohere2", "exaone_moe") and d.get("sliding_window"):  # its global layers: NoPE
@@ -299,9 +299,9 @@ def check_moe(cfg: Any) -> None:
     if not 0 <= cfg.first_dense_layers < cfg.num_layers or (cfg.first_dense_layers and not cfg.num_experts):
         raise UnsupportedModelError(f"first_dense_layers ({cfg.first_dense_layers}) must leave a MoE layer of the "
                                     f"{cfg.num_layers} (and the model must have experts)")
-    if cfg.moe_layer_step > 1 and (not cfg.num_experts or cfg.first_dense_layers or cfg.mamba is not None):
+    if cfg.moe_layer_step > 1 and (not cfg.num_experts or cfg.first_dense_layers or cfg.mamba and cfg.mamba.no_mlp):
         raise UnsupportedModelError(f"experts every {cfg.moe_layer_step} layers need a MoE model without dense first "
-                                    "layers or Mamba layers")
+                                    "layers or layers of a mixer alone")
     groups, top = cfg.expert_groups, cfg.expert_topk_groups
     if cfg.router_scoring not in ("softmax", "sigmoid"):
         raise UnsupportedModelError(f"router_scoring must be 'softmax' or 'sigmoid', got {cfg.router_scoring!r}")

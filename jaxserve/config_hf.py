@@ -20,6 +20,7 @@ from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
+from jaxserve.config_jamba import jamba_hf
 from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_llama4 import llama4_hf
 from jaxserve.config_mamba import mamba_hf
@@ -124,6 +125,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
+    if cfg.family == "jamba":  # (NoPE: no rotary keys; its experts' own keys)
+        d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "moe_intermediate_size", "norm_topk_prob",
+                                                     "shared_expert_intermediate_size", "decoder_sparse_step",
+                                                     "mlp_only_layers")} | jamba_hf(cfg)
     if cfg.family == "falcon_h1":
         d = {k: v for k, v in d.items() if k != "no_rope_layers"} | falcon_hf(cfg)
     if cfg.family == "olmo_hybrid":  # (NoPE: `rope_parameters` null)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.config_falcon_h1 import falcon_h1
+from jaxserve.config_jamba import jamba
 from jaxserve.config_lfm2 import lfm2
 from jaxserve.config_nemotron import nemotron_h
 from jaxserve.config_olmo_hybrid import olmo_hybrid
@@ -15,7 +16,7 @@ from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next
 from jaxserve.errors import UnsupportedModelError
 
 HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", *GATED_DELTA_FAMILIES,
-                                    "olmo_hybrid", "falcon_h1")
+                                    "olmo_hybrid", "falcon_h1", "jamba")
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
 # "mlp": a layer of an MLP alone, Nemotron-H's).
@@ -51,7 +52,8 @@ class MambaConfig:
     beta_scale: float = 1.0  # a DeltaNet's beta, sigmoid(b) times this (OLMo Hybrid's 2: eigenvalues down to -1)
     no_mlp: tuple[int, ...] = ()  # layers of a mixer alone
     no_mixer: tuple[int, ...] = ()  # layers of an MLP alone
-    kind: str = "mamba2"  # or "short_conv", "gated_delta"
+    kind: str = "mamba2"  # or "short_conv", "gated_delta", "mamba1" (Jamba's: heads its channels, of one dim)
+    dt_rank: int = 0  # a "mamba1" layer's low-rank step
     parallel: bool = False  # each Mamba layer also attends, both on one normed input (Falcon-H1)
     # The mixer's output: normed per group after its gate silu(z) ("gated", Mamba-2's), before it ("before"), or not
     # normed ("none": y * silu(z))
@@ -69,20 +71,24 @@ class MambaConfig:
 
     @property
     def conv_dim(self) -> int:
-        """The convolved channels: x, then B and C of each group (q and k of each key head, then v)."""
-        return self.inner + 2 * self.n_groups * self.state_size
+        """The convolved channels: x, then B and C of each group (q and k of each key head, then v); "mamba1": x."""
+        return self.inner + (0 if self.kind == "mamba1" else 2 * self.n_groups * self.state_size)
 
     @property
     def proj_dim(self) -> int:
         """The input projection's outputs: z, the convolved channels, dt (a short convolution's: B, C, x; a Gated
         DeltaNet's: the convolved channels, z, beta, a)."""
-        if self.kind == "short_conv":
-            return 3 * self.inner
+        if self.kind in ("short_conv", "mamba1"):  # (B, C, x; x and z)
+            return (3 if self.kind == "short_conv" else 2) * self.inner
         return self.inner + self.conv_dim + self.num_heads * (2 if self.kind == "gated_delta" else 1)
 
     def check(self, num_layers: int) -> None:
-        if self.kind not in ("mamba2", "short_conv", "gated_delta"):
-            raise UnsupportedModelError(f"mamba kind {self.kind!r} is not supported (mamba2, short_conv, gated_delta)")
+        if self.kind not in ("mamba2", "short_conv", "gated_delta", "mamba1"):
+            raise UnsupportedModelError(f"mamba kind {self.kind!r} is not supported (mamba2, short_conv, gated_delta, "
+                                        "mamba1)")
+        if self.kind == "mamba1" and (self.head_dim != 1 or self.dt_rank <= 0):
+            raise UnsupportedModelError(f"a mamba1 layer's heads are its channels, of one dim ({self.head_dim}), and "
+                                        f"its dt_rank ({self.dt_rank}) is positive")
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
             if getattr(self, name) <= 0 and (name, self.kind) != ("state_size", "short_conv"):
                 raise UnsupportedModelError(f"mamba {name} must be positive, got {getattr(self, name)}")
@@ -113,10 +119,10 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5, OLMo Hybrid or Falcon-H1 config in Granite 4.0-H's keys
-    (`bamba`, `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
-    `config_olmo_hybrid.olmo_hybrid`, `config_falcon_h1.falcon_h1`); any other as it is."""
-    return falcon_h1(olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d))))))
+    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5, OLMo Hybrid, Falcon-H1 or Jamba config in Granite 4.0-H's
+    keys (`bamba`, `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
+    `config_olmo_hybrid.olmo_hybrid`, `config_falcon_h1.falcon_h1`, `config_jamba.jamba`); any other as it is."""
+    return jamba(falcon_h1(olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d)))))))
 
 
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
@@ -146,7 +152,14 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        beta_scale=float(d.get("mamba_beta_scale", 1.0)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
                        no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS),
                        kind=d.get("mamba_kind", "mamba2"), parallel=bool(d.get("mamba_parallel", False)),
-                       gate_norm=d.get("mamba_gate_norm", "gated"))
+                       gate_norm=d.get("mamba_gate_norm", "gated"), dt_rank=int(d.get("mamba_dt_rank") or 0))
+
+
+def apart_mlp_layers(cfg: Any) -> tuple[int, ...]:
+    """The layers of a hybrid model `cfg` whose MLPs `Params.mlp_layers` stacks, in order: those with an MLP, but the
+    dense layers of a MoE model (`ModelConfig.dense_layer`: its dense first layers, or Jamba's between experts),
+    stacked in `Params.dense_layers`."""
+    return tuple(i for i in cfg.mamba.mlp_layers(cfg.num_layers) if not (cfg.num_experts and cfg.dense_layer(i)))
 
 
 def mamba_hf(m: MambaConfig, num_layers: int, hidden_size: int, family: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
+from jaxserve.config_jamba import jamba_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
 from jaxserve.config_mimo import FAMILY as MIMO
@@ -58,7 +59,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
                                         "decoder_sparse_step) is not supported")
     moe = (llama4_moe_fields(d) if family == "llama4" else hunyuan_moe_fields(d) if family == "hunyuan_v1_moe" else
            exaone_moe_fields(d) if family == "exaone_moe" else afmoe_moe_fields(d) if family == "afmoe" else
-           mimo_moe_fields(d) if family == MIMO else cohere2_moe_fields(d) if family == "cohere2_moe" else (
+           mimo_moe_fields(d) if family == MIMO else cohere2_moe_fields(d) if family == "cohere2_moe" else
+           jamba_moe_fields(d) if family == "jamba" else (
         mla_moe_fields if family in MLA_FAMILIES else fields.moe_fields)(family, d)) if family in MOE_FAMILIES else {}
     # (its own layer kinds, and its dense layers' width)
     per_layer = {k: moe.pop(k) for k in ("layer_types", "no_rope_layers", "intermediate_size") if k in moe}

@@ -174,9 +174,10 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
 
 
 def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
-    """Granite 4.0-H's (and Nemotron 3's, LFM2's, Qwen3-Next's, OLMo Hybrid's, Falcon-H1's) layers at TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole
-    on each device; one device's greedy tokens, nothing compiled after warmup, and again from the prefix cache's
-    kept states; the same over two data-parallel replicas."""
+    """Granite 4.0-H's (and Nemotron 3's, LFM2's, Qwen3-Next's, OLMo Hybrid's, Falcon-H1's, Jamba's) layers at
+    TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole on each device; one device's
+    greedy tokens, nothing compiled after warmup, and again from the prefix cache's kept states; the same over two
+    data-parallel replicas."""
     r = results["hybrid"]
     assert len(r["ref"]) == len(PROMPTS) and all(len(t) == 12 for t in r["ref"])
     assert r["tp2"] == r["ref"] and r["compiles_after_warmup"] == 0
@@ -189,8 +190,9 @@ def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
     assert r["lfm2"][1] == r["lfm2"][0] and all(len(t) == 12 for t in r["lfm2"][0])  # (LFM2: no SSM state)
     assert r["qwen3_next"][1] == r["qwen3_next"][0] == r["qwen3_next"][2] and all(
         len(t) == 12 for t in r["qwen3_next"][0])  # (Qwen3-Next: gated attention heads split, DeltaNet states whole)
-    for family in ("olmo_hybrid", "falcon_h1"):
+    for family in ("olmo_hybrid", "falcon_h1", "jamba"):
         assert r[family][1] == r[family][0] and all(len(t) == 12 for t in r[family][0]), family
+    assert r["jamba"][2] == r["jamba"][0]  # (and its experts over the two devices)
 
 
 def test_a_draft_model_drafts_whole_on_each_device_of_a_tp2_engine(results):

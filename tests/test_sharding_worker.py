@@ -809,7 +809,13 @@ def case_hybrid() -> dict:
                 architectures=["FalconH1ForCausalLM"], model_type="falcon_h1", vocab_size=64, hidden_size=64,
                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96,
                 mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2, mamba_rms_norm=True,
-                key_multiplier=0.5, max_position_embeddings=512))}
+                key_multiplier=0.5, max_position_embeddings=512)),
+            # Jamba: its Mamba layers (the selective scan) whole, its experts every other layer split by width.
+            "jamba": _tp_tokens(args, dict(
+                architectures=["JambaForCausalLM"], model_type="jamba", vocab_size=64, hidden_size=64,
+                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
+                attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
+                mamba_dt_rank=8, max_position_embeddings=512), ep=True)}
 
 
 def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:

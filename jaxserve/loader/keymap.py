@@ -94,7 +94,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     if cfg.num_experts and not dense:
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
         moe = _moe_module(cfg)
-        router = f"{moe}.router" if cfg.family == "gpt_oss" else f"{moe}.gate"
+        router = f"{moe}.router" if cfg.family in ("gpt_oss", "jamba") else f"{moe}.gate"
         t[f"{router}.weight"] = ("layers.router", lambda w: w.T, (X, E))
         if cfg.moe_latent_size:  # (Nemotron 3 Super's latent MoE)
             t["mlp.fc1_latent_proj.weight"] = ("layers.we_latent_in", lambda w: w.T, (cfg.moe_latent_size, E))
@@ -393,7 +393,7 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     if field == "wo":
         return value.reshape(-1, value.shape[-1]).T
     if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down", "m_in", "m_out",
-                 "we_latent_in", "we_latent_out"):
+                 "we_latent_in", "we_latent_out", "m_x", "m_dt"):
         return value.T
     return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and cfg.qk_norm_heads \
         else value.reshape(target.hf_shape)  # (a Mamba layer's convolution: [channels, 1, taps])

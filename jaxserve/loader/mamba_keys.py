@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_mamba import apart_mlp_layers
 from jaxserve.loader.falcon_keys import falcon_unfolded
 from jaxserve.loader.nemotron_keys import nemotron_hf_name, nemotron_name
 from jaxserve.loader.olmo_hybrid_keys import (
@@ -31,6 +32,8 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
     ident = lambda w: w  # noqa: E731
     if m.kind == "gated_delta":
         return olmo_hybrid_targets(cfg) if cfg.family == "olmo_hybrid" else gated_delta_targets(cfg)
+    if m.kind == "mamba1":
+        return mamba1_targets(cfg)
     t = {"mamba.in_proj.weight": ("mamba_layers.m_in", lambda w: w.T, (m.proj_dim, E)),
          "mamba.conv1d.weight": ("mamba_layers.m_conv", lambda w: w[:, 0, :], (m.conv_dim, 1, m.conv_kernel)),
          "mamba.out_proj.weight": ("mamba_layers.m_out", lambda w: w.T, (E, m.inner))}
@@ -45,6 +48,29 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
         t["mamba.in_proj.bias"] = ("mamba_layers.m_in_b", ident, (m.proj_dim,))
         t["mamba.out_proj.bias"] = ("mamba_layers.m_out_b", ident, (E,))
     return t
+
+
+def mamba1_targets(cfg: ModelConfig) -> dict[str, tuple]:
+    """A Jamba Mamba layer's tensor names (after `model.layers.{i}.`) to our parameters (`models.mamba1`)."""
+    m, E = cfg.mamba, cfg.hidden_size
+    C, R, N = m.inner, m.dt_rank, m.state_size
+    ident, t = (lambda w: w), (lambda w: w.T)  # noqa: E731
+    out = {"mamba.in_proj.weight": ("mamba_layers.m_in", t, (2 * C, E)),
+           "mamba.conv1d.weight": ("mamba_layers.m_conv", lambda w: w[:, 0, :], (C, 1, m.conv_kernel)),
+           "mamba.x_proj.weight": ("mamba_layers.m_x", t, (R + 2 * N, C)),
+           "mamba.dt_proj.weight": ("mamba_layers.m_dt", t, (C, R)),
+           "mamba.dt_proj.bias": ("mamba_layers.m_dt_bias", ident, (C,)),
+           "mamba.A_log": ("mamba_layers.m_a_log", ident, (C, N)), "mamba.D": ("mamba_layers.m_d", ident, (C,)),
+           "mamba.dt_layernorm.weight": ("mamba_layers.m_dt_norm", ident, (R,)),
+           "mamba.b_layernorm.weight": ("mamba_layers.m_b_norm", ident, (N,)),
+           "mamba.c_layernorm.weight": ("mamba_layers.m_c_norm", ident, (N,)),
+           "mamba.out_proj.weight": ("mamba_layers.m_out", t, (E, C))}
+    if m.conv_bias:
+        out["mamba.conv1d.bias"] = ("mamba_layers.m_conv_b", ident, (C,))
+    if m.proj_bias:
+        out |= {"mamba.in_proj.bias": ("mamba_layers.m_in_b", ident, (2 * C,)),
+                "mamba.out_proj.bias": ("mamba_layers.m_out_b", ident, (E,))}
+    return out
 
 
 def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> tuple | None:
@@ -66,10 +92,9 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
             return None
     if spec is not None and rest.startswith("self_attn."):
         return ("attn_" + spec[0], *spec[1:], cfg.attention_layers.index(layer))
-    k = cfg.first_dense_layers
-    if spec is not None and (m.no_mlp or k) and field in MLP_FIELDS:  # (the MLPs stacked apart)
-        return ("dense_" + spec[0], *spec[1:], layer) if layer < k else (
-            "mlp_" + spec[0], *spec[1:], m.mlp_layers(cfg.num_layers, k).index(layer))
+    if spec is not None and (m.no_mlp or cfg.num_dense_layers) and field in MLP_FIELDS:  # (the MLPs stacked apart)
+        return ("dense_" + spec[0], *spec[1:], cfg.stack_index(layer, True)) if cfg.num_experts and cfg.dense_layer(
+            layer) else ("mlp_" + spec[0], *spec[1:], apart_mlp_layers(cfg).index(layer))
     return None if spec is None else (*spec, layer)
 
 
@@ -140,7 +165,7 @@ def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
     if cfg.family == "lfm2":
         return lfm2_name(name, to_hf=True)
     return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n),
-            "falcon_h1": lambda n, _: bamba_hf_name(n)}.get(
+            "falcon_h1": lambda n, _: bamba_hf_name(n), "jamba": lambda n, _: bamba_hf_name(n)}.get(
         cfg.family, lambda n, _: n)(name, cfg)
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.config_mamba import MambaConfig
+from jaxserve.config_mamba import MambaConfig, apart_mlp_layers
 from jaxserve.models.inputs import ModelInputs
 from jaxserve.models.params import ATTENTION_FIELDS, MLP_FIELDS, LayerParams, ParamInfo, Params
 
@@ -43,9 +43,9 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
     layers = dataclasses.replace(declare_layers(cfg, cfg.num_layers, bool(cfg.num_experts)),
                                  **{f: None for f in ATTENTION_FIELDS})
     mlps = dense = None
-    k = cfg.first_dense_layers
+    k = cfg.num_dense_layers  # (dense first layers, or dense layers between the experts: Jamba's)
     if m.no_mlp or k:
-        mlps = declare_layers(cfg, len(m.mlp_layers(cfg.num_layers, k)), bool(cfg.num_experts))
+        mlps = declare_layers(cfg, len(apart_mlp_layers(cfg)), bool(cfg.num_experts))
         mlps = LayerParams(**none | {f: getattr(mlps, f) for f in MLP_FIELDS})
         dense = LayerParams(**none | {f: getattr(declare_layers(cfg, k, False), f) for f in MLP_FIELDS}) if k else None
         layers = dataclasses.replace(layers, **{f: None for f in MLP_FIELDS})
@@ -54,15 +54,21 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
         return ParamInfo((Lm, *shape), ("layers", *axes), init, dtype)
 
     scan = m.kind != "short_conv"  # (a short convolution has no scan: no dt, A, D or gated norm; a DeltaNet no D)
+    one = m.kind == "mamba1"  # (Jamba's: A per channel and state dim; dt, B, C from x, normed; no gated norm)
+    R, N = m.dt_rank, m.state_size
     mamba = LayerParams(**none | dict(
         m_in=p((E, m.proj_dim), ("embed", None)), m_in_b=p((m.proj_dim,), (None,), "zeros") if m.proj_bias else None,
         m_conv=p((m.conv_dim, m.conv_kernel), (None, None)),
         m_conv_b=p((m.conv_dim,), (None,), "zeros") if m.conv_bias else None,
         m_dt_bias=p((m.num_heads,), (None,), "ones", jnp.float32) if scan else None,
-        m_a_log=p((m.num_heads,), (None,), "zeros", jnp.float32) if scan else None,
-        m_d=p((m.num_heads,), (None,), "ones", jnp.float32) if m.kind == "mamba2" else None,
+        m_a_log=p((m.num_heads, N) if one else (m.num_heads,), (None,) * (1 + one), "zeros", jnp.float32)
+        if scan else None,
+        m_d=p((m.num_heads,), (None,), "ones", jnp.float32) if m.kind in ("mamba2", "mamba1") else None,
         m_norm=p((m.head_dim if m.kind == "gated_delta" else m.inner,), (None,), "ones")
-        if scan and m.gate_norm != "none" else None,
+        if scan and m.gate_norm != "none" and not one else None,
+        m_x=p((m.inner, R + 2 * N), (None, None)) if one else None, m_dt=p((R, m.inner), (None, None)) if one else None,
+        m_dt_norm=p((R,), (None,), "ones") if one else None, m_b_norm=p((N,), (None,), "ones") if one else None,
+        m_c_norm=p((N,), (None,), "ones") if one else None,
         m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
     return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
                   layers=layers,
@@ -83,15 +89,16 @@ def hybrid_layers(cfg: ModelConfig, params: Params, carry: tuple, conv: jax.Arra
     (x, k, v) with `Beside`. `carry` may hold a fourth part, the states entering some layers, which
     `keep(carry, i)` (`KeptLayers.keep`) writes before layer i (an EAGLE-3 draft's inputs)."""
     from jaxserve.models.gated_delta import gated_delta_mixer
+    from jaxserve.models.mamba1 import mamba1_mixer
 
-    mix = gated_delta_mixer if cfg.mamba.kind == "gated_delta" else mamba_mixer
+    mix = {"gated_delta": gated_delta_mixer, "mamba1": mamba1_mixer}.get(cfg.mamba.kind, mamba_mixer)
     x, k, v, *kept = carry
     a = j = f = 0
     for i in range(cfg.num_layers):
         x, k, v, *kept = keep((x, k, v, *kept), i)
         lp = jax.tree.map(lambda w, i=i: w[i], params.layers)
-        if i < cfg.first_dense_layers:  # (a dense first layer's MLP)
-            fp = jax.tree.map(lambda w, i=i: w[i], params.dense_layers)
+        if params.dense_layers is not None and cfg.dense_layer(i):  # (a dense layer's MLP: a first one, Jamba's)
+            fp = jax.tree.map(lambda w, s=cfg.stack_index(i, True): w[s], params.dense_layers)
             lp = dataclasses.replace(lp, **{name: getattr(fp, name) for name in MLP_FIELDS})
         elif params.mlp_layers is not None and i not in cfg.mamba.no_mlp:
             fp = jax.tree.map(lambda w, f=f: w[f], params.mlp_layers)

@@ -112,6 +112,12 @@ class LayerParams:
     m_norm: Any = None  # [Lm, inner]: the gated norm's weight
     m_out: Any = None  # [Lm, inner, E]
     m_out_b: Any = None  # [Lm, E]
+    # ... and Jamba's (`models.mamba1`: A [Lm, inner, state]): dt (low-rank), B, C from x, each RMSNormed
+    m_x: Any = None  # [Lm, inner, dt_rank + 2 state]
+    m_dt: Any = None  # [Lm, dt_rank, inner]: dt up to each channel
+    m_dt_norm: Any = None  # [Lm, dt_rank]
+    m_b_norm: Any = None  # [Lm, state]
+    m_c_norm: Any = None  # [Lm, state]
 
 
 @jax.tree_util.register_dataclass

@@ -8,8 +8,8 @@ place. The mixed step too of Nemotron 3 Nano's blocks (Mamba + MoE of ungated ex
 attention + MoE; 16 of its 128 experts, as tests/gpu_compile/test_compile_moe_lora.py cuts Qwen3-MoE's, the
 temporaries then under the 1 GB the engine tests allow), of LFM2-1.2B's layers (short convolutions: a convolution
 state alone, no SSM state), of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts), of
-OLMo Hybrid's (DeltaNet layers normed before, attention normed after) and of Falcon-H1's (each layer's mixer beside
-its attention).
+OLMo Hybrid's (DeltaNet layers normed before, attention normed after), of Falcon-H1's (each layer's mixer beside
+its attention) and of Jamba's (Mamba layers of the selective scan, scanned token by token; experts every other layer).
 """
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ FALCON_H1 = ModelConfig.from_hf({
     "num_hidden_layers": 2, "num_attention_heads": 12, "num_key_value_heads": 2, "head_dim": 128,
     "intermediate_size": 12288, "mamba_d_ssm": 3072, "mamba_n_heads": 24, "mamba_d_state": 256, "mamba_n_groups": 1,
     "mamba_rms_norm": True, "max_position_embeddings": 262144, "key_multiplier": 0.5})
+# Jamba-1.5-Mini's shapes (Mamba layers of 8192 channels, states of 16, a step of rank 256; attention of 32 heads of
+# 128 over 8 KV heads), cut to a Mamba layer and an attention layer, and its 16 experts to 4.
+JAMBA = ModelConfig.from_hf({
+    "architectures": ["JambaForCausalLM"], "model_type": "jamba", "vocab_size": 65536, "hidden_size": 4096,
+    "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+    "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+    "max_position_embeddings": 262144})
 NUM_PAGES = 65536  # 16-token pages of the one attention layer: 1 GB of bfloat16 keys and values (Granite's)
 
 
@@ -83,10 +90,11 @@ def _pool(spec, cfg=GRANITE_H) -> tuple[KVCache, int]:
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2", "qwen3-next", "olmo-hybrid", "falcon-h1"])
+@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2", "qwen3-next", "olmo-hybrid", "falcon-h1",
+                                  "jamba"])
 def test_hybrid_mixed_step_compiles_for_sm90(spec, name):
     cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2, "qwen3-next": QWEN3_NEXT,
-           "olmo-hybrid": OLMO_HYBRID, "falcon-h1": FALCON_H1}[name]
+           "olmo-hybrid": OLMO_HYBRID, "falcon-h1": FALCON_H1, "jamba": JAMBA}[name]
     T = RC.token_buckets[-1]
     S = min(T, RC.max_num_seqs)
     params, _, _, pen, want_top = _common(spec, S, cfg=cfg)
