@@ -1,7 +1,8 @@
 """Hybrid models from llama.cpp GGUF files against the HF models they come from: Granite 4.0-H ("granitehybrid"),
 dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 and LFM2-MoE ("lfm2",
-"lfm2moe"); Granite MoE ("granitemoe"), whose experts are written as Granite 4.0-H's; and Falcon-H1 ("falcon-h1"),
-its multipliers folded into its weights.
+"lfm2moe"); Granite MoE ("granitemoe"), whose experts are written as Granite 4.0-H's; Falcon-H1 ("falcon-h1"), its
+multipliers folded into its weights; and Jamba ("jamba": Mamba layers of the selective scan, experts every other
+layer).
 
 The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
 gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
@@ -327,5 +328,60 @@ def test_falcon_h1_gguf_equals_the_hf_model(tmp_path, rms_norm):
     hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
     assert dataclasses.replace(cfg.mamba, norm_eps=1e-5) == hf_cfg.mamba and cfg.attention_layers == (0, 1, 2)
     assert cfg.falcon.key == cfg.falcon.ssm[0] == cfg.embedding_multiplier == cfg.logits_scaling == 1.0
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
+
+
+def _write_jamba(path, model, hf_dir) -> str:
+    """`model` (an HF Jamba, saved at `hf_dir`) as an F32 GGUF, as llama.cpp's converter writes one: KV heads per layer
+    (0 in a Mamba layer), the experts stacked per projection, A as -exp(A_log), the convolution squeezed, q and k
+    rows as they are."""
+    from safetensors.numpy import load_file
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "jamba")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.num_key_value_heads if t == "attention" else 0 for t in c.layers_block_type])
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_time_step_rank(c.mamba_dt_rank)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.JAMBA, c.num_hidden_layers)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, a in load_file(str(hf_dir / "model.safetensors")).items():
+        parts = name.split(".")
+        if ".experts." in name:
+            experts.setdefault((parts[2], parts[-2]), {})[int(parts[5])] = a
+            continue
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert key is not None, name
+        if name.endswith(".weight") and not key.endswith(".weight"):  # (`pre_ff_layernorm.weight` mapped whole)
+            key += ".weight"
+        w.add_tensor(key, a.squeeze() if "conv1d.weight" in name else -np.exp(a) if name.endswith("A_log") else a)
+    kinds = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+    for (layer, kind), by_expert in experts.items():
+        w.add_tensor(f"blk.{layer}.{kinds[kind]}.weight", np.stack([by_expert[j] for j in sorted(by_expert)]))
+    return written(w, path)
+
+
+def test_jamba_gguf_equals_the_hf_model(tmp_path):
+    """The file's config is the HF model's (its attention and expert layers found by their KV heads and routers, its
+    Mamba layers' shape and biases), its logits the HF model's over 102 tokens."""
+    from tests.test_jamba import TINY
+
+    model = save_tiny_hf("JambaConfig", tmp_path / "hf", **TINY)
+    path = _write_jamba(tmp_path / "jamba.gguf", model, tmp_path / "hf")
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, mamba=dataclasses.replace(
+        cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps), max_position_embeddings=hf_cfg.max_position_embeddings) == hf_cfg
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4

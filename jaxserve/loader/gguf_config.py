@@ -25,6 +25,7 @@ from jaxserve.loader.gguf_hybrid import (
     falcon_h1_gguf_hf,
     granite_hybrid_hf,
     granite_scalars,
+    jamba_gguf_hf,
     lfm2_gguf_hf,
     nemotron_h_hf,
 )
@@ -53,6 +54,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
+            "jamba": "JambaForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
@@ -162,6 +164,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = granite_hybrid_hf(meta, get, d, experts, kv_heads, tensor_names)
         if arch == "falcon-h1":
             d = falcon_h1_gguf_hf(get, d, tensor_names)
+        if arch == "jamba":
+            d = jamba_gguf_hf(get, d, kv_heads, tensor_names)
         if arch == "jais2":  # LayerNorms with biases, a squared-ReLU MLP (llama.cpp's for the architecture)
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
                      attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)

@@ -16,7 +16,7 @@ from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.loader.family_names import router_bias_name
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_header import GGUFHeader
-from jaxserve.loader.gguf_hybrid import nemotron_h_tensors, shortconv_tensor, ssm_tensor
+from jaxserve.loader.gguf_hybrid import jamba_ssm_tensor, nemotron_h_tensors, shortconv_tensor, ssm_tensor
 from jaxserve.loader.gguf_qwen3_next import NAMES as QWEN3_NEXT_NAMES
 from jaxserve.loader.gguf_qwen3_next import gated_delta_tensor
 from jaxserve.loader.keymap import CheckpointError
@@ -115,7 +115,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     if cfg.family in GATED_DELTA_FAMILIES and m and (found := gated_delta_tensor(*m.groups(), arr, cfg, arch)):
         yield found
         return
-    if cfg.mamba is not None and m and (found := ssm_tensor(f"model.layers.{m.group(1)}.mamba.", m.group(2), arr)):
+    read_ssm = jamba_ssm_tensor if cfg.family == "jamba" else ssm_tensor
+    if cfg.mamba is not None and m and (found := read_ssm(f"model.layers.{m.group(1)}.mamba.", m.group(2), arr)):
         yield found
         return
     if cfg.kv_lora_rank and m:
@@ -130,7 +131,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
         prefix = f"model.layers.{layer}.{'block_sparse_moe' if fused else 'mlp'}"
         stacked, single = _EXPERTS_RE.match(rest), _ONE_EXPERT_RE.match(rest)
         if rest in ("ffn_gate_inp.weight", "ffn_gate_inp.bias"):
-            yield f"{prefix}.{'router' if cfg.family == 'gpt_oss' else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
+            yield f"{prefix}.{'router' if cfg.family in ('gpt_oss', 'jamba') else 'gate'}.{rest.rsplit('.', 1)[1]}", arr
             return
         if rest == "exp_probs_b.bias":  # the bias choosing experts (ERNIE's [1, X])
             yield f"{prefix}.{router_bias_name(cfg.family)}", arr

@@ -1,8 +1,9 @@
 """Hybrid models' llama.cpp GGUF files as the HF config and tensors their converter read: Granite 4.0-H's
 ("granitehybrid": Mamba-2 layers beside attention, told apart by their KV head count, 0 in a Mamba layer),
 Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width) and
-LFM2's ("lfm2", "lfm2moe": short convolutions, told by their KV heads too; the convolution as [channels, taps]) and
-Falcon-H1's ("falcon-h1": a mixer beside attention in every layer).
+LFM2's ("lfm2", "lfm2moe": short convolutions, told by their KV heads too; the convolution as [channels, taps]),
+Falcon-H1's ("falcon-h1": a mixer beside attention in every layer) and Jamba's ("jamba": Mamba layers of the selective
+scan told by their KV heads, expert layers by their routers).
 
 llama.cpp writes each Mamba layer's A as -exp(A_log) and A and D as [heads, 1], the convolution as [channels, taps],
 the gated norm as [groups, channels per group] and the step's bias as `ssm_dt.bias`; those are read back here. A clamp
@@ -62,6 +63,49 @@ def falcon_h1_gguf_hf(get: Callable[..., Any], d: dict[str, Any], tensor_names: 
             "mamba_d_conv": int(get("ssm.conv_kernel")), "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in tensor_names,
             "mamba_proj_bias": "blk.0.ssm_in.bias" in tensor_names, "projectors_bias": "blk.0.ssm_out.bias" in
             tensor_names, "mamba_rms_norm": "blk.0.ssm_norm.weight" in tensor_names, "mamba_norm_before_gate": False}
+
+
+def jamba_gguf_hf(get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int],
+                  tensor_names: frozenset[str]) -> dict[str, Any]:
+    """The Jamba HF config of a "jamba" file: its attention layers by their KV heads (0 in a Mamba layer), its MoE
+    layers by their routers (`ffn_gate_inp`), each every so many layers (refused otherwise), its Mamba layers'
+    shape and biases."""
+    n = len(kv_heads)
+    attn = [i for i, h in enumerate(kv_heads) if h]
+    moe = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensor_names]
+    period = attn[1] - attn[0] if len(attn) > 1 else n
+    if not attn or attn != list(range(attn[0], n, period)):
+        raise UnsupportedModelError(f"a jamba GGUF file's attention layers {attn} are not every so many layers")
+    every = moe[1] - moe[0] if len(moe) > 1 else n
+    if moe and moe != list(range(every - 1, n, every)):
+        raise UnsupportedModelError(f"a jamba GGUF file's expert layers {moe} are not the last of every so many")
+    inner = int(get("ssm.inner_size"))
+    first = f"blk.{next(i for i in range(n) if i not in attn)}."
+    return {**d, "architectures": ["JambaForCausalLM"], "model_type": "jamba", "attn_layer_period": period,
+            "attn_layer_offset": attn[0], "expert_layer_period": every if moe else 1,
+            "expert_layer_offset": every - 1 if moe else 0, "num_experts": d.get("num_experts", 1) if moe else 1,
+            "mamba_expand": inner // d["hidden_size"], "mamba_d_state": int(get("ssm.state_size")),
+            "mamba_d_conv": int(get("ssm.conv_kernel")), "mamba_dt_rank": int(get("ssm.time_step_rank")),
+            "mamba_conv_bias": first + "ssm_conv1d.bias" in tensor_names,
+            "mamba_proj_bias": first + "ssm_in.bias" in tensor_names}
+
+
+# A Jamba Mamba layer's tensors: llama.cpp's name (after `blk.N.`) to the HF module's (after `model.layers.N.mamba.`).
+_SSM1 = {**_SSM, "ssm_x.weight": "x_proj.weight", "ssm_dt.weight": "dt_proj.weight", "ssm_dt.bias": "dt_proj.bias",
+         "ssm_dt_norm.weight": "dt_layernorm.weight", "ssm_b_norm.weight": "b_layernorm.weight",
+         "ssm_c_norm.weight": "c_layernorm.weight"}
+
+
+def jamba_ssm_tensor(prefix: str, rest: str, arr: np.ndarray) -> tuple[str, np.ndarray] | None:
+    """A Jamba Mamba layer's tensor by its HF name (after the mixer's `prefix`), in HF layout (A as its log again,
+    [channels, state]; the convolution [channels, 1, taps]); None for any other."""
+    if rest not in _SSM1:
+        return None
+    if rest == "ssm_a":
+        arr = np.log(-arr)
+    elif rest == "ssm_conv1d.weight":
+        arr = arr.reshape(arr.shape[0], 1, -1)
+    return prefix + _SSM1[rest], arr
 
 
 def granite_scalars(meta: dict[str, Any], arch: str) -> dict[str, float]:
