@@ -22,7 +22,7 @@ from tests.fake_model import VOCAB  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_engine_gemma import hf_greedy  # noqa: E402
 from tests.test_hybrid import NEW_TOKENS, PROMPTS, _engine, _greedy, _run  # noqa: E402
-from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, tiny_loaded  # noqa: E402
 
 # Three layers, each a mixer of 4 heads of 16 channels (2 groups, states of 16) beside attention of 4 heads of 16
 # dims over 2 KV heads.
@@ -40,11 +40,9 @@ _BUILT: dict[str, tuple] = {}
 def _build(norm: str, tmp_path_factory) -> tuple:
     """(HF model, our config, our params, its directory) of a tiny model whose mixer's output is normed as `norm`."""
     if norm not in _BUILT:
-        path = tmp_path_factory.mktemp(f"falcon_h1_{norm}")
-        model = save_tiny_hf("FalconH1Config", path, **TINY, **NORMS[norm])
-        ckpt = open_checkpoint(str(path))
-        cfg = ckpt.config()
-        _BUILT[norm] = model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), path
+        path, model, cfg, params = tiny_loaded(tmp_path_factory, "FalconH1Config", f"falcon_h1_{norm}", **TINY,
+                                               **NORMS[norm])
+        _BUILT[norm] = model, cfg, params, path
     return _BUILT[norm]
 
 

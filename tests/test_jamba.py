@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig, UnsupportedModelError  # noqa: E402
-from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
 from tests.fake_model import VOCAB  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_engine_gemma import hf_greedy  # noqa: E402
 from tests.test_hybrid import NEW_TOKENS, PROMPTS, _engine, _greedy, _run  # noqa: E402
-from tests.test_model_families import assert_written_back, hf_logits, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import assert_written_back, hf_logits, rel_err, tiny_loaded  # noqa: E402
 
 # Four layers: Mamba (128 channels, states of 8, a step of rank 8), attention (4 heads of 16 over 2 KV heads), Mamba,
 # attention; layers 1 and 3 with 4 experts (top 2), layers 0 and 2 a dense MLP.
@@ -33,11 +31,8 @@ TINY = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_
 
 @pytest.fixture(scope="module")
 def jamba(tmp_path_factory):
-    path = tmp_path_factory.mktemp("jamba")
-    model = save_tiny_hf("JambaConfig", path, **TINY)
-    ckpt = open_checkpoint(str(path))
-    cfg = ckpt.config()
-    return model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), path
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "JambaConfig", "jamba", **TINY)
+    return model, cfg, params, path
 
 
 def test_config_reads_the_layers_and_experts(jamba):

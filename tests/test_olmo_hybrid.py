@@ -24,7 +24,7 @@ from tests.fake_model import VOCAB  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_engine_gemma import hf_greedy  # noqa: E402
 from tests.test_hybrid import NEW_TOKENS, PROMPTS, _engine, _greedy, _run  # noqa: E402
-from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, tiny_loaded  # noqa: E402
 
 # Three DeltaNet layers around an attention layer: 2 key heads of 8 dims, each shared by 2 value heads of 12 dims;
 # attention of 4 heads of 16 dims over 2 KV heads.
@@ -40,11 +40,8 @@ CONVS = [f"model.layers.{i}.linear_attn.{p}_conv1d.weight" for i in (0, 2, 3) fo
 def olmo(tmp_path_factory):
     """(HF model, our config, our params, its directory): saved by transformers, which divides each layer's
     convolution into three equal parts under the q, k and v names."""
-    path = tmp_path_factory.mktemp("olmo_hybrid")
-    model = save_tiny_hf("OlmoHybridConfig", path, **TINY)
-    ckpt = open_checkpoint(str(path))
-    cfg = ckpt.config()
-    return model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), path
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "OlmoHybridConfig", "olmo_hybrid", **TINY)
+    return model, cfg, params, path
 
 
 def test_config_reads_the_deltanet_and_attention_layers(olmo):

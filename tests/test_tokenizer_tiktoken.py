@@ -60,15 +60,20 @@ def _tiktoken(text: str) -> list[int]:
             out.append(specials[part])
             continue
         for piece in regex.findall(KIMI_PATTERN, part, flags=regex.V1):
-            parts = [bytes([b]) for b in piece.encode()]
-            while len(parts) > 1:
-                joins = [RANKS.get(a + b, 1 << 30) for a, b in zip(parts, parts[1:], strict=False)]
-                rank, i = min((r, i) for i, r in enumerate(joins))
-                if rank == 1 << 30:
-                    break
-                parts[i:i + 2] = [parts[i] + parts[i + 1]]
-            out += [RANKS[p] for p in parts]
+            out += _merged(piece)
     return out
+
+
+def _merged(piece: str) -> list[int]:
+    """tiktoken's merges of one piece: its adjacent pair whose join has the lowest rank, until none is a token."""
+    parts = [bytes([b]) for b in piece.encode()]
+    while len(parts) > 1:
+        joins = [RANKS.get(a + b, 1 << 30) for a, b in zip(parts, parts[1:], strict=False)]
+        rank, i = min((r, i) for i, r in enumerate(joins))
+        if rank == 1 << 30:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return [RANKS[p] for p in parts]
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +217,7 @@ def _hy_tiktoken(text: str) -> list[int]:
             out.append(specials[part])
             continue
         for piece in regex.findall(HY_PATTERN, part):
-            parts = [bytes([b]) for b in piece.encode()]
-            while len(parts) > 1:
-                joins = [RANKS.get(a + b, 1 << 30) for a, b in zip(parts, parts[1:], strict=False)]
-                rank, i = min((r, i) for i, r in enumerate(joins))
-                if rank == 1 << 30:
-                    break
-                parts[i:i + 2] = [parts[i] + parts[i + 1]]
-            out += [RANKS[p] for p in parts]
+            out += _merged(piece)
     return out
 
 
