@@ -71,7 +71,10 @@ def test_checkpoint_written_back_reads_the_same(jamba):
 
 def test_engine_greedy_equals_transformers(jamba):
     """Chunked prefills beside decodes and the device's decode loop, three requests in one batch, and again from
-    the prefix cache's kept states: transformers' greedy tokens; every state slot back."""
+    the prefix cache's kept states: transformers' greedy tokens; every state slot back. Adapters are refused by
+    name."""
+    from jaxserve.engine.lora_manager import LoRAError
+
     model, cfg, params, path = jamba
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     engine = _engine(cfg, params, path)
@@ -80,3 +83,5 @@ def test_engine_greedy_equals_transformers(jamba):
     assert _run(engine, PROMPTS[2], "again") == (expected[2], 24)  # (its states kept at 24 of its 30 tokens)
     assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
     engine.check_integrity()
+    with pytest.raises(LoRAError, match="Jamba"):
+        _engine(cfg, params, path, enable_lora=True, max_lora_rank=8)
