@@ -54,11 +54,13 @@ def test_config_reads_the_layers_and_experts(jamba):
 
 
 def test_logits_match_transformers(jamba):
-    """Transformers' logits; the experts' top k renormalized, they are not."""
+    """Transformers' logits, the prompt scanned token by token (the XLA backend's) and chunk by chunk (the Pallas
+    ones', here interpreted); the experts' top k renormalized, they are not."""
     model, cfg, params, _ = jamba
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     ours, ref = prompt_logits(cfg, params, ids), hf_logits(model, ids)
     assert rel_err(ours, ref) < 1e-4 and (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert rel_err(prompt_logits(cfg, params, ids, backend="pallas_interpret"), ref) < 1e-4
     assert rel_err(prompt_logits(dataclasses.replace(cfg, norm_topk_prob=True), params, ids), ref) > 1e-3
 
 

@@ -101,3 +101,34 @@ def test_the_delta_rules_equal_the_recurrence(scan, seed):
             rng.normal(size=(T, H, N)).astype(f32), (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(f32),
             rng.normal(size=(T, H, P)).astype(f32))
     _check(getattr(gated_delta, scan), args, _delta_reference, ragged, rng.normal(size=(slots, H, P, N)).astype(f32))
+
+
+def _mamba1_reference(log_decay, dx, B, C, seq, slot, fresh, last, pool):
+    """Jamba's selective scan token by token (numpy, float64): a channel's state [N] decays by exp(a) per state dim
+    and takes dt x B; its output C . state."""
+    pool, h, ys, prev = np.array(pool, np.float64), None, [], None
+    for t in range(len(seq)):
+        if seq[t] != prev:
+            h = np.zeros(pool.shape[1:]) if fresh[t] else pool[slot[t]].copy()
+        h = np.exp(log_decay[t])[:, None, :] * h + dx[t][:, None, None] * B[t][None, None, :]
+        ys.append(np.einsum("cpn,n->c", h, C[t]))
+        if last[t]:
+            pool[slot[t]] = h
+        prev = seq[t]
+    return np.stack(ys), pool
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("scan", ["chunked_mamba1_scan", "token_mamba1_scan"])
+def test_the_mamba1_scans_equal_the_recurrence(scan, seed):
+    """`mamba1.chunked_mamba1_scan` (an associative scan a chunk) and `token_mamba1_scan` over random ragged batches of
+    256 tokens: the outputs and the slots' states of the recurrence token by token."""
+    from jaxserve.models import mamba1
+
+    rng = np.random.default_rng(seed)
+    T, C, N, slots = 256, 6, 5, 12
+    ragged = _ragged_batch(rng, T, slots)
+    f32 = np.float32
+    args = (-rng.uniform(0.0, 0.3, (T, C, N)).astype(f32), rng.normal(size=(T, C)).astype(f32),
+            rng.normal(size=(T, N)).astype(f32), rng.normal(size=(T, N)).astype(f32))
+    _check(getattr(mamba1, scan), args, _mamba1_reference, ragged, rng.normal(size=(slots, C, 1, N)).astype(f32))

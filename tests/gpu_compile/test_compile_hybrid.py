@@ -9,7 +9,8 @@ attention + MoE; 16 of its 128 experts, as tests/gpu_compile/test_compile_moe_lo
 temporaries then under the 1 GB the engine tests allow), of LFM2-1.2B's layers (short convolutions: a convolution
 state alone, no SSM state), of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts), of
 OLMo Hybrid's (DeltaNet layers normed before, attention normed after), of Falcon-H1's (each layer's mixer beside
-its attention) and of Jamba's (Mamba layers of the selective scan, scanned token by token; experts every other layer).
+its attention) and of Jamba's (Mamba layers of the selective scan, an associative scan a chunk; experts every other
+layer).
 """
 
 from __future__ import annotations
