@@ -77,9 +77,11 @@ class EngineArgs:
     moe_runner_backend: str = "auto"
     seed: int = 0
     # vLLM's, taken so its launch commands and `LLM(...)` calls run: jaxserve runs no code a checkpoint ships (a model
-    # it does not implement is refused by name); prefills are always chunked (`max_num_batched_tokens` a step).
+    # it does not implement is refused by name); prefills are always chunked (`max_num_batched_tokens` a step); its
+    # steps are compiled XLA programs, with no CUDA graphs to leave out (`enforce_eager`).
     trust_remote_code: bool = False
     enable_chunked_prefill: bool | None = None
+    enforce_eager: bool = False
     strict_compile: bool = False
     # vLLM's sleep mode: the engine may free its KV cache and weights on the device and take them back
     # (`jaxserve.engine.memory`); also opens the server's /sleep, /wake_up and /update_weights_from_disk.

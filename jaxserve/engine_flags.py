@@ -153,6 +153,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, with_model: bool = True) -
     g.add_argument("--seed", type=int, default=d.seed, help="seed for requests that give none")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="taken for vLLM's commands; no effect (jaxserve runs no code a checkpoint ships)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="taken for vLLM's commands; no effect (the steps are compiled XLA programs: no CUDA graphs)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="taken for vLLM's commands: prefills are always chunked (--no-enable-chunked-prefill "
                         "is refused)")

@@ -108,12 +108,14 @@ def test_vllm_launch_flags_are_taken():
 
     parser = add_serve_args(argparse.ArgumentParser())
     ns = parser.parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false}', "--trust-remote-code",
-                            "--return-tokens-as-token-ids", "--enable-chunked-prefill", "--enable-prompt-tokens-details"])
+                            "--return-tokens-as-token-ids", "--enable-chunked-prefill", "--enable-prompt-tokens-details",
+                            "--enforce-eager"])
     config = server_config_from_args(ns)
     assert config.default_chat_template_kwargs == {"enable_thinking": False} and config.return_tokens_as_token_ids
     args = EngineArgs.from_cli_args(ns)
-    assert args.trust_remote_code and args.enable_chunked_prefill
-    assert dataclasses.replace(args, trust_remote_code=False, enable_chunked_prefill=None) == EngineArgs()
+    assert args.trust_remote_code and args.enable_chunked_prefill and args.enforce_eager
+    assert dataclasses.replace(args, trust_remote_code=False, enable_chunked_prefill=None,
+                               enforce_eager=False) == EngineArgs()
     with pytest.raises(ValueError, match="default_chat_template_kwargs must be a JSON object"):
         server_config_from_args(parser.parse_args(["--default-chat-template-kwargs", "[1]"]))
     assert EngineArgs.from_cli_args(parser.parse_args(["-tp", "2", "--enable-expert-parallel"])).enable_expert_parallel
