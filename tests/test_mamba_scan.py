@@ -85,11 +85,12 @@ def _delta_reference(g, beta, q, k, v, seq, slot, fresh, last, pool):
     return np.stack(ys), pool
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed,beta_max", [(0, 1.0), (1, 1.0), (2, 1.0), (3, 2.0)])
 @pytest.mark.parametrize("scan", ["chunked_delta_scan", "token_delta_scan"])
-def test_the_delta_rules_equal_the_recurrence(scan, seed):
+def test_the_delta_rules_equal_the_recurrence(scan, seed, beta_max):
     """`gated_delta.chunked_delta_scan` and `token_delta_scan` over random ragged batches of 256 tokens (keys of unit
-    length, as the model norms them; beta in (0, 1)): the outputs and the slots' states of the rule token by token."""
+    length, as the model norms them; beta in (0, 1), or (0, 2) as OLMo Hybrid doubles it): the outputs and the slots'
+    states of the rule token by token."""
     from jaxserve.models import gated_delta
 
     rng = np.random.default_rng(seed)
@@ -97,7 +98,7 @@ def test_the_delta_rules_equal_the_recurrence(scan, seed):
     ragged = _ragged_batch(rng, T, slots)
     f32 = np.float32
     k = rng.normal(size=(T, H, N))
-    args = (-rng.uniform(0.0, 0.3, (T, H)).astype(f32), rng.uniform(0.0, 1.0, (T, H)).astype(f32),
+    args = (-rng.uniform(0.0, 0.3, (T, H)).astype(f32), rng.uniform(0.0, beta_max, (T, H)).astype(f32),
             rng.normal(size=(T, H, N)).astype(f32), (k / np.linalg.norm(k, axis=-1, keepdims=True)).astype(f32),
             rng.normal(size=(T, H, P)).astype(f32))
     _check(getattr(gated_delta, scan), args, _delta_reference, ragged, rng.normal(size=(slots, H, P, N)).astype(f32))
