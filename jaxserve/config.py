@@ -26,7 +26,7 @@ MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_M
                                   "afmoe", "flex_olmo", "mimo_v2_flash", "cohere2_moe", "jamba",
                                   *MLA_FAMILIES,
                                   *GATED_DELTA_FAMILIES)
-GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES)
+GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES, "granite_swa")
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
 COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2", "cohere2_moe")
@@ -321,13 +321,13 @@ class ModelConfig:
 
     @property
     def attention_sinks(self) -> bool:
-        """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss, MiMo-V2-Flash's windowed
-        layers: `sinks_in`)."""
-        return self.family in ("gpt_oss", "mimo_v2_flash")
+        """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss, Granite SWA,
+        MiMo-V2-Flash's windowed layers: `sinks_in`)."""
+        return self.family in ("gpt_oss", "mimo_v2_flash", "granite_swa")
 
     def sinks_in(self, layer: int) -> bool:
         """Whether `layer`'s checkpoint holds sinks (elsewhere its `LayerParams.sinks` row is -inf: none)."""
-        return self.attention_sinks and (self.family == "gpt_oss" or self.layer_types is not None
+        return self.attention_sinks and (self.family in ("gpt_oss", "granite_swa") or self.layer_types is not None
                                          and self.layer_types[layer] == "sliding_attention")
 
     @property

@@ -168,7 +168,7 @@ def granite_hf(cfg: Any) -> dict[str, Any]:
 def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
     """Per layer, 1 where queries and keys are rotated by position and 0 where not (None: all are): SmolLM3's,
     or none of a Granite hybrid's without `position_embedding_type` "rope"."""
-    if family == "smollm3":
+    if family in ("smollm3", "granite_swa"):  # (Granite SWA's: its list, from its bases: `config_granite_swa`)
         return smollm3_no_rope_layers(d)
     if family in ("granitemoehybrid", "olmo_hybrid", "jamba") and d.get("position_embedding_type") != "rope" or (
             family == "nemotron_h"):

@@ -19,6 +19,7 @@ from jaxserve.config_cohere2_moe import cohere2_moe_hf
 from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
+from jaxserve.config_granite_swa import granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
 from jaxserve.config_lfm2 import lfm2_hf
@@ -60,7 +61,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else exaone_moe_hf(cfg) if cfg.family == "exaone_moe"
                  else afmoe_hf(cfg) if cfg.family == "afmoe" else mimo_hf(cfg) if cfg.family == "mimo_v2_flash"
                  else cohere2_moe_hf(cfg) if cfg.family == "cohere2_moe" else fields.moe_hf(cfg))
-    if cfg.family in ("llama", "smollm3", "granite", "arcee", "bamba", "jais2"):
+    if cfg.family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "jais2"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "jais2":
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
@@ -125,6 +126,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
+    if cfg.family == "granite_swa":  # (its windows and bases by layer; no Qwen window keys)
+        d = {k: v for k, v in d.items() if k not in ("use_sliding_window", "max_window_layers")} | granite_swa_hf(cfg)
     if cfg.family == "jamba":  # (NoPE: no rotary keys; its experts' own keys)
         d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "moe_intermediate_size", "norm_topk_prob",
                                                      "shared_expert_intermediate_size", "decoder_sparse_step",

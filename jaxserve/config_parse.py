@@ -22,6 +22,7 @@ from jaxserve.config_cohere2_moe import cohere2_moe_fields
 from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
+from jaxserve.config_granite_swa import granite_swa, granite_swa_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_jamba import jamba_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
@@ -38,7 +39,7 @@ from jaxserve.rope import RopeScaling
 
 def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     """See `ModelConfig.from_hf`."""
-    d = llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d)))))))))
+    d = granite_swa(llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d))))))))))
     d = mimo_hub_config(hunyuan_config(d))
     archs = d.get("architectures") or []
     family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
@@ -71,7 +72,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
         if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
-        if family == MIMO else {})  # (layers that differ)
+        if family == MIMO else granite_swa_fields(d) if family == "granite_swa" else {})  # (layers that differ)
     if gemma or family == "cohere2_moe":
         sliding = d.get("sliding_window")
     quant = d.get("quantization_config") or {}
@@ -113,7 +114,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba", "jais2",
                        *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss", "jais2")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        mlp_bias=(family in ("llama", "smollm3", "granite", "arcee", "bamba", "nemotron_h", "jais2")
+        mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h", "jais2")
                   and bool(d.get("mlp_bias", family == "jais2")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
