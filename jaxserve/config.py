@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 from jaxserve import config_fields as fields
 from jaxserve.config_falcon_h1 import FalconScales
 from jaxserve.config_families import Family
+from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES
 from jaxserve.config_mamba import MambaConfig
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_softmax_scale
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
@@ -19,7 +20,7 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral",
                                       "llama4_text": "llama4"}
-GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # experts fused
+GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
@@ -323,11 +324,11 @@ class ModelConfig:
     def attention_sinks(self) -> bool:
         """Whether each head's softmax has a learned sink logit (`LayerParams.sinks`; gpt-oss, Granite SWA,
         MiMo-V2-Flash's windowed layers: `sinks_in`)."""
-        return self.family in ("gpt_oss", "mimo_v2_flash", "granite_swa")
+        return self.family in ("gpt_oss", "mimo_v2_flash", *GRANITE_SWA_FAMILIES)
 
     def sinks_in(self, layer: int) -> bool:
         """Whether `layer`'s checkpoint holds sinks (elsewhere its `LayerParams.sinks` row is -inf: none)."""
-        return self.attention_sinks and (self.family in ("gpt_oss", "granite_swa") or self.layer_types is not None
+        return self.attention_sinks and (self.family in ("gpt_oss", *GRANITE_SWA_FAMILIES) or self.layer_types is not None
                                          and self.layer_types[layer] == "sliding_attention")
 
     @property

@@ -10,7 +10,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
-                 "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa"]
+                 "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -24,6 +24,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForCausalLM": "gemma3",
     "GraniteForCausalLM": "granite",
     "GraniteSWAForCausalLM": "granite_swa",  # Granite's layers, most windowed, sinks, a rotary base per layer kind
+    "GraniteMoeSWAForCausalLM": "granitemoe_swa",  # ... with Granite MoE's experts and shared MLP
     "GraniteMoeForCausalLM": "granitemoe",
     "GraniteMoeSharedForCausalLM": "granitemoeshared",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",  # Granite 4.0: attention only, or Mamba-2 layers beside it

@@ -8,7 +8,7 @@ from jaxserve.config_mamba import mamba_hf
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.errors import UnsupportedModelError
 
-GRANITE_SHARED_FAMILIES: tuple[str, ...] = ("granitemoeshared", "granitemoehybrid")  # a shared MLP, gate and up fused
+GRANITE_SHARED_FAMILIES: tuple[str, ...] = ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # a shared MLP, gate and up fused
 
 def gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:
     """The ModelConfig fields particular to Gemma 2 and Gemma 3 text models, from their HF config."""
@@ -168,7 +168,7 @@ def granite_hf(cfg: Any) -> dict[str, Any]:
 def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
     """Per layer, 1 where queries and keys are rotated by position and 0 where not (None: all are): SmolLM3's,
     or none of a Granite hybrid's without `position_embedding_type` "rope"."""
-    if family in ("smollm3", "granite_swa"):  # (Granite SWA's: its list, from its bases: `config_granite_swa`)
+    if family in ("smollm3", "granite_swa", "granitemoe_swa"):  # (Granite SWA's: from its bases, `config_granite_swa`)
         return smollm3_no_rope_layers(d)
     if family in ("granitemoehybrid", "olmo_hybrid", "jamba") and d.get("position_embedding_type") != "rope" or (
             family == "nemotron_h"):

@@ -19,7 +19,7 @@ from jaxserve.config_cohere2_moe import cohere2_moe_hf
 from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
-from jaxserve.config_granite_swa import granite_swa_hf
+from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
 from jaxserve.config_lfm2 import lfm2_hf
@@ -126,7 +126,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)
-    if cfg.family == "granite_swa":  # (its windows and bases by layer; no Qwen window keys)
+    if cfg.family in GRANITE_SWA_FAMILIES:  # (its windows and bases by layer; no Qwen window keys)
         d = {k: v for k, v in d.items() if k not in ("use_sliding_window", "max_window_layers")} | granite_swa_hf(cfg)
     if cfg.family == "jamba":  # (NoPE: no rotary keys; its experts' own keys)
         d = {k: v for k, v in d.items() if k not in ("no_rope_layers", "moe_intermediate_size", "norm_topk_prob",

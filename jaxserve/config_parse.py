@@ -22,7 +22,7 @@ from jaxserve.config_cohere2_moe import cohere2_moe_fields
 from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
-from jaxserve.config_granite_swa import granite_swa, granite_swa_fields
+from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa, granite_swa_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_jamba import jamba_moe_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
@@ -72,7 +72,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
         if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
-        if family == MIMO else granite_swa_fields(d) if family == "granite_swa" else {})  # (layers that differ)
+        if family == MIMO else granite_swa_fields(d) if family in GRANITE_SWA_FAMILIES else {})  # (layers that differ)
     if gemma or family == "cohere2_moe":
         sliding = d.get("sliding_window")
     quant = d.get("quantization_config") or {}

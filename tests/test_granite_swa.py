@@ -66,3 +66,22 @@ def test_granite_swa_engine_greedy_equals_transformers(tiny):
     """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together."""
     _, model, cfg, params = tiny
     assert_engine_greedy(model, cfg, params, "scan")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory, "GraniteMoeSWAConfig", "granitemoe_swa", **TINY, num_local_experts=4,
+                       num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=48)
+
+
+def test_granitemoe_swa_logits_and_checkpoint(tiny_moe):
+    """`GraniteMoeSWAForCausalLM`: the same layers with Granite MoE's experts (fused gate and up, softmax over the top
+    k logits) and shared MLP: transformers' logits (not them with the top k's weights unrenormalized), the
+    checkpoint written back exactly (under transformers' names for the experts and router), the engine's greedy
+    tokens."""
+    path, model, cfg, params = tiny_moe
+    assert (cfg.family, cfg.num_experts, cfg.shared_expert_intermediate_size) == ("granitemoe_swa", 4, 48)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_logits_match(model, cfg, params, dict(norm_topk_prob=False))
+    assert_written_back(path, cfg, params)
+    assert_engine_greedy(model, cfg, params, "scan")

@@ -2,7 +2,9 @@
 bias and shared expert (read as dots.llm1's), Llama 4's MLP and router (`feed_forward`, `feed_forward.router`: read
 as `mlp`, `mlp.gate`, and written back as its own), Hunyuan's q/k norms, router and shared MLP (`query_layernorm`,
 `key_layernorm`, `mlp.gate.wg`, `mlp.shared_mlp`: written back as its own), AFMoE's router, routing bias and MLP norms
-(read as DeepSeek-V3's and Gemma's, written back as its own), MiMo-V2-Flash's sinks (`attention_sink_bias`)."""
+(read as DeepSeek-V3's and Gemma's, written back as its own), MiMo-V2-Flash's sinks (`attention_sink_bias`), Granite
+MoE SWA's experts and router (transformers' `experts.gate_up_proj`, `experts.down_proj`, `router.weight`: read as
+Granite MoE's `input_linear`, `output_linear`, `router.layer`, written back as its own)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,16 @@ _AFMOE_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_
 _AFMOE_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _AFMOE_NAMES) + ")")
 
 
+# Granite MoE SWA's experts and router as transformers holds them, read as Granite MoE's checkpoints name them.
+_GRANITE_SWA_NAMES = {".block_sparse_moe.experts.gate_up_proj": ".block_sparse_moe.input_linear.weight",
+                      ".block_sparse_moe.experts.down_proj": ".block_sparse_moe.output_linear.weight",
+                      ".block_sparse_moe.router.weight": ".block_sparse_moe.router.layer.weight"}
+
+
 def family_name(name: str, cfg: Any) -> str:
     """A tensor's name as the key map reads it."""
+    if cfg is not None and cfg.family == "granitemoe_swa":
+        return next((name[:-len(k)] + v for k, v in _GRANITE_SWA_NAMES.items() if name.endswith(k)), name)
     if cfg is not None and cfg.family == "dots1":
         return _HY3_RE.sub(lambda m: _HY3_NAMES[m.group(1)], name)
     if cfg is not None and cfg.family == "llama4":
@@ -41,6 +51,8 @@ def family_hf_name(name: str, cfg: Any) -> str:
     """The inverse of `family_name` for a family written back under its own names (Llama 4's, Hunyuan's, AFMoE's)."""
     if cfg.family == "llama4":
         return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
+    if cfg.family == "granitemoe_swa":
+        return next((name[:-len(v)] + k for k, v in _GRANITE_SWA_NAMES.items() if name.endswith(v)), name)
     names = _HUNYUAN_NAMES if cfg.family in HUNYUAN_FAMILIES else _AFMOE_NAMES if cfg.family == "afmoe" else {
         "self_attn.attention_sink_bias": "self_attn.sinks"} if cfg.family == "mimo_v2_flash" else {}
     for theirs, ours in sorted(names.items(), key=lambda kv: -len(kv[1])):  # (the longest of ours first)

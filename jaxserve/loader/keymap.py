@@ -360,8 +360,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values)
         yield from written[cfg.family](pairs, cfg)
         return
-    yield from granite_fused(pairs, cfg) if cfg.family in GRANITE_MOE_FAMILIES else (
-        (family_hf_name(name, cfg), t) for name, t in hybrid_written(pairs, cfg))
+    yield from ((family_hf_name(name, cfg), t) for name, t in (granite_fused(pairs, cfg) if cfg.family in
+                                                               GRANITE_MOE_FAMILIES else hybrid_written(pairs, cfg)))
 
 
 def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> np.ndarray:
