@@ -20,7 +20,8 @@ from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (al
 # A config's model_type: each family's own name, and two others.
 _HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral",
                                       "llama4_text": "llama4"}
-GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # experts fused
+GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid",
+                                          "granitemoe_swa")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
@@ -328,7 +329,8 @@ class ModelConfig:
 
     def sinks_in(self, layer: int) -> bool:
         """Whether `layer`'s checkpoint holds sinks (elsewhere its `LayerParams.sinks` row is -inf: none)."""
-        return self.attention_sinks and (self.family in ("gpt_oss", *GRANITE_SWA_FAMILIES) or self.layer_types is not None
+        every = self.family in ("gpt_oss", *GRANITE_SWA_FAMILIES)
+        return self.attention_sinks and (every or self.layer_types is not None
                                          and self.layer_types[layer] == "sliding_attention")
 
     @property

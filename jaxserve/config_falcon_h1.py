@@ -47,7 +47,8 @@ class FalconScales:
     def to_hf(self) -> dict[str, Any]:
         return {"key_multiplier": self.key, "attention_in_multiplier": self.attention_in,
                 "attention_out_multiplier": self.attention_out, "ssm_in_multiplier": self.ssm_in,
-                "ssm_out_multiplier": self.ssm_out, "ssm_multipliers": list(self.ssm), "mlp_multipliers": list(self.mlp),
+                "ssm_out_multiplier": self.ssm_out, "ssm_multipliers": list(self.ssm),
+                "mlp_multipliers": list(self.mlp),
                 "embedding_multiplier": self.embedding, "lm_head_multiplier": self.lm_head}
 
 

@@ -1,5 +1,6 @@
-"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H), its short convolutions (LFM2) or its
-Gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo Hybrid): their shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
+"""The Mamba-2 layers of a hybrid model (Granite 4.0-H, Bamba, Nemotron-H; Falcon-H1's beside attention), its Mamba
+layers of the first form (Jamba), its short convolutions (LFM2) or its Gated DeltaNet layers (Qwen3-Next, Qwen3.5,
+OLMo Hybrid): their shapes, read from its HF config (`ModelConfig.mamba`), and which layers lack a mixer or an MLP."""
 
 from __future__ import annotations
 

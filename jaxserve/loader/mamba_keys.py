@@ -41,7 +41,8 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
         t.update({"mamba.dt_bias": ("mamba_layers.m_dt_bias", ident, (m.num_heads,)),
                   "mamba.A_log": ("mamba_layers.m_a_log", ident, (m.num_heads,)),
                   "mamba.D": ("mamba_layers.m_d", ident, (m.num_heads,)),
-                  **({"mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,))} if m.gate_norm != "none" else {})})
+                  **({"mamba.norm.weight": ("mamba_layers.m_norm", ident, (m.inner,))}
+                     if m.gate_norm != "none" else {})})
     if m.conv_bias:
         t["mamba.conv1d.bias"] = ("mamba_layers.m_conv_b", ident, (m.conv_dim,))
     if m.proj_bias:

@@ -64,7 +64,8 @@ def _update(state: jax.Array, a: jax.Array, u: jax.Array, b: jax.Array, c: jax.A
 
 
 def token_mamba1_scan(log_decay: jax.Array, dx: jax.Array, B: jax.Array, C: jax.Array, seq: jax.Array,
-                      slot: jax.Array, fresh: jax.Array, last: jax.Array, pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+                      slot: jax.Array, fresh: jax.Array, last: jax.Array,
+                      pool: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The selective scan over a ragged batch one token a step (arguments and outputs as `chunked_mamba1_scan`'s)."""
     return ragged_scan(_update, (log_decay, dx, B, C), seq, slot, fresh, last, pool)
 
