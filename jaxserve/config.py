@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 from jaxserve import config_fields as fields
 from jaxserve.config_falcon_h1 import FalconScales
 from jaxserve.config_families import Family
+from jaxserve.config_gemma4 import Gemma4Layers, check_gemma4, full_attention_config
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES
 from jaxserve.config_mamba import MambaConfig
 from jaxserve.config_mla import MLA_FAMILIES, check_mla, mla_softmax_scale
@@ -18,7 +19,7 @@ from jaxserve.models.quantized import check_method
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
 # A config's model_type: each family's own name, and two others.
-_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "phi3": "mistral",
+_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "gemma4_text": "gemma4", "phi3": "mistral",
                                       "llama4_text": "llama4"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid",
                                           "granitemoe_swa")  # experts fused
@@ -35,10 +36,10 @@ COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2", "cohere2_moe")
 """LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
 INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4")
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
-GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
-"""Embeddings scaled by sqrt(hidden_size), RMSNorm weights applied as (1 + w), a norm after attention and
-after the MLP as well as before each."""
-UNIT_NORM_FAMILIES: tuple[str, ...] = (*GEMMA_FAMILIES, *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
+GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3", "gemma4")
+"""Embeddings scaled by sqrt(hidden_size), a norm after attention and after the MLP as well as before each; Gemma 2's
+and 3's RMSNorm weights applied as (1 + w)."""
+UNIT_NORM_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3", *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "olmo_hybrid")
 POST_NORM_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "exaone4")  # (OLMo Hybrid's by layer kind)
@@ -140,6 +141,7 @@ class ModelConfig:
     index_shared_layers: tuple[int, ...] = ()  # GLM-5.2's: layers that reuse the last indexer layer's choice
     mamba: MambaConfig | None = None  # a hybrid model's Mamba-2 layers (Granite 4.0-H; `config_mamba`); None: none
     falcon: FalconScales | None = None  # Falcon-H1's multipliers (folded into its weights at load)
+    gemma4: Gemma4Layers | None = None  # Gemma 4's full-attention layers' own head width, KV heads, rotary, k = v
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -209,6 +211,8 @@ class ModelConfig:
             self.mamba.check(self.num_layers)
         if self.weight_quant:
             check_method(self.weight_quant, self.num_experts)
+        if self.gemma4 is not None:
+            check_gemma4(self)
 
     @property
     def q_per_kv(self) -> int:
@@ -237,17 +241,26 @@ class ModelConfig:
 
     def dense_layer(self, layer: int) -> bool:
         """Whether `layer`'s MLP is dense in a MoE model (its weights in `Params.dense_layers`): the first
-        `first_dense_layers`, or all but every `moe_layer_step`-th."""
+        `first_dense_layers`, or all but every `moe_layer_step`-th; of Gemma 4 (its MLPs all alike), whether `layer`
+        is a full-attention layer, whose wider heads are stacked apart."""
+        if self.gemma4 is not None:
+            return self.layer_types is not None and self.layer_types[layer] == "full_attention"
         return layer < self.first_dense_layers or (self.moe_layer_step > 1 and (layer + 1) % self.moe_layer_step != 0)
 
     @property
     def num_dense_layers(self) -> int:
         """How many layers `Params.dense_layers` stacks."""
-        return sum(self.dense_layer(i) for i in range(self.num_layers)) if self.num_experts else 0
+        return sum(self.dense_layer(i) for i in range(self.num_layers)) if self.num_experts or self.gemma4 else 0
 
     def stack_index(self, layer, dense: bool):
         """`layer`'s row in its stack (`Params.dense_layers` when `dense`, else `Params.layers`); `layer` an int or
         traced, `dense` what `dense_layer` says of it."""
+        if self.gemma4 is not None:  # (its layers of `layer`'s kind before it: a table lookup, `layer` maybe traced)
+            import jax.numpy as jnp
+
+            full = [self.dense_layer(i) for i in range(self.num_layers)]
+            rows = [sum(full[:i]) if full[i] else i - sum(full[:i]) for i in range(self.num_layers)]
+            return rows[layer] if isinstance(layer, int) else jnp.asarray(rows, jnp.int32)[layer]
         if self.moe_layer_step > 1:  # (experts at layers step - 1, 2 step - 1, ...: layer // step before `layer`)
             return layer - layer // self.moe_layer_step if dense else layer // self.moe_layer_step
         return layer if dense else layer - self.first_dense_layers
@@ -342,6 +355,11 @@ class ModelConfig:
     def output_bias(self) -> bool:
         """Whether the attention's output projection has a bias (Qwen2's and GLM's biases are q, k and v's only)."""
         return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", "glm4_moe", *GLM_FAMILIES)
+
+    def kind_config(self, local: bool) -> ModelConfig:
+        """The config a layer of this kind attends by: Gemma 4's full-attention layers' own head width, KV heads and
+        rotary embedding (`config_gemma4.full_attention_config`); else this one."""
+        return self if self.gemma4 is None or local or self.gemma4.full_layers else full_attention_config(self)
 
     def layer_kind(self, layer: int) -> tuple[bool, bool]:
         """How `layer` attends: (a sliding-window layer, its queries and keys rotated by position)."""

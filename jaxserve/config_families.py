@@ -10,7 +10,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
-                 "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa"]
+                 "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -22,6 +22,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",  # full-attention layers with wider heads, k = v; experts beside the MLP (`config_gemma4`)
     "GraniteForCausalLM": "granite",
     "GraniteSWAForCausalLM": "granite_swa",  # Granite's layers, most windowed, sinks, a rotary base per layer kind
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",  # ... with Granite MoE's experts and shared MLP

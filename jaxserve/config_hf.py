@@ -19,6 +19,7 @@ from jaxserve.config_cohere2_moe import cohere2_moe_hf
 from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
+from jaxserve.config_gemma4 import gemma4_hf
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
@@ -34,6 +35,8 @@ from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next_hf
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF `config.json` dict describing `cfg` (for `jaxserve convert`)."""
+    if cfg.family == "gemma4":
+        return gemma4_hf(cfg)
     arch = next(k for k, v in HF_ARCHITECTURES.items() if v == cfg.family)
     d: dict[str, Any] = {
         "architectures": [arch],

@@ -22,6 +22,8 @@ from jaxserve.config_cohere2_moe import cohere2_moe_fields
 from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import HF_ARCHITECTURES, Family
+from jaxserve.config_gemma4 import FAMILY as GEMMA4
+from jaxserve.config_gemma4 import gemma4_fields, gemma4_text
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa, granite_swa_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_jamba import jamba_moe_fields
@@ -39,7 +41,7 @@ from jaxserve.rope import RopeScaling
 
 def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     """See `ModelConfig.from_hf`."""
-    d = granite_swa(llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(language_model(d))))))))))
+    d = granite_swa(llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(gemma4_text(language_model(d)))))))))))
     d = mimo_hub_config(hunyuan_config(d))
     archs = d.get("architectures") or []
     family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
@@ -69,7 +71,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     head_dim = mla.pop("head_dim", head_dim)
     if family in ("qwen2", "qwen3"):
         sliding = fields.qwen_window(d)
-    gemma = fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
+    gemma = gemma4_fields(d) if family == GEMMA4 else fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
         if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
         if family == MIMO else granite_swa_fields(d) if family in GRANITE_SWA_FAMILIES else {})  # (layers that differ)
@@ -86,6 +88,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         rope_params = rope_params["full_attention"]
     if isinstance(rope_params, dict) and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
         rope_params = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_params}
+    if family == GEMMA4:  # (the full-attention layers' rotary: `ModelConfig.gemma4`)
+        rope_params = {"rope_theta": gemma.pop("rope_theta")}
     rope_dict = rope_params if isinstance(rope_params, dict) else {}
     partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor")
                     or (0.5 if family in (*GLM_FAMILIES, "glm4_moe") else 1.0))
@@ -117,7 +121,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h", "jais2")
                   and bool(d.get("mlp_bias", family == "jais2")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),

@@ -52,6 +52,8 @@ def save_tiny_hf(config_cls: str, path, dtype: str = "float32", max_shard_size: 
         for name, b in model.named_buffers():  # a router's bias for choosing experts (DeepSeek-V3's, GLM-4.5's, LFM2-MoE's)
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(0.2 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # (Gemma 4's output scale of each layer, saved)
+                b.copy_(0.5 + torch.rand_like(b))
     model = model.to(getattr(torch, dtype))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)

@@ -4,7 +4,8 @@ as `mlp`, `mlp.gate`, and written back as its own), Hunyuan's q/k norms, router 
 `key_layernorm`, `mlp.gate.wg`, `mlp.shared_mlp`: written back as its own), AFMoE's router, routing bias and MLP norms
 (read as DeepSeek-V3's and Gemma's, written back as its own), MiMo-V2-Flash's sinks (`attention_sink_bias`), Granite
 MoE SWA's experts and router (transformers' `experts.gate_up_proj`, `experts.down_proj`, `router.weight`: read as
-Granite MoE's `input_linear`, `output_linear`, `router.layer`, written back as its own)."""
+Granite MoE's `input_linear`, `output_linear`, `router.layer`, written back as its own), Gemma 4's packed experts
+(`experts.gate_up_proj`: read as `mlp.experts.gate_up_proj`, packed as Qwen3-VL-MoE's, written back as its own)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ _GRANITE_SWA_NAMES = {".block_sparse_moe.experts.gate_up_proj": ".block_sparse_m
                       ".block_sparse_moe.router.weight": ".block_sparse_moe.router.layer.weight"}
 
 
+_GEMMA4_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.)experts\.")
+
+
 def family_name(name: str, cfg: Any) -> str:
     """A tensor's name as the key map reads it."""
     if cfg is not None and cfg.family == "granitemoe_swa":
@@ -42,6 +46,8 @@ def family_name(name: str, cfg: Any) -> str:
         return _HUNYUAN_RE.sub(lambda m: _HUNYUAN_NAMES[m.group(1)], name)
     if cfg is not None and cfg.family == "afmoe":
         return _AFMOE_RE.sub(lambda m: _AFMOE_NAMES[m.group(1)], name)
+    if cfg is not None and cfg.family == "gemma4":  # (its packed experts beside its MLP: read as Qwen3-VL-MoE's)
+        return _GEMMA4_EXPERTS_RE.sub(r"\1mlp.experts.", name)
     if cfg is not None and cfg.family == "mimo_v2_flash":  # (its sinks under its own name)
         return name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
     return name
@@ -51,6 +57,8 @@ def family_hf_name(name: str, cfg: Any) -> str:
     """The inverse of `family_name` for a family written back under its own names (Llama 4's, Hunyuan's, AFMoE's)."""
     if cfg.family == "llama4":
         return name.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.")
+    if cfg.family == "gemma4":
+        return name.replace(".mlp.experts.", ".experts.")
     if cfg.family == "granitemoe_swa":
         return next((name[:-len(v)] + k for k, v in _GRANITE_SWA_NAMES.items() if name.endswith(v)), name)
     names = _HUNYUAN_NAMES if cfg.family in HUNYUAN_FAMILIES else _AFMOE_NAMES if cfg.family == "afmoe" else {

@@ -50,8 +50,8 @@ def gpt_oss_packed(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) ->
     """A gpt-oss or Qwen3-VL-MoE checkpoint's (HF name, tensor) pairs with each layer's per-expert tensors packed
     back (the inverse of `gpt_oss_experts`)."""
     parts = ("weight", "bias") if cfg.family == "gpt_oss" else ("weight",)
-    major = (lambda t: np.swapaxes(t, 1, 2)) if cfg.family == "mistral4" else (lambda t: t)  # (Mistral 4's: as
-    # transformers' modules hold them, output-major)
+    major = (lambda t: np.swapaxes(t, 1, 2)) if cfg.family in ("mistral4", "gemma4") else (lambda t: t)  # (as
+    # transformers' modules hold them, output-major: Mistral 4's, Gemma 4's)
     held: dict[tuple[str, int, str, str], np.ndarray] = {}
     for name, t in pairs:
         m = _ONE_EXPERT_RE.match(name)

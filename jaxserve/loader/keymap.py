@@ -25,6 +25,7 @@ from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
+from jaxserve.loader.gemma4_keys import gemma4_targets
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -57,12 +58,13 @@ _EXPERT_RE = re.compile(r"^(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+\.(?:weig
 # read apart, by `models.mtp`; MiMo-V2-Flash's not read), the vision tower of an image-text model served as text.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^model\.mtp[._]|^mtp\."
                       r"|^(model\.)?(vision_tower\.|vision_model\.|multi_modal_projector\.|mm_projector\.|connector\.|image_newline$"
-                      r"|visual\.)")
+                      r"|visual\.|embed_vision\.|audio_tower\.|embed_audio\.)")
 
 
 def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     """A layer's tensor names (after `model.layers.{i}.`) to our parameters (the MoE layers' of a MoE model; with
-    `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`)."""
+    `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`; Gemma 4's full-attention ones)."""
+    cfg = cfg.kind_config(not dense)  # (Gemma 4's full-attention layers attend with their own widths)
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     Hq, Hkv, Dq = cfg.num_heads, cfg.num_kv_heads, cfg.q_head_dim
 
@@ -91,7 +93,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
-    if cfg.num_experts and not dense:
+    if cfg.num_experts and not dense and cfg.gemma4 is None:
         X, Fs = cfg.num_experts, cfg.shared_expert_intermediate_size
         moe = _moe_module(cfg)
         router = f"{moe}.router" if cfg.family in ("gpt_oss", "jamba") else f"{moe}.gate"
@@ -162,7 +164,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         t |= {f"self_attn.{k}_scale": (f"layers.{k}_scale", lambda s: s.reshape(()), ()) for k in "kv"}
     if cfg.kv_lora_rank:  # DeepSeek's latent attention in place of q, k, v
         t = {name: spec for name, spec in t.items() if not name.startswith("self_attn.")} | mla_targets(cfg)
-    return t
+    return t if cfg.gemma4 is None else gemma4_targets(cfg, t)
 
 
 def _halfsplit_order(head_dim: int, rotary: int) -> np.ndarray:
@@ -243,7 +245,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
     # (gpt-oss's, Qwen3-VL-MoE's and Qwen3.5-MoE's experts: packed)
-    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4") and GPT_OSS_EXPERTS_RE.match(name):
+    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4", "gemma4") and GPT_OSS_EXPERTS_RE.match(name):
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)
@@ -294,7 +296,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         if spec is not None:
             path, transform, shape, *cols = spec
             return Target(("dense_" if dense else "") + path, cfg.stack_index(layer, dense), transform, shape, cols=(cols or [None])[0])
-        e = _EXPERT_RE.match(rest) if cfg.num_experts and not dense else None
+        e = _EXPERT_RE.match(rest) if cfg.num_experts and (not dense or cfg.gemma4 is not None) else None
         if e and e.group(1) == _moe_module(cfg):
             expert, kind = int(e.group(2)), e.group(3)
             if expert >= cfg.num_experts:
@@ -302,7 +304,7 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
                                       f"{cfg.num_experts} experts")
             if kind in _expert_targets(cfg):
                 path, shape = _expert_targets(cfg)[kind]
-                spec = (path, lambda w: w.T, shape, cfg.stack_index(layer, False))
+                spec = ("dense_" * dense + path, lambda w: w.T, shape, cfg.stack_index(layer, dense))
                 spec = spec if cfg.mamba is None else hybrid_spec(cfg, layer, rest, spec[:3])  # (a hybrid's MLPs apart)
                 if spec is not None:
                     return Target(spec[0], spec[3], spec[1], spec[2], expert)
@@ -328,7 +330,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         if cfg.hidden_act == "xielu":
             names.extend(f"model.layers.{i}.{rest}" for rest in _XIELU)
         moe = _moe_module(cfg)
-        for j in range(0 if dense or cfg.mamba is not None and i in cfg.mamba.no_mlp else cfg.num_experts):
+        for j in range(0 if dense and cfg.gemma4 is None or cfg.mamba is not None and i in cfg.mamba.no_mlp else cfg.num_experts):
             names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
     return names
 
@@ -350,7 +352,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.family == "gpt_oss" or (cfg.family == "qwen3_moe" and cfg.mrope_section is not None):  # Qwen3-VL-MoE
         yield from gpt_oss_packed(pairs, cfg)
         return
-    if cfg.family == "llama4":  # (packed, under its own module names)
+    if cfg.family in ("llama4", "gemma4"):  # (packed, under its own module names)
         yield from ((family_hf_name(n, cfg), t) for n, t in gpt_oss_packed(pairs, cfg))
         return
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)

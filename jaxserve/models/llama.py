@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
 from jaxserve.models.inputs import KVCache, ModelInputs
+from jaxserve.models.gemma4 import experts_beside, fill_rows, full_pool_view, value_norm
 from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
@@ -95,7 +96,7 @@ def _layer(
 
     if lp.w_up is None and lp.w_gate_up is None and lp.router is None:
         return (x, k_all, v_all, *shared), None
-    if lp.router is not None:
+    if lp.router is not None and lp.w_up is None:
         with jax.named_scope("moe"):
             h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm, lp.mlp_norm_b)
             out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots), backend)
@@ -122,9 +123,13 @@ def _layer(
             down = down + lora_deltas(act, lora.a_down, [lora.b_down], inputs.lora_slots)[0]
         if lp.b_down is not None:
             down = down + lp.b_down
+        if lp.router is not None:  # (Gemma 4's experts beside its MLP)
+            down = experts_beside(cfg, lp, x, down, layout, backend)
         if lp.post_mlp_norm is not None:
             down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + _residual(cfg, down)
+    if lp.layer_scalar is not None:  # (Gemma 4's)
+        x = x * lp.layer_scalar.astype(x.dtype)
     return (x, k_all, v_all, *shared), None
 
 
@@ -145,7 +150,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         heads = functools.partial(jnp.einsum, "te,ehd->thd")
         q = project(h, lp.wq, heads)  # [T, Hq, D]
         k = project(h, lp.wk, heads)  # [T, Hkv, D]
-        v = project(h, lp.wv, heads)  # [T, Hkv, D]
+        v = k if lp.wv is None else project(h, lp.wv, heads)  # [T, Hkv, D] (Gemma 4's keys as values)
     if lora is not None:
         dq, dk, dv = lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_k, lora.b_v], inputs.lora_slots)
         q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
@@ -159,6 +164,11 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         k = _qk_norm(cfg, k, lp.k_norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    pool = k_all.shape
+    if cfg.gemma4 is not None:  # values normed; a full-attention layer's pages viewed as its heads, each row filled
+        v = value_norm(v, cfg)
+        k_all, v_all = full_pool_view(k_all, cfg.head_dim), full_pool_view(v_all, cfg.head_dim)
+        k, v = fill_rows(k, v, k_all.shape[-2])
     if cfg.rope_qk_norm and lp.q_norm is not None:  # (Hunyuan's: after the rotation)
         q, k = _qk_norm(cfg, q, lp.q_norm), _qk_norm(cfg, k, lp.k_norm)
     elif cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, its rotated layers only)
@@ -190,7 +200,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         attn = attn * jax.nn.sigmoid(gate).astype(attn.dtype)
     if cfg.attention_value_scale != 1.0:  # (MiMo-V2-Flash's values scaled: the output alike)
         attn = attn * jnp.asarray(cfg.attention_value_scale, attn.dtype)
-    return attn.reshape(attn.shape[0], -1), k_all, v_all
+    return attn.reshape(attn.shape[0], -1), k_all.reshape(pool), v_all.reshape(pool)
 
 
 def _mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xielu: jax.Array | None) -> jax.Array:
@@ -284,7 +294,8 @@ def forward(
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x, deep = (embeds, None) if embeds is not None else _embed(params, inputs, cfg)
-    by_window = {False: rope_tables(cfg, inputs.positions, long_prompt=inputs.long_prompt, offsets=inputs.rope_offsets)}
+    by_window = {False: rope_tables(cfg.kind_config(False), inputs.positions, long_prompt=inputs.long_prompt,
+                                    offsets=inputs.rope_offsets)}  # (Gemma 4's full layers': their own)
     by_window[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else by_window[False]
     # Each kind of layer's (cos, sin): a NoPE layer's leave its queries and keys as they are.
     tables = {(local, rope): by_window[local] if rope else (jnp.ones_like(by_window[local][0]),
@@ -326,7 +337,7 @@ def forward(
         return deepstack(out, layer) + carry[n:]
 
     def step(carry, xs):  # every layer alike
-        return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
+        return run(lambda c: _layer(cfg.kind_config(cfg.is_local(0)), backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
                                     *cfg.layer_kind(0)), carry, xs[1]), None
 
     carry = (x, k_all, v_all, *shared) + kept.start(x)
@@ -335,7 +346,7 @@ def forward(
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
             carry = run(lambda c, lp=lp, layer=layer: _layer_once(
-                cfg, backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
+                cfg.kind_config(cfg.is_local(layer)), backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
                 *cfg.layer_kind(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
     elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
         carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
@@ -359,8 +370,9 @@ def forward(
             i = cfg.stack_index(layer, dense)
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
             xs = (lp, jnp.asarray(layer, jnp.int32))
-            return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype,
-                                        *cfg.layer_kind(like)), carry, xs[1])
+            return run(lambda c: _layer(cfg.kind_config(cfg.is_local(like)), backend, inputs,
+                                        *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype, *cfg.layer_kind(like)),
+                       carry, xs[1])
 
         def group(g, carry):  # layers first + g * period on, `period` of them, each with its place's window and rotation
             for j in range(period):

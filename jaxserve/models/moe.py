@@ -93,8 +93,8 @@ def expert_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array) -
     ungated expert's squared ReLU of up (Nemotron 3's: no gate)."""
     if gate is None:
         return jnp.square(jax.nn.relu(up))
-    if cfg.swiglu_limit is None:
-        return jax.nn.silu(gate) * up
+    if cfg.swiglu_limit is None:  # (Gemma 4's: GELU, tanh-approximated)
+        return (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
     limit = cfg.swiglu_limit
     gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
     return (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
@@ -145,14 +145,16 @@ def local_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, we_gate:
 
 
 def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: tuple | None = None,
-            backend: str = "xla") -> jax.Array:
+            backend: str = "xla", router_in: jax.Array | None = None) -> jax.Array:
     """The MoE MLP of one layer on normalized activations h ([T, E]); `lp` holds that layer's
     router, experts and optional shared expert. `layout` (a `sharding.MeshLayout`) says
     which mesh axes split the experts and their width; None = every expert on this device. `lora`: (the layer's
     `LoraLayer`, each token's adapter slot), in a LoRA engine's step: its experts', router's and shared expert's.
     `backend`: the attention backend's name; with a Pallas one, the experts' matmuls run on the Pallas grouped matmul
     (`pallas_kernels/grouped_matmul.py`: XLA:GPU's ragged dot on Hopper does as many times the work as there are
-    experts), else `jax.lax.ragged_dot`, unless `cfg.moe_runner` names one ("pallas" on the CPU: its interpreter)."""
+    experts), else `jax.lax.ragged_dot`, unless `cfg.moe_runner` names one ("pallas" on the CPU: its interpreter).
+    `router_in` [T, E]: what the router reads in h's place (Gemma 4's), whose chosen weights `lp.expert_scale` then
+    scales per expert."""
     runner = cfg.moe_runner if cfg.moe_runner != "auto" else "xla" if backend == "xla" else "pallas"
     # (its interpreter under the interpreted backends, and on the CPU's xla backend: a deviceless GPU compile runs
     # with the CPU as JAX's default backend and a Pallas backend named)
@@ -162,7 +164,10 @@ def moe_mlp(h: jax.Array, lp: Any, cfg: ModelConfig, layout: Any = None, lora: t
     # The adapters' deltas of the projections of h (`models.lora.moe_targets`), by their B field
     bs = {} if a is None else {f: getattr(a, f) for f in MOE_IN.values() if getattr(a, f) is not None}
     d = dict(zip(bs, lora_deltas(h, a.a_moe, list(bs.values()), slots), strict=True)) if bs else {}
-    weights, experts = route(h, lp.router, cfg, lp.router_bias, lp.b_router, d.get("b_route"))
+    weights, experts = route(h if router_in is None else router_in, lp.router, cfg, lp.router_bias, lp.b_router,
+                             d.get("b_route"))
+    if lp.expert_scale is not None:
+        weights = weights * lp.expert_scale[experts].astype(weights.dtype)
     biases = None if lp.be_gate is None else (lp.be_gate, lp.be_up, lp.be_down)
     experts_lora = None if a is None or a.ae_gate_up is None else (a.ae_gate_up, a.be_gate, a.be_up, a.ae_down,
                                                                    a.be_down, slots)

@@ -118,6 +118,15 @@ class LayerParams:
     m_dt_norm: Any = None  # [Lm, dt_rank]
     m_b_norm: Any = None  # [Lm, state]
     m_c_norm: Any = None  # [Lm, state]
+    # Gemma 4's (`models.gemma4`): each layer's output scale; its experts beside the MLP, routed on the layer's input
+    # normed without weight times router_scale, their weights times expert_scale; its norms of the MLP's output
+    # (mlp_out_norm), of the experts' input and output (moe_norm, moe_out_norm), before post_mlp_norm norms their sum
+    layer_scalar: Any = None  # [L]
+    router_scale: Any = None  # [L, E]
+    expert_scale: Any = None  # [L, X]
+    mlp_out_norm: Any = None  # [L, E]
+    moe_norm: Any = None  # [L, E]
+    moe_out_norm: Any = None  # [L, E]
 
 
 @jax.tree_util.register_dataclass
@@ -139,7 +148,8 @@ class Params:
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
     dense_layers: LayerParams | None = None  # a MoE model's dense layers (GLM-4.5's first ones, Llama 4 Maverick's
-    # every second: `ModelConfig.dense_layer`), stacked apart (None once unstacked: one tuple); `layers` the rest
+    # every second: `ModelConfig.dense_layer`), or Gemma 4's full-attention layers (wider heads), stacked apart (None
+    # once unstacked: one tuple); `layers` the rest
     # A hybrid model (`ModelConfig.mamba`): `layers` holds every layer's norms and MLP, and the mixers apart, the
     # attention layers' projections (their other fields None) and the Mamba layers' (`LayerParams.m_*`).
     attn_layers: LayerParams | None = None
@@ -160,7 +170,8 @@ def declare_params(cfg: ModelConfig) -> Params:
         layers=_declare_layers(cfg, cfg.num_layers - k, bool(cfg.num_experts)),
         final_norm=ParamInfo((E,), ("embed",), norm),
         lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
-        dense_layers=_declare_layers(cfg, k, False) if k else None,
+        dense_layers=(_declare_layers(cfg.kind_config(False), k, bool(cfg.num_experts)) if cfg.gemma4 is not None
+                      else _declare_layers(cfg, k, False)) if k else None,  # (Gemma 4's: its full-attention layers)
         final_norm_b=ParamInfo((E,), ("embed",), "zeros") if cfg.norm_bias else None,
     )
 
@@ -240,6 +251,10 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     if cfg.kv_cache_scales:
         layers.k_scale = p((L,), ("layers",), "ones")
         layers.v_scale = p((L,), ("layers",), "ones")
+    if cfg.gemma4 is not None:
+        from jaxserve.models.gemma4 import declare_gemma4
+
+        declare_gemma4(cfg, layers, L, moe, p)
     if cfg.weight_quant:  # weights kept quantized: each projection as its stored value and scale
         layers = LayerParams(**{f.name: quantized_info(f.name, getattr(layers, f.name), cfg.weight_quant)
                                 for f in dataclasses.fields(layers)})
@@ -262,7 +277,8 @@ def unstack_layers(params: Params, fuse: bool = False, cfg: ModelConfig | None =
     model's tree) passes through."""
     if not isinstance(params, Params) or isinstance(params.layers, tuple) or params.mamba_layers is not None:
         return params  # (a hybrid model's layers stay stacked: `hybrid.hybrid_layers` reads each from its stacks)
-    fuse = fuse and params.layers.w_gate is not None and params.layers.wk is not None
+    fuse = fuse and params.layers.w_gate is not None and params.layers.wk is not None and (
+        params.dense_layers is None or params.dense_layers.wv is not None)  # (not Gemma 4's keys as values)
 
     def layer_sharding(a: Any) -> Any:
         s = getattr(a, "sharding", None)
@@ -298,10 +314,10 @@ def unstack_layers(params: Params, fuse: bool = False, cfg: ModelConfig | None =
         return jax.jit(split, out_shardings=out_shardings)(layers)
 
     # Dense first layers (`dense_layers`) lead the one tuple of every layer; `cfg`'s dense layers between its MoE ones
-    # (Llama 4 Maverick's) take their places.
+    # (Llama 4 Maverick's), or Gemma 4's full-attention layers, take their places.
     dense = unstacked(params.dense_layers) if params.dense_layers is not None else ()
     moe = unstacked(params.layers)
-    if cfg is not None and cfg.moe_layer_step > 1 and dense:
+    if cfg is not None and (cfg.moe_layer_step > 1 or cfg.gemma4 is not None) and dense:
         layers = tuple((dense if d else moe)[cfg.stack_index(i, d)]
                        for i, d in enumerate(cfg.dense_layer(j) for j in range(cfg.num_layers)))
     else:

@@ -1,0 +1,65 @@
+"""Gemma 4's layers (`config_gemma4`): the full-attention layers' keys and values in the page pool's rows viewed as
+heads of their own width, the experts beside the dense MLP, each layer's learned output scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.moe import moe_mlp
+from jaxserve.models.ops import model_norm, rms_norm
+
+
+def declare_gemma4(cfg: ModelConfig, layers: Any, L: int, moe: bool, p) -> None:
+    """Gemma 4's parameters of `L` stacked layers of `cfg` (the windowed layers', or with `cfg.gemma4.full_layers`
+    the full-attention layers'), added to `layers` (`params._declare_layers`'s, whose `p` makes a `ParamInfo`): the
+    full-attention layers' keys are its values (no `wv`) where `k_eq_v`, their KV heads unsplit (a few, often fewer
+    than the devices of a tensor-parallel mesh: each device projects them all, `attention` writes its share);
+    experts (`moe`) come with the dense MLP beside them."""
+    E, F = cfg.hidden_size, cfg.intermediate_size
+    layers.layer_scalar = p((L,), ("layers",), "ones")
+    if cfg.gemma4.full_layers:
+        Hkv, D = cfg.num_kv_heads, cfg.head_dim
+        layers.wk = p((L, E, Hkv, D), ("layers", "embed", None, "head_dim"))
+        layers.wv = None if cfg.gemma4.k_eq_v else p((L, E, Hkv, D), ("layers", "embed", None, "head_dim"))
+    if moe:
+        layers.w_gate = p((L, E, F), ("layers", "embed", "mlp"))
+        layers.w_up = p((L, E, F), ("layers", "embed", "mlp"))
+        layers.w_down = p((L, F, E), ("layers", "mlp", "embed"))
+        layers.router_scale = p((L, E), ("layers", "embed"), "ones")
+        layers.expert_scale = p((L, cfg.num_experts), ("layers", None), "ones")
+        layers.mlp_out_norm, layers.moe_norm, layers.moe_out_norm = (p((L, E), ("layers", "embed"), "ones")
+                                                                     for _ in range(3))
+
+
+def full_pool_view(pool: jax.Array, head_dim: int) -> jax.Array:
+    """A page pool [N, page_size, H, D] as heads of `head_dim` ([N, page_size, H * D / head_dim, head_dim]: the same
+    rows, a free reshape)."""
+    *lead, h, d = pool.shape
+    return pool if d == head_dim else pool.reshape(*lead, h * d // head_dim, head_dim)
+
+
+def fill_rows(k: jax.Array, v: jax.Array, pool_heads: int) -> tuple[jax.Array, jax.Array]:
+    """A full-attention layer's keys and values [T, Hkv, D], each head repeated to fill a pool row of `pool_heads`
+    heads (head h as heads h * r to h * r + r - 1: the query heads that read head h read one of its copies)."""
+    r = pool_heads // k.shape[1]
+    return (k, v) if r == 1 else (jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1))
+
+
+def value_norm(v: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Gemma 4's values normed without a weight."""
+    return rms_norm(v, jnp.ones((), v.dtype), cfg.rms_norm_eps)
+
+
+def experts_beside(cfg: ModelConfig, lp: Any, x: jax.Array, dense: jax.Array, layout: Any,
+                   backend: str) -> jax.Array:
+    """The MLP's output `dense` [T, E] (of the normed layer input) and the experts', each normed, summed: the experts
+    read x [T, E] normed by `moe_norm`, and are routed on x normed without weight, times `router_scale` and
+    hidden_size^-1/2 (their top-k softmax weights renormalized, then times each chosen expert's `expert_scale`)."""
+    route_in = rms_norm(x, jnp.ones((), x.dtype), cfg.rms_norm_eps) * (lp.router_scale * cfg.hidden_size ** -0.5
+                                                                          ).astype(x.dtype)
+    out = moe_mlp(model_norm(cfg, x, lp.moe_norm), lp, cfg, layout, None, backend, router_in=route_in)
+    return model_norm(cfg, dense, lp.mlp_out_norm) + model_norm(cfg, out, lp.moe_out_norm)

@@ -1,0 +1,101 @@
+"""Gemma 4 (`Gemma4ForCausalLM`, `config_gemma4`) against HF transformers: windowed layers of 16-wide heads (4 KV
+heads) and full-attention layers of 32-wide heads (1 KV head, its keys as values), each a pool row's 64 dims viewed
+as 2 heads of 32 (the one head written twice), the full layers' proportional rotary (4 of 16 pairs turned), values
+normed without weight, each layer's output scale; the MoE form's experts beside the MLP. Logits of a 40-token
+prompt (and not them without the window, with the full layers rotated as the windowed ones, or the MoE's expert
+scales left out), the engine's greedy tokens past the window, the checkpoint and config written back, the E2B/E4B
+forms refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.errors import UnsupportedModelError  # noqa: E402
+from tests.modelrun import prompt_logits  # noqa: E402
+from tests.test_model_families import (  # noqa: E402
+    assert_engine_greedy,
+    assert_logits_match,
+    assert_written_back,
+    hf_logits,
+    random_prompt,
+    rel_err,
+    tiny_loaded,
+)
+
+TINY = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16, global_head_dim=32,
+            num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+            num_kv_shared_layers=0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory, "Gemma4TextConfig", "gemma4", **TINY)
+
+
+def test_gemma4_config(tiny):
+    _, _, cfg, params = tiny
+    g = cfg.gemma4
+    assert (g.head_dim, g.num_kv_heads, g.rope_pairs, g.k_eq_v) == (32, 1, 4, True)
+    assert cfg.num_dense_layers == 2 and [cfg.stack_index(i, cfg.dense_layer(i)) for i in range(4)] == [0, 0, 1, 1]
+    assert params.layers.wq.shape == (2, 64, 8, 16) and params.dense_layers.wq.shape == (2, 64, 8, 32)
+    assert params.dense_layers.wv is None and params.layers.layer_scalar.shape == (2,)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
+        with pytest.raises(UnsupportedModelError, match=key):
+            ModelConfig.from_hf({**cfg.to_hf(), key: 2})
+    with pytest.raises(UnsupportedModelError, match="page rows"):  # (3 heads of 32 do not fill a row of 64)
+        ModelConfig.from_hf({**cfg.to_hf(), "num_global_key_value_heads": 3})
+
+
+def test_gemma4_logits_match_transformers(tiny):
+    """Transformers' logits on both attention backends; without the window, or with the full-attention layers'
+    pairs all turned, they are not; nor with each layer's output scale left at one."""
+    _, model, cfg, params = tiny
+    g = dataclasses.replace(cfg.gemma4, rope_pairs=16)
+    assert_logits_match(model, cfg, params, dict(sliding_window=10**6), dict(gemma4=g),
+                        backends=("xla", "pallas_interpret"))
+    unscaled = dataclasses.replace(params, layers=dataclasses.replace(
+        params.layers, layer_scalar=np.ones_like(params.layers.layer_scalar)))
+    ids = random_prompt()
+    assert rel_err(prompt_logits(cfg, unscaled, ids), hf_logits(model, ids)) > 1e-3
+
+
+def test_gemma4_checkpoint_written_back_reads_the_same(tiny):
+    path, _, cfg, params = tiny
+    assert_written_back(path, cfg, params)
+
+
+def test_gemma4_engine_greedy_equals_transformers(tiny):
+    """Prompts of 21 and 13 tokens prefilled 16 tokens a step (past the 8-key window), then decoded together."""
+    _, model, cfg, params = tiny
+    assert_engine_greedy(model, cfg, params, "scan")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory, "Gemma4TextConfig", "gemma4_moe", **TINY, enable_moe_block=True,
+                       num_experts=4, top_k_experts=2, moe_intermediate_size=24)
+
+
+def test_gemma4_moe_logits_and_checkpoint(tiny_moe):
+    """Experts beside the MLP: transformers' logits (not them with the per-expert scales left at one), the
+    checkpoint written back exactly (the experts packed, output-major, as transformers saves them), the engine's
+    greedy tokens."""
+    path, model, cfg, params = tiny_moe
+    assert cfg.num_experts == 4 and params.dense_layers.we_gate.shape == (2, 4, 64, 24)
+    assert_logits_match(model, cfg, params)
+    flat = dataclasses.replace(params, layers=dataclasses.replace(
+        params.layers, expert_scale=np.ones_like(params.layers.expert_scale)))
+    ids = random_prompt()
+    assert rel_err(prompt_logits(cfg, flat, ids), hf_logits(model, ids)) > 1e-3
+    assert_written_back(path, cfg, params)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_engine_greedy(model, cfg, params, "scan")
