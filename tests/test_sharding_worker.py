@@ -815,7 +815,19 @@ def case_hybrid() -> dict:
                 architectures=["JambaForCausalLM"], model_type="jamba", vocab_size=64, hidden_size=64,
                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                 attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
-                mamba_dt_rank=8, max_position_embeddings=512), ep=True)}
+                mamba_dt_rank=8, max_position_embeddings=512), ep=True),
+            "gemma4": _tp_tokens(args, GEMMA4_MOE, ep=True)}
+
+
+# Gemma 4 (not hybrid, run here for its helper): its full-attention layers' one KV head of 32, projected whole on each
+# device and written twice into the pool's rows (4 heads of 16: 2 heads of 32 in view), one a device; experts beside
+# the MLP split by width or over the two devices.
+GEMMA4_MOE = dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", vocab_size=64, hidden_size=64,
+                  intermediate_size=96, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                  global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                  layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+                  enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+                  max_position_embeddings=512)
 
 
 def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:

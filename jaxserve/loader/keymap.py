@@ -123,8 +123,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         t["self_attn.q_proj.bias"] = ("layers.bq", bias(Hq, Dq), (Hq * Dq,))
         t["self_attn.k_proj.bias"] = ("layers.bk", bias(Hkv), (Hkv * D,))
         t["self_attn.v_proj.bias"] = ("layers.bv", bias(Hkv), (Hkv * D,))
-        if cfg.output_bias:
-            t["self_attn.o_proj.bias"] = ("layers.bo", ident, (E,))
+        t |= {"self_attn.o_proj.bias": ("layers.bo", ident, (E,))} if cfg.output_bias else {}
     if cfg.qk_norm and cfg.qk_norm_heads:  # one weight per head and dim
         t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w.reshape(Hq, D), (Hq * D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w.reshape(Hkv, D), (Hkv * D,))
@@ -136,8 +135,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
     if not cfg.gated_mlp:  # Arcee's, Apertus' and Nemotron-H's MLP (and shared expert): up, an activation, down
-        t.pop("mlp.gate_proj.weight", None)
-        t.pop("mlp.shared_experts.gate_proj.weight", None)
+        t = {k: v for k, v in t.items() if k not in ("mlp.gate_proj.weight", "mlp.shared_experts.gate_proj.weight")}
     if cfg.family == "apertus":  # its norms' names
         t["attention_layernorm.weight"] = t.pop("input_layernorm.weight")
         t["feedforward_layernorm.weight"] = t.pop("post_attention_layernorm.weight")
@@ -208,6 +206,7 @@ _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 # An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
+_PACKED_EXPERTS = ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4", "gemma4")  # (each kind in one tensor)
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
 
 
@@ -245,7 +244,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
     # (gpt-oss's, Qwen3-VL-MoE's and Qwen3.5-MoE's experts: packed)
-    if cfg.family in ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4", "gemma4") and GPT_OSS_EXPERTS_RE.match(name):
+    if cfg.family in _PACKED_EXPERTS and GPT_OSS_EXPERTS_RE.match(name):
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)

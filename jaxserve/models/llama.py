@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
-from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.gemma4 import experts_beside, fill_rows, full_pool_view, value_norm
+from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
