@@ -191,13 +191,14 @@ def _attention_kernel(
     store_rows(out_refs, acc, m, denom, num_splits, None if sink_ref is None else sink_ref[...], pieces)
 
 
-def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads, group, kv_capacity):
+def _resolve_tuning(tuning: AttentionTuning, num_tokens, num_seqs, num_kv_heads, group, kv_capacity, head_dim=128):
     block_q = tuning.block_q
     if block_q is None:
         # About the mean query length: 1 for decode batches, up to 16 tokens for prefill chunks.
         block_q = min(16, next_pow2(pl.cdiv(num_tokens, num_seqs)))
     rows, use_mma, num_blocks = row_tiling(block_q, group, bool(tuning.pad_rows_to_mma), num_tokens, num_seqs)
-    block_kv = tuning.block_kv or (64 if use_mma else 32)
+    # (heads over 256 wide, Gemma 4's 512: 64 keys a step overflow Hopper's shared memory, by 1 KiB; 32 fit)
+    block_kv = tuning.block_kv or (64 if use_mma and head_dim <= 256 else 32)
     splits = tuning.num_kv_splits
     if splits is None:
         programs = num_blocks * num_kv_heads
@@ -274,8 +275,7 @@ def ragged_paged_attention(
                               decode_only=decode)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
-        tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size
-    )
+        tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size, head_dim)
     num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(
         seq_lens, query_start_loc, num_tokens, block_q
     )

@@ -82,7 +82,17 @@ SWEEP = [
     (16, 96, 3, 1, jnp.bfloat16, AttentionTuning(), None, None),
     (8, 192, 2, 2, jnp.float32, AttentionTuning(block_q=2, num_kv_splits=2), None, 9),
     (8, 48, 4, 1, jnp.float32, AttentionTuning(block_q=2, pad_rows_to_mma=True, block_kv=16), 2.0, None),
+    # Gemma 4's full-attention heads, 512 wide, a window.
+    (16, 512, 4, 1, jnp.bfloat16, AttentionTuning(), None, 20),
 ]
+
+
+def test_wide_heads_take_fewer_keys_a_step():
+    """Heads over 256 wide step through 32 keys at a time on tensor-core rows (64 overflow Hopper's shared memory)."""
+    from pallas_kernels.ragged_paged_attention import _resolve_tuning
+
+    padded = AttentionTuning(pad_rows_to_mma=True)
+    assert [_resolve_tuning(padded, 64, 4, 1, 4, 1024, d)[3] for d in (128, 256, 512)] == [64, 64, 32]
 
 
 @pytest.mark.parametrize("page_size,head_dim,group,kv_heads,dtype,tuning,soft_cap,sliding_window", SWEEP)

@@ -89,3 +89,37 @@ def test_gemma3_image_step_compiles_for_sm90(spec, backend):
                        spec((), jnp.bool_), mosaic=backend == "pallas_mosaic", triton=True,
                        pool_bytes=NUM_PAGES * KVCache.bytes_per_page(GEMMA3, RC.page_size, DTYPE))
     print(f"gemma3 image mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
+
+
+# Gemma 4 31B's attention (32 query heads; windowed layers 16 KV heads of 256 over 1024 keys, full-attention layers 4
+# KV heads of 512, keys as values, each written twice into a page row viewed as 8 heads of 512) on six layers of a
+# narrower model, and 26B-A4B's experts beside the MLP (8 of 128 experts, 704 wide): the 512-wide heads reach the
+# kernels inside the engine step.
+GEMMA4 = ModelConfig.from_hf({
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "vocab_size": 65536, "hidden_size": 1024,
+    "intermediate_size": 2112, "num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
+    "sliding_window": 1024, "hidden_size_per_layer_input": 0, "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 8192})
+GEMMA4_MOE = ModelConfig.from_hf({**GEMMA4.to_hf(), "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+                                  "moe_intermediate_size": 704})
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.parametrize("backend,moe", [("pallas", False), ("pallas_mosaic", False), ("pallas", True)])
+def test_gemma4_mixed_step_compiles_for_sm90(spec, backend, moe):
+    cfg = GEMMA4_MOE if moe else GEMMA4
+    assert cfg.layer_period == 6 and cfg.gemma4.head_dim == 512 and cfg.num_dense_layers == 1
+    T, S = RC.token_buckets[-1], RC.max_num_seqs
+    params = _abstract(spec, abstract_params(cfg, DTYPE))
+    pages = 8192
+    shape = (cfg.num_layers, pages, RC.page_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
+    sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
+    pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
+    host = ModelInputs.build([([0], 0, [0])], RC.page_size, num_tokens=T, num_seqs=S, pages_per_seq=RC.pages_per_seq)
+    step = functools.partial(mixed_step, cfg=cfg, backend=backend, top_k=RC.max_logprobs, hidden=True)
+    seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
+                       spec((), jnp.bool_), mosaic=backend == "pallas_mosaic", triton=True,
+                       pool_bytes=pages * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE))
+    print(f"gemma4{' moe' * moe} mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
