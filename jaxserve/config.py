@@ -18,9 +18,9 @@ from jaxserve.errors import UnsupportedModelError
 from jaxserve.models.quantized import check_method
 from jaxserve.rope import RopeScaling, rope_inv_freq_and_scale  # noqa: F401 (also importable from here)
 
-# A config's model_type: each family's own name, and two others.
-_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "gemma4_text": "gemma4", "phi3": "mistral",
-                                      "llama4_text": "llama4"}
+# A config's model_type: each family's own name, and a few others.
+_HF_MODEL_TYPES: dict[str, Family] = {**{f: f for f in get_args(Family)}, "gemma3_text": "gemma3", "gemma4_text": "gemma4",
+                                      "phi3": "mistral", "llama4_text": "llama4"}
 GRANITE_MOE_FAMILIES: tuple[str, ...] = ("granitemoe", "granitemoeshared", "granitemoehybrid",
                                           "granitemoe_swa")  # experts fused
 GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES

@@ -22,7 +22,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    "Gemma4ForCausalLM": "gemma4",  # full-attention layers with wider heads, k = v; experts beside the MLP (`config_gemma4`)
+    "Gemma4ForCausalLM": "gemma4",  # full-attention layers with wider heads, k = v; experts beside the MLP
     "GraniteForCausalLM": "granite",
     "GraniteSWAForCausalLM": "granite_swa",  # Granite's layers, most windowed, sinks, a rotary base per layer kind
     "GraniteMoeSWAForCausalLM": "granitemoe_swa",  # ... with Granite MoE's experts and shared MLP

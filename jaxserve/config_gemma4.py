@@ -80,7 +80,7 @@ def gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
         hidden_act=d.get("hidden_activation") or "gelu_pytorch_tanh",
         query_pre_attn_scalar=1.0,  # (attention unscaled)
         final_logit_softcap=d.get("final_logit_softcapping"),
-        rope_theta=float(full.get("rope_theta", 1_000_000.0)),  # (`config_parse` reads it, the full layers' rotary apart)
+        rope_theta=float(full.get("rope_theta", 1_000_000.0)),  # (`config_parse` takes it out)
         rope_local_theta=float(local.get("rope_theta", 10_000.0)),
         gemma4=Gemma4Layers(
             head_dim=head_dim, num_kv_heads=kv_heads,

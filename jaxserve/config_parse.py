@@ -71,7 +71,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     head_dim = mla.pop("head_dim", head_dim)
     if family in ("qwen2", "qwen3"):
         sliding = fields.qwen_window(d)
-    gemma = gemma4_fields(d) if family == GEMMA4 else fields.gemma_fields(family, d, head_dim) if family in GEMMA_FAMILIES else (
+    gemma = gemma4_fields(d) if family == GEMMA4 else fields.gemma_fields(family, d, head_dim) \
+        if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
         if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
         if family == MIMO else granite_swa_fields(d) if family in GRANITE_SWA_FAMILIES else {})  # (layers that differ)

@@ -63,7 +63,7 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^score\.(weight|bias)$|^mode
 
 def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     """A layer's tensor names (after `model.layers.{i}.`) to our parameters (the MoE layers' of a MoE model; with
-    `dense`, its dense first layers', whose paths `hf_target` moves to `dense_layers`; Gemma 4's full-attention ones)."""
+    `dense`, its dense first layers' (Gemma 4's full-attention ones), whose paths `hf_target` moves to `dense_layers`)."""
     cfg = cfg.kind_config(not dense)  # (Gemma 4's full-attention layers attend with their own widths)
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     Hq, Hkv, Dq = cfg.num_heads, cfg.num_kv_heads, cfg.q_head_dim
@@ -328,9 +328,9 @@ def hf_names(cfg: ModelConfig) -> list[str]:
             rests if cfg.mamba is None else hybrid_layer_names(cfg, i, rests)))
         if cfg.hidden_act == "xielu":
             names.extend(f"model.layers.{i}.{rest}" for rest in _XIELU)
-        moe = _moe_module(cfg)
-        for j in range(0 if dense and cfg.gemma4 is None or cfg.mamba is not None and i in cfg.mamba.no_mlp else cfg.num_experts):
-            names.extend(f"model.layers.{i}.{moe}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
+        for j in range(0 if dense and cfg.gemma4 is None or cfg.mamba is not None and i in cfg.mamba.no_mlp
+                       else cfg.num_experts):
+            names.extend(f"model.layers.{i}.{_moe_module(cfg)}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
     return names
 
 

@@ -65,6 +65,7 @@ def _layer(
     # for layers that reuse them (`mla.mla_attention`), in a model with such layers
     x, k_all, v_all, *shared = carry
     lp, layer = xs
+    cfg = cfg.kind_config(local)  # (Gemma 4's full-attention layers attend with their own head width and rotary)
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
 
     h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm, lp.attn_norm_b)
@@ -337,7 +338,7 @@ def forward(
         return deepstack(out, layer) + carry[n:]
 
     def step(carry, xs):  # every layer alike
-        return run(lambda c: _layer(cfg.kind_config(cfg.is_local(0)), backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
+        return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(0)], c, xs, layout, kv_dtype,
                                     *cfg.layer_kind(0)), carry, xs[1]), None
 
     carry = (x, k_all, v_all, *shared) + kept.start(x)
@@ -346,7 +347,7 @@ def forward(
     if isinstance(params.layers, tuple):  # unstacked (see `unstack_layers`): an unrolled loop
         for layer, lp in enumerate(params.layers):
             carry = run(lambda c, lp=lp, layer=layer: _layer_once(
-                cfg.kind_config(cfg.is_local(layer)), backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
+                cfg, backend, inputs, *tables[cfg.layer_kind(layer)], c, (lp, jnp.int32(layer)), layout, kv_dtype,
                 *cfg.layer_kind(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
     elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
         carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
@@ -370,9 +371,8 @@ def forward(
             i = cfg.stack_index(layer, dense)
             lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), stack)
             xs = (lp, jnp.asarray(layer, jnp.int32))
-            return run(lambda c: _layer(cfg.kind_config(cfg.is_local(like)), backend, inputs,
-                                        *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype, *cfg.layer_kind(like)),
-                       carry, xs[1])
+            return run(lambda c: _layer(cfg, backend, inputs, *tables[cfg.layer_kind(like)], c, xs, layout, kv_dtype,
+                                        *cfg.layer_kind(like)), carry, xs[1])
 
         def group(g, carry):  # layers first + g * period on, `period` of them, each with its place's window and rotation
             for j in range(period):
