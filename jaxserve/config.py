@@ -148,6 +148,8 @@ class ModelConfig:
         """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers and MLPs alone; all of
         Falcon-H1's, whose Mamba layers attend too)."""
         m = self.mamba
+        if self.gemma4 is not None:  # (its last layers that attend over an earlier one's pages hold none)
+            return tuple(range(self.num_layers - self.gemma4.shared_layers))
         return tuple(i for i in range(self.num_layers) if m is None or m.parallel or i not in m.layers
                      and i not in m.no_mixer)
 
@@ -217,6 +219,14 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_pool_heads(self) -> int:
+        """The page pool's heads of `head_dim` a token's entries fill: `num_kv_heads`, or as many as Gemma 4's wider
+        kind of keys fill (`config_gemma4`)."""
+        g = self.gemma4
+        return self.num_kv_heads if g is None else max(self.num_kv_heads * self.head_dim,
+                                                       g.num_kv_heads * g.head_dim) // self.head_dim
 
     @property
     def kv_cache_dims(self) -> tuple[int, int]:

@@ -9,8 +9,10 @@ without a weight, attention unscaled (q's norm sets it), its output times a lear
 The full-attention layers' weights are stacked apart (`Params.dense_layers`, `ModelConfig.dense_layer`), and their
 keys and values live in the same page pool as the windowed layers': a token's row of a page, `num_kv_heads` heads of
 `head_dim`, is viewed as heads of the wider width, each of the layer's KV heads written as many times as fills the row
-(`models.gemma4`). Per-layer input embeddings (the E2B/E4B models' `hidden_size_per_layer_input`) and layers that
-reuse another's keys (`num_kv_shared_layers`) are refused by name."""
+(`models.gemma4`); rows as wide as the wider kind's keys, the narrower kind's heads written as many times as fill
+them. The E2B/E4B models' per-layer input embeddings (`hidden_size_per_layer_input`), their last layers that attend
+over an earlier layer's keys and values (`num_kv_shared_layers`: no pages of their own) and those layers' MLPs of
+twice the width (`use_double_wide_mlp`; every layer's held that wide, the others' halves zero) are read too."""
 
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ class Gemma4Layers:
     rope_factor: float = 1.0  # every rotated pair's frequency divided by it
     k_eq_v: bool = True  # values are the key projection's output (normed without weight, unrotated)
     full_layers: bool = False  # the config is the full-attention layers' own (`full_attention_config`)
+    # The E2B/E4B models': each layer's input embedding of `ple_width` dims (0: none), from a table of `ple_vocab`
+    # tokens and the model's input embedding; the last `shared_layers` layers attend over the keys and values of the
+    # last earlier layer of their kind (holding no pages of their own); their MLPs twice as wide (`double_wide`).
+    ple_width: int = 0
+    ple_vocab: int = 0
+    shared_layers: int = 0
+    double_wide: bool = False
 
 
 def gemma4_text(d: dict[str, Any]) -> dict[str, Any]:
@@ -49,11 +58,6 @@ def gemma4_text(d: dict[str, Any]) -> dict[str, Any]:
 
 def gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields of a Gemma 4 text config (transformers' defaults where it leaves one out)."""
-    for key, default, what in (("hidden_size_per_layer_input", 256, "per-layer input embeddings"),
-                               ("num_kv_shared_layers", 0, "layers that reuse an earlier layer's keys and values")):
-        if d.get(key, default):
-            raise UnsupportedModelError(f"Gemma 4 with {key} {d.get(key, default)} ({what}: the E2B/E4B models) "
-                                        "is not supported")
     if d.get("use_bidirectional_attention") == "all":
         raise UnsupportedModelError("Gemma 4 with use_bidirectional_attention 'all' is not supported")
     num_layers = d["num_hidden_layers"]
@@ -85,7 +89,11 @@ def gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
         gemma4=Gemma4Layers(
             head_dim=head_dim, num_kv_heads=kv_heads,
             rope_theta=float(full.get("rope_theta", 1_000_000.0)), rope_pairs=int(proportion * head_dim // 2),
-            rope_factor=float(full.get("factor", 1.0)), k_eq_v=k_eq_v),
+            rope_factor=float(full.get("factor", 1.0)), k_eq_v=k_eq_v,
+            ple_width=int(d.get("hidden_size_per_layer_input", 256) or 0),
+            ple_vocab=int(d.get("vocab_size_per_layer_input") or 262_144),
+            shared_layers=int(d.get("num_kv_shared_layers") or 0),
+            double_wide=bool(d.get("use_double_wide_mlp")) and bool(d.get("num_kv_shared_layers"))),
         **moe,
     )
 
@@ -126,12 +134,18 @@ def check_gemma4(cfg: Any) -> None:
         return
     if cfg.sliding_window is None:
         raise UnsupportedModelError("Gemma 4 needs its sliding_window")
-    row, width = cfg.num_kv_heads * cfg.head_dim, g.num_kv_heads * g.head_dim
-    if row % g.head_dim or (row // g.head_dim) % g.num_kv_heads or cfg.num_heads % (row // g.head_dim):
-        raise UnsupportedModelError(
-            f"Gemma 4's full-attention keys ({g.num_kv_heads} heads of {g.head_dim}, {width} wide) must fill the "
-            f"windowed layers' page rows ({cfg.num_kv_heads} heads of {cfg.head_dim}, {row} wide) a whole number of "
-            f"times, and its {cfg.num_heads} query heads must divide by the {row // max(g.head_dim, 1)} heads so held")
+    windowed, full = cfg.num_kv_heads * cfg.head_dim, g.num_kv_heads * g.head_dim
+    row = max(windowed, full)
+    for heads, dim in ((cfg.num_kv_heads, cfg.head_dim), (g.num_kv_heads, g.head_dim)):
+        if row % dim or (row // dim) % heads or cfg.num_heads % (row // dim):
+            raise UnsupportedModelError(
+                f"Gemma 4's page rows ({row} wide: windowed layers' keys {cfg.num_kv_heads} x {cfg.head_dim}, "
+                f"full-attention layers' {g.num_kv_heads} x {g.head_dim}) must hold each kind's keys a whole number "
+                f"of times, as heads its {cfg.num_heads} query heads divide by")
+    first = cfg.num_layers - g.shared_layers
+    if g.shared_layers and (first <= 0 or set(cfg.layer_types[:first]) != set(cfg.layer_types)):
+        raise UnsupportedModelError(f"Gemma 4's {g.shared_layers} layers sharing keys need an earlier layer of each "
+                                    f"kind among the first {first}")
 
 
 def gemma4_hf(cfg: Any) -> dict[str, Any]:
@@ -154,4 +168,5 @@ def gemma4_hf(cfg: Any) -> dict[str, Any]:
         final_logit_softcapping=cfg.final_logit_softcap, attention_bias=False,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
                          "full_attention": full},
-        hidden_size_per_layer_input=0, num_kv_shared_layers=0, torch_dtype="float32", **moe)
+        hidden_size_per_layer_input=g.ple_width, vocab_size_per_layer_input=g.ple_vocab,
+        num_kv_shared_layers=g.shared_layers, use_double_wide_mlp=g.double_wide, torch_dtype="float32", **moe)

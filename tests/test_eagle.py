@@ -251,7 +251,7 @@ def test_forward_keeps_the_hidden_states_entering_layers(target, family, tmp_pat
     from jaxserve.engine.model_loading import load_model
     from jaxserve.models.inputs import KVCache, ModelInputs
     from jaxserve.models.llama import forward
-    from jaxserve.models.params import unstack_layers
+    from jaxserve.models.unstack import unstack_layers
     from tests.test_model_families import FAMILIES
 
     path, model = target

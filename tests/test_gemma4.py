@@ -48,11 +48,10 @@ def test_gemma4_config(tiny):
     assert params.layers.wq.shape == (2, 64, 8, 16) and params.dense_layers.wq.shape == (2, 64, 8, 32)
     assert params.dense_layers.wv is None and params.layers.layer_scalar.shape == (2,)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
-    for key in ("hidden_size_per_layer_input", "num_kv_shared_layers"):
-        with pytest.raises(UnsupportedModelError, match=key):
-            ModelConfig.from_hf({**cfg.to_hf(), key: 2})
     with pytest.raises(UnsupportedModelError, match="page rows"):  # (3 heads of 32 do not fill a row of 64)
         ModelConfig.from_hf({**cfg.to_hf(), "num_global_key_value_heads": 3})
+    with pytest.raises(UnsupportedModelError, match="sharing keys"):  # (no full-attention layer before the shared)
+        ModelConfig.from_hf({**cfg.to_hf(), "num_kv_shared_layers": 3})
 
 
 def test_gemma4_logits_match_transformers(tiny):
@@ -98,4 +97,37 @@ def test_gemma4_moe_logits_and_checkpoint(tiny_moe):
     assert rel_err(prompt_logits(cfg, flat, ids), hf_logits(model, ids)) > 1e-3
     assert_written_back(path, cfg, params)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_engine_greedy(model, cfg, params, "scan")
+
+
+# E2B/E4B's form: 6 layers, the last 2 attending over layers 2's and 3's pages (holding none), each layer's own input
+# embedding of 8 dims, the shared layers' MLPs twice as wide; windowed layers' 1 KV head of 16 and full-attention
+# layers' 1 of 32 (values their own projection): rows of 32, each windowed key written twice.
+SMALL = dict(TINY, num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3, num_key_value_heads=1,
+             attention_k_eq_v=False, num_global_key_value_heads=None, hidden_size_per_layer_input=8,
+             vocab_size_per_layer_input=160, num_kv_shared_layers=2, use_double_wide_mlp=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_small(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory, "Gemma4TextConfig", "gemma4_small", **SMALL)
+
+
+def test_gemma4_per_layer_inputs_and_shared_keys(tiny_small):
+    """Transformers' logits on both attention backends (not them without the per-layer inputs, nor with the shared
+    layers attending over their own zero keys), the pool's 4 layers of 2 heads of 16, the checkpoint written back
+    exactly, the engine's greedy tokens past the window."""
+    path, model, cfg, params = tiny_small
+    g = cfg.gemma4
+    assert (g.ple_width, g.shared_layers, g.double_wide, g.k_eq_v) == (8, 2, True, False)
+    assert cfg.attention_layers == (0, 1, 2, 3) and cfg.kv_pool_heads == 2
+    assert params.ple_embed.shape == (160, 48) and params.layers.w_up.shape == (3, 64, 192)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_logits_match(model, cfg, params, dict(gemma4=dataclasses.replace(g, shared_layers=0)),
+                        backends=("xla", "pallas_interpret"))
+    ids = random_prompt()
+    unfed = dataclasses.replace(params, layers=dataclasses.replace(
+        params.layers, ple_gate=np.zeros_like(params.layers.ple_gate)))
+    assert rel_err(prompt_logits(cfg, unfed, ids), hf_logits(model, ids)) > 1e-3
+    assert_written_back(path, cfg, params)
     assert_engine_greedy(model, cfg, params, "scan")

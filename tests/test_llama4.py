@@ -86,7 +86,7 @@ def test_llama4_maverick_layers_match_transformers(tmp_path):
     `intermediate_size_mlp`, with Scout's rotated, chunked and NoPE layers: logits stacked (a loop over groups of 4
     layers, each from its own stack) and unrolled (the layers in order), the engine's greedy tokens, the checkpoint
     and config written back."""
-    from jaxserve.models.params import unstack_layers
+    from jaxserve.models.unstack import unstack_layers
     from tests.modelrun import tiny_engine
     from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
 

@@ -381,7 +381,8 @@ def test_stacked_and_per_layer_layouts_apply_the_same_deltas():
     from jaxserve.models.inputs import KVCache, ModelInputs
     from jaxserve.models.llama import forward
     from jaxserve.models.lora import empty_lora
-    from jaxserve.models.params import init_params, unstack_layers
+    from jaxserve.models.params import init_params
+    from jaxserve.models.unstack import unstack_layers
 
     cfg = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True)

@@ -17,7 +17,8 @@ import pytest
 
 from jaxserve.config import ModelConfig, rope_inv_freq_and_scale
 from jaxserve.models.inputs import KVCache
-from jaxserve.models.params import Params, init_params, unstack_layers
+from jaxserve.models.params import Params, init_params
+from jaxserve.models.unstack import unstack_layers
 from tests.modelrun import run_chunks
 
 CFG = ModelConfig(

@@ -266,7 +266,7 @@ def test_smollm3_nope_layers(tmp_path):
     the stacked and the unrolled layers and greedy decoding equal transformers', which rotating layer 1 too
     changes; the config written back reads the same."""
     from jaxserve.config import ModelConfig
-    from jaxserve.models.params import unstack_layers
+    from jaxserve.models.unstack import unstack_layers
     from tests.modelrun import greedy, torch_greedy
 
     default = ModelConfig.from_hf({**TINY, "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8})

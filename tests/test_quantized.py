@@ -17,8 +17,9 @@ from jaxserve.engine.model_loading import check_quantization, load_model, params
 from jaxserve.engine_args import EngineArgs
 from jaxserve.loader import checkpoint_tokenizer, open_checkpoint
 from jaxserve.loader.export import export_hf
-from jaxserve.models.params import declare_params, init_params, param_paths, unstack_layers
+from jaxserve.models.params import declare_params, init_params, param_paths
 from jaxserve.models.quantized import METHODS, QuantizedWeight, dequantize, quantize, quantize_layers
+from jaxserve.models.unstack import unstack_layers
 from tests.fake_model import fake_tokenizer
 from tests.modelrun import prompt_logits
 from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _generate

@@ -178,7 +178,8 @@ def test_a_gated_attention_layer_fused_as_the_cpu_lays_it_out(tmp_path_factory):
 
     import jax
 
-    from jaxserve.models.params import init_params, unstack_layers
+    from jaxserve.models.params import init_params
+    from jaxserve.models.unstack import unstack_layers
 
     cfg = dataclasses.replace(_build("qwen3_5", tmp_path_factory)[1], num_layers=1, mamba=None)
     params = init_params(cfg, jax.random.PRNGKey(0), scale=0.2)

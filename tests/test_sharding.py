@@ -194,6 +194,7 @@ def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
         assert r[family][1] == r[family][0] and all(len(t) == 12 for t in r[family][0]), family
     assert r["jamba"][2] == r["jamba"][0]  # (and its experts over the two devices)
     assert r["gemma4"][0] == r["gemma4"][1] == r["gemma4"][2] and all(len(t) == 12 for t in r["gemma4"][0])
+    assert r["gemma4_small"][0] == r["gemma4_small"][1] and all(len(t) == 12 for t in r["gemma4_small"][0])
 
 
 def test_a_draft_model_drafts_whole_on_each_device_of_a_tp2_engine(results):

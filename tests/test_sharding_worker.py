@@ -816,7 +816,7 @@ def case_hybrid() -> dict:
                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                 attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
                 mamba_dt_rank=8, max_position_embeddings=512), ep=True),
-            "gemma4": _tp_tokens(args, GEMMA4_MOE, ep=True)}
+            "gemma4": _tp_tokens(args, GEMMA4_MOE, ep=True), "gemma4_small": _tp_tokens(args, GEMMA4_SMALL)}
 
 
 # Gemma 4 (not hybrid, run here for its helper): its full-attention layers' one KV head of 32, projected whole on each
@@ -828,6 +828,12 @@ GEMMA4_MOE = dict(architectures=["Gemma4ForCausalLM"], model_type="gemma4_text",
                   layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
                   enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                   max_position_embeddings=512)
+# ... and E2B/E4B's form: one KV head of 16 (widened to one a device) in rows of 32, each layer's own input, the last
+# two layers attending over earlier layers' pages, their MLPs twice as wide.
+GEMMA4_SMALL = dict(GEMMA4_MOE, num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
+                    num_key_value_heads=1, attention_k_eq_v=False, num_global_key_value_heads=None,
+                    enable_moe_block=False, hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+                    num_kv_shared_layers=2, use_double_wide_mlp=True)
 
 
 def _tp_tokens(args: dict, hf_config: dict, ep: bool = False) -> list[list[list[int]]]:

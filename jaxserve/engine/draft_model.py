@@ -48,7 +48,7 @@ from jaxserve.engine.runner import DecodeState, RunnerConfig
 from jaxserve.engine.warmup import compile_all
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
-from jaxserve.models.params import unstack_layers
+from jaxserve.models.unstack import unstack_layers
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from jaxserve.engine.draft_model import DraftModel, _own, host_copy
 from jaxserve.engine_args import EngineArgs
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.mtp import MtpParams, load_mtp_params, mtp_config, mtp_forward, unstacked
-from jaxserve.models.params import unstack_layers
+from jaxserve.models.unstack import unstack_layers
 
 
 def load_mtp(args: EngineArgs, target: Any) -> MtpDraft:

@@ -28,7 +28,8 @@ from jaxserve.models.attention import AttentionBackend
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.llama import forward
 from jaxserve.models.mamba import copy_state_slots
-from jaxserve.models.params import Params, unstack_layers
+from jaxserve.models.params import Params
+from jaxserve.models.unstack import unstack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,8 @@ class RunnerConfig:
         return tuple(b for b in (1, 4, 8, 16, 32, 64, 128, 256) if b < self.max_num_seqs) + (self.max_num_seqs,)
 
     def token_bucket(self, n: int) -> int:
-        for b in self.token_buckets:
-            if b >= n:
-                return b
+        if (b := next((b for b in self.token_buckets if b >= n), None)) is not None:
+            return b
         raise ValueError(f"{n} tokens exceed max_num_batched_tokens {self.max_num_batched_tokens}")
 
     def seq_bucket(self, n: int) -> int:

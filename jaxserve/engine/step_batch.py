@@ -251,7 +251,7 @@ def step_shapes(plan: SchedulerOutput, rcfg: RunnerConfig, mcfg: Any, rows: Sequ
     k_dim = mcfg.kv_cache_dims[0]  # (an MLA model's queries are read in its latent's space, as wide as its entries)
     kernel = {"backend": "xla" if mcfg.kv_lora_rank else rcfg.backend,
               "q": [q_tokens, mcfg.num_heads, k_dim if mcfg.kv_lora_rank else mcfg.head_dim],
-              "kv_pages": [mcfg.num_layers, rcfg.num_pages, rcfg.page_size, mcfg.num_kv_heads, k_dim]}
+              "kv_pages": [len(mcfg.attention_layers), rcfg.num_pages, rcfg.page_size, mcfg.kv_pool_heads, k_dim]}
     return bucket, kernel
 
 

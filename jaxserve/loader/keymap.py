@@ -25,7 +25,7 @@ from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
-from jaxserve.loader.gemma4_keys import gemma4_targets
+from jaxserve.loader.gemma4_keys import gemma4_names, gemma4_target, gemma4_targets, gemma4_written
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -269,6 +269,8 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     """Where HF tensor `name` goes; None for names that carry no parameter (e.g. inv_freq)."""
     if _IGNORED.search(name):
         return None
+    if cfg.gemma4 is not None and (own := gemma4_target(name, cfg)) is not False:
+        return own
     E, V = cfg.hidden_size, cfg.vocab_size
     if name == "model.embed_tokens.weight":
         return Target("embed", None, lambda w: w, (V, E))
@@ -331,7 +333,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         for j in range(0 if dense and cfg.gemma4 is None or cfg.mamba is not None and i in cfg.mamba.no_mlp
                        else cfg.num_experts):
             names.extend(f"model.layers.{i}.{_moe_module(cfg)}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
-    return names
+    return names if cfg.gemma4 is None else gemma4_names(cfg, names)
 
 
 def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray]]:
@@ -351,14 +353,12 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.family == "gpt_oss" or (cfg.family == "qwen3_moe" and cfg.mrope_section is not None):  # Qwen3-VL-MoE
         yield from gpt_oss_packed(pairs, cfg)
         return
-    if cfg.family in ("llama4", "gemma4"):  # (packed, under its own module names)
-        yield from ((family_hf_name(n, cfg), t) for n, t in gpt_oss_packed(pairs, cfg))
-        return
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    written = {"qwen3_next": qwen3_next_fused, "mimo_v2_flash": mimo_written}
-    if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values)
+    written = {"qwen3_next": qwen3_next_fused, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
+               "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
+    if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)
         return
     yield from ((family_hf_name(name, cfg), t) for name, t in (granite_fused(pairs, cfg) if cfg.family in
@@ -394,7 +394,7 @@ def to_hf_tensor(name: str, cfg: ModelConfig, params_flat: dict[str, np.ndarray]
     if field == "wo":
         return value.reshape(-1, value.shape[-1]).T
     if field in ("w_gate", "w_up", "w_down", "lm_head", "router", "ws_gate", "ws_up", "ws_down", "m_in", "m_out",
-                 "we_latent_in", "we_latent_out", "m_x", "m_dt"):
+                 "we_latent_in", "we_latent_out", "m_x", "m_dt", "ple_proj", "ple_gate", "ple_out"):
         return value.T
     return value.reshape(-1) if field in ("bq", "bk", "bv") or field in ("q_norm", "k_norm") and cfg.qk_norm_heads \
         else value.reshape(target.hf_shape)  # (a Mamba layer's convolution: [channels, 1, taps])

@@ -18,14 +18,22 @@ def declare_gemma4(cfg: ModelConfig, layers: Any, L: int, moe: bool, p) -> None:
     the full-attention layers'), added to `layers` (`params._declare_layers`'s, whose `p` makes a `ParamInfo`): the
     full-attention layers' keys are its values (no `wv`) where `k_eq_v`, their KV heads unsplit (a few, often fewer
     than the devices of a tensor-parallel mesh: each device projects them all, `attention` writes its share);
-    experts (`moe`) come with the dense MLP beside them."""
-    E, F = cfg.hidden_size, cfg.intermediate_size
+    experts (`moe`) come with the dense MLP beside them; E2B/E4B's per-layer inputs' gate, projection and norm."""
+    g = cfg.gemma4
+    E, F, P = cfg.hidden_size, cfg.intermediate_size * (2 if g.double_wide else 1), g.ple_width
     layers.layer_scalar = p((L,), ("layers",), "ones")
+    if P:
+        layers.ple_gate = p((L, E, P), ("layers", "embed", None))
+        layers.ple_out = p((L, P, E), ("layers", None, "embed"))
+        layers.ple_post_norm = p((L, E), ("layers", "embed"), "ones")
+    if g.double_wide:  # (the layers that share keys have MLPs twice as wide; the others' are held so, half zero)
+        layers.w_gate, layers.w_up = (p((L, E, F), ("layers", "embed", "mlp")) for _ in range(2))
+        layers.w_down = p((L, F, E), ("layers", "mlp", "embed"))
     if cfg.gemma4.full_layers:
         Hkv, D = cfg.num_kv_heads, cfg.head_dim
         layers.wk = p((L, E, Hkv, D), ("layers", "embed", None, "head_dim"))
         layers.wv = None if cfg.gemma4.k_eq_v else p((L, E, Hkv, D), ("layers", "embed", None, "head_dim"))
-    if moe:
+    if moe:  # (the dense MLP beside the experts)
         layers.w_gate = p((L, E, F), ("layers", "embed", "mlp"))
         layers.w_up = p((L, E, F), ("layers", "embed", "mlp"))
         layers.w_down = p((L, F, E), ("layers", "mlp", "embed"))
@@ -63,3 +71,32 @@ def experts_beside(cfg: ModelConfig, lp: Any, x: jax.Array, dense: jax.Array, la
                                                                           ).astype(x.dtype)
     out = moe_mlp(model_norm(cfg, x, lp.moe_norm), lp, cfg, layout, None, backend, router_in=route_in)
     return model_norm(cfg, dense, lp.mlp_out_norm) + model_norm(cfg, out, lp.moe_out_norm)
+
+
+def per_layer_inputs(params: Any, cfg: ModelConfig, ids: jax.Array, x: jax.Array) -> jax.Array:
+    """The E2B/E4B models' input of each layer [T, L, P]: each token's row of the per-layer table (times sqrt(P)) and
+    the projection of its input embedding x [T, E] (times E^-1/2, normed), summed, times 2^-1/2."""
+    T, L, P = x.shape[0], cfg.num_layers, cfg.gemma4.ple_width
+    table = params.ple_embed[jnp.clip(ids, 0, params.ple_embed.shape[0] - 1)].reshape(T, L, P)
+    table = table * jnp.asarray(P ** 0.5, table.dtype)
+    proj = (x @ params.ple_proj * jnp.asarray(cfg.hidden_size ** -0.5, x.dtype)).reshape(T, L, P)
+    return ((model_norm(cfg, proj, params.ple_norm) + table.astype(x.dtype)) * jnp.asarray(2 ** -0.5, x.dtype))
+
+
+def add_per_layer_input(cfg: ModelConfig, lp: Any, x: jax.Array, per_layer: jax.Array, layer: jax.Array) -> jax.Array:
+    """x [T, E] plus the normed projection of act(x's gate) times the layer's own input (`per_layer` [T, L, P])."""
+    own = jax.lax.dynamic_index_in_dim(per_layer, layer, axis=1, keepdims=False)  # [T, P]
+    h = jax.nn.gelu(x @ lp.ple_gate, approximate=True) * own
+    return x + model_norm(cfg, h @ lp.ple_out, lp.ple_post_norm)
+
+
+def shared_kv(cfg: ModelConfig, layer: jax.Array, local: bool, slots: jax.Array,
+              pages: int) -> tuple[jax.Array, jax.Array]:
+    """`layer`'s pool row and where its keys go (`slots` [T] within a row of `pages` pages): its own row, or for the
+    last `shared_layers` layers the row of the last earlier layer of their kind (`local`: windowed), their keys going
+    to the pool's first page, which no sequence reads (a padding token's place)."""
+    kinds = [cfg.is_local(i) for i in range(cfg.num_layers)]
+    first = cfg.num_layers - cfg.gemma4.shared_layers
+    source = max(i for i in range(first) if kinds[i] == local)
+    shared = layer >= first
+    return jnp.where(shared, source, layer), jnp.where(shared, 0, slots + layer * pages)

@@ -57,7 +57,7 @@ class KVCache:
         storage); a hybrid model's states for `state_slots` slots (`state_shapes`), its convolution's and its SSM's
         in `state_dtypes`."""
         k_dim, v_dim = cfg.kv_cache_dims
-        shape = (len(cfg.attention_layers), num_pages, page_size, cfg.num_kv_heads)
+        shape = (len(cfg.attention_layers), num_pages, page_size, cfg.kv_pool_heads)
         dtype = jnp.dtype(dtype)
         bits = kv_storage_bits(dtype) if as_bits else None
         shapes = cls.state_shapes(cfg, state_slots)  # ({} without states)
@@ -80,7 +80,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
-        return (len(cfg.attention_layers) * page_size * cfg.num_kv_heads * sum(cfg.kv_cache_dims)
+        return (len(cfg.attention_layers) * page_size * cfg.kv_pool_heads * sum(cfg.kv_cache_dims)
                 * np.dtype(dtype).itemsize)
 
 
@@ -119,6 +119,7 @@ class ModelInputs:
     """[3, T] int32: what each token's temporal, height and width rotary positions add to its position (M-RoPE,
     `ModelConfig.mrope_section`: an image's tokens by their place in it, the text after an image drawn back by
     the positions its tokens did not take); M-RoPE engines with images only."""
+    per_layer: jax.Array | None = None  # [T, L, P]: Gemma 4 E2B/E4B's input of each layer (made in `llama.forward`)
 
     @classmethod
     def build(

@@ -12,14 +12,22 @@ import jax.numpy as jnp
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
 from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
-from jaxserve.models.gemma4 import experts_beside, fill_rows, full_pool_view, value_norm
+from jaxserve.models.gemma4 import (
+    add_per_layer_input,
+    experts_beside,
+    fill_rows,
+    full_pool_view,
+    per_layer_inputs,
+    shared_kv,
+    value_norm,
+)
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
-from jaxserve.models.ops import apply_rope, model_norm, rms_norm
+from jaxserve.models.ops import apply_rope, mlp_activation, model_norm, qk_norm, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
 from jaxserve.models.rotary import query_scale, rope_tables
@@ -118,7 +126,7 @@ def _layer(
             gate, up = None if gate is None else gate + dg, up + du
         if lp.b_up is not None:
             gate, up = None if gate is None else gate + lp.b_gate, up + lp.b_up
-        act = _mlp_activation(cfg, gate, up, lp.xielu)
+        act = mlp_activation(cfg, gate, up, lp.xielu)
         down = project(act, lp.w_down_t, _dot_out_major) if lp.w_down_t is not None else project(act, lp.w_down)
         if lora is not None:
             down = down + lora_deltas(act, lora.a_down, [lora.b_down], inputs.lora_slots)[0]
@@ -129,6 +137,8 @@ def _layer(
         if lp.post_mlp_norm is not None:
             down = model_norm(cfg, down, lp.post_mlp_norm)
         x = x + _residual(cfg, down)
+    if lp.ple_gate is not None:  # (Gemma 4 E2B/E4B's input of each layer)
+        x = add_per_layer_input(cfg, lp, x, inputs.per_layer, layer)
     if lp.layer_scalar is not None:  # (Gemma 4's)
         x = x * lp.layer_scalar.astype(x.dtype)
     return (x, k_all, v_all, *shared), None
@@ -161,8 +171,8 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     if cfg.attn_output_gate:  # (each head's gate after its query)
         q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
     if lp.q_norm is not None and not cfg.rope_qk_norm:
-        q = _qk_norm(cfg, q, lp.q_norm)
-        k = _qk_norm(cfg, k, lp.k_norm)
+        q = qk_norm(cfg, q, lp.q_norm)
+        k = qk_norm(cfg, k, lp.k_norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     pool = k_all.shape
@@ -171,7 +181,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         k_all, v_all = full_pool_view(k_all, cfg.head_dim), full_pool_view(v_all, cfg.head_dim)
         k, v = fill_rows(k, v, k_all.shape[-2])
     if cfg.rope_qk_norm and lp.q_norm is not None:  # (Hunyuan's: after the rotation)
-        q, k = _qk_norm(cfg, q, lp.q_norm), _qk_norm(cfg, k, lp.k_norm)
+        q, k = qk_norm(cfg, q, lp.q_norm), qk_norm(cfg, k, lp.k_norm)
     elif cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, its rotated layers only)
         q, k = (rms_norm(x, jnp.ones((), x.dtype), cfg.rms_norm_eps) for x in (q, k))
     if cfg.query_scale_beta and (cfg.family != "llama4" or not rope):  # (Llama 4's: its unrotated layers only)
@@ -184,12 +194,14 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         ks, vs = lp.k_scale.astype(jnp.float32), lp.v_scale.astype(jnp.float32)
         k, v = k.astype(jnp.float32) / ks, v.astype(jnp.float32) / vs
         q = (q.astype(jnp.float32) * ks).astype(q.dtype)
-    slots = inputs.slot_mapping + layer * (num_pages * page_size)
+    row, slots = layer, inputs.slot_mapping + layer * (num_pages * page_size)
+    if cfg.gemma4 is not None and cfg.gemma4.shared_layers:  # (its last layers read an earlier layer's pages)
+        row, slots = shared_kv(cfg, layer, local, inputs.slot_mapping, num_pages * page_size)
     k_all, v_all = write_kv(k_all, v_all, k, v, slots, kv_dtype)
 
     attn = paged_attention(
         backend, q, k_all, v_all,
-        inputs.block_tables + layer * num_pages, inputs.seq_lens, inputs.query_start_loc,
+        inputs.block_tables + row * num_pages, inputs.seq_lens, inputs.query_start_loc,
         sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
         sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
         chunk=cfg.attention_chunk if local else None,
@@ -202,28 +214,6 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     if cfg.attention_value_scale != 1.0:  # (MiMo-V2-Flash's values scaled: the output alike)
         attn = attn * jnp.asarray(cfg.attention_value_scale, attn.dtype)
     return attn.reshape(attn.shape[0], -1), k_all.reshape(pool), v_all.reshape(pool)
-
-
-def _mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xielu: jax.Array | None) -> jax.Array:
-    """act(gate) * up, or an ungated MLP's act(up): Arcee's squared ReLU, Apertus' xIELU (its learned alpha_p,
-    alpha_n and its beta, eps per layer: `xielu` [4])."""
-    if gate is not None:
-        return (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
-    if cfg.hidden_act == "relu2":
-        return jnp.square(jax.nn.relu(up))
-    alpha_p, beta, eps = jax.nn.softplus(xielu[0]), xielu[2], xielu[3]
-    alpha_n = beta + jax.nn.softplus(xielu[1])
-    x = up.astype(jnp.float32)
-    out = jnp.where(x > 0, alpha_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * alpha_n + beta * x)
-    return out.astype(up.dtype)
-
-
-def _qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """q or k ([T, H, D]) normed per head by a [D] weight (or Cohere's [H, D]: each head's own), or (OLMo) over all
-    heads at once by an [H, D] one."""
-    if not cfg.qk_norm_heads:
-        return model_norm(cfg, x, weight)
-    return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
 
 
 def _residual(cfg: ModelConfig, out: jax.Array) -> jax.Array:
@@ -295,6 +285,8 @@ def forward(
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x, deep = (embeds, None) if embeds is not None else _embed(params, inputs, cfg)
+        if params.ple_embed is not None:  # (Gemma 4 E2B/E4B's)
+            inputs = dataclasses.replace(inputs, per_layer=per_layer_inputs(params, cfg, inputs.token_ids, x))
     by_window = {False: rope_tables(cfg.kind_config(False), inputs.positions, long_prompt=inputs.long_prompt,
                                     offsets=inputs.rope_offsets)}  # (Gemma 4's full layers': their own)
     by_window[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else by_window[False]
@@ -359,7 +351,7 @@ def forward(
         if params.dense_layers is not None:  # dense first layers, then the MoE ones
             first = cfg.first_dense_layers
             carry, _ = jax.lax.scan(step, carry, (params.dense_layers, jnp.arange(first, dtype=jnp.int32)))
-        carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(first, L, dtype=jnp.int32)))
+        carry, _ = jax.lax.scan(step, carry, (params.layers, jnp.arange(first, cfg.num_layers, dtype=jnp.int32)))
     else:  # stacked layers that attend differently (Gemma, SmolLM3) or alternate dense and MoE MLPs (Llama 4
         # Maverick): a loop over the repeating groups of layers
         first = cfg.first_dense_layers if params.dense_layers is not None else 0  # (dense first layers: K-EXAONE's)
@@ -381,9 +373,9 @@ def forward(
 
         for layer in range(first):
             carry = one(layer, layer, carry)
-        whole = (L - first) // period
+        whole = (cfg.num_layers - first) // period
         carry = jax.lax.fori_loop(0, whole, group, carry) if whole else carry  # (none: a group's places past L)
-        for layer in range(first + whole * period, L):  # past the last whole group
+        for layer in range(first + whole * period, cfg.num_layers):  # past the last whole group
             carry = one(layer, layer, carry)
     carry = kept.keep(carry, cfg.num_layers)
     x, k_all, v_all = carry[:3]

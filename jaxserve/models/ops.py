@@ -1,5 +1,5 @@
-"""The small numerical pieces decoder layers share: RMSNorm, LayerNorm, each family's norm and the rotary
-embedding's rotation."""
+"""The small numerical pieces decoder layers share: RMSNorm, LayerNorm, each family's norm, q and k norms, the MLP's
+activation and the rotary embedding's rotation."""
 
 from __future__ import annotations
 
@@ -48,3 +48,25 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Arra
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
     out = xf * scale if bias is None else xf * scale + bias.astype(jnp.float32)  # (no add without a bias)
     return out.astype(x.dtype)
+
+
+def mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xielu: jax.Array | None) -> jax.Array:
+    """act(gate) * up, or an ungated MLP's act(up): Arcee's squared ReLU, Apertus' xIELU (its learned alpha_p,
+    alpha_n and its beta, eps per layer: `xielu` [4])."""
+    if gate is not None:
+        return (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
+    if cfg.hidden_act == "relu2":
+        return jnp.square(jax.nn.relu(up))
+    alpha_p, beta, eps = jax.nn.softplus(xielu[0]), xielu[2], xielu[3]
+    alpha_n = beta + jax.nn.softplus(xielu[1])
+    x = up.astype(jnp.float32)
+    out = jnp.where(x > 0, alpha_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * alpha_n + beta * x)
+    return out.astype(up.dtype)
+
+
+def qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """q or k ([T, H, D]) normed per head by a [D] weight (or Cohere's [H, D]: each head's own), or (OLMo) over all
+    heads at once by an [H, D] one."""
+    if not cfg.qk_norm_heads:
+        return model_norm(cfg, x, weight)
+    return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
