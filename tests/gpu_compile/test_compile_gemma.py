@@ -103,17 +103,26 @@ GEMMA4 = ModelConfig.from_hf({
     "max_position_embeddings": 8192})
 GEMMA4_MOE = ModelConfig.from_hf({**GEMMA4.to_hf(), "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
                                   "moe_intermediate_size": 704})
+# ... and E2B's form: 8 query heads over 1 KV head (256 wide windowed, 512 full: rows of 512), each layer's input
+# embedding of 256, the last 2 of 6 layers (one of each kind) attending over earlier layers' pages, MLPs twice as
+# wide.
+GEMMA4_E2B = ModelConfig.from_hf({**GEMMA4.to_hf(), "num_attention_heads": 8, "num_key_value_heads": 1,
+                                  "attention_k_eq_v": False, "num_global_key_value_heads": None,
+                                  "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 65536,
+                                  "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                                  "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2})
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("backend,moe", [("pallas", False), ("pallas_mosaic", False), ("pallas", True)])
-def test_gemma4_mixed_step_compiles_for_sm90(spec, backend, moe):
-    cfg = GEMMA4_MOE if moe else GEMMA4
-    assert cfg.layer_period == 6 and cfg.gemma4.head_dim == 512 and cfg.num_dense_layers == 1
+@pytest.mark.parametrize("backend,form", [("pallas", "31b"), ("pallas_mosaic", "31b"), ("pallas", "moe"),
+                                          ("pallas", "e2b")])
+def test_gemma4_mixed_step_compiles_for_sm90(spec, backend, form):
+    cfg = {"31b": GEMMA4, "moe": GEMMA4_MOE, "e2b": GEMMA4_E2B}[form]
+    assert cfg.gemma4.head_dim == 512 and cfg.num_dense_layers == cfg.num_layers // cfg.layer_period
     T, S = RC.token_buckets[-1], RC.max_num_seqs
     params = _abstract(spec, abstract_params(cfg, DTYPE))
     pages = 8192
-    shape = (cfg.num_layers, pages, RC.page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (len(cfg.attention_layers), pages, RC.page_size, cfg.kv_pool_heads, cfg.head_dim)
     kv = KVCache(k=spec(shape, DTYPE), v=spec(shape, DTYPE))
     sampling = _abstract(spec, SamplingTensors.from_params([], [], S, cfg.vocab_size, []))
     pen = PenaltyInputs(spec((S, RC.max_model_len), jnp.int32), spec((S,), jnp.int32))
@@ -122,4 +131,4 @@ def test_gemma4_mixed_step_compiles_for_sm90(spec, backend, moe):
     seconds = _compile(step, params, kv, _abstract(spec, host), sampling, pen, PromptLogprobInputs(spec((T,), jnp.int32)),
                        spec((), jnp.bool_), mosaic=backend == "pallas_mosaic", triton=True,
                        pool_bytes=pages * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE))
-    print(f"gemma4{' moe' * moe} mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
+    print(f"gemma4 {form} mixed_step T={T} S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
