@@ -131,3 +131,42 @@ def test_gemma4_per_layer_inputs_and_shared_keys(tiny_small):
     assert rel_err(prompt_logits(cfg, unfed, ids), hf_logits(model, ids)) > 1e-3
     assert_written_back(path, cfg, params)
     assert_engine_greedy(model, cfg, params, "scan")
+
+
+def test_gemma4_prefix_hits_equal_misses_and_adapters_refused(tiny_small):
+    """The E2B form's prompts served again from the prefix cache (the shared layers reading the cached pages of the
+    layers they share) give the same greedy tokens; LoRA adapters are refused by name (two head widths)."""
+    from jaxserve.engine.lora_manager import LoRAError
+    from tests.modelrun import tiny_engine
+    from tests.test_engine_gemma import NEW_TOKENS, PROMPTS, _greedy, hf_greedy
+
+    _, model, cfg, params = tiny_small
+    engine = tiny_engine(cfg, params, "scan", prefix_caching=True)
+    expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+    assert _greedy(engine) == expected
+    assert _greedy(engine) == expected and engine.scheduler.cache.hit_tokens > 0
+    with pytest.raises(LoRAError, match="gemma4"):
+        tiny_engine(cfg, params, enable_lora=True, max_lora_rank=8)
+
+
+def test_gemma4_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """A `Gemma4ForConditionalGeneration` checkpoint (its language model under `model.language_model`, a vision tower
+    beside it): served as text, its logits the whole model's on a text prompt."""
+    import torch
+    import transformers
+
+    from jaxserve.loader import HFDirectory, load_params
+    from tests.test_model_families import TINY as BASE
+
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16)
+    model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config={**BASE, **TINY}, vision_config=vision, audio_config=None)).eval()
+    model.save_pretrained(tmp_path)
+    ckpt = HFDirectory(tmp_path)
+    cfg = ckpt.config()
+    assert cfg.family == "gemma4" and cfg.gemma4.head_dim == 32
+    params = load_params(ckpt, cfg, np.float32, progress=False)
+    ids = random_prompt()
+    assert rel_err(prompt_logits(cfg, params, ids), hf_logits(model, ids)) < 1e-4
