@@ -142,6 +142,9 @@ def check_gemma4(cfg: Any) -> None:
                 f"Gemma 4's page rows ({row} wide: windowed layers' keys {cfg.num_kv_heads} x {cfg.head_dim}, "
                 f"full-attention layers' {g.num_kv_heads} x {g.head_dim}) must hold each kind's keys a whole number "
                 f"of times, as heads its {cfg.num_heads} query heads divide by")
+    if g.shared_layers and cfg.kv_cache_scales:
+        raise UnsupportedModelError("Gemma 4 with layers that share keys takes no float8 KV scales (a kv_cache_scheme, "
+                                    "--calculate-kv-scales): they read pages written at another layer's scale")
     first = cfg.num_layers - g.shared_layers
     if g.shared_layers and (first <= 0 or set(cfg.layer_types[:first]) != set(cfg.layer_types)):
         raise UnsupportedModelError(f"Gemma 4's {g.shared_layers} layers sharing keys need an earlier layer of each "

@@ -123,6 +123,8 @@ def test_gemma4_per_layer_inputs_and_shared_keys(tiny_small):
     assert cfg.attention_layers == (0, 1, 2, 3) and cfg.kv_pool_heads == 2
     assert params.ple_embed.shape == (160, 48) and params.layers.w_up.shape == (3, 64, 192)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    with pytest.raises(UnsupportedModelError, match="float8 KV scales"):
+        dataclasses.replace(cfg, kv_cache_scales=True)
     assert_logits_match(model, cfg, params, dict(gemma4=dataclasses.replace(g, shared_layers=0)),
                         backends=("xla", "pallas_interpret"))
     ids = random_prompt()
