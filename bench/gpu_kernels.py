@@ -65,6 +65,9 @@ WIDE = Heads("gemma2-2b", 8, 4, 256)  # 256-wide heads: the Mosaic decode kernel
 GPT_OSS = Heads("gpt-oss", 64, 8, 64)  # its attention sinks: a logit per head in every softmax
 # Heads that are no power of two, read by the generic kernel in power-of-two parts (the Mosaic GPU kernels: 192 only)
 PHI3, MIMO = Heads("phi3-mini", 32, 32, 96), Heads("mimo-v2-flash", 64, 8, 192)
+# Gemma 4 31B's full-attention layers as the engine's pages hold them: 4 KV heads of 512, each written twice into a
+# row of 8 (`models.gemma4`); the generic kernel's 32 keys a step (the Mosaic kernels take no 512-wide heads, nor cuDNN)
+GEMMA4 = Heads("gemma4-31b-full", 32, 8, 512)
 
 
 def timeit(fn, arg_sets, rounds=5, min_calls=3, target_s=0.05) -> float:
@@ -223,7 +226,8 @@ def main() -> int:
     rest = [(h, "decode", b, c) for h in (llama, smollm) for b in (1, 32, 256) for c in (1024, 8192, 32768)
             if c != 8192 or b == 1]
     wide = [(WIDE, "decode", 32, 8192), (WIDE, "decode", 1, 32768), (PHI3, "decode", 32, 8192),
-            (MIMO, "decode", 32, 8192), (MIMO, "prefill", 1, 8192)]
+            (MIMO, "decode", 32, 8192), (MIMO, "prefill", 1, 8192), (GEMMA4, "decode", 32, 8192),
+            (GEMMA4, "prefill", 1, 8192)]
     drafts = [(h, "drafts", 4, 8192) for h in (llama, smollm)]
     images = [(WIDE, "images", 1, 4096), (GPT_OSS, "sinks", 32, 8192), (GPT_OSS, "sinks", 1, 4096)]
     by_group = dict(targets=target, mixed=[(llama, "mixed", 32, 8192)], drafts=drafts, fp8=fp8,
@@ -236,7 +240,7 @@ def main() -> int:
                 (GPT_OSS, "sinks", 1, 1024)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
-    fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE, GPT_OSS, PHI3, MIMO)}
+    fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE, GPT_OSS, PHI3, MIMO, GEMMA4)}
     for heads, kind, batch, ctx in rows:
         label = f"{heads.name} ({heads.q}q/{heads.kv}kv/{heads.dim}) {kind} b={batch:3d} ctx={ctx:5d}"
         if time.perf_counter() - start > args.budget_s:
@@ -246,7 +250,7 @@ def main() -> int:
         if kind == "prefill":
             sets, nbytes, flops = decode_case(rng, heads, 1, ctx, num_tokens=ctx, min_pool_bytes=pool_bytes)
             names = ["pallas", "mosaic_ws", "mosaic_ws_bkv64", "mosaic_1wg", "mosaic_1wg_bkv128", "xla",
-                     "cudnn_causal"]
+                     "cudnn_causal"] if heads is not GEMMA4 else ["pallas", "xla"]
             run_row(label, pick(fns, names), sets, nbytes, flops, dense_sets(sets, heads, 1, ctx), copy_bw, matmul)
         elif kind == "fp8_prefill":  # the Mosaic forms upcast the float8 pages in SMEM (ws: in the loader)
             sets, nbytes, flops = decode_case(rng, heads, 1, ctx, num_tokens=ctx, min_pool_bytes=pool_bytes,
@@ -292,6 +296,8 @@ def main() -> int:
             names = ["pallas", "pallas_rows", "mosaic", "mosaic_st4", "mosaic_bkv128", None if big else "xla", "cudnn"]
             if heads is WIDE:  # deeper rings and 128-key blocks of 256-wide heads overflow shared memory
                 names = ["pallas", "pallas_rows", "mosaic", None if big else "xla", "cudnn"]
+            if heads is GEMMA4:
+                names = ["pallas", "pallas_rows", None if big else "xla"]
             dense = None if big else dense_sets(sets, heads, batch, ctx)
             run_row(label, pick(fns, names), sets, nbytes, flops, dense, copy_bw)
         else:
