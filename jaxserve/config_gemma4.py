@@ -6,13 +6,13 @@ head's pairs turned); every layer's q and k normed (weights applied as they are,
 without a weight, attention unscaled (q's norm sets it), its output times a learned scalar; in the MoE form
 (`enable_moe_block`), experts beside the dense MLP, routed on the layer's unnormed input.
 
-The full-attention layers' weights are stacked apart (`Params.dense_layers`, `ModelConfig.dense_layer`), and their
-keys and values live in the same page pool as the windowed layers': a token's row of a page, `num_kv_heads` heads of
-`head_dim`, is viewed as heads of the wider width, each of the layer's KV heads written as many times as fills the row
-(`models.gemma4`); rows as wide as the wider kind's keys, the narrower kind's heads written as many times as fill
-them. The E2B/E4B models' per-layer input embeddings (`hidden_size_per_layer_input`), their last layers that attend
-over an earlier layer's keys and values (`num_kv_shared_layers`: no pages of their own) and those layers' MLPs of
-twice the width (`use_double_wide_mlp`; every layer's held that wide, the others' halves zero) are read too."""
+The full-attention layers' weights are stacked apart (`Params.dense_layers`, `ModelConfig.dense_layer`), and both
+kinds' keys and values live in one page pool: a token's row is as wide as the wider kind's keys (`kv_pool_heads`
+heads of the windowed layers' `head_dim`), each layer viewing it as heads of its own width and writing each of its KV
+heads as many times as fill it (`models.gemma4`). The E2B/E4B models' per-layer input embeddings
+(`hidden_size_per_layer_input`), their last layers that attend over an earlier layer's keys and values
+(`num_kv_shared_layers`: no pages of their own) and those layers' MLPs of twice the width (`use_double_wide_mlp`;
+every layer's held that wide, the others' halves zero) are read too."""
 
 from __future__ import annotations
 

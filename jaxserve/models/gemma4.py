@@ -1,5 +1,6 @@
-"""Gemma 4's layers (`config_gemma4`): the full-attention layers' keys and values in the page pool's rows viewed as
-heads of their own width, the experts beside the dense MLP, each layer's learned output scale."""
+"""Gemma 4's layers (`config_gemma4`): each kind's keys and values in the page pool's rows viewed as heads of its own
+width, the experts beside the dense MLP, each layer's learned output scale; E2B/E4B's input of each layer and their
+last layers attending over an earlier layer's pages."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def full_pool_view(pool: jax.Array, head_dim: int) -> jax.Array:
 
 
 def fill_rows(k: jax.Array, v: jax.Array, pool_heads: int) -> tuple[jax.Array, jax.Array]:
-    """A full-attention layer's keys and values [T, Hkv, D], each head repeated to fill a pool row of `pool_heads`
-    heads (head h as heads h * r to h * r + r - 1: the query heads that read head h read one of its copies)."""
+    """A layer's keys and values [T, Hkv, D], each head repeated to fill a pool row of `pool_heads` heads of D (head h
+    as heads h * r to h * r + r - 1: the query heads that read head h read one of its copies)."""
     r = pool_heads // k.shape[1]
     return (k, v) if r == 1 else (jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1))
 
