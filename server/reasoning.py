@@ -19,6 +19,7 @@ tool-call parser. The parsers are named as vLLM names them:
 | `ernie45` | as `deepseek_r1`; an answer between `<response>` and `</response>` is taken from between them | ERNIE-4.5-21B-A3B-Thinking |
 | `granite` | a reply that opens with "Here is my thought process:" (or "Here's ..."), up to "Here is my response:" (or "Here's ..."); else all answer | Granite 3.2 and 3.3 with `chat_template_kwargs: {"thinking": true}` |
 | `mistral` | a reply that opens with `[THINK]`, up to `[/THINK]` (special tokens: the reply is detokenized with them); else all answer | Magistral |
+| `gemma4` | a reply that opens with `<|channel>`, up to `<channel|>` (its `thought` label and newline dropped; special tokens: kept in the text), a `<|tool_call>` also ending it (kept in the answer, for the `gemma4` tool-call parser); else all answer (thinking off) | Gemma 4 |
 | `openai_gptoss` | the `analysis` channel's messages of a harmony reply; the answer is the `final` channel's (and commentary preambles), tool calls passed on to the `openai` tool-call parser (server/harmony.py) | gpt-oss |
 
 A `ReasoningStream` reads a reply as it grows, with the same results as reading it whole: text that
@@ -151,6 +152,13 @@ class MistralParser(ReasoningParser):
     keeps_special_tokens = True
 
 
+class Gemma4Parser(ReasoningParser):
+    name = "gemma4"
+    implicit_start = False
+    starts, ends, opens_answer = ("<|channel>thought\n", "<|channel>"), ("<channel|>",), ("<|tool_call>",)
+    keeps_special_tokens = True
+
+
 class GptOssParser(ReasoningParser):
     name = "openai_gptoss"
     implicit_start = False
@@ -165,7 +173,7 @@ class GptOssParser(ReasoningParser):
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     p.name: p for p in (ApertusParser, DeepSeekR1Parser, Olmo3Parser, Exaone4Parser, KimiK2Parser, DeepSeekV3Parser, Qwen3Parser, Glm45Parser, Ernie45Parser, SeedOssParser,
-                        GraniteParser, MistralParser, GptOssParser, MiniMaxM2Parser)}
+                        GraniteParser, MistralParser, GptOssParser, MiniMaxM2Parser, Gemma4Parser)}
 
 
 def constraint_after_reasoning(parser: ReasoningParser | None, params: SamplingParams) -> SamplingParams | None:
@@ -221,10 +229,12 @@ class ReasoningStream(SplitStream):
         reasoning, answer = "", ""
         if self.mode == "start":
             head = self.buf.lstrip()
-            start = next((m for m in self.starts if head.startswith(m)), None)
+            if not final and any(len(m) > len(head) and m.startswith(head) for m in self.starts):
+                return "", ""  # may still open with a (longer) start marker
+            start = max((m for m in self.starts if head.startswith(m)), key=len, default=None)
             if start is not None:
                 self.mode, self.buf, self.reasoned = "reasoning", head[len(start):], True
-            elif not final and (not head or any(m.startswith(head) for m in self.starts)):
+            elif not final and not head:
                 return "", ""  # may still open with a start marker
             elif self.implicit_start:
                 self.mode, self.reasoned = "reasoning", True

@@ -15,6 +15,7 @@ A parser knows one such format (named as vLLM's `--tool-call-parser` names them)
 | `seed_oss` | as `qwen3_coder`, in a `<seed:tool_call>` region (its markers special tokens) | Seed-OSS |
 | `glm45` | `<tool_call>name` then `<arg_key>key</arg_key><arg_value>value</arg_value>` per argument, `</tool_call>`; string values bare, others JSON, typed by the tool's schema | GLM-4.5, GLM-4.6; as `glm47`, GLM-4.7 (no newlines between them) |
 | `deepseek_v3`, `deepseek_v31`, `kimi_k2` | calls between special-token markers (server/marked_calls.py) | DeepSeek-V3 / R1-0528, DeepSeek-V3.1 / V3.2, Kimi K2 |
+| `gemma4` | `<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>`, bare keys, strings between `<|"|>` markers, objects and lists nested (server/gemma4_calls.py; its markers special tokens) | Gemma 4 |
 | `openai` | harmony messages to a recipient, `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`, ended by `<|call|>` or the reply's end; with `--reasoning-parser openai_gptoss`, which puts every call in this form (server/harmony.py) | gpt-oss |
 
 A `ToolCallStream` (server/tool_stream.py) reads a reply in any of them as it grows.
@@ -27,6 +28,7 @@ import json
 import re
 from typing import Any, Literal
 
+from server.gemma4_calls import gemma4_calls
 from server.glm_calls import GlmCallReader
 from server.harmony import CALL, CALL_OPENER, MESSAGE
 from server.json_calls import JsonCallReader, NamedArgsReader, Reader
@@ -37,7 +39,7 @@ from server.tool_stream import ParsedCall, Schemas, join_calls  # noqa: F401 (im
 from server.xml_calls import MINIMAX, QWEN3_CODER, Tags, XmlCallReader, typed
 
 ParserName = Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json", "granite",
-                     "glm45", "seed_oss", "openai", "deepseek_v3", "deepseek_v31", "kimi_k2"]
+                     "glm45", "seed_oss", "openai", "deepseek_v3", "deepseek_v31", "kimi_k2", "gemma4"]
 
 
 class HermesParser(ToolParser):
@@ -278,6 +280,18 @@ class OpenAIParser(ToolParser):
         return NamedArgsReader(args_marker=MESSAGE, call_marker=CALL, name_of=name_of)
 
 
+class Gemma4Parser(ToolParser):
+    """`<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>` (server/gemma4_calls.py); a region held until whole."""
+
+    name = "gemma4"
+    openers = ("<|tool_call>",)
+    closer = "<tool_call|>"
+    keeps_special_tokens = True
+
+    def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
+        return gemma4_calls(body, schemas)
+
+
 def _recipient(header: str) -> str:
     """The call's name in a harmony call's header after `to=` (`functions.NAME <|constrain|>json`): NAME."""
     words = header.split("<|")[0].split()
@@ -288,7 +302,7 @@ PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3
                                                            Phi4MiniParser, PythonicParser, Qwen3CoderParser,
                                                            GraniteParser, Glm45Parser, SeedOssParser, OpenAIParser,
                                                            DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser,
-                                                           MiniMaxM2Parser)}
+                                                           MiniMaxM2Parser, Gemma4Parser)}
 PARSERS["qwen3_xml"] = Qwen3CoderParser  # vLLM's second name for the format
 PARSERS["glm47"] = Glm45Parser  # GLM-4.7's calls (no newlines between the name and the arguments): vLLM's name
 

@@ -67,6 +67,12 @@ CASES = [
     ("openai_gptoss", "<|channel|>final<|message|>No thoughts.", None, "No thoughts."),
     ("openai_gptoss", "Plain text, no <|channel|> header first.", None, "Plain text, no <|channel|> header first."),
     ("openai_gptoss", "<|chan", None, "<|chan"),  # no header after all: nothing is lost
+    # Gemma 4's thought channel (its label dropped), ended by its closer or by a tool call (kept for the tool parser)
+    ("gemma4", "<|channel>thought\n2 + 2 = 4.<channel|>Four.", "2 + 2 = 4.", "Four."),
+    ("gemma4", "<|channel>Unlabelled.<channel|>\nFour.", "Unlabelled.", "Four."),
+    ("gemma4", "<|channel>thought\nNeed it.<|tool_call>call:f{}<tool_call|>", "Need it.", "<|tool_call>call:f{}<tool_call|>"),
+    ("gemma4", "<|channel>thought", "thought", ""),  # (cut short before its label's newline: the label is reasoning)
+    ("gemma4", "Four, thinking off.", None, "Four, thinking off."),
 ]
 
 
@@ -97,7 +103,8 @@ def test_stream_gives_reasoning_as_it_comes():
         reasoning_parser("o1")
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         ServerConfig(reasoning_parser="o1")
-    assert sorted(REASONING_PARSERS) == ["apertus", "deepseek_r1", "deepseek_v3", "ernie45", "exaone4", "glm45", "granite",
+    assert sorted(REASONING_PARSERS) == ["apertus", "deepseek_r1", "deepseek_v3", "ernie45", "exaone4", "gemma4", "glm45",
+                                         "granite",
                                          "kimi_k2", "minimax_m2", "mistral", "olmo3", "openai_gptoss", "qwen3",
                                          "seed_oss"]
 

@@ -180,6 +180,19 @@ CASES = [
                 '{"zone": "CET", "hours": [1, 2], "dst": true}<|tool_call_end|><|tool_calls_section_end|>', "Sure.", [W, T]),
     ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
                 '{"city": "Paris"}<|tool_call_end|>', "", [W]),
+    # Gemma 4's compact calls: bare keys, strings between <|"|> markers, bare numbers and booleans, nested lists;
+    # two calls in one region or one region each; a region that is not this format is content.
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', "", [W]),
+    ("gemma4", 'Checking.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}call:get_time{zone:<|"|>CET<|"|>,'
+               'hours:[1,2],dst:true}<tool_call|>', "Checking.", [W, T]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_call>call:get_time{}'
+               '<tool_call|>', "", [W, ParsedCall("get_time", "{}")]),
+    ("gemma4", '<|tool_call>call:lookup{q:<|"|>a, {b}: [c]<|"|>,n:-2.5e1,opts:{deep:[<|"|>x<|"|>,null]},zone:CET}'
+               '<tool_call|>', "", [ParsedCall("lookup", '{"q": "a, {b}: [c]", "n": -25.0, "opts": {"deep": ["x", '
+                                              'null]}, "zone": "CET"}')]),
+    ("gemma4", '<|tool_call>call:get_time{zone:7}<tool_call|>', "", [ParsedCall("get_time", '{"zone": "7"}')]),
+    ("gemma4", '<|tool_call>get_weather(city="Paris")<tool_call|>', '<|tool_call>get_weather(city="Paris")'
+               '<tool_call|>', []),
 ]
 # The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -333,7 +346,8 @@ def test_json_that_is_not_is_refused_where_it_goes_wrong(text):
 def test_unknown_parser_is_named():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("qwen9")
-    assert sorted(PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "glm47", "granite", "hermes", "kimi_k2", "llama3_json",
+    assert sorted(PARSERS) == ["deepseek_v3", "deepseek_v31", "gemma4", "glm45", "glm47", "granite", "hermes", "kimi_k2",
+                               "llama3_json",
                                "minimax_m2", "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder",
                                "qwen3_xml", "seed_oss"]
     assert tool_parser("qwen3_xml").parse("<tool_call><function=f></function></tool_call>")[1] == [ParsedCall("f", "{}")]
