@@ -339,7 +339,7 @@ def pixels_digest(pixels: np.ndarray, size: tuple[int, int]) -> bytes:
 # The settings `--mm-processor-kwargs` may change, by processor (`ImageProcessor.from_dir`'s and the others').
 PROCESSOR_SETTINGS = {"qwen2_vl": ("min_pixels", "max_pixels", "size", "fps", "min_frames", "max_frames",
                                    "do_sample_frames"),
-                      "pixtral": ("size",), "internvl": ("crop_to_patches", "min_patches", "max_patches", "num_frames"),
+                      "pixtral": ("size",), "gemma4": ("max_soft_tokens",), "internvl": ("crop_to_patches", "min_patches", "max_patches", "num_frames"),
                       "llava": ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
                                 "pan_and_scan_min_ratio_to_activate")}
 

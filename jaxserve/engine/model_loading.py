@@ -65,11 +65,8 @@ class LoadedModel:
 
 
 def resolve_dtype(args: EngineArgs) -> Any:
-    if args.dtype == "float32":
-        return jnp.float32
-    if args.dtype == "bfloat16":
-        return jnp.bfloat16
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    chosen = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}.get(args.dtype)  # ("auto": by the backend)
+    return chosen or (jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
 def resolve_attention_backend(args: EngineArgs, head_dim: int | None = None) -> str:
@@ -152,12 +149,14 @@ def load_model(args: EngineArgs, progress: bool = True) -> LoadedModel:
 def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, path: str, tokenizer: Any) -> Any:
     """An image-text model's vision side on the default device, unless images are turned off (limit 0)."""
     from jaxserve.engine.multimodal import ImageEncoder
+    from jaxserve.engine.multimodal_gemma4 import Gemma4ImageEncoder
     from jaxserve.engine.multimodal_idefics3 import Idefics3ImageEncoder
     from jaxserve.engine.multimodal_internvl import InternVLImageEncoder
     from jaxserve.engine.multimodal_onevision import OnevisionImageEncoder
     from jaxserve.engine.multimodal_pixtral import PixtralImageEncoder, pixtral_config
     from jaxserve.engine.multimodal_qwen import QwenImageEncoder
     from jaxserve.images import ImageProcessor, preprocessor_config
+    from jaxserve.images_gemma4 import Gemma4ImageProcessor
     from jaxserve.images_idefics3 import Idefics3ImageProcessor
     from jaxserve.images_internvl import InternVLImageProcessor
     from jaxserve.images_pixtral import PixtralImageProcessor
@@ -181,6 +180,7 @@ def _image_encoder(args: EngineArgs, ckpt: Any, cfg: ModelConfig, dtype: Any, pa
     encoder, processor = {
         "pixtral": (PixtralImageEncoder, lambda: PixtralImageProcessor.from_dict(settings, vcfg.spatial_merge_size)),
         "qwen2_vl": (QwenImageEncoder, lambda: QwenImageProcessor.from_dict(settings)),
+        "gemma4": (Gemma4ImageEncoder, lambda: Gemma4ImageProcessor.from_dict(settings)),
         "internvl": (InternVLImageEncoder, lambda: InternVLImageProcessor.from_dict(
             settings, vcfg.image_size, (args.mm_processor_kwargs or {}).get("crop_to_patches", True))),
         "llava": (ImageEncoder, lambda: ImageProcessor.from_dict(settings)),

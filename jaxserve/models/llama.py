@@ -203,7 +203,8 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         backend, q, k_all, v_all,
         inputs.block_tables + row * num_pages, inputs.seq_lens, inputs.query_start_loc,
         sm_scale=cfg.sm_scale, soft_cap=cfg.attn_logit_softcap, decode=inputs.decode, kv_dtype=kv_dtype,
-        sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None, last_key=inputs.last_key,
+        sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None,
+        last_key=inputs.last_key if cfg.gemma4 is None or local else None,  # (Gemma 4's full layers: causal)
         chunk=cfg.attention_chunk if local else None,
         sinks=lp.sinks, layout=layout,
     )  # [T, Hq, D]

@@ -1,6 +1,7 @@
 """The vision towers jaxserve reads, each with how its config is found in an HF `config.json`, which tensors are
 its, and how its weights load: LLaVA's and Gemma 3's CLIP/SigLIP (`models.vision`), Qwen2-VL's
-(`models.vision_qwen2`), Pixtral's (`models.vision_pixtral`) and InternVL's (`models.vision_internvl`)."""
+(`models.vision_qwen2`), Pixtral's (`models.vision_pixtral`), InternVL's (`models.vision_internvl`) and Gemma 4's
+(`models.vision_gemma4`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from typing import Any
 import numpy as np
 
 from jaxserve.models.vision import VisionConfig, is_vision_tensor, load_vision_params, random_vision_params
+from jaxserve.models.vision_gemma4 import (
+    Gemma4VisionConfig,
+    is_gemma4_vision_tensor,
+    load_gemma4_vision_params,
+    random_gemma4_vision_params,
+)
 from jaxserve.models.vision_internvl import (
     InternVisionConfig,
     is_internvl_vision_tensor,
@@ -45,6 +52,9 @@ class Tower:
 
 # In the order they are tried: a LLaVA config with a Pixtral tower is Pixtral's.
 TOWERS = (
+    Tower("gemma4", Gemma4VisionConfig, is_gemma4_vision_tensor,
+          lambda cfg, tensors, dtype, unused: load_gemma4_vision_params(cfg, tensors, dtype),
+          random_gemma4_vision_params),
     Tower("pixtral", PixtralVisionConfig, is_pixtral_vision_tensor,
           lambda cfg, tensors, dtype, unused: load_pixtral_vision_params(cfg, tensors, dtype),
           random_pixtral_vision_params),
