@@ -45,6 +45,7 @@ class Gemma4Layers:
     ple_vocab: int = 0
     shared_layers: int = 0
     double_wide: bool = False
+    images_both_ways: bool = False  # `use_bidirectional_attention` "vision" (`engine.multimodal_gemma4`)
 
 
 def gemma4_text(d: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +94,8 @@ def gemma4_fields(d: dict[str, Any]) -> dict[str, Any]:
             ple_width=int(d.get("hidden_size_per_layer_input", 256) or 0),
             ple_vocab=int(d.get("vocab_size_per_layer_input") or 262_144),
             shared_layers=int(d.get("num_kv_shared_layers") or 0),
-            double_wide=bool(d.get("use_double_wide_mlp")) and bool(d.get("num_kv_shared_layers"))),
+            double_wide=bool(d.get("use_double_wide_mlp")) and bool(d.get("num_kv_shared_layers")),
+            images_both_ways=d.get("use_bidirectional_attention") == "vision"),
         **moe,
     )
 
@@ -172,4 +174,5 @@ def gemma4_hf(cfg: Any) -> dict[str, Any]:
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
                          "full_attention": full},
         hidden_size_per_layer_input=g.ple_width, vocab_size_per_layer_input=g.ple_vocab,
-        num_kv_shared_layers=g.shared_layers, use_double_wide_mlp=g.double_wide, torch_dtype="float32", **moe)
+        num_kv_shared_layers=g.shared_layers, use_double_wide_mlp=g.double_wide, torch_dtype="float32",
+        use_bidirectional_attention="vision" if g.images_both_ways else None, **moe)

@@ -140,3 +140,25 @@ def test_gemma4_images_through_the_engine_equal_transformers(gemma4):
         causal = _hf_greedy(model, laid, ims, both_ways=False)
         assert causal[0] != tokens or np.max(np.abs(np.subtract(causal[1], logprobs))) > 1e-3  # (the test can tell)
     engine.check_integrity()
+
+
+def test_gemma4_image_text_model_converted_reads_back(gemma4, tmp_path):
+    """`jaxserve convert`: transformers reads every weight back (the language model under `model.language_model.`,
+    the tower and projection beside it) and computes the source's logits over an image."""
+    from jaxserve.engine.model_loading import load_model
+    from jaxserve.loader.export import export_hf
+
+    path, source = gemma4
+    loaded = load_model(EngineArgs(model=path, dtype="float32"), progress=False)
+    out = str(tmp_path / "out")
+    export_hf(out, loaded.config, loaded.params, loaded.tokenizer, vision=loaded.vision)
+    back, info = transformers.Gemma4ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    image = random_image(5, SIZES[0])
+    hf = _hf_pixels([image])
+    n = int(hf["num_soft_tokens_per_image"][0])
+    ids = torch.tensor([[BOS, 10, BOI] + [IMAGE] * n + [EOI, 11]])
+    kw = dict(input_ids=ids, pixel_values=hf["pixel_values"], image_position_ids=hf["image_position_ids"],
+              mm_token_type_ids=(ids == IMAGE).long())
+    with torch.no_grad():
+        np.testing.assert_allclose(back.eval()(**kw).logits.numpy(), source(**kw).logits.numpy(), atol=1e-5)

@@ -138,3 +138,30 @@ def test_gemma4_mixed_step_compiles_for_sm90(spec, backend, form):
     seconds = _compile(loop, params, kv, decode_state(spec, S), sampling, pen, spec((), jnp.bool_),
                        triton=True, pool_bytes=pages * KVCache.bytes_per_page(cfg, RC.page_size, DTYPE))
     print(f"gemma4 {form} decode_loop S={S} {backend}: compiled for sm_90 in {seconds:.1f} s")
+
+
+@pytest.mark.gpu_compile
+def test_gemma4_vision_tower_compiles_for_sm90(spec):
+    """Gemma 4's vision tower and projection at its released shapes (16 blocks of 768, 12 heads of 64, clamped
+    projections, standardized; 2520 patches: 280 soft tokens into a 5376-wide language model), as the engine runs
+    every image: padded to the processor's most patches."""
+    from jaxserve.models.vision_gemma4 import Gemma4VisionConfig, Gemma4VisionParams, gemma4_encode
+
+    cfg = Gemma4VisionConfig.from_hf({"architectures": ["Gemma4ForConditionalGeneration"], "text_config":
+                                      {"hidden_size": 5376, "use_bidirectional_attention": "vision"},
+                                      "vision_config": {"use_clipped_linears": True, "standardize": True}})
+    L, H, F, q = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    shapes = dict(q_proj=(L, H, q), k_proj=(L, H, q), v_proj=(L, H, q), o_proj=(L, q, H), gate_proj=(L, H, F),
+                  up_proj=(L, H, F), down_proj=(L, F, H), attn_norm=(L, H), post_attn_norm=(L, H), mlp_norm=(L, H),
+                  post_mlp_norm=(L, H), q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    layers = {k: spec(s, DTYPE) for k, s in shapes.items()} | {"clips": spec((L, 7, 4), jnp.float32)}
+    params = Gemma4VisionParams(patch=spec((cfg.patch_dim, H), DTYPE),
+                                positions=spec((2, cfg.position_embedding_size, H), DTYPE), layers=layers,
+                                proj=spec((H, cfg.text_hidden_size), DTYPE), std=spec((2, H), jnp.float32))
+    N = 280 * cfg.pooling ** 2
+    def fn(p, patches, positions):
+        return gemma4_encode(p, cfg, patches, positions)
+
+    seconds = _compile(fn, params, spec((N, cfg.patch_dim), jnp.float32), spec((N, 2), jnp.int32), donate=(),
+                       triton=False)
+    print(f"gemma4 vision tower {N} patches: compiled for sm_90 in {seconds:.1f} s")
