@@ -286,8 +286,9 @@ def forward(
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x, deep = (embeds, None) if embeds is not None else _embed(params, inputs, cfg)
-        if params.ple_embed is not None:  # (Gemma 4 E2B/E4B's)
-            inputs = dataclasses.replace(inputs, per_layer=per_layer_inputs(params, cfg, inputs.token_ids, x))
+        if params.ple_embed is not None:  # (Gemma 4 E2B/E4B's; an image's tokens look up the pad token's, 0)
+            ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
+            inputs = dataclasses.replace(inputs, per_layer=per_layer_inputs(params, cfg, ids, x))
     by_window = {False: rope_tables(cfg.kind_config(False), inputs.positions, long_prompt=inputs.long_prompt,
                                     offsets=inputs.rope_offsets)}  # (Gemma 4's full layers': their own)
     by_window[True] = rope_tables(cfg, inputs.positions, local=True) if cfg.rope_local_theta else by_window[False]
