@@ -52,7 +52,8 @@ from jaxserve.models.lora import (
 )
 
 logger = logging.getLogger(__name__)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:(?:self_attn|mlp|block_sparse_moe)\.)?"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\."
+                  r"(?:(?:self_attn|mlp|block_sparse_moe)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
 # Modules under another name (Granite MoE's shared MLP and router), and fused projections as the targets they pack
 # (their B's rows in this order; one A for all): Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite's
@@ -117,7 +118,8 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
                             "MoE layer" + (f"; {cfg.family}'s: {', '.join(targets)}" if moe else "") + ")")
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
-        k, outs = dims[parts[0]][0], [dims[p][1] for p in parts]
+        own = dims if cfg.gemma4 is None else target_dims(cfg, layer)  # (Gemma 4's layers differ)
+        k, outs = own[parts[0]][0], [own[p][1] for p in parts]
         r, scale = rank(name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0])
         want = (r, k) if which == "A" else (sum(outs), r)
         if tuple(w.shape) != want:
@@ -127,13 +129,13 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
                               strict=True):
             a_field, place, b_field = targets[part]
             if which == "A":  # in its place among the down projections of the same input
-                out[a_field][layer, :, place * max_rank: place * max_rank + r] = rows.T
+                out[a_field][layer, :k, place * max_rank: place * max_rank + r] = rows.T
                 continue
             if cfg.kv_lora_rank and part in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):  # rotary rows half-split
                 rows = kv_rows(rows, cfg) if part == "kv_a_proj_with_mqa" else q_rows(rows, cfg)
             elif cfg.family in INTERLEAVED_ROPE_FAMILIES and part in ("q_proj", "k_proj"):  # as the model's were read
                 rows = halfsplit_rows(rows, cfg)
-            out[b_field][layer, :r, :] = rows.T * scale
+            out[b_field][layer, :r, :rows.shape[0]] = rows.T * scale
         seen.add((layer, module, which))
     experts_read.finish()
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
@@ -141,6 +143,8 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
     if not seen:
         raise LoRAError(f"adapter {path!r} holds no LoRA weights")
+    if kv_repeat > 1 and cfg.gemma4 is not None:
+        raise LoRAError("LoRA adapters on Gemma 4 over more devices than its KV heads are not supported")
     if kv_repeat > 1 and not cfg.kv_lora_rank:
         for f in ("b_k", "b_v"):
             b = out[f].reshape(L, max_rank, cfg.num_kv_heads, cfg.head_dim)
@@ -184,20 +188,21 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick, Jamba) are "
                         "not supported")
-    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1", "gemma4"):  # (their attention's weights held
-        # in another layout; Falcon-H1's with its multipliers folded in; Gemma 4's of two head widths)
+    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1"):  # (their attention's weights held in another
+        # layout; Falcon-H1's with its multipliers folded in)
         raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()
         lora = jax.tree.map(
             lambda x: jax.make_array_from_callback(x.shape, sh, lambda i, h=np.asarray(x): h[i]), lora)
-    k = loaded.config.first_dense_layers
     if params.dense_layers is not None and loaded.config.mamba is None:  # the dense first layers' slots apart
-        # (a hybrid model's slots, every layer's, stay in `layers`: its `dense_layers` hold MLPs alone)
+        # (Gemma 4's full-attention layers'; a hybrid model's slots, every layer's, stay in `layers`: its
+        # `dense_layers` hold MLPs alone)
+        rows = _dense_rows(loaded.config)
         params = dataclasses.replace(params, dense_layers=dataclasses.replace(
-            params.dense_layers, lora=jax.tree.map(lambda x: x[:k], lora)))
-        lora = jax.tree.map(lambda x: x[k:], lora)
+            params.dense_layers, lora=jax.tree.map(lambda x: x[rows], lora)))
+        lora = jax.tree.map(lambda x: x[~rows], lora)
     params = dataclasses.replace(params, layers=dataclasses.replace(params.layers, lora=lora))
     return dataclasses.replace(loaded, params=params)
 
@@ -263,7 +268,7 @@ class LoraManager:
 
     def _place(self, name: str, slot: int) -> None:
         e = self.engine
-        e.runner.params = _set_slot(e.runner.params, slot, self._host_weights(name))
+        e.runner.params = _set_slot(e.runner.params, slot, self._host_weights(name), e.model.config)
         e.model = dataclasses.replace(e.model, params=e.runner.params)
         self.slots[slot] = name
 
@@ -309,7 +314,7 @@ class LoraManager:
             slot = self.slots.index(name)
             e = self.engine
             e.runner.params = _set_slot(e.runner.params, slot, read_shapes(e.model.config, self.max_rank,
-                                                                           np.dtype(e.model.dtype)))
+                                                                           np.dtype(e.model.dtype)), e.model.config)
             e.model = dataclasses.replace(e.model, params=e.runner.params)
             self.slots[slot] = None
         for registry in (self.paths, self._weights, self._last_use):
@@ -333,7 +338,12 @@ class LoraManager:
         return {"lora_name": name, "cache_salt": lora_cache_salt(name, cache_salt)}
 
 
-def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
+def _dense_rows(cfg: ModelConfig) -> np.ndarray:
+    """Which layers' slots `Params.dense_layers` holds (its dense first layers, Gemma 4's full-attention ones)."""
+    return np.array([cfg.dense_layer(i) for i in range(cfg.num_layers)])
+
+
+def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray], cfg: ModelConfig) -> Any:
     """`params` with adapter slot `slot` of every layer set to `arrays` (stacked or per-layer layouts; each field's
     slots at its `SLOT_AXIS`)."""
     def put(old: jax.Array, f: str, stacked: bool, host: np.ndarray) -> jax.Array:
@@ -346,16 +356,16 @@ def _set_slot(params: Any, slot: int, arrays: dict[str, np.ndarray]) -> Any:
             f: put(getattr(lp.lora, f), f, False, arrays[f][i]) for f in arrays})) for i, lp in enumerate(params.layers))
         return jax.block_until_ready(dataclasses.replace(params, layers=layers))
 
-    def stack(layers: Any, first: int) -> Any:  # the stack of layers `first` on
-        n = layers.lora.a_qkv.shape[0]
+    def stack(layers: Any, rows: np.ndarray) -> Any:  # the stack of layers `rows`
         return dataclasses.replace(layers, lora=LoraLayer(**{
-            f: put(getattr(layers.lora, f), f, True, arrays[f][first:first + n]) for f in arrays}))
+            f: put(getattr(layers.lora, f), f, True, arrays[f][rows]) for f in arrays}))
 
-    dense = params.dense_layers  # a model's dense first layers, stacked apart, with their slots (not a hybrid's)
+    dense = params.dense_layers  # a model's dense layers, stacked apart, with their slots (not a hybrid's)
     dense = None if dense is None or dense.lora is None else dense
+    rows = _dense_rows(cfg) if dense is not None else np.zeros(cfg.num_layers, bool)
     return jax.block_until_ready(dataclasses.replace(
-        params, dense_layers=params.dense_layers if dense is None else stack(dense, 0),
-        layers=stack(params.layers, 0 if dense is None else dense.lora.a_qkv.shape[0])))
+        params, dense_layers=params.dense_layers if dense is None else stack(dense, rows),
+        layers=stack(params.layers, ~rows)))
 
 
 def lora_fields(manager: LoraManager | None, lora: LoRARequest | str | None, cache_salt: str | None) -> dict:

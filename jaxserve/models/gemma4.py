@@ -4,6 +4,7 @@ last layers attending over an earlier layer's pages."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -101,3 +102,23 @@ def shared_kv(cfg: ModelConfig, layer: jax.Array, local: bool, slots: jax.Array,
     source = max(i for i in range(first) if kinds[i] == local)
     shared = layer >= first
     return jnp.where(shared, source, layer), jnp.where(shared, 0, slots + layer * pages)
+
+
+def lora_dims(cfg: ModelConfig, layer: int | None, dims_of) -> dict[str, tuple[int, int]]:
+    """LoRA targets' (in, out) features (`lora.target_dims`, passed as `dims_of`) of Gemma 4's `layer` (its kind's
+    attention; a double-wide MLP where it shares keys), or with None the widest of every layer's."""
+    first = cfg.num_layers - cfg.gemma4.shared_layers
+    wide = lambda c, twice: dataclasses.replace(c, gemma4=None,  # noqa: E731 (a kind's own, as any model's)
+                                                 intermediate_size=c.intermediate_size * (1 + twice))
+    if layer is not None:
+        return dims_of(wide(cfg.kind_config(cfg.is_local(layer)), cfg.gemma4.double_wide and layer >= first))
+    kinds = [dims_of(wide(cfg.kind_config(local), cfg.gemma4.double_wide)) for local in (True, False)]
+    return {t: (max(k[t][0] for k in kinds), max(k[t][1] for k in kinds)) for t in kinds[0]}
+
+
+def kind_lora(cfg: ModelConfig, lora: Any) -> Any:
+    """A layer's adapter slots (held at the widest kind's widths) cut to its kind's attention: q, k and v's B's
+    outputs and o's A's inputs."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return dataclasses.replace(lora, b_q=lora.b_q[..., :q], b_k=lora.b_k[..., :kv], b_v=lora.b_v[..., :kv],
+                               a_o=lora.a_o[..., :q, :])

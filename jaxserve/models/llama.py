@@ -17,6 +17,7 @@ from jaxserve.models.gemma4 import (
     experts_beside,
     fill_rows,
     full_pool_view,
+    kind_lora,
     per_layer_inputs,
     shared_kv,
     value_norm,
@@ -75,6 +76,8 @@ def _layer(
     lp, layer = xs
     cfg = cfg.kind_config(local)  # (Gemma 4's full-attention layers attend with their own head width and rotary)
     lora = lp.lora if inputs.lora_slots is not None else None  # adapter slots, in a LoRA engine's step
+    if lora is not None and cfg.gemma4 is not None:  # (Gemma 4's held at the widest kind's widths)
+        lora = kind_lora(cfg, lora)
 
     h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm, lp.attn_norm_b)
     if mixer is not NO_MIXER:  # (a hybrid model's layer of an MLP alone has none)
@@ -164,7 +167,8 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         v = k if lp.wv is None else project(h, lp.wv, heads)  # [T, Hkv, D] (Gemma 4's keys as values)
     if lora is not None:
         dq, dk, dv = lora_deltas(h, lora.a_qkv, [lora.b_q, lora.b_k, lora.b_v], inputs.lora_slots)
-        q, k, v = q + dq.reshape(q.shape), k + dk.reshape(k.shape), v + dv.reshape(v.shape)
+        q, k = q + dq.reshape(q.shape), k + dk.reshape(k.shape)
+        v = k if lp.wv is None and lp.wqkv is None else v + dv.reshape(v.shape)  # (Gemma 4's keys as values)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     gate = None

@@ -109,8 +109,13 @@ class LoraLayer:
     b_kvb: Any = None
 
 
-def target_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each target projection, by HF module name (`TARGETS`, `moe_targets`)."""
+def target_dims(cfg: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each target projection, by HF module name (`TARGETS`, `moe_targets`); of Gemma 4 (whose
+    layers differ), those of `layer`, or (None) the widest of any layer's, which its slots hold (`gemma4.kind_lora`)."""
+    if cfg.gemma4 is not None and not cfg.gemma4.full_layers:
+        from jaxserve.models.gemma4 import lora_dims
+
+        return lora_dims(cfg, layer, target_dims)
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
     Fs = cfg.shared_expert_intermediate_size
