@@ -273,6 +273,14 @@ class ImageProcessor:
         return out
 
 
+def checked_patches(patches: np.ndarray, patch_dim: int) -> np.ndarray:
+    """A processor's flattened patches [n, patch_dim], refused by their shape if the tower cannot take them."""
+    if patches.ndim != 2 or patches.shape[1] != patch_dim:
+        raise ImageError(f"the image processor made patches of shape {patches.shape}; the vision tower takes "
+                         f"{patch_dim} values a patch")
+    return patches
+
+
 def scaled_pixels(image, size: tuple[int, int], resample: int, rescale: float | None,
                   mean: tuple[float, ...] | None, std: tuple[float, ...]) -> np.ndarray:
     """A PIL image resized to (height, width) `size` (when it differs) with `resample`, as float32 pixels [C, H, W],

@@ -137,10 +137,9 @@ def assert_same_greedy(got, expected, atol: float = 2e-4) -> None:
         np.testing.assert_allclose(lps, want_lps, atol=atol)
 
 
-def tiny_engine(cfg, params, loop: str = "auto", prefix_caching: bool = False, backend: str = "auto", **extra):
+def tiny_engine(cfg, params, loop: str = "auto", prefix_caching: bool = False, backend: str = "auto"):
     """An engine over a tiny model's float32 `params`: 4 sequences, 16 tokens a step (prompts prefill in chunks), 24
-    pages of 8 tokens, 4 decode steps a call; `loop`: its layers stacked ("scan") or unrolled; `extra`: other
-    `EngineArgs`."""
+    pages of 8 tokens, 4 decode steps a call; `loop`: its layers stacked ("scan") or unrolled."""
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.model_loading import LoadedModel
     from jaxserve.engine_args import EngineArgs
@@ -150,5 +149,5 @@ def tiny_engine(cfg, params, loop: str = "auto", prefix_caching: bool = False, b
     args = EngineArgs(attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                       page_size=8, kv_cache_memory_bytes=24 * KVCache.bytes_per_page(cfg, 8, jnp.float32),
                       num_scheduler_steps=4, dtype="float32", warmup=False, compile_cache_dir=None, layer_loop=loop,
-                      enable_prefix_caching=prefix_caching, **extra)
+                      enable_prefix_caching=prefix_caching)
     return LLMEngine(args, loaded=loaded, progress=False)

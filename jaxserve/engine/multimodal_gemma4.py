@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.image_prompt import ImagePrompt
-from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, cache_key
-from jaxserve.images import ImageError
+from jaxserve.engine.multimodal import ImageEncoder, PreparedImage
+from jaxserve.images import checked_patches
 from jaxserve.images_gemma4 import Gemma4ImageProcessor
 from jaxserve.models.vision_gemma4 import Gemma4VisionConfig, gemma4_encode, gemma4_vision_tensors
 
@@ -47,18 +46,11 @@ class Gemma4ImageEncoder(ImageEncoder):
                                           (self.processor.pooling * self.processor.patch_size,) * 2, b""))
         return time.perf_counter() - t0
 
-    def views(self, image: PreparedImage) -> list[PreparedImage]:
-        return [image]
-
     def num_tokens(self, image: PreparedImage) -> int:
         return self.processor.soft_tokens(image.size)
 
     def pixels(self, image: Any) -> np.ndarray:
-        patches = self.processor(image)
-        if patches.ndim != 2 or patches.shape[1] != self.cfg.patch_dim:
-            raise ImageError(f"the image processor made patches of shape {patches.shape}; the vision tower takes "
-                             f"{self.cfg.patch_dim} values a patch")
-        return patches
+        return checked_patches(self.processor(image), self.cfg.patch_dim)
 
     def expand(self, ids: Sequence[int], counts: Sequence[Sequence[int]]) -> tuple[list[int], list[tuple[int, int]]]:
         """Each `<|image|>` as `<|image>`, the image's soft tokens and `<image|>`."""
@@ -77,12 +69,6 @@ class Gemma4ImageEncoder(ImageEncoder):
             out.extend([cfg.image_token_id] * n + [cfg.eoi_token_id])
             prev = i + 1
         return out + list(ids[prev:]), spans
-
-    def prompt(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], ImagePrompt]:
-        images = [self.prepare(image) for image in images]
-        out, spans = self.layout(ids, images)
-        return out, ImagePrompt(spans, [cache_key(im.digest) for im in images], self.cfg.bidirectional, images,
-                                self._embeds)
 
     def _encode_pixels(self, image: PreparedImage) -> np.ndarray:
         """The image's soft tokens [n, E]: the tower over its patches padded to the processor's most."""

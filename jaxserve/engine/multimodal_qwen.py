@@ -28,7 +28,7 @@ from jaxserve.engine.image_prompt import ImagePrompt
 from jaxserve.engine.multimodal import ImageEncoder, PreparedImage, PreparedVideo, cache_key
 from jaxserve.engine.placeholders import expand_by_kind, expand_media
 from jaxserve.engine.video_qwen3 import frames_of, timestamped
-from jaxserve.images import ImageError, pixels_digest
+from jaxserve.images import checked_patches, pixels_digest
 from jaxserve.images_qwen2 import QwenImageProcessor
 from jaxserve.models.vision_qwen2 import (
     QwenVisionConfig,
@@ -78,11 +78,7 @@ class QwenImageEncoder(ImageEncoder):
 
     def pixels(self, image: Any) -> np.ndarray:
         """One image (read) as the tower's flattened patches [t * h * w, C * T * P * P]."""
-        patches = self.processor(image)
-        if patches.ndim != 2 or patches.shape[1] != self.cfg.patch_dim:
-            raise ImageError(f"the image processor made patches of shape {patches.shape}; the vision tower takes "
-                             f"{self.cfg.patch_dim} values a patch")
-        return patches
+        return checked_patches(self.processor(image), self.cfg.patch_dim)
 
     def prepare_video(self, source: Any) -> PreparedVideo:
         """A video (anything `videos.load_video` reads) read, its frames sampled and processed."""
