@@ -28,7 +28,7 @@ import json
 import re
 from typing import Any, Literal
 
-from server.gemma4_calls import gemma4_calls
+from server.gemma4_calls import Gemma4CallReader, gemma4_calls
 from server.glm_calls import GlmCallReader
 from server.harmony import CALL, CALL_OPENER, MESSAGE
 from server.json_calls import JsonCallReader, NamedArgsReader, Reader
@@ -281,7 +281,7 @@ class OpenAIParser(ToolParser):
 
 
 class Gemma4Parser(ToolParser):
-    """`<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>` (server/gemma4_calls.py); a region held until whole."""
+    """`<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>` (server/gemma4_calls.py)."""
 
     name = "gemma4"
     openers = ("<|tool_call>",)
@@ -290,6 +290,9 @@ class Gemma4Parser(ToolParser):
 
     def parse_region(self, opener: str, body: str, schemas: Schemas) -> list[ParsedCall] | None:
         return gemma4_calls(body, schemas)
+
+    def reader(self, opener: str, head: str, schemas: Schemas) -> Reader:
+        return Gemma4CallReader(schemas)
 
 
 def _recipient(header: str) -> str:

@@ -193,6 +193,14 @@ CASES = [
     ("gemma4", '<|tool_call>call:get_time{zone:7}<tool_call|>', "", [ParsedCall("get_time", '{"zone": "7"}')]),
     ("gemma4", '<|tool_call>get_weather(city="Paris")<tool_call|>', '<|tool_call>get_weather(city="Paris")'
                '<tool_call|>', []),
+    # ... a JSON-quoted string, bare text that begins as the string marker does, empty containers, spaces; text
+    # after a call is content; a call cut short is closed where it stands.
+    ("gemma4", '<|tool_call> call:get_time{ zone : "C\\"E\\u0054" , hours:[ ], dst:{}}\ncall:get_weather{city:<Paris>}'
+               '<tool_call|>', "", [ParsedCall("get_time", '{"zone": "C\\"ET", "hours": [], "dst": {}}'),
+                                    ParsedCall("get_weather", '{"city": "<Paris>"}')]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}oops<tool_call|>', "oops<tool_call|>", [W]),
+    ("gemma4", 'Sure.<|tool_call>call:get_time{hours:[1,<|"|>2', "Sure.",
+     [ParsedCall("get_time", '{"hours": [1, "2"]}')]),
 ]
 # The tools' parameter schemas, which `qwen3_coder` types its values by (the other formats write JSON).
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
@@ -255,6 +263,19 @@ def test_deepseek_v31_and_kimi_k2_stream_a_calls_arguments():
         assert s.feed(f'{sep}{{"text": "line one') == ("", [CallDelta(0, "write", '{"text": "line one')]), name
         assert s.feed('\\nline two"}' + end) == ("", [CallDelta(0, None, '\\nline two"}')]), name
         assert s.finish() == ("", []), name
+
+
+def test_gemma4_streams_strings_and_gives_bare_values_whole():
+    """A call goes out with its `{`, a `<|"|>` string as it is written (all but what may be its closing marker),
+    a bare value once it ends, typed by the tool's schema."""
+    s = tool_parser("gemma4").stream(SCHEMAS)
+    assert s.feed("Checking.<|tool_call>call:get_ti") == ("Checking.", [])
+    assert s.feed('me{zone:<|"|>Central "Eu') == ("", [CallDelta(0, "get_time", '{"zone": "Central \\"Eu')])
+    assert s.feed('rope<|"') == ("", [CallDelta(0, None, "rope")])
+    assert s.feed('|>,hours:[1') == ("", [CallDelta(0, None, '", "hours": [')])
+    assert s.feed(",2],dst:tr") == ("", [CallDelta(0, None, '1, 2], "dst": ')]), "a bare value once it ends"
+    assert s.feed("ue}<tool_call|>Done.") == ("Done.", [CallDelta(0, None, "true}")])
+    assert s.finish() == ("", [])
 
 
 def test_glm45_streams_string_values_and_gives_typed_ones_whole():
