@@ -56,7 +56,7 @@ def quantize_kv(x: jax.Array, page_dtype) -> jax.Array:
 
 def check_attention_args(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key=None,
-    sinks=None, attention_chunk=None,
+    sinks=None, attention_chunk=None, kv_copies=1,
 ) -> None:
     """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
     if q.ndim != 3:
@@ -78,6 +78,9 @@ def check_attention_args(
         raise ValueError(f"head_dim of q ({head_dim}) differs from head_dim of the pages ({kv_head_dim})")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if kv_copies < 1 or num_kv_heads % kv_copies:
+        raise ValueError(f"kv_copies ({kv_copies}) must divide the pages' {num_kv_heads} KV heads (each head held "
+                         f"kv_copies times over)")
     if num_pages < 1:
         raise ValueError("k_pages must hold at least the scratch page 0")
     if block_tables.ndim != 2:

@@ -43,12 +43,7 @@ from pallas_kernels.ragged_attention_args import (
 from pallas_kernels.ragged_attention_reference import ragged_paged_attention_reference
 
 # Re-exported: the backend switch and the tests import the reference and the checks from here.
-__all__ = [
-    "AttentionTuning",
-    "check_attention_args",
-    "ragged_paged_attention",
-    "ragged_paged_attention_reference",
-]
+__all__ = ["AttentionTuning", "check_attention_args", "ragged_paged_attention", "ragged_paged_attention_reference"]
 
 # Hopper SM count: the split heuristic aims at a couple of programs per SM.
 _TARGET_PROGRAMS = 2 * 132
@@ -115,8 +110,10 @@ def _attention_kernel(
     use_mma: bool,
     has_last: bool,
     has_sinks: bool,
+    kv_copies: int,
 ):
-    """One program: one block of query tokens of one sequence, one KV head with its whole query-head group.
+    """One program: one block of query tokens of one sequence, one KV head with its whole query-head group (the
+    pool's head `kv_head * kv_copies`: the first copy of it).
     With `has_last`, the first of `refs` holds each row's last visible key (`last_key` laid out as the rows); with
     `has_sinks`, the next holds each row's attention-sink logit (applied here, or in `combine_splits`)."""
     refs = list(refs)
@@ -157,8 +154,9 @@ def _attention_kernel(
         slot = jnp.minimum(kv_pos // page_size, pages_per_seq - 1)
         page = jnp.clip(block_tables_ref[seq, slot], 0, num_pages - 1)  # page ids read from the table
         offset = kv_pos % page_size
-        ks = [k_pages_ref[page, offset, kv_head, pl.ds(o, w)] for o, w in pieces]  # [block_kv, w] each
-        vs = [v_pages_ref[page, offset, kv_head, pl.ds(o, w)] for o, w in pieces]
+        head = kv_head * kv_copies
+        ks = [k_pages_ref[page, offset, head, pl.ds(o, w)] for o, w in pieces]  # [block_kv, w] each
+        vs = [v_pages_ref[page, offset, head, pl.ds(o, w)] for o, w in pieces]
         if use_mma and ks[0].dtype != qs[0].dtype:  # narrower pages (float8): tensor-core dots in q's dtype
             ks, vs = [k.astype(qs[0].dtype) for k in ks], [v.astype(qs[0].dtype) for v in vs]
         # Stale pages may hold anything; zero V past the sequence so 0 * garbage cannot poison the sum.
@@ -182,11 +180,8 @@ def _attention_kernel(
             pv = [jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1) for v in vs]
         return tuple(a * alpha[:, None] + x for a, x in zip(acc, pv, strict=True)), m_next, l_next
 
-    init = (
-        tuple(jnp.zeros((rows, w), jnp.float32) for _, w in pieces),
-        jnp.full((rows,), M_FLOOR, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    init = (tuple(jnp.zeros((rows, w), jnp.float32) for _, w in pieces), jnp.full((rows,), M_FLOOR, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
     acc, m, denom = lax.fori_loop(start, stop, body, init)
     store_rows(out_refs, acc, m, denom, num_splits, None if sink_ref is None else sink_ref[...], pieces)
 
@@ -217,7 +212,7 @@ def _triton_params(num_warps: int, num_stages: int):
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "attention_chunk",
-                                             "interpret", "tuning", "decode"))
+                                             "interpret", "tuning", "decode", "kv_copies"))
 def ragged_paged_attention(
     q,
     k_pages,
@@ -235,19 +230,24 @@ def ragged_paged_attention(
     tuning: AttentionTuning = AttentionTuning(),
     decode: bool = False,
     attention_chunk: int | None = None,
+    kv_copies: int = 1,
 ) -> jax.Array:
     """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
     [QH]: each head's attention-sink logit (gpt-oss), a share of each softmax carrying no value (every kernel
     here takes them). `decode` (static): the caller promises at most one query token per sequence (an engine's
     decode loop), so a call that goes to the Mosaic GPU decode kernel holds that kernel alone, not a branch for
-    prefill chunks beside it. `attention_chunk`: Llama 4's chunked attention (no key before a token's chunk)."""
+    prefill chunks beside it. `attention_chunk`: Llama 4's chunked attention (no key before a token's chunk).
+    `kv_copies` (static): the pages hold each KV head that many times over, as heads h * kv_copies to
+    h * kv_copies + kv_copies - 1 (Gemma 4's full-attention rows); this kernel reads one copy, the Mosaic ones and the
+    reference read them all (the same keys, each query head its own copy: the same result, more bytes)."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
-        sinks, attention_chunk,
+        sinks, attention_chunk, kv_copies,
     )
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, page_size, pool_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = block_tables.shape
+    num_kv_heads = pool_heads // kv_copies
     group = num_q_heads // num_kv_heads
     if head_dim % 16:
         raise ValueError(f"the Pallas kernel needs head_dim a multiple of 16 (read in power-of-two parts of 16 or "
@@ -263,22 +263,22 @@ def ragged_paged_attention(
 
         # Each kind of batch goes to its Mosaic GPU kernel where the tuning asks for it and the kernel takes the
         # shapes (the two kernels' SMEM sums differ: 256-wide heads fit only the warp-specialized prefill).
+        pool_group = num_q_heads // pool_heads  # (they read every copy)
         decode_on = tuning.decode_lowering == "mosaic" and mosaic_decode_supported(
-            q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype) is None
+            q.dtype, head_dim, page_size, pool_group, kv_dtype=k_pages.dtype) is None
         prefill = tuning.prefill_lowering == "mosaic" and ragged_mosaic_supported(
-            q.dtype, head_dim, page_size, group, kv_dtype=k_pages.dtype, interpret=interpret) is None
+            q.dtype, head_dim, page_size, pool_group, kv_dtype=k_pages.dtype, interpret=interpret) is None
         if decode_on or prefill:
             return _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale=sm_scale,
                               soft_cap=soft_cap, sliding_window=sliding_window, attention_chunk=attention_chunk,
-                              last_key=last_key, sinks=sinks,
+                              last_key=last_key, sinks=sinks, kv_copies=kv_copies,
                               interpret=interpret, tuning=tuning, decode_on_mosaic=decode_on, prefill_on_mosaic=prefill,
                               decode_only=decode)
 
     block_q, rows, use_mma, block_kv, splits, num_warps = _resolve_tuning(
         tuning, num_tokens, num_seqs, num_kv_heads, group, pages_per_seq * page_size, head_dim)
-    num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(
-        seq_lens, query_start_loc, num_tokens, block_q
-    )
+    num_blocks, meta, gather_tok, tok_block, tok_row, tok_valid = block_layout(seq_lens, query_start_loc, num_tokens,
+                                                                              block_q)
 
     qb = queries_to_blocks(q, gather_tok, num_kv_heads, rows)  # [NB, KVH, rows, D]
 
@@ -293,8 +293,7 @@ def ragged_paged_attention(
         chunk=None if attention_chunk is None else int(attention_chunk),
         num_splits=splits,
         use_mma=use_mma,
-        has_last=last_key is not None,
-        has_sinks=sinks is not None,
+        has_last=last_key is not None, has_sinks=sinks is not None, kv_copies=kv_copies,
     )
     # Metadata, block tables and the page pools are whole-array refs: pages are gathered inside the kernel.
     in_specs = [
@@ -350,8 +349,8 @@ def ragged_paged_attention(
 
 
 def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale, soft_cap, sliding_window,
-               attention_chunk, last_key, sinks, interpret, tuning, decode_on_mosaic: bool, prefill_on_mosaic: bool,
-               decode_only: bool = False):
+               attention_chunk, last_key, sinks, kv_copies, interpret, tuning, decode_on_mosaic: bool,
+               prefill_on_mosaic: bool, decode_only: bool = False):
     """Decode batches (at most one query token per sequence) on the Mosaic GPU decode kernel, batches with
     prefill chunks on the ragged Mosaic GPU kernel (their decode tokens on the decode kernel with
     `tuning.split_mixed`), each where `*_on_mosaic` says, else this file's kernel. `last_key` (clamped) matters
@@ -366,7 +365,7 @@ def _on_mosaic(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, 
 
     def general():
         return ragged_paged_attention(*args, **scores, last_key=last_key, sinks=sinks, interpret=interpret,
-                                      tuning=general_tuning)
+                                      tuning=general_tuning, kv_copies=kv_copies)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     tok_seq, _, valid = token_metadata(seq_lens, query_start_loc, num_tokens)

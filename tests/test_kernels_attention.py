@@ -456,3 +456,30 @@ def test_chunked_attention(tuning, sliding_window):
         xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, chunk=12, query_block=query_block,
                                                    decode=decode))(*args))
         np.testing.assert_allclose(xla[:n], ref[:n], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("tuning", [
+    AttentionTuning(block_q=4, block_kv=16),  # prompt chunks on tensor-core rows
+    AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8),  # decode rows, the KV walk split
+])
+def test_kernel_reads_one_copy_of_each_kv_head(tuning):
+    """Pages holding each KV head twice over (Gemma 4's full-attention rows, head h as heads 2h and 2h + 1): with
+    `kv_copies=2` the kernel reads the first copies only (the second ones are NaN here) and equals the reference over
+    the heads held once; the reference over the doubled heads equals it too; copies that do not divide the pages'
+    heads are refused."""
+    rng = np.random.default_rng(27)
+    batch = make_batch(rng, page_size=8, head_dim=32, group=4, num_kv_heads=2, dtype=jnp.float32,
+                       seqs=[(1, 19), (9, 20), (1, 1), (13, 16), (1, 12)], pages_per_seq=4)
+    rest = (batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    kw = dict(sm_scale=0.3, sliding_window=None)
+    ref = np.asarray(ragged_paged_attention_reference(batch.q, batch.k_pages, batch.v_pages, *rest, **kw))
+    doubled = [jnp.repeat(p, 2, axis=2) for p in (batch.k_pages, batch.v_pages)]
+    n = batch.num_real_tokens
+    both = np.asarray(ragged_paged_attention_reference(batch.q, *doubled, *rest, **kw))
+    np.testing.assert_allclose(both[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    poisoned = [p.at[:, :, 1::2].set(jnp.nan) for p in doubled]
+    got = np.asarray(ragged_paged_attention(batch.q, *poisoned, *rest, **kw, kv_copies=2, interpret=_interpret(),
+                                            tuning=tuning))
+    np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match=r"kv_copies \(3\) must divide the pages' 4 KV heads"):
+        ragged_paged_attention(batch.q, *doubled, *rest, **kw, kv_copies=3, interpret=True)

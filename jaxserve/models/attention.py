@@ -371,26 +371,28 @@ def paged_attention(
     sinks: jax.Array | None = None,
     layout=None,
     chunk: int | None = None,
+    kv_copies: int = 1,
 ) -> jax.Array:
     """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
     pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
     `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`); `chunk`:
-    Llama 4's chunked attention (a query sees no key before its chunk of positions)."""
+    Llama 4's chunked attention (a query sees no key before its chunk of positions); `kv_copies`: the pools hold each
+    KV head that many times over (Gemma 4's full-attention rows): the Pallas kernel reads one where it can."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, chunk=chunk,
                                           decode=decode, kv_dtype=kv_dtype, last_key=last_key, sinks=sinks, **kwargs)
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
-
         lowering = "mosaic" if backend.startswith("pallas_mosaic") else "triton"
         tuning = AttentionTuning(decode_lowering=lowering, prefill_lowering=lowering)
 
         def kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, sinks):
             return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           interpret=backend.endswith("_interpret"), tuning=tuning, last_key=last_key,
-                                          sinks=sinks, decode=decode, attention_chunk=chunk, **kwargs)
+                                          sinks=sinks, decode=decode, attention_chunk=chunk, **kwargs,
+                                          kv_copies=kv_copies if k_pages.shape[2] % kv_copies == 0 else 1)
 
         return on_head_shards(layout, kernel, q, (k_pages, v_pages),
                               (block_tables, seq_lens, query_start_loc, last_key), (sinks,))

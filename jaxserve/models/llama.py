@@ -179,10 +179,11 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         k = qk_norm(cfg, k, lp.k_norm)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
-    pool = k_all.shape
+    pool, copies = k_all.shape, 1
     if cfg.gemma4 is not None:  # values normed; a full-attention layer's pages viewed as its heads, each row filled
         v = value_norm(v, cfg)
         k_all, v_all = full_pool_view(k_all, cfg.head_dim), full_pool_view(v_all, cfg.head_dim)
+        copies = k_all.shape[-2] // k.shape[1]
         k, v = fill_rows(k, v, k_all.shape[-2])
     if cfg.rope_qk_norm and lp.q_norm is not None:  # (Hunyuan's: after the rotation)
         q, k = qk_norm(cfg, q, lp.q_norm), qk_norm(cfg, k, lp.k_norm)
@@ -210,7 +211,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         sliding_window=cfg.sliding_window if cfg.layer_types is None or local else None,
         last_key=inputs.last_key if cfg.gemma4 is None or local else None,  # (Gemma 4's full layers: causal)
         chunk=cfg.attention_chunk if local else None,
-        sinks=lp.sinks, layout=layout,
+        sinks=lp.sinks, layout=layout, kv_copies=copies,
     )  # [T, Hq, D]
     if scaled:
         attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
