@@ -249,7 +249,7 @@ def main() -> int:
         rows = [(llama, "decode", 32, 1024), (llama, "prefill", 1, 2048), (llama, "fp8", 32, 1024),
                 (llama, "fp8_prefill", 1, 1024), (llama, "mixed", 4, 1024), (llama, "drafts", 2, 1024),
                 (llama, "window", 2, 8192), (WIDE, "images", 1, 1024), (GPT_OSS, "sinks", 2, 1024),
-                (GPT_OSS, "sinks", 1, 1024)]
+                (GPT_OSS, "sinks", 1, 1024), (GEMMA4, "decode", 2, 1024)]
     print("decode: bytes = K+V read + q/out, % of copy bandwidth; prefill (one sequence, causal): bytes = K+V +"
           " q/out, FLOP/s against the matmul rate; fp8: float8_e4m3fn pages, K+V read at 1 byte")
     fns_by_model = {h.name: kernels(h) for h in MODELS + (WIDE, GPT_OSS, PHI3, MIMO, GEMMA4)}
