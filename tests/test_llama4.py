@@ -103,3 +103,37 @@ def test_llama4_maverick_layers_match_transformers(tmp_path):
     assert rel_err(prompt_logits(cfg, unstack_layers(params, cfg=cfg), ids), ref) < 1e-4
     assert_written_back(tmp_path, cfg, params)
     assert _greedy(tiny_engine(cfg, params, "scan")) == [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_llama4_adapters_equal_peft(tmp_path):
+    """A LoRA adapter on the attention (q, k, v, o) and the shared expert (gate, up, down; under `feed_forward.` in
+    Llama 4's names) equals PEFT's, prompt logprobs and greedy tokens, in one batch with the base model; one on the
+    experts is refused by name."""
+    import torch
+    import transformers
+
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.lora_manager import LoRAError
+    from jaxserve.engine_args import EngineArgs
+    from tests.fake_model import save_fake_tokenizer
+    from tests.test_lora import ARGS, VOCAB, _adapter, adapter_equals_peft
+
+    base = str(tmp_path / "base")
+    save_tiny_hf("Llama4TextConfig", base, vocab_size=VOCAB, **TINY)
+    save_fake_tokenizer(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert any(".feed_forward.shared_expert.up_proj." in n for n, _ in peft_model.named_modules())
+    from jaxserve.engine.lora_manager import _KEY  # (the image-text model's names too)
+
+    assert _KEY.match("base_model.model.language_model.model.layers.3.feed_forward.shared_expert.up_proj.lora_B.weight"
+                      ).groups() == ("3", "shared_expert.up_proj", "B")
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),), **ARGS), progress=False)
+    adapter_equals_peft(engine, peft_model, "all", 7, atol=3e-5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    _adapter(hf, str(tmp_path / "experts"), 6, r=2, target_modules=[],
+             target_parameters=["feed_forward.experts.down_proj"])
+    with pytest.raises(LoRAError, match="experts"):
+        engine.loras.load("experts", str(tmp_path / "experts"))
+    engine.check_integrity()

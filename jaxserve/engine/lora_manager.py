@@ -52,8 +52,8 @@ from jaxserve.models.lora import (
 )
 
 logger = logging.getLogger(__name__)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\."
-                  r"(?:(?:self_attn|mlp|block_sparse_moe)\.)?"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
+                  r"(?:(?:self_attn|mlp|block_sparse_moe|feed_forward)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
 # Modules under another name (Granite MoE's shared MLP and router), and fused projections as the targets they pack
 # (their B's rows in this order; one A for all): Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, Granite's
