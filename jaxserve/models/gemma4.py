@@ -52,12 +52,11 @@ def full_pool_view(pool: jax.Array, head_dim: int) -> jax.Array:
     return pool if d == head_dim else pool.reshape(*lead, h * d // head_dim, head_dim)
 
 
-def fill_rows(k: jax.Array, v: jax.Array, pool_heads: int) -> tuple[jax.Array, jax.Array]:
-    """A layer's keys and values [T, Hkv, D], each head repeated to fill a pool row of `pool_heads` heads of D (head h
-    as heads h * r to h * r + r - 1: the query heads of head h read one of its copies, or the Pallas kernel, told
-    `kv_copies`, the first only)."""
-    r = pool_heads // k.shape[1]
-    return (k, v) if r == 1 else (jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1))
+def fill_rows(k: jax.Array, v: jax.Array, copies: int) -> tuple[jax.Array, jax.Array]:
+    """A layer's keys and values [T, Hkv, D], each head written `copies` times to fill a pool row of Hkv * copies heads
+    of D (head h as heads h * copies to h * copies + copies - 1: the query heads of head h read one of its copies, or
+    the Pallas kernel, told `kv_copies`, the first only)."""
+    return (k, v) if copies == 1 else (jnp.repeat(k, copies, axis=1), jnp.repeat(v, copies, axis=1))
 
 
 def value_norm(v: jax.Array, cfg: ModelConfig) -> jax.Array:

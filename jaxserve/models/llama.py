@@ -184,7 +184,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         v = value_norm(v, cfg)
         k_all, v_all = full_pool_view(k_all, cfg.head_dim), full_pool_view(v_all, cfg.head_dim)
         copies = k_all.shape[-2] // k.shape[1]
-        k, v = fill_rows(k, v, k_all.shape[-2])
+        k, v = fill_rows(k, v, copies)
     if cfg.rope_qk_norm and lp.q_norm is not None:  # (Hunyuan's: after the rotation)
         q, k = qk_norm(cfg, q, lp.q_norm), qk_norm(cfg, k, lp.k_norm)
     elif cfg.rope_qk_norm and rope:  # (Llama 4's: no weight, its rotated layers only)
