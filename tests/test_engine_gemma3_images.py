@@ -173,7 +173,7 @@ def test_gemma3_chat(gemma3):
     path, model = gemma3
     a, b = random_image(11), random_image(12, (50, 25))
     llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=128, page_size=8, dtype="float32",
-              warmup=False, compile_cache_dir=None)
+              warmup=False, compile_cache_dir=None, kv_cache_memory_bytes=2**22)
     conversation = [{"role": "user", "content": [{"type": "image_pil", "image_pil": a}, {"type": "text", "text": "t30"},
                                                  {"type": "image_pil", "image_pil": b}]}]
     got = llm.chat(conversation, GREEDY, use_tqdm=False)[0]

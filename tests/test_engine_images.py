@@ -261,7 +261,7 @@ def test_chat_with_images(llava, tmp_path):
     a, b = random_image(11), random_image(12, (50, 25))
     b.save(tmp_path / "b.png")
     llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=8, dtype="float32",
-              warmup=False, compile_cache_dir=None, allowed_local_media_path=str(tmp_path))
+              warmup=False, compile_cache_dir=None, kv_cache_memory_bytes=2**22, allowed_local_media_path=str(tmp_path))
     words = "t5 t6 t7"
     conversation = [{"role": "user", "content": [
         {"type": "image_pil", "image_pil": a}, {"type": "text", "text": words},
@@ -446,7 +446,7 @@ def test_beam_search_with_images(llava):
 
     path, model = llava
     llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, page_size=8, dtype="float32",
-              warmup=False, compile_cache_dir=None)
+              warmup=False, compile_cache_dir=None, kv_cache_memory_bytes=2**22)
     params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
     prompt, images, words = PROMPTS[0], IMAGES[0], text(9, 5)
     got = llm.beam_search([{"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, words], params)

@@ -19,7 +19,7 @@ from tests.fake_model import fake_loaded_model
 from tests.modelrun import drain
 
 ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, page_size=8, num_scheduler_steps=4,
-            compile_cache_dir=None, warmup=False)
+            compile_cache_dir=None, warmup=False, kv_cache_memory_bytes=2**20)
 PROMPT = [5, 6, 7]
 BIAS = {40: 2.0, 41: 1.0}  # ties broken: after the next token, 40 then 41 (the rest all at -15)
 

@@ -130,3 +130,20 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_pool_of_millions_of_pages_starts_and_checks_what_it_handed_out():
+    """Pages never handed out are the ids from a high-water mark up, taken in order before any page given back
+    (as a free list of every page would hand them out), and no owner may claim one."""
+    pool = PagePool(num_pages=8_000_000, page_size=8)
+    assert pool.num_free == 7_999_999 and pool.allocate(3) == [1, 2, 3]
+    pool.decref([2])
+    assert pool.allocate(2) == [4, 5] and pool.num_free == 7_999_995
+    pool.check_integrity([[1], [3], [4, 5]])
+    with pytest.raises(IntegrityError, match="page 7, which was never handed out"):
+        pool.check_integrity([[1], [3], [4, 5], [7]])
+    small = PagePool(num_pages=4, page_size=8)
+    assert small.allocate(3) == [1, 2, 3]
+    small.decref([3])
+    small.decref([1])
+    assert small.allocate(2) == [3, 1]  # given back in that order, nothing fresh left

@@ -149,7 +149,7 @@ def test_an_aborted_requests_response_is_cached_as_far_as_it_got():
     from tests.fake_model import fake_loaded_model
 
     engine = LLMEngine(EngineArgs(max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64, page_size=8,
-                                  warmup=False, speculative_config={"method": "suffix"}),
+                                  kv_cache_memory_bytes=2**20, warmup=False, speculative_config={"method": "suffix"}),
                        loaded=fake_loaded_model(), progress=False)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     engine.add_request("a", [5, 6, 7], params)

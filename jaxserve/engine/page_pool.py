@@ -41,6 +41,12 @@ class PagePool:
     ``decref`` drops one and returns the page to the free list at zero. Freed
     pages are reused last (FIFO), which makes a stale page id more likely to be
     caught by the cache-content checks in the tests than silently reused.
+
+    Pages never handed out are not listed: they are the ids from a high-water
+    mark up, taken in order before any freed page (as a free list of every page
+    in order would give them). A pool of millions of pages (a small model's
+    share of a large device) so starts at once, and ``check_integrity`` walks
+    only the pages handed out so far.
     """
 
     def __init__(self, num_pages: int, page_size: int = 16) -> None:
@@ -51,7 +57,8 @@ class PagePool:
         self._num_pages = num_pages
         self._page_size = page_size
         self._refcount = [0] * num_pages
-        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
+        self._fresh = 1  # pages from here up were never handed out (free, in order)
+        self._free: collections.deque[int] = collections.deque()  # pages given back, in the order they were
 
     @property
     def num_pages(self) -> int:
@@ -71,12 +78,12 @@ class PagePool:
     @property
     def num_free(self) -> int:
         """Pages free now."""
-        return len(self._free)
+        return len(self._free) + self._num_pages - self._fresh
 
     @property
     def num_used(self) -> int:
         """Pages with at least one owner."""
-        return self.num_usable_pages - len(self._free)
+        return self.num_usable_pages - self.num_free
 
     @property
     def usage(self) -> float:
@@ -89,15 +96,17 @@ class PagePool:
 
     def can_allocate(self, n: int) -> bool:
         """Whether ``allocate(n)`` would succeed now."""
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with refcount 1; raises ``OutOfPages`` (taking none) if short."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
-        if n > len(self._free):
-            raise OutOfPages(n, len(self._free))
-        pages = [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfPages(n, self.num_free)
+        fresh = min(n, self._num_pages - self._fresh)
+        pages = list(range(self._fresh, self._fresh + fresh)) + [self._free.popleft() for _ in range(n - fresh)]
+        self._fresh += fresh
         for page in pages:
             self._refcount[page] = 1
         return pages
@@ -136,9 +145,11 @@ class PagePool:
         """Raise ``IntegrityError`` unless refcounts equal the owner counts and free/used partition the pool.
 
         ``owners`` holds one page list per owner (each request's page table and
-        each cache node's pages); a page must not appear twice in one owner.
+        each cache node's pages); a page must not appear twice in one owner. Walks
+        the pages handed out so far (those above the high-water mark have never
+        had an owner, and none may claim one).
         """
-        expected = [0] * self._num_pages
+        expected = [0] * self._fresh
         for pages in owners:
             pages = list(pages)
             if len(set(pages)) != len(pages):
@@ -146,13 +157,17 @@ class PagePool:
             for page in pages:
                 if not 0 < page < self._num_pages:
                     raise IntegrityError(f"owner holds invalid page {page}")
+                if page >= self._fresh:
+                    raise IntegrityError(f"owner holds page {page}, which was never handed out")
                 expected[page] += 1
         free = set(self._free)
         if len(free) != len(self._free):
             raise IntegrityError("a page is in the free list twice")
         if NULL_PAGE in free or self._refcount[NULL_PAGE] != 0:
             raise IntegrityError("the reserved page 0 was handed out or freed")
-        for page in range(1, self._num_pages):
+        if any(page >= self._fresh for page in free):
+            raise IntegrityError("the free list holds a page that was never handed out")
+        for page in range(1, self._fresh):
             if self._refcount[page] != expected[page]:
                 raise IntegrityError(
                     f"page {page}: refcount {self._refcount[page]} but {expected[page]} owners"
