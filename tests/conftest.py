@@ -60,7 +60,8 @@ def _release_compiled_code():
 
     counts = memory_mappings()
     if counts is not None and counts[0] > counts[1] // 2:
-        gc.collect()
+        # The caches hold the executables whoever holds their functions; one collection after frees the rest (one
+        # before as well freed no more: three tiny engines' 7,725 mappings to 561 either way, in 0.54 s against 0.37).
         jax.clear_caches()
         gc.collect()
 

@@ -57,7 +57,6 @@ def main(process_id: int, port: int) -> None:
         "logits": logits, "broadcast": message, "init_s": t_init,
         "big_broadcast": [big["from"], len(big["blob"]), big["blob"][:4]],
     }
-    found.update(serve(process_id))
     found.update(serve_draft(process_id))
     found.update(serve_lora(process_id, port))
     found.update(serve_images(process_id))
@@ -65,24 +64,6 @@ def main(process_id: int, port: int) -> None:
     found["total_s"] = time.perf_counter() - t0
     print(RESULT_PREFIX + json.dumps(found), flush=True)
     jax.distributed.shutdown()
-
-
-def serve(process_id: int) -> dict:
-    """Both processes run a TP=2 engine over the 2-process mesh in lock-step; process 0 takes the requests."""
-    from jaxserve.engine_args import EngineArgs
-    from jaxserve.sampling_params import SamplingParams
-    from sharding.distributed import LockstepEngine
-    from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, dense_config
-
-    # One sequence at a time: fewer shape buckets for each process to compile at warmup.
-    args = EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 1}, tensor_parallel_size=2, strict_compile=True)
-    engine = LockstepEngine(args, loaded=_tiny_loaded(dense_config()), progress=False)
-    if process_id == 0:
-        for i, p in enumerate(PROMPTS[:2]):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    finished = engine.run_until_idle()
-    return {"tokens": [finished[str(i)].outputs[0].token_ids for i in range(2)] if finished else [],
-            "engine_compiles_after_warmup": engine.stats().compilations_after_warmup}
 
 
 def serve_hybrid(process_id: int) -> dict:
