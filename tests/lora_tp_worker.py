@@ -66,4 +66,6 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    print(RESULT_PREFIX + json.dumps(main()), flush=True)
+    with tempfile.TemporaryDirectory() as scratch:  # the adapter it writes goes, and goes away, with it
+        tempfile.tempdir = scratch
+        print(RESULT_PREFIX + json.dumps(main()), flush=True)

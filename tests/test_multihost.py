@@ -28,10 +28,10 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> list[dict]:
-    port = free_port()
+def cluster(tmp_path_factory) -> list[dict]:
+    port, workdir = free_port(), str(tmp_path_factory.mktemp("cluster"))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost_worker", str(i), str(port)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_multihost_worker", str(i), str(port), workdir], cwd=ROOT,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = []

@@ -1,6 +1,7 @@
 """One process of a 2-process CPU cluster on 127.0.0.1 (see tests/test_multihost.py).
 
-Run as `python -m tests.test_multihost_worker PROCESS_ID PORT`; prints its findings as JSON.
+Run as `python -m tests.test_multihost_worker PROCESS_ID PORT WORKDIR`; prints its findings as JSON. Files it
+writes (checkpoints, adapters) go under WORKDIR, which the parent test owns.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 RESULT_PREFIX = "RESULT:"
 
 
-def main(process_id: int, port: int) -> None:
+def main(process_id: int, port: int, workdir: str) -> None:
     import os
     import time
 
@@ -25,6 +26,7 @@ def main(process_id: int, port: int) -> None:
     from tests.test_sharding_worker import _steps, dense_config
 
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser("~/.cache/jaxserve/jax-tests"))
+    share_cpu_compile_cache()
     t0 = time.perf_counter()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
@@ -58,12 +60,26 @@ def main(process_id: int, port: int) -> None:
         "big_broadcast": [big["from"], len(big["blob"]), big["blob"][:4]],
     }
     found.update(serve_draft(process_id))
-    found.update(serve_lora(process_id, port))
-    found.update(serve_images(process_id))
+    found.update(serve_lora(process_id, workdir))
+    found.update(serve_images(process_id, workdir))
     found.update(serve_hybrid(process_id))
     found["total_s"] = time.perf_counter() - t0
     print(RESULT_PREFIX + json.dumps(found), flush=True)
     jax.distributed.shutdown()
+
+
+def share_cpu_compile_cache() -> None:
+    """Give both processes one compilation cache key per program, so process 1 reads what process 0 wrote.
+
+    JAX writes the persistent cache from process 0 only, and on the CPU each process's key hashes its own topology
+    fingerprint (on GPUs the key is made the same on every process), so process 1 missed every entry and compiled
+    every program again on each run: about 70 s of CPU. Hashing the device kinds instead (JAX's own fallback for
+    backends without a topology) makes the keys equal; the executables are the ones JAX itself shares between hosts.
+    """
+    from jax._src import cache_key
+
+    if hasattr(cache_key, "_hash_accelerator_config") and hasattr(cache_key, "_hash_devices"):
+        cache_key._hash_accelerator_config = cache_key._hash_devices
 
 
 def serve_hybrid(process_id: int) -> dict:
@@ -118,11 +134,9 @@ def lora_requests(adapter_b: str) -> list[tuple[str, object]]:
     return [("a", "a"), ("base", None), ("b", LoRARequest("b", 2, adapter_b))]
 
 
-def serve_lora(process_id: int, port: int) -> dict:
+def serve_lora(process_id: int, workdir: str) -> dict:
     """The lock-step TP=2 engine with LoRA adapters: one known at start-up (each process reads its own copy),
     one loaded when a request names it on process 0 (the others load it from the same path)."""
-    import tempfile
-
     from jaxserve.engine_args import EngineArgs
     from jaxserve.sampling_params import SamplingParams
     from sharding.distributed import LockstepEngine
@@ -130,9 +144,9 @@ def serve_lora(process_id: int, port: int) -> dict:
     from tests.test_sharding_worker import ENGINE_ARGS, PROMPTS, _tiny_loaded, dense_config
 
     cfg = dense_config()
-    own = f"{tempfile.mkdtemp()}/a"
+    own = f"{workdir}/p{process_id}/a"
     tiny_adapter(cfg, own, seed=1)
-    shared = f"{tempfile.gettempdir()}/jaxserve-multihost-lora-{port}/b"
+    shared = f"{workdir}/b"
     if process_id == 0:  # written before process 0 takes the request that names it
         tiny_adapter(cfg, shared, seed=2)
     args = EngineArgs(**{**ENGINE_ARGS, "max_num_seqs": 1}, tensor_parallel_size=2, strict_compile=True,
@@ -162,17 +176,15 @@ IMAGE_ENGINE_ARGS = dict(max_num_seqs=1, max_num_batched_tokens=16, max_model_le
                          warmup=False)
 
 
-def serve_images(process_id: int) -> dict:
+def serve_images(process_id: int, workdir: str) -> dict:
     """A LLaVA model (each process saves the same seeded copy) on the lock-step TP=2 engine: process 0 reads the
     images, the other process gets their pixels in the step message and encodes them on its own device."""
-    import tempfile
-
     from jaxserve.engine_args import EngineArgs
     from jaxserve.sampling_params import SamplingParams
     from sharding.distributed import LockstepEngine
     from tests.llava_model import save_tiny_llava
 
-    path = tempfile.mkdtemp()
+    path = f"{workdir}/p{process_id}/llava"
     save_tiny_llava(path)
     engine = LockstepEngine(EngineArgs(model=path, tensor_parallel_size=2, **IMAGE_ENGINE_ARGS), progress=False)
     if process_id == 0:
@@ -185,4 +197,4 @@ def serve_images(process_id: int) -> dict:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

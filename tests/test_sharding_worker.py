@@ -899,4 +899,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:  # what the cases write goes, and goes away, with it
+        tempfile.tempdir = scratch
+        main(sys.argv[1:])
