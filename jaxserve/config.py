@@ -295,7 +295,7 @@ class ModelConfig:
     @property
     def output_norms(self) -> bool:
         """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2, AFMoE)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4", "afmoe", "olmo_hybrid", *POST_NORM_FAMILIES)
+        return self.family in (*GEMMA_FAMILIES, "glm4", "afmoe", "olmo_hybrid", "lfm3", *POST_NORM_FAMILIES)
 
     @property
     def input_norms(self) -> bool:
@@ -319,15 +319,15 @@ class ModelConfig:
         return self.family not in ("arcee", "apertus", "nemotron_h", "jais2")
 
     @property
-    def attn_output_gate(self) -> bool:
-        """Whether attention's output is gated per channel by the sigmoid of a second query projection (each head's
-        gate after its query in `wq`'s last axis: Qwen3-Next's; AFMoE's `gate_proj` read there)."""
-        return self.family in (*GATED_DELTA_FAMILIES, "afmoe")
+    def attn_gate_width(self) -> int:
+        """Each head's output gated by the sigmoid of this many more query outputs (after its query in `wq`'s last
+        axis): one a channel (Qwen3-Next's; AFMoE's `gate_proj`), one for all (LFM3's `g_proj`); 0: no gate."""
+        return 1 if self.family == "lfm3" else self.head_dim if self.family in (*GATED_DELTA_FAMILIES, "afmoe") else 0
 
     @property
     def q_head_dim(self) -> int:
         """A head's outputs of the query projection: its query, then its gate where attention's output is gated."""
-        return self.head_dim * (2 if self.attn_output_gate else 1)
+        return self.head_dim + self.attn_gate_width
 
     @property
     def expert_width(self) -> int:

@@ -3,7 +3,7 @@
 
 Three of four layers windowed and rotated, the global ones unrotated (NoPE); q and k normed per head; attention's
 output gated per channel by the sigmoid of its own projection (`self_attn.gate_proj`, read beside each head's query:
-`ModelConfig.attn_output_gate`); a norm before and after each of attention and the MLP (Gemma's places, plain
+`ModelConfig.attn_gate_width`); a norm before and after each of attention and the MLP (Gemma's places, plain
 weights); dense first layers (`num_dense_layers`), then experts chosen by sigmoid score plus a bias (`expert_bias`),
 renormalized and scaled by `route_scale`, beside always-on shared experts; muP's embeddings times sqrt(hidden_size)
 where `mup_enabled`.

@@ -191,29 +191,6 @@ def smollm3_no_rope_layers(d: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(x) for x in d.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)])
 
 
-def rope_scaling_hf(rs: Any) -> dict[str, Any]:
-    """A `rope.RopeScaling` (not "default") as an HF config's `rope_scaling`."""
-    if rs.rope_type == "factors":
-        raise UnsupportedModelError("rope frequency factors (a GGUF file's rope_freqs) have no HF config form")
-    scaling: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor}
-    if rs.rope_type == "llama3":
-        scaling.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor,
-                       original_max_position_embeddings=rs.original_max_position_embeddings)
-    if rs.rope_type == "longrope":
-        scaling.update(short_factor=list(rs.short_factor or ()), long_factor=list(rs.long_factor or ()),
-                       original_max_position_embeddings=rs.original_max_position_embeddings,
-                       attention_factor=rs.attention_factor)
-    if rs.rope_type == "yarn":
-        scaling.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
-                       original_max_position_embeddings=rs.original_max_position_embeddings)
-        if not rs.truncate:
-            scaling["truncate"] = False
-        for key in ("mscale", "mscale_all_dim", "attention_factor"):
-            if getattr(rs, key) is not None:
-                scaling[key] = getattr(rs, key)
-    return scaling
-
-
 def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     """A MoE family's ModelConfig fields from its HF config."""
     fields: dict[str, Any] = dict(
@@ -356,7 +333,7 @@ def olmo3_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 def olmo3_hf(cfg: Any) -> dict[str, Any]:
     """An OLMo 3 model's own HF config keys (the inverse of `olmo3_fields`)."""
-    full = rope_scaling_hf(cfg.rope_scaling) if cfg.rope_scaling.rope_type != "default" else {"rope_type": "default"}
+    full = cfg.rope_scaling.to_hf() if cfg.rope_scaling.rope_type != "default" else {"rope_type": "default"}
     return {"layer_types": list(cfg.layer_types or ()), "rope_parameters": {
         "full_attention": {**full, "rope_theta": cfg.rope_theta},
         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta or cfg.rope_theta}}}

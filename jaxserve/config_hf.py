@@ -117,15 +117,17 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rotary_dim is not None:
         d["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     if cfg.rope_scaling.rope_type != "default":
-        d["rope_scaling"] = fields.rope_scaling_hf(cfg.rope_scaling)
+        d["rope_scaling"] = cfg.rope_scaling.to_hf()
     if cfg.kv_lora_rank:  # (its rotary dims are its own key)
         del d["partial_rotary_factor"]
         d.update(mla_hf(cfg))
     if cfg.mrope_section is not None:  # (no model has both)
         d["rope_scaling"] = {"rope_type": "default", "mrope_section": list(cfg.mrope_section),
                              **({"mrope_interleaved": True} if cfg.mrope_interleaved else {})}
-    if cfg.family == "lfm2":
-        d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers")} | lfm2_hf(cfg)
+    if cfg.family in ("lfm2", "lfm3"):  # (LFM3's rotary embeddings by layer kind: `rope_parameters`)
+        drop = ("decoder_sparse_step", "mlp_only_layers") + (("rope_scaling", "rope_theta") if cfg.family == "lfm3"
+                                                             else ())
+        d = {k: v for k, v in d.items() if k not in drop} | lfm2_hf(cfg)
     if cfg.family in GATED_DELTA_FAMILIES:
         d = {k: v for k, v in d.items() if k not in ("decoder_sparse_step", "mlp_only_layers") or cfg.family == "qwen3_next"
              } | qwen3_next_hf(cfg)

@@ -16,7 +16,7 @@ from jaxserve.config_olmo_hybrid import olmo_hybrid
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next
 from jaxserve.errors import UnsupportedModelError
 
-HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", *GATED_DELTA_FAMILIES,
+HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm3", *GATED_DELTA_FAMILIES,
                                     "olmo_hybrid", "falcon_h1", "jamba")
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;

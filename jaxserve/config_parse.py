@@ -27,6 +27,7 @@ from jaxserve.config_gemma4 import gemma4_fields, gemma4_text
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa, granite_swa_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_jamba import jamba_moe_fields
+from jaxserve.config_lfm2 import lfm3_fields
 from jaxserve.config_llama4 import llama4_fields, llama4_moe_fields, llama4_text
 from jaxserve.config_mamba import HYBRID_FAMILIES, hybrid_config, mamba_config
 from jaxserve.config_mimo import FAMILY as MIMO
@@ -75,7 +76,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         if family in GEMMA_FAMILIES else (
         fields.PER_LAYER_FIELDS[family](d) if family in fields.PER_LAYER_FIELDS else llama4_fields(d)
         if family == "llama4" else afmoe_layer_fields(d) if family == "afmoe" else mimo_layer_fields(d)
-        if family == MIMO else granite_swa_fields(d) if family in GRANITE_SWA_FAMILIES else {})  # (layers that differ)
+        if family == MIMO else granite_swa_fields(d) if family in GRANITE_SWA_FAMILIES else lfm3_fields(d)
+        if family == "lfm3" else {})  # (layers that differ)
     if gemma or family == "cohere2_moe":
         sliding = d.get("sliding_window")
     quant = d.get("quantization_config") or {}
@@ -92,11 +94,12 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     if family == GEMMA4:  # (the full-attention layers' rotary: `ModelConfig.gemma4`)
         rope_params = {"rope_theta": gemma.pop("rope_theta")}
     rope_dict = rope_params if isinstance(rope_params, dict) else {}
-    partial = float(rope_dict.get("partial_rotary_factor") or d.get("partial_rotary_factor")
+    proportional = rope_dict.get("rope_type") == "proportional"  # (its partial factor is not the rotary dims')
+    partial = float((None if proportional else rope_dict.get("partial_rotary_factor")) or d.get("partial_rotary_factor")
                     or (0.5 if family in (*GLM_FAMILIES, "glm4_moe") else 1.0))
     if family in ERNIE_FAMILIES:
         fields.check_ernie(family, d)
-    scaling = RopeScaling.from_hf(rope_params, max_pos)
+    scaling = RopeScaling.from_hf(rope_params, max_pos, head_dim)
     rope_theta = d.get("rope_theta", 500000.0 if family in ERNIE_FAMILIES else None)
     if isinstance(rope_params, dict) and rope_params.get("rope_theta") is not None:  # transformers 5's form
         rope_theta = rope_params["rope_theta"]
@@ -123,7 +126,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
                   and bool(d.get("mlp_bias", family == "jais2")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
-                           *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
+                           "lfm3", *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,

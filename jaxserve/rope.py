@@ -41,10 +41,18 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any] | None, max_position_embeddings: int) -> RopeScaling:
+    def from_hf(cls, d: dict[str, Any] | None, max_position_embeddings: int, head_dim: int = 0) -> RopeScaling:
+        """HF's `rope_scaling` (or a `rope_parameters` entry); "proportional" (Gemma 4's, LFM3's: the leading
+        `partial_rotary_factor` of each head's pairs turned at the frequencies of the whole `head_dim`, the rest not)
+        as "factors" that divide the frequencies of the pairs left unturned by infinity."""
         if not d:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default"))
+        if rope_type == "proportional" and head_dim > 0:
+            turned = int(float(d.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+            factor = float(d.get("factor", 1.0))
+            return cls(rope_type="factors", freq_factors=tuple(factor if i < turned else math.inf
+                                                               for i in range(head_dim // 2)))
         if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise UnsupportedModelError(
                 f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
@@ -66,6 +74,33 @@ class RopeScaling:
             kwargs.setdefault("attention_factor",
                               1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
         return cls(rope_type=rope_type, **kwargs)
+
+    def to_hf(self) -> dict[str, Any]:
+        """This scaling (not "default") as an HF config's `rope_scaling` (the inverse of `from_hf`); "factors" only
+        where they are "proportional" ones (the same divisor for each of the leading pairs, infinity for the rest:
+        a GGUF file's `rope_freqs` have no HF form)."""
+        if self.rope_type == "factors":
+            factors = self.freq_factors or ()
+            turned = [f for f in factors if f != math.inf]
+            if not turned or len(set(turned)) != 1 or math.inf in factors[:len(turned)]:
+                raise UnsupportedModelError("rope frequency factors (a GGUF file's rope_freqs) have no HF config form")
+            return {"rope_type": "proportional", "partial_rotary_factor": len(turned) / len(factors),
+                    **({"factor": turned[0]} if turned[0] != 1.0 else {})}
+        scaling: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type in ("llama3", "longrope", "yarn"):
+            scaling["original_max_position_embeddings"] = self.original_max_position_embeddings
+        if self.rope_type == "llama3":
+            scaling.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
+        if self.rope_type == "longrope":
+            scaling.update(short_factor=list(self.short_factor or ()), long_factor=list(self.long_factor or ()),
+                           attention_factor=self.attention_factor)
+        if self.rope_type == "yarn":
+            scaling.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+            if not self.truncate:
+                scaling["truncate"] = False
+            scaling.update({k: getattr(self, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                            if getattr(self, k) is not None})
+        return scaling
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], arch: str, max_pos: int,

@@ -44,7 +44,8 @@ def test_afmoe_config(tiny):
     assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention", "sliding_attention")
     assert cfg.no_rope_layers == (1, 1, 1, 0, 1) and cfg.sliding_window == 8
     assert (cfg.shared_expert_intermediate_size, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (24, 2.5, True)
-    assert cfg.attn_output_gate and cfg.output_norms and cfg.embedding_multiplier == math.sqrt(cfg.hidden_size)
+    assert cfg.attn_gate_width == cfg.head_dim and cfg.output_norms
+    assert cfg.embedding_multiplier == math.sqrt(cfg.hidden_size)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     with pytest.raises(UnsupportedModelError, match="AFMoE with attention_bias"):
         ModelConfig.from_hf({**cfg.to_hf(), "attention_bias": True})

@@ -55,7 +55,7 @@ def test_config_reads_the_deltanet_layers(qwen):
     m = cfg.mamba
     assert (m.kind, m.layers, cfg.attention_layers, m.num_heads, m.head_dim, m.state_size, m.n_groups) == (
         "gated_delta", (0, 2, 3), (1,), 4, 12, 8, 2)
-    assert (cfg.rotary_dims, cfg.q_head_dim, cfg.qk_norm, cfg.attn_output_gate) == (4, 32, True, True)
+    assert (cfg.rotary_dims, cfg.q_head_dim, cfg.qk_norm, cfg.attn_gate_width) == (4, 32, True, 16)
     # q, k (2 x 2 x 8), v, z (2 x 4 x 12), b, a (4 each): one projection; its gated norm one head wide
     assert params.mamba_layers.m_in.shape == (3, 64, 32 + 96 + 8) and params.mamba_layers.m_norm.shape == (3, 12)
     assert params.mamba_layers.m_d is None and params.attn_layers.wq.shape == (1, 64, 4, 32)

@@ -816,6 +816,12 @@ def case_hybrid() -> dict:
                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                 attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
                 mamba_dt_rank=8, max_position_embeddings=512), ep=True),
+            # LFM3: each head's one gate channel split with its query, its windowed layers beside the full one.
+            "lfm3": _tp_tokens(args, dict(
+                architectures=["Lfm3ForCausalLM"], model_type="lfm3", vocab_size=64, hidden_size=64,
+                num_hidden_layers=4, layer_types=["conv", "sliding_attention", "full_attention", "sliding_attention"],
+                num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96, sliding_window=8,
+                conv_L_cache=3, max_position_embeddings=512)),
             "gemma4": _tp_tokens(args, GEMMA4_MOE, ep=True), "gemma4_small": _tp_tokens(args, GEMMA4_SMALL)}
 
 

@@ -188,8 +188,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick, Jamba) are "
                         "not supported")
-    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1"):  # (their attention's weights held in another
-        # layout; Falcon-H1's with its multipliers folded in)
+    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1", "lfm3"):  # (their attention's weights held in
+        # another layout; Falcon-H1's with its multipliers folded in)
         raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy

@@ -89,7 +89,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         del t["input_layernorm.weight"]
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
-    if cfg.family in (*GEMMA_FAMILIES, "afmoe"):  # a norm before and after each of attention and the MLP
+    if cfg.family in (*GEMMA_FAMILIES, "afmoe", "lfm3"):  # a norm before and after each of attention and the MLP
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
@@ -155,9 +155,10 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
               "post_mlp_layernorm.weight": ("layers.post_mlp_norm", ident, (E,))}
     if cfg.attention_sinks:
         t["self_attn.sinks"] = ("layers.sinks", ident, (Hq,))
-    if cfg.family == "afmoe":  # its output gate's own projection, read beside each head's query (`wq`'s last axis)
+    if cfg.family in ("afmoe", "lfm3"):  # the output gate's own projection, read beside each head's query (`wq`)
+        G = cfg.attn_gate_width  # (LFM3's `g_proj` is `gate_proj` in its checkpoints)
         t["self_attn.q_proj.weight"] = ("layers.wq", proj_in(Hq), (Hq * D, E), (0, D))
-        t["self_attn.gate_proj.weight"] = ("layers.wq", proj_in(Hq), (Hq * D, E), (D, 2 * D))
+        t["self_attn.gate_proj.weight"] = ("layers.wq", proj_in(Hq, G), (Hq * G, E), (D, D + G))
     if cfg.kv_cache_scales:  # scalars; stored as [] or [1]
         t |= {f"self_attn.{k}_scale": (f"layers.{k}_scale", lambda s: s.reshape(()), ()) for k in "kv"}
     if cfg.kv_lora_rank:  # DeepSeek's latent attention in place of q, k, v
@@ -243,8 +244,7 @@ def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[
         return granite_experts(name, tensor, cfg)
     if cfg.family in GRANITE_SHARED_FAMILIES and GRANITE_SHARED_RE.match(name):
         return granite_shared(name, tensor, cfg)
-    # (gpt-oss's, Qwen3-VL-MoE's and Qwen3.5-MoE's experts: packed)
-    if cfg.family in _PACKED_EXPERTS and GPT_OSS_EXPERTS_RE.match(name):
+    if cfg.family in _PACKED_EXPERTS and GPT_OSS_EXPERTS_RE.match(name):  # (gpt-oss's, Qwen3-VL-MoE's, Qwen3.5-MoE's)
         return gpt_oss_experts(name, tensor, cfg)
     if cfg.kv_lora_rank and KV_B_RE.match(name):
         return split_kv_b(name, tensor, cfg)

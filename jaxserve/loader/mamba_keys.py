@@ -91,8 +91,8 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
             return (path, transform, shape, m.layers.index(layer), *cols)
         if rest.startswith("self_attn.") and not m.parallel:
             return None
-    if spec is not None and rest.startswith("self_attn."):
-        return ("attn_" + spec[0], *spec[1:], cfg.attention_layers.index(layer))
+    if spec is not None and rest.startswith("self_attn."):  # (the index on the stack after the shape, then columns)
+        return ("attn_" + spec[0], *spec[1:3], cfg.attention_layers.index(layer), *spec[3:])
     if spec is not None and (m.no_mlp or cfg.num_dense_layers) and field in MLP_FIELDS:  # (the MLPs stacked apart)
         return ("dense_" + spec[0], *spec[1:], cfg.stack_index(layer, True)) if cfg.num_experts and cfg.dense_layer(
             layer) else ("mlp_" + spec[0], *spec[1:], apart_mlp_layers(cfg).index(layer))
@@ -148,7 +148,8 @@ def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
     """A Bamba, Nemotron-H, LFM2 or OLMo Hybrid tensor's name as a hybrid model's layer holds it (Nemotron-H's, LFM2's
     and OLMo Hybrid's by `cfg`: Nemotron-H's blocks paired into layers); other names as they are."""
     family = None if cfg is None else cfg.family
-    return nemotron_name(name, cfg) if family == "nemotron_h" else lfm2_name(name) if family == "lfm2" \
+    return nemotron_name(name, cfg) if family == "nemotron_h" else lfm2_name(name, lfm3=family == "lfm3") \
+        if family in ("lfm2", "lfm3") \
         else olmo_hybrid_name(name) if family == "olmo_hybrid" else bamba_name(name)
 
 
@@ -163,8 +164,8 @@ def hybrid_written(pairs: Iterator[tuple[str, np.ndarray]], cfg: ModelConfig) ->
 
 def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
     """The inverse of `hybrid_name`: a tensor name as the model's own checkpoints spell it."""
-    if cfg.family == "lfm2":
-        return lfm2_name(name, to_hf=True)
+    if cfg.family in ("lfm2", "lfm3"):
+        return lfm2_name(name, to_hf=True, lfm3=cfg.family == "lfm3")
     return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n),
             "falcon_h1": lambda n, _: bamba_hf_name(n), "jamba": lambda n, _: bamba_hf_name(n)}.get(
         cfg.family, lambda n, _: n)(name, cfg)
@@ -179,10 +180,16 @@ LFM2_NAMES = {"feed_forward.expert_bias": "mlp.gate.e_score_correction_bias", "f
               "conv.in_proj.": "mamba.in_proj.", "conv.conv.": "mamba.conv1d.", "conv.out_proj.": "mamba.out_proj."}
 
 
-def lfm2_name(name: str, to_hf: bool = False) -> str:
-    """An LFM2 tensor's name as a hybrid model's layer holds it (Llama's and the Mamba layers' names), or back
-    (`to_hf`); other names as they are."""
-    top, modules = {"model.embedding_norm.weight": "model.norm.weight"}, LFM2_NAMES
+# LFM3's norms: Gemma's four names (its attention's modules already Llama's).
+LFM3_NAMES = {**{k: v for k, v in LFM2_NAMES.items() if not k.startswith("self_attn.")},
+              "ffn_norm.": "pre_feedforward_layernorm.", "post_operator_norm.": "post_attention_layernorm.",
+              "post_ffn_norm.": "post_feedforward_layernorm."}
+
+
+def lfm2_name(name: str, to_hf: bool = False, lfm3: bool = False) -> str:
+    """An LFM2 (`lfm3`: LFM3) tensor's name as a hybrid model's layer holds it (Llama's and the Mamba layers'
+    names), or back (`to_hf`); other names as they are."""
+    top, modules = {"model.embedding_norm.weight": "model.norm.weight"}, LFM3_NAMES if lfm3 else LFM2_NAMES
     if to_hf:
         top, modules = {v: k for k, v in top.items()}, {v: k for k, v in modules.items()}
     if name in top:

@@ -172,7 +172,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     gate = None
-    if cfg.attn_output_gate:  # (each head's gate after its query)
+    if cfg.attn_gate_width:  # (each head's gate after its query: one per channel, or one for all)
         q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
     if lp.q_norm is not None and not cfg.rope_qk_norm:
         q = qk_norm(cfg, q, lp.q_norm)
@@ -350,8 +350,8 @@ def forward(
                 *cfg.layer_kind(layer), attn_inputs if layer == 0 else None), carry, jnp.int32(layer))
     elif cfg.mamba is not None:  # a hybrid model's attention and Mamba layers, unrolled
         carry, conv, ssm = hybrid_layers(cfg, params, carry, kv.conv, kv.ssm, inputs, lambda i, lp, c, j, mixer: _layer(
-            cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype, False,
-            mixer=mixer)[0], chunked=backend != "xla", keep=kept.keep)
+            cfg, backend, inputs, *tables[cfg.layer_kind(i)], c, (lp, jnp.int32(j)), layout, kv_dtype,
+            *cfg.layer_kind(i), mixer=mixer)[0], chunked=backend != "xla", keep=kept.keep)
         kv = dataclasses.replace(kv, conv=conv, ssm=ssm)
     elif cfg.uniform_layers and cfg.moe_layer_step == 1:
         first = 0

@@ -6,8 +6,8 @@ in the largest token bucket (the scan over its tokens, each sequence from its sl
 the largest sequence bucket (every row's state stepped at once). The page pool and the state pools are updated in
 place. The mixed step too of Nemotron 3 Nano's blocks (Mamba + MoE of ungated experts, a Mamba block alone,
 attention + MoE; 16 of its 128 experts, as tests/gpu_compile/test_compile_moe_lora.py cuts Qwen3-MoE's, the
-temporaries then under the 1 GB the engine tests allow), of LFM2-1.2B's layers (short convolutions: a convolution
-state alone, no SSM state), of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts), of
+temporaries then under the 1 GB the engine tests allow), of LFM3-1.7B's layers (LFM2's short convolutions: a
+convolution state alone, no SSM state; windowed and full attention, each head's output gated), of Qwen3-Next's (Gated DeltaNet layers, gated attention; 16 of its 512 experts), of
 OLMo Hybrid's (DeltaNet layers normed before, attention normed after), of Falcon-H1's (each layer's mixer beside
 its attention) and of Jamba's (Mamba layers of the selective scan, an associative scan a chunk; experts every other
 layer).
@@ -44,11 +44,13 @@ NEMOTRON_3 = ModelConfig.from_hf({
     "n_routed_experts": 16, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
     "moe_shared_expert_intermediate_size": 3712, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
     "max_position_embeddings": 262144})
-LFM2 = ModelConfig.from_hf({
-    "architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "vocab_size": 65536, "hidden_size": 2048,
-    "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_attention_heads": 32,
-    "num_key_value_heads": 8, "intermediate_size": 12288, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
-    "conv_L_cache": 3, "max_position_embeddings": 128000})
+# LFM3-1.7B's shapes (LFM2's short convolutions, 7 taps; windowed and full attention, 16 heads of 128 over 4 KV
+# heads, each head's output gated), its layers cut to a convolution, a windowed and a full attention layer.
+LFM3 = ModelConfig.from_hf({
+    "architectures": ["Lfm3ForCausalLM"], "model_type": "lfm3", "vocab_size": 128000, "hidden_size": 2048,
+    "num_hidden_layers": 3, "layer_types": ["conv", "sliding_attention", "full_attention"], "num_attention_heads": 16,
+    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 7680, "sliding_window": 256,
+    "conv_L_cache": 7, "max_position_embeddings": 128000})
 # Qwen3-Next-80B-A3B's shapes (Gated DeltaNet: 16 key heads of 128 dims, 32 value heads of 128; gated attention of
 # 16 heads of 256 over 2 KV heads), its layers cut to DeltaNet, attention, DeltaNet and its 512 experts to 16.
 QWEN3_NEXT = ModelConfig.from_hf({
@@ -91,10 +93,10 @@ def _pool(spec, cfg=GRANITE_H) -> tuple[KVCache, int]:
 
 
 @pytest.mark.gpu_compile
-@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm2", "qwen3-next", "olmo-hybrid", "falcon-h1",
+@pytest.mark.parametrize("name", ["granite-4.0-h", "nemotron-3-nano", "lfm3", "qwen3-next", "olmo-hybrid", "falcon-h1",
                                   "jamba"])
 def test_hybrid_mixed_step_compiles_for_sm90(spec, name):
-    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm2": LFM2, "qwen3-next": QWEN3_NEXT,
+    cfg = {"granite-4.0-h": GRANITE_H, "nemotron-3-nano": NEMOTRON_3, "lfm3": LFM3, "qwen3-next": QWEN3_NEXT,
            "olmo-hybrid": OLMO_HYBRID, "falcon-h1": FALCON_H1, "jamba": JAMBA}[name]
     T = RC.token_buckets[-1]
     S = min(T, RC.max_num_seqs)
