@@ -1,5 +1,5 @@
 """An image-text model's config read as its language model's (`language_model`: LLaVA, Mistral 3, Gemma 3, Qwen-VL,
-InternVL, Idefics3, SmolVLM, Kimi K2.5), for `ModelConfig.from_hf`; the vision side is `models.vision.VisionConfig`'s."""
+InternVL, Idefics3, SmolVLM, Kimi K2.5, EXAONE 4.5), for `ModelConfig.from_hf`; the vision side is `models.vision.VisionConfig`'s."""
 
 from __future__ import annotations
 
@@ -38,9 +38,11 @@ _NESTED_TEXT = {"InternVLForConditionalGeneration": ("internvl", "qwen2", True),
                 "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "qwen3_5_moe_text", False),
                 # Kimi K2.5 (its language model Kimi K2's, DeepSeek-V3's; its MoonViT tower not read)
                 "KimiK25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True),
-                "Kimi_K25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True)}
-# Language models' own model types read as another's.
-_TEXT_TYPES = {"kimi_k2": "deepseek_v3"}
+                "Kimi_K25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True),
+                # EXAONE 4.5 (its language model EXAONE 4's; its tower, Qwen2.5-VL's with grouped KV heads, not read)
+                "Exaone4_5_ForConditionalGeneration": ("exaone4_5", "exaone4", False)}
+# Language models' own model types read as another's (EXAONE 4.5's first release named its text model apart).
+_TEXT_TYPES = {"kimi_k2": "deepseek_v3", "exaone4_5_text": "exaone4"}
 
 
 def language_model(d: dict[str, Any]) -> dict[str, Any]:

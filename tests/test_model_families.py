@@ -363,6 +363,27 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def test_exaone4_5_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """EXAONE 4.5 (`Exaone4_5_ForConditionalGeneration`) served as text: its `text_config` (EXAONE 4's, windowed and
+    global layers) and the tensors under `model.language_model`, its tower (Qwen2.5-VL's, KV heads grouped) left out:
+    the logits of a text prompt; the first release's text model type, "exaone4_5_text", read alike."""
+    from jaxserve.config import ModelConfig
+
+    text = {**TINY, **FAMILIES["exaone4"][1], "model_type": "exaone4"}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, num_key_value_heads=2, out_hidden_size=64,
+                  fullatt_block_indexes=[0], window_size=28, patch_size=14, spatial_merge_size=2)
+    model = save_tiny_hf("Exaone4_5_Config", tmp_path, model_cls="Exaone4_5_ForConditionalGeneration", tiny=False,
+                         text_config=text, vision_config=vision)
+    ids = random_prompt()
+    ours, cfg = ours_logits(tmp_path, ids)
+    assert (cfg.family, cfg.num_layers, cfg.sliding_window, cfg.tie_word_embeddings) == ("exaone4", 4, 8, False)
+    ref = hf_logits(model, ids)
+    assert rel_err(ours, ref) < REL_TOL and (ours.argmax(-1) == ref.argmax(-1)).all()
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["text_config"]["model_type"] = "exaone4_5_text"
+    assert ModelConfig.from_hf(saved) == cfg
+
+
 def test_granite_hybrid_layer_kinds():
     """A Granite 4.0 config's layers: its Mamba ones read as such (`tests/test_hybrid.py` serves them), an unknown
     kind refused by name; with attention layers only, a Granite 4.0 of the attention kind (its MLP the shared one)."""
