@@ -39,7 +39,7 @@ _NESTED_TEXT = {"InternVLForConditionalGeneration": ("internvl", "qwen2", True),
                 # Kimi K2.5 (its language model Kimi K2's, DeepSeek-V3's; its MoonViT tower not read)
                 "KimiK25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True),
                 "Kimi_K25ForConditionalGeneration": ("kimi_k25", "deepseek_v3", True),
-                # EXAONE 4.5 (its language model EXAONE 4's; its tower, Qwen2.5-VL's with grouped KV heads, not read)
+                # EXAONE 4.5 (its language model EXAONE 4's; its tower Qwen2.5-VL's, KV heads grouped: `vision_qwen2`)
                 "Exaone4_5_ForConditionalGeneration": ("exaone4_5", "exaone4", False)}
 # Language models' own model types read as another's (EXAONE 4.5's first release named its text model apart).
 _TEXT_TYPES = {"kimi_k2": "deepseek_v3", "exaone4_5_text": "exaone4"}

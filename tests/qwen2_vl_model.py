@@ -39,11 +39,17 @@ TEXT35 = {**TEXT, "head_dim": 32, "num_hidden_layers": 3, "layer_types": ["linea
           "rope_parameters": {**TEXT["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True,
                               "partial_rotary_factor": 0.25}}
 VISION["qwen3_5"] = {k: v for k, v in VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
+# EXAONE 4.5's: EXAONE 4's language model (one position a token, no M-RoPE; three windowed layers and a global one),
+# Qwen2.5-VL's tower with its two heads' keys and values in one KV head.
+TEXT45 = {k: v for k, v in TEXT.items() if k != "rope_parameters"} | dict(
+    model_type="exaone4", head_dim=16, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=4)
+VISION["exaone4_5"] = {**VISION["qwen2_5_vl"], "num_key_value_heads": 1}
 CLASSES = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
            "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
            "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
            "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
-           "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration")}
+           "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+           "exaone4_5": ("Exaone4_5_Config", "Exaone4_5_ForConditionalGeneration")}
 PROCESSOR = dict(image_processor_type="Qwen2VLImageProcessor", min_pixels=256, max_pixels=4096, patch_size=4,
                  temporal_patch_size=2, merge_size=2, resample=3)
 
@@ -58,11 +64,13 @@ def save_tiny_qwen2_vl(path, variant: str = "qwen2_vl", seed: int = 0):
 
     torch.manual_seed(seed)
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[variant])
+    # (EXAONE 4.5's config names no vision start and end tokens: its template writes them, by the tokenizer's ids)
+    vision_ids = {} if variant == "exaone4_5" else dict(vision_start_token_id=VISION_START,
+                                                         vision_end_token_id=VISION_END)
     config = config_class(
-        text_config={"qwen3_vl": TEXT3, "qwen3_vl_moe": TEXT3_MOE, "qwen3_5": TEXT35}.get(variant, TEXT),
-        vision_config=VISION[variant],
-        image_token_id=IMAGE_TOKEN,
-        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=VIDEO_TOKEN)
+        text_config={"qwen3_vl": TEXT3, "qwen3_vl_moe": TEXT3_MOE, "qwen3_5": TEXT35, "exaone4_5": TEXT45}.get(
+            variant, TEXT),
+        vision_config=VISION[variant], image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, **vision_ids)
     model = model_class(config).eval()
     randomize(model)
     model.save_pretrained(path, safe_serialization=True)

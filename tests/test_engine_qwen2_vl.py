@@ -119,6 +119,33 @@ def test_qwen3_vl_deepstack_and_interleaved_sections_make_the_difference(qwen, m
     assert np.max(np.abs(np.asarray(got) - np.asarray(want))) > 1e-3
 
 
+@pytest.mark.parametrize("qwen", ["exaone4_5"], indirect=True)
+def test_exaone4_5_engine_equals_transformers(qwen, tmp_path):
+    """EXAONE 4.5: Qwen2.5-VL's tower with grouped KV heads, EXAONE 4's language model turning every token by its
+    position alone: both prompts in one batch, then the first again from the prefix cache, transformers' tokens and
+    logprobs; `jaxserve convert` writes the whole model back under its own names."""
+    from safetensors import safe_open
+
+    from tests.test_convert import convert
+
+    path, model = qwen
+    expected = [hf_greedy(model, p, ims) for p, ims in zip(PROMPTS, IMAGES, strict=True)]
+    eng = engine(path)
+    cfg, vcfg = eng.model.config, eng.images.cfg
+    assert (cfg.family, cfg.mrope_section, eng.runner.cfg.mrope) == ("exaone4", None, False)
+    assert (vcfg.variant, vcfg.kv_heads, vcfg.num_heads, vcfg.nested) == ("qwen2_5_vl", 1, 2, True)
+    assert_same_greedy(run(eng, PROMPTS, IMAGES), expected)
+    assert_same_greedy(run(eng, PROMPTS[:1], IMAGES[:1], ["a"]), expected[:1])
+    eng.check_integrity()
+    convert(path, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "numpy") as f, \
+            safe_open(f"{path}/model.safetensors", "numpy") as g:
+        assert sorted(f.keys()) == sorted(g.keys()) and "model.visual.blocks.0.attn.qkv.weight" in g.keys()
+        assert f.get_tensor("model.visual.blocks.0.attn.qkv.weight").shape == (2 * 16 + 2 * 16, 32)
+        for key in g.keys():
+            np.testing.assert_array_equal(f.get_tensor(key), g.get_tensor(key), err_msg=key)
+
+
 def test_mrope_axes_as_transformers_interleaves_them():
     """Each rotary pair's axis, as transformers' Qwen3-VL recomposes its frequencies (Qwen3-VL's sections, the tiny
     model's, whose last axis runs out of pairs, and Qwen3.5's default sections over a tiny head's 2 pairs), and

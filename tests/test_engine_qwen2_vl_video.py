@@ -62,7 +62,7 @@ MEDIA = [{"image": [random_image(1, (31, 50))], "video": [(frames(5, 5, 40, 24),
          {"video": [(frames(6, 4, 32, 32), {"fps": 4})]}]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "exaone4_5"])
 def qwen(request, tmp_path_factory):
     return saved_tiny_qwen(tmp_path_factory.mktemp(request.param), request.param)
 

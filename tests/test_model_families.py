@@ -364,9 +364,10 @@ def test_gemma3_image_text_checkpoint_serves_its_language_model(tmp_path):
 
 
 def test_exaone4_5_image_text_checkpoint_serves_its_language_model(tmp_path):
-    """EXAONE 4.5 (`Exaone4_5_ForConditionalGeneration`) served as text: its `text_config` (EXAONE 4's, windowed and
-    global layers) and the tensors under `model.language_model`, its tower (Qwen2.5-VL's, KV heads grouped) left out:
-    the logits of a text prompt; the first release's text model type, "exaone4_5_text", read alike."""
+    """EXAONE 4.5 (`Exaone4_5_ForConditionalGeneration`) as its language model: its `text_config` (EXAONE 4's,
+    windowed and global layers) and the tensors under `model.language_model` (its tower's are read by
+    tests/test_engine_qwen2_vl.py): the logits of a text prompt; the first release's text model type,
+    "exaone4_5_text", read alike."""
     from jaxserve.config import ModelConfig
 
     text = {**TINY, **FAMILIES["exaone4"][1], "model_type": "exaone4"}

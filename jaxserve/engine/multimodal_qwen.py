@@ -1,4 +1,5 @@
-"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images in an engine's requests.
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's images in an engine's requests (and EXAONE 4.5's: Qwen2.5-VL's tower, its
+language model turning each token by its position alone, the grids below unused).
 
 An image takes as many `<|image_pad|>` tokens as its resized size has merged patches (the processor keeps it
 between `min_pixels` and `max_pixels`), so its tokens depend on its size, as LLaVA-NeXT's do. Its tokens turn by
@@ -123,9 +124,9 @@ class QwenImageEncoder(ImageEncoder):
 
     def checkpoint_tensors(self, text: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
         """The whole model's tensors as the Hub lays out Qwen2-VL's (the language model's names as they are, the
-        vision side's under `visual.`) or Qwen3-VL's (the language model's under `model.language_model.`, the
-        vision side's under `model.visual.`)."""
-        if self.cfg.variant == "qwen3_vl":
+        vision side's under `visual.`) or Qwen3-VL's and EXAONE 4.5's (the language model's under
+        `model.language_model.`, the vision side's under `model.visual.`)."""
+        if self.cfg.nested:
             nested = ((f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n, t)
                       for n, t in text)
             return itertools.chain(nested, qwen_vision_tensors(self.params, self.cfg, prefix="model.visual."))
