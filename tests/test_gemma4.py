@@ -184,7 +184,7 @@ def test_gemma4_adapters_equal_peft(tmp_path, form):
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine_args import EngineArgs
     from tests.fake_model import save_fake_tokenizer
-    from tests.test_lora import ARGS, VOCAB, _adapter, adapter_equals_peft
+    from tests.test_lora import PEFT_ARGS, VOCAB, _adapter, adapter_equals_peft
     from tests.test_model_families import save_tiny_hf
 
     base = str(tmp_path / "base")
@@ -194,7 +194,7 @@ def test_gemma4_adapters_equal_peft(tmp_path, form):
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),), **ARGS,
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),), **PEFT_ARGS,
                                   **({"layer_loop": "scan"} if form == "e2b" else {})), progress=False)
     # (E2B's form to 3e-4: transformers' own float32 logprobs of it are 1.1e-4 from its float64 ones, ours 5e-5)
     adapter_equals_peft(engine, peft_model, "all", 7, atol=3e-5 if form == "31b" else 3e-4)

@@ -116,7 +116,7 @@ def test_llama4_adapters_equal_peft(tmp_path):
     from jaxserve.engine.lora_manager import LoRAError
     from jaxserve.engine_args import EngineArgs
     from tests.fake_model import save_fake_tokenizer
-    from tests.test_lora import ARGS, VOCAB, _adapter, adapter_equals_peft
+    from tests.test_lora import PEFT_ARGS, VOCAB, _adapter, adapter_equals_peft
 
     base = str(tmp_path / "base")
     save_tiny_hf("Llama4TextConfig", base, vocab_size=VOCAB, **TINY)
@@ -129,7 +129,8 @@ def test_llama4_adapters_equal_peft(tmp_path):
 
     assert _KEY.match("base_model.model.language_model.model.layers.3.feed_forward.shared_expert.up_proj.lora_B.weight"
                       ).groups() == ("3", "shared_expert.up_proj", "B")
-    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),), **ARGS), progress=False)
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),), **PEFT_ARGS),
+                       progress=False)
     adapter_equals_peft(engine, peft_model, "all", 7, atol=3e-5)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     _adapter(hf, str(tmp_path / "experts"), 6, r=2, target_modules=[],

@@ -26,6 +26,9 @@ VOCAB = 64
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ARGS = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128, kv_cache_memory_bytes=1 << 22,
             compile_cache_dir=None, enable_lora=True, max_loras=3, max_lora_rank=8)
+# An engine compared with PEFT compiles only the buckets its requests use (the engines checked for compiles after
+# warmup take ARGS).
+PEFT_ARGS = {**ARGS, "warmup": False}
 
 
 def _adapter(base_model, path: str, seed: int, **config) -> object:
@@ -167,11 +170,11 @@ def test_an_attention_adapter_equals_peft(tmp_path, family):
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     peft_model = _adapter(hf, str(tmp_path / "attn"), 5, r=4, lora_alpha=8,
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS),
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **PEFT_ARGS),
                        progress=False)
     greedy = adapter_equals_peft(engine, peft_model, "attn", 7, atol=2e-5)["a"].outputs[0].token_ids
     if family == "glm4_moe":
-        scanned = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **ARGS,
+        scanned = LLMEngine(EngineArgs(model=base, lora_modules=(("attn", str(tmp_path / "attn")),), **PEFT_ARGS,
                                        layer_loop="scan"), progress=False)
         assert scanned.runner.params.dense_layers.lora is not None
         p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -427,7 +430,8 @@ def test_real_model_adapter_equals_peft(smollm_path, smollm_f32, hf_smollm, chat
                              jnp.float32, 0.0)
         engine = LLMEngine(EngineArgs(enable_lora=True, max_lora_rank=8, lora_modules=(("smol", str(tmp_path / "smol")),),
                                       max_num_seqs=1, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
-                                      kv_cache_memory_bytes=16 << 20, layer_loop="scan"), loaded=loaded,
+                                      kv_cache_memory_bytes=16 << 20, layer_loop="scan", warmup=False),
+                             loaded=loaded,
                              progress=False)
         ids = chat_prompt_ids[0]
         p = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)

@@ -20,8 +20,8 @@ from jaxserve.engine_args import EngineArgs  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import save_fake_tokenizer  # noqa: E402
 from tests.test_lora import (  # noqa: E402
-    ARGS,
     GLM4_MOE,
+    PEFT_ARGS,
     VOCAB,
     _adapter,
     adapter_equals_peft,
@@ -91,7 +91,7 @@ def test_expert_adapters_equal_peft_in_one_batch(moe, tmp_path):
     _per_expert(adapters["experts"][0], str(tmp_path / "per_expert"), r=4)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("experts", adapters["experts"][0]),
                                                             ("down", adapters["down"][0]),
-                                                            ("per_expert", str(tmp_path / "per_expert"))), **ARGS),
+                                                            ("per_expert", str(tmp_path / "per_expert"))), **PEFT_ARGS),
                        progress=False)
     layers = engine.runner.params.layers  # (unrolled on the CPU)
     assert (layers[0] if isinstance(layers, tuple) else layers).lora.ae_gate_up is not None
@@ -126,7 +126,7 @@ def test_a_glm4_moe_adapter_on_its_experts_down_projections(tmp_path):
     model = _adapter(hf, str(tmp_path / "down"), 4, r=2, lora_alpha=4, target_modules=["down_proj"])
     assert json.load(open(tmp_path / "down" / "adapter_config.json"))["target_parameters"] == ["down_proj"]
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("down", str(tmp_path / "down")),), layer_loop="scan",
-                                  **ARGS), progress=False)
+                                  **PEFT_ARGS), progress=False)
     ids = prompt(30, 5)
     out = run(engine, {"a": (ids, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True),
                              "down")})["a"]
@@ -192,7 +192,8 @@ def test_router_shared_expert_and_dense_layer_adapters_equal_peft(tmp_path, fami
     wanted = {"qwen2_moe": ("1.mlp.gate.", "shared_expert.up_proj", "shared_expert_gate", "experts.lora_A"),
               "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A")}[family]
     assert all(any(w in n for n in names) for w in wanted), sorted(names)
-    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **ARGS), progress=False)
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **PEFT_ARGS),
+                       progress=False)
     adapter_equals_peft(engine, model, "all", 11, atol=3e-5)
     engine.check_integrity()
 
@@ -242,7 +243,8 @@ def test_latent_attention_adapters_equal_peft(tmp_path, family):
     wanted += ["q_a_proj", "q_b_proj"] if family == "deepseek_v3" else ["self_attn.q_proj"]
     assert all(any(w in n for n in names) for w in wanted), sorted(names)
     loop = "unroll" if family == "deepseek_v2" else "scan"
-    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **ARGS), progress=False)
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **PEFT_ARGS),
+                       progress=False)
     out = adapter_equals_peft(engine, model, "all", 13, atol=3e-5)
     ids, base_model = prompt(40, 13), transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     got = np.array([e[t].logprob for e, t in zip(out["base"].prompt_logprobs[1:], ids[1:], strict=True)])
