@@ -111,12 +111,14 @@ def test_convert_writes_the_sources_tensors(tmp_path):
     assert rel_err(hf_logits(again, PROMPTS[2]), hf_logits(model, PROMPTS[2])) < 1e-6
 
 
-def test_engine_greedy_equals_transformers(lfm3):
+@pytest.mark.parametrize("backend", ["xla", "pallas_interpret"])
+def test_engine_greedy_equals_transformers(lfm3, backend):
     """Chunked prefills beside decodes and the device's decode loop, three requests in one batch, and again from
-    the prefix cache's kept states: transformers' greedy tokens; every state slot back."""
+    the prefix cache's kept states: transformers' greedy tokens; every state slot back. On the Pallas kernels too
+    (here their interpreter): the windows and each head's gate as a GPU serves them."""
     model, cfg, params, path = lfm3
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(cfg, params, path)
+    engine = _engine(cfg, params, path, attention_backend=backend)
     assert engine.runner.kv.conv.shape[:3] == (2, 1 + 4 + 4, 64) and engine.runner.kv.ssm.size == 0
     assert _greedy(engine) == expected
     assert _run(engine, PROMPTS[2], "again") == (expected[2], 24)  # (its states kept at 24 of its 30 tokens)
