@@ -91,12 +91,15 @@ def hybrid_spec(cfg: ModelConfig, layer: int, rest: str, spec: tuple | None) -> 
             return (path, transform, shape, m.layers.index(layer), *cols)
         if rest.startswith("self_attn.") and not m.parallel:
             return None
-    if spec is not None and rest.startswith("self_attn."):  # (the index on the stack after the shape, then columns)
-        return ("attn_" + spec[0], *spec[1:3], cfg.attention_layers.index(layer), *spec[3:])
-    if spec is not None and (m.no_mlp or cfg.num_dense_layers) and field in MLP_FIELDS:  # (the MLPs stacked apart)
-        return ("dense_" + spec[0], *spec[1:], cfg.stack_index(layer, True)) if cfg.num_experts and cfg.dense_layer(
-            layer) else ("mlp_" + spec[0], *spec[1:], apart_mlp_layers(cfg).index(layer))
-    return None if spec is None else (*spec, layer)
+    if spec is None:
+        return None
+    at = lambda prefix, index: (prefix + spec[0], *spec[1:3], index, *spec[3:])  # noqa: E731 (columns after the index)
+    if rest.startswith("self_attn."):
+        return at("attn_", cfg.attention_layers.index(layer))
+    if (m.no_mlp or cfg.num_dense_layers) and field in MLP_FIELDS:  # (the MLPs stacked apart)
+        return at("dense_", cfg.stack_index(layer, True)) if cfg.num_experts and cfg.dense_layer(layer) else \
+            at("mlp_", apart_mlp_layers(cfg).index(layer))
+    return at("", layer)
 
 
 def _held(cfg: ModelConfig, layer: int, rest: str) -> bool:
