@@ -67,6 +67,16 @@ class LoRAError(ValueError):
     """A LoRA adapter that cannot be served, or a request for one that is not there."""
 
 
+# Families whose attention gate has its own projection beside q_proj, read after each head's query
+# (`ModelConfig.attn_gate_width`): an adapter's q_proj has the queries' rows alone (LFM3; its gate takes none).
+SEPARATE_GATE = ("lfm3",)
+
+
+def _adapter_rows(cfg: ModelConfig, part: str, rows: int) -> int:
+    """The rows of an adapter's B for `part`: the slot's, but a separately gated q_proj's queries alone."""
+    return cfg.num_heads * cfg.head_dim if part == "q_proj" and cfg.family in SEPARATE_GATE else rows
+
+
 def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1) -> dict[str, np.ndarray]:
     """A PEFT adapter directory as `LoraLayer` field arrays for one slot ([L, ...] of `lora_shapes`: each A
     in its place among the down projections of its input, ranks zero-padded, the scale folded into B).
@@ -119,7 +129,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
         own = dims if cfg.gemma4 is None else target_dims(cfg, layer)  # (Gemma 4's layers differ)
-        k, outs = own[parts[0]][0], [own[p][1] for p in parts]
+        k, outs = own[parts[0]][0], [_adapter_rows(cfg, p, own[p][1]) for p in parts]
         r, scale = rank(name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0])
         want = (r, k) if which == "A" else (sum(outs), r)
         if tuple(w.shape) != want:
@@ -135,6 +145,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
                 rows = kv_rows(rows, cfg) if part == "kv_a_proj_with_mqa" else q_rows(rows, cfg)
             elif cfg.family in INTERLEAVED_ROPE_FAMILIES and part in ("q_proj", "k_proj"):  # as the model's were read
                 rows = halfsplit_rows(rows, cfg)
+            elif part == "q_proj" and cfg.family in SEPARATE_GATE:  # (no delta on the gate channel after each query)
+                heads = rows.reshape(cfg.num_heads, cfg.head_dim, -1)
+                rows = np.pad(heads, ((0, 0), (0, cfg.attn_gate_width), (0, 0))).reshape(-1, rows.shape[-1])
             out[b_field][layer, :r, :rows.shape[0]] = rows.T * scale
         seen.add((layer, module, which))
     experts_read.finish()
@@ -188,8 +201,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick, Jamba) are "
                         "not supported")
-    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1", "lfm3"):  # (their attention's weights held in
-        # another layout; Falcon-H1's with its multipliers folded in)
+    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1"):  # (their attention's weights held in another
+        # layout; Falcon-H1's with its multipliers folded in)
         raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
