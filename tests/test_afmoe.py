@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("torch")
@@ -75,10 +74,45 @@ def test_afmoe_engine_greedy_equals_transformers(tiny):
     assert_engine_greedy(model, cfg, params, "scan")
 
 
-def test_afmoe_lora_refused_by_name(tiny):
-    from jaxserve.engine.lora_manager import LoRAError, with_lora_slots
+def test_afmoe_adapters_equal_peft(tmp_path):
+    """A PEFT adapter on the attention (q, k, v, o: each head's gate channels take no delta), the dense first layer's
+    MLP, the shared experts and the routed ones: PEFT's prompt logprobs and greedy tokens beside the base model's; one on the
+    attention gate's own projection (`self_attn.gate_proj`, named as an MLP's gate) is refused by its whole name."""
+    import torch
+    import transformers
 
-    _, _, cfg, params = tiny
-    loaded = type("Loaded", (), dict(params=params, config=cfg, plan=None, dtype=jnp.float32))()
-    with pytest.raises(LoRAError, match="afmoe"):
-        with_lora_slots(loaded, 2, 4)
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.lora_manager import LoRAError
+    from jaxserve.engine_args import EngineArgs
+    from tests.fake_model import save_fake_tokenizer
+    from tests.test_lora import PEFT_ARGS, VOCAB, _adapter, adapter_equals_peft
+    from tests.test_model_families import save_tiny_hf
+
+    base = str(tmp_path / "afmoe")
+    save_tiny_hf("AfmoeConfig", base, vocab_size=VOCAB, **TINY)
+    save_fake_tokenizer(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8, target_modules=(
+        r".*\.(self_attn\.(q|k|v|o)_proj|mlp\.(shared_experts\.)?(gate|up|down)_proj)"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    experts = _adapter(hf, str(tmp_path / "experts"), 8, r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
+                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),
+                                                            ("experts", str(tmp_path / "experts"))), **PEFT_ARGS),
+                       progress=False)
+    adapter_equals_peft(engine, peft_model, "all", 7, atol=3e-5)
+    adapter_equals_peft(engine, experts, "experts", 9, atol=3e-5)
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(tmp_path / "all", tmp_path / "gate")  # (PEFT's own conversion takes any gate_proj for an MLP's)
+    weights = tmp_path / "gate" / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    a = next(k for k in tensors if ".layers.0.self_attn.q_proj.lora_A" in k)
+    tensors[a.replace("q_proj", "gate_proj")] = tensors[a]
+    tensors[a.replace("q_proj", "gate_proj").replace("lora_A", "lora_B")] = tensors[a.replace("lora_A", "lora_B")]
+    save_file(tensors, str(weights))
+    with pytest.raises(LoRAError, match="self_attn.gate_proj"):
+        LLMEngine(EngineArgs(model=base, lora_modules=(("gate", str(tmp_path / "gate")),), **PEFT_ARGS),
+                  progress=False)

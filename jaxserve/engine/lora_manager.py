@@ -68,8 +68,9 @@ class LoRAError(ValueError):
 
 
 # Families whose attention gate has its own projection beside q_proj, read after each head's query
-# (`ModelConfig.attn_gate_width`): an adapter's q_proj has the queries' rows alone (LFM3; its gate takes none).
-SEPARATE_GATE = ("lfm3",)
+# (`ModelConfig.attn_gate_width`): an adapter's q_proj has the queries' rows alone (LFM3's, AFMoE's; the gate's own
+# projection takes none: AFMoE's `self_attn.gate_proj`, named as the MLP's gate, is refused by its whole name).
+SEPARATE_GATE = ("lfm3", "afmoe")
 
 
 def _adapter_rows(cfg: ModelConfig, part: str, rows: int) -> int:
@@ -113,6 +114,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     for name, w in load_file(weights).items():
         if experts_read.take(name, w):
             continue
+        if cfg.family in SEPARATE_GATE and re.search(r"\.self_attn\.(gate_proj|g_proj)\.", name):
+            raise LoRAError(f"adapter {path!r}: tensor {name!r} is LoRA on the attention gate's own projection; "
+                            "it is not supported")
         m = _KEY.match(hybrid_adapter_key(name, cfg) if cfg.mamba is not None else name)  # (their own names)
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
@@ -201,8 +205,8 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick, Jamba) are "
                         "not supported")
-    if loaded.config.family in ("afmoe", "mimo_v2_flash", "falcon_h1"):  # (their attention's weights held in another
-        # layout; Falcon-H1's with its multipliers folded in)
+    if loaded.config.family in ("mimo_v2_flash", "falcon_h1"):  # (their attention's weights held in another layout;
+        # Falcon-H1's with its multipliers folded in)
         raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
