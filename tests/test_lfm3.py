@@ -18,12 +18,11 @@ if not hasattr(transformers, "Lfm3Config"):
 
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
-from jaxserve.loader import load_params, open_checkpoint  # noqa: E402
 from tests.fake_model import VOCAB  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
 from tests.test_engine_gemma import hf_greedy  # noqa: E402
 from tests.test_hybrid import NEW_TOKENS, PROMPTS, _engine, _greedy, _run  # noqa: E402
-from tests.test_model_families import hf_logits, rel_err, save_tiny_hf  # noqa: E402
+from tests.test_model_families import hf_logits, rel_err, save_tiny_hf, tiny_loaded  # noqa: E402
 
 # Two convolution layers, two windowed attention layers (a window of 8: every prompt outgrows it) and a full one;
 # the full layer turns half of each head's pairs (transformers' default), the windowed ones all of them.
@@ -36,11 +35,8 @@ TINY = dict(layer_types=["conv", "sliding_attention", "full_attention", "conv", 
 @pytest.fixture(scope="module")
 def lfm3(tmp_path_factory):
     """(HF model, our config, our params, its directory) of a tiny LFM3."""
-    path = tmp_path_factory.mktemp("lfm3")
-    model = save_tiny_hf("Lfm3Config", path, **TINY)
-    ckpt = open_checkpoint(str(path))
-    cfg = ckpt.config()
-    return model, cfg, load_params(ckpt, cfg, jnp.float32, progress=False), str(path)
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "Lfm3Config", "lfm3", **TINY)
+    return model, cfg, params, str(path)
 
 
 def test_config_reads_the_layer_kinds_rotary_embeddings_and_gate(lfm3):
