@@ -108,9 +108,7 @@ def test_convert_takes_the_multipliers_out_again(falcon, tmp_path):
 def test_engine_greedy_equals_transformers(falcon):
     """Chunked prefills beside decodes and the device's decode loop, three requests in one batch, and again from
     the prefix cache's kept states: transformers' greedy tokens; every layer holds pages and states; every state
-    slot back. Adapters are refused by name (its weights hold the multipliers)."""
-    from jaxserve.engine.lora_manager import LoRAError
-
+    slot back."""
     model, cfg, params, path = falcon
     expected = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
     engine = _engine(cfg, params, path)
@@ -119,5 +117,24 @@ def test_engine_greedy_equals_transformers(falcon):
     assert _run(engine, PROMPTS[2], "again") == (expected[2], 24)  # (its states kept at 24 of its 30 tokens)
     assert sorted(engine.scheduler.states.free) == [1, 2, 3, 4]
     engine.check_integrity()
-    with pytest.raises(LoRAError, match="falcon_h1"):
-        _engine(cfg, params, path, enable_lora=True, max_lora_rank=8)
+
+
+def test_adapters_equal_peft(tmp_path):
+    """A PEFT adapter on the attention (q, k, v, o) and the MLP (gate, up, down) of every layer: its deltas scaled
+    by the multipliers folded into those weights (the attention's input, the keys', the attention's output, the
+    MLP's gate and output), PEFT's prompt logprobs and greedy tokens beside the base model's."""
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine_args import EngineArgs
+    from tests.fake_model import save_fake_tokenizer
+    from tests.test_lora import PEFT_ARGS, _adapter, adapter_equals_peft
+    from tests.test_model_families import save_tiny_hf
+
+    base = str(tmp_path / "falcon_h1")
+    save_tiny_hf("FalconH1Config", base, **TINY)
+    save_fake_tokenizer(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", str(tmp_path / "all")),), **PEFT_ARGS),
+                       progress=False)
+    adapter_equals_peft(engine, peft_model, "all", 7, atol=3e-5)

@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
+from jaxserve.loader.falcon_keys import falcon_folded
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.loader.mamba_keys import hybrid_adapter_key
 from jaxserve.loader.mla_keys import kv_rows, q_rows
@@ -152,6 +153,9 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             elif part == "q_proj" and cfg.family in SEPARATE_GATE:  # (no delta on the gate channel after each query)
                 heads = rows.reshape(cfg.num_heads, cfg.head_dim, -1)
                 rows = np.pad(heads, ((0, 0), (0, cfg.attn_gate_width), (0, 0))).reshape(-1, rows.shape[-1])
+            if cfg.falcon is not None:  # (its multipliers, folded into its weights, fold into the deltas' B alike)
+                where = "self_attn" if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                rows = falcon_folded(f"model.layers.{layer}.{where}.{part}.weight", rows, cfg)
             out[b_field][layer, :r, :rows.shape[0]] = rows.T * scale
         seen.add((layer, module, which))
     experts_read.finish()
@@ -205,8 +209,7 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick, Jamba) are "
                         "not supported")
-    if loaded.config.family in ("mimo_v2_flash", "falcon_h1"):  # (their attention's weights held in another layout;
-        # Falcon-H1's with its multipliers folded in)
+    if loaded.config.family == "mimo_v2_flash":  # (its attention's weights held in another layout)
         raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
