@@ -16,6 +16,10 @@ from typing import Any
 
 from jaxserve.errors import UnsupportedModelError
 
+# `Lfm3Config`'s rotary embeddings where a config gives none: the windowed layers' plain, the full ones' proportional.
+LFM3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+             "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5}}
+
 
 def is_lfm2(d: dict[str, Any]) -> bool:
     return d.get("model_type") in ("lfm2", "lfm2_moe", "lfm3") or bool(
@@ -87,7 +91,8 @@ def lfm2(d: dict[str, Any]) -> dict[str, Any]:
         "num_local_experts": 0, "moe_intermediate_size": 0,
         "intermediate_size": int(d.get("intermediate_size", 7680)) if lfm3 else lfm2_mlp_width(d)}
     lfm3_keys = {"architectures": ["Lfm3ForCausalLM"], "lfm3_layer_types": kinds,
-                 "sliding_window": d.get("sliding_window", 256)} if lfm3 else {"model_type": "lfm2"}
+                 "sliding_window": d.get("sliding_window", 256),
+                 "rope_parameters": d.get("rope_parameters") or LFM3_ROPE} if lfm3 else {"model_type": "lfm2"}
     return {**d, **lfm3_keys, "num_hidden_layers": layers, "hidden_size": hidden,
             "num_attention_heads": heads, "num_key_value_heads": d.get("num_key_value_heads") or heads, **moe,
             "rms_norm_eps": d.get("norm_eps", 1e-5),

@@ -51,6 +51,8 @@ def test_config_reads_the_layer_kinds_rotary_embeddings_and_gate(lfm3):
     assert cfg.attn_gate_width == 1 and params.attn_layers.wq.shape == (3, 64, 4, 17)  # (each head's gate after it)
     assert params.layers.post_attn_norm.shape == (5, 64) and params.layers.post_mlp_norm.shape == (5, 64)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    untold = {k: v for k, v in cfg.to_hf().items() if k != "rope_parameters"}  # (Lfm3Config's defaults: these)
+    assert ModelConfig.from_hf(untold) == cfg
 
 
 def test_logits_match_transformers(lfm3):
