@@ -121,11 +121,9 @@ def full_attention_config(cfg: Any) -> Any:
     """`cfg` (a Gemma 4 `ModelConfig`) as its full-attention layers attend: their head width, KV heads and
     rotary embedding (unturned pairs as frequencies divided by infinity)."""
     g = cfg.gemma4
-    pairs = g.head_dim // 2
-    factors = tuple(g.rope_factor if i < g.rope_pairs else float("inf") for i in range(pairs))
     return dataclasses.replace(cfg, head_dim=g.head_dim, num_kv_heads=g.num_kv_heads, rope_theta=g.rope_theta,
                                rope_local_theta=None, gemma4=dataclasses.replace(g, full_layers=True),
-                               rope_scaling=RopeScaling(rope_type="factors", freq_factors=factors))
+                               rope_scaling=RopeScaling.proportional(g.rope_pairs, g.head_dim // 2, g.rope_factor))
 
 
 def check_gemma4(cfg: Any) -> None:

@@ -49,10 +49,8 @@ class RopeScaling:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default"))
         if rope_type == "proportional" and head_dim > 0:
-            turned = int(float(d.get("partial_rotary_factor", 1.0)) * head_dim // 2)
-            factor = float(d.get("factor", 1.0))
-            return cls(rope_type="factors", freq_factors=tuple(factor if i < turned else math.inf
-                                                               for i in range(head_dim // 2)))
+            return cls.proportional(int(float(d.get("partial_rotary_factor", 1.0)) * head_dim // 2), head_dim // 2,
+                                    float(d.get("factor", 1.0)))
         if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise UnsupportedModelError(
                 f"rope_scaling type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, longrope)"
@@ -74,6 +72,12 @@ class RopeScaling:
             kwargs.setdefault("attention_factor",
                               1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
         return cls(rope_type=rope_type, **kwargs)
+
+    @classmethod
+    def proportional(cls, turned: int, pairs: int, factor: float = 1.0) -> RopeScaling:
+        """A proportional rotary embedding over a head of `pairs` pairs: the leading `turned` pairs' frequencies (of the
+        whole head) divided by `factor`, the rest by infinity (left unturned)."""
+        return cls(rope_type="factors", freq_factors=tuple(factor if i < turned else math.inf for i in range(pairs)))
 
     def to_hf(self) -> dict[str, Any]:
         """This scaling (not "default") as an HF config's `rope_scaling` (the inverse of `from_hf`); "factors" only
