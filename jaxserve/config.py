@@ -393,7 +393,7 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
                            rope_tensors: Mapping[str, Sequence[float]] | None = None,
-                           tensor_names: frozenset[str] = frozenset()) -> ModelConfig:
+                           tensor_names: Mapping[str, Any] | frozenset[str] = frozenset()) -> ModelConfig:
         """Parse llama.cpp GGUF metadata (jaxserve/loader/gguf_config.py)."""
         from jaxserve.loader.gguf_config import config_from_gguf
 

@@ -48,7 +48,10 @@ _QWEN35_SPLIT = (
 # Control tokens that end a model's turn in the chat formats llama.cpp recognizes by their text (not
 # <|endoftext|>, which files whose turns end otherwise keep as a document separator).
 _TURN_ENDS = frozenset({"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
-                        "<EOT>", "_<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>"})
+                        "<EOT>", "_<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>", "<turn|>"})
+# Gemma 4's generation config also stops where the model hands over to a tool's response (a user-defined token in its
+# files, not a control one).
+_GEMMA4_ENDS = ("<|tool_response>",)
 # Mistral's Tekken (Mistral Nemo) and OpenAI's o200k (Phi-4-mini): cased words, digits one (Tekken) or up
 # to three (o200k) at a time.
 _CASED_WORD = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{c}"
@@ -143,7 +146,9 @@ def _eos_ids(reader: Any, kinds: list[tuple[str, int]]) -> list[int]:
     <end_of_turn>)."""
     named = (_gguf_value(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id"))
     eos_ids = [int(i) for i in named if i is not None]
-    return eos_ids + [i for i, (t, k) in enumerate(kinds) if k == _CONTROL and t in _TURN_ENDS and i not in eos_ids]
+    gemma4 = _gguf_value(reader, "tokenizer.ggml.model") == "gemma4"
+    return eos_ids + [i for i, (t, k) in enumerate(kinds) if (k == _CONTROL and t in _TURN_ENDS or gemma4 and t in
+                                                                _GEMMA4_ENDS) and i not in eos_ids]
 
 
 def gguf_eos_ids(reader: GGUFHeader) -> tuple[int, ...]:
@@ -174,12 +179,12 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | GGUFHeader) -> 
         raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
     if model == "gpt2":
         backend = _byte_level_backend(reader, tokens, token_types)
-    elif model == "llama":
+    elif model in ("llama", "gemma4"):  # (Gemma 4's: SentencePiece pieces with the file's merges)
         backend = _sentencepiece_backend(reader, tokens, str(_gguf_value(reader, "general.architecture", "")))
     else:
         raise ValueError(
             f"unsupported GGUF tokenizer model tokenizer.ggml.model={model!r}; jaxserve supports 'gpt2' "
-            "(byte-level BPE) and 'llama' (SentencePiece BPE)"
+            "(byte-level BPE), 'llama' and 'gemma4' (SentencePiece BPE)"
         )
     # Control tokens stay whole and count as special; user-defined ones stay whole but are ordinary text.
     kinds = list(zip(tokens, token_types, strict=True))
@@ -201,7 +206,8 @@ def read_gguf_tokenizer(path_or_reader: str | os.PathLike[str] | GGUFHeader) -> 
         bos_id = None
     eos_ids = _eos_ids(reader, kinds)
     # A SentencePiece vocabulary that does not say gets BOS, as llama.cpp and transformers give it.
-    add_bos = bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+    # Gemma 4's files say to add BOS, but its own tokenizer adds none (its chat template writes <bos>): as transformers.
+    add_bos = model != "gemma4" and bool(_gguf_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
     add_eos = bool(_gguf_value(reader, "tokenizer.ggml.add_eos_token", False))
     if (add_bos and bos_id is not None) or (add_eos and eos_id is not None):
         backend.post_processor = _template_processing(

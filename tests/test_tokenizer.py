@@ -397,7 +397,7 @@ def test_pre_tokenizers_under_other_names_split_as_theirs(tmp_path, pre, same_as
 def test_unsupported_gguf_tokenizers_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'grok-2'"):
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / "p.gguf", pre="grok-2"))
-    with pytest.raises(ValueError, match="'bert'.* supports 'gpt2' .* and 'llama'"):
+    with pytest.raises(ValueError, match="'bert'.* supports 'gpt2' .*'llama' and 'gemma4'"):
         Tokenizer.from_gguf(_tiny_gguf(tmp_path / "m.gguf", model="bert"))
 
 

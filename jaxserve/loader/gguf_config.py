@@ -21,6 +21,7 @@ from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
+from jaxserve.loader.gguf_gemma4 import gemma4_gguf_hf
 from jaxserve.loader.gguf_hybrid import (
     falcon_h1_gguf_hf,
     granite_hybrid_hf,
@@ -54,7 +55,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
-            "jamba": "JambaForCausalLM",
+            "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
@@ -65,10 +66,11 @@ SUPPORTED_ARCHITECTURES = (*_LLAMA_FAMILIES, *_HF_FORM)
 
 def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: bool,
                      rope_tensors: Mapping[str, Sequence[float]] | None = None,
-                     tensor_names: frozenset[str] = frozenset()) -> ModelConfig:
+                     tensor_names: Mapping[str, Any] | frozenset[str] = frozenset()) -> ModelConfig:
     """The configuration GGUF metadata `meta` describes; `rope_tensors` are the file's rope tensors
     (`rope_freqs`, `rope_factors_short`, `rope_factors_long`) by name, if it has any; `tensor_names` all of its
-    tensors' (GLM-4.5's multi-token prediction blocks follow the model's, which they do not count in)."""
+    tensors' (GLM-4.5's multi-token prediction blocks follow the model's, which they do not count in), mapped to their
+    shapes (HF order) where the caller has them."""
     arch = meta.get("general.architecture") or ""
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -166,6 +168,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = falcon_h1_gguf_hf(get, d, tensor_names)
         if arch == "jamba":
             d = jamba_gguf_hf(get, d, kv_heads, tensor_names)
+        if arch == "gemma4":  # (its full-attention layers' rope_freqs are theirs alone: not the model's scaling)
+            return ModelConfig.from_hf(gemma4_gguf_hf(meta, get, d, kv_heads, ffn, tensor_names, rope_tensors))
         if arch == "jais2":  # LayerNorms with biases, a squared-ReLU MLP (llama.cpp's for the architecture)
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
                      attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)

@@ -15,6 +15,7 @@ from jaxserve.config_mla import MLA_FAMILIES
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.loader.family_names import router_bias_name
 from jaxserve.loader.gguf_deepseek import mla_tensors
+from jaxserve.loader.gguf_gemma4 import gemma4_tensor
 from jaxserve.loader.gguf_header import GGUFHeader
 from jaxserve.loader.gguf_hybrid import jamba_ssm_tensor, nemotron_h_tensors, shortconv_tensor, ssm_tensor
 from jaxserve.loader.gguf_qwen3_next import NAMES as QWEN3_NEXT_NAMES
@@ -104,6 +105,9 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     """The HF tensors (names and arrays in HF layout) of llama.cpp tensor `name` holding `arr` (GGUF shape
     reversed) in a file of architecture `arch`: one, or one per expert of a stacked expert tensor."""
     m = _BLK_RE.match(name)
+    if cfg.family == "gemma4" and (found := gemma4_tensor(name, *(m.groups() if m else (None, None)), arr)):
+        yield found
+        return
     if cfg.family == "lfm2":  # (its final norm under the embeddings' name)
         lfm2 = ("model.norm.weight", arr) if name == "token_embd_norm.weight" else m and shortconv_tensor(*m.groups(), arr)
         if lfm2:
@@ -216,7 +220,7 @@ class GGUFFile:
             if t is not None:
                 rope[name.removesuffix(".weight")] = np.asarray(t.data, np.float32).ravel().tolist()
         return ModelConfig.from_gguf_metadata(self.metadata, int(vocab), "output.weight" in tensors, rope,
-                                              frozenset(tensors))
+                                              {name: tuple(reversed(t.shape)) for name, t in tensors.items()})
 
     def tensors(self, cfg: ModelConfig, prediction: bool = False) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (HF name, float32 array in HF layout) for every tensor, dequantizing one at a time; the multi-token
