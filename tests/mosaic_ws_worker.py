@@ -24,11 +24,6 @@ from tests.test_kernels_cases import make_batch, naive_attention, span_last_key
 # (name, page_size, head_dim, group, kv_heads, block_kv, [(q_len, kv_len)], pages_per_seq, soft_cap, window,
 #  the pages' dtype[, {"spans": spans attended both ways per sequence, "chunk": Llama 4's chunk of positions}])
 CASES = [
-    # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
-    # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
-    # and only releases the stages), a decode token at 137 (three KV blocks: the loader refills a stage), an
-    # empty row, a 7-token prompt.
-    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9, None, None, jnp.bfloat16),
     # Float8 pages (they land in their own ring; the loading warpgroup upcasts each block into the stage, then
     # signals it), a sliding window of 141 keys and a soft-cap. The 42-token chunk at 200-241 is one program: warpgroup 0
     # (tokens 200-220) walks window-edge blocks 0-1 masked, block 2 whole, block 3 causal; warpgroup 1 (tokens
@@ -54,10 +49,18 @@ CASES = [
 ]
 
 
-# On a GPU also: 128-wide heads of group 4 (Llama-3-8B's) with 128-key blocks, a 512-token prompt, a chunk over
-# 800 cached tokens and a decode token at 2000.
-GPU_CASES = [("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128, None, None,
-              jnp.bfloat16)]
+# On a GPU also (in the interpreter the cases above hold each of its paths: two full warpgroups and one only
+# releasing, a stage refilled, an empty row, heads straddling the warpgroups), the plain bfloat16 case:
+GPU_CASES = [
+    # SmolLM2 heads (group 3: token 21's heads straddle the two warpgroups), 64-key blocks: a 50-token chunk
+    # over 60 cached tokens (a program of two full warpgroups, then one whose second warpgroup has no token
+    # and only releases the stages), a decode token at 137 (three KV blocks: the loader refills a stage), an
+    # empty row, a 7-token prompt.
+    ("smollm-bkv64", 16, 64, 3, 1, 64, [(50, 110), (1, 137), (0, 0), (7, 7)], 9, None, None, jnp.bfloat16),
+    # 128-wide heads of group 4 (Llama-3-8B's) with 128-key blocks, a 512-token prompt, a chunk over 800 cached
+    # tokens and a decode token at 2000.
+    ("llama-bkv128", 16, 128, 4, 2, None, [(512, 512), (100, 900), (1, 2000)], 128, None, None, jnp.bfloat16),
+]
 
 
 def run_cases(cases):

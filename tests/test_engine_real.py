@@ -100,20 +100,20 @@ def test_batched_equals_alone(engine, alone):
     assert pool_is_full(engine)
 
 
-def test_preemption_equals_alone(engine, alone):
+def test_preemption_changes_no_token(engine, alone):
     prompts, _ = alone
     long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     subset = prompts[::7]
-    expected = []
-    for p in subset:
-        engine.reset_prefix_cache()
-        expected.append(serve(engine, [p], long)[0].outputs[0].token_ids)
+    # The same requests together with pages to spare (batched equals alone: test_batched_equals_alone).
+    engine.reset_prefix_cache()
+    before = engine.num_preemptions
+    expected = [o.outputs[0].token_ids for o in serve(engine, subset, long)]
+    assert engine.num_preemptions == before
     engine.reset_prefix_cache()
     # Memory pressure: hold all but 15 pages, so 6 requests needing ~4 pages each must preempt.
     pool = engine.scheduler.pool
     held = pool.allocate(pool.num_free - 15)
     try:
-        before = engine.num_preemptions
         got = [o.outputs[0].token_ids for o in serve_unchecked(engine, subset, long)]
     finally:
         pool.decref(held)

@@ -174,8 +174,8 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
 
 
 def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
-    """Granite 4.0-H's (and Nemotron 3's, LFM2's, LFM3's, Qwen3-Next's, OLMo Hybrid's, Falcon-H1's, Jamba's) layers at
-    TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole on each device; one device's
+    """Granite 4.0-H's (and Nemotron 3's, LFM3's (LFM2's layers with more), Qwen3-Next's, OLMo Hybrid's, Falcon-H1's,
+    Jamba's) layers at TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole on each device; one device's
     greedy tokens, nothing compiled after warmup, and again from the prefix cache's kept states; the same over two
     data-parallel replicas."""
     r = results["hybrid"]
@@ -187,12 +187,10 @@ def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
     # Nemotron 3 Super (a Mamba layer without an MLP, the MoE MLPs stacked apart, ungated latent experts): TP=2,
     # and EP over the two devices, give one device's tokens.
     assert r["nemotron"][1] == r["nemotron"][0] == r["nemotron"][2] and all(len(t) == 12 for t in r["nemotron"][0])
-    assert r["lfm2"][1] == r["lfm2"][0] and all(len(t) == 12 for t in r["lfm2"][0])  # (LFM2: no SSM state)
     assert r["qwen3_next"][1] == r["qwen3_next"][0] == r["qwen3_next"][2] and all(
         len(t) == 12 for t in r["qwen3_next"][0])  # (Qwen3-Next: gated attention heads split, DeltaNet states whole)
     for family in ("olmo_hybrid", "falcon_h1", "jamba", "lfm3"):
         assert r[family][1] == r[family][0] and all(len(t) == 12 for t in r[family][0]), family
-    assert r["jamba"][2] == r["jamba"][0]  # (and its experts over the two devices)
     assert r["gemma4"][0] == r["gemma4"][1] == r["gemma4"][2] and all(len(t) == 12 for t in r["gemma4"][0])
     assert r["gemma4_small"][0] == r["gemma4_small"][1] and all(len(t) == 12 for t in r["gemma4_small"][0])
 

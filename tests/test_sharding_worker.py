@@ -777,17 +777,13 @@ def case_hybrid() -> dict:
             "ssm_whole": kv.ssm.sharding.shard_shape(kv.ssm.shape) == kv.ssm.shape,
             "dp2": _dp_hybrid(EngineArgs(**args, data_parallel_size=2, warmup=False), loaded),
             # Nemotron 3 Super (Nemotron-H with latent MoE blocks): its MLPs stacked apart, its ungated experts
-            # split by width (TP) or over the two devices (EP), between its latent projections; LFM2: its short convolutions' states (no SSM state) whole.
+            # split by width (TP) or over the two devices (EP), between its latent projections.
             "nemotron": _tp_tokens(args, dict(
                 architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=64, hidden_size=64,
                 hybrid_override_pattern="MEM*E", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                 mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, n_routed_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_group=2,
                 topk_group=1, max_position_embeddings=512, moe_latent_size=24), ep=True),
-            "lfm2": _tp_tokens(args, dict(
-                architectures=["Lfm2ForCausalLM"], model_type="lfm2", vocab_size=64, hidden_size=64,
-                num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], num_attention_heads=8,
-                num_key_value_heads=2, intermediate_size=192, block_multiple_of=32, max_position_embeddings=512)),
             # Qwen3-Next: its gated attention's heads (each query with its gate) split, its DeltaNet layers and
             # their states whole, its experts split by width or over the two devices, the shared expert's gate.
             "qwen3_next": _tp_tokens(args, dict(
@@ -810,13 +806,15 @@ def case_hybrid() -> dict:
                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96,
                 mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=2, mamba_rms_norm=True,
                 key_multiplier=0.5, max_position_embeddings=512)),
-            # Jamba: its Mamba layers (the selective scan) whole, its experts every other layer split by width.
+            # Jamba: its Mamba layers (the selective scan) whole, its experts every other layer split by width (over
+            # the devices: Nemotron's, Qwen3-Next's and Gemma 4's here, Maverick's in the MoE worker).
             "jamba": _tp_tokens(args, dict(
                 architectures=["JambaForCausalLM"], model_type="jamba", vocab_size=64, hidden_size=64,
                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
                 attn_layer_period=2, attn_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8,
-                mamba_dt_rank=8, max_position_embeddings=512), ep=True),
-            # LFM3: each head's one gate channel split with its query, its windowed layers beside the full one.
+                mamba_dt_rank=8, max_position_embeddings=512)),
+            # LFM3 (LFM2's layers too): each head's one gate channel split with its query, its windowed layers beside
+            # the full one, its short convolutions' states (no SSM state) whole.
             "lfm3": _tp_tokens(args, dict(
                 architectures=["Lfm3ForCausalLM"], model_type="lfm3", vocab_size=64, hidden_size=64,
                 num_hidden_layers=4, layer_types=["conv", "sliding_attention", "full_attention", "sliding_attention"],
