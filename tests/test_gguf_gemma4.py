@@ -146,7 +146,8 @@ def test_llm_serves_a_gemma4_gguf_with_its_vocabulary(tmp_path):
     from tests.test_tokenizer import SPM_TEXTS
 
     vocab = _gemma4_vocab(tmp_path)
-    settings = dict(SMALL, use_double_wide_mlp=False, vocab_size=len(vocab[0]), vocab_size_per_layer_input=len(vocab[0]))
+    n = len(vocab[0])
+    settings = dict(SMALL, use_double_wide_mlp=False, vocab_size=n, vocab_size_per_layer_input=n)
     model = save_tiny_hf("Gemma4TextConfig", tmp_path / "hf", **settings)
     path = write_gemma4_gguf(tmp_path / "g.gguf", model, settings, vocab=vocab)
     ours = Tokenizer.from_gguf(path)

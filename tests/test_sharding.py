@@ -175,9 +175,9 @@ def test_tp2_engine_greedy_is_token_identical_and_never_recompiles(results):
 
 def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
     """Granite 4.0-H's (and Nemotron 3's, LFM3's (LFM2's layers with more), Qwen3-Next's, OLMo Hybrid's, Falcon-H1's,
-    Jamba's) layers at TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole on each device; one device's
-    greedy tokens, nothing compiled after warmup, and again from the prefix cache's kept states; the same over two
-    data-parallel replicas."""
+    Jamba's) layers at TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole on each
+    device; one device's greedy tokens, nothing compiled after warmup, and again from the prefix cache's kept states;
+    the same over two data-parallel replicas."""
     r = results["hybrid"]
     assert len(r["ref"]) == len(PROMPTS) and all(len(t) == 12 for t in r["ref"])
     assert r["tp2"] == r["ref"] and r["compiles_after_warmup"] == 0
