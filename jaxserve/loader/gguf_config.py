@@ -30,6 +30,7 @@ from jaxserve.loader.gguf_hybrid import (
     lfm2_gguf_hf,
     nemotron_h_hf,
 )
+from jaxserve.loader.gguf_mimo2 import mimo2_gguf_hf
 from jaxserve.loader.gguf_qwen3_next import QWEN3_NEXT_GGUF, qwen3_next_gguf_hf
 from jaxserve.rope import RopeScaling
 
@@ -55,7 +56,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
-            "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM",
+            "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
@@ -170,6 +171,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d = jamba_gguf_hf(get, d, kv_heads, tensor_names)
         if arch == "gemma4":  # (its full-attention layers' rope_freqs are theirs alone: not the model's scaling)
             return ModelConfig.from_hf(gemma4_gguf_hf(meta, get, d, kv_heads, ffn, tensor_names, rope_tensors))
+        if arch == "mimo2":
+            return ModelConfig.from_hf(mimo2_gguf_hf(meta, get, d, kv_heads, tensor_names))
         if arch == "jais2":  # LayerNorms with biases, a squared-ReLU MLP (llama.cpp's for the architecture)
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
                      attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)

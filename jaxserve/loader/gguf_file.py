@@ -18,6 +18,7 @@ from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_gemma4 import gemma4_tensor
 from jaxserve.loader.gguf_header import GGUFHeader
 from jaxserve.loader.gguf_hybrid import jamba_ssm_tensor, nemotron_h_tensors, shortconv_tensor, ssm_tensor
+from jaxserve.loader.gguf_mimo2 import NAMES as MIMO2_NAMES
 from jaxserve.loader.gguf_qwen3_next import NAMES as QWEN3_NEXT_NAMES
 from jaxserve.loader.gguf_qwen3_next import gated_delta_tensor
 from jaxserve.loader.keymap import CheckpointError
@@ -156,7 +157,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
     # (OLMo 2's and EXAONE 4's norms after attention and after the MLP are named as Gemma's)
     extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else \
-        QWEN3_NEXT_NAMES if cfg.family in GATED_DELTA_FAMILIES else None
+        QWEN3_NEXT_NAMES if cfg.family in GATED_DELTA_FAMILIES else \
+        MIMO2_NAMES if cfg.family == "mimo_v2_flash" else None
     yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch in ("olmo2", "exaone4"), arch == "phi3", extra), arr
 
 
