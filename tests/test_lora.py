@@ -20,6 +20,7 @@ from jaxserve.lora_request import LoRARequest, lora_cache_salt  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from tests.fake_model import save_fake_tokenizer  # noqa: E402
 from tests.modelrun import drain  # noqa: E402
+from tests.test_mimo import TINY as MIMO  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
 VOCAB = 64
@@ -154,6 +155,9 @@ ATTENTION_ONLY = {
                                              first_k_dense_replace=1, prefix_dense_intermediate_size=40,
                                              sliding_window=8, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                     "lm_head", "not LoRA on a projection jaxserve serves"),
+    # MiMo-V2-Flash: its k, v and o held uniform (a full layer's KV heads twice, values padded to the keys' width),
+    # and so their deltas; sinks on its windowed layers, a value scale.
+    "mimo_v2_flash": ("MiMoV2FlashConfig", MIMO, "lm_head", "not LoRA on a projection jaxserve serves"),
 }
 
 

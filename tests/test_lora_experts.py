@@ -29,6 +29,7 @@ from tests.test_lora import (  # noqa: E402
     prompt,
     run,
 )
+from tests.test_mimo import TINY as MIMO  # noqa: E402
 from tests.test_model_families import save_tiny_hf  # noqa: E402
 
 X, F = 8, 32  # experts, their width
@@ -145,6 +146,10 @@ EVERY_LINEAR = {
     "glm4_moe": ("Glm4MoeConfig", GLM4_MOE, "scan", dict(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj",
                                                                           "down_proj"],
                                                  target_parameters=["mlp.gate.weight"])),
+    # MiMo-V2-Flash: its attention held uniform (`test_lora`), its dense first layer, router and experts.
+    "mimo_v2_flash": ("MiMoV2FlashConfig", MIMO, "unroll", dict(target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_parameters=["mlp.gate.weight", *FUSED])),
 }
 
 
@@ -190,7 +195,8 @@ def test_router_shared_expert_and_dense_layer_adapters_equal_peft(tmp_path, fami
 
     names = set(load_file(os.path.join(path, "adapter_model.safetensors")))
     wanted = {"qwen2_moe": ("1.mlp.gate.", "shared_expert.up_proj", "shared_expert_gate", "experts.lora_A"),
-              "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A")}[family]
+              "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A"),
+              "mimo_v2_flash": ("1.mlp.gate.", "experts", "0.mlp.gate_proj", "o_proj")}[family]
     assert all(any(w in n for n in names) for w in wanted), sorted(names)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **PEFT_ARGS),
                        progress=False)

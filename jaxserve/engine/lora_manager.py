@@ -39,6 +39,7 @@ from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.loader.falcon_keys import falcon_folded
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.loader.mamba_keys import hybrid_adapter_key
+from jaxserve.loader.mimo_keys import mimo_adapter_matrix
 from jaxserve.loader.mla_keys import kv_rows, q_rows
 from jaxserve.lora_request import LORA_SALT_PREFIX, LoRARequest, in_lora_namespace, lora_cache_salt
 from jaxserve.models.lora import (
@@ -122,6 +123,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
         module = _ALIASES.get(module, module)
+        w = mimo_adapter_matrix(module, which, layer, w, cfg)  # (MiMo-V2-Flash's k, v and o: as its weights are held)
         parts = _FUSED.get(module, (module,))
         if not moe and module.startswith("shared"):  # a dense Granite 4.0's MLP is its shared MLP
             parts = tuple(p.removeprefix("shared.") for p in parts)
@@ -209,8 +211,6 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     if loaded.config.moe_layer_step > 1:
         raise LoRAError("LoRA adapters on a model whose experts are in every other layer (Llama 4 Maverick, Jamba) are "
                         "not supported")
-    if loaded.config.family == "mimo_v2_flash":  # (its attention's weights held in another layout)
-        raise LoRAError(f"LoRA adapters on {loaded.config.family} models are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy
         sh = loaded.plan.replicated()

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.config_mimo import mimo_kv_repeat
+from jaxserve.config_mimo import FAMILY, mimo_kv_repeat
 from jaxserve.loader.family_names import family_hf_name
 
 _PROJ_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kvo])_proj\.weight$")
@@ -42,6 +42,16 @@ def mimo_uniform(name: str, tensor: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     width = D if kind == "k" else Dv
     w = np.repeat(tensor.reshape(-1, width, tensor.shape[-1]), _heads(cfg, layer), axis=0)
     return np.pad(w, ((0, 0), (0, D - width), (0, 0))).reshape(-1, tensor.shape[-1])
+
+
+def mimo_adapter_matrix(module: str, which: str, layer: int, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """A LoRA adapter's `which` ("A" or "B") matrix of `module` in `layer` in the layout its projection is held in: of
+    MiMo-V2-Flash, k's and v's B rows as the projection's rows (a full layer's heads twice, values padded), o's A columns
+    as o's inputs (padded), so each delta is the one the adapter gives, laid out as its projection's output or input;
+    any other as it is."""
+    if cfg.family == FAMILY and (module, which) in (("k_proj", "B"), ("v_proj", "B"), ("o_proj", "A")):
+        return mimo_uniform(f"model.layers.{layer}.self_attn.{module}.weight", w, cfg)
+    return w
 
 
 def mimo_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
