@@ -138,9 +138,9 @@ def _gemma4_vocab(tmp_path) -> tuple[list[str], list[int], list[str]]:
 
 def test_llm_serves_a_gemma4_gguf_with_its_vocabulary(tmp_path):
     """E2B's form with MLPs of one width (a file whose config transformers reads: one KV head count, one MLP width):
-    the "gemma4" vocabulary tokenizes as transformers reads it (no BOS added:
-    Gemma 4's chat template writes it), <turn|> ends generation, and `LLM` gives the HF model's greedy tokens and
-    transformers' text of them."""
+    the "gemma4" vocabulary tokenizes as transformers reads it (no BOS added: Gemma 4's chat template writes it),
+    <turn|> and (a user-defined token in the files) <|tool_response> end generation, as Gemma 4's generation config
+    has them, and `LLM` gives the HF model's greedy tokens and transformers' text of them."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.tokenizer import Tokenizer
     from tests.test_tokenizer import SPM_TEXTS
@@ -153,6 +153,9 @@ def test_llm_serves_a_gemma4_gguf_with_its_vocabulary(tmp_path):
     ours = Tokenizer.from_gguf(path)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="g.gguf")
     assert not ours.add_bos_token and ours.eos_token_ids == (2, vocab[0].index("<turn|>"))
+    tool = write_gemma4_gguf(tmp_path / "tool.gguf", model, settings, vocab=(
+        vocab[0] + ["<|tool_response>"], vocab[1] + [4], vocab[2]))  # (the tokenizer's alone read)
+    assert Tokenizer.from_gguf(tool).eos_token_ids == (2, vocab[0].index("<turn|>"), len(vocab[0]))
     for text in [*SPM_TEXTS, "<|turn>user\nhello world<turn|>"]:
         assert ours.encode(text, add_special_tokens=True) == ref.encode(text), text
         ids = ours.encode(text)
