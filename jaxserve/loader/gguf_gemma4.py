@@ -80,7 +80,10 @@ def gemma4_gguf_hf(meta: Mapping[str, Any], get: Callable[..., Any], d: dict[str
         if int(meta.get(f"gemma4.{key}", want)) != want:
             raise UnsupportedModelError(f"GGUF gemma4.{key} {meta[f'gemma4.{key}']} is not the heads' width {want}: "
                                         "not supported")
-    k_eq_v = f"blk.{full[0]}.attn_v.weight" not in tensors  # (values: the key projection's output)
+    own = [i for i in full if i < n - shared]  # (the full layers with keys of their own)
+    if not own:
+        raise UnsupportedModelError(f"a Gemma 4 GGUF needs a full-attention layer before its {shared} sharing keys")
+    k_eq_v = f"blk.{own[0]}.attn_v.weight" not in tensors  # (values: the key projection's output)
     kv, full_kv = kv_heads[windowed[0]], kv_heads[full[0]]
     if any(kv_heads[i] != (kv if pattern[i] else full_kv) for i in range(n)) or (full_kv != kv and not k_eq_v):
         raise UnsupportedModelError(f"GGUF gemma4 KV heads {kv_heads}: one count for the windowed layers and one for "
