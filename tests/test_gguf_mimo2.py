@@ -21,9 +21,11 @@ from tests.test_mimo import TINY  # noqa: E402
 from tests.test_model_families import hf_logits, random_prompt, rel_err, save_tiny_hf  # noqa: E402
 
 
-def write_mimo2_gguf(path, model, value_scale: float | None = 0.707, prediction_blocks: int = 0) -> str:
+def write_mimo2_gguf(path, model, value_scale: float | None = 0.707, prediction_blocks: int = 0,
+                     counted: bool = True) -> str:
     """`model` (a tiny transformers MiMo-V2-Flash of `TINY`) as an F32 GGUF, as llama.cpp's converter writes one;
-    `value_scale` None: as files from before the converter wrote it; `prediction_blocks`: counted, not written."""
+    `value_scale` None: as files from before the converter wrote it; `prediction_blocks` after the model's: counted
+    (`nextn_predict_layers`) and not held, or with `counted` False held (a `nextn` tensor each) and not counted."""
     c = model.config
     n, kv = c.num_hidden_layers, TINY["num_key_value_heads"]
     windowed = [t == "sliding_attention" for t in c.layer_types]
@@ -51,8 +53,10 @@ def write_mimo2_gguf(path, model, value_scale: float | None = 0.707, prediction_
     w.add_rope_dimension_count(int(TINY["head_dim"] * rope["full_attention"]["partial_rotary_factor"]))
     if value_scale is not None:
         w.add_float32("mimo2.attention.value_scale", value_scale)
-    if prediction_blocks:
+    if prediction_blocks and counted:
         w.add_uint32("mimo2.nextn_predict_layers", prediction_blocks)
+    for i in range(n, n + prediction_blocks if not counted else n):
+        w.add_tensor(f"blk.{i}.nextn.eh_proj.weight", np.zeros((c.hidden_size, 2 * c.hidden_size), np.float32))
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MIMO2, n)
     renames = {"self_attn.sinks": "self_attn.attention_sink_bias.weight",  # (as the released checkpoints name them)
@@ -89,7 +93,8 @@ def test_mimo2_gguf_reads_as_its_checkpoint(tmp_path):
     assert rel_err(_ours(path, ids), ref) < 1e-4
     unscaled = write_mimo2_gguf(tmp_path / "unscaled.gguf", model, value_scale=1.0)
     assert rel_err(_ours(unscaled, ids), ref) > 1e-3
-    # An older file without the scale takes the model's; one counting prediction blocks it does not hold, the model.
-    for kwargs in (dict(value_scale=None), dict(prediction_blocks=1)):
+    # An older file without the scale takes the model's; one counting prediction blocks it does not hold, or holding
+    # one it does not count, reads as the model.
+    for kwargs in (dict(value_scale=None), dict(prediction_blocks=1), dict(prediction_blocks=1, counted=False)):
         other = open_checkpoint(write_mimo2_gguf(tmp_path / "other.gguf", model, **kwargs)).config()
         assert _rounded(other) == _rounded(want), kwargs

@@ -24,7 +24,9 @@ _VALUE_SCALE = 0.707  # (transformers' MiMoV2FlashConfig default: the released m
 def mimo2_gguf_hf(meta: Mapping[str, Any], get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int],
                   tensors: Mapping[str, Any]) -> dict[str, Any]:
     """The released-form HF config of a "mimo2" file; `d` is the generic one (`gguf_config`), `kv_heads` per block."""
-    n = int(get("block_count")) - int(meta.get("mimo2.nextn_predict_layers") or 0)
+    # The prediction blocks: as many as the file counts (`nextn_predict_layers`), or those it holds (`gguf_config`
+    # counted them out of `d`) where it does not count them.
+    n = min(d["num_hidden_layers"], int(get("block_count")) - int(meta.get("mimo2.nextn_predict_layers") or 0))
     pattern = get("attention.sliding_window_pattern")
     if not isinstance(pattern, (list, tuple)) or len(pattern) < n:
         raise UnsupportedModelError(f"GGUF mimo2.attention.sliding_window_pattern must give each of the {n} layers "
@@ -65,5 +67,4 @@ def mimo2_gguf_hf(meta: Mapping[str, Any], get: Callable[..., Any], d: dict[str,
         topk_group=int(meta.get("mimo2.expert_group_used_count") or 1),
         routed_scaling_factor=float(meta.get("mimo2.expert_weights_scale") or 1.0), n_shared_experts=0,
         attention_value_scale=_VALUE_SCALE if scale is None else float(scale), add_swa_attention_sink_bias=True,
-        add_full_attention_sink_bias=False, tie_word_embeddings=d["tie_word_embeddings"], topk_method="noaux_tc",
-        scoring_func="sigmoid")
+        add_full_attention_sink_bias=False, tie_word_embeddings=d["tie_word_embeddings"])
