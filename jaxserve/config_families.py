@@ -11,7 +11,7 @@ Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
-                 "lfm3"]
+                 "lfm3", "mamba", "falcon_mamba", "mamba2"]
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -64,6 +64,8 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "OlmoHybridForCausalLM": "olmo_hybrid",  # ... beside OLMo 3's attention, norms by layer kind (`config_olmo_hybrid`)
     "FalconH1ForCausalLM": "falcon_h1",  # Mamba-2 and attention side by side in every layer (`config_falcon_h1`)
     "JambaForCausalLM": "jamba",  # Mamba (selective scan) beside NoPE attention, experts every other layer
+    # Mamba layers alone, no attention or MLP (`config_mamba_lm`)
+    "MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba", "Mamba2ForCausalLM": "mamba2",
     # q and k normed over all their heads (OLMo 2's), half of each head rotated; sigmoid-routed experts with a bias
     # for choosing, renormalized (Mixtral's tensor names)
     "MiniMaxM2ForCausalLM": "minimax_m2",

@@ -26,6 +26,7 @@ from jaxserve.config_jamba import jamba_hf
 from jaxserve.config_lfm2 import lfm2_hf
 from jaxserve.config_llama4 import llama4_hf
 from jaxserve.config_mamba import mamba_hf
+from jaxserve.config_mamba_lm import MAMBA_LM_FAMILIES, mamba_lm_hf
 from jaxserve.config_mimo import mimo_hf
 from jaxserve.config_mla import mla_hf
 from jaxserve.config_nemotron import nemotron_hf
@@ -37,6 +38,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF `config.json` dict describing `cfg` (for `jaxserve convert`)."""
     if cfg.family == "gemma4":
         return gemma4_hf(cfg)
+    if cfg.family in MAMBA_LM_FAMILIES:
+        return mamba_lm_hf(cfg)
     arch = next(k for k, v in HF_ARCHITECTURES.items() if v == cfg.family)
     d: dict[str, Any] = {
         "architectures": [arch],

@@ -11,13 +11,14 @@ from typing import Any
 from jaxserve.config_falcon_h1 import falcon_h1
 from jaxserve.config_jamba import jamba
 from jaxserve.config_lfm2 import lfm2
+from jaxserve.config_mamba_lm import MAMBA_LM_FAMILIES, mamba_lm
 from jaxserve.config_nemotron import nemotron_h
 from jaxserve.config_olmo_hybrid import olmo_hybrid
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES, qwen3_next
 from jaxserve.errors import UnsupportedModelError
 
 HYBRID_FAMILIES: tuple[str, ...] = ("granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm3", *GATED_DELTA_FAMILIES,
-                                    "olmo_hybrid", "falcon_h1", "jamba")
+                                    "olmo_hybrid", "falcon_h1", "jamba", *MAMBA_LM_FAMILIES)
 
 # A hybrid config's layer kinds as transformers reads them ("mamba" and "attention" are the checkpoints' names;
 # "mlp": a layer of an MLP alone, Nemotron-H's).
@@ -59,6 +60,9 @@ class MambaConfig:
     # The mixer's output: normed per group after its gate silu(z) ("gated", Mamba-2's), before it ("before"), or not
     # normed ("none": y * silu(z))
     gate_norm: str = "gated"
+    # A "mamba1" layer's dt, B and C: RMSNormed with weights ("weighted", Jamba's), without ("unweighted", Falcon
+    # Mamba's) or not at all ("none", Mamba's)
+    step_norms: str = "weighted"
 
     def mlp_layers(self, num_layers: int, first: int = 0) -> tuple[int, ...]:
         """The layers with an MLP, from layer `first` on (after a model's dense first layers: their MLPs stacked
@@ -103,8 +107,9 @@ class MambaConfig:
             raise UnsupportedModelError(f"a layer without a mixer ({self.no_mixer}) has an MLP and no Mamba mixer")
         if self.gate_norm not in ("gated", "before", "none"):
             raise UnsupportedModelError(f"mamba gate_norm {self.gate_norm!r} is not supported (gated, before, none)")
-        if len(self.layers) + len(self.no_mixer) == num_layers and not self.parallel:
-            raise UnsupportedModelError("a hybrid model of Mamba layers only is not supported (it holds no pages)")
+        if self.step_norms not in ("weighted", "unweighted", "none"):
+            raise UnsupportedModelError(f"mamba step_norms {self.step_norms!r} is not supported (weighted, "
+                                        "unweighted, none)")
 
 
 def bamba(d: dict[str, Any]) -> dict[str, Any]:
@@ -120,10 +125,11 @@ def bamba(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def hybrid_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5, OLMo Hybrid, Falcon-H1 or Jamba config in Granite 4.0-H's
-    keys (`bamba`, `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
-    `config_olmo_hybrid.olmo_hybrid`, `config_falcon_h1.falcon_h1`, `config_jamba.jamba`); any other as it is."""
-    return jamba(falcon_h1(olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d)))))))
+    """A Bamba, Nemotron-H, LFM2, Qwen3-Next, Qwen3.5, OLMo Hybrid, Falcon-H1, Jamba, Mamba or Mamba-2 config in
+    Granite 4.0-H's keys (`bamba`, `config_nemotron.nemotron_h`, `config_lfm2.lfm2`, `config_qwen3_next.qwen3_next`,
+    `config_olmo_hybrid.olmo_hybrid`, `config_falcon_h1.falcon_h1`, `config_jamba.jamba`,
+    `config_mamba_lm.mamba_lm`); any other as it is."""
+    return mamba_lm(jamba(falcon_h1(olmo_hybrid(qwen3_next(lfm2(nemotron_h(bamba(d))))))))
 
 
 def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
@@ -153,7 +159,8 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        beta_scale=float(d.get("mamba_beta_scale", 1.0)), no_mlp=tuple(d.get("mamba_no_mlp") or ()),
                        no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS),
                        kind=d.get("mamba_kind", "mamba2"), parallel=bool(d.get("mamba_parallel", False)),
-                       gate_norm=d.get("mamba_gate_norm", "gated"), dt_rank=int(d.get("mamba_dt_rank") or 0))
+                       gate_norm=d.get("mamba_gate_norm", "gated"), dt_rank=int(d.get("mamba_dt_rank") or 0),
+                       step_norms=d.get("mamba_step_norms", "weighted"))
 
 
 def apart_mlp_layers(cfg: Any) -> tuple[int, ...]:

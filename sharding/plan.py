@@ -179,6 +179,10 @@ def make_plan(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) 
     if sizes.get("experts") is None and mesh.shape.get(EXPERT, 1) > 1:
         raise ShardingError(f"expert_parallel_size {mesh.shape[EXPERT]} needs a mixture-of-experts model; "
                             f"{cfg.family} is dense")
+    if cfg.mamba is not None and not cfg.attention_layers and mesh.shape.get(MODEL, 1) > 1:
+        raise ShardingError(f"tensor parallelism splits attention layers (a hybrid's Mamba layers are whole on each "
+                            f"device), and {cfg.family} has none: serve it on one device (--data-parallel-size for "
+                            "replicas)")
     kv_repeat = 1
     for logical, n in sizes.items():
         mesh_axis = rules.mesh_axis(logical)

@@ -1,8 +1,8 @@
 """Hybrid models from llama.cpp GGUF files against the HF models they come from: Granite 4.0-H ("granitehybrid"),
 dense and with experts; Nemotron-H and Nemotron 3 ("nemotron_h", "nemotron_h_moe"); LFM2 and LFM2-MoE ("lfm2",
 "lfm2moe"); Granite MoE ("granitemoe"), whose experts are written as Granite 4.0-H's; Falcon-H1 ("falcon-h1"), its
-multipliers folded into its weights; and Jamba ("jamba": Mamba layers of the selective scan, experts every other
-layer).
+multipliers folded into its weights; Jamba ("jamba": Mamba layers of the selective scan, experts every other
+layer); Mamba, Falcon Mamba ("mamba") and Mamba-2 ("mamba2"), Mamba layers alone.
 
 The tiny random models of tests/test_hybrid.py written as llama.cpp's converter writes them: tensor names from the
 gguf package's map; each Mamba layer's A as -exp(A_log), A and D as [heads, 1], the convolution squeezed to
@@ -383,5 +383,62 @@ def test_jamba_gguf_equals_the_hf_model(tmp_path):
     hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
     assert dataclasses.replace(cfg, rms_norm_eps=hf_cfg.rms_norm_eps, mamba=dataclasses.replace(
         cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps), max_position_embeddings=hf_cfg.max_position_embeddings) == hf_cfg
+    ids = (PROMPTS[2] + PROMPTS[0]) * 2
+    assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4
+
+
+def _write_mamba(path, model, hf_dir) -> str:
+    """`model` (an HF Mamba, Falcon Mamba or Mamba-2, saved at `hf_dir`) as an F32 GGUF, as llama.cpp's converter
+    writes one: the context length a placeholder, no heads; A as -exp(A_log) (Mamba-2's A and D as [heads, 1], its
+    gated norm as [groups, channels per group]), the convolution squeezed; Falcon Mamba's flag for its step norms."""
+    from safetensors.numpy import load_file
+
+    c = model.config
+    two = c.model_type == "mamba2"
+    arch = "mamba2" if two else "mamba"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(2**20)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_state_size(c.state_size)
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    if two:
+        w.add_ssm_inner_size(c.num_heads * c.head_dim)
+        w.add_ssm_time_step_rank(c.num_heads)
+        w.add_ssm_group_count(c.n_groups)
+    else:
+        w.add_ssm_inner_size(c.intermediate_size)
+        w.add_ssm_time_step_rank(c.time_step_rank)
+        w.add_ssm_dt_b_c_rms(c.model_type == "falcon_mamba")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.MAMBA2 if two else gguf.MODEL_ARCH.MAMBA, c.num_hidden_layers)
+    for name, a in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.replace(".dt_bias", ".dt_proj.bias")
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert key is not None, name
+        w.add_tensor(key, a.squeeze() if "conv1d.weight" in name else _as_written(name, key, a, c, c.n_groups)
+                     if two else -np.exp(a) if name.endswith("A_log") else a)
+    return written(w, path)
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "mamba2"])
+def test_mamba_gguf_equals_the_hf_model(tmp_path, family):
+    """The file's config is the HF model's (Falcon Mamba's by its flag, Mamba-2's heads by its step rank; the
+    placeholder context not taken), its logits the HF model's over 102 tokens (Mamba-2's step unclamped: the file
+    holds no clamp, Falcon Mamba's step norms transformers' eps)."""
+    from tests.test_mamba_lm import SHAPE, VARIANTS
+
+    config_cls, kw = VARIANTS[family]
+    kw = {k: v for k, v in kw.items() if k not in ("time_step_limit", "mixer_rms_eps")}  # (not in the file)
+    model = save_tiny_hf(config_cls, tmp_path / "hf", **SHAPE, **kw)
+    path = _write_mamba(tmp_path / f"{family}.gguf", model, tmp_path / "hf")
+    cfg = open_checkpoint(path).config()
+    hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
+    assert cfg.max_position_embeddings == 2048
+    assert dataclasses.replace(cfg, max_position_embeddings=hf_cfg.max_position_embeddings, rms_norm_eps=hf_cfg.
+                               rms_norm_eps, mamba=dataclasses.replace(cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps)) == hf_cfg
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4

@@ -182,7 +182,7 @@ def test_what_a_hybrid_model_refuses(dense):
     with pytest.raises(ValueError, match="max_mamba_cache_size must be an integer >= 0, got -1"):
         EngineArgs(max_mamba_cache_size=-1)
     # The CPU's default pages come on top of the states; a budget given holds both.
-    from jaxserve.engine.model_loading import CPU_DEFAULT_KV_BYTES, kv_cache_pages
+    from jaxserve.engine.kv_budget import CPU_DEFAULT_KV_BYTES, kv_cache_pages
 
     per_page = KVCache.bytes_per_page(cfg, 16, jnp.float32)
     assert kv_cache_pages(EngineArgs(), cfg, jnp.float32, 0, states=1 << 30) == CPU_DEFAULT_KV_BYTES // per_page
@@ -195,8 +195,8 @@ def test_what_a_hybrid_model_refuses(dense):
     with pytest.raises(ValueError, match="state slot"):
         inputs = dataclasses.replace(ModelInputs.build([([1, 2], 0, [1])], 8), state_slots=None)
         jitted()(params, KVCache.allocate(cfg, 4, 8, jnp.float32, state_slots=2), inputs, cfg, "xla")
-    with pytest.raises(UnsupportedModelError, match="Mamba layers only"):
-        dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, layers=(0, 1, 2, 3)))
+    with pytest.raises(UnsupportedModelError, match="mamba step_norms 'rms' is not supported"):
+        dataclasses.replace(cfg, mamba=dataclasses.replace(cfg.mamba, step_norms="rms"))
 
 
 @pytest.mark.parametrize("variant", ["moe", "bamba"])

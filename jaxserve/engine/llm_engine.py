@@ -20,14 +20,13 @@ from jaxserve.engine import hybrid
 from jaxserve.engine.admission import bad_words_token_ids, check_request, prompt_token_ids
 from jaxserve.engine.draft_model import draft_fields, draft_memory, load_draft
 from jaxserve.engine.image_prompt import encode_step_images, step_embeds, step_rope_offsets
+from jaxserve.engine.kv_budget import kv_cache_pages, max_model_length
 from jaxserve.engine.lora_manager import LoraManager, lora_fields
 from jaxserve.engine.memory import EngineMemory, prepare_model
 from jaxserve.engine.model_loading import (
     LoadedModel,
     enable_compile_cache,
-    kv_cache_pages,
     load_model,
-    max_model_length,
     params_bytes,
     resolve_attention_backend,
 )

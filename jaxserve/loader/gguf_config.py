@@ -28,6 +28,7 @@ from jaxserve.loader.gguf_hybrid import (
     granite_scalars,
     jamba_gguf_hf,
     lfm2_gguf_hf,
+    mamba_gguf_hf,
     nemotron_h_hf,
 )
 from jaxserve.loader.gguf_mimo2 import mimo2_gguf_hf
@@ -57,6 +58,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
+            "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
 # Architectures whose routing weights llama.cpp leaves unrenormalized unless the file says otherwise.
 _UNNORMALIZED_TOPK = ("qwen2moe", "olmoe")
@@ -76,6 +78,10 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    if arch in ("mamba", "mamba2"):  # (no attention: no heads)
+        names = frozenset(tensor_names)
+        return ModelConfig.from_hf(mamba_gguf_hf(meta, arch, vocab_size, has_output_weight, names))
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)

@@ -120,7 +120,7 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     if cfg.family in GATED_DELTA_FAMILIES and m and (found := gated_delta_tensor(*m.groups(), arr, cfg, arch)):
         yield found
         return
-    read_ssm = jamba_ssm_tensor if cfg.family == "jamba" else ssm_tensor
+    read_ssm = jamba_ssm_tensor if cfg.mamba is not None and cfg.mamba.kind == "mamba1" else ssm_tensor
     if cfg.mamba is not None and m and (found := read_ssm(f"model.layers.{m.group(1)}.mamba.", m.group(2), arr)):
         yield found
         return

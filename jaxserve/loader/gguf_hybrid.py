@@ -3,7 +3,8 @@
 Nemotron-H's ("nemotron_h", "nemotron_h_moe": a block per layer, its kind told by its KV heads and MLP width) and
 LFM2's ("lfm2", "lfm2moe": short convolutions, told by their KV heads too; the convolution as [channels, taps]),
 Falcon-H1's ("falcon-h1": a mixer beside attention in every layer) and Jamba's ("jamba": Mamba layers of the selective
-scan told by their KV heads, expert layers by their routers).
+scan told by their KV heads, expert layers by their routers); Mamba's, Falcon Mamba's ("mamba") and Mamba-2's
+("mamba2"), Mamba layers alone.
 
 llama.cpp writes each Mamba layer's A as -exp(A_log) and A and D as [heads, 1], the convolution as [channels, taps],
 the gated norm as [groups, channels per group] and the step's bias as `ssm_dt.bias`; those are read back here. A clamp
@@ -88,6 +89,35 @@ def jamba_gguf_hf(get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int
             "mamba_d_conv": int(get("ssm.conv_kernel")), "mamba_dt_rank": int(get("ssm.time_step_rank")),
             "mamba_conv_bias": first + "ssm_conv1d.bias" in tensor_names,
             "mamba_proj_bias": first + "ssm_in.bias" in tensor_names}
+
+
+def mamba_gguf_hf(meta: dict[str, Any], arch: str, vocab_size: int, has_output_weight: bool,
+                  tensor_names: frozenset[str]) -> dict[str, Any]:
+    """The HF config of a "mamba" file (Mamba's, or Falcon Mamba's where `ssm.dt_b_c_rms` says its step is normed) or a
+    "mamba2" file (its `time_step_rank` the head count). The files' context length is a placeholder (2**20): the
+    model's default stands; Falcon Mamba's step norms take transformers' eps (llama.cpp's takes the layers')."""
+    def get(key: str) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    hidden, inner = int(get("embedding_length")), int(get("ssm.inner_size"))
+    d = {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": int(get("block_count")),
+         "state_size": int(get("ssm.state_size")), "conv_kernel": int(get("ssm.conv_kernel")),
+         "layer_norm_epsilon": float(get("attention.layer_norm_rms_epsilon")),
+         "tie_word_embeddings": not has_output_weight, "use_conv_bias": "blk.0.ssm_conv1d.bias" in tensor_names,
+         "use_bias": "blk.0.ssm_in.bias" in tensor_names}
+    if arch == "mamba":
+        falcon = bool(meta.get(f"{arch}.ssm.dt_b_c_rms"))
+        return {**d, "architectures": ["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
+                "intermediate_size": inner, "time_step_rank": int(get("ssm.time_step_rank"))}
+    heads = int(get("ssm.time_step_rank"))
+    if inner % heads or inner % hidden:
+        raise UnsupportedModelError(f"GGUF ssm.inner_size {inner} must be a multiple of ssm.time_step_rank {heads} "
+                                    f"and of the embedding length {hidden}")
+    return {**d, "architectures": ["Mamba2ForCausalLM"], "num_heads": heads, "head_dim": inner // heads,
+            "expand": inner // hidden, "n_groups": int(get("ssm.group_count"))}
 
 
 # A Jamba Mamba layer's tensors: llama.cpp's name (after `blk.N.`) to the HF module's (after `model.layers.N.mamba.`).

@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.config_mamba import apart_mlp_layers
+from jaxserve.config_mamba_lm import MAMBA_LM_FAMILIES
 from jaxserve.loader.falcon_keys import falcon_unfolded
 from jaxserve.loader.nemotron_keys import nemotron_hf_name, nemotron_name
 from jaxserve.loader.olmo_hybrid_keys import (
@@ -52,7 +53,7 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
 
 
 def mamba1_targets(cfg: ModelConfig) -> dict[str, tuple]:
-    """A Jamba Mamba layer's tensor names (after `model.layers.{i}.`) to our parameters (`models.mamba1`)."""
+    """A Jamba (or Mamba, Falcon Mamba) Mamba layer's tensor names (after `model.layers.{i}.`) to our parameters (`models.mamba1`)."""
     m, E = cfg.mamba, cfg.hidden_size
     C, R, N = m.inner, m.dt_rank, m.state_size
     ident, t = (lambda w: w), (lambda w: w.T)  # noqa: E731
@@ -62,10 +63,10 @@ def mamba1_targets(cfg: ModelConfig) -> dict[str, tuple]:
            "mamba.dt_proj.weight": ("mamba_layers.m_dt", t, (C, R)),
            "mamba.dt_proj.bias": ("mamba_layers.m_dt_bias", ident, (C,)),
            "mamba.A_log": ("mamba_layers.m_a_log", ident, (C, N)), "mamba.D": ("mamba_layers.m_d", ident, (C,)),
-           "mamba.dt_layernorm.weight": ("mamba_layers.m_dt_norm", ident, (R,)),
-           "mamba.b_layernorm.weight": ("mamba_layers.m_b_norm", ident, (N,)),
-           "mamba.c_layernorm.weight": ("mamba_layers.m_c_norm", ident, (N,)),
            "mamba.out_proj.weight": ("mamba_layers.m_out", t, (E, C))}
+    if m.step_norms == "weighted":
+        out |= {f"mamba.{name}_layernorm.weight": (f"mamba_layers.m_{name}_norm", ident, (size,))
+                for name, size in (("dt", R), ("b", N), ("c", N))}
     if m.conv_bias:
         out["mamba.conv1d.bias"] = ("mamba_layers.m_conv_b", ident, (C,))
     if m.proj_bias:
@@ -151,7 +152,7 @@ def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
     """A Bamba, Nemotron-H, LFM2 or OLMo Hybrid tensor's name as a hybrid model's layer holds it (Nemotron-H's, LFM2's
     and OLMo Hybrid's by `cfg`: Nemotron-H's blocks paired into layers); other names as they are."""
     family = None if cfg is None else cfg.family
-    return nemotron_name(name, cfg) if family == "nemotron_h" else lfm2_name(name, lfm3=family == "lfm3") \
+    return nemotron_name(name, cfg) if family in ("nemotron_h", *MAMBA_LM_FAMILIES) else lfm2_name(name, lfm3=family == "lfm3") \
         if family in ("lfm2", "lfm3") \
         else olmo_hybrid_name(name) if family == "olmo_hybrid" else bamba_name(name)
 
@@ -169,6 +170,8 @@ def hybrid_hf_name(name: str, cfg: ModelConfig) -> str:
     """The inverse of `hybrid_name`: a tensor name as the model's own checkpoints spell it."""
     if cfg.family in ("lfm2", "lfm3"):
         return lfm2_name(name, to_hf=True, lfm3=cfg.family == "lfm3")
+    if cfg.family in MAMBA_LM_FAMILIES:  # (named as Nemotron-H's blocks)
+        return nemotron_hf_name(name, cfg)
     return {"nemotron_h": nemotron_hf_name, "bamba": lambda n, _: bamba_hf_name(n),
             "falcon_h1": lambda n, _: bamba_hf_name(n), "jamba": lambda n, _: bamba_hf_name(n)}.get(
         cfg.family, lambda n, _: n)(name, cfg)

@@ -49,12 +49,14 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
         mlps = LayerParams(**none | {f: getattr(mlps, f) for f in MLP_FIELDS})
         dense = LayerParams(**none | {f: getattr(declare_layers(cfg, k, False), f) for f in MLP_FIELDS}) if k else None
         layers = dataclasses.replace(layers, **{f: None for f in MLP_FIELDS})
+    if len(m.no_mlp) == cfg.num_layers:  # (no MLP, nor its norm: Mamba's)
+        layers, mlps = dataclasses.replace(layers, mlp_norm=None), None
 
     def p(shape, axes, init="normal", dtype=None) -> ParamInfo:
         return ParamInfo((Lm, *shape), ("layers", *axes), init, dtype)
 
     scan = m.kind != "short_conv"  # (a short convolution has no scan: no dt, A, D or gated norm; a DeltaNet no D)
-    one = m.kind == "mamba1"  # (Jamba's: A per channel and state dim; dt, B, C from x, normed; no gated norm)
+    one = m.kind == "mamba1"  # (Jamba's, Mamba's: A per channel and state dim; dt, B, C from x; no gated norm)
     R, N = m.dt_rank, m.state_size
     mamba = LayerParams(**none | dict(
         m_in=p((E, m.proj_dim), ("embed", None)), m_in_b=p((m.proj_dim,), (None,), "zeros") if m.proj_bias else None,
@@ -67,14 +69,14 @@ def declare_hybrid(cfg: ModelConfig, declare_layers: Callable[[ModelConfig, int,
         m_norm=p((m.head_dim if m.kind == "gated_delta" else m.inner,), (None,), "ones")
         if scan and m.gate_norm != "none" and not one else None,
         m_x=p((m.inner, R + 2 * N), (None, None)) if one else None, m_dt=p((R, m.inner), (None, None)) if one else None,
-        m_dt_norm=p((R,), (None,), "ones") if one else None, m_b_norm=p((N,), (None,), "ones") if one else None,
-        m_c_norm=p((N,), (None,), "ones") if one else None,
+        **({name: p((size,), (None,), "ones") for name, size in (("m_dt_norm", R), ("m_b_norm", N), ("m_c_norm", N))}
+           if one and m.step_norms == "weighted" else {}),
         m_out=p((m.inner, E), (None, "embed")), m_out_b=p((E,), ("embed",), "zeros") if m.proj_bias else None))
     return Params(embed=ParamInfo((V, E), ("vocab", "embed")),
                   layers=layers,
                   final_norm=ParamInfo((E,), ("embed",), "ones"),
                   lm_head=None if cfg.tie_word_embeddings else ParamInfo((E, V), ("embed", "vocab")),
-                  attn_layers=LayerParams(**none | {f: getattr(attn, f) for f in ATTENTION_FIELDS}),
+                  attn_layers=LayerParams(**none | {f: getattr(attn, f) for f in ATTENTION_FIELDS}) if La else None,
                   mamba_layers=mamba, mlp_layers=mlps, dense_layers=dense)
 
 
