@@ -112,14 +112,17 @@ def test_engine_greedy_equals_transformers(mamba):
 
 @pytest.mark.parametrize("mamba", ["mamba2"], indirect=True)
 def test_what_it_refuses(mamba):
-    """Tensor parallelism (nothing to split: the Mamba layers are whole on each device), a Mamba-2 config whose heads
-    are not its width, another activation."""
+    """Tensor parallelism (nothing to split: the Mamba layers are whole on each device), LoRA adapters (nothing they
+    apply to), a Mamba-2 config whose heads are not its width, another activation."""
     from jax.sharding import AbstractMesh
 
+    from jaxserve.engine.lora_manager import LoRAError
     from sharding import ShardingError, make_plan
 
     with pytest.raises(ShardingError, match=f"tensor parallelism splits attention layers.*{mamba[0]} has none"):
         make_plan(mamba[2], AbstractMesh((2,), ("model",)))
+    with pytest.raises(LoRAError, match=r"LoRA adapters on mamba2 \(Mamba mixers alone, no attention or MLP\)"):
+        _engine(*mamba[2:], enable_lora=True, max_lora_rank=8)
     with pytest.raises(UnsupportedModelError, match="num_heads x head_dim"):
         ModelConfig.from_hf({"architectures": ["Mamba2ForCausalLM"], "vocab_size": 64, "hidden_size": 64,
                              "num_heads": 4, "head_dim": 16})
