@@ -37,7 +37,7 @@ def cluster(tmp_path_factory) -> list[dict]:
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=300)
+            out, err = p.communicate(timeout=900)  # (cold compilation cache: 200 s)
             lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
             assert p.returncode == 0 and lines, f"process failed (rc {p.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
             outs.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
