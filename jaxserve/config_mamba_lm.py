@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.errors import UnsupportedModelError
 
 MAMBA_LM_FAMILIES = ("mamba", "falcon_mamba", "mamba2")
-ARCHITECTURES = {"MambaForCausalLM": "mamba", "FalconMambaForCausalLM": "falcon_mamba", "Mamba2ForCausalLM": "mamba2"}
+ARCHITECTURES = {arch: family for arch, family in HF_ARCHITECTURES.items() if family in MAMBA_LM_FAMILIES}
 # Their configs give no context length; vLLM's when a config names none.
 DEFAULT_CONTEXT = 2048
 
@@ -65,8 +66,9 @@ def mamba_lm_hf(cfg: Any) -> dict[str, Any]:
     arch = next(a for a, f in ARCHITECTURES.items() if f == cfg.family)
     d = {"architectures": [arch], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
          "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "state_size": m.state_size,
-         "expand": m.inner // cfg.hidden_size, "intermediate_size": m.inner, "conv_kernel": m.conv_kernel, "use_conv_bias": m.conv_bias,
-         "use_bias": m.proj_bias, "layer_norm_epsilon": cfg.rms_norm_eps, "hidden_act": "silu",
+         "expand": m.inner // cfg.hidden_size, "intermediate_size": m.inner, "conv_kernel": m.conv_kernel,
+         "use_conv_bias": m.conv_bias, "use_bias": m.proj_bias, "layer_norm_epsilon": cfg.rms_norm_eps,
+         "hidden_act": "silu",
          "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32"}
     if cfg.max_position_embeddings != DEFAULT_CONTEXT:
         d["max_position_embeddings"] = cfg.max_position_embeddings

@@ -438,7 +438,8 @@ def test_mamba_gguf_equals_the_hf_model(tmp_path, family):
     cfg = open_checkpoint(path).config()
     hf_cfg = open_checkpoint(str(tmp_path / "hf")).config()
     assert cfg.max_position_embeddings == 2048
-    assert dataclasses.replace(cfg, max_position_embeddings=hf_cfg.max_position_embeddings, rms_norm_eps=hf_cfg.
-                               rms_norm_eps, mamba=dataclasses.replace(cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps)) == hf_cfg
+    mamba = dataclasses.replace(cfg.mamba, norm_eps=hf_cfg.mamba.norm_eps)  # (eps in float32 in the file)
+    assert dataclasses.replace(cfg, max_position_embeddings=hf_cfg.max_position_embeddings,
+                               rms_norm_eps=hf_cfg.rms_norm_eps, mamba=mamba) == hf_cfg
     ids = (PROMPTS[2] + PROMPTS[0]) * 2
     assert rel_err(_ours(path, ids), hf_logits(model, ids)) < 1e-4

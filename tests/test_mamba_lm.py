@@ -121,7 +121,7 @@ def test_what_it_refuses(mamba):
 
     with pytest.raises(ShardingError, match=f"tensor parallelism splits attention layers.*{mamba[0]} has none"):
         make_plan(mamba[2], AbstractMesh((2,), ("model",)))
-    with pytest.raises(LoRAError, match=r"LoRA adapters on mamba2 \(Mamba mixers alone, no attention or MLP\)"):
+    with pytest.raises(LoRAError, match=r"LoRA adapters on mamba2 \(Mamba layers, no attention or MLP\)"):
         _engine(*mamba[2:], enable_lora=True, max_lora_rank=8)
     with pytest.raises(UnsupportedModelError, match="num_heads x head_dim"):
         ModelConfig.from_hf({"architectures": ["Mamba2ForCausalLM"], "vocab_size": 64, "hidden_size": 64,

@@ -209,7 +209,7 @@ def with_lora_slots(loaded: Any, num_slots: int, rank: int) -> Any:
     device's heads or MLP columns, and sums the partial products of o and down)."""
     params = loaded.params
     if (cfg := loaded.config).moe_layer_step > 1 or cfg.mamba is not None and not cfg.attention_layers:
-        why = "its experts in every other layer" if cfg.moe_layer_step > 1 else "Mamba mixers alone, no attention or MLP"
+        why = "its experts in every other layer" if cfg.moe_layer_step > 1 else "Mamba layers, no attention or MLP"
         raise LoRAError(f"LoRA adapters on {cfg.family} ({why}) are not supported")
     lora = empty_lora(loaded.config, num_slots, rank, loaded.dtype)
     if loaded.plan is not None:  # each device (of every process) gets its own copy

@@ -79,15 +79,15 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
-    if arch in ("mamba", "mamba2"):  # (no attention: no heads)
-        names = frozenset(tensor_names)
-        return ModelConfig.from_hf(mamba_gguf_hf(meta, arch, vocab_size, has_output_weight, names))
-
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise UnsupportedModelError(f"GGUF metadata is missing {arch}.{key}")
         return value
+
+    if arch in ("mamba", "mamba2"):  # (no attention: no heads)
+        return ModelConfig.from_hf(mamba_gguf_hf(meta, arch, get, vocab_size, has_output_weight,
+                                                 frozenset(tensor_names)))
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))

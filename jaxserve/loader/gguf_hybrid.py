@@ -91,17 +91,11 @@ def jamba_gguf_hf(get: Callable[..., Any], d: dict[str, Any], kv_heads: list[int
             "mamba_proj_bias": first + "ssm_in.bias" in tensor_names}
 
 
-def mamba_gguf_hf(meta: dict[str, Any], arch: str, vocab_size: int, has_output_weight: bool,
+def mamba_gguf_hf(meta: dict[str, Any], arch: str, get: Callable[..., Any], vocab_size: int, has_output_weight: bool,
                   tensor_names: frozenset[str]) -> dict[str, Any]:
     """The HF config of a "mamba" file (Mamba's, or Falcon Mamba's where `ssm.dt_b_c_rms` says its step is normed) or a
     "mamba2" file (its `time_step_rank` the head count). The files' context length is a placeholder (2**20): the
     model's default stands; Falcon Mamba's step norms take transformers' eps (llama.cpp's takes the layers')."""
-    def get(key: str) -> Any:
-        value = meta.get(f"{arch}.{key}")
-        if value is None:
-            raise UnsupportedModelError(f"GGUF metadata is missing {arch}.{key}")
-        return value
-
     hidden, inner = int(get("embedding_length")), int(get("ssm.inner_size"))
     d = {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": int(get("block_count")),
          "state_size": int(get("ssm.state_size")), "conv_kernel": int(get("ssm.conv_kernel")),

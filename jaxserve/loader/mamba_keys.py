@@ -53,7 +53,8 @@ def mamba_targets(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray
 
 
 def mamba1_targets(cfg: ModelConfig) -> dict[str, tuple]:
-    """A Jamba (or Mamba, Falcon Mamba) Mamba layer's tensor names (after `model.layers.{i}.`) to our parameters (`models.mamba1`)."""
+    """A Jamba, Mamba or Falcon Mamba layer's tensor names (after `model.layers.{i}.`) to our parameters
+    (`models.mamba1`)."""
     m, E = cfg.mamba, cfg.hidden_size
     C, R, N = m.inner, m.dt_rank, m.state_size
     ident, t = (lambda w: w), (lambda w: w.T)  # noqa: E731
@@ -152,8 +153,8 @@ def hybrid_name(name: str, cfg: ModelConfig | None) -> str:
     """A Bamba, Nemotron-H, LFM2 or OLMo Hybrid tensor's name as a hybrid model's layer holds it (Nemotron-H's, LFM2's
     and OLMo Hybrid's by `cfg`: Nemotron-H's blocks paired into layers); other names as they are."""
     family = None if cfg is None else cfg.family
-    return nemotron_name(name, cfg) if family in ("nemotron_h", *MAMBA_LM_FAMILIES) else lfm2_name(name, lfm3=family == "lfm3") \
-        if family in ("lfm2", "lfm3") \
+    return nemotron_name(name, cfg) if family in ("nemotron_h", *MAMBA_LM_FAMILIES) else \
+        lfm2_name(name, lfm3=family == "lfm3") if family in ("lfm2", "lfm3") \
         else olmo_hybrid_name(name) if family == "olmo_hybrid" else bamba_name(name)
 
 

@@ -46,9 +46,9 @@ def mimo_uniform(name: str, tensor: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 
 def mimo_adapter_matrix(module: str, which: str, layer: int, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """A LoRA adapter's `which` ("A" or "B") matrix of `module` in `layer` in the layout its projection is held in: of
-    MiMo-V2-Flash, k's and v's B rows as the projection's rows (a full layer's heads twice, values padded), o's A columns
-    as o's inputs (padded), so each delta is the one the adapter gives, laid out as its projection's output or input;
-    any other as it is."""
+    MiMo-V2-Flash, k's and v's B rows as the projection's rows (a full layer's heads twice, values padded), o's A
+    columns as o's inputs (padded), so each delta is the one the adapter gives, laid out as its projection's output
+    or input; any other as it is."""
     if cfg.family == FAMILY and (module, which) in (("k_proj", "B"), ("v_proj", "B"), ("o_proj", "A")):
         return mimo_uniform(f"model.layers.{layer}.self_attn.{module}.weight", w, cfg)
     return w

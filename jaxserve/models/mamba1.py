@@ -6,8 +6,8 @@ Per channel c, each token t decays the state h [state] by exp(dt_c A_c) (A_c = -
 and adds dt_c x_c B_t; its output is C_t . h + D_c x_c, gated by silu(z_c). dt, B and C come from x (after the
 convolution) through `m_x`: a low-rank step, RMSNormed and projected up per channel (`m_dt`, its bias, a softplus),
 and B and C, each RMSNormed (Jamba's norms; Falcon Mamba's have no weights, Mamba has none). The prompt tokens are
-scanned one at a time on the CPU's XLA backend (`token_mamba1_scan`), chunk by chunk on the Pallas ones (`chunked_mamba1_scan`: an associative scan within each
-chunk, for a GPU)."""
+scanned one at a time on the CPU's XLA backend (`token_mamba1_scan`), chunk by chunk on the Pallas ones
+(`chunked_mamba1_scan`: an associative scan within each chunk, for a GPU)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,9 @@ def mamba1_mixer(m: MambaConfig, lp: LayerParams, h: jax.Array, inputs: ModelInp
     dbc = jnp.dot(x.astype(h.dtype), lp.m_x, preferred_element_type=jnp.float32)
     dt, B, Cm = dbc[:, :R], dbc[:, R:R + N], dbc[:, R + N:]
     if m.step_norms != "none":  # (Jamba's norms weighted, Falcon Mamba's not)
-        weighted = m.step_norms == "weighted"
-        weights = (lp.m_dt_norm, lp.m_b_norm, lp.m_c_norm)
-        dt, B, Cm = (rms_norm(v, w.astype(jnp.float32) if weighted else jnp.ones(v.shape[-1], jnp.float32),
-                              m.norm_eps) for v, w in zip((dt, B, Cm), weights, strict=True))
+        weights = (lp.m_dt_norm, lp.m_b_norm, lp.m_c_norm) if m.step_norms == "weighted" else (None,) * 3
+        dt, B, Cm = (rms_norm(v, 1.0 if w is None else w.astype(jnp.float32), m.norm_eps)
+                     for v, w in zip((dt, B, Cm), weights, strict=True))
     dt = jax.nn.softplus(jnp.dot(dt, lp.m_dt.astype(jnp.float32)) + lp.m_dt_bias)  # [T, C]
     log_decay = dt[:, :, None] * -jnp.exp(lp.m_a_log)  # [T, C, N]
     dx = dt * x  # [T, C]
