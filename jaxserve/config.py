@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
 from jaxserve.config_falcon_h1 import FalconScales
-from jaxserve.config_families import Family
+from jaxserve.config_families import BIASED_NORM_FAMILIES, Family
 from jaxserve.config_gemma4 import Gemma4Layers, check_gemma4, full_attention_config
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES
 from jaxserve.config_mamba import MambaConfig
@@ -36,10 +36,9 @@ COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2", "cohere2_moe")
 """LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
 INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4")
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
-GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3", "gemma4")
-"""Embeddings scaled by sqrt(hidden_size), a norm after attention and after the MLP as well as before each; Gemma 2's
-and 3's RMSNorm weights applied as (1 + w)."""
-UNIT_NORM_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3", *GATED_DELTA_FAMILIES)  # RMSNorm weights applied as (1 + w)
+GEMMA_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", "gemma4")
+"""Embeddings scaled by sqrt(hidden_size); after Gemma (1), norms after attention and the MLP too (`output_norms`)."""
+UNIT_NORM_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", *GATED_DELTA_FAMILIES)  # weights applied as (1 + w)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "olmo_hybrid")
 POST_NORM_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "exaone4")  # (OLMo Hybrid's by layer kind)
@@ -189,7 +188,7 @@ class ModelConfig:
             if factors is not None and len(factors) != rotary // 2:
                 raise UnsupportedModelError(f"rope scaling {name} has {len(factors)} values; the {rotary} rotary dims "
                                             f"of head_dim {self.head_dim} make {rotary // 2} pairs")
-        acts = ("silu", "gelu_pytorch_tanh") if self.gated_mlp else ("relu2", "xielu")
+        acts = ("silu", "gelu_pytorch_tanh") if self.gated_mlp else ("relu2", "xielu", "gelu_pytorch_tanh")
         if self.hidden_act not in acts:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported for {self.family} "
                                         f"({', '.join(acts)})")
@@ -294,8 +293,9 @@ class ModelConfig:
 
     @property
     def output_norms(self) -> bool:
-        """Whether the layers also norm the attention's and the MLP's outputs (Gemma, GLM-4, OLMo 2, AFMoE)."""
-        return self.family in (*GEMMA_FAMILIES, "glm4", "afmoe", "olmo_hybrid", "lfm3", *POST_NORM_FAMILIES)
+        """Whether the layers also norm the attention's and the MLP's outputs (Gemma 2 on, GLM-4, OLMo 2, AFMoE)."""
+        return self.family in ("gemma2", "gemma3", "gemma4", "glm4", "afmoe", "olmo_hybrid", "lfm3",
+                               *POST_NORM_FAMILIES)
 
     @property
     def input_norms(self) -> bool:
@@ -315,8 +315,8 @@ class ModelConfig:
 
     @property
     def gated_mlp(self) -> bool:
-        """Whether the MLP is gated, act(gate) * up (all but Arcee's, Apertus', Jais 2's: act(up))."""
-        return self.family not in ("arcee", "apertus", "nemotron_h", "jais2")
+        """Whether the MLP is gated, act(gate) * up (all but Arcee's, Apertus', Jais 2's, StarCoder2's: act(up))."""
+        return self.family not in ("arcee", "apertus", "nemotron_h", *BIASED_NORM_FAMILIES)
 
     @property
     def attn_gate_width(self) -> int:
@@ -358,8 +358,8 @@ class ModelConfig:
 
     @property
     def norm_bias(self) -> bool:
-        """Whether the norms are LayerNorms with a bias (Jais 2)."""
-        return self.family == "jais2"
+        """Whether the norms are LayerNorms with a bias (Jais 2, StarCoder2)."""
+        return self.family in BIASED_NORM_FAMILIES
 
     @property
     def output_bias(self) -> bool:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-Family = Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "granite",
+Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
+                 "granite",
                  "granitemoe", "granitemoeshared", "granitemoehybrid", "smollm3", "glm", "glm4", "glm4_moe", "ernie4_5",
                  "ernie4_5_moe", "dots1", "olmo2", "olmo3", "gpt_oss", "exaone4", "cohere", "cohere2", "olmoe", "arcee",
                  "apertus", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "bamba", "nemotron_h", "lfm2",
                  "qwen3_next", "qwen3_5", "minimax_m2", "llama4", "mistral4", "glm4_moe_lite",
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
-                 "lfm3", "mamba", "falcon_mamba", "mamba2"]
+                 "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2"]
+BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2")
+"""LayerNorms with biases, an ungated MLP (biased where the config says), Llama's attention with biases."""
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -21,6 +24,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GemmaForCausalLM": "gemma",  # Gemma (1), CodeGemma: Llama's layers, Gemma's norms, scaled embeddings, GELU
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma4ForCausalLM": "gemma4",  # full-attention layers with wider heads, k = v; experts beside the MLP
@@ -47,6 +51,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "CohereForCausalLM": "cohere",  # Command R: LayerNorm, attention and MLP side by side, interleaved rotary pairs
     "Cohere2ForCausalLM": "cohere2",  # Command R7B, Command A: Cohere's layers, three of four windowed, the rest NoPE
     "Jais2ForCausalLM": "jais2",  # Jais 2: Llama's attention (biased), LayerNorms with biases, a squared-ReLU MLP
+    "Starcoder2ForCausalLM": "starcoder2",  # StarCoder2: Jais 2's layers with a tanh-GELU MLP, Mistral's window
     "Cohere2MoeForCausalLM": "cohere2_moe",  # Command A MoE: Command R7B's layers with experts (`config_cohere2_moe`)
     "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU
     "ApertusForCausalLM": "apertus",  # an ungated MLP with xIELU (learned per layer), q/k norms

@@ -11,9 +11,13 @@ from jaxserve.errors import UnsupportedModelError
 GRANITE_SHARED_FAMILIES: tuple[str, ...] = ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # a shared MLP, gate and up fused
 
 def gemma_fields(family: str, d: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """The ModelConfig fields particular to Gemma 2 and Gemma 3 text models, from their HF config."""
+    """The ModelConfig fields particular to Gemma's, Gemma 2's and Gemma 3's text models, from their HF config (Gemma's
+    legacy `gelu` the tanh GELU, as transformers takes it; every layer global)."""
     num_layers = d["num_hidden_layers"]
     layer_types = d.get("layer_types")
+    if family == "gemma":
+        act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+        return dict(hidden_act="gelu_pytorch_tanh" if act == "gelu" else act, query_pre_attn_scalar=float(head_dim))
     if not layer_types:
         if family == "gemma2":  # HF Gemma 2 windows the even layers
             layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]

@@ -71,6 +71,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "jais2":
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
+    if cfg.family == "starcoder2":  # (one bias flag for attention and the MLP; its eps' own name)
+        d.update(norm_epsilon=d.pop("rms_norm_eps"), use_bias=cfg.attention_bias)
     if cfg.family == "bamba":
         d.update(mamba_hf(cfg.mamba, cfg.num_layers, cfg.hidden_size, cfg.family))
     if cfg.family in ERNIE_FAMILIES:
@@ -81,7 +83,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["no_rope_layers"] = list(cfg.no_rope_layers)
     if cfg.sliding_window is not None:
         d["sliding_window"] = cfg.sliding_window
-        if cfg.family not in ("mistral", "mixtral"):
+        if cfg.family not in ("mistral", "mixtral", "starcoder2"):
             d["use_sliding_window"] = True
             d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
     if cfg.family in ("afmoe", "mimo_v2_flash"):  # (AFMoE's NoPE layers its global ones; windows as layer_types says)
@@ -102,7 +104,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(sliding_window=cfg.sliding_window, layer_types=list(cfg.layer_types or ["full_attention"] * cfg.num_layers))
         if cfg.sliding_window is not None:
             del d["use_sliding_window"], d["max_window_layers"]
-    if cfg.family in GEMMA_FAMILIES:
+    if cfg.family in GEMMA_FAMILIES and cfg.output_norms:  # (Gemma's own keys: Llama's)
         d.update(model_type="gemma3_text" if cfg.family == "gemma3" else "gemma2",
                  hidden_activation=cfg.hidden_act,
                  query_pre_attn_scalar=fields.int_if_whole(cfg.query_pre_attn_scalar),

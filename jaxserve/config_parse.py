@@ -21,7 +21,7 @@ from jaxserve.config_afmoe import afmoe_layer_fields, afmoe_moe_fields, afmoe_no
 from jaxserve.config_cohere2_moe import cohere2_moe_fields
 from jaxserve.config_exaone_moe import exaone_moe_fields
 from jaxserve.config_falcon_h1 import falcon_fields
-from jaxserve.config_families import HF_ARCHITECTURES, Family
+from jaxserve.config_families import BIASED_NORM_FAMILIES, HF_ARCHITECTURES, Family
 from jaxserve.config_gemma4 import FAMILY as GEMMA4
 from jaxserve.config_gemma4 import gemma4_fields, gemma4_text
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa, granite_swa_fields
@@ -54,7 +54,10 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     hidden = d["hidden_size"]
     head_dim = d.get("head_dim") or hidden // num_heads
     max_pos = d.get("max_position_embeddings", 4096)
-    sliding = d.get("sliding_window") if family in ("mistral", "mixtral") else None
+    sliding = d.get("sliding_window") if family in ("mistral", "mixtral", "starcoder2") else None
+    if family == "starcoder2":  # (its names for Jais 2's keys: one bias flag for attention and the MLP)
+        d = {**d, "layer_norm_eps": d.get("norm_epsilon", 1e-5), "attention_bias": d.get("use_bias", True),
+             "mlp_bias": d.get("use_bias", True), "hidden_act": d.get("hidden_act", "gelu_pytorch_tanh")}
     if family in ("qwen2_moe", "qwen3_moe"):
         if d.get("use_sliding_window"):
             raise UnsupportedModelError(f"{family} with use_sliding_window is not supported")
@@ -112,17 +115,20 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=1 if mla else mimo_kv_heads(d) if family == MIMO else d.get("num_key_value_heads") or num_heads,  # (MLA: the one latent)
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("layer_norm_eps" if family in (*COHERE_FAMILIES, "jais2") else "rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(d.get("layer_norm_eps" if family in (*COHERE_FAMILIES, *BIASED_NORM_FAMILIES)
+                                 else "rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES))),
         # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
         attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
-        or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba", "jais2",
-                       *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
+        or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
+                       *BIASED_NORM_FAMILIES, *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES,
+                       *HUNYUAN_FAMILIES)
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss", "jais2")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h", "jais2")
+        mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h",
+                             *BIASED_NORM_FAMILIES)
                   and bool(d.get("mlp_bias", family == "jais2")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",

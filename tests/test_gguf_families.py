@@ -33,7 +33,8 @@ _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm"
           "post_feedforward_layernorm": "post_ffw_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
           "down_proj": "ffn_down"}
 ARCHS = {"exaone4": "exaone4", "exaone4_alternating": "exaone4", "cohere": "command-r", "cohere2": "cohere2",
-         "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe", "jais2": "jais2"}
+         "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe", "jais2": "jais2",
+         "starcoder2": "starcoder2"}
 ERNIE_MOE = ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                                     "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_hidden_layers": 3,
                                     "head_dim": 16})
@@ -74,6 +75,8 @@ def _write(path, hf_dir, model, arch: str) -> str:
     elif arch == "jais2":  # (its converter's: the rotary dims beside the shape)
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_rope_dimension_count(head_dim)
+    elif arch == "starcoder2":  # (no window: its converter writes none)
+        w.add_layer_norm_eps(c.norm_epsilon)
     else:
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_logit_scale(c.logit_scale)
@@ -81,7 +84,8 @@ def _write(path, hf_dir, model, arch: str) -> str:
             w.add_sliding_window(c.sliding_window)
             w.add_rope_dimension_count(head_dim)
     tensors = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
-    names = {**_NAMES, "post_attention_layernorm": "ffn_norm"} if arch.startswith(("ernie", "jais2")) else _NAMES
+    names = {**_NAMES, "post_attention_layernorm": "ffn_norm", "c_fc": "ffn_up", "c_proj": "ffn_down"} \
+        if arch.startswith(("ernie", "jais2", "starcoder2")) else _NAMES
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, a in tensors.items():
         parts = name.split(".")
@@ -108,7 +112,8 @@ def _write(path, hf_dir, model, arch: str) -> str:
 def test_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
     config_cls, overrides = {"exaone4_alternating": (FAMILIES["exaone4"][0], ALTERNATING), "ernie4_5_moe": ERNIE_MOE,
                              "ernie4_5": (FAMILIES["ernie4_5"][0], {"head_dim": 16}),
-                             "jais2": ("Jais2Config", {"head_dim": 16, "bos_token_id": 1, "eos_token_id": 2})}.get(
+                             "jais2": ("Jais2Config", {"head_dim": 16, "bos_token_id": 1, "eos_token_id": 2}),
+                             "starcoder2": ("Starcoder2Config", {"bos_token_id": 1, "eos_token_id": 2})}.get(
         family) or FAMILIES[family]
     model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
     want = HFDirectory(str(tmp_path / "hf")).config()

@@ -167,6 +167,9 @@ FAMILIES = {
                                                           "layer_types": ["attention"] * 2, "logits_scaling": 8.0,
                                                           "position_embedding_type": "rope",
                                                           "residual_multiplier": 0.22}),
+    # Gemma (1): Llama's layers with Gemma's (1 + w) norms, embeddings scaled, a tanh-GELU gated MLP (its legacy
+    # `gelu` taken as that, as transformers does), tied embeddings, multi-query attention.
+    "gemma": ("GemmaConfig", {"head_dim": 16, "hidden_act": "gelu", "num_key_value_heads": 1}),
     # Layer 0 windowed, layer 1 global; soft-caps small enough that tanh bends the logits.
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
@@ -284,6 +287,26 @@ def test_smollm3_nope_layers(tmp_path):
     assert greedy(cfg, params, ids[:12], 6) == tokens
     model.model.layers[1].self_attn.use_rope = 1
     assert rel_err(prompt_logits(cfg, params, ids), hf_logits(model, ids)) > 1e-2
+
+
+def test_gemma_reads_writes_back_and_serves_as_transformers(tmp_path):
+    """Gemma (1): its config (no norms after attention or the MLP, no window, no soft-caps; the legacy `gelu` the
+    tanh GELU) and checkpoint written back as read, and the engine's greedy tokens, chunked and batched, the model's."""
+    from jaxserve.config import ModelConfig
+
+    config_cls, overrides = FAMILIES["gemma"]
+    model = save_tiny_hf(config_cls, tmp_path, **overrides)
+    ckpt = HFDirectory(str(tmp_path))
+    cfg = ckpt.config()
+    assert (cfg.output_norms, cfg.layer_types, cfg.sliding_window, cfg.attn_logit_softcap, cfg.hidden_act) == (
+        False, None, None, None, "gelu_pytorch_tanh")
+    hf = cfg.to_hf()
+    assert (hf["model_type"], hf["architectures"]) == ("gemma", ["GemmaForCausalLM"])
+    assert ModelConfig.from_hf(hf) == cfg
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    assert params.layers.post_attn_norm is None
+    assert_written_back(tmp_path, cfg, params)
+    assert_engine_greedy(model, cfg, params, "scan")
 
 
 def test_sliding_window_changes_logits(tmp_path):

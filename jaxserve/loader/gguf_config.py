@@ -44,10 +44,11 @@ _SMOLLM3_NO_ROPE_STEP = 4
 # Granite's scalars: GGUF key (after the architecture) to ModelConfig field.
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "attention.scale": "attention_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
-_GEMMA = ("gemma2", "gemma3")
+_GEMMA = ("gemma", "gemma2", "gemma3")
 # Architectures read through the HF config their converter read (`ModelConfig.from_hf`); llama's with
 # experts is Mixtral.
-_HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+_HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "qwen2moe": "Qwen2MoeForCausalLM",
             "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM", "olmo2": "Olmo2ForCausalLM",
             "olmoe": "OlmoeForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM",
             "glm-dsa": "GlmMoeDsaForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM",
@@ -57,6 +58,7 @@ _HF_FORM = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
+            "starcoder2": "Starcoder2ForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
@@ -123,7 +125,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             partial_rotary_factor=rotary / head_dim)
         if arch in _GEMMA:
             d.update(hidden_activation="gelu_pytorch_tanh",
-                     query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS[arch] else head_dim,
+                     query_pre_attn_scalar=hidden // num_heads if num_layers == _GEMMA_27B_LAYERS.get(arch)
+                     else head_dim,
                      attn_logit_softcapping=meta.get(f"{arch}.attn_logit_softcapping"),
                      final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"))
         if experts:
@@ -182,6 +185,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if arch == "jais2":  # LayerNorms with biases, a squared-ReLU MLP (llama.cpp's for the architecture)
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
                      attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
+        if arch == "starcoder2":  # (a window only where the file has one: llama.cpp's converter writes none)
+            d.update(norm_epsilon=float(get("attention.layer_norm_epsilon")),
+                     use_bias="blk.0.attn_q.bias" in tensor_names)
         if arch.startswith("ernie4_5"):  # biases by their tensors; the experts under ERNIE's names
             d["use_bias"] = "blk.0.attn_q.bias" in tensor_names
             if experts:

@@ -159,7 +159,8 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
     extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else \
         QWEN3_NEXT_NAMES if cfg.family in GATED_DELTA_FAMILIES else \
         MIMO2_NAMES if cfg.family == "mimo_v2_flash" else None
-    yield gguf_to_hf_name(name, cfg.family in GEMMA_FAMILIES or arch in ("olmo2", "exaone4"), arch == "phi3", extra), arr
+    gemma = cfg.family in GEMMA_FAMILIES and cfg.output_norms or arch in ("olmo2", "exaone4")
+    yield gguf_to_hf_name(name, gemma, arch == "phi3", extra), arr
 
 
 def prediction_blocks(names: Iterable[str]) -> set[int]:

@@ -89,7 +89,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         del t["input_layernorm.weight"]
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))
-    if cfg.family in (*GEMMA_FAMILIES, "afmoe", "lfm3"):  # a norm before and after each of attention and the MLP
+    if cfg.output_norms and cfg.family in (*GEMMA_FAMILIES, "afmoe", "lfm3"):  # a norm before and after each of both
         t["post_attention_layernorm.weight"] = ("layers.post_attn_norm", ident, (E,))
         t["pre_feedforward_layernorm.weight"] = ("layers.mlp_norm", ident, (E,))
         t["post_feedforward_layernorm.weight"] = ("layers.post_mlp_norm", ident, (E,))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import COHERE_FAMILIES, OLMO_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
+from jaxserve.config_families import BIASED_NORM_FAMILIES
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -38,11 +39,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo's and gpt-oss's by its
-    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, Jais 2's with its `bias`."""
-    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, "gpt_oss", "jais2", "gemma4"):
+    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, Jais 2's and StarCoder2's with
+    its `bias`."""
+    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, *BIASED_NORM_FAMILIES, "gpt_oss",
+                          "gemma4"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
-    if cfg.family in (*COHERE_FAMILIES, "jais2"):
+    if cfg.family in (*COHERE_FAMILIES, *BIASED_NORM_FAMILIES):
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
@@ -51,12 +54,14 @@ def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Arra
 
 
 def mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xielu: jax.Array | None) -> jax.Array:
-    """act(gate) * up, or an ungated MLP's act(up): Arcee's squared ReLU, Apertus' xIELU (its learned alpha_p,
-    alpha_n and its beta, eps per layer: `xielu` [4])."""
+    """act(gate) * up, or an ungated MLP's act(up): Arcee's squared ReLU, StarCoder2's tanh GELU, Apertus' xIELU (its
+    learned alpha_p, alpha_n and its beta, eps per layer: `xielu` [4])."""
     if gate is not None:
         return (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
     if cfg.hidden_act == "relu2":
         return jnp.square(jax.nn.relu(up))
+    if cfg.hidden_act == "gelu_pytorch_tanh":
+        return jax.nn.gelu(up, approximate=True)
     alpha_p, beta, eps = jax.nn.softplus(xielu[0]), xielu[2], xielu[3]
     alpha_n = beta + jax.nn.softplus(xielu[1])
     x = up.astype(jnp.float32)
