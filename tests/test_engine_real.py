@@ -78,24 +78,29 @@ def pool_is_full(engine: LLMEngine) -> bool:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
+ALONE = 20  # the prompts also served alone (every ask, three subjects); all 40 are batched
 
 
 @pytest.fixture(scope="module")
 def alone(engine):
+    """(the 40 prompts, the greedy tokens of the first ALONE, each served alone)."""
     prompts = chat_prompts(engine.tokenizer)
     engine.reset_prefix_cache()
     outs = []
-    for p in prompts:
+    for p in prompts[:ALONE]:
         outs.append(serve(engine, [p], GREEDY)[0].outputs[0].token_ids)
         engine.reset_prefix_cache()  # each one computes its whole prompt
     return prompts, outs
 
 
 def test_batched_equals_alone(engine, alone):
+    """All 40 prompts at once (more than `max_num_seqs`, and more tokens than the pool's 64 pages hold): those also
+    served alone give their tokens."""
     prompts, expected = alone
     got = [o.outputs[0].token_ids for o in serve(engine, prompts, GREEDY)]
     mismatches = [i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b]
-    assert not mismatches, f"{len(mismatches)} of {len(prompts)} differ, e.g. #{mismatches[0]}"
+    assert len(got) == 40 and len(expected) == ALONE
+    assert not mismatches, f"{len(mismatches)} of {ALONE} differ, e.g. #{mismatches[0]}"
     assert engine.stats().compilations_after_warmup == 0
     assert pool_is_full(engine)
 
@@ -220,7 +225,7 @@ def test_structured_outputs_hold_and_leave_the_batch_unchanged(engine, alone):
     ]
     params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=so) for so, _ in constrained]
     params.append(SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=48, structured_outputs=SO(json=CITY)))
-    free = list(range(0, len(prompts), 5))
+    free = list(range(0, ALONE, 3))
     outs = serve(engine, ask + [ask[0]] + [prompts[i] for i in free], params + [GREEDY] * len(free))
     for out, (_, check) in zip(outs[:4], constrained, strict=False):
         c = out.outputs[0]
