@@ -341,8 +341,8 @@ class ModelConfig:
 
     @property
     def parallel_block(self) -> bool:
-        """Whether attention and the MLP read the same normed input, their outputs added to the residual (Cohere)."""
-        return self.family in COHERE_FAMILIES
+        """Whether attention and the MLP read one normed input, their outputs added to the residual (Cohere, Phi)."""
+        return self.family in (*COHERE_FAMILIES, "phi")
 
     @property
     def attention_sinks(self) -> bool:
@@ -358,7 +358,7 @@ class ModelConfig:
 
     @property
     def norm_bias(self) -> bool:
-        """Whether the norms are LayerNorms with a bias (Jais 2, StarCoder2)."""
+        """Whether the norms are LayerNorms with a bias (Jais 2, StarCoder2, Phi)."""
         return self.family in BIASED_NORM_FAMILIES
 
     @property

@@ -58,6 +58,12 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     if family == "starcoder2":  # (its names for Jais 2's keys: one bias flag for attention and the MLP)
         d = {**d, "layer_norm_eps": d.get("norm_epsilon", 1e-5), "attention_bias": d.get("use_bias", True),
              "mlp_bias": d.get("use_bias", True), "hidden_act": d.get("hidden_act", "gelu_pytorch_tanh")}
+    if family == "phi":  # (every projection biased; its `gelu_new` the tanh GELU)
+        if d.get("qk_layernorm"):
+            raise UnsupportedModelError("Phi with qk_layernorm is not supported")
+        act = d.get("hidden_act", "gelu_new")
+        d = {**d, "attention_bias": True, "mlp_bias": True,
+             "hidden_act": "gelu_pytorch_tanh" if act == "gelu_new" else act}
     if family in ("qwen2_moe", "qwen3_moe"):
         if d.get("use_sliding_window"):
             raise UnsupportedModelError(f"{family} with use_sliding_window is not supported")

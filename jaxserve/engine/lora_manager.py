@@ -57,10 +57,10 @@ logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
                   r"(?:(?:self_attn|mlp|block_sparse_moe|feed_forward)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
-# Modules under another name (Granite MoE's shared MLP and router, StarCoder2's MLP), and fused projections as the
-# targets they pack (their B's rows in this order; one A for all): Phi-3's qkv_proj and gate_up_proj, GLM-4's
-# gate_up_proj, Granite's shared input_linear.
-_ALIASES = {"shared_mlp.output_linear": "shared.down_proj", "router": "gate", "c_fc": "up_proj", "c_proj": "down_proj"}
+# Modules under another name (Granite MoE's shared MLP and router, StarCoder2's and Phi's MLPs, Phi's `dense`), and
+# fused projections as the targets they pack (B's rows in this order; one A): Phi-3's qkv_proj and gate_up_proj.
+_ALIASES = {"shared_mlp.output_linear": "shared.down_proj", "router": "gate", "c_fc": "up_proj", "c_proj": "down_proj",
+            "fc1": "up_proj", "fc2": "down_proj", "dense": "o_proj"}
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "shared_mlp.input_linear": ("shared.gate_proj", "shared.up_proj")}
 

@@ -6,7 +6,8 @@ as `mlp`, `mlp.gate`, and written back as its own), Hunyuan's q/k norms, router 
 MoE SWA's experts and router (transformers' `experts.gate_up_proj`, `experts.down_proj`, `router.weight`: read as
 Granite MoE's `input_linear`, `output_linear`, `router.layer`, written back as its own), Gemma 4's packed experts
 (`experts.gate_up_proj`: read as `mlp.experts.gate_up_proj`, packed as Qwen3-VL-MoE's, written back as its own),
-StarCoder2's MLP (`mlp.c_fc`, `mlp.c_proj`: read as `mlp.up_proj`, `mlp.down_proj`, written back as its own)."""
+StarCoder2's MLP (`mlp.c_fc`, `mlp.c_proj`: read as `mlp.up_proj`, `mlp.down_proj`, written back as its own), Phi's
+attention output, MLP and final norm (`self_attn.dense`, `mlp.fc1`, `mlp.fc2`, `final_layernorm`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ _HUNYUAN_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _HUNYUAN_N
 _AFMOE_NAMES = {"mlp.router.gate.": "mlp.gate.", "mlp.expert_bias": "mlp.gate.e_score_correction_bias",
                 "pre_mlp_layernorm.": "pre_feedforward_layernorm.", "post_mlp_layernorm.": "post_feedforward_layernorm."}
 _AFMOE_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _AFMOE_NAMES) + ")")
-_STARCODER2_NAMES = {"mlp.c_fc.": "mlp.up_proj.", "mlp.c_proj.": "mlp.down_proj."}
+# Module names of their own, each read as ours (the first that a name holds).
+_OWN_NAMES = {"starcoder2": {"mlp.c_fc.": "mlp.up_proj.", "mlp.c_proj.": "mlp.down_proj."},
+              "phi": {"self_attn.dense.": "self_attn.o_proj.", "mlp.fc1.": "mlp.up_proj.", "mlp.fc2.": "mlp.down_proj.",
+                      "final_layernorm.": "norm."}}
 
 
 # Granite MoE SWA's experts and router as transformers holds them, read as Granite MoE's checkpoints name them.
@@ -52,8 +56,8 @@ def family_name(name: str, cfg: Any) -> str:
         return _GEMMA4_EXPERTS_RE.sub(r"\1mlp.experts.", name)
     if cfg is not None and cfg.family == "mimo_v2_flash":  # (its sinks under its own name)
         return name.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
-    if cfg is not None and cfg.family == "starcoder2":
-        return next((name.replace(k, v) for k, v in _STARCODER2_NAMES.items() if k in name), name)
+    if cfg is not None and cfg.family in _OWN_NAMES:
+        return next((name.replace(k, v) for k, v in _OWN_NAMES[cfg.family].items() if k in name), name)
     return name
 
 
@@ -67,7 +71,7 @@ def family_hf_name(name: str, cfg: Any) -> str:
         return next((name[:-len(v)] + k for k, v in _GRANITE_SWA_NAMES.items() if name.endswith(v)), name)
     names = _HUNYUAN_NAMES if cfg.family in HUNYUAN_FAMILIES else _AFMOE_NAMES if cfg.family == "afmoe" else {
         "self_attn.attention_sink_bias": "self_attn.sinks"} if cfg.family == "mimo_v2_flash" else \
-        _STARCODER2_NAMES if cfg.family == "starcoder2" else {}
+        _OWN_NAMES.get(cfg.family, {})
     for theirs, ours in sorted(names.items(), key=lambda kv: -len(kv[1])):  # (the longest of ours first)
         name = name.replace("." + ours, "." + theirs)
     return name

@@ -36,6 +36,7 @@ _GGUF_TO_HF = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's fused projections, split by the key map
+    "attn_qkv.bias": "self_attn.qkv_proj.bias",  # (Phi-2's, in files from its first checkpoints)
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -89,8 +90,8 @@ def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, extra: d
         return "model.embed_tokens.weight"
     if name in ("output_norm.weight", "output_norm.bias"):
         return "model.norm." + name.rsplit(".", 1)[1]
-    if name == "output.weight":
-        return "lm_head.weight"
+    if name in ("output.weight", "output.bias"):  # (Phi-2's head has a bias)
+        return "lm_head." + name.rsplit(".", 1)[1]
     m = _BLK_RE.match(name)
     names = {**_GGUF_TO_HF, **_GEMMA_NAMES} if gemma else _GGUF_TO_HF
     if phi3:

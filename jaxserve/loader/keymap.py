@@ -21,6 +21,7 @@ from jaxserve.config import (
     INTERLEAVED_ROPE_FAMILIES,
     ModelConfig,
 )
+from jaxserve.config_families import HEAD_BIAS_FAMILIES
 from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
@@ -142,9 +143,9 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     if cfg.mlp_bias:  # (and a gated MLP's gate)
         t |= {"mlp.gate_proj.bias": ("layers.b_gate", ident, (F,))} if cfg.gated_mlp else {}
         t |= {"mlp.up_proj.bias": ("layers.b_up", ident, (F,)), "mlp.down_proj.bias": ("layers.b_down", ident, (E,))}
-    if cfg.norm_bias:  # (Jais 2's LayerNorms)
-        t |= {f"{n}.bias": (f"layers.{p}_b", ident, (E,)) for n, p in (("input_layernorm", "attn_norm"),
-                                                                    ("post_attention_layernorm", "mlp_norm"))}
+    if cfg.norm_bias:  # (Jais 2's LayerNorms; Phi's one)
+        t |= {f"{n}.bias": (f"layers.{p}_b", ident, (E,)) for n, p in (("input_layernorm", "attn_norm"), (
+            "post_attention_layernorm", "mlp_norm")) if f"{n}.weight" in t}
     if cfg.family in INTERLEAVED_ROPE_FAMILIES:  # q and k rows (and biases) with interleaved rotary pairs, read half-split
         for name in ("q_proj", "k_proj"):
             for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
@@ -208,7 +209,7 @@ _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
 _PACKED_EXPERTS = ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4", "gemma4")  # (each kind in one tensor)
-_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 def _moe_module(cfg: ModelConfig) -> str:
@@ -217,22 +218,22 @@ def _moe_module(cfg: ModelConfig) -> str:
 
 
 def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """A fused projection (Phi-3's `qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows) as the tensors it
-    packs, under their separate names; any other tensor as it is."""
+    """A fused projection (Phi-3's `qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows; a GGUF Phi-2's biased
+    `attn_qkv`) as the tensors it packs, under their separate names; any other tensor as it is."""
     m = _FUSED_RE.match(name)
     if m is None:
         return [(name, tensor)]
-    prefix, kind = m.groups()
+    prefix, kind, field = m.groups()
     if kind == "self_attn.qkv_proj":
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         names, cuts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (q, q + kv, q + 2 * kv)
     else:
         names, cuts = ("mlp.gate_proj", "mlp.up_proj"), (cfg.intermediate_size, 2 * cfg.intermediate_size)
-    if tensor.ndim != 2 or tensor.shape[0] != cuts[-1]:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected ({cuts[-1]}, "
-                              f"{cfg.hidden_size}) for this config")
+    want = (cuts[-1], cfg.hidden_size)[:1 + (field == "weight")]
+    if tuple(tensor.shape) != want:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
     parts = np.split(tensor, cuts[:-1])
-    return [(f"{prefix}{n}.weight", part) for n, part in zip(names, parts, strict=True)]
+    return [(f"{prefix}{n}.{field}", part) for n, part in zip(names, parts, strict=True)]
 
 
 def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]] | None:
@@ -272,12 +273,11 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     if cfg.gemma4 is not None and (own := gemma4_target(name, cfg)) is not False:
         return own
     E, V = cfg.hidden_size, cfg.vocab_size
-    if name == "model.embed_tokens.weight":
-        return Target("embed", None, lambda w: w, (V, E))
-    if name in ("model.norm.weight", "model.norm.bias") and (name.endswith("weight") or cfg.norm_bias):
-        return Target("final_norm" + "_b" * name.endswith("bias"), None, lambda w: w, (E,))
-    if name == "lm_head.weight":
-        return Target("lm_head", None, lambda w: w.T, (V, E))
+    top = {"model.embed_tokens.weight": ("embed", (V, E)), "model.norm.weight": ("final_norm", (E,)),
+           "lm_head.weight": ("lm_head", (V, E)), "model.norm.bias": ("final_norm_b", (E,)) if cfg.norm_bias else None,
+           "lm_head.bias": ("lm_head_b", (V,)) if cfg.family in HEAD_BIAS_FAMILIES else None}
+    if top.get(name):  # (the head's weight transposed: ours is [E, V])
+        return Target(top[name][0], None, (lambda w: w.T) if name == "lm_head.weight" else (lambda w: w), top[name][1])
     m = _LAYER_RE.match(name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
@@ -321,7 +321,7 @@ def hf_names(cfg: ModelConfig) -> list[str]:
     """Every HF tensor name a checkpoint of `cfg` must hold (the inverse of `hf_target`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", *["model.norm.bias"] * cfg.norm_bias]
     if not cfg.tie_word_embeddings:
-        names.append("lm_head.weight")
+        names.extend(["lm_head.weight", *["lm_head.bias"] * (cfg.family in HEAD_BIAS_FAMILIES)])
     for i in range(cfg.num_layers):
         dense = cfg.dense_layer(i)
         rests = [r for r in _layer_targets(cfg, dense) if (r != "self_attn.sinks" or cfg.sinks_in(i)) and (

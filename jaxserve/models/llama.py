@@ -242,6 +242,8 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
         logits = _dot_out_major(x, params.embed, jnp.float32)
     else:
         logits = jnp.einsum("re,ev->rv", x, params.lm_head, preferred_element_type=jnp.float32)
+    if params.lm_head_b is not None:  # (Phi's)
+        logits = logits + params.lm_head_b.astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
     if cfg.logits_scaling != 1.0:  # Granite

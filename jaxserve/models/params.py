@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import UNIT_NORM_FAMILIES, ModelConfig
+from jaxserve.config_families import HEAD_BIAS_FAMILIES
 from jaxserve.models.quantized import quantized_info
 
 Init = Literal["normal", "ones", "zeros"]
@@ -148,6 +149,7 @@ class Params:
     final_norm: Any  # [E]
     lm_head: Any = None  # [E, V]; None when tied to `embed`
     final_norm_b: Any = None  # [E]: final_norm's LayerNorm bias (`ModelConfig.norm_bias`)
+    lm_head_b: Any = None  # [V]: the LM head's bias (Phi's: `config_families.HEAD_BIAS_FAMILIES`)
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
@@ -183,6 +185,7 @@ def declare_params(cfg: ModelConfig) -> Params:
         dense_layers=(_declare_layers(cfg.kind_config(False), k, bool(cfg.num_experts)) if cfg.gemma4 is not None
                       else _declare_layers(cfg, k, False)) if k else None,  # (Gemma 4's: its full-attention layers)
         final_norm_b=ParamInfo((E,), ("embed",), "zeros") if cfg.norm_bias else None,
+        lm_head_b=ParamInfo((V,), ("vocab",), "zeros") if cfg.family in HEAD_BIAS_FAMILIES else None,
         ple_embed=ParamInfo((cfg.gemma4.ple_vocab, ple), (None, None)) if ple else None,  # (whole on each device)
         ple_proj=ParamInfo((E, ple), ("embed", None)) if ple else None,
         ple_norm=ParamInfo((cfg.gemma4.ple_width,), (None,), "ones") if ple else None,
@@ -212,7 +215,8 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and not cfg.parallel_block else None,
         )
     if cfg.norm_bias:
-        layers.attn_norm_b, layers.mlp_norm_b = (p((L, E), ("layers", "embed"), "zeros") for _ in range(2))
+        layers.attn_norm_b = p((L, E), ("layers", "embed"), "zeros")
+        layers.mlp_norm_b = None if cfg.parallel_block else p((L, E), ("layers", "embed"), "zeros")
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
@@ -346,6 +350,7 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
             for g in dataclasses.fields(layers)})
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
-                  lm_head=flat.get("lm_head"), final_norm_b=flat.get("final_norm_b"), dense_layers=stack("dense_layers"),
+                  lm_head=flat.get("lm_head"), final_norm_b=flat.get("final_norm_b"), lm_head_b=flat.get("lm_head_b"),
+                  dense_layers=stack("dense_layers"),
                   attn_layers=stack("attn_layers"), mamba_layers=stack("mamba_layers"), mlp_layers=stack("mlp_layers"),
                   **{k: flat.get(k) for k in ("ple_embed", "ple_proj", "ple_norm")})
