@@ -824,7 +824,13 @@ def case_hybrid() -> dict:
                 num_hidden_layers=4, layer_types=["conv", "sliding_attention", "full_attention", "sliding_attention"],
                 num_attention_heads=8, num_key_value_heads=2, head_dim=8, intermediate_size=96, sliding_window=8,
                 conv_L_cache=3, max_position_embeddings=512)),
-            "gemma4": _tp_tokens(args, GEMMA4_MOE, ep=True), "gemma4_small": _tp_tokens(args, GEMMA4_SMALL)}
+            "gemma4": _tp_tokens(args, GEMMA4_MOE, ep=True), "gemma4_small": _tp_tokens(args, GEMMA4_SMALL),
+            # Phi (not hybrid either): its LM head's bias split with the vocabulary, attention and the MLP on one
+            # LayerNorm with a bias.
+            "phi": _tp_tokens(args, dict(
+                architectures=["PhiForCausalLM"], model_type="phi", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, partial_rotary_factor=0.5,
+                max_position_embeddings=512))}
 
 
 # Gemma 4 (not hybrid, run here for its helper): its full-attention layers' one KV head of 32, projected whole on each
