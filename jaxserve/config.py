@@ -316,7 +316,7 @@ class ModelConfig:
     @property
     def gated_mlp(self) -> bool:
         """Whether the MLP is gated, act(gate) * up (all but Arcee's, Apertus', Jais 2's, StarCoder2's: act(up))."""
-        return self.family not in ("arcee", "apertus", "nemotron_h", *BIASED_NORM_FAMILIES)
+        return self.family not in ("arcee", "apertus", "nemotron_h", *BIASED_NORM_FAMILIES) or self.family == "stablelm"
 
     @property
     def attn_gate_width(self) -> int:
@@ -363,8 +363,8 @@ class ModelConfig:
 
     @property
     def output_bias(self) -> bool:
-        """Whether the attention's output projection has a bias (Qwen2's and GLM's biases are q, k and v's only)."""
-        return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", "glm4_moe", *GLM_FAMILIES)
+        """Whether the attention's output projection has a bias (Qwen2's, GLM's, StableLM's: q, k and v's only)."""
+        return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", "glm4_moe", "stablelm", *GLM_FAMILIES)
 
     def kind_config(self, local: bool) -> ModelConfig:
         """The config a layer of this kind attends by: Gemma 4's full-attention layers' own head width, KV heads and

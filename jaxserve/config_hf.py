@@ -69,8 +69,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                  else cohere2_moe_hf(cfg) if cfg.family == "cohere2_moe" else fields.moe_hf(cfg))
     if cfg.family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "jais2"):
         d["mlp_bias"] = cfg.mlp_bias
-    if cfg.family in ("jais2", "phi"):
+    if cfg.family in ("jais2", "phi", "stablelm"):
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
+    if cfg.family == "stablelm":
+        d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=False, use_parallel_residual=False)
     if cfg.family == "starcoder2":  # (one bias flag for attention and the MLP; its eps' own name)
         d.update(norm_epsilon=d.pop("rms_norm_eps"), use_bias=cfg.attention_bias)
     if cfg.family == "bamba":

@@ -58,6 +58,11 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     if family == "starcoder2":  # (its names for Jais 2's keys: one bias flag for attention and the MLP)
         d = {**d, "layer_norm_eps": d.get("norm_epsilon", 1e-5), "attention_bias": d.get("use_bias", True),
              "mlp_bias": d.get("use_bias", True), "hidden_act": d.get("hidden_act", "gelu_pytorch_tanh")}
+    if family == "stablelm":  # (its q/k/v biases by `use_qkv_bias`; Llama's MLP, unbiased)
+        for key in ("qk_layernorm", "use_parallel_residual"):
+            if d.get(key):
+                raise UnsupportedModelError(f"StableLM with {key} is not supported")
+        d = {**d, "attention_bias": bool(d.get("use_qkv_bias")), "mlp_bias": False}
     if family == "phi":  # (every projection biased; its `gelu_new` the tanh GELU)
         if d.get("qk_layernorm"):
             raise UnsupportedModelError("Phi with qk_layernorm is not supported")

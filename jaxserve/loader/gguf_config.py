@@ -58,7 +58,7 @@ _HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3"
             "granitehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
             "nemotron_h_moe": "NemotronHForCausalLM", "lfm2": "Lfm2ForCausalLM", "lfm2moe": "Lfm2MoeForCausalLM",
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
-            "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM",
+            "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
@@ -185,6 +185,10 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if arch == "jais2":  # LayerNorms with biases, a squared-ReLU MLP (llama.cpp's for the architecture)
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
                      attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
+        if arch == "stablelm":  # (StableLM 2 12B's q/k norms and parallel blocks refused by name, by their tensors)
+            d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), use_qkv_bias="blk.0.attn_q.bias" in
+                     tensor_names, qk_layernorm="blk.0.attn_q_norm.weight" in tensor_names,
+                     use_parallel_residual="blk.0.ffn_norm.weight" not in tensor_names)
         if arch == "phi2":  # (its rotary dims: `rope.dimension_count`, above)
             d["layer_norm_eps"] = float(get("attention.layer_norm_epsilon"))
         if arch == "starcoder2":  # (a window only where the file has one: llama.cpp's converter writes none)
