@@ -38,7 +38,7 @@ INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *C
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", "gemma4")
 """Embeddings scaled by sqrt(hidden_size); after Gemma (1), norms after attention and the MLP too (`output_norms`)."""
-UNIT_NORM_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", *GATED_DELTA_FAMILIES)  # weights applied as (1 + w)
+UNIT_NORM_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", "nemotron", *GATED_DELTA_FAMILIES)  # (1 + w)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 OLMO_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "olmo_hybrid")
 POST_NORM_FAMILIES: tuple[str, ...] = ("olmo2", "olmo3", "flex_olmo", "exaone4")  # (OLMo Hybrid's by layer kind)

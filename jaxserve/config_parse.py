@@ -58,6 +58,9 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     if family == "starcoder2":  # (its names for Jais 2's keys: one bias flag for attention and the MLP)
         d = {**d, "layer_norm_eps": d.get("norm_epsilon", 1e-5), "attention_bias": d.get("use_bias", True),
              "mlp_bias": d.get("use_bias", True), "hidden_act": d.get("hidden_act", "gelu_pytorch_tanh")}
+    if family == "nemotron":  # (its eps' own name; a squared-ReLU MLP)
+        d = {**d, "layer_norm_eps": d.get("norm_eps", 1e-5), "hidden_act": d.get("hidden_act", "relu2"),
+             "partial_rotary_factor": d.get("partial_rotary_factor", 0.5)}
     if family == "stablelm":  # (its q/k/v biases by `use_qkv_bias`; Llama's MLP, unbiased)
         for key in ("qk_layernorm", "use_parallel_residual"):
             if d.get(key):

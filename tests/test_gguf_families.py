@@ -34,12 +34,14 @@ _NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm"
           "down_proj": "ffn_down"}
 ARCHS = {"exaone4": "exaone4", "exaone4_alternating": "exaone4", "cohere": "command-r", "cohere2": "cohere2",
          "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe", "jais2": "jais2",
-         "starcoder2": "starcoder2", "stablelm": "stablelm"}
+         "starcoder2": "starcoder2", "stablelm": "stablelm", "nemotron": "nemotron"}
 ERNIE_MOE = ("Ernie4_5_MoeConfig", {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                                     "moe_num_shared_experts": 1, "moe_layer_start_index": 1, "num_hidden_layers": 3,
                                     "head_dim": 16})
 # StableLM 2: a quarter of each head rotated, q/k/v biases.
 STABLELM = {"partial_rotary_factor": 0.25, "use_qkv_bias": True, "bos_token_id": 1, "eos_token_id": 2}
+# Nemotron-4 / Minitron: LayerNorms scaled by (1 + w) (stored so), half of each head rotated, every projection biased.
+NEMOTRON = {"attention_bias": True, "mlp_bias": True, "bos_token_id": 1, "eos_token_id": 2}
 # EXAONE 4 with every other layer global: the file's per-layer array, not the period of 4 llama.cpp assumes.
 ALTERNATING = {**FAMILIES["exaone4"][1], "sliding_window_pattern": None,
                "layer_types": ["sliding_attention", "full_attention"] * 2}
@@ -82,6 +84,9 @@ def _write(path, hf_dir, model, arch: str) -> str:
     elif arch == "stablelm":  # (its rotary dims: a quarter of each head)
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    elif arch == "nemotron":  # (half of each head rotated)
+        w.add_layer_norm_eps(c.norm_eps)
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     else:
         w.add_layer_norm_eps(c.layer_norm_eps)
         w.add_logit_scale(c.logit_scale)
@@ -90,10 +95,12 @@ def _write(path, hf_dir, model, arch: str) -> str:
             w.add_rope_dimension_count(head_dim)
     tensors = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
     names = {**_NAMES, "post_attention_layernorm": "ffn_norm", "c_fc": "ffn_up", "c_proj": "ffn_down"} \
-        if arch.startswith(("ernie", "jais2", "starcoder2", "stablelm")) else _NAMES
+        if arch.startswith(("ernie", "jais2", "starcoder2", "stablelm", "nemotron")) else _NAMES
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, a in tensors.items():
         parts = name.split(".")
+        if arch == "nemotron" and name.endswith("norm.weight"):  # (its converter's: 1 + w)
+            a = a + 1.0
         if name == "lm_head.weight":
             w.add_tensor("output.weight", a)
         elif parts[1] != "layers":
@@ -119,7 +126,8 @@ def test_gguf_config_and_logits_equal_the_hf_model(tmp_path, family):
                              "ernie4_5": (FAMILIES["ernie4_5"][0], {"head_dim": 16}),
                              "jais2": ("Jais2Config", {"head_dim": 16, "bos_token_id": 1, "eos_token_id": 2}),
                              "starcoder2": ("Starcoder2Config", {"bos_token_id": 1, "eos_token_id": 2}),
-                             "stablelm": ("StableLmConfig", STABLELM)}.get(
+                             "stablelm": ("StableLmConfig", STABLELM),
+                             "nemotron": ("NemotronConfig", NEMOTRON)}.get(
         family) or FAMILIES[family]
     model = save_tiny_hf(config_cls, tmp_path / "hf", **overrides)
     want = HFDirectory(str(tmp_path / "hf")).config()
