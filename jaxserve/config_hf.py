@@ -20,6 +20,7 @@ from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_gemma4 import gemma4_hf
+from jaxserve.config_gpt2 import gpt2_hf
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
@@ -40,6 +41,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         return gemma4_hf(cfg)
     if cfg.family in MAMBA_LM_FAMILIES:
         return mamba_lm_hf(cfg)
+    if cfg.family == "gpt2":
+        return gpt2_hf(cfg)
     arch = next(k for k, v in HF_ARCHITECTURES.items() if v == cfg.family)
     d: dict[str, Any] = {
         "architectures": [arch],

@@ -177,7 +177,7 @@ def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
     """Granite 4.0-H's (and Nemotron 3's, LFM3's (LFM2's layers with more), Qwen3-Next's, OLMo Hybrid's, Falcon-H1's,
     Jamba's) layers at TP=2: the attention layer's pages split by KV head, the Mamba layers' states whole on each
     device; one device's greedy tokens, nothing compiled after warmup, and again from the prefix cache's kept states;
-    the same over two data-parallel replicas. (And Phi's biased head, split by vocabulary.)"""
+    the same over two data-parallel replicas. (And Phi's biased head, split by vocabulary; GPT-2's positions.)"""
     r = results["hybrid"]
     assert len(r["ref"]) == len(PROMPTS) and all(len(t) == 12 for t in r["ref"])
     assert r["tp2"] == r["ref"] and r["compiles_after_warmup"] == 0
@@ -189,7 +189,7 @@ def test_a_hybrid_model_at_tp2_gives_one_devices_tokens(results):
     assert r["nemotron"][1] == r["nemotron"][0] == r["nemotron"][2] and all(len(t) == 12 for t in r["nemotron"][0])
     assert r["qwen3_next"][1] == r["qwen3_next"][0] == r["qwen3_next"][2] and all(
         len(t) == 12 for t in r["qwen3_next"][0])  # (Qwen3-Next: gated attention heads split, DeltaNet states whole)
-    for family in ("olmo_hybrid", "falcon_h1", "jamba", "lfm3", "phi"):
+    for family in ("olmo_hybrid", "falcon_h1", "jamba", "lfm3", "phi", "gpt2"):
         assert r[family][1] == r[family][0] and all(len(t) == 12 for t in r[family][0]), family
     assert r["gemma4"][0] == r["gemma4"][1] == r["gemma4"][2] and all(len(t) == 12 for t in r["gemma4"][0])
     assert r["gemma4_small"][0] == r["gemma4_small"][1] and all(len(t) == 12 for t in r["gemma4_small"][0])

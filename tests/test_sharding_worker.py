@@ -830,7 +830,10 @@ def case_hybrid() -> dict:
             "phi": _tp_tokens(args, dict(
                 architectures=["PhiForCausalLM"], model_type="phi", vocab_size=64, hidden_size=64, num_hidden_layers=2,
                 num_attention_heads=8, num_key_value_heads=2, intermediate_size=96, partial_rotary_factor=0.5,
-                max_position_embeddings=512))}
+                max_position_embeddings=512)),
+            # GPT-2: its learned positions whole on each device, its heads split.
+            "gpt2": _tp_tokens(args, dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=64,
+                                          n_embd=64, n_layer=2, n_head=8, n_positions=512))}
 
 
 # Gemma 4 (not hybrid, run here for its helper): its full-attention layers' one KV head of 32, projected whole on each

@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.falcon_keys import falcon_folded
+from jaxserve.loader.gpt2_keys import gpt2_tensors
 from jaxserve.loader.keymap import (
     KV_SCALE_PATHS,
     CheckpointError,
@@ -50,6 +51,10 @@ class WeightAssembler:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
         held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
+        if self.cfg.family == "gpt2" and (parts := gpt2_tensors(name, tensor)) is not None:  # (Conv1D layouts)
+            for part_name, part in parts:
+                self.add(part_name, part)
+            return
         name = canonical_name(name, self.cfg)
         if self.cfg.family == "olmo_hybrid" and CONV_RE.match(name):  # (its q, k and v convolutions: one tensor)
             joined = joined_conv(self._held, name, tensor)

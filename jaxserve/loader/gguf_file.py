@@ -86,8 +86,8 @@ def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, extra: d
     """Translate a llama.cpp tensor name to the HF name (of a Gemma model with `gemma`, of Phi-3, whose
     `ffn_up` holds the gate and up projections, with `phi3`; `extra`: an architecture's own block tensor names);
     refuses names it does not know."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
+    if name in ("token_embd.weight", "position_embd.weight"):  # (GPT-2's learned positions)
+        return "model.embed_" + ("tokens" if name.startswith("token") else "positions") + ".weight"
     if name in ("output_norm.weight", "output_norm.bias"):
         return "model.norm." + name.rsplit(".", 1)[1]
     if name in ("output.weight", "output.bias"):  # (Phi-2's head has a bias)

@@ -21,12 +21,14 @@ from jaxserve.config import (
     INTERLEAVED_ROPE_FAMILIES,
     ModelConfig,
 )
-from jaxserve.config_families import HEAD_BIAS_FAMILIES
+from jaxserve.config_families import HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES
 from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
+from jaxserve.loader.fused_keys import FUSED_RE, unfused
 from jaxserve.loader.gemma4_keys import gemma4_names, gemma4_target, gemma4_targets, gemma4_written
+from jaxserve.loader.gpt2_keys import gpt2_written
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -209,7 +211,6 @@ _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
 
 _PACKED_EXPERTS = ("gpt_oss", "qwen3_moe", "qwen3_5", "llama4", "mistral4", "gemma4")  # (each kind in one tensor)
-_FUSED_RE = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 def _moe_module(cfg: ModelConfig) -> str:
@@ -217,29 +218,10 @@ def _moe_module(cfg: ModelConfig) -> str:
     return "block_sparse_moe" if cfg.family in ("mixtral", "minimax_m2", *GRANITE_MOE_FAMILIES) else "mlp"
 
 
-def unfused(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
-    """A fused projection (Phi-3's `qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows; a GGUF Phi-2's biased
-    `attn_qkv`) as the tensors it packs, under their separate names; any other tensor as it is."""
-    m = _FUSED_RE.match(name)
-    if m is None:
-        return [(name, tensor)]
-    prefix, kind, field = m.groups()
-    if kind == "self_attn.qkv_proj":
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        names, cuts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (q, q + kv, q + 2 * kv)
-    else:
-        names, cuts = ("mlp.gate_proj", "mlp.up_proj"), (cfg.intermediate_size, 2 * cfg.intermediate_size)
-    want = (cuts[-1], cfg.hidden_size)[:1 + (field == "weight")]
-    if tuple(tensor.shape) != want:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} for this config")
-    parts = np.split(tensor, cuts[:-1])
-    return [(f"{prefix}{n}.{field}", part) for n, part in zip(names, parts, strict=True)]
-
-
 def split_packed(name: str, tensor: np.ndarray, cfg: ModelConfig) -> list[tuple[str, np.ndarray]] | None:
     """A tensor that packs several of ours (fused projections, Granite MoE's experts) as the tensors it packs,
     under their own names; None for any other."""
-    if _FUSED_RE.match(name):
+    if FUSED_RE.match(name):
         return unfused(name, tensor, cfg)
     if cfg.family in GRANITE_MOE_FAMILIES and GRANITE_MOE_RE.match(name):
         return granite_experts(name, tensor, cfg)
@@ -272,10 +254,11 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         return None
     if cfg.gemma4 is not None and (own := gemma4_target(name, cfg)) is not False:
         return own
-    E, V = cfg.hidden_size, cfg.vocab_size
+    E, V, learned = cfg.hidden_size, cfg.vocab_size, cfg.family in LEARNED_POSITION_FAMILIES
     top = {"model.embed_tokens.weight": ("embed", (V, E)), "model.norm.weight": ("final_norm", (E,)),
            "lm_head.weight": ("lm_head", (V, E)), "model.norm.bias": ("final_norm_b", (E,)) if cfg.norm_bias else None,
-           "lm_head.bias": ("lm_head_b", (V,)) if cfg.family in HEAD_BIAS_FAMILIES else None}
+           "lm_head.bias": ("lm_head_b", (V,)) if cfg.family in HEAD_BIAS_FAMILIES else None,
+           "model.embed_positions.weight": ("pos_embed", (cfg.max_position_embeddings, E)) if learned else None}
     if top.get(name):  # (the head's weight transposed: ours is [E, V])
         return Target(top[name][0], None, (lambda w: w.T) if name == "lm_head.weight" else (lambda w: w), top[name][1])
     m = _LAYER_RE.match(name)
@@ -319,7 +302,8 @@ def layer_field(path: str) -> str:
 
 def hf_names(cfg: ModelConfig) -> list[str]:
     """Every HF tensor name a checkpoint of `cfg` must hold (the inverse of `hf_target`)."""
-    names = ["model.embed_tokens.weight", "model.norm.weight", *["model.norm.bias"] * cfg.norm_bias]
+    names = ["model.embed_tokens.weight", "model.norm.weight", *["model.norm.bias"] * cfg.norm_bias,
+             *["model.embed_positions.weight"] * (cfg.family in LEARNED_POSITION_FAMILIES)]
     if not cfg.tie_word_embeddings:
         names.extend(["lm_head.weight", *["lm_head.bias"] * (cfg.family in HEAD_BIAS_FAMILIES)])
     for i in range(cfg.num_layers):
@@ -356,7 +340,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    written = {"qwen3_next": qwen3_next_fused, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
+    written = {"qwen3_next": qwen3_next_fused, "gpt2": gpt2_written, "mimo_v2_flash": mimo_written,
+               "gemma4": gemma4_written,
                "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)

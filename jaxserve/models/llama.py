@@ -256,15 +256,15 @@ def _embed(params: Params, inputs: ModelInputs, cfg: ModelConfig) -> tuple[jax.A
     image's tokens [T, deepstack layers, E] (None without)."""
     ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
     x = params.embed[ids]  # [T, E]; an image's tokens stand for it by a negative id (`engine.multimodal`)
-    if cfg.family in GEMMA_FAMILIES:
-        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype) if cfg.family in GEMMA_FAMILIES else x
     deep = None
     if inputs.image_embeds is not None:  # an image's tokens take its embeddings (scaled as inputs are after)
         x = jnp.where(inputs.image_mask[:, None], inputs.image_embeds[:, :x.shape[1]].astype(x.dtype), x)
         if cfg.deepstack_layers:  # Qwen3-VL: then its deepstack embeddings, one [T, E] per early layer
             deep = inputs.image_embeds[:, x.shape[1]:].reshape(x.shape[0], cfg.deepstack_layers, x.shape[1])
-    if cfg.embedding_multiplier != 1.0:  # Granite
-        x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
+    x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype) if cfg.embedding_multiplier != 1.0 else x  # Granite
+    if params.pos_embed is not None:  # GPT-2's learned positions (added to a prompt's given embeddings too, as HF)
+        x = x + params.pos_embed[inputs.positions].astype(x.dtype)
     return x, deep
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import UNIT_NORM_FAMILIES, ModelConfig
-from jaxserve.config_families import HEAD_BIAS_FAMILIES
+from jaxserve.config_families import HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES
 from jaxserve.models.quantized import quantized_info
 
 Init = Literal["normal", "ones", "zeros"]
@@ -150,6 +150,7 @@ class Params:
     lm_head: Any = None  # [E, V]; None when tied to `embed`
     final_norm_b: Any = None  # [E]: final_norm's LayerNorm bias (`ModelConfig.norm_bias`)
     lm_head_b: Any = None  # [V]: the LM head's bias (Phi's: `config_families.HEAD_BIAS_FAMILIES`)
+    pos_embed: Any = None  # [max positions, E]: learned absolute positions (GPT-2's), added to the embeddings
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
@@ -186,6 +187,8 @@ def declare_params(cfg: ModelConfig) -> Params:
                       else _declare_layers(cfg, k, False)) if k else None,  # (Gemma 4's: its full-attention layers)
         final_norm_b=ParamInfo((E,), ("embed",), "zeros") if cfg.norm_bias else None,
         lm_head_b=ParamInfo((V,), ("vocab",), "zeros") if cfg.family in HEAD_BIAS_FAMILIES else None,
+        pos_embed=ParamInfo((cfg.max_position_embeddings, E), (None, "embed")) if cfg.family in
+        LEARNED_POSITION_FAMILIES else None,
         ple_embed=ParamInfo((cfg.gemma4.ple_vocab, ple), (None, None)) if ple else None,  # (whole on each device)
         ple_proj=ParamInfo((E, ple), ("embed", None)) if ple else None,
         ple_norm=ParamInfo((cfg.gemma4.ple_width,), (None,), "ones") if ple else None,
@@ -351,6 +354,7 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
                   lm_head=flat.get("lm_head"), final_norm_b=flat.get("final_norm_b"), lm_head_b=flat.get("lm_head_b"),
+                  pos_embed=flat.get("pos_embed"),
                   dense_layers=stack("dense_layers"),
                   attn_layers=stack("attn_layers"), mamba_layers=stack("mamba_layers"), mlp_layers=stack("mlp_layers"),
                   **{k: flat.get(k) for k in ("ple_embed", "ple_proj", "ple_norm")})
