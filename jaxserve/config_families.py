@@ -13,12 +13,13 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
-                 "nemotron", "gpt2"]
-BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2")
+                 "nemotron", "gpt2", "gpt_bigcode"]
+BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode")
 """LayerNorms with biases, Llama's attention with biases where the config says; an ungated MLP, biased where the
 config says (StableLM's: Llama's)."""
 HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi",)  # the LM head has a bias (`Params.lm_head_b`)
-LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2",)  # learned absolute positions, no rotary (`Params.pos_embed`)
+# Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
+LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -59,6 +60,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "PhiForCausalLM": "phi",  # Phi-1, 1.5, 2: StarCoder2's layers, attention and the MLP on one norm; the head biased
     "StableLmForCausalLM": "stablelm",  # StableLM 2, 3B-4E1T: Llama's layers, LayerNorms with biases, q/k/v biased
     "GPT2LMHeadModel": "gpt2",  # GPT-2: learned positions, StarCoder2's layers otherwise (`config_gpt2`)
+    "GPTBigCodeForCausalLM": "gpt_bigcode",  # StarCoder, SantaCoder: GPT-2's layers, one KV head
     "NemotronForCausalLM": "nemotron",  # Nemotron-4, Minitron: LayerNorms scaled by (1 + w), a squared-ReLU MLP
     "Cohere2MoeForCausalLM": "cohere2_moe",  # Command A MoE: Command R7B's layers with experts (`config_cohere2_moe`)
     "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU

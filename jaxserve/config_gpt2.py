@@ -1,8 +1,9 @@
-"""GPT-2 (`GPT2LMHeadModel`: GPT-2 124M to 1.5B, DistilGPT2, and the many models of its architecture): learned
-absolute positions (`Params.pos_embed`) in place of rotary embeddings, LayerNorms with biases, every projection
-biased, an ungated tanh-GELU MLP, the head tied to the embeddings. Its config under GPT-2's own keys (`n_embd`,
-`n_layer`, ...) is read as the fields every family has; its checkpoints' Conv1D weights ([in, out]) and fused
-`c_attn` are read and written by `loader.gpt2_keys`."""
+"""GPT-2 (`GPT2LMHeadModel`: GPT-2 124M to 1.5B, DistilGPT2, and the many models of its architecture) and GPTBigCode
+(`GPTBigCodeForCausalLM`: StarCoder, StarCoderBase, SantaCoder, WizardCoder, SQLCoder): learned absolute positions
+(`Params.pos_embed`) in place of rotary embeddings, LayerNorms with biases, every projection biased, an ungated
+tanh-GELU MLP, the head tied to the embeddings; GPTBigCode's attention multi-query (one KV head) where `multi_query`
+says. Their configs under GPT-2's own keys (`n_embd`, `n_layer`, ...) are read as the fields every family has; their
+checkpoints' fused `c_attn` (and GPT-2's Conv1D weights, [in, out]) are read and written by `loader.gpt2_keys`."""
 
 from __future__ import annotations
 
@@ -10,31 +11,36 @@ from typing import Any
 
 from jaxserve.errors import UnsupportedModelError
 
-FAMILY = "gpt2"
-ARCHITECTURE = "GPT2LMHeadModel"
-# GPT-2's activations, as the ungated MLP takes them (`gelu_new` is the tanh GELU)
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_bigcode": "GPTBigCodeForCausalLM"}
+NAMES = {"gpt2": "GPT-2", "gpt_bigcode": "GPTBigCode"}
+# Their activations, as the ungated MLP takes them (`gelu_new` is the tanh GELU)
 _ACTS = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "relu2": "relu2"}
 
 
 def gpt2_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A GPT-2 config as the keys every family reads (any other config as it is); what it cannot serve refused by
-    name."""
-    if d.get("model_type") != FAMILY and ARCHITECTURE not in (d.get("architectures") or []):
+    """A GPT-2 or GPTBigCode config as the keys every family reads (any other config as it is); what it cannot
+    serve refused by name."""
+    archs = d.get("architectures") or []
+    family = next((f for f, a in ARCHITECTURES.items() if d.get("model_type") == f or a in archs), None)
+    if family is None:
         return d
+    name = NAMES[family]
     for key, bad in (("scale_attn_by_inverse_layer_idx", True), ("add_cross_attention", True),
                      ("scale_attn_weights", False)):
         if d.get(key, not bad) == bad:
-            raise UnsupportedModelError(f"GPT-2 with {key} {bad} is not supported")
-    act = d.get("activation_function", "gelu_new")
+            raise UnsupportedModelError(f"{name} with {key} {bad} is not supported")
+    act = d.get("activation_function", "gelu_new" if family == "gpt2" else "gelu_pytorch_tanh")
     if act not in _ACTS:
-        raise UnsupportedModelError(f"GPT-2 with activation_function {act!r} is not supported ({', '.join(_ACTS)})")
+        raise UnsupportedModelError(f"{name} with activation_function {act!r} is not supported ({', '.join(_ACTS)})")
+
     def get(key: str, ours: str, default: Any) -> Any:  # (GPT-2's key, or the common one a GGUF file's config has)
         return d.get(key, d.get(ours, default))
 
     E, heads = get("n_embd", "hidden_size", 768), get("n_head", "num_attention_heads", 12)
-    return {**d, "architectures": [ARCHITECTURE], "model_type": FAMILY, "hidden_size": E, "num_attention_heads": heads,
-            "num_hidden_layers": get("n_layer", "num_hidden_layers", 12), "num_key_value_heads": heads,
-            "head_dim": None,
+    multi_query = family == "gpt_bigcode" and d.get("multi_query", d.get("num_key_value_heads", 1) == 1)
+    return {**d, "architectures": [ARCHITECTURES[family]], "model_type": family, "hidden_size": E,
+            "num_attention_heads": heads, "num_key_value_heads": 1 if multi_query else heads, "head_dim": None,
+            "num_hidden_layers": get("n_layer", "num_hidden_layers", 12),
             "intermediate_size": get("n_inner", "intermediate_size", None) or 4 * E,
             "max_position_embeddings": get("n_positions", "max_position_embeddings", 1024),
             "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5), "hidden_act": _ACTS[act],
@@ -42,10 +48,12 @@ def gpt2_config(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def gpt2_hf(cfg: Any) -> dict[str, Any]:
-    """`cfg` as GPT-2's config.json (the inverse of `gpt2_config`)."""
-    act = {"gelu_pytorch_tanh": "gelu_new"}.get(cfg.hidden_act, cfg.hidden_act)
-    return {"architectures": [ARCHITECTURE], "model_type": FAMILY, "vocab_size": cfg.vocab_size,
+    """`cfg` as its GPT-2 or GPTBigCode config.json (the inverse of `gpt2_config`)."""
+    act = {"gelu_pytorch_tanh": "gelu_new"}.get(cfg.hidden_act, cfg.hidden_act) if cfg.family == "gpt2" \
+        else cfg.hidden_act
+    return {"architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
             "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
             "n_inner": cfg.intermediate_size, "n_positions": cfg.max_position_embeddings,
             "layer_norm_epsilon": cfg.rms_norm_eps, "activation_function": act,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32"}
+            "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32",
+            **({"multi_query": cfg.num_kv_heads == 1} if cfg.family == "gpt_bigcode" else {})}

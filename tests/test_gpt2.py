@@ -1,9 +1,10 @@
-"""GPT-2 (`GPT2LMHeadModel`) against transformers: a tiny random model with learned absolute positions (no rotary
-embedding), LayerNorms with biases, every projection biased, q, k and v in one Conv1D (`c_attn`, [in, out] as all
-of its weights), an ungated tanh-GELU MLP and the head tied to the embeddings. Logits (and not them without the
-positions), greedy tokens through the engine, the checkpoint and config written back under its own names and
-layouts, llama.cpp's "gpt2" files, and its refusals by name."""
-
+"""GPT-2 (`GPT2LMHeadModel`) and GPTBigCode (`GPTBigCodeForCausalLM`) against transformers: tiny random models
+with learned absolute positions (no rotary embedding), LayerNorms with biases, every projection biased, q, k and v
+in one `c_attn` (GPT-2's a Conv1D, [in, out] as all of its weights; GPTBigCode's one KV head after the queries, or
+as many KV heads as queries, each head's q, k and v together), an ungated tanh-GELU MLP and the head tied to the
+embeddings. Logits (and not them without the positions), greedy tokens through the engine, the checkpoints and
+configs written back under their own names and layouts, llama.cpp's "gpt2" and "starcoder" files, and the
+refusals by name."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,18 +70,41 @@ def test_gpt2_checkpoint_written_back_and_engine_greedy(tiny):
     assert_engine_greedy(model, cfg, params, "scan")
 
 
-def test_gpt2_gguf_equals_the_hf_model(tiny, tmp_path):
-    """A "gpt2" GGUF file as llama.cpp's converter writes one (Conv1D weights as [out, in], q, k and v in one
-    `attn_qkv`, the positions as `position_embd`, the embeddings again as `output`): the model's logits."""
+@pytest.fixture(scope="module")
+def bigcode(tmp_path_factory):
+    return tiny_loaded(tmp_path_factory, "GPTBigCodeConfig", "gpt_bigcode", multi_query=True, **GPT2)
+
+
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_gpt_bigcode_logits_and_checkpoint(bigcode, tmp_path_factory, multi_query):
+    """GPTBigCode's logits, with one KV head or as many as queries (`c_attn` then laid out per head), its config and
+    checkpoint written back; the engine's greedy tokens (one KV head)."""
+    path, model, cfg, params = bigcode if multi_query else tiny_loaded(
+        tmp_path_factory, "GPTBigCodeConfig", "gpt_bigcode", multi_query=False, **GPT2)
+    assert (cfg.family, cfg.num_kv_heads, cfg.hidden_act) == (
+        "gpt_bigcode", 1 if multi_query else 4, "gelu_pytorch_tanh")
+    assert cfg.to_hf()["multi_query"] == multi_query and ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_logits_match(model, cfg, params)
+    assert_written_back(path, cfg, params)
+    if multi_query:
+        assert_engine_greedy(model, cfg, params, "scan")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "starcoder"])
+def test_gguf_equals_the_hf_model(tiny, bigcode, tmp_path, arch):
+    """A "gpt2" or "starcoder" GGUF file as llama.cpp's converter writes one (weights as [out, in], q, k and v in
+    one `attn_qkv`, the positions as `position_embd`; GPT-2's embeddings again as `output`): the model's config and
+    logits."""
     import gguf
     from safetensors.numpy import load_file
 
-    path, model, cfg, _ = tiny
+    path, model, cfg, _ = tiny if arch == "gpt2" else bigcode
     c = model.config
-    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
     for add, value in ((w.add_context_length, c.n_positions), (w.add_embedding_length, c.n_embd),
                        (w.add_feed_forward_length, 4 * c.n_embd), (w.add_block_count, c.n_layer),
-                       (w.add_head_count, c.n_head), (w.add_layer_norm_eps, c.layer_norm_epsilon)):
+                       (w.add_head_count, c.n_head), (w.add_head_count_kv, cfg.num_kv_heads),
+                       (w.add_layer_norm_eps, c.layer_norm_epsilon)):
         add(value)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     names = {"ln_1": "attn_norm", "ln_2": "ffn_norm", "c_attn": "attn_qkv", "attn.c_proj": "attn_output",
@@ -90,16 +114,16 @@ def test_gpt2_gguf_equals_the_hf_model(tiny, tmp_path):
         if parts[1] != "h":
             w.add_tensor({"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm"}[parts[1]] + "."
                          + parts[2], a)
-            if parts[1] == "wte":
+            if parts[1] == "wte" and arch == "gpt2":
                 w.add_tensor("output.weight", a)
             continue
         module = parts[-2] if parts[-2] in names else ".".join(parts[-3:-1])
-        w.add_tensor(f"blk.{parts[2]}.{names[module]}.{parts[-1]}", a.T if a.ndim == 2 else a)
-    gguf_path = written(w, tmp_path / "gpt2.gguf")
+        w.add_tensor(f"blk.{parts[2]}.{names[module]}.{parts[-1]}", a.T if a.ndim == 2 and arch == "gpt2" else a)
+    gguf_path = written(w, tmp_path / "m.gguf")
     got = open_checkpoint(gguf_path).config()
-    # (its head a copy of the embeddings; the eps a float32 in the file)
-    untied = dataclasses.replace(cfg, tie_word_embeddings=False)
-    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == untied
+    # (GPT-2's head a copy of the embeddings; the eps a float32 in the file)
+    want = dataclasses.replace(cfg, tie_word_embeddings=arch != "gpt2")
+    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == want
     ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config_families import LEARNED_POSITION_FAMILIES
 from jaxserve.loader.falcon_keys import falcon_folded
 from jaxserve.loader.gpt2_keys import gpt2_tensors
 from jaxserve.loader.keymap import (
@@ -51,7 +52,7 @@ class WeightAssembler:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
         held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
-        if self.cfg.family == "gpt2" and (parts := gpt2_tensors(name, tensor)) is not None:  # (Conv1D layouts)
+        if self.cfg.family in LEARNED_POSITION_FAMILIES and (parts := gpt2_tensors(name, tensor, self.cfg)) is not None:
             for part_name, part in parts:
                 self.add(part_name, part)
             return

@@ -340,8 +340,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    written = {"qwen3_next": qwen3_next_fused, "gpt2": gpt2_written, "mimo_v2_flash": mimo_written,
-               "gemma4": gemma4_written,
+    written = {"qwen3_next": qwen3_next_fused, "gpt2": gpt2_written, "gpt_bigcode": gpt2_written,
+               "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
                "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)
