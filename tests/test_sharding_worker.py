@@ -400,7 +400,7 @@ def case_dp() -> dict:
 
     loaded = _tiny_loaded(dense_config())
     prompts = PROMPTS + [[1, 2, 3, 4]]
-    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=loaded, progress=False), prompts)
+    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, warmup=False), loaded=loaded, progress=False), prompts)
     args = EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, data_parallel_size=2, strict_compile=True,
                       speculative_config={"method": "suffix"})
     dp = DataParallelEngine.from_engine_args(args, loaded=loaded, progress=False)
@@ -425,7 +425,7 @@ def case_engine_moe() -> dict:
     from jaxserve.engine_args import EngineArgs
 
     loaded = _tiny_loaded(moe_config("qwen2_moe"))
-    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=loaded, progress=False), PROMPTS)
+    ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, warmup=False), loaded=loaded, progress=False), PROMPTS)
     sharded = LLMEngine(EngineArgs(**ENGINE_ARGS, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
     got = _generate(sharded, PROMPTS)
@@ -439,13 +439,15 @@ def case_engine_moe() -> dict:
                    "compiles_after_warmup": whole.stats().compilations_after_warmup}
     # A LoRA adapter on the attention, the experts, the router and the shared expert: EP=2 x TP=2 against one device.
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=4, lora_modules=(("attn", _attention_adapter(loaded.config)),))
-    lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=loaded, progress=False), PROMPTS, "attn")
+    lora_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, warmup=False), loaded=loaded, progress=False),
+                         PROMPTS, "attn")
     lora_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
                                    strict_compile=True), loaded=loaded, progress=False)
     # DeepSeek-V3's latent attention (kv_b_proj's delta applied through the absorbed up-projections) under TP=2 x EP=2.
     mla = _tiny_loaded(moe_config("deepseek_v3"))
     lora["lora_modules"] = (("attn", _attention_adapter(mla.config)),)
-    mla_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora), loaded=mla, progress=False), PROMPTS, "attn")
+    mla_ref = _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, warmup=False), loaded=mla, progress=False),
+                        PROMPTS, "attn")
     mla_ep = LLMEngine(EngineArgs(**ENGINE_ARGS, **lora, tensor_parallel_size=2, expert_parallel_size=2,
                                   strict_compile=True), loaded=mla, progress=False)
     return {"ref": ref, "ep": got, "compiles_after_warmup": sharded.stats().compilations_after_warmup,
@@ -454,7 +456,8 @@ def case_engine_moe() -> dict:
             "lora_compiles_after_warmup": lora_ep.stats().compilations_after_warmup,
             "whole_experts": whole_found,
             "mla_lora_ref": mla_ref, "mla_lora_ep": _generate(mla_ep, PROMPTS, "attn"),
-            "mla_lora_base": _generate(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=mla, progress=False), PROMPTS)}
+            "mla_lora_base": _generate(LLMEngine(EngineArgs(**ENGINE_ARGS, warmup=False), loaded=mla, progress=False),
+                                       PROMPTS)}
 
 
 def _attention_adapter(cfg) -> str:
