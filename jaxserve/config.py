@@ -64,6 +64,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (OLMo)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     """Per layer, "sliding_attention" (windowed by `sliding_window`) or "full_attention"; None: every layer
@@ -96,8 +97,7 @@ class ModelConfig:
     expert_groups: int = 1
     expert_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
-    shared_expert_scale: float = 1.0  # the shared experts' output times this (Command A MoE's "average": 0.5, and 0.5
-    # the routed ones')
+    shared_expert_scale: float = 1.0  # the shared experts' output times this (Command A MoE's "average": 0.5)
     first_dense_layers: int = 0  # the first layers' MLP is dense, `intermediate_size` wide (`Params.dense_layers`)
     moe_layer_step: int = 1  # Llama 4 Maverick's: only every `moe_layer_step`-th layer has experts, the others dense
     # gpt-oss's experts: biased, and a clamped SwiGLU, (min(up, limit) clipped both ways + 1) * g * sigmoid(alpha * g)

@@ -13,13 +13,14 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
-                 "nemotron", "gpt2", "gpt_bigcode"]
+                 "nemotron", "gpt2", "gpt_bigcode", "olmo"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode")
 """LayerNorms with biases, Llama's attention with biases where the config says; an ungated MLP, biased where the
 config says (StableLM's: Llama's)."""
 HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi",)  # the LM head has a bias (`Params.lm_head_b`)
 # Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
 LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")
+WEIGHTLESS_NORM_FAMILIES: tuple[str, ...] = ("olmo",)  # LayerNorms without weights or biases (held as ones)
 
 HF_ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -50,6 +51,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",  # ERNIE 4.5 MoE (its multi-token prediction tensors are not read)
     "Dots1ForCausalLM": "dots1",  # dots.llm1: Qwen3's attention, DeepSeek-V3's experts
+    "OlmoForCausalLM": "olmo",  # OLMo (1): Llama's layers under LayerNorms without weights, q/k/v clamped
     "Olmo2ForCausalLM": "olmo2",  # norms after attention and the MLP only; q and k normed over all their heads
     "Olmo3ForCausalLM": "olmo3",  # OLMo 2's layers, three of four windowed
     "Exaone4ForCausalLM": "exaone4",  # OLMo 2's norms after attention and the MLP; three of four layers windowed

@@ -76,6 +76,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
     if cfg.family == "stablelm":
         d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=False, use_parallel_residual=False)
+    if cfg.family == "olmo":  # (its LayerNorms' eps fixed)
+        d.update(clip_qkv=cfg.clip_qkv, attention_bias=cfg.attention_bias)
+        del d["rms_norm_eps"]
     if cfg.family == "nemotron":
         d.update(norm_eps=d.pop("rms_norm_eps"), attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias)
     if cfg.family == "starcoder2":  # (one bias flag for attention and the MLP; its eps' own name)

@@ -59,6 +59,8 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     if family == "starcoder2":  # (its names for Jais 2's keys: one bias flag for attention and the MLP)
         d = {**d, "layer_norm_eps": d.get("norm_epsilon", 1e-5), "attention_bias": d.get("use_bias", True),
              "mlp_bias": d.get("use_bias", True), "hidden_act": d.get("hidden_act", "gelu_pytorch_tanh")}
+    if family == "olmo":  # (its LayerNorms' fixed eps)
+        d = {**d, "rms_norm_eps": 1e-5}
     if family == "nemotron":  # (its eps' own name; a squared-ReLU MLP)
         d = {**d, "layer_norm_eps": d.get("norm_eps", 1e-5), "hidden_act": d.get("hidden_act", "relu2"),
              "partial_rotary_factor": d.get("partial_rotary_factor", 0.5)}
@@ -139,7 +141,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
         attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
         or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                       *BIASED_NORM_FAMILIES, *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES,
+                       "olmo", *BIASED_NORM_FAMILIES, *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES,
                        *HUNYUAN_FAMILIES)
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss", "jais2")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
         mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h",
@@ -149,6 +151,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            "lfm3", *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
+        clip_qkv=d.get("clip_qkv") if family == "olmo" else None,
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,
         kv_cache_scales=bool(kv_scheme),

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.config_families import LEARNED_POSITION_FAMILIES
+from jaxserve.config_families import LEARNED_POSITION_FAMILIES, WEIGHTLESS_NORM_FAMILIES
 from jaxserve.loader.falcon_keys import falcon_folded
 from jaxserve.loader.gpt2_keys import gpt2_tensors
 from jaxserve.loader.keymap import (
@@ -148,8 +148,11 @@ class WeightAssembler:
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+        weightless = self.cfg.family in WEIGHTLESS_NORM_FAMILIES  # (OLMo's norms: ones, in no checkpoint)
         for path, info in self._decl.items():  # (sinks no layer of a stack holds: none)
-            if path.endswith(tuple(ABSENT_FILL)) and path not in self._arrays:
+            if path not in self._arrays and weightless and path.endswith("norm"):
+                self._arrays[path] = np.ones(info.shape, np.dtype(info.dtype or self.dtype))
+            elif path.endswith(tuple(ABSENT_FILL)) and path not in self._arrays:
                 self._arrays[path] = _blank(path, info.shape, np.dtype(info.dtype or self.dtype))
         flat = {}
         for path in list(self._arrays):

@@ -60,6 +60,7 @@ _HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3"
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
             "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
             "nemotron": "NemotronForCausalLM", "gpt2": "GPT2LMHeadModel", "starcoder": "GPTBigCodeForCausalLM",
+            "olmo": "OlmoForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
@@ -193,6 +194,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if arch == "nemotron":  # (its norms' weights stored as 1 + w, as Gemma's)
             d.update(norm_eps=float(get("attention.layer_norm_epsilon")), attention_bias="blk.0.attn_q.bias" in
                      tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
+        if arch == "olmo":  # (no norm tensors: its LayerNorms have no weights)
+            d["clip_qkv"] = meta.get("olmo.attention.clamp_kqv")
         if arch in ("gpt2", "starcoder"):  # (their positions: `position_embd`; StarCoder's one KV head)
             d["layer_norm_epsilon"] = float(get("attention.layer_norm_epsilon"))
         if arch == "phi2":  # (its rotary dims: `rope.dimension_count`, above)

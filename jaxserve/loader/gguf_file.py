@@ -235,7 +235,7 @@ class GGUFFile:
         arch = self.metadata.get("general.architecture")
         # llama.cpp writes their Q/K rows in its rotary order
         permuted = arch in ("llama", "mistral", "granite", "granitemoe", "smollm3", "granitehybrid", "nemotron_h",
-                            "nemotron_h_moe", "falcon-h1")
+                            "nemotron_h_moe", "falcon-h1", "olmo")
         unit = cfg.family in UNIT_NORM_FAMILIES  # (RMSNorms scaled by 1 + w, stored as 1 + w)
         predicting = prediction_blocks(t.name for t in self.reader.tensors)
         for t in self.reader.tensors:

@@ -21,7 +21,7 @@ from jaxserve.config import (
     INTERLEAVED_ROPE_FAMILIES,
     ModelConfig,
 )
-from jaxserve.config_families import HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES
+from jaxserve.config_families import HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES, WEIGHTLESS_NORM_FAMILIES
 from jaxserve.config_mla import DSA_FAMILIES, MLA_FAMILIES
 from jaxserve.errors import CheckpointError
 from jaxserve.loader.exaone_keys import exaone_name
@@ -317,6 +317,8 @@ def hf_names(cfg: ModelConfig) -> list[str]:
         for j in range(0 if dense and cfg.gemma4 is None or cfg.mamba is not None and i in cfg.mamba.no_mlp
                        else cfg.num_experts):
             names.extend(f"model.layers.{i}.{_moe_module(cfg)}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
+    if cfg.family in WEIGHTLESS_NORM_FAMILIES:  # (OLMo's LayerNorms: no weights)
+        names = [n for n in names if not n.endswith("layernorm.weight") and n != "model.norm.weight"]
     return names if cfg.gemma4 is None else gemma4_names(cfg, names)
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import COHERE_FAMILIES, OLMO_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
-from jaxserve.config_families import BIASED_NORM_FAMILIES
+from jaxserve.config_families import BIASED_NORM_FAMILIES, WEIGHTLESS_NORM_FAMILIES
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -38,14 +38,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo's and gpt-oss's by its
-    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, Jais 2's and StarCoder2's with
-    its `bias`."""
-    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *COHERE_FAMILIES, *BIASED_NORM_FAMILIES, "gpt_oss",
-                          "gemma4"):
+    """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo 2's and gpt-oss's by its
+    weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, OLMo's (its weights ones), Jais
+    2's, StarCoder2's and the rest of `BIASED_NORM_FAMILIES` with its `bias`."""
+    layer_norm = (*COHERE_FAMILIES, *BIASED_NORM_FAMILIES, *WEIGHTLESS_NORM_FAMILIES)  # (centered)
+    if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *layer_norm, "gpt_oss", "gemma4"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
-    if cfg.family in (*COHERE_FAMILIES, *BIASED_NORM_FAMILIES):
+    if cfg.family in layer_norm:
         xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.rms_norm_eps)
     scale = weight.astype(jnp.float32) + (1.0 if cfg.family in UNIT_NORM_FAMILIES else 0.0)
