@@ -13,7 +13,7 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
-                 "nemotron", "gpt2", "gpt_bigcode", "olmo"]
+                 "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode")
 """LayerNorms with biases, Llama's attention with biases where the config says; an ungated MLP, biased where the
 config says (StableLM's: Llama's)."""
@@ -27,6 +27,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "ministral",  # Ministral 8B: Mistral's layers, each windowed or global by `layer_types`
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",

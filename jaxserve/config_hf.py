@@ -76,6 +76,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
     if cfg.family == "stablelm":
         d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=False, use_parallel_residual=False)
+    if cfg.family == "ministral" and cfg.layer_types is not None:  # (each layer windowed or global)
+        d["layer_types"] = list(cfg.layer_types)
     if cfg.family == "olmo":  # (its LayerNorms' eps fixed)
         d.update(clip_qkv=cfg.clip_qkv, attention_bias=cfg.attention_bias)
         del d["rms_norm_eps"]
@@ -93,7 +95,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["no_rope_layers"] = list(cfg.no_rope_layers)
     if cfg.sliding_window is not None:
         d["sliding_window"] = cfg.sliding_window
-        if cfg.family not in ("mistral", "mixtral", "starcoder2"):
+        if cfg.family not in ("mistral", "mixtral", "starcoder2", "ministral"):
             d["use_sliding_window"] = True
             d["max_window_layers"] = 0  # HF Qwen windows the layers from this index on
     if cfg.family in ("afmoe", "mimo_v2_flash"):  # (AFMoE's NoPE layers its global ones; windows as layer_types says)

@@ -55,7 +55,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     hidden = d["hidden_size"]
     head_dim = d.get("head_dim") or hidden // num_heads
     max_pos = d.get("max_position_embeddings", 4096)
-    sliding = d.get("sliding_window") if family in ("mistral", "mixtral", "starcoder2") else None
+    sliding = d.get("sliding_window") if family in ("mistral", "mixtral", "starcoder2", "ministral") else None
     if family == "starcoder2":  # (its names for Jais 2's keys: one bias flag for attention and the MLP)
         d = {**d, "layer_norm_eps": d.get("norm_epsilon", 1e-5), "attention_bias": d.get("use_bias", True),
              "mlp_bias": d.get("use_bias", True), "hidden_act": d.get("hidden_act", "gelu_pytorch_tanh")}

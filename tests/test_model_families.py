@@ -144,6 +144,9 @@ FAMILIES = {
     "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
+    # Ministral 8B: Mistral's layers, windowed or global by `layer_types`.
+    "ministral": ("MinistralConfig", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 8, "layer_types": [
+        "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}),
     # Ministral 3: YaRN over an original context of 8, queries scaled up past each multiple of it (Llama 4's).
     "ministral3": ("Ministral3Config", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32.0,
@@ -305,6 +308,27 @@ def test_gemma_reads_writes_back_and_serves_as_transformers(tmp_path):
     assert ModelConfig.from_hf(hf) == cfg
     params = load_params(ckpt, cfg, jnp.float32, progress=False)
     assert params.layers.post_attn_norm is None
+    assert_written_back(tmp_path, cfg, params)
+    assert_engine_greedy(model, cfg, params, "scan")
+
+
+def test_ministral_layer_kinds_written_back_and_served(tmp_path):
+    """Ministral's windowed and global layers (a global one in the first three, then a windowed one alone): its
+    config and checkpoint written back as read, logits not those of every layer windowed, and the engine's greedy
+    tokens (the layers scanned by kind), chunked and batched, the model's."""
+    from jaxserve.config import ModelConfig
+
+    config_cls, overrides = FAMILIES["ministral"]
+    model = save_tiny_hf(config_cls, tmp_path, **overrides)
+    ckpt = HFDirectory(str(tmp_path))
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.sliding_window, cfg.layer_types[:2]) == ("ministral", 8, ("sliding_attention",
+                                                                                      "full_attention"))
+    hf = cfg.to_hf()
+    assert (hf["architectures"], hf["layer_types"][1]) == (["MinistralForCausalLM"], "full_attention")
+    assert ModelConfig.from_hf(hf) == cfg
+    params = load_params(ckpt, cfg, jnp.float32, progress=False)
+    assert_logits_match(model, cfg, params, {"layer_types": None})
     assert_written_back(tmp_path, cfg, params)
     assert_engine_greedy(model, cfg, params, "scan")
 
