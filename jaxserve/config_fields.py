@@ -372,7 +372,7 @@ def exaone4_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 # Families whose layers differ (windowed or global), by the fields that say how.
 PER_LAYER_FIELDS = {"olmo3": olmo3_fields, "gpt_oss": gpt_oss_fields, "exaone4": exaone4_fields,
-                    "cohere2": exaone4_fields, "exaone_moe": exaone4_fields,  # (Command R7B's, K-EXAONE's as EXAONE 4's)
+                    "cohere2": exaone4_fields, "exaone_moe": exaone4_fields,  # (Command R7B's, K-EXAONE's: EXAONE 4's)
                     "ministral": lambda d: {"layer_types": tuple(d["layer_types"])} if d.get("layer_types") else {}}
 
 
