@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
 from jaxserve.config_falcon_h1 import FalconScales
-from jaxserve.config_families import BIASED_NORM_FAMILIES, Family
+from jaxserve.config_families import BIASED_NORM_FAMILIES, QKV_BIAS_FAMILIES, Family
 from jaxserve.config_gemma4 import Gemma4Layers, check_gemma4, full_attention_config
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES
 from jaxserve.config_mamba import MambaConfig
@@ -34,7 +34,7 @@ GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (hal
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
 COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2", "cohere2_moe")
 """LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
-INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4")
+INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4", "helium")
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", "gemma4")
 """Embeddings scaled by sqrt(hidden_size); after Gemma (1), norms after attention and the MLP too (`output_norms`)."""
@@ -363,8 +363,8 @@ class ModelConfig:
 
     @property
     def output_bias(self) -> bool:
-        """Whether the attention's output projection has a bias (Qwen2's, GLM's, StableLM's: q, k and v's only)."""
-        return self.attention_bias and self.family not in ("qwen2", "qwen2_moe", "glm4_moe", "stablelm", *GLM_FAMILIES)
+        """Whether the attention's output projection has a bias (not where q, k and v's are its only ones)."""
+        return self.attention_bias and self.family not in (*QKV_BIAS_FAMILIES, *GLM_FAMILIES)
 
     def kind_config(self, local: bool) -> ModelConfig:
         """The config a layer of this kind attends by: Gemma 4's full-attention layers' own head width, KV heads and

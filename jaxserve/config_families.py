@@ -13,13 +13,15 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
-                 "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral"]
+                 "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral", "helium"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode")
 """LayerNorms with biases, Llama's attention with biases where the config says; an ungated MLP, biased where the
 config says (StableLM's: Llama's)."""
 HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi",)  # the LM head has a bias (`Params.lm_head_b`)
 # Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
 LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")
+# Attention biases on q, k and v only, none on the output projection (GLM's too: `config.GLM_FAMILIES`)
+QKV_BIAS_FAMILIES: tuple[str, ...] = ("qwen2", "qwen2_moe", "glm4_moe", "stablelm", "helium")
 WEIGHTLESS_NORM_FAMILIES: tuple[str, ...] = ("olmo",)  # LayerNorms without weights or biases (held as ones)
 
 HF_ARCHITECTURES: dict[str, Family] = {
@@ -27,6 +29,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "HeliumForCausalLM": "helium",  # Helium (Kyutai): Llama's layers, rotary pairs interleaved, float32 norm weights
     "MinistralForCausalLM": "ministral",  # Ministral 8B: Mistral's layers, each windowed or global by `layer_types`
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",

@@ -62,7 +62,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     if cfg.family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba", "jais2",
-                      *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES):
+                      "helium", *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES,
+                      *HUNYUAN_FAMILIES):
         d["attention_bias"] = cfg.attention_bias
     if cfg.family == "qwen2_moe":
         d["qkv_bias"] = cfg.attention_bias
@@ -70,7 +71,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(hunyuan_hf(cfg) if cfg.family in HUNYUAN_FAMILIES else exaone_moe_hf(cfg) if cfg.family == "exaone_moe"
                  else afmoe_hf(cfg) if cfg.family == "afmoe" else mimo_hf(cfg) if cfg.family == "mimo_v2_flash"
                  else cohere2_moe_hf(cfg) if cfg.family == "cohere2_moe" else fields.moe_hf(cfg))
-    if cfg.family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "jais2"):
+    if cfg.family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "jais2", "helium"):
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family in ("jais2", "phi", "stablelm"):
         d["layer_norm_eps"] = d.pop("rms_norm_eps")

@@ -141,10 +141,10 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         # HF Qwen2 always has q/k/v biases and Mistral never does, whatever `attention_bias` says.
         attention_bias=family == "qwen2" or (family == "qwen2_moe" and bool(d.get("qkv_bias", True)))
         or (family in ("llama", "smollm3", "qwen3", "qwen3_moe", "glm4_moe", "dots1", "gpt_oss", "arcee", "bamba",
-                       "olmo", *BIASED_NORM_FAMILIES, *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES, *GATED_DELTA_FAMILIES,
-                       *HUNYUAN_FAMILIES)
+                       "olmo", "helium", *BIASED_NORM_FAMILIES, *OLMO_FAMILIES, *GRANITE_FAMILIES, *GLM_FAMILIES,
+                       *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
             and bool(d.get("attention_bias", family in (*GLM_FAMILIES, "gpt_oss", "jais2")))) or (family == "ernie4_5" and bool(d.get("use_bias"))),
-        mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h",
+        mlp_bias=(family in ("llama", "smollm3", "granite", "granite_swa", "arcee", "bamba", "nemotron_h", "helium",
                              *BIASED_NORM_FAMILIES)
                   and bool(d.get("mlp_bias", family == "jais2")))
         or (family == "ernie4_5" and bool(d.get("use_bias"))),

@@ -144,6 +144,9 @@ FAMILIES = {
     "qwen2_sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "mistral": ("MistralConfig", {"sliding_window": 8}),
+    # Helium (Kyutai): Llama's layers with rotary pairs interleaved (read half-split at load), q/k/v and MLP biases,
+    # the norms' weights applied in float32.
+    "helium": ("HeliumConfig", {"head_dim": 16, "attention_bias": True, "mlp_bias": True}),
     # Ministral 8B: Mistral's layers, windowed or global by `layer_types`.
     "ministral": ("MinistralConfig", {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 8, "layer_types": [
         "sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}),
@@ -310,6 +313,17 @@ def test_gemma_reads_writes_back_and_serves_as_transformers(tmp_path):
     assert params.layers.post_attn_norm is None
     assert_written_back(tmp_path, cfg, params)
     assert_engine_greedy(model, cfg, params, "scan")
+
+
+def test_helium_checkpoint_written_back(tmp_path):
+    """Helium's q and k rows, read in the half-split rotary order, written back interleaved as they were; its q/k/v
+    biases without the output projection's."""
+    config_cls, overrides = FAMILIES["helium"]
+    save_tiny_hf(config_cls, tmp_path, **overrides)
+    ckpt = HFDirectory(str(tmp_path))
+    cfg = ckpt.config()
+    assert (cfg.family, cfg.attention_bias, cfg.output_bias, cfg.mlp_bias) == ("helium", True, False, True)
+    assert_written_back(tmp_path, cfg, load_params(ckpt, cfg, jnp.float32, progress=False))
 
 
 def test_ministral_layer_kinds_written_back_and_served(tmp_path):
