@@ -188,7 +188,7 @@ class ModelConfig:
             if factors is not None and len(factors) != rotary // 2:
                 raise UnsupportedModelError(f"rope scaling {name} has {len(factors)} values; the {rotary} rotary dims "
                                             f"of head_dim {self.head_dim} make {rotary // 2} pairs")
-        acts = ("silu", "gelu_pytorch_tanh") if self.gated_mlp else ("relu2", "xielu", "gelu_pytorch_tanh")
+        acts = ("silu", "gelu_pytorch_tanh") if self.gated_mlp else ("relu2", "xielu", "gelu_pytorch_tanh", "gelu")
         if self.hidden_act not in acts:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported for {self.family} "
                                         f"({', '.join(acts)})")
@@ -342,7 +342,7 @@ class ModelConfig:
     @property
     def parallel_block(self) -> bool:
         """Whether attention and the MLP read one normed input, their outputs added to the residual (Cohere, Phi)."""
-        return self.family in (*COHERE_FAMILIES, "phi")
+        return self.family in (*COHERE_FAMILIES, "phi", "gpt_neox")  # (GPT-NeoX's MLP on its own norm)
 
     @property
     def attention_sinks(self) -> bool:

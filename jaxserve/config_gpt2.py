@@ -14,7 +14,8 @@ from jaxserve.errors import UnsupportedModelError
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_bigcode": "GPTBigCodeForCausalLM"}
 NAMES = {"gpt2": "GPT-2", "gpt_bigcode": "GPTBigCode"}
 # Their activations, as the ungated MLP takes them (`gelu_new` is the tanh GELU)
-_ACTS = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "relu2": "relu2"}
+_ACTS = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh",
+         "relu2": "relu2"}
 
 
 def gpt2_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -57,3 +58,28 @@ def gpt2_hf(cfg: Any) -> dict[str, Any]:
             "layer_norm_epsilon": cfg.rms_norm_eps, "activation_function": act,
             "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32",
             **({"multi_query": cfg.num_kv_heads == 1} if cfg.family == "gpt_bigcode" else {})}
+
+
+def neox_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-NeoX config (`GPTNeoXForCausalLM`: Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE) as the keys every
+    family reads: attention and the MLP side by side, each on its own LayerNorm with a bias, a quarter of each head
+    rotated (`rotary_pct`), the exact GELU; its sequential form (`use_parallel_residual` false) refused by name."""
+    if d.get("model_type") != "gpt_neox" and "GPTNeoXForCausalLM" not in (d.get("architectures") or []):
+        return d
+    if not d.get("use_parallel_residual", True):
+        raise UnsupportedModelError("GPT-NeoX with use_parallel_residual false is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    act = d.get("hidden_act", "gelu")
+    return {**d, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "num_key_value_heads": d[
+        "num_attention_heads"], "attention_bias": d.get(
+        "attention_bias", True), "mlp_bias": True, "layer_norm_eps": d.get("layer_norm_eps", 1e-5),
+            "hidden_act": _ACTS.get(act, act), "tie_word_embeddings": d.get("tie_word_embeddings", False),
+            "partial_rotary_factor": rope.get("partial_rotary_factor") or d.get("rotary_pct") or d.get(
+                "partial_rotary_factor", 0.25),
+            "rope_theta": rope.get("rope_theta") or d.get("rotary_emb_base") or d.get("rope_theta", 10000.0)}
+
+
+def neox_hf(cfg: Any) -> dict[str, Any]:
+    """GPT-NeoX's own keys of `cfg` (beside those every family writes)."""
+    return {"layer_norm_eps": cfg.rms_norm_eps, "use_parallel_residual": True, "attention_bias": cfg.attention_bias,
+            "rotary_pct": cfg.rotary_dims / cfg.head_dim, "rotary_emb_base": cfg.rope_theta}

@@ -20,7 +20,7 @@ from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_gemma4 import gemma4_hf
-from jaxserve.config_gpt2 import gpt2_hf
+from jaxserve.config_gpt2 import gpt2_hf, neox_hf
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
@@ -79,6 +79,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=False, use_parallel_residual=False)
     if cfg.family == "ministral" and cfg.layer_types is not None:  # (each layer windowed or global)
         d["layer_types"] = list(cfg.layer_types)
+    if cfg.family == "gpt_neox":
+        d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "partial_rotary_factor")} | neox_hf(cfg)
     if cfg.family == "olmo":  # (its LayerNorms' eps fixed)
         d.update(clip_qkv=cfg.clip_qkv, attention_bias=cfg.attention_bias)
         del d["rms_norm_eps"]

@@ -21,6 +21,7 @@ from jaxserve.loader.keymap import (
     split_packed,
 )
 from jaxserve.loader.mimo_keys import mimo_uniform
+from jaxserve.loader.neox_keys import neox_tensors
 from jaxserve.loader.olmo_hybrid_keys import CONV_RE, joined_conv
 from jaxserve.loader.quantized_keys import kept_module, projection_modules
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
@@ -52,7 +53,9 @@ class WeightAssembler:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
         held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
-        if self.cfg.family in LEARNED_POSITION_FAMILIES and (parts := gpt2_tensors(name, tensor, self.cfg)) is not None:
+        own = gpt2_tensors if self.cfg.family in LEARNED_POSITION_FAMILIES else neox_tensors \
+            if self.cfg.family == "gpt_neox" else None  # (their own names and layouts)
+        if own is not None and (parts := own(name, tensor, self.cfg)) is not None:
             for part_name, part in parts:
                 self.add(part_name, part)
             return

@@ -60,7 +60,7 @@ _HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3"
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
             "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
             "nemotron": "NemotronForCausalLM", "gpt2": "GPT2LMHeadModel", "starcoder": "GPTBigCodeForCausalLM",
-            "olmo": "OlmoForCausalLM",
+            "olmo": "OlmoForCausalLM", "gptneox": "GPTNeoXForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
@@ -194,6 +194,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if arch == "nemotron":  # (its norms' weights stored as 1 + w, as Gemma's)
             d.update(norm_eps=float(get("attention.layer_norm_epsilon")), attention_bias="blk.0.attn_q.bias" in
                      tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
+        if arch == "gptneox":  # (q, k and v in `attn_qkv` one after another: the converter's order)
+            d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")),
+                     use_parallel_residual=bool(meta.get("gptneox.use_parallel_residual", True)))
         if arch == "olmo":  # (no norm tensors: its LayerNorms have no weights)
             d["clip_qkv"] = meta.get("olmo.attention.clamp_kqv")
         if arch in ("gpt2", "starcoder"):  # (their positions: `position_embd`; StarCoder's one KV head)

@@ -40,6 +40,7 @@ from jaxserve.loader.granite_keys import (
 from jaxserve.loader.mamba_keys import hybrid_layer_names, hybrid_name, hybrid_spec, hybrid_written
 from jaxserve.loader.mimo_keys import mimo_written
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
+from jaxserve.loader.neox_keys import neox_written
 from jaxserve.loader.qwen3_next_keys import QWEN3_NEXT_FUSED_RE, qwen3_next_fused, qwen3_next_split
 
 
@@ -86,7 +87,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
         "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
     }
-    if cfg.parallel_block:  # Cohere: the MLP reads the attention's normed input
+    if cfg.parallel_block and cfg.family != "gpt_neox":  # Cohere: the MLP reads the attention's normed input
         del t["post_attention_layernorm.weight"]
     if not cfg.input_norms:  # OLMo 2: a norm after each of attention and the MLP, none before
         del t["input_layernorm.weight"]
@@ -343,7 +344,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
     written = {"qwen3_next": qwen3_next_fused, "gpt2": gpt2_written, "gpt_bigcode": gpt2_written,
-               "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
+               "gpt_neox": neox_written, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
                "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)

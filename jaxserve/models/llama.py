@@ -28,7 +28,7 @@ from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
-from jaxserve.models.ops import apply_rope, mlp_activation, model_norm, qk_norm, rms_norm
+from jaxserve.models.ops import apply_rope, mlp_activation, mlp_input, model_norm, qk_norm, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
 from jaxserve.models.rotary import query_scale, rope_tables
@@ -80,6 +80,7 @@ def _layer(
         lora = kind_lora(cfg, lora)
 
     h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm, lp.attn_norm_b)
+    x_in = x  # (GPT-NeoX's MLP norms the layer's input, beside attention)
     if mixer is not NO_MIXER:  # (a hybrid model's layer of an MLP alone has none)
         with jax.named_scope("attention"):
             h = h_attn if attn_in is None else attn_in
@@ -98,8 +99,7 @@ def _layer(
                     out = project(attn, lp.wo, lambda a, w: a @ w.reshape(-1, w.shape[-1]))
                 if lora is not None:
                     out = out + lora_deltas(attn, lora.a_o, [lora.b_o], inputs.lora_slots)[0]
-            if lp.bo is not None:
-                out = out + lp.bo
+            out = out if lp.bo is None else out + lp.bo
             if isinstance(mixer, Beside):
                 out = out + mixer.run(h)
             if lp.post_attn_norm is not None:
@@ -110,15 +110,14 @@ def _layer(
         return (x, k_all, v_all, *shared), None
     if lp.router is not None and lp.w_up is None:
         with jax.named_scope("moe"):
-            h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm, lp.mlp_norm_b)
+            h = mlp_input(cfg, lp, x, x_in, h_attn)
             out = moe_mlp(h, lp, cfg, layout, None if lora is None else (lora, inputs.lora_slots), backend)
             if lp.post_mlp_norm is not None:
                 out = model_norm(cfg, out, lp.post_mlp_norm)
             return (x + _residual(cfg, out), k_all, v_all, *shared), None
 
     with jax.named_scope("mlp"):
-        # (Cohere's MLP reads the attention's input: x + attention + MLP, in one residual.)
-        h = h_attn if cfg.parallel_block else x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm, lp.mlp_norm_b)
+        h = mlp_input(cfg, lp, x, x_in, h_attn)
         if lp.w_gate_up is not None:
             gate, up = jnp.split(project(h, lp.w_gate_up, _dot_out_major), 2, axis=-1)  # [T, F] each
         else:

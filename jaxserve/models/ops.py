@@ -60,8 +60,8 @@ def mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xiel
         return (jax.nn.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)) * up
     if cfg.hidden_act == "relu2":
         return jnp.square(jax.nn.relu(up))
-    if cfg.hidden_act == "gelu_pytorch_tanh":
-        return jax.nn.gelu(up, approximate=True)
+    if cfg.hidden_act in ("gelu_pytorch_tanh", "gelu"):  # (GPT-NeoX's: exact)
+        return jax.nn.gelu(up, approximate=cfg.hidden_act != "gelu")
     alpha_p, beta, eps = jax.nn.softplus(xielu[0]), xielu[2], xielu[3]
     alpha_n = beta + jax.nn.softplus(xielu[1])
     x = up.astype(jnp.float32)
@@ -75,3 +75,12 @@ def qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     if not cfg.qk_norm_heads:
         return model_norm(cfg, x, weight)
     return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
+
+
+def mlp_input(cfg: ModelConfig, lp, x: jax.Array, x_in: jax.Array, h_attn: jax.Array) -> jax.Array:
+    """What a layer's MLP reads: the attention's normed input beside it (Cohere's, Phi's parallel blocks), the layer's
+    input normed by its own norm beside it (GPT-NeoX's), or the residual after attention, normed (none without a norm:
+    OLMo 2's)."""
+    if cfg.parallel_block:
+        return h_attn if lp.mlp_norm is None else model_norm(cfg, x_in, lp.mlp_norm, lp.mlp_norm_b)
+    return x if lp.mlp_norm is None else model_norm(cfg, x, lp.mlp_norm, lp.mlp_norm_b)

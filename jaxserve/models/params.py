@@ -215,11 +215,12 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
             wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
             wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
-            mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and not cfg.parallel_block else None,
+            mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and (
+                not cfg.parallel_block or cfg.family == "gpt_neox") else None,  # (GPT-NeoX's MLP: its own norm)
         )
     if cfg.norm_bias:
         layers.attn_norm_b = p((L, E), ("layers", "embed"), "zeros")
-        layers.mlp_norm_b = None if cfg.parallel_block else p((L, E), ("layers", "embed"), "zeros")
+        layers.mlp_norm_b = None if layers.mlp_norm is None else p((L, E), ("layers", "embed"), "zeros")
     if cfg.output_norms:
         layers.post_attn_norm = p((L, E), ("layers", "embed"), norm)
         layers.post_mlp_norm = p((L, E), ("layers", "embed"), norm)
