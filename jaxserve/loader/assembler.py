@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.config_families import LEARNED_POSITION_FAMILIES, WEIGHTLESS_NORM_FAMILIES
+from jaxserve.config_families import WEIGHTLESS_NORM_FAMILIES
 from jaxserve.loader.falcon_keys import falcon_folded
-from jaxserve.loader.gpt2_keys import gpt2_tensors
+from jaxserve.loader.gpt2_keys import LAYOUTS, own_tensors
 from jaxserve.loader.keymap import (
     KV_SCALE_PATHS,
     CheckpointError,
@@ -21,7 +21,6 @@ from jaxserve.loader.keymap import (
     split_packed,
 )
 from jaxserve.loader.mimo_keys import mimo_uniform
-from jaxserve.loader.neox_keys import neox_tensors
 from jaxserve.loader.olmo_hybrid_keys import CONV_RE, joined_conv
 from jaxserve.loader.quantized_keys import kept_module, projection_modules
 from jaxserve.models.params import ParamInfo, Params, declare_params, from_param_paths, param_paths
@@ -53,9 +52,7 @@ class WeightAssembler:
         """Place HF-named `tensor` (HF layout) into its parameter; refuses duplicates and wrong shapes. A weight
         held quantized (`kept_module`) comes as its stored values (`...weight`) and its scales broadcast to the
         weight's shape (`...weight_scale`); a float one is quantized here as at load."""
-        own = gpt2_tensors if self.cfg.family in LEARNED_POSITION_FAMILIES else neox_tensors \
-            if self.cfg.family == "gpt_neox" else None  # (their own names and layouts)
-        if own is not None and (parts := own(name, tensor, self.cfg)) is not None:
+        if self.cfg.family in LAYOUTS and (parts := own_tensors(name, tensor, self.cfg)) is not None:  # (own names)
             for part_name, part in parts:
                 self.add(part_name, part)
             return

@@ -1,85 +1,116 @@
-"""GPT-2's and GPTBigCode's checkpoint tensors (`config_gpt2`): `transformer.wte`, `wpe`, `h.N.ln_1`, `attn.c_attn`
-(q, k and v in one: GPT-2's and a multi-query GPTBigCode's one after another, a multi-head GPTBigCode's per head),
-`attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`, `ln_f`, GPT-2's weights Conv1D's [in, out]; read as the Llama-named
-[out, in] tensors the key map reads, and written back as they were."""
+"""The checkpoint tensors of GPT-2, GPTBigCode and GPT-NeoX (`config_gpt2`), each family's `Layout`: its own names
+for the embeddings, norms, projections and head; q, k and v in one tensor (GPT-2's and a multi-query GPTBigCode's
+one after another, a multi-head GPTBigCode's and GPT-NeoX's per head); GPT-2's weights Conv1D's [in, out]. Read as
+the Llama-named [out, in] tensors the key map reads, and written back as they were."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-_LAYER_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\."
-                       r"(weight|bias)$")
-_TOP = {"wte.weight": "model.embed_tokens.weight", "wpe.weight": "model.embed_positions.weight",
-        "ln_f.weight": "model.norm.weight", "ln_f.bias": "model.norm.bias"}
-_MODULES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
-            "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+
+@dataclass(frozen=True)
+class Layout:
+    """A family's names: every tensor's under `top_prefix` (which checkpoints of the bare backbone leave out), a
+    layer's under `layers` and its number; `modules` a layer's modules' (theirs: ours; the fused q/k/v one's `qkv`),
+    `top` the tensors outside the layers (theirs: ours), `buffers` the tensors that carry no parameter."""
+
+    top_prefix: str
+    layers: str
+    modules: dict[str, str]
+    qkv: str
+    top: dict[str, str]
+    buffers: re.Pattern
+
+    def layer_re(self) -> re.Pattern:
+        alternatives = "|".join(re.escape(m) for m in (*self.modules, self.qkv))
+        return re.compile(rf"^(?:{re.escape(self.top_prefix)})?{re.escape(self.layers)}(\d+)\.({alternatives})\."
+                          r"(weight|bias)$")
+
+
+_GPT2 = Layout("transformer.", "h.", {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+                                     "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.up_proj",
+                                     "mlp.c_proj": "mlp.down_proj"}, "attn.c_attn",
+               {"wte.weight": "model.embed_tokens.weight", "wpe.weight": "model.embed_positions.weight",
+                "ln_f.weight": "model.norm.weight", "ln_f.bias": "model.norm.bias"},
+               re.compile(r"\.attn\.(masked_)?bias$"))  # (older checkpoints' causal masks)
+_NEOX = Layout("gpt_neox.", "layers.", {"input_layernorm": "input_layernorm",
+                                       "post_attention_layernorm": "post_attention_layernorm",
+                                       "attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                                       "mlp.dense_4h_to_h": "mlp.down_proj"}, "attention.query_key_value",
+               {"embed_in.weight": "model.embed_tokens.weight", "final_layer_norm.weight": "model.norm.weight",
+                "final_layer_norm.bias": "model.norm.bias"},
+               re.compile(r"\.attention\.(masked_bias|bias|rotary_emb\.inv_freq)$"))
+LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX}
+_LAYER_RES = {family: layout.layer_re() for family, layout in LAYOUTS.items()}
 _QKV = ("q_proj", "k_proj", "v_proj")
-_BUFFERS = re.compile(r"\.attn\.(masked_)?bias$")  # (older checkpoints' causal masks: no parameter)
 _OURS_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HEAD = {"embed_out.weight": "lm_head.weight"}  # (GPT-NeoX's head)
 
 
-def _qkv_rows(cfg: Any) -> tuple[int, int]:
-    """The rows of q and of each of k and v in `c_attn`."""
-    return cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+def _per_head(cfg: Any) -> bool:
+    """Whether the fused q/k/v tensor holds each head's q, k and v rows together (else all q, all k, all v)."""
+    return cfg.family == "gpt_neox" or (cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1)
 
 
-def gpt2_tensors(name: str, tensor: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]] | None:
-    """A GPT-2 tensor as the tensors it holds under the key map's names ([] for a mask buffer); None for a name of
-    any other form (`lm_head.weight`)."""
-    bare = name.removeprefix("transformer.")
-    if bare in _TOP:
-        return [(_TOP[bare], tensor)]
-    if _BUFFERS.search(name):
+def _conv1d(cfg: Any, module: str, field: str) -> bool:
+    """Whether the family's tensor is a Conv1D weight, [in, out] (GPT-2's projections)."""
+    return cfg.family == "gpt2" and field == "weight" and not module.startswith("ln_")
+
+
+def own_tensors(name: str, tensor: np.ndarray, cfg: Any) -> list[tuple[str, np.ndarray]] | None:
+    """A tensor of `cfg`'s family as the tensors it holds under the key map's names ([] for a buffer); None for a
+    name of any other form (an untied head's `lm_head.weight`)."""
+    layout = LAYOUTS[cfg.family]
+    bare = name.removeprefix(layout.top_prefix)
+    if bare in layout.top or name in _HEAD:
+        return [(layout.top.get(bare) or _HEAD[name], tensor)]
+    if layout.buffers.search(name):
         return []
-    m = _LAYER_RE.match(name)
+    m = _LAYER_RES[cfg.family].match(name)
     if m is None:
         return None
     layer, module, field = m.groups()
     prefix = f"model.layers.{layer}."
-    conv1d = cfg.family == "gpt2" and field == "weight" and not module.startswith("ln_")
-    t = tensor.T if conv1d else tensor  # (Conv1D's [in, out])
-    if module == "attn.c_attn":
-        q, kv = _qkv_rows(cfg)
-        if cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1:  # (per head: its q, k and v rows)
-            heads = t.reshape(cfg.num_heads, 3, cfg.head_dim, *t.shape[1:])
-            parts = [heads[:, i].reshape(q, *t.shape[1:]) for i in range(3)]
-        else:
-            parts = np.split(t, [q, q + kv])
-        return [(f"{prefix}self_attn.{p}.{field}", part) for p, part in zip(_QKV, parts, strict=True)]
-    return [(f"{prefix}{_MODULES[module]}.{field}", t)]
+    t = tensor.T if _conv1d(cfg, module, field) else tensor
+    if module != layout.qkv:
+        return [(f"{prefix}{layout.modules[module]}.{field}", t)]
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if _per_head(cfg):
+        heads = t.reshape(cfg.num_heads, 3, cfg.head_dim, *t.shape[1:])
+        parts = [heads[:, i].reshape(q, *t.shape[1:]) for i in range(3)]
+    else:
+        parts = np.split(t, [q, q + kv])
+    return [(f"{prefix}self_attn.{p}.{field}", part) for p, part in zip(_QKV, parts, strict=True)]
 
 
-def gpt2_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """The key map's (name, [out, in] tensor) pairs as GPT-2's checkpoint holds them (the inverse of
-    `gpt2_tensors`): q, k and v joined into `c_attn`, Conv1D weights [in, out]."""
-    top = {ours: f"transformer.{theirs}" for theirs, ours in _TOP.items()}
-    modules = {ours: theirs for theirs, ours in _MODULES.items()}
+def own_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """The key map's (name, [out, in] tensor) pairs as the family's checkpoint holds them (the inverse of
+    `own_tensors`)."""
+    layout = LAYOUTS[cfg.family]
+    top = {ours: layout.top_prefix + theirs for theirs, ours in layout.top.items()}
+    top |= {ours: theirs for theirs, ours in _HEAD.items()} if cfg.family == "gpt_neox" else {}
+    modules = {ours: theirs for theirs, ours in layout.modules.items()}
     held: dict[tuple[str, str], dict[str, np.ndarray]] = {}
     for name, t in pairs:
-        if name in top:
-            yield top[name], t
-            continue
         m = _OURS_RE.match(name)
-        if m is None:  # (an untied head)
-            yield name, t
+        if m is None:  # (the embeddings, final norm and head)
+            yield top.get(name, name), t
             continue
         layer, module, field = m.groups()
-        prefix = f"transformer.h.{layer}."
-        if module.removeprefix("self_attn.") in _QKV:
-            parts = held.setdefault((layer, field), {})
-            parts[module.removeprefix("self_attn.")] = t
-            if len(parts) == 3:
-                if cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1:
-                    per_head = [parts[p].reshape(cfg.num_heads, 1, cfg.head_dim, *t.shape[1:]) for p in _QKV]
-                    joined = np.concatenate(per_head, axis=1).reshape(-1, *t.shape[1:])
-                else:
-                    joined = np.concatenate([parts[p] for p in _QKV])
-                yield f"{prefix}attn.c_attn.{field}", joined.T if field == "weight" and cfg.family == "gpt2" else joined
+        prefix = f"{layout.top_prefix}{layout.layers}{layer}."
+        if module.removeprefix("self_attn.") not in _QKV:
+            theirs = modules[module]
+            yield f"{prefix}{theirs}.{field}", t.T if _conv1d(cfg, theirs, field) else t
             continue
-        theirs = modules[module]
-        conv1d = cfg.family == "gpt2" and field == "weight" and not theirs.startswith("ln_")
-        yield f"{prefix}{theirs}.{field}", t.T if conv1d else t
+        parts = held.setdefault((layer, field), {})
+        parts[module.removeprefix("self_attn.")] = t
+        if len(parts) == 3:
+            rows = (cfg.num_heads, 1, cfg.head_dim, *t.shape[1:])
+            joined = np.concatenate([parts[p].reshape(rows) for p in _QKV], 1).reshape(-1, *t.shape[1:]) \
+                if _per_head(cfg) else np.concatenate([parts[p] for p in _QKV])
+            yield f"{prefix}{layout.qkv}.{field}", joined.T if _conv1d(cfg, layout.qkv, field) else joined

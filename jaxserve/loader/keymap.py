@@ -28,7 +28,7 @@ from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
 from jaxserve.loader.fused_keys import FUSED_RE, unfused
 from jaxserve.loader.gemma4_keys import gemma4_names, gemma4_target, gemma4_targets, gemma4_written
-from jaxserve.loader.gpt2_keys import gpt2_written
+from jaxserve.loader.gpt2_keys import own_written
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -40,7 +40,6 @@ from jaxserve.loader.granite_keys import (
 from jaxserve.loader.mamba_keys import hybrid_layer_names, hybrid_name, hybrid_spec, hybrid_written
 from jaxserve.loader.mimo_keys import mimo_written
 from jaxserve.loader.mla_keys import KV_B_RE, MLA_FIELDS, mla_fused, mla_hf_tensor, mla_targets, split_kv_b
-from jaxserve.loader.neox_keys import neox_written
 from jaxserve.loader.qwen3_next_keys import QWEN3_NEXT_FUSED_RE, qwen3_next_fused, qwen3_next_split
 
 
@@ -343,8 +342,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    written = {"qwen3_next": qwen3_next_fused, "gpt2": gpt2_written, "gpt_bigcode": gpt2_written,
-               "gpt_neox": neox_written, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
+    written = {"qwen3_next": qwen3_next_fused, "gpt2": own_written, "gpt_bigcode": own_written,
+               "gpt_neox": own_written, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
                "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)
