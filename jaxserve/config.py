@@ -34,7 +34,7 @@ GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (hal
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
 COHERE_FAMILIES: tuple[str, ...] = ("cohere", "cohere2", "cohere2_moe")
 """LayerNorm (no bias) in place of RMSNorm; attention and the MLP read the same normed input, their outputs added."""
-INTERLEAVED_ROPE_FAMILIES: tuple[str, ...] = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4", "helium")
+INTERLEAVED_ROPE_FAMILIES = (*GLM_FAMILIES, *ERNIE_FAMILIES, *COHERE_FAMILIES, "llama4", "helium", "gptj")
 """Rotary pairs interleaved (dims 2i and 2i + 1 turn together): q and k rows are read into the half-split order."""
 GEMMA_FAMILIES: tuple[str, ...] = ("gemma", "gemma2", "gemma3", "gemma4")
 """Embeddings scaled by sqrt(hidden_size); after Gemma (1), norms after attention and the MLP too (`output_norms`)."""
@@ -342,7 +342,7 @@ class ModelConfig:
     @property
     def parallel_block(self) -> bool:
         """Whether attention and the MLP read one normed input, their outputs added to the residual (Cohere, Phi)."""
-        return self.family in (*COHERE_FAMILIES, "phi", "gpt_neox")  # (GPT-NeoX's MLP on its own norm)
+        return self.family in (*COHERE_FAMILIES, "phi", "gptj", "gpt_neox")  # (GPT-NeoX's MLP on its own norm)
 
     @property
     def attention_sinks(self) -> bool:

@@ -13,12 +13,13 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "hunyuan_v1_dense", "hunyuan_v1_moe", "exaone_moe", "afmoe", "flex_olmo", "mimo_v2_flash",
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
-                 "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral", "helium", "gpt_neox"]
+                 "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral", "helium", "gpt_neox",
+                 "gptj"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode",
-                                         "gpt_neox")
+                                         "gpt_neox", "gptj")
 """LayerNorms with biases, Llama's attention with biases where the config says; an ungated MLP, biased where the
 config says (StableLM's: Llama's)."""
-HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi",)  # the LM head has a bias (`Params.lm_head_b`)
+HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi", "gptj")  # the LM head has a bias (`Params.lm_head_b`)
 # Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
 LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")
 # Attention biases on q, k and v only, none on the output projection (GLM's too: `config.GLM_FAMILIES`)
@@ -69,6 +70,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GPT2LMHeadModel": "gpt2",  # GPT-2: learned positions, StarCoder2's layers otherwise (`config_gpt2`)
     "GPTNeoXForCausalLM": "gpt_neox",  # Pythia: attention and the MLP side by side, each on its own LayerNorm
     "GPTBigCodeForCausalLM": "gpt_bigcode",  # StarCoder, SantaCoder: GPT-2's layers, one KV head
+    "GPTJForCausalLM": "gptj",  # GPT-J: Phi's block (one norm, the head biased), rotary pairs interleaved
     "NemotronForCausalLM": "nemotron",  # Nemotron-4, Minitron: LayerNorms scaled by (1 + w), a squared-ReLU MLP
     "Cohere2MoeForCausalLM": "cohere2_moe",  # Command A MoE: Command R7B's layers with experts (`config_cohere2_moe`)
     "ArceeForCausalLM": "arcee",  # AFM: Llama with an ungated MLP, squared ReLU

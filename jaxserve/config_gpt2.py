@@ -11,8 +11,8 @@ from typing import Any
 
 from jaxserve.errors import UnsupportedModelError
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_bigcode": "GPTBigCodeForCausalLM"}
-NAMES = {"gpt2": "GPT-2", "gpt_bigcode": "GPTBigCode"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "gpt_bigcode": "GPTBigCodeForCausalLM", "gptj": "GPTJForCausalLM"}
+NAMES = {"gpt2": "GPT-2", "gpt_bigcode": "GPTBigCode", "gptj": "GPT-J"}
 # Their activations, as the ungated MLP takes them (`gelu_new` is the tanh GELU)
 _ACTS = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh",
          "relu2": "relu2"}
@@ -39,25 +39,28 @@ def gpt2_config(d: dict[str, Any]) -> dict[str, Any]:
 
     E, heads = get("n_embd", "hidden_size", 768), get("n_head", "num_attention_heads", 12)
     multi_query = family == "gpt_bigcode" and d.get("multi_query", d.get("num_key_value_heads", 1) == 1)
-    return {**d, "architectures": [ARCHITECTURES[family]], "model_type": family, "hidden_size": E,
+    gptj = {"attention_bias": False, "tie_word_embeddings": d.get("tie_word_embeddings", False),
+            "partial_rotary_factor": d.get("rotary_dim", 64) * heads / E} if family == "gptj" else {}
+    return gptj | {**d, "architectures": [ARCHITECTURES[family]], "model_type": family, "hidden_size": E,
             "num_attention_heads": heads, "num_key_value_heads": 1 if multi_query else heads, "head_dim": None,
             "num_hidden_layers": get("n_layer", "num_hidden_layers", 12),
             "intermediate_size": get("n_inner", "intermediate_size", None) or 4 * E,
             "max_position_embeddings": get("n_positions", "max_position_embeddings", 1024),
             "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5), "hidden_act": _ACTS[act],
-            "tie_word_embeddings": d.get("tie_word_embeddings", True), "attention_bias": True, "mlp_bias": True}
+            "tie_word_embeddings": d.get("tie_word_embeddings", True), "attention_bias": True, "mlp_bias": True} | gptj
 
 
 def gpt2_hf(cfg: Any) -> dict[str, Any]:
     """`cfg` as its GPT-2 or GPTBigCode config.json (the inverse of `gpt2_config`)."""
-    act = {"gelu_pytorch_tanh": "gelu_new"}.get(cfg.hidden_act, cfg.hidden_act) if cfg.family == "gpt2" \
+    act = {"gelu_pytorch_tanh": "gelu_new"}.get(cfg.hidden_act, cfg.hidden_act) if cfg.family != "gpt_bigcode" \
         else cfg.hidden_act
     return {"architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
             "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
             "n_inner": cfg.intermediate_size, "n_positions": cfg.max_position_embeddings,
             "layer_norm_epsilon": cfg.rms_norm_eps, "activation_function": act,
             "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32",
-            **({"multi_query": cfg.num_kv_heads == 1} if cfg.family == "gpt_bigcode" else {})}
+            **({"multi_query": cfg.num_kv_heads == 1} if cfg.family == "gpt_bigcode" else {}),
+            **({"rotary_dim": cfg.rotary_dims} if cfg.family == "gptj" else {})}
 
 
 def neox_config(d: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         return gemma4_hf(cfg)
     if cfg.family in MAMBA_LM_FAMILIES:
         return mamba_lm_hf(cfg)
-    if cfg.family in ("gpt2", "gpt_bigcode"):
+    if cfg.family in ("gpt2", "gpt_bigcode", "gptj"):
         return gpt2_hf(cfg)
     arch = next(k for k, v in HF_ARCHITECTURES.items() if v == cfg.family)
     d: dict[str, Any] = {

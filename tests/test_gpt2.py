@@ -128,3 +128,17 @@ def test_gguf_equals_the_hf_model(tiny, bigcode, tmp_path, arch):
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_gptj_logits_checkpoint_and_engine(tmp_path_factory):
+    """GPT-J (`GPTJForCausalLM`): attention (q, k and v apart, unbiased) and a tanh-GELU MLP side by side on one
+    LayerNorm, the first `rotary_dim` dims of each head turned in interleaved pairs, an LM head with a bias; logits
+    (and not them with every dim turned), its config and checkpoint written back, the engine's greedy tokens."""
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "GPTJConfig", "gptj", rotary_dim=8, **GPT2)
+    assert (cfg.family, cfg.rotary_dims, cfg.parallel_block, cfg.attention_bias, cfg.mlp_bias) == (
+        "gptj", 8, True, False, True)
+    assert params.lm_head_b is not None and params.pos_embed is None and not cfg.tie_word_embeddings
+    assert cfg.to_hf()["rotary_dim"] == 8 and ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_logits_match(model, cfg, params, {"rotary_dim": None})
+    assert_written_back(path, cfg, params)
+    assert_engine_greedy(model, cfg, params, "scan")

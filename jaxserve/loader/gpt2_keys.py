@@ -27,7 +27,7 @@ class Layout:
     buffers: re.Pattern
 
     def layer_re(self) -> re.Pattern:
-        alternatives = "|".join(re.escape(m) for m in (*self.modules, self.qkv))
+        alternatives = "|".join(re.escape(m) for m in (*self.modules, self.qkv) if m)
         return re.compile(rf"^(?:{re.escape(self.top_prefix)})?{re.escape(self.layers)}(\d+)\.({alternatives})\."
                           r"(weight|bias)$")
 
@@ -45,7 +45,12 @@ _NEOX = Layout("gpt_neox.", "layers.", {"input_layernorm": "input_layernorm",
                {"embed_in.weight": "model.embed_tokens.weight", "final_layer_norm.weight": "model.norm.weight",
                 "final_layer_norm.bias": "model.norm.bias"},
                re.compile(r"\.attention\.(masked_bias|bias|rotary_emb\.inv_freq)$"))
-LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX}
+_GPTJ = Layout("transformer.", "h.", {"ln_1": "input_layernorm", "attn.out_proj": "self_attn.o_proj",
+                                     "mlp.fc_in": "mlp.up_proj", "mlp.fc_out": "mlp.down_proj",
+                                     **{f"attn.{p}": f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")}}, "",
+               {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+                "ln_f.bias": "model.norm.bias"}, _GPT2.buffers)  # (q, k and v apart)
+LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ}
 _LAYER_RES = {family: layout.layer_re() for family, layout in LAYOUTS.items()}
 _QKV = ("q_proj", "k_proj", "v_proj")
 _OURS_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -103,7 +108,7 @@ def own_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: Any) -> Iterator[t
             continue
         layer, module, field = m.groups()
         prefix = f"{layout.top_prefix}{layout.layers}{layer}."
-        if module.removeprefix("self_attn.") not in _QKV:
+        if module.removeprefix("self_attn.") not in _QKV or not layout.qkv:
             theirs = modules[module]
             yield f"{prefix}{theirs}.{field}", t.T if _conv1d(cfg, theirs, field) else t
             continue

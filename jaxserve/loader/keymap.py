@@ -343,7 +343,7 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
     written = {"qwen3_next": qwen3_next_fused, "gpt2": own_written, "gpt_bigcode": own_written,
-               "gpt_neox": own_written, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
+               "gpt_neox": own_written, "gptj": own_written, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
                "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)
