@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from jaxserve import config_fields as fields
 from jaxserve.config_falcon_h1 import FalconScales
-from jaxserve.config_families import BIASED_NORM_FAMILIES, QKV_BIAS_FAMILIES, Family
+from jaxserve.config_families import BIASED_NORM_FAMILIES, QKV_BIAS_FAMILIES, UNGATED_MLP_FAMILIES, Family
 from jaxserve.config_gemma4 import Gemma4Layers, check_gemma4, full_attention_config
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES
 from jaxserve.config_mamba import MambaConfig
@@ -315,8 +315,8 @@ class ModelConfig:
 
     @property
     def gated_mlp(self) -> bool:
-        """Whether the MLP is gated, act(gate) * up (all but Arcee's, Apertus', Jais 2's, StarCoder2's: act(up))."""
-        return self.family not in ("arcee", "apertus", "nemotron_h", *BIASED_NORM_FAMILIES) or self.family == "stablelm"
+        """Whether the MLP is gated, act(gate) * up (else act(up): `config_families.UNGATED_MLP_FAMILIES`)."""
+        return self.family not in UNGATED_MLP_FAMILIES
 
     @property
     def attn_gate_width(self) -> int:

@@ -17,8 +17,10 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "gptj"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode",
                                          "gpt_neox", "gptj")
-"""LayerNorms with biases, Llama's attention with biases where the config says; an ungated MLP, biased where the
-config says (StableLM's: Llama's)."""
+"""LayerNorms with biases; attention's and the MLP's biases where the config says."""
+# The MLP ungated, act(up): Arcee's, Apertus', Nemotron-H's, and all but StableLM's of the LayerNorm families above
+UNGATED_MLP_FAMILIES: tuple[str, ...] = ("arcee", "apertus", "nemotron_h", *(f for f in BIASED_NORM_FAMILIES
+                                                                             if f != "stablelm"))
 HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi", "gptj")  # the LM head has a bias (`Params.lm_head_b`)
 # Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
 LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")

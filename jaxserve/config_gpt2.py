@@ -2,8 +2,9 @@
 (`GPTBigCodeForCausalLM`: StarCoder, StarCoderBase, SantaCoder, WizardCoder, SQLCoder): learned absolute positions
 (`Params.pos_embed`) in place of rotary embeddings, LayerNorms with biases, every projection biased, an ungated
 tanh-GELU MLP, the head tied to the embeddings; GPTBigCode's attention multi-query (one KV head) where `multi_query`
-says. Their configs under GPT-2's own keys (`n_embd`, `n_layer`, ...) are read as the fields every family has; their
-checkpoints' fused `c_attn` (and GPT-2's Conv1D weights, [in, out]) are read and written by `loader.gpt2_keys`."""
+says. GPT-J (`GPTJForCausalLM`) under the same keys: rotary embeddings over `rotary_dim`, attention unbiased, the
+head untied. And GPT-NeoX's (`neox_config`). Their configs' own keys (`n_embd`, `n_layer`, ...) are read as the fields
+every family has; their checkpoints' names and layouts are read and written by `loader.gpt2_keys`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _ACTS = {"gelu_new": "gelu_pytorch_tanh", "gelu_pytorch_tanh": "gelu_pytorch_tan
 
 
 def gpt2_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A GPT-2 or GPTBigCode config as the keys every family reads (any other config as it is); what it cannot
+    """A GPT-2, GPTBigCode or GPT-J config as the keys every family reads (any other config as it is); what it cannot
     serve refused by name."""
     archs = d.get("architectures") or []
     family = next((f for f, a in ARCHITECTURES.items() if d.get("model_type") == f or a in archs), None)
@@ -51,7 +52,7 @@ def gpt2_config(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def gpt2_hf(cfg: Any) -> dict[str, Any]:
-    """`cfg` as its GPT-2 or GPTBigCode config.json (the inverse of `gpt2_config`)."""
+    """`cfg` as its GPT-2, GPTBigCode or GPT-J config.json (the inverse of `gpt2_config`)."""
     act = {"gelu_pytorch_tanh": "gelu_new"}.get(cfg.hidden_act, cfg.hidden_act) if cfg.family != "gpt_bigcode" \
         else cfg.hidden_act
     return {"architectures": [ARCHITECTURES[cfg.family]], "model_type": cfg.family, "vocab_size": cfg.vocab_size,
@@ -73,13 +74,13 @@ def neox_config(d: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError("GPT-NeoX with use_parallel_residual false is not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     act = d.get("hidden_act", "gelu")
-    return {**d, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "num_key_value_heads": d[
-        "num_attention_heads"], "attention_bias": d.get(
-        "attention_bias", True), "mlp_bias": True, "layer_norm_eps": d.get("layer_norm_eps", 1e-5),
-            "hidden_act": _ACTS.get(act, act), "tie_word_embeddings": d.get("tie_word_embeddings", False),
-            "partial_rotary_factor": rope.get("partial_rotary_factor") or d.get("rotary_pct") or d.get(
-                "partial_rotary_factor", 0.25),
-            "rope_theta": rope.get("rope_theta") or d.get("rotary_emb_base") or d.get("rope_theta", 10000.0)}
+    partial = rope.get("partial_rotary_factor") or d.get("rotary_pct") or d.get("partial_rotary_factor", 0.25)
+    theta = rope.get("rope_theta") or d.get("rotary_emb_base") or d.get("rope_theta", 10000.0)
+    return {**d, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+            "num_key_value_heads": d["num_attention_heads"], "attention_bias": d.get("attention_bias", True),
+            "mlp_bias": True, "layer_norm_eps": d.get("layer_norm_eps", 1e-5), "hidden_act": _ACTS.get(act, act),
+            "tie_word_embeddings": d.get("tie_word_embeddings", False), "partial_rotary_factor": partial,
+            "rope_theta": theta}
 
 
 def neox_hf(cfg: Any) -> dict[str, Any]:
