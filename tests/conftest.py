@@ -152,7 +152,7 @@ SLOW_FIRST = ("test_sharding.py", "test_moe.py", "test_speculative.py", "test_en
               "test_engine_pallas_mosaic.py", "test_eagle.py", "test_hybrid.py", "test_server_real.py",
               "test_mtp_qwen3_next.py", "test_mla.py", "test_quantized.py", "test_gemma4.py", "test_draft_model.py",
               "test_engine_qwen2_vl.py", "test_dsa.py", "test_model_parity.py", "test_multihost_serve.py",
-              "test_pd.py")
+              "test_pd.py", "test_phi.py", "test_gpt2.py", "test_starcoder2.py", "test_gpt_neox.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
