@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory) -> str:
 
     path = str(tmp_path_factory.mktemp("tiny-hf"))
     cfg = dense_config()
-    export_hf(path, cfg, init_params(cfg, jax.random.PRNGKey(0), scale=0.1), fake_tokenizer())
+    export_hf(path, cfg, init_params(cfg, jax.random.PRNGKey(1), scale=0.1), fake_tokenizer())  # (no special token)
     return path
 
 

@@ -8,11 +8,13 @@ scans them."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import UNIT_NORM_FAMILIES, ModelConfig
 from jaxserve.config_families import HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES
@@ -313,17 +315,27 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
     """Random parameters for tests: normal(0, scale) matrices, unit norms, zero biases."""
     _float_only(cfg)
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
-    keys = jax.random.split(key, len(infos))
     leaves = []
-    for k, info in zip(keys, infos, strict=True):
-        kind = info.dtype or dtype  # (a router's bias is float32 in any model)
-        if info.init == "ones":
-            leaves.append(jnp.ones(info.shape, kind))
-        elif info.init == "zeros":
-            leaves.append(jnp.zeros(info.shape, kind))
-        else:
-            leaves.append((scale * jax.random.normal(k, info.shape, jnp.float32)).astype(kind))
+    for i, info in enumerate(infos):
+        kind = jnp.dtype(info.dtype or dtype)  # (a router's bias is float32 in any model)
+        if info.init in ("ones", "zeros"):
+            leaves.append(jnp.asarray(np.full(info.shape, 1 if info.init == "ones" else 0, kind)))
+            continue
+        n = math.prod(info.shape)
+        blocks = [np.asarray(_normal_block(key, i, j)) for j in range(-(-n // _BLOCK))]
+        drawn = np.concatenate([np.zeros(0, np.float32), *blocks])[:n]
+        leaves.append(jnp.asarray((scale * drawn).reshape(info.shape).astype(kind)))
     return jax.tree.unflatten(treedef, leaves)
+
+
+_BLOCK = 1 << 16
+
+
+@jax.jit
+def _normal_block(key: jax.Array, leaf: jax.Array, j: jax.Array) -> jax.Array:
+    # Drawn in blocks of one shape: drawn in each leaf's own shape, every new shape compiled a few programs of its
+    # own (3-5 s for a small model's leaves); these compile once.
+    return jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, leaf), j), (_BLOCK,), jnp.float32)
 
 
 def param_paths(tree: Params) -> dict[str, Any]:
