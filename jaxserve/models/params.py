@@ -312,7 +312,8 @@ def logical_axes(cfg: ModelConfig) -> Params:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32, scale: float = 0.02) -> Params:
-    """Random parameters for tests: normal(0, scale) matrices, unit norms, zero biases."""
+    """Random parameters for tests: normal(0, scale) matrices, unit norms, zero biases. Drawn on the host in blocks
+    (`_normal_block`), so not traceable: call it outside `jax.jit`."""
     _float_only(cfg)
     infos, treedef = jax.tree.flatten(declare_params(cfg), is_leaf=_is_info)
     leaves = []
