@@ -8,6 +8,7 @@ LoRA refused by name."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import pytest
@@ -92,8 +93,10 @@ def test_afmoe_adapters_equal_peft(tmp_path):
     save_tiny_hf("AfmoeConfig", base, vocab_size=VOCAB, **TINY)
     save_fake_tokenizer(base)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8, target_modules=(
-        r".*\.(self_attn\.(q|k|v|o)_proj|mlp\.(shared_experts\.)?(gate|up|down)_proj)"))
+    # (named in full: PEFT 0.22 reads a pattern as the names it ends in, and "gate_proj" takes the attention gate's)
+    wanted = re.compile(r".*\.(self_attn\.(q|k|v|o)_proj|mlp\.(shared_experts\.)?(gate|up|down)_proj)")
+    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8,
+                          target_modules=[n for n, _ in hf.named_modules() if wanted.fullmatch(n)])
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     experts = _adapter(hf, str(tmp_path / "experts"), 8, r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])

@@ -496,8 +496,8 @@ FUSED = {
                                        intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                                        num_experts_per_tok=2, num_dense_layers=2),
                  dict(target_modules=["q_proj", "v_proj", "w1", "w2", "w3"]), "feed_forward.w1"),
-    # Qwen3-Next: its attention's q_proj also projects each head's output gate; the shared expert and its sigmoid
-    # gate (its Gated DeltaNet layers take none).
+    # Qwen3-Next: its attention's q_proj also projects each head's output gate; the routed experts, the shared
+    # expert (PEFT 0.22 on: bare names take both) and its sigmoid gate (its Gated DeltaNet layers take none).
     "qwen3_next": ("Qwen3NextConfig", dict(
         layer_types=["linear_attention", "full_attention"], head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
@@ -528,4 +528,5 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
     # (No warmup: only the buckets the two requests use are compiled.)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **ARGS, warmup=False),
                        progress=False)
-    adapter_equals_peft(engine, peft_model, "a", 17, atol=3e-5)
+    # (Qwen3-Next's base model alone is 4e-5 to 7e-5 from transformers' at some positions: the Gated DeltaNet)
+    adapter_equals_peft(engine, peft_model, "a", 17, atol=1e-4 if family == "qwen3_next" else 3e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -156,7 +157,8 @@ EVERY_LINEAR = {
 def _module_lora(model, path: str, modules: list[str], seed: int) -> None:
     """LoRA pairs on `modules` (of the PEFT `model`'s base, "model.layers.0.mlp.gate_proj") added to the adapter at
     `path` at its rank and alpha, and merged into `model`'s weights (W + alpha / r B A: LoRA's effect on a linear
-    layer), so `model` stays the reference."""
+    layer), so `model` stays the reference. A module PEFT adapted itself is left as it is (PEFT 0.22 keeps the
+    dense layers' and shared experts' projections among `target_modules` beside the experts' fused parameters)."""
     from safetensors.numpy import load_file, save_file
 
     cfg = json.load(open(os.path.join(path, "adapter_config.json")))
@@ -164,6 +166,8 @@ def _module_lora(model, path: str, modules: list[str], seed: int) -> None:
     rng, r = np.random.default_rng(seed), cfg["r"]
     for name in modules:
         linear = model.get_submodule("base_model.model." + name)
+        if hasattr(linear, "lora_A"):
+            continue
         a = rng.normal(0, 0.2, (r, linear.in_features)).astype(np.float32)
         b = rng.normal(0, 0.2, (linear.out_features, r)).astype(np.float32)
         tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
@@ -195,7 +199,7 @@ def test_router_shared_expert_and_dense_layer_adapters_equal_peft(tmp_path, fami
 
     names = set(load_file(os.path.join(path, "adapter_model.safetensors")))
     wanted = {"qwen2_moe": ("1.mlp.gate.", "shared_expert.up_proj", "shared_expert_gate", "experts.lora_A"),
-              "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A"),
+              "glm4_moe": ("1.mlp.gate.", "experts.base_layer.lora_A", "0.mlp.gate_proj", "shared_experts.up_proj"),
               "mimo_v2_flash": ("1.mlp.gate.", "experts", "0.mlp.gate_proj", "o_proj")}[family]
     assert all(any(w in n for n in names) for w in wanted), sorted(names)
     engine = LLMEngine(EngineArgs(model=base, lora_modules=(("all", path),), layer_loop=loop, **PEFT_ARGS),
@@ -214,6 +218,17 @@ def test_what_experts_cannot_take_is_refused(moe, tmp_path):
     cfg = open_checkpoint(base, weights=False).config()
     read = lambda path, c=cfg, **kw: read_adapter(path, c, 8, np.float32, **kw)  # noqa: E731
     assert read(adapters["down"][0])["be_down"].any()
+    # A parameter named twice (PEFT 0.22: "mlp.experts.down_proj" as given, "down_proj" from "all-linear") is one.
+    twice = str(tmp_path / "twice")
+    shutil.copytree(adapters["down"][0], twice)
+    with open(os.path.join(twice, "adapter_config.json")) as f:
+        ac = json.load(f)
+    assert sorted(ac["target_parameters"]) == sorted(FUSED), ac["target_parameters"]
+    ac["target_parameters"] += ["down_proj", "gate_up_proj", "gate.weight"]
+    with open(os.path.join(twice, "adapter_config.json"), "w") as f:
+        json.dump(ac, f)
+    once, again = read(adapters["down"][0]), read(twice)
+    assert once.keys() == again.keys() and all(np.array_equal(once[k], again[k]) for k in once)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     _adapter(hf, str(tmp_path / "q"), 3, r=2, target_modules=[],
              target_parameters=["mlp.experts.down_proj", "self_attn.q_proj.weight"])

@@ -37,13 +37,14 @@ def fused_parameters(ac: dict[str, Any], cfg: ModelConfig, path: str, error: typ
     names = tuple(t.rsplit(".", 1)[-1] for t in given)
     if not names:
         return ()
-    # (PEFT names them as given: "mlp.experts.down_proj", or "down_proj" from target_modules it moved there)
-    if any(t.rsplit(".", 2)[-2:-1] not in ([], ["experts"]) or n not in _PARAMS for t, n in zip(
-            given, names, strict=True)) or len(set(names)) != len(names):
+    # (PEFT names them as given: "mlp.experts.down_proj", or "down_proj" from target_modules it moved there, both
+    # at once from 0.22 on: one parameter)
+    if any(t.rsplit(".", 2)[-2:-1] not in ([], ["experts"]) or n not in _PARAMS
+           for t, n in zip(given, names, strict=True)):
         raise error(f"adapter {path!r}: target_parameters {ac['target_parameters']} name other parameters than the "
                     f"experts' {' and '.join(_PARAMS)} and the router's weight; it is not supported")
     check_experts(cfg, path, error)
-    return names
+    return tuple(dict.fromkeys(names))
 
 
 def check_experts(cfg: ModelConfig, path: str, error: type[Exception]) -> None:
