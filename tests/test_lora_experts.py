@@ -49,7 +49,7 @@ def moe(tmp_path_factory):
     save_tiny_hf("Qwen2MoeConfig", base, vocab_size=VOCAB, **QWEN2_MOE)
     save_fake_tokenizer(base)
     specs = {"experts": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], target_parameters=FUSED),
-             # down_proj listed first: PEFT nests it innermost
+             # down_proj listed first: PEFT before 0.22 nests it innermost (0.22 in no fixed order)
              "down": dict(r=2, lora_alpha=6, target_modules=[], target_parameters=FUSED[::-1])}
     adapters = {}
     for seed, (name, spec) in enumerate(specs.items()):
@@ -63,14 +63,14 @@ def _per_expert(fused: str, out: str, r: int) -> None:
     from safetensors.numpy import load_file, save_file
 
     cfg = json.load(open(os.path.join(fused, "adapter_config.json")))
-    params = [t.rsplit(".", 1)[-1] for t in cfg["target_parameters"]]
-    tensors = {}
-    for name, w in load_file(os.path.join(fused, "adapter_model.safetensors")).items():
+    tensors, weights = {}, load_file(os.path.join(fused, "adapter_model.safetensors"))
+    for name, w in weights.items():
         if ".experts." not in name:
             tensors[name] = w
             continue
         head, tail = name.split(".experts.")
-        param = params[len(params) - 1 - tail.count("base_layer.")]
+        # (told by A's input, as PEFT 0.22 saves target_parameters in no fixed order: which is nested in which)
+        param = "down_proj" if weights[name.replace("lora_B", "lora_A")].shape[1] == F else "gate_up_proj"
         which = tail[-len("lora_A.weight"):]
         for e in range(X):
             if which.startswith("lora_A"):
