@@ -3,7 +3,7 @@ first layer, then four MoE layers of which three are windowed (8 keys) and rotat
 attention's output gated by its own projection, four norms a layer, sigmoid-routed experts with a bias for choosing
 and a route scale, muP's embedding scale. Logits of a 40-token prompt (and not them without each feature), greedy
 tokens through the engine (chunked prefill past the window, batched decode), the checkpoint and config written back,
-LoRA refused by name."""
+LoRA adapters against PEFT's."""
 
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def test_afmoe_engine_greedy_equals_transformers(tiny):
 
 
 def test_afmoe_adapters_equal_peft(tmp_path):
-    """A PEFT adapter on the attention (q, k, v, o: each head's gate channels take no delta), the dense first layer's
-    MLP, the shared experts and the routed ones: PEFT's prompt logprobs and greedy tokens beside the base model's; one on the
-    attention gate's own projection (`self_attn.gate_proj`, named as an MLP's gate) is refused by its whole name."""
+    """A PEFT adapter on the attention (q, k, v, o and the output gate's own projection, `self_attn.gate_proj`, read
+    into q_proj's slot), the dense first layer's MLP, the shared experts and the routed ones: PEFT's prompt logprobs
+    and greedy tokens beside the base model's; a gate and query whose ranks together pass max_lora_rank are refused."""
     import torch
     import transformers
 
@@ -93,10 +93,11 @@ def test_afmoe_adapters_equal_peft(tmp_path):
     save_tiny_hf("AfmoeConfig", base, vocab_size=VOCAB, **TINY)
     save_fake_tokenizer(base)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    # (named in full: PEFT 0.22 reads a pattern as the names it ends in, and "gate_proj" takes the attention gate's)
-    wanted = re.compile(r".*\.(self_attn\.(q|k|v|o)_proj|mlp\.(shared_experts\.)?(gate|up|down)_proj)")
-    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8,
-                          target_modules=[n for n, _ in hf.named_modules() if wanted.fullmatch(n)])
+    # (named in full: PEFT 0.22 reads a pattern as the names it ends in)
+    wanted = re.compile(r".*\.(self_attn\.(q|k|v|o|gate)_proj|mlp\.(shared_experts\.)?(gate|up|down)_proj)")
+    names = [n for n, _ in hf.named_modules() if wanted.fullmatch(n)]
+    peft_model = _adapter(hf, str(tmp_path / "all"), 5, r=4, lora_alpha=8, target_modules=names)
+    assert any("self_attn.gate_proj" in n for n in names)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     experts = _adapter(hf, str(tmp_path / "experts"), 8, r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
@@ -105,17 +106,11 @@ def test_afmoe_adapters_equal_peft(tmp_path):
                        progress=False)
     adapter_equals_peft(engine, peft_model, "all", 7, atol=3e-5)
     adapter_equals_peft(engine, experts, "experts", 9, atol=3e-5)
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(tmp_path / "all", tmp_path / "gate")  # (PEFT's own conversion takes any gate_proj for an MLP's)
-    weights = tmp_path / "gate" / "adapter_model.safetensors"
-    tensors = load_file(str(weights))
-    a = next(k for k in tensors if ".layers.0.self_attn.q_proj.lora_A" in k)
-    tensors[a.replace("q_proj", "gate_proj")] = tensors[a]
-    tensors[a.replace("q_proj", "gate_proj").replace("lora_A", "lora_B")] = tensors[a.replace("lora_A", "lora_B")]
-    save_file(tensors, str(weights))
-    with pytest.raises(LoRAError, match="self_attn.gate_proj"):
-        LLMEngine(EngineArgs(model=base, lora_modules=(("gate", str(tmp_path / "gate")),), **PEFT_ARGS),
+    # The gate's pair follows q_proj's in its slot: both ranks must fit max_lora_rank (8).
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    _adapter(hf, str(tmp_path / "wide"), 6, r=4, target_modules=[n for n in names if re.search(r"attn\.(q|gate)_", n)],
+             rank_pattern={r"self_attn\.gate_proj": 6})
+    with pytest.raises(LoRAError, match="gate projection \\(rank 6\\) shares the query projection's slot after "
+                                        "its rank 4: 10 is above max_lora_rank 8"):
+        LLMEngine(EngineArgs(model=base, lora_modules=(("wide", str(tmp_path / "wide")),), **PEFT_ARGS),
                   progress=False)

@@ -16,8 +16,8 @@ the attention, the experts (`engine.lora_experts`: per expert, or on the fused e
 `shared_expert_gate`) of its MoE layers; any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with
 `use_rslora`), per module where `rank_pattern` / `alpha_pattern` say; fused projections as the ones they pack (Phi-3's
 `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`, Granite MoE's shared `input_linear`; its `output_linear`,
-router and experts too). Refused by name: DoRA, biases, `modules_to_save`, `fan_in_fan_out`, other targets (embeddings,
-the LM head).
+router and experts too); an attention output gate's own projection in the query projection's slot (`lora_gate`).
+Refused by name: DoRA, biases, `modules_to_save`, `fan_in_fan_out`, other targets (embeddings, the LM head).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
+from jaxserve.engine.lora_gate import SEPARATE_GATE, adapter_rows, gate_tensor, query_rows, write_gates
 from jaxserve.loader.falcon_keys import falcon_folded
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.loader.mamba_keys import hybrid_adapter_key
@@ -67,17 +68,6 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 class LoRAError(ValueError):
     """A LoRA adapter that cannot be served, or a request for one that is not there."""
-
-
-# Families whose attention gate has its own projection beside q_proj, read after each head's query
-# (`ModelConfig.attn_gate_width`): an adapter's q_proj has the queries' rows alone (LFM3's, AFMoE's; the gate's own
-# projection takes none: AFMoE's `self_attn.gate_proj`, named as the MLP's gate, is refused by its whole name).
-SEPARATE_GATE = ("lfm3", "afmoe")
-
-
-def _adapter_rows(cfg: ModelConfig, part: str, rows: int) -> int:
-    """The rows of an adapter's B for `part`: the slot's, but a separately gated q_proj's queries alone."""
-    return cfg.num_heads * cfg.head_dim if part == "q_proj" and cfg.family in SEPARATE_GATE else rows
 
 
 def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repeat: int = 1) -> dict[str, np.ndarray]:
@@ -113,12 +103,13 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
     moe = moe_targets(cfg)  # a MoE layer's targets: the attention's, its router's and shared expert's (and experts)
     experts_read = ExpertTensors(out, fused_parameters(ac, cfg, path, LoRAError), cfg, rank, max_rank, seen, path,
                                  LoRAError)
+    gates: dict[str, np.ndarray] = {}  # (an attention gate's own projection: in q_proj's slot, after its pair)
     for name, w in load_file(weights).items():
         if experts_read.take(name, w):
             continue
-        if cfg.family in SEPARATE_GATE and re.search(r"\.self_attn\.(gate_proj|g_proj)\.", name):
-            raise LoRAError(f"adapter {path!r}: tensor {name!r} is LoRA on the attention gate's own projection; "
-                            "it is not supported")
+        if gate_tensor(cfg, name):
+            gates[name] = w
+            continue
         m = _KEY.match(hybrid_adapter_key(name, cfg) if cfg.mamba is not None else name)  # (their own names)
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
@@ -136,7 +127,7 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         if layer >= L:
             raise LoRAError(f"adapter {path!r}: tensor {name!r} names layer {layer}; the model has {L}")
         own = dims if cfg.gemma4 is None else target_dims(cfg, layer)  # (Gemma 4's layers differ)
-        k, outs = own[parts[0]][0], [_adapter_rows(cfg, p, own[p][1]) for p in parts]
+        k, outs = own[parts[0]][0], [adapter_rows(cfg, p, own[p][1]) for p in parts]
         r, scale = rank(name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0])
         want = (r, k) if which == "A" else (sum(outs), r)
         if tuple(w.shape) != want:
@@ -152,15 +143,15 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
                 rows = kv_rows(rows, cfg) if part == "kv_a_proj_with_mqa" else q_rows(rows, cfg)
             elif cfg.family in INTERLEAVED_ROPE_FAMILIES and part in ("q_proj", "k_proj"):  # as the model's were read
                 rows = halfsplit_rows(rows, cfg)
-            elif part == "q_proj" and cfg.family in SEPARATE_GATE:  # (no delta on the gate channel after each query)
-                heads = rows.reshape(cfg.num_heads, cfg.head_dim, -1)
-                rows = np.pad(heads, ((0, 0), (0, cfg.attn_gate_width), (0, 0))).reshape(-1, rows.shape[-1])
+            elif part == "q_proj" and cfg.family in SEPARATE_GATE:  # (the gate channels after each query: its own)
+                rows = query_rows(cfg, rows)
             if cfg.falcon is not None:  # (its multipliers, folded into its weights, fold into the deltas' B alike)
                 where = "self_attn" if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 rows = falcon_folded(f"model.layers.{layer}.{where}.{part}.weight", rows, cfg)
             out[b_field][layer, :r, :rows.shape[0]] = rows.T * scale
         seen.add((layer, module, which))
     experts_read.finish()
+    write_gates(gates, out, cfg, rank, max_rank, seen, path, attention_targets(cfg)["q_proj"], LoRAError)
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
     if unpaired:
         raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
