@@ -27,8 +27,7 @@ GRANITE_SHARED_FAMILIES = fields.GRANITE_SHARED_FAMILIES
 MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", *GRANITE_MOE_FAMILIES, "glm4_moe", "ernie4_5_moe",
                                   "dots1", "gpt_oss", "olmoe", "nemotron_h", "lfm2", "minimax_m2", "llama4", "hunyuan_v1_moe", "exaone_moe",
                                   "afmoe", "flex_olmo", "mimo_v2_flash", "cohere2_moe", "jamba",
-                                  *MLA_FAMILIES,
-                                  *GATED_DELTA_FAMILIES)
+                                  *MLA_FAMILIES, *GATED_DELTA_FAMILIES)
 GRANITE_FAMILIES: tuple[str, ...] = ("granite", *GRANITE_MOE_FAMILIES, "granite_swa")
 GLM_FAMILIES: tuple[str, ...] = ("glm", "glm4")  # rotary pairs interleaved (half-split at load), q/k/v biases
 ERNIE_FAMILIES: tuple[str, ...] = ("ernie4_5", "ernie4_5_moe")
@@ -65,6 +64,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (OLMo)
+    sequential_block: bool = False  # GPT-NeoX's `use_parallel_residual` false: its MLP after attention, not beside it
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     """Per layer, "sliding_attention" (windowed by `sliding_window`) or "full_attention"; None: every layer
@@ -341,8 +341,8 @@ class ModelConfig:
 
     @property
     def parallel_block(self) -> bool:
-        """Whether attention and the MLP read one normed input, their outputs added to the residual (Cohere, Phi)."""
-        return self.family in (*COHERE_FAMILIES, "phi", "gptj", "gpt_neox")  # (GPT-NeoX's MLP on its own norm)
+        """Whether attention and the MLP read the layer's input, their outputs added to it (Cohere, Phi, GPT-NeoX)."""
+        return self.family in (*COHERE_FAMILIES, "phi", "gptj", "gpt_neox") and not self.sequential_block
 
     @property
     def attention_sinks(self) -> bool:

@@ -67,11 +67,9 @@ def gpt2_hf(cfg: Any) -> dict[str, Any]:
 def neox_config(d: dict[str, Any]) -> dict[str, Any]:
     """A GPT-NeoX config (`GPTNeoXForCausalLM`: Pythia, GPT-NeoX-20B, Dolly v2, RedPajama-INCITE) as the keys every
     family reads: attention and the MLP side by side, each on its own LayerNorm with a bias, a quarter of each head
-    rotated (`rotary_pct`), the exact GELU; its sequential form (`use_parallel_residual` false) refused by name."""
+    rotated (`rotary_pct`), the exact GELU; or, with `use_parallel_residual` false, the MLP after attention."""
     if d.get("model_type") != "gpt_neox" and "GPTNeoXForCausalLM" not in (d.get("architectures") or []):
         return d
-    if not d.get("use_parallel_residual", True):
-        raise UnsupportedModelError("GPT-NeoX with use_parallel_residual false is not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     act = d.get("hidden_act", "gelu")
     partial = rope.get("partial_rotary_factor") or d.get("rotary_pct") or d.get("partial_rotary_factor", 0.25)
@@ -85,5 +83,6 @@ def neox_config(d: dict[str, Any]) -> dict[str, Any]:
 
 def neox_hf(cfg: Any) -> dict[str, Any]:
     """GPT-NeoX's own keys of `cfg` (beside those every family writes)."""
-    return {"layer_norm_eps": cfg.rms_norm_eps, "use_parallel_residual": True, "attention_bias": cfg.attention_bias,
+    return {"layer_norm_eps": cfg.rms_norm_eps, "use_parallel_residual": not cfg.sequential_block,
+            "attention_bias": cfg.attention_bias,
             "rotary_pct": cfg.rotary_dims / cfg.head_dim, "rotary_emb_base": cfg.rope_theta}

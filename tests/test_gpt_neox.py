@@ -2,8 +2,8 @@
 attention and an ungated exact-GELU MLP side by side, each on its own LayerNorm with a bias, a quarter of each head
 rotated, q, k and v in one `query_key_value` laid out per head, every projection biased and the head untied
 (`embed_out`). Logits (and not them with every dim rotated), greedy tokens through the engine, the checkpoint and
-config written back under its names, llama.cpp's "gptneox" files (q, k and v one after another), and the sequential
-form refused by name."""
+config written back under its names, llama.cpp's "gptneox" files (q, k and v one after another); and its sequential
+form (`use_parallel_residual` false: the MLP after attention, on the residual), likewise."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig  # noqa: E402
-from jaxserve.errors import UnsupportedModelError  # noqa: E402
 from jaxserve.loader import open_checkpoint  # noqa: E402
 from jaxserve.models.ops import mlp_activation  # noqa: E402
 from tests.test_gguf_models import _ours, shaped_writer, written  # noqa: E402
@@ -46,8 +45,6 @@ def test_gpt_neox_config_logits_and_checkpoint(tiny):
     hf = cfg.to_hf()
     assert (hf["model_type"], hf["rotary_pct"], hf["use_parallel_residual"]) == ("gpt_neox", 0.25, True)
     assert ModelConfig.from_hf(hf) == cfg
-    with pytest.raises(UnsupportedModelError, match="GPT-NeoX with use_parallel_residual false is not supported"):
-        ModelConfig.from_hf({**hf, "use_parallel_residual": False})
     x = jnp.linspace(-3.0, 3.0, 61)  # (its GELU the exact one, not the tanh form)
     exact = mlp_activation(cfg, None, x, None)
     assert np.abs(np.asarray(exact - mlp_activation(dataclasses.replace(cfg, hidden_act="gelu_pytorch_tanh"), None, x,
@@ -59,6 +56,19 @@ def test_gpt_neox_config_logits_and_checkpoint(tiny):
 def test_gpt_neox_engine_greedy_equals_transformers(tiny):
     _, model, cfg, params = tiny
     assert_engine_greedy(model, cfg, params, "scan")
+
+
+def test_sequential_gpt_neox_logits_engine_and_checkpoint(tmp_path_factory):
+    """`use_parallel_residual` false: attention, then the MLP on its own norm of the residual after it (and not the
+    parallel form's logits with its weights)."""
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "GPTNeoXConfig", "gpt_neox_seq", bos_token_id=1,
+                                           eos_token_id=2, use_parallel_residual=False)
+    assert (cfg.family, cfg.sequential_block, cfg.parallel_block) == ("gpt_neox", True, False)
+    hf = cfg.to_hf()
+    assert hf["use_parallel_residual"] is False and ModelConfig.from_hf(hf) == cfg
+    assert_logits_match(model, cfg, params, {"sequential_block": False})
+    assert_written_back(path, cfg, params)
+    assert_engine_greedy(model, cfg, params, "unroll")
 
 
 def test_gptneox_gguf_equals_the_hf_model(tiny, tmp_path):
