@@ -211,8 +211,6 @@ def moe_fields(family: str, d: dict[str, Any]) -> dict[str, Any]:
     )
     if family == "minimax_m2":  # sigmoid scores, a bias for choosing (as DeepSeek-V3's, in one group), renormalized
         fields.update(router_scoring="sigmoid", router_bias=True)
-    if family == "olmoe" and d.get("clip_qkv") is not None:
-        raise UnsupportedModelError(f"OLMoE with clip_qkv ({d['clip_qkv']}) is not supported")
     if family == "ernie4_5_moe":
         fields.update(num_experts=d["moe_num_experts"], num_experts_per_tok=d.get("moe_k", 6), router_bias=True,
                       norm_topk_prob=True, first_dense_layers=int(d.get("moe_layer_start_index", 1)),

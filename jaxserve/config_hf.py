@@ -81,6 +81,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["layer_types"] = list(cfg.layer_types)
     if cfg.family == "gpt_neox":
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "partial_rotary_factor")} | neox_hf(cfg)
+    if cfg.family == "olmoe" and cfg.clip_qkv is not None:
+        d["clip_qkv"] = cfg.clip_qkv
     if cfg.family == "olmo":  # (its LayerNorms' eps fixed)
         d.update(clip_qkv=cfg.clip_qkv, attention_bias=cfg.attention_bias)
         del d["rms_norm_eps"]

@@ -151,7 +151,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            "lfm3", *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
-        clip_qkv=d.get("clip_qkv") if family == "olmo" else None,
+        clip_qkv=d.get("clip_qkv") if family in ("olmo", "olmoe") else None,
         sequential_block=family == "gpt_neox" and not d.get("use_parallel_residual", True),
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,

@@ -2,7 +2,7 @@
 layers under LayerNorms without weights or biases (held as ones, in no checkpoint), and q, k and v clamped after
 their projections (`clip_qkv`, small enough here to bind). Logits (and not them unclamped), greedy tokens through the
 engine, the checkpoint and config written back, and llama.cpp's "olmo" files (q and k rows in its rotary order, no
-norm tensors, the clamp as `attention.clamp_kqv`)."""
+norm tensors, the clamp as `attention.clamp_kqv`). OLMoE's clamp, after its q and k norms."""
 
 from __future__ import annotations
 
@@ -76,3 +76,28 @@ def test_olmo_gguf_equals_the_hf_model(tiny, tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_olmoe_clamps_after_its_q_and_k_norms(tmp_path_factory):
+    """OLMoE's `clip_qkv` (refused before): q and k clamped after their norms over all heads, v after its projection;
+    transformers' logits (not them unclamped, nor clamped before the norms), written back."""
+    from jaxserve.models import ops
+    from tests.test_moe import MOE
+
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "OlmoeConfig", "olmoe", **MOE, num_experts=8,
+                                           intermediate_size=32, norm_topk_prob=False, clip_qkv=0.5, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)
+    assert (cfg.family, cfg.clip_qkv, cfg.to_hf()["clip_qkv"]) == ("olmoe", 0.5, 0.5)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    ids, ref = assert_logits_match(model, cfg, params, {"clip_qkv": None})
+    assert_written_back(path, cfg, params)
+    def before(c, q, k, v, normed):  # (as OLMo's: before the norms)
+        return ops.clip_qkv(dataclasses.replace(c, family="olmo"), q, k, v, normed)
+
+    with pytest.MonkeyPatch.context() as mp:
+        from tests.modelrun import prompt_logits
+        from tests.test_model_families import rel_err
+
+        mp.setattr("jaxserve.models.llama.clip_qkv", before)
+        other = dataclasses.replace(cfg, max_position_embeddings=cfg.max_position_embeddings + 1)  # (traced anew)
+        assert rel_err(prompt_logits(other, params, ids), ref) > 1e-3

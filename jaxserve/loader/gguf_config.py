@@ -199,6 +199,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                      use_parallel_residual=bool(meta.get("gptneox.use_parallel_residual", True)))
         if arch == "olmo":  # (no norm tensors: its LayerNorms have no weights)
             d["clip_qkv"] = meta.get("olmo.attention.clamp_kqv")
+        if arch == "olmoe":
+            d["clip_qkv"] = meta.get("olmoe.attention.clamp_kqv")
         if arch in ("gpt2", "starcoder"):  # (their positions: `position_embd`; StarCoder's one KV head)
             d["layer_norm_epsilon"] = float(get("attention.layer_norm_epsilon"))
         if arch == "phi2":  # (its rotary dims: `rope.dimension_count`, above)

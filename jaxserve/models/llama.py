@@ -28,7 +28,7 @@ from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
 from jaxserve.models.mla import mla_attention
 from jaxserve.models.moe import moe_mlp
-from jaxserve.models.ops import apply_rope, mlp_activation, mlp_input, model_norm, qk_norm, rms_norm
+from jaxserve.models.ops import apply_rope, clip_qkv, mlp_activation, mlp_input, model_norm, qk_norm, rms_norm
 from jaxserve.models.params import LayerParams, Params
 from jaxserve.models.quantized import project
 from jaxserve.models.rotary import query_scale, rope_tables
@@ -170,13 +170,13 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         v = k if lp.wv is None and lp.wqkv is None else v + dv.reshape(v.shape)  # (Gemma 4's keys as values)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    if cfg.clip_qkv is not None:  # (OLMo's: each clamped after its projection)
-        q, k, v = (jnp.clip(x, -cfg.clip_qkv, cfg.clip_qkv) for x in (q, k, v))
+    q, k, v = clip_qkv(cfg, q, k, v, normed=False)  # (OLMo's: each clamped after its projection)
     gate = None
     if cfg.attn_gate_width:  # (each head's gate after its query: one per channel, or one for all)
         q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
     if lp.q_norm is not None and not cfg.rope_qk_norm:
         q, k = qk_norm(cfg, q, lp.q_norm), qk_norm(cfg, k, lp.k_norm)
+    q, k, v = clip_qkv(cfg, q, k, v, normed=True)  # (OLMoE's: after its norms)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pool, copies = k_all.shape, 1
     if cfg.gemma4 is not None:  # values normed; a full-attention layer's pages viewed as its heads, each row filled

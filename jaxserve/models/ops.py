@@ -77,6 +77,14 @@ def qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
 
 
+def clip_qkv(cfg: ModelConfig, q: jax.Array, k: jax.Array, v: jax.Array, normed: bool) -> tuple[jax.Array, ...]:
+    """q, k and v clamped to [-clip_qkv, clip_qkv] where the model clamps them: OLMo's after their projections, OLMoE's
+    after its q and k norms (`normed`)."""
+    if cfg.clip_qkv is None or normed != (cfg.family == "olmoe"):
+        return q, k, v
+    return tuple(jnp.clip(x, -cfg.clip_qkv, cfg.clip_qkv) for x in (q, k, v))
+
+
 def mlp_input(cfg: ModelConfig, lp, x: jax.Array, x_in: jax.Array, h_attn: jax.Array) -> jax.Array:
     """What a layer's MLP reads: the attention's normed input beside it (Cohere's, Phi's parallel blocks), the layer's
     input normed by its own norm beside it (GPT-NeoX's), or the residual after attention, normed (none without a norm:
