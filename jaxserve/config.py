@@ -64,7 +64,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (OLMo)
-    sequential_block: bool = False  # GPT-NeoX's `use_parallel_residual` false: its MLP after attention, not beside it
+    parallel_residual: bool | None = None  # `use_parallel_residual` (GPT-NeoX's false, StableLM's true); None: family's
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     """Per layer, "sliding_attention" (windowed by `sliding_window`) or "full_attention"; None: every layer
@@ -304,14 +304,13 @@ class ModelConfig:
 
     @property
     def qk_norm_heads(self) -> bool:
-        """Whether q and k are normed over all their heads at once, one weight per head and dim (OLMo 2), rather
-        than each head alike."""
+        """Whether q and k are normed over all their heads at once (OLMo 2), not each head apart: a weight a dim."""
         return self.family in (*OLMO_FAMILIES, "olmoe", "minimax_m2")
 
     @property
     def qk_norm_weights_per_head(self) -> bool:
-        """Whether the q and k norms have a weight per head and dim (OLMo 2; Command R+, each head normed apart)."""
-        return self.family in (*OLMO_FAMILIES, *COHERE_FAMILIES, "olmoe", "minimax_m2")
+        """Whether the q and k norms have a weight per head and dim (OLMo 2; Command R+, StableLM 2 12B: apart)."""
+        return self.family in (*OLMO_FAMILIES, *COHERE_FAMILIES, "olmoe", "minimax_m2", "stablelm")
 
     @property
     def gated_mlp(self) -> bool:
@@ -342,7 +341,8 @@ class ModelConfig:
     @property
     def parallel_block(self) -> bool:
         """Whether attention and the MLP read the layer's input, their outputs added to it (Cohere, Phi, GPT-NeoX)."""
-        return self.family in (*COHERE_FAMILIES, "phi", "gptj", "gpt_neox") and not self.sequential_block
+        return self.family in (*COHERE_FAMILIES, "phi", "gptj", "gpt_neox") if self.parallel_residual is None \
+            else self.parallel_residual
 
     @property
     def attention_sinks(self) -> bool:

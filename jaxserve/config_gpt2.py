@@ -83,6 +83,6 @@ def neox_config(d: dict[str, Any]) -> dict[str, Any]:
 
 def neox_hf(cfg: Any) -> dict[str, Any]:
     """GPT-NeoX's own keys of `cfg` (beside those every family writes)."""
-    return {"layer_norm_eps": cfg.rms_norm_eps, "use_parallel_residual": not cfg.sequential_block,
+    return {"layer_norm_eps": cfg.rms_norm_eps, "use_parallel_residual": cfg.parallel_block,
             "attention_bias": cfg.attention_bias,
             "rotary_pct": cfg.rotary_dims / cfg.head_dim, "rotary_emb_base": cfg.rope_theta}

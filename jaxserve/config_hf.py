@@ -76,7 +76,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family in ("jais2", "phi", "stablelm"):
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
     if cfg.family == "stablelm":
-        d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=False, use_parallel_residual=False)
+        d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=cfg.qk_norm, use_parallel_residual=cfg.parallel_block)
     if cfg.family == "ministral" and cfg.layer_types is not None:  # (each layer windowed or global)
         d["layer_types"] = list(cfg.layer_types)
     if cfg.family == "gpt_neox":

@@ -65,9 +65,6 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         d = {**d, "layer_norm_eps": d.get("norm_eps", 1e-5), "hidden_act": d.get("hidden_act", "relu2"),
              "partial_rotary_factor": d.get("partial_rotary_factor", 0.5)}
     if family == "stablelm":  # (its q/k/v biases by `use_qkv_bias`; Llama's MLP, unbiased)
-        for key in ("qk_layernorm", "use_parallel_residual"):
-            if d.get(key):
-                raise UnsupportedModelError(f"StableLM with {key} is not supported")
         d = {**d, "attention_bias": bool(d.get("use_qkv_bias")), "mlp_bias": False}
     if family == "phi":  # (every projection biased; its `gelu_new` the tanh GELU)
         if d.get("qk_layernorm"):
@@ -150,9 +147,11 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         or (family == "ernie4_5" and bool(d.get("use_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            "lfm3", *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
-        or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm"))),
+        or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm")))
+        or (family == "stablelm" and bool(d.get("qk_layernorm"))),
         clip_qkv=d.get("clip_qkv") if family in ("olmo", "olmoe") else None,
-        sequential_block=family == "gpt_neox" and not d.get("use_parallel_residual", True),
+        parallel_residual=False if family == "gpt_neox" and not d.get("use_parallel_residual", True)
+        else True if family == "stablelm" and d.get("use_parallel_residual") else None,
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,
         kv_cache_scales=bool(kv_scheme),

@@ -63,10 +63,10 @@ def test_sequential_gpt_neox_logits_engine_and_checkpoint(tmp_path_factory):
     parallel form's logits with its weights)."""
     path, model, cfg, params = tiny_loaded(tmp_path_factory, "GPTNeoXConfig", "gpt_neox_seq", bos_token_id=1,
                                            eos_token_id=2, use_parallel_residual=False)
-    assert (cfg.family, cfg.sequential_block, cfg.parallel_block) == ("gpt_neox", True, False)
+    assert (cfg.family, cfg.parallel_residual, cfg.parallel_block) == ("gpt_neox", False, False)
     hf = cfg.to_hf()
     assert hf["use_parallel_residual"] is False and ModelConfig.from_hf(hf) == cfg
-    assert_logits_match(model, cfg, params, {"sequential_block": False})
+    assert_logits_match(model, cfg, params, {"parallel_residual": None})
     assert_written_back(path, cfg, params)
     assert_engine_greedy(model, cfg, params, "unroll")
 

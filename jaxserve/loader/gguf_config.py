@@ -188,6 +188,9 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), hidden_act="relu2",
                      attention_bias="blk.0.attn_q.bias" in tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
         if arch == "stablelm":  # (StableLM 2 12B's q/k norms and parallel blocks refused by name, by their tensors)
+            if "blk.0.attn_q_norm.weight" in tensor_names or "blk.0.ffn_norm.weight" not in tensor_names:
+                raise UnsupportedModelError("StableLM GGUF files with q/k norms or parallel blocks (StableLM 2 12B) "
+                                            "are not supported; its HF checkpoint is")
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), use_qkv_bias="blk.0.attn_q.bias" in
                      tensor_names, qk_layernorm="blk.0.attn_q_norm.weight" in tensor_names,
                      use_parallel_residual="blk.0.ffn_norm.weight" not in tensor_names)

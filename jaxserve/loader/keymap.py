@@ -130,11 +130,12 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     if cfg.qk_norm and cfg.qk_norm_heads:  # one weight per head and dim
         t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w.reshape(Hq, D), (Hq * D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w.reshape(Hkv, D), (Hkv * D,))
-    elif cfg.qk_norm and cfg.qk_norm_weights_per_head:  # Cohere's, [heads, head_dim] (dims in the rotary order below)
+    elif cfg.qk_norm and cfg.qk_norm_weights_per_head and cfg.family != "stablelm":  # Cohere's, [heads, head_dim]
+        # (dims in the rotary order below)
         order = _halfsplit_order(D, cfg.rotary_dims)
         t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w[:, order], (Hq, D))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w[:, order], (Hkv, D))
-    elif cfg.qk_norm:
+    elif cfg.qk_norm and cfg.family != "stablelm":  # (StableLM 2 12B's, a tensor a head: `_STABLELM_NORM`)
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
     if not cfg.gated_mlp:  # Arcee's, Apertus' and Nemotron-H's MLP (and shared expert): up, an activation, down
@@ -206,6 +207,9 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 _XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp.act_fn.beta": (2, ()),
           "mlp.act_fn.eps": (3, ())}
 
+# StableLM 2 12B's q and k norms (after `model.layers.{i}.`): one LayerNorm a head, on `layers.q_norm` [L, H, D].
+_STABLELM_NORM = re.compile(r"^self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight$")
+
 _BACKBONE_RE = re.compile(r"^(embed_tokens|norm|final_layernorm|layers)\.")
 # An image-text model's language model (Gemma 3's `language_model.model.*`, or `model.language_model.*`).
 _LANGUAGE_MODEL_RE = re.compile(r"^(language_model\.(?=model\.|lm_head\.)|model\.language_model\.|model\.text_model\.)")
@@ -272,6 +276,11 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
         if cfg.hidden_act == "xielu" and rest in _XIELU:  # its four scalars: one row of `layers.xielu` a layer
             column, shape = _XIELU[rest]
             return Target("layers.xielu", layer, lambda w: w.reshape(()), shape, column)
+        if cfg.family == "stablelm" and cfg.qk_norm and (m := _STABLELM_NORM.match(rest)):
+            heads = cfg.num_heads if m.group(1) == "q" else cfg.num_kv_heads
+            if int(m.group(2)) >= heads:
+                raise CheckpointError(f"tensor {name!r} names head {m.group(2)}, but the layer has {heads}")
+            return Target(f"layers.{m.group(1)}_norm", layer, lambda w: w, (cfg.head_dim,), int(m.group(2)))
         spec = _layer_targets(cfg, dense).get(rest)
         if cfg.mamba is not None:  # a hybrid model: its mixers' tensors on their own stacks
             spec = hybrid_spec(cfg, layer, rest, spec)
@@ -314,6 +323,9 @@ def hf_names(cfg: ModelConfig) -> list[str]:
             rests if cfg.mamba is None else hybrid_layer_names(cfg, i, rests)))
         if cfg.hidden_act == "xielu":
             names.extend(f"model.layers.{i}.{rest}" for rest in _XIELU)
+        if cfg.family == "stablelm" and cfg.qk_norm:
+            names.extend(f"model.layers.{i}.self_attn.{x}_layernorm.norms.{h}.weight" for x, heads in (
+                ("q", cfg.num_heads), ("k", cfg.num_kv_heads)) for h in range(heads))
         for j in range(0 if dense and cfg.gemma4 is None or cfg.mamba is not None and i in cfg.mamba.no_mlp
                        else cfg.num_experts):
             names.extend(f"model.layers.{i}.{_moe_module(cfg)}.experts.{j}.{kind}" for kind in _expert_targets(cfg))
