@@ -530,3 +530,31 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
                        progress=False)
     # (Qwen3-Next's base model alone is 4e-5 to 7e-5 from transformers' at some positions: the Gated DeltaNet)
     adapter_equals_peft(engine, peft_model, "a", 17, atol=1e-4 if family == "qwen3_next" else 3e-5)
+
+
+# GPT-NeoX's projections under their own names (`gpt_neox.layers.N.attention.query_key_value`: each head's q, k and v
+# rows together; `dense`, `dense_h_to_4h`, `dense_4h_to_h`) and GPT-J's (`transformer.h.N.attn.q_proj` ... `out_proj`,
+# `mlp.fc_in`, `fc_out`: q and k turned in interleaved pairs).
+GPT_LIKE = {"gpt_neox": ("GPTNeoXConfig", dict(bos_token_id=1, eos_token_id=2),
+                         ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+            "gptj": ("GPTJConfig", dict(tiny=False, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                        rotary_dim=8, bos_token_id=1, eos_token_id=2),
+                     ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"])}
+
+
+@pytest.mark.parametrize("family", list(GPT_LIKE))
+def test_gpt_neox_and_gptj_adapters_equal_peft(tmp_path, family):
+    """An adapter on every projection of GPT-NeoX (q, k and v fused per head) and GPT-J, under their own module
+    names: PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
+    import transformers
+
+    config_cls, settings, targets = GPT_LIKE[family]
+    base = str(tmp_path / family)
+    save_tiny_hf(config_cls, base, **{"vocab_size": VOCAB, **settings})
+    save_fake_tokenizer(base)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = _adapter(hf, str(tmp_path / "a"), 4, r=4, lora_alpha=8, target_modules=targets,
+                          rank_pattern={targets[0]: 6})  # (the fused q/k/v's rank its own)
+    engine = LLMEngine(EngineArgs(model=base, lora_modules=(("a", str(tmp_path / "a")),), **PEFT_ARGS), progress=False)
+    adapter_equals_peft(engine, peft_model, "a", 21, atol=3e-5)
+    engine.check_integrity()

@@ -16,7 +16,8 @@ the attention, the experts (`engine.lora_experts`: per expert, or on the fused e
 `shared_expert_gate`) of its MoE layers; any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with
 `use_rslora`), per module where `rank_pattern` / `alpha_pattern` say; fused projections as the ones they pack (Phi-3's
 `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`, Granite MoE's shared `input_linear`; its `output_linear`,
-router and experts too); an attention output gate's own projection in the query projection's slot (`lora_gate`).
+router and experts too; GPT-NeoX's `query_key_value`, each head's rows together); GPT-NeoX's and GPT-J's projections
+under their own names; an attention output gate's own projection in the query projection's slot (`lora_gate`).
 Refused by name: DoRA, biases, `modules_to_save`, `fan_in_fan_out`, other targets (embeddings, the LM head).
 """
 
@@ -55,13 +56,15 @@ from jaxserve.models.lora import (
 )
 
 logger = logging.getLogger(__name__)
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
-                  r"(?:(?:self_attn|mlp|block_sparse_moe|feed_forward)\.)?"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|gpt_neox\.|transformer\.)?(?:language_model\.)?(?:model\.)?"
+                  r"(?:layers|h)\.(\d+)\.(?:(?:self_attn|attention|attn|mlp|block_sparse_moe|feed_forward)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
 # Modules under another name (Granite MoE's shared MLP and router, StarCoder2's and Phi's MLPs, Phi's `dense`), and
 # fused projections as the targets they pack (B's rows in this order; one A): Phi-3's qkv_proj and gate_up_proj.
 _ALIASES = {"shared_mlp.output_linear": "shared.down_proj", "router": "gate", "c_fc": "up_proj", "c_proj": "down_proj",
-            "fc1": "up_proj", "fc2": "down_proj", "dense": "o_proj"}
+            "fc1": "up_proj", "fc2": "down_proj", "dense": "o_proj", "query_key_value": "qkv_proj",  # (GPT-NeoX's)
+            "dense_h_to_4h": "up_proj", "dense_4h_to_h": "down_proj", "out_proj": "o_proj", "fc_in": "up_proj",
+            "fc_out": "down_proj"}  # (GPT-J's)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "shared_mlp.input_linear": ("shared.gate_proj", "shared.up_proj")}
 
@@ -115,6 +118,8 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             if m else (0, "", "")
         module = _ALIASES.get(module, module)
         w = mimo_adapter_matrix(module, which, layer, w, cfg)  # (MiMo-V2-Flash's k, v and o: as its weights are held)
+        if cfg.family == "gpt_neox" and module == "qkv_proj" and which == "B" and len(w) == 3 * cfg.hidden_size:
+            w = w.reshape(cfg.num_heads, 3, cfg.head_dim, -1).swapaxes(0, 1).reshape(w.shape)  # (q, k, v by head)
         parts = _FUSED.get(module, (module,))
         if not moe and module.startswith("shared"):  # a dense Granite 4.0's MLP is its shared MLP
             parts = tuple(p.removeprefix("shared.") for p in parts)
