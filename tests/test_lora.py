@@ -4,6 +4,7 @@ adapters served as models over HTTP."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -301,6 +302,15 @@ def test_loading_on_first_use_and_the_refusals(tiny, engine, tmp_path):
             small.loras.load(name, str(tmp_path / name))
     with pytest.raises(LoRAError, match="has no adapter_config.json"):
         small.loras.load("nothing", str(tmp_path))
+    import shutil  # (PEFT itself keeps fan_in_fan_out for Conv1D layers alone: GPT-2's)
+
+    shutil.copytree(adapters["mlp2"][0], tmp_path / "fan")
+    with open(tmp_path / "fan" / "adapter_config.json") as f:
+        ac = json.load(f)
+    with open(tmp_path / "fan" / "adapter_config.json", "w") as f:
+        json.dump({**ac, "fan_in_fan_out": True}, f)
+    with pytest.raises(LoRAError, match="sets fan_in_fan_out; it is not supported"):
+        small.loras.load("fan", str(tmp_path / "fan"))
     plain = LLMEngine(EngineArgs(model=base, **{**ARGS, "enable_lora": False, "warmup": False}), progress=False)
     with pytest.raises(ValueError, match="serves no LoRA adapters; start it with enable_lora"):
         plain.add_request("t", ids, p, lora_request="all4")
@@ -533,19 +543,25 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
 
 
 # GPT-NeoX's projections under their own names (`gpt_neox.layers.N.attention.query_key_value`: each head's q, k and v
-# rows together; `dense`, `dense_h_to_4h`, `dense_4h_to_h`) and GPT-J's (`transformer.h.N.attn.q_proj` ... `out_proj`,
-# `mlp.fc_in`, `fc_out`: q and k turned in interleaved pairs).
+# rows together; `dense`, `dense_h_to_4h`, `dense_4h_to_h`), GPT-J's (`transformer.h.N.attn.q_proj` ... `out_proj`,
+# `mlp.fc_in`, `fc_out`: q and k turned in interleaved pairs), GPT-2's (`attn.c_attn`: q, k, v one after another, its
+# Conv1D layers adapted with `fan_in_fan_out`; `attn.c_proj` beside `mlp.c_proj`) and GPTBigCode's (`c_attn`
+# multi-query, or per head).
+_GPT2 = dict(tiny=False, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
+             eos_token_id=2)
 GPT_LIKE = {"gpt_neox": ("GPTNeoXConfig", dict(bos_token_id=1, eos_token_id=2),
                          ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
-            "gptj": ("GPTJConfig", dict(tiny=False, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                        rotary_dim=8, bos_token_id=1, eos_token_id=2),
-                     ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"])}
+            "gptj": ("GPTJConfig", dict(_GPT2, rotary_dim=8), ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in",
+                                                                "fc_out"]),
+            "gpt2": ("GPT2Config", _GPT2, ["c_attn", "c_proj", "c_fc"]),
+            "gpt_bigcode_mqa": ("GPTBigCodeConfig", dict(_GPT2, multi_query=True), ["c_attn", "c_proj", "c_fc"]),
+            "gpt_bigcode_mha": ("GPTBigCodeConfig", dict(_GPT2, multi_query=False), ["c_attn", "c_proj", "c_fc"])}
 
 
 @pytest.mark.parametrize("family", list(GPT_LIKE))
-def test_gpt_neox_and_gptj_adapters_equal_peft(tmp_path, family):
-    """An adapter on every projection of GPT-NeoX (q, k and v fused per head) and GPT-J, under their own module
-    names: PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
+def test_gpt_family_adapters_equal_peft(tmp_path, family):
+    """An adapter on every projection of GPT-NeoX (q, k and v fused per head), GPT-J, GPT-2 and GPTBigCode, under their
+    own module names: PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
     import transformers
 
     config_cls, settings, targets = GPT_LIKE[family]

@@ -16,9 +16,11 @@ the attention, the experts (`engine.lora_experts`: per expert, or on the fused e
 `shared_expert_gate`) of its MoE layers; any rank up to `max_lora_rank`, scale `lora_alpha / r` (or `/ sqrt(r)` with
 `use_rslora`), per module where `rank_pattern` / `alpha_pattern` say; fused projections as the ones they pack (Phi-3's
 `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`, Granite MoE's shared `input_linear`; its `output_linear`,
-router and experts too; GPT-NeoX's `query_key_value`, each head's rows together); GPT-NeoX's and GPT-J's projections
-under their own names; an attention output gate's own projection in the query projection's slot (`lora_gate`).
-Refused by name: DoRA, biases, `modules_to_save`, `fan_in_fan_out`, other targets (embeddings, the LM head).
+router and experts too; GPT-2's and GPTBigCode's `c_attn`, GPT-NeoX's `query_key_value`); GPT-2's, GPTBigCode's,
+GPT-NeoX's and GPT-J's projections under their own names; an attention output gate's own projection in the query
+projection's slot (`lora_gate`).
+Refused by name: DoRA, biases, `modules_to_save`, `fan_in_fan_out` (but on GPT-2's Conv1D), other targets (embeddings,
+the LM head).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jaxserve.config import INTERLEAVED_ROPE_FAMILIES, ModelConfig
 from jaxserve.engine.lora_experts import ExpertTensors, fused_parameters
 from jaxserve.engine.lora_gate import SEPARATE_GATE, adapter_rows, gate_tensor, query_rows, write_gates
 from jaxserve.loader.falcon_keys import falcon_folded
+from jaxserve.loader.gpt2_keys import own_adapter_key, qkv_adapter_rows
 from jaxserve.loader.keymap import halfsplit_rows
 from jaxserve.loader.mamba_keys import hybrid_adapter_key
 from jaxserve.loader.mimo_keys import mimo_adapter_matrix
@@ -90,8 +93,8 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         ac = json.load(f)
     if ac.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"adapter {path!r} is a {ac.get('peft_type')} adapter; only LORA is served")
-    for key, bad in (("use_dora", True), ("fan_in_fan_out", True)):
-        if ac.get(key) == bad:
+    for key in ("use_dora", "fan_in_fan_out"):  # (GPT-2's Conv1D: PEFT sets fan_in_fan_out, its A and B as ever)
+        if ac.get(key) and (key, cfg.family) != ("fan_in_fan_out", "gpt2"):
             raise LoRAError(f"adapter {path!r} sets {key}; it is not supported")
     if ac.get("bias", "none") != "none":
         raise LoRAError(f"adapter {path!r} trains biases (bias {ac['bias']!r}); only bias 'none' is supported")
@@ -113,13 +116,12 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
         if gate_tensor(cfg, name):
             gates[name] = w
             continue
-        m = _KEY.match(hybrid_adapter_key(name, cfg) if cfg.mamba is not None else name)  # (their own names)
+        m = _KEY.match(hybrid_adapter_key(name, cfg) if cfg.mamba is not None else own_adapter_key(name, cfg))
         layer, module, which = (int(m.group(1)), re.sub(r"^shared_experts?\.", "shared.", m.group(2)), m.group(3)) \
             if m else (0, "", "")
         module = _ALIASES.get(module, module)
         w = mimo_adapter_matrix(module, which, layer, w, cfg)  # (MiMo-V2-Flash's k, v and o: as its weights are held)
-        if cfg.family == "gpt_neox" and module == "qkv_proj" and which == "B" and len(w) == 3 * cfg.hidden_size:
-            w = w.reshape(cfg.num_heads, 3, cfg.head_dim, -1).swapaxes(0, 1).reshape(w.shape)  # (q, k, v by head)
+        w = qkv_adapter_rows(module, which, w, cfg)  # (GPT-NeoX's fused q, k and v: each head's rows together)
         parts = _FUSED.get(module, (module,))
         if not moe and module.startswith("shared"):  # a dense Granite 4.0's MLP is its shared MLP
             parts = tuple(p.removeprefix("shared.") for p in parts)

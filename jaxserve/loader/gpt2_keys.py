@@ -119,3 +119,21 @@ def own_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: Any) -> Iterator[t
             joined = np.concatenate([parts[p].reshape(rows) for p in _QKV], 1).reshape(-1, *t.shape[1:]) \
                 if _per_head(cfg) else np.concatenate([parts[p] for p in _QKV])
             yield f"{prefix}{layout.qkv}.{field}", joined.T if _conv1d(cfg, layout.qkv, field) else joined
+
+
+def own_adapter_key(name: str, cfg: Any) -> str:
+    """A PEFT adapter tensor's name (`...transformer.h.0.attn.c_attn.lora_A.weight`) with a GPT-2's or GPTBigCode's
+    attention modules under the names the adapter reader packs (`qkv_proj`) and reads (`o_proj`); its MLP's `c_fc`
+    and `c_proj` it reads as up and down. Any other name as it is."""
+    if cfg.family not in ("gpt2", "gpt_bigcode"):
+        return name
+    return name.replace(".attn.c_attn.", ".attn.qkv_proj.").replace(".attn.c_proj.", ".attn.o_proj.")
+
+
+def qkv_adapter_rows(module: str, which: str, w: np.ndarray, cfg: Any) -> np.ndarray:
+    """A fused q/k/v adapter's B (`qkv_proj`) with its rows all q, all k, all v: GPT-NeoX's and a multi-head
+    GPTBigCode's hold each head's three together. Any other matrix as it is."""
+    if (module, which) != ("qkv_proj", "B") or cfg.family not in LAYOUTS or not _per_head(cfg) \
+            or len(w) != 3 * cfg.num_heads * cfg.head_dim:
+        return w
+    return w.reshape(cfg.num_heads, 3, cfg.head_dim, -1).swapaxes(0, 1).reshape(w.shape)
