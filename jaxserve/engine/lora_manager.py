@@ -158,7 +158,8 @@ def read_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype: Any, kv_repe
             out[b_field][layer, :r, :rows.shape[0]] = rows.T * scale
         seen.add((layer, module, which))
     experts_read.finish()
-    write_gates(gates, out, cfg, rank, max_rank, seen, path, attention_targets(cfg)["q_proj"], LoRAError)
+    if gates:  # (after every q_proj pair)
+        write_gates(gates, out, cfg, rank, max_rank, seen, path, attention_targets(cfg)["q_proj"], LoRAError)
     unpaired = sorted({(ly, mod) for ly, mod, _ in seen if {(ly, mod, "A"), (ly, mod, "B")} - seen})
     if unpaired:
         raise LoRAError(f"adapter {path!r}: layer {unpaired[0][0]} {unpaired[0][1]} has lora_A or lora_B alone")
