@@ -304,7 +304,7 @@ class ModelConfig:
 
     @property
     def qk_norm_heads(self) -> bool:
-        """Whether q and k are normed over all their heads at once (OLMo 2), not each head apart: a weight a dim."""
+        """Whether q and k are normed over all their heads at once (OLMo 2: a weight per head and dim), not apart."""
         return self.family in (*OLMO_FAMILIES, "olmoe", "minimax_m2")
 
     @property

@@ -191,9 +191,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
             if "blk.0.attn_q_norm.weight" in tensor_names or "blk.0.ffn_norm.weight" not in tensor_names:
                 raise UnsupportedModelError("StableLM GGUF files with q/k norms or parallel blocks (StableLM 2 12B) "
                                             "are not supported; its HF checkpoint is")
-            d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")), use_qkv_bias="blk.0.attn_q.bias" in
-                     tensor_names, qk_layernorm="blk.0.attn_q_norm.weight" in tensor_names,
-                     use_parallel_residual="blk.0.ffn_norm.weight" not in tensor_names)
+            d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")),
+                     use_qkv_bias="blk.0.attn_q.bias" in tensor_names)
         if arch == "nemotron":  # (its norms' weights stored as 1 + w, as Gemma's)
             d.update(norm_eps=float(get("attention.layer_norm_epsilon")), attention_bias="blk.0.attn_q.bias" in
                      tensor_names, mlp_bias="blk.0.ffn_up.bias" in tensor_names)
