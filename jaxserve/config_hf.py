@@ -75,6 +75,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["mlp_bias"] = cfg.mlp_bias
     if cfg.family in ("jais2", "phi", "stablelm"):
         d["layer_norm_eps"] = d.pop("rms_norm_eps")
+    if cfg.family == "phi":
+        d["qk_layernorm"] = cfg.qk_norm
     if cfg.family == "stablelm":
         d.update(use_qkv_bias=cfg.attention_bias, qk_layernorm=cfg.qk_norm, use_parallel_residual=cfg.parallel_block)
     if cfg.family == "ministral" and cfg.layer_types is not None:  # (each layer windowed or global)

@@ -67,8 +67,6 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     if family == "stablelm":  # (its q/k/v biases by `use_qkv_bias`; Llama's MLP, unbiased)
         d = {**d, "attention_bias": bool(d.get("use_qkv_bias")), "mlp_bias": False}
     if family == "phi":  # (every projection biased; its `gelu_new` the tanh GELU)
-        if d.get("qk_layernorm"):
-            raise UnsupportedModelError("Phi with qk_layernorm is not supported")
         act = d.get("hidden_act", "gelu_new")
         d = {**d, "attention_bias": True, "mlp_bias": True,
              "hidden_act": "gelu_pytorch_tanh" if act == "gelu_new" else act}
@@ -148,7 +146,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", GEMMA4, "dots1", "exaone4", "exaone_moe", "olmoe", "apertus", "lfm2", "minimax_m2", "afmoe",
                            "lfm3", *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm")))
-        or (family == "stablelm" and bool(d.get("qk_layernorm"))),
+        or (family in ("stablelm", "phi") and bool(d.get("qk_layernorm"))),
         clip_qkv=d.get("clip_qkv") if family in ("olmo", "olmoe") else None,
         parallel_residual=False if family == "gpt_neox" and not d.get("use_parallel_residual", True)
         else True if family == "stablelm" and d.get("use_parallel_residual") else None,

@@ -1,7 +1,7 @@
 """Phi-1, Phi-1.5 and Phi-2 (`PhiForCausalLM`) against transformers: a tiny random model with attention and an
 ungated tanh-GELU MLP (`fc1`, `fc2`) side by side on one LayerNorm with a bias, every projection biased (the
 attention's output is `dense`), half of each head rotated, a final LayerNorm (`final_layernorm`) and a biased LM
-head. Logits (and not them without the head's bias), greedy tokens through
+head; its `qk_layernorm` variant. Logits (and not them without the head's bias), greedy tokens through
 the engine, the checkpoint and config written back under its own names, a LoRA adapter on `dense`, `fc1` and `fc2`
 against PEFT, and llama.cpp's "phi2" files (q, k and v apart, or fused as in files of its first checkpoints)."""
 
@@ -19,7 +19,6 @@ pytest.importorskip("peft")
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.engine_args import EngineArgs  # noqa: E402
-from jaxserve.errors import UnsupportedModelError  # noqa: E402
 from jaxserve.loader import open_checkpoint  # noqa: E402
 from tests.fake_model import save_fake_tokenizer  # noqa: E402
 from tests.modelrun import prompt_logits  # noqa: E402
@@ -55,9 +54,7 @@ def test_phi_config(tiny):
     assert params.lm_head_b.shape == (cfg.vocab_size,) and params.layers.mlp_norm is params.layers.mlp_norm_b is None
     hf = cfg.to_hf()
     assert (hf["model_type"], hf["hidden_act"], hf["partial_rotary_factor"]) == ("phi", "gelu_pytorch_tanh", 0.5)
-    assert ModelConfig.from_hf(hf) == cfg
-    with pytest.raises(UnsupportedModelError, match="Phi with qk_layernorm is not supported"):
-        ModelConfig.from_hf({**hf, "qk_layernorm": True})
+    assert ModelConfig.from_hf(hf) == cfg and hf["qk_layernorm"] is False and cfg.qk_norm is False
 
 
 def test_phi_logits_match_transformers(tiny):
@@ -74,6 +71,21 @@ def test_phi_checkpoint_written_back_reads_the_same(tiny):
 
 def test_phi_engine_greedy_equals_transformers(tiny):
     _, model, cfg, params = tiny
+    assert_engine_greedy(model, cfg, params, "scan")
+
+
+def test_phi_qk_layernorm_logits_checkpoint_and_engine(tmp_path_factory):
+    """`qk_layernorm`: each head's q and k LayerNormed (a weight and a bias over its dims, shared by the heads) before
+    the rotation; transformers' logits (and not them without the norms' biases), the checkpoint written back under
+    its names (`q_layernorm`, `k_layernorm`), greedy tokens through the engine."""
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "PhiConfig", "phi_qk", qk_layernorm=True, **SETTINGS)
+    assert cfg.qk_norm and params.layers.q_norm_b.shape == params.layers.k_norm.shape == (cfg.num_layers, cfg.head_dim)
+    hf = cfg.to_hf()
+    assert hf["qk_layernorm"] is True and ModelConfig.from_hf(hf) == cfg
+    ids, ref = assert_logits_match(model, cfg, params)
+    layers = dataclasses.replace(params.layers, q_norm_b=None, k_norm_b=None)
+    assert rel_err(prompt_logits(cfg, dataclasses.replace(params, layers=layers), ids), ref) > 1e-3
+    assert_written_back(path, cfg, params)
     assert_engine_greedy(model, cfg, params, "scan")
 
 

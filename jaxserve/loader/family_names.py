@@ -28,7 +28,8 @@ _AFMOE_RE = re.compile(r"(?<=\.)(" + "|".join(re.escape(k) for k in _AFMOE_NAMES
 # Module names of their own, each read as ours (the first that a name holds).
 _OWN_NAMES = {"starcoder2": {"mlp.c_fc.": "mlp.up_proj.", "mlp.c_proj.": "mlp.down_proj."},
               "phi": {"self_attn.dense.": "self_attn.o_proj.", "mlp.fc1.": "mlp.up_proj.", "mlp.fc2.": "mlp.down_proj.",
-                      "final_layernorm.": "norm."}}
+                      "final_layernorm.": "norm.", "self_attn.q_layernorm.": "self_attn.q_norm.",
+                      "self_attn.k_layernorm.": "self_attn.k_norm."}}
 
 
 # Granite MoE SWA's experts and router as transformers holds them, read as Granite MoE's checkpoints name them.

@@ -130,14 +130,15 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
     if cfg.qk_norm and cfg.qk_norm_heads:  # one weight per head and dim
         t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w.reshape(Hq, D), (Hq * D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w.reshape(Hkv, D), (Hkv * D,))
-    elif cfg.qk_norm and cfg.qk_norm_weights_per_head and cfg.family != "stablelm":  # Cohere's, [heads, head_dim]
-        # (dims in the rotary order below)
+    elif cfg.qk_norm and cfg.qk_norm_weights_per_head and cfg.family != "stablelm":  # Cohere's, rotary order below
         order = _halfsplit_order(D, cfg.rotary_dims)
         t["self_attn.q_norm.weight"] = ("layers.q_norm", lambda w: w[:, order], (Hq, D))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", lambda w: w[:, order], (Hkv, D))
     elif cfg.qk_norm and cfg.family != "stablelm":  # (StableLM 2 12B's, a tensor a head: `_STABLELM_NORM`)
         t["self_attn.q_norm.weight"] = ("layers.q_norm", ident, (D,))
         t["self_attn.k_norm.weight"] = ("layers.k_norm", ident, (D,))
+        if cfg.family == "phi":  # (`q_layernorm`, `k_layernorm`: LayerNorms with biases)
+            t |= {f"self_attn.{x}_norm.bias": (f"layers.{x}_norm_b", ident, (D,)) for x in "qk"}
     if not cfg.gated_mlp:  # Arcee's, Apertus' and Nemotron-H's MLP (and shared expert): up, an activation, down
         t = {k: v for k, v in t.items() if k not in ("mlp.gate_proj.weight", "mlp.shared_experts.gate_proj.weight")}
     if cfg.family == "apertus":  # its norms' names

@@ -175,7 +175,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     if cfg.attn_gate_width:  # (each head's gate after its query: one per channel, or one for all)
         q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]
     if lp.q_norm is not None and not cfg.rope_qk_norm:
-        q, k = qk_norm(cfg, q, lp.q_norm), qk_norm(cfg, k, lp.k_norm)
+        q, k = qk_norm(cfg, q, lp.q_norm, lp.q_norm_b), qk_norm(cfg, k, lp.k_norm, lp.k_norm_b)
     q, k, v = clip_qkv(cfg, q, k, v, normed=True)  # (OLMoE's: after its norms)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     pool, copies = k_all.shape, 1

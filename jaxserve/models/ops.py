@@ -69,11 +69,11 @@ def mlp_activation(cfg: ModelConfig, gate: jax.Array | None, up: jax.Array, xiel
     return out.astype(up.dtype)
 
 
-def qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """q or k ([T, H, D]) normed per head by a [D] weight (or Cohere's [H, D]: each head's own), or (OLMo) over all
-    heads at once by an [H, D] one."""
+def qk_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """q or k ([T, H, D]) normed per head by a [D] weight (or Cohere's [H, D]: each head's own; Phi's with a [D]
+    bias), or (OLMo) over all heads at once by an [H, D] one."""
     if not cfg.qk_norm_heads:
-        return model_norm(cfg, x, weight)
+        return model_norm(cfg, x, weight, bias)
     return model_norm(cfg, x.reshape(x.shape[0], -1), weight.reshape(-1)).reshape(x.shape)
 
 

@@ -57,6 +57,8 @@ class LayerParams:
     bo: Any = None  # [L, E]
     q_norm: Any = None  # [L, D], or [L, Hq, D] normed over all heads at once (`ModelConfig.qk_norm_heads`)
     k_norm: Any = None  # [L, D], or [L, Hkv, D]
+    q_norm_b: Any = None  # [L, D]: the q and k LayerNorms' biases (Phi's `qk_layernorm`)
+    k_norm_b: Any = None
     b_gate: Any = None  # [L, F]
     b_up: Any = None  # [L, F]
     b_down: Any = None  # [L, E]
@@ -263,6 +265,8 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
     elif cfg.qk_norm:
         layers.q_norm = p((L, D), ("layers", "head_dim"), norm)
         layers.k_norm = p((L, D), ("layers", "head_dim"), norm)
+        if cfg.family == "phi":  # (LayerNorms with biases)
+            layers.q_norm_b, layers.k_norm_b = (p((L, D), ("layers", "head_dim"), "zeros") for _ in "qk")
     if cfg.hidden_act == "xielu":
         layers.xielu = p((L, 4), ("layers", None), "zeros", jnp.float32)
     if cfg.mlp_bias:
