@@ -91,6 +91,7 @@ def test_olmoe_clamps_after_its_q_and_k_norms(tmp_path_factory):
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
     ids, ref = assert_logits_match(model, cfg, params, {"clip_qkv": None})
     assert_written_back(path, cfg, params)
+
     def before(c, q, k, v, normed):  # (as OLMo's: before the norms)
         return ops.clip_qkv(dataclasses.replace(c, family="olmo"), q, k, v, normed)
 
