@@ -65,10 +65,9 @@ class ModelConfig:
     qk_norm: bool = False
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (OLMo)
     parallel_residual: bool | None = None  # `use_parallel_residual` (GPT-NeoX's false, StableLM's true); None: family's
+    parallel_norms: int | None = None  # a parallel block's norms: 1, shared, or 2, the MLP's own; None: the family's
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
-    """Per layer, "sliding_attention" (windowed by `sliding_window`) or "full_attention"; None: every layer
-    takes `sliding_window` alike."""
+    layer_types: tuple[str, ...] | None = None  # per layer, "sliding_attention" or "full_attention"; None: all alike
     hidden_act: str = "silu"
     attn_logit_softcap: float | None = None  # cap * tanh(logit / cap) on attention logits (Gemma 2)
     final_logit_softcap: float | None = None  # ... and on the vocabulary logits
@@ -88,10 +87,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
-    # DeepSeek-V3's routing (GLM-4.5), `router_scoring` "sigmoid": experts chosen by their sigmoid score plus a
-    # per-expert bias (`router_bias`: `LayerParams.router_bias`), among the `expert_topk_groups` best of
-    # `expert_groups` groups, weighted by their scores (renormalized by `norm_topk_prob`) times
-    # `routed_scaling_factor`. ERNIE 4.5's: softmax scores, the bias for choosing.
+    # DeepSeek-V3's routing (GLM-4.5), `router_scoring` "sigmoid": experts chosen by sigmoid score plus a bias each
+    # (`router_bias`: `LayerParams.router_bias`) among the `expert_topk_groups` best of `expert_groups` groups, weighted
+    # by their scores (renormalized: `norm_topk_prob`) times `routed_scaling_factor`. ERNIE 4.5's: softmax, the bias.
     router_scoring: Literal["softmax", "sigmoid"] = "softmax"
     router_bias: bool = False
     expert_groups: int = 1
@@ -114,9 +112,8 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] | None = None
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all."""
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
-    # Ministral 3 (Llama 4's attention scaling): queries times 1 + beta * log(1 + floor(position / length)); 0: none
-    # (Llama 4's temperature tuning: its unrotated layers' queries only, by 1 + beta * log(1 + floor((position + 1) /
-    # length)))
+    # Ministral 3: queries times 1 + beta * log(1 + floor(position / length)); 0: none (Llama 4's temperature tuning:
+    # its unrotated layers' queries only, by 1 + beta * log(1 + floor((position + 1) / length)))
     query_scale_beta: float = 0.0
     query_scale_length: int = 0
     attention_chunk: int | None = None  # Llama 4: "chunked_attention" layers see their chunk of positions only
@@ -144,8 +141,7 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend, each holding its pages (all but a hybrid model's Mamba layers and MLPs alone; all of
-        Falcon-H1's, whose Mamba layers attend too)."""
+        """The layers that attend and hold pages: all but a hybrid's Mamba and MLP-only layers (Falcon-H1's: all)."""
         m = self.mamba
         if self.gemma4 is not None:  # (its last layers that attend over an earlier one's pages hold none)
             return tuple(range(self.num_layers - self.gemma4.shared_layers))
@@ -159,14 +155,12 @@ class ModelConfig:
 
     @property
     def image_width(self) -> int:
-        """An image token's embeddings (`ModelInputs.image_embeds`): the model's width, once more for each deepstack
-        layer (Qwen3-VL's)."""
+        """An image token's embeddings (`ModelInputs.image_embeds`): hidden_size times 1 + its deepstack layers."""
         return self.hidden_size * (1 + self.deepstack_layers)
 
     @property
     def long_rope_context(self) -> int | None:
-        """A LongRoPE model's original context, past which its long factors apply (`models.rotary.rope_tables`);
-        None for other models."""
+        """A LongRoPE model's original context, past which its long factors apply (`models.rotary.rope_tables`)."""
         rs = self.rope_scaling
         return rs.original_max_position_embeddings if rs.rope_type == "longrope" else None
 
@@ -343,6 +337,11 @@ class ModelConfig:
         """Whether attention and the MLP read the layer's input, their outputs added to it (Cohere, Phi, GPT-NeoX)."""
         return self.family in (*COHERE_FAMILIES, "phi", "gptj", "gpt_neox") if self.parallel_residual is None \
             else self.parallel_residual
+
+    @property
+    def mlp_own_norm(self) -> bool:
+        """Whether the MLP reads a norm of its own, not attention's normed input (parallel blocks' one: Phi's)."""
+        return not self.parallel_block or (self.parallel_norms or 1 + (self.family == "gpt_neox")) == 2
 
     @property
     def attention_sinks(self) -> bool:

@@ -86,3 +86,49 @@ def neox_hf(cfg: Any) -> dict[str, Any]:
     return {"layer_norm_eps": cfg.rms_norm_eps, "use_parallel_residual": cfg.parallel_block,
             "attention_bias": cfg.attention_bias,
             "rotary_pct": cfg.rotary_dims / cfg.head_dim, "rotary_emb_base": cfg.rope_theta}
+
+
+_FALCON = ("falcon", "RefinedWeb", "RefinedWebModel")  # (its model types: the last two the first checkpoints')
+
+
+def falcon_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A Falcon config (`FalconForCausalLM`: Falcon 7B, 40B, 180B and their instruct models) as the keys every family
+    reads: LayerNorms with biases, an ungated MLP (`ffn_hidden_size` wide, `activation`), projections biased where
+    `bias` says; attention and the MLP side by side (`parallel_attn`) on one norm, or each on its own
+    (`new_decoder_architecture`: `ln_attn`, `ln_mlp`), or one after the other; one KV head (`multi_query`), one a head,
+    or `num_kv_heads` (the new architecture's). Its first checkpoints' names (`RWForCausalLM`: `n_head`, ...) too."""
+    archs = d.get("architectures") or []
+    if d.get("model_type") not in _FALCON and not {"FalconForCausalLM", "RWForCausalLM"} & set(archs):
+        return d
+    if d.get("alibi"):
+        raise UnsupportedModelError("Falcon with alibi (Falcon-RW) is not supported: jaxserve's attention has no "
+                                    "ALiBi biases")
+    new, parallel = bool(d.get("new_decoder_architecture")), bool(d.get("parallel_attn", True))
+    if new and not parallel:
+        raise UnsupportedModelError("Falcon with new_decoder_architecture and parallel_attn false is not supported "
+                                    "(the new architecture's blocks are parallel)")
+    heads, hidden = d.get("num_attention_heads") or d["n_head"], d.get("hidden_size") or d["n_embed"]
+    kv = d.get("num_kv_heads") or d.get("n_head_kv") or heads
+    if not new and not d.get("multi_query", True) and kv != heads:
+        raise UnsupportedModelError(f"Falcon without new_decoder_architecture or multi_query has a KV head per query "
+                                    f"head; num_kv_heads {kv} of {heads} heads is not supported")
+    act = d.get("activation", "gelu")
+    return {**d, "architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": hidden,
+            "num_attention_heads": heads, "num_hidden_layers": d.get("num_hidden_layers") or d["n_layer"],
+            "num_key_value_heads": kv if new or not d.get("multi_query", True) else 1, "head_dim": None,
+            "intermediate_size": d.get("ffn_hidden_size") or 4 * hidden, "hidden_act": _ACTS.get(act, act),
+            "max_position_embeddings": d.get("max_position_embeddings", 2048),
+            "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5), "attention_bias": bool(d.get("bias")),
+            "mlp_bias": bool(d.get("bias")), "tie_word_embeddings": d.get("tie_word_embeddings", True),
+            "use_parallel_residual": new or parallel,
+            "parallel_norms": (d.get("num_ln_in_parallel_attn") or 2) if new else 1 if parallel else None}
+
+
+def falcon_own_hf(cfg: Any) -> dict[str, Any]:
+    """`cfg` as its Falcon config.json's own keys (the inverse of `falcon_config`): the new architecture where its
+    KV heads or two norms need it."""
+    new = cfg.parallel_norms == 2 or cfg.num_kv_heads not in (1, cfg.num_heads)
+    return {"num_kv_heads": cfg.num_kv_heads, "new_decoder_architecture": new, "multi_query": cfg.num_kv_heads == 1,
+            "parallel_attn": cfg.parallel_block, "num_ln_in_parallel_attn": cfg.parallel_norms if new else None,
+            "bias": cfg.attention_bias, "ffn_hidden_size": cfg.intermediate_size, "activation": cfg.hidden_act,
+            "layer_norm_epsilon": cfg.rms_norm_eps}

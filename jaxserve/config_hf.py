@@ -20,7 +20,7 @@ from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_gemma4 import gemma4_hf
-from jaxserve.config_gpt2 import gpt2_hf, neox_hf
+from jaxserve.config_gpt2 import falcon_own_hf, gpt2_hf, neox_hf
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
@@ -83,6 +83,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["layer_types"] = list(cfg.layer_types)
     if cfg.family == "gpt_neox":
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "partial_rotary_factor")} | neox_hf(cfg)
+    if cfg.family == "falcon":  # (its own names; its heads' width and KV heads by the architecture)
+        d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "num_key_value_heads", "head_dim",
+                                                     "intermediate_size", "hidden_act")} | falcon_own_hf(cfg)
     if cfg.family == "olmoe" and cfg.clip_qkv is not None:
         d["clip_qkv"] = cfg.clip_qkv
     if cfg.family == "olmo":  # (its LayerNorms' eps fixed)

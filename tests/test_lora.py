@@ -546,7 +546,8 @@ def test_fused_projection_adapters_equal_peft(tmp_path, family):
 # rows together; `dense`, `dense_h_to_4h`, `dense_4h_to_h`), GPT-J's (`transformer.h.N.attn.q_proj` ... `out_proj`,
 # `mlp.fc_in`, `fc_out`: q and k turned in interleaved pairs), GPT-2's (`attn.c_attn`: q, k, v one after another, its
 # Conv1D layers adapted with `fan_in_fan_out`; `attn.c_proj` beside `mlp.c_proj`) and GPTBigCode's (`c_attn`
-# multi-query, or per head).
+# multi-query, or per head); Falcon-40B's (`transformer.h.N.self_attention.query_key_value`: each KV head's group of
+# queries, then its key and value).
 _GPT2 = dict(tiny=False, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=1,
              eos_token_id=2)
 GPT_LIKE = {"gpt_neox": ("GPTNeoXConfig", dict(bos_token_id=1, eos_token_id=2),
@@ -555,13 +556,17 @@ GPT_LIKE = {"gpt_neox": ("GPTNeoXConfig", dict(bos_token_id=1, eos_token_id=2),
                                                                 "fc_out"]),
             "gpt2": ("GPT2Config", _GPT2, ["c_attn", "c_proj", "c_fc"]),
             "gpt_bigcode_mqa": ("GPTBigCodeConfig", dict(_GPT2, multi_query=True), ["c_attn", "c_proj", "c_fc"]),
-            "gpt_bigcode_mha": ("GPTBigCodeConfig", dict(_GPT2, multi_query=False), ["c_attn", "c_proj", "c_fc"])}
+            "gpt_bigcode_mha": ("GPTBigCodeConfig", dict(_GPT2, multi_query=False), ["c_attn", "c_proj", "c_fc"]),
+            "falcon": ("FalconConfig", dict(bos_token_id=1, eos_token_id=2, new_decoder_architecture=True,
+                                            num_kv_heads=2, ffn_hidden_size=96),
+                       ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])}
 
 
 @pytest.mark.parametrize("family", list(GPT_LIKE))
 def test_gpt_family_adapters_equal_peft(tmp_path, family):
-    """An adapter on every projection of GPT-NeoX (q, k and v fused per head), GPT-J, GPT-2 and GPTBigCode, under their
-    own module names: PEFT's prompt logprobs and greedy tokens, in one batch with the base model."""
+    """An adapter on every projection of GPT-NeoX (q, k and v fused per head), GPT-J, GPT-2, GPTBigCode and Falcon
+    (fused per KV head), under their own module names: PEFT's prompt logprobs and greedy tokens, in one batch with the
+    base model."""
     import transformers
 
     config_cls, settings, targets = GPT_LIKE[family]

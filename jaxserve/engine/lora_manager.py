@@ -60,7 +60,8 @@ from jaxserve.models.lora import (
 
 logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|gpt_neox\.|transformer\.)?(?:language_model\.)?(?:model\.)?"
-                  r"(?:layers|h)\.(\d+)\.(?:(?:self_attn|attention|attn|mlp|block_sparse_moe|feed_forward)\.)?"
+                  r"(?:layers|h)\.(\d+)\.(?:(?:self_attn|self_attention|attention|attn|mlp|block_sparse_moe|"
+                  r"feed_forward)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
 # Modules under another name (Granite MoE's shared MLP and router, StarCoder2's and Phi's MLPs, Phi's `dense`), and
 # fused projections as the targets they pack (B's rows in this order; one A): Phi-3's qkv_proj and gate_up_proj.

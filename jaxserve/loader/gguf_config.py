@@ -60,7 +60,7 @@ _HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3"
             "granitemoe": "GraniteMoeForCausalLM", "falcon-h1": "FalconH1ForCausalLM", "jais2": "Jais2ForCausalLM",
             "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
             "nemotron": "NemotronForCausalLM", "gpt2": "GPT2LMHeadModel", "starcoder": "GPTBigCodeForCausalLM",
-            "olmo": "OlmoForCausalLM", "gptneox": "GPTNeoXForCausalLM",
+            "olmo": "OlmoForCausalLM", "gptneox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
@@ -199,6 +199,12 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
         if arch == "gptneox":  # (q, k and v in `attn_qkv` one after another: the converter's order)
             d.update(layer_norm_eps=float(get("attention.layer_norm_epsilon")),
                      use_parallel_residual=bool(meta.get("gptneox.use_parallel_residual", True)))
+        if arch == "falcon":  # (`attn_qkv` as GPT-NeoX's; blocks parallel, `attn_norm_2` the MLP's own norm)
+            two = "blk.0.attn_norm_2.weight" in tensor_names
+            d.update(layer_norm_epsilon=float(get("attention.layer_norm_epsilon")), num_kv_heads=num_kv,
+                     new_decoder_architecture=two or num_kv not in (1, num_heads), num_ln_in_parallel_attn=1 + two,
+                     multi_query=num_kv == 1, bias="blk.0.attn_qkv.bias" in tensor_names,
+                     ffn_hidden_size=d["intermediate_size"])
         if arch == "olmo":  # (no norm tensors: its LayerNorms have no weights)
             d["clip_qkv"] = meta.get("olmo.attention.clamp_kqv")
         if arch == "olmoe":

@@ -50,6 +50,8 @@ _GGUF_TO_HF = {
     # (LayerNorms' and the MLP's biases: Jais 2's)
     "attn_norm.bias": "input_layernorm.bias",
     "ffn_norm.bias": "post_attention_layernorm.bias",
+    "attn_norm_2.weight": "post_attention_layernorm.weight",  # (Falcon-40B's: the MLP's own norm beside attention)
+    "attn_norm_2.bias": "post_attention_layernorm.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
 }

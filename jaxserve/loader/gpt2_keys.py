@@ -1,7 +1,8 @@
-"""The checkpoint tensors of GPT-2, GPTBigCode and GPT-NeoX (`config_gpt2`), each family's `Layout`: its own names
-for the embeddings, norms, projections and head; q, k and v in one tensor (GPT-2's and a multi-query GPTBigCode's
-one after another, a multi-head GPTBigCode's and GPT-NeoX's per head); GPT-2's weights Conv1D's [in, out]. Read as
-the Llama-named [out, in] tensors the key map reads, and written back as they were."""
+"""The checkpoint tensors of GPT-2, GPTBigCode, GPT-NeoX, GPT-J and Falcon (`config_gpt2`), each family's `Layout`:
+its own names for the embeddings, norms, projections and head; q, k and v in one tensor (GPT-2's and a multi-query
+GPTBigCode's one after another, a multi-head GPTBigCode's and GPT-NeoX's per head, Falcon's per KV head: its group's
+queries, then its key and value); GPT-2's weights Conv1D's [in, out]. Read as the Llama-named [out, in] tensors the
+key map reads, and written back as they were."""
 
 from __future__ import annotations
 
@@ -50,16 +51,34 @@ _GPTJ = Layout("transformer.", "h.", {"ln_1": "input_layernorm", "attn.out_proj"
                                      **{f"attn.{p}": f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")}}, "",
                {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
                 "ln_f.bias": "model.norm.bias"}, _GPT2.buffers)  # (q, k and v apart)
-LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ}
+_FALCON = Layout("transformer.", "h.", {"ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm",
+                                        "input_layernorm": "input_layernorm",  # (after: the names written back)
+                                        "post_attention_layernorm": "post_attention_layernorm",
+                                        "self_attention.dense": "self_attn.o_proj",
+                                        "mlp.dense_h_to_4h": "mlp.up_proj", "mlp.dense_4h_to_h": "mlp.down_proj"},
+                 "self_attention.query_key_value",
+                 {"word_embeddings.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+                  "ln_f.bias": "model.norm.bias"}, re.compile(r"\.rotary_emb\.inv_freq$"))
+# (Falcon-40B's two norms of a parallel block, ours: theirs)
+_FALCON_NORMS = {"input_layernorm": "ln_attn", "post_attention_layernorm": "ln_mlp"}
+LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ, "falcon": _FALCON}
 _LAYER_RES = {family: layout.layer_re() for family, layout in LAYOUTS.items()}
 _QKV = ("q_proj", "k_proj", "v_proj")
 _OURS_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _HEAD = {"embed_out.weight": "lm_head.weight"}  # (GPT-NeoX's head)
 
 
-def _per_head(cfg: Any) -> bool:
-    """Whether the fused q/k/v tensor holds each head's q, k and v rows together (else all q, all k, all v)."""
-    return cfg.family == "gpt_neox" or (cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1)
+def _grouped(cfg: Any) -> bool:
+    """Whether the fused q/k/v tensor holds each KV head's group together, its queries' rows, then its key's and its
+    value's (GPT-NeoX's and a multi-head GPTBigCode's: one query each; Falcon's); else all q, all k, all v."""
+    return cfg.family in ("gpt_neox", "falcon") or (cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1)
+
+
+def _ungrouped(t: np.ndarray, cfg: Any) -> list[np.ndarray]:
+    """A grouped fused q/k/v tensor's (or B's) rows as the q, k and v parts."""
+    g, rest = cfg.num_heads // cfg.num_kv_heads, t.shape[1:]
+    groups = t.reshape(cfg.num_kv_heads, g + 2, cfg.head_dim, *rest)
+    return [groups[:, :g].reshape(-1, *rest), groups[:, g].reshape(-1, *rest), groups[:, g + 1].reshape(-1, *rest)]
 
 
 def _conv1d(cfg: Any, module: str, field: str) -> bool:
@@ -85,11 +104,7 @@ def own_tensors(name: str, tensor: np.ndarray, cfg: Any) -> list[tuple[str, np.n
     if module != layout.qkv:
         return [(f"{prefix}{layout.modules[module]}.{field}", t)]
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    if _per_head(cfg):
-        heads = t.reshape(cfg.num_heads, 3, cfg.head_dim, *t.shape[1:])
-        parts = [heads[:, i].reshape(q, *t.shape[1:]) for i in range(3)]
-    else:
-        parts = np.split(t, [q, q + kv])
+    parts = _ungrouped(t, cfg) if _grouped(cfg) else np.split(t, [q, q + kv])
     return [(f"{prefix}self_attn.{p}.{field}", part) for p, part in zip(_QKV, parts, strict=True)]
 
 
@@ -109,15 +124,16 @@ def own_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: Any) -> Iterator[t
         layer, module, field = m.groups()
         prefix = f"{layout.top_prefix}{layout.layers}{layer}."
         if module.removeprefix("self_attn.") not in _QKV or not layout.qkv:
-            theirs = modules[module]
+            theirs = _FALCON_NORMS[module] if cfg.family == "falcon" and cfg.parallel_norms == 2 \
+                and module in _FALCON_NORMS else modules[module]
             yield f"{prefix}{theirs}.{field}", t.T if _conv1d(cfg, theirs, field) else t
             continue
         parts = held.setdefault((layer, field), {})
         parts[module.removeprefix("self_attn.")] = t
         if len(parts) == 3:
-            rows = (cfg.num_heads, 1, cfg.head_dim, *t.shape[1:])
+            rows = (cfg.num_kv_heads, -1, cfg.head_dim, *t.shape[1:])
             joined = np.concatenate([parts[p].reshape(rows) for p in _QKV], 1).reshape(-1, *t.shape[1:]) \
-                if _per_head(cfg) else np.concatenate([parts[p] for p in _QKV])
+                if _grouped(cfg) else np.concatenate([parts[p] for p in _QKV])
             yield f"{prefix}{layout.qkv}.{field}", joined.T if _conv1d(cfg, layout.qkv, field) else joined
 
 
@@ -131,9 +147,9 @@ def own_adapter_key(name: str, cfg: Any) -> str:
 
 
 def qkv_adapter_rows(module: str, which: str, w: np.ndarray, cfg: Any) -> np.ndarray:
-    """A fused q/k/v adapter's B (`qkv_proj`) with its rows all q, all k, all v: GPT-NeoX's and a multi-head
-    GPTBigCode's hold each head's three together. Any other matrix as it is."""
-    if (module, which) != ("qkv_proj", "B") or cfg.family not in LAYOUTS or not _per_head(cfg) \
-            or len(w) != 3 * cfg.num_heads * cfg.head_dim:
+    """A fused q/k/v adapter's B (`qkv_proj`) with its rows all q, all k, all v: GPT-NeoX's, a multi-head
+    GPTBigCode's and Falcon's hold each KV head's group together. Any other matrix as it is."""
+    if (module, which) != ("qkv_proj", "B") or cfg.family not in LAYOUTS or not _grouped(cfg) \
+            or len(w) != (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim:
         return w
-    return w.reshape(cfg.num_heads, 3, cfg.head_dim, -1).swapaxes(0, 1).reshape(w.shape)
+    return np.concatenate(_ungrouped(w, cfg))

@@ -28,7 +28,7 @@ from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
 from jaxserve.loader.fused_keys import FUSED_RE, unfused
 from jaxserve.loader.gemma4_keys import gemma4_names, gemma4_target, gemma4_targets, gemma4_written
-from jaxserve.loader.gpt2_keys import own_written
+from jaxserve.loader.gpt2_keys import LAYOUTS, own_written
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -86,7 +86,7 @@ def _layer_targets(cfg: ModelConfig, dense: bool = False) -> dict[str, tuple]:
         "self_attn.o_proj.weight": ("layers.wo", lambda w: w.T.reshape(Hq, D, E), (E, Hq * D)),
         "post_attention_layernorm.weight": ("layers.mlp_norm", ident, (E,)),
     }
-    if cfg.parallel_block and cfg.family != "gpt_neox":  # Cohere: the MLP reads the attention's normed input
+    if not cfg.mlp_own_norm:  # Cohere: the MLP reads the attention's normed input
         del t["post_attention_layernorm.weight"]
     if not cfg.input_norms:  # OLMo 2: a norm after each of attention and the MLP, none before
         del t["input_layernorm.weight"]
@@ -355,8 +355,8 @@ def hf_tensors(cfg: ModelConfig, params_flat: dict[str, np.ndarray]) -> Iterator
     if cfg.kv_lora_rank:  # (Mistral 4's experts packed)
         yield from gpt_oss_packed(mla_fused(pairs, cfg), cfg) if cfg.family == "mistral4" else mla_fused(pairs, cfg)
         return
-    written = {"qwen3_next": qwen3_next_fused, "gpt2": own_written, "gpt_bigcode": own_written,
-               "gpt_neox": own_written, "gptj": own_written, "mimo_v2_flash": mimo_written, "gemma4": gemma4_written,
+    written = {"qwen3_next": qwen3_next_fused, **dict.fromkeys(LAYOUTS, own_written), "mimo_v2_flash": mimo_written,
+               "gemma4": gemma4_written,
                "llama4": lambda p, c: ((family_hf_name(n, c), t) for n, t in gpt_oss_packed(p, c))}
     if cfg.family in written:  # (Qwen3-Next's projections fused; MiMo's heads and values; experts packed, own names)
         yield from written[cfg.family](pairs, cfg)

@@ -219,8 +219,7 @@ def _declare_layers(cfg: ModelConfig, L: int, moe: bool) -> LayerParams:
             wk=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
             wv=p((L, E, Hkv, D), ("layers", "embed", "kv_heads", "head_dim")),
             wo=p((L, Hq, D, E), ("layers", "q_heads", "head_dim", "embed")),
-            mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and (
-                not cfg.parallel_block or cfg.family == "gpt_neox") else None,  # (GPT-NeoX's MLP: its own norm)
+            mlp_norm=p((L, E), ("layers", "embed"), norm) if cfg.input_norms and cfg.mlp_own_norm else None,
         )
     if cfg.norm_bias:
         layers.attn_norm_b = p((L, E), ("layers", "embed"), "zeros")
