@@ -63,6 +63,9 @@ class MambaConfig:
     # A "mamba1" layer's dt, B and C: RMSNormed with weights ("weighted", Jamba's), without ("unweighted", Falcon
     # Mamba's) or not at all ("none", Mamba's)
     step_norms: str = "weighted"
+    # The residual kept in float32 under a narrower dtype, each layer's norm reading it in the weights' dtype, the head
+    # the final norm's output in it (Mamba's, Falcon Mamba's and Mamba-2's `residual_in_fp32`)
+    residual_fp32: bool = False
 
     def mlp_layers(self, num_layers: int, first: int = 0) -> tuple[int, ...]:
         """The layers with an MLP, from layer `first` on (after a model's dense first layers: their MLPs stacked
@@ -160,7 +163,8 @@ def mamba_config(d: dict[str, Any]) -> MambaConfig | None:
                        no_mixer=tuple(i for i, k in enumerate(kinds) if k in MLP_KINDS),
                        kind=d.get("mamba_kind", "mamba2"), parallel=bool(d.get("mamba_parallel", False)),
                        gate_norm=d.get("mamba_gate_norm", "gated"), dt_rank=int(d.get("mamba_dt_rank") or 0),
-                       step_norms=d.get("mamba_step_norms", "weighted"))
+                       step_norms=d.get("mamba_step_norms", "weighted"),
+                       residual_fp32=bool(d.get("mamba_residual_fp32", False)))
 
 
 def apart_mlp_layers(cfg: Any) -> tuple[int, ...]:

@@ -42,7 +42,8 @@ def mamba_lm(d: dict[str, Any]) -> dict[str, Any]:
               "tie_word_embeddings": bool(d.get("tie_word_embeddings", family != "mamba2")),
               "layer_types": ["mamba"] * n, "mamba_no_mlp": list(range(n)),
               "mamba_d_conv": int(d.get("conv_kernel", 4)), "mamba_conv_bias": bool(d.get("use_conv_bias", True)),
-              "mamba_proj_bias": bool(d.get("use_bias", False))}
+              "mamba_proj_bias": bool(d.get("use_bias", False)),
+              "mamba_residual_fp32": bool(d.get("residual_in_fp32", True))}
     if family == "mamba2":
         heads, head_dim = int(d.get("num_heads", 128)), int(d.get("head_dim", 64))
         if heads * head_dim != inner:
@@ -68,7 +69,7 @@ def mamba_lm_hf(cfg: Any) -> dict[str, Any]:
          "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "state_size": m.state_size,
          "expand": m.inner // cfg.hidden_size, "intermediate_size": m.inner, "conv_kernel": m.conv_kernel,
          "use_conv_bias": m.conv_bias, "use_bias": m.proj_bias, "layer_norm_epsilon": cfg.rms_norm_eps,
-         "hidden_act": "silu",
+         "hidden_act": "silu", "residual_in_fp32": m.residual_fp32,
          "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": "float32"}
     if cfg.max_position_embeddings != DEFAULT_CONTEXT:
         d["max_position_embeddings"] = cfg.max_position_embeddings

@@ -110,6 +110,36 @@ def test_engine_greedy_equals_transformers(mamba):
             LLMEngine(args, loaded=loaded, progress=False)
 
 
+@pytest.mark.parametrize("mamba", ["mamba", "mamba2"], indirect=True)
+def test_bfloat16_keeps_the_residual_in_float32(mamba):
+    """`residual_in_fp32` (their configs' default): under bfloat16 weights the residual stream is float32, each
+    layer's norm reading it in bfloat16 (the state leaving the last layer float32; bfloat16 with the flag off), and the
+    logits are transformers' in bfloat16 as near as bfloat16 allows."""
+    import copy
+    import functools
+
+    import jax
+
+    from jaxserve.loader import HFDirectory, load_params
+    from jaxserve.models.inputs import ModelInputs
+    from jaxserve.models.llama import forward
+
+    _, model, cfg, _, path = mamba
+    hf = cfg.to_hf()
+    off = ModelConfig.from_hf({**hf, "residual_in_fp32": False})
+    assert (cfg.mamba.residual_fp32, hf["residual_in_fp32"], off.mamba.residual_fp32) == (True, True, False)
+    assert ModelConfig.from_hf(off.to_hf()) == off
+    params = load_params(HFDirectory(path), cfg, jnp.bfloat16, progress=False)
+    ids = PROMPTS[2] + PROMPTS[0]
+    kv = KVCache.allocate(cfg, 8, 16, jnp.bfloat16, state_slots=2)
+    inputs = ModelInputs.build([(ids, 0, [1, 2, 3, 4])], 16, num_tokens=64, num_seqs=1, pages_per_seq=4, state_slots=[1])
+    for c, state in ((cfg, jnp.float32), (off, jnp.bfloat16)):
+        logits, _, x = jax.eval_shape(functools.partial(forward, cfg=c, return_hidden=True), params, kv, inputs)
+        assert (x.dtype, logits.dtype) == (state, jnp.float32)
+    ref = hf_logits(copy.deepcopy(model).to(torch.bfloat16), ids)
+    assert rel_err(prompt_logits(cfg, params, ids, dtype=jnp.bfloat16), ref) < 0.03
+
+
 @pytest.mark.parametrize("mamba", ["mamba2"], indirect=True)
 def test_what_it_refuses(mamba):
     """Tensor parallelism (nothing to split: the Mamba layers are whole on each device), LoRA adapters (nothing they

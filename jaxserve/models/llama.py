@@ -79,7 +79,8 @@ def _layer(
     if lora is not None and cfg.gemma4 is not None:  # (Gemma 4's held at the widest kind's widths)
         lora = kind_lora(cfg, lora)
 
-    h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, x, lp.attn_norm, lp.attn_norm_b)
+    xn = x.astype(lp.attn_norm.dtype) if cfg.mamba is not None and cfg.mamba.residual_fp32 else x  # (float32: Mamba's)
+    h_attn = x if lp.attn_norm is None or mixer is NO_MIXER else model_norm(cfg, xn, lp.attn_norm, lp.attn_norm_b)
     x_in = x  # (GPT-NeoX's MLP norms the layer's input, beside attention)
     if mixer is not NO_MIXER:  # (a hybrid model's layer of an MLP alone has none)
         with jax.named_scope("attention"):
@@ -226,8 +227,7 @@ def _residual(cfg: ModelConfig, out: jax.Array) -> jax.Array:
     return out if cfg.residual_multiplier == 1.0 else out * jnp.asarray(cfg.residual_multiplier, out.dtype)
 
 
-# The unrolled loop calls one traced layer: every layer has the same shapes, so the layer is traced
-# and lowered once and called L times (XLA inlines the calls), instead of traced L times.
+# The unrolled loop's one traced layer (the layers' shapes alike): traced and lowered once, called L times (inlined).
 _layer_once = jax.jit(_layer, static_argnums=(0, 1, 7, 8, 9, 10))
 
 
@@ -235,6 +235,7 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Logits [R, V] float32 of last hidden states x [R, E]: the final norm (none when `final_norm` is None: an EAGLE
     head's), then the vocabulary (and the model's soft-cap)."""
     x = x if params.final_norm is None else model_norm(cfg, x, params.final_norm, params.final_norm_b)
+    x = x.astype(params.final_norm.dtype) if cfg.mamba is not None and cfg.mamba.residual_fp32 else x  # (Mamba's)
     if params.lm_head_t is not None:  # untied, stored out-major (see `unstack_layers`)
         logits = _dot_out_major(x, params.lm_head_t, jnp.float32)
     elif params.lm_head is None:
@@ -279,12 +280,11 @@ def forward(
     aux_layers: tuple[int, ...] = (),
     attn_inputs: jax.Array | None = None,
 ):
-    """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32)
-    and the KV cache with this step's keys and values written into their pages; with
-    `return_hidden` (static), also every token's last hidden state [T, E] (before the final norm,
-    for `lm_head`). `embeds` [T, E]: the first layer's inputs in place of the tokens' embeddings (a multi-token
-    prediction layer's, `models.mtp`; an EAGLE draft's, `models.eagle`). `aux_layers` (static, with `return_hidden`):
-    also the hidden states entering these layers, side by side [T, len * E] (`kept_layers`). `attn_inputs` [T, E']:
+    """One model step over a ragged batch: logits at `inputs.logits_indices` ([R, V] float32) and the KV cache with
+    this step's keys and values written into their pages; with `return_hidden` (static), also every token's last
+    hidden state [T, E] (before the final norm, for `lm_head`). `embeds` [T, E]: the first layer's inputs in place of
+    the tokens' embeddings (an MTP layer's, `models.mtp`; an EAGLE draft's, `models.eagle`). `aux_layers` (static,
+    with `return_hidden`): also the states entering these layers, [T, len * E] (`kept_layers`). `attn_inputs` [T, E']:
     what the first layer's attention projects in place of its normed input (an EAGLE-3 draft's; unstacked only).
 
     `layout` (a `sharding.MeshLayout`, for a model sharded over a mesh): where the experts are, and the axis the
@@ -292,6 +292,7 @@ def forward(
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x, deep = (embeds, None) if embeds is not None else _embed(params, inputs, cfg)
+        x = x.astype(jnp.float32) if cfg.mamba is not None and cfg.mamba.residual_fp32 else x
         if params.ple_embed is not None:  # (Gemma 4 E2B/E4B's; an image's tokens look up the pad token's, 0)
             ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)
             inputs = dataclasses.replace(inputs, per_layer=per_layer_inputs(params, cfg, ids, x))
@@ -302,9 +303,9 @@ def forward(
     tables = {(local, rope): by_window[local] if rope else (jnp.ones_like(by_window[local][0]),
                                                             jnp.zeros_like(by_window[local][1]))
               for local, rope in {cfg.layer_kind(i) for i in range(cfg.num_layers)}}
-    # An MLA model's pages of one latent per token go without their axis of one head: XLA:CPU laid that axis out
-    # apart and copied the whole pool into every layer's attention loop (a DeepSeek-V2-shaped model's decode
-    # step, 4 layers over 38 MB of pages: 79.5 -> 29.5 ms; it still copies the pool in and out once a step).
+    # An MLA model's pages of one latent per token go without their axis of one head: XLA:CPU laid that axis out apart
+    # and copied the whole pool into every layer's attention loop (a DeepSeek-V2-shaped model's decode step, 4 layers
+    # over 38 MB of pages: 79.5 -> 29.5 ms; it still copies the pool in and out once a step).
     squeeze = cfg.kv_lora_rank and hkv == 1
     k_all = kv.k.reshape(L * N, page_size, d) if squeeze else kv.k.reshape(L * N, page_size, hkv, d)
     v_all = kv.v.reshape(L * N, page_size, hkv, kv.v.shape[-1])  # (an MLA model's: 0 wide)
