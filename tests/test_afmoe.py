@@ -7,6 +7,7 @@ LoRA adapters against PEFT's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -73,6 +74,80 @@ def test_afmoe_engine_greedy_equals_transformers(tiny):
     layers stacked (the dense layer, then the MoE stack in groups of four)."""
     _, model, cfg, params = tiny
     assert_engine_greedy(model, cfg, params, "scan")
+
+
+# An HF AFMoE's tensors as llama.cpp's converter names them (the experts' stacked apart)
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "self_attn.gate_proj": "attn_gate", "input_layernorm": "attn_norm",
+              "post_attention_layernorm": "post_attention_norm", "pre_mlp_layernorm": "ffn_norm",
+              "post_mlp_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "mlp.router.gate": "ffn_gate_inp", "mlp.expert_bias": "exp_probs_b",
+              **{f"mlp.shared_experts.{p}_proj": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}}
+
+
+def test_afmoe_gguf_equals_the_hf_model(tiny, tmp_path):
+    """A file as llama.cpp's converter writes AFMoE: its config (every 4th layer global, the scale, the experts'
+    counts) and logits are the HF model's; a file without the window, or with softmax routing, is refused by name."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+
+    from jaxserve.loader import open_checkpoint
+    from tests.test_gguf_models import _ours, shaped_writer, written
+
+    path, model, cfg, _ = tiny
+    c = model.config
+
+    def write(name: str, **changes):
+        w = shaped_writer(tmp_path / name, "afmoe", c)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_count(c.num_shared_experts)
+        w.add_leading_dense_block_count(c.num_dense_layers)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(c.route_scale)
+        if changes.get("window", True):
+            w.add_sliding_window(c.sliding_window)
+        if "gating" in changes:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType(changes["gating"]))
+        w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+        experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+        for hf_name, a in load_file(path / "model.safetensors").items():
+            m = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$|model\.layers\.(\d+)\.(.+)$", hf_name)
+            if m is None:
+                top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+                       "lm_head.weight": "output"}[hf_name]
+                w.add_tensor(f"{top}.weight", a)
+                continue
+            layer, module = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            if (e := re.fullmatch(r"mlp\.experts\.(\d+)\.(\w+)_proj", module)) is not None:  # (stacked below)
+                experts.setdefault((layer, e.group(2)), {})[int(e.group(1))] = a
+                continue
+            kind = "bias" if module == "mlp.expert_bias" else "weight"
+            w.add_tensor(f"blk.{layer}.{GGUF_NAMES[module]}.{kind}", a)
+        for (layer, part), each in experts.items():  # [X, out, in], as the converter stacks them
+            w.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.stack([each[j] for j in range(len(each))]))
+        return written(w, tmp_path / name)
+
+    gguf_path = write("afmoe.gguf")
+    got = open_checkpoint(gguf_path).config()
+    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+                               tie_word_embeddings=cfg.tie_word_embeddings) == cfg
+    ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    with pytest.raises(UnsupportedModelError, match="without afmoe.attention.sliding_window"):
+        open_checkpoint(write("nowindow.gguf", window=False)).config()
+    with pytest.raises(UnsupportedModelError, match="expert_gating_func 1 is not supported"):
+        open_checkpoint(write("softmax.gguf", gating=1)).config()
 
 
 def test_afmoe_adapters_equal_peft(tmp_path):

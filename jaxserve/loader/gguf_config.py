@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxserve.config import Family, ModelConfig
 from jaxserve.errors import UnsupportedModelError
+from jaxserve.loader.gguf_afmoe import afmoe_gguf_hf
 from jaxserve.loader.gguf_deepseek import deepseek2_hf
 from jaxserve.loader.gguf_file import prediction_blocks
 from jaxserve.loader.gguf_gemma4 import gemma4_gguf_hf
@@ -61,6 +62,7 @@ _HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3"
             "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
             "nemotron": "NemotronForCausalLM", "gpt2": "GPT2LMHeadModel", "starcoder": "GPTBigCodeForCausalLM",
             "olmo": "OlmoForCausalLM", "gptneox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM",
+            "afmoe": "AfmoeForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
             **{a: hf for a, (hf, _) in QWEN3_NEXT_GGUF.items()}}
@@ -205,6 +207,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                      new_decoder_architecture=two or num_kv not in (1, num_heads), num_ln_in_parallel_attn=1 + two,
                      multi_query=num_kv == 1, bias="blk.0.attn_qkv.bias" in tensor_names,
                      ffn_hidden_size=d["intermediate_size"])
+        if arch == "afmoe":
+            d = afmoe_gguf_hf(meta, d)
         if arch == "olmo":  # (no norm tensors: its LayerNorms have no weights)
             d["clip_qkv"] = meta.get("olmo.attention.clamp_kqv")
         if arch == "olmoe":

@@ -14,6 +14,7 @@ from jaxserve.config import GEMMA_FAMILIES, GRANITE_MOE_FAMILIES, UNIT_NORM_FAMI
 from jaxserve.config_mla import MLA_FAMILIES
 from jaxserve.config_qwen3_next import GATED_DELTA_FAMILIES
 from jaxserve.loader.family_names import router_bias_name
+from jaxserve.loader.gguf_afmoe import NAMES as AFMOE_NAMES
 from jaxserve.loader.gguf_deepseek import mla_tensors
 from jaxserve.loader.gguf_gemma4 import gemma4_tensor
 from jaxserve.loader.gguf_header import GGUFHeader
@@ -154,15 +155,15 @@ def hf_tensors(name: str, arr: np.ndarray, cfg: ModelConfig, arch: str) -> Itera
             return
         if rest in _SHARED_EXPERT:
             hf = _SHARED_EXPERT[rest]
-            if cfg.family in ("glm4_moe", "ernie4_5_moe", *MLA_FAMILIES):  # (shared experts: one module)
+            if cfg.family in ("glm4_moe", "ernie4_5_moe", "afmoe", *MLA_FAMILIES):  # (shared experts: one module)
                 hf = hf.replace("shared_expert.", "shared_experts.")
             yield f"model.layers.{layer}.{hf}", arr.reshape(1, -1) if arr.ndim == 1 else arr
             return
     # (OLMo 2's and EXAONE 4's norms after attention and after the MLP are named as Gemma's)
     extra = _GPT_OSS_NAMES if cfg.family == "gpt_oss" else _POST_ATTENTION_NORM if cfg.family == "glm4_moe" else \
         QWEN3_NEXT_NAMES if cfg.family in GATED_DELTA_FAMILIES else \
-        MIMO2_NAMES if cfg.family == "mimo_v2_flash" else None
-    gemma = cfg.family in GEMMA_FAMILIES and cfg.output_norms or arch in ("olmo2", "exaone4")
+        MIMO2_NAMES if cfg.family == "mimo_v2_flash" else AFMOE_NAMES if cfg.family == "afmoe" else None
+    gemma = cfg.family in GEMMA_FAMILIES and cfg.output_norms or arch in ("olmo2", "exaone4", "afmoe")
     yield gguf_to_hf_name(name, gemma, arch == "phi3", extra), arr
 
 
