@@ -88,7 +88,8 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
 
 def test_afmoe_gguf_equals_the_hf_model(tiny, tmp_path):
     """A file as llama.cpp's converter writes AFMoE: its config (every 4th layer global, the scale, the experts'
-    counts) and logits are the HF model's; a file without the window, or with softmax routing, is refused by name."""
+    counts) and logits are the HF model's; a file without the window, with softmax routing or unrenormalized weights,
+    is refused by name."""
     import gguf
     import numpy as np
     import torch
@@ -111,7 +112,7 @@ def test_afmoe_gguf_equals_the_hf_model(tiny, tmp_path):
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_count(c.num_shared_experts)
         w.add_leading_dense_block_count(c.num_dense_layers)
-        w.add_expert_weights_norm(True)
+        w.add_expert_weights_norm(changes.get("norm", True))
         w.add_expert_weights_scale(c.route_scale)
         if changes.get("window", True):
             w.add_sliding_window(c.sliding_window)
@@ -148,6 +149,8 @@ def test_afmoe_gguf_equals_the_hf_model(tiny, tmp_path):
         open_checkpoint(write("nowindow.gguf", window=False)).config()
     with pytest.raises(UnsupportedModelError, match="expert_gating_func 1 is not supported"):
         open_checkpoint(write("softmax.gguf", gating=1)).config()
+    with pytest.raises(UnsupportedModelError, match="expert_weights_norm false"):
+        open_checkpoint(write("unnormed.gguf", norm=False)).config()
 
 
 def test_afmoe_adapters_equal_peft(tmp_path):

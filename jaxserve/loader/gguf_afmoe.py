@@ -29,9 +29,10 @@ def afmoe_gguf_hf(meta: dict[str, Any], d: dict[str, Any]) -> dict[str, Any]:
     if int(get("expert_gating_func") or _SIGMOID) != _SIGMOID:
         raise UnsupportedModelError(f"AFMoE GGUF expert_gating_func {get('expert_gating_func')} is not supported "
                                     "(sigmoid, 2)")
+    if not get("expert_weights_norm", True):  # (transformers renormalizes the chosen experts' weights always)
+        raise UnsupportedModelError("AFMoE GGUF files with expert_weights_norm false are not supported")
     return {**d, "model_type": "afmoe", "num_experts": d["num_experts"],
             "num_shared_experts": int(get("expert_shared_count") or 0),
             "num_dense_layers": int(get("leading_dense_block_count") or 0),
-            "route_norm": bool(get("expert_weights_norm", True)),
             "route_scale": float(get("expert_weights_scale") or 1.0), "global_attn_every_n_layers": GLOBAL_EVERY,
             "mup_enabled": True}
