@@ -1,8 +1,8 @@
 """Falcon (`FalconForCausalLM`: Falcon 7B, 40B, 180B) against transformers, tiny random models of its three forms:
 the new decoder architecture (40B, 180B: attention and the MLP side by side, each on its own LayerNorm `ln_attn`,
 `ln_mlp`; `num_kv_heads` KV heads, `query_key_value` holding each KV head's group of queries, then its key and
-value), 7B's (one KV head, attention and the MLP side by side on one norm) and the sequential one (`parallel_attn`
-false, a KV head per head). Logits, the checkpoint and config written back under its names, greedy tokens through the
+value; Falcon2-11B's with one norm for both), 7B's (one KV head, attention and the MLP side by side on one norm) and
+the sequential one (`parallel_attn` false, a KV head per head). Logits, the checkpoint and config written back under its names, greedy tokens through the
 engine, llama.cpp's "falcon" files (q, k and v one after another, `attn_norm_2`), and the forms refused by name."""
 
 from __future__ import annotations
@@ -30,9 +30,13 @@ FORMS = {"40b": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, n
          "7b": dict(new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
                     num_key_value_heads=1),
          "sequential": dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True,
-                            num_key_value_heads=4)}  # (the KV heads its attention has: the tiny config's say 2)
+                            num_key_value_heads=4),  # (the KV heads its attention has: the tiny config's say 2)
+         # Falcon2-11B's: the new architecture's KV heads, one norm for both
+         "11b": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1, bias=False,
+                     num_key_value_heads=2)}
 # (each form's KV heads, parallel block, norms of a parallel block, the MLP's own norm)
-SHAPES = {"40b": (2, True, 2, True), "7b": (1, True, 1, False), "sequential": (4, False, None, True)}
+SHAPES = {"40b": (2, True, 2, True), "7b": (1, True, 1, False), "sequential": (4, False, None, True),
+          "11b": (2, True, 1, False)}
 GGUF_NAMES = {"word_embeddings": "token_embd", "ln_f": "output_norm", "ln_attn": "attn_norm",
               "input_layernorm": "attn_norm", "ln_mlp": "attn_norm_2", "query_key_value": "attn_qkv",
               "dense": "attn_output", "dense_h_to_4h": "ffn_up", "dense_4h_to_h": "ffn_down"}
