@@ -92,11 +92,11 @@ _FALCON = ("falcon", "RefinedWeb", "RefinedWebModel")  # (its model types: the l
 
 
 def falcon_config(d: dict[str, Any]) -> dict[str, Any]:
-    """A Falcon config (`FalconForCausalLM`: Falcon 7B, 40B, 180B and their instruct models) as the keys every family
-    reads: LayerNorms with biases, an ungated MLP (`ffn_hidden_size` wide, `activation`), projections biased where
-    `bias` says; attention and the MLP side by side (`parallel_attn`) on one norm, or each on its own
-    (`new_decoder_architecture`: `ln_attn`, `ln_mlp`), or one after the other; one KV head (`multi_query`), one a head,
-    or `num_kv_heads` (the new architecture's). Its first checkpoints' names (`RWForCausalLM`: `n_head`, ...) too."""
+    """A Falcon config (`FalconForCausalLM`: Falcon 7B, 40B, 180B, Falcon2-11B) as the keys every family reads:
+    LayerNorms with biases, an ungated MLP (`ffn_hidden_size` wide, `activation`), projections biased where `bias`
+    says; attention and the MLP side by side (`parallel_attn`) on one norm, or each on its own (the new architecture's
+    `ln_attn`, `ln_mlp` unless `num_ln_in_parallel_attn` is 1), or one after the other; one KV head (`multi_query`),
+    one a head, or `num_kv_heads` (the new architecture's). Its first checkpoints' names (`RWForCausalLM`) too."""
     archs = d.get("architectures") or []
     if d.get("model_type") not in _FALCON and not {"FalconForCausalLM", "RWForCausalLM"} & set(archs):
         return d
