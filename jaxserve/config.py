@@ -65,7 +65,7 @@ class ModelConfig:
     qk_norm: bool = False
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after their projections (OLMo)
     parallel_residual: bool | None = None  # `use_parallel_residual` (GPT-NeoX's false, StableLM's true); None: family's
-    parallel_norms: int | None = None  # a parallel block's norms: 1, shared, or 2, the MLP's own; None: the family's
+    parallel_norms: int = 1  # a parallel block's norms: 1, shared (Cohere's, Phi's), or 2, the MLP's own (GPT-NeoX's)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None  # per layer, "sliding_attention" or "full_attention"; None: all alike
     hidden_act: str = "silu"
@@ -341,7 +341,7 @@ class ModelConfig:
     @property
     def mlp_own_norm(self) -> bool:
         """Whether the MLP reads a norm of its own, not attention's normed input (parallel blocks' one: Phi's)."""
-        return not self.parallel_block or (self.parallel_norms or 1 + (self.family == "gpt_neox")) == 2
+        return not self.parallel_block or self.parallel_norms == 2
 
     @property
     def attention_sinks(self) -> bool:

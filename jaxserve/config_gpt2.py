@@ -78,7 +78,7 @@ def neox_config(d: dict[str, Any]) -> dict[str, Any]:
             "num_key_value_heads": d["num_attention_heads"], "attention_bias": d.get("attention_bias", True),
             "mlp_bias": True, "layer_norm_eps": d.get("layer_norm_eps", 1e-5), "hidden_act": _ACTS.get(act, act),
             "tie_word_embeddings": d.get("tie_word_embeddings", False), "partial_rotary_factor": partial,
-            "rope_theta": theta}
+            "rope_theta": theta, "parallel_norms": 2}
 
 
 def neox_hf(cfg: Any) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def falcon_config(d: dict[str, Any]) -> dict[str, Any]:
             "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5), "attention_bias": bool(d.get("bias")),
             "mlp_bias": bool(d.get("bias")), "tie_word_embeddings": d.get("tie_word_embeddings", True),
             "use_parallel_residual": new or parallel,
-            "parallel_norms": (d.get("num_ln_in_parallel_attn") or 2) if new else 1 if parallel else None}
+            "parallel_norms": (d.get("num_ln_in_parallel_attn") or 2) if new else 1}
 
 
 def falcon_own_hf(cfg: Any) -> dict[str, Any]:

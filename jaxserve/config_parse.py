@@ -151,7 +151,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         parallel_residual=False if family == "gpt_neox" and not d.get("use_parallel_residual", True)
         else True if family == "stablelm" and d.get("use_parallel_residual") else d["use_parallel_residual"]
         if family == "falcon" else None,
-        parallel_norms=d["parallel_norms"] if family == "falcon" else None,
+        parallel_norms=int(d.get("parallel_norms") or 1),  # (set by `neox_config`, `falcon_config`)
         rotary_dim=mla.pop("rotary_dim", None) or (int(head_dim * partial) if partial != 1.0 else None),
         sliding_window=sliding,
         kv_cache_scales=bool(kv_scheme),

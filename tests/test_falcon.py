@@ -35,7 +35,7 @@ FORMS = {"40b": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, n
          "11b": dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1, bias=False,
                      num_key_value_heads=2)}
 # (each form's KV heads, parallel block, norms of a parallel block, the MLP's own norm)
-SHAPES = {"40b": (2, True, 2, True), "7b": (1, True, 1, False), "sequential": (4, False, None, True),
+SHAPES = {"40b": (2, True, 2, True), "7b": (1, True, 1, False), "sequential": (4, False, 1, True),
           "11b": (2, True, 1, False)}
 GGUF_NAMES = {"word_embeddings": "token_embd", "ln_f": "output_norm", "ln_attn": "attn_norm",
               "input_layernorm": "attn_norm", "ln_mlp": "attn_norm_2", "query_key_value": "attn_qkv",
