@@ -175,7 +175,7 @@ def no_rope_layers(family: str, d: dict[str, Any]) -> tuple[int, ...] | None:
     if family in ("smollm3", "granite_swa", "granitemoe_swa"):  # (Granite SWA's: from its bases, `config_granite_swa`)
         return smollm3_no_rope_layers(d)
     if family in ("granitemoehybrid", "olmo_hybrid", "jamba") and d.get("position_embedding_type") != "rope" or (
-            family in ("nemotron_h", "gpt2", "gpt_bigcode")):  # (GPT-2's positions: learned, `Params.pos_embed`)
+            family in ("nemotron_h", "gpt2", "gpt_bigcode")) or d.get("alibi_slopes"):  # (GPT-2's: `Params.pos_embed`)
         return (0,) * d["num_hidden_layers"]
     if family in ("exaone4", "cohere2", "exaone_moe") and d.get("sliding_window"):  # its global layers: NoPE
         return tuple(int(t == "sliding_attention") for t in exaone4_fields(d)["layer_types"])

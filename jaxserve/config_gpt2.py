@@ -8,6 +8,7 @@ every family has; their checkpoints' names and layouts are read and written by `
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jaxserve.errors import UnsupportedModelError
@@ -100,9 +101,6 @@ def falcon_config(d: dict[str, Any]) -> dict[str, Any]:
     archs = d.get("architectures") or []
     if d.get("model_type") not in _FALCON and not {"FalconForCausalLM", "RWForCausalLM"} & set(archs):
         return d
-    if d.get("alibi"):
-        raise UnsupportedModelError("Falcon with alibi (Falcon-RW) is not supported: jaxserve's attention has no "
-                                    "ALiBi biases")
     new, parallel = bool(d.get("new_decoder_architecture")), bool(d.get("parallel_attn", True))
     if new and not parallel:
         raise UnsupportedModelError("Falcon with new_decoder_architecture and parallel_attn false is not supported "
@@ -121,7 +119,17 @@ def falcon_config(d: dict[str, Any]) -> dict[str, Any]:
             "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5), "attention_bias": bool(d.get("bias")),
             "mlp_bias": bool(d.get("bias")), "tie_word_embeddings": d.get("tie_word_embeddings", True),
             "use_parallel_residual": new or parallel,
-            "parallel_norms": (d.get("num_ln_in_parallel_attn") or 2) if new else 1}
+            "parallel_norms": (d.get("num_ln_in_parallel_attn") or 2) if new else 1,
+            # (Falcon adds its bias before scaling the scores: the slopes scaled too)
+            "alibi_slopes": alibi_slopes(heads, (hidden // heads) ** -0.5) if d.get("alibi") else None}
+
+
+def alibi_slopes(num_heads: int, scale: float = 1.0) -> tuple[float, ...]:
+    """BLOOM's ALiBi slopes (Falcon-RW's too), times `scale`: 2^(-8i/n) for i = 1..n, n the largest power of two
+    not above the heads, then for the heads past n the next power of two's odd steps, 2^(-4i/n) for i = 1, 3, 5..."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    steps = [8 * i / n for i in range(1, n + 1)] + [4 * i / n for i in range(1, 2 * (num_heads - n), 2)]
+    return tuple(scale * 2 ** -e for e in steps)
 
 
 def falcon_own_hf(cfg: Any) -> dict[str, Any]:
@@ -131,4 +139,4 @@ def falcon_own_hf(cfg: Any) -> dict[str, Any]:
     return {"num_kv_heads": cfg.num_kv_heads, "new_decoder_architecture": new, "multi_query": cfg.num_kv_heads == 1,
             "parallel_attn": cfg.parallel_block, "num_ln_in_parallel_attn": cfg.parallel_norms if new else None,
             "bias": cfg.attention_bias, "ffn_hidden_size": cfg.intermediate_size, "activation": cfg.hidden_act,
-            "layer_norm_epsilon": cfg.rms_norm_eps}
+            "layer_norm_epsilon": cfg.rms_norm_eps, "alibi": cfg.alibi_slopes is not None}

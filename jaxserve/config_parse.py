@@ -159,6 +159,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
         no_rope_layers=afmoe_no_rope_layers(d) if family == "afmoe" else per_layer.get(
             "no_rope_layers", fields.no_rope_layers(family, d)),
         mamba=mamba_config(d) if family in HYBRID_FAMILIES else None,
+        alibi_slopes=tuple(d["alibi_slopes"]) if d.get("alibi_slopes") else None,
         **moe, **mla,
         **({"hidden_act": d.get("hidden_act", "silu"), **({"layer_types": per_layer["layer_types"]} if per_layer else {}), "rope_qk_norm": family in HUNYUAN_FAMILIES, "query_scale_beta": float(d.get("query_scale_beta", 0.0)),
             "query_scale_length": int(d.get("query_scale_length", 0))} | gemma

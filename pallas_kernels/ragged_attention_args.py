@@ -56,7 +56,7 @@ def quantize_kv(x: jax.Array, page_dtype) -> jax.Array:
 
 def check_attention_args(
     q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key=None,
-    sinks=None, attention_chunk=None, kv_copies=1,
+    sinks=None, attention_chunk=None, kv_copies=1, alibi=None,
 ) -> None:
     """Raise ValueError/TypeError with a specific message when the arguments break the contract."""
     if q.ndim != 3:
@@ -105,6 +105,9 @@ def check_attention_args(
     if sinks is not None and (sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating)):
         raise ValueError(f"sinks must be a float [{num_q_heads}] (one logit per query head), got {sinks.dtype} "
                          f"{sinks.shape}")
+    if alibi is not None and (alibi.shape != (num_q_heads,) or not jnp.issubdtype(alibi.dtype, jnp.floating)):
+        raise ValueError(f"alibi must be a float [{num_q_heads}] (one ALiBi slope per query head), got {alibi.dtype} "
+                         f"{alibi.shape}")
     check_score_args(sm_scale, soft_cap, sliding_window, attention_chunk)
 
 
@@ -126,6 +129,13 @@ def logits(s, sm_scale: float, soft_cap: float | None, log_base: float = 1.0):
     if soft_cap is None:
         return s * (sm_scale * log_base)
     return jnp.tanh(s * (sm_scale / soft_cap)) * (soft_cap * log_base)
+
+
+def alibi_bias(s, slopes, key_pos, row_pos):
+    """The scores `s` [rows, keys] plus ALiBi's linear bias, `slopes` [rows, 1] times each key's distance back from
+    its row, `key_pos - row_pos` (BLOOM's bias on the key's position alone differs by a constant per row: the same
+    softmax); None slopes: `s` unchanged."""
+    return s if slopes is None else s + slopes * (key_pos - row_pos).astype(jnp.float32)
 
 
 def mask_keys(s, key_pos, row_pos, window: int | None, row_last=None, chunk: int | None = None):

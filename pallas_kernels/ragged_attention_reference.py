@@ -33,14 +33,16 @@ def ragged_paged_attention_reference(
     last_key: jax.Array | None = None,
     sinks: jax.Array | None = None,
     attention_chunk: int | None = None,
+    alibi: jax.Array | None = None,
 ) -> jax.Array:
     """Plain `jax.numpy` ragged paged attention, the kernels' oracle (the engine's `xla` backend computes
     the same in blocks of pages; a test holds the two equal). `sinks` [QH]: each head's attention-sink logit
     (gpt-oss), one more column of the softmax whose probability is dropped. `attention_chunk`: Llama 4's chunked
-    attention (a token sees no key before its chunk of positions)."""
+    attention (a token sees no key before its chunk of positions). `alibi` [QH]: ALiBi's slope per query head (each
+    score plus its slope times the key's distance back from the token: `alibi_bias`)."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
-        sinks, attention_chunk,
+        sinks, attention_chunk, alibi=alibi,
     )
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -68,10 +70,15 @@ def ragged_paged_attention_reference(
     if attention_chunk is not None:
         mask &= kv_pos[None, :] >= (pos - pos % attention_chunk)[:, None]
 
-    def finish(logits):
+    def finish(logits):  # [T, KVH, G, (S,) L]
         logits = logits * sm_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
+        if alibi is not None:
+            dist = (kv_pos[None, :] - pos[:, None]).astype(jnp.float32)  # [T, L]
+            dist = dist.reshape(num_tokens, 1, 1, *(1,) * (logits.ndim - 4), kv_len)
+            slopes = alibi.astype(jnp.float32).reshape(1, num_kv_heads, group, *(1,) * (logits.ndim - 3))
+            logits = logits + slopes * dist
         return logits
 
     # Two equivalent formulations; take the one with the smaller intermediate. Gathering each token's own

@@ -1,12 +1,10 @@
 """Ragged paged attention: prefill chunks and decode tokens of many sequences in one call.
 
-The KV cache of one layer is a pool of pages `[num_pages, page_size, num_kv_heads, head_dim]`; page 0 is a
-reserved scratch page. Query tokens are packed by sequence. Query token `i` of sequence `s` sits at position
-`seq_lens[s] - q_len[s] + i` and attends causally to KV positions up to its own, or up to `last_key[t]` where
-given (a span attended both ways; the last `sliding_window` positions before its own, its own included, when a
-window is given; none before its chunk of `attention_chunk` positions, when chunks are). Softmax runs in float32. The pages may be stored
-narrower than q (float8 or bfloat16): the kernel upcasts each block as it loads it, so a float8 cache moves
-half the bytes of a bfloat16 one.
+The KV cache of one layer is a pool of pages `[num_pages, page_size, num_kv_heads, head_dim]`; page 0 is a reserved
+scratch page. Query tokens are packed by sequence. Query token `i` of sequence `s` sits at position `seq_lens[s] -
+q_len[s] + i` and attends causally to KV positions up to its own, or up to `last_key[t]` where given (a span attended
+both ways; the last `sliding_window` positions with a window; none before its chunk of `attention_chunk` positions).
+Softmax runs in float32. Pages stored narrower than q (float8, bfloat16) are upcast block by block as they load.
 
 This file holds the Pallas kernel (generic Pallas with a plain grid, so it runs with `interpret=True` on the
 CPU and lowers for NVIDIA GPUs through Triton), its tuning and the wrapper; the argument checks are in
@@ -25,6 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.ragged_attention_args import (
     M_FLOOR,
+    alibi_bias,
     block_layout,
     blocks_to_tokens,
     check_attention_args,
@@ -45,8 +44,7 @@ from pallas_kernels.ragged_attention_reference import ragged_paged_attention_ref
 # Re-exported: the backend switch and the tests import the reference and the checks from here.
 __all__ = ["AttentionTuning", "check_attention_args", "ragged_paged_attention", "ragged_paged_attention_reference"]
 
-# Hopper SM count: the split heuristic aims at a couple of programs per SM.
-_TARGET_PROGRAMS = 2 * 132
+_TARGET_PROGRAMS = 2 * 132  # the split heuristic aims at a couple of programs per SM (Hopper has 132)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +61,9 @@ class AttentionTuning:
     pad_rows_to_mma: bool | None = None
     num_warps: int | None = None
     num_stages: int | None = None  # Triton's pipelining stages (None: 2; the latent kernel 3)
-    # "mosaic": batches of one query token per sequence go to the Mosaic GPU decode kernel
-    # (paged_decode_mosaic.py) when it supports the shapes; everything else stays on this kernel.
+    # "mosaic": batches of one query token per sequence to the Mosaic GPU decode kernel (paged_decode_mosaic.py),
+    # batches with prefill chunks to the ragged one (ragged_attention_mosaic.py), where they take the shapes.
     decode_lowering: str = "triton"
-    # "mosaic": batches holding prefill chunks go to the ragged Mosaic GPU kernel (ragged_attention_mosaic.py)
-    # when it supports the shapes; else this kernel.
     prefill_lowering: str = "triton"
     # With both lowerings "mosaic": in a batch holding prefill chunks, the decode tokens (sequences of one
     # query token) go to the decode kernel (flash-decoding splits, a 64-row tile) and only the chunks to the
@@ -111,14 +107,17 @@ def _attention_kernel(
     has_last: bool,
     has_sinks: bool,
     kv_copies: int,
+    has_alibi: bool = False,
 ):
     """One program: one block of query tokens of one sequence, one KV head with its whole query-head group (the
     pool's head `kv_head * kv_copies`: the first copy of it).
     With `has_last`, the first of `refs` holds each row's last visible key (`last_key` laid out as the rows); with
-    `has_sinks`, the next holds each row's attention-sink logit (applied here, or in `combine_splits`)."""
+    `has_sinks`, the next holds each row's attention-sink logit (applied here, or in `combine_splits`); with
+    `has_alibi`, the next each row's ALiBi slope."""
     refs = list(refs)
     last_ref = refs.pop(0) if has_last else None
     sink_ref = refs.pop(0) if has_sinks else None
+    slopes = refs.pop(0)[...][:, None] if has_alibi else None  # [rows, 1]
     out_refs = refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_pages = k_pages_ref.shape[0]
@@ -167,7 +166,8 @@ def _attention_kernel(
         else:
             s = sum(jnp.sum(q[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=-1)
                     for q, k in zip(qs, ks, strict=True))
-        s = mask_keys(logits(s, sm_scale, soft_cap), kv_pos[None, :], row_pos[:, None], sliding_window,
+        s = alibi_bias(logits(s, sm_scale, soft_cap), slopes, kv_pos[None, :], row_pos[:, None])
+        s = mask_keys(s, kv_pos[None, :], row_pos[:, None], sliding_window,
                       None if row_last is None else row_last[:, None], chunk)
         s = jnp.where(row_valid[:, None], s, -jnp.inf)  # [rows, block_kv]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -231,19 +231,19 @@ def ragged_paged_attention(
     decode: bool = False,
     attention_chunk: int | None = None,
     kv_copies: int = 1,
+    alibi: jax.Array | None = None,
 ) -> jax.Array:
-    """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks`
-    [QH]: each head's attention-sink logit (gpt-oss), a share of each softmax carrying no value (every kernel
-    here takes them). `decode` (static): the caller promises at most one query token per sequence (an engine's
-    decode loop), so a call that goes to the Mosaic GPU decode kernel holds that kernel alone, not a branch for
-    prefill chunks beside it. `attention_chunk`: Llama 4's chunked attention (no key before a token's chunk).
-    `kv_copies` (static): the pages hold each KV head that many times over, as heads h * kv_copies to
-    h * kv_copies + kv_copies - 1 (Gemma 4's full-attention rows); this kernel reads one copy, the Mosaic ones and the
-    reference read them all (the same keys, each query head its own copy: the same result, more bytes)."""
+    """Pallas ragged paged attention (prefill chunks and decode in one call); `[T, QH, D]` in q's dtype. `sinks` [QH]:
+    each head's attention-sink logit (gpt-oss), a share of each softmax carrying no value (every kernel here takes
+    them). `decode` (static): the caller promises at most one query token per sequence (an engine's decode loop), so
+    a call that goes to the Mosaic GPU decode kernel holds that kernel alone, not a branch for prefill chunks beside
+    it. `attention_chunk`: Llama 4's chunked attention (no key before a token's chunk). `kv_copies` (static): the
+    pages hold each KV head that many times over, as heads h * kv_copies to h * kv_copies + kv_copies - 1 (Gemma 4's
+    full-attention rows); this kernel reads one copy, the Mosaic ones and the reference all (the same result, more
+    bytes). `alibi` [QH]: ALiBi's slope per query head (`alibi_bias`): this kernel's alone, not the Mosaic ones'."""
     check_attention_args(
         q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, sm_scale, soft_cap, sliding_window, last_key,
-        sinks, attention_chunk, kv_copies,
-    )
+        sinks, attention_chunk, kv_copies, alibi)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, pool_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = block_tables.shape
@@ -257,7 +257,7 @@ def ragged_paged_attention(
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, num_tokens)
     if tuning.pad_rows_to_mma is None:
         tuning = dataclasses.replace(tuning, pad_rows_to_mma=not interpret and jnp.dtype(q.dtype).itemsize == 2)
-    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering):
+    if "mosaic" in (tuning.decode_lowering, tuning.prefill_lowering) and alibi is None:
         from pallas_kernels.paged_decode_mosaic import mosaic_decode_supported
         from pallas_kernels.ragged_attention_mosaic import ragged_mosaic_supported
 
@@ -294,7 +294,7 @@ def ragged_paged_attention(
         num_splits=splits,
         use_mma=use_mma,
         has_last=last_key is not None, has_sinks=sinks is not None, kv_copies=kv_copies,
-    )
+        has_alibi=alibi is not None)
     # Metadata, block tables and the page pools are whole-array refs: pages are gathered inside the kernel.
     in_specs = [
         pl.BlockSpec(meta.shape, lambda b, h, k: (0, 0)),
@@ -308,12 +308,13 @@ def ragged_paged_attention(
         rows_last = jnp.repeat(last_key[gather_tok], group, axis=1)
         operands.append(jnp.pad(rows_last, ((0, 0), (0, rows - block_q * group)), constant_values=-1))
         in_specs.append(pl.BlockSpec((None, rows), lambda b, h, k: (b, 0)))
-    sink_rows = None
-    if sinks is not None:  # [KVH, rows]: row r of KV head h is query head h * group + r % group (padding: 0)
-        sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, block_q))
-        sink_rows = jnp.pad(sink_rows, ((0, 0), (0, rows - block_q * group)))
-        operands.append(sink_rows)
-        in_specs.append(pl.BlockSpec((None, rows), lambda b, h, k: (h, 0)))
+    # Sinks, slopes: [KVH, rows], row r of KV head h is query head h * group + r % group (padding: 0).
+    per_head = [None if a is None else jnp.pad(jnp.tile(a.astype(jnp.float32).reshape(num_kv_heads, group),
+                                                        (1, block_q)), ((0, 0), (0, rows - block_q * group)))
+                for a in (sinks, alibi)]
+    sink_rows = per_head[0]
+    operands += [a for a in per_head if a is not None]
+    in_specs += [pl.BlockSpec((None, rows), lambda b, h, k: (h, 0)) for a in per_head if a is not None]
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows, head_dim), q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, k: (b, h, 0, 0))

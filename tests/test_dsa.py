@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig, UnsupportedModelError
-from jaxserve.models.attention import kv_storage_bits
 from jaxserve.models.inputs import KVCache
+from jaxserve.models.kv_pages import kv_storage_bits
 from jaxserve.models.sparse_mla import sparse_mla_attention
 
 

@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig  # noqa: E402
+from jaxserve.config_gpt2 import alibi_slopes  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
 from jaxserve.loader import open_checkpoint  # noqa: E402
 from tests.test_gguf_models import _ours, shaped_writer, written  # noqa: E402
@@ -75,8 +76,32 @@ def test_falcon_engine_greedy_equals_transformers(tiny40):
     assert_engine_greedy(model, cfg, params, "scan")
 
 
+def test_falcon_rw_alibi_equals_transformers(tmp_path_factory, monkeypatch):
+    """Falcon-RW (`alibi`: no rotation; each head's scores plus its slope, scaled with them, times the key's
+    position): logits on both backends (without the slopes they differ), config and checkpoint written back, greedy
+    tokens through the engine. transformers rounds the bias to bfloat16 (slopes and products); here it is made in
+    float32, as jaxserve makes it."""
+    import math
+
+    from transformers.models.falcon import modeling_falcon
+
+    def float32_alibi(mask, num_heads, dtype):
+        slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32)
+        return (slopes[:, None] * ((mask.cumsum(-1) - 1) * mask)[:, None, :]).reshape(-1, 1, mask.shape[1]).to(dtype)
+
+    monkeypatch.setattr(modeling_falcon, "build_alibi_tensor", float32_alibi)
+    path, model, cfg, params = tiny_loaded(tmp_path_factory, "FalconConfig", "falcon_rw", bos_token_id=1,
+                                           eos_token_id=2, ffn_hidden_size=96, alibi=True, num_attention_heads=6,
+                                           hidden_size=96,                                           **{**FORMS["sequential"], "num_key_value_heads": 6})
+    assert cfg.alibi_slopes == pytest.approx([s / math.sqrt(cfg.head_dim) for s in alibi_slopes(6)])
+    assert cfg.no_rope_layers == (0,) * cfg.num_layers and cfg.to_hf()["alibi"]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert_logits_match(model, cfg, params, {"alibi_slopes": None}, backends=("xla", "pallas_interpret"))
+    assert_written_back(path, cfg, params)
+    assert_engine_greedy(model, cfg, params, "scan")
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"alibi": True}, "alibi"),
     ({"new_decoder_architecture": True, "parallel_attn": False}, "parallel_attn false"),
     ({"multi_query": False, "num_kv_heads": 2}, "num_kv_heads 2 of 4 heads"),
 ])

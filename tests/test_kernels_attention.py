@@ -3,6 +3,7 @@ against a naive per-token oracle."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -426,6 +427,47 @@ def test_attention_sinks(tuning, sliding_window):
                                                    decode=decode))(*a, sinks=sinks))
         np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
         np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)
+
+
+@pytest.mark.parametrize("tuning", [
+    AttentionTuning(block_q=4, block_kv=16),  # tensor-core rows (12 padded to 16)
+    AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8),  # rows unpadded, the KV length split
+])
+def test_alibi_slopes(tuning):
+    """ALiBi (Falcon-RW's slopes, 6 heads: 4 of the power of two, 2 of the next): the reference equals the float64
+    oracle; the Pallas kernel (whole and split over the KV length) and the engine's CPU attention (prompt tiles and
+    decode rows) equal the reference, which the slopes move; the Mosaic GPU kernels leave it to the Pallas kernel."""
+    from jaxserve.config_gpt2 import alibi_slopes
+    from jaxserve.models.attention import xla_ragged_paged_attention
+
+    rng = np.random.default_rng(23)
+    group, kv_heads = 3, 2
+    batch = make_batch(rng, page_size=8, head_dim=32, group=group, num_kv_heads=kv_heads, dtype=jnp.float32,
+                       seqs=[(1, 19), (9, 20), (1, 1), (13, 16), (1, 12)], pages_per_seq=4)
+    slopes = jnp.asarray(alibi_slopes(group * kv_heads), jnp.float32)
+    args = (batch.q, batch.k_pages, batch.v_pages, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    kw = dict(sm_scale=0.3)
+    ref = np.asarray(ragged_paged_attention_reference(*args, **kw, alibi=slopes))
+    n = batch.num_real_tokens
+    np.testing.assert_allclose(ref[:n], naive_attention(batch, **kw, alibi=np.asarray(slopes))[:n], atol=2e-5)
+    plain = np.asarray(ragged_paged_attention_reference(*args, **kw))
+    assert np.abs(ref[:n] - plain[:n]).max() > 0.1
+    for lowering in ("triton", "mosaic"):
+        t = dataclasses.replace(tuning, decode_lowering=lowering, prefill_lowering=lowering)
+        got = np.asarray(ragged_paged_attention(*args, **kw, alibi=slopes, interpret=_interpret(), tuning=t))
+        np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(got[n:], 0.0)
+    for decode, seqs in ((False, None), (True, [(1, 19), (1, 1), (1, 12)])):
+        b = batch if seqs is None else make_batch(rng, page_size=8, head_dim=32, group=group, num_kv_heads=kv_heads,
+                                                   dtype=jnp.float32, seqs=seqs, pages_per_seq=4)
+        a = (b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens, b.query_start_loc)
+        want = np.asarray(ragged_paged_attention_reference(*a, **kw, alibi=slopes))
+        xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, query_block=4,
+                                                   decode=decode))(*a, alibi=slopes))
+        np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)
+    with pytest.raises(ValueError, match=r"alibi must be a float \[6\] \(one ALiBi slope per query head\)"):
+        ragged_paged_attention_reference(*args, **kw, alibi=slopes[:2])
 
 
 @pytest.mark.parametrize("tuning,sliding_window", [

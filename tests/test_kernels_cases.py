@@ -90,10 +90,10 @@ def span_last_key(b: Batch, spans_per_seq, rng=None) -> jnp.ndarray:
 
 
 def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, last_key=None, sinks=None,
-                    attention_chunk=None) -> np.ndarray:
+                    attention_chunk=None, alibi=None) -> np.ndarray:
     """Loop-per-token float64 attention straight from the contract; independent of the library's reference.
     `sinks` [QH]: each head's sink logit, a share of the softmax with no value; `attention_chunk`: no key before
-    the token's chunk of positions."""
+    the token's chunk of positions; `alibi` [QH]: each head's slope times each key's position less the token's."""
     q = np.asarray(b.q, np.float64)
     k = np.asarray(b.k_pages, np.float64)
     v = np.asarray(b.v_pages, np.float64)
@@ -119,6 +119,8 @@ def naive_attention(b: Batch, *, sm_scale, soft_cap=None, sliding_window=None, l
                 logits = k[pages, kv % page_size, kh] @ q[t, h] * sm_scale
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
+                if alibi is not None:
+                    logits = logits + float(alibi[h]) * (kv - pos)
                 top = logits.max() if sinks is None else max(logits.max(), float(sinks[h]))
                 p = np.exp(logits - top)
                 denom = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - top))

@@ -136,7 +136,7 @@ def test_cpu_step_never_converts_the_whole_pool(kv_dtype, decode):
 
 
 def test_model_writes_saturated_float8():
-    from jaxserve.models.attention import write_kv
+    from jaxserve.models.kv_pages import write_kv
 
     pages = jnp.zeros((3, 4, 1, 2), E4M3)
     k = jnp.asarray([[[1.0, 600.0]], [[-0.5, -1e5]]], jnp.float32)

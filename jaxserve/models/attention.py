@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.models.head_shards import on_head_shards
+from jaxserve.models.kv_pages import read_pages
 from pallas_kernels.ragged_attention_args import (
+    alibi_bias,
     clamp_last_key,
     first_key,
-    quantize_kv,
     sink_denom,
     token_metadata,
 )
@@ -48,28 +49,29 @@ def xla_ragged_paged_attention(
     kv_dtype=None,
     sinks: jax.Array | None = None,
     chunk: int | None = None,
+    alibi: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention in plain JAX, with an online softmax over blocks of pages.
 
-    q: [T, Hq, D]; k_pages, v_pages: [N, page_size, Hkv, D], or [N, page_size, D] for one KV head (v_pages None:
-    the keys are the values, as an MLA model's latent entries are); block_tables: [S, P];
-    seq_lens: [S]; query_start_loc: [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
+    q: [T, Hq, D]; k_pages, v_pages: [N, page_size, Hkv, D], or [N, page_size, D] for one KV head (v_pages None: the
+    keys are the values, as an MLA model's latent entries are); block_tables: [S, P]; seq_lens: [S]; query_start_loc:
+    [S + 1]. Returns [T, Hq, D] in q's dtype (zero for padding tokens).
 
-    Two forms. With `decode` (static: every sequence has at most one query token), each token reads its own
-    sequence's pages: all tokens at once, or `query_block` real tokens at a time when there are more rows than
-    that (padding and finished rows cost nothing). Otherwise each prompt chunk's queries go in tiles of
-    `query_block` tokens that share one read of the sequence's pages, so a chunk reads its context once per tile
-    instead of once per token, and decode tokens go `query_block` at a time (the rest in pieces of 8, 2 and 1); a
-    chunk's last 1 to `SMALL_BLOCK` queries (a short chunk: drafts being verified) go in a tile of that many rows.
-    Both walk the KV in blocks of `pages_per_block` pages, only as far as the keys the queries can see; by default
-    (None) a prompt tile reads `TILE_PAGES_PER_BLOCK` pages at a time and a token its own `row_pages_per_block`.
+    Two forms. With `decode` (static: every sequence has at most one query token), each token reads its own sequence's
+    pages: all tokens at once, or `query_block` real tokens at a time when there are more rows than that (padding and
+    finished rows cost nothing). Otherwise each prompt chunk's queries go in tiles of `query_block` tokens that share
+    one read of the sequence's pages (a chunk reads its context once per tile, not once per token), and decode tokens
+    go `query_block` at a time (the rest in pieces of 8, 2 and 1); a chunk's last 1 to `SMALL_BLOCK` queries (a short
+    chunk: drafts being verified) go in a tile of that many rows. Both walk the KV in blocks of `pages_per_block`
+    pages, only as far as the keys the queries can see; by default (None) a prompt tile reads `TILE_PAGES_PER_BLOCK`
+    pages at a time and a token its own `row_pages_per_block`.
 
-    `kv_dtype` (static) is the dtype the pages hold when the pools are their raw bits (unsigned integers
-    of its width; see `kv_storage_bits`), else None. `last_key` [T]: spans attended both ways (the kernels'
-    contract, `pallas_kernels.ragged_attention_args`); `sinks` [Hq]: each head's attention-sink logit (gpt-oss);
-    `chunk`: a query sees the keys of its own chunk of positions only (Llama 4's chunked attention).
+    `kv_dtype` (static) is the dtype the pages hold when the pools are their raw bits (unsigned integers of its width;
+    see `kv_storage_bits`), else None. `last_key` [T]: spans attended both ways (the kernels' contract,
+    `pallas_kernels.ragged_attention_args`); `sinks` [Hq]: each head's attention-sink logit (gpt-oss); `chunk`: a query
+    sees the keys of its own chunk of positions only (Llama 4's); `alibi` [Hq]: ALiBi's slopes (`alibi_bias`).
     """
-    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, span=(sliding_window, chunk),
+    kw = dict(sm_scale=sm_scale, soft_cap=soft_cap, span=(sliding_window, chunk), alibi=alibi,
               pages_per_block=pages_per_block, query_block=query_block, kv_dtype=kv_dtype, sinks=sinks)
     last_key = clamp_last_key(last_key, seq_lens, query_start_loc, q.shape[0])
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key)
@@ -108,26 +110,12 @@ def row_pages_per_block(page_size: int, num_kv_heads: int, head_dim: int, itemsi
     return b
 
 
-def kv_storage_bits(dtype) -> jnp.dtype | None:
-    """The unsigned integer type the CPU attention keeps pages of `dtype` in during a step (None for
-    float32). XLA:CPU has no bfloat16 or float8 gather or scatter: around one it upcasts the whole pool
-    of the layer to float32 and back. Measured, 16 decode rows at 1.5k context over a 2048-page pool:
-    14.6 s a step in bfloat16 and 33.7 s in float8_e4m3fn, against 0.45 s in float32."""
-    dtype = jnp.dtype(dtype)
-    return None if dtype.itemsize >= 4 else jnp.dtype(f"uint{8 * dtype.itemsize}")
-
-
-def read_pages(pool: jax.Array, pages: jax.Array, kv_dtype) -> jax.Array:
-    """The given pages of a pool in float32; a pool of raw bits is gathered as integers, then read as
-    `kv_dtype`."""
-    block = pool[pages]
-    if kv_dtype is not None and block.dtype != kv_dtype:
-        block = jax.lax.bitcast_convert_type(block, kv_dtype)
-    return block.astype(jnp.float32)
-
-
-def _cap(s: jax.Array, soft_cap: float | None) -> jax.Array:
-    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+def _scores(s: jax.Array, soft_cap: float | None, alibi: jax.Array | None, kpos: jax.Array, pos: jax.Array):
+    """Scaled scores s [R, Hkv, G, J] soft-capped, plus ALiBi's bias (`alibi` [Hq]) of keys kpos [J] to rows at pos
+    [R]."""
+    s = s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+    return alibi_bias(s, None if alibi is None else alibi.astype(jnp.float32).reshape(1, *s.shape[1:3], 1),
+                      kpos[None, None, None, :], pos[:, None, None, None])
 
 
 def _online_softmax_step(carry, s: jax.Array, mask: jax.Array, pv):
@@ -166,7 +154,7 @@ def _finish(carry, sinks: jax.Array | None) -> jax.Array:
 
 
 def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, span, pages_per_block, kv_dtype,
-                    sinks):
+                    sinks, alibi):
     """Each query row against its own pages, `pages_per_block` at a time (None: `row_pages_per_block`).
     qf: [R, Hkv, G, D] f32, scaled; pos: [R] (-1: sees no key); last: [R], each row's last visible key, or
     None (causal); tables: [R, P]. Returns [R, Hq, D] f32 (zero for a row that sees no key)."""
@@ -180,10 +168,11 @@ def _rows_attention(qf, pos, last, tables, k_pages, v_pages, *, soft_cap, span, 
         pages = jax.lax.dynamic_slice_in_dim(tables, j * B, B, axis=1)  # [R, B]
         k = read_pages(k_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
         v = k if v_pages is None else read_pages(v_pages, pages, kv_dtype).reshape(R, J, Hkv, D)
-        mask = _key_mask(j * J + jnp.arange(J, dtype=jnp.int32), pos, span, last)
+        kpos = j * J + jnp.arange(J, dtype=jnp.int32)
+        mask = _key_mask(kpos, pos, span, last)
         # A masked key may sit in a stale or scratch page: zero its V so 0 * garbage cannot reach the output.
         v = jnp.where(mask[:, :, None, None], v, 0.0)
-        s = _cap(jnp.einsum("tkgd,tjkd->tkgj", qf, k), soft_cap)
+        s = _scores(jnp.einsum("tkgd,tjkd->tkgj", qf, k), soft_cap, alibi, kpos, pos)
         return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("tkgj,tjkd->tkgd", p, v))
 
     return _finish(jax.lax.fori_loop(0, num_blocks, body, _init(R, Hkv, G, D)), sinks)
@@ -198,14 +187,14 @@ def token_rows(seq_lens, query_start_loc, num_tokens: int, last_key=None):
 
 
 def _per_token_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
-                         sm_scale, soft_cap, span, pages_per_block, query_block, kv_dtype, sinks):
+                         sm_scale, soft_cap, span, pages_per_block, query_block, kv_dtype, sinks, alibi):
     """Every token gathers its own sequence's pages, one block at a time: all tokens at once when
     they fit in one chunk of `query_block`, else the real tokens a chunk at a time."""
     T, Hq, D = q.shape
     Hkv = k_pages.shape[2] if k_pages.ndim == 4 else 1
     seq, pos, last, valid = token_rows(seq_lens, query_start_loc, T, last_key)
-    kw = dict(soft_cap=soft_cap, span=span, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
-              sinks=sinks)
+    kw = dict(soft_cap=soft_cap, span=span, pages_per_block=pages_per_block, kv_dtype=kv_dtype, sinks=sinks,
+              alibi=alibi)
     if T <= query_block:
         qf = q.astype(jnp.float32).reshape(T, Hkv, Hq // Hkv, D) * sm_scale
         return _rows_attention(qf, pos, last, block_tables[seq], k_pages, v_pages, **kw).astype(q.dtype)
@@ -243,7 +232,7 @@ def _row_chunks(qf, seq, pos, last, select, block_tables, k_pages, v_pages, out,
 
 
 def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, *,
-                     sm_scale, soft_cap, span, pages_per_block, query_block, kv_dtype, sinks):
+                     sm_scale, soft_cap, span, pages_per_block, query_block, kv_dtype, sinks, alibi):
     """A mixed batch. Each prompt chunk (a sequence with several query tokens) goes in tiles of
     `query_block` tokens; a tile reads each block of its sequence's pages once for all its tokens.
     Decode tokens (one query token in their sequence) go `query_block` at a time, each reading its own
@@ -256,8 +245,8 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     # The token axis gets a tile of padding, so a tile's window never runs off its end (a dynamic slice
     # would shift it back instead).
     qf = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, Bq), (0, 0), (0, 0))).reshape(T + Bq, Hkv, G, D)
-    kw = dict(soft_cap=soft_cap, span=span, pages_per_block=pages_per_block, kv_dtype=kv_dtype,
-              sinks=sinks)
+    kw = dict(soft_cap=soft_cap, span=span, pages_per_block=pages_per_block, kv_dtype=kv_dtype, sinks=sinks,
+              alibi=alibi)
     tables, B = pad_to_blocks(block_tables, pages_per_block or TILE_PAGES_PER_BLOCK)  # the tiles' blocks of pages
     J = B * page_size
 
@@ -307,7 +296,7 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
                 kpos = j * J + jnp.arange(J, dtype=jnp.int32)
                 # Keys outside [first, last) may sit in stale or scratch pages: zero their V (no row sees them).
                 v = jnp.where(((kpos >= first) & (kpos < last))[:, None, None], v, 0.0)
-                s = _cap(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap)
+                s = _scores(jnp.einsum("qkgd,jkd->qkgj", qt, k), soft_cap, alibi, kpos, pos)
                 mask = _key_mask(kpos, pos, span, row_last)
                 return _online_softmax_step(carry, s, mask, lambda p: jnp.einsum("qkgj,jkd->qkgd", p, v))
 
@@ -323,34 +312,6 @@ def _tiled_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_lo
     out = tiles(out, big_tiles, -(-T // Bq) + S, Bq, lambda s, k: k * Bq)
     out = tiles(out, small_tiles, S, small, lambda s, k: q_lens[s] // Bq * Bq)
     return out[:T].astype(q.dtype)
-
-
-def write_kv(
-    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, kv_dtype=None
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter new K/V ([T, Hkv, D]) into their slots (page * page_size + offset), as `kv_dtype` (float8
-    saturates; see `quantize_kv`) or the pages' dtype. Pools of raw bits (`kv_storage_bits`) get the bits; a pool
-    of one KV head may come without its head axis ([N, page_size, D]); an empty one is left as it is."""
-    n, page_size = k_pages.shape[:2]
-    if k.shape[0] == 1:
-        # XLA turns a one-row scatter into a dynamic-update-slice, which XLA:CPU does not always do
-        # in place in an unrolled layer loop (it copied the whole pool per layer); a second row
-        # aimed at slot 0 of the reserved padding page keeps it a scatter.
-        k, v = jnp.pad(k, ((0, 1), (0, 0), (0, 0))), jnp.pad(v, ((0, 1), (0, 0), (0, 0)))
-        slot_mapping = jnp.pad(slot_mapping, (0, 1))
-
-    def rows(x, pool):
-        x = quantize_kv(x, kv_dtype or pool.dtype)
-        return x if x.dtype == pool.dtype else jax.lax.bitcast_convert_type(x, pool.dtype)
-
-    def scatter(pool, x):  # (a pool of [N, page_size, D]: one KV head, its axis dropped)
-        if pool.size == 0:  # (an MLA model's values: none)
-            return pool
-        slot = pool.shape[2:]
-        return pool.reshape(n * page_size, *slot).at[slot_mapping].set(rows(x, pool).reshape(-1, *slot)).reshape(
-            pool.shape)
-
-    return scatter(k_pages, k), scatter(v_pages, v)
 
 
 def paged_attention(
@@ -372,28 +333,31 @@ def paged_attention(
     layout=None,
     chunk: int | None = None,
     kv_copies: int = 1,
+    alibi: jax.Array | None = None,
 ) -> jax.Array:
     """Dispatch to the chosen attention backend (all share the xla backend's contract). `decode`
     (static) promises at most one query token per sequence; `kv_dtype`, for the xla backend, is what
     pools of raw bits hold; `last_key` [T]: spans attended both ways; `sinks` [Hq]: attention-sink logits;
     `layout` (a `sharding.MeshLayout`): the mesh axis the kernels split heads over (see `on_head_shards`); `chunk`:
     Llama 4's chunked attention (a query sees no key before its chunk of positions); `kv_copies`: the pools hold each
-    KV head that many times over (Gemma 4's full-attention rows): the Pallas kernel reads one where it can."""
+    KV head that many times over (Gemma 4's full-attention rows): the Pallas kernel reads one where it can; `alibi`
+    [Hq]: ALiBi's slopes."""
     kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     if backend == "xla":
         return xla_ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, chunk=chunk,
-                                          decode=decode, kv_dtype=kv_dtype, last_key=last_key, sinks=sinks, **kwargs)
+                                          decode=decode, kv_dtype=kv_dtype, last_key=last_key, sinks=sinks, alibi=alibi,
+                                          **kwargs)
     if backend in ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret"):
         from pallas_kernels import AttentionTuning, ragged_paged_attention
         lowering = "mosaic" if backend.startswith("pallas_mosaic") else "triton"
         tuning = AttentionTuning(decode_lowering=lowering, prefill_lowering=lowering)
 
-        def kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, sinks):
+        def kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, last_key, sinks, alibi):
             return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
                                           interpret=backend.endswith("_interpret"), tuning=tuning, last_key=last_key,
-                                          sinks=sinks, decode=decode, attention_chunk=chunk, **kwargs,
+                                          sinks=sinks, alibi=alibi, decode=decode, attention_chunk=chunk, **kwargs,
                                           kv_copies=kv_copies if k_pages.shape[2] % kv_copies == 0 else 1)
 
         return on_head_shards(layout, kernel, q, (k_pages, v_pages),
-                              (block_tables, seq_lens, query_start_loc, last_key), (sinks,))
+                              (block_tables, seq_lens, query_start_loc, last_key), (sinks, alibi))
     raise ValueError(f"unknown attention backend {backend!r} (choose from {', '.join(ATTENTION_BACKENDS)})")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import kv_storage_bits
+from jaxserve.models.kv_pages import kv_storage_bits
 
 
 @jax.tree_util.register_dataclass

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import GEMMA_FAMILIES, ModelConfig
-from jaxserve.models.attention import AttentionBackend, kv_storage_bits, paged_attention, write_kv
+from jaxserve.models.attention import AttentionBackend, paged_attention
 from jaxserve.models.gemma4 import (
     add_per_layer_input,
     experts_beside,
@@ -24,6 +24,7 @@ from jaxserve.models.gemma4 import (
 )
 from jaxserve.models.inputs import KVCache, ModelInputs
 from jaxserve.models.kept_layers import KeptLayers
+from jaxserve.models.kv_pages import kv_storage_bits, write_kv
 from jaxserve.models.lora import lora_deltas
 from jaxserve.models.mamba import NO_MIXER, Beside, hybrid_layers
 from jaxserve.models.mla import mla_attention
@@ -192,8 +193,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
     if cfg.query_scale_beta and (cfg.family != "llama4" or not rope):  # (Llama 4's: its unrotated layers only)
         q = q * query_scale(cfg, inputs.positions).astype(q.dtype)[:, None, None]
 
-    # A float8 cache with scales holds K / k_scale and V / v_scale: the attention of q * k_scale
-    # over the stored keys, times v_scale, is the attention over the true ones (any backend).
+    # A float8 cache with scales holds K / k_scale and V / v_scale: attend with q * k_scale, times v_scale.
     scaled = lp.k_scale is not None and kv_dtype is not None and jnp.dtype(kv_dtype) in FP8_KV_DTYPES
     if scaled:
         ks, vs = lp.k_scale.astype(jnp.float32), lp.v_scale.astype(jnp.float32)
@@ -212,7 +212,7 @@ def _attention(cfg: ModelConfig, backend: AttentionBackend, inputs: ModelInputs,
         last_key=inputs.last_key if cfg.gemma4 is None or local else None,  # (Gemma 4's full layers: causal)
         chunk=cfg.attention_chunk if local else None,
         sinks=lp.sinks, layout=layout, kv_copies=copies,
-    )  # [T, Hq, D]
+        alibi=None if cfg.alibi_slopes is None else jnp.asarray(cfg.alibi_slopes, jnp.float32))  # [T, Hq, D]
     if scaled:
         attn = (attn.astype(jnp.float32) * vs).astype(attn.dtype)
     if gate is not None:

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.config_mla import LATENT_NORM_EPS
-from jaxserve.models.attention import AttentionBackend, paged_attention, write_kv
+from jaxserve.models.attention import AttentionBackend, paged_attention
 from jaxserve.models.head_shards import on_head_shards
 from jaxserve.models.inputs import ModelInputs
+from jaxserve.models.kv_pages import write_kv
 from jaxserve.models.lora import latent_lora, lora_deltas
 from jaxserve.models.ops import apply_rope, rms_norm
 from jaxserve.models.params import LayerParams, ParamInfo

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.attention import pad_to_blocks, read_pages, token_rows
+from jaxserve.models.attention import pad_to_blocks, token_rows
 from jaxserve.models.head_shards import on_head_shards
+from jaxserve.models.kv_pages import read_pages
 from jaxserve.models.ops import apply_rope, layer_norm
 from jaxserve.models.params import LayerParams
 

@@ -135,6 +135,23 @@ def test_sink_attention_compiles_for_sm90(spec, T, S, P, window, tuning):
     assert ("triton" in text.lower()) is not mosaic
 
 
+# ALiBi on Falcon-RW-7B's heads (71 q, 71 kv, 64 wide): a decode bucket, one long decode (KV splits) and a prefill
+# chunk; with the Mosaic GPU lowerings asked for, all on the generic kernel (the Mosaic ones take no slopes).
+@pytest.mark.parametrize("T,S,P,tuning", [
+    (64, 64, 128, AttentionTuning()),
+    (1, 1, 2048, AttentionTuning()),
+    (512, 2, 128, AttentionTuning(decode_lowering="mosaic", prefill_lowering="mosaic")),
+])
+def test_alibi_attention_compiles_for_sm90(spec, T, S, P, tuning):
+    args = (*_attention_args(spec, T, S, P, 16, 71, 1, 64, jnp.bfloat16), spec((71,), jnp.float32))
+
+    def fn(*a):
+        return ragged_paged_attention(*a[:6], sm_scale=0.125, alibi=a[6], tuning=tuning)
+
+    text = _compile(fn, *args)
+    assert 'custom_call_target="mosaic_gpu' not in text and "triton" in text.lower()
+
+
 # The ragged Mosaic GPU kernel's other forms with sinks: one warpgroup with its walk split (the sinks join in the
 # partials' combine), and the warp-specialized form over float8 pages (upcast by the loading warpgroup).
 @pytest.mark.parametrize("compute_wgs,num_splits,kv_dtype", [(1, 2, jnp.bfloat16), (2, None, jnp.float8_e4m3fn)])
