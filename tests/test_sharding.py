@@ -141,11 +141,11 @@ def test_tp_gemma_logits_equal_unsharded(results, tp):
     assert r["rel_prefill"] < REL_TOL and r["rel_decode"] < REL_TOL and r["argmax_equal"]
 
 
-@pytest.mark.parametrize("name,tp", [("pallas_gemma2", 2), ("pallas", 4)])
+@pytest.mark.parametrize("name,tp", [("pallas_gemma2", 2), ("pallas", 4), ("falcon_rw", 2), ("pallas_falcon_rw", 2)])
 def test_tp_kernels_on_each_devices_heads_equal_unsharded(results, name, tp):
     """The Pallas kernels (interpreted) under tensor parallelism, each device on its own query and KV heads
-    (`jaxserve.models.head_shards`): Gemma 2's windows and soft-caps at TP=2, KV heads repeated at TP=4; the
-    logits of the unsharded XLA path."""
+    (`jaxserve.models.head_shards`): Gemma 2's windows and soft-caps at TP=2, KV heads repeated at TP=4, Falcon-RW's
+    ALiBi slopes (each device its heads'; on the XLA path too); the logits of the unsharded XLA path."""
     r = results["dense"][f"{name}_tp{tp}_ep1"]
     assert r["num_devices"] == tp and r["wq_shard_heads"] == 8 // tp
     assert r["rel_prefill"] < REL_TOL and r["rel_decode"] < REL_TOL and r["argmax_equal"]

@@ -214,7 +214,19 @@ def case_dense() -> dict:
     # The kernels (interpreted) on each device's heads: KV heads split (TP=2: windows, soft-caps) and repeated (TP=4).
     out.update({f"pallas_gemma2_{k}": v for k, v in _sweep(gemma_config(), [(2, 1)], "pallas_interpret").items()})
     out.update({f"pallas_{k}": v for k, v in _sweep(dense_config(), [(4, 1)], "pallas_interpret").items()})
+    # Falcon-RW's ALiBi slopes, split with their heads (on the XLA path, and into each device's kernel).
+    rw = falcon_rw_config()
+    out.update({f"falcon_rw_{k}": v for k, v in _sweep(rw, [(2, 1)]).items()})
+    out.update({f"pallas_falcon_rw_{k}": v for k, v in _sweep(rw, [(2, 1)], "pallas_interpret").items()})
     return out
+
+
+def falcon_rw_config():
+    from jaxserve.config import ModelConfig
+
+    return ModelConfig.from_hf(dict(architectures=["FalconForCausalLM"], model_type="falcon", vocab_size=64,
+                                    hidden_size=128, num_attention_heads=8, num_hidden_layers=2, multi_query=False,
+                                    parallel_attn=False, alibi=True, bias=True))
 
 
 def case_moe() -> dict:
