@@ -14,13 +14,14 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
                  "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral", "helium", "gpt_neox",
-                 "gptj", "falcon"]
+                 "gptj", "falcon", "mpt"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode",
                                          "gpt_neox", "gptj", "falcon")
 """LayerNorms with biases; attention's and the MLP's biases where the config says."""
 # The MLP ungated, act(up): Arcee's, Apertus', Nemotron-H's, and all but StableLM's of the LayerNorm families above
-UNGATED_MLP_FAMILIES: tuple[str, ...] = ("arcee", "apertus", "nemotron_h", *(f for f in BIASED_NORM_FAMILIES
-                                                                             if f != "stablelm"))
+UNGATED_MLP_FAMILIES: tuple[str, ...] = ("arcee", "apertus", "nemotron_h", "mpt", *(f for f in BIASED_NORM_FAMILIES
+                                                                                    if f != "stablelm"))
+UNBIASED_LAYER_NORM_FAMILIES: tuple[str, ...] = ("mpt",)  # LayerNorms with weights, without biases (Cohere's too)
 HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi", "gptj")  # the LM head has a bias (`Params.lm_head_b`)
 # Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
 LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")
@@ -72,6 +73,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GPT2LMHeadModel": "gpt2",  # GPT-2: learned positions, StarCoder2's layers otherwise (`config_gpt2`)
     "GPTNeoXForCausalLM": "gpt_neox",  # Pythia: attention and the MLP side by side, each on its own LayerNorm
     "FalconForCausalLM": "falcon",  # Falcon: GPT-NeoX's blocks (one norm or two, or sequential), q/k/v fused by KV head
+    "MptForCausalLM": "mpt",  # MPT: LayerNorms without biases, no biases, an exact-GELU MLP, ALiBi
     "GPTBigCodeForCausalLM": "gpt_bigcode",  # StarCoder, SantaCoder: GPT-2's layers, one KV head
     "GPTJForCausalLM": "gptj",  # GPT-J: Phi's block (one norm, the head biased), rotary pairs interleaved
     "NemotronForCausalLM": "nemotron",  # Nemotron-4, Minitron: LayerNorms scaled by (1 + w), a squared-ReLU MLP

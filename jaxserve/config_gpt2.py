@@ -124,6 +124,45 @@ def falcon_config(d: dict[str, Any]) -> dict[str, Any]:
             "alibi_slopes": alibi_slopes(heads, (hidden // heads) ** -0.5) if d.get("alibi") else None}
 
 
+def mpt_config(d: dict[str, Any]) -> dict[str, Any]:
+    """An MPT config (`MptForCausalLM`: MPT-7B, MPT-30B and their chat and instruct models) as the keys every family
+    reads, as transformers runs it: LayerNorms with weights only, no biases, an ungated exact-GELU MLP 4x wide, q, k
+    and v in one `Wqkv` one after another (clamped where `clip_qkv` says), ALiBi at `alibi_bias_max` 8 (MPT's slopes),
+    the head tied. What transformers does not run is refused by name."""
+    if d.get("model_type") != "mpt" and "MptForCausalLM" not in (d.get("architectures") or []):
+        return d
+    attn = d.get("attn_config") or {}
+    for key, want in (("alibi", True), ("qk_ln", False), ("prefix_lm", False), ("attn_uses_sequence_id", False),
+                      ("softmax_scale", None), ("alibi_bias_max", 8)):
+        if attn.get(key, want) != want:
+            raise UnsupportedModelError(f"MPT with attn_config {key} {attn[key]!r} is not supported")
+    for key, want in (("no_bias", True), ("expansion_ratio", 4)):
+        if d.get(key, want) != want:
+            raise UnsupportedModelError(f"MPT with {key} {d[key]!r} is not supported")
+    hidden, heads = d.get("d_model", d.get("hidden_size", 2048)), d.get("n_heads", d.get("num_attention_heads", 16))
+    return {**d, "architectures": ["MptForCausalLM"], "model_type": "mpt", "hidden_size": hidden,
+            "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": None,
+            "num_hidden_layers": d.get("n_layers", d.get("num_hidden_layers", 24)), "intermediate_size": 4 * hidden,
+            "hidden_act": "gelu", "max_position_embeddings": d.get("max_seq_len", 2048),
+            "rms_norm_eps": d.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": True, "clip_qkv": attn.get("clip_qkv"), "alibi_slopes": mpt_alibi_slopes(heads)}
+
+
+def mpt_own_hf(cfg: Any) -> dict[str, Any]:
+    """`cfg` as its MPT config.json's own keys (the inverse of `mpt_config`)."""
+    return {"d_model": cfg.hidden_size, "n_heads": cfg.num_heads, "n_layers": cfg.num_layers, "expansion_ratio": 4,
+            "max_seq_len": cfg.max_position_embeddings, "layer_norm_epsilon": cfg.rms_norm_eps, "no_bias": True,
+            "attn_config": {"alibi": True, "alibi_bias_max": 8, "clip_qkv": cfg.clip_qkv}}
+
+
+def mpt_alibi_slopes(num_heads: int, bias_max: int = 8) -> tuple[float, ...]:
+    """MPT's ALiBi slopes: 2^(-bias_max i/n) for i = 1..n, n the heads rounded up to a power of two; with fewer heads
+    than n, the odd steps first, then the even ones, as many as there are heads."""
+    n = 2 ** math.ceil(math.log2(num_heads))
+    slopes = [2 ** (-bias_max * i / n) for i in range(1, n + 1)]
+    return tuple(slopes if n == num_heads else (slopes[1::2] + slopes[::2])[:num_heads])
+
+
 def alibi_slopes(num_heads: int, scale: float = 1.0) -> tuple[float, ...]:
     """BLOOM's ALiBi slopes (Falcon-RW's too), times `scale`: 2^(-8i/n) for i = 1..n, n the largest power of two
     not above the heads, then for the heads past n the next power of two's odd steps, 2^(-4i/n) for i = 1, 3, 5..."""

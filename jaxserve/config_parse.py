@@ -24,7 +24,7 @@ from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import BIASED_NORM_FAMILIES, HF_ARCHITECTURES, Family
 from jaxserve.config_gemma4 import FAMILY as GEMMA4
 from jaxserve.config_gemma4 import gemma4_fields, gemma4_text
-from jaxserve.config_gpt2 import falcon_config, gpt2_config, neox_config
+from jaxserve.config_gpt2 import falcon_config, gpt2_config, mpt_config, neox_config
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa, granite_swa_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_jamba import jamba_moe_fields
@@ -44,7 +44,7 @@ from jaxserve.rope import RopeScaling
 def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     """See `ModelConfig.from_hf`."""
     d = granite_swa(llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(gemma4_text(language_model(d)))))))))))
-    d = falcon_config(neox_config(gpt2_config(mimo_hub_config(hunyuan_config(d)))))
+    d = mpt_config(falcon_config(neox_config(gpt2_config(mimo_hub_config(hunyuan_config(d))))))
     archs = d.get("architectures") or []
     family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
         or _HF_MODEL_TYPES.get(d.get("model_type", ""))
@@ -147,7 +147,7 @@ def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
                            "lfm3", *OLMO_FAMILIES, *GATED_DELTA_FAMILIES, *HUNYUAN_FAMILIES)
         or (family in ("glm4_moe", "cohere") and bool(d.get("use_qk_norm")))
         or (family in ("stablelm", "phi") and bool(d.get("qk_layernorm"))),
-        clip_qkv=d.get("clip_qkv") if family in ("olmo", "olmoe") else None,
+        clip_qkv=d.get("clip_qkv") if family in ("olmo", "olmoe", "mpt") else None,
         parallel_residual=False if family == "gpt_neox" and not d.get("use_parallel_residual", True)
         else True if family == "stablelm" and d.get("use_parallel_residual") else d["use_parallel_residual"]
         if family == "falcon" else None,

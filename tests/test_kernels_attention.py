@@ -394,6 +394,22 @@ def test_spans_attended_both_ways(tuning, sliding_window):
         np.testing.assert_array_equal(got[n:], 0.0)
 
 
+def _xla_forms_equal_reference(rng, batch, kw, **per_head):
+    """The engine's CPU attention, prompt tiles (`batch`) and decode rows (three sequences of one token, 3 x 2 heads),
+    equals the reference with the per-head arrays given (sinks, ALiBi slopes)."""
+    from jaxserve.models.attention import xla_ragged_paged_attention
+
+    for decode, seqs in ((False, None), (True, [(1, 19), (1, 1), (1, 12)])):
+        b = batch if seqs is None else make_batch(rng, page_size=8, head_dim=32, group=3, num_kv_heads=2,
+                                                   dtype=jnp.float32, seqs=seqs, pages_per_seq=4)
+        a = (b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens, b.query_start_loc)
+        want = np.asarray(ragged_paged_attention_reference(*a, **kw, **per_head))
+        xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, query_block=4,
+                                                   decode=decode))(*a, **per_head))
+        np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
+        np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)
+
+
 @pytest.mark.parametrize("tuning,sliding_window", [
     (AttentionTuning(block_q=4, block_kv=16), 9),  # tensor-core rows (12 padded to 16), a window
     (AttentionTuning(block_q=1, num_kv_splits=2, block_kv=8), None),  # rows unpadded, the KV length split
@@ -402,7 +418,6 @@ def test_attention_sinks(tuning, sliding_window):
     """gpt-oss's attention sinks (a logit per head that joins the softmax and carries no value): the reference
     equals the float64 oracle, and the Pallas kernel (whole and split over the KV length) and the engine's CPU
     attention (prompt tiles and decode rows) equal the reference; the sinks change every output."""
-    from jaxserve.models.attention import xla_ragged_paged_attention
 
     rng = np.random.default_rng(21)
     group, kv_heads = 3, 2
@@ -418,15 +433,7 @@ def test_attention_sinks(tuning, sliding_window):
     assert np.abs(ref[:n] - plain[:n]).max(axis=(1, 2)).min() > 1e-3  # every token's output moves
     got = np.asarray(ragged_paged_attention(*args, **kw, sinks=sinks, interpret=_interpret(), tuning=tuning))
     np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
-    for decode, seqs in ((False, None), (True, [(1, 19), (1, 1), (1, 12)])):
-        b = batch if seqs is None else make_batch(rng, page_size=8, head_dim=32, group=group, num_kv_heads=kv_heads,
-                                                   dtype=jnp.float32, seqs=seqs, pages_per_seq=4)
-        a = (b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens, b.query_start_loc)
-        want = np.asarray(ragged_paged_attention_reference(*a, **kw, sinks=sinks))
-        xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, query_block=4,
-                                                   decode=decode))(*a, sinks=sinks))
-        np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
-        np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)
+    _xla_forms_equal_reference(rng, batch, kw, sinks=sinks)
 
 
 @pytest.mark.parametrize("tuning", [
@@ -438,7 +445,6 @@ def test_alibi_slopes(tuning):
     oracle; the Pallas kernel (whole and split over the KV length) and the engine's CPU attention (prompt tiles and
     decode rows) equal the reference, which the slopes move; the Mosaic GPU kernels leave it to the Pallas kernel."""
     from jaxserve.config_gpt2 import alibi_slopes
-    from jaxserve.models.attention import xla_ragged_paged_attention
 
     rng = np.random.default_rng(23)
     group, kv_heads = 3, 2
@@ -457,15 +463,7 @@ def test_alibi_slopes(tuning):
         got = np.asarray(ragged_paged_attention(*args, **kw, alibi=slopes, interpret=_interpret(), tuning=t))
         np.testing.assert_allclose(got[:n], ref[:n], atol=2e-5, rtol=2e-5)
         np.testing.assert_array_equal(got[n:], 0.0)
-    for decode, seqs in ((False, None), (True, [(1, 19), (1, 1), (1, 12)])):
-        b = batch if seqs is None else make_batch(rng, page_size=8, head_dim=32, group=group, num_kv_heads=kv_heads,
-                                                   dtype=jnp.float32, seqs=seqs, pages_per_seq=4)
-        a = (b.q, b.k_pages, b.v_pages, b.block_tables, b.seq_lens, b.query_start_loc)
-        want = np.asarray(ragged_paged_attention_reference(*a, **kw, alibi=slopes))
-        xla = np.asarray(jax.jit(functools.partial(xla_ragged_paged_attention, **kw, query_block=4,
-                                                   decode=decode))(*a, alibi=slopes))
-        np.testing.assert_allclose(xla[:b.num_real_tokens], want[:b.num_real_tokens], atol=2e-5, rtol=2e-5)
-        np.testing.assert_array_equal(xla[b.num_real_tokens:], 0.0)
+    _xla_forms_equal_reference(rng, batch, kw, alibi=slopes)
     with pytest.raises(ValueError, match=r"alibi must be a float \[6\] \(one ALiBi slope per query head\)"):
         ragged_paged_attention_reference(*args, **kw, alibi=slopes[:2])
 

@@ -60,15 +60,15 @@ from jaxserve.models.lora import (
 
 logger = logging.getLogger(__name__)
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|gpt_neox\.|transformer\.)?(?:language_model\.)?(?:model\.)?"
-                  r"(?:layers|h)\.(\d+)\.(?:(?:self_attn|self_attention|attention|attn|mlp|block_sparse_moe|"
-                  r"feed_forward)\.)?"
+                  r"(?:layers|h|blocks)\.(\d+)\.(?:(?:self_attn|self_attention|attention|attn|mlp|block_sparse_moe|"
+                  r"feed_forward|ffn)\.)?"
                   r"((?:shared_experts?\.|shared_mlp\.)?\w+)\.lora_([AB])\.weight$")
 # Modules under another name (Granite MoE's shared MLP and router, StarCoder2's and Phi's MLPs, Phi's `dense`), and
 # fused projections as the targets they pack (B's rows in this order; one A): Phi-3's qkv_proj and gate_up_proj.
 _ALIASES = {"shared_mlp.output_linear": "shared.down_proj", "router": "gate", "c_fc": "up_proj", "c_proj": "down_proj",
             "fc1": "up_proj", "fc2": "down_proj", "dense": "o_proj", "query_key_value": "qkv_proj",  # (GPT-NeoX's)
             "dense_h_to_4h": "up_proj", "dense_4h_to_h": "down_proj", "out_proj": "o_proj", "fc_in": "up_proj",
-            "fc_out": "down_proj"}  # (GPT-J's)
+            "fc_out": "down_proj", "Wqkv": "qkv_proj"}  # (GPT-J's; MPT's)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "shared_mlp.input_linear": ("shared.gate_proj", "shared.up_proj")}
 

@@ -61,7 +61,11 @@ _FALCON = Layout("transformer.", "h.", {"ln_attn": "input_layernorm", "ln_mlp": 
                   "ln_f.bias": "model.norm.bias"}, re.compile(r"\.rotary_emb\.inv_freq$"))
 # (Falcon-40B's two norms of a parallel block, ours: theirs)
 _FALCON_NORMS = {"input_layernorm": "ln_attn", "post_attention_layernorm": "ln_mlp"}
-LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ, "falcon": _FALCON}
+_MPT = Layout("transformer.", "blocks.", {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm",
+                                         "attn.out_proj": "self_attn.o_proj", "ffn.up_proj": "mlp.up_proj",
+                                         "ffn.down_proj": "mlp.down_proj"}, "attn.Wqkv",
+               {"wte.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight"}, re.compile("^$"))
+LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ, "falcon": _FALCON, "mpt": _MPT}
 _LAYER_RES = {family: layout.layer_re() for family, layout in LAYOUTS.items()}
 _QKV = ("q_proj", "k_proj", "v_proj")
 _OURS_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")

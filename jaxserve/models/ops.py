@@ -7,7 +7,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import COHERE_FAMILIES, OLMO_FAMILIES, UNIT_NORM_FAMILIES, ModelConfig
-from jaxserve.config_families import BIASED_NORM_FAMILIES, WEIGHTLESS_NORM_FAMILIES
+from jaxserve.config_families import (
+    BIASED_NORM_FAMILIES,
+    UNBIASED_LAYER_NORM_FAMILIES,
+    WEIGHTLESS_NORM_FAMILIES,
+)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -39,9 +43,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def model_norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """The model's RMSNorm: Gemma's and Qwen3-Next's scale by (1 + weight), in float32, OLMo 2's, gpt-oss's and
-    Helium's by its weight in float32 (as HF does); Cohere's LayerNorm (centered, no bias) likewise, OLMo's (its
-    weights ones), Jais 2's, StarCoder2's and the rest of `BIASED_NORM_FAMILIES` with its `bias`."""
-    layer_norm = (*COHERE_FAMILIES, *BIASED_NORM_FAMILIES, *WEIGHTLESS_NORM_FAMILIES)  # (centered)
+    Helium's by its weight in float32 (as HF does); Cohere's and MPT's LayerNorm (centered, no bias) likewise, OLMo's
+    (its weights ones), Jais 2's, StarCoder2's and the rest of `BIASED_NORM_FAMILIES` with its `bias`."""
+    layer_norm = (*COHERE_FAMILIES, *UNBIASED_LAYER_NORM_FAMILIES, *BIASED_NORM_FAMILIES, *WEIGHTLESS_NORM_FAMILIES)
     if cfg.family not in (*UNIT_NORM_FAMILIES, *OLMO_FAMILIES, *layer_norm, "gpt_oss", "gemma4", "helium"):
         return rms_norm(x, weight, cfg.rms_norm_eps)
     xf = x.astype(jnp.float32)
