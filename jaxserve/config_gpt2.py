@@ -3,8 +3,10 @@
 (`Params.pos_embed`) in place of rotary embeddings, LayerNorms with biases, every projection biased, an ungated
 tanh-GELU MLP, the head tied to the embeddings; GPTBigCode's attention multi-query (one KV head) where `multi_query`
 says. GPT-J (`GPTJForCausalLM`) under the same keys: rotary embeddings over `rotary_dim`, attention unbiased, the
-head untied. And GPT-NeoX's (`neox_config`). Their configs' own keys (`n_embd`, `n_layer`, ...) are read as the fields
-every family has; their checkpoints' names and layouts are read and written by `loader.gpt2_keys`."""
+head untied. And GPT-NeoX's (`neox_config`), Falcon's (`falcon_config`) and MPT's (`mpt_config`), with the ALiBi
+slopes of BLOOM and Falcon-RW (`alibi_slopes`) and MPT (`mpt_alibi_slopes`). Their configs' own keys (`n_embd`,
+`n_layer`, ...) are read as the fields every family has; their checkpoints' names and layouts are read and written by
+`loader.gpt2_keys`."""
 
 from __future__ import annotations
 

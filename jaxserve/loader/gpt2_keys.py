@@ -1,8 +1,8 @@
-"""The checkpoint tensors of GPT-2, GPTBigCode, GPT-NeoX, GPT-J and Falcon (`config_gpt2`), each family's `Layout`:
-its own names for the embeddings, norms, projections and head; q, k and v in one tensor (GPT-2's and a multi-query
-GPTBigCode's one after another, a multi-head GPTBigCode's and GPT-NeoX's per head, Falcon's per KV head: its group's
-queries, then its key and value); GPT-2's weights Conv1D's [in, out]. Read as the Llama-named [out, in] tensors the
-key map reads, and written back as they were."""
+"""The checkpoint tensors of GPT-2, GPTBigCode, GPT-NeoX, GPT-J, Falcon and MPT (`config_gpt2`), each family's
+`Layout`: its own names for the embeddings, norms, projections and head; q, k and v in one tensor (GPT-2's, a
+multi-query GPTBigCode's and MPT's one after another, a multi-head GPTBigCode's and GPT-NeoX's per head, Falcon's per
+KV head: its group's queries, then its key and value); GPT-2's weights Conv1D's [in, out]. Read as the Llama-named
+[out, in] tensors the key map reads, and written back as they were."""
 
 from __future__ import annotations
 
