@@ -5,6 +5,10 @@ tokens through the engine, `clip_qkv`, and the forms transformers does not run r
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,6 +17,8 @@ transformers = pytest.importorskip("transformers")
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.config_gpt2 import mpt_alibi_slopes  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
+from jaxserve.loader import open_checkpoint  # noqa: E402
+from tests.test_gguf_models import _ours, shaped_writer, written  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     assert_engine_greedy,
     assert_logits_match,
@@ -60,6 +66,37 @@ def test_mpt_clip_qkv_equals_transformers(tmp_path_factory):
                                         attn_config={"clip_qkv": 0.5})
     assert cfg.clip_qkv == 0.5 and cfg.to_hf()["attn_config"]["clip_qkv"] == 0.5
     assert_logits_match(model, cfg, params, {"clip_qkv": None})
+
+
+GGUF_NAMES = {"wte": "token_embd", "norm_f": "output_norm", "norm_1": "attn_norm", "Wqkv": "attn_qkv",
+              "out_proj": "attn_output", "norm_2": "ffn_norm", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def test_mpt_gguf_equals_the_hf_model(tiny, tmp_path):
+    """As llama.cpp's converter writes MPT: its tensors as they are (`attn_qkv` q, k and v one after another), the
+    ALiBi bias maximum and the head tied."""
+    from safetensors.numpy import load_file
+
+    path, model, cfg, _ = tiny
+    c = model.config
+    shape = SimpleNamespace(hidden_size=c.d_model, num_attention_heads=c.n_heads, num_key_value_heads=c.n_heads,
+                            intermediate_size=4 * c.d_model, num_hidden_layers=c.n_layers,
+                            max_position_embeddings=c.max_seq_len)  # (the shape as the converter writes it)
+    w = shaped_writer(tmp_path / "mpt.gguf", "mpt", shape)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_max_alibi_bias(8.0)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    for name, a in load_file(path / "model.safetensors").items():
+        parts = name.split(".")
+        block = f"blk.{parts[2]}." if parts[1] == "blocks" else ""
+        w.add_tensor(f"{block}{GGUF_NAMES[parts[-2]]}.{parts[-1]}", a)
+    gguf_path = written(w, tmp_path / "mpt.gguf")
+    got = open_checkpoint(gguf_path).config()
+    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == cfg  # (the file's eps a float32)
+    ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
 @pytest.mark.parametrize("change, message", [
