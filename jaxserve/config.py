@@ -111,7 +111,7 @@ class ModelConfig:
     deepstack_layers: int = 0  # Qwen3-VL: the first layers add the image tokens' deepstack embeddings (`llama.forward`)
     no_rope_layers: tuple[int, ...] | None = None
     """SmolLM3, Granite 4.0: per layer, 1 where queries and keys are rotated by position, 0 where not (NoPE); None: all."""
-    alibi_slopes: tuple[float, ...] | None = None  # ALiBi (Falcon-RW, MPT): a slope per query head
+    alibi_slopes: tuple[float, ...] | None = None  # ALiBi (BLOOM, Falcon-RW, MPT): a slope a query head
     weight_quant: str | None = None  # projections kept quantized in memory (`models.quantized.METHODS`)
     # Ministral 3: queries times 1 + beta * log(1 + floor(position / length)); 0: none (Llama 4's temperature tuning:
     # its unrotated layers' queries only, by 1 + beta * log(1 + floor((position + 1) / length)))

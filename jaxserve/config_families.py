@@ -14,9 +14,9 @@ Family = Literal["llama", "gemma", "qwen2", "qwen3", "mistral", "mixtral", "qwen
                  "cohere2_moe", "jais2", "olmo_hybrid", "falcon_h1", "jamba", "granite_swa", "granitemoe_swa", "gemma4",
                  "lfm3", "mamba", "falcon_mamba", "mamba2", "starcoder2", "phi", "stablelm",
                  "nemotron", "gpt2", "gpt_bigcode", "olmo", "ministral", "helium", "gpt_neox",
-                 "gptj", "falcon", "mpt"]
+                 "gptj", "falcon", "mpt", "bloom"]
 BIASED_NORM_FAMILIES: tuple[str, ...] = ("jais2", "starcoder2", "phi", "stablelm", "nemotron", "gpt2", "gpt_bigcode",
-                                         "gpt_neox", "gptj", "falcon")
+                                         "gpt_neox", "gptj", "falcon", "bloom")
 """LayerNorms with biases; attention's and the MLP's biases where the config says."""
 # The MLP ungated, act(up): Arcee's, Apertus', Nemotron-H's, and all but StableLM's of the LayerNorm families above
 UNGATED_MLP_FAMILIES: tuple[str, ...] = ("arcee", "apertus", "nemotron_h", "mpt", *(f for f in BIASED_NORM_FAMILIES
@@ -25,6 +25,7 @@ UNBIASED_LAYER_NORM_FAMILIES: tuple[str, ...] = ("mpt",)  # LayerNorms with weig
 HEAD_BIAS_FAMILIES: tuple[str, ...] = ("phi", "gptj")  # the LM head has a bias (`Params.lm_head_b`)
 # Learned absolute positions, no rotary embedding (`Params.pos_embed`): GPT-2's, GPTBigCode's (`config_gpt2`)
 LEARNED_POSITION_FAMILIES: tuple[str, ...] = ("gpt2", "gpt_bigcode")
+EMBED_NORM_FAMILIES: tuple[str, ...] = ("bloom",)  # a LayerNorm of the embeddings (`Params.embed_norm`)
 # Attention biases on q, k and v only, none on the output projection (GLM's too: `config.GLM_FAMILIES`)
 QKV_BIAS_FAMILIES: tuple[str, ...] = ("qwen2", "qwen2_moe", "glm4_moe", "stablelm", "helium")
 WEIGHTLESS_NORM_FAMILIES: tuple[str, ...] = ("olmo",)  # LayerNorms without weights or biases (held as ones)
@@ -73,6 +74,7 @@ HF_ARCHITECTURES: dict[str, Family] = {
     "GPT2LMHeadModel": "gpt2",  # GPT-2: learned positions, StarCoder2's layers otherwise (`config_gpt2`)
     "GPTNeoXForCausalLM": "gpt_neox",  # Pythia: attention and the MLP side by side, each on its own LayerNorm
     "FalconForCausalLM": "falcon",  # Falcon: GPT-NeoX's blocks (one norm or two, or sequential), q/k/v fused by KV head
+    "BloomForCausalLM": "bloom",  # BLOOM: GPT-NeoX's q/k/v per head, sequential blocks, ALiBi, a norm of the embeddings
     "MptForCausalLM": "mpt",  # MPT: LayerNorms without biases, no biases, an exact-GELU MLP, ALiBi
     "GPTBigCodeForCausalLM": "gpt_bigcode",  # StarCoder, SantaCoder: GPT-2's layers, one KV head
     "GPTJForCausalLM": "gptj",  # GPT-J: Phi's block (one norm, the head biased), rotary pairs interleaved

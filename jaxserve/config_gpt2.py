@@ -3,7 +3,7 @@
 (`Params.pos_embed`) in place of rotary embeddings, LayerNorms with biases, every projection biased, an ungated
 tanh-GELU MLP, the head tied to the embeddings; GPTBigCode's attention multi-query (one KV head) where `multi_query`
 says. GPT-J (`GPTJForCausalLM`) under the same keys: rotary embeddings over `rotary_dim`, attention unbiased, the
-head untied. And GPT-NeoX's (`neox_config`), Falcon's (`falcon_config`) and MPT's (`mpt_config`), with the ALiBi
+head untied. And GPT-NeoX's (`neox_config`), Falcon's, MPT's and BLOOM's (`falcon_config`...), with the ALiBi
 slopes of BLOOM and Falcon-RW (`alibi_slopes`) and MPT (`mpt_alibi_slopes`). Their configs' own keys (`n_embd`,
 `n_layer`, ...) are read as the fields every family has; their checkpoints' names and layouts are read and written by
 `loader.gpt2_keys`."""
@@ -148,6 +148,30 @@ def mpt_config(d: dict[str, Any]) -> dict[str, Any]:
             "hidden_act": "gelu", "max_position_embeddings": d.get("max_seq_len", 2048),
             "rms_norm_eps": d.get("layer_norm_epsilon", 1e-5), "attention_bias": False, "mlp_bias": False,
             "tie_word_embeddings": True, "clip_qkv": attn.get("clip_qkv"), "alibi_slopes": mpt_alibi_slopes(heads)}
+
+
+def bloom_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A BLOOM config (`BloomForCausalLM`: BLOOM 560M to 176B, BLOOMZ) as the keys every family reads: a LayerNorm of
+    the embeddings, then sequential blocks of LayerNorms with biases, q, k and v per head in `query_key_value` (as
+    GPT-NeoX's), biased projections, an ungated tanh-GELU MLP 4x wide, ALiBi (BLOOM's slopes), the head tied."""
+    if d.get("model_type") != "bloom" and "BloomForCausalLM" not in (d.get("architectures") or []):
+        return d
+    if d.get("apply_residual_connection_post_layernorm"):
+        raise UnsupportedModelError("BLOOM with apply_residual_connection_post_layernorm is not supported")
+    hidden = d.get("hidden_size") or d.get("n_embed", 64)
+    heads = d.get("num_attention_heads") or d.get("n_head", 8)
+    return {**d, "architectures": ["BloomForCausalLM"], "model_type": "bloom", "hidden_size": hidden,
+            "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": None,
+            "num_hidden_layers": d.get("num_hidden_layers") or d.get("n_layer", 2), "intermediate_size": 4 * hidden,
+            "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": d.get("seq_length", 2048),
+            "layer_norm_eps": d.get("layer_norm_epsilon", 1e-5), "attention_bias": True, "mlp_bias": True,
+            "tie_word_embeddings": d.get("tie_word_embeddings", True), "alibi_slopes": alibi_slopes(heads)}
+
+
+def bloom_own_hf(cfg: Any) -> dict[str, Any]:
+    """`cfg` as its BLOOM config.json's own keys (the inverse of `bloom_config`)."""
+    return {"n_embed": cfg.hidden_size, "n_head": cfg.num_heads, "n_layer": cfg.num_layers,
+            "layer_norm_epsilon": cfg.rms_norm_eps, "seq_length": cfg.max_position_embeddings}
 
 
 def mpt_own_hf(cfg: Any) -> dict[str, Any]:

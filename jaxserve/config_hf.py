@@ -20,7 +20,7 @@ from jaxserve.config_exaone_moe import exaone_moe_hf
 from jaxserve.config_falcon_h1 import falcon_hf
 from jaxserve.config_families import HF_ARCHITECTURES
 from jaxserve.config_gemma4 import gemma4_hf
-from jaxserve.config_gpt2 import falcon_own_hf, gpt2_hf, mpt_own_hf, neox_hf
+from jaxserve.config_gpt2 import bloom_own_hf, falcon_own_hf, gpt2_hf, mpt_own_hf, neox_hf
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa_hf
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_hf
 from jaxserve.config_jamba import jamba_hf
@@ -86,10 +86,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "falcon":  # (its own names; its heads' width and KV heads by the architecture)
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "num_key_value_heads", "head_dim",
                                                      "intermediate_size", "hidden_act")} | falcon_own_hf(cfg)
-    if cfg.family == "mpt":  # (its own names; transformers' MPT fixes the rest)
+    if cfg.family in ("mpt", "bloom"):  # (their own names; transformers' models fix the rest)
         d = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "num_key_value_heads", "head_dim", "hidden_size",
                                                      "intermediate_size", "hidden_act", "num_attention_heads",
-                                                     "num_hidden_layers", "max_position_embeddings")} | mpt_own_hf(cfg)
+                                                     "num_hidden_layers", "max_position_embeddings", "layer_norm_eps",
+                                                     "attention_bias", "mlp_bias")} | (
+            mpt_own_hf if cfg.family == "mpt" else bloom_own_hf)(cfg)
     if cfg.family == "olmoe" and cfg.clip_qkv is not None:
         d["clip_qkv"] = cfg.clip_qkv
     if cfg.family == "olmo":  # (its LayerNorms' eps fixed)

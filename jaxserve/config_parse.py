@@ -24,7 +24,7 @@ from jaxserve.config_falcon_h1 import falcon_fields
 from jaxserve.config_families import BIASED_NORM_FAMILIES, HF_ARCHITECTURES, Family
 from jaxserve.config_gemma4 import FAMILY as GEMMA4
 from jaxserve.config_gemma4 import gemma4_fields, gemma4_text
-from jaxserve.config_gpt2 import falcon_config, gpt2_config, mpt_config, neox_config
+from jaxserve.config_gpt2 import bloom_config, falcon_config, gpt2_config, mpt_config, neox_config
 from jaxserve.config_granite_swa import GRANITE_SWA_FAMILIES, granite_swa, granite_swa_fields
 from jaxserve.config_hunyuan import HUNYUAN_FAMILIES, hunyuan_config, hunyuan_moe_fields
 from jaxserve.config_jamba import jamba_moe_fields
@@ -44,7 +44,7 @@ from jaxserve.rope import RopeScaling
 def config_from_hf(cls: type[ModelConfig], d: dict[str, Any]) -> ModelConfig:
     """See `ModelConfig.from_hf`."""
     d = granite_swa(llama4_text(fields.hy_v3(fields.ministral3(fields.minimax_m2(fields.exaone(fields.seed_oss(fields.granite_hybrid(hybrid_config(gemma4_text(language_model(d)))))))))))
-    d = mpt_config(falcon_config(neox_config(gpt2_config(mimo_hub_config(hunyuan_config(d))))))
+    d = bloom_config(mpt_config(falcon_config(neox_config(gpt2_config(mimo_hub_config(hunyuan_config(d)))))))
     archs = d.get("architectures") or []
     family: Family | None = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None) \
         or _HF_MODEL_TYPES.get(d.get("model_type", ""))

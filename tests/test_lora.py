@@ -560,14 +560,16 @@ GPT_LIKE = {"gpt_neox": ("GPTNeoXConfig", dict(bos_token_id=1, eos_token_id=2),
             "falcon": ("FalconConfig", dict(bos_token_id=1, eos_token_id=2, new_decoder_architecture=True,
                                             num_kv_heads=2, ffn_hidden_size=96),
                        ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
-            "mpt": ("MptConfig", dict(bos_token_id=1, eos_token_id=2), ["Wqkv", "out_proj", "up_proj", "down_proj"])}
+            "mpt": ("MptConfig", dict(bos_token_id=1, eos_token_id=2), ["Wqkv", "out_proj", "up_proj", "down_proj"]),
+            "bloom": ("BloomConfig", dict(bos_token_id=1, eos_token_id=2, hidden_size=96, num_attention_heads=6),
+                      ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"])}
 
 
 @pytest.mark.parametrize("family", list(GPT_LIKE))
 def test_gpt_family_adapters_equal_peft(tmp_path, family):
     """An adapter on every projection of GPT-NeoX (q, k and v fused per head), GPT-J, GPT-2, GPTBigCode, Falcon
-    (fused per KV head) and MPT (one after another), under their own module names: PEFT's prompt logprobs and greedy
-    tokens, in one batch with the base model."""
+    (fused per KV head), MPT (one after another) and BLOOM (per head), under their own module names: PEFT's prompt
+    logprobs and greedy tokens, in one batch with the base model."""
     import transformers
 
     config_cls, settings, targets = GPT_LIKE[family]

@@ -62,7 +62,7 @@ _HF_FORM = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3"
             "starcoder2": "Starcoder2ForCausalLM", "phi2": "PhiForCausalLM", "stablelm": "StableLmForCausalLM",
             "nemotron": "NemotronForCausalLM", "gpt2": "GPT2LMHeadModel", "starcoder": "GPTBigCodeForCausalLM",
             "olmo": "OlmoForCausalLM", "gptneox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM",
-            "mpt": "MptForCausalLM",
+            "mpt": "MptForCausalLM", "bloom": "BloomForCausalLM",
             "afmoe": "AfmoeForCausalLM",
             "jamba": "JambaForCausalLM", "gemma4": "Gemma4ForCausalLM", "mimo2": "MiMoV2FlashForCausalLM",
             "mamba": "MambaForCausalLM", "mamba2": "Mamba2ForCausalLM",
@@ -208,6 +208,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int, has_output_weight: b
                      new_decoder_architecture=two or num_kv not in (1, num_heads), num_ln_in_parallel_attn=1 + two,
                      multi_query=num_kv == 1, bias="blk.0.attn_qkv.bias" in tensor_names,
                      ffn_hidden_size=d["intermediate_size"])
+        if arch == "bloom":  # (`attn_qkv` q, k and v one after another: the converter's order; `token_embd_norm`)
+            d["layer_norm_epsilon"] = float(get("attention.layer_norm_epsilon"))
         if arch == "mpt":  # (`attn_qkv` as MPT's `Wqkv`: q, k and v one after another)
             d.update(layer_norm_epsilon=float(get("attention.layer_norm_epsilon")),
                      expansion_ratio=d["intermediate_size"] / d["hidden_size"],

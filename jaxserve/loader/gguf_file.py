@@ -91,8 +91,8 @@ def gguf_to_hf_name(name: str, gemma: bool = False, phi3: bool = False, extra: d
     refuses names it does not know."""
     if name in ("token_embd.weight", "position_embd.weight"):  # (GPT-2's learned positions)
         return "model.embed_" + ("tokens" if name.startswith("token") else "positions") + ".weight"
-    if name in ("output_norm.weight", "output_norm.bias"):
-        return "model.norm." + name.rsplit(".", 1)[1]
+    if name in ("output_norm.weight", "output_norm.bias", "token_embd_norm.weight", "token_embd_norm.bias"):
+        return ("model.norm." if name.startswith("output") else "model.embed_norm.") + name.rsplit(".", 1)[1]
     if name in ("output.weight", "output.bias"):  # (Phi-2's head has a bias)
         return "lm_head." + name.rsplit(".", 1)[1]
     m = _BLK_RE.match(name)

@@ -65,7 +65,15 @@ _MPT = Layout("transformer.", "blocks.", {"norm_1": "input_layernorm", "norm_2":
                                          "attn.out_proj": "self_attn.o_proj", "ffn.up_proj": "mlp.up_proj",
                                          "ffn.down_proj": "mlp.down_proj"}, "attn.Wqkv",
                {"wte.weight": "model.embed_tokens.weight", "norm_f.weight": "model.norm.weight"}, re.compile("^$"))
-LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ, "falcon": _FALCON, "mpt": _MPT}
+_BLOOM = Layout("transformer.", "h.", {"input_layernorm": "input_layernorm",
+                                       "post_attention_layernorm": "post_attention_layernorm",
+                                       "self_attention.dense": "self_attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                                       "mlp.dense_4h_to_h": "mlp.down_proj"}, "self_attention.query_key_value",
+                 {"word_embeddings.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
+                  "ln_f.bias": "model.norm.bias", "word_embeddings_layernorm.weight": "model.embed_norm.weight",
+                  "word_embeddings_layernorm.bias": "model.embed_norm.bias"}, re.compile("^$"))
+LAYOUTS = {"gpt2": _GPT2, "gpt_bigcode": _GPT2, "gpt_neox": _NEOX, "gptj": _GPTJ, "falcon": _FALCON, "mpt": _MPT,
+           "bloom": _BLOOM}
 _LAYER_RES = {family: layout.layer_re() for family, layout in LAYOUTS.items()}
 _QKV = ("q_proj", "k_proj", "v_proj")
 _OURS_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -75,7 +83,7 @@ _HEAD = {"embed_out.weight": "lm_head.weight"}  # (GPT-NeoX's head)
 def _grouped(cfg: Any) -> bool:
     """Whether the fused q/k/v tensor holds each KV head's group together, its queries' rows, then its key's and its
     value's (GPT-NeoX's and a multi-head GPTBigCode's: one query each; Falcon's); else all q, all k, all v."""
-    return cfg.family in ("gpt_neox", "falcon") or (cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1)
+    return cfg.family in ("gpt_neox", "falcon", "bloom") or (cfg.family == "gpt_bigcode" and cfg.num_kv_heads > 1)
 
 
 def _ungrouped(t: np.ndarray, cfg: Any) -> list[np.ndarray]:
@@ -110,6 +118,13 @@ def own_tensors(name: str, tensor: np.ndarray, cfg: Any) -> list[tuple[str, np.n
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     parts = _ungrouped(t, cfg) if _grouped(cfg) else np.split(t, [q, q + kv])
     return [(f"{prefix}self_attn.{p}.{field}", part) for p, part in zip(_QKV, parts, strict=True)]
+
+
+def own_top_names(cfg: Any) -> list[str]:
+    """The key map's names of the tensors outside the layers that `cfg`'s family has beyond every family's (BLOOM's
+    norm of the embeddings)."""
+    top = LAYOUTS[cfg.family].top.values() if cfg.family in LAYOUTS else ()
+    return [ours for ours in top if ours.startswith("model.embed_norm.")]
 
 
 def own_written(pairs: Iterable[tuple[str, np.ndarray]], cfg: Any) -> Iterator[tuple[str, np.ndarray]]:

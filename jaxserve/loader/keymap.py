@@ -28,7 +28,7 @@ from jaxserve.loader.exaone_keys import exaone_name
 from jaxserve.loader.family_names import family_hf_name, family_name, router_bias_name
 from jaxserve.loader.fused_keys import FUSED_RE, unfused
 from jaxserve.loader.gemma4_keys import gemma4_names, gemma4_target, gemma4_targets, gemma4_written
-from jaxserve.loader.gpt2_keys import LAYOUTS, own_written
+from jaxserve.loader.gpt2_keys import LAYOUTS, own_top_names, own_written
 from jaxserve.loader.gpt_oss_keys import GPT_OSS_EXPERTS_RE, gpt_oss_experts, gpt_oss_packed
 from jaxserve.loader.granite_keys import (
     GRANITE_MOE_RE,
@@ -207,7 +207,6 @@ def _expert_targets(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
 # Apertus' xIELU parameters (after `model.layers.{i}.`): their column of `layers.xielu` and their shape.
 _XIELU = {"mlp.act_fn.alpha_p": (0, (1,)), "mlp.act_fn.alpha_n": (1, (1,)), "mlp.act_fn.beta": (2, ()),
           "mlp.act_fn.eps": (3, ())}
-
 # StableLM 2 12B's q and k norms (after `model.layers.{i}.`): one LayerNorm a head, on `layers.q_norm` [L, H, D].
 _STABLELM_NORM = re.compile(r"^self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight$")
 
@@ -263,7 +262,8 @@ def hf_target(name: str, cfg: ModelConfig) -> Target | None:
     top = {"model.embed_tokens.weight": ("embed", (V, E)), "model.norm.weight": ("final_norm", (E,)),
            "lm_head.weight": ("lm_head", (V, E)), "model.norm.bias": ("final_norm_b", (E,)) if cfg.norm_bias else None,
            "lm_head.bias": ("lm_head_b", (V,)) if cfg.family in HEAD_BIAS_FAMILIES else None,
-           "model.embed_positions.weight": ("pos_embed", (cfg.max_position_embeddings, E)) if learned else None}
+           "model.embed_positions.weight": ("pos_embed", (cfg.max_position_embeddings, E)) if learned else None,
+           "model.embed_norm.weight": ("embed_norm", (E,)), "model.embed_norm.bias": ("embed_norm_b", (E,))}
     if top.get(name):  # (the head's weight transposed: ours is [E, V])
         return Target(top[name][0], None, (lambda w: w.T) if name == "lm_head.weight" else (lambda w: w), top[name][1])
     m = _LAYER_RE.match(name)
@@ -313,7 +313,7 @@ def layer_field(path: str) -> str:
 def hf_names(cfg: ModelConfig) -> list[str]:
     """Every HF tensor name a checkpoint of `cfg` must hold (the inverse of `hf_target`)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", *["model.norm.bias"] * cfg.norm_bias,
-             *["model.embed_positions.weight"] * (cfg.family in LEARNED_POSITION_FAMILIES)]
+             *["model.embed_positions.weight"] * (cfg.family in LEARNED_POSITION_FAMILIES), *own_top_names(cfg)]
     if not cfg.tie_word_embeddings:
         names.extend(["lm_head.weight", *["lm_head.bias"] * (cfg.family in HEAD_BIAS_FAMILIES)])
     for i in range(cfg.num_layers):

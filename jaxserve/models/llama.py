@@ -286,12 +286,12 @@ def forward(
     the tokens' embeddings (an MTP layer's, `models.mtp`; an EAGLE draft's, `models.eagle`). `aux_layers` (static,
     with `return_hidden`): also the states entering these layers, [T, len * E] (`kept_layers`). `attn_inputs` [T, E']:
     what the first layer's attention projects in place of its normed input (an EAGLE-3 draft's; unstacked only).
-
     `layout` (a `sharding.MeshLayout`, for a model sharded over a mesh): where the experts are, and the axis the
     attention kernels split heads over."""
     L, N, page_size, hkv, d = kv.k.shape
     with jax.named_scope("embed"):
         x, deep = (embeds, None) if embeds is not None else _embed(params, inputs, cfg)
+        x = x if params.embed_norm is None else model_norm(cfg, x, params.embed_norm, params.embed_norm_b)  # (BLOOM's)
         x = x.astype(jnp.float32) if cfg.mamba is not None and cfg.mamba.residual_fp32 else x
         if params.ple_embed is not None:  # (Gemma 4 E2B/E4B's; an image's tokens look up the pad token's, 0)
             ids = inputs.token_ids if inputs.image_mask is None else jnp.where(inputs.image_mask, 0, inputs.token_ids)

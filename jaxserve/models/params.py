@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import UNIT_NORM_FAMILIES, ModelConfig
-from jaxserve.config_families import HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES
+from jaxserve.config_families import EMBED_NORM_FAMILIES, HEAD_BIAS_FAMILIES, LEARNED_POSITION_FAMILIES
 from jaxserve.models.quantized import quantized_info
 
 Init = Literal["normal", "ones", "zeros"]
@@ -155,6 +155,8 @@ class Params:
     final_norm_b: Any = None  # [E]: final_norm's LayerNorm bias (`ModelConfig.norm_bias`)
     lm_head_b: Any = None  # [V]: the LM head's bias (Phi's: `config_families.HEAD_BIAS_FAMILIES`)
     pos_embed: Any = None  # [max positions, E]: learned absolute positions (GPT-2's), added to the embeddings
+    embed_norm: Any = None  # [E]: a LayerNorm of the embeddings (BLOOM's `word_embeddings_layernorm`), and its bias
+    embed_norm_b: Any = None
     # An untied head stored out-major, only with fused per-layer params (`unstack_layers(..., fuse=True)`),
     # which then leave `lm_head` None: at 4-32 rows XLA:CPU runs SmolLM2's head 3.1-3.8x faster this way.
     lm_head_t: Any = None  # [V, E]
@@ -193,6 +195,8 @@ def declare_params(cfg: ModelConfig) -> Params:
         lm_head_b=ParamInfo((V,), ("vocab",), "zeros") if cfg.family in HEAD_BIAS_FAMILIES else None,
         pos_embed=ParamInfo((cfg.max_position_embeddings, E), (None, "embed")) if cfg.family in
         LEARNED_POSITION_FAMILIES else None,
+        embed_norm=ParamInfo((E,), ("embed",), "ones") if cfg.family in EMBED_NORM_FAMILIES else None,
+        embed_norm_b=ParamInfo((E,), ("embed",), "zeros") if cfg.family in EMBED_NORM_FAMILIES else None,
         ple_embed=ParamInfo((cfg.gemma4.ple_vocab, ple), (None, None)) if ple else None,  # (whole on each device)
         ple_proj=ParamInfo((E, ple), ("embed", None)) if ple else None,
         ple_norm=ParamInfo((cfg.gemma4.ple_width,), (None,), "ones") if ple else None,
@@ -371,7 +375,7 @@ def from_param_paths(cfg: ModelConfig, flat: dict[str, Any]) -> Params:
 
     return Params(embed=flat["embed"], layers=stack("layers"), final_norm=flat["final_norm"],
                   lm_head=flat.get("lm_head"), final_norm_b=flat.get("final_norm_b"), lm_head_b=flat.get("lm_head_b"),
-                  pos_embed=flat.get("pos_embed"),
+                  **{k: flat.get(k) for k in ("pos_embed", "embed_norm", "embed_norm_b")},
                   dense_layers=stack("dense_layers"),
                   attn_layers=stack("attn_layers"), mamba_layers=stack("mamba_layers"), mlp_layers=stack("mlp_layers"),
                   **{k: flat.get(k) for k in ("ple_embed", "ple_proj", "ple_norm")})
