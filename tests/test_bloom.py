@@ -17,8 +17,7 @@ transformers = pytest.importorskip("transformers")
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.config_gpt2 import alibi_slopes  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
-from jaxserve.loader import open_checkpoint  # noqa: E402
-from tests.test_gguf_models import _ours, shaped_writer, written  # noqa: E402
+from tests.test_gguf_models import assert_gguf_equals_hf, shaped_writer  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     assert_engine_greedy,
     assert_logits_match,
@@ -84,13 +83,7 @@ def test_bloom_gguf_equals_the_hf_model(tiny, tmp_path):
             a = np.concatenate([heads[:, i].reshape(-1, *a.shape[1:]) for i in range(3)])
         block = f"blk.{parts[2]}." if parts[1] == "h" else ""
         w.add_tensor(f"{block}{GGUF_NAMES[parts[-2]]}.{parts[-1]}", a)
-    gguf_path = written(w, tmp_path / "bloom.gguf")
-    got = open_checkpoint(gguf_path).config()
-    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == cfg  # (the file's eps a float32)
-    ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    assert_gguf_equals_hf(w, tmp_path / "bloom.gguf", cfg, model)
 
 
 class _Shape:

@@ -7,8 +7,6 @@ engine, llama.cpp's "falcon" files (q, k and v one after another, `attn_norm_2`)
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -18,8 +16,7 @@ transformers = pytest.importorskip("transformers")
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.config_gpt2 import alibi_slopes  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
-from jaxserve.loader import open_checkpoint  # noqa: E402
-from tests.test_gguf_models import _ours, shaped_writer, written  # noqa: E402
+from tests.test_gguf_models import assert_gguf_equals_hf, shaped_writer  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     assert_engine_greedy,
     assert_logits_match,
@@ -142,10 +139,4 @@ def test_falcon_gguf_equals_the_hf_model(tmp_path_factory, tiny40, tmp_path, for
             a = np.concatenate([x.reshape(-1, *a.shape[1:]) for x in (groups[:, :g], groups[:, g], groups[:, g + 1])])
         block = f"blk.{parts[2]}." if parts[1] == "h" else ""
         w.add_tensor(f"{block}{GGUF_NAMES[parts[-2]]}.{parts[-1]}", a)
-    gguf_path = written(w, tmp_path / "falcon.gguf")
-    got = open_checkpoint(gguf_path).config()
-    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == cfg  # (the file's eps a float32)
-    ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    assert_gguf_equals_hf(w, tmp_path / "falcon.gguf", cfg, model)

@@ -296,6 +296,18 @@ def _ours(path: str, ids: list[int]) -> np.ndarray:
     return prompt_logits(cfg, load_params(ckpt, cfg, jnp.float32, progress=False), ids)
 
 
+def assert_gguf_equals_hf(w, path, cfg, model) -> None:
+    """GGUF writer `w`'s file, written at `path`, reads as `cfg` (but for its float32 eps) and gives the torch
+    `model`'s logits of a random prompt."""
+    gguf_path = written(w, path)
+    got = open_checkpoint(gguf_path).config()
+    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == cfg  # (the file's eps a float32)
+    ids = np.random.default_rng(9).integers(0, model.config.vocab_size, 30).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+
+
 def test_llama31_rope_freqs_equal_the_hf_rope_scaling(tmp_path):
     """A Llama with Llama 3.1's rope scaling, written as llama.cpp writes it (rope_freqs.weight): over 120
     positions (past the original context of 32) the logits are the HF model's; without the tensor they are

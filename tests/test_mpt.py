@@ -5,10 +5,8 @@ tokens through the engine, `clip_qkv`, and the forms transformers does not run r
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,8 +15,7 @@ transformers = pytest.importorskip("transformers")
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.config_gpt2 import mpt_alibi_slopes  # noqa: E402
 from jaxserve.errors import UnsupportedModelError  # noqa: E402
-from jaxserve.loader import open_checkpoint  # noqa: E402
-from tests.test_gguf_models import _ours, shaped_writer, written  # noqa: E402
+from tests.test_gguf_models import assert_gguf_equals_hf, shaped_writer  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     assert_engine_greedy,
     assert_logits_match,
@@ -90,13 +87,7 @@ def test_mpt_gguf_equals_the_hf_model(tiny, tmp_path):
         parts = name.split(".")
         block = f"blk.{parts[2]}." if parts[1] == "blocks" else ""
         w.add_tensor(f"{block}{GGUF_NAMES[parts[-2]]}.{parts[-1]}", a)
-    gguf_path = written(w, tmp_path / "mpt.gguf")
-    got = open_checkpoint(gguf_path).config()
-    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == cfg  # (the file's eps a float32)
-    ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    assert_gguf_equals_hf(w, tmp_path / "mpt.gguf", cfg, model)
 
 
 @pytest.mark.parametrize("change, message", [

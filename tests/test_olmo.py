@@ -15,8 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxserve.config import ModelConfig  # noqa: E402
-from jaxserve.loader import open_checkpoint  # noqa: E402
-from tests.test_gguf_models import _llama_cpp_permute, _ours, shaped_writer, written  # noqa: E402
+from tests.test_gguf_models import _llama_cpp_permute, assert_gguf_equals_hf, shaped_writer  # noqa: E402
 from tests.test_model_families import (  # noqa: E402
     assert_engine_greedy,
     assert_logits_match,
@@ -69,13 +68,7 @@ def test_olmo_gguf_equals_the_hf_model(tiny, tmp_path):
             a = _llama_cpp_permute(a, c.num_attention_heads if parts[-2] == "q_proj" else c.num_key_value_heads)
         block = f"blk.{parts[2]}." if parts[1] == "layers" else ""
         w.add_tensor(f"{block}{GGUF_NAMES[parts[-2] if len(parts) > 2 else parts[0]]}.{parts[-1]}", a)
-    gguf_path = written(w, tmp_path / "olmo.gguf")
-    got = open_checkpoint(gguf_path).config()
-    assert dataclasses.replace(got, rms_norm_eps=cfg.rms_norm_eps) == cfg
-    ids = np.random.default_rng(9).integers(0, c.vocab_size, 30).tolist()
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(_ours(gguf_path, ids), ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    assert_gguf_equals_hf(w, tmp_path / "olmo.gguf", cfg, model)
 
 
 def test_olmoe_clamps_after_its_q_and_k_norms(tmp_path_factory):
