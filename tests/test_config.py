@@ -146,9 +146,9 @@ def test_bundled_smollm2_config(smollm_path):
 
 
 def test_refuses_unsupported_architecture():
-    with pytest.raises(UnsupportedModelError, match=r"\['BloomForCausalLM'\] is not supported \(supported: "
+    with pytest.raises(UnsupportedModelError, match=r"\['RwkvForCausalLM'\] is not supported \(supported: "
                                                     r"LlamaForCausalLM, Qwen2ForCausalLM"):
-        ModelConfig.from_hf({**hf_dict("LlamaConfig"), "architectures": ["BloomForCausalLM"], "model_type": "bloom"})
+        ModelConfig.from_hf({**hf_dict("LlamaConfig"), "architectures": ["RwkvForCausalLM"], "model_type": "rwkv"})
 
 
 def test_refuses_heads_not_divisible():

@@ -118,9 +118,9 @@ def test_index_naming_a_missing_shard(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    config = {**CFG.to_hf(), "architectures": ["BloomForCausalLM"], "model_type": "bloom"}
+    config = {**CFG.to_hf(), "architectures": ["RwkvForCausalLM"], "model_type": "rwkv"}
     ckpt = open_checkpoint(write_hf_dir(tmp_path, [hf_tensors()], config))
-    with pytest.raises(UnsupportedModelError, match=r"'BloomForCausalLM'.*not supported.*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"'RwkvForCausalLM'.*not supported.*LlamaForCausalLM"):
         ckpt.config()
 
 
@@ -183,8 +183,8 @@ def _tiny_gguf(path, arch: str, tensor_type=None) -> str:
 
 
 def test_gguf_unsupported_architecture(tmp_path):
-    ckpt = open_checkpoint(_tiny_gguf(tmp_path / "m.gguf", "bloom"))
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'bloom' is not supported"):
+    ckpt = open_checkpoint(_tiny_gguf(tmp_path / "m.gguf", "rwkv6"))
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'rwkv6' is not supported"):
         ckpt.config()
 
 
